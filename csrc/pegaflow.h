@@ -1,0 +1,280 @@
+/*
+ * pegaflow.h — the whole C ABI of libpegaflow.so.
+ *
+ * libpegaflow is mechanism only: it maps memory, moves bytes and reports
+ * completions. Every decision (what to save, where, what to evict, which copy
+ * path) is made by the TypeScript layer above and passed in.
+ *
+ * Conventions (read these once; every function follows them):
+ *  - Every function returns int32_t: >= 0 is success (some return a count or
+ *    an id), < 0 is a PF_E* code. The human-readable reason of the last
+ *    failure on the calling thread is copied out by pf_last_error().
+ *  - Objects are named by u32 handles, never by raw pointers, so that a stale
+ *    or forged handle is rejected (PF_EHANDLE) instead of dereferenced.
+ *    A handle encodes (generation << 16 | slot); 0 is never valid.
+ *  - Every data-moving entry point takes a batch. There is no per-block call.
+ *  - Memory passed in is borrowed for the duration of the call only, unless a
+ *    function says otherwise. Memory returned (pf_*_ptr) is owned by the
+ *    library and stays valid until the owning handle is destroyed.
+ *  - u64 values cross FFI as BigInt in Deno ("u64"/"usize"); sizes and
+ *    offsets are always u64.
+ */
+#ifndef PEGAFLOW_H
+#define PEGAFLOW_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PF_ABI_VERSION 1
+
+/* ---- status codes ------------------------------------------------------ */
+enum pf_status {
+  PF_OK = 0,
+  PF_EINVAL = -1,     /* malformed argument (size, alignment, enum value) */
+  PF_EHANDLE = -2,    /* unknown, stale or wrong-kind handle */
+  PF_ERANGE = -3,     /* a segment falls outside its region or the pool */
+  PF_ENOMEM = -4,     /* host or device allocation failed */
+  PF_ENODEV = -5,     /* backend unavailable (no libcuda, no GPU, no path) */
+  PF_EBUSY = -6,      /* object still referenced by in-flight work */
+  PF_ECUDA = -7,      /* a CUDA driver call failed (message has the name) */
+  PF_EIO = -8,        /* an OS / io_uring call failed (message has errno) */
+  PF_ESHUTDOWN = -9,  /* the object is shutting down; no new work */
+  PF_ETIMEDOUT = -10, /* a wait ran out of time (not an error for waits) */
+  PF_EUNSUPPORTED = -11, /* feature absent in this build or driver */
+  PF_EOVERFLOW = -12, /* completion ring or queue full */
+};
+
+/* Copies the calling thread's last error message (NUL-terminated, truncated
+ * to cap) into buf. Returns the full message length. */
+int32_t pf_last_error(char *buf, uint32_t cap);
+/* ABI version this library implements (PF_ABI_VERSION). */
+int32_t pf_abi_version(void);
+
+/* ---- engine (one per backend device) ----------------------------------- */
+enum pf_backend { PF_BACKEND_AUTO = 0, PF_BACKEND_CUDA = 1, PF_BACKEND_HOST = 2 };
+
+/* Feature bits reported by pf_engine_info. */
+enum pf_feature {
+  PF_FEAT_KERNEL = 1u << 0,     /* gather/scatter kernel loaded */
+  PF_FEAT_DMA_BATCH = 1u << 1,  /* cuMemcpyBatchAsync available */
+  PF_FEAT_IPC = 1u << 2,        /* CUDA IPC import/export */
+  PF_FEAT_URING = 1u << 3,      /* io_uring usable on this kernel */
+};
+
+/* Opens an engine on device `device` (ignored by the host backend).
+ * AUTO picks CUDA when libcuda.so.1 loads and a device exists, else HOST.
+ * `workers`: host-backend copy threads (0 = library default). */
+int32_t pf_engine_open(int32_t backend, int32_t device, uint32_t workers,
+                       uint32_t *out_engine);
+/* Fills info[0..7]: [0] backend (pf_backend), [1] features (pf_feature bits),
+ * [2] SM count (0 on host), [3] device id, [4] kernel grid blocks in use,
+ * [5] total device memory MiB, [6] ABI version, [7] reserved (0). */
+int32_t pf_engine_info(uint32_t engine, uint64_t info[8]);
+/* Sets the kernel path's grid size (blocks); 0 restores the default.
+ * Small grids leave SMs to the model (the kernel competes with decode). */
+int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks);
+/* Fails with PF_EBUSY while pools/regions of this engine are alive. */
+int32_t pf_engine_close(uint32_t engine);
+
+/* ---- completion ring --------------------------------------------------- */
+/*
+ * A single-consumer, multi-producer ring of fixed 32-byte records in memory
+ * the consumer (JS) reads through a typed array at pf_ring_ptr():
+ *
+ *   offset 0   u64 head      written by producers: records [0, head) exist
+ *   offset 8   u64 tail      written by the consumer: records [0, tail) read
+ *   offset 16  u32 capacity  power of two
+ *   offset 20  u32 shutdown  non-zero once pf_ring_shutdown was called
+ *   offset 24  u64 reserved
+ *   offset 64  pf_completion records[capacity]   (record i at i % capacity)
+ *
+ * Producers never overwrite unread records: when head - tail == capacity a
+ * producer waits until the consumer advances tail (backpressure into the
+ * worker threads, never data loss). The consumer calls pf_ring_wait() —
+ * declared nonblocking in Deno so it runs off the JS thread — to sleep until
+ * head moves past what it has seen.
+ */
+typedef struct pf_completion {
+  uint64_t tag;    /* the caller's tag given at submit */
+  uint32_t kind;   /* pf_completion_kind */
+  uint32_t index;  /* layer-group index (LAYER) or op index (IO) */
+  int32_t status;  /* PF_OK or a PF_E* code */
+  uint32_t aux;    /* kind-specific (e.g. path used for BATCH) */
+  uint64_t value;  /* bytes moved, or ns elapsed for BATCH */
+} pf_completion;
+
+enum pf_completion_kind {
+  PF_DONE_LAYER = 1, /* one layer group of a copy batch finished */
+  PF_DONE_BATCH = 2, /* the whole copy batch finished (always last) */
+  PF_DONE_IO = 3,    /* one io_uring op finished */
+  PF_DONE_IO_BATCH = 4, /* a whole io batch finished (always last) */
+};
+
+#define PF_RING_HEADER_BYTES 64u
+
+int32_t pf_ring_create(uint32_t capacity, uint32_t *out_ring);
+/* Address of the ring memory (header + records). Valid until destroy. */
+void *pf_ring_ptr(uint32_t ring);
+/* Blocks until head > seen, shutdown, or timeout_ms (< 0: forever).
+ * Returns the current head as a non-negative i64, or PF_ESHUTDOWN once the
+ * ring is shut down and fully drained past `seen`, or PF_ETIMEDOUT. */
+int64_t pf_ring_wait(uint32_t ring, uint64_t seen, int32_t timeout_ms);
+/* Wakes every waiter and every blocked producer; later submits that would
+ * post to this ring fail with PF_ESHUTDOWN. Idempotent. */
+int32_t pf_ring_shutdown(uint32_t ring);
+/* Fails with PF_EBUSY while work that posts to the ring is in flight. */
+int32_t pf_ring_destroy(uint32_t ring);
+
+/* ---- pinned host pool -------------------------------------------------- */
+enum pf_pool_flags {
+  PF_POOL_HUGEPAGES = 1u << 0, /* mmap(MAP_HUGETLB); clear error if none */
+  PF_POOL_PRETOUCH = 1u << 1,  /* fault every page in, in parallel */
+};
+/* Allocates one region of `bytes` host memory, page-locked and mapped for
+ * the device (CUDA: cuMemHostAlloc DEVICEMAP, or mmap + cuMemHostRegister
+ * for huge pages; host: mmap + mlock where permitted). */
+int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
+                       uint32_t touch_threads, uint32_t *out_pool);
+void *pf_pool_ptr(uint32_t pool);
+/* Fills info[0..3]: [0] bytes, [1] flags actually applied, [2] ns spent
+ * allocating + pre-touching, [3] huge page size used (0 if none). */
+int32_t pf_pool_info(uint32_t pool, uint64_t info[4]);
+int32_t pf_pool_destroy(uint32_t pool); /* PF_EBUSY while copies in flight */
+
+/* ---- regions: a client's KV memory ------------------------------------- */
+/*
+ * A 64-byte handle names a region across processes:
+ *  - cuda: the CUipcMemHandle of a cuMemAlloc'd allocation;
+ *  - host: a NUL-terminated shared-memory name ("/pegaflow-..."), a file in
+ *    /dev/shm, zero-padded.
+ */
+#define PF_HANDLE_BYTES 64u
+
+/* Exporting side (engines, tests, benchmarks acting as an engine): allocates
+ * `bytes` of device memory (host backend: a shm file) and writes its handle. */
+int32_t pf_region_alloc(uint32_t engine, uint64_t bytes, uint8_t *out_handle,
+                        uint32_t *out_region);
+/* Importing side (the server): opens a peer's handle; `bytes` is the size
+ * the peer declared and is checked against the real allocation. */
+int32_t pf_region_import(uint32_t engine, const uint8_t *handle, uint64_t bytes,
+                         uint32_t *out_region);
+/* Fills info[0..3]: [0] bytes, [1] device address (or host address),
+ * [2] 1 if imported / 0 if allocated here, [3] copies in flight. */
+int32_t pf_region_info(uint32_t region, uint64_t info[4]);
+/* Synchronous host<->region byte access for clients and tests (never on the
+ * server's hot path). */
+int32_t pf_region_write(uint32_t region, uint64_t offset, const void *src,
+                        uint64_t bytes);
+int32_t pf_region_read(uint32_t region, uint64_t offset, void *dst,
+                       uint64_t bytes);
+/* Closes the mapping (import) or frees the memory (alloc); an allocated shm
+ * region also unlinks its name. PF_EBUSY while copies are in flight: the
+ * caller drains first (unmapping under a queued copy corrupts memory). */
+int32_t pf_region_close(uint32_t region);
+
+/* ---- batch copy -------------------------------------------------------- */
+enum pf_direction { PF_D2H = 0 /* gather: region -> pool */,
+                    PF_H2D = 1 /* scatter: pool -> region */ };
+enum pf_path {
+  PF_PATH_AUTO = 0,   /* library default: kernel if loaded, else DMA */
+  PF_PATH_KERNEL = 1, /* gather/scatter kernel over mapped pinned memory */
+  PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync */
+  PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges */
+};
+
+/*
+ * A batch descriptor lives in one caller-owned buffer (reused across
+ * submits; the library copies what it needs before pf_copy_submit returns):
+ *
+ *   pf_batch_header
+ *   pf_batch_group  groups[num_groups]
+ *   pf_batch_seg    segs[num_segs]
+ *
+ * Group g covers segs[first_seg, first_seg + num_segs) and completes with one
+ * PF_DONE_LAYER record (index = g) once all its segments have landed; the
+ * batch completes with one PF_DONE_BATCH record after every group. Groups
+ * complete in order. Offsets are relative to the group's region and to the
+ * pool, so every segment is bounds-checked before anything is copied: a
+ * batch with one bad segment copies nothing and fails with PF_ERANGE.
+ */
+typedef struct pf_batch_header {
+  uint32_t num_groups;
+  uint32_t num_segs;
+  uint32_t direction; /* pf_direction */
+  uint32_t path;      /* pf_path */
+} pf_batch_header;
+
+typedef struct pf_batch_group {
+  uint32_t region;    /* region handle (imported or allocated) */
+  uint32_t layer;     /* caller's layer id, echoed nowhere; for errors */
+  uint32_t first_seg;
+  uint32_t num_segs;
+} pf_batch_group;
+
+typedef struct pf_batch_seg {
+  uint64_t region_off; /* byte offset in the group's region */
+  uint64_t pool_off;   /* byte offset in the pool */
+  uint64_t bytes;      /* > 0 */
+} pf_batch_seg;
+
+/* Submits a batch; returns 0 once queued. The copy runs on the engine's
+ * stream (cuda) or worker threads (host); completions go to `ring` with
+ * `tag`. The ring must have room for num_groups + 1 records eventually. */
+int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
+                       const void *desc, uint64_t desc_bytes, uint64_t tag);
+
+/* Measures each available path on this engine for segment sizes
+ * sizes[0..n) (bytes), moving total_bytes per point, and writes GB/s into
+ * out_gbps[path_index * n + i] for path_index 0..3 = AUTO(one large
+ * copy peak), KERNEL, DMA_BATCH, DMA (0 where a path is absent). Uses
+ * scratch device memory and `pool`; synchronous. */
+int32_t pf_calibrate(uint32_t engine, uint32_t pool, const uint64_t *sizes,
+                     uint32_t n, uint64_t total_bytes, double *out_gbps);
+
+/* ---- io_uring (SSD tier) ----------------------------------------------- */
+enum pf_io_op { PF_IO_READ = 0 /* file -> pool */, PF_IO_WRITE = 1 /* pool -> file */ };
+enum pf_file_flags {
+  PF_FILE_DIRECT = 1u << 0, /* O_DIRECT */
+  PF_FILE_CREATE = 1u << 1, /* O_CREAT */
+  PF_FILE_RDONLY = 1u << 2,
+};
+
+/* An io_uring instance of `depth` entries driven by its own thread, posting
+ * completions to `ring`; `pool` is registered as fixed buffers where the
+ * kernel allows. */
+int32_t pf_uring_open(uint32_t pool, uint32_t ring, uint32_t depth,
+                      uint32_t *out_uring);
+/* Opens (and registers) a file; returns the file handle in *out_file.
+ * info-style size query via pf_file_size. */
+int32_t pf_file_open(uint32_t uring, const char *path, uint32_t flags,
+                     uint32_t *out_file);
+int32_t pf_file_size(uint32_t file, uint64_t *out_bytes);
+int32_t pf_file_truncate(uint32_t file, uint64_t bytes);
+int32_t pf_file_close(uint32_t file); /* PF_EBUSY while ops in flight */
+
+typedef struct pf_io_desc {
+  uint32_t file;      /* file handle */
+  uint32_t op;        /* pf_io_op */
+  uint64_t file_off;
+  uint64_t pool_off;
+  uint64_t bytes;     /* > 0; alignment is handled inside */
+} pf_io_desc;
+
+/* Submits n ops (one io_uring submit); each posts PF_DONE_IO (index = i,
+ * value = bytes or status), then one PF_DONE_IO_BATCH. */
+int32_t pf_io_submit(uint32_t uring, const pf_io_desc *ops, uint32_t n,
+                     uint64_t tag);
+int32_t pf_uring_close(uint32_t uring);
+
+/* ---- integrity --------------------------------------------------------- */
+/* CRC32C of pool bytes [off, off+bytes) (SSD record checksums). */
+int32_t pf_pool_crc32c(uint32_t pool, uint64_t off, uint64_t bytes,
+                       uint32_t *out_crc);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PEGAFLOW_H */
