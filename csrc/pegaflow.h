@@ -205,6 +205,14 @@ typedef struct pf_batch_header {
   uint32_t num_segs;
   uint32_t direction; /* pf_direction */
   uint32_t path;      /* pf_path */
+  /* Optional progress words (0 = none): a pf_shm handle and a byte offset
+   * (8-aligned) in it. As group g completes, the library stores g + 1 into
+   * the u32 at progress_off (release order, after the bytes landed), and
+   * once the batch ends, 1 (ok) or the negative PF_E* code into the i32 at
+   * progress_off + 4. An engine polls these words with no RPC: this is how
+   * layer-wise load reaches the model without a JS hop. */
+  uint32_t progress_shm;
+  uint32_t progress_off;
 } pf_batch_header;
 
 typedef struct pf_batch_group {
@@ -233,6 +241,19 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
  * scratch device memory and `pool`; synchronous. */
 int32_t pf_calibrate(uint32_t engine, uint32_t pool, const uint64_t *sizes,
                      uint32_t n, uint64_t total_bytes, double *out_gbps);
+
+/* ---- shared memory ---------------------------------------------------- */
+enum pf_shm_flags {
+  PF_SHM_CREATE = 1u << 0, /* create (exclusive) and size the object */
+  PF_SHM_UNLINK = 1u << 1, /* unlink the name when closed */
+};
+/* Maps the POSIX shm object `name` ("/..."), `bytes` long, read-write. Used
+ * for load-state words and other small control blocks shared with engines.
+ * Opening checks the object is at least `bytes` long. */
+int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
+                    uint32_t *out_shm);
+void *pf_shm_ptr(uint32_t shm);
+int32_t pf_shm_close(uint32_t shm); /* PF_EBUSY while a batch reports to it */
 
 /* ---- io_uring (SSD tier) ----------------------------------------------- */
 enum pf_io_op { PF_IO_READ = 0 /* file -> pool */, PF_IO_WRITE = 1 /* pool -> file */ };

@@ -82,6 +82,7 @@ static const char *kind_name(int kind) {
   case PF_K_REGION: return "region";
   case PF_K_URING: return "uring";
   case PF_K_FILE: return "file";
+  case PF_K_SHM: return "shm";
   default: return "object";
   }
 }

@@ -17,7 +17,7 @@ int32_t pf_fail(int32_t code, const char *fmt, ...)
 
 /* ---- handles ----------------------------------------------------------- */
 enum pf_kind { PF_K_ENGINE = 1, PF_K_RING, PF_K_POOL, PF_K_REGION, PF_K_URING,
-               PF_K_FILE };
+               PF_K_FILE, PF_K_SHM };
 
 /* Registers obj under a new handle of `kind`; 0 when the table is full. */
 uint32_t pf_handle_new(int kind, void *obj);
