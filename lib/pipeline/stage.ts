@@ -149,7 +149,7 @@ export class Stage<I, O> {
   readonly #queue: BoundedQueue<Job<I, O>>;
   readonly #worker: StageWorker<I, O>;
   readonly #metrics: StageMetrics;
-  readonly #running = new Map<Subscription, (reason: Error) => void>();
+  readonly #running = new Map<Job<I, O>, { sub: Subscription; fail: (e: Error) => void }>();
   readonly #drained = new AsyncSubject<void>();
   #inflight = 0;
   #maxInflight = 0;
@@ -242,7 +242,7 @@ export class Stage<I, O> {
       this.#metrics.failed?.inc(1);
       settle(job, { status: "failed", input: job.input, error: reason });
     }
-    for (const [sub, fail] of [...this.#running]) {
+    for (const { sub, fail } of [...this.#running.values()]) {
       sub.unsubscribe();
       fail(reason);
     }
@@ -285,11 +285,10 @@ export class Stage<I, O> {
     let finished = false;
     let hasValue = false;
     let last: O | undefined;
-    let sub: Subscription | undefined;
     const finish = (outcome: StageOutcome<I, O>) => {
       if (finished) return;
       finished = true;
-      if (sub) this.#running.delete(sub);
+      this.#running.delete(job);
       this.#inflight--;
       this.#metrics.inflight?.set(this.#inflight);
       if (outcome.status === "done") {
@@ -309,7 +308,7 @@ export class Stage<I, O> {
       finish({ status: "failed", input: job.input, error });
       return;
     }
-    sub = source.subscribe({
+    const sub = source.subscribe({
       next: (v) => {
         hasValue = true;
         last = v;
@@ -325,7 +324,10 @@ export class Stage<I, O> {
         ),
     });
     if (!finished) {
-      this.#running.set(sub, (error) => finish({ status: "failed", input: job.input, error }));
+      this.#running.set(job, {
+        sub,
+        fail: (error) => finish({ status: "failed", input: job.input, error }),
+      });
     }
   }
 

@@ -110,7 +110,12 @@ Deno.test("close refuses new offers; parked waiters still enter unless cancelled
 Deno.test("bad queue and stage settings are refused with the name and the value", () => {
   throws(() => new BoundedQueue({ name: "x", depth: 0, policy: "refuse" }), /"x".*got 0/);
   throws(
-    () => new Stage("s", { concurrency: 0, queue: { depth: 1, policy: "refuse" } }, async () => 1),
+    () =>
+      new Stage(
+        "s",
+        { concurrency: 0, queue: { depth: 1, policy: "refuse" } },
+        () => Promise.resolve(1),
+      ),
     /"s".*got 0/,
   );
   const q = new BoundedQueue<number | undefined>({ name: "u", depth: 1, policy: "refuse" });
