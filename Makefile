@@ -76,3 +76,19 @@ bench: deps native
 
 clean:
 	rm -rf $(BUILD)
+
+# gRPC contract: static ts-proto codegen (run after editing proto/pegaflow.proto;
+# the generated proto/pegaflow.ts is committed). Needs protoc (Debian package
+# protobuf-compiler); ts-proto is installed from npm into build/proto-tools.
+TS_PROTO_VERSION := 2.18.0
+PROTO_TOOLS := $(BUILD)/proto-tools
+.PHONY: proto
+proto:
+	@command -v protoc >/dev/null || { echo "error: protoc not found; install the Debian package protobuf-compiler"; exit 1; }
+	@test -x $(PROTO_TOOLS)/node_modules/.bin/protoc-gen-ts_proto || \
+	  npm install --no-audit --no-fund --prefix $(PROTO_TOOLS) ts-proto@$(TS_PROTO_VERSION)
+	protoc --plugin=$(PROTO_TOOLS)/node_modules/.bin/protoc-gen-ts_proto --ts_proto_out=proto \
+	  --ts_proto_opt=env=browser,outputServices=grpc-js,importSuffix=.ts,useOptionals=none,oneof=unions-value,outputJsonMethods=false \
+	  -Iproto proto/pegaflow.proto
+	sed -i 's|^import { BinaryReader, BinaryWriter } from "@bufbuild/protobuf/wire";|import { Buffer } from "node:buffer";\n&|' proto/pegaflow.ts
+	$(DENO) fmt proto/pegaflow.ts
