@@ -485,6 +485,9 @@ export class KvEngine {
       }
       // ONE gather batch for every layer of the request.
       const b = this.#saveBatch;
+      let nSegs = 0;
+      for (const p of plan) nSegs += p.ids.length * p.layer.geometry.numSegments;
+      b.ensure(plan.length, nSegs);
       b.reset("gather");
       const off = ticket.poolOffsets;
       for (const p of plan) {
@@ -622,6 +625,9 @@ export class KvEngine {
       }
       armLoadState(shm.view, rank.layers.length);
       const b = this.#loadBatch;
+      let nSegs = 0;
+      for (const l of rank.layers) nSegs += args.blockIds.length * l.geometry.numSegments;
+      b.ensure(rank.layers.length, nSegs);
       b.reset("scatter", { shm, offset: OFF_PROGRESS });
       for (const l of rank.layers) {
         const g = l.geometry;

@@ -32,6 +32,8 @@ export type CopyDirection = "gather" | "scatter";
  * segments into it, then submits; no allocation per segment.
  */
 export interface BatchWriter {
+  /** Makes room for a batch of this many groups and segments (grows; never shrinks). */
+  ensure(groups: number, segs: number): void;
   /** Starts a new batch; `progress` names the shm words the copy publishes per-group progress to. */
   reset(direction: CopyDirection, progress?: { shm: ShmPort; offset: number }): void;
   /** Opens a group (a layer) whose segments follow. */
@@ -53,7 +55,7 @@ export interface NativePort {
   readonly poolBytes: number;
   importRegion(handle: Uint8Array, bytes: number): RegionPort;
   openShm(name: string, bytes: number): ShmPort;
-  /** A batch writer sized for at least this many groups and segments (grows as needed). */
+  /** A new reusable batch writer (call `ensure` before writing each batch). */
   batch(): BatchWriter;
   /**
    * Submits the batch as written. Resolves when the whole batch has landed,
@@ -61,7 +63,8 @@ export interface NativePort {
    * after this returns (the descriptor is copied at submit).
    */
   submit(batch: BatchWriter): Promise<CopyDone>;
-  close(): void;
+  /** Waits for in-flight copies, then frees ring, pool and engine. */
+  close(): Promise<void>;
 }
 
 /** One (block, slot) a save wants stored. */
@@ -129,4 +132,6 @@ export interface StorePort {
   /** Evicts every unpinned cached block (POST /cache/memory/cleanup); returns bytes freed. */
   evictAll(): number;
   stats(): StoreStats;
+  /** Stops timers (lease expiry, stale inflight collection). */
+  close(): void;
 }

@@ -1,0 +1,146 @@
+/**
+ * Starts the KV server: native engine + pinned pool, block store, KV engine,
+ * gRPC service, optional HTTP, and the shutdown path. `main.ts` parses the
+ * CLI and calls {@link startServer}; tests start it as a child process the
+ * same way.
+ *
+ * On start it prints ONE line on stdout, a JSON object
+ * `{"listening":{"grpc":"127.0.0.1:41234","http":"127.0.0.1:9091"}}`, after
+ * both sockets are bound (port 0 resolved), so supervisors and tests can
+ * parse the real ports. Everything else goes to stderr as JSON logs.
+ *
+ * @module
+ */
+import * as grpc from "@grpc/grpc-js";
+import { KvEngine } from "../engine/engine.ts";
+import { openNative } from "../engine/native_adapter.ts";
+import { openStore } from "../engine/store_adapter.ts";
+import { Logger } from "../log.ts";
+import { capPoolSize, type ServeConfig } from "./config.ts";
+import { EngineService, engineServiceImpl, Sessions } from "./grpc_service.ts";
+import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
+import { httpHandler } from "./http.ts";
+import { ServerMetrics } from "./metrics.ts";
+
+/** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
+const KEEPALIVE_TIME_MS = 30_000;
+const KEEPALIVE_TIMEOUT_MS = 20_000;
+
+/** A started server. */
+export interface RunningServer {
+  /** Bound gRPC address host:port. */
+  grpcAddr: string;
+  httpAddr: string | undefined;
+  engine: KvEngine;
+  /** Graceful stop: sessions ended, instances cleaned up, sockets closed, native freed. */
+  close(): Promise<void>;
+}
+
+/**
+ * Starts everything described by `cfg`.
+ *
+ * @example
+ * ```ts
+ * const s = await startServer({ ...config, addr: "127.0.0.1:0" });
+ * console.log(s.grpcAddr);
+ * await s.close();
+ * ```
+ */
+export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLevel)): Promise<RunningServer> {
+  const cap = capPoolSize(cfg.poolSize);
+  if (cap.capped) {
+    log.warn("pool size capped to what this machine can hold", {
+      requested_bytes: cfg.poolSize,
+      pool_bytes: cap.bytes,
+      mem_available_bytes: cap.availBytes,
+    });
+  }
+  if (cfg.devices.length > 1) {
+    log.warn("only the first device is served by this process; run one server per device", {
+      devices: cfg.devices.join(","),
+      serving: cfg.devices[0],
+    });
+  }
+  const native = openNative({
+    backend: cfg.backend,
+    device: cfg.devices[0],
+    poolBytes: cap.bytes,
+    useHugepages: cfg.useHugepages,
+    transferPath: cfg.transferPath,
+  }, log);
+  log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
+  const store = openStore({
+    native,
+    poolBytes: native.poolBytes,
+    hintValueSize: cfg.hintValueSize,
+    enableLfuAdmission: cfg.enableLfuAdmission,
+    log,
+  });
+  const sessions = new Sessions();
+  let engineRef: KvEngine | undefined;
+  const metrics = new ServerMetrics(() => store.stats(), {
+    instances: () => engineRef?.instances().length ?? 0,
+    sessions: () => sessions.count,
+  });
+  const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs });
+  engineRef = engine;
+
+  const server = new grpc.Server({
+    "grpc.max_receive_message_length": cfg.maxMessageBytes,
+    "grpc.max_send_message_length": cfg.maxMessageBytes,
+    "grpc.keepalive_time_ms": KEEPALIVE_TIME_MS,
+    "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
+    "grpc.keepalive_permit_without_calls": 1,
+  });
+  server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
+  const port = await new Promise<number>((resolve, reject) =>
+    server.bindAsync(cfg.addr, grpc.ServerCredentials.createInsecure(), (err, p) => err ? reject(err) : resolve(p))
+  ).catch(async (e) => {
+    store.close();
+    await native.close();
+    throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
+  });
+  const host = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
+  const grpcAddr = `${host}:${port}`;
+
+  let http: Deno.HttpServer | undefined;
+  let httpAddr: string | undefined;
+  if (cfg.httpAddr) {
+    const i = cfg.httpAddr.lastIndexOf(":");
+    const hostname = cfg.httpAddr.slice(0, i);
+    const handler = httpHandler({
+      engine,
+      store,
+      metrics,
+      log,
+      cleanup: async (id, reason) => {
+        metrics.cleanup(reason);
+        return await engine.unregister(id, reason);
+      },
+    });
+    try {
+      http = Deno.serve({ hostname, port: Number(cfg.httpAddr.slice(i + 1)), onListen: () => {} }, handler);
+    } catch (e) {
+      server.forceShutdown();
+      store.close();
+      await native.close();
+      throw new Error(`--http-addr ${cfg.httpAddr}: cannot listen: ${(e as Error).message}`);
+    }
+    const a = http.addr as Deno.NetAddr;
+    httpAddr = `${hostname}:${a.port}`;
+  }
+  log.info("serving", { grpc: grpcAddr, http: httpAddr, backend: native.backend });
+
+  let closing: Promise<void> | undefined;
+  const close = () =>
+    closing ??= (async () => {
+      log.info("shutting down");
+      sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
+      await engine.close();
+      await new Promise<void>((resolve) => server.tryShutdown(() => resolve()));
+      if (http) await http.shutdown();
+      store.close();
+      await native.close();
+    })();
+  return { grpcAddr, httpAddr, engine, close };
+}
