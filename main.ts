@@ -6,7 +6,6 @@
  * @module
  */
 import { parseServeArgs } from "./lib/server/config.ts";
-import { startServer } from "./lib/server/server.ts";
 import { Logger } from "./lib/log.ts";
 
 if (import.meta.main) {
@@ -19,6 +18,8 @@ if (import.meta.main) {
   const log = new Logger(cfg.logLevel);
   let server;
   try {
+    // Loaded only after the flags are valid: --help and refusals never touch the native library.
+    const { startServer } = await import("./lib/server/server.ts");
     server = await startServer(cfg, log);
   } catch (e) {
     log.error("start-up failed", { error: (e as Error).message });

@@ -258,6 +258,15 @@ export class KvEngine {
       }
       validateGeometry(a.geometry[i], `${who} layer "${name}"`);
     }
+    // Every block of a namespace has one shape in the pool: one segment size and count for all layers.
+    for (let i = 1; i < n; i++) {
+      if (a.geometry[i].segBytes !== a.geometry[0].segBytes || a.geometry[i].numSegments !== a.geometry[0].numSegments) {
+        throw invalid(
+          `${who}: layer "${a.layerNames[i]}" has ${a.geometry[i].numSegments} x ${a.geometry[i].segBytes}-byte segments, ` +
+            `layer "${a.layerNames[0]}" ${a.geometry[0].numSegments} x ${a.geometry[0].segBytes}; all layers must agree`,
+        );
+      }
+    }
     // Layers sharing one region must not overlap each other.
     const byHandle = new Map<string, number[]>();
     for (let i = 0; i < n; i++) {
@@ -364,13 +373,27 @@ export class KvEngine {
       inst.seal();
       const sig = inst.signature();
       const lay = this.#layouts.get(inst.namespace);
-      if (lay && (lay.layers.size !== inst.layerNames.length)) {
+      let bindError: Error | undefined;
+      if (!lay || lay.layers.size === inst.layerNames.length) {
+        try {
+          this.#store.bindLayout(inst.namespace, {
+            layers: inst.layerNames.length,
+            tpSize: inst.tpSize,
+            segments: layers[0].geometry.numSegments,
+            segmentBytes: layers[0].geometry.segBytes,
+          });
+        } catch (e) {
+          bindError = e as Error;
+        }
+      }
+      if (bindError || (lay && lay.layers.size !== inst.layerNames.length)) {
         inst.ranks.delete(rankCtx.rank);
         inst.sealed = false;
         if (created) this.#instances.delete(inst.id);
         this.#closeRegions(imported, who);
         throw precondition(
-          `${who}: namespace "${inst.namespace}" already holds a layout of ${lay.layers.size} layers, this instance has ${inst.layerNames.length}; use a namespace per layout`,
+          bindError ? `${who}: ${bindError.message}` :
+            `${who}: namespace "${inst.namespace}" already holds a layout of ${lay!.layers.size} layers, this instance has ${inst.layerNames.length}; use a namespace per layout`,
         );
       }
       if (lay) lay.users.add(inst.id);
@@ -464,7 +487,7 @@ export class KvEngine {
         if (dup.has(hk)) continue; // the same hash twice in one request: copy once
         dup.add(hk);
         ids.push(id);
-        intents.push({ hash: h, slot: layer.layerId * inst.tpSize + rank.tpRank, bytes: layer.slotBytes });
+        intents.push({ hash: h, layer: layer.layerId, tpRank: rank.tpRank });
       }
       plan.push({ layer, ids, first });
     }
@@ -474,7 +497,7 @@ export class KvEngine {
     let ticket;
     try {
       try {
-        ticket = this.#store.beginSave(inst.namespace, inst.id, inst.slotsPerBlock, intents);
+        ticket = this.#store.beginSave(inst.namespace, inst.id, intents);
       } catch (e) {
         if (e instanceof EngineError && e.code === Code.RESOURCE_EXHAUSTED) this.#metrics?.saveFailed("pool_exhausted");
         throw e;
@@ -489,21 +512,18 @@ export class KvEngine {
       for (const p of plan) nSegs += p.ids.length * p.layer.geometry.numSegments;
       b.ensure(plan.length, nSegs);
       b.reset("gather");
-      const off = ticket.poolOffsets;
       for (const p of plan) {
         const g = p.layer.geometry;
         let opened = false;
         for (let i = 0; i < p.ids.length; i++) {
-          const poolOff = off[p.first + i];
-          if (poolOff < 0) continue;
+          const at = p.first + i;
+          if (ticket.offset(at, 0) < 0) continue;
           if (!opened) {
             b.group(p.layer.region, p.layer.layerId);
             opened = true;
           }
           const base = g.baseOffset + p.ids[i] * g.blockStride;
-          for (let s = 0; s < g.numSegments; s++) {
-            b.seg(base + s * g.segStride, poolOff + s * g.segBytes, g.segBytes);
-          }
+          for (let s = 0; s < g.numSegments; s++) b.seg(base + s * g.segStride, ticket.offset(at, s), g.segBytes);
         }
       }
       let done;
@@ -634,9 +654,8 @@ export class KvEngine {
         const slot = l.layerId * inst.tpSize + rank.tpRank;
         b.group(l.region, l.layerId);
         for (let i = 0; i < args.blockIds.length; i++) {
-          const poolOff = view.slotOffset(i, slot);
           const base = g.baseOffset + args.blockIds[i] * g.blockStride;
-          for (let s = 0; s < g.numSegments; s++) b.seg(base + s * g.segStride, poolOff + s * g.segBytes, g.segBytes);
+          for (let s = 0; s < g.numSegments; s++) b.seg(base + s * g.segStride, view.offset(i, slot, s), g.segBytes);
         }
       }
       const t0 = performance.now();

@@ -70,24 +70,37 @@ export interface NativePort {
 /** One (block, slot) a save wants stored. */
 export interface SlotIntent {
   hash: Uint8Array;
-  /** Slot index within the block: layerId * tpSize + tpRank. */
-  slot: number;
-  bytes: number;
+  /** Layer id (index in the instance's sorted layer names). */
+  layer: number;
+  tpRank: number;
+}
+
+/** What every block of a namespace looks like in the pool. */
+export interface StoreLayout {
+  /** Layers per block (all PP stages). */
+  layers: number;
+  tpSize: number;
+  /** Segments per slot (2 = K/V split). */
+  segments: number;
+  /** Bytes of one segment. */
+  segmentBytes: number;
 }
 
 /** The store's answer to a save: where to copy each slot, or that it is already held. */
 export interface SaveTicket {
-  /** Pool offset per intent, or -1 where the slot is already held (dedup) and no copy is needed. */
-  readonly poolOffsets: ArrayLike<number>;
+  /** Intents that need a copy. */
   readonly toCopy: number;
+  /** Intents already held (dedup before copy). */
   readonly skipped: number;
+  /** Pool offset of segment `seg` of intent `i`, or -1 when the slot is already held and needs no copy. */
+  offset(i: number, seg: number): number;
 }
 
 /** A consumed lease: the pool offsets of each block's slots, pinned until loadDone. */
 export interface LeaseView {
   readonly numBlocks: number;
-  /** Pool offset of `slot` of the i-th leased block. */
-  slotOffset(i: number, slot: number): number;
+  /** Pool offset of segment `seg` of `slot` of the i-th leased block. */
+  offset(i: number, slot: number, seg: number): number;
 }
 
 /** Numbers for /metrics and /instances. */
@@ -107,12 +120,10 @@ export interface StoreStats {
 
 /** The block store as the engine sees it. Errors are EngineErrors with gRPC codes. */
 export interface StorePort {
-  beginSave(
-    namespace: string,
-    instanceId: string,
-    slotsPerBlock: number,
-    intents: SlotIntent[],
-  ): SaveTicket;
+  /** Binds a namespace to its layout; a different layout for a bound namespace fails FAILED_PRECONDITION. */
+  bindLayout(namespace: string, layout: StoreLayout): void;
+  /** Dedups and allocates; throws RESOURCE_EXHAUSTED when nothing evictable makes room. */
+  beginSave(namespace: string, instanceId: string, intents: SlotIntent[]): SaveTicket;
   /** ok: the copied slots join their blocks (sealing complete ones); !ok: they are freed. */
   completeSave(ticket: SaveTicket, ok: boolean): void;
   /** Longest sealed prefix; a hit pins it under a lease consumable `consumers` times. */
