@@ -143,6 +143,11 @@ export interface SaveResponse {
   /** already held (dedup before copy) */
   blocksSkipped: number;
   bytesCopied: number;
+  /**
+   * Blocks past the prefix that fitted in the pool: not saved (the engine
+   * recomputes them later). Nothing is ever partly written.
+   */
+  blocksRefused: number;
 }
 
 export interface QueryPrefetchRequest {
@@ -845,7 +850,7 @@ export const SaveRequest: MessageFns<SaveRequest> = {
 };
 
 function createBaseSaveResponse(): SaveResponse {
-  return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0 };
+  return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0, blocksRefused: 0 };
 }
 
 export const SaveResponse: MessageFns<SaveResponse> = {
@@ -858,6 +863,9 @@ export const SaveResponse: MessageFns<SaveResponse> = {
     }
     if (message.bytesCopied !== 0) {
       writer.uint32(24).uint64(message.bytesCopied);
+    }
+    if (message.blocksRefused !== 0) {
+      writer.uint32(32).uint32(message.blocksRefused);
     }
     return writer;
   },
@@ -899,6 +907,14 @@ export const SaveResponse: MessageFns<SaveResponse> = {
             message.bytesCopied = longToNumber(reader.uint64());
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.blocksRefused = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -919,6 +935,7 @@ export const SaveResponse: MessageFns<SaveResponse> = {
     message.blocksSaved = object.blocksSaved ?? 0;
     message.blocksSkipped = object.blocksSkipped ?? 0;
     message.bytesCopied = object.bytesCopied ?? 0;
+    message.blocksRefused = object.blocksRefused ?? 0;
     return message;
   },
 };

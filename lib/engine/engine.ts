@@ -30,7 +30,8 @@ import {
   LOAD_STATE_BYTES,
   OFF_PROGRESS,
 } from "./load_state.ts";
-import type { BatchWriter, NativePort, RegionPort, ShmPort, SlotIntent, StorePort } from "./ports.ts";
+import type { BatchWriter, NativePort, RegionPort, ShmPort } from "./ports.ts";
+import type { KvStore, LoadTicket, SavePlan } from "../storage/store.ts";
 
 /** The protocol version RegisterContext requires (client_version must equal it). */
 export const PROTOCOL_VERSION = "pegaflow-1";
@@ -71,6 +72,7 @@ export interface SaveResult {
   blocksSaved: number;
   blocksSkipped: number;
   bytesCopied: number;
+  blocksRefused: number;
 }
 
 export interface LoadArgs {
@@ -101,7 +103,7 @@ export interface EngineMetrics {
 
 export interface EngineOptions {
   native: NativePort;
-  store: StorePort;
+  store: KvStore;
   log: Logger;
   metrics?: EngineMetrics;
   leaseTtlMs: number;
@@ -144,6 +146,21 @@ interface LoadJob {
   shm: ShmPort;
 }
 
+function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
+  if (a.length !== b.length) return false;
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+  return true;
+}
+
+function sameLists(ids: number[], hashes: Uint8Array[], ids2: number[], hashes2: Uint8Array[]): boolean {
+  if (ids === ids2 && hashes === hashes2) return true;
+  if (ids.length !== ids2.length) return false;
+  for (let i = 0; i < ids.length; i++) {
+    if (ids[i] !== ids2[i] || !sameBytes(hashes[i], hashes2[i])) return false;
+  }
+  return true;
+}
+
 function keyHex(b: Uint8Array): string {
   let s = "";
   for (let i = 0; i < b.length; i++) s += b[i].toString(16).padStart(2, "0");
@@ -165,7 +182,7 @@ function keyHex(b: Uint8Array): string {
  */
 export class KvEngine {
   readonly #native: NativePort;
-  readonly #store: StorePort;
+  readonly #store: KvStore;
   readonly #log: Logger;
   readonly #metrics: EngineMetrics | undefined;
   readonly #leaseTtlMs: number;
@@ -376,9 +393,10 @@ export class KvEngine {
       let bindError: Error | undefined;
       if (!lay || lay.layers.size === inst.layerNames.length) {
         try {
-          this.#store.bindLayout(inst.namespace, {
+          this.#store.defineNamespace(inst.namespace, {
             layers: inst.layerNames.length,
             tpSize: inst.tpSize,
+            collapseTp: false,
             segments: layers[0].geometry.numSegments,
             segmentBytes: layers[0].geometry.segBytes,
           });
@@ -458,9 +476,10 @@ export class KvEngine {
   async #runSave(job: SaveJob): Promise<SaveResult> {
     const { args, inst, rank } = job;
     const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}`;
-    // Validate everything before allocating anything.
-    const intents: SlotIntent[] = [];
-    const plan: { layer: LayerCtx; ids: number[]; first: number }[] = [];
+    // Validate everything before allocating anything. Layers carrying the same
+    // (ids, hashes) lists — the normal case: every layer saves the same blocks —
+    // share one store plan; all plans go into ONE gather batch.
+    const groups: { ids: number[]; hashes: Uint8Array[]; layers: LayerCtx[] }[] = [];
     const seenLayer = new Set<string>();
     for (const ls of args.layers) {
       const layer = rank.byName.get(ls.layerName);
@@ -473,9 +492,6 @@ export class KvEngine {
         );
       }
       const nb = layer.geometry.numBlocks;
-      const first = intents.length;
-      const ids: number[] = [];
-      const dup = new Set<string>();
       for (let i = 0; i < ls.blockIds.length; i++) {
         const id = ls.blockIds[i];
         if (!(id < nb)) throw invalid(`${who} layer "${layer.name}": block id ${id} >= num_blocks ${nb}`);
@@ -483,71 +499,92 @@ export class KvEngine {
         if (h.length < 1 || h.length > MAX_HASH_BYTES) {
           throw invalid(`${who} layer "${layer.name}": block hash ${i} is ${h.length} bytes (1..${MAX_HASH_BYTES})`);
         }
-        const hk = keyHex(h);
-        if (dup.has(hk)) continue; // the same hash twice in one request: copy once
-        dup.add(hk);
-        ids.push(id);
-        intents.push({ hash: h, layer: layer.layerId, tpRank: rank.tpRank });
       }
-      plan.push({ layer, ids, first });
+      const g = groups.find((g) => sameLists(g.ids, g.hashes, ls.blockIds, ls.blockHashes));
+      if (g) g.layers.push(layer);
+      else groups.push({ ids: ls.blockIds, hashes: ls.blockHashes, layers: [layer] });
     }
-    if (intents.length === 0) return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0 };
+    if (groups.length === 0) return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0, blocksRefused: 0 };
     inst.begin("Save");
     const t0 = performance.now();
-    let ticket;
+    const plans: { plan: SavePlan; group: typeof groups[number] }[] = [];
     try {
-      try {
-        ticket = this.#store.beginSave(inst.namespace, inst.id, intents);
-      } catch (e) {
-        if (e instanceof EngineError && e.code === Code.RESOURCE_EXHAUSTED) this.#metrics?.saveFailed("pool_exhausted");
-        throw e;
+      for (const group of groups) {
+        const begun = this.#store.beginSave({
+          namespace: inst.namespace,
+          instance: inst.id,
+          rank: rank.tpRank,
+          hashes: group.hashes,
+          layers: group.layers.map((l) => l.layerId),
+        });
+        if (!begun.ok) {
+          this.#metrics?.saveFailed("pool_exhausted");
+          throw new EngineError(Code.RESOURCE_EXHAUSTED, `${who}: ${begun.error.message}; the save is dropped`);
+        }
+        plans.push({ plan: begun.plan, group });
       }
-      if (ticket.toCopy === 0) {
-        this.#store.completeSave(ticket, true);
-        return { blocksSaved: 0, blocksSkipped: ticket.skipped, bytesCopied: 0 };
+      let blocks = 0, skipped = 0, refused = 0, segs = 0, layerGroups = 0;
+      for (const { plan } of plans) {
+        blocks += plan.blockCount;
+        skipped += plan.deduplicated;
+        refused += plan.refusedForRoom;
+        segs += plan.blockCount * plan.layers.length * plan.segments;
+        layerGroups += plan.layers.length;
       }
-      // ONE gather batch for every layer of the request.
-      const b = this.#saveBatch;
-      let nSegs = 0;
-      for (const p of plan) nSegs += p.ids.length * p.layer.geometry.numSegments;
-      b.ensure(plan.length, nSegs);
-      b.reset("gather");
-      for (const p of plan) {
-        const g = p.layer.geometry;
-        let opened = false;
-        for (let i = 0; i < p.ids.length; i++) {
-          const at = p.first + i;
-          if (ticket.offset(at, 0) < 0) continue;
-          if (!opened) {
-            b.group(p.layer.region, p.layer.layerId);
-            opened = true;
+      if (refused > 0) this.#metrics?.saveFailed("pool_exhausted_partial");
+      let bytes = 0;
+      if (segs > 0) {
+        // ONE gather batch for every layer of the request.
+        const b = this.#saveBatch;
+        b.ensure(layerGroups, segs);
+        b.reset("gather");
+        for (const { plan, group } of plans) {
+          const n = plan.blockCount;
+          if (n === 0) continue;
+          const S = plan.segments;
+          for (let li = 0; li < group.layers.length; li++) {
+            const layer = group.layers[li];
+            const g = layer.geometry;
+            let opened = false;
+            for (let k = 0; k < n; k++) {
+              const o0 = plan.offsets[(li * S) * n + k];
+              if (o0 < 0) continue; // this slot is already held
+              if (!opened) {
+                b.group(layer.region, layer.layerId);
+                opened = true;
+              }
+              const base = g.baseOffset + group.ids[plan.hashIndex[k]] * g.blockStride;
+              for (let s = 0; s < S; s++) b.seg(base + s * g.segStride, plan.offsets[(li * S + s) * n + k], g.segBytes);
+            }
           }
-          const base = g.baseOffset + p.ids[i] * g.blockStride;
-          for (let s = 0; s < g.numSegments; s++) b.seg(base + s * g.segStride, ticket.offset(at, s), g.segBytes);
+        }
+        try {
+          bytes = (await this.#native.submit(b)).bytes;
+        } catch (e) {
+          this.#metrics?.saveFailed("copy_failed");
+          throw new EngineError(Code.INTERNAL, `${who}: gather copy failed: ${(e as Error).message}`);
         }
       }
-      let done;
-      try {
-        done = await this.#native.submit(b);
-      } catch (e) {
-        this.#store.completeSave(ticket, false);
-        this.#metrics?.saveFailed("copy_failed");
-        throw new EngineError(Code.INTERNAL, `${who}: gather copy failed: ${(e as Error).message}`);
-      }
-      this.#store.completeSave(ticket, true);
+      // The bytes are in the pool: the slots join their blocks, complete blocks seal.
+      let sealed = 0;
+      for (const p of plans.splice(0)) sealed += this.#store.completeSave(p.plan, true).sealed;
       const secs = (performance.now() - t0) / 1000;
-      this.#metrics?.saveDone(done.bytes, secs, ticket.toCopy);
+      this.#metrics?.saveDone(bytes, secs, blocks);
       this.#log.debug("save done", {
         instance: inst.id,
         rank: rank.rank,
         request: args.requestId,
-        slots: ticket.toCopy,
-        skipped: ticket.skipped,
-        bytes: done.bytes,
+        blocks,
+        skipped,
+        refused,
+        sealed,
+        bytes,
         ms: Math.round(secs * 1e6) / 1e3,
       });
-      return { blocksSaved: ticket.toCopy, blocksSkipped: ticket.skipped, bytesCopied: done.bytes };
+      return { blocksSaved: blocks, blocksSkipped: skipped, bytesCopied: bytes, blocksRefused: refused };
     } finally {
+      // Plans still here did not complete: free their slots (never half-written data).
+      for (const p of plans) this.#store.completeSave(p.plan, false);
       inst.end();
     }
   }
@@ -569,10 +606,10 @@ export class KvEngine {
         throw invalid(`request "${requestId}": block hash ${i} is ${hashes[i].length} bytes (1..${MAX_HASH_BYTES})`);
       }
     }
-    const r = this.#store.query(inst.namespace, hashes, inst.id, inst.worldSize, this.#leaseTtlMs);
+    const r = this.#store.query(inst.namespace, hashes, inst.id, inst.worldSize);
     this.#metrics?.queryDone(hashes.length, r.hits);
     this.#log.debug("query", { instance: inst.id, request: requestId, requested: hashes.length, hits: r.hits });
-    return { ...r, ttlMs: this.#leaseTtlMs };
+    return { hits: r.hits, leaseId: r.lease?.idBytes ?? null, ttlMs: this.#leaseTtlMs };
   }
 
   // ---- load ---------------------------------------------------------------
@@ -632,15 +669,18 @@ export class KvEngine {
           }
         }
       }
-      view = this.#store.consumeLease(args.leaseId, inst.id, rank.rank);
+      view = this.#store.consumeLease(args.leaseId, inst.id, rank.rank, {
+        tpRank: rank.tpRank,
+        layers: rank.layers.map((l) => l.layerId),
+      });
     } catch (e) {
       inst.end();
       throw e;
     }
     try {
-      if (view.numBlocks !== args.blockIds.length) {
+      if (view.blockCount !== args.blockIds.length) {
         throw invalid(
-          `${who}: lease holds ${view.numBlocks} blocks but Load names ${args.blockIds.length} target block ids`,
+          `${who}: lease holds ${view.blockCount} blocks but Load names ${args.blockIds.length} target block ids`,
         );
       }
       armLoadState(shm.view, rank.layers.length);
@@ -649,13 +689,15 @@ export class KvEngine {
       for (const l of rank.layers) nSegs += args.blockIds.length * l.geometry.numSegments;
       b.ensure(rank.layers.length, nSegs);
       b.reset("scatter", { shm, offset: OFF_PROGRESS });
-      for (const l of rank.layers) {
+      const n = view.blockCount;
+      const S = view.segments;
+      for (let li = 0; li < rank.layers.length; li++) {
+        const l = rank.layers[li];
         const g = l.geometry;
-        const slot = l.layerId * inst.tpSize + rank.tpRank;
         b.group(l.region, l.layerId);
-        for (let i = 0; i < args.blockIds.length; i++) {
-          const base = g.baseOffset + args.blockIds[i] * g.blockStride;
-          for (let s = 0; s < g.numSegments; s++) b.seg(base + s * g.segStride, view.offset(i, slot, s), g.segBytes);
+        for (let k = 0; k < n; k++) {
+          const base = g.baseOffset + args.blockIds[k] * g.blockStride;
+          for (let s = 0; s < S; s++) b.seg(base + s * g.segStride, view.offsets[(li * S + s) * n + k], g.segBytes);
         }
       }
       const t0 = performance.now();
@@ -686,7 +728,7 @@ export class KvEngine {
   // ---- release / cleanup --------------------------------------------------
 
   release(leaseId: Uint8Array): void {
-    this.#store.release(leaseId);
+    this.#store.releaseLease(leaseId);
   }
 
   /**
@@ -703,19 +745,20 @@ export class KvEngine {
     const t0 = performance.now();
     await inst.drain();
     for (const r of inst.ranks.values()) this.#closeRegions(r.regions, `instance "${inst.id}" rank ${r.rank}`);
-    const leases = this.#store.dropInstance(inst.id);
+    const { leases, inflightFreed } = this.#store.dropInstance(inst.id);
     this.#instances.delete(inst.id);
     const lay = this.#layouts.get(inst.namespace);
     if (lay) {
       lay.users.delete(inst.id);
       // The layout stays bound while blocks of the namespace may be cached; an empty
       // namespace with no user may be re-bound by the next instance.
-      if (lay.users.size === 0 && this.#store.stats().cachedBlocks === 0) this.#layouts.delete(inst.namespace);
+      if (lay.users.size === 0 && this.#store.stats().sealedBlocks === 0) this.#layouts.delete(inst.namespace);
     }
     this.#log.info("instance cleaned up", {
       instance: inst.id,
       reason,
       leases_released: leases,
+      inflight_blocks_freed: inflightFreed,
       ms: Math.round(performance.now() - t0),
     });
     for (const f of this.#goneListeners) f(inst.id, reason);

@@ -53,7 +53,19 @@ export function precondition(message: string): EngineError {
   return new EngineError(Code.FAILED_PRECONDITION, message);
 }
 
-/** The gRPC code of any thrown value: EngineError keeps its own, the rest are INTERNAL. */
+/**
+ * The gRPC code of any thrown value: EngineError keeps its own; an error
+ * carrying a gRPC status NAME in `code` (lib/storage's StorageError) maps by
+ * name; anything else is INTERNAL.
+ */
 export function codeOf(err: unknown): CodeValue {
-  return err instanceof EngineError ? err.code : Code.INTERNAL;
+  if (err instanceof EngineError) return err.code;
+  const name = (err as { code?: unknown } | null)?.code;
+  if (typeof name === "string" && name in Code) return Code[name as keyof typeof Code];
+  return Code.INTERNAL;
+}
+
+/** True for errors whose message is meant for the client (not a server bug). */
+export function isExpected(err: unknown): boolean {
+  return codeOf(err) !== Code.INTERNAL;
 }

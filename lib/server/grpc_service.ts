@@ -25,7 +25,7 @@ import {
   type SessionEvent,
   type SessionRequest,
 } from "../../proto/pegaflow.ts";
-import { CODE_NAMES, codeOf, EngineError, invalid, precondition } from "../engine/errors.ts";
+import { CODE_NAMES, codeOf, invalid, isExpected, precondition } from "../engine/errors.ts";
 import { type KvEngine, PROTOCOL_VERSION } from "../engine/engine.ts";
 import type { Logger } from "../log.ts";
 import type { ServerMetrics } from "./metrics.ts";
@@ -115,7 +115,7 @@ export function engineServiceImpl(
         (e) => {
           const st = statusError(e);
           metrics.rpc(method, CODE_NAMES[st.code!] ?? String(st.code), (performance.now() - t0) / 1000);
-          if (!(e instanceof EngineError)) log.error("rpc failed unexpectedly", { method, error: String((e as Error)?.stack ?? e) });
+          if (!isExpected(e)) log.error("rpc failed unexpectedly", { method, error: String((e as Error)?.stack ?? e) });
           else log.info("rpc refused", { method, code: CODE_NAMES[st.code!], error: st.details });
           callback(st, null);
         },
@@ -153,7 +153,12 @@ export function engineServiceImpl(
     }),
     save: unary("Save", async (req: SaveRequest): Promise<SaveResponse> => {
       const r = await engine.save(req);
-      return { blocksSaved: r.blocksSaved, blocksSkipped: r.blocksSkipped, bytesCopied: r.bytesCopied };
+      return {
+        blocksSaved: r.blocksSaved,
+        blocksSkipped: r.blocksSkipped,
+        bytesCopied: r.bytesCopied,
+        blocksRefused: r.blocksRefused,
+      };
     }),
     queryPrefetch: unary(
       "QueryPrefetch",

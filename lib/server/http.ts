@@ -15,7 +15,7 @@
  */
 import type { KvEngine } from "../engine/engine.ts";
 import { PROTOCOL_VERSION } from "../engine/engine.ts";
-import type { StorePort } from "../engine/ports.ts";
+import type { KvStore } from "../storage/store.ts";
 import type { Logger } from "../log.ts";
 import type { ServerMetrics } from "./metrics.ts";
 
@@ -48,7 +48,7 @@ async function readJson(req: Request): Promise<Record<string, unknown>> {
  */
 export function httpHandler(deps: {
   engine: KvEngine;
-  store: StorePort;
+  store: KvStore;
   metrics: ServerMetrics;
   log: Logger;
   /** Cleans one instance up the way a lost session does. */
@@ -92,9 +92,11 @@ export function httpHandler(deps: {
           return json(200, { cleaned });
         }
         case "POST /cache/memory/cleanup": {
-          const freed = store.evictAll();
-          log.info("cache memory cleanup", { bytes_freed: freed });
-          return json(200, { bytes_freed: freed, stats: store.stats() });
+          const before = store.stats().usedBytes;
+          const blocks = store.evictAll();
+          const freed = before - store.stats().usedBytes;
+          log.info("cache memory cleanup", { blocks_evicted: blocks, bytes_freed: freed });
+          return json(200, { blocks_evicted: blocks, bytes_freed: freed, stats: store.stats() });
         }
         default:
           return json(404, { error: `no route ${route}` });

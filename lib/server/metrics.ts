@@ -9,7 +9,7 @@
 import { Counter, Gauge, Histogram, Registry } from "prom-client";
 import type { StageMetrics } from "../pipeline/stage.ts";
 import type { EngineMetrics } from "../engine/engine.ts";
-import type { StoreStats } from "../engine/ports.ts";
+import type { StoreStats } from "../storage/store.ts";
 
 /** Copy durations: 100 µs .. ~13 s. */
 const COPY_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 13];
@@ -110,17 +110,25 @@ export class ServerMetrics implements EngineMetrics {
           this.set(pick(stats()));
         },
       });
-    fromStats("pegaflow_pool_capacity_bytes", "pinned pool size", (s) => s.poolCapacityBytes);
-    fromStats("pegaflow_pool_used_bytes", "pinned pool bytes allocated", (s) => s.poolUsedBytes);
-    fromStats("pegaflow_cache_blocks", "sealed blocks resident in RAM", (s) => s.cachedBlocks);
-    fromStats("pegaflow_cache_bytes", "bytes of sealed blocks resident in RAM", (s) => s.cachedBytes);
-    fromStats("pegaflow_inflight_blocks", "blocks with slots still arriving", (s) => s.inflightBlocks);
-    fromStats("pegaflow_leases", "live leases", (s) => s.leases);
-    fromStats("pegaflow_cache_hits_total", "query hits in blocks", (s) => s.hits, true);
-    fromStats("pegaflow_cache_misses_total", "query misses in blocks", (s) => s.misses, true);
+    fromStats("pegaflow_pool_capacity_bytes", "pinned pool bytes the store places blocks in", (s) => s.capacityBytes);
+    fromStats("pegaflow_pool_used_bytes", "pinned pool bytes allocated (cached + in flight)", (s) => s.usedBytes);
+    fromStats("pegaflow_pool_largest_free_bytes", "largest free extent of the pool", (s) => s.largestFreeBytes);
+    fromStats("pegaflow_inflight_copy_bytes", "pool bytes reserved by saves whose copy is in flight", (s) => s.inflightCopyBytes);
+    fromStats("pegaflow_cache_blocks", "sealed blocks resident in RAM", (s) => s.sealedBlocks);
+    fromStats("pegaflow_cache_evictable_bytes", "bytes of sealed, unpinned blocks", (s) => s.evictableBytes);
+    fromStats("pegaflow_inflight_blocks", "blocks with slots still arriving (never served)", (s) => s.inflightBlocks);
+    fromStats("pegaflow_pinned_blocks", "blocks held by a lease, a load or a transfer lock", (s) => s.pinnedBlocks);
+    fromStats("pegaflow_leases", "live leases", (s) => s.leasesActive);
+    fromStats("pegaflow_loads_inflight", "loads whose scatter has not finished", (s) => s.loadsInflight);
+    fromStats("pegaflow_cache_hits_total", "queried blocks served from RAM", (s) => s.hits, true);
+    fromStats("pegaflow_cache_misses_total", "queried blocks not served", (s) => s.misses, true);
     fromStats("pegaflow_cache_evictions_total", "blocks evicted", (s) => s.evictions, true);
-    fromStats("pegaflow_admission_rejections_total", "blocks refused by TinyLFU admission", (s) => s.admissionRejections, true);
-    fromStats("pegaflow_pool_alloc_failures_total", "allocations that failed with nothing evictable", (s) => s.allocFailures, true);
+    fromStats("pegaflow_cache_evicted_bytes_total", "bytes evicted", (s) => s.evictedBytes, true);
+    fromStats("pegaflow_admission_rejections_total", "new blocks refused by TinyLFU admission", (s) => s.admissionRejections, true);
+    fromStats("pegaflow_save_refusals_total", "saves refused for room (pool exhausted)", (s) => s.saveRefusals, true);
+    fromStats("pegaflow_dedup_blocks_total", "saved blocks skipped before copy (already held)", (s) => s.deduplicated, true);
+    fromStats("pegaflow_stale_inflight_collected_total", "inflight blocks collected as stale", (s) => s.staleCollected, true);
+    fromStats("pegaflow_leases_expired_total", "leases that expired unused", (s) => s.leasesExpired, true);
     if (extra) {
       new Gauge({
         name: "pegaflow_instances",

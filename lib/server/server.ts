@@ -14,7 +14,7 @@
 import * as grpc from "@grpc/grpc-js";
 import { KvEngine } from "../engine/engine.ts";
 import { openNative } from "../engine/native_adapter.ts";
-import { openStore } from "../engine/store_adapter.ts";
+import { KvStore } from "../storage/store.ts";
 import { Logger } from "../log.ts";
 import { capPoolSize, type ServeConfig } from "./config.ts";
 import { EngineService, engineServiceImpl, Sessions } from "./grpc_service.ts";
@@ -25,6 +25,27 @@ import { ServerMetrics } from "./metrics.ts";
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
 const KEEPALIVE_TIMEOUT_MS = 20_000;
+
+/** Idle-time lease expiry / stale inflight collection period. */
+const COLLECT_INTERVAL_MS = 1_000;
+/** One layer's K (or V) of one 16-token Llama-3.1-8B block. */
+const TYPICAL_SEGMENT_BYTES = 32 * 1024;
+/** Allocation unit bounds: 512 B (O_DIRECT sector) .. 64 KiB. */
+const MIN_UNIT = 512;
+const MAX_UNIT = 64 * 1024;
+const DEFAULT_UNIT = 4096;
+
+/**
+ * Allocation unit for a hinted value size: the largest power of two that
+ * divides it (so items pack without waste), clamped to 512 B..64 KiB; 4 KiB
+ * without a hint.
+ */
+export function allocationUnit(hint: number): number {
+  if (!hint) return DEFAULT_UNIT;
+  let u = MIN_UNIT;
+  while (u * 2 <= MAX_UNIT && hint % (u * 2) === 0) u *= 2;
+  return u;
+}
 
 /** A started server. */
 export interface RunningServer {
@@ -69,13 +90,20 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
     transferPath: cfg.transferPath,
   }, log);
   log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
-  const store = openStore({
-    native,
-    poolBytes: native.poolBytes,
-    hintValueSize: cfg.hintValueSize,
-    enableLfuAdmission: cfg.enableLfuAdmission,
-    log,
+  const unitBytes = allocationUnit(cfg.hintValueSize);
+  const store = new KvStore({
+    capacityBytes: native.poolBytes,
+    unitBytes,
+    leaseTtlMs: cfg.leaseTtlMs,
+    // Sketch sized for the blocks the pool can hold at the hinted (or a typical 32 KiB) segment size.
+    lfuCapacityBlocks: cfg.enableLfuAdmission
+      ? Math.max(1024, Math.floor(native.poolBytes / (cfg.hintValueSize || TYPICAL_SEGMENT_BYTES)))
+      : undefined,
   });
+  // Leases expire and stale inflight blocks are collected on every store call;
+  // the timer covers an idle server so pins do not outlive their TTL.
+  const collector = setInterval(() => store.collect(), COLLECT_INTERVAL_MS);
+  log.info("store ready", { unit_bytes: unitBytes, lfu_admission: cfg.enableLfuAdmission, lease_ttl_ms: cfg.leaseTtlMs });
   const sessions = new Sessions();
   let engineRef: KvEngine | undefined;
   const metrics = new ServerMetrics(() => store.stats(), {
@@ -96,7 +124,7 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
   const port = await new Promise<number>((resolve, reject) =>
     server.bindAsync(cfg.addr, grpc.ServerCredentials.createInsecure(), (err, p) => err ? reject(err) : resolve(p))
   ).catch(async (e) => {
-    store.close();
+    clearInterval(collector);
     await native.close();
     throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
   });
@@ -122,7 +150,7 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
       http = Deno.serve({ hostname, port: Number(cfg.httpAddr.slice(i + 1)), onListen: () => {} }, handler);
     } catch (e) {
       server.forceShutdown();
-      store.close();
+      clearInterval(collector);
       await native.close();
       throw new Error(`--http-addr ${cfg.httpAddr}: cannot listen: ${(e as Error).message}`);
     }
@@ -139,7 +167,7 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
       await engine.close();
       await new Promise<void>((resolve) => server.tryShutdown(() => resolve()));
       if (http) await http.shutdown();
-      store.close();
+      clearInterval(collector);
       await native.close();
     })();
   return { grpcAddr, httpAddr, engine, close };
