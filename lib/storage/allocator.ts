@@ -17,8 +17,8 @@
  *   only when the free units cannot hold `count` items.
  * - Each item can be freed on its own (blocks are evicted one by one); freed
  *   ranges coalesce with their neighbours in O(1) through two boundary maps
- *   (start → length, end → start), so there is no per-unit array even for a
- *   30 GiB pool.
+ *   (start → length, end → start). A one-bit-per-unit map (1 MiB for 30 GiB
+ *   at 4 KiB units) catches a double or partial free exactly.
  *
  * Why this meets "cannot fail while enough evictable bytes exist": all items
  * of one namespace have the same size, so every hole left by an evicted item
@@ -68,6 +68,8 @@ export class PoolAllocator {
   readonly #freeByEnd = new Map<number, number>();
   /** bins[i] holds the starts of free extents whose length in units is in [2^i, 2^(i+1)). */
   readonly #bins: Set<number>[] = [];
+  /** One bit per unit, set while allocated: exact double-free detection for 1 bit per 4 KiB. */
+  readonly #used: Uint32Array;
   #freeUnits = 0;
 
   constructor(opts: AllocatorOptions) {
@@ -83,6 +85,7 @@ export class PoolAllocator {
     this.unitBytes = unit;
     this.#units = Math.floor(opts.capacityBytes / unit);
     this.capacityBytes = this.#units * unit;
+    this.#used = new Uint32Array(Math.ceil(this.#units / 32));
     for (let i = 0; i <= Math.ceil(Math.log2(this.#units + 1)); i++) this.#bins.push(new Set());
     this.#addFree(0, this.#units);
   }
@@ -180,9 +183,12 @@ export class PoolAllocator {
           `(capacity ${this.capacityBytes}, unit ${this.unitBytes})`,
       );
     }
-    if (this.#freeByStart.has(start) || this.#freeByEnd.has(start + n)) {
-      throw new RangeError(`free: range at ${offset} (+${n * this.unitBytes}) is already free`);
+    if (!this.#allUsed(start, n)) {
+      throw new RangeError(
+        `free: range at ${offset} (+${n * this.unitBytes}) is already free, in part or whole`,
+      );
     }
+    this.#mark(start, n, false);
     let s = start;
     let len = n;
     const leftStart = this.#freeByEnd.get(s);
@@ -233,6 +239,21 @@ export class PoolAllocator {
     const len = this.#freeByStart.get(start)!;
     this.#removeFree(start);
     if (len > n) this.#addFree(start + n, len - n);
+    this.#mark(start, n, true);
+  }
+
+  #mark(start: number, n: number, used: boolean): void {
+    for (let u = start; u < start + n; u++) {
+      if (used) this.#used[u >>> 5] |= 1 << (u & 31);
+      else this.#used[u >>> 5] &= ~(1 << (u & 31));
+    }
+  }
+
+  #allUsed(start: number, n: number): boolean {
+    for (let u = start; u < start + n; u++) {
+      if ((this.#used[u >>> 5] & (1 << (u & 31))) === 0) return false;
+    }
+    return true;
   }
 
   #addFree(start: number, len: number): void {

@@ -255,8 +255,9 @@ export class KvStore {
   readonly #leases: LeaseTable<Block>;
   readonly #locks: LeaseTable<Block>;
   readonly #namespaces = new Map<string, NamespaceState>();
-  readonly #plans = new WeakSet<PlanRecord>();
-  readonly #tickets = new WeakSet<TicketRecord>();
+  /** Open save plans and load tickets (strong: they own slots and pins until completed). */
+  readonly #plans = new Set<PlanRecord>();
+  readonly #tickets = new Set<TicketRecord>();
   #inflightCopyBytes = 0;
   #loadsInflight = 0;
   #pinned = 0;
@@ -832,6 +833,110 @@ export class KvStore {
   /** State of one block: absent, inflight (not servable) or sealed. */
   blockState(namespace: string, hash: BlockHash): "absent" | "inflight" | "sealed" {
     return this.#index.get(blockKey(namespace, hash))?.state ?? "absent";
+  }
+
+  /**
+   * Checks every invariant the store relies on and throws an Error naming the
+   * first violation: pool bytes are partitioned exactly into free extents and
+   * owned slot items (no overlap, no leak); each block's pin count equals the
+   * leases, locks and loads holding it; pinned blocks are sealed and out of
+   * the LRU, unpinned sealed blocks are in it; evictable bytes add up.
+   * O(blocks × slots): for tests and a debug endpoint, not the hot path.
+   */
+  verify(): void {
+    const ranges: [number, number, string][] = [];
+    for (const [off, len] of this.allocator.freeExtents()) ranges.push([off, len, "free"]);
+    const pins = new Map<Block, number>();
+    const count = (bs: readonly Block[]) => {
+      for (const b of bs) pins.set(b, (pins.get(b) ?? 0) + 1);
+    };
+    for (const l of this.#leases.all()) count(l.blocks);
+    for (const l of this.#locks.all()) count(l.blocks);
+    for (const t of this.#tickets) count(t.blocks);
+    let evictable = 0;
+    let pinned = 0;
+    let pending = 0;
+    for (const b of this.#index.all()) {
+      const ns = this.#ns(b.namespace);
+      const S = b.layout.segments;
+      let filled = 0;
+      let pend = 0;
+      for (let si = 0; si < b.slots.length; si++) {
+        const st = b.slots[si];
+        if (st === SLOT_FILLED) filled++;
+        if (st === SLOT_PENDING) pend++;
+        for (let seg = 0; seg < S; seg++) {
+          const off = b.offsets[si * S + seg];
+          if ((st === SLOT_EMPTY) !== (off === NO_OFFSET)) {
+            throw new Error(`block ${b.key} slot ${si}: state ${st} but offset ${off}`);
+          }
+          if (st !== SLOT_EMPTY) ranges.push([off, ns.strideBytes, b.key]);
+        }
+      }
+      if (filled !== b.filled || pend !== b.pending) {
+        throw new Error(
+          `block ${b.key}: counts filled ${b.filled}/${filled} pending ${b.pending}/${pend}`,
+        );
+      }
+      pending += pend;
+      if (b.state === "sealed" && filled !== b.slotCount) {
+        throw new Error(`block ${b.key} is sealed with ${filled}/${b.slotCount} slots`);
+      }
+      const want = pins.get(b) ?? 0;
+      if (b.pins !== want) throw new Error(`block ${b.key}: ${b.pins} pins, holders say ${want}`);
+      if (want > 0) {
+        pinned++;
+        if (b.state !== "sealed" || b.linked) {
+          throw new Error(`pinned block ${b.key} is ${b.state}, linked=${b.linked}`);
+        }
+      } else if (b.state === "sealed") {
+        if (!b.linked) throw new Error(`unpinned sealed block ${b.key} is not in the LRU`);
+        evictable += ns.blockBytes;
+      }
+    }
+    for (const b of pins.keys()) {
+      if (this.#index.get(b.key) !== b) {
+        throw new Error(`a holder pins block ${b.key} that was freed`);
+      }
+    }
+    if (evictable !== this.#lru.evictableBytes) {
+      throw new Error(`evictable bytes ${this.#lru.evictableBytes}, blocks say ${evictable}`);
+    }
+    if (pinned !== this.#pinned) {
+      throw new Error(`pinned count ${this.#pinned}, blocks say ${pinned}`);
+    }
+    let planned = 0;
+    let plannedSlots = 0;
+    for (const p of this.#plans) {
+      planned += p.poolBytes;
+      for (let i = 0; i < p.layers.length * p.blockCount; i++) {
+        const li = Math.floor(i / p.blockCount);
+        if (p.offsets[li * p.segments * p.blockCount + (i % p.blockCount)] !== NO_OFFSET) {
+          plannedSlots++;
+        }
+      }
+    }
+    if (plannedSlots !== pending) {
+      throw new Error(`${pending} slots are pending but open plans cover ${plannedSlots}`);
+    }
+    if (planned !== this.#inflightCopyBytes) {
+      throw new Error(`in-flight copy bytes ${this.#inflightCopyBytes}, plans say ${planned}`);
+    }
+    ranges.sort((a, b) => a[0] - b[0]);
+    let at = 0;
+    for (const [off, len, who] of ranges) {
+      if (off !== at) {
+        throw new Error(
+          off < at
+            ? `pool overlap at byte ${off}: ${who} overlaps the previous range (ends at ${at})`
+            : `pool leak: bytes [${at}, ${off}) are neither free nor owned`,
+        );
+      }
+      at = off + len;
+    }
+    if (at !== this.allocator.capacityBytes) {
+      throw new Error(`pool leak: bytes [${at}, ${this.allocator.capacityBytes}) unaccounted`);
+    }
   }
 
   /** Counters and gauges for /metrics. */
