@@ -92,3 +92,20 @@ proto:
 	  -Iproto proto/pegaflow.proto
 	sed -i 's|^import { BinaryReader, BinaryWriter } from "@bufbuild/protobuf/wire";|import { Buffer } from "node:buffer";\n&|' proto/pegaflow.ts
 	$(DENO) fmt proto/pegaflow.ts
+
+# Single-binary server (`deno compile`). deno compile needs the `denort`
+# runtime, which only Deno's download host serves: use DENORT_BIN=/path/to/denort
+# where that host is unreachable. The binary loads libpegaflow.so from
+# PEGAFLOW_LIB (set it to build/libpegaflow.so or wherever you install it).
+DENORT_HOST := https://dl.deno.land/
+.PHONY: compile
+compile: native
+	@if [ -n "$$DENORT_BIN" ]; then \
+	  test -x "$$DENORT_BIN" || { echo "error: DENORT_BIN=$$DENORT_BIN is not an executable denort binary"; exit 1; }; \
+	elif ! curl -sfI --max-time 5 $(DENORT_HOST) >/dev/null 2>&1; then \
+	  echo "error: deno compile needs the denort runtime from $(DENORT_HOST), which is unreachable here;"; \
+	  echo "       download denort for Deno $$($(DENO) --version | head -1 | cut -d' ' -f2) elsewhere and run: DENORT_BIN=/path/to/denort make compile"; \
+	  exit 1; \
+	fi
+	$(DENO) compile --allow-all --output $(BUILD)/pegaflow-serve main.ts
+	@echo "built $(BUILD)/pegaflow-serve; run it with PEGAFLOW_LIB=$(CURDIR)/$(BUILD)/libpegaflow.so"

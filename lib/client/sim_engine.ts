@@ -114,7 +114,8 @@ export class SimEngine {
   readonly layerNames: string[];
   readonly engine: Engine;
   readonly regions: Region[];
-  readonly #loadState: LoadState;
+  /** Created at the first load (an engine that never loads owns no load-state shm). */
+  #loadState: LoadState | undefined;
 
   private constructor(o: SimEngineOptions, engine: Engine, regions: Region[], segBytes: number) {
     this.client = o.client;
@@ -128,7 +129,6 @@ export class SimEngine {
     this.engine = engine;
     this.regions = regions;
     this.layerNames = Array.from({ length: this.model.numLayers }, (_, i) => `model.layers.${String(i).padStart(3, "0")}.attn`);
-    this.#loadState = LoadState.create();
   }
 
   /** Allocates the KV cache (one region per layer). */
@@ -258,7 +258,7 @@ export class SimEngine {
    * time until layer 0 was usable and until every layer was (ms, measured here).
    */
   async load(leaseId: Uint8Array, ids: number[]): Promise<{ firstLayerMs: number; allMs: number; state: number }> {
-    const st = this.#loadState;
+    const st = this.#loadState ??= LoadState.create();
     st.rearm();
     const t0 = performance.now();
     await this.client.load({
@@ -277,14 +277,14 @@ export class SimEngine {
     return { firstLayerMs, allMs, state };
   }
 
-  /** Name of the load-state block this engine uses. */
-  get loadStateName(): string {
-    return this.#loadState.name;
+  /** Name of the load-state block this engine uses (after its first load). */
+  get loadStateName(): string | undefined {
+    return this.#loadState?.name;
   }
 
   /** Frees the KV cache (unregister first: the server must unmap before the memory goes). */
   close(): void {
-    this.#loadState.close();
+    this.#loadState?.close();
     for (const r of this.regions) r.close();
     this.engine.close();
   }

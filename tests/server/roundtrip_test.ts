@@ -60,7 +60,7 @@ Deno.test("a saved prefix loads byte-exact into different block ids, with per-la
     const st = sim.verify(dst, hashes);
     assert.equal(st.badSegments, 0, st.first ?? "");
     // The load state reports every layer.
-    const shm = await Deno.readFile(`/dev/shm${sim.loadStateName}`);
+    const shm = await Deno.readFile(`/dev/shm${sim.loadStateName!}`);
     const dv = new DataView(shm.buffer);
     assert.equal(dv.getUint32(0, true), 0x534c4650);
     assert.equal(dv.getUint32(8, true), 4, "num_layers");
