@@ -4,6 +4,9 @@
 SHELL := /bin/bash
 DENO ?= $(CURDIR)/node_modules/deno/deno
 export DENO_DIR ?= $(CURDIR)/.cache/deno
+# package.json only pins the Deno binary for npm; without this, `deno task`
+# tries to install its platform packages and fails.
+export DENO_NO_PACKAGE_JSON := 1
 BUILD := build
 CC ?= gcc
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
