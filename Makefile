@@ -60,7 +60,7 @@ $(BUILD)/obj/pf_kernel_fatbin.o: $(BUILD)/pf_kernel.fatbin
 $(BUILD)/libpegaflow.so: $(OBJS) $(KERNEL_OBJ)
 	@mkdir -p $(BUILD)
 	@test -n "$(LIBURING_A)" || { echo "error: liburing.a not found; run 'make liburing'"; exit 1; }
-	$(CC) -shared -o $@ $(OBJS) $(KERNEL_OBJ) $(LIBURING_A) $(LDLIBS)
+	$(CC) -shared -Wl,-z,noexecstack -o $@ $(OBJS) $(KERNEL_OBJ) $(LIBURING_A) $(LDLIBS)
 
 test: deps native
 	$(DENO) task test
