@@ -356,27 +356,38 @@ static void post(pf_batch *b, uint32_t kind, uint32_t index, int32_t status,
   (void)pf_ring_post(b->ring, &c);
 }
 
+/* Order matters in both functions below: every counter a record lets the
+ * consumer act on is released before that record is posted, so a consumer
+ * that reacts to a record by closing the region/pool/ring never sees a
+ * spurious PF_EBUSY. The bytes have landed by then; nothing touches the
+ * released object afterwards. */
 void pf_batch_group_done(pf_batch *b, uint32_t g, int32_t status) {
   pf_group_rt *gr = &b->groups[g];
   if (b->progress && status == PF_OK)
     atomic_store_explicit(
         (_Atomic uint32_t *)(b->progress->ptr + b->progress_off), g + 1,
         memory_order_release);
-  post(b, PF_DONE_LAYER, g, status, gr->layer, gr->bytes);
   if (gr->region) atomic_fetch_sub(&gr->region->inflight, 1);
+  post(b, PF_DONE_LAYER, g, status, gr->layer, gr->bytes);
 }
 
 void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used) {
-  if (b->progress)
+  if (b->progress) {
     atomic_store_explicit(
         (_Atomic int32_t *)(b->progress->ptr + b->progress_off + 4),
         status == PF_OK ? 1 : status, memory_order_release);
-  uint64_t ns = pf_now_ns() - b->submit_ns;
-  post(b, PF_DONE_BATCH, b->num_groups, status, path_used, ns);
-  if (b->on_done) b->on_done(b->on_done_arg, status, ns);
-  if (b->progress) atomic_fetch_sub(&b->progress->inflight, 1);
+    atomic_fetch_sub(&b->progress->inflight, 1);
+  }
   if (b->pool) atomic_fetch_sub(&b->pool->inflight, 1);
-  if (b->ring) pf_ring_release(b->ring);
+  uint64_t ns = pf_now_ns() - b->submit_ns;
+  if (b->on_done) b->on_done(b->on_done_arg, status, ns);
+  if (b->ring) {
+    pf_completion c = {.tag = b->tag, .kind = PF_DONE_BATCH,
+                       .index = b->num_groups, .status = status,
+                       .aux = path_used, .value = ns};
+    /* A shut-down ring drops the record; the release still happens. */
+    (void)pf_ring_post_release(b->ring, &c);
+  }
   pf_batch_free(b);
 }
 
