@@ -128,10 +128,6 @@ export interface InstanceInfo {
   ageSeconds: number;
 }
 
-/** pf_status PF_EBUSY. */
-const PF_EBUSY = -6;
-/** ~1 s of 1 ms retries before a busy load-state mapping is reported. */
-const SHM_CLOSE_RETRIES = 1000;
 const DEFAULT_SAVE_CONCURRENCY = 4;
 const DEFAULT_SAVE_QUEUE = 64;
 const DEFAULT_LOAD_CONCURRENCY = 8;
@@ -450,27 +446,6 @@ export class KvEngine {
     }
   }
 
-  /**
-   * Closes a drained instance's region. The drain already waited for every
-   * copy's completion record; PF_EBUSY can still come for the instant
-   * between that record and the native layer dropping its reference, so retry
-   * briefly rather than leak the mapping.
-   */
-  async #closeWhenIdle(region: RegionPort, who: string): Promise<void> {
-    for (let attempt = 0;; attempt++) {
-      try {
-        region.close();
-        return;
-      } catch (e) {
-        if ((e as { code?: number }).code !== PF_EBUSY || attempt >= SHM_CLOSE_RETRIES) {
-          this.#log.error("closing region failed", { who, error: (e as Error).message });
-          return;
-        }
-        await new Promise((r) => setTimeout(r, 1));
-      }
-    }
-  }
-
   #instance(id: string, what: string): Instance {
     const inst = this.#instances.get(id);
     if (!inst) throw precondition(`${what}: instance "${id}" is not registered`);
@@ -673,17 +648,12 @@ export class KvEngine {
     }
   }
 
-  #closeShm(shm: { close(): void }, name: string, attempt = 0): void {
+  #closeShm(shm: { close(): void }, name: string): void {
     try {
       shm.close();
     } catch (e) {
-      // The batch's completion record can reach JS a moment before the native
-      // layer drops the batch's reference to the progress words (PF_EBUSY):
-      // retry shortly instead of leaking the mapping.
-      if ((e as { code?: number }).code === PF_EBUSY && attempt < SHM_CLOSE_RETRIES) {
-        setTimeout(() => this.#closeShm(shm, name, attempt + 1), 1);
-        return;
-      }
+      // Only reached after the batch's completion record, when the native layer
+      // has already dropped its reference: a failure here is a bug worth a log line.
       this.#log.error("closing load state failed", { shm: name, error: (e as Error).message });
     }
   }
@@ -776,9 +746,9 @@ export class KvEngine {
     inst.fenced = true;
     const t0 = performance.now();
     await inst.drain();
-    for (const r of inst.ranks.values()) {
-      for (const region of r.regions) await this.#closeWhenIdle(region, `instance "${inst.id}" rank ${r.rank}`);
-    }
+    // Drained: every copy's completion record has arrived, and the native layer
+    // drops a batch's region references before posting it, so closing cannot race a copy.
+    for (const r of inst.ranks.values()) this.#closeRegions(r.regions, `instance "${inst.id}" rank ${r.rank}`);
     const { leases, inflightFreed } = this.#store.dropInstance(inst.id);
     this.#instances.delete(inst.id);
     const lay = this.#layouts.get(inst.namespace);
