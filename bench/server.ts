@@ -27,7 +27,15 @@ const o = new Command("bench-server")
   .option("--query-iters <n>", "QueryPrefetch samples", "200")
   .option("--out <dir>", "where to write the JSON", "bench/results")
   .parse(["deno", "run", ...Deno.args])
-  .opts<{ backend: "auto" | "cuda" | "host"; tokens?: string; iters: string; queryIters: string; out: string }>();
+  .opts<
+    {
+      backend: "auto" | "cuda" | "host";
+      tokens?: string;
+      iters: string;
+      queryIters: string;
+      out: string;
+    }
+  >();
 
 const model = LLAMA_3_1_8B;
 const KV = 2;
@@ -50,7 +58,9 @@ async function nativeGatherGbps(): Promise<number> {
   const ce = CopyEngine.open({ backend, poolBytes: prefixBytes, pretouch: true });
   const regions: Region[] = [];
   try {
-    for (let l = 0; l < model.numLayers; l++) regions.push(ce.engine.allocRegion(KV * 2 * blocks * segBytes));
+    for (let l = 0; l < model.numLayers; l++) {
+      regions.push(ce.engine.allocRegion(KV * 2 * blocks * segBytes));
+    }
     const batch = new CopyBatch(model.numLayers, model.numLayers * blocks * KV);
     const samples: number[] = [];
     for (let i = 0; i < iters + 1; i++) {
@@ -81,7 +91,21 @@ async function nativeGatherGbps(): Promise<number> {
 // ---- the server, as a child process.
 const poolBytes = Math.ceil((prefixBytes * 1.25) / (1 << 20)) * (1 << 20);
 const child = new Deno.Command(Deno.execPath(), {
-  args: ["run", "-A", "main.ts", "--addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--backend", backend, "--pool-size", `${poolBytes}`, "--log-level", "warn"],
+  args: [
+    "run",
+    "-A",
+    "main.ts",
+    "--addr",
+    "127.0.0.1:0",
+    "--http-addr",
+    "127.0.0.1:0",
+    "--backend",
+    backend,
+    "--pool-size",
+    `${poolBytes}`,
+    "--log-level",
+    "warn",
+  ],
   cwd: new URL("../", import.meta.url).pathname,
   stdout: "piped",
   stderr: "inherit",
@@ -97,7 +121,14 @@ reader.releaseLock();
 const { grpc, http } = JSON.parse(line.slice(0, line.indexOf("\n"))).listening;
 
 const client = new PegaflowClient(grpc);
-const sim = SimEngine.create({ client, instanceId: `bench-${Deno.pid}`, namespace: `bench-${backend}`, model, numBlocks: blocks * 2, backend });
+const sim = SimEngine.create({
+  client,
+  instanceId: `bench-${Deno.pid}`,
+  namespace: `bench-${backend}`,
+  model,
+  numBlocks: blocks * 2,
+  backend,
+});
 const rows: Record<string, string | number>[] = [];
 const result: Record<string, unknown> = {
   backend,
@@ -120,7 +151,10 @@ try {
   let lastHashes: Uint8Array[] = [];
   let filledWith: Uint8Array[] = [];
   for (let i = 0; i < iters + 1; i++) {
-    const hashes = chainedBlockHashes(syntheticTokens(1000 + i, blocks * model.blockTokens), model.blockTokens);
+    const hashes = chainedBlockHashes(
+      syntheticTokens(1000 + i, blocks * model.blockTokens),
+      model.blockTokens,
+    );
     // The bytes are written once: later saves store the same content under new keys.
     if (i === 0) {
       sim.fill(src, hashes);
@@ -135,12 +169,32 @@ try {
       saveGbps.push(r.bytesCopied / ms / 1e6);
     }
     lastHashes = hashes;
-    if (i < iters) await (await fetch(`http://${http}/cache/memory/cleanup`, { method: "POST" })).body?.cancel();
+    if (i < iters) {
+      await (await fetch(`http://${http}/cache/memory/cleanup`, { method: "POST" })).body?.cancel();
+    }
   }
   const nativeGbps = await nativeGatherGbps();
-  rows.push({ what: "save (whole stack)", p50_ms: pct(saveMs, 50).toFixed(2), p99_ms: pct(saveMs, 99).toFixed(2), gbps: pct(saveGbps, 50).toFixed(2), vs_native: (pct(saveGbps, 50) / nativeGbps).toFixed(3) });
-  rows.push({ what: "native gather (same segments)", p50_ms: (prefixBytes / nativeGbps / 1e6).toFixed(2), p99_ms: "-", gbps: nativeGbps.toFixed(2), vs_native: "1.000" });
-  result.save = { p50_ms: pct(saveMs, 50), p99_ms: pct(saveMs, 99), gbps_p50: pct(saveGbps, 50), native_gather_gbps: nativeGbps, ratio: pct(saveGbps, 50) / nativeGbps };
+  rows.push({
+    what: "save (whole stack)",
+    p50_ms: pct(saveMs, 50).toFixed(2),
+    p99_ms: pct(saveMs, 99).toFixed(2),
+    gbps: pct(saveGbps, 50).toFixed(2),
+    vs_native: (pct(saveGbps, 50) / nativeGbps).toFixed(3),
+  });
+  rows.push({
+    what: "native gather (same segments)",
+    p50_ms: (prefixBytes / nativeGbps / 1e6).toFixed(2),
+    p99_ms: "-",
+    gbps: nativeGbps.toFixed(2),
+    vs_native: "1.000",
+  });
+  result.save = {
+    p50_ms: pct(saveMs, 50),
+    p99_ms: pct(saveMs, 99),
+    gbps_p50: pct(saveGbps, 50),
+    native_gather_gbps: nativeGbps,
+    ratio: pct(saveGbps, 50) / nativeGbps,
+  };
 
   // Warm load of the saved prefix.
   const loadMs: number[] = [];
@@ -148,7 +202,9 @@ try {
   for (let i = 0; i < iters + 1; i++) {
     const t0 = performance.now();
     const q = await sim.query(lastHashes, `bench-load-${i}`);
-    if (q.kind !== "ready" || q.hits !== blocks) throw new Error(`warm query hit ${q.kind === "ready" ? q.hits : "loading"}`);
+    if (q.kind !== "ready" || q.hits !== blocks) {
+      throw new Error(`warm query hit ${q.kind === "ready" ? q.hits : "loading"}`);
+    }
     const l = await sim.load(q.leaseId, dst);
     const total = performance.now() - t0;
     if (i > 0) {
@@ -157,9 +213,26 @@ try {
     }
   }
   const v = sim.verify(dst, filledWith);
-  rows.push({ what: "warm load: query+load+all layers", p50_ms: pct(loadMs, 50).toFixed(2), p99_ms: pct(loadMs, 99).toFixed(2), gbps: (prefixBytes / pct(loadMs, 50) / 1e6).toFixed(2), vs_native: "-" });
-  rows.push({ what: "warm load: until layer 0 usable", p50_ms: pct(firstMs, 50).toFixed(2), p99_ms: pct(firstMs, 99).toFixed(2), gbps: "-", vs_native: "-" });
-  result.warm_load = { p50_ms: pct(loadMs, 50), p99_ms: pct(loadMs, 99), first_layer_p50_ms: pct(firstMs, 50), verified: v.badSegments === 0 };
+  rows.push({
+    what: "warm load: query+load+all layers",
+    p50_ms: pct(loadMs, 50).toFixed(2),
+    p99_ms: pct(loadMs, 99).toFixed(2),
+    gbps: (prefixBytes / pct(loadMs, 50) / 1e6).toFixed(2),
+    vs_native: "-",
+  });
+  rows.push({
+    what: "warm load: until layer 0 usable",
+    p50_ms: pct(firstMs, 50).toFixed(2),
+    p99_ms: pct(firstMs, 99).toFixed(2),
+    gbps: "-",
+    vs_native: "-",
+  });
+  result.warm_load = {
+    p50_ms: pct(loadMs, 50),
+    p99_ms: pct(loadMs, 99),
+    first_layer_p50_ms: pct(firstMs, 50),
+    verified: v.badSegments === 0,
+  };
 
   // QueryPrefetch latency.
   const qMs: number[] = [];
@@ -169,10 +242,20 @@ try {
     qMs.push(performance.now() - t0);
     if (q.kind === "ready" && q.hits > 0) await client.release(q.leaseId);
   }
-  rows.push({ what: `QueryPrefetch of ${blocks} hashes`, p50_ms: pct(qMs, 50).toFixed(3), p99_ms: pct(qMs, 99).toFixed(3), gbps: "-", vs_native: "-" });
+  rows.push({
+    what: `QueryPrefetch of ${blocks} hashes`,
+    p50_ms: pct(qMs, 50).toFixed(3),
+    p99_ms: pct(qMs, 99).toFixed(3),
+    gbps: "-",
+    vs_native: "-",
+  });
   result.query = { hashes: blocks, p50_ms: pct(qMs, 50), p99_ms: pct(qMs, 99) };
 
-  console.log(`backend ${backend}: ${tokens} tokens = ${blocks} blocks = ${(prefixBytes / 2 ** 20).toFixed(1)} MiB of Llama-3.1-8B KV; byte-exact after load: ${v.badSegments === 0}`);
+  console.log(
+    `backend ${backend}: ${tokens} tokens = ${blocks} blocks = ${
+      (prefixBytes / 2 ** 20).toFixed(1)
+    } MiB of Llama-3.1-8B KV; byte-exact after load: ${v.badSegments === 0}`,
+  );
   console.table(rows);
   await Deno.mkdir(o.out, { recursive: true });
   const path = `${o.out}/server-${backend}.json`;

@@ -110,13 +110,21 @@ export class PegaflowClient {
   }
 
   async queryPrefetch(req: QueryPrefetchRequest): Promise<QueryResult> {
-    const r = await this.#call<QueryPrefetchRequest, import("../../proto/pegaflow.ts").QueryPrefetchResponse>(
+    const r = await this.#call<
+      QueryPrefetchRequest,
+      import("../../proto/pegaflow.ts").QueryPrefetchResponse
+    >(
       "QueryPrefetch",
       this.#raw.queryPrefetch as never,
       req,
     );
     if (r.result?.$case === "ready") {
-      return { kind: "ready", hits: r.result.value.numHitBlocks, leaseId: r.result.value.leaseId, ttlMs: r.result.value.leaseTtlMs };
+      return {
+        kind: "ready",
+        hits: r.result.value.numHitBlocks,
+        leaseId: r.result.value.leaseId,
+        ttlMs: r.result.value.leaseTtlMs,
+      };
     }
     return { kind: "loading" };
   }

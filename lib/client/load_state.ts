@@ -65,7 +65,9 @@ export class LoadState {
       const s = readLoadState(this.#view);
       if (s.state !== STATE_PENDING) return s.state;
       if (s.layersReady > i) return s.state;
-      if (performance.now() > deadline) throw new Error(`load state ${this.name}: layer ${i} not ready after ${timeoutMs} ms`);
+      if (performance.now() > deadline) {
+        throw new Error(`load state ${this.name}: layer ${i} not ready after ${timeoutMs} ms`);
+      }
       await new Promise((r) => setTimeout(r, POLL_SLEEP_MS));
     }
   }
@@ -76,7 +78,9 @@ export class LoadState {
     for (;;) {
       const s = readLoadState(this.#view).state;
       if (s !== STATE_PENDING) return s;
-      if (performance.now() > deadline) throw new Error(`load state ${this.name}: not done after ${timeoutMs} ms`);
+      if (performance.now() > deadline) {
+        throw new Error(`load state ${this.name}: not done after ${timeoutMs} ms`);
+      }
       await new Promise((r) => setTimeout(r, POLL_SLEEP_MS));
     }
   }

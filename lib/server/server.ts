@@ -67,7 +67,10 @@ export interface RunningServer {
  * await s.close();
  * ```
  */
-export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLevel)): Promise<RunningServer> {
+export async function startServer(
+  cfg: ServeConfig,
+  log = new Logger(cfg.logLevel),
+): Promise<RunningServer> {
   const cap = capPoolSize(cfg.poolSize);
   if (cap.capped) {
     log.warn("pool size capped to what this machine can hold", {
@@ -103,15 +106,18 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
   // Leases expire and stale inflight blocks are collected on every store call;
   // the timer covers an idle server so pins do not outlive their TTL.
   const collector = setInterval(() => store.collect(), COLLECT_INTERVAL_MS);
-  log.info("store ready", { unit_bytes: unitBytes, lfu_admission: cfg.enableLfuAdmission, lease_ttl_ms: cfg.leaseTtlMs });
+  log.info("store ready", {
+    unit_bytes: unitBytes,
+    lfu_admission: cfg.enableLfuAdmission,
+    lease_ttl_ms: cfg.leaseTtlMs,
+  });
   const sessions = new Sessions();
-  let engineRef: KvEngine | undefined;
-  const metrics = new ServerMetrics(() => store.stats(), {
-    instances: () => engineRef?.instances().length ?? 0,
+  // The gauges read the engine at scrape time, by which point it exists.
+  const metrics: ServerMetrics = new ServerMetrics(() => store.stats(), {
+    instances: () => engine.instances().length,
     sessions: () => sessions.count,
   });
   const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs });
-  engineRef = engine;
 
   const server = new grpc.Server({
     "grpc.max_receive_message_length": cfg.maxMessageBytes,
@@ -122,7 +128,11 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
   });
   server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
   const port = await new Promise<number>((resolve, reject) =>
-    server.bindAsync(cfg.addr, grpc.ServerCredentials.createInsecure(), (err, p) => err ? reject(err) : resolve(p))
+    server.bindAsync(
+      cfg.addr,
+      grpc.ServerCredentials.createInsecure(),
+      (err, p) => err ? reject(err) : resolve(p),
+    )
   ).catch(async (e) => {
     clearInterval(collector);
     await native.close();
@@ -147,7 +157,10 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
       },
     });
     try {
-      http = Deno.serve({ hostname, port: Number(cfg.httpAddr.slice(i + 1)), onListen: () => {} }, handler);
+      http = Deno.serve(
+        { hostname, port: Number(cfg.httpAddr.slice(i + 1)), onListen: () => {} },
+        handler,
+      );
     } catch (e) {
       server.forceShutdown();
       clearInterval(collector);

@@ -16,13 +16,26 @@ import { PROTOCOL_VERSION } from "../../lib/engine/engine.ts";
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const silent = new Logger("error", {}, () => {});
 
-async function setup(opts: { saveConcurrency: number; saveQueueDepth: number }) {
-  const native = openNative({ backend: "host", device: 0, poolBytes: 64 << 20, useHugepages: false, transferPath: "auto" }, silent);
+function setup(opts: { saveConcurrency: number; saveQueueDepth: number }) {
+  const native = openNative({
+    backend: "host",
+    device: 0,
+    poolBytes: 64 << 20,
+    useHugepages: false,
+    transferPath: "auto",
+  }, silent);
   const store = new KvStore({ capacityBytes: native.poolBytes });
   const engine = new KvEngine({ native, store, log: silent, leaseTtlMs: 60_000, ...opts });
   // The simulated engine only needs its regions here; no server connection is made.
   const client = new PegaflowClient("127.0.0.1:1");
-  const sim = SimEngine.create({ client, instanceId: "inproc", namespace: "ns-inproc", model: MODEL, numBlocks: 64, backend: "host" });
+  const sim = SimEngine.create({
+    client,
+    instanceId: "inproc",
+    namespace: "ns-inproc",
+    model: MODEL,
+    numBlocks: 64,
+    backend: "host",
+  });
   const planeBytes = sim.numBlocks * sim.segBytes;
   engine.register({
     instanceId: "inproc",
@@ -68,12 +81,17 @@ function saveArgs(sim: SimEngine, seed: number) {
 }
 
 Deno.test("a full save queue refuses with RESOURCE_EXHAUSTED instead of parking the request", async () => {
-  const { engine, sim, teardown } = await setup({ saveConcurrency: 1, saveQueueDepth: 1 });
+  const { engine, sim, teardown } = setup({ saveConcurrency: 1, saveQueueDepth: 1 });
   try {
     const args = [1, 2, 3, 4].map((s) => saveArgs(sim, s));
     // Submitted in one turn: 1 copying, 1 queued, 2 refused.
     const results = await Promise.allSettled(args.map((a) => engine.save(a)));
-    assert.deepEqual(results.map((r) => r.status), ["fulfilled", "fulfilled", "rejected", "rejected"]);
+    assert.deepEqual(results.map((r) => r.status), [
+      "fulfilled",
+      "fulfilled",
+      "rejected",
+      "rejected",
+    ]);
     for (const r of results.slice(2)) {
       const e = (r as PromiseRejectedResult).reason as EngineError;
       assert.equal(e.code, 8 /* RESOURCE_EXHAUSTED */);
@@ -88,13 +106,16 @@ Deno.test("a full save queue refuses with RESOURCE_EXHAUSTED instead of parking 
 });
 
 Deno.test("cleanup fences new work and drains in-flight saves before unmapping", async () => {
-  const { engine, store, sim, teardown } = await setup({ saveConcurrency: 2, saveQueueDepth: 4 });
+  const { engine, store, sim, teardown } = setup({ saveConcurrency: 2, saveQueueDepth: 4 });
   try {
     const a = engine.save(saveArgs(sim, 10));
     // What the store holds at the moment cleanup finishes: the drained save has sealed its blocks by then.
     const gone = engine.unregister("inproc", "test").then(() => store.stats().sealedBlocks);
     // Fenced: new work is refused at once.
-    await assert.rejects(engine.save(saveArgs(sim, 11)), (e: EngineError) => e.code === 14 /* UNAVAILABLE */);
+    await assert.rejects(
+      engine.save(saveArgs(sim, 11)),
+      (e: EngineError) => e.code === 14, /* UNAVAILABLE */
+    );
     const r = await a;
     assert.equal(await gone, 16, "cleanup finished only after the in-flight save completed");
     assert.equal(r.bytesCopied, 16 * 4 * 2 * 32768);

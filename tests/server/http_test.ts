@@ -9,7 +9,14 @@ import { startServer, uid } from "./harness.ts";
 
 Deno.test("HTTP endpoints report and act on the server's state", async () => {
   const srv = await startServer();
-  const sim = SimEngine.create({ client: srv.client, instanceId: uid("http"), namespace: uid("ns"), model: { ...LLAMA_3_1_8B, numLayers: 2 }, numBlocks: 8, backend: "host" });
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId: uid("http"),
+    namespace: uid("ns"),
+    model: { ...LLAMA_3_1_8B, numLayers: 2 },
+    numBlocks: 8,
+    backend: "host",
+  });
   try {
     const h = await (await srv.http_get("/health")).json();
     assert.deepEqual(h, { status: "ok", version: "pegaflow-1", backend: "host" });
@@ -44,8 +51,14 @@ Deno.test("HTTP endpoints report and act on the server's state", async () => {
         "pegaflow_rpc_duration_seconds_bucket",
       ]
     ) assert.ok(text.includes(name), `/metrics has ${name}`);
-    assert.equal(await srv.metric("pegaflow_rpc_requests_total", '{method="Save",status="INVALID_ARGUMENT"}'), 1);
-    assert.equal(await srv.metric("pegaflow_rpc_requests_total", '{method="RegisterContext",status="OK"}'), 1);
+    assert.equal(
+      await srv.metric("pegaflow_rpc_requests_total", '{method="Save",status="INVALID_ARGUMENT"}'),
+      1,
+    );
+    assert.equal(
+      await srv.metric("pegaflow_rpc_requests_total", '{method="RegisterContext",status="OK"}'),
+      1,
+    );
     assert.equal(await srv.metric("pegaflow_queue_depth", '{queue="save.gather"}'), 0);
 
     // Cache cleanup frees every unpinned block.
@@ -61,7 +74,8 @@ Deno.test("HTTP endpoints report and act on the server's state", async () => {
     const bad = await srv.http_post("/instances/cleanup");
     assert.equal(bad.status, 400);
     await bad.body?.cancel();
-    const ok = await (await srv.http_post("/instances/cleanup", { instance_id: sim.instanceId })).json();
+    const ok = await (await srv.http_post("/instances/cleanup", { instance_id: sim.instanceId }))
+      .json();
     assert.deepEqual(ok.cleaned, [{ instance_id: sim.instanceId, leases_released: 0 }]);
     assert.equal((await (await srv.http_get("/instances")).json()).instances.length, 0);
     const nf = await srv.http_get("/nope");

@@ -68,7 +68,10 @@ Deno.test("a saved prefix loads byte-exact into different block ids, with per-la
     assert.equal(dv.getInt32(20, true), 1, "state ok");
 
     // The lease was consumed by the only rank: a second load with it is refused.
-    await assert.rejects(sim.load(q.leaseId, dst), (e: Error) => /FAILED_PRECONDITION/.test(e.message));
+    await assert.rejects(
+      sim.load(q.leaseId, dst),
+      (e: Error) => /FAILED_PRECONDITION/.test(e.message),
+    );
 
     // A miss answers 0 hits and no lease.
     const miss = await sim.query(chainedBlockHashes(syntheticTokens(99, 32), 16), "req-2");
