@@ -156,3 +156,33 @@ Deno.test("an engine killed with SIGKILL mid-save is cleaned up with nothing lea
     await srv.stop();
   }
 });
+
+Deno.test("a newer session for the same rank supersedes the old one without a cleanup", async () => {
+  const srv = await startServer();
+  const instanceId = uid("super");
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId,
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 8,
+    backend: "host",
+  });
+  try {
+    const first = srv.client.openSession(instanceId);
+    await sim.register();
+    const second = srv.client.openSession(instanceId);
+    const ev = await first.closed;
+    assert.equal(ev?.kind, 1 /* SUPERSEDED */);
+    // The superseded stream ending did not clean the instance up.
+    assert.deepEqual(await instanceIds(srv), [instanceId]);
+    second.close();
+    await until(
+      "instance gone after the current session drops",
+      async () => (await instanceIds(srv)).length === 0,
+    );
+  } finally {
+    sim.close();
+    await srv.stop();
+  }
+});
