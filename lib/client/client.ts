@@ -105,8 +105,16 @@ export class PegaflowClient {
     });
   }
 
-  save(req: SaveRequest): Promise<SaveResponse> {
-    return this.#call("Save", this.#raw.save as never, req);
+  /** Saves blocks: per-layer `layers`, or `blockIds`/`blockHashes` for every layer of the rank. */
+  save(
+    req: Omit<SaveRequest, "layers" | "blockIds" | "blockHashes"> & Partial<SaveRequest>,
+  ): Promise<SaveResponse> {
+    return this.#call("Save", this.#raw.save as never, {
+      layers: [],
+      blockIds: [],
+      blockHashes: [],
+      ...req,
+    });
   }
 
   async queryPrefetch(req: QueryPrefetchRequest): Promise<QueryResult> {

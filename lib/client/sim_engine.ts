@@ -261,17 +261,29 @@ export class SimEngine {
     return { badSegments: bad, first };
   }
 
-  /** One Save of every layer for these blocks. */
-  save(ids: number[], hashes: Uint8Array[]) {
+  /**
+   * One Save of every layer for these blocks: the all-layers shorthand by
+   * default, or one list per layer with `perLayer`.
+   */
+  save(ids: number[], hashes: Uint8Array[], opts: { perLayer?: boolean } = {}) {
+    if (opts.perLayer) {
+      return this.client.save({
+        instanceId: this.instanceId,
+        tpRank: this.tpRank,
+        ppRank: 0,
+        layers: this.layerNames.map((layerName) => ({
+          layerName,
+          blockIds: ids,
+          blockHashes: hashes,
+        })),
+      });
+    }
     return this.client.save({
       instanceId: this.instanceId,
       tpRank: this.tpRank,
       ppRank: 0,
-      layers: this.layerNames.map((layerName) => ({
-        layerName,
-        blockIds: ids,
-        blockHashes: hashes,
-      })),
+      blockIds: ids,
+      blockHashes: hashes,
     });
   }
 

@@ -71,7 +71,10 @@ export interface SaveArgs {
   tpRank: number;
   ppRank: number;
   requestId?: string;
+  /** Per-layer lists; empty means "every layer of the rank saves blockIds/blockHashes". */
   layers: { layerName: string; blockIds: number[]; blockHashes: Uint8Array[] }[];
+  blockIds?: number[];
+  blockHashes?: Uint8Array[];
 }
 
 export interface SaveResult {
@@ -533,7 +536,20 @@ export class KvEngine {
     // share one store plan; all plans go into ONE gather batch.
     const groups: { ids: number[]; hashes: Uint8Array[]; layers: LayerCtx[] }[] = [];
     const seenLayer = new Set<string>();
-    for (const ls of args.layers) {
+    const shared = (args.blockIds?.length ?? 0) > 0 || (args.blockHashes?.length ?? 0) > 0;
+    if (shared && args.layers.length > 0) {
+      throw invalid(
+        `${who}: Save gives both per-layer lists and the all-layers block_ids/block_hashes`,
+      );
+    }
+    const layerSaves = shared
+      ? rank.layers.map((l) => ({
+        layerName: l.name,
+        blockIds: args.blockIds!,
+        blockHashes: args.blockHashes!,
+      }))
+      : args.layers;
+    for (const ls of layerSaves) {
       const layer = rank.byName.get(ls.layerName);
       if (!layer) {
         throw invalid(

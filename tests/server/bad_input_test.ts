@@ -148,6 +148,17 @@ Deno.test("save, query, load and release refuse bad input and store nothing", as
       status("INVALID_ARGUMENT", /layer "nope"/),
     );
     await assert.rejects(
+      srv.client.save({
+        instanceId: sim.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        layers: [{ layerName: sim.layerNames[0], blockIds: [0], blockHashes: [hashes[0]] }],
+        blockIds: [1],
+        blockHashes: [hashes[1]],
+      }),
+      status("INVALID_ARGUMENT", /both per-layer lists and the all-layers/),
+    );
+    await assert.rejects(
       srv.client.save({ instanceId: "ghost", tpRank: 0, ppRank: 0, layers: [] }),
       status("FAILED_PRECONDITION", /instance "ghost" is not registered/),
     );

@@ -159,3 +159,42 @@ Deno.test("a lease keeps its blocks through eviction pressure; a full pool refus
     await srv.stop();
   }
 });
+
+Deno.test("a block saved layer by layer in separate requests is served only once every layer arrived", async () => {
+  const srv = await startServer();
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId: uid("layers"),
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 16,
+    backend: "host",
+  });
+  try {
+    await sim.register();
+    const hashes = chainedBlockHashes(syntheticTokens(31, 16 * 4), 16);
+    sim.fill(ids(0, 4), hashes);
+    const part = (names: string[]) =>
+      srv.client.save({
+        instanceId: sim.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        layers: names.map((layerName) => ({ layerName, blockIds: ids(0, 4), blockHashes: hashes })),
+      });
+    const first = await part(sim.layerNames.slice(0, 2));
+    assert.equal(first.bytesCopied, 4 * 2 * 2 * 32768);
+    const q0 = await sim.query(hashes, "partial");
+    assert.equal(q0.kind === "ready" && q0.hits, 0, "2 of 4 layers: not servable");
+    await part(sim.layerNames.slice(2));
+    const q = await sim.query(hashes, "complete");
+    assert.ok(q.kind === "ready" && q.hits === 4);
+    if (q.kind !== "ready") return;
+    sim.clear(ids(8, 4));
+    await sim.load(q.leaseId, ids(8, 4));
+    const v = sim.verify(ids(8, 4), hashes);
+    assert.equal(v.badSegments, 0, v.first ?? "");
+  } finally {
+    sim.close();
+    await srv.stop();
+  }
+});
