@@ -208,6 +208,7 @@ export class KvEngine {
   readonly #saveBatch: BatchWriter;
   readonly #loadBatch: BatchWriter;
   readonly #goneListeners: ((instanceId: string, reason: string) => void)[] = [];
+  readonly #sealedListeners: ((namespace: string, keys: readonly string[]) => void)[] = [];
   #closed = false;
 
   constructor(opts: EngineOptions) {
@@ -236,6 +237,14 @@ export class KvEngine {
       },
       (job) => this.#runLoad(job),
     );
+  }
+
+  /**
+   * Called with the keys of blocks a save just sealed (servable from now on):
+   * the hook for write-behind to a lower tier and for cross-node advertising.
+   */
+  onSealed(fn: (namespace: string, keys: readonly string[]) => void): void {
+    this.#sealedListeners.push(fn);
   }
 
   /** Called with (instanceId, reason) after an instance has been cleaned up. */
@@ -655,7 +664,13 @@ export class KvEngine {
       }
       // The bytes are in the pool: the slots join their blocks, complete blocks seal.
       let sealed = 0;
-      for (const p of plans.splice(0)) sealed += this.#store.completeSave(p.plan, true).sealed;
+      for (const p of plans.splice(0)) {
+        const done = this.#store.completeSave(p.plan, true);
+        sealed += done.sealed;
+        if (done.sealed > 0) {
+          for (const f of this.#sealedListeners) f(inst.namespace, done.sealedKeys);
+        }
+      }
       const secs = (performance.now() - t0) / 1000;
       this.#metrics?.saveDone(bytes, secs, blocks);
       this.#log.debug("save done", {

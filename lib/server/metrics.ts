@@ -78,6 +78,7 @@ export class ServerMetrics implements EngineMetrics {
   readonly #queueDropped: Counter<"queue">;
   readonly #sessions: Gauge;
   readonly #cleanups: Counter<"reason">;
+  readonly #sealed: Counter;
 
   constructor(
     stats: () => StoreStats,
@@ -172,6 +173,11 @@ export class ServerMetrics implements EngineMetrics {
       collect() {
         if (extra) this.set(extra.sessions());
       },
+    });
+    this.#sealed = new Counter({
+      name: "pegaflow_blocks_sealed_total",
+      help: "blocks that became servable (every layer and TP rank arrived)",
+      registers: [r],
     });
     this.#cleanups = new Counter({
       name: "pegaflow_instance_cleanups_total",
@@ -285,6 +291,11 @@ export class ServerMetrics implements EngineMetrics {
   rpc(method: string, status: string, seconds: number): void {
     this.#rpcTotal.inc({ method, status });
     this.#rpcSeconds.observe({ method, status }, seconds);
+  }
+
+  /** Counts blocks a save sealed. */
+  sealed(count: number): void {
+    this.#sealed.inc(count);
   }
 
   cleanup(reason: string): void {

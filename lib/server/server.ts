@@ -118,6 +118,7 @@ export async function startServer(
     sessions: () => sessions.count,
   });
   const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs });
+  engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
 
   const server = new grpc.Server({
     "grpc.max_receive_message_length": cfg.maxMessageBytes,

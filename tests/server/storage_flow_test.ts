@@ -61,7 +61,13 @@ Deno.test("TP=2: a block saved by one rank only is never served; both ranks load
     assert.equal(half.kind === "ready" && half.hits, 0, "half-saved blocks are not served");
     assert.equal(await srv.metric("pegaflow_inflight_blocks"), 10);
 
+    assert.equal(await srv.metric("pegaflow_blocks_sealed_total"), 0);
     await r1.save(ids(0, 10), hashes);
+    assert.equal(
+      await srv.metric("pegaflow_blocks_sealed_total"),
+      10,
+      "the second rank's save sealed them",
+    );
     const q = await r0.query(hashes, "q-full");
     assert.ok(q.kind === "ready" && q.hits === 10);
     if (q.kind !== "ready") return;
