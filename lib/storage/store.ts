@@ -419,6 +419,8 @@ export class KvStore {
       this.#lfu?.record(key);
       const b = this.#index.get(key);
       if (seenInRequest.has(key) || b?.state === "sealed") {
+        // Saving a held block again is an access: keep it from being this save's victim.
+        if (b?.state === "sealed") this.#lru.touch(b);
         deduplicated++;
         continue;
       }
