@@ -99,17 +99,26 @@ export interface SaveRequest {
 }
 
 /**
- * Where a save copies to. Offsets are layer-major so one layer's blocks are
- * adjacent: `offsets[(li * segments + seg) * blockCount + b]` is the pool byte
- * offset of block `b`'s segment `seg` of layer `layers[li]`, or -1 when that
- * slot is already held (a duplicate) and must not be copied.
+ * Where a save copies to. The plan covers `layers × rankSlots` slot columns
+ * (one rank slot for an engine's Save; every rank slot for a whole-block fill
+ * from SSD or a peer). Offsets are column-major so one layer's blocks are
+ * adjacent and merge into long DMA ranges:
+ *
+ * `offsets[((li * rankSlots.length + ri) * segments + seg) * blockCount + b]`
+ *
+ * is the pool byte offset of planned block `b`, layer `layers[li]`, rank slot
+ * `rankSlots[ri]`, segment `seg` — or -1 when that slot is already held or in
+ * flight (a duplicate) and must not be copied. For an engine Save
+ * (`rankSlots.length === 1`) this is `offsets[(li * segments + seg) * blockCount + b]`.
  */
 export interface SavePlan {
   readonly namespace: string;
   readonly instance: string;
-  /** Rank slot written (the TP rank, or 0 when TP is collapsed). */
+  /** Rank slot of an engine Save (the TP rank, or 0 when TP is collapsed); -1 for a fill. */
   readonly rankSlot: number;
-  /** Layer ids of the request, in request order. */
+  /** Rank slots covered, in offset order. */
+  readonly rankSlots: Int32Array;
+  /** Layer ids covered, in request order. */
   readonly layers: Int32Array;
   readonly segments: number;
   readonly segmentBytes: number;
@@ -126,6 +135,16 @@ export interface SavePlan {
   readonly admissionRejected: number;
   /** Hashes past the prefix that fitted in the pool (refused for room). */
   readonly refusedForRoom: number;
+}
+
+/** A whole-block fill (SSD prefetch, peer fetch): every layer and rank slot of each block. */
+export interface FillRequest {
+  namespace: string;
+  /** Who fills (e.g. `"ssd"` or the peer's node id); recorded for cleanup like an instance. */
+  instance: string;
+  hashes: readonly BlockHash[];
+  /** Default "retained" (SSD); use "reclaimable" for blocks fetched from a peer. */
+  cacheClass?: CacheClass;
 }
 
 /** The answer to {@link KvStore.beginSave}. */
@@ -403,18 +422,73 @@ export class KvStore {
     checkCount(req.hashes.length, { namespace, instance, rank: req.rank });
     const layers = this.#layers(namespace, instance, L, req.layers, req.rank);
     const rankSlot = L.collapseTp ? 0 : req.rank;
-    const S = L.segments;
+    return this.#plan(
+      ns,
+      namespace,
+      instance,
+      req.rank,
+      req.hashes,
+      layers,
+      [rankSlot],
+      req.cacheClass,
+    );
+  }
 
-    // 1. Dedup: which (block, layer) slots still need bytes.
+  /**
+   * Plans a whole-block fill (SSD prefetch into RAM, peer fetch): every layer
+   * and every rank slot of each block not already held. Same contract as
+   * {@link beginSave}; the blocks seal at {@link completeSave}.
+   */
+  beginFill(req: FillRequest): SaveBegin {
+    this.collect();
+    const ns = this.#ns(req.namespace, req.instance);
+    checkCount(req.hashes.length, { namespace: req.namespace, instance: req.instance });
+    const layers = Array.from({ length: ns.layout.layers }, (_, i) => i);
+    const ranks = Array.from({ length: ns.rankSlots }, (_, i) => i);
+    return this.#plan(
+      ns,
+      req.namespace,
+      req.instance,
+      -1,
+      req.hashes,
+      layers,
+      ranks,
+      req.cacheClass,
+    );
+  }
+
+  #plan(
+    ns: NamespaceState,
+    namespace: string,
+    instance: string,
+    rank: number,
+    hashes: readonly BlockHash[],
+    layers: number[],
+    rankSlotList: number[],
+    cacheClass: CacheClass = "retained",
+  ): SaveBegin {
+    const L = ns.layout;
+    const S = L.segments;
+    const R = rankSlotList.length;
+    const C = layers.length * R; // slot columns: (layer, rank slot) pairs
+    const colSlot = new Int32Array(C); // column → slot index within a block
+    for (let li = 0; li < layers.length; li++) {
+      for (let ri = 0; ri < R; ri++) {
+        colSlot[li * R + ri] = layers[li] * ns.rankSlots + rankSlotList[ri];
+      }
+    }
+
+    // 1. Dedup: which (block, column) slots still need bytes. One flat need map, no per-block arrays.
+    const need = new Uint8Array(hashes.length * C);
+    const needCount = new Int32Array(hashes.length);
     const hashIndex: number[] = [];
     const keys: string[] = [];
     const hexes: string[] = [];
     const existing: (Block | undefined)[] = [];
-    const needs: Uint8Array[] = [];
     let deduplicated = 0;
     const seenInRequest = new Set<string>();
-    for (let i = 0; i < req.hashes.length; i++) {
-      const hex = hashHex(req.hashes[i]);
+    for (let i = 0; i < hashes.length; i++) {
+      const hex = hashHex(hashes[i]);
       const key = `${namespace}:${hex}`;
       this.#lfu?.record(key);
       const b = this.#index.get(key);
@@ -425,35 +499,35 @@ export class KvStore {
         continue;
       }
       seenInRequest.add(key);
-      const need = new Uint8Array(layers.length);
-      let any = false;
-      for (let li = 0; li < layers.length; li++) {
-        if (!b || b.slots[b.slotIndex(layers[li], rankSlot)] === SLOT_EMPTY) {
-          need[li] = 1;
-          any = true;
+      const k = keys.length;
+      let n = 0;
+      for (let c = 0; c < C; c++) {
+        if (!b || b.slots[colSlot[c]] === SLOT_EMPTY) {
+          need[k * C + c] = 1;
+          n++;
         }
       }
-      if (!any) {
+      if (n === 0) {
         deduplicated++;
         continue;
       }
+      needCount[k] = n;
       hashIndex.push(i);
       keys.push(key);
       hexes.push(hex);
       existing.push(b);
-      needs.push(need);
     }
     this.#c.deduplicated += deduplicated;
 
     // 2. Room: keep the longest prefix that free + evictable bytes can hold.
     const slotBytes = S * ns.strideBytes;
-    const bytesOf = (k: number) => needs[k].reduce((a, x) => a + x, 0) * slotBytes;
     let total = 0;
-    for (let k = 0; k < keys.length; k++) total += bytesOf(k);
+    for (let k = 0; k < keys.length; k++) total += needCount[k] * slotBytes;
     let count = keys.length;
     const room = this.allocator.freeBytes + this.#lru.evictableBytes;
-    while (count > 0 && total > room) total -= bytesOf(--count);
+    while (count > 0 && total > room) total -= needCount[--count] * slotBytes;
     const refusedForRoom = keys.length - count;
+    const firstBytes = keys.length > 0 ? needCount[0] * slotBytes : 0;
 
     // 3. Admission (only when eviction is needed): new blocks must beat the victim.
     let admissionRejected = 0;
@@ -461,63 +535,65 @@ export class KvStore {
       const victim = this.#lru.victim();
       if (victim) {
         let w = 0;
-        let kept = 0;
+        total = 0;
         for (let k = 0; k < count; k++) {
           if (existing[k] === undefined && !this.#lfu.admit(keys[k], victim.key)) {
             admissionRejected++;
             continue;
           }
-          hashIndex[w] = hashIndex[k];
-          keys[w] = keys[k];
-          hexes[w] = hexes[k];
-          existing[w] = existing[k];
-          needs[w] = needs[k];
+          if (w !== k) {
+            hashIndex[w] = hashIndex[k];
+            keys[w] = keys[k];
+            hexes[w] = hexes[k];
+            existing[w] = existing[k];
+            needCount[w] = needCount[k];
+            need.copyWithin(w * C, k * C, (k + 1) * C);
+          }
+          total += needCount[w] * slotBytes;
           w++;
-          kept += bytesOf(w - 1);
         }
         count = w;
-        total = kept;
       }
     }
 
-    if (count === 0) {
-      if (refusedForRoom > 0) {
-        this.#c.saveRefusals++;
-        return {
-          ok: false,
-          error: new PoolExhaustedError(
-            bytesOf(0),
-            this.allocator.freeBytes,
-            this.#lru.evictableBytes,
-            { namespace, instance, rank: req.rank },
-          ),
-        };
-      }
+    const refuse = (bytes: number): SaveBegin => {
+      this.#c.saveRefusals++;
       return {
-        ok: true,
-        plan: this.#emptyPlan(
-          req,
-          rankSlot,
-          layers,
-          S,
-          L.segmentBytes,
-          deduplicated,
-          admissionRejected,
-        ),
+        ok: false,
+        error: new PoolExhaustedError(bytes, this.allocator.freeBytes, this.#lru.evictableBytes, {
+          namespace,
+          instance,
+          rank: rank >= 0 ? rank : undefined,
+        }),
       };
+    };
+    if (count === 0) {
+      if (refusedForRoom > 0) return refuse(firstBytes);
+      const empty = this.#record(namespace, instance, rank, rankSlotList, layers, ns, {
+        count: 0,
+        hashIndex: [],
+        offsets: new Float64Array(0),
+        total: 0,
+        deduplicated,
+        admissionRejected,
+        refusedForRoom: 0,
+        blocks: [],
+        cacheClass,
+      });
+      return { ok: true, plan: empty };
     }
 
-    // 4. Evict until the bytes are free, then allocate per (layer, segment).
+    // 4. Evict until the bytes are free, then allocate per (column, segment).
     while (this.allocator.freeBytes < total) {
       if (!this.#evictOne()) break;
     }
-    const offsets = new Float64Array(layers.length * S * count).fill(NO_OFFSET);
+    const offsets = new Float64Array(C * S * count).fill(NO_OFFSET);
     const allocated: [number, number][] = []; // [offset, items] runs, for rollback
     const itemBytes = L.segmentBytes;
     let failed = false;
-    outer: for (let li = 0; li < layers.length; li++) {
+    outer: for (let c = 0; c < C; c++) {
       let m = 0;
-      for (let k = 0; k < count; k++) m += needs[k][li];
+      for (let k = 0; k < count; k++) m += need[k * C + c];
       if (m === 0) continue;
       for (let seg = 0; seg < S; seg++) {
         let runs = this.allocator.allocate(m, itemBytes);
@@ -527,14 +603,14 @@ export class KvStore {
           failed = true;
           break outer;
         }
+        for (const r of runs) allocated.push([r.offset, r.items]);
         let r = 0;
         let inRun = 0;
-        const base = (li * S + seg) * count;
+        const base = (c * S + seg) * count;
         for (let k = 0; k < count; k++) {
-          if (!needs[k][li]) continue;
+          if (!need[k * C + c]) continue;
           offsets[base + k] = runs[r].offset + inRun * ns.strideBytes;
           if (++inRun === runs[r].items) {
-            allocated.push([runs[r].offset, runs[r].items]);
             r++;
             inRun = 0;
           }
@@ -543,15 +619,7 @@ export class KvStore {
     }
     if (failed) {
       for (const [off, items] of allocated) this.allocator.free(off, itemBytes, items);
-      this.#c.saveRefusals++;
-      return {
-        ok: false,
-        error: new PoolExhaustedError(total, this.allocator.freeBytes, this.#lru.evictableBytes, {
-          namespace,
-          instance,
-          rank: req.rank,
-        }),
-      };
+      return refuse(total);
     }
 
     // 5. Create blocks, mark slots in flight, record offsets on the blocks.
@@ -564,46 +632,81 @@ export class KvStore {
         this.#index.addInflight(b);
       }
       (b.writers ??= new Set()).add(instance);
-      for (let li = 0; li < layers.length; li++) {
-        if (!needs[k][li]) continue;
-        const si = b.slotIndex(layers[li], rankSlot);
+      for (let c = 0; c < C; c++) {
+        if (!need[k * C + c]) continue;
+        const si = colSlot[c];
         b.slots[si] = SLOT_PENDING;
         b.pending++;
         for (let seg = 0; seg < S; seg++) {
-          b.offsets[si * S + seg] = offsets[(li * S + seg) * count + k];
+          b.offsets[si * S + seg] = offsets[(c * S + seg) * count + k];
         }
       }
       blocks[k] = b;
     }
     this.#inflightCopyBytes += total;
-    const plan: PlanRecord = {
-      namespace,
-      instance,
-      rankSlot,
-      layers: Int32Array.from(layers),
-      segments: S,
-      segmentBytes: L.segmentBytes,
-      blockCount: count,
-      hashIndex: Int32Array.from(hashIndex.slice(0, count)),
+    const plan = this.#record(namespace, instance, rank, rankSlotList, layers, ns, {
+      count,
+      hashIndex: hashIndex.slice(0, count),
       offsets,
-      bytes: (total / ns.strideBytes) * L.segmentBytes,
+      total,
       deduplicated,
       admissionRejected,
       refusedForRoom,
       blocks,
-      cacheClass: req.cacheClass ?? "retained",
-      poolBytes: total,
-      settled: false,
-    };
-    this.#plans.add(plan);
+      cacheClass,
+    });
     return { ok: true, plan };
   }
 
+  #record(
+    namespace: string,
+    instance: string,
+    rank: number,
+    rankSlotList: number[],
+    layers: number[],
+    ns: NamespaceState,
+    p: {
+      count: number;
+      hashIndex: number[];
+      offsets: Float64Array;
+      total: number;
+      deduplicated: number;
+      admissionRejected: number;
+      refusedForRoom: number;
+      blocks: Block[];
+      cacheClass: CacheClass;
+    },
+  ): PlanRecord {
+    const plan: PlanRecord = {
+      namespace,
+      instance,
+      rankSlot: rank >= 0 ? rankSlotList[0] : -1,
+      rankSlots: Int32Array.from(rankSlotList),
+      layers: Int32Array.from(layers),
+      segments: ns.layout.segments,
+      segmentBytes: ns.layout.segmentBytes,
+      blockCount: p.count,
+      hashIndex: Int32Array.from(p.hashIndex),
+      offsets: p.offsets,
+      bytes: (p.total / ns.strideBytes) * ns.layout.segmentBytes,
+      deduplicated: p.deduplicated,
+      admissionRejected: p.admissionRejected,
+      refusedForRoom: p.refusedForRoom,
+      blocks: p.blocks,
+      cacheClass: p.cacheClass,
+      poolBytes: p.total,
+      settled: false,
+    };
+    this.#plans.add(plan);
+    return plan;
+  }
+
   /**
-   * Ends a save. `ok`: the copied slots become FILLED and blocks whose every
-   * slot is filled are sealed (servable). Not ok: the plan's slots return to
-   * EMPTY and their bytes are freed (blocks left with nothing are dropped).
-   * Throws {@link StaleHandleError} for a plan already completed or foreign.
+   * Ends a save or fill. `ok`: the copied slots become FILLED and blocks
+   * whose every slot is filled are sealed (servable). Not ok: the plan's
+   * slots return to EMPTY and their bytes are freed (blocks left with
+   * nothing are dropped). Throws {@link StaleHandleError} for a plan already
+   * completed or foreign.
    */
   completeSave(plan: SavePlan, ok: boolean): SaveCompletion {
     const p = plan as PlanRecord;
@@ -617,13 +720,17 @@ export class KvStore {
     this.#plans.delete(p);
     this.#inflightCopyBytes -= p.poolBytes;
     const S = p.segments;
+    const R = p.rankSlots.length;
+    const C = p.layers.length * R;
+    const n = p.blockCount;
+    const rankSlotsOf = this.#ns(p.namespace).rankSlots;
     const sealedKeys: string[] = [];
     let freed = 0;
-    for (let k = 0; k < p.blockCount; k++) {
+    for (let k = 0; k < n; k++) {
       const b = p.blocks[k];
-      for (let li = 0; li < p.layers.length; li++) {
-        if (p.offsets[li * S * p.blockCount + k] === NO_OFFSET) continue;
-        const si = b.slotIndex(p.layers[li], p.rankSlot);
+      for (let c = 0; c < C; c++) {
+        if (p.offsets[c * S * n + k] === NO_OFFSET) continue;
+        const si = p.layers[Math.floor(c / R)] * rankSlotsOf + p.rankSlots[c % R];
         b.pending--;
         if (ok) {
           b.slots[si] = SLOT_FILLED;
@@ -911,9 +1018,10 @@ export class KvStore {
     let plannedSlots = 0;
     for (const p of this.#plans) {
       planned += p.poolBytes;
-      for (let i = 0; i < p.layers.length * p.blockCount; i++) {
-        const li = Math.floor(i / p.blockCount);
-        if (p.offsets[li * p.segments * p.blockCount + (i % p.blockCount)] !== NO_OFFSET) {
+      const cols = p.layers.length * p.rankSlots.length;
+      for (let i = 0; i < cols * p.blockCount; i++) {
+        const c = Math.floor(i / p.blockCount);
+        if (p.offsets[c * p.segments * p.blockCount + (i % p.blockCount)] !== NO_OFFSET) {
           plannedSlots++;
         }
       }
@@ -1007,38 +1115,6 @@ export class KvStore {
       seen.add(layer);
     }
     return [...layers];
-  }
-
-  #emptyPlan(
-    req: SaveRequest,
-    rankSlot: number,
-    layers: number[],
-    segments: number,
-    segmentBytes: number,
-    deduplicated: number,
-    admissionRejected: number,
-  ): SavePlan {
-    const plan: PlanRecord = {
-      namespace: req.namespace,
-      instance: req.instance,
-      rankSlot,
-      layers: Int32Array.from(layers),
-      segments,
-      segmentBytes,
-      blockCount: 0,
-      hashIndex: new Int32Array(0),
-      offsets: new Float64Array(0),
-      bytes: 0,
-      deduplicated,
-      admissionRejected,
-      refusedForRoom: 0,
-      blocks: [],
-      cacheClass: req.cacheClass ?? "retained",
-      poolBytes: 0,
-      settled: false,
-    };
-    this.#plans.add(plan);
-    return plan;
   }
 
   #pin(b: Block): void {

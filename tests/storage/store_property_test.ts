@@ -44,6 +44,16 @@ const opArb = fc.oneof(
     }),
   },
   {
+    weight: 2,
+    arbitrary: fc.record({
+      op: fc.constant("fill" as const),
+      ns: fc.nat(1),
+      start: fc.nat(UNIVERSE - 1),
+      len: fc.integer({ min: 1, max: 4 }),
+      peer: fc.boolean(),
+    }),
+  },
+  {
     weight: 5,
     arbitrary: fc.record({
       op: fc.constant("complete" as const),
@@ -152,15 +162,36 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
         }
         break;
       }
+      case "fill": {
+        // SSD prefetch or peer fetch: whole blocks, completed later like a save.
+        const hashes = Array.from({ length: o.len }, (_, k) => h((o.start + k) % UNIVERSE));
+        const r = store.beginFill({
+          namespace: NAMESPACES[o.ns],
+          instance: o.peer ? "peer" : "ssd",
+          hashes,
+          cacheClass: o.peer ? "reclaimable" : "retained",
+        });
+        if (r.ok) {
+          plans.push({
+            plan: r.plan,
+            keys: [...r.plan.hashIndex].map((i) => keyOf(o.ns, o.start + i)),
+          });
+        }
+        break;
+      }
       case "complete": {
         if (plans.length === 0) break;
         const [{ plan, keys }] = plans.splice(o.pick % plans.length, 1);
         store.completeSave(plan, o.ok);
         if (o.ok) {
-          for (const k of keys) {
+          // Which ranks this plan wrote for each block: the slots it did not skip.
+          const n = plan.blockCount;
+          keys.forEach((k, b) => {
             if (!done.has(k)) done.set(k, new Set());
-            done.get(k)!.add(plan.rankSlot);
-          }
+            plan.rankSlots.forEach((r, ri) => {
+              if (plan.offsets[ri * plan.segments * n + b] !== -1) done.get(k)!.add(r);
+            });
+          });
         }
         break;
       }
@@ -259,7 +290,7 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
   // Wind down: every plan and load ends, every lease goes, everything is evicted.
   for (const { plan } of plans) store.completeSave(plan, true);
   for (const { t } of tickets) store.loadDone(t);
-  for (const inst of INSTANCES) store.dropInstance(inst);
+  for (const inst of [...INSTANCES, "ssd", "peer"]) store.dropInstance(inst);
   clock.tick(10 * 60_000);
   store.collect();
   store.evictAll();
@@ -301,7 +332,7 @@ Deno.test("the random interleavings reach hits, loads, evictions, refusals, expi
         fc.boolean(),
         run,
       ),
-      { numRuns: 100, seed: 42 },
+      { numRuns: 200, seed: 42 },
     );
   } finally {
     coverage = undefined;

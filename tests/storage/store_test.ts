@@ -401,3 +401,50 @@ Deno.test("after every plan, lease and load ends, evictAll returns the pool to e
   ]);
   store.verify();
 });
+
+Deno.test("a whole-block fill (SSD or peer) covers every layer and rank slot and seals at once", () => {
+  const { store } = makeStore(4, {}, { ...SMALL, tpSize: 2 });
+  save(store, [h(1)], { rank: 0 }); // rank 0's half of h(1) is already here
+  const f = store.beginFill({
+    namespace: NS,
+    instance: "ssd",
+    hashes: [h(0), h(1)],
+    cacheClass: "reclaimable",
+  });
+  assert(f.ok);
+  assertEquals([...f.plan.rankSlots], [0, 1]);
+  strictEqual(f.plan.rankSlot, -1);
+  strictEqual(f.plan.blockCount, 2);
+  const n = 2;
+  const at = (li: number, ri: number, seg: number, b: number) =>
+    f.plan.offsets[((li * 2 + ri) * 2 + seg) * n + b];
+  // h(0) needs every slot; h(1) only rank 1's.
+  for (let li = 0; li < 2; li++) {
+    for (let seg = 0; seg < 2; seg++) {
+      assert(at(li, 0, seg, 0) >= 0 && at(li, 1, seg, 0) >= 0);
+      strictEqual(at(li, 0, seg, 1), -1);
+      assert(at(li, 1, seg, 1) >= 0);
+    }
+  }
+  strictEqual(f.plan.bytes, (4 + 2) * 2 * 4096);
+  strictEqual(store.completeSave(f.plan, true).sealed, 2);
+  strictEqual(store.query(NS, [h(0), h(1)], "e", 2).hits, 2);
+  store.verify();
+});
+
+Deno.test("blocks fetched from a peer (reclaimable) are evicted before blocks saved here", () => {
+  const { store } = makeStore(2);
+  save(store, [h(0)]);
+  const f = store.beginFill({
+    namespace: NS,
+    instance: "peer",
+    hashes: [h(1)],
+    cacheClass: "reclaimable",
+  });
+  assert(f.ok);
+  store.completeSave(f.plan, true);
+  save(store, [h(2)]); // one block must go: the peer's, though h(0) is older
+  strictEqual(store.blockState(NS, h(1)), "absent");
+  strictEqual(store.blockState(NS, h(0)), "sealed");
+  store.verify();
+});
