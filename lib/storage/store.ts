@@ -70,6 +70,11 @@ export interface KvStoreOptions {
   lfuCapacityBlocks?: number;
   /** Random bytes for lease ids. Default `crypto.getRandomValues`. */
   randomBytes?: (n: number) => Uint8Array;
+  /**
+   * Called synchronously for each evicted block (after its bytes are freed),
+   * e.g. to withdraw it from the cross-node index. Must not call back into the store.
+   */
+  onEvict?: (namespace: string, hash: string) => void;
 }
 
 /** The answer to {@link KvStore.query}. */
@@ -156,8 +161,10 @@ export type SaveBegin =
 export interface SaveCompletion {
   /** Blocks that became sealed (servable) by this save. */
   readonly sealed: number;
-  /** Keys of those blocks (for SSD write-behind and the cross-node index). */
+  /** Keys (`namespace:hash`) of those blocks. */
   readonly sealedKeys: readonly string[];
+  /** Content hashes (hex) of those blocks, for SSD write-behind and the cross-node index. */
+  readonly sealedHashes: readonly string[];
   /** Pool bytes freed (failed saves). */
   readonly freedBytes: number;
 }
@@ -268,6 +275,7 @@ export class KvStore {
   readonly allocator: PoolAllocator;
   readonly #clock: () => number;
   readonly #inflightTtlMs: number;
+  readonly #onEvict: ((namespace: string, hash: string) => void) | undefined;
   readonly #index = new BlockIndex();
   readonly #lru: LruCache;
   readonly #lfu: TinyLfu | undefined;
@@ -300,6 +308,7 @@ export class KvStore {
     });
     this.#clock = opts.clock ?? Date.now;
     this.#inflightTtlMs = opts.inflightTtlMs ?? DEFAULT_INFLIGHT_TTL_MS;
+    this.#onEvict = opts.onEvict;
     this.#lru = new LruCache((b) => this.#ns(b.namespace).blockBytes);
     this.#lfu = opts.lfuCapacityBlocks ? new TinyLfu(opts.lfuCapacityBlocks) : undefined;
     this.#leases = new LeaseTable<Block>({
@@ -725,6 +734,7 @@ export class KvStore {
     const n = p.blockCount;
     const rankSlotsOf = this.#ns(p.namespace).rankSlots;
     const sealedKeys: string[] = [];
+    const sealedHashes: string[] = [];
     let freed = 0;
     for (let k = 0; k < n; k++) {
       const b = p.blocks[k];
@@ -749,11 +759,12 @@ export class KvStore {
         this.#lru.insert(b, p.cacheClass);
         this.#c.savedBlocks++;
         sealedKeys.push(b.key);
+        sealedHashes.push(b.hash);
       } else if (!ok && b.filled === 0 && b.pending === 0) {
         this.#index.remove(b);
       }
     }
-    return { sealed: sealedKeys.length, sealedKeys, freedBytes: freed };
+    return { sealed: sealedKeys.length, sealedKeys, sealedHashes, freedBytes: freed };
   }
 
   /**
@@ -1141,6 +1152,7 @@ export class KvStore {
     this.#index.remove(b);
     this.#c.evictions++;
     this.#c.evictedBytes += bytes;
+    this.#onEvict?.(b.namespace, b.hash);
     return true;
   }
 

@@ -448,3 +448,11 @@ Deno.test("blocks fetched from a peer (reclaimable) are evicted before blocks sa
   strictEqual(store.blockState(NS, h(0)), "sealed");
   store.verify();
 });
+
+Deno.test("onEvict reports each evicted block; completion reports the sealed hashes", () => {
+  const evicted: string[] = [];
+  const { store } = makeStore(2, { onEvict: (ns, hash) => evicted.push(`${ns}:${hash}`) });
+  assertEquals(save(store, hs(0, 2)).done.sealedHashes, hs(0, 2));
+  save(store, [h(5)]);
+  assertEquals(evicted, [`${NS}:${h(0)}`]);
+});
