@@ -71,8 +71,8 @@ export interface KvStoreOptions {
   /** Random bytes for lease ids. Default `crypto.getRandomValues`. */
   randomBytes?: (n: number) => Uint8Array;
   /**
-   * Called synchronously for each evicted block (after its bytes are freed),
-   * e.g. to withdraw it from the cross-node index. Must not call back into the store.
+   * Called synchronously for each evicted block, e.g. to withdraw it from the
+   * cross-node index or the SSD write queue. Must not call back into the store.
    */
   onEvict?: (namespace: string, hash: string) => void;
 }
@@ -593,9 +593,7 @@ export class KvStore {
     }
 
     // 4. Evict until the bytes are free, then allocate per (column, segment).
-    while (this.allocator.freeBytes < total) {
-      if (!this.#evictOne()) break;
-    }
+    if (this.allocator.freeBytes < total) this.#evictBytes(total - this.allocator.freeBytes);
     const offsets = new Float64Array(C * S * count).fill(NO_OFFSET);
     const allocated: [number, number][] = []; // [offset, items] runs, for rollback
     const itemBytes = L.segmentBytes;
@@ -945,9 +943,7 @@ export class KvStore {
 
   /** Evicts every unpinned sealed block (POST /cache/memory/cleanup). Returns blocks evicted. */
   evictAll(): number {
-    let n = 0;
-    while (this.#evictOne()) n++;
-    return n;
+    return this.#evictBytes(Infinity);
   }
 
   /** State of one block: absent, inflight (not servable) or sealed. */
@@ -1144,16 +1140,70 @@ export class KvStore {
 
   /** Evicts the LRU victim; false when nothing is evictable. */
   #evictOne(): boolean {
-    const b = this.#lru.victim();
-    if (!b) return false;
-    const bytes = this.#ns(b.namespace).blockBytes;
-    this.#lru.remove(b);
-    this.#freeSlots(b);
-    this.#index.remove(b);
-    this.#c.evictions++;
-    this.#c.evictedBytes += bytes;
-    this.#onEvict?.(b.namespace, b.hash);
-    return true;
+    return this.#evictBytes(1) > 0;
+  }
+
+  /**
+   * Evicts LRU victims until at least `bytes` are freed or nothing is
+   * evictable; returns the number of blocks evicted. Victims are freed as
+   * merged runs: blocks saved together sit side by side in each slot's run
+   * and leave the LRU in that order, so item j of victim k+1 usually starts
+   * where item j of victim k ends. Freeing 625 blocks × 64 items then costs
+   * ~64 allocator calls, not 40,000.
+   */
+  #evictBytes(bytes: number): number {
+    let freed = 0;
+    let evicted = 0;
+    let runNs: NamespaceState | undefined;
+    let runStart = new Float64Array(0);
+    let runEnd = new Float64Array(0);
+    const flush = () => {
+      if (!runNs) return;
+      const stride = runNs.strideBytes;
+      for (let j = 0; j < runStart.length; j++) {
+        if (runStart[j] === NO_OFFSET) continue;
+        this.allocator.free(runStart[j], stride, (runEnd[j] - runStart[j]) / stride);
+        runStart[j] = NO_OFFSET;
+      }
+    };
+    while (freed < bytes) {
+      const b = this.#lru.victim();
+      if (!b) break;
+      const ns = this.#ns(b.namespace);
+      if (ns !== runNs) {
+        flush();
+        runNs = ns;
+        runStart = new Float64Array(b.offsets.length).fill(NO_OFFSET);
+        runEnd = new Float64Array(b.offsets.length);
+      }
+      const stride = ns.strideBytes;
+      this.#lru.remove(b);
+      for (let j = 0; j < b.offsets.length; j++) {
+        const off = b.offsets[j];
+        if (runStart[j] !== NO_OFFSET && off === runEnd[j]) {
+          runEnd[j] += stride;
+        } else if (runStart[j] !== NO_OFFSET && off + stride === runStart[j]) {
+          runStart[j] = off;
+        } else {
+          if (runStart[j] !== NO_OFFSET) {
+            this.allocator.free(runStart[j], stride, (runEnd[j] - runStart[j]) / stride);
+          }
+          runStart[j] = off;
+          runEnd[j] = off + stride;
+        }
+        b.offsets[j] = NO_OFFSET;
+      }
+      b.slots.fill(SLOT_EMPTY);
+      b.filled = 0;
+      this.#index.remove(b);
+      freed += ns.blockBytes;
+      evicted++;
+      this.#c.evictions++;
+      this.#c.evictedBytes += ns.blockBytes;
+      this.#onEvict?.(b.namespace, b.hash);
+    }
+    flush();
+    return evicted;
   }
 
   /** Frees an inflight block that has no copy in flight. */
