@@ -14,6 +14,7 @@
  */
 
 import { InvalidArgumentError } from "./errors.ts";
+import { type BlockHash, hashMatches } from "./keys.ts";
 
 /** Geometry of one namespace's blocks in the pool. */
 export interface BlockLayout {
@@ -95,17 +96,23 @@ export class Block {
   cls: CacheClass = "retained";
   /** Instances that wrote slots while inflight (for cleanup on unregister). */
   writers: Set<string> | undefined;
+  /** Next block of the same index bucket (owned by BlockIndex). */
+  chainNext: Block | null = null;
   /** Intrusive LRU links (owned by cache.ts). */
   prev: Block | null = null;
   next: Block | null = null;
   linked = false;
 
   constructor(
+    /** `namespace:hash`, for logs and completion reports. */
     readonly key: string,
     readonly namespace: string,
+    /** Content hash, lower-case hex. */
     readonly hash: string,
     readonly layout: BlockLayout,
     readonly createdAt: number,
+    /** {@link hashBucket} of the hash under the namespace's seed. */
+    readonly bucket: number,
   ) {
     const n = layout.layers * rankSlots(layout);
     this.slots = new Uint8Array(n);
@@ -124,17 +131,19 @@ export class Block {
 }
 
 /**
- * All blocks by key, plus the inflight ones in creation order (so stale
- * collection scans only the old end).
+ * All blocks, found by (namespace, numeric hash bucket) with collisions
+ * chained through `chainNext`, plus the inflight ones in creation order (so
+ * stale collection scans only the old end).
  */
 export class BlockIndex {
-  readonly #blocks = new Map<string, Block>();
-  readonly #inflight = new Map<string, Block>();
+  readonly #byNamespace = new Map<string, Map<number, Block>>();
+  readonly #inflight = new Set<Block>();
+  #size = 0;
   #sealed = 0;
 
   /** Blocks of any state. */
   get size(): number {
-    return this.#blocks.size;
+    return this.#size;
   }
 
   /** Sealed blocks. */
@@ -147,15 +156,36 @@ export class BlockIndex {
     return this.#inflight.size;
   }
 
-  get(key: string): Block | undefined {
-    return this.#blocks.get(key);
+  /** The block of `hash` in `namespace` (bucket = hashBucket(hash, seed)), or undefined. */
+  find(namespace: string, hash: BlockHash, bucket: number): Block | undefined {
+    let b = this.#byNamespace.get(namespace)?.get(bucket);
+    while (b && !hashMatches(hash, b.hash)) b = b.chainNext ?? undefined;
+    return b;
+  }
+
+  /** True when this very block is indexed. */
+  has(b: Block): boolean {
+    for (
+      let x = this.#byNamespace.get(b.namespace)?.get(b.bucket);
+      x;
+      x = x.chainNext ?? undefined
+    ) {
+      if (x === b) return true;
+    }
+    return false;
   }
 
   /** Adds a new inflight block. */
   addInflight(b: Block): void {
-    if (this.#blocks.has(b.key)) throw new Error(`block ${b.key} is already indexed`);
-    this.#blocks.set(b.key, b);
-    this.#inflight.set(b.key, b);
+    if (this.find(b.namespace, b.hash, b.bucket)) {
+      throw new Error(`block ${b.key} is already indexed`);
+    }
+    let m = this.#byNamespace.get(b.namespace);
+    if (!m) this.#byNamespace.set(b.namespace, m = new Map());
+    b.chainNext = m.get(b.bucket) ?? null;
+    m.set(b.bucket, b);
+    this.#inflight.add(b);
+    this.#size++;
   }
 
   /** Moves an inflight block to sealed. */
@@ -163,16 +193,25 @@ export class BlockIndex {
     if (b.state !== "inflight") throw new Error(`block ${b.key} is already sealed`);
     b.state = "sealed";
     b.writers = undefined;
-    this.#inflight.delete(b.key);
+    this.#inflight.delete(b);
     this.#sealed++;
   }
 
-  /** Drops a block of any state. */
+  /** Drops a block of any state (no-op when it is not indexed). */
   remove(b: Block): void {
-    if (this.#blocks.get(b.key) !== b) return;
-    this.#blocks.delete(b.key);
-    if (b.state === "inflight") this.#inflight.delete(b.key);
-    else this.#sealed--;
+    const m = this.#byNamespace.get(b.namespace);
+    let prev: Block | null = null;
+    for (let x = m?.get(b.bucket) ?? null; x; prev = x, x = x.chainNext) {
+      if (x !== b) continue;
+      if (prev) prev.chainNext = b.chainNext;
+      else if (b.chainNext) m!.set(b.bucket, b.chainNext);
+      else m!.delete(b.bucket);
+      b.chainNext = null;
+      this.#size--;
+      if (b.state === "inflight") this.#inflight.delete(b);
+      else this.#sealed--;
+      return;
+    }
   }
 
   /** Inflight blocks, oldest first. */
@@ -181,7 +220,11 @@ export class BlockIndex {
   }
 
   /** Every block (any state). */
-  all(): IterableIterator<Block> {
-    return this.#blocks.values();
+  *all(): IterableIterator<Block> {
+    for (const m of this.#byNamespace.values()) {
+      for (const head of m.values()) {
+        for (let b: Block | null = head; b; b = b.chainNext) yield b;
+      }
+    }
   }
 }

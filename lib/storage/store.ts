@@ -42,7 +42,8 @@ import {
   PoolExhaustedError,
   StaleHandleError,
 } from "./errors.ts";
-import { type BlockHash, blockKey, hashHex } from "./keys.ts";
+import { type BlockHash, hashBucket, hashHex } from "./keys.ts";
+import { fnv1a32 } from "./cache.ts";
 import { type Lease, type LeaseId, LeaseTable } from "./lease.ts";
 
 export type { BlockLayout } from "./block.ts";
@@ -239,6 +240,8 @@ interface NamespaceState {
   /** Pool bytes one item really takes (segment rounded up to the unit). */
   readonly strideBytes: number;
   readonly blockBytes: number;
+  /** Seed of this namespace's hash buckets (the same content hash in two namespaces lands apart). */
+  readonly seed: number;
 }
 
 /** Internal form of a plan: the public fields plus the blocks, for completion. */
@@ -352,6 +355,7 @@ export class KvStore {
       rankSlots: slots,
       strideBytes: stride,
       blockBytes: layout.layers * slots * layout.segments * stride,
+      seed: fnv1a32(namespace),
     });
   }
 
@@ -383,12 +387,13 @@ export class KvStore {
     }
     this.#c.queries++;
     const hit: Block[] = [];
-    const known = this.#namespaces.has(namespace);
+    const ns = this.#namespaces.get(namespace);
     for (let i = 0; i < hashes.length; i++) {
-      const key = blockKey(namespace, hashes[i]);
-      this.#lfu?.record(key);
-      if (!known || hit.length < i) continue; // prefix already broken: keep counting frequency
-      const b = this.#index.get(key);
+      const bucket = hashBucket(hashes[i], ns?.seed ?? 0); // validates the hash in any case
+      if (!ns) continue; // nothing was ever saved under an unknown namespace
+      this.#lfu?.record(bucket);
+      if (hit.length < i) continue; // prefix already broken: keep counting frequency
+      const b = this.#index.find(namespace, hashes[i], bucket);
       if (b && b.state === "sealed") hit.push(b);
     }
     this.#c.hits += hit.length;
@@ -491,24 +496,36 @@ export class KvStore {
     const need = new Uint8Array(hashes.length * C);
     const needCount = new Int32Array(hashes.length);
     const hashIndex: number[] = [];
-    const keys: string[] = [];
+    const buckets: number[] = [];
     const hexes: string[] = [];
     const existing: (Block | undefined)[] = [];
     let deduplicated = 0;
-    const seenInRequest = new Set<string>();
+    // A hash named twice in one request is planned once.
+    const seenBlocks = new Set<Block>();
+    const seenNew = new Set<string>();
     for (let i = 0; i < hashes.length; i++) {
-      const hex = hashHex(hashes[i]);
-      const key = `${namespace}:${hex}`;
-      this.#lfu?.record(key);
-      const b = this.#index.get(key);
-      if (seenInRequest.has(key) || b?.state === "sealed") {
-        // Saving a held block again is an access: keep it from being this save's victim.
-        if (b?.state === "sealed") this.#lru.touch(b);
-        deduplicated++;
-        continue;
+      const bucket = hashBucket(hashes[i], ns.seed);
+      this.#lfu?.record(bucket);
+      const b = this.#index.find(namespace, hashes[i], bucket);
+      let hex: string;
+      if (b) {
+        if (b.state === "sealed" || seenBlocks.has(b)) {
+          // Saving a held block again is an access: keep it from being this save's victim.
+          if (b.state === "sealed") this.#lru.touch(b);
+          deduplicated++;
+          continue;
+        }
+        seenBlocks.add(b);
+        hex = b.hash;
+      } else {
+        hex = hashHex(hashes[i]);
+        if (seenNew.has(hex)) {
+          deduplicated++;
+          continue;
+        }
+        seenNew.add(hex);
       }
-      seenInRequest.add(key);
-      const k = keys.length;
+      const k = hexes.length;
       let n = 0;
       for (let c = 0; c < C; c++) {
         if (!b || b.slots[colSlot[c]] === SLOT_EMPTY) {
@@ -522,7 +539,7 @@ export class KvStore {
       }
       needCount[k] = n;
       hashIndex.push(i);
-      keys.push(key);
+      buckets.push(bucket);
       hexes.push(hex);
       existing.push(b);
     }
@@ -531,12 +548,12 @@ export class KvStore {
     // 2. Room: keep the longest prefix that free + evictable bytes can hold.
     const slotBytes = S * ns.strideBytes;
     let total = 0;
-    for (let k = 0; k < keys.length; k++) total += needCount[k] * slotBytes;
-    let count = keys.length;
+    for (let k = 0; k < hexes.length; k++) total += needCount[k] * slotBytes;
+    let count = hexes.length;
     const room = this.allocator.freeBytes + this.#lru.evictableBytes;
     while (count > 0 && total > room) total -= needCount[--count] * slotBytes;
-    const refusedForRoom = keys.length - count;
-    const firstBytes = keys.length > 0 ? needCount[0] * slotBytes : 0;
+    const refusedForRoom = hexes.length - count;
+    const firstBytes = hexes.length > 0 ? needCount[0] * slotBytes : 0;
 
     // 3. Admission (only when eviction is needed): new blocks must beat the victim.
     let admissionRejected = 0;
@@ -546,13 +563,13 @@ export class KvStore {
         let w = 0;
         total = 0;
         for (let k = 0; k < count; k++) {
-          if (existing[k] === undefined && !this.#lfu.admit(keys[k], victim.key)) {
+          if (existing[k] === undefined && !this.#lfu.admit(buckets[k], victim.bucket)) {
             admissionRejected++;
             continue;
           }
           if (w !== k) {
             hashIndex[w] = hashIndex[k];
-            keys[w] = keys[k];
+            buckets[w] = buckets[k];
             hexes[w] = hexes[k];
             existing[w] = existing[k];
             needCount[w] = needCount[k];
@@ -635,7 +652,7 @@ export class KvStore {
     for (let k = 0; k < count; k++) {
       let b = existing[k];
       if (!b) {
-        b = new Block(keys[k], namespace, hexes[k], L, now);
+        b = new Block(`${namespace}:${hexes[k]}`, namespace, hexes[k], L, now, buckets[k]);
         this.#index.addInflight(b);
       }
       (b.writers ??= new Set()).add(instance);
@@ -871,7 +888,7 @@ export class KvStore {
     const found: number[] = [];
     const blocks: Block[] = [];
     for (let i = 0; i < hashes.length; i++) {
-      const b = this.#index.get(blockKey(namespace, hashes[i]));
+      const b = this.#index.find(namespace, hashes[i], hashBucket(hashes[i], ns.seed));
       if (b?.state === "sealed") {
         found.push(i);
         blocks.push(b);
@@ -948,7 +965,9 @@ export class KvStore {
 
   /** State of one block: absent, inflight (not servable) or sealed. */
   blockState(namespace: string, hash: BlockHash): "absent" | "inflight" | "sealed" {
-    return this.#index.get(blockKey(namespace, hash))?.state ?? "absent";
+    const ns = this.#namespaces.get(namespace);
+    const bucket = hashBucket(hash, ns?.seed ?? 0);
+    return (ns && this.#index.find(namespace, hash, bucket)?.state) || "absent";
   }
 
   /**
@@ -1011,7 +1030,7 @@ export class KvStore {
       }
     }
     for (const b of pins.keys()) {
-      if (this.#index.get(b.key) !== b) {
+      if (!this.#index.has(b)) {
         throw new Error(`a holder pins block ${b.key} that was freed`);
       }
     }

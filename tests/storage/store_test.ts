@@ -456,3 +456,19 @@ Deno.test("onEvict reports each evicted block; completion reports the sealed has
   save(store, [h(5)]);
   assertEquals(evicted, [`${NS}:${h(0)}`]);
 });
+
+Deno.test("the same content hash in two namespaces is two different blocks", () => {
+  const { store } = makeStore(8);
+  const other = "fedcba9876543210";
+  store.defineNamespace(other, { ...SMALL, segmentBytes: 8192 });
+  save(store, [h(0)]);
+  strictEqual(store.blockState(other, h(0)), "absent");
+  strictEqual(store.query(other, [h(0)], "e").hits, 0);
+  const b = store.beginSave({ namespace: other, instance: "e", rank: 0, hashes: [h(0)] });
+  assert(b.ok);
+  strictEqual(b.plan.blockCount, 1);
+  store.completeSave(b.plan, true);
+  strictEqual(store.query(NS, [h(0)], "e").hits, 1);
+  strictEqual(store.query(other, [h(0)], "e").hits, 1);
+  store.verify();
+});
