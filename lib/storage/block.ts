@@ -30,9 +30,11 @@ export interface BlockLayout {
   segmentBytes: number;
 }
 
-/** Most layers / ranks / segments accepted: far above any model, low enough to catch garbage. */
+/** Most layers accepted: far above any model, low enough to catch garbage. */
 export const MAX_LAYERS = 4096;
+/** Most TP ranks accepted (same reason). */
 export const MAX_TP = 1024;
+/** Most segments per slot accepted (K/V split uses 2). */
 export const MAX_SEGMENTS = 8;
 
 /** Checks a layout; throws {@link InvalidArgumentError} naming the bad field. */

@@ -46,6 +46,7 @@ import { type BlockHash, hashBucket, hashHex } from "./keys.ts";
 import { fnv1a32 } from "./cache.ts";
 import { type Lease, type LeaseId, LeaseTable } from "./lease.ts";
 
+/** Re-exported so the server needs one import for the store's types. */
 export type { BlockLayout } from "./block.ts";
 
 /** Default age after which an inflight block with no copy in flight is collected. */
