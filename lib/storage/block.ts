@@ -105,20 +105,50 @@ export class Block {
   next: Block | null = null;
   linked = false;
 
+  /** `namespace:hash`, for logs and completion reports. */
+  key: string;
+  /** Content hash, lower-case hex. */
+  hash: string;
+  createdAt: number;
+  /** {@link hashBucket} of the hash under the namespace's seed. */
+  bucket: number;
+
   constructor(
-    /** `namespace:hash`, for logs and completion reports. */
-    readonly key: string,
+    key: string,
     readonly namespace: string,
-    /** Content hash, lower-case hex. */
-    readonly hash: string,
+    hash: string,
     readonly layout: BlockLayout,
-    readonly createdAt: number,
-    /** {@link hashBucket} of the hash under the namespace's seed. */
-    readonly bucket: number,
+    createdAt: number,
+    bucket: number,
   ) {
+    this.key = key;
+    this.hash = hash;
+    this.createdAt = createdAt;
+    this.bucket = bucket;
     const n = layout.layers * rankSlots(layout);
     this.slots = new Uint8Array(n);
     this.offsets = new Float64Array(n * layout.segments).fill(NO_OFFSET);
+  }
+
+  /**
+   * Makes a freed record hold a new block of the same namespace. The store
+   * recycles records so that a full pool's save/evict churn allocates
+   * nothing per block. Throws if the record still holds anything (a store
+   * bug, never bad input): a recycled record must never carry old bytes.
+   */
+  recycle(key: string, hash: string, createdAt: number, bucket: number): void {
+    let clean = this.pins === 0 && this.pending === 0 && this.filled === 0 && !this.linked &&
+      this.chainNext === null;
+    for (let i = 0; clean && i < this.slots.length; i++) clean = this.slots[i] === SLOT_EMPTY;
+    for (let i = 0; clean && i < this.offsets.length; i++) clean = this.offsets[i] === NO_OFFSET;
+    if (!clean) throw new Error(`block record ${this.key} recycled while still in use`);
+    this.key = key;
+    this.hash = hash;
+    this.createdAt = createdAt;
+    this.bucket = bucket;
+    this.state = "inflight";
+    this.cls = "retained";
+    this.writers = undefined;
   }
 
   /** Slots a sealed block holds. */

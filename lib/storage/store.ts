@@ -53,6 +53,11 @@ export type { BlockLayout } from "./block.ts";
 export const DEFAULT_INFLIGHT_TTL_MS = 300_000;
 /** Most hashes one query or save may name (a 1M-token prompt at 16 tokens per block). */
 export const MAX_HASHES_PER_REQUEST = 65_536;
+/**
+ * Freed block records kept per namespace for reuse: enough for several
+ * 625-block saves evicting as many blocks, a few MiB at most.
+ */
+export const SPARE_BLOCK_RECORDS = 4096;
 
 /** Construction options of a {@link KvStore}. */
 export interface KvStoreOptions {
@@ -243,6 +248,8 @@ interface NamespaceState {
   readonly blockBytes: number;
   /** Seed of this namespace's hash buckets (the same content hash in two namespaces lands apart). */
   readonly seed: number;
+  /** Freed block records kept for reuse (at most {@link SPARE_BLOCK_RECORDS}). */
+  readonly spare: Block[];
 }
 
 /** Internal form of a plan: the public fields plus the blocks, for completion. */
@@ -357,6 +364,7 @@ export class KvStore {
       strideBytes: stride,
       blockBytes: layout.layers * slots * layout.segments * stride,
       seed: fnv1a32(namespace),
+      spare: [],
     });
   }
 
@@ -653,7 +661,9 @@ export class KvStore {
     for (let k = 0; k < count; k++) {
       let b = existing[k];
       if (!b) {
-        b = new Block(`${namespace}:${hexes[k]}`, namespace, hexes[k], L, now, buckets[k]);
+        b = ns.spare.pop();
+        if (b) b.recycle(`${namespace}:${hexes[k]}`, hexes[k], now, buckets[k]);
+        else b = new Block(`${namespace}:${hexes[k]}`, namespace, hexes[k], L, now, buckets[k]);
         this.#index.addInflight(b);
       }
       (b.writers ??= new Set()).add(instance);
@@ -778,6 +788,7 @@ export class KvStore {
         sealedHashes.push(b.hash);
       } else if (!ok && b.filled === 0 && b.pending === 0) {
         this.#index.remove(b);
+        this.#recycle(b);
       }
     }
     return { sealed: sealedKeys.length, sealedKeys, sealedHashes, freedBytes: freed };
@@ -1216,6 +1227,7 @@ export class KvStore {
       b.slots.fill(SLOT_EMPTY);
       b.filled = 0;
       this.#index.remove(b);
+      this.#recycle(b);
       freed += ns.blockBytes;
       evicted++;
       this.#c.evictions++;
@@ -1230,6 +1242,13 @@ export class KvStore {
   #dropInflight(b: Block): void {
     this.#freeSlots(b);
     this.#index.remove(b);
+    this.#recycle(b);
+  }
+
+  /** Keeps a freed record (no slots, pins or links left) for the next new block. */
+  #recycle(b: Block): void {
+    const spare = this.#ns(b.namespace).spare;
+    if (spare.length < SPARE_BLOCK_RECORDS) spare.push(b);
   }
 
   #freeSlots(b: Block): void {

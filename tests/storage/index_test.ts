@@ -40,3 +40,18 @@ Deno.test("blocks whose hashes share a bucket are told apart and removed one by 
   strictEqual(idx.has(a), true);
   strictEqual(idx.has(b), false);
 });
+
+Deno.test("a block record is recycled only when it holds nothing", () => {
+  const b = block("ns", "aa", 1);
+  b.slots[0] = 2;
+  b.offsets[0] = 4096;
+  throws(() => b.recycle("ns:bb", "bb", 5, 2), /still in use/);
+  b.slots[0] = 0;
+  b.offsets[0] = -1;
+  b.pins = 1;
+  throws(() => b.recycle("ns:bb", "bb", 5, 2), /still in use/);
+  b.pins = 0;
+  b.state = "sealed";
+  b.recycle("ns:bb", "bb", 5, 2);
+  assertEquals([b.key, b.hash, b.createdAt, b.bucket, b.state], ["ns:bb", "bb", 5, 2, "inflight"]);
+});
