@@ -7,8 +7,9 @@
  * All methods are synchronous (single-threaded JS; the native copy runs in
  * between `beginSave` and `completeSave`, or `consumeLease` and `loadDone`).
  * Per-block work is O(1) map/list operations plus O(layers × segments)
- * for the offsets; allocation is per (layer, segment) per save, never per
- * block.
+ * for the offsets; pool allocation is per (layer, segment) per save, never
+ * per block; block records are recycled, so a full pool's save/evict churn
+ * allocates no per-block JS objects.
  *
  * Invariants (pinned down by tests/storage/):
  * - a block is served (query, lease, load) only when sealed;
@@ -35,7 +36,7 @@ import {
   SLOT_PENDING,
   validateLayout,
 } from "./block.ts";
-import { LruCache, TinyLfu } from "./cache.ts";
+import { fnv1a32, LruCache, TinyLfu } from "./cache.ts";
 import {
   InvalidArgumentError,
   LayoutMismatchError,
@@ -43,7 +44,6 @@ import {
   StaleHandleError,
 } from "./errors.ts";
 import { type BlockHash, hashBucket, hashHex } from "./keys.ts";
-import { fnv1a32 } from "./cache.ts";
 import { type Lease, type LeaseId, LeaseTable } from "./lease.ts";
 
 /** Re-exported so the server needs one import for the store's types. */
