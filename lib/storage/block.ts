@@ -96,8 +96,12 @@ export class Block {
   /** Leases + in-flight loads + transfer locks holding this block. */
   pins = 0;
   cls: CacheClass = "retained";
-  /** Instances that wrote slots while inflight (for cleanup on unregister). */
-  writers: Set<string> | undefined;
+  /**
+   * The instance that last wrote slots while inflight. When it unregisters
+   * the partial block is freed; if another (live) instance wrote after it,
+   * that one may still complete the block, and the inflight TTL covers the rest.
+   */
+  lastWriter: string | undefined;
   /** Next block of the same index bucket (owned by BlockIndex). */
   chainNext: Block | null = null;
   /** Intrusive LRU links (owned by cache.ts). */
@@ -148,7 +152,7 @@ export class Block {
     this.bucket = bucket;
     this.state = "inflight";
     this.cls = "retained";
-    this.writers = undefined;
+    this.lastWriter = undefined;
   }
 
   /** Slots a sealed block holds. */
@@ -224,7 +228,7 @@ export class BlockIndex {
   seal(b: Block): void {
     if (b.state !== "inflight") throw new Error(`block ${b.key} is already sealed`);
     b.state = "sealed";
-    b.writers = undefined;
+    b.lastWriter = undefined;
     this.#inflight.delete(b);
     this.#sealed++;
   }

@@ -9,7 +9,7 @@
  * Per-block work is O(1) map/list operations plus O(layers × segments)
  * for the offsets; pool allocation is per (layer, segment) per save, never
  * per block; block records are recycled, so a full pool's save/evict churn
- * allocates no per-block JS objects.
+ * allocates no per-block records.
  *
  * Invariants (pinned down by tests/storage/):
  * - a block is served (query, lease, load) only when sealed;
@@ -666,7 +666,7 @@ export class KvStore {
         else b = new Block(`${namespace}:${hexes[k]}`, namespace, hexes[k], L, now, buckets[k]);
         this.#index.addInflight(b);
       }
-      (b.writers ??= new Set()).add(instance);
+      b.lastWriter = instance;
       for (let c = 0; c < C; c++) {
         if (!need[k * C + c]) continue;
         const si = colSlot[c];
@@ -933,14 +933,14 @@ export class KvStore {
   /**
    * An instance went away (unregistered or its session dropped, after its
    * copies drained): release its leases and transfer locks, and free the
-   * inflight blocks it was writing that have no copy in flight.
+   * inflight blocks it wrote last that have no copy in flight.
    */
   dropInstance(instance: string): { leases: number; inflightFreed: number } {
     const leases = [...this.#leases.dropInstance(instance), ...this.#locks.dropInstance(instance)];
     for (const l of leases) this.#unpinLease(l);
     const victims: Block[] = [];
     for (const b of this.#index.inflight()) {
-      if (b.pending === 0 && b.writers?.has(instance)) victims.push(b);
+      if (b.pending === 0 && b.lastWriter === instance) victims.push(b);
     }
     for (const b of victims) this.#dropInflight(b);
     return { leases: leases.length, inflightFreed: victims.length };

@@ -472,3 +472,12 @@ Deno.test("the same content hash in two namespaces is two different blocks", () 
   strictEqual(store.query(other, [h(0)], "e").hits, 1);
   store.verify();
 });
+
+Deno.test("unregistering keeps a partial block that a live instance wrote after it", () => {
+  const { store } = makeStore(8, {}, { ...SMALL, tpSize: 2 });
+  save(store, [h(0)], { rank: 0, instance: "dead" });
+  save(store, [h(0)], { rank: 1, instance: "alive", layers: [0] }); // half of rank 1's layers
+  strictEqual(store.dropInstance("dead").inflightFreed, 0);
+  strictEqual(save(store, [h(0)], { rank: 1, instance: "alive", layers: [1] }).done.sealed, 1);
+  store.verify();
+});
