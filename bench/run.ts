@@ -27,8 +27,14 @@ const program = new Command()
   .option("--full", "full sweep even on the host backend", false)
   .option("--iters <n>", "timed batches per row (default 10 cuda, 3 host)")
   .option("--out <dir>", "where to write the JSON", "bench/results")
+  .option("--only <sections>", "comma-separated subset: size,layers,count,grid,variant,mixed,submit,huge")
   .parse(["deno", "run", ...Deno.args]);
-const opts = program.opts<{ backend: "auto" | "cuda" | "host"; device: string; full: boolean; iters?: string; out: string }>();
+const opts = program.opts<
+  { backend: "auto" | "cuda" | "host"; device: string; full: boolean; iters?: string; out: string; only?: string }
+>();
+const only = opts.only ? new Set(opts.only.split(",")) : undefined;
+/** Whether section `name` runs. */
+const want = (name: string) => !only || only.has(name);
 
 const probe = CopyEngine.open({ backend: opts.backend, device: Number(opts.device), poolBytes: 1 * MB });
 const backend = probe.engine.backend;
@@ -125,7 +131,7 @@ console.log(`backend ${backend}${gpu ? ` (${smCount} SMs, kernel grid ${base.ce.
   `peak D2H ${base.peak.d2h.toFixed(1)} GB/s, H2D ${base.peak.h2d.toFixed(1)} GB/s`);
 
 // 1. Segment size x path x direction (32 layers; at most TOTAL bytes, at most 40k segments).
-for (const dir of DIRS) {
+for (const dir of want("size") ? DIRS : []) {
   for (const path of PATHS) {
     for (const seg of SIZES) {
       const segments = Math.max(1, Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)));
@@ -138,19 +144,19 @@ for (const dir of DIRS) {
 const seg32 = gpu ? LLAMA_SEG : 32 * KB;
 const segs32 = Math.floor(TOTAL / seg32);
 const mainPath: CopyPath = gpu ? "kernel" : "dma";
-for (const dir of DIRS) {
+for (const dir of want("layers") ? DIRS : []) {
   for (const layers of small ? [1, 32] : [1, 8, 32, 128]) add("layer count", await row(base, dir, mainPath, seg32, segs32, layers, batch));
 }
 
 // 3. Block (segment) count at 32 KB.
-for (const dir of DIRS) {
+for (const dir of want("count") ? DIRS : []) {
   for (const n of small ? [1000, segs32] : [2000, 10_000, LLAMA_SEGMENTS]) {
     add("segment count", await row(base, dir, mainPath, seg32, Math.min(n, segs32), 32, batch));
   }
 }
 
 // 4. Kernel grid (cuda): the smallest grid that reaches the link rate.
-if (gpu && features.kernel) {
+if (gpu && features.kernel && want("grid")) {
   const def = base.ce.engine.kernelGrid;
   for (const grid of [4, 8, 16, 24, 32, 48, 64, smCount]) {
     base.ce.engine.setKernelGrid(grid);
@@ -161,14 +167,23 @@ if (gpu && features.kernel) {
 }
 
 // 5. JS + FFI cost of filling and submitting a 40,000-segment batch.
-const submitCost: { segments: number; fillP50Ms: number; fillP99Ms: number; submitP50Ms: number; submitP99Ms: number; totalP50Ms: number } = await (async () => {
+const submitCost: undefined | { path: CopyPath; segments: number; fillP50Ms: number; fillP99Ms: number; submitP50Ms: number; submitP99Ms: number; totalP50Ms: number } = !want("submit") ? undefined : await submitCostOf(mainPath);
+const submitByPath: Record<string, unknown> = {};
+if (gpu && want("submit")) {
+  for (const p of ["mixed", "dma_batch", "dma"] as CopyPath[]) {
+    if (p === "dma_batch" && !features.dmaBatch) continue;
+    submitByPath[p] = await submitCostOf(p);
+  }
+}
+
+async function submitCostOf(path: CopyPath) {
   const n = LLAMA_SEGMENTS;
   const seg = Math.min(LLAMA_SEG, Math.floor(TOTAL / n / 16) * 16 || 16);
   const big = new CopyBatch(32, n);
   const fill: number[] = [], submit: number[] = [], total: number[] = [];
   for (let i = 0; i < (gpu ? 30 : 20); i++) {
     const t0 = performance.now();
-    fillStrided(big, base.region, "d2h", mainPath, seg, n, 32);
+    fillStrided(big, base.region, "d2h", path, seg, n, 32);
     const t1 = performance.now();
     const s = base.ce.submit(big);
     const t2 = performance.now();
@@ -181,6 +196,7 @@ const submitCost: { segments: number; fillP50Ms: number; fillP99Ms: number; subm
   }
   for (const a of [fill, submit, total]) a.sort((x, y) => x - y);
   return {
+    path,
     segments: n,
     fillP50Ms: pct(fill, 0.5),
     fillP99Ms: pct(fill, 0.99),
@@ -188,12 +204,59 @@ const submitCost: { segments: number; fillP50Ms: number; fillP99Ms: number; subm
     submitP99Ms: pct(submit, 0.99),
     totalP50Ms: pct(total, 0.5),
   };
-})();
+}
 await teardown(base);
 
-// 6. Huge pages on (if the machine has them reserved).
+// 6. Kernel variants (cuda): SIMT loads/stores vs the Hopper bulk-copy engine.
+if (gpu && features.kernel && want("variant")) {
+  for (const variant of ["simt", "tma"]) {
+    Deno.env.set("PEGAFLOW_KERNEL", variant);
+    const v = await setup(false);
+    const got = v.ce.engine.kernelVariant;
+    for (const grid of [8, 16, 32, 64, smCount]) {
+      v.ce.engine.setKernelGrid(grid);
+      for (const dir of DIRS) {
+        const r = await row(v, dir, "kernel", seg32, segs32, 32, batch, grid);
+        r.note = `variant ${got}`;
+        add(`kernel variant ${got}`, r);
+      }
+    }
+    v.ce.engine.setKernelGrid(0);
+    for (const seg of [8 * KB, 512 * KB, 2 * MB]) {
+      for (const dir of DIRS) {
+        const r = await row(v, dir, "kernel", seg, Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)), 32, batch, v.ce.engine.kernelGrid);
+        r.note = `variant ${got}`;
+        add(`kernel variant ${got}`, r);
+      }
+    }
+    await teardown(v);
+  }
+  Deno.env.delete("PEGAFLOW_KERNEL");
+}
+
+// 7. Mixed path (cuda): kernel and copy engines on one batch, by DMA share.
+if (gpu && features.kernel && want("mixed")) {
+  const m = await setup(false);
+  for (const share of [300, 450, 600, 700, 800]) {
+    m.ce.engine.setDmaShare(share);
+    for (const dir of DIRS) {
+      const r = await row(m, dir, "mixed", seg32, segs32, 32, batch, m.ce.engine.kernelGrid);
+      r.note = `dma share ${share}`;
+      add("mixed path (dma share)", r);
+    }
+  }
+  m.ce.engine.setDmaShare(0);
+  for (const seg of [8 * KB, 16 * KB, 64 * KB, 512 * KB, 2 * MB]) {
+    for (const dir of DIRS) {
+      add("mixed path (default share)", await row(m, dir, "mixed", seg, Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)), 32, batch, m.ce.engine.kernelGrid));
+    }
+  }
+  await teardown(m);
+}
+
+// 8. Huge pages on (if the machine has them reserved).
 let hugeNote = "";
-try {
+if (want("huge")) try {
   const huge = await setup(true);
   console.log(`huge pages: peak D2H ${huge.peak.d2h.toFixed(1)} GB/s, H2D ${huge.peak.h2d.toFixed(1)} GB/s`);
   for (const dir of DIRS) {
@@ -210,12 +273,13 @@ try {
 for (const [name, rs] of Object.entries(sections)) {
   console.log(`\n## ${name}\n${table(rs)}`);
 }
-console.log(
+if (submitCost) console.log(
   `\n## submit cost (${submitCost.segments} segments, JS fill + FFI submit)\n` +
     `fill p50 ${submitCost.fillP50Ms.toFixed(3)} ms (p99 ${submitCost.fillP99Ms.toFixed(3)}), ` +
     `submit p50 ${submitCost.submitP50Ms.toFixed(3)} ms (p99 ${submitCost.submitP99Ms.toFixed(3)}), ` +
-    `total p50 ${submitCost.totalP50Ms.toFixed(3)} ms`,
+    `total p50 ${submitCost.totalP50Ms.toFixed(3)} ms (path ${submitCost.path})`,
 );
+for (const [p, c] of Object.entries(submitByPath)) console.log(`submit cost, path ${p}: ${JSON.stringify(c)}`);
 
 const stamp = new Date().toISOString().replace(/[:.]/g, "-");
 await Deno.mkdir(opts.out, { recursive: true });
@@ -234,6 +298,7 @@ await Deno.writeTextFile(
       date: new Date().toISOString(),
       hugepagesNote: hugeNote || undefined,
       submitCost,
+      submitByPath,
       sections,
     },
     null,

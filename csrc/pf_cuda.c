@@ -53,6 +53,7 @@ enum {
   CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
   CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY = 19,
   CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41,
+  CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
   CU_MEMHOSTREGISTER_PORTABLE = 0x1,
   CU_MEMHOSTREGISTER_DEVICEMAP = 0x2,
   CU_MEMHOSTALLOC_PORTABLE = 0x1,
@@ -80,6 +81,7 @@ enum {
   X(cuStreamCreate, CUresult (*)(CUstream *, unsigned))                        \
   X(cuStreamDestroy_v2, CUresult (*)(CUstream))                                \
   X(cuStreamSynchronize, CUresult (*)(CUstream))                               \
+  X(cuStreamWaitEvent, CUresult (*)(CUstream, CUevent, unsigned))              \
   X(cuEventCreate, CUresult (*)(CUevent *, unsigned))                          \
   X(cuEventRecord, CUresult (*)(CUevent, CUstream))                            \
   X(cuEventSynchronize, CUresult (*)(CUevent))                                 \
@@ -202,6 +204,17 @@ static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
 /* cuMemcpyBatchAsync calls are cut to this many copies each. */
 #define PF_DMA_BATCH_MAX 8192u
 #define PF_EVENT_CACHE 256u
+/* Copy engines' share (permille of bytes) of a mixed batch: the copy
+ * engines reach ~70 % of the link with 32 KB copies alone (descriptor
+ * rate), the SMs ~93 %; measured best split in docs/native.md. */
+#define PF_MIXED_DMA_SHARE_DEFAULT 600u
+/* Which kernel variant runs when PEGAFLOW_KERNEL is unset. */
+#define PF_KERNEL_DEFAULT_VARIANT PF_KERNEL_SIMT
+
+enum { PF_KERNEL_SIMT = 0, PF_KERNEL_TMA = 1 };
+/* Entry size of the bulk-copy variant (its shared-memory stage size). */
+#define PF_TMA_CHUNK 8192ull
+#define PF_TMA_THREADS 32u
 
 typedef struct pf_kentry {
   uint64_t src, dst, bytes;
@@ -211,8 +224,11 @@ typedef struct cuda_engine {
   CUdevice dev;
   CUcontext ctx;
   CUstream stream;
+  CUstream stream2;    /* copy-engine half of the mixed path */
   CUmodule mod;
   CUfunction fn_copy;
+  CUfunction fn_tma;   /* Hopper bulk-copy variant (NULL before sm_90) */
+  int variant;         /* PF_KERNEL_SIMT or PF_KERNEL_TMA */
   /* table arena: pinned host staging + device copy, FIFO ring of spans */
   uint8_t *arena_host;
   CUdeviceptr arena_dev;
@@ -267,8 +283,10 @@ static void event_put(cuda_engine *ce, CUevent ev) {
 static void cuda_batch_release(cuda_engine *ce, pf_batch *b) {
   cuda_batch *cb = b->impl;
   if (!cb) return;
-  if (cb->ev)
-    for (uint32_t g = 0; g < b->num_groups; g++) event_put(ce, cb->ev[g]);
+  if (cb->ev) {
+    uint32_t n = cb->path == PF_PATH_MIXED ? 2 * b->num_groups : b->num_groups;
+    for (uint32_t g = 0; g < n; g++) event_put(ce, cb->ev[g]);
+  }
   if (cb->arena_end) {
     pthread_mutex_lock(&ce->mu);
     /* Batches finish in order, so their spans free in order; a batch that
@@ -352,6 +370,7 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   OPEN_TRY(cu.cuDevicePrimaryCtxRetain(&ce->ctx, ce->dev));
   OPEN_TRY(cu.cuCtxSetCurrent(ce->ctx));
   OPEN_TRY(cu.cuStreamCreate(&ce->stream, CU_STREAM_NON_BLOCKING));
+  OPEN_TRY(cu.cuStreamCreate(&ce->stream2, CU_STREAM_NON_BLOCKING));
   void *ah = NULL;
   OPEN_TRY(cu.cuMemHostAlloc(&ah, PF_ARENA_BYTES, CU_MEMHOSTALLOC_PORTABLE));
   ce->arena_host = ah;
@@ -363,12 +382,27 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
       cu.cuModuleGetFunction(&ce->fn_copy, ce->mod, "pf_copy_entries") ==
           CUDA_SUCCESS)
     e->features |= PF_FEAT_KERNEL;
+  int major = 0;
+  OPEN_TRY(cu.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ce->dev));
+  if (ce->mod && major >= 9 &&
+      cu.cuModuleGetFunction(&ce->fn_tma, ce->mod, "pf_copy_entries_tma") !=
+          CUDA_SUCCESS)
+    ce->fn_tma = NULL;
 #endif
+  /* PEGAFLOW_KERNEL=simt|tma picks the kernel variant (benchmarks compare
+   * them); the default is the one measured faster (docs/native.md). */
+  const char *var = getenv("PEGAFLOW_KERNEL");
+  ce->variant = PF_KERNEL_DEFAULT_VARIANT;
+  if (var && strcmp(var, "simt") == 0) ce->variant = PF_KERNEL_SIMT;
+  if (var && strcmp(var, "tma") == 0) ce->variant = PF_KERNEL_TMA;
+  if (!ce->fn_tma) ce->variant = PF_KERNEL_SIMT;
+  e->kernel_variant = (uint32_t)ce->variant;
   if (cu.batch_v2 || cu.batch_v1) e->features |= PF_FEAT_DMA_BATCH;
   e->sm_count = (uint32_t)sms;
   e->default_grid = PF_KERNEL_GRID_DEFAULT < (uint32_t)sms
                         ? PF_KERNEL_GRID_DEFAULT : (uint32_t)sms;
   e->device_mem_mib = total >> 20;
+  e->default_dma_share = PF_MIXED_DMA_SHARE_DEFAULT;
   if (pthread_create(&ce->th, NULL, completion_main, e) != 0) {
     rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): completion thread: %s",
                  strerror(errno));
@@ -394,11 +428,13 @@ static void cuda_close(pf_engine *e) {
   }
   if (ce->ctx) cu.cuCtxSetCurrent(ce->ctx);
   if (ce->stream) cu.cuStreamSynchronize(ce->stream);
+  if (ce->stream2) cu.cuStreamSynchronize(ce->stream2);
   for (uint32_t i = 0; i < ce->nevents; i++) cu.cuEventDestroy_v2(ce->events[i]);
   if (ce->mod) cu.cuModuleUnload(ce->mod);
   if (ce->arena_dev) cu.cuMemFree_v2(ce->arena_dev);
   if (ce->arena_host) cu.cuMemFreeHost(ce->arena_host);
   if (ce->stream) cu.cuStreamDestroy_v2(ce->stream);
+  if (ce->stream2) cu.cuStreamDestroy_v2(ce->stream2);
   if (ce->ctx) cu.cuDevicePrimaryCtxRelease_v2(ce->dev);
   pthread_cond_destroy(&ce->cv);
   pthread_mutex_destroy(&ce->mu);
@@ -533,28 +569,44 @@ static int32_t arena_reserve(cuda_engine *ce, uint64_t bytes, uint64_t *off,
   return PF_OK;
 }
 
+/*
+ * The enqueue functions take, per group g, the subset [lo[g], hi[g]) of
+ * b->ranges to move (the mixed path splits each group in two), the stream,
+ * and the events to record after each group. For the kernel part, wait[g]
+ * (if set) is an event of the other stream that the group's event must
+ * also cover.
+ */
 static int32_t enqueue_kernel(pf_engine *e, cuda_engine *ce, pf_batch *b,
-                              cuda_batch *cb) {
-  uint64_t n = 0;
-  for (uint32_t i = 0; i < b->num_ranges; i++)
-    n += (b->ranges[i].bytes + PF_KERNEL_ENTRY_MAX - 1) / PF_KERNEL_ENTRY_MAX;
-  uint64_t off = 0, vend = 0;
-  int32_t rc = arena_reserve(ce, n * sizeof(pf_kentry), &off, &vend);
-  if (rc < 0) return rc;
-  cb->arena_end = vend;
-  pf_kentry *tab = (pf_kentry *)(ce->arena_host + off);
+                              cuda_batch *cb, const uint32_t *lo,
+                              const uint32_t *hi, CUevent *wait) {
   uint64_t pool_dev = b->pool->device_ptr;
+  /* The bulk-copy variant needs 16-byte alignment of every address/size. */
+  int tma = ce->variant == PF_KERNEL_TMA && ce->fn_tma;
+  for (uint32_t i = 0; tma && i < b->num_ranges; i++)
+    if ((b->ranges[i].region_addr | (pool_dev + b->ranges[i].pool_off) |
+         b->ranges[i].bytes) & 15u)
+      tma = 0;
+  const uint64_t cut = tma ? PF_TMA_CHUNK : PF_KERNEL_ENTRY_MAX;
+  uint64_t n = 0;
+  for (uint32_t g = 0; g < b->num_groups; g++)
+    for (uint32_t i = lo[g]; i < hi[g]; i++)
+      n += (b->ranges[i].bytes + cut - 1) / cut;
+  uint64_t off = 0, vend = 0;
+  if (n) {
+    int32_t rc = arena_reserve(ce, n * sizeof(pf_kentry), &off, &vend);
+    if (rc < 0) return rc;
+    cb->arena_end = vend;
+  }
+  pf_kentry *tab = (pf_kentry *)(ce->arena_host + off);
   uint32_t *first = malloc(((size_t)b->num_groups + 1) * sizeof *first);
   if (!first) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   uint64_t k = 0;
   for (uint32_t g = 0; g < b->num_groups; g++) {
     first[g] = (uint32_t)k;
-    const pf_group_rt *gr = &b->groups[g];
-    for (uint32_t i = gr->first_range; i < gr->first_range + gr->num_ranges; i++) {
+    for (uint32_t i = lo[g]; i < hi[g]; i++) {
       const pf_range *r = &b->ranges[i];
-      for (uint64_t o = 0; o < r->bytes; o += PF_KERNEL_ENTRY_MAX) {
-        uint64_t len = r->bytes - o < PF_KERNEL_ENTRY_MAX ? r->bytes - o
-                                                          : PF_KERNEL_ENTRY_MAX;
+      for (uint64_t o = 0; o < r->bytes; o += cut) {
+        uint64_t len = r->bytes - o < cut ? r->bytes - o : cut;
         uint64_t dev = r->region_addr + o, host = pool_dev + r->pool_off + o;
         tab[k].src = b->direction == PF_D2H ? dev : host;
         tab[k].dst = b->direction == PF_D2H ? host : dev;
@@ -564,52 +616,63 @@ static int32_t enqueue_kernel(pf_engine *e, cuda_engine *ce, pf_batch *b,
     }
   }
   first[b->num_groups] = (uint32_t)k;
-  CUresult r = cu.cuMemcpyHtoDAsync_v2(ce->arena_dev + off, tab,
-                                       k * sizeof(pf_kentry), ce->stream);
+  CUresult r = CUDA_SUCCESS;
+  if (k)
+    r = cu.cuMemcpyHtoDAsync_v2(ce->arena_dev + off, tab,
+                                k * sizeof(pf_kentry), ce->stream);
   if (r != CUDA_SUCCESS) {
     free(first);
     return cu_fail(r, "pf_copy_submit", "cuMemcpyHtoDAsync(kernel table)");
   }
   uint32_t grid = e->grid_blocks ? e->grid_blocks : e->default_grid;
-  for (uint32_t g = 0; g < b->num_groups; g++) {
+  const char *call = "cuLaunchKernel(pf_copy_entries)";
+  for (uint32_t g = 0; g < b->num_groups && r == CUDA_SUCCESS; g++) {
     CUdeviceptr t = ce->arena_dev + off + (uint64_t)first[g] * sizeof(pf_kentry);
     unsigned int cnt = first[g + 1] - first[g];
     unsigned int blocks = cnt < grid ? cnt : grid;
     void *args[] = {&t, &cnt};
-    r = cu.cuLaunchKernel(ce->fn_copy, blocks, 1, 1, PF_KERNEL_THREADS, 1, 1,
-                          0, ce->stream, args, NULL);
-    if (r == CUDA_SUCCESS) r = cu.cuEventRecord(cb->ev[g], ce->stream);
-    if (r != CUDA_SUCCESS) {
-      free(first);
-      return cu_fail(r, "pf_copy_submit", "cuLaunchKernel(pf_copy_entries)");
+    if (cnt)
+      r = cu.cuLaunchKernel(tma ? ce->fn_tma : ce->fn_copy, blocks, 1, 1,
+                            tma ? PF_TMA_THREADS : PF_KERNEL_THREADS, 1, 1, 0,
+                            ce->stream, args, NULL);
+    if (r == CUDA_SUCCESS && wait && wait[g]) {
+      call = "cuStreamWaitEvent";
+      r = cu.cuStreamWaitEvent(ce->stream, wait[g], 0);
+    }
+    if (r == CUDA_SUCCESS) {
+      call = "cuEventRecord";
+      r = cu.cuEventRecord(cb->ev[g], ce->stream);
     }
   }
   free(first);
+  if (r != CUDA_SUCCESS) return cu_fail(r, "pf_copy_submit", call);
   return PF_OK;
 }
 
-static int32_t enqueue_dma(cuda_engine *ce, pf_batch *b, cuda_batch *cb) {
+static int32_t enqueue_dma(cuda_engine *ce, pf_batch *b, CUstream st,
+                           const uint32_t *lo, const uint32_t *hi, CUevent *ev) {
   uint64_t pool_dev = b->pool->device_ptr;
   for (uint32_t g = 0; g < b->num_groups; g++) {
-    const pf_group_rt *gr = &b->groups[g];
-    for (uint32_t i = gr->first_range; i < gr->first_range + gr->num_ranges; i++) {
+    for (uint32_t i = lo[g]; i < hi[g]; i++) {
       const pf_range *r = &b->ranges[i];
       CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
       CUresult res = b->direction == PF_D2H
-                         ? cu.cuMemcpyAsync(host, dev, r->bytes, ce->stream)
-                         : cu.cuMemcpyAsync(dev, host, r->bytes, ce->stream);
+                         ? cu.cuMemcpyAsync(host, dev, r->bytes, st)
+                         : cu.cuMemcpyAsync(dev, host, r->bytes, st);
       if (res != CUDA_SUCCESS)
         return cu_fail(res, "pf_copy_submit", "cuMemcpyAsync");
     }
-    CU_TRY("pf_copy_submit", cu.cuEventRecord(cb->ev[g], ce->stream));
+    if (ev[g]) CU_TRY("pf_copy_submit", cu.cuEventRecord(ev[g], st));
   }
   return PF_OK;
 }
 
-static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, cuda_batch *cb) {
-  uint32_t maxn = 0;
+static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, CUstream st,
+                                 const uint32_t *lo, const uint32_t *hi,
+                                 CUevent *ev) {
+  uint32_t maxn = 1;
   for (uint32_t g = 0; g < b->num_groups; g++)
-    if (b->groups[g].num_ranges > maxn) maxn = b->groups[g].num_ranges;
+    if (hi[g] - lo[g] > maxn) maxn = hi[g] - lo[g];
   if (maxn > PF_DMA_BATCH_MAX) maxn = PF_DMA_BATCH_MAX;
   CUdeviceptr *dst = malloc((size_t)maxn * sizeof *dst);
   CUdeviceptr *src = malloc((size_t)maxn * sizeof *src);
@@ -621,17 +684,15 @@ static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, cuda_batch *cb) {
   CUmemcpyAttributes attr;
   memset(&attr, 0, sizeof attr);
   attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-  CUmemLocation devloc = {CU_MEM_LOCATION_TYPE_DEVICE, (int)0};
+  CUmemLocation devloc = {CU_MEM_LOCATION_TYPE_DEVICE, (int)ce->dev};
   CUmemLocation hostloc = {CU_MEM_LOCATION_TYPE_HOST, 0};
-  devloc.id = ce->dev;
   attr.srcLocHint = b->direction == PF_D2H ? devloc : hostloc;
   attr.dstLocHint = b->direction == PF_D2H ? hostloc : devloc;
   size_t attr_idx = 0;
   uint64_t pool_dev = b->pool->device_ptr;
   int32_t rc = PF_OK;
   for (uint32_t g = 0; g < b->num_groups && rc == PF_OK; g++) {
-    const pf_group_rt *gr = &b->groups[g];
-    uint32_t i = gr->first_range, end = gr->first_range + gr->num_ranges;
+    uint32_t i = lo[g], end = hi[g];
     while (i < end && rc == PF_OK) {
       uint32_t n = 0;
       for (; i < end && n < maxn; i++, n++) {
@@ -643,17 +704,16 @@ static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, cuda_batch *cb) {
       }
       CUresult res;
       if (cu.batch_v2) {
-        res = cu.batch_v2(dst, src, len, n, &attr, &attr_idx, 1, ce->stream);
+        res = cu.batch_v2(dst, src, len, n, &attr, &attr_idx, 1, st);
       } else {
         size_t fail_idx = 0;
-        res = cu.batch_v1(dst, src, len, n, &attr, &attr_idx, 1, &fail_idx,
-                          ce->stream);
+        res = cu.batch_v1(dst, src, len, n, &attr, &attr_idx, 1, &fail_idx, st);
       }
       if (res != CUDA_SUCCESS)
         rc = cu_fail(res, "pf_copy_submit", "cuMemcpyBatchAsync");
     }
-    if (rc == PF_OK) {
-      CUresult res = cu.cuEventRecord(cb->ev[g], ce->stream);
+    if (rc == PF_OK && ev[g]) {
+      CUresult res = cu.cuEventRecord(ev[g], st);
       if (res != CUDA_SUCCESS) rc = cu_fail(res, "pf_copy_submit", "cuEventRecord");
     }
   }
@@ -661,46 +721,92 @@ static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, cuda_batch *cb) {
   return rc;
 }
 
-static const char *const path_name[] = {"auto", "kernel", "dma_batch", "dma"};
+static const char *const path_name[] = {"auto", "kernel", "dma_batch", "dma",
+                                        "mixed"};
+
+/* Splits each group by bytes: [lo, mid) to the copy engines (about
+ * `permille` of the group's bytes), [mid, hi) to the kernel. */
+static void split_mixed(const pf_batch *b, uint32_t permille, uint32_t *lo,
+                        uint32_t *mid, uint32_t *hi) {
+  for (uint32_t g = 0; g < b->num_groups; g++) {
+    const pf_group_rt *gr = &b->groups[g];
+    lo[g] = gr->first_range;
+    hi[g] = gr->first_range + gr->num_ranges;
+    uint64_t want = gr->bytes / 1000 * permille + gr->bytes % 1000 * permille / 1000;
+    uint64_t acc = 0;
+    uint32_t i = lo[g];
+    while (i < hi[g] && acc + b->ranges[i].bytes / 2 < want) acc += b->ranges[i++].bytes;
+    mid[g] = i;
+  }
+}
 
 static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_engine *ce = e->impl;
   uint32_t path = b->path;
   if (path == PF_PATH_AUTO)
     path = (e->features & PF_FEAT_KERNEL) ? PF_PATH_KERNEL : PF_PATH_DMA;
-  if (path == PF_PATH_KERNEL && !(e->features & PF_FEAT_KERNEL))
-    return pf_fail(PF_EUNSUPPORTED, "pf_copy_submit: path kernel: the copy "
-                   "kernel is not loaded in this build (no nvcc at build time)");
+  if ((path == PF_PATH_KERNEL || path == PF_PATH_MIXED) &&
+      !(e->features & PF_FEAT_KERNEL))
+    return pf_fail(PF_EUNSUPPORTED, "pf_copy_submit: path %s: the copy "
+                   "kernel is not loaded in this build (no nvcc at build time)",
+                   path_name[path]);
   if (path == PF_PATH_DMA_BATCH && !(e->features & PF_FEAT_DMA_BATCH))
     return pf_fail(PF_EUNSUPPORTED, "pf_copy_submit: path dma_batch: this "
                    "driver has no cuMemcpyBatchAsync (needs CUDA 12.8+)");
   cuda_batch *cb = calloc(1, sizeof *cb);
   if (!cb) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   cb->path = path;
-  cb->ev = calloc(b->num_groups, sizeof *cb->ev);
+  size_t G = b->num_groups;
+  int mixed = path == PF_PATH_MIXED;
+  cb->ev = calloc(mixed ? 2 * G : G, sizeof *cb->ev);
+  uint32_t *idx = malloc(3 * G * sizeof *idx);
   b->impl = cb;
-  int32_t rc = cb->ev ? PF_OK : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
-  for (uint32_t g = 0; g < b->num_groups && rc == PF_OK; g++)
+  int32_t rc = cb->ev && idx ? PF_OK
+                             : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  for (size_t g = 0; g < (mixed ? 2 * G : G) && rc == PF_OK; g++)
     if (!(cb->ev[g] = event_get(ce)))
       rc = pf_fail(PF_ECUDA, "pf_copy_submit: cuEventCreate failed");
   if (rc == PF_OK) rc = set_ctx(ce, "pf_copy_submit");
   if (rc < 0) {
+    free(idx);
     cuda_batch_release(ce, b);
     return rc;
   }
+  uint32_t *lo = idx, *mid = idx + G, *hi = idx + 2 * G;
+  for (uint32_t g = 0; g < G; g++) {
+    lo[g] = b->groups[g].first_range;
+    hi[g] = lo[g] + b->groups[g].num_ranges;
+  }
   pthread_mutex_lock(&ce->submit_mu);
-  if (path == PF_PATH_KERNEL)
-    rc = enqueue_kernel(e, ce, b, cb);
-  else if (path == PF_PATH_DMA_BATCH)
-    rc = enqueue_dma_batch(ce, b, cb);
-  else
-    rc = enqueue_dma(ce, b, cb);
+  if (path == PF_PATH_KERNEL) {
+    rc = enqueue_kernel(e, ce, b, cb, lo, hi, NULL);
+  } else if (path == PF_PATH_DMA_BATCH) {
+    rc = enqueue_dma_batch(ce, b, ce->stream, lo, hi, cb->ev);
+  } else if (path == PF_PATH_DMA) {
+    rc = enqueue_dma(ce, b, ce->stream, lo, hi, cb->ev);
+  } else {
+    uint32_t share = e->dma_share ? e->dma_share : e->default_dma_share;
+    split_mixed(b, share, lo, mid, hi);
+    CUevent *aux = cb->ev + G;
+    /* The copy-engine stream starts after everything queued before this
+     * batch, like the single-stream paths do. */
+    CUresult r = cu.cuEventRecord(aux[0], ce->stream);
+    if (r == CUDA_SUCCESS) r = cu.cuStreamWaitEvent(ce->stream2, aux[0], 0);
+    if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "mixed stream join");
+    if (rc == PF_OK)
+      rc = (e->features & PF_FEAT_DMA_BATCH)
+               ? enqueue_dma_batch(ce, b, ce->stream2, lo, mid, aux)
+               : enqueue_dma(ce, b, ce->stream2, lo, mid, aux);
+    if (rc == PF_OK) rc = enqueue_kernel(e, ce, b, cb, mid, hi, aux);
+  }
+  free(idx);
   if (rc < 0) {
     /* Work enqueued before the failure still runs: wait for it so that the
      * caller may close what the batch touched as soon as we return. */
     char msg[512];
     pf_last_error(msg, sizeof msg);
     cu.cuStreamSynchronize(ce->stream);
+    cu.cuStreamSynchronize(ce->stream2);
     pthread_mutex_unlock(&ce->submit_mu);
     cuda_batch_release(ce, b);
     return pf_fail(rc, "%s (path %s)", msg, path_name[path]);

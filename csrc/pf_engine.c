@@ -94,7 +94,7 @@ int32_t pf_engine_info(uint32_t engine, uint64_t info[8]) {
   info[4] = e->grid_blocks ? e->grid_blocks : e->default_grid;
   info[5] = e->device_mem_mib;
   info[6] = PF_ABI_VERSION;
-  info[7] = 0;
+  info[7] = e->kernel_variant;
   return PF_OK;
 }
 
@@ -115,6 +115,20 @@ int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks) {
                    "%u) .. %u (%u SMs x %u)", blocks, e->default_grid, max,
                    e->sm_count, PF_MAX_GRID_PER_SM);
   e->grid_blocks = blocks;
+  return PF_OK;
+}
+
+int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille) {
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_set_dma_share");
+  if (!e) return PF_EHANDLE;
+  if (!(e->features & PF_FEAT_KERNEL))
+    return pf_fail(PF_EUNSUPPORTED,
+                   "pf_engine_set_dma_share: engine %u (%s backend) has no "
+                   "mixed path", engine, e->ops->name);
+  if (permille > 1000)
+    return pf_fail(PF_EINVAL, "pf_engine_set_dma_share: %u permille; expected "
+                   "0 (default %u) .. 1000", permille, e->default_dma_share);
+  e->dma_share = permille;
   return PF_OK;
 }
 
@@ -433,10 +447,10 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
     return pf_fail(PF_EINVAL,
                    "pf_copy_submit: direction %u (expected 0 D2H or 1 H2D)",
                    h->direction);
-  if (h->path > PF_PATH_DMA)
+  if (h->path > PF_PATH_MIXED)
     return pf_fail(PF_EINVAL,
                    "pf_copy_submit: path %u (expected 0 auto, 1 kernel, "
-                   "2 dma_batch, 3 dma)", h->path);
+                   "2 dma_batch, 3 dma, 4 mixed)", h->path);
   if (h->num_groups == 0)
     return pf_fail(PF_EINVAL, "pf_copy_submit: num_groups is 0");
   if (h->reserved != 0)

@@ -163,6 +163,9 @@ typedef struct pf_engine {
   uint32_t sm_count;
   uint32_t grid_blocks;    /* 0 = backend default */
   uint32_t default_grid;
+  uint32_t kernel_variant; /* 0 SIMT, 1 Hopper bulk copy (cuda only) */
+  uint32_t dma_share;      /* permille of MIXED bytes to the copy engines; 0 = default */
+  uint32_t default_dma_share;
   uint64_t device_mem_mib;
   atomic_int live_objects; /* pools + regions of this engine */
   void *impl;              /* backend private state */

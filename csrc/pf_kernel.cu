@@ -61,3 +61,67 @@ pf_copy_entries(const pf_kentry *__restrict__ table, unsigned int n) {
     }
   }
 }
+
+/*
+ * Hopper variant: the bulk-copy engine of each SM (TMA) moves the bytes.
+ * One thread per block streams table entries (each at most PF_TMA_CHUNK
+ * bytes, 16-byte aligned, cut so by the host) through PF_TMA_STAGES shared
+ * memory buffers: cp.async.bulk global->shared completes on an mbarrier,
+ * cp.async.bulk shared->global writes it out. The SMs' warps stay free for
+ * the model, and the bulk engine issues large requests over PCIe.
+ */
+#define PF_TMA_CHUNK 8192
+#define PF_TMA_STAGES 4
+
+extern "C" __global__ void __launch_bounds__(32)
+pf_copy_entries_tma(const pf_kentry *__restrict__ table, unsigned int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ __align__(128) unsigned char buf[PF_TMA_STAGES][PF_TMA_CHUNK];
+  __shared__ __align__(8) unsigned long long bar[PF_TMA_STAGES];
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < PF_TMA_STAGES; s++) {
+    unsigned int b = (unsigned int)__cvta_generic_to_shared(&bar[s]);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const unsigned int cnt =
+      n > blockIdx.x ? (n - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+#define PF_TMA_LOAD(k)                                                        \
+  do {                                                                        \
+    const pf_kentry e_ = table[blockIdx.x + (k) * gridDim.x];                 \
+    const int s_ = (k) % PF_TMA_STAGES;                                       \
+    unsigned int b_ = (unsigned int)__cvta_generic_to_shared(&bar[s_]);       \
+    unsigned int d_ = (unsigned int)__cvta_generic_to_shared(&buf[s_][0]);    \
+    unsigned int len_ = (unsigned int)e_.bytes;                               \
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"     \
+                 ::"r"(b_), "r"(len_) : "memory");                            \
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx" \
+                 "::bytes [%0], [%1], %2, [%3];"                              \
+                 ::"r"(d_), "l"(e_.src), "r"(len_), "r"(b_) : "memory");      \
+  } while (0)
+  for (unsigned int k = 0; k < cnt && k < PF_TMA_STAGES; k++) PF_TMA_LOAD(k);
+  for (unsigned int k = 0; k < cnt; k++) {
+    const int s = k % PF_TMA_STAGES;
+    unsigned int b = (unsigned int)__cvta_generic_to_shared(&bar[s]);
+    unsigned int parity = (k / PF_TMA_STAGES) & 1;
+    asm volatile(
+        "{\n\t.reg .pred p;\n"
+        "PF_WAIT_%=:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+        "@!p bra PF_WAIT_%=;\n}" ::"r"(b), "r"(parity) : "memory");
+    const pf_kentry e = table[blockIdx.x + k * gridDim.x];
+    unsigned int src = (unsigned int)__cvta_generic_to_shared(&buf[s][0]);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"(e.dst), "r"(src), "r"((unsigned int)e.bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (k + PF_TMA_STAGES < cnt) {
+      /* The buffer is reused only once the store has read it. */
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      PF_TMA_LOAD(k + PF_TMA_STAGES);
+    }
+  }
+  /* The kernel ends only when every store has landed. */
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#undef PF_TMA_LOAD
+#endif
+}

@@ -59,7 +59,6 @@ Deno.test("a CUDA device is present and the copy kernel is loaded", () => {
   }
 });
 
-const PATHS: CopyPath[] = ["kernel", "dma_batch", "dma", "auto"];
 const CASES: Array<[LayoutKind, number, number, number, number, boolean]> = [
   ["kv_split", 256, 4, 32768, 200, false],
   ["kv_interleaved", 64, 3, 16384, 64, true],
@@ -68,13 +67,25 @@ const CASES: Array<[LayoutKind, number, number, number, number, boolean]> = [
   ["kv_split", 16, 2, 100, 12, false], // odd sizes: byte path of the kernel
 ];
 
-for (const path of PATHS) {
+const RUNS: Array<[CopyPath, "simt" | "tma" | undefined]> = [
+  ["kernel", "simt"],
+  ["kernel", "tma"],
+  ["dma_batch", undefined],
+  ["dma", undefined],
+  ["mixed", undefined],
+  ["auto", undefined],
+];
+
+for (const [path, variant] of RUNS) {
   Deno.test({
-    name: `cuda ${path}: gather then scatter is byte-exact for every layout`,
+    name: `cuda ${path}${variant ? ` (${variant} kernel)` : ""}: gather then scatter is byte-exact for every layout`,
     ignore: noCuda !== undefined,
     fn: async () => {
+      if (variant) Deno.env.set("PEGAFLOW_KERNEL", variant);
       const ce = CopyEngine.open({ backend: "cuda", poolBytes: 256 << 20 });
+      Deno.env.delete("PEGAFLOW_KERNEL");
       try {
+        if (variant === "tma") assert.equal(ce.engine.kernelVariant, "tma", "the bulk-copy kernel did not load");
         if (path === "dma_batch" && !ce.engine.features.dmaBatch) {
           const b = new CopyBatch(1, 1).reset("d2h", "dma_batch");
           const r = ce.engine.allocRegion(4096);
@@ -105,7 +116,7 @@ for (const path of PATHS) {
   });
 }
 
-for (const [kind, path] of [["kv_split", "kernel"], ["mla", "dma"], ["cross_layer", "dma_batch"], ["kv_interleaved", "auto"]] as const) {
+for (const [kind, path] of [["kv_split", "kernel"], ["mla", "dma"], ["cross_layer", "dma_batch"], ["kv_interleaved", "mixed"], ["kv_split", "auto"]] as const) {
   Deno.test({
     name: `cuda IPC: regions exported by another process round-trip byte-exact (${kind}, ${path})`,
     ignore: noCuda !== undefined,

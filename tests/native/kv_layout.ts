@@ -5,7 +5,7 @@
  * builders for gather (region → pool) and scatter (pool → region).
  * Shared by tests/native and tests/gpu.
  */
-import { CopyBatch, type CopyEngine, type Engine, type Region } from "../../ffi/mod.ts";
+import { CopyBatch, type CopyEngine, type CopyPath, type Engine, type Region } from "../../ffi/mod.ts";
 
 /** The layout kinds the engines we serve use. */
 export type LayoutKind = "kv_split" | "kv_interleaved" | "mla" | "cross_layer";
@@ -226,7 +226,7 @@ export function pickBlocks(rand: () => number, numBlocks: number, n: number, sor
 /** Options of {@link runRoundTrip}. */
 export interface RoundTripOptions {
   /** Copy path for both batches (default auto). */
-  path?: "auto" | "kernel" | "dma_batch" | "dma";
+  path?: CopyPath;
   /** Pool offset where the batch's slots start (default 0). */
   poolBase?: number;
 }
