@@ -26,16 +26,16 @@ const o = new Command("bench-server")
   .option("--iters <n>", "timed iterations per row", "5")
   .option("--query-iters <n>", "QueryPrefetch samples", "200")
   .option("--out <dir>", "where to write the JSON", "bench/results")
+  .option("--server-log <file>", "write the server's debug log (per-phase save/load times) here")
   .parse(["deno", "run", ...Deno.args])
-  .opts<
-    {
-      backend: "auto" | "cuda" | "host";
-      tokens?: string;
-      iters: string;
-      queryIters: string;
-      out: string;
-    }
-  >();
+  .opts<{
+    backend: "auto" | "cuda" | "host";
+    tokens?: string;
+    iters: string;
+    queryIters: string;
+    out: string;
+    serverLog?: string;
+  }>();
 
 const model = LLAMA_3_1_8B;
 const KV = 2;
@@ -104,12 +104,16 @@ const child = new Deno.Command(Deno.execPath(), {
     "--pool-size",
     `${poolBytes}`,
     "--log-level",
-    "warn",
+    o.serverLog ? "debug" : "warn",
   ],
   cwd: new URL("../", import.meta.url).pathname,
   stdout: "piped",
-  stderr: "inherit",
+  stderr: o.serverLog ? "piped" : "inherit",
 }).spawn();
+const serverLog = o.serverLog
+  ? await Deno.open(o.serverLog, { write: true, create: true, truncate: true })
+  : null;
+const serverLogDone = serverLog ? child.stderr.pipeTo(serverLog.writable) : null;
 const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
 let line = "";
 while (!line.includes("\n")) {
@@ -234,6 +238,22 @@ try {
     verified: v.badSegments === 0,
   };
 
+  // Transport floor: an empty unary RPC.
+  const hMs: number[] = [];
+  for (let i = 0; i < Number(o.queryIters); i++) {
+    const t0 = performance.now();
+    await client.health();
+    hMs.push(performance.now() - t0);
+  }
+  rows.push({
+    what: "Health (empty RPC: transport floor)",
+    p50_ms: pct(hMs, 50).toFixed(3),
+    p99_ms: pct(hMs, 99).toFixed(3),
+    gbps: "-",
+    vs_native: "-",
+  });
+  result.health_rpc = { p50_ms: pct(hMs, 50), p99_ms: pct(hMs, 99) };
+
   // QueryPrefetch latency.
   const qMs: number[] = [];
   for (let i = 0; i < Number(o.queryIters); i++) {
@@ -267,4 +287,5 @@ try {
   client.close();
   child.kill("SIGTERM");
   await child.status;
+  await serverLogDone;
 }

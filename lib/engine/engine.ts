@@ -155,6 +155,10 @@ interface LoadJob {
   shm: ShmPort;
 }
 
+function round3(ms: number): number {
+  return Math.round(ms * 1e3) / 1e3;
+}
+
 function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
   if (a.length !== b.length) return false;
   for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
@@ -615,6 +619,7 @@ export class KvEngine {
         }
         plans.push({ plan: begun.plan, group });
       }
+      const tPlanned = performance.now();
       let blocks = 0, skipped = 0, refused = 0, segs = 0, layerGroups = 0;
       for (const { plan } of plans) {
         blocks += plan.blockCount;
@@ -625,6 +630,8 @@ export class KvEngine {
       }
       if (refused > 0) this.#metrics?.saveFailed("pool_exhausted_partial");
       let bytes = 0;
+      let tBuilt = tPlanned;
+      let nativeNs = 0;
       if (segs > 0) {
         // ONE gather batch for every layer of the request.
         const b = this.#saveBatch;
@@ -652,8 +659,11 @@ export class KvEngine {
             }
           }
         }
+        tBuilt = performance.now();
         try {
-          bytes = (await this.#native.submit(b)).bytes;
+          const done = await this.#native.submit(b);
+          bytes = done.bytes;
+          nativeNs = done.ns;
         } catch (e) {
           this.#metrics?.saveFailed("copy_failed");
           throw new EngineError(
@@ -663,6 +673,7 @@ export class KvEngine {
         }
       }
       // The bytes are in the pool: the slots join their blocks, complete blocks seal.
+      const tCopied = performance.now();
       let sealed = 0;
       for (const p of plans.splice(0)) {
         const done = this.#store.completeSave(p.plan, true);
@@ -683,6 +694,12 @@ export class KvEngine {
         sealed,
         bytes,
         ms: Math.round(secs * 1e6) / 1e3,
+        // Phases, for finding where a save's time goes.
+        plan_ms: round3(tPlanned - t0),
+        build_ms: round3(tBuilt - tPlanned),
+        copy_ms: round3(tCopied - tBuilt),
+        seal_ms: round3(performance.now() - tCopied),
+        native_ms: round3(nativeNs / 1e6),
       });
       return {
         blocksSaved: blocks,
@@ -798,6 +815,7 @@ export class KvEngine {
 
   #submitLoad(job: LoadJob): LoadResult {
     const { args, inst, rank, shm } = job;
+    const tStart = performance.now();
     const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}`;
     inst.begin("Load");
     let view;
@@ -857,6 +875,9 @@ export class KvEngine {
             rank: rank.rank,
             blocks: args.blockIds.length,
             bytes: d.bytes,
+            prepare_ms: round3(t0 - tStart),
+            copy_ms: round3(performance.now() - t0),
+            native_ms: round3(d.ns / 1e6),
           });
         },
         (e) => {
