@@ -547,7 +547,12 @@ export class KvEngine {
     // Validate everything before allocating anything. Layers carrying the same
     // (ids, hashes) lists — the normal case: every layer saves the same blocks —
     // share one store plan; all plans go into ONE gather batch.
-    const groups: { ids: number[]; hashes: Uint8Array[]; layers: LayerCtx[] }[] = [];
+    const groups: {
+      ids: number[];
+      hashes: Uint8Array[];
+      layers: LayerCtx[];
+      checkedFor: number;
+    }[] = [];
     const seenLayer = new Set<string>();
     const shared = (args.blockIds?.length ?? 0) > 0 || (args.blockHashes?.length ?? 0) > 0;
     if (shared && args.layers.length > 0) {
@@ -579,21 +584,30 @@ export class KvEngine {
         );
       }
       const nb = layer.geometry.numBlocks;
-      for (let i = 0; i < ls.blockIds.length; i++) {
-        const id = ls.blockIds[i];
-        if (!(id < nb)) {
-          throw invalid(`${who} layer "${layer.name}": block id ${id} >= num_blocks ${nb}`);
-        }
-        const h = ls.blockHashes[i];
-        if (h.length < 1 || h.length > MAX_HASH_BYTES) {
-          throw invalid(
-            `${who} layer "${layer.name}": block hash ${i} is ${h.length} bytes (1..${MAX_HASH_BYTES})`,
-          );
-        }
-      }
       const g = groups.find((g) => sameLists(g.ids, g.hashes, ls.blockIds, ls.blockHashes));
+      // The all-layers shorthand hands every layer the same arrays: check them once per num_blocks.
+      if (!g || g.checkedFor !== nb) {
+        for (let i = 0; i < ls.blockIds.length; i++) {
+          const id = ls.blockIds[i];
+          if (!(id < nb)) {
+            throw invalid(`${who} layer "${layer.name}": block id ${id} >= num_blocks ${nb}`);
+          }
+          const h = ls.blockHashes[i];
+          if (h.length < 1 || h.length > MAX_HASH_BYTES) {
+            throw invalid(
+              `${who} layer "${layer.name}": block hash ${i} is ${h.length} bytes (1..${MAX_HASH_BYTES})`,
+            );
+          }
+        }
+        if (g) g.checkedFor = nb;
+      }
       if (g) g.layers.push(layer);
-      else groups.push({ ids: ls.blockIds, hashes: ls.blockHashes, layers: [layer] });
+      else {groups.push({
+          ids: ls.blockIds,
+          hashes: ls.blockHashes,
+          layers: [layer],
+          checkedFor: nb,
+        });}
     }
     if (groups.length === 0) {
       return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0, blocksRefused: 0 };
