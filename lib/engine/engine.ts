@@ -543,6 +543,7 @@ export class KvEngine {
 
   async #runSave(job: SaveJob): Promise<SaveResult> {
     const { args, inst, rank } = job;
+    const tStart = performance.now();
     const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}`;
     // Validate everything before allocating anything. Layers carrying the same
     // (ids, hashes) lists — the normal case: every layer saves the same blocks —
@@ -709,6 +710,7 @@ export class KvEngine {
         bytes,
         ms: Math.round(secs * 1e6) / 1e3,
         // Phases, for finding where a save's time goes.
+        validate_ms: round3(t0 - tStart),
         plan_ms: round3(tPlanned - t0),
         build_ms: round3(tBuilt - tPlanned),
         copy_ms: round3(tCopied - tBuilt),

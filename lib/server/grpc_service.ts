@@ -120,8 +120,14 @@ export function engineServiceImpl(
       }
       p.then(
         (res) => {
-          metrics.rpc(method, "OK", (performance.now() - t0) / 1000);
+          const t1 = performance.now();
+          metrics.rpc(method, "OK", (t1 - t0) / 1000);
           callback(null, res);
+          log.debug("rpc done", {
+            method,
+            handler_ms: Math.round((t1 - t0) * 1e3) / 1e3,
+            respond_ms: Math.round((performance.now() - t1) * 1e3) / 1e3,
+          });
         },
         (e) => {
           const st = statusError(e);
