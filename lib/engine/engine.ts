@@ -660,16 +660,19 @@ export class KvEngine {
             const layer = group.layers[li];
             const g = layer.geometry;
             let opened = false;
-            for (let k = 0; k < n; k++) {
-              const o0 = plan.offsets[(li * S) * n + k];
-              if (o0 < 0) continue; // this slot is already held
-              if (!opened) {
-                b.group(layer.region, layer.layerId);
-                opened = true;
-              }
-              const base = g.baseOffset + group.ids[plan.hashIndex[k]] * g.blockStride;
-              for (let s = 0; s < S; s++) {
-                b.seg(base + s * g.segStride, plan.offsets[(li * S + s) * n + k], g.segBytes);
+            // Segment-major (all K, then all V): consecutive blocks then sit next to
+            // each other in both the region and the pool, and the writer merges them.
+            for (let s = 0; s < S; s++) {
+              for (let k = 0; k < n; k++) {
+                const off = plan.offsets[(li * S + s) * n + k];
+                if (off < 0) continue; // this slot is already held
+                if (!opened) {
+                  b.group(layer.region, layer.layerId);
+                  opened = true;
+                }
+                const at = g.baseOffset + group.ids[plan.hashIndex[k]] * g.blockStride +
+                  s * g.segStride;
+                b.seg(at, off, g.segBytes);
               }
             }
           }
@@ -873,10 +876,10 @@ export class KvEngine {
         const l = rank.layers[li];
         const g = l.geometry;
         b.group(l.region, l.layerId);
-        for (let k = 0; k < n; k++) {
-          const base = g.baseOffset + args.blockIds[k] * g.blockStride;
-          for (let s = 0; s < S; s++) {
-            b.seg(base + s * g.segStride, view.offsets[(li * S + s) * n + k], g.segBytes);
+        for (let s = 0; s < S; s++) {
+          for (let k = 0; k < n; k++) {
+            const at = g.baseOffset + args.blockIds[k] * g.blockStride + s * g.segStride;
+            b.seg(at, view.offsets[(li * S + s) * n + k], g.segBytes);
           }
         }
       }
