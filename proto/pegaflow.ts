@@ -143,6 +143,8 @@ export interface SaveRequest {
    */
   blockIds: number[];
   blockHashes: Uint8Array[];
+  /** Optional: the engine's request id, carried into the server's log lines. */
+  requestId: string;
 }
 
 export interface SaveResponse {
@@ -191,6 +193,8 @@ export interface LoadRequest {
   /** targets, one per leased block, in order */
   blockIds: number[];
   loadStateShm: string;
+  /** Optional: the engine's request id, carried into the server's log lines. */
+  requestId: string;
 }
 
 export interface LoadResponse {
@@ -767,7 +771,15 @@ export const LayerSave: MessageFns<LayerSave> = {
 };
 
 function createBaseSaveRequest(): SaveRequest {
-  return { instanceId: "", tpRank: 0, ppRank: 0, layers: [], blockIds: [], blockHashes: [] };
+  return {
+    instanceId: "",
+    tpRank: 0,
+    ppRank: 0,
+    layers: [],
+    blockIds: [],
+    blockHashes: [],
+    requestId: "",
+  };
 }
 
 export const SaveRequest: MessageFns<SaveRequest> = {
@@ -793,6 +805,9 @@ export const SaveRequest: MessageFns<SaveRequest> = {
     }
     for (const v of message.blockHashes) {
       writer.uint32(50).bytes(v!);
+    }
+    if (message.requestId !== "") {
+      writer.uint32(58).string(message.requestId);
     }
     return writer;
   },
@@ -868,6 +883,14 @@ export const SaveRequest: MessageFns<SaveRequest> = {
             message.blockHashes.push(reader.bytes());
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.requestId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -891,6 +914,7 @@ export const SaveRequest: MessageFns<SaveRequest> = {
     message.layers = object.layers?.map((e) => LayerSave.fromPartial(e)) || [];
     message.blockIds = object.blockIds?.map((e) => e) || [];
     message.blockHashes = object.blockHashes?.map((e) => e) || [];
+    message.requestId = object.requestId ?? "";
     return message;
   },
 };
@@ -1286,6 +1310,7 @@ function createBaseLoadRequest(): LoadRequest {
     leaseId: new Uint8Array(0),
     blockIds: [],
     loadStateShm: "",
+    requestId: "",
   };
 }
 
@@ -1312,6 +1337,9 @@ export const LoadRequest: MessageFns<LoadRequest> = {
     }
     if (message.loadStateShm !== "") {
       writer.uint32(50).string(message.loadStateShm);
+    }
+    if (message.requestId !== "") {
+      writer.uint32(58).string(message.requestId);
     }
     return writer;
   },
@@ -1387,6 +1415,14 @@ export const LoadRequest: MessageFns<LoadRequest> = {
             message.loadStateShm = reader.string();
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.requestId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1410,6 +1446,7 @@ export const LoadRequest: MessageFns<LoadRequest> = {
     message.leaseId = object.leaseId ?? new Uint8Array(0);
     message.blockIds = object.blockIds?.map((e) => e) || [];
     message.loadStateShm = object.loadStateShm ?? "";
+    message.requestId = object.requestId ?? "";
     return message;
   },
 };

@@ -107,12 +107,15 @@ export class PegaflowClient {
 
   /** Saves blocks: per-layer `layers`, or `blockIds`/`blockHashes` for every layer of the rank. */
   save(
-    req: Omit<SaveRequest, "layers" | "blockIds" | "blockHashes"> & Partial<SaveRequest>,
+    req:
+      & Omit<SaveRequest, "layers" | "blockIds" | "blockHashes" | "requestId">
+      & Partial<SaveRequest>,
   ): Promise<SaveResponse> {
     return this.#call("Save", this.#raw.save as never, {
       layers: [],
       blockIds: [],
       blockHashes: [],
+      requestId: "",
       ...req,
     });
   }
@@ -137,8 +140,8 @@ export class PegaflowClient {
     return { kind: "loading" };
   }
 
-  load(req: LoadRequest): Promise<LoadResponse> {
-    return this.#call("Load", this.#raw.load as never, req);
+  load(req: Omit<LoadRequest, "requestId"> & { requestId?: string }): Promise<LoadResponse> {
+    return this.#call("Load", this.#raw.load as never, { requestId: "", ...req });
   }
 
   async release(leaseId: Uint8Array): Promise<void> {

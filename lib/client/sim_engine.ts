@@ -302,6 +302,7 @@ export class SimEngine {
   async load(
     leaseId: Uint8Array,
     ids: number[],
+    requestId = "",
   ): Promise<{ firstLayerMs: number; allMs: number; state: number }> {
     const st = this.#loadState ??= LoadState.create();
     st.rearm();
@@ -313,6 +314,7 @@ export class SimEngine {
       leaseId,
       blockIds: ids,
       loadStateShm: st.name,
+      requestId,
     });
     await st.waitLayer(0);
     const firstLayerMs = performance.now() - t0;

@@ -68,6 +68,7 @@ export interface SaveResult {
 
 export interface LoadArgs {
   instanceId: string;
+  requestId?: string;
   tpRank: number;
   ppRank: number;
   leaseId: Uint8Array;
@@ -443,7 +444,8 @@ export class KvEngine {
   async #runSave(job: SaveJob): Promise<SaveResult> {
     const { args, inst, rank } = job;
     const tStart = performance.now();
-    const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}`;
+    const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}` +
+      (args.requestId ? ` request "${args.requestId}"` : "");
     // Validate everything before allocating anything. Layers carrying the same
     // (ids, hashes) lists — the normal case: every layer saves the same blocks —
     // share one store plan; all plans go into ONE gather batch.
@@ -604,7 +606,7 @@ export class KvEngine {
       this.#log.debug("save done", {
         instance: inst.id,
         rank: rank.rank,
-        request: args.requestId,
+        request: args.requestId || undefined,
         blocks,
         skipped,
         refused,
@@ -734,7 +736,8 @@ export class KvEngine {
   #submitLoad(job: LoadJob): LoadResult {
     const { args, inst, rank, shm } = job;
     const tStart = performance.now();
-    const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}`;
+    const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}` +
+      (args.requestId ? ` request "${args.requestId}"` : "");
     inst.begin("Load");
     let view;
     try {
@@ -790,6 +793,7 @@ export class KvEngine {
           this.#metrics?.loadDone(d.bytes, (performance.now() - t0) / 1000, true);
           this.#log.debug("load done", {
             instance: inst.id,
+            request: args.requestId || undefined,
             rank: rank.rank,
             blocks: args.blockIds.length,
             bytes: d.bytes,
@@ -801,6 +805,7 @@ export class KvEngine {
         (e) => {
           this.#metrics?.loadDone(0, (performance.now() - t0) / 1000, false);
           this.#log.warn("load copy failed", {
+            request: args.requestId || undefined,
             instance: inst.id,
             rank: rank.rank,
             error: (e as Error).message,

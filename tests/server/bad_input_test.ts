@@ -135,6 +135,20 @@ Deno.test("save, query, load and release refuse bad input and store nothing", as
       status("INVALID_ARGUMENT", /block id 16 >= num_blocks 16/),
     );
     await assert.rejects(
+      srv.client.save({
+        instanceId: sim.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        blockIds: [99],
+        blockHashes: [hashes[0]],
+        requestId: "req-7",
+      }),
+      status(
+        "INVALID_ARGUMENT",
+        /request "req-7" layer "model\.layers\.000\.attn": block id 99 >= num_blocks 16/,
+      ),
+    );
+    await assert.rejects(
       sim.save([0, 1, 2], hashes),
       status("INVALID_ARGUMENT", /3 block_ids but 4 block_hashes/),
     );
