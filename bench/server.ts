@@ -340,6 +340,7 @@ try {
   sim.close();
   client.close();
   child.kill("SIGTERM");
-  await child.status;
+  const st = await child.status;
+  if (!st.success) console.error(`server exited with code ${st.code} signal ${st.signal}`);
   await serverLogDone;
 }
