@@ -13,6 +13,7 @@
 import { Command } from "commander";
 import { CopyBatch, CopyEngine, type CopyPath, type Direction, type Region } from "../ffi/mod.ts";
 import { fillStrided, pct, type Row, table, timeBatch } from "./native_copy.ts";
+import { PathPolicy } from "../lib/copy_path.ts";
 
 const KB = 1024;
 const MB = 1024 * KB;
@@ -27,7 +28,7 @@ const program = new Command()
   .option("--full", "full sweep even on the host backend", false)
   .option("--iters <n>", "timed batches per row (default 10 cuda, 3 host)")
   .option("--out <dir>", "where to write the JSON", "bench/results")
-  .option("--only <sections>", "comma-separated subset: size,layers,count,grid,variant,mixed,submit,huge")
+  .option("--only <sections>", "comma-separated subset: size,layers,count,grid,variant,mixed,submit,calibrate,huge")
   .parse(["deno", "run", ...Deno.args]);
 const opts = program.opts<
   { backend: "auto" | "cuda" | "host"; device: string; full: boolean; iters?: string; out: string; only?: string }
@@ -49,7 +50,9 @@ const warm = gpu ? 2 : 1;
 /** Bytes per batch: the Llama prefix on a GPU; small on the host. */
 const TOTAL = gpu ? LLAMA_SEGMENTS * LLAMA_SEG : small ? 32 * MB : 256 * MB;
 const SIZES = small ? [8 * KB, 32 * KB, 512 * KB, 2 * MB] : [8, 16, 32, 64, 128, 256, 512, 1024, 2048].map((k) => k * KB);
-const PATHS: CopyPath[] = gpu ? ["kernel", "dma_batch", "dma"].filter((p) => p !== "dma_batch" || features.dmaBatch) as CopyPath[] : ["dma"];
+const PATHS: CopyPath[] = gpu
+  ? (["kernel", "mixed", "dma_batch", "dma"] as CopyPath[]).filter((p) => p !== "dma_batch" || features.dmaBatch)
+  : ["dma"];
 const DIRS: Direction[] = ["d2h", "h2d"];
 
 interface Setup {
@@ -170,7 +173,7 @@ if (gpu && features.kernel && want("grid")) {
 const submitCost: undefined | { path: CopyPath; segments: number; fillP50Ms: number; fillP99Ms: number; submitP50Ms: number; submitP99Ms: number; totalP50Ms: number } = !want("submit") ? undefined : await submitCostOf(mainPath);
 const submitByPath: Record<string, unknown> = {};
 if (gpu && want("submit")) {
-  for (const p of ["mixed", "dma_batch", "dma"] as CopyPath[]) {
+  for (const p of ["mixed", "dma_batch", "dma", "kernel"] as CopyPath[]) {
     if (p === "dma_batch" && !features.dmaBatch) continue;
     submitByPath[p] = await submitCostOf(p);
   }
@@ -237,7 +240,7 @@ if (gpu && features.kernel && want("variant")) {
 // 7. Mixed path (cuda): kernel and copy engines on one batch, by DMA share.
 if (gpu && features.kernel && want("mixed")) {
   const m = await setup(false);
-  for (const share of [300, 450, 600, 700, 800]) {
+  for (const share of [500, 600, 700, 800]) {
     m.ce.engine.setDmaShare(share);
     for (const dir of DIRS) {
       const r = await row(m, dir, "mixed", seg32, segs32, 32, batch, m.ce.engine.kernelGrid);
@@ -254,7 +257,30 @@ if (gpu && features.kernel && want("mixed")) {
   await teardown(m);
 }
 
-// 8. Huge pages on (if the machine has them reserved).
+// 8. Calibration (what the path policy sees) and the policy's choices.
+let calibration: unknown;
+if (gpu && want("calibrate")) {
+  const c = await setup(false);
+  const policy = PathPolicy.calibrate(c.ce.engine, c.ce.pool, Math.min(TOTAL, 512 * MB));
+  const choices: Record<string, Record<string, CopyPath>> = {};
+  for (const dir of DIRS) {
+    choices[dir] = {};
+    for (const seg of SIZES) choices[dir][String(seg)] = policy.choose(dir, seg);
+  }
+  calibration = { tables: policy.tables, choices };
+  console.log(`\n## calibration (pf_calibrate, best of 3, 512 MB per point)`);
+  for (const dir of DIRS) {
+    const t = policy.tables[dir]!;
+    console.log(`${dir}: peak ${t.peak.toFixed(1)} GB/s`);
+    console.log(["seg", "kernel", "mixed", "dma_batch", "dma", "policy"].join("\t"));
+    t.sizes.forEach((sz, i) =>
+      console.log([`${sz >> 10}K`, t.gbps.kernel[i].toFixed(1), t.gbps.mixed[i].toFixed(1), t.gbps.dma_batch[i].toFixed(1), t.gbps.dma[i].toFixed(1), policy.choose(dir, sz)].join("\t"))
+    );
+  }
+  await teardown(c);
+}
+
+// 9. Huge pages on (if the machine has them reserved).
 let hugeNote = "";
 if (want("huge")) try {
   const huge = await setup(true);
@@ -299,6 +325,7 @@ await Deno.writeTextFile(
       hugepagesNote: hugeNote || undefined,
       submitCost,
       submitByPath,
+      calibration,
       sections,
     },
     null,

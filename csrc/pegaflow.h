@@ -254,9 +254,11 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
 
 /* Measures each available path on this engine in `direction` for segment
  * sizes sizes[0..n) (bytes), moving total_bytes per point, and writes GB/s
- * into out_gbps[path_index * n + i] for path_index 0..3 = AUTO (one large
- * contiguous copy: the link's peak, same for every i), KERNEL, DMA_BATCH,
- * DMA (0 where a path is absent). Segments sit at a stride of twice their
+ * into out_gbps[p * n + i] (5 * n doubles) for p = the pf_path value:
+ * AUTO's row holds one large contiguous copy (the link's peak, same for
+ * every i), then KERNEL, DMA_BATCH, DMA, MIXED (0 where a path is absent or
+ * the driver refused it). Each figure is the best of 3 timed batches after
+ * a warm-up, submit to last byte. Segments sit at a stride of twice their
  * size on the device side so that nothing merges. Uses scratch device
  * memory (host: an anonymous mapping) and pool bytes [0, total_bytes);
  * synchronous; fails with PF_EBUSY while batches use the pool. */

@@ -207,7 +207,7 @@ static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
 /* Copy engines' share (permille of bytes) of a mixed batch: the copy
  * engines reach ~70 % of the link with 32 KB copies alone (descriptor
  * rate), the SMs ~93 %; measured best split in docs/native.md. */
-#define PF_MIXED_DMA_SHARE_DEFAULT 600u
+#define PF_MIXED_DMA_SHARE_DEFAULT 700u
 /* Which kernel variant runs when PEGAFLOW_KERNEL is unset. */
 #define PF_KERNEL_DEFAULT_VARIANT PF_KERNEL_SIMT
 
@@ -233,19 +233,23 @@ typedef struct cuda_engine {
   uint8_t *arena_host;
   CUdeviceptr arena_dev;
   uint64_t arena_head, arena_tail; /* virtual offsets, under mu */
-  pthread_mutex_t submit_mu;       /* one submit at a time on the stream */
   pthread_mutex_t mu;
   pthread_cond_t cv;               /* queue non-empty / arena freed */
   pf_batch *head, *tail;           /* batches awaiting completion */
   int stop;
   pthread_t th;
+  pthread_cond_t scv;              /* submit queue non-empty */
+  pf_batch *sq_head, *sq_tail;     /* batches awaiting enqueue */
+  int sstop;
+  pthread_t sth;
   CUevent events[PF_EVENT_CACHE];
   uint32_t nevents;
 } cuda_engine;
 
 typedef struct cuda_batch {
-  CUevent *ev; /* one per group */
+  CUevent *ev; /* one per group (mixed: then one per group for stream2) */
   uint32_t path;
+  int32_t status; /* < 0 when enqueueing failed */
   uint64_t arena_end; /* virtual end of this batch's table span (0: none) */
 } cuda_batch;
 
@@ -316,8 +320,12 @@ static void *completion_main(void *arg) {
     if (!ce->head) ce->tail = NULL;
     pthread_mutex_unlock(&ce->mu);
     cuda_batch *cb = b->impl;
-    int32_t status = PF_OK;
+    int32_t status = cb->status;
     for (uint32_t g = 0; g < b->num_groups; g++) {
+      if (status < 0) {
+        pf_batch_group_done(b, g, status);
+        continue;
+      }
       CUresult r = cu.cuEventSynchronize(cb->ev[g]);
       if (r != CUDA_SUCCESS && status == PF_OK)
         status = cu_fail(r, "pf_copy_submit(completion)", "cuEventSynchronize");
@@ -330,6 +338,7 @@ static void *completion_main(void *arg) {
 }
 
 static void cuda_close(pf_engine *e);
+static void *submitter_main(void *arg);
 
 static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   pthread_once(&cu_once, cu_load);
@@ -345,8 +354,8 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   cuda_engine *ce = calloc(1, sizeof *ce);
   if (!ce) return pf_fail(PF_ENOMEM, "pf_engine_open(cuda): out of memory");
   pthread_mutex_init(&ce->mu, NULL);
-  pthread_mutex_init(&ce->submit_mu, NULL);
   pthread_cond_init(&ce->cv, NULL);
+  pthread_cond_init(&ce->scv, NULL);
   e->impl = ce;
   int32_t rc = PF_OK;
   CUresult r;
@@ -404,13 +413,19 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   e->device_mem_mib = total >> 20;
   e->default_dma_share = PF_MIXED_DMA_SHARE_DEFAULT;
   if (pthread_create(&ce->th, NULL, completion_main, e) != 0) {
+    ce->th = 0;
     rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): completion thread: %s",
+                 strerror(errno));
+    goto fail;
+  }
+  if (pthread_create(&ce->sth, NULL, submitter_main, e) != 0) {
+    ce->sth = 0;
+    rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): submitter thread: %s",
                  strerror(errno));
     goto fail;
   }
   return PF_OK;
 fail:
-  ce->th = 0;
   cuda_close(e);
   return rc;
 #undef OPEN_TRY
@@ -419,6 +434,13 @@ fail:
 static void cuda_close(pf_engine *e) {
   cuda_engine *ce = e->impl;
   if (!ce) return;
+  if (ce->sth) { /* drains the submit queue into the completion queue */
+    pthread_mutex_lock(&ce->mu);
+    ce->sstop = 1;
+    pthread_cond_broadcast(&ce->scv);
+    pthread_mutex_unlock(&ce->mu);
+    pthread_join(ce->sth, NULL);
+  }
   if (ce->th) {
     pthread_mutex_lock(&ce->mu);
     ce->stop = 1;
@@ -437,8 +459,8 @@ static void cuda_close(pf_engine *e) {
   if (ce->stream2) cu.cuStreamDestroy_v2(ce->stream2);
   if (ce->ctx) cu.cuDevicePrimaryCtxRelease_v2(ce->dev);
   pthread_cond_destroy(&ce->cv);
+  pthread_cond_destroy(&ce->scv);
   pthread_mutex_destroy(&ce->mu);
-  pthread_mutex_destroy(&ce->submit_mu);
   free(ce);
   e->impl = NULL;
 }
@@ -570,15 +592,26 @@ static int32_t arena_reserve(cuda_engine *ce, uint64_t bytes, uint64_t *off,
 }
 
 /*
- * The enqueue functions take, per group g, the subset [lo[g], hi[g]) of
- * b->ranges to move (the mixed path splits each group in two), the stream,
- * and the events to record after each group. For the kernel part, wait[g]
- * (if set) is an event of the other stream that the group's event must
- * also cover.
+ * Enqueueing runs on the engine's submitter thread, never on the caller's:
+ * building a kernel table or issuing tens of thousands of DMA descriptors
+ * costs milliseconds of CPU (cuMemcpyBatchAsync ~0.4 us per copy), which
+ * must not block the JS event loop. pf_copy_submit only validates and
+ * queues. Each group is enqueued in turn (its copy-engine part on stream2,
+ * its kernel part on stream, joined by an event), so the GPU starts on
+ * group 0 while the CPU is still issuing later groups, and group events
+ * keep their per-layer meaning.
  */
-static int32_t enqueue_kernel(pf_engine *e, cuda_engine *ce, pf_batch *b,
-                              cuda_batch *cb, const uint32_t *lo,
-                              const uint32_t *hi, CUevent *wait) {
+typedef struct kernel_plan {
+  int tma;
+  uint64_t off;     /* arena offset of the table */
+  uint32_t *first;  /* per group: first entry; [G] = total */
+} kernel_plan;
+
+/* Builds and uploads the kernel table for ranges [lo[g], hi[g]) of each
+ * group (on ce->stream, ahead of the launches). */
+static int32_t kernel_prepare(cuda_engine *ce, pf_batch *b, cuda_batch *cb,
+                              const uint32_t *lo, const uint32_t *hi,
+                              kernel_plan *kp) {
   uint64_t pool_dev = b->pool->device_ptr;
   /* The bulk-copy variant needs 16-byte alignment of every address/size. */
   int tma = ce->variant == PF_KERNEL_TMA && ce->fn_tma;
@@ -591,18 +624,20 @@ static int32_t enqueue_kernel(pf_engine *e, cuda_engine *ce, pf_batch *b,
   for (uint32_t g = 0; g < b->num_groups; g++)
     for (uint32_t i = lo[g]; i < hi[g]; i++)
       n += (b->ranges[i].bytes + cut - 1) / cut;
-  uint64_t off = 0, vend = 0;
+  kp->tma = tma;
+  kp->off = 0;
+  kp->first = malloc(((size_t)b->num_groups + 1) * sizeof *kp->first);
+  if (!kp->first) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   if (n) {
-    int32_t rc = arena_reserve(ce, n * sizeof(pf_kentry), &off, &vend);
+    uint64_t vend = 0;
+    int32_t rc = arena_reserve(ce, n * sizeof(pf_kentry), &kp->off, &vend);
     if (rc < 0) return rc;
     cb->arena_end = vend;
   }
-  pf_kentry *tab = (pf_kentry *)(ce->arena_host + off);
-  uint32_t *first = malloc(((size_t)b->num_groups + 1) * sizeof *first);
-  if (!first) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  pf_kentry *tab = (pf_kentry *)(ce->arena_host + kp->off);
   uint64_t k = 0;
   for (uint32_t g = 0; g < b->num_groups; g++) {
-    first[g] = (uint32_t)k;
+    kp->first[g] = (uint32_t)k;
     for (uint32_t i = lo[g]; i < hi[g]; i++) {
       const pf_range *r = &b->ranges[i];
       for (uint64_t o = 0; o < r->bytes; o += cut) {
@@ -615,72 +650,53 @@ static int32_t enqueue_kernel(pf_engine *e, cuda_engine *ce, pf_batch *b,
       }
     }
   }
-  first[b->num_groups] = (uint32_t)k;
-  CUresult r = CUDA_SUCCESS;
+  kp->first[b->num_groups] = (uint32_t)k;
   if (k)
-    r = cu.cuMemcpyHtoDAsync_v2(ce->arena_dev + off, tab,
-                                k * sizeof(pf_kentry), ce->stream);
-  if (r != CUDA_SUCCESS) {
-    free(first);
-    return cu_fail(r, "pf_copy_submit", "cuMemcpyHtoDAsync(kernel table)");
-  }
+    CU_TRY("pf_copy_submit", cu.cuMemcpyHtoDAsync_v2(ce->arena_dev + kp->off, tab,
+                                                     k * sizeof(pf_kentry),
+                                                     ce->stream));
+  return PF_OK;
+}
+
+static int32_t kernel_launch(pf_engine *e, cuda_engine *ce,
+                             const kernel_plan *kp, uint32_t g) {
+  unsigned int cnt = kp->first[g + 1] - kp->first[g];
+  if (!cnt) return PF_OK;
+  CUdeviceptr t = ce->arena_dev + kp->off + (uint64_t)kp->first[g] * sizeof(pf_kentry);
   uint32_t grid = e->grid_blocks ? e->grid_blocks : e->default_grid;
-  const char *call = "cuLaunchKernel(pf_copy_entries)";
-  for (uint32_t g = 0; g < b->num_groups && r == CUDA_SUCCESS; g++) {
-    CUdeviceptr t = ce->arena_dev + off + (uint64_t)first[g] * sizeof(pf_kentry);
-    unsigned int cnt = first[g + 1] - first[g];
-    unsigned int blocks = cnt < grid ? cnt : grid;
-    void *args[] = {&t, &cnt};
-    if (cnt)
-      r = cu.cuLaunchKernel(tma ? ce->fn_tma : ce->fn_copy, blocks, 1, 1,
-                            tma ? PF_TMA_THREADS : PF_KERNEL_THREADS, 1, 1, 0,
-                            ce->stream, args, NULL);
-    if (r == CUDA_SUCCESS && wait && wait[g]) {
-      call = "cuStreamWaitEvent";
-      r = cu.cuStreamWaitEvent(ce->stream, wait[g], 0);
-    }
-    if (r == CUDA_SUCCESS) {
-      call = "cuEventRecord";
-      r = cu.cuEventRecord(cb->ev[g], ce->stream);
-    }
-  }
-  free(first);
-  if (r != CUDA_SUCCESS) return cu_fail(r, "pf_copy_submit", call);
+  unsigned int blocks = cnt < grid ? cnt : grid;
+  void *args[] = {&t, &cnt};
+  CU_TRY("pf_copy_submit",
+         cu.cuLaunchKernel(kp->tma ? ce->fn_tma : ce->fn_copy, blocks, 1, 1,
+                           kp->tma ? PF_TMA_THREADS : PF_KERNEL_THREADS, 1, 1,
+                           0, ce->stream, args, NULL));
   return PF_OK;
 }
 
-static int32_t enqueue_dma(cuda_engine *ce, pf_batch *b, CUstream st,
-                           const uint32_t *lo, const uint32_t *hi, CUevent *ev) {
+/* One cuMemcpyAsync per range of [lo, hi). */
+static int32_t dma_ranges(pf_batch *b, CUstream st, uint32_t lo, uint32_t hi) {
   uint64_t pool_dev = b->pool->device_ptr;
-  for (uint32_t g = 0; g < b->num_groups; g++) {
-    for (uint32_t i = lo[g]; i < hi[g]; i++) {
-      const pf_range *r = &b->ranges[i];
-      CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
-      CUresult res = b->direction == PF_D2H
-                         ? cu.cuMemcpyAsync(host, dev, r->bytes, st)
-                         : cu.cuMemcpyAsync(dev, host, r->bytes, st);
-      if (res != CUDA_SUCCESS)
-        return cu_fail(res, "pf_copy_submit", "cuMemcpyAsync");
-    }
-    if (ev[g]) CU_TRY("pf_copy_submit", cu.cuEventRecord(ev[g], st));
+  for (uint32_t i = lo; i < hi; i++) {
+    const pf_range *r = &b->ranges[i];
+    CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
+    CUresult res = b->direction == PF_D2H
+                       ? cu.cuMemcpyAsync(host, dev, r->bytes, st)
+                       : cu.cuMemcpyAsync(dev, host, r->bytes, st);
+    if (res != CUDA_SUCCESS) return cu_fail(res, "pf_copy_submit", "cuMemcpyAsync");
   }
   return PF_OK;
 }
 
-static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, CUstream st,
-                                 const uint32_t *lo, const uint32_t *hi,
-                                 CUevent *ev) {
-  uint32_t maxn = 1;
-  for (uint32_t g = 0; g < b->num_groups; g++)
-    if (hi[g] - lo[g] > maxn) maxn = hi[g] - lo[g];
-  if (maxn > PF_DMA_BATCH_MAX) maxn = PF_DMA_BATCH_MAX;
-  CUdeviceptr *dst = malloc((size_t)maxn * sizeof *dst);
-  CUdeviceptr *src = malloc((size_t)maxn * sizeof *src);
-  size_t *len = malloc((size_t)maxn * sizeof *len);
-  if (!dst || !src || !len) {
-    free(dst), free(src), free(len);
-    return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
-  }
+/* cuMemcpyBatchAsync over [lo, hi), PF_DMA_BATCH_MAX copies per call; the
+ * scratch arrays are the submitter thread's. */
+typedef struct dma_scratch {
+  CUdeviceptr dst[PF_DMA_BATCH_MAX];
+  CUdeviceptr src[PF_DMA_BATCH_MAX];
+  size_t len[PF_DMA_BATCH_MAX];
+} dma_scratch;
+
+static int32_t dma_batch_ranges(cuda_engine *ce, pf_batch *b, CUstream st,
+                                uint32_t lo, uint32_t hi, dma_scratch *sc) {
   CUmemcpyAttributes attr;
   memset(&attr, 0, sizeof attr);
   attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
@@ -690,35 +706,27 @@ static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, CUstream st,
   attr.dstLocHint = b->direction == PF_D2H ? hostloc : devloc;
   size_t attr_idx = 0;
   uint64_t pool_dev = b->pool->device_ptr;
-  int32_t rc = PF_OK;
-  for (uint32_t g = 0; g < b->num_groups && rc == PF_OK; g++) {
-    uint32_t i = lo[g], end = hi[g];
-    while (i < end && rc == PF_OK) {
-      uint32_t n = 0;
-      for (; i < end && n < maxn; i++, n++) {
-        const pf_range *r = &b->ranges[i];
-        CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
-        dst[n] = b->direction == PF_D2H ? host : dev;
-        src[n] = b->direction == PF_D2H ? dev : host;
-        len[n] = r->bytes;
-      }
-      CUresult res;
-      if (cu.batch_v2) {
-        res = cu.batch_v2(dst, src, len, n, &attr, &attr_idx, 1, st);
-      } else {
-        size_t fail_idx = 0;
-        res = cu.batch_v1(dst, src, len, n, &attr, &attr_idx, 1, &fail_idx, st);
-      }
-      if (res != CUDA_SUCCESS)
-        rc = cu_fail(res, "pf_copy_submit", "cuMemcpyBatchAsync");
+  uint32_t i = lo;
+  while (i < hi) {
+    uint32_t n = 0;
+    for (; i < hi && n < PF_DMA_BATCH_MAX; i++, n++) {
+      const pf_range *r = &b->ranges[i];
+      CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
+      sc->dst[n] = b->direction == PF_D2H ? host : dev;
+      sc->src[n] = b->direction == PF_D2H ? dev : host;
+      sc->len[n] = r->bytes;
     }
-    if (rc == PF_OK && ev[g]) {
-      CUresult res = cu.cuEventRecord(ev[g], st);
-      if (res != CUDA_SUCCESS) rc = cu_fail(res, "pf_copy_submit", "cuEventRecord");
+    CUresult res;
+    if (cu.batch_v2) {
+      res = cu.batch_v2(sc->dst, sc->src, sc->len, n, &attr, &attr_idx, 1, st);
+    } else {
+      size_t fail_idx = 0;
+      res = cu.batch_v1(sc->dst, sc->src, sc->len, n, &attr, &attr_idx, 1,
+                        &fail_idx, st);
     }
+    if (res != CUDA_SUCCESS) return cu_fail(res, "pf_copy_submit", "cuMemcpyBatchAsync");
   }
-  free(dst), free(src), free(len);
-  return rc;
+  return PF_OK;
 }
 
 static const char *const path_name[] = {"auto", "kernel", "dma_batch", "dma",
@@ -740,6 +748,107 @@ static void split_mixed(const pf_batch *b, uint32_t permille, uint32_t *lo,
   }
 }
 
+/* Enqueues batch b on the streams (submitter thread). */
+static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
+                             dma_scratch *sc) {
+  cuda_batch *cb = b->impl;
+  const uint32_t G = b->num_groups, path = cb->path;
+  uint32_t *idx = malloc(3 * (size_t)G * sizeof *idx);
+  if (!idx) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  uint32_t *lo = idx, *mid = idx + G, *hi = idx + 2 * G;
+  for (uint32_t g = 0; g < G; g++) {
+    lo[g] = mid[g] = b->groups[g].first_range;
+    hi[g] = lo[g] + b->groups[g].num_ranges;
+  }
+  int32_t rc = PF_OK;
+  kernel_plan kp = {0, 0, NULL};
+  CUevent *aux = cb->ev + G;
+  if (path == PF_PATH_MIXED)
+    split_mixed(b, e->dma_share ? e->dma_share : e->default_dma_share, lo, mid, hi);
+  if (path == PF_PATH_KERNEL) rc = kernel_prepare(ce, b, cb, lo, hi, &kp);
+  if (path == PF_PATH_MIXED) {
+    rc = kernel_prepare(ce, b, cb, mid, hi, &kp);
+    /* The copy-engine stream starts after everything queued before this
+     * batch, as the single-stream paths do. */
+    if (rc == PF_OK) {
+      CUresult r = cu.cuEventRecord(aux[0], ce->stream);
+      if (r == CUDA_SUCCESS) r = cu.cuStreamWaitEvent(ce->stream2, aux[0], 0);
+      if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "mixed stream join");
+    }
+  }
+  for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
+    CUresult r = CUDA_SUCCESS;
+    switch (path) {
+    case PF_PATH_KERNEL:
+      rc = kernel_launch(e, ce, &kp, g);
+      break;
+    case PF_PATH_DMA_BATCH:
+      rc = dma_batch_ranges(ce, b, ce->stream, lo[g], hi[g], sc);
+      break;
+    case PF_PATH_DMA:
+      rc = dma_ranges(b, ce->stream, lo[g], hi[g]);
+      break;
+    case PF_PATH_MIXED:
+      rc = (e->features & PF_FEAT_DMA_BATCH)
+               ? dma_batch_ranges(ce, b, ce->stream2, lo[g], mid[g], sc)
+               : dma_ranges(b, ce->stream2, lo[g], mid[g]);
+      if (rc == PF_OK) r = cu.cuEventRecord(aux[g], ce->stream2);
+      if (rc == PF_OK && r == CUDA_SUCCESS) rc = kernel_launch(e, ce, &kp, g);
+      if (rc == PF_OK && r == CUDA_SUCCESS) r = cu.cuStreamWaitEvent(ce->stream, aux[g], 0);
+      break;
+    }
+    if (rc == PF_OK && r == CUDA_SUCCESS) r = cu.cuEventRecord(cb->ev[g], ce->stream);
+    if (rc == PF_OK && r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord/cuStreamWaitEvent");
+  }
+  free(kp.first);
+  free(idx);
+  return rc;
+}
+
+static void *submitter_main(void *arg) {
+  pf_engine *e = arg;
+  cuda_engine *ce = e->impl;
+  cu.cuCtxSetCurrent(ce->ctx);
+  dma_scratch *sc = malloc(sizeof *sc);
+  for (;;) {
+    pthread_mutex_lock(&ce->mu);
+    while (!ce->sstop && !ce->sq_head) pthread_cond_wait(&ce->scv, &ce->mu);
+    if (!ce->sq_head) {
+      pthread_mutex_unlock(&ce->mu);
+      break;
+    }
+    pf_batch *b = ce->sq_head;
+    ce->sq_head = b->next;
+    if (!ce->sq_head) ce->sq_tail = NULL;
+    pthread_mutex_unlock(&ce->mu);
+    cuda_batch *cb = b->impl;
+    int32_t rc = sc ? enqueue_batch(e, ce, b, sc)
+                    : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+    if (rc < 0) {
+      /* Work enqueued before the failure still runs: let it finish before
+       * the batch is reported (its memory may be closed right after). */
+      char msg[512];
+      pf_last_error(msg, sizeof msg);
+      fprintf(stderr, "pegaflow: batch %llu (path %s) failed: %s\n",
+              (unsigned long long)b->tag, path_name[cb->path], msg);
+      cu.cuStreamSynchronize(ce->stream);
+      cu.cuStreamSynchronize(ce->stream2);
+      cb->status = rc;
+    }
+    b->next = NULL;
+    pthread_mutex_lock(&ce->mu);
+    if (ce->tail)
+      ce->tail->next = b;
+    else
+      ce->head = b;
+    ce->tail = b;
+    pthread_cond_broadcast(&ce->cv);
+    pthread_mutex_unlock(&ce->mu);
+  }
+  free(sc);
+  return NULL;
+}
+
 static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_engine *ce = e->impl;
   uint32_t path = b->path;
@@ -756,71 +865,27 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_batch *cb = calloc(1, sizeof *cb);
   if (!cb) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   cb->path = path;
-  size_t G = b->num_groups;
-  int mixed = path == PF_PATH_MIXED;
-  cb->ev = calloc(mixed ? 2 * G : G, sizeof *cb->ev);
-  uint32_t *idx = malloc(3 * G * sizeof *idx);
+  size_t nev = path == PF_PATH_MIXED ? 2 * (size_t)b->num_groups : b->num_groups;
+  cb->ev = calloc(nev, sizeof *cb->ev);
   b->impl = cb;
-  int32_t rc = cb->ev && idx ? PF_OK
-                             : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
-  for (size_t g = 0; g < (mixed ? 2 * G : G) && rc == PF_OK; g++)
+  int32_t rc = cb->ev ? set_ctx(ce, "pf_copy_submit")
+                      : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  for (size_t g = 0; g < nev && rc == PF_OK; g++)
     if (!(cb->ev[g] = event_get(ce)))
       rc = pf_fail(PF_ECUDA, "pf_copy_submit: cuEventCreate failed");
-  if (rc == PF_OK) rc = set_ctx(ce, "pf_copy_submit");
   if (rc < 0) {
-    free(idx);
     cuda_batch_release(ce, b);
     return rc;
   }
-  uint32_t *lo = idx, *mid = idx + G, *hi = idx + 2 * G;
-  for (uint32_t g = 0; g < G; g++) {
-    lo[g] = b->groups[g].first_range;
-    hi[g] = lo[g] + b->groups[g].num_ranges;
-  }
-  pthread_mutex_lock(&ce->submit_mu);
-  if (path == PF_PATH_KERNEL) {
-    rc = enqueue_kernel(e, ce, b, cb, lo, hi, NULL);
-  } else if (path == PF_PATH_DMA_BATCH) {
-    rc = enqueue_dma_batch(ce, b, ce->stream, lo, hi, cb->ev);
-  } else if (path == PF_PATH_DMA) {
-    rc = enqueue_dma(ce, b, ce->stream, lo, hi, cb->ev);
-  } else {
-    uint32_t share = e->dma_share ? e->dma_share : e->default_dma_share;
-    split_mixed(b, share, lo, mid, hi);
-    CUevent *aux = cb->ev + G;
-    /* The copy-engine stream starts after everything queued before this
-     * batch, like the single-stream paths do. */
-    CUresult r = cu.cuEventRecord(aux[0], ce->stream);
-    if (r == CUDA_SUCCESS) r = cu.cuStreamWaitEvent(ce->stream2, aux[0], 0);
-    if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "mixed stream join");
-    if (rc == PF_OK)
-      rc = (e->features & PF_FEAT_DMA_BATCH)
-               ? enqueue_dma_batch(ce, b, ce->stream2, lo, mid, aux)
-               : enqueue_dma(ce, b, ce->stream2, lo, mid, aux);
-    if (rc == PF_OK) rc = enqueue_kernel(e, ce, b, cb, mid, hi, aux);
-  }
-  free(idx);
-  if (rc < 0) {
-    /* Work enqueued before the failure still runs: wait for it so that the
-     * caller may close what the batch touched as soon as we return. */
-    char msg[512];
-    pf_last_error(msg, sizeof msg);
-    cu.cuStreamSynchronize(ce->stream);
-    cu.cuStreamSynchronize(ce->stream2);
-    pthread_mutex_unlock(&ce->submit_mu);
-    cuda_batch_release(ce, b);
-    return pf_fail(rc, "%s (path %s)", msg, path_name[path]);
-  }
   b->next = NULL;
   pthread_mutex_lock(&ce->mu);
-  if (ce->tail)
-    ce->tail->next = b;
+  if (ce->sq_tail)
+    ce->sq_tail->next = b;
   else
-    ce->head = b;
-  ce->tail = b;
-  pthread_cond_broadcast(&ce->cv);
+    ce->sq_head = b;
+  ce->sq_tail = b;
+  pthread_cond_signal(&ce->scv);
   pthread_mutex_unlock(&ce->mu);
-  pthread_mutex_unlock(&ce->submit_mu);
   return PF_OK;
 }
 
@@ -917,11 +982,13 @@ static int32_t cuda_calibrate(pf_engine *e, pf_pool *p, uint32_t dir,
     cu.cuMemFree_v2(scratch);
     return cu_fail(r, "pf_calibrate", "one large copy");
   }
-  static const uint32_t paths[3] = {PF_PATH_KERNEL, PF_PATH_DMA_BATCH, PF_PATH_DMA};
-  static const uint64_t need[3] = {PF_FEAT_KERNEL, PF_FEAT_DMA_BATCH, 0};
+  static const uint32_t paths[4] = {PF_PATH_KERNEL, PF_PATH_DMA_BATCH,
+                                    PF_PATH_DMA, PF_PATH_MIXED};
+  static const uint64_t need[4] = {PF_FEAT_KERNEL, PF_FEAT_DMA_BATCH, 0,
+                                   PF_FEAT_KERNEL};
   for (uint32_t i = 0; i < n && rc == PF_OK; i++) {
     out[i] = peak;
-    for (int k = 0; k < 3 && rc == PF_OK; k++) {
+    for (int k = 0; k < 4 && rc == PF_OK; k++) {
       if (need[k] && !(e->features & need[k])) continue;
       double best = 0;
       for (int rep = 0; rep <= PF_CAL_REPS; rep++) {
@@ -933,7 +1000,7 @@ static int32_t cuda_calibrate(pf_engine *e, pf_pool *p, uint32_t dir,
         }
         if (rep > 0 && g > best) best = g;
       }
-      out[(size_t)(k + 1) * n + i] = best;
+      out[(size_t)paths[k] * n + i] = best;
     }
   }
   cu.cuStreamSynchronize(ce->stream);

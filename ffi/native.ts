@@ -144,7 +144,7 @@ export interface CalibrationTable {
   /** One large contiguous copy (the link's peak), GB/s. */
   peak: number;
   /** GB/s per path per size (0 where the path is absent). */
-  gbps: Record<"kernel" | "dma_batch" | "dma", number[]>;
+  gbps: Record<Exclude<CopyPath, "auto">, number[]>;
 }
 
 function u64(x: number | bigint): bigint {
@@ -277,7 +277,7 @@ export class Engine {
   calibrate(pool: Pool, direction: Direction, sizes: number[], totalBytes: number): CalibrationTable {
     const n = sizes.length;
     const s = new BigUint64Array(sizes.map((x) => BigInt(x)));
-    const out = new Float64Array(4 * n);
+    const out = new Float64Array(5 * n);
     check(
       "pf_calibrate",
       this.#pf.pf_calibrate(
@@ -295,7 +295,7 @@ export class Engine {
       direction,
       sizes: [...sizes],
       peak: out[0],
-      gbps: { kernel: row(1), dma_batch: row(2), dma: row(3) },
+      gbps: { kernel: row(1), dma_batch: row(2), dma: row(3), mixed: row(4) },
     };
   }
 

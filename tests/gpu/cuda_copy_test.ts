@@ -209,6 +209,7 @@ Deno.test({
         assert.ok(t.peak > 1, `peak ${t.peak} GB/s`);
         assert.ok(t.gbps.kernel.every((x) => x > 0.5), `kernel ${t.gbps.kernel}`);
         assert.ok(t.gbps.dma.every((x) => x > 0.5), `dma ${t.gbps.dma}`);
+        assert.ok(t.gbps.mixed.every((x) => x > 0.5), `mixed ${t.gbps.mixed}`);
         if (engine.features.dmaBatch) assert.ok(t.gbps.dma_batch.every((x) => x > 0.5), `dma_batch ${t.gbps.dma_batch}`);
       }
     } finally {
