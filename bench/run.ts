@@ -240,7 +240,7 @@ if (gpu && features.kernel && want("variant")) {
 // 7. Mixed path (cuda): kernel and copy engines on one batch, by DMA share.
 if (gpu && features.kernel && want("mixed")) {
   const m = await setup(false);
-  for (const share of [500, 600, 700, 800]) {
+  for (const share of [350, 450, 550, 650, 750]) {
     m.ce.engine.setDmaShare(share);
     for (const dir of DIRS) {
       const r = await row(m, dir, "mixed", seg32, segs32, 32, batch, m.ce.engine.kernelGrid);
@@ -261,14 +261,14 @@ if (gpu && features.kernel && want("mixed")) {
 let calibration: unknown;
 if (gpu && want("calibrate")) {
   const c = await setup(false);
-  const policy = PathPolicy.calibrate(c.ce.engine, c.ce.pool, Math.min(TOTAL, 512 * MB));
+  const policy = PathPolicy.calibrate(c.ce.engine, c.ce.pool, TOTAL);
   const choices: Record<string, Record<string, CopyPath>> = {};
   for (const dir of DIRS) {
     choices[dir] = {};
     for (const seg of SIZES) choices[dir][String(seg)] = policy.choose(dir, seg);
   }
   calibration = { tables: policy.tables, choices };
-  console.log(`\n## calibration (pf_calibrate, best of 3, 512 MB per point)`);
+  console.log(`\n## calibration (pf_calibrate, best of 3, ${(TOTAL / 1e6).toFixed(0)} MB per point)`);
   for (const dir of DIRS) {
     const t = policy.tables[dir]!;
     console.log(`${dir}: peak ${t.peak.toFixed(1)} GB/s`);

@@ -327,6 +327,8 @@ static void *completion_main(void *arg) {
         continue;
       }
       CUresult r = cu.cuEventSynchronize(cb->ev[g]);
+      if (r == CUDA_SUCCESS && cb->path == PF_PATH_MIXED)
+        r = cu.cuEventSynchronize(cb->ev[b->num_groups + g]);
       if (r != CUDA_SUCCESS && status == PF_OK)
         status = cu_fail(r, "pf_copy_submit(completion)", "cuEventSynchronize");
       pf_batch_group_done(b, g, status);
@@ -776,10 +778,17 @@ static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
       if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "mixed stream join");
     }
   }
+  /* Main stream: every group's kernel (or DMA) part, each followed by the
+   * group's event. In a mixed batch the kernels are all launched first, so
+   * the SMs start at once while this thread spends milliseconds issuing the
+   * copy-engine part group by group on stream2; the two streams never wait
+   * for each other inside the batch, and the completion thread counts
+   * group g done when both ev[g] and aux[g] have fired. */
   for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
     CUresult r = CUDA_SUCCESS;
     switch (path) {
     case PF_PATH_KERNEL:
+    case PF_PATH_MIXED:
       rc = kernel_launch(e, ce, &kp, g);
       break;
     case PF_PATH_DMA_BATCH:
@@ -788,17 +797,23 @@ static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
     case PF_PATH_DMA:
       rc = dma_ranges(b, ce->stream, lo[g], hi[g]);
       break;
-    case PF_PATH_MIXED:
+    }
+    if (rc == PF_OK) r = cu.cuEventRecord(cb->ev[g], ce->stream);
+    if (rc == PF_OK && r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord");
+  }
+  if (path == PF_PATH_MIXED) {
+    for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
       rc = (e->features & PF_FEAT_DMA_BATCH)
                ? dma_batch_ranges(ce, b, ce->stream2, lo[g], mid[g], sc)
                : dma_ranges(b, ce->stream2, lo[g], mid[g]);
-      if (rc == PF_OK) r = cu.cuEventRecord(aux[g], ce->stream2);
-      if (rc == PF_OK && r == CUDA_SUCCESS) rc = kernel_launch(e, ce, &kp, g);
-      if (rc == PF_OK && r == CUDA_SUCCESS) r = cu.cuStreamWaitEvent(ce->stream, aux[g], 0);
-      break;
+      CUresult r = rc == PF_OK ? cu.cuEventRecord(aux[g], ce->stream2) : CUDA_SUCCESS;
+      if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord");
     }
-    if (rc == PF_OK && r == CUDA_SUCCESS) r = cu.cuEventRecord(cb->ev[g], ce->stream);
-    if (rc == PF_OK && r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord/cuStreamWaitEvent");
+    /* Later batches queue behind this one's copy-engine part too. */
+    if (rc == PF_OK) {
+      CUresult r = cu.cuStreamWaitEvent(ce->stream, aux[G - 1], 0);
+      if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuStreamWaitEvent");
+    }
   }
   free(kp.first);
   free(idx);
@@ -908,7 +923,9 @@ static void waiter_done(void *arg, int32_t status, uint64_t ns) {
   pthread_mutex_unlock(&w->mu);
 }
 
-/* Runs one strided single-group batch through `path`; GB/s or < 0. */
+#define PF_CAL_GROUPS 32u
+
+/* Runs one strided batch through `path`; GB/s or < 0. */
 static int32_t time_path(pf_engine *e, pf_pool *p, uint32_t dir, uint32_t path,
                          CUdeviceptr scratch, uint64_t size, uint64_t total,
                          double *gbps) {
@@ -916,11 +933,18 @@ static int32_t time_path(pf_engine *e, pf_pool *p, uint32_t dir, uint32_t path,
   if (nseg > UINT32_MAX)
     return pf_fail(PF_EINVAL, "pf_calibrate: %llu segments is too many",
                    (unsigned long long)nseg);
-  pf_batch *b = pf_batch_alloc(1, (uint32_t)nseg);
+  /* Shaped like a real batch: up to PF_CAL_GROUPS layer groups. */
+  uint32_t ng = nseg < PF_CAL_GROUPS ? (uint32_t)nseg : PF_CAL_GROUPS;
+  pf_batch *b = pf_batch_alloc(ng, (uint32_t)nseg);
   if (!b) return pf_fail(PF_ENOMEM, "pf_calibrate: out of memory");
   for (uint64_t i = 0; i < nseg; i++)
     b->ranges[i] = (pf_range){scratch + 2 * i * size, i * size, size};
-  b->groups[0] = (pf_group_rt){NULL, 0, 0, (uint32_t)nseg, 0, nseg * size};
+  uint32_t per = (uint32_t)(nseg / ng), first = 0;
+  for (uint32_t g = 0; g < ng; g++) {
+    uint32_t cnt = g + 1 == ng ? (uint32_t)nseg - first : per;
+    b->groups[g] = (pf_group_rt){NULL, g, first, cnt, 0, (uint64_t)cnt * size};
+    first += cnt;
+  }
   b->engine = e;
   b->pool = p;
   b->direction = dir;
