@@ -257,6 +257,27 @@ if (gpu && features.kernel && want("mixed")) {
   await teardown(m);
 }
 
+// 7b. Why calibration and rows may disagree for dma_batch at 32 KB: rows
+// before and after a calibration of the same size, same engine.
+if (gpu && want("dmacheck")) {
+  const c = await setup(false);
+  for (const phase of ["before", "after"]) {
+    if (phase === "after") {
+      const t = c.ce.engine.calibrate(c.ce.pool, "d2h", [seg32], TOTAL);
+      console.log(`calibrate d2h 32K: dma_batch ${t.gbps.dma_batch[0].toFixed(1)} kernel ${t.gbps.kernel[0].toFixed(1)}`);
+    }
+    for (const dir of DIRS) {
+      const r = await row(c, dir, "dma_batch", seg32, segs32, 32, batch);
+      r.note = `dmacheck ${phase}`;
+      add(`dma_batch 32K ${phase} calibration`, r);
+      const r1 = await row(c, dir, "dma_batch", seg32, segs32, 1, batch);
+      r1.note = `dmacheck ${phase} 1 group`;
+      add(`dma_batch 32K ${phase} calibration`, r1);
+    }
+  }
+  await teardown(c);
+}
+
 // 8. Calibration (what the path policy sees) and the policy's choices.
 let calibration: unknown;
 if (gpu && want("calibrate")) {

@@ -229,6 +229,7 @@ typedef struct cuda_engine {
   CUfunction fn_copy;
   CUfunction fn_tma;   /* Hopper bulk-copy variant (NULL before sm_90) */
   int variant;         /* PF_KERNEL_SIMT or PF_KERNEL_TMA */
+  int debug;           /* PEGAFLOW_DEBUG set: per-batch enqueue timings on stderr */
   /* table arena: pinned host staging + device copy, FIFO ring of spans */
   uint8_t *arena_host;
   CUdeviceptr arena_dev;
@@ -402,6 +403,7 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
 #endif
   /* PEGAFLOW_KERNEL=simt|tma picks the kernel variant (benchmarks compare
    * them); the default is the one measured faster (docs/native.md). */
+  ce->debug = getenv("PEGAFLOW_DEBUG") != NULL;
   const char *var = getenv("PEGAFLOW_KERNEL");
   ce->variant = PF_KERNEL_DEFAULT_VARIANT;
   if (var && strcmp(var, "simt") == 0) ce->variant = PF_KERNEL_SIMT;
@@ -837,8 +839,14 @@ static void *submitter_main(void *arg) {
     if (!ce->sq_head) ce->sq_tail = NULL;
     pthread_mutex_unlock(&ce->mu);
     cuda_batch *cb = b->impl;
+    uint64_t t0 = pf_now_ns();
     int32_t rc = sc ? enqueue_batch(e, ce, b, sc)
                     : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+    if (ce->debug)
+      fprintf(stderr, "pegaflow: batch %llu path %s: %u ranges, queued %.3f ms, "
+              "enqueue %.3f ms\n", (unsigned long long)b->tag,
+              path_name[cb->path], b->num_ranges, (t0 - b->submit_ns) / 1e6,
+              (pf_now_ns() - t0) / 1e6);
     if (rc < 0) {
       /* Work enqueued before the failure still runs: let it finish before
        * the batch is reported (its memory may be closed right after). */
