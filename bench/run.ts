@@ -28,7 +28,7 @@ const program = new Command()
   .option("--full", "full sweep even on the host backend", false)
   .option("--iters <n>", "timed batches per row (default 10 cuda, 3 host)")
   .option("--out <dir>", "where to write the JSON", "bench/results")
-  .option("--only <sections>", "comma-separated subset: size,layers,count,grid,variant,mixed,submit,calibrate,huge")
+  .option("--only <sections>", "comma-separated subset: size,layers,count,grid,variant,mixed,lanes,dmacheck,submit,calibrate,huge")
   .parse(["deno", "run", ...Deno.args]);
 const opts = program.opts<
   { backend: "auto" | "cuda" | "host"; device: string; full: boolean; iters?: string; out: string; only?: string }
@@ -255,6 +255,23 @@ if (gpu && features.kernel && want("mixed")) {
     }
   }
   await teardown(m);
+}
+
+// 7a. DMA lanes (cuda): threads issuing copy-engine descriptors in parallel.
+if (gpu && want("lanes")) {
+  for (const lanes of [1, 2, 4, 8]) {
+    Deno.env.set("PEGAFLOW_DMA_LANES", String(lanes));
+    const v = await setup(false);
+    for (const path of PATHS.filter((p) => p !== "kernel")) {
+      for (const dir of DIRS) {
+        const r = await row(v, dir, path, seg32, segs32, 32, batch);
+        r.note = `lanes ${lanes}`;
+        add(`dma lanes ${lanes}`, r);
+      }
+    }
+    await teardown(v);
+  }
+  Deno.env.delete("PEGAFLOW_DMA_LANES");
 }
 
 // 7b. Why calibration and rows may disagree for dma_batch at 32 KB: rows

@@ -203,7 +203,7 @@ static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
 #define PF_KERNEL_GRID_DEFAULT 32u
 /* cuMemcpyBatchAsync calls are cut to this many copies each. */
 #define PF_DMA_BATCH_MAX 8192u
-#define PF_EVENT_CACHE 256u
+#define PF_EVENT_CACHE 1024u
 /* Copy engines' share (permille of bytes) of a mixed batch: the copy
  * engines reach ~70 % of the link with 32 KB copies alone (descriptor
  * rate), the SMs ~93 %; measured best split in docs/native.md. */
@@ -220,11 +220,46 @@ typedef struct pf_kentry {
   uint64_t src, dst, bytes;
 } pf_kentry;
 
+/* Copy-engine work is issued by PF_DMA_LANES threads, each on its own
+ * stream, each taking a contiguous slice of every group: the driver spends
+ * ~0.5-1 us of CPU per copy in cuMemcpyBatchAsync (~3 us in
+ * cuMemcpyAsync), so one thread issuing 40,000 32 KB copies, not the link,
+ * sets the pace. PEGAFLOW_DMA_LANES (1..8) overrides. */
+#define PF_DMA_LANES_DEFAULT 4u
+#define PF_DMA_LANES_MAX 8u
+
+struct cuda_engine;
+/* cuMemcpyBatchAsync argument arrays, one set per issuing thread. */
+typedef struct dma_scratch {
+  CUdeviceptr dst[PF_DMA_BATCH_MAX];
+  CUdeviceptr src[PF_DMA_BATCH_MAX];
+  size_t len[PF_DMA_BATCH_MAX];
+} dma_scratch;
+
+typedef struct dma_lane {
+  struct cuda_engine *ce;
+  pf_engine *e;
+  uint32_t w;
+  pthread_t th;
+  CUstream stream;
+  dma_scratch *sc;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int stop;
+  /* the job: this lane's slice of every group of batch b */
+  pf_batch *b;
+  const uint32_t *lo, *hi;
+  CUevent start;
+  int32_t rc;
+  int busy;
+} dma_lane;
+
 typedef struct cuda_engine {
   CUdevice dev;
   CUcontext ctx;
   CUstream stream;
-  CUstream stream2;    /* copy-engine half of the mixed path */
+  dma_lane lanes[PF_DMA_LANES_MAX];
+  uint32_t nlanes;
   CUmodule mod;
   CUfunction fn_copy;
   CUfunction fn_tma;   /* Hopper bulk-copy variant (NULL before sm_90) */
@@ -248,7 +283,11 @@ typedef struct cuda_engine {
 } cuda_engine;
 
 typedef struct cuda_batch {
-  CUevent *ev; /* one per group (mixed: then one per group for stream2) */
+  /* ev[0..G): main stream, one per group; with lanes, then ev[G + g*L + w]
+   * for lane w's slice of group g, then one start event. */
+  CUevent *ev;
+  uint32_t nev;
+  uint32_t lanes; /* L: 0 when the batch uses the main stream only */
   uint32_t path;
   int32_t status; /* < 0 when enqueueing failed */
   uint64_t arena_end; /* virtual end of this batch's table span (0: none) */
@@ -288,10 +327,8 @@ static void event_put(cuda_engine *ce, CUevent ev) {
 static void cuda_batch_release(cuda_engine *ce, pf_batch *b) {
   cuda_batch *cb = b->impl;
   if (!cb) return;
-  if (cb->ev) {
-    uint32_t n = cb->path == PF_PATH_MIXED ? 2 * b->num_groups : b->num_groups;
-    for (uint32_t g = 0; g < n; g++) event_put(ce, cb->ev[g]);
-  }
+  if (cb->ev)
+    for (uint32_t i = 0; i < cb->nev; i++) event_put(ce, cb->ev[i]);
   if (cb->arena_end) {
     pthread_mutex_lock(&ce->mu);
     /* Batches finish in order, so their spans free in order; a batch that
@@ -328,8 +365,8 @@ static void *completion_main(void *arg) {
         continue;
       }
       CUresult r = cu.cuEventSynchronize(cb->ev[g]);
-      if (r == CUDA_SUCCESS && cb->path == PF_PATH_MIXED)
-        r = cu.cuEventSynchronize(cb->ev[b->num_groups + g]);
+      for (uint32_t w = 0; w < cb->lanes && r == CUDA_SUCCESS; w++)
+        r = cu.cuEventSynchronize(cb->ev[b->num_groups + g * cb->lanes + w]);
       if (r != CUDA_SUCCESS && status == PF_OK)
         status = cu_fail(r, "pf_copy_submit(completion)", "cuEventSynchronize");
       pf_batch_group_done(b, g, status);
@@ -342,6 +379,7 @@ static void *completion_main(void *arg) {
 
 static void cuda_close(pf_engine *e);
 static void *submitter_main(void *arg);
+static void *lane_main(void *arg);
 
 static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   pthread_once(&cu_once, cu_load);
@@ -382,7 +420,6 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   OPEN_TRY(cu.cuDevicePrimaryCtxRetain(&ce->ctx, ce->dev));
   OPEN_TRY(cu.cuCtxSetCurrent(ce->ctx));
   OPEN_TRY(cu.cuStreamCreate(&ce->stream, CU_STREAM_NON_BLOCKING));
-  OPEN_TRY(cu.cuStreamCreate(&ce->stream2, CU_STREAM_NON_BLOCKING));
   void *ah = NULL;
   OPEN_TRY(cu.cuMemHostAlloc(&ah, PF_ARENA_BYTES, CU_MEMHOSTALLOC_PORTABLE));
   ce->arena_host = ah;
@@ -422,6 +459,24 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
                  strerror(errno));
     goto fail;
   }
+  ce->nlanes = PF_DMA_LANES_DEFAULT;
+  const char *nl = getenv("PEGAFLOW_DMA_LANES");
+  if (nl && atoi(nl) >= 1 && atoi(nl) <= (int)PF_DMA_LANES_MAX) ce->nlanes = (uint32_t)atoi(nl);
+  for (uint32_t w = 0; w < ce->nlanes; w++) {
+    dma_lane *l = &ce->lanes[w];
+    l->ce = ce;
+    l->e = e;
+    l->w = w;
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->cv, NULL);
+    OPEN_TRY(cu.cuStreamCreate(&l->stream, CU_STREAM_NON_BLOCKING));
+    l->sc = malloc(sizeof *l->sc);
+    if (!l->sc || pthread_create(&l->th, NULL, lane_main, l) != 0) {
+      l->th = 0;
+      rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): DMA lane %u thread", w);
+      goto fail;
+    }
+  }
   if (pthread_create(&ce->sth, NULL, submitter_main, e) != 0) {
     ce->sth = 0;
     rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): submitter thread: %s",
@@ -445,6 +500,16 @@ static void cuda_close(pf_engine *e) {
     pthread_mutex_unlock(&ce->mu);
     pthread_join(ce->sth, NULL);
   }
+  for (uint32_t w = 0; w < PF_DMA_LANES_MAX; w++) {
+    dma_lane *l = &ce->lanes[w];
+    if (l->th) {
+      pthread_mutex_lock(&l->mu);
+      l->stop = 1;
+      pthread_cond_broadcast(&l->cv);
+      pthread_mutex_unlock(&l->mu);
+      pthread_join(l->th, NULL);
+    }
+  }
   if (ce->th) {
     pthread_mutex_lock(&ce->mu);
     ce->stop = 1;
@@ -454,13 +519,22 @@ static void cuda_close(pf_engine *e) {
   }
   if (ce->ctx) cu.cuCtxSetCurrent(ce->ctx);
   if (ce->stream) cu.cuStreamSynchronize(ce->stream);
-  if (ce->stream2) cu.cuStreamSynchronize(ce->stream2);
+  for (uint32_t w = 0; w < PF_DMA_LANES_MAX; w++)
+    if (ce->lanes[w].stream) cu.cuStreamSynchronize(ce->lanes[w].stream);
   for (uint32_t i = 0; i < ce->nevents; i++) cu.cuEventDestroy_v2(ce->events[i]);
   if (ce->mod) cu.cuModuleUnload(ce->mod);
   if (ce->arena_dev) cu.cuMemFree_v2(ce->arena_dev);
   if (ce->arena_host) cu.cuMemFreeHost(ce->arena_host);
   if (ce->stream) cu.cuStreamDestroy_v2(ce->stream);
-  if (ce->stream2) cu.cuStreamDestroy_v2(ce->stream2);
+  for (uint32_t w = 0; w < PF_DMA_LANES_MAX; w++) {
+    dma_lane *l = &ce->lanes[w];
+    if (l->stream) cu.cuStreamDestroy_v2(l->stream);
+    free(l->sc);
+    if (l->ce) {
+      pthread_cond_destroy(&l->cv);
+      pthread_mutex_destroy(&l->mu);
+    }
+  }
   if (ce->ctx) cu.cuDevicePrimaryCtxRelease_v2(ce->dev);
   pthread_cond_destroy(&ce->cv);
   pthread_cond_destroy(&ce->scv);
@@ -600,10 +674,7 @@ static int32_t arena_reserve(cuda_engine *ce, uint64_t bytes, uint64_t *off,
  * building a kernel table or issuing tens of thousands of DMA descriptors
  * costs milliseconds of CPU (cuMemcpyBatchAsync ~0.4 us per copy), which
  * must not block the JS event loop. pf_copy_submit only validates and
- * queues. Each group is enqueued in turn (its copy-engine part on stream2,
- * its kernel part on stream, joined by an event), so the GPU starts on
- * group 0 while the CPU is still issuing later groups, and group events
- * keep their per-layer meaning.
+ * queues. Copy-engine work is spread over the DMA lanes (above).
  */
 typedef struct kernel_plan {
   int tma;
@@ -693,11 +764,7 @@ static int32_t dma_ranges(pf_batch *b, CUstream st, uint32_t lo, uint32_t hi) {
 
 /* cuMemcpyBatchAsync over [lo, hi), PF_DMA_BATCH_MAX copies per call; the
  * scratch arrays are the submitter thread's. */
-typedef struct dma_scratch {
-  CUdeviceptr dst[PF_DMA_BATCH_MAX];
-  CUdeviceptr src[PF_DMA_BATCH_MAX];
-  size_t len[PF_DMA_BATCH_MAX];
-} dma_scratch;
+
 
 static int32_t dma_batch_ranges(cuda_engine *ce, pf_batch *b, CUstream st,
                                 uint32_t lo, uint32_t hi, dma_scratch *sc) {
@@ -752,9 +819,101 @@ static void split_mixed(const pf_batch *b, uint32_t permille, uint32_t *lo,
   }
 }
 
-/* Enqueues batch b on the streams (submitter thread). */
+/* Lane w's slice of [lo, hi): contiguous, the slices tile the range. */
+static void lane_slice(uint32_t lo, uint32_t hi, uint32_t w, uint32_t L,
+                       uint32_t *a, uint32_t *z) {
+  uint64_t n = hi - lo;
+  *a = lo + (uint32_t)(n * w / L);
+  *z = lo + (uint32_t)(n * (w + 1) / L);
+}
+
+static void *lane_main(void *arg) {
+  dma_lane *l = arg;
+  cuda_engine *ce = l->ce;
+  cu.cuCtxSetCurrent(ce->ctx);
+  for (;;) {
+    pthread_mutex_lock(&l->mu);
+    while (!l->stop && !l->busy) pthread_cond_wait(&l->cv, &l->mu);
+    if (!l->busy) {
+      pthread_mutex_unlock(&l->mu);
+      return NULL;
+    }
+    pthread_mutex_unlock(&l->mu);
+    pf_batch *b = l->b;
+    cuda_batch *cb = b->impl;
+    const uint32_t G = b->num_groups, L = cb->lanes;
+    int32_t rc = PF_OK;
+    CUresult r = cu.cuStreamWaitEvent(l->stream, l->start, 0);
+    if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuStreamWaitEvent(lane)");
+    for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
+      uint32_t a, z;
+      lane_slice(l->lo[g], l->hi[g], l->w, L, &a, &z);
+      if (a < z)
+        rc = (l->e->features & PF_FEAT_DMA_BATCH) && cb->path != PF_PATH_DMA
+                 ? dma_batch_ranges(ce, b, l->stream, a, z, l->sc)
+                 : dma_ranges(b, l->stream, a, z);
+      if (rc == PF_OK) {
+        r = cu.cuEventRecord(cb->ev[G + g * L + l->w], l->stream);
+        if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord(lane)");
+      }
+    }
+    if (rc < 0) {
+      char msg[512];
+      pf_last_error(msg, sizeof msg);
+      fprintf(stderr, "pegaflow: DMA lane %u: %s\n", l->w, msg);
+    }
+    pthread_mutex_lock(&l->mu);
+    l->rc = rc;
+    l->busy = 0;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+  }
+}
+
+/* Runs every lane on its slice of [lo[g], hi[g]) for all groups and waits
+ * until all have issued their copies; then the main stream waits for the
+ * lanes, so later batches queue behind this one. */
+static int32_t lanes_run(cuda_engine *ce, pf_batch *b, const uint32_t *lo,
+                         const uint32_t *hi) {
+  cuda_batch *cb = b->impl;
+  const uint32_t G = b->num_groups, L = cb->lanes;
+  CUevent start = cb->ev[cb->nev - 1];
+  CU_TRY("pf_copy_submit", cu.cuEventRecord(start, ce->stream));
+  for (uint32_t w = 0; w < L; w++) {
+    dma_lane *l = &ce->lanes[w];
+    pthread_mutex_lock(&l->mu);
+    l->b = b;
+    l->lo = lo;
+    l->hi = hi;
+    l->start = start;
+    l->rc = PF_OK;
+    l->busy = 1;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+  }
+  int32_t rc = PF_OK;
+  for (uint32_t w = 0; w < L; w++) {
+    dma_lane *l = &ce->lanes[w];
+    pthread_mutex_lock(&l->mu);
+    while (l->busy) pthread_cond_wait(&l->cv, &l->mu);
+    if (l->rc < 0 && rc == PF_OK)
+      rc = pf_fail(l->rc, "pf_copy_submit: DMA lane %u failed (see stderr)", w);
+    pthread_mutex_unlock(&l->mu);
+  }
+  for (uint32_t w = 0; w < L && rc == PF_OK; w++)
+    CU_TRY("pf_copy_submit",
+           cu.cuStreamWaitEvent(ce->stream, cb->ev[G + (G - 1) * L + w], 0));
+  return rc;
+}
+
+/* Enqueues batch b (submitter thread). KERNEL: table + one launch per
+ * group on the main stream. DMA / DMA_BATCH: the lanes. MIXED: kernels for
+ * the kernel part first (the SMs start at once), then the lanes issue the
+ * copy-engine part; the two never wait for each other inside the batch,
+ * and group g is done when its main event and all its lane events fired. */
 static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
                              dma_scratch *sc) {
+  (void)sc;
   cuda_batch *cb = b->impl;
   const uint32_t G = b->num_groups, path = cb->path;
   uint32_t *idx = malloc(3 * (size_t)G * sizeof *idx);
@@ -766,57 +925,27 @@ static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
   }
   int32_t rc = PF_OK;
   kernel_plan kp = {0, 0, NULL};
-  CUevent *aux = cb->ev + G;
   if (path == PF_PATH_MIXED)
     split_mixed(b, e->dma_share ? e->dma_share : e->default_dma_share, lo, mid, hi);
-  if (path == PF_PATH_KERNEL) rc = kernel_prepare(ce, b, cb, lo, hi, &kp);
-  if (path == PF_PATH_MIXED) {
-    rc = kernel_prepare(ce, b, cb, mid, hi, &kp);
-    /* The copy-engine stream starts after everything queued before this
-     * batch, as the single-stream paths do. */
-    if (rc == PF_OK) {
-      CUresult r = cu.cuEventRecord(aux[0], ce->stream);
-      if (r == CUDA_SUCCESS) r = cu.cuStreamWaitEvent(ce->stream2, aux[0], 0);
-      if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "mixed stream join");
-    }
-  }
-  /* Main stream: every group's kernel (or DMA) part, each followed by the
-   * group's event. In a mixed batch the kernels are all launched first, so
-   * the SMs start at once while this thread spends milliseconds issuing the
-   * copy-engine part group by group on stream2; the two streams never wait
-   * for each other inside the batch, and the completion thread counts
-   * group g done when both ev[g] and aux[g] have fired. */
-  for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
-    CUresult r = CUDA_SUCCESS;
-    switch (path) {
-    case PF_PATH_KERNEL:
-    case PF_PATH_MIXED:
-      rc = kernel_launch(e, ce, &kp, g);
-      break;
-    case PF_PATH_DMA_BATCH:
-      rc = dma_batch_ranges(ce, b, ce->stream, lo[g], hi[g], sc);
-      break;
-    case PF_PATH_DMA:
-      rc = dma_ranges(b, ce->stream, lo[g], hi[g]);
-      break;
-    }
-    if (rc == PF_OK) r = cu.cuEventRecord(cb->ev[g], ce->stream);
-    if (rc == PF_OK && r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord");
-  }
-  if (path == PF_PATH_MIXED) {
+  if (path == PF_PATH_KERNEL || path == PF_PATH_MIXED) {
+    const uint32_t *klo = path == PF_PATH_MIXED ? mid : lo;
+    rc = kernel_prepare(ce, b, cb, klo, hi, &kp);
     for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
-      rc = (e->features & PF_FEAT_DMA_BATCH)
-               ? dma_batch_ranges(ce, b, ce->stream2, lo[g], mid[g], sc)
-               : dma_ranges(b, ce->stream2, lo[g], mid[g]);
-      CUresult r = rc == PF_OK ? cu.cuEventRecord(aux[g], ce->stream2) : CUDA_SUCCESS;
+      rc = kernel_launch(e, ce, &kp, g);
+      if (rc == PF_OK) {
+        CUresult r = cu.cuEventRecord(cb->ev[g], ce->stream);
+        if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord");
+      }
+    }
+  } else {
+    /* The lanes carry all bytes; main-stream group events only order. */
+    for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
+      CUresult r = cu.cuEventRecord(cb->ev[g], ce->stream);
       if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord");
     }
-    /* Later batches queue behind this one's copy-engine part too. */
-    if (rc == PF_OK) {
-      CUresult r = cu.cuStreamWaitEvent(ce->stream, aux[G - 1], 0);
-      if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuStreamWaitEvent");
-    }
   }
+  if (rc == PF_OK && cb->lanes)
+    rc = lanes_run(ce, b, lo, path == PF_PATH_MIXED ? mid : hi);
   free(kp.first);
   free(idx);
   return rc;
@@ -855,7 +984,8 @@ static void *submitter_main(void *arg) {
       fprintf(stderr, "pegaflow: batch %llu (path %s) failed: %s\n",
               (unsigned long long)b->tag, path_name[cb->path], msg);
       cu.cuStreamSynchronize(ce->stream);
-      cu.cuStreamSynchronize(ce->stream2);
+      for (uint32_t w = 0; w < ce->nlanes; w++)
+        cu.cuStreamSynchronize(ce->lanes[w].stream);
       cb->status = rc;
     }
     b->next = NULL;
@@ -888,8 +1018,11 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_batch *cb = calloc(1, sizeof *cb);
   if (!cb) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   cb->path = path;
-  size_t nev = path == PF_PATH_MIXED ? 2 * (size_t)b->num_groups : b->num_groups;
-  cb->ev = calloc(nev, sizeof *cb->ev);
+  cb->lanes = path == PF_PATH_KERNEL ? 0 : ce->nlanes;
+  size_t nev = (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
+  if (nev > UINT32_MAX) nev = 0;
+  cb->nev = (uint32_t)nev;
+  cb->ev = calloc(nev ? nev : 1, sizeof *cb->ev);
   b->impl = cb;
   int32_t rc = cb->ev ? set_ctx(ce, "pf_copy_submit")
                       : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
