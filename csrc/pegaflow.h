@@ -186,10 +186,13 @@ int32_t pf_region_close(uint32_t region);
 enum pf_direction { PF_D2H = 0 /* gather: region -> pool */,
                     PF_H2D = 1 /* scatter: pool -> region */ };
 enum pf_path {
-  PF_PATH_AUTO = 0,   /* library default: kernel if loaded, else DMA */
+  /* library default (cuda): DMA_BATCH when the batch's mean merged range
+   * is >= 32 KiB and the driver has it, else KERNEL if loaded, else DMA.
+   * Callers with a calibration table choose themselves (lib/copy_path.ts). */
+  PF_PATH_AUTO = 0,
   PF_PATH_KERNEL = 1, /* gather/scatter kernel over mapped pinned memory */
-  PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync */
-  PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges */
+  PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync, issued by several threads */
+  PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges, same threads */
   /* Kernel and copy engines at once: each group's ranges are split by
    * bytes, a share (pf_engine_set_dma_share) to the copy engines (batch DMA
    * where available) on a second stream, the rest to the kernel. Neither

@@ -197,10 +197,13 @@ static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
 /* Entries are cut to this size so one long range spreads over the grid. */
 #define PF_KERNEL_ENTRY_MAX (256ull << 10)
 #define PF_KERNEL_THREADS 512u
-/* Default grid (blocks of 512 threads) for the kernel path: measured on an
- * H100 (docs/native.md) to reach the PCIe link rate in both directions with
- * a small fraction of the SMs; pf_engine_set_kernel_grid overrides. */
-#define PF_KERNEL_GRID_DEFAULT 32u
+/* Default grid (blocks of 512 threads) for the kernel path. On an H100
+ * (docs/native.md) 8 blocks already give the kernel's plateau (~93 % D2H,
+ * ~90 % H2D of the link); 16 keeps a margin and leaves 116 of 132 SMs to
+ * the model. pf_engine_set_kernel_grid overrides. */
+#define PF_KERNEL_GRID_DEFAULT 16u
+/* AUTO picks batch DMA when a batch's mean merged range is at least this. */
+#define PF_AUTO_DMA_MIN_RANGE (32ull << 10)
 /* cuMemcpyBatchAsync calls are cut to this many copies each. */
 #define PF_DMA_BATCH_MAX 8192u
 #define PF_EVENT_CACHE 1024u
@@ -1005,8 +1008,16 @@ static void *submitter_main(void *arg) {
 static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_engine *ce = e->impl;
   uint32_t path = b->path;
-  if (path == PF_PATH_AUTO)
-    path = (e->features & PF_FEAT_KERNEL) ? PF_PATH_KERNEL : PF_PATH_DMA;
+  if (path == PF_PATH_AUTO) {
+    /* Library default when the caller has no calibration: the copy engines
+     * wherever they reach the link (measured: batch DMA from 32 KB ranges
+     * on, with the lanes), else the kernel, else plain DMA. */
+    uint64_t mean = b->num_ranges ? b->total_bytes / b->num_ranges : 0;
+    if ((e->features & PF_FEAT_DMA_BATCH) && mean >= PF_AUTO_DMA_MIN_RANGE)
+      path = PF_PATH_DMA_BATCH;
+    else
+      path = (e->features & PF_FEAT_KERNEL) ? PF_PATH_KERNEL : PF_PATH_DMA;
+  }
   if ((path == PF_PATH_KERNEL || path == PF_PATH_MIXED) &&
       !(e->features & PF_FEAT_KERNEL))
     return pf_fail(PF_EUNSUPPORTED, "pf_copy_submit: path %s: the copy "

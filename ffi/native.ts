@@ -96,8 +96,9 @@ export type BackendName = "auto" | "cuda" | "host";
 /** Copy direction: D2H gathers region → pool, H2D scatters pool → region. */
 export type Direction = "d2h" | "h2d";
 /**
- * Copy path: `auto` lets the library pick (kernel when loaded, else DMA);
- * `mixed` runs the kernel and the copy engines on one batch at once.
+ * Copy path: `auto` lets the library pick (batch DMA for ranges of 32 KB and
+ * more, else the kernel); `mixed` runs the kernel and the copy engines on
+ * one batch at once.
  */
 export type CopyPath = "auto" | "kernel" | "dma_batch" | "dma" | "mixed";
 
