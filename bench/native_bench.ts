@@ -21,7 +21,9 @@ Deno.bench({
     b.reset("d2h");
     for (let l = 0; l < 32; l++) {
       b.group(1, l);
-      for (let i = 0; i < SEGS / 32; i++) b.seg(2 * i * SMALL, (l * (SEGS / 32) + i) * SMALL, SMALL);
+      for (let i = 0; i < SEGS / 32; i++) {
+        b.seg(2 * i * SMALL, (l * (SEGS / 32) + i) * SMALL, SMALL);
+      }
     }
     b.finish();
   },

@@ -2,7 +2,13 @@
  * Shared pieces of the native copy benchmarks: strided batch building and a
  * timing loop that reports GB/s and per-batch p50/p99.
  */
-import { type CopyBatch, type CopyEngine, type CopyPath, type Direction, type Region } from "../ffi/mod.ts";
+import {
+  type CopyBatch,
+  type CopyEngine,
+  type CopyPath,
+  type Direction,
+  type Region,
+} from "../ffi/mod.ts";
 
 /** One measured configuration. */
 export interface Row {
@@ -45,7 +51,9 @@ export function fillStrided(
   let i = 0;
   for (let l = 0; l < layers && i < segments; l++) {
     batch.group(region, l);
-    for (let k = 0; k < per && i < segments; k++, i++) batch.seg(2 * i * segBytes, i * segBytes, segBytes);
+    for (let k = 0; k < per && i < segments; k++, i++) {
+      batch.seg(2 * i * segBytes, i * segBytes, segBytes);
+    }
   }
   return batch;
 }
@@ -87,7 +95,22 @@ export async function timeBatch(
 
 /** Formats rows as a fixed-width table. */
 export function table(rows: Row[]): string {
-  const head = ["dir", "path", "seg", "segs", "layers", "MB", "GB/s", "wall GB/s", "p50 ms", "p99 ms", "peak", "ratio", "huge", "grid"];
+  const head = [
+    "dir",
+    "path",
+    "seg",
+    "segs",
+    "layers",
+    "MB",
+    "GB/s",
+    "wall GB/s",
+    "p50 ms",
+    "p99 ms",
+    "peak",
+    "ratio",
+    "huge",
+    "grid",
+  ];
   const lines = [head.join("\t")];
   for (const r of rows) {
     lines.push([

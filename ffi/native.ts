@@ -275,7 +275,12 @@ export class Engine {
    * Measures every path for each segment size in `sizes`, moving
    * `totalBytes` per point through `pool` (synchronous, seconds on a GPU).
    */
-  calibrate(pool: Pool, direction: Direction, sizes: number[], totalBytes: number): CalibrationTable {
+  calibrate(
+    pool: Pool,
+    direction: Direction,
+    sizes: number[],
+    totalBytes: number,
+  ): CalibrationTable {
     const n = sizes.length;
     const s = new BigUint64Array(sizes.map((x) => BigInt(x)));
     const out = new Float64Array(5 * n);
@@ -362,8 +367,10 @@ export class Pool {
    * range is in flight.
    */
   view(off: number, len: number): Uint8Array {
-    if (!Number.isSafeInteger(off) || !Number.isSafeInteger(len) || off < 0 || len < 0 ||
-      off + len > this.bytes) {
+    if (
+      !Number.isSafeInteger(off) || !Number.isSafeInteger(len) || off < 0 || len < 0 ||
+      off + len > this.bytes
+    ) {
       throw new NativeError(
         "Pool.view",
         PF_STATUS.PF_ERANGE,
@@ -428,7 +435,10 @@ export class Region {
 
   /** Copies `data` into the region at `off` (synchronous; not a hot path). */
   write(off: number, data: Uint8Array): void {
-    check("pf_region_write", this.#pf.pf_region_write(this.id, BigInt(off), data, BigInt(data.length)));
+    check(
+      "pf_region_write",
+      this.#pf.pf_region_write(this.id, BigInt(off), data, BigInt(data.length)),
+    );
   }
 
   /** Reads `len` bytes at `off` into a new array (synchronous). */

@@ -14,7 +14,9 @@
 import type { CalibrationTable, CopyPath, Direction, Engine, Pool } from "../ffi/mod.ts";
 
 /** Segment sizes calibrated by default: 8 KB .. 2 MB, powers of two. */
-export const CALIBRATION_SIZES: readonly number[] = [8, 16, 32, 64, 128, 256, 512, 1024, 2048].map((k) => k * 1024);
+export const CALIBRATION_SIZES: readonly number[] = [8, 16, 32, 64, 128, 256, 512, 1024, 2048].map((
+  k,
+) => k * 1024);
 /** Fraction of the peak at which the SM-free DMA paths are good enough. */
 export const DMA_TOLERANCE = 0.95;
 
@@ -51,8 +53,15 @@ export class PathPolicy {
    * policy. On the host backend every path is memcpy; the policy then
    * answers `auto`.
    */
-  static calibrate(engine: Engine, pool: Pool, totalBytes: number, opts: PathPolicyOptions = {}): PathPolicy {
-    if (engine.backend !== "cuda" || (opts.force && opts.force !== "auto")) return new PathPolicy({}, opts);
+  static calibrate(
+    engine: Engine,
+    pool: Pool,
+    totalBytes: number,
+    opts: PathPolicyOptions = {},
+  ): PathPolicy {
+    if (engine.backend !== "cuda" || (opts.force && opts.force !== "auto")) {
+      return new PathPolicy({}, opts);
+    }
     const bytes = Math.min(totalBytes, pool.bytes);
     const sizes = CALIBRATION_SIZES.filter((s) => s <= bytes / 16);
     return new PathPolicy({
@@ -74,7 +83,9 @@ export class PathPolicy {
     // Nearest calibrated size on a log scale.
     let i = 0;
     for (let k = 1; k < t.sizes.length; k++) {
-      if (Math.abs(Math.log(t.sizes[k] / segBytes)) < Math.abs(Math.log(t.sizes[i] / segBytes))) i = k;
+      if (Math.abs(Math.log(t.sizes[k] / segBytes)) < Math.abs(Math.log(t.sizes[i] / segBytes))) {
+        i = k;
+      }
     }
     const dma: CopyPath = t.gbps.dma_batch[i] >= t.gbps.dma[i] ? "dma_batch" : "dma";
     if (t.gbps[dma][i] >= this.#tol * t.peak) return dma;

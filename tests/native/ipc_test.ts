@@ -11,9 +11,22 @@ import { crossProcessRoundTrip } from "./cross_process.ts";
 loadLibrary();
 
 Deno.test("regions exported by another process round-trip byte-exact (kv_split)", async () => {
-  await crossProcessRoundTrip({ backend: "host", kind: "kv_split", numBlocks: 32, numLayers: 3, segBytes: 4096 }, 8 << 20);
+  await crossProcessRoundTrip({
+    backend: "host",
+    kind: "kv_split",
+    numBlocks: 32,
+    numLayers: 3,
+    segBytes: 4096,
+  }, 8 << 20);
 });
 
 Deno.test("regions exported by another process round-trip byte-exact (cross_layer)", async () => {
-  await crossProcessRoundTrip({ backend: "host", kind: "cross_layer", numBlocks: 24, numLayers: 4, segBytes: 2048, numSegsCross: 1 }, 8 << 20);
+  await crossProcessRoundTrip({
+    backend: "host",
+    kind: "cross_layer",
+    numBlocks: 24,
+    numLayers: 4,
+    segBytes: 2048,
+    numSegsCross: 1,
+  }, 8 << 20);
 });
