@@ -230,6 +230,7 @@ typedef struct pf_kentry {
  * sets the pace. PEGAFLOW_DMA_LANES (1..8) overrides. */
 #define PF_DMA_LANES_DEFAULT 4u
 #define PF_DMA_LANES_MAX 8u
+#define PF_LANE_MIN_RANGES 512u
 
 struct cuda_engine;
 /* cuMemcpyBatchAsync argument arrays, one set per issuing thread. */
@@ -1029,7 +1030,10 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_batch *cb = calloc(1, sizeof *cb);
   if (!cb) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   cb->path = path;
-  cb->lanes = path == PF_PATH_KERNEL ? 0 : ce->nlanes;
+  /* One lane per PF_LANE_MIN_RANGES ranges: a small batch is not worth
+   * waking several threads for (each lane costs a few events). */
+  uint32_t want = b->num_ranges / PF_LANE_MIN_RANGES + 1;
+  cb->lanes = path == PF_PATH_KERNEL ? 0 : (want < ce->nlanes ? want : ce->nlanes);
   size_t nev = (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
   if (nev > UINT32_MAX) nev = 0;
   cb->nev = (uint32_t)nev;
