@@ -6,19 +6,27 @@
  * exists). A machine without a driver or a GPU gets PF_ENODEV and AUTO
  * falls back to the host backend.
  *
- * Per engine: the device's primary context, one non-blocking copy stream,
- * the embedded copy kernel (pf_kernel.cu, loaded with cuModuleLoadData), a
- * pinned + device "table arena" for the kernel's segment tables, and one
- * completion thread. A submit enqueues the whole batch on the stream and
- * records one event per layer group; the completion thread waits for the
- * events in order and posts LAYER records and progress words, then the
- * BATCH record. Batches on one engine complete in submit order (one stream).
+ * Per engine: the device's primary context, a main stream, the embedded
+ * copy kernels (pf_kernel.cu, loaded with cuModuleLoadData), a pinned +
+ * device "table arena" for the kernel's segment tables, and threads:
+ *  - the submitter: pf_copy_submit only validates and queues; this thread
+ *    builds kernel tables and issues the work, so the JS thread never pays
+ *    for it;
+ *  - DMA lanes (PF_DMA_LANES_DEFAULT, each with its own stream): issue the
+ *    copy-engine descriptors of a batch in parallel, because the driver's
+ *    CPU cost per copy, not the link, limits one thread at 32 KB;
+ *  - the completion thread: waits for each group's events in order, posts
+ *    LAYER records and progress words, then the BATCH record.
+ * Batches on one engine complete in submit order (later batches' main
+ * stream waits for the earlier batch's lanes).
  *
- * Copy paths (chosen per batch by the caller; AUTO = kernel if loaded):
+ * Copy paths (chosen per batch by the caller; AUTO: batch DMA for mean
+ * ranges >= 32 KiB, else the kernel):
  *  - KERNEL: merged ranges are cut into table entries, the table goes to
  *    the device with one async H2D copy, one launch per group.
- *  - DMA_BATCH: one cuMemcpyBatchAsync per group (driver 12.8+).
- *  - DMA: one cuMemcpyAsync per merged range.
+ *  - DMA_BATCH: cuMemcpyBatchAsync (driver 12.8+), spread over the lanes.
+ *  - DMA: one cuMemcpyAsync per merged range, spread over the lanes.
+ *  - MIXED: a share of each group to the lanes, the rest to the kernel.
  */
 #define _GNU_SOURCE
 #include "pf_internal.h"
