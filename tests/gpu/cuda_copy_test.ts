@@ -286,8 +286,6 @@ Deno.test({
         src[i] = (i * 2654435761) >>> 24;
         src[i + 1] = i >>> 8;
       }
-        src[i] = (i * 2654435761) >>> 24, src[i + 1] = i >>> 8;
-      }
       region.write(0, src);
       const paths: CopyPath[] = ce.engine.features.dmaBatch
         ? ["kernel", "dma_batch", "mixed", "dma"]
