@@ -240,6 +240,7 @@ typedef struct pf_kentry {
 #define PF_DMA_LANES_DEFAULT 4u
 #define PF_DMA_LANES_MAX 8u
 #define PF_LANE_MIN_RANGES 512u
+#define PF_LANE_MAX_MEAN_RANGE (128ull << 10)
 /* How often the completion thread looks whether a group is fully issued. */
 #define PF_ISSUE_POLL_NS 20000L
 
@@ -1110,8 +1111,14 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   if (!cb) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   cb->path = path;
   /* One lane per PF_LANE_MIN_RANGES ranges: a small batch is not worth
-   * waking several threads for (each lane costs a few events). */
+   * waking several threads for (each lane costs a few events). Large
+   * ranges get one lane: the driver's CPU cost is then small next to the
+   * transfer, and the copy engines were measured to run several streams of
+   * large copies largely one after another, which would hold group 0's
+   * completion back until most of the batch had moved (layer-wise load). */
   uint32_t want = b->num_ranges / PF_LANE_MIN_RANGES + 1;
+  if (b->num_ranges && b->total_bytes / b->num_ranges >= PF_LANE_MAX_MEAN_RANGE)
+    want = 1;
   cb->lanes = path == PF_PATH_KERNEL ? 0 : (want < ce->nlanes ? want : ce->nlanes);
   size_t nev = (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
   if (nev > UINT32_MAX) nev = 0;
