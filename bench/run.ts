@@ -13,6 +13,7 @@
 import { Command } from "commander";
 import { CopyBatch, CopyEngine, type CopyPath, type Direction, type Region } from "../ffi/mod.ts";
 import { fillStrided, pct, type Row, table, timeBatch } from "./native_copy.ts";
+import { PathPolicy } from "../lib/copy_path.ts";
 
 const KB = 1024;
 const MB = 1024 * KB;
@@ -27,16 +28,30 @@ const program = new Command()
   .option("--full", "full sweep even on the host backend", false)
   .option("--iters <n>", "timed batches per row (default 10 cuda, 3 host)")
   .option("--out <dir>", "where to write the JSON", "bench/results")
-  .option("--only <sections>", "comma-separated subset: size,layers,count,grid,variant,mixed,submit,huge")
+  .option(
+    "--only <sections>",
+    "comma-separated subset: size,layers,count,grid,variant,mixed,lanes,dmacheck,submit,calibrate,huge",
+  )
   .parse(["deno", "run", ...Deno.args]);
 const opts = program.opts<
-  { backend: "auto" | "cuda" | "host"; device: string; full: boolean; iters?: string; out: string; only?: string }
+  {
+    backend: "auto" | "cuda" | "host";
+    device: string;
+    full: boolean;
+    iters?: string;
+    out: string;
+    only?: string;
+  }
 >();
 const only = opts.only ? new Set(opts.only.split(",")) : undefined;
 /** Whether section `name` runs. */
 const want = (name: string) => !only || only.has(name);
 
-const probe = CopyEngine.open({ backend: opts.backend, device: Number(opts.device), poolBytes: 1 * MB });
+const probe = CopyEngine.open({
+  backend: opts.backend,
+  device: Number(opts.device),
+  poolBytes: 1 * MB,
+});
 const backend = probe.engine.backend;
 const smCount = probe.engine.smCount;
 const features = probe.engine.features;
@@ -48,8 +63,14 @@ const iters = Number(opts.iters ?? (gpu ? 10 : 3));
 const warm = gpu ? 2 : 1;
 /** Bytes per batch: the Llama prefix on a GPU; small on the host. */
 const TOTAL = gpu ? LLAMA_SEGMENTS * LLAMA_SEG : small ? 32 * MB : 256 * MB;
-const SIZES = small ? [8 * KB, 32 * KB, 512 * KB, 2 * MB] : [8, 16, 32, 64, 128, 256, 512, 1024, 2048].map((k) => k * KB);
-const PATHS: CopyPath[] = gpu ? ["kernel", "dma_batch", "dma"].filter((p) => p !== "dma_batch" || features.dmaBatch) as CopyPath[] : ["dma"];
+const SIZES = small
+  ? [8 * KB, 32 * KB, 512 * KB, 2 * MB]
+  : [8, 16, 32, 64, 128, 256, 512, 1024, 2048].map((k) => k * KB);
+const PATHS: CopyPath[] = gpu
+  ? (["kernel", "mixed", "dma_batch", "dma"] as CopyPath[]).filter((p) =>
+    p !== "dma_batch" || features.dmaBatch
+  )
+  : ["dma"];
 const DIRS: Direction[] = ["d2h", "h2d"];
 
 interface Setup {
@@ -110,6 +131,7 @@ async function row(
     wallGbps: t.bytes / (pct(t.wall, 0.5) * 1e6),
     p50Ms: pct(t.wall, 0.5),
     p99Ms: pct(t.wall, 0.99),
+    firstLayerMs: pct(t.first, 0.5),
     peakGbps: s.peak[dir],
     ratio: gbps / s.peak[dir],
     hugepages: s.hugepages,
@@ -127,15 +149,31 @@ function add(section: string, r: Row): void {
 const maxSegs = Math.max(LLAMA_SEGMENTS * 2, TOTAL / (8 * KB));
 const batch = new CopyBatch(128, maxSegs);
 const base = await setup(false);
-console.log(`backend ${backend}${gpu ? ` (${smCount} SMs, kernel grid ${base.ce.engine.kernelGrid})` : ""}; ` +
-  `peak D2H ${base.peak.d2h.toFixed(1)} GB/s, H2D ${base.peak.h2d.toFixed(1)} GB/s`);
+console.log(
+  `backend ${backend}${
+    gpu ? ` (${smCount} SMs, kernel grid ${base.ce.engine.kernelGrid})` : ""
+  }; ` +
+    `peak D2H ${base.peak.d2h.toFixed(1)} GB/s, H2D ${base.peak.h2d.toFixed(1)} GB/s`,
+);
 
 // 1. Segment size x path x direction (32 layers; at most TOTAL bytes, at most 40k segments).
 for (const dir of want("size") ? DIRS : []) {
   for (const path of PATHS) {
     for (const seg of SIZES) {
       const segments = Math.max(1, Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)));
-      add("segment size", await row(base, dir, path, seg, segments, 32, batch, gpu ? base.ce.engine.kernelGrid : undefined));
+      add(
+        "segment size",
+        await row(
+          base,
+          dir,
+          path,
+          seg,
+          segments,
+          32,
+          batch,
+          gpu ? base.ce.engine.kernelGrid : undefined,
+        ),
+      );
     }
   }
 }
@@ -145,7 +183,9 @@ const seg32 = gpu ? LLAMA_SEG : 32 * KB;
 const segs32 = Math.floor(TOTAL / seg32);
 const mainPath: CopyPath = gpu ? "kernel" : "dma";
 for (const dir of want("layers") ? DIRS : []) {
-  for (const layers of small ? [1, 32] : [1, 8, 32, 128]) add("layer count", await row(base, dir, mainPath, seg32, segs32, layers, batch));
+  for (const layers of small ? [1, 32] : [1, 8, 32, 128]) {
+    add("layer count", await row(base, dir, mainPath, seg32, segs32, layers, batch));
+  }
 }
 
 // 3. Block (segment) count at 32 KB.
@@ -160,17 +200,27 @@ if (gpu && features.kernel && want("grid")) {
   const def = base.ce.engine.kernelGrid;
   for (const grid of [4, 8, 16, 24, 32, 48, 64, smCount]) {
     base.ce.engine.setKernelGrid(grid);
-    for (const dir of DIRS) add("kernel grid", await row(base, dir, "kernel", seg32, segs32, 32, batch, grid));
+    for (const dir of DIRS) {
+      add("kernel grid", await row(base, dir, "kernel", seg32, segs32, 32, batch, grid));
+    }
   }
   base.ce.engine.setKernelGrid(0);
   console.log(`kernel grid restored to ${def}`);
 }
 
 // 5. JS + FFI cost of filling and submitting a 40,000-segment batch.
-const submitCost: undefined | { path: CopyPath; segments: number; fillP50Ms: number; fillP99Ms: number; submitP50Ms: number; submitP99Ms: number; totalP50Ms: number } = !want("submit") ? undefined : await submitCostOf(mainPath);
+const submitCost: undefined | {
+  path: CopyPath;
+  segments: number;
+  fillP50Ms: number;
+  fillP99Ms: number;
+  submitP50Ms: number;
+  submitP99Ms: number;
+  totalP50Ms: number;
+} = !want("submit") ? undefined : await submitCostOf(mainPath);
 const submitByPath: Record<string, unknown> = {};
 if (gpu && want("submit")) {
-  for (const p of ["mixed", "dma_batch", "dma"] as CopyPath[]) {
+  for (const p of ["mixed", "dma_batch", "dma", "kernel"] as CopyPath[]) {
     if (p === "dma_batch" && !features.dmaBatch) continue;
     submitByPath[p] = await submitCostOf(p);
   }
@@ -224,7 +274,16 @@ if (gpu && features.kernel && want("variant")) {
     v.ce.engine.setKernelGrid(0);
     for (const seg of [8 * KB, 512 * KB, 2 * MB]) {
       for (const dir of DIRS) {
-        const r = await row(v, dir, "kernel", seg, Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)), 32, batch, v.ce.engine.kernelGrid);
+        const r = await row(
+          v,
+          dir,
+          "kernel",
+          seg,
+          Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)),
+          32,
+          batch,
+          v.ce.engine.kernelGrid,
+        );
         r.note = `variant ${got}`;
         add(`kernel variant ${got}`, r);
       }
@@ -237,7 +296,7 @@ if (gpu && features.kernel && want("variant")) {
 // 7. Mixed path (cuda): kernel and copy engines on one batch, by DMA share.
 if (gpu && features.kernel && want("mixed")) {
   const m = await setup(false);
-  for (const share of [300, 450, 600, 700, 800]) {
+  for (const share of [350, 450, 550, 650, 750]) {
     m.ce.engine.setDmaShare(share);
     for (const dir of DIRS) {
       const r = await row(m, dir, "mixed", seg32, segs32, 32, batch, m.ce.engine.kernelGrid);
@@ -248,38 +307,151 @@ if (gpu && features.kernel && want("mixed")) {
   m.ce.engine.setDmaShare(0);
   for (const seg of [8 * KB, 16 * KB, 64 * KB, 512 * KB, 2 * MB]) {
     for (const dir of DIRS) {
-      add("mixed path (default share)", await row(m, dir, "mixed", seg, Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)), 32, batch, m.ce.engine.kernelGrid));
+      add(
+        "mixed path (default share)",
+        await row(
+          m,
+          dir,
+          "mixed",
+          seg,
+          Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)),
+          32,
+          batch,
+          m.ce.engine.kernelGrid,
+        ),
+      );
     }
   }
   await teardown(m);
 }
 
-// 8. Huge pages on (if the machine has them reserved).
-let hugeNote = "";
-if (want("huge")) try {
-  const huge = await setup(true);
-  console.log(`huge pages: peak D2H ${huge.peak.d2h.toFixed(1)} GB/s, H2D ${huge.peak.h2d.toFixed(1)} GB/s`);
-  for (const dir of DIRS) {
-    for (const [path, seg] of [[mainPath, seg32], [gpu ? "dma" : "dma", 2 * MB]] as Array<[CopyPath, number]>) {
-      add("huge pages", await row(huge, dir, path, seg, Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)), 32, batch));
+// 7a. DMA lanes (cuda): threads issuing copy-engine descriptors in parallel.
+if (gpu && want("lanes")) {
+  for (const lanes of [1, 2, 4, 8]) {
+    Deno.env.set("PEGAFLOW_DMA_LANES", String(lanes));
+    const v = await setup(false);
+    for (const path of PATHS.filter((p) => p !== "kernel")) {
+      for (const dir of DIRS) {
+        const r = await row(v, dir, path, seg32, segs32, 32, batch);
+        r.note = `lanes ${lanes}`;
+        add(`dma lanes ${lanes}`, r);
+      }
+    }
+    await teardown(v);
+  }
+  Deno.env.delete("PEGAFLOW_DMA_LANES");
+}
+
+// 7b. Why calibration and rows may disagree for dma_batch at 32 KB: rows
+// before and after a calibration of the same size, same engine.
+if (gpu && want("dmacheck")) {
+  const c = await setup(false);
+  for (const phase of ["before", "after"]) {
+    if (phase === "after") {
+      const t = c.ce.engine.calibrate(c.ce.pool, "d2h", [seg32], TOTAL);
+      console.log(
+        `calibrate d2h 32K: dma_batch ${t.gbps.dma_batch[0].toFixed(1)} kernel ${
+          t.gbps.kernel[0].toFixed(1)
+        }`,
+      );
+    }
+    for (const dir of DIRS) {
+      const r = await row(c, dir, "dma_batch", seg32, segs32, 32, batch);
+      r.note = `dmacheck ${phase}`;
+      add(`dma_batch 32K ${phase} calibration`, r);
+      const r1 = await row(c, dir, "dma_batch", seg32, segs32, 1, batch);
+      r1.note = `dmacheck ${phase} 1 group`;
+      add(`dma_batch 32K ${phase} calibration`, r1);
     }
   }
-  await teardown(huge);
-} catch (e) {
-  hugeNote = e instanceof Error ? e.message : String(e);
-  console.log(`huge pages: not measured: ${hugeNote}`);
+  await teardown(c);
+}
+
+// 8. Calibration (what the path policy sees) and the policy's choices.
+let calibration: unknown;
+if (gpu && want("calibrate")) {
+  const c = await setup(false);
+  const policy = PathPolicy.calibrate(c.ce.engine, c.ce.pool, TOTAL);
+  const choices: Record<string, Record<string, CopyPath>> = {};
+  for (const dir of DIRS) {
+    choices[dir] = {};
+    for (const seg of SIZES) choices[dir][String(seg)] = policy.choose(dir, seg);
+  }
+  calibration = { tables: policy.tables, choices };
+  console.log(
+    `\n## calibration (pf_calibrate, best of 3, ${(TOTAL / 1e6).toFixed(0)} MB per point)`,
+  );
+  for (const dir of DIRS) {
+    const t = policy.tables[dir]!;
+    console.log(`${dir}: peak ${t.peak.toFixed(1)} GB/s`);
+    console.log(["seg", "kernel", "mixed", "dma_batch", "dma", "policy"].join("\t"));
+    t.sizes.forEach((sz, i) =>
+      console.log(
+        [
+          `${sz >> 10}K`,
+          t.gbps.kernel[i].toFixed(1),
+          t.gbps.mixed[i].toFixed(1),
+          t.gbps.dma_batch[i].toFixed(1),
+          t.gbps.dma[i].toFixed(1),
+          policy.choose(dir, sz),
+        ].join("\t"),
+      )
+    );
+  }
+  await teardown(c);
+}
+
+// 9. Huge pages on (if the machine has them reserved).
+let hugeNote = "";
+if (want("huge")) {
+  try {
+    const huge = await setup(true);
+    console.log(
+      `huge pages: peak D2H ${huge.peak.d2h.toFixed(1)} GB/s, H2D ${huge.peak.h2d.toFixed(1)} GB/s`,
+    );
+    for (const dir of DIRS) {
+      for (
+        const [path, seg] of [[mainPath, seg32], [gpu ? "dma" : "dma", 2 * MB]] as Array<
+          [CopyPath, number]
+        >
+      ) {
+        add(
+          "huge pages",
+          await row(
+            huge,
+            dir,
+            path,
+            seg,
+            Math.min(LLAMA_SEGMENTS, Math.floor(TOTAL / seg)),
+            32,
+            batch,
+          ),
+        );
+      }
+    }
+    await teardown(huge);
+  } catch (e) {
+    hugeNote = e instanceof Error ? e.message : String(e);
+    console.log(`huge pages: not measured: ${hugeNote}`);
+  }
 }
 
 for (const [name, rs] of Object.entries(sections)) {
   console.log(`\n## ${name}\n${table(rs)}`);
 }
-if (submitCost) console.log(
-  `\n## submit cost (${submitCost.segments} segments, JS fill + FFI submit)\n` +
-    `fill p50 ${submitCost.fillP50Ms.toFixed(3)} ms (p99 ${submitCost.fillP99Ms.toFixed(3)}), ` +
-    `submit p50 ${submitCost.submitP50Ms.toFixed(3)} ms (p99 ${submitCost.submitP99Ms.toFixed(3)}), ` +
-    `total p50 ${submitCost.totalP50Ms.toFixed(3)} ms (path ${submitCost.path})`,
-);
-for (const [p, c] of Object.entries(submitByPath)) console.log(`submit cost, path ${p}: ${JSON.stringify(c)}`);
+if (submitCost) {
+  console.log(
+    `\n## submit cost (${submitCost.segments} segments, JS fill + FFI submit)\n` +
+      `fill p50 ${submitCost.fillP50Ms.toFixed(3)} ms (p99 ${submitCost.fillP99Ms.toFixed(3)}), ` +
+      `submit p50 ${submitCost.submitP50Ms.toFixed(3)} ms (p99 ${
+        submitCost.submitP99Ms.toFixed(3)
+      }), ` +
+      `total p50 ${submitCost.totalP50Ms.toFixed(3)} ms (path ${submitCost.path})`,
+  );
+}
+for (const [p, c] of Object.entries(submitByPath)) {
+  console.log(`submit cost, path ${p}: ${JSON.stringify(c)}`);
+}
 
 const stamp = new Date().toISOString().replace(/[:.]/g, "-");
 await Deno.mkdir(opts.out, { recursive: true });
@@ -299,6 +471,7 @@ await Deno.writeTextFile(
       hugepagesNote: hugeNote || undefined,
       submitCost,
       submitByPath,
+      calibration,
       sections,
     },
     null,

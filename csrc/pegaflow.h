@@ -186,10 +186,13 @@ int32_t pf_region_close(uint32_t region);
 enum pf_direction { PF_D2H = 0 /* gather: region -> pool */,
                     PF_H2D = 1 /* scatter: pool -> region */ };
 enum pf_path {
-  PF_PATH_AUTO = 0,   /* library default: kernel if loaded, else DMA */
+  /* library default (cuda): DMA_BATCH when the batch's mean merged range
+   * is >= 32 KiB and the driver has it, else KERNEL if loaded, else DMA.
+   * Callers with a calibration table choose themselves (lib/copy_path.ts). */
+  PF_PATH_AUTO = 0,
   PF_PATH_KERNEL = 1, /* gather/scatter kernel over mapped pinned memory */
-  PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync */
-  PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges */
+  PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync, issued by several threads */
+  PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges, same threads */
   /* Kernel and copy engines at once: each group's ranges are split by
    * bytes, a share (pf_engine_set_dma_share) to the copy engines (batch DMA
    * where available) on a second stream, the rest to the kernel. Neither
@@ -254,9 +257,11 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
 
 /* Measures each available path on this engine in `direction` for segment
  * sizes sizes[0..n) (bytes), moving total_bytes per point, and writes GB/s
- * into out_gbps[path_index * n + i] for path_index 0..3 = AUTO (one large
- * contiguous copy: the link's peak, same for every i), KERNEL, DMA_BATCH,
- * DMA (0 where a path is absent). Segments sit at a stride of twice their
+ * into out_gbps[p * n + i] (5 * n doubles) for p = the pf_path value:
+ * AUTO's row holds one large contiguous copy (the link's peak, same for
+ * every i), then KERNEL, DMA_BATCH, DMA, MIXED (0 where a path is absent or
+ * the driver refused it). Each figure is the best of 3 timed batches after
+ * a warm-up, submit to last byte. Segments sit at a stride of twice their
  * size on the device side so that nothing merges. Uses scratch device
  * memory (host: an anonymous mapping) and pool bytes [0, total_bytes);
  * synchronous; fails with PF_EBUSY while batches use the pool. */

@@ -6,19 +6,27 @@
  * exists). A machine without a driver or a GPU gets PF_ENODEV and AUTO
  * falls back to the host backend.
  *
- * Per engine: the device's primary context, one non-blocking copy stream,
- * the embedded copy kernel (pf_kernel.cu, loaded with cuModuleLoadData), a
- * pinned + device "table arena" for the kernel's segment tables, and one
- * completion thread. A submit enqueues the whole batch on the stream and
- * records one event per layer group; the completion thread waits for the
- * events in order and posts LAYER records and progress words, then the
- * BATCH record. Batches on one engine complete in submit order (one stream).
+ * Per engine: the device's primary context, a main stream, the embedded
+ * copy kernels (pf_kernel.cu, loaded with cuModuleLoadData), a pinned +
+ * device "table arena" for the kernel's segment tables, and threads:
+ *  - the submitter: pf_copy_submit only validates and queues; this thread
+ *    builds kernel tables and issues the work, so the JS thread never pays
+ *    for it;
+ *  - DMA lanes (PF_DMA_LANES_DEFAULT, each with its own stream): issue the
+ *    copy-engine descriptors of a batch in parallel, because the driver's
+ *    CPU cost per copy, not the link, limits one thread at 32 KB;
+ *  - the completion thread: waits for each group's events in order, posts
+ *    LAYER records and progress words, then the BATCH record.
+ * Batches on one engine complete in submit order (later batches' main
+ * stream waits for the earlier batch's lanes).
  *
- * Copy paths (chosen per batch by the caller; AUTO = kernel if loaded):
+ * Copy paths (chosen per batch by the caller; AUTO: batch DMA for mean
+ * ranges >= 32 KiB, else the kernel):
  *  - KERNEL: merged ranges are cut into table entries, the table goes to
  *    the device with one async H2D copy, one launch per group.
- *  - DMA_BATCH: one cuMemcpyBatchAsync per group (driver 12.8+).
- *  - DMA: one cuMemcpyAsync per merged range.
+ *  - DMA_BATCH: cuMemcpyBatchAsync (driver 12.8+), spread over the lanes.
+ *  - DMA: one cuMemcpyAsync per merged range, spread over the lanes.
+ *  - MIXED: a share of each group to the lanes, the rest to the kernel.
  */
 #define _GNU_SOURCE
 #include "pf_internal.h"
@@ -28,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ---- the slice of the driver API we use (our own declarations) --------- */
 typedef int CUresult;
@@ -197,17 +206,20 @@ static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
 /* Entries are cut to this size so one long range spreads over the grid. */
 #define PF_KERNEL_ENTRY_MAX (256ull << 10)
 #define PF_KERNEL_THREADS 512u
-/* Default grid (blocks of 512 threads) for the kernel path: measured on an
- * H100 (docs/native.md) to reach the PCIe link rate in both directions with
- * a small fraction of the SMs; pf_engine_set_kernel_grid overrides. */
-#define PF_KERNEL_GRID_DEFAULT 32u
+/* Default grid (blocks of 512 threads) for the kernel path. On an H100
+ * (docs/native.md) 8 blocks already give the kernel's plateau (~93 % D2H,
+ * ~90 % H2D of the link); 16 keeps a margin and leaves 116 of 132 SMs to
+ * the model. pf_engine_set_kernel_grid overrides. */
+#define PF_KERNEL_GRID_DEFAULT 16u
+/* AUTO picks batch DMA when a batch's mean merged range is at least this. */
+#define PF_AUTO_DMA_MIN_RANGE (32ull << 10)
 /* cuMemcpyBatchAsync calls are cut to this many copies each. */
 #define PF_DMA_BATCH_MAX 8192u
-#define PF_EVENT_CACHE 256u
+#define PF_EVENT_CACHE 1024u
 /* Copy engines' share (permille of bytes) of a mixed batch: the copy
  * engines reach ~70 % of the link with 32 KB copies alone (descriptor
  * rate), the SMs ~93 %; measured best split in docs/native.md. */
-#define PF_MIXED_DMA_SHARE_DEFAULT 600u
+#define PF_MIXED_DMA_SHARE_DEFAULT 700u
 /* Which kernel variant runs when PEGAFLOW_KERNEL is unset. */
 #define PF_KERNEL_DEFAULT_VARIANT PF_KERNEL_SIMT
 
@@ -220,32 +232,88 @@ typedef struct pf_kentry {
   uint64_t src, dst, bytes;
 } pf_kentry;
 
+/* Copy-engine work is issued by PF_DMA_LANES threads, each on its own
+ * stream, each taking a contiguous slice of every group: the driver spends
+ * ~0.5-1 us of CPU per copy in cuMemcpyBatchAsync (~3 us in
+ * cuMemcpyAsync), so one thread issuing 40,000 32 KB copies, not the link,
+ * sets the pace. PEGAFLOW_DMA_LANES (1..8) overrides. */
+#define PF_DMA_LANES_DEFAULT 4u
+#define PF_DMA_LANES_MAX 8u
+#define PF_LANE_MIN_RANGES 512u
+#define PF_LANE_MAX_MEAN_RANGE (128ull << 10)
+/* How often the completion thread looks whether a group is fully issued. */
+#define PF_ISSUE_POLL_NS 20000L
+
+struct cuda_engine;
+/* cuMemcpyBatchAsync argument arrays, one set per issuing thread. */
+typedef struct dma_scratch {
+  CUdeviceptr dst[PF_DMA_BATCH_MAX];
+  CUdeviceptr src[PF_DMA_BATCH_MAX];
+  size_t len[PF_DMA_BATCH_MAX];
+} dma_scratch;
+
+typedef struct dma_lane {
+  struct cuda_engine *ce;
+  pf_engine *e;
+  uint32_t w;
+  pthread_t th;
+  CUstream stream;
+  dma_scratch *sc;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int stop;
+  /* the job: this lane's slice of every group of batch b */
+  pf_batch *b;
+  const uint32_t *lo, *hi;
+  CUevent start;
+  int32_t rc;
+  int busy;
+  CUevent tail; /* recorded after the lane's last copy of a batch */
+} dma_lane;
+
 typedef struct cuda_engine {
   CUdevice dev;
   CUcontext ctx;
   CUstream stream;
-  CUstream stream2;    /* copy-engine half of the mixed path */
+  dma_lane lanes[PF_DMA_LANES_MAX];
+  uint32_t nlanes;
   CUmodule mod;
   CUfunction fn_copy;
   CUfunction fn_tma;   /* Hopper bulk-copy variant (NULL before sm_90) */
   int variant;         /* PF_KERNEL_SIMT or PF_KERNEL_TMA */
+  int debug;           /* PEGAFLOW_DEBUG set: per-batch enqueue timings on stderr */
   /* table arena: pinned host staging + device copy, FIFO ring of spans */
   uint8_t *arena_host;
   CUdeviceptr arena_dev;
   uint64_t arena_head, arena_tail; /* virtual offsets, under mu */
-  pthread_mutex_t submit_mu;       /* one submit at a time on the stream */
   pthread_mutex_t mu;
   pthread_cond_t cv;               /* queue non-empty / arena freed */
   pf_batch *head, *tail;           /* batches awaiting completion */
   int stop;
   pthread_t th;
+  pthread_cond_t scv;              /* submit queue non-empty */
+  pf_batch *sq_head, *sq_tail;     /* batches awaiting enqueue */
+  int sstop;
+  pthread_t sth;
   CUevent events[PF_EVENT_CACHE];
   uint32_t nevents;
 } cuda_engine;
 
 typedef struct cuda_batch {
-  CUevent *ev; /* one per group */
+  /* ev[0..G): main stream, one per group; with lanes, then ev[G + g*L + w]
+   * for lane w's slice of group g, then one start event. */
+  CUevent *ev;
+  uint32_t nev;
+  uint32_t lanes; /* L: 0 when the batch uses the main stream only */
   uint32_t path;
+  _Atomic int32_t status; /* < 0 when enqueueing failed */
+  /* Per group: lanes that have recorded their event for it. The batch goes
+   * to the completion thread as soon as the lanes start, so group 0 can be
+   * reported while later groups are still being issued; the completion
+   * thread waits for issued[g] == lanes before it syncs group g's events. */
+  atomic_uint *issued;
+  atomic_int lanes_active; /* lanes still working on this batch */
+  int drained;    /* completion thread synced the streams after a failure */
   uint64_t arena_end; /* virtual end of this batch's table span (0: none) */
 } cuda_batch;
 
@@ -283,10 +351,8 @@ static void event_put(cuda_engine *ce, CUevent ev) {
 static void cuda_batch_release(cuda_engine *ce, pf_batch *b) {
   cuda_batch *cb = b->impl;
   if (!cb) return;
-  if (cb->ev) {
-    uint32_t n = cb->path == PF_PATH_MIXED ? 2 * b->num_groups : b->num_groups;
-    for (uint32_t g = 0; g < n; g++) event_put(ce, cb->ev[g]);
-  }
+  if (cb->ev)
+    for (uint32_t i = 0; i < cb->nev; i++) event_put(ce, cb->ev[i]);
   if (cb->arena_end) {
     pthread_mutex_lock(&ce->mu);
     /* Batches finish in order, so their spans free in order; a batch that
@@ -296,8 +362,22 @@ static void cuda_batch_release(cuda_engine *ce, pf_batch *b) {
     pthread_mutex_unlock(&ce->mu);
   }
   free(cb->ev);
+  free(cb->issued);
   free(cb);
   b->impl = NULL;
+}
+
+/* Queues b for the completion thread (which reports batches in order). */
+static void completion_push(cuda_engine *ce, pf_batch *b) {
+  b->next = NULL;
+  pthread_mutex_lock(&ce->mu);
+  if (ce->tail)
+    ce->tail->next = b;
+  else
+    ce->head = b;
+  ce->tail = b;
+  pthread_cond_broadcast(&ce->cv);
+  pthread_mutex_unlock(&ce->mu);
 }
 
 static void *completion_main(void *arg) {
@@ -316,12 +396,42 @@ static void *completion_main(void *arg) {
     if (!ce->head) ce->tail = NULL;
     pthread_mutex_unlock(&ce->mu);
     cuda_batch *cb = b->impl;
-    int32_t status = PF_OK;
+    int32_t status = atomic_load(&cb->status);
     for (uint32_t g = 0; g < b->num_groups; g++) {
+      while (status == PF_OK && cb->lanes &&
+             atomic_load_explicit(&cb->issued[g], memory_order_acquire) < cb->lanes) {
+        /* The lanes are still issuing this group (microseconds per copy). */
+        struct timespec ts = {0, PF_ISSUE_POLL_NS};
+        nanosleep(&ts, NULL);
+        status = atomic_load(&cb->status);
+      }
+      if (status < 0) {
+        if (!cb->drained) {
+          /* Copies issued before the failure still run: let the lanes stop
+           * issuing, then let everything land before anyone may close what
+           * the batch touched. */
+          while (atomic_load(&cb->lanes_active) > 0) {
+            struct timespec ts = {0, PF_ISSUE_POLL_NS};
+            nanosleep(&ts, NULL);
+          }
+          cu.cuStreamSynchronize(ce->stream);
+          for (uint32_t w = 0; w < ce->nlanes; w++)
+            cu.cuStreamSynchronize(ce->lanes[w].stream);
+          cb->drained = 1;
+        }
+        pf_batch_group_done(b, g, status);
+        continue;
+      }
       CUresult r = cu.cuEventSynchronize(cb->ev[g]);
+      for (uint32_t w = 0; w < cb->lanes && r == CUDA_SUCCESS; w++)
+        r = cu.cuEventSynchronize(cb->ev[b->num_groups + g * cb->lanes + w]);
       if (r != CUDA_SUCCESS && status == PF_OK)
         status = cu_fail(r, "pf_copy_submit(completion)", "cuEventSynchronize");
       pf_batch_group_done(b, g, status);
+    }
+    while (atomic_load(&cb->lanes_active) > 0) {
+      struct timespec ts = {0, PF_ISSUE_POLL_NS};
+      nanosleep(&ts, NULL);
     }
     uint32_t path = cb->path;
     cuda_batch_release(ce, b);
@@ -330,6 +440,8 @@ static void *completion_main(void *arg) {
 }
 
 static void cuda_close(pf_engine *e);
+static void *submitter_main(void *arg);
+static void *lane_main(void *arg);
 
 static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   pthread_once(&cu_once, cu_load);
@@ -345,8 +457,8 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   cuda_engine *ce = calloc(1, sizeof *ce);
   if (!ce) return pf_fail(PF_ENOMEM, "pf_engine_open(cuda): out of memory");
   pthread_mutex_init(&ce->mu, NULL);
-  pthread_mutex_init(&ce->submit_mu, NULL);
   pthread_cond_init(&ce->cv, NULL);
+  pthread_cond_init(&ce->scv, NULL);
   e->impl = ce;
   int32_t rc = PF_OK;
   CUresult r;
@@ -370,7 +482,6 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   OPEN_TRY(cu.cuDevicePrimaryCtxRetain(&ce->ctx, ce->dev));
   OPEN_TRY(cu.cuCtxSetCurrent(ce->ctx));
   OPEN_TRY(cu.cuStreamCreate(&ce->stream, CU_STREAM_NON_BLOCKING));
-  OPEN_TRY(cu.cuStreamCreate(&ce->stream2, CU_STREAM_NON_BLOCKING));
   void *ah = NULL;
   OPEN_TRY(cu.cuMemHostAlloc(&ah, PF_ARENA_BYTES, CU_MEMHOSTALLOC_PORTABLE));
   ce->arena_host = ah;
@@ -391,6 +502,7 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
 #endif
   /* PEGAFLOW_KERNEL=simt|tma picks the kernel variant (benchmarks compare
    * them); the default is the one measured faster (docs/native.md). */
+  ce->debug = getenv("PEGAFLOW_DEBUG") != NULL;
   const char *var = getenv("PEGAFLOW_KERNEL");
   ce->variant = PF_KERNEL_DEFAULT_VARIANT;
   if (var && strcmp(var, "simt") == 0) ce->variant = PF_KERNEL_SIMT;
@@ -404,13 +516,38 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   e->device_mem_mib = total >> 20;
   e->default_dma_share = PF_MIXED_DMA_SHARE_DEFAULT;
   if (pthread_create(&ce->th, NULL, completion_main, e) != 0) {
+    ce->th = 0;
     rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): completion thread: %s",
+                 strerror(errno));
+    goto fail;
+  }
+  ce->nlanes = PF_DMA_LANES_DEFAULT;
+  const char *nl = getenv("PEGAFLOW_DMA_LANES");
+  if (nl && atoi(nl) >= 1 && atoi(nl) <= (int)PF_DMA_LANES_MAX) ce->nlanes = (uint32_t)atoi(nl);
+  for (uint32_t w = 0; w < ce->nlanes; w++) {
+    dma_lane *l = &ce->lanes[w];
+    l->ce = ce;
+    l->e = e;
+    l->w = w;
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->cv, NULL);
+    OPEN_TRY(cu.cuStreamCreate(&l->stream, CU_STREAM_NON_BLOCKING));
+    OPEN_TRY(cu.cuEventCreate(&l->tail, CU_EVENT_DISABLE_TIMING));
+    l->sc = malloc(sizeof *l->sc);
+    if (!l->sc || pthread_create(&l->th, NULL, lane_main, l) != 0) {
+      l->th = 0;
+      rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): DMA lane %u thread", w);
+      goto fail;
+    }
+  }
+  if (pthread_create(&ce->sth, NULL, submitter_main, e) != 0) {
+    ce->sth = 0;
+    rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): submitter thread: %s",
                  strerror(errno));
     goto fail;
   }
   return PF_OK;
 fail:
-  ce->th = 0;
   cuda_close(e);
   return rc;
 #undef OPEN_TRY
@@ -419,6 +556,23 @@ fail:
 static void cuda_close(pf_engine *e) {
   cuda_engine *ce = e->impl;
   if (!ce) return;
+  if (ce->sth) { /* drains the submit queue into the completion queue */
+    pthread_mutex_lock(&ce->mu);
+    ce->sstop = 1;
+    pthread_cond_broadcast(&ce->scv);
+    pthread_mutex_unlock(&ce->mu);
+    pthread_join(ce->sth, NULL);
+  }
+  for (uint32_t w = 0; w < PF_DMA_LANES_MAX; w++) {
+    dma_lane *l = &ce->lanes[w];
+    if (l->th) {
+      pthread_mutex_lock(&l->mu);
+      l->stop = 1;
+      pthread_cond_broadcast(&l->cv);
+      pthread_mutex_unlock(&l->mu);
+      pthread_join(l->th, NULL);
+    }
+  }
   if (ce->th) {
     pthread_mutex_lock(&ce->mu);
     ce->stop = 1;
@@ -428,17 +582,27 @@ static void cuda_close(pf_engine *e) {
   }
   if (ce->ctx) cu.cuCtxSetCurrent(ce->ctx);
   if (ce->stream) cu.cuStreamSynchronize(ce->stream);
-  if (ce->stream2) cu.cuStreamSynchronize(ce->stream2);
+  for (uint32_t w = 0; w < PF_DMA_LANES_MAX; w++)
+    if (ce->lanes[w].stream) cu.cuStreamSynchronize(ce->lanes[w].stream);
   for (uint32_t i = 0; i < ce->nevents; i++) cu.cuEventDestroy_v2(ce->events[i]);
   if (ce->mod) cu.cuModuleUnload(ce->mod);
   if (ce->arena_dev) cu.cuMemFree_v2(ce->arena_dev);
   if (ce->arena_host) cu.cuMemFreeHost(ce->arena_host);
   if (ce->stream) cu.cuStreamDestroy_v2(ce->stream);
-  if (ce->stream2) cu.cuStreamDestroy_v2(ce->stream2);
+  for (uint32_t w = 0; w < PF_DMA_LANES_MAX; w++) {
+    dma_lane *l = &ce->lanes[w];
+    if (l->stream) cu.cuStreamDestroy_v2(l->stream);
+    if (l->tail) cu.cuEventDestroy_v2(l->tail);
+    free(l->sc);
+    if (l->ce) {
+      pthread_cond_destroy(&l->cv);
+      pthread_mutex_destroy(&l->mu);
+    }
+  }
   if (ce->ctx) cu.cuDevicePrimaryCtxRelease_v2(ce->dev);
   pthread_cond_destroy(&ce->cv);
+  pthread_cond_destroy(&ce->scv);
   pthread_mutex_destroy(&ce->mu);
-  pthread_mutex_destroy(&ce->submit_mu);
   free(ce);
   e->impl = NULL;
 }
@@ -570,15 +734,23 @@ static int32_t arena_reserve(cuda_engine *ce, uint64_t bytes, uint64_t *off,
 }
 
 /*
- * The enqueue functions take, per group g, the subset [lo[g], hi[g]) of
- * b->ranges to move (the mixed path splits each group in two), the stream,
- * and the events to record after each group. For the kernel part, wait[g]
- * (if set) is an event of the other stream that the group's event must
- * also cover.
+ * Enqueueing runs on the engine's submitter thread, never on the caller's:
+ * building a kernel table or issuing tens of thousands of DMA descriptors
+ * costs milliseconds of CPU (cuMemcpyBatchAsync ~0.4 us per copy), which
+ * must not block the JS event loop. pf_copy_submit only validates and
+ * queues. Copy-engine work is spread over the DMA lanes (above).
  */
-static int32_t enqueue_kernel(pf_engine *e, cuda_engine *ce, pf_batch *b,
-                              cuda_batch *cb, const uint32_t *lo,
-                              const uint32_t *hi, CUevent *wait) {
+typedef struct kernel_plan {
+  int tma;
+  uint64_t off;     /* arena offset of the table */
+  uint32_t *first;  /* per group: first entry; [G] = total */
+} kernel_plan;
+
+/* Builds and uploads the kernel table for ranges [lo[g], hi[g]) of each
+ * group (on ce->stream, ahead of the launches). */
+static int32_t kernel_prepare(cuda_engine *ce, pf_batch *b, cuda_batch *cb,
+                              const uint32_t *lo, const uint32_t *hi,
+                              kernel_plan *kp) {
   uint64_t pool_dev = b->pool->device_ptr;
   /* The bulk-copy variant needs 16-byte alignment of every address/size. */
   int tma = ce->variant == PF_KERNEL_TMA && ce->fn_tma;
@@ -591,18 +763,20 @@ static int32_t enqueue_kernel(pf_engine *e, cuda_engine *ce, pf_batch *b,
   for (uint32_t g = 0; g < b->num_groups; g++)
     for (uint32_t i = lo[g]; i < hi[g]; i++)
       n += (b->ranges[i].bytes + cut - 1) / cut;
-  uint64_t off = 0, vend = 0;
+  kp->tma = tma;
+  kp->off = 0;
+  kp->first = malloc(((size_t)b->num_groups + 1) * sizeof *kp->first);
+  if (!kp->first) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   if (n) {
-    int32_t rc = arena_reserve(ce, n * sizeof(pf_kentry), &off, &vend);
+    uint64_t vend = 0;
+    int32_t rc = arena_reserve(ce, n * sizeof(pf_kentry), &kp->off, &vend);
     if (rc < 0) return rc;
     cb->arena_end = vend;
   }
-  pf_kentry *tab = (pf_kentry *)(ce->arena_host + off);
-  uint32_t *first = malloc(((size_t)b->num_groups + 1) * sizeof *first);
-  if (!first) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  pf_kentry *tab = (pf_kentry *)(ce->arena_host + kp->off);
   uint64_t k = 0;
   for (uint32_t g = 0; g < b->num_groups; g++) {
-    first[g] = (uint32_t)k;
+    kp->first[g] = (uint32_t)k;
     for (uint32_t i = lo[g]; i < hi[g]; i++) {
       const pf_range *r = &b->ranges[i];
       for (uint64_t o = 0; o < r->bytes; o += cut) {
@@ -615,72 +789,49 @@ static int32_t enqueue_kernel(pf_engine *e, cuda_engine *ce, pf_batch *b,
       }
     }
   }
-  first[b->num_groups] = (uint32_t)k;
-  CUresult r = CUDA_SUCCESS;
+  kp->first[b->num_groups] = (uint32_t)k;
   if (k)
-    r = cu.cuMemcpyHtoDAsync_v2(ce->arena_dev + off, tab,
-                                k * sizeof(pf_kentry), ce->stream);
-  if (r != CUDA_SUCCESS) {
-    free(first);
-    return cu_fail(r, "pf_copy_submit", "cuMemcpyHtoDAsync(kernel table)");
-  }
+    CU_TRY("pf_copy_submit", cu.cuMemcpyHtoDAsync_v2(ce->arena_dev + kp->off, tab,
+                                                     k * sizeof(pf_kentry),
+                                                     ce->stream));
+  return PF_OK;
+}
+
+static int32_t kernel_launch(pf_engine *e, cuda_engine *ce,
+                             const kernel_plan *kp, uint32_t g) {
+  unsigned int cnt = kp->first[g + 1] - kp->first[g];
+  if (!cnt) return PF_OK;
+  CUdeviceptr t = ce->arena_dev + kp->off + (uint64_t)kp->first[g] * sizeof(pf_kentry);
   uint32_t grid = e->grid_blocks ? e->grid_blocks : e->default_grid;
-  const char *call = "cuLaunchKernel(pf_copy_entries)";
-  for (uint32_t g = 0; g < b->num_groups && r == CUDA_SUCCESS; g++) {
-    CUdeviceptr t = ce->arena_dev + off + (uint64_t)first[g] * sizeof(pf_kentry);
-    unsigned int cnt = first[g + 1] - first[g];
-    unsigned int blocks = cnt < grid ? cnt : grid;
-    void *args[] = {&t, &cnt};
-    if (cnt)
-      r = cu.cuLaunchKernel(tma ? ce->fn_tma : ce->fn_copy, blocks, 1, 1,
-                            tma ? PF_TMA_THREADS : PF_KERNEL_THREADS, 1, 1, 0,
-                            ce->stream, args, NULL);
-    if (r == CUDA_SUCCESS && wait && wait[g]) {
-      call = "cuStreamWaitEvent";
-      r = cu.cuStreamWaitEvent(ce->stream, wait[g], 0);
-    }
-    if (r == CUDA_SUCCESS) {
-      call = "cuEventRecord";
-      r = cu.cuEventRecord(cb->ev[g], ce->stream);
-    }
-  }
-  free(first);
-  if (r != CUDA_SUCCESS) return cu_fail(r, "pf_copy_submit", call);
+  unsigned int blocks = cnt < grid ? cnt : grid;
+  void *args[] = {&t, &cnt};
+  CU_TRY("pf_copy_submit",
+         cu.cuLaunchKernel(kp->tma ? ce->fn_tma : ce->fn_copy, blocks, 1, 1,
+                           kp->tma ? PF_TMA_THREADS : PF_KERNEL_THREADS, 1, 1,
+                           0, ce->stream, args, NULL));
   return PF_OK;
 }
 
-static int32_t enqueue_dma(cuda_engine *ce, pf_batch *b, CUstream st,
-                           const uint32_t *lo, const uint32_t *hi, CUevent *ev) {
+/* One cuMemcpyAsync per range of [lo, hi). */
+static int32_t dma_ranges(pf_batch *b, CUstream st, uint32_t lo, uint32_t hi) {
   uint64_t pool_dev = b->pool->device_ptr;
-  for (uint32_t g = 0; g < b->num_groups; g++) {
-    for (uint32_t i = lo[g]; i < hi[g]; i++) {
-      const pf_range *r = &b->ranges[i];
-      CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
-      CUresult res = b->direction == PF_D2H
-                         ? cu.cuMemcpyAsync(host, dev, r->bytes, st)
-                         : cu.cuMemcpyAsync(dev, host, r->bytes, st);
-      if (res != CUDA_SUCCESS)
-        return cu_fail(res, "pf_copy_submit", "cuMemcpyAsync");
-    }
-    if (ev[g]) CU_TRY("pf_copy_submit", cu.cuEventRecord(ev[g], st));
+  for (uint32_t i = lo; i < hi; i++) {
+    const pf_range *r = &b->ranges[i];
+    CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
+    CUresult res = b->direction == PF_D2H
+                       ? cu.cuMemcpyAsync(host, dev, r->bytes, st)
+                       : cu.cuMemcpyAsync(dev, host, r->bytes, st);
+    if (res != CUDA_SUCCESS) return cu_fail(res, "pf_copy_submit", "cuMemcpyAsync");
   }
   return PF_OK;
 }
 
-static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, CUstream st,
-                                 const uint32_t *lo, const uint32_t *hi,
-                                 CUevent *ev) {
-  uint32_t maxn = 1;
-  for (uint32_t g = 0; g < b->num_groups; g++)
-    if (hi[g] - lo[g] > maxn) maxn = hi[g] - lo[g];
-  if (maxn > PF_DMA_BATCH_MAX) maxn = PF_DMA_BATCH_MAX;
-  CUdeviceptr *dst = malloc((size_t)maxn * sizeof *dst);
-  CUdeviceptr *src = malloc((size_t)maxn * sizeof *src);
-  size_t *len = malloc((size_t)maxn * sizeof *len);
-  if (!dst || !src || !len) {
-    free(dst), free(src), free(len);
-    return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
-  }
+/* cuMemcpyBatchAsync over [lo, hi), PF_DMA_BATCH_MAX copies per call; the
+ * scratch arrays are the submitter thread's. */
+
+
+static int32_t dma_batch_ranges(cuda_engine *ce, pf_batch *b, CUstream st,
+                                uint32_t lo, uint32_t hi, dma_scratch *sc) {
   CUmemcpyAttributes attr;
   memset(&attr, 0, sizeof attr);
   attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
@@ -690,35 +841,27 @@ static int32_t enqueue_dma_batch(cuda_engine *ce, pf_batch *b, CUstream st,
   attr.dstLocHint = b->direction == PF_D2H ? hostloc : devloc;
   size_t attr_idx = 0;
   uint64_t pool_dev = b->pool->device_ptr;
-  int32_t rc = PF_OK;
-  for (uint32_t g = 0; g < b->num_groups && rc == PF_OK; g++) {
-    uint32_t i = lo[g], end = hi[g];
-    while (i < end && rc == PF_OK) {
-      uint32_t n = 0;
-      for (; i < end && n < maxn; i++, n++) {
-        const pf_range *r = &b->ranges[i];
-        CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
-        dst[n] = b->direction == PF_D2H ? host : dev;
-        src[n] = b->direction == PF_D2H ? dev : host;
-        len[n] = r->bytes;
-      }
-      CUresult res;
-      if (cu.batch_v2) {
-        res = cu.batch_v2(dst, src, len, n, &attr, &attr_idx, 1, st);
-      } else {
-        size_t fail_idx = 0;
-        res = cu.batch_v1(dst, src, len, n, &attr, &attr_idx, 1, &fail_idx, st);
-      }
-      if (res != CUDA_SUCCESS)
-        rc = cu_fail(res, "pf_copy_submit", "cuMemcpyBatchAsync");
+  uint32_t i = lo;
+  while (i < hi) {
+    uint32_t n = 0;
+    for (; i < hi && n < PF_DMA_BATCH_MAX; i++, n++) {
+      const pf_range *r = &b->ranges[i];
+      CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
+      sc->dst[n] = b->direction == PF_D2H ? host : dev;
+      sc->src[n] = b->direction == PF_D2H ? dev : host;
+      sc->len[n] = r->bytes;
     }
-    if (rc == PF_OK && ev[g]) {
-      CUresult res = cu.cuEventRecord(ev[g], st);
-      if (res != CUDA_SUCCESS) rc = cu_fail(res, "pf_copy_submit", "cuEventRecord");
+    CUresult res;
+    if (cu.batch_v2) {
+      res = cu.batch_v2(sc->dst, sc->src, sc->len, n, &attr, &attr_idx, 1, st);
+    } else {
+      size_t fail_idx = 0;
+      res = cu.batch_v1(sc->dst, sc->src, sc->len, n, &attr, &attr_idx, 1,
+                        &fail_idx, st);
     }
+    if (res != CUDA_SUCCESS) return cu_fail(res, "pf_copy_submit", "cuMemcpyBatchAsync");
   }
-  free(dst), free(src), free(len);
-  return rc;
+  return PF_OK;
 }
 
 static const char *const path_name[] = {"auto", "kernel", "dma_batch", "dma",
@@ -740,11 +883,222 @@ static void split_mixed(const pf_batch *b, uint32_t permille, uint32_t *lo,
   }
 }
 
+/* Lane w's slice of [lo, hi): contiguous, the slices tile the range. */
+static void lane_slice(uint32_t lo, uint32_t hi, uint32_t w, uint32_t L,
+                       uint32_t *a, uint32_t *z) {
+  uint64_t n = hi - lo;
+  *a = lo + (uint32_t)(n * w / L);
+  *z = lo + (uint32_t)(n * (w + 1) / L);
+}
+
+static void *lane_main(void *arg) {
+  dma_lane *l = arg;
+  cuda_engine *ce = l->ce;
+  cu.cuCtxSetCurrent(ce->ctx);
+  for (;;) {
+    pthread_mutex_lock(&l->mu);
+    while (!l->stop && !l->busy) pthread_cond_wait(&l->cv, &l->mu);
+    if (!l->busy) {
+      pthread_mutex_unlock(&l->mu);
+      return NULL;
+    }
+    pthread_mutex_unlock(&l->mu);
+    pf_batch *b = l->b;
+    cuda_batch *cb = b->impl;
+    const uint32_t G = b->num_groups, L = cb->lanes;
+    int32_t rc = PF_OK;
+    CUresult r = cu.cuStreamWaitEvent(l->stream, l->start, 0);
+    if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuStreamWaitEvent(lane)");
+    for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
+      uint32_t a, z;
+      lane_slice(l->lo[g], l->hi[g], l->w, L, &a, &z);
+      if (a < z)
+        rc = (l->e->features & PF_FEAT_DMA_BATCH) && cb->path != PF_PATH_DMA
+                 ? dma_batch_ranges(ce, b, l->stream, a, z, l->sc)
+                 : dma_ranges(b, l->stream, a, z);
+      if (rc == PF_OK) {
+        r = cu.cuEventRecord(cb->ev[G + g * L + l->w], l->stream);
+        if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord(lane)");
+      }
+      if (rc == PF_OK) atomic_fetch_add_explicit(&cb->issued[g], 1, memory_order_release);
+    }
+    if (rc == PF_OK) {
+      r = cu.cuEventRecord(l->tail, l->stream);
+      if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord(lane tail)");
+    }
+    if (rc < 0) {
+      char msg[512];
+      pf_last_error(msg, sizeof msg);
+      fprintf(stderr, "pegaflow: DMA lane %u: %s\n", l->w, msg);
+      int32_t ok = PF_OK;
+      atomic_compare_exchange_strong(&cb->status, &ok, rc);
+    }
+    /* Last touch of the batch: the completion thread frees it only once
+     * every lane is done with it. */
+    atomic_fetch_sub(&cb->lanes_active, 1);
+    pthread_mutex_lock(&l->mu);
+    l->rc = rc;
+    l->busy = 0;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+  }
+}
+
+/* Runs every lane on its slice of [lo[g], hi[g]) for all groups and waits
+ * until all have issued their copies; then the main stream waits for the
+ * lanes, so later batches queue behind this one. */
+static int32_t lanes_run(cuda_engine *ce, pf_batch *b, const uint32_t *lo,
+                         const uint32_t *hi, int *handed_off) {
+  cuda_batch *cb = b->impl;
+  const uint32_t L = cb->lanes;
+  CUevent start = cb->ev[cb->nev - 1];
+  CU_TRY("pf_copy_submit", cu.cuEventRecord(start, ce->stream));
+  atomic_store(&cb->lanes_active, (int)L);
+  for (uint32_t w = 0; w < L; w++) {
+    dma_lane *l = &ce->lanes[w];
+    pthread_mutex_lock(&l->mu);
+    l->b = b;
+    l->lo = lo;
+    l->hi = hi;
+    l->start = start;
+    l->rc = PF_OK;
+    l->busy = 1;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+  }
+  /* Everything on the main stream is issued; the completion thread may
+   * start reporting groups while the lanes work (see cuda_batch.issued). */
+  completion_push(ce, b);
+  *handed_off = 1; /* from here on b belongs to the completion thread */
+  int32_t rc = PF_OK;
+  for (uint32_t w = 0; w < L; w++) {
+    dma_lane *l = &ce->lanes[w];
+    pthread_mutex_lock(&l->mu);
+    while (l->busy) pthread_cond_wait(&l->cv, &l->mu);
+    if (l->rc < 0 && rc == PF_OK)
+      rc = pf_fail(l->rc, "pf_copy_submit: DMA lane %u failed (see stderr)", w);
+    pthread_mutex_unlock(&l->mu);
+  }
+  /* Later batches queue behind this one's lanes (the lanes' own tail
+   * events: the batch itself may already be reported and freed). */
+  for (uint32_t w = 0; w < L && rc == PF_OK; w++) {
+    CUresult r = cu.cuStreamWaitEvent(ce->stream, ce->lanes[w].tail, 0);
+    if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuStreamWaitEvent");
+  }
+  return rc;
+}
+
+/* Enqueues batch b (submitter thread). KERNEL: table + one launch per
+ * group on the main stream. DMA / DMA_BATCH: the lanes. MIXED: kernels for
+ * the kernel part first (the SMs start at once), then the lanes issue the
+ * copy-engine part; the two never wait for each other inside the batch,
+ * and group g is done when its main event and all its lane events fired. */
+static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
+                             int *handed_off) {
+  cuda_batch *cb = b->impl;
+  const uint32_t G = b->num_groups, path = cb->path;
+  uint32_t *idx = malloc(3 * (size_t)G * sizeof *idx);
+  if (!idx) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  uint32_t *lo = idx, *mid = idx + G, *hi = idx + 2 * G;
+  for (uint32_t g = 0; g < G; g++) {
+    lo[g] = mid[g] = b->groups[g].first_range;
+    hi[g] = lo[g] + b->groups[g].num_ranges;
+  }
+  int32_t rc = PF_OK;
+  kernel_plan kp = {0, 0, NULL};
+  if (path == PF_PATH_MIXED)
+    split_mixed(b, e->dma_share ? e->dma_share : e->default_dma_share, lo, mid, hi);
+  if (path == PF_PATH_KERNEL || path == PF_PATH_MIXED) {
+    const uint32_t *klo = path == PF_PATH_MIXED ? mid : lo;
+    rc = kernel_prepare(ce, b, cb, klo, hi, &kp);
+    for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
+      rc = kernel_launch(e, ce, &kp, g);
+      if (rc == PF_OK) {
+        CUresult r = cu.cuEventRecord(cb->ev[g], ce->stream);
+        if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord");
+      }
+    }
+  } else {
+    /* The lanes carry all bytes; main-stream group events only order. */
+    for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
+      CUresult r = cu.cuEventRecord(cb->ev[g], ce->stream);
+      if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord");
+    }
+  }
+  if (rc == PF_OK && cb->lanes)
+    rc = lanes_run(ce, b, lo, path == PF_PATH_MIXED ? mid : hi, handed_off);
+  free(kp.first);
+  free(idx);
+  return rc;
+}
+
+static void *submitter_main(void *arg) {
+  pf_engine *e = arg;
+  cuda_engine *ce = e->impl;
+  cu.cuCtxSetCurrent(ce->ctx);
+  for (;;) {
+    pthread_mutex_lock(&ce->mu);
+    while (!ce->sstop && !ce->sq_head) pthread_cond_wait(&ce->scv, &ce->mu);
+    if (!ce->sq_head) {
+      pthread_mutex_unlock(&ce->mu);
+      break;
+    }
+    pf_batch *b = ce->sq_head;
+    ce->sq_head = b->next;
+    if (!ce->sq_head) ce->sq_tail = NULL;
+    pthread_mutex_unlock(&ce->mu);
+    cuda_batch *cb = b->impl;
+    uint64_t t0 = pf_now_ns();
+    /* Copied now: once handed off, b may be freed at any moment. */
+    unsigned long long tag = b->tag;
+    uint32_t path = cb->path, nranges = b->num_ranges;
+    int handed_off = 0;
+    int32_t rc = enqueue_batch(e, ce, b, &handed_off);
+    if (ce->debug)
+      fprintf(stderr, "pegaflow: batch %llu path %s: %u ranges, queued %.3f ms, "
+              "enqueue %.3f ms\n", tag, path_name[path], nranges,
+              (t0 - b->submit_ns) / 1e6, (pf_now_ns() - t0) / 1e6);
+    if (handed_off) {
+      /* A lane failure already marked the batch failed; the completion
+       * thread drains the streams and reports it. */
+      if (rc < 0) {
+        char msg[512];
+        pf_last_error(msg, sizeof msg);
+        fprintf(stderr, "pegaflow: batch %llu (path %s): %s\n", tag,
+                path_name[path], msg);
+      }
+      continue;
+    }
+    if (rc < 0) {
+      /* Work enqueued before the failure still runs: let it finish before
+       * the batch is reported (its memory may be closed right after). */
+      char msg[512];
+      pf_last_error(msg, sizeof msg);
+      fprintf(stderr, "pegaflow: batch %llu (path %s) failed: %s\n",
+              (unsigned long long)b->tag, path_name[cb->path], msg);
+      cu.cuStreamSynchronize(ce->stream);
+      for (uint32_t w = 0; w < ce->nlanes; w++)
+        cu.cuStreamSynchronize(ce->lanes[w].stream);
+      atomic_store(&cb->status, rc);
+    }
+    completion_push(ce, b);
+  }
+  return NULL;
+}
+
 static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_engine *ce = e->impl;
   uint32_t path = b->path;
-  if (path == PF_PATH_AUTO)
-    path = (e->features & PF_FEAT_KERNEL) ? PF_PATH_KERNEL : PF_PATH_DMA;
+  if (path == PF_PATH_AUTO) {
+    /* Library default when the caller has no calibration: the copy engines
+     * wherever they reach the link (measured: batch DMA from 32 KB ranges
+     * on, with the lanes), else the kernel, else plain DMA. */
+    uint64_t mean = b->num_ranges ? b->total_bytes / b->num_ranges : 0;
+    if ((e->features & PF_FEAT_DMA_BATCH) && mean >= PF_AUTO_DMA_MIN_RANGE)
+      path = PF_PATH_DMA_BATCH;
+    else
+      path = (e->features & PF_FEAT_KERNEL) ? PF_PATH_KERNEL : PF_PATH_DMA;
+  }
   if ((path == PF_PATH_KERNEL || path == PF_PATH_MIXED) &&
       !(e->features & PF_FEAT_KERNEL))
     return pf_fail(PF_EUNSUPPORTED, "pf_copy_submit: path %s: the copy "
@@ -756,71 +1110,41 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_batch *cb = calloc(1, sizeof *cb);
   if (!cb) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   cb->path = path;
-  size_t G = b->num_groups;
-  int mixed = path == PF_PATH_MIXED;
-  cb->ev = calloc(mixed ? 2 * G : G, sizeof *cb->ev);
-  uint32_t *idx = malloc(3 * G * sizeof *idx);
+  /* One lane per PF_LANE_MIN_RANGES ranges: a small batch is not worth
+   * waking several threads for (each lane costs a few events). Large
+   * ranges get one lane: the driver's CPU cost is then small next to the
+   * transfer, and the copy engines were measured to run several streams of
+   * large copies largely one after another, which would hold group 0's
+   * completion back until most of the batch had moved (layer-wise load). */
+  uint32_t want = b->num_ranges / PF_LANE_MIN_RANGES + 1;
+  if (b->num_ranges && b->total_bytes / b->num_ranges >= PF_LANE_MAX_MEAN_RANGE)
+    want = 1;
+  cb->lanes = path == PF_PATH_KERNEL ? 0 : (want < ce->nlanes ? want : ce->nlanes);
+  size_t nev = (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
+  if (nev > UINT32_MAX) nev = 0;
+  cb->nev = (uint32_t)nev;
+  cb->ev = calloc(nev ? nev : 1, sizeof *cb->ev);
+  if (cb->lanes) cb->issued = calloc(b->num_groups, sizeof *cb->issued);
   b->impl = cb;
-  int32_t rc = cb->ev && idx ? PF_OK
-                             : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
-  for (size_t g = 0; g < (mixed ? 2 * G : G) && rc == PF_OK; g++)
+  int32_t rc = cb->ev && (!cb->lanes || cb->issued)
+                   ? set_ctx(ce, "pf_copy_submit")
+                   : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  for (size_t g = 0; g < nev && rc == PF_OK; g++)
     if (!(cb->ev[g] = event_get(ce)))
       rc = pf_fail(PF_ECUDA, "pf_copy_submit: cuEventCreate failed");
-  if (rc == PF_OK) rc = set_ctx(ce, "pf_copy_submit");
   if (rc < 0) {
-    free(idx);
     cuda_batch_release(ce, b);
     return rc;
   }
-  uint32_t *lo = idx, *mid = idx + G, *hi = idx + 2 * G;
-  for (uint32_t g = 0; g < G; g++) {
-    lo[g] = b->groups[g].first_range;
-    hi[g] = lo[g] + b->groups[g].num_ranges;
-  }
-  pthread_mutex_lock(&ce->submit_mu);
-  if (path == PF_PATH_KERNEL) {
-    rc = enqueue_kernel(e, ce, b, cb, lo, hi, NULL);
-  } else if (path == PF_PATH_DMA_BATCH) {
-    rc = enqueue_dma_batch(ce, b, ce->stream, lo, hi, cb->ev);
-  } else if (path == PF_PATH_DMA) {
-    rc = enqueue_dma(ce, b, ce->stream, lo, hi, cb->ev);
-  } else {
-    uint32_t share = e->dma_share ? e->dma_share : e->default_dma_share;
-    split_mixed(b, share, lo, mid, hi);
-    CUevent *aux = cb->ev + G;
-    /* The copy-engine stream starts after everything queued before this
-     * batch, like the single-stream paths do. */
-    CUresult r = cu.cuEventRecord(aux[0], ce->stream);
-    if (r == CUDA_SUCCESS) r = cu.cuStreamWaitEvent(ce->stream2, aux[0], 0);
-    if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "mixed stream join");
-    if (rc == PF_OK)
-      rc = (e->features & PF_FEAT_DMA_BATCH)
-               ? enqueue_dma_batch(ce, b, ce->stream2, lo, mid, aux)
-               : enqueue_dma(ce, b, ce->stream2, lo, mid, aux);
-    if (rc == PF_OK) rc = enqueue_kernel(e, ce, b, cb, mid, hi, aux);
-  }
-  free(idx);
-  if (rc < 0) {
-    /* Work enqueued before the failure still runs: wait for it so that the
-     * caller may close what the batch touched as soon as we return. */
-    char msg[512];
-    pf_last_error(msg, sizeof msg);
-    cu.cuStreamSynchronize(ce->stream);
-    cu.cuStreamSynchronize(ce->stream2);
-    pthread_mutex_unlock(&ce->submit_mu);
-    cuda_batch_release(ce, b);
-    return pf_fail(rc, "%s (path %s)", msg, path_name[path]);
-  }
   b->next = NULL;
   pthread_mutex_lock(&ce->mu);
-  if (ce->tail)
-    ce->tail->next = b;
+  if (ce->sq_tail)
+    ce->sq_tail->next = b;
   else
-    ce->head = b;
-  ce->tail = b;
-  pthread_cond_broadcast(&ce->cv);
+    ce->sq_head = b;
+  ce->sq_tail = b;
+  pthread_cond_signal(&ce->scv);
   pthread_mutex_unlock(&ce->mu);
-  pthread_mutex_unlock(&ce->submit_mu);
   return PF_OK;
 }
 
@@ -843,7 +1167,9 @@ static void waiter_done(void *arg, int32_t status, uint64_t ns) {
   pthread_mutex_unlock(&w->mu);
 }
 
-/* Runs one strided single-group batch through `path`; GB/s or < 0. */
+#define PF_CAL_GROUPS 32u
+
+/* Runs one strided batch through `path`; GB/s or < 0. */
 static int32_t time_path(pf_engine *e, pf_pool *p, uint32_t dir, uint32_t path,
                          CUdeviceptr scratch, uint64_t size, uint64_t total,
                          double *gbps) {
@@ -851,11 +1177,18 @@ static int32_t time_path(pf_engine *e, pf_pool *p, uint32_t dir, uint32_t path,
   if (nseg > UINT32_MAX)
     return pf_fail(PF_EINVAL, "pf_calibrate: %llu segments is too many",
                    (unsigned long long)nseg);
-  pf_batch *b = pf_batch_alloc(1, (uint32_t)nseg);
+  /* Shaped like a real batch: up to PF_CAL_GROUPS layer groups. */
+  uint32_t ng = nseg < PF_CAL_GROUPS ? (uint32_t)nseg : PF_CAL_GROUPS;
+  pf_batch *b = pf_batch_alloc(ng, (uint32_t)nseg);
   if (!b) return pf_fail(PF_ENOMEM, "pf_calibrate: out of memory");
   for (uint64_t i = 0; i < nseg; i++)
     b->ranges[i] = (pf_range){scratch + 2 * i * size, i * size, size};
-  b->groups[0] = (pf_group_rt){NULL, 0, 0, (uint32_t)nseg, 0, nseg * size};
+  uint32_t per = (uint32_t)(nseg / ng), first = 0;
+  for (uint32_t g = 0; g < ng; g++) {
+    uint32_t cnt = g + 1 == ng ? (uint32_t)nseg - first : per;
+    b->groups[g] = (pf_group_rt){NULL, g, first, cnt, 0, (uint64_t)cnt * size};
+    first += cnt;
+  }
   b->engine = e;
   b->pool = p;
   b->direction = dir;
@@ -917,11 +1250,13 @@ static int32_t cuda_calibrate(pf_engine *e, pf_pool *p, uint32_t dir,
     cu.cuMemFree_v2(scratch);
     return cu_fail(r, "pf_calibrate", "one large copy");
   }
-  static const uint32_t paths[3] = {PF_PATH_KERNEL, PF_PATH_DMA_BATCH, PF_PATH_DMA};
-  static const uint64_t need[3] = {PF_FEAT_KERNEL, PF_FEAT_DMA_BATCH, 0};
+  static const uint32_t paths[4] = {PF_PATH_KERNEL, PF_PATH_DMA_BATCH,
+                                    PF_PATH_DMA, PF_PATH_MIXED};
+  static const uint64_t need[4] = {PF_FEAT_KERNEL, PF_FEAT_DMA_BATCH, 0,
+                                   PF_FEAT_KERNEL};
   for (uint32_t i = 0; i < n && rc == PF_OK; i++) {
     out[i] = peak;
-    for (int k = 0; k < 3 && rc == PF_OK; k++) {
+    for (int k = 0; k < 4 && rc == PF_OK; k++) {
       if (need[k] && !(e->features & need[k])) continue;
       double best = 0;
       for (int rep = 0; rep <= PF_CAL_REPS; rep++) {
@@ -933,7 +1268,7 @@ static int32_t cuda_calibrate(pf_engine *e, pf_pool *p, uint32_t dir,
         }
         if (rep > 0 && g > best) best = g;
       }
-      out[(size_t)(k + 1) * n + i] = best;
+      out[(size_t)paths[k] * n + i] = best;
     }
   }
   cu.cuStreamSynchronize(ce->stream);

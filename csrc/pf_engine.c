@@ -669,6 +669,6 @@ int32_t pf_calibrate(uint32_t engine, uint32_t pool, uint32_t direction,
     return pf_fail(PF_EBUSY, "pf_calibrate: pool %u has batches in flight",
                    pool);
   (void)dir_name;
-  for (uint32_t i = 0; i < 4 * n; i++) out_gbps[i] = 0;
+  for (uint32_t i = 0; i < 5 * n; i++) out_gbps[i] = 0;
   return e->ops->calibrate(e, p, direction, sizes, n, total_bytes, out_gbps);
 }

@@ -9,7 +9,13 @@
  *
  * @module
  */
-import { type CopyPath, type Direction, DIRECTION_CODES, PATH_CODES, type Region } from "./native.ts";
+import {
+  type CopyPath,
+  type Direction,
+  DIRECTION_CODES,
+  PATH_CODES,
+  type Region,
+} from "./native.ts";
 import type { SharedMemory } from "./native.ts";
 
 const HEADER_BYTES = 32;
@@ -58,8 +64,12 @@ export class CopyBatch {
 
   /** Preallocates room for `maxGroups` groups and `maxSegs` segments. */
   constructor(maxGroups: number, maxSegs: number) {
-    if (!(Number.isInteger(maxGroups) && maxGroups > 0) || !(Number.isInteger(maxSegs) && maxSegs > 0)) {
-      throw new RangeError(`CopyBatch: maxGroups ${maxGroups} and maxSegs ${maxSegs} must be positive integers`);
+    if (
+      !(Number.isInteger(maxGroups) && maxGroups > 0) || !(Number.isInteger(maxSegs) && maxSegs > 0)
+    ) {
+      throw new RangeError(
+        `CopyBatch: maxGroups ${maxGroups} and maxSegs ${maxSegs} must be positive integers`,
+      );
     }
     this.maxGroups = maxGroups;
     this.maxSegs = maxSegs;
@@ -99,8 +109,14 @@ export class CopyBatch {
   reset(direction: Direction, path: CopyPath = "auto", progress?: ProgressTarget): this {
     const d = DIRECTION_CODES[direction];
     const p = PATH_CODES[path];
-    if (d === undefined) throw new TypeError(`CopyBatch.reset: direction "${direction}"; expected d2h or h2d`);
-    if (p === undefined) throw new TypeError(`CopyBatch.reset: path "${path}"; expected auto, kernel, dma_batch, dma or mixed`);
+    if (d === undefined) {
+      throw new TypeError(`CopyBatch.reset: direction "${direction}"; expected d2h or h2d`);
+    }
+    if (p === undefined) {
+      throw new TypeError(
+        `CopyBatch.reset: path "${path}"; expected auto, kernel, dma_batch, dma or mixed`,
+      );
+    }
     this.#groups = 0;
     this.#segs = 0;
     this.#groupFirst = 0;
@@ -133,7 +149,9 @@ export class CopyBatch {
   /** Opens the next group: following segments belong to `region`, `layer`. */
   group(region: Region | number, layer: number): this {
     if (this.#groups === this.maxGroups) {
-      throw new RangeError(`CopyBatch.group: layer ${layer}: batch holds at most ${this.maxGroups} groups`);
+      throw new RangeError(
+        `CopyBatch.group: layer ${layer}: batch holds at most ${this.maxGroups} groups`,
+      );
     }
     this.#closeGroup();
     const w = (HEADER_BYTES >> 2) + this.#groups * (GROUP_BYTES >> 2);
@@ -168,7 +186,8 @@ export class CopyBatch {
 
   #closeGroup(): void {
     if (this.#groups > 0) {
-      this.#u32[(HEADER_BYTES >> 2) + (this.#groups - 1) * (GROUP_BYTES >> 2) + 3] = this.#segs - this.#groupFirst;
+      this.#u32[(HEADER_BYTES >> 2) + (this.#groups - 1) * (GROUP_BYTES >> 2) + 3] = this.#segs -
+        this.#groupFirst;
     }
   }
 

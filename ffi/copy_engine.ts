@@ -172,9 +172,20 @@ export class CopyEngine {
       if (c.status === 0) {
         p.layers.complete();
       } else {
-        p.layers.error(new NativeError("pf_copy_submit", c.status, `batch ${c.tag} failed with ${statusName(c.status)}`));
+        p.layers.error(
+          new NativeError(
+            "pf_copy_submit",
+            c.status,
+            `batch ${c.tag} failed with ${statusName(c.status)}`,
+          ),
+        );
       }
-      p.resolve({ status: c.status, bytes: p.bytes, ns: c.value, path: PATH_NAMES[c.aux] ?? "auto" });
+      p.resolve({
+        status: c.status,
+        bytes: p.bytes,
+        ns: c.value,
+        path: PATH_NAMES[c.aux] ?? "auto",
+      });
     }
   }
 
@@ -182,7 +193,12 @@ export class CopyEngine {
     const err = e instanceof Error ? e : new Error(String(e));
     for (const [tag, p] of this.#pending) {
       p.layers.error(err);
-      p.resolve({ status: err instanceof NativeError ? err.code : -9, bytes: p.bytes, ns: 0, path: "auto" });
+      p.resolve({
+        status: err instanceof NativeError ? err.code : -9,
+        bytes: p.bytes,
+        ns: 0,
+        path: "auto",
+      });
       this.#pending.delete(tag);
     }
     this.other$.complete();
@@ -195,9 +211,11 @@ export class CopyEngine {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    await Promise.all([...this.#pending.values()].map((p) => new Promise<void>((res) => {
-      p.layers.subscribe({ complete: () => res(), error: () => res() });
-    })));
+    await Promise.all([...this.#pending.values()].map((p) =>
+      new Promise<void>((res) => {
+        p.layers.subscribe({ complete: () => res(), error: () => res() });
+      })
+    ));
     await this.ring.shutdown();
     this.#sub.unsubscribe();
     this.ring.destroy();

@@ -34,4 +34,9 @@ export type {
 } from "./native.ts";
 export { type Completion, COMPLETION_KIND, CompletionRing } from "./ring.ts";
 export { CopyBatch, type ProgressTarget } from "./batch.ts";
-export { type CopyEngineOptions, type CopyResult, CopyEngine, type Submission } from "./copy_engine.ts";
+export {
+  CopyEngine,
+  type CopyEngineOptions,
+  type CopyResult,
+  type Submission,
+} from "./copy_engine.ts";

@@ -96,8 +96,9 @@ export type BackendName = "auto" | "cuda" | "host";
 /** Copy direction: D2H gathers region → pool, H2D scatters pool → region. */
 export type Direction = "d2h" | "h2d";
 /**
- * Copy path: `auto` lets the library pick (kernel when loaded, else DMA);
- * `mixed` runs the kernel and the copy engines on one batch at once.
+ * Copy path: `auto` lets the library pick (batch DMA for ranges of 32 KB and
+ * more, else the kernel); `mixed` runs the kernel and the copy engines on
+ * one batch at once.
  */
 export type CopyPath = "auto" | "kernel" | "dma_batch" | "dma" | "mixed";
 
@@ -144,7 +145,7 @@ export interface CalibrationTable {
   /** One large contiguous copy (the link's peak), GB/s. */
   peak: number;
   /** GB/s per path per size (0 where the path is absent). */
-  gbps: Record<"kernel" | "dma_batch" | "dma", number[]>;
+  gbps: Record<Exclude<CopyPath, "auto">, number[]>;
 }
 
 function u64(x: number | bigint): bigint {
@@ -274,10 +275,15 @@ export class Engine {
    * Measures every path for each segment size in `sizes`, moving
    * `totalBytes` per point through `pool` (synchronous, seconds on a GPU).
    */
-  calibrate(pool: Pool, direction: Direction, sizes: number[], totalBytes: number): CalibrationTable {
+  calibrate(
+    pool: Pool,
+    direction: Direction,
+    sizes: number[],
+    totalBytes: number,
+  ): CalibrationTable {
     const n = sizes.length;
     const s = new BigUint64Array(sizes.map((x) => BigInt(x)));
-    const out = new Float64Array(4 * n);
+    const out = new Float64Array(5 * n);
     check(
       "pf_calibrate",
       this.#pf.pf_calibrate(
@@ -295,7 +301,7 @@ export class Engine {
       direction,
       sizes: [...sizes],
       peak: out[0],
-      gbps: { kernel: row(1), dma_batch: row(2), dma: row(3) },
+      gbps: { kernel: row(1), dma_batch: row(2), dma: row(3), mixed: row(4) },
     };
   }
 
@@ -361,8 +367,10 @@ export class Pool {
    * range is in flight.
    */
   view(off: number, len: number): Uint8Array {
-    if (!Number.isSafeInteger(off) || !Number.isSafeInteger(len) || off < 0 || len < 0 ||
-      off + len > this.bytes) {
+    if (
+      !Number.isSafeInteger(off) || !Number.isSafeInteger(len) || off < 0 || len < 0 ||
+      off + len > this.bytes
+    ) {
       throw new NativeError(
         "Pool.view",
         PF_STATUS.PF_ERANGE,
@@ -427,7 +435,10 @@ export class Region {
 
   /** Copies `data` into the region at `off` (synchronous; not a hot path). */
   write(off: number, data: Uint8Array): void {
-    check("pf_region_write", this.#pf.pf_region_write(this.id, BigInt(off), data, BigInt(data.length)));
+    check(
+      "pf_region_write",
+      this.#pf.pf_region_write(this.id, BigInt(off), data, BigInt(data.length)),
+    );
   }
 
   /** Reads `len` bytes at `off` into a new array (synchronous). */

@@ -386,7 +386,7 @@ export class KvStore {
     worldSize = 1,
   ): QueryResult {
     this.collect();
-    checkCount(hashes.length, { namespace, instance });
+    checkRequest(hashes.length, { namespace, instance });
     if (!Number.isSafeInteger(worldSize) || worldSize < 1) {
       throw new InvalidArgumentError(`world size must be an integer ≥ 1`, {
         namespace,
@@ -442,7 +442,7 @@ export class KvStore {
         got: req.rank,
       });
     }
-    checkCount(req.hashes.length, { namespace, instance, rank: req.rank });
+    checkRequest(req.hashes.length, { namespace, instance, rank: req.rank });
     const layers = this.#layers(namespace, instance, L, req.layers, req.rank);
     const rankSlot = L.collapseTp ? 0 : req.rank;
     return this.#plan(
@@ -465,7 +465,7 @@ export class KvStore {
   beginFill(req: FillRequest): SaveBegin {
     this.collect();
     const ns = this.#ns(req.namespace, req.instance);
-    checkCount(req.hashes.length, { namespace: req.namespace, instance: req.instance });
+    checkRequest(req.hashes.length, { namespace: req.namespace, instance: req.instance });
     const layers = Array.from({ length: ns.layout.layers }, (_, i) => i);
     const ranks = Array.from({ length: ns.rankSlots }, (_, i) => i);
     return this.#plan(
@@ -894,7 +894,7 @@ export class KvStore {
     requester: string,
   ): TransferLock | null {
     this.collect();
-    checkCount(hashes.length, { namespace, instance: requester });
+    checkRequest(hashes.length, { namespace, instance: requester });
     const ns = this.#namespaces.get(namespace);
     if (!ns) return null;
     const found: number[] = [];
@@ -1265,7 +1265,14 @@ export class KvStore {
   }
 }
 
-function checkCount(n: number, fields: { namespace: string; instance: string; rank?: number }) {
+/** Checks what every query, save, fill and lock names: an instance id and a bounded hash count. */
+function checkRequest(n: number, fields: { namespace: string; instance: string; rank?: number }) {
+  if (typeof fields.instance !== "string" || fields.instance.length === 0) {
+    throw new InvalidArgumentError(`instance id must be a non-empty string`, {
+      ...fields,
+      instance: String(fields.instance),
+    });
+  }
   if (n > MAX_HASHES_PER_REQUEST) {
     throw new InvalidArgumentError(
       `request names ${n} block hashes; at most ${MAX_HASHES_PER_REQUEST} are accepted`,

@@ -29,7 +29,13 @@ if (import.meta.main) {
   loadLibrary();
   const args = JSON.parse(Deno.args[0]) as ExporterArgs;
   const engine = Engine.open({ backend: args.backend, device: args.device ?? 0 });
-  const g = makeGeometry(args.kind, args.numBlocks, args.numLayers, args.segBytes, args.numSegsCross ?? 2);
+  const g = makeGeometry(
+    args.kind,
+    args.numBlocks,
+    args.numLayers,
+    args.segBytes,
+    args.numSegsCross ?? 2,
+  );
   const src = allocRegions(engine, g);
   const dst = allocRegions(engine, g);
   fillRegions(g, src);
@@ -37,7 +43,9 @@ if (import.meta.main) {
     // cuMemAlloc does not zero: the parent checks untouched bytes stay 0.
     for (const r of dst) r.write(0, new Uint8Array(r.bytes));
   }
-  console.log(JSON.stringify({ src: src.map((r) => hex(r.handle)), dst: dst.map((r) => hex(r.handle)) }));
+  console.log(
+    JSON.stringify({ src: src.map((r) => hex(r.handle)), dst: dst.map((r) => hex(r.handle)) }),
+  );
   // Hold the memory until the parent closes our stdin.
   for await (const _ of Deno.stdin.readable) { /* drain */ }
   for (const r of [...src, ...dst]) r.close();

@@ -5,7 +5,13 @@
  * builders for gather (region → pool) and scatter (pool → region).
  * Shared by tests/native and tests/gpu.
  */
-import { CopyBatch, type CopyEngine, type CopyPath, type Engine, type Region } from "../../ffi/mod.ts";
+import {
+  CopyBatch,
+  type CopyEngine,
+  type CopyPath,
+  type Engine,
+  type Region,
+} from "../../ffi/mod.ts";
 
 /** The layout kinds the engines we serve use. */
 export type LayoutKind = "kv_split" | "kv_interleaved" | "mla" | "cross_layer";
@@ -47,7 +53,12 @@ export function makeGeometry(
       numSegs = 2;
       for (let l = 0; l < numLayers; l++) {
         regionBytes.push(2 * numBlocks * segBytes);
-        layers.push({ regionIndex: l, base: 0, blockStride: segBytes, segStride: numBlocks * segBytes });
+        layers.push({
+          regionIndex: l,
+          base: 0,
+          blockStride: segBytes,
+          segStride: numBlocks * segBytes,
+        });
       }
       break;
     case "kv_interleaved": // per layer [num_blocks][2][seg]: K and V adjacent
@@ -179,7 +190,11 @@ export function expectedPool(g: Geometry, blocks: number[]): Uint8Array {
  * Expected image of each destination region after scattering the content of
  * `srcBlocks[i]` into `dstBlocks[i]` (everything else zero).
  */
-export function expectedRegions(g: Geometry, srcBlocks: number[], dstBlocks: number[]): Uint8Array[] {
+export function expectedRegions(
+  g: Geometry,
+  srcBlocks: number[],
+  dstBlocks: number[],
+): Uint8Array[] {
   const images = g.regionBytes.map((b) => new Uint8Array(b));
   const seg = new Uint8Array(g.segBytes);
   for (let i = 0; i < srcBlocks.length; i++) {
@@ -213,7 +228,12 @@ export function rng(seed: number): () => number {
 }
 
 /** `n` distinct block ids out of [0, numBlocks), shuffled or sorted. */
-export function pickBlocks(rand: () => number, numBlocks: number, n: number, sorted: boolean): number[] {
+export function pickBlocks(
+  rand: () => number,
+  numBlocks: number,
+  n: number,
+  sorted: boolean,
+): number[] {
   const ids = Array.from({ length: numBlocks }, (_, i) => i);
   for (let i = ids.length - 1; i > 0; i--) {
     const j = Math.floor(rand() * (i + 1));
@@ -287,7 +307,9 @@ export async function runRoundTrip(
     const got = dst[r].read(0, g.regionBytes[r]);
     const e = firstDiff(got, images[r]);
     if (e >= 0) {
-      throw new Error(`${g.kind}: destination region ${r} byte ${e} is ${got[e]}; expected ${images[r][e]}`);
+      throw new Error(
+        `${g.kind}: destination region ${r} byte ${e} is ${got[e]}; expected ${images[r][e]}`,
+      );
     }
   }
 }

@@ -59,9 +59,15 @@ Deno.test("closing a region, pool, engine or ring while a batch is in flight fai
   const b = new CopyBatch(20, 20).reset("d2h");
   for (let g = 0; g < 20; g++) b.group(region, g).seg(g * 512, g * 512, 512);
   const desc = b.finish();
-  assert.equal(pf.pf_copy_submit(engine.handle, pool.handle, ring.handle, desc, BigInt(desc.length), 42n), 0);
+  assert.equal(
+    pf.pf_copy_submit(engine.handle, pool.handle, ring.handle, desc, BigInt(desc.length), 42n),
+    0,
+  );
   assert.ok(region.info().inflight > 0, "the batch should still hold the region");
-  assert.match(codeOf(() => region.close()), /^PF_EBUSY: .*layer groups in flight; drain them before closing/);
+  assert.match(
+    codeOf(() => region.close()),
+    /^PF_EBUSY: .*layer groups in flight; drain them before closing/,
+  );
   assert.match(codeOf(() => pool.close()), /^PF_EBUSY: .*batches in flight/);
   assert.match(codeOf(() => engine.close()), /^PF_EBUSY: .*still has 2 pools\/regions/);
   assert.match(codeOf(() => ring.destroy()), /^PF_EBUSY/);

@@ -12,7 +12,11 @@ export interface Child {
 const DENO = Deno.execPath();
 
 /** Starts `deno run -A <script> ...args` with piped stdin/stdout. */
-export function spawnDeno(script: string | URL, args: string[], env: Record<string, string> = {}): Child {
+export function spawnDeno(
+  script: string | URL,
+  args: string[],
+  env: Record<string, string> = {},
+): Child {
   const path = script instanceof URL ? decodeURIComponent(script.pathname) : script;
   const proc = new Deno.Command(DENO, {
     args: ["run", "-A", path, ...args],

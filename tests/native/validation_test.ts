@@ -21,7 +21,9 @@ const pf = loadLibrary();
 const POOL = 1 << 20;
 
 /** Runs fn with a fresh host CopyEngine and one 64 KiB region, cleaning up. */
-async function withEngine(fn: (ce: CopyEngine, region: Region) => Promise<void> | void): Promise<void> {
+async function withEngine(
+  fn: (ce: CopyEngine, region: Region) => Promise<void> | void,
+): Promise<void> {
   const ce = CopyEngine.open({ backend: "host", poolBytes: POOL, workers: 2 });
   const region = ce.engine.allocRegion(64 << 10);
   try {
@@ -46,7 +48,7 @@ function assertNative(fn: () => unknown, codeName: string, message?: RegExp): Na
 }
 
 Deno.test("a batch with one bad segment copies nothing and names group, layer, segment and sizes", async () => {
-  await withEngine(async (ce, region) => {
+  await withEngine((ce, region) => {
     region.write(0, new Uint8Array(64 << 10).fill(0xab));
     ce.pool.view(0, POOL).fill(0x11);
     const b = new CopyBatch(4, 200).reset("d2h");
@@ -68,7 +70,11 @@ Deno.test("segments outside the pool, zero-sized, or with overflowing offsets ar
   await withEngine((ce, region) => {
     const b = new CopyBatch(1, 4);
     b.reset("h2d").group(region, 0).seg(0, POOL - 8, 16);
-    assertNative(() => ce.submit(b), "PF_ERANGE", /pool_off 1048568 \+ bytes 16 exceeds pool \d+ size 1048576/);
+    assertNative(
+      () => ce.submit(b),
+      "PF_ERANGE",
+      /pool_off 1048568 \+ bytes 16 exceeds pool \d+ size 1048576/,
+    );
     b.reset("d2h").group(region, 0).seg(0, 0, 0);
     assertNative(() => ce.submit(b), "PF_EINVAL", /segment 0 .*bytes is 0/);
     // region_off near 2^64 so that region_off + bytes wraps around.
@@ -79,7 +85,14 @@ Deno.test("segments outside the pool, zero-sized, or with overflowing offsets ar
     u[segWord] = 0xfffff000;
     u[segWord + 1] = 0xffffffff;
     u[segWord + 4] = 0x2000;
-    const rc = pf.pf_copy_submit(ce.engine.handle, ce.pool.handle, ce.ring.handle, desc, BigInt(desc.length), 1n);
+    const rc = pf.pf_copy_submit(
+      ce.engine.handle,
+      ce.pool.handle,
+      ce.ring.handle,
+      desc,
+      BigInt(desc.length),
+      1n,
+    );
     assert.equal(rc, -3); // PF_ERANGE, not a wrapped "fits"
     // Same for the pool side.
     u[segWord] = 0;
@@ -87,7 +100,14 @@ Deno.test("segments outside the pool, zero-sized, or with overflowing offsets ar
     u[segWord + 2] = 0xffffff00;
     u[segWord + 3] = 0xffffffff;
     assert.equal(
-      pf.pf_copy_submit(ce.engine.handle, ce.pool.handle, ce.ring.handle, desc, BigInt(desc.length), 2n),
+      pf.pf_copy_submit(
+        ce.engine.handle,
+        ce.pool.handle,
+        ce.ring.handle,
+        desc,
+        BigInt(desc.length),
+        2n,
+      ),
       -3,
     );
   });
@@ -97,7 +117,11 @@ Deno.test("null, unknown, stale and wrong-kind handles are refused", async () =>
   await withEngine((ce, region) => {
     const b = new CopyBatch(1, 1);
     b.reset("d2h").group(0, 0).seg(0, 0, 64);
-    assertNative(() => ce.submit(b), "PF_EHANDLE", /group 0 \(layer 0\): region 0 is not a live region handle/);
+    assertNative(
+      () => ce.submit(b),
+      "PF_EHANDLE",
+      /group 0 \(layer 0\): region 0 is not a live region handle/,
+    );
     b.reset("d2h").group(0x7fff1234, 9).seg(0, 0, 64);
     assertNative(() => ce.submit(b), "PF_EHANDLE", /layer 9/);
     // Wrong kind: the pool's handle where a region belongs.
@@ -112,9 +136,18 @@ Deno.test("null, unknown, stale and wrong-kind handles are refused", async () =>
     // Engine / pool / ring handles.
     b.reset("d2h").group(region, 0).seg(0, 0, 64);
     const desc = b.finish();
-    assert.equal(pf.pf_copy_submit(0, ce.pool.handle, ce.ring.handle, desc, BigInt(desc.length), 1n), -2);
-    assert.equal(pf.pf_copy_submit(ce.engine.handle, 0, ce.ring.handle, desc, BigInt(desc.length), 1n), -2);
-    assert.equal(pf.pf_copy_submit(ce.engine.handle, ce.pool.handle, 99, desc, BigInt(desc.length), 1n), -2);
+    assert.equal(
+      pf.pf_copy_submit(0, ce.pool.handle, ce.ring.handle, desc, BigInt(desc.length), 1n),
+      -2,
+    );
+    assert.equal(
+      pf.pf_copy_submit(ce.engine.handle, 0, ce.ring.handle, desc, BigInt(desc.length), 1n),
+      -2,
+    );
+    assert.equal(
+      pf.pf_copy_submit(ce.engine.handle, ce.pool.handle, 99, desc, BigInt(desc.length), 1n),
+      -2,
+    );
     assert.equal(pf.pf_region_close(staleId), -2);
     assert.equal(pf.pf_pool_destroy(12345), -2);
     assert.equal(pf.pf_engine_close(0), -2);
@@ -152,7 +185,9 @@ Deno.test("malformed descriptors are refused", async () => {
     u[6] = 40; // segs_off inside groups
     assert.equal(submit(desc), -1);
     u[6] = 32 + 16 * 2;
-    const ended = firstValueFrom(ce.other$.pipe(filter((c) => c.tag === 7 && c.kind === COMPLETION_KIND.BATCH)));
+    const ended = firstValueFrom(
+      ce.other$.pipe(filter((c) => c.tag === 7 && c.kind === COMPLETION_KIND.BATCH)),
+    );
     assert.equal(submit(desc), 0, "the repaired descriptor is accepted");
     assert.equal((await ended).status, 0);
   });
@@ -165,7 +200,14 @@ Deno.test("groups that do not tile the segment array are refused", async () => {
     const desc = b.finish();
     const u = new Uint32Array(desc.buffer, desc.byteOffset, desc.length >> 2);
     u[8 + 4 + 2] = 0; // group 1 first_seg 0 instead of 1
-    const rc = pf.pf_copy_submit(ce.engine.handle, ce.pool.handle, ce.ring.handle, desc, BigInt(desc.length), 1n);
+    const rc = pf.pf_copy_submit(
+      ce.engine.handle,
+      ce.pool.handle,
+      ce.ring.handle,
+      desc,
+      BigInt(desc.length),
+      1n,
+    );
     assert.equal(rc, -1);
     const msg = new NativeError("x", rc, "").codeName;
     assert.equal(msg, "PF_EINVAL");
@@ -181,7 +223,7 @@ Deno.test("CopyBatch refuses to overflow its preallocated capacity", () => {
   assert.throws(() => new CopyBatch(0, 1), RangeError);
 });
 
-Deno.test("region imports with bad handles or sizes are refused", async () => {
+Deno.test("region imports with bad handles or sizes are refused", () => {
   const engine = Engine.open({ backend: "host" });
   const region = engine.allocRegion(8192);
   try {
@@ -190,16 +232,43 @@ Deno.test("region imports with bad handles or sizes are refused", async () => {
       h.set(new TextEncoder().encode(s));
       return h;
     };
-    assertNative(() => engine.importRegion(enc("/pegaflow-no-such-region"), 4096), "PF_EHANDLE", /no-such-region/);
-    assertNative(() => engine.importRegion(enc("no-slash"), 4096), "PF_EINVAL", /must start with '\/'/);
+    assertNative(
+      () => engine.importRegion(enc("/pegaflow-no-such-region"), 4096),
+      "PF_EHANDLE",
+      /no-such-region/,
+    );
+    assertNative(
+      () => engine.importRegion(enc("no-slash"), 4096),
+      "PF_EINVAL",
+      /must start with '\/'/,
+    );
     assertNative(() => engine.importRegion(enc("/bad/name"), 4096), "PF_EINVAL", /character 0x2f/);
-    assertNative(() => engine.importRegion(new Uint8Array(64).fill(0x41), 4096), "PF_EINVAL", /NUL-terminated/);
+    assertNative(
+      () => engine.importRegion(new Uint8Array(64).fill(0x41), 4096),
+      "PF_EINVAL",
+      /NUL-terminated/,
+    );
     assertNative(() => engine.importRegion(new Uint8Array(10), 4096), "PF_EINVAL", /expected 64/);
+    const padded = enc("/pegaflow-x");
+    padded[40] = 9; // garbage after the NUL: not a handle this library wrote
+    assertNative(
+      () => engine.importRegion(padded, 4096),
+      "PF_EINVAL",
+      /byte 40 after the name is 0x09/,
+    );
     // Declared larger than the real allocation.
-    assertNative(() => engine.importRegion(region.handle, 8193), "PF_ERANGE", /declared 8193 bytes; the allocation has 8192/);
+    assertNative(
+      () => engine.importRegion(region.handle, 8193),
+      "PF_ERANGE",
+      /declared 8193 bytes; the allocation has 8192/,
+    );
     assertNative(() => engine.importRegion(region.handle, 0), "PF_EINVAL");
     // Reads/writes outside the region.
-    assertNative(() => region.read(8000, 200), "PF_ERANGE", /offset 8000 \+ bytes 200 exceeds region size 8192/);
+    assertNative(
+      () => region.read(8000, 200),
+      "PF_ERANGE",
+      /offset 8000 \+ bytes 200 exceeds region size 8192/,
+    );
     assertNative(() => region.write(8192, new Uint8Array(1)), "PF_ERANGE");
     // A valid import sees the exporter's bytes.
     const imp = engine.importRegion(region.handle, 8192);
@@ -213,7 +282,7 @@ Deno.test("region imports with bad handles or sizes are refused", async () => {
   }
 });
 
-Deno.test("engine, pool and shm options are validated", async () => {
+Deno.test("engine, pool and shm options are validated", () => {
   assert.throws(() => Engine.open({ backend: "gpu" as "auto" }), /backend "gpu"/);
   assert.equal(pf.pf_engine_open(7, 0, 0, new Uint32Array(1)), -1);
   assert.equal(pf.pf_engine_open(2, 0, 1000, new Uint32Array(1)), -1);
@@ -223,7 +292,11 @@ Deno.test("engine, pool and shm options are validated", async () => {
     assert.equal(pf.pf_pool_create(engine.handle, 4096n, 0x80, 0, new Uint32Array(1)), -1);
     assertNative(() => engine.setKernelGrid(8), "PF_EUNSUPPORTED", /host backend/);
     assertNative(() => SharedMemory.open("nope", 64), "PF_EINVAL");
-    assertNative(() => SharedMemory.open("/pegaflow-test-missing-shm", 64), "PF_EINVAL", /No such file/);
+    assertNative(
+      () => SharedMemory.open("/pegaflow-test-missing-shm", 64),
+      "PF_EINVAL",
+      /No such file/,
+    );
     const pool = engine.createPool(1 << 16, { pretouch: true, touchThreads: 2 });
     assert.equal(pool.info().pretouched, true);
     assertNative(() => pool.view(60000, 10000), "PF_ERANGE", /exceeds pool size 65536/);
@@ -238,7 +311,11 @@ Deno.test("huge pages: a clear error naming nr_hugepages when none are reserved"
   try {
     const reserved = Number(Deno.readTextFileSync("/proc/sys/vm/nr_hugepages").trim());
     if (reserved === 0) {
-      assertNative(() => engine.createPool(4 << 20, { hugepages: true }), "PF_ENOMEM", /\/proc\/sys\/vm\/nr_hugepages is 0/);
+      assertNative(
+        () => engine.createPool(4 << 20, { hugepages: true }),
+        "PF_ENOMEM",
+        /\/proc\/sys\/vm\/nr_hugepages is 0/,
+      );
     } else {
       const pool = engine.createPool(4 << 20, { hugepages: true });
       assert.equal(pool.info().hugepages, true);

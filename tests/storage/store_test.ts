@@ -322,6 +322,8 @@ Deno.test("bad save input is refused with INVALID_ARGUMENT naming what was wrong
     0,
   );
   bad(() => store.query(NS, [h(0)], "e", 0), "got", 0);
+  bad(() => store.query(NS, [h(0)], ""), "instance", "");
+  bad(() => store.query(NS, Array(65_537).fill(h(0)), "e"), "got", 65_537);
   bad(() => store.defineNamespace("x", { ...SMALL, layers: 0 }), "got", "0");
   strictEqual(store.stats().usedBytes, 0);
   strictEqual(store.stats().inflightBlocks, 0);
