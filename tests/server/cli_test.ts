@@ -4,7 +4,13 @@
  * process (a refused start must not bind anything or allocate a pool).
  */
 import assert from "node:assert/strict";
-import { parseServeArgs, parseSize } from "../../lib/server/config.ts";
+import {
+  capPoolSize,
+  parseServeArgs,
+  parseSize,
+  POOL_MEM_FRACTION,
+} from "../../lib/server/config.ts";
+import { allocationUnit } from "../../lib/server/server.ts";
 
 const ROOT = new URL("../../", import.meta.url).pathname;
 
@@ -116,4 +122,21 @@ Deno.test("--help lists every flag with its default and env var", async () => {
       "PEGAFLOW_POOL_SIZE",
     ]
   ) assert.ok(r.stdout.includes(s), `--help mentions ${s}`);
+});
+
+Deno.test("the pool size is capped to half of MemAvailable, and a small request is left alone", () => {
+  const huge = capPoolSize(2 ** 50);
+  assert.equal(huge.capped, true);
+  assert.ok(huge.availBytes !== null && huge.bytes <= huge.availBytes * POOL_MEM_FRACTION);
+  assert.equal(huge.bytes % (1 << 20), 0, "capped to whole MiB");
+  const small = capPoolSize(64 << 20);
+  assert.deepEqual([small.bytes, small.capped], [64 << 20, false]);
+});
+
+Deno.test("--hint-value-size picks the largest power-of-two unit dividing it, within 512 B..64 KiB", () => {
+  assert.equal(allocationUnit(0), 4096, "no hint: 4 KiB");
+  assert.equal(allocationUnit(32768), 32768, "Llama-3.1-8B K or V: one unit per segment");
+  assert.equal(allocationUnit(36864), 4096, "36 KiB = 9 x 4 KiB");
+  assert.equal(allocationUnit(1 << 20), 65536, "capped at 64 KiB");
+  assert.equal(allocationUnit(1000), 512, "odd sizes fall back to the 512 B floor");
 });
