@@ -35,6 +35,7 @@ import {
   failLoadState,
   LOAD_STATE_BYTES,
   OFF_PROGRESS,
+  STATE_REJECTED,
 } from "./load_state.ts";
 import type { BatchWriter, NativePort, RegionPort, ShmPort } from "./ports.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
@@ -803,6 +804,9 @@ export class KvEngine {
           });
         },
         (e) => {
+          // The native layer writes a failed batch's state itself; this also covers
+          // a failure it could not report there, so the engine never waits forever.
+          failLoadState(shm.view, (e as { status?: number }).status ?? STATE_REJECTED);
           this.#metrics?.loadDone(0, (performance.now() - t0) / 1000, false);
           this.#log.warn("load copy failed", {
             request: args.requestId || undefined,

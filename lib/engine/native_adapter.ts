@@ -17,6 +17,16 @@ import type {
   ShmPort,
 } from "./ports.ts";
 
+/** A copy batch that ended with a native error; `status` is the PF_E* code. */
+export class CopyFailed extends Error {
+  readonly status: number;
+  constructor(status: number, message: string) {
+    super(message);
+    this.name = "CopyFailed";
+    this.status = status;
+  }
+}
+
 /** Options of {@link openNative}. */
 export interface NativeOptions {
   backend: "auto" | "cuda" | "host";
@@ -142,13 +152,19 @@ export function openNative(
     batch(): BatchWriter {
       return new GrowingBatch(path);
     },
-    async submit(b: BatchWriter): Promise<CopyDone> {
+    // Not async on purpose: a batch the library refuses (bad segment, closed
+    // region) throws here, synchronously, so the RPC fails instead of
+    // answering OK for a copy that never started.
+    submit(b: BatchWriter): Promise<CopyDone> {
       const gb = b as GrowingBatch;
       gb.flush();
       const sub = ce.submit(gb.batch);
-      const r = await sub.done;
-      if (r.status !== 0) throw new Error(`copy batch failed with native status ${r.status}`);
-      return { bytes: r.bytes, ns: r.ns };
+      return sub.done.then((r) => {
+        if (r.status !== 0) {
+          throw new CopyFailed(r.status, `copy batch failed with native status ${r.status}`);
+        }
+        return { bytes: r.bytes, ns: r.ns };
+      });
     },
     close(): Promise<void> {
       return ce.close();

@@ -57,8 +57,9 @@ export interface NativePort {
   /** A new reusable batch writer (call `ensure` before writing each batch). */
   batch(): BatchWriter;
   /**
-   * Submits the batch as written. Resolves when the whole batch has landed,
-   * rejects with the native error otherwise. The writer may be reset right
+   * Submits the batch as written. Throws synchronously when the library
+   * refuses the batch (nothing was copied); otherwise resolves when the whole
+   * batch has landed and rejects when it failed. The writer may be reset right
    * after this returns (the descriptor is copied at submit).
    */
   submit(batch: BatchWriter): Promise<CopyDone>;
