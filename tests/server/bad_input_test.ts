@@ -184,6 +184,9 @@ Deno.test("save, query, load and release refuse bad input and store nothing", as
     await sim.save([0, 1, 2, 3], hashes);
     const unknown = new Uint8Array(16).fill(7);
     await assert.rejects(sim.load(unknown, [4, 5, 6, 7]), status("FAILED_PRECONDITION"));
+    // An engine polling its load state (instead of awaiting the RPC) sees the refusal too.
+    const st = new DataView((await Deno.readFile(`/dev/shm${sim.loadStateName!}`)).buffer);
+    assert.equal(st.getInt32(20, true), -1000, "state: refused before any copy");
     await assert.rejects(srv.client.release(unknown), status("FAILED_PRECONDITION"));
     await assert.rejects(
       sim.load(new Uint8Array(5), [4]),
