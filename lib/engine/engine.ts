@@ -338,9 +338,16 @@ export class KvEngine {
     };
     const created = !inst;
     if (!inst) inst = new Instance(a.instanceId, a.namespace, a.tpSize, ppSize, a.worldSize);
-    // TP peers of one PP stage must list the same layers.
+    // TP peers of one PP stage must list the same layers; PP stages hold disjoint layers.
     for (const r of inst.ranks.values()) {
-      if (r.ppRank !== a.ppRank) continue;
+      if (r.ppRank !== a.ppRank) {
+        const shared = layers.find((l) => r.byName.has(l.name));
+        if (shared) {
+          this.#closeRegions(imported, who);
+          throw invalid(`${who}: layer "${shared.name}" is also registered by pp_rank ${r.ppRank}`);
+        }
+        continue;
+      }
       const same = r.layers.length === layers.length &&
         r.layers.every((l, i) => l.name === layers[i].name && l.slotBytes === layers[i].slotBytes);
       if (!same) {

@@ -252,3 +252,47 @@ Deno.test("an oversized request is refused with RESOURCE_EXHAUSTED and stores no
     await srv.stop();
   }
 });
+
+Deno.test("pipeline stages must hold disjoint layers; TP peers the same ones", async () => {
+  const srv = await startServer();
+  const instanceId = uid("pp");
+  const ns = uid("ns");
+  const mk = (tpRank: number, tpSize: number) =>
+    SimEngine.create({
+      client: srv.client,
+      instanceId,
+      namespace: ns,
+      model: MODEL,
+      numBlocks: 8,
+      tpRank,
+      tpSize,
+      backend: "host",
+    });
+  const a = mk(0, 1);
+  const b = mk(0, 1);
+  try {
+    // Two PP stages (pp_size 2), both claiming the same layer names.
+    await a.register({ ppRank: 0, ppSize: 2, worldSize: 2 });
+    await assert.rejects(
+      b.register({ ppRank: 1, ppSize: 2, worldSize: 2 }),
+      status(
+        "INVALID_ARGUMENT",
+        /layer "model\.layers\.000\.attn" is also registered by pp_rank 0/,
+      ),
+    );
+    // The valid second stage (other layer names) seals the topology.
+    const r = await b.register({
+      ppRank: 1,
+      ppSize: 2,
+      worldSize: 2,
+      layerNames: ["model.layers.002.attn", "model.layers.003.attn"],
+    });
+    assert.equal(r.topologySealed, true);
+    const inst = (await (await srv.http_get("/instances")).json()).instances[0];
+    assert.equal(inst.numLayers, 4, "layer ids span both stages");
+  } finally {
+    a.close();
+    b.close();
+    await srv.stop();
+  }
+});
