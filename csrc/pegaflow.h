@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 1
+#define PF_ABI_VERSION 2
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {
@@ -102,8 +102,8 @@ typedef struct pf_completion {
   uint32_t kind;   /* pf_completion_kind */
   uint32_t index;  /* layer-group index (LAYER) or op index (IO) */
   int32_t status;  /* PF_OK or a PF_E* code */
-  uint32_t aux;    /* kind-specific (e.g. path used for BATCH) */
-  uint64_t value;  /* bytes moved, or ns elapsed for BATCH */
+  uint32_t aux;    /* LAYER: the group's layer id; BATCH: pf_path used */
+  uint64_t value;  /* LAYER/IO: bytes moved; BATCH: ns from submit to end */
 } pf_completion;
 
 enum pf_completion_kind {
@@ -132,6 +132,9 @@ int32_t pf_ring_destroy(uint32_t ring);
 enum pf_pool_flags {
   PF_POOL_HUGEPAGES = 1u << 0, /* mmap(MAP_HUGETLB); clear error if none */
   PF_POOL_PRETOUCH = 1u << 1,  /* fault every page in, in parallel */
+  /* Reported only (pf_pool_info [1]): the pages are page-locked (cuda:
+   * registered with the driver; host: mlock succeeded). */
+  PF_POOL_LOCKED = 1u << 2,
 };
 /* Allocates one region of `bytes` host memory, page-locked and mapped for
  * the device (CUDA: cuMemHostAlloc DEVICEMAP, or mmap + cuMemHostRegister
@@ -189,9 +192,9 @@ enum pf_path {
  * A batch descriptor lives in one caller-owned buffer (reused across
  * submits; the library copies what it needs before pf_copy_submit returns):
  *
- *   pf_batch_header
- *   pf_batch_group  groups[num_groups]
- *   pf_batch_seg    segs[num_segs]
+ *   pf_batch_header                          (32 bytes)
+ *   pf_batch_group  groups[num_groups]       (16 bytes each, at offset 32)
+ *   pf_batch_seg    segs[num_segs]           (24 bytes each, at segs_off)
  *
  * Group g covers segs[first_seg, first_seg + num_segs) and completes with one
  * PF_DONE_LAYER record (index = g) once all its segments have landed; the
@@ -213,11 +216,17 @@ typedef struct pf_batch_header {
    * layer-wise load reaches the model without a JS hop. */
   uint32_t progress_shm;
   uint32_t progress_off;
+  /* Byte offset of segs[] from the start of the descriptor (8-aligned), or
+   * 0 for "right after groups[num_groups]". Lets a caller preallocate room
+   * for G groups and write segments before it knows how many groups the
+   * batch will have. */
+  uint32_t segs_off;
+  uint32_t reserved; /* must be 0 */
 } pf_batch_header;
 
 typedef struct pf_batch_group {
   uint32_t region;    /* region handle (imported or allocated) */
-  uint32_t layer;     /* caller's layer id, echoed nowhere; for errors */
+  uint32_t layer;     /* caller's layer id: in errors and LAYER records */
   uint32_t first_seg;
   uint32_t num_segs;
 } pf_batch_group;
@@ -234,13 +243,17 @@ typedef struct pf_batch_seg {
 int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
                        const void *desc, uint64_t desc_bytes, uint64_t tag);
 
-/* Measures each available path on this engine for segment sizes
- * sizes[0..n) (bytes), moving total_bytes per point, and writes GB/s into
- * out_gbps[path_index * n + i] for path_index 0..3 = AUTO(one large
- * copy peak), KERNEL, DMA_BATCH, DMA (0 where a path is absent). Uses
- * scratch device memory and `pool`; synchronous. */
-int32_t pf_calibrate(uint32_t engine, uint32_t pool, const uint64_t *sizes,
-                     uint32_t n, uint64_t total_bytes, double *out_gbps);
+/* Measures each available path on this engine in `direction` for segment
+ * sizes sizes[0..n) (bytes), moving total_bytes per point, and writes GB/s
+ * into out_gbps[path_index * n + i] for path_index 0..3 = AUTO (one large
+ * contiguous copy: the link's peak, same for every i), KERNEL, DMA_BATCH,
+ * DMA (0 where a path is absent). Segments sit at a stride of twice their
+ * size on the device side so that nothing merges. Uses scratch device
+ * memory (host: an anonymous mapping) and pool bytes [0, total_bytes);
+ * synchronous; fails with PF_EBUSY while batches use the pool. */
+int32_t pf_calibrate(uint32_t engine, uint32_t pool, uint32_t direction,
+                     const uint64_t *sizes, uint32_t n, uint64_t total_bytes,
+                     double *out_gbps);
 
 /* ---- shared memory ---------------------------------------------------- */
 enum pf_shm_flags {
