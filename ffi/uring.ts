@@ -9,6 +9,7 @@
  *
  * @module
  */
+import { libraryPath, loadLibrary } from "./symbols.ts";
 
 /** FFI declarations of the io_uring + CRC32C entry points (csrc/pegaflow.h). */
 export const URING_SYMBOLS = {
@@ -60,12 +61,6 @@ export class PegaflowIoError extends Error {
   }
 }
 
-/** Where the library is looked for: `$PEGAFLOW_LIB`, else `<repo>/build/libpegaflow.so`. */
-export function libraryPath(): string {
-  const env = Deno.env.get("PEGAFLOW_LIB");
-  if (env) return env;
-  return decodeURIComponent(new URL("../build/libpegaflow.so", import.meta.url).pathname);
-}
 
 type UringLib = Deno.DynamicLibrary<typeof URING_SYMBOLS>;
 let lib: UringLib | undefined;
@@ -73,6 +68,7 @@ let lib: UringLib | undefined;
 /** Opens (once) the library's io_uring symbols. Throws naming the path when it cannot. */
 export function uringLib(): UringLib["symbols"] {
   if (!lib) {
+    loadLibrary(); // checks the path and the ABI version first, with clear errors
     const path = libraryPath();
     try {
       lib = Deno.dlopen(path, URING_SYMBOLS);

@@ -19,8 +19,12 @@
  * | 36  | u32  | CRC32C of the header bytes [0, 64 + key length) with this field as 0 |
  * | 40  | u64  | record length on disk (header + padded payload) |
  * | 48  | u64  | write time, ms since the epoch |
- * | 56  | u64  | reserved (0) |
+ * | 56  | u64  | generation of the file (from its superblock) |
  * | 64  | ...  | key (UTF-8) |
+ *
+ * The generation ties records to one life of the file: `--ssd-reset` (or a
+ * changed geometry) writes a new superblock generation, so records left from
+ * before can never reappear at a later start.
  *
  * The epoch lets a scan stop at the end of the current fill of a segment: a
  * reused segment still holds older records past the new write position, and
@@ -87,6 +91,7 @@ export interface RecordHeader {
   payloadCrc: number;
   recordBytes: number;
   writtenAtMs: number;
+  generation: number;
 }
 
 const enc = new TextEncoder();
@@ -115,7 +120,7 @@ export function encodeHeader(page: Uint8Array, h: RecordHeader, key: Uint8Array 
   v.setUint32(36, 0, true);
   v.setBigUint64(40, BigInt(h.recordBytes), true);
   v.setBigUint64(48, BigInt(Math.floor(h.writtenAtMs)), true);
-  v.setBigUint64(56, 0n, true);
+  v.setBigUint64(56, BigInt(h.generation), true);
   page.set(key, HEADER_FIXED_BYTES);
   v.setUint32(36, crc32c(page.subarray(0, HEADER_FIXED_BYTES + key.length)), true);
 }
@@ -151,14 +156,22 @@ export function decodeHeader(page: Uint8Array): RecordHeader | HeaderProblem {
     payloadCrc: v.getUint32(32, true),
     recordBytes: rec,
     writtenAtMs: Number(v.getBigUint64(48, true)),
+    generation: Number(v.getBigUint64(56, true)),
   };
 }
 
 /** A cache file's superblock: the geometry the records were laid out with. */
 export interface Superblock {
+  /** Random per life of the file; records of another generation are ignored. */
+  generation: number;
   segmentBytes: number;
   segmentCount: number;
   createdAtMs: number;
+}
+
+/** A fresh generation number: time-based with random low bits, below 2^53. */
+export function newGeneration(): number {
+  return Date.now() * 1024 + Math.floor(Math.random() * 1024);
 }
 
 /** Encodes a superblock into a PAGE_BYTES page. */
@@ -171,6 +184,7 @@ export function encodeSuperblock(page: Uint8Array, s: Superblock): void {
   v.setBigUint64(8, BigInt(s.segmentBytes), true);
   v.setUint32(16, s.segmentCount, true);
   v.setBigUint64(24, BigInt(Math.floor(s.createdAtMs)), true);
+  v.setBigUint64(32, BigInt(s.generation), true);
   v.setUint32(60, crc32c(page.subarray(0, 60)), true);
 }
 
@@ -186,5 +200,6 @@ export function decodeSuperblock(page: Uint8Array): Superblock | string {
     segmentBytes: Number(v.getBigUint64(8, true)),
     segmentCount: v.getUint32(16, true),
     createdAtMs: Number(v.getBigUint64(24, true)),
+    generation: Number(v.getBigUint64(32, true)),
   };
 }

@@ -7,6 +7,7 @@
  */
 
 import type { Observable, Subscription } from "rxjs";
+import type { Completion } from "../../ffi/ring.ts";
 import {
   DONE_IO,
   DONE_IO_BATCH,
@@ -29,20 +30,14 @@ export interface PoolExtent {
 }
 
 /** One record of the completion ring (the fields the SSD tier reads). */
-export interface IoCompletion {
-  tag: bigint;
-  kind: number;
-  index: number;
-  status: number;
-  aux: number;
-  value: bigint;
-}
+export type IoCompletion = Pick<Completion, "tag" | "kind" | "index" | "status" | "aux" | "value">;
 
 /**
  * SSD tags live in their own range of the shared completion ring's tag space
- * so they never collide with the copy engine's.
+ * (2^50 up; the copy engine counts from 1) so they never collide, and stay
+ * below 2^53 so they survive the ring's Number conversion.
  */
-export const SSD_TAG_BASE = 0x5353_0000_0000_0000n;
+export const SSD_TAG_BASE = 2 ** 50;
 
 /**
  * The ops of one io batch, built before submission.
@@ -194,11 +189,11 @@ interface Pending {
 export class SsdIo {
   readonly #uring: Uring;
   readonly #pool: number;
-  readonly #pending = new Map<bigint, Pending>();
+  readonly #pending = new Map<number, Pending>();
   readonly #freePages: number[] = [];
   readonly #pageWaiters: { n: number; grant: (pages: number[]) => void }[] = [];
   readonly #sub: Subscription;
-  #nextTag = 1n;
+  #nextTag = 1;
 
   constructor(uring: Uring, pool: number, completions: Observable<IoCompletion>) {
     this.#uring = uring;
@@ -247,7 +242,7 @@ export class SsdIo {
     const done = new Promise<number>((resolve) => (p.resolve = resolve));
     this.#pending.set(tag, p);
     try {
-      this.#uring.submit(batch.encode(pages), tag);
+      this.#uring.submit(batch.encode(pages), BigInt(tag));
     } catch (e) {
       this.#pending.delete(tag);
       this.#givePages(pages);
