@@ -22,7 +22,7 @@
  */
 
 import type { Observable } from "rxjs";
-import { Stage } from "../pipeline/stage.ts";
+import { Stage, type StageOptions } from "../pipeline/stage.ts";
 import type { Completion } from "../../ffi/ring.ts";
 import { FileFlag, fsSpace, Uring } from "../../ffi/uring.ts";
 import {
@@ -194,6 +194,25 @@ interface CacheFile {
   segments: number;
   generation: number;
   direct: boolean;
+  /** Size found at open, before the file was sized to its capacity (records past it are torn). */
+  sizeAtOpen: number;
+}
+
+/**
+ * Stage settings of write-behind: a full queue drops the newest batch (a
+ * save never waits on the SSD), `inflight` batches run at once.
+ */
+export function writeStageOptions(queueDepth: number, inflight: number): StageOptions {
+  return { concurrency: inflight, queue: { depth: queueDepth, policy: "drop-newest" } };
+}
+
+/**
+ * Stage settings of prefetch: a full queue refuses at once (the query
+ * answers with what RAM has: a miss is cheaper than waiting), `inflight`
+ * reads run at once.
+ */
+export function prefetchStageOptions(queueDepth: number, inflight: number): StageOptions {
+  return { concurrency: inflight, queue: { depth: queueDepth, policy: "refuse" } };
 }
 
 interface WriteJob {
@@ -315,12 +334,12 @@ export class SsdTier {
     this.#chunk = Math.max(1, Math.floor(opts.hdrPages / (opts.writeInflight + opts.prefetchInflight)));
     this.#writes = new Stage<WriteJob, void>(
       "ssd.write",
-      { concurrency: opts.writeInflight, queue: { depth: opts.writeQueueDepth, policy: "drop-newest" } },
+      writeStageOptions(opts.writeQueueDepth, opts.writeInflight),
       (job) => this.#writeJob(job),
     );
     this.#prefetches = new Stage<PrefetchJob, void>(
       "ssd.prefetch",
-      { concurrency: opts.prefetchInflight, queue: { depth: opts.prefetchQueueDepth, policy: "refuse" } },
+      prefetchStageOptions(opts.prefetchQueueDepth, opts.prefetchInflight),
       (job) => this.#prefetchJob(job),
     );
   }
@@ -368,7 +387,7 @@ export class SsdTier {
       const rfiles: RecoveryFile[] = files.map((f) => ({
         handle: f.handle,
         path: f.path,
-        sizeBytes: uring.fileInfo(f.handle).sizeBytes,
+        sizeBytes: f.sizeAtOpen,
         generation: f.generation,
       }));
       const report = await recoverIndex(io, rfiles, ring, index, opts.hdrPages);
@@ -445,7 +464,14 @@ export class SsdTier {
           segmentCount: segments,
           createdAtMs: Date.now(),
         }, path);
-        files.push({ path, handle, segments, generation, direct: info.direct });
+        files.push({
+          path,
+          handle,
+          segments,
+          generation,
+          direct: info.direct,
+          sizeAtOpen: reset ? 0 : info.sizeBytes,
+        });
       } catch (e) {
         if (handle) uring.closeFile(handle);
         problems.push(`${path}: ${(e as Error).message}`);
@@ -608,6 +634,18 @@ export class SsdTier {
   /** How many of `keys`, from the first, are on SSD. */
   lookupPrefix(keys: readonly string[]): number {
     return this.#index.prefixLength(keys);
+  }
+
+  /** Where `key`'s record is (admin and tests), or undefined. */
+  locate(key: string): { path: string; fileOffset: number; payloadBytes: number; seq: number } | undefined {
+    const l = this.#index.get(key);
+    if (!l) return undefined;
+    return {
+      path: this.files[l.segment.file].path,
+      fileOffset: l.fileOffset,
+      payloadBytes: l.payloadBytes,
+      seq: l.seq,
+    };
   }
 
   /** True while a prefetch for `reqId` is loading or waiting to be taken. */
