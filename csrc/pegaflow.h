@@ -331,6 +331,9 @@ int32_t pf_file_truncate(uint32_t file, uint64_t bytes);
 int32_t pf_file_allocate(uint32_t file, uint64_t bytes);
 /* fdatasync (ops completed before the call are durable after it). */
 int32_t pf_file_sync(uint32_t file);
+/* Drops the file's pages from the page cache (posix_fadvise DONTNEED), so a
+ * buffered benchmark reads the device, not memory. */
+int32_t pf_file_drop_cache(uint32_t file);
 int32_t pf_file_close(uint32_t file); /* PF_EBUSY while ops in flight */
 
 /* Filesystem space at `path` (a file or directory): out[0] total bytes,

@@ -467,6 +467,15 @@ int32_t pf_file_sync(uint32_t file) {
   return PF_OK;
 }
 
+int32_t pf_file_drop_cache(uint32_t file) {
+  pf_file *f = pf_handle_get(file, PF_K_FILE, "pf_file_drop_cache");
+  if (!f) return PF_EHANDLE;
+  int rc = posix_fadvise(f->fd_buf, 0, 0, POSIX_FADV_DONTNEED);
+  if (rc != 0)
+    return pf_fail(PF_EIO, "posix_fadvise(DONTNEED) %s: %s", f->path, strerror(rc));
+  return PF_OK;
+}
+
 int32_t pf_file_close(uint32_t file) {
   pf_file *f = pf_handle_get(file, PF_K_FILE, "pf_file_close");
   if (!f) return PF_EHANDLE;

@@ -24,6 +24,7 @@ export const URING_SYMBOLS = {
   pf_file_truncate: { parameters: ["u32", "u64"], result: "i32" },
   pf_file_allocate: { parameters: ["u32", "u64"], result: "i32" },
   pf_file_sync: { parameters: ["u32"], result: "i32", nonblocking: true },
+  pf_file_drop_cache: { parameters: ["u32"], result: "i32" },
   pf_file_close: { parameters: ["u32"], result: "i32" },
   pf_fs_space: { parameters: ["buffer", "buffer"], result: "i32" },
   pf_errno_text: { parameters: ["i32", "buffer", "u32"], result: "i32" },
@@ -220,6 +221,11 @@ export class Uring {
   async sync(file: number): Promise<void> {
     const rc = await uringLib().pf_file_sync(file);
     if (rc < 0) throw new PegaflowIoError("pf_file_sync", rc, `file handle ${file}`);
+  }
+
+  /** Drops the file's cached pages (benchmarks of buffered I/O). */
+  dropCache(file: number): void {
+    check("pf_file_drop_cache", uringLib().pf_file_drop_cache(file));
   }
 
   /** Closes a file (fails with PF_EBUSY while its ops are in flight). */

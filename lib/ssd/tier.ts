@@ -547,9 +547,11 @@ export class SsdTier {
 
   async #writeJob(job: WriteJob): Promise<void> {
     try {
+      const chunks = [];
       for (let start = 0; start < job.blocks.length; start += this.#chunk) {
-        await this.#writeChunk(job.blocks.slice(start, start + this.#chunk));
+        chunks.push(this.#writeChunk(job.blocks.slice(start, start + this.#chunk)));
       }
+      await Promise.all(chunks);
     } finally {
       for (const b of job.blocks) this.#pendingKeys.delete(b.key);
     }
@@ -717,10 +719,13 @@ export class SsdTier {
   async #prefetchJob(job: PrefetchJob): Promise<void> {
     const { entry, locs, allocations } = job;
     const delivered: PrefetchedBlock[] = [];
-    let next = 0; // allocations[next..] are not delivered (yet)
+    let next = 0; // allocations[next..] are not delivered
     try {
       const t0 = performance.now();
-      let bytes = 0;
+      // Every chunk is submitted at once (the header arena bounds what is in
+      // flight); verification then walks them in order and stops at the
+      // first block that fails, so only a verified prefix is delivered.
+      const runs = [];
       for (let start = 0; start < locs.length; start += this.#chunk) {
         const end = Math.min(locs.length, start + this.#chunk);
         const batch = this.#io.newBatch();
@@ -728,11 +733,24 @@ export class SsdTier {
           const l = locs[i];
           batch.read(this.files[l.segment.file].handle, l.fileOffset, true, allocations[i].extents, true);
         }
-        const r = await this.#io.run(batch);
-        let ok = true;
+        // A batch the engine refuses (closing) must not become an unhandled rejection.
+        runs.push({ start, end, result: this.#io.run(batch).catch((e: Error) => e) });
+      }
+      let bytes = 0;
+      let ok = true;
+      for (const run of runs) {
+        const r = await run.result;
+        if (r instanceof Error) {
+          if (ok) {
+            this.#s.readFailures++;
+            this.#log("error", `SSD prefetch of block ${entry.keys[run.start]} not submitted: ${r.message}`);
+          }
+          ok = false;
+          continue;
+        }
         try {
-          for (let i = start; i < end && ok; i++) {
-            ok = this.#verify(entry.keys[i], locs[i], r, i - start);
+          for (let i = run.start; i < run.end && ok; i++) {
+            ok = this.#verify(entry.keys[i], locs[i], r, i - run.start);
             if (ok) {
               delivered.push({ key: entry.keys[i], allocation: allocations[i], payloadBytes: locs[i].payloadBytes });
               bytes += locs[i].payloadBytes;
@@ -742,7 +760,6 @@ export class SsdTier {
         } finally {
           r.release();
         }
-        if (!ok) break;
       }
       this.#s.readBytes += bytes;
       this.#s.readBlocks += delivered.length;
