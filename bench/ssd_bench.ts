@@ -42,7 +42,7 @@ Deno.bench({
     const keys = Array.from({ length: 16 }, (_, i) => `bench/${round}/${i}`);
     round++;
     tier.enqueueWrite(keys.map((key, i) => ({
-      key, extents: [{ offset: i * 2 * MiB, bytes: 2 * MiB }], acquire: () => true, release: () => {},
+      key, acquire: () => [{ offset: i * 2 * MiB, bytes: 2 * MiB }], release: () => {},
     })));
     await tier.flushWrites();
     let at = 64 * MiB;

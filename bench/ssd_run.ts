@@ -125,8 +125,7 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
     const tw = performance.now();
     tier.enqueueWrite(keys.map((key, i) => ({
       key,
-      extents: [{ offset: i * LLAMA_BLOCK_BYTES, bytes: LLAMA_BLOCK_BYTES }],
-      acquire: () => true,
+      acquire: () => [{ offset: i * LLAMA_BLOCK_BYTES, bytes: LLAMA_BLOCK_BYTES }],
       release: () => {},
     })));
     await tier.flushWrites();

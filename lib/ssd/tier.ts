@@ -105,14 +105,13 @@ export interface SsdTierOptions {
 
 /**
  * A sealed block offered for write-behind. The tier pins it only when its
- * write starts: `acquire()` returns false if RAM already evicted it (then it
- * is skipped, not kept alive), else it stays pinned until `release()`.
+ * write starts: `acquire()` returns null if RAM already evicted it (then it
+ * is skipped, not kept alive), else the pool extents of its bytes in record
+ * order, pinned until `release()`.
  */
 export interface SsdWriteBlock {
   key: string;
-  /** Where its bytes are in the pool, in order. */
-  extents: PoolExtent[];
-  acquire(): boolean;
+  acquire(): PoolExtent[] | null;
   release(): void;
 }
 
@@ -273,7 +272,7 @@ function dirOf(path: string): string {
  * @example
  * ```ts
  * const tier = await SsdTier.open({ pool: pool.handle, ring, paths: ["/mnt/nvme"] });
- * tier.enqueueWrite([{ key, extents, acquire: () => lease(), release: () => unlease() }]);
+ * tier.enqueueWrite([{ key, acquire: () => pinAndLocate(key), release: () => unpin(key) }]);
  * const a = tier.prefetch("req-1", keysPastRam, (sizes) => allocate(sizes));
  * // a.state === "loading" → answer "loading"; poll again with the same request id
  * await tier.close();
@@ -561,11 +560,12 @@ export class SsdTier {
     const batch = this.#io.newBatch();
     const placed: { block: SsdWriteBlock; seg: Segment; off: number; bytes: number; seq: number }[] = [];
     for (const block of blocks) {
-      if (!block.acquire()) {
+      const extents = block.acquire();
+      if (!extents) {
         this.#s.writeSkippedEvicted++;
         continue;
       }
-      const bytes = block.extents.reduce((n, e) => n + e.bytes, 0);
+      const bytes = extents.reduce((n, e) => n + e.bytes, 0);
       const seq = this.#seq++;
       const a = this.#ring.allocate(recordBytes(bytes), seq);
       if (typeof a === "string") {
@@ -575,7 +575,7 @@ export class SsdTier {
         continue;
       }
       placed.push({ block, seg: a.segment, off: a.fileOffset, bytes, seq });
-      batch.write(this.files[a.segment.file].handle, a.fileOffset, true, block.extents);
+      batch.write(this.files[a.segment.file].handle, a.fileOffset, true, extents);
     }
     if (placed.length === 0) return;
     const t0 = performance.now();

@@ -19,7 +19,7 @@ export interface Harness {
   /** True when pool bytes hold the pattern of `key`. */
   holds(key: string, off: number, len: number): boolean;
   /** A write block at a pool range, with acquire/release counting. */
-  block(key: string, off: number, len: number, resident?: () => boolean): SsdWriteBlock & { pins: number };
+  block(key: string, off: number, len: number, resident?: () => boolean): SsdWriteBlock & { pins: number; extents: { offset: number; bytes: number }[] };
   /** Allocator over pool bytes from `base` (bump; free() counted in `freed`). */
   allocator(base: number, limit?: number): PrefetchAllocator & { freed: number; given: number };
   close(): Promise<void>;
@@ -69,9 +69,9 @@ export async function harness(poolBytes = 64 << 20): Promise<Harness> {
         extents: [{ offset: off, bytes: len }],
         pins: 0,
         acquire() {
-          if (!resident()) return false;
+          if (!resident()) return null;
           b.pins++;
-          return true;
+          return b.extents;
         },
         release() {
           b.pins--;
