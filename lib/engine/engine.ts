@@ -101,8 +101,21 @@ export interface EngineMetrics {
   stage(name: string): StageMetrics;
 }
 
+/**
+ * The SSD tier as the engine drives it (implemented by lib/ssd/kv_bridge.ts):
+ * sealed blocks are offered for write-behind; a query whose prefix continues
+ * on SSD starts (or polls) a prefetch and is answered "loading".
+ */
+export interface SsdHook {
+  onSealed(sealedKeys: readonly string[]): void;
+  /** True: answer "loading" (a prefetch for this request id is running). */
+  beforeQuery(namespace: string, instance: string, hashes: Uint8Array[], requestId: string): boolean;
+}
+
 export interface EngineOptions {
   native: NativePort;
+  /** Optional SSD tier. */
+  ssd?: SsdHook;
   store: KvStore;
   log: Logger;
   metrics?: EngineMetrics;
@@ -190,6 +203,7 @@ export class KvEngine {
   readonly #log: Logger;
   readonly #metrics: EngineMetrics | undefined;
   readonly #leaseTtlMs: number;
+  readonly #ssd: SsdHook | undefined;
   readonly #instances = new Map<string, Instance>();
   /** namespace → layout signature and the instances using it. */
   readonly #layouts = new Map<string, NamespaceLayout & { users: Set<string> }>();
@@ -206,6 +220,7 @@ export class KvEngine {
     this.#log = opts.log;
     this.#metrics = opts.metrics;
     this.#leaseTtlMs = opts.leaseTtlMs;
+    this.#ssd = opts.ssd;
     this.#saveBatch = this.#native.batch();
     this.#loadBatch = this.#native.batch();
     this.#saveStage = new Stage<SaveJob, SaveResult>(
@@ -592,7 +607,11 @@ export class KvEngine {
       }
       // The bytes are in the pool: the slots join their blocks, complete blocks seal.
       let sealed = 0;
-      for (const p of plans.splice(0)) sealed += this.#store.completeSave(p.plan, true).sealed;
+      for (const p of plans.splice(0)) {
+        const done = this.#store.completeSave(p.plan, true);
+        sealed += done.sealed;
+        this.#ssd?.onSealed(done.sealedKeys); // write-behind; never waits
+      }
       const secs = (performance.now() - t0) / 1000;
       this.#metrics?.saveDone(bytes, secs, blocks);
       this.#log.debug("save done", {
@@ -617,7 +636,11 @@ export class KvEngine {
   // ---- query --------------------------------------------------------------
 
   /** Longest cached prefix; a hit pins it under a lease consumable once per rank. */
-  query(instanceId: string, hashes: Uint8Array[], requestId: string): { hits: number; leaseId: Uint8Array | null; ttlMs: number } {
+  query(
+    instanceId: string,
+    hashes: Uint8Array[],
+    requestId: string,
+  ): { hits: number; leaseId: Uint8Array | null; ttlMs: number; loading?: boolean } {
     const inst = this.#instance(instanceId, `QueryPrefetch (request "${requestId}")`);
     if (!requestId) throw invalid(`instance "${instanceId}": QueryPrefetch needs a request_id`);
     if (!inst.sealed) {
@@ -630,6 +653,10 @@ export class KvEngine {
       if (hashes[i].length < 1 || hashes[i].length > MAX_HASH_BYTES) {
         throw invalid(`request "${requestId}": block hash ${i} is ${hashes[i].length} bytes (1..${MAX_HASH_BYTES})`);
       }
+    }
+    if (this.#ssd?.beforeQuery(inst.namespace, inst.id, hashes, requestId)) {
+      this.#log.debug("query loading from SSD", { instance: inst.id, request: requestId });
+      return { hits: 0, leaseId: null, ttlMs: this.#leaseTtlMs, loading: true };
     }
     const r = this.#store.query(inst.namespace, hashes, inst.id, inst.worldSize);
     this.#metrics?.queryDone(hashes.length, r.hits);

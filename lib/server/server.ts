@@ -21,6 +21,9 @@ import { EngineService, engineServiceImpl, Sessions } from "./grpc_service.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
 import { httpHandler } from "./http.ts";
 import { ServerMetrics } from "./metrics.ts";
+import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
+import { SsdKvBridge } from "../ssd/kv_bridge.ts";
+import { registerSsdMetrics } from "../ssd/metrics.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -110,7 +113,35 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
     instances: () => engineRef?.instances().length ?? 0,
     sessions: () => sessions.count,
   });
-  const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs });
+  let ssd: SsdTier | undefined;
+  if (cfg.ssd.paths.length > 0) {
+    try {
+      ssd = await SsdTier.open({
+        ...cfg.ssd,
+        pool: native.copyEngine.pool.handle,
+        ring: native.copyEngine.ring,
+        log: (level, msg) => log[level](msg, { tier: "ssd" }),
+      });
+      registerSsdMetrics(metrics.registry, () => ssd!.stats());
+      log.info("SSD tier ready", {
+        paths: ssd.files.map((f) => f.path).join(","),
+        capacity_bytes: ssd.stats().capacityBytes,
+        recovered_blocks: ssd.recovery.blocks,
+      });
+    } catch (e) {
+      // The RAM tier serves without it; the reason names the path.
+      if (!(e instanceof SsdOpenError)) throw e;
+      log.error("SSD tier disabled", { error: e.message });
+    }
+  }
+  const engine = new KvEngine({
+    native,
+    store,
+    log,
+    metrics,
+    leaseTtlMs: cfg.leaseTtlMs,
+    ssd: ssd ? new SsdKvBridge(ssd, store, (level, msg) => log[level](msg, { tier: "ssd" })) : undefined,
+  });
   engineRef = engine;
 
   const server = new grpc.Server({
@@ -125,6 +156,7 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
     server.bindAsync(cfg.addr, grpc.ServerCredentials.createInsecure(), (err, p) => err ? reject(err) : resolve(p))
   ).catch(async (e) => {
     clearInterval(collector);
+    await ssd?.close();
     await native.close();
     throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
   });
@@ -151,6 +183,7 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
     } catch (e) {
       server.forceShutdown();
       clearInterval(collector);
+      await ssd?.close();
       await native.close();
       throw new Error(`--http-addr ${cfg.httpAddr}: cannot listen: ${(e as Error).message}`);
     }
@@ -165,6 +198,7 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
       log.info("shutting down");
       sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
       await engine.close();
+      await ssd?.close();
       await new Promise<void>((resolve) => server.tryShutdown(() => resolve()));
       if (http) await http.shutdown();
       clearInterval(collector);
