@@ -86,7 +86,8 @@ export async function runOurs(
       if (c.status !== 0) throw new Error(`${pt.op} batch on ${path}: ${c.aux} ops failed`);
       return t0;
     };
-    if (pt.op === "read" && !pt.direct) u.dropCache(f);
+    // As fio's --invalidate=1: start from an empty page cache for this file.
+    u.dropCache(f);
     const desc = make(0, n);
     const t0 = performance.now();
     await run(desc, false);
