@@ -24,13 +24,23 @@ for (const op of ["write", "read"] as const) {
     n: 10,
     warmup: 1,
     async fn() {
-      await runOurs(pool.handle, 64 * MiB, ring, path, 64 * MiB, { op, blockBytes: MiB, qd: 32, direct: true }, 0);
+      await runOurs(pool.handle, 64 * MiB, ring, path, 64 * MiB, {
+        op,
+        blockBytes: MiB,
+        qd: 32,
+        direct: true,
+      }, 0);
     },
   });
 }
 
 const tier = await SsdTier.open({
-  pool: pool.handle, ring, paths: [dir], capacityBytes: 512 * MiB, segmentBytes: 64 * MiB, log: () => {},
+  pool: pool.handle,
+  ring,
+  paths: [dir],
+  capacityBytes: 512 * MiB,
+  segmentBytes: 64 * MiB,
+  log: () => {},
 });
 let round = 0;
 Deno.bench({
@@ -42,7 +52,9 @@ Deno.bench({
     const keys = Array.from({ length: 16 }, (_, i) => `bench/${round}/${i}`);
     round++;
     tier.enqueueWrite(keys.map((key, i) => ({
-      key, acquire: () => [{ offset: i * 2 * MiB, bytes: 2 * MiB }], release: () => {},
+      key,
+      acquire: () => [{ offset: i * 2 * MiB, bytes: 2 * MiB }],
+      release: () => {},
     })));
     await tier.flushWrites();
     let at = 64 * MiB;
@@ -51,7 +63,9 @@ Deno.bench({
     tier.prefetch("b", keys, alloc);
     await tier.prefetchSettled("b");
     const r = tier.prefetch("b", keys, alloc);
-    if (r.state !== "ready" || r.blocks.length !== 16) throw new Error(`prefetch returned ${r.state}`);
+    if (r.state !== "ready" || r.blocks.length !== 16) {
+      throw new Error(`prefetch returned ${r.state}`);
+    }
   },
 });
 

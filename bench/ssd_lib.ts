@@ -137,7 +137,11 @@ export function fioArgs(path: string, fileBytes: number, pt: Point): string[] {
 export async function runFio(path: string, fileBytes: number, pt: Point): Promise<Measured | null> {
   let out: Deno.CommandOutput;
   try {
-    out = await new Deno.Command("fio", { args: fioArgs(path, fileBytes, pt), stdout: "piped", stderr: "piped" })
+    out = await new Deno.Command("fio", {
+      args: fioArgs(path, fileBytes, pt),
+      stdout: "piped",
+      stderr: "piped",
+    })
       .output();
   } catch (e) {
     if (e instanceof Deno.errors.NotFound) return null;

@@ -29,7 +29,8 @@ const quick = Deno.env.get("SSD_BENCH_QUICK") === "1";
 const repeat = Number(Deno.env.get("SSD_BENCH_REPEAT") ?? 3);
 const root = decodeURIComponent(new URL("./results/", import.meta.url).pathname);
 await Deno.mkdir(`${root}tmp`, { recursive: true });
-const dir = Deno.env.get("SSD_BENCH_DIR") ?? await Deno.makeTempDir({ dir: `${root}tmp`, prefix: "ssd-" });
+const dir = Deno.env.get("SSD_BENCH_DIR") ??
+  await Deno.makeTempDir({ dir: `${root}tmp`, prefix: "ssd-" });
 
 async function sh(cmd: string, args: string[]): Promise<string> {
   try {
@@ -64,7 +65,9 @@ function median(runs: Measured[]): Measured {
   return [...runs].sort((a, b) => a.gbps - b.gbps)[Math.floor(runs.length / 2)];
 }
 
-const rows: (Point & { ours: Measured; fio: Measured | null; ratio: number | null; fioCommand: string })[] = [];
+const rows:
+  (Point & { ours: Measured; fio: Measured | null; ratio: number | null; fioCommand: string })[] =
+    [];
 {
   const poolBytes = 64 * MiB;
   const pool = engine.createPool(poolBytes);
@@ -84,7 +87,10 @@ const rows: (Point & { ours: Measured; fio: Measured | null; ratio: number | nul
       const oursRuns: Measured[] = [], fioRuns: Measured[] = [];
       for (let r = 0; r < repeat; r++) {
         // Alternate who goes first: the run right after a write pays for the device's write-back.
-        const ours = () => runOurs(pool.handle, poolBytes, ring, path, fileBytes, pt, 64).then((m) => oursRuns.push(m));
+        const ours = () =>
+          runOurs(pool.handle, poolBytes, ring, path, fileBytes, pt, 64).then((m) =>
+            oursRuns.push(m)
+          );
         const fio = () => runFio(path, fileBytes, pt).then((m) => m && fioRuns.push(m));
         if (r % 2 === 0) await ours().then(fio);
         else await fio().then(ours);
@@ -92,12 +98,26 @@ const rows: (Point & { ours: Measured; fio: Measured | null; ratio: number | nul
       const ours = median(oursRuns);
       const fio = fioRuns.length ? median(fioRuns) : null;
       const ratio = fio ? ours.gbps / fio.gbps : null;
-      rows.push({ ...pt, ours, fio, ratio, fioCommand: `fio ${fioArgs(path, fileBytes, pt).join(" ")}` });
+      rows.push({
+        ...pt,
+        ours,
+        fio,
+        ratio,
+        fioCommand: `fio ${fioArgs(path, fileBytes, pt).join(" ")}`,
+      });
       console.log(
-        `${pt.op.padEnd(5)} bs ${String(pt.blockBytes / 1024).padStart(5)}K qd ${String(pt.qd).padStart(2)} ` +
-          `${pt.direct ? "direct  " : "buffered"} | ours ${ours.gbps.toFixed(2)} GB/s ${ours.iops.toFixed(0).padStart(6)} IOPS ` +
-          `p50 ${ours.p50us.toFixed(0)}us p99 ${ours.p99us.toFixed(0)}us | fio ${fio ? fio.gbps.toFixed(2) : "-"} GB/s ` +
-          `p50 ${fio ? fio.p50us.toFixed(0) : "-"}us p99 ${fio ? fio.p99us.toFixed(0) : "-"}us | ratio ${ratio ? (ratio * 100).toFixed(0) + "%" : "-"}`,
+        `${pt.op.padEnd(5)} bs ${String(pt.blockBytes / 1024).padStart(5)}K qd ${
+          String(pt.qd).padStart(2)
+        } ` +
+          `${pt.direct ? "direct  " : "buffered"} | ours ${ours.gbps.toFixed(2)} GB/s ${
+            ours.iops.toFixed(0).padStart(6)
+          } IOPS ` +
+          `p50 ${ours.p50us.toFixed(0)}us p99 ${ours.p99us.toFixed(0)}us | fio ${
+            fio ? fio.gbps.toFixed(2) : "-"
+          } GB/s ` +
+          `p50 ${fio ? fio.p50us.toFixed(0) : "-"}us p99 ${
+            fio ? fio.p99us.toFixed(0) : "-"
+          }us | ratio ${ratio ? (ratio * 100).toFixed(0) + "%" : "-"}`,
       );
     }
   } finally {
@@ -110,7 +130,11 @@ const rows: (Point & { ours: Measured; fio: Measured | null; ratio: number | nul
 
 // ---- 1.31 GB prefix: tier write-behind, then prefetch into the pool -------
 const prefixBytes = prefixBlocks * LLAMA_BLOCK_BYTES;
-const prefix: Record<string, unknown> = { blocks: prefixBlocks, blockBytes: LLAMA_BLOCK_BYTES, bytes: prefixBytes };
+const prefix: Record<string, unknown> = {
+  blocks: prefixBlocks,
+  blockBytes: LLAMA_BLOCK_BYTES,
+  bytes: prefixBytes,
+};
 if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
   const pool = engine.createPool(prefixBytes);
   const ring = new CompletionRing(1 << 16);
@@ -118,8 +142,14 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
   await Deno.mkdir(tierDir, { recursive: true });
   try {
     const tier = await SsdTier.open({
-      pool: pool.handle, ring, paths: [tierDir], capacityBytes: prefixBytes + 256 * MiB, reset: true,
-      maxPrefetchBlocks: prefixBlocks, writeQueueDepth: 4, log: () => {},
+      pool: pool.handle,
+      ring,
+      paths: [tierDir],
+      capacityBytes: prefixBytes + 256 * MiB,
+      reset: true,
+      maxPrefetchBlocks: prefixBlocks,
+      writeQueueDepth: 4,
+      log: () => {},
     });
     const view = pool.view(0, prefixBytes);
     for (let off = 0; off < prefixBytes; off += MiB) view[off] = (off / MiB) & 0xff;
@@ -153,11 +183,18 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
       const got = tier.prefetch(`bench-${r}`, keys, alloc);
       served = got.state === "ready" ? got.blocks.length : 0;
       // The disk's own rate on the same file: fio, 2 MiB sequential reads, QD 32, O_DIRECT.
-      const f = await runFio(file, prefixBytes, { op: "read", blockBytes: 2 * MiB, qd: 32, direct: true });
+      const f = await runFio(file, prefixBytes, {
+        op: "read",
+        blockBytes: 2 * MiB,
+        qd: 32,
+        direct: true,
+      });
       if (f) fios.push(f.gbps);
     }
     const readSecs = [...reads].sort((a, b) => a - b)[Math.floor(reads.length / 2)];
-    const fio = fios.length ? { gbps: [...fios].sort((a, b) => a - b)[Math.floor(fios.length / 2)] } : null;
+    const fio = fios.length
+      ? { gbps: [...fios].sort((a, b) => a - b)[Math.floor(fios.length / 2)] }
+      : null;
     const s = tier.stats();
     await tier.close();
     Object.assign(prefix, {
@@ -173,9 +210,15 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
       ratioToFio: fio ? prefixBytes / readSecs / 1e9 / fio.gbps : null,
     });
     console.log(
-      `1.31 GB prefix (${prefixBlocks} × ${LLAMA_BLOCK_BYTES} B): write-behind ${(prefixBytes / writeSecs / 1e9).toFixed(2)} GB/s, ` +
-        `prefetch into pool ${(readSecs * 1000).toFixed(0)} ms = ${(prefixBytes / readSecs / 1e9).toFixed(2)} GB/s ` +
-        `(${served} blocks verified), fio seq read on the same file ${fio ? fio.gbps.toFixed(2) : "-"} GB/s`,
+      `1.31 GB prefix (${prefixBlocks} × ${LLAMA_BLOCK_BYTES} B): write-behind ${
+        (prefixBytes / writeSecs / 1e9).toFixed(2)
+      } GB/s, ` +
+        `prefetch into pool ${(readSecs * 1000).toFixed(0)} ms = ${
+          (prefixBytes / readSecs / 1e9).toFixed(2)
+        } GB/s ` +
+        `(${served} blocks verified), fio seq read on the same file ${
+          fio ? fio.gbps.toFixed(2) : "-"
+        } GB/s`,
     );
   } finally {
     await ring.shutdown();

@@ -30,7 +30,11 @@ export const URING_SYMBOLS = {
   pf_errno_text: { parameters: ["i32", "buffer", "u32"], result: "i32" },
   pf_io_submit: { parameters: ["u32", "buffer", "u64", "u64"], result: "i32" },
   // Checksums a whole batch (MBs): off the JS thread.
-  pf_pool_crc32c: { parameters: ["u32", "buffer", "u64", "buffer"], result: "i32", nonblocking: true },
+  pf_pool_crc32c: {
+    parameters: ["u32", "buffer", "u64", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
 } as const satisfies Deno.ForeignLibraryInterface;
 
 /** `enum pf_io_op`. */
@@ -61,7 +65,6 @@ export class PegaflowIoError extends Error {
     this.name = "PegaflowIoError";
   }
 }
-
 
 type UringLib = Deno.DynamicLibrary<typeof URING_SYMBOLS>;
 let lib: UringLib | undefined;

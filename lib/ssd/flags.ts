@@ -48,7 +48,9 @@ function size(flag: string, min: number) {
 /** Repeatable path flag; the environment variable takes a comma-separated list. */
 function paths(value: string, previous: string[] | undefined): string[] {
   const more = value.split(",").map((s) => s.trim()).filter((s) => s.length > 0);
-  if (more.length === 0) throw new InvalidArgumentError(`--ssd-cache-path "${value}" names no path`);
+  if (more.length === 0) {
+    throw new InvalidArgumentError(`--ssd-cache-path "${value}" names no path`);
+  }
   return [...(previous ?? []), ...more];
 }
 
@@ -69,25 +71,52 @@ function bool(value: string | boolean): boolean {
  * ```
  */
 export function ssdOptions(): Option[] {
-  const opt = (flags: string, desc: string, env: string) => new Option(flags, desc).env(`PEGAFLOW_${env}`);
+  const opt = (flags: string, desc: string, env: string) =>
+    new Option(flags, desc).env(`PEGAFLOW_${env}`);
   return [
-    opt("--ssd-cache-path <path>", "SSD cache file or directory (repeatable; env: comma-separated)", "SSD_CACHE_PATH")
+    opt(
+      "--ssd-cache-path <path>",
+      "SSD cache file or directory (repeatable; env: comma-separated)",
+      "SSD_CACHE_PATH",
+    )
       .argParser(paths),
-    opt("--ssd-cache-capacity <size>", "SSD cache size over all paths; capped to free space", "SSD_CACHE_CAPACITY")
-      .default(DEFAULT_SSD_CAPACITY, "512gb").argParser(size("--ssd-cache-capacity", 2 * DEFAULT_SEGMENT_BYTES)),
+    opt(
+      "--ssd-cache-capacity <size>",
+      "SSD cache size over all paths; capped to free space",
+      "SSD_CACHE_CAPACITY",
+    )
+      .default(DEFAULT_SSD_CAPACITY, "512gb").argParser(
+        size("--ssd-cache-capacity", 2 * DEFAULT_SEGMENT_BYTES),
+      ),
     opt("--ssd-reset [bool]", "start the SSD cache empty (ignore what is on disk)", "SSD_RESET")
       .default(false).preset(true).argParser(bool),
-    opt("--ssd-write-queue-depth <n>", "write-behind batches waiting (full: newest dropped)", "SSD_WRITE_QUEUE_DEPTH")
+    opt(
+      "--ssd-write-queue-depth <n>",
+      "write-behind batches waiting (full: newest dropped)",
+      "SSD_WRITE_QUEUE_DEPTH",
+    )
       .default(64).argParser(positiveInt("--ssd-write-queue-depth")),
     opt("--ssd-write-inflight <n>", "write-behind batches in flight", "SSD_WRITE_INFLIGHT")
       .default(4).argParser(positiveInt("--ssd-write-inflight")),
-    opt("--ssd-prefetch-queue-depth <n>", "prefetches waiting (full: answered as a miss)", "SSD_PREFETCH_QUEUE_DEPTH")
+    opt(
+      "--ssd-prefetch-queue-depth <n>",
+      "prefetches waiting (full: answered as a miss)",
+      "SSD_PREFETCH_QUEUE_DEPTH",
+    )
       .default(256).argParser(positiveInt("--ssd-prefetch-queue-depth")),
     opt("--ssd-prefetch-inflight <n>", "prefetch reads in flight", "SSD_PREFETCH_INFLIGHT")
       .default(8).argParser(positiveInt("--ssd-prefetch-inflight")),
-    opt("--max-prefetch-blocks <n>", "blocks held in the pool by prefetches at once", "MAX_PREFETCH_BLOCKS")
+    opt(
+      "--max-prefetch-blocks <n>",
+      "blocks held in the pool by prefetches at once",
+      "MAX_PREFETCH_BLOCKS",
+    )
       .default(4096).argParser(positiveInt("--max-prefetch-blocks")),
-    opt("--ssd-segment-size <size>", "SSD segment (reuse unit; ≥ the largest block)", "SSD_SEGMENT_SIZE")
+    opt(
+      "--ssd-segment-size <size>",
+      "SSD segment (reuse unit; ≥ the largest block)",
+      "SSD_SEGMENT_SIZE",
+    )
       .default(DEFAULT_SEGMENT_BYTES, "64mb").argParser(size("--ssd-segment-size", 8192)),
   ];
 }

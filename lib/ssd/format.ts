@@ -101,13 +101,21 @@ const dec = new TextDecoder("utf-8", { fatal: true });
 export function keyBytes(key: string): Uint8Array {
   const b = enc.encode(key);
   if (b.length === 0 || b.length > MAX_KEY_BYTES) {
-    throw new RangeError(`block key "${key.slice(0, 64)}" is ${b.length} bytes; 1..${MAX_KEY_BYTES} fit a record header`);
+    throw new RangeError(
+      `block key "${
+        key.slice(0, 64)
+      }" is ${b.length} bytes; 1..${MAX_KEY_BYTES} fit a record header`,
+    );
   }
   return b;
 }
 
 /** Writes a header into `page` (PAGE_BYTES, zeroed past the key). */
-export function encodeHeader(page: Uint8Array, h: RecordHeader, key: Uint8Array = keyBytes(h.key)): void {
+export function encodeHeader(
+  page: Uint8Array,
+  h: RecordHeader,
+  key: Uint8Array = keyBytes(h.key),
+): void {
   page.fill(0, 0, HEADER_FIXED_BYTES + key.length);
   const v = new DataView(page.buffer, page.byteOffset, PAGE_BYTES);
   v.setUint32(0, RECORD_MAGIC, true);
@@ -126,7 +134,13 @@ export function encodeHeader(page: Uint8Array, h: RecordHeader, key: Uint8Array 
 }
 
 /** Why a header did not decode (for logs and the recovery report). */
-export type HeaderProblem = "magic" | "version" | "key-length" | "checksum" | "lengths" | "key-utf8";
+export type HeaderProblem =
+  | "magic"
+  | "version"
+  | "key-length"
+  | "checksum"
+  | "lengths"
+  | "key-utf8";
 
 /** Decodes and verifies a header page; returns the problem instead when it does not verify. */
 export function decodeHeader(page: Uint8Array): RecordHeader | HeaderProblem {

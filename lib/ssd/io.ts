@@ -76,7 +76,13 @@ export class IoBatch {
   }
 
   /** Adds a read of [header page] + extents at `fileOffset`; `crc` asks C for the payload CRC32C. */
-  read(file: number, fileOffset: number, header: boolean, extents: PoolExtent[], crc: boolean): number {
+  read(
+    file: number,
+    fileOffset: number,
+    header: boolean,
+    extents: PoolExtent[],
+    crc: boolean,
+  ): number {
     return this.#add(file, IoOp.READ, crc ? IoFlag.CRC : 0, fileOffset, header, extents);
   }
 
@@ -144,7 +150,9 @@ export class IoBatch {
     if (header) {
       const h = this.#numHeaders++;
       if (this.#headers.length < this.#numHeaders * IO_HDR_BYTES) {
-        const grown = new Uint8Array(Math.max(this.#numHeaders, 2 * this.#headers.length / IO_HDR_BYTES) * IO_HDR_BYTES);
+        const grown = new Uint8Array(
+          Math.max(this.#numHeaders, 2 * this.#headers.length / IO_HDR_BYTES) * IO_HDR_BYTES,
+        );
         grown.set(this.#headers);
         this.#headers = grown;
       }

@@ -93,7 +93,12 @@ export class SsdKvBridge {
    * `requestId` is running). Otherwise any finished prefetch was committed
    * into RAM and `store.query` gives the answer.
    */
-  beforeQuery(namespace: string, instance: string, hashes: readonly BlockHash[], requestId: string): boolean {
+  beforeQuery(
+    namespace: string,
+    instance: string,
+    hashes: readonly BlockHash[],
+    requestId: string,
+  ): boolean {
     const layout = this.store.layoutOf(namespace);
     if (!layout) return false;
     let ram = 0;
@@ -110,11 +115,20 @@ export class SsdKvBridge {
         if (sizes[i] !== blockBytes) {
           this.log(
             "warn",
-            `SSD block ${keys[i]} holds ${sizes[i]} bytes; namespace ${namespace} blocks are ${blockBytes}: not fetched`,
+            `SSD block ${keys[i]} holds ${
+              sizes[i]
+            } bytes; namespace ${namespace} blocks are ${blockBytes}: not fetched`,
           );
           break;
         }
-        const alloc = this.#plan(namespace, instance, keys[i], rankSlots(layout), slots, layout.segments);
+        const alloc = this.#plan(
+          namespace,
+          instance,
+          keys[i],
+          rankSlots(layout),
+          slots,
+          layout.segments,
+        );
         if (!alloc) break;
         out.push(alloc);
       }

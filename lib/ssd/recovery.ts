@@ -106,13 +106,15 @@ export async function recoverIndex(
           }
           if (a.cursor === 0) a.seg.epoch = h.epoch;
           a.seg.fill = a.cursor + h.recordBytes;
-          if (index.put(h.key, {
-            segment: a.seg,
-            fileOffset: offset,
-            payloadBytes: h.payloadBytes,
-            payloadCrc: h.payloadCrc,
-            seq: h.seq,
-          })) {
+          if (
+            index.put(h.key, {
+              segment: a.seg,
+              fileOffset: offset,
+              payloadBytes: h.payloadBytes,
+              payloadCrc: h.payloadCrc,
+              seq: h.seq,
+            })
+          ) {
             report.blocks++;
           }
           if (h.seq > report.maxSeq) report.maxSeq = h.seq;
@@ -132,7 +134,11 @@ export async function recoverIndex(
 }
 
 /** A header continues its segment's chain: same generation, same fill. */
-function belongs(h: RecordHeader, a: { seg: Segment; cursor: number }, generation: number): boolean {
+function belongs(
+  h: RecordHeader,
+  a: { seg: Segment; cursor: number },
+  generation: number,
+): boolean {
   if (h.generation !== generation) return false;
   // The first record of a fill opened it: its seq is the fill's epoch.
   if (a.cursor === 0) return h.epoch === h.seq;

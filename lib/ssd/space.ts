@@ -67,9 +67,15 @@ export class SegmentRing {
    *   `PAGE_BYTES + k * segmentBytes` (the first page is the superblock).
    * @param onReuse called before a segment's old records are given up.
    */
-  constructor(files: { segments: number }[], segmentBytes: number, onReuse: (seg: Segment) => void) {
+  constructor(
+    files: { segments: number }[],
+    segmentBytes: number,
+    onReuse: (seg: Segment) => void,
+  ) {
     if (segmentBytes % PAGE_BYTES !== 0 || segmentBytes < 2 * PAGE_BYTES) {
-      throw new RangeError(`segment size ${segmentBytes} must be a multiple of ${PAGE_BYTES} and ≥ ${2 * PAGE_BYTES}`);
+      throw new RangeError(
+        `segment size ${segmentBytes} must be a multiple of ${PAGE_BYTES} and ≥ ${2 * PAGE_BYTES}`,
+      );
     }
     this.segmentBytes = segmentBytes;
     this.#onReuse = onReuse;
@@ -88,7 +94,9 @@ export class SegmentRing {
         });
       }
     }
-    if (this.segments.length === 0) throw new RangeError("the SSD cache has no segment (capacity too small)");
+    if (this.segments.length === 0) {
+      throw new RangeError("the SSD cache has no segment (capacity too small)");
+    }
   }
 
   /** The segment being filled. */

@@ -330,7 +330,10 @@ export class SsdTier {
     this.#opts = opts;
     this.#log = log;
     this.#seq = recovery.maxSeq + 1;
-    this.#chunk = Math.max(1, Math.floor(opts.hdrPages / (opts.writeInflight + opts.prefetchInflight)));
+    this.#chunk = Math.max(
+      1,
+      Math.floor(opts.hdrPages / (opts.writeInflight + opts.prefetchInflight)),
+    );
     this.#writes = new Stage<WriteJob, void>(
       "ssd.write",
       writeStageOptions(opts.writeQueueDepth, opts.writeInflight),
@@ -374,7 +377,9 @@ export class SsdTier {
     if (options.paths.length === 0) throw new SsdOpenError("no --ssd-cache-path given");
     if (opts.hdrPages < opts.writeInflight + opts.prefetchInflight) {
       throw new RangeError(
-        `SSD tier: hdrPages ${opts.hdrPages} < writeInflight + prefetchInflight (${opts.writeInflight + opts.prefetchInflight})`,
+        `SSD tier: hdrPages ${opts.hdrPages} < writeInflight + prefetchInflight (${
+          opts.writeInflight + opts.prefetchInflight
+        })`,
       );
     }
     const uring = Uring.open(opts.pool, options.ring.handle, opts.ioDepth, opts.hdrPages);
@@ -422,10 +427,15 @@ export class SsdTier {
       let handle = 0;
       try {
         const space = fsSpace(dirOf(path));
-        const usable = Math.floor((space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION));
+        const usable = Math.floor(
+          (space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION),
+        );
         let cap = share;
         if (cap > usable) {
-          log("info", `${path}: capacity ${share} bytes capped to ${usable} (free space of its filesystem)`);
+          log(
+            "info",
+            `${path}: capacity ${share} bytes capped to ${usable} (free space of its filesystem)`,
+          );
           cap = usable;
         }
         const segments = Math.floor((cap - PAGE_BYTES) / opts.segmentBytes);
@@ -444,11 +454,19 @@ export class SsdTier {
           if (typeof sb === "string") {
             log("warn", `${path}: ${sb}; starting this file empty`);
           } else if (sb.segmentBytes !== opts.segmentBytes) {
-            log("warn", `${path}: written with ${sb.segmentBytes}-byte segments, now ${opts.segmentBytes}; starting empty`);
+            log(
+              "warn",
+              `${path}: written with ${sb.segmentBytes}-byte segments, now ${opts.segmentBytes}; starting empty`,
+            );
           } else {
             generation = sb.generation;
             if (sb.segmentCount !== segments) {
-              log("info", `${path}: ${sb.segmentCount} segments on disk, ${segments} configured; keeping the first ${Math.min(sb.segmentCount, segments)}`);
+              log(
+                "info",
+                `${path}: ${sb.segmentCount} segments on disk, ${segments} configured; keeping the first ${
+                  Math.min(sb.segmentCount, segments)
+                }`,
+              );
             }
           }
         }
@@ -507,7 +525,9 @@ export class SsdTier {
     const r = await io.run(b);
     r.release();
     if (r.status[0] !== 0) {
-      throw new Error(`writing the superblock of ${path} failed: ${r.errorText(0)} (errno ${r.aux[0]})`);
+      throw new Error(
+        `writing the superblock of ${path} failed: ${r.errorText(0)} (errno ${r.aux[0]})`,
+      );
     }
   }
 
@@ -558,7 +578,13 @@ export class SsdTier {
 
   async #writeChunk(blocks: SsdWriteBlock[]): Promise<void> {
     const batch = this.#io.newBatch();
-    const placed: { block: SsdWriteBlock; seg: Segment; off: number; bytes: number; seq: number }[] = [];
+    const placed: {
+      block: SsdWriteBlock;
+      seg: Segment;
+      off: number;
+      bytes: number;
+      seq: number;
+    }[] = [];
     for (const block of blocks) {
       const extents = block.acquire();
       if (!extents) {
@@ -622,7 +648,10 @@ export class SsdTier {
         }
       }
       this.#s.writeBytes += bytes;
-      this.#s.writeThroughputBps = ewma(this.#s.writeThroughputBps, bytes / ((performance.now() - t0) / 1000));
+      this.#s.writeThroughputBps = ewma(
+        this.#s.writeThroughputBps,
+        bytes / ((performance.now() - t0) / 1000),
+      );
     } finally {
       for (const p of placed) {
         p.seg.inflightWrites--;
@@ -639,7 +668,9 @@ export class SsdTier {
   }
 
   /** Where `key`'s record is (admin and tests), or undefined. */
-  locate(key: string): { path: string; fileOffset: number; payloadBytes: number; seq: number } | undefined {
+  locate(
+    key: string,
+  ): { path: string; fileOffset: number; payloadBytes: number; seq: number } | undefined {
     const l = this.#index.get(key);
     if (!l) return undefined;
     return {
@@ -731,7 +762,13 @@ export class SsdTier {
         const batch = this.#io.newBatch();
         for (let i = start; i < end; i++) {
           const l = locs[i];
-          batch.read(this.files[l.segment.file].handle, l.fileOffset, true, allocations[i].extents, true);
+          batch.read(
+            this.files[l.segment.file].handle,
+            l.fileOffset,
+            true,
+            allocations[i].extents,
+            true,
+          );
         }
         // A batch the engine refuses (closing) must not become an unhandled rejection.
         runs.push({ start, end, result: this.#io.run(batch).catch((e: Error) => e) });
@@ -743,7 +780,10 @@ export class SsdTier {
         if (r instanceof Error) {
           if (ok) {
             this.#s.readFailures++;
-            this.#log("error", `SSD prefetch of block ${entry.keys[run.start]} not submitted: ${r.message}`);
+            this.#log(
+              "error",
+              `SSD prefetch of block ${entry.keys[run.start]} not submitted: ${r.message}`,
+            );
           }
           ok = false;
           continue;
@@ -752,7 +792,11 @@ export class SsdTier {
           for (let i = run.start; i < run.end && ok; i++) {
             ok = this.#verify(entry.keys[i], locs[i], r, i - run.start);
             if (ok) {
-              delivered.push({ key: entry.keys[i], allocation: allocations[i], payloadBytes: locs[i].payloadBytes });
+              delivered.push({
+                key: entry.keys[i],
+                allocation: allocations[i],
+                payloadBytes: locs[i].payloadBytes,
+              });
               bytes += locs[i].payloadBytes;
               next = i + 1;
             }
@@ -781,7 +825,10 @@ export class SsdTier {
     const where = `${this.files[loc.segment.file].path} offset ${loc.fileOffset}`;
     if (r.status[i] !== 0) {
       this.#s.readFailures++;
-      this.#log("error", `SSD read of block ${key} failed: ${r.errorText(i)} (errno ${r.aux[i]}) at ${where}`);
+      this.#log(
+        "error",
+        `SSD read of block ${key} failed: ${r.errorText(i)} (errno ${r.aux[i]}) at ${where}`,
+      );
       this.#index.remove(key, loc);
       return false;
     }
@@ -790,13 +837,17 @@ export class SsdTier {
     if (typeof h === "string") problem = `header ${h}`;
     else if (h.key !== key) problem = `header holds block ${h.key} (the segment was reused)`;
     else if (h.seq !== loc.seq || h.payloadBytes !== loc.payloadBytes) {
-      problem = `header seq/length ${h.seq}/${h.payloadBytes}, index ${loc.seq}/${loc.payloadBytes}`;
+      problem =
+        `header seq/length ${h.seq}/${h.payloadBytes}, index ${loc.seq}/${loc.payloadBytes}`;
     } else if (h.payloadCrc !== loc.payloadCrc || r.aux[i] !== loc.payloadCrc) {
       problem = `payload CRC32C ${r.aux[i].toString(16)}, expected ${loc.payloadCrc.toString(16)}`;
     }
     if (problem) {
       this.#s.checksumFailures++;
-      this.#log("warn", `SSD block ${key} failed verification (${problem}) at ${where}: served as a miss`);
+      this.#log(
+        "warn",
+        `SSD block ${key} failed verification (${problem}) at ${where}: served as a miss`,
+      );
       this.#index.remove(key, loc);
       return false;
     }

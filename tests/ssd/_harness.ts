@@ -5,7 +5,12 @@
  */
 import { Engine, type Pool } from "../../ffi/native.ts";
 import { CompletionRing } from "../../ffi/ring.ts";
-import type { PrefetchAllocation, PrefetchAllocator, SsdLog, SsdWriteBlock } from "../../lib/ssd/tier.ts";
+import type {
+  PrefetchAllocation,
+  PrefetchAllocator,
+  SsdLog,
+  SsdWriteBlock,
+} from "../../lib/ssd/tier.ts";
 
 export interface Harness {
   engine: Engine;
@@ -19,7 +24,12 @@ export interface Harness {
   /** True when pool bytes hold the pattern of `key`. */
   holds(key: string, off: number, len: number): boolean;
   /** A write block at a pool range, with acquire/release counting. */
-  block(key: string, off: number, len: number, resident?: () => boolean): SsdWriteBlock & { pins: number; extents: { offset: number; bytes: number }[] };
+  block(
+    key: string,
+    off: number,
+    len: number,
+    resident?: () => boolean,
+  ): SsdWriteBlock & { pins: number; extents: { offset: number; bytes: number }[] };
   /** Allocator over pool bytes from `base` (bump; free() counted in `freed`). */
   allocator(base: number, limit?: number): PrefetchAllocator & { freed: number; given: number };
   close(): Promise<void>;

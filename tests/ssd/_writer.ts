@@ -9,7 +9,11 @@ import { harness } from "./_harness.ts";
 const [dir, count, blockBytes] = [Deno.args[0], Number(Deno.args[1]), Number(Deno.args[2])];
 const h = await harness(64 << 20);
 const tier = await SsdTier.open({
-  pool: h.pool.handle, ring: h.ring, paths: [dir], capacityBytes: 64 << 20, segmentBytes: 4 << 20,
+  pool: h.pool.handle,
+  ring: h.ring,
+  paths: [dir],
+  capacityBytes: 64 << 20,
+  segmentBytes: 4 << 20,
   log: h.log,
 });
 const blocks = Array.from({ length: count }, (_, i) => {

@@ -8,8 +8,14 @@ const BLOCK = 64 * 1024;
 Deno.test("a full write queue drops the newest batch, counts it, and never pins its blocks", async () => {
   const h = await harness();
   const tier = await SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [h.dir], capacityBytes: 32 * MiB, segmentBytes: MiB,
-    writeQueueDepth: 1, writeInflight: 1, log: h.log,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    writeQueueDepth: 1,
+    writeInflight: 1,
+    log: h.log,
   });
   try {
     const batches = Array.from({ length: 5 }, (_, b) =>
@@ -43,7 +49,12 @@ Deno.test("a full write queue drops the newest batch, counts it, and never pins 
 Deno.test("a block evicted from RAM before its write starts is skipped, not kept alive", async () => {
   const h = await harness();
   const tier = await SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [h.dir], capacityBytes: 32 * MiB, segmentBytes: MiB, log: h.log,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    log: h.log,
   });
   try {
     const resident = new Set(["ns/a", "ns/c"]);
@@ -67,12 +78,21 @@ Deno.test("the prefetch budget bounds blocks held by prefetches under many concu
   const h = await harness();
   const BUDGET = 10;
   const tier = await SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [h.dir], capacityBytes: 32 * MiB, segmentBytes: MiB,
-    maxPrefetchBlocks: BUDGET, prefetchInflight: 2, prefetchQueueDepth: 64, log: h.log,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    maxPrefetchBlocks: BUDGET,
+    prefetchInflight: 2,
+    prefetchQueueDepth: 64,
+    log: h.log,
   });
   try {
     const keys = Array.from({ length: 32 }, (_, i) => `ns/p${i}`);
-    tier.enqueueWrite(keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))));
+    tier.enqueueWrite(
+      keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
+    );
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
     const outstanding = () => alloc.given - alloc.freed - taken;
@@ -83,7 +103,10 @@ Deno.test("the prefetch budget bounds blocks held by prefetches under many concu
       const a = tier.prefetch(`req-${q}`, keys.slice(q % 28, (q % 28) + 4), alloc);
       answers.push(a.state === "miss" ? `miss:${a.reason}` : a.state);
       assert.ok(tier.stats().prefetchReservedBlocks <= BUDGET);
-      assert.ok(outstanding() <= BUDGET, `pool blocks held by prefetches ${outstanding()} > ${BUDGET}`);
+      assert.ok(
+        outstanding() <= BUDGET,
+        `pool blocks held by prefetches ${outstanding()} > ${BUDGET}`,
+      );
     }
     const loading = answers.filter((a) => a === "loading").length;
     assert.equal(loading, 3, answers.join(",")); // 4 + 4 + 2 (partial) = 10
@@ -107,8 +130,13 @@ Deno.test("the prefetch budget bounds blocks held by prefetches under many concu
 Deno.test("ready prefetches nobody takes are freed after their TTL", async () => {
   const h = await harness();
   const tier = await SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [h.dir], capacityBytes: 32 * MiB, segmentBytes: MiB,
-    prefetchTtlMs: 1, log: h.log,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    prefetchTtlMs: 1,
+    log: h.log,
   });
   try {
     h.fill("ns/t", 0, BLOCK);

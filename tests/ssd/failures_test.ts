@@ -7,7 +7,10 @@ const BLOCK = 256 * 1024;
 
 /** Mounting a tmpfs needs root (CAP_SYS_ADMIN); elsewhere these tests are skipped, not faked. */
 async function mountTmpfs(dir: string, opts: string): Promise<boolean> {
-  const r = await new Deno.Command("mount", { args: ["-t", "tmpfs", "-o", opts, "tmpfs", dir], stderr: "null" })
+  const r = await new Deno.Command("mount", {
+    args: ["-t", "tmpfs", "-o", opts, "tmpfs", dir],
+    stderr: "null",
+  })
     .output().catch(() => ({ code: 1 }));
   return r.code === 0;
 }
@@ -23,7 +26,8 @@ const canMount = await (async () => {
 })();
 
 Deno.test({
-  name: "disk full: writes fail with ENOSPC, counted and logged with the path; earlier blocks still served",
+  name:
+    "disk full: writes fail with ENOSPC, counted and logged with the path; earlier blocks still served",
   ignore: !canMount,
   async fn() {
     const h = await harness();
@@ -32,13 +36,20 @@ Deno.test({
     assert.ok(await mountTmpfs(mnt, "size=8m"));
     try {
       const tier = await SsdTier.open({
-        pool: h.pool.handle, ring: h.ring, paths: [mnt], capacityBytes: 64 * MiB, segmentBytes: MiB, log: h.log,
+        pool: h.pool.handle,
+        ring: h.ring,
+        paths: [mnt],
+        capacityBytes: 64 * MiB,
+        segmentBytes: MiB,
+        log: h.log,
       });
       try {
         assert.ok(tier.stats().capacityBytes <= 8 * MiB, "capacity capped to the free space");
         assert.ok(h.logs.some((l) => l.includes("capped")), h.logs.join("\n"));
         const early = ["ns/e0", "ns/e1"];
-        tier.enqueueWrite(early.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))));
+        tier.enqueueWrite(
+          early.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
+        );
         await tier.flushWrites();
         // Someone else fills the filesystem.
         const filler = await Deno.open(`${mnt}/filler`, { write: true, create: true });
@@ -50,12 +61,19 @@ Deno.test({
         }
         filler.close();
         const late = Array.from({ length: 8 }, (_, i) => `ns/l${i}`);
-        tier.enqueueWrite(late.map((k, i) => (h.fill(k, (4 + i) * BLOCK, BLOCK), h.block(k, (4 + i) * BLOCK, BLOCK))));
+        tier.enqueueWrite(
+          late.map((
+            k,
+            i,
+          ) => (h.fill(k, (4 + i) * BLOCK, BLOCK), h.block(k, (4 + i) * BLOCK, BLOCK))),
+        );
         await tier.flushWrites();
         const s = tier.stats();
         assert.equal(s.writeFailures, 8);
         assert.ok(
-          h.logs.some((l) => l.includes("No space left on device") && l.includes(mnt) && l.includes("offset")),
+          h.logs.some((l) =>
+            l.includes("No space left on device") && l.includes(mnt) && l.includes("offset")
+          ),
           h.logs.join("\n"),
         );
         assert.equal(tier.lookupPrefix(late), 0, "nothing failed is indexed");
@@ -86,13 +104,26 @@ Deno.test({
     assert.ok(await mountTmpfs(ro, "ro,size=4m"));
     try {
       await assert.rejects(
-        SsdTier.open({ pool: h.pool.handle, ring: h.ring, paths: [ro], capacityBytes: 64 * MiB, segmentBytes: MiB, log: h.log }),
-        (e: unknown) => e instanceof SsdOpenError && e.message.includes(ro) && /read-only/i.test(e.message),
+        SsdTier.open({
+          pool: h.pool.handle,
+          ring: h.ring,
+          paths: [ro],
+          capacityBytes: 64 * MiB,
+          segmentBytes: MiB,
+          log: h.log,
+        }),
+        (e: unknown) =>
+          e instanceof SsdOpenError && e.message.includes(ro) && /read-only/i.test(e.message),
       );
       const ok = `${h.dir}/ok`;
       await Deno.mkdir(ok);
       const tier = await SsdTier.open({
-        pool: h.pool.handle, ring: h.ring, paths: [ro, ok], capacityBytes: 16 * MiB, segmentBytes: MiB, log: h.log,
+        pool: h.pool.handle,
+        ring: h.ring,
+        paths: [ro, ok],
+        capacityBytes: 16 * MiB,
+        segmentBytes: MiB,
+        log: h.log,
       });
       try {
         assert.equal(tier.files.length, 1);
@@ -116,7 +147,14 @@ Deno.test("a path whose parent does not exist is refused naming it", async () =>
   try {
     const bad = `${h.dir}/missing/dir/cache.bin`;
     await assert.rejects(
-      SsdTier.open({ pool: h.pool.handle, ring: h.ring, paths: [bad], capacityBytes: 16 * MiB, segmentBytes: MiB, log: h.log }),
+      SsdTier.open({
+        pool: h.pool.handle,
+        ring: h.ring,
+        paths: [bad],
+        capacityBytes: 16 * MiB,
+        segmentBytes: MiB,
+        log: h.log,
+      }),
       (e: unknown) => e instanceof SsdOpenError && e.message.includes(bad),
     );
   } finally {

@@ -17,33 +17,54 @@ Deno.test("CRC32C matches the standard check value", () => {
 });
 
 Deno.test("a record header round-trips, and any single flipped bit in it is caught", () => {
-  fc.assert(fc.property(
-    fc.string({ minLength: 1, maxLength: 200 }),
-    fc.nat({ max: 2 ** 40 }),
-    fc.nat({ max: 2 ** 30 }),
-    fc.nat({ max: 0xffffffff }),
-    fc.nat(),
-    (key, seq, payloadBytes, crc, flip) => {
-      const page = new Uint8Array(PAGE_BYTES);
-      const h = {
-        key, seq, epoch: seq, payloadBytes, payloadCrc: crc, recordBytes: recordBytes(payloadBytes),
-        writtenAtMs: 1700000000000, generation: 123456789,
-      };
-      encodeHeader(page, h);
-      assert.deepEqual(decodeHeader(page), h);
-      const keyLen = new TextEncoder().encode(key).length;
-      const bit = flip % ((64 + keyLen) * 8);
-      page[bit >> 3] ^= 1 << (bit & 7);
-      assert.equal(typeof decodeHeader(page), "string");
-    },
-  ), { numRuns: 200 });
+  fc.assert(
+    fc.property(
+      fc.string({ minLength: 1, maxLength: 200 }),
+      fc.nat({ max: 2 ** 40 }),
+      fc.nat({ max: 2 ** 30 }),
+      fc.nat({ max: 0xffffffff }),
+      fc.nat(),
+      (key, seq, payloadBytes, crc, flip) => {
+        const page = new Uint8Array(PAGE_BYTES);
+        const h = {
+          key,
+          seq,
+          epoch: seq,
+          payloadBytes,
+          payloadCrc: crc,
+          recordBytes: recordBytes(payloadBytes),
+          writtenAtMs: 1700000000000,
+          generation: 123456789,
+        };
+        encodeHeader(page, h);
+        assert.deepEqual(decodeHeader(page), h);
+        const keyLen = new TextEncoder().encode(key).length;
+        const bit = flip % ((64 + keyLen) * 8);
+        page[bit >> 3] ^= 1 << (bit & 7);
+        assert.equal(typeof decodeHeader(page), "string");
+      },
+    ),
+    { numRuns: 200 },
+  );
 });
 
 Deno.test("keys that cannot fit a header are refused with the key named", () => {
   const page = new Uint8Array(PAGE_BYTES);
-  const h = { key: "", seq: 1, epoch: 1, payloadBytes: 1, payloadCrc: 0, recordBytes: 8192, writtenAtMs: 0, generation: 1 };
+  const h = {
+    key: "",
+    seq: 1,
+    epoch: 1,
+    payloadBytes: 1,
+    payloadCrc: 0,
+    recordBytes: 8192,
+    writtenAtMs: 0,
+    generation: 1,
+  };
   assert.throws(() => encodeHeader(page, h), /1\.\.4032/);
-  assert.throws(() => encodeHeader(page, { ...h, key: "k".repeat(MAX_KEY_BYTES + 1) }), /block key "kkk/);
+  assert.throws(
+    () => encodeHeader(page, { ...h, key: "k".repeat(MAX_KEY_BYTES + 1) }),
+    /block key "kkk/,
+  );
 });
 
 Deno.test("a superblock round-trips; a damaged one says why", () => {

@@ -11,7 +11,11 @@ const LAYOUT = { layers: 4, tpSize: 2, collapseTp: false, segments: 2, segmentBy
 const hashes = Array.from({ length: 12 }, (_, i) => (0x1000 + i).toString(16));
 
 /** Saves `hs` into the store as the engine would: plan per rank, write pool bytes, complete. */
-function save(store: KvStore, pool: { view(o: number, n: number): Uint8Array }, hs: string[]): string[] {
+function save(
+  store: KvStore,
+  pool: { view(o: number, n: number): Uint8Array },
+  hs: string[],
+): string[] {
   const sealed: string[] = [];
   for (let rank = 0; rank < LAYOUT.tpSize; rank++) {
     const begun = store.beginSave({ namespace: NS, instance: "inst", rank, hashes: hs });
@@ -34,7 +38,11 @@ function save(store: KvStore, pool: { view(o: number, n: number): Uint8Array }, 
   return sealed;
 }
 
-function slotTag(store: KvStore, pool: { view(o: number, n: number): Uint8Array }, hash: string): string[] {
+function slotTag(
+  store: KvStore,
+  pool: { view(o: number, n: number): Uint8Array },
+  hash: string,
+): string[] {
   const lock = store.lockForTransfer(NS, [hash], "test")!;
   const tags: string[] = [];
   for (const off of lock.offsets) {
@@ -50,7 +58,12 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
   const store = new KvStore({ capacityBytes: 32 * MiB });
   store.defineNamespace(NS, LAYOUT);
   const tier = await SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [h.dir], capacityBytes: 64 * MiB, segmentBytes: 4 * MiB, log: h.log,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 64 * MiB,
+    segmentBytes: 4 * MiB,
+    log: h.log,
   });
   const bridge = new SsdKvBridge(tier, store, h.log);
   try {
@@ -64,14 +77,26 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
     // RAM loses everything; the first 3 blocks come back from a save.
     store.evictAll();
     save(store, h.pool, hashes.slice(0, 3));
-    assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-A"), true, "prefix continues on SSD: loading");
-    assert.equal(store.query(NS, hashes, "other", 1).hits, 3, "fetched blocks are invisible until committed");
+    assert.equal(
+      bridge.beforeQuery(NS, "inst", hashes, "req-A"),
+      true,
+      "prefix continues on SSD: loading",
+    );
+    assert.equal(
+      store.query(NS, hashes, "other", 1).hits,
+      3,
+      "fetched blocks are invisible until committed",
+    );
     await tier.prefetchSettled("req-A");
     assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-A"), false);
     const q = store.query(NS, hashes, "inst", 2);
     assert.equal(q.hits, 12);
     for (let i = 0; i < hashes.length; i++) {
-      assert.deepEqual(slotTag(store, h.pool, hashes[i]), before[i], `block ${hashes[i]} slot by slot`);
+      assert.deepEqual(
+        slotTag(store, h.pool, hashes[i]),
+        before[i],
+        `block ${hashes[i]} slot by slot`,
+      );
     }
     // A later query with everything in RAM does not touch the SSD.
     assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-B"), false);
@@ -87,8 +112,14 @@ Deno.test("bridge: a block evicted before its write started is skipped and nothi
   const store = new KvStore({ capacityBytes: 32 * MiB });
   store.defineNamespace(NS, LAYOUT);
   const tier = await SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [h.dir], capacityBytes: 64 * MiB, segmentBytes: 4 * MiB,
-    writeQueueDepth: 4, writeInflight: 1, log: h.log,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 64 * MiB,
+    segmentBytes: 4 * MiB,
+    writeQueueDepth: 4,
+    writeInflight: 1,
+    log: h.log,
   });
   const bridge = new SsdKvBridge(tier, store, h.log);
   try {

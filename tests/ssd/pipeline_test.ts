@@ -29,7 +29,11 @@ Deno.test("prefetch stage: a full queue refuses at once (the query answers with 
   newScheduler().run(({ cold, expectObservable }) => {
     const reqs = cold("(abc) 7ms d|"); // a, b, c at frame 0; d at 12
     const out = reqs.pipe(
-      stage("ssd.prefetch", prefetchStageOptions(1, 1), (r: string) => timer(10).pipe(map(() => r))),
+      stage(
+        "ssd.prefetch",
+        prefetchStageOptions(1, 1),
+        (r: string) => timer(10).pipe(map(() => r)),
+      ),
       map((o) => `${o.input}:${o.status}`),
     );
     // a runs (0-10), b waits in the queue of 1, c is refused at once; b runs 10-20 and d,
@@ -47,12 +51,20 @@ Deno.test("a refused prefetch frees its pool space and budget and answers miss",
   const MiB = 1 << 20, BLOCK = 64 * 1024;
   const h = await harness();
   const tier = await SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [h.dir], capacityBytes: 32 * MiB, segmentBytes: MiB,
-    prefetchQueueDepth: 1, prefetchInflight: 1, log: h.log,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    prefetchQueueDepth: 1,
+    prefetchInflight: 1,
+    log: h.log,
   });
   try {
     const keys = ["ns/q0", "ns/q1", "ns/q2"];
-    tier.enqueueWrite(keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))));
+    tier.enqueueWrite(
+      keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
+    );
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
     assert.equal(tier.prefetch("r1", keys, alloc).state, "loading");

@@ -7,8 +7,13 @@ const BLOCK = 128 * 1024;
 
 function open(h: Harness, dir = h.dir, reset = false) {
   return SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [dir], capacityBytes: 64 * MiB, segmentBytes: 4 * MiB,
-    log: h.log, reset,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [dir],
+    capacityBytes: 64 * MiB,
+    segmentBytes: 4 * MiB,
+    log: h.log,
+    reset,
   });
 }
 
@@ -39,13 +44,23 @@ Deno.test("a new process rebuilds the index from disk and serves the prefix byte
   const h = await harness();
   try {
     const cmd = new Deno.Command(Deno.execPath(), {
-      args: ["run", "-A", new URL("./_writer.ts", import.meta.url).pathname, h.dir, "24", String(BLOCK)],
+      args: [
+        "run",
+        "-A",
+        new URL("./_writer.ts", import.meta.url).pathname,
+        h.dir,
+        "24",
+        String(BLOCK),
+      ],
       stdout: "piped",
       stderr: "piped",
     });
     const out = await cmd.output();
     assert.equal(out.code, 0, new TextDecoder().decode(out.stderr));
-    assert.deepEqual(JSON.parse(new TextDecoder().decode(out.stdout)), { written: 24, failures: 0 });
+    assert.deepEqual(JSON.parse(new TextDecoder().decode(out.stdout)), {
+      written: 24,
+      failures: 0,
+    });
     const tier = await open(h);
     try {
       const keys = Array.from({ length: 24 }, (_, i) => `ns-restart/${i}`);
@@ -103,7 +118,11 @@ Deno.test("a flipped byte makes that block a miss; the prefix before it is serve
     f.close();
     tier = await open(h);
     try {
-      assert.equal(tier.recovery.blocks, 10, "headers are intact: the scan cannot see payload damage");
+      assert.equal(
+        tier.recovery.blocks,
+        10,
+        "headers are intact: the scan cannot see payload damage",
+      );
       const r = await fetchAll(h, tier, "q", keys);
       assert.deepEqual(r.keys, keys.slice(0, 5));
       assert.ok(r.exact);

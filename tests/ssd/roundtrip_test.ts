@@ -8,7 +8,12 @@ const MiB = 1 << 20;
 Deno.test("blocks written behind come back byte-exact after RAM dropped them", async () => {
   const h = await harness();
   const tier = await SsdTier.open({
-    pool: h.pool.handle, ring: h.ring, paths: [h.dir], capacityBytes: 64 * MiB, segmentBytes: 4 * MiB, log: h.log,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 64 * MiB,
+    segmentBytes: 4 * MiB,
+    log: h.log,
   });
   try {
     const keys = Array.from({ length: 16 }, (_, i) => `ns1/block-${i}`);

@@ -12,7 +12,12 @@ import { type ServerProc, startServer, uid } from "../server/harness.ts";
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const BLOCKS = 12;
 const SSD_FLAGS = (dir: string) => [
-  "--ssd-cache-path", dir, "--ssd-cache-capacity", "128mb", "--ssd-segment-size", "4mb",
+  "--ssd-cache-path",
+  dir,
+  "--ssd-cache-capacity",
+  "128mb",
+  "--ssd-segment-size",
+  "4mb",
 ];
 
 async function until(what: string, fn: () => Promise<boolean>, ms = 20_000): Promise<void> {
@@ -35,7 +40,14 @@ async function queryUntilReady(sim: SimEngine, hashes: Uint8Array[], reqId: stri
 }
 
 function sim(client: PegaflowClient, namespace: string) {
-  return SimEngine.create({ client, instanceId: uid("ssd"), namespace, model: MODEL, numBlocks: 64, backend: "host" });
+  return SimEngine.create({
+    client,
+    instanceId: uid("ssd"),
+    namespace,
+    model: MODEL,
+    numBlocks: 64,
+    backend: "host",
+  });
 }
 
 Deno.test("server: evicted blocks come back from SSD, and survive a server restart, byte-exact", async () => {
@@ -53,7 +65,10 @@ Deno.test("server: evicted blocks come back from SSD, and survive a server resta
     eng.fill(src, hashes);
     assert.equal((await eng.save(src, hashes)).blocksSaved, BLOCKS);
     const s = srv;
-    await until("write-behind", async () => (await s.metric("pegaflow_ssd_write_blocks_total")) === BLOCKS);
+    await until(
+      "write-behind",
+      async () => (await s.metric("pegaflow_ssd_write_blocks_total")) === BLOCKS,
+    );
     assert.equal((await srv.http_post("/cache/memory/cleanup")).status, 200);
     const r1 = await queryUntilReady(eng, hashes, "after-eviction");
     assert.ok(r1.loading >= 1, "the first answer was loading");
@@ -96,13 +111,20 @@ Deno.test("server: a bad SSD flag is refused before start-up, naming the flag", 
     stderr: "piped",
   }).output();
   assert.equal(out.code, 2);
-  assert.match(new TextDecoder().decode(out.stderr) + new TextDecoder().decode(out.stdout), /--ssd-write-inflight/);
+  assert.match(
+    new TextDecoder().decode(out.stderr) + new TextDecoder().decode(out.stdout),
+    /--ssd-write-inflight/,
+  );
 });
 
 Deno.test("server: an unusable SSD path disables the tier with the reason; the RAM tier serves", async () => {
   const srv = await startServer(["--ssd-cache-path", "/proc/pegaflow-no-such-dir/cache"]);
   try {
-    assert.ok(srv.logs().some((l) => l.includes("SSD tier disabled") && l.includes("/proc/pegaflow-no-such-dir")));
+    assert.ok(
+      srv.logs().some((l) =>
+        l.includes("SSD tier disabled") && l.includes("/proc/pegaflow-no-such-dir")
+      ),
+    );
     const eng = sim(srv.client, uid("ns"));
     try {
       await eng.register();

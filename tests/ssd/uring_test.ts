@@ -58,7 +58,10 @@ Deno.test("io engine: malformed batches are refused whole, naming the op", async
     const outside = io.newBatch();
     outside.write(f, 0, false, [{ offset: 0, bytes: 4096 }]);
     outside.write(f, 0, false, [{ offset: (1 << 20) - 100, bytes: 4096 }]);
-    await assert.rejects(io.run(outside), (e: unknown) => e instanceof PegaflowIoError && /extent 1/.test(e.message));
+    await assert.rejects(
+      io.run(outside),
+      (e: unknown) => e instanceof PegaflowIoError && /extent 1/.test(e.message),
+    );
     const badFile = io.newBatch();
     badFile.read(f + 12345, 0, false, [{ offset: 0, bytes: 4096 }], false);
     await assert.rejects(io.run(badFile), /not a live file handle/);
