@@ -60,10 +60,14 @@ $(BUILD)/obj/pf_kernel_fatbin.o: $(BUILD)/pf_kernel.fatbin
 	@mkdir -p $(dir $@)
 	cd $(BUILD) && ld -r -b binary -o obj/pf_kernel_fatbin.o pf_kernel.fatbin
 
+# -z nodelete: a process that exits while a thread still sleeps in
+# pf_ring_wait (e.g. on an uncaught error) must not have the library's code
+# unmapped under that thread by dlclose. -z noexecstack: the embedded fatbin
+# object carries no GNU-stack note.
 $(BUILD)/libpegaflow.so: $(OBJS) $(KERNEL_OBJ)
 	@mkdir -p $(BUILD)
 	@test -n "$(LIBURING_A)" || { echo "error: liburing.a not found; run 'make liburing'"; exit 1; }
-	$(CC) -shared -o $@ $(OBJS) $(KERNEL_OBJ) $(LIBURING_A) $(LDLIBS)
+	$(CC) -shared -Wl,-z,noexecstack -Wl,-z,nodelete -o $@ $(OBJS) $(KERNEL_OBJ) $(LIBURING_A) $(LDLIBS)
 
 test: deps native
 	$(DENO) task test

@@ -26,7 +26,9 @@ if (import.meta.main) {
     Deno.exit(1);
   }
   // The one stdout line: tests and supervisors parse the bound ports from it.
-  console.log(JSON.stringify({ listening: { grpc: server.grpcAddr, http: server.httpAddr ?? null } }));
+  console.log(
+    JSON.stringify({ listening: { grpc: server.grpcAddr, http: server.httpAddr ?? null } }),
+  );
   const stop = async (sig: string) => {
     log.info("signal received", { signal: sig });
     await server.close();

@@ -71,11 +71,15 @@ int32_t pf_engine_open(int32_t backend, int32_t device, uint32_t workers,
                        uint32_t *out_engine);
 /* Fills info[0..7]: [0] backend (pf_backend), [1] features (pf_feature bits),
  * [2] SM count (0 on host), [3] device id, [4] kernel grid blocks in use,
- * [5] total device memory MiB, [6] ABI version, [7] reserved (0). */
+ * [5] total device memory MiB, [6] ABI version, [7] kernel variant (0 SIMT
+ * loads/stores, 1 Hopper bulk copy; env PEGAFLOW_KERNEL=simt|tma at open). */
 int32_t pf_engine_info(uint32_t engine, uint64_t info[8]);
 /* Sets the kernel path's grid size (blocks); 0 restores the default.
  * Small grids leave SMs to the model (the kernel competes with decode). */
 int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks);
+/* Sets the copy engines' share of PF_PATH_MIXED batches, in permille of
+ * each group's bytes (0..1000); 0 restores the default. */
+int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille);
 /* Fails with PF_EBUSY while pools/regions of this engine are alive. */
 int32_t pf_engine_close(uint32_t engine);
 
@@ -186,6 +190,11 @@ enum pf_path {
   PF_PATH_KERNEL = 1, /* gather/scatter kernel over mapped pinned memory */
   PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync */
   PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges */
+  /* Kernel and copy engines at once: each group's ranges are split by
+   * bytes, a share (pf_engine_set_dma_share) to the copy engines (batch DMA
+   * where available) on a second stream, the rest to the kernel. Neither
+   * alone fills the link with 32 KB segments; together they do. */
+  PF_PATH_MIXED = 4,
 };
 
 /*

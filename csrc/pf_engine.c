@@ -94,7 +94,7 @@ int32_t pf_engine_info(uint32_t engine, uint64_t info[8]) {
   info[4] = e->grid_blocks ? e->grid_blocks : e->default_grid;
   info[5] = e->device_mem_mib;
   info[6] = PF_ABI_VERSION;
-  info[7] = 0;
+  info[7] = e->kernel_variant;
   return PF_OK;
 }
 
@@ -115,6 +115,20 @@ int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks) {
                    "%u) .. %u (%u SMs x %u)", blocks, e->default_grid, max,
                    e->sm_count, PF_MAX_GRID_PER_SM);
   e->grid_blocks = blocks;
+  return PF_OK;
+}
+
+int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille) {
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_set_dma_share");
+  if (!e) return PF_EHANDLE;
+  if (!(e->features & PF_FEAT_KERNEL))
+    return pf_fail(PF_EUNSUPPORTED,
+                   "pf_engine_set_dma_share: engine %u (%s backend) has no "
+                   "mixed path", engine, e->ops->name);
+  if (permille > 1000)
+    return pf_fail(PF_EINVAL, "pf_engine_set_dma_share: %u permille; expected "
+                   "0 (default %u) .. 1000", permille, e->default_dma_share);
+  e->dma_share = permille;
   return PF_OK;
 }
 
@@ -356,27 +370,38 @@ static void post(pf_batch *b, uint32_t kind, uint32_t index, int32_t status,
   (void)pf_ring_post(b->ring, &c);
 }
 
+/* Order matters in both functions below: every counter a record lets the
+ * consumer act on is released before that record is posted, so a consumer
+ * that reacts to a record by closing the region/pool/ring never sees a
+ * spurious PF_EBUSY. The bytes have landed by then; nothing touches the
+ * released object afterwards. */
 void pf_batch_group_done(pf_batch *b, uint32_t g, int32_t status) {
   pf_group_rt *gr = &b->groups[g];
   if (b->progress && status == PF_OK)
     atomic_store_explicit(
         (_Atomic uint32_t *)(b->progress->ptr + b->progress_off), g + 1,
         memory_order_release);
-  post(b, PF_DONE_LAYER, g, status, gr->layer, gr->bytes);
   if (gr->region) atomic_fetch_sub(&gr->region->inflight, 1);
+  post(b, PF_DONE_LAYER, g, status, gr->layer, gr->bytes);
 }
 
 void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used) {
-  if (b->progress)
+  if (b->progress) {
     atomic_store_explicit(
         (_Atomic int32_t *)(b->progress->ptr + b->progress_off + 4),
         status == PF_OK ? 1 : status, memory_order_release);
-  uint64_t ns = pf_now_ns() - b->submit_ns;
-  post(b, PF_DONE_BATCH, b->num_groups, status, path_used, ns);
-  if (b->on_done) b->on_done(b->on_done_arg, status, ns);
-  if (b->progress) atomic_fetch_sub(&b->progress->inflight, 1);
+    atomic_fetch_sub(&b->progress->inflight, 1);
+  }
   if (b->pool) atomic_fetch_sub(&b->pool->inflight, 1);
-  if (b->ring) pf_ring_release(b->ring);
+  uint64_t ns = pf_now_ns() - b->submit_ns;
+  if (b->on_done) b->on_done(b->on_done_arg, status, ns);
+  if (b->ring) {
+    pf_completion c = {.tag = b->tag, .kind = PF_DONE_BATCH,
+                       .index = b->num_groups, .status = status,
+                       .aux = path_used, .value = ns};
+    /* A shut-down ring drops the record; the release still happens. */
+    (void)pf_ring_post_release(b->ring, &c);
+  }
   pf_batch_free(b);
 }
 
@@ -422,10 +447,10 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
     return pf_fail(PF_EINVAL,
                    "pf_copy_submit: direction %u (expected 0 D2H or 1 H2D)",
                    h->direction);
-  if (h->path > PF_PATH_DMA)
+  if (h->path > PF_PATH_MIXED)
     return pf_fail(PF_EINVAL,
                    "pf_copy_submit: path %u (expected 0 auto, 1 kernel, "
-                   "2 dma_batch, 3 dma)", h->path);
+                   "2 dma_batch, 3 dma, 4 mixed)", h->path);
   if (h->num_groups == 0)
     return pf_fail(PF_EINVAL, "pf_copy_submit: num_groups is 0");
   if (h->reserved != 0)

@@ -40,6 +40,9 @@ typedef struct pf_ring {
 /* Posts one record; waits while the ring is full. Returns PF_ESHUTDOWN if
  * the ring is shut down (the record is then dropped). */
 int32_t pf_ring_post(pf_ring *r, const pf_completion *c);
+/* Posts one record and releases one pf_ring_acquire, atomically with
+ * respect to consumers: for a batch's final record. */
+int32_t pf_ring_post_release(pf_ring *r, const pf_completion *c);
 int pf_ring_is_shutdown(pf_ring *r);
 void pf_ring_acquire(pf_ring *r); /* work that will post later */
 void pf_ring_release(pf_ring *r);
@@ -160,6 +163,9 @@ typedef struct pf_engine {
   uint32_t sm_count;
   uint32_t grid_blocks;    /* 0 = backend default */
   uint32_t default_grid;
+  uint32_t kernel_variant; /* 0 SIMT, 1 Hopper bulk copy (cuda only) */
+  uint32_t dma_share;      /* permille of MIXED bytes to the copy engines; 0 = default */
+  uint32_t default_dma_share;
   uint64_t device_mem_mib;
   atomic_int live_objects; /* pools + regions of this engine */
   void *impl;              /* backend private state */

@@ -100,7 +100,7 @@ export class CopyBatch {
     const d = DIRECTION_CODES[direction];
     const p = PATH_CODES[path];
     if (d === undefined) throw new TypeError(`CopyBatch.reset: direction "${direction}"; expected d2h or h2d`);
-    if (p === undefined) throw new TypeError(`CopyBatch.reset: path "${path}"; expected auto, kernel, dma_batch or dma`);
+    if (p === undefined) throw new TypeError(`CopyBatch.reset: path "${path}"; expected auto, kernel, dma_batch, dma or mixed`);
     this.#groups = 0;
     this.#segs = 0;
     this.#groupFirst = 0;

@@ -95,8 +95,11 @@ export interface EngineFeatures {
 export type BackendName = "auto" | "cuda" | "host";
 /** Copy direction: D2H gathers region → pool, H2D scatters pool → region. */
 export type Direction = "d2h" | "h2d";
-/** Copy path: `auto` lets the library pick (kernel when loaded, else DMA). */
-export type CopyPath = "auto" | "kernel" | "dma_batch" | "dma";
+/**
+ * Copy path: `auto` lets the library pick (kernel when loaded, else DMA);
+ * `mixed` runs the kernel and the copy engines on one batch at once.
+ */
+export type CopyPath = "auto" | "kernel" | "dma_batch" | "dma" | "mixed";
 
 /** `pf_path` numbers by name. */
 export const PATH_CODES: Record<CopyPath, number> = {
@@ -104,9 +107,10 @@ export const PATH_CODES: Record<CopyPath, number> = {
   kernel: 1,
   dma_batch: 2,
   dma: 3,
+  mixed: 4,
 };
 /** `pf_path` names by number. */
-export const PATH_NAMES: readonly CopyPath[] = ["auto", "kernel", "dma_batch", "dma"];
+export const PATH_NAMES: readonly CopyPath[] = ["auto", "kernel", "dma_batch", "dma", "mixed"];
 /** `pf_direction` numbers by name. */
 export const DIRECTION_CODES: Record<Direction, number> = { d2h: 0, h2d: 1 };
 
@@ -140,7 +144,7 @@ export interface CalibrationTable {
   /** One large contiguous copy (the link's peak), GB/s. */
   peak: number;
   /** GB/s per path per size (0 where the path is absent). */
-  gbps: Record<Exclude<CopyPath, "auto">, number[]>;
+  gbps: Record<"kernel" | "dma_batch" | "dma", number[]>;
 }
 
 function u64(x: number | bigint): bigint {
@@ -212,9 +216,22 @@ export class Engine {
     return Number(this.#info()[4]);
   }
 
+  /** Kernel variant in use: `simt` (loads/stores) or `tma` (Hopper bulk copy). */
+  get kernelVariant(): "simt" | "tma" {
+    return this.#info()[7] === 1n ? "tma" : "simt";
+  }
+
   /** Sets the kernel path's grid; 0 restores the default. */
   setKernelGrid(blocks: number): void {
     check("pf_engine_set_kernel_grid", this.#pf.pf_engine_set_kernel_grid(this.handle, blocks));
+  }
+
+  /**
+   * Sets the copy engines' share of `mixed` batches in permille of each
+   * group's bytes; 0 restores the default.
+   */
+  setDmaShare(permille: number): void {
+    check("pf_engine_set_dma_share", this.#pf.pf_engine_set_dma_share(this.handle, permille));
   }
 
   /** Allocates a page-locked host pool of `bytes`. */

@@ -134,7 +134,15 @@ export interface SaveRequest {
   instanceId: string;
   tpRank: number;
   ppRank: number;
+  /** Per-layer lists; or leave empty and use block_ids/block_hashes below. */
   layers: LayerSave[];
+  /**
+   * Shorthand for the common case "every registered layer of this rank saves
+   * the same blocks": used when `layers` is empty (32x smaller messages for a
+   * 32-layer model). Giving both `layers` and these is INVALID_ARGUMENT.
+   */
+  blockIds: number[];
+  blockHashes: Uint8Array[];
 }
 
 export interface SaveResponse {
@@ -759,7 +767,7 @@ export const LayerSave: MessageFns<LayerSave> = {
 };
 
 function createBaseSaveRequest(): SaveRequest {
-  return { instanceId: "", tpRank: 0, ppRank: 0, layers: [] };
+  return { instanceId: "", tpRank: 0, ppRank: 0, layers: [], blockIds: [], blockHashes: [] };
 }
 
 export const SaveRequest: MessageFns<SaveRequest> = {
@@ -775,6 +783,16 @@ export const SaveRequest: MessageFns<SaveRequest> = {
     }
     for (const v of message.layers) {
       LayerSave.encode(v!, writer.uint32(34).fork()).join();
+    }
+    if (message.blockIds.length !== 0) {
+      writer.uint32(42).fork();
+      for (const v of message.blockIds) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    for (const v of message.blockHashes) {
+      writer.uint32(50).bytes(v!);
     }
     return writer;
   },
@@ -824,6 +842,32 @@ export const SaveRequest: MessageFns<SaveRequest> = {
             message.layers.push(LayerSave.decode(reader, reader.uint32()));
             continue;
           }
+          case 5: {
+            if (tag === 40) {
+              message.blockIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 42) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.blockIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.blockHashes.push(reader.bytes());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -845,6 +889,8 @@ export const SaveRequest: MessageFns<SaveRequest> = {
     message.tpRank = object.tpRank ?? 0;
     message.ppRank = object.ppRank ?? 0;
     message.layers = object.layers?.map((e) => LayerSave.fromPartial(e)) || [];
+    message.blockIds = object.blockIds?.map((e) => e) || [];
+    message.blockHashes = object.blockHashes?.map((e) => e) || [];
     return message;
   },
 };

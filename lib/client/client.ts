@@ -105,18 +105,34 @@ export class PegaflowClient {
     });
   }
 
-  save(req: SaveRequest): Promise<SaveResponse> {
-    return this.#call("Save", this.#raw.save as never, req);
+  /** Saves blocks: per-layer `layers`, or `blockIds`/`blockHashes` for every layer of the rank. */
+  save(
+    req: Omit<SaveRequest, "layers" | "blockIds" | "blockHashes"> & Partial<SaveRequest>,
+  ): Promise<SaveResponse> {
+    return this.#call("Save", this.#raw.save as never, {
+      layers: [],
+      blockIds: [],
+      blockHashes: [],
+      ...req,
+    });
   }
 
   async queryPrefetch(req: QueryPrefetchRequest): Promise<QueryResult> {
-    const r = await this.#call<QueryPrefetchRequest, import("../../proto/pegaflow.ts").QueryPrefetchResponse>(
+    const r = await this.#call<
+      QueryPrefetchRequest,
+      import("../../proto/pegaflow.ts").QueryPrefetchResponse
+    >(
       "QueryPrefetch",
       this.#raw.queryPrefetch as never,
       req,
     );
     if (r.result?.$case === "ready") {
-      return { kind: "ready", hits: r.result.value.numHitBlocks, leaseId: r.result.value.leaseId, ttlMs: r.result.value.leaseTtlMs };
+      return {
+        kind: "ready",
+        hits: r.result.value.numHitBlocks,
+        leaseId: r.result.value.leaseId,
+        ttlMs: r.result.value.leaseTtlMs,
+      };
     }
     return { kind: "loading" };
   }

@@ -18,17 +18,38 @@ import { chainedBlockHashes, syntheticTokens } from "./hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "./sim_engine.ts";
 
 function intArg(v: string): number {
-  if (!/^\d+$/.test(v) || Number(v) < 1) throw new InvalidArgumentError(`"${v}" is not a positive integer`);
+  if (!/^\d+$/.test(v) || Number(v) < 1) {
+    throw new InvalidArgumentError(`"${v}" is not a positive integer`);
+  }
   return Number(v);
 }
 
 const cmd = new Command("pegaflow-demo")
-  .description("simulated Llama-3.1-8B engine: cold save vs warm load through a running PegaFlow server")
-  .addOption(new Option("--addr <host:port>", "server gRPC address").default("127.0.0.1:50055").env("PEGAFLOW_ADDR"))
-  .addOption(new Option("--tokens <n>", "prompt length in tokens (16 per block)").default(2048).argParser(intArg))
-  .addOption(new Option("--requests <n>", "requests sharing the prompt (1 cold + n-1 warm)").default(4).argParser(intArg))
-  .addOption(new Option("--backend <kind>", "where the simulated KV lives: auto, cuda or host").default("auto").choices(["auto", "cuda", "host"]))
-  .addOption(new Option("--layers <n>", "model layers (Llama-3.1-8B: 32)").default(32).argParser(intArg))
+  .description(
+    "simulated Llama-3.1-8B engine: cold save vs warm load through a running PegaFlow server",
+  )
+  .addOption(
+    new Option("--addr <host:port>", "server gRPC address").default("127.0.0.1:50055").env(
+      "PEGAFLOW_ADDR",
+    ),
+  )
+  .addOption(
+    new Option("--tokens <n>", "prompt length in tokens (16 per block)").default(2048).argParser(
+      intArg,
+    ),
+  )
+  .addOption(
+    new Option("--requests <n>", "requests sharing the prompt (1 cold + n-1 warm)").default(4)
+      .argParser(intArg),
+  )
+  .addOption(
+    new Option("--backend <kind>", "where the simulated KV lives: auto, cuda or host").default(
+      "auto",
+    ).choices(["auto", "cuda", "host"]),
+  )
+  .addOption(
+    new Option("--layers <n>", "model layers (Llama-3.1-8B: 32)").default(32).argParser(intArg),
+  )
   .parse(Deno.args, { from: "user" });
 const o = cmd.opts();
 
@@ -40,12 +61,21 @@ if (blocks < 1) {
 }
 const client = new PegaflowClient(o.addr);
 const health = await client.health().catch((e) => {
-  console.error(`cannot reach the server at ${o.addr}: ${(e as Error).message}\nstart it with: deno task serve`);
+  console.error(
+    `cannot reach the server at ${o.addr}: ${(e as Error).message}\nstart it with: deno task serve`,
+  );
   Deno.exit(1);
 });
 const instanceId = `demo-${Deno.pid}`;
 // Room for the saved copy and a different target for each load.
-const sim = SimEngine.create({ client, instanceId, namespace: `demo-${model.name}-L${model.numLayers}`, model, numBlocks: blocks * 2, backend: o.backend });
+const sim = SimEngine.create({
+  client,
+  instanceId,
+  namespace: `demo-${model.name}-L${model.numLayers}`,
+  model,
+  numBlocks: blocks * 2,
+  backend: o.backend,
+});
 const session = client.openSession(instanceId);
 const mb = (n: number) => (n / 2 ** 20).toFixed(1);
 const rows: {
@@ -63,9 +93,15 @@ try {
   await sim.register();
   console.log(
     `server ${o.addr} (${health.backend}, ${health.version}); engine KV on ${sim.engine.backend}; ` +
-      `${model.name} x${model.numLayers} layers, ${o.tokens} tokens = ${blocks} blocks = ${mb(blocks * sim.blockBytes)} MiB of KV`,
+      `${model.name} x${model.numLayers} layers, ${o.tokens} tokens = ${blocks} blocks = ${
+        mb(blocks * sim.blockBytes)
+      } MiB of KV`,
   );
-  const hashes = chainedBlockHashes(syntheticTokens(Deno.pid, blocks * model.blockTokens), model.blockTokens, instanceId);
+  const hashes = chainedBlockHashes(
+    syntheticTokens(Deno.pid, blocks * model.blockTokens),
+    model.blockTokens,
+    instanceId,
+  );
   const src = Array.from({ length: blocks }, (_, i) => i);
   const dst = Array.from({ length: blocks }, (_, i) => blocks + i);
   for (let r = 0; r < o.requests; r++) {

@@ -21,9 +21,16 @@ export const BLOCK_HASH_BYTES = 16;
  * h.length; // 4
  * ```
  */
-export function chainedBlockHashes(tokens: Uint32Array, blockTokens: number, salt = ""): Uint8Array[] {
+export function chainedBlockHashes(
+  tokens: Uint32Array,
+  blockTokens: number,
+  salt = "",
+): Uint8Array[] {
   const out: Uint8Array[] = [];
-  let prev = new Uint8Array(createHash("sha256").update(`pegaflow-root:${salt}`).digest()).subarray(0, BLOCK_HASH_BYTES);
+  let prev = new Uint8Array(createHash("sha256").update(`pegaflow-root:${salt}`).digest()).subarray(
+    0,
+    BLOCK_HASH_BYTES,
+  );
   const le = new Uint8Array(tokens.buffer, tokens.byteOffset, tokens.byteLength);
   for (let b = 0; (b + 1) * blockTokens <= tokens.length; b++) {
     const h = createHash("sha256");

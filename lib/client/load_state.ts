@@ -16,8 +16,28 @@ import {
 
 let counter = 0;
 
-/** How long {@link LoadState.waitLayer} sleeps between polls once spinning stops paying. */
-const POLL_SLEEP_MS = 0;
+/**
+ * Polling: the words are written by native threads, so no JS event announces
+ * them. Re-check on microtasks (µs latency) but give the event loop a turn at
+ * least every SPIN_SLICE_MS; timers alone would add up to 4 ms per check
+ * (nested timers are clamped), which is more than a layer's copy on a GPU.
+ */
+const SPIN_SLICE_MS = 1;
+
+async function pollUntil(done: () => boolean, what: string, timeoutMs: number): Promise<void> {
+  const deadline = performance.now() + timeoutMs;
+  let slice = performance.now();
+  while (!done()) {
+    const now = performance.now();
+    if (now > deadline) throw new Error(`${what} after ${timeoutMs} ms`);
+    if (now - slice < SPIN_SLICE_MS) {
+      await Promise.resolve();
+    } else {
+      await new Promise((r) => setTimeout(r, 0));
+      slice = performance.now();
+    }
+  }
+}
 
 /**
  * A load-state block owned by this process.
@@ -60,25 +80,25 @@ export class LoadState {
 
   /** Resolves once layer `i` has landed (or the load ended); returns the state then. */
   async waitLayer(i: number, timeoutMs = 120_000): Promise<number> {
-    const deadline = performance.now() + timeoutMs;
-    for (;;) {
-      const s = readLoadState(this.#view);
-      if (s.state !== STATE_PENDING) return s.state;
-      if (s.layersReady > i) return s.state;
-      if (performance.now() > deadline) throw new Error(`load state ${this.name}: layer ${i} not ready after ${timeoutMs} ms`);
-      await new Promise((r) => setTimeout(r, POLL_SLEEP_MS));
-    }
+    await pollUntil(
+      () => {
+        const s = readLoadState(this.#view);
+        return s.state !== STATE_PENDING || s.layersReady > i;
+      },
+      `load state ${this.name}: layer ${i} not ready`,
+      timeoutMs,
+    );
+    return readLoadState(this.#view).state;
   }
 
   /** Resolves with the final state (1 ok, < 0 failed). */
   async waitAll(timeoutMs = 120_000): Promise<number> {
-    const deadline = performance.now() + timeoutMs;
-    for (;;) {
-      const s = readLoadState(this.#view).state;
-      if (s !== STATE_PENDING) return s;
-      if (performance.now() > deadline) throw new Error(`load state ${this.name}: not done after ${timeoutMs} ms`);
-      await new Promise((r) => setTimeout(r, POLL_SLEEP_MS));
-    }
+    await pollUntil(
+      () => readLoadState(this.#view).state !== STATE_PENDING,
+      `load state ${this.name}: not done`,
+      timeoutMs,
+    );
+    return readLoadState(this.#view).state;
   }
 
   close(): void {

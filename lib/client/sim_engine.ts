@@ -128,19 +128,27 @@ export class SimEngine {
     this.segBytes = segBytes;
     this.engine = engine;
     this.regions = regions;
-    this.layerNames = Array.from({ length: this.model.numLayers }, (_, i) => `model.layers.${String(i).padStart(3, "0")}.attn`);
+    this.layerNames = Array.from(
+      { length: this.model.numLayers },
+      (_, i) => `model.layers.${String(i).padStart(3, "0")}.attn`,
+    );
   }
 
   /** Allocates the KV cache (one region per layer). */
   static create(o: SimEngineOptions): SimEngine {
     const model = o.model ?? LLAMA_3_1_8B;
     const tpSize = o.tpSize ?? 1;
-    if (model.kvHeads % tpSize !== 0) throw new Error(`kv_heads ${model.kvHeads} not divisible by tp_size ${tpSize}`);
-    const segBytes = model.blockTokens * (model.kvHeads / tpSize) * model.headDim * model.dtypeBytes;
+    if (model.kvHeads % tpSize !== 0) {
+      throw new Error(`kv_heads ${model.kvHeads} not divisible by tp_size ${tpSize}`);
+    }
+    const segBytes = model.blockTokens * (model.kvHeads / tpSize) * model.headDim *
+      model.dtypeBytes;
     const engine = Engine.open({ backend: o.backend ?? "auto", device: o.device ?? 0 });
     const regions: Region[] = [];
     try {
-      for (let l = 0; l < model.numLayers; l++) regions.push(engine.allocRegion(KV_SEGMENTS * o.numBlocks * segBytes));
+      for (let l = 0; l < model.numLayers; l++) {
+        regions.push(engine.allocRegion(KV_SEGMENTS * o.numBlocks * segBytes));
+      }
     } catch (e) {
       for (const r of regions) r.close();
       engine.close();
@@ -189,9 +197,15 @@ export class SimEngine {
         for (const [first, count, at] of runs(ids)) {
           const buf = new Uint32Array(words * count);
           for (let k = 0; k < count; k++) {
-            fillSegment(buf.subarray(k * words, (k + 1) * words), segSeed(hashes[at + k], l, this.tpRank, s));
+            fillSegment(
+              buf.subarray(k * words, (k + 1) * words),
+              segSeed(hashes[at + k], l, this.tpRank, s),
+            );
           }
-          this.regions[l].write(s * this.numBlocks * this.segBytes + first * this.segBytes, new Uint8Array(buf.buffer));
+          this.regions[l].write(
+            s * this.numBlocks * this.segBytes + first * this.segBytes,
+            new Uint8Array(buf.buffer),
+          );
         }
       }
     }
@@ -202,7 +216,10 @@ export class SimEngine {
     for (let l = 0; l < this.model.numLayers; l++) {
       for (let s = 0; s < KV_SEGMENTS; s++) {
         for (const [first, count] of runs(ids)) {
-          this.regions[l].write(s * this.numBlocks * this.segBytes + first * this.segBytes, new Uint8Array(count * this.segBytes));
+          this.regions[l].write(
+            s * this.numBlocks * this.segBytes + first * this.segBytes,
+            new Uint8Array(count * this.segBytes),
+          );
         }
       }
     }
@@ -220,7 +237,10 @@ export class SimEngine {
     for (let l = 0; l < this.model.numLayers; l++) {
       for (let s = 0; s < KV_SEGMENTS; s++) {
         for (const [firstId, count, at] of runs(ids)) {
-          const got = this.regions[l].read(s * this.numBlocks * this.segBytes + firstId * this.segBytes, count * this.segBytes);
+          const got = this.regions[l].read(
+            s * this.numBlocks * this.segBytes + firstId * this.segBytes,
+            count * this.segBytes,
+          );
           const got32 = new Uint32Array(got.buffer, got.byteOffset, got.byteLength / 4);
           for (let k = 0; k < count; k++) {
             fillSegment(want, segSeed(hashes[at + k], l, this.tpRank, s));
@@ -228,7 +248,9 @@ export class SimEngine {
             for (let w = 0; w < words; w++) {
               if (g[w] !== want[w]) {
                 bad++;
-                first ??= `layer ${l} segment ${s} block ${firstId + k} word ${w}: got 0x${g[w].toString(16)}, want 0x${want[w].toString(16)}`;
+                first ??= `layer ${l} segment ${s} block ${firstId + k} word ${w}: got 0x${
+                  g[w].toString(16)
+                }, want 0x${want[w].toString(16)}`;
                 break;
               }
             }
@@ -239,25 +261,48 @@ export class SimEngine {
     return { badSegments: bad, first };
   }
 
-  /** One Save of every layer for these blocks. */
-  save(ids: number[], hashes: Uint8Array[]) {
+  /**
+   * One Save of every layer for these blocks: the all-layers shorthand by
+   * default, or one list per layer with `perLayer`.
+   */
+  save(ids: number[], hashes: Uint8Array[], opts: { perLayer?: boolean } = {}) {
+    if (opts.perLayer) {
+      return this.client.save({
+        instanceId: this.instanceId,
+        tpRank: this.tpRank,
+        ppRank: 0,
+        layers: this.layerNames.map((layerName) => ({
+          layerName,
+          blockIds: ids,
+          blockHashes: hashes,
+        })),
+      });
+    }
     return this.client.save({
       instanceId: this.instanceId,
       tpRank: this.tpRank,
       ppRank: 0,
-      layers: this.layerNames.map((layerName) => ({ layerName, blockIds: ids, blockHashes: hashes })),
+      blockIds: ids,
+      blockHashes: hashes,
     });
   }
 
   query(hashes: Uint8Array[], requestId: string): Promise<QueryResult> {
-    return this.client.queryPrefetch({ instanceId: this.instanceId, blockHashes: hashes, requestId });
+    return this.client.queryPrefetch({
+      instanceId: this.instanceId,
+      blockHashes: hashes,
+      requestId,
+    });
   }
 
   /**
    * Loads the lease into `ids` and waits through the load state. Returns the
    * time until layer 0 was usable and until every layer was (ms, measured here).
    */
-  async load(leaseId: Uint8Array, ids: number[]): Promise<{ firstLayerMs: number; allMs: number; state: number }> {
+  async load(
+    leaseId: Uint8Array,
+    ids: number[],
+  ): Promise<{ firstLayerMs: number; allMs: number; state: number }> {
     const st = this.#loadState ??= LoadState.create();
     st.rearm();
     const t0 = performance.now();
@@ -273,7 +318,9 @@ export class SimEngine {
     const firstLayerMs = performance.now() - t0;
     const state = await st.waitAll();
     const allMs = performance.now() - t0;
-    if (state !== STATE_OK) throw new Error(`load of ${ids.length} blocks ended with state ${state}`);
+    if (state !== STATE_OK) {
+      throw new Error(`load of ${ids.length} blocks ended with state ${state}`);
+    }
     return { firstLayerMs, allMs, state };
   }
 

@@ -21,8 +21,14 @@
 import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { Logger } from "../log.ts";
 import { Code, EngineError, invalid, precondition } from "./errors.ts";
-import { type Geometry, validateGeometry, footprint } from "./geometry.ts";
-import { Instance, type LayerCtx, layerCtx, type NamespaceLayout, type RankCtx } from "./instances.ts";
+import { footprint, type Geometry, validateGeometry } from "./geometry.ts";
+import {
+  Instance,
+  type LayerCtx,
+  layerCtx,
+  type NamespaceLayout,
+  type RankCtx,
+} from "./instances.ts";
 import {
   armLoadState,
   checkLoadState,
@@ -31,7 +37,7 @@ import {
   OFF_PROGRESS,
 } from "./load_state.ts";
 import type { BatchWriter, NativePort, RegionPort, ShmPort } from "./ports.ts";
-import type { KvStore, LoadTicket, SavePlan } from "../storage/store.ts";
+import type { KvStore, SavePlan } from "../storage/store.ts";
 
 /** The protocol version RegisterContext requires (client_version must equal it). */
 export const PROTOCOL_VERSION = "pegaflow-1";
@@ -65,7 +71,10 @@ export interface SaveArgs {
   tpRank: number;
   ppRank: number;
   requestId?: string;
+  /** Per-layer lists; empty means "every layer of the rank saves blockIds/blockHashes". */
   layers: { layerName: string; blockIds: number[]; blockHashes: Uint8Array[] }[];
+  blockIds?: number[];
+  blockHashes?: Uint8Array[];
 }
 
 export interface SaveResult {
@@ -102,12 +111,11 @@ export interface EngineMetrics {
 }
 
 /**
- * The SSD tier as the engine drives it (implemented by lib/ssd/kv_bridge.ts):
- * sealed blocks are offered for write-behind; a query whose prefix continues
- * on SSD starts (or polls) a prefetch and is answered "loading".
+ * The SSD tier's query hook (implemented by lib/ssd/kv_bridge.ts): a query
+ * whose prefix continues on SSD starts (or polls) a prefetch and is answered
+ * "loading". (Write-behind subscribes through {@link KvEngine.onSealed}.)
  */
 export interface SsdHook {
-  onSealed(sealedKeys: readonly string[]): void;
   /** True: answer "loading" (a prefetch for this request id is running). */
   beforeQuery(namespace: string, instance: string, hashes: Uint8Array[], requestId: string): boolean;
 }
@@ -141,10 +149,6 @@ export interface InstanceInfo {
   ageSeconds: number;
 }
 
-/** pf_status PF_EBUSY. */
-const PF_EBUSY = -6;
-/** ~1 s of 1 ms retries before a busy load-state mapping is reported. */
-const SHM_CLOSE_RETRIES = 1000;
 const DEFAULT_SAVE_CONCURRENCY = 4;
 const DEFAULT_SAVE_QUEUE = 64;
 const DEFAULT_LOAD_CONCURRENCY = 8;
@@ -169,7 +173,12 @@ function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
   return true;
 }
 
-function sameLists(ids: number[], hashes: Uint8Array[], ids2: number[], hashes2: Uint8Array[]): boolean {
+function sameLists(
+  ids: number[],
+  hashes: Uint8Array[],
+  ids2: number[],
+  hashes2: Uint8Array[],
+): boolean {
   if (ids === ids2 && hashes === hashes2) return true;
   if (ids.length !== ids2.length) return false;
   for (let i = 0; i < ids.length; i++) {
@@ -212,6 +221,7 @@ export class KvEngine {
   readonly #saveBatch: BatchWriter;
   readonly #loadBatch: BatchWriter;
   readonly #goneListeners: ((instanceId: string, reason: string) => void)[] = [];
+  readonly #sealedListeners: ((namespace: string, keys: readonly string[]) => void)[] = [];
   #closed = false;
 
   constructor(opts: EngineOptions) {
@@ -243,6 +253,14 @@ export class KvEngine {
     );
   }
 
+  /**
+   * Called with the keys of blocks a save just sealed (servable from now on):
+   * the hook for write-behind to a lower tier and for cross-node advertising.
+   */
+  onSealed(fn: (namespace: string, keys: readonly string[]) => void): void {
+    this.#sealedListeners.push(fn);
+  }
+
   /** Called with (instanceId, reason) after an instance has been cleaned up. */
   onInstanceGone(fn: (instanceId: string, reason: string) => void): void {
     this.#goneListeners.push(fn);
@@ -255,7 +273,9 @@ export class KvEngine {
   // ---- registration -------------------------------------------------------
 
   /** Registers all layers of one rank; rolls back every mapping on failure. */
-  register(a: RegisterArgs): { numLayers: number; topologySealed: boolean; ranksRegistered: number } {
+  register(
+    a: RegisterArgs,
+  ): { numLayers: number; topologySealed: boolean; ranksRegistered: number } {
     if (this.#closed) throw new EngineError(Code.UNAVAILABLE, "server is shutting down");
     const who = `instance "${a.instanceId}" tp_rank ${a.tpRank} pp_rank ${a.ppRank}`;
     if (a.clientVersion !== PROTOCOL_VERSION) {
@@ -266,8 +286,12 @@ export class KvEngine {
     if (!a.instanceId) throw invalid("instance_id is empty");
     if (!a.namespace) throw invalid(`${who}: namespace is empty`);
     const ppSize = a.ppSize || 1;
-    if (a.tpSize < 1 || a.tpSize > MAX_PARALLEL) throw invalid(`${who}: tp_size ${a.tpSize} out of range 1..${MAX_PARALLEL}`);
-    if (ppSize > MAX_PARALLEL) throw invalid(`${who}: pp_size ${ppSize} out of range 1..${MAX_PARALLEL}`);
+    if (a.tpSize < 1 || a.tpSize > MAX_PARALLEL) {
+      throw invalid(`${who}: tp_size ${a.tpSize} out of range 1..${MAX_PARALLEL}`);
+    }
+    if (ppSize > MAX_PARALLEL) {
+      throw invalid(`${who}: pp_size ${ppSize} out of range 1..${MAX_PARALLEL}`);
+    }
     if (a.tpRank >= a.tpSize) throw invalid(`${who}: tp_rank ${a.tpRank} >= tp_size ${a.tpSize}`);
     if (a.ppRank >= ppSize) throw invalid(`${who}: pp_rank ${a.ppRank} >= pp_size ${ppSize}`);
     if (a.worldSize !== a.tpSize * ppSize) {
@@ -289,17 +313,26 @@ export class KvEngine {
       seen.add(name);
       if (a.regionHandles[i].length !== REGION_HANDLE_BYTES) {
         throw invalid(
-          `${who} layer "${name}": region handle is ${a.regionHandles[i].length} bytes, expected ${REGION_HANDLE_BYTES}`,
+          `${who} layer "${name}": region handle is ${
+            a.regionHandles[i].length
+          } bytes, expected ${REGION_HANDLE_BYTES}`,
         );
       }
       validateGeometry(a.geometry[i], `${who} layer "${name}"`);
     }
     // Every block of a namespace has one shape in the pool: one segment size and count for all layers.
     for (let i = 1; i < n; i++) {
-      if (a.geometry[i].segBytes !== a.geometry[0].segBytes || a.geometry[i].numSegments !== a.geometry[0].numSegments) {
+      if (
+        a.geometry[i].segBytes !== a.geometry[0].segBytes ||
+        a.geometry[i].numSegments !== a.geometry[0].numSegments
+      ) {
         throw invalid(
-          `${who}: layer "${a.layerNames[i]}" has ${a.geometry[i].numSegments} x ${a.geometry[i].segBytes}-byte segments, ` +
-            `layer "${a.layerNames[0]}" ${a.geometry[0].numSegments} x ${a.geometry[0].segBytes}; all layers must agree`,
+          `${who}: layer "${a.layerNames[i]}" has ${a.geometry[i].numSegments} x ${
+            a.geometry[i].segBytes
+          }-byte segments, ` +
+            `layer "${a.layerNames[0]}" ${a.geometry[0].numSegments} x ${
+              a.geometry[0].segBytes
+            }; all layers must agree`,
         );
       }
     }
@@ -312,28 +345,42 @@ export class KvEngine {
       byHandle.set(k, list);
     }
     for (const idx of byHandle.values()) {
-      const spans = idx.map((i) => [...footprint(a.geometry[i]), i] as const).sort((x, y) => x[0] - y[0]);
+      const spans = idx.map((i) => [...footprint(a.geometry[i]), i] as const).sort((x, y) =>
+        x[0] - y[0]
+      );
       for (let j = 1; j < spans.length; j++) {
         if (spans[j][0] < spans[j - 1][1]) {
           throw invalid(
-            `${who}: layers "${a.layerNames[spans[j - 1][2]]}" and "${a.layerNames[spans[j][2]]}" overlap in one region`,
+            `${who}: layers "${a.layerNames[spans[j - 1][2]]}" and "${
+              a.layerNames[spans[j][2]]
+            }" overlap in one region`,
           );
         }
       }
       const bytes = new Set(idx.map((i) => a.geometry[i].regionBytes));
-      if (bytes.size > 1) throw invalid(`${who}: layers sharing one region declare different region_bytes`);
+      if (bytes.size > 1) {
+        throw invalid(`${who}: layers sharing one region declare different region_bytes`);
+      }
     }
 
     let inst = this.#instances.get(a.instanceId);
     if (inst) {
-      if (inst.fenced) throw new EngineError(Code.UNAVAILABLE, `instance "${a.instanceId}" is being cleaned up; retry`);
+      if (inst.fenced) {
+        throw new EngineError(
+          Code.UNAVAILABLE,
+          `instance "${a.instanceId}" is being cleaned up; retry`,
+        );
+      }
       if (inst.namespace !== a.namespace || inst.tpSize !== a.tpSize || inst.ppSize !== ppSize) {
         throw precondition(
           `${who}: instance already registered with namespace "${inst.namespace}" tp_size ${inst.tpSize} pp_size ${inst.ppSize}`,
         );
       }
       if (inst.ranks.has(a.ppRank * a.tpSize + a.tpRank)) {
-        throw new EngineError(Code.ALREADY_EXISTS, `${who}: already registered; unregister it first`);
+        throw new EngineError(
+          Code.ALREADY_EXISTS,
+          `${who}: already registered; unregister it first`,
+        );
       }
     }
     // A known namespace layout must agree with this rank's layers before anything is mapped.
@@ -349,8 +396,14 @@ export class KvEngine {
         const have = layout.layers.get(a.layerNames[i]);
         if (!have || have.slotBytes !== sb || have.numSegments !== a.geometry[i].numSegments) {
           throw precondition(
-            `${who}: namespace "${a.namespace}" already holds a different layout: layer "${a.layerNames[i]}" ` +
-              (have ? `has ${have.slotBytes}-byte slots in ${have.numSegments} segments there, got ${sb} in ${a.geometry[i].numSegments}` : "is not part of it") +
+            `${who}: namespace "${a.namespace}" already holds a different layout: layer "${
+              a.layerNames[i]
+            }" ` +
+              (have
+                ? `has ${have.slotBytes}-byte slots in ${have.numSegments} segments there, got ${sb} in ${
+                  a.geometry[i].numSegments
+                }`
+                : "is not part of it") +
               "; use a namespace per layout",
           );
         }
@@ -369,7 +422,9 @@ export class KvEngine {
           try {
             region = this.#native.importRegion(a.regionHandles[i], a.geometry[i].regionBytes);
           } catch (e) {
-            throw invalid(`${who} layer "${a.layerNames[i]}": cannot map region: ${(e as Error).message}`);
+            throw invalid(
+              `${who} layer "${a.layerNames[i]}": cannot map region: ${(e as Error).message}`,
+            );
           }
           imported.push(region);
           regionOf.set(k, region);
@@ -395,9 +450,8 @@ export class KvEngine {
     // TP peers of one PP stage must list the same layers.
     for (const r of inst.ranks.values()) {
       if (r.ppRank !== a.ppRank) continue;
-      const same = r.layers.length === layers.length && r.layers.every((l, i) =>
-        l.name === layers[i].name && l.slotBytes === layers[i].slotBytes
-      );
+      const same = r.layers.length === layers.length &&
+        r.layers.every((l, i) => l.name === layers[i].name && l.slotBytes === layers[i].slotBytes);
       if (!same) {
         this.#closeRegions(imported, who);
         throw invalid(`${who}: layers differ from tp_rank ${r.tpRank} of the same pp stage`);
@@ -429,8 +483,11 @@ export class KvEngine {
         if (created) this.#instances.delete(inst.id);
         this.#closeRegions(imported, who);
         throw precondition(
-          bindError ? `${who}: ${bindError.message}` :
-            `${who}: namespace "${inst.namespace}" already holds a layout of ${lay!.layers.size} layers, this instance has ${inst.layerNames.length}; use a namespace per layout`,
+          bindError
+            ? `${who}: ${bindError.message}`
+            : `${who}: namespace "${inst.namespace}" already holds a layout of ${
+              lay!.layers.size
+            } layers, this instance has ${inst.layerNames.length}; use a namespace per layout`,
         );
       }
       if (lay) lay.users.add(inst.id);
@@ -465,27 +522,6 @@ export class KvEngine {
     }
   }
 
-  /**
-   * Closes a drained instance's region. The drain already waited for every
-   * copy's completion record; PF_EBUSY can still come for the instant
-   * between that record and the native layer dropping its reference, so retry
-   * briefly rather than leak the mapping.
-   */
-  async #closeWhenIdle(region: RegionPort, who: string): Promise<void> {
-    for (let attempt = 0;; attempt++) {
-      try {
-        region.close();
-        return;
-      } catch (e) {
-        if ((e as { code?: number }).code !== PF_EBUSY || attempt >= SHM_CLOSE_RETRIES) {
-          this.#log.error("closing region failed", { who, error: (e as Error).message });
-          return;
-        }
-        await new Promise((r) => setTimeout(r, 1));
-      }
-    }
-  }
-
   #instance(id: string, what: string): Instance {
     const inst = this.#instances.get(id);
     if (!inst) throw precondition(`${what}: instance "${id}" is not registered`);
@@ -498,7 +534,9 @@ export class KvEngine {
   async save(args: SaveArgs): Promise<SaveResult> {
     const inst = this.#instance(args.instanceId, "Save");
     const rank = inst.rankCtx(args.tpRank, args.ppRank, "Save");
-    if (inst.fenced) throw new EngineError(Code.UNAVAILABLE, `instance "${inst.id}" is being cleaned up`);
+    if (inst.fenced) {
+      throw new EngineError(Code.UNAVAILABLE, `instance "${inst.id}" is being cleaned up`);
+    }
     const sub = this.#saveStage.submit({ args, inst, rank });
     if (sub.status === "refused") {
       this.#metrics?.saveFailed("queue_full");
@@ -521,10 +559,29 @@ export class KvEngine {
     // share one store plan; all plans go into ONE gather batch.
     const groups: { ids: number[]; hashes: Uint8Array[]; layers: LayerCtx[] }[] = [];
     const seenLayer = new Set<string>();
-    for (const ls of args.layers) {
+    const shared = (args.blockIds?.length ?? 0) > 0 || (args.blockHashes?.length ?? 0) > 0;
+    if (shared && args.layers.length > 0) {
+      throw invalid(
+        `${who}: Save gives both per-layer lists and the all-layers block_ids/block_hashes`,
+      );
+    }
+    const layerSaves = shared
+      ? rank.layers.map((l) => ({
+        layerName: l.name,
+        blockIds: args.blockIds!,
+        blockHashes: args.blockHashes!,
+      }))
+      : args.layers;
+    for (const ls of layerSaves) {
       const layer = rank.byName.get(ls.layerName);
-      if (!layer) throw invalid(`${who}: Save names layer "${ls.layerName}", which this rank did not register`);
-      if (seenLayer.has(layer.name)) throw invalid(`${who}: Save lists layer "${layer.name}" twice`);
+      if (!layer) {
+        throw invalid(
+          `${who}: Save names layer "${ls.layerName}", which this rank did not register`,
+        );
+      }
+      if (seenLayer.has(layer.name)) {
+        throw invalid(`${who}: Save lists layer "${layer.name}" twice`);
+      }
       seenLayer.add(layer.name);
       if (ls.blockIds.length !== ls.blockHashes.length) {
         throw invalid(
@@ -534,17 +591,23 @@ export class KvEngine {
       const nb = layer.geometry.numBlocks;
       for (let i = 0; i < ls.blockIds.length; i++) {
         const id = ls.blockIds[i];
-        if (!(id < nb)) throw invalid(`${who} layer "${layer.name}": block id ${id} >= num_blocks ${nb}`);
+        if (!(id < nb)) {
+          throw invalid(`${who} layer "${layer.name}": block id ${id} >= num_blocks ${nb}`);
+        }
         const h = ls.blockHashes[i];
         if (h.length < 1 || h.length > MAX_HASH_BYTES) {
-          throw invalid(`${who} layer "${layer.name}": block hash ${i} is ${h.length} bytes (1..${MAX_HASH_BYTES})`);
+          throw invalid(
+            `${who} layer "${layer.name}": block hash ${i} is ${h.length} bytes (1..${MAX_HASH_BYTES})`,
+          );
         }
       }
       const g = groups.find((g) => sameLists(g.ids, g.hashes, ls.blockIds, ls.blockHashes));
       if (g) g.layers.push(layer);
       else groups.push({ ids: ls.blockIds, hashes: ls.blockHashes, layers: [layer] });
     }
-    if (groups.length === 0) return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0, blocksRefused: 0 };
+    if (groups.length === 0) {
+      return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0, blocksRefused: 0 };
+    }
     inst.begin("Save");
     const t0 = performance.now();
     const plans: { plan: SavePlan; group: typeof groups[number] }[] = [];
@@ -559,7 +622,10 @@ export class KvEngine {
         });
         if (!begun.ok) {
           this.#metrics?.saveFailed("pool_exhausted");
-          throw new EngineError(Code.RESOURCE_EXHAUSTED, `${who}: ${begun.error.message}; the save is dropped`);
+          throw new EngineError(
+            Code.RESOURCE_EXHAUSTED,
+            `${who}: ${begun.error.message}; the save is dropped`,
+          );
         }
         plans.push({ plan: begun.plan, group });
       }
@@ -594,7 +660,9 @@ export class KvEngine {
                 opened = true;
               }
               const base = g.baseOffset + group.ids[plan.hashIndex[k]] * g.blockStride;
-              for (let s = 0; s < S; s++) b.seg(base + s * g.segStride, plan.offsets[(li * S + s) * n + k], g.segBytes);
+              for (let s = 0; s < S; s++) {
+                b.seg(base + s * g.segStride, plan.offsets[(li * S + s) * n + k], g.segBytes);
+              }
             }
           }
         }
@@ -602,7 +670,10 @@ export class KvEngine {
           bytes = (await this.#native.submit(b)).bytes;
         } catch (e) {
           this.#metrics?.saveFailed("copy_failed");
-          throw new EngineError(Code.INTERNAL, `${who}: gather copy failed: ${(e as Error).message}`);
+          throw new EngineError(
+            Code.INTERNAL,
+            `${who}: gather copy failed: ${(e as Error).message}`,
+          );
         }
       }
       // The bytes are in the pool: the slots join their blocks, complete blocks seal.
@@ -610,7 +681,9 @@ export class KvEngine {
       for (const p of plans.splice(0)) {
         const done = this.#store.completeSave(p.plan, true);
         sealed += done.sealed;
-        this.#ssd?.onSealed(done.sealedKeys); // write-behind; never waits
+        if (done.sealed > 0) {
+          for (const f of this.#sealedListeners) f(inst.namespace, done.sealedKeys);
+        }
       }
       const secs = (performance.now() - t0) / 1000;
       this.#metrics?.saveDone(bytes, secs, blocks);
@@ -625,7 +698,12 @@ export class KvEngine {
         bytes,
         ms: Math.round(secs * 1e6) / 1e3,
       });
-      return { blocksSaved: blocks, blocksSkipped: skipped, bytesCopied: bytes, blocksRefused: refused };
+      return {
+        blocksSaved: blocks,
+        blocksSkipped: skipped,
+        bytesCopied: bytes,
+        blocksRefused: refused,
+      };
     } finally {
       // Plans still here did not complete: free their slots (never half-written data).
       for (const p of plans) this.#store.completeSave(p.plan, false);
@@ -648,10 +726,16 @@ export class KvEngine {
         `instance "${inst.id}": QueryPrefetch before the topology is sealed (${inst.ranks.size}/${inst.worldSize} ranks)`,
       );
     }
-    if (inst.fenced) throw new EngineError(Code.UNAVAILABLE, `instance "${inst.id}" is being cleaned up`);
+    if (inst.fenced) {
+      throw new EngineError(Code.UNAVAILABLE, `instance "${inst.id}" is being cleaned up`);
+    }
     for (let i = 0; i < hashes.length; i++) {
       if (hashes[i].length < 1 || hashes[i].length > MAX_HASH_BYTES) {
-        throw invalid(`request "${requestId}": block hash ${i} is ${hashes[i].length} bytes (1..${MAX_HASH_BYTES})`);
+        throw invalid(
+          `request "${requestId}": block hash ${i} is ${
+            hashes[i].length
+          } bytes (1..${MAX_HASH_BYTES})`,
+        );
       }
     }
     if (this.#ssd?.beforeQuery(inst.namespace, inst.id, hashes, requestId)) {
@@ -660,7 +744,12 @@ export class KvEngine {
     }
     const r = this.#store.query(inst.namespace, hashes, inst.id, inst.worldSize);
     this.#metrics?.queryDone(hashes.length, r.hits);
-    this.#log.debug("query", { instance: inst.id, request: requestId, requested: hashes.length, hits: r.hits });
+    this.#log.debug("query", {
+      instance: inst.id,
+      request: requestId,
+      requested: hashes.length,
+      hits: r.hits,
+    });
     return { hits: r.hits, leaseId: r.lease?.idBytes ?? null, ttlMs: this.#leaseTtlMs };
   }
 
@@ -670,11 +759,17 @@ export class KvEngine {
   async load(args: LoadArgs): Promise<LoadResult> {
     let shm;
     // Attach the load state first so that any refusal is visible to a polling engine too.
-    if (!args.loadStateShm) throw invalid(`instance "${args.instanceId}": Load needs load_state_shm`);
+    if (!args.loadStateShm) {
+      throw invalid(`instance "${args.instanceId}": Load needs load_state_shm`);
+    }
     try {
       shm = this.#native.openShm(args.loadStateShm, LOAD_STATE_BYTES);
     } catch (e) {
-      throw invalid(`instance "${args.instanceId}": cannot open load state "${args.loadStateShm}": ${(e as Error).message}`);
+      throw invalid(
+        `instance "${args.instanceId}": cannot open load state "${args.loadStateShm}": ${
+          (e as Error).message
+        }`,
+      );
     }
     let handedOff = false;
     try {
@@ -700,22 +795,26 @@ export class KvEngine {
     }
   }
 
-  #closeShm(shm: { close(): void }, name: string, attempt = 0): void {
+  #closeShm(shm: { close(): void }, name: string): void {
     try {
       shm.close();
     } catch (e) {
-      // The batch's completion record can reach JS a moment before the native
-      // layer drops the batch's reference to the progress words (PF_EBUSY):
-      // retry shortly instead of leaking the mapping.
-      if ((e as { code?: number }).code === PF_EBUSY && attempt < SHM_CLOSE_RETRIES) {
-        setTimeout(() => this.#closeShm(shm, name, attempt + 1), 1);
-        return;
-      }
+      // Only reached after the batch's completion record, when the native layer
+      // has already dropped its reference: a failure here is a bug worth a log line.
       this.#log.error("closing load state failed", { shm: name, error: (e as Error).message });
     }
   }
 
-  async #runLoad(job: LoadJob): Promise<LoadResult> {
+  /** Stage worker: the whole submit is synchronous; errors become a rejected promise. */
+  #runLoad(job: LoadJob): Promise<LoadResult> {
+    try {
+      return Promise.resolve(this.#submitLoad(job));
+    } catch (e) {
+      return Promise.reject(e);
+    }
+  }
+
+  #submitLoad(job: LoadJob): LoadResult {
     const { args, inst, rank, shm } = job;
     const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}`;
     inst.begin("Load");
@@ -724,7 +823,11 @@ export class KvEngine {
       for (const l of rank.layers) {
         for (let i = 0; i < args.blockIds.length; i++) {
           if (!(args.blockIds[i] < l.geometry.numBlocks)) {
-            throw invalid(`${who} layer "${l.name}": target block id ${args.blockIds[i]} >= num_blocks ${l.geometry.numBlocks}`);
+            throw invalid(
+              `${who} layer "${l.name}": target block id ${
+                args.blockIds[i]
+              } >= num_blocks ${l.geometry.numBlocks}`,
+            );
           }
         }
       }
@@ -756,7 +859,9 @@ export class KvEngine {
         b.group(l.region, l.layerId);
         for (let k = 0; k < n; k++) {
           const base = g.baseOffset + args.blockIds[k] * g.blockStride;
-          for (let s = 0; s < S; s++) b.seg(base + s * g.segStride, view.offsets[(li * S + s) * n + k], g.segBytes);
+          for (let s = 0; s < S; s++) {
+            b.seg(base + s * g.segStride, view.offsets[(li * S + s) * n + k], g.segBytes);
+          }
         }
       }
       const t0 = performance.now();
@@ -765,11 +870,20 @@ export class KvEngine {
       const done = copy.then(
         (d) => {
           this.#metrics?.loadDone(d.bytes, (performance.now() - t0) / 1000, true);
-          this.#log.debug("load done", { instance: inst.id, rank: rank.rank, blocks: args.blockIds.length, bytes: d.bytes });
+          this.#log.debug("load done", {
+            instance: inst.id,
+            rank: rank.rank,
+            blocks: args.blockIds.length,
+            bytes: d.bytes,
+          });
         },
         (e) => {
           this.#metrics?.loadDone(0, (performance.now() - t0) / 1000, false);
-          this.#log.warn("load copy failed", { instance: inst.id, rank: rank.rank, error: (e as Error).message });
+          this.#log.warn("load copy failed", {
+            instance: inst.id,
+            rank: rank.rank,
+            error: (e as Error).message,
+          });
         },
       ).finally(() => {
         this.#store.loadDone(view);
@@ -803,8 +917,10 @@ export class KvEngine {
     inst.fenced = true;
     const t0 = performance.now();
     await inst.drain();
+    // Drained: every copy's completion record has arrived, and the native layer
+    // drops a batch's region references before posting it, so closing cannot race a copy.
     for (const r of inst.ranks.values()) {
-      for (const region of r.regions) await this.#closeWhenIdle(region, `instance "${inst.id}" rank ${r.rank}`);
+      this.#closeRegions(r.regions, `instance "${inst.id}" rank ${r.rank}`);
     }
     const { leases, inflightFreed } = this.#store.dropInstance(inst.id);
     this.#instances.delete(inst.id);
@@ -813,7 +929,9 @@ export class KvEngine {
       lay.users.delete(inst.id);
       // The layout stays bound while blocks of the namespace may be cached; an empty
       // namespace with no user may be re-bound by the next instance.
-      if (lay.users.size === 0 && this.#store.stats().sealedBlocks === 0) this.#layouts.delete(inst.namespace);
+      if (lay.users.size === 0 && this.#store.stats().sealedBlocks === 0) {
+        this.#layouts.delete(inst.namespace);
+      }
     }
     this.#log.info("instance cleaned up", {
       instance: inst.id,

@@ -60,7 +60,9 @@ export function validateGeometry(g: Geometry, where: string): void {
     ["region_bytes", g.regionBytes],
   ];
   for (const [name, v] of ints) {
-    if (!Number.isSafeInteger(v) || v < 0) throw invalid(`${where}: ${name} ${v} is not a valid size`);
+    if (!Number.isSafeInteger(v) || v < 0) {
+      throw invalid(`${where}: ${name} ${v} is not a valid size`);
+    }
   }
   if (g.numBlocks < 1) throw invalid(`${where}: num_blocks must be >= 1, got ${g.numBlocks}`);
   if (g.segBytes < 1) throw invalid(`${where}: seg_bytes must be >= 1, got ${g.segBytes}`);

@@ -83,7 +83,10 @@ export class Instance {
   /** Throws unless new work may start; then counts it in flight until `end()`. */
   begin(what: string): void {
     if (this.fenced) {
-      throw new EngineError(Code.UNAVAILABLE, `instance "${this.id}" is being cleaned up; ${what} refused`);
+      throw new EngineError(
+        Code.UNAVAILABLE,
+        `instance "${this.id}" is being cleaned up; ${what} refused`,
+      );
     }
     this.#inflight++;
   }
@@ -108,7 +111,9 @@ export class Instance {
     const layers = new Map<string, { slotBytes: number; numSegments: number }>();
     for (const r of this.ranks.values()) {
       if (r.tpRank !== 0) continue;
-      for (const l of r.layers) layers.set(l.name, { slotBytes: l.slotBytes, numSegments: l.geometry.numSegments });
+      for (const l of r.layers) {
+        layers.set(l.name, { slotBytes: l.slotBytes, numSegments: l.geometry.numSegments });
+      }
     }
     return { tpSize: this.tpSize, ppSize: this.ppSize, layers };
   }

@@ -40,7 +40,9 @@ export function checkLoadState(view: DataView, name: string): void {
   const version = view.getUint32(OFF_VERSION, true);
   if (magic !== LOAD_STATE_MAGIC) {
     throw invalid(
-      `load state "${name}": magic 0x${magic.toString(16)} is not 0x${LOAD_STATE_MAGIC.toString(16)} ("PFLS")`,
+      `load state "${name}": magic 0x${magic.toString(16)} is not 0x${
+        LOAD_STATE_MAGIC.toString(16)
+      } ("PFLS")`,
     );
   }
   if (version !== LOAD_STATE_VERSION) {
@@ -61,7 +63,9 @@ export function failLoadState(view: DataView, code: number = STATE_REJECTED): vo
 }
 
 /** Engine side: a snapshot of the words. */
-export function readLoadState(view: DataView): { numLayers: number; layersReady: number; state: number } {
+export function readLoadState(
+  view: DataView,
+): { numLayers: number; layersReady: number; state: number } {
   return {
     numLayers: view.getUint32(OFF_NUM_LAYERS, true),
     layersReady: view.getUint32(OFF_LAYERS_READY, true),

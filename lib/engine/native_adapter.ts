@@ -8,7 +8,14 @@
  */
 import { CopyBatch, CopyEngine, type CopyPath, SharedMemory } from "../../ffi/mod.ts";
 import type { Logger } from "../log.ts";
-import type { BatchWriter, CopyDirection, CopyDone, NativePort, RegionPort, ShmPort } from "./ports.ts";
+import type {
+  BatchWriter,
+  CopyDirection,
+  CopyDone,
+  NativePort,
+  RegionPort,
+  ShmPort,
+} from "./ports.ts";
 
 /** Options of {@link openNative}. */
 export interface NativeOptions {
@@ -62,7 +69,10 @@ class GrowingBatch implements BatchWriter {
  *   useHugepages: false, transferPath: "auto" }, log);
  * ```
  */
-export function openNative(opts: NativeOptions, log: Logger): NativePort & { copyEngine: CopyEngine } {
+export function openNative(
+  opts: NativeOptions,
+  log: Logger,
+): NativePort & { copyEngine: CopyEngine } {
   const ce = CopyEngine.open({
     backend: opts.backend,
     device: opts.device,
@@ -118,4 +128,3 @@ export function openNative(opts: NativeOptions, log: Logger): NativePort & { cop
     },
   };
 }
-

@@ -65,4 +65,3 @@ export interface NativePort {
   /** Waits for in-flight copies, then frees ring, pool and engine. */
   close(): Promise<void>;
 }
-

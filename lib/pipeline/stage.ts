@@ -345,7 +345,8 @@ export class Stage<I, O> {
 /**
  * The stage as an RxJS operator over a push source: each source value is
  * submitted; the output is one {@link StageOutcome} per value (refused and
- * dropped ones included, so nothing vanishes silently). The output completes
+ * dropped ones included, so nothing vanishes silently), in the order the
+ * outcomes happen (with concurrency > 1, not necessarily source order). The output completes
  * when the source completed and every accepted item finished (drain).
  *
  * `wait` queues park at most `maxWaiters` values; a push source cannot be

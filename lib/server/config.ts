@@ -151,42 +151,64 @@ export function serveCommand(): Command {
     new Option(flags, desc).env(`PEGAFLOW_${env}`);
   const cmd = new Command("pegaflow-serve")
     .description("PegaFlow KV server: stores inference engines' KV blocks in pinned host memory")
-    .addOption(opt("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
-      .default(DEFAULT_ADDR).argParser(addrArg))
+    .addOption(
+      opt("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
+        .default(DEFAULT_ADDR).argParser(addrArg),
+    )
     .addOption(
       opt("--http-addr <host:port>", "HTTP address for /health, /metrics, /instances", "HTTP_ADDR")
         .argParser(addrArg),
     )
-    .addOption(opt("--devices <ids>", "comma-separated GPU ids (cuda backend)", "DEVICES")
-      .default([0], "0").argParser(devicesArg))
-    .addOption(opt("--backend <kind>", "copy backend: auto, cuda or host", "BACKEND")
-      .default("auto").argParser(choiceArg(["auto", "cuda", "host"] as const)))
+    .addOption(
+      opt("--devices <ids>", "comma-separated GPU ids (cuda backend)", "DEVICES")
+        .default([0], "0").argParser(devicesArg),
+    )
+    .addOption(
+      opt("--backend <kind>", "copy backend: auto, cuda or host", "BACKEND")
+        .default("auto").argParser(choiceArg(["auto", "cuda", "host"] as const)),
+    )
     .addOption(
       opt(
         "--pool-size <size>",
         "pinned pool size (kb/mb/gb/tb); capped to half of MemAvailable",
         "POOL_SIZE",
       )
-        .default(parseSize(DEFAULT_POOL_SIZE), DEFAULT_POOL_SIZE).argParser(sizeArg("--pool-size", 1024 * 1024)),
+        .default(parseSize(DEFAULT_POOL_SIZE), DEFAULT_POOL_SIZE).argParser(
+          sizeArg("--pool-size", 1024 * 1024),
+        ),
     )
     .addOption(
-      opt("--hint-value-size <size>", "typical block slot size; sets the allocation unit", "HINT_VALUE_SIZE")
+      opt(
+        "--hint-value-size <size>",
+        "typical block slot size; sets the allocation unit",
+        "HINT_VALUE_SIZE",
+      )
         .default(0, "auto").argParser(sizeArg("--hint-value-size", 512)),
     )
-    .addOption(opt("--use-hugepages [bool]", "back the pool with huge pages", "USE_HUGEPAGES")
-      .default(false).preset(true).argParser(boolArg))
     .addOption(
-      opt("--enable-lfu-admission [bool]", "TinyLFU admission in front of the LRU", "ENABLE_LFU_ADMISSION")
+      opt("--use-hugepages [bool]", "back the pool with huge pages", "USE_HUGEPAGES")
+        .default(false).preset(true).argParser(boolArg),
+    )
+    .addOption(
+      opt(
+        "--enable-lfu-admission [bool]",
+        "TinyLFU admission in front of the LRU",
+        "ENABLE_LFU_ADMISSION",
+      )
         .default(false).preset(true).argParser(boolArg),
     )
     .addOption(
       opt("--transfer-path <path>", "copy path: auto (calibrated), kernel or dma", "TRANSFER_PATH")
         .default("auto").argParser(choiceArg(["auto", "kernel", "dma"] as const)),
     )
-    .addOption(opt("--log-level <level>", "debug, info, warn or error", "LOG_LEVEL")
-      .default("info").argParser(choiceArg(LOG_LEVELS)))
-    .addOption(opt("--lease-ttl-ms <ms>", "lease lifetime in milliseconds", "LEASE_TTL_MS")
-      .default(DEFAULT_LEASE_TTL_MS).argParser(intArg("--lease-ttl-ms", 1)))
+    .addOption(
+      opt("--log-level <level>", "debug, info, warn or error", "LOG_LEVEL")
+        .default("info").argParser(choiceArg(LOG_LEVELS)),
+    )
+    .addOption(
+      opt("--lease-ttl-ms <ms>", "lease lifetime in milliseconds", "LEASE_TTL_MS")
+        .default(DEFAULT_LEASE_TTL_MS).argParser(intArg("--lease-ttl-ms", 1)),
+    )
     .addOption(
       opt("--max-message-size <size>", "largest gRPC message accepted", "MAX_MESSAGE_SIZE")
         .default(parseSize(DEFAULT_MAX_MESSAGE), DEFAULT_MAX_MESSAGE)
@@ -259,7 +281,9 @@ export const POOL_MEM_FRACTION = 0.5;
  * Caps a requested pool size to {@link POOL_MEM_FRACTION} of the machine's
  * available memory (read from /proc/meminfo; uncapped where unreadable).
  */
-export function capPoolSize(requested: number): { bytes: number; capped: boolean; availBytes: number | null } {
+export function capPoolSize(
+  requested: number,
+): { bytes: number; capped: boolean; availBytes: number | null } {
   let avail: number | null = null;
   try {
     const m = /MemAvailable:\s+(\d+)\s+kB/.exec(Deno.readTextFileSync("/proc/meminfo"));

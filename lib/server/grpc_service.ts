@@ -14,16 +14,16 @@ import {
   type LoadRequest,
   type LoadResponse,
   type QueryPrefetchRequest,
+  type QueryPrefetchResponse,
   type RegisterContextRequest,
+  type RegisterContextResponse,
   type ReleaseRequest,
   type SaveRequest,
-  type UnregisterContextRequest,
-  type QueryPrefetchResponse,
-  type RegisterContextResponse,
   type SaveResponse,
-  SessionEvent_Kind,
   type SessionEvent,
+  SessionEvent_Kind,
   type SessionRequest,
+  type UnregisterContextRequest,
 } from "../../proto/pegaflow.ts";
 import { CODE_NAMES, codeOf, invalid, isExpected, precondition } from "../engine/errors.ts";
 import { type KvEngine, PROTOCOL_VERSION } from "../engine/engine.ts";
@@ -37,7 +37,10 @@ type Unary<Req, Res> = grpc.handleUnaryCall<Req, Res>;
 
 /** Live session streams: instance → rank → call. */
 export class Sessions {
-  readonly #byInstance = new Map<string, Map<number, grpc.ServerWritableStream<SessionRequest, SessionEvent>>>();
+  readonly #byInstance = new Map<
+    string,
+    Map<number, grpc.ServerWritableStream<SessionRequest, SessionEvent>>
+  >();
 
   get count(): number {
     let n = 0;
@@ -46,7 +49,11 @@ export class Sessions {
   }
 
   /** Registers a stream; returns the one it supersedes, if any. */
-  add(instance: string, rank: number, call: grpc.ServerWritableStream<SessionRequest, SessionEvent>) {
+  add(
+    instance: string,
+    rank: number,
+    call: grpc.ServerWritableStream<SessionRequest, SessionEvent>,
+  ) {
     let m = this.#byInstance.get(instance);
     if (!m) this.#byInstance.set(instance, m = new Map());
     const old = m.get(rank);
@@ -55,7 +62,11 @@ export class Sessions {
   }
 
   /** True if `call` is still the current stream of (instance, rank); removes it. */
-  remove(instance: string, rank: number, call: grpc.ServerWritableStream<SessionRequest, SessionEvent>): boolean {
+  remove(
+    instance: string,
+    rank: number,
+    call: grpc.ServerWritableStream<SessionRequest, SessionEvent>,
+  ): boolean {
     const m = this.#byInstance.get(instance);
     if (!m || m.get(rank) !== call) return false;
     m.delete(rank);
@@ -114,9 +125,17 @@ export function engineServiceImpl(
         },
         (e) => {
           const st = statusError(e);
-          metrics.rpc(method, CODE_NAMES[st.code!] ?? String(st.code), (performance.now() - t0) / 1000);
-          if (!isExpected(e)) log.error("rpc failed unexpectedly", { method, error: String((e as Error)?.stack ?? e) });
-          else log.info("rpc refused", { method, code: CODE_NAMES[st.code!], error: st.details });
+          metrics.rpc(
+            method,
+            CODE_NAMES[st.code!] ?? String(st.code),
+            (performance.now() - t0) / 1000,
+          );
+          if (!isExpected(e)) {
+            log.error("rpc failed unexpectedly", {
+              method,
+              error: String((e as Error)?.stack ?? e),
+            });
+          } else log.info("rpc refused", { method, code: CODE_NAMES[st.code!], error: st.details });
           callback(st, null);
         },
       );
@@ -134,23 +153,30 @@ export function engineServiceImpl(
   );
 
   return {
-    registerContext: unary("RegisterContext", (req: RegisterContextRequest): RegisterContextResponse => {
-      const r = engine.register({
-        instanceId: req.instanceId,
-        namespace: req.namespace,
-        tpRank: req.tpRank,
-        tpSize: req.tpSize,
-        ppRank: req.ppRank,
-        ppSize: req.ppSize,
-        worldSize: req.worldSize,
-        deviceId: req.deviceId,
-        layerNames: req.layerNames,
-        regionHandles: req.regionHandles,
-        geometry: req.geometry,
-        clientVersion: req.clientVersion,
-      });
-      return { numLayers: r.numLayers, topologySealed: r.topologySealed, ranksRegistered: r.ranksRegistered };
-    }),
+    registerContext: unary(
+      "RegisterContext",
+      (req: RegisterContextRequest): RegisterContextResponse => {
+        const r = engine.register({
+          instanceId: req.instanceId,
+          namespace: req.namespace,
+          tpRank: req.tpRank,
+          tpSize: req.tpSize,
+          ppRank: req.ppRank,
+          ppSize: req.ppSize,
+          worldSize: req.worldSize,
+          deviceId: req.deviceId,
+          layerNames: req.layerNames,
+          regionHandles: req.regionHandles,
+          geometry: req.geometry,
+          clientVersion: req.clientVersion,
+        });
+        return {
+          numLayers: r.numLayers,
+          topologySealed: r.topologySealed,
+          ranksRegistered: r.ranksRegistered,
+        };
+      },
+    ),
     save: unary("Save", async (req: SaveRequest): Promise<SaveResponse> => {
       const r = await engine.save(req);
       return {
@@ -168,14 +194,20 @@ export function engineServiceImpl(
         return {
           result: {
             $case: "ready",
-            value: { numHitBlocks: r.hits, leaseId: r.leaseId ?? new Uint8Array(0), leaseTtlMs: r.ttlMs },
+            value: {
+              numHitBlocks: r.hits,
+              leaseId: r.leaseId ?? new Uint8Array(0),
+              leaseTtlMs: r.ttlMs,
+            },
           },
         };
       },
     ),
     load: unary("Load", async (req: LoadRequest): Promise<LoadResponse> => {
       if (req.leaseId.length !== LEASE_ID_BYTES) {
-        throw invalid(`instance "${req.instanceId}": lease id is ${req.leaseId.length} bytes, expected ${LEASE_ID_BYTES}`);
+        throw invalid(
+          `instance "${req.instanceId}": lease id is ${req.leaseId.length} bytes, expected ${LEASE_ID_BYTES}`,
+        );
       }
       const r = await engine.load(req);
       return { numBlocks: r.numBlocks, numLayers: r.numLayers, bytes: r.bytes };
@@ -207,7 +239,10 @@ export function engineServiceImpl(
       const rank = ppRank * 65536 + tpRank;
       const old = sessions.add(instanceId, rank, call);
       if (old) {
-        old.write({ kind: SessionEvent_Kind.SUPERSEDED, message: "a newer session for this rank took over" });
+        old.write({
+          kind: SessionEvent_Kind.SUPERSEDED,
+          message: "a newer session for this rank took over",
+        });
         old.end();
       }
       log.info("session opened", { instance: instanceId, tp_rank: tpRank, pp_rank: ppRank });
@@ -218,7 +253,12 @@ export function engineServiceImpl(
         metrics.rpc("Session", "CANCELLED", (performance.now() - t0) / 1000);
         // Only the current session's loss cleans up; a superseded one just goes away.
         if (!sessions.remove(instanceId, rank, call)) return;
-        log.warn("session dropped; cleaning up the instance", { instance: instanceId, tp_rank: tpRank, pp_rank: ppRank, why });
+        log.warn("session dropped; cleaning up the instance", {
+          instance: instanceId,
+          tp_rank: tpRank,
+          pp_rank: ppRank,
+          why,
+        });
         cleanup(instanceId, "session_lost").catch((e) =>
           log.error("session cleanup failed", { instance: instanceId, error: String(e) })
         );

@@ -34,7 +34,9 @@ async function readJson(req: Request): Promise<Record<string, unknown>> {
   if (text.length > MAX_BODY_BYTES) throw new Error(`body over ${MAX_BODY_BYTES} bytes`);
   if (text.trim() === "") return {};
   const v = JSON.parse(text);
-  if (typeof v !== "object" || v === null || Array.isArray(v)) throw new Error("body must be a JSON object");
+  if (typeof v !== "object" || v === null || Array.isArray(v)) {
+    throw new Error("body must be a JSON object");
+  }
   return v as Record<string, unknown>;
 }
 
@@ -67,7 +69,11 @@ export function httpHandler(deps: {
             headers: { "content-type": metrics.registry.contentType },
           });
         case "GET /instances":
-          return json(200, { instances: engine.instances(), stages: engine.stageStats(), store: store.stats() });
+          return json(200, {
+            instances: engine.instances(),
+            stages: engine.stageStats(),
+            store: store.stats(),
+          });
         case "POST /instances/cleanup": {
           let body;
           try {
@@ -82,7 +88,9 @@ export function httpHandler(deps: {
             : null;
           if (!ids) return json(400, { error: 'expected {"instance_id": "..."} or {"all": true}' });
           const unknown = ids.filter((id) => !engine.has(id));
-          if (unknown.length > 0) return json(404, { error: `instance "${unknown[0]}" is not registered` });
+          if (unknown.length > 0) {
+            return json(404, { error: `instance "${unknown[0]}" is not registered` });
+          }
           const cleaned = [];
           for (const id of ids) {
             const leases = await deps.cleanup(id, "http_cleanup");

@@ -70,7 +70,10 @@ export interface RunningServer {
  * await s.close();
  * ```
  */
-export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLevel)): Promise<RunningServer> {
+export async function startServer(
+  cfg: ServeConfig,
+  log = new Logger(cfg.logLevel),
+): Promise<RunningServer> {
   const cap = capPoolSize(cfg.poolSize);
   if (cap.capped) {
     log.warn("pool size capped to what this machine can hold", {
@@ -106,11 +109,15 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
   // Leases expire and stale inflight blocks are collected on every store call;
   // the timer covers an idle server so pins do not outlive their TTL.
   const collector = setInterval(() => store.collect(), COLLECT_INTERVAL_MS);
-  log.info("store ready", { unit_bytes: unitBytes, lfu_admission: cfg.enableLfuAdmission, lease_ttl_ms: cfg.leaseTtlMs });
+  log.info("store ready", {
+    unit_bytes: unitBytes,
+    lfu_admission: cfg.enableLfuAdmission,
+    lease_ttl_ms: cfg.leaseTtlMs,
+  });
   const sessions = new Sessions();
-  let engineRef: KvEngine | undefined;
-  const metrics = new ServerMetrics(() => store.stats(), {
-    instances: () => engineRef?.instances().length ?? 0,
+  // The gauges read the engine at scrape time, by which point it exists.
+  const metrics: ServerMetrics = new ServerMetrics(() => store.stats(), {
+    instances: () => engine.instances().length,
     sessions: () => sessions.count,
   });
   let ssd: SsdTier | undefined;
@@ -134,15 +141,11 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
       log.error("SSD tier disabled", { error: e.message });
     }
   }
-  const engine = new KvEngine({
-    native,
-    store,
-    log,
-    metrics,
-    leaseTtlMs: cfg.leaseTtlMs,
-    ssd: ssd ? new SsdKvBridge(ssd, store, (level, msg) => log[level](msg, { tier: "ssd" })) : undefined,
-  });
-  engineRef = engine;
+  const bridge = ssd ? new SsdKvBridge(ssd, store, (level, msg) => log[level](msg, { tier: "ssd" })) : undefined;
+  const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs, ssd: bridge });
+  engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
+  // Write-behind: sealed blocks are offered to the SSD tier (never waits).
+  if (bridge) engine.onSealed((_ns, keys) => bridge.onSealed(keys));
 
   const server = new grpc.Server({
     "grpc.max_receive_message_length": cfg.maxMessageBytes,
@@ -153,7 +156,11 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
   });
   server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
   const port = await new Promise<number>((resolve, reject) =>
-    server.bindAsync(cfg.addr, grpc.ServerCredentials.createInsecure(), (err, p) => err ? reject(err) : resolve(p))
+    server.bindAsync(
+      cfg.addr,
+      grpc.ServerCredentials.createInsecure(),
+      (err, p) => err ? reject(err) : resolve(p),
+    )
   ).catch(async (e) => {
     clearInterval(collector);
     await ssd?.close();
@@ -179,7 +186,10 @@ export async function startServer(cfg: ServeConfig, log = new Logger(cfg.logLeve
       },
     });
     try {
-      http = Deno.serve({ hostname, port: Number(cfg.httpAddr.slice(i + 1)), onListen: () => {} }, handler);
+      http = Deno.serve(
+        { hostname, port: Number(cfg.httpAddr.slice(i + 1)), onListen: () => {} },
+        handler,
+      );
     } catch (e) {
       server.forceShutdown();
       clearInterval(collector);

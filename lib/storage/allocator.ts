@@ -242,15 +242,29 @@ export class PoolAllocator {
     this.#mark(start, n, true);
   }
 
+  /** Sets or clears the bits of units [start, start+n): whole 32-bit words in the middle. */
   #mark(start: number, n: number, used: boolean): void {
-    for (let u = start; u < start + n; u++) {
-      if (used) this.#used[u >>> 5] |= 1 << (u & 31);
-      else this.#used[u >>> 5] &= ~(1 << (u & 31));
-    }
+    const end = start + n;
+    let u = start;
+    for (; u < end && (u & 31) !== 0; u++) this.#bit(u, used);
+    const word = used ? 0xffffffff : 0;
+    for (; u + 32 <= end; u += 32) this.#used[u >>> 5] = word;
+    for (; u < end; u++) this.#bit(u, used);
+  }
+
+  #bit(u: number, used: boolean): void {
+    if (used) this.#used[u >>> 5] |= 1 << (u & 31);
+    else this.#used[u >>> 5] &= ~(1 << (u & 31));
   }
 
   #allUsed(start: number, n: number): boolean {
-    for (let u = start; u < start + n; u++) {
+    const end = start + n;
+    let u = start;
+    for (; u < end && (u & 31) !== 0; u++) {
+      if ((this.#used[u >>> 5] & (1 << (u & 31))) === 0) return false;
+    }
+    for (; u + 32 <= end; u += 32) if (this.#used[u >>> 5] !== 0xffffffff) return false;
+    for (; u < end; u++) {
       if ((this.#used[u >>> 5] & (1 << (u & 31))) === 0) return false;
     }
     return true;

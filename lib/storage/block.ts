@@ -14,6 +14,7 @@
  */
 
 import { InvalidArgumentError } from "./errors.ts";
+import { type BlockHash, hashMatches } from "./keys.ts";
 
 /** Geometry of one namespace's blocks in the pool. */
 export interface BlockLayout {
@@ -29,9 +30,11 @@ export interface BlockLayout {
   segmentBytes: number;
 }
 
-/** Most layers / ranks / segments accepted: far above any model, low enough to catch garbage. */
+/** Most layers accepted: far above any model, low enough to catch garbage. */
 export const MAX_LAYERS = 4096;
+/** Most TP ranks accepted (same reason). */
 export const MAX_TP = 1024;
+/** Most segments per slot accepted (K/V split uses 2). */
 export const MAX_SEGMENTS = 8;
 
 /** Checks a layout; throws {@link InvalidArgumentError} naming the bad field. */
@@ -93,23 +96,63 @@ export class Block {
   /** Leases + in-flight loads + transfer locks holding this block. */
   pins = 0;
   cls: CacheClass = "retained";
-  /** Instances that wrote slots while inflight (for cleanup on unregister). */
-  writers: Set<string> | undefined;
+  /**
+   * The instance that last wrote slots while inflight. When it unregisters
+   * the partial block is freed; if another (live) instance wrote after it,
+   * that one may still complete the block, and the inflight TTL covers the rest.
+   */
+  lastWriter: string | undefined;
+  /** Next block of the same index bucket (owned by BlockIndex). */
+  chainNext: Block | null = null;
   /** Intrusive LRU links (owned by cache.ts). */
   prev: Block | null = null;
   next: Block | null = null;
   linked = false;
 
+  /** `namespace:hash`, for logs and completion reports. */
+  key: string;
+  /** Content hash, lower-case hex. */
+  hash: string;
+  createdAt: number;
+  /** {@link hashBucket} of the hash under the namespace's seed. */
+  bucket: number;
+
   constructor(
-    readonly key: string,
+    key: string,
     readonly namespace: string,
-    readonly hash: string,
+    hash: string,
     readonly layout: BlockLayout,
-    readonly createdAt: number,
+    createdAt: number,
+    bucket: number,
   ) {
+    this.key = key;
+    this.hash = hash;
+    this.createdAt = createdAt;
+    this.bucket = bucket;
     const n = layout.layers * rankSlots(layout);
     this.slots = new Uint8Array(n);
     this.offsets = new Float64Array(n * layout.segments).fill(NO_OFFSET);
+  }
+
+  /**
+   * Makes a freed record hold a new block of the same namespace. The store
+   * recycles records so that a full pool's save/evict churn allocates
+   * nothing per block. Throws if the record still holds anything (a store
+   * bug, never bad input): a recycled record must never carry old bytes.
+   */
+  recycle(key: string, hash: string, createdAt: number, bucket: number): void {
+    let clean = this.pins === 0 && this.pending === 0 && this.filled === 0 && !this.linked &&
+      this.chainNext === null;
+    for (let i = 0; clean && i < this.slots.length; i++) clean = this.slots[i] === SLOT_EMPTY;
+    for (let i = 0; clean && i < this.offsets.length; i++) clean = this.offsets[i] === NO_OFFSET;
+    if (!clean) throw new Error(`block record ${this.key} recycled while still in use`);
+    this.key = key;
+    this.hash = hash;
+    this.createdAt = createdAt;
+    this.bucket = bucket;
+    this.state = "inflight";
+    this.cls = "retained";
+    this.lastWriter = undefined;
   }
 
   /** Slots a sealed block holds. */
@@ -124,17 +167,19 @@ export class Block {
 }
 
 /**
- * All blocks by key, plus the inflight ones in creation order (so stale
- * collection scans only the old end).
+ * All blocks, found by (namespace, numeric hash bucket) with collisions
+ * chained through `chainNext`, plus the inflight ones in creation order (so
+ * stale collection scans only the old end).
  */
 export class BlockIndex {
-  readonly #blocks = new Map<string, Block>();
-  readonly #inflight = new Map<string, Block>();
+  readonly #byNamespace = new Map<string, Map<number, Block>>();
+  readonly #inflight = new Set<Block>();
+  #size = 0;
   #sealed = 0;
 
   /** Blocks of any state. */
   get size(): number {
-    return this.#blocks.size;
+    return this.#size;
   }
 
   /** Sealed blocks. */
@@ -147,32 +192,62 @@ export class BlockIndex {
     return this.#inflight.size;
   }
 
-  get(key: string): Block | undefined {
-    return this.#blocks.get(key);
+  /** The block of `hash` in `namespace` (bucket = hashBucket(hash, seed)), or undefined. */
+  find(namespace: string, hash: BlockHash, bucket: number): Block | undefined {
+    let b = this.#byNamespace.get(namespace)?.get(bucket);
+    while (b && !hashMatches(hash, b.hash)) b = b.chainNext ?? undefined;
+    return b;
+  }
+
+  /** True when this very block is indexed. */
+  has(b: Block): boolean {
+    for (
+      let x = this.#byNamespace.get(b.namespace)?.get(b.bucket);
+      x;
+      x = x.chainNext ?? undefined
+    ) {
+      if (x === b) return true;
+    }
+    return false;
   }
 
   /** Adds a new inflight block. */
   addInflight(b: Block): void {
-    if (this.#blocks.has(b.key)) throw new Error(`block ${b.key} is already indexed`);
-    this.#blocks.set(b.key, b);
-    this.#inflight.set(b.key, b);
+    if (this.find(b.namespace, b.hash, b.bucket)) {
+      throw new Error(`block ${b.key} is already indexed`);
+    }
+    let m = this.#byNamespace.get(b.namespace);
+    if (!m) this.#byNamespace.set(b.namespace, m = new Map());
+    b.chainNext = m.get(b.bucket) ?? null;
+    m.set(b.bucket, b);
+    this.#inflight.add(b);
+    this.#size++;
   }
 
   /** Moves an inflight block to sealed. */
   seal(b: Block): void {
     if (b.state !== "inflight") throw new Error(`block ${b.key} is already sealed`);
     b.state = "sealed";
-    b.writers = undefined;
-    this.#inflight.delete(b.key);
+    b.lastWriter = undefined;
+    this.#inflight.delete(b);
     this.#sealed++;
   }
 
-  /** Drops a block of any state. */
+  /** Drops a block of any state (no-op when it is not indexed). */
   remove(b: Block): void {
-    if (this.#blocks.get(b.key) !== b) return;
-    this.#blocks.delete(b.key);
-    if (b.state === "inflight") this.#inflight.delete(b.key);
-    else this.#sealed--;
+    const m = this.#byNamespace.get(b.namespace);
+    let prev: Block | null = null;
+    for (let x = m?.get(b.bucket) ?? null; x; prev = x, x = x.chainNext) {
+      if (x !== b) continue;
+      if (prev) prev.chainNext = b.chainNext;
+      else if (b.chainNext) m!.set(b.bucket, b.chainNext);
+      else m!.delete(b.bucket);
+      b.chainNext = null;
+      this.#size--;
+      if (b.state === "inflight") this.#inflight.delete(b);
+      else this.#sealed--;
+      return;
+    }
   }
 
   /** Inflight blocks, oldest first. */
@@ -181,7 +256,11 @@ export class BlockIndex {
   }
 
   /** Every block (any state). */
-  all(): IterableIterator<Block> {
-    return this.#blocks.values();
+  *all(): IterableIterator<Block> {
+    for (const m of this.#byNamespace.values()) {
+      for (const head of m.values()) {
+        for (let b: Block | null = head; b; b = b.chainNext) yield b;
+      }
+    }
   }
 }

@@ -177,9 +177,9 @@ export class CountMinSketch {
     return this.#resets;
   }
 
-  /** Records one access of `key`. */
-  increment(key: string): void {
-    const h1 = fnv1a32(key);
+  /** Records one access of `key` (a string, or an already-hashed 32-bit number). */
+  increment(key: string | number): void {
+    const h1 = typeof key === "number" ? key >>> 0 : fnv1a32(key);
     const h2 = mix32(h1) | 1;
     const mask = this.width - 1;
     let added = false;
@@ -194,8 +194,8 @@ export class CountMinSketch {
   }
 
   /** Estimated accesses of `key` (never below the truth since the last halving, up to 255). */
-  estimate(key: string): number {
-    const h1 = fnv1a32(key);
+  estimate(key: string | number): number {
+    const h1 = typeof key === "number" ? key >>> 0 : fnv1a32(key);
     const h2 = mix32(h1) | 1;
     const mask = this.width - 1;
     let min = SKETCH_MAX;
@@ -235,13 +235,13 @@ export class TinyLfu {
     return this.#rejections;
   }
 
-  /** Records an access (a query or a save of the key). */
-  record(key: string): void {
+  /** Records an access (a query or a save of the key, or of its 32-bit hash). */
+  record(key: string | number): void {
     this.sketch.increment(key);
   }
 
   /** True when `candidate` is more popular than `victim`; counts a rejection otherwise. */
-  admit(candidate: string, victim: string): boolean {
+  admit(candidate: string | number, victim: string | number): boolean {
     if (this.sketch.estimate(candidate) > this.sketch.estimate(victim)) return true;
     this.#rejections++;
     return false;

@@ -52,13 +52,24 @@ Deno.test("every bad flag value is refused with the flag named", () => {
     assert.equal(r.kind, "exit", `${argv.join(" ")} should be refused`);
     if (r.kind === "exit") {
       assert.equal(r.code, 2);
-      assert.ok(r.output.includes(flag), `message for ${argv.join(" ")} names ${flag}: ${r.output}`);
+      assert.ok(
+        r.output.includes(flag),
+        `message for ${argv.join(" ")} names ${flag}: ${r.output}`,
+      );
     }
   }
 });
 
 Deno.test("flags parse into the config, with defaults", () => {
-  const r = parseServeArgs(["--pool-size", "2gb", "--backend", "host", "--use-hugepages", "--devices", "0,1"]);
+  const r = parseServeArgs([
+    "--pool-size",
+    "2gb",
+    "--backend",
+    "host",
+    "--use-hugepages",
+    "--devices",
+    "0,1",
+  ]);
   assert.equal(r.kind, "config");
   if (r.kind !== "config") return;
   assert.equal(r.config.poolSize, 2 * 1024 ** 3);
@@ -69,7 +80,9 @@ Deno.test("flags parse into the config, with defaults", () => {
   assert.equal(r.config.addr, "127.0.0.1:50055");
   assert.equal(r.config.transferPath, "auto");
   const d = parseServeArgs([]);
-  assert.ok(d.kind === "config" && d.config.poolSizeDefaulted && d.config.poolSize === 30 * 1024 ** 3);
+  assert.ok(
+    d.kind === "config" && d.config.poolSizeDefaulted && d.config.poolSize === 30 * 1024 ** 3,
+  );
 });
 
 Deno.test("main.ts refuses a bad flag and a bad env var before start-up, exit 2", async () => {

@@ -28,8 +28,23 @@ export interface ServerProc {
 }
 
 /** Starts a server with these extra flags (defaults: host backend, 64 MiB pool, ephemeral ports). */
-export async function startServer(flags: string[] = [], env: Record<string, string> = {}): Promise<ServerProc> {
-  const args = ["run", "-A", "main.ts", "--addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--backend", "host", "--log-level", "debug"];
+export async function startServer(
+  flags: string[] = [],
+  env: Record<string, string> = {},
+): Promise<ServerProc> {
+  const args = [
+    "run",
+    "-A",
+    "main.ts",
+    "--addr",
+    "127.0.0.1:0",
+    "--http-addr",
+    "127.0.0.1:0",
+    "--backend",
+    "host",
+    "--log-level",
+    "debug",
+  ];
   if (!flags.includes("--pool-size")) args.push("--pool-size", "64mb");
   args.push(...flags);
   const child = new Deno.Command(DENO, {
@@ -57,7 +72,9 @@ export async function startServer(flags: string[] = [], env: Record<string, stri
   const deadline = Date.now() + START_TIMEOUT_MS;
   let listening: { grpc: string; http: string } | undefined;
   while (!listening) {
-    const timer = new Promise<null>((r) => setTimeout(() => r(null), Math.max(0, deadline - Date.now())));
+    const timer = new Promise<null>((r) =>
+      setTimeout(() => r(null), Math.max(0, deadline - Date.now()))
+    );
     const r = await Promise.race([reader.read(), timer]);
     if (r === null || r.done) {
       try {
@@ -84,11 +101,16 @@ export async function startServer(flags: string[] = [], env: Record<string, stri
     logs: () => lines,
     http_get: (p) => fetch(base + p),
     http_post: (p, body) =>
-      fetch(base + p, { method: "POST", body: body === undefined ? undefined : JSON.stringify(body) }),
+      fetch(base + p, {
+        method: "POST",
+        body: body === undefined ? undefined : JSON.stringify(body),
+      }),
     async metric(name, labels = "") {
       const text = await (await fetch(base + "/metrics")).text();
       for (const line of text.split("\n")) {
-        if (line.startsWith(name + labels + " ")) return Number(line.slice(name.length + labels.length + 1));
+        if (line.startsWith(name + labels + " ")) {
+          return Number(line.slice(name.length + labels.length + 1));
+        }
       }
       return NaN;
     },

@@ -14,7 +14,8 @@ const ROOT = new URL("../../", import.meta.url).pathname;
 const NODE_PACKAGES = [["@grpc/grpc-js", "1.14.7"], ["@js-sdsl/ordered-map", "4.4.2"]];
 
 async function npmCacheDir(): Promise<string> {
-  const out = await new Deno.Command(Deno.execPath(), { args: ["info", "--json"], stdout: "piped" }).output();
+  const out = await new Deno.Command(Deno.execPath(), { args: ["info", "--json"], stdout: "piped" })
+    .output();
   return JSON.parse(new TextDecoder().decode(out.stdout)).npmCache;
 }
 
@@ -26,7 +27,14 @@ Deno.test("a grpc-js client on Node queries the server and gets real statuses", 
   const cache = `${await npmCacheDir()}/registry.npmjs.org`;
   const dir = await Deno.makeTempDir({ prefix: "pegaflow-node-" });
   const srv = await startServer();
-  const sim = SimEngine.create({ client: srv.client, instanceId: uid("node"), namespace: uid("ns"), model: { ...LLAMA_3_1_8B, numLayers: 2 }, numBlocks: 8, backend: "host" });
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId: uid("node"),
+    namespace: uid("ns"),
+    model: { ...LLAMA_3_1_8B, numLayers: 2 },
+    numBlocks: 8,
+    backend: "host",
+  });
   try {
     for (const [name, version] of NODE_PACKAGES) {
       const target = `${cache}/${name}/${version}`;
@@ -42,7 +50,13 @@ Deno.test("a grpc-js client on Node queries the server and gets real statuses", 
     await sim.save([0, 1, 2], hashes);
 
     const out = await new Deno.Command("node", {
-      args: ["--preserve-symlinks", `${dir}/client.mjs`, srv.grpc, sim.instanceId, hashes.map(hex).join(",")],
+      args: [
+        "--preserve-symlinks",
+        `${dir}/client.mjs`,
+        srv.grpc,
+        sim.instanceId,
+        hashes.map(hex).join(","),
+      ],
       cwd: dir,
       stdout: "piped",
       stderr: "piped",

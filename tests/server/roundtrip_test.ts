@@ -39,8 +39,8 @@ Deno.test("a saved prefix loads byte-exact into different block ids, with per-la
     assert.equal(saved.blocksSkipped, 0);
     assert.equal(saved.bytesCopied, 20 * 4 * 2 * 32768);
 
-    // A second save of the same hashes copies nothing (dedup before copy).
-    const again = await sim.save(src, hashes);
+    // A second save of the same hashes (per-layer lists this time) copies nothing: dedup before copy.
+    const again = await sim.save(src, hashes, { perLayer: true });
     assert.equal(again.blocksSaved, 0);
     assert.equal(again.bytesCopied, 0);
     assert.equal(again.blocksSkipped, 20);
@@ -68,7 +68,10 @@ Deno.test("a saved prefix loads byte-exact into different block ids, with per-la
     assert.equal(dv.getInt32(20, true), 1, "state ok");
 
     // The lease was consumed by the only rank: a second load with it is refused.
-    await assert.rejects(sim.load(q.leaseId, dst), (e: Error) => /FAILED_PRECONDITION/.test(e.message));
+    await assert.rejects(
+      sim.load(q.leaseId, dst),
+      (e: Error) => /FAILED_PRECONDITION/.test(e.message),
+    );
 
     // A miss answers 0 hits and no lease.
     const miss = await sim.query(chainedBlockHashes(syntheticTokens(99, 32), 16), "req-2");

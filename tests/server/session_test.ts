@@ -16,7 +16,11 @@ async function instanceIds(srv: ServerProc): Promise<string[]> {
   return j.instances.map((i: { instanceId: string }) => i.instanceId);
 }
 
-async function until(what: string, cond: () => Promise<boolean>, timeoutMs = 20_000): Promise<void> {
+async function until(
+  what: string,
+  cond: () => Promise<boolean>,
+  timeoutMs = 20_000,
+): Promise<void> {
   const deadline = Date.now() + timeoutMs;
   while (!(await cond())) {
     if (Date.now() > deadline) throw new Error(`timed out waiting for: ${what}`);
@@ -27,7 +31,14 @@ async function until(what: string, cond: () => Promise<boolean>, timeoutMs = 20_
 Deno.test("closing the session cleans the instance up (leases released) and re-registration works", async () => {
   const srv = await startServer();
   const instanceId = uid("sess");
-  const sim = SimEngine.create({ client: srv.client, instanceId, namespace: uid("ns"), model: MODEL, numBlocks: 16, backend: "host" });
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId,
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 16,
+    backend: "host",
+  });
   try {
     const session = srv.client.openSession(instanceId);
     await sim.register();
@@ -45,7 +56,10 @@ Deno.test("closing the session cleans the instance up (leases released) and re-r
     assert.equal(await srv.metric("pegaflow_leases"), 0, "its leases were released");
     assert.equal(await srv.metric("pegaflow_pinned_blocks"), 0);
     assert.equal(shmMappings(srv.pid, regionName.slice(1)).length, 0, "its mapping was closed");
-    assert.equal(await srv.metric("pegaflow_instance_cleanups_total", '{reason="session_lost"}'), 1);
+    assert.equal(
+      await srv.metric("pegaflow_instance_cleanups_total", '{reason="session_lost"}'),
+      1,
+    );
 
     // Re-registration of the same instance works and the cache still serves it.
     const again = srv.client.openSession(instanceId);
@@ -114,7 +128,14 @@ Deno.test("an engine killed with SIGKILL mid-save is cleaned up with nothing lea
     assert.equal(await srv.metric("pegaflow_pool_used_bytes"), 0, "pool usage returns to zero");
 
     // The server keeps serving: the same instance id registers again.
-    const sim = SimEngine.create({ client: srv.client, instanceId, namespace, model: { ...LLAMA_3_1_8B, numLayers: 8 }, numBlocks: 64, backend: "host" });
+    const sim = SimEngine.create({
+      client: srv.client,
+      instanceId,
+      namespace,
+      model: { ...LLAMA_3_1_8B, numLayers: 8 },
+      numBlocks: 64,
+      backend: "host",
+    });
     try {
       const r = await sim.register();
       assert.equal(r.topologySealed, true);
@@ -132,6 +153,36 @@ Deno.test("an engine killed with SIGKILL mid-save is cleaned up with nothing lea
         if (!(e instanceof Deno.errors.NotFound)) throw e;
       });
     }
+    await srv.stop();
+  }
+});
+
+Deno.test("a newer session for the same rank supersedes the old one without a cleanup", async () => {
+  const srv = await startServer();
+  const instanceId = uid("super");
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId,
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 8,
+    backend: "host",
+  });
+  try {
+    const first = srv.client.openSession(instanceId);
+    await sim.register();
+    const second = srv.client.openSession(instanceId);
+    const ev = await first.closed;
+    assert.equal(ev?.kind, 1 /* SUPERSEDED */);
+    // The superseded stream ending did not clean the instance up.
+    assert.deepEqual(await instanceIds(srv), [instanceId]);
+    second.close();
+    await until(
+      "instance gone after the current session drops",
+      async () => (await instanceIds(srv)).length === 0,
+    );
+  } finally {
+    sim.close();
     await srv.stop();
   }
 });

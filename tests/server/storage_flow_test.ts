@@ -24,8 +24,26 @@ Deno.test("TP=2: a block saved by one rank only is never served; both ranks load
   const srv = await startServer();
   const instanceId = uid("tp");
   const namespace = uid("ns");
-  const r0 = SimEngine.create({ client: srv.client, instanceId, namespace, model: MODEL, numBlocks: 32, tpRank: 0, tpSize: 2, backend: "host" });
-  const r1 = SimEngine.create({ client: srv.client, instanceId, namespace, model: MODEL, numBlocks: 32, tpRank: 1, tpSize: 2, backend: "host" });
+  const r0 = SimEngine.create({
+    client: srv.client,
+    instanceId,
+    namespace,
+    model: MODEL,
+    numBlocks: 32,
+    tpRank: 0,
+    tpSize: 2,
+    backend: "host",
+  });
+  const r1 = SimEngine.create({
+    client: srv.client,
+    instanceId,
+    namespace,
+    model: MODEL,
+    numBlocks: 32,
+    tpRank: 1,
+    tpSize: 2,
+    backend: "host",
+  });
   try {
     const a = await r0.register();
     assert.equal(a.topologySealed, false);
@@ -43,7 +61,13 @@ Deno.test("TP=2: a block saved by one rank only is never served; both ranks load
     assert.equal(half.kind === "ready" && half.hits, 0, "half-saved blocks are not served");
     assert.equal(await srv.metric("pegaflow_inflight_blocks"), 10);
 
+    assert.equal(await srv.metric("pegaflow_blocks_sealed_total"), 0);
     await r1.save(ids(0, 10), hashes);
+    assert.equal(
+      await srv.metric("pegaflow_blocks_sealed_total"),
+      10,
+      "the second rank's save sealed them",
+    );
     const q = await r0.query(hashes, "q-full");
     assert.ok(q.kind === "ready" && q.hits === 10);
     if (q.kind !== "ready") return;
@@ -67,7 +91,14 @@ Deno.test("TP=2: a block saved by one rank only is never served; both ranks load
 Deno.test("a lease keeps its blocks through eviction pressure; a full pool refuses saves and keeps serving", async () => {
   // 8 MiB pool = 32 blocks of 256 KiB.
   const srv = await startServer(["--pool-size", "8mb"]);
-  const sim = SimEngine.create({ client: srv.client, instanceId: uid("ev"), namespace: uid("ns"), model: MODEL, numBlocks: 64, backend: "host" });
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId: uid("ev"),
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 64,
+    backend: "host",
+  });
   try {
     await sim.register();
     assert.equal(await srv.metric("pegaflow_pool_capacity_bytes"), 8 * 1024 * 1024);
@@ -87,6 +118,11 @@ Deno.test("a lease keeps its blocks through eviction pressure; a full pool refus
     }
     assert.ok((await srv.metric("pegaflow_cache_evictions_total")) >= 16);
     assert.ok((await srv.metric("pegaflow_pool_used_bytes")) <= 8 * 1024 * 1024);
+    assert.equal(
+      (await srv.metric("pegaflow_cache_blocks")) * BLOCK_BYTES,
+      await srv.metric("pegaflow_pool_used_bytes"),
+      "every allocated byte belongs to a sealed block",
+    );
 
     // A survived under its lease: load it into other blocks, byte-exact.
     sim.clear(ids(40, 8));
@@ -97,10 +133,17 @@ Deno.test("a lease keeps its blocks through eviction pressure; a full pool refus
     // Pin the whole pool: lease every resident prefix, then a new save cannot fit.
     const leases: Uint8Array[] = [];
     for (const seed of [100, 202, 203, 204]) {
-      const q = await sim.query(chainedBlockHashes(syntheticTokens(seed, 16 * 8), 16), `pin-${seed}`);
+      const q = await sim.query(
+        chainedBlockHashes(syntheticTokens(seed, 16 * 8), 16),
+        `pin-${seed}`,
+      );
       if (q.kind === "ready" && q.hits > 0) leases.push(q.leaseId);
     }
-    assert.equal(await srv.metric("pegaflow_cache_evictable_bytes"), 0, "everything resident is pinned");
+    assert.equal(
+      await srv.metric("pegaflow_cache_evictable_bytes"),
+      0,
+      "everything resident is pinned",
+    );
     const N = chainedBlockHashes(syntheticTokens(999, 16 * 4), 16);
     sim.fill(ids(50, 4), N);
     await assert.rejects(sim.save(ids(50, 4), N), (e: unknown) => {
@@ -117,6 +160,45 @@ Deno.test("a lease keeps its blocks through eviction pressure; a full pool refus
     const ok = await sim.save(ids(50, 4), N);
     assert.equal(ok.blocksSaved, 4);
     assert.ok((await srv.metric("pegaflow_pool_used_bytes")) <= 8 * 1024 * 1024);
+  } finally {
+    sim.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a block saved layer by layer in separate requests is served only once every layer arrived", async () => {
+  const srv = await startServer();
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId: uid("layers"),
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 16,
+    backend: "host",
+  });
+  try {
+    await sim.register();
+    const hashes = chainedBlockHashes(syntheticTokens(31, 16 * 4), 16);
+    sim.fill(ids(0, 4), hashes);
+    const part = (names: string[]) =>
+      srv.client.save({
+        instanceId: sim.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        layers: names.map((layerName) => ({ layerName, blockIds: ids(0, 4), blockHashes: hashes })),
+      });
+    const first = await part(sim.layerNames.slice(0, 2));
+    assert.equal(first.bytesCopied, 4 * 2 * 2 * 32768);
+    const q0 = await sim.query(hashes, "partial");
+    assert.equal(q0.kind === "ready" && q0.hits, 0, "2 of 4 layers: not servable");
+    await part(sim.layerNames.slice(2));
+    const q = await sim.query(hashes, "complete");
+    assert.ok(q.kind === "ready" && q.hits === 4);
+    if (q.kind !== "ready") return;
+    sim.clear(ids(8, 4));
+    await sim.load(q.leaseId, ids(8, 4));
+    const v = sim.verify(ids(8, 4), hashes);
+    assert.equal(v.badSegments, 0, v.first ?? "");
   } finally {
     sim.close();
     await srv.stop();

@@ -5,7 +5,7 @@ import { CountMinSketch, LruCache, TinyLfu } from "../../lib/storage/cache.ts";
 const LAYOUT = { layers: 1, tpSize: 1, collapseTp: false, segments: 1, segmentBytes: 4096 };
 
 function sealed(key: string): Block {
-  const b = new Block(key, "ns", key, LAYOUT, 0);
+  const b = new Block(key, "ns", key, LAYOUT, 0, 0);
   b.state = "sealed";
   return b;
 }

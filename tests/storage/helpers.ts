@@ -2,7 +2,12 @@
 // one-call save that plans, "copies" and completes.
 import { ok as assert } from "node:assert/strict";
 import type { BlockLayout } from "../../lib/storage/block.ts";
-import { KvStore, type KvStoreOptions, type SaveCompletion, type SavePlan } from "../../lib/storage/store.ts";
+import {
+  KvStore,
+  type KvStoreOptions,
+  type SaveCompletion,
+  type SavePlan,
+} from "../../lib/storage/store.ts";
 
 export const NS = "0123456789abcdef";
 /** Two layers, K/V split, 4 KiB segments: 16 KiB of pool per block. */

@@ -40,7 +40,9 @@ Deno.test("the plan lays each layer's K and V of consecutive blocks out as one c
     for (let seg = 0; seg < plan.segments; seg++) {
       const base = (li * plan.segments + seg) * n;
       runs.add(plan.offsets[base]);
-      for (let k = 1; k < n; k++) strictEqual(plan.offsets[base + k] - plan.offsets[base + k - 1], 4096);
+      for (let k = 1; k < n; k++) {
+        strictEqual(plan.offsets[base + k] - plan.offsets[base + k - 1], 4096);
+      }
     }
   }
   strictEqual(runs.size, 4); // 2 layers × (K, V), each one run
@@ -188,8 +190,12 @@ Deno.test("an expired lease is refused with FAILED_PRECONDITION and its blocks b
   const q = store.query(NS, hs(0, 2), "e");
   strictEqual(store.stats().evictableBytes, 0);
   clock.tick(600_000);
-  throws(() => store.consumeLease(q.lease!.id, "e", 0), (e: unknown) =>
-    e instanceof LeaseError && e.code === "FAILED_PRECONDITION" && e.reason === "unknown-or-expired");
+  throws(
+    () => store.consumeLease(q.lease!.id, "e", 0),
+    (e: unknown) =>
+      e instanceof LeaseError && e.code === "FAILED_PRECONDITION" &&
+      e.reason === "unknown-or-expired",
+  );
   strictEqual(store.stats().leasesExpired, 1);
   strictEqual(store.stats().evictableBytes, 2 * BLOCK_BYTES);
   throws(() => store.releaseLease(q.lease!.id), LeaseError);
@@ -214,8 +220,10 @@ Deno.test("a bad layer list in consumeLease is refused without spending the rank
   const { store } = makeStore(4);
   save(store, [h(0)]);
   const q = store.query(NS, [h(0)], "e");
-  throws(() => store.consumeLease(q.lease!.id, "e", 0, { layers: [7] }), (e: unknown) =>
-    e instanceof InvalidArgumentError && e.fields.layer === 7);
+  throws(
+    () => store.consumeLease(q.lease!.id, "e", 0, { layers: [7] }),
+    (e: unknown) => e instanceof InvalidArgumentError && e.fields.layer === 7,
+  );
   const t = store.consumeLease(q.lease!.id, "e", 0);
   store.loadDone(t);
   store.verify();
@@ -256,7 +264,13 @@ Deno.test("dropping an instance releases its leases and frees the partial blocks
 });
 
 Deno.test("MLA collapses TP: one rank's save seals, every rank loads the same bytes", () => {
-  const { store } = makeStore(4, {}, { layers: 2, tpSize: 4, collapseTp: true, segments: 1, segmentBytes: 8192 });
+  const { store } = makeStore(4, {}, {
+    layers: 2,
+    tpSize: 4,
+    collapseTp: true,
+    segments: 1,
+    segmentBytes: 8192,
+  });
   strictEqual(save(store, hs(0, 2), { rank: 3 }).done.sealed, 2);
   strictEqual(save(store, hs(0, 2), { rank: 1 }).plan.blockCount, 0);
   const q = store.query(NS, hs(0, 2), "e", 4);
@@ -271,21 +285,42 @@ Deno.test("MLA collapses TP: one rank's save seals, every rank loads the same by
 Deno.test("a second layout under one namespace is refused; the same layout again is fine", () => {
   const { store } = makeStore(4);
   store.defineNamespace(NS, { ...SMALL });
-  throws(() => store.defineNamespace(NS, { ...SMALL, segmentBytes: 8192 }), (e: unknown) =>
-    e instanceof LayoutMismatchError && e.code === "FAILED_PRECONDITION" &&
-    e.fields.expected === "4096" && e.fields.got === "8192");
+  throws(
+    () => store.defineNamespace(NS, { ...SMALL, segmentBytes: 8192 }),
+    (e: unknown) =>
+      e instanceof LayoutMismatchError && e.code === "FAILED_PRECONDITION" &&
+      e.fields.expected === "4096" && e.fields.got === "8192",
+  );
 });
 
 Deno.test("bad save input is refused with INVALID_ARGUMENT naming what was wrong; nothing stored", () => {
   const { store } = makeStore(4);
   const bad = (f: () => unknown, field: string, value: unknown) =>
-    throws(f, (e: unknown) => e instanceof InvalidArgumentError && e.code === "INVALID_ARGUMENT" &&
+    throws(f, (e: unknown) =>
+      e instanceof InvalidArgumentError && e.code === "INVALID_ARGUMENT" &&
       (e.fields as Record<string, unknown>)[field] === value);
   bad(() => store.beginSave({ namespace: NS, instance: "e", rank: 1, hashes: [h(0)] }), "rank", 1);
-  bad(() => store.beginSave({ namespace: NS, instance: "e", rank: 0, hashes: [h(0)], layers: [2] }), "layer", 2);
-  bad(() => store.beginSave({ namespace: NS, instance: "e", rank: 0, hashes: [h(0)], layers: [1, 1] }), "layer", 1);
-  bad(() => store.beginSave({ namespace: "nope", instance: "e", rank: 0, hashes: [h(0)] }), "namespace", "nope");
-  bad(() => store.beginSave({ namespace: NS, instance: "e", rank: 0, hashes: [new Uint8Array(0)] }), "got", 0);
+  bad(
+    () => store.beginSave({ namespace: NS, instance: "e", rank: 0, hashes: [h(0)], layers: [2] }),
+    "layer",
+    2,
+  );
+  bad(
+    () =>
+      store.beginSave({ namespace: NS, instance: "e", rank: 0, hashes: [h(0)], layers: [1, 1] }),
+    "layer",
+    1,
+  );
+  bad(
+    () => store.beginSave({ namespace: "nope", instance: "e", rank: 0, hashes: [h(0)] }),
+    "namespace",
+    "nope",
+  );
+  bad(
+    () => store.beginSave({ namespace: NS, instance: "e", rank: 0, hashes: [new Uint8Array(0)] }),
+    "got",
+    0,
+  );
   bad(() => store.query(NS, [h(0)], "e", 0), "got", 0);
   bad(() => store.defineNamespace("x", { ...SMALL, layers: 0 }), "got", "0");
   strictEqual(store.stats().usedBytes, 0);
@@ -358,6 +393,91 @@ Deno.test("after every plan, lease and load ends, evictAll returns the pool to e
   strictEqual(store.evictAll(), 4);
   const st = store.stats();
   strictEqual(st.freeBytes, st.capacityBytes);
-  assertEquals([st.sealedBlocks, st.inflightBlocks, st.pinnedBlocks, st.evictableBytes], [0, 0, 0, 0]);
+  assertEquals([st.sealedBlocks, st.inflightBlocks, st.pinnedBlocks, st.evictableBytes], [
+    0,
+    0,
+    0,
+    0,
+  ]);
+  store.verify();
+});
+
+Deno.test("a whole-block fill (SSD or peer) covers every layer and rank slot and seals at once", () => {
+  const { store } = makeStore(4, {}, { ...SMALL, tpSize: 2 });
+  save(store, [h(1)], { rank: 0 }); // rank 0's half of h(1) is already here
+  const f = store.beginFill({
+    namespace: NS,
+    instance: "ssd",
+    hashes: [h(0), h(1)],
+    cacheClass: "reclaimable",
+  });
+  assert(f.ok);
+  assertEquals([...f.plan.rankSlots], [0, 1]);
+  strictEqual(f.plan.rankSlot, -1);
+  strictEqual(f.plan.blockCount, 2);
+  const n = 2;
+  const at = (li: number, ri: number, seg: number, b: number) =>
+    f.plan.offsets[((li * 2 + ri) * 2 + seg) * n + b];
+  // h(0) needs every slot; h(1) only rank 1's.
+  for (let li = 0; li < 2; li++) {
+    for (let seg = 0; seg < 2; seg++) {
+      assert(at(li, 0, seg, 0) >= 0 && at(li, 1, seg, 0) >= 0);
+      strictEqual(at(li, 0, seg, 1), -1);
+      assert(at(li, 1, seg, 1) >= 0);
+    }
+  }
+  strictEqual(f.plan.bytes, (4 + 2) * 2 * 4096);
+  strictEqual(store.completeSave(f.plan, true).sealed, 2);
+  strictEqual(store.query(NS, [h(0), h(1)], "e", 2).hits, 2);
+  store.verify();
+});
+
+Deno.test("blocks fetched from a peer (reclaimable) are evicted before blocks saved here", () => {
+  const { store } = makeStore(2);
+  save(store, [h(0)]);
+  const f = store.beginFill({
+    namespace: NS,
+    instance: "peer",
+    hashes: [h(1)],
+    cacheClass: "reclaimable",
+  });
+  assert(f.ok);
+  store.completeSave(f.plan, true);
+  save(store, [h(2)]); // one block must go: the peer's, though h(0) is older
+  strictEqual(store.blockState(NS, h(1)), "absent");
+  strictEqual(store.blockState(NS, h(0)), "sealed");
+  store.verify();
+});
+
+Deno.test("onEvict reports each evicted block; completion reports the sealed hashes", () => {
+  const evicted: string[] = [];
+  const { store } = makeStore(2, { onEvict: (ns, hash) => evicted.push(`${ns}:${hash}`) });
+  assertEquals(save(store, hs(0, 2)).done.sealedHashes, hs(0, 2));
+  save(store, [h(5)]);
+  assertEquals(evicted, [`${NS}:${h(0)}`]);
+});
+
+Deno.test("the same content hash in two namespaces is two different blocks", () => {
+  const { store } = makeStore(8);
+  const other = "fedcba9876543210";
+  store.defineNamespace(other, { ...SMALL, segmentBytes: 8192 });
+  save(store, [h(0)]);
+  strictEqual(store.blockState(other, h(0)), "absent");
+  strictEqual(store.query(other, [h(0)], "e").hits, 0);
+  const b = store.beginSave({ namespace: other, instance: "e", rank: 0, hashes: [h(0)] });
+  assert(b.ok);
+  strictEqual(b.plan.blockCount, 1);
+  store.completeSave(b.plan, true);
+  strictEqual(store.query(NS, [h(0)], "e").hits, 1);
+  strictEqual(store.query(other, [h(0)], "e").hits, 1);
+  store.verify();
+});
+
+Deno.test("unregistering keeps a partial block that a live instance wrote after it", () => {
+  const { store } = makeStore(8, {}, { ...SMALL, tpSize: 2 });
+  save(store, [h(0)], { rank: 0, instance: "dead" });
+  save(store, [h(0)], { rank: 1, instance: "alive", layers: [0] }); // half of rank 1's layers
+  strictEqual(store.dropInstance("dead").inflightFreed, 0);
+  strictEqual(save(store, [h(0)], { rank: 1, instance: "alive", layers: [1] }).done.sealed, 1);
   store.verify();
 });
