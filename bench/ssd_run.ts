@@ -8,7 +8,8 @@
  *
  * Environment: SSD_BENCH_DIR (default: a temp dir under bench/results/tmp),
  * SSD_BENCH_BYTES (file bytes per point, default 256 MiB),
- * SSD_BENCH_PREFIX_BLOCKS (default 625), SSD_BENCH_QUICK=1 (one point).
+ * SSD_BENCH_PREFIX_BLOCKS (default 625), SSD_BENCH_QUICK=1 (one point, written
+ * to bench/results/tmp/ssd-quick.json so the recorded figures stay).
  * Nothing here asserts on time.
  *
  * @module
@@ -247,5 +248,6 @@ const out = {
   points: rows,
   prefix,
 };
-await Deno.writeTextFile(`${root}ssd.json`, JSON.stringify(out, null, 2) + "\n");
-console.log(`wrote ${root}ssd.json`);
+const outFile = `${root}${quick ? "tmp/ssd-quick.json" : "ssd.json"}`;
+await Deno.writeTextFile(outFile, JSON.stringify(out, null, 2) + "\n");
+console.log(`wrote ${outFile}`);

@@ -56,6 +56,8 @@ const DEFAULT_IO_DEPTH = 128;
 const DEFAULT_HDR_PAGES = 1024;
 /** Ready prefetches nobody came back for are freed after this. */
 const DEFAULT_PREFETCH_TTL_MS = 30_000;
+/** Period of the sweep that frees expired prefetch results. */
+const EXPIRY_SWEEP_MS = 1_000;
 /** Throughput gauges are exponentially weighted over batches with this weight for the newest. */
 const THROUGHPUT_EWMA_WEIGHT = 0.2;
 
@@ -294,6 +296,7 @@ export class SsdTier {
   #seq: number;
   #reserved = 0;
   #closed = false;
+  readonly #expiryTimer: number;
   readonly #s = {
     writeBytes: 0,
     writeBlocks: 0,
@@ -339,6 +342,9 @@ export class SsdTier {
       writeStageOptions(opts.writeQueueDepth, opts.writeInflight),
       (job) => this.#writeJob(job),
     );
+    // Ready prefetches nobody came back for are freed even on an idle server.
+    this.#expiryTimer = Number(setInterval(() => this.#expire(), EXPIRY_SWEEP_MS));
+    Deno.unrefTimer(this.#expiryTimer);
     this.#prefetches = new Stage<PrefetchJob, void>(
       "ssd.prefetch",
       prefetchStageOptions(opts.prefetchQueueDepth, opts.prefetchInflight),
@@ -897,6 +903,7 @@ export class SsdTier {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
+    clearInterval(this.#expiryTimer);
     await Promise.all([this.#writes.drain(), this.#prefetches.drain()]);
     for (const e of this.#entries.values()) for (const b of e.blocks) b.allocation.free();
     this.#entries.clear();
