@@ -74,26 +74,28 @@ const program = new Command("router")
   .addOption(
     opt("--log-level <level>", "error | warn | info | debug", "LOG_LEVEL", DEFAULTS.logLevel),
   )
-  .showHelpAfterError()
+  .showHelpAfterError("(run with --help for usage)")
   .allowExcessArguments(false);
 
 program.parse(["deno", "router", ...Deno.args]);
 const raw = program.opts<Partial<RawRouterOptions>>();
 
-let config: RouterConfig;
-try {
-  config = resolveConfig({
-    ...DEFAULTS,
-    ...raw,
-    prefill: raw.prefill ?? [],
-    decode: raw.decode ?? [],
-  } as RawRouterOptions);
-} catch (e) {
-  if (!(e instanceof ConfigError)) throw e;
-  program.error(`error: ${e.message}`, { exitCode: EXIT_USAGE, code: "pegaflow.config" });
+/** The validated configuration, or exit with status 2 and a message naming the bad flag. */
+function configOrExit(): RouterConfig {
+  try {
+    return resolveConfig({
+      ...DEFAULTS,
+      ...raw,
+      prefill: raw.prefill ?? [],
+      decode: raw.decode ?? [],
+    } as RawRouterOptions);
+  } catch (e) {
+    if (!(e instanceof ConfigError)) throw e;
+    return program.error(`error: ${e.message}`, { exitCode: EXIT_USAGE, code: "pegaflow.config" });
+  }
 }
 
-const router = await startRouter(config);
+const router = await startRouter(configOrExit());
 for (const sig of ["SIGINT", "SIGTERM"] as const) {
   Deno.addSignalListener(sig, () => {
     router.shutdown().then(() => Deno.exit(0));

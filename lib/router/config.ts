@@ -241,6 +241,7 @@ export function resolveConfig(raw: RawRouterOptions): RouterConfig {
   if (host === "" || /[\s/]/.test(host)) {
     throw new ConfigError("--host", `expected a host name or IP address, got '${raw.host}'`);
   }
+  const port = parsePort("--port", raw.port);
   if (raw.prefill.length === 0) {
     throw new ConfigError("--prefill", "at least one prefill backend URL is required");
   }
@@ -257,7 +258,7 @@ export function resolveConfig(raw: RawRouterOptions): RouterConfig {
   const healthTimeoutMs = parseDurationMs("--health-timeout", raw.healthTimeout);
   return {
     host,
-    port: parsePort("--port", raw.port),
+    port,
     prefill,
     decode,
     prefillTimeoutMs: parseDurationMs("--prefill-timeout", raw.prefillTimeout),

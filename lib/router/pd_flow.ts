@@ -431,6 +431,15 @@ function relayBody(
   });
 }
 
+/**
+ * Refuses up front when either pool has no backend in service, so a request that cannot finish
+ * does not cost a prefill first.
+ */
+export function checkCapacity(deps: FlowDeps): void {
+  if (deps.prefill.healthyCount() === 0) throw noBackend("prefill", deps.prefill);
+  if (deps.decode.healthyCount() === 0) throw noBackend("decode", deps.decode);
+}
+
 function noBackend(role: Role, pool: BackendPool): RouterError {
   const reasons = pool.backends.map((b) => `${b.url} (${b.lastError ?? "out of service"})`);
   return new RouterError(

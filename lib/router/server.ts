@@ -15,7 +15,7 @@ import { errorResponse, RouterError } from "./errors.ts";
 import { describeError, HealthChecker } from "./health.ts";
 import { createLogger, type Logger } from "./log.ts";
 import { RouterMetrics } from "./metrics.ts";
-import { ClientGone, type FlowDeps, runDecode, runPrefill } from "./pd_flow.ts";
+import { checkCapacity, ClientGone, type FlowDeps, runDecode, runPrefill } from "./pd_flow.ts";
 import { type GenerationRoute, parseGenerationRequest, readBodyLimited } from "./validate.ts";
 
 /** A running router. */
@@ -264,13 +264,25 @@ async function handleGeneration(
   }
 
   metrics.inflight.inc();
+  // One signal for "stop working on this request": the client left or shutdown cut it. The
+  // listeners come off before the response completes, because Deno also aborts req.signal after
+  // a successful response and must not find work still attached to it.
+  const cancel = new AbortController();
+  const onGone = () => cancel.abort(new DOMException("client disconnected", "AbortError"));
+  req.signal.addEventListener("abort", onGone, { once: true });
+  stopSignal.addEventListener("abort", onGone, { once: true });
+  const detach = () => {
+    req.signal.removeEventListener("abort", onGone);
+    stopSignal.removeEventListener("abort", onGone);
+  };
   let relayStarted = false;
   try {
     const ctx = {
       requestId,
-      signal: AbortSignal.any([req.signal, stopSignal]),
+      signal: cancel.signal,
       authorization: req.headers.get("authorization"),
     };
+    checkCapacity(deps);
     const pre = await runPrefill(deps, parsed, ctx);
     if (pre.kind === "refused") {
       finish(pre.status);
@@ -280,6 +292,7 @@ async function handleGeneration(
       });
     }
     const res = await runDecode(deps, parsed, pre.kvTransferParams, ctx, (status, outcome) => {
+      detach();
       metrics.inflight.dec();
       finish(outcome === "client_gone" ? CLIENT_CLOSED_STATUS : status);
       log.debug("request done", { request_id: requestId, status, outcome });
@@ -299,7 +312,10 @@ async function handleGeneration(
     }
     throw e;
   } finally {
-    if (!relayStarted) metrics.inflight.dec();
+    if (!relayStarted) {
+      detach();
+      metrics.inflight.dec();
+    }
   }
 }
 
@@ -323,7 +339,7 @@ async function handleModels(
       const res = await fetch(`${b.url}/v1/models`, {
         headers,
         client: deps.client,
-        signal: AbortSignal.any([req.signal, AbortSignal.timeout(config.healthTimeoutMs)]),
+        signal: AbortSignal.timeout(config.healthTimeoutMs),
       });
       if (!res.ok) {
         failures.push(`${b.url}: HTTP ${res.status}`);
