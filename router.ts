@@ -96,6 +96,9 @@ function configOrExit(): RouterConfig {
 }
 
 const router = await startRouter(configOrExit());
+// One machine-readable line on stdout, whatever the log level, so supervisors and tests learn
+// the bound address (useful with --port 0).
+console.log(JSON.stringify({ event: "listening", url: router.url, port: router.port }));
 for (const sig of ["SIGINT", "SIGTERM"] as const) {
   Deno.addSignalListener(sig, () => {
     router.shutdown().then(() => Deno.exit(0));

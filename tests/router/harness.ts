@@ -25,7 +25,6 @@ interface Spawned {
 async function spawnWithPort(
   args: string[],
   env: Record<string, string>,
-  portFrom: "stdout" | "stderr",
 ): Promise<Spawned> {
   const child = new Deno.Command(Deno.execPath(), {
     args,
@@ -46,17 +45,15 @@ async function spawnWithPort(
     let buf = "";
     for await (const chunk of stream.pipeThrough(new TextDecoderStream())) {
       if (isErr) errText += chunk;
-      if ((portFrom === "stderr") !== isErr) continue;
+      if (isErr) continue;
       buf += chunk;
       let nl;
       while ((nl = buf.indexOf("\n")) >= 0) {
         const line = buf.slice(0, nl);
         buf = buf.slice(nl + 1);
         if (!line.startsWith("{")) continue;
-        const j = JSON.parse(line) as { port?: number; msg?: string };
-        if (typeof j.port === "number" && (portFrom === "stdout" || j.msg === "listening")) {
-          resolvePort(j.port);
-        }
+        const j = JSON.parse(line) as { port?: number };
+        if (typeof j.port === "number") resolvePort(j.port);
       }
     }
   };
@@ -124,7 +121,6 @@ export async function spawnBackend(name: string, extraArgs: string[] = []): Prom
   const s = await spawnWithPort(
     ["run", "--allow-net", FAKE_BACKEND, "--port", "0", "--name", name, ...extraArgs],
     {},
-    "stdout",
   );
   const url = `http://127.0.0.1:${s.port}`;
   const post = async (path: string, body?: unknown) => {
@@ -173,7 +169,6 @@ export async function spawnRouter(
   const s = await spawnWithPort(
     ["run", "--allow-all", "--unstable-no-legacy-abort", ROUTER_MAIN, "--port", "0", ...args],
     env,
-    "stderr",
   );
   const url = `http://127.0.0.1:${s.port}`;
   return {
