@@ -57,7 +57,7 @@ const program = new Command("router")
     opt("--decode-timeout <duration>", "deadline for the decode backend's response headers", "DECODE_TIMEOUT", DEFAULTS.decodeTimeout),
   )
   .addOption(
-    opt("--stream-idle-timeout <duration>", "longest silence allowed between decode body chunks", "STREAM_IDLE_TIMEOUT", DEFAULTS.streamIdleTimeout),
+    opt("--stream-idle-timeout <duration>", "longest silence allowed between decode body chunks, or 'off' (setting it makes the router inspect every chunk)", "STREAM_IDLE_TIMEOUT", DEFAULTS.streamIdleTimeout),
   )
   .addOption(
     opt("--health-interval <duration>", "period of backend health checks", "HEALTH_INTERVAL", DEFAULTS.healthInterval),

@@ -25,8 +25,12 @@ export interface RouterConfig {
   prefillTimeoutMs: number;
   /** From sending the request to D until D's response headers arrive. */
   decodeTimeoutMs: number;
-  /** Longest silence allowed between two body chunks from D. */
-  streamIdleTimeoutMs: number;
+  /**
+   * Longest silence allowed between two body chunks from D, or `null` (the default) for none.
+   * Enforcing it needs a look at every chunk in JavaScript; without it D's body is piped to the
+   * client natively, which is what keeps the router's added latency low (docs/router.md).
+   */
+  streamIdleTimeoutMs: number | null;
   /** Period of the active health checks. */
   healthIntervalMs: number;
   /** Timeout of one health check request. */
@@ -47,7 +51,8 @@ export const DEFAULTS = {
   // Non-streaming D answers only when generation is done, so its header wait must cover a long
   // generation; streaming requests are guarded by the idle timeout instead.
   decodeTimeout: "300s",
-  streamIdleTimeout: "60s",
+  // Off: see RouterConfig.streamIdleTimeoutMs.
+  streamIdleTimeout: "off",
   healthInterval: "5s",
   healthTimeout: "2s",
   healthPath: "/health",
@@ -263,7 +268,9 @@ export function resolveConfig(raw: RawRouterOptions): RouterConfig {
     decode,
     prefillTimeoutMs: parseDurationMs("--prefill-timeout", raw.prefillTimeout),
     decodeTimeoutMs: parseDurationMs("--decode-timeout", raw.decodeTimeout),
-    streamIdleTimeoutMs: parseDurationMs("--stream-idle-timeout", raw.streamIdleTimeout),
+    streamIdleTimeoutMs: raw.streamIdleTimeout.trim().toLowerCase() === "off"
+      ? null
+      : parseDurationMs("--stream-idle-timeout", raw.streamIdleTimeout),
     healthIntervalMs,
     healthTimeoutMs,
     healthPath: parseHealthPath("--health-path", raw.healthPath),

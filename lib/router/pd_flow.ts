@@ -33,7 +33,8 @@ export interface FlowDeps {
   client: Deno.HttpClient;
   prefillTimeoutMs: number;
   decodeTimeoutMs: number;
-  streamIdleTimeoutMs: number;
+  /** `null`: pipe D's body natively; a number: relay chunk by chunk and enforce this silence. */
+  streamIdleTimeoutMs: number | null;
 }
 
 /** Per-request context. */
@@ -43,6 +44,12 @@ export interface FlowContext {
   signal: AbortSignal;
   /** The client's `Authorization` header, forwarded to both backends. */
   authorization: string | null;
+  /**
+   * The server's promise that settles when the response has been delivered (resolves) or was
+   * not (rejects). A function because Deno makes the promise on first access, and a rejected
+   * promise nobody listens to would be an unhandled rejection.
+   */
+  completed: () => Promise<void>;
 }
 
 /** Thrown when the client went away; the caller answers nothing more. */
@@ -305,7 +312,10 @@ export async function runDecode(
     }
     link.clearDeadline();
     const headers = relayHeaders(res.headers, ctx.requestId);
-    const stream = relayBody(deps, res, backend, link, t0, ctx, (outcome) => onEnd(res.status, outcome));
+    const done = (outcome: RelayOutcome) => onEnd(res.status, outcome);
+    const stream = deps.streamIdleTimeoutMs === null
+      ? pipeBody(deps, res, backend, link, t0, ctx, done)
+      : relayBody(deps, res, backend, link, t0, ctx, deps.streamIdleTimeoutMs, done);
     return new Response(stream, { status: res.status, headers });
   }
 }
@@ -338,6 +348,46 @@ function sseError(message: string, code: string): Uint8Array {
 }
 
 /**
+ * Hands D's body to the server as it is: Deno then moves the bytes from D's socket to the
+ * client's in native code, chunk by chunk as they arrive, with no JavaScript per chunk. The time
+ * to first byte is taken at D's response headers; the end is learnt from the server's delivery
+ * promise. A client that leaves makes that promise reject, and the upstream request is aborted.
+ */
+function pipeBody(
+  deps: FlowDeps,
+  res: Response,
+  backend: Backend,
+  link: UpstreamLink,
+  t0: number,
+  ctx: FlowContext,
+  onEnd: (outcome: RelayOutcome) => void,
+): ReadableStream<Uint8Array> | null {
+  const { decode: pool, metrics } = deps;
+  metrics.decodeTtfbSeconds.observe({ backend: backend.url }, (performance.now() - t0) / 1000);
+  ctx.completed().then(
+    () => {
+      // Deno resolves `completed` also when the client left mid-body; its signal tells them
+      // apart (which needs --unstable-no-legacy-abort: the legacy signal aborts on success too).
+      const outcome: RelayOutcome = ctx.signal.aborted ? "client_gone" : "ok";
+      link.dispose();
+      pool.release(backend);
+      onEnd(outcome);
+    },
+    () => {
+      // Not delivered: the client went away (Deno aborts its signal first) or D broke off.
+      // Stop D's generation either way.
+      const outcome: RelayOutcome = ctx.signal.aborted ? "client_gone" : "network";
+      if (outcome === "network") metrics.upstreamFailures.inc({ role: "decode", reason: "network" });
+      link.abort("client_gone");
+      link.dispose();
+      pool.release(backend);
+      onEnd(outcome);
+    },
+  );
+  return res.body;
+}
+
+/**
  * Wraps D's body in a pull-based stream: a chunk is read from D only when the client side is
  * ready for it, and handed on the moment it arrives, so nothing is buffered beyond one chunk.
  */
@@ -348,9 +398,10 @@ function relayBody(
   link: UpstreamLink,
   t0: number,
   ctx: FlowContext,
+  streamIdleTimeoutMs: number,
   onEnd: (outcome: RelayOutcome) => void,
 ): ReadableStream<Uint8Array> | null {
-  const { decode: pool, metrics, log, streamIdleTimeoutMs } = deps;
+  const { decode: pool, metrics, log } = deps;
   let ended = false;
   let first = true;
   let lastChunkAt = performance.now();

@@ -160,13 +160,13 @@ export function createHandler(
   deps: FlowDeps,
   config: RouterConfig,
   stopSignal: AbortSignal,
-): (req: Request) => Promise<Response> {
+): (req: Request, info: Deno.ServeHandlerInfo) => Promise<Response> {
   const { metrics } = deps;
-  return async (req) => {
+  return async (req, info) => {
     const path = pathOf(req.url);
     if (GENERATION_ROUTES.has(path)) {
       if (req.method !== "POST") return methodNotAllowed(path, "POST");
-      return await handleGeneration(deps, config, req, path as GenerationRoute, stopSignal);
+      return await handleGeneration(deps, config, req, info, path as GenerationRoute, stopSignal);
     }
     switch (path) {
       case "/v1/models":
@@ -225,6 +225,7 @@ async function handleGeneration(
   deps: FlowDeps,
   config: RouterConfig,
   req: Request,
+  info: Deno.ServeHandlerInfo,
   route: GenerationRoute,
   stopSignal: AbortSignal,
 ): Promise<Response> {
@@ -281,6 +282,7 @@ async function handleGeneration(
       requestId,
       signal: cancel.signal,
       authorization: req.headers.get("authorization"),
+      completed: () => info.completed,
     };
     checkCapacity(deps);
     const pre = await runPrefill(deps, parsed, ctx);

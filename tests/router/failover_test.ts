@@ -134,6 +134,19 @@ Deno.test("router survives failing, slow and vanishing backends", async (t) => {
       await Promise.all([d0.control({ stallAfter: -1 }), d1.control({ stallAfter: -1 })]);
     });
 
+    await t.step("the inspecting relay (idle timeout on) also delivers each chunk as it comes", async () => {
+      await Promise.all([d0.control({ chunks: 3, gate: true }), d1.control({ chunks: 3, gate: true })]);
+      const stream = await openai.completions.create({ model: "m", prompt: "gate", stream: true });
+      const it = stream[Symbol.asyncIterator]();
+      const first = await it.next();
+      assert.equal(first.value?.choices[0].text, "tok0 ");
+      await Promise.all([d0.release(), d1.release()]);
+      let n = 1;
+      for (let r = await it.next(); !r.done; r = await it.next()) n++;
+      assert.equal(n, 3);
+      await Promise.all([d0.control({ chunks: 5, gate: false }), d1.control({ chunks: 5, gate: false })]);
+    });
+
     await t.step("a client that leaves mid-stream cancels D's generation", async () => {
       await Promise.all([d0.reset(), d1.reset()]);
       await Promise.all([d0.control({ chunks: 200, chunkDelayMs: 20 }), d1.control({ chunks: 200, chunkDelayMs: 20 })]);

@@ -35,6 +35,12 @@ export interface Behaviour {
   stallAfter: number;
   /** Model id served. */
   model: string;
+  /**
+   * Engine-step mode (benchmark): when > 0, the first chunk goes out at once and then one shared
+   * timer emits the next chunk of every open stream each `stepMs`, the way a batching engine
+   * decodes one token for all running requests per step. Overrides `chunkDelayMs`.
+   */
+  stepMs: number;
 }
 
 /** One generation request as received. */
@@ -72,6 +78,7 @@ const behaviour: Behaviour = {
   gate: false,
   stallAfter: -1,
   model: "fake-model",
+  stepMs: 0,
 };
 let requests: Recorded[] = [];
 let healthChecks = 0;
@@ -224,6 +231,8 @@ async function generate(req: Request, path: string): Promise<Response> {
     return Response.json(completionJson(path, id, model, `${name} says hello`, extra), { headers });
   }
 
+  if (behaviour.stepMs > 0) return steppedStream(path, id, model, rec, headers, signal);
+
   const { chunks, chunkDelayMs, gate, stallAfter } = behaviour;
   const stream = new ReadableStream<Uint8Array>({
     async start(controller) {
@@ -246,6 +255,74 @@ async function generate(req: Request, path: string): Promise<Response> {
       }
     },
     cancel() {
+      rec.cancelled = true;
+    },
+  });
+  return new Response(stream, {
+    headers: { ...headers, "content-type": "text/event-stream", "cache-control": "no-cache" },
+  });
+}
+
+/** A stream served in engine-step mode. */
+interface Stepped {
+  next: number;
+  emit: (i: number) => boolean;
+}
+const stepped = new Set<Stepped>();
+let stepTimer: ReturnType<typeof setInterval> | undefined;
+
+function stepAll(): void {
+  for (const s of stepped) {
+    if (!s.emit(s.next++)) stepped.delete(s);
+  }
+  if (stepped.size === 0) {
+    clearInterval(stepTimer);
+    stepTimer = undefined;
+  }
+}
+
+/** Each chunk carries `sent_at` (wall ms, µs precision) so a client can time its delivery. */
+function steppedStream(
+  path: string,
+  id: string,
+  model: string,
+  rec: Recorded,
+  headers: Record<string, string>,
+  signal: AbortSignal,
+): Response {
+  const chunks = behaviour.chunks;
+  let controller!: ReadableStreamDefaultController<Uint8Array>;
+  let open = true;
+  const s: Stepped = {
+    next: 0,
+    emit(i) {
+      if (!open) return false;
+      if (i >= chunks) {
+        controller.enqueue(encoder.encode("data: [DONE]\n\n"));
+        controller.close();
+        rec.finishedAt = now();
+        open = false;
+        return false;
+      }
+      const c = chunkJson(path, id, model, i, i === chunks - 1) as Record<string, unknown>;
+      c.sent_at = now();
+      controller.enqueue(encoder.encode(`data: ${JSON.stringify(c)}\n\n`));
+      rec.chunksSent++;
+      return true;
+    },
+  };
+  signal.addEventListener("abort", () => {
+    open = false;
+  }, { once: true });
+  const stream = new ReadableStream<Uint8Array>({
+    start(c) {
+      controller = c;
+      s.emit(s.next++);
+      stepped.add(s);
+      stepTimer ??= setInterval(stepAll, behaviour.stepMs);
+    },
+    cancel() {
+      open = false;
       rec.cancelled = true;
     },
   });

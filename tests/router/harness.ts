@@ -149,6 +149,7 @@ export async function spawnBackend(name: string, extraArgs: string[] = []): Prom
 export interface RouterProcess {
   url: string;
   port: number;
+  pid: number;
   stderr(): string;
   metrics(): Promise<string>;
   stop(): Promise<void>;
@@ -174,6 +175,7 @@ export async function spawnRouter(
   return {
     url,
     port: s.port,
+    pid: s.child.pid,
     stderr: s.stderr,
     metrics: async () => await (await fetch(url + "/metrics")).text(),
     stop: s.stop,

@@ -5,7 +5,7 @@
 
 import assert from "node:assert/strict";
 import OpenAI from "openai";
-import { type FakeBackend, metricValue, spawnBackend, spawnRouter } from "./harness.ts";
+import { type FakeBackend, metricValue, spawnBackend, spawnRouter, waitFor } from "./harness.ts";
 
 const API_KEY = "test-key";
 
@@ -174,6 +174,22 @@ Deno.test("router splits each request between prefill and decode", async (t) => 
       assert.equal(metricValue(m, "pegaflow_router_backend_healthy", { role: "decode", backend: d.url }), 1);
       assert.equal(metricValue(m, "pegaflow_router_inflight_requests"), 0);
       assert.equal(metricValue(m, "pegaflow_router_backend_inflight", { role: "prefill", backend: p.url }), 0);
+    });
+
+    await t.step("a client that leaves mid-stream stops D (native pipe) and is counted as 499", async () => {
+      await d.control({ chunks: 500, chunkDelayMs: 10 });
+      const stream = await client.completions.create({ model: "m", prompt: "long", stream: true });
+      const it = stream[Symbol.asyncIterator]();
+      assert.equal((await it.next()).done, false);
+      stream.controller.abort();
+      await waitFor("D's stream cancelled", async () => (await last(d)).cancelled);
+      assert.ok((await last(d)).chunksSent < 500);
+      await waitFor("499 counted and D released", async () => {
+        const m = await router.metrics();
+        return metricValue(m, "pegaflow_router_requests_total", { route: "/v1/completions", status: "499" }) === 1 &&
+          metricValue(m, "pegaflow_router_backend_inflight", { role: "decode", backend: d.url }) === 0;
+      });
+      await d.control({ chunks: 5, chunkDelayMs: 0 });
     });
   } finally {
     await Promise.all([router.stop(), p.stop(), d.stop()]);
