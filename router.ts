@@ -51,25 +51,60 @@ const program = new Command("router")
       .argParser(collect),
   )
   .addOption(
-    opt("--prefill-timeout <duration>", "deadline of one prefill request (e.g. 500ms, 30s)", "PREFILL_TIMEOUT", DEFAULTS.prefillTimeout),
+    opt(
+      "--prefill-timeout <duration>",
+      "deadline of one prefill request (e.g. 500ms, 30s)",
+      "PREFILL_TIMEOUT",
+      DEFAULTS.prefillTimeout,
+    ),
   )
   .addOption(
-    opt("--decode-timeout <duration>", "deadline for the decode backend's response headers", "DECODE_TIMEOUT", DEFAULTS.decodeTimeout),
+    opt(
+      "--decode-timeout <duration>",
+      "deadline for the decode backend's response headers",
+      "DECODE_TIMEOUT",
+      DEFAULTS.decodeTimeout,
+    ),
   )
   .addOption(
-    opt("--stream-idle-timeout <duration>", "longest silence allowed between decode body chunks, or 'off' (setting it makes the router inspect every chunk)", "STREAM_IDLE_TIMEOUT", DEFAULTS.streamIdleTimeout),
+    opt(
+      "--stream-idle-timeout <duration>",
+      "longest silence allowed between decode body chunks, or 'off' (setting it makes the router inspect every chunk)",
+      "STREAM_IDLE_TIMEOUT",
+      DEFAULTS.streamIdleTimeout,
+    ),
   )
   .addOption(
-    opt("--health-interval <duration>", "period of backend health checks", "HEALTH_INTERVAL", DEFAULTS.healthInterval),
+    opt(
+      "--health-interval <duration>",
+      "period of backend health checks",
+      "HEALTH_INTERVAL",
+      DEFAULTS.healthInterval,
+    ),
   )
   .addOption(
-    opt("--health-timeout <duration>", "deadline of one health check", "HEALTH_TIMEOUT", DEFAULTS.healthTimeout),
+    opt(
+      "--health-timeout <duration>",
+      "deadline of one health check",
+      "HEALTH_TIMEOUT",
+      DEFAULTS.healthTimeout,
+    ),
   )
   .addOption(
-    opt("--health-path <path>", "path probed by health checks (/health, or /v1/models)", "HEALTH_PATH", DEFAULTS.healthPath),
+    opt(
+      "--health-path <path>",
+      "path probed by health checks (/health, or /v1/models)",
+      "HEALTH_PATH",
+      DEFAULTS.healthPath,
+    ),
   )
   .addOption(
-    opt("--max-body <size>", "largest accepted request body (e.g. 1048576, 512kb, 16mb)", "MAX_BODY", DEFAULTS.maxBody),
+    opt(
+      "--max-body <size>",
+      "largest accepted request body (e.g. 1048576, 512kb, 16mb)",
+      "MAX_BODY",
+      DEFAULTS.maxBody,
+    ),
   )
   .addOption(
     opt("--log-level <level>", "error | warn | info | debug", "LOG_LEVEL", DEFAULTS.logLevel),

@@ -97,7 +97,9 @@ export class HealthChecker {
       if (!b.healthy) log.info("backend back in service", { role: b.role, url: b.url });
       pool.markUp(b, "health check passed");
     } else {
-      if (b.healthy) log.warn("backend out of service", { role: b.role, url: b.url, reason: failure });
+      if (b.healthy) {
+        log.warn("backend out of service", { role: b.role, url: b.url, reason: failure });
+      }
       pool.markDown(b, failure);
     }
   }

@@ -155,7 +155,9 @@ export async function runPrefill(
     if (out.kind === "network" && out.failure === "connect") {
       pool.markDown(backend, `connection failed: ${out.message}`);
     }
-    const next: Backend | undefined = attempt === 0 ? pool.pick(tried) ?? (backend.healthy ? backend : undefined) : undefined;
+    const next: Backend | undefined = attempt === 0
+      ? pool.pick(tried) ?? (backend.healthy ? backend : undefined)
+      : undefined;
     if (next === undefined) {
       const status = out.kind === "http" ? out.status : 502;
       throw new RouterError(
@@ -290,7 +292,9 @@ export async function runDecode(
       metrics.upstreamFailures.inc({ role: "decode", reason: failure });
       const message = describeError(e);
       if (failure === "connect") pool.markDown(backend, `connection failed: ${message}`);
-      const next: Backend | undefined = attempt === 0 && failure === "connect" ? pool.pick(tried) : undefined;
+      const next: Backend | undefined = attempt === 0 && failure === "connect"
+        ? pool.pick(tried)
+        : undefined;
       if (next === undefined) {
         throw new RouterError(
           502,
@@ -377,7 +381,9 @@ function pipeBody(
       // Not delivered: the client went away (Deno aborts its signal first) or D broke off.
       // Stop D's generation either way.
       const outcome: RelayOutcome = ctx.signal.aborted ? "client_gone" : "network";
-      if (outcome === "network") metrics.upstreamFailures.inc({ role: "decode", reason: "network" });
+      if (outcome === "network") {
+        metrics.upstreamFailures.inc({ role: "decode", reason: "network" });
+      }
       link.abort("client_gone");
       link.dispose();
       pool.release(backend);

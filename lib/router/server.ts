@@ -80,7 +80,11 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
   for (const pool of [prefill, decode]) {
     for (const b of pool.backends) {
       if (!b.healthy) {
-        logger.warn("backend out of service at start", { role: b.role, url: b.url, reason: b.lastError });
+        logger.warn("backend out of service at start", {
+          role: b.role,
+          url: b.url,
+          reason: b.lastError,
+        });
       }
     }
   }
@@ -128,7 +132,9 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
     stopping ??= (async () => {
       await health.stop();
       let timer: ReturnType<typeof setTimeout> | undefined;
-      const grace = new Promise<"timeout">((r) => (timer = setTimeout(() => r("timeout"), graceMs)));
+      const grace = new Promise<"timeout">((
+        r,
+      ) => (timer = setTimeout(() => r("timeout"), graceMs)));
       const shut = server.shutdown();
       const result = await Promise.race([shut.then(() => "done" as const), grace]);
       clearTimeout(timer);
@@ -393,7 +399,11 @@ function handleHealth(deps: FlowDeps): Response {
   });
   const ok = deps.prefill.healthyCount() > 0 && deps.decode.healthyCount() > 0;
   return Response.json(
-    { status: ok ? "ok" : "unavailable", prefill: describe(deps.prefill), decode: describe(deps.decode) },
+    {
+      status: ok ? "ok" : "unavailable",
+      prefill: describe(deps.prefill),
+      decode: describe(deps.decode),
+    },
     { status: ok ? 200 : 503 },
   );
 }

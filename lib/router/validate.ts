@@ -34,7 +34,10 @@ export interface GenerationRequest {
  * const bytes = await readBodyLimited(request, 16 * 1024 * 1024);
  * ```
  */
-export async function readBodyLimited(req: Request, maxBytes: number): Promise<Uint8Array<ArrayBuffer>> {
+export async function readBodyLimited(
+  req: Request,
+  maxBytes: number,
+): Promise<Uint8Array<ArrayBuffer>> {
   const declared = req.headers.get("content-length");
   if (declared !== null) {
     if (Number(declared) > maxBytes) throw tooLarge(Number(declared), maxBytes);
@@ -131,7 +134,11 @@ export function parseGenerationRequest(
 
   if (body.n !== undefined && body.n !== null) {
     if (!Number.isInteger(body.n) || (body.n as number) < 1) {
-      throw badRequest(`'n' must be a positive integer, got ${JSON.stringify(body.n)}`, "n", "invalid_n");
+      throw badRequest(
+        `'n' must be a positive integer, got ${JSON.stringify(body.n)}`,
+        "n",
+        "invalid_n",
+      );
     }
     if ((body.n as number) > 1) {
       throw badRequest(
@@ -142,7 +149,11 @@ export function parseGenerationRequest(
     }
   }
   if (body.stream !== undefined && body.stream !== null && typeof body.stream !== "boolean") {
-    throw badRequest(`'stream' must be a boolean, got ${jsonKind(body.stream)}`, "stream", "invalid_stream");
+    throw badRequest(
+      `'stream' must be a boolean, got ${jsonKind(body.stream)}`,
+      "stream",
+      "invalid_stream",
+    );
   }
   for (const field of ["max_tokens", "max_completion_tokens"]) {
     const v = body[field];
@@ -162,10 +173,11 @@ function checkPrompt(prompt: unknown): void {
     throw badRequest("'prompt' is required for /v1/completions", "prompt", "missing_prompt");
   }
   const ok = typeof prompt === "string" ||
-    (Array.isArray(prompt) && prompt.length > 0 && prompt.every((p) =>
-      typeof p === "string" || Number.isInteger(p) ||
-      (Array.isArray(p) && p.every((t) => Number.isInteger(t)))
-    ));
+    (Array.isArray(prompt) && prompt.length > 0 &&
+      prompt.every((p) =>
+        typeof p === "string" || Number.isInteger(p) ||
+        (Array.isArray(p) && p.every((t) => Number.isInteger(t)))
+      ));
   if (!ok) {
     throw badRequest(
       "'prompt' must be a string, a non-empty array of strings, or token ids",
@@ -177,7 +189,11 @@ function checkPrompt(prompt: unknown): void {
 
 function checkMessages(messages: unknown): void {
   if (messages === undefined || messages === null) {
-    throw badRequest("'messages' is required for /v1/chat/completions", "messages", "missing_messages");
+    throw badRequest(
+      "'messages' is required for /v1/chat/completions",
+      "messages",
+      "missing_messages",
+    );
   }
   if (!Array.isArray(messages) || messages.length === 0) {
     throw badRequest(

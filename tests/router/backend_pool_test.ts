@@ -50,7 +50,10 @@ Deno.test("health changes are reported once per transition", () => {
 
 Deno.test("release below zero is a bug and says which backend", () => {
   const pool = new BackendPool("decode", URLS);
-  assert.throws(() => pool.release(pool.backends[1]), /inflight underflow on decode backend http:\/\/b:1/);
+  assert.throws(
+    () => pool.release(pool.backends[1]),
+    /inflight underflow on decode backend http:\/\/b:1/,
+  );
 });
 
 Deno.test("property: pick returns a healthy, non-excluded backend with minimal inflight", () => {

@@ -21,20 +21,101 @@ interface Case {
 
 const big = "x".repeat(MAX_BODY);
 const CASES: Case[] = [
-  { name: "not JSON", body: "{model: m", param: null, code: "invalid_json", message: /not valid JSON/ },
+  {
+    name: "not JSON",
+    body: "{model: m",
+    param: null,
+    code: "invalid_json",
+    message: /not valid JSON/,
+  },
   { name: "empty body", body: "", param: null, code: "invalid_json", message: /empty/ },
-  { name: "a JSON array", body: "[1,2]", param: null, code: "invalid_json", message: /must be a JSON object, got an array/ },
-  { name: "missing model", body: '{"prompt":"hi"}', param: "model", code: "missing_model", message: /'model' is required/ },
-  { name: "model not a string", body: '{"model":7,"prompt":"hi"}', param: "model", code: "invalid_model", message: /non-empty string, got a number/ },
-  { name: "missing prompt", body: '{"model":"m"}', param: "prompt", code: "missing_prompt", message: /'prompt' is required/ },
-  { name: "empty prompt array", body: '{"model":"m","prompt":[]}', param: "prompt", code: "invalid_prompt", message: /'prompt' must be/ },
-  { name: "missing messages", path: "/v1/chat/completions", body: '{"model":"m"}', param: "messages", code: "missing_messages", message: /'messages' is required/ },
-  { name: "empty messages", path: "/v1/chat/completions", body: '{"model":"m","messages":[]}', param: "messages", code: "invalid_messages", message: /non-empty array, got an empty array/ },
-  { name: "message without role", path: "/v1/chat/completions", body: '{"model":"m","messages":[{"content":"x"}]}', param: "messages[0]", code: "invalid_messages", message: /string 'role'/ },
-  { name: "n > 1", body: '{"model":"m","prompt":"hi","n":2}', param: "n", code: "unsupported_n", message: /n > 1 is not supported.*n=2/ },
-  { name: "n = 0", body: '{"model":"m","prompt":"hi","n":0}', param: "n", code: "invalid_n", message: /positive integer, got 0/ },
-  { name: "stream not a boolean", body: '{"model":"m","prompt":"hi","stream":"yes"}', param: "stream", code: "invalid_stream", message: /must be a boolean/ },
-  { name: "negative max_tokens", body: '{"model":"m","prompt":"hi","max_tokens":-1}', param: "max_tokens", code: "invalid_max_tokens", message: /positive integer, got -1/ },
+  {
+    name: "a JSON array",
+    body: "[1,2]",
+    param: null,
+    code: "invalid_json",
+    message: /must be a JSON object, got an array/,
+  },
+  {
+    name: "missing model",
+    body: '{"prompt":"hi"}',
+    param: "model",
+    code: "missing_model",
+    message: /'model' is required/,
+  },
+  {
+    name: "model not a string",
+    body: '{"model":7,"prompt":"hi"}',
+    param: "model",
+    code: "invalid_model",
+    message: /non-empty string, got a number/,
+  },
+  {
+    name: "missing prompt",
+    body: '{"model":"m"}',
+    param: "prompt",
+    code: "missing_prompt",
+    message: /'prompt' is required/,
+  },
+  {
+    name: "empty prompt array",
+    body: '{"model":"m","prompt":[]}',
+    param: "prompt",
+    code: "invalid_prompt",
+    message: /'prompt' must be/,
+  },
+  {
+    name: "missing messages",
+    path: "/v1/chat/completions",
+    body: '{"model":"m"}',
+    param: "messages",
+    code: "missing_messages",
+    message: /'messages' is required/,
+  },
+  {
+    name: "empty messages",
+    path: "/v1/chat/completions",
+    body: '{"model":"m","messages":[]}',
+    param: "messages",
+    code: "invalid_messages",
+    message: /non-empty array, got an empty array/,
+  },
+  {
+    name: "message without role",
+    path: "/v1/chat/completions",
+    body: '{"model":"m","messages":[{"content":"x"}]}',
+    param: "messages[0]",
+    code: "invalid_messages",
+    message: /string 'role'/,
+  },
+  {
+    name: "n > 1",
+    body: '{"model":"m","prompt":"hi","n":2}',
+    param: "n",
+    code: "unsupported_n",
+    message: /n > 1 is not supported.*n=2/,
+  },
+  {
+    name: "n = 0",
+    body: '{"model":"m","prompt":"hi","n":0}',
+    param: "n",
+    code: "invalid_n",
+    message: /positive integer, got 0/,
+  },
+  {
+    name: "stream not a boolean",
+    body: '{"model":"m","prompt":"hi","stream":"yes"}',
+    param: "stream",
+    code: "invalid_stream",
+    message: /must be a boolean/,
+  },
+  {
+    name: "negative max_tokens",
+    body: '{"model":"m","prompt":"hi","max_tokens":-1}',
+    param: "max_tokens",
+    code: "invalid_max_tokens",
+    message: /positive integer, got -1/,
+  },
   {
     name: "oversized body (Content-Length)",
     body: JSON.stringify({ model: "m", prompt: big }),
@@ -135,17 +216,43 @@ Deno.test("bad requests get a 400 OpenAI error and nothing goes upstream", async
 
 Deno.test("bad command-line values stop the router before it starts, naming the flag", async () => {
   const ok = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"];
-  const cases: Array<{ args: string[]; env?: Record<string, string>; flag: string; says: RegExp }> = [
-    { args: [...ok, "--port", "70000"], flag: "--port", says: /0-65535, got 70000/ },
-    { args: [...ok, "--prefill-timeout", "soon"], flag: "--prefill-timeout", says: /expected a duration/ },
-    { args: [...ok, "--decode-timeout", "0s"], flag: "--decode-timeout", says: /greater than zero/ },
-    { args: [...ok, "--max-body", "lots"], flag: "--max-body", says: /expected a size/ },
-    { args: [...ok, "--log-level", "loud"], flag: "--log-level", says: /one of error, warn, info, debug/ },
-    { args: [...ok, "--health-path", "health"], flag: "--health-path", says: /starting with '\/'/ },
-    { args: ["--decode", "http://127.0.0.1:9"], flag: "--prefill", says: /at least one prefill/ },
-    { args: ["--prefill", "ftp://x", "--decode", "http://127.0.0.1:9"], flag: "--prefill", says: /http:\/\/ or https:\/\//, },
-    { args: ok, env: { PEGAFLOW_ROUTER_HEALTH_INTERVAL: "-1" }, flag: "--health-interval", says: /expected a duration/ },
-  ];
+  const cases: Array<{ args: string[]; env?: Record<string, string>; flag: string; says: RegExp }> =
+    [
+      { args: [...ok, "--port", "70000"], flag: "--port", says: /0-65535, got 70000/ },
+      {
+        args: [...ok, "--prefill-timeout", "soon"],
+        flag: "--prefill-timeout",
+        says: /expected a duration/,
+      },
+      {
+        args: [...ok, "--decode-timeout", "0s"],
+        flag: "--decode-timeout",
+        says: /greater than zero/,
+      },
+      { args: [...ok, "--max-body", "lots"], flag: "--max-body", says: /expected a size/ },
+      {
+        args: [...ok, "--log-level", "loud"],
+        flag: "--log-level",
+        says: /one of error, warn, info, debug/,
+      },
+      {
+        args: [...ok, "--health-path", "health"],
+        flag: "--health-path",
+        says: /starting with '\/'/,
+      },
+      { args: ["--decode", "http://127.0.0.1:9"], flag: "--prefill", says: /at least one prefill/ },
+      {
+        args: ["--prefill", "ftp://x", "--decode", "http://127.0.0.1:9"],
+        flag: "--prefill",
+        says: /http:\/\/ or https:\/\//,
+      },
+      {
+        args: ok,
+        env: { PEGAFLOW_ROUTER_HEALTH_INTERVAL: "-1" },
+        flag: "--health-interval",
+        says: /expected a duration/,
+      },
+    ];
   await Promise.all(cases.map(async (c) => {
     const { code, stderr } = await runRouterCli(c.args, c.env);
     assert.equal(code, 2, `${c.flag}: exit code (stderr: ${stderr})`);

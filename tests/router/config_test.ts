@@ -18,8 +18,10 @@ Deno.test("durations take ms, s, m, h and bare milliseconds", () => {
   assert.equal(parseDurationMs("--x", "2m"), 120_000);
   assert.equal(parseDurationMs("--x", "1h"), 3_600_000);
   for (const bad of ["", "-1", "0", "fast", "1d", "1e3"]) {
-    assert.throws(() => parseDurationMs("--prefill-timeout", bad), (e) =>
-      e instanceof ConfigError && e.flag === "--prefill-timeout");
+    assert.throws(
+      () => parseDurationMs("--prefill-timeout", bad),
+      (e) => e instanceof ConfigError && e.flag === "--prefill-timeout",
+    );
   }
   assert.throws(() => parseDurationMs("--x", "1000h"), /--x: must be at most/);
 });

@@ -59,10 +59,19 @@ async function spawnWithPort(
   };
   const pumps = Promise.all([pump(child.stdout, false), pump(child.stderr, true)]);
   const timer = setTimeout(
-    () => rejectPort(new Error(`child did not start within ${START_TIMEOUT_MS} ms: ${args.join(" ")}\n${errText}`)),
+    () =>
+      rejectPort(
+        new Error(
+          `child did not start within ${START_TIMEOUT_MS} ms: ${args.join(" ")}\n${errText}`,
+        ),
+      ),
     START_TIMEOUT_MS,
   );
-  child.status.then((s) => rejectPort(new Error(`child exited (${s.code}) before listening: ${args.join(" ")}\n${errText}`)));
+  child.status.then((s) =>
+    rejectPort(
+      new Error(`child exited (${s.code}) before listening: ${args.join(" ")}\n${errText}`),
+    )
+  );
   let port: number;
   try {
     port = await portP;
@@ -207,13 +216,19 @@ export async function waitFor(
 ): Promise<void> {
   const deadline = performance.now() + timeoutMs;
   while (!(await check())) {
-    if (performance.now() > deadline) throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`);
+    if (performance.now() > deadline) {
+      throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`);
+    }
     await new Promise((r) => setTimeout(r, intervalMs));
   }
 }
 
 /** The value of a Prometheus sample line `name{labels} value`, or 0 when absent. */
-export function metricValue(text: string, name: string, labels: Record<string, string> = {}): number {
+export function metricValue(
+  text: string,
+  name: string,
+  labels: Record<string, string> = {},
+): number {
   for (const line of text.split("\n")) {
     if (!line.startsWith(name)) continue;
     const rest = line.slice(name.length);

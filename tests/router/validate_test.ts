@@ -14,11 +14,14 @@ Deno.test("valid prompts of every OpenAI shape are accepted", () => {
     assert.equal(r.stream, false);
     assert.deepEqual(r.body.prompt, prompt);
   }
-  const chat = parseGenerationRequest("/v1/chat/completions", enc({
-    model: "m",
-    messages: [{ role: "user", content: "x" }],
-    stream: true,
-  }));
+  const chat = parseGenerationRequest(
+    "/v1/chat/completions",
+    enc({
+      model: "m",
+      messages: [{ role: "user", content: "x" }],
+      stream: true,
+    }),
+  );
   assert.equal(chat.stream, true);
 });
 
@@ -28,7 +31,8 @@ Deno.test("property: any n above 1 is refused with param 'n'", () => {
       parseGenerationRequest("/v1/completions", enc({ model: "m", prompt: "x", n }));
       return false;
     } catch (e) {
-      return e instanceof RouterError && e.status === 400 && e.param === "n" && e.message.includes(`n=${n}`);
+      return e instanceof RouterError && e.status === 400 && e.param === "n" &&
+        e.message.includes(`n=${n}`);
     }
   }));
 });
@@ -70,6 +74,9 @@ Deno.test("readBodyLimited stops reading once the limit is passed", async () => 
     },
   });
   const req = new Request("http://x/v1/completions", { method: "POST", body });
-  await assert.rejects(readBodyLimited(req, 250), (e) => e instanceof RouterError && e.code === "body_too_large");
+  await assert.rejects(
+    readBodyLimited(req, 250),
+    (e) => e instanceof RouterError && e.code === "body_too_large",
+  );
   assert.ok(pulled < 10, `read ${pulled} chunks of a 100 kB body with a 250-byte limit`);
 });
