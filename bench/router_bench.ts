@@ -74,9 +74,18 @@ interface PathSamples {
   chunk: number[];
   chunks: number;
   wallMs: number;
+  /** Every request sent while measuring CPU, recorded or not (the ramp's too). */
+  sent: number;
 }
 
-const newSamples = (): PathSamples => ({ ttft: [], total: [], chunk: [], chunks: 0, wallMs: 0 });
+const newSamples = (): PathSamples => ({
+  ttft: [],
+  total: [],
+  chunk: [],
+  chunks: 0,
+  wallMs: 0,
+  sent: 0,
+});
 
 async function one(url: string, into: PathSamples | null, body: string): Promise<void> {
   const t0 = performance.now();
@@ -126,11 +135,13 @@ async function load(url: string, total: number, concurrency: number, into: PathS
   let ramped = 0;
   await Promise.all(Array.from({ length: concurrency }, async (_, k) => {
     await new Promise((r) => setTimeout(r, (k * rampMs) / concurrency));
+    into.sent++;
     await one(url, null, bodyFor(nextLength()));
     if (++ramped === concurrency) t0 = performance.now();
     while (recorded < total) {
       const measure = ramped === concurrency;
       if (measure) recorded++;
+      into.sent++;
       await one(url, measure ? into : null, bodyFor(nextLength()));
     }
   }));
@@ -242,7 +253,7 @@ try {
     total_p99_ms: s.total_ms.p99 - stats.direct.total_ms.p99,
   });
   const added = { router: addedOver(stats.router), "router+idle": addedOver(stats["router+idle"]) };
-  const cpuUs = (n: "router" | "router+idle") => (cpu[n] / acc[n].total.length) * 1e6;
+  const cpuUs = (n: "router" | "router+idle") => (cpu[n] / acc[n].sent) * 1e6;
 
   const f = (n: number, w = 8) => n.toFixed(2).padStart(w);
   console.log(
