@@ -367,7 +367,8 @@ async function handleModels(
       return [];
     }
   }));
-  if (lists.every((l) => l.length === 0) && failures.length > 0 || backends.length === 0) {
+  const nothingListed = lists.every((l) => l.length === 0);
+  if (backends.length === 0 || (nothingListed && failures.length > 0)) {
     return errorResponse(
       new RouterError(
         503,
@@ -379,6 +380,9 @@ async function handleModels(
         "models_unavailable",
       ),
     );
+  }
+  if (failures.length > 0) {
+    deps.log.warn("some backends could not list their models", { failures: failures.join("; ") });
   }
   const byId = new Map<string, ModelEntry>();
   for (const list of lists) for (const m of list) if (!byId.has(m.id)) byId.set(m.id, m);
