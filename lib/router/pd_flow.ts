@@ -410,12 +410,16 @@ function relayBody(
   const { decode: pool, metrics, log } = deps;
   let ended = false;
   let first = true;
-  let lastChunkAt = performance.now();
+  // When the pending read from D began, or -1 while none is pending: a client that reads slowly
+  // leaves no read pending, and its slowness must not count as D's silence.
+  let readingSince = -1;
   // One coarse timer per stream instead of one per chunk: the check is cheap and the deadline
   // only needs to be enforced within a quarter of its length.
   const idleCheckMs = Math.max(Math.floor(streamIdleTimeoutMs / 4), 5);
   const idleTimer = setInterval(() => {
-    if (performance.now() - lastChunkAt > streamIdleTimeoutMs) link.abort("idle_timeout");
+    if (readingSince >= 0 && performance.now() - readingSince > streamIdleTimeoutMs) {
+      link.abort("idle_timeout");
+    }
   }, idleCheckMs);
   const end = (outcome: RelayOutcome) => {
     if (ended) return;
@@ -434,6 +438,7 @@ function relayBody(
   return new ReadableStream<Uint8Array>({
     async pull(controller) {
       let r: ReadableStreamReadResult<Uint8Array>;
+      readingSince = performance.now();
       try {
         r = await reader.read();
       } catch (e) {
@@ -467,10 +472,13 @@ function relayBody(
         controller.close();
         return;
       }
-      lastChunkAt = performance.now();
+      readingSince = -1;
       if (first) {
         first = false;
-        metrics.decodeTtfbSeconds.observe({ backend: backend.url }, (lastChunkAt - t0) / 1000);
+        metrics.decodeTtfbSeconds.observe(
+          { backend: backend.url },
+          (performance.now() - t0) / 1000,
+        );
       }
       controller.enqueue(r.value);
     },
