@@ -35,6 +35,12 @@ export interface FlowDeps {
   decodeTimeoutMs: number;
   /** `null`: pipe D's body natively; a number: relay chunk by chunk and enforce this silence. */
   streamIdleTimeoutMs: number | null;
+  /**
+   * Whether this Deno aborts a request's signal after a successful response too (its legacy
+   * behaviour, without --unstable-no-legacy-abort); then the signal cannot tell a client that
+   * left from one that was served.
+   */
+  legacyAbort: boolean;
 }
 
 /** Per-request context. */
@@ -371,8 +377,8 @@ function pipeBody(
   ctx.completed().then(
     () => {
       // Deno resolves `completed` also when the client left mid-body; its signal tells them
-      // apart (which needs --unstable-no-legacy-abort: the legacy signal aborts on success too).
-      const outcome: RelayOutcome = ctx.signal.aborted ? "client_gone" : "ok";
+      // apart, unless the legacy signal aborts on success too (then count it as served).
+      const outcome: RelayOutcome = !deps.legacyAbort && ctx.signal.aborted ? "client_gone" : "ok";
       link.dispose();
       pool.release(backend);
       onEnd(outcome);

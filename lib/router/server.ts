@@ -99,7 +99,15 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
     prefillTimeoutMs: config.prefillTimeoutMs,
     decodeTimeoutMs: config.decodeTimeoutMs,
     streamIdleTimeoutMs: config.streamIdleTimeoutMs,
+    legacyAbort: await signalAbortsOnSuccess(),
   };
+  if (deps.legacyAbort) {
+    logger.warn(
+      "Deno aborts request signals after successful responses here (legacy behaviour): streams " +
+        "cut by their client are counted as served; run with --unstable-no-legacy-abort " +
+        "(deno task router does) for exact 499 accounting",
+    );
+  }
   // Aborted when shutdown's grace period is over: every open upstream request is cut.
   const stopAll = new AbortController();
   const handler = createHandler(deps, config, stopAll.signal);
@@ -199,6 +207,30 @@ export function createHandler(
         );
     }
   };
+}
+
+/**
+ * Probes, once at start, whether Deno.serve aborts `request.signal` after a successful response
+ * (Deno's legacy behaviour, unless run with --unstable-no-legacy-abort). The flow needs to know
+ * to read "the signal aborted" as "the client left".
+ */
+async function signalAbortsOnSuccess(): Promise<boolean> {
+  let answer!: (legacy: boolean) => void;
+  const probed = new Promise<boolean>((r) => (answer = r));
+  const probe = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, (req, info) => {
+    const signal = req.signal;
+    // Deno settles `completed` and, in legacy mode, aborts the signal in the same step; the
+    // callback runs after both.
+    info.completed.then(() => answer(signal.aborted), () => answer(signal.aborted));
+    return new Response("probe");
+  });
+  try {
+    const res = await fetch(`http://127.0.0.1:${probe.addr.port}/`);
+    await res.text();
+    return await probed;
+  } finally {
+    await probe.shutdown();
+  }
 }
 
 /** The path of a request URL without parsing the whole URL (this runs on every request). */

@@ -175,9 +175,12 @@ export interface RouterProcess {
 export async function spawnRouter(
   args: string[],
   env: Record<string, string> = {},
+  opts: { legacyAbort?: boolean } = {},
 ): Promise<RouterProcess> {
+  // `deno task router` runs with --unstable-no-legacy-abort; legacyAbort runs without it.
+  const flags = opts.legacyAbort ? [] : ["--unstable-no-legacy-abort"];
   const s = await spawnWithPort(
-    ["run", "--allow-all", "--unstable-no-legacy-abort", ROUTER_MAIN, "--port", "0", ...args],
+    ["run", "--allow-all", ...flags, ROUTER_MAIN, "--port", "0", ...args],
     env,
   );
   const url = `http://127.0.0.1:${s.port}`;
