@@ -4,6 +4,9 @@
 SHELL := /bin/bash
 DENO ?= $(CURDIR)/node_modules/deno/deno
 export DENO_DIR ?= $(CURDIR)/.cache/deno
+# package.json only pins the Deno binary for npm; without this, `deno task`
+# tries to install its platform packages and fails.
+export DENO_NO_PACKAGE_JSON := 1
 BUILD := build
 CC ?= gcc
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
@@ -57,10 +60,14 @@ $(BUILD)/obj/pf_kernel_fatbin.o: $(BUILD)/pf_kernel.fatbin
 	@mkdir -p $(dir $@)
 	cd $(BUILD) && ld -r -b binary -o obj/pf_kernel_fatbin.o pf_kernel.fatbin
 
+# -z nodelete: a process that exits while a thread still sleeps in
+# pf_ring_wait (e.g. on an uncaught error) must not have the library's code
+# unmapped under that thread by dlclose. -z noexecstack: the embedded fatbin
+# object carries no GNU-stack note.
 $(BUILD)/libpegaflow.so: $(OBJS) $(KERNEL_OBJ)
 	@mkdir -p $(BUILD)
 	@test -n "$(LIBURING_A)" || { echo "error: liburing.a not found; run 'make liburing'"; exit 1; }
-	$(CC) -shared -o $@ $(OBJS) $(KERNEL_OBJ) $(LIBURING_A) $(LDLIBS)
+	$(CC) -shared -Wl,-z,noexecstack -Wl,-z,nodelete -o $@ $(OBJS) $(KERNEL_OBJ) $(LIBURING_A) $(LDLIBS)
 
 test: deps native
 	$(DENO) task test
@@ -76,3 +83,36 @@ bench: deps native
 
 clean:
 	rm -rf $(BUILD)
+
+# gRPC contract: static ts-proto codegen (run after editing proto/pegaflow.proto;
+# the generated proto/pegaflow.ts is committed). Needs protoc (Debian package
+# protobuf-compiler); ts-proto is installed from npm into build/proto-tools.
+TS_PROTO_VERSION := 2.18.0
+PROTO_TOOLS := $(BUILD)/proto-tools
+.PHONY: proto
+proto:
+	@command -v protoc >/dev/null || { echo "error: protoc not found; install the Debian package protobuf-compiler"; exit 1; }
+	@test -x $(PROTO_TOOLS)/node_modules/.bin/protoc-gen-ts_proto || \
+	  npm install --no-audit --no-fund --prefix $(PROTO_TOOLS) ts-proto@$(TS_PROTO_VERSION)
+	protoc --plugin=$(PROTO_TOOLS)/node_modules/.bin/protoc-gen-ts_proto --ts_proto_out=proto \
+	  --ts_proto_opt=env=browser,outputServices=grpc-js,importSuffix=.ts,useOptionals=none,oneof=unions-value,outputJsonMethods=false \
+	  -Iproto proto/pegaflow.proto
+	sed -i 's|^import { BinaryReader, BinaryWriter } from "@bufbuild/protobuf/wire";|import { Buffer } from "node:buffer";\n&|' proto/pegaflow.ts
+	$(DENO) fmt proto/pegaflow.ts
+
+# Single-binary server (`deno compile`). deno compile needs the `denort`
+# runtime, which only Deno's download host serves: use DENORT_BIN=/path/to/denort
+# where that host is unreachable. The binary loads libpegaflow.so from
+# PEGAFLOW_LIB (set it to build/libpegaflow.so or wherever you install it).
+DENORT_HOST := https://dl.deno.land/
+.PHONY: compile
+compile: native
+	@if [ -n "$$DENORT_BIN" ]; then \
+	  test -x "$$DENORT_BIN" || { echo "error: DENORT_BIN=$$DENORT_BIN is not an executable denort binary"; exit 1; }; \
+	elif ! curl -sfI --max-time 5 $(DENORT_HOST) >/dev/null 2>&1; then \
+	  echo "error: deno compile needs the denort runtime from $(DENORT_HOST), which is unreachable here;"; \
+	  echo "       download denort for Deno $$($(DENO) --version | head -1 | cut -d' ' -f2) elsewhere and run: DENORT_BIN=/path/to/denort make compile"; \
+	  exit 1; \
+	fi
+	$(DENO) compile --allow-all --output $(BUILD)/pegaflow-serve main.ts
+	@echo "built $(BUILD)/pegaflow-serve; run it with PEGAFLOW_LIB=$(CURDIR)/$(BUILD)/libpegaflow.so"

@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 1
+#define PF_ABI_VERSION 2
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {
@@ -71,11 +71,15 @@ int32_t pf_engine_open(int32_t backend, int32_t device, uint32_t workers,
                        uint32_t *out_engine);
 /* Fills info[0..7]: [0] backend (pf_backend), [1] features (pf_feature bits),
  * [2] SM count (0 on host), [3] device id, [4] kernel grid blocks in use,
- * [5] total device memory MiB, [6] ABI version, [7] reserved (0). */
+ * [5] total device memory MiB, [6] ABI version, [7] kernel variant (0 SIMT
+ * loads/stores, 1 Hopper bulk copy; env PEGAFLOW_KERNEL=simt|tma at open). */
 int32_t pf_engine_info(uint32_t engine, uint64_t info[8]);
 /* Sets the kernel path's grid size (blocks); 0 restores the default.
  * Small grids leave SMs to the model (the kernel competes with decode). */
 int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks);
+/* Sets the copy engines' share of PF_PATH_MIXED batches, in permille of
+ * each group's bytes (0..1000); 0 restores the default. */
+int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille);
 /* Fails with PF_EBUSY while pools/regions of this engine are alive. */
 int32_t pf_engine_close(uint32_t engine);
 
@@ -102,8 +106,8 @@ typedef struct pf_completion {
   uint32_t kind;   /* pf_completion_kind */
   uint32_t index;  /* layer-group index (LAYER) or op index (IO) */
   int32_t status;  /* PF_OK or a PF_E* code */
-  uint32_t aux;    /* kind-specific (e.g. path used for BATCH) */
-  uint64_t value;  /* bytes moved, or ns elapsed for BATCH */
+  uint32_t aux;    /* LAYER: the group's layer id; BATCH: pf_path used */
+  uint64_t value;  /* LAYER/IO: bytes moved; BATCH: ns from submit to end */
 } pf_completion;
 
 enum pf_completion_kind {
@@ -132,6 +136,9 @@ int32_t pf_ring_destroy(uint32_t ring);
 enum pf_pool_flags {
   PF_POOL_HUGEPAGES = 1u << 0, /* mmap(MAP_HUGETLB); clear error if none */
   PF_POOL_PRETOUCH = 1u << 1,  /* fault every page in, in parallel */
+  /* Reported only (pf_pool_info [1]): the pages are page-locked (cuda:
+   * registered with the driver; host: mlock succeeded). */
+  PF_POOL_LOCKED = 1u << 2,
 };
 /* Allocates one region of `bytes` host memory, page-locked and mapped for
  * the device (CUDA: cuMemHostAlloc DEVICEMAP, or mmap + cuMemHostRegister
@@ -179,19 +186,27 @@ int32_t pf_region_close(uint32_t region);
 enum pf_direction { PF_D2H = 0 /* gather: region -> pool */,
                     PF_H2D = 1 /* scatter: pool -> region */ };
 enum pf_path {
-  PF_PATH_AUTO = 0,   /* library default: kernel if loaded, else DMA */
+  /* library default (cuda): DMA_BATCH when the batch's mean merged range
+   * is >= 32 KiB and the driver has it, else KERNEL if loaded, else DMA.
+   * Callers with a calibration table choose themselves (lib/copy_path.ts). */
+  PF_PATH_AUTO = 0,
   PF_PATH_KERNEL = 1, /* gather/scatter kernel over mapped pinned memory */
-  PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync */
-  PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges */
+  PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync, issued by several threads */
+  PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges, same threads */
+  /* Kernel and copy engines at once: each group's ranges are split by
+   * bytes, a share (pf_engine_set_dma_share) to the copy engines (batch DMA
+   * where available) on a second stream, the rest to the kernel. Neither
+   * alone fills the link with 32 KB segments; together they do. */
+  PF_PATH_MIXED = 4,
 };
 
 /*
  * A batch descriptor lives in one caller-owned buffer (reused across
  * submits; the library copies what it needs before pf_copy_submit returns):
  *
- *   pf_batch_header
- *   pf_batch_group  groups[num_groups]
- *   pf_batch_seg    segs[num_segs]
+ *   pf_batch_header                          (32 bytes)
+ *   pf_batch_group  groups[num_groups]       (16 bytes each, at offset 32)
+ *   pf_batch_seg    segs[num_segs]           (24 bytes each, at segs_off)
  *
  * Group g covers segs[first_seg, first_seg + num_segs) and completes with one
  * PF_DONE_LAYER record (index = g) once all its segments have landed; the
@@ -213,11 +228,17 @@ typedef struct pf_batch_header {
    * layer-wise load reaches the model without a JS hop. */
   uint32_t progress_shm;
   uint32_t progress_off;
+  /* Byte offset of segs[] from the start of the descriptor (8-aligned), or
+   * 0 for "right after groups[num_groups]". Lets a caller preallocate room
+   * for G groups and write segments before it knows how many groups the
+   * batch will have. */
+  uint32_t segs_off;
+  uint32_t reserved; /* must be 0 */
 } pf_batch_header;
 
 typedef struct pf_batch_group {
   uint32_t region;    /* region handle (imported or allocated) */
-  uint32_t layer;     /* caller's layer id, echoed nowhere; for errors */
+  uint32_t layer;     /* caller's layer id: in errors and LAYER records */
   uint32_t first_seg;
   uint32_t num_segs;
 } pf_batch_group;
@@ -234,13 +255,19 @@ typedef struct pf_batch_seg {
 int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
                        const void *desc, uint64_t desc_bytes, uint64_t tag);
 
-/* Measures each available path on this engine for segment sizes
- * sizes[0..n) (bytes), moving total_bytes per point, and writes GB/s into
- * out_gbps[path_index * n + i] for path_index 0..3 = AUTO(one large
- * copy peak), KERNEL, DMA_BATCH, DMA (0 where a path is absent). Uses
- * scratch device memory and `pool`; synchronous. */
-int32_t pf_calibrate(uint32_t engine, uint32_t pool, const uint64_t *sizes,
-                     uint32_t n, uint64_t total_bytes, double *out_gbps);
+/* Measures each available path on this engine in `direction` for segment
+ * sizes sizes[0..n) (bytes), moving total_bytes per point, and writes GB/s
+ * into out_gbps[p * n + i] (5 * n doubles) for p = the pf_path value:
+ * AUTO's row holds one large contiguous copy (the link's peak, same for
+ * every i), then KERNEL, DMA_BATCH, DMA, MIXED (0 where a path is absent or
+ * the driver refused it). Each figure is the best of 3 timed batches after
+ * a warm-up, submit to last byte. Segments sit at a stride of twice their
+ * size on the device side so that nothing merges. Uses scratch device
+ * memory (host: an anonymous mapping) and pool bytes [0, total_bytes);
+ * synchronous; fails with PF_EBUSY while batches use the pool. */
+int32_t pf_calibrate(uint32_t engine, uint32_t pool, uint32_t direction,
+                     const uint64_t *sizes, uint32_t n, uint64_t total_bytes,
+                     double *out_gbps);
 
 /* ---- shared memory ---------------------------------------------------- */
 enum pf_shm_flags {
@@ -256,44 +283,134 @@ void *pf_shm_ptr(uint32_t shm);
 int32_t pf_shm_close(uint32_t shm); /* PF_EBUSY while a batch reports to it */
 
 /* ---- io_uring (SSD tier) ----------------------------------------------- */
+/*
+ * One io_uring instance per SSD tier, driven by one reaper thread that posts
+ * completions to the same ring as the copy engine. An op moves one record:
+ * an optional 4 KiB header page (in a staging arena the library owns and JS
+ * reads/writes through a typed array) followed by the op's pool extents, so a
+ * record is one readv/writev and the payload never takes an extra copy.
+ *
+ * Alignment is handled inside: an op whose file offset, lengths or pool
+ * addresses do not meet the file's O_DIRECT alignment (statx DIOALIGN, else
+ * the device's logical block size) goes through a second, buffered
+ * descriptor of the same file instead of failing with EINVAL.
+ */
 enum pf_io_op { PF_IO_READ = 0 /* file -> pool */, PF_IO_WRITE = 1 /* pool -> file */ };
+enum pf_io_flags {
+  /* read: after the data landed, CRC32C of the op's pool extents (header
+   * excluded) is computed on the reaper thread and reported in `aux`. */
+  PF_IO_CRC = 1u << 0,
+};
 enum pf_file_flags {
-  PF_FILE_DIRECT = 1u << 0, /* O_DIRECT */
-  PF_FILE_CREATE = 1u << 1, /* O_CREAT */
+  PF_FILE_DIRECT = 1u << 0, /* O_DIRECT (falls back to buffered where the
+                               filesystem refuses it; see pf_file_info) */
+  PF_FILE_CREATE = 1u << 1, /* O_CREAT, mode 0644 */
   PF_FILE_RDONLY = 1u << 2,
 };
+/* Size of one header staging page and of the on-disk header it becomes. */
+#define PF_IO_HDR_BYTES 4096u
 
-/* An io_uring instance of `depth` entries driven by its own thread, posting
- * completions to `ring`; `pool` is registered as fixed buffers where the
- * kernel allows. */
+/* Opens an io_uring of `depth` entries (power of two, 1..4096) over `pool`,
+ * posting completions to `ring`, with `hdr_pages` staging pages of
+ * PF_IO_HDR_BYTES each (0..65536). The pool (in 1 GiB pieces) and the
+ * staging arena are registered as fixed buffers and files as fixed files
+ * where the kernel allows (see pf_uring_info). At most `depth` ops are in the
+ * kernel at once; the rest of a batch waits inside the library. */
 int32_t pf_uring_open(uint32_t pool, uint32_t ring, uint32_t depth,
-                      uint32_t *out_uring);
-/* Opens (and registers) a file; returns the file handle in *out_file.
- * info-style size query via pf_file_size. */
+                      uint32_t hdr_pages, uint32_t *out_uring);
+/* Address of the header staging arena (hdr_pages * PF_IO_HDR_BYTES bytes,
+ * 4 KiB aligned). Owned by the uring; valid until pf_uring_close. A page
+ * named by an op must not be touched by the caller until the op completes. */
+void *pf_uring_hdr_ptr(uint32_t uring);
+/* Fills info[0..7]: [0] depth, [1] hdr_pages, [2] 1 if the pool is
+ * registered as fixed buffers, [3] 1 if files are registered, [4] ops
+ * submitted, [5] ops completed, [6] ops that took the buffered fallback for
+ * alignment, [7] ops in flight now. */
+int32_t pf_uring_info(uint32_t uring, uint64_t info[8]);
+/* Stops accepting ops, waits for ops in flight, joins the reaper, closes
+ * files still open on it. PF_EBUSY if called from the reaper itself. */
+int32_t pf_uring_close(uint32_t uring);
+
+/* Opens (and registers) a file on `uring`. */
 int32_t pf_file_open(uint32_t uring, const char *path, uint32_t flags,
                      uint32_t *out_file);
+/* Fills info[0..3]: [0] size in bytes, [1] O_DIRECT offset/length alignment,
+ * [2] O_DIRECT memory alignment, [3] 1 if opened O_DIRECT, 0 if buffered. */
+int32_t pf_file_info(uint32_t file, uint64_t info[4]);
 int32_t pf_file_size(uint32_t file, uint64_t *out_bytes);
+/* ftruncate; PF_EIO with errno text on failure. */
 int32_t pf_file_truncate(uint32_t file, uint64_t bytes);
+/* Reserves [0, bytes) with fallocate so ENOSPC shows up now, not mid-write;
+ * PF_EUNSUPPORTED where the filesystem has no fallocate. */
+int32_t pf_file_allocate(uint32_t file, uint64_t bytes);
+/* fdatasync (ops completed before the call are durable after it). */
+int32_t pf_file_sync(uint32_t file);
+/* Drops the file's pages from the page cache (posix_fadvise DONTNEED), so a
+ * buffered benchmark reads the device, not memory. */
+int32_t pf_file_drop_cache(uint32_t file);
 int32_t pf_file_close(uint32_t file); /* PF_EBUSY while ops in flight */
+
+/* Filesystem space at `path` (a file or directory): out[0] total bytes,
+ * out[1] bytes available to this process, out[2] filesystem block size. */
+int32_t pf_fs_space(const char *path, uint64_t out[3]);
+/* strerror(err) into buf (for PF_DONE_IO records, whose aux is the errno). */
+int32_t pf_errno_text(int32_t err, char *buf, uint32_t cap);
+
+/*
+ * An io batch lives in one caller-owned buffer (copied before pf_io_submit
+ * returns):
+ *
+ *   pf_io_batch_header
+ *   pf_io_desc  ops[num_ops]
+ *   pf_io_ext   exts[num_exts]
+ *
+ * Op i moves, at file_off, [header page hdr_page - 1 if hdr_page > 0] then
+ * exts[first_ext .. first_ext + num_ext) in order. Every op is validated
+ * (live file of this uring, op kind, extents inside the pool, header page in
+ * range, 1 + num_ext <= 1024 iovecs, writes not to a read-only file) before
+ * anything is queued: one bad op fails the whole batch with nothing done.
+ *
+ * Completions, all with the batch's tag: one PF_DONE_IO per op (index = op
+ * index, in completion order; status PF_OK or PF_EIO; value = bytes moved;
+ * aux = the errno on failure (a short transfer reports ENOSPC for a write,
+ * ENODATA for a read), or the CRC32C with PF_IO_CRC), then one
+ * PF_DONE_IO_BATCH (status = first failure or PF_OK, aux = failed ops,
+ * value = bytes moved).
+ */
+typedef struct pf_io_batch_header {
+  uint32_t num_ops;
+  uint32_t num_exts;
+  uint64_t reserved; /* 0 */
+} pf_io_batch_header;
 
 typedef struct pf_io_desc {
   uint32_t file;      /* file handle */
   uint32_t op;        /* pf_io_op */
+  uint32_t flags;     /* pf_io_flags */
+  uint32_t hdr_page;  /* staging page index + 1; 0 = no header page */
   uint64_t file_off;
-  uint64_t pool_off;
-  uint64_t bytes;     /* > 0; alignment is handled inside */
+  uint32_t first_ext;
+  uint32_t num_ext;   /* 0 allowed only with a header page */
 } pf_io_desc;
 
-/* Submits n ops (one io_uring submit); each posts PF_DONE_IO (index = i,
- * value = bytes or status), then one PF_DONE_IO_BATCH. */
-int32_t pf_io_submit(uint32_t uring, const pf_io_desc *ops, uint32_t n,
+typedef struct pf_io_ext {
+  uint64_t pool_off;
+  uint64_t bytes;     /* > 0 */
+} pf_io_ext;
+
+/* Queues a batch and submits as much of it as fits (one io_uring_submit);
+ * returns 0 once queued. Never blocks on the device. */
+int32_t pf_io_submit(uint32_t uring, const void *desc, uint64_t desc_bytes,
                      uint64_t tag);
-int32_t pf_uring_close(uint32_t uring);
 
 /* ---- integrity --------------------------------------------------------- */
-/* CRC32C of pool bytes [off, off+bytes) (SSD record checksums). */
-int32_t pf_pool_crc32c(uint32_t pool, uint64_t off, uint64_t bytes,
-                       uint32_t *out_crc);
+/* CRC32C (Castagnoli, as iSCSI/ext4; SSE4.2 where the CPU has it) of each op
+ * of an io batch descriptor (the layout above): out_crcs[i] covers op i's
+ * pool extents in order, header page excluded. One call per batch. */
+int32_t pf_pool_crc32c(uint32_t pool, const void *desc, uint64_t desc_bytes,
+                       uint32_t *out_crcs);
+/* CRC32C of `bytes` at `buf` continuing from `crc` (0 to start). */
+uint32_t pf_crc32c(uint32_t crc, const void *buf, uint64_t bytes);
 
 #ifdef __cplusplus
 }

@@ -176,20 +176,35 @@ static void deadline_after(struct timespec *ts, long ns) {
   }
 }
 
+static int32_t ring_post_locked(pf_ring *r, const pf_completion *c);
+
 int32_t pf_ring_post(pf_ring *r, const pf_completion *c) {
   pthread_mutex_lock(&r->mu);
+  int32_t rc = ring_post_locked(r, c);
+  pthread_mutex_unlock(&r->mu);
+  return rc;
+}
+
+int32_t pf_ring_post_release(pf_ring *r, const pf_completion *c) {
+  pthread_mutex_lock(&r->mu);
+  int32_t rc = ring_post_locked(r, c);
+  /* Under the same lock as the post: a consumer that has seen this record
+   * (its wait re-took the lock) also sees the ring released. */
+  atomic_fetch_sub(&r->users, 1);
+  pthread_mutex_unlock(&r->mu);
+  return rc;
+}
+
+/* Called with r->mu held; may wait (releasing it) while the ring is full. */
+static int32_t ring_post_locked(pf_ring *r, const pf_completion *c) {
   for (;;) {
-    if (pf_ring_is_shutdown(r)) {
-      pthread_mutex_unlock(&r->mu);
-      return PF_ESHUTDOWN;
-    }
+    if (pf_ring_is_shutdown(r)) return PF_ESHUTDOWN;
     uint64_t head = atomic_load_explicit(RING_HEAD(r), memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(RING_TAIL(r), memory_order_acquire);
     if (head - tail < r->capacity) {
       *RING_REC(r, head) = *c;
       atomic_store_explicit(RING_HEAD(r), head + 1, memory_order_release);
       pthread_cond_broadcast(&r->cv);
-      pthread_mutex_unlock(&r->mu);
       return PF_OK;
     }
     struct timespec ts;
@@ -199,12 +214,19 @@ int32_t pf_ring_post(pf_ring *r, const pf_completion *c) {
 }
 
 int64_t pf_ring_wait(uint32_t ring, uint64_t seen, int32_t timeout_ms) {
+  /* Resolve and register as a user under pf_objects_mu, which
+   * pf_ring_destroy also holds: a wait never starts on a freed ring. */
+  pthread_mutex_lock(&pf_objects_mu);
   pf_ring *r = pf_handle_get(ring, PF_K_RING, "pf_ring_wait");
-  if (!r) return PF_EHANDLE;
-  struct timespec ts;
-  if (timeout_ms >= 0) deadline_after(&ts, (long)timeout_ms * 1000000L);
+  if (!r) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
   pthread_mutex_lock(&r->mu);
   pf_ring_acquire(r);
+  pthread_mutex_unlock(&pf_objects_mu);
+  struct timespec ts;
+  if (timeout_ms >= 0) deadline_after(&ts, (long)timeout_ms * 1000000L);
   int64_t out;
   for (;;) {
     uint64_t head = atomic_load_explicit(RING_HEAD(r), memory_order_acquire);
@@ -237,14 +259,24 @@ void pf_ring_acquire(pf_ring *r) { atomic_fetch_add(&r->users, 1); }
 void pf_ring_release(pf_ring *r) { atomic_fetch_sub(&r->users, 1); }
 
 int32_t pf_ring_destroy(uint32_t ring) {
+  pthread_mutex_lock(&pf_objects_mu);
   pf_ring *r = pf_handle_get(ring, PF_K_RING, "pf_ring_destroy");
-  if (!r) return PF_EHANDLE;
-  if (atomic_load(&r->users) > 0)
+  if (!r) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  pthread_mutex_lock(&r->mu);
+  int users = atomic_load(&r->users);
+  if (users > 0) {
+    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_unlock(&pf_objects_mu);
     return pf_fail(PF_EBUSY,
                    "pf_ring_destroy: %d waiters or batches still use ring %u; "
-                   "shut it down and drain first",
-                   atomic_load(&r->users), ring);
+                   "shut it down and drain first", users, ring);
+  }
   pf_handle_free(ring);
+  pthread_mutex_unlock(&r->mu);
+  pthread_mutex_unlock(&pf_objects_mu);
   pthread_cond_destroy(&r->cv);
   pthread_mutex_destroy(&r->mu);
   munmap(r->mem, r->mem_bytes);

@@ -40,16 +40,99 @@ typedef struct pf_ring {
 /* Posts one record; waits while the ring is full. Returns PF_ESHUTDOWN if
  * the ring is shut down (the record is then dropped). */
 int32_t pf_ring_post(pf_ring *r, const pf_completion *c);
+/* Posts one record and releases one pf_ring_acquire, atomically with
+ * respect to consumers: for a batch's final record. */
+int32_t pf_ring_post_release(pf_ring *r, const pf_completion *c);
 int pf_ring_is_shutdown(pf_ring *r);
 void pf_ring_acquire(pf_ring *r); /* work that will post later */
 void pf_ring_release(pf_ring *r);
 
-/* ---- backends ---------------------------------------------------------- */
+/* ---- objects shared by the backends ----------------------------------- */
 struct pf_engine;
 struct pf_pool;
 struct pf_region;
+struct pf_batch;
 
+/* Serialises handle resolution + inflight accounting in pf_copy_submit
+ * against the close/destroy calls, so that a close either sees the batch's
+ * inflight count or the batch sees the handle gone, never half of each. */
+extern pthread_mutex_t pf_objects_mu;
+
+/* One contiguous copy after validation and merging: the region side is an
+ * absolute address (device or host), the pool side an offset. */
+typedef struct pf_range {
+  uint64_t region_addr;
+  uint64_t pool_off;
+  uint64_t bytes;
+} pf_range;
+
+typedef struct pf_group_rt {
+  struct pf_region *region;
+  uint32_t layer;
+  uint32_t first_range;
+  uint32_t num_ranges;
+  uint32_t pad;
+  uint64_t bytes;
+} pf_group_rt;
+
+typedef struct pf_shm {
+  uint32_t handle;
+  char name[PF_HANDLE_BYTES];
+  uint8_t *ptr;
+  uint64_t bytes;
+  int unlink_on_close;
+  atomic_int inflight; /* batches that will still write progress words */
+} pf_shm;
+
+/* A validated batch, owned by the backend from submit until pf_batch_done. */
+typedef struct pf_batch {
+  struct pf_engine *engine;
+  struct pf_pool *pool;
+  pf_ring *ring;
+  pf_shm *progress;
+  uint32_t progress_off;
+  uint32_t direction;
+  uint32_t path;          /* requested pf_path (backend resolves AUTO) */
+  uint32_t num_groups;
+  uint32_t num_ranges;
+  uint32_t num_segs;      /* before merging */
+  uint64_t tag;
+  uint64_t total_bytes;
+  uint64_t submit_ns;     /* CLOCK_MONOTONIC at submit */
+  pf_group_rt *groups;
+  pf_range *ranges;
+  struct pf_batch *next;  /* backend queue link */
+  void *impl;             /* backend per-batch state */
+  /* Called by pf_batch_done just before b is freed (calibration waits on
+   * it); NULL for batches submitted through the ABI. */
+  void (*on_done)(void *arg, int32_t status, uint64_t ns);
+  void *on_done_arg;
+} pf_batch;
+
+uint64_t pf_now_ns(void);
+/* Reports group g as landed (or failed): progress word, LAYER record,
+ * region inflight release. Call in group order. */
+void pf_batch_group_done(pf_batch *b, uint32_t g, int32_t status);
+/* Ends the batch: progress status word, BATCH record (aux = path used,
+ * value = ns since submit), releases pool/ring/shm and frees b. */
+void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used);
+/* Builds a batch directly (calibration, tests of the backend): no handles,
+ * no ring. Ranges are used as given. */
+pf_batch *pf_batch_alloc(uint32_t num_groups, uint32_t num_ranges);
+void pf_batch_free(pf_batch *b);
+
+/* Host memory for pools: mmap (optionally MAP_HUGETLB) and parallel
+ * pre-touch. Fills p->host, huge_page_bytes, applied, alloc_ns. */
+int32_t pf_hostmem_alloc(struct pf_pool *p, const char *who);
+void pf_hostmem_free(struct pf_pool *p);
+/* Checks a POSIX shm name ("/" + letters, digits, - _ .) within cap. */
+int32_t pf_shm_name_check(const char *fn, const char *name, size_t cap);
+/* Runs fn(i, arg) for i in [0, n) on n threads (n >= 1); waits for all. */
+void pf_parallel(uint32_t n, void (*fn)(uint32_t i, void *arg), void *arg);
+
+/* ---- backends ---------------------------------------------------------- */
 typedef struct pf_backend_ops {
+  const char *name;
   int32_t (*open)(struct pf_engine *e, int32_t device, uint32_t workers);
   void (*close)(struct pf_engine *e);
   int32_t (*pool_alloc)(struct pf_engine *e, struct pf_pool *p);
@@ -61,15 +144,28 @@ typedef struct pf_backend_ops {
   void (*region_close)(struct pf_engine *e, struct pf_region *r);
   int32_t (*region_rw)(struct pf_engine *e, struct pf_region *r, uint64_t off,
                        void *buf, uint64_t bytes, int write);
+  /* Takes ownership of b on success (and ends it with pf_batch_done);
+   * on failure b is still the caller's. */
+  int32_t (*submit)(struct pf_engine *e, pf_batch *b);
+  int32_t (*calibrate)(struct pf_engine *e, struct pf_pool *p,
+                       uint32_t direction, const uint64_t *sizes, uint32_t n,
+                       uint64_t total_bytes, double *out_gbps);
+  /* Largest merged range the backend wants (host: split for parallelism). */
+  uint64_t max_range_bytes;
 } pf_backend_ops;
 
 typedef struct pf_engine {
   const pf_backend_ops *ops;
+  uint32_t handle;
   int32_t backend;
   int32_t device;
   uint64_t features;
   uint32_t sm_count;
-  uint32_t grid_blocks;
+  uint32_t grid_blocks;    /* 0 = backend default */
+  uint32_t default_grid;
+  uint32_t kernel_variant; /* 0 SIMT, 1 Hopper bulk copy (cuda only) */
+  uint32_t dma_share;      /* permille of MIXED bytes to the copy engines; 0 = default */
+  uint32_t default_dma_share;
   uint64_t device_mem_mib;
   atomic_int live_objects; /* pools + regions of this engine */
   void *impl;              /* backend private state */
@@ -80,7 +176,8 @@ typedef struct pf_pool {
   uint32_t handle;
   uint8_t *host;           /* host address */
   uint64_t device_ptr;     /* device view of the same memory (cuda) */
-  uint64_t bytes;
+  uint64_t bytes;          /* requested size */
+  uint64_t mapped_bytes;   /* size of the mapping (rounded to pages) */
   uint32_t flags;          /* requested pf_pool_flags */
   uint32_t applied;        /* flags actually applied */
   uint32_t touch_threads;
@@ -102,7 +199,6 @@ typedef struct pf_region {
 } pf_region;
 
 extern const pf_backend_ops pf_host_ops;
-/* NULL when this build has no CUDA backend compiled in. */
-extern const pf_backend_ops *pf_cuda_ops_ptr;
+extern const pf_backend_ops pf_cuda_ops;
 
 #endif /* PF_INTERNAL_H */

@@ -1,0 +1,674 @@
+/*
+ * pf_engine.c — the backend-neutral half of the ABI: engines, pools,
+ * regions and batch submission.
+ *
+ * Everything a caller passes in is checked here, once, before any backend
+ * sees it: handles are resolved, every segment of a batch is bounds-checked
+ * with overflow-safe arithmetic, and only a fully valid batch is handed to
+ * the backend (a batch with one bad segment copies nothing). The backend
+ * then only moves bytes and reports completions through pf_batch_group_done
+ * and pf_batch_done, which live here so both backends report identically.
+ *
+ * Lifetime: regions, pools and progress shms count the batches that still
+ * use them (inflight); close/destroy fails with PF_EBUSY while that count
+ * is non-zero. pf_objects_mu makes "resolve handle + count" in submit atomic
+ * with "check count + retire handle" in close.
+ */
+#define _GNU_SOURCE
+#include "pf_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+pthread_mutex_t pf_objects_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static const char *const dir_name[] = {"D2H", "H2D"};
+
+uint64_t pf_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- engine ------------------------------------------------------------ */
+static int32_t engine_try(const pf_backend_ops *ops, int32_t backend,
+                          int32_t device, uint32_t workers, pf_engine **out) {
+  pf_engine *e = calloc(1, sizeof *e);
+  if (!e) return pf_fail(PF_ENOMEM, "pf_engine_open: out of memory");
+  e->ops = ops;
+  e->backend = backend;
+  e->device = device;
+  int32_t rc = ops->open(e, device, workers);
+  if (rc < 0) {
+    free(e);
+    return rc;
+  }
+  *out = e;
+  return PF_OK;
+}
+
+int32_t pf_engine_open(int32_t backend, int32_t device, uint32_t workers,
+                       uint32_t *out_engine) {
+  if (!out_engine)
+    return pf_fail(PF_EINVAL, "pf_engine_open: out_engine is NULL");
+  if (backend != PF_BACKEND_AUTO && backend != PF_BACKEND_CUDA &&
+      backend != PF_BACKEND_HOST)
+    return pf_fail(PF_EINVAL,
+                   "pf_engine_open: backend %d is not one of 0 (auto), "
+                   "1 (cuda), 2 (host)", backend);
+  if (device < 0)
+    return pf_fail(PF_EINVAL, "pf_engine_open: device %d is negative", device);
+  pf_engine *e = NULL;
+  int32_t rc;
+  if (backend == PF_BACKEND_HOST) {
+    rc = engine_try(&pf_host_ops, PF_BACKEND_HOST, device, workers, &e);
+  } else {
+    rc = engine_try(&pf_cuda_ops, PF_BACKEND_CUDA, device, workers, &e);
+    /* AUTO falls back to host only when there is no usable GPU at all;
+     * a real CUDA failure on a present GPU is reported, not hidden. */
+    if (rc == PF_ENODEV && backend == PF_BACKEND_AUTO)
+      rc = engine_try(&pf_host_ops, PF_BACKEND_HOST, device, workers, &e);
+  }
+  if (rc < 0) return rc;
+  uint32_t h = pf_handle_new(PF_K_ENGINE, e);
+  if (!h) {
+    e->ops->close(e);
+    free(e);
+    return PF_ENOMEM;
+  }
+  e->handle = h;
+  *out_engine = h;
+  return PF_OK;
+}
+
+int32_t pf_engine_info(uint32_t engine, uint64_t info[8]) {
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_info");
+  if (!e) return PF_EHANDLE;
+  if (!info) return pf_fail(PF_EINVAL, "pf_engine_info: info is NULL");
+  info[0] = (uint64_t)e->backend;
+  info[1] = e->features;
+  info[2] = e->sm_count;
+  info[3] = (uint64_t)e->device;
+  info[4] = e->grid_blocks ? e->grid_blocks : e->default_grid;
+  info[5] = e->device_mem_mib;
+  info[6] = PF_ABI_VERSION;
+  info[7] = e->kernel_variant;
+  return PF_OK;
+}
+
+/* A grid larger than this many blocks per SM would only queue. */
+#define PF_MAX_GRID_PER_SM 32u
+
+int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks) {
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_set_kernel_grid");
+  if (!e) return PF_EHANDLE;
+  if (!(e->features & PF_FEAT_KERNEL))
+    return pf_fail(PF_EUNSUPPORTED,
+                   "pf_engine_set_kernel_grid: engine %u (%s backend) has no "
+                   "copy kernel", engine, e->ops->name);
+  uint32_t max = e->sm_count * PF_MAX_GRID_PER_SM;
+  if (blocks > max)
+    return pf_fail(PF_EINVAL,
+                   "pf_engine_set_kernel_grid: %u blocks; expected 0 (default "
+                   "%u) .. %u (%u SMs x %u)", blocks, e->default_grid, max,
+                   e->sm_count, PF_MAX_GRID_PER_SM);
+  e->grid_blocks = blocks;
+  return PF_OK;
+}
+
+int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille) {
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_set_dma_share");
+  if (!e) return PF_EHANDLE;
+  if (!(e->features & PF_FEAT_KERNEL))
+    return pf_fail(PF_EUNSUPPORTED,
+                   "pf_engine_set_dma_share: engine %u (%s backend) has no "
+                   "mixed path", engine, e->ops->name);
+  if (permille > 1000)
+    return pf_fail(PF_EINVAL, "pf_engine_set_dma_share: %u permille; expected "
+                   "0 (default %u) .. 1000", permille, e->default_dma_share);
+  e->dma_share = permille;
+  return PF_OK;
+}
+
+int32_t pf_engine_close(uint32_t engine) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_close");
+  if (!e) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  int live = atomic_load(&e->live_objects);
+  if (live > 0) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return pf_fail(PF_EBUSY,
+                   "pf_engine_close: engine %u still has %d pools/regions; "
+                   "close them first", engine, live);
+  }
+  pf_handle_free(engine);
+  pthread_mutex_unlock(&pf_objects_mu);
+  e->ops->close(e);
+  free(e);
+  return PF_OK;
+}
+
+/* ---- pool -------------------------------------------------------------- */
+int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
+                       uint32_t touch_threads, uint32_t *out_pool) {
+  if (!out_pool) return pf_fail(PF_EINVAL, "pf_pool_create: out_pool is NULL");
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_pool_create");
+  if (!e) return PF_EHANDLE;
+  if (bytes == 0) return pf_fail(PF_EINVAL, "pf_pool_create: bytes is 0");
+  if (flags & ~(uint32_t)(PF_POOL_HUGEPAGES | PF_POOL_PRETOUCH))
+    return pf_fail(PF_EINVAL,
+                   "pf_pool_create: unknown flag bits 0x%x (expected "
+                   "HUGEPAGES=1, PRETOUCH=2)", flags);
+  pf_pool *p = calloc(1, sizeof *p);
+  if (!p) return pf_fail(PF_ENOMEM, "pf_pool_create: out of memory");
+  p->engine = e;
+  p->bytes = bytes;
+  p->flags = flags;
+  p->touch_threads = touch_threads;
+  int32_t rc = e->ops->pool_alloc(e, p);
+  if (rc < 0) {
+    free(p);
+    return rc;
+  }
+  uint32_t h = pf_handle_new(PF_K_POOL, p);
+  if (!h) {
+    e->ops->pool_free(e, p);
+    free(p);
+    return PF_ENOMEM;
+  }
+  p->handle = h;
+  atomic_fetch_add(&e->live_objects, 1);
+  *out_pool = h;
+  return PF_OK;
+}
+
+void *pf_pool_ptr(uint32_t pool) {
+  pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_ptr");
+  return p ? p->host : NULL;
+}
+
+int32_t pf_pool_info(uint32_t pool, uint64_t info[4]) {
+  pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_info");
+  if (!p) return PF_EHANDLE;
+  if (!info) return pf_fail(PF_EINVAL, "pf_pool_info: info is NULL");
+  info[0] = p->bytes;
+  info[1] = p->applied;
+  info[2] = p->alloc_ns;
+  info[3] = p->huge_page_bytes;
+  return PF_OK;
+}
+
+int32_t pf_pool_destroy(uint32_t pool) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_destroy");
+  if (!p) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  int n = atomic_load(&p->inflight);
+  if (n > 0) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return pf_fail(PF_EBUSY,
+                   "pf_pool_destroy: pool %u has %d batches in flight; wait "
+                   "for their completions first", pool, n);
+  }
+  pf_handle_free(pool);
+  pthread_mutex_unlock(&pf_objects_mu);
+  p->engine->ops->pool_free(p->engine, p);
+  atomic_fetch_sub(&p->engine->live_objects, 1);
+  free(p);
+  return PF_OK;
+}
+
+/* ---- regions ----------------------------------------------------------- */
+static int32_t region_finish(pf_engine *e, pf_region *r, uint32_t *out) {
+  uint32_t h = pf_handle_new(PF_K_REGION, r);
+  if (!h) {
+    e->ops->region_close(e, r);
+    free(r);
+    return PF_ENOMEM;
+  }
+  r->handle = h;
+  atomic_fetch_add(&e->live_objects, 1);
+  *out = h;
+  return PF_OK;
+}
+
+int32_t pf_region_alloc(uint32_t engine, uint64_t bytes, uint8_t *out_handle,
+                        uint32_t *out_region) {
+  if (!out_handle || !out_region)
+    return pf_fail(PF_EINVAL, "pf_region_alloc: out_handle/out_region is NULL");
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_region_alloc");
+  if (!e) return PF_EHANDLE;
+  if (bytes == 0) return pf_fail(PF_EINVAL, "pf_region_alloc: bytes is 0");
+  pf_region *r = calloc(1, sizeof *r);
+  if (!r) return pf_fail(PF_ENOMEM, "pf_region_alloc: out of memory");
+  r->engine = e;
+  r->bytes = bytes;
+  int32_t rc = e->ops->region_alloc(e, r, r->name);
+  if (rc < 0) {
+    free(r);
+    return rc;
+  }
+  memcpy(out_handle, r->name, PF_HANDLE_BYTES);
+  return region_finish(e, r, out_region);
+}
+
+int32_t pf_region_import(uint32_t engine, const uint8_t *handle, uint64_t bytes,
+                         uint32_t *out_region) {
+  if (!handle || !out_region)
+    return pf_fail(PF_EINVAL, "pf_region_import: handle/out_region is NULL");
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_region_import");
+  if (!e) return PF_EHANDLE;
+  if (bytes == 0) return pf_fail(PF_EINVAL, "pf_region_import: bytes is 0");
+  pf_region *r = calloc(1, sizeof *r);
+  if (!r) return pf_fail(PF_ENOMEM, "pf_region_import: out of memory");
+  r->engine = e;
+  r->bytes = bytes;
+  r->imported = 1;
+  memcpy(r->name, handle, PF_HANDLE_BYTES);
+  int32_t rc = e->ops->region_import(e, r, handle);
+  if (rc < 0) {
+    free(r);
+    return rc;
+  }
+  return region_finish(e, r, out_region);
+}
+
+int32_t pf_region_info(uint32_t region, uint64_t info[4]) {
+  pf_region *r = pf_handle_get(region, PF_K_REGION, "pf_region_info");
+  if (!r) return PF_EHANDLE;
+  if (!info) return pf_fail(PF_EINVAL, "pf_region_info: info is NULL");
+  info[0] = r->bytes;
+  info[1] = r->addr;
+  info[2] = (uint64_t)r->imported;
+  info[3] = (uint64_t)atomic_load(&r->inflight);
+  return PF_OK;
+}
+
+static int32_t region_rw(const char *fn, uint32_t region, uint64_t offset,
+                         void *buf, uint64_t bytes, int write) {
+  pf_region *r = pf_handle_get(region, PF_K_REGION, fn);
+  if (!r) return PF_EHANDLE;
+  if (!buf && bytes) return pf_fail(PF_EINVAL, "%s: buffer is NULL", fn);
+  if (offset > r->bytes || bytes > r->bytes - offset)
+    return pf_fail(PF_ERANGE,
+                   "%s: region %u: offset %llu + bytes %llu exceeds region "
+                   "size %llu", fn, region, (unsigned long long)offset,
+                   (unsigned long long)bytes, (unsigned long long)r->bytes);
+  if (bytes == 0) return PF_OK;
+  return r->engine->ops->region_rw(r->engine, r, offset, buf, bytes, write);
+}
+
+int32_t pf_region_write(uint32_t region, uint64_t offset, const void *src,
+                        uint64_t bytes) {
+  return region_rw("pf_region_write", region, offset, (void *)src, bytes, 1);
+}
+
+int32_t pf_region_read(uint32_t region, uint64_t offset, void *dst,
+                       uint64_t bytes) {
+  return region_rw("pf_region_read", region, offset, dst, bytes, 0);
+}
+
+int32_t pf_region_close(uint32_t region) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_region *r = pf_handle_get(region, PF_K_REGION, "pf_region_close");
+  if (!r) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  int n = atomic_load(&r->inflight);
+  if (n > 0) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return pf_fail(PF_EBUSY,
+                   "pf_region_close: region %u has %d layer groups in flight; "
+                   "drain them before closing (unmapping under a queued copy "
+                   "corrupts memory)", region, n);
+  }
+  pf_handle_free(region);
+  pthread_mutex_unlock(&pf_objects_mu);
+  r->engine->ops->region_close(r->engine, r);
+  atomic_fetch_sub(&r->engine->live_objects, 1);
+  free(r);
+  return PF_OK;
+}
+
+/* ---- batches ----------------------------------------------------------- */
+pf_batch *pf_batch_alloc(uint32_t num_groups, uint32_t num_ranges) {
+  pf_batch *b = calloc(1, sizeof *b);
+  if (!b) return NULL;
+  b->groups = calloc(num_groups ? num_groups : 1, sizeof *b->groups);
+  b->ranges = malloc((num_ranges ? num_ranges : 1) * sizeof *b->ranges);
+  if (!b->groups || !b->ranges) {
+    pf_batch_free(b);
+    return NULL;
+  }
+  b->num_groups = num_groups;
+  b->num_ranges = num_ranges;
+  return b;
+}
+
+void pf_batch_free(pf_batch *b) {
+  if (!b) return;
+  free(b->groups);
+  free(b->ranges);
+  free(b);
+}
+
+static void post(pf_batch *b, uint32_t kind, uint32_t index, int32_t status,
+                 uint32_t aux, uint64_t value) {
+  if (!b->ring) return;
+  pf_completion c = {.tag = b->tag, .kind = kind, .index = index,
+                     .status = status, .aux = aux, .value = value};
+  /* A shut-down ring drops the record; the copy itself has finished and
+   * the accounting below still runs, so nothing leaks. */
+  (void)pf_ring_post(b->ring, &c);
+}
+
+/* Order matters in both functions below: every counter a record lets the
+ * consumer act on is released before that record is posted, so a consumer
+ * that reacts to a record by closing the region/pool/ring never sees a
+ * spurious PF_EBUSY. The bytes have landed by then; nothing touches the
+ * released object afterwards. */
+void pf_batch_group_done(pf_batch *b, uint32_t g, int32_t status) {
+  pf_group_rt *gr = &b->groups[g];
+  if (b->progress && status == PF_OK)
+    atomic_store_explicit(
+        (_Atomic uint32_t *)(b->progress->ptr + b->progress_off), g + 1,
+        memory_order_release);
+  if (gr->region) atomic_fetch_sub(&gr->region->inflight, 1);
+  post(b, PF_DONE_LAYER, g, status, gr->layer, gr->bytes);
+}
+
+void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used) {
+  if (b->progress) {
+    atomic_store_explicit(
+        (_Atomic int32_t *)(b->progress->ptr + b->progress_off + 4),
+        status == PF_OK ? 1 : status, memory_order_release);
+    atomic_fetch_sub(&b->progress->inflight, 1);
+  }
+  if (b->pool) atomic_fetch_sub(&b->pool->inflight, 1);
+  uint64_t ns = pf_now_ns() - b->submit_ns;
+  if (b->on_done) b->on_done(b->on_done_arg, status, ns);
+  if (b->ring) {
+    pf_completion c = {.tag = b->tag, .kind = PF_DONE_BATCH,
+                       .index = b->num_groups, .status = status,
+                       .aux = path_used, .value = ns};
+    /* A shut-down ring drops the record; the release still happens. */
+    (void)pf_ring_post_release(b->ring, &c);
+  }
+  pf_batch_free(b);
+}
+
+#define SEG_FMT "group %u (layer %u) segment %u (batch segment %u)"
+
+/* Checks one segment against its region and the pool; overflow-safe. */
+static int32_t check_seg(const pf_batch_seg *s, const pf_region *r,
+                         const pf_pool *p, uint32_t g, uint32_t layer,
+                         uint32_t k, uint32_t idx) {
+  if (s->bytes == 0)
+    return pf_fail(PF_EINVAL,
+                   "pf_copy_submit: " SEG_FMT ": bytes is 0 (expected > 0)",
+                   g, layer, k, idx);
+  if (s->region_off > r->bytes || s->bytes > r->bytes - s->region_off)
+    return pf_fail(PF_ERANGE,
+                   "pf_copy_submit: " SEG_FMT ": region_off %llu + bytes %llu "
+                   "exceeds region %u size %llu", g, layer, k, idx,
+                   (unsigned long long)s->region_off,
+                   (unsigned long long)s->bytes, r->handle,
+                   (unsigned long long)r->bytes);
+  if (s->pool_off > p->bytes || s->bytes > p->bytes - s->pool_off)
+    return pf_fail(PF_ERANGE,
+                   "pf_copy_submit: " SEG_FMT ": pool_off %llu + bytes %llu "
+                   "exceeds pool %u size %llu", g, layer, k, idx,
+                   (unsigned long long)s->pool_off,
+                   (unsigned long long)s->bytes, p->handle,
+                   (unsigned long long)p->bytes);
+  return PF_OK;
+}
+
+int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
+                       const void *desc, uint64_t desc_bytes, uint64_t tag) {
+  if (!desc) return pf_fail(PF_EINVAL, "pf_copy_submit: desc is NULL");
+  if (desc_bytes < sizeof(pf_batch_header))
+    return pf_fail(PF_EINVAL,
+                   "pf_copy_submit: desc_bytes %llu is smaller than the "
+                   "%zu-byte header", (unsigned long long)desc_bytes,
+                   sizeof(pf_batch_header));
+  if ((uintptr_t)desc & 7u)
+    return pf_fail(PF_EINVAL, "pf_copy_submit: desc is not 8-byte aligned");
+  const pf_batch_header *h = desc;
+  if (h->direction > PF_H2D)
+    return pf_fail(PF_EINVAL,
+                   "pf_copy_submit: direction %u (expected 0 D2H or 1 H2D)",
+                   h->direction);
+  if (h->path > PF_PATH_MIXED)
+    return pf_fail(PF_EINVAL,
+                   "pf_copy_submit: path %u (expected 0 auto, 1 kernel, "
+                   "2 dma_batch, 3 dma, 4 mixed)", h->path);
+  if (h->num_groups == 0)
+    return pf_fail(PF_EINVAL, "pf_copy_submit: num_groups is 0");
+  if (h->reserved != 0)
+    return pf_fail(PF_EINVAL, "pf_copy_submit: header.reserved is %u "
+                   "(expected 0)", h->reserved);
+  uint64_t groups_end =
+      sizeof(pf_batch_header) + (uint64_t)h->num_groups * sizeof(pf_batch_group);
+  uint64_t segs_off = h->segs_off ? h->segs_off : groups_end;
+  if (segs_off & 7u)
+    return pf_fail(PF_EINVAL, "pf_copy_submit: segs_off %llu is not 8-aligned",
+                   (unsigned long long)segs_off);
+  if (h->segs_off && segs_off < groups_end)
+    return pf_fail(PF_EINVAL,
+                   "pf_copy_submit: segs_off %llu overlaps groups[%u] (which "
+                   "end at %llu)", (unsigned long long)segs_off, h->num_groups,
+                   (unsigned long long)groups_end);
+  uint64_t need = segs_off + (uint64_t)h->num_segs * sizeof(pf_batch_seg);
+  if (groups_end > desc_bytes || need > desc_bytes)
+    return pf_fail(PF_EINVAL,
+                   "pf_copy_submit: descriptor needs %llu bytes for %u groups "
+                   "and %u segments; got desc_bytes %llu",
+                   (unsigned long long)(need > groups_end ? need : groups_end),
+                   h->num_groups, h->num_segs, (unsigned long long)desc_bytes);
+  const pf_batch_group *groups =
+      (const pf_batch_group *)((const uint8_t *)desc + sizeof(pf_batch_header));
+  const pf_batch_seg *segs =
+      (const pf_batch_seg *)((const uint8_t *)desc + segs_off);
+
+  /* Pass 1 (no locks): group tiling and segment counts, so we can size the
+   * merged range array; merging only shrinks it. */
+  uint64_t next_seg = 0;
+  for (uint32_t g = 0; g < h->num_groups; g++) {
+    const pf_batch_group *gd = &groups[g];
+    if (gd->num_segs == 0)
+      return pf_fail(PF_EINVAL,
+                     "pf_copy_submit: group %u (layer %u) has 0 segments",
+                     g, gd->layer);
+    if (gd->first_seg != next_seg)
+      return pf_fail(PF_EINVAL,
+                     "pf_copy_submit: group %u (layer %u): first_seg %u, "
+                     "expected %llu (groups must tile segs[] in order)",
+                     g, gd->layer, gd->first_seg, (unsigned long long)next_seg);
+    next_seg += gd->num_segs;
+  }
+  if (next_seg != h->num_segs)
+    return pf_fail(PF_EINVAL,
+                   "pf_copy_submit: groups cover %llu segments; header says "
+                   "num_segs %u", (unsigned long long)next_seg, h->num_segs);
+
+  pf_batch *b = pf_batch_alloc(h->num_groups, h->num_segs);
+  if (!b)
+    return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory for %u groups / "
+                   "%u segments", h->num_groups, h->num_segs);
+  b->direction = h->direction;
+  b->path = h->path;
+  b->tag = tag;
+  b->num_segs = h->num_segs;
+  b->progress_off = h->progress_off;
+
+  int32_t rc = PF_OK;
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_copy_submit(engine)");
+  pf_pool *p = e ? pf_handle_get(pool, PF_K_POOL, "pf_copy_submit(pool)") : NULL;
+  pf_ring *rg = p ? pf_handle_get(ring, PF_K_RING, "pf_copy_submit(ring)") : NULL;
+  if (!e || !p || !rg) {
+    rc = PF_EHANDLE;
+    goto fail_locked;
+  }
+  if (p->engine != e) {
+    rc = pf_fail(PF_EINVAL, "pf_copy_submit: pool %u belongs to another "
+                 "engine than %u", pool, engine);
+    goto fail_locked;
+  }
+  if (pf_ring_is_shutdown(rg)) {
+    rc = pf_fail(PF_ESHUTDOWN, "pf_copy_submit: ring %u is shut down", ring);
+    goto fail_locked;
+  }
+  if (h->progress_shm) {
+    pf_shm *s = pf_handle_get(h->progress_shm, PF_K_SHM,
+                              "pf_copy_submit(progress_shm)");
+    if (!s) {
+      rc = PF_EHANDLE;
+      goto fail_locked;
+    }
+    if ((h->progress_off & 7u) || (uint64_t)h->progress_off + 8 > s->bytes) {
+      rc = pf_fail(PF_ERANGE,
+                   "pf_copy_submit: progress_off %u must be 8-aligned with 8 "
+                   "bytes inside shm %u of %llu bytes", h->progress_off,
+                   h->progress_shm, (unsigned long long)s->bytes);
+      goto fail_locked;
+    }
+    b->progress = s;
+  }
+
+  /* Pass 2: resolve regions, check and merge every segment. Merging joins
+   * a segment to the previous range of the same group when both sides are
+   * contiguous, up to the backend's range cap. */
+  uint64_t cap = e->ops->max_range_bytes;
+  uint32_t nr = 0;
+  uint64_t total = 0;
+  for (uint32_t g = 0; g < h->num_groups; g++) {
+    const pf_batch_group *gd = &groups[g];
+    pf_region *r = pf_handle_get(gd->region, PF_K_REGION, "pf_copy_submit");
+    if (!r) {
+      rc = pf_fail(PF_EHANDLE,
+                   "pf_copy_submit: group %u (layer %u): region %u is not a "
+                   "live region handle", g, gd->layer, gd->region);
+      goto fail_locked;
+    }
+    if (r->engine != e) {
+      rc = pf_fail(PF_EINVAL,
+                   "pf_copy_submit: group %u (layer %u): region %u belongs to "
+                   "another engine than %u", g, gd->layer, gd->region, engine);
+      goto fail_locked;
+    }
+    pf_group_rt *gr = &b->groups[g];
+    gr->region = NULL; /* set once the batch is accepted (inflight) */
+    gr->layer = gd->layer;
+    gr->first_range = nr;
+    uint64_t gbytes = 0;
+    for (uint32_t k = 0; k < gd->num_segs; k++) {
+      uint32_t idx = gd->first_seg + k;
+      const pf_batch_seg *s = &segs[idx];
+      rc = check_seg(s, r, p, g, gd->layer, k, idx);
+      if (rc < 0) goto fail_locked;
+      uint64_t addr = r->addr + s->region_off;
+      pf_range *last = nr > gr->first_range ? &b->ranges[nr - 1] : NULL;
+      if (last && last->region_addr + last->bytes == addr &&
+          last->pool_off + last->bytes == s->pool_off &&
+          last->bytes + s->bytes <= cap) {
+        last->bytes += s->bytes;
+      } else {
+        b->ranges[nr].region_addr = addr;
+        b->ranges[nr].pool_off = s->pool_off;
+        b->ranges[nr].bytes = s->bytes;
+        nr++;
+      }
+      gbytes += s->bytes;
+    }
+    gr->num_ranges = nr - gr->first_range;
+    gr->bytes = gbytes;
+    gr->region = r;
+    total += gbytes;
+  }
+  b->num_ranges = nr;
+  b->total_bytes = total;
+  b->engine = e;
+  b->pool = p;
+  b->ring = rg;
+  /* Accepted: count the batch on everything it touches before the backend
+   * can finish it. */
+  for (uint32_t g = 0; g < b->num_groups; g++)
+    atomic_fetch_add(&b->groups[g].region->inflight, 1);
+  atomic_fetch_add(&p->inflight, 1);
+  if (b->progress) {
+    atomic_fetch_add(&b->progress->inflight, 1);
+    atomic_store_explicit(
+        (_Atomic uint32_t *)(b->progress->ptr + b->progress_off), 0,
+        memory_order_relaxed);
+    atomic_store_explicit(
+        (_Atomic int32_t *)(b->progress->ptr + b->progress_off + 4), 0,
+        memory_order_release);
+  }
+  pf_ring_acquire(rg);
+  pthread_mutex_unlock(&pf_objects_mu);
+
+  b->submit_ns = pf_now_ns();
+  rc = e->ops->submit(e, b);
+  if (rc < 0) {
+    /* Undo the accounting; nothing was queued. */
+    pthread_mutex_lock(&pf_objects_mu);
+    for (uint32_t g = 0; g < b->num_groups; g++)
+      atomic_fetch_sub(&b->groups[g].region->inflight, 1);
+    atomic_fetch_sub(&p->inflight, 1);
+    if (b->progress) atomic_fetch_sub(&b->progress->inflight, 1);
+    pf_ring_release(rg);
+    pthread_mutex_unlock(&pf_objects_mu);
+    pf_batch_free(b);
+    return rc;
+  }
+  return PF_OK;
+
+fail_locked:
+  pthread_mutex_unlock(&pf_objects_mu);
+  pf_batch_free(b);
+  return rc;
+}
+
+int32_t pf_calibrate(uint32_t engine, uint32_t pool, uint32_t direction,
+                     const uint64_t *sizes, uint32_t n, uint64_t total_bytes,
+                     double *out_gbps) {
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_calibrate");
+  if (!e) return PF_EHANDLE;
+  pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_calibrate");
+  if (!p) return PF_EHANDLE;
+  if (p->engine != e)
+    return pf_fail(PF_EINVAL, "pf_calibrate: pool %u belongs to another engine",
+                   pool);
+  if (direction > PF_H2D)
+    return pf_fail(PF_EINVAL, "pf_calibrate: direction %u (expected 0 D2H or "
+                   "1 H2D)", direction);
+  if (!sizes || !out_gbps || n == 0)
+    return pf_fail(PF_EINVAL, "pf_calibrate: sizes/out_gbps NULL or n == 0");
+  if (total_bytes == 0 || total_bytes > p->bytes)
+    return pf_fail(PF_ERANGE,
+                   "pf_calibrate: total_bytes %llu must be in [1, pool size "
+                   "%llu]", (unsigned long long)total_bytes,
+                   (unsigned long long)p->bytes);
+  for (uint32_t i = 0; i < n; i++)
+    if (sizes[i] == 0 || sizes[i] > total_bytes)
+      return pf_fail(PF_EINVAL,
+                     "pf_calibrate: sizes[%u] = %llu must be in [1, "
+                     "total_bytes %llu]", i, (unsigned long long)sizes[i],
+                     (unsigned long long)total_bytes);
+  if (atomic_load(&p->inflight) > 0)
+    return pf_fail(PF_EBUSY, "pf_calibrate: pool %u has batches in flight",
+                   pool);
+  (void)dir_name;
+  for (uint32_t i = 0; i < 5 * n; i++) out_gbps[i] = 0;
+  return e->ops->calibrate(e, p, direction, sizes, n, total_bytes, out_gbps);
+}

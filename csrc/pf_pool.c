@@ -1,0 +1,264 @@
+/*
+ * pf_pool.c — host memory for the pinned pool, and small POSIX shm mappings.
+ *
+ * The pool is one anonymous mapping. Huge pages (MAP_HUGETLB) cut TLB misses
+ * for a pool of tens of GiB and make cuMemHostRegister faster, but only work
+ * when the administrator reserved them, so their absence is a clear error
+ * rather than a silent fallback. Faulting tens of GiB in on one thread takes
+ * seconds, so pre-touch splits the mapping across threads. The backends add
+ * page-locking on top (host: mlock; cuda: cuMemHostRegister).
+ *
+ * pf_shm_* maps named shared-memory objects for control words shared with
+ * other processes (load progress, small state blocks).
+ */
+#define _GNU_SOURCE
+#include "pf_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Default pre-touch threads when the caller passes 0; more rarely helps
+ * because page faults serialise on the mm lock. */
+#define PF_TOUCH_THREADS_DEFAULT 8u
+#define PF_TOUCH_THREADS_MAX 64u
+
+typedef struct {
+  void (*fn)(uint32_t, void *);
+  void *arg;
+  uint32_t i;
+} par_task;
+
+static void *par_main(void *x) {
+  par_task *t = x;
+  t->fn(t->i, t->arg);
+  return NULL;
+}
+
+void pf_parallel(uint32_t n, void (*fn)(uint32_t i, void *arg), void *arg) {
+  if (n <= 1) {
+    fn(0, arg);
+    return;
+  }
+  pthread_t th[PF_TOUCH_THREADS_MAX];
+  par_task t[PF_TOUCH_THREADS_MAX];
+  if (n > PF_TOUCH_THREADS_MAX) n = PF_TOUCH_THREADS_MAX;
+  uint32_t started = 0;
+  for (uint32_t i = 1; i < n; i++) {
+    t[i] = (par_task){fn, arg, i};
+    if (pthread_create(&th[i], NULL, par_main, &t[i]) != 0) break;
+    started = i;
+  }
+  fn(0, arg);
+  /* If a thread failed to start, run its share (and later ones) here. */
+  for (uint32_t i = started + 1; i < n; i++) fn(i, arg);
+  for (uint32_t i = 1; i <= started; i++) pthread_join(th[i], NULL);
+}
+
+typedef struct {
+  uint8_t *base;
+  uint64_t bytes;
+  uint64_t page;
+  uint32_t n;
+} touch_job;
+
+static void touch_slice(uint32_t i, void *arg) {
+  touch_job *j = arg;
+  uint64_t pages = j->bytes / j->page;
+  uint64_t per = (pages + j->n - 1) / j->n;
+  uint64_t lo = (uint64_t)i * per, hi = lo + per;
+  if (hi > pages) hi = pages;
+  for (uint64_t k = lo; k < hi; k++)
+    ((volatile uint8_t *)j->base)[k * j->page] = 0;
+}
+
+static uint64_t huge_page_size(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  if (!f) return 2u << 20;
+  char line[256];
+  unsigned long kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "Hugepagesize: %lu kB", &kb) == 1) break;
+  fclose(f);
+  return kb ? (uint64_t)kb << 10 : (2u << 20);
+}
+
+static long read_long(const char *path) {
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  long v = -1;
+  if (fscanf(f, "%ld", &v) != 1) v = -1;
+  fclose(f);
+  return v;
+}
+
+int32_t pf_hostmem_alloc(pf_pool *p, const char *who) {
+  uint64_t t0 = pf_now_ns();
+  uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+  int flags = MAP_PRIVATE | MAP_ANONYMOUS;
+  p->applied = 0;
+  p->huge_page_bytes = 0;
+  if (p->flags & PF_POOL_HUGEPAGES) {
+    page = huge_page_size();
+    flags |= MAP_HUGETLB;
+  }
+  if (p->bytes > UINT64_MAX - page)
+    return pf_fail(PF_EINVAL, "%s: %llu bytes is too large", who,
+                   (unsigned long long)p->bytes);
+  uint64_t len = (p->bytes + page - 1) / page * page;
+  void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, flags, -1, 0);
+  if (m == MAP_FAILED) {
+    int err = errno;
+    if (p->flags & PF_POOL_HUGEPAGES) {
+      long total = read_long("/proc/sys/vm/nr_hugepages");
+      return pf_fail(PF_ENOMEM,
+                     "%s: mmap(MAP_HUGETLB) of %llu bytes failed (%s): %llu "
+                     "huge pages of %llu KiB are needed, /proc/sys/vm/"
+                     "nr_hugepages is %ld; reserve more (e.g. echo %llu > "
+                     "/proc/sys/vm/nr_hugepages) or drop the huge-pages option",
+                     who, (unsigned long long)p->bytes, strerror(err),
+                     (unsigned long long)(len / page),
+                     (unsigned long long)(page >> 10), total,
+                     (unsigned long long)(len / page));
+    }
+    return pf_fail(PF_ENOMEM, "%s: mmap of %llu bytes failed: %s", who,
+                   (unsigned long long)p->bytes, strerror(err));
+  }
+  if (p->flags & PF_POOL_HUGEPAGES) {
+    p->applied |= PF_POOL_HUGEPAGES;
+    p->huge_page_bytes = page;
+  }
+  p->host = m;
+  p->mapped_bytes = len;
+  if (p->flags & PF_POOL_PRETOUCH) {
+    uint32_t n = p->touch_threads ? p->touch_threads : PF_TOUCH_THREADS_DEFAULT;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (cpus > 0 && n > (uint32_t)cpus) n = (uint32_t)cpus;
+    if (n > PF_TOUCH_THREADS_MAX) n = PF_TOUCH_THREADS_MAX;
+    if ((uint64_t)n > len / page) n = (uint32_t)(len / page);
+    touch_job j = {m, len, page, n ? n : 1};
+    pf_parallel(j.n, touch_slice, &j);
+    p->applied |= PF_POOL_PRETOUCH;
+  }
+  p->alloc_ns = pf_now_ns() - t0;
+  return PF_OK;
+}
+
+void pf_hostmem_free(pf_pool *p) {
+  if (p->host) munmap(p->host, p->mapped_bytes);
+  p->host = NULL;
+}
+
+/* ---- shm --------------------------------------------------------------- */
+/* Checks a POSIX shm name: "/" then 1..NAME_MAX-1 portable characters. */
+int32_t pf_shm_name_check(const char *fn, const char *name, size_t cap) {
+  size_t n = strnlen(name, cap);
+  if (n == cap)
+    return pf_fail(PF_EINVAL, "%s: shm name is not NUL-terminated within %zu "
+                   "bytes", fn, cap);
+  if (n < 2 || name[0] != '/')
+    return pf_fail(PF_EINVAL, "%s: shm name \"%.*s\" must start with '/' and "
+                   "have at least one more character", fn, (int)n, name);
+  for (size_t i = 1; i < n; i++) {
+    char c = name[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+          (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.'))
+      return pf_fail(PF_EINVAL, "%s: shm name \"%.*s\" has character 0x%02x "
+                     "at %zu (allowed: letters, digits, - _ .)", fn, (int)n,
+                     name, (unsigned char)c, i);
+  }
+  return PF_OK;
+}
+
+int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
+                    uint32_t *out_shm) {
+  if (!name || !out_shm)
+    return pf_fail(PF_EINVAL, "pf_shm_open: name/out_shm is NULL");
+  int32_t rc = pf_shm_name_check("pf_shm_open", name, PF_HANDLE_BYTES);
+  if (rc < 0) return rc;
+  if (bytes == 0) return pf_fail(PF_EINVAL, "pf_shm_open: bytes is 0");
+  if (flags & ~(uint32_t)(PF_SHM_CREATE | PF_SHM_UNLINK))
+    return pf_fail(PF_EINVAL, "pf_shm_open: unknown flag bits 0x%x", flags);
+  int oflag = O_RDWR | ((flags & PF_SHM_CREATE) ? O_CREAT | O_EXCL : 0);
+  int fd = shm_open(name, oflag, 0600);
+  if (fd < 0)
+    return pf_fail(errno == ENOENT ? PF_EINVAL : PF_EIO,
+                   "pf_shm_open: shm_open(\"%s\"%s): %s", name,
+                   (flags & PF_SHM_CREATE) ? ", create" : "", strerror(errno));
+  if (flags & PF_SHM_CREATE) {
+    if (ftruncate(fd, (off_t)bytes) != 0) {
+      int err = errno;
+      close(fd);
+      shm_unlink(name);
+      return pf_fail(PF_EIO, "pf_shm_open: ftruncate(\"%s\", %llu): %s", name,
+                     (unsigned long long)bytes, strerror(err));
+    }
+  } else {
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < bytes) {
+      close(fd);
+      return pf_fail(PF_ERANGE, "pf_shm_open: \"%s\" is %lld bytes; expected "
+                     "at least %llu", name, (long long)st.st_size,
+                     (unsigned long long)bytes);
+    }
+  }
+  void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int err = errno;
+  close(fd);
+  if (m == MAP_FAILED) {
+    if (flags & PF_SHM_CREATE) shm_unlink(name);
+    return pf_fail(PF_ENOMEM, "pf_shm_open: mmap(\"%s\", %llu): %s", name,
+                   (unsigned long long)bytes, strerror(err));
+  }
+  pf_shm *s = calloc(1, sizeof *s);
+  if (!s) {
+    munmap(m, bytes);
+    if (flags & PF_SHM_CREATE) shm_unlink(name);
+    return pf_fail(PF_ENOMEM, "pf_shm_open: out of memory");
+  }
+  snprintf(s->name, sizeof s->name, "%s", name);
+  s->ptr = m;
+  s->bytes = bytes;
+  s->unlink_on_close = (flags & PF_SHM_UNLINK) != 0;
+  uint32_t h = pf_handle_new(PF_K_SHM, s);
+  if (!h) {
+    munmap(m, bytes);
+    if (flags & PF_SHM_CREATE) shm_unlink(name);
+    free(s);
+    return PF_ENOMEM;
+  }
+  s->handle = h;
+  *out_shm = h;
+  return PF_OK;
+}
+
+void *pf_shm_ptr(uint32_t shm) {
+  pf_shm *s = pf_handle_get(shm, PF_K_SHM, "pf_shm_ptr");
+  return s ? s->ptr : NULL;
+}
+
+int32_t pf_shm_close(uint32_t shm) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_shm *s = pf_handle_get(shm, PF_K_SHM, "pf_shm_close");
+  if (!s) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  int n = atomic_load(&s->inflight);
+  if (n > 0) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return pf_fail(PF_EBUSY, "pf_shm_close: shm %u (\"%s\") receives progress "
+                   "from %d batches in flight", shm, s->name, n);
+  }
+  pf_handle_free(shm);
+  pthread_mutex_unlock(&pf_objects_mu);
+  munmap(s->ptr, s->bytes);
+  if (s->unlink_on_close) shm_unlink(s->name);
+  free(s);
+  return PF_OK;
+}

@@ -1,0 +1,225 @@
+/**
+ * {@link CopyEngine}: an engine, its pinned pool and one completion ring,
+ * with `submit(batch)` returning per-batch observables demultiplexed from the
+ * shared ring by tag.
+ *
+ * @module
+ */
+import { Observable, ReplaySubject, Subject, type Subscription } from "rxjs";
+import { loadLibrary, type PegaflowSymbols } from "./symbols.ts";
+import {
+  check,
+  type CopyPath,
+  Engine,
+  type EngineOptions,
+  NativeError,
+  PATH_NAMES,
+  type Pool,
+  type PoolOptions,
+  statusName,
+} from "./native.ts";
+import { type Completion, COMPLETION_KIND, CompletionRing } from "./ring.ts";
+import type { CopyBatch } from "./batch.ts";
+
+/** How a finished batch went. */
+export interface CopyResult {
+  /** 0, or the negative `PF_E*` code of the failure. */
+  status: number;
+  /** Bytes moved (sum of the groups that completed). */
+  bytes: number;
+  /** Nanoseconds from submit to the last byte landing. */
+  ns: number;
+  /** Path the library used. */
+  path: CopyPath;
+}
+
+/** A submitted batch. */
+export interface Submission {
+  /** The ring tag of this batch. */
+  tag: number;
+  /**
+   * Emits each group's layer id as that group lands, in group order;
+   * completes after the last group, errors with a {@link NativeError} if a
+   * group fails.
+   */
+  layers$: Observable<number>;
+  /** Resolves when the whole batch has ended (never rejects). */
+  done: Promise<CopyResult>;
+}
+
+/** Options of {@link CopyEngine.open}. */
+export interface CopyEngineOptions extends EngineOptions, PoolOptions {
+  /** Pinned pool size in bytes. */
+  poolBytes: number;
+  /** Completion ring capacity (power of two). Default 4096. */
+  ringCapacity?: number;
+}
+
+interface Pending {
+  layers: ReplaySubject<number>;
+  resolve: (r: CopyResult) => void;
+  bytes: number;
+}
+
+/**
+ * An engine + pool + ring that runs copy batches.
+ *
+ * @example
+ * ```ts
+ * const ce = CopyEngine.open({ backend: "host", poolBytes: 64 << 20 });
+ * const region = ce.engine.allocRegion(1 << 20);
+ * const batch = new CopyBatch(1, 16).reset("d2h");
+ * batch.group(region, 0).seg(0, 0, 4096);
+ * const { done } = ce.submit(batch);
+ * console.log(await done);
+ * region.close();
+ * await ce.close();
+ * ```
+ */
+export class CopyEngine {
+  /** The underlying engine. */
+  readonly engine: Engine;
+  /** The pinned pool every batch copies to/from. */
+  readonly pool: Pool;
+  /** The completion ring (shareable: see {@link CopyEngine.other$}). */
+  readonly ring: CompletionRing;
+  /** Records whose tag is not a batch of this engine (e.g. io_uring ops). */
+  readonly other$ = new Subject<Completion>();
+  readonly #pf: PegaflowSymbols;
+  readonly #pending = new Map<number, Pending>();
+  readonly #sub: Subscription;
+  #nextTag = 1;
+  #closed = false;
+
+  private constructor(engine: Engine, pool: Pool, ring: CompletionRing) {
+    this.#pf = loadLibrary();
+    this.engine = engine;
+    this.pool = pool;
+    this.ring = ring;
+    this.#sub = ring.completions$.subscribe({
+      next: (c) => this.#route(c),
+      error: (e) => this.#failAll(e),
+      complete: () => this.#failAll(new NativeError("pf_ring_wait", -9, "ring shut down")),
+    });
+  }
+
+  /** Opens engine, pool and ring; on failure releases what was opened. */
+  static open(opts: CopyEngineOptions): CopyEngine {
+    const engine = Engine.open(opts);
+    let pool: Pool | undefined;
+    try {
+      pool = engine.createPool(opts.poolBytes, opts);
+      const ring = new CompletionRing(opts.ringCapacity ?? 4096);
+      return new CopyEngine(engine, pool, ring);
+    } catch (e) {
+      pool?.close();
+      engine.close();
+      throw e;
+    }
+  }
+
+  /** Batches submitted and not yet ended. */
+  get inflight(): number {
+    return this.#pending.size;
+  }
+
+  /** A fresh tag for other work posting to {@link CopyEngine.ring}. */
+  nextTag(): number {
+    return this.#nextTag++;
+  }
+
+  /**
+   * Submits `batch` (finishing its header) and returns its observables.
+   * The descriptor buffer can be reused as soon as this returns.
+   *
+   * @throws NativeError when the batch is refused (nothing was copied).
+   */
+  submit(batch: CopyBatch): Submission {
+    if (this.#closed) throw new NativeError("pf_copy_submit", -9, "CopyEngine is closed");
+    const desc = batch.finish();
+    const tag = this.#nextTag++;
+    check(
+      "pf_copy_submit",
+      this.#pf.pf_copy_submit(
+        this.engine.handle,
+        this.pool.handle,
+        this.ring.handle,
+        desc,
+        BigInt(desc.length),
+        BigInt(tag),
+      ),
+    );
+    const layers = new ReplaySubject<number>();
+    let resolve!: (r: CopyResult) => void;
+    const done = new Promise<CopyResult>((r) => (resolve = r));
+    this.#pending.set(tag, { layers, resolve, bytes: 0 });
+    return { tag, layers$: layers.asObservable(), done };
+  }
+
+  #route(c: Completion): void {
+    const p = this.#pending.get(c.tag);
+    if (!p) {
+      this.other$.next(c);
+      return;
+    }
+    if (c.kind === COMPLETION_KIND.LAYER) {
+      if (c.status === 0) {
+        p.bytes += c.value;
+        p.layers.next(c.aux);
+      }
+    } else if (c.kind === COMPLETION_KIND.BATCH) {
+      this.#pending.delete(c.tag);
+      if (c.status === 0) {
+        p.layers.complete();
+      } else {
+        p.layers.error(
+          new NativeError(
+            "pf_copy_submit",
+            c.status,
+            `batch ${c.tag} failed with ${statusName(c.status)}`,
+          ),
+        );
+      }
+      p.resolve({
+        status: c.status,
+        bytes: p.bytes,
+        ns: c.value,
+        path: PATH_NAMES[c.aux] ?? "auto",
+      });
+    }
+  }
+
+  #failAll(e: unknown): void {
+    const err = e instanceof Error ? e : new Error(String(e));
+    for (const [tag, p] of this.#pending) {
+      p.layers.error(err);
+      p.resolve({
+        status: err instanceof NativeError ? err.code : -9,
+        bytes: p.bytes,
+        ns: 0,
+        path: "auto",
+      });
+      this.#pending.delete(tag);
+    }
+    this.other$.complete();
+  }
+
+  /**
+   * Waits for in-flight batches, shuts the ring down, and frees pool, ring
+   * and engine (regions are the caller's to close first).
+   */
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    await Promise.all([...this.#pending.values()].map((p) =>
+      new Promise<void>((res) => {
+        p.layers.subscribe({ complete: () => res(), error: () => res() });
+      })
+    ));
+    await this.ring.shutdown();
+    this.#sub.unsubscribe();
+    this.ring.destroy();
+    this.pool.close();
+    this.engine.close();
+  }
+}

@@ -1,0 +1,42 @@
+/**
+ * PegaFlow's FFI layer: libpegaflow's symbols and thin typed wrappers.
+ *
+ * @module
+ */
+export { EXPECTED_ABI_VERSION, libraryPath, loadLibrary, SYMBOLS } from "./symbols.ts";
+export type { PegaflowSymbols } from "./symbols.ts";
+export {
+  check,
+  DIRECTION_CODES,
+  Engine,
+  lastError,
+  NativeError,
+  PATH_CODES,
+  PATH_NAMES,
+  PF_STATUS,
+  Pool,
+  Region,
+  SharedMemory,
+  statusName,
+} from "./native.ts";
+export type {
+  BackendName,
+  CalibrationTable,
+  CopyPath,
+  Direction,
+  EngineFeatures,
+  EngineOptions,
+  PoolInfo,
+  PoolOptions,
+  RegionInfo,
+  ShmOptions,
+  StatusName,
+} from "./native.ts";
+export { type Completion, COMPLETION_KIND, CompletionRing } from "./ring.ts";
+export { CopyBatch, type ProgressTarget } from "./batch.ts";
+export {
+  CopyEngine,
+  type CopyEngineOptions,
+  type CopyResult,
+  type Submission,
+} from "./copy_engine.ts";

@@ -1,0 +1,527 @@
+/**
+ * Thin typed wrappers over libpegaflow's objects: {@link Engine},
+ * {@link Pool}, {@link Region}, {@link SharedMemory}, and the
+ * {@link NativeError} every failing call throws. No policy lives here.
+ *
+ * @module
+ */
+import { loadLibrary, type PegaflowSymbols } from "./symbols.ts";
+
+/** `PF_E*` status codes of `pegaflow.h`, by name. */
+export const PF_STATUS = {
+  PF_OK: 0,
+  PF_EINVAL: -1,
+  PF_EHANDLE: -2,
+  PF_ERANGE: -3,
+  PF_ENOMEM: -4,
+  PF_ENODEV: -5,
+  PF_EBUSY: -6,
+  PF_ECUDA: -7,
+  PF_EIO: -8,
+  PF_ESHUTDOWN: -9,
+  PF_ETIMEDOUT: -10,
+  PF_EUNSUPPORTED: -11,
+  PF_EOVERFLOW: -12,
+} as const;
+
+/** One of the `PF_E*` names (or `PF_OK`). */
+export type StatusName = keyof typeof PF_STATUS;
+
+const STATUS_NAMES = new Map<number, StatusName>(
+  Object.entries(PF_STATUS).map(([k, v]) => [v, k as StatusName]),
+);
+
+/** Maps a status code to its `PF_E*` name (`"PF_E?<code>"` if unknown). */
+export function statusName(code: number): string {
+  return STATUS_NAMES.get(code) ?? `PF_E?${code}`;
+}
+
+const ERR_BUF = new Uint8Array(1024);
+const DECODER = new TextDecoder();
+
+/** The calling thread's last libpegaflow error message. */
+export function lastError(): string {
+  const n = loadLibrary().pf_last_error(ERR_BUF, ERR_BUF.length);
+  return DECODER.decode(ERR_BUF.subarray(0, Math.min(n, ERR_BUF.length - 1)));
+}
+
+/**
+ * A libpegaflow call failed. `code` is the `PF_E*` number, `codeName` its
+ * name, and the message is the library's own (it names the function, the
+ * object, and expected vs got values).
+ *
+ * @example
+ * ```ts
+ * try { engine.importRegion(handle, 1024); }
+ * catch (e) { if (e instanceof NativeError && e.codeName === "PF_EHANDLE") {} }
+ * ```
+ */
+export class NativeError extends Error {
+  /** The `PF_E*` status code (negative). */
+  readonly code: number;
+  /** The status code's name, e.g. `"PF_ERANGE"`. */
+  readonly codeName: string;
+  /** The libpegaflow function that failed. */
+  readonly fn: string;
+
+  constructor(fn: string, code: number, message: string) {
+    super(`${fn} failed with ${statusName(code)}: ${message}`);
+    this.name = "NativeError";
+    this.fn = fn;
+    this.code = code;
+    this.codeName = statusName(code);
+  }
+}
+
+/** Throws a {@link NativeError} for a negative status; returns it otherwise. */
+export function check(fn: string, rc: number): number {
+  if (rc < 0) throw new NativeError(fn, rc, lastError());
+  return rc;
+}
+
+/** Feature flags an engine reports. */
+export interface EngineFeatures {
+  /** The gather/scatter kernel is loaded (cuda). */
+  kernel: boolean;
+  /** `cuMemcpyBatchAsync` is available (cuda, driver 12.8+). */
+  dmaBatch: boolean;
+  /** CUDA IPC export/import works. */
+  ipc: boolean;
+  /** io_uring is usable. */
+  uring: boolean;
+}
+
+/** Which backend an engine runs: `auto` resolves to one of the others. */
+export type BackendName = "auto" | "cuda" | "host";
+/** Copy direction: D2H gathers region → pool, H2D scatters pool → region. */
+export type Direction = "d2h" | "h2d";
+/**
+ * Copy path: `auto` lets the library pick (batch DMA for ranges of 32 KB and
+ * more, else the kernel); `mixed` runs the kernel and the copy engines on
+ * one batch at once.
+ */
+export type CopyPath = "auto" | "kernel" | "dma_batch" | "dma" | "mixed";
+
+/** `pf_path` numbers by name. */
+export const PATH_CODES: Record<CopyPath, number> = {
+  auto: 0,
+  kernel: 1,
+  dma_batch: 2,
+  dma: 3,
+  mixed: 4,
+};
+/** `pf_path` names by number. */
+export const PATH_NAMES: readonly CopyPath[] = ["auto", "kernel", "dma_batch", "dma", "mixed"];
+/** `pf_direction` numbers by name. */
+export const DIRECTION_CODES: Record<Direction, number> = { d2h: 0, h2d: 1 };
+
+const BACKEND_CODES: Record<BackendName, number> = { auto: 0, cuda: 1, host: 2 };
+
+/** Options of {@link Engine.open}. */
+export interface EngineOptions {
+  /** `auto` (default) picks cuda when a GPU is usable, else host. */
+  backend?: BackendName;
+  /** CUDA device ordinal (ignored by host). Default 0. */
+  device?: number;
+  /** Host-backend copy threads; 0 / absent = library default. */
+  workers?: number;
+}
+
+/** Options of {@link Engine.createPool}. */
+export interface PoolOptions {
+  /** Back the pool with huge pages (needs /proc/sys/vm/nr_hugepages). */
+  hugepages?: boolean;
+  /** Fault every page in at creation, in parallel. */
+  pretouch?: boolean;
+  /** Pre-touch threads (0 / absent = library default). */
+  touchThreads?: number;
+}
+
+/** One calibration table: GB/s per segment size and path. */
+export interface CalibrationTable {
+  direction: Direction;
+  /** Segment sizes measured, bytes. */
+  sizes: number[];
+  /** One large contiguous copy (the link's peak), GB/s. */
+  peak: number;
+  /** GB/s per path per size (0 where the path is absent). */
+  gbps: Record<Exclude<CopyPath, "auto">, number[]>;
+}
+
+function u64(x: number | bigint): bigint {
+  return typeof x === "bigint" ? x : BigInt(x);
+}
+
+/**
+ * A copy engine on one device (cuda) or the host backend. It owns pools and
+ * regions; close them before {@link Engine.close}.
+ *
+ * @example
+ * ```ts
+ * const engine = Engine.open({ backend: "host" });
+ * const pool = engine.createPool(1 << 20);
+ * const region = engine.allocRegion(1 << 16);
+ * region.write(0, new Uint8Array([1, 2, 3]));
+ * region.close(); pool.close(); engine.close();
+ * ```
+ */
+export class Engine {
+  /** The u32 engine handle. */
+  readonly handle: number;
+  /** The backend actually running. */
+  readonly backend: "cuda" | "host";
+  /** What this engine can do. */
+  readonly features: EngineFeatures;
+  /** SM count (0 on host). */
+  readonly smCount: number;
+  /** Device ordinal. */
+  readonly device: number;
+  /** Total device memory in MiB (0 on host). */
+  readonly deviceMemMiB: number;
+  readonly #pf: PegaflowSymbols;
+  #closed = false;
+
+  private constructor(pf: PegaflowSymbols, handle: number) {
+    this.#pf = pf;
+    this.handle = handle;
+    const info = this.#info();
+    this.backend = info[0] === 1n ? "cuda" : "host";
+    const f = Number(info[1]);
+    this.features = { kernel: !!(f & 1), dmaBatch: !!(f & 2), ipc: !!(f & 4), uring: !!(f & 8) };
+    this.smCount = Number(info[2]);
+    this.device = Number(info[3]);
+    this.deviceMemMiB = Number(info[5]);
+  }
+
+  /** Opens an engine. @throws NativeError (e.g. PF_ENODEV for cuda without a GPU). */
+  static open(opts: EngineOptions = {}): Engine {
+    const pf = loadLibrary();
+    const backend = opts.backend ?? "auto";
+    const code = BACKEND_CODES[backend];
+    if (code === undefined) {
+      throw new TypeError(`Engine.open: backend "${backend}"; expected auto, cuda or host`);
+    }
+    const out = new Uint32Array(1);
+    check("pf_engine_open", pf.pf_engine_open(code, opts.device ?? 0, opts.workers ?? 0, out));
+    return new Engine(pf, out[0]);
+  }
+
+  #info(): BigUint64Array {
+    const info = new BigUint64Array(8);
+    check("pf_engine_info", this.#pf.pf_engine_info(this.handle, info));
+    return info;
+  }
+
+  /** Kernel grid (blocks) currently used by the kernel path (0 on host). */
+  get kernelGrid(): number {
+    return Number(this.#info()[4]);
+  }
+
+  /** Kernel variant in use: `simt` (loads/stores) or `tma` (Hopper bulk copy). */
+  get kernelVariant(): "simt" | "tma" {
+    return this.#info()[7] === 1n ? "tma" : "simt";
+  }
+
+  /** Sets the kernel path's grid; 0 restores the default. */
+  setKernelGrid(blocks: number): void {
+    check("pf_engine_set_kernel_grid", this.#pf.pf_engine_set_kernel_grid(this.handle, blocks));
+  }
+
+  /**
+   * Sets the copy engines' share of `mixed` batches in permille of each
+   * group's bytes; 0 restores the default.
+   */
+  setDmaShare(permille: number): void {
+    check("pf_engine_set_dma_share", this.#pf.pf_engine_set_dma_share(this.handle, permille));
+  }
+
+  /** Allocates a page-locked host pool of `bytes`. */
+  createPool(bytes: number | bigint, opts: PoolOptions = {}): Pool {
+    const flags = (opts.hugepages ? 1 : 0) | (opts.pretouch ? 2 : 0);
+    const out = new Uint32Array(1);
+    check(
+      "pf_pool_create",
+      this.#pf.pf_pool_create(this.handle, u64(bytes), flags, opts.touchThreads ?? 0, out),
+    );
+    return new Pool(this.#pf, out[0]);
+  }
+
+  /**
+   * Exporting side: allocates `bytes` of device memory (host backend: a shm
+   * file) and returns it with its 64-byte handle for another process.
+   */
+  allocRegion(bytes: number | bigint): Region {
+    const handle = new Uint8Array(64);
+    const out = new Uint32Array(1);
+    check("pf_region_alloc", this.#pf.pf_region_alloc(this.handle, u64(bytes), handle, out));
+    return new Region(this.#pf, out[0], handle);
+  }
+
+  /** Importing side: opens a peer's 64-byte handle declared `bytes` long. */
+  importRegion(handle: Uint8Array, bytes: number | bigint): Region {
+    if (handle.length !== 64) {
+      throw new NativeError(
+        "pf_region_import",
+        PF_STATUS.PF_EINVAL,
+        `handle is ${handle.length} bytes; expected 64`,
+      );
+    }
+    const out = new Uint32Array(1);
+    check("pf_region_import", this.#pf.pf_region_import(this.handle, handle, u64(bytes), out));
+    return new Region(this.#pf, out[0], handle.slice());
+  }
+
+  /**
+   * Measures every path for each segment size in `sizes`, moving
+   * `totalBytes` per point through `pool` (synchronous, seconds on a GPU).
+   */
+  calibrate(
+    pool: Pool,
+    direction: Direction,
+    sizes: number[],
+    totalBytes: number,
+  ): CalibrationTable {
+    const n = sizes.length;
+    const s = new BigUint64Array(sizes.map((x) => BigInt(x)));
+    const out = new Float64Array(5 * n);
+    check(
+      "pf_calibrate",
+      this.#pf.pf_calibrate(
+        this.handle,
+        pool.handle,
+        DIRECTION_CODES[direction],
+        s,
+        n,
+        BigInt(totalBytes),
+        out,
+      ),
+    );
+    const row = (p: number) => Array.from(out.subarray(p * n, p * n + n));
+    return {
+      direction,
+      sizes: [...sizes],
+      peak: out[0],
+      gbps: { kernel: row(1), dma_batch: row(2), dma: row(3), mixed: row(4) },
+    };
+  }
+
+  /** Closes the engine. @throws NativeError PF_EBUSY while pools/regions live. */
+  close(): void {
+    if (this.#closed) return;
+    check("pf_engine_close", this.#pf.pf_engine_close(this.handle));
+    this.#closed = true;
+  }
+}
+
+/** Pool info as reported by the library. */
+export interface PoolInfo {
+  bytes: number;
+  hugepages: boolean;
+  pretouched: boolean;
+  /** Page-locked (cuda: registered; host: mlock succeeded). */
+  locked: boolean;
+  /** Time spent allocating and pre-touching, ns. */
+  allocNs: number;
+  /** Huge page size used (0 if none). */
+  hugePageBytes: number;
+}
+
+/** A page-locked host pool; slices of it hold KV blocks. */
+export class Pool {
+  /** The u32 pool handle. */
+  readonly handle: number;
+  /** Size in bytes. */
+  readonly bytes: number;
+  readonly #pf: PegaflowSymbols;
+  readonly #ptr: Deno.PointerObject;
+  #closed = false;
+
+  /** @internal Use {@link Engine.createPool}. */
+  constructor(pf: PegaflowSymbols, handle: number) {
+    this.#pf = pf;
+    this.handle = handle;
+    const ptr = pf.pf_pool_ptr(handle);
+    if (!ptr) throw new NativeError("pf_pool_ptr", PF_STATUS.PF_EHANDLE, lastError());
+    this.#ptr = ptr;
+    this.bytes = this.info().bytes;
+  }
+
+  /** What the library applied (huge pages, pre-touch, locking) and timing. */
+  info(): PoolInfo {
+    const info = new BigUint64Array(4);
+    check("pf_pool_info", this.#pf.pf_pool_info(this.handle, info));
+    const f = Number(info[1]);
+    return {
+      bytes: Number(info[0]),
+      hugepages: !!(f & 1),
+      pretouched: !!(f & 2),
+      locked: !!(f & 4),
+      allocNs: Number(info[2]),
+      hugePageBytes: Number(info[3]),
+    };
+  }
+
+  /**
+   * A Uint8Array over pool bytes [off, off+len) — host memory, zero-copy.
+   * Valid until {@link Pool.close}; never touch it while a copy into that
+   * range is in flight.
+   */
+  view(off: number, len: number): Uint8Array {
+    if (
+      !Number.isSafeInteger(off) || !Number.isSafeInteger(len) || off < 0 || len < 0 ||
+      off + len > this.bytes
+    ) {
+      throw new NativeError(
+        "Pool.view",
+        PF_STATUS.PF_ERANGE,
+        `pool ${this.handle}: off ${off} + len ${len} exceeds pool size ${this.bytes}`,
+      );
+    }
+    if (len === 0) return new Uint8Array(0);
+    return new Uint8Array(Deno.UnsafePointerView.getArrayBuffer(this.#ptr, len, off));
+  }
+
+  /** Frees the pool. @throws NativeError PF_EBUSY while copies are in flight. */
+  close(): void {
+    if (this.#closed) return;
+    check("pf_pool_destroy", this.#pf.pf_pool_destroy(this.handle));
+    this.#closed = true;
+  }
+}
+
+/** A region's live info. */
+export interface RegionInfo {
+  bytes: number;
+  /** Device address (cuda) or host address (host), as a BigInt. */
+  addr: bigint;
+  imported: boolean;
+  /** Layer groups in flight that touch this region. */
+  inflight: number;
+}
+
+/**
+ * A client's KV memory: allocated here (exporter) or imported from another
+ * process by its 64-byte handle (importer).
+ */
+export class Region {
+  /** The u32 region handle used in copy batches. */
+  readonly id: number;
+  /** The 64-byte cross-process handle (CUDA IPC handle or shm name). */
+  readonly handle: Uint8Array;
+  /** Size in bytes. */
+  readonly bytes: number;
+  readonly #pf: PegaflowSymbols;
+  #closed = false;
+
+  /** @internal Use {@link Engine.allocRegion} / {@link Engine.importRegion}. */
+  constructor(pf: PegaflowSymbols, id: number, handle: Uint8Array) {
+    this.#pf = pf;
+    this.id = id;
+    this.handle = handle;
+    this.bytes = this.info().bytes;
+  }
+
+  /** Size, address, import flag and in-flight count. */
+  info(): RegionInfo {
+    const info = new BigUint64Array(4);
+    check("pf_region_info", this.#pf.pf_region_info(this.id, info));
+    return {
+      bytes: Number(info[0]),
+      addr: info[1],
+      imported: info[2] === 1n,
+      inflight: Number(info[3]),
+    };
+  }
+
+  /** Copies `data` into the region at `off` (synchronous; not a hot path). */
+  write(off: number, data: Uint8Array): void {
+    check(
+      "pf_region_write",
+      this.#pf.pf_region_write(this.id, BigInt(off), data, BigInt(data.length)),
+    );
+  }
+
+  /** Reads `len` bytes at `off` into a new array (synchronous). */
+  read(off: number, len: number): Uint8Array {
+    const out = new Uint8Array(len);
+    check("pf_region_read", this.#pf.pf_region_read(this.id, BigInt(off), out, BigInt(len)));
+    return out;
+  }
+
+  /**
+   * Closes the mapping (import) or frees the memory (alloc; a host region
+   * also unlinks its shm name). @throws NativeError PF_EBUSY while copies
+   * are in flight: drain first.
+   */
+  close(): void {
+    if (this.#closed) return;
+    check("pf_region_close", this.#pf.pf_region_close(this.id));
+    this.#closed = true;
+  }
+}
+
+/** Options of {@link SharedMemory.open}. */
+export interface ShmOptions {
+  /** Create (exclusively) and size the object. */
+  create?: boolean;
+  /** Unlink the name on close. */
+  unlink?: boolean;
+}
+
+const ENCODER = new TextEncoder();
+
+/**
+ * A named POSIX shared-memory mapping for small control blocks shared with
+ * other processes (load progress words, state).
+ *
+ * @example
+ * ```ts
+ * const shm = SharedMemory.open("/pegaflow-load-1", 4096, { create: true, unlink: true });
+ * new Uint32Array(shm.view().buffer)[0] = 0;
+ * shm.close();
+ * ```
+ */
+export class SharedMemory {
+  /** The u32 shm handle (pass to CopyBatch.reset for progress words). */
+  readonly handle: number;
+  /** The object's name ("/..."). */
+  readonly name: string;
+  /** Mapped size. */
+  readonly bytes: number;
+  readonly #pf: PegaflowSymbols;
+  readonly #ptr: Deno.PointerObject;
+  #closed = false;
+
+  private constructor(pf: PegaflowSymbols, handle: number, name: string, bytes: number) {
+    this.#pf = pf;
+    this.handle = handle;
+    this.name = name;
+    this.bytes = bytes;
+    const ptr = pf.pf_shm_ptr(handle);
+    if (!ptr) throw new NativeError("pf_shm_ptr", PF_STATUS.PF_EHANDLE, lastError());
+    this.#ptr = ptr;
+  }
+
+  /** Maps (and with `create`, creates) the shm object `name`. */
+  static open(name: string, bytes: number, opts: ShmOptions = {}): SharedMemory {
+    const pf = loadLibrary();
+    const cname = new Uint8Array(ENCODER.encode(name).length + 1);
+    ENCODER.encodeInto(name, cname);
+    const flags = (opts.create ? 1 : 0) | (opts.unlink ? 2 : 0);
+    const out = new Uint32Array(1);
+    check("pf_shm_open", pf.pf_shm_open(cname, BigInt(bytes), flags, out));
+    return new SharedMemory(pf, out[0], name, bytes);
+  }
+
+  /** The whole mapping as bytes (zero-copy). */
+  view(): Uint8Array {
+    return new Uint8Array(Deno.UnsafePointerView.getArrayBuffer(this.#ptr, this.bytes));
+  }
+
+  /** Unmaps (and unlinks if asked). @throws NativeError PF_EBUSY while a batch reports here. */
+  close(): void {
+    if (this.#closed) return;
+    check("pf_shm_close", this.#pf.pf_shm_close(this.handle));
+    this.#closed = true;
+  }
+}

@@ -1,0 +1,170 @@
+/**
+ * The TypeScript client of the PegaFlow KV server: promise-returning calls
+ * over the generated grpc-js client, with gRPC errors turned into
+ * {@link PegaflowError} (status code + message), and a liveness session.
+ * Used by the simulated engine, the tests, the benchmarks and embedders.
+ *
+ * @module
+ */
+import * as grpc from "@grpc/grpc-js";
+import {
+  EngineClient,
+  type HealthResponse,
+  type LoadRequest,
+  type LoadResponse,
+  type QueryPrefetchRequest,
+  type RegisterContextRequest,
+  type RegisterContextResponse,
+  type SaveRequest,
+  type SaveResponse,
+  type SessionEvent,
+  type UnregisterContextResponse,
+} from "../../proto/pegaflow.ts";
+import { PROTOCOL_VERSION } from "../engine/engine.ts";
+
+export { PROTOCOL_VERSION };
+
+/** 64 MiB, the server's default message limit. */
+export const CLIENT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
+
+/** A failed call: the gRPC status code, its name and the server's message. */
+export class PegaflowError extends Error {
+  readonly code: number;
+  readonly codeName: string;
+  readonly details: string;
+  constructor(method: string, code: number, details: string) {
+    const codeName = grpc.status[code] ?? String(code);
+    super(`${method}: ${codeName}: ${details}`);
+    this.name = "PegaflowError";
+    this.code = code;
+    this.codeName = codeName;
+    this.details = details;
+  }
+}
+
+/** What a query answered. */
+export type QueryResult =
+  | { kind: "loading" }
+  | { kind: "ready"; hits: number; leaseId: Uint8Array; ttlMs: number };
+
+/** An open liveness session; `closed` resolves with the server's last event (or null when the stream broke). */
+export interface Session {
+  readonly events: SessionEvent[];
+  readonly closed: Promise<SessionEvent | null>;
+  /** Ends the session from the client side (the server then cleans the instance up). */
+  close(): void;
+}
+
+type Cb<T> = (err: grpc.ServiceError | null, res: T) => void;
+
+/**
+ * A connection to one KV server.
+ *
+ * @example
+ * ```ts
+ * const c = new PegaflowClient("127.0.0.1:50055");
+ * console.log((await c.health()).version);
+ * c.close();
+ * ```
+ */
+export class PegaflowClient {
+  readonly address: string;
+  readonly #raw: EngineClient;
+
+  constructor(address: string, opts: { maxMessageBytes?: number } = {}) {
+    this.address = address;
+    const max = opts.maxMessageBytes ?? CLIENT_MAX_MESSAGE_BYTES;
+    this.#raw = new EngineClient(address, grpc.credentials.createInsecure(), {
+      "grpc.max_receive_message_length": max,
+      "grpc.max_send_message_length": max,
+      "grpc.keepalive_time_ms": 30_000,
+      "grpc.keepalive_timeout_ms": 20_000,
+    });
+  }
+
+  #call<Req, Res>(method: string, fn: (req: Req, cb: Cb<Res>) => unknown, req: Req): Promise<Res> {
+    return new Promise((resolve, reject) => {
+      fn.call(this.#raw, req, (err: grpc.ServiceError | null, res: Res) => {
+        if (err) reject(new PegaflowError(method, err.code, err.details ?? err.message));
+        else resolve(res);
+      });
+    });
+  }
+
+  health(): Promise<HealthResponse> {
+    return this.#call("Health", this.#raw.health as never, {});
+  }
+
+  /** Registers one rank. `clientVersion` defaults to the protocol version this SDK speaks. */
+  registerContext(
+    req: Omit<RegisterContextRequest, "clientVersion"> & { clientVersion?: string },
+  ): Promise<RegisterContextResponse> {
+    return this.#call("RegisterContext", this.#raw.registerContext as never, {
+      ...req,
+      clientVersion: req.clientVersion ?? PROTOCOL_VERSION,
+    });
+  }
+
+  /** Saves blocks: per-layer `layers`, or `blockIds`/`blockHashes` for every layer of the rank. */
+  save(
+    req:
+      & Omit<SaveRequest, "layers" | "blockIds" | "blockHashes" | "requestId">
+      & Partial<SaveRequest>,
+  ): Promise<SaveResponse> {
+    return this.#call("Save", this.#raw.save as never, {
+      layers: [],
+      blockIds: [],
+      blockHashes: [],
+      requestId: "",
+      ...req,
+    });
+  }
+
+  async queryPrefetch(req: QueryPrefetchRequest): Promise<QueryResult> {
+    const r = await this.#call<
+      QueryPrefetchRequest,
+      import("../../proto/pegaflow.ts").QueryPrefetchResponse
+    >(
+      "QueryPrefetch",
+      this.#raw.queryPrefetch as never,
+      req,
+    );
+    if (r.result?.$case === "ready") {
+      return {
+        kind: "ready",
+        hits: r.result.value.numHitBlocks,
+        leaseId: r.result.value.leaseId,
+        ttlMs: r.result.value.leaseTtlMs,
+      };
+    }
+    return { kind: "loading" };
+  }
+
+  load(req: Omit<LoadRequest, "requestId"> & { requestId?: string }): Promise<LoadResponse> {
+    return this.#call("Load", this.#raw.load as never, { requestId: "", ...req });
+  }
+
+  async release(leaseId: Uint8Array): Promise<void> {
+    await this.#call("Release", this.#raw.release as never, { leaseId });
+  }
+
+  unregisterContext(instanceId: string): Promise<UnregisterContextResponse> {
+    return this.#call("UnregisterContext", this.#raw.unregisterContext as never, { instanceId });
+  }
+
+  /** Opens the liveness stream for one rank. */
+  openSession(instanceId: string, tpRank = 0, ppRank = 0): Session {
+    const call = this.#raw.session({ instanceId, tpRank, ppRank });
+    const events: SessionEvent[] = [];
+    const closed = new Promise<SessionEvent | null>((resolve) => {
+      call.on("data", (e: SessionEvent) => events.push(e));
+      call.on("end", () => resolve(events.at(-1) ?? null));
+      call.on("error", () => resolve(events.at(-1) ?? null));
+    });
+    return { events, closed, close: () => call.cancel() };
+  }
+
+  close(): void {
+    this.#raw.close();
+  }
+}

@@ -1,0 +1,340 @@
+/**
+ * A simulated inference engine: registers a model-shaped paged KV cache with
+ * the server, fills blocks with bytes derived from (hash, layer, rank,
+ * segment), saves them, queries, loads them into DIFFERENT block ids and
+ * verifies every byte. The KV lives where a real engine's would: host shm on
+ * the host backend, GPU memory (exported by CUDA IPC) on the cuda backend.
+ *
+ * Layout per layer: FlashAttention's KV-first tensor
+ * `[2][num_blocks][block_tokens][kv_heads / tp][head_dim]`, i.e. a K plane
+ * then a V plane, so
+ * `block_stride = seg_bytes`, `seg_stride = num_blocks * seg_bytes`, 2 segments.
+ *
+ * @module
+ */
+import { Engine, type Region } from "../../ffi/mod.ts";
+import type { PegaflowClient, QueryResult } from "./client.ts";
+import { LoadState } from "./load_state.ts";
+import { STATE_OK } from "../engine/load_state.ts";
+
+/** The shape that sizes a KV block. */
+export interface ModelShape {
+  name: string;
+  numLayers: number;
+  kvHeads: number;
+  headDim: number;
+  dtypeBytes: number;
+  blockTokens: number;
+}
+
+/** Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, 16-token blocks → 32 KiB per K (or V) per layer per block. */
+export const LLAMA_3_1_8B: ModelShape = {
+  name: "llama-3.1-8b",
+  numLayers: 32,
+  kvHeads: 8,
+  headDim: 128,
+  dtypeBytes: 2,
+  blockTokens: 16,
+};
+
+/** K and V. */
+const KV_SEGMENTS = 2;
+/** Odd multiplier that spreads consecutive word indexes (golden ratio, 32-bit). */
+const WORD_STEP = 0x9e3779b1;
+
+/** Options of {@link SimEngine.create}. */
+export interface SimEngineOptions {
+  client: PegaflowClient;
+  instanceId: string;
+  namespace: string;
+  model?: ModelShape;
+  /** Paged-KV blocks per layer on this rank. */
+  numBlocks: number;
+  tpRank?: number;
+  tpSize?: number;
+  backend?: "auto" | "cuda" | "host";
+  device?: number;
+}
+
+/** Seed of one segment's content: FNV-1a over the hash, mixed with layer, rank and segment. */
+function segSeed(hash: Uint8Array, layer: number, rank: number, seg: number): number {
+  let h = 0x811c9dc5;
+  for (let i = 0; i < hash.length; i++) h = Math.imul(h ^ hash[i], 0x01000193);
+  h = Math.imul(h ^ layer, 0x01000193);
+  h = Math.imul(h ^ (rank + 0x100), 0x01000193);
+  h = Math.imul(h ^ (seg + 0x10000), 0x01000193);
+  return h >>> 0;
+}
+
+/** Fills `dst` (u32-aligned length) with the content of one segment. */
+export function fillSegment(dst: Uint32Array, seed: number): void {
+  let x = seed;
+  for (let i = 0; i < dst.length; i++) {
+    dst[i] = x;
+    x = (x + WORD_STEP) >>> 0;
+  }
+}
+
+function runs(ids: number[]): [number, number, number][] {
+  // [first id, count, index of first id in `ids`] for runs of consecutive ids.
+  const out: [number, number, number][] = [];
+  for (let i = 0; i < ids.length;) {
+    let j = i + 1;
+    while (j < ids.length && ids[j] === ids[j - 1] + 1) j++;
+    out.push([ids[i], j - i, i]);
+    i = j;
+  }
+  return out;
+}
+
+/**
+ * One rank of a simulated engine.
+ *
+ * @example
+ * ```ts
+ * const sim = SimEngine.create({ client, instanceId: "sim-0", namespace: "llama", numBlocks: 256 });
+ * await sim.register();
+ * sim.fill(ids, hashes); await sim.save(ids, hashes);
+ * const q = await sim.query(hashes, "req-1");
+ * await sim.load(q.leaseId, otherIds);
+ * sim.verify(otherIds, hashes); // throws on the first wrong byte
+ * await sim.close();
+ * ```
+ */
+export class SimEngine {
+  readonly client: PegaflowClient;
+  readonly instanceId: string;
+  readonly namespace: string;
+  readonly model: ModelShape;
+  readonly numBlocks: number;
+  readonly tpRank: number;
+  readonly tpSize: number;
+  /** Bytes of one K (or V) of one block of one layer on this rank. */
+  readonly segBytes: number;
+  readonly layerNames: string[];
+  readonly engine: Engine;
+  readonly regions: Region[];
+  /** Created at the first load (an engine that never loads owns no load-state shm). */
+  #loadState: LoadState | undefined;
+
+  private constructor(o: SimEngineOptions, engine: Engine, regions: Region[], segBytes: number) {
+    this.client = o.client;
+    this.instanceId = o.instanceId;
+    this.namespace = o.namespace;
+    this.model = o.model ?? LLAMA_3_1_8B;
+    this.numBlocks = o.numBlocks;
+    this.tpRank = o.tpRank ?? 0;
+    this.tpSize = o.tpSize ?? 1;
+    this.segBytes = segBytes;
+    this.engine = engine;
+    this.regions = regions;
+    this.layerNames = Array.from(
+      { length: this.model.numLayers },
+      (_, i) => `model.layers.${String(i).padStart(3, "0")}.attn`,
+    );
+  }
+
+  /** Allocates the KV cache (one region per layer). */
+  static create(o: SimEngineOptions): SimEngine {
+    const model = o.model ?? LLAMA_3_1_8B;
+    const tpSize = o.tpSize ?? 1;
+    if (model.kvHeads % tpSize !== 0) {
+      throw new Error(`kv_heads ${model.kvHeads} not divisible by tp_size ${tpSize}`);
+    }
+    const segBytes = model.blockTokens * (model.kvHeads / tpSize) * model.headDim *
+      model.dtypeBytes;
+    const engine = Engine.open({ backend: o.backend ?? "auto", device: o.device ?? 0 });
+    const regions: Region[] = [];
+    try {
+      for (let l = 0; l < model.numLayers; l++) {
+        regions.push(engine.allocRegion(KV_SEGMENTS * o.numBlocks * segBytes));
+      }
+    } catch (e) {
+      for (const r of regions) r.close();
+      engine.close();
+      throw e;
+    }
+    return new SimEngine(o, engine, regions, segBytes);
+  }
+
+  /** Bytes of one block across all layers and both segments on this rank. */
+  get blockBytes(): number {
+    return this.segBytes * KV_SEGMENTS * this.model.numLayers;
+  }
+
+  /** Registers all layers of this rank. */
+  register(overrides: Partial<Parameters<PegaflowClient["registerContext"]>[0]> = {}) {
+    const planeBytes = this.numBlocks * this.segBytes;
+    return this.client.registerContext({
+      instanceId: this.instanceId,
+      namespace: this.namespace,
+      tpRank: this.tpRank,
+      tpSize: this.tpSize,
+      ppRank: 0,
+      ppSize: 1,
+      worldSize: this.tpSize,
+      deviceId: this.engine.device,
+      layerNames: this.layerNames,
+      regionHandles: this.regions.map((r) => r.handle),
+      geometry: this.regions.map(() => ({
+        numBlocks: this.numBlocks,
+        blockStride: this.segBytes,
+        segStride: planeBytes,
+        segBytes: this.segBytes,
+        numSegments: KV_SEGMENTS,
+        baseOffset: 0,
+        regionBytes: KV_SEGMENTS * planeBytes,
+      })),
+      ...overrides,
+    });
+  }
+
+  /** Writes the expected content of `hashes[i]` into block `ids[i]` of every layer. */
+  fill(ids: number[], hashes: Uint8Array[]): void {
+    const words = this.segBytes / 4;
+    for (let l = 0; l < this.model.numLayers; l++) {
+      for (let s = 0; s < KV_SEGMENTS; s++) {
+        for (const [first, count, at] of runs(ids)) {
+          const buf = new Uint32Array(words * count);
+          for (let k = 0; k < count; k++) {
+            fillSegment(
+              buf.subarray(k * words, (k + 1) * words),
+              segSeed(hashes[at + k], l, this.tpRank, s),
+            );
+          }
+          this.regions[l].write(
+            s * this.numBlocks * this.segBytes + first * this.segBytes,
+            new Uint8Array(buf.buffer),
+          );
+        }
+      }
+    }
+  }
+
+  /** Zeroes the given blocks in every layer (so a verify after load proves the load wrote them). */
+  clear(ids: number[]): void {
+    for (let l = 0; l < this.model.numLayers; l++) {
+      for (let s = 0; s < KV_SEGMENTS; s++) {
+        for (const [first, count] of runs(ids)) {
+          this.regions[l].write(
+            s * this.numBlocks * this.segBytes + first * this.segBytes,
+            new Uint8Array(count * this.segBytes),
+          );
+        }
+      }
+    }
+  }
+
+  /**
+   * Checks every byte of blocks `ids` against the content of `hashes`.
+   * Returns the number of wrong segments and a description of the first.
+   */
+  verify(ids: number[], hashes: Uint8Array[]): { badSegments: number; first?: string } {
+    const words = this.segBytes / 4;
+    const want = new Uint32Array(words);
+    let bad = 0;
+    let first: string | undefined;
+    for (let l = 0; l < this.model.numLayers; l++) {
+      for (let s = 0; s < KV_SEGMENTS; s++) {
+        for (const [firstId, count, at] of runs(ids)) {
+          const got = this.regions[l].read(
+            s * this.numBlocks * this.segBytes + firstId * this.segBytes,
+            count * this.segBytes,
+          );
+          const got32 = new Uint32Array(got.buffer, got.byteOffset, got.byteLength / 4);
+          for (let k = 0; k < count; k++) {
+            fillSegment(want, segSeed(hashes[at + k], l, this.tpRank, s));
+            const g = got32.subarray(k * words, (k + 1) * words);
+            for (let w = 0; w < words; w++) {
+              if (g[w] !== want[w]) {
+                bad++;
+                first ??= `layer ${l} segment ${s} block ${firstId + k} word ${w}: got 0x${
+                  g[w].toString(16)
+                }, want 0x${want[w].toString(16)}`;
+                break;
+              }
+            }
+          }
+        }
+      }
+    }
+    return { badSegments: bad, first };
+  }
+
+  /**
+   * One Save of every layer for these blocks: the all-layers shorthand by
+   * default, or one list per layer with `perLayer`.
+   */
+  save(ids: number[], hashes: Uint8Array[], opts: { perLayer?: boolean } = {}) {
+    if (opts.perLayer) {
+      return this.client.save({
+        instanceId: this.instanceId,
+        tpRank: this.tpRank,
+        ppRank: 0,
+        layers: this.layerNames.map((layerName) => ({
+          layerName,
+          blockIds: ids,
+          blockHashes: hashes,
+        })),
+      });
+    }
+    return this.client.save({
+      instanceId: this.instanceId,
+      tpRank: this.tpRank,
+      ppRank: 0,
+      blockIds: ids,
+      blockHashes: hashes,
+    });
+  }
+
+  query(hashes: Uint8Array[], requestId: string): Promise<QueryResult> {
+    return this.client.queryPrefetch({
+      instanceId: this.instanceId,
+      blockHashes: hashes,
+      requestId,
+    });
+  }
+
+  /**
+   * Loads the lease into `ids` and waits through the load state. Returns the
+   * time until layer 0 was usable and until every layer was (ms, measured here).
+   */
+  async load(
+    leaseId: Uint8Array,
+    ids: number[],
+    requestId = "",
+  ): Promise<{ firstLayerMs: number; allMs: number; state: number }> {
+    const st = this.#loadState ??= LoadState.create();
+    st.rearm();
+    const t0 = performance.now();
+    await this.client.load({
+      instanceId: this.instanceId,
+      tpRank: this.tpRank,
+      ppRank: 0,
+      leaseId,
+      blockIds: ids,
+      loadStateShm: st.name,
+      requestId,
+    });
+    await st.waitLayer(0);
+    const firstLayerMs = performance.now() - t0;
+    const state = await st.waitAll();
+    const allMs = performance.now() - t0;
+    if (state !== STATE_OK) {
+      throw new Error(`load of ${ids.length} blocks ended with state ${state}`);
+    }
+    return { firstLayerMs, allMs, state };
+  }
+
+  /** Name of the load-state block this engine uses (after its first load). */
+  get loadStateName(): string | undefined {
+    return this.#loadState?.name;
+  }
+
+  /** Frees the KV cache (unregister first: the server must unmap before the memory goes). */
+  close(): void {
+    this.#loadState?.close();
+    for (const r of this.regions) r.close();
+    this.engine.close();
+  }
+}

@@ -1,0 +1,150 @@
+/**
+ * Instances (one inference engine: all its TP/PP ranks), their registered
+ * ranks and layers, the namespace layout rule, and the in-flight counter
+ * that cleanup drains before unmapping.
+ *
+ * Topology: an instance is sealed when world_size ranks have registered.
+ * Then layer ids are assigned: the sorted list of every layer name over all
+ * PP stages, so ids agree across ranks, processes and nodes. A block's slots
+ * are (layer id, TP rank) pairs: slot = layer_id * tp_size + tp_rank.
+ *
+ * @module
+ */
+import { Code, EngineError, precondition } from "./errors.ts";
+import { type Geometry, slotBytes } from "./geometry.ts";
+import type { RegionPort } from "./ports.ts";
+
+/** Everything that must match between instances sharing a namespace. */
+export interface NamespaceLayout {
+  tpSize: number;
+  ppSize: number;
+  layers: Map<string, { slotBytes: number; numSegments: number }>;
+}
+
+/** One layer of one rank. */
+export interface LayerCtx {
+  name: string;
+  geometry: Geometry;
+  region: RegionPort;
+  /** Set when the topology seals. */
+  layerId: number;
+  slotBytes: number;
+}
+
+/** One registered rank (one GPU). */
+export interface RankCtx {
+  tpRank: number;
+  ppRank: number;
+  /** Global rank: pp_rank * tp_size + tp_rank. */
+  rank: number;
+  deviceId: number;
+  /** Sorted by name. */
+  layers: LayerCtx[];
+  byName: Map<string, LayerCtx>;
+  /** Distinct regions (layers may share one), closed on cleanup. */
+  regions: RegionPort[];
+}
+
+/** An inference engine known to the server. */
+export class Instance {
+  readonly id: string;
+  readonly namespace: string;
+  readonly tpSize: number;
+  readonly ppSize: number;
+  readonly worldSize: number;
+  readonly ranks = new Map<number, RankCtx>();
+  readonly createdAt = Date.now();
+  sealed = false;
+  /** Every layer name of the instance, sorted (ids are indexes). Set at seal. */
+  layerNames: string[] = [];
+  /** Set once cleanup starts: no new save/load is accepted. */
+  fenced = false;
+  #inflight = 0;
+  #drainWaiters: (() => void)[] = [];
+
+  constructor(id: string, namespace: string, tpSize: number, ppSize: number, worldSize: number) {
+    this.id = id;
+    this.namespace = namespace;
+    this.tpSize = tpSize;
+    this.ppSize = ppSize;
+    this.worldSize = worldSize;
+  }
+
+  /** Slots per block: every (layer, TP rank) pair. */
+  get slotsPerBlock(): number {
+    return this.layerNames.length * this.tpSize;
+  }
+
+  /** Copies currently targeting this instance's regions. */
+  get inflight(): number {
+    return this.#inflight;
+  }
+
+  /** Throws unless new work may start; then counts it in flight until `end()`. */
+  begin(what: string): void {
+    if (this.fenced) {
+      throw new EngineError(
+        Code.UNAVAILABLE,
+        `instance "${this.id}" is being cleaned up; ${what} refused`,
+      );
+    }
+    this.#inflight++;
+  }
+
+  end(): void {
+    this.#inflight--;
+    if (this.#inflight === 0) {
+      const w = this.#drainWaiters;
+      this.#drainWaiters = [];
+      for (const f of w) f();
+    }
+  }
+
+  /** Resolves once no copy targets this instance (call after fencing). */
+  drain(): Promise<void> {
+    if (this.#inflight === 0) return Promise.resolve();
+    return new Promise((resolve) => this.#drainWaiters.push(resolve));
+  }
+
+  /** The layout this instance stores under its namespace (from the TP rank 0 of each stage). */
+  signature(): NamespaceLayout {
+    const layers = new Map<string, { slotBytes: number; numSegments: number }>();
+    for (const r of this.ranks.values()) {
+      if (r.tpRank !== 0) continue;
+      for (const l of r.layers) {
+        layers.set(l.name, { slotBytes: l.slotBytes, numSegments: l.geometry.numSegments });
+      }
+    }
+    return { tpSize: this.tpSize, ppSize: this.ppSize, layers };
+  }
+
+  /** Assigns layer ids once every rank is in. */
+  seal(): void {
+    const names = new Set<string>();
+    for (const r of this.ranks.values()) for (const l of r.layers) names.add(l.name);
+    this.layerNames = [...names].sort();
+    const ids = new Map(this.layerNames.map((n, i) => [n, i]));
+    for (const r of this.ranks.values()) for (const l of r.layers) l.layerId = ids.get(l.name)!;
+    this.sealed = true;
+  }
+
+  rankCtx(tpRank: number, ppRank: number, what: string): RankCtx {
+    const r = this.ranks.get(ppRank * this.tpSize + tpRank);
+    if (!r) {
+      throw precondition(
+        `instance "${this.id}": ${what} from tp_rank ${tpRank} pp_rank ${ppRank}, which is not registered`,
+      );
+    }
+    if (!this.sealed) {
+      throw precondition(
+        `instance "${this.id}": ${what} before the topology is sealed (${this.ranks.size}/${this.worldSize} ranks registered)`,
+      );
+    }
+    return r;
+  }
+}
+
+/** Builds a LayerCtx (layer id assigned later at seal). */
+export function layerCtx(name: string, geometry: Geometry, region: RegionPort): LayerCtx {
+  return { name, geometry, region, layerId: -1, slotBytes: slotBytes(geometry) };
+}

@@ -1,0 +1,67 @@
+/**
+ * What the engine orchestration needs from the native copy layer (regions,
+ * shm, batch copies over the pinned pool), named by that need.
+ * `native_adapter.ts` binds it to ffi/. The block store is lib/storage's
+ * KvStore, used directly.
+ *
+ * @module
+ */
+
+/** A client's KV region mapped into the server (CUDA IPC or host shm). */
+export interface RegionPort {
+  /** Native handle (u32), for batch groups. */
+  readonly handle: number;
+  /** Closes the mapping; throws while copies still target it. */
+  close(): void;
+}
+
+/** A small shared-memory control block (the engine's load state). */
+export interface ShmPort {
+  readonly handle: number;
+  /** The mapped bytes (read/write). */
+  readonly view: DataView;
+  close(): void;
+}
+
+/** Direction of a batch copy. */
+export type CopyDirection = "gather" | "scatter";
+
+/**
+ * A reusable batch descriptor: the engine writes groups (one per layer) and
+ * segments into it, then submits; no allocation per segment.
+ */
+export interface BatchWriter {
+  /** Makes room for a batch of this many groups and segments (grows; never shrinks). */
+  ensure(groups: number, segs: number): void;
+  /** Starts a new batch; `progress` names the shm words the copy publishes per-group progress to. */
+  reset(direction: CopyDirection, progress?: { shm: ShmPort; offset: number }): void;
+  /** Opens a group (a layer) whose segments follow. */
+  group(region: RegionPort, layerId: number): void;
+  /** Adds one segment to the current group. */
+  seg(regionOff: number, poolOff: number, bytes: number): void;
+}
+
+/** What a finished copy reports. */
+export interface CopyDone {
+  bytes: number;
+  /** Native time from submit to end, ns. */
+  ns: number;
+}
+
+/** The native copy layer as the engine sees it. */
+export interface NativePort {
+  readonly backend: "cuda" | "host";
+  readonly poolBytes: number;
+  importRegion(handle: Uint8Array, bytes: number): RegionPort;
+  openShm(name: string, bytes: number): ShmPort;
+  /** A new reusable batch writer (call `ensure` before writing each batch). */
+  batch(): BatchWriter;
+  /**
+   * Submits the batch as written. Resolves when the whole batch has landed,
+   * rejects with the native error otherwise. The writer may be reset right
+   * after this returns (the descriptor is copied at submit).
+   */
+  submit(batch: BatchWriter): Promise<CopyDone>;
+  /** Waits for in-flight copies, then frees ring, pool and engine. */
+  close(): Promise<void>;
+}

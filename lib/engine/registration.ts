@@ -1,0 +1,144 @@
+/**
+ * What RegisterContext checks before anything is mapped: the client speaks
+ * this protocol version, the topology numbers agree, every array has one
+ * entry per layer, every layer's geometry is in bounds and overlap-free,
+ * all layers share one segment shape (one block shape per namespace), and
+ * layers sharing a region do not overlap each other. Pure: no state, no I/O.
+ *
+ * @module
+ */
+import { invalid, precondition } from "./errors.ts";
+import { footprint, type Geometry, validateGeometry } from "./geometry.ts";
+
+/** The protocol version RegisterContext requires (client_version must equal it). */
+export const PROTOCOL_VERSION = "pegaflow-1";
+/** Region handles are 64 bytes (CUipcMemHandle, or a NUL-padded shm name). */
+export const REGION_HANDLE_BYTES = 64;
+/** Most hash bytes per block (sha256-sized hashes and smaller fit). */
+export const MAX_HASH_BYTES = 64;
+/** Most layers per rank. */
+export const MAX_LAYERS = 4096;
+/** Most TP/PP size. */
+export const MAX_PARALLEL = 1024;
+
+/** Registration of one rank (transport-neutral mirror of RegisterContextRequest). */
+export interface RegisterArgs {
+  instanceId: string;
+  namespace: string;
+  tpRank: number;
+  tpSize: number;
+  ppRank: number;
+  ppSize: number;
+  worldSize: number;
+  deviceId: number;
+  layerNames: string[];
+  regionHandles: Uint8Array[];
+  geometry: Geometry[];
+  clientVersion: string;
+}
+
+function keyHex(b: Uint8Array): string {
+  let s = "";
+  for (let i = 0; i < b.length; i++) s += b[i].toString(16).padStart(2, "0");
+  return s;
+}
+
+/**
+ * Throws INVALID_ARGUMENT / FAILED_PRECONDITION naming the rank and layer
+ * unless `a` is a registration the engine can map; returns the rank's label
+ * for later messages and the effective PP size (0 means 1).
+ *
+ * @example
+ * ```ts
+ * const { who, ppSize } = validateRegistration(args);
+ * ```
+ */
+export function validateRegistration(a: RegisterArgs): { who: string; ppSize: number } {
+  const who = `instance "${a.instanceId}" tp_rank ${a.tpRank} pp_rank ${a.ppRank}`;
+  if (a.clientVersion !== PROTOCOL_VERSION) {
+    throw precondition(
+      `${who}: client version "${a.clientVersion}" does not match the server's "${PROTOCOL_VERSION}"`,
+    );
+  }
+  if (!a.instanceId) throw invalid("instance_id is empty");
+  if (!a.namespace) throw invalid(`${who}: namespace is empty`);
+  const ppSize = a.ppSize || 1;
+  if (a.tpSize < 1 || a.tpSize > MAX_PARALLEL) {
+    throw invalid(`${who}: tp_size ${a.tpSize} out of range 1..${MAX_PARALLEL}`);
+  }
+  if (ppSize > MAX_PARALLEL) {
+    throw invalid(`${who}: pp_size ${ppSize} out of range 1..${MAX_PARALLEL}`);
+  }
+  if (a.tpRank >= a.tpSize) throw invalid(`${who}: tp_rank ${a.tpRank} >= tp_size ${a.tpSize}`);
+  if (a.ppRank >= ppSize) throw invalid(`${who}: pp_rank ${a.ppRank} >= pp_size ${ppSize}`);
+  if (a.worldSize !== a.tpSize * ppSize) {
+    throw invalid(`${who}: world_size ${a.worldSize} != tp_size ${a.tpSize} * pp_size ${ppSize}`);
+  }
+  const n = a.layerNames.length;
+  if (n === 0) throw invalid(`${who}: layer_names is empty`);
+  if (n > MAX_LAYERS) throw invalid(`${who}: ${n} layers, at most ${MAX_LAYERS}`);
+  if (a.regionHandles.length !== n || a.geometry.length !== n) {
+    throw invalid(
+      `${who}: ${n} layer_names but ${a.regionHandles.length} region_handles and ${a.geometry.length} geometry entries`,
+    );
+  }
+  const seen = new Set<string>();
+  for (let i = 0; i < n; i++) {
+    const name = a.layerNames[i];
+    if (!name) throw invalid(`${who}: layer ${i} has an empty name`);
+    if (seen.has(name)) throw invalid(`${who}: layer "${name}" listed twice`);
+    seen.add(name);
+    if (a.regionHandles[i].length !== REGION_HANDLE_BYTES) {
+      throw invalid(
+        `${who} layer "${name}": region handle is ${
+          a.regionHandles[i].length
+        } bytes, expected ${REGION_HANDLE_BYTES}`,
+      );
+    }
+    validateGeometry(a.geometry[i], `${who} layer "${name}"`);
+  }
+  // Every block of a namespace has one shape in the pool: one segment size and count for all layers.
+  for (let i = 1; i < n; i++) {
+    if (
+      a.geometry[i].segBytes !== a.geometry[0].segBytes ||
+      a.geometry[i].numSegments !== a.geometry[0].numSegments
+    ) {
+      throw invalid(
+        `${who}: layer "${a.layerNames[i]}" has ${a.geometry[i].numSegments} x ${
+          a.geometry[i].segBytes
+        }-byte segments, ` +
+          `layer "${a.layerNames[0]}" ${a.geometry[0].numSegments} x ${
+            a.geometry[0].segBytes
+          }; all layers must agree`,
+      );
+    }
+  }
+  // Layers sharing one region must not overlap each other.
+  const byHandle = new Map<string, number[]>();
+  for (let i = 0; i < n; i++) {
+    const k = keyHex(a.regionHandles[i]);
+    const list = byHandle.get(k) ?? [];
+    list.push(i);
+    byHandle.set(k, list);
+  }
+  for (const idx of byHandle.values()) {
+    const spans = idx.map((i) => [...footprint(a.geometry[i]), i] as const).sort((x, y) =>
+      x[0] - y[0]
+    );
+    for (let j = 1; j < spans.length; j++) {
+      if (spans[j][0] < spans[j - 1][1]) {
+        throw invalid(
+          `${who}: layers "${a.layerNames[spans[j - 1][2]]}" and "${
+            a.layerNames[spans[j][2]]
+          }" overlap in one region`,
+        );
+      }
+    }
+    const bytes = new Set(idx.map((i) => a.geometry[i].regionBytes));
+    if (bytes.size > 1) {
+      throw invalid(`${who}: layers sharing one region declare different region_bytes`);
+    }
+  }
+
+  return { who, ppSize };
+}

@@ -1,0 +1,300 @@
+/**
+ * The server's command line: every flag, its `PEGAFLOW_*` environment
+ * variable, its default, and the parser that refuses a bad value before
+ * anything starts. `main.ts` only calls {@link parseServeArgs} and
+ * {@link startServer}.
+ *
+ * @module
+ */
+import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
+import { LOG_LEVELS, type LogLevel } from "../log.ts";
+import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
+
+/** Everything the server needs to start, after parsing and validation. */
+export interface ServeConfig {
+  /** gRPC listen address `host:port` (port 0 = pick a free one). */
+  addr: string;
+  /** HTTP listen address for /health, /metrics, ... (undefined = no HTTP). */
+  httpAddr: string | undefined;
+  /** Device ids to serve (cuda backend); the host backend ignores them. */
+  devices: number[];
+  backend: "auto" | "cuda" | "host";
+  /** Requested pinned pool size in bytes (before the memory cap). */
+  poolSize: number;
+  /** True when --pool-size was not given (the default may be capped silently). */
+  poolSizeDefaulted: boolean;
+  /** Typical block value size; sizes the allocator's unit (0 = default). */
+  hintValueSize: number;
+  useHugepages: boolean;
+  enableLfuAdmission: boolean;
+  transferPath: "auto" | "kernel" | "dma";
+  logLevel: LogLevel;
+  /** Lease lifetime in ms (a query's pins expire after this). */
+  leaseTtlMs: number;
+  /** Largest gRPC message accepted or sent, in bytes. */
+  maxMessageBytes: number;
+  /** SSD tier (lib/ssd/flags.ts); no paths = no SSD tier. */
+  ssd: SsdConfig;
+}
+
+/** Default gRPC address (the original system's port). */
+export const DEFAULT_ADDR = "127.0.0.1:50055";
+/** Default pinned pool size request; capped to what the machine can hold. */
+export const DEFAULT_POOL_SIZE = "30gb";
+/** 64 MiB: a Save of 10K tokens × 32 layers of hashes and ids fits with room to spare. */
+export const DEFAULT_MAX_MESSAGE = "64mb";
+/** Leases expire after 10 minutes unless consumed or released. */
+export const DEFAULT_LEASE_TTL_MS = 600_000;
+
+const SIZE_UNITS: Record<string, number> = {
+  "": 1,
+  b: 1,
+  kb: 1024,
+  k: 1024,
+  kib: 1024,
+  mb: 1024 ** 2,
+  m: 1024 ** 2,
+  mib: 1024 ** 2,
+  gb: 1024 ** 3,
+  g: 1024 ** 3,
+  gib: 1024 ** 3,
+  tb: 1024 ** 4,
+  t: 1024 ** 4,
+  tib: 1024 ** 4,
+};
+
+/**
+ * Parses a byte size: a number with an optional unit kb/mb/gb/tb (binary
+ * multiples; kib/mib/... and k/m/g/t also accepted, case-insensitive).
+ *
+ * @example
+ * ```ts
+ * parseSize("30gb"); // 32212254720
+ * parseSize("1.5mb"); // 1572864
+ * ```
+ */
+export function parseSize(text: string): number {
+  const m = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/.exec(text);
+  if (!m) throw new Error(`"${text}" is not a size (expected e.g. 512mb, 30gb, 1tb)`);
+  const unit = SIZE_UNITS[m[2].toLowerCase()];
+  if (unit === undefined) {
+    throw new Error(`"${text}" has an unknown unit "${m[2]}" (use kb, mb, gb or tb)`);
+  }
+  const bytes = Math.floor(Number(m[1]) * unit);
+  if (!Number.isSafeInteger(bytes)) throw new Error(`"${text}" is too large`);
+  return bytes;
+}
+
+function sizeArg(what: string, min: number) {
+  return (value: string): number => {
+    let n: number;
+    try {
+      n = parseSize(value);
+    } catch (e) {
+      throw new InvalidArgumentError((e as Error).message);
+    }
+    if (n < min) throw new InvalidArgumentError(`${what} must be at least ${min} bytes, got ${n}`);
+    return n;
+  };
+}
+
+function addrArg(value: string): string {
+  const m = /^(.+):(\d+)$/.exec(value);
+  if (!m || Number(m[2]) > 65535) {
+    throw new InvalidArgumentError(`"${value}" is not host:port (e.g. 127.0.0.1:50055)`);
+  }
+  return value;
+}
+
+function boolArg(value: string | boolean): boolean {
+  // commander hands the preset (true) through the parser when no value follows.
+  if (typeof value === "boolean") return value;
+  const v = value.toLowerCase();
+  if (["1", "true", "yes", "on"].includes(v)) return true;
+  if (["0", "false", "no", "off", ""].includes(v)) return false;
+  throw new InvalidArgumentError(`"${value}" is not a boolean (true/false/1/0)`);
+}
+
+function choiceArg<T extends string>(choices: readonly T[]) {
+  return (value: string): T => {
+    if (!(choices as readonly string[]).includes(value)) {
+      throw new InvalidArgumentError(`"${value}" is not one of ${choices.join(", ")}`);
+    }
+    return value as T;
+  };
+}
+
+function devicesArg(value: string): number[] {
+  const ids = value.split(",").map((s) => s.trim());
+  const out: number[] = [];
+  for (const id of ids) {
+    if (!/^\d+$/.test(id)) {
+      throw new InvalidArgumentError(`"${value}" is not a comma-separated list of device ids`);
+    }
+    out.push(Number(id));
+  }
+  return out;
+}
+
+function intArg(what: string, min: number) {
+  return (value: string): number => {
+    if (!/^\d+$/.test(value.trim())) throw new InvalidArgumentError(`"${value}" is not an integer`);
+    const n = Number(value);
+    if (n < min) throw new InvalidArgumentError(`${what} must be at least ${min}, got ${n}`);
+    return n;
+  };
+}
+
+/** The commander program for `deno task serve` (exported for --help tests). */
+export function serveCommand(): Command {
+  const opt = (flags: string, desc: string, env: string) =>
+    new Option(flags, desc).env(`PEGAFLOW_${env}`);
+  const cmd = new Command("pegaflow-serve")
+    .description("PegaFlow KV server: stores inference engines' KV blocks in pinned host memory")
+    .addOption(
+      opt("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
+        .default(DEFAULT_ADDR).argParser(addrArg),
+    )
+    .addOption(
+      opt("--http-addr <host:port>", "HTTP address for /health, /metrics, /instances", "HTTP_ADDR")
+        .argParser(addrArg),
+    )
+    .addOption(
+      opt("--devices <ids>", "comma-separated GPU ids (cuda backend)", "DEVICES")
+        .default([0], "0").argParser(devicesArg),
+    )
+    .addOption(
+      opt("--backend <kind>", "copy backend: auto, cuda or host", "BACKEND")
+        .default("auto").argParser(choiceArg(["auto", "cuda", "host"] as const)),
+    )
+    .addOption(
+      opt(
+        "--pool-size <size>",
+        "pinned pool size (kb/mb/gb/tb); capped to half of MemAvailable",
+        "POOL_SIZE",
+      )
+        .default(parseSize(DEFAULT_POOL_SIZE), DEFAULT_POOL_SIZE).argParser(
+          sizeArg("--pool-size", 1024 * 1024),
+        ),
+    )
+    .addOption(
+      opt(
+        "--hint-value-size <size>",
+        "typical block slot size; sets the allocation unit",
+        "HINT_VALUE_SIZE",
+      )
+        .default(0, "auto").argParser(sizeArg("--hint-value-size", 512)),
+    )
+    .addOption(
+      opt("--use-hugepages [bool]", "back the pool with huge pages", "USE_HUGEPAGES")
+        .default(false).preset(true).argParser(boolArg),
+    )
+    .addOption(
+      opt(
+        "--enable-lfu-admission [bool]",
+        "TinyLFU admission in front of the LRU",
+        "ENABLE_LFU_ADMISSION",
+      )
+        .default(false).preset(true).argParser(boolArg),
+    )
+    .addOption(
+      opt("--transfer-path <path>", "copy path: auto (calibrated), kernel or dma", "TRANSFER_PATH")
+        .default("auto").argParser(choiceArg(["auto", "kernel", "dma"] as const)),
+    )
+    .addOption(
+      opt("--log-level <level>", "debug, info, warn or error", "LOG_LEVEL")
+        .default("info").argParser(choiceArg(LOG_LEVELS)),
+    )
+    .addOption(
+      opt("--lease-ttl-ms <ms>", "lease lifetime in milliseconds", "LEASE_TTL_MS")
+        .default(DEFAULT_LEASE_TTL_MS).argParser(intArg("--lease-ttl-ms", 1)),
+    )
+    .addOption(
+      opt("--max-message-size <size>", "largest gRPC message accepted", "MAX_MESSAGE_SIZE")
+        .default(parseSize(DEFAULT_MAX_MESSAGE), DEFAULT_MAX_MESSAGE)
+        .argParser(sizeArg("--max-message-size", 4096)),
+    )
+    .exitOverride()
+    .allowExcessArguments(false);
+  for (const o of ssdOptions()) cmd.addOption(o);
+  return cmd;
+}
+
+/** The result of parsing: a config to start, or text to print and an exit code. */
+export type ParseResult =
+  | { kind: "config"; config: ServeConfig }
+  | { kind: "exit"; code: number; output: string };
+
+/**
+ * Parses argv (without the program name) and the `PEGAFLOW_*` environment.
+ * Never starts anything; a bad value yields `{kind: "exit", code: 2}` with a
+ * message naming the flag.
+ *
+ * @example
+ * ```ts
+ * const r = parseServeArgs(["--pool-size", "2gb", "--backend", "host"]);
+ * if (r.kind === "config") console.log(r.config.poolSize); // 2147483648
+ * ```
+ */
+export function parseServeArgs(argv: string[]): ParseResult {
+  const cmd = serveCommand();
+  let output = "";
+  cmd.configureOutput({
+    writeOut: (s) => output += s,
+    writeErr: (s) => output += s,
+  });
+  try {
+    cmd.parse(argv, { from: "user" });
+  } catch (e) {
+    if (e instanceof CommanderError) {
+      const code = e.code === "commander.helpDisplayed" || e.code === "commander.help" ? 0 : 2;
+      return { kind: "exit", code, output };
+    }
+    throw e;
+  }
+  const o = cmd.opts();
+  return {
+    kind: "config",
+    config: {
+      addr: o.addr,
+      httpAddr: o.httpAddr,
+      devices: o.devices,
+      backend: o.backend,
+      poolSize: o.poolSize,
+      poolSizeDefaulted: cmd.getOptionValueSource("poolSize") === "default",
+      hintValueSize: o.hintValueSize,
+      useHugepages: o.useHugepages,
+      enableLfuAdmission: o.enableLfuAdmission,
+      transferPath: o.transferPath,
+      logLevel: o.logLevel,
+      leaseTtlMs: o.leaseTtlMs,
+      maxMessageBytes: o.maxMessageSize,
+      ssd: ssdConfigFrom(o),
+    },
+  };
+}
+
+/** Fraction of MemAvailable the pool may take: leave room for the engines and the OS. */
+export const POOL_MEM_FRACTION = 0.5;
+
+/**
+ * Caps a requested pool size to {@link POOL_MEM_FRACTION} of the machine's
+ * available memory (read from /proc/meminfo; uncapped where unreadable).
+ */
+export function capPoolSize(
+  requested: number,
+): { bytes: number; capped: boolean; availBytes: number | null } {
+  let avail: number | null = null;
+  try {
+    const m = /MemAvailable:\s+(\d+)\s+kB/.exec(Deno.readTextFileSync("/proc/meminfo"));
+    if (m) avail = Number(m[1]) * 1024;
+  } catch (_e) {
+    // Non-Linux: no cap; the allocation itself fails clearly if too large.
+    avail = null;
+  }
+  if (avail === null) return { bytes: requested, capped: false, availBytes: null };
+  const limit = Math.floor(avail * POOL_MEM_FRACTION / (1 << 20)) * (1 << 20);
+  return requested > limit
+    ? { bytes: limit, capped: true, availBytes: avail }
+    : { bytes: requested, capped: false, availBytes: avail };
+}

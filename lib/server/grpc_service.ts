@@ -1,0 +1,278 @@
+/**
+ * The gRPC `pegaflow.Engine` service on grpc-js: decodes requests (static
+ * ts-proto code, plugged in as the service definition's serialize and
+ * deserialize), calls the {@link KvEngine}, and maps {@link EngineError}
+ * codes to gRPC statuses. Also owns the liveness sessions: when a session
+ * stream drops, the instance is cleaned up.
+ *
+ * @module
+ */
+import * as grpc from "@grpc/grpc-js";
+import {
+  EngineService,
+  type HealthResponse,
+  type LoadRequest,
+  type LoadResponse,
+  type QueryPrefetchRequest,
+  type QueryPrefetchResponse,
+  type RegisterContextRequest,
+  type RegisterContextResponse,
+  type ReleaseRequest,
+  type SaveRequest,
+  type SaveResponse,
+  type SessionEvent,
+  SessionEvent_Kind,
+  type SessionRequest,
+  type UnregisterContextRequest,
+} from "../../proto/pegaflow.ts";
+import { CODE_NAMES, codeOf, invalid, isExpected, precondition } from "../engine/errors.ts";
+import { type KvEngine, PROTOCOL_VERSION } from "../engine/engine.ts";
+import type { Logger } from "../log.ts";
+import type { ServerMetrics } from "./metrics.ts";
+
+/** A lease id is 16 bytes. */
+export const LEASE_ID_BYTES = 16;
+
+type Unary<Req, Res> = grpc.handleUnaryCall<Req, Res>;
+
+/** Live session streams: instance → rank → call. */
+export class Sessions {
+  readonly #byInstance = new Map<
+    string,
+    Map<number, grpc.ServerWritableStream<SessionRequest, SessionEvent>>
+  >();
+
+  get count(): number {
+    let n = 0;
+    for (const m of this.#byInstance.values()) n += m.size;
+    return n;
+  }
+
+  /** Registers a stream; returns the one it supersedes, if any. */
+  add(
+    instance: string,
+    rank: number,
+    call: grpc.ServerWritableStream<SessionRequest, SessionEvent>,
+  ) {
+    let m = this.#byInstance.get(instance);
+    if (!m) this.#byInstance.set(instance, m = new Map());
+    const old = m.get(rank);
+    m.set(rank, call);
+    return old;
+  }
+
+  /** True if `call` is still the current stream of (instance, rank); removes it. */
+  remove(
+    instance: string,
+    rank: number,
+    call: grpc.ServerWritableStream<SessionRequest, SessionEvent>,
+  ): boolean {
+    const m = this.#byInstance.get(instance);
+    if (!m || m.get(rank) !== call) return false;
+    m.delete(rank);
+    if (m.size === 0) this.#byInstance.delete(instance);
+    return true;
+  }
+
+  /** Ends every stream of the instance with `kind`. */
+  end(instance: string, kind: SessionEvent_Kind, message: string): void {
+    const m = this.#byInstance.get(instance);
+    if (!m) return;
+    this.#byInstance.delete(instance);
+    for (const call of m.values()) {
+      call.write({ kind, message });
+      call.end();
+    }
+  }
+
+  endAll(kind: SessionEvent_Kind, message: string): void {
+    for (const id of [...this.#byInstance.keys()]) this.end(id, kind, message);
+  }
+}
+
+function statusError(err: unknown): Partial<grpc.StatusObject> {
+  return { code: codeOf(err) as number, details: err instanceof Error ? err.message : String(err) };
+}
+
+/**
+ * Builds the service implementation.
+ *
+ * @example
+ * ```ts
+ * server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
+ * ```
+ */
+export function engineServiceImpl(
+  engine: KvEngine,
+  sessions: Sessions,
+  metrics: ServerMetrics,
+  log: Logger,
+): grpc.UntypedServiceImplementation {
+  /** Wraps a unary handler: timing, status mapping, metrics, error logs. */
+  function unary<Req, Res>(method: string, fn: (req: Req) => Res | Promise<Res>): Unary<Req, Res> {
+    return (call, callback) => {
+      const t0 = performance.now();
+      let p: Promise<Res>;
+      try {
+        p = Promise.resolve(fn(call.request));
+      } catch (e) {
+        p = Promise.reject(e);
+      }
+      p.then(
+        (res) => {
+          const t1 = performance.now();
+          metrics.rpc(method, "OK", (t1 - t0) / 1000);
+          callback(null, res);
+          log.debug("rpc done", {
+            method,
+            handler_ms: Math.round((t1 - t0) * 1e3) / 1e3,
+            respond_ms: Math.round((performance.now() - t1) * 1e3) / 1e3,
+          });
+        },
+        (e) => {
+          const st = statusError(e);
+          metrics.rpc(
+            method,
+            CODE_NAMES[st.code!] ?? String(st.code),
+            (performance.now() - t0) / 1000,
+          );
+          if (!isExpected(e)) {
+            log.error("rpc failed unexpectedly", {
+              method,
+              error: String((e as Error)?.stack ?? e),
+            });
+          } else log.info("rpc refused", { method, code: CODE_NAMES[st.code!], error: st.details });
+          callback(st, null);
+        },
+      );
+    };
+  }
+
+  const cleanup = async (instance: string, reason: string) => {
+    if (!engine.has(instance)) return 0;
+    metrics.cleanup(reason);
+    return await engine.unregister(instance, reason);
+  };
+
+  engine.onInstanceGone((id, reason) =>
+    sessions.end(id, SessionEvent_Kind.CLEANED_UP, `instance "${id}" cleaned up (${reason})`)
+  );
+
+  return {
+    registerContext: unary(
+      "RegisterContext",
+      (req: RegisterContextRequest): RegisterContextResponse => {
+        const r = engine.register({
+          instanceId: req.instanceId,
+          namespace: req.namespace,
+          tpRank: req.tpRank,
+          tpSize: req.tpSize,
+          ppRank: req.ppRank,
+          ppSize: req.ppSize,
+          worldSize: req.worldSize,
+          deviceId: req.deviceId,
+          layerNames: req.layerNames,
+          regionHandles: req.regionHandles,
+          geometry: req.geometry,
+          clientVersion: req.clientVersion,
+        });
+        return {
+          numLayers: r.numLayers,
+          topologySealed: r.topologySealed,
+          ranksRegistered: r.ranksRegistered,
+        };
+      },
+    ),
+    save: unary("Save", async (req: SaveRequest): Promise<SaveResponse> => {
+      const r = await engine.save(req);
+      return {
+        blocksSaved: r.blocksSaved,
+        blocksSkipped: r.blocksSkipped,
+        bytesCopied: r.bytesCopied,
+        blocksRefused: r.blocksRefused,
+      };
+    }),
+    queryPrefetch: unary(
+      "QueryPrefetch",
+      (req: QueryPrefetchRequest): QueryPrefetchResponse => {
+        const r = engine.query(req.instanceId, req.blockHashes, req.requestId);
+        if (r.loading) return { result: { $case: "loading", value: {} } };
+        return {
+          result: {
+            $case: "ready",
+            value: {
+              numHitBlocks: r.hits,
+              leaseId: r.leaseId ?? new Uint8Array(0),
+              leaseTtlMs: r.ttlMs,
+            },
+          },
+        };
+      },
+    ),
+    load: unary("Load", async (req: LoadRequest): Promise<LoadResponse> => {
+      if (req.leaseId.length !== LEASE_ID_BYTES) {
+        throw invalid(
+          `instance "${req.instanceId}": lease id is ${req.leaseId.length} bytes, expected ${LEASE_ID_BYTES}`,
+        );
+      }
+      const r = await engine.load(req);
+      return { numBlocks: r.numBlocks, numLayers: r.numLayers, bytes: r.bytes };
+    }),
+    release: unary("Release", (req: ReleaseRequest) => {
+      if (req.leaseId.length !== LEASE_ID_BYTES) {
+        throw invalid(`lease id is ${req.leaseId.length} bytes, expected ${LEASE_ID_BYTES}`);
+      }
+      engine.release(req.leaseId);
+      return {};
+    }),
+    unregisterContext: unary(
+      "UnregisterContext",
+      async (req: UnregisterContextRequest) => {
+        if (!engine.has(req.instanceId)) {
+          throw precondition(`UnregisterContext: instance "${req.instanceId}" is not registered`);
+        }
+        return { leasesReleased: await cleanup(req.instanceId, "unregister") };
+      },
+    ),
+    health: unary("Health", (): HealthResponse => ({
+      status: "ok",
+      version: PROTOCOL_VERSION,
+      backend: engine.backend,
+    })),
+    session: (call: grpc.ServerWritableStream<SessionRequest, SessionEvent>) => {
+      const { instanceId, tpRank, ppRank } = call.request;
+      const t0 = performance.now();
+      const rank = ppRank * 65536 + tpRank;
+      const old = sessions.add(instanceId, rank, call);
+      if (old) {
+        old.write({
+          kind: SessionEvent_Kind.SUPERSEDED,
+          message: "a newer session for this rank took over",
+        });
+        old.end();
+      }
+      log.info("session opened", { instance: instanceId, tp_rank: tpRank, pp_rank: ppRank });
+      let gone = false;
+      const onGone = (why: string) => {
+        if (gone) return;
+        gone = true;
+        metrics.rpc("Session", "CANCELLED", (performance.now() - t0) / 1000);
+        // Only the current session's loss cleans up; a superseded one just goes away.
+        if (!sessions.remove(instanceId, rank, call)) return;
+        log.warn("session dropped; cleaning up the instance", {
+          instance: instanceId,
+          tp_rank: tpRank,
+          pp_rank: ppRank,
+          why,
+        });
+        cleanup(instanceId, "session_lost").catch((e) =>
+          log.error("session cleanup failed", { instance: instanceId, error: String(e) })
+        );
+      };
+      call.on("cancelled", () => onGone("cancelled"));
+      call.on("error", (e) => onGone(`error: ${(e as Error).message}`));
+    },
+  };
+}
+
+export { EngineService };

@@ -1,0 +1,337 @@
+/**
+ * Prometheus metrics of the KV server (`pegaflow_*`), served at /metrics.
+ * Counters and histograms are updated where things happen (engine hooks, RPC
+ * wrapper); pool and cache gauges are read from the store at scrape time, so
+ * they can never drift from the store's own accounting.
+ *
+ * @module
+ */
+import { Counter, Gauge, Histogram, Registry } from "prom-client";
+import type { StageMetrics } from "../pipeline/stage.ts";
+import type { EngineMetrics } from "../engine/engine.ts";
+import type { StoreStats } from "../storage/store.ts";
+
+/** Copy durations: 100 µs .. ~13 s. */
+const COPY_BUCKETS = [
+  1e-4,
+  2.5e-4,
+  5e-4,
+  1e-3,
+  2.5e-3,
+  5e-3,
+  0.01,
+  0.025,
+  0.05,
+  0.1,
+  0.25,
+  0.5,
+  1,
+  2.5,
+  5,
+  13,
+];
+/** RPC latencies: 50 µs .. 10 s. */
+const RPC_BUCKETS = [
+  5e-5,
+  1e-4,
+  2.5e-4,
+  5e-4,
+  1e-3,
+  2.5e-3,
+  5e-3,
+  0.01,
+  0.025,
+  0.05,
+  0.1,
+  0.25,
+  0.5,
+  1,
+  2.5,
+  10,
+];
+
+/**
+ * All server metrics in one registry.
+ *
+ * @example
+ * ```ts
+ * const m = new ServerMetrics(() => store.stats());
+ * m.rpc("Save", "OK", 0.004);
+ * const text = await m.registry.metrics();
+ * ```
+ */
+export class ServerMetrics implements EngineMetrics {
+  readonly registry = new Registry();
+  readonly #rpcTotal: Counter<"method" | "status">;
+  readonly #rpcSeconds: Histogram<"method" | "status">;
+  readonly #saveBytes: Counter;
+  readonly #saveSeconds: Histogram;
+  readonly #saveBlocks: Counter;
+  readonly #saveFailures: Counter<"reason">;
+  readonly #loadBytes: Counter;
+  readonly #loadSeconds: Histogram;
+  readonly #loadFailures: Counter;
+  readonly #queryBlocks: Counter<"result">;
+  readonly #queueDepth: Gauge<"queue">;
+  readonly #queueInflight: Gauge<"queue">;
+  readonly #queueRefused: Counter<"queue">;
+  readonly #queueDropped: Counter<"queue">;
+  readonly #sessions: Gauge;
+  readonly #cleanups: Counter<"reason">;
+  readonly #sealed: Counter;
+
+  constructor(
+    stats: () => StoreStats,
+    extra?: { instances: () => number; sessions: () => number },
+  ) {
+    const r = this.registry;
+    this.#rpcTotal = new Counter({
+      name: "pegaflow_rpc_requests_total",
+      help: "gRPC requests by method and status code",
+      labelNames: ["method", "status"],
+      registers: [r],
+    });
+    this.#rpcSeconds = new Histogram({
+      name: "pegaflow_rpc_duration_seconds",
+      help: "gRPC handling time by method and status",
+      labelNames: ["method", "status"],
+      buckets: RPC_BUCKETS,
+      registers: [r],
+    });
+    this.#saveBytes = new Counter({
+      name: "pegaflow_save_bytes_total",
+      help: "bytes copied into the pool by saves",
+      registers: [r],
+    });
+    this.#saveBlocks = new Counter({
+      name: "pegaflow_save_slots_total",
+      help: "block slots (layer x rank) copied by saves",
+      registers: [r],
+    });
+    this.#saveSeconds = new Histogram({
+      name: "pegaflow_save_duration_seconds",
+      help: "save time from allocation to the gather's completion",
+      buckets: COPY_BUCKETS,
+      registers: [r],
+    });
+    this.#saveFailures = new Counter({
+      name: "pegaflow_save_failures_total",
+      help: "saves dropped, by reason (pool_exhausted, queue_full, copy_failed)",
+      labelNames: ["reason"],
+      registers: [r],
+    });
+    this.#loadBytes = new Counter({
+      name: "pegaflow_load_bytes_total",
+      help: "bytes scattered back to engines",
+      registers: [r],
+    });
+    this.#loadSeconds = new Histogram({
+      name: "pegaflow_load_duration_seconds",
+      help: "load time from submit to the scatter's completion",
+      buckets: COPY_BUCKETS,
+      registers: [r],
+    });
+    this.#loadFailures = new Counter({
+      name: "pegaflow_load_failures_total",
+      help: "loads whose copy failed",
+      registers: [r],
+    });
+    this.#queryBlocks = new Counter({
+      name: "pegaflow_query_blocks_total",
+      help: "queried blocks by result (hit: in the served prefix, miss: not)",
+      labelNames: ["result"],
+      registers: [r],
+    });
+    this.#queueDepth = new Gauge({
+      name: "pegaflow_queue_depth",
+      help: "items waiting per pipeline queue",
+      labelNames: ["queue"],
+      registers: [r],
+    });
+    this.#queueInflight = new Gauge({
+      name: "pegaflow_queue_inflight",
+      help: "items in a worker per pipeline stage",
+      labelNames: ["queue"],
+      registers: [r],
+    });
+    this.#queueRefused = new Counter({
+      name: "pegaflow_queue_refused_total",
+      help: "items refused by a full queue",
+      labelNames: ["queue"],
+      registers: [r],
+    });
+    this.#queueDropped = new Counter({
+      name: "pegaflow_queue_dropped_total",
+      help: "items dropped by a full queue",
+      labelNames: ["queue"],
+      registers: [r],
+    });
+    this.#sessions = new Gauge({
+      name: "pegaflow_sessions",
+      help: "open liveness sessions",
+      registers: [r],
+      collect() {
+        if (extra) this.set(extra.sessions());
+      },
+    });
+    this.#sealed = new Counter({
+      name: "pegaflow_blocks_sealed_total",
+      help: "blocks that became servable (every layer and TP rank arrived)",
+      registers: [r],
+    });
+    this.#cleanups = new Counter({
+      name: "pegaflow_instance_cleanups_total",
+      help: "instances cleaned up, by reason",
+      labelNames: ["reason"],
+      registers: [r],
+    });
+    const fromStats = (
+      name: string,
+      help: string,
+      pick: (s: StoreStats) => number,
+      counter = false,
+    ) =>
+      new Gauge({
+        name,
+        help: counter ? `${help} (monotonic, read from the store)` : help,
+        registers: [r],
+        collect() {
+          this.set(pick(stats()));
+        },
+      });
+    fromStats(
+      "pegaflow_pool_capacity_bytes",
+      "pinned pool bytes the store places blocks in",
+      (s) => s.capacityBytes,
+    );
+    fromStats(
+      "pegaflow_pool_used_bytes",
+      "pinned pool bytes allocated (cached + in flight)",
+      (s) => s.usedBytes,
+    );
+    fromStats(
+      "pegaflow_pool_largest_free_bytes",
+      "largest free extent of the pool",
+      (s) => s.largestFreeBytes,
+    );
+    fromStats(
+      "pegaflow_inflight_copy_bytes",
+      "pool bytes reserved by saves whose copy is in flight",
+      (s) => s.inflightCopyBytes,
+    );
+    fromStats("pegaflow_cache_blocks", "sealed blocks resident in RAM", (s) => s.sealedBlocks);
+    fromStats(
+      "pegaflow_cache_evictable_bytes",
+      "bytes of sealed, unpinned blocks",
+      (s) => s.evictableBytes,
+    );
+    fromStats(
+      "pegaflow_inflight_blocks",
+      "blocks with slots still arriving (never served)",
+      (s) => s.inflightBlocks,
+    );
+    fromStats(
+      "pegaflow_pinned_blocks",
+      "blocks held by a lease, a load or a transfer lock",
+      (s) => s.pinnedBlocks,
+    );
+    fromStats("pegaflow_leases", "live leases", (s) => s.leasesActive);
+    fromStats(
+      "pegaflow_loads_inflight",
+      "loads whose scatter has not finished",
+      (s) => s.loadsInflight,
+    );
+    fromStats("pegaflow_cache_hits_total", "queried blocks served from RAM", (s) => s.hits, true);
+    fromStats("pegaflow_cache_misses_total", "queried blocks not served", (s) => s.misses, true);
+    fromStats("pegaflow_cache_evictions_total", "blocks evicted", (s) => s.evictions, true);
+    fromStats("pegaflow_cache_evicted_bytes_total", "bytes evicted", (s) => s.evictedBytes, true);
+    fromStats(
+      "pegaflow_admission_rejections_total",
+      "new blocks refused by TinyLFU admission",
+      (s) => s.admissionRejections,
+      true,
+    );
+    fromStats(
+      "pegaflow_save_refusals_total",
+      "saves refused for room (pool exhausted)",
+      (s) => s.saveRefusals,
+      true,
+    );
+    fromStats(
+      "pegaflow_dedup_blocks_total",
+      "saved blocks skipped before copy (already held)",
+      (s) => s.deduplicated,
+      true,
+    );
+    fromStats(
+      "pegaflow_stale_inflight_collected_total",
+      "inflight blocks collected as stale",
+      (s) => s.staleCollected,
+      true,
+    );
+    fromStats(
+      "pegaflow_leases_expired_total",
+      "leases that expired unused",
+      (s) => s.leasesExpired,
+      true,
+    );
+    if (extra) {
+      new Gauge({
+        name: "pegaflow_instances",
+        help: "registered instances",
+        registers: [r],
+        collect() {
+          this.set(extra.instances());
+        },
+      });
+    }
+  }
+
+  /** Records one RPC. */
+  rpc(method: string, status: string, seconds: number): void {
+    this.#rpcTotal.inc({ method, status });
+    this.#rpcSeconds.observe({ method, status }, seconds);
+  }
+
+  /** Counts blocks a save sealed. */
+  sealed(count: number): void {
+    this.#sealed.inc(count);
+  }
+
+  cleanup(reason: string): void {
+    this.#cleanups.inc({ reason });
+  }
+
+  saveDone(bytes: number, seconds: number, slots: number): void {
+    this.#saveBytes.inc(bytes);
+    this.#saveBlocks.inc(slots);
+    this.#saveSeconds.observe(seconds);
+  }
+
+  saveFailed(reason: string): void {
+    this.#saveFailures.inc({ reason });
+  }
+
+  loadDone(bytes: number, seconds: number, ok: boolean): void {
+    if (ok) {
+      this.#loadBytes.inc(bytes);
+      this.#loadSeconds.observe(seconds);
+    } else {
+      this.#loadFailures.inc();
+    }
+  }
+
+  queryDone(requested: number, hits: number): void {
+    this.#queryBlocks.inc({ result: "hit" }, hits);
+    this.#queryBlocks.inc({ result: "miss" }, requested - hits);
+  }
+
+  stage(name: string): StageMetrics {
+    return {
+      depth: this.#queueDepth.labels({ queue: name }),
+      inflight: this.#queueInflight.labels({ queue: name }),
+      refused: this.#queueRefused.labels({ queue: name }),
+      dropped: this.#queueDropped.labels({ queue: name }),
+    };
+  }
+}

@@ -1,0 +1,218 @@
+/**
+ * Starts the KV server: native engine + pinned pool, block store, KV engine,
+ * gRPC service, optional HTTP, and the shutdown path. `main.ts` parses the
+ * CLI and calls {@link startServer}; tests start it as a child process the
+ * same way.
+ *
+ * On start it prints ONE line on stdout, a JSON object
+ * `{"listening":{"grpc":"127.0.0.1:41234","http":"127.0.0.1:9091"}}`, after
+ * both sockets are bound (port 0 resolved), so supervisors and tests can
+ * parse the real ports. Everything else goes to stderr as JSON logs.
+ *
+ * @module
+ */
+import * as grpc from "@grpc/grpc-js";
+import { KvEngine } from "../engine/engine.ts";
+import { openNative } from "../engine/native_adapter.ts";
+import { KvStore } from "../storage/store.ts";
+import { Logger } from "../log.ts";
+import { capPoolSize, type ServeConfig } from "./config.ts";
+import { EngineService, engineServiceImpl, Sessions } from "./grpc_service.ts";
+import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
+import { httpHandler } from "./http.ts";
+import { ServerMetrics } from "./metrics.ts";
+import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
+import { SsdKvBridge } from "../ssd/kv_bridge.ts";
+import { registerSsdMetrics } from "../ssd/metrics.ts";
+
+/** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
+const KEEPALIVE_TIME_MS = 30_000;
+const KEEPALIVE_TIMEOUT_MS = 20_000;
+
+/** Idle-time lease expiry / stale inflight collection period. */
+const COLLECT_INTERVAL_MS = 1_000;
+/** One layer's K (or V) of one 16-token Llama-3.1-8B block. */
+const TYPICAL_SEGMENT_BYTES = 32 * 1024;
+/** Allocation unit bounds: 512 B (O_DIRECT sector) .. 64 KiB. */
+const MIN_UNIT = 512;
+const MAX_UNIT = 64 * 1024;
+const DEFAULT_UNIT = 4096;
+
+/**
+ * Allocation unit for a hinted value size: the largest power of two that
+ * divides it (so items pack without waste), clamped to 512 B..64 KiB; 4 KiB
+ * without a hint.
+ */
+export function allocationUnit(hint: number): number {
+  if (!hint) return DEFAULT_UNIT;
+  let u = MIN_UNIT;
+  while (u * 2 <= MAX_UNIT && hint % (u * 2) === 0) u *= 2;
+  return u;
+}
+
+/** A started server. */
+export interface RunningServer {
+  /** Bound gRPC address host:port. */
+  grpcAddr: string;
+  httpAddr: string | undefined;
+  engine: KvEngine;
+  /** Graceful stop: sessions ended, instances cleaned up, sockets closed, native freed. */
+  close(): Promise<void>;
+}
+
+/**
+ * Starts everything described by `cfg`.
+ *
+ * @example
+ * ```ts
+ * const s = await startServer({ ...config, addr: "127.0.0.1:0" });
+ * console.log(s.grpcAddr);
+ * await s.close();
+ * ```
+ */
+export async function startServer(
+  cfg: ServeConfig,
+  log = new Logger(cfg.logLevel),
+): Promise<RunningServer> {
+  const cap = capPoolSize(cfg.poolSize);
+  if (cap.capped) {
+    log.warn("pool size capped to what this machine can hold", {
+      requested_bytes: cfg.poolSize,
+      pool_bytes: cap.bytes,
+      mem_available_bytes: cap.availBytes,
+    });
+  }
+  if (cfg.devices.length > 1) {
+    log.warn("only the first device is served by this process; run one server per device", {
+      devices: cfg.devices.join(","),
+      serving: cfg.devices[0],
+    });
+  }
+  const native = openNative({
+    backend: cfg.backend,
+    device: cfg.devices[0],
+    poolBytes: cap.bytes,
+    useHugepages: cfg.useHugepages,
+    transferPath: cfg.transferPath,
+  }, log);
+  log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
+  const unitBytes = allocationUnit(cfg.hintValueSize);
+  const store = new KvStore({
+    capacityBytes: native.poolBytes,
+    unitBytes,
+    leaseTtlMs: cfg.leaseTtlMs,
+    // Sketch sized for the blocks the pool can hold at the hinted (or a typical 32 KiB) segment size.
+    lfuCapacityBlocks: cfg.enableLfuAdmission
+      ? Math.max(1024, Math.floor(native.poolBytes / (cfg.hintValueSize || TYPICAL_SEGMENT_BYTES)))
+      : undefined,
+  });
+  // Leases expire and stale inflight blocks are collected on every store call;
+  // the timer covers an idle server so pins do not outlive their TTL.
+  const collector = setInterval(() => store.collect(), COLLECT_INTERVAL_MS);
+  log.info("store ready", {
+    unit_bytes: unitBytes,
+    lfu_admission: cfg.enableLfuAdmission,
+    lease_ttl_ms: cfg.leaseTtlMs,
+  });
+  const sessions = new Sessions();
+  // The gauges read the engine at scrape time, by which point it exists.
+  const metrics: ServerMetrics = new ServerMetrics(() => store.stats(), {
+    instances: () => engine.instances().length,
+    sessions: () => sessions.count,
+  });
+  let ssd: SsdTier | undefined;
+  if (cfg.ssd.paths.length > 0) {
+    try {
+      ssd = await SsdTier.open({
+        ...cfg.ssd,
+        pool: native.copyEngine.pool.handle,
+        ring: native.copyEngine.ring,
+        log: (level, msg) => log[level](msg, { tier: "ssd" }),
+      });
+      registerSsdMetrics(metrics.registry, () => ssd!.stats());
+      log.info("SSD tier ready", {
+        paths: ssd.files.map((f) => f.path).join(","),
+        capacity_bytes: ssd.stats().capacityBytes,
+        recovered_blocks: ssd.recovery.blocks,
+      });
+    } catch (e) {
+      // The RAM tier serves without it; the reason names the path.
+      if (!(e instanceof SsdOpenError)) throw e;
+      log.error("SSD tier disabled", { error: e.message });
+    }
+  }
+  const bridge = ssd ? new SsdKvBridge(ssd, store, (level, msg) => log[level](msg, { tier: "ssd" })) : undefined;
+  const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs, ssd: bridge });
+  engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
+  // Write-behind: sealed blocks are offered to the SSD tier (never waits).
+  if (bridge) engine.onSealed((_ns, keys) => bridge.onSealed(keys));
+
+  const server = new grpc.Server({
+    "grpc.max_receive_message_length": cfg.maxMessageBytes,
+    "grpc.max_send_message_length": cfg.maxMessageBytes,
+    "grpc.keepalive_time_ms": KEEPALIVE_TIME_MS,
+    "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
+    "grpc.keepalive_permit_without_calls": 1,
+  });
+  server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
+  const port = await new Promise<number>((resolve, reject) =>
+    server.bindAsync(
+      cfg.addr,
+      grpc.ServerCredentials.createInsecure(),
+      (err, p) => err ? reject(err) : resolve(p),
+    )
+  ).catch(async (e) => {
+    clearInterval(collector);
+    await ssd?.close();
+    await native.close();
+    throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
+  });
+  const host = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
+  const grpcAddr = `${host}:${port}`;
+
+  let http: Deno.HttpServer | undefined;
+  let httpAddr: string | undefined;
+  if (cfg.httpAddr) {
+    const i = cfg.httpAddr.lastIndexOf(":");
+    const hostname = cfg.httpAddr.slice(0, i);
+    const handler = httpHandler({
+      engine,
+      store,
+      metrics,
+      log,
+      cleanup: async (id, reason) => {
+        metrics.cleanup(reason);
+        return await engine.unregister(id, reason);
+      },
+    });
+    try {
+      http = Deno.serve(
+        { hostname, port: Number(cfg.httpAddr.slice(i + 1)), onListen: () => {} },
+        handler,
+      );
+    } catch (e) {
+      server.forceShutdown();
+      clearInterval(collector);
+      await ssd?.close();
+      await native.close();
+      throw new Error(`--http-addr ${cfg.httpAddr}: cannot listen: ${(e as Error).message}`);
+    }
+    const a = http.addr as Deno.NetAddr;
+    httpAddr = `${hostname}:${a.port}`;
+  }
+  log.info("serving", { grpc: grpcAddr, http: httpAddr, backend: native.backend });
+
+  let closing: Promise<void> | undefined;
+  const close = () =>
+    closing ??= (async () => {
+      log.info("shutting down");
+      sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
+      await engine.close();
+      await ssd?.close();
+      await new Promise<void>((resolve) => server.tryShutdown(() => resolve()));
+      if (http) await http.shutdown();
+      clearInterval(collector);
+      await native.close();
+    })();
+  return { grpcAddr, httpAddr, engine, close };
+}

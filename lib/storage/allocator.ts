@@ -1,0 +1,287 @@
+/**
+ * Allocator over the pinned pool's byte range `[0, capacity)` (the server adds
+ * the pool's base address). TypeScript decides where bytes go; C only copies.
+ *
+ * Design: an offset allocator in fixed units (default 4 KiB, so every slot
+ * starts on an O_DIRECT-friendly boundary) with coalescing free extents, and
+ * **multi-extent allocations of whole items**:
+ *
+ * - A request is "`count` items of `itemBytes`" — one save's K (or V) of one
+ *   layer for all its blocks. Items are laid out back to back at a stride of
+ *   `itemBytes` rounded up to the unit, so a run of consecutive items is one
+ *   contiguous byte range and the copy engine merges it into one long DMA.
+ * - The allocator first looks for one free extent that holds all items
+ *   (size-binned, good fit). Only when none exists does it split the items
+ *   over several extents, largest first, so a fragmented pool still satisfies
+ *   the request as long as enough whole-item holes exist. An allocation fails
+ *   only when the free units cannot hold `count` items.
+ * - Each item can be freed on its own (blocks are evicted one by one); freed
+ *   ranges coalesce with their neighbours in O(1) through two boundary maps
+ *   (start → length, end → start). A one-bit-per-unit map (1 MiB for 30 GiB
+ *   at 4 KiB units) catches a double or partial free exactly.
+ *
+ * Why this meets "cannot fail while enough evictable bytes exist": all items
+ * of one namespace have the same size, so every hole left by an evicted item
+ * fits any new item of that namespace. Free units + evictable units ≥ needed
+ * units therefore implies success after eviction. With several namespaces of
+ * different item sizes a hole smaller than an item can remain; eviction then
+ * continues until the items fit, or the save is refused (nothing leaks).
+ *
+ * @module
+ */
+
+/** Default allocation unit: 4 KiB keeps every slot aligned for O_DIRECT SSD I/O. */
+export const DEFAULT_UNIT_BYTES = 4096;
+
+/** How many entries of the exact-size bin are scanned for a fit before moving up a bin. */
+const EXACT_BIN_SCAN_LIMIT = 16;
+
+/** A run of `items` consecutive items starting at byte `offset` of the pool. */
+export interface Extent {
+  readonly offset: number;
+  readonly items: number;
+}
+
+/** Construction options of a {@link PoolAllocator}. */
+export interface AllocatorOptions {
+  /** Bytes managed (rounded down to whole units). */
+  capacityBytes: number;
+  /** Allocation unit, a power of two ≥ 512. Default {@link DEFAULT_UNIT_BYTES}. */
+  unitBytes?: number;
+}
+
+/**
+ * Offset allocator with coalescing free extents and multi-extent allocations.
+ *
+ * @example
+ * ```ts
+ * const a = new PoolAllocator({ capacityBytes: 1 << 30 });
+ * const runs = a.allocate(64, 32 * 1024); // 64 K-segments of 32 KiB: one 2 MiB run when possible
+ * for (const r of runs!) for (let i = 0; i < r.items; i++) a.free(r.offset + i * a.strideOf(32 * 1024), 32 * 1024);
+ * ```
+ */
+export class PoolAllocator {
+  readonly unitBytes: number;
+  readonly capacityBytes: number;
+  readonly #units: number;
+  readonly #freeByStart = new Map<number, number>();
+  readonly #freeByEnd = new Map<number, number>();
+  /** bins[i] holds the starts of free extents whose length in units is in [2^i, 2^(i+1)). */
+  readonly #bins: Set<number>[] = [];
+  /** One bit per unit, set while allocated: exact double-free detection for 1 bit per 4 KiB. */
+  readonly #used: Uint32Array;
+  #freeUnits = 0;
+
+  constructor(opts: AllocatorOptions) {
+    const unit = opts.unitBytes ?? DEFAULT_UNIT_BYTES;
+    if (!Number.isInteger(unit) || unit < 512 || (unit & (unit - 1)) !== 0) {
+      throw new RangeError(`allocator unit must be a power of two ≥ 512 bytes, got ${unit}`);
+    }
+    if (!Number.isSafeInteger(opts.capacityBytes) || opts.capacityBytes < unit) {
+      throw new RangeError(
+        `allocator capacity must be an integer ≥ one unit (${unit} bytes), got ${opts.capacityBytes}`,
+      );
+    }
+    this.unitBytes = unit;
+    this.#units = Math.floor(opts.capacityBytes / unit);
+    this.capacityBytes = this.#units * unit;
+    this.#used = new Uint32Array(Math.ceil(this.#units / 32));
+    for (let i = 0; i <= Math.ceil(Math.log2(this.#units + 1)); i++) this.#bins.push(new Set());
+    this.#addFree(0, this.#units);
+  }
+
+  /** Bytes between the starts of consecutive items of `itemBytes` (rounded up to the unit). */
+  strideOf(itemBytes: number): number {
+    return this.#strideUnits(itemBytes) * this.unitBytes;
+  }
+
+  /** Free bytes now. */
+  get freeBytes(): number {
+    return this.#freeUnits * this.unitBytes;
+  }
+
+  /** Allocated bytes now. */
+  get usedBytes(): number {
+    return this.capacityBytes - this.freeBytes;
+  }
+
+  /** Number of free extents (a fragmentation measure). */
+  get freeExtentCount(): number {
+    return this.#freeByStart.size;
+  }
+
+  /** Bytes of the largest free extent. */
+  largestFreeBytes(): number {
+    for (let b = this.#bins.length - 1; b >= 0; b--) {
+      if (this.#bins[b].size === 0) continue;
+      let max = 0;
+      for (const s of this.#bins[b]) max = Math.max(max, this.#freeByStart.get(s)!);
+      return max * this.unitBytes;
+    }
+    return 0;
+  }
+
+  /** Upper bound check without allocating: do the free units hold `count` items at all? */
+  mightFit(count: number, itemBytes: number): boolean {
+    return count * this.#strideUnits(itemBytes) <= this.#freeUnits;
+  }
+
+  /**
+   * Allocates `count` items of `itemBytes`: one run when a free extent holds
+   * them all, else several runs (largest extents first). Returns null, with
+   * nothing allocated, when the free extents cannot hold `count` whole items.
+   */
+  allocate(count: number, itemBytes: number): Extent[] | null {
+    if (!Number.isSafeInteger(count) || count < 1) {
+      throw new RangeError(`allocate: count must be an integer ≥ 1, got ${count}`);
+    }
+    const su = this.#strideUnits(itemBytes);
+    const need = count * su;
+    if (need > this.#freeUnits) return null;
+    const single = this.#findFit(need);
+    if (single !== undefined) {
+      this.#carve(single, need);
+      return [{ offset: single * this.unitBytes, items: count }];
+    }
+    // No single extent fits: gather whole-item pieces from the largest extents down.
+    const picks: number[] = [];
+    const takes: number[] = [];
+    let remaining = count;
+    for (let b = this.#bins.length - 1; b >= 0 && remaining > 0; b--) {
+      if (2 ** (b + 1) <= su) break; // every extent in this bin and below is shorter than one item
+      for (const start of this.#bins[b]) {
+        const fit = Math.floor(this.#freeByStart.get(start)! / su);
+        if (fit === 0) continue;
+        const take = Math.min(fit, remaining);
+        picks.push(start);
+        takes.push(take);
+        remaining -= take;
+        if (remaining === 0) break;
+      }
+    }
+    if (remaining > 0) return null;
+    const out: Extent[] = [];
+    for (let i = 0; i < picks.length; i++) {
+      this.#carve(picks[i], takes[i] * su);
+      out.push({ offset: picks[i] * this.unitBytes, items: takes[i] });
+    }
+    return out;
+  }
+
+  /**
+   * Frees `items` consecutive items of `itemBytes` starting at byte `offset`
+   * (one item by default). Coalesces with free neighbours.
+   * Throws on a misaligned, out-of-range or already-free range (a caller bug).
+   */
+  free(offset: number, itemBytes: number, items = 1): void {
+    const su = this.#strideUnits(itemBytes);
+    const n = su * items;
+    const start = offset / this.unitBytes;
+    if (!Number.isInteger(start) || start < 0 || start + n > this.#units || n < 1) {
+      throw new RangeError(
+        `free: range [${offset}, +${n * this.unitBytes}) is misaligned or outside the pool ` +
+          `(capacity ${this.capacityBytes}, unit ${this.unitBytes})`,
+      );
+    }
+    if (!this.#allUsed(start, n)) {
+      throw new RangeError(
+        `free: range at ${offset} (+${n * this.unitBytes}) is already free, in part or whole`,
+      );
+    }
+    this.#mark(start, n, false);
+    let s = start;
+    let len = n;
+    const leftStart = this.#freeByEnd.get(s);
+    if (leftStart !== undefined) {
+      len += this.#freeByStart.get(leftStart)!;
+      this.#removeFree(leftStart);
+      s = leftStart;
+    }
+    const rightLen = this.#freeByStart.get(start + n);
+    if (rightLen !== undefined) {
+      this.#removeFree(start + n);
+      len += rightLen;
+    }
+    this.#addFree(s, len);
+  }
+
+  /** Free extents as sorted `[offsetBytes, bytes]` pairs (for tests and debugging). */
+  freeExtents(): [number, number][] {
+    return [...this.#freeByStart].sort((a, b) => a[0] - b[0]).map((
+      [s, l],
+    ) => [s * this.unitBytes, l * this.unitBytes]);
+  }
+
+  #strideUnits(itemBytes: number): number {
+    if (!Number.isSafeInteger(itemBytes) || itemBytes < 1) {
+      throw new RangeError(`item size must be a positive integer of bytes, got ${itemBytes}`);
+    }
+    return Math.ceil(itemBytes / this.unitBytes);
+  }
+
+  /** Start of a free extent of ≥ `need` units, preferring the smallest bin; undefined if none. */
+  #findFit(need: number): number | undefined {
+    const b0 = Math.floor(Math.log2(need));
+    let scanned = 0;
+    for (const start of this.#bins[b0]) {
+      if (this.#freeByStart.get(start)! >= need) return start;
+      if (++scanned >= EXACT_BIN_SCAN_LIMIT) break;
+    }
+    for (let b = b0 + 1; b < this.#bins.length; b++) {
+      const first = this.#bins[b].values().next();
+      if (!first.done) return first.value;
+    }
+    return undefined;
+  }
+
+  /** Takes `n` units from the front of the free extent at `start`. */
+  #carve(start: number, n: number): void {
+    const len = this.#freeByStart.get(start)!;
+    this.#removeFree(start);
+    if (len > n) this.#addFree(start + n, len - n);
+    this.#mark(start, n, true);
+  }
+
+  /** Sets or clears the bits of units [start, start+n): whole 32-bit words in the middle. */
+  #mark(start: number, n: number, used: boolean): void {
+    const end = start + n;
+    let u = start;
+    for (; u < end && (u & 31) !== 0; u++) this.#bit(u, used);
+    const word = used ? 0xffffffff : 0;
+    for (; u + 32 <= end; u += 32) this.#used[u >>> 5] = word;
+    for (; u < end; u++) this.#bit(u, used);
+  }
+
+  #bit(u: number, used: boolean): void {
+    if (used) this.#used[u >>> 5] |= 1 << (u & 31);
+    else this.#used[u >>> 5] &= ~(1 << (u & 31));
+  }
+
+  #allUsed(start: number, n: number): boolean {
+    const end = start + n;
+    let u = start;
+    for (; u < end && (u & 31) !== 0; u++) {
+      if ((this.#used[u >>> 5] & (1 << (u & 31))) === 0) return false;
+    }
+    for (; u + 32 <= end; u += 32) if (this.#used[u >>> 5] !== 0xffffffff) return false;
+    for (; u < end; u++) {
+      if ((this.#used[u >>> 5] & (1 << (u & 31))) === 0) return false;
+    }
+    return true;
+  }
+
+  #addFree(start: number, len: number): void {
+    this.#freeByStart.set(start, len);
+    this.#freeByEnd.set(start + len, start);
+    this.#bins[Math.floor(Math.log2(len))].add(start);
+    this.#freeUnits += len;
+  }
+
+  #removeFree(start: number): void {
+    const len = this.#freeByStart.get(start)!;
+    this.#freeByStart.delete(start);
+    this.#freeByEnd.delete(start + len);
+    this.#bins[Math.floor(Math.log2(len))].delete(start);
+    this.#freeUnits -= len;
+  }
+}

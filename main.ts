@@ -1,0 +1,39 @@
+/**
+ * `deno task serve`: parses the command line, then starts the KV server.
+ * Nothing else lives here (lib/server/ has the server, lib/server/config.ts
+ * the flags). A bad flag value exits with status 2 before anything starts.
+ *
+ * @module
+ */
+import { parseServeArgs } from "./lib/server/config.ts";
+import { Logger } from "./lib/log.ts";
+
+if (import.meta.main) {
+  const parsed = parseServeArgs(Deno.args);
+  if (parsed.kind === "exit") {
+    (parsed.code === 0 ? console.log : console.error)(parsed.output.trimEnd());
+    Deno.exit(parsed.code);
+  }
+  const cfg = parsed.config;
+  const log = new Logger(cfg.logLevel);
+  let server;
+  try {
+    // Loaded only after the flags are valid: --help and refusals never touch the native library.
+    const { startServer } = await import("./lib/server/server.ts");
+    server = await startServer(cfg, log);
+  } catch (e) {
+    log.error("start-up failed", { error: (e as Error).message });
+    Deno.exit(1);
+  }
+  // The one stdout line: tests and supervisors parse the bound ports from it.
+  console.log(
+    JSON.stringify({ listening: { grpc: server.grpcAddr, http: server.httpAddr ?? null } }),
+  );
+  const stop = async (sig: string) => {
+    log.info("signal received", { signal: sig });
+    await server.close();
+    Deno.exit(0);
+  };
+  Deno.addSignalListener("SIGINT", () => stop("SIGINT"));
+  Deno.addSignalListener("SIGTERM", () => stop("SIGTERM"));
+}

@@ -1,0 +1,274 @@
+/**
+ * GPU suite (`deno task test:gpu`): the host suite's byte-exact cases on the
+ * cuda backend, per copy path, in one process and with exporter and importer
+ * in two processes (CUDA IPC); plus validation, progress words, EBUSY,
+ * calibration. Needs an NVIDIA GPU; fails with a clear message without one.
+ */
+import assert from "node:assert/strict";
+import {
+  CompletionRing,
+  CopyBatch,
+  CopyEngine,
+  type CopyPath,
+  Engine,
+  loadLibrary,
+  NativeError,
+  SharedMemory,
+} from "../../ffi/mod.ts";
+import {
+  allocRegions,
+  fillRegions,
+  type LayoutKind,
+  makeGeometry,
+  pickBlocks,
+  rng,
+  runRoundTrip,
+} from "../native/kv_layout.ts";
+import { crossProcessRoundTrip } from "../native/cross_process.ts";
+
+const pf = loadLibrary();
+
+function probeCuda(): string | undefined {
+  try {
+    Engine.open({ backend: "cuda" }).close();
+    return undefined;
+  } catch (e) {
+    return e instanceof Error ? e.message : String(e);
+  }
+}
+const noCuda = probeCuda();
+
+Deno.test("a CUDA device is present and the copy kernel is loaded", () => {
+  assert.equal(noCuda, undefined, `the GPU suite needs a CUDA device: ${noCuda}`);
+  const e = Engine.open({ backend: "cuda" });
+  try {
+    assert.equal(e.backend, "cuda");
+    assert.ok(e.features.kernel, "the fatbin was not embedded (build with nvcc present)");
+    assert.ok(e.features.ipc);
+    assert.ok(e.smCount > 0);
+    assert.ok(e.kernelGrid > 0 && e.kernelGrid <= e.smCount);
+    e.setKernelGrid(4);
+    assert.equal(e.kernelGrid, 4);
+    e.setKernelGrid(0);
+    assert.throws(() => e.setKernelGrid(e.smCount * 64), /expected 0/);
+    const auto = Engine.open({ backend: "auto" });
+    assert.equal(auto.backend, "cuda");
+    auto.close();
+  } finally {
+    e.close();
+  }
+});
+
+const CASES: Array<[LayoutKind, number, number, number, number, boolean]> = [
+  ["kv_split", 256, 4, 32768, 200, false],
+  ["kv_interleaved", 64, 3, 16384, 64, true],
+  ["mla", 300, 5, 1152, 250, false], // 1152 = 576 x bf16: not a multiple of 16 x 2^k
+  ["cross_layer", 64, 6, 4096, 40, true],
+  ["kv_split", 16, 2, 100, 12, false], // odd sizes: byte path of the kernel
+];
+
+const RUNS: Array<[CopyPath, "simt" | "tma" | undefined]> = [
+  ["kernel", "simt"],
+  ["kernel", "tma"],
+  ["dma_batch", undefined],
+  ["dma", undefined],
+  ["mixed", undefined],
+  ["auto", undefined],
+];
+
+for (const [path, variant] of RUNS) {
+  Deno.test({
+    name: `cuda ${path}${
+      variant ? ` (${variant} kernel)` : ""
+    }: gather then scatter is byte-exact for every layout`,
+    ignore: noCuda !== undefined,
+    fn: async () => {
+      if (variant) Deno.env.set("PEGAFLOW_KERNEL", variant);
+      const ce = CopyEngine.open({ backend: "cuda", poolBytes: 256 << 20 });
+      Deno.env.delete("PEGAFLOW_KERNEL");
+      try {
+        if (variant === "tma") {
+          assert.equal(ce.engine.kernelVariant, "tma", "the bulk-copy kernel did not load");
+        }
+        if (path === "dma_batch" && !ce.engine.features.dmaBatch) {
+          const b = new CopyBatch(1, 1).reset("d2h", "dma_batch");
+          const r = ce.engine.allocRegion(4096);
+          b.group(r, 0).seg(0, 0, 64);
+          assert.throws(() => ce.submit(b), /PF_EUNSUPPORTED/);
+          r.close();
+          return;
+        }
+        for (const [kind, blocks, layers, seg, n, sorted] of CASES) {
+          const g = makeGeometry(kind, blocks, layers, seg);
+          const src = allocRegions(ce.engine, g);
+          const dst = allocRegions(ce.engine, g);
+          try {
+            fillRegions(g, src);
+            for (const r of dst) r.write(0, new Uint8Array(r.bytes)); // cuMemAlloc does not zero
+            const rand = rng(blocks + n);
+            await runRoundTrip(
+              ce,
+              g,
+              src,
+              dst,
+              pickBlocks(rand, blocks, n, sorted),
+              pickBlocks(rand, blocks, n, sorted),
+              {
+                path,
+              },
+            );
+          } finally {
+            for (const r of [...src, ...dst]) r.close();
+          }
+        }
+      } finally {
+        await ce.close();
+      }
+    },
+  });
+}
+
+for (
+  const [kind, path] of [["kv_split", "kernel"], ["mla", "dma"], ["cross_layer", "dma_batch"], [
+    "kv_interleaved",
+    "mixed",
+  ], ["kv_split", "auto"]] as const
+) {
+  Deno.test({
+    name: `cuda IPC: regions exported by another process round-trip byte-exact (${kind}, ${path})`,
+    ignore: noCuda !== undefined,
+    fn: async () => {
+      const probe = Engine.open({ backend: "cuda" });
+      const batchOk = probe.features.dmaBatch;
+      probe.close();
+      await crossProcessRoundTrip(
+        {
+          backend: "cuda",
+          kind,
+          numBlocks: 128,
+          numLayers: 4,
+          segBytes: kind === "mla" ? 1152 : 16384,
+          numSegsCross: 2,
+        },
+        128 << 20,
+        path === "dma_batch" && !batchOk ? "dma" : path,
+      );
+    },
+  });
+}
+
+Deno.test({
+  name: "cuda: bad segments are refused before anything is copied",
+  ignore: noCuda !== undefined,
+  fn: async () => {
+    const ce = CopyEngine.open({ backend: "cuda", poolBytes: 1 << 20 });
+    const region = ce.engine.allocRegion(1 << 16);
+    try {
+      ce.pool.view(0, 1 << 20).fill(0x33);
+      region.write(0, new Uint8Array(1 << 16).fill(0x77));
+      const b = new CopyBatch(2, 8).reset("d2h", "kernel");
+      b.group(region, 0).seg(0, 0, 4096).group(region, 9).seg(1 << 16, 4096, 16);
+      assert.throws(
+        () => ce.submit(b),
+        (e: unknown) =>
+          e instanceof NativeError && e.codeName === "PF_ERANGE" &&
+          /group 1 \(layer 9\) segment 0/.test(e.message),
+      );
+      assert.ok(ce.pool.view(0, 8192).every((x) => x === 0x33));
+      assert.throws(() => ce.engine.importRegion(new Uint8Array(64).fill(7), 4096), /PF_EHANDLE/);
+    } finally {
+      region.close();
+      await ce.close();
+    }
+  },
+});
+
+Deno.test({
+  name: "cuda: progress words count groups; closing under a queued copy is EBUSY",
+  ignore: noCuda !== undefined,
+  fn: async () => {
+    const name = `/pegaflow-gpu-progress-${Deno.pid}`;
+    const shm = SharedMemory.open(name, 64, { create: true, unlink: true });
+    const engine = Engine.open({ backend: "cuda" });
+    const pool = engine.createPool(64 << 20);
+    const region = engine.allocRegion(64 << 20);
+    const ring = new CompletionRing(16);
+    try {
+      const b = new CopyBatch(20, 20).reset("h2d", "kernel", { shm, offset: 8 });
+      for (let g = 0; g < 20; g++) b.group(region, g).seg(g << 20, g << 20, 1 << 20);
+      const desc = b.finish();
+      assert.equal(
+        pf.pf_copy_submit(engine.handle, pool.handle, ring.handle, desc, BigInt(desc.length), 5n),
+        0,
+      );
+      // Nobody reads the 16-record ring yet: the batch cannot finish.
+      assert.throws(() => region.close(), /PF_EBUSY/);
+      assert.throws(() => pool.close(), /PF_EBUSY/);
+      assert.throws(() => shm.close(), /PF_EBUSY/);
+      const done = new Promise<number>((resolve) => {
+        const sub = ring.completions$.subscribe((c) => {
+          if (c.tag === 5 && c.kind === 2) {
+            queueMicrotask(() => sub.unsubscribe());
+            resolve(c.status);
+          }
+        });
+      });
+      assert.equal(await done, 0);
+      const w = new Uint32Array(shm.view().buffer);
+      assert.equal(w[2], 20);
+      assert.equal(w[3], 1);
+    } finally {
+      region.close();
+      pool.close();
+      await ring.shutdown();
+      ring.destroy();
+      engine.close();
+      shm.close();
+    }
+  },
+});
+
+Deno.test({
+  name: "cuda: calibration measures every available path in both directions",
+  ignore: noCuda !== undefined,
+  fn: () => {
+    const engine = Engine.open({ backend: "cuda" });
+    const pool = engine.createPool(64 << 20);
+    try {
+      for (const dir of ["d2h", "h2d"] as const) {
+        const t = engine.calibrate(pool, dir, [32768, 1 << 20], 64 << 20);
+        assert.ok(t.peak > 1, `peak ${t.peak} GB/s`);
+        assert.ok(t.gbps.kernel.every((x) => x > 0.5), `kernel ${t.gbps.kernel}`);
+        assert.ok(t.gbps.dma.every((x) => x > 0.5), `dma ${t.gbps.dma}`);
+        assert.ok(t.gbps.mixed.every((x) => x > 0.5), `mixed ${t.gbps.mixed}`);
+        if (engine.features.dmaBatch) {
+          assert.ok(t.gbps.dma_batch.every((x) => x > 0.5), `dma_batch ${t.gbps.dma_batch}`);
+        }
+      }
+    } finally {
+      pool.close();
+      engine.close();
+    }
+  },
+});
+
+Deno.test({
+  name: "cuda: a huge-page pool registers, or the error names nr_hugepages",
+  ignore: noCuda !== undefined,
+  fn: () => {
+    const engine = Engine.open({ backend: "cuda" });
+    try {
+      const reserved = Number(Deno.readTextFileSync("/proc/sys/vm/nr_hugepages").trim());
+      if (reserved >= 2) {
+        const pool = engine.createPool(4 << 20, { hugepages: true, pretouch: true });
+        const info = pool.info();
+        assert.ok(info.hugepages && info.locked && info.pretouched);
+        pool.close();
+      } else {
+        assert.throws(() => engine.createPool(4 << 20, { hugepages: true }), /nr_hugepages/);
+      }
+    } finally {
+      engine.close();
+    }
+  },
+});

@@ -1,0 +1,64 @@
+/** Test helper: spawn a Deno child and read its stdout line by line. */
+
+/** A running child with a line reader over its stdout. */
+export interface Child {
+  proc: Deno.ChildProcess;
+  /** Next stdout line (without the newline); null at EOF. */
+  line(): Promise<string | null>;
+  /** Closes the child's stdin (its signal to finish). */
+  closeStdin(): Promise<void>;
+}
+
+const DENO = Deno.execPath();
+
+/** Starts `deno run -A <script> ...args` with piped stdin/stdout. */
+export function spawnDeno(
+  script: string | URL,
+  args: string[],
+  env: Record<string, string> = {},
+): Child {
+  const path = script instanceof URL ? decodeURIComponent(script.pathname) : script;
+  const proc = new Deno.Command(DENO, {
+    args: ["run", "-A", path, ...args],
+    stdin: "piped",
+    stdout: "piped",
+    stderr: "inherit",
+    env,
+  }).spawn();
+  const reader = proc.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "";
+  let eof = false;
+  const writer = proc.stdin.getWriter();
+  return {
+    proc,
+    async line() {
+      for (;;) {
+        const nl = buf.indexOf("\n");
+        if (nl >= 0) {
+          const l = buf.slice(0, nl);
+          buf = buf.slice(nl + 1);
+          return l;
+        }
+        if (eof) {
+          if (buf.length === 0) return null;
+          const l = buf;
+          buf = "";
+          return l;
+        }
+        const { value, done } = await reader.read();
+        if (done) eof = true;
+        else buf += value;
+      }
+    },
+    async closeStdin() {
+      await writer.close();
+    },
+  };
+}
+
+/** Hex string → bytes. */
+export function unhex(s: string): Uint8Array {
+  const out = new Uint8Array(s.length / 2);
+  for (let i = 0; i < out.length; i++) out[i] = parseInt(s.slice(2 * i, 2 * i + 2), 16);
+  return out;
+}

@@ -1,0 +1,251 @@
+/**
+ * Bad input gets the right gRPC status, names what was wrong, and stores
+ * nothing: wrong client version, bad topology/arrays/geometry, block id out
+ * of range, unknown/expired lease, a second layout under one namespace, an
+ * oversized request, a missing load state.
+ */
+import assert from "node:assert/strict";
+import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
+import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import type { PegaflowError } from "../../lib/client/client.ts";
+import { startServer, uid } from "./harness.ts";
+
+const MODEL = { ...LLAMA_3_1_8B, numLayers: 2 };
+
+function status(name: string, detail?: RegExp) {
+  return (e: unknown) => {
+    const pe = e as PegaflowError;
+    assert.equal(pe.codeName, name, pe.message);
+    if (detail) assert.match(pe.details, detail);
+    return true;
+  };
+}
+
+async function instanceIds(srv: { http_get(p: string): Promise<Response> }): Promise<string[]> {
+  const j = await (await srv.http_get("/instances")).json();
+  return j.instances.map((i: { instanceId: string }) => i.instanceId);
+}
+
+Deno.test("registration refuses bad input with the right status and maps nothing", async () => {
+  const srv = await startServer();
+  const ns = uid("ns");
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId: uid("bad"),
+    namespace: ns,
+    model: MODEL,
+    numBlocks: 16,
+    backend: "host",
+  });
+  try {
+    await assert.rejects(
+      sim.register({ clientVersion: "pegaflow-0" }),
+      status("FAILED_PRECONDITION", /client version "pegaflow-0"/),
+    );
+    await assert.rejects(
+      sim.register({ tpRank: 2, tpSize: 2, worldSize: 2 }),
+      status("INVALID_ARGUMENT", /tp_rank 2 >= tp_size 2/),
+    );
+    await assert.rejects(
+      sim.register({ worldSize: 3 }),
+      status("INVALID_ARGUMENT", /world_size 3/),
+    );
+    await assert.rejects(
+      sim.register({ layerNames: ["only-one"] }),
+      status("INVALID_ARGUMENT", /1 layer_names but 2 region_handles/),
+    );
+    await assert.rejects(
+      sim.register({ layerNames: [], regionHandles: [], geometry: [] }),
+      status("INVALID_ARGUMENT", /layer_names is empty/),
+    );
+    const g = {
+      numBlocks: 16,
+      blockStride: 32768,
+      segStride: 16 * 32768,
+      segBytes: 32768,
+      numSegments: 2,
+      baseOffset: 0,
+      regionBytes: 2 * 16 * 32768,
+    };
+    await assert.rejects(
+      sim.register({ geometry: [g, { ...g, numBlocks: 17 }] }),
+      status(
+        "INVALID_ARGUMENT",
+        /layer "model.layers.001.attn": (segments overlap|geometry reaches byte)/,
+      ),
+    );
+    await assert.rejects(
+      sim.register({ geometry: [g, { ...g, regionBytes: 4 * 16 * 32768 }] }),
+      status("INVALID_ARGUMENT", /cannot map region/),
+    );
+    await assert.rejects(
+      sim.register({ regionHandles: [sim.regions[0].handle, new Uint8Array(10)] }),
+      status("INVALID_ARGUMENT", /10 bytes, expected 64/),
+    );
+    const bogus = new Uint8Array(64);
+    bogus.set(new TextEncoder().encode("/pegaflow-no-such-region"));
+    await assert.rejects(
+      sim.register({ regionHandles: [sim.regions[0].handle, bogus] }),
+      status("INVALID_ARGUMENT", /cannot map region/),
+    );
+    assert.deepEqual(await instanceIds(srv), [], "no failed registration left an instance behind");
+
+    // The valid registration works afterwards, and the same rank twice is refused.
+    await sim.register();
+    await assert.rejects(sim.register(), status("ALREADY_EXISTS"));
+
+    // A second layout under the same namespace is refused (different K/V size).
+    const other = SimEngine.create({
+      client: srv.client,
+      instanceId: uid("other"),
+      namespace: ns,
+      model: { ...MODEL, kvHeads: 4 },
+      numBlocks: 16,
+      backend: "host",
+    });
+    try {
+      await assert.rejects(other.register(), status("FAILED_PRECONDITION", /different layout/));
+      assert.deepEqual(await instanceIds(srv), [sim.instanceId]);
+    } finally {
+      other.close();
+    }
+  } finally {
+    sim.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("save, query, load and release refuse bad input and store nothing", async () => {
+  const srv = await startServer(["--lease-ttl-ms", "300"]);
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId: uid("bad"),
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 16,
+    backend: "host",
+  });
+  try {
+    await sim.register();
+    const hashes = chainedBlockHashes(syntheticTokens(5, 16 * 4), 16);
+    sim.fill([0, 1, 2, 3], hashes);
+
+    await assert.rejects(
+      sim.save([0, 1, 2, 16], hashes),
+      status("INVALID_ARGUMENT", /block id 16 >= num_blocks 16/),
+    );
+    await assert.rejects(
+      srv.client.save({
+        instanceId: sim.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        blockIds: [99],
+        blockHashes: [hashes[0]],
+        requestId: "req-7",
+      }),
+      status(
+        "INVALID_ARGUMENT",
+        /request "req-7" layer "model\.layers\.000\.attn": block id 99 >= num_blocks 16/,
+      ),
+    );
+    await assert.rejects(
+      sim.save([0, 1, 2], hashes),
+      status("INVALID_ARGUMENT", /3 block_ids but 4 block_hashes/),
+    );
+    await assert.rejects(
+      srv.client.save({
+        instanceId: sim.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        layers: [{ layerName: "nope", blockIds: [0], blockHashes: [hashes[0]] }],
+      }),
+      status("INVALID_ARGUMENT", /layer "nope"/),
+    );
+    await assert.rejects(
+      srv.client.save({
+        instanceId: sim.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        layers: [{ layerName: sim.layerNames[0], blockIds: [0], blockHashes: [hashes[0]] }],
+        blockIds: [1],
+        blockHashes: [hashes[1]],
+      }),
+      status("INVALID_ARGUMENT", /both per-layer lists and the all-layers/),
+    );
+    await assert.rejects(
+      srv.client.save({ instanceId: "ghost", tpRank: 0, ppRank: 0, layers: [] }),
+      status("FAILED_PRECONDITION", /instance "ghost" is not registered/),
+    );
+    assert.equal(await srv.metric("pegaflow_pool_used_bytes"), 0, "nothing was allocated");
+    const q0 = await sim.query(hashes, "after-bad-saves");
+    assert.equal(q0.kind === "ready" && q0.hits, 0, "nothing was stored");
+    await assert.rejects(sim.query(hashes, ""), status("INVALID_ARGUMENT", /request_id/));
+
+    await sim.save([0, 1, 2, 3], hashes);
+    const unknown = new Uint8Array(16).fill(7);
+    await assert.rejects(sim.load(unknown, [4, 5, 6, 7]), status("FAILED_PRECONDITION"));
+    await assert.rejects(srv.client.release(unknown), status("FAILED_PRECONDITION"));
+    await assert.rejects(
+      sim.load(new Uint8Array(5), [4]),
+      status("INVALID_ARGUMENT", /lease id is 5 bytes/),
+    );
+
+    const q = await sim.query(hashes, "r1");
+    assert.ok(q.kind === "ready" && q.hits === 4);
+    if (q.kind !== "ready") return;
+    await assert.rejects(
+      sim.load(q.leaseId, [4, 5, 6, 99]),
+      status("INVALID_ARGUMENT", /target block id 99/),
+    );
+    await assert.rejects(
+      sim.load(q.leaseId, [4, 5]),
+      status("INVALID_ARGUMENT", /lease holds 4 blocks but Load names 2/),
+    );
+    await assert.rejects(
+      srv.client.load({
+        instanceId: sim.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        leaseId: q.leaseId,
+        blockIds: [4, 5, 6, 7],
+        loadStateShm: "/pegaflow-no-such-state",
+      }),
+      status("INVALID_ARGUMENT", /load state/),
+    );
+
+    // An expired lease (TTL 300 ms here) is refused, and its pins are gone.
+    const q2 = await sim.query(hashes, "r2");
+    assert.ok(q2.kind === "ready");
+    if (q2.kind !== "ready") return;
+    await new Promise((r) => setTimeout(r, 1500));
+    await assert.rejects(sim.load(q2.leaseId, [4, 5, 6, 7]), status("FAILED_PRECONDITION"));
+    assert.equal(await srv.metric("pegaflow_pinned_blocks"), 0);
+  } finally {
+    sim.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("an oversized request is refused with RESOURCE_EXHAUSTED and stores nothing", async () => {
+  const srv = await startServer(["--max-message-size", "64kb"]);
+  const sim = SimEngine.create({
+    client: srv.client,
+    instanceId: uid("big"),
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 16,
+    backend: "host",
+  });
+  try {
+    await sim.register();
+    // 2 layers x 4000 hashes of 16 bytes is well over 64 KiB.
+    const hashes = chainedBlockHashes(syntheticTokens(9, 16 * 4000), 16);
+    const ids = hashes.map((_, i) => i % 16);
+    await assert.rejects(sim.save(ids, hashes), status("RESOURCE_EXHAUSTED"));
+    assert.equal(await srv.metric("pegaflow_pool_used_bytes"), 0);
+    assert.equal((await srv.client.health()).status, "ok", "the server keeps serving");
+  } finally {
+    sim.close();
+    await srv.stop();
+  }
+});

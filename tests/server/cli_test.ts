@@ -1,0 +1,119 @@
+/**
+ * The serve CLI: bad values are refused before start-up with the flag named,
+ * env vars count like flags, --help lists defaults. Runs main.ts as a real
+ * process (a refused start must not bind anything or allocate a pool).
+ */
+import assert from "node:assert/strict";
+import { parseServeArgs, parseSize } from "../../lib/server/config.ts";
+
+const ROOT = new URL("../../", import.meta.url).pathname;
+
+async function runMain(args: string[], env: Record<string, string> = {}) {
+  const out = await new Deno.Command(Deno.execPath(), {
+    args: ["run", "-A", "main.ts", ...args],
+    cwd: ROOT,
+    env,
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  const d = new TextDecoder();
+  return { code: out.code, stdout: d.decode(out.stdout), stderr: d.decode(out.stderr) };
+}
+
+Deno.test("sizes accept kb/mb/gb/tb and refuse garbage", () => {
+  assert.equal(parseSize("30gb"), 30 * 1024 ** 3);
+  assert.equal(parseSize("512MB"), 512 * 1024 ** 2);
+  assert.equal(parseSize("1tb"), 1024 ** 4);
+  assert.equal(parseSize("4096"), 4096);
+  assert.equal(parseSize("1.5kb"), 1536);
+  assert.throws(() => parseSize("12zb"), /unknown unit/);
+  assert.throws(() => parseSize("-1gb"), /not a size/);
+  assert.throws(() => parseSize("gb"), /not a size/);
+});
+
+Deno.test("every bad flag value is refused with the flag named", () => {
+  const cases: [string[], string][] = [
+    [["--pool-size", "lots"], "--pool-size"],
+    [["--pool-size", "12"], "--pool-size"],
+    [["--addr", "nohostport"], "--addr"],
+    [["--addr", "127.0.0.1:70000"], "--addr"],
+    [["--http-addr", "x"], "--http-addr"],
+    [["--backend", "gpu"], "--backend"],
+    [["--transfer-path", "fast"], "--transfer-path"],
+    [["--log-level", "loud"], "--log-level"],
+    [["--devices", "0,a"], "--devices"],
+    [["--use-hugepages", "maybe"], "--use-hugepages"],
+    [["--hint-value-size", "1"], "--hint-value-size"],
+    [["--lease-ttl-ms", "soon"], "--lease-ttl-ms"],
+    [["--no-such-flag"], "--no-such-flag"],
+  ];
+  for (const [argv, flag] of cases) {
+    const r = parseServeArgs(argv);
+    assert.equal(r.kind, "exit", `${argv.join(" ")} should be refused`);
+    if (r.kind === "exit") {
+      assert.equal(r.code, 2);
+      assert.ok(
+        r.output.includes(flag),
+        `message for ${argv.join(" ")} names ${flag}: ${r.output}`,
+      );
+    }
+  }
+});
+
+Deno.test("flags parse into the config, with defaults", () => {
+  const r = parseServeArgs([
+    "--pool-size",
+    "2gb",
+    "--backend",
+    "host",
+    "--use-hugepages",
+    "--devices",
+    "0,1",
+  ]);
+  assert.equal(r.kind, "config");
+  if (r.kind !== "config") return;
+  assert.equal(r.config.poolSize, 2 * 1024 ** 3);
+  assert.equal(r.config.poolSizeDefaulted, false);
+  assert.equal(r.config.backend, "host");
+  assert.equal(r.config.useHugepages, true);
+  assert.deepEqual(r.config.devices, [0, 1]);
+  assert.equal(r.config.addr, "127.0.0.1:50055");
+  assert.equal(r.config.transferPath, "auto");
+  const d = parseServeArgs([]);
+  assert.ok(
+    d.kind === "config" && d.config.poolSizeDefaulted && d.config.poolSize === 30 * 1024 ** 3,
+  );
+});
+
+Deno.test("main.ts refuses a bad flag and a bad env var before start-up, exit 2", async () => {
+  const a = await runMain(["--pool-size", "12zb", "--addr", "127.0.0.1:0"]);
+  assert.equal(a.code, 2);
+  assert.match(a.stderr, /--pool-size/);
+  assert.equal(a.stdout, "", "nothing was started, so nothing was announced");
+  const b = await runMain(["--addr", "127.0.0.1:0"], { PEGAFLOW_BACKEND: "tpu" });
+  assert.equal(b.code, 2);
+  assert.match(b.stderr, /--backend/);
+  assert.match(b.stderr, /PEGAFLOW_BACKEND/);
+});
+
+Deno.test("--help lists every flag with its default and env var", async () => {
+  const r = await runMain(["--help"]);
+  assert.equal(r.code, 0);
+  for (
+    const s of [
+      "--addr",
+      "127.0.0.1:50055",
+      "--http-addr",
+      "--devices",
+      "--backend",
+      "--pool-size",
+      "30gb",
+      "--hint-value-size",
+      "--use-hugepages",
+      "--enable-lfu-admission",
+      "--transfer-path",
+      "--log-level",
+      "PEGAFLOW_POOL_SIZE",
+    ]
+  ) assert.ok(r.stdout.includes(s), `--help mentions ${s}`);
+});

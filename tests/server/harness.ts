@@ -1,0 +1,143 @@
+/**
+ * Test harness: starts `main.ts` as a real child process on ephemeral ports,
+ * parses its one stdout line for the bound addresses, and stops it (SIGTERM,
+ * then SIGKILL) when the test ends. Server stderr is kept for assertions and
+ * printed when a test fails to start it.
+ */
+import { PegaflowClient } from "../../lib/client/client.ts";
+
+const DENO = Deno.execPath();
+const ROOT = new URL("../../", import.meta.url).pathname;
+/** Start-up budget: compile + pool + bind on a loaded 2-core machine. */
+const START_TIMEOUT_MS = 60_000;
+
+/** A running server child. */
+export interface ServerProc {
+  grpc: string;
+  http: string;
+  pid: number;
+  client: PegaflowClient;
+  /** Server log lines so far (JSON strings). */
+  logs(): string[];
+  /** GET/POST on the HTTP side. */
+  http_get(path: string): Promise<Response>;
+  http_post(path: string, body?: unknown): Promise<Response>;
+  /** Metric value by name and optional exact label string, e.g. `{method="Save",status="OK"}`. */
+  metric(name: string, labels?: string): Promise<number>;
+  stop(): Promise<void>;
+}
+
+/** Starts a server with these extra flags (defaults: host backend, 64 MiB pool, ephemeral ports). */
+export async function startServer(
+  flags: string[] = [],
+  env: Record<string, string> = {},
+): Promise<ServerProc> {
+  const args = [
+    "run",
+    "-A",
+    "main.ts",
+    "--addr",
+    "127.0.0.1:0",
+    "--http-addr",
+    "127.0.0.1:0",
+    "--backend",
+    "host",
+    "--log-level",
+    "debug",
+  ];
+  if (!flags.includes("--pool-size")) args.push("--pool-size", "64mb");
+  args.push(...flags);
+  const child = new Deno.Command(DENO, {
+    args,
+    cwd: ROOT,
+    stdout: "piped",
+    stderr: "piped",
+    env,
+  }).spawn();
+  const lines: string[] = [];
+  const decoder = new TextDecoder();
+  (async () => {
+    let buf = "";
+    for await (const chunk of child.stderr) {
+      buf += decoder.decode(chunk, { stream: true });
+      let i;
+      while ((i = buf.indexOf("\n")) >= 0) {
+        lines.push(buf.slice(0, i));
+        buf = buf.slice(i + 1);
+      }
+    }
+  })();
+  const reader = child.stdout.getReader();
+  let out = "";
+  const deadline = Date.now() + START_TIMEOUT_MS;
+  let listening: { grpc: string; http: string } | undefined;
+  while (!listening) {
+    const timer = new Promise<null>((r) =>
+      setTimeout(() => r(null), Math.max(0, deadline - Date.now()))
+    );
+    const r = await Promise.race([reader.read(), timer]);
+    if (r === null || r.done) {
+      try {
+        child.kill("SIGKILL");
+      } catch (_e) { /* already gone */ }
+      await child.status;
+      throw new Error(`server did not announce its ports; stderr:\n${lines.join("\n")}`);
+    }
+    out += decoder.decode(r.value);
+    const nl = out.indexOf("\n");
+    if (nl >= 0) listening = JSON.parse(out.slice(0, nl)).listening;
+  }
+  // Keep draining stdout so the child never blocks on a full pipe.
+  (async () => {
+    while (!(await reader.read()).done) { /* drain */ }
+  })();
+  const client = new PegaflowClient(listening.grpc);
+  const base = `http://${listening.http}`;
+  const proc: ServerProc = {
+    grpc: listening.grpc,
+    http: listening.http,
+    pid: child.pid,
+    client,
+    logs: () => lines,
+    http_get: (p) => fetch(base + p),
+    http_post: (p, body) =>
+      fetch(base + p, {
+        method: "POST",
+        body: body === undefined ? undefined : JSON.stringify(body),
+      }),
+    async metric(name, labels = "") {
+      const text = await (await fetch(base + "/metrics")).text();
+      for (const line of text.split("\n")) {
+        if (line.startsWith(name + labels + " ")) {
+          return Number(line.slice(name.length + labels.length + 1));
+        }
+      }
+      return NaN;
+    },
+    async stop() {
+      client.close();
+      try {
+        child.kill("SIGTERM");
+      } catch (_e) { /* already gone */ }
+      const t = setTimeout(() => {
+        try {
+          child.kill("SIGKILL");
+        } catch (_e) { /* already gone */ }
+      }, 10_000);
+      await child.status;
+      clearTimeout(t);
+    },
+  };
+  return proc;
+}
+
+/** Unique ids per test so parallel files never share names. */
+export function uid(prefix: string): string {
+  return `${prefix}-${Deno.pid}-${Math.random().toString(36).slice(2, 8)}`;
+}
+
+/** Shared-memory names this process's regions mapped into `pid`, read from /proc. */
+export function shmMappings(pid: number, needle: string): string[] {
+  const maps = Deno.readTextFileSync(`/proc/${pid}/maps`);
+  return maps.split("\n").filter((l) => l.includes("/dev/shm/") && l.includes(needle));
+}

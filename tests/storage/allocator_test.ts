@@ -1,0 +1,161 @@
+import {
+  deepStrictEqual as assertEquals,
+  ok as assert,
+  strictEqual,
+  throws,
+} from "node:assert/strict";
+import fc from "fast-check";
+import { type Extent, PoolAllocator } from "../../lib/storage/allocator.ts";
+
+const KiB = 1024;
+const MiB = 1024 * KiB;
+
+Deno.test("one save's K of one layer is a single contiguous run when the pool has room", () => {
+  const a = new PoolAllocator({ capacityBytes: 8 * MiB });
+  const runs = a.allocate(64, 32 * KiB)!;
+  assertEquals(runs, [{ offset: 0, items: 64 }]);
+  const next = a.allocate(64, 32 * KiB)!;
+  assertEquals(next, [{ offset: 2 * MiB, items: 64 }]);
+  strictEqual(a.usedBytes, 4 * MiB);
+});
+
+Deno.test("items are strided at the unit: a 3000-byte item takes one 4 KiB unit", () => {
+  const a = new PoolAllocator({ capacityBytes: 64 * KiB, unitBytes: 4096 });
+  strictEqual(a.strideOf(3000), 4096);
+  assertEquals(a.allocate(4, 3000), [{ offset: 0, items: 4 }]);
+  strictEqual(a.usedBytes, 16 * KiB);
+});
+
+Deno.test("a fragmented pool still satisfies a request from several extents, largest first", () => {
+  const a = new PoolAllocator({ capacityBytes: 16 * 4096, unitBytes: 4096 });
+  const all = a.allocate(16, 4096)!;
+  assertEquals(all, [{ offset: 0, items: 16 }]);
+  // Free every other item: eight 1-unit holes, none of two units.
+  for (let i = 0; i < 16; i += 2) a.free(i * 4096, 4096);
+  strictEqual(a.freeBytes, 8 * 4096);
+  strictEqual(a.largestFreeBytes(), 4096);
+  const runs = a.allocate(8, 4096)!;
+  strictEqual(runs.length, 8);
+  strictEqual(runs.reduce((n, r) => n + r.items, 0), 8);
+  strictEqual(a.freeBytes, 0);
+  strictEqual(a.allocate(1, 4096), null);
+});
+
+Deno.test("a request larger than the free bytes fails without allocating anything", () => {
+  const a = new PoolAllocator({ capacityBytes: 10 * 4096, unitBytes: 4096 });
+  a.allocate(3, 4096);
+  strictEqual(a.allocate(8, 4096), null);
+  strictEqual(a.freeBytes, 7 * 4096);
+  // Holes smaller than an item do not count: two 1-unit holes cannot hold a 2-unit item.
+  const b = new PoolAllocator({ capacityBytes: 4 * 4096, unitBytes: 4096 });
+  b.allocate(4, 4096);
+  b.free(0, 4096);
+  b.free(2 * 4096, 4096);
+  strictEqual(b.allocate(1, 8192), null);
+  strictEqual(b.freeBytes, 2 * 4096);
+});
+
+Deno.test("freed neighbours coalesce back into one extent", () => {
+  const a = new PoolAllocator({ capacityBytes: 32 * 4096, unitBytes: 4096 });
+  const r = a.allocate(32, 4096)!;
+  strictEqual(r.length, 1);
+  for (const i of [5, 3, 4, 0, 2, 1, 31, 6]) a.free(i * 4096, 4096);
+  assertEquals(a.freeExtents(), [[0, 7 * 4096], [31 * 4096, 4096]]);
+  for (let i = 7; i < 31; i++) a.free(i * 4096, 4096);
+  assertEquals(a.freeExtents(), [[0, 32 * 4096]]);
+});
+
+Deno.test("double free, misaligned and out-of-range frees are refused", () => {
+  const a = new PoolAllocator({ capacityBytes: 8 * 4096, unitBytes: 4096 });
+  a.allocate(4, 4096);
+  a.free(0, 4096);
+  throws(() => a.free(0, 4096), /already free/);
+  throws(() => a.free(100, 4096), /misaligned/);
+  throws(() => a.free(8 * 4096, 4096), /outside the pool/);
+  throws(() => a.free(3 * 4096, 4096, 2), /already free/); // runs into the free tail
+  throws(() => new PoolAllocator({ capacityBytes: 1 << 20, unitBytes: 1000 }), /power of two/);
+  throws(() => new PoolAllocator({ capacityBytes: 100 }), /capacity/);
+});
+
+Deno.test("property: random allocate/free never overlaps and never leaks", () => {
+  const unit = 512;
+  const cap = 256 * unit;
+  fc.assert(
+    fc.property(
+      fc.array(
+        fc.oneof(
+          fc.record({
+            op: fc.constant("alloc" as const),
+            count: fc.integer({ min: 1, max: 24 }),
+            size: fc.constantFrom(512, 1000, 2048, 4096),
+          }),
+          fc.record({ op: fc.constant("free" as const), pick: fc.nat() }),
+        ),
+        { maxLength: 120 },
+      ),
+      (ops) => {
+        const a = new PoolAllocator({ capacityBytes: cap, unitBytes: unit });
+        const live: { offset: number; size: number }[] = []; // one entry per item
+        for (const o of ops) {
+          if (o.op === "alloc") {
+            const stride = a.strideOf(o.size);
+            const before = a.freeBytes;
+            const runs: Extent[] | null = a.allocate(o.count, o.size);
+            if (runs === null) {
+              strictEqual(a.freeBytes, before);
+              continue;
+            }
+            strictEqual(runs.reduce((n, r) => n + r.items, 0), o.count);
+            for (const r of runs) {
+              for (let i = 0; i < r.items; i++) {
+                live.push({ offset: r.offset + i * stride, size: o.size });
+              }
+            }
+          } else if (live.length > 0) {
+            const [it] = live.splice(o.pick % live.length, 1);
+            a.free(it.offset, it.size);
+          }
+          // Live items and free extents partition the pool exactly.
+          const ranges = [
+            ...live.map((x) => [x.offset, a.strideOf(x.size)] as [number, number]),
+            ...a.freeExtents(),
+          ].sort((x, y) => x[0] - y[0]);
+          let at = 0;
+          for (const [off, len] of ranges) {
+            strictEqual(off, at, `overlap or hole at ${at}`);
+            at += len;
+          }
+          strictEqual(at, cap);
+        }
+        for (const it of live) a.free(it.offset, it.size);
+        strictEqual(a.freeBytes, cap);
+        assertEquals(a.freeExtents(), [[0, cap]]);
+      },
+    ),
+    { numRuns: 200 },
+  );
+});
+
+Deno.test("uniform item sizes: any request fits whenever enough free bytes exist", () => {
+  fc.assert(
+    fc.property(
+      fc.array(fc.nat(), { maxLength: 60 }),
+      fc.integer({ min: 1, max: 40 }),
+      (frees, want) => {
+        const a = new PoolAllocator({ capacityBytes: 64 * 8192, unitBytes: 4096 });
+        const items: number[] = [];
+        for (const r of a.allocate(64, 8192)!) {
+          for (let i = 0; i < r.items; i++) items.push(r.offset + i * 8192);
+        }
+        for (const f of frees) {
+          if (items.length === 0) break;
+          const [off] = items.splice(f % items.length, 1);
+          a.free(off, 8192);
+        }
+        const fits = want * 8192 <= a.freeBytes;
+        assert((a.allocate(want, 8192) !== null) === fits);
+      },
+    ),
+    { numRuns: 200 },
+  );
+});
