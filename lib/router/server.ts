@@ -114,17 +114,25 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
 
   let resolveListen!: (addr: Deno.NetAddr) => void;
   const listening = new Promise<Deno.NetAddr>((r) => (resolveListen = r));
-  const server = Deno.serve({
-    hostname: config.host,
-    port: config.port,
-    onListen: (addr) => resolveListen(addr as Deno.NetAddr),
-    onError: (e) => {
-      logger.error("unhandled error in request handler", { error: describeError(e) });
-      return errorResponse(
-        new RouterError(500, "server_error", `internal router error: ${describeError(e)}`),
-      );
-    },
-  }, handler);
+  let server: Deno.HttpServer<Deno.NetAddr>;
+  try {
+    server = Deno.serve({
+      hostname: config.host,
+      port: config.port,
+      onListen: (addr) => resolveListen(addr as Deno.NetAddr),
+      onError: (e) => {
+        logger.error("unhandled error in request handler", { error: describeError(e) });
+        return errorResponse(
+          new RouterError(500, "server_error", `internal router error: ${describeError(e)}`),
+        );
+      },
+    }, handler);
+  } catch (e) {
+    // Cannot listen (address in use, bad interface): leave nothing running behind.
+    await health.stop();
+    client.close();
+    throw e;
+  }
   const addr = await listening;
   const hostForUrl = addr.hostname.includes(":") ? `[${addr.hostname}]` : addr.hostname;
   const url = `http://${hostForUrl}:${addr.port}`;
