@@ -39,6 +39,12 @@ export interface RouterHandle {
 /** Client-supplied request ids are passed to engines and logs: keep them short and printable. */
 const REQUEST_ID_RE = /^[\x21-\x7e]{1,256}$/;
 const DEFAULT_SHUTDOWN_GRACE_MS = 10_000;
+/**
+ * Idle keep-alive connections to backends are dropped after this long: shorter than uvicorn's
+ * default keep-alive (5 s, what vLLM runs on), so the router does not pick a connection the
+ * engine is closing at that moment.
+ */
+const UPSTREAM_POOL_IDLE_MS = 4_000;
 /** Status recorded when the client disconnected before the answer was complete (nginx's code). */
 const CLIENT_CLOSED_STATUS = "499";
 
@@ -63,7 +69,7 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
   const prefill = new BackendPool("prefill", config.prefill);
   const decode = new BackendPool("decode", config.decode);
   const metrics = new RouterMetrics([prefill, decode]);
-  const client = Deno.createHttpClient({});
+  const client = Deno.createHttpClient({ poolIdleTimeout: UPSTREAM_POOL_IDLE_MS });
   const health = new HealthChecker([prefill, decode], {
     intervalMs: config.healthIntervalMs,
     timeoutMs: config.healthTimeoutMs,
