@@ -404,3 +404,51 @@ Deno.test("a decode connection closed before any answer is retried once on anoth
     await rude.stop();
   }
 });
+
+Deno.test("with a single prefill backend a 503 is retried on the same backend", async () => {
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url]);
+  try {
+    await p.control({ failNext: 1, failStatus: 503 });
+    const r = await client(router.url).completions.create({ model: "m", prompt: "x" }, {
+      headers: { "X-Request-Id": "once-more" },
+    });
+    assert.equal(r.choices[0].text, "D0 says hello");
+    assert.deepEqual(await ids(p), ["once-more", "once-more"]);
+    // Only one retry: two 503s in a row are the client's answer.
+    await p.control({ failNext: 2, failStatus: 503 });
+    const err = await client(router.url).completions.create({ model: "m", prompt: "x" }).then(
+      () => assert.fail("expected 503"),
+      (e) => e,
+    );
+    assert.equal(err.status, 503);
+    assert.equal(err.code, "prefill_unavailable");
+    assert.match(err.message, /after 2 attempt\(s\)/);
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});
+
+Deno.test("SIGTERM lets an open stream finish, then the router exits 0", async () => {
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url]);
+  try {
+    await d.control({ chunks: 10, chunkDelayMs: 50 });
+    const stream = await client(router.url).completions.create({
+      model: "m",
+      prompt: "x",
+      stream: true,
+    });
+    const it = stream[Symbol.asyncIterator]();
+    assert.equal((await it.next()).done, false);
+    Deno.kill(router.pid, "SIGTERM");
+    let n = 1;
+    for (let r = await it.next(); !r.done; r = await it.next()) n++;
+    assert.equal(n, 10, "the stream in flight was served to its end");
+    const status = await router.status;
+    assert.equal(status.code, 0);
+    assert.match(router.stderr(), /"msg":"stopped"/);
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});

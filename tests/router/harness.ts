@@ -159,6 +159,8 @@ export interface RouterProcess {
   url: string;
   port: number;
   pid: number;
+  /** Settles when the process exits. */
+  status: Promise<Deno.CommandStatus>;
   stderr(): string;
   metrics(): Promise<string>;
   stop(): Promise<void>;
@@ -188,6 +190,7 @@ export async function spawnRouter(
     url,
     port: s.port,
     pid: s.child.pid,
+    status: s.child.status,
     stderr: s.stderr,
     metrics: async () => await (await fetch(url + "/metrics")).text(),
     stop: s.stop,
