@@ -130,7 +130,16 @@ function configOrExit(): RouterConfig {
   }
 }
 
-const router = await startRouter(configOrExit());
+const config = configOrExit();
+const router = await startRouter(config).catch((e) => {
+  if (e instanceof Deno.errors.AddrInUse || e instanceof Deno.errors.AddrNotAvailable) {
+    return program.error(
+      `error: --host/--port: cannot listen on ${config.host}:${config.port}: ${e.message}`,
+      { exitCode: EXIT_USAGE, code: "pegaflow.listen" },
+    );
+  }
+  throw e;
+});
 // One machine-readable line on stdout, whatever the log level, so supervisors and tests learn
 // the bound address (useful with --port 0).
 console.log(JSON.stringify({ event: "listening", url: router.url, port: router.port }));

@@ -9,9 +9,12 @@
  *    same `X-Request-Id`. D's response is relayed to the client chunk by chunk as it arrives.
  *
  * P is retried once, on another backend when there is one, after a connection failure or a
- * 502/503/504. D is retried once only when the connection was refused (the request never reached
- * it); anything later could duplicate a generation. A P error that is not transient (4xx, 500)
- * is the client's answer as it stands, and D is not called.
+ * 502/503/504. D is retried once only when its connection failed before D answered anything:
+ * refused (the request never reached it; another D is tried), or closed/reset — typically a
+ * keep-alive connection D had just closed (another D, else the same one on a new connection).
+ * An engine that did receive such a request sees its connection close and aborts it, so no
+ * generation is duplicated; once D has answered, nothing is retried. A P error that is not
+ * transient (4xx, 500) is the client's answer as it stands, and D is not called.
  *
  * @module
  */
@@ -35,6 +38,12 @@ export interface FlowDeps {
   decodeTimeoutMs: number;
   /** `null`: pipe D's body natively; a number: relay chunk by chunk and enforce this silence. */
   streamIdleTimeoutMs: number | null;
+  /**
+   * Whether this Deno aborts a request's signal after a successful response too (its legacy
+   * behaviour, without --unstable-no-legacy-abort); then the signal cannot tell a client that
+   * left from one that was served.
+   */
+  legacyAbort: boolean;
 }
 
 /** Per-request context. */
@@ -292,9 +301,11 @@ export async function runDecode(
       metrics.upstreamFailures.inc({ role: "decode", reason: failure });
       const message = describeError(e);
       if (failure === "connect") pool.markDown(backend, `connection failed: ${message}`);
-      const next: Backend | undefined = attempt === 0 && failure === "connect"
+      const next: Backend | undefined = attempt > 0
+        ? undefined
+        : failure === "connect"
         ? pool.pick(tried)
-        : undefined;
+        : pool.pick(tried) ?? (backend.healthy ? backend : undefined);
       if (next === undefined) {
         throw new RouterError(
           502,
@@ -371,8 +382,8 @@ function pipeBody(
   ctx.completed().then(
     () => {
       // Deno resolves `completed` also when the client left mid-body; its signal tells them
-      // apart (which needs --unstable-no-legacy-abort: the legacy signal aborts on success too).
-      const outcome: RelayOutcome = ctx.signal.aborted ? "client_gone" : "ok";
+      // apart, unless the legacy signal aborts on success too (then count it as served).
+      const outcome: RelayOutcome = !deps.legacyAbort && ctx.signal.aborted ? "client_gone" : "ok";
       link.dispose();
       pool.release(backend);
       onEnd(outcome);

@@ -39,6 +39,12 @@ export interface RouterHandle {
 /** Client-supplied request ids are passed to engines and logs: keep them short and printable. */
 const REQUEST_ID_RE = /^[\x21-\x7e]{1,256}$/;
 const DEFAULT_SHUTDOWN_GRACE_MS = 10_000;
+/**
+ * Idle keep-alive connections to backends are dropped after this long: shorter than uvicorn's
+ * default keep-alive (5 s, what vLLM runs on), so the router does not pick a connection the
+ * engine is closing at that moment.
+ */
+const UPSTREAM_POOL_IDLE_MS = 4_000;
 /** Status recorded when the client disconnected before the answer was complete (nginx's code). */
 const CLIENT_CLOSED_STATUS = "499";
 
@@ -63,7 +69,7 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
   const prefill = new BackendPool("prefill", config.prefill);
   const decode = new BackendPool("decode", config.decode);
   const metrics = new RouterMetrics([prefill, decode]);
-  const client = Deno.createHttpClient({});
+  const client = Deno.createHttpClient({ poolIdleTimeout: UPSTREAM_POOL_IDLE_MS });
   const health = new HealthChecker([prefill, decode], {
     intervalMs: config.healthIntervalMs,
     timeoutMs: config.healthTimeoutMs,
@@ -99,24 +105,40 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
     prefillTimeoutMs: config.prefillTimeoutMs,
     decodeTimeoutMs: config.decodeTimeoutMs,
     streamIdleTimeoutMs: config.streamIdleTimeoutMs,
+    legacyAbort: await signalAbortsOnSuccess(),
   };
+  if (deps.legacyAbort) {
+    logger.warn(
+      "Deno aborts request signals after successful responses here (legacy behaviour): streams " +
+        "cut by their client are counted as served; run with --unstable-no-legacy-abort " +
+        "(deno task router does) for exact 499 accounting",
+    );
+  }
   // Aborted when shutdown's grace period is over: every open upstream request is cut.
   const stopAll = new AbortController();
   const handler = createHandler(deps, config, stopAll.signal);
 
   let resolveListen!: (addr: Deno.NetAddr) => void;
   const listening = new Promise<Deno.NetAddr>((r) => (resolveListen = r));
-  const server = Deno.serve({
-    hostname: config.host,
-    port: config.port,
-    onListen: (addr) => resolveListen(addr as Deno.NetAddr),
-    onError: (e) => {
-      logger.error("unhandled error in request handler", { error: describeError(e) });
-      return errorResponse(
-        new RouterError(500, "server_error", `internal router error: ${describeError(e)}`),
-      );
-    },
-  }, handler);
+  let server: Deno.HttpServer<Deno.NetAddr>;
+  try {
+    server = Deno.serve({
+      hostname: config.host,
+      port: config.port,
+      onListen: (addr) => resolveListen(addr as Deno.NetAddr),
+      onError: (e) => {
+        logger.error("unhandled error in request handler", { error: describeError(e) });
+        return errorResponse(
+          new RouterError(500, "server_error", `internal router error: ${describeError(e)}`),
+        );
+      },
+    }, handler);
+  } catch (e) {
+    // Cannot listen (address in use, bad interface): leave nothing running behind.
+    await health.stop();
+    client.close();
+    throw e;
+  }
   const addr = await listening;
   const hostForUrl = addr.hostname.includes(":") ? `[${addr.hostname}]` : addr.hostname;
   const url = `http://${hostForUrl}:${addr.port}`;
@@ -199,6 +221,30 @@ export function createHandler(
         );
     }
   };
+}
+
+/**
+ * Probes, once at start, whether Deno.serve aborts `request.signal` after a successful response
+ * (Deno's legacy behaviour, unless run with --unstable-no-legacy-abort). The flow needs to know
+ * to read "the signal aborted" as "the client left".
+ */
+async function signalAbortsOnSuccess(): Promise<boolean> {
+  let answer!: (legacy: boolean) => void;
+  const probed = new Promise<boolean>((r) => (answer = r));
+  const probe = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, (req, info) => {
+    const signal = req.signal;
+    // Deno settles `completed` and, in legacy mode, aborts the signal in the same step; the
+    // callback runs after both.
+    info.completed.then(() => answer(signal.aborted), () => answer(signal.aborted));
+    return new Response("probe");
+  });
+  try {
+    const res = await fetch(`http://127.0.0.1:${probe.addr.port}/`);
+    await res.text();
+    return await probed;
+  } finally {
+    await probe.shutdown();
+  }
 }
 
 /** The path of a request URL without parsing the whole URL (this runs on every request). */

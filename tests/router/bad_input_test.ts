@@ -261,3 +261,23 @@ Deno.test("bad command-line values stop the router before it starts, naming the 
     assert.doesNotMatch(stderr, /listening/);
   }));
 });
+
+Deno.test("a port already in use is refused with exit 2, naming host and port", async () => {
+  const taken = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  try {
+    const { code, stderr } = await runRouterCli([
+      "--port",
+      String(taken.addr.port),
+      "--prefill",
+      "http://127.0.0.1:9",
+      "--decode",
+      "http://127.0.0.1:9",
+      "--health-timeout",
+      "200ms",
+    ]);
+    assert.equal(code, 2, stderr);
+    assert.match(stderr, new RegExp(`cannot listen on 127\\.0\\.0\\.1:${taken.addr.port}`));
+  } finally {
+    taken.close();
+  }
+});

@@ -326,3 +326,129 @@ Deno.test("a backend that dies between health checks is failed over at once and 
     await Promise.all([router.stop(), pLive.stop(), dLive.stop()]);
   }
 });
+
+/**
+ * A "backend" that passes health checks but closes the connection on every generation request
+ * without answering: what a router sees when an engine closes a keep-alive connection under it.
+ */
+function rudeBackend() {
+  const listener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  let posts = 0;
+  const serve = async (conn: Deno.Conn) => {
+    const buf = new Uint8Array(64 * 1024);
+    let head = "";
+    while (!head.includes("\r\n\r\n")) {
+      const n = await conn.read(buf);
+      if (n === null) break;
+      head += new TextDecoder().decode(buf.subarray(0, n));
+    }
+    if (head.startsWith("GET ")) {
+      await conn.write(
+        new TextEncoder().encode(
+          "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+        ),
+      );
+    } else if (head.startsWith("POST ")) {
+      posts++;
+    }
+    conn.close();
+  };
+  const accepting = (async () => {
+    for await (const conn of listener) {
+      serve(conn).catch((e) => {
+        // A peer that hung up first is expected here; anything else should fail the test.
+        if (!(e instanceof Deno.errors.ConnectionReset) && !(e instanceof Deno.errors.BrokenPipe)) {
+          throw e;
+        }
+      });
+    }
+  })();
+  return {
+    url: `http://127.0.0.1:${listener.addr.port}`,
+    posts: () => posts,
+    stop: async () => {
+      listener.close();
+      await accepting.catch((e) => assert.ok(e instanceof Deno.errors.BadResource, String(e)));
+    },
+  };
+}
+
+Deno.test("a decode connection closed before any answer is retried once on another decode", async () => {
+  const rude = rudeBackend();
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D1")]);
+  const router = await spawnRouter([
+    "--prefill",
+    p.url,
+    "--decode",
+    rude.url,
+    "--decode",
+    d.url,
+    "--health-interval",
+    "60s",
+  ]);
+  try {
+    const openai = client(router.url);
+    for (let i = 0; i < 3; i++) {
+      const r = await openai.completions.create({ model: "m", prompt: "x" });
+      assert.equal(r.choices[0].text, "D1 says hello");
+    }
+    assert.ok(rude.posts() >= 1, "the closing backend was tried");
+    const m = await router.metrics();
+    assert.equal(
+      metricValue(m, "pegaflow_router_retries_total", { role: "decode", reason: "network" }),
+      rude.posts(),
+    );
+    assert.equal((await d.requests()).length, 3);
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+    await rude.stop();
+  }
+});
+
+Deno.test("with a single prefill backend a 503 is retried on the same backend", async () => {
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url]);
+  try {
+    await p.control({ failNext: 1, failStatus: 503 });
+    const r = await client(router.url).completions.create({ model: "m", prompt: "x" }, {
+      headers: { "X-Request-Id": "once-more" },
+    });
+    assert.equal(r.choices[0].text, "D0 says hello");
+    assert.deepEqual(await ids(p), ["once-more", "once-more"]);
+    // Only one retry: two 503s in a row are the client's answer.
+    await p.control({ failNext: 2, failStatus: 503 });
+    const err = await client(router.url).completions.create({ model: "m", prompt: "x" }).then(
+      () => assert.fail("expected 503"),
+      (e) => e,
+    );
+    assert.equal(err.status, 503);
+    assert.equal(err.code, "prefill_unavailable");
+    assert.match(err.message, /after 2 attempt\(s\)/);
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});
+
+Deno.test("SIGTERM lets an open stream finish, then the router exits 0", async () => {
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url]);
+  try {
+    await d.control({ chunks: 10, chunkDelayMs: 50 });
+    const stream = await client(router.url).completions.create({
+      model: "m",
+      prompt: "x",
+      stream: true,
+    });
+    const it = stream[Symbol.asyncIterator]();
+    assert.equal((await it.next()).done, false);
+    Deno.kill(router.pid, "SIGTERM");
+    let n = 1;
+    for (let r = await it.next(); !r.done; r = await it.next()) n++;
+    assert.equal(n, 10, "the stream in flight was served to its end");
+    const status = await router.status;
+    assert.equal(status.code, 0);
+    assert.match(router.stderr(), /"msg":"stopped"/);
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});

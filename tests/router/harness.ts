@@ -159,6 +159,8 @@ export interface RouterProcess {
   url: string;
   port: number;
   pid: number;
+  /** Settles when the process exits. */
+  status: Promise<Deno.CommandStatus>;
   stderr(): string;
   metrics(): Promise<string>;
   stop(): Promise<void>;
@@ -175,9 +177,12 @@ export interface RouterProcess {
 export async function spawnRouter(
   args: string[],
   env: Record<string, string> = {},
+  opts: { legacyAbort?: boolean } = {},
 ): Promise<RouterProcess> {
+  // `deno task router` runs with --unstable-no-legacy-abort; legacyAbort runs without it.
+  const flags = opts.legacyAbort ? [] : ["--unstable-no-legacy-abort"];
   const s = await spawnWithPort(
-    ["run", "--allow-all", "--unstable-no-legacy-abort", ROUTER_MAIN, "--port", "0", ...args],
+    ["run", "--allow-all", ...flags, ROUTER_MAIN, "--port", "0", ...args],
     env,
   );
   const url = `http://127.0.0.1:${s.port}`;
@@ -185,6 +190,7 @@ export async function spawnRouter(
     url,
     port: s.port,
     pid: s.child.pid,
+    status: s.child.status,
     stderr: s.stderr,
     metrics: async () => await (await fetch(url + "/metrics")).text(),
     stop: s.stop,

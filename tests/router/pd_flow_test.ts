@@ -274,3 +274,33 @@ Deno.test("router splits each request between prefill and decode", async (t) => 
     await Promise.all([router.stop(), p.stop(), d.stop()]);
   }
 });
+
+Deno.test("without --unstable-no-legacy-abort served streams still count as 200, with a warning", async () => {
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url], {}, {
+    legacyAbort: true,
+  });
+  try {
+    const client = new OpenAI({ baseURL: `${router.url}/v1`, apiKey: API_KEY, maxRetries: 0 });
+    const stream = await client.completions.create({ model: "m", prompt: "x", stream: true });
+    let n = 0;
+    for await (const _ of stream) n++;
+    assert.equal(n, 5);
+    await waitFor(
+      "request counted",
+      async () =>
+        metricValue(await router.metrics(), "pegaflow_router_requests_total", {
+          route: "/v1/completions",
+          status: "200",
+        }) === 1,
+    );
+    const m = await router.metrics();
+    assert.equal(
+      metricValue(m, "pegaflow_router_requests_total", { route: "/v1/completions", status: "499" }),
+      0,
+    );
+    assert.match(router.stderr(), /legacy behaviour/);
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});
