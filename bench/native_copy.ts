@@ -24,6 +24,8 @@ export interface Row {
   wallGbps: number;
   p50Ms: number;
   p99Ms: number;
+  /** Wall time submit → first group reported (layer-wise progress), p50. */
+  firstLayerMs?: number;
   peakGbps: number;
   /** gbps / peakGbps. */
   ratio: number;
@@ -70,27 +72,36 @@ export async function timeBatch(
   batch: CopyBatch,
   warm: number,
   iters: number,
-): Promise<{ libNs: number; minNs: number; wall: number[]; bytes: number; path: CopyPath }> {
+): Promise<
+  { libNs: number; minNs: number; wall: number[]; first: number[]; bytes: number; path: CopyPath }
+> {
   const lib: number[] = [];
   const wall: number[] = [];
+  const first: number[] = [];
   let bytes = 0;
   let path: CopyPath = "auto";
   for (let i = 0; i < warm + iters; i++) {
     const t0 = performance.now();
     const s = ce.submit(batch);
+    let tFirst = 0;
+    s.layers$.subscribe(() => {
+      if (!tFirst) tFirst = performance.now();
+    });
     const r = await s.done;
     const t1 = performance.now();
     if (r.status !== 0) throw new Error(`batch failed with status ${r.status}`);
     if (i >= warm) {
       lib.push(r.ns);
       wall.push(t1 - t0);
+      first.push((tFirst || t1) - t0);
     }
     bytes = r.bytes;
     path = r.path;
   }
   lib.sort((a, b) => a - b);
   wall.sort((a, b) => a - b);
-  return { libNs: pct(lib, 0.5), minNs: lib[0], wall, bytes, path };
+  first.sort((a, b) => a - b);
+  return { libNs: pct(lib, 0.5), minNs: lib[0], wall, first, bytes, path };
 }
 
 /** Formats rows as a fixed-width table. */
@@ -124,6 +135,7 @@ export function table(rows: Row[]): string {
       r.wallGbps.toFixed(1),
       r.p50Ms.toFixed(2),
       r.p99Ms.toFixed(2),
+      r.firstLayerMs?.toFixed(2) ?? "",
       r.peakGbps.toFixed(1),
       `${(100 * r.ratio).toFixed(0)}%`,
       r.hugepages ? "y" : "n",

@@ -131,6 +131,7 @@ async function row(
     wallGbps: t.bytes / (pct(t.wall, 0.5) * 1e6),
     p50Ms: pct(t.wall, 0.5),
     p99Ms: pct(t.wall, 0.99),
+    firstLayerMs: pct(t.first, 0.5),
     peakGbps: s.peak[dir],
     ratio: gbps / s.peak[dir],
     hugepages: s.hugepages,

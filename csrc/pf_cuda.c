@@ -36,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ---- the slice of the driver API we use (our own declarations) --------- */
 typedef int CUresult;
@@ -239,6 +240,9 @@ typedef struct pf_kentry {
 #define PF_DMA_LANES_DEFAULT 4u
 #define PF_DMA_LANES_MAX 8u
 #define PF_LANE_MIN_RANGES 512u
+#define PF_LANE_MAX_MEAN_RANGE (128ull << 10)
+/* How often the completion thread looks whether a group is fully issued. */
+#define PF_ISSUE_POLL_NS 20000L
 
 struct cuda_engine;
 /* cuMemcpyBatchAsync argument arrays, one set per issuing thread. */
@@ -264,6 +268,7 @@ typedef struct dma_lane {
   CUevent start;
   int32_t rc;
   int busy;
+  CUevent tail; /* recorded after the lane's last copy of a batch */
 } dma_lane;
 
 typedef struct cuda_engine {
@@ -301,7 +306,14 @@ typedef struct cuda_batch {
   uint32_t nev;
   uint32_t lanes; /* L: 0 when the batch uses the main stream only */
   uint32_t path;
-  int32_t status; /* < 0 when enqueueing failed */
+  _Atomic int32_t status; /* < 0 when enqueueing failed */
+  /* Per group: lanes that have recorded their event for it. The batch goes
+   * to the completion thread as soon as the lanes start, so group 0 can be
+   * reported while later groups are still being issued; the completion
+   * thread waits for issued[g] == lanes before it syncs group g's events. */
+  atomic_uint *issued;
+  atomic_int lanes_active; /* lanes still working on this batch */
+  int drained;    /* completion thread synced the streams after a failure */
   uint64_t arena_end; /* virtual end of this batch's table span (0: none) */
 } cuda_batch;
 
@@ -350,8 +362,22 @@ static void cuda_batch_release(cuda_engine *ce, pf_batch *b) {
     pthread_mutex_unlock(&ce->mu);
   }
   free(cb->ev);
+  free(cb->issued);
   free(cb);
   b->impl = NULL;
+}
+
+/* Queues b for the completion thread (which reports batches in order). */
+static void completion_push(cuda_engine *ce, pf_batch *b) {
+  b->next = NULL;
+  pthread_mutex_lock(&ce->mu);
+  if (ce->tail)
+    ce->tail->next = b;
+  else
+    ce->head = b;
+  ce->tail = b;
+  pthread_cond_broadcast(&ce->cv);
+  pthread_mutex_unlock(&ce->mu);
 }
 
 static void *completion_main(void *arg) {
@@ -370,9 +396,29 @@ static void *completion_main(void *arg) {
     if (!ce->head) ce->tail = NULL;
     pthread_mutex_unlock(&ce->mu);
     cuda_batch *cb = b->impl;
-    int32_t status = cb->status;
+    int32_t status = atomic_load(&cb->status);
     for (uint32_t g = 0; g < b->num_groups; g++) {
+      while (status == PF_OK && cb->lanes &&
+             atomic_load_explicit(&cb->issued[g], memory_order_acquire) < cb->lanes) {
+        /* The lanes are still issuing this group (microseconds per copy). */
+        struct timespec ts = {0, PF_ISSUE_POLL_NS};
+        nanosleep(&ts, NULL);
+        status = atomic_load(&cb->status);
+      }
       if (status < 0) {
+        if (!cb->drained) {
+          /* Copies issued before the failure still run: let the lanes stop
+           * issuing, then let everything land before anyone may close what
+           * the batch touched. */
+          while (atomic_load(&cb->lanes_active) > 0) {
+            struct timespec ts = {0, PF_ISSUE_POLL_NS};
+            nanosleep(&ts, NULL);
+          }
+          cu.cuStreamSynchronize(ce->stream);
+          for (uint32_t w = 0; w < ce->nlanes; w++)
+            cu.cuStreamSynchronize(ce->lanes[w].stream);
+          cb->drained = 1;
+        }
         pf_batch_group_done(b, g, status);
         continue;
       }
@@ -382,6 +428,10 @@ static void *completion_main(void *arg) {
       if (r != CUDA_SUCCESS && status == PF_OK)
         status = cu_fail(r, "pf_copy_submit(completion)", "cuEventSynchronize");
       pf_batch_group_done(b, g, status);
+    }
+    while (atomic_load(&cb->lanes_active) > 0) {
+      struct timespec ts = {0, PF_ISSUE_POLL_NS};
+      nanosleep(&ts, NULL);
     }
     uint32_t path = cb->path;
     cuda_batch_release(ce, b);
@@ -482,6 +532,7 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
     pthread_mutex_init(&l->mu, NULL);
     pthread_cond_init(&l->cv, NULL);
     OPEN_TRY(cu.cuStreamCreate(&l->stream, CU_STREAM_NON_BLOCKING));
+    OPEN_TRY(cu.cuEventCreate(&l->tail, CU_EVENT_DISABLE_TIMING));
     l->sc = malloc(sizeof *l->sc);
     if (!l->sc || pthread_create(&l->th, NULL, lane_main, l) != 0) {
       l->th = 0;
@@ -541,6 +592,7 @@ static void cuda_close(pf_engine *e) {
   for (uint32_t w = 0; w < PF_DMA_LANES_MAX; w++) {
     dma_lane *l = &ce->lanes[w];
     if (l->stream) cu.cuStreamDestroy_v2(l->stream);
+    if (l->tail) cu.cuEventDestroy_v2(l->tail);
     free(l->sc);
     if (l->ce) {
       pthread_cond_destroy(&l->cv);
@@ -868,12 +920,22 @@ static void *lane_main(void *arg) {
         r = cu.cuEventRecord(cb->ev[G + g * L + l->w], l->stream);
         if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord(lane)");
       }
+      if (rc == PF_OK) atomic_fetch_add_explicit(&cb->issued[g], 1, memory_order_release);
+    }
+    if (rc == PF_OK) {
+      r = cu.cuEventRecord(l->tail, l->stream);
+      if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord(lane tail)");
     }
     if (rc < 0) {
       char msg[512];
       pf_last_error(msg, sizeof msg);
       fprintf(stderr, "pegaflow: DMA lane %u: %s\n", l->w, msg);
+      int32_t ok = PF_OK;
+      atomic_compare_exchange_strong(&cb->status, &ok, rc);
     }
+    /* Last touch of the batch: the completion thread frees it only once
+     * every lane is done with it. */
+    atomic_fetch_sub(&cb->lanes_active, 1);
     pthread_mutex_lock(&l->mu);
     l->rc = rc;
     l->busy = 0;
@@ -886,11 +948,12 @@ static void *lane_main(void *arg) {
  * until all have issued their copies; then the main stream waits for the
  * lanes, so later batches queue behind this one. */
 static int32_t lanes_run(cuda_engine *ce, pf_batch *b, const uint32_t *lo,
-                         const uint32_t *hi) {
+                         const uint32_t *hi, int *handed_off) {
   cuda_batch *cb = b->impl;
-  const uint32_t G = b->num_groups, L = cb->lanes;
+  const uint32_t L = cb->lanes;
   CUevent start = cb->ev[cb->nev - 1];
   CU_TRY("pf_copy_submit", cu.cuEventRecord(start, ce->stream));
+  atomic_store(&cb->lanes_active, (int)L);
   for (uint32_t w = 0; w < L; w++) {
     dma_lane *l = &ce->lanes[w];
     pthread_mutex_lock(&l->mu);
@@ -903,6 +966,10 @@ static int32_t lanes_run(cuda_engine *ce, pf_batch *b, const uint32_t *lo,
     pthread_cond_broadcast(&l->cv);
     pthread_mutex_unlock(&l->mu);
   }
+  /* Everything on the main stream is issued; the completion thread may
+   * start reporting groups while the lanes work (see cuda_batch.issued). */
+  completion_push(ce, b);
+  *handed_off = 1; /* from here on b belongs to the completion thread */
   int32_t rc = PF_OK;
   for (uint32_t w = 0; w < L; w++) {
     dma_lane *l = &ce->lanes[w];
@@ -912,9 +979,12 @@ static int32_t lanes_run(cuda_engine *ce, pf_batch *b, const uint32_t *lo,
       rc = pf_fail(l->rc, "pf_copy_submit: DMA lane %u failed (see stderr)", w);
     pthread_mutex_unlock(&l->mu);
   }
-  for (uint32_t w = 0; w < L && rc == PF_OK; w++)
-    CU_TRY("pf_copy_submit",
-           cu.cuStreamWaitEvent(ce->stream, cb->ev[G + (G - 1) * L + w], 0));
+  /* Later batches queue behind this one's lanes (the lanes' own tail
+   * events: the batch itself may already be reported and freed). */
+  for (uint32_t w = 0; w < L && rc == PF_OK; w++) {
+    CUresult r = cu.cuStreamWaitEvent(ce->stream, ce->lanes[w].tail, 0);
+    if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuStreamWaitEvent");
+  }
   return rc;
 }
 
@@ -924,8 +994,7 @@ static int32_t lanes_run(cuda_engine *ce, pf_batch *b, const uint32_t *lo,
  * copy-engine part; the two never wait for each other inside the batch,
  * and group g is done when its main event and all its lane events fired. */
 static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
-                             dma_scratch *sc) {
-  (void)sc;
+                             int *handed_off) {
   cuda_batch *cb = b->impl;
   const uint32_t G = b->num_groups, path = cb->path;
   uint32_t *idx = malloc(3 * (size_t)G * sizeof *idx);
@@ -957,7 +1026,7 @@ static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
     }
   }
   if (rc == PF_OK && cb->lanes)
-    rc = lanes_run(ce, b, lo, path == PF_PATH_MIXED ? mid : hi);
+    rc = lanes_run(ce, b, lo, path == PF_PATH_MIXED ? mid : hi, handed_off);
   free(kp.first);
   free(idx);
   return rc;
@@ -967,7 +1036,6 @@ static void *submitter_main(void *arg) {
   pf_engine *e = arg;
   cuda_engine *ce = e->impl;
   cu.cuCtxSetCurrent(ce->ctx);
-  dma_scratch *sc = malloc(sizeof *sc);
   for (;;) {
     pthread_mutex_lock(&ce->mu);
     while (!ce->sstop && !ce->sq_head) pthread_cond_wait(&ce->scv, &ce->mu);
@@ -981,13 +1049,26 @@ static void *submitter_main(void *arg) {
     pthread_mutex_unlock(&ce->mu);
     cuda_batch *cb = b->impl;
     uint64_t t0 = pf_now_ns();
-    int32_t rc = sc ? enqueue_batch(e, ce, b, sc)
-                    : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+    /* Copied now: once handed off, b may be freed at any moment. */
+    unsigned long long tag = b->tag;
+    uint32_t path = cb->path, nranges = b->num_ranges;
+    int handed_off = 0;
+    int32_t rc = enqueue_batch(e, ce, b, &handed_off);
     if (ce->debug)
       fprintf(stderr, "pegaflow: batch %llu path %s: %u ranges, queued %.3f ms, "
-              "enqueue %.3f ms\n", (unsigned long long)b->tag,
-              path_name[cb->path], b->num_ranges, (t0 - b->submit_ns) / 1e6,
-              (pf_now_ns() - t0) / 1e6);
+              "enqueue %.3f ms\n", tag, path_name[path], nranges,
+              (t0 - b->submit_ns) / 1e6, (pf_now_ns() - t0) / 1e6);
+    if (handed_off) {
+      /* A lane failure already marked the batch failed; the completion
+       * thread drains the streams and reports it. */
+      if (rc < 0) {
+        char msg[512];
+        pf_last_error(msg, sizeof msg);
+        fprintf(stderr, "pegaflow: batch %llu (path %s): %s\n", tag,
+                path_name[path], msg);
+      }
+      continue;
+    }
     if (rc < 0) {
       /* Work enqueued before the failure still runs: let it finish before
        * the batch is reported (its memory may be closed right after). */
@@ -998,19 +1079,10 @@ static void *submitter_main(void *arg) {
       cu.cuStreamSynchronize(ce->stream);
       for (uint32_t w = 0; w < ce->nlanes; w++)
         cu.cuStreamSynchronize(ce->lanes[w].stream);
-      cb->status = rc;
+      atomic_store(&cb->status, rc);
     }
-    b->next = NULL;
-    pthread_mutex_lock(&ce->mu);
-    if (ce->tail)
-      ce->tail->next = b;
-    else
-      ce->head = b;
-    ce->tail = b;
-    pthread_cond_broadcast(&ce->cv);
-    pthread_mutex_unlock(&ce->mu);
+    completion_push(ce, b);
   }
-  free(sc);
   return NULL;
 }
 
@@ -1039,16 +1111,24 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   if (!cb) return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   cb->path = path;
   /* One lane per PF_LANE_MIN_RANGES ranges: a small batch is not worth
-   * waking several threads for (each lane costs a few events). */
+   * waking several threads for (each lane costs a few events). Large
+   * ranges get one lane: the driver's CPU cost is then small next to the
+   * transfer, and the copy engines were measured to run several streams of
+   * large copies largely one after another, which would hold group 0's
+   * completion back until most of the batch had moved (layer-wise load). */
   uint32_t want = b->num_ranges / PF_LANE_MIN_RANGES + 1;
+  if (b->num_ranges && b->total_bytes / b->num_ranges >= PF_LANE_MAX_MEAN_RANGE)
+    want = 1;
   cb->lanes = path == PF_PATH_KERNEL ? 0 : (want < ce->nlanes ? want : ce->nlanes);
   size_t nev = (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
   if (nev > UINT32_MAX) nev = 0;
   cb->nev = (uint32_t)nev;
   cb->ev = calloc(nev ? nev : 1, sizeof *cb->ev);
+  if (cb->lanes) cb->issued = calloc(b->num_groups, sizeof *cb->issued);
   b->impl = cb;
-  int32_t rc = cb->ev ? set_ctx(ce, "pf_copy_submit")
-                      : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  int32_t rc = cb->ev && (!cb->lanes || cb->issued)
+                   ? set_ctx(ce, "pf_copy_submit")
+                   : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   for (size_t g = 0; g < nev && rc == PF_OK; g++)
     if (!(cb->ev[g] = event_get(ce)))
       rc = pf_fail(PF_ECUDA, "pf_copy_submit: cuEventCreate failed");

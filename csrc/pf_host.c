@@ -181,6 +181,51 @@ static void host_pool_free(pf_engine *e, pf_pool *p) {
 
 static atomic_uint region_seq;
 
+/* Names of shm regions this process exported and has not closed yet. At
+ * exit (including an exit on an uncaught error) they are unlinked, so a
+ * crashed client leaves no /dev/shm files behind; the mappings of importers
+ * stay valid after an unlink. (SIGKILL skips this: the server's session
+ * cleanup owns that case.) */
+typedef struct exported_name {
+  char name[PF_HANDLE_BYTES];
+  struct exported_name *next;
+} exported_name;
+static exported_name *exported;
+static pthread_mutex_t exported_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t exported_once = PTHREAD_ONCE_INIT;
+
+static void unlink_exported(void) {
+  pthread_mutex_lock(&exported_mu);
+  for (exported_name *n = exported; n; n = n->next) shm_unlink(n->name);
+  pthread_mutex_unlock(&exported_mu);
+}
+
+static void exported_init(void) { atexit(unlink_exported); }
+
+static void exported_add(const char *name) {
+  exported_name *n = calloc(1, sizeof *n);
+  if (!n) return; /* only hygiene at exit is lost */
+  pthread_once(&exported_once, exported_init);
+  snprintf(n->name, sizeof n->name, "%s", name);
+  pthread_mutex_lock(&exported_mu);
+  n->next = exported;
+  exported = n;
+  pthread_mutex_unlock(&exported_mu);
+}
+
+static void exported_remove(const char *name) {
+  pthread_mutex_lock(&exported_mu);
+  for (exported_name **p = &exported; *p; p = &(*p)->next) {
+    if (strcmp((*p)->name, name) == 0) {
+      exported_name *n = *p;
+      *p = n->next;
+      free(n);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&exported_mu);
+}
+
 static int32_t host_region_alloc(pf_engine *e, pf_region *r,
                                  uint8_t *out_handle) {
   char name[PF_HANDLE_BYTES];
@@ -208,6 +253,7 @@ static int32_t host_region_alloc(pf_engine *e, pf_region *r,
   }
   r->addr = (uint64_t)(uintptr_t)m;
   memcpy(out_handle, name, PF_HANDLE_BYTES);
+  exported_add(name);
   return PF_OK;
 }
 
@@ -250,7 +296,10 @@ static int32_t host_region_import(pf_engine *e, pf_region *r,
 
 static void host_region_close(pf_engine *e, pf_region *r) {
   munmap((void *)(uintptr_t)r->addr, r->bytes);
-  if (!r->imported) shm_unlink((const char *)r->name);
+  if (!r->imported) {
+    shm_unlink((const char *)r->name);
+    exported_remove((const char *)r->name);
+  }
 }
 
 static int32_t host_region_rw(pf_engine *e, pf_region *r, uint64_t off,

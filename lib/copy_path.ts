@@ -6,7 +6,10 @@
  *
  * Rule: the copy engines use no SMs, so a DMA path (dma_batch, else dma)
  * wins whenever it reaches `dmaTolerance` of the link's peak at that size;
- * otherwise the fastest measured path (kernel or mixed) wins. A forced path
+ * otherwise the fastest measured path wins. `mixed` is a candidate for
+ * saves (d2h) only: its copy-engine half reports the first layer late
+ * (measured 7-22 ms into a 25 ms batch against ~1-2 ms for kernel and
+ * dma_batch), which would waste layer-wise load. A forced path
  * (`--transfer-path`) overrides everything.
  *
  * @module
@@ -89,7 +92,9 @@ export class PathPolicy {
     }
     const dma: CopyPath = t.gbps.dma_batch[i] >= t.gbps.dma[i] ? "dma_batch" : "dma";
     if (t.gbps[dma][i] >= this.#tol * t.peak) return dma;
-    const candidates: Array<Exclude<CopyPath, "auto">> = ["kernel", "mixed", "dma_batch", "dma"];
+    const candidates: Array<Exclude<CopyPath, "auto">> = direction === "d2h"
+      ? ["kernel", "mixed", "dma_batch", "dma"]
+      : ["kernel", "dma_batch", "dma"];
     let best: Exclude<CopyPath, "auto"> = "kernel";
     for (const p of candidates) if (t.gbps[p][i] > t.gbps[best][i]) best = p;
     return t.gbps[best][i] > 0 ? best : "auto";

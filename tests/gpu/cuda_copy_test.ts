@@ -272,3 +272,53 @@ Deno.test({
     }
   },
 });
+
+Deno.test({
+  name: "cuda: many concurrent batches on every path each land their own bytes",
+  ignore: noCuda !== undefined,
+  fn: async () => {
+    const SEG = 32768, GROUPS = 4, SEGS = 64, BATCHES = 32;
+    const ce = CopyEngine.open({ backend: "cuda", poolBytes: BATCHES * GROUPS * SEGS * SEG });
+    const region = ce.engine.allocRegion(4096 * SEG);
+    try {
+      const src = new Uint8Array(4096 * SEG);
+      for (let i = 0; i < src.length; i += 4) {
+        src[i] = (i * 2654435761) >>> 24;
+        src[i + 1] = i >>> 8;
+      }
+      region.write(0, src);
+      const paths: CopyPath[] = ce.engine.features.dmaBatch
+        ? ["kernel", "dma_batch", "mixed", "dma"]
+        : ["kernel", "mixed", "dma"];
+      const subs = Array.from({ length: BATCHES }, (_, k) => {
+        const b = new CopyBatch(GROUPS, GROUPS * SEGS).reset("d2h", paths[k % paths.length]);
+        for (let g = 0; g < GROUPS; g++) {
+          b.group(region, g);
+          for (let s = 0; s < SEGS; s++) {
+            const i = (k * GROUPS + g) * SEGS + s;
+            b.seg(((i * 37) % 4096) * SEG, i * SEG, SEG);
+          }
+        }
+        return ce.submit(b);
+      });
+      const results = await Promise.all(subs.map((s) => s.done));
+      results.forEach((r, k) => {
+        assert.equal(r.status, 0, `batch ${k}`);
+        assert.equal(r.bytes, GROUPS * SEGS * SEG);
+        assert.equal(r.path, paths[k % paths.length]);
+      });
+      const pool = ce.pool.view(0, BATCHES * GROUPS * SEGS * SEG);
+      for (let i = 0; i < BATCHES * GROUPS * SEGS; i++) {
+        const from = ((i * 37) % 4096) * SEG;
+        for (let j = 0; j < SEG; j += 1020) {
+          if (pool[i * SEG + j] !== src[from + j]) {
+            throw new Error(`segment ${i} byte ${j}: ${pool[i * SEG + j]} != ${src[from + j]}`);
+          }
+        }
+      }
+    } finally {
+      region.close();
+      await ce.close();
+    }
+  },
+});

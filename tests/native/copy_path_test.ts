@@ -27,6 +27,12 @@ Deno.test("small segments take the fastest SM path, large ones the copy engines"
   assert.equal(p.choose("d2h", 4096 * KB), "dma_batch");
 });
 
+Deno.test("loads (h2d) never take the mixed path: its first layer lands late", () => {
+  const p = new PathPolicy({ h2d: { ...table, direction: "h2d" } });
+  assert.equal(p.choose("h2d", 32 * KB), "kernel"); // mixed is faster there, but not layer-wise
+  assert.equal(p.choose("h2d", 128 * KB), "dma_batch");
+});
+
 Deno.test("a forced path wins; no table means auto", () => {
   assert.equal(new PathPolicy({ d2h: table }, { force: "dma" }).choose("d2h", 8 * KB), "dma");
   assert.equal(new PathPolicy({}).choose("h2d", 32 * KB), "auto");

@@ -5,6 +5,7 @@
  * second set of regions, and checks every byte. Once the child frees its
  * regions, the handles no longer import.
  */
+import assert from "node:assert/strict";
 import { loadLibrary } from "../../ffi/mod.ts";
 import { crossProcessRoundTrip } from "./cross_process.ts";
 
@@ -29,4 +30,23 @@ Deno.test("regions exported by another process round-trip byte-exact (cross_laye
     segBytes: 2048,
     numSegsCross: 1,
   }, 8 << 20);
+});
+
+Deno.test("an exporter that dies on an uncaught error leaves no shm file behind", async () => {
+  const out = await new Deno.Command(Deno.execPath(), {
+    args: ["run", "-A", decodeURIComponent(new URL("./crash_child.ts", import.meta.url).pathname)],
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  assert.notEqual(out.code, 0, "the child should have failed");
+  const name = new TextDecoder().decode(out.stdout).trim();
+  assert.match(name, /^\/pegaflow-\d+-\d+$/);
+  let exists = true;
+  try {
+    Deno.statSync(`/dev/shm${name}`);
+  } catch (e) {
+    if (!(e instanceof Deno.errors.NotFound)) throw e;
+    exists = false;
+  }
+  assert.equal(exists, false, `/dev/shm${name} was left behind`);
 });
