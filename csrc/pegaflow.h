@@ -283,44 +283,134 @@ void *pf_shm_ptr(uint32_t shm);
 int32_t pf_shm_close(uint32_t shm); /* PF_EBUSY while a batch reports to it */
 
 /* ---- io_uring (SSD tier) ----------------------------------------------- */
+/*
+ * One io_uring instance per SSD tier, driven by one reaper thread that posts
+ * completions to the same ring as the copy engine. An op moves one record:
+ * an optional 4 KiB header page (in a staging arena the library owns and JS
+ * reads/writes through a typed array) followed by the op's pool extents, so a
+ * record is one readv/writev and the payload never takes an extra copy.
+ *
+ * Alignment is handled inside: an op whose file offset, lengths or pool
+ * addresses do not meet the file's O_DIRECT alignment (statx DIOALIGN, else
+ * the device's logical block size) goes through a second, buffered
+ * descriptor of the same file instead of failing with EINVAL.
+ */
 enum pf_io_op { PF_IO_READ = 0 /* file -> pool */, PF_IO_WRITE = 1 /* pool -> file */ };
+enum pf_io_flags {
+  /* read: after the data landed, CRC32C of the op's pool extents (header
+   * excluded) is computed on the reaper thread and reported in `aux`. */
+  PF_IO_CRC = 1u << 0,
+};
 enum pf_file_flags {
-  PF_FILE_DIRECT = 1u << 0, /* O_DIRECT */
-  PF_FILE_CREATE = 1u << 1, /* O_CREAT */
+  PF_FILE_DIRECT = 1u << 0, /* O_DIRECT (falls back to buffered where the
+                               filesystem refuses it; see pf_file_info) */
+  PF_FILE_CREATE = 1u << 1, /* O_CREAT, mode 0644 */
   PF_FILE_RDONLY = 1u << 2,
 };
+/* Size of one header staging page and of the on-disk header it becomes. */
+#define PF_IO_HDR_BYTES 4096u
 
-/* An io_uring instance of `depth` entries driven by its own thread, posting
- * completions to `ring`; `pool` is registered as fixed buffers where the
- * kernel allows. */
+/* Opens an io_uring of `depth` entries (power of two, 1..4096) over `pool`,
+ * posting completions to `ring`, with `hdr_pages` staging pages of
+ * PF_IO_HDR_BYTES each (0..65536). The pool (in 1 GiB pieces) and the
+ * staging arena are registered as fixed buffers and files as fixed files
+ * where the kernel allows (see pf_uring_info). At most `depth` ops are in the
+ * kernel at once; the rest of a batch waits inside the library. */
 int32_t pf_uring_open(uint32_t pool, uint32_t ring, uint32_t depth,
-                      uint32_t *out_uring);
-/* Opens (and registers) a file; returns the file handle in *out_file.
- * info-style size query via pf_file_size. */
+                      uint32_t hdr_pages, uint32_t *out_uring);
+/* Address of the header staging arena (hdr_pages * PF_IO_HDR_BYTES bytes,
+ * 4 KiB aligned). Owned by the uring; valid until pf_uring_close. A page
+ * named by an op must not be touched by the caller until the op completes. */
+void *pf_uring_hdr_ptr(uint32_t uring);
+/* Fills info[0..7]: [0] depth, [1] hdr_pages, [2] 1 if the pool is
+ * registered as fixed buffers, [3] 1 if files are registered, [4] ops
+ * submitted, [5] ops completed, [6] ops that took the buffered fallback for
+ * alignment, [7] ops in flight now. */
+int32_t pf_uring_info(uint32_t uring, uint64_t info[8]);
+/* Stops accepting ops, waits for ops in flight, joins the reaper, closes
+ * files still open on it. PF_EBUSY if called from the reaper itself. */
+int32_t pf_uring_close(uint32_t uring);
+
+/* Opens (and registers) a file on `uring`. */
 int32_t pf_file_open(uint32_t uring, const char *path, uint32_t flags,
                      uint32_t *out_file);
+/* Fills info[0..3]: [0] size in bytes, [1] O_DIRECT offset/length alignment,
+ * [2] O_DIRECT memory alignment, [3] 1 if opened O_DIRECT, 0 if buffered. */
+int32_t pf_file_info(uint32_t file, uint64_t info[4]);
 int32_t pf_file_size(uint32_t file, uint64_t *out_bytes);
+/* ftruncate; PF_EIO with errno text on failure. */
 int32_t pf_file_truncate(uint32_t file, uint64_t bytes);
+/* Reserves [0, bytes) with fallocate so ENOSPC shows up now, not mid-write;
+ * PF_EUNSUPPORTED where the filesystem has no fallocate. */
+int32_t pf_file_allocate(uint32_t file, uint64_t bytes);
+/* fdatasync (ops completed before the call are durable after it). */
+int32_t pf_file_sync(uint32_t file);
+/* Drops the file's pages from the page cache (posix_fadvise DONTNEED), so a
+ * buffered benchmark reads the device, not memory. */
+int32_t pf_file_drop_cache(uint32_t file);
 int32_t pf_file_close(uint32_t file); /* PF_EBUSY while ops in flight */
+
+/* Filesystem space at `path` (a file or directory): out[0] total bytes,
+ * out[1] bytes available to this process, out[2] filesystem block size. */
+int32_t pf_fs_space(const char *path, uint64_t out[3]);
+/* strerror(err) into buf (for PF_DONE_IO records, whose aux is the errno). */
+int32_t pf_errno_text(int32_t err, char *buf, uint32_t cap);
+
+/*
+ * An io batch lives in one caller-owned buffer (copied before pf_io_submit
+ * returns):
+ *
+ *   pf_io_batch_header
+ *   pf_io_desc  ops[num_ops]
+ *   pf_io_ext   exts[num_exts]
+ *
+ * Op i moves, at file_off, [header page hdr_page - 1 if hdr_page > 0] then
+ * exts[first_ext .. first_ext + num_ext) in order. Every op is validated
+ * (live file of this uring, op kind, extents inside the pool, header page in
+ * range, 1 + num_ext <= 1024 iovecs, writes not to a read-only file) before
+ * anything is queued: one bad op fails the whole batch with nothing done.
+ *
+ * Completions, all with the batch's tag: one PF_DONE_IO per op (index = op
+ * index, in completion order; status PF_OK or PF_EIO; value = bytes moved;
+ * aux = the errno on failure (a short transfer reports ENOSPC for a write,
+ * ENODATA for a read), or the CRC32C with PF_IO_CRC), then one
+ * PF_DONE_IO_BATCH (status = first failure or PF_OK, aux = failed ops,
+ * value = bytes moved).
+ */
+typedef struct pf_io_batch_header {
+  uint32_t num_ops;
+  uint32_t num_exts;
+  uint64_t reserved; /* 0 */
+} pf_io_batch_header;
 
 typedef struct pf_io_desc {
   uint32_t file;      /* file handle */
   uint32_t op;        /* pf_io_op */
+  uint32_t flags;     /* pf_io_flags */
+  uint32_t hdr_page;  /* staging page index + 1; 0 = no header page */
   uint64_t file_off;
-  uint64_t pool_off;
-  uint64_t bytes;     /* > 0; alignment is handled inside */
+  uint32_t first_ext;
+  uint32_t num_ext;   /* 0 allowed only with a header page */
 } pf_io_desc;
 
-/* Submits n ops (one io_uring submit); each posts PF_DONE_IO (index = i,
- * value = bytes or status), then one PF_DONE_IO_BATCH. */
-int32_t pf_io_submit(uint32_t uring, const pf_io_desc *ops, uint32_t n,
+typedef struct pf_io_ext {
+  uint64_t pool_off;
+  uint64_t bytes;     /* > 0 */
+} pf_io_ext;
+
+/* Queues a batch and submits as much of it as fits (one io_uring_submit);
+ * returns 0 once queued. Never blocks on the device. */
+int32_t pf_io_submit(uint32_t uring, const void *desc, uint64_t desc_bytes,
                      uint64_t tag);
-int32_t pf_uring_close(uint32_t uring);
 
 /* ---- integrity --------------------------------------------------------- */
-/* CRC32C of pool bytes [off, off+bytes) (SSD record checksums). */
-int32_t pf_pool_crc32c(uint32_t pool, uint64_t off, uint64_t bytes,
-                       uint32_t *out_crc);
+/* CRC32C (Castagnoli, as iSCSI/ext4; SSE4.2 where the CPU has it) of each op
+ * of an io batch descriptor (the layout above): out_crcs[i] covers op i's
+ * pool extents in order, header page excluded. One call per batch. */
+int32_t pf_pool_crc32c(uint32_t pool, const void *desc, uint64_t desc_bytes,
+                       uint32_t *out_crcs);
+/* CRC32C of `bytes` at `buf` continuing from `crc` (0 to start). */
+uint32_t pf_crc32c(uint32_t crc, const void *buf, uint64_t bytes);
 
 #ifdef __cplusplus
 }

@@ -4,8 +4,7 @@
  * Every signature mirrors `csrc/pegaflow.h` exactly; u64 arguments are
  * passed as BigInt (V8's fast path). `pf_ring_wait` is `nonblocking`: it runs
  * on a Deno worker thread so JS never blocks waiting for completions. The
- * io_uring section is `optional`, so this table also loads a library built
- * before that section existed.
+ * io_uring section (SSD tier) lives in `ffi/uring.ts`.
  *
  * @module
  */
@@ -52,19 +51,7 @@ export const SYMBOLS = {
   pf_shm_ptr: { parameters: ["u32"], result: "pointer" },
   pf_shm_close: { parameters: ["u32"], result: "i32" },
 
-  // io_uring section (owned by the SSD tier); optional so older builds load.
-  pf_uring_open: {
-    parameters: ["u32", "u32", "u32", "buffer"],
-    result: "i32",
-    optional: true,
-  },
-  pf_file_open: { parameters: ["u32", "buffer", "u32", "buffer"], result: "i32", optional: true },
-  pf_file_size: { parameters: ["u32", "buffer"], result: "i32", optional: true },
-  pf_file_truncate: { parameters: ["u32", "u64"], result: "i32", optional: true },
-  pf_file_close: { parameters: ["u32"], result: "i32", optional: true },
-  pf_io_submit: { parameters: ["u32", "buffer", "u32", "u64"], result: "i32", optional: true },
-  pf_uring_close: { parameters: ["u32"], result: "i32", optional: true },
-  pf_pool_crc32c: { parameters: ["u32", "u64", "u64", "buffer"], result: "i32", optional: true },
+  // The io_uring section (SSD tier) has its own table in ffi/uring.ts.
 } as const satisfies Deno.ForeignLibraryInterface;
 
 /** The loaded library's symbols. */

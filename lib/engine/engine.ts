@@ -94,8 +94,20 @@ export interface EngineMetrics {
   stage(name: string): StageMetrics;
 }
 
+/**
+ * The SSD tier's query hook (implemented by lib/ssd/kv_bridge.ts): a query
+ * whose prefix continues on SSD starts (or polls) a prefetch and is answered
+ * "loading". (Write-behind subscribes through {@link KvEngine.onSealed}.)
+ */
+export interface SsdHook {
+  /** True: answer "loading" (a prefetch for this request id is running). */
+  beforeQuery(namespace: string, instance: string, hashes: Uint8Array[], requestId: string): boolean;
+}
+
 export interface EngineOptions {
   native: NativePort;
+  /** Optional SSD tier. */
+  ssd?: SsdHook;
   store: KvStore;
   log: Logger;
   metrics?: EngineMetrics;
@@ -188,6 +200,7 @@ export class KvEngine {
   readonly #log: Logger;
   readonly #metrics: EngineMetrics | undefined;
   readonly #leaseTtlMs: number;
+  readonly #ssd: SsdHook | undefined;
   readonly #instances = new Map<string, Instance>();
   /** namespace → layout signature and the instances using it. */
   readonly #layouts = new Map<string, NamespaceLayout & { users: Set<string> }>();
@@ -205,6 +218,7 @@ export class KvEngine {
     this.#log = opts.log;
     this.#metrics = opts.metrics;
     this.#leaseTtlMs = opts.leaseTtlMs;
+    this.#ssd = opts.ssd;
     this.#saveBatch = this.#native.batch();
     this.#loadBatch = this.#native.batch();
     this.#saveStage = new Stage<SaveJob, SaveResult>(
@@ -649,7 +663,7 @@ export class KvEngine {
     instanceId: string,
     hashes: Uint8Array[],
     requestId: string,
-  ): { hits: number; leaseId: Uint8Array | null; ttlMs: number } {
+  ): { hits: number; leaseId: Uint8Array | null; ttlMs: number; loading?: boolean } {
     const inst = this.#instance(instanceId, `QueryPrefetch (request "${requestId}")`);
     if (!requestId) throw invalid(`instance "${instanceId}": QueryPrefetch needs a request_id`);
     if (!inst.sealed) {
@@ -668,6 +682,10 @@ export class KvEngine {
           } bytes (1..${MAX_HASH_BYTES})`,
         );
       }
+    }
+    if (this.#ssd?.beforeQuery(inst.namespace, inst.id, hashes, requestId)) {
+      this.#log.debug("query loading from SSD", { instance: inst.id, request: requestId });
+      return { hits: 0, leaseId: null, ttlMs: this.#leaseTtlMs, loading: true };
     }
     const r = this.#store.query(inst.namespace, hashes, inst.id, inst.worldSize);
     this.#metrics?.queryDone(hashes.length, r.hits);

@@ -8,6 +8,7 @@
  */
 import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
+import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
 
 /** Everything the server needs to start, after parsing and validation. */
 export interface ServeConfig {
@@ -32,6 +33,8 @@ export interface ServeConfig {
   leaseTtlMs: number;
   /** Largest gRPC message accepted or sent, in bytes. */
   maxMessageBytes: number;
+  /** SSD tier (lib/ssd/flags.ts); no paths = no SSD tier. */
+  ssd: SsdConfig;
 }
 
 /** Default gRPC address (the original system's port). */
@@ -146,7 +149,7 @@ function intArg(what: string, min: number) {
 export function serveCommand(): Command {
   const opt = (flags: string, desc: string, env: string) =>
     new Option(flags, desc).env(`PEGAFLOW_${env}`);
-  return new Command("pegaflow-serve")
+  const cmd = new Command("pegaflow-serve")
     .description("PegaFlow KV server: stores inference engines' KV blocks in pinned host memory")
     .addOption(
       opt("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
@@ -213,6 +216,8 @@ export function serveCommand(): Command {
     )
     .exitOverride()
     .allowExcessArguments(false);
+  for (const o of ssdOptions()) cmd.addOption(o);
+  return cmd;
 }
 
 /** The result of parsing: a config to start, or text to print and an exit code. */
@@ -264,6 +269,7 @@ export function parseServeArgs(argv: string[]): ParseResult {
       logLevel: o.logLevel,
       leaseTtlMs: o.leaseTtlMs,
       maxMessageBytes: o.maxMessageSize,
+      ssd: ssdConfigFrom(o),
     },
   };
 }

@@ -196,6 +196,7 @@ export function engineServiceImpl(
       "QueryPrefetch",
       (req: QueryPrefetchRequest): QueryPrefetchResponse => {
         const r = engine.query(req.instanceId, req.blockHashes, req.requestId);
+        if (r.loading) return { result: { $case: "loading", value: {} } };
         return {
           result: {
             $case: "ready",

@@ -21,6 +21,9 @@ import { EngineService, engineServiceImpl, Sessions } from "./grpc_service.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
 import { httpHandler } from "./http.ts";
 import { ServerMetrics } from "./metrics.ts";
+import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
+import { SsdKvBridge } from "../ssd/kv_bridge.ts";
+import { registerSsdMetrics } from "../ssd/metrics.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -117,8 +120,32 @@ export async function startServer(
     instances: () => engine.instances().length,
     sessions: () => sessions.count,
   });
-  const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs });
+  let ssd: SsdTier | undefined;
+  if (cfg.ssd.paths.length > 0) {
+    try {
+      ssd = await SsdTier.open({
+        ...cfg.ssd,
+        pool: native.copyEngine.pool.handle,
+        ring: native.copyEngine.ring,
+        log: (level, msg) => log[level](msg, { tier: "ssd" }),
+      });
+      registerSsdMetrics(metrics.registry, () => ssd!.stats());
+      log.info("SSD tier ready", {
+        paths: ssd.files.map((f) => f.path).join(","),
+        capacity_bytes: ssd.stats().capacityBytes,
+        recovered_blocks: ssd.recovery.blocks,
+      });
+    } catch (e) {
+      // The RAM tier serves without it; the reason names the path.
+      if (!(e instanceof SsdOpenError)) throw e;
+      log.error("SSD tier disabled", { error: e.message });
+    }
+  }
+  const bridge = ssd ? new SsdKvBridge(ssd, store, (level, msg) => log[level](msg, { tier: "ssd" })) : undefined;
+  const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs, ssd: bridge });
   engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
+  // Write-behind: sealed blocks are offered to the SSD tier (never waits).
+  if (bridge) engine.onSealed((_ns, keys) => bridge.onSealed(keys));
 
   const server = new grpc.Server({
     "grpc.max_receive_message_length": cfg.maxMessageBytes,
@@ -136,6 +163,7 @@ export async function startServer(
     )
   ).catch(async (e) => {
     clearInterval(collector);
+    await ssd?.close();
     await native.close();
     throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
   });
@@ -165,6 +193,7 @@ export async function startServer(
     } catch (e) {
       server.forceShutdown();
       clearInterval(collector);
+      await ssd?.close();
       await native.close();
       throw new Error(`--http-addr ${cfg.httpAddr}: cannot listen: ${(e as Error).message}`);
     }
@@ -179,6 +208,7 @@ export async function startServer(
       log.info("shutting down");
       sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
       await engine.close();
+      await ssd?.close();
       // The gRPC sockets are left to process exit on purpose: grpc-js's
       // tryShutdown/forceShutdown send GOAWAY, and a Deno process receiving a
       // GOAWAY on a busy HTTP/2 session can abort inside nghttp2

@@ -1,0 +1,74 @@
+/**
+ * `deno bench bench/ssd_bench.ts`: the io_uring engine's sequential write
+ * and read of a 64 MiB file in 1 MiB blocks at queue depth 32, O_DIRECT, and
+ * a tier round trip (write-behind + verified prefetch) of 16 × 2 MiB blocks.
+ * The full sweep with fio beside it is bench/ssd_run.ts.
+ */
+import { Engine } from "../ffi/native.ts";
+import { CompletionRing } from "../ffi/ring.ts";
+import { SsdTier } from "../lib/ssd/tier.ts";
+import { runOurs } from "./ssd_lib.ts";
+
+const MiB = 1 << 20;
+const dir = await Deno.makeTempDir({ prefix: "pf-ssd-bench-" });
+const engine = Engine.open({ backend: "host" });
+const pool = engine.createPool(128 * MiB);
+const ring = new CompletionRing(1 << 14);
+const path = `${dir}/bench.dat`;
+await Deno.writeFile(path, new Uint8Array(64 * MiB));
+
+for (const op of ["write", "read"] as const) {
+  Deno.bench({
+    name: `uring ${op} 64 MiB, 1 MiB blocks, qd 32, O_DIRECT`,
+    group: "engine",
+    n: 10,
+    warmup: 1,
+    async fn() {
+      await runOurs(pool.handle, 64 * MiB, ring, path, 64 * MiB, {
+        op,
+        blockBytes: MiB,
+        qd: 32,
+        direct: true,
+      }, 0);
+    },
+  });
+}
+
+const tier = await SsdTier.open({
+  pool: pool.handle,
+  ring,
+  paths: [dir],
+  capacityBytes: 512 * MiB,
+  segmentBytes: 64 * MiB,
+  log: () => {},
+});
+let round = 0;
+Deno.bench({
+  name: "tier: write-behind then verified prefetch of 16 × 2 MiB blocks",
+  group: "tier",
+  n: 10,
+  warmup: 1,
+  async fn() {
+    const keys = Array.from({ length: 16 }, (_, i) => `bench/${round}/${i}`);
+    round++;
+    tier.enqueueWrite(keys.map((key, i) => ({
+      key,
+      acquire: () => [{ offset: i * 2 * MiB, bytes: 2 * MiB }],
+      release: () => {},
+    })));
+    await tier.flushWrites();
+    let at = 64 * MiB;
+    const alloc = (sizes: number[]) =>
+      sizes.map((n) => ({ extents: [{ offset: (at += n) - n, bytes: n }], free: () => {} }));
+    tier.prefetch("b", keys, alloc);
+    await tier.prefetchSettled("b");
+    const r = tier.prefetch("b", keys, alloc);
+    if (r.state !== "ready" || r.blocks.length !== 16) {
+      throw new Error(`prefetch returned ${r.state}`);
+    }
+  },
+});
+
+globalThis.addEventListener("unload", () => {
+  Deno.removeSync(dir, { recursive: true });
+});

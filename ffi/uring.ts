@@ -1,0 +1,281 @@
+/**
+ * The io_uring section of `libpegaflow.so` (SSD tier): its `Deno.dlopen`
+ * symbol table and thin typed wrappers. No policy lives here: which blocks
+ * go where, record formats and retries are decided in `lib/ssd/`.
+ *
+ * The library is opened with its own symbol table; `dlopen` of the same path
+ * returns the same loaded object, so handles (pool, ring) created through
+ * `ffi/symbols.ts` are valid here too.
+ *
+ * @module
+ */
+import { libraryPath, loadLibrary } from "./symbols.ts";
+
+/** FFI declarations of the io_uring + CRC32C entry points (csrc/pegaflow.h). */
+export const URING_SYMBOLS = {
+  pf_last_error: { parameters: ["buffer", "u32"], result: "i32" },
+  pf_uring_open: { parameters: ["u32", "u32", "u32", "u32", "buffer"], result: "i32" },
+  pf_uring_hdr_ptr: { parameters: ["u32"], result: "pointer" },
+  pf_uring_info: { parameters: ["u32", "buffer"], result: "i32" },
+  // Waits for ops in flight: off the JS thread.
+  pf_uring_close: { parameters: ["u32"], result: "i32", nonblocking: true },
+  pf_file_open: { parameters: ["u32", "buffer", "u32", "buffer"], result: "i32" },
+  pf_file_info: { parameters: ["u32", "buffer"], result: "i32" },
+  pf_file_truncate: { parameters: ["u32", "u64"], result: "i32" },
+  pf_file_allocate: { parameters: ["u32", "u64"], result: "i32" },
+  pf_file_sync: { parameters: ["u32"], result: "i32", nonblocking: true },
+  pf_file_drop_cache: { parameters: ["u32"], result: "i32" },
+  pf_file_close: { parameters: ["u32"], result: "i32" },
+  pf_fs_space: { parameters: ["buffer", "buffer"], result: "i32" },
+  pf_errno_text: { parameters: ["i32", "buffer", "u32"], result: "i32" },
+  pf_io_submit: { parameters: ["u32", "buffer", "u64", "u64"], result: "i32" },
+  // Checksums a whole batch (MBs): off the JS thread.
+  pf_pool_crc32c: {
+    parameters: ["u32", "buffer", "u64", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
+} as const satisfies Deno.ForeignLibraryInterface;
+
+/** `enum pf_io_op`. */
+export const IoOp = { READ: 0, WRITE: 1 } as const;
+/** `enum pf_io_flags`. */
+export const IoFlag = { CRC: 1 } as const;
+/** `enum pf_file_flags`. */
+export const FileFlag = { DIRECT: 1, CREATE: 2, RDONLY: 4 } as const;
+/** `PF_IO_HDR_BYTES`: one header staging page, and the on-disk header size. */
+export const IO_HDR_BYTES = 4096;
+/** `sizeof(pf_io_batch_header)`. */
+export const IO_BATCH_HEADER_BYTES = 16;
+/** `sizeof(pf_io_desc)`. */
+export const IO_DESC_BYTES = 32;
+/** `sizeof(pf_io_ext)`. */
+export const IO_EXT_BYTES = 16;
+/** `PF_DONE_IO` / `PF_DONE_IO_BATCH` completion kinds. */
+export const DONE_IO = 3;
+/** @see DONE_IO */
+export const DONE_IO_BATCH = 4;
+/** `PF_EIO`. */
+export const PF_EIO = -8;
+
+/** A libpegaflow call failed; `code` is the PF_E* status. */
+export class PegaflowIoError extends Error {
+  constructor(readonly call: string, readonly code: number, detail: string) {
+    super(`${call} failed (${code}): ${detail}`);
+    this.name = "PegaflowIoError";
+  }
+}
+
+type UringLib = Deno.DynamicLibrary<typeof URING_SYMBOLS>;
+let lib: UringLib | undefined;
+
+/** Opens (once) the library's io_uring symbols. Throws naming the path when it cannot. */
+export function uringLib(): UringLib["symbols"] {
+  if (!lib) {
+    loadLibrary(); // checks the path and the ABI version first, with clear errors
+    const path = libraryPath();
+    try {
+      lib = Deno.dlopen(path, URING_SYMBOLS);
+    } catch (e) {
+      throw new Error(
+        `cannot load ${path} with the io_uring symbols: ${(e as Error).message}; run 'make native'`,
+      );
+    }
+  }
+  return lib.symbols;
+}
+
+const errBuf = new Uint8Array(1024);
+/** The calling thread's last libpegaflow error message. */
+export function lastError(): string {
+  const n = uringLib().pf_last_error(errBuf, errBuf.length);
+  return new TextDecoder().decode(errBuf.subarray(0, Math.min(n, errBuf.length - 1)));
+}
+
+function check(call: string, rc: number): void {
+  if (rc < 0) throw new PegaflowIoError(call, rc, lastError());
+}
+
+const textBuf = new Uint8Array(256);
+const errnoNames = new Map<number, string>();
+/** `strerror(errno)`, cached per value (errno values come from PF_DONE_IO records). */
+export function errnoText(errno: number): string {
+  let s = errnoNames.get(errno);
+  if (s === undefined) {
+    const n = uringLib().pf_errno_text(errno, textBuf, textBuf.length);
+    s = new TextDecoder().decode(textBuf.subarray(0, Math.min(n, textBuf.length - 1)));
+    errnoNames.set(errno, s);
+  }
+  return s;
+}
+
+function cstr(s: string): Uint8Array {
+  const b = new TextEncoder().encode(s + "\0");
+  if (b.indexOf(0) !== b.length - 1) throw new TypeError(`path contains a NUL byte: ${s}`);
+  return b;
+}
+
+/** Filesystem space at a path (file or directory). */
+export interface FsSpace {
+  totalBytes: number;
+  availableBytes: number;
+  blockBytes: number;
+}
+
+/** `pf_fs_space`: total and available bytes of the filesystem holding `path`. */
+export function fsSpace(path: string): FsSpace {
+  const out = new BigUint64Array(3);
+  check(`pf_fs_space(${path})`, uringLib().pf_fs_space(cstr(path), out));
+  return {
+    totalBytes: Number(out[0]),
+    availableBytes: Number(out[1]),
+    blockBytes: Number(out[2]),
+  };
+}
+
+/** What `pf_file_info` reports. */
+export interface FileInfo {
+  sizeBytes: number;
+  /** O_DIRECT offset/length alignment. */
+  offsetAlign: number;
+  /** O_DIRECT buffer address alignment. */
+  memAlign: number;
+  /** False when the filesystem refused O_DIRECT and the file runs buffered. */
+  direct: boolean;
+}
+
+/** What `pf_uring_info` reports. */
+export interface UringInfo {
+  depth: number;
+  hdrPages: number;
+  fixedBuffers: boolean;
+  fixedFiles: boolean;
+  submitted: number;
+  completed: number;
+  alignmentFallbacks: number;
+  inflight: number;
+}
+
+/**
+ * One io_uring instance over a pool, posting to a completion ring.
+ *
+ * @example
+ * ```ts
+ * const u = Uring.open(pool, ring, 128, 1024);
+ * const f = u.openFile("/mnt/nvme/pf.cache", FileFlag.DIRECT | FileFlag.CREATE);
+ * u.submit(desc, descBytes, 7n); // completions arrive on the ring with tag 7
+ * ```
+ */
+export class Uring {
+  /** The header staging arena (hdrPages × IO_HDR_BYTES), shared with C. */
+  readonly headers: Uint8Array;
+  #closed = false;
+
+  private constructor(readonly handle: number, readonly depth: number, readonly hdrPages: number) {
+    const ptr = uringLib().pf_uring_hdr_ptr(handle);
+    this.headers = hdrPages > 0 && ptr
+      ? new Uint8Array(Deno.UnsafePointerView.getArrayBuffer(ptr, hdrPages * IO_HDR_BYTES))
+      : new Uint8Array(0);
+  }
+
+  /** `pf_uring_open`. `depth` is a power of two ≤ 4096. */
+  static open(pool: number, ring: number, depth: number, hdrPages: number): Uring {
+    const out = new Uint32Array(1);
+    check(
+      `pf_uring_open(depth ${depth}, hdrPages ${hdrPages})`,
+      uringLib().pf_uring_open(pool, ring, depth, hdrPages, out),
+    );
+    return new Uring(out[0], depth, hdrPages);
+  }
+
+  /** Opens and registers a file; returns its handle. */
+  openFile(path: string, flags: number): number {
+    const out = new Uint32Array(1);
+    check(`pf_file_open(${path})`, uringLib().pf_file_open(this.handle, cstr(path), flags, out));
+    return out[0];
+  }
+
+  /** Size and O_DIRECT alignment of an open file. */
+  fileInfo(file: number): FileInfo {
+    const out = new BigUint64Array(4);
+    check("pf_file_info", uringLib().pf_file_info(file, out));
+    return {
+      sizeBytes: Number(out[0]),
+      offsetAlign: Number(out[1]),
+      memAlign: Number(out[2]),
+      direct: out[3] === 1n,
+    };
+  }
+
+  /** `ftruncate`. */
+  truncate(file: number, bytes: number): void {
+    check(`pf_file_truncate(${bytes})`, uringLib().pf_file_truncate(file, BigInt(bytes)));
+  }
+
+  /** `fallocate`; returns false where the filesystem has none. */
+  allocate(file: number, bytes: number): boolean {
+    const rc = uringLib().pf_file_allocate(file, BigInt(bytes));
+    if (rc === -11 /* PF_EUNSUPPORTED */) return false;
+    check(`pf_file_allocate(${bytes})`, rc);
+    return true;
+  }
+
+  /** `fdatasync`, off the JS thread. */
+  async sync(file: number): Promise<void> {
+    const rc = await uringLib().pf_file_sync(file);
+    if (rc < 0) throw new PegaflowIoError("pf_file_sync", rc, `file handle ${file}`);
+  }
+
+  /** Drops the file's cached pages (benchmarks of buffered I/O). */
+  dropCache(file: number): void {
+    check("pf_file_drop_cache", uringLib().pf_file_drop_cache(file));
+  }
+
+  /** Closes a file (fails with PF_EBUSY while its ops are in flight). */
+  closeFile(file: number): void {
+    check("pf_file_close", uringLib().pf_file_close(file));
+  }
+
+  /** Submits one batch descriptor (see `pf_io_submit`); completions carry `tag`. */
+  submit(desc: Uint8Array, tag: bigint): void {
+    check(
+      "pf_io_submit",
+      uringLib().pf_io_submit(this.handle, desc, BigInt(desc.byteLength), tag),
+    );
+  }
+
+  /** Counters of the engine. */
+  info(): UringInfo {
+    const out = new BigUint64Array(8);
+    check("pf_uring_info", uringLib().pf_uring_info(this.handle, out));
+    return {
+      depth: Number(out[0]),
+      hdrPages: Number(out[1]),
+      fixedBuffers: out[2] === 1n,
+      fixedFiles: out[3] === 1n,
+      submitted: Number(out[4]),
+      completed: Number(out[5]),
+      alignmentFallbacks: Number(out[6]),
+      inflight: Number(out[7]),
+    };
+  }
+
+  /** Waits for ops in flight, then closes the engine and its files. Idempotent. */
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    const rc = await uringLib().pf_uring_close(this.handle);
+    if (rc < 0) throw new PegaflowIoError("pf_uring_close", rc, `uring handle ${this.handle}`);
+  }
+}
+
+/**
+ * CRC32C of every op's pool extents in a batch descriptor, computed off the
+ * JS thread. `out` receives one u32 per op.
+ */
+export async function poolCrc32c(pool: number, desc: Uint8Array, out: Uint32Array): Promise<void> {
+  const rc = await uringLib().pf_pool_crc32c(pool, desc, BigInt(desc.byteLength), out);
+  if (rc < 0) {
+    throw new PegaflowIoError("pf_pool_crc32c", rc, "malformed descriptor or pool handle");
+  }
+}

@@ -1,0 +1,280 @@
+/**
+ * Router configuration: the validated shape the server runs on, and the parsers that turn CLI
+ * strings (or `PEGAFLOW_ROUTER_*` environment variables) into it.
+ *
+ * Parsing lives here rather than in `router.ts` so every rule is unit-testable and so a bad value is
+ * refused before anything listens, with an error that names the flag and what was expected.
+ *
+ * @module
+ */
+
+import type { LogLevel } from "./log.ts";
+import { LOG_LEVELS } from "./log.ts";
+
+/** Everything the router needs to run. Durations are milliseconds, sizes are bytes. */
+export interface RouterConfig {
+  /** Interface to listen on. */
+  host: string;
+  /** TCP port; 0 picks an ephemeral port (tests). */
+  port: number;
+  /** Prefill backend base URLs (no trailing slash). */
+  prefill: string[];
+  /** Decode backend base URLs (no trailing slash). */
+  decode: string[];
+  /** Whole prefill request (P computes one token, so it is short). */
+  prefillTimeoutMs: number;
+  /** From sending the request to D until D's response headers arrive. */
+  decodeTimeoutMs: number;
+  /**
+   * Longest silence allowed between two body chunks from D, or `null` (the default) for none.
+   * Enforcing it needs a look at every chunk in JavaScript; without it D's body is piped to the
+   * client natively, which is what keeps the router's added latency low (docs/router.md).
+   */
+  streamIdleTimeoutMs: number | null;
+  /** Period of the active health checks. */
+  healthIntervalMs: number;
+  /** Timeout of one health check request. */
+  healthTimeoutMs: number;
+  /** Path probed by health checks (`/health` on vLLM; `/v1/models` works on any OpenAI server). */
+  healthPath: string;
+  /** Largest accepted request body. */
+  maxBodyBytes: number;
+  /** Least severe level that is logged. */
+  logLevel: LogLevel;
+}
+
+/** Defaults; each is the value a flag takes when neither it nor its env var is given. */
+export const DEFAULTS = {
+  host: "127.0.0.1",
+  port: "8080",
+  prefillTimeout: "60s",
+  // Non-streaming D answers only when generation is done, so its header wait must cover a long
+  // generation; streaming requests are guarded by the idle timeout instead.
+  decodeTimeout: "300s",
+  // Off: see RouterConfig.streamIdleTimeoutMs.
+  streamIdleTimeout: "off",
+  healthInterval: "5s",
+  healthTimeout: "2s",
+  healthPath: "/health",
+  // 16 MiB fits a ~1M-token prompt sent as token ids; anything larger is almost surely a mistake.
+  maxBody: "16mb",
+  logLevel: "info",
+} as const;
+
+/** A configuration value that cannot be used; `flag` names the CLI flag it came from. */
+export class ConfigError extends Error {
+  /** The flag at fault, e.g. `"--port"`. */
+  readonly flag: string;
+
+  constructor(flag: string, message: string) {
+    super(`${flag}: ${message}`);
+    this.name = "ConfigError";
+    this.flag = flag;
+  }
+}
+
+const MAX_PORT = 65535;
+const DURATION_RE = /^(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$/;
+const DURATION_UNIT_MS: Record<string, number> = { ms: 1, s: 1000, m: 60_000, h: 3_600_000 };
+const SIZE_RE = /^(\d+(?:\.\d+)?)\s*(b|kb|k|kib|mb|m|mib|gb|g|gib)?$/i;
+const SIZE_UNIT: Record<string, number> = {
+  b: 1,
+  k: 1024,
+  kb: 1024,
+  kib: 1024,
+  m: 1024 ** 2,
+  mb: 1024 ** 2,
+  mib: 1024 ** 2,
+  g: 1024 ** 3,
+  gb: 1024 ** 3,
+  gib: 1024 ** 3,
+};
+/** setTimeout cannot wait longer than 2^31-1 ms; a longer duration would fire at once. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/**
+ * Parses a TCP port (0–65535).
+ *
+ * @example
+ * ```ts
+ * parsePort("--port", "8080"); // 8080
+ * ```
+ */
+export function parsePort(flag: string, value: string): number {
+  const trimmed = value.trim();
+  if (!/^\d+$/.test(trimmed)) {
+    throw new ConfigError(flag, `expected a port number 0-${MAX_PORT}, got '${value}'`);
+  }
+  const port = Number(trimmed);
+  if (port > MAX_PORT) {
+    throw new ConfigError(flag, `expected a port number 0-${MAX_PORT}, got ${port}`);
+  }
+  return port;
+}
+
+/**
+ * Parses a duration: a number with an optional unit `ms`, `s`, `m`, `h` (no unit = milliseconds).
+ * Must be positive.
+ *
+ * @example
+ * ```ts
+ * parseDurationMs("--prefill-timeout", "1.5s"); // 1500
+ * parseDurationMs("--health-interval", "250"); // 250
+ * ```
+ */
+export function parseDurationMs(flag: string, value: string): number {
+  const m = DURATION_RE.exec(value.trim());
+  if (m === null) {
+    throw new ConfigError(
+      flag,
+      `expected a duration like 500ms, 30s, 2m or a number of milliseconds, got '${value}'`,
+    );
+  }
+  const ms = Math.round(Number(m[1]) * DURATION_UNIT_MS[m[2] ?? "ms"]);
+  if (ms <= 0) throw new ConfigError(flag, `must be greater than zero, got '${value}'`);
+  if (ms > MAX_TIMER_MS) {
+    throw new ConfigError(flag, `must be at most ${MAX_TIMER_MS} ms (~24.8 days), got '${value}'`);
+  }
+  return ms;
+}
+
+/**
+ * Parses a byte size: a number with an optional unit `b`, `kb`/`k`/`kib`, `mb`/`m`/`mib`,
+ * `gb`/`g`/`gib` (binary multiples; no unit = bytes). Must be positive.
+ *
+ * @example
+ * ```ts
+ * parseBytes("--max-body", "16mb"); // 16777216
+ * ```
+ */
+export function parseBytes(flag: string, value: string): number {
+  const m = SIZE_RE.exec(value.trim());
+  if (m === null) {
+    throw new ConfigError(flag, `expected a size like 1048576, 512kb or 16mb, got '${value}'`);
+  }
+  const bytes = Math.floor(Number(m[1]) * SIZE_UNIT[(m[2] ?? "b").toLowerCase()]);
+  if (bytes <= 0) throw new ConfigError(flag, `must be greater than zero, got '${value}'`);
+  if (!Number.isSafeInteger(bytes)) throw new ConfigError(flag, `is too large: '${value}'`);
+  return bytes;
+}
+
+/**
+ * Parses a backend base URL (`http://host:port` or `https://…`, optionally with a path prefix).
+ * The trailing slash is dropped so `/v1/...` can be appended.
+ *
+ * @example
+ * ```ts
+ * parseBackendUrl("--prefill", "http://10.0.0.5:8000/"); // "http://10.0.0.5:8000"
+ * ```
+ */
+export function parseBackendUrl(flag: string, value: string): string {
+  let url: URL;
+  try {
+    url = new URL(value.trim());
+  } catch {
+    // URL's own message ("Invalid URL") adds nothing; the flag and the value say what to fix.
+    throw new ConfigError(flag, `expected a URL like http://host:8000, got '${value}'`);
+  }
+  if (url.protocol !== "http:" && url.protocol !== "https:") {
+    throw new ConfigError(flag, `expected an http:// or https:// URL, got '${value}'`);
+  }
+  if (url.search !== "" || url.hash !== "") {
+    throw new ConfigError(flag, `must not carry a query or fragment, got '${value}'`);
+  }
+  return url.href.replace(/\/+$/, "");
+}
+
+/**
+ * Parses a log level.
+ *
+ * @example
+ * ```ts
+ * parseLogLevel("--log-level", "debug"); // "debug"
+ * ```
+ */
+export function parseLogLevel(flag: string, value: string): LogLevel {
+  const v = value.trim().toLowerCase();
+  if (!(LOG_LEVELS as readonly string[]).includes(v)) {
+    throw new ConfigError(flag, `expected one of ${LOG_LEVELS.join(", ")}, got '${value}'`);
+  }
+  return v as LogLevel;
+}
+
+/**
+ * Parses the HTTP path probed by health checks.
+ *
+ * @example
+ * ```ts
+ * parseHealthPath("--health-path", "/v1/models"); // "/v1/models"
+ * ```
+ */
+export function parseHealthPath(flag: string, value: string): string {
+  const v = value.trim();
+  if (!v.startsWith("/") || /\s/.test(v)) {
+    throw new ConfigError(flag, `expected a path starting with '/', got '${value}'`);
+  }
+  return v;
+}
+
+/** The raw strings collected by the CLI, before validation. */
+export interface RawRouterOptions {
+  host: string;
+  port: string;
+  prefill: string[];
+  decode: string[];
+  prefillTimeout: string;
+  decodeTimeout: string;
+  streamIdleTimeout: string;
+  healthInterval: string;
+  healthTimeout: string;
+  healthPath: string;
+  maxBody: string;
+  logLevel: string;
+}
+
+/**
+ * Validates every raw option and builds a {@link RouterConfig}; throws a {@link ConfigError}
+ * naming the first bad flag.
+ *
+ * @example
+ * ```ts
+ * const cfg = resolveConfig({ ...DEFAULTS, prefill: ["http://p:8000"], decode: ["http://d:8001"] });
+ * ```
+ */
+export function resolveConfig(raw: RawRouterOptions): RouterConfig {
+  const host = raw.host.trim();
+  if (host === "" || /[\s/]/.test(host)) {
+    throw new ConfigError("--host", `expected a host name or IP address, got '${raw.host}'`);
+  }
+  const port = parsePort("--port", raw.port);
+  if (raw.prefill.length === 0) {
+    throw new ConfigError("--prefill", "at least one prefill backend URL is required");
+  }
+  if (raw.decode.length === 0) {
+    throw new ConfigError("--decode", "at least one decode backend URL is required");
+  }
+  const prefill = raw.prefill.map((u) => parseBackendUrl("--prefill", u));
+  const decode = raw.decode.map((u) => parseBackendUrl("--decode", u));
+  for (const [flag, urls] of [["--prefill", prefill], ["--decode", decode]] as const) {
+    const dup = urls.find((u, i) => urls.indexOf(u) !== i);
+    if (dup !== undefined) throw new ConfigError(flag, `backend ${dup} is listed twice`);
+  }
+  const healthIntervalMs = parseDurationMs("--health-interval", raw.healthInterval);
+  const healthTimeoutMs = parseDurationMs("--health-timeout", raw.healthTimeout);
+  return {
+    host,
+    port,
+    prefill,
+    decode,
+    prefillTimeoutMs: parseDurationMs("--prefill-timeout", raw.prefillTimeout),
+    decodeTimeoutMs: parseDurationMs("--decode-timeout", raw.decodeTimeout),
+    streamIdleTimeoutMs: raw.streamIdleTimeout.trim().toLowerCase() === "off"
+      ? null
+      : parseDurationMs("--stream-idle-timeout", raw.streamIdleTimeout),
+    healthIntervalMs,
+    healthTimeoutMs,
+    healthPath: parseHealthPath("--health-path", raw.healthPath),
+    maxBodyBytes: parseBytes("--max-body", raw.maxBody),
+    logLevel: parseLogLevel("--log-level", raw.logLevel),
+  };
+}

@@ -1,0 +1,534 @@
+/**
+ * The prefill → decode hand-off for one request.
+ *
+ * 1. P gets a copy of the request with `max_tokens: 1` (and `max_completion_tokens: 1` when the
+ *    client set it), `stream: false`, no `stream_options`, and `kv_transfer_params` asking for
+ *    `do_remote_decode` — vLLM's disaggregated-serving contract. P's answer means its KV is saved
+ *    (the synchronous hand-off; see docs/router.md).
+ * 2. D gets the original request, plus P's `kv_transfer_params` when P returned any, under the
+ *    same `X-Request-Id`. D's response is relayed to the client chunk by chunk as it arrives.
+ *
+ * P is retried once, on another backend when there is one, after a connection failure or a
+ * 502/503/504. D is retried once only when its connection failed before D answered anything:
+ * refused (the request never reached it; another D is tried), or closed/reset — typically a
+ * keep-alive connection D had just closed (another D, else the same one on a new connection).
+ * An engine that did receive such a request sees its connection close and aborts it, so no
+ * generation is duplicated; once D has answered, nothing is retried. A P error that is not
+ * transient (4xx, 500) is the client's answer as it stands, and D is not called.
+ *
+ * @module
+ */
+
+import type { Backend, BackendPool, Role } from "./backend_pool.ts";
+import { RouterError } from "./errors.ts";
+import { describeError } from "./health.ts";
+import type { Logger } from "./log.ts";
+import type { RouterMetrics } from "./metrics.ts";
+import type { GenerationRequest, JsonObject } from "./validate.ts";
+import { classifyNetworkError, TRANSIENT_STATUSES, UpstreamLink } from "./upstream.ts";
+
+/** What the flow needs from the router. */
+export interface FlowDeps {
+  prefill: BackendPool;
+  decode: BackendPool;
+  metrics: RouterMetrics;
+  log: Logger;
+  client: Deno.HttpClient;
+  prefillTimeoutMs: number;
+  decodeTimeoutMs: number;
+  /** `null`: pipe D's body natively; a number: relay chunk by chunk and enforce this silence. */
+  streamIdleTimeoutMs: number | null;
+  /**
+   * Whether this Deno aborts a request's signal after a successful response too (its legacy
+   * behaviour, without --unstable-no-legacy-abort); then the signal cannot tell a client that
+   * left from one that was served.
+   */
+  legacyAbort: boolean;
+}
+
+/** Per-request context. */
+export interface FlowContext {
+  requestId: string;
+  /** Aborts when the client disconnects. */
+  signal: AbortSignal;
+  /** The client's `Authorization` header, forwarded to both backends. */
+  authorization: string | null;
+  /**
+   * The server's promise that settles when the response has been delivered (resolves) or was
+   * not (rejects). A function because Deno makes the promise on first access, and a rejected
+   * promise nobody listens to would be an unhandled rejection.
+   */
+  completed: () => Promise<void>;
+}
+
+/** Thrown when the client went away; the caller answers nothing more. */
+export class ClientGone extends Error {
+  constructor(phase: Role) {
+    super(`client disconnected during ${phase}`);
+    this.name = "ClientGone";
+  }
+}
+
+/** Result of the prefill phase. */
+export type PrefillResult =
+  | { kind: "ok"; kvTransferParams: JsonObject | undefined; backend: Backend }
+  /** P refused the request (4xx/500): relay its answer, skip D. */
+  | { kind: "refused"; status: number; body: string; contentType: string };
+
+/** How a finished relay ended. */
+export type RelayOutcome = "ok" | "client_gone" | "idle_timeout" | "network";
+
+/**
+ * The `kv_transfer_params` sent to P: ask it to keep the KV for a remote decode. The null fields
+ * are the ones P fills in its answer (vLLM's NIXL and PegaFlow connectors read this shape).
+ */
+export const PREFILL_KV_TRANSFER_PARAMS: Readonly<JsonObject> = Object.freeze({
+  do_remote_decode: true,
+  do_remote_prefill: false,
+  remote_engine_id: null,
+  remote_block_ids: null,
+  remote_host: null,
+  remote_port: null,
+});
+
+const encoder = new TextEncoder();
+
+/**
+ * Builds the body sent to P.
+ *
+ * @example
+ * ```ts
+ * prefillBody({ model: "m", prompt: "hi", max_tokens: 50, stream: true });
+ * // { model: "m", prompt: "hi", max_tokens: 1, stream: false, kv_transfer_params: {...} }
+ * ```
+ */
+export function prefillBody(body: JsonObject): JsonObject {
+  const p: JsonObject = { ...body, max_tokens: 1, stream: false };
+  if ("max_completion_tokens" in p) p.max_completion_tokens = 1;
+  // vLLM rejects stream_options on a non-streaming request.
+  delete p.stream_options;
+  p.kv_transfer_params = { ...PREFILL_KV_TRANSFER_PARAMS };
+  return p;
+}
+
+function upstreamHeaders(ctx: FlowContext): Headers {
+  const h = new Headers({ "content-type": "application/json", "x-request-id": ctx.requestId });
+  if (ctx.authorization !== null) h.set("authorization", ctx.authorization);
+  return h;
+}
+
+type Attempt =
+  | { kind: "http"; status: number; text: string; contentType: string }
+  | { kind: "timeout" }
+  | { kind: "network"; failure: "connect" | "network"; message: string };
+
+/**
+ * Runs the prefill phase with its one retry. Throws {@link RouterError} when no P can serve and
+ * {@link ClientGone} when the client left.
+ */
+export async function runPrefill(
+  deps: FlowDeps,
+  req: GenerationRequest,
+  ctx: FlowContext,
+): Promise<PrefillResult> {
+  const { prefill: pool, metrics, log } = deps;
+  const body = JSON.stringify(prefillBody(req.body));
+  const tried = new Set<Backend>();
+  const firstPick = pool.pick();
+  if (firstPick === undefined) throw noBackend("prefill", pool);
+  let backend: Backend = firstPick;
+  for (let attempt = 0;; attempt++) {
+    tried.add(backend);
+    const out = await prefillAttempt(deps, backend, req.route, body, ctx);
+    if (out.kind === "http" && out.status >= 200 && out.status < 300) {
+      return { kind: "ok", kvTransferParams: readKvParams(out.text, backend), backend };
+    }
+    if (out.kind === "http" && !TRANSIENT_STATUSES.has(out.status)) {
+      metrics.upstreamFailures.inc({ role: "prefill", reason: `http_${out.status}` });
+      return { kind: "refused", status: out.status, body: out.text, contentType: out.contentType };
+    }
+    if (out.kind === "timeout") {
+      metrics.upstreamFailures.inc({ role: "prefill", reason: "timeout" });
+      throw new RouterError(
+        504,
+        "timeout_error",
+        `prefill backend ${backend.url} did not answer within ${deps.prefillTimeoutMs} ms ` +
+          `(request ${ctx.requestId})`,
+        null,
+        "prefill_timeout",
+      );
+    }
+    const reason = out.kind === "http" ? `http_${out.status}` : out.failure;
+    const detail = out.kind === "http" ? `HTTP ${out.status}: ${snippet(out.text)}` : out.message;
+    metrics.upstreamFailures.inc({ role: "prefill", reason });
+    if (out.kind === "network" && out.failure === "connect") {
+      pool.markDown(backend, `connection failed: ${out.message}`);
+    }
+    const next: Backend | undefined = attempt === 0
+      ? pool.pick(tried) ?? (backend.healthy ? backend : undefined)
+      : undefined;
+    if (next === undefined) {
+      const status = out.kind === "http" ? out.status : 502;
+      throw new RouterError(
+        status,
+        "server_error",
+        `prefill failed on ${backend.url} after ${attempt + 1} attempt(s) (request ` +
+          `${ctx.requestId}): ${detail}`,
+        null,
+        "prefill_unavailable",
+      );
+    }
+    metrics.retries.inc({ role: "prefill", reason });
+    log.warn("retrying prefill", {
+      request_id: ctx.requestId,
+      failed: backend.url,
+      next: next.url,
+      reason: detail,
+    });
+    backend = next;
+  }
+}
+
+async function prefillAttempt(
+  deps: FlowDeps,
+  backend: Backend,
+  route: string,
+  body: string,
+  ctx: FlowContext,
+): Promise<Attempt> {
+  const { prefill: pool, metrics } = deps;
+  pool.acquire(backend);
+  const link = new UpstreamLink(ctx.signal, deps.prefillTimeoutMs);
+  const t0 = performance.now();
+  try {
+    const res = await fetch(backend.url + route, {
+      method: "POST",
+      headers: upstreamHeaders(ctx),
+      body,
+      signal: link.signal,
+      client: deps.client,
+    });
+    const text = await res.text();
+    metrics.prefillSeconds.observe({ backend: backend.url }, (performance.now() - t0) / 1000);
+    return {
+      kind: "http",
+      status: res.status,
+      text,
+      contentType: res.headers.get("content-type") ?? "application/json",
+    };
+  } catch (e) {
+    if (link.cause === "client_gone") throw new ClientGone("prefill");
+    if (link.cause === "timeout") return { kind: "timeout" };
+    return { kind: "network", failure: classifyNetworkError(e), message: describeError(e) };
+  } finally {
+    link.dispose();
+    pool.release(backend);
+  }
+}
+
+function readKvParams(text: string, backend: Backend): JsonObject | undefined {
+  let json: unknown;
+  try {
+    json = JSON.parse(text);
+  } catch (e) {
+    throw new RouterError(
+      502,
+      "server_error",
+      `prefill backend ${backend.url} returned a body that is not JSON (${describeError(e)}): ` +
+        snippet(text),
+      null,
+      "prefill_bad_response",
+    );
+  }
+  const kv = (json as JsonObject | null)?.kv_transfer_params;
+  // Same rule as vLLM's reference proxy: only a non-empty object is passed on.
+  if (typeof kv === "object" && kv !== null && !Array.isArray(kv) && Object.keys(kv).length > 0) {
+    return kv as JsonObject;
+  }
+  return undefined;
+}
+
+/**
+ * Runs the decode phase and returns the response to send to the client, whose body relays D's
+ * body as it arrives. `onEnd` is called exactly once when the relay is over (or failed before it
+ * began, via the thrown error — then it is not called).
+ */
+export async function runDecode(
+  deps: FlowDeps,
+  req: GenerationRequest,
+  kvTransferParams: JsonObject | undefined,
+  ctx: FlowContext,
+  onEnd: (status: number, outcome: RelayOutcome) => void,
+): Promise<Response> {
+  const { decode: pool, metrics, log } = deps;
+  const body: Uint8Array<ArrayBuffer> = kvTransferParams === undefined
+    ? req.raw
+    : encoder.encode(JSON.stringify({ ...req.body, kv_transfer_params: kvTransferParams }));
+  const tried = new Set<Backend>();
+  const firstPick = pool.pick();
+  if (firstPick === undefined) throw noBackend("decode", pool);
+  let backend: Backend = firstPick;
+  for (let attempt = 0;; attempt++) {
+    tried.add(backend);
+    pool.acquire(backend);
+    const link = new UpstreamLink(ctx.signal, deps.decodeTimeoutMs);
+    const t0 = performance.now();
+    let res: Response;
+    try {
+      res = await fetch(backend.url + req.route, {
+        method: "POST",
+        headers: upstreamHeaders(ctx),
+        body,
+        signal: link.signal,
+        client: deps.client,
+      });
+    } catch (e) {
+      link.dispose();
+      pool.release(backend);
+      if (link.cause === "client_gone") throw new ClientGone("decode");
+      if (link.cause === "timeout") {
+        metrics.upstreamFailures.inc({ role: "decode", reason: "timeout" });
+        throw new RouterError(
+          504,
+          "timeout_error",
+          `decode backend ${backend.url} sent no response headers within ${deps.decodeTimeoutMs} ` +
+            `ms (request ${ctx.requestId})`,
+          null,
+          "decode_timeout",
+        );
+      }
+      const failure = classifyNetworkError(e);
+      metrics.upstreamFailures.inc({ role: "decode", reason: failure });
+      const message = describeError(e);
+      if (failure === "connect") pool.markDown(backend, `connection failed: ${message}`);
+      const next: Backend | undefined = attempt > 0
+        ? undefined
+        : failure === "connect"
+        ? pool.pick(tried)
+        : pool.pick(tried) ?? (backend.healthy ? backend : undefined);
+      if (next === undefined) {
+        throw new RouterError(
+          502,
+          "server_error",
+          `decode failed on ${backend.url} (request ${ctx.requestId}): ${message}`,
+          null,
+          "decode_unavailable",
+        );
+      }
+      metrics.retries.inc({ role: "decode", reason: failure });
+      log.warn("retrying decode", {
+        request_id: ctx.requestId,
+        failed: backend.url,
+        next: next.url,
+        reason: message,
+      });
+      backend = next;
+      continue;
+    }
+    link.clearDeadline();
+    const headers = relayHeaders(res.headers, ctx.requestId);
+    const done = (outcome: RelayOutcome) => onEnd(res.status, outcome);
+    const stream = deps.streamIdleTimeoutMs === null
+      ? pipeBody(deps, res, backend, link, t0, ctx, done)
+      : relayBody(deps, res, backend, link, t0, ctx, deps.streamIdleTimeoutMs, done);
+    return new Response(stream, { status: res.status, headers });
+  }
+}
+
+/** Headers that describe one hop's connection, or that the relay changes, and are not copied. */
+const HOP_HEADERS = new Set([
+  "connection",
+  "keep-alive",
+  "transfer-encoding",
+  "content-length",
+  "upgrade",
+  "te",
+  "trailer",
+  "proxy-connection",
+  "date",
+  "server",
+]);
+
+function relayHeaders(upstream: Headers, requestId: string): Headers {
+  const h = new Headers();
+  for (const [k, v] of upstream) if (!HOP_HEADERS.has(k)) h.set(k, v);
+  h.set("x-request-id", requestId);
+  return h;
+}
+
+/** An SSE event carrying an OpenAI-style error, sent when a stream must be cut short. */
+function sseError(message: string, code: string): Uint8Array {
+  const body = { error: { message, type: "timeout_error", param: null, code } };
+  return encoder.encode(`data: ${JSON.stringify(body)}\n\n`);
+}
+
+/**
+ * Hands D's body to the server as it is: Deno then moves the bytes from D's socket to the
+ * client's in native code, chunk by chunk as they arrive, with no JavaScript per chunk. The time
+ * to first byte is taken at D's response headers; the end is learnt from the server's delivery
+ * promise. A client that leaves makes that promise reject, and the upstream request is aborted.
+ */
+function pipeBody(
+  deps: FlowDeps,
+  res: Response,
+  backend: Backend,
+  link: UpstreamLink,
+  t0: number,
+  ctx: FlowContext,
+  onEnd: (outcome: RelayOutcome) => void,
+): ReadableStream<Uint8Array> | null {
+  const { decode: pool, metrics } = deps;
+  metrics.decodeTtfbSeconds.observe({ backend: backend.url }, (performance.now() - t0) / 1000);
+  ctx.completed().then(
+    () => {
+      // Deno resolves `completed` also when the client left mid-body; its signal tells them
+      // apart, unless the legacy signal aborts on success too (then count it as served).
+      const outcome: RelayOutcome = !deps.legacyAbort && ctx.signal.aborted ? "client_gone" : "ok";
+      link.dispose();
+      pool.release(backend);
+      onEnd(outcome);
+    },
+    () => {
+      // Not delivered: the client went away (Deno aborts its signal first) or D broke off.
+      // Stop D's generation either way.
+      const outcome: RelayOutcome = ctx.signal.aborted ? "client_gone" : "network";
+      if (outcome === "network") {
+        metrics.upstreamFailures.inc({ role: "decode", reason: "network" });
+      }
+      link.abort("client_gone");
+      link.dispose();
+      pool.release(backend);
+      onEnd(outcome);
+    },
+  );
+  return res.body;
+}
+
+/**
+ * Wraps D's body in a pull-based stream: a chunk is read from D only when the client side is
+ * ready for it, and handed on the moment it arrives, so nothing is buffered beyond one chunk.
+ */
+function relayBody(
+  deps: FlowDeps,
+  res: Response,
+  backend: Backend,
+  link: UpstreamLink,
+  t0: number,
+  ctx: FlowContext,
+  streamIdleTimeoutMs: number,
+  onEnd: (outcome: RelayOutcome) => void,
+): ReadableStream<Uint8Array> | null {
+  const { decode: pool, metrics, log } = deps;
+  let ended = false;
+  let first = true;
+  // When the pending read from D began, or -1 while none is pending: a client that reads slowly
+  // leaves no read pending, and its slowness must not count as D's silence.
+  let readingSince = -1;
+  // One coarse timer per stream instead of one per chunk: the check is cheap and the deadline
+  // only needs to be enforced within a quarter of its length.
+  const idleCheckMs = Math.max(Math.floor(streamIdleTimeoutMs / 4), 5);
+  const idleTimer = setInterval(() => {
+    if (readingSince >= 0 && performance.now() - readingSince > streamIdleTimeoutMs) {
+      link.abort("idle_timeout");
+    }
+  }, idleCheckMs);
+  const end = (outcome: RelayOutcome) => {
+    if (ended) return;
+    ended = true;
+    clearInterval(idleTimer);
+    link.dispose();
+    pool.release(backend);
+    onEnd(outcome);
+  };
+  if (res.body === null) {
+    end("ok");
+    return null;
+  }
+  const reader = res.body.getReader();
+  const isSse = (res.headers.get("content-type") ?? "").includes("text/event-stream");
+  return new ReadableStream<Uint8Array>({
+    async pull(controller) {
+      let r: ReadableStreamReadResult<Uint8Array>;
+      readingSince = performance.now();
+      try {
+        r = await reader.read();
+      } catch (e) {
+        if (link.cause === "client_gone") {
+          end("client_gone");
+          controller.error(new ClientGone("decode"));
+          return;
+        }
+        const idle = link.cause === "idle_timeout";
+        const outcome: RelayOutcome = idle ? "idle_timeout" : "network";
+        metrics.upstreamFailures.inc({ role: "decode", reason: outcome });
+        const message = idle
+          ? `decode backend ${backend.url} sent nothing for ${streamIdleTimeoutMs} ms ` +
+            `(request ${ctx.requestId})`
+          : `decode backend ${backend.url} failed mid-response (request ${ctx.requestId}): ` +
+            describeError(e);
+        log.warn("decode stream cut short", { request_id: ctx.requestId, reason: message });
+        end(outcome);
+        if (isSse) {
+          // A streaming client understands an error event; a truncated chunked body reads as
+          // a network fault with no explanation.
+          controller.enqueue(sseError(message, idle ? "decode_idle_timeout" : "decode_failed"));
+          controller.close();
+        } else {
+          controller.error(e);
+        }
+        return;
+      }
+      if (r.done) {
+        end("ok");
+        controller.close();
+        return;
+      }
+      readingSince = -1;
+      if (first) {
+        first = false;
+        metrics.decodeTtfbSeconds.observe(
+          { backend: backend.url },
+          (performance.now() - t0) / 1000,
+        );
+      }
+      controller.enqueue(r.value);
+    },
+    cancel(reason) {
+      // The client went away (or Deno gave up writing to it): stop D's generation too.
+      link.abort("client_gone");
+      end("client_gone");
+      return reader.cancel(reason).catch((e) => {
+        log.debug("cancelling decode body failed", {
+          request_id: ctx.requestId,
+          error: describeError(e),
+        });
+      });
+    },
+  });
+}
+
+/**
+ * Refuses up front when either pool has no backend in service, so a request that cannot finish
+ * does not cost a prefill first.
+ */
+export function checkCapacity(deps: FlowDeps): void {
+  if (deps.prefill.healthyCount() === 0) throw noBackend("prefill", deps.prefill);
+  if (deps.decode.healthyCount() === 0) throw noBackend("decode", deps.decode);
+}
+
+function noBackend(role: Role, pool: BackendPool): RouterError {
+  const reasons = pool.backends.map((b) => `${b.url} (${b.lastError ?? "out of service"})`);
+  return new RouterError(
+    503,
+    "server_error",
+    `no healthy ${role} backend is available: ${reasons.join("; ")}`,
+    null,
+    `no_${role}_backend`,
+  );
+}
+
+const SNIPPET_CHARS = 300;
+
+function snippet(text: string): string {
+  return text.length > SNIPPET_CHARS ? text.slice(0, SNIPPET_CHARS) + "…" : text;
+}

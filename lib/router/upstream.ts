@@ -1,0 +1,89 @@
+/**
+ * Signal plumbing and failure classification for requests to backends.
+ *
+ * Every upstream request runs under a signal that fires when the client goes away, when its own
+ * deadline passes, or when the router gives up on it for another reason (stream idle). Keeping
+ * the reason beside the signal lets the caller tell "the client left" (stop quietly) from "the
+ * backend was too slow" (answer 504) from "the backend is unreachable" (retry elsewhere).
+ *
+ * @module
+ */
+
+/** Why an upstream request was aborted by the router. */
+export type AbortCause = "client_gone" | "timeout" | "idle_timeout" | "shutdown";
+
+/**
+ * An AbortController tied to a parent signal (the client's) plus an optional deadline.
+ *
+ * @example
+ * ```ts
+ * const link = new UpstreamLink(request.signal, 30_000);
+ * try { await fetch(url, { signal: link.signal }); } finally { link.dispose(); }
+ * if (link.cause === "timeout") { ... }
+ * ```
+ */
+export class UpstreamLink {
+  readonly #ac = new AbortController();
+  readonly #parent: AbortSignal;
+  #timer: ReturnType<typeof setTimeout> | undefined;
+  #cause: AbortCause | null = null;
+  readonly #onParent = () => this.abort("client_gone");
+
+  constructor(parent: AbortSignal, deadlineMs?: number) {
+    this.#parent = parent;
+    if (parent.aborted) this.abort("client_gone");
+    else parent.addEventListener("abort", this.#onParent, { once: true });
+    if (deadlineMs !== undefined) {
+      this.#timer = setTimeout(() => this.abort("timeout"), deadlineMs);
+    }
+  }
+
+  /** The signal to hand to `fetch`. */
+  get signal(): AbortSignal {
+    return this.#ac.signal;
+  }
+
+  /** Why it was aborted, or `null` while it was not. */
+  get cause(): AbortCause | null {
+    return this.#cause;
+  }
+
+  /** Aborts the upstream request; the first cause wins. */
+  abort(cause: AbortCause): void {
+    if (this.#cause !== null) return;
+    this.#cause = cause;
+    this.#ac.abort(new DOMException(`upstream request aborted: ${cause}`, "AbortError"));
+  }
+
+  /** Stops the deadline (e.g. once D's headers arrived) but keeps the link to the client. */
+  clearDeadline(): void {
+    if (this.#timer !== undefined) clearTimeout(this.#timer);
+    this.#timer = undefined;
+  }
+
+  /** Releases the timer and the listener on the parent signal. */
+  dispose(): void {
+    this.clearDeadline();
+    this.#parent.removeEventListener("abort", this.#onParent);
+  }
+}
+
+/** How a fetch that threw (not aborted by us) failed. */
+export type NetworkFailure = "connect" | "network";
+
+/**
+ * Classifies a fetch exception: `connect` when the TCP connection was never made (the request
+ * certainly did not reach the backend, so any request may be retried), `network` otherwise
+ * (reset, closed mid-response).
+ */
+export function classifyNetworkError(e: unknown): NetworkFailure {
+  const text = e instanceof Error
+    ? `${e.message} ${e.cause instanceof Error ? e.cause.message : ""}`
+    : String(e);
+  return /\(Connect\)|Connection refused|tcp connect error|dns error/i.test(text)
+    ? "connect"
+    : "network";
+}
+
+/** HTTP statuses from a backend that mean "try again, maybe elsewhere". */
+export const TRANSIENT_STATUSES: ReadonlySet<number> = new Set([502, 503, 504]);

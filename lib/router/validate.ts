@@ -1,0 +1,221 @@
+/**
+ * Request intake: read the body under a size limit and check it is a request the router can split
+ * between prefill and decode. Everything here runs before any byte goes upstream, so a refusal
+ * costs the backends nothing.
+ *
+ * @module
+ */
+
+import { badRequest } from "./errors.ts";
+
+/** The two generation routes the router splits. */
+export type GenerationRoute = "/v1/completions" | "/v1/chat/completions";
+
+/** A JSON object as parsed from a request body. */
+export type JsonObject = Record<string, unknown>;
+
+/** A validated generation request. */
+export interface GenerationRequest {
+  route: GenerationRoute;
+  /** The parsed body; the router never mutates it (P and D get copies). */
+  body: JsonObject;
+  /** The body bytes exactly as received, forwarded to D when nothing needs adding. */
+  raw: Uint8Array<ArrayBuffer>;
+  /** Whether the client asked for a stream (`"stream": true`). */
+  stream: boolean;
+}
+
+/**
+ * Reads a request body, refusing it as soon as it exceeds `maxBytes` (by `Content-Length` when the
+ * client sent one, otherwise while reading), so an oversized upload is never held in memory.
+ *
+ * @example
+ * ```ts
+ * const bytes = await readBodyLimited(request, 16 * 1024 * 1024);
+ * ```
+ */
+export async function readBodyLimited(
+  req: Request,
+  maxBytes: number,
+): Promise<Uint8Array<ArrayBuffer>> {
+  const declared = req.headers.get("content-length");
+  if (declared !== null) {
+    if (Number(declared) > maxBytes) throw tooLarge(Number(declared), maxBytes);
+    // The HTTP layer holds the body to its declared length, so it can be taken whole (Deno's
+    // fast path, no stream) without risk of going over the limit.
+    return new Uint8Array(await req.arrayBuffer());
+  }
+  if (req.body === null) return new Uint8Array(0);
+  const reader = req.body.getReader();
+  const parts: Uint8Array<ArrayBuffer>[] = [];
+  let total = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    total += value.byteLength;
+    if (total > maxBytes) {
+      await reader.cancel("body too large");
+      throw tooLarge(total, maxBytes, true);
+    }
+    parts.push(value);
+  }
+  if (parts.length === 1) return parts[0];
+  const out = new Uint8Array(total);
+  let off = 0;
+  for (const p of parts) {
+    out.set(p, off);
+    off += p.byteLength;
+  }
+  return out;
+}
+
+function tooLarge(got: number, max: number, atLeast = false) {
+  return badRequest(
+    `request body is ${atLeast ? "at least " : ""}${got} bytes, larger than the limit of ${max} ` +
+      `bytes (raise it with --max-body)`,
+    null,
+    "body_too_large",
+  );
+}
+
+const decoder = new TextDecoder("utf-8", { fatal: true });
+
+/**
+ * Parses and checks a generation request body: a JSON object with a non-empty string `model`, a
+ * `prompt` (completions) or non-empty `messages` (chat), `n` absent or 1, and well-typed `stream`,
+ * `max_tokens`, `max_completion_tokens`. Throws a 400 {@link RouterError} naming the field.
+ *
+ * @example
+ * ```ts
+ * const req = parseGenerationRequest("/v1/completions", new TextEncoder().encode(
+ *   '{"model":"m","prompt":"hi","stream":true}'));
+ * req.stream; // true
+ * ```
+ */
+export function parseGenerationRequest(
+  route: GenerationRoute,
+  raw: Uint8Array<ArrayBuffer>,
+): GenerationRequest {
+  if (raw.byteLength === 0) {
+    throw badRequest("request body is empty; expected a JSON object", null, "invalid_json");
+  }
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(decoder.decode(raw));
+  } catch (e) {
+    throw badRequest(
+      `request body is not valid JSON: ${e instanceof Error ? e.message : String(e)}`,
+      null,
+      "invalid_json",
+    );
+  }
+  if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) {
+    throw badRequest(
+      `request body must be a JSON object, got ${jsonKind(parsed)}`,
+      null,
+      "invalid_json",
+    );
+  }
+  const body = parsed as JsonObject;
+
+  if (body.model === undefined || body.model === null) {
+    throw badRequest("'model' is required", "model", "missing_model");
+  }
+  if (typeof body.model !== "string" || body.model.length === 0) {
+    throw badRequest(
+      `'model' must be a non-empty string, got ${jsonKind(body.model)}`,
+      "model",
+      "invalid_model",
+    );
+  }
+
+  if (route === "/v1/completions") checkPrompt(body.prompt);
+  else checkMessages(body.messages);
+
+  if (body.n !== undefined && body.n !== null) {
+    if (!Number.isInteger(body.n) || (body.n as number) < 1) {
+      throw badRequest(
+        `'n' must be a positive integer, got ${JSON.stringify(body.n)}`,
+        "n",
+        "invalid_n",
+      );
+    }
+    if ((body.n as number) > 1) {
+      throw badRequest(
+        `n > 1 is not supported by the P/D router (got n=${body.n}); send n separate requests`,
+        "n",
+        "unsupported_n",
+      );
+    }
+  }
+  if (body.stream !== undefined && body.stream !== null && typeof body.stream !== "boolean") {
+    throw badRequest(
+      `'stream' must be a boolean, got ${jsonKind(body.stream)}`,
+      "stream",
+      "invalid_stream",
+    );
+  }
+  for (const field of ["max_tokens", "max_completion_tokens"]) {
+    const v = body[field];
+    if (v !== undefined && v !== null && (!Number.isInteger(v) || (v as number) < 1)) {
+      throw badRequest(
+        `'${field}' must be a positive integer, got ${JSON.stringify(v)}`,
+        field,
+        `invalid_${field}`,
+      );
+    }
+  }
+  return { route, body, raw, stream: body.stream === true };
+}
+
+function checkPrompt(prompt: unknown): void {
+  if (prompt === undefined || prompt === null) {
+    throw badRequest("'prompt' is required for /v1/completions", "prompt", "missing_prompt");
+  }
+  const ok = typeof prompt === "string" ||
+    (Array.isArray(prompt) && prompt.length > 0 &&
+      prompt.every((p) =>
+        typeof p === "string" || Number.isInteger(p) ||
+        (Array.isArray(p) && p.every((t) => Number.isInteger(t)))
+      ));
+  if (!ok) {
+    throw badRequest(
+      "'prompt' must be a string, a non-empty array of strings, or token ids",
+      "prompt",
+      "invalid_prompt",
+    );
+  }
+}
+
+function checkMessages(messages: unknown): void {
+  if (messages === undefined || messages === null) {
+    throw badRequest(
+      "'messages' is required for /v1/chat/completions",
+      "messages",
+      "missing_messages",
+    );
+  }
+  if (!Array.isArray(messages) || messages.length === 0) {
+    throw badRequest(
+      `'messages' must be a non-empty array, got ${jsonKind(messages)}`,
+      "messages",
+      "invalid_messages",
+    );
+  }
+  messages.forEach((m, i) => {
+    if (typeof m !== "object" || m === null || Array.isArray(m) || typeof m.role !== "string") {
+      throw badRequest(
+        `'messages[${i}]' must be an object with a string 'role'`,
+        `messages[${i}]`,
+        "invalid_messages",
+      );
+    }
+  });
+}
+
+function jsonKind(v: unknown): string {
+  if (v === null) return "null";
+  if (Array.isArray(v)) return v.length === 0 ? "an empty array" : "an array";
+  if (typeof v === "string") return v.length === 0 ? "an empty string" : "a string";
+  return `a ${typeof v}`;
+}

@@ -1,0 +1,192 @@
+/**
+ * The SSD tier as the KV engine sees it: two calls, on the existing store
+ * API only (no change to lib/storage).
+ *
+ *  - {@link SsdKvBridge.onSealed}: after `store.completeSave` sealed blocks,
+ *    offer them for write-behind. When a write starts, the block is pinned
+ *    with a transfer lock (so eviction cannot free it mid-write) and its
+ *    slots are read in the store's slot order — `(layer × rankSlots +
+ *    rankSlot) × segments + segment` — which is the record's payload order.
+ *    A block evicted before that is skipped.
+ *  - {@link SsdKvBridge.beforeQuery}: in QueryPrefetch, before
+ *    `store.query`: if the prefix continues past RAM on SSD (or a prefetch
+ *    for this request id exists), start/poll the prefetch. Pool space for a
+ *    fetched block is planned like a save (`beginSave` for each rank slot,
+ *    one plan per block so a block that fails verification frees exactly
+ *    its own slots); a verified block is committed with `completeSave`,
+ *    which seals it into RAM, and the following `store.query` hits it.
+ *
+ * @module
+ */
+
+import { rankSlots } from "../storage/block.ts";
+import type { BlockHash } from "../storage/keys.ts";
+import { blockKey } from "../storage/keys.ts";
+import type { KvStore, SavePlan } from "../storage/store.ts";
+import type { PoolExtent } from "./io.ts";
+import type { PrefetchAllocation, SsdLog, SsdTier, SsdWriteBlock } from "./tier.ts";
+
+/** Requester name of the tier's transfer locks (shows in store diagnostics). */
+export const SSD_WRITER = "ssd-write-behind";
+
+/** Splits a store key `namespace:hex` into its parts. */
+function splitKey(key: string): { namespace: string; hex: string } {
+  const i = key.lastIndexOf(":");
+  if (i <= 0) throw new RangeError(`"${key}" is not a block key (namespace:hash)`);
+  return { namespace: key.slice(0, i), hex: key.slice(i + 1) };
+}
+
+/** Merges extents that follow each other in the pool (fewer iovecs per record). */
+export function mergeExtents(offsets: ArrayLike<number>, bytes: number): PoolExtent[] {
+  const out: PoolExtent[] = [];
+  for (let j = 0; j < offsets.length; j++) {
+    const off = offsets[j];
+    const last = out[out.length - 1];
+    if (last && last.offset + last.bytes === off) last.bytes += bytes;
+    else out.push({ offset: off, bytes });
+  }
+  return out;
+}
+
+/**
+ * Connects an {@link SsdTier} to a {@link KvStore}.
+ *
+ * @example
+ * ```ts
+ * const bridge = new SsdKvBridge(tier, store, log);
+ * // after completeSave: bridge.onSealed(namespace, completion.sealedKeys);
+ * // in QueryPrefetch:   if (bridge.beforeQuery(ns, inst, hashes, reqId)) answer "loading";
+ * ```
+ */
+export class SsdKvBridge {
+  constructor(
+    readonly tier: SsdTier,
+    readonly store: KvStore,
+    readonly log: SsdLog,
+  ) {}
+
+  /** Offers freshly sealed blocks for write-behind; never waits. */
+  onSealed(sealedKeys: readonly string[]): void {
+    if (sealedKeys.length === 0) return;
+    const blocks: SsdWriteBlock[] = sealedKeys.map((key) => {
+      const { namespace, hex } = splitKey(key);
+      let lockId: string | undefined;
+      return {
+        key,
+        acquire: () => {
+          const lock = this.store.lockForTransfer(namespace, [hex], SSD_WRITER);
+          if (!lock) return null; // evicted since it was sealed
+          lockId = lock.id;
+          return mergeExtents(lock.offsets, lock.segmentBytes);
+        },
+        release: () => {
+          if (lockId !== undefined) this.store.releaseTransferLock(lockId);
+          lockId = undefined;
+        },
+      };
+    });
+    this.tier.enqueueWrite(blocks);
+  }
+
+  /**
+   * Returns true when the caller must answer "loading" (a prefetch for
+   * `requestId` is running). Otherwise any finished prefetch was committed
+   * into RAM and `store.query` gives the answer.
+   */
+  beforeQuery(
+    namespace: string,
+    instance: string,
+    hashes: readonly BlockHash[],
+    requestId: string,
+  ): boolean {
+    const layout = this.store.layoutOf(namespace);
+    if (!layout) return false;
+    let ram = 0;
+    while (ram < hashes.length && this.store.blockState(namespace, hashes[ram]) === "sealed") ram++;
+    const pending = this.tier.hasPrefetch(requestId);
+    if (ram === hashes.length && !pending) return false;
+    const keys = hashes.slice(ram).map((h) => blockKey(namespace, h));
+    if (!pending && this.tier.lookupPrefix(keys) === 0) return false;
+    const slots = layout.layers * rankSlots(layout) * layout.segments;
+    const blockBytes = slots * layout.segmentBytes;
+    const a = this.tier.prefetch(requestId, keys, (sizes) => {
+      const out: PrefetchAllocation[] = [];
+      for (let i = 0; i < sizes.length; i++) {
+        if (sizes[i] !== blockBytes) {
+          this.log(
+            "warn",
+            `SSD block ${keys[i]} holds ${
+              sizes[i]
+            } bytes; namespace ${namespace} blocks are ${blockBytes}: not fetched`,
+          );
+          break;
+        }
+        const alloc = this.#plan(
+          namespace,
+          instance,
+          keys[i],
+          rankSlots(layout),
+          slots,
+          layout.segments,
+        );
+        if (!alloc) break;
+        out.push(alloc);
+      }
+      return out;
+    });
+    if (a.state === "loading") return true;
+    if (a.state === "ready") {
+      for (const b of a.blocks) (b.allocation as PlannedAllocation).commit();
+    }
+    return false;
+  }
+
+  /** Plans RAM slots for one block read from SSD; null when it cannot be placed now. */
+  #plan(
+    namespace: string,
+    instance: string,
+    key: string,
+    ranks: number,
+    slots: number,
+    segments: number,
+  ): PlannedAllocation | null {
+    const { hex } = splitKey(key);
+    const plans: SavePlan[] = [];
+    const abort = () => {
+      for (const p of plans) this.store.completeSave(p, false);
+      return null;
+    };
+    const offsets = new Float64Array(slots);
+    for (let r = 0; r < ranks; r++) {
+      const begun = this.store.beginSave({ namespace, instance, rank: r, hashes: [hex] });
+      if (!begun.ok) return abort();
+      const p = begun.plan;
+      plans.push(p);
+      // Another save holds or writes some of these slots: leave the block to it.
+      if (p.blockCount !== 1 || p.refusedForRoom > 0) return abort();
+      for (let li = 0; li < p.layers.length; li++) {
+        for (let s = 0; s < segments; s++) {
+          const off = p.offsets[li * segments + s];
+          if (off < 0) return abort();
+          offsets[(p.layers[li] * ranks + p.rankSlot) * segments + s] = off;
+        }
+      }
+    }
+    let settled = false;
+    const settle = (ok: boolean) => {
+      if (settled) return;
+      settled = true;
+      for (const p of plans) this.store.completeSave(p, ok);
+    };
+    return {
+      extents: mergeExtents(offsets, plans[0].segmentBytes),
+      free: () => settle(false),
+      commit: () => settle(true),
+    };
+  }
+}
+
+/** A prefetch allocation backed by save plans: commit seals the block into RAM. */
+interface PlannedAllocation extends PrefetchAllocation {
+  commit(): void;
+}

@@ -1,0 +1,151 @@
+/**
+ * `deno task router`: the P/D router's command line. Parses flags (each also read from a
+ * `PEGAFLOW_ROUTER_*` environment variable), refuses bad values before anything starts, then runs
+ * the router until SIGINT/SIGTERM. Everything else lives in lib/router/.
+ *
+ * @example
+ * ```sh
+ * deno task router --prefill http://p0:8000 --decode http://d0:8001 --decode http://d1:8001
+ * ```
+ *
+ * @module
+ */
+
+import { Command, Option } from "commander";
+import {
+  ConfigError,
+  DEFAULTS,
+  type RawRouterOptions,
+  resolveConfig,
+  type RouterConfig,
+} from "./lib/router/config.ts";
+import { startRouter } from "./lib/router/server.ts";
+
+/** Exit status for a command line that could not be used. */
+const EXIT_USAGE = 2;
+
+/** Repeatable flags accumulate; an env var may list several URLs separated by commas. */
+function collect(value: string, previous: string[] | undefined): string[] {
+  const items = value.split(",").map((s) => s.trim()).filter((s) => s !== "");
+  return [...(previous ?? []), ...items];
+}
+
+function opt(flags: string, description: string, env: string, fallback?: string): Option {
+  const o = new Option(flags, description).env(`PEGAFLOW_ROUTER_${env}`);
+  return fallback === undefined ? o : o.default(fallback);
+}
+
+const program = new Command("router")
+  .description(
+    "PegaFlow P/D router: an OpenAI-compatible HTTP front that sends each request to a prefill " +
+      "backend (max_tokens=1) and then to a decode backend, relaying the decode answer.",
+  )
+  .addOption(opt("--host <host>", "interface to listen on", "HOST", DEFAULTS.host))
+  .addOption(opt("--port <port>", "port to listen on (0 = any free port)", "PORT", DEFAULTS.port))
+  .addOption(
+    opt("--prefill <url>", "prefill backend base URL (repeatable; env: comma-separated)", "PREFILL")
+      .argParser(collect),
+  )
+  .addOption(
+    opt("--decode <url>", "decode backend base URL (repeatable; env: comma-separated)", "DECODE")
+      .argParser(collect),
+  )
+  .addOption(
+    opt(
+      "--prefill-timeout <duration>",
+      "deadline of one prefill request (e.g. 500ms, 30s)",
+      "PREFILL_TIMEOUT",
+      DEFAULTS.prefillTimeout,
+    ),
+  )
+  .addOption(
+    opt(
+      "--decode-timeout <duration>",
+      "deadline for the decode backend's response headers",
+      "DECODE_TIMEOUT",
+      DEFAULTS.decodeTimeout,
+    ),
+  )
+  .addOption(
+    opt(
+      "--stream-idle-timeout <duration>",
+      "longest silence allowed between decode body chunks, or 'off' (setting it makes the router inspect every chunk)",
+      "STREAM_IDLE_TIMEOUT",
+      DEFAULTS.streamIdleTimeout,
+    ),
+  )
+  .addOption(
+    opt(
+      "--health-interval <duration>",
+      "period of backend health checks",
+      "HEALTH_INTERVAL",
+      DEFAULTS.healthInterval,
+    ),
+  )
+  .addOption(
+    opt(
+      "--health-timeout <duration>",
+      "deadline of one health check",
+      "HEALTH_TIMEOUT",
+      DEFAULTS.healthTimeout,
+    ),
+  )
+  .addOption(
+    opt(
+      "--health-path <path>",
+      "path probed by health checks (/health, or /v1/models)",
+      "HEALTH_PATH",
+      DEFAULTS.healthPath,
+    ),
+  )
+  .addOption(
+    opt(
+      "--max-body <size>",
+      "largest accepted request body (e.g. 1048576, 512kb, 16mb)",
+      "MAX_BODY",
+      DEFAULTS.maxBody,
+    ),
+  )
+  .addOption(
+    opt("--log-level <level>", "error | warn | info | debug", "LOG_LEVEL", DEFAULTS.logLevel),
+  )
+  .showHelpAfterError("(run with --help for usage)")
+  .allowExcessArguments(false);
+
+program.parse(["deno", "router", ...Deno.args]);
+const raw = program.opts<Partial<RawRouterOptions>>();
+
+/** The validated configuration, or exit with status 2 and a message naming the bad flag. */
+function configOrExit(): RouterConfig {
+  try {
+    return resolveConfig({
+      ...DEFAULTS,
+      ...raw,
+      prefill: raw.prefill ?? [],
+      decode: raw.decode ?? [],
+    } as RawRouterOptions);
+  } catch (e) {
+    if (!(e instanceof ConfigError)) throw e;
+    return program.error(`error: ${e.message}`, { exitCode: EXIT_USAGE, code: "pegaflow.config" });
+  }
+}
+
+const config = configOrExit();
+const router = await startRouter(config).catch((e) => {
+  if (e instanceof Deno.errors.AddrInUse || e instanceof Deno.errors.AddrNotAvailable) {
+    return program.error(
+      `error: --host/--port: cannot listen on ${config.host}:${config.port}: ${e.message}`,
+      { exitCode: EXIT_USAGE, code: "pegaflow.listen" },
+    );
+  }
+  throw e;
+});
+// One machine-readable line on stdout, whatever the log level, so supervisors and tests learn
+// the bound address (useful with --port 0).
+console.log(JSON.stringify({ event: "listening", url: router.url, port: router.port }));
+for (const sig of ["SIGINT", "SIGTERM"] as const) {
+  Deno.addSignalListener(sig, () => {
+    router.shutdown().then(() => Deno.exit(0));
+  });
+}
+await router.finished;

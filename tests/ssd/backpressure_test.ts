@@ -1,0 +1,157 @@
+import assert from "node:assert/strict";
+import { SsdTier } from "../../lib/ssd/tier.ts";
+import { harness } from "./_harness.ts";
+
+const MiB = 1 << 20;
+const BLOCK = 64 * 1024;
+
+Deno.test("a full write queue drops the newest batch, counts it, and never pins its blocks", async () => {
+  const h = await harness();
+  const tier = await SsdTier.open({
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    writeQueueDepth: 1,
+    writeInflight: 1,
+    log: h.log,
+  });
+  try {
+    const batches = Array.from({ length: 5 }, (_, b) =>
+      Array.from({ length: 3 }, (_, i) => {
+        const k = `ns/b${b}-${i}`;
+        h.fill(k, (b * 3 + i) * BLOCK, BLOCK);
+        return h.block(k, (b * 3 + i) * BLOCK, BLOCK);
+      }));
+    const results = batches.map((b) => tier.enqueueWrite(b).status);
+    // One batch runs, one waits in the queue of depth 1, the other three are dropped at once.
+    assert.deepEqual(results, ["queued", "queued", "dropped", "dropped", "dropped"]);
+    let s = tier.stats();
+    assert.equal(s.writeQueueFullDrops, 3);
+    assert.equal(s.writeQueueFullDroppedBlocks, 9);
+    await tier.flushWrites();
+    s = tier.stats();
+    assert.equal(s.writeBlocks, 6);
+    for (const b of batches.slice(2)) for (const blk of b) assert.equal(blk.pins, 0);
+    assert.equal(tier.lookupPrefix(batches[2].map((b) => b.key)), 0);
+    // A dropped batch can simply be offered again later.
+    assert.equal(tier.enqueueWrite(batches[2]).status, "queued");
+    assert.equal(tier.enqueueWrite(batches[0]).status, "nothing-to-write", "already on SSD");
+    await tier.flushWrites();
+    assert.equal(tier.lookupPrefix(batches[2].map((b) => b.key)), 3);
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});
+
+Deno.test("a block evicted from RAM before its write starts is skipped, not kept alive", async () => {
+  const h = await harness();
+  const tier = await SsdTier.open({
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    log: h.log,
+  });
+  try {
+    const resident = new Set(["ns/a", "ns/c"]);
+    const blocks = ["ns/a", "ns/b", "ns/c"].map((k, i) => {
+      h.fill(k, i * BLOCK, BLOCK);
+      return h.block(k, i * BLOCK, BLOCK, () => resident.has(k));
+    });
+    tier.enqueueWrite(blocks);
+    await tier.flushWrites();
+    assert.equal(tier.stats().writeSkippedEvicted, 1);
+    assert.equal(tier.stats().writeBlocks, 2);
+    assert.ok(tier.locate("ns/a") && tier.locate("ns/c") && !tier.locate("ns/b"));
+    assert.equal(blocks[1].pins, 0);
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});
+
+Deno.test("the prefetch budget bounds blocks held by prefetches under many concurrent queries", async () => {
+  const h = await harness();
+  const BUDGET = 10;
+  const tier = await SsdTier.open({
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    maxPrefetchBlocks: BUDGET,
+    prefetchInflight: 2,
+    prefetchQueueDepth: 64,
+    log: h.log,
+  });
+  try {
+    const keys = Array.from({ length: 32 }, (_, i) => `ns/p${i}`);
+    tier.enqueueWrite(
+      keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
+    );
+    await tier.flushWrites();
+    const alloc = h.allocator(8 * MiB);
+    const outstanding = () => alloc.given - alloc.freed - taken;
+    let taken = 0;
+    const answers: string[] = [];
+    // 40 queries arrive at once, each for a 4-block prefix starting somewhere.
+    for (let q = 0; q < 40; q++) {
+      const a = tier.prefetch(`req-${q}`, keys.slice(q % 28, (q % 28) + 4), alloc);
+      answers.push(a.state === "miss" ? `miss:${a.reason}` : a.state);
+      assert.ok(tier.stats().prefetchReservedBlocks <= BUDGET);
+      assert.ok(
+        outstanding() <= BUDGET,
+        `pool blocks held by prefetches ${outstanding()} > ${BUDGET}`,
+      );
+    }
+    const loading = answers.filter((a) => a === "loading").length;
+    assert.equal(loading, 3, answers.join(",")); // 4 + 4 + 2 (partial) = 10
+    assert.equal(answers.filter((a) => a === "miss:budget").length, 37);
+    assert.equal(tier.stats().prefetchPartial, 1);
+    assert.ok(tier.stats().prefetchBackpressure >= 37);
+    // Taking a ready result frees its budget for the next query.
+    await tier.prefetchSettled("req-0");
+    const r0 = tier.prefetch("req-0", [], alloc);
+    assert.equal(r0.state, "ready");
+    taken += r0.state === "ready" ? r0.blocks.length : 0;
+    assert.equal(tier.stats().prefetchReservedBlocks, 6);
+    assert.equal(tier.prefetch("req-new", keys.slice(10, 14), alloc).state, "loading");
+    assert.ok(outstanding() <= BUDGET);
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});
+
+Deno.test("ready prefetches nobody takes are freed after their TTL", async () => {
+  const h = await harness();
+  const tier = await SsdTier.open({
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [h.dir],
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    prefetchTtlMs: 1,
+    log: h.log,
+  });
+  try {
+    h.fill("ns/t", 0, BLOCK);
+    tier.enqueueWrite([h.block("ns/t", 0, BLOCK)]);
+    await tier.flushWrites();
+    const alloc = h.allocator(8 * MiB);
+    assert.equal(tier.prefetch("abandoned", ["ns/t"], alloc).state, "loading");
+    await tier.prefetchSettled("abandoned");
+    await new Promise((r) => setTimeout(r, 5));
+    assert.equal(tier.prefetch("other", ["ns/none"], alloc).state, "miss");
+    assert.equal(tier.stats().prefetchExpired, 1);
+    assert.equal(alloc.freed, 1);
+    assert.equal(tier.stats().prefetchReservedBlocks, 0);
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});

@@ -1,0 +1,163 @@
+import assert from "node:assert/strict";
+import { SsdOpenError, SsdTier } from "../../lib/ssd/tier.ts";
+import { harness } from "./_harness.ts";
+
+const MiB = 1 << 20;
+const BLOCK = 256 * 1024;
+
+/** Mounting a tmpfs needs root (CAP_SYS_ADMIN); elsewhere these tests are skipped, not faked. */
+async function mountTmpfs(dir: string, opts: string): Promise<boolean> {
+  const r = await new Deno.Command("mount", {
+    args: ["-t", "tmpfs", "-o", opts, "tmpfs", dir],
+    stderr: "null",
+  })
+    .output().catch(() => ({ code: 1 }));
+  return r.code === 0;
+}
+async function umount(dir: string) {
+  await new Deno.Command("umount", { args: [dir] }).output();
+}
+const canMount = await (async () => {
+  const d = await Deno.makeTempDir();
+  const ok = await mountTmpfs(d, "size=1m");
+  if (ok) await umount(d);
+  await Deno.remove(d);
+  return ok;
+})();
+
+Deno.test({
+  name:
+    "disk full: writes fail with ENOSPC, counted and logged with the path; earlier blocks still served",
+  ignore: !canMount,
+  async fn() {
+    const h = await harness();
+    const mnt = `${h.dir}/small`;
+    await Deno.mkdir(mnt);
+    assert.ok(await mountTmpfs(mnt, "size=8m"));
+    try {
+      const tier = await SsdTier.open({
+        pool: h.pool.handle,
+        ring: h.ring,
+        paths: [mnt],
+        capacityBytes: 64 * MiB,
+        segmentBytes: MiB,
+        log: h.log,
+      });
+      try {
+        assert.ok(tier.stats().capacityBytes <= 8 * MiB, "capacity capped to the free space");
+        assert.ok(h.logs.some((l) => l.includes("capped")), h.logs.join("\n"));
+        const early = ["ns/e0", "ns/e1"];
+        tier.enqueueWrite(
+          early.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
+        );
+        await tier.flushWrites();
+        // Someone else fills the filesystem.
+        const filler = await Deno.open(`${mnt}/filler`, { write: true, create: true });
+        const chunk = new Uint8Array(MiB);
+        try {
+          for (;;) await filler.write(chunk);
+        } catch (e) {
+          assert.ok(e instanceof Error && /space/i.test(e.message), String(e));
+        }
+        filler.close();
+        const late = Array.from({ length: 8 }, (_, i) => `ns/l${i}`);
+        tier.enqueueWrite(
+          late.map((
+            k,
+            i,
+          ) => (h.fill(k, (4 + i) * BLOCK, BLOCK), h.block(k, (4 + i) * BLOCK, BLOCK))),
+        );
+        await tier.flushWrites();
+        const s = tier.stats();
+        assert.equal(s.writeFailures, 8);
+        assert.ok(
+          h.logs.some((l) =>
+            l.includes("No space left on device") && l.includes(mnt) && l.includes("offset")
+          ),
+          h.logs.join("\n"),
+        );
+        assert.equal(tier.lookupPrefix(late), 0, "nothing failed is indexed");
+        // The tier keeps working: the early blocks are still served.
+        const alloc = h.allocator(32 * MiB);
+        assert.equal(tier.prefetch("r", early, alloc).state, "loading");
+        await tier.prefetchSettled("r");
+        const a = tier.prefetch("r", early, alloc);
+        assert.equal(a.state, "ready");
+        assert.equal(a.state === "ready" ? a.blocks.length : 0, 2);
+      } finally {
+        await tier.close();
+      }
+    } finally {
+      await umount(mnt);
+      await h.close();
+    }
+  },
+});
+
+Deno.test({
+  name: "a read-only path is refused with the path and the reason; another path keeps the tier up",
+  ignore: !canMount,
+  async fn() {
+    const h = await harness();
+    const ro = `${h.dir}/ro`;
+    await Deno.mkdir(ro);
+    assert.ok(await mountTmpfs(ro, "ro,size=4m"));
+    try {
+      await assert.rejects(
+        SsdTier.open({
+          pool: h.pool.handle,
+          ring: h.ring,
+          paths: [ro],
+          capacityBytes: 64 * MiB,
+          segmentBytes: MiB,
+          log: h.log,
+        }),
+        (e: unknown) =>
+          e instanceof SsdOpenError && e.message.includes(ro) && /read-only/i.test(e.message),
+      );
+      const ok = `${h.dir}/ok`;
+      await Deno.mkdir(ok);
+      const tier = await SsdTier.open({
+        pool: h.pool.handle,
+        ring: h.ring,
+        paths: [ro, ok],
+        capacityBytes: 16 * MiB,
+        segmentBytes: MiB,
+        log: h.log,
+      });
+      try {
+        assert.equal(tier.files.length, 1);
+        assert.ok(tier.files[0].path.startsWith(ok));
+        h.fill("ns/x", 0, BLOCK);
+        tier.enqueueWrite([h.block("ns/x", 0, BLOCK)]);
+        await tier.flushWrites();
+        assert.equal(tier.lookupPrefix(["ns/x"]), 1);
+      } finally {
+        await tier.close();
+      }
+    } finally {
+      await umount(ro);
+      await h.close();
+    }
+  },
+});
+
+Deno.test("a path whose parent does not exist is refused naming it", async () => {
+  const h = await harness();
+  try {
+    const bad = `${h.dir}/missing/dir/cache.bin`;
+    await assert.rejects(
+      SsdTier.open({
+        pool: h.pool.handle,
+        ring: h.ring,
+        paths: [bad],
+        capacityBytes: 16 * MiB,
+        segmentBytes: MiB,
+        log: h.log,
+      }),
+      (e: unknown) => e instanceof SsdOpenError && e.message.includes(bad),
+    );
+  } finally {
+    await h.close();
+  }
+});

@@ -1,0 +1,190 @@
+import assert from "node:assert/strict";
+import { SsdTier } from "../../lib/ssd/tier.ts";
+import { type Harness, harness } from "./_harness.ts";
+
+const MiB = 1 << 20;
+const BLOCK = 128 * 1024;
+
+function open(h: Harness, dir = h.dir, reset = false) {
+  return SsdTier.open({
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: [dir],
+    capacityBytes: 64 * MiB,
+    segmentBytes: 4 * MiB,
+    log: h.log,
+    reset,
+  });
+}
+
+async function writeBlocks(h: Harness, tier: SsdTier, keys: string[]) {
+  tier.enqueueWrite(keys.map((k, i) => {
+    h.fill(k, i * BLOCK, BLOCK);
+    return h.block(k, i * BLOCK, BLOCK);
+  }));
+  await tier.flushWrites();
+  h.pool.view(0, keys.length * BLOCK).fill(0);
+}
+
+async function fetchAll(h: Harness, tier: SsdTier, reqId: string, keys: string[]) {
+  const alloc = h.allocator(32 * MiB);
+  const first = tier.prefetch(reqId, keys, alloc);
+  if (first.state !== "loading") return { keys: [] as string[], exact: true, first };
+  await tier.prefetchSettled(reqId);
+  const a = tier.prefetch(reqId, keys, alloc);
+  assert.equal(a.state, "ready");
+  if (a.state !== "ready") throw new Error("unreachable");
+  const exact = a.blocks.every((b) =>
+    h.holds(b.key, b.allocation.extents[0].offset, b.allocation.extents[0].bytes)
+  );
+  return { keys: a.blocks.map((b) => b.key), exact, first };
+}
+
+Deno.test("a new process rebuilds the index from disk and serves the prefix byte-exact", async () => {
+  const h = await harness();
+  try {
+    const cmd = new Deno.Command(Deno.execPath(), {
+      args: [
+        "run",
+        "-A",
+        new URL("./_writer.ts", import.meta.url).pathname,
+        h.dir,
+        "24",
+        String(BLOCK),
+      ],
+      stdout: "piped",
+      stderr: "piped",
+    });
+    const out = await cmd.output();
+    assert.equal(out.code, 0, new TextDecoder().decode(out.stderr));
+    assert.deepEqual(JSON.parse(new TextDecoder().decode(out.stdout)), {
+      written: 24,
+      failures: 0,
+    });
+    const tier = await open(h);
+    try {
+      const keys = Array.from({ length: 24 }, (_, i) => `ns-restart/${i}`);
+      assert.equal(tier.recovery.blocks, 24);
+      assert.equal(tier.stats().recoveredBlocks, 24);
+      assert.equal(tier.lookupPrefix(keys), 24);
+      const r = await fetchAll(h, tier, "after-restart", keys);
+      assert.deepEqual(r.keys, keys);
+      assert.ok(r.exact, "every recovered block byte-exact");
+      // New writes continue after the recovered ones and survive another restart.
+      await writeBlocks(h, tier, ["ns-restart/new"]);
+      assert.ok(tier.locate("ns-restart/new")!.seq > tier.locate("ns-restart/23")!.seq);
+    } finally {
+      await tier.close();
+    }
+    const again = await open(h);
+    try {
+      assert.equal(again.recovery.blocks, 25);
+    } finally {
+      await again.close();
+    }
+    const reset = await open(h, h.dir, true);
+    try {
+      assert.equal(reset.recovery.blocks, 0, "--ssd-reset starts empty");
+    } finally {
+      await reset.close();
+    }
+    const afterReset = await open(h);
+    try {
+      assert.equal(afterReset.recovery.blocks, 0, "records from before a reset never come back");
+    } finally {
+      await afterReset.close();
+    }
+  } finally {
+    await h.close();
+  }
+});
+
+Deno.test("a flipped byte makes that block a miss; the prefix before it is served", async () => {
+  const h = await harness();
+  try {
+    const keys = Array.from({ length: 10 }, (_, i) => `ns-corrupt/${i}`);
+    let tier = await open(h);
+    await writeBlocks(h, tier, keys);
+    const loc = tier.locate(keys[5])!;
+    await tier.close();
+    const f = await Deno.open(loc.path, { read: true, write: true });
+    const pos = loc.fileOffset + 4096 + 777;
+    const b = new Uint8Array(1);
+    await f.seek(pos, Deno.SeekMode.Start);
+    await f.read(b);
+    b[0] ^= 0x40;
+    await f.seek(pos, Deno.SeekMode.Start);
+    await f.write(b);
+    f.close();
+    tier = await open(h);
+    try {
+      assert.equal(
+        tier.recovery.blocks,
+        10,
+        "headers are intact: the scan cannot see payload damage",
+      );
+      const r = await fetchAll(h, tier, "q", keys);
+      assert.deepEqual(r.keys, keys.slice(0, 5));
+      assert.ok(r.exact);
+      assert.equal(tier.stats().checksumFailures, 1);
+      assert.ok(h.logs.some((l) => l.includes(keys[5]) && l.includes("CRC32C")), h.logs.join("\n"));
+      assert.equal(tier.lookupPrefix(keys), 5, "the bad block left the index");
+    } finally {
+      await tier.close();
+    }
+  } finally {
+    await h.close();
+  }
+});
+
+Deno.test("a record cut short by truncation is dropped at start", async () => {
+  const h = await harness();
+  try {
+    const keys = Array.from({ length: 8 }, (_, i) => `ns-torn/${i}`);
+    let tier = await open(h);
+    await writeBlocks(h, tier, keys);
+    const last = tier.locate(keys[7])!;
+    await tier.close();
+    await Deno.truncate(last.path, last.fileOffset + 4096 + 1000);
+    tier = await open(h);
+    try {
+      assert.equal(tier.recovery.blocks, 7);
+      assert.equal(tier.recovery.truncated, 1);
+      assert.equal(tier.lookupPrefix(keys), 7);
+      const r = await fetchAll(h, tier, "q", keys);
+      assert.deepEqual(r.keys, keys.slice(0, 7));
+      assert.ok(r.exact);
+      // The space of the torn record is reused by the next write.
+      await writeBlocks(h, tier, ["ns-torn/next"]);
+      assert.equal(tier.locate("ns-torn/next")!.fileOffset, last.fileOffset);
+    } finally {
+      await tier.close();
+    }
+  } finally {
+    await h.close();
+  }
+});
+
+Deno.test("a torn header (garbage where the last record starts) ends the chain at start", async () => {
+  const h = await harness();
+  try {
+    const keys = Array.from({ length: 4 }, (_, i) => `ns-torn-hdr/${i}`);
+    let tier = await open(h);
+    await writeBlocks(h, tier, keys);
+    const last = tier.locate(keys[3])!;
+    await tier.close();
+    const f = await Deno.open(last.path, { read: true, write: true });
+    await f.seek(last.fileOffset + 40, Deno.SeekMode.Start);
+    await f.write(new Uint8Array([1, 2, 3, 4]));
+    f.close();
+    tier = await open(h);
+    try {
+      assert.equal(tier.recovery.blocks, 3);
+      assert.equal(tier.recovery.stoppedOnBadHeader, 1);
+    } finally {
+      await tier.close();
+    }
+  } finally {
+    await h.close();
+  }
+});
