@@ -14,7 +14,7 @@
  * process's CPU time per request. Prints a table, writes bench/results/router.json (or --out).
  * Not a test: nothing is asserted about time.
  *
- * Run: `deno run -A --unstable-no-legacy-abort bench/router_bench.ts [--concurrency 256]
+ * Run: `deno run -A --unstable-no-legacy-abort bench/router_overhead.ts [--concurrency 256]
  *       [--requests 2048] [--chunks 32] [--step-ms 20] [--rounds 2] [--out FILE]`
  *
  * @module
@@ -320,7 +320,7 @@ try {
   const result = {
     benchmark: "router_overhead",
     date: new Date().toISOString(),
-    command: `deno run -A --unstable-no-legacy-abort bench/router_bench.ts ${Deno.args.join(" ")}`
+    command: `deno run -A --unstable-no-legacy-abort bench/router_overhead.ts ${Deno.args.join(" ")}`
       .trim(),
     machine: { cpus: navigator.hardwareConcurrency, os: Deno.build.os, deno: Deno.version.deno },
     workload: {
