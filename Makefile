@@ -2,11 +2,10 @@
 # Everything installs from the npm registry (Deno) and Debian (liburing).
 
 SHELL := /bin/bash
-DENO ?= $(CURDIR)/node_modules/deno/deno
+DENO ?= $(CURDIR)/tools/deno/node_modules/deno/deno
 export DENO_DIR ?= $(CURDIR)/.cache/deno
 # package.json only pins the Deno binary for npm; without this, `deno task`
 # tries to install its platform packages and fails.
-export DENO_NO_PACKAGE_JSON := 1
 BUILD := build
 CC ?= gcc
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
@@ -33,10 +32,11 @@ all: native
 deps: deno liburing
 
 deno: $(DENO)
-$(DENO): package.json
-	npm install --no-audit --no-fund
+$(DENO): tools/deno/package.json
+	npm install --prefix tools/deno --no-audit --no-fund
 	@test -x $(DENO) || { echo "error: npm did not install the deno binary at $(DENO)"; exit 1; }
 	@touch $(DENO)
+	ln -sfn $(DENO) deno
 
 liburing:
 	@if [ ! -f /usr/include/liburing.h ]; then \
