@@ -1149,23 +1149,6 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
 }
 
 /* ---- calibration ------------------------------------------------------- */
-typedef struct {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  int done;
-  int32_t status;
-  uint64_t ns;
-} waiter;
-
-static void waiter_done(void *arg, int32_t status, uint64_t ns) {
-  waiter *w = arg;
-  pthread_mutex_lock(&w->mu);
-  w->done = 1;
-  w->status = status;
-  w->ns = ns;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-}
 
 #define PF_CAL_GROUPS 32u
 
@@ -1194,9 +1177,8 @@ static int32_t time_path(pf_engine *e, pf_pool *p, uint32_t dir, uint32_t path,
   b->direction = dir;
   b->path = path;
   b->total_bytes = nseg * size;
-  waiter w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0};
-  b->on_done = waiter_done;
-  b->on_done_arg = &w;
+  pf_batch_waiter w;
+  pf_batch_waiter_attach(&w, b);
   uint64_t moved = b->total_bytes;
   atomic_fetch_add(&p->inflight, 1); /* pf_batch_done releases it */
   b->submit_ns = pf_now_ns();
@@ -1206,11 +1188,7 @@ static int32_t time_path(pf_engine *e, pf_pool *p, uint32_t dir, uint32_t path,
     pf_batch_free(b);
     return rc;
   }
-  pthread_mutex_lock(&w.mu);
-  while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
-  pthread_mutex_unlock(&w.mu);
-  *gbps = w.ns ? (double)moved / (double)w.ns : 0;
-  return w.status;
+  return pf_batch_waiter_wait(&w, moved, gbps);
 }
 
 /* Best of PF_CAL_REPS timed runs after one warm-up. */

@@ -360,6 +360,31 @@ void pf_batch_free(pf_batch *b) {
   free(b);
 }
 
+static void batch_waiter_done(void *arg, int32_t status, uint64_t ns) {
+  pf_batch_waiter *w = arg;
+  pthread_mutex_lock(&w->mu);
+  w->done = 1;
+  w->status = status;
+  w->ns = ns;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+void pf_batch_waiter_attach(pf_batch_waiter *w, pf_batch *b) {
+  *w = (pf_batch_waiter){PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                         0, 0, 0};
+  b->on_done = batch_waiter_done;
+  b->on_done_arg = w;
+}
+
+int32_t pf_batch_waiter_wait(pf_batch_waiter *w, uint64_t moved, double *gbps) {
+  pthread_mutex_lock(&w->mu);
+  while (!w->done) pthread_cond_wait(&w->cv, &w->mu);
+  pthread_mutex_unlock(&w->mu);
+  *gbps = w->ns ? (double)moved / (double)w->ns : 0;
+  return w->status;
+}
+
 static void post(pf_batch *b, uint32_t kind, uint32_t index, int32_t status,
                  uint32_t aux, uint64_t value) {
   if (!b->ring) return;

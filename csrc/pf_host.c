@@ -406,23 +406,6 @@ static int32_t host_submit(pf_engine *e, pf_batch *b) {
 }
 
 /* ---- calibration ------------------------------------------------------- */
-typedef struct {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  int done;
-  int32_t status;
-  uint64_t ns;
-} waiter;
-
-static void waiter_done(void *arg, int32_t status, uint64_t ns) {
-  waiter *w = arg;
-  pthread_mutex_lock(&w->mu);
-  w->done = 1;
-  w->status = status;
-  w->ns = ns;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-}
 
 /* Times one strided batch of `size`-byte segments through the workers. */
 static int32_t host_time_batch(pf_engine *e, pf_pool *p, uint32_t dir,
@@ -441,9 +424,8 @@ static int32_t host_time_batch(pf_engine *e, pf_pool *p, uint32_t dir,
   b->pool = NULL; /* no inflight accounting for calibration */
   b->direction = dir;
   b->total_bytes = nseg * size;
-  waiter w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0};
-  b->on_done = waiter_done;
-  b->on_done_arg = &w;
+  pf_batch_waiter w;
+  pf_batch_waiter_attach(&w, b);
   /* run_range reads b->pool->host: give it a stack copy with no counter. */
   pf_pool shadow = *p;
   atomic_init(&shadow.inflight, 0);
@@ -455,11 +437,7 @@ static int32_t host_time_batch(pf_engine *e, pf_pool *p, uint32_t dir,
     pf_batch_free(b);
     return rc;
   }
-  pthread_mutex_lock(&w.mu);
-  while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
-  pthread_mutex_unlock(&w.mu);
-  *gbps = w.ns ? (double)moved / (double)w.ns : 0;
-  return w.status;
+  return pf_batch_waiter_wait(&w, moved, gbps);
 }
 
 static int32_t host_calibrate(pf_engine *e, pf_pool *p, uint32_t dir,

@@ -121,6 +121,23 @@ void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used);
 pf_batch *pf_batch_alloc(uint32_t num_groups, uint32_t num_ranges);
 void pf_batch_free(pf_batch *b);
 
+/* Lets a thread block until a batch it built ends (calibration): attach
+ * sets b's on_done hook, submit b, then wait. Lives on the waiter's stack;
+ * pf_batch_done signals it just before freeing b. */
+typedef struct pf_batch_waiter {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done;
+  int32_t status;
+  uint64_t ns;
+} pf_batch_waiter;
+
+/* Resets w and makes it b's on_done hook. Call before submitting b. */
+void pf_batch_waiter_attach(pf_batch_waiter *w, pf_batch *b);
+/* Blocks until the attached batch has ended; *gbps = moved bytes over its
+ * submit-to-done time (0 when that time is 0). Returns the batch status. */
+int32_t pf_batch_waiter_wait(pf_batch_waiter *w, uint64_t moved, double *gbps);
+
 /* Host memory for pools: mmap (optionally MAP_HUGETLB) and parallel
  * pre-touch. Fills p->host, huge_page_bytes, applied, alloc_ns. */
 int32_t pf_hostmem_alloc(struct pf_pool *p, const char *who);
