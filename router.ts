@@ -11,7 +11,8 @@
  * @module
  */
 
-import { Command, Option } from "commander";
+import { Command, type Option } from "commander";
+import { envOption } from "./lib/cli/flags.ts";
 import {
   ConfigError,
   DEFAULTS,
@@ -31,7 +32,7 @@ function collect(value: string, previous: string[] | undefined): string[] {
 }
 
 function opt(flags: string, description: string, env: string, fallback?: string): Option {
-  const o = new Option(flags, description).env(`PEGAFLOW_ROUTER_${env}`);
+  const o = envOption(flags, description, `ROUTER_${env}`);
   return fallback === undefined ? o : o.default(fallback);
 }
 

@@ -6,9 +6,13 @@
  *
  * @module
  */
-import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
+import { Command, CommanderError, InvalidArgumentError } from "commander";
+import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
+
+/** The size parser behind --pool-size and friends (it lives in lib/cli/flags.ts). */
+export { parseSize };
 
 /** Everything the server needs to start, after parsing and validation. */
 export interface ServeConfig {
@@ -46,73 +50,12 @@ export const DEFAULT_MAX_MESSAGE = "64mb";
 /** Leases expire after 10 minutes unless consumed or released. */
 export const DEFAULT_LEASE_TTL_MS = 600_000;
 
-const SIZE_UNITS: Record<string, number> = {
-  "": 1,
-  b: 1,
-  kb: 1024,
-  k: 1024,
-  kib: 1024,
-  mb: 1024 ** 2,
-  m: 1024 ** 2,
-  mib: 1024 ** 2,
-  gb: 1024 ** 3,
-  g: 1024 ** 3,
-  gib: 1024 ** 3,
-  tb: 1024 ** 4,
-  t: 1024 ** 4,
-  tib: 1024 ** 4,
-};
-
-/**
- * Parses a byte size: a number with an optional unit kb/mb/gb/tb (binary
- * multiples; kib/mib/... and k/m/g/t also accepted, case-insensitive).
- *
- * @example
- * ```ts
- * parseSize("30gb"); // 32212254720
- * parseSize("1.5mb"); // 1572864
- * ```
- */
-export function parseSize(text: string): number {
-  const m = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/.exec(text);
-  if (!m) throw new Error(`"${text}" is not a size (expected e.g. 512mb, 30gb, 1tb)`);
-  const unit = SIZE_UNITS[m[2].toLowerCase()];
-  if (unit === undefined) {
-    throw new Error(`"${text}" has an unknown unit "${m[2]}" (use kb, mb, gb or tb)`);
-  }
-  const bytes = Math.floor(Number(m[1]) * unit);
-  if (!Number.isSafeInteger(bytes)) throw new Error(`"${text}" is too large`);
-  return bytes;
-}
-
-function sizeArg(what: string, min: number) {
-  return (value: string): number => {
-    let n: number;
-    try {
-      n = parseSize(value);
-    } catch (e) {
-      throw new InvalidArgumentError((e as Error).message);
-    }
-    if (n < min) throw new InvalidArgumentError(`${what} must be at least ${min} bytes, got ${n}`);
-    return n;
-  };
-}
-
 function addrArg(value: string): string {
   const m = /^(.+):(\d+)$/.exec(value);
   if (!m || Number(m[2]) > 65535) {
     throw new InvalidArgumentError(`"${value}" is not host:port (e.g. 127.0.0.1:50055)`);
   }
   return value;
-}
-
-function boolArg(value: string | boolean): boolean {
-  // commander hands the preset (true) through the parser when no value follows.
-  if (typeof value === "boolean") return value;
-  const v = value.toLowerCase();
-  if (["1", "true", "yes", "on"].includes(v)) return true;
-  if (["0", "false", "no", "off", ""].includes(v)) return false;
-  throw new InvalidArgumentError(`"${value}" is not a boolean (true/false/1/0)`);
 }
 
 function choiceArg<T extends string>(choices: readonly T[]) {
@@ -147,28 +90,30 @@ function intArg(what: string, min: number) {
 
 /** The commander program for `deno task serve` (exported for --help tests). */
 export function serveCommand(): Command {
-  const opt = (flags: string, desc: string, env: string) =>
-    new Option(flags, desc).env(`PEGAFLOW_${env}`);
   const cmd = new Command("pegaflow-serve")
     .description("PegaFlow KV server: stores inference engines' KV blocks in pinned host memory")
     .addOption(
-      opt("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
+      envOption("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
         .default(DEFAULT_ADDR).argParser(addrArg),
     )
     .addOption(
-      opt("--http-addr <host:port>", "HTTP address for /health, /metrics, /instances", "HTTP_ADDR")
+      envOption(
+        "--http-addr <host:port>",
+        "HTTP address for /health, /metrics, /instances",
+        "HTTP_ADDR",
+      )
         .argParser(addrArg),
     )
     .addOption(
-      opt("--devices <ids>", "comma-separated GPU ids (cuda backend)", "DEVICES")
+      envOption("--devices <ids>", "comma-separated GPU ids (cuda backend)", "DEVICES")
         .default([0], "0").argParser(devicesArg),
     )
     .addOption(
-      opt("--backend <kind>", "copy backend: auto, cuda or host", "BACKEND")
+      envOption("--backend <kind>", "copy backend: auto, cuda or host", "BACKEND")
         .default("auto").argParser(choiceArg(["auto", "cuda", "host"] as const)),
     )
     .addOption(
-      opt(
+      envOption(
         "--pool-size <size>",
         "pinned pool size (kb/mb/gb/tb); capped to half of MemAvailable",
         "POOL_SIZE",
@@ -178,7 +123,7 @@ export function serveCommand(): Command {
         ),
     )
     .addOption(
-      opt(
+      envOption(
         "--hint-value-size <size>",
         "typical block slot size; sets the allocation unit",
         "HINT_VALUE_SIZE",
@@ -186,11 +131,11 @@ export function serveCommand(): Command {
         .default(0, "auto").argParser(sizeArg("--hint-value-size", 512)),
     )
     .addOption(
-      opt("--use-hugepages [bool]", "back the pool with huge pages", "USE_HUGEPAGES")
+      envOption("--use-hugepages [bool]", "back the pool with huge pages", "USE_HUGEPAGES")
         .default(false).preset(true).argParser(boolArg),
     )
     .addOption(
-      opt(
+      envOption(
         "--enable-lfu-admission [bool]",
         "TinyLFU admission in front of the LRU",
         "ENABLE_LFU_ADMISSION",
@@ -198,19 +143,23 @@ export function serveCommand(): Command {
         .default(false).preset(true).argParser(boolArg),
     )
     .addOption(
-      opt("--transfer-path <path>", "copy path: auto (calibrated), kernel or dma", "TRANSFER_PATH")
+      envOption(
+        "--transfer-path <path>",
+        "copy path: auto (calibrated), kernel or dma",
+        "TRANSFER_PATH",
+      )
         .default("auto").argParser(choiceArg(["auto", "kernel", "dma"] as const)),
     )
     .addOption(
-      opt("--log-level <level>", "debug, info, warn or error", "LOG_LEVEL")
+      envOption("--log-level <level>", "debug, info, warn or error", "LOG_LEVEL")
         .default("info").argParser(choiceArg(LOG_LEVELS)),
     )
     .addOption(
-      opt("--lease-ttl-ms <ms>", "lease lifetime in milliseconds", "LEASE_TTL_MS")
+      envOption("--lease-ttl-ms <ms>", "lease lifetime in milliseconds", "LEASE_TTL_MS")
         .default(DEFAULT_LEASE_TTL_MS).argParser(intArg("--lease-ttl-ms", 1)),
     )
     .addOption(
-      opt("--max-message-size <size>", "largest gRPC message accepted", "MAX_MESSAGE_SIZE")
+      envOption("--max-message-size <size>", "largest gRPC message accepted", "MAX_MESSAGE_SIZE")
         .default(parseSize(DEFAULT_MAX_MESSAGE), DEFAULT_MAX_MESSAGE)
         .argParser(sizeArg("--max-message-size", 4096)),
     )

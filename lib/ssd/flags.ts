@@ -5,8 +5,8 @@
  * @module
  */
 
-import { InvalidArgumentError, Option } from "commander";
-import { parseSize } from "../server/config.ts";
+import { InvalidArgumentError, type Option } from "commander";
+import { boolArg, envOption, sizeArg } from "../cli/flags.ts";
 import { DEFAULT_SEGMENT_BYTES, DEFAULT_SSD_CAPACITY } from "./tier.ts";
 
 /** The SSD part of the server's configuration. */
@@ -32,19 +32,6 @@ function positiveInt(flag: string) {
   };
 }
 
-function size(flag: string, min: number) {
-  return (value: string): number => {
-    let n: number;
-    try {
-      n = parseSize(value);
-    } catch (e) {
-      throw new InvalidArgumentError((e as Error).message);
-    }
-    if (n < min) throw new InvalidArgumentError(`${flag} must be at least ${min} bytes, got ${n}`);
-    return n;
-  };
-}
-
 /** Repeatable path flag; the environment variable takes a comma-separated list. */
 function paths(value: string, previous: string[] | undefined): string[] {
   const more = value.split(",").map((s) => s.trim()).filter((s) => s.length > 0);
@@ -52,14 +39,6 @@ function paths(value: string, previous: string[] | undefined): string[] {
     throw new InvalidArgumentError(`--ssd-cache-path "${value}" names no path`);
   }
   return [...(previous ?? []), ...more];
-}
-
-function bool(value: string | boolean): boolean {
-  if (typeof value === "boolean") return value;
-  const v = value.toLowerCase();
-  if (["1", "true", "yes", "on"].includes(v)) return true;
-  if (["0", "false", "no", "off", ""].includes(v)) return false;
-  throw new InvalidArgumentError(`"${value}" is not a boolean (true/false/1/0)`);
 }
 
 /**
@@ -71,53 +50,55 @@ function bool(value: string | boolean): boolean {
  * ```
  */
 export function ssdOptions(): Option[] {
-  const opt = (flags: string, desc: string, env: string) =>
-    new Option(flags, desc).env(`PEGAFLOW_${env}`);
   return [
-    opt(
+    envOption(
       "--ssd-cache-path <path>",
       "SSD cache file or directory (repeatable; env: comma-separated)",
       "SSD_CACHE_PATH",
     )
       .argParser(paths),
-    opt(
+    envOption(
       "--ssd-cache-capacity <size>",
       "SSD cache size over all paths; capped to free space",
       "SSD_CACHE_CAPACITY",
     )
       .default(DEFAULT_SSD_CAPACITY, "512gb").argParser(
-        size("--ssd-cache-capacity", 2 * DEFAULT_SEGMENT_BYTES),
+        sizeArg("--ssd-cache-capacity", 2 * DEFAULT_SEGMENT_BYTES),
       ),
-    opt("--ssd-reset [bool]", "start the SSD cache empty (ignore what is on disk)", "SSD_RESET")
-      .default(false).preset(true).argParser(bool),
-    opt(
+    envOption(
+      "--ssd-reset [bool]",
+      "start the SSD cache empty (ignore what is on disk)",
+      "SSD_RESET",
+    )
+      .default(false).preset(true).argParser(boolArg),
+    envOption(
       "--ssd-write-queue-depth <n>",
       "write-behind batches waiting (full: newest dropped)",
       "SSD_WRITE_QUEUE_DEPTH",
     )
       .default(64).argParser(positiveInt("--ssd-write-queue-depth")),
-    opt("--ssd-write-inflight <n>", "write-behind batches in flight", "SSD_WRITE_INFLIGHT")
+    envOption("--ssd-write-inflight <n>", "write-behind batches in flight", "SSD_WRITE_INFLIGHT")
       .default(4).argParser(positiveInt("--ssd-write-inflight")),
-    opt(
+    envOption(
       "--ssd-prefetch-queue-depth <n>",
       "prefetches waiting (full: answered as a miss)",
       "SSD_PREFETCH_QUEUE_DEPTH",
     )
       .default(256).argParser(positiveInt("--ssd-prefetch-queue-depth")),
-    opt("--ssd-prefetch-inflight <n>", "prefetch reads in flight", "SSD_PREFETCH_INFLIGHT")
+    envOption("--ssd-prefetch-inflight <n>", "prefetch reads in flight", "SSD_PREFETCH_INFLIGHT")
       .default(8).argParser(positiveInt("--ssd-prefetch-inflight")),
-    opt(
+    envOption(
       "--max-prefetch-blocks <n>",
       "blocks held in the pool by prefetches at once",
       "MAX_PREFETCH_BLOCKS",
     )
       .default(4096).argParser(positiveInt("--max-prefetch-blocks")),
-    opt(
+    envOption(
       "--ssd-segment-size <size>",
       "SSD segment (reuse unit; ≥ the largest block)",
       "SSD_SEGMENT_SIZE",
     )
-      .default(DEFAULT_SEGMENT_BYTES, "64mb").argParser(size("--ssd-segment-size", 8192)),
+      .default(DEFAULT_SEGMENT_BYTES, "64mb").argParser(sizeArg("--ssd-segment-size", 8192)),
   ];
 }
 
