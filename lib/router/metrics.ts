@@ -9,6 +9,7 @@
  */
 
 import client from "prom-client";
+import { counter, gauge, histogram } from "../metrics.ts";
 import type { BackendPool } from "./backend_pool.ts";
 
 /** Latency buckets in seconds: sub-millisecond router work up to minute-long generations. */
@@ -64,50 +65,50 @@ export class RouterMetrics {
   constructor(pools: readonly BackendPool[]) {
     const registry = new client.Registry();
     this.registry = registry;
-    this.requests = new client.Counter({
-      name: "pegaflow_router_requests_total",
-      help: "Requests answered by the router, by route and HTTP status (499: client disconnected)",
-      labelNames: ["route", "status"],
-      registers: [registry],
-    });
-    this.prefillSeconds = new client.Histogram({
-      name: "pegaflow_router_prefill_duration_seconds",
-      help: "Prefill round trip: request sent to P until its full response was read",
-      labelNames: ["backend"],
-      buckets: LATENCY_BUCKETS,
-      registers: [registry],
-    });
-    this.decodeTtfbSeconds = new client.Histogram({
-      name: "pegaflow_router_decode_ttfb_seconds",
-      help: "Decode time to first byte: request sent to D until the first body chunk arrived",
-      labelNames: ["backend"],
-      buckets: LATENCY_BUCKETS,
-      registers: [registry],
-    });
-    this.requestSeconds = new client.Histogram({
-      name: "pegaflow_router_request_duration_seconds",
-      help: "End-to-end latency: client request received until the last byte was sent",
-      labelNames: ["route"],
-      buckets: LATENCY_BUCKETS,
-      registers: [registry],
-    });
-    this.retries = new client.Counter({
-      name: "pegaflow_router_retries_total",
-      help: "Upstream requests retried on another attempt, by role and reason",
-      labelNames: ["role", "reason"],
-      registers: [registry],
-    });
-    this.upstreamFailures = new client.Counter({
-      name: "pegaflow_router_upstream_failures_total",
-      help: "Upstream requests that failed, by role and reason",
-      labelNames: ["role", "reason"],
-      registers: [registry],
-    });
-    this.inflight = new client.Gauge({
-      name: "pegaflow_router_inflight_requests",
-      help: "Generation requests currently being served by the router",
-      registers: [registry],
-    });
+    this.requests = counter(
+      registry,
+      "pegaflow_router_requests_total",
+      "Requests answered by the router, by route and HTTP status (499: client disconnected)",
+      ["route", "status"],
+    );
+    this.prefillSeconds = histogram(
+      registry,
+      "pegaflow_router_prefill_duration_seconds",
+      "Prefill round trip: request sent to P until its full response was read",
+      LATENCY_BUCKETS,
+      ["backend"],
+    );
+    this.decodeTtfbSeconds = histogram(
+      registry,
+      "pegaflow_router_decode_ttfb_seconds",
+      "Decode time to first byte: request sent to D until the first body chunk arrived",
+      LATENCY_BUCKETS,
+      ["backend"],
+    );
+    this.requestSeconds = histogram(
+      registry,
+      "pegaflow_router_request_duration_seconds",
+      "End-to-end latency: client request received until the last byte was sent",
+      LATENCY_BUCKETS,
+      ["route"],
+    );
+    this.retries = counter(
+      registry,
+      "pegaflow_router_retries_total",
+      "Upstream requests retried on another attempt, by role and reason",
+      ["role", "reason"],
+    );
+    this.upstreamFailures = counter(
+      registry,
+      "pegaflow_router_upstream_failures_total",
+      "Upstream requests that failed, by role and reason",
+      ["role", "reason"],
+    );
+    this.inflight = gauge(
+      registry,
+      "pegaflow_router_inflight_requests",
+      "Generation requests currently being served by the router",
+    );
     new client.Gauge({
       name: "pegaflow_router_backend_healthy",
       help: "1 if the backend is in service, 0 if health checks or errors took it out",

@@ -9,6 +9,7 @@
  * @module
  */
 
+import { metricsResponse } from "../metrics.ts";
 import { BackendPool } from "./backend_pool.ts";
 import type { RouterConfig } from "./config.ts";
 import { errorResponse, RouterError } from "./errors.ts";
@@ -205,9 +206,7 @@ export function createHandler(
         return handleHealth(deps);
       case "/metrics":
         if (req.method !== "GET") return methodNotAllowed(path, "GET");
-        return new Response(await metrics.registry.metrics(), {
-          headers: { "content-type": metrics.registry.contentType },
-        });
+        return await metricsResponse(metrics.registry);
       default:
         return errorResponse(
           new RouterError(

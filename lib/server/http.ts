@@ -17,6 +17,7 @@ import type { KvEngine } from "../engine/engine.ts";
 import { PROTOCOL_VERSION } from "../engine/engine.ts";
 import type { KvStore } from "../storage/store.ts";
 import type { Logger } from "../log.ts";
+import { metricsResponse } from "../metrics.ts";
 import type { ServerMetrics } from "./metrics.ts";
 
 /** Largest JSON body the operator endpoints read. */
@@ -65,9 +66,7 @@ export function httpHandler(deps: {
         case "GET /health":
           return json(200, { status: "ok", version: PROTOCOL_VERSION, backend: engine.backend });
         case "GET /metrics":
-          return new Response(await metrics.registry.metrics(), {
-            headers: { "content-type": metrics.registry.contentType },
-          });
+          return await metricsResponse(metrics.registry);
         case "GET /instances":
           return json(200, {
             instances: engine.instances(),

@@ -6,7 +6,8 @@
  *
  * @module
  */
-import { Counter, Gauge, Histogram, Registry } from "prom-client";
+import { type Counter, Gauge, type Histogram, Registry } from "prom-client";
+import { counter, gauge, histogram, scrapeGauge } from "../metrics.ts";
 import type { StageMetrics } from "../pipeline/stage.ts";
 import type { EngineMetrics } from "../engine/engine.ts";
 import type { StoreStats } from "../storage/store.ts";
@@ -85,87 +86,79 @@ export class ServerMetrics implements EngineMetrics {
     extra?: { instances: () => number; sessions: () => number },
   ) {
     const r = this.registry;
-    this.#rpcTotal = new Counter({
-      name: "pegaflow_rpc_requests_total",
-      help: "gRPC requests by method and status code",
-      labelNames: ["method", "status"],
-      registers: [r],
-    });
-    this.#rpcSeconds = new Histogram({
-      name: "pegaflow_rpc_duration_seconds",
-      help: "gRPC handling time by method and status",
-      labelNames: ["method", "status"],
-      buckets: RPC_BUCKETS,
-      registers: [r],
-    });
-    this.#saveBytes = new Counter({
-      name: "pegaflow_save_bytes_total",
-      help: "bytes copied into the pool by saves",
-      registers: [r],
-    });
-    this.#saveBlocks = new Counter({
-      name: "pegaflow_save_slots_total",
-      help: "block slots (layer x rank) copied by saves",
-      registers: [r],
-    });
-    this.#saveSeconds = new Histogram({
-      name: "pegaflow_save_duration_seconds",
-      help: "save time from allocation to the gather's completion",
-      buckets: COPY_BUCKETS,
-      registers: [r],
-    });
-    this.#saveFailures = new Counter({
-      name: "pegaflow_save_failures_total",
-      help: "saves dropped, by reason (pool_exhausted, queue_full, copy_failed)",
-      labelNames: ["reason"],
-      registers: [r],
-    });
-    this.#loadBytes = new Counter({
-      name: "pegaflow_load_bytes_total",
-      help: "bytes scattered back to engines",
-      registers: [r],
-    });
-    this.#loadSeconds = new Histogram({
-      name: "pegaflow_load_duration_seconds",
-      help: "load time from submit to the scatter's completion",
-      buckets: COPY_BUCKETS,
-      registers: [r],
-    });
-    this.#loadFailures = new Counter({
-      name: "pegaflow_load_failures_total",
-      help: "loads whose copy failed",
-      registers: [r],
-    });
-    this.#queryBlocks = new Counter({
-      name: "pegaflow_query_blocks_total",
-      help: "queried blocks by result (hit: in the served prefix, miss: not)",
-      labelNames: ["result"],
-      registers: [r],
-    });
-    this.#queueDepth = new Gauge({
-      name: "pegaflow_queue_depth",
-      help: "items waiting per pipeline queue",
-      labelNames: ["queue"],
-      registers: [r],
-    });
-    this.#queueInflight = new Gauge({
-      name: "pegaflow_queue_inflight",
-      help: "items in a worker per pipeline stage",
-      labelNames: ["queue"],
-      registers: [r],
-    });
-    this.#queueRefused = new Counter({
-      name: "pegaflow_queue_refused_total",
-      help: "items refused by a full queue",
-      labelNames: ["queue"],
-      registers: [r],
-    });
-    this.#queueDropped = new Counter({
-      name: "pegaflow_queue_dropped_total",
-      help: "items dropped by a full queue",
-      labelNames: ["queue"],
-      registers: [r],
-    });
+    this.#rpcTotal = counter(
+      r,
+      "pegaflow_rpc_requests_total",
+      "gRPC requests by method and status code",
+      ["method", "status"],
+    );
+    this.#rpcSeconds = histogram(
+      r,
+      "pegaflow_rpc_duration_seconds",
+      "gRPC handling time by method and status",
+      RPC_BUCKETS,
+      ["method", "status"],
+    );
+    this.#saveBytes = counter(
+      r,
+      "pegaflow_save_bytes_total",
+      "bytes copied into the pool by saves",
+    );
+    this.#saveBlocks = counter(
+      r,
+      "pegaflow_save_slots_total",
+      "block slots (layer x rank) copied by saves",
+    );
+    this.#saveSeconds = histogram(
+      r,
+      "pegaflow_save_duration_seconds",
+      "save time from allocation to the gather's completion",
+      COPY_BUCKETS,
+    );
+    this.#saveFailures = counter(
+      r,
+      "pegaflow_save_failures_total",
+      "saves dropped, by reason (pool_exhausted, queue_full, copy_failed)",
+      ["reason"],
+    );
+    this.#loadBytes = counter(r, "pegaflow_load_bytes_total", "bytes scattered back to engines");
+    this.#loadSeconds = histogram(
+      r,
+      "pegaflow_load_duration_seconds",
+      "load time from submit to the scatter's completion",
+      COPY_BUCKETS,
+    );
+    this.#loadFailures = counter(r, "pegaflow_load_failures_total", "loads whose copy failed");
+    this.#queryBlocks = counter(
+      r,
+      "pegaflow_query_blocks_total",
+      "queried blocks by result (hit: in the served prefix, miss: not)",
+      ["result"],
+    );
+    this.#queueDepth = gauge(
+      r,
+      "pegaflow_queue_depth",
+      "items waiting per pipeline queue",
+      ["queue"],
+    );
+    this.#queueInflight = gauge(
+      r,
+      "pegaflow_queue_inflight",
+      "items in a worker per pipeline stage",
+      ["queue"],
+    );
+    this.#queueRefused = counter(
+      r,
+      "pegaflow_queue_refused_total",
+      "items refused by a full queue",
+      ["queue"],
+    );
+    this.#queueDropped = counter(
+      r,
+      "pegaflow_queue_dropped_total",
+      "items dropped by a full queue",
+      ["queue"],
+    );
     this.#sessions = new Gauge({
       name: "pegaflow_sessions",
       help: "open liveness sessions",
@@ -174,31 +167,29 @@ export class ServerMetrics implements EngineMetrics {
         if (extra) this.set(extra.sessions());
       },
     });
-    this.#sealed = new Counter({
-      name: "pegaflow_blocks_sealed_total",
-      help: "blocks that became servable (every layer and TP rank arrived)",
-      registers: [r],
-    });
-    this.#cleanups = new Counter({
-      name: "pegaflow_instance_cleanups_total",
-      help: "instances cleaned up, by reason",
-      labelNames: ["reason"],
-      registers: [r],
-    });
+    this.#sealed = counter(
+      r,
+      "pegaflow_blocks_sealed_total",
+      "blocks that became servable (every layer and TP rank arrived)",
+    );
+    this.#cleanups = counter(
+      r,
+      "pegaflow_instance_cleanups_total",
+      "instances cleaned up, by reason",
+      ["reason"],
+    );
     const fromStats = (
       name: string,
       help: string,
       pick: (s: StoreStats) => number,
-      counter = false,
+      monotonic = false,
     ) =>
-      new Gauge({
+      scrapeGauge(
+        r,
         name,
-        help: counter ? `${help} (monotonic, read from the store)` : help,
-        registers: [r],
-        collect() {
-          this.set(pick(stats()));
-        },
-      });
+        monotonic ? `${help} (monotonic, read from the store)` : help,
+        () => pick(stats()),
+      );
     fromStats(
       "pegaflow_pool_capacity_bytes",
       "pinned pool bytes the store places blocks in",
@@ -276,14 +267,7 @@ export class ServerMetrics implements EngineMetrics {
       true,
     );
     if (extra) {
-      new Gauge({
-        name: "pegaflow_instances",
-        help: "registered instances",
-        registers: [r],
-        collect() {
-          this.set(extra.instances());
-        },
-      });
+      scrapeGauge(r, "pegaflow_instances", "registered instances", () => extra.instances());
     }
   }
 

@@ -6,7 +6,8 @@
  * @module
  */
 
-import { Counter, Gauge, type Registry } from "prom-client";
+import { Counter, type Registry } from "prom-client";
+import { scrapeGauge } from "../metrics.ts";
 import type { SsdStats } from "./tier.ts";
 
 type CounterKey = {
@@ -142,14 +143,5 @@ export function registerSsdMetrics(registry: Registry, stats: () => SsdStats): v
       },
     });
   }
-  for (const [name, help, key] of GAUGES) {
-    new Gauge({
-      name,
-      help,
-      registers: [registry],
-      collect() {
-        this.set(read()[key]);
-      },
-    });
-  }
+  for (const [name, help, key] of GAUGES) scrapeGauge(registry, name, help, () => read()[key]);
 }
