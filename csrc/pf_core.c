@@ -34,14 +34,18 @@ int32_t pf_fail(int32_t code, const char *fmt, ...) {
   return code;
 }
 
-int32_t pf_last_error(char *buf, uint32_t cap) {
-  size_t n = strlen(last_error);
+int32_t pf_text_out(const char *text, char *buf, uint32_t cap) {
+  size_t n = strlen(text);
   if (buf && cap) {
     size_t k = n < cap - 1 ? n : cap - 1;
-    memcpy(buf, last_error, k);
+    memcpy(buf, text, k);
     buf[k] = 0;
   }
   return (int32_t)n;
+}
+
+int32_t pf_last_error(char *buf, uint32_t cap) {
+  return pf_text_out(last_error, buf, cap);
 }
 
 int32_t pf_abi_version(void) { return PF_ABI_VERSION; }

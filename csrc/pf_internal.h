@@ -14,6 +14,10 @@
 /* Records `fmt` as the calling thread's last error and returns `code`. */
 int32_t pf_fail(int32_t code, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+/* Copies text into buf (truncated to cap - 1 bytes, NUL-terminated; nothing
+ * is written when buf is NULL or cap is 0). Returns strlen(text), the
+ * length a caller needs for the whole of it. */
+int32_t pf_text_out(const char *text, char *buf, uint32_t cap);
 
 /* ---- handles ----------------------------------------------------------- */
 enum pf_kind { PF_K_ENGINE = 1, PF_K_RING, PF_K_POOL, PF_K_REGION, PF_K_URING,

@@ -521,14 +521,7 @@ int32_t pf_fs_space(const char *path, uint64_t out[3]) {
 
 int32_t pf_errno_text(int32_t err, char *buf, uint32_t cap) {
   char tmp[256];
-  const char *s = strerror_r(err, tmp, sizeof tmp);
-  size_t n = strlen(s);
-  if (buf && cap) {
-    size_t k = n < cap - 1 ? n : cap - 1;
-    memcpy(buf, s, k);
-    buf[k] = 0;
-  }
-  return (int32_t)n;
+  return pf_text_out(strerror_r(err, tmp, sizeof tmp), buf, cap);
 }
 
 /* ---- batches ----------------------------------------------------------- */
