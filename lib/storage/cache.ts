@@ -136,6 +136,11 @@ export function fnv1a32(s: string): number {
   return h >>> 0;
 }
 
+/** A sketch key's first hash: a string is hashed, a number already is its 32-bit hash. */
+function keyHash(key: string | number): number {
+  return typeof key === "number" ? key >>> 0 : fnv1a32(key);
+}
+
 /** A second, independent 32-bit mix (murmur3 finalizer) for double hashing. */
 function mix32(h: number): number {
   h ^= h >>> 16;
@@ -179,12 +184,11 @@ export class CountMinSketch {
 
   /** Records one access of `key` (a string, or an already-hashed 32-bit number). */
   increment(key: string | number): void {
-    const h1 = typeof key === "number" ? key >>> 0 : fnv1a32(key);
+    const h1 = keyHash(key);
     const h2 = mix32(h1) | 1;
-    const mask = this.width - 1;
     let added = false;
     for (let i = 0; i < SKETCH_DEPTH; i++) {
-      const idx = i * this.width + ((h1 + Math.imul(i, h2)) & mask);
+      const idx = this.#slot(h1, h2, i);
       if (this.#table[idx] < SKETCH_MAX) {
         this.#table[idx]++;
         added = true;
@@ -195,14 +199,20 @@ export class CountMinSketch {
 
   /** Estimated accesses of `key` (never below the truth since the last halving, up to 255). */
   estimate(key: string | number): number {
-    const h1 = typeof key === "number" ? key >>> 0 : fnv1a32(key);
+    const h1 = keyHash(key);
     const h2 = mix32(h1) | 1;
-    const mask = this.width - 1;
     let min = SKETCH_MAX;
-    for (let i = 0; i < SKETCH_DEPTH; i++) {
-      min = Math.min(min, this.#table[i * this.width + ((h1 + Math.imul(i, h2)) & mask)]);
-    }
+    for (let i = 0; i < SKETCH_DEPTH; i++) min = Math.min(min, this.#table[this.#slot(h1, h2, i)]);
     return min;
+  }
+
+  /**
+   * The counter of `row` for a key hashed to (h1, h2): double hashing. One
+   * formula for increment and estimate, so an estimate reads exactly the
+   * counters the increments bumped.
+   */
+  #slot(h1: number, h2: number, row: number): number {
+    return row * this.width + ((h1 + Math.imul(row, h2)) & (this.width - 1));
   }
 
   #halve(): void {
