@@ -5,11 +5,13 @@
  */
 import { Engine, type Pool } from "../../ffi/native.ts";
 import { CompletionRing } from "../../ffi/ring.ts";
-import type {
-  PrefetchAllocation,
-  PrefetchAllocator,
-  SsdLog,
-  SsdWriteBlock,
+import {
+  type PrefetchAllocation,
+  type PrefetchAllocator,
+  type SsdLog,
+  SsdTier,
+  type SsdTierOptions,
+  type SsdWriteBlock,
 } from "../../lib/ssd/tier.ts";
 
 export interface Harness {
@@ -32,6 +34,10 @@ export interface Harness {
   ): SsdWriteBlock & { pins: number; extents: { offset: number; bytes: number }[] };
   /** Allocator over pool bytes from `base` (bump; free() counted in `freed`). */
   allocator(base: number, limit?: number): PrefetchAllocator & { freed: number; given: number };
+  /** An SsdTier on this pool, ring and log; its files go in `dir` unless `paths` says otherwise. */
+  openTier(
+    options: Omit<SsdTierOptions, "pool" | "ring" | "log" | "paths"> & { paths?: string[] },
+  ): Promise<SsdTier>;
   close(): Promise<void>;
 }
 
@@ -105,6 +111,15 @@ export async function harness(poolBytes = 64 << 20): Promise<Harness> {
       fn.freed = 0;
       fn.given = 0;
       return fn;
+    },
+    openTier(options) {
+      return SsdTier.open({
+        pool: pool.handle,
+        ring,
+        log: h.log,
+        ...options,
+        paths: options.paths ?? [dir],
+      });
     },
     async close() {
       await ring.shutdown();

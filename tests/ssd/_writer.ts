@@ -3,18 +3,14 @@
  * writes N blocks (content derived from the key), closes cleanly, exits.
  * Usage: deno run -A tests/ssd/_writer.ts <dir> <count> <blockBytes>
  */
-import { SsdTier } from "../../lib/ssd/tier.ts";
 import { harness } from "./_harness.ts";
 
 const [dir, count, blockBytes] = [Deno.args[0], Number(Deno.args[1]), Number(Deno.args[2])];
 const h = await harness(64 << 20);
-const tier = await SsdTier.open({
-  pool: h.pool.handle,
-  ring: h.ring,
+const tier = await h.openTier({
   paths: [dir],
   capacityBytes: 64 << 20,
   segmentBytes: 4 << 20,
-  log: h.log,
 });
 const blocks = Array.from({ length: count }, (_, i) => {
   const key = `ns-restart/${i}`;

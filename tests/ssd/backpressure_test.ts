@@ -1,5 +1,4 @@
 import assert from "node:assert/strict";
-import { SsdTier } from "../../lib/ssd/tier.ts";
 import { harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
@@ -7,15 +6,11 @@ const BLOCK = 64 * 1024;
 
 Deno.test("a full write queue drops the newest batch, counts it, and never pins its blocks", async () => {
   const h = await harness();
-  const tier = await SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
-    paths: [h.dir],
+  const tier = await h.openTier({
     capacityBytes: 32 * MiB,
     segmentBytes: MiB,
     writeQueueDepth: 1,
     writeInflight: 1,
-    log: h.log,
   });
   try {
     const batches = Array.from({ length: 5 }, (_, b) =>
@@ -48,13 +43,9 @@ Deno.test("a full write queue drops the newest batch, counts it, and never pins 
 
 Deno.test("a block evicted from RAM before its write starts is skipped, not kept alive", async () => {
   const h = await harness();
-  const tier = await SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
-    paths: [h.dir],
+  const tier = await h.openTier({
     capacityBytes: 32 * MiB,
     segmentBytes: MiB,
-    log: h.log,
   });
   try {
     const resident = new Set(["ns/a", "ns/c"]);
@@ -77,16 +68,12 @@ Deno.test("a block evicted from RAM before its write starts is skipped, not kept
 Deno.test("the prefetch budget bounds blocks held by prefetches under many concurrent queries", async () => {
   const h = await harness();
   const BUDGET = 10;
-  const tier = await SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
-    paths: [h.dir],
+  const tier = await h.openTier({
     capacityBytes: 32 * MiB,
     segmentBytes: MiB,
     maxPrefetchBlocks: BUDGET,
     prefetchInflight: 2,
     prefetchQueueDepth: 64,
-    log: h.log,
   });
   try {
     const keys = Array.from({ length: 32 }, (_, i) => `ns/p${i}`);
@@ -129,14 +116,10 @@ Deno.test("the prefetch budget bounds blocks held by prefetches under many concu
 
 Deno.test("ready prefetches nobody takes are freed after their TTL", async () => {
   const h = await harness();
-  const tier = await SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
-    paths: [h.dir],
+  const tier = await h.openTier({
     capacityBytes: 32 * MiB,
     segmentBytes: MiB,
     prefetchTtlMs: 1,
-    log: h.log,
   });
   try {
     h.fill("ns/t", 0, BLOCK);

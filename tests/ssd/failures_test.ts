@@ -1,5 +1,5 @@
 import assert from "node:assert/strict";
-import { SsdOpenError, SsdTier } from "../../lib/ssd/tier.ts";
+import { SsdOpenError } from "../../lib/ssd/tier.ts";
 import { harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
@@ -35,13 +35,10 @@ Deno.test({
     await Deno.mkdir(mnt);
     assert.ok(await mountTmpfs(mnt, "size=8m"));
     try {
-      const tier = await SsdTier.open({
-        pool: h.pool.handle,
-        ring: h.ring,
+      const tier = await h.openTier({
         paths: [mnt],
         capacityBytes: 64 * MiB,
         segmentBytes: MiB,
-        log: h.log,
       });
       try {
         assert.ok(tier.stats().capacityBytes <= 8 * MiB, "capacity capped to the free space");
@@ -104,26 +101,20 @@ Deno.test({
     assert.ok(await mountTmpfs(ro, "ro,size=4m"));
     try {
       await assert.rejects(
-        SsdTier.open({
-          pool: h.pool.handle,
-          ring: h.ring,
+        h.openTier({
           paths: [ro],
           capacityBytes: 64 * MiB,
           segmentBytes: MiB,
-          log: h.log,
         }),
         (e: unknown) =>
           e instanceof SsdOpenError && e.message.includes(ro) && /read-only/i.test(e.message),
       );
       const ok = `${h.dir}/ok`;
       await Deno.mkdir(ok);
-      const tier = await SsdTier.open({
-        pool: h.pool.handle,
-        ring: h.ring,
+      const tier = await h.openTier({
         paths: [ro, ok],
         capacityBytes: 16 * MiB,
         segmentBytes: MiB,
-        log: h.log,
       });
       try {
         assert.equal(tier.files.length, 1);
@@ -147,13 +138,10 @@ Deno.test("a path whose parent does not exist is refused naming it", async () =>
   try {
     const bad = `${h.dir}/missing/dir/cache.bin`;
     await assert.rejects(
-      SsdTier.open({
-        pool: h.pool.handle,
-        ring: h.ring,
+      h.openTier({
         paths: [bad],
         capacityBytes: 16 * MiB,
         segmentBytes: MiB,
-        log: h.log,
       }),
       (e: unknown) => e instanceof SsdOpenError && e.message.includes(bad),
     );

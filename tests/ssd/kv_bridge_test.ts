@@ -1,7 +1,6 @@
 import assert from "node:assert/strict";
 import { KvStore } from "../../lib/storage/store.ts";
 import { SsdKvBridge } from "../../lib/ssd/kv_bridge.ts";
-import { SsdTier } from "../../lib/ssd/tier.ts";
 import { harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
@@ -57,13 +56,9 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
   const h = await harness(32 * MiB);
   const store = new KvStore({ capacityBytes: 32 * MiB });
   store.defineNamespace(NS, LAYOUT);
-  const tier = await SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
-    paths: [h.dir],
+  const tier = await h.openTier({
     capacityBytes: 64 * MiB,
     segmentBytes: 4 * MiB,
-    log: h.log,
   });
   const bridge = new SsdKvBridge(tier, store, h.log);
   try {
@@ -111,15 +106,11 @@ Deno.test("bridge: a block evicted before its write started is skipped and nothi
   const h = await harness(32 * MiB);
   const store = new KvStore({ capacityBytes: 32 * MiB });
   store.defineNamespace(NS, LAYOUT);
-  const tier = await SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
-    paths: [h.dir],
+  const tier = await h.openTier({
     capacityBytes: 64 * MiB,
     segmentBytes: 4 * MiB,
     writeQueueDepth: 4,
     writeInflight: 1,
-    log: h.log,
   });
   const bridge = new SsdKvBridge(tier, store, h.log);
   try {

@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { map, timer } from "rxjs";
 import { TestScheduler } from "rxjs/testing";
 import { stage } from "../../lib/pipeline/stage.ts";
-import { prefetchStageOptions, SsdTier, writeStageOptions } from "../../lib/ssd/tier.ts";
+import { prefetchStageOptions, writeStageOptions } from "../../lib/ssd/tier.ts";
 import { harness } from "./_harness.ts";
 
 const newScheduler = () => new TestScheduler((a, b) => assert.deepEqual(a, b));
@@ -50,15 +50,11 @@ Deno.test("prefetch stage: a full queue refuses at once (the query answers with 
 Deno.test("a refused prefetch frees its pool space and budget and answers miss", async () => {
   const MiB = 1 << 20, BLOCK = 64 * 1024;
   const h = await harness();
-  const tier = await SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
-    paths: [h.dir],
+  const tier = await h.openTier({
     capacityBytes: 32 * MiB,
     segmentBytes: MiB,
     prefetchQueueDepth: 1,
     prefetchInflight: 1,
-    log: h.log,
   });
   try {
     const keys = ["ns/q0", "ns/q1", "ns/q2"];

@@ -6,13 +6,10 @@ const MiB = 1 << 20;
 const BLOCK = 128 * 1024;
 
 function open(h: Harness, dir = h.dir, reset = false) {
-  return SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
+  return h.openTier({
     paths: [dir],
     capacityBytes: 64 * MiB,
     segmentBytes: 4 * MiB,
-    log: h.log,
     reset,
   });
 }

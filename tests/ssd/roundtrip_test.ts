@@ -1,5 +1,4 @@
 import assert from "node:assert/strict";
-import { SsdTier } from "../../lib/ssd/tier.ts";
 import { harness } from "./_harness.ts";
 
 const BLOCK = 256 * 1024;
@@ -7,13 +6,9 @@ const MiB = 1 << 20;
 
 Deno.test("blocks written behind come back byte-exact after RAM dropped them", async () => {
   const h = await harness();
-  const tier = await SsdTier.open({
-    pool: h.pool.handle,
-    ring: h.ring,
-    paths: [h.dir],
+  const tier = await h.openTier({
     capacityBytes: 64 * MiB,
     segmentBytes: 4 * MiB,
-    log: h.log,
   });
   try {
     const keys = Array.from({ length: 16 }, (_, i) => `ns1/block-${i}`);
