@@ -21,7 +21,7 @@
 import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { Logger } from "../log.ts";
 import { Code, EngineError, invalid, precondition } from "./errors.ts";
-import { MAX_HASH_BYTES, type RegisterArgs, validateRegistration } from "./registration.ts";
+import { keyHex, MAX_HASH_BYTES, type RegisterArgs, validateRegistration } from "./registration.ts";
 import {
   Instance,
   type LayerCtx,
@@ -173,12 +173,6 @@ function sameLists(
     if (ids[i] !== ids2[i] || !sameBytes(hashes[i], hashes2[i])) return false;
   }
   return true;
-}
-
-function keyHex(b: Uint8Array): string {
-  let s = "";
-  for (let i = 0; i < b.length; i++) s += b[i].toString(16).padStart(2, "0");
-  return s;
 }
 
 /**

@@ -37,7 +37,17 @@ export interface RegisterArgs {
   clientVersion: string;
 }
 
-function keyHex(b: Uint8Array): string {
+/**
+ * Hex of a region handle's bytes: the Map key under which layers that share
+ * one region are grouped (here for the overlap check, in the engine for one
+ * import per region).
+ *
+ * @example
+ * ```ts
+ * keyHex(new Uint8Array([0x2f, 0x70])); // "2f70"
+ * ```
+ */
+export function keyHex(b: Uint8Array): string {
   let s = "";
   for (let i = 0; i < b.length; i++) s += b[i].toString(16).padStart(2, "0");
   return s;
