@@ -117,6 +117,16 @@ static void *host_worker(void *arg) {
   }
 }
 
+/* Wakes every worker to exit once the queue is empty, then joins the first
+ * n (those started). */
+static void host_stop_workers(host_engine *he, uint32_t n) {
+  pthread_mutex_lock(&he->mu);
+  he->stop = 1;
+  pthread_cond_broadcast(&he->cv);
+  pthread_mutex_unlock(&he->mu);
+  for (uint32_t i = 0; i < n; i++) pthread_join(he->th[i], NULL);
+}
+
 static int32_t host_open(pf_engine *e, int32_t device, uint32_t workers) {
   if (workers > PF_HOST_WORKERS_MAX)
     return pf_fail(PF_EINVAL, "pf_engine_open: workers %u; expected 0 "
@@ -134,11 +144,7 @@ static int32_t host_open(pf_engine *e, int32_t device, uint32_t workers) {
   for (uint32_t i = 0; i < n; i++) {
     if (pthread_create(&he->th[i], NULL, host_worker, he) != 0) {
       int err = errno;
-      pthread_mutex_lock(&he->mu);
-      he->stop = 1;
-      pthread_cond_broadcast(&he->cv);
-      pthread_mutex_unlock(&he->mu);
-      for (uint32_t k = 0; k < i; k++) pthread_join(he->th[k], NULL);
+      host_stop_workers(he, i);
       free(he);
       return pf_fail(PF_ENOMEM, "pf_engine_open: starting copy worker %u of "
                      "%u: %s", i, n, strerror(err));
@@ -154,11 +160,7 @@ static int32_t host_open(pf_engine *e, int32_t device, uint32_t workers) {
 
 static void host_close(pf_engine *e) {
   host_engine *he = e->impl;
-  pthread_mutex_lock(&he->mu);
-  he->stop = 1;
-  pthread_cond_broadcast(&he->cv);
-  pthread_mutex_unlock(&he->mu);
-  for (uint32_t i = 0; i < he->nworkers; i++) pthread_join(he->th[i], NULL);
+  host_stop_workers(he, he->nworkers);
   pthread_cond_destroy(&he->cv);
   pthread_mutex_destroy(&he->mu);
   free(he);
