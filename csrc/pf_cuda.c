@@ -515,10 +515,12 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
                         ? PF_KERNEL_GRID_DEFAULT : (uint32_t)sms;
   e->device_mem_mib = total >> 20;
   e->default_dma_share = PF_MIXED_DMA_SHARE_DEFAULT;
-  if (pthread_create(&ce->th, NULL, completion_main, e) != 0) {
+  /* pthread_create returns its error; it does not set errno. */
+  int terr = pthread_create(&ce->th, NULL, completion_main, e);
+  if (terr != 0) {
     ce->th = 0;
     rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): completion thread: %s",
-                 strerror(errno));
+                 strerror(terr));
     goto fail;
   }
   ce->nlanes = PF_DMA_LANES_DEFAULT;
@@ -540,10 +542,11 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
       goto fail;
     }
   }
-  if (pthread_create(&ce->sth, NULL, submitter_main, e) != 0) {
+  terr = pthread_create(&ce->sth, NULL, submitter_main, e);
+  if (terr != 0) {
     ce->sth = 0;
     rc = pf_fail(PF_ENOMEM, "pf_engine_open(cuda): submitter thread: %s",
-                 strerror(errno));
+                 strerror(terr));
     goto fail;
   }
   return PF_OK;

@@ -142,8 +142,9 @@ static int32_t host_open(pf_engine *e, int32_t device, uint32_t workers) {
             ? (uint32_t)cpus : PF_HOST_WORKERS_DEFAULT;
   }
   for (uint32_t i = 0; i < n; i++) {
-    if (pthread_create(&he->th[i], NULL, host_worker, he) != 0) {
-      int err = errno;
+    /* pthread_create returns its error; it does not set errno. */
+    int err = pthread_create(&he->th[i], NULL, host_worker, he);
+    if (err != 0) {
       host_stop_workers(he, i);
       free(he);
       return pf_fail(PF_ENOMEM, "pf_engine_open: starting copy worker %u of "
