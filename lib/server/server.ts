@@ -249,7 +249,7 @@ export async function startServer(
       sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
       await engine.close();
       await ssd?.close();
-      // The gRPC sockets are left to process exit on purpose: grpc-js's
+      // grpc-js's sockets are left to process exit on purpose: its
       // tryShutdown/forceShutdown send GOAWAY, and a Deno process receiving a
       // GOAWAY on a busy HTTP/2 session can abort inside nghttp2
       // (denoland/deno#36788; engines built on this SDK run on Deno). Every
