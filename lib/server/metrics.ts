@@ -76,6 +76,7 @@ export class ServerMetrics implements EngineMetrics {
   readonly #queueInflight: Gauge<"queue">;
   readonly #queueRefused: Counter<"queue">;
   readonly #queueDropped: Counter<"queue">;
+  readonly #goawaysDropped: Counter;
   readonly #sessions: Gauge;
   readonly #cleanups: Counter<"reason">;
   readonly #sealed: Counter;
@@ -164,6 +165,11 @@ export class ServerMetrics implements EngineMetrics {
       name: "pegaflow_queue_dropped_total",
       help: "items dropped by a full queue",
       labelNames: ["queue"],
+      registers: [r],
+    });
+    this.#goawaysDropped = new Counter({
+      name: "pegaflow_grpc_goaway_dropped_total",
+      help: "client GOAWAY frames the gRPC relay kept from grpc-js (denoland/deno#36788 guard)",
       registers: [r],
     });
     this.#sessions = new Gauge({
@@ -296,6 +302,11 @@ export class ServerMetrics implements EngineMetrics {
   /** Counts blocks a save sealed. */
   sealed(count: number): void {
     this.#sealed.inc(count);
+  }
+
+  /** Counts a client GOAWAY dropped by the GOAWAY guard (lib/server/goaway_guard.ts). */
+  goawayDropped(): void {
+    this.#goawaysDropped.inc();
   }
 
   cleanup(reason: string): void {

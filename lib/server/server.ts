@@ -197,7 +197,10 @@ export async function startServer(
         port: Number(cfg.addr.slice(cfg.addr.lastIndexOf(":") + 1)),
         upstreamHostname: UPSTREAM_HOST,
         upstreamPort: grpcPort,
-        onGoawayDropped: () => log.debug("dropped a client's GOAWAY (denoland/deno#36788 guard)"),
+        onGoawayDropped: () => {
+          metrics.goawayDropped();
+          log.debug("dropped a client's GOAWAY (denoland/deno#36788 guard)");
+        },
         onError: (e) => log.warn("gRPC relay connection failed", { error: e.message }),
       });
     } catch (e) {

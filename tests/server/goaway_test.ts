@@ -120,7 +120,7 @@ Deno.test("clients that close gracefully after many RPCs leave the server and it
         // Same process, same state: the bystander's instance and blocks are still there.
         const q = await sim.query(hashes, uid("after-closes"));
         assert.deepEqual(q.kind === "ready" && q.hits, 3);
-        dropped.push(srv.logs().filter((l) => l.includes("dropped a client's GOAWAY")).length);
+        dropped.push(await srv.metric("pegaflow_grpc_goaway_dropped_total"));
       } finally {
         sim.close();
         await srv.stop();
