@@ -31,6 +31,8 @@ const PREFACE = new TextEncoder().encode("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
 const FRAME_HEADER_BYTES = 9;
 /** Frame type of GOAWAY (RFC 9113 §6.8). */
 export const FRAME_TYPE_GOAWAY = 0x7;
+/** Pause after a failed accept (e.g. out of file descriptors) before the next. */
+const ACCEPT_RETRY_MS = 50;
 /** Relay read buffer: large enough that a Save/Load message moves in few reads. */
 const RELAY_CHUNK_BYTES = 256 * 1024;
 
@@ -258,22 +260,32 @@ export function startGoawayGuard(opts: GoawayGuardOptions): GoawayGuard {
       if (upstream) live.delete(upstream);
     }
   };
+  let closed = false;
   const accepting = (async () => {
-    for await (const conn of listener) {
+    while (!closed) {
+      let conn: Deno.TcpConn;
+      try {
+        conn = await listener.accept();
+      } catch (e) {
+        // close() closes the listener; any other accept error (EMFILE, a
+        // connection reset while queued) is reported and accepting goes on.
+        if (closed || e instanceof Deno.errors.BadResource) return;
+        fail(e);
+        await new Promise((r) => setTimeout(r, ACCEPT_RETRY_MS));
+        continue;
+      }
       const p = handle(conn);
       pairs.add(p);
       p.finally(() => pairs.delete(p));
     }
-  })().catch((e) => {
-    // The listener is closed by close(); anything else is reported.
-    if (!(e instanceof Deno.errors.BadResource)) fail(e);
-  });
+  })();
   return {
     port: (listener.addr as Deno.NetAddr).port,
     get connections() {
       return pairs.size;
     },
     async close() {
+      closed = true;
       try {
         listener.close();
       } catch (e) {

@@ -2,11 +2,16 @@
  * GoawayFilter (lib/server/goaway_guard.ts): over any split of a client's
  * HTTP/2 byte stream into chunks, the forwarded bytes are exactly the input
  * minus its GOAWAY frames (fast-check), and a non-HTTP/2 stream is relayed
- * untouched.
+ * untouched. The guard itself relays over real sockets, drops only client
+ * GOAWAYs, and ends the server-side socket when the client closes.
  */
 import assert from "node:assert/strict";
 import fc from "fast-check";
-import { FRAME_TYPE_GOAWAY, GoawayFilter } from "../../lib/server/goaway_guard.ts";
+import {
+  FRAME_TYPE_GOAWAY,
+  GoawayFilter,
+  startGoawayGuard,
+} from "../../lib/server/goaway_guard.ts";
 
 const PREFACE = new TextEncoder().encode("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
 const DATA = 0x0;
@@ -100,4 +105,78 @@ Deno.test("a stream that is not HTTP/2 prior knowledge is relayed byte for byte"
   const f = new GoawayFilter();
   assert.deepEqual(run(f, [http1, tail]), concat([http1, tail]));
   assert.equal(f.goawaysDropped, 0);
+});
+
+/** Reads from `c` until `n` bytes arrived or the peer closed; returns what came. */
+async function readN(c: Deno.Conn, n: number): Promise<Uint8Array> {
+  const parts: Uint8Array[] = [];
+  let have = 0;
+  const buf = new Uint8Array(4096);
+  while (have < n) {
+    const k = await c.read(buf);
+    if (k === null) break;
+    parts.push(buf.slice(0, k));
+    have += k;
+  }
+  return concat(parts);
+}
+
+Deno.test("the guard relays both ways, drops the client's GOAWAY, and ends the upstream socket when the client closes", async () => {
+  const upstream = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  let dropped = 0;
+  const guard = startGoawayGuard({
+    hostname: "127.0.0.1",
+    port: 0,
+    upstreamHostname: "127.0.0.1",
+    upstreamPort: (upstream.addr as Deno.NetAddr).port,
+    onGoawayDropped: () => dropped++,
+  });
+  const client = await Deno.connect({ hostname: "127.0.0.1", port: guard.port });
+  const server = await upstream.accept();
+  try {
+    const ping = frame(PING, 0, new Uint8Array(8).fill(1));
+    const goaway = frame(FRAME_TYPE_GOAWAY, 0, new Uint8Array(8));
+    const data = frame(DATA, 1, new Uint8Array(1000).fill(9));
+    await client.write(concat([PREFACE, ping, goaway, data]));
+    const expected = concat([PREFACE, ping, data]);
+    assert.deepEqual(await readN(server, expected.length), expected);
+    assert.equal(dropped, 1);
+    assert.equal(guard.connections, 1);
+
+    // Server to client: relayed untouched, GOAWAY frames included.
+    const reply = concat([frame(PING, 0, new Uint8Array(8).fill(2)), goaway]);
+    await server.write(reply);
+    assert.deepEqual(await readN(client, reply.length), reply);
+
+    // The client's close reaches the server as a plain end of connection.
+    client.close();
+    assert.equal(await server.read(new Uint8Array(16)), null);
+  } finally {
+    server.close();
+    await guard.close();
+    upstream.close();
+  }
+  assert.equal(guard.connections, 0);
+});
+
+Deno.test("closing the guard ends the connections it relays", async () => {
+  const upstream = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const guard = startGoawayGuard({
+    hostname: "127.0.0.1",
+    port: 0,
+    upstreamHostname: "127.0.0.1",
+    upstreamPort: (upstream.addr as Deno.NetAddr).port,
+  });
+  const client = await Deno.connect({ hostname: "127.0.0.1", port: guard.port });
+  const server = await upstream.accept();
+  try {
+    await guard.close();
+    assert.equal(await client.read(new Uint8Array(16)), null);
+    assert.equal(await server.read(new Uint8Array(16)), null);
+    await assert.rejects(Deno.connect({ hostname: "127.0.0.1", port: guard.port }));
+  } finally {
+    client.close();
+    server.close();
+    upstream.close();
+  }
 });
