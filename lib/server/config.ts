@@ -37,6 +37,12 @@ export interface ServeConfig {
   leaseTtlMs: number;
   /** Largest gRPC message accepted or sent, in bytes. */
   maxMessageBytes: number;
+  /**
+   * Relay the gRPC port through the GOAWAY guard (lib/server/goaway_guard.ts),
+   * which keeps a client's graceful close from crashing the server
+   * (denoland/deno#36788). On by default.
+   */
+  goawayGuard: boolean;
   /** SSD tier (lib/ssd/flags.ts); no paths = no SSD tier. */
   ssd: SsdConfig;
 }
@@ -163,6 +169,14 @@ export function serveCommand(): Command {
         .default(parseSize(DEFAULT_MAX_MESSAGE), DEFAULT_MAX_MESSAGE)
         .argParser(sizeArg("--max-message-size", 4096)),
     )
+    .addOption(
+      opt(
+        "--goaway-guard [bool]",
+        "relay gRPC through a guard that drops client GOAWAY frames (denoland/deno#36788)",
+        "GOAWAY_GUARD",
+      )
+        .default(true).preset(true).argParser(boolArg),
+    )
     .exitOverride()
     .allowExcessArguments(false);
   for (const o of ssdOptions()) cmd.addOption(o);
@@ -218,6 +232,7 @@ export function parseServeArgs(argv: string[]): ParseResult {
       logLevel: o.logLevel,
       leaseTtlMs: o.leaseTtlMs,
       maxMessageBytes: o.maxMessageSize,
+      goawayGuard: o.goawayGuard,
       ssd: ssdConfigFrom(o),
     },
   };

@@ -77,6 +77,7 @@ export class ServerMetrics implements EngineMetrics {
   readonly #queueInflight: Gauge<"queue">;
   readonly #queueRefused: Counter<"queue">;
   readonly #queueDropped: Counter<"queue">;
+  readonly #goawaysDropped: Counter;
   readonly #sessions: Gauge;
   readonly #cleanups: Counter<"reason">;
   readonly #sealed: Counter;
@@ -158,6 +159,11 @@ export class ServerMetrics implements EngineMetrics {
       "pegaflow_queue_dropped_total",
       "items dropped by a full queue",
       ["queue"],
+    );
+    this.#goawaysDropped = counter(
+      r,
+      "pegaflow_grpc_goaway_dropped_total",
+      "client GOAWAY frames the gRPC relay kept from grpc-js (denoland/deno#36788 guard)",
     );
     this.#sessions = new Gauge({
       name: "pegaflow_sessions",
@@ -280,6 +286,11 @@ export class ServerMetrics implements EngineMetrics {
   /** Counts blocks a save sealed. */
   sealed(count: number): void {
     this.#sealed.inc(count);
+  }
+
+  /** Counts a client GOAWAY dropped by the GOAWAY guard (lib/server/goaway_guard.ts). */
+  goawayDropped(): void {
+    this.#goawaysDropped.inc();
   }
 
   cleanup(reason: string): void {

@@ -24,10 +24,15 @@ import { ServerMetrics } from "./metrics.ts";
 import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
 import { SsdKvBridge } from "../ssd/kv_bridge.ts";
 import { registerSsdMetrics } from "../ssd/metrics.ts";
+import { type GoawayGuard, startGoawayGuard } from "./goaway_guard.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
 const KEEPALIVE_TIMEOUT_MS = 20_000;
+
+/** Where grpc-js listens behind the GOAWAY guard: loopback, any free port. */
+const UPSTREAM_HOST = "127.0.0.1";
+const UPSTREAM_ADDR = `${UPSTREAM_HOST}:0`;
 
 /** Idle-time lease expiry / stale inflight collection period. */
 const COLLECT_INTERVAL_MS = 1_000;
@@ -141,8 +146,17 @@ export async function startServer(
       log.error("SSD tier disabled", { error: e.message });
     }
   }
-  const bridge = ssd ? new SsdKvBridge(ssd, store, (level, msg) => log[level](msg, { tier: "ssd" })) : undefined;
-  const engine = new KvEngine({ native, store, log, metrics, leaseTtlMs: cfg.leaseTtlMs, ssd: bridge });
+  const bridge = ssd
+    ? new SsdKvBridge(ssd, store, (level, msg) => log[level](msg, { tier: "ssd" }))
+    : undefined;
+  const engine = new KvEngine({
+    native,
+    store,
+    log,
+    metrics,
+    leaseTtlMs: cfg.leaseTtlMs,
+    ssd: bridge,
+  });
   engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
   // Write-behind: sealed blocks are offered to the SSD tier (never waits).
   if (bridge) engine.onSealed((_ns, keys) => bridge.onSealed(keys));
@@ -155,19 +169,48 @@ export async function startServer(
     "grpc.keepalive_permit_without_calls": 1,
   });
   server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
-  const port = await new Promise<number>((resolve, reject) =>
+  // With the GOAWAY guard on, grpc-js listens on a loopback port that only
+  // the guard connects to; the guard owns the public address (goaway_guard.ts).
+  const bindAddr = cfg.goawayGuard ? UPSTREAM_ADDR : cfg.addr;
+  const cleanupOnListenError = async () => {
+    clearInterval(collector);
+    await ssd?.close();
+    await native.close();
+  };
+  const grpcPort = await new Promise<number>((resolve, reject) =>
     server.bindAsync(
-      cfg.addr,
+      bindAddr,
       grpc.ServerCredentials.createInsecure(),
       (err, p) => err ? reject(err) : resolve(p),
     )
   ).catch(async (e) => {
-    clearInterval(collector);
-    await ssd?.close();
-    await native.close();
+    await cleanupOnListenError();
     throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
   });
-  const host = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
+  const hostPart = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
+  let port = grpcPort;
+  let guard: GoawayGuard | undefined;
+  if (cfg.goawayGuard) {
+    try {
+      guard = startGoawayGuard({
+        hostname: hostPart.replace(/^\[(.*)\]$/, "$1"),
+        port: Number(cfg.addr.slice(cfg.addr.lastIndexOf(":") + 1)),
+        upstreamHostname: UPSTREAM_HOST,
+        upstreamPort: grpcPort,
+        onGoawayDropped: () => {
+          metrics.goawayDropped();
+          log.debug("dropped a client's GOAWAY (denoland/deno#36788 guard)");
+        },
+        onError: (e) => log.warn("gRPC relay connection failed", { error: e.message }),
+      });
+    } catch (e) {
+      server.forceShutdown();
+      await cleanupOnListenError();
+      throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
+    }
+    port = guard.port;
+  }
+  const host = hostPart;
   const grpcAddr = `${host}:${port}`;
 
   let http: Deno.HttpServer | undefined;
@@ -209,12 +252,14 @@ export async function startServer(
       sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
       await engine.close();
       await ssd?.close();
-      // The gRPC sockets are left to process exit on purpose: grpc-js's
+      // grpc-js's sockets are left to process exit on purpose: its
       // tryShutdown/forceShutdown send GOAWAY, and a Deno process receiving a
       // GOAWAY on a busy HTTP/2 session can abort inside nghttp2
       // (denoland/deno#36788; engines built on this SDK run on Deno). Every
       // instance is already cleaned up and every session ended: nothing is lost.
       if (http) await http.shutdown();
+      // Closing the guard's sockets sends no GOAWAY: clients see the connection end.
+      await guard?.close();
       clearInterval(collector);
       await native.close();
     })();

@@ -16,6 +16,8 @@ export interface ServerProc {
   grpc: string;
   http: string;
   pid: number;
+  /** Resolves when the server process exits (however it ends). */
+  status: Promise<Deno.CommandStatus>;
   client: PegaflowClient;
   /** Server log lines so far (JSON strings). */
   logs(): string[];
@@ -97,6 +99,7 @@ export async function startServer(
     grpc: listening.grpc,
     http: listening.http,
     pid: child.pid,
+    status: child.status,
     client,
     logs: () => lines,
     http_get: (p) => fetch(base + p),
