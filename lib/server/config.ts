@@ -170,7 +170,7 @@ export function serveCommand(): Command {
         .argParser(sizeArg("--max-message-size", 4096)),
     )
     .addOption(
-      opt(
+      envOption(
         "--goaway-guard [bool]",
         "relay gRPC through a guard that drops client GOAWAY frames (denoland/deno#36788)",
         "GOAWAY_GUARD",
