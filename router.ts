@@ -21,6 +21,7 @@ import {
   type RouterConfig,
 } from "./lib/router/config.ts";
 import { startRouter } from "./lib/router/server.ts";
+import { startRouterCluster } from "./lib/router/cluster.ts";
 
 /** Exit status for a command line that could not be used. */
 const EXIT_USAGE = 2;
@@ -110,6 +111,14 @@ const program = new Command("router")
   .addOption(
     opt("--log-level <level>", "error | warn | info | debug", "LOG_LEVEL", DEFAULTS.logLevel),
   )
+  .addOption(
+    opt(
+      "--workers <n>",
+      "threads serving the port (SO_REUSEPORT); auto = min(4, CPU cores); 1 = the main thread only",
+      "WORKERS",
+      DEFAULTS.workers,
+    ),
+  )
   .showHelpAfterError("(run with --help for usage)")
   .allowExcessArguments(false);
 
@@ -131,8 +140,37 @@ function configOrExit(): RouterConfig {
   }
 }
 
-const config = configOrExit();
-const router = await startRouter(config).catch((e) => {
+/**
+ * Several workers share the port with SO_REUSEPORT, which Deno only offers under --unstable-net
+ * (`deno task router` passes it); without that flag its net APIs, listenDatagram among them, are
+ * absent.
+ */
+const REUSE_PORT_AVAILABLE =
+  typeof (Deno as unknown as { listenDatagram?: unknown }).listenDatagram === "function";
+
+/** The configuration, with `auto` workers cut to 1 (with a warning) where SO_REUSEPORT is off. */
+function withUsableWorkers(config: RouterConfig): RouterConfig {
+  if (config.workers === 1 || REUSE_PORT_AVAILABLE) return config;
+  if (String(raw.workers ?? DEFAULTS.workers).trim().toLowerCase() === "auto") {
+    console.error(JSON.stringify({
+      ts: new Date().toISOString(),
+      level: "warn",
+      msg: "serving from one thread: several workers need Deno's --unstable-net (SO_REUSEPORT); " +
+        "deno task router passes it",
+    }));
+    return { ...config, workers: 1 };
+  }
+  return program.error(
+    `error: --workers: ${config.workers} workers share the port with SO_REUSEPORT, which Deno ` +
+      `enables with --unstable-net (deno task router passes it); run with it or use --workers 1`,
+    { exitCode: EXIT_USAGE, code: "pegaflow.config" },
+  );
+}
+
+const config = withUsableWorkers(configOrExit());
+// One thread serves with --workers 1; more share the port (lib/router/cluster.ts).
+const start = config.workers === 1 ? startRouter(config) : startRouterCluster(config);
+const router = await start.catch((e) => {
   if (e instanceof Deno.errors.AddrInUse || e instanceof Deno.errors.AddrNotAvailable) {
     return program.error(
       `error: --host/--port: cannot listen on ${config.host}:${config.port}: ${e.message}`,

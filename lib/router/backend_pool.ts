@@ -13,22 +13,60 @@
 /** Which half of the P/D split a backend serves. */
 export type Role = "prefill" | "decode";
 
+/**
+ * Int32 slots per backend in a pool's state buffer: inflight count, then healthy flag (1/0).
+ * Slot 0 of the buffer is the pool's tie-breaking cursor.
+ */
+const SLOTS_PER_BACKEND = 2;
+const CURSOR_SLOT = 0;
+
 /** One backend engine as the router sees it. */
 export class Backend {
   /** Base URL, no trailing slash. */
   readonly url: string;
   /** Prefill or decode. */
   readonly role: Role;
-  /** Requests the router currently has open against it. */
-  inflight = 0;
-  /** Whether it may be picked. */
-  healthy = true;
   /** Why it was last taken out, for logs and `/health`. */
   lastError: string | null = null;
+  readonly #state: Int32Array;
+  readonly #slot: number;
 
-  constructor(url: string, role: Role) {
+  /**
+   * @param state the pool's state buffer (see {@link BackendPool.sharedState}); its two slots at
+   *   `slot` hold this backend's inflight count and healthy flag.
+   */
+  constructor(url: string, role: Role, state: Int32Array, slot: number) {
     this.url = url;
     this.role = role;
+    this.#state = state;
+    this.#slot = slot;
+  }
+
+  /** Requests the router (every worker of it, when the state is shared) has open against it. */
+  get inflight(): number {
+    return Atomics.load(this.#state, this.#slot);
+  }
+  set inflight(n: number) {
+    Atomics.store(this.#state, this.#slot, n);
+  }
+
+  /** Whether it may be picked. */
+  get healthy(): boolean {
+    return Atomics.load(this.#state, this.#slot + 1) === 1;
+  }
+  set healthy(v: boolean) {
+    Atomics.store(this.#state, this.#slot + 1, v ? 1 : 0);
+  }
+
+  /** Atomically adds `delta` to the inflight count; returns the value before. */
+  addInflight(delta: number): number {
+    return Atomics.add(this.#state, this.#slot, delta);
+  }
+
+  /** Atomically sets the healthy flag; true when this call changed it. */
+  setHealthy(v: boolean): boolean {
+    const to = v ? 1 : 0;
+    return Atomics.compareExchange(this.#state, this.#slot + 1, 1 - to, to) === 1 - to;
   }
 }
 
@@ -50,13 +88,33 @@ export class BackendPool {
   readonly role: Role;
   /** All backends, healthy or not, in configuration order. */
   readonly backends: readonly Backend[];
-  #cursor = 0;
+  /**
+   * Cursor, inflight counts and healthy flags. A SharedArrayBuffer when the pool was built from
+   * one (router workers share one per pool, so every worker sees the same counts and health).
+   */
+  readonly sharedState: SharedArrayBuffer;
+  readonly #state: Int32Array;
   #listeners: HealthChangeListener[] = [];
 
-  constructor(role: Role, urls: readonly string[]) {
+  /**
+   * @param shared the state buffer of the same pool in another thread (from its
+   *   {@link sharedState}); omitted, a new one is made with every backend healthy and idle.
+   */
+  constructor(role: Role, urls: readonly string[], shared?: SharedArrayBuffer) {
     if (urls.length === 0) throw new Error(`a ${role} pool needs at least one backend URL`);
+    const bytes = (1 + urls.length * SLOTS_PER_BACKEND) * Int32Array.BYTES_PER_ELEMENT;
+    if (shared !== undefined && shared.byteLength !== bytes) {
+      throw new Error(
+        `${role} pool state: expected ${bytes} bytes for ${urls.length} backends, got ${shared.byteLength}`,
+      );
+    }
     this.role = role;
-    this.backends = urls.map((u) => new Backend(u, role));
+    this.sharedState = shared ?? new SharedArrayBuffer(bytes);
+    this.#state = new Int32Array(this.sharedState);
+    this.backends = urls.map((u, i) =>
+      new Backend(u, role, this.#state, 1 + i * SLOTS_PER_BACKEND)
+    );
+    if (shared === undefined) { for (const b of this.backends) b.healthy = true; }
   }
 
   /**
@@ -65,8 +123,8 @@ export class BackendPool {
    */
   pick(exclude?: ReadonlySet<Backend>): Backend | undefined {
     const n = this.backends.length;
-    const start = this.#cursor;
-    this.#cursor = (this.#cursor + 1) % n;
+    // Shared by all workers, so ties rotate over the whole router, not per worker.
+    const start = (Atomics.add(this.#state, CURSOR_SLOT, 1) >>> 0) % n;
     let best: Backend | undefined;
     for (let i = 0; i < n; i++) {
       const b = this.backends[(start + i) % n];
@@ -78,27 +136,27 @@ export class BackendPool {
 
   /** Counts a request as open against `b`. */
   acquire(b: Backend): void {
-    b.inflight++;
+    b.addInflight(1);
   }
 
   /** Ends a request counted by {@link acquire}. */
   release(b: Backend): void {
-    if (b.inflight <= 0) throw new Error(`inflight underflow on ${b.role} backend ${b.url}`);
-    b.inflight--;
+    if (b.addInflight(-1) <= 0) {
+      b.addInflight(1);
+      throw new Error(`inflight underflow on ${b.role} backend ${b.url}`);
+    }
   }
 
   /** Takes `b` out of service (no-op if already out). */
   markDown(b: Backend, reason: string): void {
     b.lastError = reason;
-    if (!b.healthy) return;
-    b.healthy = false;
+    if (!b.setHealthy(false)) return;
     for (const l of this.#listeners) l(b, false, reason);
   }
 
   /** Puts `b` back in service (no-op if already in). */
   markUp(b: Backend, reason: string): void {
-    if (b.healthy) return;
-    b.healthy = true;
+    if (!b.setHealthy(true)) return;
     b.lastError = null;
     for (const l of this.#listeners) l(b, true, reason);
   }

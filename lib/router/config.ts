@@ -41,6 +41,11 @@ export interface RouterConfig {
   maxBodyBytes: number;
   /** Least severe level that is logged. */
   logLevel: LogLevel;
+  /**
+   * Threads serving the port (Deno Workers with SO_REUSEPORT, lib/router/cluster.ts); 1 serves
+   * from the main thread alone.
+   */
+  workers: number;
 }
 
 /** Defaults; each is the value a flag takes when neither it nor its env var is given. */
@@ -59,7 +64,36 @@ export const DEFAULTS = {
   // 16 MiB fits a ~1M-token prompt sent as token ids; anything larger is almost surely a mistake.
   maxBody: "16mb",
   logLevel: "info",
+  // auto = min(4, CPU cores): see defaultWorkers.
+  workers: "auto",
 } as const;
+
+/**
+ * Most workers `auto` picks: enough to split the streams' native piping over a few threads (the
+ * tail the single thread had, docs/router.md) without taking every core from co-located engines.
+ */
+const AUTO_WORKERS_MAX = 4;
+/** A sanity bound on --workers: far more threads than any host has cores is a typo. */
+const MAX_WORKERS = 256;
+
+/** `auto`'s worker count on this host: min(4, CPU cores). */
+export function defaultWorkers(): number {
+  return Math.max(1, Math.min(AUTO_WORKERS_MAX, navigator.hardwareConcurrency || 1));
+}
+
+/** Parses `--workers`: `auto` or an integer 1–256. */
+export function parseWorkers(flag: string, value: string): number {
+  const v = value.trim().toLowerCase();
+  if (v === "auto") return defaultWorkers();
+  const n = Number(v);
+  if (!/^\d+$/.test(v) || !Number.isSafeInteger(n) || n < 1 || n > MAX_WORKERS) {
+    throw new ConfigError(
+      flag,
+      `expected 'auto' or a whole number of worker threads from 1 to ${MAX_WORKERS}, got '${value}'`,
+    );
+  }
+  return n;
+}
 
 /** A configuration value that cannot be used; `flag` names the CLI flag it came from. */
 export class ConfigError extends Error {
@@ -230,6 +264,7 @@ export interface RawRouterOptions {
   healthPath: string;
   maxBody: string;
   logLevel: string;
+  workers: string;
 }
 
 /**
@@ -276,5 +311,6 @@ export function resolveConfig(raw: RawRouterOptions): RouterConfig {
     healthPath: parseHealthPath("--health-path", raw.healthPath),
     maxBodyBytes: parseBytes("--max-body", raw.maxBody),
     logLevel: parseLogLevel("--log-level", raw.logLevel),
+    workers: parseWorkers("--workers", raw.workers),
   };
 }

@@ -114,6 +114,8 @@ export class RouterMetrics {
       help: "1 if the backend is in service, 0 if health checks or errors took it out",
       labelNames: ["role", "backend"],
       registers: [registry],
+      // Every worker reads the same shared state: merging workers' snapshots takes one, not a sum.
+      aggregator: "first",
       collect() {
         for (const pool of pools) {
           for (const b of pool.backends) {
@@ -127,6 +129,7 @@ export class RouterMetrics {
       help: "Requests the router has open against each backend",
       labelNames: ["role", "backend"],
       registers: [registry],
+      aggregator: "first",
       collect() {
         for (const pool of pools) {
           for (const b of pool.backends) this.set({ role: b.role, backend: b.url }, b.inflight);

@@ -37,6 +37,19 @@ export interface RouterHandle {
   readonly finished: Promise<void>;
 }
 
+/**
+ * How a router runs as one of several workers serving one port (lib/router/cluster.ts): the main
+ * thread runs the health checks and merges the metrics; the workers share the pools' state.
+ */
+export interface WorkerMembership {
+  /** {@link BackendPool.sharedState} of the main thread's prefill pool. */
+  prefillState: SharedArrayBuffer;
+  /** {@link BackendPool.sharedState} of the main thread's decode pool. */
+  decodeState: SharedArrayBuffer;
+  /** Answers `GET /metrics` for the whole router (every worker's metrics merged). */
+  scrape: () => Promise<Response>;
+}
+
 /** Client-supplied request ids are passed to engines and logs: keep them short and printable. */
 const REQUEST_ID_RE = /^[\x21-\x7e]{1,256}$/;
 const DEFAULT_SHUTDOWN_GRACE_MS = 10_000;
@@ -45,7 +58,7 @@ const DEFAULT_SHUTDOWN_GRACE_MS = 10_000;
  * default keep-alive (5 s, what vLLM runs on), so the router does not pick a connection the
  * engine is closing at that moment.
  */
-const UPSTREAM_POOL_IDLE_MS = 4_000;
+export const UPSTREAM_POOL_IDLE_MS = 4_000;
 /** Status recorded when the client disconnected before the answer was complete (nginx's code). */
 const CLIENT_CLOSED_STATUS = "499";
 
@@ -65,37 +78,25 @@ const GENERATION_ROUTES: ReadonlySet<string> = new Set([
  * await router.shutdown();
  * ```
  */
-export async function startRouter(config: RouterConfig, log?: Logger): Promise<RouterHandle> {
+export async function startRouter(
+  config: RouterConfig,
+  log?: Logger,
+  worker?: WorkerMembership,
+): Promise<RouterHandle> {
   const logger = log ?? createLogger(config.logLevel);
-  const prefill = new BackendPool("prefill", config.prefill);
-  const decode = new BackendPool("decode", config.decode);
+  const prefill = new BackendPool("prefill", config.prefill, worker?.prefillState);
+  const decode = new BackendPool("decode", config.decode, worker?.decodeState);
   const metrics = new RouterMetrics([prefill, decode]);
   const client = Deno.createHttpClient({ poolIdleTimeout: UPSTREAM_POOL_IDLE_MS });
-  const health = new HealthChecker([prefill, decode], {
-    intervalMs: config.healthIntervalMs,
-    timeoutMs: config.healthTimeoutMs,
-    path: config.healthPath,
-    client,
-    log: logger,
-  });
   for (const pool of [prefill, decode]) {
     pool.onHealthChange((b, healthy, reason) => {
       logger.debug("backend health changed", { role: b.role, url: b.url, healthy, reason });
     });
   }
-  await health.checkAll();
-  for (const pool of [prefill, decode]) {
-    for (const b of pool.backends) {
-      if (!b.healthy) {
-        logger.warn("backend out of service at start", {
-          role: b.role,
-          url: b.url,
-          reason: b.lastError,
-        });
-      }
-    }
-  }
-  health.start();
+  // A worker's health checks are the main thread's (one checker for the whole router).
+  const health = worker === undefined
+    ? await startHealthChecks(config, [prefill, decode], client, logger)
+    : undefined;
 
   const deps: FlowDeps = {
     prefill,
@@ -117,7 +118,7 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
   }
   // Aborted when shutdown's grace period is over: every open upstream request is cut.
   const stopAll = new AbortController();
-  const handler = createHandler(deps, config, stopAll.signal);
+  const handler = createHandler(deps, config, stopAll.signal, worker?.scrape);
 
   let resolveListen!: (addr: Deno.NetAddr) => void;
   const listening = new Promise<Deno.NetAddr>((r) => (resolveListen = r));
@@ -126,6 +127,8 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
     server = Deno.serve({
       hostname: config.host,
       port: config.port,
+      // Workers share the port; Linux spreads new connections over their sockets.
+      reusePort: worker !== undefined,
       onListen: (addr) => resolveListen(addr as Deno.NetAddr),
       onError: (e) => {
         logger.error("unhandled error in request handler", { error: describeError(e) });
@@ -136,7 +139,7 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
     }, handler);
   } catch (e) {
     // Cannot listen (address in use, bad interface): leave nothing running behind.
-    await health.stop();
+    await health?.stop();
     client.close();
     throw e;
   }
@@ -153,7 +156,7 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
   let stopping: Promise<void> | undefined;
   const shutdown = (graceMs = DEFAULT_SHUTDOWN_GRACE_MS) => {
     stopping ??= (async () => {
-      await health.stop();
+      await health?.stop();
       let timer: ReturnType<typeof setTimeout> | undefined;
       const grace = new Promise<"timeout">((
         r,
@@ -183,12 +186,48 @@ export async function startRouter(config: RouterConfig, log?: Logger): Promise<R
 }
 
 /**
+ * Creates the health checker of `pools`, runs one round (so the first request already sees which
+ * backends are up; those that are not are logged), and starts the periodic rounds.
+ */
+export async function startHealthChecks(
+  config: RouterConfig,
+  pools: readonly BackendPool[],
+  client: Deno.HttpClient,
+  logger: Logger,
+): Promise<HealthChecker> {
+  const health = new HealthChecker(pools, {
+    intervalMs: config.healthIntervalMs,
+    timeoutMs: config.healthTimeoutMs,
+    path: config.healthPath,
+    client,
+    log: logger,
+  });
+  await health.checkAll();
+  for (const pool of pools) {
+    for (const b of pool.backends) {
+      if (!b.healthy) {
+        logger.warn("backend out of service at start", {
+          role: b.role,
+          url: b.url,
+          reason: b.lastError,
+        });
+      }
+    }
+  }
+  health.start();
+  return health;
+}
+
+/**
  * Builds the request handler (exported for embedding the router in another Deno.serve).
+ * `scrape` answers `GET /metrics` instead of this router's own registry (a worker's: the whole
+ * router's metrics).
  */
 export function createHandler(
   deps: FlowDeps,
   config: RouterConfig,
   stopSignal: AbortSignal,
+  scrape?: () => Promise<Response>,
 ): (req: Request, info: Deno.ServeHandlerInfo) => Promise<Response> {
   const { metrics } = deps;
   return async (req, info) => {
@@ -206,7 +245,7 @@ export function createHandler(
         return handleHealth(deps);
       case "/metrics":
         if (req.method !== "GET") return methodNotAllowed(path, "GET");
-        return await metricsResponse(metrics.registry);
+        return scrape === undefined ? await metricsResponse(metrics.registry) : await scrape();
       default:
         return errorResponse(
           new RouterError(

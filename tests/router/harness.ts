@@ -179,8 +179,11 @@ export async function spawnRouter(
   env: Record<string, string> = {},
   opts: { legacyAbort?: boolean } = {},
 ): Promise<RouterProcess> {
-  // `deno task router` runs with --unstable-no-legacy-abort; legacyAbort runs without it.
-  const flags = opts.legacyAbort ? [] : ["--unstable-no-legacy-abort"];
+  // `deno task router` runs with --unstable-no-legacy-abort (legacyAbort runs without it) and
+  // --unstable-net (SO_REUSEPORT for --workers).
+  const flags = opts.legacyAbort
+    ? ["--unstable-net"]
+    : ["--unstable-no-legacy-abort", "--unstable-net"];
   const s = await spawnWithPort(
     ["run", "--allow-all", ...flags, ROUTER_MAIN, "--port", "0", ...args],
     env,
@@ -203,7 +206,14 @@ export async function runRouterCli(
   env: Record<string, string> = {},
 ): Promise<{ code: number; stderr: string }> {
   const out = await new Deno.Command(Deno.execPath(), {
-    args: ["run", "--allow-all", "--unstable-no-legacy-abort", ROUTER_MAIN, ...args],
+    args: [
+      "run",
+      "--allow-all",
+      "--unstable-no-legacy-abort",
+      "--unstable-net",
+      ROUTER_MAIN,
+      ...args,
+    ],
     cwd: REPO_ROOT,
     env,
     stdin: "null",

@@ -1,0 +1,251 @@
+/**
+ * A router served by several threads (`--workers N`): N Deno Workers, each with its own event
+ * loop and `Deno.serve({ reusePort: true })` on the same port, so Linux spreads client
+ * connections over them and the native piping of the streams runs on N threads, not one.
+ *
+ * What stays one router:
+ * - **Backend state.** Each pool's inflight counts, healthy flags and tie-breaking cursor live in
+ *   one SharedArrayBuffer, updated with Atomics by every worker: least-inflight selection sees the
+ *   whole router's load, and a backend taken out by any thread is out for all at once.
+ * - **Health checks.** One checker, on this (main) thread; it flips the shared flags and tells
+ *   the workers the reason (for `/health`). A worker's request path that takes a backend out
+ *   (a refused connection) reports it here, and the reason is passed on to the other workers.
+ * - **Metrics.** `GET /metrics` on any worker asks this thread, which collects every worker's
+ *   `getMetricsAsJSON()` and merges them with prom-client's `AggregatorRegistry.aggregate`
+ *   (counters and histograms summed; the gauges that read shared state taken once).
+ * - **Shutdown.** `shutdown()` stops the health checks and has every worker stop accepting and
+ *   let its open requests finish (the same grace as a single-threaded router).
+ *
+ * @module
+ */
+
+import { AggregatorRegistry } from "prom-client";
+import { type Backend, BackendPool } from "./backend_pool.ts";
+import type { RouterConfig } from "./config.ts";
+import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
+import type { HealthChecker } from "./health.ts";
+import { createLogger, type Logger } from "./log.ts";
+import { startHealthChecks, UPSTREAM_POOL_IDLE_MS } from "./server.ts";
+
+/** A worker that has not sent its metrics by then is left out of that scrape (and it fails). */
+const SCRAPE_TIMEOUT_MS = 5_000;
+const WORKER_URL = new URL("./worker.ts", import.meta.url).href;
+
+/** A running multi-threaded router. */
+export interface ClusterHandle {
+  /** Base URL clients use, e.g. `http://127.0.0.1:8080`. */
+  readonly url: string;
+  /** The port every worker serves. */
+  readonly port: number;
+  /** The main thread's view of the pools (the same shared state the workers use). */
+  readonly prefill: BackendPool;
+  readonly decode: BackendPool;
+  /** Every worker stops accepting and lets open requests finish for up to `graceMs`. */
+  shutdown(graceMs?: number): Promise<void>;
+  /** Resolves when every worker has stopped; rejects if a worker failed. */
+  readonly finished: Promise<void>;
+}
+
+interface Member {
+  worker: Worker;
+  index: number;
+  started: Promise<{ url: string; port: number }>;
+  stopped: Promise<void>;
+}
+
+/**
+ * Starts `config.workers` worker threads serving `config.host:config.port`. The first one binds
+ * (so port 0 picks one free port), the others join it on that port. Rejects — leaving nothing
+ * running — when a worker cannot listen, with the worker's error (e.g. `Deno.errors.AddrInUse`).
+ *
+ * @example
+ * ```ts
+ * const router = await startRouterCluster({ ...config, workers: 4 });
+ * console.log(router.url);
+ * await router.shutdown();
+ * ```
+ */
+export async function startRouterCluster(
+  config: RouterConfig,
+  log?: Logger,
+): Promise<ClusterHandle> {
+  const logger = log ?? createLogger(config.logLevel);
+  const prefill = new BackendPool("prefill", config.prefill);
+  const decode = new BackendPool("decode", config.decode);
+  const poolOf = (role: "prefill" | "decode") => role === "prefill" ? prefill : decode;
+  const members: Member[] = [];
+  const broadcast = (m: ToWorker, except?: Member) => {
+    for (const w of members) if (w !== except) w.worker.postMessage(m);
+  };
+  const refOf = (b: Backend) => ({ role: b.role, index: poolOf(b.role).backends.indexOf(b) });
+  for (const pool of [prefill, decode]) {
+    pool.onHealthChange((b, healthy, reason) => {
+      logger.debug("backend health changed", { role: b.role, url: b.url, healthy, reason });
+      broadcast({ type: "health", backend: refOf(b), healthy, error: b.lastError });
+    });
+  }
+
+  // Scrapes in progress: each collects one metrics snapshot per worker.
+  let nextCollect = 0;
+  const collects = new Map<number, { parts: unknown[]; received: number; done: () => void }>();
+  const mergedMetrics = async (): Promise<{ text: string; contentType: string }> => {
+    const id = nextCollect++;
+    const parts: unknown[] = [];
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    try {
+      await new Promise<void>((resolve, reject) => {
+        collects.set(id, { parts, received: 0, done: resolve });
+        timer = setTimeout(
+          () =>
+            reject(
+              new Error(
+                `${
+                  members.length - (collects.get(id)?.received ?? 0)
+                } of ${members.length} workers sent no ` +
+                  `metrics within ${SCRAPE_TIMEOUT_MS} ms`,
+              ),
+            ),
+          SCRAPE_TIMEOUT_MS,
+        );
+        broadcast({ type: "collect", id });
+      });
+    } finally {
+      clearTimeout(timer);
+      collects.delete(id);
+    }
+    // deno-lint-ignore no-explicit-any
+    const merged = AggregatorRegistry.aggregate(parts as any);
+    return { text: await merged.metrics(), contentType: merged.contentType };
+  };
+
+  let failed: ((e: Error) => void) | undefined;
+  const failure = new Promise<never>((_, reject) => (failed = reject));
+  // A rejection nobody awaits yet must not end the process on its own: finished reports it.
+  failure.catch(() => {});
+
+  const spawn = (index: number, port: number): Member => {
+    const worker = new Worker(WORKER_URL, { type: "module", name: `router-worker-${index}` });
+    let onStart!: (a: { url: string; port: number }) => void;
+    let onStartFailed!: (e: Error) => void;
+    let onStopped!: () => void;
+    const member: Member = {
+      worker,
+      index,
+      started: new Promise((res, rej) => {
+        onStart = res;
+        onStartFailed = rej;
+      }),
+      stopped: new Promise<void>((res) => (onStopped = res)),
+    };
+    worker.onmessage = (ev: MessageEvent<FromWorker>) => {
+      const m = ev.data;
+      switch (m.type) {
+        case "listening":
+          onStart({ url: m.url, port: m.port });
+          return;
+        case "start-failed": {
+          const Err = m.name === "AddrInUse"
+            ? Deno.errors.AddrInUse
+            : m.name === "AddrNotAvailable"
+            ? Deno.errors.AddrNotAvailable
+            : Error;
+          onStartFailed(new Err(m.message));
+          return;
+        }
+        case "health": {
+          // The worker already flipped the shared flag; keep the reason and pass it on.
+          const b = poolOf(m.backend.role).backends[m.backend.index];
+          b.lastError = m.healthy ? null : m.reason;
+          broadcast({
+            type: "health",
+            backend: m.backend,
+            healthy: m.healthy,
+            error: b.lastError,
+          }, member);
+          return;
+        }
+        case "scrape":
+          mergedMetrics().then(
+            (r) => worker.postMessage({ type: "scraped", id: m.id, ...r } satisfies ToWorker),
+            (e) =>
+              worker.postMessage(
+                {
+                  type: "scrape-failed",
+                  id: m.id,
+                  error: String(e?.message ?? e),
+                } satisfies ToWorker,
+              ),
+          );
+          return;
+        case "metrics": {
+          const c = collects.get(m.id);
+          if (c === undefined) return; // that scrape timed out already
+          c.parts.push(m.json);
+          if (++c.received >= members.length) c.done();
+          return;
+        }
+        case "stopped":
+          onStopped();
+          return;
+      }
+    };
+    worker.onerror = (ev) => {
+      ev.preventDefault();
+      const e = new Error(`router worker ${index} failed: ${ev.message}`);
+      logger.error("router worker failed", { worker: index, error: ev.message });
+      onStartFailed(e);
+      failed?.(e);
+    };
+    worker.postMessage(
+      {
+        type: "start",
+        worker: index,
+        config: { ...config, port },
+        prefillState: prefill.sharedState,
+        decodeState: decode.sharedState,
+      } satisfies ToWorker,
+    );
+    members.push(member);
+    return member;
+  };
+
+  const client = Deno.createHttpClient({ poolIdleTimeout: UPSTREAM_POOL_IDLE_MS });
+  let health: HealthChecker | undefined;
+  let first: { url: string; port: number };
+  try {
+    health = await startHealthChecks(config, [prefill, decode], client, logger);
+    // The first worker binds (port 0 becomes a real port); the others join it there.
+    first = await spawn(0, config.port).started;
+    const rest: Member[] = [];
+    for (let i = 1; i < config.workers; i++) rest.push(spawn(i, first.port));
+    await Promise.all(rest.map((m) => m.started));
+  } catch (e) {
+    for (const m of members) m.worker.terminate();
+    await health?.stop();
+    client.close();
+    throw e;
+  }
+  logger.info("router workers listening", { url: first.url, workers: config.workers });
+
+  let resolveFinished!: () => void;
+  const stoppedAll = new Promise<void>((r) => (resolveFinished = r));
+  let stopping: Promise<void> | undefined;
+  const shutdown = (graceMs?: number) => {
+    stopping ??= (async () => {
+      await health?.stop();
+      broadcast({ type: "shutdown", graceMs });
+      await Promise.all(members.map((m) => m.stopped));
+      for (const m of members) m.worker.terminate();
+      client.close();
+      resolveFinished();
+    })();
+    return stopping;
+  };
+  const finished = Promise.race([stoppedAll, failure]).catch(async (e) => {
+    for (const m of members) m.worker.terminate();
+    await health?.stop();
+    client.close();
+    throw e;
+  });
+  return { url: first.url, port: first.port, prefill, decode, shutdown, finished };
+}
