@@ -179,12 +179,14 @@ const router = await start.catch((e) => {
   }
   throw e;
 });
-// One machine-readable line on stdout, whatever the log level, so supervisors and tests learn
-// the bound address (useful with --port 0).
-console.log(JSON.stringify({ event: "listening", url: router.url, port: router.port }));
+// Signals are handled before the line goes out: a supervisor may stop the router as soon as it
+// has read it.
 for (const sig of ["SIGINT", "SIGTERM"] as const) {
   Deno.addSignalListener(sig, () => {
     router.shutdown().then(() => Deno.exit(0));
   });
 }
+// One machine-readable line on stdout, whatever the log level (after every worker listens), so
+// supervisors and tests learn the bound address (useful with --port 0).
+console.log(JSON.stringify({ event: "listening", url: router.url, port: router.port }));
 await router.finished;

@@ -28,7 +28,8 @@ export interface Logger {
 }
 
 /**
- * Creates a logger that writes lines at `level` and more severe.
+ * Creates a logger that writes lines at `level` and more severe; `base` fields go on every line
+ * (a router worker's number, say).
  *
  * @example
  * ```ts
@@ -39,11 +40,12 @@ export interface Logger {
 export function createLogger(
   level: LogLevel,
   write: (line: string) => void = writeStderr,
+  base?: LogFields,
 ): Logger {
   const threshold = LOG_LEVELS.indexOf(level);
   const emit = (lvl: LogLevel, msg: string, fields?: LogFields) => {
     if (LOG_LEVELS.indexOf(lvl) > threshold) return;
-    write(JSON.stringify({ ts: new Date().toISOString(), level: lvl, msg, ...fields }));
+    write(JSON.stringify({ ts: new Date().toISOString(), level: lvl, msg, ...base, ...fields }));
   };
   return {
     error: (msg, fields) => emit("error", msg, fields),

@@ -37,7 +37,7 @@ self.onmessage = async (ev: MessageEvent<ToWorker>) => {
   const m = ev.data;
   switch (m.type) {
     case "start": {
-      const log = createLogger(m.config.logLevel);
+      const log = createLogger(m.config.logLevel, undefined, { worker: m.worker });
       try {
         router = await startRouter(m.config, log, {
           prefillState: m.prefillState,

@@ -235,6 +235,7 @@ Deno.test("bad command-line values stop the router before it starts, naming the 
         flag: "--log-level",
         says: /one of error, warn, info, debug/,
       },
+      { args: [...ok, "--workers", "0"], flag: "--workers", says: /from 1 to 256, got '0'/ },
       {
         args: [...ok, "--health-path", "health"],
         flag: "--health-path",

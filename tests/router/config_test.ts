@@ -8,6 +8,7 @@ import {
   parseBytes,
   parseDurationMs,
   parsePort,
+  parseWorkers,
   resolveConfig,
 } from "../../lib/router/config.ts";
 
@@ -60,4 +61,22 @@ Deno.test("defaults resolve; a repeated backend is refused", () => {
     () => resolveConfig({ ...base, decode: ["http://d:1", "http://d:1/"] }),
     /--decode: backend http:\/\/d:1 is listed twice/,
   );
+});
+
+Deno.test("workers: auto is min(4, CPU cores); otherwise a whole number 1-256", () => {
+  const auto = Math.min(4, navigator.hardwareConcurrency);
+  assert.equal(parseWorkers("--workers", "auto"), auto);
+  assert.equal(
+    resolveConfig({ ...DEFAULTS, prefill: ["http://p:1"], decode: ["http://d:1"] }).workers,
+    auto,
+  );
+  assert.equal(parseWorkers("--workers", "1"), 1);
+  assert.equal(parseWorkers("--workers", " 16 "), 16);
+  for (const bad of ["", "0", "-1", "2.5", "257", "many", "1e2"]) {
+    assert.throws(
+      () => parseWorkers("--workers", bad),
+      (e: unknown) => e instanceof ConfigError && e.flag === "--workers",
+      `'${bad}' should be refused`,
+    );
+  }
 });
