@@ -14,8 +14,10 @@
  * process's CPU time per request. Prints a table, writes bench/results/router.json (or --out).
  * Not a test: nothing is asserted about time.
  *
- * Run: `deno run -A --unstable-no-legacy-abort bench/router_overhead.ts [--concurrency 256]
- *       [--requests 2048] [--chunks 32] [--step-ms 20] [--rounds 2] [--out FILE]`
+ * Run: `deno run -A --unstable-no-legacy-abort --unstable-net bench/router_overhead.ts
+ *       [--concurrency 256] [--requests 2048] [--chunks 32] [--step-ms 20] [--rounds 2]
+ *       [--workers N|auto] [--out FILE]` (`deno task bench:router ...` passes the Deno flags).
+ * `--workers` is handed to both routers (default: the router's own default, auto).
  *
  * @module
  */
@@ -38,6 +40,12 @@ const STEP_MS = flag("step-ms", 20);
 const ROUNDS = flag("rounds", 2);
 /** Enough to warm the JIT and fill every keep-alive pool on both paths. */
 const WARMUP_REQUESTS = CONCURRENCY;
+/** `--workers` for both routers: a count or `auto`; absent, the router's default (auto). */
+const workersIdx = Deno.args.indexOf("--workers");
+const WORKERS = workersIdx >= 0 ? Deno.args[workersIdx + 1] : undefined;
+if (WORKERS !== undefined && !/^(auto|[1-9]\d*)$/.test(WORKERS)) {
+  throw new Error(`--workers: expected 'auto' or a positive whole number, got '${WORKERS}'`);
+}
 const outIdx = Deno.args.indexOf("--out");
 const OUT = outIdx >= 0
   ? Deno.args[outIdx + 1]
@@ -210,7 +218,15 @@ async function cpuSeconds(pid: number): Promise<number> {
 const p = await spawnBackend("P-bench", ["--no-record"]);
 const d = await spawnBackend("D-bench", ["--no-record"]);
 await d.control({ chunks: CHUNKS, stepMs: STEP_MS });
-const common = ["--prefill", p.url, "--decode", d.url, "--log-level", "warn"];
+const common = [
+  "--prefill",
+  p.url,
+  "--decode",
+  d.url,
+  "--log-level",
+  "warn",
+  ...(WORKERS === undefined ? [] : ["--workers", WORKERS]),
+];
 // The default router pipes D's body natively; with --stream-idle-timeout it inspects each chunk.
 const routers = {
   router: await spawnRouter(common),
@@ -259,7 +275,7 @@ try {
   console.log(
     `\nrouter overhead: ${CONCURRENCY} concurrent streams, ${CHUNKS} chunks each (one per ` +
       `${STEP_MS} ms engine step), ${acc.router.total.length} requests per path, ` +
-      `${navigator.hardwareConcurrency} CPUs\n`,
+      `${navigator.hardwareConcurrency} CPUs, router --workers ${WORKERS ?? "auto"}\n`,
   );
   console.log(
     "path         | ttft p50 | ttft p99 | chunk p50 | chunk p99 | total p50 | total p99 |  req/s | chunks/s | router CPU/req",
@@ -320,8 +336,9 @@ try {
   const result = {
     benchmark: "router_overhead",
     date: new Date().toISOString(),
-    command: `deno run -A --unstable-no-legacy-abort bench/router_overhead.ts ${Deno.args.join(" ")}`
-      .trim(),
+    command: `deno run -A --unstable-no-legacy-abort --unstable-net bench/router_overhead.ts ${
+      Deno.args.join(" ")
+    }`.trim(),
     machine: { cpus: navigator.hardwareConcurrency, os: Deno.build.os, deno: Deno.version.deno },
     workload: {
       concurrency: CONCURRENCY,
@@ -332,6 +349,11 @@ try {
       engine_step_ms: STEP_MS,
       rounds: ROUNDS,
       warmup_requests_per_path: WARMUP_REQUESTS,
+      router_workers: WORKERS === undefined
+        ? `auto (min(4, ${navigator.hardwareConcurrency} cores) = ${
+          Math.min(4, navigator.hardwareConcurrency)
+        })`
+        : WORKERS,
       router_path: "client → router → prefill (max_tokens=1, answers at once) → decode, relayed",
       paths: {
         direct: "client → decode",
