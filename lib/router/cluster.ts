@@ -113,8 +113,10 @@ export async function startRouterCluster(
       clearTimeout(timer);
       collects.delete(id);
     }
-    // deno-lint-ignore no-explicit-any
-    const merged = AggregatorRegistry.aggregate(parts as any);
+    // Each part is one worker's getMetricsAsJSON(), which is what aggregate() merges.
+    const merged = AggregatorRegistry.aggregate(
+      parts as Parameters<typeof AggregatorRegistry.aggregate>[0],
+    );
     return { text: await merged.metrics(), contentType: merged.contentType };
   };
 
