@@ -101,7 +101,12 @@ export interface EngineMetrics {
  */
 export interface SsdHook {
   /** True: answer "loading" (a prefetch for this request id is running). */
-  beforeQuery(namespace: string, instance: string, hashes: Uint8Array[], requestId: string): boolean;
+  beforeQuery(
+    namespace: string,
+    instance: string,
+    hashes: Uint8Array[],
+    requestId: string,
+  ): boolean;
 }
 
 export interface EngineOptions {
@@ -761,16 +766,21 @@ export class KvEngine {
     inst.begin("Load");
     let view;
     try {
+      // Every id against every layer's num_blocks; layers of one rank nearly always
+      // share it, and a pass against the same bound would check nothing new.
+      const ids = args.blockIds;
+      let checked = -1;
       for (const l of rank.layers) {
-        for (let i = 0; i < args.blockIds.length; i++) {
-          if (!(args.blockIds[i] < l.geometry.numBlocks)) {
+        const numBlocks = l.geometry.numBlocks;
+        if (numBlocks === checked) continue;
+        for (let i = 0; i < ids.length; i++) {
+          if (!(ids[i] < numBlocks)) {
             throw invalid(
-              `${who} layer "${l.name}": target block id ${
-                args.blockIds[i]
-              } >= num_blocks ${l.geometry.numBlocks}`,
+              `${who} layer "${l.name}": target block id ${ids[i]} >= num_blocks ${numBlocks}`,
             );
           }
         }
+        checked = numBlocks;
       }
       view = this.#store.consumeLease(args.leaseId, inst.id, rank.rank, {
         tpRank: rank.tpRank,
@@ -794,15 +804,35 @@ export class KvEngine {
       b.reset("scatter", { shm, offset: OFF_PROGRESS });
       const n = view.blockCount;
       const S = view.segments;
+      const ids = args.blockIds;
+      const offsets = view.offsets;
       for (let li = 0; li < rank.layers.length; li++) {
         const l = rank.layers[li];
         const g = l.geometry;
+        const stride = g.blockStride;
+        const len = g.segBytes;
         b.group(l.region, l.layerId);
         for (let s = 0; s < S; s++) {
-          for (let k = 0; k < n; k++) {
-            const at = g.baseOffset + args.blockIds[k] * g.blockStride + s * g.segStride;
-            b.seg(at, view.offsets[(li * S + s) * n + k], g.segBytes);
+          // Runs of blocks consecutive both in the region and in the pool become one
+          // segment here, in a tight loop, instead of one writer call per block.
+          const base = g.baseOffset + s * g.segStride;
+          const col = (li * S + s) * n;
+          let runAt = base + ids[0] * stride;
+          let runPool = offsets[col];
+          let runBytes = len;
+          for (let k = 1; k < n; k++) {
+            const at = base + ids[k] * stride;
+            const pool = offsets[col + k];
+            if (at === runAt + runBytes && pool === runPool + runBytes) {
+              runBytes += len;
+            } else {
+              b.seg(runAt, runPool, runBytes);
+              runAt = at;
+              runPool = pool;
+              runBytes = len;
+            }
           }
+          if (n > 0) b.seg(runAt, runPool, runBytes);
         }
       }
       const t0 = performance.now();
