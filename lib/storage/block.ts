@@ -89,7 +89,10 @@ export class Block {
   state: "inflight" | "sealed" = "inflight";
   /** SLOT_* per (layer, rank slot), index `layer * rankSlots + rankSlot`. */
   readonly slots: Uint8Array;
-  /** Pool byte offset per (slot, segment), index `slot * segments + seg`; NO_OFFSET when none. */
+  /**
+   * Pool byte offset per (slot, segment), index `slot * segments + seg`; NO_OFFSET when none.
+   * The store carves these out of shared slabs (see the constructor's `offsets`).
+   */
   readonly offsets: Float64Array;
   filled = 0;
   pending = 0;
@@ -124,6 +127,7 @@ export class Block {
     readonly layout: BlockLayout,
     createdAt: number,
     bucket: number,
+    offsets?: Float64Array,
   ) {
     this.key = key;
     this.hash = hash;
@@ -131,7 +135,14 @@ export class Block {
     this.bucket = bucket;
     const n = layout.layers * rankSlots(layout);
     this.slots = new Uint8Array(n);
-    this.offsets = new Float64Array(n * layout.segments).fill(NO_OFFSET);
+    if (offsets && offsets.length !== n * layout.segments) {
+      throw new RangeError(
+        `block ${key}: offset storage holds ${offsets.length} entries, expected ${
+          n * layout.segments
+        }`,
+      );
+    }
+    this.offsets = (offsets ?? new Float64Array(n * layout.segments)).fill(NO_OFFSET);
   }
 
   /**
