@@ -150,6 +150,8 @@ interface SaveJob {
 }
 
 interface LoadJob {
+  /** performance.now() when the Load reached the engine (for the debug log). */
+  tEntry: number;
   args: LoadArgs;
   inst: Instance;
   rank: RankCtx;
@@ -701,6 +703,7 @@ export class KvEngine {
 
   /** Consumes the lease for this rank and submits ONE scatter batch; resolves at submit. */
   async load(args: LoadArgs): Promise<LoadResult> {
+    const tEntry = performance.now();
     let shm;
     // Attach the load state first so that any refusal is visible to a polling engine too.
     if (!args.loadStateShm) {
@@ -720,7 +723,7 @@ export class KvEngine {
       checkLoadState(shm.view, args.loadStateShm);
       const inst = this.#instance(args.instanceId, "Load");
       const rank = inst.rankCtx(args.tpRank, args.ppRank, "Load");
-      const sub = this.#loadStage.submit({ args, inst, rank, shm });
+      const sub = this.#loadStage.submit({ args, inst, rank, shm, tEntry });
       if (sub.status === "refused") {
         throw new EngineError(Code.RESOURCE_EXHAUSTED, `instance "${inst.id}": load queue full`);
       }
@@ -759,7 +762,7 @@ export class KvEngine {
   }
 
   #submitLoad(job: LoadJob): LoadResult {
-    const { args, inst, rank, shm } = job;
+    const { args, inst, rank, shm, tEntry } = job;
     const tStart = performance.now();
     const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}` +
       (args.requestId ? ` request "${args.requestId}"` : "");
@@ -790,6 +793,7 @@ export class KvEngine {
       inst.end();
       throw e;
     }
+    const tLease = performance.now();
     try {
       if (view.blockCount !== args.blockIds.length) {
         throw invalid(
@@ -837,6 +841,7 @@ export class KvEngine {
       }
       const t0 = performance.now();
       const copy = this.#native.submit(b);
+      const tSubmitted = performance.now();
       const bytes = rank.layers.reduce((n, l) => n + l.slotBytes, 0) * args.blockIds.length;
       const done = copy.then(
         (d) => {
@@ -847,7 +852,11 @@ export class KvEngine {
             rank: rank.rank,
             blocks: args.blockIds.length,
             bytes: d.bytes,
+            admit_ms: round3(tStart - tEntry),
             prepare_ms: round3(t0 - tStart),
+            lease_ms: round3(tLease - tStart),
+            batch_ms: round3(t0 - tLease),
+            submit_ms: round3(tSubmitted - t0),
             copy_ms: round3(performance.now() - t0),
             native_ms: round3(d.ns / 1e6),
           });
