@@ -111,6 +111,16 @@ export class Block {
   prev: Block | null = null;
   next: Block | null = null;
   linked = false;
+  /** Bumped each time the record is recycled for another block. */
+  gen = 0;
+  /**
+   * The block saved right before this one in the same save when every one of
+   * this block's items sits exactly one item stride after that block's
+   * (valid while `runPrev.gen === runPrevGen`). A load then computes this
+   * block's offsets from its predecessor's instead of reading its record.
+   */
+  runPrev: Block | null = null;
+  runPrevGen = 0;
 
   /** `namespace:hash`, for logs and completion reports. */
   key: string;
@@ -161,6 +171,9 @@ export class Block {
     this.hash = hash;
     this.createdAt = createdAt;
     this.bucket = bucket;
+    this.gen++;
+    this.runPrev = null;
+    this.runPrevGen = 0;
     this.state = "inflight";
     this.cls = "retained";
     this.lastWriter = undefined;

@@ -315,6 +315,8 @@ export class KvStore {
    * which a fresh allocation maps and faults in page by page on every load.
    */
   readonly #ticketBuffers: Float64Array[] = [];
+  /** consumeLease's scratch: which lease blocks continue their predecessor's run. */
+  #follows = new Uint8Array(0);
   #inflightCopyBytes = 0;
   #loadsInflight = 0;
   #pinned = 0;
@@ -641,6 +643,9 @@ export class KvStore {
     // 4. Evict until the bytes are free, then allocate per (column, segment).
     if (this.allocator.freeBytes < total) this.#evictBytes(total - this.allocator.freeBytes);
     const offsets = new Float64Array(C * S * count).fill(NO_OFFSET);
+    // follows[k]: every item of block k comes one stride after block k-1's.
+    const follows = new Uint8Array(count).fill(1);
+    follows[0] = 0;
     const allocated: [number, number][] = []; // [offset, items] runs, for rollback
     const itemBytes = L.segmentBytes;
     let failed = false;
@@ -659,9 +664,12 @@ export class KvStore {
         for (const r of runs) allocated.push([r.offset, r.items]);
         let r = 0;
         let inRun = 0;
+        let prevK = -2;
         const base = (c * S + seg) * count;
         for (let k = 0; k < count; k++) {
           if (!need[k * C + c]) continue;
+          if (inRun === 0 || prevK !== k - 1) follows[k] = 0;
+          prevK = k;
           offsets[base + k] = runs[r].offset + inRun * ns.strideBytes;
           if (++inRun === runs[r].items) {
             r++;
@@ -678,9 +686,12 @@ export class KvStore {
     // 5. Create blocks, mark slots in flight, record offsets on the blocks.
     const now = this.#clock();
     const blocks: Block[] = new Array(count);
+    // Run links only between new blocks this plan fills completely (every slot).
+    const wholeBlocks = C === L.layers * ns.rankSlots;
     for (let k = 0; k < count; k++) {
       let b = existing[k];
-      if (!b) {
+      if (b) b.runPrev = null;
+      else {
         b = ns.spare.pop();
         if (b) b.recycle(`${namespace}:${hexes[k]}`, hexes[k], now, buckets[k]);
         else {
@@ -695,6 +706,10 @@ export class KvStore {
           );
         }
         this.#index.addInflight(b);
+        if (wholeBlocks && follows[k] && existing[k - 1] === undefined) {
+          b.runPrev = blocks[k - 1];
+          b.runPrevGen = blocks[k - 1].gen;
+        }
       }
       b.lastWriter = instance;
       for (let c = 0; c < C; c++) {
@@ -866,8 +881,19 @@ export class KvStore {
     const need = layers.length * S * n;
     const scratch = this.#takeTicketBuffer(need);
     const offsets = scratch.length === need ? scratch : scratch.subarray(0, need);
-    // A few blocks at a time: their offset records (the reads) stay in L1 while
-    // each column (one layer's K or V) of the ticket gets its next few entries.
+    // A block saved right after its predecessor (same save, every item one stride
+    // further: Block.runPrev) needs no read of its record; only run heads are read.
+    if (this.#follows.length < n) this.#follows = new Uint8Array(n);
+    const follows = this.#follows;
+    follows[0] = 0;
+    for (let k = 1; k < n; k++) {
+      const b = blocks[k];
+      const p = blocks[k - 1];
+      follows[k] = b.runPrev === p && b.runPrevGen === p.gen ? 1 : 0;
+    }
+    const stride = this.#ns(l.namespace, instance).strideBytes;
+    // A few blocks at a time: the records read stay in L1 while each column
+    // (one layer's K or V) of the ticket gets its next few entries.
     // Every entry of `offsets` is written, so a reused buffer needs no clearing.
     for (let k0 = 0; k0 < n; k0 += TICKET_TILE_BLOCKS) {
       const k1 = Math.min(n, k0 + TICKET_TILE_BLOCKS);
@@ -876,7 +902,11 @@ export class KvStore {
         for (let seg = 0; seg < S; seg++) {
           const col = slot * S + seg;
           const at = (li * S + seg) * n;
-          for (let k = k0; k < k1; k++) offsets[at + k] = blocks[k].offsets[col];
+          for (let k = k0; k < k1; k++) {
+            offsets[at + k] = follows[k] === 1
+              ? offsets[at + k - 1] + stride
+              : blocks[k].offsets[col];
+          }
         }
       }
     }
@@ -1070,6 +1100,23 @@ export class KvStore {
         );
       }
       pending += pend;
+      // A valid run link to a live block is a promise consumeLease relies on instead
+      // of reading offsets (a link to a freed record is never followed: a lease
+      // only holds live blocks, and a recycled record has a new gen).
+      const p = b.runPrev;
+      if (
+        p && p.gen === b.runPrevGen && b.state === "sealed" && p.state === "sealed" &&
+        this.#index.has(p)
+      ) {
+        for (let j = 0; j < b.offsets.length; j++) {
+          if (b.offsets[j] !== p.offsets[j] + ns.strideBytes) {
+            throw new Error(
+              `block ${b.key} is linked after ${p.key} but item ${j} is at ${b.offsets[j]}, ` +
+                `not ${p.offsets[j]} + ${ns.strideBytes}`,
+            );
+          }
+        }
+      }
       if (b.state === "sealed" && filled !== b.slotCount) {
         throw new Error(`block ${b.key} is sealed with ${filled}/${b.slotCount} slots`);
       }

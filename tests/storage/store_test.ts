@@ -524,3 +524,25 @@ Deno.test("block records beyond one offset slab keep their own offsets (save, lo
   }
   store.verify();
 });
+
+Deno.test("a lease across several saves gets each block's planned offsets (run links and run heads)", () => {
+  const { store } = makeStore(16);
+  const first = save(store, hs(0, 2)).plan; // blocks 0, 1
+  const second = save(store, hs(0, 5)).plan; // dedups 0, 1; blocks 2, 3, 4 in one run
+  strictEqual(second.blockCount, 3);
+  strictEqual(store.evictAll(), 5); // the next saves are fresh blocks in the freed space
+  const a = save(store, hs(0, 3)).plan; // 0, 1, 2 fresh again, into freed space
+  const b = save(store, hs(3, 6)).plan; // 3, 4, 5: another save, another run
+  const lease = store.query(NS, hs(0, 6), "e").lease!.id;
+  const t = store.consumeLease(lease, "e", 0);
+  const cols = SMALL.layers * SMALL.segments;
+  for (let c = 0; c < cols; c++) {
+    for (let k = 0; k < 6; k++) {
+      const want = k < 3 ? a.offsets[c * 3 + k] : b.offsets[c * 3 + k - 3];
+      strictEqual(t.offsets[c * 6 + k], want, `column ${c} block ${k}`);
+    }
+  }
+  strictEqual(first.blockCount, 2);
+  store.loadDone(t);
+  store.verify();
+});
