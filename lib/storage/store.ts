@@ -65,8 +65,6 @@ export const SPARE_BLOCK_RECORDS = 4096;
 const OFFSET_SLAB_RECORDS = 256;
 /** Ticket offset buffers kept for reuse: one per load the server runs at once. */
 const SPARE_TICKET_BUFFERS = 8;
-/** Blocks per tile when filling a ticket (their offset records stay in L1). */
-const TICKET_TILE_BLOCKS = 8;
 
 /** Construction options of a {@link KvStore}. */
 export interface KvStoreOptions {
@@ -315,8 +313,8 @@ export class KvStore {
    * which a fresh allocation maps and faults in page by page on every load.
    */
   readonly #ticketBuffers: Float64Array[] = [];
-  /** consumeLease's scratch: which lease blocks continue their predecessor's run. */
-  #follows = new Uint8Array(0);
+  /** consumeLease's scratch: where each run of linked blocks starts in the lease. */
+  #runHeads = new Int32Array(0);
   #inflightCopyBytes = 0;
   #loadsInflight = 0;
   #pinned = 0;
@@ -882,30 +880,33 @@ export class KvStore {
     const scratch = this.#takeTicketBuffer(need);
     const offsets = scratch.length === need ? scratch : scratch.subarray(0, need);
     // A block saved right after its predecessor (same save, every item one stride
-    // further: Block.runPrev) needs no read of its record; only run heads are read.
-    if (this.#follows.length < n) this.#follows = new Uint8Array(n);
-    const follows = this.#follows;
-    follows[0] = 0;
+    // further: Block.runPrev) needs no read of its record: the lease splits into
+    // runs, and only each run's first record is read (one for a prefix saved
+    // in one request).
+    if (this.#runHeads.length < n + 1) this.#runHeads = new Int32Array(n + 1);
+    const heads = this.#runHeads;
+    let runs = 0;
+    heads[runs++] = 0;
     for (let k = 1; k < n; k++) {
       const b = blocks[k];
       const p = blocks[k - 1];
-      follows[k] = b.runPrev === p && b.runPrevGen === p.gen ? 1 : 0;
+      if (b.runPrev !== p || b.runPrevGen !== p.gen) heads[runs++] = k;
     }
+    heads[runs] = n;
     const stride = this.#ns(l.namespace, instance).strideBytes;
-    // A few blocks at a time: the records read stay in L1 while each column
-    // (one layer's K or V) of the ticket gets its next few entries.
     // Every entry of `offsets` is written, so a reused buffer needs no clearing.
-    for (let k0 = 0; k0 < n; k0 += TICKET_TILE_BLOCKS) {
-      const k1 = Math.min(n, k0 + TICKET_TILE_BLOCKS);
+    for (let r = 0; r < runs; r++) {
+      const first = heads[r];
+      const end = heads[r + 1];
+      const rec = blocks[first].offsets;
       for (let li = 0; li < layers.length; li++) {
         const slot = layers[li] * slotsPerLayer + rankSlot; // = Block.slotIndex
         for (let seg = 0; seg < S; seg++) {
-          const col = slot * S + seg;
           const at = (li * S + seg) * n;
-          for (let k = k0; k < k1; k++) {
-            offsets[at + k] = follows[k] === 1
-              ? offsets[at + k - 1] + stride
-              : blocks[k].offsets[col];
+          let off = rec[slot * S + seg];
+          for (let k = first; k < end; k++) {
+            offsets[at + k] = off;
+            off += stride;
           }
         }
       }
