@@ -209,6 +209,8 @@ export class KvEngine {
   readonly #loadStage: Stage<LoadJob, LoadResult>;
   readonly #saveBatch: BatchWriter;
   readonly #loadBatch: BatchWriter;
+  /** Load batch scratch: next target discontinuity after each block (see #submitLoad). */
+  #nextBreak = new Int32Array(0);
   readonly #goneListeners: ((instanceId: string, reason: string) => void)[] = [];
   readonly #sealedListeners: ((namespace: string, keys: readonly string[]) => void)[] = [];
   #closed = false;
@@ -809,34 +811,51 @@ export class KvEngine {
       const n = view.blockCount;
       const S = view.segments;
       const ids = args.blockIds;
-      const offsets = view.offsets;
+      const starts = view.runStarts;
+      const runs = starts.length - 1;
+      const runOffsets = view.runOffsets;
+      const itemStride = view.itemStride;
+      // One segment per piece of a run (blocks consecutive in the pool) whose
+      // target blocks are consecutive too: for a prefix saved in one request
+      // into consecutive free blocks, one segment per layer and K/V, built from
+      // ~64 steps, not 40,000. nextBreak[k]: the first block after k whose target
+      // does not continue its predecessor's (depends on the geometry only).
+      if (this.#nextBreak.length < n) this.#nextBreak = new Int32Array(n);
+      const nextBreak = this.#nextBreak;
+      let breaksFor = -1; // blockStride the table was built for
+      let breaksLen = -1; // and segBytes
       for (let li = 0; li < rank.layers.length; li++) {
         const l = rank.layers[li];
         const g = l.geometry;
         const stride = g.blockStride;
         const len = g.segBytes;
+        if (stride !== breaksFor || len !== breaksLen) {
+          let next = n;
+          for (let k = n - 1; k >= 0; k--) {
+            nextBreak[k] = next;
+            if (k > 0 && (ids[k] - ids[k - 1]) * stride !== len) next = k;
+          }
+          breaksFor = stride;
+          breaksLen = len;
+        }
+        // A run's blocks are one pool item apart; they are contiguous only when
+        // that is exactly the segment (no padding up to the allocation unit).
+        const poolContiguous = itemStride === len;
         b.group(l.region, l.layerId);
         for (let s = 0; s < S; s++) {
-          // Runs of blocks consecutive both in the region and in the pool become one
-          // segment here, in a tight loop, instead of one writer call per block.
           const base = g.baseOffset + s * g.segStride;
-          const col = (li * S + s) * n;
-          let runAt = base + ids[0] * stride;
-          let runPool = offsets[col];
-          let runBytes = len;
-          for (let k = 1; k < n; k++) {
-            const at = base + ids[k] * stride;
-            const pool = offsets[col + k];
-            if (at === runAt + runBytes && pool === runPool + runBytes) {
-              runBytes += len;
-            } else {
-              b.seg(runAt, runPool, runBytes);
-              runAt = at;
-              runPool = pool;
-              runBytes = len;
+          const col = (li * S + s) * runs;
+          for (let r = 0; r < runs; r++) {
+            const first = starts[r];
+            const end = starts[r + 1];
+            const pool0 = runOffsets[col + r];
+            let k = first;
+            while (k < end) {
+              const e = poolContiguous ? Math.min(nextBreak[k], end) : k + 1;
+              b.seg(base + ids[k] * stride, pool0 + (k - first) * itemStride, (e - k) * len);
+              k = e;
             }
           }
-          if (n > 0) b.seg(runAt, runPool, runBytes);
         }
       }
       const t0 = performance.now();

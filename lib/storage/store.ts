@@ -63,8 +63,6 @@ export const SPARE_BLOCK_RECORDS = 4096;
  * records are recycled, so a slab's worth is the most that can be stranded.
  */
 const OFFSET_SLAB_RECORDS = 256;
-/** Ticket offset buffers kept for reuse: one per load the server runs at once. */
-const SPARE_TICKET_BUFFERS = 8;
 
 /** Construction options of a {@link KvStore}. */
 export interface KvStoreOptions {
@@ -199,7 +197,18 @@ export interface LoadTicket {
   readonly blockCount: number;
   /** Content hashes (hex) of the blocks, in prefix order. */
   readonly hashes: readonly string[];
-  /** Valid until {@link KvStore.loadDone}: the store then reuses the buffer for a later ticket. */
+  /**
+   * The blocks as runs: run `r` is blocks `runStarts[r]` up to `runStarts[r + 1]`
+   * (the last entry is `blockCount`), each block's items exactly `itemStride`
+   * bytes after the previous block's (blocks saved together). A batch builder
+   * walks runs instead of 40,000 single offsets.
+   */
+  readonly runStarts: Int32Array;
+  /** Pool offset of each run's first block: `runOffsets[(li * segments + seg) * runs + r]`. */
+  readonly runOffsets: Float64Array;
+  /** Pool bytes from one block's item to the next block's within a run. */
+  readonly itemStride: number;
+  /** Every block's offsets, `offsets[(li * segments + seg) * blockCount + b]`, made from the runs on first use. */
   readonly offsets: Float64Array;
   readonly bytes: number;
 }
@@ -273,9 +282,47 @@ interface PlanRecord extends SavePlan {
 
 interface TicketRecord extends LoadTicket {
   readonly blocks: readonly Block[];
-  /** The buffer `offsets` views; back to the store's spares at loadDone. */
-  readonly scratch: Float64Array;
   settled: boolean;
+}
+
+/** A load ticket; `offsets` is expanded from the runs only when someone reads it. */
+class Ticket implements TicketRecord {
+  settled = false;
+  #offsets: Float64Array | undefined;
+  constructor(
+    readonly namespace: string,
+    readonly instance: string,
+    readonly rank: number,
+    readonly lease: string,
+    readonly layers: Int32Array,
+    readonly segments: number,
+    readonly segmentBytes: number,
+    readonly blockCount: number,
+    readonly hashes: readonly string[],
+    readonly runStarts: Int32Array,
+    readonly runOffsets: Float64Array,
+    readonly itemStride: number,
+    readonly bytes: number,
+    readonly blocks: readonly Block[],
+  ) {}
+
+  get offsets(): Float64Array {
+    if (this.#offsets) return this.#offsets;
+    const n = this.blockCount;
+    const runs = this.runStarts.length - 1;
+    const cols = this.layers.length * this.segments;
+    const out = new Float64Array(cols * n);
+    for (let c = 0; c < cols; c++) {
+      for (let r = 0; r < runs; r++) {
+        let off = this.runOffsets[c * runs + r];
+        for (let k = this.runStarts[r]; k < this.runStarts[r + 1]; k++) {
+          out[c * n + k] = off;
+          off += this.itemStride;
+        }
+      }
+    }
+    return this.#offsets = out;
+  }
 }
 
 /**
@@ -308,11 +355,6 @@ export class KvStore {
   /** Open save plans and load tickets (strong: they own slots and pins until completed). */
   readonly #plans = new Set<PlanRecord>();
   readonly #tickets = new Set<TicketRecord>();
-  /**
-   * Offset buffers of settled tickets, reused: a 10K-token ticket is 320 KB,
-   * which a fresh allocation maps and faults in page by page on every load.
-   */
-  readonly #ticketBuffers: Float64Array[] = [];
   /** consumeLease's scratch: where each run of linked blocks starts in the lease. */
   #runHeads = new Int32Array(0);
   #inflightCopyBytes = 0;
@@ -876,61 +918,50 @@ export class KvStore {
     const slotsPerLayer = rankSlots(L);
     const blocks = l.blocks;
     const n = blocks.length;
-    const need = layers.length * S * n;
-    const scratch = this.#takeTicketBuffer(need);
-    const offsets = scratch.length === need ? scratch : scratch.subarray(0, need);
     // A block saved right after its predecessor (same save, every item one stride
     // further: Block.runPrev) needs no read of its record: the lease splits into
-    // runs, and only each run's first record is read (one for a prefix saved
-    // in one request).
+    // runs, and only each run's first record is read (one for a prefix saved in
+    // one request).
     if (this.#runHeads.length < n + 1) this.#runHeads = new Int32Array(n + 1);
     const heads = this.#runHeads;
     let runs = 0;
-    heads[runs++] = 0;
+    if (n > 0) heads[runs++] = 0;
     for (let k = 1; k < n; k++) {
       const b = blocks[k];
       const p = blocks[k - 1];
       if (b.runPrev !== p || b.runPrevGen !== p.gen) heads[runs++] = k;
     }
     heads[runs] = n;
-    const stride = this.#ns(l.namespace, instance).strideBytes;
-    // Every entry of `offsets` is written, so a reused buffer needs no clearing.
+    const runOffsets = new Float64Array(layers.length * S * runs);
     for (let r = 0; r < runs; r++) {
-      const first = heads[r];
-      const end = heads[r + 1];
-      const rec = blocks[first].offsets;
+      const rec = blocks[heads[r]].offsets;
       for (let li = 0; li < layers.length; li++) {
         const slot = layers[li] * slotsPerLayer + rankSlot; // = Block.slotIndex
         for (let seg = 0; seg < S; seg++) {
-          const at = (li * S + seg) * n;
-          let off = rec[slot * S + seg];
-          for (let k = first; k < end; k++) {
-            offsets[at + k] = off;
-            off += stride;
-          }
+          runOffsets[(li * S + seg) * runs + r] = rec[slot * S + seg];
         }
       }
     }
     for (let k = 0; k < n; k++) this.#pin(blocks[k]);
     if (last) this.#unpinLease(l);
     this.#loadsInflight++;
-    const ticket: TicketRecord = {
-      namespace: l.namespace,
+    const ticket = new Ticket(
+      l.namespace,
       instance,
       rank,
-      lease: l.id,
-      layers: Int32Array.from(layers),
-      segments: S,
-      segmentBytes: L.segmentBytes,
-      blockCount: n,
-      hashes: blocks.map((b) => b.hash),
-      offsets,
-      bytes: n * layers.length * S * L.segmentBytes,
+      l.id,
+      Int32Array.from(layers),
+      S,
+      L.segmentBytes,
+      n,
+      blocks.map((b) => b.hash),
+      heads.slice(0, runs + 1),
+      runOffsets,
+      this.#ns(l.namespace, instance).strideBytes,
+      n * layers.length * S * L.segmentBytes,
       // The lease's list is never mutated (a lease only ever goes away whole).
       blocks,
-      scratch,
-      settled: false,
-    };
+    );
     this.#tickets.add(ticket);
     return ticket;
   }
@@ -950,7 +981,6 @@ export class KvStore {
     this.#tickets.delete(t);
     this.#loadsInflight--;
     for (const b of t.blocks) this.#unpin(b);
-    if (this.#ticketBuffers.length < SPARE_TICKET_BUFFERS) this.#ticketBuffers.push(t.scratch);
   }
 
   /** Releases a lease before every rank consumed it. Throws {@link LeaseError} when unknown or expired. */
@@ -1262,20 +1292,6 @@ export class KvStore {
     const r = ns.slab.buf.subarray(ns.slab.used, ns.slab.used + len);
     ns.slab.used += len;
     return r;
-  }
-
-  /** A spare ticket buffer of at least `n` entries (the largest fits best), or a new one. */
-  #takeTicketBuffer(n: number): Float64Array {
-    const spares = this.#ticketBuffers;
-    for (let i = 0; i < spares.length; i++) {
-      if (spares[i].length >= n) {
-        const b = spares[i];
-        spares[i] = spares[spares.length - 1];
-        spares.pop();
-        return b;
-      }
-    }
-    return new Float64Array(n);
   }
 
   #pin(b: Block): void {
