@@ -218,7 +218,21 @@ export class BlockIndex {
 
   /** The block of `hash` in `namespace` (bucket = hashBucket(hash, seed)), or undefined. */
   find(namespace: string, hash: BlockHash, bucket: number): Block | undefined {
-    let b = this.#byNamespace.get(namespace)?.get(bucket);
+    return BlockIndex.findIn(this.#byNamespace.get(namespace), hash, bucket);
+  }
+
+  /** The buckets of one namespace, for many lookups with {@link BlockIndex.findIn}. */
+  buckets(namespace: string): ReadonlyMap<number, Block> | undefined {
+    return this.#byNamespace.get(namespace);
+  }
+
+  /** {@link BlockIndex.find} in buckets already resolved by {@link BlockIndex.buckets}. */
+  static findIn(
+    buckets: ReadonlyMap<number, Block> | undefined,
+    hash: BlockHash,
+    bucket: number,
+  ): Block | undefined {
+    let b = buckets?.get(bucket);
     while (b && !hashMatches(hash, b.hash)) b = b.chainNext ?? undefined;
     return b;
   }

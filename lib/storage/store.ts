@@ -459,21 +459,21 @@ export class KvStore {
     this.#c.queries++;
     const hit: Block[] = [];
     const ns = this.#namespaces.get(namespace);
+    const buckets = this.#index.buckets(namespace);
     for (let i = 0; i < hashes.length; i++) {
       const bucket = hashBucket(hashes[i], ns?.seed ?? 0); // validates the hash in any case
       if (!ns) continue; // nothing was ever saved under an unknown namespace
       this.#lfu?.record(bucket);
       if (hit.length < i) continue; // prefix already broken: keep counting frequency
-      const b = this.#index.find(namespace, hashes[i], bucket);
+      const b = BlockIndex.findIn(buckets, hashes[i], bucket);
       if (b && b.state === "sealed") hit.push(b);
     }
     this.#c.hits += hit.length;
     this.#c.misses += hashes.length - hit.length;
     if (hit.length === 0) return { hits: 0 };
-    for (const b of hit) {
-      this.#lru.touch(b);
-      this.#pin(b);
-    }
+    // No LRU touch: the pin takes each block out of the LRU and the last unpin
+    // puts it back at the MRU end, which is where a touch would have moved it.
+    for (const b of hit) this.#pin(b);
     const lease = this.#leases.create(instance, namespace, hit, worldSize);
     return {
       hits: hit.length,
