@@ -14,7 +14,7 @@
  */
 
 import { InvalidArgumentError } from "./errors.ts";
-import { type BlockHash, hashMatches } from "./keys.ts";
+import { type BlockHash, hexBytesInto, MAX_HASH_BYTES } from "./keys.ts";
 
 /** Geometry of one namespace's blocks in the pool. */
 export interface BlockLayout {
@@ -126,6 +126,12 @@ export class Block {
   key: string;
   /** Content hash, lower-case hex. */
   hash: string;
+  /**
+   * The same hash as bytes (first `hashLength`): a lookup with the engine's bytes
+   * compares bytes, not 64 hex digits decoded one by one.
+   */
+  readonly hashBytes = new Uint8Array(MAX_HASH_BYTES);
+  hashLength = 0;
   createdAt: number;
   /** {@link hashBucket} of the hash under the namespace's seed. */
   bucket: number;
@@ -141,6 +147,7 @@ export class Block {
   ) {
     this.key = key;
     this.hash = hash;
+    this.hashLength = hexBytesInto(hash, this.hashBytes);
     this.createdAt = createdAt;
     this.bucket = bucket;
     const n = layout.layers * rankSlots(layout);
@@ -169,6 +176,7 @@ export class Block {
     if (!clean) throw new Error(`block record ${this.key} recycled while still in use`);
     this.key = key;
     this.hash = hash;
+    this.hashLength = hexBytesInto(hash, this.hashBytes);
     this.createdAt = createdAt;
     this.bucket = bucket;
     this.gen++;
@@ -177,6 +185,15 @@ export class Block {
     this.state = "inflight";
     this.cls = "retained";
     this.lastWriter = undefined;
+  }
+
+  /** True when this block's content hash is `hash` (bytes, or lower-case hex). */
+  hashIs(hash: BlockHash): boolean {
+    if (typeof hash === "string") return hash === this.hash;
+    if (hash.length !== this.hashLength) return false;
+    const mine = this.hashBytes;
+    for (let i = 0; i < hash.length; i++) if (hash[i] !== mine[i]) return false;
+    return true;
   }
 
   /** Slots a sealed block holds. */
@@ -233,7 +250,7 @@ export class BlockIndex {
     bucket: number,
   ): Block | undefined {
     let b = buckets?.get(bucket);
-    while (b && !hashMatches(hash, b.hash)) b = b.chainNext ?? undefined;
+    while (b && !b.hashIs(hash)) b = b.chainNext ?? undefined;
     return b;
   }
 
