@@ -18,24 +18,54 @@ let counter = 0;
 
 /**
  * Polling: the words are written by native threads, so no JS event announces
- * them. Re-check on microtasks (µs latency) but give the event loop a turn at
- * least every SPIN_SLICE_MS; timers alone would add up to 4 ms per check
- * (nested timers are clamped), which is more than a layer's copy on a GPU.
+ * them. For the first SPIN_MS of a wait (a whole GPU load of a long prefix)
+ * re-check after every event-loop turn, taken through a MessageChannel: a few
+ * µs, and I/O and FFI completions still run. A timer instead (what this did
+ * before) sleeps 1-2 ms per check, so a layer that landed meanwhile was seen
+ * up to that much later: time a real engine polling its load state would not
+ * lose. Past SPIN_MS (a slow load: host backend, a huge prefix) checks are
+ * spaced by timers so a waiting engine does not hold a core for seconds.
  */
-const SPIN_SLICE_MS = 1;
+const SPIN_MS = 50;
+
+/** Resolves on the next event-loop turn (a message to ourselves, not a ≥1 ms timer). */
+class Turns {
+  readonly #ch = new MessageChannel();
+  #wake: (() => void) | null = null;
+  constructor() {
+    this.#ch.port1.onmessage = () => {
+      const w = this.#wake;
+      this.#wake = null;
+      w?.();
+    };
+  }
+  next(): Promise<void> {
+    return new Promise((r) => {
+      this.#wake = r;
+      this.#ch.port2.postMessage(0);
+    });
+  }
+  /** Closes both ports (an open port keeps the process alive). */
+  close(): void {
+    this.#ch.port1.close();
+    this.#ch.port2.close();
+  }
+}
 
 async function pollUntil(done: () => boolean, what: string, timeoutMs: number): Promise<void> {
-  const deadline = performance.now() + timeoutMs;
-  let slice = performance.now();
-  while (!done()) {
-    const now = performance.now();
-    if (now > deadline) throw new Error(`${what} after ${timeoutMs} ms`);
-    if (now - slice < SPIN_SLICE_MS) {
-      await Promise.resolve();
-    } else {
-      await new Promise((r) => setTimeout(r, 0));
-      slice = performance.now();
+  if (done()) return;
+  const start = performance.now();
+  const deadline = start + timeoutMs;
+  const turns = new Turns();
+  try {
+    while (!done()) {
+      const now = performance.now();
+      if (now > deadline) throw new Error(`${what} after ${timeoutMs} ms`);
+      if (now - start < SPIN_MS) await turns.next();
+      else await new Promise((r) => setTimeout(r, 1));
     }
+  } finally {
+    turns.close();
   }
 }
 

@@ -14,7 +14,7 @@
  */
 
 import { InvalidArgumentError } from "./errors.ts";
-import { type BlockHash, hashMatches } from "./keys.ts";
+import { type BlockHash, hexBytesInto, MAX_HASH_BYTES } from "./keys.ts";
 
 /** Geometry of one namespace's blocks in the pool. */
 export interface BlockLayout {
@@ -89,7 +89,10 @@ export class Block {
   state: "inflight" | "sealed" = "inflight";
   /** SLOT_* per (layer, rank slot), index `layer * rankSlots + rankSlot`. */
   readonly slots: Uint8Array;
-  /** Pool byte offset per (slot, segment), index `slot * segments + seg`; NO_OFFSET when none. */
+  /**
+   * Pool byte offset per (slot, segment), index `slot * segments + seg`; NO_OFFSET when none.
+   * The store carves these out of shared slabs (see the constructor's `offsets`).
+   */
   readonly offsets: Float64Array;
   filled = 0;
   pending = 0;
@@ -108,11 +111,27 @@ export class Block {
   prev: Block | null = null;
   next: Block | null = null;
   linked = false;
+  /** Bumped each time the record is recycled for another block. */
+  gen = 0;
+  /**
+   * The block saved right before this one in the same save when every one of
+   * this block's items sits exactly one item stride after that block's
+   * (valid while `runPrev.gen === runPrevGen`). A load then computes this
+   * block's offsets from its predecessor's instead of reading its record.
+   */
+  runPrev: Block | null = null;
+  runPrevGen = 0;
 
   /** `namespace:hash`, for logs and completion reports. */
   key: string;
   /** Content hash, lower-case hex. */
   hash: string;
+  /**
+   * The same hash as bytes (first `hashLength`): a lookup with the engine's bytes
+   * compares bytes, not 64 hex digits decoded one by one.
+   */
+  readonly hashBytes = new Uint8Array(MAX_HASH_BYTES);
+  hashLength = 0;
   createdAt: number;
   /** {@link hashBucket} of the hash under the namespace's seed. */
   bucket: number;
@@ -124,14 +143,23 @@ export class Block {
     readonly layout: BlockLayout,
     createdAt: number,
     bucket: number,
+    offsets?: Float64Array,
   ) {
     this.key = key;
     this.hash = hash;
+    this.hashLength = hexBytesInto(hash, this.hashBytes);
     this.createdAt = createdAt;
     this.bucket = bucket;
     const n = layout.layers * rankSlots(layout);
     this.slots = new Uint8Array(n);
-    this.offsets = new Float64Array(n * layout.segments).fill(NO_OFFSET);
+    if (offsets && offsets.length !== n * layout.segments) {
+      throw new RangeError(
+        `block ${key}: offset storage holds ${offsets.length} entries, expected ${
+          n * layout.segments
+        }`,
+      );
+    }
+    this.offsets = (offsets ?? new Float64Array(n * layout.segments)).fill(NO_OFFSET);
   }
 
   /**
@@ -148,11 +176,24 @@ export class Block {
     if (!clean) throw new Error(`block record ${this.key} recycled while still in use`);
     this.key = key;
     this.hash = hash;
+    this.hashLength = hexBytesInto(hash, this.hashBytes);
     this.createdAt = createdAt;
     this.bucket = bucket;
+    this.gen++;
+    this.runPrev = null;
+    this.runPrevGen = 0;
     this.state = "inflight";
     this.cls = "retained";
     this.lastWriter = undefined;
+  }
+
+  /** True when this block's content hash is `hash` (bytes, or lower-case hex). */
+  hashIs(hash: BlockHash): boolean {
+    if (typeof hash === "string") return hash === this.hash;
+    if (hash.length !== this.hashLength) return false;
+    const mine = this.hashBytes;
+    for (let i = 0; i < hash.length; i++) if (hash[i] !== mine[i]) return false;
+    return true;
   }
 
   /** Slots a sealed block holds. */
@@ -194,8 +235,22 @@ export class BlockIndex {
 
   /** The block of `hash` in `namespace` (bucket = hashBucket(hash, seed)), or undefined. */
   find(namespace: string, hash: BlockHash, bucket: number): Block | undefined {
-    let b = this.#byNamespace.get(namespace)?.get(bucket);
-    while (b && !hashMatches(hash, b.hash)) b = b.chainNext ?? undefined;
+    return BlockIndex.findIn(this.#byNamespace.get(namespace), hash, bucket);
+  }
+
+  /** The buckets of one namespace, for many lookups with {@link BlockIndex.findIn}. */
+  buckets(namespace: string): ReadonlyMap<number, Block> | undefined {
+    return this.#byNamespace.get(namespace);
+  }
+
+  /** {@link BlockIndex.find} in buckets already resolved by {@link BlockIndex.buckets}. */
+  static findIn(
+    buckets: ReadonlyMap<number, Block> | undefined,
+    hash: BlockHash,
+    bucket: number,
+  ): Block | undefined {
+    let b = buckets?.get(bucket);
+    while (b && !b.hashIs(hash)) b = b.chainNext ?? undefined;
     return b;
   }
 

@@ -172,6 +172,18 @@ export function hashBucket(hash: BlockHash, seed: number): number {
   return x >>> 0;
 }
 
+/**
+ * Writes the bytes of a validated lower-case hex hash into `out` (at least
+ * `hex.length / 2` long); returns how many.
+ */
+export function hexBytesInto(hex: string, out: Uint8Array): number {
+  const n = hex.length >> 1;
+  for (let i = 0; i < n; i++) {
+    out[i] = (NIBBLE[hex.charCodeAt(2 * i)] << 4) | NIBBLE[hex.charCodeAt(2 * i + 1)];
+  }
+  return n;
+}
+
 /** True when `hash` (bytes or hex, already validated) is the hash whose hex is `hex`. */
 export function hashMatches(hash: BlockHash, hex: string): boolean {
   if (typeof hash === "string") return hash === hex;

@@ -12,6 +12,7 @@ import { PegaflowClient } from "../../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
 import { PROTOCOL_VERSION } from "../../lib/engine/engine.ts";
+import { LoadState, STATE_OK } from "../../lib/client/load_state.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const silent = new Logger("error", {}, () => {});
@@ -124,6 +125,50 @@ Deno.test("cleanup fences new work and drains in-flight saves before unmapping",
     assert.equal(store.stats().inflightCopyBytes, 0);
     assert.equal(engine.has("inproc"), false);
   } finally {
+    await teardown();
+  }
+});
+
+Deno.test("a load spanning two saves into targets with gaps lands byte-exact (runs split where pool or target breaks)", async () => {
+  const { engine, sim, teardown } = setup({ saveConcurrency: 2, saveQueueDepth: 4 });
+  const st = LoadState.create();
+  try {
+    const hashes = chainedBlockHashes(syntheticTokens(77, 16 * 16), 16);
+    const src = Array.from({ length: 16 }, (_, i) => i);
+    sim.fill(src, hashes);
+    // Two requests: two runs of blocks in the pool (0..9 and 10..15).
+    for (const [from, to] of [[0, 10], [10, 16]]) {
+      const r = await engine.save({
+        instanceId: "inproc",
+        tpRank: 0,
+        ppRank: 0,
+        layers: [],
+        blockIds: src.slice(from, to),
+        blockHashes: hashes.slice(from, to),
+      });
+      assert.equal(r.blocksSaved, to - from);
+    }
+    // Targets: consecutive stretches broken inside a run (after 4 and 7), across
+    // the run boundary (9 → 10 continue), and one reversed pair at the end.
+    const dst = [40, 41, 42, 43, 50, 51, 52, 20, 21, 22, 23, 24, 25, 26, 63, 62];
+    sim.clear(dst);
+    assert.ok(sim.verify(dst, hashes).badSegments > 0, "targets start out wrong");
+    const q = engine.query("inproc", hashes, "req-gaps");
+    assert.equal(q.hits, 16);
+    const l = await engine.load({
+      instanceId: "inproc",
+      tpRank: 0,
+      ppRank: 0,
+      leaseId: q.leaseId!,
+      blockIds: dst,
+      loadStateShm: st.name,
+      requestId: "req-gaps",
+    });
+    await l.done;
+    assert.equal(await st.waitAll(), STATE_OK);
+    assert.deepEqual(sim.verify(dst, hashes), { badSegments: 0, first: undefined });
+  } finally {
+    st.close();
     await teardown();
   }
 });

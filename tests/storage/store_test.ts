@@ -483,3 +483,66 @@ Deno.test("unregistering keeps a partial block that a live instance wrote after 
   strictEqual(save(store, [h(0)], { rank: 1, instance: "alive", layers: [1] }).done.sealed, 1);
   store.verify();
 });
+
+Deno.test("a ticket that reuses a settled ticket's buffer holds its own offsets, never stale ones", () => {
+  const { store } = makeStore(8);
+  const { plan } = save(store, hs(0, 4));
+  const big = store.consumeLease(store.query(NS, hs(0, 4), "e").lease!.id, "e", 0);
+  const bigOffsets = [...big.offsets];
+  assertEquals(bigOffsets, [...plan.offsets]);
+  store.loadDone(big); // its buffer goes back to the store
+  // Blocks 2 and 3 under a two-rank lease: rank 0 gets the reused (larger)
+  // buffer, rank 1 a fresh one; both must read exactly those blocks' slots.
+  const lease = store.query(NS, hs(2, 4), "e", 2).lease!.id;
+  const t0 = store.consumeLease(lease, "e", 0);
+  const t1 = store.consumeLease(lease, "e", 1);
+  const cols = SMALL.layers * SMALL.segments;
+  const expected = Array.from(
+    { length: cols * 2 },
+    (_, i) => bigOffsets[Math.floor(i / 2) * 4 + 2 + (i % 2)],
+  );
+  strictEqual(t0.offsets.length, cols * 2);
+  assertEquals([...t0.offsets], expected);
+  assertEquals([...t1.offsets], expected);
+  store.loadDone(t0);
+  store.loadDone(t1);
+  store.verify();
+});
+
+Deno.test("block records beyond one offset slab keep their own offsets (save, load, evict, reuse)", () => {
+  // 600 blocks span three slabs of records; then every block is evicted and the
+  // recycled records take 600 new blocks.
+  const { store } = makeStore(600);
+  for (const from of [0, 600]) {
+    const { plan } = save(store, hs(from, from + 600));
+    const t = store.consumeLease(store.query(NS, hs(from, from + 600), "e").lease!.id, "e", 0);
+    assertEquals([...t.offsets], [...plan.offsets]);
+    strictEqual(new Set(t.offsets).size, t.offsets.length); // no two slots share pool bytes
+    store.loadDone(t);
+    store.verify();
+    strictEqual(store.evictAll(), 600);
+  }
+  store.verify();
+});
+
+Deno.test("a lease across several saves gets each block's planned offsets (run links and run heads)", () => {
+  const { store } = makeStore(16);
+  const first = save(store, hs(0, 2)).plan; // blocks 0, 1
+  const second = save(store, hs(0, 5)).plan; // dedups 0, 1; blocks 2, 3, 4 in one run
+  strictEqual(second.blockCount, 3);
+  strictEqual(store.evictAll(), 5); // the next saves are fresh blocks in the freed space
+  const a = save(store, hs(0, 3)).plan; // 0, 1, 2 fresh again, into freed space
+  const b = save(store, hs(3, 6)).plan; // 3, 4, 5: another save, another run
+  const lease = store.query(NS, hs(0, 6), "e").lease!.id;
+  const t = store.consumeLease(lease, "e", 0);
+  const cols = SMALL.layers * SMALL.segments;
+  for (let c = 0; c < cols; c++) {
+    for (let k = 0; k < 6; k++) {
+      const want = k < 3 ? a.offsets[c * 3 + k] : b.offsets[c * 3 + k - 3];
+      strictEqual(t.offsets[c * 6 + k], want, `column ${c} block ${k}`);
+    }
+  }
+  strictEqual(first.blockCount, 2);
+  store.loadDone(t);
+  store.verify();
+});
