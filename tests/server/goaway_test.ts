@@ -15,16 +15,14 @@ import { EngineClient } from "../../proto/pegaflow.ts";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
 import { type ServerProc, startServer, uid } from "./harness.ts";
+import { stageNodeClient } from "./fixtures/node_stage.ts";
 
-const ROOT = new URL("../../", import.meta.url).pathname;
 /** RPCs per connection before the graceful close: well past the ~100 that trigger the bug. */
 const RPCS_PER_CONNECTION = 200;
 /** Fresh servers, each closed on by one Deno and one Node client. */
 const ROUNDS = 3;
 /** Time for a crash inside the server to surface after a close (the repro waits as long). */
 const SETTLE_MS = 500;
-/** grpc-js's only eagerly required dependency besides itself (as in node_interop_test.ts). */
-const NODE_PACKAGES = [["@grpc/grpc-js", "1.14.7"], ["@js-sdsl/ordered-map", "4.4.2"]];
 
 /** Fails the test if the server process has exited within SETTLE_MS. */
 async function assertAlive(srv: ServerProc, after: string): Promise<void> {
@@ -41,21 +39,8 @@ async function assertAlive(srv: ServerProc, after: string): Promise<void> {
   );
 }
 
-async function nodeClientDir(): Promise<string> {
-  const info = await new Deno.Command(Deno.execPath(), {
-    args: ["info", "--json"],
-    stdout: "piped",
-  })
-    .output();
-  const cache = `${JSON.parse(new TextDecoder().decode(info.stdout)).npmCache}/registry.npmjs.org`;
-  const dir = await Deno.makeTempDir({ prefix: "pegaflow-goaway-" });
-  for (const [name, version] of NODE_PACKAGES) {
-    const link = `${dir}/node_modules/${name}`;
-    await Deno.mkdir(link.slice(0, link.lastIndexOf("/")), { recursive: true });
-    await Deno.symlink(`${cache}/${name}/${version}`, link);
-  }
-  await Deno.copyFile(`${ROOT}tests/server/fixtures/node_goaway_client.mjs`, `${dir}/client.mjs`);
-  return dir;
+function nodeClientDir(): Promise<string> {
+  return stageNodeClient("node_goaway_client.mjs", "pegaflow-goaway-");
 }
 
 /** Closes one Deno channel gracefully after RPCS_PER_CONNECTION Health calls on its own connection. */

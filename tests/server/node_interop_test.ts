@@ -8,24 +8,14 @@ import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
 import { startServer, uid } from "./harness.ts";
-
-const ROOT = new URL("../../", import.meta.url).pathname;
-/** grpc-js's only eagerly required dependency besides itself. */
-const NODE_PACKAGES = [["@grpc/grpc-js", "1.14.7"], ["@js-sdsl/ordered-map", "4.4.2"]];
-
-async function npmCacheDir(): Promise<string> {
-  const out = await new Deno.Command(Deno.execPath(), { args: ["info", "--json"], stdout: "piped" })
-    .output();
-  return JSON.parse(new TextDecoder().decode(out.stdout)).npmCache;
-}
+import { stageNodeClient } from "./fixtures/node_stage.ts";
 
 function hex(b: Uint8Array): string {
   return Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
 }
 
 Deno.test("a grpc-js client on Node queries the server and gets real statuses", async () => {
-  const cache = `${await npmCacheDir()}/registry.npmjs.org`;
-  const dir = await Deno.makeTempDir({ prefix: "pegaflow-node-" });
+  const dir = await stageNodeClient("node_client.mjs", "pegaflow-node-");
   const srv = await startServer();
   const sim = SimEngine.create({
     client: srv.client,
@@ -36,14 +26,6 @@ Deno.test("a grpc-js client on Node queries the server and gets real statuses", 
     backend: "host",
   });
   try {
-    for (const [name, version] of NODE_PACKAGES) {
-      const target = `${cache}/${name}/${version}`;
-      assert.ok((await Deno.stat(target)).isDirectory, `${target} is in Deno's npm cache`);
-      const link = `${dir}/node_modules/${name}`;
-      await Deno.mkdir(link.slice(0, link.lastIndexOf("/")), { recursive: true });
-      await Deno.symlink(target, link);
-    }
-    await Deno.copyFile(`${ROOT}tests/server/fixtures/node_client.mjs`, `${dir}/client.mjs`);
     await sim.register();
     const hashes = chainedBlockHashes(syntheticTokens(11, 16 * 3), 16);
     sim.fill([0, 1, 2], hashes);
