@@ -1,5 +1,10 @@
 # PegaFlow build. The two commands a newcomer needs: `make serve`, `make test`.
-# Everything installs from the npm registry (Deno) and Debian (liburing).
+# Everything installs from the npm registry (Deno) and Debian (liburing,
+# protoc, the Python packages the engines' side is tested with).
+#
+# Rule for every install step: nothing that an install creates may be looked
+# up while the Makefile is parsed ($(wildcard) and $(shell) run before any
+# recipe). Look such things up inside the recipe that uses them.
 
 SHELL := /bin/bash
 DENO ?= $(CURDIR)/tools/deno/node_modules/deno/deno
@@ -17,7 +22,19 @@ OBJS := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(CSRC))
 HDRS := $(wildcard csrc/*.h)
 
 # liburing is linked statically so GPU machines without it can load the .so.
-LIBURING_A := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/liburing.a /usr/lib/liburing.a /usr/local/lib/liburing.a))
+# Resolved when the link runs (after `liburing` may have installed it).
+LIBURING_CANDIDATES := /usr/lib/x86_64-linux-gnu/liburing.a /usr/lib/aarch64-linux-gnu/liburing.a /usr/lib/liburing.a /usr/local/lib/liburing.a
+find_liburing = $$(for f in $(LIBURING_CANDIDATES); do [ -f $$f ] && { echo $$f; break; }; done)
+
+# The Python that sees Debian's python3-* packages (CI and the README use it).
+PYTHON ?= /usr/bin/python3
+PY_DEBS := python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
+
+# apt_install(packages): Debian install as root or through sudo.
+define apt_install
+if [ "$$(id -u)" = 0 ]; then s=; else s=sudo; fi; \
+  $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq $(1)
+endef
 
 # The gather/scatter kernel is compiled to a fatbin and embedded; without nvcc
 # the library still builds and reports that the kernel path is absent.
@@ -26,10 +43,10 @@ KERNEL_OBJ := $(BUILD)/obj/pf_kernel_fatbin.o
 CFLAGS += -DPF_HAVE_FATBIN=1
 endif
 
-.PHONY: all deps deno liburing native test test-gpu serve bench clean
+.PHONY: all deps deno liburing python-deps protoc native test test-gpu test-deno test-python serve bench clean
 all: native
 
-deps: deno liburing
+deps: deno liburing python-deps
 
 deno: $(DENO)
 $(DENO): tools/deno/package.json
@@ -39,11 +56,21 @@ $(DENO): tools/deno/package.json
 	ln -sfn $(DENO) deno
 
 liburing:
-	@if [ ! -f /usr/include/liburing.h ]; then \
+	@if [ ! -f /usr/include/liburing.h ] || [ -z "$(find_liburing)" ]; then \
 	  echo "installing liburing-dev (Debian package)"; \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq liburing-dev; \
-	  else sudo apt-get update -qq && sudo apt-get install -y -qq liburing-dev; fi; \
+	  $(call apt_install,liburing-dev); \
 	fi
+
+# The engines' side (python/) is tested with Debian's packages under /usr/bin/python3.
+python-deps:
+	@if ! $(PYTHON) -c 'import grpc, google.protobuf, numpy, pytest, torch' 2>/dev/null; then \
+	  echo "installing $(PY_DEBS) (Debian packages)"; \
+	  $(call apt_install,$(PY_DEBS)); \
+	fi
+
+protoc:
+	@command -v protoc >/dev/null || { echo "installing protobuf-compiler (Debian package)"; \
+	  $(call apt_install,protobuf-compiler); }
 
 native: liburing $(BUILD)/libpegaflow.so
 
@@ -66,11 +93,21 @@ $(BUILD)/obj/pf_kernel_fatbin.o: $(BUILD)/pf_kernel.fatbin
 # object carries no GNU-stack note.
 $(BUILD)/libpegaflow.so: $(OBJS) $(KERNEL_OBJ)
 	@mkdir -p $(BUILD)
-	@test -n "$(LIBURING_A)" || { echo "error: liburing.a not found; run 'make liburing'"; exit 1; }
-	$(CC) -shared -Wl,-z,noexecstack -Wl,-z,nodelete -o $@ $(OBJS) $(KERNEL_OBJ) $(LIBURING_A) $(LDLIBS)
+	@a="$(find_liburing)"; test -n "$$a" || { echo "error: liburing.a not found in $(LIBURING_CANDIDATES); run 'make liburing'"; exit 1; }; \
+	  echo "$(CC) -shared ... $$a"; \
+	  $(CC) -shared -Wl,-z,noexecstack -Wl,-z,nodelete -o $@ $(OBJS) $(KERNEL_OBJ) $$a $(LDLIBS)
 
+# Both suites always run; the target fails if either did (.ci/run sums both).
 test: deps native
+	@rc=0; $(MAKE) --no-print-directory test-deno || rc=1; \
+	  $(MAKE) --no-print-directory test-python || rc=1; exit $$rc
+
+test-deno:
 	$(DENO) task test
+
+test-python:
+	@if [ -d python/tests ]; then cd python && $(PYTHON) -m pytest -q -p no:cacheprovider tests; \
+	  else echo "no python/tests yet"; fi
 
 test-gpu: deps native
 	$(DENO) task test:gpu
@@ -89,9 +126,8 @@ clean:
 # protobuf-compiler); ts-proto is installed from npm into build/proto-tools.
 TS_PROTO_VERSION := 2.18.0
 PROTO_TOOLS := $(BUILD)/proto-tools
-.PHONY: proto
-proto:
-	@command -v protoc >/dev/null || { echo "error: protoc not found; install the Debian package protobuf-compiler"; exit 1; }
+.PHONY: proto proto-py
+proto: protoc proto-py
 	@test -x $(PROTO_TOOLS)/node_modules/.bin/protoc-gen-ts_proto || \
 	  npm install --no-audit --no-fund --prefix $(PROTO_TOOLS) ts-proto@$(TS_PROTO_VERSION)
 	protoc --plugin=$(PROTO_TOOLS)/node_modules/.bin/protoc-gen-ts_proto --ts_proto_out=proto \
@@ -99,6 +135,13 @@ proto:
 	  -Iproto proto/pegaflow.proto
 	sed -i 's|^import { BinaryReader, BinaryWriter } from "@bufbuild/protobuf/wire";|import { Buffer } from "node:buffer";\n&|' proto/pegaflow.ts
 	$(DENO) fmt proto/pegaflow.ts
+
+# Python messages for python/pegaflow (committed). Debian's protoc 3.21 output
+# loads under protobuf 3.21 (CI) and the newer runtimes of the GPU machine.
+PY_PROTO_DIR := python/pegaflow/_proto
+proto-py: protoc
+	@mkdir -p $(PY_PROTO_DIR)
+	protoc -Iproto --python_out=$(PY_PROTO_DIR) proto/pegaflow.proto
 
 # Single-binary server (`deno compile`). deno compile needs the `denort`
 # runtime, which only Deno's download host serves: use DENORT_BIN=/path/to/denort
