@@ -43,10 +43,10 @@ KERNEL_OBJ := $(BUILD)/obj/pf_kernel_fatbin.o
 CFLAGS += -DPF_HAVE_FATBIN=1
 endif
 
-.PHONY: all deps deno liburing python-deps protoc native test test-gpu test-deno test-python serve bench clean
+.PHONY: all deps deno liburing python-deps redis protoc native test test-gpu test-deno test-python serve bench clean
 all: native
 
-deps: deno liburing python-deps
+deps: deno liburing python-deps redis
 
 deno: $(DENO)
 $(DENO): tools/deno/package.json
@@ -67,6 +67,11 @@ python-deps:
 	  echo "installing $(PY_DEBS) (Debian packages)"; \
 	  $(call apt_install,$(PY_DEBS)); \
 	fi
+
+# The cross-node block index is tested against a real redis-server.
+redis:
+	@command -v redis-server >/dev/null || { echo "installing redis-server (Debian package)"; \
+	  $(call apt_install,redis-server); }
 
 protoc:
 	@command -v protoc >/dev/null || { echo "installing protobuf-compiler (Debian package)"; \
