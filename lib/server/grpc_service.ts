@@ -1,7 +1,8 @@
 /**
  * The gRPC `pegaflow.Engine` service on grpc-js: decodes requests (static
  * ts-proto code, plugged in as the service definition's serialize and
- * deserialize), calls the {@link KvEngine}, and maps {@link EngineError}
+ * deserialize; bytes that do not decode answer INVALID_ARGUMENT, see
+ * decode.ts), calls the {@link KvEngine}, and maps {@link EngineError}
  * codes to gRPC statuses. Also owns the liveness sessions: when a session
  * stream drops, the instance is cleaned up.
  *
@@ -29,6 +30,7 @@ import { CODE_NAMES, codeOf, invalid, isExpected, precondition } from "../engine
 import { type KvEngine, PROTOCOL_VERSION } from "../engine/engine.ts";
 import type { Logger } from "../log.ts";
 import type { ServerMetrics } from "./metrics.ts";
+import { undecodableReason } from "./decode.ts";
 
 /** A lease id is 16 bytes. */
 export const LEASE_ID_BYTES = 16;
@@ -99,7 +101,7 @@ function statusError(err: unknown): Partial<grpc.StatusObject> {
  *
  * @example
  * ```ts
- * server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
+ * server.addService(lenientService(), engineServiceImpl(engine, sessions, metrics, log));
  * ```
  */
 export function engineServiceImpl(
@@ -114,6 +116,8 @@ export function engineServiceImpl(
       const t0 = performance.now();
       let p: Promise<Res>;
       try {
+        const bad = undecodableReason(call.request);
+        if (bad !== undefined) throw invalid(`${method}: ${bad}`);
         p = Promise.resolve(fn(call.request));
       } catch (e) {
         p = Promise.reject(e);
@@ -241,6 +245,14 @@ export function engineServiceImpl(
       backend: engine.backend,
     })),
     session: (call: grpc.ServerWritableStream<SessionRequest, SessionEvent>) => {
+      const bad = undecodableReason(call.request);
+      if (bad !== undefined) {
+        metrics.rpc("Session", "INVALID_ARGUMENT", 0);
+        log.info("rpc refused", { method: "Session", code: "INVALID_ARGUMENT", error: bad });
+        // grpc-js ends a server stream with the status of an emitted error.
+        call.emit("error", { code: grpc.status.INVALID_ARGUMENT, details: `Session: ${bad}` });
+        return;
+      }
       const { instanceId, tpRank, ppRank } = call.request;
       const t0 = performance.now();
       const rank = ppRank * 65536 + tpRank;

@@ -187,6 +187,8 @@ Deno.test("save, query, load and release refuse bad input and store nothing", as
     // An engine polling its load state (instead of awaiting the RPC) sees the refusal too.
     const st = new DataView((await Deno.readFile(`/dev/shm${sim.loadStateName!}`)).buffer);
     assert.equal(st.getInt32(20, true), -1000, "state: refused before any copy");
+    assert.equal(st.getUint32(16, true), MODEL.numLayers, "layers_ready: every layer done");
+    assert.equal(st.getUint32(8, true), MODEL.numLayers, "num_layers: the rank's layers");
     await assert.rejects(srv.client.release(unknown), status("FAILED_PRECONDITION"));
     await assert.rejects(
       sim.load(new Uint8Array(5), [4]),
@@ -201,8 +203,8 @@ Deno.test("save, query, load and release refuse bad input and store nothing", as
       status("INVALID_ARGUMENT", /target block id 99/),
     );
     await assert.rejects(
-      sim.load(q.leaseId, [4, 5]),
-      status("INVALID_ARGUMENT", /lease holds 4 blocks but Load names 2/),
+      sim.load(q.leaseId, [4, 5, 6, 7, 8]),
+      status("INVALID_ARGUMENT", /holds 4 blocks; a load names at most that many targets, got 5/),
     );
     await assert.rejects(
       srv.client.load({
