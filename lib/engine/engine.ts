@@ -22,6 +22,7 @@ import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { Logger } from "../log.ts";
 import { Code, codeOf, EngineError, invalid, precondition } from "./errors.ts";
 import { StorageError } from "../storage/errors.ts";
+import { LEASE_ID_BYTES } from "../storage/lease.ts";
 import { keyHex, MAX_HASH_BYTES, type RegisterArgs, validateRegistration } from "./registration.ts";
 import { Instance, type LayerCtx, layerCtx, type RankCtx } from "./instances.ts";
 import {
@@ -717,6 +718,11 @@ export class KvEngine {
       const inst = this.#instance(args.instanceId, "Load");
       const rank = inst.rankCtx(args.tpRank, args.ppRank, "Load");
       numLayers = rank.layers.length;
+      if (args.leaseId.length !== LEASE_ID_BYTES) {
+        throw invalid(
+          `instance "${args.instanceId}": lease id is ${args.leaseId.length} bytes, expected ${LEASE_ID_BYTES}`,
+        );
+      }
       const sub = this.#loadStage.submit({ args, inst, rank, shm, tEntry });
       if (sub.status === "refused") {
         throw new EngineError(Code.RESOURCE_EXHAUSTED, `instance "${inst.id}": load queue full`);

@@ -194,6 +194,8 @@ Deno.test("save, query, load and release refuse bad input and store nothing", as
       sim.load(new Uint8Array(5), [4]),
       status("INVALID_ARGUMENT", /lease id is 5 bytes/),
     );
+    const st5 = new DataView((await Deno.readFile(`/dev/shm${sim.loadStateName!}`)).buffer);
+    assert.equal(st5.getInt32(20, true), -1000, "a short lease id is visible to a poller too");
 
     const q = await sim.query(hashes, "r1");
     assert.ok(q.kind === "ready" && q.hits === 4);
