@@ -5,6 +5,10 @@
  * num_layers and resets the progress words before a load; the native copy
  * engine then writes layers_ready and state directly (batch progress words).
  *
+ * The engine side reads its own block through a DataView. The server side
+ * goes through {@link LoadStateAccess} (guarded native copies): the block
+ * belongs to another process that may shrink it at any moment.
+ *
  * @module
  */
 import { invalid } from "./errors.ts";
@@ -34,8 +38,17 @@ export function initLoadState(view: DataView): void {
   view.setUint32(OFF_VERSION, LOAD_STATE_VERSION, true);
 }
 
-/** Throws INVALID_ARGUMENT unless `view` holds a load-state header (server side). */
-export function checkLoadState(view: DataView, name: string): void {
+/** The server's guarded access to an engine's block (see ports.ts ShmPort). */
+export interface LoadStateAccess {
+  read(offset: number, dst: Uint8Array): void;
+  write(offset: number, src: Uint8Array): void;
+}
+
+/** Throws INVALID_ARGUMENT unless the block holds a load-state header (server side). */
+export function checkLoadState(shm: LoadStateAccess, name: string): void {
+  const head = new Uint8Array(8);
+  shm.read(OFF_MAGIC, head);
+  const view = new DataView(head.buffer);
   const magic = view.getUint32(OFF_MAGIC, true);
   const version = view.getUint32(OFF_VERSION, true);
   if (magic !== LOAD_STATE_MAGIC) {
@@ -51,15 +64,21 @@ export function checkLoadState(view: DataView, name: string): void {
 }
 
 /** Server side: announces the layer count and resets progress before submitting. */
-export function armLoadState(view: DataView, numLayers: number): void {
-  view.setUint32(OFF_NUM_LAYERS, numLayers, true);
-  view.setUint32(OFF_LAYERS_READY, 0, true);
-  view.setInt32(OFF_STATE, STATE_PENDING, true);
+export function armLoadState(shm: LoadStateAccess, numLayers: number): void {
+  // num_layers, layers_ready, state: three words, one guarded copy.
+  const words = new Uint8Array(OFF_STATE + 4 - OFF_NUM_LAYERS);
+  const view = new DataView(words.buffer);
+  view.setUint32(0, numLayers, true);
+  view.setUint32(OFF_LAYERS_READY - OFF_NUM_LAYERS, 0, true);
+  view.setInt32(OFF_STATE - OFF_NUM_LAYERS, STATE_PENDING, true);
+  shm.write(OFF_NUM_LAYERS, words);
 }
 
 /** Server side: marks a load failed (before or instead of the native layer doing so). */
-export function failLoadState(view: DataView, code: number = STATE_REJECTED): void {
-  view.setInt32(OFF_STATE, code, true);
+export function failLoadState(shm: LoadStateAccess, code: number = STATE_REJECTED): void {
+  const word = new Uint8Array(4);
+  new DataView(word.buffer).setInt32(0, code, true);
+  shm.write(OFF_STATE, word);
 }
 
 /** Engine side: a snapshot of the words. */
