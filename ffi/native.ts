@@ -161,7 +161,7 @@ export interface PoolProgress {
 
 /** Options of {@link Engine.createPoolAsync}. */
 export interface PoolProgressOptions {
-  /** Called every `intervalMs` while the pool is created (not after). */
+  /** Called every `intervalMs` while the pool is created (never in phase `done`). */
   onProgress?: (p: PoolProgress) => void;
   /** Period of `onProgress`, ms. Default 1000. */
   intervalMs?: number;
@@ -313,6 +313,8 @@ export class Engine {
     const t0 = performance.now();
     const timer = watch.onProgress
       ? setInterval(() => {
+        // Finished, but the promise has not settled yet: nothing left to report.
+        if (POOL_PHASES[phase[0]] === "done") return;
         watch.onProgress!({
           backend: this.backend,
           device: this.device,
