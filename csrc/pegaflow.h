@@ -251,6 +251,12 @@ enum pf_path {
  * complete in order. Offsets are relative to the group's region and to the
  * pool, so every segment is bounds-checked before anything is copied: a
  * batch with one bad segment copies nothing and fails with PF_ERANGE.
+ *
+ * Client memory (a host region, the progress shm) is touched only under a
+ * SIGBUS guard: if the client shrinks the file behind it, the group fails
+ * with PF_EFAULT, every later group with PF_ECANCELED, the BATCH record
+ * carries PF_EFAULT and pf_ring_take_error gives the text naming the region
+ * or shm and the offset. The process and other batches are unaffected.
  */
 typedef struct pf_batch_header {
   uint32_t num_groups;
@@ -262,7 +268,8 @@ typedef struct pf_batch_header {
    * the u32 at progress_off (release order, after the bytes landed), and
    * once the batch ends, 1 (ok) or the negative PF_E* code into the i32 at
    * progress_off + 4. An engine polls these words with no RPC: this is how
-   * layer-wise load reaches the model without a JS hop. */
+   * layer-wise load reaches the model without a JS hop. The count is a
+   * prefix: it never passes a failed group. */
   uint32_t progress_shm;
   uint32_t progress_off;
   /* Byte offset of segs[] from the start of the descriptor (8-aligned), or
