@@ -439,13 +439,14 @@ static int32_t progress_store(pf_batch *b, uint32_t off, uint32_t value,
   uint64_t fault = 0;
   if (b->progress_gone) return PF_EFAULT;
   int32_t rc = pf_guard_store_u32(b->progress->ptr + off, value, &fault);
-  if (rc < 0) b->progress_gone = 1;
-  if (rc < 0)
+  if (rc < 0) {
+    b->progress_gone = 1;
     pf_batch_fail(b, rc,
                   "progress words: shm %u (\"%s\", %llu bytes mapped) faulted "
                   "at offset %u writing %s: the load-state object was shrunk "
                   "after it was opened", b->progress->handle, b->progress->name,
                   (unsigned long long)b->progress->bytes, off, what);
+  }
   return rc;
 }
 

@@ -73,11 +73,15 @@ static void chain(int sig, siginfo_t *si, void *uc) {
 }
 
 static void on_sigbus(int sig, siginfo_t *si, void *uc) {
-  pf_guard_frame *f = guard_top;
   uintptr_t a = (uintptr_t)si->si_addr;
-  if (f && si->si_code > 0 && a >= f->lo && a - f->lo < f->bytes) {
-    f->fault = a;
-    siglongjmp(f->jb, 1);
+  /* si_code > 0: raised by the kernel for this access, not sent by kill(). */
+  if (si->si_code > 0) {
+    for (pf_guard_frame *f = guard_top; f; f = f->prev) {
+      if (a >= f->lo && a - f->lo < f->bytes) {
+        f->fault = a;
+        siglongjmp(f->jb, 1);
+      }
+    }
   }
   chain(sig, si, uc);
 }
