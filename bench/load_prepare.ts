@@ -45,7 +45,7 @@ const prepareMs: number[] = [];
 const log = new Logger("debug", {}, (line) => {
   if (line.includes('"load done"')) prepareMs.push(JSON.parse(line).prepare_ms);
 });
-const native = openNative({
+const native = await openNative({
   backend: "host",
   device: 0,
   poolBytes: Math.ceil((prefixBytes * 1.1) / (1 << 20)) * (1 << 20),

@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 2
+#define PF_ABI_VERSION 3
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {
@@ -45,6 +45,13 @@ enum pf_status {
   PF_ETIMEDOUT = -10, /* a wait ran out of time (not an error for waits) */
   PF_EUNSUPPORTED = -11, /* feature absent in this build or driver */
   PF_EOVERFLOW = -12, /* completion ring or queue full */
+  /* A client's shared memory faulted under an access (SIGBUS: the client
+   * shrank the file behind a host region or a load-state block after it was
+   * mapped). Only that client's batch or call fails; see pf_guard. */
+  PF_EFAULT = -13,
+  /* Not done because an earlier group of the same batch failed (LAYER
+   * records after a failed group; progress words never pass a failure). */
+  PF_ECANCELED = -14,
 };
 
 /* Copies the calling thread's last error message (NUL-terminated, truncated
@@ -126,6 +133,15 @@ void *pf_ring_ptr(uint32_t ring);
  * Returns the current head as a non-negative i64, or PF_ESHUTDOWN once the
  * ring is shut down and fully drained past `seen`, or PF_ETIMEDOUT. */
 int64_t pf_ring_wait(uint32_t ring, uint64_t seen, int32_t timeout_ms);
+/* Copies the failure text of the batch that posted its BATCH record with
+ * `tag` on this ring into buf (NUL-terminated, truncated to cap) and forgets
+ * it. The library keeps the text of the last PF_RING_ERRORS failed batches
+ * per ring, recorded before their BATCH record is posted; it names what C
+ * knows (group, layer, region handle and shm name, offset, expected vs got).
+ * Returns the text's full length, or 0 when none is kept for the tag. */
+#define PF_RING_ERRORS 32u
+int32_t pf_ring_take_error(uint32_t ring, uint64_t tag, char *buf,
+                           uint32_t cap);
 /* Wakes every waiter and every blocked producer; later submits that would
  * post to this ring fail with PF_ESHUTDOWN. Idempotent. */
 int32_t pf_ring_shutdown(uint32_t ring);
@@ -142,9 +158,30 @@ enum pf_pool_flags {
 };
 /* Allocates one region of `bytes` host memory, page-locked and mapped for
  * the device (CUDA: cuMemHostAlloc DEVICEMAP, or mmap + cuMemHostRegister
- * for huge pages; host: mmap + mlock where permitted). */
+ * for huge pages; host: mmap + mlock where permitted).
+ *
+ * Creating a pool of tens of GiB takes seconds (pre-touch, page-locking).
+ * `progress` (optional, NULL for none) is caller memory the library updates
+ * while it works, so a caller that runs this call off its main thread (Deno:
+ * a nonblocking symbol) can report progress on a timer. It must stay valid
+ * until the call returns. */
+enum pf_pool_phase {
+  PF_POOL_PHASE_MAP = 0,   /* reserving the mapping */
+  PF_POOL_PHASE_TOUCH = 1, /* pre-touching; touched_bytes counts up */
+  PF_POOL_PHASE_LOCK = 2,  /* page-locking (mlock / cuMemHostRegister) */
+  PF_POOL_PHASE_DONE = 3,
+};
+typedef struct pf_pool_progress {
+  uint64_t touched_bytes; /* bytes pre-touched so far (relaxed, monotone) */
+  uint32_t phase;         /* pf_pool_phase (relaxed) */
+  uint32_t reserved;
+  /* On failure, the error text (NUL-terminated): the caller's thread is not
+   * the one pf_last_error would answer on. */
+  char error[256];
+} pf_pool_progress;
 int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
-                       uint32_t touch_threads, uint32_t *out_pool);
+                       uint32_t touch_threads, pf_pool_progress *progress,
+                       uint32_t *out_pool);
 void *pf_pool_ptr(uint32_t pool);
 /* Fills info[0..3]: [0] bytes, [1] flags actually applied, [2] ns spent
  * allocating + pre-touching, [3] huge page size used (0 if none). */
@@ -214,6 +251,12 @@ enum pf_path {
  * complete in order. Offsets are relative to the group's region and to the
  * pool, so every segment is bounds-checked before anything is copied: a
  * batch with one bad segment copies nothing and fails with PF_ERANGE.
+ *
+ * Client memory (a host region, the progress shm) is touched only under a
+ * SIGBUS guard: if the client shrinks the file behind it, the group fails
+ * with PF_EFAULT, every later group with PF_ECANCELED, the BATCH record
+ * carries PF_EFAULT and pf_ring_take_error gives the text naming the region
+ * or shm and the offset. The process and other batches are unaffected.
  */
 typedef struct pf_batch_header {
   uint32_t num_groups;
@@ -224,10 +267,11 @@ typedef struct pf_batch_header {
    * (8-aligned) in it. As group g completes, the library stores g + 1 into
    * the u32 at progress_off (release order, after the bytes landed), and
    * once the batch ends, 1 (ok) or the negative PF_E* code into the i32 at
-   * progress_off + 4; on failure it then stores num_groups into the u32, so
-   * a waiter on the counter alone never hangs. An engine polls these words
-   * with no RPC: this is how layer-wise load reaches the model without a JS
-   * hop. */
+   * progress_off + 4. While the batch runs the count is a prefix: it never
+   * passes a failed group. A failed batch then stores num_groups into the
+   * u32 after its state, so a waiter on the counter alone never hangs. An
+   * engine polls these words with no RPC: this is how layer-wise load
+   * reaches the model without a JS hop. */
   uint32_t progress_shm;
   uint32_t progress_off;
   /* Byte offset of segs[] from the start of the descriptor (8-aligned), or
@@ -281,7 +325,20 @@ enum pf_shm_flags {
  * Opening checks the object is at least `bytes` long. */
 int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
                     uint32_t *out_shm);
+/* The mapping, for the process that owns the object (an engine polling its
+ * own load state). A process mapping a PEER's object (the server) must not
+ * touch it directly: the peer can shrink it at any time; use the guarded
+ * pf_shm_read / pf_shm_write instead. */
 void *pf_shm_ptr(uint32_t shm);
+/* Guarded byte access to a mapped shm object: [offset, offset + bytes) must
+ * lie inside the mapping (PF_ERANGE). When offset and bytes are 4-aligned the
+ * bytes move as whole u32 words (acquire loads / release stores), so a peer
+ * polling a word never sees it torn. A peer that shrank the object below the
+ * range makes the call fail with PF_EFAULT, naming the shm and offset,
+ * instead of killing the process. */
+int32_t pf_shm_read(uint32_t shm, uint64_t offset, void *dst, uint64_t bytes);
+int32_t pf_shm_write(uint32_t shm, uint64_t offset, const void *src,
+                     uint64_t bytes);
 int32_t pf_shm_close(uint32_t shm); /* PF_EBUSY while a batch reports to it */
 
 /* ---- io_uring (SSD tier) ----------------------------------------------- */

@@ -259,6 +259,38 @@ int32_t pf_ring_shutdown(uint32_t ring) {
   return PF_OK;
 }
 
+void pf_ring_keep_error(pf_ring *r, uint64_t tag, const char *text) {
+  pthread_mutex_lock(&r->mu);
+  pf_ring_error *e = &r->errors[r->next_error++ % PF_RING_ERRORS];
+  e->tag = tag;
+  snprintf(e->text, sizeof e->text, "%s", text);
+  pthread_mutex_unlock(&r->mu);
+}
+
+int32_t pf_ring_take_error(uint32_t ring, uint64_t tag, char *buf,
+                           uint32_t cap) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_ring *r = pf_handle_get(ring, PF_K_RING, "pf_ring_take_error");
+  if (!r) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  int32_t n = 0;
+  pthread_mutex_lock(&r->mu);
+  for (uint32_t i = 0; i < PF_RING_ERRORS; i++) {
+    pf_ring_error *e = &r->errors[i];
+    if (e->tag == tag && e->text[0]) {
+      n = pf_text_out(e->text, buf, cap);
+      e->tag = 0;
+      e->text[0] = 0;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&r->mu);
+  pthread_mutex_unlock(&pf_objects_mu);
+  return n;
+}
+
 void pf_ring_acquire(pf_ring *r) { atomic_fetch_add(&r->users, 1); }
 void pf_ring_release(pf_ring *r) { atomic_fetch_sub(&r->users, 1); }
 

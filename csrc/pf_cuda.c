@@ -618,6 +618,7 @@ static int32_t cuda_pool_alloc(pf_engine *e, pf_pool *p) {
   rc = pf_hostmem_alloc(p, "pf_pool_create");
   if (rc < 0) return rc;
   uint64_t t0 = pf_now_ns();
+  pf_pool_phase(p, PF_POOL_PHASE_LOCK);
   CUresult r = cu.cuMemHostRegister_v2(
       p->host, p->mapped_bytes,
       CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);

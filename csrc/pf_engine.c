@@ -18,6 +18,8 @@
 #include "pf_internal.h"
 
 #include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -72,6 +74,14 @@ int32_t pf_engine_open(int32_t backend, int32_t device, uint32_t workers,
       rc = engine_try(&pf_host_ops, PF_BACKEND_HOST, device, workers, &e);
   }
   if (rc < 0) return rc;
+  /* Client mappings (regions, load states) come after an engine: from here
+   * on a client that shrinks one fails its own batch, not this process. */
+  rc = pf_guard_init();
+  if (rc < 0) {
+    e->ops->close(e);
+    free(e);
+    return rc;
+  }
   uint32_t h = pf_handle_new(PF_K_ENGINE, e);
   if (!h) {
     e->ops->close(e);
@@ -154,8 +164,9 @@ int32_t pf_engine_close(uint32_t engine) {
 }
 
 /* ---- pool -------------------------------------------------------------- */
-int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
-                       uint32_t touch_threads, uint32_t *out_pool) {
+static int32_t pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
+                           uint32_t touch_threads, pf_pool_progress *progress,
+                           uint32_t *out_pool) {
   if (!out_pool) return pf_fail(PF_EINVAL, "pf_pool_create: out_pool is NULL");
   pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_pool_create");
   if (!e) return PF_EHANDLE;
@@ -170,11 +181,15 @@ int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
   p->bytes = bytes;
   p->flags = flags;
   p->touch_threads = touch_threads;
+  p->progress = progress;
+  pf_pool_phase(p, PF_POOL_PHASE_MAP);
   int32_t rc = e->ops->pool_alloc(e, p);
   if (rc < 0) {
     free(p);
     return rc;
   }
+  pf_pool_phase(p, PF_POOL_PHASE_DONE);
+  p->progress = NULL; /* the caller's memory is borrowed for this call */
   uint32_t h = pf_handle_new(PF_K_POOL, p);
   if (!h) {
     e->ops->pool_free(e, p);
@@ -185,6 +200,17 @@ int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
   atomic_fetch_add(&e->live_objects, 1);
   *out_pool = h;
   return PF_OK;
+}
+
+int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
+                       uint32_t touch_threads, pf_pool_progress *progress,
+                       uint32_t *out_pool) {
+  if (progress) progress->error[0] = 0;
+  int32_t rc = pool_create(engine, bytes, flags, touch_threads, progress,
+                           out_pool);
+  if (rc < 0 && progress)
+    pf_last_error(progress->error, sizeof progress->error);
+  return rc;
 }
 
 void *pf_pool_ptr(uint32_t pool) {
@@ -395,6 +421,35 @@ static void post(pf_batch *b, uint32_t kind, uint32_t index, int32_t status,
   (void)pf_ring_post(b->ring, &c);
 }
 
+int32_t pf_batch_fail(pf_batch *b, int32_t status, const char *fmt, ...) {
+  int32_t none = 0;
+  if (!atomic_compare_exchange_strong(&b->fail_status, &none, status))
+    return status;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(b->fail_text, sizeof b->fail_text, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+/* Stores a progress word into the client's load-state shm, guarded: the
+ * client may have shrunk the object since it was opened. */
+static int32_t progress_store(pf_batch *b, uint32_t off, uint32_t value,
+                              const char *what) {
+  uint64_t fault = 0;
+  if (b->progress_gone) return PF_EFAULT;
+  int32_t rc = pf_guard_store_u32(b->progress->ptr + off, value, &fault);
+  if (rc < 0) {
+    b->progress_gone = 1;
+    pf_batch_fail(b, rc,
+                  "progress words: shm %u (\"%s\", %llu bytes mapped) faulted "
+                  "at offset %u writing %s: the load-state object was shrunk "
+                  "after it was opened", b->progress->handle, b->progress->name,
+                  (unsigned long long)b->progress->bytes, off, what);
+  }
+  return rc;
+}
+
 /* Order matters in both functions below: every counter a record lets the
  * consumer act on is released before that record is posted, so a consumer
  * that reacts to a record by closing the region/pool/ring never sees a
@@ -402,32 +457,37 @@ static void post(pf_batch *b, uint32_t kind, uint32_t index, int32_t status,
  * released object afterwards. */
 void pf_batch_group_done(pf_batch *b, uint32_t g, int32_t status) {
   pf_group_rt *gr = &b->groups[g];
+  /* Progress is a prefix: once a group failed, later groups are not
+   * reported as landed even when their bytes did. */
+  if (status == PF_OK && b->posted_fail) status = PF_ECANCELED;
   if (b->progress && status == PF_OK)
-    atomic_store_explicit(
-        (_Atomic uint32_t *)(b->progress->ptr + b->progress_off), g + 1,
-        memory_order_release);
+    status = progress_store(b, b->progress_off, g + 1, "layers_ready");
+  if (status < 0) b->posted_fail = 1;
   if (gr->region) atomic_fetch_sub(&gr->region->inflight, 1);
   post(b, PF_DONE_LAYER, g, status, gr->layer, gr->bytes);
 }
 
 void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used) {
+  int32_t failed = atomic_load(&b->fail_status);
+  if (status == PF_OK && failed < 0) status = failed;
   if (b->progress) {
-    atomic_store_explicit(
-        (_Atomic int32_t *)(b->progress->ptr + b->progress_off + 4),
-        status == PF_OK ? 1 : status, memory_order_release);
-    /* A failed batch also reports every group done, after the status: a
+    progress_store(b, b->progress_off + 4,
+                   (uint32_t)(status == PF_OK ? 1 : status), "state");
+    /* A failed batch also reports every group done, after the state: a
      * waiter that watches only the group counter (a GPU stream wait on it)
      * wakes up and then reads the failure. */
     if (status != PF_OK)
-      atomic_store_explicit(
-          (_Atomic uint32_t *)(b->progress->ptr + b->progress_off),
-          b->num_groups, memory_order_release);
+      progress_store(b, b->progress_off, b->num_groups, "layers_ready");
     atomic_fetch_sub(&b->progress->inflight, 1);
+    failed = atomic_load(&b->fail_status);
+    if (status == PF_OK && failed < 0) status = failed;
   }
   if (b->pool) atomic_fetch_sub(&b->pool->inflight, 1);
   uint64_t ns = pf_now_ns() - b->submit_ns;
   if (b->on_done) b->on_done(b->on_done_arg, status, ns);
   if (b->ring) {
+    if (status < 0 && b->fail_text[0])
+      pf_ring_keep_error(b->ring, b->tag, b->fail_text);
     pf_completion c = {.tag = b->tag, .kind = PF_DONE_BATCH,
                        .index = b->num_groups, .status = status,
                        .aux = path_used, .value = ns};
@@ -627,6 +687,24 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
     gr->region = r;
     total += gbytes;
   }
+  if (b->progress) {
+    /* Reset the progress words last (nothing counted yet, so a fault just
+     * refuses the batch): the client may have shrunk the object since it
+     * was opened. */
+    uint8_t *w = b->progress->ptr + h->progress_off;
+    uint64_t fault = 0;
+    rc = pf_guard_store_u32(w, 0, &fault);
+    if (rc == PF_OK) rc = pf_guard_store_u32(w + 4, 0, &fault);
+    if (rc < 0) {
+      rc = pf_fail(PF_EFAULT,
+                   "pf_copy_submit: progress shm %u (\"%s\", %llu bytes "
+                   "mapped) faulted at offset %u: the load-state object was "
+                   "shrunk after it was opened", h->progress_shm,
+                   b->progress->name, (unsigned long long)b->progress->bytes,
+                   h->progress_off);
+      goto fail_locked;
+    }
+  }
   b->num_ranges = nr;
   b->total_bytes = total;
   b->engine = e;
@@ -637,15 +715,7 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
   for (uint32_t g = 0; g < b->num_groups; g++)
     atomic_fetch_add(&b->groups[g].region->inflight, 1);
   atomic_fetch_add(&p->inflight, 1);
-  if (b->progress) {
-    atomic_fetch_add(&b->progress->inflight, 1);
-    atomic_store_explicit(
-        (_Atomic uint32_t *)(b->progress->ptr + b->progress_off), 0,
-        memory_order_relaxed);
-    atomic_store_explicit(
-        (_Atomic int32_t *)(b->progress->ptr + b->progress_off + 4), 0,
-        memory_order_release);
-  }
+  if (b->progress) atomic_fetch_add(&b->progress->inflight, 1);
   pf_ring_acquire(rg);
   pthread_mutex_unlock(&pf_objects_mu);
 

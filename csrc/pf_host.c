@@ -13,6 +13,12 @@
  * unfinished tasks; whoever finishes a group's last task marks it done and
  * posts every consecutive finished group, so LAYER records leave in group
  * order even though groups finish out of order.
+ *
+ * A region is a MAP_SHARED mapping the client still controls: if it shrinks
+ * the file, our memcpy faults (SIGBUS). Every task and every synchronous
+ * region access runs under pf_guard (pf_guard.c), so such a fault fails the
+ * task's group with PF_EFAULT, and the batch with a text naming the region,
+ * while the process and every other client's batches carry on.
  */
 #define _GNU_SOURCE
 #include "pf_internal.h"
@@ -49,6 +55,7 @@ typedef struct host_batch {
   uint32_t *task_first; /* ntasks + 1 range indices */
   uint32_t *task_group;
   atomic_uint *group_left;
+  _Atomic int32_t *group_status; /* PF_OK or the group's first failure */
   pthread_mutex_t mu;   /* ordered posting */
   uint8_t *group_done;
   uint32_t next_post;
@@ -59,6 +66,7 @@ static void host_batch_free(host_batch *hb) {
   free(hb->task_first);
   free(hb->task_group);
   free(hb->group_left);
+  free(hb->group_status);
   free(hb->group_done);
   pthread_mutex_destroy(&hb->mu);
   free(hb);
@@ -73,6 +81,41 @@ static void run_range(pf_batch *b, const pf_range *r) {
     memcpy(reg, pool, r->bytes);
 }
 
+typedef struct {
+  pf_batch *b;
+  uint32_t lo, hi; /* range indices */
+} task_args;
+
+static void run_ranges(void *arg) {
+  task_args *t = arg;
+  for (uint32_t i = t->lo; i < t->hi; i++) run_range(t->b, &t->b->ranges[i]);
+}
+
+/* Runs ranges [lo, hi) of group g under a guard on the group's region (the
+ * client's memory; the pool is ours). Calibration groups have no region. */
+static int32_t run_task(pf_batch *b, uint32_t g, uint32_t lo, uint32_t hi) {
+  task_args t = {b, lo, hi};
+  pf_region *r = b->groups[g].region;
+  if (!r) {
+    run_ranges(&t);
+    return PF_OK;
+  }
+  uint64_t fault = 0;
+  int32_t rc = pf_guard_run((const void *)(uintptr_t)r->addr, r->bytes,
+                            run_ranges, &t, &fault);
+  if (rc < 0)
+    pf_batch_fail(b, rc,
+                  "group %u (layer %u): region %u (\"%.*s\", %llu bytes "
+                  "mapped) faulted at offset %llu %s: the client shrank the "
+                  "shm file behind the region after registering it",
+                  g, b->groups[g].layer, r->handle, (int)PF_HANDLE_BYTES,
+                  (const char *)r->name, (unsigned long long)r->bytes,
+                  (unsigned long long)fault,
+                  b->direction == PF_D2H ? "reading it (save)"
+                                         : "writing it (load)");
+  return rc;
+}
+
 static void finish_task(pf_batch *b, uint32_t g) {
   host_batch *hb = b->impl;
   if (atomic_fetch_sub(&hb->group_left[g], 1) != 1) return;
@@ -81,7 +124,8 @@ static void finish_task(pf_batch *b, uint32_t g) {
   int last = 0;
   /* Only the thread that advances next_post to the end ends the batch. */
   while (hb->next_post < b->num_groups && hb->group_done[hb->next_post]) {
-    pf_batch_group_done(b, hb->next_post, PF_OK);
+    pf_batch_group_done(b, hb->next_post,
+                        atomic_load(&hb->group_status[hb->next_post]));
     hb->next_post++;
     if (hb->next_post == b->num_groups) last = 1;
   }
@@ -112,7 +156,11 @@ static void *host_worker(void *arg) {
     uint32_t lo = hb->task_first[t], hi = hb->task_first[t + 1];
     uint32_t g = hb->task_group[t];
     pthread_mutex_unlock(&he->mu);
-    for (uint32_t i = lo; i < hi; i++) run_range(b, &b->ranges[i]);
+    int32_t rc = run_task(b, g, lo, hi);
+    if (rc < 0) {
+      int32_t ok = PF_OK;
+      atomic_compare_exchange_strong(&hb->group_status[g], &ok, rc);
+    }
     finish_task(b, g);
   }
 }
@@ -172,6 +220,7 @@ static int32_t host_pool_alloc(pf_engine *e, pf_pool *p) {
   if (rc < 0) return rc;
   /* Best effort: an unprivileged process usually has a small
    * RLIMIT_MEMLOCK. The host backend works without it; info reports it. */
+  pf_pool_phase(p, PF_POOL_PHASE_LOCK);
   if (mlock(p->host, p->mapped_bytes) == 0) p->applied |= PF_POOL_LOCKED;
   p->device_ptr = (uint64_t)(uintptr_t)p->host;
   return PF_OK;
@@ -308,10 +357,15 @@ static void host_region_close(pf_engine *e, pf_region *r) {
 static int32_t host_region_rw(pf_engine *e, pf_region *r, uint64_t off,
                               void *buf, uint64_t bytes, int write) {
   uint8_t *p = (uint8_t *)(uintptr_t)r->addr + off;
-  if (write)
-    memcpy(p, buf, bytes);
-  else
-    memcpy(buf, p, bytes);
+  uint64_t fault = 0;
+  int32_t rc = write ? pf_guard_copy(p, buf, bytes, p - off, r->bytes, &fault)
+                     : pf_guard_copy(buf, p, bytes, p - off, r->bytes, &fault);
+  if (rc < 0)
+    return pf_fail(rc, "%s: region %u (\"%.*s\", %llu bytes mapped) faulted "
+                   "at offset %llu: the shm file behind it was shrunk",
+                   write ? "pf_region_write" : "pf_region_read", r->handle,
+                   (int)PF_HANDLE_BYTES, (const char *)r->name,
+                   (unsigned long long)r->bytes, (unsigned long long)fault);
   return PF_OK;
 }
 
@@ -363,9 +417,10 @@ static int32_t host_submit(pf_engine *e, pf_batch *b) {
   hb->task_first = malloc(((size_t)b->num_ranges + 1) * sizeof(uint32_t));
   hb->task_group = malloc((size_t)b->num_ranges * sizeof(uint32_t));
   hb->group_left = calloc(b->num_groups, sizeof(atomic_uint));
+  hb->group_status = calloc(b->num_groups, sizeof(_Atomic int32_t));
   hb->group_done = calloc(b->num_groups, 1);
   if (!hb->task_first || !hb->task_group || !hb->group_left ||
-      !hb->group_done) {
+      !hb->group_status || !hb->group_done) {
     host_batch_free(hb);
     return pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
   }

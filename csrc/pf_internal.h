@@ -32,6 +32,14 @@ void *pf_handle_get(uint32_t h, int kind, const char *what);
 void pf_handle_free(uint32_t h);
 
 /* ---- completion ring (producer side) ----------------------------------- */
+/* Longest failure text kept per failed batch (pf_ring_take_error). */
+#define PF_ERROR_TEXT_BYTES 384u
+
+typedef struct pf_ring_error {
+  uint64_t tag;           /* 0 = empty */
+  char text[PF_ERROR_TEXT_BYTES];
+} pf_ring_error;
+
 typedef struct pf_ring {
   uint8_t *mem;           /* header + records, page aligned */
   size_t mem_bytes;
@@ -39,6 +47,9 @@ typedef struct pf_ring {
   pthread_mutex_t mu;     /* serialises producers */
   pthread_cond_t cv;      /* producers wait for room; consumers for news */
   atomic_int users;       /* submitted work that will still post */
+  /* Texts of the last failed batches, oldest overwritten (under mu). */
+  pf_ring_error errors[PF_RING_ERRORS];
+  uint32_t next_error;
 } pf_ring;
 
 /* Posts one record; waits while the ring is full. Returns PF_ESHUTDOWN if
@@ -48,6 +59,9 @@ int32_t pf_ring_post(pf_ring *r, const pf_completion *c);
  * respect to consumers: for a batch's final record. */
 int32_t pf_ring_post_release(pf_ring *r, const pf_completion *c);
 int pf_ring_is_shutdown(pf_ring *r);
+/* Keeps `text` as the failure text of batch `tag` (before its BATCH record
+ * is posted). */
+void pf_ring_keep_error(pf_ring *r, uint64_t tag, const char *text);
 void pf_ring_acquire(pf_ring *r); /* work that will post later */
 void pf_ring_release(pf_ring *r);
 
@@ -107,6 +121,16 @@ typedef struct pf_batch {
   pf_range *ranges;
   struct pf_batch *next;  /* backend queue link */
   void *impl;             /* backend per-batch state */
+  /* First failure of the batch (0 while none) and its text, claimed by the
+   * thread that sets it; handed to the ring before the BATCH record. */
+  _Atomic int32_t fail_status;
+  char fail_text[PF_ERROR_TEXT_BYTES];
+  /* Set once a group was reported failed: later groups are reported
+   * PF_ECANCELED and the progress word stays where it was. Written only by
+   * the thread posting groups (in order). */
+  int32_t posted_fail;
+  /* The progress shm faulted once: no further stores into it. */
+  int32_t progress_gone;
   /* Called by pf_batch_done just before b is freed (calibration waits on
    * it); NULL for batches submitted through the ABI. */
   void (*on_done)(void *arg, int32_t status, uint64_t ns);
@@ -114,11 +138,20 @@ typedef struct pf_batch {
 } pf_batch;
 
 uint64_t pf_now_ns(void);
+/* Records the batch's first failure (status < 0) and its text; later calls
+ * keep the first. Any thread, any time before pf_batch_done. Returns
+ * status. */
+int32_t pf_batch_fail(pf_batch *b, int32_t status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 /* Reports group g as landed (or failed): progress word, LAYER record,
- * region inflight release. Call in group order. */
+ * region inflight release. Call in group order. A group after a failed one
+ * is reported PF_ECANCELED; a progress word the client's shm no longer
+ * backs fails the group with PF_EFAULT (pf_batch_fail names the shm). */
 void pf_batch_group_done(pf_batch *b, uint32_t g, int32_t status);
 /* Ends the batch: progress status word, BATCH record (aux = path used,
- * value = ns since submit), releases pool/ring/shm and frees b. */
+ * value = ns since submit), releases pool/ring/shm and frees b. `status`
+ * is the backend's; a failure recorded with pf_batch_fail wins over
+ * PF_OK, and its text goes to the ring (pf_ring_take_error). */
 void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used);
 /* Builds a batch directly (calibration, tests of the backend): no handles,
  * no ring. Ranges are used as given. */
@@ -142,8 +175,27 @@ void pf_batch_waiter_attach(pf_batch_waiter *w, pf_batch *b);
  * submit-to-done time (0 when that time is 0). Returns the batch status. */
 int32_t pf_batch_waiter_wait(pf_batch_waiter *w, uint64_t moved, double *gbps);
 
+/* ---- client memory guard (pf_guard.c) --------------------------------- */
+/* Installs the SIGBUS handler (once per process); PF_EIO if sigaction
+ * fails. Called where client mappings come into being. */
+int32_t pf_guard_init(void);
+/* Runs fn(arg) on this thread; a SIGBUS at an address inside
+ * [client_lo, client_lo + client_bytes) ends fn early and returns PF_EFAULT
+ * with *fault_off = the address minus client_lo. fn must hold no lock and
+ * own no resource it would leak when cut short (plain loads, stores and
+ * memcpy). Nests. */
+int32_t pf_guard_run(const void *client_lo, uint64_t client_bytes,
+                     void (*fn)(void *arg), void *arg, uint64_t *fault_off);
+/* memcpy under a guard on the client range [client_lo, +client_bytes). */
+int32_t pf_guard_copy(void *dst, const void *src, uint64_t bytes,
+                      const void *client_lo, uint64_t client_bytes,
+                      uint64_t *fault_off);
+/* A release store of one u32 into client memory, guarded. */
+int32_t pf_guard_store_u32(void *addr, uint32_t value, uint64_t *fault_off);
+
 /* Host memory for pools: mmap (optionally MAP_HUGETLB) and parallel
- * pre-touch. Fills p->host, huge_page_bytes, applied, alloc_ns. */
+ * pre-touch. Fills p->host, huge_page_bytes, applied, alloc_ns, and the
+ * caller's progress words (p->progress) as it goes. */
 int32_t pf_hostmem_alloc(struct pf_pool *p, const char *who);
 void pf_hostmem_free(struct pf_pool *p);
 /* Checks a POSIX shm name ("/" + letters, digits, - _ .) within cap. */
@@ -204,9 +256,14 @@ typedef struct pf_pool {
   uint32_t touch_threads;
   uint64_t alloc_ns;
   uint64_t huge_page_bytes;
+  /* The caller's progress block during pf_pool_create (NULL: none). */
+  pf_pool_progress *progress;
   atomic_int inflight;
   void *impl;
 } pf_pool;
+
+/* Publishes the pool-creation phase (no-op without progress words). */
+void pf_pool_phase(pf_pool *p, uint32_t phase);
 
 typedef struct pf_region {
   pf_engine *engine;

@@ -60,11 +60,17 @@ void pf_parallel(uint32_t n, void (*fn)(uint32_t i, void *arg), void *arg) {
   for (uint32_t i = 1; i <= started; i++) pthread_join(th[i], NULL);
 }
 
+/* Pre-touch threads add to the caller's progress counter once per this many
+ * bytes: often enough for a once-a-second log line, rare enough that the
+ * shared cache line costs nothing next to the page faults. */
+#define PF_TOUCH_PROGRESS_BYTES (64ull << 20)
+
 typedef struct {
   uint8_t *base;
   uint64_t bytes;
   uint64_t page;
   uint32_t n;
+  _Atomic uint64_t *progress; /* NULL: nobody watches */
 } touch_job;
 
 static void touch_slice(uint32_t i, void *arg) {
@@ -73,8 +79,22 @@ static void touch_slice(uint32_t i, void *arg) {
   uint64_t per = (pages + j->n - 1) / j->n;
   uint64_t lo = (uint64_t)i * per, hi = lo + per;
   if (hi > pages) hi = pages;
-  for (uint64_t k = lo; k < hi; k++)
-    ((volatile uint8_t *)j->base)[k * j->page] = 0;
+  uint64_t step = PF_TOUCH_PROGRESS_BYTES / j->page;
+  if (step == 0) step = 1;
+  for (uint64_t k = lo; k < hi;) {
+    uint64_t end = hi - k > step ? k + step : hi;
+    uint64_t first = k;
+    for (; k < end; k++) ((volatile uint8_t *)j->base)[k * j->page] = 0;
+    if (j->progress)
+      atomic_fetch_add_explicit(j->progress, (end - first) * j->page,
+                                memory_order_relaxed);
+  }
+}
+
+void pf_pool_phase(pf_pool *p, uint32_t phase) {
+  if (p->progress)
+    atomic_store_explicit((_Atomic uint32_t *)&p->progress->phase, phase,
+                          memory_order_relaxed);
 }
 
 static uint64_t huge_page_size(void) {
@@ -141,7 +161,10 @@ int32_t pf_hostmem_alloc(pf_pool *p, const char *who) {
     if (cpus > 0 && n > (uint32_t)cpus) n = (uint32_t)cpus;
     if (n > PF_TOUCH_THREADS_MAX) n = PF_TOUCH_THREADS_MAX;
     if ((uint64_t)n > len / page) n = (uint32_t)(len / page);
-    touch_job j = {m, len, page, n ? n : 1};
+    touch_job j = {m, len, page, n ? n : 1,
+                   p->progress ? (_Atomic uint64_t *)&p->progress->touched_bytes
+                               : NULL};
+    pf_pool_phase(p, PF_POOL_PHASE_TOUCH);
     pf_parallel(j.n, touch_slice, &j);
     p->applied |= PF_POOL_PRETOUCH;
   }
@@ -184,6 +207,9 @@ int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
   if (bytes == 0) return pf_fail(PF_EINVAL, "pf_shm_open: bytes is 0");
   if (flags & ~(uint32_t)(PF_SHM_CREATE | PF_SHM_UNLINK))
     return pf_fail(PF_EINVAL, "pf_shm_open: unknown flag bits 0x%x", flags);
+  /* A peer's object can shrink under us: accesses go through the guard. */
+  rc = pf_guard_init();
+  if (rc < 0) return rc;
   int oflag = O_RDWR | ((flags & PF_SHM_CREATE) ? O_CREAT | O_EXCL : 0);
   int fd = shm_open(name, oflag, 0600);
   if (fd < 0)
@@ -240,6 +266,66 @@ int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
 void *pf_shm_ptr(uint32_t shm) {
   pf_shm *s = pf_handle_get(shm, PF_K_SHM, "pf_shm_ptr");
   return s ? s->ptr : NULL;
+}
+
+typedef struct {
+  uint8_t *shm;
+  uint8_t *buf;
+  uint64_t bytes;
+  int write;
+} shm_io;
+
+/* Whole u32 words when aligned (a peer polls them), else plain bytes. */
+static void shm_io_run(void *arg) {
+  shm_io *io = arg;
+  if (((uintptr_t)io->shm & 3u) == 0 && (io->bytes & 3u) == 0) {
+    for (uint64_t i = 0; i < io->bytes; i += 4) {
+      _Atomic uint32_t *w = (_Atomic uint32_t *)(io->shm + i);
+      uint32_t v;
+      if (io->write) {
+        memcpy(&v, io->buf + i, 4);
+        atomic_store_explicit(w, v, memory_order_release);
+      } else {
+        v = atomic_load_explicit(w, memory_order_acquire);
+        memcpy(io->buf + i, &v, 4);
+      }
+    }
+  } else if (io->write) {
+    memcpy(io->shm, io->buf, io->bytes);
+  } else {
+    memcpy(io->buf, io->shm, io->bytes);
+  }
+}
+
+static int32_t shm_rw(const char *fn, uint32_t shm, uint64_t offset,
+                      void *buf, uint64_t bytes, int write) {
+  pf_shm *s = pf_handle_get(shm, PF_K_SHM, fn);
+  if (!s) return PF_EHANDLE;
+  if (!buf && bytes) return pf_fail(PF_EINVAL, "%s: buffer is NULL", fn);
+  if (offset > s->bytes || bytes > s->bytes - offset)
+    return pf_fail(PF_ERANGE, "%s: shm %u (\"%s\"): offset %llu + bytes %llu "
+                   "exceeds its %llu mapped bytes", fn, shm, s->name,
+                   (unsigned long long)offset, (unsigned long long)bytes,
+                   (unsigned long long)s->bytes);
+  if (bytes == 0) return PF_OK;
+  shm_io io = {s->ptr + offset, buf, bytes, write};
+  uint64_t fault = 0;
+  int32_t rc = pf_guard_run(s->ptr, s->bytes, shm_io_run, &io, &fault);
+  if (rc < 0)
+    return pf_fail(rc, "%s: shm %u (\"%s\", %llu bytes mapped) faulted at "
+                   "offset %llu: the object was shrunk after it was opened",
+                   fn, shm, s->name, (unsigned long long)s->bytes,
+                   (unsigned long long)fault);
+  return PF_OK;
+}
+
+int32_t pf_shm_read(uint32_t shm, uint64_t offset, void *dst, uint64_t bytes) {
+  return shm_rw("pf_shm_read", shm, offset, dst, bytes, 0);
+}
+
+int32_t pf_shm_write(uint32_t shm, uint64_t offset, const void *src,
+                     uint64_t bytes) {
+  return shm_rw("pf_shm_write", shm, offset, (void *)src, bytes, 1);
 }
 
 int32_t pf_shm_close(uint32_t shm) {

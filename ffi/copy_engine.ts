@@ -16,6 +16,7 @@ import {
   PATH_NAMES,
   type Pool,
   type PoolOptions,
+  type PoolProgressOptions,
   statusName,
 } from "./native.ts";
 import { type Completion, COMPLETION_KIND, CompletionRing } from "./ring.ts";
@@ -31,6 +32,8 @@ export interface CopyResult {
   ns: number;
   /** Path the library used. */
   path: CopyPath;
+  /** On failure, what the library knows about it (group, layer, region, offset). */
+  error?: string;
 }
 
 /** A submitted batch. */
@@ -54,6 +57,9 @@ export interface CopyEngineOptions extends EngineOptions, PoolOptions {
   /** Completion ring capacity (power of two). Default 4096. */
   ringCapacity?: number;
 }
+
+const ERROR_BUF = new Uint8Array(512);
+const DECODER = new TextDecoder();
 
 interface Pending {
   layers: ReplaySubject<number>;
@@ -118,6 +124,28 @@ export class CopyEngine {
     }
   }
 
+  /**
+   * Like {@link CopyEngine.open}, but the pool is created off the JS thread
+   * with `watch.onProgress` called on a timer meanwhile (a large pre-touched
+   * pool takes seconds).
+   */
+  static async openAsync(
+    opts: CopyEngineOptions,
+    watch: PoolProgressOptions = {},
+  ): Promise<CopyEngine> {
+    const engine = Engine.open(opts);
+    let pool: Pool | undefined;
+    try {
+      pool = await engine.createPoolAsync(opts.poolBytes, opts, watch);
+      const ring = new CompletionRing(opts.ringCapacity ?? 4096);
+      return new CopyEngine(engine, pool, ring);
+    } catch (e) {
+      pool?.close();
+      engine.close();
+      throw e;
+    }
+  }
+
   /** Batches submitted and not yet ended. */
   get inflight(): number {
     return this.#pending.size;
@@ -169,24 +197,33 @@ export class CopyEngine {
       }
     } else if (c.kind === COMPLETION_KIND.BATCH) {
       this.#pending.delete(c.tag);
+      let error: string | undefined;
       if (c.status === 0) {
         p.layers.complete();
       } else {
-        p.layers.error(
-          new NativeError(
-            "pf_copy_submit",
-            c.status,
-            `batch ${c.tag} failed with ${statusName(c.status)}`,
-          ),
-        );
+        error = this.#takeError(c.tag) || `batch ${c.tag} failed with ${statusName(c.status)}`;
+        p.layers.error(new NativeError("pf_copy_submit", c.status, error));
       }
       p.resolve({
         status: c.status,
         bytes: p.bytes,
         ns: c.value,
         path: PATH_NAMES[c.aux] ?? "auto",
+        error,
       });
     }
+  }
+
+  /** The library's text for a failed batch ("" when it kept none). */
+  #takeError(tag: number): string {
+    const n = this.#pf.pf_ring_take_error(
+      this.ring.handle,
+      BigInt(tag),
+      ERROR_BUF,
+      ERROR_BUF.length,
+    );
+    if (n <= 0) return "";
+    return DECODER.decode(ERROR_BUF.subarray(0, Math.min(n, ERROR_BUF.length - 1)));
   }
 
   #failAll(e: unknown): void {

@@ -22,6 +22,8 @@ export const PF_STATUS = {
   PF_ETIMEDOUT: -10,
   PF_EUNSUPPORTED: -11,
   PF_EOVERFLOW: -12,
+  PF_EFAULT: -13,
+  PF_ECANCELED: -14,
 } as const;
 
 /** One of the `PF_E*` names (or `PF_OK`). */
@@ -137,6 +139,34 @@ export interface PoolOptions {
   touchThreads?: number;
 }
 
+/** Phases of pool creation, as the library reports them (`pf_pool_phase`). */
+export type PoolPhase = "map" | "touch" | "lock" | "done";
+const POOL_PHASES: readonly PoolPhase[] = ["map", "touch", "lock", "done"];
+/** sizeof(pf_pool_progress). */
+const POOL_PROGRESS_BYTES = 16 + 256;
+
+/** A snapshot of a pool being created ({@link Engine.createPoolAsync}). */
+export interface PoolProgress {
+  /** The engine creating the pool. */
+  backend: "cuda" | "host";
+  device: number;
+  phase: PoolPhase;
+  /** Bytes pre-touched so far. */
+  touchedBytes: number;
+  /** The pool's size. */
+  totalBytes: number;
+  /** Milliseconds since the call started. */
+  elapsedMs: number;
+}
+
+/** Options of {@link Engine.createPoolAsync}. */
+export interface PoolProgressOptions {
+  /** Called every `intervalMs` while the pool is created (never in phase `done`). */
+  onProgress?: (p: PoolProgress) => void;
+  /** Period of `onProgress`, ms. Default 1000. */
+  intervalMs?: number;
+}
+
 /** One calibration table: GB/s per segment size and path. */
 export interface CalibrationTable {
   direction: Direction;
@@ -146,6 +176,10 @@ export interface CalibrationTable {
   peak: number;
   /** GB/s per path per size (0 where the path is absent). */
   gbps: Record<Exclude<CopyPath, "auto">, number[]>;
+}
+
+function poolFlags(opts: PoolOptions): number {
+  return (opts.hugepages ? 1 : 0) | (opts.pretouch ? 2 : 0);
 }
 
 function u64(x: number | bigint): bigint {
@@ -235,14 +269,84 @@ export class Engine {
     check("pf_engine_set_dma_share", this.#pf.pf_engine_set_dma_share(this.handle, permille));
   }
 
-  /** Allocates a page-locked host pool of `bytes`. */
+  /** Allocates a page-locked host pool of `bytes` (blocks this thread meanwhile). */
   createPool(bytes: number | bigint, opts: PoolOptions = {}): Pool {
-    const flags = (opts.hugepages ? 1 : 0) | (opts.pretouch ? 2 : 0);
     const out = new Uint32Array(1);
     check(
       "pf_pool_create",
-      this.#pf.pf_pool_create(this.handle, u64(bytes), flags, opts.touchThreads ?? 0, out),
+      this.#pf.pf_pool_create(
+        this.handle,
+        u64(bytes),
+        poolFlags(opts),
+        opts.touchThreads ?? 0,
+        null,
+        out,
+      ),
     );
+    return new Pool(this.#pf, out[0]);
+  }
+
+  /**
+   * Allocates a pool off the JS thread and reports its progress on a timer
+   * (pre-touching tens of GiB takes seconds): the library counts touched
+   * bytes in two words this call owns, and `onProgress` reads them.
+   *
+   * @example
+   * ```ts
+   * const pool = await engine.createPoolAsync(12 << 30, { pretouch: true }, {
+   *   onProgress: (p) => console.log(p.phase, p.touchedBytes, "/", p.totalBytes),
+   * });
+   * ```
+   */
+  async createPoolAsync(
+    bytes: number | bigint,
+    opts: PoolOptions = {},
+    watch: PoolProgressOptions = {},
+  ): Promise<Pool> {
+    const out = new Uint32Array(1);
+    // pf_pool_progress: u64 touched_bytes, u32 phase, u32 reserved, char error[256].
+    // Written by the library while the call runs; referenced here until it returns.
+    const block = new Uint8Array(POOL_PROGRESS_BYTES);
+    const touched = new BigUint64Array(block.buffer, 0, 1);
+    const phase = new Uint32Array(block.buffer, 8, 1);
+    const total = Number(bytes);
+    const t0 = performance.now();
+    const timer = watch.onProgress
+      ? setInterval(() => {
+        // Finished, but the promise has not settled yet: nothing left to report.
+        if (POOL_PHASES[phase[0]] === "done") return;
+        watch.onProgress!({
+          backend: this.backend,
+          device: this.device,
+          phase: POOL_PHASES[phase[0]] ?? "map",
+          touchedBytes: Math.min(Number(touched[0]), total),
+          totalBytes: total,
+          elapsedMs: performance.now() - t0,
+        });
+      }, watch.intervalMs ?? 1000)
+      : undefined;
+    try {
+      const rc = await this.#pf.pf_pool_create_nonblocking(
+        this.handle,
+        u64(bytes),
+        poolFlags(opts),
+        opts.touchThreads ?? 0,
+        block,
+        out,
+      );
+      if (rc < 0) {
+        // The call ran on another thread: its error text comes back in the block.
+        const text = block.subarray(16);
+        const end = text.indexOf(0);
+        throw new NativeError(
+          "pf_pool_create",
+          rc,
+          DECODER.decode(text.subarray(0, end < 0 ? text.length : end)),
+        );
+      }
+    } finally {
+      if (timer !== undefined) clearInterval(timer);
+    }
     return new Pool(this.#pf, out[0]);
   }
 
@@ -513,7 +617,32 @@ export class SharedMemory {
     return new SharedMemory(pf, out[0], name, bytes);
   }
 
-  /** The whole mapping as bytes (zero-copy). */
+  /**
+   * Copies `dst.length` bytes at `offset` out of the object (whole u32 words
+   * when aligned). Guarded: a peer that shrank the object makes this throw
+   * `PF_EFAULT` instead of killing the process. Use it (not
+   * {@link SharedMemory.view}) on a peer's object.
+   */
+  read(offset: number, dst: Uint8Array): void {
+    check(
+      "pf_shm_read",
+      this.#pf.pf_shm_read(this.handle, BigInt(offset), dst, BigInt(dst.length)),
+    );
+  }
+
+  /** Copies `src` into the object at `offset`; guarded like {@link SharedMemory.read}. */
+  write(offset: number, src: Uint8Array): void {
+    check(
+      "pf_shm_write",
+      this.#pf.pf_shm_write(this.handle, BigInt(offset), src, BigInt(src.length)),
+    );
+  }
+
+  /**
+   * The whole mapping as bytes (zero-copy), for the process that owns the
+   * object. Unguarded: if another process shrinks the object, touching the
+   * view kills this process with SIGBUS.
+   */
   view(): Uint8Array {
     return new Uint8Array(Deno.UnsafePointerView.getArrayBuffer(this.#ptr, this.bytes));
   }

@@ -23,10 +23,22 @@ export const SYMBOLS = {
   pf_ring_create: { parameters: ["u32", "buffer"], result: "i32" },
   pf_ring_ptr: { parameters: ["u32"], result: "pointer" },
   pf_ring_wait: { parameters: ["u32", "u64", "i32"], result: "i64", nonblocking: true },
+  pf_ring_take_error: { parameters: ["u32", "u64", "buffer", "u32"], result: "i32" },
   pf_ring_shutdown: { parameters: ["u32"], result: "i32" },
   pf_ring_destroy: { parameters: ["u32"], result: "i32" },
 
-  pf_pool_create: { parameters: ["u32", "u64", "u32", "u32", "buffer"], result: "i32" },
+  pf_pool_create: {
+    parameters: ["u32", "u64", "u32", "u32", "buffer", "buffer"],
+    result: "i32",
+  },
+  // The same function run off the JS thread: a pool of tens of GiB takes
+  // seconds to pre-touch and lock, and the caller reports progress meanwhile.
+  pf_pool_create_nonblocking: {
+    name: "pf_pool_create",
+    parameters: ["u32", "u64", "u32", "u32", "buffer", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
   pf_pool_ptr: { parameters: ["u32"], result: "pointer" },
   pf_pool_info: { parameters: ["u32", "buffer"], result: "i32" },
   pf_pool_destroy: { parameters: ["u32"], result: "i32" },
@@ -49,8 +61,9 @@ export const SYMBOLS = {
 
   pf_shm_open: { parameters: ["buffer", "u64", "u32", "buffer"], result: "i32" },
   pf_shm_ptr: { parameters: ["u32"], result: "pointer" },
+  pf_shm_read: { parameters: ["u32", "u64", "buffer", "u64"], result: "i32" },
+  pf_shm_write: { parameters: ["u32", "u64", "buffer", "u64"], result: "i32" },
   pf_shm_close: { parameters: ["u32"], result: "i32" },
-
   // The io_uring section (SSD tier) has its own table in ffi/uring.ts.
 } as const satisfies Deno.ForeignLibraryInterface;
 
@@ -58,7 +71,7 @@ export const SYMBOLS = {
 export type PegaflowSymbols = Deno.DynamicLibrary<typeof SYMBOLS>["symbols"];
 
 /** The ABI version these bindings were written for (`PF_ABI_VERSION`). */
-export const EXPECTED_ABI_VERSION = 2;
+export const EXPECTED_ABI_VERSION = 3;
 
 let loaded: Deno.DynamicLibrary<typeof SYMBOLS> | undefined;
 

@@ -42,7 +42,13 @@ import {
   OFF_PROGRESS,
   STATE_REJECTED,
 } from "./load_state.ts";
-import type { BatchWriter, NativePort, RegionPort, ShmPort } from "./ports.ts";
+import {
+  type BatchWriter,
+  ClientMemoryFault,
+  type NativePort,
+  type RegionPort,
+  type ShmPort,
+} from "./ports.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
 
 export {
@@ -597,9 +603,20 @@ export class KvEngine {
           bytes = done.bytes;
           nativeNs = done.ns;
         } catch (e) {
-          this.#metrics?.saveFailed("copy_failed");
+          // The engine shrank its own region under the copy: its request fails
+          // (FAILED_PRECONDITION); any other native failure is ours (INTERNAL).
+          const fault = e instanceof ClientMemoryFault;
+          this.#metrics?.saveFailed(fault ? "client_memory_fault" : "copy_failed");
+          if (fault) {
+            this.#log.warn("save failed: client memory gone", {
+              instance: inst.id,
+              rank: rank.rank,
+              request: args.requestId || undefined,
+              error: (e as Error).message,
+            });
+          }
           throw new EngineError(
-            Code.INTERNAL,
+            fault ? Code.FAILED_PRECONDITION : Code.INTERNAL,
             `${who}: gather copy failed: ${(e as Error).message}`,
           );
         }
@@ -714,7 +731,11 @@ export class KvEngine {
     // The rank's layer count once known: a refusal then marks exactly that many layers done.
     let numLayers: number | undefined;
     try {
-      checkLoadState(shm.view, args.loadStateShm);
+      this.#loadStateOp(
+        () => checkLoadState(shm, args.loadStateShm),
+        `instance "${args.instanceId}"` + (args.requestId ? ` request "${args.requestId}"` : ""),
+        args.loadStateShm,
+      );
       const inst = this.#instance(args.instanceId, "Load");
       const rank = inst.rankCtx(args.tpRank, args.ppRank, "Load");
       numLayers = rank.layers.length;
@@ -735,10 +756,36 @@ export class KvEngine {
       if (out.status === "failed") throw out.error;
       throw new EngineError(Code.RESOURCE_EXHAUSTED, `load ${out.status} by the load queue`);
     } catch (e) {
-      failLoadState(shm.view, STATE_REJECTED, numLayers);
+      this.#failLoadState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
       throw e;
     } finally {
       if (!handedOff) this.#closeShm(shm, args.loadStateShm);
+    }
+  }
+
+  /**
+   * Runs a guarded access to an engine's load state; a block the engine has
+   * shrunk since it was opened fails the Load with FAILED_PRECONDITION.
+   */
+  #loadStateOp(fn: () => void, who: string, name: string): void {
+    try {
+      fn();
+    } catch (e) {
+      if (!(e instanceof ClientMemoryFault)) throw e;
+      throw precondition(`${who}: load state "${name}" is gone: ${e.message}`);
+    }
+  }
+
+  /** Best effort: a block the engine shrank cannot carry the failure any more. */
+  #failLoadState(shm: ShmPort, name: string, code: number, numLayers?: number): void {
+    try {
+      failLoadState(shm, code, numLayers);
+    } catch (e) {
+      if (!(e instanceof ClientMemoryFault)) throw e;
+      this.#log.warn("cannot mark load state failed: the engine shrank it", {
+        shm: name,
+        error: e.message,
+      });
     }
   }
 
@@ -802,9 +849,10 @@ export class KvEngine {
     if (view.blockCount === 0) {
       // Nothing to copy: this rank's share of the lease is consumed, the load is done.
       this.#store.loadDone(view);
-      completeLoadState(shm.view, rank.layers.length);
-      this.#closeShm(shm, args.loadStateShm);
       inst.end();
+      // A throw here leaves the block to load()'s refusal path (marked failed, then closed).
+      this.#loadStateOp(() => completeLoadState(shm, rank.layers.length), who, args.loadStateShm);
+      this.#closeShm(shm, args.loadStateShm);
       this.#log.debug("load done", {
         instance: inst.id,
         request: args.requestId || undefined,
@@ -814,7 +862,7 @@ export class KvEngine {
       return { numBlocks: 0, numLayers: rank.layers.length, bytes: 0, done: Promise.resolve() };
     }
     try {
-      armLoadState(shm.view, rank.layers.length);
+      this.#loadStateOp(() => armLoadState(shm, rank.layers.length), who, args.loadStateShm);
       const b = this.#loadBatch;
       let nSegs = 0;
       for (const l of rank.layers) nSegs += args.blockIds.length * l.geometry.numSegments;
@@ -871,7 +919,14 @@ export class KvEngine {
         }
       }
       const t0 = performance.now();
-      const copy = this.#native.submit(b);
+      let copy;
+      try {
+        copy = this.#native.submit(b);
+      } catch (e) {
+        // pf_copy_submit resets the progress words: a shrunk block fails it.
+        if (!(e instanceof ClientMemoryFault)) throw e;
+        throw precondition(`${who}: load state "${args.loadStateShm}" is gone: ${e.message}`);
+      }
       const tSubmitted = performance.now();
       const bytes = rank.layers.reduce((n, l) => n + l.slotBytes, 0) * args.blockIds.length;
       const done = copy.then(
@@ -895,8 +950,9 @@ export class KvEngine {
         (e) => {
           // The native layer writes a failed batch's state itself; this also covers
           // a failure it could not report there, so the engine never waits forever.
-          failLoadState(
-            shm.view,
+          this.#failLoadState(
+            shm,
+            args.loadStateShm,
             (e as { status?: number }).status ?? STATE_REJECTED,
             rank.layers.length,
           );
@@ -904,7 +960,9 @@ export class KvEngine {
           this.#log.warn("load copy failed", {
             request: args.requestId || undefined,
             instance: inst.id,
-            rank: rank.rank,
+            tp_rank: rank.tpRank,
+            pp_rank: rank.ppRank,
+            client_memory_fault: e instanceof ClientMemoryFault,
             error: (e as Error).message,
           });
         },

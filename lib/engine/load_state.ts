@@ -5,6 +5,10 @@
  * num_layers and resets the progress words before a load; the native copy
  * engine then writes layers_ready and state directly (batch progress words).
  *
+ * The engine side reads its own block through a DataView. The server side
+ * goes through {@link LoadStateAccess} (guarded native copies): the block
+ * belongs to another process that may shrink it at any moment.
+ *
  * @module
  */
 import { invalid } from "./errors.ts";
@@ -34,8 +38,17 @@ export function initLoadState(view: DataView): void {
   view.setUint32(OFF_VERSION, LOAD_STATE_VERSION, true);
 }
 
-/** Throws INVALID_ARGUMENT unless `view` holds a load-state header (server side). */
-export function checkLoadState(view: DataView, name: string): void {
+/** The server's guarded access to an engine's block (see ports.ts ShmPort). */
+export interface LoadStateAccess {
+  read(offset: number, dst: Uint8Array): void;
+  write(offset: number, src: Uint8Array): void;
+}
+
+/** Throws INVALID_ARGUMENT unless the block holds a load-state header (server side). */
+export function checkLoadState(shm: LoadStateAccess, name: string): void {
+  const head = new Uint8Array(8);
+  shm.read(OFF_MAGIC, head);
+  const view = new DataView(head.buffer);
   const magic = view.getUint32(OFF_MAGIC, true);
   const version = view.getUint32(OFF_VERSION, true);
   if (magic !== LOAD_STATE_MAGIC) {
@@ -51,47 +64,52 @@ export function checkLoadState(view: DataView, name: string): void {
 }
 
 /** Server side: announces the layer count and resets progress before submitting. */
-export function armLoadState(view: DataView, numLayers: number): void {
-  view.setUint32(OFF_NUM_LAYERS, numLayers, true);
-  view.setUint32(OFF_LAYERS_READY, 0, true);
-  view.setInt32(OFF_STATE, STATE_PENDING, true);
+export function armLoadState(shm: LoadStateAccess, numLayers: number): void {
+  // num_layers, layers_ready, state: three words, one guarded copy.
+  const words = new Uint8Array(OFF_STATE + 4 - OFF_NUM_LAYERS);
+  const view = new DataView(words.buffer);
+  view.setUint32(0, numLayers, true);
+  view.setUint32(OFF_LAYERS_READY - OFF_NUM_LAYERS, 0, true);
+  view.setInt32(OFF_STATE - OFF_NUM_LAYERS, STATE_PENDING, true);
+  shm.write(OFF_NUM_LAYERS, words);
 }
 
 /** num_layers / layers_ready written on a failure when the rank's layer count is unknown. */
 export const LAYERS_UNKNOWN = 0xffffffff;
 
+function u32(value: number): Uint8Array {
+  const word = new Uint8Array(4);
+  new DataView(word.buffer).setUint32(0, value >>> 0, true);
+  return word;
+}
+
 /**
  * Server side: marks a load failed (before or instead of the native layer
- * doing so). State first, then layers_ready = num_layers, so a waiter that
- * watches only layers_ready wakes up and then finds the failure in state.
+ * doing so). State first, then num_layers and layers_ready = num_layers, so a
+ * waiter that watches only layers_ready wakes up and then finds the failure in
+ * state (each write is its own guarded native copy, in program order).
  * `numLayers` is the rank's layer count, or undefined when the server does
  * not know the rank ({@link LAYERS_UNKNOWN} then goes into both words).
  */
 export function failLoadState(
-  view: DataView,
+  shm: LoadStateAccess,
   code: number = STATE_REJECTED,
   numLayers?: number,
 ): void {
-  view.setInt32(OFF_STATE, code, true);
+  shm.write(OFF_STATE, u32(code));
   const n = numLayers ?? LAYERS_UNKNOWN;
-  view.setUint32(OFF_NUM_LAYERS, n, true);
-  // A DataView store is not an atomic release; the fence makes the state store
-  // visible before layers_ready to a reader in another process.
-  Atomics.store(new Int32Array(view.buffer, view.byteOffset + OFF_LAYERS_READY, 1), 0, n | 0);
+  shm.write(OFF_NUM_LAYERS, u32(n));
+  shm.write(OFF_LAYERS_READY, u32(n));
 }
 
 /**
  * Server side: a Load with zero targets is done at once: every layer "ready",
  * state ok (the same words a finished copy leaves).
  */
-export function completeLoadState(view: DataView, numLayers: number): void {
-  view.setUint32(OFF_NUM_LAYERS, numLayers, true);
-  view.setInt32(OFF_STATE, STATE_OK, true);
-  Atomics.store(
-    new Int32Array(view.buffer, view.byteOffset + OFF_LAYERS_READY, 1),
-    0,
-    numLayers | 0,
-  );
+export function completeLoadState(shm: LoadStateAccess, numLayers: number): void {
+  shm.write(OFF_NUM_LAYERS, u32(numLayers));
+  shm.write(OFF_STATE, u32(STATE_OK));
+  shm.write(OFF_LAYERS_READY, u32(numLayers));
 }
 
 /** Engine side: a snapshot of the words. */

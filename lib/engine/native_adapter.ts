@@ -6,15 +6,24 @@
  *
  * @module
  */
-import { CopyBatch, CopyEngine, type CopyPath, SharedMemory } from "../../ffi/mod.ts";
+import {
+  CopyBatch,
+  CopyEngine,
+  type CopyPath,
+  NativeError,
+  PF_STATUS,
+  type PoolProgress,
+  SharedMemory,
+} from "../../ffi/mod.ts";
 import type { Logger } from "../log.ts";
-import type {
-  BatchWriter,
-  CopyDirection,
-  CopyDone,
-  NativePort,
-  RegionPort,
-  ShmPort,
+import {
+  type BatchWriter,
+  ClientMemoryFault,
+  type CopyDirection,
+  type CopyDone,
+  type NativePort,
+  type RegionPort,
+  type ShmPort,
 } from "./ports.ts";
 
 /** A copy batch that ended with a native error; `status` is the PF_E* code. */
@@ -27,6 +36,35 @@ export class CopyFailed extends Error {
   }
 }
 
+/** Runs a native call; a fault on client memory becomes a {@link ClientMemoryFault}. */
+function guarded<T>(fn: () => T): T {
+  try {
+    return fn();
+  } catch (e) {
+    if (e instanceof NativeError && e.code === PF_STATUS.PF_EFAULT) {
+      throw new ClientMemoryFault(e.code, e.message);
+    }
+    throw e;
+  }
+}
+
+const GIB = 1 << 30;
+
+/** One "pool creation" log line's fields: how far, how fast, which device. */
+function progressFields(p: PoolProgress) {
+  const secs = p.elapsedMs / 1000;
+  return {
+    backend: p.backend,
+    device: p.device,
+    phase: p.phase,
+    touched_bytes: p.touchedBytes,
+    total_bytes: p.totalBytes,
+    percent: p.totalBytes ? Math.floor((100 * p.touchedBytes) / p.totalBytes) : 0,
+    gib_per_s: secs > 0 ? Math.round((p.touchedBytes / GIB / secs) * 100) / 100 : 0,
+    elapsed_ms: Math.round(p.elapsedMs),
+  };
+}
+
 /** Options of {@link openNative}. */
 export interface NativeOptions {
   backend: "auto" | "cuda" | "host";
@@ -34,6 +72,8 @@ export interface NativeOptions {
   poolBytes: number;
   useHugepages: boolean;
   transferPath: "auto" | "kernel" | "dma";
+  /** Period of the pool-creation progress log lines, ms (default 1000). */
+  poolProgressMs?: number;
 }
 
 /** First descriptor capacity; grows by doubling. */
@@ -96,24 +136,36 @@ class GrowingBatch implements BatchWriter {
 }
 
 /**
- * Opens the native side for the server.
+ * Opens the native side for the server. The pool is created off the JS
+ * thread: pre-touching tens of GiB takes seconds, and a progress line
+ * ("pool creation progress") is logged every `poolProgressMs` meanwhile so an
+ * operator sees the server is alive and how far it got.
  *
  * @example
  * ```ts
- * const native = openNative({ backend: "host", device: 0, poolBytes: 1 << 30,
+ * const native = await openNative({ backend: "host", device: 0, poolBytes: 1 << 30,
  *   useHugepages: false, transferPath: "auto" }, log);
  * ```
  */
-export function openNative(
+export async function openNative(
   opts: NativeOptions,
   log: Logger,
-): NativePort & { copyEngine: CopyEngine } {
-  const ce = CopyEngine.open({
+): Promise<NativePort & { copyEngine: CopyEngine }> {
+  log.info("creating pinned pool", {
+    backend: opts.backend,
+    device: opts.device,
+    pool_bytes: opts.poolBytes,
+    hugepages: opts.useHugepages,
+  });
+  const ce = await CopyEngine.openAsync({
     backend: opts.backend,
     device: opts.device,
     poolBytes: opts.poolBytes,
     hugepages: opts.useHugepages,
     pretouch: true,
+  }, {
+    intervalMs: opts.poolProgressMs ?? 1000,
+    onProgress: (p) => log.info("pool creation progress", progressFields(p)),
   });
   const path: CopyPath = opts.transferPath === "kernel"
     ? "kernel"
@@ -141,11 +193,13 @@ export function openNative(
       return { handle: r.id, close: () => r.close() };
     },
     openShm(name: string, bytes: number): ShmPort {
+      // The engine owns this object and may shrink it at any time: only the
+      // guarded read/write touch it, never a view.
       const shm = SharedMemory.open(name, bytes);
-      const u8 = shm.view();
       return {
         handle: shm.handle,
-        view: new DataView(u8.buffer, u8.byteOffset, u8.byteLength),
+        read: (off, dst) => guarded(() => shm.read(off, dst)),
+        write: (off, src) => guarded(() => shm.write(off, src)),
         close: () => shm.close(),
       };
     },
@@ -158,10 +212,16 @@ export function openNative(
     submit(b: BatchWriter): Promise<CopyDone> {
       const gb = b as GrowingBatch;
       gb.flush();
-      const sub = ce.submit(gb.batch);
+      const sub = guarded(() => ce.submit(gb.batch));
       return sub.done.then((r) => {
+        if (r.status === PF_STATUS.PF_EFAULT) {
+          throw new ClientMemoryFault(r.status, r.error ?? "client memory faulted");
+        }
         if (r.status !== 0) {
-          throw new CopyFailed(r.status, `copy batch failed with native status ${r.status}`);
+          throw new CopyFailed(
+            r.status,
+            r.error ?? `copy batch failed with native status ${r.status}`,
+          );
         }
         return { bytes: r.bytes, ns: r.ns };
       });

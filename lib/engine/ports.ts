@@ -7,6 +7,23 @@
  * @module
  */
 
+/**
+ * The client's shared memory vanished under a native access: the engine
+ * shrank (ftruncate) a host region or its load-state block after the server
+ * mapped it. Only the request that touched it fails; the server and every
+ * other engine carry on. The message is the native layer's (region or shm
+ * name, layer, offset); the engine adds instance, rank and request id.
+ */
+export class ClientMemoryFault extends Error {
+  /** The native status (PF_EFAULT), also what a failed load state reports. */
+  readonly status: number;
+  constructor(status: number, message: string) {
+    super(message);
+    this.name = "ClientMemoryFault";
+    this.status = status;
+  }
+}
+
 /** A client's KV region mapped into the server (CUDA IPC or host shm). */
 export interface RegionPort {
   /** Native handle (u32), for batch groups. */
@@ -15,11 +32,18 @@ export interface RegionPort {
   close(): void;
 }
 
-/** A small shared-memory control block (the engine's load state). */
+/**
+ * A small shared-memory control block the ENGINE owns (its load state). The
+ * engine can shrink it at any time, so the server reaches it only through
+ * guarded copies: a shrunk block makes these throw (native PF_EFAULT), it
+ * never crashes the server.
+ */
 export interface ShmPort {
   readonly handle: number;
-  /** The mapped bytes (read/write). */
-  readonly view: DataView;
+  /** Copies bytes at `offset` into `dst`. */
+  read(offset: number, dst: Uint8Array): void;
+  /** Copies `src` to `offset` (aligned u32 words land whole). */
+  write(offset: number, src: Uint8Array): void;
   close(): void;
 }
 
@@ -59,8 +83,9 @@ export interface NativePort {
   /**
    * Submits the batch as written. Throws synchronously when the library
    * refuses the batch (nothing was copied); otherwise resolves when the whole
-   * batch has landed and rejects when it failed. The writer may be reset right
-   * after this returns (the descriptor is copied at submit).
+   * batch has landed and rejects when it failed. Either way a fault on the
+   * client's memory is a {@link ClientMemoryFault}. The writer may be reset
+   * right after this returns (the descriptor is copied at submit).
    */
   submit(batch: BatchWriter): Promise<CopyDone>;
   /** Waits for in-flight copies, then frees ring, pool and engine. */

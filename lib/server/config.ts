@@ -30,6 +30,8 @@ export interface ServeConfig {
   /** Typical block value size; sizes the allocator's unit (0 = default). */
   hintValueSize: number;
   useHugepages: boolean;
+  /** Period of the pool-creation progress log lines, ms. */
+  poolProgressMs: number;
   enableLfuAdmission: boolean;
   transferPath: "auto" | "kernel" | "dma";
   logLevel: LogLevel;
@@ -53,6 +55,8 @@ export const DEFAULT_ADDR = "127.0.0.1:50055";
 export const DEFAULT_POOL_SIZE = "30gb";
 /** 64 MiB: a Save of 10K tokens × 32 layers of hashes and ids fits with room to spare. */
 export const DEFAULT_MAX_MESSAGE = "64mb";
+/** A start-up that pre-touches tens of GiB says it is alive once a second. */
+export const DEFAULT_POOL_PROGRESS_MS = 1000;
 /** Leases expire after 10 minutes unless consumed or released. */
 export const DEFAULT_LEASE_TTL_MS = 600_000;
 
@@ -142,6 +146,14 @@ export function serveCommand(): Command {
     )
     .addOption(
       envOption(
+        "--pool-progress-ms <ms>",
+        "log pool pre-touch progress this often while the pool is created",
+        "POOL_PROGRESS_MS",
+      )
+        .default(DEFAULT_POOL_PROGRESS_MS).argParser(intArg("--pool-progress-ms", 1)),
+    )
+    .addOption(
+      envOption(
         "--enable-lfu-admission [bool]",
         "TinyLFU admission in front of the LRU",
         "ENABLE_LFU_ADMISSION",
@@ -227,6 +239,7 @@ export function parseServeArgs(argv: string[]): ParseResult {
       poolSizeDefaulted: cmd.getOptionValueSource("poolSize") === "default",
       hintValueSize: o.hintValueSize,
       useHugepages: o.useHugepages,
+      poolProgressMs: o.poolProgressMs,
       enableLfuAdmission: o.enableLfuAdmission,
       transferPath: o.transferPath,
       logLevel: o.logLevel,

@@ -94,12 +94,13 @@ export async function startServer(
       serving: cfg.devices[0],
     });
   }
-  const native = openNative({
+  const native = await openNative({
     backend: cfg.backend,
     device: cfg.devices[0],
     poolBytes: cap.bytes,
     useHugepages: cfg.useHugepages,
     transferPath: cfg.transferPath,
+    poolProgressMs: cfg.poolProgressMs,
   }, log);
   log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
   const unitBytes = allocationUnit(cfg.hintValueSize);

@@ -17,8 +17,8 @@ import { LoadState, STATE_OK } from "../../lib/client/load_state.ts";
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const silent = new Logger("error", {}, () => {});
 
-function setup(opts: { saveConcurrency: number; saveQueueDepth: number }) {
-  const native = openNative({
+async function setup(opts: { saveConcurrency: number; saveQueueDepth: number }) {
+  const native = await openNative({
     backend: "host",
     device: 0,
     poolBytes: 64 << 20,
@@ -82,7 +82,7 @@ function saveArgs(sim: SimEngine, seed: number) {
 }
 
 Deno.test("a full save queue refuses with RESOURCE_EXHAUSTED instead of parking the request", async () => {
-  const { engine, sim, teardown } = setup({ saveConcurrency: 1, saveQueueDepth: 1 });
+  const { engine, sim, teardown } = await setup({ saveConcurrency: 1, saveQueueDepth: 1 });
   try {
     const args = [1, 2, 3, 4].map((s) => saveArgs(sim, s));
     // Submitted in one turn: 1 copying, 1 queued, 2 refused.
@@ -107,7 +107,7 @@ Deno.test("a full save queue refuses with RESOURCE_EXHAUSTED instead of parking 
 });
 
 Deno.test("cleanup fences new work and drains in-flight saves before unmapping", async () => {
-  const { engine, store, sim, teardown } = setup({ saveConcurrency: 2, saveQueueDepth: 4 });
+  const { engine, store, sim, teardown } = await setup({ saveConcurrency: 2, saveQueueDepth: 4 });
   try {
     const a = engine.save(saveArgs(sim, 10));
     // What the store holds at the moment cleanup finishes: the drained save has sealed its blocks by then.
@@ -130,7 +130,7 @@ Deno.test("cleanup fences new work and drains in-flight saves before unmapping",
 });
 
 Deno.test("a load spanning two saves into targets with gaps lands byte-exact (runs split where pool or target breaks)", async () => {
-  const { engine, sim, teardown } = setup({ saveConcurrency: 2, saveQueueDepth: 4 });
+  const { engine, sim, teardown } = await setup({ saveConcurrency: 2, saveQueueDepth: 4 });
   const st = LoadState.create();
   try {
     const hashes = chainedBlockHashes(syntheticTokens(77, 16 * 16), 16);
