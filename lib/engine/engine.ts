@@ -39,6 +39,7 @@ import {
 } from "./load_state.ts";
 import type { BatchWriter, NativePort, RegionPort, ShmPort } from "./ports.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
+import { type LayoutIdentity, layoutIdentity } from "../storage/layout.ts";
 
 export {
   MAX_HASH_BYTES,
@@ -95,11 +96,15 @@ export interface EngineMetrics {
 }
 
 /**
- * The SSD tier's query hook (implemented by lib/ssd/kv_bridge.ts): a query
- * whose prefix continues on SSD starts (or polls) a prefetch and is answered
- * "loading". (Write-behind subscribes through {@link KvEngine.onSealed}.)
+ * The SSD tier's hooks (implemented by lib/ssd/kv_bridge.ts): a query whose
+ * prefix continues on SSD starts (or polls) a prefetch and is answered
+ * "loading"; a registration is checked against the layouts the SSD holds
+ * for its namespace (they outlive a restart, RAM does not).
+ * (Write-behind subscribes through {@link KvEngine.onSealed}.)
  */
 export interface SsdHook {
+  /** Layouts the SSD holds blocks of under `namespace`, with block counts. */
+  storedLayouts(namespace: string): readonly (LayoutIdentity & { blocks: number })[];
   /** True: answer "loading" (a prefetch for this request id is running). */
   beforeQuery(
     namespace: string,
@@ -379,7 +384,20 @@ export class KvEngine {
       const sig = inst.signature();
       const lay = this.#layouts.get(inst.namespace);
       let bindError: Error | undefined;
-      if (!lay || lay.layers.size === inst.layerNames.length) {
+      const identity = layoutIdentity(inst.layoutDescription());
+      // One layout per namespace across restarts: blocks on SSD were cut by the
+      // layout that wrote them, and a restart forgets only the RAM binding.
+      const stored = this.#ssd?.storedLayouts(inst.namespace) ?? [];
+      if (stored.length > 0 && !stored.some((l) => l.fingerprint === identity.fingerprint)) {
+        const have = stored.map((l) =>
+          `${l.summary} (fingerprint ${l.fingerprint}, ${l.blocks} blocks)`
+        ).join("; ");
+        bindError = new Error(
+          `namespace "${inst.namespace}" is stored on SSD with layout ${have}; this instance ` +
+            `offers ${identity.summary} (fingerprint ${identity.fingerprint}); one layout per ` +
+            `namespace: use a namespace per layout, or start the server with --ssd-reset`,
+        );
+      } else if (!lay || lay.layers.size === inst.layerNames.length) {
         try {
           this.#store.defineNamespace(inst.namespace, {
             layers: inst.layerNames.length,
@@ -387,6 +405,7 @@ export class KvEngine {
             collapseTp: false,
             segments: layers[0].geometry.numSegments,
             segmentBytes: layers[0].geometry.segBytes,
+            identity,
           });
         } catch (e) {
           bindError = e as Error;
