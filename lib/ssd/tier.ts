@@ -551,7 +551,8 @@ export class SsdTier {
         if (!reset && info.sizeBytes >= PAGE_BYTES) {
           const sb = await SsdTier.#readSuper(io, handle);
           if (typeof sb === "string") {
-            log("warn", `${path}: ${sb}; starting this file empty`);
+            // An older format is never misread: its records are dropped with the generation.
+            log("warn", `${path}: ${sb}; its records are not read: starting this file empty`);
           } else if (sb.segmentBytes !== opts.segmentBytes) {
             log(
               "warn",

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { KvStore } from "../../lib/storage/store.ts";
 import { SsdKvBridge } from "../../lib/ssd/kv_bridge.ts";
-import { FP, harness } from "./_harness.ts";
+import { harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const NS = "0123456789abcdef";
