@@ -111,7 +111,7 @@ export interface SsdTierOptions {
   prefetchQueueDepth?: number;
   /** `--ssd-prefetch-inflight`: prefetch reads in flight. Default 8. */
   prefetchInflight?: number;
-  /** `--max-prefetch-blocks`: blocks held in the pool by prefetches at once. Default 4096. */
+  /** `--max-prefetch-blocks`: blocks being read by prefetches at once. Default 4096. */
   maxPrefetchBlocks?: number;
   /** io_uring entries (power of two). */
   ioDepth?: number;
