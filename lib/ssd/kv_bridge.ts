@@ -27,7 +27,7 @@ import { rankSlots } from "../storage/block.ts";
 import type { BlockHash } from "../storage/keys.ts";
 import { blockKey } from "../storage/keys.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
-import { blockLayoutIdentity } from "../storage/layout.ts";
+import { blockLayoutIdentity, type LayoutIdentity } from "../storage/layout.ts";
 import type { PoolExtent } from "./io.ts";
 import type { PrefetchAllocation, SsdLog, SsdTier, SsdWriteBlock, StoredLayout } from "./tier.ts";
 
@@ -74,15 +74,22 @@ export class SsdKvBridge {
   onSealed(sealedKeys: readonly string[]): void {
     if (sealedKeys.length === 0) return;
     const blocks: SsdWriteBlock[] = [];
+    // One namespace per batch in practice: its identity is looked up once, not per block.
+    let ns = "";
+    let identity: LayoutIdentity | undefined;
     for (const key of sealedKeys) {
       const { namespace, hex } = splitKey(key);
-      const layout = this.store.layoutOf(namespace);
-      if (!layout) continue; // sealed blocks always have a namespace; nothing to write otherwise
+      if (namespace !== ns || !identity) {
+        const layout = this.store.layoutOf(namespace);
+        if (!layout) continue; // sealed blocks always have a namespace; nothing to write otherwise
+        ns = namespace;
+        identity = blockLayoutIdentity(layout);
+      }
       let lockId: string | undefined;
       blocks.push({
         key,
         namespace,
-        layout: blockLayoutIdentity(layout),
+        layout: identity,
         acquire: () => {
           const lock = this.store.lockForTransfer(namespace, [hex], SSD_WRITER);
           if (!lock) return null; // evicted since it was sealed

@@ -824,7 +824,6 @@ export class SsdTier {
     allocate: PrefetchAllocator,
     layout: string,
   ): PrefetchAnswer {
-    this.#expire();
     const existing = this.#requests.get(reqId);
     if (existing) {
       if (existing.jobs.some((j) => !j.done)) return { state: "loading" };
@@ -904,6 +903,9 @@ export class SsdTier {
         }
       }
     }
+    // Swept here too (not only by the timer) so the table stays bounded under a burst;
+    // not on the miss paths above, which every cold query takes.
+    this.#expire();
     this.#requests.set(reqId, { jobs });
     return { state: "loading" };
   }

@@ -135,9 +135,11 @@ Deno.test("a prefetch nobody polls again still commits its blocks, and is forgot
     assert.equal(tier.stats().prefetchReservedBlocks, 0);
     await new Promise((r) => setTimeout(r, 5));
     assert.equal(tier.prefetch("other", ["ns/none"], alloc, FP).state, "miss");
+    assert.equal(tier.prefetch("next", ["ns/t"], alloc, FP).state, "loading");
     assert.equal(tier.stats().prefetchExpired, 1);
     assert.equal(tier.hasPrefetch("abandoned"), false);
     assert.equal(alloc.freed, 0, "nothing to free: the block is an ordinary cached block");
+    await tier.prefetchSettled("next");
   } finally {
     await tier.close();
     await h.close();
