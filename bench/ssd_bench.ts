@@ -6,7 +6,8 @@
  */
 import { Engine } from "../ffi/native.ts";
 import { CompletionRing } from "../ffi/ring.ts";
-import { SsdTier } from "../lib/ssd/tier.ts";
+import { type PrefetchWant, SsdTier } from "../lib/ssd/tier.ts";
+import { layoutIdentity } from "../lib/storage/layout.ts";
 import { runOurs } from "./ssd_lib.ts";
 
 const MiB = 1 << 20;
@@ -42,6 +43,14 @@ const tier = await SsdTier.open({
   segmentBytes: 64 * MiB,
   log: () => {},
 });
+/** The layout the benchmark's blocks are written and read under. */
+const BENCH_LAYOUT = layoutIdentity({
+  tpSize: 1,
+  ppSize: 1,
+  collapseTp: false,
+  layers: [{ name: "bench", segBytes: 2 * 1024 * 1024, numSegments: 1 }],
+});
+const FP = BENCH_LAYOUT.fingerprint;
 let round = 0;
 Deno.bench({
   name: "tier: write-behind then verified prefetch of 16 × 2 MiB blocks",
@@ -53,18 +62,25 @@ Deno.bench({
     round++;
     tier.enqueueWrite(keys.map((key, i) => ({
       key,
+      namespace: "bench",
+      layout: BENCH_LAYOUT,
       acquire: () => [{ offset: i * 2 * MiB, bytes: 2 * MiB }],
       release: () => {},
     })));
     await tier.flushWrites();
     let at = 64 * MiB;
-    const alloc = (sizes: number[]) =>
-      sizes.map((n) => ({ extents: [{ offset: (at += n) - n, bytes: n }], free: () => {} }));
-    tier.prefetch("b", keys, alloc);
+    let committed = 0;
+    const alloc = (wanted: readonly PrefetchWant[]) =>
+      wanted.map(({ payloadBytes: n }) => ({
+        extents: [{ offset: (at += n) - n, bytes: n }],
+        free: () => {},
+        commit: () => committed++,
+      }));
+    tier.prefetch("b", keys, alloc, FP);
     await tier.prefetchSettled("b");
-    const r = tier.prefetch("b", keys, alloc);
-    if (r.state !== "ready" || r.blocks.length !== 16) {
-      throw new Error(`prefetch returned ${r.state}`);
+    const r = tier.prefetch("b", keys, alloc, FP);
+    if (r.state !== "ready" || committed !== 16) {
+      throw new Error(`prefetch returned ${r.state} with ${committed} blocks`);
     }
   },
 });

@@ -18,7 +18,8 @@
 import { Engine } from "../ffi/native.ts";
 import { CompletionRing } from "../ffi/ring.ts";
 import { fsSpace } from "../ffi/uring.ts";
-import { SsdTier } from "../lib/ssd/tier.ts";
+import { type PrefetchWant, SsdTier } from "../lib/ssd/tier.ts";
+import { layoutIdentity } from "../lib/storage/layout.ts";
 import { fioArgs, type Measured, type Point, runFio, runOurs } from "./ssd_lib.ts";
 
 const MiB = 1 << 20;
@@ -28,6 +29,14 @@ const prefixBlocks = Number(Deno.env.get("SSD_BENCH_PREFIX_BLOCKS") ?? 625);
 const quick = Deno.env.get("SSD_BENCH_QUICK") === "1";
 /** Runs per point per engine, alternating ours/fio; the median is reported (shared disk: noisy). */
 const repeat = Number(Deno.env.get("SSD_BENCH_REPEAT") ?? 3);
+/** The layout the benchmark's blocks are written and read under. */
+const BENCH_LAYOUT = layoutIdentity({
+  tpSize: 1,
+  ppSize: 1,
+  collapseTp: false,
+  layers: [{ name: "bench", segBytes: LLAMA_BLOCK_BYTES, numSegments: 1 }],
+});
+const FP = BENCH_LAYOUT.fingerprint;
 const root = decodeURIComponent(new URL("./results/", import.meta.url).pathname);
 await Deno.mkdir(`${root}tmp`, { recursive: true });
 const dir = Deno.env.get("SSD_BENCH_DIR") ??
@@ -158,6 +167,8 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
     const tw = performance.now();
     tier.enqueueWrite(keys.map((key, i) => ({
       key,
+      namespace: "bench",
+      layout: BENCH_LAYOUT,
       acquire: () => [{ offset: i * LLAMA_BLOCK_BYTES, bytes: LLAMA_BLOCK_BYTES }],
       release: () => {},
     })));
@@ -165,11 +176,12 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
     const writeSecs = (performance.now() - tw) / 1000;
     view.fill(0, 0, Math.min(prefixBytes, 64 * MiB));
     let at = 0;
-    const alloc = (sizes: number[]) =>
-      sizes.map((n) => {
+    let committed = 0;
+    const alloc = (wanted: readonly PrefetchWant[]) =>
+      wanted.map(({ payloadBytes: n }) => {
         const off = at;
         at += n;
-        return { extents: [{ offset: off, bytes: n }], free: () => {} };
+        return { extents: [{ offset: off, bytes: n }], free: () => {}, commit: () => committed++ };
       });
     const file = tier.files[0].path;
     // Alternate tier reads and fio reads of the same file; report medians.
@@ -177,12 +189,13 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
     let served = 0;
     for (let r = 0; r < repeat; r++) {
       at = 0;
+      committed = 0;
       const tr = performance.now();
-      tier.prefetch(`bench-${r}`, keys, alloc);
+      tier.prefetch(`bench-${r}`, keys, alloc, FP);
       await tier.prefetchSettled(`bench-${r}`);
       reads.push((performance.now() - tr) / 1000);
-      const got = tier.prefetch(`bench-${r}`, keys, alloc);
-      served = got.state === "ready" ? got.blocks.length : 0;
+      const got = tier.prefetch(`bench-${r}`, keys, alloc, FP);
+      served = got.state === "ready" ? committed : 0;
       // The disk's own rate on the same file: fio, 2 MiB sequential reads, QD 32, O_DIRECT.
       const f = await runFio(file, prefixBytes, {
         op: "read",

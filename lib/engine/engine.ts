@@ -50,6 +50,7 @@ import {
   type ShmPort,
 } from "./ports.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
+import { type LayoutIdentity, layoutIdentity } from "../storage/layout.ts";
 
 export {
   MAX_HASH_BYTES,
@@ -108,11 +109,15 @@ export interface EngineMetrics {
 }
 
 /**
- * The SSD tier's query hook (implemented by lib/ssd/kv_bridge.ts): a query
- * whose prefix continues on SSD starts (or polls) a prefetch and is answered
- * "loading". (Write-behind subscribes through {@link KvEngine.onSealed}.)
+ * The SSD tier's hooks (implemented by lib/ssd/kv_bridge.ts): a query whose
+ * prefix continues on SSD starts (or polls) a prefetch and is answered
+ * "loading"; a registration is checked against the layouts the SSD holds
+ * for its namespace (they outlive a restart, RAM does not).
+ * (Write-behind subscribes through {@link KvEngine.onSealed}.)
  */
 export interface SsdHook {
+  /** Layouts the SSD holds blocks of under `namespace`, with block counts. */
+  storedLayouts(namespace: string): readonly (LayoutIdentity & { blocks: number })[];
   /** True: answer "loading" (a prefetch for this request id is running). */
   beforeQuery(
     namespace: string,
@@ -375,16 +380,31 @@ export class KvEngine {
       // Every stage of this instance registered, so every stage order is fixed.
       inst.seal(globalOrder(layout)!);
       try {
+        const identity = layoutIdentity(inst.layoutDescription());
+        // One layout per namespace across restarts: blocks on SSD were cut by the
+        // layout that wrote them, and a restart forgets only the RAM binding.
+        const stored = this.#ssd?.storedLayouts(inst.namespace) ?? [];
+        if (stored.length > 0 && !stored.some((l) => l.fingerprint === identity.fingerprint)) {
+          const have = stored.map((l) =>
+            `${l.summary} (fingerprint ${l.fingerprint}, ${l.blocks} blocks)`
+          ).join("; ");
+          throw new Error(
+            `namespace "${inst.namespace}" is stored on SSD with layout ${have}; this instance ` +
+              `offers ${identity.summary} (fingerprint ${identity.fingerprint}); one layout per ` +
+              `namespace: use a namespace per layout, or start the server with --ssd-reset`,
+          );
+        }
         this.#store.defineNamespace(inst.namespace, {
           layers: inst.layerNames.length,
           tpSize: inst.tpSize,
           collapseTp: false,
           segments: claim.numSegments,
           segmentBytes: claim.segBytes,
+          identity,
         });
       } catch (e) {
-        // The store still holds this namespace under another shape (blocks saved
-        // before every engine of it left): roll this rank back whole.
+        // The SSD or the store still holds this namespace under another layout
+        // (blocks saved before every engine of it left): roll this rank back whole.
         inst.ranks.delete(rankCtx.rank);
         inst.unseal();
         if (created) this.#instances.delete(inst.id);

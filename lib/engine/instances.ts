@@ -14,6 +14,7 @@
 import { Code, EngineError, precondition } from "./errors.ts";
 import { type Geometry, slotBytes } from "./geometry.ts";
 import type { RegionPort } from "./ports.ts";
+import type { LayoutDescription } from "../storage/layout.ts";
 
 /** One layer of one rank. */
 export interface LayerCtx {
@@ -98,6 +99,27 @@ export class Instance {
   drain(): Promise<void> {
     if (this.#inflight === 0) return Promise.resolve();
     return new Promise((resolve) => this.#drainWaiters.push(resolve));
+  }
+
+  /**
+   * How this instance cuts a block's bytes, layers in slot (layer id) order:
+   * the input of the namespace's layout fingerprint (lib/storage/layout.ts).
+   * Call after {@link seal}.
+   */
+  layoutDescription(): LayoutDescription {
+    const geometry = new Map<string, Geometry>();
+    for (const r of this.ranks.values()) {
+      for (const l of r.layers) if (!geometry.has(l.name)) geometry.set(l.name, l.geometry);
+    }
+    return {
+      tpSize: this.tpSize,
+      ppSize: this.ppSize,
+      collapseTp: false,
+      layers: this.layerNames.map((name) => {
+        const g = geometry.get(name)!;
+        return { name, segBytes: g.segBytes, numSegments: g.numSegments };
+      }),
+    };
   }
 
   /** Assigns layer ids once every rank is in; `order` is the namespace's global layer order. */

@@ -143,8 +143,14 @@ export async function startServer(
         recovered_blocks: ssd.recovery.blocks,
       });
     } catch (e) {
+      if (!(e instanceof SsdOpenError)) {
+        // E.g. SsdLockedError: another server holds the cache file. Not starting at all
+        // beats serving beside it; free what was opened so an embedder can retry.
+        clearInterval(collector);
+        await native.close();
+        throw e;
+      }
       // The RAM tier serves without it; the reason names the path.
-      if (!(e instanceof SsdOpenError)) throw e;
       log.error("SSD tier disabled", { error: e.message });
     }
   }

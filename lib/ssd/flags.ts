@@ -89,7 +89,7 @@ export function ssdOptions(): Option[] {
       .default(8).argParser(positiveInt("--ssd-prefetch-inflight")),
     envOption(
       "--max-prefetch-blocks <n>",
-      "blocks held in the pool by prefetches at once",
+      "blocks being read from SSD by prefetches at once",
       "MAX_PREFETCH_BLOCKS",
     )
       .default(4096).argParser(positiveInt("--max-prefetch-blocks")),

@@ -20,7 +20,19 @@
  * | 40  | u64  | record length on disk (header + padded payload) |
  * | 48  | u64  | write time, ms since the epoch |
  * | 56  | u64  | generation of the file (from its superblock) |
- * | 64  | ...  | key (UTF-8) |
+ * | 64  | 16 B | layout fingerprint of the block's namespace (lib/storage/layout.ts) |
+ * | 80  | u16  | namespace length in bytes |
+ * | 82  | u16  | layout summary length in bytes |
+ * | 84  | 12 B | reserved, zero |
+ * | 96  | ...  | key, then namespace, then layout summary (UTF-8) |
+ *
+ * The header CRC covers [0, 96 + key + namespace + summary lengths).
+ *
+ * The layout fingerprint makes the one-layout-per-namespace rule survive a
+ * restart: the index rebuilt from these headers knows which layout wrote
+ * each block, a block is served only to that layout, and a registration of
+ * another layout under a namespace the disk holds is refused. Version 1
+ * records carried no layout; a version 1 file is started empty, never read.
  *
  * The generation ties records to one life of the file: `--ssd-reset` (or a
  * changed geometry) writes a new superblock generation, so records left from
@@ -38,13 +50,20 @@ export const RECORD_MAGIC = 0x43524650;
 /** `PFSB`: a cache file's superblock. */
 export const SUPER_MAGIC = 0x42534650;
 /** Bumped on any incompatible layout change; older versions are reset, not misread. */
-export const FORMAT_VERSION = 1;
+export const FORMAT_VERSION = 2;
 /** Header page and record alignment: 4 KiB covers every device's O_DIRECT alignment. */
 export const PAGE_BYTES = 4096;
 /** Fixed part of a header before the key. */
-export const HEADER_FIXED_BYTES = 64;
-/** Longest key a header can carry. */
-export const MAX_KEY_BYTES = PAGE_BYTES - HEADER_FIXED_BYTES;
+export const HEADER_FIXED_BYTES = 96;
+/** Bytes of a stored layout fingerprint. */
+export const LAYOUT_FINGERPRINT_BYTES = 16;
+/** Longest layout summary kept in a header (longer ones are cut: it is for messages only). */
+export const MAX_LAYOUT_SUMMARY_BYTES = 512;
+/** Longest namespace a header carries. */
+export const MAX_NAMESPACE_BYTES = 256;
+/** Longest key a header can carry (next to the longest namespace and summary). */
+export const MAX_KEY_BYTES = PAGE_BYTES - HEADER_FIXED_BYTES - MAX_NAMESPACE_BYTES -
+  MAX_LAYOUT_SUMMARY_BYTES;
 
 // ---- CRC32C (Castagnoli), table-driven; same values as csrc/pf_crc32c.c ----
 const CRC_TABLE = (() => {
@@ -92,6 +111,12 @@ export interface RecordHeader {
   recordBytes: number;
   writtenAtMs: number;
   generation: number;
+  /** Namespace of the block. */
+  namespace: string;
+  /** Layout fingerprint of the namespace when the block was written (32 hex chars). */
+  layout: string;
+  /** Human description of that layout (for refusal messages). */
+  layoutSummary: string;
 }
 
 const enc = new TextEncoder();
@@ -110,13 +135,47 @@ export function keyBytes(key: string): Uint8Array {
   return b;
 }
 
-/** Writes a header into `page` (PAGE_BYTES, zeroed past the key). */
+/** UTF-8 of `s` cut to at most `max` bytes on a character boundary. */
+function utf8Cut(s: string, max: number): Uint8Array {
+  const b = enc.encode(s);
+  if (b.length <= max) return b;
+  let n = max;
+  while (n > 0 && (b[n] & 0xc0) === 0x80) n--; // not inside a multi-byte character
+  return b.subarray(0, n);
+}
+
+/** The 16 bytes of a 32-hex-char layout fingerprint, or an error naming it. */
+function fingerprintBytes(hex: string): Uint8Array {
+  if (!/^[0-9a-f]{32}$/.test(hex)) {
+    throw new RangeError(`layout fingerprint "${hex}" is not 32 lowercase hex characters`);
+  }
+  const out = new Uint8Array(LAYOUT_FINGERPRINT_BYTES);
+  for (let i = 0; i < out.length; i++) out[i] = parseInt(hex.slice(2 * i, 2 * i + 2), 16);
+  return out;
+}
+
+function fingerprintHex(b: Uint8Array): string {
+  let s = "";
+  for (const x of b) s += x.toString(16).padStart(2, "0");
+  return s;
+}
+
+/** Writes a header into `page` (PAGE_BYTES, zeroed past the variable part). */
 export function encodeHeader(
   page: Uint8Array,
   h: RecordHeader,
   key: Uint8Array = keyBytes(h.key),
 ): void {
-  page.fill(0, 0, HEADER_FIXED_BYTES + key.length);
+  const ns = enc.encode(h.namespace);
+  if (ns.length === 0 || ns.length > MAX_NAMESPACE_BYTES) {
+    throw new RangeError(
+      `namespace "${h.namespace.slice(0, 64)}" of block ${h.key.slice(0, 64)} is ${ns.length} ` +
+        `bytes; 1..${MAX_NAMESPACE_BYTES} fit a record header`,
+    );
+  }
+  const summary = utf8Cut(h.layoutSummary, MAX_LAYOUT_SUMMARY_BYTES);
+  const end = HEADER_FIXED_BYTES + key.length + ns.length + summary.length;
+  page.fill(0, 0, end);
   const v = new DataView(page.buffer, page.byteOffset, PAGE_BYTES);
   v.setUint32(0, RECORD_MAGIC, true);
   v.setUint16(4, FORMAT_VERSION, true);
@@ -129,8 +188,13 @@ export function encodeHeader(
   v.setBigUint64(40, BigInt(h.recordBytes), true);
   v.setBigUint64(48, BigInt(Math.floor(h.writtenAtMs)), true);
   v.setBigUint64(56, BigInt(h.generation), true);
+  page.set(fingerprintBytes(h.layout), 64);
+  v.setUint16(80, ns.length, true);
+  v.setUint16(82, summary.length, true);
   page.set(key, HEADER_FIXED_BYTES);
-  v.setUint32(36, crc32c(page.subarray(0, HEADER_FIXED_BYTES + key.length)), true);
+  page.set(ns, HEADER_FIXED_BYTES + key.length);
+  page.set(summary, HEADER_FIXED_BYTES + key.length + ns.length);
+  v.setUint32(36, crc32c(page.subarray(0, end)), true);
 }
 
 /** Why a header did not decode (for logs and the recovery report). */
@@ -149,18 +213,27 @@ export function decodeHeader(page: Uint8Array): RecordHeader | HeaderProblem {
   if (v.getUint16(4, true) !== FORMAT_VERSION) return "version";
   const keyLen = v.getUint16(6, true);
   if (keyLen === 0 || keyLen > MAX_KEY_BYTES) return "key-length";
+  const nsLen = v.getUint16(80, true);
+  const sumLen = v.getUint16(82, true);
+  if (nsLen === 0 || nsLen > MAX_NAMESPACE_BYTES || sumLen > MAX_LAYOUT_SUMMARY_BYTES) {
+    return "key-length";
+  }
+  const end = HEADER_FIXED_BYTES + keyLen + nsLen + sumLen;
   const stored = v.getUint32(36, true);
-  const copy = page.slice(0, HEADER_FIXED_BYTES + keyLen);
+  const copy = page.slice(0, end);
   new DataView(copy.buffer).setUint32(36, 0, true);
   if (crc32c(copy) !== stored) return "checksum";
   const payloadBytes = Number(v.getBigUint64(24, true));
   const rec = Number(v.getBigUint64(40, true));
   if (rec !== recordBytes(payloadBytes)) return "lengths";
-  let key: string;
+  let key: string, namespace: string, layoutSummary: string;
+  const k0 = HEADER_FIXED_BYTES, n0 = k0 + keyLen, s0 = n0 + nsLen;
   try {
-    key = dec.decode(page.subarray(HEADER_FIXED_BYTES, HEADER_FIXED_BYTES + keyLen));
+    key = dec.decode(page.subarray(k0, n0));
+    namespace = dec.decode(page.subarray(n0, s0));
+    layoutSummary = dec.decode(page.subarray(s0, end));
   } catch {
-    return "key-utf8"; // a key that is not UTF-8 cannot have been written by us
+    return "key-utf8"; // text that is not UTF-8 cannot have been written by us
   }
   return {
     key,
@@ -171,6 +244,9 @@ export function decodeHeader(page: Uint8Array): RecordHeader | HeaderProblem {
     recordBytes: rec,
     writtenAtMs: Number(v.getBigUint64(48, true)),
     generation: Number(v.getBigUint64(56, true)),
+    namespace,
+    layout: fingerprintHex(page.subarray(64, 64 + LAYOUT_FINGERPRINT_BYTES)),
+    layoutSummary,
   };
 }
 

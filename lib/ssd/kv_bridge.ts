@@ -9,12 +9,16 @@
  *    rankSlot) × segments + segment` — which is the record's payload order.
  *    A block evicted before that is skipped.
  *  - {@link SsdKvBridge.beforeQuery}: in QueryPrefetch, before
- *    `store.query`: if the prefix continues past RAM on SSD (or a prefetch
- *    for this request id exists), start/poll the prefetch. Pool space for a
- *    fetched block is planned like a save (`beginSave` for each rank slot,
- *    one plan per block so a block that fails verification frees exactly
- *    its own slots); a verified block is committed with `completeSave`,
- *    which seals it into RAM, and the following `store.query` hits it.
+ *    `store.query`: if the prefix continues past RAM on SSD (or is being
+ *    read for another request, or a prefetch for this request id exists),
+ *    start/join/poll the prefetch. Pool space for a fetched block is
+ *    planned like a save (`beginSave` for each rank slot, one plan per block
+ *    so a block that fails verification frees exactly its own slots); the
+ *    tier commits a verified block the moment it lands (`completeSave`
+ *    seals it into RAM), so every later `store.query` hits it.
+ *  - Every block is written and read under its namespace's layout identity
+ *    (`blockLayoutIdentity`, lib/storage/layout.ts): a record written by
+ *    another layout of the namespace is never read into this one.
  *
  * @module
  */
@@ -23,8 +27,9 @@ import { rankSlots } from "../storage/block.ts";
 import type { BlockHash } from "../storage/keys.ts";
 import { blockKey } from "../storage/keys.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
+import { blockLayoutIdentity, type LayoutIdentity } from "../storage/layout.ts";
 import type { PoolExtent } from "./io.ts";
-import type { PrefetchAllocation, SsdLog, SsdTier, SsdWriteBlock } from "./tier.ts";
+import type { PrefetchAllocation, SsdLog, SsdTier, SsdWriteBlock, StoredLayout } from "./tier.ts";
 
 /** Requester name of the tier's transfer locks (shows in store diagnostics). */
 export const SSD_WRITER = "ssd-write-behind";
@@ -68,11 +73,23 @@ export class SsdKvBridge {
   /** Offers freshly sealed blocks for write-behind; never waits. */
   onSealed(sealedKeys: readonly string[]): void {
     if (sealedKeys.length === 0) return;
-    const blocks: SsdWriteBlock[] = sealedKeys.map((key) => {
+    const blocks: SsdWriteBlock[] = [];
+    // One namespace per batch in practice: its identity is looked up once, not per block.
+    let ns = "";
+    let identity: LayoutIdentity | undefined;
+    for (const key of sealedKeys) {
       const { namespace, hex } = splitKey(key);
+      if (namespace !== ns || !identity) {
+        const layout = this.store.layoutOf(namespace);
+        if (!layout) continue; // sealed blocks always have a namespace; nothing to write otherwise
+        ns = namespace;
+        identity = blockLayoutIdentity(layout);
+      }
       let lockId: string | undefined;
-      return {
+      blocks.push({
         key,
+        namespace,
+        layout: identity,
         acquire: () => {
           const lock = this.store.lockForTransfer(namespace, [hex], SSD_WRITER);
           if (!lock) return null; // evicted since it was sealed
@@ -83,9 +100,14 @@ export class SsdKvBridge {
           if (lockId !== undefined) this.store.releaseTransferLock(lockId);
           lockId = undefined;
         },
-      };
-    });
+      });
+    }
     this.tier.enqueueWrite(blocks);
+  }
+
+  /** The layouts `namespace`'s blocks on SSD were written with (checked at registration). */
+  storedLayouts(namespace: string): StoredLayout[] {
+    return this.tier.storedLayouts(namespace);
   }
 
   /**
@@ -106,25 +128,25 @@ export class SsdKvBridge {
     const pending = this.tier.hasPrefetch(requestId);
     if (ram === hashes.length && !pending) return false;
     const keys = hashes.slice(ram).map((h) => blockKey(namespace, h));
-    if (!pending && this.tier.lookupPrefix(keys) === 0) return false;
     const slots = layout.layers * rankSlots(layout) * layout.segments;
     const blockBytes = slots * layout.segmentBytes;
-    const a = this.tier.prefetch(requestId, keys, (sizes) => {
+    const identity = blockLayoutIdentity(layout);
+    const a = this.tier.prefetch(requestId, keys, (wanted) => {
       const out: PrefetchAllocation[] = [];
-      for (let i = 0; i < sizes.length; i++) {
-        if (sizes[i] !== blockBytes) {
+      for (const w of wanted) {
+        if (w.payloadBytes !== blockBytes) {
+          // The layout fingerprint matched, so this is a damaged index entry: never read it.
           this.log(
             "warn",
-            `SSD block ${keys[i]} holds ${
-              sizes[i]
-            } bytes; namespace ${namespace} blocks are ${blockBytes}: not fetched`,
+            `SSD block ${w.key} holds ${w.payloadBytes} bytes; namespace ${namespace} ` +
+              `blocks are ${blockBytes}: not fetched`,
           );
           break;
         }
         const alloc = this.#plan(
           namespace,
           instance,
-          keys[i],
+          w.key,
           rankSlots(layout),
           slots,
           layout.segments,
@@ -133,12 +155,8 @@ export class SsdKvBridge {
         out.push(alloc);
       }
       return out;
-    });
-    if (a.state === "loading") return true;
-    if (a.state === "ready") {
-      for (const b of a.blocks) (b.allocation as PlannedAllocation).commit();
-    }
-    return false;
+    }, identity.fingerprint);
+    return a.state === "loading";
   }
 
   /** Plans RAM slots for one block read from SSD; null when it cannot be placed now. */
@@ -149,7 +167,7 @@ export class SsdKvBridge {
     ranks: number,
     slots: number,
     segments: number,
-  ): PlannedAllocation | null {
+  ): PrefetchAllocation | null {
     const { hex } = splitKey(key);
     const plans: SavePlan[] = [];
     const abort = () => {
@@ -184,9 +202,4 @@ export class SsdKvBridge {
       commit: () => settle(true),
     };
   }
-}
-
-/** A prefetch allocation backed by save plans: commit seals the block into RAM. */
-interface PlannedAllocation extends PrefetchAllocation {
-  commit(): void;
 }

@@ -62,8 +62,13 @@ const COUNTERS: [string, string, CounterKey][] = [
   ],
   [
     "pegaflow_ssd_prefetch_expired_total",
-    "ready prefetches freed because nobody took them",
+    "finished prefetches forgotten because their request never polled again (blocks stay cached)",
     "prefetchExpired",
+  ],
+  [
+    "pegaflow_ssd_layout_mismatch_total",
+    "prefetches stopped at a block another layout of its namespace wrote (served as a miss)",
+    "layoutMismatches",
   ],
   ["pegaflow_ssd_segments_reused_total", "segments overwritten (oldest first)", "segmentsReused"],
 ];
@@ -99,7 +104,7 @@ const GAUGES: [string, string, CounterKey][] = [
   ["pegaflow_ssd_prefetch_inflight", "prefetch reads in flight", "prefetchInflight"],
   [
     "pegaflow_ssd_prefetch_reserved_blocks",
-    "pool blocks held by prefetches",
+    "pool blocks being read by prefetches (a landed block is an ordinary cached block)",
     "prefetchReservedBlocks",
   ],
   ["pegaflow_ssd_prefetch_budget_blocks", "--max-prefetch-blocks", "prefetchBudgetBlocks"],

@@ -46,10 +46,32 @@ export interface RecoveryReport {
   headerReads: number;
 }
 
+/** Where the scan stands (logged while it runs: a large cache takes a while). */
+export interface RecoveryProgress {
+  /** Segments whose chain has ended / segments to scan. */
+  segmentsDone: number;
+  segmentsTotal: number;
+  /** Record headers read and records indexed so far. */
+  headersRead: number;
+  records: number;
+  /** Bytes of the files covered so far (finished segments + chains walked) / to cover. */
+  bytesScanned: number;
+  bytesTotal: number;
+  elapsedMs: number;
+}
+
+/** How {@link recoverIndex} reports progress. */
+export interface RecoveryProgressSink {
+  /** Called after a round once this long has passed since the last call (0: every round). */
+  intervalMs: number;
+  report(p: RecoveryProgress, final: boolean): void;
+}
+
 /**
  * Scans every segment of `ring` and fills `index`.
  *
  * @param maxBatch most header reads per io batch (≤ the staging pages).
+ * @param progress told where the scan stands every `intervalMs`, and at the end.
  */
 export async function recoverIndex(
   io: SsdIo,
@@ -57,6 +79,7 @@ export async function recoverIndex(
   ring: SegmentRing,
   index: SsdIndex,
   maxBatch: number,
+  progress?: RecoveryProgressSink,
 ): Promise<RecoveryReport> {
   const report: RecoveryReport = {
     blocks: 0,
@@ -70,7 +93,29 @@ export async function recoverIndex(
   let active: { seg: Segment; cursor: number }[] = ring.segments
     .filter((s) => s.fileOffset < files[s.file].sizeBytes)
     .map((seg) => ({ seg, cursor: 0 }));
+  const t0 = performance.now();
+  let lastReport = t0;
+  const total = active.length;
+  const where = (): RecoveryProgress => {
+    let walked = 0;
+    for (const a of active) walked += a.cursor;
+    const done = total - active.length;
+    return {
+      segmentsDone: done,
+      segmentsTotal: total,
+      headersRead: report.headerReads,
+      records: index.size,
+      bytesScanned: done * ring.segmentBytes + walked,
+      bytesTotal: total * ring.segmentBytes,
+      elapsedMs: Math.round(performance.now() - t0),
+    };
+  };
   while (active.length > 0) {
+    const now = performance.now();
+    if (progress && now - lastReport >= progress.intervalMs) {
+      lastReport = now;
+      progress.report(where(), false);
+    }
     const next: { seg: Segment; cursor: number }[] = [];
     for (let start = 0; start < active.length; start += maxBatch) {
       const chunk = active.slice(start, start + maxBatch);
@@ -113,7 +158,9 @@ export async function recoverIndex(
               payloadBytes: h.payloadBytes,
               payloadCrc: h.payloadCrc,
               seq: h.seq,
-            })
+              namespace: h.namespace,
+              layout: h.layout,
+            }, h.layoutSummary)
           ) {
             report.blocks++;
           }
@@ -128,6 +175,7 @@ export async function recoverIndex(
     }
     active = next;
   }
+  progress?.report(where(), true);
   report.bytes = index.payloadBytes;
   report.blocks = index.size;
   return report;

@@ -16,7 +16,18 @@
  *    `writeInflight` batches in flight;
  *  - prefetch: queue policy `refuse` (a full queue answers "miss" at once
  *    and counts backpressure), `prefetchInflight` reads in flight, plus a
- *    global budget of blocks held in the pool by prefetches.
+ *    global budget of blocks being read by prefetches.
+ *
+ * A prefetched block is committed into RAM (`PrefetchAllocation.commit`:
+ * sealed as an ordinary cached block, evictable) the moment it is verified,
+ * whoever asked for it and whether or not they come back. A query whose
+ * prefix is being read for another request joins that read ("loading", then
+ * a hit) instead of missing. Every record carries its namespace's layout
+ * fingerprint (lib/storage/layout.ts): a block is read only for the layout
+ * that wrote it.
+ *
+ * One process per cache file: an exclusive advisory lock (file_lock.ts) is
+ * taken before the file is touched, and a second server is refused.
  *
  * @module
  */
@@ -39,6 +50,12 @@ import { type PoolExtent, SsdIo } from "./io.ts";
 import { SsdIndex, type SsdLocation } from "./index.ts";
 import { recoverIndex, type RecoveryFile, type RecoveryReport } from "./recovery.ts";
 import { type Segment, SegmentRing } from "./space.ts";
+import type { LayoutIdentity } from "../storage/layout.ts";
+import type { StoredLayout } from "./index.ts";
+import { lockCacheFile, SsdLockedError } from "./file_lock.ts";
+
+export { SsdLockedError };
+export type { StoredLayout };
 
 /** Bytes in a GiB. */
 const GIB = 1024 ** 3;
@@ -54,9 +71,11 @@ const FREE_SPACE_RESERVE_FRACTION = 0.02;
 const DEFAULT_IO_DEPTH = 128;
 /** Default header staging pages (4 MiB). */
 const DEFAULT_HDR_PAGES = 1024;
-/** Ready prefetches nobody came back for are freed after this. */
+/** A finished prefetch nobody polled for is forgotten after this (its blocks stay cached). */
 const DEFAULT_PREFETCH_TTL_MS = 30_000;
-/** Period of the sweep that frees expired prefetch results. */
+/** Index rebuild progress is logged this often (an operator sees a long scan is alive). */
+const DEFAULT_RECOVERY_PROGRESS_MS = 5_000;
+/** Period of the sweep that forgets finished prefetches. */
 const EXPIRY_SWEEP_MS = 1_000;
 /** Throughput gauges are exponentially weighted over batches with this weight for the newest. */
 const THROUGHPUT_EWMA_WEIGHT = 0.2;
@@ -92,7 +111,7 @@ export interface SsdTierOptions {
   prefetchQueueDepth?: number;
   /** `--ssd-prefetch-inflight`: prefetch reads in flight. Default 8. */
   prefetchInflight?: number;
-  /** `--max-prefetch-blocks`: blocks held in the pool by prefetches at once. Default 4096. */
+  /** `--max-prefetch-blocks`: blocks being read by prefetches at once. Default 4096. */
   maxPrefetchBlocks?: number;
   /** io_uring entries (power of two). */
   ioDepth?: number;
@@ -100,8 +119,10 @@ export interface SsdTierOptions {
   hdrPages?: number;
   /** O_DIRECT (default true); false runs through the page cache (benchmarks). */
   direct?: boolean;
-  /** Ready prefetches not taken within this are freed. */
+  /** A finished prefetch not polled within this is forgotten (its blocks stay cached). */
   prefetchTtlMs?: number;
+  /** Index rebuild progress is logged this often (0: every scan round). */
+  recoveryProgressMs?: number;
   log?: SsdLog;
 }
 
@@ -113,36 +134,45 @@ export interface SsdTierOptions {
  */
 export interface SsdWriteBlock {
   key: string;
+  /** The block's namespace and its layout: stored in the record, checked on every read. */
+  namespace: string;
+  layout: LayoutIdentity;
   acquire(): PoolExtent[] | null;
   release(): void;
 }
 
-/** Pool space the caller allocated for one prefetched block. */
+/**
+ * Pool space the caller allocated for one prefetched block. The tier calls
+ * exactly one of `commit` (verified: the bytes are the block's, make it
+ * visible) or `free` (not delivered: give the space back).
+ */
 export interface PrefetchAllocation {
   extents: PoolExtent[];
-  /** Gives the space back (the tier calls it for blocks it does not deliver). */
   free(): void;
+  commit(): void;
+}
+
+/** A block a prefetch wants pool space for. */
+export interface PrefetchWant {
+  key: string;
+  payloadBytes: number;
 }
 
 /**
- * Allocates pool space for blocks of the given sizes, in order. May return
- * fewer than asked (the rest is not fetched) or an empty array.
+ * Allocates pool space for these blocks, in order. May return fewer than
+ * asked (the rest is not fetched) or an empty array.
  */
-export type PrefetchAllocator = (payloadBytes: number[]) => PrefetchAllocation[];
-
-/** A block read from SSD and verified, now in the pool. */
-export interface PrefetchedBlock {
-  key: string;
-  allocation: PrefetchAllocation;
-  payloadBytes: number;
-}
+export type PrefetchAllocator = (wanted: readonly PrefetchWant[]) => PrefetchAllocation[];
 
 /** The answer to {@link SsdTier.prefetch}. */
 export type PrefetchAnswer =
   | { state: "loading" }
-  /** Blocks are the caller's now (insert them into RAM or free them). */
-  | { state: "ready"; blocks: PrefetchedBlock[] }
-  | { state: "miss"; reason: "not-on-ssd" | "budget" | "queue-full" | "no-pool-space" };
+  /** Every read this request waited for has ended; its verified blocks were committed as they landed. */
+  | { state: "ready" }
+  | {
+    state: "miss";
+    reason: "not-on-ssd" | "other-layout" | "budget" | "queue-full" | "no-pool-space";
+  };
 
 /** What {@link SsdTier.enqueueWrite} did. */
 export interface EnqueueResult {
@@ -183,6 +213,8 @@ export interface SsdStats {
   prefetchBackpressure: number;
   prefetchPartial: number;
   prefetchExpired: number;
+  /** Blocks on SSD not served because another layout of their namespace asked. */
+  layoutMismatches: number;
   segmentsReused: number;
   alignmentFallbacks: number;
 }
@@ -191,6 +223,8 @@ type ResolvedOptions = Required<Omit<SsdTierOptions, "log" | "ring" | "paths" | 
 
 interface CacheFile {
   path: string;
+  /** Held open with the exclusive advisory lock until close. */
+  lock: Deno.FsFile;
   handle: number;
   segments: number;
   generation: number;
@@ -220,19 +254,21 @@ interface WriteJob {
   blocks: SsdWriteBlock[];
 }
 
-interface PrefetchEntry {
-  state: "loading" | "ready";
-  keys: string[];
-  reserved: number;
-  blocks: PrefetchedBlock[];
-  expiry?: number;
-}
-
+/** One read of blocks from SSD into pool space; queries of the same blocks join it. */
 interface PrefetchJob {
-  reqId: string;
-  entry: PrefetchEntry;
+  keys: string[];
   locs: SsdLocation[];
   allocations: PrefetchAllocation[];
+  /** Layout fingerprint the blocks must carry. */
+  layout: string;
+  done: boolean;
+  /** Date.now() when it ended. */
+  doneAt: number;
+}
+
+/** What a request id waits for. */
+interface PrefetchRequest {
+  jobs: PrefetchJob[];
 }
 
 /** The tier could not start on any path (the server runs without it). */
@@ -263,6 +299,33 @@ function fileSize(path: string): number {
   }
 }
 
+/**
+ * Locks every cache file (a directory names the file inside it). A path
+ * that cannot be opened maps to its error (logged and skipped later, like
+ * any unusable path); a file another process holds refuses the whole start.
+ *
+ * @throws SsdLockedError naming the file and the holder.
+ */
+function lockPaths(paths: string[]): Map<string, Deno.FsFile | Error> {
+  const out = new Map<string, Deno.FsFile | Error>();
+  try {
+    for (const given of paths) {
+      const path = isDirectory(given) ? `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}` : given;
+      if (out.has(path)) continue; // the same file named twice is one file
+      try {
+        out.set(path, lockCacheFile(path));
+      } catch (e) {
+        if (e instanceof SsdLockedError) throw e;
+        out.set(path, e as Error);
+      }
+    }
+  } catch (e) {
+    for (const l of out.values()) if (!(l instanceof Error)) l.close();
+    throw e;
+  }
+  return out;
+}
+
 function dirOf(path: string): string {
   const i = path.lastIndexOf("/");
   return i <= 0 ? (i === 0 ? "/" : ".") : path.slice(0, i);
@@ -291,7 +354,10 @@ export class SsdTier {
   readonly #writes: Stage<WriteJob, void>;
   readonly #prefetches: Stage<PrefetchJob, void>;
   readonly #pendingKeys = new Set<string>();
-  readonly #entries = new Map<string, PrefetchEntry>();
+  /** Request id → the reads it waits for (its own and the ones it joined). */
+  readonly #requests = new Map<string, PrefetchRequest>();
+  /** Key → the read bringing it into the pool now. */
+  readonly #fetching = new Map<string, PrefetchJob>();
   readonly #chunk: number;
   #seq: number;
   #reserved = 0;
@@ -314,6 +380,7 @@ export class SsdTier {
     prefetchBackpressure: 0,
     prefetchPartial: 0,
     prefetchExpired: 0,
+    layoutMismatches: 0,
   };
 
   private constructor(
@@ -342,7 +409,7 @@ export class SsdTier {
       writeStageOptions(opts.writeQueueDepth, opts.writeInflight),
       (job) => this.#writeJob(job),
     );
-    // Ready prefetches nobody came back for are freed even on an idle server.
+    // Finished prefetches nobody came back for are forgotten even on an idle server.
     this.#expiryTimer = Number(setInterval(() => this.#expire(), EXPIRY_SWEEP_MS));
     Deno.unrefTimer(this.#expiryTimer);
     this.#prefetches = new Stage<PrefetchJob, void>(
@@ -374,6 +441,7 @@ export class SsdTier {
       hdrPages: options.hdrPages ?? DEFAULT_HDR_PAGES,
       direct: options.direct ?? true,
       prefetchTtlMs: options.prefetchTtlMs ?? DEFAULT_PREFETCH_TTL_MS,
+      recoveryProgressMs: options.recoveryProgressMs ?? DEFAULT_RECOVERY_PROGRESS_MS,
     };
     for (const [name, v] of Object.entries(opts)) {
       if (typeof v === "number" && (!Number.isSafeInteger(v) || v < 0)) {
@@ -388,10 +456,19 @@ export class SsdTier {
         })`,
       );
     }
-    const uring = Uring.open(opts.pool, options.ring.handle, opts.ioDepth, opts.hdrPages);
+    // Locked before anything opens or sizes a file: two servers on one file
+    // would overwrite each other's records (a second server refuses to start).
+    const locks = lockPaths(options.paths);
+    let uring: Uring;
+    try {
+      uring = Uring.open(opts.pool, options.ring.handle, opts.ioDepth, opts.hdrPages);
+    } catch (e) {
+      for (const l of locks.values()) if (!(l instanceof Error)) l.close();
+      throw e;
+    }
     const io = new SsdIo(uring, opts.pool, options.ring.completions$);
     try {
-      const files = await SsdTier.#openFiles(uring, io, options.paths, opts, !!options.reset, log);
+      const files = await SsdTier.#openFiles(uring, io, locks, opts, !!options.reset, log);
       const index = new SsdIndex();
       const ring = new SegmentRing(files, opts.segmentBytes, (seg) => index.dropSegment(seg));
       const rfiles: RecoveryFile[] = files.map((f) => ({
@@ -400,7 +477,22 @@ export class SsdTier {
         sizeBytes: f.sizeAtOpen,
         generation: f.generation,
       }));
-      const report = await recoverIndex(io, rfiles, ring, index, opts.hdrPages);
+      const capacity = files.reduce((n, f) => n + f.segments * opts.segmentBytes, 0);
+      log(
+        "info",
+        `rebuilding the SSD index: ${ring.segments.length} segments (${capacity} bytes) in ` +
+          `${files.length} file(s)`,
+      );
+      const report = await recoverIndex(io, rfiles, ring, index, opts.hdrPages, {
+        intervalMs: opts.recoveryProgressMs,
+        report: (p, final) =>
+          log(
+            "info",
+            `SSD index rebuild${final ? " done" : ""}: ${p.segmentsDone}/${p.segmentsTotal} ` +
+              `segments, ${p.bytesScanned}/${p.bytesTotal} bytes scanned, ${p.records} records ` +
+              `indexed from ${p.headersRead} header reads, ${p.elapsedMs} ms elapsed`,
+          ),
+      });
       ring.resume(report.maxSeq + 1);
       const tier = new SsdTier(io, files, ring, index, report, opts, log);
       log(
@@ -413,6 +505,7 @@ export class SsdTier {
     } catch (e) {
       io.dispose();
       await uring.close();
+      for (const l of locks.values()) if (!(l instanceof Error)) l.close();
       throw e;
     }
   }
@@ -420,18 +513,18 @@ export class SsdTier {
   static async #openFiles(
     uring: Uring,
     io: SsdIo,
-    paths: string[],
+    locks: Map<string, Deno.FsFile | Error>,
     opts: { capacityBytes: number; segmentBytes: number; direct: boolean },
     reset: boolean,
     log: SsdLog,
   ): Promise<CacheFile[]> {
     const files: CacheFile[] = [];
     const problems: string[] = [];
-    const share = Math.floor(opts.capacityBytes / paths.length);
-    for (const given of paths) {
-      const path = isDirectory(given) ? `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}` : given;
+    const share = Math.floor(opts.capacityBytes / locks.size);
+    for (const [path, lock] of locks) {
       let handle = 0;
       try {
+        if (lock instanceof Error) throw lock;
         const space = fsSpace(dirOf(path));
         const usable = Math.floor(
           (space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION),
@@ -458,7 +551,8 @@ export class SsdTier {
         if (!reset && info.sizeBytes >= PAGE_BYTES) {
           const sb = await SsdTier.#readSuper(io, handle);
           if (typeof sb === "string") {
-            log("warn", `${path}: ${sb}; starting this file empty`);
+            // An older format is never misread: its records are dropped with the generation.
+            log("warn", `${path}: ${sb}; its records are not read: starting this file empty`);
           } else if (sb.segmentBytes !== opts.segmentBytes) {
             log(
               "warn",
@@ -489,6 +583,7 @@ export class SsdTier {
         }, path);
         files.push({
           path,
+          lock,
           handle,
           segments,
           generation,
@@ -497,6 +592,8 @@ export class SsdTier {
         });
       } catch (e) {
         if (handle) uring.closeFile(handle);
+        if (!(lock instanceof Error)) lock.close();
+        locks.delete(path);
         problems.push(`${path}: ${(e as Error).message}`);
         log("error", `SSD cache path ${path} is not usable: ${(e as Error).message}`);
       }
@@ -549,7 +646,9 @@ export class SsdTier {
     const fresh: SsdWriteBlock[] = [];
     let duplicates = 0;
     for (const b of blocks) {
-      if (this.#index.has(b.key) || this.#pendingKeys.has(b.key)) duplicates++;
+      // A record of the key from another layout does not count: this one is written too.
+      const held = this.#index.get(b.key)?.layout === b.layout.fingerprint;
+      if (held || this.#pendingKeys.has(b.key)) duplicates++;
       else fresh.push(b);
     }
     if (fresh.length === 0) return { status: "nothing-to-write", blocks: 0, duplicates };
@@ -625,6 +724,9 @@ export class SsdTier {
           recordBytes: recordBytes(p.bytes),
           writtenAtMs: now,
           generation: this.files[p.seg.file].generation,
+          namespace: p.block.namespace,
+          layout: p.block.layout.fingerprint,
+          layoutSummary: p.block.layout.summary,
         }, keyBytes(p.block.key));
       }
       const r = await this.#io.run(batch);
@@ -641,7 +743,9 @@ export class SsdTier {
             payloadBytes: p.bytes,
             payloadCrc: crcs[i],
             seq: p.seq,
-          });
+            namespace: p.block.namespace,
+            layout: p.block.layout.fingerprint,
+          }, p.block.layout.summary);
           bytes += p.bytes;
           this.#s.writeBlocks++;
         } else {
@@ -668,9 +772,17 @@ export class SsdTier {
 
   // ---- lookup and prefetch -------------------------------------------------
 
-  /** How many of `keys`, from the first, are on SSD. */
-  lookupPrefix(keys: readonly string[]): number {
-    return this.#index.prefixLength(keys);
+  /** How many of `keys`, from the first, are on SSD written by layout `layout` (a fingerprint). */
+  lookupPrefix(keys: readonly string[], layout: string): number {
+    return this.#index.prefixLength(keys, layout);
+  }
+
+  /**
+   * The layouts `namespace`'s blocks on SSD were written with (what the
+   * engine checks a registration against after a restart).
+   */
+  storedLayouts(namespace: string): StoredLayout[] {
+    return this.#index.layoutsOf(namespace);
   }
 
   /** Where `key`'s record is (admin and tests), or undefined. */
@@ -687,76 +799,127 @@ export class SsdTier {
     };
   }
 
-  /** True while a prefetch for `reqId` is loading or waiting to be taken. */
+  /** True while request `reqId` has a prefetch loading or not yet answered `ready`. */
   hasPrefetch(reqId: string): boolean {
-    return this.#entries.has(reqId);
+    return this.#requests.has(reqId);
   }
 
   /**
    * The prefetch protocol of QueryPrefetch, keyed by request id:
-   *  - first call: starts reading the SSD prefix of `keys` into pool space
-   *    from `allocate` → `loading` (or `miss` with the reason);
-   *  - later calls with the same id: `loading` until the read finished, then
-   *    once `ready` with the verified blocks (the caller owns them from then
-   *    on: insert into RAM or free). A block that fails verification ends
-   *    the prefix there; it is dropped from the index and counted.
+   *  - first call: walks `keys` (the part of the prefix past RAM) from the
+   *    first: a key being read for another request joins that read; a key
+   *    on SSD under layout `layout` is read into pool space from `allocate`
+   *    (within the global budget); the walk stops at the first key that is
+   *    neither. Something to wait for → `loading`, else `miss` with why;
+   *  - later calls with the same id: `loading` while any of those reads
+   *    runs, then `ready` once (the request is forgotten).
+   * Every verified block is committed (its allocation's `commit`) the moment
+   * it lands, so it is an ordinary cached block for every query, whether or
+   * not anyone polls again. A block that fails verification ends its read
+   * there; it is dropped from the index and counted.
    */
-  prefetch(reqId: string, keys: readonly string[], allocate: PrefetchAllocator): PrefetchAnswer {
-    this.#expire();
-    const existing = this.#entries.get(reqId);
+  prefetch(
+    reqId: string,
+    keys: readonly string[],
+    allocate: PrefetchAllocator,
+    layout: string,
+  ): PrefetchAnswer {
+    const existing = this.#requests.get(reqId);
     if (existing) {
-      if (existing.state === "loading") return { state: "loading" };
-      this.#entries.delete(reqId);
-      this.#reserved -= existing.reserved;
-      return { state: "ready", blocks: existing.blocks };
+      if (existing.jobs.some((j) => !j.done)) return { state: "loading" };
+      this.#requests.delete(reqId);
+      return { state: "ready" };
     }
     if (this.#closed) return { state: "miss", reason: "queue-full" };
-    const n = this.#index.prefixLength(keys);
-    if (n === 0) return { state: "miss", reason: "not-on-ssd" };
+    const joined = new Set<PrefetchJob>();
+    const mine: PrefetchWant[] = [];
+    const locs: SsdLocation[] = [];
     const room = this.#opts.maxPrefetchBlocks - this.#reserved;
-    if (room <= 0) {
-      this.#s.prefetchBackpressure++;
-      return { state: "miss", reason: "budget" };
+    let stop: "not-on-ssd" | "other-layout" | "budget" | undefined;
+    for (const key of keys) {
+      const running = this.#fetching.get(key);
+      if (running) {
+        if (running.layout !== layout) {
+          stop = "other-layout";
+          break;
+        }
+        joined.add(running);
+        continue;
+      }
+      const loc = this.#index.get(key);
+      if (!loc) {
+        stop = "not-on-ssd";
+        break;
+      }
+      if (loc.layout !== layout) {
+        stop = "other-layout";
+        break;
+      }
+      if (mine.length >= room) {
+        stop = "budget";
+        break;
+      }
+      mine.push({ key, payloadBytes: loc.payloadBytes });
+      locs.push(loc);
     }
-    const want = Math.min(n, room);
-    if (want < n) this.#s.prefetchPartial++;
-    const locs = keys.slice(0, want).map((k) => this.#index.get(k)!);
-    const allocations = allocate(locs.map((l) => l.payloadBytes)).slice(0, want);
-    if (allocations.length === 0) {
-      this.#s.prefetchBackpressure++;
-      return { state: "miss", reason: "no-pool-space" };
+    if (stop === "other-layout") {
+      this.#s.layoutMismatches++;
+      if (joined.size === 0 && mine.length === 0) return { state: "miss", reason: "other-layout" };
     }
-    locs.length = allocations.length;
-    const entry: PrefetchEntry = {
-      state: "loading",
-      keys: keys.slice(0, locs.length) as string[],
-      reserved: locs.length,
-      blocks: [],
-    };
-    this.#reserved += entry.reserved;
-    this.#entries.set(reqId, entry);
-    const sub = this.#prefetches.submit({ reqId, entry, locs, allocations });
-    if (sub.status === "refused" || sub.status === "dropped") {
-      this.#entries.delete(reqId);
-      this.#reserved -= entry.reserved;
-      for (const a of allocations) a.free();
-      this.#s.prefetchBackpressure++;
-      return { state: "miss", reason: "queue-full" };
+    if (stop === "budget") {
+      if (joined.size === 0 && mine.length === 0) {
+        this.#s.prefetchBackpressure++;
+        return { state: "miss", reason: "budget" };
+      }
+      if (mine.length > 0) this.#s.prefetchPartial++;
     }
+    if (joined.size === 0 && mine.length === 0) return { state: "miss", reason: "not-on-ssd" };
+    const jobs = [...joined];
+    if (mine.length > 0) {
+      const allocations = allocate(mine).slice(0, mine.length);
+      if (allocations.length === 0 && jobs.length === 0) {
+        this.#s.prefetchBackpressure++;
+        return { state: "miss", reason: "no-pool-space" };
+      }
+      if (allocations.length > 0) {
+        const n = allocations.length;
+        const job: PrefetchJob = {
+          keys: mine.slice(0, n).map((w) => w.key),
+          locs: locs.slice(0, n),
+          allocations,
+          layout,
+          done: false,
+          doneAt: 0,
+        };
+        const sub = this.#prefetches.submit(job);
+        if (sub.status === "refused" || sub.status === "dropped") {
+          for (const a of allocations) a.free();
+          this.#s.prefetchBackpressure++;
+          if (jobs.length === 0) return { state: "miss", reason: "queue-full" };
+        } else {
+          this.#reserved += n;
+          for (const k of job.keys) this.#fetching.set(k, job);
+          jobs.push(job);
+        }
+      }
+    }
+    // Swept here too (not only by the timer) so the table stays bounded under a burst;
+    // not on the miss paths above, which every cold query takes.
+    this.#expire();
+    this.#requests.set(reqId, { jobs });
     return { state: "loading" };
   }
 
   /** Resolves when the prefetch for `reqId` is no longer loading (tests, demos). */
   async prefetchSettled(reqId: string): Promise<void> {
-    while (this.#entries.get(reqId)?.state === "loading") {
+    while (this.#requests.get(reqId)?.jobs.some((j) => !j.done)) {
       await new Promise((r) => setTimeout(r, 1));
     }
   }
 
   async #prefetchJob(job: PrefetchJob): Promise<void> {
-    const { entry, locs, allocations } = job;
-    const delivered: PrefetchedBlock[] = [];
-    let next = 0; // allocations[next..] are not delivered
+    const { keys, locs, allocations } = job;
+    let next = 0; // allocations[next..] are neither committed nor freed yet
     try {
       const t0 = performance.now();
       // Every chunk is submitted at once (the header arena bounds what is in
@@ -780,6 +943,7 @@ export class SsdTier {
         runs.push({ start, end, result: this.#io.run(batch).catch((e: Error) => e) });
       }
       let bytes = 0;
+      let blocks = 0;
       let ok = true;
       for (const run of runs) {
         const r = await run.result;
@@ -788,7 +952,7 @@ export class SsdTier {
             this.#s.readFailures++;
             this.#log(
               "error",
-              `SSD prefetch of block ${entry.keys[run.start]} not submitted: ${r.message}`,
+              `SSD prefetch of block ${keys[run.start]} not submitted: ${r.message}`,
             );
           }
           ok = false;
@@ -796,15 +960,14 @@ export class SsdTier {
         }
         try {
           for (let i = run.start; i < run.end && ok; i++) {
-            ok = this.#verify(entry.keys[i], locs[i], r, i - run.start);
+            ok = this.#verify(keys[i], locs[i], job.layout, r, i - run.start);
             if (ok) {
-              delivered.push({
-                key: entry.keys[i],
-                allocation: allocations[i],
-                payloadBytes: locs[i].payloadBytes,
-              });
-              bytes += locs[i].payloadBytes;
+              // Visible to every query from now on, and evictable like any cached block.
               next = i + 1;
+              this.#fetching.delete(keys[i]);
+              allocations[i].commit();
+              bytes += locs[i].payloadBytes;
+              blocks++;
             }
           }
         } finally {
@@ -812,22 +975,26 @@ export class SsdTier {
         }
       }
       this.#s.readBytes += bytes;
-      this.#s.readBlocks += delivered.length;
+      this.#s.readBlocks += blocks;
       const secs = (performance.now() - t0) / 1000;
       if (bytes > 0) this.#s.readThroughputBps = ewma(this.#s.readThroughputBps, bytes / secs);
     } finally {
       for (let i = next; i < allocations.length; i++) allocations[i].free();
-      // Budget is held by what is delivered, until the caller takes it.
-      this.#reserved -= entry.reserved - delivered.length;
-      entry.reserved = delivered.length;
-      entry.blocks = delivered;
-      entry.state = "ready";
-      entry.expiry = Date.now() + this.#opts.prefetchTtlMs;
+      for (const k of keys) if (this.#fetching.get(k) === job) this.#fetching.delete(k);
+      this.#reserved -= allocations.length;
+      job.done = true;
+      job.doneAt = Date.now();
     }
   }
 
-  /** Checks one read op: I/O status, header identity, payload CRC. */
-  #verify(key: string, loc: SsdLocation, r: Awaited<ReturnType<SsdIo["run"]>>, i: number): boolean {
+  /** Checks one read op: I/O status, header identity and layout, payload CRC. */
+  #verify(
+    key: string,
+    loc: SsdLocation,
+    layout: string,
+    r: Awaited<ReturnType<SsdIo["run"]>>,
+    i: number,
+  ): boolean {
     const where = `${this.files[loc.segment.file].path} offset ${loc.fileOffset}`;
     if (r.status[i] !== 0) {
       this.#s.readFailures++;
@@ -842,7 +1009,9 @@ export class SsdTier {
     let problem = "";
     if (typeof h === "string") problem = `header ${h}`;
     else if (h.key !== key) problem = `header holds block ${h.key} (the segment was reused)`;
-    else if (h.seq !== loc.seq || h.payloadBytes !== loc.payloadBytes) {
+    else if (h.layout !== layout) {
+      problem = `written by layout ${h.layout} (${h.layoutSummary}), asked for by layout ${layout}`;
+    } else if (h.seq !== loc.seq || h.payloadBytes !== loc.payloadBytes) {
       problem =
         `header seq/length ${h.seq}/${h.payloadBytes}, index ${loc.seq}/${loc.payloadBytes}`;
     } else if (h.payloadCrc !== loc.payloadCrc || r.aux[i] !== loc.payloadCrc) {
@@ -860,13 +1029,12 @@ export class SsdTier {
     return true;
   }
 
+  /** Forgets finished prefetches nobody polled for (their blocks stay cached). */
   #expire(): void {
-    const now = Date.now();
-    for (const [id, e] of this.#entries) {
-      if (e.state === "ready" && e.expiry !== undefined && e.expiry < now) {
-        this.#entries.delete(id);
-        this.#reserved -= e.reserved;
-        for (const b of e.blocks) b.allocation.free();
+    const cutoff = Date.now() - this.#opts.prefetchTtlMs;
+    for (const [id, req] of this.#requests) {
+      if (req.jobs.every((j) => j.done && j.doneAt < cutoff)) {
+        this.#requests.delete(id);
         this.#s.prefetchExpired++;
       }
     }
@@ -905,12 +1073,12 @@ export class SsdTier {
     this.#closed = true;
     clearInterval(this.#expiryTimer);
     await Promise.all([this.#writes.drain(), this.#prefetches.drain()]);
-    for (const e of this.#entries.values()) for (const b of e.blocks) b.allocation.free();
-    this.#entries.clear();
+    this.#requests.clear();
     this.#reserved = 0;
     for (const f of this.files) await this.#io.uring.sync(f.handle);
     this.#io.dispose();
     await this.#io.uring.close();
+    for (const f of this.files) f.lock.close();
   }
 }
 

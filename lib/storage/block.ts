@@ -15,6 +15,7 @@
 
 import { InvalidArgumentError } from "./errors.ts";
 import { type BlockHash, hexBytesInto, MAX_HASH_BYTES } from "./keys.ts";
+import type { LayoutIdentity } from "./layout.ts";
 
 /** Geometry of one namespace's blocks in the pool. */
 export interface BlockLayout {
@@ -28,6 +29,11 @@ export interface BlockLayout {
   segments: number;
   /** Bytes of one item (one layer's K or V of one block on one rank). */
   segmentBytes: number;
+  /**
+   * The full layout's identity (layout.ts): set by the engine, stored with
+   * every block kept beyond this process (SSD) so only this layout reads it.
+   */
+  identity?: LayoutIdentity;
 }
 
 /** Most layers accepted: far above any model, low enough to catch garbage. */

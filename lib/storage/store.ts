@@ -415,6 +415,16 @@ export class KvStore {
           throw new LayoutMismatchError(namespace, f, String(have.layout[f]), String(layout[f]));
         }
       }
+      const a = have.layout.identity, b = layout.identity;
+      if (a && b && a.fingerprint !== b.fingerprint) {
+        throw new LayoutMismatchError(
+          namespace,
+          "layout",
+          `${a.summary} (fingerprint ${a.fingerprint})`,
+          `${b.summary} (fingerprint ${b.fingerprint})`,
+        );
+      }
+      have.layout.identity ??= b;
       return;
     }
     const stride = this.allocator.strideOf(layout.segmentBytes);

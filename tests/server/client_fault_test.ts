@@ -119,9 +119,15 @@ Deno.test("an engine that shrinks a registered region gets a clear Save and Load
       new RegExp(`ended with state ${PF_EFAULT}`),
     );
     assert.ok(await alive(srv), "the server survived the load");
-    const line = srv.logs().find((l) =>
-      l.includes('"load copy failed"') && l.includes("req-shrunk-load")
-    );
+    // The engine sees the native state word before the server's JS handles the
+    // completion record and logs it: wait (bounded) for the line.
+    let line: string | undefined;
+    for (let i = 0; i < 200 && !line; i++) {
+      line = srv.logs().find((l) =>
+        l.includes('"load copy failed"') && l.includes("req-shrunk-load")
+      );
+      if (!line) await new Promise((r) => setTimeout(r, 25));
+    }
     assert.ok(line, "the failed load is logged");
     assert.match(line, /"client_memory_fault":true/);
     assert.match(line, new RegExp(gone));

@@ -13,6 +13,27 @@ import {
   type SsdTierOptions,
   type SsdWriteBlock,
 } from "../../lib/ssd/tier.ts";
+import { layoutIdentity } from "../../lib/storage/layout.ts";
+
+/** The layout the tier tests write and read under (one layer of one segment per block). */
+export const TEST_LAYOUT = layoutIdentity({
+  tpSize: 1,
+  ppSize: 1,
+  collapseTp: false,
+  layers: [{ name: "test.layer", segBytes: 128 * 1024, numSegments: 1 }],
+});
+/** Its fingerprint, the `layout` argument of prefetch and lookupPrefix. */
+export const FP = TEST_LAYOUT.fingerprint;
+/** The namespace test blocks are written under. */
+export const TEST_NAMESPACE = "ns-test";
+
+/** A bump allocator over the pool that records what the tier committed and freed. */
+export type TestAllocator = PrefetchAllocator & {
+  freed: number;
+  given: number;
+  /** Committed blocks in commit order: key → pool extents. */
+  committed: Map<string, { offset: number; bytes: number }[]>;
+};
 
 export interface Harness {
   engine: Engine;
@@ -31,9 +52,10 @@ export interface Harness {
     off: number,
     len: number,
     resident?: () => boolean,
+    layout?: typeof TEST_LAYOUT,
   ): SsdWriteBlock & { pins: number; extents: { offset: number; bytes: number }[] };
-  /** Allocator over pool bytes from `base` (bump; free() counted in `freed`). */
-  allocator(base: number, limit?: number): PrefetchAllocator & { freed: number; given: number };
+  /** Allocator over pool bytes from `base` (bump; free() counted in `freed`, commits recorded). */
+  allocator(base: number, limit?: number): TestAllocator;
   /** An SsdTier on this pool, ring and log; its files go in `dir` unless `paths` says otherwise. */
   openTier(
     options: Omit<SsdTierOptions, "pool" | "ring" | "log" | "paths"> & { paths?: string[] },
@@ -79,9 +101,11 @@ export async function harness(poolBytes = 64 << 20): Promise<Harness> {
       for (let i = 0; i < len; i++) if (got[i] !== want[i]) return false;
       return true;
     },
-    block(key, off, len, resident = () => true) {
+    block(key, off, len, resident = () => true, layout = TEST_LAYOUT) {
       const b = {
         key,
+        namespace: TEST_NAMESPACE,
+        layout,
         extents: [{ offset: off, bytes: len }],
         pins: 0,
         acquire() {
@@ -97,19 +121,31 @@ export async function harness(poolBytes = 64 << 20): Promise<Harness> {
     },
     allocator(base, limit = poolBytes) {
       let next = base;
-      const fn = ((sizes: number[]) => {
+      const fn = ((wanted: readonly { key: string; payloadBytes: number }[]) => {
         const out: PrefetchAllocation[] = [];
-        for (const n of sizes) {
+        for (const w of wanted) {
+          const n = w.payloadBytes;
           if (next + n > limit) break;
           const off = next;
           next += Math.ceil(n / 4096) * 4096;
           fn.given++;
-          out.push({ extents: [{ offset: off, bytes: n }], free: () => fn.freed++ });
+          const extents = [{ offset: off, bytes: n }];
+          let settled = false;
+          const settle = () => {
+            if (settled) throw new Error(`allocation of ${w.key} settled twice`);
+            settled = true;
+          };
+          out.push({
+            extents,
+            free: () => (settle(), fn.freed++),
+            commit: () => (settle(), fn.committed.set(w.key, extents)),
+          });
         }
         return out;
-      }) as PrefetchAllocator & { freed: number; given: number };
+      }) as TestAllocator;
       fn.freed = 0;
       fn.given = 0;
+      fn.committed = new Map();
       return fn;
     },
     openTier(options) {

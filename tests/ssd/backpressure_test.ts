@@ -1,5 +1,5 @@
 import assert from "node:assert/strict";
-import { harness } from "./_harness.ts";
+import { FP, harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 64 * 1024;
@@ -29,12 +29,12 @@ Deno.test("a full write queue drops the newest batch, counts it, and never pins 
     s = tier.stats();
     assert.equal(s.writeBlocks, 6);
     for (const b of batches.slice(2)) for (const blk of b) assert.equal(blk.pins, 0);
-    assert.equal(tier.lookupPrefix(batches[2].map((b) => b.key)), 0);
+    assert.equal(tier.lookupPrefix(batches[2].map((b) => b.key), FP), 0);
     // A dropped batch can simply be offered again later.
     assert.equal(tier.enqueueWrite(batches[2]).status, "queued");
     assert.equal(tier.enqueueWrite(batches[0]).status, "nothing-to-write", "already on SSD");
     await tier.flushWrites();
-    assert.equal(tier.lookupPrefix(batches[2].map((b) => b.key)), 3);
+    assert.equal(tier.lookupPrefix(batches[2].map((b) => b.key), FP), 3);
   } finally {
     await tier.close();
     await h.close();
@@ -65,7 +65,7 @@ Deno.test("a block evicted from RAM before its write starts is skipped, not kept
   }
 });
 
-Deno.test("the prefetch budget bounds blocks held by prefetches under many concurrent queries", async () => {
+Deno.test("the prefetch budget bounds blocks being read under many concurrent queries; repeats join", async () => {
   const h = await harness();
   const BUDGET = 10;
   const tier = await h.openTier({
@@ -82,12 +82,12 @@ Deno.test("the prefetch budget bounds blocks held by prefetches under many concu
     );
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
-    const outstanding = () => alloc.given - alloc.freed - taken;
-    let taken = 0;
+    const outstanding = () => alloc.given - alloc.freed - alloc.committed.size;
     const answers: string[] = [];
-    // 40 queries arrive at once, each for a 4-block prefix starting somewhere.
+    // 40 queries arrive at once, each for one of 8 disjoint 4-block prefixes.
     for (let q = 0; q < 40; q++) {
-      const a = tier.prefetch(`req-${q}`, keys.slice(q % 28, (q % 28) + 4), alloc);
+      const at = (q * 4) % 32;
+      const a = tier.prefetch(`req-${q}`, keys.slice(at, at + 4), alloc, FP);
       answers.push(a.state === "miss" ? `miss:${a.reason}` : a.state);
       assert.ok(tier.stats().prefetchReservedBlocks <= BUDGET);
       assert.ok(
@@ -95,18 +95,20 @@ Deno.test("the prefetch budget bounds blocks held by prefetches under many concu
         `pool blocks held by prefetches ${outstanding()} > ${BUDGET}`,
       );
     }
+    // Reads of 4 + 4 + 2 (partial) = 10 blocks; every later query of those
+    // prefixes joins the read in flight; the other 5 prefixes of each round miss.
     const loading = answers.filter((a) => a === "loading").length;
-    assert.equal(loading, 3, answers.join(",")); // 4 + 4 + 2 (partial) = 10
-    assert.equal(answers.filter((a) => a === "miss:budget").length, 37);
+    assert.equal(loading, 3 + 3 * 4, answers.join(","));
+    assert.equal(answers.filter((a) => a === "miss:budget").length, 5 * 5);
+    assert.equal(alloc.given, BUDGET, "only the budget's blocks were allocated");
     assert.equal(tier.stats().prefetchPartial, 1);
-    assert.ok(tier.stats().prefetchBackpressure >= 37);
-    // Taking a ready result frees its budget for the next query.
-    await tier.prefetchSettled("req-0");
-    const r0 = tier.prefetch("req-0", [], alloc);
-    assert.equal(r0.state, "ready");
-    taken += r0.state === "ready" ? r0.blocks.length : 0;
-    assert.equal(tier.stats().prefetchReservedBlocks, 6);
-    assert.equal(tier.prefetch("req-new", keys.slice(10, 14), alloc).state, "loading");
+    assert.equal(tier.stats().prefetchBackpressure, 25);
+    for (let q = 0; q < 40; q++) await tier.prefetchSettled(`req-${q}`);
+    assert.equal(tier.stats().prefetchReservedBlocks, 0, "landed blocks free the budget");
+    assert.equal(alloc.committed.size, BUDGET);
+    assert.equal(tier.stats().readBlocks, BUDGET, "each block was read once");
+    assert.equal(tier.prefetch("req-8", [], alloc, FP).state, "ready", "a joiner is ready too");
+    assert.equal(tier.prefetch("req-new", keys.slice(12, 16), alloc, FP).state, "loading");
     assert.ok(outstanding() <= BUDGET);
   } finally {
     await tier.close();
@@ -114,7 +116,7 @@ Deno.test("the prefetch budget bounds blocks held by prefetches under many concu
   }
 });
 
-Deno.test("ready prefetches nobody takes are freed after their TTL", async () => {
+Deno.test("a prefetch nobody polls again still commits its blocks, and is forgotten after the TTL", async () => {
   const h = await harness();
   const tier = await h.openTier({
     capacityBytes: 32 * MiB,
@@ -126,13 +128,18 @@ Deno.test("ready prefetches nobody takes are freed after their TTL", async () =>
     tier.enqueueWrite([h.block("ns/t", 0, BLOCK)]);
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
-    assert.equal(tier.prefetch("abandoned", ["ns/t"], alloc).state, "loading");
+    assert.equal(tier.prefetch("abandoned", ["ns/t"], alloc, FP).state, "loading");
     await tier.prefetchSettled("abandoned");
-    await new Promise((r) => setTimeout(r, 5));
-    assert.equal(tier.prefetch("other", ["ns/none"], alloc).state, "miss");
-    assert.equal(tier.stats().prefetchExpired, 1);
-    assert.equal(alloc.freed, 1);
+    assert.ok(alloc.committed.has("ns/t"), "committed as it landed, without a poll");
+    assert.ok(h.holds("ns/t", alloc.committed.get("ns/t")![0].offset, BLOCK));
     assert.equal(tier.stats().prefetchReservedBlocks, 0);
+    await new Promise((r) => setTimeout(r, 5));
+    assert.equal(tier.prefetch("other", ["ns/none"], alloc, FP).state, "miss");
+    assert.equal(tier.prefetch("next", ["ns/t"], alloc, FP).state, "loading");
+    assert.equal(tier.stats().prefetchExpired, 1);
+    assert.equal(tier.hasPrefetch("abandoned"), false);
+    assert.equal(alloc.freed, 0, "nothing to free: the block is an ordinary cached block");
+    await tier.prefetchSettled("next");
   } finally {
     await tier.close();
     await h.close();

@@ -24,7 +24,9 @@ Deno.test("a record header round-trips, and any single flipped bit in it is caug
       fc.nat({ max: 2 ** 30 }),
       fc.nat({ max: 0xffffffff }),
       fc.nat(),
-      (key, seq, payloadBytes, crc, flip) => {
+      fc.string({ minLength: 1, maxLength: 80 }),
+      fc.stringMatching(/^[0-9a-f]{32}$/),
+      (key, seq, payloadBytes, crc, flip, namespace, layout) => {
         const page = new Uint8Array(PAGE_BYTES);
         const h = {
           key,
@@ -35,11 +37,16 @@ Deno.test("a record header round-trips, and any single flipped bit in it is caug
           recordBytes: recordBytes(payloadBytes),
           writtenAtMs: 1700000000000,
           generation: 123456789,
+          namespace,
+          layout,
+          layoutSummary: "tp_size 1, pp_size 1, 4 layers × 2 segments × 32768 B",
         };
         encodeHeader(page, h);
         assert.deepEqual(decodeHeader(page), h);
-        const keyLen = new TextEncoder().encode(key).length;
-        const bit = flip % ((64 + keyLen) * 8);
+        const te = new TextEncoder();
+        const used = 96 + te.encode(key).length + te.encode(namespace).length +
+          te.encode(h.layoutSummary).length;
+        const bit = flip % (used * 8);
         page[bit >> 3] ^= 1 << (bit & 7);
         assert.equal(typeof decodeHeader(page), "string");
       },
@@ -58,9 +65,12 @@ Deno.test("keys that cannot fit a header are refused with the key named", () => 
     payloadCrc: 0,
     recordBytes: 8192,
     writtenAtMs: 0,
+    namespace: "ns",
+    layout: "0".repeat(32),
+    layoutSummary: "",
     generation: 1,
   };
-  assert.throws(() => encodeHeader(page, h), /1\.\.4032/);
+  assert.throws(() => encodeHeader(page, h), /1\.\.3232/);
   assert.throws(
     () => encodeHeader(page, { ...h, key: "k".repeat(MAX_KEY_BYTES + 1) }),
     /block key "kkk/,

@@ -82,7 +82,17 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
       3,
       "fetched blocks are invisible until committed",
     );
+    assert.equal(
+      bridge.beforeQuery(NS, "inst", hashes, "req-B"),
+      true,
+      "another request joins the read in flight",
+    );
     await tier.prefetchSettled("req-A");
+    const other = store.query(NS, hashes, "other", 1);
+    assert.equal(other.hits, 12, "committed as they landed, before req-A polls again");
+    store.releaseLease(other.lease!.idBytes);
+    assert.equal(tier.stats().readBlocks, 9, "read once for both requests");
+    assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-B"), false);
     assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-A"), false);
     const q = store.query(NS, hashes, "inst", 2);
     assert.equal(q.hits, 12);
@@ -94,8 +104,8 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
       );
     }
     // A later query with everything in RAM does not touch the SSD.
-    assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-B"), false);
-    assert.equal(tier.hasPrefetch("req-B"), false);
+    assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-C"), false);
+    assert.equal(tier.hasPrefetch("req-C"), false);
   } finally {
     await tier.close();
     await h.close();

@@ -3,7 +3,7 @@ import { map, timer } from "rxjs";
 import { TestScheduler } from "rxjs/testing";
 import { stage } from "../../lib/pipeline/stage.ts";
 import { prefetchStageOptions, writeStageOptions } from "../../lib/ssd/tier.ts";
-import { harness } from "./_harness.ts";
+import { FP, harness } from "./_harness.ts";
 
 const newScheduler = () => new TestScheduler((a, b) => assert.deepEqual(a, b));
 
@@ -57,18 +57,24 @@ Deno.test("a refused prefetch frees its pool space and budget and answers miss",
     prefetchInflight: 1,
   });
   try {
-    const keys = ["ns/q0", "ns/q1", "ns/q2"];
+    const keys = Array.from({ length: 9 }, (_, i) => `ns/q${i}`);
     tier.enqueueWrite(
       keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
     );
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
-    assert.equal(tier.prefetch("r1", keys, alloc).state, "loading");
-    assert.equal(tier.prefetch("r2", keys, alloc).state, "loading");
-    assert.deepEqual(tier.prefetch("r3", keys, alloc), { state: "miss", reason: "queue-full" });
+    assert.equal(tier.prefetch("r1", keys.slice(0, 3), alloc, FP).state, "loading");
+    assert.equal(tier.prefetch("r2", keys.slice(3, 6), alloc, FP).state, "loading");
+    assert.deepEqual(tier.prefetch("r3", keys.slice(6, 9), alloc, FP), {
+      state: "miss",
+      reason: "queue-full",
+    });
     assert.equal(alloc.freed, 3, "r3's allocations were returned");
     assert.equal(tier.stats().prefetchReservedBlocks, 6);
     assert.equal(tier.stats().prefetchBackpressure, 1);
+    // A query of a prefix already being read joins it: no queue slot needed.
+    assert.equal(tier.prefetch("r4", keys.slice(0, 3), alloc, FP).state, "loading");
+    assert.equal(alloc.given, 9, "the joiner allocated nothing");
   } finally {
     await tier.close();
     await h.close();

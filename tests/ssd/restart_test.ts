@@ -1,6 +1,6 @@
 import assert from "node:assert/strict";
 import { SsdTier } from "../../lib/ssd/tier.ts";
-import { type Harness, harness } from "./_harness.ts";
+import { FP, type Harness, harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 128 * 1024;
@@ -25,16 +25,13 @@ async function writeBlocks(h: Harness, tier: SsdTier, keys: string[]) {
 
 async function fetchAll(h: Harness, tier: SsdTier, reqId: string, keys: string[]) {
   const alloc = h.allocator(32 * MiB);
-  const first = tier.prefetch(reqId, keys, alloc);
+  const first = tier.prefetch(reqId, keys, alloc, FP);
   if (first.state !== "loading") return { keys: [] as string[], exact: true, first };
   await tier.prefetchSettled(reqId);
-  const a = tier.prefetch(reqId, keys, alloc);
+  const a = tier.prefetch(reqId, keys, alloc, FP);
   assert.equal(a.state, "ready");
-  if (a.state !== "ready") throw new Error("unreachable");
-  const exact = a.blocks.every((b) =>
-    h.holds(b.key, b.allocation.extents[0].offset, b.allocation.extents[0].bytes)
-  );
-  return { keys: a.blocks.map((b) => b.key), exact, first };
+  const exact = [...alloc.committed].every(([key, [e]]) => h.holds(key, e.offset, e.bytes));
+  return { keys: [...alloc.committed.keys()], exact, first };
 }
 
 Deno.test("a new process rebuilds the index from disk and serves the prefix byte-exact", async () => {
@@ -63,7 +60,7 @@ Deno.test("a new process rebuilds the index from disk and serves the prefix byte
       const keys = Array.from({ length: 24 }, (_, i) => `ns-restart/${i}`);
       assert.equal(tier.recovery.blocks, 24);
       assert.equal(tier.stats().recoveredBlocks, 24);
-      assert.equal(tier.lookupPrefix(keys), 24);
+      assert.equal(tier.lookupPrefix(keys, FP), 24);
       const r = await fetchAll(h, tier, "after-restart", keys);
       assert.deepEqual(r.keys, keys);
       assert.ok(r.exact, "every recovered block byte-exact");
@@ -125,7 +122,7 @@ Deno.test("a flipped byte makes that block a miss; the prefix before it is serve
       assert.ok(r.exact);
       assert.equal(tier.stats().checksumFailures, 1);
       assert.ok(h.logs.some((l) => l.includes(keys[5]) && l.includes("CRC32C")), h.logs.join("\n"));
-      assert.equal(tier.lookupPrefix(keys), 5, "the bad block left the index");
+      assert.equal(tier.lookupPrefix(keys, FP), 5, "the bad block left the index");
     } finally {
       await tier.close();
     }
@@ -147,7 +144,7 @@ Deno.test("a record cut short by truncation is dropped at start", async () => {
     try {
       assert.equal(tier.recovery.blocks, 7);
       assert.equal(tier.recovery.truncated, 1);
-      assert.equal(tier.lookupPrefix(keys), 7);
+      assert.equal(tier.lookupPrefix(keys, FP), 7);
       const r = await fetchAll(h, tier, "q", keys);
       assert.deepEqual(r.keys, keys.slice(0, 7));
       assert.ok(r.exact);

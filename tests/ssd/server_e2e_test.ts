@@ -5,50 +5,11 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import type { PegaflowClient } from "../../lib/client/client.ts";
+import type { SimEngine } from "../../lib/client/sim_engine.ts";
 import { type ServerProc, startServer, uid } from "../server/harness.ts";
+import { queryUntilReady, sim, SSD_FLAGS, until } from "./_server.ts";
 
-const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const BLOCKS = 12;
-const SSD_FLAGS = (dir: string) => [
-  "--ssd-cache-path",
-  dir,
-  "--ssd-cache-capacity",
-  "128mb",
-  "--ssd-segment-size",
-  "4mb",
-];
-
-async function until(what: string, fn: () => Promise<boolean>, ms = 20_000): Promise<void> {
-  const end = Date.now() + ms;
-  while (!(await fn())) {
-    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 20));
-  }
-}
-
-/** Polls QueryPrefetch with one request id until it is ready; returns hits and lease. */
-async function queryUntilReady(sim: SimEngine, hashes: Uint8Array[], reqId: string) {
-  let loading = 0;
-  for (;;) {
-    const q = await sim.query(hashes, reqId);
-    if (q.kind === "ready") return { ...q, loading };
-    loading++;
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
-
-function sim(client: PegaflowClient, namespace: string) {
-  return SimEngine.create({
-    client,
-    instanceId: uid("ssd"),
-    namespace,
-    model: MODEL,
-    numBlocks: 64,
-    backend: "host",
-  });
-}
 
 Deno.test("server: evicted blocks come back from SSD, and survive a server restart, byte-exact", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-ssd-e2e-" });

@@ -2,21 +2,36 @@ import assert from "node:assert/strict";
 import { SsdIndex } from "../../lib/ssd/index.ts";
 import { SegmentRing } from "../../lib/ssd/space.ts";
 import { SsdTier } from "../../lib/ssd/tier.ts";
-import { harness } from "./_harness.ts";
+import { FP, harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
 
 Deno.test("segment ring: interleaves files, reuses the oldest segment and drops its keys first", () => {
   const index = new SsdIndex();
-  const ring = new SegmentRing([{ segments: 2 }, { segments: 2 }], 16384, (seg) => index.dropSegment(seg));
-  assert.deepEqual(ring.segments.map((s) => [s.file, s.fileOffset]), [[0, 4096], [1, 4096], [0, 20480], [1, 20480]]);
+  const ring = new SegmentRing(
+    [{ segments: 2 }, { segments: 2 }],
+    16384,
+    (seg) => index.dropSegment(seg),
+  );
+  assert.deepEqual(ring.segments.map((s) => [s.file, s.fileOffset]), [[0, 4096], [1, 4096], [
+    0,
+    20480,
+  ], [1, 20480]]);
   ring.resume(1);
   let seq = 1;
   const put = (key: string) => {
     const a = ring.allocate(8192, seq);
     assert.ok(typeof a !== "string");
     a.segment.inflightWrites--;
-    index.put(key, { segment: a.segment, fileOffset: a.fileOffset, payloadBytes: 4096, payloadCrc: 0, seq: seq++ });
+    index.put(key, {
+      segment: a.segment,
+      fileOffset: a.fileOffset,
+      payloadBytes: 4096,
+      payloadCrc: 0,
+      seq: seq++,
+      namespace: "ns",
+      layout: "0".repeat(32),
+    });
     return a;
   };
   const first = put("k0");
@@ -50,7 +65,11 @@ Deno.test("two cache paths: writes spread over both, the ring wraps oldest first
   for (const d of dirs) await Deno.mkdir(d);
   const BLOCK = 256 * 1024;
   const opts = {
-    pool: h.pool.handle, ring: h.ring, paths: dirs, capacityBytes: 8 * MiB + 2 * 4096, segmentBytes: MiB,
+    pool: h.pool.handle,
+    ring: h.ring,
+    paths: dirs,
+    capacityBytes: 8 * MiB + 2 * 4096,
+    segmentBytes: MiB,
     log: h.log,
   };
   let tier = await SsdTier.open(opts);
@@ -68,8 +87,8 @@ Deno.test("two cache paths: writes spread over both, the ring wraps oldest first
     const s = tier.stats();
     assert.equal(s.writeBlocks, 40);
     assert.ok(s.segmentsReused > 0);
-    assert.equal(tier.lookupPrefix(keys.slice(0, 10)), 0, "the oldest blocks were overwritten");
-    assert.ok(tier.lookupPrefix(keys.slice(24)) === 16, "the newest are all held");
+    assert.equal(tier.lookupPrefix(keys.slice(0, 10), FP), 0, "the oldest blocks were overwritten");
+    assert.ok(tier.lookupPrefix(keys.slice(24), FP) === 16, "the newest are all held");
     const paths = new Set(keys.slice(24).map((k) => tier.locate(k)!.path));
     assert.equal(paths.size, 2, "records on both paths");
   } finally {
@@ -80,19 +99,14 @@ Deno.test("two cache paths: writes spread over both, the ring wraps oldest first
     const held = tier.recovery.blocks;
     assert.ok(held >= 16 && held <= 24, `recovered ${held}`);
     const keys = Array.from({ length: 16 }, (_, i) => `ns/w${24 + i}`);
-    assert.equal(tier.lookupPrefix(keys), 16);
+    assert.equal(tier.lookupPrefix(keys, FP), 16);
     const alloc = h.allocator(16 * MiB);
-    assert.equal(tier.prefetch("r", keys, alloc).state, "loading");
+    assert.equal(tier.prefetch("r", keys, alloc, FP).state, "loading");
     await tier.prefetchSettled("r");
-    const a = tier.prefetch("r", keys, alloc);
+    const a = tier.prefetch("r", keys, alloc, FP);
     assert.equal(a.state, "ready");
-    if (a.state === "ready") {
-      assert.equal(a.blocks.length, 16);
-      for (const b of a.blocks) {
-        const e = b.allocation.extents[0];
-        assert.ok(h.holds(b.key, e.offset, e.bytes), b.key);
-      }
-    }
+    assert.equal(alloc.committed.size, 16);
+    for (const [key, [e]] of alloc.committed) assert.ok(h.holds(key, e.offset, e.bytes), key);
   } finally {
     await tier.close();
     await h.close();

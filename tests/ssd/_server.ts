@@ -1,0 +1,70 @@
+/**
+ * Helpers for the SSD tests that drive a real server process (host backend,
+ * real gRPC): the SSD flags, a polling wait with a deadline, QueryPrefetch
+ * polled until ready, and simulated engines of a given shape.
+ */
+import type { PegaflowClient } from "../../lib/client/client.ts";
+import { LLAMA_3_1_8B, type ModelShape, SimEngine } from "../../lib/client/sim_engine.ts";
+import { uid } from "../server/harness.ts";
+
+/** Llama-3.1-8B cut to 4 layers: 256 KiB blocks at TP=1. */
+export const MODEL: ModelShape = { ...LLAMA_3_1_8B, numLayers: 4 };
+
+/** A small SSD tier in `dir` (4 MiB segments so tests stay small). */
+export const SSD_FLAGS = (dir: string): string[] => [
+  "--ssd-cache-path",
+  dir,
+  "--ssd-cache-capacity",
+  "128mb",
+  "--ssd-segment-size",
+  "4mb",
+];
+
+/** Polls `fn` every 20 ms until it holds; throws naming `what` after `ms`. */
+export async function until(
+  what: string,
+  fn: () => Promise<boolean>,
+  ms = 20_000,
+): Promise<void> {
+  const end = Date.now() + ms;
+  while (!(await fn())) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+/** Polls QueryPrefetch with one request id until it is ready; returns hits, lease, and polls answered loading. */
+export async function queryUntilReady(
+  sim: SimEngine,
+  hashes: Uint8Array[],
+  reqId: string,
+  ms = 20_000,
+) {
+  const end = Date.now() + ms;
+  let loading = 0;
+  for (;;) {
+    const q = await sim.query(hashes, reqId);
+    if (q.kind === "ready") return { ...q, loading };
+    if (Date.now() > end) throw new Error(`request ${reqId} still loading after ${ms} ms`);
+    loading++;
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
+/** A simulated engine rank on the host backend, 64 blocks per layer. */
+export function sim(
+  client: PegaflowClient,
+  namespace: string,
+  opts: { model?: ModelShape; tpRank?: number; tpSize?: number; instanceId?: string } = {},
+): SimEngine {
+  return SimEngine.create({
+    client,
+    instanceId: opts.instanceId ?? uid("ssd"),
+    namespace,
+    model: opts.model ?? MODEL,
+    tpRank: opts.tpRank,
+    tpSize: opts.tpSize,
+    numBlocks: 64,
+    backend: "host",
+  });
+}
