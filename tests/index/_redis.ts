@@ -20,12 +20,15 @@ export interface RedisProcess {
   admin(): Redis;
   /** SIGKILL the server (no clean shutdown, like a crash). */
   kill(): Promise<void>;
+  /** SIGSTOP / SIGCONT: the server holds connections but answers nothing (a hung Redis). */
+  pause(): void;
+  resume(): void;
   /** Start an empty server on the same port again. */
   restart(): Promise<void>;
   stop(): Promise<void>;
 }
 
-async function freePort(): Promise<number> {
+function freePort(): number {
   const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
   const port = (l.addr as Deno.NetAddr).port;
   l.close();
@@ -51,7 +54,7 @@ async function pings(port: number): Promise<boolean> {
 
 export async function startRedis(): Promise<RedisProcess> {
   const dir = await Deno.makeTempDir({ prefix: "pf-redis-test-" });
-  const port = await freePort();
+  const port = freePort();
   let child: Deno.ChildProcess | undefined;
   const admins: Redis[] = [];
   const spawn = async () => {
@@ -87,6 +90,7 @@ export async function startRedis(): Promise<RedisProcess> {
     if (!child) return;
     const p = child;
     child = undefined;
+    p.kill("SIGCONT");
     p.kill("SIGKILL");
     await p.stderr.cancel();
     await p.status;
@@ -107,6 +111,8 @@ export async function startRedis(): Promise<RedisProcess> {
       return r;
     },
     kill,
+    pause: () => child?.kill("SIGSTOP"),
+    resume: () => child?.kill("SIGCONT"),
     async restart() {
       await kill();
       await spawn();
