@@ -42,12 +42,24 @@ function hexOf(key: string): string {
  * ```
  */
 export class IndexAdvertiser {
+  /**
+   * Called once per namespace with the first call the index refused as bad
+   * input (e.g. an engine whose hashes are longer than 64 bytes): a
+   * configuration problem to log, not an outage, and never an exception in
+   * the store's or the engine's path.
+   */
+  readonly #onRefused: (namespace: string, e: Error) => void;
+  readonly #refusedNamespaces = new Set<string>();
   /** namespace → hex → hash bytes, of every sealed block held now. */
   readonly #held = new Map<string, Map<string, Uint8Array>>();
   readonly #toAdvertise = new Map<string, Set<string>>();
   readonly #toWithdraw = new Map<string, Set<string>>();
   #port: AdvertisePort | undefined;
   #scheduled = false;
+
+  constructor(onRefused: (namespace: string, e: Error) => void = () => {}) {
+    this.#onRefused = onRefused;
+  }
 
   /** Starts sending to `port` (events before this only update the held set). */
   connect(port: AdvertisePort): void {
@@ -109,7 +121,7 @@ export class IndexAdvertiser {
     if (!port) return;
     // Outcomes need no handling here: the index counts failures and re-advertises on recovery.
     for (const [ns, hexes] of wd) {
-      if (hexes.size > 0) void port.withdraw(ns, [...hexes].map(hexBytes));
+      if (hexes.size > 0) this.#send(ns, () => port.withdraw(ns, [...hexes].map(hexBytes)));
     }
     for (const [ns, hexes] of adv) {
       const held = this.#held.get(ns);
@@ -118,7 +130,21 @@ export class IndexAdvertiser {
         const h = held?.get(hex);
         if (h) list.push(h);
       }
-      if (list.length > 0) void port.advertise(ns, list);
+      if (list.length > 0) this.#send(ns, () => port.advertise(ns, list));
+    }
+  }
+
+  /** Runs one index call; an outage resolves false inside the index, only bad input rejects. */
+  #send(ns: string, call: () => Promise<boolean>): void {
+    const refused = (e: unknown) => {
+      if (this.#refusedNamespaces.has(ns)) return;
+      this.#refusedNamespaces.add(ns);
+      this.#onRefused(ns, e as Error);
+    };
+    try {
+      call().catch(refused);
+    } catch (e) {
+      refused(e);
     }
   }
 }

@@ -14,6 +14,21 @@ import { RedisBlockIndex } from "./block_index.ts";
 import { type IndexConfig, nodeIdentity } from "./flags.ts";
 import { registerIndexMetrics } from "./metrics.ts";
 
+/**
+ * The advertiser the server's seal and evict hooks feed (made before the
+ * store, which takes the evict hook at construction). A namespace whose
+ * blocks the index refuses is logged once.
+ */
+export function indexAdvertiser(log: Logger): IndexAdvertiser {
+  return new IndexAdvertiser((namespace, e) =>
+    log.error("block index refused this namespace's blocks; they stay local", {
+      component: "index",
+      namespace,
+      error: e.message,
+    })
+  );
+}
+
 /** A started index and the advertiser the server's hooks call. */
 export interface BlockIndexHandle {
   index: RedisBlockIndex;
@@ -35,10 +50,11 @@ export function openBlockIndex(
   grpcAddr: string,
   log: Logger,
   registry: Registry,
-  advertiser: IndexAdvertiser = new IndexAdvertiser(),
+  advertiser?: IndexAdvertiser,
 ): BlockIndexHandle {
   const { nodeId, advertiseAddr } = nodeIdentity(cfg, grpcAddr);
   const ilog = log.child({ component: "index" });
+  advertiser ??= indexAdvertiser(log);
   const index = new RedisBlockIndex({
     url: cfg.redisUrl,
     nodeId,

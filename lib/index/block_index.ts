@@ -26,14 +26,7 @@ import { Redis } from "ioredis";
 import { Buffer } from "node:buffer";
 import { Availability, type IndexLog } from "./availability.ts";
 import { IndexInputError } from "./errors.ts";
-import {
-  checkNamespace,
-  checkNodeToken,
-  nodeSetKey,
-  nodeSetPrefix,
-  nodesKey,
-  packHashes,
-} from "./keys.ts";
+import { checkNodeToken, nodeSetKey, nodeSetPrefix, nodesKey, packHashes } from "./keys.ts";
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
 import { ADVERTISE_LUA, HEARTBEAT_LUA, LOOKUP_LUA, WITHDRAW_LUA } from "./scripts.ts";
 
@@ -519,5 +512,3 @@ export function checkRedisUrl(url: string): string {
   }
   return url;
 }
-
-export { checkNamespace };

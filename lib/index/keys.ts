@@ -1,8 +1,9 @@
 /**
  * The block index's Redis key schema and argument packing. Every key of one
- * namespace carries the hash tag `{ns}`, so on Redis Cluster they all live in
- * one slot and each Lua script stays inside one slot (a script may not span
- * slots).
+ * namespace carries the hash tag `{ns}` (or a digest of the namespace when it
+ * cannot stand in a key as it is: {@link namespaceTag}), so on Redis Cluster
+ * they all live in one slot and each Lua script stays inside one slot (a
+ * script may not span slots).
  *
  * ```
  * pf:{<ns>}:nodes               HASH  node id → "<incarnation> <deadline ms> <advertise addr>"
@@ -24,11 +25,12 @@
  */
 
 import { Buffer } from "node:buffer";
+import { createHash } from "node:crypto";
 import { IndexInputError } from "./errors.ts";
 
 /** Longest accepted block hash: SHA-512 size; the engines send 8..32 bytes. */
 export const MAX_HASH_BYTES = 64;
-/** Longest accepted namespace (the store's are 16 hex chars). */
+/** Longest namespace used in keys as it is; longer ones are digested (the store's are 16 hex chars). */
 export const MAX_NAMESPACE_CHARS = 128;
 /** Longest node id or advertise address (a hostname plus a port fits easily). */
 export const MAX_NODE_CHARS = 255;
@@ -36,24 +38,44 @@ export const MAX_NODE_CHARS = 255;
 /** Root of every key the index writes: `SCAN 0 MATCH pf:*` finds them all. */
 const KEY_ROOT = "pf:";
 /**
- * Namespace characters: a `{` or `}` would move the hash tag, whitespace or a
- * control character makes keys unreadable in redis-cli.
+ * Namespace characters used in keys as they are: a `{` or `}` would move the
+ * hash tag, whitespace or a control character makes keys unreadable in redis-cli.
  */
 const NAMESPACE_RE = /^[A-Za-z0-9._:\-]+$/;
 /** Node ids and addresses are stored space-separated in one field value. */
 const NODE_RE = /^[\x21-\x7e]+$/;
 
-/** Throws {@link IndexInputError} unless `ns` can name a namespace in a key. */
+/** Throws {@link IndexInputError} unless `ns` is a non-empty string (the store accepts any other). */
 export function checkNamespace(ns: string): void {
   if (typeof ns !== "string" || ns.length === 0) {
     throw new IndexInputError("namespace must be a non-empty string", { got: String(ns) });
   }
-  if (ns.length > MAX_NAMESPACE_CHARS || !NAMESPACE_RE.test(ns)) {
-    throw new IndexInputError(
-      `namespace "${ns}" must be 1..${MAX_NAMESPACE_CHARS} characters of A-Z a-z 0-9 . _ : -`,
-      { namespace: ns, got: ns.length },
-    );
-  }
+}
+
+/** Hex chars of SHA-256 kept for a namespace that cannot stand in a key as it is (128 bits). */
+const NAMESPACE_DIGEST_CHARS = 32;
+/** Namespaces seen; few per process (one per model layout), bounded anyway. */
+const TAG_CACHE_MAX = 1024;
+const tagCache = new Map<string, string>();
+
+/**
+ * The text inside the hash tag for a namespace: the namespace itself when it
+ * is short and made of `A-Z a-z 0-9 . _ : -` (the store's own namespaces are
+ * 16 hex chars), else `~` and 128 bits of its SHA-256 — the same on every
+ * node, and `~` keeps the two forms apart. An engine may name its namespace
+ * anything (`meta-llama/Llama-3.1-8B tp=2`), and a `{` or `}` in it would
+ * move the hash tag.
+ */
+export function namespaceTag(ns: string): string {
+  checkNamespace(ns);
+  let tag = tagCache.get(ns);
+  if (tag !== undefined) return tag;
+  tag = ns.length <= MAX_NAMESPACE_CHARS && NAMESPACE_RE.test(ns)
+    ? ns
+    : "~" + createHash("sha256").update(ns).digest("hex").slice(0, NAMESPACE_DIGEST_CHARS);
+  if (tagCache.size >= TAG_CACHE_MAX) tagCache.clear();
+  tagCache.set(ns, tag);
+  return tag;
 }
 
 /** Throws {@link IndexInputError} unless `value` is a printable token (node id, address). */
@@ -71,12 +93,12 @@ export function checkNodeToken(what: string, value: string): void {
 
 /** `pf:{ns}:nodes`: the namespace's node registry (liveness and addresses). */
 export function nodesKey(ns: string): string {
-  return `${KEY_ROOT}{${ns}}:nodes`;
+  return `${KEY_ROOT}{${namespaceTag(ns)}}:nodes`;
 }
 
 /** `pf:{ns}:n:`: prefix of the per-node block sets; the lookup script appends `<node>:<inc>`. */
 export function nodeSetPrefix(ns: string): string {
-  return `${KEY_ROOT}{${ns}}:n:`;
+  return `${KEY_ROOT}{${namespaceTag(ns)}}:n:`;
 }
 
 /** `pf:{ns}:n:<node>:<inc>`: the set of blocks `node` holds under incarnation `inc`. */

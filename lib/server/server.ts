@@ -25,8 +25,7 @@ import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
 import { SsdKvBridge } from "../ssd/kv_bridge.ts";
 import { registerSsdMetrics } from "../ssd/metrics.ts";
 import { type GoawayGuard, startGoawayGuard } from "./goaway_guard.ts";
-import { IndexAdvertiser } from "../index/advertiser.ts";
-import { type BlockIndexHandle, openBlockIndex } from "../index/attach.ts";
+import { type BlockIndexHandle, indexAdvertiser, openBlockIndex } from "../index/attach.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -105,7 +104,7 @@ export async function startServer(
   log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
   const unitBytes = allocationUnit(cfg.hintValueSize);
   // Cross-node index: seal and evict events feed it; it starts once the gRPC port is known.
-  const advertiser = cfg.index.redisUrl ? new IndexAdvertiser() : undefined;
+  const advertiser = cfg.index.redisUrl ? indexAdvertiser(log) : undefined;
   const store = new KvStore({
     capacityBytes: native.poolBytes,
     unitBytes,

@@ -79,3 +79,24 @@ Deno.test("events before the index is connected only fill the held set", async (
   assert.equal(listed.length, 4);
   assert.ok(listed.every((b) => b.namespace === "ns" && b.hash.length === 32));
 });
+
+Deno.test("blocks the index refuses (hash over 64 bytes) are reported once per namespace, never thrown", async () => {
+  const refused: string[] = [];
+  const adv = new IndexAdvertiser((ns, e) => refused.push(`${ns}: ${e.message}`));
+  adv.connect({
+    advertise: (ns, hashes) => {
+      if (hashes.some((h) => h.length > 64)) {
+        return Promise.reject(new Error(`hash has ${hashes[0].length} bytes`));
+      }
+      return Promise.resolve(true);
+    },
+    withdraw: () => Promise.resolve(true),
+  });
+  const long = (i: number) => `ns:${i.toString(16).padStart(160, "0")}`;
+  adv.onSealed("ns", [long(1), long(2)]);
+  await tick();
+  adv.onSealed("ns", [long(3)]);
+  await tick();
+  assert.deepEqual(refused, ["ns: hash has 80 bytes"]);
+  assert.equal(adv.held, 3);
+});
