@@ -57,23 +57,33 @@ export async function startRedis(): Promise<RedisProcess> {
   const port = freePort();
   let child: Deno.ChildProcess | undefined;
   const admins: Redis[] = [];
+  const spawnChild = () => {
+    try {
+      return new Deno.Command(REDIS_BIN, {
+        args: [
+          "--port",
+          String(port),
+          "--bind",
+          "127.0.0.1",
+          "--save",
+          "",
+          "--appendonly",
+          "no",
+          "--dir",
+          dir,
+        ],
+        stdout: "null",
+        stderr: "piped",
+      }).spawn();
+    } catch (e) {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+      throw new Error(
+        `${REDIS_BIN} not found: install it with \`make redis\` (Debian redis-server) or set PEGAFLOW_REDIS_SERVER`,
+      );
+    }
+  };
   const spawn = async () => {
-    child = new Deno.Command(REDIS_BIN, {
-      args: [
-        "--port",
-        String(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        dir,
-      ],
-      stdout: "null",
-      stderr: "piped",
-    }).spawn();
+    child = spawnChild();
     const deadline = Date.now() + READY_TIMEOUT_MS;
     while (!await pings(port)) {
       if (Date.now() > deadline) {

@@ -84,7 +84,7 @@ Deno.test("blocks the index refuses (hash over 64 bytes) are reported once per n
   const refused: string[] = [];
   const adv = new IndexAdvertiser((ns, e) => refused.push(`${ns}: ${e.message}`));
   adv.connect({
-    advertise: (ns, hashes) => {
+    advertise: (_ns, hashes) => {
       if (hashes.some((h) => h.length > 64)) {
         return Promise.reject(new Error(`hash has ${hashes[0].length} bytes`));
       }
