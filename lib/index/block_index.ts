@@ -147,7 +147,6 @@ export class RedisBlockIndex {
   readonly nodeId: string;
   readonly advertiseAddr: string;
   readonly #redis: Redis & IndexCommands;
-  readonly #cmd: IndexCommands;
   readonly #timeoutMs: number;
   readonly #nodeTtlMs: number;
   readonly #heartbeatMs: number;
@@ -208,7 +207,6 @@ export class RedisBlockIndex {
     this.#redis.defineCommand("pfWithdraw", { lua: WITHDRAW_LUA });
     this.#redis.defineCommand("pfHeartbeat", { lua: HEARTBEAT_LUA });
     this.#redis.defineCommand("pfLookup", { lua: LOOKUP_LUA });
-    this.#cmd = this.#redis;
     // Connection errors repeat on every reconnect attempt: counted, logged once per outage.
     this.#redis.on("error", (e: Error) => this.#failed("connect", e));
     // Connected (again): one heartbeat proves it and, after an outage, starts the re-join.
@@ -246,7 +244,7 @@ export class RedisBlockIndex {
     const inc = this.#incarnation;
     const join = !this.#joined.has(namespace);
     const res = await this.#call("advertise", p.count, () =>
-      this.#cmd.pfAdvertise(
+      this.#redis.pfAdvertise(
         2,
         nodesKey(namespace),
         nodeSetKey(namespace, this.nodeId, inc),
@@ -274,7 +272,7 @@ export class RedisBlockIndex {
     if (p.count === 0) return true;
     const inc = this.#incarnation;
     const res = await this.#call("withdraw", p.count, () =>
-      this.#cmd.pfWithdraw(
+      this.#redis.pfWithdraw(
         2,
         nodesKey(namespace),
         nodeSetKey(namespace, this.nodeId, inc),
@@ -295,7 +293,7 @@ export class RedisBlockIndex {
     if (this.#closed) return { length: 0, owners: [], available: false };
     if (p.count === 0) return { length: 0, owners: [], available: true };
     const res = await this.#call("lookup", p.count, () =>
-      this.#cmd.pfLookup(
+      this.#redis.pfLookup(
         1,
         nodesKey(namespace),
         this.nodeId,
