@@ -10,6 +10,7 @@ import { Command, CommanderError, InvalidArgumentError } from "commander";
 import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
+import { type IndexConfig, indexConfigFrom, indexOptions } from "../index/flags.ts";
 
 /** The size parser behind --pool-size and friends (it lives in lib/cli/flags.ts). */
 export { parseSize };
@@ -47,6 +48,8 @@ export interface ServeConfig {
   goawayGuard: boolean;
   /** SSD tier (lib/ssd/flags.ts); no paths = no SSD tier. */
   ssd: SsdConfig;
+  /** Cross-node block index (lib/index/flags.ts); no Redis URL = no index. */
+  index: IndexConfig;
 }
 
 /** Default gRPC address (the original system's port). */
@@ -192,6 +195,7 @@ export function serveCommand(): Command {
     .exitOverride()
     .allowExcessArguments(false);
   for (const o of ssdOptions()) cmd.addOption(o);
+  for (const o of indexOptions()) cmd.addOption(o);
   return cmd;
 }
 
@@ -247,6 +251,7 @@ export function parseServeArgs(argv: string[]): ParseResult {
       maxMessageBytes: o.maxMessageSize,
       goawayGuard: o.goawayGuard,
       ssd: ssdConfigFrom(o),
+      index: indexConfigFrom(o),
     },
   };
 }

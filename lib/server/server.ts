@@ -26,6 +26,7 @@ import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
 import { SsdKvBridge } from "../ssd/kv_bridge.ts";
 import { registerSsdMetrics } from "../ssd/metrics.ts";
 import { type GoawayGuard, startGoawayGuard } from "./goaway_guard.ts";
+import { type BlockIndexHandle, indexAdvertiser, openBlockIndex } from "../index/attach.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -104,6 +105,8 @@ export async function startServer(
   }, log);
   log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
   const unitBytes = allocationUnit(cfg.hintValueSize);
+  // Cross-node index: seal and evict events feed it; it starts once the gRPC port is known.
+  const advertiser = cfg.index.redisUrl ? indexAdvertiser(log) : undefined;
   const store = new KvStore({
     capacityBytes: native.poolBytes,
     unitBytes,
@@ -112,6 +115,7 @@ export async function startServer(
     lfuCapacityBlocks: cfg.enableLfuAdmission
       ? Math.max(1024, Math.floor(native.poolBytes / (cfg.hintValueSize || TYPICAL_SEGMENT_BYTES)))
       : undefined,
+    onEvict: advertiser ? (ns, hash) => advertiser.onEvicted(ns, hash) : undefined,
   });
   // Leases expire and stale inflight blocks are collected on every store call;
   // the timer covers an idle server so pins do not outlive their TTL.
@@ -168,6 +172,7 @@ export async function startServer(
   engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
   // Write-behind: sealed blocks are offered to the SSD tier (never waits).
   if (bridge) engine.onSealed((_ns, keys) => bridge.onSealed(keys));
+  if (advertiser) engine.onSealed((ns, keys) => advertiser.onSealed(ns, keys));
 
   const server = new grpc.Server({
     "grpc.max_receive_message_length": cfg.maxMessageBytes,
@@ -251,6 +256,15 @@ export async function startServer(
     const a = http.addr as Deno.NetAddr;
     httpAddr = `${hostname}:${a.port}`;
   }
+  const index: BlockIndexHandle | undefined = cfg.index.redisUrl && advertiser
+    ? openBlockIndex(
+      { ...cfg.index, redisUrl: cfg.index.redisUrl },
+      grpcAddr,
+      log,
+      metrics.registry,
+      advertiser,
+    )
+    : undefined;
   log.info("serving", { grpc: grpcAddr, http: httpAddr, backend: native.backend });
 
   let closing: Promise<void> | undefined;
@@ -259,6 +273,7 @@ export async function startServer(
       log.info("shutting down");
       sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
       await engine.close();
+      await index?.close();
       await ssd?.close();
       // grpc-js's sockets are left to process exit on purpose: its
       // tryShutdown/forceShutdown send GOAWAY, and a Deno process receiving a

@@ -1,0 +1,72 @@
+/**
+ * Composition of the block index for the server: builds the index from the
+ * flags, its metrics, and the advertiser that the server's seal and evict
+ * hooks feed. lib/server/server.ts calls {@link openBlockIndex} only when
+ * `--index-redis` is given; nothing here touches the store or the engine.
+ *
+ * @module
+ */
+
+import type { Registry } from "prom-client";
+import type { Logger } from "../log.ts";
+import { IndexAdvertiser } from "./advertiser.ts";
+import { RedisBlockIndex } from "./block_index.ts";
+import { type IndexConfig, nodeIdentity } from "./flags.ts";
+import { registerIndexMetrics } from "./metrics.ts";
+
+/**
+ * The advertiser the server's seal and evict hooks feed (made before the
+ * store, which takes the evict hook at construction). A namespace whose
+ * blocks the index refuses is logged once.
+ */
+export function indexAdvertiser(log: Logger): IndexAdvertiser {
+  return new IndexAdvertiser((namespace, e) =>
+    log.error("block index refused this namespace's blocks; they stay local", {
+      component: "index",
+      namespace,
+      error: e.message,
+    })
+  );
+}
+
+/** A started index and the advertiser the server's hooks call. */
+export interface BlockIndexHandle {
+  index: RedisBlockIndex;
+  advertiser: IndexAdvertiser;
+  close(): Promise<void>;
+}
+
+/**
+ * Starts the index for this node (connects in the background; never throws
+ * for an unreachable Redis — it logs once and keeps trying).
+ *
+ * @example
+ * ```ts
+ * const idx = cfg.index.redisUrl ? openBlockIndex(cfg.index, grpcAddr, log, metrics.registry) : undefined;
+ * ```
+ */
+export function openBlockIndex(
+  cfg: IndexConfig & { redisUrl: string },
+  grpcAddr: string,
+  log: Logger,
+  registry: Registry,
+  advertiser?: IndexAdvertiser,
+): BlockIndexHandle {
+  const { nodeId, advertiseAddr } = nodeIdentity(cfg, grpcAddr);
+  const ilog = log.child({ component: "index" });
+  advertiser ??= indexAdvertiser(log);
+  const index = new RedisBlockIndex({
+    url: cfg.redisUrl,
+    nodeId,
+    advertiseAddr,
+    timeoutMs: cfg.timeoutMs,
+    nodeTtlMs: cfg.nodeTtlMs,
+    listSealed: () => advertiser.listSealed(),
+    log: (level, msg, fields) => ilog[level](msg, fields),
+    metrics: registerIndexMetrics(registry),
+  });
+  advertiser.connect(index);
+  index.start();
+  ilog.info("block index started", { node: nodeId, advertise_addr: advertiseAddr });
+  return { index, advertiser, close: () => index.close() };
+}

@@ -1,0 +1,77 @@
+/**
+ * Whether the index's Redis answers, as seen from its calls: one log line per
+ * outage (not per call), an error count per failed call, the `up` gauge, and
+ * one `onRecover` call when Redis answers again after failing.
+ *
+ * State starts unknown, so the first outcome — success or failure — is
+ * logged once too, and a first success counts as a recovery (the node then
+ * advertises whatever it already holds).
+ *
+ * @module
+ */
+
+import type { IndexMetrics, IndexOp } from "./metrics.ts";
+
+/** Log sink of the index: level, message, fields. */
+export type IndexLog = (
+  level: "info" | "warn" | "error",
+  msg: string,
+  fields?: Record<string, string | number | boolean>,
+) => void;
+
+/**
+ * Outage tracking.
+ *
+ * @example
+ * ```ts
+ * const a = new Availability(log, metrics, () => republish());
+ * try { await call(); a.succeeded(); } catch (e) { a.failed("lookup", e as Error); }
+ * ```
+ */
+export class Availability {
+  #up: boolean | undefined;
+  #outages = 0;
+
+  constructor(
+    private readonly log: IndexLog,
+    private readonly metrics: IndexMetrics | undefined,
+    private readonly onRecover: () => void,
+    private readonly where: string,
+  ) {}
+
+  /** True while the last outcome was a success. */
+  get up(): boolean {
+    return this.#up === true;
+  }
+
+  /** Outages seen so far (transitions to down). */
+  get outages(): number {
+    return this.#outages;
+  }
+
+  /** A call or connection attempt failed: counted always, logged on the first of an outage. */
+  failed(op: IndexOp, error: Error): void {
+    this.metrics?.error(op);
+    if (this.#up === false) return;
+    this.#up = false;
+    this.#outages++;
+    this.metrics?.up(false);
+    this.log("warn", "block index unreachable: serving from local tiers only until it answers", {
+      redis: this.where,
+      op,
+      error: error.message,
+    });
+  }
+
+  /** A call succeeded: on the first success after a failure (or ever), recover. */
+  succeeded(): void {
+    if (this.#up === true) return;
+    const wasDown = this.#up === false;
+    this.#up = true;
+    this.metrics?.up(true);
+    this.log("info", wasDown ? "block index reachable again" : "block index connected", {
+      redis: this.where,
+    });
+    this.onRecover();
+  }
+}

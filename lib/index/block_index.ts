@@ -1,0 +1,512 @@
+/**
+ * The cross-node block index on Redis: which other nodes hold a sealed block
+ * `(namespace, hash)`, and who holds the longest prefix of a hash chain.
+ *
+ * Every call is ONE round trip (one `EVALSHA`, lib/index/scripts.ts) with a
+ * deadline, whatever the number of blocks. Redis being down never reaches the
+ * caller as an exception: advertise/withdraw answer `false`, lookup answers a
+ * miss, the error is counted and logged once per outage
+ * (lib/index/availability.ts), and the node keeps serving from its own tiers.
+ *
+ * Liveness: the node heartbeats one field per namespace it advertised into;
+ * block entries carry the node's incarnation (random, new per process start
+ * and per re-join). When Redis answers again after an outage, or reports
+ * that this node's registration was lost (Redis restarted, failover, a stall
+ * past the TTL), the node re-joins under a new incarnation — which makes all
+ * its older entries dead at once, including any whose withdraw was lost —
+ * and re-advertises what it holds, from `listSealed()`, in batches.
+ *
+ * Bad input (namespace, hash) throws {@link IndexInputError}: it is the
+ * caller's bug, not an outage.
+ *
+ * @module
+ */
+
+import { Redis } from "ioredis";
+import { Buffer } from "node:buffer";
+import { Availability, type IndexLog } from "./availability.ts";
+import { IndexInputError } from "./errors.ts";
+import { checkNodeToken, nodeSetKey, nodeSetPrefix, nodesKey, packHashes } from "./keys.ts";
+import type { IndexMetrics, IndexOp } from "./metrics.ts";
+import { ADVERTISE_LUA, HEARTBEAT_LUA, LOOKUP_LUA, WITHDRAW_LUA } from "./scripts.ts";
+
+/** Deadline of one index call: a local Redis answers in ~0.1-1 ms; past this, serve locally. */
+export const DEFAULT_INDEX_TIMEOUT_MS = 250;
+/** A node whose heartbeat stops is dead for lookups after this long. */
+export const DEFAULT_NODE_TTL_MS = 15_000;
+/** Blocks per re-advertise call: one 10K-token save, 625 blocks. */
+export const DEFAULT_REPUBLISH_BATCH = 625;
+/** Heartbeats per node TTL: two may be lost before the node is taken for dead. */
+const HEARTBEATS_PER_TTL = 3;
+/** Reconnect back-off: 100 ms steps, capped at 1 s, so a restarted Redis is found fast. */
+const RECONNECT_STEP_MS = 100;
+const RECONNECT_MAX_MS = 1_000;
+/** Random bytes of an incarnation id. */
+const INCARNATION_BYTES = 8;
+
+/** A block this node holds, as `listSealed()` reports it. */
+export interface SealedBlock {
+  namespace: string;
+  hash: Uint8Array;
+}
+
+/** Another node that holds a prefix of the looked-up hashes. */
+export interface PeerOwner {
+  nodeId: string;
+  /** What to dial (the node's `--advertise-addr`). */
+  addr: string;
+  /** How many blocks from the first one this node holds without a gap. */
+  length: number;
+}
+
+/** The answer to {@link RedisBlockIndex.lookup}. */
+export interface LookupResult {
+  /** Longest prefix in which every block has at least one live owner (other than this node). */
+  length: number;
+  /** Owners holding at least the first block, longest run first. */
+  owners: PeerOwner[];
+  /** False when Redis did not answer in time: the answer is a miss, not knowledge. */
+  available: boolean;
+}
+
+/** Options of {@link RedisBlockIndex}. */
+export interface BlockIndexOptions {
+  /** `redis://[user:pass@]host:port[/db]` (or `rediss://`). */
+  url: string;
+  /** This node's id in the index (unique per live node). */
+  nodeId: string;
+  /** What peers dial to fetch from this node. */
+  advertiseAddr: string;
+  /** What this node holds now; read on re-advertise (after an outage or a lost registration). */
+  listSealed: () => Iterable<SealedBlock>;
+  /** Deadline of each call in ms. Default {@link DEFAULT_INDEX_TIMEOUT_MS}. */
+  timeoutMs?: number;
+  /** Node liveness TTL in ms. Default {@link DEFAULT_NODE_TTL_MS}. */
+  nodeTtlMs?: number;
+  /** Heartbeat period in ms. Default nodeTtlMs / 3. */
+  heartbeatMs?: number;
+  /** Blocks per re-advertise call. Default {@link DEFAULT_REPUBLISH_BATCH}. */
+  republishBatch?: number;
+  log?: IndexLog;
+  metrics?: IndexMetrics;
+  /** Random bytes for incarnation ids. Default `crypto.getRandomValues`. */
+  randomBytes?: (n: number) => Uint8Array;
+}
+
+/** Counters for tests and /health. */
+export interface BlockIndexStats {
+  up: boolean;
+  outages: number;
+  incarnation: string;
+  /** Namespaces this node has joined under its current incarnation. */
+  namespaces: number;
+  republishedBlocks: number;
+  rejoins: number;
+  errors: number;
+}
+
+/** The scripts as ioredis custom commands (numkeys first, then keys, then args). */
+interface IndexCommands {
+  pfAdvertise(...args: (string | number | Buffer)[]): Promise<number>;
+  pfWithdraw(...args: (string | number | Buffer)[]): Promise<number>;
+  pfHeartbeat(...args: (string | number | Buffer)[]): Promise<number>;
+  pfLookup(...args: (string | number | Buffer)[]): Promise<(string | number)[]>;
+}
+
+/** Where the URL points, without credentials (for log lines). */
+function redisWhere(url: string): string {
+  const u = new URL(url);
+  return `${u.protocol}//${u.host}${u.pathname.length > 1 ? u.pathname : ""}`;
+}
+
+/** A rejected promise after `ms`, or `p`'s outcome, whichever comes first. */
+function withDeadline<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const deadline = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
+  });
+  return Promise.race([p, deadline]).finally(() => clearTimeout(timer));
+}
+
+/**
+ * The block index of one node.
+ *
+ * @example
+ * ```ts
+ * const index = new RedisBlockIndex({
+ *   url: "redis://127.0.0.1:6379", nodeId: "node-a:50055", advertiseAddr: "10.0.0.1:50055",
+ *   listSealed: () => held.values(),
+ * });
+ * index.start();
+ * await index.advertise(ns, hashes);            // one round trip for the whole save
+ * const { length, owners } = await index.lookup(ns, queryHashes);
+ * await index.close();
+ * ```
+ */
+export class RedisBlockIndex {
+  readonly nodeId: string;
+  readonly advertiseAddr: string;
+  readonly #redis: Redis & IndexCommands;
+  readonly #timeoutMs: number;
+  readonly #nodeTtlMs: number;
+  readonly #heartbeatMs: number;
+  readonly #batch: number;
+  readonly #listSealed: () => Iterable<SealedBlock>;
+  readonly #log: IndexLog;
+  readonly #metrics: IndexMetrics | undefined;
+  readonly #random: (n: number) => Uint8Array;
+  readonly #avail: Availability;
+  #incarnation: string;
+  /** Namespaces joined under the current incarnation (heartbeated). */
+  #joined = new Set<string>();
+  #heartbeatTimer: ReturnType<typeof setInterval> | undefined;
+  #republishing: Promise<void> | undefined;
+  #republishAgain = false;
+  #started = false;
+  #closed = false;
+  #republished = 0;
+  #rejoins = 0;
+  #errors = 0;
+
+  constructor(opts: BlockIndexOptions) {
+    checkNodeToken("node id", opts.nodeId);
+    checkNodeToken("advertise address", opts.advertiseAddr);
+    const where = redisWhere(checkRedisUrl(opts.url));
+    this.nodeId = opts.nodeId;
+    this.advertiseAddr = opts.advertiseAddr;
+    this.#timeoutMs = positive("timeoutMs", opts.timeoutMs ?? DEFAULT_INDEX_TIMEOUT_MS);
+    this.#nodeTtlMs = positive("nodeTtlMs", opts.nodeTtlMs ?? DEFAULT_NODE_TTL_MS);
+    this.#heartbeatMs = positive(
+      "heartbeatMs",
+      opts.heartbeatMs ?? Math.max(1, Math.floor(this.#nodeTtlMs / HEARTBEATS_PER_TTL)),
+    );
+    if (this.#heartbeatMs >= this.#nodeTtlMs) {
+      throw new IndexInputError("heartbeatMs must be shorter than nodeTtlMs", {
+        expected: `< ${this.#nodeTtlMs}`,
+        got: this.#heartbeatMs,
+      });
+    }
+    this.#batch = positive("republishBatch", opts.republishBatch ?? DEFAULT_REPUBLISH_BATCH);
+    this.#listSealed = opts.listSealed;
+    this.#log = opts.log ?? (() => {});
+    this.#metrics = opts.metrics;
+    this.#random = opts.randomBytes ?? ((n) => crypto.getRandomValues(new Uint8Array(n)));
+    this.#incarnation = this.#newIncarnation();
+    this.#avail = new Availability(this.#log, this.#metrics, () => this.#recovered(), where);
+    this.#redis = new Redis(opts.url, {
+      lazyConnect: true,
+      // Fail fast instead of queueing while disconnected: the caller serves locally.
+      enableOfflineQueue: false,
+      maxRetriesPerRequest: 0,
+      autoResendUnfulfilledCommands: false,
+      commandTimeout: this.#timeoutMs,
+      connectTimeout: Math.max(this.#timeoutMs, 1_000),
+      retryStrategy: (times: number) => Math.min(times * RECONNECT_STEP_MS, RECONNECT_MAX_MS),
+    }) as Redis & IndexCommands;
+    this.#redis.defineCommand("pfAdvertise", { lua: ADVERTISE_LUA });
+    this.#redis.defineCommand("pfWithdraw", { lua: WITHDRAW_LUA });
+    this.#redis.defineCommand("pfHeartbeat", { lua: HEARTBEAT_LUA });
+    this.#redis.defineCommand("pfLookup", { lua: LOOKUP_LUA });
+    // Connection errors repeat on every reconnect attempt: counted, logged once per outage.
+    this.#redis.on("error", (e: Error) => this.#failed("connect", e));
+    // Connected (again): one heartbeat proves it and, after an outage, starts the re-join.
+    this.#redis.on("ready", () => void this.heartbeat());
+  }
+
+  /** Connects in the background and starts the heartbeat timer. Never throws. */
+  start(): void {
+    if (this.#started || this.#closed) return;
+    this.#started = true;
+    this.#redis.connect().catch((e: Error) => this.#failed("connect", e));
+    this.#heartbeatTimer = setInterval(() => void this.heartbeat(), this.#heartbeatMs);
+  }
+
+  /** The current incarnation id (changes on every re-join). */
+  get incarnation(): string {
+    return this.#incarnation;
+  }
+
+  /** True while the last call to Redis succeeded. */
+  get up(): boolean {
+    return this.#avail.up;
+  }
+
+  /**
+   * Advertises sealed blocks of one namespace: one round trip. Resolves true
+   * when Redis took them, false when it was unreachable (counted; the blocks
+   * are advertised again when it answers) or this node's registration was
+   * lost (a re-join with a full re-advertise is started).
+   */
+  async advertise(namespace: string, hashes: readonly Uint8Array[]): Promise<boolean> {
+    const p = packHashes(namespace, hashes);
+    if (this.#closed) return false;
+    if (p.count === 0) return true;
+    const inc = this.#incarnation;
+    const join = !this.#joined.has(namespace);
+    const res = await this.#call("advertise", p.count, () =>
+      this.#redis.pfAdvertise(
+        2,
+        nodesKey(namespace),
+        nodeSetKey(namespace, this.nodeId, inc),
+        this.nodeId,
+        inc,
+        this.advertiseAddr,
+        this.#nodeTtlMs,
+        join ? "1" : "0",
+        p.hashBytes,
+        p.blob,
+      ));
+    if (res === undefined) return false;
+    if (res === 1) {
+      if (inc === this.#incarnation) this.#joined.add(namespace);
+      return true;
+    }
+    if (inc === this.#incarnation) this.#lost(namespace);
+    return false;
+  }
+
+  /** Withdraws evicted blocks of one namespace: one round trip; false when Redis was unreachable. */
+  async withdraw(namespace: string, hashes: readonly Uint8Array[]): Promise<boolean> {
+    const p = packHashes(namespace, hashes);
+    if (this.#closed) return false;
+    if (p.count === 0) return true;
+    const inc = this.#incarnation;
+    const res = await this.#call("withdraw", p.count, () =>
+      this.#redis.pfWithdraw(
+        2,
+        nodesKey(namespace),
+        nodeSetKey(namespace, this.nodeId, inc),
+        p.hashBytes,
+        p.blob,
+      ));
+    return res !== undefined;
+  }
+
+  /**
+   * The longest prefix of `hashes` that other live nodes hold, and who holds
+   * it: one round trip. Never throws for an outage: it answers
+   * `{length: 0, owners: [], available: false}`. A named owner may have lost
+   * the blocks since (eviction races, failover): the fetch must verify.
+   */
+  async lookup(namespace: string, hashes: readonly Uint8Array[]): Promise<LookupResult> {
+    const p = packHashes(namespace, hashes);
+    if (this.#closed) return { length: 0, owners: [], available: false };
+    if (p.count === 0) return { length: 0, owners: [], available: true };
+    const res = await this.#call("lookup", p.count, () =>
+      this.#redis.pfLookup(
+        1,
+        nodesKey(namespace),
+        this.nodeId,
+        nodeSetPrefix(namespace),
+        p.hashBytes,
+        p.blob,
+      ));
+    if (res === undefined) return { length: 0, owners: [], available: false };
+    const owners: PeerOwner[] = [];
+    for (let i = 1; i + 2 < res.length; i += 3) {
+      owners.push({ nodeId: String(res[i]), addr: String(res[i + 1]), length: Number(res[i + 2]) });
+    }
+    owners.sort((a, b) => b.length - a.length || (a.nodeId < b.nodeId ? -1 : 1));
+    return { length: Number(res[0]), owners, available: true };
+  }
+
+  /**
+   * Renews this node's liveness in every namespace it joined (one pipelined
+   * round trip; a PING when it joined none, so a recovery is still seen).
+   * Runs on a timer; exposed so tests and shutdown paths can force one.
+   */
+  async heartbeat(): Promise<void> {
+    if (this.#closed) return;
+    const inc = this.#incarnation;
+    const namespaces = [...this.#joined];
+    const res = await this.#call("heartbeat", 0, async () => {
+      if (namespaces.length === 0) return [await this.#redis.ping()];
+      const p = this.#redis.pipeline() as unknown as IndexCommands & {
+        exec(): Promise<[Error | null, unknown][] | null>;
+      };
+      for (const ns of namespaces) {
+        p.pfHeartbeat(
+          2,
+          nodesKey(ns),
+          nodeSetKey(ns, this.nodeId, inc),
+          this.nodeId,
+          inc,
+          this.advertiseAddr,
+          this.#nodeTtlMs,
+        );
+      }
+      const out = await p.exec();
+      if (!out) throw new Error("heartbeat pipeline was discarded");
+      return out.map(([err, v]) => {
+        if (err) throw err;
+        return v;
+      });
+    });
+    if (res === undefined || inc !== this.#incarnation) return;
+    const lost = namespaces.find((_, i) => res[i] === 0);
+    if (lost !== undefined) this.#lost(lost);
+  }
+
+  /**
+   * Advertises everything `listSealed()` reports, in batches of
+   * `republishBatch` per namespace, one call at a time (so a re-advertise of
+   * a million blocks never floods Redis or the event loop). Stops at the
+   * first failure; the next recovery runs it again. Concurrent requests
+   * coalesce into one more pass.
+   */
+  republish(): Promise<void> {
+    if (this.#closed) return Promise.resolve();
+    if (this.#republishing) {
+      this.#republishAgain = true;
+      return this.#republishing;
+    }
+    this.#republishing = (async () => {
+      do {
+        this.#republishAgain = false;
+        await this.#republishOnce();
+      } while (this.#republishAgain && !this.#closed);
+    })().finally(() => this.#republishing = undefined);
+    return this.#republishing;
+  }
+
+  /** Counters for tests and diagnostics. */
+  stats(): BlockIndexStats {
+    return {
+      up: this.#avail.up,
+      outages: this.#avail.outages,
+      incarnation: this.#incarnation,
+      namespaces: this.#joined.size,
+      republishedBlocks: this.#republished,
+      rejoins: this.#rejoins,
+      errors: this.#errors,
+    };
+  }
+
+  /**
+   * Stops the timers and closes the connection. Entries are left to expire
+   * with the node TTL (a clean shutdown could delete them, but a crash cannot,
+   * so expiry is the one path that is always exercised).
+   */
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    clearInterval(this.#heartbeatTimer);
+    await this.#republishing?.catch(() => {});
+    this.#redis.disconnect(false);
+  }
+
+  async #republishOnce(): Promise<void> {
+    const inc = this.#incarnation;
+    const pending = new Map<string, Uint8Array[]>();
+    const flush = async (ns: string, list: Uint8Array[]): Promise<boolean> => {
+      pending.delete(ns);
+      const ok = await this.advertise(ns, list);
+      if (ok) {
+        this.#republished += list.length;
+        this.#metrics?.republished(list.length);
+      }
+      return ok && inc === this.#incarnation && !this.#closed;
+    };
+    for (const b of this.#listSealed()) {
+      let list = pending.get(b.namespace);
+      if (!list) pending.set(b.namespace, list = []);
+      list.push(b.hash);
+      if (list.length >= this.#batch && !await flush(b.namespace, list)) return;
+    }
+    for (const [ns, list] of pending) if (!await flush(ns, list)) return;
+  }
+
+  /** Runs one Redis call under the deadline; undefined when it failed (counted, maybe logged). */
+  async #call<T>(op: IndexOp, blocks: number, f: () => Promise<T>): Promise<T | undefined> {
+    const t0 = performance.now();
+    try {
+      const v = await withDeadline(f(), this.#timeoutMs, `index ${op}`);
+      this.#metrics?.call(op, (performance.now() - t0) / 1e3, true, blocks);
+      this.#avail.succeeded();
+      return v;
+    } catch (e) {
+      this.#metrics?.call(op, (performance.now() - t0) / 1e3, false, blocks);
+      this.#failed(op, e as Error);
+      return undefined;
+    }
+  }
+
+  #failed(op: IndexOp, e: Error): void {
+    if (this.#closed) return;
+    this.#errors++;
+    this.#avail.failed(op, e);
+  }
+
+  /** Redis answered after failing (or for the first time): re-join and re-advertise. */
+  #recovered(): void {
+    if (this.#closed) return;
+    // Withdrawals sent during the outage were lost; a new incarnation voids every old entry.
+    this.#rejoin();
+    void this.republish();
+  }
+
+  /** Redis no longer has this node's registration in `ns`: re-join and re-advertise all. */
+  #lost(ns: string): void {
+    this.#log("info", "this node's index registration was lost; re-advertising what it holds", {
+      namespace: ns,
+      node: this.nodeId,
+    });
+    this.#rejoin();
+    void this.republish();
+  }
+
+  #rejoin(): void {
+    this.#incarnation = this.#newIncarnation();
+    this.#joined.clear();
+    this.#rejoins++;
+    this.#metrics?.rejoined();
+  }
+
+  #newIncarnation(): string {
+    return Buffer.from(this.#random(INCARNATION_BYTES)).toString("hex");
+  }
+}
+
+function positive(what: string, n: number): number {
+  if (!Number.isSafeInteger(n) || n < 1) {
+    throw new IndexInputError(`${what} must be an integer ≥ 1`, { got: String(n) });
+  }
+  return n;
+}
+
+/**
+ * Returns `url` if it is a usable Redis URL, else throws
+ * {@link IndexInputError} saying what is wrong (the CLI prefixes the flag).
+ *
+ * @example
+ * ```ts
+ * checkRedisUrl("redis://10.0.0.5:6379"); // ok
+ * checkRedisUrl("10.0.0.5:6379");         // throws: not a redis:// URL
+ * ```
+ */
+export function checkRedisUrl(url: string): string {
+  let u: URL;
+  try {
+    u = new URL(url);
+  } catch (_e) {
+    throw new IndexInputError(
+      `"${url}" is not a redis:// URL (e.g. redis://127.0.0.1:6379)`,
+      { got: url },
+    );
+  }
+  if (u.protocol !== "redis:" && u.protocol !== "rediss:") {
+    throw new IndexInputError(
+      `"${url}" has scheme "${u.protocol}"; expected redis:// or rediss://`,
+      { got: url },
+    );
+  }
+  if (u.hostname === "") {
+    throw new IndexInputError(`"${url}" names no host (e.g. redis://127.0.0.1:6379)`, { got: url });
+  }
+  if (u.pathname.length > 1 && !/^\/\d+$/.test(u.pathname)) {
+    throw new IndexInputError(`"${url}": the path must be a database number, e.g. /0`, {
+      got: url,
+    });
+  }
+  return url;
+}

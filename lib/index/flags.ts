@@ -1,0 +1,133 @@
+/**
+ * The block index's command-line flags (each also a `PEGAFLOW_*` environment
+ * variable), added to the server's commander program by lib/server/config.ts.
+ * No `--index-redis` = no index: the node serves from its own tiers only.
+ *
+ * @module
+ */
+
+import { hostname } from "node:os";
+import { InvalidArgumentError, type Option } from "commander";
+import { envOption } from "../cli/flags.ts";
+import { checkRedisUrl, DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
+import { checkNodeToken } from "./keys.ts";
+
+/** The index part of the server's configuration. */
+export interface IndexConfig {
+  /** Redis URL; undefined = no cross-node index. */
+  redisUrl: string | undefined;
+  /** This node's id; undefined = `<hostname>:<gRPC port>`, resolved once the port is bound. */
+  nodeId: string | undefined;
+  /** What peers dial; undefined = the gRPC address (the hostname when it listens on any address). */
+  advertiseAddr: string | undefined;
+  timeoutMs: number;
+  nodeTtlMs: number;
+}
+
+/** Rethrows a validation error as commander's, so the flag is named in front of it. */
+function asArg<T>(check: (v: string) => T) {
+  return (value: string): T => {
+    try {
+      return check(value);
+    } catch (e) {
+      throw new InvalidArgumentError((e as Error).message);
+    }
+  };
+}
+
+function hostPort(value: string): string {
+  const m = /^(.+):(\d+)$/.exec(value);
+  if (!m || Number(m[2]) < 1 || Number(m[2]) > 65535) {
+    throw new Error(`"${value}" is not host:port (e.g. 10.0.0.7:50055)`);
+  }
+  if (/^(0\.0\.0\.0|\[?::\]?)$/.test(m[1])) {
+    throw new Error(`"${value}" is a wildcard address; peers need one they can dial`);
+  }
+  checkNodeToken("advertise address", value);
+  return value;
+}
+
+function msArg(flag: string, min: number) {
+  return (value: string): number => {
+    if (!/^\d+$/.test(value.trim()) || Number(value) < min) {
+      throw new InvalidArgumentError(`${flag} must be an integer ≥ ${min}, got "${value}"`);
+    }
+    return Number(value);
+  };
+}
+
+/**
+ * The index flags as commander Options.
+ *
+ * @example
+ * ```ts
+ * for (const o of indexOptions()) command.addOption(o);
+ * ```
+ */
+export function indexOptions(): Option[] {
+  return [
+    envOption(
+      "--index-redis <url>",
+      "Redis of the cross-node block index, e.g. redis://10.0.0.5:6379 (none: no index)",
+      "INDEX_REDIS",
+    ).argParser(asArg(checkRedisUrl)),
+    envOption(
+      "--node-id <id>",
+      "this node's id in the block index (default: <hostname>:<gRPC port>)",
+      "NODE_ID",
+    ).argParser(asArg((v) => {
+      checkNodeToken("node id", v);
+      return v;
+    })),
+    envOption(
+      "--advertise-addr <host:port>",
+      "address peers dial to fetch from this node (default: the gRPC address)",
+      "ADVERTISE_ADDR",
+    ).argParser(asArg(hostPort)),
+    envOption(
+      "--index-timeout-ms <ms>",
+      "deadline of each block index call; past it the node serves locally",
+      "INDEX_TIMEOUT_MS",
+    ).default(DEFAULT_INDEX_TIMEOUT_MS).argParser(msArg("--index-timeout-ms", 1)),
+    envOption(
+      "--index-node-ttl-ms <ms>",
+      "a node that stops heartbeating leaves the index after this long",
+      "INDEX_NODE_TTL_MS",
+    ).default(DEFAULT_NODE_TTL_MS).argParser(msArg("--index-node-ttl-ms", 100)),
+  ];
+}
+
+/** Reads the parsed index options out of commander's `opts()`. */
+export function indexConfigFrom(o: Record<string, unknown>): IndexConfig {
+  return {
+    redisUrl: o.indexRedis as string | undefined,
+    nodeId: o.nodeId as string | undefined,
+    advertiseAddr: o.advertiseAddr as string | undefined,
+    timeoutMs: o.indexTimeoutMs as number,
+    nodeTtlMs: o.indexNodeTtlMs as number,
+  };
+}
+
+/**
+ * Node id and advertise address, with their defaults filled in from the
+ * bound gRPC address (`host:port`, port resolved).
+ *
+ * @example
+ * ```ts
+ * nodeIdentity(cfg.index, "0.0.0.0:50055"); // { nodeId: "gpu7:50055", advertiseAddr: "gpu7:50055" }
+ * ```
+ */
+export function nodeIdentity(
+  cfg: IndexConfig,
+  grpcAddr: string,
+  host: string = hostname(),
+): { nodeId: string; advertiseAddr: string } {
+  const i = grpcAddr.lastIndexOf(":");
+  const bindHost = grpcAddr.slice(0, i);
+  const port = grpcAddr.slice(i + 1);
+  const wildcard = /^(0\.0\.0\.0|\[?::\]?|)$/.test(bindHost);
+  return {
+    nodeId: cfg.nodeId ?? `${host}:${port}`,
+    advertiseAddr: cfg.advertiseAddr ?? (wildcard ? `${host}:${port}` : grpcAddr),
+  };
+}

@@ -1,0 +1,360 @@
+/**
+ * The block index against a real redis-server: prefixes and owners, node
+ * expiry, withdraw, one round trip per call (counted with MONITOR), Redis
+ * killed / hung / restarted, and bad input.
+ */
+
+import assert from "node:assert/strict";
+import { Registry } from "prom-client";
+import {
+  type LookupResult,
+  RedisBlockIndex,
+  type SealedBlock,
+} from "../../lib/index/block_index.ts";
+import { IndexInputError } from "../../lib/index/errors.ts";
+import { registerIndexMetrics } from "../../lib/index/metrics.ts";
+import { startRedis, waitFor } from "./_redis.ts";
+import { Buffer } from "node:buffer";
+
+const NS = "0123456789abcdef";
+
+/** Distinct 32-byte hashes; `chain` picks a separate family. */
+function hashes(n: number, chain = 0): Uint8Array[] {
+  return Array.from({ length: n }, (_, i) => {
+    const h = new Uint8Array(32);
+    const v = new DataView(h.buffer);
+    v.setUint32(0, chain);
+    v.setUint32(4, i);
+    h.fill(0xa5, 8);
+    return h;
+  });
+}
+
+interface Node {
+  index: RedisBlockIndex;
+  held: Map<string, SealedBlock>;
+  logs: string[];
+  registry: Registry;
+  /** Sum of a counter's values over all its labels. */
+  count(metric: string): Promise<number>;
+}
+
+function node(
+  url: string,
+  id: string,
+  opts: Partial<ConstructorParameters<typeof RedisBlockIndex>[0]> = {},
+): Node {
+  const held = new Map<string, SealedBlock>();
+  const logs: string[] = [];
+  const registry = new Registry();
+  const index = new RedisBlockIndex({
+    url,
+    nodeId: id,
+    advertiseAddr: `${id}.local:50055`,
+    listSealed: () => held.values(),
+    nodeTtlMs: 60_000,
+    log: (level, msg) => logs.push(`${level}: ${msg}`),
+    metrics: registerIndexMetrics(registry),
+    ...opts,
+  });
+  index.start();
+  return {
+    index,
+    held,
+    logs,
+    registry,
+    async count(metric) {
+      const m = registry.getSingleMetric(metric);
+      if (!m) throw new Error(`no metric ${metric}`);
+      return (await m.get()).values.reduce((s, v) => s + v.value, 0);
+    },
+  };
+}
+
+/** Records the blocks as held (for re-advertise) and advertises them. */
+async function save(n: Node, hs: Uint8Array[]): Promise<boolean> {
+  for (const h of hs) n.held.set(Buffer.from(h).toString("hex"), { namespace: NS, hash: h });
+  return await n.index.advertise(NS, hs);
+}
+
+function owners(r: LookupResult): string[] {
+  return r.owners.map((o) => `${o.nodeId}@${o.addr}=${o.length}`);
+}
+
+async function withNodes(
+  f: (redis: Awaited<ReturnType<typeof startRedis>>, nodes: Node[]) => Promise<void>,
+  ids: string[] = ["a", "b", "c"],
+  opts: Partial<ConstructorParameters<typeof RedisBlockIndex>[0]> = {},
+) {
+  const redis = await startRedis();
+  const nodes: Node[] = [];
+  try {
+    for (const id of ids) nodes.push(node(redis.url, id, opts));
+    await waitFor("every node connected", () => nodes.every((n) => n.index.up));
+    await f(redis, nodes);
+  } finally {
+    for (const n of nodes) await n.index.close();
+    await redis.stop();
+  }
+}
+
+Deno.test("an advertised save is found by another node: longest prefix and its owner", async () => {
+  await withNodes(async (_r, [a, b]) => {
+    const hs = hashes(625);
+    assert.equal(await save(a, hs), true);
+    const r = await b.index.lookup(NS, hs);
+    assert.equal(r.available, true);
+    assert.equal(r.length, 625);
+    assert.deepEqual(owners(r), ["a@a.local:50055=625"]);
+    // A longer query than what is held stops where the chain leaves the index.
+    const longer = [...hs, ...hashes(10, 9)];
+    assert.equal((await b.index.lookup(NS, longer)).length, 625);
+    // Another namespace, or a chain nobody saved, is a miss.
+    assert.equal((await b.index.lookup("other-ns", hs)).length, 0);
+    assert.deepEqual(await b.index.lookup(NS, hashes(5, 7)), {
+      length: 0,
+      owners: [],
+      available: true,
+    });
+  }, ["a", "b"]);
+});
+
+Deno.test("two nodes holding different prefix lengths are both reported, the longer first", async () => {
+  await withNodes(async (_r, [a, b, c]) => {
+    const hs = hashes(100);
+    await save(a, hs.slice(0, 40));
+    await save(b, hs.slice(0, 90));
+    const r = await c.index.lookup(NS, hs);
+    assert.equal(r.length, 90);
+    assert.deepEqual(owners(r), ["b@b.local:50055=90", "a@a.local:50055=40"]);
+    // The asking node is never named as a peer, even though it holds the blocks.
+    const own = await b.index.lookup(NS, hs);
+    assert.equal(own.length, 40);
+    assert.deepEqual(owners(own), ["a@a.local:50055=40"]);
+  });
+});
+
+Deno.test("the prefix ends at the first block no live node holds, even with later blocks held", async () => {
+  await withNodes(async (_r, [a, b, c]) => {
+    const hs = hashes(64);
+    await save(a, [...hs.slice(0, 20), ...hs.slice(31, 64)]); // 20..30 evicted on a
+    await save(b, hs.slice(10, 30)); // b holds 10..29: no prefix of its own
+    const r = await c.index.lookup(NS, hs);
+    // The union covers 0..29 (a: 0..19, b: 10..29); nobody holds block 30.
+    assert.equal(r.length, 30);
+    assert.deepEqual(owners(r), ["a@a.local:50055=20"]);
+    // b filling a's gap at block 30 makes the whole chain reachable.
+    await save(b, [hs[30]]);
+    assert.equal((await c.index.lookup(NS, hs)).length, 64);
+  });
+});
+
+Deno.test("a withdrawn (evicted) block ends the prefix at that block", async () => {
+  await withNodes(async (_r, [a, b]) => {
+    const hs = hashes(50);
+    await save(a, hs);
+    assert.equal(await a.index.withdraw(NS, [hs[30], hs[31]]), true);
+    const r = await b.index.lookup(NS, hs);
+    assert.equal(r.length, 30);
+    assert.deepEqual(owners(r), ["a@a.local:50055=30"]);
+    await a.index.withdraw(NS, hs);
+    assert.equal((await b.index.lookup(NS, hs)).length, 0);
+    assert.ok(await a.count("pegaflow_index_blocks_total") >= 50 + 2 + 50);
+  }, ["a", "b"]);
+});
+
+Deno.test("a node that stops heartbeating expires from lookups; a live one stays", async () => {
+  await withNodes(
+    async (_r, [a, b, c]) => {
+      const hs = hashes(20);
+      await save(a, hs);
+      await save(b, hs.slice(0, 10));
+      await a.index.close(); // no more heartbeats from a, no goodbye either (as a crash)
+      await waitFor(
+        "a's entries expired",
+        async () => (await c.index.lookup(NS, hs)).length === 10,
+      );
+      const r = await c.index.lookup(NS, hs);
+      assert.deepEqual(owners(r), ["b@b.local:50055=10"]);
+      // b kept heartbeating through several TTLs, so it is still there.
+      assert.equal(b.index.stats().rejoins, 1); // only the first connect
+    },
+    ["a", "b", "c"],
+    { nodeTtlMs: 1000, heartbeatMs: 200 },
+  );
+});
+
+Deno.test("a node restarted under the same id voids its previous entries at once", async () => {
+  await withNodes(async (redis, [a, b]) => {
+    const hs = hashes(30);
+    await save(a, hs);
+    assert.equal((await b.index.lookup(NS, hs)).length, 30);
+    await a.index.close();
+    // The new process joins with a new incarnation: the old set no longer counts.
+    const a2 = node(redis.url, "a");
+    try {
+      await waitFor("a2 connected", () => a2.index.up);
+      await save(a2, hs.slice(0, 5));
+      const r = await b.index.lookup(NS, hs);
+      assert.equal(r.length, 5);
+      assert.deepEqual(owners(r), ["a@a.local:50055=5"]);
+    } finally {
+      await a2.index.close();
+    }
+  }, ["a", "b"]);
+});
+
+Deno.test("a 625-block advertise and a 625-hash lookup are one round trip each", async () => {
+  await withNodes(async (redis, [a, b]) => {
+    const hs = hashes(625);
+    await save(a, hashes(3, 5)); // scripts loaded, namespace joined
+    await b.index.lookup(NS, hashes(3, 5));
+    const admin = redis.admin();
+    const monitor = await admin.monitor();
+    const seen: { args: string[]; source: string }[] = [];
+    monitor.on("monitor", (_t: string, args: string[], source: string) => {
+      seen.push({ args, source });
+    });
+    const echo = redis.admin();
+    await echo.ping();
+    const marker = async (tag: string) => {
+      await echo.echo(tag);
+      await waitFor(`monitor saw ${tag}`, () => seen.some((s) => s.args[1] === tag));
+    };
+    const roundTrips = () => seen.filter((s) => s.source !== "lua" && s.args[0] !== "echo");
+    try {
+      await marker("start");
+      seen.length = 0;
+      assert.equal(await a.index.advertise(NS, hs), true);
+      await marker("after-advertise");
+      assert.deepEqual(roundTrips().map((s) => s.args[0].toLowerCase()), ["evalsha"]);
+      // The whole save went in with one SADD inside the script.
+      const sadds = seen.filter((s) => s.source === "lua" && s.args[0].toLowerCase() === "sadd");
+      assert.equal(sadds.length, 1);
+      assert.equal(sadds[0].args.length, 2 + 625);
+      seen.length = 0;
+      const r = await b.index.lookup(NS, hs);
+      await marker("after-lookup");
+      assert.equal(r.length, 625);
+      assert.deepEqual(roundTrips().map((s) => s.args[0].toLowerCase()), ["evalsha"]);
+    } finally {
+      monitor.disconnect();
+    }
+  }, ["a", "b"]);
+});
+
+Deno.test("Redis killed: calls answer a miss without throwing, errors are counted, one log line", async () => {
+  await withNodes(async (redis, [a, b]) => {
+    const hs = hashes(40);
+    await save(a, hs);
+    await redis.kill();
+    for (let i = 0; i < 10; i++) {
+      assert.deepEqual(await b.index.lookup(NS, hs), { length: 0, owners: [], available: false });
+      assert.equal(await a.index.advertise(NS, hashes(2, 100 + i)), false);
+      assert.equal(await a.index.withdraw(NS, [hs[0]]), false);
+    }
+    assert.equal(a.index.up, false);
+    assert.ok(await b.count("pegaflow_index_errors_total") >= 10);
+    assert.ok(await a.count("pegaflow_index_errors_total") >= 20);
+    assert.equal(await a.count("pegaflow_index_redis_up"), 0);
+    assert.equal(a.logs.filter((l) => l.includes("unreachable")).length, 1);
+    assert.equal(b.logs.filter((l) => l.includes("unreachable")).length, 1);
+  }, ["a", "b"]);
+});
+
+Deno.test("a hung Redis (SIGSTOP) costs a call its deadline, then answers a miss", async () => {
+  await withNodes(
+    async (redis, [a, b]) => {
+      const hs = hashes(10);
+      await save(a, hs);
+      redis.pause();
+      try {
+        assert.deepEqual(await b.index.lookup(NS, hs), { length: 0, owners: [], available: false });
+        assert.equal(await a.index.advertise(NS, hashes(1, 3)), false);
+        assert.equal(b.logs.filter((l) => l.includes("unreachable")).length, 1);
+        assert.match(b.logs.find((l) => l.includes("unreachable"))!, /unreachable/);
+      } finally {
+        redis.resume();
+      }
+      await waitFor("b sees Redis again", async () => (await b.index.lookup(NS, hs)).available);
+    },
+    ["a", "b"],
+    { timeoutMs: 100 },
+  );
+});
+
+Deno.test("Redis restarted empty: the node re-joins and re-advertises what it holds", async () => {
+  await withNodes(
+    async (redis, [a, b]) => {
+      const hs = hashes(1500); // more than one re-advertise batch
+      await save(a, hs);
+      await save(a, hashes(7, 2));
+      const incBefore = a.index.incarnation;
+      await redis.restart();
+      assert.equal((await b.index.lookup(NS, hs)).length, 0);
+      await waitFor("lookups find a's blocks again", async () => {
+        return (await b.index.lookup(NS, hs)).length === 1500 &&
+          (await b.index.lookup(NS, hashes(7, 2))).length === 7;
+      });
+      assert.notEqual(a.index.incarnation, incBefore);
+      assert.ok(await a.count("pegaflow_index_readvertised_blocks_total") >= 1507);
+      assert.equal(await a.count("pegaflow_index_redis_up"), 1);
+      assert.ok(a.logs.some((l) => l.includes("reachable again")));
+    },
+    ["a", "b"],
+    { nodeTtlMs: 1000, heartbeatMs: 100 },
+  );
+});
+
+Deno.test("any namespace the store accepts works, and namespaces never see each other's blocks", async () => {
+  await withNodes(async (redis, [a, b]) => {
+    const odd = "meta-llama/Llama-3.1-8B {tp=2} bf16";
+    const hs = hashes(8);
+    assert.equal(await a.index.advertise(odd, hs), true);
+    assert.equal((await b.index.lookup(odd, hs)).length, 8);
+    assert.equal((await b.index.lookup(NS, hs)).length, 0);
+    assert.equal((await b.index.lookup("meta-llama/Llama-3.1-8B {tp=4} bf16", hs)).length, 0);
+    // Its keys sit under one digest tag, so they still share one Cluster slot.
+    const keys = (await redis.admin().keys("pf:*")).filter((k) => k.includes("~"));
+    assert.equal(keys.length, 2);
+    assert.equal(new Set(keys.map((k) => /\{(~[0-9a-f]{32})\}/.exec(k)?.[1])).size, 1);
+  }, ["a", "b"]);
+});
+
+Deno.test("bad input gets a clear error naming what was wrong", async () => {
+  await withNodes(async (_r, [a]) => {
+    await assert.rejects(() => a.index.advertise("", hashes(1)), (e: Error) => {
+      assert.ok(e instanceof IndexInputError);
+      assert.match(e.message, /namespace must be a non-empty string/);
+      return true;
+    });
+    const big = [...hashes(2), new Uint8Array(65)];
+    await assert.rejects(() => a.index.advertise(NS, big), (e: Error) => {
+      assert.ok(e instanceof IndexInputError);
+      assert.match(e.message, /hash 2 has 65 bytes; a block hash has 1\.\.64/);
+      assert.equal(e.fields.index, 2);
+      return true;
+    });
+    await assert.rejects(() => a.index.withdraw(NS, [new Uint8Array(0)]), /hash 0 has 0 bytes/);
+    await assert.rejects(
+      () => a.index.lookup(NS, [new Uint8Array(32), new Uint8Array(16)]),
+      /hash 1 has 16 bytes but hash 0 has 32/,
+    );
+    // Nothing was written by the refused calls.
+    assert.equal(a.index.stats().namespaces, 0);
+  }, ["a"]);
+  const base = { nodeId: "n", advertiseAddr: "h:1", listSealed: () => [] };
+  assert.throws(
+    () => new RedisBlockIndex({ ...base, url: "127.0.0.1:6379" }),
+    /"127.0.0.1:6379" is not a redis:\/\/ URL/,
+  );
+  assert.throws(() => new RedisBlockIndex({ ...base, url: "http://h:1" }), /expected redis:\/\//);
+  assert.throws(
+    () => new RedisBlockIndex({ ...base, url: "redis://h:1", nodeId: "a b" }),
+    /node id must be .* without spaces/,
+  );
+  assert.throws(
+    () => new RedisBlockIndex({ ...base, url: "redis://h:1", nodeTtlMs: 100, heartbeatMs: 100 }),
+    /heartbeatMs must be shorter than nodeTtlMs/,
+  );
+});

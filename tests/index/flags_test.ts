@@ -1,0 +1,95 @@
+/**
+ * The index flags: parsed with their PEGAFLOW_* variables, bad values refused
+ * with the flag named, defaults for node id and advertise address derived
+ * from the bound gRPC address.
+ */
+
+import assert from "node:assert/strict";
+import { parseServeArgs } from "../../lib/server/config.ts";
+import { nodeIdentity } from "../../lib/index/flags.ts";
+
+function refused(argv: string[], flag: string, why: RegExp) {
+  const r = parseServeArgs(argv);
+  assert.equal(r.kind, "exit", `${argv.join(" ")} was accepted`);
+  if (r.kind !== "exit") return;
+  assert.equal(r.code, 2);
+  assert.ok(r.output.includes(flag), `"${r.output}" does not name ${flag}`);
+  assert.match(r.output, why);
+}
+
+Deno.test("no --index-redis means no index; the flags parse when given", () => {
+  const none = parseServeArgs([]);
+  assert.equal(none.kind, "config");
+  if (none.kind === "config") assert.equal(none.config.index.redisUrl, undefined);
+  const r = parseServeArgs([
+    "--index-redis",
+    "redis://10.0.0.5:6379/2",
+    "--node-id",
+    "gpu-7",
+    "--advertise-addr",
+    "10.0.0.7:50055",
+    "--index-timeout-ms",
+    "50",
+  ]);
+  assert.equal(r.kind, "config");
+  if (r.kind !== "config") return;
+  assert.deepEqual(r.config.index, {
+    redisUrl: "redis://10.0.0.5:6379/2",
+    nodeId: "gpu-7",
+    advertiseAddr: "10.0.0.7:50055",
+    timeoutMs: 50,
+    nodeTtlMs: 15_000,
+  });
+});
+
+Deno.test("bad index flag values are refused with the flag named", () => {
+  refused(["--index-redis", "10.0.0.5:6379"], "--index-redis", /not a redis:\/\/ URL/);
+  refused(["--index-redis", "http://h:6379"], "--index-redis", /expected redis:\/\//);
+  refused(["--index-redis", "redis://h:6379/abc"], "--index-redis", /database number/);
+  refused(["--node-id", "has space"], "--node-id", /without spaces/);
+  refused(["--advertise-addr", "nohost"], "--advertise-addr", /not host:port/);
+  refused(["--advertise-addr", "0.0.0.0:50055"], "--advertise-addr", /wildcard/);
+  refused(["--index-timeout-ms", "0"], "--index-timeout-ms", /integer ≥ 1/);
+  refused(["--index-node-ttl-ms", "10"], "--index-node-ttl-ms", /integer ≥ 100/);
+});
+
+Deno.test("index flags are read from PEGAFLOW_* environment variables", () => {
+  const keys = ["PEGAFLOW_INDEX_REDIS", "PEGAFLOW_NODE_ID", "PEGAFLOW_ADVERTISE_ADDR"];
+  try {
+    Deno.env.set("PEGAFLOW_INDEX_REDIS", "redis://127.0.0.1:6380");
+    Deno.env.set("PEGAFLOW_NODE_ID", "n1");
+    Deno.env.set("PEGAFLOW_ADVERTISE_ADDR", "n1.local:1");
+    const r = parseServeArgs([]);
+    assert.equal(r.kind, "config");
+    if (r.kind !== "config") return;
+    assert.equal(r.config.index.redisUrl, "redis://127.0.0.1:6380");
+    assert.equal(r.config.index.nodeId, "n1");
+    assert.equal(r.config.index.advertiseAddr, "n1.local:1");
+    Deno.env.set("PEGAFLOW_INDEX_REDIS", "nope");
+    refused([], "PEGAFLOW_INDEX_REDIS", /not a redis:\/\/ URL/);
+  } finally {
+    for (const k of keys) Deno.env.delete(k);
+  }
+});
+
+Deno.test("node id and advertise address default from the bound gRPC address", () => {
+  const base = {
+    redisUrl: "redis://h:1",
+    nodeId: undefined,
+    advertiseAddr: undefined,
+    timeoutMs: 1,
+    nodeTtlMs: 100,
+  };
+  assert.deepEqual(nodeIdentity(base, "0.0.0.0:50055", "gpu7"), {
+    nodeId: "gpu7:50055",
+    advertiseAddr: "gpu7:50055",
+  });
+  assert.deepEqual(nodeIdentity(base, "10.1.2.3:41000", "gpu7"), {
+    nodeId: "gpu7:41000",
+    advertiseAddr: "10.1.2.3:41000",
+  });
+  assert.deepEqual(
+    nodeIdentity({ ...base, nodeId: "x", advertiseAddr: "y:1" }, "0.0.0.0:1", "gpu7"),
+    { nodeId: "x", advertiseAddr: "y:1" },
+  );
+});
