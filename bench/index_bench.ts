@@ -126,7 +126,12 @@ try {
       admin,
       "withdraw 625 blocks (an eviction)",
       () => a.withdraw(NS, held[0]),
-      () => a.advertise(NS, held.push(held.shift()!) && held[held.length - 1]),
+      () => {
+        // Put the withdrawn save back (untimed) at the end of the rotation.
+        const h = held.shift()!;
+        held.push(h);
+        return a.advertise(NS, h);
+      },
     ),
   );
   const prefix = hashes(7);
