@@ -4,6 +4,7 @@ client on it, and unique ids so tests never share instances or names."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import uuid
 
@@ -34,4 +35,4 @@ def client(server):
 @pytest.fixture
 def uid(request):
     """A unique id prefix for this test (instances, namespaces, request ids)."""
-    return f"{request.node.name[:24]}-{uuid.uuid4().hex[:8]}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", request.node.name[:24]) + "-" + uuid.uuid4().hex[:8]
