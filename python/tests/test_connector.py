@@ -5,6 +5,7 @@ failed loads, preemption and delayed frees."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -34,6 +35,8 @@ def engine_factory(server, uid):
     yield make
     for e in made:
         e.close()
+    mine = [f for f in os.listdir("/dev/shm") if f.startswith("pegaflow-") and f"-{os.getpid()}-" in f]
+    assert mine == [], f"shm files left behind: {mine}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -166,3 +169,27 @@ def test_namespace_changes_with_every_layout_factor(server, uid):
     for cfg in (other_block, other_dtype, other_tp):
         names.add(PegaflowConnector(cfg, KVConnectorRole.SCHEDULER, None).settings.namespace)
     assert len(names) == 4 and ns.startswith("tiny-")
+
+
+def test_wait_for_layer_load_returns_when_that_layer_landed_not_when_the_load_did(engine_factory, uid):
+    from test_load_state import publish
+
+    eng = engine_factory("layerwise")
+    w = eng.worker._w()
+    eng.worker.client.load = lambda **kw: None  # the test plays the server's copy engine
+    w.bind(StepPlan(loads=[LoadIntent("r", b"\x01" * 16, [4, 5])]))
+    w.start_load()
+    st = w._step_loads[0].state
+    publish(st, num_layers=3, layers_ready=1)
+    eng.worker.wait_for_layer_load("model.layers.0.self_attn.attn")
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (eng.worker.wait_for_layer_load("model.layers.2.self_attn.attn"), done.set()))
+    t.start()
+    publish(st, layers_ready=2)
+    assert not done.wait(0.2)  # layer 2 is registered third: it waits for layers_ready > 2
+    publish(st, layers_ready=3, state=1)
+    t.join(10)
+    assert done.is_set()
+    w.wait_for_save()
+    assert w.take_load_errors() == set()
+    w.unbind()

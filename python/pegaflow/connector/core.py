@@ -626,6 +626,12 @@ class WorkerCore:
             self._thread = None
         if self.registration is not None:
             self.registration.close(unregister=unregister)
+        # Unregistering drained the server's copies: every state can go now.
+        for ld in self._step_loads + list(self._async_loads.values()):
+            if ld.state is not None:
+                ld.state.close()
+                ld.state = None
+        self._step_loads, self._async_loads = [], {}
         for st in self._free_states:
             st.close()
         self._free_states.clear()
