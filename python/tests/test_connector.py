@@ -193,3 +193,29 @@ def test_wait_for_layer_load_returns_when_that_layer_landed_not_when_the_load_di
     w.wait_for_save()
     assert w.take_load_errors() == set()
     w.unbind()
+
+
+def test_a_load_trimmed_by_the_scheduler_loads_that_prefix_and_gives_the_rest_back(engine_factory, uid):
+    from pegaflow.connector.vllm_api import KVCacheBlock, KVCacheBlocks
+
+    eng = engine_factory("layerwise")
+    prompt = synthetic_tokens(81, 5 * BLOCK + 1)
+    a = Request("a", prompt, salt=uid)
+    eng.run_prefill(a)
+    eng.finish(a)
+    eng.drain("a")
+    b = Request("b", list(prompt), salt=uid)
+    n, _ = eng.sched.get_num_new_matched_tokens(b, 0)
+    assert n == 5 * BLOCK
+    picks = [x for x in eng.free if x not in a.block_ids][:6]
+    for x in picks:
+        eng.free.remove(x)
+    b.block_ids = picks
+    # The token budget lets only 2 of the 5 hit blocks in (vLLM may trim external tokens).
+    eng.sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in picks],)), 2 * BLOCK)
+    b.num_computed_tokens = 2 * BLOCK
+    out = eng._output([b], sched_tokens={"b": b.num_tokens - 2 * BLOCK})
+    assert out.kv_connector_metadata.plan.loads[0].block_ids == picks[:2]
+    eng._step(out, {"b": b})
+    assert eng.invalid_blocks == set() and eng.layer_violations == []
+    assert eng.holds_all(b, b.num_tokens)
