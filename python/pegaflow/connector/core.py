@@ -322,6 +322,13 @@ class SchedulerCore:
 # ---- worker side --------------------------------------------------------------
 
 
+def _tensor_key(t: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
+    """(data pointer, shape, strides): equal for two names of one KV tensor."""
+    if hasattr(t, "data_ptr"):
+        return t.data_ptr(), tuple(t.shape), tuple(t.stride())
+    return t.__array_interface__["data"][0], tuple(t.shape), tuple(t.strides)
+
+
 @dataclass
 class _Load:
     intent: LoadIntent
@@ -370,6 +377,7 @@ class WorkerCore:
         self.mode = mode
         self.load_timeout_s = load_timeout_s if load_timeout_s is not None else client.config.load_timeout_s
         self.registration: Optional[KvRegistration] = None
+        self._alias: Dict[str, str] = {}
         self._cuda = False
         self._plan: Optional[StepPlan] = None
         self._step_loads: List[_Load] = []  # layer-wise: this step's loads
@@ -387,8 +395,20 @@ class WorkerCore:
     # -- registration --
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any], layout: Optional[str] = None) -> None:
-        layers, device = export_kv_layers(kv_caches, layout)
-        self._cuda = any(bool(getattr(t, "is_cuda", False)) for t in kv_caches.values())
+        """Registers the layers in the mapping's order (= execution order). A
+        layer that reuses an earlier layer's tensor (vLLM's KV sharing) is
+        registered once, under the first name; the alias waits on that layer."""
+        unique: Dict[str, Any] = {}
+        first: Dict[Tuple[int, Tuple[int, ...], Tuple[int, ...]], str] = {}
+        for name, t in kv_caches.items():
+            key = _tensor_key(t)
+            if key in first:
+                self._alias[name] = first[key]
+            else:
+                first[key] = name
+                unique[name] = t
+        layers, device = export_kv_layers(unique, layout)
+        self._cuda = any(bool(getattr(t, "is_cuda", False)) for t in unique.values())
         self.registration = KvRegistration(
             self.client, instance_id=self.instance_id, namespace=self.namespace, layers=layers,
             tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
@@ -486,7 +506,13 @@ class WorkerCore:
         """Layer-wise mode: returns once `layer_name` has landed for every load of this step."""
         if not self._step_loads:
             return
-        idx = self._reg().layer_index(layer_name)
+        reg = self._reg()
+        name = self._alias.get(layer_name, layer_name)
+        try:
+            idx = reg.layer_index(name)
+        except KeyError:
+            # A layer we never saw: wait for every layer rather than let it read early.
+            idx = len(reg.layers) - 1
         for ld in self._step_loads:
             if ld.failed or ld.done or ld.state is None:
                 continue
