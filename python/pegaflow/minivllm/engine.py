@@ -153,6 +153,8 @@ class LLMEngine:
             sched_conn,
         )
         self.last_runner_output: ModelRunnerOutput | None = None
+        # Block table of each request scheduled in the last step that ran a forward.
+        self.last_block_tables: dict[str, list[int]] = {}
         self._next_id = 0
 
     # ------------------------------------------------------------------ API
@@ -186,6 +188,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
+        if so.total_num_scheduled_tokens > 0:
+            self.last_block_tables = {
+                rid: self.kv_cache_manager.get_block_ids(rid)[0] for rid in so.num_scheduled_tokens
+            }
         worker_so = pickle.loads(pickle.dumps(so))
         runner_out = self.runner.execute_model(worker_so)
         logits, timeline = runner_out.logits, runner_out.timeline

@@ -79,6 +79,7 @@ class ModelRunner:
         connector: KVConnectorBase_V1 | None = None,
         kv_cache_allocator: KVCacheAllocator | None = None,
         record_timeline: bool = False,
+        load_then_compute: bool = False,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -88,6 +89,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.connector = connector
         self.record_timeline = record_timeline
+        # Benchmark knob, not a vLLM behaviour: wait for every layer's load before the forward
+        # starts (no overlap of load and compute), to measure what layer-wise load saves.
+        self.load_then_compute = load_then_compute
         alloc = kv_cache_allocator or default_kv_cache_allocator
         shape = (2, num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.layer_names = [cfg.layer_name(i) for i in range(cfg.num_layers)]
@@ -211,6 +215,9 @@ class ModelRunner:
         conn.bind_connector_metadata(so.kv_connector_metadata)
         if so.has_sync_kv_loads:
             conn.start_load_kv(self._forward_context(meta))
+            if self.load_then_compute:
+                for name in self.layer_names:
+                    conn.wait_for_layer_load(name)
         else:
             self._pending_load = True
 
