@@ -33,10 +33,15 @@ export const protobufFileName = "pegaflow.proto";
  * Conventions
  * - Errors are real gRPC status codes, never an ok=false field:
  *     INVALID_ARGUMENT     malformed request (lengths, block id out of range,
- *                          bad geometry, unknown layer name)
+ *                          bad geometry, unknown layer name, a namespace or
+ *                          instance id outside the name rule below, more
+ *                          Load targets than the lease holds, bytes that do
+ *                          not decode as the request message, a u64 field
+ *                          above 2^53 - 1)
  *     FAILED_PRECONDITION  wrong client version, unknown instance, topology
  *                          not sealed, unknown/expired/used-up lease, a second
- *                          layout under one namespace
+ *                          layout under one namespace (layer names, their
+ *                          order, or block shape differ)
  *     ALREADY_EXISTS       the (instance, rank) is already registered
  *     RESOURCE_EXHAUSTED   the pinned pool cannot hold the save (nothing
  *                          evictable) or the request is over the size limit
@@ -44,7 +49,15 @@ export const protobufFileName = "pegaflow.proto";
  *                          cleaned up
  *     INTERNAL             a copy failed in the native layer
  *   The status message names the ids involved (instance, rank, layer, block
- *   id, request id, expected vs got).
+ *   id, request id, field, expected vs got). A refused call changes nothing:
+ *   every check runs before any state is touched (a refused Load leaves its
+ *   lease usable by the corrected retry).
+ * - Names: `namespace` and `instance_id` are 1..128 characters from
+ *   [A-Za-z0-9._-]. They become parts of storage keys ("namespace:hash", ':'
+ *   separates), SSD record headers, log fields and metric labels; this set is
+ *   safe in all of them and fits hex digests, UUIDs and model names.
+ * - u64 fields are decoded as JavaScript numbers: values above 2^53 - 1 are
+ *   refused (INVALID_ARGUMENT naming the field), never rounded.
  * - Block ids are the engine's paged-KV block indexes (u32). Block hashes are
  *   the engine's chained prefix hashes (opaque bytes, 1..64 bytes each);
  *   storage is content-addressed by (namespace, hash).
@@ -61,12 +74,14 @@ export const protobufFileName = "pegaflow.proto";
  *   0       u32   magic         engine   0x534C4650 = bytes "PFLS"
  *   4       u32   version       engine   1
  *   8       u32   num_layers    server   layers this load covers (the rank's
- *                                        registered layers, sorted by name)
+ *                                        registered layers)
  *   12      u32   reserved      -        0
- *   16      u32   layers_ready  native   layers whose bytes have landed, in
- *                                        sorted-layer order (layer i is ready
- *                                        once layers_ready > i); stored with
- *                                        release order after the copy
+ *   16      u32   layers_ready  native/  layers whose bytes have landed, in
+ *                               server   the rank's registration order (the
+ *                                        order of RegisterContext.layer_names:
+ *                                        layer i is ready once layers_ready
+ *                                        > i); stored with release order
+ *                                        after the copy
  *   20      i32   state         native/  0 pending, 1 ok (every layer landed),
  *                               server   < 0 failed (a negative PF_E* code;
  *                                        -1000 = rejected before any copy)
@@ -78,6 +93,12 @@ export const protobufFileName = "pegaflow.proto";
  * > i are still in flight with no RPC and no JS hop. An engine waits for
  * layer i with: while (layers_ready <= i && state == 0) spin/yield; then
  * state < 0 means the load failed and the blocks must be recomputed.
+ * Whenever state becomes < 0 (a refused Load or a failed copy), state is
+ * stored first and then layers_ready = num_layers, so a waiter that watches
+ * only layers_ready (e.g. a GPU stream wait on that word) never hangs and
+ * finds the failure in state. When the server does not know the rank's layer
+ * count (unknown instance or rank), it writes 0xFFFFFFFF to both num_layers
+ * and layers_ready.
  */
 
 /**
@@ -158,6 +179,12 @@ export interface SaveResponse {
    * recomputes them later). Nothing is ever partly written.
    */
   blocksRefused: number;
+  /**
+   * New blocks TinyLFU admission turned away (`--enable-lfu-admission`): the
+   * pool was full and they are requested less often than what they would
+   * evict. Not saved; counted in pegaflow_admission_rejections_total.
+   */
+  blocksNotAdmitted: number;
 }
 
 export interface QueryPrefetchRequest {
@@ -190,7 +217,14 @@ export interface LoadRequest {
   tpRank: number;
   ppRank: number;
   leaseId: Uint8Array;
-  /** targets, one per leased block, in order */
+  /**
+   * Targets for the lease's leading blocks, in order: at most as many as
+   * the lease holds (more is INVALID_ARGUMENT); fewer loads that prefix and
+   * gives the rest back. Zero targets consume this rank's share of the lease
+   * and load nothing: the load state is marked done at once (layers_ready =
+   * num_layers, state = 1), so an engine whose capped hit became 0 blocks
+   * needs no special case.
+   */
   blockIds: number[];
   loadStateShm: string;
   /** Optional: the engine's request id, carried into the server's log lines. */
@@ -198,6 +232,7 @@ export interface LoadRequest {
 }
 
 export interface LoadResponse {
+  /** blocks loaded (= len(block_ids)) */
   numBlocks: number;
   numLayers: number;
   bytes: number;
@@ -920,7 +955,13 @@ export const SaveRequest: MessageFns<SaveRequest> = {
 };
 
 function createBaseSaveResponse(): SaveResponse {
-  return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0, blocksRefused: 0 };
+  return {
+    blocksSaved: 0,
+    blocksSkipped: 0,
+    bytesCopied: 0,
+    blocksRefused: 0,
+    blocksNotAdmitted: 0,
+  };
 }
 
 export const SaveResponse: MessageFns<SaveResponse> = {
@@ -936,6 +977,9 @@ export const SaveResponse: MessageFns<SaveResponse> = {
     }
     if (message.blocksRefused !== 0) {
       writer.uint32(32).uint32(message.blocksRefused);
+    }
+    if (message.blocksNotAdmitted !== 0) {
+      writer.uint32(40).uint32(message.blocksNotAdmitted);
     }
     return writer;
   },
@@ -985,6 +1029,14 @@ export const SaveResponse: MessageFns<SaveResponse> = {
             message.blocksRefused = reader.uint32();
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.blocksNotAdmitted = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1006,6 +1058,7 @@ export const SaveResponse: MessageFns<SaveResponse> = {
     message.blocksSkipped = object.blocksSkipped ?? 0;
     message.bytesCopied = object.bytesCopied ?? 0;
     message.blocksRefused = object.blocksRefused ?? 0;
+    message.blocksNotAdmitted = object.blocksNotAdmitted ?? 0;
     return message;
   },
 };
@@ -2026,6 +2079,17 @@ export const EngineService = {
    * Registers all layers of one rank (one GPU) in one call. The instance's
    * topology is sealed when world_size ranks have registered; saves and
    * loads are accepted from then on.
+   *
+   * Layer order: layer_names are listed in the order the model runs them
+   * (vLLM's kv_caches dict order); it is the order of layers_ready in the
+   * load state. The first registration of each PP stage within a namespace
+   * fixes that stage's names and order; every later registration of the
+   * stage (other TP ranks, other instances of the namespace) must list the
+   * same names in the same order, else FAILED_PRECONDITION naming the
+   * namespace, the rank and the first position where expected and got
+   * differ. Stages hold disjoint layers; the namespace's global layer ids are
+   * the stages in pp_rank order, registration order within a stage, so ids
+   * agree across ranks, instances and nodes.
    */
   registerContext: {
     path: "/pegaflow.Engine/RegisterContext" as const,
@@ -2071,7 +2135,11 @@ export const EngineService = {
   /**
    * Consumes the lease for this rank and scatters the blocks into the given
    * block ids (one batch for all layers); returns at submit, completion and
-   * per-layer progress are published in the load-state shm.
+   * per-layer progress are published in the load-state shm. block_ids may
+   * name fewer blocks than the lease holds (the engine recomputes the last
+   * token, or its token budget caps the load): the leading blocks are loaded
+   * and the rest are given back (their pins drop once every rank consumed
+   * the lease, or it is released or expires).
    */
   load: {
     path: "/pegaflow.Engine/Load" as const,
@@ -2145,6 +2213,17 @@ export interface EngineServer extends UntypedServiceImplementation {
    * Registers all layers of one rank (one GPU) in one call. The instance's
    * topology is sealed when world_size ranks have registered; saves and
    * loads are accepted from then on.
+   *
+   * Layer order: layer_names are listed in the order the model runs them
+   * (vLLM's kv_caches dict order); it is the order of layers_ready in the
+   * load state. The first registration of each PP stage within a namespace
+   * fixes that stage's names and order; every later registration of the
+   * stage (other TP ranks, other instances of the namespace) must list the
+   * same names in the same order, else FAILED_PRECONDITION naming the
+   * namespace, the rank and the first position where expected and got
+   * differ. Stages hold disjoint layers; the namespace's global layer ids are
+   * the stages in pp_rank order, registration order within a stage, so ids
+   * agree across ranks, instances and nodes.
    */
   registerContext: handleUnaryCall<RegisterContextRequest, RegisterContextResponse>;
   /**
@@ -2157,7 +2236,11 @@ export interface EngineServer extends UntypedServiceImplementation {
   /**
    * Consumes the lease for this rank and scatters the blocks into the given
    * block ids (one batch for all layers); returns at submit, completion and
-   * per-layer progress are published in the load-state shm.
+   * per-layer progress are published in the load-state shm. block_ids may
+   * name fewer blocks than the lease holds (the engine recomputes the last
+   * token, or its token budget caps the load): the leading blocks are loaded
+   * and the rest are given back (their pins drop once every rank consumed
+   * the lease, or it is released or expires).
    */
   load: handleUnaryCall<LoadRequest, LoadResponse>;
   /** Gives a lease back before it is used up or expires. */
@@ -2179,6 +2262,17 @@ export interface EngineClient extends Client {
    * Registers all layers of one rank (one GPU) in one call. The instance's
    * topology is sealed when world_size ranks have registered; saves and
    * loads are accepted from then on.
+   *
+   * Layer order: layer_names are listed in the order the model runs them
+   * (vLLM's kv_caches dict order); it is the order of layers_ready in the
+   * load state. The first registration of each PP stage within a namespace
+   * fixes that stage's names and order; every later registration of the
+   * stage (other TP ranks, other instances of the namespace) must list the
+   * same names in the same order, else FAILED_PRECONDITION naming the
+   * namespace, the rank and the first position where expected and got
+   * differ. Stages hold disjoint layers; the namespace's global layer ids are
+   * the stages in pp_rank order, registration order within a stage, so ids
+   * agree across ranks, instances and nodes.
    */
   registerContext(
     request: RegisterContextRequest,
@@ -2233,7 +2327,11 @@ export interface EngineClient extends Client {
   /**
    * Consumes the lease for this rank and scatters the blocks into the given
    * block ids (one batch for all layers); returns at submit, completion and
-   * per-layer progress are published in the load-state shm.
+   * per-layer progress are published in the load-state shm. block_ids may
+   * name fewer blocks than the lease holds (the engine recomputes the last
+   * token, or its token budget caps the load): the leading blocks are loaded
+   * and the rest are given back (their pins drop once every rank consumed
+   * the lease, or it is released or expires).
    */
   load(
     request: LoadRequest,

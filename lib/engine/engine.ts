@@ -65,6 +65,8 @@ export interface SaveResult {
   blocksSkipped: number;
   bytesCopied: number;
   blocksRefused: number;
+  /** New blocks TinyLFU admission turned away (not saved). */
+  blocksNotAdmitted: number;
 }
 
 export interface LoadArgs {
@@ -537,7 +539,13 @@ export class KvEngine {
         });}
     }
     if (groups.length === 0) {
-      return { blocksSaved: 0, blocksSkipped: 0, bytesCopied: 0, blocksRefused: 0 };
+      return {
+        blocksSaved: 0,
+        blocksSkipped: 0,
+        bytesCopied: 0,
+        blocksRefused: 0,
+        blocksNotAdmitted: 0,
+      };
     }
     inst.begin("Save");
     const t0 = performance.now();
@@ -561,11 +569,12 @@ export class KvEngine {
         plans.push({ plan: begun.plan, group });
       }
       const tPlanned = performance.now();
-      let blocks = 0, skipped = 0, refused = 0, segs = 0, layerGroups = 0;
+      let blocks = 0, skipped = 0, refused = 0, notAdmitted = 0, segs = 0, layerGroups = 0;
       for (const { plan } of plans) {
         blocks += plan.blockCount;
         skipped += plan.deduplicated;
         refused += plan.refusedForRoom;
+        notAdmitted += plan.admissionRejected;
         segs += plan.blockCount * plan.layers.length * plan.segments;
         layerGroups += plan.layers.length;
       }
@@ -635,6 +644,7 @@ export class KvEngine {
         blocks,
         skipped,
         refused,
+        not_admitted: notAdmitted,
         sealed,
         bytes,
         ms: Math.round(secs * 1e6) / 1e3,
@@ -651,6 +661,7 @@ export class KvEngine {
         blocksSkipped: skipped,
         bytesCopied: bytes,
         blocksRefused: refused,
+        blocksNotAdmitted: notAdmitted,
       };
     } finally {
       // Plans still here did not complete: free their slots (never half-written data).

@@ -190,6 +190,7 @@ export function engineServiceImpl(
         blocksSkipped: r.blocksSkipped,
         bytesCopied: r.bytesCopied,
         blocksRefused: r.blocksRefused,
+        blocksNotAdmitted: r.blocksNotAdmitted,
       };
     }),
     queryPrefetch: unary(
