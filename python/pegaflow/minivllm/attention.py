@@ -30,6 +30,22 @@ def _lower_right_mask(lq: int, lk: int, device: torch.device) -> torch.Tensor:
     return j <= i + (lk - lq)
 
 
+_bias_works = _causal_lower_right is not None
+
+
+def _sdpa_lower_right(qh, kh, vh, lq: int, lk: int, kw: dict) -> torch.Tensor:
+    """Lq < Lk queries, lower-right causal: torch's CausalBias (flash-capable) when this torch
+    accepts it with these arguments, else an explicit boolean mask."""
+    global _bias_works
+    if _bias_works:
+        try:
+            return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_causal_lower_right(lq, lk), **kw)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _bias_works = False  # e.g. a torch whose CausalBias dispatch lacks enable_gqa
+    mask = _lower_right_mask(lq, lk, qh.device)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, **kw)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D] → [Lq, Hq, D]."""
     lq, hq, d = q.shape
@@ -49,12 +65,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
         elif lq == 1:
             o = F.scaled_dot_product_attention(qh, kh, vh, **kw)
         else:
-            mask = (
-                _causal_lower_right(lq, lk)
-                if _causal_lower_right is not None
-                else _lower_right_mask(lq, lk, q.device)
-            )
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, **kw)
+            o = _sdpa_lower_right(qh, kh, vh, lq, lk, kw)
         return o.squeeze(0).transpose(0, 1)
     # Written out: query heads grouped under their KV head, scores in float32.
     g = hq // hkv

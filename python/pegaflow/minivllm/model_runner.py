@@ -148,56 +148,52 @@ class ModelRunner:
             st.num_computed_tokens = c.num_computed_tokens[i]
 
     def _prepare(self, so: SchedulerOutput) -> tuple[StepBatch, list[str], AttentionMetadata]:
+        """The step's flat token batch; host lists reach the device in a few copies, not one per request."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        seqs: list[SeqInfo] = []
+        spans: list[tuple[int, int, int, bool]] = []  # q_start, q_len, kv_len, fresh
         logits_rows: list[int] = []
         sample_ids: list[str] = []
         tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        qlens: list[int] = []
-        dev = self.device
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             c = st.num_computed_tokens
-            q_start = len(ids)
+            spans.append((len(ids), n, c + n, c == 0))
             ids.extend(st.token_ids[c : c + n])
+            blocks = st.block_ids
             for p in range(c, c + n):
                 pos.append(p)
-                slots.append(st.block_ids[p // bs] * bs + p % bs)
-            kv_len = c + n
-            nblk = -(-kv_len // bs)
-            tables.append(st.block_ids[:nblk])
-            seq_lens.append(kv_len)
-            qlens.append(n)
-            seqs.append(
-                SeqInfo(
-                    q_start,
-                    n,
-                    kv_len,
-                    torch.tensor(st.block_ids[:nblk], dtype=torch.long, device=dev),
-                    fresh=(c == 0),
-                )
-            )
-            if kv_len >= len(st.token_ids):  # the step reaches the last token: sample
+                slots.append(blocks[p // bs] * bs + p % bs)
+            tables.append(blocks[: -(-(c + n) // bs)])
+            if c + n >= len(st.token_ids):  # the step reaches the last token: sample
                 logits_rows.append(len(ids) - 1)
                 sample_ids.append(rid)
+        t = len(ids)
+        flat = torch.tensor(ids + pos + slots + logits_rows, dtype=torch.long).to(self.device)
+        width = max(len(tb) for tb in tables)
+        # Padded with the null block; rows are cut to each request's length (or masked).
+        table_dev = torch.tensor(
+            [tb + [0] * (width - len(tb)) for tb in tables], dtype=torch.long
+        ).to(self.device)
+        seqs = [
+            SeqInfo(q0, q, kv, table_dev[i, : len(tables[i])], fresh)
+            for i, (q0, q, kv, fresh) in enumerate(spans)
+        ]
         batch = StepBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            input_ids=flat[:t],
+            positions=flat[t : 2 * t],
+            slot_mapping=flat[2 * t : 3 * t],
             seqs=seqs,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            logits_indices=flat[3 * t :],
         )
+        seq_lens = [kv for _, _, kv, _ in spans]
+        qlens = [q for _, q, _, _ in spans]
         if len(seqs) > 1 and all(q == 1 for q in qlens):
-            width = max(len(t) for t in tables)
-            batch.decode_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev
-            )  # padded with the null block, masked out by seq_lens
-            batch.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(batch.slot_mapping, len(ids), seq_lens, qlens, list(so.num_scheduled_tokens))
+            batch.decode_block_tables = table_dev
+            batch.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.long).to(self.device)
+        meta = AttentionMetadata(batch.slot_mapping, t, seq_lens, qlens, list(so.num_scheduled_tokens))
         return batch, sample_ids, meta
 
     # ------------------------------------------------------------------ connector order
