@@ -12,7 +12,8 @@ import torch
 from pegaflow.connector.vllm_api import RequestStatus, SchedulerOutput
 from pegaflow.minivllm import EngineConfig, LLMEngine, LlamaModel, CONFIGS
 from pegaflow.minivllm.kv_cache_manager import KVCacheManager
-from pegaflow.minivllm.request import Request, chained_block_hashes
+from pegaflow.hashes import chained_block_hashes
+from pegaflow.minivllm.request import Request
 
 TINY = CONFIGS["tiny"]
 
@@ -32,25 +33,26 @@ def engine(model: LlamaModel, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model="tiny", **kw), model=model)
 
 
-def test_block_hashes_match_the_typescript_client_vectors():
+def test_request_block_hashes_match_the_typescript_client_vectors():
     # Vectors printed by lib/client/hashes.ts chainedBlockHashes for the same tokens.
     tokens = [i * 1000 + 7 for i in range(40)]
-    assert [h.hex() for h in chained_block_hashes(tokens, 16)] == [
+    assert [h.hex() for h in Request("v", tokens, block_size=16).block_hashes] == [
         "73c9fbf77b7f74ee3157382d076f4232",
         "134d7bc1e07e899b5545d2573481cc08",
     ]
-    assert [h.hex() for h in chained_block_hashes(tokens, 16, "s1")] == [
+    assert [h.hex() for h in Request("v", tokens, block_size=16, hash_salt="s1").block_hashes] == [
         "46c29cdec960ef0d052dd38b5cf8fd95",
         "1c8bb2ad4f28f63886926da82732b7c2",
     ]
 
 
 def test_request_hashes_grow_with_output_tokens_and_cover_only_full_blocks():
-    r = Request("r", list(range(31)), block_size=16)
+    r = Request("r", list(range(31)), block_size=16, hash_salt="s")
+    assert r.block_hashes == chained_block_hashes(list(range(31)), 16, "s")
     assert len(r.block_hashes) == 1
     r.append_output_token_ids(5)
     assert len(r.block_hashes) == 2
-    assert r.block_hashes == chained_block_hashes(list(range(31)) + [5], 16)
+    assert r.block_hashes == chained_block_hashes(list(range(31)) + [5], 16, "s")
 
 
 def test_block_pool_refcounts_evict_cached_free_blocks_lru_and_never_hand_out_block_0():

@@ -7,8 +7,8 @@ KV store needs. vLLM computes `hash_fn((parent_hash, block_tokens, extra_keys))`
 processes, restarts and nodes needs the same hashes everywhere, so here the seed is fixed:
 `NONE_HASH = sha256(b"pegaflow-root:" + salt)`, and block i's hash is
 `sha256(hash[i-1] || block tokens as u32 little-endian)`, each truncated to 16 bytes. This is
-byte-for-byte the scheme of `lib/client/hashes.ts` (`chainedBlockHashes`), so Python and
-TypeScript clients agree on keys.
+byte-for-byte the scheme of `lib/client/hashes.ts` and `pegaflow.hashes` (which own it), so
+every client agrees on keys.
 
 Example:
     >>> r = Request("r0", list(range(40)), block_size=16)
@@ -23,33 +23,23 @@ import struct
 import time
 
 from pegaflow.connector.vllm_api import RequestStatus
+from pegaflow.hashes import BLOCK_HASH_BYTES, root_hash
 
-__all__ = ["BLOCK_HASH_BYTES", "Request", "RequestStatus", "chained_block_hashes", "none_hash"]
+__all__ = ["Request", "RequestStatus", "hash_block_tokens", "none_hash"]
 
-# Bytes kept of each sha256 (as lib/client/hashes.ts: collision odds negligible at 128 bits).
-BLOCK_HASH_BYTES = 16
 
 
 def none_hash(salt: str = "") -> bytes:
     """The parent hash of block 0: fixed, so every process computes the same chain."""
-    return hashlib.sha256(f"pegaflow-root:{salt}".encode()).digest()[:BLOCK_HASH_BYTES]
+    return root_hash(salt)
 
 
 def hash_block_tokens(parent: bytes, tokens: list[int]) -> bytes:
-    """One link of the chain: sha256(parent || u32le tokens), truncated."""
+    """One link of `pegaflow.hashes.chained_block_hashes`, for hashing as tokens arrive
+    (tests check the two agree)."""
     h = hashlib.sha256(parent)
     h.update(struct.pack(f"<{len(tokens)}I", *tokens))
     return h.digest()[:BLOCK_HASH_BYTES]
-
-
-def chained_block_hashes(tokens: list[int], block_size: int, salt: str = "") -> list[bytes]:
-    """Hashes of every full block of `tokens` (a trailing partial block gets none)."""
-    out: list[bytes] = []
-    prev = none_hash(salt)
-    for b in range(len(tokens) // block_size):
-        prev = hash_block_tokens(prev, tokens[b * block_size : (b + 1) * block_size])
-        out.append(prev)
-    return out
 
 
 class Request:
