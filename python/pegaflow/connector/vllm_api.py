@@ -308,7 +308,10 @@ class CachedRequestData:
 
 @dataclass
 class SchedulerOutput:
-    """Mirrors `vllm.v1.core.sched.output.SchedulerOutput` (no encoder / spec-decode data)."""
+    """Mirrors `vllm.v1.core.sched.output.SchedulerOutput` (no encoder / spec-decode data).
+
+    vLLM ships it to the workers pickled; so does `pegaflow.minivllm`.
+    """
 
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -320,6 +323,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     preempted_req_ids: set[str] | None = None
+    # True when a request was scheduled this step with external tokens loaded synchronously
+    # (vLLM 2aac565c): the worker then calls start_load_kv before the forward, else after.
+    has_sync_kv_loads: bool = False
     kv_connector_metadata: KVConnectorMetadata | None = None
 
     @classmethod
