@@ -418,6 +418,10 @@ class WorkerCore:
         self._thread = threading.Thread(target=self._save_loop, name=f"pegaflow-save-{self.tp_rank}", daemon=True)
         self._thread.start()
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:  # the save thread and the engine's thread both count
+            self.stats[key] += n
+
     def _reg(self) -> KvRegistration:
         if self.registration is None:
             raise RuntimeError("register_kv_caches() was not called")
@@ -442,7 +446,7 @@ class WorkerCore:
             while any(self._pending.get(r, 0) for r in ids):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.stats["preemption_wait_timeouts"] += 1
+                    self._count("preemption_wait_timeouts", 1)
                     log.warning("preempted requests %s: saves still pending after the deadline", sorted(ids))
                     return
                 self._lock.wait(left)
@@ -465,7 +469,7 @@ class WorkerCore:
         if not ld.failed:
             ld.failed = True
             self._errors.update(ld.intent.block_ids)
-            self.stats["load_failures"] += 1
+            self._count("load_failures", 1)
             log.warning("load for %s failed (%d blocks recomputed): %s", ld.intent.request_id, len(ld.intent.block_ids), why)
 
     def start_load(self) -> None:
@@ -491,8 +495,8 @@ class WorkerCore:
                     lease_id=intent.lease_id, block_ids=intent.block_ids, load_state_shm=ld.state.name,
                     request_id=intent.request_id,
                 )
-                self.stats["loads"] += 1
-                self.stats["load_blocks"] += len(intent.block_ids)
+                self._count("loads", 1)
+                self._count("load_blocks", len(intent.block_ids))
             except PegaflowError as e:
                 # A refusal left the state alone or failed it; mark it ourselves too.
                 ld.state.mark_failed()
@@ -559,7 +563,7 @@ class WorkerCore:
             self._queue.put_nowait(_SaveJob(event, list(plan.saves)))
         except queue.Full:
             self._done_saving(plan.saves)
-            self.stats["saves_dropped"] += sum(len(s.block_ids) for s in plan.saves)
+            self._count("saves_dropped", sum(len(s.block_ids) for s in plan.saves))
             log.warning("save queue full: dropped the saves of %d requests", len(plan.saves))
 
     def _done_saving(self, intents: Sequence[SaveIntent]) -> None:
@@ -586,7 +590,7 @@ class WorkerCore:
             job.event.synchronize()  # the step's KV writes are done before the server copies
         reg = self._reg()
         if not reg.connected:
-            self.stats["saves_dropped"] += blocks
+            self._count("saves_dropped", blocks)
             return
         ids: List[int] = []
         hashes: List[bytes] = []
@@ -599,14 +603,14 @@ class WorkerCore:
                 block_ids=ids, block_hashes=hashes, request_id=job.intents[0].request_id,
             )
         except PegaflowError as e:
-            self.stats["saves_dropped"] += blocks
-            self.stats["save_errors"] += 1
+            self._count("saves_dropped", blocks)
+            self._count("save_errors", 1)
             log.debug("save of %d blocks failed (dropped): %s", blocks, e)
             return
-        self.stats["saves"] += 1
-        self.stats["blocks_saved"] += r.blocks_saved
-        self.stats["blocks_skipped"] += r.blocks_skipped
-        self.stats["blocks_refused"] += r.blocks_refused + r.blocks_not_admitted
+        self._count("saves", 1)
+        self._count("blocks_saved", r.blocks_saved)
+        self._count("blocks_skipped", r.blocks_skipped)
+        self._count("blocks_refused", r.blocks_refused + r.blocks_not_admitted)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """(finished_sending, finished_recving): requests whose saves are all
@@ -640,7 +644,8 @@ class WorkerCore:
         return errs
 
     def stats_snapshot(self) -> Dict[str, int]:
-        out = dict(self.stats)
+        with self._lock:
+            out = dict(self.stats)
         if self.registration is not None:
             out.update({"registration_" + k: v for k, v in self.registration.stats().items()})
         return out
