@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-import time
 
 import pytest
 import torch
