@@ -6,7 +6,8 @@
  *
  * @module
  */
-import { Command, CommanderError, InvalidArgumentError } from "commander";
+import { Command, InvalidArgumentError } from "commander";
+import { type CommandLineResult, parseCommandLine } from "../cli/command_line.ts";
 import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
@@ -177,7 +178,6 @@ export function serveCommand(): Command {
       )
         .default(true).preset(true).argParser(boolArg),
     )
-    .exitOverride()
     .allowExcessArguments(false);
   for (const o of ssdOptions()) cmd.addOption(o);
   return cmd;
@@ -186,7 +186,7 @@ export function serveCommand(): Command {
 /** The result of parsing: a config to start, or text to print and an exit code. */
 export type ParseResult =
   | { kind: "config"; config: ServeConfig }
-  | { kind: "exit"; code: number; output: string };
+  | Extract<CommandLineResult, { kind: "exit" }>;
 
 /**
  * Parses argv (without the program name) and the `PEGAFLOW_*` environment.
@@ -201,20 +201,8 @@ export type ParseResult =
  */
 export function parseServeArgs(argv: string[]): ParseResult {
   const cmd = serveCommand();
-  let output = "";
-  cmd.configureOutput({
-    writeOut: (s) => output += s,
-    writeErr: (s) => output += s,
-  });
-  try {
-    cmd.parse(argv, { from: "user" });
-  } catch (e) {
-    if (e instanceof CommanderError) {
-      const code = e.code === "commander.helpDisplayed" || e.code === "commander.help" ? 0 : 2;
-      return { kind: "exit", code, output };
-    }
-    throw e;
-  }
+  const parsed = parseCommandLine(cmd, argv);
+  if (parsed.kind === "exit") return parsed;
   const o = cmd.opts();
   return {
     kind: "config",
