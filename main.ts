@@ -25,7 +25,13 @@ if (import.meta.main) {
   }
   // The one stdout line: tests and supervisors parse the bound ports from it.
   console.log(
-    JSON.stringify({ listening: { grpc: server.grpcAddr, http: server.httpAddr ?? null } }),
+    JSON.stringify({
+      listening: {
+        grpc: server.grpcAddr,
+        uds: server.udsPath ?? null,
+        http: server.httpAddr ?? null,
+      },
+    }),
   );
   const stop = async (sig: string) => {
     log.info("signal received", { signal: sig });

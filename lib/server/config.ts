@@ -11,6 +11,7 @@ import { type CommandLineResult, parseCommandLine } from "../cli/command_line.ts
 import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
+import { MAX_UDS_PATH_BYTES } from "./uds.ts";
 
 /** The size parser behind --pool-size and friends (it lives in lib/cli/flags.ts). */
 export { parseSize };
@@ -19,6 +20,11 @@ export { parseSize };
 export interface ServeConfig {
   /** gRPC listen address `host:port` (port 0 = pick a free one). */
   addr: string;
+  /**
+   * Unix-domain socket path for gRPC, served beside `addr` (undefined = none):
+   * the engines on this host skip the TCP stack.
+   */
+  uds: string | undefined;
   /** HTTP listen address for /health, /metrics, ... (undefined = no HTTP). */
   httpAddr: string | undefined;
   /** Device ids to serve (cuda backend); the host backend ignores them. */
@@ -65,6 +71,20 @@ function addrArg(value: string): string {
   return value;
 }
 
+function udsArg(value: string): string {
+  const path = value.startsWith("unix:") ? value.slice("unix:".length) : value;
+  if (path === "") {
+    throw new InvalidArgumentError("expected a socket path, e.g. /run/pegaflow.sock");
+  }
+  const bytes = new TextEncoder().encode(path).length;
+  if (bytes > MAX_UDS_PATH_BYTES) {
+    throw new InvalidArgumentError(
+      `"${path}" is ${bytes} bytes; a Unix socket path holds at most ${MAX_UDS_PATH_BYTES}`,
+    );
+  }
+  return path;
+}
+
 function choiceArg<T extends string>(choices: readonly T[]) {
   return (value: string): T => {
     if (!(choices as readonly string[]).includes(value)) {
@@ -102,6 +122,13 @@ export function serveCommand(): Command {
     .addOption(
       envOption("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
         .default(DEFAULT_ADDR).argParser(addrArg),
+    )
+    .addOption(
+      envOption(
+        "--uds <path>",
+        "also serve gRPC on this Unix-domain socket (engines on this host: clients use unix:<path>)",
+        "UDS",
+      ).argParser(udsArg),
     )
     .addOption(
       envOption(
@@ -208,6 +235,7 @@ export function parseServeArgs(argv: string[]): ParseResult {
     kind: "config",
     config: {
       addr: o.addr,
+      uds: o.uds,
       httpAddr: o.httpAddr,
       devices: o.devices,
       backend: o.backend,
