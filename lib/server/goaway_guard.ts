@@ -151,11 +151,17 @@ export class GoawayFilter {
  */
 export type GuardListen = { hostname: string; port: number } | { path: string };
 
+/**
+ * Where the guard relays to: the grpc-js server's loopback port, or a Unix
+ * socket it listens on (a private one, so the relay of `--uds` clients stays
+ * off the TCP stack on both of its legs).
+ */
+export type GuardUpstream = { upstreamHostname: string; upstreamPort: number } | {
+  upstreamPath: string;
+};
+
 /** Where the guard listens and where it relays to. */
-export type GoawayGuardOptions = GuardListen & {
-  /** The grpc-js server's loopback port. */
-  upstreamHostname: string;
-  upstreamPort: number;
+export type GoawayGuardOptions = GuardListen & GuardUpstream & {
   /** Called once per dropped GOAWAY (for logs and metrics). */
   onGoawayDropped?: () => void;
   /** Called when relaying a connection failed for a reason other than a peer hanging up. */
@@ -242,12 +248,20 @@ export function startGoawayGuard(opts: GoawayGuardOptions): GoawayGuard {
   };
   const handle = async (client: Deno.Conn) => {
     live.add(client);
-    let upstream: Deno.TcpConn | undefined;
+    let upstream: Deno.Conn | undefined;
     try {
       // Small RPCs go out at once (Nagle does not apply to a Unix socket).
       if (client.localAddr.transport === "tcp") (client as Deno.TcpConn).setNoDelay(true);
-      upstream = await Deno.connect({ hostname: opts.upstreamHostname, port: opts.upstreamPort });
-      upstream.setNoDelay(true);
+      if ("upstreamPath" in opts) {
+        upstream = await Deno.connect({ transport: "unix", path: opts.upstreamPath });
+      } else {
+        const tcp = await Deno.connect({
+          hostname: opts.upstreamHostname,
+          port: opts.upstreamPort,
+        });
+        tcp.setNoDelay(true);
+        upstream = tcp;
+      }
       live.add(upstream);
       const up = upstream;
       // Whichever direction ends first closes both sockets: the server then

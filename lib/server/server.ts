@@ -24,7 +24,12 @@ import { ServerMetrics } from "./metrics.ts";
 import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
 import { SsdKvBridge } from "../ssd/kv_bridge.ts";
 import { registerSsdMetrics } from "../ssd/metrics.ts";
-import { type GoawayGuard, type GuardListen, startGoawayGuard } from "./goaway_guard.ts";
+import {
+  type GoawayGuard,
+  type GuardListen,
+  type GuardUpstream,
+  startGoawayGuard,
+} from "./goaway_guard.ts";
 import { type BoundSocket, boundSocket, claimSocketPath, releaseSocketPath } from "./uds.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
@@ -34,6 +39,8 @@ const KEEPALIVE_TIMEOUT_MS = 20_000;
 /** Where grpc-js listens behind the GOAWAY guard: loopback, any free port. */
 const UPSTREAM_HOST = "127.0.0.1";
 const UPSTREAM_ADDR = `${UPSTREAM_HOST}:0`;
+/** grpc-js's socket behind the guard of `--uds`, in a private temporary directory. */
+const UPSTREAM_SOCKET = "grpc-upstream.sock";
 
 /** Idle-time lease expiry / stale inflight collection period. */
 const COLLECT_INTERVAL_MS = 1_000;
@@ -195,19 +202,22 @@ export async function startServer(
   const hostPart = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
   let port = grpcPort;
   const guards: GoawayGuard[] = [];
-  const startGuard = (listen: GuardListen) =>
+  const startGuard = (listen: GuardListen, upstream: GuardUpstream) =>
     startGoawayGuard({
       ...listen,
-      upstreamHostname: UPSTREAM_HOST,
-      upstreamPort: grpcPort,
+      ...upstream,
       onGoawayDropped: () => {
         metrics.goawayDropped();
         log.debug("dropped a client's GOAWAY (denoland/deno#36788 guard)");
       },
       onError: (e) => log.warn("gRPC relay connection failed", { error: e.message }),
     });
+  // Behind the guard, --uds clients are relayed to grpc-js over a second Unix
+  // socket in a private directory: both legs of their relay skip the TCP stack.
+  let upstreamDir: string | undefined;
   const failListen = async (flag: string, e: unknown): Promise<never> => {
     for (const g of guards) await g.close();
+    if (upstreamDir) await Deno.remove(upstreamDir, { recursive: true });
     server.forceShutdown();
     await cleanupOnListenError();
     throw new Error(`${flag}: cannot listen: ${(e as Error).message}`);
@@ -217,7 +227,7 @@ export async function startServer(
       guards.push(startGuard({
         hostname: hostPart.replace(/^\[(.*)\]$/, "$1"),
         port: Number(cfg.addr.slice(cfg.addr.lastIndexOf(":") + 1)),
-      }));
+      }, { upstreamHostname: UPSTREAM_HOST, upstreamPort: grpcPort }));
     } catch (e) {
       return await failListen(`--addr ${cfg.addr}`, e);
     }
@@ -230,8 +240,14 @@ export async function startServer(
       if (await claimSocketPath(path) === "removed_stale") {
         log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
       }
-      if (cfg.goawayGuard) guards.push(startGuard({ path }));
-      else await bindGrpc(`unix:${path}`);
+      if (cfg.goawayGuard) {
+        upstreamDir = await Deno.makeTempDir({ prefix: "pegaflow-grpc-" });
+        const upstreamPath = `${upstreamDir}/${UPSTREAM_SOCKET}`;
+        await bindGrpc(`unix:${upstreamPath}`);
+        guards.push(startGuard({ path }, { upstreamPath }));
+      } else {
+        await bindGrpc(`unix:${path}`);
+      }
       uds = await boundSocket(path);
     } catch (e) {
       return await failListen(`--uds ${path}`, e);
@@ -286,6 +302,7 @@ export async function startServer(
       for (const g of guards) await g.close();
       // Left behind, the file would make the next start probe it as stale.
       if (uds) await releaseSocketPath(uds);
+      if (upstreamDir) await Deno.remove(upstreamDir, { recursive: true });
       clearInterval(collector);
       await native.close();
     })();
