@@ -35,7 +35,7 @@ const o = new Command("bench-rpc-latency")
   .option(
     "--variants <list>",
     "server variants: guard (the default server), noguard (GOAWAY guard off), singlegc (V8 GC on one thread), semispace (larger young generation)",
-    "guard,noguard,semispace",
+    "guard,noguard,singlegc,semispace",
   )
   .option("--python <bool>", "also probe with Python grpcio when available", "true")
   .option("--out <dir>", "where to write the JSON", "bench/results")

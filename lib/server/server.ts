@@ -30,7 +30,14 @@ import {
   type GuardUpstream,
   startGoawayGuard,
 } from "./goaway_guard.ts";
-import { type BoundSocket, boundSocket, claimSocketPath, releaseSocketPath } from "./uds.ts";
+import {
+  type BoundSocket,
+  boundSocket,
+  claimSocketPath,
+  releaseSocketPath,
+  UPSTREAM_SOCKET_MODE,
+  upstreamSocketPath,
+} from "./uds.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -39,8 +46,6 @@ const KEEPALIVE_TIMEOUT_MS = 20_000;
 /** Where grpc-js listens behind the GOAWAY guard: loopback, any free port. */
 const UPSTREAM_HOST = "127.0.0.1";
 const UPSTREAM_ADDR = `${UPSTREAM_HOST}:0`;
-/** grpc-js's socket behind the guard of `--uds`, in a private temporary directory. */
-const UPSTREAM_SOCKET = "grpc-upstream.sock";
 
 /** Idle-time lease expiry / stale inflight collection period. */
 const COLLECT_INTERVAL_MS = 1_000;
@@ -213,11 +218,13 @@ export async function startServer(
       onError: (e) => log.warn("gRPC relay connection failed", { error: e.message }),
     });
   // Behind the guard, --uds clients are relayed to grpc-js over a second Unix
-  // socket in a private directory: both legs of their relay skip the TCP stack.
-  let upstreamDir: string | undefined;
+  // socket beside the public one (PATH.up): both legs of their relay skip the
+  // TCP stack. Its name is fixed so a crashed server's is found and taken over
+  // like the public one; only the server's user may connect to it.
+  let upstreamSocket: BoundSocket | undefined;
   const failListen = async (flag: string, e: unknown): Promise<never> => {
     for (const g of guards) await g.close();
-    if (upstreamDir) await Deno.remove(upstreamDir, { recursive: true });
+    if (upstreamSocket) await releaseSocketPath(upstreamSocket);
     server.forceShutdown();
     await cleanupOnListenError();
     throw new Error(`${flag}: cannot listen: ${(e as Error).message}`);
@@ -241,9 +248,11 @@ export async function startServer(
         log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
       }
       if (cfg.goawayGuard) {
-        upstreamDir = await Deno.makeTempDir({ prefix: "pegaflow-grpc-" });
-        const upstreamPath = `${upstreamDir}/${UPSTREAM_SOCKET}`;
+        const upstreamPath = upstreamSocketPath(path);
+        await claimSocketPath(upstreamPath);
         await bindGrpc(`unix:${upstreamPath}`);
+        upstreamSocket = await boundSocket(upstreamPath);
+        await Deno.chmod(upstreamPath, UPSTREAM_SOCKET_MODE);
         guards.push(startGuard({ path }, { upstreamPath }));
       } else {
         await bindGrpc(`unix:${path}`);
@@ -302,7 +311,7 @@ export async function startServer(
       for (const g of guards) await g.close();
       // Left behind, the file would make the next start probe it as stale.
       if (uds) await releaseSocketPath(uds);
-      if (upstreamDir) await Deno.remove(upstreamDir, { recursive: true });
+      if (upstreamSocket) await releaseSocketPath(upstreamSocket);
       clearInterval(collector);
       await native.close();
     })();

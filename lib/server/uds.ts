@@ -15,7 +15,28 @@
  */
 
 /** `sun_path` holds 108 bytes on Linux, the terminating NUL included. */
-export const MAX_UDS_PATH_BYTES = 107;
+const SUN_PATH_BYTES = 107;
+/**
+ * Suffix of the socket grpc-js listens on behind the GOAWAY guard of `--uds`
+ * (lib/server/server.ts): `PATH.up`, beside the public one.
+ */
+export const UPSTREAM_SUFFIX = ".up";
+/** Longest `--uds` path: its upstream socket `PATH.up` must fit a `sun_path` too. */
+export const MAX_UDS_PATH_BYTES = SUN_PATH_BYTES - UPSTREAM_SUFFIX.length;
+/** The upstream socket is for the relay alone: only the server's user may connect. */
+export const UPSTREAM_SOCKET_MODE = 0o600;
+
+/**
+ * Where grpc-js listens behind the guard of the `--uds` socket at `path`.
+ *
+ * @example
+ * ```ts
+ * upstreamSocketPath("/run/pegaflow/grpc.sock"); // "/run/pegaflow/grpc.sock.up"
+ * ```
+ */
+export function upstreamSocketPath(path: string): string {
+  return path + UPSTREAM_SUFFIX;
+}
 /** How long a probe connect to an existing socket may take before it counts as live. */
 const PROBE_TIMEOUT_MS = 1_000;
 
