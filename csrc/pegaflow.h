@@ -224,8 +224,10 @@ typedef struct pf_batch_header {
    * (8-aligned) in it. As group g completes, the library stores g + 1 into
    * the u32 at progress_off (release order, after the bytes landed), and
    * once the batch ends, 1 (ok) or the negative PF_E* code into the i32 at
-   * progress_off + 4. An engine polls these words with no RPC: this is how
-   * layer-wise load reaches the model without a JS hop. */
+   * progress_off + 4; on failure it then stores num_groups into the u32, so
+   * a waiter on the counter alone never hangs. An engine polls these words
+   * with no RPC: this is how layer-wise load reaches the model without a JS
+   * hop. */
   uint32_t progress_shm;
   uint32_t progress_off;
   /* Byte offset of segs[] from the start of the descriptor (8-aligned), or

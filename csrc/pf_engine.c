@@ -415,6 +415,13 @@ void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used) {
     atomic_store_explicit(
         (_Atomic int32_t *)(b->progress->ptr + b->progress_off + 4),
         status == PF_OK ? 1 : status, memory_order_release);
+    /* A failed batch also reports every group done, after the status: a
+     * waiter that watches only the group counter (a GPU stream wait on it)
+     * wakes up and then reads the failure. */
+    if (status != PF_OK)
+      atomic_store_explicit(
+          (_Atomic uint32_t *)(b->progress->ptr + b->progress_off),
+          b->num_groups, memory_order_release);
     atomic_fetch_sub(&b->progress->inflight, 1);
   }
   if (b->pool) atomic_fetch_sub(&b->pool->inflight, 1);

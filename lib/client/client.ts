@@ -95,7 +95,12 @@ export class PegaflowClient {
     return this.#call("Health", this.#raw.health as never, {});
   }
 
-  /** Registers one rank. `clientVersion` defaults to the protocol version this SDK speaks. */
+  /**
+   * Registers one rank. `clientVersion` defaults to the protocol version this
+   * SDK speaks. List `layerNames` in the order the model runs them: it is the
+   * order of `layers_ready` in a load state, and every rank and instance of
+   * the namespace must use the same one.
+   */
   registerContext(
     req: Omit<RegisterContextRequest, "clientVersion"> & { clientVersion?: string },
   ): Promise<RegisterContextResponse> {
@@ -105,7 +110,11 @@ export class PegaflowClient {
     });
   }
 
-  /** Saves blocks: per-layer `layers`, or `blockIds`/`blockHashes` for every layer of the rank. */
+  /**
+   * Saves blocks: per-layer `layers`, or `blockIds`/`blockHashes` for every
+   * layer of the rank. The answer counts blocks saved, skipped (held already),
+   * refused for room and not admitted (TinyLFU): only saved ones are cached.
+   */
   save(
     req:
       & Omit<SaveRequest, "layers" | "blockIds" | "blockHashes" | "requestId">
@@ -140,6 +149,14 @@ export class PegaflowClient {
     return { kind: "loading" };
   }
 
+  /**
+   * Loads a lease into `blockIds` and returns at submit (progress goes to the
+   * load state `loadStateShm`). `blockIds` may name a prefix of the lease
+   * (fewer targets: the rest is given back; none: this rank's share is
+   * consumed and the load state reads done at once); more targets than the
+   * lease holds is INVALID_ARGUMENT, and like every refusal leaves the lease
+   * usable for a corrected retry.
+   */
   load(req: Omit<LoadRequest, "requestId"> & { requestId?: string }): Promise<LoadResponse> {
     return this.#call("Load", this.#raw.load as never, { requestId: "", ...req });
   }

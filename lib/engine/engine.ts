@@ -20,18 +20,23 @@
  */
 import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { Logger } from "../log.ts";
-import { Code, EngineError, invalid, precondition } from "./errors.ts";
+import { Code, codeOf, EngineError, invalid, precondition } from "./errors.ts";
+import { StorageError } from "../storage/errors.ts";
+import { LEASE_ID_BYTES } from "../storage/lease.ts";
 import { keyHex, MAX_HASH_BYTES, type RegisterArgs, validateRegistration } from "./registration.ts";
+import { Instance, type LayerCtx, layerCtx, type RankCtx } from "./instances.ts";
 import {
-  Instance,
-  type LayerCtx,
-  layerCtx,
+  checkStageClaim,
+  claimStage,
+  globalOrder,
   type NamespaceLayout,
-  type RankCtx,
-} from "./instances.ts";
+  newLayout,
+  type StageClaim,
+} from "./namespaces.ts";
 import {
   armLoadState,
   checkLoadState,
+  completeLoadState,
   failLoadState,
   LOAD_STATE_BYTES,
   OFF_PROGRESS,
@@ -136,6 +141,8 @@ export interface InstanceInfo {
   ranksRegistered: number;
   sealed: boolean;
   numLayers: number;
+  /** Layer names by layer id: the namespace's order (stages by pp_rank, registration order within). */
+  layers: string[];
   inflightCopies: number;
   ageSeconds: number;
 }
@@ -205,8 +212,8 @@ export class KvEngine {
   readonly #leaseTtlMs: number;
   readonly #ssd: SsdHook | undefined;
   readonly #instances = new Map<string, Instance>();
-  /** namespace → layout signature and the instances using it. */
-  readonly #layouts = new Map<string, NamespaceLayout & { users: Set<string> }>();
+  /** namespace → its agreed layout and the instances using it. */
+  readonly #layouts = new Map<string, NamespaceLayout>();
   readonly #saveStage: Stage<SaveJob, SaveResult>;
   readonly #loadStage: Stage<LoadJob, LoadResult>;
   readonly #saveBatch: BatchWriter;
@@ -265,7 +272,11 @@ export class KvEngine {
 
   // ---- registration -------------------------------------------------------
 
-  /** Registers all layers of one rank; rolls back every mapping on failure. */
+  /**
+   * Registers all layers of one rank; every check (namespace layout and layer
+   * order included) runs before anything is mapped or recorded, and a failure
+   * at seal rolls the rank back whole.
+   */
   register(
     a: RegisterArgs,
   ): { numLayers: number; topologySealed: boolean; ranksRegistered: number } {
@@ -293,32 +304,20 @@ export class KvEngine {
         );
       }
     }
-    // A known namespace layout must agree with this rank's layers before anything is mapped.
-    const layout = this.#layouts.get(a.namespace);
-    if (layout) {
-      if (layout.tpSize !== a.tpSize || layout.ppSize !== ppSize) {
-        throw precondition(
-          `${who}: namespace "${a.namespace}" already holds a layout with tp_size ${layout.tpSize} pp_size ${layout.ppSize}, got ${a.tpSize}/${ppSize}; use a namespace per layout`,
-        );
-      }
-      for (let i = 0; i < n; i++) {
-        const sb = a.geometry[i].segBytes * a.geometry[i].numSegments;
-        const have = layout.layers.get(a.layerNames[i]);
-        if (!have || have.slotBytes !== sb || have.numSegments !== a.geometry[i].numSegments) {
-          throw precondition(
-            `${who}: namespace "${a.namespace}" already holds a different layout: layer "${
-              a.layerNames[i]
-            }" ` +
-              (have
-                ? `has ${have.slotBytes}-byte slots in ${have.numSegments} segments there, got ${sb} in ${
-                  a.geometry[i].numSegments
-                }`
-                : "is not part of it") +
-              "; use a namespace per layout",
-          );
-        }
-      }
-    }
+    // The namespace's layout (sizes, block shape, each stage's layer order) must
+    // agree with this rank before anything is mapped. validateRegistration made
+    // every layer of the rank share one segment shape.
+    const claim: StageClaim = {
+      who,
+      tpSize: a.tpSize,
+      ppSize,
+      ppRank: a.ppRank,
+      layerNames: a.layerNames,
+      segBytes: a.geometry[0].segBytes,
+      numSegments: a.geometry[0].numSegments,
+    };
+    const known = this.#layouts.get(a.namespace);
+    if (known) checkStageClaim(known, claim);
 
     // Map regions (one import per distinct handle); roll back on any failure.
     const imported: RegionPort[] = [];
@@ -345,7 +344,7 @@ export class KvEngine {
       this.#closeRegions(imported, who);
       throw e;
     }
-    layers.sort((x, y) => (x.name < y.name ? -1 : x.name > y.name ? 1 : 0));
+    // Registration order is kept: it is the order layers land in a load.
     const rankCtx: RankCtx = {
       tpRank: a.tpRank,
       ppRank: a.ppRank,
@@ -355,60 +354,40 @@ export class KvEngine {
       byName: new Map(layers.map((l) => [l.name, l])),
       regions: imported,
     };
+
+    // Commit: the namespace's layout, the instance, the rank.
+    const layout = known ?? newLayout(a.namespace, claim);
+    if (!known) this.#layouts.set(a.namespace, layout);
+    const fixedStage = claimStage(layout, claim);
     const created = !inst;
     if (!inst) inst = new Instance(a.instanceId, a.namespace, a.tpSize, ppSize, a.worldSize);
-    // TP peers of one PP stage must list the same layers; PP stages hold disjoint layers.
-    for (const r of inst.ranks.values()) {
-      if (r.ppRank !== a.ppRank) {
-        const shared = layers.find((l) => r.byName.has(l.name));
-        if (shared) {
-          this.#closeRegions(imported, who);
-          throw invalid(`${who}: layer "${shared.name}" is also registered by pp_rank ${r.ppRank}`);
-        }
-        continue;
-      }
-      const same = r.layers.length === layers.length &&
-        r.layers.every((l, i) => l.name === layers[i].name && l.slotBytes === layers[i].slotBytes);
-      if (!same) {
-        this.#closeRegions(imported, who);
-        throw invalid(`${who}: layers differ from tp_rank ${r.tpRank} of the same pp stage`);
-      }
-    }
+    const newUser = !layout.users.has(inst.id);
+    layout.users.add(inst.id);
     inst.ranks.set(rankCtx.rank, rankCtx);
     if (created) this.#instances.set(inst.id, inst);
     if (inst.ranks.size === inst.worldSize) {
-      inst.seal();
-      const sig = inst.signature();
-      const lay = this.#layouts.get(inst.namespace);
-      let bindError: Error | undefined;
-      if (!lay || lay.layers.size === inst.layerNames.length) {
-        try {
-          this.#store.defineNamespace(inst.namespace, {
-            layers: inst.layerNames.length,
-            tpSize: inst.tpSize,
-            collapseTp: false,
-            segments: layers[0].geometry.numSegments,
-            segmentBytes: layers[0].geometry.segBytes,
-          });
-        } catch (e) {
-          bindError = e as Error;
-        }
-      }
-      if (bindError || (lay && lay.layers.size !== inst.layerNames.length)) {
+      // Every stage of this instance registered, so every stage order is fixed.
+      inst.seal(globalOrder(layout)!);
+      try {
+        this.#store.defineNamespace(inst.namespace, {
+          layers: inst.layerNames.length,
+          tpSize: inst.tpSize,
+          collapseTp: false,
+          segments: claim.numSegments,
+          segmentBytes: claim.segBytes,
+        });
+      } catch (e) {
+        // The store still holds this namespace under another shape (blocks saved
+        // before every engine of it left): roll this rank back whole.
         inst.ranks.delete(rankCtx.rank);
-        inst.sealed = false;
+        inst.unseal();
         if (created) this.#instances.delete(inst.id);
+        if (newUser) layout.users.delete(inst.id);
+        if (fixedStage) layout.stages[a.ppRank] = undefined;
+        if (!known) this.#layouts.delete(a.namespace);
         this.#closeRegions(imported, who);
-        throw precondition(
-          bindError
-            ? `${who}: ${bindError.message}`
-            : `${who}: namespace "${inst.namespace}" already holds a layout of ${
-              lay!.layers.size
-            } layers, this instance has ${inst.layerNames.length}; use a namespace per layout`,
-        );
+        throw precondition(`${who}: ${(e as Error).message}`);
       }
-      if (lay) lay.users.add(inst.id);
-      else this.#layouts.set(inst.namespace, { ...sig, users: new Set([inst.id]) });
       this.#log.info("topology sealed", {
         instance: inst.id,
         namespace: inst.namespace,
@@ -732,10 +711,18 @@ export class KvEngine {
       );
     }
     let handedOff = false;
+    // The rank's layer count once known: a refusal then marks exactly that many layers done.
+    let numLayers: number | undefined;
     try {
       checkLoadState(shm.view, args.loadStateShm);
       const inst = this.#instance(args.instanceId, "Load");
       const rank = inst.rankCtx(args.tpRank, args.ppRank, "Load");
+      numLayers = rank.layers.length;
+      if (args.leaseId.length !== LEASE_ID_BYTES) {
+        throw invalid(
+          `instance "${args.instanceId}": lease id is ${args.leaseId.length} bytes, expected ${LEASE_ID_BYTES}`,
+        );
+      }
       const sub = this.#loadStage.submit({ args, inst, rank, shm, tEntry });
       if (sub.status === "refused") {
         throw new EngineError(Code.RESOURCE_EXHAUSTED, `instance "${inst.id}": load queue full`);
@@ -748,7 +735,7 @@ export class KvEngine {
       if (out.status === "failed") throw out.error;
       throw new EngineError(Code.RESOURCE_EXHAUSTED, `load ${out.status} by the load queue`);
     } catch (e) {
-      failLoadState(shm.view);
+      failLoadState(shm.view, STATE_REJECTED, numLayers);
       throw e;
     } finally {
       if (!handedOff) this.#closeShm(shm, args.loadStateShm);
@@ -798,21 +785,35 @@ export class KvEngine {
         }
         checked = numBlocks;
       }
+      // Last check, and the only state change before the copy: the store checks
+      // the target count against the lease before this rank's consume is spent,
+      // so every refusal up to here leaves the lease usable by a corrected retry.
       view = this.#store.consumeLease(args.leaseId, inst.id, rank.rank, {
         tpRank: rank.tpRank,
         layers: rank.layers.map((l) => l.layerId),
+        count: ids.length,
       });
     } catch (e) {
       inst.end();
+      if (e instanceof StorageError) throw new EngineError(codeOf(e), `${who}: ${e.message}`);
       throw e;
     }
     const tLease = performance.now();
+    if (view.blockCount === 0) {
+      // Nothing to copy: this rank's share of the lease is consumed, the load is done.
+      this.#store.loadDone(view);
+      completeLoadState(shm.view, rank.layers.length);
+      this.#closeShm(shm, args.loadStateShm);
+      inst.end();
+      this.#log.debug("load done", {
+        instance: inst.id,
+        request: args.requestId || undefined,
+        rank: rank.rank,
+        blocks: 0,
+      });
+      return { numBlocks: 0, numLayers: rank.layers.length, bytes: 0, done: Promise.resolve() };
+    }
     try {
-      if (view.blockCount !== args.blockIds.length) {
-        throw invalid(
-          `${who}: lease holds ${view.blockCount} blocks but Load names ${args.blockIds.length} target block ids`,
-        );
-      }
       armLoadState(shm.view, rank.layers.length);
       const b = this.#loadBatch;
       let nSegs = 0;
@@ -894,7 +895,11 @@ export class KvEngine {
         (e) => {
           // The native layer writes a failed batch's state itself; this also covers
           // a failure it could not report there, so the engine never waits forever.
-          failLoadState(shm.view, (e as { status?: number }).status ?? STATE_REJECTED);
+          failLoadState(
+            shm.view,
+            (e as { status?: number }).status ?? STATE_REJECTED,
+            rank.layers.length,
+          );
           this.#metrics?.loadDone(0, (performance.now() - t0) / 1000, false);
           this.#log.warn("load copy failed", {
             request: args.requestId || undefined,
@@ -974,6 +979,7 @@ export class KvEngine {
       ranksRegistered: i.ranks.size,
       sealed: i.sealed,
       numLayers: i.layerNames.length,
+      layers: [...i.layerNames],
       inflightCopies: i.inflight,
       ageSeconds: Math.round((now - i.createdAt) / 1000),
     }));

@@ -1,11 +1,12 @@
 /**
  * Instances (one inference engine: all its TP/PP ranks), their registered
- * ranks and layers, the namespace layout rule, and the in-flight counter
- * that cleanup drains before unmapping.
+ * ranks and layers, and the in-flight counter that cleanup drains before
+ * unmapping.
  *
  * Topology: an instance is sealed when world_size ranks have registered.
- * Then layer ids are assigned: the sorted list of every layer name over all
- * PP stages, so ids agree across ranks, processes and nodes. A block's slots
+ * Then layer ids are assigned from the namespace's layer order (see
+ * namespaces.ts: the stages in pp_rank order, registration order within a
+ * stage), so ids agree across ranks, processes and nodes. A block's slots
  * are (layer id, TP rank) pairs: slot = layer_id * tp_size + tp_rank.
  *
  * @module
@@ -13,13 +14,6 @@
 import { Code, EngineError, precondition } from "./errors.ts";
 import { type Geometry, slotBytes } from "./geometry.ts";
 import type { RegionPort } from "./ports.ts";
-
-/** Everything that must match between instances sharing a namespace. */
-export interface NamespaceLayout {
-  tpSize: number;
-  ppSize: number;
-  layers: Map<string, { slotBytes: number; numSegments: number }>;
-}
 
 /** One layer of one rank. */
 export interface LayerCtx {
@@ -38,7 +32,7 @@ export interface RankCtx {
   /** Global rank: pp_rank * tp_size + tp_rank. */
   rank: number;
   deviceId: number;
-  /** Sorted by name. */
+  /** In registration order (the order of layers_ready in a load state). */
   layers: LayerCtx[];
   byName: Map<string, LayerCtx>;
   /** Distinct regions (layers may share one), closed on cleanup. */
@@ -55,7 +49,7 @@ export class Instance {
   readonly ranks = new Map<number, RankCtx>();
   readonly createdAt = Date.now();
   sealed = false;
-  /** Every layer name of the instance, sorted (ids are indexes). Set at seal. */
+  /** Every layer name of the instance in the namespace's order (ids are indexes). Set at seal. */
   layerNames: string[] = [];
   /** Set once cleanup starts: no new save/load is accepted. */
   fenced = false;
@@ -106,26 +100,19 @@ export class Instance {
     return new Promise((resolve) => this.#drainWaiters.push(resolve));
   }
 
-  /** The layout this instance stores under its namespace (from the TP rank 0 of each stage). */
-  signature(): NamespaceLayout {
-    const layers = new Map<string, { slotBytes: number; numSegments: number }>();
-    for (const r of this.ranks.values()) {
-      if (r.tpRank !== 0) continue;
-      for (const l of r.layers) {
-        layers.set(l.name, { slotBytes: l.slotBytes, numSegments: l.geometry.numSegments });
-      }
-    }
-    return { tpSize: this.tpSize, ppSize: this.ppSize, layers };
-  }
-
-  /** Assigns layer ids once every rank is in. */
-  seal(): void {
-    const names = new Set<string>();
-    for (const r of this.ranks.values()) for (const l of r.layers) names.add(l.name);
-    this.layerNames = [...names].sort();
+  /** Assigns layer ids once every rank is in; `order` is the namespace's global layer order. */
+  seal(order: readonly string[]): void {
+    this.layerNames = [...order];
     const ids = new Map(this.layerNames.map((n, i) => [n, i]));
     for (const r of this.ranks.values()) for (const l of r.layers) l.layerId = ids.get(l.name)!;
     this.sealed = true;
+  }
+
+  /** Undoes {@link seal} (a registration rolled back at seal time). */
+  unseal(): void {
+    this.layerNames = [];
+    for (const r of this.ranks.values()) for (const l of r.layers) l.layerId = -1;
+    this.sealed = false;
   }
 
   rankCtx(tpRank: number, ppRank: number, what: string): RankCtx {

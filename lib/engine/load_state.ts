@@ -57,9 +57,41 @@ export function armLoadState(view: DataView, numLayers: number): void {
   view.setInt32(OFF_STATE, STATE_PENDING, true);
 }
 
-/** Server side: marks a load failed (before or instead of the native layer doing so). */
-export function failLoadState(view: DataView, code: number = STATE_REJECTED): void {
+/** num_layers / layers_ready written on a failure when the rank's layer count is unknown. */
+export const LAYERS_UNKNOWN = 0xffffffff;
+
+/**
+ * Server side: marks a load failed (before or instead of the native layer
+ * doing so). State first, then layers_ready = num_layers, so a waiter that
+ * watches only layers_ready wakes up and then finds the failure in state.
+ * `numLayers` is the rank's layer count, or undefined when the server does
+ * not know the rank ({@link LAYERS_UNKNOWN} then goes into both words).
+ */
+export function failLoadState(
+  view: DataView,
+  code: number = STATE_REJECTED,
+  numLayers?: number,
+): void {
   view.setInt32(OFF_STATE, code, true);
+  const n = numLayers ?? LAYERS_UNKNOWN;
+  view.setUint32(OFF_NUM_LAYERS, n, true);
+  // A DataView store is not an atomic release; the fence makes the state store
+  // visible before layers_ready to a reader in another process.
+  Atomics.store(new Int32Array(view.buffer, view.byteOffset + OFF_LAYERS_READY, 1), 0, n | 0);
+}
+
+/**
+ * Server side: a Load with zero targets is done at once: every layer "ready",
+ * state ok (the same words a finished copy leaves).
+ */
+export function completeLoadState(view: DataView, numLayers: number): void {
+  view.setUint32(OFF_NUM_LAYERS, numLayers, true);
+  view.setInt32(OFF_STATE, STATE_OK, true);
+  Atomics.store(
+    new Int32Array(view.buffer, view.byteOffset + OFF_LAYERS_READY, 1),
+    0,
+    numLayers | 0,
+  );
 }
 
 /** Engine side: a snapshot of the words. */

@@ -1,6 +1,7 @@
 /**
  * What RegisterContext checks before anything is mapped: the client speaks
- * this protocol version, the topology numbers agree, every array has one
+ * this protocol version, the namespace and instance id follow the name rule,
+ * the topology numbers agree, every array has one
  * entry per layer, every layer's geometry is in bounds and overlap-free,
  * all layers share one segment shape (one block shape per namespace), and
  * layers sharing a region do not overlap each other. Pure: no state, no I/O.
@@ -20,6 +21,41 @@ export const MAX_HASH_BYTES = 64;
 export const MAX_LAYERS = 4096;
 /** Most TP/PP size. */
 export const MAX_PARALLEL = 1024;
+
+/** Longest namespace or instance id. */
+export const MAX_NAME_CHARS = 128;
+/**
+ * What a namespace or instance id may contain. Both end up in storage keys
+ * (`namespace:hash`: ':' is the separator), SSD record headers, Redis keys,
+ * log fields and metric labels; this set needs no escaping in any of them and
+ * fits hex digests, UUIDs and model names ("llama-3.1-8b.tp2.bf16").
+ */
+export const NAME_PATTERN = /^[A-Za-z0-9._-]+$/;
+
+/**
+ * Throws INVALID_ARGUMENT naming the field unless `value` is 1..128 characters
+ * of [A-Za-z0-9._-]; `who` prefixes the message.
+ *
+ * @example
+ * ```ts
+ * checkName("namespace", "llama-3.1-8b.tp2", 'instance "a"'); // ok
+ * checkName("namespace", "llama:8b", 'instance "a"');         // throws
+ * ```
+ */
+export function checkName(field: string, value: string, who: string): void {
+  if (value.length === 0) throw invalid(`${who}: ${field} is empty`);
+  if (value.length > MAX_NAME_CHARS) {
+    throw invalid(`${who}: ${field} is ${value.length} characters, at most ${MAX_NAME_CHARS}`);
+  }
+  if (!NAME_PATTERN.test(value)) {
+    const bad = [...value].find((ch) => !NAME_PATTERN.test(ch))!;
+    throw invalid(
+      `${who}: ${field} ${JSON.stringify(value)} contains ${
+        JSON.stringify(bad)
+      }; allowed: 1..${MAX_NAME_CHARS} characters of [A-Za-z0-9._-]`,
+    );
+  }
+}
 
 /** Registration of one rank (transport-neutral mirror of RegisterContextRequest). */
 export interface RegisterArgs {
@@ -64,14 +100,17 @@ export function keyHex(b: Uint8Array): string {
  * ```
  */
 export function validateRegistration(a: RegisterArgs): { who: string; ppSize: number } {
-  const who = `instance "${a.instanceId}" tp_rank ${a.tpRank} pp_rank ${a.ppRank}`;
+  // JSON.stringify: an id that breaks the name rule is shown escaped, never raw.
+  const who = `instance ${JSON.stringify(a.instanceId)} tp_rank ${a.tpRank} pp_rank ${a.ppRank}`;
   if (a.clientVersion !== PROTOCOL_VERSION) {
     throw precondition(
       `${who}: client version "${a.clientVersion}" does not match the server's "${PROTOCOL_VERSION}"`,
     );
   }
-  if (!a.instanceId) throw invalid("instance_id is empty");
-  if (!a.namespace) throw invalid(`${who}: namespace is empty`);
+  // Checked on every rank, before anything is stored: no rank of an instance
+  // with a bad name gets in (not only the last one, at seal).
+  checkName("instance_id", a.instanceId, `tp_rank ${a.tpRank} pp_rank ${a.ppRank}`);
+  checkName("namespace", a.namespace, who);
   const ppSize = a.ppSize || 1;
   if (a.tpSize < 1 || a.tpSize > MAX_PARALLEL) {
     throw invalid(`${who}: tp_size ${a.tpSize} out of range 1..${MAX_PARALLEL}`);

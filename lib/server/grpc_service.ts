@@ -1,7 +1,8 @@
 /**
  * The gRPC `pegaflow.Engine` service on grpc-js: decodes requests (static
  * ts-proto code, plugged in as the service definition's serialize and
- * deserialize), calls the {@link KvEngine}, and maps {@link EngineError}
+ * deserialize; bytes that do not decode answer INVALID_ARGUMENT, see
+ * decode.ts), calls the {@link KvEngine}, and maps {@link EngineError}
  * codes to gRPC statuses. Also owns the liveness sessions: when a session
  * stream drops, the instance is cleaned up.
  *
@@ -29,9 +30,8 @@ import { CODE_NAMES, codeOf, invalid, isExpected, precondition } from "../engine
 import { type KvEngine, PROTOCOL_VERSION } from "../engine/engine.ts";
 import type { Logger } from "../log.ts";
 import type { ServerMetrics } from "./metrics.ts";
-
-/** A lease id is 16 bytes. */
-export const LEASE_ID_BYTES = 16;
+import { LEASE_ID_BYTES } from "../storage/lease.ts";
+import { undecodableReason } from "./decode.ts";
 
 type Unary<Req, Res> = grpc.handleUnaryCall<Req, Res>;
 
@@ -99,7 +99,7 @@ function statusError(err: unknown): Partial<grpc.StatusObject> {
  *
  * @example
  * ```ts
- * server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
+ * server.addService(lenientService(), engineServiceImpl(engine, sessions, metrics, log));
  * ```
  */
 export function engineServiceImpl(
@@ -114,6 +114,8 @@ export function engineServiceImpl(
       const t0 = performance.now();
       let p: Promise<Res>;
       try {
+        const bad = undecodableReason(call.request);
+        if (bad !== undefined) throw invalid(`${method}: ${bad}`);
         p = Promise.resolve(fn(call.request));
       } catch (e) {
         p = Promise.reject(e);
@@ -211,11 +213,8 @@ export function engineServiceImpl(
       },
     ),
     load: unary("Load", async (req: LoadRequest): Promise<LoadResponse> => {
-      if (req.leaseId.length !== LEASE_ID_BYTES) {
-        throw invalid(
-          `instance "${req.instanceId}": lease id is ${req.leaseId.length} bytes, expected ${LEASE_ID_BYTES}`,
-        );
-      }
+      // The engine checks the lease id after attaching the load state, so a
+      // polling engine sees that refusal too.
       const r = await engine.load(req);
       return { numBlocks: r.numBlocks, numLayers: r.numLayers, bytes: r.bytes };
     }),
@@ -241,6 +240,14 @@ export function engineServiceImpl(
       backend: engine.backend,
     })),
     session: (call: grpc.ServerWritableStream<SessionRequest, SessionEvent>) => {
+      const bad = undecodableReason(call.request);
+      if (bad !== undefined) {
+        metrics.rpc("Session", "INVALID_ARGUMENT", 0);
+        log.info("rpc refused", { method: "Session", code: "INVALID_ARGUMENT", error: bad });
+        // grpc-js ends a server stream with the status of an emitted error.
+        call.emit("error", { code: grpc.status.INVALID_ARGUMENT, details: `Session: ${bad}` });
+        return;
+      }
       const { instanceId, tpRank, ppRank } = call.request;
       const t0 = performance.now();
       const rank = ppRank * 65536 + tpRank;

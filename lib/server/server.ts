@@ -17,7 +17,8 @@ import { openNative } from "../engine/native_adapter.ts";
 import { KvStore } from "../storage/store.ts";
 import { Logger } from "../log.ts";
 import { capPoolSize, type ServeConfig } from "./config.ts";
-import { EngineService, engineServiceImpl, Sessions } from "./grpc_service.ts";
+import { engineServiceImpl, Sessions } from "./grpc_service.ts";
+import { lenientService } from "./decode.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
 import { httpHandler } from "./http.ts";
 import { ServerMetrics } from "./metrics.ts";
@@ -168,7 +169,7 @@ export async function startServer(
     "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
     "grpc.keepalive_permit_without_calls": 1,
   });
-  server.addService(EngineService, engineServiceImpl(engine, sessions, metrics, log));
+  server.addService(lenientService(), engineServiceImpl(engine, sessions, metrics, log));
   // With the GOAWAY guard on, grpc-js listens on a loopback port that only
   // the guard connects to; the guard owns the public address (goaway_guard.ts).
   const bindAddr = cfg.goawayGuard ? UPSTREAM_ADDR : cfg.addr;

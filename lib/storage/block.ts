@@ -18,7 +18,7 @@ import { type BlockHash, hexBytesInto, MAX_HASH_BYTES } from "./keys.ts";
 
 /** Geometry of one namespace's blocks in the pool. */
 export interface BlockLayout {
-  /** Layers per block (all PP stages together; layer ids are the sorted layer names). */
+  /** Layers per block (all PP stages together; ids in the namespace's registration order, lib/engine/namespaces.ts). */
   layers: number;
   /** TP size of the engines using this namespace. */
   tpSize: number;

@@ -883,21 +883,39 @@ export class KvStore {
    * Consumes a lease for one rank and returns where its blocks are, pinned
    * until {@link loadDone}. `rank` is the global rank (0..worldSize-1, each
    * consumes once); `tpRank` selects the stored slot (default `rank % tpSize`);
-   * `layers` restricts the layers (default all, e.g. one PP stage's).
-   * Throws {@link LeaseError} (FAILED_PRECONDITION) for an unknown, expired,
-   * foreign or already-consumed lease.
+   * `layers` restricts the layers (default all, e.g. one PP stage's);
+   * `count` loads only the lease's first `count` blocks (default all: an
+   * engine that needs fewer gives the rest back; their pins go with the
+   * lease). Throws {@link LeaseError} (FAILED_PRECONDITION) for an unknown,
+   * expired, foreign or already-consumed lease, and InvalidArgumentError for
+   * a `count` above the lease's blocks — in every case before the rank's
+   * consume is spent.
    */
   consumeLease(
     lease: LeaseId,
     instance: string,
     rank: number,
-    opts: { tpRank?: number; layers?: readonly number[] } = {},
+    opts: { tpRank?: number; layers?: readonly number[]; count?: number } = {},
   ): LoadTicket {
     this.collect();
     let layers: number[] = [];
     let tpRank = 0;
     // Validate the request against the lease's layout before the rank spends its consume.
     const { lease: l, last } = this.#leases.consume(lease, instance, rank, (l) => {
+      const c = opts.count;
+      if (c !== undefined && !(Number.isSafeInteger(c) && c >= 0 && c <= l.blocks.length)) {
+        throw new InvalidArgumentError(
+          `lease ${l.id} holds ${l.blocks.length} blocks; a load names at most that many targets, got ${c}`,
+          {
+            namespace: l.namespace,
+            instance,
+            rank,
+            lease: l.id,
+            expected: l.blocks.length,
+            got: c,
+          },
+        );
+      }
       const L = this.#ns(l.namespace, instance).layout;
       tpRank = opts.tpRank ?? rank % L.tpSize;
       if (!Number.isSafeInteger(tpRank) || tpRank < 0 || tpRank >= L.tpSize) {
@@ -916,7 +934,11 @@ export class KvStore {
     const rankSlot = L.collapseTp ? 0 : tpRank;
     const S = L.segments;
     const slotsPerLayer = rankSlots(L);
-    const blocks = l.blocks;
+    // The ticket covers the prefix the load names; the lease keeps pinning all
+    // of its blocks until it ends (last consume, release, expiry).
+    const blocks = opts.count === undefined || opts.count === l.blocks.length
+      ? l.blocks
+      : l.blocks.slice(0, opts.count);
     const n = blocks.length;
     // A block saved right after its predecessor (same save, every item one stride
     // further: Block.runPrev) needs no read of its record: the lease splits into

@@ -146,6 +146,10 @@ class PegaflowClient:
     def address(self) -> str:
         return self.config.addr
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # ---- channel ------------------------------------------------------------
 
     def _options(self) -> list:

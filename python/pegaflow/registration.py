@@ -172,6 +172,9 @@ class KvRegistration:
         delay = RETRY_MIN_S
         cap = self.client.config.reconnect_max_s
         while not self._stop.is_set():
+            if self.client.closed:
+                self.last_error = "the client was closed; not re-registering"
+                return
             try:
                 self._register_once()
                 ok = True

@@ -18,6 +18,12 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 START_TIMEOUT_S = 90.0
 
 
+def server_has_flag(flag: str) -> bool:
+    """True when this checkout's server parses `flag` (lib/server/config.ts)."""
+    with open(os.path.join(ROOT, "lib", "server", "config.ts")) as f:
+        return f'"{flag} ' in f.read()
+
+
 def deno_binary() -> str:
     for p in (
         os.environ.get("PEGAFLOW_DENO", ""),
@@ -38,10 +44,12 @@ class ServerProc:
         s.stop()
     """
 
-    def __init__(self, proc: subprocess.Popen, addr: str, log_path: str):
+    def __init__(self, proc: subprocess.Popen, addr: str, log_path: str, uds: Optional[str] = None):
         self.proc = proc
         self.addr = addr
         self.log_path = log_path
+        #: The Unix socket path when started with --uds.
+        self.uds = uds
 
     @classmethod
     def start(cls, addr: str = "127.0.0.1:0", extra: Optional[List[str]] = None) -> "ServerProc":
@@ -67,7 +75,7 @@ class ServerProc:
         listening = json.loads(line[0])["listening"]
         # Keep draining stdout so the child never blocks on a full pipe.
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        return cls(proc, listening["grpc"], log_path)
+        return cls(proc, listening["grpc"], log_path, listening.get("uds"))
 
     def logs(self) -> str:
         with open(self.log_path, errors="replace") as f:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-import time
 
 import pytest
 import torch
@@ -193,3 +192,59 @@ def test_wait_for_layer_load_returns_when_that_layer_landed_not_when_the_load_di
     w.wait_for_save()
     assert w.take_load_errors() == set()
     w.unbind()
+
+
+def test_a_load_trimmed_by_the_scheduler_loads_that_prefix_and_gives_the_rest_back(engine_factory, uid):
+    from pegaflow.connector.vllm_api import KVCacheBlock, KVCacheBlocks
+
+    eng = engine_factory("layerwise")
+    prompt = synthetic_tokens(81, 5 * BLOCK + 1)
+    a = Request("a", prompt, salt=uid)
+    eng.run_prefill(a)
+    eng.finish(a)
+    eng.drain("a")
+    b = Request("b", list(prompt), salt=uid)
+    n, _ = eng.sched.get_num_new_matched_tokens(b, 0)
+    assert n == 5 * BLOCK
+    picks = [x for x in eng.free if x not in a.block_ids][:6]
+    for x in picks:
+        eng.free.remove(x)
+    b.block_ids = picks
+    # The token budget lets only 2 of the 5 hit blocks in (vLLM may trim external tokens).
+    eng.sched.update_state_after_alloc(b, KVCacheBlocks(([KVCacheBlock(x) for x in picks],)), 2 * BLOCK)
+    b.num_computed_tokens = 2 * BLOCK
+    out = eng._output([b], sched_tokens={"b": b.num_tokens - 2 * BLOCK})
+    assert out.kv_connector_metadata.plan.loads[0].block_ids == picks[:2]
+    eng._step(out, {"b": b})
+    assert eng.invalid_blocks == set() and eng.layer_violations == []
+    assert eng.holds_all(b, b.num_tokens)
+
+
+def test_a_layer_sharing_another_layers_kv_is_registered_once_and_waits_on_it(server, uid):
+    from pegaflow.client import PegaflowClient
+    from pegaflow.connector.core import WorkerCore
+    from pegaflow.regions import ShmRegion
+
+    client = PegaflowClient(server.addr)
+    region = ShmRegion(2 * 4096)
+    a = region.torch(torch.float16, (2, 8, 4, 2, 8), offset=0)
+    b = region.torch(torch.float16, (2, 8, 4, 2, 8), offset=4096)
+    w = WorkerCore(client, instance_id=uid, namespace="ns-" + uid)
+    try:
+        w.register_kv_caches({"l0": a, "l1": b, "l2_shares_l0": a})
+        assert w.registration.layer_names == ["l0", "l1"]
+        client.load = lambda **kw: None  # the test plays the server's copy engine
+        w.bind(StepPlan(loads=[LoadIntent("r", b"\x01" * 16, [4])]))
+        w.start_load()
+        from test_load_state import publish
+
+        publish(w._step_loads[0].state, num_layers=2, layers_ready=1)
+        w.wait_for_layer_load("l2_shares_l0")  # returns: its tensor is l0's, which landed
+        publish(w._step_loads[0].state, layers_ready=2, state=1)
+        w.wait_for_layer_load("not-a-layer")  # unknown: waits for every layer, does not raise
+        w.wait_for_save()
+        w.unbind()
+    finally:
+        w.close()
+        client.close()
+        region.close()

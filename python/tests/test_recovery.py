@@ -8,8 +8,10 @@ from __future__ import annotations
 import signal
 import time
 
+import grpc
 import pytest
 
+from pegaflow.errors import PegaflowError
 from pegaflow.hashes import synthetic_tokens
 
 from server_proc import ServerProc
@@ -97,3 +99,37 @@ def test_a_wedged_server_costs_deadlines_not_a_hung_engine(own_server, uid):
     finally:
         s.proc.send_signal(signal.SIGCONT)
         eng.close()
+
+
+def test_a_rank_whose_instance_was_cleaned_up_registers_again_by_itself(client, uid):
+    from pegaflow.client import PegaflowClient
+
+    from kv_helpers import fill, make_kv, register
+
+    region, kv = make_kv(2, 8)
+    own = PegaflowClient(client.address, reconnect_max_ms=300)
+    reg = register(own, kv, uid, "ns-" + uid)
+    try:
+        assert client.unregister_context(uid) == 0  # e.g. an operator, or a TP peer's session loss
+        wait_for(lambda: reg.generation == 2 and reg.connected, "re-registration after CLEANED_UP")
+        assert "CLEANED_UP" in (reg.last_error or "")
+        hashes = [bytes([7]) * 16]
+        fill(kv, [3], hashes)
+        assert own.save(instance_id=uid, tp_rank=0, block_ids=[3], block_hashes=hashes).blocks_saved == 1
+    finally:
+        reg.close()
+        own.close()
+        region.close()
+
+
+def test_closing_a_registration_unregisters_the_instance(client, uid):
+    from kv_helpers import make_kv, register
+
+    region, kv = make_kv(1, 8)
+    reg = register(client, kv, uid, "ns-" + uid)
+    reg.close()
+    assert not reg.connected
+    with pytest.raises(PegaflowError) as e:
+        client.query_prefetch(instance_id=uid, block_hashes=[b"\x01"], request_id="q")
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "is not registered" in e.value.details
+    region.close()

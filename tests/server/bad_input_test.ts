@@ -187,11 +187,15 @@ Deno.test("save, query, load and release refuse bad input and store nothing", as
     // An engine polling its load state (instead of awaiting the RPC) sees the refusal too.
     const st = new DataView((await Deno.readFile(`/dev/shm${sim.loadStateName!}`)).buffer);
     assert.equal(st.getInt32(20, true), -1000, "state: refused before any copy");
+    assert.equal(st.getUint32(16, true), MODEL.numLayers, "layers_ready: every layer done");
+    assert.equal(st.getUint32(8, true), MODEL.numLayers, "num_layers: the rank's layers");
     await assert.rejects(srv.client.release(unknown), status("FAILED_PRECONDITION"));
     await assert.rejects(
       sim.load(new Uint8Array(5), [4]),
       status("INVALID_ARGUMENT", /lease id is 5 bytes/),
     );
+    const st5 = new DataView((await Deno.readFile(`/dev/shm${sim.loadStateName!}`)).buffer);
+    assert.equal(st5.getInt32(20, true), -1000, "a short lease id is visible to a poller too");
 
     const q = await sim.query(hashes, "r1");
     assert.ok(q.kind === "ready" && q.hits === 4);
@@ -201,8 +205,8 @@ Deno.test("save, query, load and release refuse bad input and store nothing", as
       status("INVALID_ARGUMENT", /target block id 99/),
     );
     await assert.rejects(
-      sim.load(q.leaseId, [4, 5]),
-      status("INVALID_ARGUMENT", /lease holds 4 blocks but Load names 2/),
+      sim.load(q.leaseId, [4, 5, 6, 7, 8]),
+      status("INVALID_ARGUMENT", /holds 4 blocks; a load names at most that many targets, got 5/),
     );
     await assert.rejects(
       srv.client.load({
@@ -293,6 +297,59 @@ Deno.test("pipeline stages must hold disjoint layers; TP peers the same ones", a
   } finally {
     a.close();
     b.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a namespace or instance id outside 1..128 of [A-Za-z0-9._-] is refused on every rank before anything is stored", async () => {
+  const srv = await startServer();
+  const mk = (instanceId: string, namespace: string, tpRank: number) =>
+    SimEngine.create({
+      client: srv.client,
+      instanceId,
+      namespace,
+      model: MODEL,
+      numBlocks: 8,
+      tpRank,
+      tpSize: 2,
+      backend: "host",
+    });
+  const id = uid("names");
+  const r0 = mk(id, "llama:8b", 0);
+  const r1 = mk(id, "llama:8b", 1);
+  try {
+    // TP=2: the FIRST rank is refused already (not only the last one, at seal).
+    await assert.rejects(
+      r0.register(),
+      status("INVALID_ARGUMENT", /namespace "llama:8b" contains ":"; allowed: 1\.\.128 characters/),
+    );
+    await assert.rejects(r1.register(), status("INVALID_ARGUMENT", /namespace "llama:8b"/));
+    assert.deepEqual(await instanceIds(srv), [], "no rank of the bad namespace got in");
+    await assert.rejects(
+      r0.register({ namespace: "x".repeat(129) }),
+      status("INVALID_ARGUMENT", /namespace is 129 characters, at most 128/),
+    );
+    await assert.rejects(
+      r0.register({ namespace: "" }),
+      status("INVALID_ARGUMENT", /namespace is empty/),
+    );
+    await assert.rejects(
+      r0.register({ instanceId: "engine 0" }),
+      status("INVALID_ARGUMENT", /instance_id "engine 0" contains " "/),
+    );
+    await assert.rejects(
+      r0.register({ instanceId: "" }),
+      status("INVALID_ARGUMENT", /instance_id is empty/),
+    );
+    assert.deepEqual(await instanceIds(srv), []);
+    // The longest allowed name, every allowed character: both ranks in, sealed.
+    const ns = ("Az09._-" + "n".repeat(128)).slice(0, 128);
+    await r0.register({ namespace: ns });
+    const r = await r1.register({ namespace: ns });
+    assert.equal(r.topologySealed, true);
+  } finally {
+    r0.close();
+    r1.close();
     await srv.stop();
   }
 });

@@ -229,6 +229,31 @@ Deno.test("a bad layer list in consumeLease is refused without spending the rank
   store.verify();
 });
 
+Deno.test("consumeLease with a count reads that prefix; the lease pins the rest until every rank consumed", () => {
+  const { store } = makeStore(8, {}, { ...SMALL, tpSize: 2 });
+  save(store, hs(0, 4), { rank: 0 });
+  save(store, hs(0, 4), { rank: 1 });
+  const q = store.query(NS, hs(0, 4), "e", 2);
+  strictEqual(q.hits, 4);
+  // More than the lease holds: refused, and the rank's consume is not spent.
+  throws(
+    () => store.consumeLease(q.lease!.id, "e", 0, { count: 5 }),
+    (e: unknown) =>
+      e instanceof InvalidArgumentError && e.fields.expected === 4 && e.fields.got === 5,
+  );
+  const t0 = store.consumeLease(q.lease!.id, "e", 0, { count: 3 });
+  strictEqual(t0.blockCount, 3);
+  assertEquals(t0.hashes, hs(0, 3));
+  store.loadDone(t0);
+  strictEqual(store.stats().pinnedBlocks, 4, "the lease still pins every block");
+  const t1 = store.consumeLease(q.lease!.id, "e", 1, { count: 0 });
+  strictEqual(t1.blockCount, 0);
+  strictEqual(store.stats().pinnedBlocks, 0, "the last consume dropped the lease's pins");
+  store.loadDone(t1);
+  strictEqual(store.stats().pinnedBlocks, 0);
+  store.verify();
+});
+
 Deno.test("stale inflight blocks are collected after the TTL, but never under an in-flight copy", () => {
   const { store, clock } = makeStore(8, {}, { ...SMALL, tpSize: 2 });
   save(store, [h(0)], { rank: 0 }); // half a block, never completed by rank 1

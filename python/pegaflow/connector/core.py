@@ -322,6 +322,13 @@ class SchedulerCore:
 # ---- worker side --------------------------------------------------------------
 
 
+def _tensor_key(t: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
+    """(data pointer, shape, strides): equal for two names of one KV tensor."""
+    if hasattr(t, "data_ptr"):
+        return t.data_ptr(), tuple(t.shape), tuple(t.stride())
+    return t.__array_interface__["data"][0], tuple(t.shape), tuple(t.strides)
+
+
 @dataclass
 class _Load:
     intent: LoadIntent
@@ -370,6 +377,7 @@ class WorkerCore:
         self.mode = mode
         self.load_timeout_s = load_timeout_s if load_timeout_s is not None else client.config.load_timeout_s
         self.registration: Optional[KvRegistration] = None
+        self._alias: Dict[str, str] = {}
         self._cuda = False
         self._plan: Optional[StepPlan] = None
         self._step_loads: List[_Load] = []  # layer-wise: this step's loads
@@ -387,8 +395,20 @@ class WorkerCore:
     # -- registration --
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any], layout: Optional[str] = None) -> None:
-        layers, device = export_kv_layers(kv_caches, layout)
-        self._cuda = any(bool(getattr(t, "is_cuda", False)) for t in kv_caches.values())
+        """Registers the layers in the mapping's order (= execution order). A
+        layer that reuses an earlier layer's tensor (vLLM's KV sharing) is
+        registered once, under the first name; the alias waits on that layer."""
+        unique: Dict[str, Any] = {}
+        first: Dict[Tuple[int, Tuple[int, ...], Tuple[int, ...]], str] = {}
+        for name, t in kv_caches.items():
+            key = _tensor_key(t)
+            if key in first:
+                self._alias[name] = first[key]
+            else:
+                first[key] = name
+                unique[name] = t
+        layers, device = export_kv_layers(unique, layout)
+        self._cuda = any(bool(getattr(t, "is_cuda", False)) for t in unique.values())
         self.registration = KvRegistration(
             self.client, instance_id=self.instance_id, namespace=self.namespace, layers=layers,
             tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
@@ -397,6 +417,10 @@ class WorkerCore:
         self.registration.register()
         self._thread = threading.Thread(target=self._save_loop, name=f"pegaflow-save-{self.tp_rank}", daemon=True)
         self._thread.start()
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:  # the save thread and the engine's thread both count
+            self.stats[key] += n
 
     def _reg(self) -> KvRegistration:
         if self.registration is None:
@@ -422,7 +446,7 @@ class WorkerCore:
             while any(self._pending.get(r, 0) for r in ids):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.stats["preemption_wait_timeouts"] += 1
+                    self._count("preemption_wait_timeouts", 1)
                     log.warning("preempted requests %s: saves still pending after the deadline", sorted(ids))
                     return
                 self._lock.wait(left)
@@ -445,7 +469,7 @@ class WorkerCore:
         if not ld.failed:
             ld.failed = True
             self._errors.update(ld.intent.block_ids)
-            self.stats["load_failures"] += 1
+            self._count("load_failures", 1)
             log.warning("load for %s failed (%d blocks recomputed): %s", ld.intent.request_id, len(ld.intent.block_ids), why)
 
     def start_load(self) -> None:
@@ -471,8 +495,8 @@ class WorkerCore:
                     lease_id=intent.lease_id, block_ids=intent.block_ids, load_state_shm=ld.state.name,
                     request_id=intent.request_id,
                 )
-                self.stats["loads"] += 1
-                self.stats["load_blocks"] += len(intent.block_ids)
+                self._count("loads", 1)
+                self._count("load_blocks", len(intent.block_ids))
             except PegaflowError as e:
                 # A refusal left the state alone or failed it; mark it ourselves too.
                 ld.state.mark_failed()
@@ -486,7 +510,13 @@ class WorkerCore:
         """Layer-wise mode: returns once `layer_name` has landed for every load of this step."""
         if not self._step_loads:
             return
-        idx = self._reg().layer_index(layer_name)
+        reg = self._reg()
+        name = self._alias.get(layer_name, layer_name)
+        try:
+            idx = reg.layer_index(name)
+        except KeyError:
+            # A layer we never saw: wait for every layer rather than let it read early.
+            idx = len(reg.layers) - 1
         for ld in self._step_loads:
             if ld.failed or ld.done or ld.state is None:
                 continue
@@ -533,7 +563,7 @@ class WorkerCore:
             self._queue.put_nowait(_SaveJob(event, list(plan.saves)))
         except queue.Full:
             self._done_saving(plan.saves)
-            self.stats["saves_dropped"] += sum(len(s.block_ids) for s in plan.saves)
+            self._count("saves_dropped", sum(len(s.block_ids) for s in plan.saves))
             log.warning("save queue full: dropped the saves of %d requests", len(plan.saves))
 
     def _done_saving(self, intents: Sequence[SaveIntent]) -> None:
@@ -560,7 +590,7 @@ class WorkerCore:
             job.event.synchronize()  # the step's KV writes are done before the server copies
         reg = self._reg()
         if not reg.connected:
-            self.stats["saves_dropped"] += blocks
+            self._count("saves_dropped", blocks)
             return
         ids: List[int] = []
         hashes: List[bytes] = []
@@ -573,14 +603,14 @@ class WorkerCore:
                 block_ids=ids, block_hashes=hashes, request_id=job.intents[0].request_id,
             )
         except PegaflowError as e:
-            self.stats["saves_dropped"] += blocks
-            self.stats["save_errors"] += 1
+            self._count("saves_dropped", blocks)
+            self._count("save_errors", 1)
             log.debug("save of %d blocks failed (dropped): %s", blocks, e)
             return
-        self.stats["saves"] += 1
-        self.stats["blocks_saved"] += r.blocks_saved
-        self.stats["blocks_skipped"] += r.blocks_skipped
-        self.stats["blocks_refused"] += r.blocks_refused + r.blocks_not_admitted
+        self._count("saves", 1)
+        self._count("blocks_saved", r.blocks_saved)
+        self._count("blocks_skipped", r.blocks_skipped)
+        self._count("blocks_refused", r.blocks_refused + r.blocks_not_admitted)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """(finished_sending, finished_recving): requests whose saves are all
@@ -614,7 +644,8 @@ class WorkerCore:
         return errs
 
     def stats_snapshot(self) -> Dict[str, int]:
-        out = dict(self.stats)
+        with self._lock:
+            out = dict(self.stats)
         if self.registration is not None:
             out.update({"registration_" + k: v for k, v in self.registration.stats().items()})
         return out

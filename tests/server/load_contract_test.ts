@@ -1,0 +1,248 @@
+/**
+ * The Load contract the vLLM connector relies on, over real gRPC against a
+ * server child: a refused Load changes nothing (its lease stays usable); a
+ * Load may name a prefix of the lease (the rest is given back once every
+ * rank consumed it); zero targets consume and finish at once; a refusal
+ * marks every layer done in the load state, so a waiter on layers_ready
+ * alone never hangs.
+ */
+import assert from "node:assert/strict";
+import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
+import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { LoadState } from "../../lib/client/load_state.ts";
+import type { PegaflowError } from "../../lib/client/client.ts";
+import { readLoadState } from "../../lib/engine/load_state.ts";
+import { type ServerProc, startServer, uid } from "./harness.ts";
+
+const MODEL = { ...LLAMA_3_1_8B, numLayers: 3 };
+/** Generous bound for server-side bookkeeping that follows a load's last word. */
+const SETTLE_MS = 10_000;
+
+function status(name: string, detail?: RegExp) {
+  return (e: unknown) => {
+    const pe = e as PegaflowError;
+    assert.equal(pe.codeName, name, pe.message);
+    if (detail) assert.match(pe.details, detail);
+    return true;
+  };
+}
+
+/** Polls a metric until it equals `want` (bookkeeping after the copy is asynchronous). */
+async function metricBecomes(srv: ServerProc, name: string, want: number): Promise<void> {
+  const deadline = Date.now() + SETTLE_MS;
+  let got = await srv.metric(name);
+  while (got !== want && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 20));
+    got = await srv.metric(name);
+  }
+  assert.equal(got, want, `${name}`);
+}
+
+function sim(srv: ServerProc, instanceId: string, ns: string, tpRank = 0, tpSize = 1) {
+  return SimEngine.create({
+    client: srv.client,
+    instanceId,
+    namespace: ns,
+    model: MODEL,
+    numBlocks: 16,
+    tpRank,
+    tpSize,
+    backend: "host",
+  });
+}
+
+Deno.test("a refused Load leaves its lease usable: the corrected retry loads byte-exact", async () => {
+  const srv = await startServer();
+  const e = sim(srv, uid("refused"), uid("ns"));
+  const st = LoadState.create();
+  try {
+    await e.register();
+    const hashes = chainedBlockHashes(syntheticTokens(21, 16 * 4), 16);
+    e.fill([0, 1, 2, 3], hashes);
+    await e.save([0, 1, 2, 3], hashes);
+    const q = await e.query(hashes, "r-refused");
+    assert.ok(q.kind === "ready" && q.hits === 4);
+    if (q.kind !== "ready") return;
+    const load = (over: Record<string, unknown>) =>
+      srv.client.load({
+        instanceId: e.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        leaseId: q.leaseId,
+        blockIds: [8, 9, 10, 11],
+        loadStateShm: st.name,
+        requestId: "r-refused",
+        ...over,
+      });
+    // Each refusal is its own kind of bad input; none may spend the lease.
+    await assert.rejects(
+      load({ blockIds: [8, 9, 10, 11, 12] }),
+      status("INVALID_ARGUMENT", /request "r-refused".*holds 4 blocks.*got 5/),
+    );
+    await assert.rejects(
+      load({ blockIds: [8, 9, 10, 16] }),
+      status("INVALID_ARGUMENT", /target block id 16 >= num_blocks 16/),
+    );
+    await assert.rejects(
+      load({ loadStateShm: "/pegaflow-no-such-load-state" }),
+      status("INVALID_ARGUMENT", /load state/),
+    );
+    await assert.rejects(
+      load({ tpRank: 1 }),
+      status("FAILED_PRECONDITION", /tp_rank 1 pp_rank 0, which is not registered/),
+    );
+    await assert.rejects(
+      load({ instanceId: "ghost" }),
+      status("FAILED_PRECONDITION", /instance "ghost" is not registered/),
+    );
+    assert.equal(await srv.metric("pegaflow_leases"), 1, "the lease survived every refusal");
+
+    e.clear([8, 9, 10, 11]);
+    st.rearm();
+    const r = await load({});
+    assert.equal(r.numBlocks, 4);
+    assert.equal(await st.waitAll(), 1);
+    const v = e.verify([8, 9, 10, 11], hashes);
+    assert.equal(v.badSegments, 0, v.first ?? "");
+    await metricBecomes(srv, "pegaflow_pinned_blocks", 0);
+    assert.equal(await srv.metric("pegaflow_leases"), 0, "consumed by the only rank");
+  } finally {
+    st.close();
+    e.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a Load naming fewer targets loads that prefix; the rest is given back when every rank consumed", async () => {
+  const srv = await startServer();
+  const ns = uid("ns");
+  const id = uid("prefix");
+  const r0 = sim(srv, id, ns, 0, 2);
+  const r1 = sim(srv, id, ns, 1, 2);
+  const st0 = LoadState.create();
+  try {
+    await r0.register();
+    await r1.register();
+    const hashes = chainedBlockHashes(syntheticTokens(22, 16 * 4), 16);
+    for (const r of [r0, r1]) {
+      r.fill([0, 1, 2, 3], hashes);
+      await r.save([0, 1, 2, 3], hashes);
+    }
+    const q = await r0.query(hashes, "r-prefix");
+    assert.ok(q.kind === "ready" && q.hits === 4);
+    if (q.kind !== "ready") return;
+
+    // Rank 0 needs 3 blocks (vLLM recomputes the last token).
+    r0.clear([10, 11, 12]);
+    const got0 = await srv.client.load({
+      instanceId: id,
+      tpRank: 0,
+      ppRank: 0,
+      leaseId: q.leaseId,
+      blockIds: [10, 11, 12],
+      loadStateShm: st0.name,
+    });
+    assert.equal(got0.numBlocks, 3);
+    assert.equal(got0.bytes, 3 * r0.blockBytes);
+    assert.equal(await st0.waitAll(), 1);
+    let v = r0.verify([10, 11, 12], hashes.slice(0, 3));
+    assert.equal(v.badSegments, 0, v.first ?? "");
+    // The lease still pins all 4 blocks: rank 1 has not consumed it.
+    await metricBecomes(srv, "pegaflow_pinned_blocks", 4);
+    assert.equal(await srv.metric("pegaflow_leases"), 1);
+
+    // Rank 1 needs only 2; after this last consume nothing stays pinned.
+    r1.clear([0, 1, 2, 3]);
+    const res1 = await r1.load(q.leaseId, [2, 3]);
+    assert.equal(res1.state, 1);
+    v = r1.verify([2, 3], hashes.slice(0, 2));
+    assert.equal(v.badSegments, 0, v.first ?? "");
+    await metricBecomes(srv, "pegaflow_pinned_blocks", 0);
+    assert.equal(await srv.metric("pegaflow_leases"), 0);
+    // The blocks given back are still cached and servable.
+    const again = await r0.query(hashes, "r-prefix-2");
+    assert.ok(again.kind === "ready" && again.hits === 4);
+    if (again.kind === "ready") await srv.client.release(again.leaseId);
+  } finally {
+    st0.close();
+    r0.close();
+    r1.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a Load with zero targets consumes this rank's share and marks the load state done", async () => {
+  const srv = await startServer();
+  const e = sim(srv, uid("zero"), uid("ns"));
+  const st = LoadState.create();
+  try {
+    await e.register();
+    const hashes = chainedBlockHashes(syntheticTokens(23, 16 * 2), 16);
+    e.fill([0, 1], hashes);
+    await e.save([0, 1], hashes);
+    const q = await e.query(hashes, "r-zero");
+    assert.ok(q.kind === "ready" && q.hits === 2);
+    if (q.kind !== "ready") return;
+    const req = {
+      instanceId: e.instanceId,
+      tpRank: 0,
+      ppRank: 0,
+      leaseId: q.leaseId,
+      blockIds: [],
+      loadStateShm: st.name,
+    };
+    const r = await srv.client.load(req);
+    assert.deepEqual(r, { numBlocks: 0, numLayers: MODEL.numLayers, bytes: 0 });
+    assert.deepEqual(st.snapshot(), {
+      numLayers: MODEL.numLayers,
+      layersReady: MODEL.numLayers,
+      state: 1,
+    });
+    await metricBecomes(srv, "pegaflow_pinned_blocks", 0);
+    assert.equal(await srv.metric("pegaflow_leases"), 0, "the only rank consumed it");
+    await assert.rejects(srv.client.load(req), status("FAILED_PRECONDITION", /unknown or expired/));
+  } finally {
+    st.close();
+    e.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a refused Load marks every layer done, so a layers_ready waiter wakes and sees the failure", async () => {
+  const srv = await startServer();
+  const e = sim(srv, uid("wake"), uid("ns"));
+  const st = LoadState.create();
+  try {
+    await e.register();
+    const req = {
+      instanceId: e.instanceId,
+      tpRank: 0,
+      ppRank: 0,
+      leaseId: new Uint8Array(16).fill(3),
+      blockIds: [0],
+      loadStateShm: st.name,
+    };
+    // Known rank: layers_ready = num_layers = the rank's layer count.
+    await assert.rejects(srv.client.load(req), status("FAILED_PRECONDITION", /unknown or expired/));
+    assert.deepEqual(st.snapshot(), {
+      numLayers: MODEL.numLayers,
+      layersReady: MODEL.numLayers,
+      state: -1000,
+    });
+
+    // Unknown instance: the server cannot know the layer count, so both words read "all".
+    st.rearm();
+    await assert.rejects(
+      srv.client.load({ ...req, instanceId: "ghost" }),
+      status("FAILED_PRECONDITION"),
+    );
+    const words = readLoadState(
+      new DataView((await Deno.readFile(`/dev/shm${st.name}`)).buffer),
+    );
+    assert.deepEqual(words, { numLayers: 0xffffffff, layersReady: 0xffffffff, state: -1000 });
+  } finally {
+    st.close();
+    e.close();
+    await srv.stop();
+  }
+});
