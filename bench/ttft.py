@@ -581,6 +581,7 @@ def draw_chart(r: dict[str, Any], path: str) -> None:
                  color="tab:orange", label="wait for load (CPU)" if y == 0 else None)  # fmt: skip
         ax2.barh(y + 0.2, t["compute_end_ms"] - t["compute_start_ms"], left=t["compute_start_ms"], height=0.4,
                  color="tab:blue", label="layer compute (GPU)" if y == 0 else None)  # fmt: skip
+    ax2.set_yticks(range(0, len(tl), max(1, len(tl) // 16)))
     ax2.invert_yaxis()
     ax2.set_xlabel("ms from step start")
     ax2.set_ylabel("layer")
