@@ -159,12 +159,18 @@ def host_allocator(regions: list):
 
 def first_token(eng: LLMEngine, prompt: list[int], timeout_s: float = 120.0):
     """Run one request to its first token; (ttft seconds, request, logits, block table)."""
-    req = eng.add_request(prompt, max_tokens=1)
-    deadline = time.monotonic() + timeout_s
-    while not req.is_finished():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{req.request_id}: no first token after {timeout_s} s")
-        eng.step()
+    # No collector pause inside a timed request (vLLM freezes its GC after start-up for the same reason).
+    gc.collect()
+    gc.disable()
+    try:
+        req = eng.add_request(prompt, max_tokens=1)
+        deadline = time.monotonic() + timeout_s
+        while not req.is_finished():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{req.request_id}: no first token after {timeout_s} s")
+            eng.step()
+    finally:
+        gc.enable()
     out = eng.last_runner_output
     return (
         req.first_token_time - req.arrival_time,
