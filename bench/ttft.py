@@ -159,12 +159,18 @@ def host_allocator(regions: list):
 
 def first_token(eng: LLMEngine, prompt: list[int], timeout_s: float = 120.0):
     """Run one request to its first token; (ttft seconds, request, logits, block table)."""
-    req = eng.add_request(prompt, max_tokens=1)
-    deadline = time.monotonic() + timeout_s
-    while not req.is_finished():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{req.request_id}: no first token after {timeout_s} s")
-        eng.step()
+    # No collector pause inside a timed request (vLLM freezes its GC after start-up for the same reason).
+    gc.collect()
+    gc.disable()
+    try:
+        req = eng.add_request(prompt, max_tokens=1)
+        deadline = time.monotonic() + timeout_s
+        while not req.is_finished():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{req.request_id}: no first token after {timeout_s} s")
+            eng.step()
+    finally:
+        gc.enable()
     out = eng.last_runner_output
     return (
         req.first_token_time - req.arrival_time,
@@ -322,26 +328,23 @@ class Bench:
             self.result["kv_link_gbps"] = h2d_rate(
                 self.cfg.kv_bytes_per_token() * max(a.tokens), self.dev
             ) / 1e9
-            eng = self.engine("layerwise", model=model)
-            try:
-                warm_prompts = {n: self.prompts.fresh(n) for n in a.tokens}
-                stash: dict[int, Any] = {}
-                for n in a.tokens:
-                    self.result["lengths"][str(n)] = self.length_layerwise(eng, n, warm_prompts[n], stash)
-                self.result["decode_on"] = self.decode(eng)
-            finally:
-                eng.shutdown()
-            del eng
-            gc.collect()
-            eng = self.engine("async", model=model)
+            # Both modes side by side, each length measured in both before the next length:
+            # a warm prompt is then still in the server's pool (cold runs keep saving new ones).
+            lw = self.engine("layerwise", model=model)
+            asy = self.engine("async", model=model)
             try:
                 for n in a.tokens:
-                    self.result["lengths"][str(n)]["warm_async"] = self.length_async(
-                        eng, n, warm_prompts[n], stash[n]
-                    )
+                    prompt = self.prompts.fresh(n)
+                    stash: dict[str, Any] = {}
+                    res = self.length_layerwise(lw, n, prompt, stash)
+                    res["warm_async"] = self.length_async(asy, n, prompt, stash)
+                    self.result["lengths"][str(n)] = res
+                    del stash
+                self.result["decode_on"] = self.decode(lw)
             finally:
-                eng.shutdown()
-            del eng
+                lw.shutdown()
+                asy.shutdown()
+            del lw, asy
             gc.collect()
             plain = self.engine(None, model=model)
             self.result["decode_off"] = self.decode(plain)
@@ -368,7 +371,8 @@ class Bench:
         finally:
             eng.runner.record_timeline = False
 
-    def length_layerwise(self, eng: LLMEngine, n: int, prompt: list[int], stash: dict) -> dict[str, Any]:
+    def length_layerwise(self, eng: LLMEngine, n: int, prompt: list[int], st: dict) -> dict[str, Any]:
+        """cold, gpu_hit, warm and warm_ltc for length n; fills `st` with the cold KV of `prompt`."""
         a = self.args
         bs = self.cfg.block_size
         res: dict[str, Any] = {}
@@ -379,11 +383,9 @@ class Bench:
         _, req, cold_logits, table, _ = first_token(eng, prompt)
         eng.drain()
         nfull = (n - 1) // bs
-        stash[n] = {
-            "logits": cold_logits,
-            "token": req.output_token_ids[0],
-            "kv": [eng.runner.kv_caches[name][:, table[:nfull]].clone() for name in eng.runner.layer_names],
-        }
+        st["logits"] = cold_logits
+        st["token"] = req.output_token_ids[0]
+        st["kv"] = [eng.runner.kv_caches[name][:, table[:nfull]].clone() for name in eng.runner.layer_names]
         # GPU prefix-cache hit: the floor, and the warm step's own compute time.
         first_token(eng, prompt)
         floor = [first_token(eng, prompt)[0] * 1e3 for _ in range(a.runs)]
@@ -392,7 +394,7 @@ class Bench:
         for _ in range(a.warmup):
             self.warm_run(eng, prompt)
         _, wreq, wlogits, wtable, timeline = self.warm_run(eng, prompt, timeline=True)
-        res["correctness"] = self.check(n, stash[n], eng, wreq, wlogits, wtable)
+        res["correctness"] = self.check(n, st, eng, wreq, wlogits, wtable)
         res["timeline"] = [t.__dict__ for t in timeline or []]
         if timeline:
             # The warm step's forward alone, first layer's start to last layer's end (waits included).
@@ -585,6 +587,7 @@ def draw_chart(r: dict[str, Any], path: str) -> None:
                  color="tab:orange", label="wait for load (CPU)" if y == 0 else None)  # fmt: skip
         ax2.barh(y + 0.2, t["compute_end_ms"] - t["compute_start_ms"], left=t["compute_start_ms"], height=0.4,
                  color="tab:blue", label="layer compute (GPU)" if y == 0 else None)  # fmt: skip
+    ax2.set_yticks(range(0, len(tl), max(1, len(tl) // 16)))
     ax2.invert_yaxis()
     ax2.set_xlabel("ms from step start")
     ax2.set_ylabel("layer")
@@ -617,7 +620,7 @@ def main() -> None:
     a.config = a.config or ("llama-3.1-8b" if gpu else "tiny")
     a.tokens = [int(x) for x in (a.tokens or ("4096,10240" if gpu else "256,1024")).split(",")]
     a.runs = a.runs or (20 if gpu else 5)
-    a.pool_size = a.pool_size or ("8gb" if gpu else "256mb")
+    a.pool_size = a.pool_size or ("16gb" if gpu else "256mb")
     a.decode_tokens = a.decode_tokens or (128 if gpu else 16)
     a.decode_prompt = a.decode_prompt or (256 if gpu else 64)
     if not gpu:

@@ -284,3 +284,17 @@ def test_an_engine_without_a_connector_runs_the_same_tokens(model):
     plain = LLMEngine(EngineConfig(model="tiny", num_gpu_blocks=64), model=model)
     with_conn = rec_engine(model, [], {})
     assert plain.generate([p], max_tokens=4)[0].output_token_ids == run(with_conn, p, 4)[0].output_token_ids
+
+
+def test_load_then_compute_waits_for_every_layer_before_the_forward(model):
+    log: list = []
+    p = prompt(11, 80)
+    eng, cold, _ = cold_then_reset(model, log, {}, p, mode="sync")
+    eng.runner.load_then_compute = True
+    warm, _ = run(eng, p)
+    first = steps(log)[0]
+    ms = [(m, d) for _, m, d in first]
+    i = ms.index(("start_load_kv", [warm.request_id]))
+    assert ms[i + 1 : i + 1 + len(LAYERS)] == [("wait_for_layer_load", n) for n in LAYERS]
+    assert ms[i + 1 + len(LAYERS)] == ("wait_for_layer_load", LAYERS[0])  # then the usual hooks
+    assert warm.output_token_ids == cold.output_token_ids

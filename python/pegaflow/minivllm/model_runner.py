@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pegaflow.connector.vllm_api import (
@@ -151,8 +152,8 @@ class ModelRunner:
         """The step's flat token batch; host lists reach the device in a few copies, not one per request."""
         bs = self.block_size
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        pos: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         spans: list[tuple[int, int, int, bool]] = []  # q_start, q_len, kv_len, fresh
         logits_rows: list[int] = []
         sample_ids: list[str] = []
@@ -162,16 +163,20 @@ class ModelRunner:
             c = st.num_computed_tokens
             spans.append((len(ids), n, c + n, c == 0))
             ids.extend(st.token_ids[c : c + n])
-            blocks = st.block_ids
-            for p in range(c, c + n):
-                pos.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-            tables.append(blocks[: -(-(c + n) // bs)])
+            table = st.block_ids[: -(-(c + n) // bs)]
+            p = np.arange(c, c + n, dtype=np.int64)
+            pos.append(p)
+            slots.append(np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs)
+            tables.append(table)
             if c + n >= len(st.token_ids):  # the step reaches the last token: sample
                 logits_rows.append(len(ids) - 1)
                 sample_ids.append(rid)
         t = len(ids)
-        flat = torch.tensor(ids + pos + slots + logits_rows, dtype=torch.long).to(self.device)
+        flat = torch.from_numpy(
+            np.concatenate(
+                [np.asarray(ids, dtype=np.int64), *pos, *slots, np.asarray(logits_rows, dtype=np.int64)]
+            )
+        ).to(self.device)
         width = max(len(tb) for tb in tables)
         # Padded with the null block; rows are cut to each request's length (or masked).
         table_dev = torch.tensor(

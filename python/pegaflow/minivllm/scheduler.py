@@ -381,7 +381,12 @@ class Scheduler:
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> set[str]:
         """Truncate affected requests at their first bad block; return sync ones to skip."""
-        loading = [r for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        # Loading requests sit in skipped_waiting, or in waiting when a full step never reached them.
+        loading = [
+            r
+            for r in list(self.skipped_waiting) + list(self.waiting)
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        ]
         async_failed, _ = self._truncate_at_invalid(loading, invalid_block_ids)
         sync_failed, to_evict = self._truncate_at_invalid(self.running, invalid_block_ids)
         if to_evict:
