@@ -1035,6 +1035,8 @@ static void *blast_main(void *arg) {
     pf_last_error(a->err, sizeof a->err);
     return NULL;
   }
+  /* Plain blocking receives, as iperf does. */
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   uint8_t *buf = malloc(BLAST_BUF);
   pf_tcp_frame f = {.magic = TCP_MAGIC, .op = OP_BLAST, .bytes = a->bytes};
   uint64_t left = a->bytes;

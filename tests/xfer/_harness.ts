@@ -24,7 +24,7 @@ export interface NodeProc {
 
 /** Starts a node child; `netns` runs it inside that network namespace. */
 export async function spawnNode(
-  args: { poolBytes: number; seed: number; streams?: number; bindAddr?: string },
+  args: { poolBytes: number; seed: number; streams?: number; bindAddr?: string; fill?: boolean },
   netns?: string,
 ): Promise<NodeProc> {
   const deno = Deno.execPath();

@@ -12,7 +12,7 @@
  * {imm, sum} with a checksum of that range taken when it arrived); info.
  */
 import { CompletionRing, Engine } from "../../ffi/mod.ts";
-import { XferBatch, XferEndpoint, type XferOp, type XferPeer } from "../../ffi/xfer.ts";
+import { tcpBlast, XferBatch, XferEndpoint, type XferOp, type XferPeer } from "../../ffi/xfer.ts";
 import { checksum, fillPattern, firstMismatch, type Seg } from "./_pattern.ts";
 
 interface Args {
@@ -21,6 +21,8 @@ interface Args {
   streams?: number;
   bindAddr?: string;
   stripeBytes?: number;
+  /** false: leave the pool zeroed (benchmarks; filling GBs in JS takes seconds). */
+  fill?: boolean;
 }
 
 const args = JSON.parse(Deno.args[0]) as Args;
@@ -28,7 +30,7 @@ const engine = Engine.open({ backend: "host" });
 const pool = engine.createPool(args.poolBytes, { pretouch: true });
 const ring = new CompletionRing(4096);
 const mem = pool.view(0, pool.bytes);
-fillPattern(mem, 0, mem.length, args.seed);
+if (args.fill !== false) fillPattern(mem, 0, mem.length, args.seed);
 const ep = XferEndpoint.open({
   transport: "tcp",
   pool,
@@ -63,6 +65,10 @@ type Cmd = {
   off?: number;
   len?: number;
   byte?: number;
+  streams?: number;
+  bytes?: number;
+  segBytes?: number;
+  repeat?: number;
 };
 
 async function handle(c: Cmd): Promise<unknown> {
@@ -77,6 +83,29 @@ async function handle(c: Cmd): Promise<unknown> {
       for (const [r, l, b] of c.segs!) batch.seg(r, l, b);
       const res = await peer!.submit(batch);
       return { status: res.status, statusName: res.statusName, ns: res.ns };
+    }
+    case "bench": {
+      // `repeat` READs of `bytes` in `segBytes` segments (remote and local
+      // strided by twice the segment so nothing merges); ns per batch.
+      const n = Math.floor(c.bytes! / c.segBytes!);
+      const big = new XferBatch(n);
+      const ns: number[] = [];
+      for (let i = 0; i < c.repeat!; i++) {
+        big.reset("read", 120_000);
+        for (let k = 0; k < n; k++) big.seg(2 * k * c.segBytes!, 2 * k * c.segBytes!, c.segBytes!);
+        const t0 = performance.now();
+        const res = await peer!.submit(big);
+        if (res.status !== 0) throw new Error(`bench batch failed: ${res.statusName}`);
+        ns.push((performance.now() - t0) * 1e6);
+      }
+      return { ns, bytes: n * c.segBytes! };
+    }
+    case "blast": {
+      const ns: number[] = [];
+      for (let i = 0; i < c.repeat!; i++) {
+        ns.push(await tcpBlast(c.addr!, c.streams!, Math.floor(c.bytes! / c.streams!)));
+      }
+      return { ns, bytes: Math.floor(c.bytes! / c.streams!) * c.streams! };
     }
     case "verify":
       return { bad: firstMismatch(mem, c.segs!, c.seed!) };
