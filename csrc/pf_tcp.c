@@ -29,6 +29,7 @@
  *                              the data on every stream
  *   server -> client   ACK    for the IMM
  *   client -> server   BLAST  bytes: the server sends that many raw bytes
+ *                              (aux PF_BLAST_WIDE: from as much of its pool)
  *                              and closes (pf_tcp_blast, benchmarks only)
  *
  * Deadlines and late bytes: (slot, gen) in each response names the batch.
@@ -322,9 +323,10 @@ static int discard(int fd, uint64_t bytes, uint8_t *scratch, atomic_int *stop) {
   return 0;
 }
 
-static void serve_blast(tcp_conn *c, uint64_t bytes) {
+static void serve_blast(tcp_conn *c, uint64_t bytes, int wide) {
   tcp_ep *t = c->ep->impl;
-  uint64_t span = c->ep->pool->bytes < BLAST_BUF ? c->ep->pool->bytes : BLAST_BUF;
+  uint64_t cap = wide ? bytes : BLAST_BUF;
+  uint64_t span = c->ep->pool->bytes < cap ? c->ep->pool->bytes : cap;
   while (bytes) {
     size_t n = bytes < span ? (size_t)bytes : (size_t)span;
     if (send_all(c->fd, c->ep->pool->host, n, &t->stop)) return;
@@ -343,7 +345,7 @@ static void *serve_main(void *arg) {
   if (!segs || !scratch) goto out;
   if (recv_all(c->fd, &f, sizeof f, &t->stop) || f.magic != TCP_MAGIC) goto out;
   if (f.op == OP_BLAST) {
-    serve_blast(c, f.bytes);
+    serve_blast(c, f.bytes, f.aux & PF_BLAST_WIDE);
     goto out;
   }
   if (f.op != OP_HELLO || f.aux != TCP_VERSION) goto out;
@@ -1022,6 +1024,9 @@ typedef struct blast_arg {
   struct sockaddr_storage ss;
   socklen_t sl;
   uint64_t bytes;
+  uint8_t *buf;
+  uint64_t span;
+  uint32_t flags;
   uint32_t sock_buf;
   int32_t rc;
   char err[160];
@@ -1037,28 +1042,31 @@ static void *blast_main(void *arg) {
   }
   /* Plain blocking receives, as iperf does. */
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  uint8_t *buf = malloc(BLAST_BUF);
-  pf_tcp_frame f = {.magic = TCP_MAGIC, .op = OP_BLAST, .bytes = a->bytes};
-  uint64_t left = a->bytes;
-  if (!buf || send_all(fd, &f, sizeof f, NULL) < 0) left = ~0ull;
-  while (buf && left && left != ~0ull) {
-    ssize_t m = recv(fd, buf, left < BLAST_BUF ? left : BLAST_BUF, 0);
+  uint8_t *buf = a->buf;
+  pf_tcp_frame f = {.magic = TCP_MAGIC, .op = OP_BLAST, .bytes = a->bytes, .aux = a->flags};
+  uint64_t left = a->bytes, at = 0;
+  if (send_all(fd, &f, sizeof f, NULL) < 0) left = ~0ull;
+  while (left && left != ~0ull) {
+    uint64_t room = a->span - at;
+    ssize_t m = recv(fd, buf + at, left < room ? left : room, 0);
     if (m <= 0) break;
     left -= (uint64_t)m;
+    at = (at + (uint64_t)m) % a->span;
   }
   if (left) {
     a->rc = PF_EIO;
     snprintf(a->err, sizeof a->err, "blast stream ended with %llu bytes missing",
              (unsigned long long)left);
   }
-  free(buf);
   close(fd);
   return NULL;
 }
 
 int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stream,
-                     uint32_t sock_buf, uint64_t *out_ns) {
+                     uint32_t flags, uint32_t sock_buf, uint64_t *out_ns) {
   if (!addr || !out_ns) return pf_fail(PF_EINVAL, "pf_tcp_blast: addr or out_ns is NULL");
+  if (flags & ~(uint32_t)PF_BLAST_WIDE)
+    return pf_fail(PF_EINVAL, "pf_tcp_blast: unknown flags 0x%x", flags);
   if (streams == 0 || streams > 64 || bytes_per_stream == 0)
     return pf_fail(PF_EINVAL, "pf_tcp_blast: streams %u (1..64) and bytes %llu (> 0)", streams,
                    (unsigned long long)bytes_per_stream);
@@ -1073,10 +1081,24 @@ int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stre
     free(th);
     return pf_fail(PF_ENOMEM, "pf_tcp_blast: out of memory");
   }
+  /* Receive buffers are allocated and faulted in before the clock starts. */
+  uint64_t span = (flags & PF_BLAST_WIDE) ? bytes_per_stream : BLAST_BUF;
+  for (uint32_t i = 0; i < streams; i++) {
+    a[i] = (blast_arg){.ss = ss, .sl = sl, .bytes = bytes_per_stream, .sock_buf = sock_buf,
+                       .span = span, .flags = flags};
+    a[i].buf = malloc(span);
+    if (!a[i].buf) {
+      for (uint32_t k = 0; k <= i; k++) free(a[k].buf);
+      free(a);
+      free(th);
+      return pf_fail(PF_ENOMEM, "pf_tcp_blast: cannot allocate %llu bytes per stream",
+                     (unsigned long long)span);
+    }
+    memset(a[i].buf, 0, span);
+  }
   uint64_t t0 = pf_now_ns();
   uint32_t started = 0;
   for (uint32_t i = 0; i < streams; i++) {
-    a[i] = (blast_arg){.ss = ss, .sl = sl, .bytes = bytes_per_stream, .sock_buf = sock_buf};
     if (pthread_create(&th[i], NULL, blast_main, &a[i])) break;
     started++;
   }
@@ -1085,6 +1107,7 @@ int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stre
   rc = started == streams ? PF_OK : pf_fail(PF_ENOMEM, "pf_tcp_blast: cannot start threads");
   for (uint32_t i = 0; i < started && rc == PF_OK; i++)
     if (a[i].rc) rc = pf_fail(a[i].rc, "pf_tcp_blast: stream %u: %s", i, a[i].err);
+  for (uint32_t i = 0; i < streams; i++) free(a[i].buf);
   free(a);
   free(th);
   return rc;

@@ -37,7 +37,7 @@ export const XFER_SYMBOLS = {
   pf_xfer_peer_close: { parameters: ["u32"], result: "i32", nonblocking: true },
   pf_xfer_submit: { parameters: ["u32", "buffer", "u64", "u64"], result: "i32" },
   pf_tcp_blast: {
-    parameters: ["buffer", "u32", "u64", "u32", "buffer"],
+    parameters: ["buffer", "u32", "u64", "u32", "u32", "buffer"],
     result: "i32",
     nonblocking: true,
   },
@@ -494,17 +494,27 @@ export class XferBatch {
 /**
  * Raw TCP throughput of a path (what iperf measures): `streams` plain
  * connections to the TCP endpoint at `addr`, each receiving
- * `bytesPerStream` unframed bytes. Returns ns from first connect to last byte.
+ * `bytesPerStream` unframed bytes; `wide` sends from and receives into as
+ * much memory as a transfer of that size touches (else 1 MiB, cache-resident,
+ * like iperf). Returns ns from first connect to last byte.
  */
 export async function tcpBlast(
   addr: string,
   streams: number,
   bytesPerStream: number,
+  wide = false,
   sockBuf = 0,
 ): Promise<number> {
   const a = ENCODER.encode(addr + "\0");
   const out = new BigUint64Array(1);
-  const rc = await xferLib().pf_tcp_blast(a, streams, BigInt(bytesPerStream), sockBuf, out);
+  const rc = await xferLib().pf_tcp_blast(
+    a,
+    streams,
+    BigInt(bytesPerStream),
+    wide ? 1 : 0,
+    sockBuf,
+    out,
+  );
   if (rc < 0) throw new NativeError("pf_tcp_blast", rc, `to ${addr} failed with ${statusName(rc)}`);
   return Number(out[0]);
 }

@@ -69,6 +69,7 @@ type Cmd = {
   bytes?: number;
   segBytes?: number;
   repeat?: number;
+  wide?: boolean;
 };
 
 async function handle(c: Cmd): Promise<unknown> {
@@ -103,7 +104,7 @@ async function handle(c: Cmd): Promise<unknown> {
     case "blast": {
       const ns: number[] = [];
       for (let i = 0; i < c.repeat!; i++) {
-        ns.push(await tcpBlast(c.addr!, c.streams!, Math.floor(c.bytes! / c.streams!)));
+        ns.push(await tcpBlast(c.addr!, c.streams!, Math.floor(c.bytes! / c.streams!), c.wide));
       }
       return { ns, bytes: Math.floor(c.bytes! / c.streams!) * c.streams! };
     }
