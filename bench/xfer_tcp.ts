@@ -9,11 +9,11 @@
  * serving node, for several segment sizes and stream counts; the raw figure
  * is an iperf-style blast (`pf_tcp_blast`: the same number of plain
  * connections receiving the same bytes unframed into a 1 MiB buffer) over
- * the same path, alternated with our batches, in two forms: receiving into
- * 1 MiB (cache-resident, iperf's way) and "same memory" (sent from as much
- * of the serving pool and received into as much memory as the transfer
- * touches; on loopback/veth TCP is copy-bound, so this is the like-for-like
- * figure). GB/s from the median of
+ * the same path, alternated with our batches, in two forms: "same memory"
+ * (sent from the serving node's pool into the reading node's pool, each
+ * stream its own slice: what a transfer moves between; on loopback/veth TCP
+ * is copy-bound, so this is the like-for-like figure) and iperf's way (1 MiB
+ * cache-resident buffers at both ends). GB/s from the median of
  * `XFER_BENCH_REPEAT` (default 5) runs after one warm-up. Prints a table and
  * writes bench/results/xfer_tcp.json. Nothing here asserts on time.
  *

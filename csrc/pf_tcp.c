@@ -71,8 +71,9 @@ enum { OP_HELLO = 1, OP_READ = 2, OP_WRITE = 3, OP_IMM = 4, OP_READ_RESP = 5, OP
 #define IMM_PART 0xffffffffu
 /* Chunks per frame: bounds a serving connection's segment buffer (1 MiB). */
 #define TCP_MAX_FRAME_SEGS 65536u
-/* iovecs per sendmsg/recvmsg call (IOV_MAX is 1024; 64 covers a burst). */
-#define TCP_BURST_IOV 64
+/* iovecs per sendmsg/recvmsg call (IOV_MAX is 1024): 256 x 32 KiB blocks
+ * = 8 MiB, more than a socket buffer holds, so one call per wakeup. */
+#define TCP_BURST_IOV 256
 /* How often blocked threads look at their stop flag. */
 #define TCP_POLL_MS 50
 /* Receive buffer for bytes nobody wants (late data, refused WRITEs). */
@@ -699,10 +700,16 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
   uint32_t i = 0, end = 0;
   int landed_all = 1, located = 0;
   uint64_t in_chunk = 0, left_total = total;
+  /* Poll only once the socket looked drained (EAGAIN or a short read): a
+   * wakeup then costs one poll and one recvmsg, like a blocking recv. */
+  int drained = 0;
   while (left_total) {
-    int r = wait_fd(st->fd, POLLIN, &tp->stop);
-    if (r == 0) return -2;
-    if (r < 0) return -1;
+    if (drained) {
+      int r = wait_fd(st->fd, POLLIN, &tp->stop);
+      if (r == 0) return -2;
+      if (r < 0) return -1;
+      drained = 0;
+    }
     if (landed_all && xfer_enter(s, gen)) {
       if (!located) {
         if (part >= s->nparts || s->parts[part].bytes != total) {
@@ -717,10 +724,11 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
       for (;;) {
         struct iovec iov[TCP_BURST_IOV];
         int k = 0;
-        uint64_t skip = in_chunk;
+        uint64_t skip = in_chunk, want = 0;
         for (uint32_t j = i; j < end && k < TCP_BURST_IOV; j++, k++) {
           iov[k].iov_base = pool + s->chunks[j].local_off + skip;
           iov[k].iov_len = s->chunks[j].bytes - skip;
+          want += iov[k].iov_len;
           skip = 0;
         }
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)k};
@@ -728,7 +736,10 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
         if (m <= 0) {
           int e = m == 0 ? 0 : errno;
           xfer_leave(s);
-          if (m < 0 && (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)) break;
+          if (m < 0 && (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)) {
+            drained = 1;
+            break;
+          }
           errno = e;
           return -1;
         }
@@ -745,7 +756,8 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
             i++;
           }
         }
-        if (!left_total || !xfer_live(s, gen)) {
+        if ((uint64_t)m < want) drained = 1;
+        if (!left_total || drained || !xfer_live(s, gen)) {
           xfer_leave(s);
           break;
         }
@@ -760,9 +772,13 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
         return -1;
       }
       if (m < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+          drained = 1;
+          continue;
+        }
         return -1;
       }
+      if ((size_t)m < want) drained = 1;
       left_total -= (uint64_t)m;
       atomic_fetch_add(&ep->late_bytes, (uint64_t)m);
     }
@@ -1063,10 +1079,8 @@ static void *blast_main(void *arg) {
 }
 
 int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stream,
-                     uint32_t flags, uint32_t sock_buf, uint64_t *out_ns) {
+                     uint32_t pool, uint32_t sock_buf, uint64_t *out_ns) {
   if (!addr || !out_ns) return pf_fail(PF_EINVAL, "pf_tcp_blast: addr or out_ns is NULL");
-  if (flags & ~(uint32_t)PF_BLAST_WIDE)
-    return pf_fail(PF_EINVAL, "pf_tcp_blast: unknown flags 0x%x", flags);
   if (streams == 0 || streams > 64 || bytes_per_stream == 0)
     return pf_fail(PF_EINVAL, "pf_tcp_blast: streams %u (1..64) and bytes %llu (> 0)", streams,
                    (unsigned long long)bytes_per_stream);
@@ -1074,27 +1088,33 @@ int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stre
   socklen_t sl;
   int32_t rc = parse_hostport("pf_tcp_blast", addr, &ss, &sl);
   if (rc < 0) return rc;
+  pf_pool *p = NULL;
+  if (pool) {
+    pthread_mutex_lock(&pf_objects_mu);
+    p = pf_handle_get(pool, PF_K_POOL, "pf_tcp_blast(pool)");
+    if (p) atomic_fetch_add(&p->inflight, 1);
+    pthread_mutex_unlock(&pf_objects_mu);
+    if (!p) return PF_EHANDLE;
+  }
   blast_arg *a = calloc(streams, sizeof *a);
   pthread_t *th = calloc(streams, sizeof *th);
-  if (!a || !th) {
-    free(a);
-    free(th);
-    return pf_fail(PF_ENOMEM, "pf_tcp_blast: out of memory");
+  uint8_t *own = p ? NULL : malloc((size_t)streams * BLAST_BUF);
+  if (!a || !th || (!p && !own)) {
+    rc = pf_fail(PF_ENOMEM, "pf_tcp_blast: out of memory");
+    goto out;
   }
-  /* Receive buffers are allocated and faulted in before the clock starts. */
-  uint64_t span = (flags & PF_BLAST_WIDE) ? bytes_per_stream : BLAST_BUF;
+  /* With a pool, stream i fills its own slice of it: the memory a transfer
+   * lands in. Without, 1 MiB per stream, as iperf does. */
+  uint64_t slice = p ? p->bytes / streams : BLAST_BUF;
+  uint64_t span = slice < bytes_per_stream ? slice : bytes_per_stream;
+  if (span == 0) {
+    rc = pf_fail(PF_EINVAL, "pf_tcp_blast: pool too small for %u streams", streams);
+    goto out;
+  }
   for (uint32_t i = 0; i < streams; i++) {
     a[i] = (blast_arg){.ss = ss, .sl = sl, .bytes = bytes_per_stream, .sock_buf = sock_buf,
-                       .span = span, .flags = flags};
-    a[i].buf = malloc(span);
-    if (!a[i].buf) {
-      for (uint32_t k = 0; k <= i; k++) free(a[k].buf);
-      free(a);
-      free(th);
-      return pf_fail(PF_ENOMEM, "pf_tcp_blast: cannot allocate %llu bytes per stream",
-                     (unsigned long long)span);
-    }
-    memset(a[i].buf, 0, span);
+                       .span = span, .flags = p ? PF_BLAST_WIDE : 0,
+                       .buf = p ? p->host + i * slice : own + (size_t)i * BLAST_BUF};
   }
   uint64_t t0 = pf_now_ns();
   uint32_t started = 0;
@@ -1107,7 +1127,9 @@ int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stre
   rc = started == streams ? PF_OK : pf_fail(PF_ENOMEM, "pf_tcp_blast: cannot start threads");
   for (uint32_t i = 0; i < started && rc == PF_OK; i++)
     if (a[i].rc) rc = pf_fail(a[i].rc, "pf_tcp_blast: stream %u: %s", i, a[i].err);
-  for (uint32_t i = 0; i < streams; i++) free(a[i].buf);
+out:
+  if (p) atomic_fetch_sub(&p->inflight, 1);
+  free(own);
   free(a);
   free(th);
   return rc;

@@ -161,15 +161,16 @@ int32_t pf_xfer_submit(uint32_t peer, const void *desc, uint64_t desc_bytes,
 /* The raw TCP throughput of a path, for benchmarks (what iperf measures):
  * opens `streams` plain connections to the TCP endpoint at host:port `addr`,
  * asks its listener to send `bytes_per_stream` unframed bytes on each, and
- * receives them with blocking recv (no framing, no bounds checks). By
- * default both ends cycle over 1 MiB (cache-resident, as iperf does); with
- * PF_BLAST_WIDE the sender cycles over that many bytes of its pool and the
- * receiver fills a buffer of bytes_per_stream (faulted in before timing), the
- * memory footprint of a real transfer. Synchronous (declare it nonblocking
- * in FFI); out_ns = first connect to last byte. */
+ * receives them with blocking recv (no framing, no bounds checks, no
+ * deadlines). pool = 0: both ends cycle over 1 MiB per stream (cache-
+ * resident, as iperf does). pool = a pool handle: stream i receives into its
+ * own 1/streams slice of that pool and the server sends from as much of its
+ * pool (PF_BLAST_WIDE), the memory a real transfer moves between.
+ * Synchronous (declare it nonblocking in FFI); out_ns = first connect to
+ * last byte. */
 enum pf_blast_flags { PF_BLAST_WIDE = 1u << 0 };
 int32_t pf_tcp_blast(const char *addr, uint32_t streams,
-                     uint64_t bytes_per_stream, uint32_t flags,
+                     uint64_t bytes_per_stream, uint32_t pool,
                      uint32_t sock_buf, uint64_t *out_ns);
 
 /* RDMA only: the NICs libibverbs reports, as "name,name,..." into buf;

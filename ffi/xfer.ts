@@ -494,15 +494,15 @@ export class XferBatch {
 /**
  * Raw TCP throughput of a path (what iperf measures): `streams` plain
  * connections to the TCP endpoint at `addr`, each receiving
- * `bytesPerStream` unframed bytes; `wide` sends from and receives into as
- * much memory as a transfer of that size touches (else 1 MiB, cache-resident,
- * like iperf). Returns ns from first connect to last byte.
+ * `bytesPerStream` unframed bytes — into `pool` (each stream its slice, the
+ * server sending from as much of its own pool), or, without one, into 1 MiB
+ * per stream like iperf. Returns ns from first connect to last byte.
  */
 export async function tcpBlast(
   addr: string,
   streams: number,
   bytesPerStream: number,
-  wide = false,
+  pool?: Pool,
   sockBuf = 0,
 ): Promise<number> {
   const a = ENCODER.encode(addr + "\0");
@@ -511,7 +511,7 @@ export async function tcpBlast(
     a,
     streams,
     BigInt(bytesPerStream),
-    wide ? 1 : 0,
+    pool?.handle ?? 0,
     sockBuf,
     out,
   );

@@ -104,7 +104,14 @@ async function handle(c: Cmd): Promise<unknown> {
     case "blast": {
       const ns: number[] = [];
       for (let i = 0; i < c.repeat!; i++) {
-        ns.push(await tcpBlast(c.addr!, c.streams!, Math.floor(c.bytes! / c.streams!), c.wide));
+        ns.push(
+          await tcpBlast(
+            c.addr!,
+            c.streams!,
+            Math.floor(c.bytes! / c.streams!),
+            c.wide ? pool : undefined,
+          ),
+        );
       }
       return { ns, bytes: Math.floor(c.bytes! / c.streams!) * c.streams! };
     }
