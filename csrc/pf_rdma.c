@@ -928,41 +928,46 @@ static void *poller_main(void *arg) {
   struct ibv_wc wc[32];
   while (!atomic_load(&r->stop)) {
     int any = 0;
+    pthread_rwlock_rdlock(&ep->scan); /* listed peers stay alive this pass */
     for (uint32_t k = 0; k < r->nnics; k++) {
       struct ibv_cq *cq = r->nic[k].cq;
       int n = r->nic[k].ctx->ops.poll_cq(cq, 32, wc);
       for (int i = 0; i < n; i++) {
         any = 1;
-        /* Find the QP by number among the peers (few peers, few QPs); ep->mu
-         * keeps the peer alive while its completion is handled. */
+        /* Find the QP by number among the peers (few peers, few QPs). The
+         * record is posted outside ep->mu (a full ring waits for JS). */
+        pf_xfer_peer *hit = NULL;
+        rdma_qp *hq = NULL;
         pthread_mutex_lock(&ep->mu);
-        for (pf_xfer_peer *p = ep->peers; p; p = p->next) {
+        for (pf_xfer_peer *p = ep->peers; p && !hit; p = p->next) {
           rdma_peer *rp = p->impl;
           for (uint32_t j = 0; rp && j < rp->nqp; j++) {
             rdma_qp *q = &rp->qp[j];
             if (q->nic != &r->nic[k] || ((struct ibv_qp_head *)q->qp)->qp_num != wc[i].qp_num)
               continue;
-            if (wc[i].wr_id & RDMA_RECV_BIT) {
-              /* An incoming immediate (flushed receives are just dropped). */
-              if (wc[i].status == IBV_WC_SUCCESS &&
-                  wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-                pf_completion c = {.tag = ep->cfg.imm_tag, .kind = PF_DONE_XFER_IMM,
-                                   .index = p->handle, .status = PF_OK,
-                                   .aux = ntohl(wc[i].imm_data), .value = 0};
-                pf_ring_post(ep->ring, &c);
-                struct ibv_recv_wr wr = {.wr_id = wc[i].wr_id}, *bad;
-                q->nic->ctx->ops.post_recv(q->qp, &wr, &bad);
-              }
-            } else {
-              on_send_wc(p, q, &wc[i]);
-            }
-            goto next;
+            hit = p;
+            hq = q;
+            break;
           }
         }
-      next:
         pthread_mutex_unlock(&ep->mu);
+        if (!hit) continue;
+        if (wc[i].wr_id & RDMA_RECV_BIT) {
+          /* An incoming immediate (flushed receives are just dropped). */
+          if (wc[i].status == IBV_WC_SUCCESS && wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+            pf_completion c = {.tag = ep->cfg.imm_tag, .kind = PF_DONE_XFER_IMM,
+                               .index = hit->handle, .status = PF_OK,
+                               .aux = ntohl(wc[i].imm_data), .value = 0};
+            pf_ring_post(ep->ring, &c);
+            struct ibv_recv_wr wr = {.wr_id = wc[i].wr_id}, *bad;
+            hq->nic->ctx->ops.post_recv(hq->qp, &wr, &bad);
+          }
+        } else {
+          on_send_wc(hit, hq, &wc[i]);
+        }
       }
     }
+    pthread_rwlock_unlock(&ep->scan);
     if (!any) usleep(RDMA_IDLE_US);
   }
   return NULL;

@@ -106,8 +106,16 @@ void xfer_peer_fail(pf_xfer_peer *p, int32_t status, const char *fmt, ...) {
 }
 
 /* ---- timer ------------------------------------------------------------- */
+typedef struct expired_t {
+  pf_xfer_peer *p;
+  xfer_slot *s;
+  uint32_t gen;
+} expired_t;
+
 static void *timer_main(void *arg) {
   pf_xfer_ep *ep = arg;
+  expired_t *due = NULL;
+  uint32_t n = 0, cap = 0;
   pthread_mutex_lock(&ep->timer_mu);
   while (!ep->timer_stop) {
     struct timespec ts;
@@ -117,25 +125,39 @@ static void *timer_main(void *arg) {
     pthread_cond_timedwait(&ep->timer_cv, &ep->timer_mu, &ts);
     if (ep->timer_stop) break;
     pthread_mutex_unlock(&ep->timer_mu);
-    /* ep->mu keeps every listed peer alive while it is scanned. */
+    /* Collect under ep->mu, end outside it (an end may wait for ring room);
+     * `scan` keeps the collected peers alive meanwhile. */
+    pthread_rwlock_rdlock(&ep->scan);
     pthread_mutex_lock(&ep->mu);
     uint64_t now = pf_now_ns();
+    n = 0;
     for (pf_xfer_peer *p = ep->peers; p; p = p->next) {
       for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
         xfer_slot *s = &p->slots[i];
         if (!atomic_load_explicit(&s->armed, memory_order_acquire)) continue;
         uint64_t w = atomic_load(&s->guard);
         if (w & XFER_CLOSED) continue;
-        uint32_t gen = (uint32_t)(w >> 32);
         if (s->deadline_ns > now || atomic_load(&s->expiring)) continue;
-        if (ep->ops->expire) ep->ops->expire(p, s, gen);
-        else xfer_end(p, s, gen, PF_ETIMEDOUT);
+        if (n == cap) {
+          uint32_t ncap = cap ? cap * 2 : 64;
+          expired_t *e = realloc(due, ncap * sizeof *due);
+          if (!e) break; /* the rest waits for the next tick */
+          due = e;
+          cap = ncap;
+        }
+        due[n++] = (expired_t){p, s, (uint32_t)(w >> 32)};
       }
     }
     pthread_mutex_unlock(&ep->mu);
+    for (uint32_t k = 0; k < n; k++) {
+      if (ep->ops->expire) ep->ops->expire(due[k].p, due[k].s, due[k].gen);
+      else xfer_end(due[k].p, due[k].s, due[k].gen, PF_ETIMEDOUT);
+    }
+    pthread_rwlock_unlock(&ep->scan);
     pthread_mutex_lock(&ep->timer_mu);
   }
   pthread_mutex_unlock(&ep->timer_mu);
+  free(due);
   return NULL;
 }
 
@@ -172,6 +194,13 @@ int32_t pf_xfer_open(uint32_t pool, uint32_t ring, const pf_xfer_config *cfg,
   if (!ep->cfg.stripe_bytes) ep->cfg.stripe_bytes = XFER_DEFAULT_STRIPE;
   pthread_mutex_init(&ep->mu, NULL);
   pthread_mutex_init(&ep->timer_mu, NULL);
+  /* Writer preference: the RDMA poller re-takes the read side every loop,
+   * and a peer close must still get through. */
+  pthread_rwlockattr_t ra;
+  pthread_rwlockattr_init(&ra);
+  pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+  pthread_rwlock_init(&ep->scan, &ra);
+  pthread_rwlockattr_destroy(&ra);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -272,6 +301,7 @@ int32_t pf_xfer_close(uint32_t h) {
   pthread_cond_destroy(&ep->timer_cv);
   pthread_mutex_destroy(&ep->timer_mu);
   pthread_mutex_destroy(&ep->mu);
+  pthread_rwlock_destroy(&ep->scan);
   free(ep);
   return PF_OK;
 }
@@ -377,7 +407,7 @@ int32_t pf_xfer_peer_close(uint32_t h) {
   pthread_mutex_lock(&p->mu);
   while (p->inflight) pthread_cond_wait(&p->cv, &p->mu);
   pthread_mutex_unlock(&p->mu);
-  /* Unlink under ep->mu: the timer never looks at a peer being freed. */
+  /* Unlink, then wait out any timer/poller pass that may still hold p. */
   pthread_mutex_lock(&ep->mu);
   for (pf_xfer_peer **pp = &ep->peers; *pp; pp = &(*pp)->next)
     if (*pp == p) {
@@ -386,6 +416,8 @@ int32_t pf_xfer_peer_close(uint32_t h) {
     }
   ep->npeers--;
   pthread_mutex_unlock(&ep->mu);
+  pthread_rwlock_wrlock(&ep->scan);
+  pthread_rwlock_unlock(&ep->scan);
   ep->ops->peer_free(p);
   for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
     free(p->slots[i].chunks);

@@ -114,7 +114,14 @@ typedef struct pf_xfer_ep {
   pf_pool *pool;
   pf_ring *ring;
   pf_xfer_config cfg;
-  pthread_mutex_t mu;        /* peers list; the timer expires under it */
+  /* Lock order and the no-JS-block rule: ep->mu guards the peers list and
+   * is only ever held briefly, never across a ring post (a full ring waits
+   * for the JS thread, which may itself be waiting for ep->mu). Threads that
+   * use listed peers beyond that (the timer, the RDMA poller) hold `scan`
+   * for reading; pf_xfer_peer_close unlinks a peer under ep->mu and then
+   * takes `scan` for writing once, so no such thread still holds it. */
+  pthread_mutex_t mu;
+  pthread_rwlock_t scan;
   pf_xfer_peer *peers;
   uint32_t npeers;
   pthread_t timer;

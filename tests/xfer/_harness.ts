@@ -104,10 +104,11 @@ export class LocalNode {
     poolBytes: number,
     seed: number,
     opts: Partial<Omit<XferEndpointOptions, "pool" | "ring">> = {},
+    ringCapacity = 4096,
   ) {
     this.engine = Engine.open({ backend: "host" });
     this.pool = this.engine.createPool(poolBytes, { pretouch: true });
-    this.ring = new CompletionRing(4096);
+    this.ring = new CompletionRing(ringCapacity);
     this.mem = this.pool.view(0, poolBytes);
     fillPattern(this.mem, 0, poolBytes, seed);
     this.ep = XferEndpoint.open({

@@ -354,6 +354,36 @@ Deno.test("closing a peer ends its batches in flight with PF_ESHUTDOWN", async (
   }
 });
 
+Deno.test("more timeouts than the ring holds all arrive, and a full ring never blocks the JS thread", async () => {
+  const a = await spawnNode({ poolBytes: 4 * MiB, seed: SEED_A, streams: 2 });
+  const b = new LocalNode(4 * MiB, SEED_B, { streams: 2 }, 16);
+  try {
+    const peer = b.ep.createPeer();
+    await peer.connect(`127.0.0.1:${a.port}`, 5000);
+    Deno.kill(a.pid, "SIGSTOP");
+    const batches = Array.from({ length: 48 }, () => new XferBatch(1));
+    const pending = batches.map((bt, i) =>
+      submit(peer, bt.reset("read", 20 + i), [[i * 4096, i * 4096, 4096]])
+    );
+    // Hold the JS thread (nobody drains the ring) until every deadline has
+    // passed: the timer fills the 16-record ring and waits for room. Calls
+    // on the endpoint from this thread must still return — a timer that
+    // waited while holding the peers lock would hang createPeer forever.
+    const until = performance.now() + 400;
+    while (performance.now() < until) { /* spin */ }
+    const extra = b.ep.createPeer();
+    assert.equal(b.ep.info().peers, 2);
+    const results = await Promise.all(pending);
+    assert.deepEqual(new Set(results.map((r) => r.statusName)), new Set(["PF_ETIMEDOUT"]));
+    assert.equal(b.ep.info().timedOut, 48);
+    await extra.close();
+  } finally {
+    Deno.kill(a.pid, "SIGCONT");
+    await b.close();
+    await a.close();
+  }
+});
+
 Deno.test("connecting to a port nobody listens on fails with the reason", async () => {
   const b = new LocalNode(MiB, SEED_B);
   try {
