@@ -80,6 +80,10 @@ enum { OP_HELLO = 1, OP_READ = 2, OP_WRITE = 3, OP_IMM = 4, OP_READ_RESP = 5, OP
 #define TCP_SCRATCH (256u << 10)
 /* Bytes a blast connection receives per recv (iperf's default is 128 KiB). */
 #define BLAST_BUF (1u << 20)
+/* While a payload streams in, the receiver asks the kernel to wake it only
+ * once this much has arrived (SO_RCVLOWAT; lowered for a part's tail): a
+ * wakeup then moves a large burst for one poll and one recvmsg. */
+#define TCP_RCVLOWAT (256u << 10)
 /* A dead peer that never resets the connection is noticed after this. */
 #define TCP_USER_TIMEOUT_MS 30000
 
@@ -545,6 +549,7 @@ typedef struct tcp_stream {
   uint32_t qhead, qlen, qcap;
   uint8_t *frame;   /* header + segment list being sent */
   uint8_t *scratch; /* late bytes land here */
+  int lowat;        /* SO_RCVLOWAT in force (1 = the kernel's default) */
 } tcp_stream;
 
 typedef struct tcp_peer {
@@ -689,6 +694,12 @@ static void *tx_main(void *arg) {
   return NULL;
 }
 
+static void set_lowat(tcp_stream *st, int v) {
+  if (st->lowat == v) return;
+  setsockopt(st->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);
+  st->lowat = v;
+}
+
 /* Receives a READ part's payload into the pool (or the scratch buffer once
  * the batch has ended). Returns 1 if every byte landed in a live batch, 0 if
  * some were discarded, <0 on stream errors. */
@@ -705,6 +716,8 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
   int drained = 0;
   while (left_total) {
     if (drained) {
+      int want = left_total < TCP_RCVLOWAT ? (int)left_total : (int)TCP_RCVLOWAT;
+      set_lowat(st, want);
       int r = wait_fd(st->fd, POLLIN, &tp->stop);
       if (r == 0) return -2;
       if (r < 0) return -1;
@@ -838,6 +851,7 @@ static void *rx_main(void *arg) {
       continue;
     }
     r = recv_payload(st, s, f.gen, f.part, f.bytes);
+    set_lowat(st, 1); /* frame headers are 40 bytes */
     if (r == -2) break;
     if (r < 0) {
       stream_fail(st, "read payload", errno == EPROTO ? "response does not match its request"
@@ -909,6 +923,7 @@ static int32_t tcp_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_t
     st->p = p;
     st->idx = i;
     st->fd = -1;
+    st->lowat = 1;
     pthread_mutex_init(&st->mu, NULL);
     pthread_cond_init(&st->cv, NULL);
   }

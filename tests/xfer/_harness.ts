@@ -129,6 +129,26 @@ export class LocalNode {
   }
 }
 
+/**
+ * SIGSTOPs `pid` and waits until every thread of it is stopped (the signal
+ * is asynchronous: a serving thread on another core may still answer a
+ * request or two before it takes effect).
+ */
+export async function stopProcess(pid: number): Promise<void> {
+  Deno.kill(pid, "SIGSTOP");
+  for (let i = 0; i < 500; i++) {
+    let running = false;
+    for await (const t of Deno.readDir(`/proc/${pid}/task`)) {
+      const stat = await Deno.readTextFile(`/proc/${pid}/task/${t.name}/stat`).catch(() => "");
+      const state = stat.slice(stat.lastIndexOf(")") + 2, stat.lastIndexOf(")") + 3);
+      if (state !== "T" && state !== "t" && state !== "") running = true;
+    }
+    if (!running) return;
+    await new Promise((r) => setTimeout(r, 2));
+  }
+  throw new Error(`process ${pid} did not stop`);
+}
+
 /** Runs `ip` and throws with its stderr on failure. */
 export async function ip(...args: string[]): Promise<void> {
   const r = await new Deno.Command("ip", { args, stdout: "null", stderr: "piped" }).output();

@@ -6,7 +6,7 @@ import assert from "node:assert/strict";
 import fc from "fast-check";
 import { NativeError } from "../../ffi/mod.ts";
 import { XferBatch, type XferPeer } from "../../ffi/xfer.ts";
-import { LocalNode, type NodeProc, spawnNode } from "./_harness.ts";
+import { LocalNode, type NodeProc, spawnNode, stopProcess } from "./_harness.ts";
 import { checksum, firstMismatch, patternByte, type Seg } from "./_pattern.ts";
 
 const MiB = 1 << 20;
@@ -360,7 +360,7 @@ Deno.test("more timeouts than the ring holds all arrive, and a full ring never b
   try {
     const peer = b.ep.createPeer();
     await peer.connect(`127.0.0.1:${a.port}`, 5000);
-    Deno.kill(a.pid, "SIGSTOP");
+    await stopProcess(a.pid);
     const batches = Array.from({ length: 48 }, () => new XferBatch(1));
     const pending = batches.map((bt, i) =>
       submit(peer, bt.reset("read", 20 + i), [[i * 4096, i * 4096, 4096]])
