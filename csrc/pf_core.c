@@ -13,7 +13,7 @@
  * that reads head with an acquire load sees whole records.
  */
 #define _GNU_SOURCE
-#include "pf_internal.h"
+#include "pf_xfer_internal.h" /* pf_internal.h + the transfer handle kinds */
 
 #include <errno.h>
 #include <stdarg.h>

@@ -11,6 +11,10 @@
 #include "pf_internal.h"
 #include "pf_xfer.h"
 
+/* Handle kinds of the transfer layer (pf_internal.h's enum pf_kind holds
+ * the core's; these sit far above it so neither list has to know the other). */
+enum pf_xfer_kind { PF_K_XFER = 32, PF_K_XPEER = 33 };
+
 /*
  * Slot guard: one 64-bit word per batch slot,
  *
