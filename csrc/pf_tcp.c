@@ -588,6 +588,10 @@ static void stream_fail(tcp_stream *st, const char *what, const char *why) {
     return;
   }
   xfer_peer_fail(st->p, PF_EIO, "stream %u to %s: %s: %s", st->idx, tp->remote, what, why);
+  /* A broken peer takes no more work: shut every stream so the serving
+   * side sees the end at once (a half-sent frame is dropped there). The
+   * descriptors are closed when the peer is freed. */
+  for (uint32_t i = 0; i < tp->n; i++) shutdown(tp->st[i].fd, SHUT_RDWR);
 }
 
 /* Sends a WRITE part's payload from the pool, entering the slot per burst. */
@@ -597,8 +601,15 @@ static int send_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t fir
   uint32_t i = first, end = first + n;
   uint64_t in_chunk = 0;
   while (i < end) {
-    int r = wait_fd(st->fd, POLLOUT, &tp->stop);
-    if (r == 0) return -2;
+    /* Wait for room, but notice within a poll period when the batch ends
+     * meanwhile (a frozen target never makes room): the frame cannot be
+     * finished, so the stream is given up at once. */
+    struct pollfd pfd = {.fd = st->fd, .events = POLLOUT};
+    int r;
+    while ((r = poll(&pfd, 1, TCP_POLL_MS)) == 0 || (r < 0 && errno == EINTR)) {
+      if (atomic_load(&tp->stop)) return -2;
+      if (!xfer_live(s, gen)) return -3;
+    }
     if (r < 0) return -1;
     if (!xfer_enter(s, gen)) return -3;
     for (;;) {

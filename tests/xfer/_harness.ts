@@ -18,6 +18,8 @@ export interface NodeProc {
   cmd<T = Record<string, unknown>>(c: Record<string, unknown>): Promise<T>;
   /** Next `{"event": ...}` line. */
   event(): Promise<Record<string, unknown>>;
+  /** Events received and not yet taken by {@link NodeProc.event}. */
+  pendingEvents(): number;
   /** Closes stdin and waits for exit (or kills it if already signalled). */
   close(): Promise<Deno.CommandStatus>;
 }
@@ -81,6 +83,7 @@ export async function spawnNode(
       return a as T;
     },
     event: () => next(events),
+    pendingEvents: () => events.length,
     async close() {
       try {
         await writer.close();

@@ -315,6 +315,39 @@ Deno.test("a batch whose peer stops answering times out and its late bytes never
   }
 });
 
+Deno.test("a WRITE_IMM that times out mid-payload breaks the stream and never delivers its immediate", async () => {
+  const { a, b, peer } = await pair(128 * MiB, 128 * MiB, 2);
+  try {
+    await stopProcess(a.pid);
+    const res = await submit(
+      peer,
+      new XferBatch(1).reset("write_imm", 300, 77),
+      [[0, 0, 96 * MiB]],
+    );
+    assert.equal(res.statusName, "PF_ETIMEDOUT");
+    // The sender notices while the target is still frozen: it cannot finish
+    // the frame (the rest of the payload is no longer the batch's to read).
+    for (let i = 0; i < 500 && peer.state().broken === 0; i++) {
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    assert.equal(peer.state().broken, -8);
+    assert.match(peer.lastError(), /its batch ended while the payload was being sent/);
+    Deno.kill(a.pid, "SIGCONT");
+    // Every stream of the broken peer was shut: A drops the half frame.
+    let info = await a.cmd<{ bytesLanded: number; servingConnections: number }>({ cmd: "info" });
+    for (let i = 0; i < 500 && info.servingConnections > 0; i++) {
+      await new Promise((r) => setTimeout(r, 10));
+      info = await a.cmd({ cmd: "info" });
+    }
+    assert.equal(info.servingConnections, 0);
+    assert.equal(info.bytesLanded, 0, "a WRITE frame counts as landed only when complete");
+    assert.equal(a.pendingEvents(), 0, "no immediate for a batch that did not complete");
+  } finally {
+    Deno.kill(a.pid, "SIGCONT");
+    await teardown(a, b);
+  }
+});
+
 Deno.test("a peer killed mid-transfer fails the batch before its deadline and writes nothing after", async () => {
   const { a, b, peer } = await pair(256 * MiB, 256 * MiB, 4);
   try {
