@@ -370,8 +370,10 @@ class Bench:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             first_token(lw, prompt)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-        print(f"profile: GPU-hit step, {n} tokens\n{table}")
+        cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+        print(f"profile: GPU-hit step, {n} tokens\n{table}\n{cpu}")
         out["gpu_hit"] = table
+        out["gpu_hit_cpu"] = cpu
         prompts = [self.prompts.fresh(self.args.decode_prompt) for _ in range(self.args.decode_requests)]
         reqs = [plain.add_request(p, max_tokens=8) for p in prompts]
         while any(r.num_output_tokens < 2 for r in reqs):
