@@ -35,7 +35,7 @@ _bias_works = _causal_lower_right is not None
 # Flash attention over ragged sequences (cu_seqlens), vLLM's FlashAttention call: one kernel for
 # a whole mixed batch, GQA without repeated K/V, causality lower-right aligned per sequence.
 # A private aten op: checked for at import, and dropped for good if this build refuses it.
-_flash_varlen = getattr(getattr(torch.ops, "aten", None), "_flash_attention_forward", None)
+_flash_varlen = getattr(getattr(getattr(torch.ops, "aten", None), "_flash_attention_forward", None), "default", None)
 _flash_varlen_works = _flash_varlen is not None
 
 

@@ -187,7 +187,9 @@ class LLMEngine:
         return req
 
     def step(self) -> list[RequestOutput]:
+        t_sched = time.perf_counter()
         so = self.scheduler.schedule()
+        t_scheduled = time.perf_counter()
         if so.total_num_scheduled_tokens > 0:
             self.last_block_tables = {
                 rid: self.kv_cache_manager.get_block_ids(rid)[0] for rid in so.num_scheduled_tokens
@@ -198,6 +200,8 @@ class LLMEngine:
         runner_out.logits, runner_out.timeline = {}, None
         back = pickle.loads(pickle.dumps(runner_out))
         back.logits, back.timeline = logits, timeline
+        if back.phases is not None:
+            back.phases.update(schedule_start=t_sched, scheduled=t_scheduled)
         if so.total_num_scheduled_tokens > 0:
             self.last_runner_output = back
         outputs = self.scheduler.update_from_output(so, back)

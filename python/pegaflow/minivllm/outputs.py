@@ -41,6 +41,9 @@ class ModelRunnerOutput:
     sampled_time: float = 0.0
     logits: dict[str, Any] = field(default_factory=dict)
     timeline: list[LayerTiming] | None = None
+    # With a recorded timeline: time.perf_counter() at each phase of the step (the engine adds
+    # the scheduler's), to see where a step's host time goes.
+    phases: dict[str, float] | None = None
 
 
 @dataclass
