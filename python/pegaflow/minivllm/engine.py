@@ -172,7 +172,9 @@ class LLMEngine:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        bad = None
+        if prompt_token_ids and not (min(prompt_token_ids) >= 0 and max(prompt_token_ids) < vocab):
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)  # min/max: C speed on 10K tokens
         if bad is not None:
             raise ValueError(f"request {request_id}: token id {bad} outside vocabulary [0, {vocab})")
         req = Request(
