@@ -1,7 +1,7 @@
 """What the model runner returns to the scheduler, and what the engine returns to its caller.
 
 `ModelRunnerOutput` mirrors `vllm.v1.outputs.ModelRunnerOutput` (the fields used here) plus
-two of ours: `logits` (the sampled rows, for tests and the benchmark's correctness checks)
+two of ours: `logits` (the sampled rows, views on the model's device, for tests and the benchmark's correctness checks)
 and `timeline` (per-layer wait / compute times of the step, when recorded).
 """
 
