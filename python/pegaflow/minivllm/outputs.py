@@ -1,8 +1,9 @@
 """What the model runner returns to the scheduler, and what the engine returns to its caller.
 
 `ModelRunnerOutput` mirrors `vllm.v1.outputs.ModelRunnerOutput` (the fields used here) plus
-two of ours: `logits` (the sampled rows, views on the model's device, for tests and the benchmark's correctness checks)
-and `timeline` (per-layer wait / compute times of the step, when recorded).
+three of ours: `logits` (the sampled rows, views on the model's device, for tests and the
+benchmark's correctness checks), `timeline` (per-layer wait / compute times of the step, when
+recorded) and `phases` (the step's host clock per phase, recorded with the timeline).
 """
 
 from __future__ import annotations
