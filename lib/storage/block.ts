@@ -16,6 +16,7 @@
 import { InvalidArgumentError } from "./errors.ts";
 import { type BlockHash, hexBytesInto, MAX_HASH_BYTES } from "./keys.ts";
 import type { LayoutIdentity } from "./layout.ts";
+import { slotIndex } from "./offsets.ts";
 
 /** Geometry of one namespace's blocks in the pool. */
 export interface BlockLayout {
@@ -209,7 +210,7 @@ export class Block {
 
   /** Index of slot (layer, rankSlot). */
   slotIndex(layer: number, rankSlot: number): number {
-    return layer * rankSlots(this.layout) + rankSlot;
+    return slotIndex(layer, rankSlot, rankSlots(this.layout));
   }
 }
 
