@@ -50,6 +50,7 @@ import {
   type ShmPort,
 } from "./ports.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
+import { TransferPlanner } from "../transfer/plan.ts";
 import { type LayoutIdentity, layoutIdentity } from "../storage/layout.ts";
 
 export {
@@ -229,8 +230,9 @@ export class KvEngine {
   readonly #loadStage: Stage<LoadJob, LoadResult>;
   readonly #saveBatch: BatchWriter;
   readonly #loadBatch: BatchWriter;
-  /** Load batch scratch: next target discontinuity after each block (see #submitLoad). */
-  #nextBreak = new Int32Array(0);
+  /** One planner per batch writer: each keeps its writer's scratch. */
+  readonly #savePlanner = new TransferPlanner();
+  readonly #loadPlanner = new TransferPlanner();
   readonly #goneListeners: ((instanceId: string, reason: string) => void)[] = [];
   readonly #sealedListeners: ((namespace: string, keys: readonly string[]) => void)[] = [];
   #closed = false;
@@ -590,33 +592,10 @@ export class KvEngine {
       if (segs > 0) {
         // ONE gather batch for every layer of the request.
         const b = this.#saveBatch;
-        b.ensure(layerGroups, segs);
-        b.reset("gather");
-        for (const { plan, group } of plans) {
-          const n = plan.blockCount;
-          if (n === 0) continue;
-          const S = plan.segments;
-          for (let li = 0; li < group.layers.length; li++) {
-            const layer = group.layers[li];
-            const g = layer.geometry;
-            let opened = false;
-            // Segment-major (all K, then all V): consecutive blocks then sit next to
-            // each other in both the region and the pool, and the writer merges them.
-            for (let s = 0; s < S; s++) {
-              for (let k = 0; k < n; k++) {
-                const off = plan.offsets[(li * S + s) * n + k];
-                if (off < 0) continue; // this slot is already held
-                if (!opened) {
-                  b.group(layer.region, layer.layerId);
-                  opened = true;
-                }
-                const at = g.baseOffset + group.ids[plan.hashIndex[k]] * g.blockStride +
-                  s * g.segStride;
-                b.seg(at, off, g.segBytes);
-              }
-            }
-          }
-        }
+        this.#savePlanner.writeSave(
+          b,
+          plans.map(({ plan, group }) => ({ plan, layers: group.layers, blockIds: group.ids })),
+        );
         tBuilt = performance.now();
         try {
           const done = await this.#native.submit(b);
@@ -884,60 +863,10 @@ export class KvEngine {
     try {
       this.#loadStateOp(() => armLoadState(shm, rank.layers.length), who, args.loadStateShm);
       const b = this.#loadBatch;
-      let nSegs = 0;
-      for (const l of rank.layers) nSegs += args.blockIds.length * l.geometry.numSegments;
-      b.ensure(rank.layers.length, nSegs);
-      b.reset("scatter", { shm, offset: OFF_PROGRESS });
-      const n = view.blockCount;
-      const S = view.segments;
-      const ids = args.blockIds;
-      const starts = view.runStarts;
-      const runs = starts.length - 1;
-      const runOffsets = view.runOffsets;
-      const itemStride = view.itemStride;
-      // One segment per piece of a run (blocks consecutive in the pool) whose
-      // target blocks are consecutive too: for a prefix saved in one request
-      // into consecutive free blocks, one segment per layer and K/V, built from
-      // ~64 steps, not 40,000. nextBreak[k]: the first block after k whose target
-      // does not continue its predecessor's (depends on the geometry only).
-      if (this.#nextBreak.length < n) this.#nextBreak = new Int32Array(n);
-      const nextBreak = this.#nextBreak;
-      let breaksFor = -1; // blockStride the table was built for
-      let breaksLen = -1; // and segBytes
-      for (let li = 0; li < rank.layers.length; li++) {
-        const l = rank.layers[li];
-        const g = l.geometry;
-        const stride = g.blockStride;
-        const len = g.segBytes;
-        if (stride !== breaksFor || len !== breaksLen) {
-          let next = n;
-          for (let k = n - 1; k >= 0; k--) {
-            nextBreak[k] = next;
-            if (k > 0 && (ids[k] - ids[k - 1]) * stride !== len) next = k;
-          }
-          breaksFor = stride;
-          breaksLen = len;
-        }
-        // A run's blocks are one pool item apart; they are contiguous only when
-        // that is exactly the segment (no padding up to the allocation unit).
-        const poolContiguous = itemStride === len;
-        b.group(l.region, l.layerId);
-        for (let s = 0; s < S; s++) {
-          const base = g.baseOffset + s * g.segStride;
-          const col = (li * S + s) * runs;
-          for (let r = 0; r < runs; r++) {
-            const first = starts[r];
-            const end = starts[r + 1];
-            const pool0 = runOffsets[col + r];
-            let k = first;
-            while (k < end) {
-              const e = poolContiguous ? Math.min(nextBreak[k], end) : k + 1;
-              b.seg(base + ids[k] * stride, pool0 + (k - first) * itemStride, (e - k) * len);
-              k = e;
-            }
-          }
-        }
-      }
+      this.#loadPlanner.writeLoad(b, view, rank.layers, args.blockIds, {
+        shm,
+        offset: OFF_PROGRESS,
+      });
       const t0 = performance.now();
       let copy;
       try {
