@@ -71,6 +71,11 @@ export interface RegisterArgs {
   regionHandles: Uint8Array[];
   geometry: Geometry[];
   clientVersion: string;
+  /**
+   * Every TP rank holds the same KV bytes (MLA): blocks are stored once for
+   * all TP ranks. Part of the namespace's layout. Default false.
+   */
+  kvSharedAcrossTp?: boolean;
 }
 
 /**
