@@ -164,6 +164,11 @@ export async function openNative(
     locked: info.locked,
     pool_alloc_ms: Math.round(info.allocNs / 1e6),
   });
+  return portOver(ce, path);
+}
+
+/** The engine's {@link NativePort} over an open CopyEngine, writing batches for `path`. */
+function portOver(ce: CopyEngine, path: CopyPath): NativePort & { copyEngine: CopyEngine } {
   return {
     copyEngine: ce,
     backend: ce.engine.backend,

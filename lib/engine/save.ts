@@ -71,9 +71,8 @@ export class SaveRunner {
   ) {}
 
   /**
-   * The save stage's worker. Over 80 lines on purpose: it is the one place
-   * where a save's phases are timed and its plans are settled exactly once,
-   * and splitting it would scatter the try/finally that guarantees that.
+   * The save stage's worker: the one place where a save's phases are timed
+   * and its plans are settled exactly once (the try/finally below).
    */
   async run(job: SaveJob): Promise<SaveResult> {
     const { args, inst, rank } = job;
