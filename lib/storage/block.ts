@@ -151,10 +151,11 @@ export class Block {
     createdAt: number,
     bucket: number,
     offsets?: Float64Array,
+    hashBytes?: Uint8Array,
   ) {
     this.key = key;
     this.hash = hash;
-    this.hashLength = hexBytesInto(hash, this.hashBytes);
+    this.hashLength = this.#setHashBytes(hash, hashBytes);
     this.createdAt = createdAt;
     this.bucket = bucket;
     const n = layout.layers * rankSlots(layout);
@@ -175,7 +176,13 @@ export class Block {
    * nothing per block. Throws if the record still holds anything (a store
    * bug, never bad input): a recycled record must never carry old bytes.
    */
-  recycle(key: string, hash: string, createdAt: number, bucket: number): void {
+  recycle(
+    key: string,
+    hash: string,
+    createdAt: number,
+    bucket: number,
+    hashBytes?: Uint8Array,
+  ): void {
     let clean = this.pins === 0 && this.pending === 0 && this.filled === 0 && !this.linked &&
       this.chainNext === null;
     for (let i = 0; clean && i < this.slots.length; i++) clean = this.slots[i] === SLOT_EMPTY;
@@ -183,7 +190,7 @@ export class Block {
     if (!clean) throw new Error(`block record ${this.key} recycled while still in use`);
     this.key = key;
     this.hash = hash;
-    this.hashLength = hexBytesInto(hash, this.hashBytes);
+    this.hashLength = this.#setHashBytes(hash, hashBytes);
     this.createdAt = createdAt;
     this.bucket = bucket;
     this.gen++;
@@ -192,6 +199,13 @@ export class Block {
     this.state = "inflight";
     this.cls = "retained";
     this.lastWriter = undefined;
+  }
+
+  /** Stores the hash's bytes: copied when the caller has them (`hex` is their hex), else decoded. */
+  #setHashBytes(hex: string, bytes: Uint8Array | undefined): number {
+    if (!bytes) return hexBytesInto(hex, this.hashBytes);
+    this.hashBytes.set(bytes);
+    return bytes.length;
   }
 
   /** True when this block's content hash is `hash` (bytes, or lower-case hex). */

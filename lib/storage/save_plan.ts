@@ -197,7 +197,7 @@ function plan(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Save
   }
   const placed = allocate(st, t, cand, count, total);
   if (!placed) return refuse(st, t, total);
-  const blocks = createBlocks(st, t, cand, count, placed.offsets, placed.follows);
+  const blocks = createBlocks(st, t, hashes, cand, count, placed.offsets, placed.follows);
   st.inflightCopyBytes += total;
   const p = record(
     st,
@@ -223,9 +223,12 @@ function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Can
   const hexes: string[] = [];
   const existing: (Block | undefined)[] = [];
   let deduplicated = 0;
-  // A hash named twice in one request is planned once.
+  // A hash named twice in one request is planned once. New hashes are told
+  // apart by bucket first (a number), bytes only on a bucket match: no string
+  // is hashed per block.
   const seenBlocks = new Set<Block>();
-  const seenNew = new Set<string>();
+  const seenNew = new Map<number, number>(); // bucket → last request index planned with it
+  const sameBucket = new Int32Array(hashes.length); // request index → previous one in its bucket
   for (let i = 0; i < hashes.length; i++) {
     const bucket = hashBucket(hashes[i], t.ns.seed);
     st.lfu?.record(bucket);
@@ -241,12 +244,16 @@ function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Can
       seenBlocks.add(b);
       hex = b.hash;
     } else {
-      hex = hashHex(hashes[i]);
-      if (seenNew.has(hex)) {
+      const head = seenNew.get(bucket) ?? -1;
+      let j = head;
+      while (j >= 0 && !sameHash(hashes[j], hashes[i])) j = sameBucket[j];
+      if (j >= 0) {
         deduplicated++;
         continue;
       }
-      seenNew.add(hex);
+      sameBucket[i] = head;
+      seenNew.set(bucket, i);
+      hex = hashHex(hashes[i]);
     }
     const k = hexes.length;
     let n = 0;
@@ -267,6 +274,16 @@ function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Can
     existing.push(b);
   }
   return { need, needCount, hashIndex, buckets, hexes, existing, deduplicated };
+}
+
+/** True when two hashes (bytes or lower-case hex) name the same block. */
+function sameHash(a: BlockHash, b: BlockHash): boolean {
+  if (typeof a === "string" || typeof b === "string") {
+    return (typeof a === "string" ? a : hashHex(a)) === (typeof b === "string" ? b : hashHex(b));
+  }
+  if (a.length !== b.length) return false;
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+  return true;
 }
 
 /** Step 2: the longest prefix of the candidates that free + evictable bytes can hold. */
@@ -380,6 +397,7 @@ function allocate(
 function createBlocks(
   st: StoreState,
   t: PlanTarget,
+  hashes: readonly BlockHash[],
   cand: Candidates,
   count: number,
   offsets: Float64Array,
@@ -389,7 +407,7 @@ function createBlocks(
   const L = ns.layout;
   const S = L.segments;
   const C = t.colSlot.length;
-  const { need, hexes, buckets, existing } = cand;
+  const { need, hexes, buckets, existing, hashIndex } = cand;
   const now = st.clock();
   const blocks: Block[] = new Array(count);
   // Run links only between new blocks this plan fills completely (every slot).
@@ -398,8 +416,11 @@ function createBlocks(
     let b = existing[k];
     if (b) b.runPrev = null;
     else {
+      // The engine's bytes are copied as they are (no decode of the hex just made).
+      const h = hashes[hashIndex[k]];
+      const bytes = typeof h === "string" ? undefined : h;
       b = ns.spare.pop();
-      if (b) b.recycle(`${namespace}:${hexes[k]}`, hexes[k], now, buckets[k]);
+      if (b) b.recycle(`${namespace}:${hexes[k]}`, hexes[k], now, buckets[k], bytes);
       else {
         b = new Block(
           `${namespace}:${hexes[k]}`,
@@ -409,6 +430,7 @@ function createBlocks(
           now,
           buckets[k],
           st.namespaces.offsetRecord(ns),
+          bytes,
         );
       }
       st.index.addInflight(b);
