@@ -82,7 +82,11 @@ export const SLOT_PENDING = 1;
 /** Slot state: holds its bytes. */
 export const SLOT_FILLED = 2;
 
-/** Cache class: saved or prefetched here (kept longer) vs fetched from a peer (evicted first). */
+/**
+ * Cache class: saved or prefetched here (kept longer) vs fetched from a peer
+ * (evicted first). "reclaimable" is a hook for the cross-node peer tier,
+ * which does not exist yet: nothing in the server passes it today.
+ */
 export type CacheClass = "retained" | "reclaimable";
 
 /** Marker for "no pool offset" in offset arrays. */

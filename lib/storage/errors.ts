@@ -37,6 +37,9 @@ export interface ErrorFields {
   got?: string | number;
 }
 
+/** The storage errors' former name for {@link ErrorFields}; kept for callers that import it. */
+export type StorageErrorFields = ErrorFields;
+
 /**
  * The base of PegaFlow's error family: a message for people and
  * {@link ErrorFields} for logs and tools. Subclasses say which gRPC status
