@@ -19,6 +19,13 @@ import { offsetColumn, offsetIndex } from "../storage/offsets.ts";
 import type { LoadTicket, SavePlan } from "../storage/store.ts";
 import { RangeMerger } from "./ranges.ts";
 
+/** The merger's sink between batches: a segment written there is a planner bug. */
+const NO_BATCH = {
+  seg(): void {
+    throw new Error("transfer plan: segment written outside a batch");
+  },
+};
+
 /** One layer of a rank as a copy sees it. */
 export interface LayerTarget {
   readonly region: RegionPort;
@@ -56,8 +63,7 @@ export interface BatchShape {
  * ```
  */
 export class TransferPlanner {
-  #batch: BatchWriter | undefined;
-  readonly #merger = new RangeMerger((r, p, n) => this.#batch!.seg(r, p, n));
+  readonly #merger = new RangeMerger(NO_BATCH);
   /** Load scratch: the next target discontinuity after each block (see {@link writeLoad}). */
   #nextBreak = new Int32Array(0);
 
@@ -77,8 +83,8 @@ export class TransferPlanner {
     if (segs === 0) return { groups: 0, segments: 0 };
     batch.ensure(groups, segs);
     batch.reset("gather");
-    this.#batch = batch;
     const m = this.#merger;
+    m.sink = batch;
     let written = 0;
     for (const { plan, layers, blockIds } of parts) {
       const n = plan.blockCount;
@@ -104,7 +110,7 @@ export class TransferPlanner {
       }
     }
     m.flush();
-    this.#batch = undefined;
+    m.sink = NO_BATCH;
     return { groups: written, segments: segs };
   }
 
@@ -129,8 +135,8 @@ export class TransferPlanner {
     for (const l of layers) nSegs += ids.length * l.geometry.numSegments;
     batch.ensure(layers.length, nSegs);
     batch.reset("scatter", progress);
-    this.#batch = batch;
     const m = this.#merger;
+    m.sink = batch;
     const n = ticket.blockCount;
     const S = ticket.segments;
     const starts = ticket.runStarts;
@@ -172,7 +178,7 @@ export class TransferPlanner {
       }
     }
     m.flush();
-    this.#batch = undefined;
+    m.sink = NO_BATCH;
     return { groups: layers.length, segments: nSegs };
   }
 }

@@ -16,8 +16,10 @@
  * @module
  */
 
-/** Where merged segments go: `(regionOff, poolOff, bytes)`, in order. */
-export type SegmentSink = (regionOff: number, poolOff: number, bytes: number) => void;
+/** Where merged segments go, in order (a batch writer is one). */
+export interface SegmentSink {
+  seg(regionOff: number, poolOff: number, bytes: number): void;
+}
 
 /**
  * Merges contiguous segments on their way to a sink. Reusable: allocation
@@ -26,7 +28,7 @@ export type SegmentSink = (regionOff: number, poolOff: number, bytes: number) =>
  *
  * @example
  * ```ts
- * const m = new RangeMerger((r, p, n) => batch.seg(r, p, n));
+ * const m = new RangeMerger(batch);
  * m.add(0, 4096, 32768);
  * m.add(32768, 36864, 32768); // continues both sides: one segment of 64 KiB
  * m.flush();
@@ -37,7 +39,8 @@ export class RangeMerger {
   #p = 0;
   #n = 0;
 
-  constructor(readonly sink: SegmentSink) {}
+  /** `sink` may be swapped between batches (flush first). */
+  constructor(public sink: SegmentSink) {}
 
   /** Adds a segment; it joins the pending one when both sides continue it. */
   add(regionOff: number, poolOff: number, bytes: number): void {
@@ -53,7 +56,7 @@ export class RangeMerger {
 
   /** Hands the pending merged segment to the sink. */
   flush(): void {
-    if (this.#n > 0) this.sink(this.#r, this.#p, this.#n);
+    if (this.#n > 0) this.sink.seg(this.#r, this.#p, this.#n);
     this.#n = 0;
   }
 }
@@ -76,7 +79,7 @@ export interface PoolExtent {
  */
 export function mergeExtents(offsets: ArrayLike<number>, bytes: number): PoolExtent[] {
   const out: PoolExtent[] = [];
-  const m = new RangeMerger((_r, p, n) => out.push({ offset: p, bytes: n }));
+  const m = new RangeMerger({ seg: (_r, p, n) => void out.push({ offset: p, bytes: n }) });
   for (let j = 0; j < offsets.length; j++) m.add(j * bytes, offsets[j], bytes);
   m.flush();
   return out;

@@ -57,7 +57,7 @@ function storeWithTwoLayers(): KvStore {
 
 Deno.test("the range merger joins a segment only when both sides continue the previous one", () => {
   const out: Seg[] = [];
-  const m = new RangeMerger((r, p, n) => out.push([r, p, n]));
+  const m = new RangeMerger({ seg: (r, p, n) => void out.push([r, p, n]) });
   m.add(0, 100, 10);
   m.add(10, 110, 10); // continues both: joins
   m.add(20, 200, 10); // pool jumps: new
