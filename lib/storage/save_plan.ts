@@ -22,7 +22,7 @@
 
 import { Block, type CacheClass, NO_OFFSET, SLOT_EMPTY, SLOT_PENDING } from "./block.ts";
 import { InvalidArgumentError, PoolExhaustedError } from "./errors.ts";
-import { type BlockHash, hashBucket, hashHex } from "./keys.ts";
+import { type BlockHash, hashBucket, hashHex, sameHash } from "./keys.ts";
 import type { NamespaceState } from "./namespaces.ts";
 import { evictBytes, evictOne } from "./eviction.ts";
 import { slotColumn, slotIndex } from "./offsets.ts";
@@ -274,16 +274,6 @@ function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Can
     existing.push(b);
   }
   return { need, needCount, hashIndex, buckets, hexes, existing, deduplicated };
-}
-
-/** True when two hashes (bytes or lower-case hex) name the same block. */
-function sameHash(a: BlockHash, b: BlockHash): boolean {
-  if (typeof a === "string" || typeof b === "string") {
-    return (typeof a === "string" ? a : hashHex(a)) === (typeof b === "string" ? b : hashHex(b));
-  }
-  if (a.length !== b.length) return false;
-  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
-  return true;
 }
 
 /** Step 2: the longest prefix of the candidates that free + evictable bytes can hold. */
