@@ -78,6 +78,8 @@ export interface InstanceInfo {
   numLayers: number;
   /** Layer names by layer id: the namespace's order (stages by pp_rank, registration order within). */
   layers: string[];
+  /** MLA: the namespace stores each block once for all TP ranks. */
+  kvSharedAcrossTp: boolean;
   inflightCopies: number;
   ageSeconds: number;
 }
@@ -315,6 +317,7 @@ export class KvEngine {
       sealed: i.sealed,
       numLayers: i.layerNames.length,
       layers: [...i.layerNames],
+      kvSharedAcrossTp: this.#ctx.layouts.get(i.namespace)?.kvSharedAcrossTp ?? false,
       inflightCopies: i.inflight,
       ageSeconds: Math.round((now - i.createdAt) / 1000),
     }));

@@ -34,6 +34,8 @@ Deno.test("TP=2 MLA: each rank saves the same bytes, the pool holds them once, e
     }));
   try {
     for (const r of ranks) await r.register();
+    const listed = (await (await srv.http_get("/instances")).json()).instances;
+    assert.equal(listed[0].kvSharedAcrossTp, true, "GET /instances shows the TP sharing");
     const hashes = chainedBlockHashes(syntheticTokens(11, 16 * 10), 16);
     for (const r of ranks) r.fill(ids(0, 10), hashes);
 
