@@ -223,13 +223,13 @@ int32_t pf_region_close(uint32_t region);
 enum pf_direction { PF_D2H = 0 /* gather: region -> pool */,
                     PF_H2D = 1 /* scatter: pool -> region */ };
 enum pf_path {
-  /* library default (cuda): DMA_BATCH when the batch's mean merged range
+  /* library default (cuda): DMA_BATCH when the batch's mean segment
    * is >= 32 KiB and the driver has it, else KERNEL if loaded, else DMA.
    * Callers with a calibration table choose themselves (lib/copy_path.ts). */
   PF_PATH_AUTO = 0,
   PF_PATH_KERNEL = 1, /* gather/scatter kernel over mapped pinned memory */
   PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync, issued by several threads */
-  PF_PATH_DMA = 3,    /* merged cuMemcpyAsync ranges, same threads */
+  PF_PATH_DMA = 3,    /* one cuMemcpyAsync per segment, same threads */
   /* Kernel and copy engines at once: each group's ranges are split by
    * bytes, a share (pf_engine_set_dma_share) to the copy engines (batch DMA
    * where available) on a second stream, the rest to the kernel. Neither
@@ -251,6 +251,9 @@ enum pf_path {
  * complete in order. Offsets are relative to the group's region and to the
  * pool, so every segment is bounds-checked before anything is copied: a
  * batch with one bad segment copies nothing and fails with PF_ERANGE.
+ * Each segment is copied as given: the library does not merge contiguous
+ * segments (the caller merges once, while it builds the batch:
+ * lib/transfer/ranges.ts), so a segment is the unit the copy path sees.
  *
  * Client memory (a host region, the progress shm) is touched only under a
  * SIGBUS guard: if the client shrinks the file behind it, the group fails

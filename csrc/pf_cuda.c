@@ -22,10 +22,10 @@
  *
  * Copy paths (chosen per batch by the caller; AUTO: batch DMA for mean
  * ranges >= 32 KiB, else the kernel):
- *  - KERNEL: merged ranges are cut into table entries, the table goes to
- *    the device with one async H2D copy, one launch per group.
+ *  - KERNEL: ranges (segments, merged by the caller) are cut into table
+ *    entries, the table goes to the device with one async H2D copy, one launch per group.
  *  - DMA_BATCH: cuMemcpyBatchAsync (driver 12.8+), spread over the lanes.
- *  - DMA: one cuMemcpyAsync per merged range, spread over the lanes.
+ *  - DMA: one cuMemcpyAsync per range, spread over the lanes.
  *  - MIXED: a share of each group to the lanes, the rest to the kernel.
  */
 #define _GNU_SOURCE
@@ -211,7 +211,7 @@ static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
  * ~90 % H2D of the link); 16 keeps a margin and leaves 116 of 132 SMs to
  * the model. pf_engine_set_kernel_grid overrides. */
 #define PF_KERNEL_GRID_DEFAULT 16u
-/* AUTO picks batch DMA when a batch's mean merged range is at least this. */
+/* AUTO picks batch DMA when a batch's mean range is at least this. */
 #define PF_AUTO_DMA_MIN_RANGE (32ull << 10)
 /* cuMemcpyBatchAsync calls are cut to this many copies each. */
 #define PF_DMA_BATCH_MAX 8192u

@@ -572,7 +572,7 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
       (const pf_batch_seg *)((const uint8_t *)desc + segs_off);
 
   /* Pass 1 (no locks): group tiling and segment counts, so we can size the
-   * merged range array; merging only shrinks it. */
+   * range array (one range per segment). */
   uint64_t next_seg = 0;
   for (uint32_t g = 0; g < h->num_groups; g++) {
     const pf_batch_group *gd = &groups[g];
@@ -637,10 +637,11 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
     b->progress = s;
   }
 
-  /* Pass 2: resolve regions, check and merge every segment. Merging joins
-   * a segment to the previous range of the same group when both sides are
-   * contiguous, up to the backend's range cap. */
-  uint64_t cap = e->ops->max_range_bytes;
+  /* Pass 2: resolve regions and check every segment; each becomes one
+   * range. Contiguous segments are merged once, by the caller before submit
+   * (lib/transfer/ranges.ts builds the batch and knows which segments
+   * continue each other without comparing them); the library copies what it
+   * is given and splits ranges only where a backend wants shorter pieces. */
   uint32_t nr = 0;
   uint64_t total = 0;
   for (uint32_t g = 0; g < h->num_groups; g++) {
@@ -669,17 +670,10 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
       rc = check_seg(s, r, p, g, gd->layer, k, idx);
       if (rc < 0) goto fail_locked;
       uint64_t addr = r->addr + s->region_off;
-      pf_range *last = nr > gr->first_range ? &b->ranges[nr - 1] : NULL;
-      if (last && last->region_addr + last->bytes == addr &&
-          last->pool_off + last->bytes == s->pool_off &&
-          last->bytes + s->bytes <= cap) {
-        last->bytes += s->bytes;
-      } else {
-        b->ranges[nr].region_addr = addr;
-        b->ranges[nr].pool_off = s->pool_off;
-        b->ranges[nr].bytes = s->bytes;
-        nr++;
-      }
+      b->ranges[nr].region_addr = addr;
+      b->ranges[nr].pool_off = s->pool_off;
+      b->ranges[nr].bytes = s->bytes;
+      nr++;
       gbytes += s->bytes;
     }
     gr->num_ranges = nr - gr->first_range;

@@ -369,8 +369,8 @@ static int32_t host_region_rw(pf_engine *e, pf_region *r, uint64_t off,
   return PF_OK;
 }
 
-/* Splits ranges longer than PF_HOST_MAX_RANGE in place (the engine's merge
- * cap already bounds merged ranges; a single segment can still be large). */
+/* Splits ranges longer than PF_HOST_MAX_RANGE in place (a segment the
+ * caller merged, or one given long, can be any size). */
 static int32_t split_long_ranges(pf_batch *b) {
   uint64_t extra = 0;
   for (uint32_t i = 0; i < b->num_ranges; i++)

@@ -76,7 +76,7 @@ struct pf_batch;
  * inflight count or the batch sees the handle gone, never half of each. */
 extern pthread_mutex_t pf_objects_mu;
 
-/* One contiguous copy after validation and merging: the region side is an
+/* One contiguous copy (one validated segment): the region side is an
  * absolute address (device or host), the pool side an offset. */
 typedef struct pf_range {
   uint64_t region_addr;
@@ -113,7 +113,7 @@ typedef struct pf_batch {
   uint32_t path;          /* requested pf_path (backend resolves AUTO) */
   uint32_t num_groups;
   uint32_t num_ranges;
-  uint32_t num_segs;      /* before merging */
+  uint32_t num_segs;      /* = num_ranges before a backend splits */
   uint64_t tag;
   uint64_t total_bytes;
   uint64_t submit_ns;     /* CLOCK_MONOTONIC at submit */
@@ -223,7 +223,8 @@ typedef struct pf_backend_ops {
   int32_t (*calibrate)(struct pf_engine *e, struct pf_pool *p,
                        uint32_t direction, const uint64_t *sizes, uint32_t n,
                        uint64_t total_bytes, double *out_gbps);
-  /* Largest merged range the backend wants (host: split for parallelism). */
+  /* Largest range the backend copies in one piece (host: longer ones are
+   * split for parallelism; cuda: no limit). */
   uint64_t max_range_bytes;
 } pf_backend_ops;
 

@@ -134,6 +134,16 @@ export interface RegisterContextRequest {
   geometry: LayerGeometry[];
   /** must equal HealthResponse.version */
   clientVersion: string;
+  /**
+   * True when every TP rank holds the SAME KV bytes (MLA: the latent KV is
+   * not split across TP ranks): the server then stores each block once for
+   * all TP ranks (one rank slot instead of tp_size), every rank's Save fills
+   * that slot (the first copy wins, the others are skipped as held) and every
+   * rank's Load reads it. Part of the namespace's layout: every rank and
+   * instance of a namespace must send the same value (FAILED_PRECONDITION
+   * otherwise). Default false: each TP rank stores its own shard.
+   */
+  kvSharedAcrossTp: boolean;
 }
 
 export interface RegisterContextResponse {
@@ -436,6 +446,7 @@ function createBaseRegisterContextRequest(): RegisterContextRequest {
     regionHandles: [],
     geometry: [],
     clientVersion: "",
+    kvSharedAcrossTp: false,
   };
 }
 
@@ -476,6 +487,9 @@ export const RegisterContextRequest: MessageFns<RegisterContextRequest> = {
     }
     if (message.clientVersion !== "") {
       writer.uint32(98).string(message.clientVersion);
+    }
+    if (message.kvSharedAcrossTp !== false) {
+      writer.uint32(104).bool(message.kvSharedAcrossTp);
     }
     return writer;
   },
@@ -589,6 +603,14 @@ export const RegisterContextRequest: MessageFns<RegisterContextRequest> = {
             message.clientVersion = reader.string();
             continue;
           }
+          case 13: {
+            if (tag !== 104) {
+              break;
+            }
+
+            message.kvSharedAcrossTp = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -622,6 +644,7 @@ export const RegisterContextRequest: MessageFns<RegisterContextRequest> = {
     message.regionHandles = object.regionHandles?.map((e) => e) || [];
     message.geometry = object.geometry?.map((e) => LayerGeometry.fromPartial(e)) || [];
     message.clientVersion = object.clientVersion ?? "";
+    message.kvSharedAcrossTp = object.kvSharedAcrossTp ?? false;
     return message;
   },
 };

@@ -106,11 +106,15 @@ export class PegaflowClient {
    * the namespace must use the same one.
    */
   registerContext(
-    req: Omit<RegisterContextRequest, "clientVersion"> & { clientVersion?: string },
+    req: Omit<RegisterContextRequest, "clientVersion" | "kvSharedAcrossTp"> & {
+      clientVersion?: string;
+      kvSharedAcrossTp?: boolean;
+    },
   ): Promise<RegisterContextResponse> {
     return this.#call("RegisterContext", this.#raw.registerContext as never, {
       ...req,
       clientVersion: req.clientVersion ?? PROTOCOL_VERSION,
+      kvSharedAcrossTp: req.kvSharedAcrossTp ?? false,
     });
   }
 

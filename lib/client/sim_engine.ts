@@ -10,6 +10,11 @@
  * then a V plane, so
  * `block_stride = seg_bytes`, `seg_stride = num_blocks * seg_bytes`, 2 segments.
  *
+ * MLA (`mla: true`): one latent plane per layer, `[num_blocks][block_tokens]
+ * [kv_heads][head_dim]`, 1 segment, NOT split by TP: every TP rank holds the
+ * same bytes (the content seed ignores the rank), and the rank registers
+ * with `kv_shared_across_tp` so the server stores each block once.
+ *
  * @module
  */
 import { Engine, type Region } from "../../ffi/mod.ts";
@@ -54,6 +59,8 @@ export interface SimEngineOptions {
   tpSize?: number;
   backend?: "auto" | "cuda" | "host";
   device?: number;
+  /** MLA layout: one segment per block, identical on every TP rank (see the module comment). */
+  mla?: boolean;
 }
 
 /** Seed of one segment's content: FNV-1a over the hash, mixed with layer, rank and segment. */
@@ -109,7 +116,11 @@ export class SimEngine {
   readonly numBlocks: number;
   readonly tpRank: number;
   readonly tpSize: number;
-  /** Bytes of one K (or V) of one block of one layer on this rank. */
+  /** MLA: one segment, the same bytes on every TP rank. */
+  readonly mla: boolean;
+  /** Segments per block and layer: 2 (K, V), 1 for MLA. */
+  readonly segments: number;
+  /** Bytes of one K (or V, or MLA latent) of one block of one layer on this rank. */
   readonly segBytes: number;
   readonly layerNames: string[];
   readonly engine: Engine;
@@ -125,6 +136,8 @@ export class SimEngine {
     this.numBlocks = o.numBlocks;
     this.tpRank = o.tpRank ?? 0;
     this.tpSize = o.tpSize ?? 1;
+    this.mla = o.mla ?? false;
+    this.segments = this.mla ? 1 : KV_SEGMENTS;
     this.segBytes = segBytes;
     this.engine = engine;
     this.regions = regions;
@@ -138,16 +151,19 @@ export class SimEngine {
   static create(o: SimEngineOptions): SimEngine {
     const model = o.model ?? LLAMA_3_1_8B;
     const tpSize = o.tpSize ?? 1;
-    if (model.kvHeads % tpSize !== 0) {
+    // MLA's latent KV is not split across TP ranks.
+    const split = o.mla ? 1 : tpSize;
+    if (model.kvHeads % split !== 0) {
       throw new Error(`kv_heads ${model.kvHeads} not divisible by tp_size ${tpSize}`);
     }
-    const segBytes = model.blockTokens * (model.kvHeads / tpSize) * model.headDim *
+    const segBytes = model.blockTokens * (model.kvHeads / split) * model.headDim *
       model.dtypeBytes;
+    const segments = o.mla ? 1 : KV_SEGMENTS;
     const engine = Engine.open({ backend: o.backend ?? "auto", device: o.device ?? 0 });
     const regions: Region[] = [];
     try {
       for (let l = 0; l < model.numLayers; l++) {
-        regions.push(engine.allocRegion(KV_SEGMENTS * o.numBlocks * segBytes));
+        regions.push(engine.allocRegion(segments * o.numBlocks * segBytes));
       }
     } catch (e) {
       for (const r of regions) r.close();
@@ -157,9 +173,14 @@ export class SimEngine {
     return new SimEngine(o, engine, regions, segBytes);
   }
 
-  /** Bytes of one block across all layers and both segments on this rank. */
+  /** The rank the content seed uses: MLA content is the same on every rank. */
+  get #contentRank(): number {
+    return this.mla ? 0 : this.tpRank;
+  }
+
+  /** Bytes of one block across all layers and segments on this rank. */
   get blockBytes(): number {
-    return this.segBytes * KV_SEGMENTS * this.model.numLayers;
+    return this.segBytes * this.segments * this.model.numLayers;
   }
 
   /** Registers all layers of this rank. */
@@ -181,10 +202,11 @@ export class SimEngine {
         blockStride: this.segBytes,
         segStride: planeBytes,
         segBytes: this.segBytes,
-        numSegments: KV_SEGMENTS,
+        numSegments: this.segments,
         baseOffset: 0,
-        regionBytes: KV_SEGMENTS * planeBytes,
+        regionBytes: this.segments * planeBytes,
       })),
+      kvSharedAcrossTp: this.mla,
       ...overrides,
     });
   }
@@ -193,13 +215,13 @@ export class SimEngine {
   fill(ids: number[], hashes: Uint8Array[]): void {
     const words = this.segBytes / 4;
     for (let l = 0; l < this.model.numLayers; l++) {
-      for (let s = 0; s < KV_SEGMENTS; s++) {
+      for (let s = 0; s < this.segments; s++) {
         for (const [first, count, at] of runs(ids)) {
           const buf = new Uint32Array(words * count);
           for (let k = 0; k < count; k++) {
             fillSegment(
               buf.subarray(k * words, (k + 1) * words),
-              segSeed(hashes[at + k], l, this.tpRank, s),
+              segSeed(hashes[at + k], l, this.#contentRank, s),
             );
           }
           this.regions[l].write(
@@ -214,7 +236,7 @@ export class SimEngine {
   /** Zeroes the given blocks in every layer (so a verify after load proves the load wrote them). */
   clear(ids: number[]): void {
     for (let l = 0; l < this.model.numLayers; l++) {
-      for (let s = 0; s < KV_SEGMENTS; s++) {
+      for (let s = 0; s < this.segments; s++) {
         for (const [first, count] of runs(ids)) {
           this.regions[l].write(
             s * this.numBlocks * this.segBytes + first * this.segBytes,
@@ -235,7 +257,7 @@ export class SimEngine {
     let bad = 0;
     let first: string | undefined;
     for (let l = 0; l < this.model.numLayers; l++) {
-      for (let s = 0; s < KV_SEGMENTS; s++) {
+      for (let s = 0; s < this.segments; s++) {
         for (const [firstId, count, at] of runs(ids)) {
           const got = this.regions[l].read(
             s * this.numBlocks * this.segBytes + firstId * this.segBytes,
@@ -243,7 +265,7 @@ export class SimEngine {
           );
           const got32 = new Uint32Array(got.buffer, got.byteOffset, got.byteLength / 4);
           for (let k = 0; k < count; k++) {
-            fillSegment(want, segSeed(hashes[at + k], l, this.tpRank, s));
+            fillSegment(want, segSeed(hashes[at + k], l, this.#contentRank, s));
             const g = got32.subarray(k * words, (k + 1) * words);
             for (let w = 0; w < words; w++) {
               if (g[w] !== want[w]) {

@@ -1,9 +1,18 @@
 /**
- * Engine errors carry a gRPC status code chosen where the error is raised, so
- * the service layer maps them without guessing from message text.
+ * Engine errors and the one mapping of every error to a gRPC status.
+ *
+ * The family: {@link KvError} (lib/storage/errors.ts) carries a message and
+ * {@link ErrorFields} (instance, rank, layer, block id, request id, expected
+ * vs got); {@link EngineError} adds the gRPC status code chosen where it is
+ * raised, StorageError a status name. {@link codeOf} maps any thrown value
+ * to a status and {@link fieldsOf} gives its fields for the log line: the
+ * service layer uses only these two.
  *
  * @module
  */
+import { type ErrorFields, KvError } from "../storage/errors.ts";
+
+export type { ErrorFields } from "../storage/errors.ts";
 
 /** gRPC status codes used by the engine (values from the gRPC spec). */
 export const Code = {
@@ -34,23 +43,37 @@ export const CODE_NAMES: Record<number, string> = Object.fromEntries(
  *   `instance "a" rank 0 layer "l3": block id 900 >= num_blocks 512`);
  * ```
  */
-export class EngineError extends Error {
+export class EngineError extends KvError {
   readonly code: CodeValue;
-  constructor(code: CodeValue, message: string) {
-    super(message);
+  constructor(code: CodeValue, message: string, fields: ErrorFields = {}) {
+    super(message, fields);
     this.name = "EngineError";
     this.code = code;
   }
 }
 
 /** Shorthand for INVALID_ARGUMENT. */
-export function invalid(message: string): EngineError {
-  return new EngineError(Code.INVALID_ARGUMENT, message);
+export function invalid(message: string, fields: ErrorFields = {}): EngineError {
+  return new EngineError(Code.INVALID_ARGUMENT, message, fields);
 }
 
 /** Shorthand for FAILED_PRECONDITION. */
-export function precondition(message: string): EngineError {
-  return new EngineError(Code.FAILED_PRECONDITION, message);
+export function precondition(message: string, fields: ErrorFields = {}): EngineError {
+  return new EngineError(Code.FAILED_PRECONDITION, message, fields);
+}
+
+/** The structured fields of any thrown value (empty for errors outside the family). */
+export function fieldsOf(err: unknown): ErrorFields {
+  return err instanceof KvError ? err.fields : {};
+}
+
+/**
+ * Re-raises a lower layer's error as an EngineError with `who` prefixed to
+ * the message and `fields` added to its own (same status).
+ */
+export function withContext(err: unknown, who: string, fields: ErrorFields): unknown {
+  if (!(err instanceof KvError) || err instanceof EngineError) return err;
+  return new EngineError(codeOf(err), `${who}: ${err.message}`, { ...err.fields, ...fields });
 }
 
 /**
@@ -68,4 +91,26 @@ export function codeOf(err: unknown): CodeValue {
 /** True for errors whose message is meant for the client (not a server bug). */
 export function isExpected(err: unknown): boolean {
   return codeOf(err) !== Code.INTERNAL;
+}
+
+/** An error's fields as log-line fields (the server's snake_case names). */
+export function errorLogFields(err: unknown): Record<string, string | number> {
+  const f = fieldsOf(err);
+  const out: Record<string, string | number> = {};
+  const put = (k: string, v: string | number | undefined) => {
+    if (v !== undefined) out[k] = v;
+  };
+  put("namespace", f.namespace);
+  put("instance", f.instance);
+  put("rank", f.rank);
+  put("tp_rank", f.tpRank);
+  put("pp_rank", f.ppRank);
+  put("layer", f.layer);
+  put("block_id", f.blockId);
+  put("block", f.block);
+  put("request", f.requestId);
+  put("lease", f.lease);
+  put("expected", f.expected);
+  put("got", f.got);
+  return out;
 }

@@ -32,10 +32,22 @@ export function slotBytes(g: Geometry): number {
   return g.segBytes * g.numSegments;
 }
 
+/**
+ * Where segment `seg` of block `block` starts in the layer's region: the one
+ * address formula (registration proved it in bounds for every valid id).
+ *
+ * @example
+ * ```ts
+ * segmentAddr({ ...g, baseOffset: 0, blockStride: 65536, segStride: 32768 }, 3, 1); // 229376
+ * ```
+ */
+export function segmentAddr(g: Geometry, block: number, seg: number): number {
+  return g.baseOffset + block * g.blockStride + seg * g.segStride;
+}
+
 /** [first byte, end) of everything this layer's geometry can address. */
 export function footprint(g: Geometry): [number, number] {
-  const end = g.baseOffset + (g.numBlocks - 1) * g.blockStride + (g.numSegments - 1) * g.segStride +
-    g.segBytes;
+  const end = segmentAddr(g, g.numBlocks - 1, g.numSegments - 1) + g.segBytes;
   return [g.baseOffset, end];
 }
 

@@ -6,15 +6,14 @@
  * Topology: an instance is sealed when world_size ranks have registered.
  * Then layer ids are assigned from the namespace's layer order (see
  * namespaces.ts: the stages in pp_rank order, registration order within a
- * stage), so ids agree across ranks, processes and nodes. A block's slots
- * are (layer id, TP rank) pairs: slot = layer_id * tp_size + tp_rank.
+ * stage), so ids agree across ranks, processes and nodes. How a block's
+ * slots are numbered is the store's (lib/storage/offsets.ts).
  *
  * @module
  */
 import { Code, EngineError, precondition } from "./errors.ts";
 import { type Geometry, slotBytes } from "./geometry.ts";
 import type { RegionPort } from "./ports.ts";
-import type { LayoutDescription } from "../storage/layout.ts";
 
 /** One layer of one rank. */
 export interface LayerCtx {
@@ -40,6 +39,19 @@ export interface RankCtx {
   regions: RegionPort[];
 }
 
+/**
+ * The global rank of (tp_rank, pp_rank): the one formula (ranks of a stage
+ * are consecutive).
+ *
+ * @example
+ * ```ts
+ * globalRank(1, 2, 4); // tp_rank 1 of stage 2, tp_size 4 → 9
+ * ```
+ */
+export function globalRank(tpRank: number, ppRank: number, tpSize: number): number {
+  return ppRank * tpSize + tpRank;
+}
+
 /** An inference engine known to the server. */
 export class Instance {
   readonly id: string;
@@ -63,11 +75,6 @@ export class Instance {
     this.tpSize = tpSize;
     this.ppSize = ppSize;
     this.worldSize = worldSize;
-  }
-
-  /** Slots per block: every (layer, TP rank) pair. */
-  get slotsPerBlock(): number {
-    return this.layerNames.length * this.tpSize;
   }
 
   /** Copies currently targeting this instance's regions. */
@@ -101,27 +108,6 @@ export class Instance {
     return new Promise((resolve) => this.#drainWaiters.push(resolve));
   }
 
-  /**
-   * How this instance cuts a block's bytes, layers in slot (layer id) order:
-   * the input of the namespace's layout fingerprint (lib/storage/layout.ts).
-   * Call after {@link seal}.
-   */
-  layoutDescription(): LayoutDescription {
-    const geometry = new Map<string, Geometry>();
-    for (const r of this.ranks.values()) {
-      for (const l of r.layers) if (!geometry.has(l.name)) geometry.set(l.name, l.geometry);
-    }
-    return {
-      tpSize: this.tpSize,
-      ppSize: this.ppSize,
-      collapseTp: false,
-      layers: this.layerNames.map((name) => {
-        const g = geometry.get(name)!;
-        return { name, segBytes: g.segBytes, numSegments: g.numSegments };
-      }),
-    };
-  }
-
   /** Assigns layer ids once every rank is in; `order` is the namespace's global layer order. */
   seal(order: readonly string[]): void {
     this.layerNames = [...order];
@@ -138,7 +124,7 @@ export class Instance {
   }
 
   rankCtx(tpRank: number, ppRank: number, what: string): RankCtx {
-    const r = this.ranks.get(ppRank * this.tpSize + tpRank);
+    const r = this.ranks.get(globalRank(tpRank, ppRank, this.tpSize));
     if (!r) {
       throw precondition(
         `instance "${this.id}": ${what} from tp_rank ${tpRank} pp_rank ${ppRank}, which is not registered`,

@@ -16,8 +16,22 @@
  * Global layer ids: the stages in pp_rank order, registration order within a
  * stage (each stage holds a contiguous run of the model's layers).
  *
+ * **This module owns the namespace layout.** The store's block layout
+ * ({@link blockLayoutOf}: layers, rank slots, segment shape) and the layout
+ * fingerprint's input ({@link describeLayout}, hashed by
+ * lib/storage/layout.ts) are both derived from the agreed
+ * {@link NamespaceLayout}; the store's registry only checks that a
+ * namespace keeps the layout it was first given.
+ *
+ * **TP collapse (MLA).** A registration that says `kv_shared_across_tp`
+ * (every TP rank holds the same KV bytes) makes the layout store one rank
+ * slot per layer instead of tp_size; every rank of the namespace must say
+ * the same.
+ *
  * @module
  */
+import type { BlockLayout } from "../storage/block.ts";
+import { type LayoutDescription, layoutIdentity } from "../storage/layout.ts";
 import { invalid, precondition } from "./errors.ts";
 
 /** The agreed layout of one namespace (engine-side; the store keeps the block shape). */
@@ -27,6 +41,8 @@ export interface NamespaceLayout {
   readonly ppSize: number;
   readonly segBytes: number;
   readonly numSegments: number;
+  /** Every TP rank holds the same KV (MLA): blocks keep one rank slot. */
+  readonly kvSharedAcrossTp: boolean;
   /** Per PP stage: its layer names in registration order, once its first rank registered. */
   readonly stages: (readonly string[] | undefined)[];
   /** Instances registered under the namespace (sealed or not). */
@@ -42,6 +58,7 @@ export interface StageClaim {
   layerNames: readonly string[];
   segBytes: number;
   numSegments: number;
+  kvSharedAcrossTp: boolean;
 }
 
 /**
@@ -65,6 +82,14 @@ export function checkStageClaim(layout: NamespaceLayout, c: StageClaim): void {
   if (layout.segBytes !== c.segBytes || layout.numSegments !== c.numSegments) {
     throw precondition(
       `${c.who}: namespace "${ns}" already holds a different layout: ${layout.numSegments} x ${layout.segBytes}-byte segments per layer and block there, got ${c.numSegments} x ${c.segBytes}${other}`,
+    );
+  }
+  if (layout.kvSharedAcrossTp !== c.kvSharedAcrossTp) {
+    const say = (v: boolean) => (v ? "true (KV stored once across TP)" : "false");
+    throw precondition(
+      `${c.who}: namespace "${ns}" already holds a layout with kv_shared_across_tp ${
+        say(layout.kvSharedAcrossTp)
+      }, got ${say(c.kvSharedAcrossTp)}${other}`,
     );
   }
   const fixed = layout.stages[c.ppRank];
@@ -102,6 +127,7 @@ export function newLayout(namespace: string, c: StageClaim): NamespaceLayout {
     ppSize: c.ppSize,
     segBytes: c.segBytes,
     numSegments: c.numSegments,
+    kvSharedAcrossTp: c.kvSharedAcrossTp,
     stages: [],
     users: new Set(),
   };
@@ -130,4 +156,45 @@ export function globalOrder(layout: NamespaceLayout): string[] | null {
     out.push(...names);
   }
   return out;
+}
+
+/**
+ * How a namespace's blocks are cut, layers in slot (layer id) order: the
+ * input of the layout fingerprint. Null while a stage has not registered.
+ */
+export function describeLayout(layout: NamespaceLayout): LayoutDescription | null {
+  const order = globalOrder(layout);
+  if (!order) return null;
+  return {
+    tpSize: layout.tpSize,
+    ppSize: layout.ppSize,
+    collapseTp: layout.kvSharedAcrossTp,
+    layers: order.map((name) => ({
+      name,
+      segBytes: layout.segBytes,
+      numSegments: layout.numSegments,
+    })),
+  };
+}
+
+/**
+ * The store's block layout of a complete namespace layout (every stage
+ * registered), with its identity (fingerprint) attached.
+ *
+ * @example
+ * ```ts
+ * store.defineNamespace(ns, blockLayoutOf(layout));
+ * ```
+ */
+export function blockLayoutOf(layout: NamespaceLayout): BlockLayout {
+  const d = describeLayout(layout);
+  if (!d) throw new Error(`namespace "${layout.namespace}": a PP stage has not registered yet`);
+  return {
+    layers: d.layers.length,
+    tpSize: layout.tpSize,
+    collapseTp: layout.kvSharedAcrossTp,
+    segments: layout.numSegments,
+    segmentBytes: layout.segBytes,
+    identity: layoutIdentity(d),
+  };
 }

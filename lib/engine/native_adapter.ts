@@ -82,18 +82,12 @@ const INITIAL_SEGS = 4096;
 
 /**
  * The engine's batch writer: grows its CopyBatch to the largest batch seen,
- * and merges a segment into the previous one when both continue it in the
- * region AND in the pool (consecutive blocks of one K or V plane saved into
- * consecutive pool items). A 10K-token Llama-3.1-8B prefix goes from 40,000
- * 32 KiB segments to 64 long ranges: less to write here and to parse in C,
- * and ranges long enough for the copy engines.
+ * so steady state allocates nothing per request. Segments arrive merged
+ * (lib/transfer/plan.ts writes through the one range merger).
  */
 class GrowingBatch implements BatchWriter {
   batch: CopyBatch;
   readonly #path: CopyPath;
-  #r = 0;
-  #p = 0;
-  #n = 0;
   constructor(path: CopyPath) {
     this.#path = path;
     this.batch = new CopyBatch(INITIAL_GROUPS, INITIAL_SEGS);
@@ -107,7 +101,6 @@ class GrowingBatch implements BatchWriter {
     this.batch = new CopyBatch(g, s);
   }
   reset(direction: CopyDirection, progress?: { shm: ShmPort; offset: number }): void {
-    this.#n = 0;
     this.batch.reset(
       direction === "gather" ? "d2h" : "h2d",
       this.#path,
@@ -115,23 +108,10 @@ class GrowingBatch implements BatchWriter {
     );
   }
   group(region: RegionPort, layerId: number): void {
-    this.flush();
     this.batch.group(region.handle, layerId);
   }
   seg(regionOff: number, poolOff: number, bytes: number): void {
-    if (this.#n > 0 && regionOff === this.#r + this.#n && poolOff === this.#p + this.#n) {
-      this.#n += bytes;
-      return;
-    }
-    this.flush();
-    this.#r = regionOff;
-    this.#p = poolOff;
-    this.#n = bytes;
-  }
-  /** Writes the pending merged segment (before a new group and before submit). */
-  flush(): void {
-    if (this.#n > 0) this.batch.seg(this.#r, this.#p, this.#n);
-    this.#n = 0;
+    this.batch.seg(regionOff, poolOff, bytes);
   }
 }
 
@@ -184,6 +164,11 @@ export async function openNative(
     locked: info.locked,
     pool_alloc_ms: Math.round(info.allocNs / 1e6),
   });
+  return portOver(ce, path);
+}
+
+/** The engine's {@link NativePort} over an open CopyEngine, writing batches for `path`. */
+function portOver(ce: CopyEngine, path: CopyPath): NativePort & { copyEngine: CopyEngine } {
   return {
     copyEngine: ce,
     backend: ce.engine.backend,
@@ -211,7 +196,6 @@ export async function openNative(
     // answering OK for a copy that never started.
     submit(b: BatchWriter): Promise<CopyDone> {
       const gb = b as GrowingBatch;
-      gb.flush();
       const sub = guarded(() => ce.submit(gb.batch));
       return sub.done.then((r) => {
         if (r.status === PF_STATUS.PF_EFAULT) {

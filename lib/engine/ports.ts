@@ -2,7 +2,7 @@
  * What the engine orchestration needs from the native copy layer (regions,
  * shm, batch copies over the pinned pool), named by that need.
  * `native_adapter.ts` binds it to ffi/. The block store is lib/storage's
- * KvStore, used directly.
+ * KvStore and the batch builder lib/transfer's TransferPlanner, used directly.
  *
  * @module
  */
@@ -51,8 +51,10 @@ export interface ShmPort {
 export type CopyDirection = "gather" | "scatter";
 
 /**
- * A reusable batch descriptor: the engine writes groups (one per layer) and
- * segments into it, then submits; no allocation per segment.
+ * A reusable batch descriptor: lib/transfer/plan.ts writes groups (one per
+ * layer) and segments, already merged, into it; the engine submits it. No
+ * allocation per segment, and the writer does not merge (one merger:
+ * lib/transfer/ranges.ts).
  */
 export interface BatchWriter {
   /** Makes room for a batch of this many groups and segments (grows; never shrinks). */

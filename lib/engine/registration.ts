@@ -71,6 +71,11 @@ export interface RegisterArgs {
   regionHandles: Uint8Array[];
   geometry: Geometry[];
   clientVersion: string;
+  /**
+   * Every TP rank holds the same KV bytes (MLA): blocks are stored once for
+   * all TP ranks. Part of the namespace's layout. Default false.
+   */
+  kvSharedAcrossTp?: boolean;
 }
 
 /**
@@ -123,6 +128,13 @@ export function validateRegistration(a: RegisterArgs): { who: string; ppSize: nu
   if (a.worldSize !== a.tpSize * ppSize) {
     throw invalid(`${who}: world_size ${a.worldSize} != tp_size ${a.tpSize} * pp_size ${ppSize}`);
   }
+  checkLayers(a, who);
+  checkSharedRegions(a, who);
+  return { who, ppSize };
+}
+
+/** One entry per layer in every array, names unique, handles sized, geometry valid, one block shape. */
+function checkLayers(a: RegisterArgs, who: string): void {
   const n = a.layerNames.length;
   if (n === 0) throw invalid(`${who}: layer_names is empty`);
   if (n > MAX_LAYERS) throw invalid(`${who}: ${n} layers, at most ${MAX_LAYERS}`);
@@ -162,7 +174,11 @@ export function validateRegistration(a: RegisterArgs): { who: string; ppSize: nu
       );
     }
   }
-  // Layers sharing one region must not overlap each other.
+}
+
+/** Layers sharing one region must not overlap each other and must agree on its size. */
+function checkSharedRegions(a: RegisterArgs, who: string): void {
+  const n = a.layerNames.length;
   const byHandle = new Map<string, number[]>();
   for (let i = 0; i < n; i++) {
     const k = keyHex(a.regionHandles[i]);
@@ -188,6 +204,4 @@ export function validateRegistration(a: RegisterArgs): { who: string; ppSize: nu
       throw invalid(`${who}: layers sharing one region declare different region_bytes`);
     }
   }
-
-  return { who, ppSize };
 }

@@ -16,6 +16,7 @@
 import { InvalidArgumentError } from "./errors.ts";
 import { type BlockHash, hexBytesInto, MAX_HASH_BYTES } from "./keys.ts";
 import type { LayoutIdentity } from "./layout.ts";
+import { slotIndex } from "./offsets.ts";
 
 /** Geometry of one namespace's blocks in the pool. */
 export interface BlockLayout {
@@ -81,7 +82,11 @@ export const SLOT_PENDING = 1;
 /** Slot state: holds its bytes. */
 export const SLOT_FILLED = 2;
 
-/** Cache class: saved or prefetched here (kept longer) vs fetched from a peer (evicted first). */
+/**
+ * Cache class: saved or prefetched here (kept longer) vs fetched from a peer
+ * (evicted first). "reclaimable" is a hook for the cross-node peer tier,
+ * which does not exist yet: nothing in the server passes it today.
+ */
 export type CacheClass = "retained" | "reclaimable";
 
 /** Marker for "no pool offset" in offset arrays. */
@@ -150,10 +155,11 @@ export class Block {
     createdAt: number,
     bucket: number,
     offsets?: Float64Array,
+    hashBytes?: Uint8Array,
   ) {
     this.key = key;
     this.hash = hash;
-    this.hashLength = hexBytesInto(hash, this.hashBytes);
+    this.hashLength = this.#setHashBytes(hash, hashBytes);
     this.createdAt = createdAt;
     this.bucket = bucket;
     const n = layout.layers * rankSlots(layout);
@@ -174,7 +180,13 @@ export class Block {
    * nothing per block. Throws if the record still holds anything (a store
    * bug, never bad input): a recycled record must never carry old bytes.
    */
-  recycle(key: string, hash: string, createdAt: number, bucket: number): void {
+  recycle(
+    key: string,
+    hash: string,
+    createdAt: number,
+    bucket: number,
+    hashBytes?: Uint8Array,
+  ): void {
     let clean = this.pins === 0 && this.pending === 0 && this.filled === 0 && !this.linked &&
       this.chainNext === null;
     for (let i = 0; clean && i < this.slots.length; i++) clean = this.slots[i] === SLOT_EMPTY;
@@ -182,7 +194,7 @@ export class Block {
     if (!clean) throw new Error(`block record ${this.key} recycled while still in use`);
     this.key = key;
     this.hash = hash;
-    this.hashLength = hexBytesInto(hash, this.hashBytes);
+    this.hashLength = this.#setHashBytes(hash, hashBytes);
     this.createdAt = createdAt;
     this.bucket = bucket;
     this.gen++;
@@ -191,6 +203,13 @@ export class Block {
     this.state = "inflight";
     this.cls = "retained";
     this.lastWriter = undefined;
+  }
+
+  /** Stores the hash's bytes: copied when the caller has them (`hex` is their hex), else decoded. */
+  #setHashBytes(hex: string, bytes: Uint8Array | undefined): number {
+    if (!bytes) return hexBytesInto(hex, this.hashBytes);
+    this.hashBytes.set(bytes);
+    return bytes.length;
   }
 
   /** True when this block's content hash is `hash` (bytes, or lower-case hex). */
@@ -209,7 +228,7 @@ export class Block {
 
   /** Index of slot (layer, rankSlot). */
   slotIndex(layer: number, rankSlot: number): number {
-    return layer * rankSlots(this.layout) + rankSlot;
+    return slotIndex(layer, rankSlot, rankSlots(this.layout));
   }
 }
 

@@ -13,34 +13,60 @@ export type StorageErrorCode =
   | "RESOURCE_EXHAUSTED"
   | "NOT_FOUND";
 
-/** Context attached to a storage error; every field optional. */
-export interface StorageErrorFields {
+/**
+ * The ids an error names, every field optional: what an operator or an
+ * engine needs to act on it. One shape for the whole family (storage and
+ * engine errors), logged as fields next to the message.
+ */
+export interface ErrorFields {
   namespace?: string;
   instance?: string;
+  /** Global rank (pp_rank * tp_size + tp_rank), or the store's TP rank. */
   rank?: number;
-  layer?: number;
+  tpRank?: number;
+  ppRank?: number;
+  /** Layer id, or the layer's name where the id is not assigned yet. */
+  layer?: number | string;
+  /** The engine's block id (an index into its KV cache). */
+  blockId?: number;
   /** Block content hash (hex) or key. */
   block?: string;
+  requestId?: string;
   lease?: string;
   expected?: string | number;
   got?: string | number;
 }
 
+/** The storage errors' former name for {@link ErrorFields}; kept for callers that import it. */
+export type StorageErrorFields = ErrorFields;
+
+/**
+ * The base of PegaFlow's error family: a message for people and
+ * {@link ErrorFields} for logs and tools. Subclasses say which gRPC status
+ * they map to (lib/engine/errors.ts `codeOf` is the one mapping).
+ */
+export class KvError extends Error {
+  constructor(message: string, readonly fields: ErrorFields = {}) {
+    super(message);
+    this.name = "KvError";
+  }
+}
+
 /** Base class: `code` for the status, `fields` for the log line and the reply. */
-export class StorageError extends Error {
+export class StorageError extends KvError {
   constructor(
     readonly code: StorageErrorCode,
     message: string,
-    readonly fields: StorageErrorFields = {},
+    fields: ErrorFields = {},
   ) {
-    super(message);
+    super(message, fields);
     this.name = "StorageError";
   }
 }
 
 /** Bad input from an engine (a rank out of range, an empty hash, a layer past the layout). */
 export class InvalidArgumentError extends StorageError {
-  constructor(message: string, fields: StorageErrorFields = {}) {
+  constructor(message: string, fields: ErrorFields = {}) {
     super("INVALID_ARGUMENT", message, fields);
     this.name = "InvalidArgumentError";
   }
@@ -78,7 +104,7 @@ export class LeaseError extends StorageError {
   constructor(
     readonly reason: LeaseErrorReason,
     message: string,
-    fields: StorageErrorFields,
+    fields: ErrorFields,
   ) {
     super("FAILED_PRECONDITION", message, fields);
     this.name = "LeaseError";
@@ -95,7 +121,7 @@ export class PoolExhaustedError extends StorageError {
     readonly neededBytes: number,
     readonly freeBytes: number,
     readonly evictableBytes: number,
-    fields: StorageErrorFields = {},
+    fields: ErrorFields = {},
   ) {
     super(
       "RESOURCE_EXHAUSTED",
@@ -109,7 +135,7 @@ export class PoolExhaustedError extends StorageError {
 
 /** A save plan or load ticket was completed twice, or belongs to another store. */
 export class StaleHandleError extends StorageError {
-  constructor(message: string, fields: StorageErrorFields = {}) {
+  constructor(message: string, fields: ErrorFields = {}) {
     super("FAILED_PRECONDITION", message, fields);
     this.name = "StaleHandleError";
   }

@@ -207,3 +207,21 @@ export function hashMatches(hash: BlockHash, hex: string): boolean {
 export function blockKey(namespace: string, hash: BlockHash): string {
   return `${namespace}:${hashHex(hash)}`;
 }
+
+/**
+ * True when two hashes (bytes or lower-case hex, already validated) name the
+ * same block.
+ *
+ * @example
+ * ```ts
+ * sameHash(new Uint8Array([0xab]), "ab"); // true
+ * ```
+ */
+export function sameHash(a: BlockHash, b: BlockHash): boolean {
+  if (typeof a === "string" || typeof b === "string") {
+    return (typeof a === "string" ? a : hashHex(a)) === (typeof b === "string" ? b : hashHex(b));
+  }
+  if (a.length !== b.length) return false;
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+  return true;
+}

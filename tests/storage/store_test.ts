@@ -14,6 +14,8 @@ import {
   StaleHandleError,
 } from "../../lib/storage/errors.ts";
 import { BLOCK_BYTES, h, hs, makeStore, NS, save, SMALL } from "./helpers.ts";
+import { fnv1a32 } from "../../lib/storage/cache.ts";
+import { hashBucket, hashHex } from "../../lib/storage/keys.ts";
 
 Deno.test("an inflight block is invisible; it is served with a lease once its save completes", () => {
   const { store } = makeStore(8);
@@ -569,5 +571,34 @@ Deno.test("a lease across several saves gets each block's planned offsets (run l
   }
   strictEqual(first.blockCount, 2);
   store.loadDone(t);
+  store.verify();
+});
+
+Deno.test("new hashes named twice in one request are planned once, even when two share a bucket", () => {
+  const { store } = makeStore(8);
+  // Two different 4-byte hashes whose buckets collide under this namespace's seed.
+  const seed = fnv1a32(NS);
+  const seen = new Map<number, Uint8Array>();
+  let a: Uint8Array | undefined, b: Uint8Array | undefined;
+  // FNV-1a is a bijection on 4-byte inputs; 8-byte ones collide after ~2^16 tries (birthday).
+  for (let i = 0; !a; i++) {
+    const x = new Uint8Array(new Uint32Array([i, Math.imul(i, 0x9e3779b1)]).buffer);
+    const k = hashBucket(x, seed);
+    const y = seen.get(k);
+    if (y) [a, b] = [y, x];
+    else seen.set(k, x);
+  }
+  const r = store.beginSave({
+    namespace: NS,
+    instance: "e",
+    rank: 0,
+    hashes: [a, b!, b!, hashHex(a), Uint8Array.from(b!)],
+  });
+  assert(r.ok);
+  strictEqual(r.plan.blockCount, 2);
+  strictEqual(r.plan.deduplicated, 3);
+  assertEquals([...r.plan.hashIndex], [0, 1]);
+  store.completeSave(r.plan, true);
+  strictEqual(store.query(NS, [a, b!], "e").hits, 2);
   store.verify();
 });

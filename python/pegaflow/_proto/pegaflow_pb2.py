@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x08pegaflow\"\xa1\x01\n\rLayerGeometry\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x12\n\nseg_stride\x18\x03 \x01(\x04\x12\x11\n\tseg_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x61se_offset\x18\x06 \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x07 \x01(\x04\"\x9b\x02\n\x16RegisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12\x0f\n\x07pp_size\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x11\n\tdevice_id\x18\x08 \x01(\x05\x12\x13\n\x0blayer_names\x18\t \x03(\t\x12\x16\n\x0eregion_handles\x18\n \x03(\x0c\x12)\n\x08geometry\x18\x0b \x03(\x0b\x32\x17.pegaflow.LayerGeometry\x12\x16\n\x0e\x63lient_version\x18\x0c \x01(\t\"`\n\x17RegisterContextResponse\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x17\n\x0ftopology_sealed\x18\x02 \x01(\x08\x12\x18\n\x10ranks_registered\x18\x03 \x01(\r\"H\n\tLayerSave\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xa6\x01\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12#\n\x06layers\x18\x04 \x03(\x0b\x32\x13.pegaflow.LayerSave\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x87\x01\n\x0cSaveResponse\x12\x14\n\x0c\x62locks_saved\x18\x01 \x01(\r\x12\x16\n\x0e\x62locks_skipped\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_copied\x18\x03 \x01(\x04\x12\x16\n\x0e\x62locks_refused\x18\x04 \x01(\r\x12\x1b\n\x13\x62locks_not_admitted\x18\x05 \x01(\r\"U\n\x14QueryPrefetchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"L\n\nQueryReady\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"\x0e\n\x0cQueryLoading\"s\n\x15QueryPrefetchResponse\x12)\n\x07loading\x18\x01 \x01(\x0b\x32\x16.pegaflow.QueryLoadingH\x00\x12%\n\x05ready\x18\x02 \x01(\x0b\x32\x14.pegaflow.QueryReadyH\x00\x42\x08\n\x06result\"\x95\x01\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x10\n\x08lease_id\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x16\n\x0eload_state_shm\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"E\n\x0cLoadResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"/\n\x18UnregisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"4\n\x19UnregisterContextResponse\x12\x17\n\x0fleases_released\x18\x01 \x01(\r\"G\n\x0eSessionRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\"\x96\x01\n\x0cSessionEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.pegaflow.SessionEvent.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\"J\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSUPERSEDED\x10\x01\x12\x0e\n\nCLEANED_UP\x10\x02\x12\x0c\n\x08SHUTDOWN\x10\x03\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t2\xba\x04\n\x06\x45ngine\x12V\n\x0fRegisterContext\x12 .pegaflow.RegisterContextRequest\x1a!.pegaflow.RegisterContextResponse\x12\x35\n\x04Save\x12\x15.pegaflow.SaveRequest\x1a\x16.pegaflow.SaveResponse\x12P\n\rQueryPrefetch\x12\x1e.pegaflow.QueryPrefetchRequest\x1a\x1f.pegaflow.QueryPrefetchResponse\x12\x35\n\x04Load\x12\x15.pegaflow.LoadRequest\x1a\x16.pegaflow.LoadResponse\x12>\n\x07Release\x12\x18.pegaflow.ReleaseRequest\x1a\x19.pegaflow.ReleaseResponse\x12\\\n\x11UnregisterContext\x12\".pegaflow.UnregisterContextRequest\x1a#.pegaflow.UnregisterContextResponse\x12=\n\x07Session\x12\x18.pegaflow.SessionRequest\x1a\x16.pegaflow.SessionEvent0\x01\x12;\n\x06Health\x12\x17.pegaflow.HealthRequest\x1a\x18.pegaflow.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x08pegaflow\"\xa1\x01\n\rLayerGeometry\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x12\n\nseg_stride\x18\x03 \x01(\x04\x12\x11\n\tseg_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x61se_offset\x18\x06 \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x07 \x01(\x04\"\xb8\x02\n\x16RegisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12\x0f\n\x07pp_size\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x11\n\tdevice_id\x18\x08 \x01(\x05\x12\x13\n\x0blayer_names\x18\t \x03(\t\x12\x16\n\x0eregion_handles\x18\n \x03(\x0c\x12)\n\x08geometry\x18\x0b \x03(\x0b\x32\x17.pegaflow.LayerGeometry\x12\x16\n\x0e\x63lient_version\x18\x0c \x01(\t\x12\x1b\n\x13kv_shared_across_tp\x18\r \x01(\x08\"`\n\x17RegisterContextResponse\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x17\n\x0ftopology_sealed\x18\x02 \x01(\x08\x12\x18\n\x10ranks_registered\x18\x03 \x01(\r\"H\n\tLayerSave\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xa6\x01\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12#\n\x06layers\x18\x04 \x03(\x0b\x32\x13.pegaflow.LayerSave\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x87\x01\n\x0cSaveResponse\x12\x14\n\x0c\x62locks_saved\x18\x01 \x01(\r\x12\x16\n\x0e\x62locks_skipped\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_copied\x18\x03 \x01(\x04\x12\x16\n\x0e\x62locks_refused\x18\x04 \x01(\r\x12\x1b\n\x13\x62locks_not_admitted\x18\x05 \x01(\r\"U\n\x14QueryPrefetchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"L\n\nQueryReady\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"\x0e\n\x0cQueryLoading\"s\n\x15QueryPrefetchResponse\x12)\n\x07loading\x18\x01 \x01(\x0b\x32\x16.pegaflow.QueryLoadingH\x00\x12%\n\x05ready\x18\x02 \x01(\x0b\x32\x14.pegaflow.QueryReadyH\x00\x42\x08\n\x06result\"\x95\x01\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x10\n\x08lease_id\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x16\n\x0eload_state_shm\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"E\n\x0cLoadResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"/\n\x18UnregisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"4\n\x19UnregisterContextResponse\x12\x17\n\x0fleases_released\x18\x01 \x01(\r\"G\n\x0eSessionRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\"\x96\x01\n\x0cSessionEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.pegaflow.SessionEvent.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\"J\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSUPERSEDED\x10\x01\x12\x0e\n\nCLEANED_UP\x10\x02\x12\x0c\n\x08SHUTDOWN\x10\x03\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t2\xba\x04\n\x06\x45ngine\x12V\n\x0fRegisterContext\x12 .pegaflow.RegisterContextRequest\x1a!.pegaflow.RegisterContextResponse\x12\x35\n\x04Save\x12\x15.pegaflow.SaveRequest\x1a\x16.pegaflow.SaveResponse\x12P\n\rQueryPrefetch\x12\x1e.pegaflow.QueryPrefetchRequest\x1a\x1f.pegaflow.QueryPrefetchResponse\x12\x35\n\x04Load\x12\x15.pegaflow.LoadRequest\x1a\x16.pegaflow.LoadResponse\x12>\n\x07Release\x12\x18.pegaflow.ReleaseRequest\x1a\x19.pegaflow.ReleaseResponse\x12\\\n\x11UnregisterContext\x12\".pegaflow.UnregisterContextRequest\x1a#.pegaflow.UnregisterContextResponse\x12=\n\x07Session\x12\x18.pegaflow.SessionRequest\x1a\x16.pegaflow.SessionEvent0\x01\x12;\n\x06Health\x12\x17.pegaflow.HealthRequest\x1a\x18.pegaflow.HealthResponseb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pegaflow_pb2', globals())
@@ -23,45 +23,45 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _LAYERGEOMETRY._serialized_start=29
   _LAYERGEOMETRY._serialized_end=190
   _REGISTERCONTEXTREQUEST._serialized_start=193
-  _REGISTERCONTEXTREQUEST._serialized_end=476
-  _REGISTERCONTEXTRESPONSE._serialized_start=478
-  _REGISTERCONTEXTRESPONSE._serialized_end=574
-  _LAYERSAVE._serialized_start=576
-  _LAYERSAVE._serialized_end=648
-  _SAVEREQUEST._serialized_start=651
-  _SAVEREQUEST._serialized_end=817
-  _SAVERESPONSE._serialized_start=820
-  _SAVERESPONSE._serialized_end=955
-  _QUERYPREFETCHREQUEST._serialized_start=957
-  _QUERYPREFETCHREQUEST._serialized_end=1042
-  _QUERYREADY._serialized_start=1044
-  _QUERYREADY._serialized_end=1120
-  _QUERYLOADING._serialized_start=1122
-  _QUERYLOADING._serialized_end=1136
-  _QUERYPREFETCHRESPONSE._serialized_start=1138
-  _QUERYPREFETCHRESPONSE._serialized_end=1253
-  _LOADREQUEST._serialized_start=1256
-  _LOADREQUEST._serialized_end=1405
-  _LOADRESPONSE._serialized_start=1407
-  _LOADRESPONSE._serialized_end=1476
-  _RELEASEREQUEST._serialized_start=1478
-  _RELEASEREQUEST._serialized_end=1512
-  _RELEASERESPONSE._serialized_start=1514
-  _RELEASERESPONSE._serialized_end=1531
-  _UNREGISTERCONTEXTREQUEST._serialized_start=1533
-  _UNREGISTERCONTEXTREQUEST._serialized_end=1580
-  _UNREGISTERCONTEXTRESPONSE._serialized_start=1582
-  _UNREGISTERCONTEXTRESPONSE._serialized_end=1634
-  _SESSIONREQUEST._serialized_start=1636
-  _SESSIONREQUEST._serialized_end=1707
-  _SESSIONEVENT._serialized_start=1710
-  _SESSIONEVENT._serialized_end=1860
-  _SESSIONEVENT_KIND._serialized_start=1786
-  _SESSIONEVENT_KIND._serialized_end=1860
-  _HEALTHREQUEST._serialized_start=1862
-  _HEALTHREQUEST._serialized_end=1877
-  _HEALTHRESPONSE._serialized_start=1879
-  _HEALTHRESPONSE._serialized_end=1945
-  _ENGINE._serialized_start=1948
-  _ENGINE._serialized_end=2518
+  _REGISTERCONTEXTREQUEST._serialized_end=505
+  _REGISTERCONTEXTRESPONSE._serialized_start=507
+  _REGISTERCONTEXTRESPONSE._serialized_end=603
+  _LAYERSAVE._serialized_start=605
+  _LAYERSAVE._serialized_end=677
+  _SAVEREQUEST._serialized_start=680
+  _SAVEREQUEST._serialized_end=846
+  _SAVERESPONSE._serialized_start=849
+  _SAVERESPONSE._serialized_end=984
+  _QUERYPREFETCHREQUEST._serialized_start=986
+  _QUERYPREFETCHREQUEST._serialized_end=1071
+  _QUERYREADY._serialized_start=1073
+  _QUERYREADY._serialized_end=1149
+  _QUERYLOADING._serialized_start=1151
+  _QUERYLOADING._serialized_end=1165
+  _QUERYPREFETCHRESPONSE._serialized_start=1167
+  _QUERYPREFETCHRESPONSE._serialized_end=1282
+  _LOADREQUEST._serialized_start=1285
+  _LOADREQUEST._serialized_end=1434
+  _LOADRESPONSE._serialized_start=1436
+  _LOADRESPONSE._serialized_end=1505
+  _RELEASEREQUEST._serialized_start=1507
+  _RELEASEREQUEST._serialized_end=1541
+  _RELEASERESPONSE._serialized_start=1543
+  _RELEASERESPONSE._serialized_end=1560
+  _UNREGISTERCONTEXTREQUEST._serialized_start=1562
+  _UNREGISTERCONTEXTREQUEST._serialized_end=1609
+  _UNREGISTERCONTEXTRESPONSE._serialized_start=1611
+  _UNREGISTERCONTEXTRESPONSE._serialized_end=1663
+  _SESSIONREQUEST._serialized_start=1665
+  _SESSIONREQUEST._serialized_end=1736
+  _SESSIONEVENT._serialized_start=1739
+  _SESSIONEVENT._serialized_end=1889
+  _SESSIONEVENT_KIND._serialized_start=1815
+  _SESSIONEVENT_KIND._serialized_end=1889
+  _HEALTHREQUEST._serialized_start=1891
+  _HEALTHREQUEST._serialized_end=1906
+  _HEALTHRESPONSE._serialized_start=1908
+  _HEALTHRESPONSE._serialized_end=1974
+  _ENGINE._serialized_start=1977
+  _ENGINE._serialized_end=2547
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,72 @@
+/**
+ * What the engine's modules (register.ts, save.ts, load.ts) share: the
+ * ports they run over and the engine's two registries. `KvEngine`
+ * (engine.ts) builds one and hands it to each module.
+ *
+ * @module
+ */
+import type { Logger } from "../log.ts";
+import type { StageMetrics } from "../pipeline/stage.ts";
+import type { LayoutIdentity } from "../storage/layout.ts";
+import type { KvStore } from "../storage/store.ts";
+import type { Instance } from "./instances.ts";
+import type { NamespaceLayout } from "./namespaces.ts";
+import type { NativePort, RegionPort } from "./ports.ts";
+
+/** Hooks the engine reports through (prom-client implements them in lib/server/metrics.ts). */
+export interface EngineMetrics {
+  saveDone(bytes: number, seconds: number, blocks: number): void;
+  saveFailed(reason: string): void;
+  loadDone(bytes: number, seconds: number, ok: boolean): void;
+  queryDone(requested: number, hits: number): void;
+  stage(name: string): StageMetrics;
+}
+
+/**
+ * The SSD tier's hooks (implemented by lib/ssd/kv_bridge.ts): a query whose
+ * prefix continues on SSD starts (or polls) a prefetch and is answered
+ * "loading"; a registration is checked against the layouts the SSD holds
+ * for its namespace (they outlive a restart, RAM does not).
+ * (Write-behind subscribes through {@link KvEngine.onSealed}.)
+ */
+export interface SsdHook {
+  /** Layouts the SSD holds blocks of under `namespace`, with block counts. */
+  storedLayouts(namespace: string): readonly (LayoutIdentity & { blocks: number })[];
+  /** True: answer "loading" (a prefetch for this request id is running). */
+  beforeQuery(
+    namespace: string,
+    instance: string,
+    hashes: Uint8Array[],
+    requestId: string,
+  ): boolean;
+}
+
+/** The engine's ports and registries, shared by its modules. */
+export interface EngineContext {
+  readonly native: NativePort;
+  readonly store: KvStore;
+  readonly log: Logger;
+  readonly metrics: EngineMetrics | undefined;
+  readonly ssd: SsdHook | undefined;
+  /** Registered instances by id. */
+  readonly instances: Map<string, Instance>;
+  /** namespace → its agreed layout and the instances using it (namespaces.ts owns the rule). */
+  readonly layouts: Map<string, NamespaceLayout>;
+}
+
+/** Closes regions best effort (nothing targets them), logging a native failure. */
+export function closeRegions(ctx: EngineContext, regions: RegionPort[], who: string): void {
+  for (const r of regions) {
+    try {
+      r.close();
+    } catch (e) {
+      // A region with no copies failing to close is a native bug worth logging.
+      ctx.log.error("closing region failed", { who, error: (e as Error).message });
+    }
+  }
+}
+
+/** Rounds milliseconds to microseconds, for log fields. */
+export function round3(ms: number): number {
+  return Math.round(ms * 1e3) / 1e3;
+}

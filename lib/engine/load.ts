@@ -1,0 +1,357 @@
+/**
+ * Load, for one rank: open the engine's load state (so every refusal is
+ * visible to a polling engine too), check the rank, the target block ids
+ * and the lease, consume the lease (the last check and the only state
+ * change before the copy), write ONE scatter batch for all the rank's layers
+ * with per-layer progress words (lib/transfer/plan.ts), and submit. The RPC
+ * returns at submit; completion releases the pins and closes the shm.
+ *
+ * A refused Load leaves its lease exactly as it was (the store checks the
+ * target count before the rank's consume is spent).
+ *
+ * @module
+ */
+import type { Submission } from "../pipeline/stage.ts";
+import { LEASE_ID_BYTES } from "../storage/lease.ts";
+import type { LoadTicket } from "../storage/store.ts";
+import type { TransferPlanner } from "../transfer/plan.ts";
+import { type EngineContext, round3 } from "./context.ts";
+import {
+  Code,
+  EngineError,
+  type ErrorFields,
+  invalid,
+  precondition,
+  withContext,
+} from "./errors.ts";
+import type { Instance, RankCtx } from "./instances.ts";
+import {
+  armLoadState,
+  checkLoadState,
+  completeLoadState,
+  failLoadState,
+  LOAD_STATE_BYTES,
+  OFF_PROGRESS,
+  STATE_REJECTED,
+} from "./load_state.ts";
+import { type BatchWriter, ClientMemoryFault, type ShmPort } from "./ports.ts";
+
+export interface LoadArgs {
+  instanceId: string;
+  requestId?: string;
+  tpRank: number;
+  ppRank: number;
+  leaseId: Uint8Array;
+  blockIds: number[];
+  loadStateShm: string;
+}
+
+export interface LoadResult {
+  numBlocks: number;
+  numLayers: number;
+  bytes: number;
+  /** Resolves when the scatter finished (ok or not); the RPC does not wait for it. */
+  done: Promise<void>;
+}
+
+/** A Load admitted by the load stage. */
+export interface LoadJob {
+  /** performance.now() when the Load reached the engine (for the debug log). */
+  tEntry: number;
+  args: LoadArgs;
+  inst: Instance;
+  rank: RankCtx;
+  shm: ShmPort;
+}
+
+/** Runs Loads; one per engine (it owns the scatter batch and its planner). */
+export class LoadRunner {
+  constructor(
+    readonly ctx: EngineContext,
+    readonly batch: BatchWriter,
+    readonly planner: TransferPlanner,
+  ) {}
+
+  /**
+   * The whole Load RPC: checks, then `enqueue` (the load stage) runs
+   * {@link submit}; any refusal marks the load state failed.
+   */
+  async load(
+    args: LoadArgs,
+    instance: (id: string) => Instance,
+    enqueue: (job: LoadJob) => Submission<LoadJob, LoadResult>,
+  ): Promise<LoadResult> {
+    const tEntry = performance.now();
+    const fields = loadFields(args);
+    // Attach the load state first so that any refusal is visible to a polling engine too.
+    if (!args.loadStateShm) {
+      throw invalid(`instance "${args.instanceId}": Load needs load_state_shm`, fields);
+    }
+    let shm: ShmPort;
+    try {
+      shm = this.ctx.native.openShm(args.loadStateShm, LOAD_STATE_BYTES);
+    } catch (e) {
+      throw invalid(
+        `instance "${args.instanceId}": cannot open load state "${args.loadStateShm}": ${
+          (e as Error).message
+        }`,
+        fields,
+      );
+    }
+    let handedOff = false;
+    // The rank's layer count once known: a refusal then marks exactly that many layers done.
+    let numLayers: number | undefined;
+    try {
+      this.#stateOp(
+        () => checkLoadState(shm, args.loadStateShm),
+        `instance "${args.instanceId}"` + (args.requestId ? ` request "${args.requestId}"` : ""),
+        args.loadStateShm,
+        fields,
+      );
+      const inst = instance(args.instanceId);
+      const rank = inst.rankCtx(args.tpRank, args.ppRank, "Load");
+      numLayers = rank.layers.length;
+      if (args.leaseId.length !== LEASE_ID_BYTES) {
+        throw invalid(
+          `instance "${args.instanceId}": lease id is ${args.leaseId.length} bytes, expected ${LEASE_ID_BYTES}`,
+          { ...fields, expected: LEASE_ID_BYTES, got: args.leaseId.length },
+        );
+      }
+      const sub = enqueue({ args, inst, rank, shm, tEntry });
+      if (sub.status === "refused") {
+        throw new EngineError(
+          Code.RESOURCE_EXHAUSTED,
+          `instance "${inst.id}": load queue full`,
+          fields,
+        );
+      }
+      const out = await sub.done();
+      if (out.status === "done") {
+        handedOff = true;
+        return out.value;
+      }
+      if (out.status === "failed") throw out.error;
+      throw new EngineError(
+        Code.RESOURCE_EXHAUSTED,
+        `load ${out.status} by the load queue`,
+        fields,
+      );
+    } catch (e) {
+      this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
+      throw e;
+    } finally {
+      if (!handedOff) this.#closeShm(shm, args.loadStateShm);
+    }
+  }
+
+  /** The load stage's worker: the whole submit is synchronous; errors become a rejected promise. */
+  run(job: LoadJob): Promise<LoadResult> {
+    try {
+      return Promise.resolve(this.#submit(job));
+    } catch (e) {
+      return Promise.reject(e);
+    }
+  }
+
+  #submit(job: LoadJob): LoadResult {
+    const { args, inst, rank, shm } = job;
+    const tStart = performance.now();
+    const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}` +
+      (args.requestId ? ` request "${args.requestId}"` : "");
+    const fields = loadFields(args);
+    inst.begin("Load");
+    let view: LoadTicket;
+    try {
+      checkTargets(who, fields, rank, args.blockIds);
+      // Last check, and the only state change before the copy: the store checks
+      // the target count against the lease before this rank's consume is spent,
+      // so every refusal up to here leaves the lease usable by a corrected retry.
+      view = this.ctx.store.consumeLease(args.leaseId, inst.id, rank.rank, {
+        tpRank: rank.tpRank,
+        layers: rank.layers.map((l) => l.layerId),
+        count: args.blockIds.length,
+      });
+    } catch (e) {
+      inst.end();
+      throw withContext(e, who, fields);
+    }
+    const tLease = performance.now();
+    if (view.blockCount === 0) return this.#nothingToCopy(job, view, who);
+    try {
+      this.#stateOp(() => armLoadState(shm, rank.layers.length), who, args.loadStateShm, fields);
+      // ONE scatter batch for every layer of the rank, in registration order.
+      this.planner.writeLoad(this.batch, view, rank.layers, args.blockIds, {
+        shm,
+        offset: OFF_PROGRESS,
+      });
+      const t0 = performance.now();
+      let copy;
+      try {
+        copy = this.ctx.native.submit(this.batch);
+      } catch (e) {
+        // pf_copy_submit resets the progress words: a shrunk block fails it.
+        if (!(e instanceof ClientMemoryFault)) throw e;
+        throw precondition(
+          `${who}: load state "${args.loadStateShm}" is gone: ${e.message}`,
+          fields,
+        );
+      }
+      const times = { tEntry: job.tEntry, tStart, tLease, t0, tSubmitted: performance.now() };
+      const bytes = rank.layers.reduce((n, l) => n + l.slotBytes, 0) * args.blockIds.length;
+      const done = this.#whenDone(job, view, copy, times);
+      return { numBlocks: args.blockIds.length, numLayers: rank.layers.length, bytes, done };
+    } catch (e) {
+      this.ctx.store.loadDone(view);
+      inst.end();
+      throw e;
+    }
+  }
+
+  /** A Load of 0 targets: this rank's share of the lease is consumed, the load is done. */
+  #nothingToCopy(job: LoadJob, view: LoadTicket, who: string): LoadResult {
+    const { args, inst, rank, shm } = job;
+    this.ctx.store.loadDone(view);
+    inst.end();
+    // A throw here leaves the block to load()'s refusal path (marked failed, then closed).
+    this.#stateOp(
+      () => completeLoadState(shm, rank.layers.length),
+      who,
+      args.loadStateShm,
+      loadFields(args),
+    );
+    this.#closeShm(shm, args.loadStateShm);
+    this.ctx.log.debug("load done", {
+      instance: inst.id,
+      request: args.requestId || undefined,
+      rank: rank.rank,
+      blocks: 0,
+    });
+    return { numBlocks: 0, numLayers: rank.layers.length, bytes: 0, done: Promise.resolve() };
+  }
+
+  /** Completion of a submitted scatter: metrics, log, failure state; always unpins and closes. */
+  #whenDone(
+    job: LoadJob,
+    view: LoadTicket,
+    copy: Promise<{ bytes: number; ns: number }>,
+    t: { tEntry: number; tStart: number; tLease: number; t0: number; tSubmitted: number },
+  ): Promise<void> {
+    const { args, inst, rank, shm } = job;
+    return copy.then(
+      (d) => {
+        this.ctx.metrics?.loadDone(d.bytes, (performance.now() - t.t0) / 1000, true);
+        this.ctx.log.debug("load done", {
+          instance: inst.id,
+          request: args.requestId || undefined,
+          rank: rank.rank,
+          blocks: args.blockIds.length,
+          bytes: d.bytes,
+          admit_ms: round3(t.tStart - t.tEntry),
+          prepare_ms: round3(t.t0 - t.tStart),
+          lease_ms: round3(t.tLease - t.tStart),
+          batch_ms: round3(t.t0 - t.tLease),
+          submit_ms: round3(t.tSubmitted - t.t0),
+          copy_ms: round3(performance.now() - t.t0),
+          native_ms: round3(d.ns / 1e6),
+        });
+      },
+      (e) => {
+        // The native layer writes a failed batch's state itself; this also covers
+        // a failure it could not report there, so the engine never waits forever.
+        this.#failState(
+          shm,
+          args.loadStateShm,
+          (e as { status?: number }).status ?? STATE_REJECTED,
+          rank.layers.length,
+        );
+        this.ctx.metrics?.loadDone(0, (performance.now() - t.t0) / 1000, false);
+        this.ctx.log.warn("load copy failed", {
+          request: args.requestId || undefined,
+          instance: inst.id,
+          tp_rank: rank.tpRank,
+          pp_rank: rank.ppRank,
+          client_memory_fault: e instanceof ClientMemoryFault,
+          error: (e as Error).message,
+        });
+      },
+    ).finally(() => {
+      this.ctx.store.loadDone(view);
+      this.#closeShm(shm, args.loadStateShm);
+      inst.end();
+    });
+  }
+
+  /**
+   * Runs a guarded access to an engine's load state; a block the engine has
+   * shrunk since it was opened fails the Load with FAILED_PRECONDITION.
+   */
+  #stateOp(fn: () => void, who: string, name: string, fields: ErrorFields): void {
+    try {
+      fn();
+    } catch (e) {
+      if (!(e instanceof ClientMemoryFault)) throw e;
+      throw precondition(`${who}: load state "${name}" is gone: ${e.message}`, fields);
+    }
+  }
+
+  /** Best effort: a block the engine shrank cannot carry the failure any more. */
+  #failState(shm: ShmPort, name: string, code: number, numLayers?: number): void {
+    try {
+      failLoadState(shm, code, numLayers);
+    } catch (e) {
+      if (!(e instanceof ClientMemoryFault)) throw e;
+      this.ctx.log.warn("cannot mark load state failed: the engine shrank it", {
+        shm: name,
+        error: e.message,
+      });
+    }
+  }
+
+  #closeShm(shm: { close(): void }, name: string): void {
+    try {
+      shm.close();
+    } catch (e) {
+      // Only reached after the batch's completion record, when the native layer
+      // has already dropped its reference: a failure here is a bug worth a log line.
+      this.ctx.log.error("closing load state failed", {
+        shm: name,
+        error: (e as Error).message,
+      });
+    }
+  }
+}
+
+function loadFields(args: LoadArgs): ErrorFields {
+  return {
+    instance: args.instanceId,
+    tpRank: args.tpRank,
+    ppRank: args.ppRank,
+    requestId: args.requestId || undefined,
+  };
+}
+
+/**
+ * Every target id against every layer's num_blocks; layers of one rank nearly
+ * always share it, and a pass against the same bound would check nothing new.
+ */
+function checkTargets(
+  who: string,
+  fields: ErrorFields,
+  rank: RankCtx,
+  ids: readonly number[],
+): void {
+  let checked = -1;
+  for (const l of rank.layers) {
+    const numBlocks = l.geometry.numBlocks;
+    if (numBlocks === checked) continue;
+    for (let i = 0; i < ids.length; i++) {
+      if (!(ids[i] < numBlocks)) {
+        throw invalid(
+          `${who} layer "${l.name}": target block id ${ids[i]} >= num_blocks ${numBlocks}`,
+          { ...fields, layer: l.name, blockId: ids[i], expected: `< ${numBlocks}`, got: ids[i] },
+        );
+      }
+    }
+    checked = numBlocks;
+  }
+}

@@ -1,0 +1,201 @@
+/**
+ * RegisterContext, one rank at a time: every check (the request, the
+ * instance, the namespace's layout and layer order) runs before anything is
+ * mapped or recorded; then the rank's regions are mapped (one import per
+ * distinct handle); then the rank is committed. When the last rank arrives
+ * the topology seals: layer ids are fixed and the store's namespace is
+ * defined from the agreed layout (namespaces.ts owns it). A failure at seal
+ * rolls the rank back whole.
+ *
+ * @module
+ */
+import { closeRegions, type EngineContext } from "./context.ts";
+import { Code, EngineError, invalid, precondition } from "./errors.ts";
+import { globalRank, Instance, type LayerCtx, layerCtx, type RankCtx } from "./instances.ts";
+import {
+  blockLayoutOf,
+  checkStageClaim,
+  claimStage,
+  globalOrder,
+  type NamespaceLayout,
+  newLayout,
+  type StageClaim,
+} from "./namespaces.ts";
+import type { RegionPort } from "./ports.ts";
+import { keyHex, type RegisterArgs, validateRegistration } from "./registration.ts";
+
+/** What RegisterContext answers. */
+export interface RegisterResult {
+  numLayers: number;
+  topologySealed: boolean;
+  ranksRegistered: number;
+}
+
+/** Registers all layers of one rank (see the module comment). */
+export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResult {
+  const { who, ppSize } = validateRegistration(a);
+  const fields = { instance: a.instanceId, tpRank: a.tpRank, ppRank: a.ppRank };
+  const rankId = globalRank(a.tpRank, a.ppRank, a.tpSize);
+  let inst = ctx.instances.get(a.instanceId);
+  if (inst) checkJoin(inst, a, who, ppSize, rankId);
+  // The namespace's layout (sizes, block shape, TP sharing, each stage's layer
+  // order) must agree with this rank before anything is mapped.
+  // validateRegistration made every layer of the rank share one segment shape.
+  const claim: StageClaim = {
+    who,
+    tpSize: a.tpSize,
+    ppSize,
+    ppRank: a.ppRank,
+    layerNames: a.layerNames,
+    segBytes: a.geometry[0].segBytes,
+    numSegments: a.geometry[0].numSegments,
+    kvSharedAcrossTp: a.kvSharedAcrossTp ?? false,
+  };
+  const known = ctx.layouts.get(a.namespace);
+  if (known) checkStageClaim(known, claim);
+
+  const { imported, layers } = mapRegions(ctx, a, who);
+  // Registration order is kept: it is the order layers land in a load.
+  const rankCtx: RankCtx = {
+    tpRank: a.tpRank,
+    ppRank: a.ppRank,
+    rank: rankId,
+    deviceId: a.deviceId,
+    layers,
+    byName: new Map(layers.map((l) => [l.name, l])),
+    regions: imported,
+  };
+
+  // Commit: the namespace's layout, the instance, the rank.
+  const layout = known ?? newLayout(a.namespace, claim);
+  if (!known) ctx.layouts.set(a.namespace, layout);
+  const fixedStage = claimStage(layout, claim);
+  const created = !inst;
+  if (!inst) inst = new Instance(a.instanceId, a.namespace, a.tpSize, ppSize, a.worldSize);
+  const newUser = !layout.users.has(inst.id);
+  layout.users.add(inst.id);
+  inst.ranks.set(rankCtx.rank, rankCtx);
+  if (created) ctx.instances.set(inst.id, inst);
+  if (inst.ranks.size === inst.worldSize) {
+    try {
+      sealTopology(ctx, inst, layout);
+    } catch (e) {
+      // The SSD or the store still holds this namespace under another layout
+      // (blocks saved before every engine of it left): roll this rank back whole.
+      inst.ranks.delete(rankCtx.rank);
+      inst.unseal();
+      if (created) ctx.instances.delete(inst.id);
+      if (newUser) layout.users.delete(inst.id);
+      if (fixedStage) layout.stages[a.ppRank] = undefined;
+      if (!known) ctx.layouts.delete(a.namespace);
+      closeRegions(ctx, imported, who);
+      throw precondition(`${who}: ${(e as Error).message}`, { ...fields, namespace: a.namespace });
+    }
+  }
+  ctx.log.info("rank registered", {
+    instance: a.instanceId,
+    tp_rank: a.tpRank,
+    pp_rank: a.ppRank,
+    layers: a.layerNames.length,
+    regions: imported.length,
+    ranks: inst.ranks.size,
+    world_size: inst.worldSize,
+  });
+  return {
+    numLayers: a.layerNames.length,
+    topologySealed: inst.sealed,
+    ranksRegistered: inst.ranks.size,
+  };
+}
+
+/** A rank joining a known instance: same namespace and sizes, not registered yet, not fenced. */
+function checkJoin(inst: Instance, a: RegisterArgs, who: string, ppSize: number, rank: number) {
+  const fields = { instance: a.instanceId, tpRank: a.tpRank, ppRank: a.ppRank };
+  if (inst.fenced) {
+    throw new EngineError(
+      Code.UNAVAILABLE,
+      `instance "${a.instanceId}" is being cleaned up; retry`,
+      fields,
+    );
+  }
+  if (inst.namespace !== a.namespace || inst.tpSize !== a.tpSize || inst.ppSize !== ppSize) {
+    throw precondition(
+      `${who}: instance already registered with namespace "${inst.namespace}" tp_size ${inst.tpSize} pp_size ${inst.ppSize}`,
+      fields,
+    );
+  }
+  if (inst.ranks.has(rank)) {
+    throw new EngineError(
+      Code.ALREADY_EXISTS,
+      `${who}: already registered; unregister it first`,
+      fields,
+    );
+  }
+}
+
+/** Maps the rank's regions (one import per distinct handle); on any failure unmaps them all. */
+function mapRegions(
+  ctx: EngineContext,
+  a: RegisterArgs,
+  who: string,
+): { imported: RegionPort[]; layers: LayerCtx[] } {
+  const imported: RegionPort[] = [];
+  const regionOf = new Map<string, RegionPort>();
+  const layers: LayerCtx[] = [];
+  try {
+    for (let i = 0; i < a.layerNames.length; i++) {
+      const k = keyHex(a.regionHandles[i]);
+      let region = regionOf.get(k);
+      if (!region) {
+        try {
+          region = ctx.native.importRegion(a.regionHandles[i], a.geometry[i].regionBytes);
+        } catch (e) {
+          throw invalid(
+            `${who} layer "${a.layerNames[i]}": cannot map region: ${(e as Error).message}`,
+            { instance: a.instanceId, tpRank: a.tpRank, ppRank: a.ppRank, layer: a.layerNames[i] },
+          );
+        }
+        imported.push(region);
+        regionOf.set(k, region);
+      }
+      layers.push(layerCtx(a.layerNames[i], a.geometry[i], region));
+    }
+  } catch (e) {
+    closeRegions(ctx, imported, who);
+    throw e;
+  }
+  return { imported, layers };
+}
+
+/**
+ * Every rank is in: fix the layer ids and define the store's namespace from
+ * the agreed layout, after checking it against what the SSD holds. Throws a
+ * plain Error (the caller rolls back and answers FAILED_PRECONDITION).
+ */
+function sealTopology(ctx: EngineContext, inst: Instance, layout: NamespaceLayout): void {
+  // Every stage of this instance registered, so every stage order is fixed.
+  inst.seal(globalOrder(layout)!);
+  const block = blockLayoutOf(layout);
+  const identity = block.identity!;
+  // One layout per namespace across restarts: blocks on SSD were cut by the
+  // layout that wrote them, and a restart forgets only the RAM binding.
+  const stored = ctx.ssd?.storedLayouts(inst.namespace) ?? [];
+  if (stored.length > 0 && !stored.some((l) => l.fingerprint === identity.fingerprint)) {
+    const have = stored.map((l) =>
+      `${l.summary} (fingerprint ${l.fingerprint}, ${l.blocks} blocks)`
+    ).join("; ");
+    throw new Error(
+      `namespace "${inst.namespace}" is stored on SSD with layout ${have}; this instance ` +
+        `offers ${identity.summary} (fingerprint ${identity.fingerprint}); one layout per ` +
+        `namespace: use a namespace per layout, or start the server with --ssd-reset`,
+    );
+  }
+  ctx.store.defineNamespace(inst.namespace, block);
+  ctx.log.info("topology sealed", {
+    instance: inst.id,
+    namespace: inst.namespace,
+    layers: inst.layerNames.length,
+    world_size: inst.worldSize,
+    kv_shared_across_tp: layout.kvSharedAcrossTp,
+  });
+}

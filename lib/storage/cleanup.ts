@@ -1,0 +1,47 @@
+/**
+ * Collection: leases and transfer locks past their TTL, inflight blocks
+ * older than the inflight TTL with no copy in flight, and everything an
+ * instance that went away still held. A slot under an in-flight copy is
+ * never freed here (`pending > 0`): every plan is completed exactly once.
+ *
+ * @module
+ */
+
+import type { Block } from "./block.ts";
+import { dropInflight } from "./eviction.ts";
+import type { StoreState } from "./state.ts";
+
+/** Expires leases and locks, collects stale inflight blocks (see {@link KvStore.collect}). */
+export function collectExpired(st: StoreState): { leasesExpired: number; staleFreed: number } {
+  let leasesExpired = 0;
+  for (const l of st.leases.expire()) {
+    st.unpinLease(l);
+    leasesExpired++;
+  }
+  for (const l of st.locks.expire()) st.unpinLease(l);
+  st.c.leasesExpired += leasesExpired;
+  const cutoff = st.clock() - st.inflightTtlMs;
+  const stale: Block[] = [];
+  for (const b of st.index.inflight()) {
+    if (b.createdAt > cutoff) break; // creation order: the rest are younger
+    if (b.pending === 0) stale.push(b);
+  }
+  for (const b of stale) dropInflight(st, b);
+  st.c.staleCollected += stale.length;
+  return { leasesExpired, staleFreed: stale.length };
+}
+
+/** Releases what `instance` held (see {@link KvStore.dropInstance}). */
+export function dropInstanceState(
+  st: StoreState,
+  instance: string,
+): { leases: number; inflightFreed: number } {
+  const leases = [...st.leases.dropInstance(instance), ...st.locks.dropInstance(instance)];
+  for (const l of leases) st.unpinLease(l);
+  const victims: Block[] = [];
+  for (const b of st.index.inflight()) {
+    if (b.pending === 0 && b.lastWriter === instance) victims.push(b);
+  }
+  for (const b of victims) dropInflight(st, b);
+  return { leases: leases.length, inflightFreed: victims.length };
+}

@@ -1,0 +1,101 @@
+/**
+ * Finding blocks: the longest sealed prefix of a query (pinned under a
+ * lease on a hit), a single block's state, and the sealed subset of a hash
+ * list (for a transfer lock). Lookups hash the engine's bytes into the
+ * namespace's buckets; no hex or key string is built per hash.
+ *
+ * @module
+ */
+
+import { type Block, BlockIndex } from "./block.ts";
+import { InvalidArgumentError } from "./errors.ts";
+import { type BlockHash, hashBucket } from "./keys.ts";
+import { checkRequest, type StoreState } from "./state.ts";
+
+/** The answer to {@link KvStore.query}. */
+export interface QueryResult {
+  /** Length of the longest prefix of the hashes held sealed. */
+  readonly hits: number;
+  /** Present when hits > 0: pins those blocks until consumed by every rank, released or expired. */
+  readonly lease?: {
+    readonly id: string;
+    readonly idBytes: Uint8Array;
+    readonly expiresAt: number;
+  };
+}
+
+/**
+ * Longest prefix of `hashes` held sealed; a hit pins it under a lease that
+ * each of `worldSize` ranks of `instance` consumes once. Every hash counts
+ * as an access for admission, past the prefix too.
+ */
+export function queryPrefix(
+  st: StoreState,
+  namespace: string,
+  hashes: readonly BlockHash[],
+  instance: string,
+  worldSize: number,
+): QueryResult {
+  checkRequest(hashes.length, { namespace, instance });
+  if (!Number.isSafeInteger(worldSize) || worldSize < 1) {
+    throw new InvalidArgumentError(`world size must be an integer ≥ 1`, {
+      namespace,
+      instance,
+      got: worldSize,
+    });
+  }
+  st.c.queries++;
+  const hit: Block[] = [];
+  const ns = st.namespaces.get(namespace);
+  const buckets = st.index.buckets(namespace);
+  for (let i = 0; i < hashes.length; i++) {
+    const bucket = hashBucket(hashes[i], ns?.seed ?? 0); // validates the hash in any case
+    if (!ns) continue; // nothing was ever saved under an unknown namespace
+    st.lfu?.record(bucket);
+    if (hit.length < i) continue; // prefix already broken: keep counting frequency
+    const b = BlockIndex.findIn(buckets, hashes[i], bucket);
+    if (b && b.state === "sealed") hit.push(b);
+  }
+  st.c.hits += hit.length;
+  st.c.misses += hashes.length - hit.length;
+  if (hit.length === 0) return { hits: 0 };
+  // No LRU touch: the pin takes each block out of the LRU and the last unpin
+  // puts it back at the MRU end, which is where a touch would have moved it.
+  for (const b of hit) st.pin(b);
+  const lease = st.leases.create(instance, namespace, hit, worldSize);
+  return {
+    hits: hit.length,
+    lease: { id: lease.id, idBytes: lease.idBytes, expiresAt: lease.expiresAt },
+  };
+}
+
+/** State of one block: absent, inflight (not servable) or sealed. */
+export function blockState(
+  st: StoreState,
+  namespace: string,
+  hash: BlockHash,
+): "absent" | "inflight" | "sealed" {
+  const ns = st.namespaces.get(namespace);
+  const bucket = hashBucket(hash, ns?.seed ?? 0);
+  return (ns && st.index.find(namespace, hash, bucket)?.state) || "absent";
+}
+
+/** The sealed blocks among `hashes`, with their indexes in `hashes`. */
+export function sealedSubset(
+  st: StoreState,
+  namespace: string,
+  hashes: readonly BlockHash[],
+): { found: number[]; blocks: Block[] } {
+  const found: number[] = [];
+  const blocks: Block[] = [];
+  const ns = st.namespaces.get(namespace);
+  if (!ns) return { found, blocks };
+  for (let i = 0; i < hashes.length; i++) {
+    const b = st.index.find(namespace, hashes[i], hashBucket(hashes[i], ns.seed));
+    if (b?.state === "sealed") {
+      found.push(i);
+      blocks.push(b);
+    }
+  }
+  return { found, blocks };
+}

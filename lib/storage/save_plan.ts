@@ -1,0 +1,494 @@
+/**
+ * Save planning: where a save (or a whole-block fill) copies to, in named
+ * steps, each a function over the store's state:
+ *
+ *   columns → dedup → fitRoom → admit → allocate (evicting) → createBlocks → record
+ *
+ * - **dedup**: hashes already sealed, slots already PENDING or FILLED, and a
+ *   hash named twice are skipped before any byte moves;
+ * - **fitRoom**: keep the longest prefix that free + evictable bytes hold;
+ * - **admit**: only when eviction is needed, TinyLFU turns away new blocks
+ *   less popular than the LRU victim;
+ * - **allocate**: evict until the bytes are free, then one allocation per
+ *   (column, segment) for all blocks; fragmentation across namespaces keeps
+ *   evicting until the items fit, or rolls back and refuses;
+ * - **createBlocks**: new (or recycled) block records, slots marked PENDING,
+ *   offsets recorded, run links between consecutive new blocks.
+ *
+ * Per-block work is flat typed-array loops; no per-block arrays.
+ *
+ * @module
+ */
+
+import { Block, type CacheClass, NO_OFFSET, SLOT_EMPTY, SLOT_PENDING } from "./block.ts";
+import { InvalidArgumentError, PoolExhaustedError } from "./errors.ts";
+import { type BlockHash, hashBucket, hashHex, sameHash } from "./keys.ts";
+import type { NamespaceState } from "./namespaces.ts";
+import { evictBytes, evictOne } from "./eviction.ts";
+import { slotColumn, slotIndex } from "./offsets.ts";
+import { checkRequest, layerList, type StoreState } from "./state.ts";
+
+/** One Save request of one rank. */
+export interface SaveRequest {
+  namespace: string;
+  instance: string;
+  /** TP rank of the saving worker (collapsed to 0 for MLA layouts). */
+  rank: number;
+  /** The engine's block hashes, in prefix order. */
+  hashes: readonly BlockHash[];
+  /** Layer ids this request carries (default: all layers of the layout). */
+  layers?: readonly number[];
+  /** Cache class when sealed; "reclaimable" for blocks fetched from a peer. Default "retained". */
+  cacheClass?: CacheClass;
+}
+
+/** A whole-block fill (SSD prefetch, peer fetch): every layer and rank slot of each block. */
+export interface FillRequest {
+  namespace: string;
+  /** Who fills (e.g. `"ssd"` or the peer's node id); recorded for cleanup like an instance. */
+  instance: string;
+  hashes: readonly BlockHash[];
+  /** Default "retained" (SSD); use "reclaimable" for blocks fetched from a peer. */
+  cacheClass?: CacheClass;
+}
+
+/**
+ * Where a save copies to. The plan covers `layers × rankSlots` slot columns
+ * (one rank slot for an engine Save; every rank slot for a whole-block fill
+ * from SSD or a peer). Offsets are column-major (lib/storage/offsets.ts) so
+ * one layer's blocks are adjacent and merge into long DMA ranges:
+ *
+ * `offsets[offsetIndex(plan, li, ri, seg, b, rankSlots.length)]`
+ *   `= offsets[((li * rankSlots.length + ri) * segments + seg) * blockCount + b]`
+ *
+ * is the pool byte offset of planned block `b`, layer `layers[li]`, rank slot
+ * `rankSlots[ri]`, segment `seg` — or -1 when that slot is already held or in
+ * flight (a duplicate) and must not be copied.
+ */
+export interface SavePlan {
+  readonly namespace: string;
+  readonly instance: string;
+  /** Rank slot of an engine Save (the TP rank, or 0 when TP is collapsed); -1 for a fill. */
+  readonly rankSlot: number;
+  /** Rank slots covered, in offset order. */
+  readonly rankSlots: Int32Array;
+  /** Layer ids covered, in request order. */
+  readonly layers: Int32Array;
+  readonly segments: number;
+  readonly segmentBytes: number;
+  /** Blocks to copy. */
+  readonly blockCount: number;
+  /** For each planned block, its index in the request's `hashes`. */
+  readonly hashIndex: Int32Array;
+  readonly offsets: Float64Array;
+  /** Bytes to copy (items × segmentBytes). */
+  readonly bytes: number;
+  /** Hashes skipped because they (or these slots) are already held or in flight. */
+  readonly deduplicated: number;
+  /** New blocks TinyLFU refused (less popular than what they would evict). */
+  readonly admissionRejected: number;
+  /** Hashes past the prefix that fitted in the pool (refused for room). */
+  readonly refusedForRoom: number;
+}
+
+/** The answer to {@link KvStore.beginSave}. */
+export type SaveBegin =
+  | { readonly ok: true; readonly plan: SavePlan }
+  | { readonly ok: false; readonly error: PoolExhaustedError };
+
+/** Internal form of a plan: the public fields plus the blocks, for completion. */
+export interface PlanRecord extends SavePlan {
+  readonly blocks: Block[];
+  readonly cacheClass: CacheClass;
+  /** Pool bytes reserved (items rounded up to the unit). */
+  readonly poolBytes: number;
+  settled: boolean;
+}
+
+/** What one plan is for: its namespace, writer and slot columns. */
+interface PlanTarget {
+  readonly ns: NamespaceState;
+  readonly namespace: string;
+  readonly instance: string;
+  /** The saving rank, or -1 for a fill. */
+  readonly rank: number;
+  readonly layers: number[];
+  readonly rankSlotList: number[];
+  /** Column (li * R + ri) → slot index within a block. */
+  readonly colSlot: Int32Array;
+  readonly cacheClass: CacheClass;
+}
+
+/**
+ * The hashes that still need bytes after dedup, packed in request order
+ * (`need[k * C + c]`: block k needs column c). The admission step compacts
+ * them in place.
+ */
+interface Candidates {
+  readonly need: Uint8Array;
+  readonly needCount: Int32Array;
+  readonly hashIndex: number[];
+  readonly buckets: number[];
+  readonly hexes: string[];
+  readonly existing: (Block | undefined)[];
+  readonly deduplicated: number;
+}
+
+/** Plans an engine Save of one rank (see {@link KvStore.beginSave}). */
+export function planSave(st: StoreState, req: SaveRequest): SaveBegin {
+  const { namespace, instance } = req;
+  const ns = st.namespaces.require(namespace, instance);
+  const L = ns.layout;
+  if (!Number.isSafeInteger(req.rank) || req.rank < 0 || req.rank >= L.tpSize) {
+    throw new InvalidArgumentError(`rank ${req.rank} is outside 0..${L.tpSize - 1}`, {
+      namespace,
+      instance,
+      rank: req.rank,
+      expected: `0..${L.tpSize - 1}`,
+      got: req.rank,
+    });
+  }
+  checkRequest(req.hashes.length, { namespace, instance, rank: req.rank });
+  const layers = layerList(namespace, instance, L, req.layers, req.rank);
+  const rankSlot = L.collapseTp ? 0 : req.rank;
+  const target = planTarget(ns, namespace, instance, req.rank, layers, [rankSlot], req.cacheClass);
+  return plan(st, target, req.hashes);
+}
+
+/** Plans a whole-block fill (see {@link KvStore.beginFill}). */
+export function planFill(st: StoreState, req: FillRequest): SaveBegin {
+  const ns = st.namespaces.require(req.namespace, req.instance);
+  checkRequest(req.hashes.length, { namespace: req.namespace, instance: req.instance });
+  const layers = Array.from({ length: ns.layout.layers }, (_, i) => i);
+  const ranks = Array.from({ length: ns.rankSlots }, (_, i) => i);
+  const target = planTarget(ns, req.namespace, req.instance, -1, layers, ranks, req.cacheClass);
+  return plan(st, target, req.hashes);
+}
+
+function planTarget(
+  ns: NamespaceState,
+  namespace: string,
+  instance: string,
+  rank: number,
+  layers: number[],
+  rankSlotList: number[],
+  cacheClass: CacheClass = "retained",
+): PlanTarget {
+  const R = rankSlotList.length;
+  const colSlot = new Int32Array(layers.length * R);
+  for (let li = 0; li < layers.length; li++) {
+    for (let ri = 0; ri < R; ri++) {
+      colSlot[li * R + ri] = slotIndex(layers[li], rankSlotList[ri], ns.rankSlots);
+    }
+  }
+  return { ns, namespace, instance, rank, layers, rankSlotList, colSlot, cacheClass };
+}
+
+function plan(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): SaveBegin {
+  const cand = dedup(st, t, hashes);
+  st.c.deduplicated += cand.deduplicated;
+  const slotBytes = t.ns.layout.segments * t.ns.strideBytes;
+  const room = fitRoom(st, cand, slotBytes);
+  const admitted = admit(st, t, cand, room.count, room.total, slotBytes);
+  const { count, total } = admitted;
+  if (count === 0) {
+    if (room.refusedForRoom > 0) return refuse(st, t, room.firstBytes);
+    return { ok: true, plan: record(st, t, cand, 0, new Float64Array(0), 0, [], admitted, 0) };
+  }
+  const placed = allocate(st, t, cand, count, total);
+  if (!placed) return refuse(st, t, total);
+  const blocks = createBlocks(st, t, hashes, cand, count, placed.offsets, placed.follows);
+  st.inflightCopyBytes += total;
+  const p = record(
+    st,
+    t,
+    cand,
+    count,
+    placed.offsets,
+    total,
+    blocks,
+    admitted,
+    room.refusedForRoom,
+  );
+  return { ok: true, plan: p };
+}
+
+/** Step 1: which (block, column) slots still need bytes. One flat need map, no per-block arrays. */
+function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Candidates {
+  const C = t.colSlot.length;
+  const need = new Uint8Array(hashes.length * C);
+  const needCount = new Int32Array(hashes.length);
+  const hashIndex: number[] = [];
+  const buckets: number[] = [];
+  const hexes: string[] = [];
+  const existing: (Block | undefined)[] = [];
+  let deduplicated = 0;
+  // A hash named twice in one request is planned once. New hashes are told
+  // apart by bucket first (a number), bytes only on a bucket match: no string
+  // is hashed per block.
+  const seenBlocks = new Set<Block>();
+  const seenNew = new Map<number, number>(); // bucket → last request index planned with it
+  const sameBucket = new Int32Array(hashes.length); // request index → previous one in its bucket
+  for (let i = 0; i < hashes.length; i++) {
+    const bucket = hashBucket(hashes[i], t.ns.seed);
+    st.lfu?.record(bucket);
+    const b = st.index.find(t.namespace, hashes[i], bucket);
+    let hex: string;
+    if (b) {
+      if (b.state === "sealed" || seenBlocks.has(b)) {
+        // Saving a held block again is an access: keep it from being this save's victim.
+        if (b.state === "sealed") st.lru.touch(b);
+        deduplicated++;
+        continue;
+      }
+      seenBlocks.add(b);
+      hex = b.hash;
+    } else {
+      const head = seenNew.get(bucket) ?? -1;
+      let j = head;
+      while (j >= 0 && !sameHash(hashes[j], hashes[i])) j = sameBucket[j];
+      if (j >= 0) {
+        deduplicated++;
+        continue;
+      }
+      sameBucket[i] = head;
+      seenNew.set(bucket, i);
+      hex = hashHex(hashes[i]);
+    }
+    const k = hexes.length;
+    let n = 0;
+    for (let c = 0; c < C; c++) {
+      if (!b || b.slots[t.colSlot[c]] === SLOT_EMPTY) {
+        need[k * C + c] = 1;
+        n++;
+      }
+    }
+    if (n === 0) {
+      deduplicated++;
+      continue;
+    }
+    needCount[k] = n;
+    hashIndex.push(i);
+    buckets.push(bucket);
+    hexes.push(hex);
+    existing.push(b);
+  }
+  return { need, needCount, hashIndex, buckets, hexes, existing, deduplicated };
+}
+
+/** Step 2: the longest prefix of the candidates that free + evictable bytes can hold. */
+function fitRoom(st: StoreState, cand: Candidates, slotBytes: number) {
+  const n = cand.hexes.length;
+  let total = 0;
+  for (let k = 0; k < n; k++) total += cand.needCount[k] * slotBytes;
+  let count = n;
+  const room = st.allocator.freeBytes + st.lru.evictableBytes;
+  while (count > 0 && total > room) total -= cand.needCount[--count] * slotBytes;
+  const firstBytes = n > 0 ? cand.needCount[0] * slotBytes : 0;
+  return { count, total, refusedForRoom: n - count, firstBytes };
+}
+
+/**
+ * Step 3 (only when eviction is needed): new blocks must beat the LRU victim
+ * under TinyLFU. Compacts the first `count` candidates in place.
+ */
+function admit(
+  st: StoreState,
+  t: PlanTarget,
+  cand: Candidates,
+  count: number,
+  total: number,
+  slotBytes: number,
+): { count: number; total: number; admissionRejected: number } {
+  const lfu = st.lfu;
+  if (!lfu || total <= st.allocator.freeBytes) return { count, total, admissionRejected: 0 };
+  const victim = st.lru.victim();
+  if (!victim) return { count, total, admissionRejected: 0 };
+  const C = t.colSlot.length;
+  const { need, needCount, hashIndex, buckets, hexes, existing } = cand;
+  let rejected = 0;
+  let w = 0;
+  total = 0;
+  for (let k = 0; k < count; k++) {
+    if (existing[k] === undefined && !lfu.admit(buckets[k], victim.bucket)) {
+      rejected++;
+      continue;
+    }
+    if (w !== k) {
+      hashIndex[w] = hashIndex[k];
+      buckets[w] = buckets[k];
+      hexes[w] = hexes[k];
+      existing[w] = existing[k];
+      needCount[w] = needCount[k];
+      need.copyWithin(w * C, k * C, (k + 1) * C);
+    }
+    total += needCount[w] * slotBytes;
+    w++;
+  }
+  return { count: w, total, admissionRejected: rejected };
+}
+
+/**
+ * Step 4: evict until `total` bytes are free, then one allocation per
+ * (column, segment) for all `count` blocks. Returns the plan's offsets and
+ * `follows[k]` (every item of block k sits one stride after block k-1's), or
+ * null after rolling back when the items cannot be placed.
+ */
+function allocate(
+  st: StoreState,
+  t: PlanTarget,
+  cand: Candidates,
+  count: number,
+  total: number,
+): { offsets: Float64Array; follows: Uint8Array } | null {
+  const { ns } = t;
+  const C = t.colSlot.length;
+  const S = ns.layout.segments;
+  const need = cand.need;
+  if (st.allocator.freeBytes < total) evictBytes(st, total - st.allocator.freeBytes);
+  const offsets = new Float64Array(C * S * count).fill(NO_OFFSET);
+  const follows = new Uint8Array(count).fill(1);
+  follows[0] = 0;
+  const allocated: [number, number][] = []; // [offset, items] runs, for rollback
+  const itemBytes = ns.layout.segmentBytes;
+  for (let c = 0; c < C; c++) {
+    let m = 0;
+    for (let k = 0; k < count; k++) m += need[k * C + c];
+    if (m === 0) continue;
+    for (let seg = 0; seg < S; seg++) {
+      let runs = st.allocator.allocate(m, itemBytes);
+      // Fragmentation across namespaces: keep evicting until the items fit.
+      while (runs === null && evictOne(st)) runs = st.allocator.allocate(m, itemBytes);
+      if (runs === null) {
+        for (const [off, items] of allocated) st.allocator.free(off, itemBytes, items);
+        return null;
+      }
+      for (const r of runs) allocated.push([r.offset, r.items]);
+      let r = 0;
+      let inRun = 0;
+      let prevK = -2;
+      const base = slotColumn(c, seg, S) * count;
+      for (let k = 0; k < count; k++) {
+        if (!need[k * C + c]) continue;
+        if (inRun === 0 || prevK !== k - 1) follows[k] = 0;
+        prevK = k;
+        offsets[base + k] = runs[r].offset + inRun * ns.strideBytes;
+        if (++inRun === runs[r].items) {
+          r++;
+          inRun = 0;
+        }
+      }
+    }
+  }
+  return { offsets, follows };
+}
+
+/** Step 5: block records for the candidates, slots in flight, offsets on the records, run links. */
+function createBlocks(
+  st: StoreState,
+  t: PlanTarget,
+  hashes: readonly BlockHash[],
+  cand: Candidates,
+  count: number,
+  offsets: Float64Array,
+  follows: Uint8Array,
+): Block[] {
+  const { ns, namespace } = t;
+  const L = ns.layout;
+  const S = L.segments;
+  const C = t.colSlot.length;
+  const { need, hexes, buckets, existing, hashIndex } = cand;
+  const now = st.clock();
+  const blocks: Block[] = new Array(count);
+  // Run links only between new blocks this plan fills completely (every slot).
+  const wholeBlocks = C === L.layers * ns.rankSlots;
+  for (let k = 0; k < count; k++) {
+    let b = existing[k];
+    if (b) b.runPrev = null;
+    else {
+      // The engine's bytes are copied as they are (no decode of the hex just made).
+      const h = hashes[hashIndex[k]];
+      const bytes = typeof h === "string" ? undefined : h;
+      b = ns.spare.pop();
+      if (b) b.recycle(`${namespace}:${hexes[k]}`, hexes[k], now, buckets[k], bytes);
+      else {
+        b = new Block(
+          `${namespace}:${hexes[k]}`,
+          namespace,
+          hexes[k],
+          L,
+          now,
+          buckets[k],
+          st.namespaces.offsetRecord(ns),
+          bytes,
+        );
+      }
+      st.index.addInflight(b);
+      if (wholeBlocks && follows[k] && existing[k - 1] === undefined) {
+        b.runPrev = blocks[k - 1];
+        b.runPrevGen = blocks[k - 1].gen;
+      }
+    }
+    b.lastWriter = t.instance;
+    for (let c = 0; c < C; c++) {
+      if (!need[k * C + c]) continue;
+      const si = t.colSlot[c];
+      b.slots[si] = SLOT_PENDING;
+      b.pending++;
+      for (let seg = 0; seg < S; seg++) {
+        b.offsets[slotColumn(si, seg, S)] = offsets[slotColumn(c, seg, S) * count + k];
+      }
+    }
+    blocks[k] = b;
+  }
+  return blocks;
+}
+
+/** Step 6: the plan handed out, registered as open until {@link completePlan}. */
+function record(
+  st: StoreState,
+  t: PlanTarget,
+  cand: Candidates,
+  count: number,
+  offsets: Float64Array,
+  total: number,
+  blocks: Block[],
+  admitted: { admissionRejected: number },
+  refusedForRoom: number,
+): PlanRecord {
+  const { ns } = t;
+  const p: PlanRecord = {
+    namespace: t.namespace,
+    instance: t.instance,
+    rankSlot: t.rank >= 0 ? t.rankSlotList[0] : -1,
+    rankSlots: Int32Array.from(t.rankSlotList),
+    layers: Int32Array.from(t.layers),
+    segments: ns.layout.segments,
+    segmentBytes: ns.layout.segmentBytes,
+    blockCount: count,
+    hashIndex: Int32Array.from(cand.hashIndex.slice(0, count)),
+    offsets,
+    bytes: (total / ns.strideBytes) * ns.layout.segmentBytes,
+    deduplicated: cand.deduplicated,
+    admissionRejected: admitted.admissionRejected,
+    refusedForRoom,
+    blocks,
+    cacheClass: t.cacheClass,
+    poolBytes: total,
+    settled: false,
+  };
+  st.plans.add(p);
+  return p;
+}
+
+function refuse(st: StoreState, t: PlanTarget, bytes: number): SaveBegin {
+  st.c.saveRefusals++;
+  return {
+    ok: false,
+    error: new PoolExhaustedError(bytes, st.allocator.freeBytes, st.lru.evictableBytes, {
+      namespace: t.namespace,
+      instance: t.instance,
+      rank: t.rank >= 0 ? t.rank : undefined,
+    }),
+  };
+}
