@@ -133,7 +133,7 @@ static void finish_task(pf_batch *b, uint32_t g) {
   if (last) {
     b->impl = NULL;
     host_batch_free(hb);
-    pf_batch_done(b, PF_OK, PF_PATH_DMA);
+    pf_batch_done(b, PF_OK, b->path); /* memcpy ran; report what was asked */
   }
 }
 
@@ -203,6 +203,7 @@ static int32_t host_open(pf_engine *e, int32_t device, uint32_t workers) {
   e->impl = he;
   e->features = 0;
   e->sm_count = 0;
+  snprintf(e->device_name, sizeof e->device_name, "host");
   e->default_grid = 0;
   return PF_OK;
 }

@@ -9,13 +9,14 @@
 import {
   CopyBatch,
   CopyEngine,
-  type CopyPath,
   NativeError,
   PF_STATUS,
   type PoolProgress,
   SharedMemory,
 } from "../../ffi/mod.ts";
 import type { Logger } from "../log.ts";
+import { forcedPath, PathPolicy, type TransferPathFlag } from "../copy_path.ts";
+import { calibrationKey, loadOrMeasure, measureCalibration } from "../copy_calibration.ts";
 import {
   type BatchWriter,
   ClientMemoryFault,
@@ -71,7 +72,11 @@ export interface NativeOptions {
   device: number;
   poolBytes: number;
   useHugepages: boolean;
-  transferPath: "auto" | "kernel" | "dma";
+  transferPath: TransferPathFlag;
+  /** Calibration cache file (`--calibration-file`); undefined = measure every start. */
+  calibrationFile?: string;
+  /** Measure even when the cache has this device (`--recalibrate`). */
+  recalibrate?: boolean;
   /** Period of the pool-creation progress log lines, ms (default 1000). */
   poolProgressMs?: number;
 }
@@ -90,12 +95,10 @@ const INITIAL_SEGS = 4096;
  */
 class GrowingBatch implements BatchWriter {
   batch: CopyBatch;
-  readonly #path: CopyPath;
   #r = 0;
   #p = 0;
   #n = 0;
-  constructor(path: CopyPath) {
-    this.#path = path;
+  constructor() {
     this.batch = new CopyBatch(INITIAL_GROUPS, INITIAL_SEGS);
   }
   ensure(groups: number, segs: number): void {
@@ -108,9 +111,10 @@ class GrowingBatch implements BatchWriter {
   }
   reset(direction: CopyDirection, progress?: { shm: ShmPort; offset: number }): void {
     this.#n = 0;
+    // The path is set at submit, once the segments are known (PathPolicy).
     this.batch.reset(
       direction === "gather" ? "d2h" : "h2d",
-      this.#path,
+      "host",
       progress ? { shm: progress.shm.handle, offset: progress.offset } : undefined,
     );
   }
@@ -167,16 +171,12 @@ export async function openNative(
     intervalMs: opts.poolProgressMs ?? 1000,
     onProgress: (p) => log.info("pool creation progress", progressFields(p)),
   });
-  const path: CopyPath = opts.transferPath === "kernel"
-    ? "kernel"
-    : opts.transferPath === "dma"
-    ? (ce.engine.features.dmaBatch ? "dma_batch" : "dma")
-    : "auto";
   const info = ce.pool.info();
   log.info("native engine open", {
     backend: ce.engine.backend,
     device: ce.engine.device,
-    transfer_path: path,
+    device_name: ce.engine.deviceName,
+    driver_version: ce.engine.driverVersion,
     kernel: ce.engine.features.kernel,
     dma_batch: ce.engine.features.dmaBatch,
     pool_bytes: info.bytes,
@@ -184,6 +184,13 @@ export async function openNative(
     locked: info.locked,
     pool_alloc_ms: Math.round(info.allocNs / 1e6),
   });
+  let policy: PathPolicy;
+  try {
+    policy = openPathPolicy(ce, opts, log);
+  } catch (e) {
+    await ce.close();
+    throw e;
+  }
   return {
     copyEngine: ce,
     backend: ce.engine.backend,
@@ -204,7 +211,7 @@ export async function openNative(
       };
     },
     batch(): BatchWriter {
-      return new GrowingBatch(path);
+      return new GrowingBatch();
     },
     // Not async on purpose: a batch the library refuses (bad segment, closed
     // region) throws here, synchronously, so the RPC fails instead of
@@ -212,7 +219,9 @@ export async function openNative(
     submit(b: BatchWriter): Promise<CopyDone> {
       const gb = b as GrowingBatch;
       gb.flush();
-      const sub = guarded(() => ce.submit(gb.batch));
+      const batch = gb.batch;
+      batch.setPath(policy.choose(batch.direction, batch.bytes / Math.max(1, batch.numSegs)));
+      const sub = guarded(() => ce.submit(batch));
       return sub.done.then((r) => {
         if (r.status === PF_STATUS.PF_EFAULT) {
           throw new ClientMemoryFault(r.status, r.error ?? "client memory faulted");
@@ -230,4 +239,50 @@ export async function openNative(
       return ce.close();
     },
   };
+}
+
+/**
+ * The path policy for this engine: `host` on the host backend (memcpy, the
+ * path is ignored); the forced path when `--transfer-path` names one; else
+ * calibrated — from the cache file when it has this device, measured
+ * otherwise (seconds, before the pool holds anything).
+ */
+function openPathPolicy(ce: CopyEngine, opts: NativeOptions, log: Logger): PathPolicy {
+  const engine = ce.engine;
+  if (engine.backend === "host") {
+    log.info("copy path policy", {
+      backend: "host",
+      path: "host",
+      transfer_path: opts.transferPath,
+    });
+    return new PathPolicy({}, { backend: "host" });
+  }
+  const force = forcedPath(opts.transferPath, engine.features);
+  if (force === "kernel" && !engine.features.kernel) {
+    throw new Error(
+      "--transfer-path kernel: this libpegaflow has no copy kernel (built without nvcc); " +
+        "use --transfer-path auto or dma, or rebuild with `make native` where nvcc exists",
+    );
+  }
+  if (force) {
+    log.info("copy path policy", { path: force, source: "--transfer-path" });
+    return new PathPolicy({}, { force });
+  }
+  const props = engine.props();
+  const started = performance.now();
+  const loaded = loadOrMeasure(props, {
+    file: opts.calibrationFile,
+    recalibrate: opts.recalibrate ?? false,
+    measure: () => measureCalibration(engine, ce.pool),
+  });
+  if (loaded.cacheError) log.warn("calibration cache not used", { error: loaded.cacheError });
+  const policy = new PathPolicy(loaded.tables);
+  log.info("copy path policy", {
+    source: loaded.source,
+    key: calibrationKey(props),
+    file: opts.calibrationFile ?? null,
+    ms: Math.round(performance.now() - started),
+    ...policy.summary(),
+  });
+  return policy;
 }

@@ -101,6 +101,8 @@ export async function startServer(
     poolBytes: cap.bytes,
     useHugepages: cfg.useHugepages,
     transferPath: cfg.transferPath,
+    calibrationFile: cfg.calibrationFile,
+    recalibrate: cfg.recalibrate,
     poolProgressMs: cfg.poolProgressMs,
   }, log);
   log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
