@@ -5,15 +5,13 @@
  *
  * @module
  */
+import { exitWith } from "./lib/cli/command_line.ts";
 import { parseServeArgs } from "./lib/server/config.ts";
 import { Logger } from "./lib/log.ts";
 
 if (import.meta.main) {
   const parsed = parseServeArgs(Deno.args);
-  if (parsed.kind === "exit") {
-    (parsed.code === 0 ? console.log : console.error)(parsed.output.trimEnd());
-    Deno.exit(parsed.code);
-  }
+  if (parsed.kind === "exit") exitWith(parsed);
   const cfg = parsed.config;
   const log = new Logger(cfg.logLevel);
   let server;
@@ -27,7 +25,13 @@ if (import.meta.main) {
   }
   // The one stdout line: tests and supervisors parse the bound ports from it.
   console.log(
-    JSON.stringify({ listening: { grpc: server.grpcAddr, http: server.httpAddr ?? null } }),
+    JSON.stringify({
+      listening: {
+        grpc: server.grpcAddr,
+        uds: server.udsPath ?? null,
+        http: server.httpAddr ?? null,
+      },
+    }),
   );
   const stop = async (sig: string) => {
     log.info("signal received", { signal: sig });

@@ -12,6 +12,7 @@
  */
 
 import { Command, type Option } from "commander";
+import { exitWith, parseCommandLine, usageError } from "./lib/cli/command_line.ts";
 import { envOption } from "./lib/cli/flags.ts";
 import {
   ConfigError,
@@ -22,9 +23,6 @@ import {
 } from "./lib/router/config.ts";
 import { startRouter } from "./lib/router/server.ts";
 import { startRouterCluster } from "./lib/router/cluster.ts";
-
-/** Exit status for a command line that could not be used. */
-const EXIT_USAGE = 2;
 
 /** Repeatable flags accumulate; an env var may list several URLs separated by commas. */
 function collect(value: string, previous: string[] | undefined): string[] {
@@ -122,7 +120,9 @@ const program = new Command("router")
   .showHelpAfterError("(run with --help for usage)")
   .allowExcessArguments(false);
 
-program.parse(["deno", "router", ...Deno.args]);
+// Every usage error (an unknown flag included) exits 2 naming the flag, as the server's do.
+const parsed = parseCommandLine(program, Deno.args);
+if (parsed.kind === "exit") exitWith(parsed);
 const raw = program.opts<Partial<RawRouterOptions>>();
 
 /** The validated configuration, or exit with status 2 and a message naming the bad flag. */
@@ -136,7 +136,7 @@ function configOrExit(): RouterConfig {
     } as RawRouterOptions);
   } catch (e) {
     if (!(e instanceof ConfigError)) throw e;
-    return program.error(`error: ${e.message}`, { exitCode: EXIT_USAGE, code: "pegaflow.config" });
+    return usageError(e.message);
   }
 }
 
@@ -160,10 +160,9 @@ function withUsableWorkers(config: RouterConfig): RouterConfig {
     }));
     return { ...config, workers: 1 };
   }
-  return program.error(
-    `error: --workers: ${config.workers} workers share the port with SO_REUSEPORT, which Deno ` +
+  return usageError(
+    `--workers: ${config.workers} workers share the port with SO_REUSEPORT, which Deno ` +
       `enables with --unstable-net (deno task router passes it); run with it or use --workers 1`,
-    { exitCode: EXIT_USAGE, code: "pegaflow.config" },
   );
 }
 
@@ -172,9 +171,8 @@ const config = withUsableWorkers(configOrExit());
 const start = config.workers === 1 ? startRouter(config) : startRouterCluster(config);
 const router = await start.catch((e) => {
   if (e instanceof Deno.errors.AddrInUse || e instanceof Deno.errors.AddrNotAvailable) {
-    return program.error(
-      `error: --host/--port: cannot listen on ${config.host}:${config.port}: ${e.message}`,
-      { exitCode: EXIT_USAGE, code: "pegaflow.listen" },
+    return usageError(
+      `--host/--port: cannot listen on ${config.host}:${config.port}: ${e.message}`,
     );
   }
   throw e;

@@ -58,13 +58,17 @@ export interface Session {
 type Cb<T> = (err: grpc.ServiceError | null, res: T) => void;
 
 /**
- * A connection to one KV server.
+ * A connection to one KV server: `host:port`, or `unix:/path` for the
+ * server's `--uds` socket (an engine on the same host skips the TCP stack;
+ * grpc-js's `unix:///path` form works too).
  *
  * @example
  * ```ts
  * const c = new PegaflowClient("127.0.0.1:50055");
  * console.log((await c.health()).version);
  * c.close();
+ * const local = new PegaflowClient("unix:/run/pegaflow/grpc.sock");
+ * local.close();
  * ```
  */
 export class PegaflowClient {

@@ -17,7 +17,12 @@ import { describeError, HealthChecker } from "./health.ts";
 import { createLogger, type Logger } from "./log.ts";
 import { RouterMetrics } from "./metrics.ts";
 import { checkCapacity, ClientGone, type FlowDeps, runDecode, runPrefill } from "./pd_flow.ts";
-import { type GenerationRoute, parseGenerationRequest, readBodyLimited } from "./validate.ts";
+import {
+  type GenerationRoute,
+  parseGenerationRequest,
+  readRequestBody,
+  refusalResponse,
+} from "./validate.ts";
 
 /** A running router. */
 export interface RouterHandle {
@@ -232,10 +237,21 @@ export function createHandler(
   const { metrics } = deps;
   return async (req, info) => {
     const path = pathOf(req.url);
-    if (GENERATION_ROUTES.has(path)) {
-      if (req.method !== "POST") return methodNotAllowed(path, "POST");
+    const generation = GENERATION_ROUTES.has(path);
+    if (generation && req.method === "POST") {
       return await handleGeneration(deps, config, req, info, path as GenerationRoute, stopSignal);
     }
+    // No other route takes a body, but every route holds one to --max-body (read and dropped).
+    if (req.body !== null) {
+      try {
+        await readRequestBody(req, config.maxBodyBytes);
+      } catch (e) {
+        if (!(e instanceof RouterError)) throw e;
+        deps.log.warn("refused request body", { path, status: e.status, reason: e.message });
+        return refusalResponse(e);
+      }
+    }
+    if (generation) return methodNotAllowed(path, "POST");
     switch (path) {
       case "/v1/models":
         if (req.method !== "GET") return methodNotAllowed(path, "GET");
@@ -346,12 +362,15 @@ async function handleGeneration(
 
   let parsed;
   try {
-    parsed = parseGenerationRequest(route, await readBodyLimited(req, config.maxBodyBytes));
+    parsed = parseGenerationRequest(route, await readRequestBody(req, config.maxBodyBytes));
   } catch (e) {
     if (!(e instanceof RouterError)) throw e;
-    log.debug("refused request", { request_id: requestId, code: e.code, reason: e.message });
+    // A body the HTTP layer could not decode says something is wrong with a client (or a proxy in
+    // front): worth a warning. Validation refusals are routine and stay at debug.
+    const level = e.code === "malformed_body" ? "warn" : "debug";
+    log[level]("refused request", { request_id: requestId, code: e.code, reason: e.message });
     finish(e.status);
-    return errorResponse(e, requestId);
+    return refusalResponse(e, requestId);
   }
 
   metrics.inflight.inc();

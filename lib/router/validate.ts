@@ -6,7 +6,8 @@
  * @module
  */
 
-import { badRequest } from "./errors.ts";
+import { BodyError, CLOSE_AFTER_REFUSAL, readBodyLimited } from "../http/body.ts";
+import { badRequest, errorResponse, RouterError } from "./errors.ts";
 
 /** The two generation routes the router splits. */
 export type GenerationRoute = "/v1/completions" | "/v1/chat/completions";
@@ -25,57 +26,47 @@ export interface GenerationRequest {
   stream: boolean;
 }
 
+/** What a client over `--max-body` is told to do. */
+const MAX_BODY_HINT = "raise it with --max-body";
+
 /**
- * Reads a request body, refusing it as soon as it exceeds `maxBytes` (by `Content-Length` when the
- * client sent one, otherwise while reading), so an oversized upload is never held in memory.
+ * Reads a request body under `maxBytes` with the shared reader (lib/http/body.ts: the limit holds
+ * while reading, by `Content-Length` or chunk by chunk), so an oversized upload is never held in
+ * memory. Over the limit is a 413 `body_too_large`, a body that cannot be decoded (a broken chunked
+ * encoding) a 400 `malformed_body`, both as {@link RouterError}s.
  *
  * @example
  * ```ts
- * const bytes = await readBodyLimited(request, 16 * 1024 * 1024);
+ * const bytes = await readRequestBody(request, 16 * 1024 * 1024);
  * ```
  */
-export async function readBodyLimited(
+export async function readRequestBody(
   req: Request,
   maxBytes: number,
 ): Promise<Uint8Array<ArrayBuffer>> {
-  const declared = req.headers.get("content-length");
-  if (declared !== null) {
-    if (Number(declared) > maxBytes) throw tooLarge(Number(declared), maxBytes);
-    // The HTTP layer holds the body to its declared length, so it can be taken whole (Deno's
-    // fast path, no stream) without risk of going over the limit.
-    return new Uint8Array(await req.arrayBuffer());
+  try {
+    return await readBodyLimited(req, { maxBytes, hint: MAX_BODY_HINT });
+  } catch (e) {
+    if (!(e instanceof BodyError)) throw e;
+    throw new RouterError(e.status, "invalid_request_error", e.message, null, e.code);
   }
-  if (req.body === null) return new Uint8Array(0);
-  const reader = req.body.getReader();
-  const parts: Uint8Array<ArrayBuffer>[] = [];
-  let total = 0;
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    total += value.byteLength;
-    if (total > maxBytes) {
-      await reader.cancel("body too large");
-      throw tooLarge(total, maxBytes, true);
-    }
-    parts.push(value);
-  }
-  if (parts.length === 1) return parts[0];
-  const out = new Uint8Array(total);
-  let off = 0;
-  for (const p of parts) {
-    out.set(p, off);
-    off += p.byteLength;
-  }
-  return out;
 }
 
-function tooLarge(got: number, max: number, atLeast = false) {
-  return badRequest(
-    `request body is ${atLeast ? "at least " : ""}${got} bytes, larger than the limit of ${max} ` +
-      `bytes (raise it with --max-body)`,
-    null,
-    "body_too_large",
-  );
+/**
+ * The answer to an intake refusal; one that left the body unread (or unreadable) also ends the
+ * connection, so the rest of the upload is not read and discarded.
+ *
+ * @example
+ * ```ts
+ * return refusalResponse(err, requestId);
+ * ```
+ */
+export function refusalResponse(err: RouterError, requestId?: string): Response {
+  const res = errorResponse(err, requestId);
+  if (err.code === "body_too_large" || err.code === "malformed_body") {
+    for (const [k, v] of Object.entries(CLOSE_AFTER_REFUSAL)) res.headers.set(k, v);
+  }
+  return res;
 }
 
 const decoder = new TextDecoder("utf-8", { fatal: true });

@@ -6,13 +6,15 @@
  *
  * @module
  */
-import { Command, CommanderError, InvalidArgumentError } from "commander";
+import { Command, InvalidArgumentError } from "commander";
+import { type CommandLineResult, parseCommandLine } from "../cli/command_line.ts";
 import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
 import { type IndexConfig, indexConfigFrom, indexOptions } from "../index/flags.ts";
 import { TRANSFER_PATH_FLAGS, type TransferPathFlag } from "../copy_path.ts";
 import { defaultCalibrationFile } from "../copy_calibration.ts";
+import { MAX_UDS_PATH_BYTES } from "./uds.ts";
 
 /** The size parser behind --pool-size and friends (it lives in lib/cli/flags.ts). */
 export { parseSize };
@@ -21,6 +23,11 @@ export { parseSize };
 export interface ServeConfig {
   /** gRPC listen address `host:port` (port 0 = pick a free one). */
   addr: string;
+  /**
+   * Unix-domain socket path for gRPC, served beside `addr` (undefined = none):
+   * the engines on this host skip the TCP stack.
+   */
+  uds: string | undefined;
   /** HTTP listen address for /health, /metrics, ... (undefined = no HTTP). */
   httpAddr: string | undefined;
   /** Device ids to serve (cuda backend); the host backend ignores them. */
@@ -78,6 +85,20 @@ function addrArg(value: string): string {
   return value;
 }
 
+function udsArg(value: string): string {
+  const path = value.startsWith("unix:") ? value.slice("unix:".length) : value;
+  if (path === "") {
+    throw new InvalidArgumentError("expected a socket path, e.g. /run/pegaflow.sock");
+  }
+  const bytes = new TextEncoder().encode(path).length;
+  if (bytes > MAX_UDS_PATH_BYTES) {
+    throw new InvalidArgumentError(
+      `"${path}" is ${bytes} bytes; a Unix socket path holds at most ${MAX_UDS_PATH_BYTES}`,
+    );
+  }
+  return path;
+}
+
 function choiceArg<T extends string>(choices: readonly T[]) {
   return (value: string): T => {
     if (!(choices as readonly string[]).includes(value)) {
@@ -115,6 +136,13 @@ export function serveCommand(): Command {
     .addOption(
       envOption("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
         .default(DEFAULT_ADDR).argParser(addrArg),
+    )
+    .addOption(
+      envOption(
+        "--uds <path>",
+        "also serve gRPC on this Unix-domain socket (engines on this host: clients use unix:<path>)",
+        "UDS",
+      ).argParser(udsArg),
     )
     .addOption(
       envOption(
@@ -220,7 +248,6 @@ export function serveCommand(): Command {
       )
         .default(true).preset(true).argParser(boolArg),
     )
-    .exitOverride()
     .allowExcessArguments(false);
   for (const o of ssdOptions()) cmd.addOption(o);
   for (const o of indexOptions()) cmd.addOption(o);
@@ -230,7 +257,7 @@ export function serveCommand(): Command {
 /** The result of parsing: a config to start, or text to print and an exit code. */
 export type ParseResult =
   | { kind: "config"; config: ServeConfig }
-  | { kind: "exit"; code: number; output: string };
+  | Extract<CommandLineResult, { kind: "exit" }>;
 
 /**
  * Parses argv (without the program name) and the `PEGAFLOW_*` environment.
@@ -245,25 +272,14 @@ export type ParseResult =
  */
 export function parseServeArgs(argv: string[]): ParseResult {
   const cmd = serveCommand();
-  let output = "";
-  cmd.configureOutput({
-    writeOut: (s) => output += s,
-    writeErr: (s) => output += s,
-  });
-  try {
-    cmd.parse(argv, { from: "user" });
-  } catch (e) {
-    if (e instanceof CommanderError) {
-      const code = e.code === "commander.helpDisplayed" || e.code === "commander.help" ? 0 : 2;
-      return { kind: "exit", code, output };
-    }
-    throw e;
-  }
+  const parsed = parseCommandLine(cmd, argv);
+  if (parsed.kind === "exit") return parsed;
   const o = cmd.opts();
   return {
     kind: "config",
     config: {
       addr: o.addr,
+      uds: o.uds,
       httpAddr: o.httpAddr,
       devices: o.devices,
       backend: o.backend,

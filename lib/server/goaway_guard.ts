@@ -18,9 +18,12 @@
  * the client opens no new streams, and the client's open streams still
  * complete because every other frame is forwarded unchanged.
  *
- * The relay uses Deno's own TCP sockets (no node:http2, no nghttp2), so the
+ * The relay uses Deno's own sockets (no node:http2, no nghttp2), so the
  * frame never reaches the code that crashes. The grpc-js server listens on
- * an ephemeral loopback port that only the relay connects to.
+ * an ephemeral loopback port that only the relay connects to. The server's
+ * Unix-domain socket (`--uds`) gets a guard of its own: the crash does not
+ * depend on the transport (unguarded over a Unix socket, 6 of 10 runs of
+ * tests/server/fixtures/goaway_repro.ts crashed the server).
  *
  * @module
  */
@@ -142,23 +145,32 @@ export class GoawayFilter {
   }
 }
 
+/**
+ * Where the guard listens: a TCP address (port 0: any free port), or a
+ * Unix-domain socket path (`--uds`; the caller owns the file, lib/server/uds.ts).
+ */
+export type GuardListen = { hostname: string; port: number } | { path: string };
+
+/**
+ * Where the guard relays to: the grpc-js server's loopback port, or a Unix
+ * socket it listens on (a private one, so the relay of `--uds` clients stays
+ * off the TCP stack on both of its legs).
+ */
+export type GuardUpstream = { upstreamHostname: string; upstreamPort: number } | {
+  upstreamPath: string;
+};
+
 /** Where the guard listens and where it relays to. */
-export interface GoawayGuardOptions {
-  /** Public address clients connect to (port 0: any free port). */
-  hostname: string;
-  port: number;
-  /** The grpc-js server's loopback port. */
-  upstreamHostname: string;
-  upstreamPort: number;
+export type GoawayGuardOptions = GuardListen & GuardUpstream & {
   /** Called once per dropped GOAWAY (for logs and metrics). */
   onGoawayDropped?: () => void;
   /** Called when relaying a connection failed for a reason other than a peer hanging up. */
   onError?: (err: Error) => void;
-}
+};
 
 /** A listening guard. */
 export interface GoawayGuard {
-  /** The bound public port (resolved when 0 was asked). */
+  /** The bound public TCP port (resolved when 0 was asked); 0 for a Unix socket. */
   port: number;
   /** Connections being relayed now. */
   readonly connections: number;
@@ -225,20 +237,31 @@ async function relay(
  * ```
  */
 export function startGoawayGuard(opts: GoawayGuardOptions): GoawayGuard {
-  const listener = Deno.listen({ hostname: opts.hostname, port: opts.port });
+  const listener: Deno.Listener = "path" in opts
+    ? Deno.listen({ transport: "unix", path: opts.path })
+    : Deno.listen({ hostname: opts.hostname, port: opts.port });
   const live = new Set<Deno.Conn>();
   const pairs = new Set<Promise<void>>();
   const fail = (e: unknown) => {
     if (isHangup(e)) return;
     opts.onError?.(e instanceof Error ? e : new Error(String(e)));
   };
-  const handle = async (client: Deno.TcpConn) => {
+  const handle = async (client: Deno.Conn) => {
     live.add(client);
-    let upstream: Deno.TcpConn | undefined;
+    let upstream: Deno.Conn | undefined;
     try {
-      client.setNoDelay(true);
-      upstream = await Deno.connect({ hostname: opts.upstreamHostname, port: opts.upstreamPort });
-      upstream.setNoDelay(true);
+      // Small RPCs go out at once (Nagle does not apply to a Unix socket).
+      if (client.localAddr.transport === "tcp") (client as Deno.TcpConn).setNoDelay(true);
+      if ("upstreamPath" in opts) {
+        upstream = await Deno.connect({ transport: "unix", path: opts.upstreamPath });
+      } else {
+        const tcp = await Deno.connect({
+          hostname: opts.upstreamHostname,
+          port: opts.upstreamPort,
+        });
+        tcp.setNoDelay(true);
+        upstream = tcp;
+      }
       live.add(upstream);
       const up = upstream;
       // Whichever direction ends first closes both sockets: the server then
@@ -263,7 +286,7 @@ export function startGoawayGuard(opts: GoawayGuardOptions): GoawayGuard {
   let closed = false;
   const accepting = (async () => {
     while (!closed) {
-      let conn: Deno.TcpConn;
+      let conn: Deno.Conn;
       try {
         conn = await listener.accept();
       } catch (e) {
@@ -280,7 +303,7 @@ export function startGoawayGuard(opts: GoawayGuardOptions): GoawayGuard {
     }
   })();
   return {
-    port: (listener.addr as Deno.NetAddr).port,
+    port: listener.addr.transport === "tcp" ? listener.addr.port : 0,
     get connections() {
       return pairs.size;
     },

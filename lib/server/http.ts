@@ -11,6 +11,10 @@
  * | POST /instances/cleanup      | body `{"instance_id":"x"}` or `{"all":true}`     |
  * | POST /cache/memory/cleanup   | evicts every unpinned cached block               |
  *
+ * Every request's body, on every route, is read through lib/http/body.ts
+ * under {@link MAX_BODY_BYTES}: over it the answer is 413 before the rest is
+ * read, a body that cannot be decoded is a 400.
+ *
  * @module
  */
 import type { KvEngine } from "../engine/engine.ts";
@@ -19,20 +23,22 @@ import type { KvStore } from "../storage/store.ts";
 import type { Logger } from "../log.ts";
 import { metricsResponse } from "../metrics.ts";
 import type { ServerMetrics } from "./metrics.ts";
+import { BodyError, CLOSE_AFTER_REFUSAL, readBodyLimited } from "../http/body.ts";
 
-/** Largest JSON body the operator endpoints read. */
-const MAX_BODY_BYTES = 64 * 1024;
+/** Largest body any endpoint reads: the operator endpoints take one small JSON object. */
+export const MAX_BODY_BYTES = 64 * 1024;
 
-function json(status: number, body: unknown): Response {
+function json(status: number, body: unknown, headers: Record<string, string> = {}): Response {
   return new Response(JSON.stringify(body, null, 1) + "\n", {
     status,
-    headers: { "content-type": "application/json" },
+    headers: { "content-type": "application/json", ...headers },
   });
 }
 
-async function readJson(req: Request): Promise<Record<string, unknown>> {
-  const text = await req.text();
-  if (text.length > MAX_BODY_BYTES) throw new Error(`body over ${MAX_BODY_BYTES} bytes`);
+const decoder = new TextDecoder("utf-8", { fatal: true });
+
+function parseJsonObject(body: Uint8Array): Record<string, unknown> {
+  const text = decoder.decode(body);
   if (text.trim() === "") return {};
   const v = JSON.parse(text);
   if (typeof v !== "object" || v === null || Array.isArray(v)) {
@@ -61,6 +67,14 @@ export function httpHandler(deps: {
   return async (req) => {
     const url = new URL(req.url);
     const route = `${req.method} ${url.pathname}`;
+    let body: Uint8Array;
+    try {
+      body = await readBodyLimited(req, { maxBytes: MAX_BODY_BYTES });
+    } catch (e) {
+      if (!(e instanceof BodyError)) throw e;
+      log.warn("http request body refused", { route, status: e.status, error: e.message });
+      return json(e.status, { error: e.message, code: e.code }, CLOSE_AFTER_REFUSAL);
+    }
     try {
       switch (route) {
         case "GET /health":
@@ -74,16 +88,16 @@ export function httpHandler(deps: {
             store: store.stats(),
           });
         case "POST /instances/cleanup": {
-          let body;
+          let args;
           try {
-            body = await readJson(req);
+            args = parseJsonObject(body);
           } catch (e) {
             return json(400, { error: `invalid body: ${(e as Error).message}` });
           }
-          const ids = body.all === true
+          const ids = args.all === true
             ? engine.instances().map((i) => i.instanceId)
-            : typeof body.instance_id === "string"
-            ? [body.instance_id]
+            : typeof args.instance_id === "string"
+            ? [args.instance_id]
             : null;
           if (!ids) return json(400, { error: 'expected {"instance_id": "..."} or {"all": true}' });
           const unknown = ids.filter((id) => !engine.has(id));

@@ -25,8 +25,21 @@ import { ServerMetrics } from "./metrics.ts";
 import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
 import { SsdKvBridge } from "../ssd/kv_bridge.ts";
 import { registerSsdMetrics } from "../ssd/metrics.ts";
-import { type GoawayGuard, startGoawayGuard } from "./goaway_guard.ts";
 import { type BlockIndexHandle, indexAdvertiser, openBlockIndex } from "../index/attach.ts";
+import {
+  type GoawayGuard,
+  type GuardListen,
+  type GuardUpstream,
+  startGoawayGuard,
+} from "./goaway_guard.ts";
+import {
+  type BoundSocket,
+  boundSocket,
+  claimSocketPath,
+  releaseSocketPath,
+  UPSTREAM_SOCKET_MODE,
+  upstreamSocketPath,
+} from "./uds.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -61,6 +74,8 @@ export function allocationUnit(hint: number): number {
 export interface RunningServer {
   /** Bound gRPC address host:port. */
   grpcAddr: string;
+  /** The Unix-domain socket path gRPC is also served on (`--uds`), if any. */
+  udsPath: string | undefined;
   httpAddr: string | undefined;
   engine: KvEngine;
   /** Graceful stop: sessions ended, instances cleaned up, sockets closed, native freed. */
@@ -185,45 +200,82 @@ export async function startServer(
   });
   server.addService(lenientService(), engineServiceImpl(engine, sessions, metrics, log));
   // With the GOAWAY guard on, grpc-js listens on a loopback port that only
-  // the guard connects to; the guard owns the public address (goaway_guard.ts).
-  const bindAddr = cfg.goawayGuard ? UPSTREAM_ADDR : cfg.addr;
+  // the guard connects to; the guard owns the public address and the Unix
+  // socket (goaway_guard.ts). Without it grpc-js binds both itself.
   const cleanupOnListenError = async () => {
     clearInterval(collector);
     await ssd?.close();
     await native.close();
   };
-  const grpcPort = await new Promise<number>((resolve, reject) =>
-    server.bindAsync(
-      bindAddr,
-      grpc.ServerCredentials.createInsecure(),
-      (err, p) => err ? reject(err) : resolve(p),
-    )
-  ).catch(async (e) => {
+  const bindGrpc = (addr: string) =>
+    new Promise<number>((resolve, reject) =>
+      server.bindAsync(
+        addr,
+        grpc.ServerCredentials.createInsecure(),
+        (err, p) => err ? reject(err) : resolve(p),
+      )
+    );
+  const grpcPort = await bindGrpc(cfg.goawayGuard ? UPSTREAM_ADDR : cfg.addr).catch(async (e) => {
     await cleanupOnListenError();
     throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
   });
   const hostPart = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
   let port = grpcPort;
-  let guard: GoawayGuard | undefined;
+  const guards: GoawayGuard[] = [];
+  const startGuard = (listen: GuardListen, upstream: GuardUpstream) =>
+    startGoawayGuard({
+      ...listen,
+      ...upstream,
+      onGoawayDropped: () => {
+        metrics.goawayDropped();
+        log.debug("dropped a client's GOAWAY (denoland/deno#36788 guard)");
+      },
+      onError: (e) => log.warn("gRPC relay connection failed", { error: e.message }),
+    });
+  // Behind the guard, --uds clients are relayed to grpc-js over a second Unix
+  // socket beside the public one (PATH.up): both legs of their relay skip the
+  // TCP stack. Its name is fixed so a crashed server's is found and taken over
+  // like the public one; only the server's user may connect to it.
+  let upstreamSocket: BoundSocket | undefined;
+  const failListen = async (flag: string, e: unknown): Promise<never> => {
+    for (const g of guards) await g.close();
+    if (upstreamSocket) await releaseSocketPath(upstreamSocket);
+    server.forceShutdown();
+    await cleanupOnListenError();
+    throw new Error(`${flag}: cannot listen: ${(e as Error).message}`);
+  };
   if (cfg.goawayGuard) {
     try {
-      guard = startGoawayGuard({
+      guards.push(startGuard({
         hostname: hostPart.replace(/^\[(.*)\]$/, "$1"),
         port: Number(cfg.addr.slice(cfg.addr.lastIndexOf(":") + 1)),
-        upstreamHostname: UPSTREAM_HOST,
-        upstreamPort: grpcPort,
-        onGoawayDropped: () => {
-          metrics.goawayDropped();
-          log.debug("dropped a client's GOAWAY (denoland/deno#36788 guard)");
-        },
-        onError: (e) => log.warn("gRPC relay connection failed", { error: e.message }),
-      });
+      }, { upstreamHostname: UPSTREAM_HOST, upstreamPort: grpcPort }));
     } catch (e) {
-      server.forceShutdown();
-      await cleanupOnListenError();
-      throw new Error(`--addr ${cfg.addr}: cannot listen: ${(e as Error).message}`);
+      return await failListen(`--addr ${cfg.addr}`, e);
     }
-    port = guard.port;
+    port = guards[0].port;
+  }
+  let uds: BoundSocket | undefined;
+  if (cfg.uds !== undefined) {
+    const path = cfg.uds;
+    try {
+      if (await claimSocketPath(path) === "removed_stale") {
+        log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
+      }
+      if (cfg.goawayGuard) {
+        const upstreamPath = upstreamSocketPath(path);
+        await claimSocketPath(upstreamPath);
+        await bindGrpc(`unix:${upstreamPath}`);
+        upstreamSocket = await boundSocket(upstreamPath);
+        await Deno.chmod(upstreamPath, UPSTREAM_SOCKET_MODE);
+        guards.push(startGuard({ path }, { upstreamPath }));
+      } else {
+        await bindGrpc(`unix:${path}`);
+      }
+      uds = await boundSocket(path);
+    } catch (e) {
+      return await failListen(`--uds ${path}`, e);
+    }
   }
   const host = hostPart;
   const grpcAddr = `${host}:${port}`;
@@ -249,11 +301,8 @@ export async function startServer(
         handler,
       );
     } catch (e) {
-      server.forceShutdown();
-      clearInterval(collector);
-      await ssd?.close();
-      await native.close();
-      throw new Error(`--http-addr ${cfg.httpAddr}: cannot listen: ${(e as Error).message}`);
+      if (uds) await releaseSocketPath(uds);
+      return await failListen(`--http-addr ${cfg.httpAddr}`, e);
     }
     const a = http.addr as Deno.NetAddr;
     httpAddr = `${hostname}:${a.port}`;
@@ -267,7 +316,7 @@ export async function startServer(
       advertiser,
     )
     : undefined;
-  log.info("serving", { grpc: grpcAddr, http: httpAddr, backend: native.backend });
+  log.info("serving", { grpc: grpcAddr, uds: uds?.path, http: httpAddr, backend: native.backend });
 
   let closing: Promise<void> | undefined;
   const close = () =>
@@ -284,9 +333,12 @@ export async function startServer(
       // instance is already cleaned up and every session ended: nothing is lost.
       if (http) await http.shutdown();
       // Closing the guard's sockets sends no GOAWAY: clients see the connection end.
-      await guard?.close();
+      for (const g of guards) await g.close();
+      // Left behind, the file would make the next start probe it as stale.
+      if (uds) await releaseSocketPath(uds);
+      if (upstreamSocket) await releaseSocketPath(upstreamSocket);
       clearInterval(collector);
       await native.close();
     })();
-  return { grpcAddr, httpAddr, engine, close };
+  return { grpcAddr, udsPath: uds?.path, httpAddr, engine, close };
 }

@@ -1,11 +1,13 @@
 /**
- * Bad input never reaches a backend: every malformed request gets a 400 with an OpenAI-style error
- * naming the problem, and bad command-line values stop the router before it listens.
+ * Bad input never reaches a backend: every malformed request gets a 400 (a body over --max-body a
+ * 413) with an OpenAI-style error naming the problem, and bad command-line values stop the router
+ * before it listens.
  */
 
 import assert from "node:assert/strict";
 import OpenAI from "openai";
 import { runRouterCli, spawnBackend, spawnRouter } from "./harness.ts";
+import { brokenChunkedRequest, peakRssBytes, streamUpload } from "../http/raw_http.ts";
 
 const MAX_BODY = 2048;
 
@@ -17,6 +19,8 @@ interface Case {
   param: string | null;
   code: string;
   message: RegExp;
+  /** HTTP status (400 unless given). */
+  status?: number;
 }
 
 const big = "x".repeat(MAX_BODY);
@@ -121,7 +125,8 @@ const CASES: Case[] = [
     body: JSON.stringify({ model: "m", prompt: big }),
     param: null,
     code: "body_too_large",
-    message: /larger than the limit of 2048 bytes/,
+    message: /larger than the limit of 2048 bytes \(raise it with --max-body\)/,
+    status: 413,
   },
   {
     name: "oversized body (chunked, no Content-Length)",
@@ -135,6 +140,7 @@ const CASES: Case[] = [
     param: null,
     code: "body_too_large",
     message: /at least \d+ bytes, larger than the limit of 2048/,
+    status: 413,
   },
   {
     name: "request id with spaces",
@@ -146,7 +152,7 @@ const CASES: Case[] = [
   },
 ];
 
-Deno.test("bad requests get a 400 OpenAI error and nothing goes upstream", async (t) => {
+Deno.test("bad requests get a 400 (413 over --max-body) OpenAI error and nothing goes upstream", async (t) => {
   const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
   // Backends and the body limit from the environment: the PEGAFLOW_ROUTER_* names work too.
   const router = await spawnRouter([], {
@@ -164,7 +170,7 @@ Deno.test("bad requests get a 400 OpenAI error and nothing goes upstream", async
           body,
         });
         const json = await res.json();
-        assert.equal(res.status, 400, JSON.stringify(json));
+        assert.equal(res.status, c.status ?? 400, JSON.stringify(json));
         assert.equal(json.error.type, "invalid_request_error");
         assert.equal(json.error.param, c.param);
         assert.equal(json.error.code, c.code);
@@ -192,6 +198,21 @@ Deno.test("bad requests get a 400 OpenAI error and nothing goes upstream", async
       assert.equal(na.status, 405);
       assert.equal(na.headers.get("allow"), "POST");
       await na.body?.cancel();
+    });
+
+    await t.step("a broken chunked body is a 400 and a warning, not a 500", async () => {
+      const a = await brokenChunkedRequest(router.port, "/v1/completions");
+      assert.equal(a.status, 400, a.body);
+      const err = JSON.parse(a.body).error;
+      assert.equal(err.type, "invalid_request_error");
+      assert.equal(err.code, "malformed_body");
+      assert.match(err.message, /could not be read/);
+      const lines = router.stderr().split("\n").filter((l) => l.startsWith("{"))
+        .map((l) => JSON.parse(l));
+      const refused = lines.filter((l) => l.code === "malformed_body");
+      assert.equal(refused.length, 1, router.stderr());
+      assert.equal(refused[0].level, "warn");
+      assert.ok(!lines.some((l) => l.level === "error"), router.stderr());
     });
 
     await t.step("none of it reached a backend", async () => {
@@ -261,6 +282,62 @@ Deno.test("bad command-line values stop the router before it starts, naming the 
     assert.match(stderr, c.says, stderr);
     assert.doesNotMatch(stderr, /listening/);
   }));
+});
+
+Deno.test("an upload far over --max-body is a 413 on every route, memory stays flat, the router serves on", async () => {
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url, "--max-body", "64kb"]);
+  /** A thousand times the limit; reading it whole would add ≥ 64 MiB to the peak. */
+  const upload = 64 * 1024 * 1024;
+  /** Generous: allocator and JIT noise, not the body. */
+  const bound = 32 * 1024 * 1024;
+  try {
+    const before = peakRssBytes(router.pid);
+    for (
+      const [path, chunked] of [
+        ["/v1/completions", true],
+        ["/v1/chat/completions", false],
+        ["/health", true],
+        ["/metrics", false],
+      ] as const
+    ) {
+      const r = await streamUpload({ port: router.port, path, totalBytes: upload, chunked });
+      const what = `${path} (${chunked ? "chunked" : "Content-Length"})`;
+      assert.ok(r.answer, `${what}: the router answered`);
+      assert.equal(r.answer.status, 413, `${what}: ${r.answer.body}`);
+      assert.equal(JSON.parse(r.answer.body).error.code, "body_too_large");
+      assert.equal(r.answer.headers["connection"], "close", what);
+      assert.ok(r.sentBytes < upload, `${what}: the router stopped the upload early`);
+    }
+    const growth = peakRssBytes(router.pid) - before;
+    assert.ok(growth < bound, `peak memory grew by ${(growth / 2 ** 20).toFixed(1)} MiB`);
+    const res = await fetch(`${router.url}/v1/completions`, {
+      method: "POST",
+      body: JSON.stringify({ model: "m", prompt: "still serving" }),
+    });
+    assert.equal(res.status, 200);
+    await res.json();
+    assert.deepEqual(await p.requests().then((r) => r.length), 1);
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});
+
+Deno.test("an unknown flag exits 2 naming the flag, as every other usage error", async () => {
+  const { code, stderr } = await runRouterCli([
+    "--prefill",
+    "http://127.0.0.1:9",
+    "--decode",
+    "http://127.0.0.1:9",
+    "--no-such-flag",
+  ]);
+  assert.equal(code, 2, stderr);
+  assert.match(stderr, /unknown option '--no-such-flag'/);
+  const missing = await runRouterCli(["--prefill"]);
+  assert.equal(missing.code, 2, missing.stderr);
+  assert.match(missing.stderr, /--prefill <url>' argument missing/);
+  const help = await runRouterCli(["--help"]);
+  assert.equal(help.code, 0, help.stderr);
 });
 
 Deno.test("a port already in use is refused with exit 2, naming host and port", async () => {

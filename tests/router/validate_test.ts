@@ -4,7 +4,7 @@ import assert from "node:assert/strict";
 import fc from "fast-check";
 import { RouterError } from "../../lib/router/errors.ts";
 import { prefillBody } from "../../lib/router/pd_flow.ts";
-import { parseGenerationRequest, readBodyLimited } from "../../lib/router/validate.ts";
+import { parseGenerationRequest, readRequestBody } from "../../lib/router/validate.ts";
 
 const enc = (v: unknown) => new TextEncoder().encode(typeof v === "string" ? v : JSON.stringify(v));
 
@@ -64,7 +64,7 @@ Deno.test("prefill body: one token, no stream, no stream_options, remote decode 
   assert.equal("max_completion_tokens" in prefillBody({ model: "m", prompt: "x" }), false);
 });
 
-Deno.test("readBodyLimited stops reading once the limit is passed", async () => {
+Deno.test("readRequestBody stops reading once the limit is passed, with a 413", async () => {
   let pulled = 0;
   const body = new ReadableStream<Uint8Array>({
     pull(c) {
@@ -75,8 +75,8 @@ Deno.test("readBodyLimited stops reading once the limit is passed", async () => 
   });
   const req = new Request("http://x/v1/completions", { method: "POST", body });
   await assert.rejects(
-    readBodyLimited(req, 250),
-    (e) => e instanceof RouterError && e.code === "body_too_large",
+    readRequestBody(req, 250),
+    (e) => e instanceof RouterError && e.status === 413 && e.code === "body_too_large",
   );
   assert.ok(pulled < 10, `read ${pulled} chunks of a 100 kB body with a 250-byte limit`);
 });

@@ -52,6 +52,8 @@ Deno.test("every bad flag value is refused with the flag named", () => {
     [["--hint-value-size", "1"], "--hint-value-size"],
     [["--lease-ttl-ms", "soon"], "--lease-ttl-ms"],
     [["--no-such-flag"], "--no-such-flag"],
+    [["--uds", ""], "--uds"],
+    [["--uds", "/tmp/" + "x".repeat(110)], "--uds"],
   ];
   for (const [argv, flag] of cases) {
     const r = parseServeArgs(argv);
@@ -85,6 +87,9 @@ Deno.test("flags parse into the config, with defaults", () => {
   assert.deepEqual(r.config.devices, [0, 1]);
   assert.equal(r.config.addr, "127.0.0.1:50055");
   assert.equal(r.config.transferPath, "auto");
+  assert.equal(r.config.uds, undefined, "no Unix socket unless asked for");
+  const u = parseServeArgs(["--uds", "unix:/run/pegaflow/grpc.sock"]);
+  assert.ok(u.kind === "config" && u.config.uds === "/run/pegaflow/grpc.sock");
   const d = parseServeArgs([]);
   assert.ok(
     d.kind === "config" && d.config.poolSizeDefaulted && d.config.poolSize === 30 * 1024 ** 3,
@@ -110,6 +115,8 @@ Deno.test("--help lists every flag with its default and env var", async () => {
       "--addr",
       "127.0.0.1:50055",
       "--http-addr",
+      "--uds",
+      "PEGAFLOW_UDS",
       "--devices",
       "--backend",
       "--pool-size",

@@ -180,3 +180,35 @@ Deno.test("closing the guard ends the connections it relays", async () => {
     upstream.close();
   }
 });
+
+Deno.test("the guard on a Unix socket relays to the TCP upstream and drops the client's GOAWAY", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pegaflow-guard-" });
+  const path = `${dir}/g.sock`;
+  const upstream = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  let dropped = 0;
+  const guard = startGoawayGuard({
+    path,
+    upstreamHostname: "127.0.0.1",
+    upstreamPort: (upstream.addr as Deno.NetAddr).port,
+    onGoawayDropped: () => dropped++,
+  });
+  const client = await Deno.connect({ transport: "unix", path });
+  const server = await upstream.accept();
+  try {
+    const ping = frame(PING, 0, new Uint8Array(8).fill(3));
+    await client.write(concat([PREFACE, ping, frame(FRAME_TYPE_GOAWAY, 0, new Uint8Array(8))]));
+    const expected = concat([PREFACE, ping]);
+    assert.deepEqual(await readN(server, expected.length), expected);
+    assert.equal(dropped, 1);
+    const reply = frame(PING, 0, new Uint8Array(8).fill(4));
+    await server.write(reply);
+    assert.deepEqual(await readN(client, reply.length), reply);
+    client.close();
+    assert.equal(await server.read(new Uint8Array(16)), null);
+  } finally {
+    server.close();
+    await guard.close();
+    upstream.close();
+    await Deno.remove(dir, { recursive: true });
+  }
+});

@@ -15,6 +15,8 @@ const START_TIMEOUT_MS = 60_000;
 export interface ServerProc {
   grpc: string;
   http: string;
+  /** The `--uds` socket path from the readiness line (null without --uds). */
+  uds: string | null;
   pid: number;
   /** Resolves when the server process exits (however it ends). */
   status: Promise<Deno.CommandStatus>;
@@ -72,7 +74,7 @@ export async function startServer(
   const reader = child.stdout.getReader();
   let out = "";
   const deadline = Date.now() + START_TIMEOUT_MS;
-  let listening: { grpc: string; http: string } | undefined;
+  let listening: { grpc: string; http: string; uds: string | null } | undefined;
   while (!listening) {
     const timer = new Promise<null>((r) =>
       setTimeout(() => r(null), Math.max(0, deadline - Date.now()))
@@ -98,6 +100,7 @@ export async function startServer(
   const proc: ServerProc = {
     grpc: listening.grpc,
     http: listening.http,
+    uds: listening.uds,
     pid: child.pid,
     status: child.status,
     client,

@@ -1,0 +1,157 @@
+/**
+ * The Unix-domain socket file of `--uds PATH`: who may take the path at
+ * start, and who removes it at shutdown.
+ *
+ * A server killed without a shutdown (SIGKILL, a crash) leaves its socket
+ * file behind, and binding over it fails with "address in use" although
+ * nobody listens. So at start a path that is a socket nobody accepts on is
+ * stale and removed; a path a live server accepts on is refused (removing it
+ * would silently steal that server's clients), and so is a path that is not a
+ * socket at all (a typo must not delete a file). At shutdown the file is
+ * removed only if it is still the one this server bound (same inode): a
+ * second server may have claimed the path since.
+ *
+ * @module
+ */
+
+/** `sun_path` holds 108 bytes on Linux, the terminating NUL included. */
+const SUN_PATH_BYTES = 107;
+/**
+ * Suffix of the socket grpc-js listens on behind the GOAWAY guard of `--uds`
+ * (lib/server/server.ts): `PATH.up`, beside the public one.
+ */
+export const UPSTREAM_SUFFIX = ".up";
+/** Longest `--uds` path: its upstream socket `PATH.up` must fit a `sun_path` too. */
+export const MAX_UDS_PATH_BYTES = SUN_PATH_BYTES - UPSTREAM_SUFFIX.length;
+/** The upstream socket is for the relay alone: only the server's user may connect. */
+export const UPSTREAM_SOCKET_MODE = 0o600;
+
+/**
+ * Where grpc-js listens behind the guard of the `--uds` socket at `path`.
+ *
+ * @example
+ * ```ts
+ * upstreamSocketPath("/run/pegaflow/grpc.sock"); // "/run/pegaflow/grpc.sock.up"
+ * ```
+ */
+export function upstreamSocketPath(path: string): string {
+  return path + UPSTREAM_SUFFIX;
+}
+/** How long a probe connect to an existing socket may take before it counts as live. */
+const PROBE_TIMEOUT_MS = 1_000;
+
+/** Why a path cannot be served on; the message names the path. */
+export class UdsPathError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "UdsPathError";
+  }
+}
+
+/** What {@link claimSocketPath} found at the path. */
+export type ClaimOutcome = "free" | "removed_stale";
+
+/**
+ * Makes `path` free to bind: nothing there, or a stale socket (removed).
+ * Throws {@link UdsPathError} when a live server accepts on it, or when it is
+ * not a socket.
+ *
+ * @example
+ * ```ts
+ * if (await claimSocketPath("/run/pegaflow.sock") === "removed_stale") log.info("stale socket removed");
+ * ```
+ */
+export async function claimSocketPath(path: string): Promise<ClaimOutcome> {
+  let info: Deno.FileInfo;
+  try {
+    info = await Deno.lstat(path);
+  } catch (e) {
+    if (e instanceof Deno.errors.NotFound) return "free";
+    throw new UdsPathError(`cannot inspect ${path}: ${(e as Error).message}`);
+  }
+  if (!info.isSocket) {
+    throw new UdsPathError(`${path} exists and is not a socket; refusing to replace it`);
+  }
+  if (await acceptsConnections(path)) {
+    throw new UdsPathError(
+      `${path} is in use: another process accepts connections on it (stop it, or pick another path)`,
+    );
+  }
+  try {
+    await Deno.remove(path);
+  } catch (e) {
+    // Another starting server may have removed it first: free either way.
+    if (!(e instanceof Deno.errors.NotFound)) {
+      throw new UdsPathError(`cannot remove the stale socket ${path}: ${(e as Error).message}`);
+    }
+  }
+  return "removed_stale";
+}
+
+/** Whether something accepts a connection on the socket at `path` (a refusal means stale). */
+async function acceptsConnections(path: string): Promise<boolean> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const connecting = Deno.connect({ transport: "unix", path });
+  try {
+    const conn = await Promise.race([
+      connecting,
+      new Promise<null>((r) => timer = setTimeout(() => r(null), PROBE_TIMEOUT_MS)),
+    ]);
+    // A listener too busy to accept within the probe's deadline is still alive.
+    if (conn === null) {
+      connecting.then((c) => c.close(), () => {});
+      return true;
+    }
+    conn.close();
+    return true;
+  } catch (e) {
+    if (e instanceof Deno.errors.ConnectionRefused || e instanceof Deno.errors.NotFound) {
+      return false;
+    }
+    throw new UdsPathError(`cannot probe ${path}: ${(e as Error).message}`);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** Identity of a bound socket file, to remove exactly that file later. */
+export interface BoundSocket {
+  path: string;
+  ino: number | null;
+}
+
+/**
+ * Records the identity of the socket file just bound at `path`.
+ *
+ * @example
+ * ```ts
+ * const bound = await boundSocket(path);
+ * // ... at shutdown
+ * await releaseSocketPath(bound);
+ * ```
+ */
+export async function boundSocket(path: string): Promise<BoundSocket> {
+  return { path, ino: (await Deno.lstat(path)).ino };
+}
+
+/**
+ * Removes the socket file if it is still the one this server bound; returns
+ * whether it did.
+ *
+ * @example
+ * ```ts
+ * await releaseSocketPath(bound);
+ * ```
+ */
+export async function releaseSocketPath(bound: BoundSocket): Promise<boolean> {
+  try {
+    const info = await Deno.lstat(bound.path);
+    if (!info.isSocket || info.ino !== bound.ino) return false;
+    await Deno.remove(bound.path);
+    return true;
+  } catch (e) {
+    // Already gone (an operator removed it): nothing to release.
+    if (e instanceof Deno.errors.NotFound) return false;
+    throw e;
+  }
+}

@@ -1,0 +1,340 @@
+"""The gRPC client of the PegaFlow KV server: one method per RPC of
+`pegaflow.Engine` (proto/pegaflow.proto), each with a deadline, failures
+raised as `PegaflowError(code, details, method)`.
+
+The channel is created on first use and again after a fork (vLLM spawns its
+workers; a gRPC channel must never cross a fork). No call waits for the
+server to come up (no wait_for_ready): a dead server answers UNAVAILABLE at
+once, a wedged one hits the deadline, so an engine never hangs on us.
+
+The service stubs are written here by hand (`channel.unary_unary` with the
+generated messages' serializers) because CI has no grpc_tools plugin.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import grpc
+
+from ._proto import pegaflow_pb2 as pb
+from .config import ClientConfig
+from .errors import PegaflowError
+
+#: The protocol version RegisterContext expects (HealthResponse.version).
+PROTOCOL_VERSION = "pegaflow-1"
+#: Lease ids are 16 bytes (lib/server/grpc_service.ts LEASE_ID_BYTES).
+LEASE_ID_BYTES = 16
+#: Keepalive pings wait this long for an answer before the connection is declared dead.
+KEEPALIVE_TIMEOUT_S = 20.0
+#: First reconnect attempt of the channel after a drop (gRPC's default is 1 s).
+MIN_RECONNECT_BACKOFF_MS = 100
+
+_SERVICE = "/pegaflow.Engine/"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where one layer's blocks live in its region, in bytes:
+    `addr(block, seg) = base_offset + block * block_stride + seg * seg_stride`,
+    `seg_bytes` per segment, `num_segments` per block, inside a region of
+    `region_bytes` bytes (mirror of the proto's LayerGeometry)."""
+
+    num_blocks: int
+    block_stride: int
+    seg_stride: int
+    seg_bytes: int
+    num_segments: int
+    base_offset: int
+    region_bytes: int
+
+    def to_proto(self) -> pb.LayerGeometry:
+        return pb.LayerGeometry(
+            num_blocks=self.num_blocks,
+            block_stride=self.block_stride,
+            seg_stride=self.seg_stride,
+            seg_bytes=self.seg_bytes,
+            num_segments=self.num_segments,
+            base_offset=self.base_offset,
+            region_bytes=self.region_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """A QueryPrefetch answer: `loading` (a lower tier is fetching the prefix:
+    ask again with the same request id), or `hits` blocks pinned under
+    `lease_id` (empty when hits == 0) for `ttl_ms`."""
+
+    loading: bool
+    hits: int = 0
+    lease_id: bytes = b""
+    ttl_ms: int = 0
+
+
+class Session:
+    """An open liveness stream for one rank. The server sends nothing until
+    the instance is cleaned up, superseded or the server stops; when this
+    side goes away (cancel, process exit) the server cleans the instance up.
+
+    Example:
+        s = client.open_session("inst-a", tp_rank=0)
+        ev = s.next_event()   # blocks; None = the stream broke or ended
+    """
+
+    def __init__(self, call: grpc.Call):
+        self._call = call
+        #: Why the stream ended, when it ended with an error.
+        self.error: Optional[PegaflowError] = None
+
+    def next_event(self) -> Optional[pb.SessionEvent]:
+        """The next event, or None when the stream ended (the server closed it
+        or the connection broke; see `error`)."""
+        try:
+            return next(self._call)
+        except StopIteration:
+            return None
+        except grpc.RpcError as e:
+            self.error = PegaflowError(e.code(), e.details() or "", "Session")
+            return None
+
+    def cancel(self) -> None:
+        """Ends the session from this side (the server then cleans the instance up)."""
+        self._call.cancel()
+
+
+class PegaflowClient:
+    """A connection to one KV server. Thread-safe; every call has a deadline.
+
+    Args are the `ClientConfig` knobs (None = `PEGAFLOW_*` env, else default):
+    `addr` ("host:port" or "unix:/path"), `rpc_timeout_ms`, `save_timeout_ms`,
+    `reconnect_max_ms`, `keepalive_ms`; or pass a resolved `config`.
+
+    Example:
+        c = PegaflowClient("127.0.0.1:50055")
+        print(c.health().version)   # "pegaflow-1"
+        c.close()
+    """
+
+    def __init__(
+        self,
+        addr: Optional[str] = None,
+        *,
+        rpc_timeout_ms: Optional[int] = None,
+        save_timeout_ms: Optional[int] = None,
+        reconnect_max_ms: Optional[int] = None,
+        keepalive_ms: Optional[int] = None,
+        config: Optional[ClientConfig] = None,
+    ):
+        self.config = config or ClientConfig.resolve(
+            addr=addr,
+            rpc_timeout_ms=rpc_timeout_ms,
+            save_timeout_ms=save_timeout_ms,
+            reconnect_max_ms=reconnect_max_ms,
+            keepalive_ms=keepalive_ms,
+        )
+        self._lock = threading.Lock()
+        self._channel: Optional[grpc.Channel] = None
+        self._pid = -1
+        self._stubs: dict = {}
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self.config.addr
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- channel ------------------------------------------------------------
+
+    def _options(self) -> list:
+        c = self.config
+        keepalive_ms = int(c.keepalive_s * 1000)
+        return [
+            ("grpc.max_send_message_length", c.max_message_bytes),
+            ("grpc.max_receive_message_length", c.max_message_bytes),
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", int(min(KEEPALIVE_TIMEOUT_S * 1000, keepalive_ms))),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", MIN_RECONNECT_BACKOFF_MS),
+            ("grpc.min_reconnect_backoff_ms", MIN_RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", int(c.reconnect_max_s * 1000)),
+            # Our callers decide about retries (a dropped save is counted, not replayed).
+            ("grpc.enable_retries", 0),
+        ]
+
+    def _stub(self, method: str, req_cls, res_cls, stream: bool = False):
+        with self._lock:
+            if self._closed:
+                raise PegaflowError(grpc.StatusCode.CANCELLED, "client is closed", method)
+            pid = os.getpid()
+            if self._channel is None or self._pid != pid:
+                # After a fork the parent's channel (and its threads) is unusable:
+                # leave it to the parent and open our own.
+                self._channel = grpc.insecure_channel(self.config.addr, options=self._options())
+                self._pid = pid
+                self._stubs = {}
+            stub = self._stubs.get(method)
+            if stub is None:
+                make = self._channel.unary_stream if stream else self._channel.unary_unary
+                stub = make(
+                    _SERVICE + method,
+                    request_serializer=req_cls.SerializeToString,
+                    response_deserializer=res_cls.FromString,
+                )
+                self._stubs[method] = stub
+            return stub
+
+    def _call(self, method: str, req, res_cls, timeout_s: Optional[float] = None):
+        stub = self._stub(method, type(req), res_cls)
+        try:
+            return stub(req, timeout=timeout_s if timeout_s is not None else self.config.rpc_timeout_s)
+        except grpc.RpcError as e:
+            raise PegaflowError(e.code(), e.details() or "", method) from None
+
+    # ---- RPCs ---------------------------------------------------------------
+
+    def health(self, timeout_s: Optional[float] = None) -> pb.HealthResponse:
+        """Server status, protocol version and backend ("cuda" | "host")."""
+        return self._call("Health", pb.HealthRequest(), pb.HealthResponse, timeout_s)
+
+    def register_context(
+        self,
+        *,
+        instance_id: str,
+        namespace: str,
+        tp_rank: int,
+        tp_size: int,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        world_size: Optional[int] = None,
+        device_id: int = 0,
+        layer_names: Sequence[str],
+        region_handles: Sequence[bytes],
+        geometry: Sequence[Geometry],
+        client_version: str = PROTOCOL_VERSION,
+    ) -> pb.RegisterContextResponse:
+        """Registers every layer of one rank (layer order = execution order)."""
+        req = pb.RegisterContextRequest(
+            instance_id=instance_id,
+            namespace=namespace,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            world_size=world_size if world_size is not None else tp_size * pp_size,
+            device_id=device_id,
+            layer_names=list(layer_names),
+            region_handles=[bytes(h) for h in region_handles],
+            geometry=[g.to_proto() for g in geometry],
+            client_version=client_version,
+        )
+        return self._call("RegisterContext", req, pb.RegisterContextResponse)
+
+    def save(
+        self,
+        *,
+        instance_id: str,
+        tp_rank: int,
+        pp_rank: int = 0,
+        block_ids: Sequence[int] = (),
+        block_hashes: Sequence[bytes] = (),
+        layers: Optional[Iterable[pb.LayerSave]] = None,
+        request_id: str = "",
+        timeout_s: Optional[float] = None,
+    ) -> pb.SaveResponse:
+        """Saves `block_ids` (with their `block_hashes`) of every registered
+        layer of the rank, or per-layer `layers`; returns once the bytes are in
+        the pool (hence its own, longer deadline)."""
+        req = pb.SaveRequest(
+            instance_id=instance_id,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            block_ids=list(block_ids),
+            block_hashes=[bytes(h) for h in block_hashes],
+            layers=list(layers or ()),
+            request_id=request_id,
+        )
+        return self._call(
+            "Save", req, pb.SaveResponse,
+            timeout_s if timeout_s is not None else self.config.save_timeout_s,
+        )
+
+    def query_prefetch(
+        self, *, instance_id: str, block_hashes: Sequence[bytes], request_id: str,
+        timeout_s: Optional[float] = None,
+    ) -> QueryResult:
+        """Longest held prefix of `block_hashes`; a hit is pinned under a lease."""
+        req = pb.QueryPrefetchRequest(
+            instance_id=instance_id,
+            block_hashes=[bytes(h) for h in block_hashes],
+            request_id=request_id,
+        )
+        r = self._call("QueryPrefetch", req, pb.QueryPrefetchResponse, timeout_s)
+        if r.WhichOneof("result") == "ready":
+            return QueryResult(
+                loading=False,
+                hits=r.ready.num_hit_blocks,
+                lease_id=bytes(r.ready.lease_id),
+                ttl_ms=r.ready.lease_ttl_ms,
+            )
+        return QueryResult(loading=True)
+
+    def load(
+        self,
+        *,
+        instance_id: str,
+        tp_rank: int,
+        pp_rank: int = 0,
+        lease_id: bytes,
+        block_ids: Sequence[int],
+        load_state_shm: str,
+        request_id: str = "",
+        timeout_s: Optional[float] = None,
+    ) -> pb.LoadResponse:
+        """Consumes the lease for this rank and starts scattering into
+        `block_ids`; returns at submit (progress is in the load state)."""
+        req = pb.LoadRequest(
+            instance_id=instance_id,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            lease_id=bytes(lease_id),
+            block_ids=list(block_ids),
+            load_state_shm=load_state_shm,
+            request_id=request_id,
+        )
+        return self._call("Load", req, pb.LoadResponse, timeout_s)
+
+    def release(self, lease_id: bytes, timeout_s: Optional[float] = None) -> None:
+        """Gives a lease back before it is used up or expires."""
+        self._call("Release", pb.ReleaseRequest(lease_id=bytes(lease_id)), pb.ReleaseResponse, timeout_s)
+
+    def unregister_context(self, instance_id: str, timeout_s: Optional[float] = None) -> int:
+        """Cleans the instance up; returns the number of leases released."""
+        r = self._call(
+            "UnregisterContext",
+            pb.UnregisterContextRequest(instance_id=instance_id),
+            pb.UnregisterContextResponse,
+            timeout_s,
+        )
+        return r.leases_released
+
+    def open_session(self, instance_id: str, tp_rank: int = 0, pp_rank: int = 0) -> Session:
+        """Opens the liveness stream for one rank. It has no deadline (it lives
+        as long as the registration); keepalive pings detect a dead peer."""
+        stub = self._stub("Session", pb.SessionRequest, pb.SessionEvent, stream=True)
+        req = pb.SessionRequest(instance_id=instance_id, tp_rank=tp_rank, pp_rank=pp_rank)
+        return Session(stub(req))
+
+    def close(self) -> None:
+        """Closes the channel; later calls raise CANCELLED."""
+        with self._lock:
+            self._closed = True
+            ch, self._channel = self._channel, None
+            if ch is not None and self._pid == os.getpid():
+                ch.close()

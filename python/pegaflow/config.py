@@ -1,0 +1,96 @@
+"""Client settings: every knob has a constructor argument, a `PEGAFLOW_*`
+environment variable and a default, resolved here once (argument > env >
+default). A bad value raises ValueError naming the variable.
+
+    PEGAFLOW_ADDR               server address, "host:port" or "unix:/path"   127.0.0.1:50055
+    PEGAFLOW_RPC_TIMEOUT_MS     deadline of every unary call but Save          5000
+    PEGAFLOW_SAVE_TIMEOUT_MS    deadline of Save (it returns after the copy)   30000
+    PEGAFLOW_LOAD_TIMEOUT_MS    longest wait on a load state                    60000
+    PEGAFLOW_RECONNECT_MAX_MS   cap of the re-registration backoff             5000
+    PEGAFLOW_KEEPALIVE_MS       HTTP/2 keepalive ping interval                 30000
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+DEFAULT_ADDR = "127.0.0.1:50055"
+#: The server's default message limit (lib/server/config.ts DEFAULT_MAX_MESSAGE).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def _env_ms(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer number of milliseconds") from None
+    if v <= 0:
+        raise ValueError(f"{name}={raw!r} must be > 0")
+    return v
+
+
+def check_address(addr: str) -> str:
+    """Returns `addr` if it is "host:port" or "unix:/abs/path" (gRPC's own
+    target syntax for a Unix socket), else raises ValueError."""
+    if addr.startswith("unix:"):
+        path = addr[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path.startswith("/"):
+            raise ValueError(f"address {addr!r}: a Unix socket address is unix:/absolute/path")
+        return addr
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address {addr!r} is not host:port (e.g. 127.0.0.1:50055) or unix:/path")
+    return addr
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Resolved client settings (see the module doc for the variables).
+
+    Example:
+        cfg = ClientConfig.resolve(addr="unix:/run/pegaflow.sock")
+    """
+
+    addr: str = DEFAULT_ADDR
+    rpc_timeout_s: float = 5.0
+    save_timeout_s: float = 30.0
+    load_timeout_s: float = 60.0
+    reconnect_max_s: float = 5.0
+    keepalive_s: float = 30.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+    @classmethod
+    def resolve(
+        cls,
+        addr: Optional[str] = None,
+        rpc_timeout_ms: Optional[int] = None,
+        save_timeout_ms: Optional[int] = None,
+        load_timeout_ms: Optional[int] = None,
+        reconnect_max_ms: Optional[int] = None,
+        keepalive_ms: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> "ClientConfig":
+        e = os.environ if env is None else env
+
+        def pick(arg: Optional[int], name: str, default: int) -> float:
+            if arg is not None:
+                if int(arg) <= 0:
+                    raise ValueError(f"{name.lower()} must be > 0, got {arg}")
+                return int(arg) / 1000.0
+            return _env_ms(e, "PEGAFLOW_" + name, default) / 1000.0
+
+        return cls(
+            addr=check_address(addr or e.get("PEGAFLOW_ADDR") or DEFAULT_ADDR),
+            rpc_timeout_s=pick(rpc_timeout_ms, "RPC_TIMEOUT_MS", 5000),
+            save_timeout_s=pick(save_timeout_ms, "SAVE_TIMEOUT_MS", 30000),
+            load_timeout_s=pick(load_timeout_ms, "LOAD_TIMEOUT_MS", 60000),
+            reconnect_max_s=pick(reconnect_max_ms, "RECONNECT_MAX_MS", 5000),
+            keepalive_s=pick(keepalive_ms, "KEEPALIVE_MS", 30000),
+        )

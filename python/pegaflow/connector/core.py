@@ -1,0 +1,668 @@
+"""Engine-agnostic state machines of a KV connector over PegaFlow: the
+scheduler side decides what to load and save, the worker side moves the
+bytes. Plain ids, hashes and picklable dataclasses cross between them (the
+vLLM adapter in vllm.py only maps vLLM's objects onto these calls).
+
+Scheduler side (`SchedulerCore`), per request:
+  probe   get_num_new_matched_tokens → QueryPrefetch of the hashes past the
+          locally computed prefix, capped so at least one token is computed.
+          The answer and its lease are cached per request, so repeated calls
+          are side-effect free; the lease is released when the probe drifts
+          (a different computed prefix), is not used, or the request ends.
+          "loading" (a lower tier is fetching) answers None: ask me later.
+  load    update_state_after_alloc → a LoadIntent (lease + target block ids;
+          fewer targets than hits load that prefix, the server gives the rest back)
+  save    build_step → SaveIntents for the blocks that become full in this
+          step (their ids and the engine's own block hashes)
+  finish  request_finished → delay the free while saves may be pending; the
+          worker reports the id in finished_sending when its saves are done.
+Worker side (`WorkerCore`): registration (KvRegistration: survives server
+restarts), Loads with a LoadState each, per-layer waits (layer-wise mode) or
+polling between steps (async mode), and a save thread so a step never waits
+for a Save. Failures never raise into the engine: a query error is a miss,
+a save error is a dropped save (counted), a load error lists the blocks in
+`take_load_errors()` so the engine recomputes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+import grpc
+
+from ..client import PegaflowClient, QueryResult
+from ..errors import PegaflowError, PegaflowLoadError
+from ..load_state import LoadState
+from ..regions import export_kv_layers
+from ..registration import KvRegistration
+
+log = logging.getLogger("pegaflow.connector")
+
+LAYERWISE = "layerwise"
+ASYNC = "async"
+MODES = (LAYERWISE, ASYNC)
+#: A cached probe is trusted for this fraction of its lease's TTL, then asked again.
+PROBE_TTL_FRACTION = 0.5
+_NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
+#: Status codes after which a Load may still have reached the server.
+_MAYBE_ACCEPTED = (
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+)
+
+
+def derive_namespace(
+    *,
+    model: str,
+    dtype: str,
+    tp_size: int,
+    pp_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    num_layers: int,
+    block_size: int,
+    cache_dtype: str,
+    layout: str = "",
+    extra: Optional[Mapping[str, Any]] = None,
+) -> str:
+    """A namespace that changes with every factor of the stored layout, so
+    only engines whose blocks are interchangeable share blocks. Readable
+    model prefix + 16 hex digits of sha256 over all factors; fits the
+    server's name rule ([A-Za-z0-9._-], <= 128).
+
+    Example:
+        derive_namespace(model="meta-llama/Llama-3.1-8B", dtype="bfloat16", tp_size=1, pp_size=1,
+                         num_kv_heads=8, head_size=128, num_layers=32, block_size=16, cache_dtype="auto")
+        # 'Llama-3.1-8B-3f1c...'
+    """
+    factors = dict(
+        model=model, dtype=str(dtype), tp_size=tp_size, pp_size=pp_size, num_kv_heads=num_kv_heads,
+        head_size=head_size, num_layers=num_layers, block_size=block_size, cache_dtype=str(cache_dtype),
+        layout=layout, **{k: str(v) for k, v in (extra or {}).items()},
+    )
+    digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
+    stem = _NAME_OK.sub("-", model.rstrip("/").split("/")[-1])[:96] or "model"
+    return f"{stem}-{digest}"
+
+
+def safe_name(s: str) -> str:
+    """`s` with characters outside the server's name rule replaced by '-'."""
+    return _NAME_OK.sub("-", s)[:128] or "pegaflow"
+
+
+# ---- what crosses from the scheduler to the workers (picklable) -------------
+
+
+@dataclass
+class LoadIntent:
+    """Load the leased prefix into `block_ids` (the request's blocks after its
+    locally computed prefix)."""
+
+    request_id: str
+    lease_id: bytes
+    block_ids: List[int]
+
+
+@dataclass
+class SaveIntent:
+    """Save these full blocks of a request (ids + the engine's block hashes)."""
+
+    request_id: str
+    block_ids: List[int]
+    block_hashes: List[bytes]
+
+
+@dataclass
+class StepPlan:
+    """Everything the workers do for one step."""
+
+    loads: List[LoadIntent] = field(default_factory=list)
+    saves: List[SaveIntent] = field(default_factory=list)
+    preempted: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request in a step's schedule: `block_ids` is its new blocks
+    (appended) or, with `replace_blocks`, all of them (new or resumed)."""
+
+    request_id: str
+    block_ids: Optional[Sequence[int]]
+    replace_blocks: bool
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+# ---- scheduler side ----------------------------------------------------------
+
+
+@dataclass
+class _Probe:
+    computed_blocks: int
+    asked: int
+    result: QueryResult
+    at: float
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    block_ids: List[int] = field(default_factory=list)
+    saved_upto: int = 0
+    had_save: bool = False
+
+
+class SchedulerCore:
+    """The scheduler-side state machine. `request` objects need
+    `request_id`, `block_hashes` (list of bytes) and `num_tokens`;
+    `num_publishable_block_hashes` is honoured when present.
+
+    Example:
+        core = SchedulerCore(client, instance_id="inst", block_size=16, mode="async")
+        n, is_async = core.get_num_new_matched_tokens(req, 0)
+        core.update_state_after_alloc(req, block_ids, n)
+        plan = core.build_step([ScheduledRequest(...)], preempted=[])
+    """
+
+    def __init__(self, client: PegaflowClient, *, instance_id: str, block_size: int, mode: str = LAYERWISE):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.client = client
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.mode = mode
+        self._probes: Dict[str, _Probe] = {}
+        self._tracked: Dict[str, _Tracked] = {}
+        self._loads: List[LoadIntent] = []
+        self._delayed: Set[str] = set()
+        self.stats: Dict[str, int] = defaultdict(int)
+
+    # -- probe --
+
+    def _release(self, probe: Optional[_Probe]) -> None:
+        if probe is None or not probe.result.lease_id:
+            return
+        try:
+            self.client.release(probe.result.lease_id)
+        except PegaflowError as e:  # it expires on its own; nothing to undo here
+            self.stats["release_errors"] += 1
+            log.debug("release failed: %s", e)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        rid = request.request_id
+        self._tracked.setdefault(rid, _Tracked(request))
+        bs = self.block_size
+        hashes = request.block_hashes
+        computed = num_computed_tokens // bs
+        # At least the last token is computed by the engine (it needs its logits).
+        loadable = min(len(hashes), max(0, (request.num_tokens - 1) // bs))
+        asked = loadable - computed
+        if asked <= 0:
+            self._release(self._probes.pop(rid, None))
+            return 0, False
+        now = time.monotonic()
+        p = self._probes.get(rid)
+        if p is not None and (p.computed_blocks, p.asked) == (computed, asked) and (
+            now - p.at < p.result.ttl_ms / 1000.0 * PROBE_TTL_FRACTION
+        ):
+            return self._answer(p)
+        self._release(self._probes.pop(rid, None))
+        self.stats["queries"] += 1
+        try:
+            q = self.client.query_prefetch(
+                instance_id=self.instance_id, block_hashes=hashes[computed:loadable], request_id=rid
+            )
+        except PegaflowError as e:
+            # Server away, instance not (yet) registered, ...: a miss, never an error in the step.
+            self.stats["query_errors"] += 1
+            log.debug("query for %s failed (answering 0 hits): %s", rid, e)
+            return 0, False
+        if q.loading:
+            self.stats["query_loading"] += 1
+            return None, False
+        p = _Probe(computed, asked, q, now)
+        self._probes[rid] = p
+        self.stats["hit_blocks"] += q.hits
+        return self._answer(p)
+
+    def _answer(self, p: _Probe) -> Tuple[int, bool]:
+        hits = p.result.hits
+        return hits * self.block_size, hits > 0 and self.mode == ASYNC
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """`block_ids`: all of the request's blocks (group 0), local prefix first."""
+        rid = request.request_id
+        tr = self._tracked.setdefault(rid, _Tracked(request))
+        p = self._probes.pop(rid, None)
+        n = num_external_tokens // self.block_size
+        if n <= 0 or p is None or not p.result.lease_id:
+            self._release(p)
+            return
+        if n > p.result.hits:
+            self._release(p)
+            raise ValueError(
+                f"request {rid}: {num_external_tokens} external tokens exceed the {p.result.hits} "
+                f"blocks get_num_new_matched_tokens offered"
+            )
+        start = p.computed_blocks
+        targets = list(block_ids[start:start + n])
+        if len(targets) != n:
+            self._release(p)
+            raise ValueError(
+                f"request {rid}: {len(block_ids)} blocks allocated, need blocks {start}..{start + n - 1} to load into"
+            )
+        self._loads.append(LoadIntent(rid, p.result.lease_id, targets))
+        tr.saved_upto = max(tr.saved_upto, start + n)  # those blocks are held by the server already
+        self.stats["load_intents"] += 1
+
+    # -- step --
+
+    def build_step(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+        plan = StepPlan(loads=self._loads, preempted=list(preempted))
+        self._loads = []
+        for rid in plan.preempted:
+            tr = self._tracked.get(rid)
+            if tr is not None:
+                tr.block_ids = []  # freed; new ids come with the resumed schedule
+        bs = self.block_size
+        for s in scheduled:
+            tr = self._tracked.get(s.request_id)
+            if tr is None:
+                continue  # never probed: not ours to save
+            if s.block_ids is not None:
+                tr.block_ids = list(s.block_ids) if s.replace_blocks else tr.block_ids + list(s.block_ids)
+            hashes = tr.request.block_hashes
+            publishable = getattr(tr.request, "num_publishable_block_hashes", None)
+            n_hash = len(hashes) if publishable is None else min(len(hashes), publishable)
+            full = min((s.num_computed_tokens + s.num_scheduled_tokens) // bs, n_hash, len(tr.block_ids))
+            if full > tr.saved_upto:
+                plan.saves.append(
+                    SaveIntent(s.request_id, tr.block_ids[tr.saved_upto:full], list(hashes[tr.saved_upto:full]))
+                )
+                tr.saved_upto = full
+                tr.had_save = True
+                self.stats["save_intents"] += 1
+        return plan
+
+    def request_finished(self, request: Any) -> bool:
+        """True: keep the blocks until the id comes back in finished_sending."""
+        rid = request.request_id
+        self._release(self._probes.pop(rid, None))
+        tr = self._tracked.pop(rid, None)
+        if tr is not None and tr.had_save:
+            self._delayed.add(rid)
+            return True
+        return False
+
+    def finished_sending(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._delayed.discard(rid)
+
+    @property
+    def delayed(self) -> Set[str]:
+        return set(self._delayed)
+
+    def close(self) -> None:
+        for p in self._probes.values():
+            self._release(p)
+        self._probes.clear()
+
+
+# ---- worker side --------------------------------------------------------------
+
+
+def _tensor_key(t: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
+    """(data pointer, shape, strides): equal for two names of one KV tensor."""
+    if hasattr(t, "data_ptr"):
+        return t.data_ptr(), tuple(t.shape), tuple(t.stride())
+    return t.__array_interface__["data"][0], tuple(t.shape), tuple(t.strides)
+
+
+@dataclass
+class _Load:
+    intent: LoadIntent
+    state: Optional[LoadState]
+    failed: bool = False
+    done: bool = False
+    at: float = 0.0
+
+
+@dataclass
+class _SaveJob:
+    event: Any
+    intents: List[SaveIntent]
+
+
+class WorkerCore:
+    """The worker-side state machine of one rank.
+
+    Example:
+        w = WorkerCore(client, instance_id="inst", namespace=ns, tp_rank=0, tp_size=1, mode="layerwise")
+        w.register_kv_caches(kv_caches)          # dict order = execution order
+        w.bind(plan); w.start_load()
+        for name in layers: w.wait_for_layer_load(name); ...
+        w.wait_for_save(); w.get_finished(finished_ids); w.take_load_errors(); w.unbind()
+    """
+
+    def __init__(
+        self,
+        client: PegaflowClient,
+        *,
+        instance_id: str,
+        namespace: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        mode: str = LAYERWISE,
+        load_timeout_s: Optional[float] = None,
+        save_queue_depth: int = 64,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        self.client = client
+        self.instance_id, self.namespace = instance_id, namespace
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
+        self.mode = mode
+        self.load_timeout_s = load_timeout_s if load_timeout_s is not None else client.config.load_timeout_s
+        self.registration: Optional[KvRegistration] = None
+        self._alias: Dict[str, str] = {}
+        self._cuda = False
+        self._plan: Optional[StepPlan] = None
+        self._step_loads: List[_Load] = []  # layer-wise: this step's loads
+        self._async_loads: Dict[str, _Load] = {}
+        self._free_states: List[LoadState] = []
+        self._errors: Set[int] = set()
+        self._lock = threading.Condition()
+        self._pending: Dict[str, int] = defaultdict(int)  # request → queued/in-flight saves
+        self._saving: Set[str] = set()  # requests with at least one save on this worker
+        self._finishing: Set[str] = set()
+        self._queue: "queue.Queue[Optional[_SaveJob]]" = queue.Queue(maxsize=save_queue_depth)
+        self._thread: Optional[threading.Thread] = None
+        self.stats: Dict[str, int] = defaultdict(int)
+
+    # -- registration --
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], layout: Optional[str] = None) -> None:
+        """Registers the layers in the mapping's order (= execution order). A
+        layer that reuses an earlier layer's tensor (vLLM's KV sharing) is
+        registered once, under the first name; the alias waits on that layer."""
+        unique: Dict[str, Any] = {}
+        first: Dict[Tuple[int, Tuple[int, ...], Tuple[int, ...]], str] = {}
+        for name, t in kv_caches.items():
+            key = _tensor_key(t)
+            if key in first:
+                self._alias[name] = first[key]
+            else:
+                first[key] = name
+                unique[name] = t
+        layers, device = export_kv_layers(unique, layout)
+        self._cuda = any(bool(getattr(t, "is_cuda", False)) for t in unique.values())
+        self.registration = KvRegistration(
+            self.client, instance_id=self.instance_id, namespace=self.namespace, layers=layers,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+            device_id=device,
+        )
+        self.registration.register()
+        self._thread = threading.Thread(target=self._save_loop, name=f"pegaflow-save-{self.tp_rank}", daemon=True)
+        self._thread.start()
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:  # the save thread and the engine's thread both count
+            self.stats[key] += n
+
+    def _reg(self) -> KvRegistration:
+        if self.registration is None:
+            raise RuntimeError("register_kv_caches() was not called")
+        return self.registration
+
+    # -- per step --
+
+    def bind(self, plan: StepPlan) -> None:
+        self._plan = plan
+
+    def unbind(self) -> None:
+        self._plan = None
+
+    def handle_preemptions(self, preempted: Iterable[str]) -> None:
+        """Returns once no save of these requests is queued or in flight (their
+        blocks are about to be reused), or after the save deadline."""
+        ids = set(preempted)
+        if not ids:
+            return
+        deadline = time.monotonic() + self.client.config.save_timeout_s
+        with self._lock:
+            while any(self._pending.get(r, 0) for r in ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._count("preemption_wait_timeouts", 1)
+                    log.warning("preempted requests %s: saves still pending after the deadline", sorted(ids))
+                    return
+                self._lock.wait(left)
+
+    def _state(self) -> LoadState:
+        st = self._free_states.pop() if self._free_states else LoadState.create()
+        st.rearm()
+        return st
+
+    def _recycle(self, ld: _Load) -> None:
+        if ld.state is None:
+            return
+        if ld.done:
+            self._free_states.append(ld.state)
+        else:
+            ld.state.close()  # timed out: the server may still write it, never reuse it
+        ld.state = None
+
+    def _fail(self, ld: _Load, why: str) -> None:
+        if not ld.failed:
+            ld.failed = True
+            self._errors.update(ld.intent.block_ids)
+            self._count("load_failures", 1)
+            log.warning("load for %s failed (%d blocks recomputed): %s", ld.intent.request_id, len(ld.intent.block_ids), why)
+
+    def start_load(self) -> None:
+        """Submits one Load per load intent of the bound plan."""
+        plan = self._plan
+        if plan is None or not plan.loads:
+            return
+        reg = self._reg()
+        for intent in plan.loads:
+            ld = _Load(intent, None, at=time.monotonic())
+            if self.mode == ASYNC:
+                self._async_loads[intent.request_id] = ld
+            else:
+                self._step_loads.append(ld)
+            if not reg.connected:
+                ld.done = True
+                self._fail(ld, "not connected to the server")
+                continue
+            ld.state = self._state()
+            try:
+                self.client.load(
+                    instance_id=self.instance_id, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
+                    lease_id=intent.lease_id, block_ids=intent.block_ids, load_state_shm=ld.state.name,
+                    request_id=intent.request_id,
+                )
+                self._count("loads", 1)
+                self._count("load_blocks", len(intent.block_ids))
+            except PegaflowError as e:
+                # A refusal left the state alone or failed it; mark it ourselves too.
+                ld.state.mark_failed()
+                # Only an explicit refusal proves the server will never write this state;
+                # after a timeout or a broken connection it may still: do not reuse it.
+                ld.done = e.code not in _MAYBE_ACCEPTED
+                self._fail(ld, str(e))
+                self._recycle(ld)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise mode: returns once `layer_name` has landed for every load of this step."""
+        if not self._step_loads:
+            return
+        reg = self._reg()
+        name = self._alias.get(layer_name, layer_name)
+        try:
+            idx = reg.layer_index(name)
+        except KeyError:
+            # A layer we never saw: wait for every layer rather than let it read early.
+            idx = len(reg.layers) - 1
+        for ld in self._step_loads:
+            if ld.failed or ld.done or ld.state is None:
+                continue
+            try:
+                ld.state.wait_layer(idx, self._left(ld))
+            except PegaflowLoadError as e:
+                ld.done = not isinstance(e, TimeoutError)
+                self._fail(ld, str(e))
+                self._recycle(ld)
+
+    def _left(self, ld: _Load) -> float:
+        return max(0.0, ld.at + self.load_timeout_s - time.monotonic())
+
+    def _finish_step_loads(self) -> None:
+        for ld in self._step_loads:
+            if not ld.done and ld.state is not None and not ld.failed:
+                try:
+                    ld.state.wait_all(self._left(ld))
+                    ld.done = True
+                except PegaflowLoadError as e:
+                    ld.done = not isinstance(e, TimeoutError)
+                    self._fail(ld, str(e))
+            self._recycle(ld)
+        self._step_loads = []
+
+    def wait_for_save(self) -> None:
+        """End of the forward: settles this step's layer-wise loads and hands
+        the step's saves to the save thread (never waits for a Save)."""
+        self._finish_step_loads()
+        plan = self._plan
+        if plan is None or not plan.saves:
+            return
+        event = None
+        if self._cuda:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+        with self._lock:
+            for s in plan.saves:
+                self._pending[s.request_id] += 1
+                self._saving.add(s.request_id)
+        try:
+            self._queue.put_nowait(_SaveJob(event, list(plan.saves)))
+        except queue.Full:
+            self._done_saving(plan.saves)
+            self._count("saves_dropped", sum(len(s.block_ids) for s in plan.saves))
+            log.warning("save queue full: dropped the saves of %d requests", len(plan.saves))
+
+    def _done_saving(self, intents: Sequence[SaveIntent]) -> None:
+        with self._lock:
+            for s in intents:
+                self._pending[s.request_id] -= 1
+                if self._pending[s.request_id] <= 0:
+                    del self._pending[s.request_id]
+            self._lock.notify_all()
+
+    def _save_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._save(job)
+            finally:
+                self._done_saving(job.intents)
+
+    def _save(self, job: _SaveJob) -> None:
+        blocks = sum(len(s.block_ids) for s in job.intents)
+        if job.event is not None:
+            job.event.synchronize()  # the step's KV writes are done before the server copies
+        reg = self._reg()
+        if not reg.connected:
+            self._count("saves_dropped", blocks)
+            return
+        ids: List[int] = []
+        hashes: List[bytes] = []
+        for s in job.intents:
+            ids.extend(s.block_ids)
+            hashes.extend(s.block_hashes)
+        try:
+            r = self.client.save(
+                instance_id=self.instance_id, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
+                block_ids=ids, block_hashes=hashes, request_id=job.intents[0].request_id,
+            )
+        except PegaflowError as e:
+            self._count("saves_dropped", blocks)
+            self._count("save_errors", 1)
+            log.debug("save of %d blocks failed (dropped): %s", blocks, e)
+            return
+        self._count("saves", 1)
+        self._count("blocks_saved", r.blocks_saved)
+        self._count("blocks_skipped", r.blocks_skipped)
+        self._count("blocks_refused", r.blocks_refused + r.blocks_not_admitted)
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """(finished_sending, finished_recving): requests whose saves are all
+        done (only those that had a save, as the scheduler delayed exactly
+        those), and async loads that ended (ok or failed)."""
+        recving: Set[str] = set()
+        if self.mode == ASYNC:
+            for rid, ld in list(self._async_loads.items()):
+                if not ld.done and ld.state is not None:
+                    ok = ld.state.poll()
+                    if ok is None:
+                        if self._left(ld) > 0:
+                            continue
+                        self._fail(ld, f"not done after {self.load_timeout_s} s")
+                    else:
+                        ld.done = True
+                        if not ok:
+                            self._fail(ld, f"load state {ld.state.name} ended with state {ld.state.state}")
+                recving.add(rid)
+                self._recycle(ld)
+                del self._async_loads[rid]
+        with self._lock:
+            self._finishing |= set(finished_req_ids) & self._saving
+            sending = {r for r in self._finishing if not self._pending.get(r)}
+            self._finishing -= sending
+            self._saving -= sending
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> Set[int]:
+        errs, self._errors = self._errors, set()
+        return errs
+
+    def stats_snapshot(self) -> Dict[str, int]:
+        with self._lock:
+            out = dict(self.stats)
+        if self.registration is not None:
+            out.update({"registration_" + k: v for k, v in self.registration.stats().items()})
+        return out
+
+    def close(self, unregister: bool = True) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(self.client.config.save_timeout_s)
+            self._thread = None
+        if self.registration is not None:
+            self.registration.close(unregister=unregister)
+        # Unregistering drained the server's copies: every state can go now.
+        for ld in self._step_loads + list(self._async_loads.values()):
+            if ld.state is not None:
+                ld.state.close()
+                ld.state = None
+        self._step_loads, self._async_loads = [], {}
+        for st in self._free_states:
+            st.close()
+        self._free_states.clear()

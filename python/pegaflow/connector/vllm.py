@@ -1,0 +1,284 @@
+"""`PegaflowConnector`: vLLM's KV connector v1 (`KVConnectorBase_V1`) over
+PegaFlow. It maps vLLM's objects onto the engine-agnostic state machines
+in core.py and holds no policy of its own.
+
+Written against vllm-project/vllm `vllm/distributed/kv_transfer/kv_connector/
+v1/base.py` @ 003df2961dd8830c317a61f9745ccd557da9fa06. It subclasses vLLM's
+own base class when vLLM is importable (new optional methods keep vLLM's
+defaults), else our stand-in `pegaflow.connector.vllm_api`. vLLM attributes
+read here (all present at that commit):
+  vllm_config.kv_transfer_config.{engine_id, kv_connector_extra_config, get_from_extra_config}
+  vllm_config.model_config.{model, dtype, use_mla, get_num_kv_heads(pc), get_head_size(), get_num_layers(pc)}
+  vllm_config.cache_config.{block_size, cache_dtype}
+  vllm_config.parallel_config.{tensor_parallel_size, pipeline_parallel_size, rank}
+  request.{request_id, block_hashes, num_tokens, num_publishable_block_hashes (if present)}
+  KVCacheBlocks.get_block_ids()
+  SchedulerOutput.{scheduled_new_reqs[].{req_id, block_ids, num_computed_tokens},
+    scheduled_cached_reqs.{req_ids, new_block_ids, num_computed_tokens, resumed_req_ids
+    (or the older resumed_from_preemption)}, num_scheduled_tokens, preempted_req_ids}
+  KVConnectorOutput.finished_sending
+
+Use: `--kv-transfer-config '{"kv_connector":"PegaflowConnector",
+"kv_connector_module_path":"pegaflow.connector.vllm","kv_role":"kv_both",
+"kv_connector_extra_config":{"pegaflow.addr":"127.0.0.1:50055","pegaflow.mode":"layerwise"}}'`
+Extra config keys (env fallback): pegaflow.addr (PEGAFLOW_ADDR), pegaflow.mode
+(PEGAFLOW_MODE: "layerwise" | "async"), pegaflow.rpc_timeout_ms, pegaflow.save_timeout_ms,
+pegaflow.load_timeout_ms (PEGAFLOW_*_TIMEOUT_MS), pegaflow.instance_id
+(PEGAFLOW_INSTANCE_ID; default kv_transfer_config.engine_id), pegaflow.namespace
+(PEGAFLOW_NAMESPACE; default derived from every layout factor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Set, Tuple
+
+from ..client import PegaflowClient
+from ..config import ClientConfig
+from .core import (
+    ASYNC,
+    LAYERWISE,
+    MODES,
+    ScheduledRequest,
+    SchedulerCore,
+    StepPlan,
+    WorkerCore,
+    derive_namespace,
+    safe_name,
+)
+
+try:  # the real vLLM when it is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+
+    HAVE_VLLM = True
+except ImportError:
+    from .vllm_api import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+    HAVE_VLLM = False
+
+log = logging.getLogger("pegaflow.connector.vllm")
+
+
+@dataclass
+class PegaflowConnectorMetadata(KVConnectorMetadata):
+    """One step's plan (load intents, save intents, preempted ids); pickles."""
+
+    plan: StepPlan
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What the connector reads from kv_connector_extra_config (env fallback)."""
+
+    mode: str
+    instance_id: str
+    namespace: str
+    client: ClientConfig
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, env: Optional[Dict[str, str]] = None) -> "ConnectorSettings":
+        e = os.environ if env is None else env
+        kt = vllm_config.kv_transfer_config
+        extra = dict(getattr(kt, "kv_connector_extra_config", None) or {})
+
+        def get(key: str, var: str) -> Optional[str]:
+            v = extra.get("pegaflow." + key)
+            return str(v) if v is not None else e.get(var)
+
+        def ms(key: str) -> Optional[int]:
+            v = extra.get("pegaflow." + key)
+            return int(v) if v is not None else None
+
+        mode = get("mode", "PEGAFLOW_MODE") or LAYERWISE
+        if mode not in MODES:
+            raise ValueError(f"pegaflow.mode {mode!r} is not one of {MODES}")
+        mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+        namespace = get("namespace", "PEGAFLOW_NAMESPACE") or derive_namespace(
+            model=str(mc.model),
+            dtype=str(mc.dtype),
+            tp_size=pc.tensor_parallel_size,
+            pp_size=pc.pipeline_parallel_size,
+            num_kv_heads=mc.get_num_kv_heads(pc),
+            head_size=mc.get_head_size(),
+            num_layers=mc.get_num_layers(pc),
+            block_size=cc.block_size,
+            cache_dtype=str(cc.cache_dtype),
+            layout="mla" if getattr(mc, "use_mla", False) else "kv",
+        )
+        instance = get("instance_id", "PEGAFLOW_INSTANCE_ID") or getattr(kt, "engine_id", None)
+        if not instance:
+            # Scheduler and workers must agree without talking: fall back to something both derive.
+            instance = "engine-" + namespace
+            log.warning("no engine_id / pegaflow.instance_id: using %s (one engine per namespace per server)", instance)
+        client = ClientConfig.resolve(
+            addr=get("addr", "PEGAFLOW_ADDR"),
+            rpc_timeout_ms=ms("rpc_timeout_ms"),
+            save_timeout_ms=ms("save_timeout_ms"),
+            load_timeout_ms=ms("load_timeout_ms"),
+            reconnect_max_ms=ms("reconnect_max_ms"),
+            env=e,
+        )
+        return cls(mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client)
+
+
+def _ranks(vllm_config: Any) -> Tuple[int, int]:
+    """(tp_rank, pp_rank) of this worker: vLLM's process groups when they exist,
+    else ParallelConfig.rank (vLLM orders ranks TP-innermost)."""
+    pc = vllm_config.parallel_config
+    if HAVE_VLLM:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank  # type: ignore
+
+            return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+        except (ImportError, AssertionError, AttributeError):
+            pass
+    rank = int(getattr(pc, "rank", 0))
+    return rank % pc.tensor_parallel_size, rank // pc.tensor_parallel_size
+
+
+class PegaflowConnector(KVConnectorBase_V1):
+    """vLLM KV connector v1 over PegaFlow; one instance per role and process.
+
+    Modes (kv_connector_extra_config "pegaflow.mode"):
+      layerwise  the Load is submitted in start_load_kv; wait_for_layer_load(layer)
+                 returns as soon as that layer landed, so layer i computes while
+                 later layers still copy (the request stays RUNNING)
+      async      get_num_new_matched_tokens answers load_async=True; the whole
+                 load runs between steps and completes through get_finished
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.from_vllm(vllm_config)
+        self.client = PegaflowClient(config=self.settings.client)
+        self._scheduler: Optional[SchedulerCore] = None
+        self._worker: Optional[WorkerCore] = None
+        pc = vllm_config.parallel_config
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerCore(
+                self.client, instance_id=self.settings.instance_id,
+                block_size=vllm_config.cache_config.block_size, mode=self.settings.mode,
+            )
+        else:
+            tp_rank, pp_rank = _ranks(vllm_config)
+            self._worker = WorkerCore(
+                self.client, instance_id=self.settings.instance_id, namespace=self.settings.namespace,
+                tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, pp_rank=pp_rank,
+                pp_size=pc.pipeline_parallel_size, mode=self.settings.mode,
+                load_timeout_s=self.settings.client.load_timeout_s,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        mode = (extra_config or {}).get("pegaflow.mode") or os.environ.get("PEGAFLOW_MODE") or LAYERWISE
+        return mode == LAYERWISE  # wait_for_layer_load must run between graph pieces
+
+    def _w(self) -> WorkerCore:
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on the scheduler-side connector")
+        return self._worker
+
+    def _s(self) -> SchedulerCore:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on the worker-side connector")
+        return self._scheduler
+
+    # ---- worker side ----------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        self._w().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if isinstance(kv_connector_metadata, PegaflowConnectorMetadata):
+            self._w().handle_preemptions(kv_connector_metadata.plan.preempted)
+        elif isinstance(kv_connector_metadata, (set, frozenset, list)):  # older vLLM passed the ids
+            self._w().handle_preemptions(kv_connector_metadata)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._w().bind(connector_metadata.plan)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._w().unbind()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._w().start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.settings.mode == LAYERWISE:
+            self._w().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # All layers are saved by one Save after the step (wait_for_save), which
+        # also keeps saves working under CUDA-graph replay where this is skipped.
+        return None
+
+    def wait_for_save(self) -> None:
+        self._w().wait_for_save()
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        return self._w().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return self._w().take_load_errors()
+
+    def pegaflow_stats(self) -> Dict[str, int]:
+        """Counters: queries, hits, loads, load failures, saves, dropped saves, reconnects."""
+        if self._worker is not None:
+            return self._worker.stats_snapshot()
+        return dict(self._s().stats)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+        self.client.close()
+
+    # ---- scheduler side -------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._s().update_state_after_alloc(request, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> PegaflowConnectorMetadata:
+        n = scheduler_output.num_scheduled_tokens
+        sched = [
+            ScheduledRequest(r.req_id, r.block_ids[0], True, r.num_computed_tokens, n.get(r.req_id, 0))
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        c = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(c, "resumed_req_ids", None)
+        if resumed is None:  # older vLLM: a bool per request
+            flags = getattr(c, "resumed_from_preemption", None) or [False] * len(c.req_ids)
+            resumed = {rid for rid, f in zip(c.req_ids, flags) if f}
+        for i, rid in enumerate(c.req_ids):
+            new = c.new_block_ids[i]
+            sched.append(
+                ScheduledRequest(rid, new[0] if new else None, rid in resumed, c.num_computed_tokens[i], n.get(rid, 0))
+            )
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        return PegaflowConnectorMetadata(self._s().build_step(sched, sorted(preempted)))
+
+    def request_finished(self, request: Any, block_ids: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self._s().request_finished(request), None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._s().finished_sending(connector_output.finished_sending or ())
+
+
+__all__ = ["PegaflowConnector", "PegaflowConnectorMetadata", "ConnectorSettings", "HAVE_VLLM", "ASYNC", "LAYERWISE"]

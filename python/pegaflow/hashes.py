@@ -1,0 +1,59 @@
+"""Chained prefix block hashes, byte-equal to lib/client/hashes.ts: block
+i's hash is sha256(hash of block i-1 || block i's tokens as little-endian
+u32)[:16], starting from sha256("pegaflow-root:" + salt)[:16]. Equal hashes
+mean equal prefixes; no per-process seed, so they agree across processes,
+ranks and restarts. (A vLLM engine passes its own `request.block_hashes`;
+these are for our own engines and the cross-language test vectors.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import List, Sequence
+
+import numpy as np
+
+#: Bytes kept of each sha256 (lib/client/hashes.ts BLOCK_HASH_BYTES).
+BLOCK_HASH_BYTES = 16
+#: Llama-3 vocabulary size, the range of `synthetic_tokens`.
+SYNTHETIC_VOCAB = 128_256
+_U32 = 0xFFFFFFFF
+
+
+def root_hash(salt: str = "") -> bytes:
+    """The parent of block 0."""
+    return hashlib.sha256(f"pegaflow-root:{salt}".encode()).digest()[:BLOCK_HASH_BYTES]
+
+
+def chained_block_hashes(tokens: Sequence[int], block_tokens: int, salt: str = "") -> List[bytes]:
+    """Hashes of every full block of `tokens` (a trailing partial block gets none).
+
+    Example:
+        hs = chained_block_hashes(list(range(64)), 16)   # 4 hashes of 16 bytes
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    le = np.asarray(tokens, dtype="<u4").tobytes()
+    out: List[bytes] = []
+    prev = root_hash(salt)
+    step = block_tokens * 4
+    for b in range(len(tokens) // block_tokens):
+        h = hashlib.sha256(prev)
+        h.update(le[b * step:(b + 1) * step])
+        prev = h.digest()[:BLOCK_HASH_BYTES]
+        out.append(prev)
+    return out
+
+
+def synthetic_tokens(seed: int, count: int) -> List[int]:
+    """The deterministic token sequence lib/client/hashes.ts `syntheticTokens`
+    makes for `seed` (xorshift32; the seed is spread as JavaScript does:
+    a double multiplication, then ToUint32)."""
+    x = int(float(seed * 2654435761)) % (1 << 32) or 1
+    out = []
+    for _ in range(count):
+        x = (x ^ (x << 13)) & _U32
+        x ^= x >> 17
+        x = (x ^ (x << 5)) & _U32
+        out.append(x % SYNTHETIC_VOCAB)
+    return out

@@ -1,0 +1,168 @@
+"""The engine side of the load state: a 64-byte POSIX shm block this
+process creates, names in LoadRequest.load_state_shm, and polls for
+per-layer progress and the final state without an RPC. Layout (all
+little-endian, proto/pegaflow.proto):
+
+    0  u32 magic "PFLS"   4 u32 version 1   8 u32 num_layers (server)
+    16 u32 layers_ready (native: layer i landed once layers_ready > i)
+    20 i32 state (0 pending, 1 ok, < 0 failed)
+
+Waiting spins for a short while (a layer usually lands within
+microseconds of the previous one) and then sleeps in small steps, so a
+waiting thread does not hold the GIL away from the save thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import struct
+import time
+from typing import NamedTuple, Optional
+
+from .errors import PegaflowLoadError, PegaflowLoadTimeout
+
+LOAD_STATE_MAGIC = 0x534C4650  # b"PFLS" read as a little-endian u32
+LOAD_STATE_VERSION = 1
+LOAD_STATE_BYTES = 64
+STATE_PENDING = 0
+STATE_OK = 1
+STATE_REJECTED = -1000
+#: Word indexes (u32) of the fields.
+_W_NUM_LAYERS, _W_LAYERS_READY, _W_STATE = 2, 4, 5
+#: Pure spinning this long before sleeping: covers a layer's copy on a GPU.
+SPIN_S = 0.002
+#: Sleep steps after the spin: start small, grow to a cap (a slow load
+#: costs at most this much extra latency per wait).
+SLEEP_MIN_S = 0.00005
+SLEEP_MAX_S = 0.001
+
+_counter = itertools.count()
+
+
+class LoadSnapshot(NamedTuple):
+    num_layers: int
+    layers_ready: int
+    state: int
+
+
+class LoadState:
+    """A load-state block owned by this process; reuse it across loads with
+    `rearm()` (one per in-flight load).
+
+    Example:
+        st = LoadState.create()
+        st.rearm()
+        client.load(..., load_state_shm=st.name)
+        st.wait_layer(0, timeout_s=10)   # layer 0 may run now
+        st.wait_all(timeout_s=10)        # raises PegaflowLoadError on failure
+        st.close()
+    """
+
+    def __init__(self, name: str):
+        if not name.startswith("/") or "/" in name[1:] or len(name) >= 64:
+            raise ValueError(f"load state name {name!r} must be '/name' (< 64 bytes, no more '/')")
+        self.name = name
+        self._path = "/dev/shm" + name
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, LOAD_STATE_BYTES)
+            self._mm = mmap.mmap(fd, LOAD_STATE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self._path)
+            raise
+        os.close(fd)
+        # Aligned 4-byte loads through a memoryview read the current memory each time.
+        self._u32 = memoryview(self._mm).cast("I")
+        self._i32 = memoryview(self._mm).cast("i")
+        self.rearm()
+
+    @classmethod
+    def create(cls, prefix: str = "pegaflow-ls") -> "LoadState":
+        """A fresh block with a unique name."""
+        return cls(f"/{prefix}-{os.getpid()}-{next(_counter)}-{os.urandom(3).hex()}")
+
+    def rearm(self) -> None:
+        """Writes a fresh header (magic, version, zeroes) for the next Load."""
+        self._mm[:] = b"\0" * LOAD_STATE_BYTES
+        struct.pack_into("<II", self._mm, 0, LOAD_STATE_MAGIC, LOAD_STATE_VERSION)
+
+    def snapshot(self) -> LoadSnapshot:
+        return LoadSnapshot(self._u32[_W_NUM_LAYERS], self._u32[_W_LAYERS_READY], self._i32[_W_STATE])
+
+    def mark_failed(self, state: int = STATE_REJECTED) -> None:
+        """Marks the load failed from this side (its RPC never reached the server)."""
+        self._i32[_W_STATE] = state
+
+    def _wait(self, layer: Optional[int], timeout_s: float) -> int:
+        u32, i32 = self._u32, self._i32
+        start = time.monotonic()
+        deadline = start + timeout_s
+        sleep = SLEEP_MIN_S
+        while True:
+            # state first: a failed load may also publish layers_ready = num_layers.
+            state = i32[_W_STATE]
+            if state != STATE_PENDING:
+                break
+            if layer is not None and u32[_W_LAYERS_READY] > layer:
+                state = i32[_W_STATE]
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                what = "the load" if layer is None else f"layer {layer}"
+                raise PegaflowLoadTimeout(
+                    f"load state {self.name}: {what} not done after {timeout_s:.3f} s "
+                    f"(layers_ready {u32[_W_LAYERS_READY]}/{u32[_W_NUM_LAYERS]})"
+                )
+            if now - start < SPIN_S:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, SLEEP_MAX_S)
+        if state < 0:
+            snap = self.snapshot()
+            raise PegaflowLoadError(
+                state,
+                f"load state {self.name}: load failed with state {state} "
+                f"(layers_ready {snap.layers_ready}/{snap.num_layers}); recompute its blocks",
+            )
+        return state
+
+    def wait_layer(self, layer: int, timeout_s: float) -> None:
+        """Returns once layer `layer` (registration order) has landed; raises
+        PegaflowLoadError if the load failed, PegaflowLoadTimeout past the deadline."""
+        self._wait(layer, timeout_s)
+
+    def wait_all(self, timeout_s: float) -> None:
+        """Returns once every layer landed (state ok); raises as `wait_layer`."""
+        self._wait(None, timeout_s)
+
+    def poll(self) -> Optional[bool]:
+        """Non-blocking: None while pending, True when ok, False when failed."""
+        s = self._i32[_W_STATE]
+        return None if s == STATE_PENDING else s > 0
+
+    @property
+    def state(self) -> int:
+        return self._i32[_W_STATE]
+
+    def close(self) -> None:
+        """Unmaps and unlinks the block (the server holds its own mapping
+        while a copy runs, so this is safe at any time)."""
+        if self._mm.closed:
+            return
+        self._u32.release()
+        self._i32.release()
+        self._mm.close()
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "LoadState":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

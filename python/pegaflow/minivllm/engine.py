@@ -1,0 +1,253 @@
+"""`LLMEngine`: a scheduler and a model runner joined the way vLLM's engine core joins them.
+
+The scheduler → worker hand-off (`SchedulerOutput`, with the connector's metadata inside) and
+the worker → scheduler reply (`ModelRunnerOutput`) both go through `pickle.dumps/loads`, as
+they cross a process boundary in vLLM: a connector whose metadata does not pickle fails here
+as it would there. The connector is two instances of one class, roles SCHEDULER and WORKER,
+built from a `KVTransferConfig` like vLLM's factory does (`kv_connector` names the class,
+`kv_connector_module_path` its module), or from a class given directly.
+
+Example:
+    >>> eng = LLMEngine(EngineConfig(model="tiny", num_gpu_blocks=64))
+    >>> out = eng.generate([list(range(40))], max_tokens=2)
+    >>> len(out[0].output_token_ids)
+    2
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import time
+from dataclasses import dataclass, field
+
+from pegaflow.connector.vllm_api import (
+    CacheConfig,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+)
+from pegaflow.minivllm.kv_cache_manager import KVCacheManager
+from pegaflow.minivllm.llama import CONFIGS, LlamaConfig, LlamaModel
+from pegaflow.minivllm.model_runner import KVCacheAllocator, ModelRunner
+from pegaflow.minivllm.outputs import ModelRunnerOutput, RequestOutput
+from pegaflow.minivllm.request import Request
+from pegaflow.minivllm.scheduler import Scheduler, SchedulerConfig
+
+__all__ = ["EngineConfig", "LLMEngine"]
+
+
+@dataclass
+class EngineConfig:
+    model: str | LlamaConfig = "tiny"
+    num_gpu_blocks: int = 256
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    device: str = "cpu"
+    seed: int = 0
+    kv_transfer_config: KVTransferConfig | None = None
+    record_timeline: bool = False
+    # Extra salt of the block hashes (same salt ⇔ same keys, across processes).
+    hash_salt: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def llama(self) -> LlamaConfig:
+        if isinstance(self.model, LlamaConfig):
+            return self.model
+        if self.model not in CONFIGS:
+            raise ValueError(f"unknown model config {self.model!r}; known: {sorted(CONFIGS)}")
+        return CONFIGS[self.model]
+
+
+def _connector_class(ktc: KVTransferConfig) -> type[KVConnectorBase_V1]:
+    if not ktc.kv_connector or not ktc.kv_connector_module_path:
+        raise ValueError(
+            "kv_transfer_config needs kv_connector (class name) and kv_connector_module_path "
+            f"(module), got {ktc.kv_connector!r} in {ktc.kv_connector_module_path!r}"
+        )
+    cls = getattr(importlib.import_module(ktc.kv_connector_module_path), ktc.kv_connector, None)
+    if cls is None:
+        raise ValueError(f"{ktc.kv_connector_module_path} has no {ktc.kv_connector}")
+    return cls
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        connector_cls: type[KVConnectorBase_V1] | None = None,
+        kv_cache_allocator: KVCacheAllocator | None = None,
+        model: LlamaModel | None = None,
+    ) -> None:
+        self.config = config
+        cfg = config.llama()
+        self.model_config = cfg
+        self.model = model or LlamaModel(cfg, config.device, config.seed)
+        ktc = config.kv_transfer_config
+        self.vllm_config = VllmConfig(
+            model_config=ModelConfig(
+                model=f"minivllm/{cfg.name}",
+                dtype=cfg.torch_dtype,
+                num_layers=cfg.num_layers,
+                num_kv_heads=cfg.num_kv_heads,
+                head_size=cfg.head_dim,
+                hidden_size=cfg.hidden_size,
+                max_model_len=cfg.max_model_len,
+            ),
+            cache_config=CacheConfig(
+                block_size=cfg.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                num_gpu_blocks=config.num_gpu_blocks,
+            ),
+            parallel_config=ParallelConfig(),
+            kv_transfer_config=ktc,
+        )
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=config.num_gpu_blocks,
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    [cfg.layer_name(i) for i in range(cfg.num_layers)],
+                    FullAttentionSpec(cfg.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.torch_dtype),
+                )
+            ],
+        )
+        worker_conn = sched_conn = None
+        if connector_cls is None and ktc is not None and ktc.kv_connector:
+            connector_cls = _connector_class(ktc)
+        if connector_cls is not None:
+            if ktc is None:
+                raise ValueError("a connector needs EngineConfig.kv_transfer_config")
+            # vLLM builds the workers (KV allocated, caches registered) before the scheduler.
+            worker_conn = connector_cls(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.runner = ModelRunner(
+            self.model,
+            config.num_gpu_blocks,
+            worker_conn,
+            kv_cache_allocator,
+            record_timeline=config.record_timeline,
+        )
+        if connector_cls is not None:
+            sched_conn = connector_cls(self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+        self.worker_connector = worker_conn
+        self.scheduler_connector = sched_conn
+        self.kv_cache_manager = KVCacheManager(
+            config.num_gpu_blocks,
+            cfg.block_size,
+            enable_caching=config.enable_prefix_caching,
+            max_model_len=cfg.max_model_len,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill
+            ),
+            self.kv_cache_manager,
+            sched_conn,
+        )
+        self.last_runner_output: ModelRunnerOutput | None = None
+        # Block table of each request scheduled in the last step that ran a forward.
+        self.last_block_tables: dict[str, list[int]] = {}
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ API
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        request_id: str | None = None,
+        max_tokens: int = 1,
+        eos_token_id: int | None = None,
+    ) -> Request:
+        """Queue a request; its TTFT clock starts now."""
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id}: token id {bad} outside vocabulary [0, {vocab})")
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            max_tokens=max_tokens,
+            block_size=self.model_config.block_size,
+            eos_token_id=eos_token_id,
+            hash_salt=self.config.hash_salt,
+        )
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.total_num_scheduled_tokens > 0:
+            self.last_block_tables = {
+                rid: self.kv_cache_manager.get_block_ids(rid)[0] for rid in so.num_scheduled_tokens
+            }
+        worker_so = pickle.loads(pickle.dumps(so))
+        runner_out = self.runner.execute_model(worker_so)
+        logits, timeline = runner_out.logits, runner_out.timeline
+        runner_out.logits, runner_out.timeline = {}, None
+        back = pickle.loads(pickle.dumps(runner_out))
+        back.logits, back.timeline = logits, timeline
+        if so.total_num_scheduled_tokens > 0:
+            self.last_runner_output = back
+        outputs = self.scheduler.update_from_output(so, back)
+        if so.total_num_scheduled_tokens == 0 and not outputs:
+            time.sleep(0.0002)  # only waiting on transfers: do not spin a core the server needs
+        return outputs
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_tokens: int = 1,
+        timeout_s: float = 300.0,
+    ) -> list[RequestOutput]:
+        """Run the prompts to completion; the final output of each, in order."""
+        reqs = [self.add_request(p, max_tokens=max_tokens) for p in prompts]
+        final: dict[str, RequestOutput] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(final) < len(reqs):
+            if time.monotonic() > deadline:
+                pending = [r.request_id for r in reqs if r.request_id not in final]
+                raise TimeoutError(f"generate: {pending} unfinished after {timeout_s} s")
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[r.request_id] for r in reqs]
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Step until no request runs and the connector holds no finished request's blocks."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.has_work():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"drain: {self.scheduler.num_delayed_frees()} delayed frees and "
+                    f"{len(self.scheduler.running)} running requests left after {timeout_s} s"
+                )
+            self.step()
+
+    def reset_prefix_cache(self, timeout_s: float = 60.0) -> bool:
+        """Forget the GPU prefix cache, after the connector released every finished request."""
+        self.drain(timeout_s)
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        for conn in (self.scheduler_connector, self.worker_connector):
+            if conn is not None:
+                conn.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,346 @@
+"""The worker: owns the paged KV cache and runs one step, calling the connector in vLLM's order.
+
+Mirrors `vllm/v1/worker/gpu/kv_connector.py` (`ActiveKVConnector`, @ 00f4240e) and the attention
+wrapper `maybe_transfer_kv_layer` (`model_executor/layers/attention/kv_transfer_utils.py`):
+
+  init:  register_kv_caches({layer name: [2, num_blocks, block_size, kv_heads, head_dim]})
+         (`set_host_xfer_buffer_ops` is not called: this engine has no host-buffer copy op)
+  step:  handle_preemptions(meta) → bind_connector_metadata(meta)
+         → start_load_kv(forward_context) here if scheduler_output.has_sync_kv_loads
+         → per layer: wait_for_layer_load(name) → write K/V + attention → save_kv_layer(name, kv, meta)
+         → start_load_kv(forward_context) here otherwise (async loads: off the critical path)
+         → wait_for_save() → get_finished(finished_req_ids) → get_block_ids_with_load_errors()
+         → get_kv_connector_stats() → get_kv_connector_kv_cache_events()
+         → build_connector_worker_meta() → clear_connector_metadata()
+         → sample (greedy); the token reaches the CPU.
+  A step with no tokens scheduled still runs the connector part (vLLM's `no_forward`), so
+  async loads get started and their completion polled.
+
+Without a connector the same runner is a plain engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pegaflow.connector.vllm_api import (
+    ForwardContext,
+    KVConnectorBase_V1,
+    KVConnectorOutput,
+    SchedulerOutput,
+)
+from pegaflow.minivllm.llama import LlamaModel, SeqInfo, StepBatch
+from pegaflow.minivllm.outputs import LayerTiming, ModelRunnerOutput
+
+__all__ = ["AttentionMetadata", "KVCacheAllocator", "ModelRunner", "default_kv_cache_allocator"]
+
+# (layer name, shape, dtype, device) → a zeroed tensor of that shape. The host backend of
+# PegaFlow needs the KV cache inside shared-memory files, so allocation is pluggable.
+KVCacheAllocator = Callable[[str, tuple, torch.dtype, torch.device], torch.Tensor]
+
+
+def default_kv_cache_allocator(
+    name: str, shape: tuple, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@dataclass
+class AttentionMetadata:
+    """What `save_kv_layer` receives (vLLM's FlashAttentionMetadata, the fields that matter)."""
+
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    seq_lens: list[int]
+    query_lens: list[int]
+    req_ids: list[str]
+
+
+@dataclass
+class _ReqState:
+    """The worker's copy of a request (vLLM's CachedRequestState)."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        connector: KVConnectorBase_V1 | None = None,
+        kv_cache_allocator: KVCacheAllocator | None = None,
+        record_timeline: bool = False,
+        load_then_compute: bool = False,
+    ) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.cfg = cfg
+        self.device = model.device
+        self.block_size = cfg.block_size
+        self.num_blocks = num_blocks
+        self.connector = connector
+        self.record_timeline = record_timeline
+        # Benchmark knob, not a vLLM behaviour: wait for every layer's load before the forward
+        # starts (no overlap of load and compute), to measure what layer-wise load saves.
+        self.load_then_compute = load_then_compute
+        alloc = kv_cache_allocator or default_kv_cache_allocator
+        shape = (2, num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layer_names = [cfg.layer_name(i) for i in range(cfg.num_layers)]
+        # Insertion order is execution order (vLLM builds this dict from the model's layers).
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        for name in self.layer_names:
+            t = alloc(name, shape, cfg.torch_dtype, self.device)
+            if tuple(t.shape) != shape or t.dtype != cfg.torch_dtype:
+                raise ValueError(
+                    f"kv_cache_allocator gave {name} shape {tuple(t.shape)} {t.dtype}, "
+                    f"expected {shape} {cfg.torch_dtype}"
+                )
+            self.kv_caches[name] = t
+        self._kv_list = list(self.kv_caches.values())
+        self.requests: dict[str, _ReqState] = {}
+        self._pending_load = False
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches)
+
+    # ------------------------------------------------------------------ state
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for rid in so.preempted_req_ids or ():
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            assert new.prompt_token_ids is not None
+            self.requests[new.req_id] = _ReqState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                len(new.prompt_token_ids),
+                list(new.block_ids[0]),
+                new.num_computed_tokens,
+            )
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            new_blocks = c.new_block_ids[i]
+            if rid in c.resumed_req_ids:
+                tokens = list(c.all_token_ids[rid])
+                self.requests[rid] = _ReqState(
+                    rid,
+                    tokens,
+                    len(tokens) - c.num_output_tokens[i],
+                    list(new_blocks[0]) if new_blocks else [],
+                    c.num_computed_tokens[i],
+                )
+                continue
+            st = self.requests[rid]
+            if new_blocks:
+                st.block_ids.extend(new_blocks[0])
+            # A token sampled over a failed load was dropped by the scheduler: drop it here too.
+            del st.token_ids[st.num_prompt_tokens + c.num_output_tokens[i] :]
+            st.num_computed_tokens = c.num_computed_tokens[i]
+
+    def _prepare(self, so: SchedulerOutput) -> tuple[StepBatch, list[str], AttentionMetadata]:
+        """The step's flat token batch; host lists reach the device in a few copies, not one per request."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        spans: list[tuple[int, int, int, bool]] = []  # q_start, q_len, kv_len, fresh
+        logits_rows: list[int] = []
+        sample_ids: list[str] = []
+        tables: list[list[int]] = []
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.requests[rid]
+            c = st.num_computed_tokens
+            spans.append((len(ids), n, c + n, c == 0))
+            ids.extend(st.token_ids[c : c + n])
+            table = st.block_ids[: -(-(c + n) // bs)]
+            p = np.arange(c, c + n, dtype=np.int64)
+            pos.append(p)
+            slots.append(np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs)
+            tables.append(table)
+            if c + n >= len(st.token_ids):  # the step reaches the last token: sample
+                logits_rows.append(len(ids) - 1)
+                sample_ids.append(rid)
+        t = len(ids)
+        flat = torch.from_numpy(
+            np.concatenate(
+                [np.asarray(ids, dtype=np.int64), *pos, *slots, np.asarray(logits_rows, dtype=np.int64)]
+            )
+        ).to(self.device)
+        width = max(len(tb) for tb in tables)
+        # Padded with the null block; rows are cut to each request's length (or masked).
+        table_dev = torch.tensor(
+            [tb + [0] * (width - len(tb)) for tb in tables], dtype=torch.long
+        ).to(self.device)
+        seqs = [
+            SeqInfo(q0, q, kv, table_dev[i, : len(tables[i])], fresh)
+            for i, (q0, q, kv, fresh) in enumerate(spans)
+        ]
+        batch = StepBatch(
+            input_ids=flat[:t],
+            positions=flat[t : 2 * t],
+            slot_mapping=flat[2 * t : 3 * t],
+            seqs=seqs,
+            logits_indices=flat[3 * t :],
+        )
+        seq_lens = [kv for _, _, kv, _ in spans]
+        qlens = [q for _, q, _, _ in spans]
+        if len(seqs) > 1 and all(q == 1 for q in qlens):
+            batch.decode_block_tables = table_dev
+            batch.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.long).to(self.device)
+        meta = AttentionMetadata(batch.slot_mapping, t, seq_lens, qlens, list(so.num_scheduled_tokens))
+        return batch, sample_ids, meta
+
+    # ------------------------------------------------------------------ connector order
+
+    def _forward_context(self, meta: AttentionMetadata | None) -> ForwardContext:
+        return ForwardContext(
+            no_compile_layers={n: None for n in self.layer_names},
+            attn_metadata=None if meta is None else {n: meta for n in self.layer_names},
+        )
+
+    def _pre_forward(self, so: SchedulerOutput, meta: AttentionMetadata | None) -> None:
+        conn = self.connector
+        assert conn is not None and so.kv_connector_metadata is not None
+        conn.handle_preemptions(so.kv_connector_metadata)
+        conn.bind_connector_metadata(so.kv_connector_metadata)
+        if so.has_sync_kv_loads:
+            conn.start_load_kv(self._forward_context(meta))
+            if self.load_then_compute:
+                for name in self.layer_names:
+                    conn.wait_for_layer_load(name)
+        else:
+            self._pending_load = True
+
+    def _post_forward(self, so: SchedulerOutput, meta: AttentionMetadata | None) -> KVConnectorOutput:
+        conn = self.connector
+        assert conn is not None
+        if self._pending_load:
+            self._pending_load = False
+            conn.start_load_kv(self._forward_context(meta))
+        out = KVConnectorOutput()
+        conn.wait_for_save()
+        sending, recving = conn.get_finished(so.finished_req_ids)
+        out.finished_sending = sending or None
+        out.finished_recving = recving or None
+        out.invalid_block_ids = set(conn.get_block_ids_with_load_errors())
+        out.kv_connector_stats = conn.get_kv_connector_stats()
+        out.kv_cache_events = conn.get_kv_connector_kv_cache_events()
+        out.kv_connector_worker_meta = conn.build_connector_worker_meta()
+        conn.clear_connector_metadata()
+        return out
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            if self.connector is None:
+                return ModelRunnerOutput()
+            self._pre_forward(so, None)
+            return ModelRunnerOutput(kv_connector_output=self._post_forward(so, None))
+        batch, sample_ids, meta = self._prepare(so)
+        if self.connector is not None:
+            self._pre_forward(so, meta)
+        hooks = _StepHooks(self, meta)
+        hidden = self.model.forward(batch, self._kv_list, hooks)
+        kv_out = self._post_forward(so, meta) if self.connector is not None else None
+        for rid, n in so.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+        logits = self.model.compute_logits(hidden)
+        tokens = logits.argmax(dim=-1).tolist()  # the first token reaches the CPU here
+        sampled_time = time.perf_counter()
+        out = ModelRunnerOutput(
+            req_ids=list(so.num_scheduled_tokens),
+            req_id_to_index={rid: i for i, rid in enumerate(so.num_scheduled_tokens)},
+            kv_connector_output=kv_out,
+            sampled_time=sampled_time,
+        )
+        sampled = dict(zip(sample_ids, tokens))
+        out.sampled_token_ids = [[sampled[r]] if r in sampled else [] for r in out.req_ids]
+        for row, rid in enumerate(sample_ids):
+            self.requests[rid].token_ids.append(sampled[rid])
+            out.logits[rid] = logits[row].cpu()
+        out.timeline = hooks.timeline()
+        return out
+
+
+class _StepHooks:
+    """The per-layer half of vLLM's connector order, plus the optional per-layer timeline."""
+
+    def __init__(self, runner: ModelRunner, meta: AttentionMetadata) -> None:
+        self.conn = runner.connector
+        self.names = runner.layer_names
+        self.meta = meta
+        self.record = runner.record_timeline
+        self.cuda = runner.device.type == "cuda"
+        n = len(self.names)
+        if self.record:
+            self.t0 = time.perf_counter()
+            self.wait = [(0.0, 0.0)] * n
+            if self.cuda:
+                self.ev0 = torch.cuda.Event(enable_timing=True)
+                self.ev0.record()
+                self.ev = [
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    for _ in range(n)
+                ]
+            else:
+                self.cpu = [(0.0, 0.0)] * n
+
+    def _active(self) -> bool:
+        # vLLM skips the layer hooks when no metadata is bound (kv_transfer_utils.py).
+        return self.conn is not None and self.conn.has_connector_metadata()
+
+    def layer_begin(self, i: int) -> None:
+        if self.record:
+            if self.cuda:
+                self.ev[i][0].record()
+            else:
+                self.cpu[i] = (time.perf_counter(), 0.0)
+
+    def pre_attention(self, i: int) -> None:
+        t = time.perf_counter() if self.record else 0.0
+        if self._active():
+            self.conn.wait_for_layer_load(self.names[i])
+        if self.record:
+            self.wait[i] = (t, time.perf_counter())
+
+    def post_attention(self, i: int, kv_cache: torch.Tensor) -> None:
+        if self._active():
+            self.conn.save_kv_layer(self.names[i], kv_cache, self.meta)
+
+    def layer_end(self, i: int) -> None:
+        if self.record:
+            if self.cuda:
+                self.ev[i][1].record()
+            else:
+                self.cpu[i] = (self.cpu[i][0], time.perf_counter())
+
+    def timeline(self) -> list[LayerTiming] | None:
+        if not self.record:
+            return None
+        ms = 1e3
+        out = []
+        if self.cuda:
+            torch.cuda.synchronize()
+        for i in range(len(self.names)):
+            ws, we = self.wait[i]
+            if self.cuda:
+                cs = self.ev0.elapsed_time(self.ev[i][0])
+                ce = self.ev0.elapsed_time(self.ev[i][1])
+            else:
+                cs, ce = ((x - self.t0) * ms for x in self.cpu[i])
+            out.append(LayerTiming(i, (ws - self.t0) * ms, (we - self.t0) * ms, cs, ce))
+        return out

@@ -1,0 +1,214 @@
+"""One rank's registration with the KV server, kept alive across server
+restarts without restarting the engine.
+
+`KvRegistration` holds everything RegisterContext needs (instance id,
+namespace, ranks, device, layers in execution order with their handles and
+geometry), registers once, then keeps the rank's Session stream open on a
+background thread. When the stream ends (server killed or restarted, the
+instance cleaned up, the connection lost) the rank is marked disconnected
+and the thread re-registers the same regions with backoff until a server
+answers, then opens a new session. The regions themselves (CUDA
+allocations, shm files) outlive the server, so nothing on the engine side
+changes. While disconnected, callers see `connected == False` and answer
+queries with 0 hits and drop saves (counted), never an exception.
+
+Retry rules: every failure of RegisterContext is retried with exponential
+backoff (50 ms doubling to `config.reconnect_max_s`); ALREADY_EXISTS means
+the server still holds this rank (our stream broke, the server's did not)
+and counts as registered. A SUPERSEDED event means another process opened a
+session for this same rank: that process owns it, so this one stops
+(connected stays False) and logs why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, List, Optional, Sequence
+
+import grpc
+
+from ._proto import pegaflow_pb2 as pb
+from .client import PegaflowClient
+from .errors import PegaflowError
+from .regions import LayerRegion
+
+log = logging.getLogger("pegaflow.registration")
+
+RETRY_MIN_S = 0.05
+
+
+class KvRegistration:
+    """One rank's layers, registered and kept registered.
+
+    Example:
+        layers, device = export_kv_layers(kv_caches)
+        reg = KvRegistration(client, instance_id="inst", namespace=ns, layers=layers,
+                             tp_rank=0, tp_size=1, device_id=device)
+        reg.register()          # raises PegaflowError on bad input
+        reg.connected           # False while the server is away
+        reg.close()             # unregisters and ends the session
+    """
+
+    def __init__(
+        self,
+        client: PegaflowClient,
+        *,
+        instance_id: str,
+        namespace: str,
+        layers: Sequence[LayerRegion],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        device_id: int = 0,
+    ):
+        if not layers:
+            raise ValueError(f'instance "{instance_id}" tp_rank {tp_rank}: no layers to register')
+        self.client = client
+        self.instance_id = instance_id
+        self.namespace = namespace
+        self.layers = list(layers)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.device_id = device_id
+        self._index: Dict[str, int] = {l.name: i for i, l in enumerate(self.layers)}
+        self._lock = threading.Lock()
+        self._up = threading.Event()
+        self._stop = threading.Event()
+        self._session = None
+        self._thread: Optional[threading.Thread] = None
+        self.generation = 0
+        self.superseded = False
+        self.last_error: Optional[str] = None
+        self._stats = {"registrations": 0, "disconnects": 0, "register_failures": 0}
+
+    # ---- facts --------------------------------------------------------------
+
+    @property
+    def who(self) -> str:
+        return f'instance "{self.instance_id}" tp_rank {self.tp_rank} pp_rank {self.pp_rank}'
+
+    @property
+    def layer_names(self) -> List[str]:
+        return [l.name for l in self.layers]
+
+    def layer_index(self, name: str) -> int:
+        """Position of a layer in registration order (= the load state's layer index)."""
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f'{self.who}: layer "{name}" is not registered') from None
+
+    @property
+    def connected(self) -> bool:
+        return self._up.is_set()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return self._up.wait(timeout_s)
+
+    def stats(self) -> Dict[str, int]:
+        with self._lock:
+            return dict(self._stats, generation=self.generation, connected=int(self.connected))
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    def _register_once(self) -> pb.RegisterContextResponse:
+        return self.client.register_context(
+            instance_id=self.instance_id,
+            namespace=self.namespace,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            device_id=self.device_id,
+            layer_names=self.layer_names,
+            region_handles=[l.handle for l in self.layers],
+            geometry=[l.geometry for l in self.layers],
+        )
+
+    def register(self) -> pb.RegisterContextResponse:
+        """First registration: errors are raised (they are bad input or no
+        server), then the session thread starts and keeps it alive."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.who}: register() called twice")
+        res = self._register_once()
+        self._open_session()
+        self._thread = threading.Thread(
+            target=self._watch, name=f"pegaflow-session-{self.tp_rank}-{self.pp_rank}", daemon=True
+        )
+        self._thread.start()
+        return res
+
+    def _open_session(self) -> None:
+        self._session = self.client.open_session(self.instance_id, self.tp_rank, self.pp_rank)
+        with self._lock:
+            self.generation += 1
+            self._stats["registrations"] += 1
+        self._up.set()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            ev = self._session.next_event()
+            if self._stop.is_set():
+                return
+            self._up.clear()
+            with self._lock:
+                self._stats["disconnects"] += 1
+            why = (
+                pb.SessionEvent.Kind.Name(ev.kind) + (f": {ev.message}" if ev.message else "")
+                if ev is not None
+                else (str(self._session.error) if self._session.error else "stream ended")
+            )
+            self.last_error = why
+            if ev is not None and ev.kind == pb.SessionEvent.SUPERSEDED:
+                self.superseded = True
+                log.error("%s: another process took over this rank's session (%s); not re-registering", self.who, why)
+                return
+            log.warning("%s: session lost (%s); re-registering when the server is back", self.who, why)
+            self._reregister()
+
+    def _reregister(self) -> None:
+        delay = RETRY_MIN_S
+        cap = self.client.config.reconnect_max_s
+        while not self._stop.is_set():
+            if self.client.closed:
+                self.last_error = "the client was closed; not re-registering"
+                return
+            try:
+                self._register_once()
+                ok = True
+            except PegaflowError as e:
+                ok = e.code == grpc.StatusCode.ALREADY_EXISTS
+                if not ok:
+                    with self._lock:
+                        self._stats["register_failures"] += 1
+                    self.last_error = str(e)
+                    log.debug("%s: re-registration failed: %s", self.who, e)
+            if ok and not self._stop.is_set():
+                try:
+                    self._open_session()
+                except PegaflowError as e:  # only a closed client raises here
+                    self.last_error = str(e)
+                    return
+                log.info("%s: re-registered (generation %d)", self.who, self.generation)
+                return
+            self._stop.wait(delay)
+            delay = min(delay * 2, cap)
+
+    def close(self, unregister: bool = True) -> None:
+        """Stops the session thread; with `unregister`, cleans the instance
+        up on the server first (ignored when the server is away)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if unregister and self.connected:
+            try:
+                self.client.unregister_context(self.instance_id)
+            except PegaflowError as e:
+                log.info("%s: unregister on close failed: %s", self.who, e)
+        self._up.clear()
+        if self._session is not None:
+            self._session.cancel()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.client.config.rpc_timeout_s)

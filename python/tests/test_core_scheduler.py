@@ -1,0 +1,146 @@
+"""Scheduler-side state machine rules, checked against a recording stand-in
+for the client (the same rules run against the real server in test_connector.py):
+probes are cached (repeated calls are side-effect free), drift or disuse
+releases the lease, "loading" is never cached, hits leave the last token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+import grpc
+import pytest
+
+from pegaflow.client import QueryResult
+from pegaflow.config import ClientConfig
+from pegaflow.connector.core import ScheduledRequest, SchedulerCore
+from pegaflow.errors import PegaflowError
+
+BS = 4
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_tokens: int
+    block_hashes: List[bytes] = field(default_factory=list)
+
+
+class FakeClient:
+    config = ClientConfig()
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.queries = []
+        self.released = []
+
+    def query_prefetch(self, *, instance_id, block_hashes, request_id, timeout_s=None):
+        self.queries.append(list(block_hashes))
+        a = self.answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    def release(self, lease_id, timeout_s=None):
+        self.released.append(lease_id)
+
+
+def hashes(n):
+    return [bytes([i + 1]) * 8 for i in range(n)]
+
+
+def ready(hits, lease=b"L" * 16):
+    return QueryResult(loading=False, hits=hits, lease_id=lease if hits else b"", ttl_ms=600_000)
+
+
+def test_repeated_calls_ask_the_server_once_and_answer_the_same():
+    c = FakeClient([ready(3)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS, mode="async")
+    r = Req("r", 5 * BS + 1, hashes(5))
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+    assert len(c.queries) == 1 and c.released == []
+
+
+def test_only_hashes_past_the_local_prefix_and_before_the_last_token_are_asked():
+    c = FakeClient([ready(0)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    r = Req("r", 4 * BS, hashes(4))  # the 4th block holds the last token
+    assert s.get_num_new_matched_tokens(r, BS) == (0, False)
+    assert c.queries == [hashes(4)[1:3]]
+
+
+def test_a_changed_local_prefix_releases_the_old_lease_and_asks_again():
+    c = FakeClient([ready(3, b"A" * 16), ready(1, b"B" * 16)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    r = Req("r", 5 * BS + 1, hashes(5))
+    s.get_num_new_matched_tokens(r, 0)
+    assert s.get_num_new_matched_tokens(r, 2 * BS) == (BS, False)
+    assert c.released == [b"A" * 16] and len(c.queries) == 2
+
+
+def test_loading_answers_none_and_is_asked_again_next_time():
+    c = FakeClient([QueryResult(loading=True), ready(2)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+    assert len(c.queries) == 2
+
+
+def test_an_unused_probe_gives_its_lease_back():
+    c = FakeClient([ready(2, b"A" * 16), ready(2, b"B" * 16)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, [5, 6, 7, 8], 0)  # the scheduler decided not to load
+    assert c.released == [b"A" * 16]
+    r2 = Req("r2", 3 * BS + 1, hashes(3))
+    s.get_num_new_matched_tokens(r2, 0)
+    assert s.request_finished(r2) is False  # aborted while waiting
+    assert c.released == [b"A" * 16, b"B" * 16]
+
+
+def test_a_failed_query_is_a_counted_miss():
+    c = FakeClient([PegaflowError(grpc.StatusCode.UNAVAILABLE, "down", "QueryPrefetch")])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    assert s.get_num_new_matched_tokens(Req("r", 9, hashes(2)), 0) == (0, False)
+    assert s.stats["query_errors"] == 1
+
+
+def test_load_intent_targets_the_blocks_after_the_local_prefix_and_saves_skip_loaded_blocks():
+    c = FakeClient([ready(2)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    r = Req("r", 5 * BS + 1, hashes(5))
+    assert s.get_num_new_matched_tokens(r, BS) == (2 * BS, False)
+    s.update_state_after_alloc(r, [10, 11, 12, 13, 14, 15], 2 * BS)
+    plan = s.build_step([ScheduledRequest("r", [10, 11, 12, 13, 14, 15], True, 3 * BS, 2 * BS + 1)])
+    assert [(l.block_ids, l.lease_id) for l in plan.loads] == [([11, 12], b"L" * 16)]
+    assert [(x.block_ids, x.block_hashes) for x in plan.saves] == [([13, 14], hashes(5)[3:5])]
+    assert s.build_step([]).loads == []  # build_step resets the step's state
+
+
+def test_more_external_tokens_than_offered_is_refused_and_the_lease_given_back():
+    c = FakeClient([ready(1)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    r = Req("q", 5 * BS + 1, hashes(5))
+    s.get_num_new_matched_tokens(r, 0)
+    with pytest.raises(ValueError, match="exceed"):
+        s.update_state_after_alloc(r, [1, 2, 3], 2 * BS)
+    assert c.released == [b"L" * 16]
+
+
+def test_decode_saves_each_block_once_as_it_fills():
+    c = FakeClient([ready(0)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    r = Req("r", BS + 2, hashes(1))
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, [3, 4], 0)
+    p = s.build_step([ScheduledRequest("r", [3, 4], True, 0, BS + 2)])
+    assert [x.block_ids for x in p.saves] == [[3]]
+    r.block_hashes = hashes(2)  # the engine appended tokens; block 2 is full now
+    p = s.build_step([ScheduledRequest("r", None, False, BS + 2, 1)])
+    assert p.saves == []
+    p = s.build_step([ScheduledRequest("r", None, False, BS + 3, 1)])
+    assert [x.block_ids for x in p.saves] == [[4]]
+    assert s.request_finished(r) is True

@@ -1,0 +1,124 @@
+"""End to end on the CPU: the mini engine with `PegaflowConnector` against a real host-backend
+server (the KV cache lives in shared-memory files the server maps). A cold request saves its
+blocks; after `reset_prefix_cache()` the same prompt must hit PegaFlow, load blocks byte-equal
+to the saved ones, and give the cold request's tokens and logits — in both connector modes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pegaflow.connector.vllm_api import KVTransferConfig, RequestStatus
+from pegaflow.minivllm import CONFIGS, EngineConfig, LLMEngine, LlamaModel
+from pegaflow.regions import ShmRegion
+
+TINY = CONFIGS["tiny"]
+BS = TINY.block_size
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return LlamaModel(TINY, "cpu", seed=0)
+
+
+@pytest.fixture
+def regions():
+    rs: list[ShmRegion] = []
+    yield rs
+    for r in rs:
+        r.close()
+
+
+def shm_allocator(regions: list):
+    def alloc(name, shape, dtype, device):
+        n = 1
+        for s in shape:
+            n *= s
+        r = ShmRegion(n * torch.empty((), dtype=dtype).element_size())
+        regions.append(r)
+        return r.torch(dtype, shape)
+
+    return alloc
+
+
+def pega_engine(model, server, regions, uid: str, mode: str) -> LLMEngine:
+    ktc = KVTransferConfig(
+        kv_connector="PegaflowConnector",
+        kv_connector_module_path="pegaflow.connector.vllm",
+        kv_role="kv_both",
+        engine_id=f"{uid}-{mode}",
+        kv_connector_extra_config={
+            "pegaflow.addr": server.addr,
+            "pegaflow.mode": mode,
+            "pegaflow.namespace": f"ns-{uid}",
+        },
+    )
+    return LLMEngine(
+        EngineConfig(model="tiny", num_gpu_blocks=64, kv_transfer_config=ktc),
+        model=model,
+        kv_cache_allocator=shm_allocator(regions),
+    )
+
+
+def run(eng: LLMEngine, prompt: list[int], max_tokens: int):
+    """(request, logits of the first token, block table of that step, statuses seen)."""
+    req = eng.add_request(prompt, max_tokens=max_tokens)
+    first_logits = table = None
+    seen = set()
+    for _ in range(2000):
+        eng.step()
+        seen.add(req.status)
+        if first_logits is None and req.num_output_tokens >= 1:
+            first_logits = eng.last_runner_output.logits[req.request_id]
+            table = list(eng.last_block_tables[req.request_id])
+        if req.is_finished():
+            break
+    assert req.is_finished(), f"{req} did not finish"
+    return req, first_logits, table, seen
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "async"])
+def test_a_warm_request_after_reset_hits_pegaflow_and_matches_the_cold_one(model, server, regions, uid, mode):
+    rng = random.Random(uid)
+    prompt = [rng.randrange(TINY.vocab_size) for _ in range(150)]
+    nfull = (len(prompt) - 1) // BS  # 9 blocks: the last token is always recomputed
+    eng = pega_engine(model, server, regions, uid, mode)
+    try:
+        cold, cold_logits, cold_table, _ = run(eng, prompt, max_tokens=3)
+        assert cold.num_external_computed_tokens == 0
+        eng.drain(timeout_s=60)  # the connector frees the blocks once its Save is done
+        stash = {
+            name: t[:, cold_table[:nfull]].clone() for name, t in eng.runner.kv_caches.items()
+        }
+        assert eng.reset_prefix_cache()
+        # Scribble over the freed blocks so only a real load can restore them.
+        for t in eng.runner.kv_caches.values():
+            t.fill_(7.0)
+
+        warm, warm_logits, warm_table, seen = run(eng, prompt, max_tokens=3)
+        assert warm.num_external_computed_tokens == nfull * BS
+        if mode == "async":
+            assert RequestStatus.WAITING_FOR_REMOTE_KVS in seen
+        for name, t in eng.runner.kv_caches.items():
+            assert torch.equal(t[:, warm_table[:nfull]], stash[name]), f"{name}: loaded KV differs"
+        assert warm.output_token_ids == cold.output_token_ids
+        torch.testing.assert_close(warm_logits, cold_logits, rtol=1e-4, atol=1e-4)
+        eng.drain(timeout_s=60)
+    finally:
+        eng.shutdown()
+
+
+def test_an_engine_with_pegaflow_gives_the_tokens_of_a_plain_engine(model, server, regions, uid):
+    rng = random.Random(uid)
+    prompts = [[rng.randrange(TINY.vocab_size) for _ in range(40 + 17 * i)] for i in range(3)]
+    plain = LLMEngine(EngineConfig(model="tiny", num_gpu_blocks=64), model=model)
+    want = [o.output_token_ids for o in plain.generate(prompts, max_tokens=6)]
+    eng = pega_engine(model, server, regions, uid, "layerwise")
+    try:
+        got = [o.output_token_ids for o in eng.generate(prompts, max_tokens=6, timeout_s=60)]
+        eng.drain(timeout_s=60)
+    finally:
+        eng.shutdown()
+    assert got == want

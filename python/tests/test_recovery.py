@@ -1,0 +1,135 @@
+"""The engine survives its KV server: killed, restarted on the same address,
+or wedged. Queries answer 0 hits and saves are dropped and counted while it
+is away (no exception reaches the step), the rank re-registers by itself
+when it is back, and save/load then work again."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from pegaflow.errors import PegaflowError
+from pegaflow.hashes import synthetic_tokens
+
+from server_proc import ServerProc
+from vllm_driver import BLOCK, Engine, Request, vllm_config
+
+FAST = {"pegaflow.reconnect_max_ms": 300, "pegaflow.rpc_timeout_ms": 2000, "pegaflow.save_timeout_ms": 2000}
+
+
+def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def own_server():
+    servers = []
+
+    def start(addr: str = "127.0.0.1:0") -> ServerProc:
+        s = ServerProc.start(addr)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGCONT)
+        s.stop()
+
+
+def test_after_a_server_restart_the_rank_re_registers_and_save_load_work_again(own_server, uid):
+    s1 = own_server()
+    eng = Engine(vllm_config(s1.addr, uid, "tiny-" + uid, "layerwise", **FAST))
+    reg = eng.worker._w().registration
+    try:
+        cold = Request("cold", synthetic_tokens(61, 4 * BLOCK + 1), salt=uid)
+        eng.run_prefill(cold)
+        eng.finish(cold)
+        eng.drain("cold")
+
+        s1.kill()
+        wait_for(lambda: not reg.connected, "the session to notice the dead server")
+        # Server away: a miss, dropped (counted) saves, freed blocks; nothing raises into the step.
+        away = Request("away", synthetic_tokens(61, 4 * BLOCK + 1), salt=uid)
+        assert eng.run_prefill(away, avoid=set(cold.block_ids)) == 0
+        assert eng.sched.pegaflow_stats()["query_errors"] >= 1
+        assert eng.holds_all(away, away.num_tokens)
+        eng.finish(away)
+        eng.drain("away")
+        assert eng.worker.pegaflow_stats()["saves_dropped"] == 4
+
+        s2 = own_server(s1.addr)  # same address, empty pool
+        wait_for(lambda: reg.connected, "re-registration")
+        assert reg.generation == 2 and reg.stats()["disconnects"] == 1
+        again = Request("again", synthetic_tokens(61, 4 * BLOCK + 1), salt=uid)
+        assert eng.run_prefill(again) == 0  # the new server starts empty
+        eng.finish(again)
+        eng.drain("again")
+        warm = Request("warm", synthetic_tokens(61, 4 * BLOCK + 1), salt=uid)
+        assert eng.run_prefill(warm, avoid=set(again.block_ids)) == 4 * BLOCK
+        assert eng.holds_all(warm, warm.num_tokens) and eng.invalid_blocks == set()
+    finally:
+        eng.close()
+
+
+def test_a_wedged_server_costs_deadlines_not_a_hung_engine(own_server, uid):
+    s = own_server()
+    eng = Engine(vllm_config(s.addr, uid, "tiny-" + uid, "async", **{**FAST, "pegaflow.rpc_timeout_ms": 300, "pegaflow.save_timeout_ms": 300}))
+    try:
+        s.proc.send_signal(signal.SIGSTOP)
+        r = Request("w", synthetic_tokens(71, 3 * BLOCK + 1), salt=uid)
+        assert eng.run_prefill(r) == 0  # the query hit its deadline: a miss
+        eng.finish(r)
+        eng.drain("w")  # the save hit its deadline: dropped, and the blocks still come back
+        stats = eng.worker.pegaflow_stats()
+        assert stats["saves_dropped"] == 3 and stats["save_errors"] == 1
+        s.proc.send_signal(signal.SIGCONT)
+        r2 = Request("w2", synthetic_tokens(72, 3 * BLOCK + 1), salt=uid)
+        eng.run_prefill(r2)
+        eng.finish(r2)
+        eng.drain("w2")
+        assert eng.worker.pegaflow_stats()["blocks_saved"] == 3
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
+        eng.close()
+
+
+def test_a_rank_whose_instance_was_cleaned_up_registers_again_by_itself(client, uid):
+    from pegaflow.client import PegaflowClient
+
+    from kv_helpers import fill, make_kv, register
+
+    region, kv = make_kv(2, 8)
+    own = PegaflowClient(client.address, reconnect_max_ms=300)
+    reg = register(own, kv, uid, "ns-" + uid)
+    try:
+        assert client.unregister_context(uid) == 0  # e.g. an operator, or a TP peer's session loss
+        wait_for(lambda: reg.generation == 2 and reg.connected, "re-registration after CLEANED_UP")
+        assert "CLEANED_UP" in (reg.last_error or "")
+        hashes = [bytes([7]) * 16]
+        fill(kv, [3], hashes)
+        assert own.save(instance_id=uid, tp_rank=0, block_ids=[3], block_hashes=hashes).blocks_saved == 1
+    finally:
+        reg.close()
+        own.close()
+        region.close()
+
+
+def test_closing_a_registration_unregisters_the_instance(client, uid):
+    from kv_helpers import make_kv, register
+
+    region, kv = make_kv(1, 8)
+    reg = register(client, kv, uid, "ns-" + uid)
+    reg.close()
+    assert not reg.connected
+    with pytest.raises(PegaflowError) as e:
+        client.query_prefetch(instance_id=uid, block_hashes=[b"\x01"], request_id="q")
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "is not registered" in e.value.details
+    region.close()

@@ -1,0 +1,80 @@
+/**
+ * Request bodies on the server's HTTP endpoints are held to 64 KiB while they
+ * are read: an upload far over it (chunked, or announced by Content-Length)
+ * is a 413 before the rest is read, the server's peak memory does not grow
+ * with it, and the server keeps serving. A broken chunked body is a 400.
+ */
+import assert from "node:assert/strict";
+import { startServer } from "./harness.ts";
+import { brokenChunkedRequest, peakRssBytes, streamUpload } from "../http/raw_http.ts";
+
+/** The upload: a thousand times the limit. */
+const UPLOAD_BYTES = 64 * 1024 * 1024;
+/**
+ * Peak memory may grow by this much at most. Reading the upload whole would
+ * add ≥ 64 MiB (the old reader added ~2× the body); the bound leaves room for
+ * the allocator and JIT noise, not for the body.
+ */
+const PEAK_GROWTH_BOUND = 32 * 1024 * 1024;
+
+Deno.test("an oversized body on any HTTP endpoint is a 413 while it is read, and memory stays flat", async () => {
+  const srv = await startServer();
+  try {
+    const port = Number(srv.http.slice(srv.http.lastIndexOf(":") + 1));
+    // Warm the HTTP path so the baseline includes what serving itself costs.
+    assert.equal((await srv.http_post("/instances/cleanup", { all: true })).status, 200);
+    const before = peakRssBytes(srv.pid);
+    for (
+      const [path, chunked] of [
+        ["/instances/cleanup", true],
+        ["/instances/cleanup", false],
+        ["/cache/memory/cleanup", true],
+        ["/health", true],
+      ] as const
+    ) {
+      const r = await streamUpload({ port, path, totalBytes: UPLOAD_BYTES, chunked });
+      const what = `${path} (${chunked ? "chunked" : "Content-Length"})`;
+      assert.ok(r.answer, `${what}: the server answered`);
+      assert.equal(r.answer.status, 413, `${what}: ${r.answer.body}`);
+      const body = JSON.parse(r.answer.body);
+      assert.equal(body.code, "body_too_large");
+      assert.match(body.error, /larger than the limit of 65536 bytes/);
+      assert.equal(r.answer.headers["connection"], "close", `${what}: the connection ends`);
+      assert.ok(r.sentBytes < UPLOAD_BYTES, `${what}: the server stopped the upload early`);
+    }
+    const growth = peakRssBytes(srv.pid) - before;
+    assert.ok(
+      growth < PEAK_GROWTH_BOUND,
+      `peak memory grew by ${(growth / 2 ** 20).toFixed(1)} MiB for 64 MiB uploads`,
+    );
+    // Still serving, and a body within the limit still works.
+    const h = await srv.http_get("/health");
+    assert.equal(h.status, 200);
+    await h.body?.cancel();
+    const ok = await srv.http_post("/instances/cleanup", { all: true, pad: "x".repeat(60_000) });
+    assert.equal(ok.status, 200, await ok.text());
+    assert.equal((await srv.client.health()).status, "ok");
+    assert.ok(srv.logs().some((l) => l.includes('"http request body refused"')));
+  } finally {
+    await srv.stop();
+  }
+});
+
+Deno.test("a broken chunked body on the server's HTTP side is a 400, not a 500", async () => {
+  const srv = await startServer();
+  try {
+    const port = Number(srv.http.slice(srv.http.lastIndexOf(":") + 1));
+    const a = await brokenChunkedRequest(port, "/instances/cleanup");
+    assert.equal(a.status, 400, a.body);
+    assert.equal(JSON.parse(a.body).code, "malformed_body");
+    const refused = srv.logs().filter((l) => l.includes('"http request body refused"'));
+    assert.equal(refused.length, 1);
+    assert.equal(JSON.parse(refused[0]).level, "warn");
+    assert.ok(!srv.logs().some((l) => l.includes('"http handler failed"')));
+    const h = await srv.http_get("/health");
+    assert.equal(h.status, 200);
+    await h.body?.cancel();
+  } finally {
+    await srv.stop();
+  }
+});

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU runs on a machine that has CUDA but no Deno, no liburing and no network
+# (the device machine). Carried beside the tree, in .carry/ (ignored by git):
+#   deno.xz          xz -T2 -6 -c tools/deno/node_modules/deno/deno
+#   deno_npm.tar.xz  tar -C .cache -cJf .carry/deno_npm.tar.xz deno/npm
+# and build/ (libpegaflow.so built where nvcc is: `make native`).
+#
+# Usage: tools/device/gpu_run.sh STEP...   (each step's output goes to $OUT/STEP.log)
+#   suite        deno task test:gpu (the GPU test suite)
+#   pytest-gpu   python/tests with a GPU (CUDA IPC of torch tensors)
+#   server       bench/server.ts --backend cuda (warm load, save ratio, query)
+#   native       bench/run.ts --backend cuda --only size,submit (copy paths)
+#   ttft         bench/ttft.py (cold/warm TTFT, Llama-3.1-8B shape); TTFT_ARGS adds flags
+# Results written under bench/results/ are copied to $OUT too.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/pegaflow-out}
+mkdir -p "$OUT" /tmp/pf-deno/dir
+xz -T0 -dc .carry/deno.xz >/tmp/pf-deno/deno && chmod +x /tmp/pf-deno/deno
+tar -C /tmp/pf-deno/dir -xJf .carry/deno_npm.tar.xz --strip-components=1
+export PEGAFLOW_DENO=/tmp/pf-deno/deno DENO_DIR=/tmp/pf-deno/dir PEGAFLOW_DENO_CACHED_ONLY=1
+export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
+DENO="$PEGAFLOW_DENO"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+rc=0
+for step in "$@"; do
+  echo "=== $step ($(date +%T))"
+  case "$step" in
+    suite) $DENO test --allow-all --cached-only tests/gpu/ ;;
+    pytest-gpu) (cd python && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc_gpu.py) ;;
+    server) $DENO run --allow-all --cached-only bench/server.ts --backend cuda --tokens 10000 --iters 20 ;;
+    native) $DENO run --allow-all --cached-only bench/run.ts --backend cuda --only size,submit ;;
+    ttft) python3 bench/ttft.py ${TTFT_ARGS:-} ;;
+    *) echo "unknown step $step"; false ;;
+  esac 2>&1 | sed 's/\x1b\[[0-9;]*m//g' | tee "$OUT/$step.log"
+  s=${PIPESTATUS[0]}
+  echo "=== $step exit $s"
+  [ "$s" -eq 0 ] || rc=1
+done
+for f in bench/results/ttft-cuda*.json bench/results/ttft-cuda*.png bench/results/server-cuda*.json; do
+  [ -f "$f" ] && cp "$f" "$OUT/"
+done
+exit $rc
