@@ -8,8 +8,8 @@
  * @module
  */
 
-import type { LogLevel } from "./log.ts";
-import { LOG_LEVELS } from "./log.ts";
+import type { LogLevel } from "../log.ts";
+import { LOG_LEVELS } from "../log.ts";
 
 /** Everything the router needs to run. Durations are milliseconds, sizes are bytes. */
 export interface RouterConfig {

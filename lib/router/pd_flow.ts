@@ -22,7 +22,7 @@
 import type { Backend, BackendPool, Role } from "./backend_pool.ts";
 import { RouterError } from "./errors.ts";
 import { describeError } from "./health.ts";
-import type { Logger } from "./log.ts";
+import type { Logger } from "../log.ts";
 import type { RouterMetrics } from "./metrics.ts";
 import type { GenerationRequest, JsonObject } from "./validate.ts";
 import { classifyNetworkError, TRANSIENT_STATUSES, UpstreamLink } from "./upstream.ts";
