@@ -9,6 +9,7 @@ export {
   check,
   DIRECTION_CODES,
   Engine,
+  HANDLE_BYTES,
   lastError,
   NativeError,
   PATH_CODES,

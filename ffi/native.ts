@@ -132,6 +132,9 @@ export const DIRECTION_CODES: Record<Direction, number> = { d2h: 0, h2d: 1 };
 
 const BACKEND_CODES: Record<BackendName, number> = { auto: 0, cuda: 1, host: 2 };
 
+/** `PF_HANDLE_BYTES`: a region's cross-process handle (CUipcMemHandle, or a NUL-padded shm name). */
+export const HANDLE_BYTES = 64;
+
 /** Options of {@link Engine.open}. */
 export interface EngineOptions {
   /** `auto` (default) picks cuda when a GPU is usable, else host. */
@@ -377,7 +380,7 @@ export class Engine {
    * file) and returns it with its 64-byte handle for another process.
    */
   allocRegion(bytes: number | bigint): Region {
-    const handle = new Uint8Array(64);
+    const handle = new Uint8Array(HANDLE_BYTES);
     const out = new Uint32Array(1);
     check("pf_region_alloc", this.#pf.pf_region_alloc(this.handle, u64(bytes), handle, out));
     return new Region(this.#pf, out[0], handle);
@@ -385,11 +388,11 @@ export class Engine {
 
   /** Importing side: opens a peer's 64-byte handle declared `bytes` long. */
   importRegion(handle: Uint8Array, bytes: number | bigint): Region {
-    if (handle.length !== 64) {
+    if (handle.length !== HANDLE_BYTES) {
       throw new NativeError(
         "pf_region_import",
         PF_STATUS.PF_EINVAL,
-        `handle is ${handle.length} bytes; expected 64`,
+        `handle is ${handle.length} bytes; expected ${HANDLE_BYTES}`,
       );
     }
     const out = new Uint32Array(1);

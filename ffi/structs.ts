@@ -34,7 +34,7 @@ const KERNEL_VARIANTS: Record<number, "simt" | "tma"> = { 0: "simt", 1: "tma" };
 /** sizeof(pf_engine_props). */
 export const ENGINE_PROPS_BYTES = 104;
 /** `PF_DEVICE_NAME_BYTES`. */
-const DEVICE_NAME_BYTES = 64;
+export const DEVICE_NAME_BYTES = 64;
 
 /** What `pf_engine_info` reports. */
 export interface EngineProps {

@@ -22,8 +22,9 @@ import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { Logger } from "../log.ts";
 import { Code, codeOf, EngineError, invalid, precondition } from "./errors.ts";
 import { StorageError } from "../storage/errors.ts";
-import { LEASE_ID_BYTES } from "../storage/lease.ts";
-import { keyHex, MAX_HASH_BYTES, type RegisterArgs, validateRegistration } from "./registration.ts";
+import { LEASE_ID_BYTES, MAX_HASH_BYTES } from "../limits.ts";
+import { keyHex, type RegisterArgs, validateRegistration } from "./registration.ts";
+import { rankIndex } from "./rank.ts";
 import { Instance, type LayerCtx, layerCtx, type RankCtx } from "./instances.ts";
 import {
   checkStageClaim,
@@ -52,14 +53,7 @@ import {
 import type { KvStore, SavePlan } from "../storage/store.ts";
 import { type LayoutIdentity, layoutIdentity } from "../storage/layout.ts";
 
-export {
-  MAX_HASH_BYTES,
-  MAX_LAYERS,
-  MAX_PARALLEL,
-  PROTOCOL_VERSION,
-  REGION_HANDLE_BYTES,
-  type RegisterArgs,
-} from "./registration.ts";
+export { PROTOCOL_VERSION, type RegisterArgs } from "./registration.ts";
 
 export interface SaveArgs {
   instanceId: string;
@@ -308,7 +302,7 @@ export class KvEngine {
           `${who}: instance already registered with namespace "${inst.namespace}" tp_size ${inst.tpSize} pp_size ${inst.ppSize}`,
         );
       }
-      if (inst.ranks.has(a.ppRank * a.tpSize + a.tpRank)) {
+      if (inst.ranks.has(rankIndex(a.tpRank, a.ppRank, a.tpSize))) {
         throw new EngineError(
           Code.ALREADY_EXISTS,
           `${who}: already registered; unregister it first`,
@@ -359,7 +353,7 @@ export class KvEngine {
     const rankCtx: RankCtx = {
       tpRank: a.tpRank,
       ppRank: a.ppRank,
-      rank: a.ppRank * a.tpSize + a.tpRank,
+      rank: rankIndex(a.tpRank, a.ppRank, a.tpSize),
       deviceId: a.deviceId,
       layers,
       byName: new Map(layers.map((l) => [l.name, l])),

@@ -12,6 +12,7 @@
  * @module
  */
 import { Code, EngineError, precondition } from "./errors.ts";
+import { rankIndex } from "./rank.ts";
 import { type Geometry, slotBytes } from "./geometry.ts";
 import type { RegionPort } from "./ports.ts";
 import type { LayoutDescription } from "../storage/layout.ts";
@@ -138,7 +139,7 @@ export class Instance {
   }
 
   rankCtx(tpRank: number, ppRank: number, what: string): RankCtx {
-    const r = this.ranks.get(ppRank * this.tpSize + tpRank);
+    const r = this.ranks.get(rankIndex(tpRank, ppRank, this.tpSize));
     if (!r) {
       throw precondition(
         `instance "${this.id}": ${what} from tp_rank ${tpRank} pp_rank ${ppRank}, which is not registered`,

@@ -64,6 +64,17 @@ const GIB = 1024 ** 3;
 export const DEFAULT_SSD_CAPACITY = 512 * GIB;
 /** Default segment: large enough for sequential writes, small enough that reuse drops little. */
 export const DEFAULT_SEGMENT_BYTES = 64 * 1024 ** 2;
+/**
+ * Queue depths and in-flight bounds when the caller gives none; also the
+ * defaults of the matching `--ssd-*` flags (lib/ssd/flags.ts).
+ */
+export const SSD_QUEUE_DEFAULTS = {
+  writeQueueDepth: 64,
+  writeInflight: 4,
+  prefetchQueueDepth: 256,
+  prefetchInflight: 8,
+  maxPrefetchBlocks: 4096,
+} as const;
 /** File created inside a directory given as a cache path. */
 export const CACHE_FILE_NAME = "pegaflow-ssd.cache";
 /** Free space left to the filesystem when capping capacity (metadata, other users). */
@@ -434,11 +445,11 @@ export class SsdTier {
       pool: options.pool,
       capacityBytes: options.capacityBytes ?? DEFAULT_SSD_CAPACITY,
       segmentBytes: options.segmentBytes ?? DEFAULT_SEGMENT_BYTES,
-      writeQueueDepth: options.writeQueueDepth ?? 64,
-      writeInflight: options.writeInflight ?? 4,
-      prefetchQueueDepth: options.prefetchQueueDepth ?? 256,
-      prefetchInflight: options.prefetchInflight ?? 8,
-      maxPrefetchBlocks: options.maxPrefetchBlocks ?? 4096,
+      writeQueueDepth: options.writeQueueDepth ?? SSD_QUEUE_DEFAULTS.writeQueueDepth,
+      writeInflight: options.writeInflight ?? SSD_QUEUE_DEFAULTS.writeInflight,
+      prefetchQueueDepth: options.prefetchQueueDepth ?? SSD_QUEUE_DEFAULTS.prefetchQueueDepth,
+      prefetchInflight: options.prefetchInflight ?? SSD_QUEUE_DEFAULTS.prefetchInflight,
+      maxPrefetchBlocks: options.maxPrefetchBlocks ?? SSD_QUEUE_DEFAULTS.maxPrefetchBlocks,
       ioDepth: options.ioDepth ?? DEFAULT_IO_DEPTH,
       hdrPages: options.hdrPages ?? DEFAULT_HDR_PAGES,
       direct: options.direct ?? true,
