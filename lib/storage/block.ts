@@ -75,7 +75,11 @@ export const SLOT_PENDING = 1;
 /** Slot state: holds its bytes. */
 export const SLOT_FILLED = 2;
 
-/** Cache class: saved or prefetched here (kept longer) vs fetched from a peer (evicted first). */
+/**
+ * Cache class: saved or prefetched here (kept longer) vs fetched from a peer
+ * (evicted first). Hook for a feature not built yet: nothing sets
+ * "reclaimable" today; the peer tier (cross-node reads) will.
+ */
 export type CacheClass = "retained" | "reclaimable";
 
 /** Marker for "no pool offset" in offset arrays. */

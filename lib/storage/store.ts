@@ -111,7 +111,10 @@ export interface SaveRequest {
   hashes: readonly BlockHash[];
   /** Layer ids this request carries (default: all layers of the layout). */
   layers?: readonly number[];
-  /** Cache class when sealed; "reclaimable" for blocks fetched from a peer. Default "retained". */
+  /**
+   * Cache class when sealed; default "retained". "reclaimable" is for blocks fetched from a
+   * peer: a hook for the peer tier, which is not built yet (no caller passes it today).
+   */
   cacheClass?: CacheClass;
 }
 
@@ -160,7 +163,7 @@ export interface FillRequest {
   /** Who fills (e.g. `"ssd"` or the peer's node id); recorded for cleanup like an instance. */
   instance: string;
   hashes: readonly BlockHash[];
-  /** Default "retained" (SSD); use "reclaimable" for blocks fetched from a peer. */
+  /** Default "retained" (SSD); "reclaimable" is the not-yet-built peer tier's (see SaveRequest). */
   cacheClass?: CacheClass;
 }
 
@@ -532,7 +535,9 @@ export class KvStore {
   /**
    * Plans a whole-block fill (SSD prefetch into RAM, peer fetch): every layer
    * and every rank slot of each block not already held. Same contract as
-   * {@link beginSave}; the blocks seal at {@link completeSave}.
+   * {@link beginSave}; the blocks seal at {@link completeSave}. No server
+   * path calls it yet (only tests): the SSD bridge still plans per rank with
+   * beginSave, and the peer fetch does not exist.
    */
   beginFill(req: FillRequest): SaveBegin {
     this.collect();
@@ -1022,8 +1027,11 @@ export class KvStore {
   }
 
   /**
-   * Pins whichever of `hashes` are sealed here, for a peer to read (RDMA).
-   * Returns null when none is held.
+   * Pins whichever of `hashes` are sealed here so a reader outside the store
+   * can copy them out while eviction stays away. Used today by the SSD
+   * write-behind (lib/ssd/kv_bridge.ts). The cross-node read it is shaped for
+   * (a peer pinning blocks for a one-sided RDMA / TCP read, DESIGN.md) is not
+   * built yet. Returns null when none is held.
    */
   lockForTransfer(
     namespace: string,
