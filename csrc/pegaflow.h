@@ -537,4 +537,8 @@ uint32_t pf_crc32c(uint32_t crc, const void *buf, uint64_t bytes);
 #ifdef __cplusplus
 }
 #endif
+
+/* ---- cross-node transfer (TCP, RDMA verbs) ----------------------------- */
+#include "pf_xfer.h"
+
 #endif /* PEGAFLOW_H */

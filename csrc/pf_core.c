@@ -13,7 +13,7 @@
  * that reads head with an acquire load sees whole records.
  */
 #define _GNU_SOURCE
-#include "pf_internal.h"
+#include "pf_xfer_internal.h" /* pf_internal.h + the transfer handle kinds */
 
 #include <errno.h>
 #include <stdarg.h>
@@ -87,6 +87,8 @@ static const char *kind_name(int kind) {
   case PF_K_URING: return "uring";
   case PF_K_FILE: return "file";
   case PF_K_SHM: return "shm";
+  case PF_K_XFER: return "transfer endpoint";
+  case PF_K_XPEER: return "transfer peer";
   default: return "object";
   }
 }

@@ -276,12 +276,19 @@ class SchedulerCore:
             if tr is not None:
                 tr.block_ids = []  # freed; new ids come with the resumed schedule
         bs = self.block_size
+        tracked = self._tracked
         for s in scheduled:
-            tr = self._tracked.get(s.request_id)
+            tr = tracked.get(s.request_id)
             if tr is None:
                 continue  # never probed: not ours to save
-            if s.block_ids is not None:
-                tr.block_ids = list(s.block_ids) if s.replace_blocks else tr.block_ids + list(s.block_ids)
+            if s.block_ids is None:
+                pass
+            elif s.replace_blocks:
+                tr.block_ids = list(s.block_ids)
+            elif s.block_ids:
+                tr.block_ids.extend(s.block_ids)  # own list (intents copy their slices)
+            if (s.num_computed_tokens + s.num_scheduled_tokens) // bs <= tr.saved_upto:
+                continue  # no block completes in this step (most decode steps): nothing to save
             hashes = tr.request.block_hashes
             publishable = getattr(tr.request, "num_publishable_block_hashes", None)
             n_hash = len(hashes) if publishable is None else min(len(hashes), publishable)

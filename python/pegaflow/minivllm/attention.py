@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HAS_SDPA", "attend", "attend_decode_batch"]
+__all__ = ["HAS_SDPA", "attend", "attend_decode_batch", "attend_varlen"]
 
 HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 # enable_gqa arrived in torch 2.5; before it, K/V heads are repeated instead.
@@ -31,6 +31,12 @@ def _lower_right_mask(lq: int, lk: int, device: torch.device) -> torch.Tensor:
 
 
 _bias_works = _causal_lower_right is not None
+
+# Flash attention over ragged sequences (cu_seqlens), vLLM's FlashAttention call: one kernel for
+# a whole mixed batch, GQA without repeated K/V, causality lower-right aligned per sequence.
+# A private aten op: checked for at import, and dropped for good if this build refuses it.
+_flash_varlen = getattr(getattr(torch.ops, "aten", None), "_flash_attention_forward", None)
+_flash_varlen_works = _flash_varlen is not None
 
 
 def _sdpa_lower_right(qh, kh, vh, lq: int, lk: int, kw: dict) -> torch.Tensor:
@@ -103,3 +109,31 @@ def attend_decode_batch(
         scores = scores.masked_fill(~mask, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), vh.float()).to(q.dtype)
     return o.reshape(b, hq, d)
+
+
+def attend_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    spans: list[tuple[int, int, int, int]],
+    scale: float,
+) -> torch.Tensor:
+    """Ragged batch: sequence i has queries q[cu_q[i]:cu_q[i+1]] over keys k[cu_k[i]:cu_k[i+1]]
+    (its context then its own new keys), lower-right causal. q [Tq, Hq, D], k/v [Tk, Hkv, D]
+    → [Tq, Hq, D]. `cu_q`/`cu_k` are int32 device tensors; `spans` the same offsets on the host
+    as (q_start, q_len, k_start, k_len), for the per-sequence path.
+
+    One flash kernel on a GPU (bf16/fp16); elsewhere one `attend` per sequence.
+    """
+    global _flash_varlen_works
+    if _flash_varlen_works and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        try:
+            return _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
+        except (RuntimeError, TypeError, NotImplementedError):
+            _flash_varlen_works = False  # e.g. a build without flash: the per-sequence path below
+    outs = [attend(q[q0 : q0 + ql], k[k0 : k0 + kl], v[k0 : k0 + kl], scale) for q0, ql, k0, kl in spans]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -16,14 +16,17 @@ finite): the benchmark needs the real shapes and FLOPs, not a trained model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
-from pegaflow.minivllm.attention import attend, attend_decode_batch
+from pegaflow.minivllm.attention import attend, attend_varlen
 
 __all__ = ["CONFIGS", "LayerHooks", "LlamaConfig", "LlamaModel", "SeqInfo", "StepBatch"]
+
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
 
 
 @dataclass(frozen=True)
@@ -85,25 +88,36 @@ CONFIGS: dict[str, LlamaConfig] = {
 
 @dataclass
 class SeqInfo:
-    """One request's slice of a step: tokens [q_start, q_start+q_len) of the flat batch."""
+    """One request's slice of a step: queries [q_start, q_start+q_len) of the flat batch, keys
+    [k_start, k_start+kv_len) of the step's gathered K/V (its context, then its new tokens)."""
 
     q_start: int
     q_len: int
     kv_len: int  # context + this step's tokens
-    block_table: torch.Tensor  # [num_blocks_needed] long, on the model's device
+    k_start: int
     fresh: bool  # no cached context: attend over this step's K/V without a gather
 
 
 @dataclass
 class StepBatch:
+    """A step's inputs, built once per step on the host and copied to the device in one go;
+    every layer reuses them (no per-layer index building, no host round trip in the forward)."""
+
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset
     seqs: list[SeqInfo]
     logits_indices: torch.Tensor  # [n] rows of the flat batch to sample from
-    # All seqs decode one token each: padded block tables [B, max_blocks] and lengths [B].
-    decode_block_tables: torch.Tensor | None = None
-    decode_seq_lens: torch.Tensor | None = None
+    # Slots of every sequence's keys, context then new tokens, sequences back to back: one
+    # gather per layer (both planes at once) feeds the ragged attention. None when every
+    # sequence is fresh (its keys are the step's own K/V).
+    kv_gather: torch.Tensor | None = None
+    cu_q: torch.Tensor | None = None  # [S+1] int32 query offsets
+    cu_k: torch.Tensor | None = None  # [S+1] int32 key offsets
+    max_q: int = 0
+    max_k: int = 0
+    # The same offsets on the host, (q_start, q_len, k_start, k_len) per sequence.
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class LayerHooks(Protocol):
@@ -157,46 +171,44 @@ class LlamaModel:
     # ------------------------------------------------------------------ pieces
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if _HAS_RMS_NORM:  # one fused kernel on CUDA (torch >= 2.8), float32 inside
+            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return xf.to(x.dtype) * w
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, [T, 1, 1, D]: rotate(x) = x*cos + swap_halves(x)*sin."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        emb = torch.cat([freqs, freqs], dim=-1)
         dt = self.cfg.torch_dtype
-        return emb.cos().to(dt).unsqueeze(1), emb.sin().to(dt).unsqueeze(1)
+        cos = freqs.cos().repeat(1, 2).to(dt)
+        sin = freqs.sin()
+        sin = torch.cat([-sin, sin], dim=-1).to(dt)
+        return cos[:, None, None, :], sin[:, None, None, :]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE (Llama's rotate-half form) of a [T, G, H, D] view, in three kernels."""
         half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
+        out = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+        out.mul_(sin)
+        return out.addcmul_(x, cos)
 
     def _attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, b: StepBatch
     ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (views): vLLM's reshape_and_cache (the step's K/V into
+        their slots before anyone attends), then attention over each request's context."""
         cfg = self.cfg
-        k_plane = cache[0].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v_plane = cache[1].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        # vLLM's reshape_and_cache: the step's K/V go into their slots before anyone attends.
-        k_plane[b.slot_mapping] = k
-        v_plane[b.slot_mapping] = v
-        if b.decode_block_tables is not None:
-            kc = cache[0][b.decode_block_tables].flatten(1, 2)  # [B, blocks*bs, Hkv, D]
-            vc = cache[1][b.decode_block_tables].flatten(1, 2)
-            return attend_decode_batch(q, kc, vc, b.decode_seq_lens, self.scale)
-        outs = []
-        for s in b.seqs:
-            qs = q[s.q_start : s.q_start + s.q_len]
-            if s.fresh:
-                ks = k[s.q_start : s.q_start + s.q_len]
-                vs = v[s.q_start : s.q_start + s.q_len]
-            else:
-                ks = cache[0][s.block_table].flatten(0, 1)[: s.kv_len]
-                vs = cache[1][s.block_table].flatten(0, 1)[: s.kv_len]
-            outs.append(attend(qs, ks, vs, self.scale))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        planes = cache.view(2, -1, cfg.num_kv_heads, cfg.head_dim)  # [2, blocks*bs, Hkv, D]
+        planes[0].index_copy_(0, b.slot_mapping, k)
+        planes[1].index_copy_(0, b.slot_mapping, v)
+        if b.kv_gather is None:  # every sequence fresh: its keys are the step's own
+            if len(b.seqs) == 1:  # a plain prefill: SDPA's causal flash path, as transformers
+                return attend(q, k, v, self.scale)
+            return attend_varlen(q, k, v, b.cu_q, b.cu_k, b.max_q, b.max_k, b.spans, self.scale)
+        kv = planes.index_select(1, b.kv_gather)  # [2, sum of kv_len, Hkv, D], one kernel
+        return attend_varlen(q, kv[0], kv[1], b.cu_q, b.cu_k, b.max_q, b.max_k, b.spans, self.scale)
 
     # ------------------------------------------------------------------ forward
 
@@ -204,9 +216,13 @@ class LlamaModel:
     def forward(
         self, b: StepBatch, kv_caches: list[torch.Tensor], hooks: LayerHooks | None = None
     ) -> torch.Tensor:
-        """Hidden states (after the final norm) of the `logits_indices` rows: [n, hidden]."""
+        """Hidden states (after the final norm) of the `logits_indices` rows: [n, hidden].
+
+        Launch-lean: ~15 kernels a layer (fused QKV and gate/up, RoPE of Q and K together, the
+        residual added by the o-proj and down-proj GEMMs), no host sync inside."""
         cfg = self.cfg
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        g = nq // nkv
         x = self.embed[b.input_ids]
         cos, sin = self._rope(b.positions)
         t = x.shape[0]
@@ -214,21 +230,22 @@ class LlamaModel:
             if hooks is not None:
                 hooks.layer_begin(i)
             h = self._rms_norm(x, w["in_norm"])
-            qkv = h @ w["qkv"].t()
-            q = qkv[:, : nq * hd].view(t, nq, hd)
-            k = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
-            v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
+            qkv = (h @ w["qkv"].t()).view(t, g + 2, nkv, hd)  # Q as g groups of nkv heads, K, V
+            qk = self._rotate(qkv[:, : g + 1], cos, sin)
+            q = qk[:, :g].reshape(t, nq, hd)
+            k = qk[:, g]
+            v = qkv[:, g + 1]
             if hooks is not None:
                 hooks.pre_attention(i)
             attn = self._attention(q, k, v, kv_caches[i], b)
             if hooks is not None:
                 hooks.post_attention(i, kv_caches[i])
-            x = x + attn.reshape(t, nq * hd) @ w["o"].t()
+            x.addmm_(attn.reshape(t, nq * hd), w["o"].t())  # x is this forward's own tensor
             h = self._rms_norm(x, w["post_norm"])
-            gate, up = (h @ w["gate_up"].t()).chunk(2, dim=-1)
-            x = x + (torch.nn.functional.silu(gate) * up) @ w["down"].t()
+            gu = h @ w["gate_up"].t()
+            act = F.silu(gu[:, : cfg.intermediate_size])
+            act.mul_(gu[:, cfg.intermediate_size :])
+            x.addmm_(act, w["down"].t())
             if hooks is not None:
                 hooks.layer_end(i)
         return self._rms_norm(x[b.logits_indices], self.norm)

@@ -149,55 +149,63 @@ class ModelRunner:
             st.num_computed_tokens = c.num_computed_tokens[i]
 
     def _prepare(self, so: SchedulerOutput) -> tuple[StepBatch, list[str], AttentionMetadata]:
-        """The step's flat token batch; host lists reach the device in a few copies, not one per request."""
+        """The step's flat token batch and attention indexes, built with numpy and copied to the
+        device in one transfer; every layer reuses them."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        spans: list[tuple[int, int, int, bool]] = []  # q_start, q_len, kv_len, fresh
+        gathers: list[np.ndarray] = []
+        seqs: list[SeqInfo] = []
         logits_rows: list[int] = []
         sample_ids: list[str] = []
-        tables: list[list[int]] = []
+        k_start = 0
+        offs = np.arange(bs, dtype=np.int64)
         for rid, n in so.num_scheduled_tokens.items():
             st = self.requests[rid]
             c = st.num_computed_tokens
-            spans.append((len(ids), n, c + n, c == 0))
-            ids.extend(st.token_ids[c : c + n])
-            table = st.block_ids[: -(-(c + n) // bs)]
-            p = np.arange(c, c + n, dtype=np.int64)
-            pos.append(p)
-            slots.append(np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs)
-            tables.append(table)
-            if c + n >= len(st.token_ids):  # the step reaches the last token: sample
+            kv = c + n
+            seqs.append(SeqInfo(len(ids), n, kv, k_start, c == 0))
+            k_start += kv
+            ids.extend(st.token_ids[c:kv])
+            table = np.asarray(st.block_ids[: -(-kv // bs)], dtype=np.int64)
+            # Every slot of the request's keys, context and new tokens, in position order.
+            all_slots = (table[:, None] * bs + offs).reshape(-1)[:kv]
+            gathers.append(all_slots)
+            slots.append(all_slots[c:])
+            pos.append(np.arange(c, kv, dtype=np.int64))
+            if kv >= len(st.token_ids):  # the step reaches the last token: sample
                 logits_rows.append(len(ids) - 1)
                 sample_ids.append(rid)
         t = len(ids)
-        flat = torch.from_numpy(
-            np.concatenate(
-                [np.asarray(ids, dtype=np.int64), *pos, *slots, np.asarray(logits_rows, dtype=np.int64)]
-            )
-        ).to(self.device)
-        width = max(len(tb) for tb in tables)
-        # Padded with the null block; rows are cut to each request's length (or masked).
-        table_dev = torch.tensor(
-            [tb + [0] * (width - len(tb)) for tb in tables], dtype=torch.long
-        ).to(self.device)
-        seqs = [
-            SeqInfo(q0, q, kv, table_dev[i, : len(tables[i])], fresh)
-            for i, (q0, q, kv, fresh) in enumerate(spans)
-        ]
+        all_fresh = all(s.fresh for s in seqs)
+        q_lens = np.asarray([s.q_len for s in seqs], dtype=np.int64)
+        k_lens = q_lens if all_fresh else np.asarray([s.kv_len for s in seqs], dtype=np.int64)
+        cu_q = np.concatenate([[0], np.cumsum(q_lens)])
+        cu_k = np.concatenate([[0], np.cumsum(k_lens)])
+        parts = [np.asarray(ids, dtype=np.int64), *pos, *slots, np.asarray(logits_rows, dtype=np.int64), cu_q, cu_k]
+        if not all_fresh:
+            parts += gathers
+        flat = torch.from_numpy(np.concatenate(parts)).to(self.device)
+        o = 3 * t + len(logits_rows)
+        ns = len(seqs) + 1
+        cu = flat[o : o + 2 * ns].to(torch.int32)
         batch = StepBatch(
             input_ids=flat[:t],
             positions=flat[t : 2 * t],
             slot_mapping=flat[2 * t : 3 * t],
             seqs=seqs,
-            logits_indices=flat[3 * t :],
+            logits_indices=flat[3 * t : o],
+            kv_gather=None if all_fresh else flat[o + 2 * ns :],
+            cu_q=cu[:ns],
+            cu_k=cu[ns:],
+            max_q=int(q_lens.max()),
+            max_k=int(k_lens.max()),
+            spans=[(s.q_start, s.q_len, s.q_start if all_fresh else s.k_start, s.q_len if all_fresh else s.kv_len)
+                   for s in seqs],  # fmt: skip
         )
-        seq_lens = [kv for _, _, kv, _ in spans]
-        qlens = [q for _, q, _, _ in spans]
-        if len(seqs) > 1 and all(q == 1 for q in qlens):
-            batch.decode_block_tables = table_dev
-            batch.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.long).to(self.device)
+        seq_lens = [s.kv_len for s in seqs]
+        qlens = [s.q_len for s in seqs]
         meta = AttentionMetadata(batch.slot_mapping, t, seq_lens, qlens, list(so.num_scheduled_tokens))
         return batch, sample_ids, meta
 
@@ -254,7 +262,7 @@ class ModelRunner:
         if self.connector is not None:
             self._pre_forward(so, meta)
         hooks = _StepHooks(self, meta)
-        hidden = self.model.forward(batch, self._kv_list, hooks)
+        hidden = self.model.forward(batch, self._kv_list, hooks if hooks.needed else None)
         kv_out = self._post_forward(so, meta) if self.connector is not None else None
         for rid, n in so.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
@@ -271,7 +279,9 @@ class ModelRunner:
         out.sampled_token_ids = [[sampled[r]] if r in sampled else [] for r in out.req_ids]
         for row, rid in enumerate(sample_ids):
             self.requests[rid].token_ids.append(sampled[rid])
-            out.logits[rid] = logits[row].cpu()
+            # A view on the model's device: no copy per request per step (a decode batch of 32
+            # would move 16 MB to the host every step for nothing).
+            out.logits[rid] = logits[row]
         out.timeline = hooks.timeline()
         return out
 
@@ -280,11 +290,15 @@ class _StepHooks:
     """The per-layer half of vLLM's connector order, plus the optional per-layer timeline."""
 
     def __init__(self, runner: ModelRunner, meta: AttentionMetadata) -> None:
-        self.conn = runner.connector
+        conn = runner.connector
+        # vLLM skips the layer hooks when no metadata is bound (kv_transfer_utils.py); the
+        # binding is fixed for the step, so it is looked up once, not per layer.
+        self.conn = conn if conn is not None and conn.has_connector_metadata() else None
         self.names = runner.layer_names
         self.meta = meta
         self.record = runner.record_timeline
         self.cuda = runner.device.type == "cuda"
+        self.needed = self.conn is not None or self.record
         n = len(self.names)
         if self.record:
             self.t0 = time.perf_counter()
@@ -299,10 +313,6 @@ class _StepHooks:
             else:
                 self.cpu = [(0.0, 0.0)] * n
 
-    def _active(self) -> bool:
-        # vLLM skips the layer hooks when no metadata is bound (kv_transfer_utils.py).
-        return self.conn is not None and self.conn.has_connector_metadata()
-
     def layer_begin(self, i: int) -> None:
         if self.record:
             if self.cuda:
@@ -312,13 +322,13 @@ class _StepHooks:
 
     def pre_attention(self, i: int) -> None:
         t = time.perf_counter() if self.record else 0.0
-        if self._active():
+        if self.conn is not None:
             self.conn.wait_for_layer_load(self.names[i])
         if self.record:
             self.wait[i] = (t, time.perf_counter())
 
     def post_attention(self, i: int, kv_cache: torch.Tensor) -> None:
-        if self._active():
+        if self.conn is not None:
             self.conn.save_kv_layer(self.names[i], kv_cache, self.meta)
 
     def layer_end(self, i: int) -> None:

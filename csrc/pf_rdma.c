@@ -1,0 +1,1017 @@
+/*
+ * pf_rdma.c — the transfer contract over RDMA verbs (RC QPs, one-sided
+ * READ / WRITE / WRITE_WITH_IMM).
+ *
+ * STATUS: the data path has NOT yet run on RDMA hardware (no machine we have
+ * has a device and Soft-RoCE cannot be loaded there). What runs in tests:
+ * loading libibverbs.so.1, the device list, the errors for a missing library
+ * / no device / an unknown NIC, parameter validation.
+ *
+ * No link-time dependency: libibverbs.so.1 is dlopen'ed (name overridable
+ * with PEGAFLOW_LIBIBVERBS) and the few structures used are declared below,
+ * mirroring rdma-core's <infiniband/verbs.h> of release v44 (Debian bookworm
+ * libibverbs-dev 44.0-2; these layouts are ABI-stable since rdma-core v13,
+ * symbol version IBVERBS_1.1). ibv_post_send / ibv_post_recv / ibv_poll_cq
+ * are inline functions in verbs.h that call through ibv_context.ops, so the
+ * context and its ops table are declared in full.
+ *
+ * Shape: an endpoint opens each NIC of --nics (every device when empty),
+ * allocates a PD, registers the whole pool (LOCAL_WRITE | REMOTE_READ |
+ * REMOTE_WRITE) and creates one CQ per NIC; one poller thread drains the
+ * CQs and posts ring records. A peer has `streams` RC QPs per NIC; a batch's
+ * parts (pf_xfer.c plans them) go one per QP as a chain of work requests
+ * with one sge each, only the last one signaled. A QP whose send queue is
+ * full keeps further parts in a backlog that the poller posts as credit
+ * returns.
+ *
+ * Deadlines: RDMA work cannot be cancelled one request at a time; a posted
+ * READ may land at any moment until the QP stops. So a batch that times out
+ * moves every QP of its peer to the error state, and its record is posted
+ * only when the flush completion of its last posted request has been polled:
+ * after that the NIC no longer writes into its ranges (the fix for the
+ * original system's #403, where a timed-out transfer wrote into freed
+ * memory). The peer is then broken and must be reconnected. WRITE_IMM: once
+ * every data part has completed, a zero-length WRITE_WITH_IMM goes on the
+ * first QP; the target's poller turns its receive completion into a
+ * PF_DONE_XFER_IMM record (RC delivers it after the data of that QP, and the
+ * data of the other QPs had completed before it was posted).
+ */
+#define _GNU_SOURCE
+#include "pf_xfer_internal.h"
+
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- the subset of <infiniband/verbs.h> (rdma-core v44) used here ------- */
+struct ibv_device;
+struct ibv_context;
+struct ibv_cq;
+struct ibv_qp;
+struct ibv_pd;
+struct ibv_srq;
+struct ibv_comp_channel;
+
+union ibv_gid {
+  uint8_t raw[16];
+  struct {
+    uint64_t subnet_prefix;
+    uint64_t interface_id;
+  } global;
+};
+
+struct ibv_sge {
+  uint64_t addr;
+  uint32_t length;
+  uint32_t lkey;
+};
+
+struct ibv_mw_bind_info {
+  void *mr;
+  uint64_t addr;
+  uint64_t length;
+  unsigned int mw_access_flags;
+};
+
+struct ibv_send_wr {
+  uint64_t wr_id;
+  struct ibv_send_wr *next;
+  struct ibv_sge *sg_list;
+  int num_sge;
+  int opcode; /* enum ibv_wr_opcode */
+  unsigned int send_flags;
+  uint32_t imm_data; /* network byte order */
+  union {
+    struct {
+      uint64_t remote_addr;
+      uint32_t rkey;
+    } rdma;
+    struct {
+      uint64_t remote_addr;
+      uint64_t compare_add;
+      uint64_t swap;
+      uint32_t rkey;
+    } atomic;
+    struct {
+      void *ah;
+      uint32_t remote_qpn;
+      uint32_t remote_qkey;
+    } ud;
+  } wr;
+  union {
+    struct {
+      uint32_t remote_srqn;
+    } xrc;
+  } qp_type;
+  union {
+    struct {
+      void *mw;
+      uint32_t rkey;
+      struct ibv_mw_bind_info bind_info;
+    } bind_mw;
+    struct {
+      void *hdr;
+      uint16_t hdr_sz;
+      uint16_t mss;
+    } tso;
+  };
+};
+
+struct ibv_recv_wr {
+  uint64_t wr_id;
+  struct ibv_recv_wr *next;
+  struct ibv_sge *sg_list;
+  int num_sge;
+};
+
+struct ibv_wc {
+  uint64_t wr_id;
+  int status; /* enum ibv_wc_status */
+  int opcode; /* enum ibv_wc_opcode */
+  uint32_t vendor_err;
+  uint32_t byte_len;
+  uint32_t imm_data; /* network byte order */
+  uint32_t qp_num;
+  uint32_t src_qp;
+  unsigned int wc_flags;
+  uint16_t pkey_index;
+  uint16_t slid;
+  uint8_t sl;
+  uint8_t dlid_path_bits;
+};
+
+struct ibv_context_ops {
+  void *_compat_query_device, *_compat_query_port, *_compat_alloc_pd, *_compat_dealloc_pd,
+      *_compat_reg_mr, *_compat_rereg_mr, *_compat_dereg_mr, *alloc_mw, *bind_mw, *dealloc_mw,
+      *_compat_create_cq;
+  int (*poll_cq)(struct ibv_cq *cq, int num_entries, struct ibv_wc *wc);
+  void *req_notify_cq, *_compat_cq_event, *_compat_resize_cq, *_compat_destroy_cq,
+      *_compat_create_srq, *_compat_modify_srq, *_compat_query_srq, *_compat_destroy_srq,
+      *post_srq_recv, *_compat_create_qp, *_compat_query_qp, *_compat_modify_qp,
+      *_compat_destroy_qp;
+  int (*post_send)(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad_wr);
+  int (*post_recv)(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad_wr);
+  void *_compat_create_ah, *_compat_destroy_ah, *_compat_attach_mcast, *_compat_detach_mcast,
+      *_compat_async_event;
+};
+
+struct ibv_context {
+  struct ibv_device *device;
+  struct ibv_context_ops ops;
+  /* cmd_fd, async_fd, num_comp_vectors, mutex, abi_compat follow (unused) */
+};
+
+/* The first members of ibv_qp / ibv_cq / ibv_mr (the rest is never read). */
+struct ibv_qp_head {
+  struct ibv_context *context;
+  void *qp_context;
+  struct ibv_pd *pd;
+  struct ibv_cq *send_cq;
+  struct ibv_cq *recv_cq;
+  struct ibv_srq *srq;
+  uint32_t handle;
+  uint32_t qp_num;
+};
+struct ibv_cq_head {
+  struct ibv_context *context;
+};
+struct ibv_mr {
+  struct ibv_context *context;
+  struct ibv_pd *pd;
+  void *addr;
+  size_t length;
+  uint32_t handle;
+  uint32_t lkey;
+  uint32_t rkey;
+};
+
+struct ibv_qp_cap {
+  uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, max_inline_data;
+};
+struct ibv_qp_init_attr {
+  void *qp_context;
+  struct ibv_cq *send_cq;
+  struct ibv_cq *recv_cq;
+  struct ibv_srq *srq;
+  struct ibv_qp_cap cap;
+  int qp_type; /* enum ibv_qp_type */
+  int sq_sig_all;
+};
+struct ibv_global_route {
+  union ibv_gid dgid;
+  uint32_t flow_label;
+  uint8_t sgid_index;
+  uint8_t hop_limit;
+  uint8_t traffic_class;
+};
+struct ibv_ah_attr {
+  struct ibv_global_route grh;
+  uint16_t dlid;
+  uint8_t sl;
+  uint8_t src_path_bits;
+  uint8_t static_rate;
+  uint8_t is_global;
+  uint8_t port_num;
+};
+struct ibv_qp_attr {
+  int qp_state, cur_qp_state, path_mtu, path_mig_state;
+  uint32_t qkey, rq_psn, sq_psn, dest_qp_num;
+  unsigned int qp_access_flags;
+  struct ibv_qp_cap cap;
+  struct ibv_ah_attr ah_attr;
+  struct ibv_ah_attr alt_ah_attr;
+  uint16_t pkey_index, alt_pkey_index;
+  uint8_t en_sqd_async_notify, sq_draining, max_rd_atomic, max_dest_rd_atomic, min_rnr_timer,
+      port_num, timeout, retry_cnt, rnr_retry, alt_port_num, alt_timeout;
+  uint32_t rate_limit;
+};
+/* struct _compat_ibv_port_attr: what the exported ibv_query_port fills. */
+struct ibv_port_attr {
+  int state, max_mtu, active_mtu, gid_tbl_len;
+  uint32_t port_cap_flags, max_msg_sz, bad_pkey_cntr, qkey_viol_cntr;
+  uint16_t pkey_tbl_len, lid, sm_lid;
+  uint8_t lmc, max_vl_num, sm_sl, subnet_timeout, init_type_reply, active_width, active_speed,
+      phys_state, link_layer, flags;
+  uint16_t port_cap_flags2;
+  uint8_t pad[32]; /* room for fields newer libraries may add */
+};
+
+enum { IBV_ACCESS_LOCAL_WRITE = 1, IBV_ACCESS_REMOTE_WRITE = 2, IBV_ACCESS_REMOTE_READ = 4 };
+enum { IBV_WR_RDMA_WRITE = 0, IBV_WR_RDMA_WRITE_WITH_IMM = 1, IBV_WR_RDMA_READ = 4 };
+enum { IBV_SEND_SIGNALED = 2 };
+enum { IBV_WC_SUCCESS = 0, IBV_WC_WR_FLUSH_ERR = 5 };
+enum { IBV_WC_RECV_RDMA_WITH_IMM = (1 << 7) + 1 };
+enum { IBV_QPT_RC = 2 };
+enum { IBV_QPS_RESET, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPS_SQD, IBV_QPS_SQE,
+       IBV_QPS_ERR };
+enum { IBV_QP_STATE = 1 << 0, IBV_QP_ACCESS_FLAGS = 1 << 3, IBV_QP_PKEY_INDEX = 1 << 4,
+       IBV_QP_PORT = 1 << 5, IBV_QP_AV = 1 << 7, IBV_QP_PATH_MTU = 1 << 8,
+       IBV_QP_TIMEOUT = 1 << 9, IBV_QP_RETRY_CNT = 1 << 10, IBV_QP_RNR_RETRY = 1 << 11,
+       IBV_QP_RQ_PSN = 1 << 12, IBV_QP_MAX_QP_RD_ATOMIC = 1 << 13,
+       IBV_QP_MIN_RNR_TIMER = 1 << 15, IBV_QP_SQ_PSN = 1 << 16,
+       IBV_QP_MAX_DEST_RD_ATOMIC = 1 << 17, IBV_QP_DEST_QPN = 1 << 20 };
+enum { IBV_PORT_ACTIVE = 4 };
+enum { IBV_LINK_LAYER_ETHERNET = 2 };
+
+/* ---- the library, loaded at run time ---------------------------------- */
+static struct {
+  void *h;
+  char name[256];
+  struct ibv_device **(*get_device_list)(int *num);
+  void (*free_device_list)(struct ibv_device **list);
+  const char *(*get_device_name)(struct ibv_device *dev);
+  struct ibv_context *(*open_device)(struct ibv_device *dev);
+  int (*close_device)(struct ibv_context *ctx);
+  int (*query_port)(struct ibv_context *ctx, uint8_t port, struct ibv_port_attr *attr);
+  int (*query_gid)(struct ibv_context *ctx, uint8_t port, int index, union ibv_gid *gid);
+  struct ibv_pd *(*alloc_pd)(struct ibv_context *ctx);
+  int (*dealloc_pd)(struct ibv_pd *pd);
+  struct ibv_mr *(*reg_mr)(struct ibv_pd *pd, void *addr, size_t len, int access);
+  int (*dereg_mr)(struct ibv_mr *mr);
+  struct ibv_cq *(*create_cq)(struct ibv_context *ctx, int cqe, void *cq_ctx,
+                              struct ibv_comp_channel *ch, int vec);
+  int (*destroy_cq)(struct ibv_cq *cq);
+  struct ibv_qp *(*create_qp)(struct ibv_pd *pd, struct ibv_qp_init_attr *attr);
+  int (*modify_qp)(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask);
+  int (*destroy_qp)(struct ibv_qp *qp);
+} ibv;
+static pthread_mutex_t ibv_mu = PTHREAD_MUTEX_INITIALIZER;
+
+#define IBV_LIB_DEFAULT "libibverbs.so.1"
+
+/* Loads the library named by PEGAFLOW_LIBIBVERBS (or libibverbs.so.1) once
+ * per name; PF_ENODEV naming the library when it cannot. */
+static int32_t ibv_load(const char *fn) {
+  const char *name = getenv("PEGAFLOW_LIBIBVERBS");
+  if (!name || !*name) name = IBV_LIB_DEFAULT;
+  pthread_mutex_lock(&ibv_mu);
+  if (ibv.h && strcmp(ibv.name, name) == 0) {
+    pthread_mutex_unlock(&ibv_mu);
+    return PF_OK;
+  }
+  void *h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char *why = dlerror();
+    pthread_mutex_unlock(&ibv_mu);
+    return pf_fail(PF_ENODEV, "%s: %s not found (%s); install rdma-core's libibverbs "
+                   "(Debian: libibverbs1) or use the TCP transport", fn, name,
+                   why ? why : "dlopen failed");
+  }
+#define SYM(field, sym)                                                              \
+  do {                                                                               \
+    *(void **)&ibv.field = dlsym(h, sym);                                            \
+    if (!ibv.field) {                                                                \
+      dlclose(h);                                                                    \
+      memset(&ibv, 0, sizeof ibv);                                                   \
+      pthread_mutex_unlock(&ibv_mu);                                                 \
+      return pf_fail(PF_ENODEV, "%s: %s lacks the symbol %s (not an rdma-core "     \
+                     "libibverbs?)", fn, name, sym);                                  \
+    }                                                                                \
+  } while (0)
+  SYM(get_device_list, "ibv_get_device_list");
+  SYM(free_device_list, "ibv_free_device_list");
+  SYM(get_device_name, "ibv_get_device_name");
+  SYM(open_device, "ibv_open_device");
+  SYM(close_device, "ibv_close_device");
+  SYM(query_port, "ibv_query_port");
+  SYM(query_gid, "ibv_query_gid");
+  SYM(alloc_pd, "ibv_alloc_pd");
+  SYM(dealloc_pd, "ibv_dealloc_pd");
+  SYM(reg_mr, "ibv_reg_mr");
+  SYM(dereg_mr, "ibv_dereg_mr");
+  SYM(create_cq, "ibv_create_cq");
+  SYM(destroy_cq, "ibv_destroy_cq");
+  SYM(create_qp, "ibv_create_qp");
+  SYM(modify_qp, "ibv_modify_qp");
+  SYM(destroy_qp, "ibv_destroy_qp");
+#undef SYM
+  ibv.h = h;
+  snprintf(ibv.name, sizeof ibv.name, "%s", name);
+  pthread_mutex_unlock(&ibv_mu);
+  return PF_OK;
+}
+
+static int32_t device_names(char *buf, size_t cap, int *count) {
+  int n = 0;
+  struct ibv_device **list = ibv.get_device_list(&n);
+  size_t len = 0;
+  if (buf && cap) buf[0] = 0;
+  for (int i = 0; list && i < n; i++) {
+    const char *nm = ibv.get_device_name(list[i]);
+    int w = snprintf(buf ? buf + len : NULL, buf && len < cap ? cap - len : 0, "%s%s",
+                     i ? "," : "", nm ? nm : "?");
+    len += (size_t)w;
+  }
+  if (list) ibv.free_device_list(list);
+  *count = list ? n : 0;
+  return (int32_t)len;
+}
+
+int32_t pf_rdma_devices(char *buf, uint32_t cap) {
+  int32_t rc = ibv_load("pf_rdma_devices");
+  if (rc < 0) return rc;
+  int n;
+  return device_names(buf, cap, &n);
+}
+
+/* ---- endpoint ----------------------------------------------------------- */
+#define RDMA_MAX_NICS 16
+#define RDMA_CQ_DEPTH 4096
+#define RDMA_SQ_DEPTH 1024
+/* Receive WRs kept posted per QP for incoming immediates. */
+#define RDMA_RQ_DEPTH 128
+/* Chunks per part: one chain of WRs, at most half a send queue. */
+#define RDMA_PART_CHUNKS 512u
+/* env PEGAFLOW_RDMA_GID_INDEX: the GID table entry (RoCE v2 is often 3). */
+#define RDMA_DEFAULT_GID_INDEX 0
+/* Poller sleep when every CQ is empty. */
+#define RDMA_IDLE_US 20
+/* Send wr_id: gen << 32 | slot << 24 | part (RDMA_IMM_PART for the
+ * immediate). Receive wr_id: RDMA_RECV_BIT | lane. An error completion's
+ * opcode is undefined, so the wr_id alone must tell sends from receives. */
+#define RDMA_IMM_PART 0x7fffffu
+#define RDMA_RECV_BIT (1u << 23)
+#define RDMA_PART_MASK 0x7fffffu
+
+typedef struct rdma_nic {
+  char name[64];
+  uint8_t port;
+  struct ibv_context *ctx;
+  struct ibv_pd *pd;
+  struct ibv_mr *mr;
+  struct ibv_cq *cq;
+  uint16_t lid;
+  uint8_t mtu;
+  union ibv_gid gid;
+  int gid_index;
+} rdma_nic;
+
+typedef struct rdma_ep {
+  rdma_nic nic[RDMA_MAX_NICS];
+  uint32_t nnics;
+  pthread_t poller;
+  atomic_int stop;
+} rdma_ep;
+
+/* Parses "name[:port],..." into nics; EINVAL naming the bad entry. */
+static int32_t parse_nics(const char *fn, const char *text, rdma_nic *nic, uint32_t *n) {
+  *n = 0;
+  if (!*text) return PF_OK;
+  const char *p = text;
+  for (;;) {
+    const char *end = strchr(p, ',');
+    size_t len = end ? (size_t)(end - p) : strlen(p);
+    char item[96];
+    if (len == 0 || len >= sizeof item)
+      return pf_fail(PF_EINVAL, "%s: nics \"%s\": empty or over-long device name", fn, text);
+    memcpy(item, p, len);
+    item[len] = 0;
+    if (*n == RDMA_MAX_NICS)
+      return pf_fail(PF_EINVAL, "%s: nics \"%s\": more than %d devices", fn, text, RDMA_MAX_NICS);
+    long port = 1;
+    char *colon = strchr(item, ':');
+    if (colon) {
+      char *e;
+      port = strtol(colon + 1, &e, 10);
+      if (*e || port < 1 || port > 255)
+        return pf_fail(PF_EINVAL, "%s: nics entry \"%s\": port must be 1..255", fn, item);
+      *colon = 0;
+    }
+    if (!item[0] || strlen(item) >= sizeof nic[0].name)
+      return pf_fail(PF_EINVAL, "%s: nics entry \"%s\": bad device name", fn, item);
+    for (const char *c = item; *c; c++)
+      if (!(*c == '_' || *c == '-' || *c == '.' || (*c >= '0' && *c <= '9') ||
+            (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z')))
+        return pf_fail(PF_EINVAL, "%s: nics entry \"%s\": bad character '%c' in device name",
+                       fn, item, *c);
+    snprintf(nic[*n].name, sizeof nic[0].name, "%s", item);
+    nic[*n].port = (uint8_t)port;
+    (*n)++;
+    if (!end) break;
+    p = end + 1;
+  }
+  return PF_OK;
+}
+
+static void nic_close(rdma_nic *n) {
+  if (n->cq) ibv.destroy_cq(n->cq);
+  if (n->mr) ibv.dereg_mr(n->mr);
+  if (n->pd) ibv.dealloc_pd(n->pd);
+  if (n->ctx) ibv.close_device(n->ctx);
+  memset(n, 0, sizeof *n);
+}
+
+static void *poller_main(void *arg);
+
+static int32_t rdma_open(pf_xfer_ep *ep) {
+  const char *fn = "pf_xfer_open(rdma)";
+  rdma_ep *r = calloc(1, sizeof *r);
+  if (!r) return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
+  int32_t rc = parse_nics(fn, ep->cfg.nics, r->nic, &r->nnics);
+  if (rc < 0) goto fail;
+  if ((rc = ibv_load(fn)) < 0) goto fail;
+  int ndev = 0;
+  struct ibv_device **list = ibv.get_device_list(&ndev);
+  if (!list || ndev == 0) {
+    if (list) ibv.free_device_list(list);
+    rc = pf_fail(PF_ENODEV, "%s: no RDMA device found (%s lists none%s%s); the TCP transport "
+                 "is used instead", fn, ibv.name, errno ? ": " : "", errno ? strerror(errno) : "");
+    goto fail;
+  }
+  if (r->nnics == 0) { /* every device, port 1 */
+    for (int i = 0; i < ndev && i < RDMA_MAX_NICS; i++) {
+      snprintf(r->nic[i].name, sizeof r->nic[i].name, "%s", ibv.get_device_name(list[i]));
+      r->nic[i].port = 1;
+    }
+    r->nnics = (uint32_t)(ndev < RDMA_MAX_NICS ? ndev : RDMA_MAX_NICS);
+  }
+  const char *gi = getenv("PEGAFLOW_RDMA_GID_INDEX");
+  int gid_index = gi && *gi ? atoi(gi) : RDMA_DEFAULT_GID_INDEX;
+  for (uint32_t k = 0; k < r->nnics; k++) {
+    rdma_nic *n = &r->nic[k];
+    struct ibv_device *dev = NULL;
+    for (int i = 0; i < ndev; i++)
+      if (strcmp(ibv.get_device_name(list[i]), n->name) == 0) dev = list[i];
+    if (!dev) {
+      char names[512];
+      int cnt;
+      device_names(names, sizeof names, &cnt);
+      ibv.free_device_list(list);
+      rc = pf_fail(PF_EINVAL, "%s: nics: no RDMA device named \"%s\" (found: %s)", fn, n->name,
+                   names);
+      goto fail_nics;
+    }
+    n->ctx = ibv.open_device(dev);
+    if (!n->ctx) {
+      ibv.free_device_list(list);
+      rc = pf_fail(PF_ENODEV, "%s: ibv_open_device(%s): %s", fn, n->name, strerror(errno));
+      goto fail_nics;
+    }
+    struct ibv_port_attr pa;
+    memset(&pa, 0, sizeof pa);
+    if (ibv.query_port(n->ctx, n->port, &pa) || pa.state != IBV_PORT_ACTIVE) {
+      ibv.free_device_list(list);
+      rc = pf_fail(PF_ENODEV, "%s: %s port %u is not active (state %d)", fn, n->name, n->port,
+                   pa.state);
+      goto fail_nics;
+    }
+    n->lid = pa.lid;
+    n->mtu = (uint8_t)pa.active_mtu;
+    n->gid_index = gid_index;
+    if (pa.link_layer == IBV_LINK_LAYER_ETHERNET &&
+        ibv.query_gid(n->ctx, n->port, gid_index, &n->gid)) {
+      ibv.free_device_list(list);
+      rc = pf_fail(PF_ENODEV, "%s: %s port %u: no GID at index %d (PEGAFLOW_RDMA_GID_INDEX)",
+                   fn, n->name, n->port, gid_index);
+      goto fail_nics;
+    }
+    n->pd = ibv.alloc_pd(n->ctx);
+    n->mr = n->pd ? ibv.reg_mr(n->pd, ep->pool->host, ep->pool->bytes,
+                               IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
+                                   IBV_ACCESS_REMOTE_WRITE)
+                  : NULL;
+    n->cq = n->mr ? ibv.create_cq(n->ctx, RDMA_CQ_DEPTH, NULL, NULL, 0) : NULL;
+    if (!n->cq) {
+      int e = errno;
+      ibv.free_device_list(list);
+      rc = pf_fail(PF_ENOMEM, "%s: %s: %s failed: %s", fn, n->name,
+                   !n->pd ? "ibv_alloc_pd" : !n->mr ? "ibv_reg_mr of the pool" : "ibv_create_cq",
+                   strerror(e));
+      goto fail_nics;
+    }
+  }
+  ibv.free_device_list(list);
+  ep->impl = r;
+  if (pthread_create(&r->poller, NULL, poller_main, ep)) {
+    rc = pf_fail(PF_ENOMEM, "%s: cannot start the CQ poller", fn);
+    ep->impl = NULL;
+    goto fail_nics;
+  }
+  return PF_OK;
+fail_nics:
+  for (uint32_t k = 0; k < r->nnics; k++)
+    if (r->nic[k].ctx) nic_close(&r->nic[k]);
+fail:
+  free(r);
+  return rc;
+}
+
+static void rdma_close(pf_xfer_ep *ep) {
+  rdma_ep *r = ep->impl;
+  atomic_store(&r->stop, 1);
+  pthread_join(r->poller, NULL);
+  for (uint32_t k = 0; k < r->nnics; k++) nic_close(&r->nic[k]);
+  free(r);
+}
+
+/* ---- peers --------------------------------------------------------------- */
+typedef struct rdma_wire_qp {
+  uint32_t qpn, psn, rkey;
+  uint16_t lid;
+  uint8_t port, mtu;
+  uint8_t gid[16];
+} rdma_wire_qp;
+typedef struct rdma_wire_hdr {
+  uint32_t magic; /* "PFR1" */
+  uint32_t nqp;
+  uint64_t pool_addr;
+  uint64_t pool_bytes;
+} rdma_wire_hdr;
+#define RDMA_MAGIC 0x31524650u
+
+typedef struct backlog_item {
+  uint32_t slot, gen, part;
+} backlog_item;
+
+typedef struct rdma_qp {
+  struct ibv_qp *qp;
+  rdma_nic *nic;
+  pf_xfer_peer *peer;
+  uint32_t psn;
+  uint32_t remote_rkey;
+  pthread_mutex_t mu; /* posting, credit, backlog */
+  uint32_t credit;    /* free send-queue entries */
+  backlog_item *bl;
+  uint32_t bl_head, bl_len, bl_cap;
+} rdma_qp;
+
+typedef struct rdma_peer {
+  rdma_qp *qp;
+  uint32_t nqp;
+  uint64_t remote_addr;
+  atomic_int in_error; /* QPs moved to the error state */
+  int32_t error_status;
+} rdma_peer;
+
+typedef struct rdma_slot {
+  atomic_uint posted_open; /* posted signaled WRs whose completion is pending */
+  atomic_int fail;         /* first failure of this batch (0 = none) */
+} rdma_slot;
+
+static void qps_to_error(pf_xfer_peer *p, int32_t status) {
+  rdma_peer *rp = p->impl;
+  int expected = 0;
+  if (!atomic_compare_exchange_strong(&rp->in_error, &expected, 1)) return;
+  rp->error_status = status;
+  for (uint32_t i = 0; i < rp->nqp; i++) {
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_ERR;
+    ibv.modify_qp(rp->qp[i].qp, &a, IBV_QP_STATE);
+  }
+  int zero = 0;
+  atomic_compare_exchange_strong(&p->broken, &zero, status);
+  snprintf(p->broken_msg, sizeof p->broken_msg, "QPs moved to the error state (%s)",
+           status == PF_ETIMEDOUT ? "a batch timed out" : "a work request failed");
+}
+
+static int32_t rdma_peer_create(pf_xfer_peer *p) {
+  const char *fn = "pf_xfer_peer_create(rdma)";
+  rdma_ep *r = p->ep->impl;
+  rdma_peer *rp = calloc(1, sizeof *rp);
+  if (!rp) return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
+  rp->nqp = r->nnics * p->ep->cfg.streams;
+  rp->qp = calloc(rp->nqp, sizeof *rp->qp);
+  if (!rp->qp) {
+    free(rp);
+    return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
+  }
+  p->impl = rp;
+  for (uint32_t i = 0; i < rp->nqp; i++) {
+    rdma_qp *q = &rp->qp[i];
+    q->nic = &r->nic[i % r->nnics]; /* lanes alternate NICs */
+    q->peer = p;
+    q->credit = RDMA_SQ_DEPTH;
+    pthread_mutex_init(&q->mu, NULL);
+    struct ibv_qp_init_attr ia;
+    memset(&ia, 0, sizeof ia);
+    ia.send_cq = ia.recv_cq = q->nic->cq;
+    ia.cap.max_send_wr = RDMA_SQ_DEPTH;
+    ia.cap.max_recv_wr = RDMA_RQ_DEPTH;
+    ia.cap.max_send_sge = ia.cap.max_recv_sge = 1;
+    ia.qp_type = IBV_QPT_RC;
+    q->qp = ibv.create_qp(q->nic->pd, &ia);
+    if (!q->qp) {
+      int32_t rc = pf_fail(PF_ENOMEM, "%s: ibv_create_qp on %s: %s", fn, q->nic->name,
+                           strerror(errno));
+      p->ep->ops->peer_free(p);
+      return rc;
+    }
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = q->nic->port;
+    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+    if (ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                                     IBV_QP_ACCESS_FLAGS)) {
+      int32_t rc = pf_fail(PF_EIO, "%s: QP %u on %s to INIT: %s", fn, i, q->nic->name,
+                           strerror(errno));
+      p->ep->ops->peer_free(p);
+      return rc;
+    }
+    q->psn = (uint32_t)(rand() & 0xffffff);
+    for (uint32_t k = 0; k < RDMA_RQ_DEPTH; k++) {
+      struct ibv_recv_wr wr = {.wr_id = RDMA_RECV_BIT | i}, *bad;
+      q->nic->ctx->ops.post_recv(q->qp, &wr, &bad);
+    }
+  }
+  return PF_OK;
+}
+
+static int32_t rdma_peer_info(pf_xfer_peer *p, uint8_t *buf, uint32_t cap) {
+  rdma_peer *rp = p->impl;
+  uint32_t need = (uint32_t)(sizeof(rdma_wire_hdr) + rp->nqp * sizeof(rdma_wire_qp));
+  if (!buf || cap < need) return (int32_t)need;
+  rdma_wire_hdr h = {.magic = RDMA_MAGIC, .nqp = rp->nqp,
+                     .pool_addr = (uint64_t)(uintptr_t)p->ep->pool->host,
+                     .pool_bytes = p->ep->pool->bytes};
+  memcpy(buf, &h, sizeof h);
+  for (uint32_t i = 0; i < rp->nqp; i++) {
+    rdma_qp *q = &rp->qp[i];
+    rdma_wire_qp w = {.qpn = ((struct ibv_qp_head *)q->qp)->qp_num, .psn = q->psn,
+                      .rkey = q->nic->mr->rkey, .lid = q->nic->lid, .port = q->nic->port,
+                      .mtu = q->nic->mtu};
+    memcpy(w.gid, q->nic->gid.raw, 16);
+    memcpy(buf + sizeof h + i * sizeof w, &w, sizeof w);
+  }
+  return (int32_t)need;
+}
+
+static int32_t rdma_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_t len,
+                                 int32_t timeout_ms) {
+  const char *fn = "pf_xfer_peer_connect(rdma)";
+  rdma_peer *rp = p->impl;
+  rdma_wire_hdr h;
+  if (len < sizeof h) return pf_fail(PF_EINVAL, "%s: remote info is %u bytes; too short", fn, len);
+  memcpy(&h, remote, sizeof h);
+  if (h.magic != RDMA_MAGIC)
+    return pf_fail(PF_EINVAL, "%s: remote info is not an RDMA peer description", fn);
+  if (h.nqp != rp->nqp || len != sizeof h + h.nqp * sizeof(rdma_wire_qp))
+    return pf_fail(PF_EINVAL, "%s: remote has %u QPs (%u bytes); this peer has %u (NICs x "
+                   "streams must match on both sides)", fn, h.nqp, len, rp->nqp);
+  for (uint32_t i = 0; i < rp->nqp; i++) {
+    rdma_qp *q = &rp->qp[i];
+    rdma_wire_qp w;
+    memcpy(&w, remote + sizeof h + i * sizeof w, sizeof w);
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = w.mtu < q->nic->mtu ? w.mtu : q->nic->mtu;
+    a.dest_qp_num = w.qpn;
+    a.rq_psn = w.psn;
+    a.max_dest_rd_atomic = 16;
+    a.min_rnr_timer = 12;
+    a.ah_attr.dlid = w.lid;
+    a.ah_attr.port_num = q->nic->port;
+    static const uint8_t zero[16];
+    if (memcmp(w.gid, zero, 16) != 0) {
+      a.ah_attr.is_global = 1;
+      memcpy(a.ah_attr.grh.dgid.raw, w.gid, 16);
+      a.ah_attr.grh.sgid_index = (uint8_t)q->nic->gid_index;
+      a.ah_attr.grh.hop_limit = 64;
+    }
+    if (ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                     IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+                                     IBV_QP_MIN_RNR_TIMER))
+      return pf_fail(PF_EIO, "%s: QP %u to RTR: %s", fn, i, strerror(errno));
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = 14; /* 4.096 us * 2^14 = 67 ms per retry */
+    a.retry_cnt = 7;
+    a.rnr_retry = 7;
+    a.sq_psn = q->psn;
+    a.max_rd_atomic = 16;
+    if (ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+      return pf_fail(PF_EIO, "%s: QP %u to RTS: %s", fn, i, strerror(errno));
+    q->remote_rkey = w.rkey;
+  }
+  rp->remote_addr = h.pool_addr;
+  p->remote_bytes = h.pool_bytes;
+  p->lanes = rp->nqp;
+  return PF_OK;
+}
+
+/* ---- posting ------------------------------------------------------------ */
+static rdma_slot *slot_state(xfer_slot *s) {
+  if (!s->impl) s->impl = calloc(1, sizeof(rdma_slot));
+  return s->impl;
+}
+
+/* Posts part `part` of (s, gen) on q now; q->mu held; credit checked. */
+static int post_part(pf_xfer_peer *p, rdma_qp *q, xfer_slot *s, uint32_t gen, uint32_t part) {
+  rdma_peer *rp = p->impl;
+  rdma_slot *rs = s->impl;
+  uint8_t *pool = p->ep->pool->host;
+  uint64_t wr_id = (uint64_t)gen << 32 | (uint64_t)s->index << 24;
+  int n;
+  struct ibv_send_wr wrs[RDMA_PART_CHUNKS], *bad = NULL;
+  struct ibv_sge sges[RDMA_PART_CHUNKS];
+  if (part == RDMA_IMM_PART) {
+    n = 1;
+    memset(&wrs[0], 0, sizeof wrs[0]);
+    wrs[0].wr_id = wr_id | RDMA_IMM_PART;
+    wrs[0].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    wrs[0].send_flags = IBV_SEND_SIGNALED;
+    wrs[0].imm_data = htonl(s->imm);
+    wrs[0].wr.rdma.remote_addr = rp->remote_addr;
+    wrs[0].wr.rdma.rkey = q->remote_rkey;
+  } else {
+    const xfer_part *pt = &s->parts[part];
+    n = (int)pt->n;
+    for (int i = 0; i < n; i++) {
+      const xfer_chunk *c = &s->chunks[pt->first + (uint32_t)i];
+      sges[i] = (struct ibv_sge){.addr = (uint64_t)(uintptr_t)(pool + c->local_off),
+                                 .length = (uint32_t)c->bytes, .lkey = q->nic->mr->lkey};
+      memset(&wrs[i], 0, sizeof wrs[i]);
+      wrs[i].wr_id = wr_id | part;
+      wrs[i].sg_list = &sges[i];
+      wrs[i].num_sge = 1;
+      wrs[i].opcode = s->op == PF_XFER_READ ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+      wrs[i].wr.rdma.remote_addr = rp->remote_addr + c->remote_off;
+      wrs[i].wr.rdma.rkey = q->remote_rkey;
+      wrs[i].next = i + 1 < n ? &wrs[i + 1] : NULL;
+    }
+    wrs[n - 1].send_flags = IBV_SEND_SIGNALED;
+  }
+  atomic_fetch_add(&rs->posted_open, 1);
+  if (q->nic->ctx->ops.post_send(q->qp, wrs, &bad)) {
+    atomic_fetch_sub(&rs->posted_open, 1);
+    return -1;
+  }
+  q->credit -= (uint32_t)n;
+  return 0;
+}
+
+/* Posts (or queues behind the backlog) part `part` of (s, gen) on lane. */
+static int32_t post_or_queue(pf_xfer_peer *p, uint32_t lane, xfer_slot *s, uint32_t gen,
+                             uint32_t part) {
+  rdma_peer *rp = p->impl;
+  rdma_qp *q = &rp->qp[lane];
+  uint32_t need = part == RDMA_IMM_PART ? 1 : s->parts[part].n;
+  pthread_mutex_lock(&q->mu);
+  if (q->bl_len == 0 && q->credit >= need) {
+    int rc = post_part(p, q, s, gen, part);
+    pthread_mutex_unlock(&q->mu);
+    return rc ? pf_fail(PF_EIO, "ibv_post_send on %s: %s", q->nic->name, strerror(errno)) : PF_OK;
+  }
+  if (q->bl_len == q->bl_cap) {
+    uint32_t ncap = q->bl_cap ? q->bl_cap * 2 : 64;
+    backlog_item *b = malloc(ncap * sizeof *b);
+    if (!b) {
+      pthread_mutex_unlock(&q->mu);
+      return pf_fail(PF_ENOMEM, "pf_xfer_submit(rdma): out of memory for the backlog");
+    }
+    for (uint32_t i = 0; i < q->bl_len; i++) b[i] = q->bl[(q->bl_head + i) % q->bl_cap];
+    free(q->bl);
+    q->bl = b;
+    q->bl_head = 0;
+    q->bl_cap = ncap;
+  }
+  q->bl[(q->bl_head + q->bl_len) % q->bl_cap] = (backlog_item){s->index, gen, part};
+  q->bl_len++;
+  pthread_mutex_unlock(&q->mu);
+  return PF_OK;
+}
+
+static void maybe_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen) {
+  rdma_slot *rs = s->impl;
+  if (atomic_load(&rs->posted_open) != 0) return;
+  int f = atomic_load(&rs->fail);
+  if (f) xfer_end(p, s, gen, f);
+  else if (atomic_load(&s->parts_left) == 0) xfer_end(p, s, gen, PF_OK);
+}
+
+/* Credit came back on q: post what waits, in order; parts of ended batches
+ * are dropped. */
+static void drain_backlog(pf_xfer_peer *p, rdma_qp *q) {
+  rdma_peer *rp = p->impl;
+  pthread_mutex_lock(&q->mu);
+  while (q->bl_len) {
+    backlog_item it = q->bl[q->bl_head];
+    xfer_slot *s = &p->slots[it.slot];
+    if (atomic_load(&rp->in_error) || !xfer_live(s, it.gen)) {
+      q->bl_head = (q->bl_head + 1) % q->bl_cap;
+      q->bl_len--;
+      continue;
+    }
+    uint32_t need = it.part == RDMA_IMM_PART ? 1 : s->parts[it.part].n;
+    if (q->credit < need) break;
+    q->bl_head = (q->bl_head + 1) % q->bl_cap;
+    q->bl_len--;
+    if (post_part(p, q, s, it.gen, it.part)) {
+      rdma_slot *rs = s->impl;
+      int z = 0;
+      atomic_compare_exchange_strong(&rs->fail, &z, PF_EIO);
+      pthread_mutex_unlock(&q->mu);
+      qps_to_error(p, PF_EIO);
+      maybe_end(p, s, it.gen);
+      pthread_mutex_lock(&q->mu);
+    }
+  }
+  pthread_mutex_unlock(&q->mu);
+}
+
+static int32_t rdma_submit(pf_xfer_peer *p, xfer_slot *s) {
+  rdma_peer *rp = p->impl;
+  rdma_slot *rs = slot_state(s);
+  if (!rs) return pf_fail(PF_ENOMEM, "pf_xfer_submit(rdma): out of memory");
+  if (s->nparts >= RDMA_IMM_PART)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit(rdma): %u parts exceed %u", s->nparts,
+                   RDMA_IMM_PART - 1);
+  atomic_store(&rs->posted_open, 0);
+  atomic_store(&rs->fail, 0);
+  if (atomic_load(&rp->in_error))
+    return pf_fail(PF_EIO, "pf_xfer_submit(rdma): %s", p->broken_msg);
+  for (uint32_t i = 0; i < s->nparts; i++) {
+    int32_t rc = post_or_queue(p, s->parts[i].lane, s, s->gen, i);
+    if (rc < 0) {
+      /* Parts already posted may still move bytes: fail through the QPs. */
+      int z = 0;
+      atomic_compare_exchange_strong(&rs->fail, &z, rc);
+      qps_to_error(p, PF_EIO);
+      maybe_end(p, s, s->gen);
+      return PF_OK;
+    }
+  }
+  return PF_OK;
+}
+
+static void rdma_expire(pf_xfer_peer *p, xfer_slot *s, uint32_t gen) {
+  rdma_slot *rs = s->impl;
+  atomic_store(&s->expiring, 1);
+  int z = 0;
+  atomic_compare_exchange_strong(&rs->fail, &z, PF_ETIMEDOUT);
+  qps_to_error(p, PF_ETIMEDOUT);
+  /* With nothing posted (all in a backlog) there is no flush to wait for. */
+  maybe_end(p, s, gen);
+}
+
+static void on_send_wc(pf_xfer_peer *p, rdma_qp *q, const struct ibv_wc *wc) {
+  uint32_t gen = (uint32_t)(wc->wr_id >> 32);
+  uint32_t slot = (uint32_t)(wc->wr_id >> 24) & 0xff;
+  uint32_t part = (uint32_t)wc->wr_id & RDMA_PART_MASK;
+  xfer_slot *s = &p->slots[slot];
+  rdma_slot *rs = s->impl;
+  pthread_mutex_lock(&q->mu);
+  q->credit += part == RDMA_IMM_PART ? 1 : s->parts[part].n;
+  pthread_mutex_unlock(&q->mu);
+  if (wc->status != IBV_WC_SUCCESS) {
+    int z = 0;
+    atomic_compare_exchange_strong(&rs->fail, &z,
+                                   wc->status == IBV_WC_WR_FLUSH_ERR ? PF_ESHUTDOWN : PF_EIO);
+    if (wc->status != IBV_WC_WR_FLUSH_ERR) qps_to_error(p, PF_EIO);
+  } else if (part != RDMA_IMM_PART) {
+    unsigned left = atomic_fetch_sub(&s->parts_left, 1) - 1;
+    if (left == 1 && s->op == PF_XFER_WRITE_IMM && !atomic_load(&rs->fail)) {
+      if (post_or_queue(p, 0, s, gen, RDMA_IMM_PART) < 0) {
+        int z = 0;
+        atomic_compare_exchange_strong(&rs->fail, &z, PF_EIO);
+      }
+    }
+  } else {
+    atomic_fetch_sub(&s->parts_left, 1);
+  }
+  atomic_fetch_sub(&rs->posted_open, 1);
+  maybe_end(p, s, gen);
+  drain_backlog(p, q);
+}
+
+static void *poller_main(void *arg) {
+  pf_xfer_ep *ep = arg;
+  rdma_ep *r = ep->impl;
+  struct ibv_wc wc[32];
+  while (!atomic_load(&r->stop)) {
+    int any = 0;
+    pthread_rwlock_rdlock(&ep->scan); /* listed peers stay alive this pass */
+    for (uint32_t k = 0; k < r->nnics; k++) {
+      struct ibv_cq *cq = r->nic[k].cq;
+      int n = r->nic[k].ctx->ops.poll_cq(cq, 32, wc);
+      for (int i = 0; i < n; i++) {
+        any = 1;
+        /* Find the QP by number among the peers (few peers, few QPs). The
+         * record is posted outside ep->mu (a full ring waits for JS). */
+        pf_xfer_peer *hit = NULL;
+        rdma_qp *hq = NULL;
+        pthread_mutex_lock(&ep->mu);
+        for (pf_xfer_peer *p = ep->peers; p && !hit; p = p->next) {
+          rdma_peer *rp = p->impl;
+          for (uint32_t j = 0; rp && j < rp->nqp; j++) {
+            rdma_qp *q = &rp->qp[j];
+            if (q->nic != &r->nic[k] || ((struct ibv_qp_head *)q->qp)->qp_num != wc[i].qp_num)
+              continue;
+            hit = p;
+            hq = q;
+            break;
+          }
+        }
+        pthread_mutex_unlock(&ep->mu);
+        if (!hit) continue;
+        if (wc[i].wr_id & RDMA_RECV_BIT) {
+          /* An incoming immediate (flushed receives are just dropped). */
+          if (wc[i].status == IBV_WC_SUCCESS && wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+            pf_completion c = {.tag = ep->cfg.imm_tag, .kind = PF_DONE_XFER_IMM,
+                               .index = hit->handle, .status = PF_OK,
+                               .aux = ntohl(wc[i].imm_data), .value = 0};
+            pf_ring_post(ep->ring, &c);
+            struct ibv_recv_wr wr = {.wr_id = wc[i].wr_id}, *bad;
+            hq->nic->ctx->ops.post_recv(hq->qp, &wr, &bad);
+          }
+        } else {
+          on_send_wc(hit, hq, &wc[i]);
+        }
+      }
+    }
+    pthread_rwlock_unlock(&ep->scan);
+    if (!any) usleep(RDMA_IDLE_US);
+  }
+  return NULL;
+}
+
+static void rdma_peer_shutdown(pf_xfer_peer *p) {
+  rdma_peer *rp = p->impl;
+  if (!rp) return;
+  if (atomic_load(&p->connected)) qps_to_error(p, PF_ESHUTDOWN);
+  /* Wait for every posted request's flush: the poller ends those batches. */
+  for (;;) {
+    int open = 0;
+    for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
+      rdma_slot *rs = p->slots[i].impl;
+      if (rs && atomic_load(&p->slots[i].armed) && atomic_load(&rs->posted_open)) open = 1;
+    }
+    if (!open) break;
+    usleep(1000);
+  }
+}
+
+static void rdma_peer_free(pf_xfer_peer *p) {
+  rdma_peer *rp = p->impl;
+  if (!rp) return;
+  for (uint32_t i = 0; i < rp->nqp; i++) {
+    if (rp->qp[i].qp) ibv.destroy_qp(rp->qp[i].qp);
+    free(rp->qp[i].bl);
+    pthread_mutex_destroy(&rp->qp[i].mu);
+  }
+  free(rp->qp);
+  free(rp);
+  p->impl = NULL;
+}
+
+const xfer_ops pf_rdma_ops = {
+    .name = "rdma",
+    .open = rdma_open,
+    .close = rdma_close,
+    .peer_create = rdma_peer_create,
+    .peer_info = rdma_peer_info,
+    .peer_connect = rdma_peer_connect,
+    .peer_shutdown = rdma_peer_shutdown,
+    .peer_free = rdma_peer_free,
+    .submit = rdma_submit,
+    .expire = rdma_expire,
+    .max_part_chunks = RDMA_PART_CHUNKS,
+};

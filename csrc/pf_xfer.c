@@ -1,0 +1,594 @@
+/*
+ * pf_xfer.c — the transport-neutral half of the transfer layer: endpoints
+ * and peers behind handles, batch validation (every segment against the
+ * local pool and the remote pool before anything moves), planning (merge
+ * adjacent segments, cut long ones into stripes, spread them over the
+ * peer's lanes in contiguous runs of equal bytes), deadlines and the one
+ * PF_DONE_XFER record per batch.
+ *
+ * The deadline rule lives here (see the slot guard in pf_xfer_internal.h):
+ * a batch ends exactly once (whoever closes its guard first: the last part,
+ * a failure, the timer, a peer close), and its record is posted only after
+ * no transport thread is inside it any more. A transport thread enters the
+ * slot for each burst of bytes it moves, never across a blocking call, so
+ * the wait is short and bounded.
+ *
+ * The timer is one thread per endpoint that scans armed slots every
+ * XFER_TIMER_TICK_MS: deadlines are met to within a tick, and a batch never
+ * costs a timer operation.
+ */
+#define _GNU_SOURCE
+#include "pf_xfer_internal.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* Deadline resolution; also how long a timed-out batch may overrun. */
+#define XFER_TIMER_TICK_MS 5
+#define XFER_MAX_TIMEOUT_MS 3600000u
+#define XFER_DEFAULT_STRIPE (1u << 20)
+#define XFER_MIN_STRIPE 4096u
+#define XFER_MAX_LANES 64u
+
+static const xfer_ops *ops_for(uint32_t transport) {
+  switch (transport) {
+  case PF_XFER_TCP: return &pf_tcp_ops;
+  case PF_XFER_RDMA: return &pf_rdma_ops;
+  default: return NULL;
+  }
+}
+
+/* ---- ending batches ---------------------------------------------------- */
+static void slot_release(pf_xfer_peer *p, xfer_slot *s) {
+  pthread_mutex_lock(&p->mu);
+  atomic_store(&s->armed, 0);
+  p->free_list[p->nfree++] = s->index;
+  p->inflight--;
+  if (p->inflight == 0) pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+int xfer_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen, int32_t status) {
+  uint64_t w = atomic_load_explicit(&s->guard, memory_order_acquire);
+  for (;;) {
+    if ((uint32_t)(w >> 32) != gen || (w & XFER_CLOSED)) return 0;
+    if (atomic_compare_exchange_weak_explicit(&s->guard, &w, w | XFER_CLOSED,
+                                              memory_order_acq_rel,
+                                              memory_order_acquire))
+      break;
+  }
+  /* Threads inside only run non-blocking calls: this drains in
+   * microseconds, so a yield loop beats a condition variable here. */
+  while (atomic_load_explicit(&s->guard, memory_order_acquire) & XFER_INSIDE_MASK)
+    sched_yield();
+  pf_xfer_ep *ep = p->ep;
+  if (status == PF_OK) atomic_fetch_add(&ep->n_ok, 1);
+  else if (status == PF_ETIMEDOUT) atomic_fetch_add(&ep->n_timedout, 1);
+  else atomic_fetch_add(&ep->n_failed, 1);
+  pf_completion c = {.tag = s->tag,
+                     .kind = PF_DONE_XFER,
+                     .index = s->op,
+                     .status = status,
+                     .aux = s->nparts,
+                     .value = pf_now_ns() - s->submit_ns};
+  slot_release(p, s);
+  pf_ring_post(ep->ring, &c);
+  return 1;
+}
+
+void xfer_part_done(pf_xfer_peer *p, xfer_slot *s, uint32_t gen) {
+  if (atomic_fetch_sub(&s->parts_left, 1) == 1) xfer_end(p, s, gen, PF_OK);
+}
+
+static void end_all(pf_xfer_peer *p, int32_t status) {
+  for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
+    xfer_slot *s = &p->slots[i];
+    if (!atomic_load(&s->armed)) continue;
+    uint64_t w = atomic_load(&s->guard);
+    xfer_end(p, s, (uint32_t)(w >> 32), status);
+  }
+}
+
+void xfer_peer_fail(pf_xfer_peer *p, int32_t status, const char *fmt, ...) {
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&p->broken, &expected, status)) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->broken_msg, sizeof p->broken_msg, fmt, ap);
+    va_end(ap);
+  }
+  end_all(p, atomic_load(&p->closing) ? PF_ESHUTDOWN : status);
+}
+
+/* ---- timer ------------------------------------------------------------- */
+typedef struct expired_t {
+  pf_xfer_peer *p;
+  xfer_slot *s;
+  uint32_t gen;
+} expired_t;
+
+static void *timer_main(void *arg) {
+  pf_xfer_ep *ep = arg;
+  expired_t *due = NULL;
+  uint32_t n = 0, cap = 0;
+  pthread_mutex_lock(&ep->timer_mu);
+  while (!ep->timer_stop) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_nsec += XFER_TIMER_TICK_MS * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+    pthread_cond_timedwait(&ep->timer_cv, &ep->timer_mu, &ts);
+    if (ep->timer_stop) break;
+    pthread_mutex_unlock(&ep->timer_mu);
+    /* Collect under ep->mu, end outside it (an end may wait for ring room);
+     * `scan` keeps the collected peers alive meanwhile. */
+    pthread_rwlock_rdlock(&ep->scan);
+    pthread_mutex_lock(&ep->mu);
+    uint64_t now = pf_now_ns();
+    n = 0;
+    for (pf_xfer_peer *p = ep->peers; p; p = p->next) {
+      for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
+        xfer_slot *s = &p->slots[i];
+        if (!atomic_load_explicit(&s->armed, memory_order_acquire)) continue;
+        uint64_t w = atomic_load(&s->guard);
+        if (w & XFER_CLOSED) continue;
+        if (s->deadline_ns > now || atomic_load(&s->expiring)) continue;
+        if (n == cap) {
+          uint32_t ncap = cap ? cap * 2 : 64;
+          expired_t *e = realloc(due, ncap * sizeof *due);
+          if (!e) break; /* the rest waits for the next tick */
+          due = e;
+          cap = ncap;
+        }
+        due[n++] = (expired_t){p, s, (uint32_t)(w >> 32)};
+      }
+    }
+    pthread_mutex_unlock(&ep->mu);
+    for (uint32_t k = 0; k < n; k++) {
+      if (ep->ops->expire) ep->ops->expire(due[k].p, due[k].s, due[k].gen);
+      else xfer_end(due[k].p, due[k].s, due[k].gen, PF_ETIMEDOUT);
+    }
+    pthread_rwlock_unlock(&ep->scan);
+    pthread_mutex_lock(&ep->timer_mu);
+  }
+  pthread_mutex_unlock(&ep->timer_mu);
+  free(due);
+  return NULL;
+}
+
+/* ---- endpoint ---------------------------------------------------------- */
+int32_t pf_xfer_open(uint32_t pool, uint32_t ring, const pf_xfer_config *cfg,
+                     uint64_t cfg_bytes, uint32_t *out_ep) {
+  if (!cfg || !out_ep) return pf_fail(PF_EINVAL, "pf_xfer_open: cfg or out_ep is NULL");
+  if (cfg_bytes != sizeof(pf_xfer_config))
+    return pf_fail(PF_EINVAL, "pf_xfer_open: config is %llu bytes; expected %zu",
+                   (unsigned long long)cfg_bytes, sizeof(pf_xfer_config));
+  const xfer_ops *ops = ops_for(cfg->transport);
+  if (!ops)
+    return pf_fail(PF_EINVAL, "pf_xfer_open: transport %u; expected 1 (tcp) or 2 (rdma)",
+                   cfg->transport);
+  if (cfg->streams == 0 || cfg->streams > XFER_MAX_LANES)
+    return pf_fail(PF_EINVAL, "pf_xfer_open(%s): streams (%s per peer) %u; expected 1..%u",
+                   ops->name, cfg->transport == PF_XFER_TCP ? "sockets" : "QPs per NIC",
+                   cfg->streams, XFER_MAX_LANES);
+  if (cfg->stripe_bytes && cfg->stripe_bytes < XFER_MIN_STRIPE)
+    return pf_fail(PF_EINVAL, "pf_xfer_open(%s): stripe_bytes %u below %u",
+                   ops->name, cfg->stripe_bytes, XFER_MIN_STRIPE);
+  if (cfg->flags)
+    return pf_fail(PF_EINVAL, "pf_xfer_open(%s): flags 0x%x must be 0", ops->name, cfg->flags);
+  if (cfg->port > 65535)
+    return pf_fail(PF_EINVAL, "pf_xfer_open(%s): port %u exceeds 65535", ops->name, cfg->port);
+  if (!memchr(cfg->bind_addr, 0, sizeof cfg->bind_addr) || !memchr(cfg->nics, 0, sizeof cfg->nics))
+    return pf_fail(PF_EINVAL, "pf_xfer_open(%s): bind_addr or nics is not NUL-terminated",
+                   ops->name);
+
+  pf_xfer_ep *ep = calloc(1, sizeof *ep);
+  if (!ep) return pf_fail(PF_ENOMEM, "pf_xfer_open: out of memory");
+  ep->ops = ops;
+  ep->cfg = *cfg;
+  if (!ep->cfg.stripe_bytes) ep->cfg.stripe_bytes = XFER_DEFAULT_STRIPE;
+  pthread_mutex_init(&ep->mu, NULL);
+  pthread_mutex_init(&ep->timer_mu, NULL);
+  /* Writer preference: the RDMA poller re-takes the read side every loop,
+   * and a peer close must still get through. */
+  pthread_rwlockattr_t ra;
+  pthread_rwlockattr_init(&ra);
+  pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+  pthread_rwlock_init(&ep->scan, &ra);
+  pthread_rwlockattr_destroy(&ra);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&ep->timer_cv, &ca);
+  pthread_condattr_destroy(&ca);
+
+  /* Resolve and count pool + ring under pf_objects_mu, like a copy batch:
+   * destroying either fails with PF_EBUSY until pf_xfer_close. */
+  pthread_mutex_lock(&pf_objects_mu);
+  ep->pool = pf_handle_get(pool, PF_K_POOL, "pf_xfer_open(pool)");
+  ep->ring = ep->pool ? pf_handle_get(ring, PF_K_RING, "pf_xfer_open(ring)") : NULL;
+  if (!ep->pool || !ep->ring) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    free(ep);
+    return PF_EHANDLE;
+  }
+  if (pf_ring_is_shutdown(ep->ring)) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    free(ep);
+    return pf_fail(PF_ESHUTDOWN, "pf_xfer_open: ring %u is shut down", ring);
+  }
+  atomic_fetch_add(&ep->pool->inflight, 1);
+  pf_ring_acquire(ep->ring);
+  pthread_mutex_unlock(&pf_objects_mu);
+
+  int32_t rc = ops->open(ep);
+  if (rc < 0) goto fail;
+  ep->handle = pf_handle_new(PF_K_XFER, ep);
+  if (!ep->handle) {
+    ops->close(ep);
+    rc = PF_ENOMEM;
+    goto fail;
+  }
+  int e = pthread_create(&ep->timer, NULL, timer_main, ep);
+  if (e) {
+    pf_handle_free(ep->handle);
+    ops->close(ep);
+    rc = pf_fail(PF_ENOMEM, "pf_xfer_open: cannot start the timer thread: %s", strerror(e));
+    goto fail;
+  }
+  *out_ep = ep->handle;
+  return PF_OK;
+fail:
+  atomic_fetch_sub(&ep->pool->inflight, 1);
+  pf_ring_release(ep->ring);
+  free(ep);
+  return rc;
+}
+
+int32_t pf_xfer_info(uint32_t h, uint64_t info[12]) {
+  pf_xfer_ep *ep = pf_handle_get(h, PF_K_XFER, "pf_xfer_info");
+  if (!ep) return PF_EHANDLE;
+  if (!info) return pf_fail(PF_EINVAL, "pf_xfer_info: info is NULL");
+  info[0] = ep->cfg.transport;
+  info[1] = ep->listen_port;
+  info[2] = ep->cfg.streams;
+  pthread_mutex_lock(&ep->mu);
+  info[3] = ep->npeers;
+  pthread_mutex_unlock(&ep->mu);
+  info[4] = atomic_load(&ep->n_submitted);
+  info[5] = atomic_load(&ep->n_ok);
+  info[6] = atomic_load(&ep->n_failed);
+  info[7] = atomic_load(&ep->n_timedout);
+  info[8] = atomic_load(&ep->late_bytes);
+  info[9] = atomic_load(&ep->conns_open);
+  info[10] = atomic_load(&ep->bytes_served);
+  info[11] = atomic_load(&ep->bytes_landed);
+  return PF_OK;
+}
+
+int32_t pf_xfer_close(uint32_t h) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_xfer_ep *ep = pf_handle_get(h, PF_K_XFER, "pf_xfer_close");
+  if (!ep) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  pthread_mutex_lock(&ep->mu);
+  uint32_t n = ep->npeers;
+  pthread_mutex_unlock(&ep->mu);
+  if (n) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return pf_fail(PF_EBUSY, "pf_xfer_close: endpoint %u still has %u peers; close them first",
+                   h, n);
+  }
+  pf_handle_free(h);
+  pthread_mutex_unlock(&pf_objects_mu);
+  pthread_mutex_lock(&ep->timer_mu);
+  ep->timer_stop = 1;
+  pthread_cond_broadcast(&ep->timer_cv);
+  pthread_mutex_unlock(&ep->timer_mu);
+  pthread_join(ep->timer, NULL);
+  ep->ops->close(ep);
+  pthread_mutex_lock(&pf_objects_mu);
+  atomic_fetch_sub(&ep->pool->inflight, 1);
+  pf_ring_release(ep->ring);
+  pthread_mutex_unlock(&pf_objects_mu);
+  pthread_cond_destroy(&ep->timer_cv);
+  pthread_mutex_destroy(&ep->timer_mu);
+  pthread_mutex_destroy(&ep->mu);
+  pthread_rwlock_destroy(&ep->scan);
+  free(ep);
+  return PF_OK;
+}
+
+/* ---- peers ------------------------------------------------------------- */
+int32_t pf_xfer_peer_create(uint32_t h, uint32_t *out_peer) {
+  if (!out_peer) return pf_fail(PF_EINVAL, "pf_xfer_peer_create: out_peer is NULL");
+  pf_xfer_ep *ep = pf_handle_get(h, PF_K_XFER, "pf_xfer_peer_create");
+  if (!ep) return PF_EHANDLE;
+  pf_xfer_peer *p = calloc(1, sizeof *p);
+  if (!p) return pf_fail(PF_ENOMEM, "pf_xfer_peer_create: out of memory");
+  p->ep = ep;
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->cv, NULL);
+  for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
+    p->slots[i].index = i;
+    /* Fresh slots are closed: nothing can enter them before they are armed. */
+    atomic_store(&p->slots[i].guard, XFER_CLOSED);
+    p->free_list[i] = PF_XFER_MAX_INFLIGHT - 1 - i;
+  }
+  p->nfree = PF_XFER_MAX_INFLIGHT;
+  int32_t rc = ep->ops->peer_create(p);
+  if (rc < 0) goto fail;
+  p->handle = pf_handle_new(PF_K_XPEER, p);
+  if (!p->handle) {
+    ep->ops->peer_shutdown(p);
+    ep->ops->peer_free(p);
+    rc = PF_ENOMEM;
+    goto fail;
+  }
+  pthread_mutex_lock(&ep->mu);
+  p->next = ep->peers;
+  ep->peers = p;
+  ep->npeers++;
+  pthread_mutex_unlock(&ep->mu);
+  *out_peer = p->handle;
+  return PF_OK;
+fail:
+  pthread_cond_destroy(&p->cv);
+  pthread_mutex_destroy(&p->mu);
+  free(p);
+  return rc;
+}
+
+int32_t pf_xfer_peer_info(uint32_t h, uint8_t *buf, uint32_t cap) {
+  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_info");
+  if (!p) return PF_EHANDLE;
+  return p->ep->ops->peer_info(p, buf, cap);
+}
+
+int32_t pf_xfer_peer_connect(uint32_t h, const uint8_t *remote, uint32_t len,
+                             int32_t timeout_ms) {
+  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_connect");
+  if (!p) return PF_EHANDLE;
+  if (!remote || !len) return pf_fail(PF_EINVAL, "pf_xfer_peer_connect: remote info is empty");
+  if (timeout_ms <= 0)
+    return pf_fail(PF_EINVAL, "pf_xfer_peer_connect: timeout_ms %d must be > 0", timeout_ms);
+  if (atomic_load(&p->connected))
+    return pf_fail(PF_EINVAL, "pf_xfer_peer_connect: peer %u is already connected", h);
+  int32_t rc = p->ep->ops->peer_connect(p, remote, len, timeout_ms);
+  if (rc < 0) {
+    pf_last_error(p->connect_msg, sizeof p->connect_msg);
+    return rc;
+  }
+  p->connect_msg[0] = 0;
+  atomic_store(&p->connected, 1);
+  return PF_OK;
+}
+
+int32_t pf_xfer_peer_state(uint32_t h, int64_t info[4]) {
+  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_state");
+  if (!p) return PF_EHANDLE;
+  if (!info) return pf_fail(PF_EINVAL, "pf_xfer_peer_state: info is NULL");
+  info[0] = atomic_load(&p->connected);
+  info[1] = (int64_t)p->remote_bytes;
+  pthread_mutex_lock(&p->mu);
+  info[2] = p->inflight;
+  pthread_mutex_unlock(&p->mu);
+  info[3] = atomic_load(&p->broken);
+  return PF_OK;
+}
+
+int32_t pf_xfer_peer_error(uint32_t h, char *buf, uint32_t cap) {
+  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_error");
+  if (!p) return PF_EHANDLE;
+  if (atomic_load(&p->broken)) return pf_text_out(p->broken_msg, buf, cap);
+  return pf_text_out(p->connect_msg, buf, cap);
+}
+
+int32_t pf_xfer_peer_close(uint32_t h) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_close");
+  if (!p) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  pf_handle_free(h);
+  pthread_mutex_unlock(&pf_objects_mu);
+  pf_xfer_ep *ep = p->ep;
+  atomic_store(&p->closing, 1);
+  ep->ops->peer_shutdown(p);
+  end_all(p, PF_ESHUTDOWN);
+  pthread_mutex_lock(&p->mu);
+  while (p->inflight) pthread_cond_wait(&p->cv, &p->mu);
+  pthread_mutex_unlock(&p->mu);
+  /* Unlink, then wait out any timer/poller pass that may still hold p. */
+  pthread_mutex_lock(&ep->mu);
+  for (pf_xfer_peer **pp = &ep->peers; *pp; pp = &(*pp)->next)
+    if (*pp == p) {
+      *pp = p->next;
+      break;
+    }
+  ep->npeers--;
+  pthread_mutex_unlock(&ep->mu);
+  pthread_rwlock_wrlock(&ep->scan);
+  pthread_rwlock_unlock(&ep->scan);
+  ep->ops->peer_free(p);
+  for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
+    free(p->slots[i].chunks);
+    free(p->slots[i].parts);
+    free(p->slots[i].impl);
+  }
+  pthread_cond_destroy(&p->cv);
+  pthread_mutex_destroy(&p->mu);
+  free(p);
+  return PF_OK;
+}
+
+/* ---- submit ------------------------------------------------------------ */
+static int grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
+  if (need <= *cap) return 0;
+  uint32_t n = *cap ? *cap : 64;
+  while (n < need) n *= 2;
+  void *a = realloc(*arr, (size_t)n * elem);
+  if (!a) return -1;
+  *arr = a;
+  *cap = n;
+  return 0;
+}
+
+/* Merges adjacent segments (remote and local both contiguous), cuts pieces
+ * of at most `stripe` bytes, and spreads them over `lanes` in contiguous runs
+ * of about equal bytes (a run's imbalance is at most one stripe); a run longer
+ * than max_part chunks becomes several parts. */
+static int32_t plan(xfer_slot *s, const pf_xfer_seg *segs, uint32_t n, uint64_t stripe,
+                    uint32_t lanes, uint32_t max_part) {
+  uint64_t pieces = 0, total = 0;
+  for (uint32_t i = 0; i < n;) {
+    uint64_t r = segs[i].remote_off, l = segs[i].local_off, b = segs[i].bytes;
+    uint32_t j = i + 1;
+    while (j < n && segs[j].remote_off == r + b && segs[j].local_off == l + b) b += segs[j++].bytes;
+    pieces += (b + stripe - 1) / stripe;
+    total += b;
+    i = j;
+  }
+  if (pieces > UINT32_MAX / 2)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: batch cuts into %llu pieces; too many",
+                   (unsigned long long)pieces);
+  if (grow((void **)&s->chunks, &s->cap_chunks, (uint32_t)pieces, sizeof(xfer_chunk)))
+    return pf_fail(PF_ENOMEM, "pf_xfer_submit: out of memory for %llu pieces",
+                   (unsigned long long)pieces);
+  uint32_t k = 0;
+  for (uint32_t i = 0; i < n;) {
+    uint64_t r = segs[i].remote_off, l = segs[i].local_off, b = segs[i].bytes;
+    uint32_t j = i + 1;
+    while (j < n && segs[j].remote_off == r + b && segs[j].local_off == l + b) b += segs[j++].bytes;
+    for (uint64_t off = 0; off < b; off += stripe) {
+      uint64_t len = b - off < stripe ? b - off : stripe;
+      s->chunks[k++] = (xfer_chunk){r + off, l + off, len};
+    }
+    i = j;
+  }
+  s->nchunks = k;
+  s->bytes = total;
+  /* Lanes actually used: no lane gets less than one stripe of work. */
+  uint64_t use = (total + stripe - 1) / stripe;
+  if (use > lanes) use = lanes;
+  if (use > k) use = k;
+  if (use == 0) use = 1;
+  uint32_t max_parts = k + (uint32_t)use;
+  if (grow((void **)&s->parts, &s->cap_parts, max_parts, sizeof(xfer_part)))
+    return pf_fail(PF_ENOMEM, "pf_xfer_submit: out of memory for parts");
+  uint32_t np = 0, lane = 0;
+  uint64_t acc = 0;
+  xfer_part *cur = NULL;
+  for (uint32_t i = 0; i < k; i++) {
+    /* Next lane once this one holds its share of the bytes. */
+    while (lane + 1 < use && acc >= (total * (lane + 1)) / use) {
+      lane++;
+      cur = NULL;
+    }
+    if (!cur || cur->lane != lane || cur->n == max_part) {
+      cur = &s->parts[np++];
+      *cur = (xfer_part){.lane = lane, .first = i, .n = 0, .bytes = 0};
+    }
+    cur->n++;
+    cur->bytes += s->chunks[i].bytes;
+    acc += s->chunks[i].bytes;
+  }
+  s->nparts = np;
+  return PF_OK;
+}
+
+int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64_t tag) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_submit");
+  pthread_mutex_unlock(&pf_objects_mu);
+  if (!p) return PF_EHANDLE;
+  pf_xfer_ep *ep = p->ep;
+  if (!atomic_load(&p->connected))
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: peer %u is not connected", h);
+  int broken = atomic_load(&p->broken);
+  if (broken)
+    return pf_fail(PF_EIO, "pf_xfer_submit: peer %u is broken (%s); close it and reconnect",
+                   h, p->broken_msg);
+  if (pf_ring_is_shutdown(ep->ring))
+    return pf_fail(PF_ESHUTDOWN, "pf_xfer_submit: the completion ring is shut down");
+  if (!desc || desc_bytes < sizeof(pf_xfer_header))
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: descriptor of %llu bytes is shorter than its "
+                   "%zu-byte header", (unsigned long long)desc_bytes, sizeof(pf_xfer_header));
+  const pf_xfer_header *hd = desc;
+  const pf_xfer_seg *segs = (const pf_xfer_seg *)(hd + 1);
+  if (hd->op > PF_XFER_WRITE_IMM)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: op %u; expected 0 (read), 1 (write) or 2 "
+                   "(write_imm)", hd->op);
+  if (hd->num_segs == 0 || hd->num_segs > PF_XFER_MAX_SEGS)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: num_segs %u; expected 1..%u", hd->num_segs,
+                   PF_XFER_MAX_SEGS);
+  if (desc_bytes != sizeof *hd + (uint64_t)hd->num_segs * sizeof(pf_xfer_seg))
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: descriptor is %llu bytes; %u segments need %llu",
+                   (unsigned long long)desc_bytes, hd->num_segs,
+                   (unsigned long long)(sizeof *hd + (uint64_t)hd->num_segs * sizeof(pf_xfer_seg)));
+  if (hd->timeout_ms == 0 || hd->timeout_ms > XFER_MAX_TIMEOUT_MS)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: timeout_ms %u; expected 1..%u", hd->timeout_ms,
+                   XFER_MAX_TIMEOUT_MS);
+  if (hd->reserved || (hd->op != PF_XFER_WRITE_IMM && hd->imm))
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: reserved must be 0 and imm is only for write_imm");
+  uint64_t local = ep->pool->bytes, remote = p->remote_bytes;
+  for (uint32_t i = 0; i < hd->num_segs; i++) {
+    const pf_xfer_seg *g = &segs[i];
+    if (g->bytes == 0)
+      return pf_fail(PF_EINVAL, "pf_xfer_submit: segment %u has 0 bytes", i);
+    if (g->local_off > local || g->bytes > local - g->local_off)
+      return pf_fail(PF_ERANGE, "pf_xfer_submit: segment %u: local_off %llu + bytes %llu "
+                     "exceeds the local pool's %llu bytes", i,
+                     (unsigned long long)g->local_off, (unsigned long long)g->bytes,
+                     (unsigned long long)local);
+    if (g->remote_off > remote || g->bytes > remote - g->remote_off)
+      return pf_fail(PF_ERANGE, "pf_xfer_submit: segment %u: remote_off %llu + bytes %llu "
+                     "exceeds the remote pool's %llu bytes", i,
+                     (unsigned long long)g->remote_off, (unsigned long long)g->bytes,
+                     (unsigned long long)remote);
+  }
+  pthread_mutex_lock(&p->mu);
+  if (p->nfree == 0) {
+    pthread_mutex_unlock(&p->mu);
+    return pf_fail(PF_EOVERFLOW, "pf_xfer_submit: peer %u has %u batches in flight (the most)",
+                   h, PF_XFER_MAX_INFLIGHT);
+  }
+  xfer_slot *s = &p->slots[p->free_list[--p->nfree]];
+  p->inflight++;
+  pthread_mutex_unlock(&p->mu);
+
+  int32_t rc = plan(s, segs, hd->num_segs, ep->cfg.stripe_bytes, p->lanes,
+                    ep->ops->max_part_chunks);
+  if (rc < 0) {
+    pthread_mutex_lock(&p->mu);
+    p->free_list[p->nfree++] = s->index;
+    p->inflight--;
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+  }
+  s->op = hd->op;
+  s->imm = hd->imm;
+  s->tag = tag;
+  s->submit_ns = pf_now_ns();
+  s->deadline_ns = s->submit_ns + (uint64_t)hd->timeout_ms * 1000000ull;
+  atomic_store(&s->expiring, 0);
+  atomic_store(&s->parts_left, s->nparts + (hd->op == PF_XFER_WRITE_IMM ? 1u : 0u));
+  s->gen = s->gen + 1 ? s->gen + 1 : 1;
+  /* Publish: everything above is visible to whoever enters with this gen. */
+  atomic_store_explicit(&s->guard, (uint64_t)s->gen << 32, memory_order_release);
+  atomic_store_explicit(&s->armed, 1, memory_order_release);
+  atomic_fetch_add(&ep->n_submitted, 1);
+  /* From here on the batch is accepted: a failure to post it is reported by
+   * its record, like any later failure. */
+  rc = ep->ops->submit(p, s);
+  if (rc < 0) xfer_end(p, s, s->gen, rc);
+  return PF_OK;
+}

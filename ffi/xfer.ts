@@ -1,0 +1,528 @@
+/**
+ * Thin typed wrappers over libpegaflow's transfer layer (`csrc/pf_xfer.h`):
+ * {@link XferEndpoint} (this node's pool registered with a transport),
+ * {@link XferPeer} (a connection to one remote endpoint), {@link XferBatch}
+ * (a preallocated batch descriptor: no allocation and no FFI call per
+ * segment). Completions arrive on the existing {@link CompletionRing}: one
+ * `PF_DONE_XFER` record per batch, one `PF_DONE_XFER_IMM` per immediate
+ * received. Which transport to use, and falling back, is decided in
+ * `lib/transfer/`.
+ *
+ * @module
+ */
+import { filter, map, type Observable, type Subscription } from "rxjs";
+import { libraryPath, loadLibrary } from "./symbols.ts";
+import { NativeError, PF_STATUS, type Pool, statusName } from "./native.ts";
+import type { CompletionRing } from "./ring.ts";
+
+/** FFI declarations of the transfer entry points (csrc/pf_xfer.h). */
+export const XFER_SYMBOLS = {
+  pf_last_error: { parameters: ["buffer", "u32"], result: "i32" },
+  pf_xfer_open: { parameters: ["u32", "u32", "buffer", "u64", "buffer"], result: "i32" },
+  pf_xfer_info: { parameters: ["u32", "buffer"], result: "i32" },
+  // Joins the listener and serving threads: off the JS thread.
+  pf_xfer_close: { parameters: ["u32"], result: "i32", nonblocking: true },
+  pf_xfer_peer_create: { parameters: ["u32", "buffer"], result: "i32" },
+  pf_xfer_peer_info: { parameters: ["u32", "buffer", "u32"], result: "i32" },
+  // Connects N sockets / moves QPs, waiting up to its timeout.
+  pf_xfer_peer_connect: {
+    parameters: ["u32", "buffer", "u32", "i32"],
+    result: "i32",
+    nonblocking: true,
+  },
+  pf_xfer_peer_state: { parameters: ["u32", "buffer"], result: "i32" },
+  pf_xfer_peer_error: { parameters: ["u32", "buffer", "u32"], result: "i32" },
+  // Posts the records of batches it cancels: may wait for ring room, which
+  // only the JS thread frees.
+  pf_xfer_peer_close: { parameters: ["u32"], result: "i32", nonblocking: true },
+  pf_xfer_submit: { parameters: ["u32", "buffer", "u64", "u64"], result: "i32" },
+  pf_tcp_blast: {
+    parameters: ["buffer", "u32", "u64", "u32", "u32", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
+  pf_rdma_devices: { parameters: ["buffer", "u32"], result: "i32" },
+} as const satisfies Deno.ForeignLibraryInterface;
+
+type XferLib = Deno.DynamicLibrary<typeof XFER_SYMBOLS>;
+let lib: XferLib | undefined;
+
+/** Opens (once) the library's transfer symbols. */
+export function xferLib(): XferLib["symbols"] {
+  if (!lib) {
+    loadLibrary(); // checks the path and the ABI version first, with clear errors
+    const path = libraryPath();
+    try {
+      lib = Deno.dlopen(path, XFER_SYMBOLS);
+    } catch (e) {
+      throw new Error(
+        `cannot load ${path} with the transfer symbols: ${(e as Error).message}; run 'make native'`,
+      );
+    }
+  }
+  return lib.symbols;
+}
+
+const ERR_BUF = new Uint8Array(1024);
+const DECODER = new TextDecoder();
+const ENCODER = new TextEncoder();
+
+function lastError(): string {
+  const n = xferLib().pf_last_error(ERR_BUF, ERR_BUF.length);
+  return DECODER.decode(ERR_BUF.subarray(0, Math.min(n, ERR_BUF.length - 1)));
+}
+
+function check(fn: string, rc: number): number {
+  if (rc < 0) throw new NativeError(fn, rc, lastError());
+  return rc;
+}
+
+/** A transport name. */
+export type TransportName = "tcp" | "rdma";
+/** `enum pf_xfer_transport`. */
+export const TRANSPORT_CODES: Record<TransportName, number> = { tcp: 1, rdma: 2 };
+/** A one-sided operation. */
+export type XferOp = "read" | "write" | "write_imm";
+/** `enum pf_xfer_op`. */
+export const XFER_OP_CODES: Record<XferOp, number> = { read: 0, write: 1, write_imm: 2 };
+const OP_NAMES: readonly XferOp[] = ["read", "write", "write_imm"];
+/** `PF_DONE_XFER` / `PF_DONE_XFER_IMM` completion kinds. */
+export const XFER_KIND = { DONE: 8, IMM: 9 } as const;
+/** `PF_XFER_MAX_SEGS`. */
+export const XFER_MAX_SEGS = 1 << 20;
+/** `PF_XFER_MAX_INFLIGHT`: batches in flight per peer. */
+export const XFER_MAX_INFLIGHT = 256;
+
+const CONFIG_BYTES = 352; // sizeof(pf_xfer_config)
+const HEADER_BYTES = 24; // sizeof(pf_xfer_header)
+const SEG_BYTES = 24; // sizeof(pf_xfer_seg)
+const TWO32 = 4294967296;
+
+/** Options of {@link XferEndpoint.open}. */
+export interface XferEndpointOptions {
+  transport: TransportName;
+  /** The pool to register (its bytes are what peers read and write). */
+  pool: Pool;
+  /** Where completions go. */
+  ring: CompletionRing;
+  /** TCP sockets per peer, or RDMA QPs per NIC per peer (1..64). */
+  streams: number;
+  /** TCP: SO_SNDBUF/SO_RCVBUF; 0 / absent = the kernel's autotuning. */
+  sockBuf?: number;
+  /** Segments longer than this are striped over the streams (≥ 4096; default 1 MiB). */
+  stripeBytes?: number;
+  /** Tag of incoming-immediate records. Default 0. */
+  immTag?: number;
+  /** TCP listen port (0 / absent = any free port). */
+  port?: number;
+  /** TCP listen address, an IP literal (default 0.0.0.0). */
+  bindAddr?: string;
+  /** RDMA devices, `name[:port]`, (default: every device found). */
+  nics?: string[];
+}
+
+/** What `pf_xfer_info` reports. */
+export interface XferInfo {
+  transport: TransportName;
+  /** TCP listen port (0 for RDMA). */
+  port: number;
+  streams: number;
+  peers: number;
+  submitted: number;
+  ok: number;
+  failed: number;
+  timedOut: number;
+  /** Bytes of ended batches that arrived late and were discarded. */
+  lateBytes: number;
+  /** TCP connections being served. */
+  servingConnections: number;
+  /** READ payload bytes this endpoint served to peers. */
+  bytesServed: number;
+  /** WRITE payload bytes peers landed in this pool. */
+  bytesLanded: number;
+}
+
+/** How a transfer batch ended. */
+export interface XferResult {
+  /** 0, or the negative `PF_E*` code. */
+  status: number;
+  /** `PF_E*` name of `status` ("PF_OK" when 0). */
+  statusName: string;
+  op: XferOp;
+  /** Wire parts (TCP frames / RDMA chains) the batch was split into. */
+  parts: number;
+  /** ns from submit to end. */
+  ns: number;
+}
+
+/** An immediate received from a peer's WRITE_IMM (after its data landed). */
+export interface XferImm {
+  /** The 32-bit immediate. */
+  imm: number;
+  /** Serving connection id (TCP) or peer handle (RDMA). */
+  source: number;
+  /** The batch's bytes as the sender declared them (TCP), else 0. */
+  bytes: number;
+}
+
+function cfgBytes(o: XferEndpointOptions): Uint8Array {
+  const b = new Uint8Array(CONFIG_BYTES);
+  const dv = new DataView(b.buffer);
+  dv.setUint32(0, TRANSPORT_CODES[o.transport], true);
+  dv.setUint32(4, o.streams, true);
+  dv.setUint32(8, o.sockBuf ?? 0, true);
+  dv.setUint32(12, o.stripeBytes ?? 0, true);
+  dv.setBigUint64(16, BigInt(o.immTag ?? 0), true);
+  dv.setUint32(24, o.port ?? 0, true);
+  dv.setUint32(28, 0, true);
+  const bind = ENCODER.encode(o.bindAddr ?? "");
+  const nics = ENCODER.encode((o.nics ?? []).join(","));
+  if (bind.length > 63) throw new RangeError(`bindAddr "${o.bindAddr}" is over 63 bytes`);
+  if (nics.length > 255) throw new RangeError(`nics list "${o.nics}" is over 255 bytes`);
+  b.set(bind, 32);
+  b.set(nics, 96);
+  return b;
+}
+
+interface Pending {
+  resolve: (r: XferResult) => void;
+}
+
+/**
+ * This node's pool registered with one transport. TCP: listens and serves
+ * peers' READs and WRITEs from/into the pool.
+ *
+ * @example
+ * ```ts
+ * const ep = XferEndpoint.open({ transport: "tcp", pool, ring, streams: 4 });
+ * const peer = ep.createPeer();
+ * await peer.connect("10.0.0.2:7010", 5000);
+ * const batch = new XferBatch(1024).reset("read", 2000).seg(0, 0, 1 << 20);
+ * const result = await peer.submit(batch); // {status: 0, ...}
+ * await peer.close(); await ep.close();
+ * ```
+ */
+export class XferEndpoint {
+  /** The u32 endpoint handle. */
+  readonly handle: number;
+  readonly transport: TransportName;
+  /** Immediates received (WRITE_IMM targets this endpoint). */
+  readonly imm$: Observable<XferImm>;
+  readonly #pending = new Map<number, Pending>();
+  readonly #sub: Subscription;
+  readonly #peers = new Set<XferPeer>();
+  readonly #immTag: number;
+  #nextTag: number;
+  #closed = false;
+
+  private constructor(handle: number, opts: XferEndpointOptions) {
+    this.handle = handle;
+    this.transport = opts.transport;
+    this.#immTag = opts.immTag ?? 0;
+    // Tags of this endpoint's batches live above 2^48 so that they never
+    // meet a CopyEngine's small tags on a shared ring.
+    this.#nextTag = 2 ** 48 + handle * 2 ** 20;
+    this.#sub = opts.ring.completions$.pipe(filter((c) => c.kind === XFER_KIND.DONE)).subscribe({
+      next: (c) => {
+        const p = this.#pending.get(c.tag);
+        if (!p) return;
+        this.#pending.delete(c.tag);
+        p.resolve({
+          status: c.status,
+          statusName: statusName(c.status),
+          op: OP_NAMES[c.index] ?? "read",
+          parts: c.aux,
+          ns: c.value,
+        });
+      },
+      complete: () => this.#failAll(PF_STATUS.PF_ESHUTDOWN),
+      error: () => this.#failAll(PF_STATUS.PF_ESHUTDOWN),
+    });
+    this.imm$ = opts.ring.completions$.pipe(
+      filter((c) => c.kind === XFER_KIND.IMM && c.tag === this.#immTag),
+      map((c) => ({ imm: c.aux, source: c.index, bytes: c.value })),
+    );
+  }
+
+  /**
+   * Opens an endpoint. @throws NativeError: `PF_ENODEV` for RDMA without
+   * libibverbs or a device (the message says which), `PF_EINVAL` for bad
+   * options (named), `PF_EIO` when the TCP port cannot be bound.
+   */
+  static open(opts: XferEndpointOptions): XferEndpoint {
+    if (!(opts.transport in TRANSPORT_CODES)) {
+      throw new TypeError(`XferEndpoint.open: transport "${opts.transport}"; expected tcp or rdma`);
+    }
+    const cfg = cfgBytes(opts);
+    const out = new Uint32Array(1);
+    check(
+      `pf_xfer_open(${opts.transport})`,
+      xferLib().pf_xfer_open(opts.pool.handle, opts.ring.handle, cfg, BigInt(CONFIG_BYTES), out),
+    );
+    return new XferEndpoint(out[0], opts);
+  }
+
+  /** Counters and the listen port. */
+  info(): XferInfo {
+    const o = new BigUint64Array(12);
+    check("pf_xfer_info", xferLib().pf_xfer_info(this.handle, o));
+    const n = (i: number) => Number(o[i]);
+    return {
+      transport: o[0] === 2n ? "rdma" : "tcp",
+      port: n(1),
+      streams: n(2),
+      peers: n(3),
+      submitted: n(4),
+      ok: n(5),
+      failed: n(6),
+      timedOut: n(7),
+      lateBytes: n(8),
+      servingConnections: n(9),
+      bytesServed: n(10),
+      bytesLanded: n(11),
+    };
+  }
+
+  /** A new, unconnected peer. */
+  createPeer(): XferPeer {
+    const out = new Uint32Array(1);
+    check("pf_xfer_peer_create", xferLib().pf_xfer_peer_create(this.handle, out));
+    const p = new XferPeer(out[0], this);
+    this.#peers.add(p);
+    return p;
+  }
+
+  /** @internal */
+  track(tag: number): Promise<XferResult> {
+    return new Promise((resolve) => this.#pending.set(tag, { resolve }));
+  }
+
+  /** @internal */
+  nextTag(): number {
+    return this.#nextTag++;
+  }
+
+  /** @internal */
+  forget(p: XferPeer): void {
+    this.#peers.delete(p);
+  }
+
+  #failAll(status: number): void {
+    for (const [tag, p] of this.#pending) {
+      p.resolve({ status, statusName: statusName(status), op: "read", parts: 0, ns: 0 });
+      this.#pending.delete(tag);
+    }
+  }
+
+  /** Closes every peer, then the endpoint (listener and serving threads). */
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    for (const p of [...this.#peers]) await p.close();
+    check("pf_xfer_close", await xferLib().pf_xfer_close(this.handle));
+    this.#sub.unsubscribe();
+  }
+}
+
+/** What `pf_xfer_peer_state` reports. */
+export interface PeerState {
+  connected: boolean;
+  /** The remote pool's size in bytes (after connect). */
+  remoteBytes: number;
+  inflight: number;
+  /** The `PF_E*` code that broke the peer (0 = healthy). */
+  broken: number;
+}
+
+/** A connection from an endpoint to one remote endpoint. */
+export class XferPeer {
+  readonly handle: number;
+  readonly #ep: XferEndpoint;
+  #closed = false;
+
+  /** @internal Use {@link XferEndpoint.createPeer}. */
+  constructor(handle: number, ep: XferEndpoint) {
+    this.handle = handle;
+    this.#ep = ep;
+  }
+
+  /**
+   * The bytes to hand to the remote side (TCP: this endpoint's listener as
+   * "host:port" text; RDMA: QP numbers, PSNs, LIDs/GIDs, rkeys, pool address).
+   */
+  info(): Uint8Array {
+    const n = check("pf_xfer_peer_info", xferLib().pf_xfer_peer_info(this.handle, null, 0));
+    const buf = new Uint8Array(n);
+    check("pf_xfer_peer_info", xferLib().pf_xfer_peer_info(this.handle, buf, n));
+    return buf;
+  }
+
+  /** Connects to the remote described by `remote` ("host:port" for TCP). */
+  async connect(remote: Uint8Array | string, timeoutMs: number): Promise<void> {
+    const bytes = typeof remote === "string" ? ENCODER.encode(remote) : remote;
+    const rc = await xferLib().pf_xfer_peer_connect(this.handle, bytes, bytes.length, timeoutMs);
+    // pf_last_error belongs to the worker thread that ran the call; the peer
+    // keeps its own copy.
+    if (rc < 0) throw new NativeError("pf_xfer_peer_connect", rc, this.lastError());
+  }
+
+  /** Why the last connect failed, or what broke the peer ("" if nothing). */
+  lastError(): string {
+    const n = xferLib().pf_xfer_peer_error(this.handle, ERR_BUF, ERR_BUF.length);
+    return n > 0 ? DECODER.decode(ERR_BUF.subarray(0, Math.min(n, ERR_BUF.length - 1))) : "";
+  }
+
+  /** Connected, remote pool size, batches in flight, failure. */
+  state(): PeerState {
+    const o = new BigInt64Array(4);
+    check("pf_xfer_peer_state", xferLib().pf_xfer_peer_state(this.handle, o));
+    return {
+      connected: o[0] === 1n,
+      remoteBytes: Number(o[1]),
+      inflight: Number(o[2]),
+      broken: Number(o[3]),
+    };
+  }
+
+  /**
+   * Submits `batch` (one FFI call); resolves when its record arrives (never
+   * rejects: read `status`). @throws NativeError when the batch is refused
+   * before anything moved (bad segment: `PF_ERANGE` naming it; not
+   * connected; broken peer; too many in flight: `PF_EOVERFLOW`).
+   */
+  submit(batch: XferBatch): Promise<XferResult> {
+    if (this.#closed) throw new NativeError("pf_xfer_submit", -9, `peer ${this.handle} is closed`);
+    const desc = batch.finish();
+    const tag = this.#ep.nextTag();
+    check(
+      "pf_xfer_submit",
+      xferLib().pf_xfer_submit(this.handle, desc, BigInt(desc.length), BigInt(tag)),
+    );
+    return this.#ep.track(tag);
+  }
+
+  /** Cancels what is in flight (records say PF_ESHUTDOWN) and disconnects. */
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    this.#ep.forget(this);
+    check("pf_xfer_peer_close", await xferLib().pf_xfer_peer_close(this.handle));
+  }
+}
+
+/**
+ * A reusable transfer batch descriptor (`pf_xfer_header` + `pf_xfer_seg[]`),
+ * written as u32 words: no allocation and no FFI call per segment.
+ *
+ * @example
+ * ```ts
+ * const batch = new XferBatch(4096);
+ * batch.reset("read", 5000);
+ * for (const b of blocks) batch.seg(b.remoteOff, b.localOff, b.bytes);
+ * const result = await peer.submit(batch);
+ * ```
+ */
+export class XferBatch {
+  /** Most segments this descriptor holds. */
+  readonly maxSegs: number;
+  readonly #buf: Uint8Array;
+  readonly #u32: Uint32Array;
+  #segs = 0;
+  #bytes = 0;
+
+  constructor(maxSegs: number) {
+    if (!Number.isInteger(maxSegs) || maxSegs < 1 || maxSegs > XFER_MAX_SEGS) {
+      throw new RangeError(`XferBatch: maxSegs ${maxSegs}; expected 1..${XFER_MAX_SEGS}`);
+    }
+    this.maxSegs = maxSegs;
+    this.#buf = new Uint8Array(HEADER_BYTES + SEG_BYTES * maxSegs);
+    this.#u32 = new Uint32Array(this.#buf.buffer);
+  }
+
+  /** Segments written since reset. */
+  get numSegs(): number {
+    return this.#segs;
+  }
+  /** Sum of segment bytes since reset. */
+  get bytes(): number {
+    return this.#bytes;
+  }
+
+  /** Starts a new batch: `op`, its deadline, and (write_imm) the immediate. */
+  reset(op: XferOp, timeoutMs: number, imm = 0): this {
+    const code = XFER_OP_CODES[op];
+    if (code === undefined) {
+      throw new TypeError(`XferBatch.reset: op "${op}"; expected read, write or write_imm`);
+    }
+    const u = this.#u32;
+    u[0] = code;
+    u[1] = 0;
+    u[2] = timeoutMs >>> 0;
+    u[3] = imm >>> 0;
+    u[4] = 0;
+    u[5] = 0;
+    this.#segs = 0;
+    this.#bytes = 0;
+    return this;
+  }
+
+  /** Adds (remote offset, local offset, bytes); values < 2^53. */
+  seg(remoteOff: number, localOff: number, bytes: number): this {
+    if (this.#segs === this.maxSegs) {
+      throw new RangeError(`XferBatch.seg: batch holds at most ${this.maxSegs} segments`);
+    }
+    const u = this.#u32;
+    const w = (HEADER_BYTES >> 2) + this.#segs * (SEG_BYTES >> 2);
+    u[w] = remoteOff >>> 0;
+    u[w + 1] = (remoteOff / TWO32) >>> 0;
+    u[w + 2] = localOff >>> 0;
+    u[w + 3] = (localOff / TWO32) >>> 0;
+    u[w + 4] = bytes >>> 0;
+    u[w + 5] = (bytes / TWO32) >>> 0;
+    this.#segs++;
+    this.#bytes += bytes;
+    return this;
+  }
+
+  /** Writes the count into the header; returns the bytes to submit. */
+  finish(): Uint8Array {
+    this.#u32[1] = this.#segs;
+    return this.#buf.subarray(0, HEADER_BYTES + SEG_BYTES * this.#segs);
+  }
+}
+
+/**
+ * Raw TCP throughput of a path (what iperf measures): `streams` plain
+ * connections to the TCP endpoint at `addr`, each receiving
+ * `bytesPerStream` unframed bytes — into `pool` (each stream its slice, the
+ * server sending from as much of its own pool), or, without one, into 1 MiB
+ * per stream like iperf. Returns ns from first connect to last byte.
+ */
+export async function tcpBlast(
+  addr: string,
+  streams: number,
+  bytesPerStream: number,
+  pool?: Pool,
+  sockBuf = 0,
+): Promise<number> {
+  const a = ENCODER.encode(addr + "\0");
+  const out = new BigUint64Array(1);
+  const rc = await xferLib().pf_tcp_blast(
+    a,
+    streams,
+    BigInt(bytesPerStream),
+    pool?.handle ?? 0,
+    sockBuf,
+    out,
+  );
+  if (rc < 0) throw new NativeError("pf_tcp_blast", rc, `to ${addr} failed with ${statusName(rc)}`);
+  return Number(out[0]);
+}
+
+/** The RDMA devices libibverbs lists (empty when there are none). @throws NativeError PF_ENODEV without libibverbs. */
+export function rdmaDevices(): string[] {
+  const buf = new Uint8Array(4096);
+  const n = check("pf_rdma_devices", xferLib().pf_rdma_devices(buf, buf.length));
+  const s = DECODER.decode(buf.subarray(0, Math.min(n, buf.length - 1)));
+  return s ? s.split(",") : [];
+}
