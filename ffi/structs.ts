@@ -2,7 +2,8 @@
  * The byte layouts of the output structs in `csrc/pegaflow.h` and their
  * decoders: the one place in TypeScript that knows at which offset a field
  * of `pf_engine_props`, `pf_pool_props`, `pf_region_props`,
- * `pf_uring_stats`, `pf_file_props` or `pf_fs_usage` lives. Each layout is
+ * `pf_uring_stats`, `pf_file_props`, `pf_fs_usage`, `pf_xfer_stats` or
+ * `pf_xfer_peer_status` lives. Each layout is
  * pinned on the C side by a `_Static_assert` on its size; the offsets here
  * follow the header's comments field by field.
  *
@@ -206,4 +207,76 @@ export interface FsSpace {
 export function decodeFsUsage(buf: Uint8Array): FsSpace {
   const v = view(buf, FS_USAGE_BYTES, "pf_fs_usage");
   return { totalBytes: u64(v, 0), availableBytes: u64(v, 8), blockBytes: u64(v, 16) };
+}
+
+/** sizeof(pf_xfer_stats). */
+export const XFER_STATS_BYTES = 80;
+/** `pf_xfer_transport` values. */
+const TRANSPORT_NAMES: Record<number, "tcp" | "rdma"> = { 1: "tcp", 2: "rdma" };
+
+/** What `pf_xfer_info` reports. */
+export interface XferInfo {
+  transport: "tcp" | "rdma";
+  /** TCP listen port (0 for RDMA). */
+  port: number;
+  streams: number;
+  peers: number;
+  submitted: number;
+  ok: number;
+  failed: number;
+  timedOut: number;
+  /** Bytes of ended batches that arrived late and were discarded. */
+  lateBytes: number;
+  /** TCP connections being served. */
+  servingConnections: number;
+  /** READ payload bytes this endpoint served to peers. */
+  bytesServed: number;
+  /** WRITE payload bytes peers landed in this pool. */
+  bytesLanded: number;
+}
+
+/** Decodes a `pf_xfer_stats`. */
+export function decodeXferStats(buf: Uint8Array): XferInfo {
+  const v = view(buf, XFER_STATS_BYTES, "pf_xfer_stats");
+  const code = v.getUint32(0, true);
+  const transport = TRANSPORT_NAMES[code];
+  if (!transport) throw new RangeError(`pf_xfer_stats: transport ${code}; expected 1 or 2`);
+  return {
+    transport,
+    port: v.getUint32(4, true),
+    streams: v.getUint32(8, true),
+    peers: v.getUint32(12, true),
+    submitted: u64(v, 16),
+    ok: u64(v, 24),
+    failed: u64(v, 32),
+    timedOut: u64(v, 40),
+    lateBytes: u64(v, 48),
+    servingConnections: u64(v, 56),
+    bytesServed: u64(v, 64),
+    bytesLanded: u64(v, 72),
+  };
+}
+
+/** sizeof(pf_xfer_peer_status). */
+export const XFER_PEER_STATUS_BYTES = 24;
+
+/** What `pf_xfer_peer_state` reports. */
+export interface PeerState {
+  connected: boolean;
+  /** The remote pool's size in bytes (after connect). */
+  remoteBytes: number;
+  inflight: number;
+  /** The `PF_E*` code that broke the peer (0 = healthy). */
+  broken: number;
+}
+
+/** Decodes a `pf_xfer_peer_status`. */
+export function decodeXferPeerStatus(buf: Uint8Array): PeerState {
+  const v = view(buf, XFER_PEER_STATUS_BYTES, "pf_xfer_peer_status");
+  return {
+    connected: v.getUint32(0, true) === 1,
+    inflight: v.getUint32(4, true),
+    remoteBytes: u64(v, 8),
+    broken: v.getInt32(16, true),
+  };
 }

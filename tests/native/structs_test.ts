@@ -8,6 +8,8 @@ import {
   decodePoolProps,
   decodeRegionProps,
   decodeUringStats,
+  decodeXferPeerStatus,
+  decodeXferStats,
   ENGINE_PROPS_BYTES,
 } from "../../ffi/structs.ts";
 import { fsSpace } from "../../ffi/uring.ts";
@@ -67,6 +69,8 @@ Deno.test("every decoder refuses a buffer shorter than its struct, naming the st
       [decodeUringStats, "pf_uring_stats"],
       [decodeFileProps, "pf_file_props"],
       [decodeFsUsage, "pf_fs_usage"],
+      [decodeXferStats, "pf_xfer_stats"],
+      [decodeXferPeerStatus, "pf_xfer_peer_status"],
     ] as const
   ) {
     assert.throws(() => decode(short), new RegExp(`${name}: buffer of 8 bytes`));
