@@ -6,8 +6,8 @@
  *
  * @module
  */
-import { Command, InvalidArgumentError } from "commander";
-import { type CommandLineResult, parseCommandLine } from "../cli/command_line.ts";
+import { type Command, InvalidArgumentError } from "commander";
+import { newCommand, parseCommandLine, type ParsedArgs } from "../cli/command_line.ts";
 import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
@@ -131,8 +131,10 @@ function intArg(what: string, min: number) {
 
 /** The commander program for `deno task serve` (exported for --help tests). */
 export function serveCommand(): Command {
-  const cmd = new Command("pegaflow-serve")
-    .description("PegaFlow KV server: stores inference engines' KV blocks in pinned host memory")
+  const cmd = newCommand(
+    "pegaflow-serve",
+    "PegaFlow KV server: stores inference engines' KV blocks in pinned host memory",
+  )
     .addOption(
       envOption("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
         .default(DEFAULT_ADDR).argParser(addrArg),
@@ -247,17 +249,14 @@ export function serveCommand(): Command {
         "GOAWAY_GUARD",
       )
         .default(true).preset(true).argParser(boolArg),
-    )
-    .allowExcessArguments(false);
+    );
   for (const o of ssdOptions()) cmd.addOption(o);
   for (const o of indexOptions()) cmd.addOption(o);
   return cmd;
 }
 
 /** The result of parsing: a config to start, or text to print and an exit code. */
-export type ParseResult =
-  | { kind: "config"; config: ServeConfig }
-  | Extract<CommandLineResult, { kind: "exit" }>;
+export type ParseResult = ParsedArgs<ServeConfig>;
 
 /**
  * Parses argv (without the program name) and the `PEGAFLOW_*` environment.
