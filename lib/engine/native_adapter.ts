@@ -270,11 +270,26 @@ function openPathPolicy(ce: CopyEngine, opts: NativeOptions, log: Logger): PathP
   }
   const props = engine.props();
   const started = performance.now();
-  const loaded = loadOrMeasure(props, {
-    file: opts.calibrationFile,
-    recalibrate: opts.recalibrate ?? false,
-    measure: () => measureCalibration(engine, ce.pool),
-  });
+  let loaded;
+  try {
+    loaded = loadOrMeasure(props, {
+      file: opts.calibrationFile,
+      recalibrate: opts.recalibrate ?? false,
+      measure: () => measureCalibration(engine, ce.pool),
+    });
+  } catch (e) {
+    // Measuring needs scratch GPU memory (twice the bytes per point), which an engine that
+    // already took most of the device may leave no room for. Serve anyway, on the copy
+    // engines: no SMs taken, and at or near the link rate from 32 KB segments up.
+    if (!(e instanceof NativeError)) throw e;
+    const fallback = forcedPath("dma", engine.features)!;
+    log.warn("copy path calibration failed; every batch takes the copy engines", {
+      path: fallback,
+      error: e.message,
+      hint: "restart with --recalibrate once the GPU has room",
+    });
+    return new PathPolicy({}, { force: fallback });
+  }
   if (loaded.cacheError) log.warn("calibration cache not used", { error: loaded.cacheError });
   const policy = new PathPolicy(loaded.tables);
   log.info("copy path policy", {
