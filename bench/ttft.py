@@ -181,6 +181,12 @@ def first_token(eng: LLMEngine, prompt: list[int], timeout_s: float = 120.0):
     )
 
 
+def phases_ms(eng: LLMEngine, req) -> dict[str, float]:
+    """The last step's phases (recorded with the timeline) in ms since the request arrived."""
+    ph = eng.last_runner_output.phases or {}
+    return {k: (v - req.arrival_time) * 1e3 for k, v in sorted(ph.items(), key=lambda kv: kv[1])}
+
+
 def h2d_rate(nbytes: int, dev: torch.device) -> float:
     """Bytes/s of one large host→device copy from pinned memory (the link's practical rate)."""
     nbytes = max(nbytes, 64 << 20)
@@ -387,6 +393,20 @@ class Bench:
         out["decode"] = table
         plain.drain()
         plain.reset_prefix_cache()
+        # Host side of whole decode runs, on vs off: which Python functions the connector adds.
+        import cProfile
+        import io
+        import pstats
+
+        for name, eng in (("on", lw), ("off", plain)):
+            pr = cProfile.Profile()
+            pr.enable()
+            self.decode_run(eng)
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(18)
+            print(f"cProfile: decode run, PegaFlow {name}\n{buf.getvalue()}")
+            out[f"decode_cprofile_{name}"] = buf.getvalue()
         return out
 
     def cold_run(self, eng: LLMEngine, n: int) -> float:
@@ -428,6 +448,7 @@ class Bench:
             eng.runner.record_timeline = False
         st["hit_logits"] = hlogits
         st["hit_token"] = hreq.output_token_ids[0]
+        res["gpu_hit_phases_ms"] = phases_ms(eng, hreq)
         if htl:
             res["gpu_hit_forward_ms"] = htl[-1].compute_end_ms - htl[0].compute_start_ms
         floor = [first_token(eng, prompt)[0] * 1e3 for _ in range(a.runs)]
@@ -436,6 +457,7 @@ class Bench:
         for _ in range(a.warmup):
             self.warm_run(eng, prompt)
         _, wreq, wlogits, wtable, timeline = self.warm_run(eng, prompt, timeline=True)
+        res["warm_phases_ms"] = phases_ms(eng, wreq)
         res["correctness"] = self.check(n, st, eng, wreq, wlogits, wtable)
         res["timeline"] = [t.__dict__ for t in timeline or []]
         if timeline:
@@ -629,6 +651,9 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"{n:>7} {'kv link':<13} {L['link_ms']:9.2f} {'':>9}   ({L['loaded_bytes'] / 1e9:.3f} GB)")
         if "gpu_hit_forward_ms" in L:
             print(f"{n:>7} {'hit forward':<13} {L['gpu_hit_forward_ms']:9.2f} {'':>9}   (GPU-hit step, first layer to last)")
+        for key in ("gpu_hit_phases_ms", "warm_phases_ms"):
+            if L.get(key):
+                print(f"{n:>7} {key[:-10]:<13} " + "  ".join(f"{k} {v:.2f}" for k, v in L[key].items()))
         if "warm_forward_ms" in L:
             print(
                 f"{n:>7} {'warm forward':<13} {L['warm_forward_ms']:9.2f} {'':>9}   "

@@ -1,7 +1,7 @@
 """The attention paths agree: the torch-SDPA path (flash on the GPU; CI's torch 1.13 has no SDPA,
 so a reference SDPA with torch's documented semantics stands in) and the written-out path
-give the same outputs for prefill, chunked (lower-right causal), single-query and batched
-decode with grouped KV heads — and the whole tiny engine gives the same tokens on both."""
+give the same outputs for prefill, chunked (lower-right causal), single-query and ragged
+batches with grouped KV heads — and the whole tiny engine gives the same tokens on both."""
 
 from __future__ import annotations
 
@@ -72,18 +72,27 @@ def test_written_out_attention_is_lower_right_causal():
         torch.testing.assert_close(out[i : i + 1], one, rtol=1e-5, atol=1e-5)
 
 
-def test_batched_decode_equals_one_sequence_at_a_time(sdpa):
+def test_a_ragged_batch_equals_one_sequence_at_a_time(sdpa):
+    """attend_varlen's per-sequence path (no flash here): decodes, a chunk over cached context and
+    a fresh prefill packed back to back give what each sequence alone gives."""
     g = torch.Generator().manual_seed(2)
-    lens = [5, 17, 32]
-    q = torch.randn(3, 8, 16, generator=g)
-    k = torch.randn(3, 32, 2, 16, generator=g)
-    v = torch.randn(3, 32, 2, 16, generator=g)
-    got = A.attend_decode_batch(q, k, v, torch.tensor(lens), 0.25)
-    written = written_out(A.attend_decode_batch, q, k, v, torch.tensor(lens), 0.25)
-    for b, n in enumerate(lens):
-        want = written_out(A.attend, q[b : b + 1], k[b, :n], v[b, :n], 0.25)
-        torch.testing.assert_close(got[b : b + 1], want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(written[b : b + 1], want, rtol=1e-5, atol=1e-5)
+    shapes = [(1, 5), (1, 17), (6, 32), (9, 9)]  # (new queries, keys)
+    tq, tk = sum(s[0] for s in shapes), sum(s[1] for s in shapes)
+    q = torch.randn(tq, 8, 16, generator=g)
+    k = torch.randn(tk, 2, 16, generator=g)
+    v = torch.randn(tk, 2, 16, generator=g)
+    spans, q0, k0 = [], 0, 0
+    for lq, lk in shapes:
+        spans.append((q0, lq, k0, lk))
+        q0, k0 = q0 + lq, k0 + lk
+    cu_q = torch.tensor([0] + [a + n for a, n, _, _ in spans], dtype=torch.int32)
+    cu_k = torch.tensor([0] + [b + n for _, _, b, n in spans], dtype=torch.int32)
+    got = A.attend_varlen(q, k, v, cu_q, cu_k, 9, 32, spans, 0.25)
+    written = written_out(A.attend_varlen, q, k, v, cu_q, cu_k, 9, 32, spans, 0.25)
+    for a, lq, b, lk in spans:
+        want = written_out(A.attend, q[a : a + lq], k[b : b + lk], v[b : b + lk], 0.25)
+        torch.testing.assert_close(got[a : a + lq], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(written[a : a + lq], want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_engine_gives_the_same_tokens_on_the_sdpa_path(sdpa):

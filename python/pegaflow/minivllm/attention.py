@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HAS_SDPA", "attend", "attend_decode_batch", "attend_varlen"]
+__all__ = ["HAS_SDPA", "attend", "attend_varlen"]
 
 HAS_SDPA = hasattr(F, "scaled_dot_product_attention")
 # enable_gqa arrived in torch 2.5; before it, K/V heads are repeated instead.
@@ -35,7 +35,7 @@ _bias_works = _causal_lower_right is not None
 # Flash attention over ragged sequences (cu_seqlens), vLLM's FlashAttention call: one kernel for
 # a whole mixed batch, GQA without repeated K/V, causality lower-right aligned per sequence.
 # A private aten op: checked for at import, and dropped for good if this build refuses it.
-_flash_varlen = getattr(getattr(torch.ops, "aten", None), "_flash_attention_forward", None)
+_flash_varlen = getattr(getattr(getattr(torch.ops, "aten", None), "_flash_attention_forward", None), "default", None)
 _flash_varlen_works = _flash_varlen is not None
 
 
@@ -83,32 +83,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
         scores = scores.masked_fill(~_lower_right_mask(lq, lk, q.device), float("-inf"))
     o = torch.matmul(torch.softmax(scores, dim=-1), vg)  # [Hkv, G, Lq, D]
     return o.permute(2, 0, 1, 3).reshape(lq, hq, d).to(q.dtype)
-
-
-def attend_decode_batch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """B sequences of one query each: q [B, Hq, D], k/v [B, L, Hkv, D] padded to L, only the
-    first seq_lens[b] keys of row b are real → [B, Hq, D].
-
-    The G query heads of a KV head are laid out as G "queries" of that head, so GQA needs no
-    repeated K/V and one kernel serves the whole batch.
-    """
-    b, hq, d = q.shape
-    _, lk, hkv, _ = k.shape
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]
-    kh = k.transpose(1, 2)  # [B, Hkv, L, D]
-    vh = v.transpose(1, 2)
-    valid = torch.arange(lk, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
-    mask = valid[:, None, None, :]
-    if HAS_SDPA:
-        o = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask, scale=scale)
-    else:
-        scores = torch.matmul(qg.float(), kh.float().transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), vh.float()).to(q.dtype)
-    return o.reshape(b, hq, d)
 
 
 def attend_varlen(

@@ -160,6 +160,12 @@ class LlamaModel:
                     "down": randn(h, cfg.intermediate_size, s=out_std),
                 }
             )
+        # The forward's view of the weights: GEMM operands pre-transposed, one tuple a layer (every
+        # torch call costs ~10 us of CPU, and the warm step is launch-bound).
+        self._fw = [
+            (w["in_norm"], w["qkv"].t(), w["o"].t(), w["post_norm"], w["gate_up"].t(), w["down"].t())
+            for w in self.layers
+        ]
         self.norm = torch.ones(h, dtype=dt, device=self.device)
         self.lm_head = randn(cfg.vocab_size, h)
         self.inv_freq = 1.0 / (
@@ -186,66 +192,85 @@ class LlamaModel:
         sin = torch.cat([-sin, sin], dim=-1).to(dt)
         return cos[:, None, None, :], sin[:, None, None, :]
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE (Llama's rotate-half form) of a [T, G, H, D] view, in three kernels."""
-        half = x.shape[-1] // 2
-        out = torch.cat([x[..., half:], x[..., :half]], dim=-1)
-        out.mul_(sin)
-        return out.addcmul_(x, cos)
+    def kv_planes(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of one layer's paged cache, made once: K and V planes as [slots, 1, Hkv, D] (the
+        shape the step's K/V come in), and both planes as [2, slots, Hkv, D] for the gather."""
+        cfg = self.cfg
+        both = cache.view(2, -1, cfg.num_kv_heads, cfg.head_dim)
+        k, v = both.unsqueeze(2).unbind(0)
+        return k, v, both
 
     def _attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, b: StepBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        b: StepBatch,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (views): vLLM's reshape_and_cache (the step's K/V into
+        """q [T, Hq, D], k/v [T, 1, Hkv, D] (views): vLLM's reshape_and_cache (the step's K/V into
         their slots before anyone attends), then attention over each request's context."""
-        cfg = self.cfg
-        planes = cache.view(2, -1, cfg.num_kv_heads, cfg.head_dim)  # [2, blocks*bs, Hkv, D]
-        planes[0].index_copy_(0, b.slot_mapping, k)
-        planes[1].index_copy_(0, b.slot_mapping, v)
+        k_plane, v_plane, both = planes
+        k_plane.index_copy_(0, b.slot_mapping, k)
+        v_plane.index_copy_(0, b.slot_mapping, v)
         if b.kv_gather is None:  # every sequence fresh: its keys are the step's own
+            k, v = k.squeeze(1), v.squeeze(1)
             if len(b.seqs) == 1:  # a plain prefill: SDPA's causal flash path, as transformers
                 return attend(q, k, v, self.scale)
             return attend_varlen(q, k, v, b.cu_q, b.cu_k, b.max_q, b.max_k, b.spans, self.scale)
-        kv = planes.index_select(1, b.kv_gather)  # [2, sum of kv_len, Hkv, D], one kernel
-        return attend_varlen(q, kv[0], kv[1], b.cu_q, b.cu_k, b.max_q, b.max_k, b.spans, self.scale)
+        kc, vc = both.index_select(1, b.kv_gather).unbind(0)  # one gather kernel, both planes
+        return attend_varlen(q, kc, vc, b.cu_q, b.cu_k, b.max_q, b.max_k, b.spans, self.scale)
 
     # ------------------------------------------------------------------ forward
 
     @torch.no_grad()
     def forward(
-        self, b: StepBatch, kv_caches: list[torch.Tensor], hooks: LayerHooks | None = None
+        self,
+        b: StepBatch,
+        kv_caches: list[torch.Tensor],
+        hooks: LayerHooks | None = None,
+        planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Hidden states (after the final norm) of the `logits_indices` rows: [n, hidden].
 
-        Launch-lean: ~15 kernels a layer (fused QKV and gate/up, RoPE of Q and K together, the
-        residual added by the o-proj and down-proj GEMMs), no host sync inside."""
+        Launch-lean: ~15 kernels and ~27 torch calls a layer (fused QKV and gate/up, RoPE of Q
+        and K together, the residual added by the o-proj and down-proj GEMMs, weights and cache
+        views prepared once), no host sync inside. `planes`: `kv_planes` of each cache, when
+        the caller keeps them."""
         cfg = self.cfg
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = nq // nkv
+        half = hd // 2
+        eps = cfg.rms_norm_eps
+        if planes is None:
+            planes = [self.kv_planes(c) for c in kv_caches]
         x = self.embed[b.input_ids]
         cos, sin = self._rope(b.positions)
         t = x.shape[0]
-        for i, w in enumerate(self.layers):
+        fused_norm = _HAS_RMS_NORM
+        for i, (in_norm, qkv_t, o_t, post_norm, gu_t, down_t) in enumerate(self._fw):
             if hooks is not None:
                 hooks.layer_begin(i)
-            h = self._rms_norm(x, w["in_norm"])
-            qkv = (h @ w["qkv"].t()).view(t, g + 2, nkv, hd)  # Q as g groups of nkv heads, K, V
-            qk = self._rotate(qkv[:, : g + 1], cos, sin)
-            q = qk[:, :g].reshape(t, nq, hd)
-            k = qk[:, g]
-            v = qkv[:, g + 1]
+            h = F.rms_norm(x, (x.shape[-1],), in_norm, eps) if fused_norm else self._rms_norm(x, in_norm)
+            qkv = torch.mm(h, qkv_t).view(t, g + 2, nkv, hd)  # Q as g groups of nkv heads, K, V
+            qk = qkv[:, : g + 1]
+            # RoPE of Q and K at once: x*cos + swap_halves(x)*sin (sin sign-folded).
+            rot = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+            rot.mul_(sin)
+            rot.addcmul_(qk, cos)
+            q, k = rot.split((g, 1), dim=1)
+            q = q.reshape(t, nq, hd)
+            v = qkv[:, g + 1 :]
             if hooks is not None:
                 hooks.pre_attention(i)
-            attn = self._attention(q, k, v, kv_caches[i], b)
+            attn = self._attention(q, k, v, planes[i], b)
             if hooks is not None:
                 hooks.post_attention(i, kv_caches[i])
-            x.addmm_(attn.reshape(t, nq * hd), w["o"].t())  # x is this forward's own tensor
-            h = self._rms_norm(x, w["post_norm"])
-            gu = h @ w["gate_up"].t()
-            act = F.silu(gu[:, : cfg.intermediate_size])
-            act.mul_(gu[:, cfg.intermediate_size :])
-            x.addmm_(act, w["down"].t())
+            x.addmm_(attn.reshape(t, nq * hd), o_t)  # x is this forward's own tensor
+            h = F.rms_norm(x, (x.shape[-1],), post_norm, eps) if fused_norm else self._rms_norm(x, post_norm)
+            gate, up = torch.mm(h, gu_t).chunk(2, dim=-1)
+            F.silu(gate, inplace=True).mul_(up)
+            x.addmm_(gate, down_t)
             if hooks is not None:
                 hooks.layer_end(i)
         return self._rms_norm(x[b.logits_indices], self.norm)

@@ -107,6 +107,7 @@ class ModelRunner:
                 )
             self.kv_caches[name] = t
         self._kv_list = list(self.kv_caches.values())
+        self._kv_planes = [model.kv_planes(t) for t in self._kv_list]
         self.requests: dict[str, _ReqState] = {}
         self._pending_load = False
         if connector is not None:
@@ -258,18 +259,31 @@ class ModelRunner:
                 return ModelRunnerOutput()
             self._pre_forward(so, None)
             return ModelRunnerOutput(kv_connector_output=self._post_forward(so, None))
+        clock = time.perf_counter if self.record_timeline else None
+        phases = {"runner_start": clock()} if clock else None
         batch, sample_ids, meta = self._prepare(so)
+        if phases:
+            phases["prepared"] = clock()
         if self.connector is not None:
             self._pre_forward(so, meta)
+        if phases:
+            phases["pre_forward_done"] = clock()
         hooks = _StepHooks(self, meta)
-        hidden = self.model.forward(batch, self._kv_list, hooks if hooks.needed else None)
+        hidden = self.model.forward(batch, self._kv_list, hooks if hooks.needed else None, self._kv_planes)
+        if phases:
+            phases["forward_launched"] = clock()
         kv_out = self._post_forward(so, meta) if self.connector is not None else None
+        if phases:
+            phases["post_forward_done"] = clock()
         for rid, n in so.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
         logits = self.model.compute_logits(hidden)
         tokens = logits.argmax(dim=-1).tolist()  # the first token reaches the CPU here
         sampled_time = time.perf_counter()
+        if phases:
+            phases["sampled"] = sampled_time
         out = ModelRunnerOutput(
+            phases=phases,
             req_ids=list(so.num_scheduled_tokens),
             req_id_to_index={rid: i for i, rid in enumerate(so.num_scheduled_tokens)},
             kv_connector_output=kv_out,

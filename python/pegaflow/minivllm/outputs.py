@@ -1,8 +1,9 @@
 """What the model runner returns to the scheduler, and what the engine returns to its caller.
 
 `ModelRunnerOutput` mirrors `vllm.v1.outputs.ModelRunnerOutput` (the fields used here) plus
-two of ours: `logits` (the sampled rows, for tests and the benchmark's correctness checks)
-and `timeline` (per-layer wait / compute times of the step, when recorded).
+three of ours: `logits` (the sampled rows, views on the model's device, for tests and the
+benchmark's correctness checks), `timeline` (per-layer wait / compute times of the step, when
+recorded) and `phases` (the step's host clock per phase, recorded with the timeline).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class ModelRunnerOutput:
     sampled_time: float = 0.0
     logits: dict[str, Any] = field(default_factory=dict)
     timeline: list[LayerTiming] | None = None
+    # With a recorded timeline: time.perf_counter() at each phase of the step (the engine adds
+    # the scheduler's), to see where a step's host time goes.
+    phases: dict[str, float] | None = None
 
 
 @dataclass
