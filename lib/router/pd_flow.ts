@@ -16,6 +16,10 @@
  * generation is duplicated; once D has answered, nothing is retried. A P error that is not
  * transient (4xx, 500) is the client's answer as it stands, and D is not called.
  *
+ * Both phases run through one helper, `withOneRetry`: a phase's attempt says "done" or "retry"
+ * (with whether the same backend may take the retry); the helper owns picking, the one-retry
+ * bound, the retry metric and log line, and the error when no retry is left.
+ *
  * @module
  */
 
