@@ -93,7 +93,11 @@ int32_t pf_engine_open(int32_t backend, int32_t device, uint32_t workers,
   return PF_OK;
 }
 
+/* The offsets drawn in pegaflow.h are what ffi/structs.ts reads. */
 _Static_assert(sizeof(pf_engine_props) == 104, "pf_engine_props layout");
+_Static_assert(offsetof(pf_engine_props, has_kernel) == 28, "pf_engine_props layout");
+_Static_assert(offsetof(pf_engine_props, device_mem_bytes) == 32, "pf_engine_props layout");
+_Static_assert(offsetof(pf_engine_props, device_name) == 40, "pf_engine_props layout");
 
 int32_t pf_engine_info(uint32_t engine, pf_engine_props *out) {
   pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_info");
@@ -227,6 +231,7 @@ void *pf_pool_ptr(uint32_t pool) {
 }
 
 _Static_assert(sizeof(pf_pool_props) == 32, "pf_pool_props layout");
+_Static_assert(offsetof(pf_pool_props, hugepages) == 24, "pf_pool_props layout");
 
 int32_t pf_pool_info(uint32_t pool, pf_pool_props *out) {
   pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_info");
@@ -320,6 +325,7 @@ int32_t pf_region_import(uint32_t engine, const uint8_t *handle, uint64_t bytes,
 }
 
 _Static_assert(sizeof(pf_region_props) == 24, "pf_region_props layout");
+_Static_assert(offsetof(pf_region_props, imported) == 16, "pf_region_props layout");
 
 int32_t pf_region_info(uint32_t region, pf_region_props *out) {
   pf_region *r = pf_handle_get(region, PF_K_REGION, "pf_region_info");

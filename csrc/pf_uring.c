@@ -280,6 +280,7 @@ void *pf_uring_hdr_ptr(uint32_t uring) {
 }
 
 _Static_assert(sizeof(pf_uring_stats) == 48, "pf_uring_stats layout");
+_Static_assert(offsetof(pf_uring_stats, submitted) == 16, "pf_uring_stats layout");
 
 int32_t pf_uring_info(uint32_t uring, pf_uring_stats *out) {
   pf_uring *u = pf_handle_get(uring, PF_K_URING, "pf_uring_info");
@@ -437,6 +438,7 @@ int32_t pf_file_open(uint32_t uring, const char *path, uint32_t flags, uint32_t 
 }
 
 _Static_assert(sizeof(pf_file_props) == 24, "pf_file_props layout");
+_Static_assert(offsetof(pf_file_props, direct) == 16, "pf_file_props layout");
 
 int32_t pf_file_info(uint32_t file, pf_file_props *out) {
   pf_file *f = pf_handle_get(file, PF_K_FILE, "pf_file_info");

@@ -251,6 +251,7 @@ fail:
 }
 
 _Static_assert(sizeof(pf_xfer_stats) == 80, "pf_xfer_stats layout");
+_Static_assert(offsetof(pf_xfer_stats, submitted) == 16, "pf_xfer_stats layout");
 
 int32_t pf_xfer_info(uint32_t h, pf_xfer_stats *out) {
   pf_xfer_ep *ep = pf_handle_get(h, PF_K_XFER, "pf_xfer_info");
@@ -375,6 +376,7 @@ int32_t pf_xfer_peer_connect(uint32_t h, const uint8_t *remote, uint32_t len,
 }
 
 _Static_assert(sizeof(pf_xfer_peer_status) == 24, "pf_xfer_peer_status layout");
+_Static_assert(offsetof(pf_xfer_peer_status, broken) == 16, "pf_xfer_peer_status layout");
 
 int32_t pf_xfer_peer_state(uint32_t h, pf_xfer_peer_status *out) {
   pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_state");
