@@ -40,7 +40,7 @@ Deno.bench({
     const region = ce.engine.allocRegion(2 * SEGS * SMALL);
     const batch = new CopyBatch(32, SEGS);
     b.start();
-    fillStrided(batch, region, "d2h", "auto", SMALL, SEGS, 32);
+    fillStrided(batch, region, "d2h", "host", SMALL, SEGS, 32);
     const s = ce.submit(batch);
     b.end();
     await s.done;
@@ -60,7 +60,7 @@ for (const seg of [8 << 10, 32 << 10, 512 << 10]) {
       const ce = CopyEngine.open({ backend: "host", poolBytes: total, workers: 2, pretouch: true });
       const region = ce.engine.allocRegion(2 * total);
       const batch = new CopyBatch(32, total / seg);
-      fillStrided(batch, region, "d2h", "auto", seg, total / seg, 32);
+      fillStrided(batch, region, "d2h", "host", seg, total / seg, 32);
       await ce.submit(batch).done; // fault the pages in
       b.start();
       await ce.submit(batch).done;

@@ -79,7 +79,7 @@ export async function timeBatch(
   const wall: number[] = [];
   const first: number[] = [];
   let bytes = 0;
-  let path: CopyPath = "auto";
+  let path: CopyPath = batch.path;
   for (let i = 0; i < warm + iters; i++) {
     const t0 = performance.now();
     const s = ce.submit(batch);

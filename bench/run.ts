@@ -14,6 +14,7 @@ import { Command } from "commander";
 import { CopyBatch, CopyEngine, type CopyPath, type Direction, type Region } from "../ffi/mod.ts";
 import { fillStrided, pct, type Row, table, timeBatch } from "./native_copy.ts";
 import { PathPolicy } from "../lib/copy_path.ts";
+import { measureCalibration } from "../lib/copy_calibration.ts";
 
 const KB = 1024;
 const MB = 1024 * KB;
@@ -93,7 +94,7 @@ async function setup(hugepages: boolean): Promise<Setup> {
   const one = new CopyBatch(1, 1);
   for (const dir of DIRS) {
     // The link's practical limit: one contiguous copy of TOTAL bytes.
-    one.reset(dir, gpu ? "dma" : "auto").group(region, 0).seg(0, 0, TOTAL);
+    one.reset(dir, gpu ? "dma" : "host").group(region, 0).seg(0, 0, TOTAL);
     // Best of the timed copies: the rows below are medians, so their ratio
     // to the peak is conservative.
     const t = await timeBatch(ce, one, warm, iters);
@@ -371,7 +372,7 @@ if (gpu && want("dmacheck")) {
 let calibration: unknown;
 if (gpu && want("calibrate")) {
   const c = await setup(false);
-  const policy = PathPolicy.calibrate(c.ce.engine, c.ce.pool, TOTAL);
+  const policy = new PathPolicy(measureCalibration(c.ce.engine, c.ce.pool, TOTAL));
   const choices: Record<string, Record<string, CopyPath>> = {};
   for (const dir of DIRS) {
     choices[dir] = {};

@@ -8,6 +8,7 @@ import { Engine } from "../ffi/native.ts";
 import { CompletionRing } from "../ffi/ring.ts";
 import { type PrefetchWant, SsdTier } from "../lib/ssd/tier.ts";
 import { layoutIdentity } from "../lib/storage/layout.ts";
+import { Logger } from "../lib/log.ts";
 import { runOurs } from "./ssd_lib.ts";
 
 const MiB = 1 << 20;
@@ -41,7 +42,7 @@ const tier = await SsdTier.open({
   paths: [dir],
   capacityBytes: 512 * MiB,
   segmentBytes: 64 * MiB,
-  log: () => {},
+  log: new Logger("error", {}, () => {}),
 });
 /** The layout the benchmark's blocks are written and read under. */
 const BENCH_LAYOUT = layoutIdentity({

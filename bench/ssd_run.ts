@@ -20,6 +20,7 @@ import { CompletionRing } from "../ffi/ring.ts";
 import { fsSpace } from "../ffi/uring.ts";
 import { type PrefetchWant, SsdTier } from "../lib/ssd/tier.ts";
 import { layoutIdentity } from "../lib/storage/layout.ts";
+import { Logger } from "../lib/log.ts";
 import { fioArgs, type Measured, type Point, runFio, runOurs } from "./ssd_lib.ts";
 
 const MiB = 1 << 20;
@@ -159,7 +160,7 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
       reset: true,
       maxPrefetchBlocks: prefixBlocks,
       writeQueueDepth: 4,
-      log: () => {},
+      log: new Logger("error", {}, () => {}),
     });
     const view = pool.view(0, prefixBytes);
     for (let off = 0; off < prefixBytes; off += MiB) view[off] = (off / MiB) & 0xff;

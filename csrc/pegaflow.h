@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 3
+#define PF_ABI_VERSION 4
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {
@@ -63,12 +63,10 @@ int32_t pf_abi_version(void);
 /* ---- engine (one per backend device) ----------------------------------- */
 enum pf_backend { PF_BACKEND_AUTO = 0, PF_BACKEND_CUDA = 1, PF_BACKEND_HOST = 2 };
 
-/* Feature bits reported by pf_engine_info. */
-enum pf_feature {
-  PF_FEAT_KERNEL = 1u << 0,     /* gather/scatter kernel loaded */
-  PF_FEAT_DMA_BATCH = 1u << 1,  /* cuMemcpyBatchAsync available */
-  PF_FEAT_IPC = 1u << 2,        /* CUDA IPC import/export */
-  PF_FEAT_URING = 1u << 3,      /* io_uring usable on this kernel */
+/* Kernel variants of the copy kernel (env PEGAFLOW_KERNEL=simt|tma at open). */
+enum pf_kernel_variant {
+  PF_KERNEL_SIMT = 0, /* 16-byte vector loads/stores */
+  PF_KERNEL_TMA = 1,  /* Hopper bulk copy (cp.async.bulk) */
 };
 
 /* Opens an engine on device `device` (ignored by the host backend).
@@ -76,11 +74,38 @@ enum pf_feature {
  * `workers`: host-backend copy threads (0 = library default). */
 int32_t pf_engine_open(int32_t backend, int32_t device, uint32_t workers,
                        uint32_t *out_engine);
-/* Fills info[0..7]: [0] backend (pf_backend), [1] features (pf_feature bits),
- * [2] SM count (0 on host), [3] device id, [4] kernel grid blocks in use,
- * [5] total device memory MiB, [6] ABI version, [7] kernel variant (0 SIMT
- * loads/stores, 1 Hopper bulk copy; env PEGAFLOW_KERNEL=simt|tma at open). */
-int32_t pf_engine_info(uint32_t engine, uint64_t info[8]);
+/*
+ * What pf_engine_info reports (104 bytes, every field at a fixed offset):
+ *
+ *   offset 0   u32 backend         4  i32 device        8  u32 abi_version
+ *   offset 12  u32 driver_version 16  u32 sm_count     20  u32 kernel_grid
+ *   offset 24  u32 kernel_variant 28  u8 has_kernel, has_dma_batch, has_ipc,
+ *                                     reserved
+ *   offset 32  u64 device_mem_bytes
+ *   offset 40  char device_name[64]
+ *
+ * device_name + driver_version name the hardware a calibration table was
+ * measured on (the caller caches tables keyed by them).
+ */
+#define PF_DEVICE_NAME_BYTES 64u
+typedef struct pf_engine_props {
+  uint32_t backend;        /* pf_backend running: CUDA or HOST, never AUTO */
+  int32_t device;          /* device ordinal (0 on host) */
+  uint32_t abi_version;    /* PF_ABI_VERSION */
+  uint32_t driver_version; /* cuDriverGetVersion (12080 = 12.8); 0 on host */
+  uint32_t sm_count;       /* 0 on host */
+  uint32_t kernel_grid;    /* blocks the kernel path launches now; 0 on host */
+  uint32_t kernel_variant; /* pf_kernel_variant */
+  uint8_t has_kernel;      /* 1: gather/scatter kernel loaded */
+  uint8_t has_dma_batch;   /* 1: cuMemcpyBatchAsync available */
+  uint8_t has_ipc;         /* 1: CUDA IPC import/export */
+  uint8_t reserved;
+  uint64_t device_mem_bytes; /* total device memory; 0 on host */
+  /* cuDeviceGetName ("NVIDIA H100 80GB HBM3"), NUL-terminated; "host" on
+   * the host backend. */
+  char device_name[PF_DEVICE_NAME_BYTES];
+} pf_engine_props;
+int32_t pf_engine_info(uint32_t engine, pf_engine_props *out);
 /* Sets the kernel path's grid size (blocks); 0 restores the default.
  * Small grids leave SMs to the model (the kernel competes with decode). */
 int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks);
@@ -113,7 +138,7 @@ typedef struct pf_completion {
   uint32_t kind;   /* pf_completion_kind */
   uint32_t index;  /* layer-group index (LAYER) or op index (IO) */
   int32_t status;  /* PF_OK or a PF_E* code */
-  uint32_t aux;    /* LAYER: the group's layer id; BATCH: pf_path used */
+  uint32_t aux;    /* LAYER: the group's layer id; BATCH: the batch's pf_path */
   uint64_t value;  /* LAYER/IO: bytes moved; BATCH: ns from submit to end */
 } pf_completion;
 
@@ -152,9 +177,6 @@ int32_t pf_ring_destroy(uint32_t ring);
 enum pf_pool_flags {
   PF_POOL_HUGEPAGES = 1u << 0, /* mmap(MAP_HUGETLB); clear error if none */
   PF_POOL_PRETOUCH = 1u << 1,  /* fault every page in, in parallel */
-  /* Reported only (pf_pool_info [1]): the pages are page-locked (cuda:
-   * registered with the driver; host: mlock succeeded). */
-  PF_POOL_LOCKED = 1u << 2,
 };
 /* Allocates one region of `bytes` host memory, page-locked and mapped for
  * the device (CUDA: cuMemHostAlloc DEVICEMAP, or mmap + cuMemHostRegister
@@ -183,9 +205,19 @@ int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
                        uint32_t touch_threads, pf_pool_progress *progress,
                        uint32_t *out_pool);
 void *pf_pool_ptr(uint32_t pool);
-/* Fills info[0..3]: [0] bytes, [1] flags actually applied, [2] ns spent
- * allocating + pre-touching, [3] huge page size used (0 if none). */
-int32_t pf_pool_info(uint32_t pool, uint64_t info[4]);
+/* What pf_pool_info reports (32 bytes): what was applied, and timing. */
+typedef struct pf_pool_props {
+  uint64_t bytes;           /* offset 0: size asked for */
+  uint64_t alloc_ns;        /* offset 8: allocating + pre-touching + locking */
+  uint64_t huge_page_bytes; /* offset 16: huge page size used, 0 if none */
+  uint8_t hugepages;        /* offset 24: 1: backed by huge pages */
+  uint8_t pretouched;       /* offset 25: 1: every page faulted in */
+  /* offset 26: 1: page-locked (cuda: registered with the driver; host:
+   * mlock succeeded). */
+  uint8_t locked;
+  uint8_t reserved[5];
+} pf_pool_props;
+int32_t pf_pool_info(uint32_t pool, pf_pool_props *out);
 int32_t pf_pool_destroy(uint32_t pool); /* PF_EBUSY while copies in flight */
 
 /* ---- regions: a client's KV memory ------------------------------------- */
@@ -205,9 +237,14 @@ int32_t pf_region_alloc(uint32_t engine, uint64_t bytes, uint8_t *out_handle,
  * the peer declared and is checked against the real allocation. */
 int32_t pf_region_import(uint32_t engine, const uint8_t *handle, uint64_t bytes,
                          uint32_t *out_region);
-/* Fills info[0..3]: [0] bytes, [1] device address (or host address),
- * [2] 1 if imported / 0 if allocated here, [3] copies in flight. */
-int32_t pf_region_info(uint32_t region, uint64_t info[4]);
+/* What pf_region_info reports (24 bytes). */
+typedef struct pf_region_props {
+  uint64_t bytes;    /* offset 0 */
+  uint64_t addr;     /* offset 8: device address (cuda) or host address */
+  uint32_t imported; /* offset 16: 1 if imported, 0 if allocated here */
+  uint32_t inflight; /* offset 20: layer groups in flight that touch it */
+} pf_region_props;
+int32_t pf_region_info(uint32_t region, pf_region_props *out);
 /* Synchronous host<->region byte access for clients and tests (never on the
  * server's hot path). */
 int32_t pf_region_write(uint32_t region, uint64_t offset, const void *src,
@@ -222,11 +259,17 @@ int32_t pf_region_close(uint32_t region);
 /* ---- batch copy -------------------------------------------------------- */
 enum pf_direction { PF_D2H = 0 /* gather: region -> pool */,
                     PF_H2D = 1 /* scatter: pool -> region */ };
+/*
+ * The copy path is the caller's choice, per batch: the library never picks
+ * or substitutes one (the policy, calibrated at start-up, lives in
+ * lib/copy_path.ts). A path the engine lacks fails the submit with
+ * PF_EUNSUPPORTED. The host backend has one way to copy (memcpy on its
+ * workers): it accepts every path, ignores it, and reports it back.
+ */
 enum pf_path {
-  /* library default (cuda): DMA_BATCH when the batch's mean segment
-   * is >= 32 KiB and the driver has it, else KERNEL if loaded, else DMA.
-   * Callers with a calibration table choose themselves (lib/copy_path.ts). */
-  PF_PATH_AUTO = 0,
+  /* The host backend's memcpy. The cuda backend refuses it (PF_EINVAL):
+   * a batch that names no GPU path is a caller bug, not a hint. */
+  PF_PATH_HOST = 0,
   PF_PATH_KERNEL = 1, /* gather/scatter kernel over mapped pinned memory */
   PF_PATH_DMA_BATCH = 2, /* cuMemcpyBatchAsync, issued by several threads */
   PF_PATH_DMA = 3,    /* one cuMemcpyAsync per segment, same threads */
@@ -307,9 +350,10 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
 /* Measures each available path on this engine in `direction` for segment
  * sizes sizes[0..n) (bytes), moving total_bytes per point, and writes GB/s
  * into out_gbps[p * n + i] (5 * n doubles) for p = the pf_path value:
- * AUTO's row holds one large contiguous copy (the link's peak, same for
- * every i), then KERNEL, DMA_BATCH, DMA, MIXED (0 where a path is absent or
- * the driver refused it). Each figure is the best of 3 timed batches after
+ * row 0 (PF_PATH_HOST) holds one large contiguous copy (the link's peak,
+ * same for every i), then KERNEL, DMA_BATCH, DMA, MIXED (0 where a path is
+ * absent or the driver refused it; the host backend fills DMA's row with
+ * its memcpy). Each figure is the best of 3 timed batches after
  * a warm-up, submit to last byte. Segments sit at a stride of twice their
  * size on the device side so that nothing merges. Uses scratch device
  * memory (host: an anonymous mapping) and pool bytes [0, total_bytes);
@@ -384,11 +428,19 @@ int32_t pf_uring_open(uint32_t pool, uint32_t ring, uint32_t depth,
  * 4 KiB aligned). Owned by the uring; valid until pf_uring_close. A page
  * named by an op must not be touched by the caller until the op completes. */
 void *pf_uring_hdr_ptr(uint32_t uring);
-/* Fills info[0..7]: [0] depth, [1] hdr_pages, [2] 1 if the pool is
- * registered as fixed buffers, [3] 1 if files are registered, [4] ops
- * submitted, [5] ops completed, [6] ops that took the buffered fallback for
- * alignment, [7] ops in flight now. */
-int32_t pf_uring_info(uint32_t uring, uint64_t info[8]);
+/* What pf_uring_info reports (48 bytes). */
+typedef struct pf_uring_stats {
+  uint32_t depth;          /* offset 0 */
+  uint32_t hdr_pages;      /* offset 4 */
+  uint8_t fixed_buffers;   /* offset 8: 1: the pool is registered */
+  uint8_t fixed_files;     /* offset 9: 1: files are registered */
+  uint8_t reserved[6];
+  uint64_t submitted;      /* offset 16: ops submitted */
+  uint64_t completed;      /* offset 24: ops completed */
+  uint64_t align_fallbacks; /* offset 32: ops that went buffered (alignment) */
+  uint64_t inflight;       /* offset 40: ops in flight now */
+} pf_uring_stats;
+int32_t pf_uring_info(uint32_t uring, pf_uring_stats *out);
 /* Stops accepting ops, waits for ops in flight, joins the reaper, closes
  * files still open on it. PF_EBUSY if called from the reaper itself. */
 int32_t pf_uring_close(uint32_t uring);
@@ -396,9 +448,15 @@ int32_t pf_uring_close(uint32_t uring);
 /* Opens (and registers) a file on `uring`. */
 int32_t pf_file_open(uint32_t uring, const char *path, uint32_t flags,
                      uint32_t *out_file);
-/* Fills info[0..3]: [0] size in bytes, [1] O_DIRECT offset/length alignment,
- * [2] O_DIRECT memory alignment, [3] 1 if opened O_DIRECT, 0 if buffered. */
-int32_t pf_file_info(uint32_t file, uint64_t info[4]);
+/* What pf_file_info reports (24 bytes). */
+typedef struct pf_file_props {
+  uint64_t bytes;        /* offset 0: size now */
+  uint32_t offset_align; /* offset 8: O_DIRECT offset/length alignment */
+  uint32_t mem_align;    /* offset 12: O_DIRECT memory alignment */
+  uint32_t direct;       /* offset 16: 1 if opened O_DIRECT, 0 if buffered */
+  uint32_t reserved;
+} pf_file_props;
+int32_t pf_file_info(uint32_t file, pf_file_props *out);
 int32_t pf_file_size(uint32_t file, uint64_t *out_bytes);
 /* ftruncate; PF_EIO with errno text on failure. */
 int32_t pf_file_truncate(uint32_t file, uint64_t bytes);
@@ -412,9 +470,14 @@ int32_t pf_file_sync(uint32_t file);
 int32_t pf_file_drop_cache(uint32_t file);
 int32_t pf_file_close(uint32_t file); /* PF_EBUSY while ops in flight */
 
-/* Filesystem space at `path` (a file or directory): out[0] total bytes,
- * out[1] bytes available to this process, out[2] filesystem block size. */
-int32_t pf_fs_space(const char *path, uint64_t out[3]);
+/* Filesystem space at a path (24 bytes). */
+typedef struct pf_fs_usage {
+  uint64_t total_bytes;     /* offset 0 */
+  uint64_t available_bytes; /* offset 8: available to this process */
+  uint64_t block_bytes;     /* offset 16: filesystem block size */
+} pf_fs_usage;
+/* Space of the filesystem holding `path` (a file or directory). */
+int32_t pf_fs_space(const char *path, pf_fs_usage *out);
 /* strerror(err) into buf (for PF_DONE_IO records, whose aux is the errno). */
 int32_t pf_errno_text(int32_t err, char *buf, uint32_t cap);
 

@@ -20,10 +20,11 @@
  * Batches on one engine complete in submit order (later batches' main
  * stream waits for the earlier batch's lanes).
  *
- * Copy paths (chosen per batch by the caller; AUTO: batch DMA for mean
- * ranges >= 32 KiB, else the kernel):
+ * Copy paths (chosen per batch by the caller, never here: the policy is
+ * lib/copy_path.ts, from pf_calibrate's tables):
  *  - KERNEL: ranges (segments, merged by the caller) are cut into table
- *    entries, the table goes to the device with one async H2D copy, one launch per group.
+ *    entries, the table goes to the device with one async H2D copy, one
+ *    launch per group.
  *  - DMA_BATCH: cuMemcpyBatchAsync (driver 12.8+), spread over the lanes.
  *  - DMA: one cuMemcpyAsync per range, spread over the lanes.
  *  - MIXED: a share of each group to the lanes, the rest to the kernel.
@@ -83,6 +84,8 @@ enum {
   X(cuDeviceGetCount, CUresult (*)(int *))                                     \
   X(cuDeviceGet, CUresult (*)(CUdevice *, int))                                \
   X(cuDeviceGetAttribute, CUresult (*)(int *, int, CUdevice))                  \
+  X(cuDeviceGetName, CUresult (*)(char *, int, CUdevice))                      \
+  X(cuDriverGetVersion, CUresult (*)(int *))                                   \
   X(cuDeviceTotalMem_v2, CUresult (*)(size_t *, CUdevice))                     \
   X(cuDevicePrimaryCtxRetain, CUresult (*)(CUcontext *, CUdevice))             \
   X(cuDevicePrimaryCtxRelease_v2, CUresult (*)(CUdevice))                      \
@@ -211,8 +214,6 @@ static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
  * ~90 % H2D of the link); 16 keeps a margin and leaves 116 of 132 SMs to
  * the model. pf_engine_set_kernel_grid overrides. */
 #define PF_KERNEL_GRID_DEFAULT 16u
-/* AUTO picks batch DMA when a batch's mean range is at least this. */
-#define PF_AUTO_DMA_MIN_RANGE (32ull << 10)
 /* cuMemcpyBatchAsync calls are cut to this many copies each. */
 #define PF_DMA_BATCH_MAX 8192u
 #define PF_EVENT_CACHE 1024u
@@ -223,7 +224,6 @@ static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
 /* Which kernel variant runs when PEGAFLOW_KERNEL is unset. */
 #define PF_KERNEL_DEFAULT_VARIANT PF_KERNEL_SIMT
 
-enum { PF_KERNEL_SIMT = 0, PF_KERNEL_TMA = 1 };
 /* Entry size of the bulk-copy variant (its shared-memory stage size). */
 #define PF_TMA_CHUNK 8192ull
 #define PF_TMA_THREADS 32u
@@ -513,7 +513,11 @@ static int32_t cuda_open(pf_engine *e, int32_t device, uint32_t workers) {
   e->sm_count = (uint32_t)sms;
   e->default_grid = PF_KERNEL_GRID_DEFAULT < (uint32_t)sms
                         ? PF_KERNEL_GRID_DEFAULT : (uint32_t)sms;
-  e->device_mem_mib = total >> 20;
+  e->device_mem_bytes = total;
+  int drv = 0;
+  OPEN_TRY(cu.cuDriverGetVersion(&drv));
+  e->driver_version = (uint32_t)drv;
+  OPEN_TRY(cu.cuDeviceGetName(e->device_name, (int)sizeof e->device_name - 1, ce->dev));
   e->default_dma_share = PF_MIXED_DMA_SHARE_DEFAULT;
   /* pthread_create returns its error; it does not set errno. */
   int terr = pthread_create(&ce->th, NULL, completion_main, e);
@@ -868,7 +872,7 @@ static int32_t dma_batch_ranges(cuda_engine *ce, pf_batch *b, CUstream st,
   return PF_OK;
 }
 
-static const char *const path_name[] = {"auto", "kernel", "dma_batch", "dma",
+static const char *const path_name[] = {"host", "kernel", "dma_batch", "dma",
                                         "mixed"};
 
 /* Splits each group by bytes: [lo, mid) to the copy engines (about
@@ -1092,17 +1096,11 @@ static void *submitter_main(void *arg) {
 
 static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   cuda_engine *ce = e->impl;
-  uint32_t path = b->path;
-  if (path == PF_PATH_AUTO) {
-    /* Library default when the caller has no calibration: the copy engines
-     * wherever they reach the link (measured: batch DMA from 32 KB ranges
-     * on, with the lanes), else the kernel, else plain DMA. */
-    uint64_t mean = b->num_ranges ? b->total_bytes / b->num_ranges : 0;
-    if ((e->features & PF_FEAT_DMA_BATCH) && mean >= PF_AUTO_DMA_MIN_RANGE)
-      path = PF_PATH_DMA_BATCH;
-    else
-      path = (e->features & PF_FEAT_KERNEL) ? PF_PATH_KERNEL : PF_PATH_DMA;
-  }
+  const uint32_t path = b->path;
+  if (path == PF_PATH_HOST)
+    return pf_fail(PF_EINVAL, "pf_copy_submit: path 0 (host) on the cuda "
+                   "backend; expected 1 kernel, 2 dma_batch, 3 dma or 4 mixed "
+                   "(the caller's path policy chooses: lib/copy_path.ts)");
   if ((path == PF_PATH_KERNEL || path == PF_PATH_MIXED) &&
       !(e->features & PF_FEAT_KERNEL))
     return pf_fail(PF_EUNSUPPORTED, "pf_copy_submit: path %s: the copy "

@@ -93,18 +93,30 @@ int32_t pf_engine_open(int32_t backend, int32_t device, uint32_t workers,
   return PF_OK;
 }
 
-int32_t pf_engine_info(uint32_t engine, uint64_t info[8]) {
+/* The offsets drawn in pegaflow.h are what ffi/structs.ts reads. */
+_Static_assert(sizeof(pf_engine_props) == 104, "pf_engine_props layout");
+_Static_assert(offsetof(pf_engine_props, has_kernel) == 28, "pf_engine_props layout");
+_Static_assert(offsetof(pf_engine_props, device_mem_bytes) == 32, "pf_engine_props layout");
+_Static_assert(offsetof(pf_engine_props, device_name) == 40, "pf_engine_props layout");
+
+int32_t pf_engine_info(uint32_t engine, pf_engine_props *out) {
   pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_info");
   if (!e) return PF_EHANDLE;
-  if (!info) return pf_fail(PF_EINVAL, "pf_engine_info: info is NULL");
-  info[0] = (uint64_t)e->backend;
-  info[1] = e->features;
-  info[2] = e->sm_count;
-  info[3] = (uint64_t)e->device;
-  info[4] = e->grid_blocks ? e->grid_blocks : e->default_grid;
-  info[5] = e->device_mem_mib;
-  info[6] = PF_ABI_VERSION;
-  info[7] = e->kernel_variant;
+  if (!out) return pf_fail(PF_EINVAL, "pf_engine_info: out is NULL");
+  memset(out, 0, sizeof *out);
+  out->backend = (uint32_t)e->backend;
+  out->device = e->device;
+  out->abi_version = PF_ABI_VERSION;
+  out->driver_version = e->driver_version;
+  out->sm_count = e->sm_count;
+  out->kernel_grid = e->grid_blocks ? e->grid_blocks : e->default_grid;
+  out->kernel_variant = e->kernel_variant;
+  out->has_kernel = (e->features & PF_FEAT_KERNEL) != 0;
+  out->has_dma_batch = (e->features & PF_FEAT_DMA_BATCH) != 0;
+  out->has_ipc = (e->features & PF_FEAT_IPC) != 0;
+  out->device_mem_bytes = e->device_mem_bytes;
+  memcpy(out->device_name, e->device_name, sizeof out->device_name);
+  out->device_name[sizeof out->device_name - 1] = 0;
   return PF_OK;
 }
 
@@ -218,14 +230,20 @@ void *pf_pool_ptr(uint32_t pool) {
   return p ? p->host : NULL;
 }
 
-int32_t pf_pool_info(uint32_t pool, uint64_t info[4]) {
+_Static_assert(sizeof(pf_pool_props) == 32, "pf_pool_props layout");
+_Static_assert(offsetof(pf_pool_props, hugepages) == 24, "pf_pool_props layout");
+
+int32_t pf_pool_info(uint32_t pool, pf_pool_props *out) {
   pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_info");
   if (!p) return PF_EHANDLE;
-  if (!info) return pf_fail(PF_EINVAL, "pf_pool_info: info is NULL");
-  info[0] = p->bytes;
-  info[1] = p->applied;
-  info[2] = p->alloc_ns;
-  info[3] = p->huge_page_bytes;
+  if (!out) return pf_fail(PF_EINVAL, "pf_pool_info: out is NULL");
+  memset(out, 0, sizeof *out);
+  out->bytes = p->bytes;
+  out->alloc_ns = p->alloc_ns;
+  out->huge_page_bytes = p->huge_page_bytes;
+  out->hugepages = (p->applied & PF_POOL_HUGEPAGES) != 0;
+  out->pretouched = (p->applied & PF_POOL_PRETOUCH) != 0;
+  out->locked = (p->applied & PF_POOL_LOCKED) != 0;
   return PF_OK;
 }
 
@@ -306,14 +324,17 @@ int32_t pf_region_import(uint32_t engine, const uint8_t *handle, uint64_t bytes,
   return region_finish(e, r, out_region);
 }
 
-int32_t pf_region_info(uint32_t region, uint64_t info[4]) {
+_Static_assert(sizeof(pf_region_props) == 24, "pf_region_props layout");
+_Static_assert(offsetof(pf_region_props, imported) == 16, "pf_region_props layout");
+
+int32_t pf_region_info(uint32_t region, pf_region_props *out) {
   pf_region *r = pf_handle_get(region, PF_K_REGION, "pf_region_info");
   if (!r) return PF_EHANDLE;
-  if (!info) return pf_fail(PF_EINVAL, "pf_region_info: info is NULL");
-  info[0] = r->bytes;
-  info[1] = r->addr;
-  info[2] = (uint64_t)r->imported;
-  info[3] = (uint64_t)atomic_load(&r->inflight);
+  if (!out) return pf_fail(PF_EINVAL, "pf_region_info: out is NULL");
+  out->bytes = r->bytes;
+  out->addr = r->addr;
+  out->imported = r->imported ? 1u : 0u;
+  out->inflight = (uint32_t)atomic_load(&r->inflight);
   return PF_OK;
 }
 
@@ -541,7 +562,7 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
                    h->direction);
   if (h->path > PF_PATH_MIXED)
     return pf_fail(PF_EINVAL,
-                   "pf_copy_submit: path %u (expected 0 auto, 1 kernel, "
+                   "pf_copy_submit: path %u (expected 0 host, 1 kernel, "
                    "2 dma_batch, 3 dma, 4 mixed)", h->path);
   if (h->num_groups == 0)
     return pf_fail(PF_EINVAL, "pf_copy_submit: num_groups is 0");

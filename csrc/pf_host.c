@@ -6,10 +6,11 @@
  * maps the same bytes exactly as it would open a CUDA IPC handle. Copies are
  * memcpy on a small pool of worker threads.
  *
- * Scheduling: at submit, a batch's merged ranges are cut into tasks of about
- * PF_HOST_TASK_BYTES (a task never spans two groups). Workers take tasks from
- * the batch at the head of a FIFO queue under one mutex — a task is hundreds
- * of microseconds of memcpy, so the lock is cold. Each group counts its
+ * Scheduling: at submit, a batch's ranges (one per segment) are cut into
+ * tasks of about PF_HOST_TASK_BYTES (a task never spans two groups).
+ * Workers take tasks from the batch at the head of a FIFO queue under one
+ * mutex — a task is hundreds of microseconds of memcpy, so the lock is
+ * cold. Each group counts its
  * unfinished tasks; whoever finishes a group's last task marks it done and
  * posts every consecutive finished group, so LAYER records leave in group
  * order even though groups finish out of order.
@@ -133,7 +134,7 @@ static void finish_task(pf_batch *b, uint32_t g) {
   if (last) {
     b->impl = NULL;
     host_batch_free(hb);
-    pf_batch_done(b, PF_OK, PF_PATH_DMA);
+    pf_batch_done(b, PF_OK, b->path); /* memcpy ran; report what was asked */
   }
 }
 
@@ -203,6 +204,7 @@ static int32_t host_open(pf_engine *e, int32_t device, uint32_t workers) {
   e->impl = he;
   e->features = 0;
   e->sm_count = 0;
+  snprintf(e->device_name, sizeof e->device_name, "host");
   e->default_grid = 0;
   return PF_OK;
 }

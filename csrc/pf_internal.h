@@ -19,6 +19,17 @@ int32_t pf_fail(int32_t code, const char *fmt, ...)
  * length a caller needs for the whole of it. */
 int32_t pf_text_out(const char *text, char *buf, uint32_t cap);
 
+/* What an engine can do (pf_engine.features); pf_engine_info reports each
+ * as a named field. */
+enum pf_feature {
+  PF_FEAT_KERNEL = 1u << 0,    /* gather/scatter kernel loaded */
+  PF_FEAT_DMA_BATCH = 1u << 1, /* cuMemcpyBatchAsync available */
+  PF_FEAT_IPC = 1u << 2,       /* CUDA IPC import/export */
+};
+/* pf_pool.applied: the pf_pool_flags that took effect, plus this one (the
+ * pages are page-locked), reported by pf_pool_info as named fields. */
+#define PF_POOL_LOCKED (1u << 2)
+
 /* ---- handles ----------------------------------------------------------- */
 enum pf_kind { PF_K_ENGINE = 1, PF_K_RING, PF_K_POOL, PF_K_REGION, PF_K_URING,
                PF_K_FILE, PF_K_SHM };
@@ -110,7 +121,7 @@ typedef struct pf_batch {
   pf_shm *progress;
   uint32_t progress_off;
   uint32_t direction;
-  uint32_t path;          /* requested pf_path (backend resolves AUTO) */
+  uint32_t path;          /* the caller's pf_path, run as given */
   uint32_t num_groups;
   uint32_t num_ranges;
   uint32_t num_segs;      /* = num_ranges before a backend splits */
@@ -240,7 +251,9 @@ typedef struct pf_engine {
   uint32_t kernel_variant; /* 0 SIMT, 1 Hopper bulk copy (cuda only) */
   uint32_t dma_share;      /* permille of MIXED bytes to the copy engines; 0 = default */
   uint32_t default_dma_share;
-  uint64_t device_mem_mib;
+  uint64_t device_mem_bytes;
+  uint32_t driver_version;  /* cuDriverGetVersion; 0 on host */
+  char device_name[PF_DEVICE_NAME_BYTES];
   atomic_int live_objects; /* pools + regions of this engine */
   void *impl;              /* backend private state */
 } pf_engine;

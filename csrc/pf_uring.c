@@ -279,19 +279,23 @@ void *pf_uring_hdr_ptr(uint32_t uring) {
   return u ? u->hdr : NULL;
 }
 
-int32_t pf_uring_info(uint32_t uring, uint64_t info[8]) {
+_Static_assert(sizeof(pf_uring_stats) == 48, "pf_uring_stats layout");
+_Static_assert(offsetof(pf_uring_stats, submitted) == 16, "pf_uring_stats layout");
+
+int32_t pf_uring_info(uint32_t uring, pf_uring_stats *out) {
   pf_uring *u = pf_handle_get(uring, PF_K_URING, "pf_uring_info");
   if (!u) return PF_EHANDLE;
-  if (!info) return pf_fail(PF_EINVAL, "pf_uring_info: info is NULL");
+  if (!out) return pf_fail(PF_EINVAL, "pf_uring_info: out is NULL");
+  memset(out, 0, sizeof *out);
   pthread_mutex_lock(&u->mu);
-  info[0] = u->depth;
-  info[1] = u->hdr_pages;
-  info[2] = (uint64_t)u->bufs_registered;
-  info[3] = (uint64_t)u->files_registered;
-  info[4] = u->n_submitted;
-  info[5] = atomic_load(&u->n_completed);
-  info[6] = u->n_fallback;
-  info[7] = u->inflight;
+  out->depth = u->depth;
+  out->hdr_pages = u->hdr_pages;
+  out->fixed_buffers = u->bufs_registered ? 1 : 0;
+  out->fixed_files = u->files_registered ? 1 : 0;
+  out->submitted = u->n_submitted;
+  out->completed = atomic_load(&u->n_completed);
+  out->align_fallbacks = u->n_fallback;
+  out->inflight = u->inflight;
   pthread_mutex_unlock(&u->mu);
   return PF_OK;
 }
@@ -433,25 +437,29 @@ int32_t pf_file_open(uint32_t uring, const char *path, uint32_t flags, uint32_t 
   return PF_OK;
 }
 
-int32_t pf_file_info(uint32_t file, uint64_t info[4]) {
+_Static_assert(sizeof(pf_file_props) == 24, "pf_file_props layout");
+_Static_assert(offsetof(pf_file_props, direct) == 16, "pf_file_props layout");
+
+int32_t pf_file_info(uint32_t file, pf_file_props *out) {
   pf_file *f = pf_handle_get(file, PF_K_FILE, "pf_file_info");
   if (!f) return PF_EHANDLE;
-  if (!info) return pf_fail(PF_EINVAL, "pf_file_info: info is NULL");
+  if (!out) return pf_fail(PF_EINVAL, "pf_file_info: out is NULL");
   struct stat st;
   if (fstat(f->fd_buf, &st) != 0)
     return pf_fail(PF_EIO, "fstat %s: %s", f->path, strerror(errno));
-  info[0] = (uint64_t)st.st_size;
-  info[1] = f->off_align;
-  info[2] = f->mem_align;
-  info[3] = (uint64_t)f->direct;
+  memset(out, 0, sizeof *out);
+  out->bytes = (uint64_t)st.st_size;
+  out->offset_align = (uint32_t)f->off_align;
+  out->mem_align = (uint32_t)f->mem_align;
+  out->direct = f->direct ? 1u : 0u;
   return PF_OK;
 }
 
 int32_t pf_file_size(uint32_t file, uint64_t *out_bytes) {
-  uint64_t info[4];
+  pf_file_props props;
   if (!out_bytes) return pf_fail(PF_EINVAL, "pf_file_size: out_bytes is NULL");
-  int32_t rc = pf_file_info(file, info);
-  if (rc == PF_OK) *out_bytes = info[0];
+  int32_t rc = pf_file_info(file, &props);
+  if (rc == PF_OK) *out_bytes = props.bytes;
   return rc;
 }
 
@@ -508,14 +516,16 @@ int32_t pf_file_close(uint32_t file) {
   return PF_OK;
 }
 
-int32_t pf_fs_space(const char *path, uint64_t out[3]) {
+_Static_assert(sizeof(pf_fs_usage) == 24, "pf_fs_usage layout");
+
+int32_t pf_fs_space(const char *path, pf_fs_usage *out) {
   if (!path || !out) return pf_fail(PF_EINVAL, "pf_fs_space: path or out is NULL");
   struct statvfs sv;
   if (statvfs(path, &sv) != 0)
     return pf_fail(PF_EIO, "statvfs %s: %s (errno %d)", path, strerror(errno), errno);
-  out[0] = (uint64_t)sv.f_blocks * sv.f_frsize;
-  out[1] = (uint64_t)sv.f_bavail * sv.f_frsize;
-  out[2] = (uint64_t)sv.f_bsize;
+  out->total_bytes = (uint64_t)sv.f_blocks * sv.f_frsize;
+  out->available_bytes = (uint64_t)sv.f_bavail * sv.f_frsize;
+  out->block_bytes = (uint64_t)sv.f_bsize;
   return PF_OK;
 }
 

@@ -250,24 +250,28 @@ fail:
   return rc;
 }
 
-int32_t pf_xfer_info(uint32_t h, uint64_t info[12]) {
+_Static_assert(sizeof(pf_xfer_stats) == 80, "pf_xfer_stats layout");
+_Static_assert(offsetof(pf_xfer_stats, submitted) == 16, "pf_xfer_stats layout");
+
+int32_t pf_xfer_info(uint32_t h, pf_xfer_stats *out) {
   pf_xfer_ep *ep = pf_handle_get(h, PF_K_XFER, "pf_xfer_info");
   if (!ep) return PF_EHANDLE;
-  if (!info) return pf_fail(PF_EINVAL, "pf_xfer_info: info is NULL");
-  info[0] = ep->cfg.transport;
-  info[1] = ep->listen_port;
-  info[2] = ep->cfg.streams;
+  if (!out) return pf_fail(PF_EINVAL, "pf_xfer_info: out is NULL");
+  memset(out, 0, sizeof *out);
+  out->transport = ep->cfg.transport;
+  out->listen_port = ep->listen_port;
+  out->streams = ep->cfg.streams;
   pthread_mutex_lock(&ep->mu);
-  info[3] = ep->npeers;
+  out->peers = ep->npeers;
   pthread_mutex_unlock(&ep->mu);
-  info[4] = atomic_load(&ep->n_submitted);
-  info[5] = atomic_load(&ep->n_ok);
-  info[6] = atomic_load(&ep->n_failed);
-  info[7] = atomic_load(&ep->n_timedout);
-  info[8] = atomic_load(&ep->late_bytes);
-  info[9] = atomic_load(&ep->conns_open);
-  info[10] = atomic_load(&ep->bytes_served);
-  info[11] = atomic_load(&ep->bytes_landed);
+  out->submitted = atomic_load(&ep->n_submitted);
+  out->ok = atomic_load(&ep->n_ok);
+  out->failed = atomic_load(&ep->n_failed);
+  out->timed_out = atomic_load(&ep->n_timedout);
+  out->late_bytes = atomic_load(&ep->late_bytes);
+  out->serving_connections = atomic_load(&ep->conns_open);
+  out->bytes_served = atomic_load(&ep->bytes_served);
+  out->bytes_landed = atomic_load(&ep->bytes_landed);
   return PF_OK;
 }
 
@@ -371,16 +375,20 @@ int32_t pf_xfer_peer_connect(uint32_t h, const uint8_t *remote, uint32_t len,
   return PF_OK;
 }
 
-int32_t pf_xfer_peer_state(uint32_t h, int64_t info[4]) {
+_Static_assert(sizeof(pf_xfer_peer_status) == 24, "pf_xfer_peer_status layout");
+_Static_assert(offsetof(pf_xfer_peer_status, broken) == 16, "pf_xfer_peer_status layout");
+
+int32_t pf_xfer_peer_state(uint32_t h, pf_xfer_peer_status *out) {
   pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_state");
   if (!p) return PF_EHANDLE;
-  if (!info) return pf_fail(PF_EINVAL, "pf_xfer_peer_state: info is NULL");
-  info[0] = atomic_load(&p->connected);
-  info[1] = (int64_t)p->remote_bytes;
+  if (!out) return pf_fail(PF_EINVAL, "pf_xfer_peer_state: out is NULL");
+  memset(out, 0, sizeof *out);
+  out->connected = atomic_load(&p->connected) ? 1u : 0u;
+  out->remote_bytes = p->remote_bytes;
   pthread_mutex_lock(&p->mu);
-  info[2] = p->inflight;
+  out->inflight = p->inflight;
   pthread_mutex_unlock(&p->mu);
-  info[3] = atomic_load(&p->broken);
+  out->broken = atomic_load(&p->broken);
   return PF_OK;
 }
 

@@ -91,13 +91,24 @@ typedef struct pf_xfer_config {
  * count the endpoint as a user until pf_xfer_close. */
 int32_t pf_xfer_open(uint32_t pool, uint32_t ring, const pf_xfer_config *cfg,
                      uint64_t cfg_bytes, uint32_t *out_ep);
-/* Fills info[0..11]: [0] transport, [1] TCP listen port, [2] streams,
- * [3] peers open, [4] batches submitted, [5] ended ok, [6] failed,
- * [7] timed out, [8] late bytes discarded (TCP: bytes of timed-out or
- * cancelled batches that arrived and were dropped), [9] serving connections
- * open (TCP), [10] bytes served (READ payload sent), [11] bytes landed by
- * peers' WRITEs. */
-int32_t pf_xfer_info(uint32_t ep, uint64_t info[12]);
+/* What pf_xfer_info reports (80 bytes). */
+typedef struct pf_xfer_stats {
+  uint32_t transport;   /* offset 0: pf_xfer_transport */
+  uint32_t listen_port; /* offset 4: TCP listen port (0 for RDMA) */
+  uint32_t streams;     /* offset 8 */
+  uint32_t peers;       /* offset 12: peers open */
+  uint64_t submitted;   /* offset 16: batches submitted */
+  uint64_t ok;          /* offset 24: batches ended ok */
+  uint64_t failed;      /* offset 32 */
+  uint64_t timed_out;   /* offset 40 */
+  /* offset 48: TCP: bytes of timed-out or cancelled batches that arrived
+   * and were dropped. */
+  uint64_t late_bytes;
+  uint64_t serving_connections; /* offset 56: TCP connections served */
+  uint64_t bytes_served; /* offset 64: READ payload sent to peers */
+  uint64_t bytes_landed; /* offset 72: bytes peers' WRITEs landed here */
+} pf_xfer_stats;
+int32_t pf_xfer_info(uint32_t ep, pf_xfer_stats *out);
 /* Stops listening, closes serving connections, releases the pool and ring.
  * PF_EBUSY while peers are open. Blocks until its threads exit. */
 int32_t pf_xfer_close(uint32_t ep);
@@ -112,9 +123,15 @@ int32_t pf_xfer_peer_info(uint32_t peer, uint8_t *buf, uint32_t cap);
  * submits are bounds-checked against it. */
 int32_t pf_xfer_peer_connect(uint32_t peer, const uint8_t *remote, uint32_t len,
                              int32_t timeout_ms);
-/* Fills info[0..3]: [0] 1 once connected, [1] the remote pool's bytes,
- * [2] batches in flight, [3] the failure that broke the peer (0 = none). */
-int32_t pf_xfer_peer_state(uint32_t peer, int64_t info[4]);
+/* What pf_xfer_peer_state reports (24 bytes). */
+typedef struct pf_xfer_peer_status {
+  uint32_t connected;    /* offset 0: 1 once connected */
+  uint32_t inflight;     /* offset 4: batches in flight */
+  uint64_t remote_bytes; /* offset 8: the remote pool's size */
+  int32_t broken;        /* offset 16: the PF_E* that broke it, 0 = none */
+  uint32_t reserved;
+} pf_xfer_peer_status;
+int32_t pf_xfer_peer_state(uint32_t peer, pf_xfer_peer_status *out);
 /* Copies the text of the peer's last failure (a failed connect, or what
  * broke it) into buf; returns the full length (0 = none). For callers whose
  * pf_xfer_peer_connect ran on another thread (pf_last_error is per thread). */

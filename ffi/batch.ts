@@ -60,7 +60,7 @@ export class CopyBatch {
   #groupFirst = 0;
   #bytes = 0;
   #direction: Direction = "d2h";
-  #path: CopyPath = "auto";
+  #path: CopyPath = "host";
 
   /** Preallocates room for `maxGroups` groups and `maxSegs` segments. */
   constructor(maxGroups: number, maxSegs: number) {
@@ -105,8 +105,12 @@ export class CopyBatch {
     return (this.#segsWord << 2) + SEG_BYTES * this.#segs;
   }
 
-  /** Starts a new batch in this buffer. */
-  reset(direction: Direction, path: CopyPath = "auto", progress?: ProgressTarget): this {
+  /**
+   * Starts a new batch in this buffer. `path` defaults to `host` (the host
+   * backend's memcpy); a cuda engine needs a GPU path, set here or later
+   * with {@link CopyBatch.setPath} by the path policy.
+   */
+  reset(direction: Direction, path: CopyPath = "host", progress?: ProgressTarget): this {
     const d = DIRECTION_CODES[direction];
     const p = PATH_CODES[path];
     if (d === undefined) {
@@ -114,7 +118,7 @@ export class CopyBatch {
     }
     if (p === undefined) {
       throw new TypeError(
-        `CopyBatch.reset: path "${path}"; expected auto, kernel, dma_batch, dma or mixed`,
+        `CopyBatch.reset: path "${path}"; expected host, kernel, dma_batch, dma or mixed`,
       );
     }
     this.#groups = 0;
@@ -140,7 +144,11 @@ export class CopyBatch {
   /** Overrides the path after the batch is built (path policy). */
   setPath(path: CopyPath): this {
     const p = PATH_CODES[path];
-    if (p === undefined) throw new TypeError(`CopyBatch.setPath: path "${path}"`);
+    if (p === undefined) {
+      throw new TypeError(
+        `CopyBatch.setPath: path "${path}"; expected host, kernel, dma_batch, dma or mixed`,
+      );
+    }
     this.#path = path;
     this.#u32[3] = p;
     return this;

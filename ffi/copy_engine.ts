@@ -30,7 +30,10 @@ export interface CopyResult {
   bytes: number;
   /** Nanoseconds from submit to the last byte landing. */
   ns: number;
-  /** Path the library used. */
+  /**
+   * The path the batch carried, as the library reported it back: the cuda
+   * backend ran exactly it; the host backend copied with memcpy.
+   */
   path: CopyPath;
   /** On failure, what the library knows about it (group, layer, region, offset). */
   error?: string;
@@ -65,6 +68,8 @@ interface Pending {
   layers: ReplaySubject<number>;
   resolve: (r: CopyResult) => void;
   bytes: number;
+  /** The path the batch carried (reported if the ring dies before its BATCH record). */
+  path: CopyPath;
 }
 
 /**
@@ -180,7 +185,7 @@ export class CopyEngine {
     const layers = new ReplaySubject<number>();
     let resolve!: (r: CopyResult) => void;
     const done = new Promise<CopyResult>((r) => (resolve = r));
-    this.#pending.set(tag, { layers, resolve, bytes: 0 });
+    this.#pending.set(tag, { layers, resolve, bytes: 0, path: batch.path });
     return { tag, layers$: layers.asObservable(), done };
   }
 
@@ -208,7 +213,7 @@ export class CopyEngine {
         status: c.status,
         bytes: p.bytes,
         ns: c.value,
-        path: PATH_NAMES[c.aux] ?? "auto",
+        path: PATH_NAMES[c.aux] ?? "host",
         error,
       });
     }
@@ -234,7 +239,7 @@ export class CopyEngine {
         status: err instanceof NativeError ? err.code : -9,
         bytes: p.bytes,
         ns: 0,
-        path: "auto",
+        path: p.path,
       });
       this.#pending.delete(tag);
     }

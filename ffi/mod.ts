@@ -9,6 +9,7 @@ export {
   check,
   DIRECTION_CODES,
   Engine,
+  HANDLE_BYTES,
   lastError,
   NativeError,
   PATH_CODES,
@@ -26,15 +27,15 @@ export type {
   Direction,
   EngineFeatures,
   EngineOptions,
-  PoolInfo,
+  GpuPath,
   PoolOptions,
   PoolPhase,
   PoolProgress,
   PoolProgressOptions,
-  RegionInfo,
   ShmOptions,
   StatusName,
 } from "./native.ts";
+export type { EngineProps, PoolInfo, RegionInfo } from "./structs.ts";
 export { type Completion, COMPLETION_KIND, CompletionRing } from "./ring.ts";
 export { CopyBatch, type ProgressTarget } from "./batch.ts";
 export {

@@ -6,6 +6,17 @@
  * @module
  */
 import { loadLibrary, type PegaflowSymbols } from "./symbols.ts";
+import {
+  decodeEngineProps,
+  decodePoolProps,
+  decodeRegionProps,
+  ENGINE_PROPS_BYTES,
+  type EngineProps,
+  POOL_PROPS_BYTES,
+  type PoolInfo,
+  REGION_PROPS_BYTES,
+  type RegionInfo,
+} from "./structs.ts";
 
 /** `PF_E*` status codes of `pegaflow.h`, by name. */
 export const PF_STATUS = {
@@ -89,8 +100,6 @@ export interface EngineFeatures {
   dmaBatch: boolean;
   /** CUDA IPC export/import works. */
   ipc: boolean;
-  /** io_uring is usable. */
-  uring: boolean;
 }
 
 /** Which backend an engine runs: `auto` resolves to one of the others. */
@@ -98,26 +107,33 @@ export type BackendName = "auto" | "cuda" | "host";
 /** Copy direction: D2H gathers region → pool, H2D scatters pool → region. */
 export type Direction = "d2h" | "h2d";
 /**
- * Copy path: `auto` lets the library pick (batch DMA for ranges of 32 KB and
- * more, else the kernel); `mixed` runs the kernel and the copy engines on
- * one batch at once.
+ * Copy path a batch carries (`pf_path`). The library runs exactly this path
+ * and never picks one: the caller's policy does (`lib/copy_path.ts`).
+ * `host` is the host backend's memcpy (the cuda backend refuses it); the
+ * host backend accepts every path, copies with memcpy and reports the path
+ * back. `mixed` runs the kernel and the copy engines on one batch at once.
  */
-export type CopyPath = "auto" | "kernel" | "dma_batch" | "dma" | "mixed";
+export type CopyPath = "host" | "kernel" | "dma_batch" | "dma" | "mixed";
+/** The paths that run on a GPU (the ones a calibration table measures). */
+export type GpuPath = Exclude<CopyPath, "host">;
 
 /** `pf_path` numbers by name. */
 export const PATH_CODES: Record<CopyPath, number> = {
-  auto: 0,
+  host: 0,
   kernel: 1,
   dma_batch: 2,
   dma: 3,
   mixed: 4,
 };
 /** `pf_path` names by number. */
-export const PATH_NAMES: readonly CopyPath[] = ["auto", "kernel", "dma_batch", "dma", "mixed"];
+export const PATH_NAMES: readonly CopyPath[] = ["host", "kernel", "dma_batch", "dma", "mixed"];
 /** `pf_direction` numbers by name. */
 export const DIRECTION_CODES: Record<Direction, number> = { d2h: 0, h2d: 1 };
 
 const BACKEND_CODES: Record<BackendName, number> = { auto: 0, cuda: 1, host: 2 };
+
+/** `PF_HANDLE_BYTES`: a region's cross-process handle (CUipcMemHandle, or a NUL-padded shm name). */
+export const HANDLE_BYTES = 64;
 
 /** Options of {@link Engine.open}. */
 export interface EngineOptions {
@@ -175,11 +191,14 @@ export interface CalibrationTable {
   /** One large contiguous copy (the link's peak), GB/s. */
   peak: number;
   /** GB/s per path per size (0 where the path is absent). */
-  gbps: Record<Exclude<CopyPath, "auto">, number[]>;
+  gbps: Record<GpuPath, number[]>;
 }
 
+/** `pf_pool_flags` (inputs of pf_pool_create). */
+const POOL_FLAG = { HUGEPAGES: 1 << 0, PRETOUCH: 1 << 1 } as const;
+
 function poolFlags(opts: PoolOptions): number {
-  return (opts.hugepages ? 1 : 0) | (opts.pretouch ? 2 : 0);
+  return (opts.hugepages ? POOL_FLAG.HUGEPAGES : 0) | (opts.pretouch ? POOL_FLAG.PRETOUCH : 0);
 }
 
 function u64(x: number | bigint): bigint {
@@ -210,21 +229,26 @@ export class Engine {
   readonly smCount: number;
   /** Device ordinal. */
   readonly device: number;
-  /** Total device memory in MiB (0 on host). */
-  readonly deviceMemMiB: number;
+  /** Total device memory in bytes (0 on host). */
+  readonly deviceMemBytes: number;
+  /** `cuDeviceGetName` (e.g. "NVIDIA H100 80GB HBM3"), or "host". */
+  readonly deviceName: string;
+  /** `cuDriverGetVersion` (12080 = 12.8); 0 on host. */
+  readonly driverVersion: number;
   readonly #pf: PegaflowSymbols;
   #closed = false;
 
   private constructor(pf: PegaflowSymbols, handle: number) {
     this.#pf = pf;
     this.handle = handle;
-    const info = this.#info();
-    this.backend = info[0] === 1n ? "cuda" : "host";
-    const f = Number(info[1]);
-    this.features = { kernel: !!(f & 1), dmaBatch: !!(f & 2), ipc: !!(f & 4), uring: !!(f & 8) };
-    this.smCount = Number(info[2]);
-    this.device = Number(info[3]);
-    this.deviceMemMiB = Number(info[5]);
+    const p = this.props();
+    this.backend = p.backend;
+    this.features = { kernel: p.hasKernel, dmaBatch: p.hasDmaBatch, ipc: p.hasIpc };
+    this.smCount = p.smCount;
+    this.device = p.device;
+    this.deviceMemBytes = p.deviceMemBytes;
+    this.deviceName = p.deviceName;
+    this.driverVersion = p.driverVersion;
   }
 
   /** Opens an engine. @throws NativeError (e.g. PF_ENODEV for cuda without a GPU). */
@@ -240,20 +264,21 @@ export class Engine {
     return new Engine(pf, out[0]);
   }
 
-  #info(): BigUint64Array {
-    const info = new BigUint64Array(8);
-    check("pf_engine_info", this.#pf.pf_engine_info(this.handle, info));
-    return info;
+  /** Everything `pf_engine_info` reports, read now. */
+  props(): EngineProps {
+    const out = new Uint8Array(ENGINE_PROPS_BYTES);
+    check("pf_engine_info", this.#pf.pf_engine_info(this.handle, out));
+    return decodeEngineProps(out);
   }
 
   /** Kernel grid (blocks) currently used by the kernel path (0 on host). */
   get kernelGrid(): number {
-    return Number(this.#info()[4]);
+    return this.props().kernelGrid;
   }
 
   /** Kernel variant in use: `simt` (loads/stores) or `tma` (Hopper bulk copy). */
   get kernelVariant(): "simt" | "tma" {
-    return this.#info()[7] === 1n ? "tma" : "simt";
+    return this.props().kernelVariant;
   }
 
   /** Sets the kernel path's grid; 0 restores the default. */
@@ -355,7 +380,7 @@ export class Engine {
    * file) and returns it with its 64-byte handle for another process.
    */
   allocRegion(bytes: number | bigint): Region {
-    const handle = new Uint8Array(64);
+    const handle = new Uint8Array(HANDLE_BYTES);
     const out = new Uint32Array(1);
     check("pf_region_alloc", this.#pf.pf_region_alloc(this.handle, u64(bytes), handle, out));
     return new Region(this.#pf, out[0], handle);
@@ -363,11 +388,11 @@ export class Engine {
 
   /** Importing side: opens a peer's 64-byte handle declared `bytes` long. */
   importRegion(handle: Uint8Array, bytes: number | bigint): Region {
-    if (handle.length !== 64) {
+    if (handle.length !== HANDLE_BYTES) {
       throw new NativeError(
         "pf_region_import",
         PF_STATUS.PF_EINVAL,
-        `handle is ${handle.length} bytes; expected 64`,
+        `handle is ${handle.length} bytes; expected ${HANDLE_BYTES}`,
       );
     }
     const out = new Uint32Array(1);
@@ -417,19 +442,6 @@ export class Engine {
   }
 }
 
-/** Pool info as reported by the library. */
-export interface PoolInfo {
-  bytes: number;
-  hugepages: boolean;
-  pretouched: boolean;
-  /** Page-locked (cuda: registered; host: mlock succeeded). */
-  locked: boolean;
-  /** Time spent allocating and pre-touching, ns. */
-  allocNs: number;
-  /** Huge page size used (0 if none). */
-  hugePageBytes: number;
-}
-
 /** A page-locked host pool; slices of it hold KV blocks. */
 export class Pool {
   /** The u32 pool handle. */
@@ -452,17 +464,9 @@ export class Pool {
 
   /** What the library applied (huge pages, pre-touch, locking) and timing. */
   info(): PoolInfo {
-    const info = new BigUint64Array(4);
-    check("pf_pool_info", this.#pf.pf_pool_info(this.handle, info));
-    const f = Number(info[1]);
-    return {
-      bytes: Number(info[0]),
-      hugepages: !!(f & 1),
-      pretouched: !!(f & 2),
-      locked: !!(f & 4),
-      allocNs: Number(info[2]),
-      hugePageBytes: Number(info[3]),
-    };
+    const out = new Uint8Array(POOL_PROPS_BYTES);
+    check("pf_pool_info", this.#pf.pf_pool_info(this.handle, out));
+    return decodePoolProps(out);
   }
 
   /**
@@ -493,16 +497,6 @@ export class Pool {
   }
 }
 
-/** A region's live info. */
-export interface RegionInfo {
-  bytes: number;
-  /** Device address (cuda) or host address (host), as a BigInt. */
-  addr: bigint;
-  imported: boolean;
-  /** Layer groups in flight that touch this region. */
-  inflight: number;
-}
-
 /**
  * A client's KV memory: allocated here (exporter) or imported from another
  * process by its 64-byte handle (importer).
@@ -527,14 +521,9 @@ export class Region {
 
   /** Size, address, import flag and in-flight count. */
   info(): RegionInfo {
-    const info = new BigUint64Array(4);
-    check("pf_region_info", this.#pf.pf_region_info(this.id, info));
-    return {
-      bytes: Number(info[0]),
-      addr: info[1],
-      imported: info[2] === 1n,
-      inflight: Number(info[3]),
-    };
+    const out = new Uint8Array(REGION_PROPS_BYTES);
+    check("pf_region_info", this.#pf.pf_region_info(this.id, out));
+    return decodeRegionProps(out);
   }
 
   /** Copies `data` into the region at `off` (synchronous; not a hot path). */

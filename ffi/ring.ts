@@ -38,7 +38,9 @@ export interface Completion {
   value: number;
 }
 
-const HEADER_BYTES = 64;
+/** `PF_RING_HEADER_BYTES`: the ring's header before its records. */
+export const RING_HEADER_BYTES = 64;
+
 const RECORD_BYTES = 32;
 const TWO32 = 4294967296;
 /** Wait forever: `shutdown()` is what wakes the pending wait. */
@@ -85,7 +87,10 @@ export class CompletionRing {
     this.capacity = capacity;
     const ptr = this.#pf.pf_ring_ptr(this.handle);
     if (!ptr) throw new NativeError("pf_ring_ptr", PF_STATUS.PF_EHANDLE, "null ring memory");
-    const buf = Deno.UnsafePointerView.getArrayBuffer(ptr, HEADER_BYTES + capacity * RECORD_BYTES);
+    const buf = Deno.UnsafePointerView.getArrayBuffer(
+      ptr,
+      RING_HEADER_BYTES + capacity * RECORD_BYTES,
+    );
     this.#u32 = new Uint32Array(buf);
     this.#i32 = new Int32Array(buf);
     this.#tail = new BigUint64Array(buf, 8, 1);
@@ -116,7 +121,7 @@ export class CompletionRing {
       }
       const u = this.#u32;
       for (let i = this.#seen; i < r; i++) {
-        const w = (HEADER_BYTES + (i & (this.capacity - 1)) * RECORD_BYTES) >> 2;
+        const w = (RING_HEADER_BYTES + (i & (this.capacity - 1)) * RECORD_BYTES) >> 2;
         this.#subject.next({
           tag: u[w] + u[w + 1] * TWO32,
           kind: u[w + 2],

@@ -10,6 +10,17 @@
  * @module
  */
 import { libraryPath, loadLibrary } from "./symbols.ts";
+import {
+  decodeFileProps,
+  decodeFsUsage,
+  decodeUringStats,
+  FILE_PROPS_BYTES,
+  type FileInfo,
+  FS_USAGE_BYTES,
+  type FsSpace,
+  URING_STATS_BYTES,
+  type UringInfo,
+} from "./structs.ts";
 
 /** FFI declarations of the io_uring + CRC32C entry points (csrc/pegaflow.h). */
 export const URING_SYMBOLS = {
@@ -115,45 +126,11 @@ function cstr(s: string): Uint8Array {
   return b;
 }
 
-/** Filesystem space at a path (file or directory). */
-export interface FsSpace {
-  totalBytes: number;
-  availableBytes: number;
-  blockBytes: number;
-}
-
 /** `pf_fs_space`: total and available bytes of the filesystem holding `path`. */
 export function fsSpace(path: string): FsSpace {
-  const out = new BigUint64Array(3);
+  const out = new Uint8Array(FS_USAGE_BYTES);
   check(`pf_fs_space(${path})`, uringLib().pf_fs_space(cstr(path), out));
-  return {
-    totalBytes: Number(out[0]),
-    availableBytes: Number(out[1]),
-    blockBytes: Number(out[2]),
-  };
-}
-
-/** What `pf_file_info` reports. */
-export interface FileInfo {
-  sizeBytes: number;
-  /** O_DIRECT offset/length alignment. */
-  offsetAlign: number;
-  /** O_DIRECT buffer address alignment. */
-  memAlign: number;
-  /** False when the filesystem refused O_DIRECT and the file runs buffered. */
-  direct: boolean;
-}
-
-/** What `pf_uring_info` reports. */
-export interface UringInfo {
-  depth: number;
-  hdrPages: number;
-  fixedBuffers: boolean;
-  fixedFiles: boolean;
-  submitted: number;
-  completed: number;
-  alignmentFallbacks: number;
-  inflight: number;
+  return decodeFsUsage(out);
 }
 
 /**
@@ -197,14 +174,9 @@ export class Uring {
 
   /** Size and O_DIRECT alignment of an open file. */
   fileInfo(file: number): FileInfo {
-    const out = new BigUint64Array(4);
+    const out = new Uint8Array(FILE_PROPS_BYTES);
     check("pf_file_info", uringLib().pf_file_info(file, out));
-    return {
-      sizeBytes: Number(out[0]),
-      offsetAlign: Number(out[1]),
-      memAlign: Number(out[2]),
-      direct: out[3] === 1n,
-    };
+    return decodeFileProps(out);
   }
 
   /** `ftruncate`. */
@@ -246,18 +218,9 @@ export class Uring {
 
   /** Counters of the engine. */
   info(): UringInfo {
-    const out = new BigUint64Array(8);
+    const out = new Uint8Array(URING_STATS_BYTES);
     check("pf_uring_info", uringLib().pf_uring_info(this.handle, out));
-    return {
-      depth: Number(out[0]),
-      hdrPages: Number(out[1]),
-      fixedBuffers: out[2] === 1n,
-      fixedFiles: out[3] === 1n,
-      submitted: Number(out[4]),
-      completed: Number(out[5]),
-      alignmentFallbacks: Number(out[6]),
-      inflight: Number(out[7]),
-    };
+    return decodeUringStats(out);
   }
 
   /** Waits for ops in flight, then closes the engine and its files. Idempotent. */

@@ -14,6 +14,16 @@ import { filter, map, type Observable, type Subscription } from "rxjs";
 import { libraryPath, loadLibrary } from "./symbols.ts";
 import { NativeError, PF_STATUS, type Pool, statusName } from "./native.ts";
 import type { CompletionRing } from "./ring.ts";
+import {
+  decodeXferPeerStatus,
+  decodeXferStats,
+  type PeerState,
+  XFER_PEER_STATUS_BYTES,
+  XFER_STATS_BYTES,
+  type XferInfo,
+} from "./structs.ts";
+// The counters' shapes are decoded in structs.ts; callers of this module name them from here.
+export type { PeerState, XferInfo } from "./structs.ts";
 
 /** FFI declarations of the transfer entry points (csrc/pf_xfer.h). */
 export const XFER_SYMBOLS = {
@@ -119,27 +129,6 @@ export interface XferEndpointOptions {
   bindAddr?: string;
   /** RDMA devices, `name[:port]`, (default: every device found). */
   nics?: string[];
-}
-
-/** What `pf_xfer_info` reports. */
-export interface XferInfo {
-  transport: TransportName;
-  /** TCP listen port (0 for RDMA). */
-  port: number;
-  streams: number;
-  peers: number;
-  submitted: number;
-  ok: number;
-  failed: number;
-  timedOut: number;
-  /** Bytes of ended batches that arrived late and were discarded. */
-  lateBytes: number;
-  /** TCP connections being served. */
-  servingConnections: number;
-  /** READ payload bytes this endpoint served to peers. */
-  bytesServed: number;
-  /** WRITE payload bytes peers landed in this pool. */
-  bytesLanded: number;
 }
 
 /** How a transfer batch ended. */
@@ -264,23 +253,9 @@ export class XferEndpoint {
 
   /** Counters and the listen port. */
   info(): XferInfo {
-    const o = new BigUint64Array(12);
-    check("pf_xfer_info", xferLib().pf_xfer_info(this.handle, o));
-    const n = (i: number) => Number(o[i]);
-    return {
-      transport: o[0] === 2n ? "rdma" : "tcp",
-      port: n(1),
-      streams: n(2),
-      peers: n(3),
-      submitted: n(4),
-      ok: n(5),
-      failed: n(6),
-      timedOut: n(7),
-      lateBytes: n(8),
-      servingConnections: n(9),
-      bytesServed: n(10),
-      bytesLanded: n(11),
-    };
+    const out = new Uint8Array(XFER_STATS_BYTES);
+    check("pf_xfer_info", xferLib().pf_xfer_info(this.handle, out));
+    return decodeXferStats(out);
   }
 
   /** A new, unconnected peer. */
@@ -324,16 +299,6 @@ export class XferEndpoint {
   }
 }
 
-/** What `pf_xfer_peer_state` reports. */
-export interface PeerState {
-  connected: boolean;
-  /** The remote pool's size in bytes (after connect). */
-  remoteBytes: number;
-  inflight: number;
-  /** The `PF_E*` code that broke the peer (0 = healthy). */
-  broken: number;
-}
-
 /** A connection from an endpoint to one remote endpoint. */
 export class XferPeer {
   readonly handle: number;
@@ -374,14 +339,9 @@ export class XferPeer {
 
   /** Connected, remote pool size, batches in flight, failure. */
   state(): PeerState {
-    const o = new BigInt64Array(4);
-    check("pf_xfer_peer_state", xferLib().pf_xfer_peer_state(this.handle, o));
-    return {
-      connected: o[0] === 1n,
-      remoteBytes: Number(o[1]),
-      inflight: Number(o[2]),
-      broken: Number(o[3]),
-    };
+    const out = new Uint8Array(XFER_PEER_STATUS_BYTES);
+    check("pf_xfer_peer_state", xferLib().pf_xfer_peer_state(this.handle, out));
+    return decodeXferPeerStatus(out);
   }
 
   /**

@@ -1,20 +1,23 @@
 /**
- * Copy-path policy: which libpegaflow path a batch should take, chosen from
- * the engine's calibration table (measured once at start-up) by the
- * batch's typical segment size. Policy lives here, in TypeScript; the C
- * library only runs the path it is told.
+ * Copy-path policy: which libpegaflow path a batch takes, chosen per batch
+ * from the batch's mean segment size and the engine's calibration table
+ * (measured at start-up, or read from the calibration cache:
+ * `lib/copy_calibration.ts`). The C library is mechanism only: it runs the
+ * path a batch carries and never picks one.
  *
- * Rule: the copy engines use no SMs, so a DMA path (dma_batch, else dma)
- * wins whenever it reaches `dmaTolerance` of the link's peak at that size;
- * otherwise the fastest measured path wins. `mixed` is a candidate for
- * saves (d2h) only: its copy-engine half reports the first layer late
- * (measured 7-22 ms into a 25 ms batch against ~1-2 ms for kernel and
- * dma_batch), which would waste layer-wise load. A forced path
- * (`--transfer-path`) overrides everything.
+ * Rule: the copy engines use no SMs (the kernel takes them from the model),
+ * so a DMA path (dma_batch, else dma) wins whenever it reaches
+ * `dmaTolerance` of the link's peak at that size; otherwise the fastest
+ * measured path wins. `mixed` is a candidate for saves (d2h) only: its
+ * copy-engine half reports the first layer late (measured 7-22 ms into a
+ * 25 ms batch against ~1-2 ms for kernel and dma_batch), which would waste
+ * layer-wise load. A forced path (`--transfer-path kernel|dma`) overrides
+ * everything. The host backend has one path (memcpy): the policy answers
+ * `host` there.
  *
  * @module
  */
-import type { CalibrationTable, CopyPath, Direction, Engine, Pool } from "../ffi/mod.ts";
+import type { CalibrationTable, CopyPath, Direction, GpuPath } from "../ffi/mod.ts";
 
 /** Segment sizes calibrated by default: 8 KB .. 2 MB, powers of two. */
 export const CALIBRATION_SIZES: readonly number[] = [8, 16, 32, 64, 128, 256, 512, 1024, 2048].map((
@@ -22,13 +25,38 @@ export const CALIBRATION_SIZES: readonly number[] = [8, 16, 32, 64, 128, 256, 51
 ) => k * 1024);
 /** Fraction of the peak at which the SM-free DMA paths are good enough. */
 export const DMA_TOLERANCE = 0.95;
+/**
+ * The path when a table has no usable figure for a size: plain DMA
+ * (`cuMemcpyAsync`) exists on every driver and takes no SMs.
+ */
+export const FALLBACK_PATH: GpuPath = "dma";
+
+/** What `--transfer-path` accepts. */
+export type TransferPathFlag = "auto" | "kernel" | "dma";
+/** The values of {@link TransferPathFlag}, for the CLI. */
+export const TRANSFER_PATH_FLAGS: readonly TransferPathFlag[] = ["auto", "kernel", "dma"];
 
 /** Options of {@link PathPolicy}. */
 export interface PathPolicyOptions {
-  /** Force one path for every batch (`auto` = decide by calibration). */
-  force?: CopyPath;
+  /** The backend the batches run on (default `cuda`); `host` answers `host`. */
+  backend?: "cuda" | "host";
+  /** Force one GPU path for every batch (cuda only). */
+  force?: GpuPath;
   /** See {@link DMA_TOLERANCE}. */
   dmaTolerance?: number;
+}
+
+/**
+ * The forced path a `--transfer-path` value means on an engine: `auto`
+ * forces nothing, `dma` is batch DMA where the driver has it.
+ */
+export function forcedPath(
+  flag: TransferPathFlag,
+  features: { dmaBatch: boolean },
+): GpuPath | undefined {
+  if (flag === "kernel") return "kernel";
+  if (flag === "dma") return features.dmaBatch ? "dma_batch" : "dma";
+  return undefined;
 }
 
 /**
@@ -36,41 +64,21 @@ export interface PathPolicyOptions {
  *
  * @example
  * ```ts
- * const policy = PathPolicy.calibrate(ce.engine, ce.pool, 256 << 20);
+ * const policy = new PathPolicy({ d2h: table, h2d: table2 });
  * batch.setPath(policy.choose("d2h", batch.bytes / batch.numSegs));
  * ```
  */
 export class PathPolicy {
   readonly #tables: Partial<Record<Direction, CalibrationTable>>;
-  readonly #force: CopyPath;
+  readonly #backend: "cuda" | "host";
+  readonly #force: GpuPath | undefined;
   readonly #tol: number;
 
   constructor(tables: Partial<Record<Direction, CalibrationTable>>, opts: PathPolicyOptions = {}) {
     this.#tables = tables;
-    this.#force = opts.force ?? "auto";
+    this.#backend = opts.backend ?? "cuda";
+    this.#force = opts.force;
     this.#tol = opts.dmaTolerance ?? DMA_TOLERANCE;
-  }
-
-  /**
-   * Calibrates both directions on `engine` (seconds on a GPU) and returns a
-   * policy. On the host backend every path is memcpy; the policy then
-   * answers `auto`.
-   */
-  static calibrate(
-    engine: Engine,
-    pool: Pool,
-    totalBytes: number,
-    opts: PathPolicyOptions = {},
-  ): PathPolicy {
-    if (engine.backend !== "cuda" || (opts.force && opts.force !== "auto")) {
-      return new PathPolicy({}, opts);
-    }
-    const bytes = Math.min(totalBytes, pool.bytes);
-    const sizes = CALIBRATION_SIZES.filter((s) => s <= bytes / 16);
-    return new PathPolicy({
-      d2h: engine.calibrate(pool, "d2h", sizes, bytes),
-      h2d: engine.calibrate(pool, "h2d", sizes, bytes),
-    }, opts);
   }
 
   /** The calibration tables in use. */
@@ -78,11 +86,17 @@ export class PathPolicy {
     return this.#tables;
   }
 
-  /** The path for a batch in `direction` whose segments are ~`segBytes`. */
+  /** The forced path, if any. */
+  get forced(): GpuPath | undefined {
+    return this.#force;
+  }
+
+  /** The path for a batch in `direction` whose segments average `segBytes`. */
   choose(direction: Direction, segBytes: number): CopyPath {
-    if (this.#force !== "auto") return this.#force;
+    if (this.#backend === "host") return "host";
+    if (this.#force) return this.#force;
     const t = this.#tables[direction];
-    if (!t || t.sizes.length === 0) return "auto";
+    if (!t || t.sizes.length === 0) return FALLBACK_PATH;
     // Nearest calibrated size on a log scale.
     let i = 0;
     for (let k = 1; k < t.sizes.length; k++) {
@@ -90,13 +104,27 @@ export class PathPolicy {
         i = k;
       }
     }
-    const dma: CopyPath = t.gbps.dma_batch[i] >= t.gbps.dma[i] ? "dma_batch" : "dma";
-    if (t.gbps[dma][i] >= this.#tol * t.peak) return dma;
-    const candidates: Array<Exclude<CopyPath, "auto">> = direction === "d2h"
+    const dma: GpuPath = t.gbps.dma_batch[i] >= t.gbps.dma[i] ? "dma_batch" : "dma";
+    if (t.gbps[dma][i] >= this.#tol * t.peak && t.gbps[dma][i] > 0) return dma;
+    const candidates: GpuPath[] = direction === "d2h"
       ? ["kernel", "mixed", "dma_batch", "dma"]
       : ["kernel", "dma_batch", "dma"];
-    let best: Exclude<CopyPath, "auto"> = "kernel";
+    let best: GpuPath = candidates[0];
     for (const p of candidates) if (t.gbps[p][i] > t.gbps[best][i]) best = p;
-    return t.gbps[best][i] > 0 ? best : "auto";
+    return t.gbps[best][i] > 0 ? best : FALLBACK_PATH;
+  }
+
+  /**
+   * The choice at each calibrated size, per direction (for the start-up
+   * log line: an operator sees which path each segment size takes).
+   */
+  summary(): Record<string, string> {
+    const out: Record<string, string> = {};
+    for (const dir of ["d2h", "h2d"] as const) {
+      const t = this.#tables[dir];
+      if (!t) continue;
+      out[dir] = t.sizes.map((s) => `${s >> 10}K:${this.choose(dir, s)}`).join(",");
+    }
+    return out;
   }
 }

@@ -1,9 +1,13 @@
 /**
- * Structured logging: one JSON object per line on stderr, so that every line
- * carries the ids needed to act on it (instance, rank, layer, request id).
+ * The one logger of PegaFlow (server, engine, SSD tier, block index,
+ * router): one JSON object per line on stderr, a short message plus fields,
+ * so every line carries the ids needed to act on it (instance, rank, layer,
+ * request id, path, block) and a log indexer can query them.
  *
  * Stderr, not stdout: stdout of `main.ts` is reserved for the one
- * "listening" announcement that tests and supervisors parse.
+ * "listening" announcement that tests and supervisors parse. The level
+ * check comes first, so a disabled line costs one comparison; `enabled()`
+ * lets a hot path skip building expensive fields.
  *
  * @module
  */
@@ -17,7 +21,9 @@ export type LogLevel = typeof LOG_LEVELS[number];
 export type LogFields = Record<string, string | number | boolean | bigint | null | undefined>;
 
 /**
- * A logger bound to fixed fields; `child()` adds more.
+ * A logger bound to fixed fields; `child()` adds more (a component, a
+ * router worker's number, an instance). `sink` receives each line without
+ * its newline (tests pass one that collects lines).
  *
  * @example
  * ```ts
@@ -38,6 +44,11 @@ export class Logger {
     this.#min = LOG_LEVELS.indexOf(level);
     this.#fields = fields;
     this.#sink = sink;
+  }
+
+  /** Whether a line at `level` would be written. */
+  enabled(level: LogLevel): boolean {
+    return LOG_LEVELS.indexOf(level) >= this.#min;
   }
 
   /** A logger that adds `fields` to every line. */
@@ -75,5 +86,8 @@ export class Logger {
 
 const encoder = new TextEncoder();
 function writeStderr(line: string): void {
-  Deno.stderr.writeSync(encoder.encode(line + "\n"));
+  const bytes = encoder.encode(line + "\n");
+  // writeSync may write part of the buffer when stderr is a full pipe; finish the line.
+  let off = 0;
+  while (off < bytes.length) off += Deno.stderr.writeSync(bytes.subarray(off));
 }

@@ -10,7 +10,7 @@
  * @module
  */
 
-import { type Command, CommanderError } from "commander";
+import { Command, CommanderError } from "commander";
 
 /** Exit status of a command line that could not be used. */
 export const EXIT_USAGE = 2;
@@ -19,6 +19,43 @@ export const EXIT_USAGE = 2;
 export type CommandLineResult =
   | { kind: "parsed" }
   | { kind: "exit"; code: number; output: string };
+
+/**
+ * What a command's `parse…Args(argv)` returns: the validated configuration
+ * to start with, or text to print and an exit code (0 for `--help`, 2 for a
+ * usage error). Parsing never starts anything and never exits.
+ */
+export type ParsedArgs<C> =
+  | { kind: "config"; config: C }
+  | { kind: "exit"; code: number; output: string };
+
+/**
+ * A commander program set up the way every PegaFlow command is: no excess
+ * arguments, and a usage error followed by a pointer to `--help`. Options
+ * come from {@link envOption} (lib/cli/flags.ts): each flag is also a
+ * `PEGAFLOW_*` environment variable.
+ *
+ * @example
+ * ```ts
+ * const cmd = newCommand("pegaflow-serve", "PegaFlow KV server")
+ *   .addOption(envOption("--pool-size <size>", "pinned pool size", "POOL_SIZE"));
+ * ```
+ */
+export function newCommand(name: string, description: string): Command {
+  return new Command(name)
+    .description(description)
+    .showHelpAfterError("(run with --help for usage)")
+    .allowExcessArguments(false);
+}
+
+/**
+ * The exit result of a usage error found after commander parsed (a value
+ * valid alone but refused by the configuration's rules); `message` names
+ * the flag, e.g. `--port: expected 0..65535, got '70000'`.
+ */
+export function usageExit(message: string): { kind: "exit"; code: number; output: string } {
+  return { kind: "exit", code: EXIT_USAGE, output: `error: ${message}\n` };
+}
 
 /**
  * Parses `argv` (without the program name) into `cmd` and the environment

@@ -70,6 +70,25 @@ export function parseSize(text: string): number {
 }
 
 /**
+ * The shortest text {@link parseSize} reads back as exactly `bytes`: the
+ * largest unit that divides it (so a default's label in `--help` is derived
+ * from the value instead of written a second time).
+ *
+ * @example
+ * ```ts
+ * formatSize(512 * 1024 ** 3); // "512gb"
+ * formatSize(1536); // "1536"
+ * ```
+ */
+export function formatSize(bytes: number): string {
+  for (const unit of ["tb", "gb", "mb", "kb"]) {
+    const n = SIZE_UNITS[unit];
+    if (bytes >= n && bytes % n === 0) return `${bytes / n}${unit}`;
+  }
+  return String(bytes);
+}
+
+/**
  * A commander argument parser for a byte size of at least `min` bytes
  * (see {@link parseSize}); `flag` names the option in the error.
  *

@@ -26,6 +26,7 @@
  * @module
  */
 import { Stage } from "../pipeline/stage.ts";
+import { MAX_HASH_BYTES } from "../limits.ts";
 import type { Logger } from "../log.ts";
 import type { KvStore } from "../storage/store.ts";
 import { TransferPlanner } from "../transfer/plan.ts";
@@ -35,21 +36,14 @@ import type { Instance } from "./instances.ts";
 import { type LoadArgs, type LoadJob, type LoadResult, LoadRunner } from "./load.ts";
 import type { NativePort } from "./ports.ts";
 import { registerRank, type RegisterResult } from "./register.ts";
-import { MAX_HASH_BYTES, type RegisterArgs } from "./registration.ts";
+import type { RegisterArgs } from "./registration.ts";
 import { type SaveArgs, type SaveJob, type SaveResult, SaveRunner } from "./save.ts";
 
 export type { EngineMetrics, SsdHook } from "./context.ts";
 export type { LoadArgs, LoadResult } from "./load.ts";
 export type { RegisterResult } from "./register.ts";
 export type { SaveArgs, SaveResult } from "./save.ts";
-export {
-  MAX_HASH_BYTES,
-  MAX_LAYERS,
-  MAX_PARALLEL,
-  PROTOCOL_VERSION,
-  REGION_HANDLE_BYTES,
-  type RegisterArgs,
-} from "./registration.ts";
+export { PROTOCOL_VERSION, type RegisterArgs } from "./registration.ts";
 
 export interface EngineOptions {
   native: NativePort;

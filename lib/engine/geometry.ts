@@ -12,6 +12,7 @@
  * @module
  */
 import { invalid } from "./errors.ts";
+import { MAX_SEGMENTS } from "../limits.ts";
 
 /** Geometry of one layer in its region (numbers are bytes unless named). */
 export interface Geometry {
@@ -23,9 +24,6 @@ export interface Geometry {
   baseOffset: number;
   regionBytes: number;
 }
-
-/** Most segments per block we accept (K/V split is 2; a few more allow other splits). */
-export const MAX_SEGMENTS = 8;
 
 /** Bytes of one (block, layer, rank) slot in the pool: all segments back to back. */
 export function slotBytes(g: Geometry): number {

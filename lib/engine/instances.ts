@@ -12,6 +12,7 @@
  * @module
  */
 import { Code, EngineError, precondition } from "./errors.ts";
+import { rankIndex } from "./rank.ts";
 import { type Geometry, slotBytes } from "./geometry.ts";
 import type { RegionPort } from "./ports.ts";
 
@@ -37,19 +38,6 @@ export interface RankCtx {
   byName: Map<string, LayerCtx>;
   /** Distinct regions (layers may share one), closed on cleanup. */
   regions: RegionPort[];
-}
-
-/**
- * The global rank of (tp_rank, pp_rank): the one formula (ranks of a stage
- * are consecutive).
- *
- * @example
- * ```ts
- * globalRank(1, 2, 4); // tp_rank 1 of stage 2, tp_size 4 → 9
- * ```
- */
-export function globalRank(tpRank: number, ppRank: number, tpSize: number): number {
-  return ppRank * tpSize + tpRank;
 }
 
 /** An inference engine known to the server. */
@@ -124,7 +112,7 @@ export class Instance {
   }
 
   rankCtx(tpRank: number, ppRank: number, what: string): RankCtx {
-    const r = this.ranks.get(globalRank(tpRank, ppRank, this.tpSize));
+    const r = this.ranks.get(rankIndex(tpRank, ppRank, this.tpSize));
     if (!r) {
       throw precondition(
         `instance "${this.id}": ${what} from tp_rank ${tpRank} pp_rank ${ppRank}, which is not registered`,

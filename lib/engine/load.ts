@@ -11,8 +11,8 @@
  *
  * @module
  */
+import { LEASE_ID_BYTES } from "../limits.ts";
 import type { Submission } from "../pipeline/stage.ts";
-import { LEASE_ID_BYTES } from "../storage/lease.ts";
 import type { LoadTicket } from "../storage/store.ts";
 import type { TransferPlanner } from "../transfer/plan.ts";
 import { type EngineContext, round3 } from "./context.ts";

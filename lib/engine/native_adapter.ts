@@ -9,13 +9,14 @@
 import {
   CopyBatch,
   CopyEngine,
-  type CopyPath,
   NativeError,
   PF_STATUS,
   type PoolProgress,
   SharedMemory,
 } from "../../ffi/mod.ts";
 import type { Logger } from "../log.ts";
+import { forcedPath, PathPolicy, type TransferPathFlag } from "../copy_path.ts";
+import { calibrationKey, loadOrMeasure, measureCalibration } from "../copy_calibration.ts";
 import {
   type BatchWriter,
   ClientMemoryFault,
@@ -71,7 +72,11 @@ export interface NativeOptions {
   device: number;
   poolBytes: number;
   useHugepages: boolean;
-  transferPath: "auto" | "kernel" | "dma";
+  transferPath: TransferPathFlag;
+  /** Calibration cache file (`--calibration-file`); undefined = measure every start. */
+  calibrationFile?: string;
+  /** Measure even when the cache has this device (`--recalibrate`). */
+  recalibrate?: boolean;
   /** Period of the pool-creation progress log lines, ms (default 1000). */
   poolProgressMs?: number;
 }
@@ -87,9 +92,7 @@ const INITIAL_SEGS = 4096;
  */
 class GrowingBatch implements BatchWriter {
   batch: CopyBatch;
-  readonly #path: CopyPath;
-  constructor(path: CopyPath) {
-    this.#path = path;
+  constructor() {
     this.batch = new CopyBatch(INITIAL_GROUPS, INITIAL_SEGS);
   }
   ensure(groups: number, segs: number): void {
@@ -101,9 +104,10 @@ class GrowingBatch implements BatchWriter {
     this.batch = new CopyBatch(g, s);
   }
   reset(direction: CopyDirection, progress?: { shm: ShmPort; offset: number }): void {
+    // The path is set at submit, once the segments are known (PathPolicy).
     this.batch.reset(
       direction === "gather" ? "d2h" : "h2d",
-      this.#path,
+      "host",
       progress ? { shm: progress.shm.handle, offset: progress.offset } : undefined,
     );
   }
@@ -147,16 +151,12 @@ export async function openNative(
     intervalMs: opts.poolProgressMs ?? 1000,
     onProgress: (p) => log.info("pool creation progress", progressFields(p)),
   });
-  const path: CopyPath = opts.transferPath === "kernel"
-    ? "kernel"
-    : opts.transferPath === "dma"
-    ? (ce.engine.features.dmaBatch ? "dma_batch" : "dma")
-    : "auto";
   const info = ce.pool.info();
   log.info("native engine open", {
     backend: ce.engine.backend,
     device: ce.engine.device,
-    transfer_path: path,
+    device_name: ce.engine.deviceName,
+    driver_version: ce.engine.driverVersion,
     kernel: ce.engine.features.kernel,
     dma_batch: ce.engine.features.dmaBatch,
     pool_bytes: info.bytes,
@@ -164,11 +164,21 @@ export async function openNative(
     locked: info.locked,
     pool_alloc_ms: Math.round(info.allocNs / 1e6),
   });
-  return portOver(ce, path);
+  let policy: PathPolicy;
+  try {
+    policy = openPathPolicy(ce, opts, log);
+  } catch (e) {
+    await ce.close();
+    throw e;
+  }
+  return portOver(ce, policy);
 }
 
-/** The engine's {@link NativePort} over an open CopyEngine, writing batches for `path`. */
-function portOver(ce: CopyEngine, path: CopyPath): NativePort & { copyEngine: CopyEngine } {
+/**
+ * The engine's {@link NativePort} over an open CopyEngine; `policy` stamps
+ * each batch's copy path at submit.
+ */
+function portOver(ce: CopyEngine, policy: PathPolicy): NativePort & { copyEngine: CopyEngine } {
   return {
     copyEngine: ce,
     backend: ce.engine.backend,
@@ -189,14 +199,18 @@ function portOver(ce: CopyEngine, path: CopyPath): NativePort & { copyEngine: Co
       };
     },
     batch(): BatchWriter {
-      return new GrowingBatch(path);
+      return new GrowingBatch();
     },
     // Not async on purpose: a batch the library refuses (bad segment, closed
     // region) throws here, synchronously, so the RPC fails instead of
     // answering OK for a copy that never started.
     submit(b: BatchWriter): Promise<CopyDone> {
       const gb = b as GrowingBatch;
-      const sub = guarded(() => ce.submit(gb.batch));
+      const batch = gb.batch;
+      // Segments arrive merged (lib/transfer/ranges.ts), so this is the mean
+      // range the copy path will see.
+      batch.setPath(policy.choose(batch.direction, batch.bytes / Math.max(1, batch.numSegs)));
+      const sub = guarded(() => ce.submit(batch));
       return sub.done.then((r) => {
         if (r.status === PF_STATUS.PF_EFAULT) {
           throw new ClientMemoryFault(r.status, r.error ?? "client memory faulted");
@@ -214,4 +228,65 @@ function portOver(ce: CopyEngine, path: CopyPath): NativePort & { copyEngine: Co
       return ce.close();
     },
   };
+}
+
+/**
+ * The path policy for this engine: `host` on the host backend (memcpy, the
+ * path is ignored); the forced path when `--transfer-path` names one; else
+ * calibrated — from the cache file when it has this device, measured
+ * otherwise (seconds, before the pool holds anything).
+ */
+function openPathPolicy(ce: CopyEngine, opts: NativeOptions, log: Logger): PathPolicy {
+  const engine = ce.engine;
+  if (engine.backend === "host") {
+    log.info("copy path policy", {
+      backend: "host",
+      path: "host",
+      transfer_path: opts.transferPath,
+    });
+    return new PathPolicy({}, { backend: "host" });
+  }
+  const force = forcedPath(opts.transferPath, engine.features);
+  if (force === "kernel" && !engine.features.kernel) {
+    throw new Error(
+      "--transfer-path kernel: this libpegaflow has no copy kernel (built without nvcc); " +
+        "use --transfer-path auto or dma, or rebuild with `make native` where nvcc exists",
+    );
+  }
+  if (force) {
+    log.info("copy path policy", { path: force, source: "--transfer-path" });
+    return new PathPolicy({}, { force });
+  }
+  const props = engine.props();
+  const started = performance.now();
+  let loaded;
+  try {
+    loaded = loadOrMeasure(props, {
+      file: opts.calibrationFile,
+      recalibrate: opts.recalibrate ?? false,
+      measure: () => measureCalibration(engine, ce.pool),
+    });
+  } catch (e) {
+    // Measuring needs scratch GPU memory (twice the bytes per point), which an engine that
+    // already took most of the device may leave no room for. Serve anyway, on the copy
+    // engines: no SMs taken, and at or near the link rate from 32 KB segments up.
+    if (!(e instanceof NativeError)) throw e;
+    const fallback = forcedPath("dma", engine.features)!;
+    log.warn("copy path calibration failed; every batch takes the copy engines", {
+      path: fallback,
+      error: e.message,
+      hint: "restart with --recalibrate once the GPU has room",
+    });
+    return new PathPolicy({}, { force: fallback });
+  }
+  if (loaded.cacheError) log.warn("calibration cache not used", { error: loaded.cacheError });
+  const policy = new PathPolicy(loaded.tables);
+  log.info("copy path policy", {
+    source: loaded.source,
+    key: calibrationKey(props),
+    file: opts.calibrationFile ?? null,
+    ms: Math.round(performance.now() - started),
+    ...policy.summary(),
+  });
+  return policy;
 }

@@ -11,7 +11,8 @@
  */
 import { closeRegions, type EngineContext } from "./context.ts";
 import { Code, EngineError, invalid, precondition } from "./errors.ts";
-import { globalRank, Instance, type LayerCtx, layerCtx, type RankCtx } from "./instances.ts";
+import { Instance, type LayerCtx, layerCtx, type RankCtx } from "./instances.ts";
+import { rankIndex } from "./rank.ts";
 import {
   blockLayoutOf,
   checkStageClaim,
@@ -35,7 +36,7 @@ export interface RegisterResult {
 export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResult {
   const { who, ppSize } = validateRegistration(a);
   const fields = { instance: a.instanceId, tpRank: a.tpRank, ppRank: a.ppRank };
-  const rankId = globalRank(a.tpRank, a.ppRank, a.tpSize);
+  const rankId = rankIndex(a.tpRank, a.ppRank, a.tpSize);
   let inst = ctx.instances.get(a.instanceId);
   if (inst) checkJoin(inst, a, who, ppSize, rankId);
   // The namespace's layout (sizes, block shape, TP sharing, each stage's layer

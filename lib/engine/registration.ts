@@ -10,20 +10,10 @@
  */
 import { invalid, precondition } from "./errors.ts";
 import { footprint, type Geometry, validateGeometry } from "./geometry.ts";
+import { MAX_LAYERS, MAX_NAME_CHARS, MAX_PARALLEL, REGION_HANDLE_BYTES } from "../limits.ts";
 
 /** The protocol version RegisterContext requires (client_version must equal it). */
 export const PROTOCOL_VERSION = "pegaflow-1";
-/** Region handles are 64 bytes (CUipcMemHandle, or a NUL-padded shm name). */
-export const REGION_HANDLE_BYTES = 64;
-/** Most hash bytes per block (sha256-sized hashes and smaller fit). */
-export const MAX_HASH_BYTES = 64;
-/** Most layers per rank. */
-export const MAX_LAYERS = 4096;
-/** Most TP/PP size. */
-export const MAX_PARALLEL = 1024;
-
-/** Longest namespace or instance id. */
-export const MAX_NAME_CHARS = 128;
 /**
  * What a namespace or instance id may contain. Both end up in storage keys
  * (`namespace:hash`: ':' is the separator), SSD record headers, Redis keys,

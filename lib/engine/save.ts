@@ -9,13 +9,13 @@
  *
  * @module
  */
+import { MAX_HASH_BYTES } from "../limits.ts";
 import type { SavePlan } from "../storage/store.ts";
 import type { TransferPlanner } from "../transfer/plan.ts";
 import { type EngineContext, round3 } from "./context.ts";
 import { Code, EngineError, type ErrorFields, invalid } from "./errors.ts";
 import type { Instance, LayerCtx, RankCtx } from "./instances.ts";
 import { type BatchWriter, ClientMemoryFault } from "./ports.ts";
-import { MAX_HASH_BYTES } from "./registration.ts";
 
 export interface SaveArgs {
   instanceId: string;

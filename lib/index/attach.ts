@@ -62,7 +62,7 @@ export function openBlockIndex(
     timeoutMs: cfg.timeoutMs,
     nodeTtlMs: cfg.nodeTtlMs,
     listSealed: () => advertiser.listSealed(),
-    log: (level, msg, fields) => ilog[level](msg, fields),
+    log: ilog,
     metrics: registerIndexMetrics(registry),
   });
   advertiser.connect(index);

@@ -10,14 +10,8 @@
  * @module
  */
 
+import type { Logger } from "../log.ts";
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
-
-/** Log sink of the index: level, message, fields. */
-export type IndexLog = (
-  level: "info" | "warn" | "error",
-  msg: string,
-  fields?: Record<string, string | number | boolean>,
-) => void;
 
 /**
  * Outage tracking.
@@ -33,7 +27,7 @@ export class Availability {
   #outages = 0;
 
   constructor(
-    private readonly log: IndexLog,
+    private readonly log: Logger,
     private readonly metrics: IndexMetrics | undefined,
     private readonly onRecover: () => void,
     private readonly where: string,
@@ -56,7 +50,7 @@ export class Availability {
     this.#up = false;
     this.#outages++;
     this.metrics?.up(false);
-    this.log("warn", "block index unreachable: serving from local tiers only until it answers", {
+    this.log.warn("block index unreachable: serving from local tiers only until it answers", {
       redis: this.where,
       op,
       error: error.message,
@@ -69,7 +63,7 @@ export class Availability {
     const wasDown = this.#up === false;
     this.#up = true;
     this.metrics?.up(true);
-    this.log("info", wasDown ? "block index reachable again" : "block index connected", {
+    this.log.info(wasDown ? "block index reachable again" : "block index connected", {
       redis: this.where,
     });
     this.onRecover();

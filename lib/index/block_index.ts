@@ -24,7 +24,8 @@
 
 import { Redis } from "ioredis";
 import { Buffer } from "node:buffer";
-import { Availability, type IndexLog } from "./availability.ts";
+import { Availability } from "./availability.ts";
+import { Logger } from "../log.ts";
 import { IndexInputError } from "./errors.ts";
 import { checkNodeToken, nodeSetKey, nodeSetPrefix, nodesKey, packHashes } from "./keys.ts";
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
@@ -87,7 +88,8 @@ export interface BlockIndexOptions {
   heartbeatMs?: number;
   /** Blocks per re-advertise call. Default {@link DEFAULT_REPUBLISH_BATCH}. */
   republishBatch?: number;
-  log?: IndexLog;
+  /** Where outages and re-registrations are logged (default: nowhere). */
+  log?: Logger;
   metrics?: IndexMetrics;
   /** Random bytes for incarnation ids. Default `crypto.getRandomValues`. */
   randomBytes?: (n: number) => Uint8Array;
@@ -152,7 +154,7 @@ export class RedisBlockIndex {
   readonly #heartbeatMs: number;
   readonly #batch: number;
   readonly #listSealed: () => Iterable<SealedBlock>;
-  readonly #log: IndexLog;
+  readonly #log: Logger;
   readonly #metrics: IndexMetrics | undefined;
   readonly #random: (n: number) => Uint8Array;
   readonly #avail: Availability;
@@ -188,7 +190,7 @@ export class RedisBlockIndex {
     }
     this.#batch = positive("republishBatch", opts.republishBatch ?? DEFAULT_REPUBLISH_BATCH);
     this.#listSealed = opts.listSealed;
-    this.#log = opts.log ?? (() => {});
+    this.#log = opts.log ?? new Logger("error", {}, () => {});
     this.#metrics = opts.metrics;
     this.#random = opts.randomBytes ?? ((n) => crypto.getRandomValues(new Uint8Array(n)));
     this.#incarnation = this.#newIncarnation();
@@ -447,7 +449,7 @@ export class RedisBlockIndex {
 
   /** Redis no longer has this node's registration in `ns`: re-join and re-advertise all. */
   #lost(ns: string): void {
-    this.#log("info", "this node's index registration was lost; re-advertising what it holds", {
+    this.#log.info("this node's index registration was lost; re-advertising what it holds", {
       namespace: ns,
       node: this.nodeId,
     });

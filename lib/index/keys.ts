@@ -27,11 +27,8 @@
 import { Buffer } from "node:buffer";
 import { createHash } from "node:crypto";
 import { IndexInputError } from "./errors.ts";
+import { MAX_HASH_BYTES, MAX_NAME_CHARS } from "../limits.ts";
 
-/** Longest accepted block hash: SHA-512 size; the engines send 8..32 bytes. */
-export const MAX_HASH_BYTES = 64;
-/** Longest namespace used in keys as it is; longer ones are digested (the store's are 16 hex chars). */
-export const MAX_NAMESPACE_CHARS = 128;
 /** Longest node id or advertise address (a hostname plus a port fits easily). */
 export const MAX_NODE_CHARS = 255;
 
@@ -70,7 +67,8 @@ export function namespaceTag(ns: string): string {
   checkNamespace(ns);
   let tag = tagCache.get(ns);
   if (tag !== undefined) return tag;
-  tag = ns.length <= MAX_NAMESPACE_CHARS && NAMESPACE_RE.test(ns)
+  // A namespace registration accepts is used in keys as it is; a longer one is digested.
+  tag = ns.length <= MAX_NAME_CHARS && NAMESPACE_RE.test(ns)
     ? ns
     : "~" + createHash("sha256").update(ns).digest("hex").slice(0, NAMESPACE_DIGEST_CHARS);
   if (tagCache.size >= TAG_CACHE_MAX) tagCache.clear();

@@ -24,7 +24,7 @@ import { type Backend, BackendPool } from "./backend_pool.ts";
 import type { RouterConfig } from "./config.ts";
 import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
 import type { HealthChecker } from "./health.ts";
-import { createLogger, type Logger } from "./log.ts";
+import { Logger } from "../log.ts";
 import { startHealthChecks, UPSTREAM_POOL_IDLE_MS } from "./server.ts";
 
 /** A worker that has not sent its metrics by then is left out of that scrape (and it fails). */
@@ -69,7 +69,7 @@ export async function startRouterCluster(
   config: RouterConfig,
   log?: Logger,
 ): Promise<ClusterHandle> {
-  const logger = log ?? createLogger(config.logLevel);
+  const logger = log ?? new Logger(config.logLevel);
   const prefill = new BackendPool("prefill", config.prefill);
   const decode = new BackendPool("decode", config.decode);
   const poolOf = (role: "prefill" | "decode") => role === "prefill" ? prefill : decode;

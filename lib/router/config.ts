@@ -1,6 +1,9 @@
 /**
- * Router configuration: the validated shape the server runs on, and the parsers that turn CLI
- * strings (or `PEGAFLOW_ROUTER_*` environment variables) into it.
+ * The router's command line: its flags (each also a `PEGAFLOW_ROUTER_*` environment variable),
+ * the validated shape the router runs on, and the parsers that turn the strings into it.
+ * `router.ts` only calls {@link parseRouterArgs} and starts the router, as `main.ts` does with the
+ * server's lib/server/config.ts: both build their program with lib/cli/command_line.ts
+ * (`newCommand`, `parseCommandLine`: --help exits 0, every usage error exits 2 naming the flag).
  *
  * Parsing lives here rather than in `router.ts` so every rule is unit-testable and so a bad value is
  * refused before anything listens, with an error that names the flag and what was expected.
@@ -8,8 +11,11 @@
  * @module
  */
 
-import type { LogLevel } from "./log.ts";
-import { LOG_LEVELS } from "./log.ts";
+import type { Command, Option } from "commander";
+import { newCommand, parseCommandLine, type ParsedArgs, usageExit } from "../cli/command_line.ts";
+import { envOption, parseSize } from "../cli/flags.ts";
+import type { LogLevel } from "../log.ts";
+import { LOG_LEVELS } from "../log.ts";
 
 /** Everything the router needs to run. Durations are milliseconds, sizes are bytes. */
 export interface RouterConfig {
@@ -46,6 +52,8 @@ export interface RouterConfig {
    * from the main thread alone.
    */
   workers: number;
+  /** `--workers auto` chose {@link RouterConfig.workers} (one thread is then an allowed fallback). */
+  workersAuto: boolean;
 }
 
 /** Defaults; each is the value a flag takes when neither it nor its env var is given. */
@@ -110,19 +118,6 @@ export class ConfigError extends Error {
 const MAX_PORT = 65535;
 const DURATION_RE = /^(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$/;
 const DURATION_UNIT_MS: Record<string, number> = { ms: 1, s: 1000, m: 60_000, h: 3_600_000 };
-const SIZE_RE = /^(\d+(?:\.\d+)?)\s*(b|kb|k|kib|mb|m|mib|gb|g|gib)?$/i;
-const SIZE_UNIT: Record<string, number> = {
-  b: 1,
-  k: 1024,
-  kb: 1024,
-  kib: 1024,
-  m: 1024 ** 2,
-  mb: 1024 ** 2,
-  mib: 1024 ** 2,
-  g: 1024 ** 3,
-  gb: 1024 ** 3,
-  gib: 1024 ** 3,
-};
 /** setTimeout cannot wait longer than 2^31-1 ms; a longer duration would fire at once. */
 const MAX_TIMER_MS = 2 ** 31 - 1;
 
@@ -182,13 +177,13 @@ export function parseDurationMs(flag: string, value: string): number {
  * ```
  */
 export function parseBytes(flag: string, value: string): number {
-  const m = SIZE_RE.exec(value.trim());
-  if (m === null) {
+  let bytes: number;
+  try {
+    bytes = parseSize(value);
+  } catch {
     throw new ConfigError(flag, `expected a size like 1048576, 512kb or 16mb, got '${value}'`);
   }
-  const bytes = Math.floor(Number(m[1]) * SIZE_UNIT[(m[2] ?? "b").toLowerCase()]);
   if (bytes <= 0) throw new ConfigError(flag, `must be greater than zero, got '${value}'`);
-  if (!Number.isSafeInteger(bytes)) throw new ConfigError(flag, `is too large: '${value}'`);
   return bytes;
 }
 
@@ -312,5 +307,137 @@ export function resolveConfig(raw: RawRouterOptions): RouterConfig {
     maxBodyBytes: parseBytes("--max-body", raw.maxBody),
     logLevel: parseLogLevel("--log-level", raw.logLevel),
     workers: parseWorkers("--workers", raw.workers),
+    workersAuto: raw.workers.trim().toLowerCase() === "auto",
   };
+}
+
+/** Repeatable flags accumulate; an env var may list several URLs separated by commas. */
+function collect(value: string, previous: string[] | undefined): string[] {
+  const items = value.split(",").map((s) => s.trim()).filter((s) => s !== "");
+  return [...(previous ?? []), ...items];
+}
+
+function opt(flags: string, description: string, env: string, fallback?: string): Option {
+  const o = envOption(flags, description, `ROUTER_${env}`);
+  return fallback === undefined ? o : o.default(fallback);
+}
+
+/** The commander program for `deno task router` (exported for --help tests). */
+export function routerCommand(): Command {
+  return newCommand(
+    "router",
+    "PegaFlow P/D router: an OpenAI-compatible HTTP front that sends each request to a prefill " +
+      "backend (max_tokens=1) and then to a decode backend, relaying the decode answer.",
+  )
+    .addOption(opt("--host <host>", "interface to listen on", "HOST", DEFAULTS.host))
+    .addOption(opt("--port <port>", "port to listen on (0 = any free port)", "PORT", DEFAULTS.port))
+    .addOption(
+      opt(
+        "--prefill <url>",
+        "prefill backend base URL (repeatable; env: comma-separated)",
+        "PREFILL",
+      )
+        .argParser(collect),
+    )
+    .addOption(
+      opt("--decode <url>", "decode backend base URL (repeatable; env: comma-separated)", "DECODE")
+        .argParser(collect),
+    )
+    .addOption(
+      opt(
+        "--prefill-timeout <duration>",
+        "deadline of one prefill request (e.g. 500ms, 30s)",
+        "PREFILL_TIMEOUT",
+        DEFAULTS.prefillTimeout,
+      ),
+    )
+    .addOption(
+      opt(
+        "--decode-timeout <duration>",
+        "deadline for the decode backend's response headers",
+        "DECODE_TIMEOUT",
+        DEFAULTS.decodeTimeout,
+      ),
+    )
+    .addOption(
+      opt(
+        "--stream-idle-timeout <duration>",
+        "longest silence allowed between decode body chunks, or 'off' (setting it makes the router inspect every chunk)",
+        "STREAM_IDLE_TIMEOUT",
+        DEFAULTS.streamIdleTimeout,
+      ),
+    )
+    .addOption(
+      opt(
+        "--health-interval <duration>",
+        "period of backend health checks",
+        "HEALTH_INTERVAL",
+        DEFAULTS.healthInterval,
+      ),
+    )
+    .addOption(
+      opt(
+        "--health-timeout <duration>",
+        "deadline of one health check",
+        "HEALTH_TIMEOUT",
+        DEFAULTS.healthTimeout,
+      ),
+    )
+    .addOption(
+      opt(
+        "--health-path <path>",
+        "path probed by health checks (/health, or /v1/models)",
+        "HEALTH_PATH",
+        DEFAULTS.healthPath,
+      ),
+    )
+    .addOption(
+      opt(
+        "--max-body <size>",
+        "largest accepted request body (e.g. 1048576, 512kb, 16mb)",
+        "MAX_BODY",
+        DEFAULTS.maxBody,
+      ),
+    )
+    .addOption(
+      opt("--log-level <level>", "error | warn | info | debug", "LOG_LEVEL", DEFAULTS.logLevel),
+    )
+    .addOption(
+      opt(
+        "--workers <n>",
+        "threads serving the port (SO_REUSEPORT); auto = min(4, CPU cores); 1 = the main thread only",
+        "WORKERS",
+        DEFAULTS.workers,
+      ),
+    );
+}
+
+/**
+ * Parses argv (without the program name) and the `PEGAFLOW_ROUTER_*` environment into a
+ * validated {@link RouterConfig}. Never starts anything and never exits: `--help` yields
+ * `{kind: "exit", code: 0}`, a bad flag or value `{kind: "exit", code: 2}` naming the flag.
+ *
+ * @example
+ * ```ts
+ * const r = parseRouterArgs(["--prefill", "http://p:8000", "--decode", "http://d:8001"]);
+ * if (r.kind === "config") console.log(r.config.port); // 8080
+ * ```
+ */
+export function parseRouterArgs(argv: string[]): ParsedArgs<RouterConfig> {
+  const cmd = routerCommand();
+  const parsed = parseCommandLine(cmd, argv);
+  if (parsed.kind === "exit") return parsed;
+  const raw = cmd.opts<Partial<RawRouterOptions>>();
+  try {
+    const config = resolveConfig({
+      ...DEFAULTS,
+      ...raw,
+      prefill: raw.prefill ?? [],
+      decode: raw.decode ?? [],
+    } as RawRouterOptions);
+    return { kind: "config", config };
+  } catch (e) {
+    if (!(e instanceof ConfigError)) throw e;
+    return usageExit(e.message);
+  }
 }

@@ -11,7 +11,7 @@
  */
 
 import type { Backend, BackendPool } from "./backend_pool.ts";
-import type { Logger } from "./log.ts";
+import type { Logger } from "../log.ts";
 
 /** Settings of the health checker. */
 export interface HealthCheckOptions {

@@ -16,13 +16,17 @@
  * generation is duplicated; once D has answered, nothing is retried. A P error that is not
  * transient (4xx, 500) is the client's answer as it stands, and D is not called.
  *
+ * Both phases run through one helper, `withOneRetry`: a phase's attempt says "done" or "retry"
+ * (with whether the same backend may take the retry); the helper owns picking, the one-retry
+ * bound, the retry metric and log line, and the error when no retry is left.
+ *
  * @module
  */
 
 import type { Backend, BackendPool, Role } from "./backend_pool.ts";
 import { RouterError } from "./errors.ts";
 import { describeError } from "./health.ts";
-import type { Logger } from "./log.ts";
+import type { Logger } from "../log.ts";
 import type { RouterMetrics } from "./metrics.ts";
 import type { GenerationRequest, JsonObject } from "./validate.ts";
 import { classifyNetworkError, TRANSIENT_STATUSES, UpstreamLink } from "./upstream.ts";
@@ -122,6 +126,60 @@ type Attempt =
   | { kind: "timeout" }
   | { kind: "network"; failure: "connect" | "network"; message: string };
 
+/** One attempt's verdict, for {@link withOneRetry}. */
+type Tried<T> =
+  | { kind: "done"; value: T }
+  | {
+    kind: "retry";
+    /** Metric label (`http_503`, `connect`, `network`). */
+    reason: string;
+    /** What went wrong, for the log line and the final error. */
+    detail: string;
+    /** Whether the same backend may take the retry when no other one is left. */
+    sameBackend: boolean;
+    /** The error the client gets when the retry is not possible or also failed. */
+    giveUp: (attempts: number) => RouterError;
+  };
+
+/** Attempts per request and phase: the first one and one retry. */
+const MAX_ATTEMPTS = 2;
+
+/**
+ * The retry rule both phases share: run `attempt` on a backend picked from `pool`; when it asks
+ * for a retry, and it was the first attempt, run it once more on a backend not tried yet — or on
+ * the same one, when the attempt allows it and the backend is still in service — counting the
+ * retry and logging it. Otherwise the attempt's own error is thrown.
+ */
+async function withOneRetry<T>(
+  role: Role,
+  pool: BackendPool,
+  deps: FlowDeps,
+  ctx: FlowContext,
+  attempt: (backend: Backend) => Promise<Tried<T>>,
+): Promise<T> {
+  const tried = new Set<Backend>();
+  const firstPick = pool.pick();
+  if (firstPick === undefined) throw noBackend(role, pool);
+  let backend: Backend = firstPick;
+  for (let n = 1;; n++) {
+    tried.add(backend);
+    const out = await attempt(backend);
+    if (out.kind === "done") return out.value;
+    const next: Backend | undefined = n < MAX_ATTEMPTS
+      ? pool.pick(tried) ?? (out.sameBackend && backend.healthy ? backend : undefined)
+      : undefined;
+    if (next === undefined) throw out.giveUp(n);
+    deps.metrics.retries.inc({ role, reason: out.reason });
+    deps.log.warn(`retrying ${role}`, {
+      request_id: ctx.requestId,
+      failed: backend.url,
+      next: next.url,
+      reason: out.detail,
+    });
+    backend = next;
+  }
+}
+
 /**
  * Runs the prefill phase with its one retry. Throws {@link RouterError} when no P can serve and
  * {@link ClientGone} when the client left.
@@ -131,21 +189,23 @@ export async function runPrefill(
   req: GenerationRequest,
   ctx: FlowContext,
 ): Promise<PrefillResult> {
-  const { prefill: pool, metrics, log } = deps;
+  const { prefill: pool, metrics } = deps;
   const body = JSON.stringify(prefillBody(req.body));
-  const tried = new Set<Backend>();
-  const firstPick = pool.pick();
-  if (firstPick === undefined) throw noBackend("prefill", pool);
-  let backend: Backend = firstPick;
-  for (let attempt = 0;; attempt++) {
-    tried.add(backend);
+  return await withOneRetry<PrefillResult>("prefill", pool, deps, ctx, async (backend) => {
     const out = await prefillAttempt(deps, backend, req.route, body, ctx);
     if (out.kind === "http" && out.status >= 200 && out.status < 300) {
-      return { kind: "ok", kvTransferParams: readKvParams(out.text, backend), backend };
+      const kvTransferParams = readKvParams(out.text, backend);
+      return { kind: "done", value: { kind: "ok", kvTransferParams, backend } };
     }
     if (out.kind === "http" && !TRANSIENT_STATUSES.has(out.status)) {
       metrics.upstreamFailures.inc({ role: "prefill", reason: `http_${out.status}` });
-      return { kind: "refused", status: out.status, body: out.text, contentType: out.contentType };
+      const refused: PrefillResult = {
+        kind: "refused",
+        status: out.status,
+        body: out.text,
+        contentType: out.contentType,
+      };
+      return { kind: "done", value: refused };
     }
     if (out.kind === "timeout") {
       metrics.upstreamFailures.inc({ role: "prefill", reason: "timeout" });
@@ -164,29 +224,23 @@ export async function runPrefill(
     if (out.kind === "network" && out.failure === "connect") {
       pool.markDown(backend, `connection failed: ${out.message}`);
     }
-    const next: Backend | undefined = attempt === 0
-      ? pool.pick(tried) ?? (backend.healthy ? backend : undefined)
-      : undefined;
-    if (next === undefined) {
-      const status = out.kind === "http" ? out.status : 502;
-      throw new RouterError(
-        status,
-        "server_error",
-        `prefill failed on ${backend.url} after ${attempt + 1} attempt(s) (request ` +
-          `${ctx.requestId}): ${detail}`,
-        null,
-        "prefill_unavailable",
-      );
-    }
-    metrics.retries.inc({ role: "prefill", reason });
-    log.warn("retrying prefill", {
-      request_id: ctx.requestId,
-      failed: backend.url,
-      next: next.url,
-      reason: detail,
-    });
-    backend = next;
-  }
+    return {
+      kind: "retry",
+      reason,
+      detail,
+      // A connection failure marked the backend down, so `healthy` rules it out here.
+      sameBackend: true,
+      giveUp: (attempts) =>
+        new RouterError(
+          out.kind === "http" ? out.status : 502,
+          "server_error",
+          `prefill failed on ${backend.url} after ${attempts} attempt(s) (request ` +
+            `${ctx.requestId}): ${detail}`,
+          null,
+          "prefill_unavailable",
+        ),
+    };
+  });
 }
 
 async function prefillAttempt(
@@ -260,16 +314,11 @@ export async function runDecode(
   ctx: FlowContext,
   onEnd: (status: number, outcome: RelayOutcome) => void,
 ): Promise<Response> {
-  const { decode: pool, metrics, log } = deps;
+  const { decode: pool, metrics } = deps;
   const body: Uint8Array<ArrayBuffer> = kvTransferParams === undefined
     ? req.raw
     : encoder.encode(JSON.stringify({ ...req.body, kv_transfer_params: kvTransferParams }));
-  const tried = new Set<Backend>();
-  const firstPick = pool.pick();
-  if (firstPick === undefined) throw noBackend("decode", pool);
-  let backend: Backend = firstPick;
-  for (let attempt = 0;; attempt++) {
-    tried.add(backend);
+  return await withOneRetry<Response>("decode", pool, deps, ctx, async (backend) => {
     pool.acquire(backend);
     const link = new UpstreamLink(ctx.signal, deps.decodeTimeoutMs);
     const t0 = performance.now();
@@ -301,29 +350,22 @@ export async function runDecode(
       metrics.upstreamFailures.inc({ role: "decode", reason: failure });
       const message = describeError(e);
       if (failure === "connect") pool.markDown(backend, `connection failed: ${message}`);
-      const next: Backend | undefined = attempt > 0
-        ? undefined
-        : failure === "connect"
-        ? pool.pick(tried)
-        : pool.pick(tried) ?? (backend.healthy ? backend : undefined);
-      if (next === undefined) {
-        throw new RouterError(
-          502,
-          "server_error",
-          `decode failed on ${backend.url} (request ${ctx.requestId}): ${message}`,
-          null,
-          "decode_unavailable",
-        );
-      }
-      metrics.retries.inc({ role: "decode", reason: failure });
-      log.warn("retrying decode", {
-        request_id: ctx.requestId,
-        failed: backend.url,
-        next: next.url,
-        reason: message,
-      });
-      backend = next;
-      continue;
+      return {
+        kind: "retry",
+        reason: failure,
+        detail: message,
+        // Refused: the request never reached D, another D takes it. Closed/reset: D had
+        // likely just closed a keep-alive connection; the same D on a new one will do.
+        sameBackend: failure !== "connect",
+        giveUp: () =>
+          new RouterError(
+            502,
+            "server_error",
+            `decode failed on ${backend.url} (request ${ctx.requestId}): ${message}`,
+            null,
+            "decode_unavailable",
+          ),
+      };
     }
     link.clearDeadline();
     const headers = relayHeaders(res.headers, ctx.requestId);
@@ -331,8 +373,8 @@ export async function runDecode(
     const stream = deps.streamIdleTimeoutMs === null
       ? pipeBody(deps, res, backend, link, t0, ctx, done)
       : relayBody(deps, res, backend, link, t0, ctx, deps.streamIdleTimeoutMs, done);
-    return new Response(stream, { status: res.status, headers });
-  }
+    return { kind: "done", value: new Response(stream, { status: res.status, headers }) };
+  });
 }
 
 /** Headers that describe one hop's connection, or that the relay changes, and are not copied. */

@@ -14,7 +14,7 @@ import { BackendPool } from "./backend_pool.ts";
 import type { RouterConfig } from "./config.ts";
 import { errorResponse, RouterError } from "./errors.ts";
 import { describeError, HealthChecker } from "./health.ts";
-import { createLogger, type Logger } from "./log.ts";
+import { Logger } from "../log.ts";
 import { RouterMetrics } from "./metrics.ts";
 import { checkCapacity, ClientGone, type FlowDeps, runDecode, runPrefill } from "./pd_flow.ts";
 import {
@@ -88,7 +88,7 @@ export async function startRouter(
   log?: Logger,
   worker?: WorkerMembership,
 ): Promise<RouterHandle> {
-  const logger = log ?? createLogger(config.logLevel);
+  const logger = log ?? new Logger(config.logLevel);
   const prefill = new BackendPool("prefill", config.prefill, worker?.prefillState);
   const decode = new BackendPool("decode", config.decode, worker?.decodeState);
   const metrics = new RouterMetrics([prefill, decode]);

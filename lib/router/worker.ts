@@ -11,7 +11,7 @@
 
 import type { BackendPool } from "./backend_pool.ts";
 import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
-import { createLogger } from "./log.ts";
+import { Logger } from "../log.ts";
 import { type RouterHandle, startRouter } from "./server.ts";
 
 const post = (m: FromWorker) => self.postMessage(m);
@@ -37,7 +37,7 @@ self.onmessage = async (ev: MessageEvent<ToWorker>) => {
   const m = ev.data;
   switch (m.type) {
     case "start": {
-      const log = createLogger(m.config.logLevel, undefined, { worker: m.worker });
+      const log = new Logger(m.config.logLevel, { worker: m.worker });
       try {
         router = await startRouter(m.config, log, {
           prefillState: m.prefillState,

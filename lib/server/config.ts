@@ -6,12 +6,14 @@
  *
  * @module
  */
-import { Command, InvalidArgumentError } from "commander";
-import { type CommandLineResult, parseCommandLine } from "../cli/command_line.ts";
+import { type Command, InvalidArgumentError } from "commander";
+import { newCommand, parseCommandLine, type ParsedArgs } from "../cli/command_line.ts";
 import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
 import { type IndexConfig, indexConfigFrom, indexOptions } from "../index/flags.ts";
+import { TRANSFER_PATH_FLAGS, type TransferPathFlag } from "../copy_path.ts";
+import { defaultCalibrationFile } from "../copy_calibration.ts";
 import { MAX_UDS_PATH_BYTES } from "./uds.ts";
 
 /** The size parser behind --pool-size and friends (it lives in lib/cli/flags.ts). */
@@ -41,7 +43,12 @@ export interface ServeConfig {
   /** Period of the pool-creation progress log lines, ms. */
   poolProgressMs: number;
   enableLfuAdmission: boolean;
-  transferPath: "auto" | "kernel" | "dma";
+  /** `auto` = per batch from the calibration (lib/copy_path.ts); else forced. */
+  transferPath: TransferPathFlag;
+  /** Calibration cache (lib/copy_calibration.ts); undefined = measure every start. */
+  calibrationFile: string | undefined;
+  /** Measure at start-up even when the cache has this device. */
+  recalibrate: boolean;
   logLevel: LogLevel;
   /** Lease lifetime in ms (a query's pins expire after this). */
   leaseTtlMs: number;
@@ -124,8 +131,10 @@ function intArg(what: string, min: number) {
 
 /** The commander program for `deno task serve` (exported for --help tests). */
 export function serveCommand(): Command {
-  const cmd = new Command("pegaflow-serve")
-    .description("PegaFlow KV server: stores inference engines' KV blocks in pinned host memory")
+  const cmd = newCommand(
+    "pegaflow-serve",
+    "PegaFlow KV server: stores inference engines' KV blocks in pinned host memory",
+  )
     .addOption(
       envOption("--addr <host:port>", "gRPC listen address (port 0: any free port)", "ADDR")
         .default(DEFAULT_ADDR).argParser(addrArg),
@@ -194,10 +203,31 @@ export function serveCommand(): Command {
     .addOption(
       envOption(
         "--transfer-path <path>",
-        "copy path: auto (calibrated), kernel or dma",
+        "cuda copy path: auto = chosen per batch from its mean segment size and the " +
+          "device's calibration (measured at start-up or read from --calibration-file); " +
+          "kernel or dma (batch DMA where the driver has it) force one path. " +
+          "The host backend always copies with memcpy",
         "TRANSFER_PATH",
       )
-        .default("auto").argParser(choiceArg(["auto", "kernel", "dma"] as const)),
+        .default("auto").argParser(choiceArg(TRANSFER_PATH_FLAGS)),
+    )
+    .addOption(
+      envOption(
+        "--calibration-file <path>",
+        "cache of the copy-path calibration, keyed by GPU name + driver + ABI " +
+          "(none: measure at every start)",
+        "CALIBRATION_FILE",
+      )
+        .default(defaultCalibrationFile((n) => Deno.env.get(n)) ?? "none")
+        .argParser((v: string) => v.trim() === "" ? "none" : v),
+    )
+    .addOption(
+      envOption(
+        "--recalibrate [bool]",
+        "measure the copy paths at start-up even when the cache has this GPU",
+        "RECALIBRATE",
+      )
+        .default(false).preset(true).argParser(boolArg),
     )
     .addOption(
       envOption("--log-level <level>", "debug, info, warn or error", "LOG_LEVEL")
@@ -219,17 +249,14 @@ export function serveCommand(): Command {
         "GOAWAY_GUARD",
       )
         .default(true).preset(true).argParser(boolArg),
-    )
-    .allowExcessArguments(false);
+    );
   for (const o of ssdOptions()) cmd.addOption(o);
   for (const o of indexOptions()) cmd.addOption(o);
   return cmd;
 }
 
 /** The result of parsing: a config to start, or text to print and an exit code. */
-export type ParseResult =
-  | { kind: "config"; config: ServeConfig }
-  | Extract<CommandLineResult, { kind: "exit" }>;
+export type ParseResult = ParsedArgs<ServeConfig>;
 
 /**
  * Parses argv (without the program name) and the `PEGAFLOW_*` environment.
@@ -262,6 +289,8 @@ export function parseServeArgs(argv: string[]): ParseResult {
       poolProgressMs: o.poolProgressMs,
       enableLfuAdmission: o.enableLfuAdmission,
       transferPath: o.transferPath,
+      calibrationFile: o.calibrationFile === "none" ? undefined : o.calibrationFile,
+      recalibrate: o.recalibrate,
       logLevel: o.logLevel,
       leaseTtlMs: o.leaseTtlMs,
       maxMessageBytes: o.maxMessageSize,

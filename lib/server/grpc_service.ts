@@ -38,7 +38,8 @@ import {
 import { type KvEngine, PROTOCOL_VERSION } from "../engine/engine.ts";
 import type { Logger } from "../log.ts";
 import type { ServerMetrics } from "./metrics.ts";
-import { LEASE_ID_BYTES } from "../storage/lease.ts";
+import { LEASE_ID_BYTES, MAX_PARALLEL } from "../limits.ts";
+import { rankIndex, rankOutOfRange } from "../engine/rank.ts";
 import { undecodableReason } from "./decode.ts";
 
 type Unary<Req, Res> = grpc.handleUnaryCall<Req, Res>;
@@ -268,8 +269,23 @@ export function engineServiceImpl(
         return;
       }
       const { instanceId, tpRank, ppRank } = call.request;
+      const outOfRange = rankOutOfRange(tpRank, ppRank);
+      if (outOfRange !== undefined) {
+        metrics.rpc("Session", "INVALID_ARGUMENT", 0);
+        log.info("rpc refused", {
+          method: "Session",
+          code: "INVALID_ARGUMENT",
+          instance: instanceId,
+          error: outOfRange,
+        });
+        call.emit("error", {
+          code: grpc.status.INVALID_ARGUMENT,
+          details: `Session: instance "${instanceId}": ${outOfRange}`,
+        });
+        return;
+      }
       const t0 = performance.now();
-      const rank = ppRank * 65536 + tpRank;
+      const rank = rankIndex(tpRank, ppRank, MAX_PARALLEL);
       const old = sessions.add(instanceId, rank, call);
       if (old) {
         old.write({

@@ -116,6 +116,8 @@ export async function startServer(
     poolBytes: cap.bytes,
     useHugepages: cfg.useHugepages,
     transferPath: cfg.transferPath,
+    calibrationFile: cfg.calibrationFile,
+    recalibrate: cfg.recalibrate,
     poolProgressMs: cfg.poolProgressMs,
   }, log);
   log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
@@ -153,7 +155,7 @@ export async function startServer(
         ...cfg.ssd,
         pool: native.copyEngine.pool.handle,
         ring: native.copyEngine.ring,
-        log: (level, msg) => log[level](msg, { tier: "ssd" }),
+        log: log.child({ tier: "ssd" }),
       });
       registerSsdMetrics(metrics.registry, () => ssd!.stats());
       log.info("SSD tier ready", {
@@ -173,9 +175,7 @@ export async function startServer(
       log.error("SSD tier disabled", { error: e.message });
     }
   }
-  const bridge = ssd
-    ? new SsdKvBridge(ssd, store, (level, msg) => log[level](msg, { tier: "ssd" }))
-    : undefined;
+  const bridge = ssd ? new SsdKvBridge(ssd, store, log.child({ tier: "ssd" })) : undefined;
   const engine = new KvEngine({
     native,
     store,

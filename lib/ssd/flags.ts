@@ -6,8 +6,8 @@
  */
 
 import { InvalidArgumentError, type Option } from "commander";
-import { boolArg, envOption, sizeArg } from "../cli/flags.ts";
-import { DEFAULT_SEGMENT_BYTES, DEFAULT_SSD_CAPACITY } from "./tier.ts";
+import { boolArg, envOption, formatSize, sizeArg } from "../cli/flags.ts";
+import { DEFAULT_SEGMENT_BYTES, DEFAULT_SSD_CAPACITY, SSD_QUEUE_DEFAULTS } from "./tier.ts";
 
 /** The SSD part of the server's configuration. */
 export interface SsdConfig {
@@ -62,7 +62,7 @@ export function ssdOptions(): Option[] {
       "SSD cache size over all paths; capped to free space",
       "SSD_CACHE_CAPACITY",
     )
-      .default(DEFAULT_SSD_CAPACITY, "512gb").argParser(
+      .default(DEFAULT_SSD_CAPACITY, formatSize(DEFAULT_SSD_CAPACITY)).argParser(
         sizeArg("--ssd-cache-capacity", 2 * DEFAULT_SEGMENT_BYTES),
       ),
     envOption(
@@ -76,29 +76,36 @@ export function ssdOptions(): Option[] {
       "write-behind batches waiting (full: newest dropped)",
       "SSD_WRITE_QUEUE_DEPTH",
     )
-      .default(64).argParser(positiveInt("--ssd-write-queue-depth")),
+      .default(SSD_QUEUE_DEFAULTS.writeQueueDepth).argParser(
+        positiveInt("--ssd-write-queue-depth"),
+      ),
     envOption("--ssd-write-inflight <n>", "write-behind batches in flight", "SSD_WRITE_INFLIGHT")
-      .default(4).argParser(positiveInt("--ssd-write-inflight")),
+      .default(SSD_QUEUE_DEFAULTS.writeInflight).argParser(positiveInt("--ssd-write-inflight")),
     envOption(
       "--ssd-prefetch-queue-depth <n>",
       "prefetches waiting (full: answered as a miss)",
       "SSD_PREFETCH_QUEUE_DEPTH",
     )
-      .default(256).argParser(positiveInt("--ssd-prefetch-queue-depth")),
+      .default(SSD_QUEUE_DEFAULTS.prefetchQueueDepth)
+      .argParser(positiveInt("--ssd-prefetch-queue-depth")),
     envOption("--ssd-prefetch-inflight <n>", "prefetch reads in flight", "SSD_PREFETCH_INFLIGHT")
-      .default(8).argParser(positiveInt("--ssd-prefetch-inflight")),
+      .default(SSD_QUEUE_DEFAULTS.prefetchInflight)
+      .argParser(positiveInt("--ssd-prefetch-inflight")),
     envOption(
       "--max-prefetch-blocks <n>",
       "blocks being read from SSD by prefetches at once",
       "MAX_PREFETCH_BLOCKS",
     )
-      .default(4096).argParser(positiveInt("--max-prefetch-blocks")),
+      .default(SSD_QUEUE_DEFAULTS.maxPrefetchBlocks)
+      .argParser(positiveInt("--max-prefetch-blocks")),
     envOption(
       "--ssd-segment-size <size>",
       "SSD segment (reuse unit; ≥ the largest block)",
       "SSD_SEGMENT_SIZE",
     )
-      .default(DEFAULT_SEGMENT_BYTES, "64mb").argParser(sizeArg("--ssd-segment-size", 8192)),
+      .default(DEFAULT_SEGMENT_BYTES, formatSize(DEFAULT_SEGMENT_BYTES)).argParser(
+        sizeArg("--ssd-segment-size", 8192),
+      ),
   ];
 }
 

@@ -29,7 +29,8 @@ import { blockKey } from "../storage/keys.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
 import { blockLayoutIdentity, type LayoutIdentity } from "../storage/layout.ts";
 import type { PoolExtent } from "./io.ts";
-import type { PrefetchAllocation, SsdLog, SsdTier, SsdWriteBlock, StoredLayout } from "./tier.ts";
+import type { PrefetchAllocation, SsdTier, SsdWriteBlock, StoredLayout } from "./tier.ts";
+import type { Logger } from "../log.ts";
 
 /** Requester name of the tier's transfer locks (shows in store diagnostics). */
 export const SSD_WRITER = "ssd-write-behind";
@@ -67,7 +68,7 @@ export class SsdKvBridge {
   constructor(
     readonly tier: SsdTier,
     readonly store: KvStore,
-    readonly log: SsdLog,
+    readonly log: Logger,
   ) {}
 
   /** Offers freshly sealed blocks for write-behind; never waits. */
@@ -136,11 +137,12 @@ export class SsdKvBridge {
       for (const w of wanted) {
         if (w.payloadBytes !== blockBytes) {
           // The layout fingerprint matched, so this is a damaged index entry: never read it.
-          this.log(
-            "warn",
-            `SSD block ${w.key} holds ${w.payloadBytes} bytes; namespace ${namespace} ` +
-              `blocks are ${blockBytes}: not fetched`,
-          );
+          this.log.warn("SSD block size differs from its namespace's blocks: not fetched", {
+            block: w.key,
+            namespace,
+            bytes: w.payloadBytes,
+            expected_bytes: blockBytes,
+          });
           break;
         }
         const alloc = this.#plan(

@@ -53,6 +53,7 @@ import { type Segment, SegmentRing } from "./space.ts";
 import type { LayoutIdentity } from "../storage/layout.ts";
 import type { StoredLayout } from "./index.ts";
 import { lockCacheFile, SsdLockedError } from "./file_lock.ts";
+import { Logger } from "../log.ts";
 
 export { SsdLockedError };
 export type { StoredLayout };
@@ -63,6 +64,17 @@ const GIB = 1024 ** 3;
 export const DEFAULT_SSD_CAPACITY = 512 * GIB;
 /** Default segment: large enough for sequential writes, small enough that reuse drops little. */
 export const DEFAULT_SEGMENT_BYTES = 64 * 1024 ** 2;
+/**
+ * Queue depths and in-flight bounds when the caller gives none; also the
+ * defaults of the matching `--ssd-*` flags (lib/ssd/flags.ts).
+ */
+export const SSD_QUEUE_DEFAULTS = {
+  writeQueueDepth: 64,
+  writeInflight: 4,
+  prefetchQueueDepth: 256,
+  prefetchInflight: 8,
+  maxPrefetchBlocks: 4096,
+} as const;
 /** File created inside a directory given as a cache path. */
 export const CACHE_FILE_NAME = "pegaflow-ssd.cache";
 /** Free space left to the filesystem when capping capacity (metadata, other users). */
@@ -79,9 +91,6 @@ const DEFAULT_RECOVERY_PROGRESS_MS = 5_000;
 const EXPIRY_SWEEP_MS = 1_000;
 /** Throughput gauges are exponentially weighted over batches with this weight for the newest. */
 const THROUGHPUT_EWMA_WEIGHT = 0.2;
-
-/** Log sink: the server passes its logger; the default writes to stderr. */
-export type SsdLog = (level: "info" | "warn" | "error", message: string) => void;
 
 /** The completion ring the tier posts to (ffi/ring.ts `CompletionRing` fits). */
 export interface SsdRing {
@@ -123,7 +132,8 @@ export interface SsdTierOptions {
   prefetchTtlMs?: number;
   /** Index rebuild progress is logged this often (0: every scan round). */
   recoveryProgressMs?: number;
-  log?: SsdLog;
+  /** The server's logger (a child with `tier: "ssd"`); default: stderr at info. */
+  log?: Logger;
 }
 
 /**
@@ -279,7 +289,10 @@ export class SsdOpenError extends Error {
   }
 }
 
-const defaultLog: SsdLog = (level, message) => console.error(`[ssd] ${level}: ${message}`);
+/** Where the tier logs when the caller passes no logger. */
+function defaultLog(): Logger {
+  return new Logger("info", { tier: "ssd" });
+}
 
 function isDirectory(path: string): boolean {
   try {
@@ -349,7 +362,7 @@ export class SsdTier {
   readonly #io: SsdIo;
   readonly #ring: SegmentRing;
   readonly #index: SsdIndex;
-  readonly #log: SsdLog;
+  readonly #log: Logger;
   readonly #opts: ResolvedOptions;
   readonly #writes: Stage<WriteJob, void>;
   readonly #prefetches: Stage<PrefetchJob, void>;
@@ -390,7 +403,7 @@ export class SsdTier {
     index: SsdIndex,
     recovery: RecoveryReport,
     opts: ResolvedOptions,
-    log: SsdLog,
+    log: Logger,
   ) {
     this.#io = io;
     this.files = files;
@@ -427,16 +440,16 @@ export class SsdTier {
    * @throws SsdOpenError when no path is usable, with every path's reason.
    */
   static async open(options: SsdTierOptions): Promise<SsdTier> {
-    const log = options.log ?? defaultLog;
+    const log = options.log ?? defaultLog();
     const opts = {
       pool: options.pool,
       capacityBytes: options.capacityBytes ?? DEFAULT_SSD_CAPACITY,
       segmentBytes: options.segmentBytes ?? DEFAULT_SEGMENT_BYTES,
-      writeQueueDepth: options.writeQueueDepth ?? 64,
-      writeInflight: options.writeInflight ?? 4,
-      prefetchQueueDepth: options.prefetchQueueDepth ?? 256,
-      prefetchInflight: options.prefetchInflight ?? 8,
-      maxPrefetchBlocks: options.maxPrefetchBlocks ?? 4096,
+      writeQueueDepth: options.writeQueueDepth ?? SSD_QUEUE_DEFAULTS.writeQueueDepth,
+      writeInflight: options.writeInflight ?? SSD_QUEUE_DEFAULTS.writeInflight,
+      prefetchQueueDepth: options.prefetchQueueDepth ?? SSD_QUEUE_DEFAULTS.prefetchQueueDepth,
+      prefetchInflight: options.prefetchInflight ?? SSD_QUEUE_DEFAULTS.prefetchInflight,
+      maxPrefetchBlocks: options.maxPrefetchBlocks ?? SSD_QUEUE_DEFAULTS.maxPrefetchBlocks,
       ioDepth: options.ioDepth ?? DEFAULT_IO_DEPTH,
       hdrPages: options.hdrPages ?? DEFAULT_HDR_PAGES,
       direct: options.direct ?? true,
@@ -478,29 +491,42 @@ export class SsdTier {
         generation: f.generation,
       }));
       const capacity = files.reduce((n, f) => n + f.segments * opts.segmentBytes, 0);
-      log(
-        "info",
-        `rebuilding the SSD index: ${ring.segments.length} segments (${capacity} bytes) in ` +
-          `${files.length} file(s)`,
-      );
+      log.info("rebuilding the SSD index", {
+        segments: ring.segments.length,
+        capacity_bytes: capacity,
+        files: files.length,
+      });
       const report = await recoverIndex(io, rfiles, ring, index, opts.hdrPages, {
         intervalMs: opts.recoveryProgressMs,
+        // The one line an operator watches during a long scan: a sentence with the counts,
+        // and the same counts as fields.
         report: (p, final) =>
-          log(
-            "info",
+          log.info(
             `SSD index rebuild${final ? " done" : ""}: ${p.segmentsDone}/${p.segmentsTotal} ` +
               `segments, ${p.bytesScanned}/${p.bytesTotal} bytes scanned, ${p.records} records ` +
               `indexed from ${p.headersRead} header reads, ${p.elapsedMs} ms elapsed`,
+            {
+              done: final,
+              segments_done: p.segmentsDone,
+              segments_total: p.segmentsTotal,
+              bytes_scanned: p.bytesScanned,
+              bytes_total: p.bytesTotal,
+              records: p.records,
+              header_reads: p.headersRead,
+              elapsed_ms: p.elapsedMs,
+            },
           ),
       });
       ring.resume(report.maxSeq + 1);
       const tier = new SsdTier(io, files, ring, index, report, opts, log);
-      log(
-        "info",
-        `recovered ${report.blocks} blocks (${report.bytes} bytes) from ${files.length} file(s) ` +
-          `with ${report.headerReads} header reads; ${report.stoppedOnBadHeader} chains ended on a ` +
-          `bad header, ${report.truncated} truncated records dropped`,
-      );
+      log.info("SSD index recovered", {
+        blocks: report.blocks,
+        bytes: report.bytes,
+        files: files.length,
+        header_reads: report.headerReads,
+        chains_ended_on_bad_header: report.stoppedOnBadHeader,
+        truncated_records_dropped: report.truncated,
+      });
       return tier;
     } catch (e) {
       io.dispose();
@@ -516,7 +542,7 @@ export class SsdTier {
     locks: Map<string, Deno.FsFile | Error>,
     opts: { capacityBytes: number; segmentBytes: number; direct: boolean },
     reset: boolean,
-    log: SsdLog,
+    log: Logger,
   ): Promise<CacheFile[]> {
     const files: CacheFile[] = [];
     const problems: string[] = [];
@@ -531,10 +557,11 @@ export class SsdTier {
         );
         let cap = share;
         if (cap > usable) {
-          log(
-            "info",
-            `${path}: capacity ${share} bytes capped to ${usable} (free space of its filesystem)`,
-          );
+          log.info("SSD cache capacity capped to the free space of its filesystem", {
+            path,
+            asked_bytes: share,
+            capped_bytes: usable,
+          });
           cap = usable;
         }
         const segments = Math.floor((cap - PAGE_BYTES) / opts.segmentBytes);
@@ -544,7 +571,7 @@ export class SsdTier {
         handle = uring.openFile(path, FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0));
         const info = uring.fileInfo(handle);
         if (opts.direct && !info.direct) {
-          log("warn", `${path}: the filesystem refused O_DIRECT; running through the page cache`);
+          log.warn("the filesystem refused O_DIRECT; running through the page cache", { path });
         }
         const size = PAGE_BYTES + segments * opts.segmentBytes;
         let generation = 0;
@@ -552,21 +579,22 @@ export class SsdTier {
           const sb = await SsdTier.#readSuper(io, handle);
           if (typeof sb === "string") {
             // An older format is never misread: its records are dropped with the generation.
-            log("warn", `${path}: ${sb}; its records are not read: starting this file empty`);
+            log.warn("SSD cache file not read: starting this file empty", { path, problem: sb });
           } else if (sb.segmentBytes !== opts.segmentBytes) {
-            log(
-              "warn",
-              `${path}: written with ${sb.segmentBytes}-byte segments, now ${opts.segmentBytes}; starting empty`,
-            );
+            log.warn("SSD cache file written with another segment size: starting it empty", {
+              path,
+              on_disk_segment_bytes: sb.segmentBytes,
+              segment_bytes: opts.segmentBytes,
+            });
           } else {
             generation = sb.generation;
             if (sb.segmentCount !== segments) {
-              log(
-                "info",
-                `${path}: ${sb.segmentCount} segments on disk, ${segments} configured; keeping the first ${
-                  Math.min(sb.segmentCount, segments)
-                }`,
-              );
+              log.info("SSD cache file resized: keeping its first segments", {
+                path,
+                on_disk_segments: sb.segmentCount,
+                segments,
+                kept: Math.min(sb.segmentCount, segments),
+              });
             }
           }
         }
@@ -595,7 +623,7 @@ export class SsdTier {
         if (!(lock instanceof Error)) lock.close();
         locks.delete(path);
         problems.push(`${path}: ${(e as Error).message}`);
-        log("error", `SSD cache path ${path} is not usable: ${(e as Error).message}`);
+        log.error("SSD cache path is not usable", { path, error: (e as Error).message });
       }
     }
     if (files.length === 0) {
@@ -702,7 +730,7 @@ export class SsdTier {
       if (typeof a === "string") {
         block.release();
         this.#s.writeSkippedNoSpace++;
-        this.#log("warn", `block ${block.key} (${bytes} bytes) not written to SSD: ${a}`);
+        this.#log.warn("block not written to SSD", { block: block.key, bytes, reason: a });
         continue;
       }
       placed.push({ block, seg: a.segment, off: a.fileOffset, bytes, seq });
@@ -750,11 +778,14 @@ export class SsdTier {
           this.#s.writeBlocks++;
         } else {
           this.#s.writeFailures++;
-          this.#log(
-            "error",
-            `SSD write of block ${p.block.key} failed: ${r.errorText(i)} (errno ${r.aux[i]}) ` +
-              `at ${this.files[p.seg.file].path} offset ${p.off}, ${recordBytes(p.bytes)} bytes`,
-          );
+          this.#log.error("SSD write failed", {
+            block: p.block.key,
+            error: r.errorText(i),
+            errno: r.aux[i],
+            path: this.files[p.seg.file].path,
+            offset: p.off,
+            bytes: recordBytes(p.bytes),
+          });
         }
       }
       this.#s.writeBytes += bytes;
@@ -950,10 +981,10 @@ export class SsdTier {
         if (r instanceof Error) {
           if (ok) {
             this.#s.readFailures++;
-            this.#log(
-              "error",
-              `SSD prefetch of block ${keys[run.start]} not submitted: ${r.message}`,
-            );
+            this.#log.error("SSD prefetch not submitted", {
+              block: keys[run.start],
+              error: r.message,
+            });
           }
           ok = false;
           continue;
@@ -995,13 +1026,15 @@ export class SsdTier {
     r: Awaited<ReturnType<SsdIo["run"]>>,
     i: number,
   ): boolean {
-    const where = `${this.files[loc.segment.file].path} offset ${loc.fileOffset}`;
+    const where = { path: this.files[loc.segment.file].path, offset: loc.fileOffset };
     if (r.status[i] !== 0) {
       this.#s.readFailures++;
-      this.#log(
-        "error",
-        `SSD read of block ${key} failed: ${r.errorText(i)} (errno ${r.aux[i]}) at ${where}`,
-      );
+      this.#log.error("SSD read failed", {
+        block: key,
+        error: r.errorText(i),
+        errno: r.aux[i],
+        ...where,
+      });
       this.#index.remove(key, loc);
       return false;
     }
@@ -1019,10 +1052,11 @@ export class SsdTier {
     }
     if (problem) {
       this.#s.checksumFailures++;
-      this.#log(
-        "warn",
-        `SSD block ${key} failed verification (${problem}) at ${where}: served as a miss`,
-      );
+      this.#log.warn("SSD block failed verification: served as a miss", {
+        block: key,
+        problem,
+        ...where,
+      });
       this.#index.remove(key, loc);
       return false;
     }

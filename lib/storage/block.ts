@@ -14,7 +14,8 @@
  */
 
 import { InvalidArgumentError } from "./errors.ts";
-import { type BlockHash, hexBytesInto, MAX_HASH_BYTES } from "./keys.ts";
+import { type BlockHash, hexBytesInto } from "./keys.ts";
+import { MAX_HASH_BYTES, MAX_LAYERS, MAX_PARALLEL, MAX_SEGMENTS } from "../limits.ts";
 import type { LayoutIdentity } from "./layout.ts";
 import { slotIndex } from "./offsets.ts";
 
@@ -37,18 +38,11 @@ export interface BlockLayout {
   identity?: LayoutIdentity;
 }
 
-/** Most layers accepted: far above any model, low enough to catch garbage. */
-export const MAX_LAYERS = 4096;
-/** Most TP ranks accepted (same reason). */
-export const MAX_TP = 1024;
-/** Most segments per slot accepted (K/V split uses 2). */
-export const MAX_SEGMENTS = 8;
-
 /** Checks a layout; throws {@link InvalidArgumentError} naming the bad field. */
 export function validateLayout(namespace: string, l: BlockLayout): void {
   const ints: [keyof BlockLayout, number][] = [
     ["layers", MAX_LAYERS],
-    ["tpSize", MAX_TP],
+    ["tpSize", MAX_PARALLEL],
     ["segments", MAX_SEGMENTS],
     ["segmentBytes", Number.MAX_SAFE_INTEGER],
   ];

@@ -14,6 +14,7 @@
 
 import { createHash } from "node:crypto";
 import { InvalidArgumentError } from "./errors.ts";
+import { MAX_HASH_BYTES } from "../limits.ts";
 
 /** How one layer's KV is laid out per block (see DESIGN.md, Layout). */
 export type LayoutKind = "kv-split" | "mla" | "cross-layer";
@@ -96,9 +97,6 @@ export function namespaceOf(spec: NamespaceSpec): string {
 }
 
 const HEX: string[] = Array.from({ length: 256 }, (_, i) => i.toString(16).padStart(2, "0"));
-
-/** Longest content hash accepted (bytes); engines send 8–32. */
-export const MAX_HASH_BYTES = 64;
 
 /** A block content hash as the engine sends it (bytes), or already as hex. */
 export type BlockHash = Uint8Array | string;

@@ -15,9 +15,8 @@
 
 import { LeaseError } from "./errors.ts";
 import { hashHex } from "./keys.ts";
+import { LEASE_ID_BYTES } from "../limits.ts";
 
-/** Bytes of a lease id. */
-export const LEASE_ID_BYTES = 16;
 /** Default lease lifetime: long enough for a slow engine step, short enough to bound a leak. */
 export const DEFAULT_LEASE_TTL_MS = 600_000;
 

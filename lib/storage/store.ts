@@ -180,7 +180,9 @@ export class KvStore {
   /**
    * Plans a whole-block fill (SSD prefetch into RAM, peer fetch): every layer
    * and every rank slot of each block not already held. Same contract as
-   * {@link beginSave}; the blocks seal at {@link completeSave}.
+   * {@link beginSave}; the blocks seal at {@link completeSave}. No server
+   * path calls it yet (only tests): the SSD bridge still plans per rank with
+   * beginSave, and the peer fetch does not exist.
    */
   beginFill(req: FillRequest): SaveBegin {
     this.collect();

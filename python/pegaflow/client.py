@@ -26,7 +26,8 @@ from .errors import PegaflowError
 
 #: The protocol version RegisterContext expects (HealthResponse.version).
 PROTOCOL_VERSION = "pegaflow-1"
-#: Lease ids are 16 bytes (lib/server/grpc_service.ts LEASE_ID_BYTES).
+#: Lease ids are 16 bytes (lib/limits.ts LEASE_ID_BYTES; tests/native/abi_mirror_test.ts
+#: checks that the two agree).
 LEASE_ID_BYTES = 16
 #: Keepalive pings wait this long for an answer before the connection is declared dead.
 KEEPALIVE_TIMEOUT_S = 20.0

@@ -11,6 +11,7 @@ import {
   CopyEngine,
   type CopyPath,
   Engine,
+  type GpuPath,
   loadLibrary,
   NativeError,
   SharedMemory,
@@ -25,6 +26,8 @@ import {
   runRoundTrip,
 } from "../native/kv_layout.ts";
 import { crossProcessRoundTrip } from "../native/cross_process.ts";
+import { PathPolicy } from "../../lib/copy_path.ts";
+import { measureCalibration } from "../../lib/copy_calibration.ts";
 
 const pf = loadLibrary();
 
@@ -67,13 +70,12 @@ const CASES: Array<[LayoutKind, number, number, number, number, boolean]> = [
   ["kv_split", 16, 2, 100, 12, false], // odd sizes: byte path of the kernel
 ];
 
-const RUNS: Array<[CopyPath, "simt" | "tma" | undefined]> = [
+const RUNS: Array<[GpuPath, "simt" | "tma" | undefined]> = [
   ["kernel", "simt"],
   ["kernel", "tma"],
   ["dma_batch", undefined],
   ["dma", undefined],
   ["mixed", undefined],
-  ["auto", undefined],
 ];
 
 for (const [path, variant] of RUNS) {
@@ -132,7 +134,7 @@ for (
   const [kind, path] of [["kv_split", "kernel"], ["mla", "dma"], ["cross_layer", "dma_batch"], [
     "kv_interleaved",
     "mixed",
-  ], ["kv_split", "auto"]] as const
+  ]] as const
 ) {
   Deno.test({
     name: `cuda IPC: regions exported by another process round-trip byte-exact (${kind}, ${path})`,
@@ -224,6 +226,57 @@ Deno.test({
       ring.destroy();
       engine.close();
       shm.close();
+    }
+  },
+});
+
+Deno.test({
+  name: "cuda: a batch that names no GPU path (host) is refused, nothing copied",
+  ignore: noCuda !== undefined,
+  fn: async () => {
+    const ce = CopyEngine.open({ backend: "cuda", poolBytes: 1 << 20 });
+    const region = ce.engine.allocRegion(1 << 16);
+    try {
+      const b = new CopyBatch(1, 1).reset("d2h", "host");
+      b.group(region, 0).seg(0, 0, 4096);
+      assert.throws(
+        () => ce.submit(b),
+        (e: unknown) =>
+          e instanceof NativeError && e.codeName === "PF_EINVAL" &&
+          /path 0 \(host\)/.test(e.message),
+      );
+    } finally {
+      region.close();
+      await ce.close();
+    }
+  },
+});
+
+Deno.test({
+  name: "cuda: the calibrated policy's path for each batch is the path its completion reports",
+  ignore: noCuda !== undefined,
+  fn: async () => {
+    const ce = CopyEngine.open({ backend: "cuda", poolBytes: 64 << 20 });
+    const region = ce.engine.allocRegion(8 << 20);
+    try {
+      const policy = new PathPolicy(measureCalibration(ce.engine, ce.pool, 64 << 20));
+      for (const dir of ["d2h", "h2d"] as const) {
+        for (const seg of [8192, 32768, 512 << 10]) {
+          const n = (4 << 20) / seg;
+          const b = new CopyBatch(1, n).reset(dir);
+          b.group(region, 0);
+          // A stride of twice the size: nothing merges, the mean stays `seg`.
+          for (let i = 0; i < n; i++) b.seg(i * 2 * seg, i * seg, seg);
+          const chosen = policy.choose(dir, b.bytes / b.numSegs);
+          b.setPath(chosen);
+          const r = await ce.submit(b).done;
+          assert.equal(r.status, 0, r.error ?? "");
+          assert.equal(r.path, chosen, `${dir} ${seg} B segments`);
+        }
+      }
+    } finally {
+      region.close();
+      await ce.close();
     }
   },
 });

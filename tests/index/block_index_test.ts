@@ -12,6 +12,7 @@ import {
   type SealedBlock,
 } from "../../lib/index/block_index.ts";
 import { IndexInputError } from "../../lib/index/errors.ts";
+import { Logger } from "../../lib/log.ts";
 import { registerIndexMetrics } from "../../lib/index/metrics.ts";
 import { startRedis, waitFor } from "./_redis.ts";
 import { Buffer } from "node:buffer";
@@ -53,7 +54,7 @@ function node(
     advertiseAddr: `${id}.local:50055`,
     listSealed: () => held.values(),
     nodeTtlMs: 60_000,
-    log: (level, msg) => logs.push(`${level}: ${msg}`),
+    log: new Logger("debug", {}, (line) => logs.push(line)),
     metrics: registerIndexMetrics(registry),
     ...opts,
   });

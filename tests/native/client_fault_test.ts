@@ -137,7 +137,7 @@ Deno.test("a load state shrunk after it was opened: guarded access and submit fa
     assert.throws(() => peer.write(20, new Uint8Array(4)), /PF_EFAULT/);
     assert.throws(() => peer.read(60, new Uint8Array(8)), /PF_ERANGE.*exceeds its 64 mapped bytes/);
 
-    const b = new CopyBatch(1, 1).reset("h2d", "auto", { shm: peer, offset: 16 });
+    const b = new CopyBatch(1, 1).reset("h2d", "host", { shm: peer, offset: 16 });
     b.group(region, 0).seg(0, 0, 4 * KB);
     assert.throws(
       () => ce.submit(b),
@@ -166,7 +166,7 @@ Deno.test("progress words that vanish while a batch is queued fail that batch on
     const first = new CopyBatch(16, 16).reset("d2h");
     for (let g = 0; g < 16; g++) first.group(region, g).seg(g * KB, g * KB, KB);
     const a = ce.submit(first);
-    const second = new CopyBatch(2, 2).reset("h2d", "auto", { shm: peer, offset: 16 });
+    const second = new CopyBatch(2, 2).reset("h2d", "host", { shm: peer, offset: 16 });
     second.group(region, 0).seg(0, 0, KB);
     second.group(region, 1).seg(KB, KB, KB);
     const b = ce.submit(second);

@@ -1,7 +1,7 @@
 /** The path policy prefers SM-free DMA where it reaches the link rate. */
 import assert from "node:assert/strict";
 import type { CalibrationTable } from "../../ffi/mod.ts";
-import { PathPolicy } from "../../lib/copy_path.ts";
+import { FALLBACK_PATH, forcedPath, PathPolicy } from "../../lib/copy_path.ts";
 
 const KB = 1024;
 // Shaped like an H100 run (docs/native.md): kernel ~51, mixed ~53 at 32 KB;
@@ -33,10 +33,44 @@ Deno.test("loads (h2d) never take the mixed path: its first layer lands late", (
   assert.equal(p.choose("h2d", 128 * KB), "dma_batch");
 });
 
-Deno.test("a forced path wins; no table means auto", () => {
+Deno.test("a forced path wins over the table", () => {
   assert.equal(new PathPolicy({ d2h: table }, { force: "dma" }).choose("d2h", 8 * KB), "dma");
-  assert.equal(new PathPolicy({}).choose("h2d", 32 * KB), "auto");
-  assert.equal(new PathPolicy({ d2h: table }).choose("h2d", 32 * KB), "auto");
+  assert.equal(
+    new PathPolicy({ d2h: table }, { force: "kernel" }).choose("d2h", 2048 * KB),
+    "kernel",
+  );
+});
+
+Deno.test("the host backend is always sent the host path, forced or not", () => {
+  const host = new PathPolicy({ d2h: table }, { backend: "host", force: "kernel" });
+  assert.equal(host.choose("d2h", 8 * KB), "host");
+  assert.equal(host.choose("h2d", 2048 * KB), "host");
+});
+
+Deno.test("with no usable figure the policy names plain DMA, never nothing", () => {
+  assert.equal(new PathPolicy({}).choose("h2d", 32 * KB), FALLBACK_PATH);
+  assert.equal(new PathPolicy({ d2h: table }).choose("h2d", 32 * KB), FALLBACK_PATH);
+  const dead: CalibrationTable = {
+    ...table,
+    gbps: { kernel: [0, 0, 0, 0], dma_batch: [0, 0, 0, 0], dma: [0, 0, 0, 0], mixed: [0, 0, 0, 0] },
+  };
+  assert.equal(new PathPolicy({ d2h: dead }).choose("d2h", 32 * KB), "dma");
+  assert.equal(FALLBACK_PATH, "dma");
+});
+
+Deno.test("--transfer-path dma means batch DMA where the driver has it", () => {
+  assert.equal(forcedPath("dma", { dmaBatch: true }), "dma_batch");
+  assert.equal(forcedPath("dma", { dmaBatch: false }), "dma");
+  assert.equal(forcedPath("kernel", { dmaBatch: true }), "kernel");
+  assert.equal(forcedPath("auto", { dmaBatch: true }), undefined);
+});
+
+Deno.test("the summary names the choice at every calibrated size", () => {
+  const p = new PathPolicy({ d2h: table, h2d: { ...table, direction: "h2d" } });
+  assert.deepEqual(p.summary(), {
+    d2h: "8K:kernel,32K:mixed,128K:dma_batch,2048K:dma_batch",
+    h2d: "8K:kernel,32K:kernel,128K:dma_batch,2048K:dma_batch",
+  });
 });
 
 Deno.test("below the tolerance the fastest path wins, DMA included", () => {

@@ -245,7 +245,7 @@ export function pickBlocks(
 
 /** Options of {@link runRoundTrip}. */
 export interface RoundTripOptions {
-  /** Copy path for both batches (default auto). */
+  /** Copy path for both batches (default: `host` on host, `dma` on cuda). */
   path?: CopyPath;
   /** Pool offset where the batch's slots start (default 0). */
   poolBase?: number;
@@ -267,10 +267,11 @@ export async function runRoundTrip(
   opts: RoundTripOptions = {},
 ): Promise<void> {
   const base = opts.poolBase ?? 0;
+  const path = opts.path ?? (ce.engine.backend === "host" ? "host" : "dma");
   const nseg = srcBlocks.length * g.numLayers * g.numSegs;
   const batch = new CopyBatch(g.numLayers, Math.max(1, nseg));
   const build = (regions: Region[], blocks: number[], dir: "d2h" | "h2d") => {
-    batch.reset(dir, opts.path ?? "auto");
+    batch.reset(dir, path);
     for (let l = 0; l < g.numLayers; l++) {
       batch.group(regions[g.layers[l].regionIndex], l);
       for (let i = 0; i < blocks.length; i++) {
@@ -289,6 +290,7 @@ export async function runRoundTrip(
   const r1 = await gather.done;
   if (r1.status !== 0) throw new Error(`gather failed with status ${r1.status}`);
   if (r1.bytes !== total) throw new Error(`gather moved ${r1.bytes} bytes; expected ${total}`);
+  if (r1.path !== path) throw new Error(`gather reported path ${r1.path}; it carried ${path}`);
   const wantLayers = Array.from({ length: g.numLayers }, (_, i) => i);
   if (layers.join() !== wantLayers.join()) {
     throw new Error(`gather reported layers [${layers}]; expected [${wantLayers}]`);
@@ -302,6 +304,7 @@ export async function runRoundTrip(
   const r2 = await scatter.done;
   if (r2.status !== 0) throw new Error(`scatter failed with status ${r2.status}`);
   if (r2.bytes !== total) throw new Error(`scatter moved ${r2.bytes} bytes; expected ${total}`);
+  if (r2.path !== path) throw new Error(`scatter reported path ${r2.path}; it carried ${path}`);
   const images = expectedRegions(g, srcBlocks, dstBlocks);
   for (let r = 0; r < dst.length; r++) {
     const got = dst[r].read(0, g.regionBytes[r]);

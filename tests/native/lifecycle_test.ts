@@ -154,7 +154,7 @@ Deno.test("progress words in shared memory count landed groups and then the stat
     const words = new Uint32Array(shm.view().buffer, 0, 16);
     words[4] = 777; // stale values a new batch must reset
     words[5] = 777;
-    const b = new CopyBatch(8, 8).reset("h2d", "auto", { shm, offset: 16 });
+    const b = new CopyBatch(8, 8).reset("h2d", "host", { shm, offset: 16 });
     for (let g = 0; g < 8; g++) b.group(region, g).seg(g * 1024, g * 1024, 1024);
     const s = ce.submit(b);
     const seen: number[] = [];
@@ -169,9 +169,9 @@ Deno.test("progress words in shared memory count landed groups and then the stat
     assert.equal(new Uint32Array(other.view().buffer)[4], 8);
     other.close();
     // Misaligned or out-of-range progress offsets are refused.
-    b.reset("h2d", "auto", { shm, offset: 60 }).group(region, 0).seg(0, 0, 8);
+    b.reset("h2d", "host", { shm, offset: 60 }).group(region, 0).seg(0, 0, 8);
     assert.throws(() => ce.submit(b), /progress_off 60 must be 8-aligned with 8 bytes inside shm/);
-    b.reset("h2d", "auto", { shm: 12345, offset: 0 }).group(region, 0).seg(0, 0, 8);
+    b.reset("h2d", "host", { shm: 12345, offset: 0 }).group(region, 0).seg(0, 0, 8);
     assert.throws(() => ce.submit(b), /PF_EHANDLE/);
   } finally {
     region.close();

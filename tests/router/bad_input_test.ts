@@ -254,7 +254,7 @@ Deno.test("bad command-line values stop the router before it starts, naming the 
       {
         args: [...ok, "--log-level", "loud"],
         flag: "--log-level",
-        says: /one of error, warn, info, debug/,
+        says: /one of debug, info, warn, error/,
       },
       { args: [...ok, "--workers", "0"], flag: "--workers", says: /from 1 to 256, got '0'/ },
       {

@@ -8,12 +8,12 @@ import { CompletionRing } from "../../ffi/ring.ts";
 import {
   type PrefetchAllocation,
   type PrefetchAllocator,
-  type SsdLog,
   SsdTier,
   type SsdTierOptions,
   type SsdWriteBlock,
 } from "../../lib/ssd/tier.ts";
 import { layoutIdentity } from "../../lib/storage/layout.ts";
+import { Logger } from "../../lib/log.ts";
 
 /** The layout the tier tests write and read under (one layer of one segment per block). */
 export const TEST_LAYOUT = layoutIdentity({
@@ -41,7 +41,7 @@ export interface Harness {
   ring: CompletionRing;
   dir: string;
   logs: string[];
-  log: SsdLog;
+  log: Logger;
   /** Pool bytes [off, off+len) filled from `key`. */
   fill(key: string, off: number, len: number): void;
   /** True when pool bytes hold the pattern of `key`. */
@@ -90,7 +90,7 @@ export async function harness(poolBytes = 64 << 20): Promise<Harness> {
     ring,
     dir,
     logs,
-    log: (level, msg) => logs.push(`${level}: ${msg}`),
+    log: new Logger("debug", {}, (line) => logs.push(line)),
     fill(key, off, len) {
       pattern(key, h.pool.view(off, len));
     },

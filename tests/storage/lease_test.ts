@@ -1,6 +1,7 @@
 import { deepStrictEqual as assertEquals, strictEqual, throws } from "node:assert/strict";
 import { LeaseError } from "../../lib/storage/errors.ts";
-import { LEASE_ID_BYTES, LeaseTable } from "../../lib/storage/lease.ts";
+import { LeaseTable } from "../../lib/storage/lease.ts";
+import { LEASE_ID_BYTES } from "../../lib/limits.ts";
 
 function clock() {
   const c = { now: 1_000, tick: (ms: number) => void (c.now += ms) };

@@ -1,0 +1,29 @@
+/**
+ * The limits of what PegaFlow accepts from a client, each defined once
+ * (registration, the block store, the block index and the SSD tier all
+ * check against these). They are far above any real model and low enough
+ * to catch garbage before it sizes an allocation.
+ *
+ * Sizes the C library also knows live in `csrc/pegaflow.h`; where
+ * TypeScript needs one of them it mirrors it here or in `ffi/`, and
+ * `tests/native/abi_mirror_test.ts` checks the mirror against the header.
+ * The Python client mirrors {@link LEASE_ID_BYTES}, checked the same way.
+ *
+ * @module
+ */
+import { HANDLE_BYTES } from "../ffi/native.ts";
+
+/** Longest content hash of a block, in bytes (engines send 8–32; sha256 fits). */
+export const MAX_HASH_BYTES = 64;
+/** Most layers per rank. */
+export const MAX_LAYERS = 4096;
+/** Largest TP size and largest PP size. */
+export const MAX_PARALLEL = 1024;
+/** Most segments per (block, layer) slot (K/V split uses 2; a few more allow other splits). */
+export const MAX_SEGMENTS = 8;
+/** Longest namespace or instance id, in characters. */
+export const MAX_NAME_CHARS = 128;
+/** Bytes of a lease id. */
+export const LEASE_ID_BYTES = 16;
+/** Bytes of a region handle: the C library's `PF_HANDLE_BYTES`, as ffi/ mirrors it. */
+export const REGION_HANDLE_BYTES = HANDLE_BYTES;
