@@ -50,6 +50,7 @@ import {
   type ShmPort,
 } from "./ports.ts";
 import type { KvStore, SavePlan } from "../storage/store.ts";
+import { sealedHashBytes } from "../storage/tier.ts";
 import { type LayoutIdentity, layoutIdentity } from "../storage/layout.ts";
 
 export {
@@ -109,16 +110,18 @@ export interface EngineMetrics {
 }
 
 /**
- * The SSD tier's hooks (implemented by lib/ssd/kv_bridge.ts): a query whose
- * prefix continues on SSD starts (or polls) a prefetch and is answered
- * "loading"; a registration is checked against the layouts the SSD holds
+ * The tiers below RAM (implemented by lib/storage/lower_tiers.ts over the
+ * `Tier` port): sealed blocks are handed over for write-behind; a query whose
+ * prefix continues in a tier starts (or polls) a fetch and is answered
+ * "loading"; a registration is checked against the layouts the tiers hold
  * for its namespace (they outlive a restart, RAM does not).
- * (Write-behind subscribes through {@link KvEngine.onSealed}.)
  */
-export interface SsdHook {
-  /** Layouts the SSD holds blocks of under `namespace`, with block counts. */
-  storedLayouts(namespace: string): readonly (LayoutIdentity & { blocks: number })[];
-  /** True: answer "loading" (a prefetch for this request id is running). */
+export interface TiersPort {
+  /** Blocks a save just sealed (the engine's hash bytes). Never waits. */
+  sealed(namespace: string, hashes: readonly Uint8Array[]): unknown;
+  /** Layouts the tiers hold blocks of under `namespace`, with block counts and where. */
+  storedLayouts(namespace: string): readonly (LayoutIdentity & { blocks: number; where: string })[];
+  /** True: answer "loading" (a fetch for this request id is running). */
   beforeQuery(
     namespace: string,
     instance: string,
@@ -129,8 +132,8 @@ export interface SsdHook {
 
 export interface EngineOptions {
   native: NativePort;
-  /** Optional SSD tier. */
-  ssd?: SsdHook;
+  /** Optional tiers below RAM (SSD, peer). */
+  tiers?: TiersPort;
   store: KvStore;
   log: Logger;
   metrics?: EngineMetrics;
@@ -221,7 +224,7 @@ export class KvEngine {
   readonly #log: Logger;
   readonly #metrics: EngineMetrics | undefined;
   readonly #leaseTtlMs: number;
-  readonly #ssd: SsdHook | undefined;
+  readonly #tiers: TiersPort | undefined;
   readonly #instances = new Map<string, Instance>();
   /** namespace → its agreed layout and the instances using it. */
   readonly #layouts = new Map<string, NamespaceLayout>();
@@ -241,7 +244,7 @@ export class KvEngine {
     this.#log = opts.log;
     this.#metrics = opts.metrics;
     this.#leaseTtlMs = opts.leaseTtlMs;
-    this.#ssd = opts.ssd;
+    this.#tiers = opts.tiers;
     this.#saveBatch = this.#native.batch();
     this.#loadBatch = this.#native.batch();
     this.#saveStage = new Stage<SaveJob, SaveResult>(
@@ -381,15 +384,17 @@ export class KvEngine {
       inst.seal(globalOrder(layout)!);
       try {
         const identity = layoutIdentity(inst.layoutDescription());
-        // One layout per namespace across restarts: blocks on SSD were cut by the
-        // layout that wrote them, and a restart forgets only the RAM binding.
-        const stored = this.#ssd?.storedLayouts(inst.namespace) ?? [];
+        // One layout per namespace across restarts: blocks in a lower tier were cut
+        // by the layout that wrote them, and a restart forgets only the RAM binding.
+        const stored = this.#tiers?.storedLayouts(inst.namespace) ?? [];
         if (stored.length > 0 && !stored.some((l) => l.fingerprint === identity.fingerprint)) {
           const have = stored.map((l) =>
             `${l.summary} (fingerprint ${l.fingerprint}, ${l.blocks} blocks)`
           ).join("; ");
           throw new Error(
-            `namespace "${inst.namespace}" is stored on SSD with layout ${have}; this instance ` +
+            `namespace "${inst.namespace}" is stored on ${
+              stored[0].where
+            } with layout ${have}; this instance ` +
               `offers ${identity.summary} (fingerprint ${identity.fingerprint}); one layout per ` +
               `namespace: use a namespace per layout, or start the server with --ssd-reset`,
           );
@@ -648,6 +653,7 @@ export class KvEngine {
         const done = this.#store.completeSave(p.plan, true);
         sealed += done.sealed;
         if (done.sealed > 0) {
+          this.#tiers?.sealed(inst.namespace, sealedHashBytes(p.plan, p.group.hashes, done));
           for (const f of this.#sealedListeners) f(inst.namespace, done.sealedKeys);
         }
       }
@@ -713,8 +719,8 @@ export class KvEngine {
         );
       }
     }
-    if (this.#ssd?.beforeQuery(inst.namespace, inst.id, hashes, requestId)) {
-      this.#log.debug("query loading from SSD", { instance: inst.id, request: requestId });
+    if (this.#tiers?.beforeQuery(inst.namespace, inst.id, hashes, requestId)) {
+      this.#log.debug("query loading from a lower tier", { instance: inst.id, request: requestId });
       return { hits: 0, leaseId: null, ttlMs: this.#leaseTtlMs, loading: true };
     }
     const r = this.#store.query(inst.namespace, hashes, inst.id, inst.worldSize);

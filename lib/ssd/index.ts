@@ -7,6 +7,7 @@
  */
 
 import type { Segment } from "./space.ts";
+import type { StoredLayout } from "../storage/tier.ts";
 
 /** Where one block's record lies on disk. */
 export interface SsdLocation {
@@ -22,12 +23,8 @@ export interface SsdLocation {
   layout: string;
 }
 
-/** A layout the index holds blocks of, in one namespace. */
-export interface StoredLayout {
-  fingerprint: string;
-  summary: string;
-  blocks: number;
-}
+/** A layout the index holds blocks of, in one namespace (the tier port's type). */
+export type { StoredLayout };
 
 /**
  * Key → location, newest sequence number wins.

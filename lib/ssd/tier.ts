@@ -3,10 +3,13 @@
  * pool, on io_uring, with per-record checksums and an index that survives
  * restarts.
  *
- * What the KV server plugs in (see docs/ssd.md, "Integration"):
+ * This is the SSD's mechanism keyed by record key (`namespace:hex`, the key
+ * stored in every record header); the server reaches it only through the
+ * `Tier` port, which lib/ssd/ssd_tier_port.ts implements over it:
  *  - `SsdTier.open(opts)` at start (after the pool and completion ring);
- *  - `enqueueWrite(blocks)` after a block was sealed and admitted to RAM;
- *  - `lookupPrefix(keys)` / `prefetch(reqId, keys, allocate)` in QueryPrefetch
+ *  - `enqueueWrite(batch)` for sealed blocks (the batch pins its blocks in
+ *    RAM only when the write starts);
+ *  - `lookupPrefix(keys)` / `prefetch(reqId, keys, allocate)` / `poll(reqId)`
  *    for the keys past the RAM prefix;
  *  - `stats()` / `registerSsdMetrics` for /metrics; `close()` at shutdown.
  *
@@ -33,7 +36,7 @@
  */
 
 import type { Observable } from "rxjs";
-import { Stage, type StageOptions } from "../pipeline/stage.ts";
+import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import type { Completion } from "../../ffi/ring.ts";
 import { FileFlag, fsSpace, Uring } from "../../ffi/uring.ts";
 import {
@@ -124,21 +127,38 @@ export interface SsdTierOptions {
   /** Index rebuild progress is logged this often (0: every scan round). */
   recoveryProgressMs?: number;
   log?: SsdLog;
+  /** Metric hooks of the `ssd.write` and `ssd.prefetch` stages (depth gauge, drops, refusals). */
+  stageMetrics?: (stage: string) => StageMetrics;
 }
 
-/**
- * A sealed block offered for write-behind. The tier pins it only when its
- * write starts: `acquire()` returns null if RAM already evicted it (then it
- * is skipped, not kept alive), else the pool extents of its bytes in record
- * order, pinned until `release()`.
- */
+/** A sealed block offered for write-behind. */
 export interface SsdWriteBlock {
+  /** Record key (`namespace:hex`), stored in the record header. */
   key: string;
   /** The block's namespace and its layout: stored in the record, checked on every read. */
   namespace: string;
   layout: LayoutIdentity;
-  acquire(): PoolExtent[] | null;
+}
+
+/**
+ * What a write batch pinned when its write started: per block (aligned with
+ * the blocks asked), the pool extents of its bytes in record order, or
+ * undefined when RAM evicted it since (it is skipped, not kept alive).
+ * Pinned until `release()`, which the tier calls once, after the write.
+ */
+export interface SsdPinned {
+  readonly extents: readonly (readonly PoolExtent[] | undefined)[];
   release(): void;
+}
+
+/**
+ * Blocks offered for write-behind together. The tier pins them only when
+ * their write starts, with one `pin` call for the blocks it will write (the
+ * ones not already on SSD or queued).
+ */
+export interface SsdWriteBatch<B extends SsdWriteBlock = SsdWriteBlock> {
+  readonly blocks: readonly B[];
+  pin(blocks: readonly B[]): SsdPinned;
 }
 
 /**
@@ -155,6 +175,8 @@ export interface PrefetchAllocation {
 /** A block a prefetch wants pool space for. */
 export interface PrefetchWant {
   key: string;
+  /** Its position in the keys given to {@link SsdTier.prefetch}. */
+  index: number;
   payloadBytes: number;
 }
 
@@ -219,7 +241,9 @@ export interface SsdStats {
   alignmentFallbacks: number;
 }
 
-type ResolvedOptions = Required<Omit<SsdTierOptions, "log" | "ring" | "paths" | "reset">>;
+type ResolvedOptions = Required<
+  Omit<SsdTierOptions, "log" | "ring" | "paths" | "reset" | "stageMetrics">
+>;
 
 interface CacheFile {
   path: string;
@@ -252,6 +276,8 @@ export function prefetchStageOptions(queueDepth: number, inflight: number): Stag
 
 interface WriteJob {
   blocks: SsdWriteBlock[];
+  /** Pins `blocks` (called when the write starts). */
+  pin: () => SsdPinned;
 }
 
 /** One read of blocks from SSD into pool space; queries of the same blocks join it. */
@@ -264,6 +290,9 @@ interface PrefetchJob {
   done: boolean;
   /** Date.now() when it ended. */
   doneAt: number;
+  /** Resolves when it ended (every allocation committed or freed). */
+  ended: Promise<void>;
+  end: () => void;
 }
 
 /** What a request id waits for. */
@@ -354,6 +383,8 @@ export class SsdTier {
   readonly #writes: Stage<WriteJob, void>;
   readonly #prefetches: Stage<PrefetchJob, void>;
   readonly #pendingKeys = new Set<string>();
+  /** Write batches accepted and not yet ended (what {@link flushWrites} waits for). */
+  readonly #writesPending = new Set<Promise<unknown>>();
   /** Request id → the reads it waits for (its own and the ones it joined). */
   readonly #requests = new Map<string, PrefetchRequest>();
   /** Key → the read bringing it into the pool now. */
@@ -391,6 +422,7 @@ export class SsdTier {
     recovery: RecoveryReport,
     opts: ResolvedOptions,
     log: SsdLog,
+    metrics: ((stage: string) => StageMetrics) | undefined,
   ) {
     this.#io = io;
     this.files = files;
@@ -406,7 +438,10 @@ export class SsdTier {
     );
     this.#writes = new Stage<WriteJob, void>(
       "ssd.write",
-      writeStageOptions(opts.writeQueueDepth, opts.writeInflight),
+      {
+        ...writeStageOptions(opts.writeQueueDepth, opts.writeInflight),
+        metrics: metrics?.("ssd.write"),
+      },
       (job) => this.#writeJob(job),
     );
     // Finished prefetches nobody came back for are forgotten even on an idle server.
@@ -414,7 +449,10 @@ export class SsdTier {
     Deno.unrefTimer(this.#expiryTimer);
     this.#prefetches = new Stage<PrefetchJob, void>(
       "ssd.prefetch",
-      prefetchStageOptions(opts.prefetchQueueDepth, opts.prefetchInflight),
+      {
+        ...prefetchStageOptions(opts.prefetchQueueDepth, opts.prefetchInflight),
+        metrics: metrics?.("ssd.prefetch"),
+      },
       (job) => this.#prefetchJob(job),
     );
   }
@@ -494,7 +532,7 @@ export class SsdTier {
           ),
       });
       ring.resume(report.maxSeq + 1);
-      const tier = new SsdTier(io, files, ring, index, report, opts, log);
+      const tier = new SsdTier(io, files, ring, index, report, opts, log, options.stageMetrics);
       log(
         "info",
         `recovered ${report.blocks} blocks (${report.bytes} bytes) from ${files.length} file(s) ` +
@@ -638,12 +676,13 @@ export class SsdTier {
 
   /**
    * Offers sealed blocks for writing. Never waits: when the write queue is
-   * full the batch is dropped and counted. Blocks already on SSD or already
-   * queued are skipped.
+   * full the batch is dropped and counted (and never pinned). Blocks already
+   * on SSD or already queued are skipped.
    */
-  enqueueWrite(blocks: SsdWriteBlock[]): EnqueueResult {
+  enqueueWrite<B extends SsdWriteBlock>(batch: SsdWriteBatch<B>): EnqueueResult {
+    const { blocks } = batch;
     if (this.#closed) return { status: "dropped", blocks: blocks.length, duplicates: 0 };
-    const fresh: SsdWriteBlock[] = [];
+    const fresh: B[] = [];
     let duplicates = 0;
     for (const b of blocks) {
       // A record of the key from another layout does not count: this one is written too.
@@ -652,36 +691,47 @@ export class SsdTier {
       else fresh.push(b);
     }
     if (fresh.length === 0) return { status: "nothing-to-write", blocks: 0, duplicates };
-    const sub = this.#writes.submit({ blocks: fresh });
+    const sub = this.#writes.submit({ blocks: fresh, pin: () => batch.pin(fresh) });
     if (sub.status === "dropped" || sub.status === "refused") {
       this.#s.writeQueueFullDrops++;
       this.#s.writeQueueFullDroppedBlocks += fresh.length;
       return { status: "dropped", blocks: fresh.length, duplicates };
     }
     for (const b of fresh) this.#pendingKeys.add(b.key);
+    const ended = sub.done();
+    this.#writesPending.add(ended);
+    ended.then(() => this.#writesPending.delete(ended));
     return { status: "queued", blocks: fresh.length, duplicates };
   }
 
-  /** Resolves when every queued write has finished (tests, shutdown). */
+  /** Resolves when every write accepted so far has ended (tests, shutdown). */
   async flushWrites(): Promise<void> {
-    while (this.#writes.queued > 0 || this.#writes.inflight > 0) {
-      await new Promise((r) => setTimeout(r, 2));
-    }
+    while (this.#writesPending.size > 0) await Promise.all(this.#writesPending);
   }
 
   async #writeJob(job: WriteJob): Promise<void> {
+    // Pinned now, not when queued: a queued batch keeps nothing from eviction.
+    let pinned: SsdPinned | undefined;
     try {
+      pinned = job.pin();
       const chunks = [];
       for (let start = 0; start < job.blocks.length; start += this.#chunk) {
-        chunks.push(this.#writeChunk(job.blocks.slice(start, start + this.#chunk)));
+        const end = Math.min(job.blocks.length, start + this.#chunk);
+        chunks.push(
+          this.#writeChunk(job.blocks.slice(start, end), pinned.extents.slice(start, end)),
+        );
       }
       await Promise.all(chunks);
     } finally {
+      pinned?.release();
       for (const b of job.blocks) this.#pendingKeys.delete(b.key);
     }
   }
 
-  async #writeChunk(blocks: SsdWriteBlock[]): Promise<void> {
+  async #writeChunk(
+    blocks: SsdWriteBlock[],
+    pinned: readonly (readonly PoolExtent[] | undefined)[],
+  ): Promise<void> {
     const batch = this.#io.newBatch();
     const placed: {
       block: SsdWriteBlock;
@@ -690,8 +740,9 @@ export class SsdTier {
       bytes: number;
       seq: number;
     }[] = [];
-    for (const block of blocks) {
-      const extents = block.acquire();
+    for (let i = 0; i < blocks.length; i++) {
+      const block = blocks[i];
+      const extents = pinned[i];
       if (!extents) {
         this.#s.writeSkippedEvicted++;
         continue;
@@ -700,13 +751,12 @@ export class SsdTier {
       const seq = this.#seq++;
       const a = this.#ring.allocate(recordBytes(bytes), seq);
       if (typeof a === "string") {
-        block.release();
         this.#s.writeSkippedNoSpace++;
         this.#log("warn", `block ${block.key} (${bytes} bytes) not written to SSD: ${a}`);
         continue;
       }
       placed.push({ block, seg: a.segment, off: a.fileOffset, bytes, seq });
-      batch.write(this.files[a.segment.file].handle, a.fileOffset, true, extents);
+      batch.write(this.files[a.segment.file].handle, a.fileOffset, true, [...extents]);
     }
     if (placed.length === 0) return;
     const t0 = performance.now();
@@ -763,10 +813,7 @@ export class SsdTier {
         bytes / ((performance.now() - t0) / 1000),
       );
     } finally {
-      for (const p of placed) {
-        p.seg.inflightWrites--;
-        p.block.release();
-      }
+      for (const p of placed) p.seg.inflightWrites--;
     }
   }
 
@@ -805,6 +852,18 @@ export class SsdTier {
   }
 
   /**
+   * Polls request `reqId`: `loading` while any read it waits on runs, then
+   * `ready` once (the request is forgotten); undefined for an unknown id.
+   */
+  poll(reqId: string): "loading" | "ready" | undefined {
+    const req = this.#requests.get(reqId);
+    if (!req) return undefined;
+    if (req.jobs.some((j) => !j.done)) return "loading";
+    this.#requests.delete(reqId);
+    return "ready";
+  }
+
+  /**
    * The prefetch protocol of QueryPrefetch, keyed by request id:
    *  - first call: walks `keys` (the part of the prefix past RAM) from the
    *    first: a key being read for another request joins that read; a key
@@ -824,19 +883,16 @@ export class SsdTier {
     allocate: PrefetchAllocator,
     layout: string,
   ): PrefetchAnswer {
-    const existing = this.#requests.get(reqId);
-    if (existing) {
-      if (existing.jobs.some((j) => !j.done)) return { state: "loading" };
-      this.#requests.delete(reqId);
-      return { state: "ready" };
-    }
+    const polled = this.poll(reqId);
+    if (polled) return { state: polled };
     if (this.#closed) return { state: "miss", reason: "queue-full" };
     const joined = new Set<PrefetchJob>();
     const mine: PrefetchWant[] = [];
     const locs: SsdLocation[] = [];
     const room = this.#opts.maxPrefetchBlocks - this.#reserved;
     let stop: "not-on-ssd" | "other-layout" | "budget" | undefined;
-    for (const key of keys) {
+    for (let index = 0; index < keys.length; index++) {
+      const key = keys[index];
       const running = this.#fetching.get(key);
       if (running) {
         if (running.layout !== layout) {
@@ -859,7 +915,7 @@ export class SsdTier {
         stop = "budget";
         break;
       }
-      mine.push({ key, payloadBytes: loc.payloadBytes });
+      mine.push({ key, index, payloadBytes: loc.payloadBytes });
       locs.push(loc);
     }
     if (stop === "other-layout") {
@@ -883,6 +939,8 @@ export class SsdTier {
       }
       if (allocations.length > 0) {
         const n = allocations.length;
+        let end = () => {};
+        const ended = new Promise<void>((r) => end = r);
         const job: PrefetchJob = {
           keys: mine.slice(0, n).map((w) => w.key),
           locs: locs.slice(0, n),
@@ -890,6 +948,8 @@ export class SsdTier {
           layout,
           done: false,
           doneAt: 0,
+          ended,
+          end,
         };
         const sub = this.#prefetches.submit(job);
         if (sub.status === "refused" || sub.status === "dropped") {
@@ -912,9 +972,8 @@ export class SsdTier {
 
   /** Resolves when the prefetch for `reqId` is no longer loading (tests, demos). */
   async prefetchSettled(reqId: string): Promise<void> {
-    while (this.#requests.get(reqId)?.jobs.some((j) => !j.done)) {
-      await new Promise((r) => setTimeout(r, 1));
-    }
+    const req = this.#requests.get(reqId);
+    if (req) await Promise.all(req.jobs.map((j) => j.ended));
   }
 
   async #prefetchJob(job: PrefetchJob): Promise<void> {
@@ -984,6 +1043,7 @@ export class SsdTier {
       this.#reserved -= allocations.length;
       job.done = true;
       job.doneAt = Date.now();
+      job.end();
     }
   }
 
@@ -1041,6 +1101,11 @@ export class SsdTier {
   }
 
   // ---- stats and shutdown --------------------------------------------------
+
+  /** True once {@link close} began. */
+  get closed(): boolean {
+    return this.#closed;
+  }
 
   /** Counters and gauges for /metrics and tests. */
   stats(): SsdStats {

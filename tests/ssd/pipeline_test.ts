@@ -58,9 +58,7 @@ Deno.test("a refused prefetch frees its pool space and budget and answers miss",
   });
   try {
     const keys = Array.from({ length: 9 }, (_, i) => `ns/q${i}`);
-    tier.enqueueWrite(
-      keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
-    );
+    h.write(tier, keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))));
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
     assert.equal(tier.prefetch("r1", keys.slice(0, 3), alloc, FP).state, "loading");
