@@ -723,8 +723,8 @@ export class SsdTier {
       }
       await Promise.all(chunks);
     } finally {
-      pinned?.release();
       for (const b of job.blocks) this.#pendingKeys.delete(b.key);
+      pinned?.release();
     }
   }
 

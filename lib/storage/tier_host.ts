@@ -17,6 +17,7 @@
  */
 
 import { rankSlots } from "./block.ts";
+import { LeaseError } from "./errors.ts";
 import type { KvStore } from "./store.ts";
 import type { FillClass, PoolExtent, RamExtents, RamFill, RamPin, TierHost } from "./tier.ts";
 
@@ -111,7 +112,13 @@ export function storeTierHost(store: KvStore): TierHost {
         release: () => {
           if (released) return;
           released = true;
-          store.releaseTransferLock(lock.id);
+          try {
+            store.releaseTransferLock(lock.id);
+          } catch (e) {
+            // Released once here, so "unknown" means the lock outlived its TTL and the
+            // store's collector already unpinned its blocks: nothing is left to release.
+            if (!(e instanceof LeaseError && e.reason === "unknown-or-expired")) throw e;
+          }
         },
       };
     },

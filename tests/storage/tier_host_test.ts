@@ -135,3 +135,17 @@ Deno.test("merging item offsets joins only ranges that touch", () => {
     { offset: 0, bytes: 12288 },
   ]);
 });
+
+Deno.test("a write pin that outlived its transfer-lock TTL releases cleanly: the store already unpinned it", () => {
+  const { store, clock } = makeStore(8, { transferLockTtlMs: 1_000 }, TP2);
+  const host = storeTierHost(store);
+  host.fill(NS, bytes(1), "ssd", "retained")!.commit();
+  const pin = host.pin(NS, [bytes(1)], "ssd")!;
+  strictEqual(store.stats().pinnedBlocks, 1);
+  clock.tick(1_001);
+  store.collect();
+  strictEqual(store.stats().pinnedBlocks, 0, "expired with its TTL");
+  pin.release();
+  strictEqual(store.stats().transferLocksActive, 0);
+  store.verify();
+});
