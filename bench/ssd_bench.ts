@@ -6,7 +6,8 @@
  */
 import { Engine } from "../ffi/native.ts";
 import { CompletionRing } from "../ffi/ring.ts";
-import { type PrefetchWant, SsdTier } from "../lib/ssd/tier.ts";
+import type { PrefetchWant } from "../lib/ssd/prefetch.ts";
+import { SsdTier } from "../lib/ssd/tier.ts";
 import { layoutIdentity } from "../lib/storage/layout.ts";
 import { runOurs } from "./ssd_lib.ts";
 

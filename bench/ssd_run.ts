@@ -18,7 +18,8 @@
 import { Engine } from "../ffi/native.ts";
 import { CompletionRing } from "../ffi/ring.ts";
 import { fsSpace } from "../ffi/uring.ts";
-import { type PrefetchWant, SsdTier } from "../lib/ssd/tier.ts";
+import type { PrefetchWant } from "../lib/ssd/prefetch.ts";
+import { SsdTier } from "../lib/ssd/tier.ts";
 import { layoutIdentity } from "../lib/storage/layout.ts";
 import { fioArgs, type Measured, type Point, runFio, runOurs } from "./ssd_lib.ts";
 

@@ -21,7 +21,9 @@ import type {
   TierPutResult,
   TierTakeAnswer,
 } from "../storage/tier.ts";
-import type { PrefetchAllocation, SsdLog, SsdPinned, SsdTier, SsdWriteBlock } from "./tier.ts";
+import type { PrefetchAllocation } from "./prefetch.ts";
+import type { SsdLog, SsdTier } from "./tier.ts";
+import type { SsdPinned, SsdWriteBlock } from "./write_behind.ts";
 
 /** Name of the SSD tier: metric label, hit attribution, transfer-lock requester and filler. */
 export const SSD_TIER_NAME = "ssd";

@@ -5,17 +5,13 @@
  */
 import { Engine, type Pool } from "../../ffi/native.ts";
 import { CompletionRing } from "../../ffi/ring.ts";
-import {
-  type EnqueueResult,
-  type PrefetchAllocation,
-  type PrefetchAllocator,
-  type PrefetchWant,
-  type SsdLog,
-  SsdTier,
-  type SsdTierOptions,
-  type SsdWriteBatch,
-  type SsdWriteBlock,
-} from "../../lib/ssd/tier.ts";
+import type {
+  PrefetchAllocation,
+  PrefetchAllocator,
+  PrefetchWant,
+} from "../../lib/ssd/prefetch.ts";
+import { type SsdLog, SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
+import type { EnqueueResult, SsdWriteBatch, SsdWriteBlock } from "../../lib/ssd/write_behind.ts";
 import { layoutIdentity } from "../../lib/storage/layout.ts";
 
 /** The layout the tier tests write and read under (one layer of one segment per block). */

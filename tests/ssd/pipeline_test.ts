@@ -2,7 +2,8 @@ import assert from "node:assert/strict";
 import { map, timer } from "rxjs";
 import { TestScheduler } from "rxjs/testing";
 import { stage } from "../../lib/pipeline/stage.ts";
-import { prefetchStageOptions, writeStageOptions } from "../../lib/ssd/tier.ts";
+import { prefetchStageOptions } from "../../lib/ssd/prefetch.ts";
+import { writeStageOptions } from "../../lib/ssd/write_behind.ts";
 import { FP, harness } from "./_harness.ts";
 
 const newScheduler = () => new TestScheduler((a, b) => assert.deepEqual(a, b));
