@@ -269,7 +269,8 @@ export class KvEngine {
 
   /**
    * Called with the keys of blocks a save just sealed (servable from now on):
-   * the hook for write-behind to a lower tier and for cross-node advertising.
+   * the hook for metrics and cross-node advertising. (Tiers below RAM are
+   * handed sealed blocks through {@link EngineOptions.tiers}, not here.)
    */
   onSealed(fn: (namespace: string, keys: readonly string[]) => void): void {
     this.#sealedListeners.push(fn);
