@@ -23,9 +23,6 @@ export interface SsdLocation {
   layout: string;
 }
 
-/** A layout the index holds blocks of, in one namespace (the tier port's type). */
-export type { StoredLayout };
-
 /**
  * Key → location, newest sequence number wins.
  *

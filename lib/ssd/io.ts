@@ -24,9 +24,6 @@ import {
 
 import type { PoolExtent } from "../storage/tier.ts";
 
-/** A byte range of the pinned pool (owned by the tier port). */
-export type { PoolExtent };
-
 /** One record of the completion ring (the fields the SSD tier reads). */
 export type IoCompletion = Pick<Completion, "tag" | "kind" | "index" | "status" | "aux" | "value">;
 

@@ -23,7 +23,8 @@
 
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import { decodeHeader } from "./format.ts";
-import type { PoolExtent, SsdIo } from "./io.ts";
+import type { SsdIo } from "./io.ts";
+import type { PoolExtent } from "../storage/tier.ts";
 import type { SsdIndex, SsdLocation } from "./index.ts";
 import type { CacheFile } from "./cache_files.ts";
 import { ewma } from "./throughput.ts";

@@ -17,7 +17,8 @@
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import type { LayoutIdentity } from "../storage/layout.ts";
 import { encodeHeader, keyBytes, recordBytes } from "./format.ts";
-import type { PoolExtent, SsdIo } from "./io.ts";
+import type { SsdIo } from "./io.ts";
+import type { PoolExtent } from "../storage/tier.ts";
 import type { SsdIndex } from "./index.ts";
 import type { Segment, SegmentRing } from "./space.ts";
 import type { CacheFile } from "./cache_files.ts";
