@@ -22,15 +22,11 @@ import type { KvStore } from "./store.ts";
 import type { FillClass, PoolExtent, RamExtents, RamFill, RamPin, TierHost } from "./tier.ts";
 
 /**
- * Merges item offsets that follow each other in the pool into ranges
- * (fewer iovecs per record). `offsets[i]` holds item `i` of `bytes` bytes.
- *
- * @example
- * ```ts
- * mergeExtents([0, 4096, 16384], 4096); // [{offset: 0, bytes: 8192}, {offset: 16384, bytes: 4096}]
- * ```
+ * Pool ranges of `count` items of `bytes`, item `j` at
+ * `offsets[start + j * stride]`, items that continue each other merged
+ * (fewer iovecs per record). The items lie back to back in the tier's copy.
  */
-export function mergeExtents(
+function extentsOf(
   offsets: ArrayLike<number>,
   bytes: number,
   start = 0,
@@ -79,7 +75,7 @@ export function storeTierHost(store: KvStore): TierHost {
         store.completeSave(p, ok);
       };
       return {
-        extents: mergeExtents(p.offsets, p.segmentBytes),
+        extents: extentsOf(p.offsets, p.segmentBytes),
         payloadBytes: items * p.segmentBytes,
         commit: () => settle(true),
         abort: () => settle(false),
@@ -102,7 +98,7 @@ export function storeTierHost(store: KvStore): TierHost {
       for (let i = 0; i < found; i++) {
         // Lock table: offsets[column * found + i], column in payload order.
         blocks[lock.found[i]] = {
-          extents: mergeExtents(lock.offsets, lock.segmentBytes, i, per, found),
+          extents: extentsOf(lock.offsets, lock.segmentBytes, i, per, found),
           payloadBytes: per * lock.segmentBytes,
         };
       }

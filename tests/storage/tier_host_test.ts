@@ -4,7 +4,7 @@
 import { deepStrictEqual as assertEquals, ok as assert, strictEqual } from "node:assert/strict";
 import { hashHex } from "../../lib/storage/keys.ts";
 import { sealedHashBytes } from "../../lib/storage/tier.ts";
-import { mergeExtents, storeTierHost } from "../../lib/storage/tier_host.ts";
+import { storeTierHost } from "../../lib/storage/tier_host.ts";
 import type { BlockLayout } from "../../lib/storage/block.ts";
 import { makeStore, NS } from "./helpers.ts";
 
@@ -47,6 +47,7 @@ Deno.test("a fill plans one whole block, every layer and rank slot, in payload o
   strictEqual(store.blockState(NS, bytes(1)), "sealed");
   // The fill's extents are the slots' pool ranges in the order a lock (payload order) lists them.
   assertEquals(expand(f.extents, 4096), payloadOffsets(store, bytes(1)));
+  strictEqual(f.extents.length, 1, "in an empty pool a block's slots lie side by side: one range");
   const q = store.query(NS, [bytes(1)], "e", 2);
   strictEqual(q.hits, 1);
   store.releaseLease(q.lease!.idBytes);
@@ -122,18 +123,6 @@ Deno.test("sealed hash bytes pair a completion's sealed blocks with the request'
   const got = sealedHashBytes(b.plan, req, done);
   assertEquals(got.map((x) => hashHex(x)), [bytes(1), bytes(3), bytes(4)].map((x) => hashHex(x)));
   assert(got.every((x) => req.includes(x)), "the request's own byte arrays, not copies");
-});
-
-Deno.test("merging item offsets joins only ranges that touch", () => {
-  assertEquals(mergeExtents([0, 4096, 16384, 20480, 8192], 4096), [
-    { offset: 0, bytes: 8192 },
-    { offset: 16384, bytes: 8192 },
-    { offset: 8192, bytes: 4096 },
-  ]);
-  // A column-major table of 2 blocks: block 0 is items 0, 2, 4.
-  assertEquals(mergeExtents([0, 100, 4096, 200, 8192, 300], 4096, 0, 3, 2), [
-    { offset: 0, bytes: 12288 },
-  ]);
 });
 
 Deno.test("a write pin that outlived its transfer-lock TTL releases cleanly: the store already unpinned it", () => {
