@@ -120,12 +120,12 @@ export class SsdStorageTier implements Tier {
   }
 
   health(): TierHealth {
-    const s = this.ssd.stats();
+    const u = this.ssd.usage();
     return {
       state: this.ssd.closed ? "closed" : "up",
-      capacityBytes: s.capacityBytes,
-      usedBytes: s.indexBytes,
-      blocks: s.indexBlocks,
+      capacityBytes: u.capacityBytes,
+      usedBytes: u.indexBytes,
+      blocks: u.indexBlocks,
     };
   }
 

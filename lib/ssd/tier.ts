@@ -379,6 +379,15 @@ export class SsdTier {
     return this.#closed;
   }
 
+  /** Capacity and what the index holds: no I/O, safe after {@link close} (tier health). */
+  usage(): { capacityBytes: number; indexBytes: number; indexBlocks: number } {
+    return {
+      capacityBytes: this.#ring.capacityBytes,
+      indexBytes: this.#index.payloadBytes,
+      indexBlocks: this.#index.size,
+    };
+  }
+
   /** Counters and gauges for /metrics and tests. */
   stats(): SsdStats {
     return {

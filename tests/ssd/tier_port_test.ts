@@ -160,3 +160,31 @@ Deno.test("tier port: a block evicted before its write started is skipped and no
     await h.close();
   }
 });
+
+Deno.test("tier port: health reports capacity and held bytes, and closed after close", async () => {
+  const h = await harness(32 * MiB);
+  const store = new KvStore({ capacityBytes: 32 * MiB });
+  store.defineNamespace(NS, LAYOUT);
+  const tier = await h.openTier({ capacityBytes: 64 * MiB, segmentBytes: 4 * MiB });
+  const tiers = wire(h, store, tier);
+  try {
+    const [ssd] = tiers.tiers;
+    assert.deepEqual(ssd.health(), {
+      state: "up",
+      capacityBytes: tier.stats().capacityBytes,
+      usedBytes: 0,
+      blocks: 0,
+    });
+    tiers.sealed(NS, save(store, h.pool, hashes.slice(0, 3)));
+    await tiers.flush();
+    const blockBytes = LAYOUT.layers * LAYOUT.tpSize * LAYOUT.segments * LAYOUT.segmentBytes;
+    assert.equal(ssd.health().usedBytes, 3 * blockBytes);
+    assert.equal(ssd.health().blocks, 3);
+    await tiers.close();
+    assert.equal(ssd.health().state, "closed");
+    assert.equal(ssd.health().blocks, 3, "readable after close: no I/O behind it");
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});
