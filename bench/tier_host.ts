@@ -10,6 +10,7 @@
 // Prints a table and writes bench/results/tier_host.json. Never asserts on time.
 import { KvStore, type SavePlan } from "../lib/storage/store.ts";
 import { storeTierHost } from "../lib/storage/tier_host.ts";
+import { mergeExtents } from "../lib/transfer/ranges.ts";
 
 const BLOCKS = 625;
 const LAYOUT = { layers: 32, tpSize: 2, collapseTp: false, segments: 2, segmentBytes: 32 * 1024 };
@@ -78,13 +79,9 @@ rows.push(measure("write pin before: 625 transfer locks (one per block) + releas
   for (const h of sealed) {
     const lock = store.lockForTransfer(NS, [h], "ssd-write-behind");
     if (!lock) throw new Error("lock lost a block");
-    // The bridge merged each block's offsets into extents, as TierHost.pin does.
-    const out: { offset: number; bytes: number }[] = [];
-    for (const off of lock.offsets) {
-      const last = out[out.length - 1];
-      if (last && last.offset + last.bytes === off) last.bytes += lock.segmentBytes;
-      else out.push({ offset: off, bytes: lock.segmentBytes });
-    }
+    // The bridge merged each block's offsets into extents, as TierHost.pin does
+    // (a one-block lock's table is that block's offsets in payload order).
+    mergeExtents(lock.offsets, lock.segmentBytes);
     store.releaseTransferLock(lock.id);
   }
 }));

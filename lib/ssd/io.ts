@@ -22,7 +22,7 @@ import {
   type Uring,
 } from "../../ffi/uring.ts";
 
-import type { PoolExtent } from "../storage/tier.ts";
+import type { PoolExtent } from "../transfer/ranges.ts";
 
 /** One record of the completion ring (the fields the SSD tier reads). */
 export type IoCompletion = Pick<Completion, "tag" | "kind" | "index" | "status" | "aux" | "value">;

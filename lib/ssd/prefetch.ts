@@ -24,7 +24,7 @@
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import { decodeHeader } from "./format.ts";
 import type { SsdIo } from "./io.ts";
-import type { PoolExtent } from "../storage/tier.ts";
+import type { PoolExtent } from "../transfer/ranges.ts";
 import type { SsdIndex, SsdLocation } from "./index.ts";
 import type { CacheFile } from "./cache_files.ts";
 import { ewma } from "./throughput.ts";

@@ -18,7 +18,7 @@ import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.t
 import type { LayoutIdentity } from "../storage/layout.ts";
 import { encodeHeader, keyBytes, recordBytes } from "./format.ts";
 import type { SsdIo } from "./io.ts";
-import type { PoolExtent } from "../storage/tier.ts";
+import type { PoolExtent } from "../transfer/ranges.ts";
 import type { SsdIndex } from "./index.ts";
 import type { Segment, SegmentRing } from "./space.ts";
 import type { CacheFile } from "./cache_files.ts";

@@ -31,13 +31,7 @@
 import { hashMatches } from "./keys.ts";
 import type { LayoutIdentity } from "./layout.ts";
 import type { SaveCompletion, SavePlan } from "./store.ts";
-
-/** A byte range of the pinned pool. */
-export interface PoolExtent {
-  /** Byte offset in the pool. */
-  offset: number;
-  bytes: number;
-}
+import type { PoolExtent } from "../transfer/ranges.ts";
 
 /** Blocks of one namespace, by content hash, under that namespace's layout. */
 export interface TierBlocks {

@@ -10,38 +10,21 @@
  *    block lets the allocator hand out its slots side by side, so a record
  *    is read with a few iovecs.)
  *  - `pin` is one `lockForTransfer` for the whole batch (the lock's table is
- *    column-major over the found blocks; it is turned into each block's
- *    payload-order ranges here, once).
+ *    column-major over the found blocks, lib/storage/offsets.ts; it is turned
+ *    into each block's payload-order ranges here, once).
+ *
+ * Adjacent pool ranges of a block are merged by the one range merger
+ * (lib/transfer/ranges.ts), so a record is read or written with few iovecs.
  *
  * @module
  */
 
+import { mergeExtents } from "../transfer/ranges.ts";
 import { rankSlots } from "./block.ts";
 import { LeaseError } from "./errors.ts";
+import { offsetIndex, type OffsetTable } from "./offsets.ts";
 import type { KvStore } from "./store.ts";
-import type { FillClass, PoolExtent, RamExtents, RamFill, RamPin, TierHost } from "./tier.ts";
-
-/**
- * Pool ranges of `count` items of `bytes`, item `j` at
- * `offsets[start + j * stride]`, items that continue each other merged
- * (fewer iovecs per record). The items lie back to back in the tier's copy.
- */
-function extentsOf(
-  offsets: ArrayLike<number>,
-  bytes: number,
-  start = 0,
-  count = offsets.length,
-  stride = 1,
-): PoolExtent[] {
-  const out: PoolExtent[] = [];
-  for (let j = 0; j < count; j++) {
-    const off = offsets[start + j * stride];
-    const last = out[out.length - 1];
-    if (last && last.offset + last.bytes === off) last.bytes += bytes;
-    else out.push({ offset: off, bytes });
-  }
-  return out;
-}
+import type { FillClass, RamExtents, RamFill, RamPin, TierHost } from "./tier.ts";
 
 /**
  * A {@link TierHost} over `store`.
@@ -67,7 +50,8 @@ export function storeTierHost(store: KvStore): TierHost {
         store.completeSave(p, false);
         return null;
       }
-      // One block, layers and rank slots in order: the plan's column order is payload order.
+      // One block over every layer and rank slot, in order: the plan's columns
+      // (lib/storage/offsets.ts) are payload order, so its offsets are the block's.
       let settled = false;
       const settle = (ok: boolean) => {
         if (settled) throw new Error(`fill of block in namespace ${namespace} settled twice`);
@@ -75,7 +59,7 @@ export function storeTierHost(store: KvStore): TierHost {
         store.completeSave(p, ok);
       };
       return {
-        extents: extentsOf(p.offsets, p.segmentBytes),
+        extents: mergeExtents(p.offsets, p.segmentBytes),
         payloadBytes: items * p.segmentBytes,
         commit: () => settle(true),
         abort: () => settle(false),
@@ -93,12 +77,28 @@ export function storeTierHost(store: KvStore): TierHost {
       const lock = store.lockForTransfer(namespace, hashes, requester);
       if (!lock) return null;
       const found = lock.found.length;
-      const per = layout.layers * rankSlots(layout) * layout.segments;
+      const rs = rankSlots(layout);
+      const per = layout.layers * rs * layout.segments;
+      const table: OffsetTable = {
+        offsets: lock.offsets,
+        blockCount: found,
+        segments: layout.segments,
+      };
+      // One block's offsets in payload order, gathered out of the column-major
+      // table; reused for every block of the batch.
+      const own = new Float64Array(per);
       const blocks: (RamExtents | undefined)[] = new Array(hashes.length).fill(undefined);
       for (let i = 0; i < found; i++) {
-        // Lock table: offsets[column * found + i], column in payload order.
+        let j = 0;
+        for (let layer = 0; layer < layout.layers; layer++) {
+          for (let r = 0; r < rs; r++) {
+            for (let seg = 0; seg < layout.segments; seg++) {
+              own[j++] = lock.offsets[offsetIndex(table, layer, r, seg, i, rs)];
+            }
+          }
+        }
         blocks[lock.found[i]] = {
-          extents: extentsOf(lock.offsets, lock.segmentBytes, i, per, found),
+          extents: mergeExtents(own, lock.segmentBytes),
           payloadBytes: per * lock.segmentBytes,
         };
       }
