@@ -72,7 +72,9 @@ def deno_binary() -> str:
 class Server:
     """`main.ts` in a child process; its address read from the JSON line it prints."""
 
-    def __init__(self, backend: str, pool_size: str, transfer_path: str | None) -> None:
+    def __init__(
+        self, backend: str, pool_size: str, transfer_path: str | None, uds: bool = False
+    ) -> None:
         args = [deno_binary(), "run", "--allow-all"]
         if os.environ.get("PEGAFLOW_DENO_CACHED_ONLY") == "1":
             args.append("--cached-only")
@@ -85,6 +87,11 @@ class Server:
         ]  # fmt: skip
         if transfer_path:
             args += ["--transfer-path", transfer_path]
+        # An engine beside the server reaches it over a Unix socket (--uds):
+        # the local control plane, with no TCP stack between the two.
+        self.uds_dir = tempfile.mkdtemp(prefix="pf-ttft-") if uds else None
+        if self.uds_dir:
+            args += ["--uds", os.path.join(self.uds_dir, "pf.sock")]
         env = dict(os.environ)
         env.setdefault("DENO_DIR", os.path.join(ROOT, ".cache", "deno"))
         env["NO_COLOR"] = "1"
@@ -99,7 +106,8 @@ class Server:
         if not line or not line[0]:
             self.stop()
             raise SystemExit(f"server did not start ({' '.join(args)}):\n{self.logs()[-4000:]}")
-        self.addr = json.loads(line[0])["listening"]["grpc"]
+        listening = json.loads(line[0])["listening"]
+        self.addr = f"unix:{listening['uds']}" if self.uds_dir else listening["grpc"]
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def logs(self) -> str:
@@ -226,6 +234,7 @@ class Bench:
         self.regions: list = []
         self.result: dict[str, Any] = {
             "backend": args.backend,
+            "transport": args.transport,
             "config": args.config,
             "tokens": args.tokens,
             "runs": args.runs,
@@ -328,7 +337,9 @@ class Bench:
                 gc.collect()
                 if self.dev.type == "cuda":
                     torch.cuda.empty_cache()
-        self.server = Server(a.backend, a.pool_size, a.transfer_path if a.backend == "cuda" else None)
+        self.server = Server(
+            a.backend, a.pool_size, a.transfer_path if a.backend == "cuda" else None, uds=a.transport == "uds"
+        )
         try:
             model = LlamaModel(self.cfg, self.dev, seed=0)
             self.result["kv_link_gbps"] = h2d_rate(
@@ -724,6 +735,12 @@ def main() -> None:
     p.add_argument("--decode-requests", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=None)
     p.add_argument("--decode-prompt", type=int, default=None)
+    p.add_argument(
+        "--transport",
+        choices=["uds", "tcp"],
+        default="uds",
+        help="how the engine reaches the server: its Unix socket (default) or TCP loopback",
+    )
     p.add_argument("--decode-repeats", type=int, default=4, help="on and off runs each, interleaved")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a GPU-hit and a decode step")
     p.add_argument("--skip-transformers", action="store_true")
