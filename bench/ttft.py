@@ -23,7 +23,10 @@ reset), same first token, logits close. Targets are printed pass/fail and writte
   python3 bench/ttft.py --backend host --config tiny      # CPU smoke (CI machine)
 
 Environment: PEGAFLOW_DENO (deno binary; else tools/deno/node_modules/deno/deno or ./deno),
-DENO_DIR, PEGAFLOW_DENO_CACHED_ONLY=1 (adds --cached-only: no network needed).
+DENO_DIR, PEGAFLOW_DENO_CACHED_ONLY=1 (adds --cached-only: no network needed),
+PEGAFLOW_TTFT_SERVER_LOG (the server's --log-level, default warn; debug logs each RPC's
+handler/respond ms and each load's phases) and PEGAFLOW_TTFT_SERVER_LOG_COPY (a file that
+receives the server's log at the end).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class Server:
             "--backend", backend,
             "--addr", "127.0.0.1:0",
             "--pool-size", pool_size,
-            "--log-level", "warn",
+            "--log-level", os.environ.get("PEGAFLOW_TTFT_SERVER_LOG", "warn"),
         ]  # fmt: skip
         if transfer_path:
             args += ["--transfer-path", transfer_path]
@@ -371,6 +374,10 @@ class Bench:
                     asy.shutdown()
         finally:
             self.server.stop()
+            keep = os.environ.get("PEGAFLOW_TTFT_SERVER_LOG_COPY")
+            if keep:  # the server's log lines, for reading its side of each RPC
+                with open(keep, "w") as f:
+                    f.write(self.server.logs())
             for r in self.regions:
                 r.close()
         self.targets()
