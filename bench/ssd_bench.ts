@@ -6,7 +6,8 @@
  */
 import { Engine } from "../ffi/native.ts";
 import { CompletionRing } from "../ffi/ring.ts";
-import { type PrefetchWant, SsdTier } from "../lib/ssd/tier.ts";
+import type { PrefetchWant } from "../lib/ssd/prefetch.ts";
+import { SsdTier } from "../lib/ssd/tier.ts";
 import { layoutIdentity } from "../lib/storage/layout.ts";
 import { Logger } from "../lib/log.ts";
 import { runOurs } from "./ssd_lib.ts";
@@ -61,13 +62,13 @@ Deno.bench({
   async fn() {
     const keys = Array.from({ length: 16 }, (_, i) => `bench/${round}/${i}`);
     round++;
-    tier.enqueueWrite(keys.map((key, i) => ({
-      key,
-      namespace: "bench",
-      layout: BENCH_LAYOUT,
-      acquire: () => [{ offset: i * 2 * MiB, bytes: 2 * MiB }],
-      release: () => {},
-    })));
+    tier.enqueueWrite({
+      blocks: keys.map((key) => ({ key, namespace: "bench", layout: BENCH_LAYOUT })),
+      pin: (fresh) => ({
+        extents: fresh.map((b) => [{ offset: keys.indexOf(b.key) * 2 * MiB, bytes: 2 * MiB }]),
+        release: () => {},
+      }),
+    });
     await tier.flushWrites();
     let at = 64 * MiB;
     let committed = 0;

@@ -18,7 +18,8 @@
 import { Engine } from "../ffi/native.ts";
 import { CompletionRing } from "../ffi/ring.ts";
 import { fsSpace } from "../ffi/uring.ts";
-import { type PrefetchWant, SsdTier } from "../lib/ssd/tier.ts";
+import type { PrefetchWant } from "../lib/ssd/prefetch.ts";
+import { SsdTier } from "../lib/ssd/tier.ts";
 import { layoutIdentity } from "../lib/storage/layout.ts";
 import { Logger } from "../lib/log.ts";
 import { fioArgs, type Measured, type Point, runFio, runOurs } from "./ssd_lib.ts";
@@ -166,13 +167,16 @@ if (fsSpace(dir).availableBytes > 3 * prefixBytes) {
     for (let off = 0; off < prefixBytes; off += MiB) view[off] = (off / MiB) & 0xff;
     const keys = Array.from({ length: prefixBlocks }, (_, i) => `bench/llama-8b/${i}`);
     const tw = performance.now();
-    tier.enqueueWrite(keys.map((key, i) => ({
-      key,
-      namespace: "bench",
-      layout: BENCH_LAYOUT,
-      acquire: () => [{ offset: i * LLAMA_BLOCK_BYTES, bytes: LLAMA_BLOCK_BYTES }],
-      release: () => {},
-    })));
+    const slot = new Map(keys.map((k, i) => [k, i]));
+    tier.enqueueWrite({
+      blocks: keys.map((key) => ({ key, namespace: "bench", layout: BENCH_LAYOUT })),
+      pin: (fresh) => ({
+        extents: fresh.map((b) => [
+          { offset: slot.get(b.key)! * LLAMA_BLOCK_BYTES, bytes: LLAMA_BLOCK_BYTES },
+        ]),
+        release: () => {},
+      }),
+    });
     await tier.flushWrites();
     const writeSecs = (performance.now() - tw) / 1000;
     view.fill(0, 0, Math.min(prefixBytes, 64 * MiB));

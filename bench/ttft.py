@@ -23,7 +23,10 @@ reset), same first token, logits close. Targets are printed pass/fail and writte
   python3 bench/ttft.py --backend host --config tiny      # CPU smoke (CI machine)
 
 Environment: PEGAFLOW_DENO (deno binary; else tools/deno/node_modules/deno/deno or ./deno),
-DENO_DIR, PEGAFLOW_DENO_CACHED_ONLY=1 (adds --cached-only: no network needed).
+DENO_DIR, PEGAFLOW_DENO_CACHED_ONLY=1 (adds --cached-only: no network needed),
+PEGAFLOW_TTFT_SERVER_LOG (the server's --log-level, default warn; debug logs each RPC's
+handler/respond ms and each load's phases) and PEGAFLOW_TTFT_SERVER_LOG_COPY (a file that
+receives the server's log at the end).
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ def deno_binary() -> str:
 class Server:
     """`main.ts` in a child process; its address read from the JSON line it prints."""
 
-    def __init__(self, backend: str, pool_size: str, transfer_path: str | None) -> None:
+    def __init__(
+        self, backend: str, pool_size: str, transfer_path: str | None, uds: bool = False
+    ) -> None:
         args = [deno_binary(), "run", "--allow-all"]
         if os.environ.get("PEGAFLOW_DENO_CACHED_ONLY") == "1":
             args.append("--cached-only")
@@ -81,10 +86,15 @@ class Server:
             "--backend", backend,
             "--addr", "127.0.0.1:0",
             "--pool-size", pool_size,
-            "--log-level", "warn",
+            "--log-level", os.environ.get("PEGAFLOW_TTFT_SERVER_LOG", "warn"),
         ]  # fmt: skip
         if transfer_path:
             args += ["--transfer-path", transfer_path]
+        # An engine beside the server reaches it over a Unix socket (--uds):
+        # the local control plane, with no TCP stack between the two.
+        self.uds_dir = tempfile.mkdtemp(prefix="pf-ttft-") if uds else None
+        if self.uds_dir:
+            args += ["--uds", os.path.join(self.uds_dir, "pf.sock")]
         env = dict(os.environ)
         env.setdefault("DENO_DIR", os.path.join(ROOT, ".cache", "deno"))
         env["NO_COLOR"] = "1"
@@ -99,7 +109,8 @@ class Server:
         if not line or not line[0]:
             self.stop()
             raise SystemExit(f"server did not start ({' '.join(args)}):\n{self.logs()[-4000:]}")
-        self.addr = json.loads(line[0])["listening"]["grpc"]
+        listening = json.loads(line[0])["listening"]
+        self.addr = f"unix:{listening['uds']}" if self.uds_dir else listening["grpc"]
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def logs(self) -> str:
@@ -226,6 +237,7 @@ class Bench:
         self.regions: list = []
         self.result: dict[str, Any] = {
             "backend": args.backend,
+            "transport": args.transport,
             "config": args.config,
             "tokens": args.tokens,
             "runs": args.runs,
@@ -328,7 +340,9 @@ class Bench:
                 gc.collect()
                 if self.dev.type == "cuda":
                     torch.cuda.empty_cache()
-        self.server = Server(a.backend, a.pool_size, a.transfer_path if a.backend == "cuda" else None)
+        self.server = Server(
+            a.backend, a.pool_size, a.transfer_path if a.backend == "cuda" else None, uds=a.transport == "uds"
+        )
         try:
             model = LlamaModel(self.cfg, self.dev, seed=0)
             self.result["kv_link_gbps"] = h2d_rate(
@@ -360,6 +374,10 @@ class Bench:
                     asy.shutdown()
         finally:
             self.server.stop()
+            keep = os.environ.get("PEGAFLOW_TTFT_SERVER_LOG_COPY")
+            if keep:  # the server's log lines, for reading its side of each RPC
+                with open(keep, "w") as f:
+                    f.write(self.server.logs())
             for r in self.regions:
                 r.close()
         self.targets()
@@ -724,6 +742,12 @@ def main() -> None:
     p.add_argument("--decode-requests", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=None)
     p.add_argument("--decode-prompt", type=int, default=None)
+    p.add_argument(
+        "--transport",
+        choices=["uds", "tcp"],
+        default="uds",
+        help="how the engine reaches the server: its Unix socket (default) or TCP loopback",
+    )
     p.add_argument("--decode-repeats", type=int, default=4, help="on and off runs each, interleaved")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a GPU-hit and a decode step")
     p.add_argument("--skip-transformers", action="store_true")

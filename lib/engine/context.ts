@@ -23,16 +23,18 @@ export interface EngineMetrics {
 }
 
 /**
- * The SSD tier's hooks (implemented by lib/ssd/kv_bridge.ts): a query whose
- * prefix continues on SSD starts (or polls) a prefetch and is answered
- * "loading"; a registration is checked against the layouts the SSD holds
+ * The tiers below RAM (implemented by lib/storage/lower_tiers.ts over the
+ * `Tier` port): sealed blocks are handed over for write-behind; a query whose
+ * prefix continues in a tier starts (or polls) a fetch and is answered
+ * "loading"; a registration is checked against the layouts the tiers hold
  * for its namespace (they outlive a restart, RAM does not).
- * (Write-behind subscribes through {@link KvEngine.onSealed}.)
  */
-export interface SsdHook {
-  /** Layouts the SSD holds blocks of under `namespace`, with block counts. */
-  storedLayouts(namespace: string): readonly (LayoutIdentity & { blocks: number })[];
-  /** True: answer "loading" (a prefetch for this request id is running). */
+export interface TiersPort {
+  /** Blocks a save just sealed (the engine's hash bytes). Never waits. */
+  sealed(namespace: string, hashes: readonly Uint8Array[]): unknown;
+  /** Layouts the tiers hold blocks of under `namespace`, with block counts and where. */
+  storedLayouts(namespace: string): readonly (LayoutIdentity & { blocks: number; where: string })[];
+  /** True: answer "loading" (a fetch for this request id is running). */
   beforeQuery(
     namespace: string,
     instance: string,
@@ -47,7 +49,7 @@ export interface EngineContext {
   readonly store: KvStore;
   readonly log: Logger;
   readonly metrics: EngineMetrics | undefined;
-  readonly ssd: SsdHook | undefined;
+  readonly tiers: TiersPort | undefined;
   /** Registered instances by id. */
   readonly instances: Map<string, Instance>;
   /** namespace → its agreed layout and the instances using it (namespaces.ts owns the rule). */

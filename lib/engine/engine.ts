@@ -30,7 +30,7 @@ import { MAX_HASH_BYTES } from "../limits.ts";
 import type { Logger } from "../log.ts";
 import type { KvStore } from "../storage/store.ts";
 import { TransferPlanner } from "../transfer/plan.ts";
-import { closeRegions, type EngineContext, type EngineMetrics, type SsdHook } from "./context.ts";
+import { closeRegions, type EngineContext, type EngineMetrics, type TiersPort } from "./context.ts";
 import { Code, EngineError, invalid, precondition } from "./errors.ts";
 import type { Instance } from "./instances.ts";
 import { type LoadArgs, type LoadJob, type LoadResult, LoadRunner } from "./load.ts";
@@ -39,7 +39,7 @@ import { registerRank, type RegisterResult } from "./register.ts";
 import type { RegisterArgs } from "./registration.ts";
 import { type SaveArgs, type SaveJob, type SaveResult, SaveRunner } from "./save.ts";
 
-export type { EngineMetrics, SsdHook } from "./context.ts";
+export type { EngineMetrics, TiersPort } from "./context.ts";
 export type { LoadArgs, LoadResult } from "./load.ts";
 export type { RegisterResult } from "./register.ts";
 export type { SaveArgs, SaveResult } from "./save.ts";
@@ -47,8 +47,8 @@ export { PROTOCOL_VERSION, type RegisterArgs } from "./registration.ts";
 
 export interface EngineOptions {
   native: NativePort;
-  /** Optional SSD tier. */
-  ssd?: SsdHook;
+  /** Optional tiers below RAM (SSD, peer). */
+  tiers?: TiersPort;
   store: KvStore;
   log: Logger;
   metrics?: EngineMetrics;
@@ -113,7 +113,7 @@ export class KvEngine {
       store: opts.store,
       log: opts.log,
       metrics: opts.metrics,
-      ssd: opts.ssd,
+      tiers: opts.tiers,
       instances: new Map(),
       layouts: new Map(),
     };
@@ -150,7 +150,8 @@ export class KvEngine {
 
   /**
    * Called with the keys of blocks a save just sealed (servable from now on):
-   * the hook for write-behind to a lower tier and for cross-node advertising.
+   * the hook for metrics and cross-node advertising. (Tiers below RAM are
+   * handed sealed blocks through {@link EngineOptions.tiers}, not here.)
    */
   onSealed(fn: (namespace: string, keys: readonly string[]) => void): void {
     this.#sealedListeners.push(fn);
@@ -228,9 +229,9 @@ export class KvEngine {
         );
       }
     }
-    const { store, ssd, log, metrics } = this.#ctx;
-    if (ssd?.beforeQuery(inst.namespace, inst.id, hashes, requestId)) {
-      log.debug("query loading from SSD", { instance: inst.id, request: requestId });
+    const { store, tiers, log, metrics } = this.#ctx;
+    if (tiers?.beforeQuery(inst.namespace, inst.id, hashes, requestId)) {
+      log.debug("query loading from a lower tier", { instance: inst.id, request: requestId });
       return { hits: 0, leaseId: null, ttlMs: this.#leaseTtlMs, loading: true };
     }
     const r = store.query(inst.namespace, hashes, inst.id, inst.worldSize);

@@ -30,7 +30,7 @@ export interface LayerCtx {
 export interface RankCtx {
   tpRank: number;
   ppRank: number;
-  /** Global rank: pp_rank * tp_size + tp_rank. */
+  /** Index among the instance's ranks: `rankIndex(tp_rank, pp_rank, tp_size)` (rank.ts). */
   rank: number;
   deviceId: number;
   /** In registration order (the order of layers_ready in a load state). */

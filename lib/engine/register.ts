@@ -81,7 +81,7 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
     try {
       sealTopology(ctx, inst, layout);
     } catch (e) {
-      // The SSD or the store still holds this namespace under another layout
+      // A lower tier or the store still holds this namespace under another layout
       // (blocks saved before every engine of it left): roll this rank back whole.
       inst.ranks.delete(rankCtx.rank);
       inst.unseal();
@@ -170,7 +170,7 @@ function mapRegions(
 
 /**
  * Every rank is in: fix the layer ids and define the store's namespace from
- * the agreed layout, after checking it against what the SSD holds. Throws a
+ * the agreed layout, after checking it against what the lower tiers hold. Throws a
  * plain Error (the caller rolls back and answers FAILED_PRECONDITION).
  */
 function sealTopology(ctx: EngineContext, inst: Instance, layout: NamespaceLayout): void {
@@ -178,16 +178,16 @@ function sealTopology(ctx: EngineContext, inst: Instance, layout: NamespaceLayou
   inst.seal(globalOrder(layout)!);
   const block = blockLayoutOf(layout);
   const identity = block.identity!;
-  // One layout per namespace across restarts: blocks on SSD were cut by the
-  // layout that wrote them, and a restart forgets only the RAM binding.
-  const stored = ctx.ssd?.storedLayouts(inst.namespace) ?? [];
+  // One layout per namespace across restarts: blocks in a lower tier were cut
+  // by the layout that wrote them, and a restart forgets only the RAM binding.
+  const stored = ctx.tiers?.storedLayouts(inst.namespace) ?? [];
   if (stored.length > 0 && !stored.some((l) => l.fingerprint === identity.fingerprint)) {
     const have = stored.map((l) =>
       `${l.summary} (fingerprint ${l.fingerprint}, ${l.blocks} blocks)`
     ).join("; ");
     throw new Error(
-      `namespace "${inst.namespace}" is stored on SSD with layout ${have}; this instance ` +
-        `offers ${identity.summary} (fingerprint ${identity.fingerprint}); one layout per ` +
+      `namespace "${inst.namespace}" is stored on ${stored[0].where} with layout ${have}; ` +
+        `this instance offers ${identity.summary} (fingerprint ${identity.fingerprint}); one layout per ` +
         `namespace: use a namespace per layout, or start the server with --ssd-reset`,
     );
   }

@@ -11,6 +11,7 @@
  */
 import { MAX_HASH_BYTES } from "../limits.ts";
 import type { SavePlan } from "../storage/store.ts";
+import { sealedHashBytes } from "../storage/tier.ts";
 import type { TransferPlanner } from "../transfer/plan.ts";
 import { type EngineContext, round3 } from "./context.ts";
 import { Code, EngineError, type ErrorFields, invalid } from "./errors.ts";
@@ -66,7 +67,7 @@ export class SaveRunner {
     readonly ctx: EngineContext,
     readonly batch: BatchWriter,
     readonly planner: TransferPlanner,
-    /** Called with the keys of blocks a save sealed (write-behind, cross-node index). */
+    /** Called with the keys of blocks a save sealed (metrics, cross-node index). */
     readonly onSealed: (namespace: string, keys: readonly string[]) => void,
   ) {}
 
@@ -110,7 +111,10 @@ export class SaveRunner {
       for (const p of plans.splice(0)) {
         const done = this.ctx.store.completeSave(p.plan, true);
         sealed += done.sealed;
-        if (done.sealed > 0) this.onSealed(inst.namespace, done.sealedKeys);
+        if (done.sealed > 0) {
+          this.ctx.tiers?.sealed(inst.namespace, sealedHashBytes(p.plan, p.group.hashes, done));
+          this.onSealed(inst.namespace, done.sealedKeys);
+        }
       }
       const secs = (performance.now() - t0) / 1000;
       this.ctx.metrics?.saveDone(copied.bytes, secs, result.blocksSaved);

@@ -23,8 +23,11 @@ import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
 import { httpHandler } from "./http.ts";
 import { ServerMetrics } from "./metrics.ts";
 import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
-import { SsdKvBridge } from "../ssd/kv_bridge.ts";
+import { SsdStorageTier } from "../ssd/ssd_tier_port.ts";
 import { registerSsdMetrics } from "../ssd/metrics.ts";
+import { LowerTiers } from "../storage/lower_tiers.ts";
+import { storeTierHost } from "../storage/tier_host.ts";
+import { registerTierMetrics } from "./tier_metrics.ts";
 import { type BlockIndexHandle, indexAdvertiser, openBlockIndex } from "../index/attach.ts";
 import {
   type GoawayGuard,
@@ -156,6 +159,7 @@ export async function startServer(
         pool: native.copyEngine.pool.handle,
         ring: native.copyEngine.ring,
         log: log.child({ tier: "ssd" }),
+        stageMetrics: (stage) => metrics.stage(stage),
       });
       registerSsdMetrics(metrics.registry, () => ssd!.stats());
       log.info("SSD tier ready", {
@@ -175,18 +179,27 @@ export async function startServer(
       log.error("SSD tier disabled", { error: e.message });
     }
   }
-  const bridge = ssd ? new SsdKvBridge(ssd, store, log.child({ tier: "ssd" })) : undefined;
+  // The tiers below RAM, wired once through the Tier port: the engine hands
+  // them sealed blocks (write-behind) and asks them on a RAM miss.
+  const tiers = ssd
+    ? new LowerTiers({
+      ram: store,
+      tiers: [
+        new SsdStorageTier(ssd, storeTierHost(store), log.child({ tier: "ssd" })),
+      ],
+      stageMetrics: (stage) => metrics.stage(stage),
+    })
+    : undefined;
+  if (tiers) registerTierMetrics(metrics.registry, tiers);
   const engine = new KvEngine({
     native,
     store,
     log,
     metrics,
     leaseTtlMs: cfg.leaseTtlMs,
-    ssd: bridge,
+    tiers,
   });
   engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
-  // Write-behind: sealed blocks are offered to the SSD tier (never waits).
-  if (bridge) engine.onSealed((_ns, keys) => bridge.onSealed(keys));
   if (advertiser) engine.onSealed((ns, keys) => advertiser.onSealed(ns, keys));
 
   const server = new grpc.Server({
@@ -202,7 +215,7 @@ export async function startServer(
   // socket (goaway_guard.ts). Without it grpc-js binds both itself.
   const cleanupOnListenError = async () => {
     clearInterval(collector);
-    await ssd?.close();
+    await tiers?.close();
     await native.close();
   };
   const bindGrpc = (addr: string) =>
@@ -323,7 +336,7 @@ export async function startServer(
       sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
       await engine.close();
       await index?.close();
-      await ssd?.close();
+      await tiers?.close();
       // grpc-js's sockets are left to process exit on purpose: its
       // tryShutdown/forceShutdown send GOAWAY, and a Deno process receiving a
       // GOAWAY on a busy HTTP/2 session can abort inside nghttp2

@@ -7,6 +7,7 @@
  */
 
 import type { Segment } from "./space.ts";
+import type { StoredLayout } from "../storage/tier.ts";
 
 /** Where one block's record lies on disk. */
 export interface SsdLocation {
@@ -20,13 +21,6 @@ export interface SsdLocation {
   namespace: string;
   /** Layout fingerprint the block was written with (lib/storage/layout.ts). */
   layout: string;
-}
-
-/** A layout the index holds blocks of, in one namespace. */
-export interface StoredLayout {
-  fingerprint: string;
-  summary: string;
-  blocks: number;
 }
 
 /**

@@ -22,12 +22,7 @@ import {
   type Uring,
 } from "../../ffi/uring.ts";
 
-/** A byte range of the pinned pool. */
-export interface PoolExtent {
-  /** Byte offset in the pool. */
-  offset: number;
-  bytes: number;
-}
+import type { PoolExtent } from "../transfer/ranges.ts";
 
 /** One record of the completion ring (the fields the SSD tier reads). */
 export type IoCompletion = Pick<Completion, "tag" | "kind" | "index" | "status" | "aux" | "value">;

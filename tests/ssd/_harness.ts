@@ -5,13 +5,13 @@
  */
 import { Engine, type Pool } from "../../ffi/native.ts";
 import { CompletionRing } from "../../ffi/ring.ts";
-import {
-  type PrefetchAllocation,
-  type PrefetchAllocator,
-  SsdTier,
-  type SsdTierOptions,
-  type SsdWriteBlock,
-} from "../../lib/ssd/tier.ts";
+import type {
+  PrefetchAllocation,
+  PrefetchAllocator,
+  PrefetchWant,
+} from "../../lib/ssd/prefetch.ts";
+import { SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
+import type { EnqueueResult, SsdWriteBatch, SsdWriteBlock } from "../../lib/ssd/write_behind.ts";
 import { layoutIdentity } from "../../lib/storage/layout.ts";
 import { Logger } from "../../lib/log.ts";
 
@@ -35,6 +35,13 @@ export type TestAllocator = PrefetchAllocator & {
   committed: Map<string, { offset: number; bytes: number }[]>;
 };
 
+/** A block at a pool range that counts its pins; `resident()` false = RAM evicted it. */
+export type TestBlock = SsdWriteBlock & {
+  pins: number;
+  extents: { offset: number; bytes: number }[];
+  resident: () => boolean;
+};
+
 export interface Harness {
   engine: Engine;
   pool: Pool;
@@ -46,14 +53,18 @@ export interface Harness {
   fill(key: string, off: number, len: number): void;
   /** True when pool bytes hold the pattern of `key`. */
   holds(key: string, off: number, len: number): boolean;
-  /** A write block at a pool range, with acquire/release counting. */
+  /** A write block at a pool range, with pin counting. */
   block(
     key: string,
     off: number,
     len: number,
     resident?: () => boolean,
     layout?: typeof TEST_LAYOUT,
-  ): SsdWriteBlock & { pins: number; extents: { offset: number; bytes: number }[] };
+  ): TestBlock;
+  /** A write batch of test blocks: pins the resident ones when the write starts. */
+  batch(blocks: TestBlock[]): SsdWriteBatch<TestBlock>;
+  /** `tier.enqueueWrite(batch(blocks))`. */
+  write(tier: SsdTier, blocks: TestBlock[]): EnqueueResult;
   /** Allocator over pool bytes from `base` (bump; free() counted in `freed`, commits recorded). */
   allocator(base: number, limit?: number): TestAllocator;
   /** An SsdTier on this pool, ring and log; its files go in `dir` unless `paths` says otherwise. */
@@ -102,26 +113,40 @@ export async function harness(poolBytes = 64 << 20): Promise<Harness> {
       return true;
     },
     block(key, off, len, resident = () => true, layout = TEST_LAYOUT) {
-      const b = {
+      return {
         key,
         namespace: TEST_NAMESPACE,
         layout,
         extents: [{ offset: off, bytes: len }],
         pins: 0,
-        acquire() {
-          if (!resident()) return null;
-          b.pins++;
-          return b.extents;
-        },
-        release() {
-          b.pins--;
+        resident,
+      };
+    },
+    batch(blocks) {
+      return {
+        blocks,
+        pin(fresh) {
+          const here = fresh.map((b) => b.resident());
+          const pinned = fresh.filter((_, i) => here[i]);
+          for (const b of pinned) b.pins++;
+          let released = false;
+          return {
+            extents: fresh.map((b, i) => here[i] ? b.extents : undefined),
+            release() {
+              if (released) throw new Error("write batch released twice");
+              released = true;
+              for (const b of pinned) b.pins--;
+            },
+          };
         },
       };
-      return b;
+    },
+    write(tier, blocks) {
+      return tier.enqueueWrite(h.batch(blocks));
     },
     allocator(base, limit = poolBytes) {
       let next = base;
-      const fn = ((wanted: readonly { key: string; payloadBytes: number }[]) => {
+      const fn = ((wanted: readonly PrefetchWant[]) => {
         const out: PrefetchAllocation[] = [];
         for (const w of wanted) {
           const n = w.payloadBytes;

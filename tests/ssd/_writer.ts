@@ -17,7 +17,7 @@ const blocks = Array.from({ length: count }, (_, i) => {
   h.fill(key, i * blockBytes, blockBytes);
   return h.block(key, i * blockBytes, blockBytes);
 });
-tier.enqueueWrite(blocks);
+h.write(tier, blocks);
 await tier.flushWrites();
 const s = tier.stats();
 await tier.close();

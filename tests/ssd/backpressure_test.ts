@@ -19,7 +19,7 @@ Deno.test("a full write queue drops the newest batch, counts it, and never pins 
         h.fill(k, (b * 3 + i) * BLOCK, BLOCK);
         return h.block(k, (b * 3 + i) * BLOCK, BLOCK);
       }));
-    const results = batches.map((b) => tier.enqueueWrite(b).status);
+    const results = batches.map((b) => h.write(tier, b).status);
     // One batch runs, one waits in the queue of depth 1, the other three are dropped at once.
     assert.deepEqual(results, ["queued", "queued", "dropped", "dropped", "dropped"]);
     let s = tier.stats();
@@ -31,8 +31,8 @@ Deno.test("a full write queue drops the newest batch, counts it, and never pins 
     for (const b of batches.slice(2)) for (const blk of b) assert.equal(blk.pins, 0);
     assert.equal(tier.lookupPrefix(batches[2].map((b) => b.key), FP), 0);
     // A dropped batch can simply be offered again later.
-    assert.equal(tier.enqueueWrite(batches[2]).status, "queued");
-    assert.equal(tier.enqueueWrite(batches[0]).status, "nothing-to-write", "already on SSD");
+    assert.equal(h.write(tier, batches[2]).status, "queued");
+    assert.equal(h.write(tier, batches[0]).status, "nothing-to-write", "already on SSD");
     await tier.flushWrites();
     assert.equal(tier.lookupPrefix(batches[2].map((b) => b.key), FP), 3);
   } finally {
@@ -53,7 +53,7 @@ Deno.test("a block evicted from RAM before its write starts is skipped, not kept
       h.fill(k, i * BLOCK, BLOCK);
       return h.block(k, i * BLOCK, BLOCK, () => resident.has(k));
     });
-    tier.enqueueWrite(blocks);
+    h.write(tier, blocks);
     await tier.flushWrites();
     assert.equal(tier.stats().writeSkippedEvicted, 1);
     assert.equal(tier.stats().writeBlocks, 2);
@@ -77,9 +77,7 @@ Deno.test("the prefetch budget bounds blocks being read under many concurrent qu
   });
   try {
     const keys = Array.from({ length: 32 }, (_, i) => `ns/p${i}`);
-    tier.enqueueWrite(
-      keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
-    );
+    h.write(tier, keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))));
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
     const outstanding = () => alloc.given - alloc.freed - alloc.committed.size;
@@ -125,7 +123,7 @@ Deno.test("a prefetch nobody polls again still commits its blocks, and is forgot
   });
   try {
     h.fill("ns/t", 0, BLOCK);
-    tier.enqueueWrite([h.block("ns/t", 0, BLOCK)]);
+    h.write(tier, [h.block("ns/t", 0, BLOCK)]);
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
     assert.equal(tier.prefetch("abandoned", ["ns/t"], alloc, FP).state, "loading");

@@ -44,7 +44,8 @@ Deno.test({
         assert.ok(tier.stats().capacityBytes <= 8 * MiB, "capacity capped to the free space");
         assert.ok(h.logs.some((l) => l.includes("capped")), h.logs.join("\n"));
         const early = ["ns/e0", "ns/e1"];
-        tier.enqueueWrite(
+        h.write(
+          tier,
           early.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
         );
         await tier.flushWrites();
@@ -58,7 +59,8 @@ Deno.test({
         }
         filler.close();
         const late = Array.from({ length: 8 }, (_, i) => `ns/l${i}`);
-        tier.enqueueWrite(
+        h.write(
+          tier,
           late.map((
             k,
             i,
@@ -120,7 +122,7 @@ Deno.test({
         assert.equal(tier.files.length, 1);
         assert.ok(tier.files[0].path.startsWith(ok));
         h.fill("ns/x", 0, BLOCK);
-        tier.enqueueWrite([h.block("ns/x", 0, BLOCK)]);
+        h.write(tier, [h.block("ns/x", 0, BLOCK)]);
         await tier.flushWrites();
         assert.equal(tier.lookupPrefix(["ns/x"], FP), 1);
       } finally {

@@ -21,7 +21,8 @@ Deno.test("whatever bytes of the cache file are damaged, nothing wrong is ever s
   try {
     {
       const tier = await SsdTier.open({ ...opts, reset: true });
-      tier.enqueueWrite(
+      h.write(
+        tier,
         keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
       );
       await tier.flushWrites();

@@ -23,10 +23,13 @@ function open(h: Harness, extra: { recoveryProgressMs?: number } = {}) {
 }
 
 async function write(h: Harness, tier: SsdTier, keys: string[], layout = TEST_LAYOUT) {
-  tier.enqueueWrite(keys.map((k, i) => {
-    h.fill(k, i * BLOCK, BLOCK);
-    return h.block(k, i * BLOCK, BLOCK, () => true, layout);
-  }));
+  h.write(
+    tier,
+    keys.map((k, i) => {
+      h.fill(k, i * BLOCK, BLOCK);
+      return h.block(k, i * BLOCK, BLOCK, () => true, layout);
+    }),
+  );
   await tier.flushWrites();
 }
 

@@ -2,7 +2,8 @@ import assert from "node:assert/strict";
 import { map, timer } from "rxjs";
 import { TestScheduler } from "rxjs/testing";
 import { stage } from "../../lib/pipeline/stage.ts";
-import { prefetchStageOptions, writeStageOptions } from "../../lib/ssd/tier.ts";
+import { prefetchStageOptions } from "../../lib/ssd/prefetch.ts";
+import { writeStageOptions } from "../../lib/ssd/write_behind.ts";
 import { FP, harness } from "./_harness.ts";
 
 const newScheduler = () => new TestScheduler((a, b) => assert.deepEqual(a, b));
@@ -58,9 +59,7 @@ Deno.test("a refused prefetch frees its pool space and budget and answers miss",
   });
   try {
     const keys = Array.from({ length: 9 }, (_, i) => `ns/q${i}`);
-    tier.enqueueWrite(
-      keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))),
-    );
+    h.write(tier, keys.map((k, i) => (h.fill(k, i * BLOCK, BLOCK), h.block(k, i * BLOCK, BLOCK))));
     await tier.flushWrites();
     const alloc = h.allocator(8 * MiB);
     assert.equal(tier.prefetch("r1", keys.slice(0, 3), alloc, FP).state, "loading");

@@ -15,10 +15,13 @@ function open(h: Harness, dir = h.dir, reset = false) {
 }
 
 async function writeBlocks(h: Harness, tier: SsdTier, keys: string[]) {
-  tier.enqueueWrite(keys.map((k, i) => {
-    h.fill(k, i * BLOCK, BLOCK);
-    return h.block(k, i * BLOCK, BLOCK);
-  }));
+  h.write(
+    tier,
+    keys.map((k, i) => {
+      h.fill(k, i * BLOCK, BLOCK);
+      return h.block(k, i * BLOCK, BLOCK);
+    }),
+  );
   await tier.flushWrites();
   h.pool.view(0, keys.length * BLOCK).fill(0);
 }

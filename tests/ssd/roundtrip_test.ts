@@ -16,7 +16,7 @@ Deno.test("blocks written behind come back byte-exact after RAM dropped them", a
       h.fill(k, i * BLOCK, BLOCK);
       return h.block(k, i * BLOCK, BLOCK);
     });
-    assert.equal(tier.enqueueWrite(blocks).status, "queued");
+    assert.equal(h.write(tier, blocks).status, "queued");
     await tier.flushWrites();
     assert.equal(tier.stats().writeBlocks, 16);
     assert.ok(blocks.every((b) => b.pins === 0), "every pin released after the write");

@@ -81,7 +81,7 @@ Deno.test("two cache paths: writes spread over both, the ring wraps oldest first
     for (let i = 0; i < keys.length; i++) {
       const off = (i % 16) * BLOCK;
       h.fill(keys[i], off, BLOCK);
-      tier.enqueueWrite([h.block(keys[i], off, BLOCK)]);
+      h.write(tier, [h.block(keys[i], off, BLOCK)]);
       await tier.flushWrites();
     }
     const s = tier.stats();

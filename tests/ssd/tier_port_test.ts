@@ -1,21 +1,32 @@
+/**
+ * The SSD tier behind the Tier port, wired as the server wires it
+ * (LowerTiers over the real KvStore, SsdStorageTier over a real SsdTier, the
+ * store's TierHost): write-behind through the tier.admit → ssd.write chain,
+ * prefetch through beginFill, committed slot-for-slot.
+ */
 import assert from "node:assert/strict";
 import { KvStore } from "../../lib/storage/store.ts";
-import { SsdKvBridge } from "../../lib/ssd/kv_bridge.ts";
-import { harness } from "./_harness.ts";
+import { LowerTiers } from "../../lib/storage/lower_tiers.ts";
+import { sealedHashBytes } from "../../lib/storage/tier.ts";
+import { storeTierHost } from "../../lib/storage/tier_host.ts";
+import { SsdStorageTier } from "../../lib/ssd/ssd_tier_port.ts";
+import type { SsdTier } from "../../lib/ssd/tier.ts";
+import { type Harness, harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const NS = "0123456789abcdef";
 // 4 layers × 2 TP ranks × K/V of 16 KiB: 256 KiB per block, 16 slots.
 const LAYOUT = { layers: 4, tpSize: 2, collapseTp: false, segments: 2, segmentBytes: 16384 };
-const hashes = Array.from({ length: 12 }, (_, i) => (0x1000 + i).toString(16));
+const hashes = Array.from({ length: 12 }, (_, i) => new Uint8Array([0x10, i, 0xab]));
+const hex = (h: Uint8Array) => [...h].map((b) => b.toString(16).padStart(2, "0")).join("");
 
 /** Saves `hs` into the store as the engine would: plan per rank, write pool bytes, complete. */
 function save(
   store: KvStore,
   pool: { view(o: number, n: number): Uint8Array },
-  hs: string[],
-): string[] {
-  const sealed: string[] = [];
+  hs: Uint8Array[],
+): Uint8Array[] {
+  const sealed: Uint8Array[] = [];
   for (let rank = 0; rank < LAYOUT.tpSize; rank++) {
     const begun = store.beginSave({ namespace: NS, instance: "inst", rank, hashes: hs });
     assert.ok(begun.ok);
@@ -25,14 +36,14 @@ function save(
         for (let b = 0; b < p.blockCount; b++) {
           const off = p.offsets[(li * p.segments + s) * p.blockCount + b];
           // Content names (hash, layer, rank, segment) so a misplaced slot is caught.
-          const tag = `${hs[p.hashIndex[b]]}/${p.layers[li]}/${rank}/${s}`;
+          const tag = `${hex(hs[p.hashIndex[b]])}/${p.layers[li]}/${rank}/${s}`;
           const v = pool.view(off, p.segmentBytes);
           v.fill(0);
           v.set(new TextEncoder().encode(tag));
         }
       }
     }
-    sealed.push(...store.completeSave(p, true).sealedKeys);
+    sealed.push(...sealedHashBytes(p, hs, store.completeSave(p, true)));
   }
   return sealed;
 }
@@ -40,7 +51,7 @@ function save(
 function slotTag(
   store: KvStore,
   pool: { view(o: number, n: number): Uint8Array },
-  hash: string,
+  hash: Uint8Array,
 ): string[] {
   const lock = store.lockForTransfer(NS, [hash], "test")!;
   const tags: string[] = [];
@@ -52,7 +63,15 @@ function slotTag(
   return tags;
 }
 
-Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads them back into the store byte-exact", async () => {
+/** The tiers as the server wires them: one SSD tier behind the port, over `store`. */
+function wire(h: Harness, store: KvStore, tier: SsdTier): LowerTiers {
+  return new LowerTiers({
+    ram: store,
+    tiers: [new SsdStorageTier(tier, storeTierHost(store), h.log)],
+  });
+}
+
+Deno.test("tier port: sealed blocks go to SSD; after RAM eviction a query loads them back into the store byte-exact", async () => {
   const h = await harness(32 * MiB);
   const store = new KvStore({ capacityBytes: 32 * MiB });
   store.defineNamespace(NS, LAYOUT);
@@ -60,20 +79,20 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
     capacityBytes: 64 * MiB,
     segmentBytes: 4 * MiB,
   });
-  const bridge = new SsdKvBridge(tier, store, h.log);
+  const tiers = wire(h, store, tier);
   try {
     const sealed = save(store, h.pool, hashes);
     assert.equal(sealed.length, 12);
     const before = hashes.map((x) => slotTag(store, h.pool, x));
-    bridge.onSealed(sealed);
-    await tier.flushWrites();
+    tiers.sealed(NS, sealed);
+    await tiers.flush();
     assert.equal(tier.stats().writeBlocks, 12);
     assert.equal(store.stats().pinnedBlocks, 0, "write-behind released its transfer locks");
     // RAM loses everything; the first 3 blocks come back from a save.
     store.evictAll();
     save(store, h.pool, hashes.slice(0, 3));
     assert.equal(
-      bridge.beforeQuery(NS, "inst", hashes, "req-A"),
+      tiers.beforeQuery(NS, "inst", hashes, "req-A"),
       true,
       "prefix continues on SSD: loading",
     );
@@ -83,7 +102,7 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
       "fetched blocks are invisible until committed",
     );
     assert.equal(
-      bridge.beforeQuery(NS, "inst", hashes, "req-B"),
+      tiers.beforeQuery(NS, "inst", hashes, "req-B"),
       true,
       "another request joins the read in flight",
     );
@@ -92,8 +111,8 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
     assert.equal(other.hits, 12, "committed as they landed, before req-A polls again");
     store.releaseLease(other.lease!.idBytes);
     assert.equal(tier.stats().readBlocks, 9, "read once for both requests");
-    assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-B"), false);
-    assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-A"), false);
+    assert.equal(tiers.beforeQuery(NS, "inst", hashes, "req-B"), false);
+    assert.equal(tiers.beforeQuery(NS, "inst", hashes, "req-A"), false);
     const q = store.query(NS, hashes, "inst", 2);
     assert.equal(q.hits, 12);
     for (let i = 0; i < hashes.length; i++) {
@@ -104,15 +123,17 @@ Deno.test("bridge: sealed blocks go to SSD; after RAM eviction a query loads the
       );
     }
     // A later query with everything in RAM does not touch the SSD.
-    assert.equal(bridge.beforeQuery(NS, "inst", hashes, "req-C"), false);
+    assert.equal(tiers.beforeQuery(NS, "inst", hashes, "req-C"), false);
     assert.equal(tier.hasPrefetch("req-C"), false);
+    assert.equal(store.stats().transferLocksActive, 0);
+    store.verify();
   } finally {
     await tier.close();
     await h.close();
   }
 });
 
-Deno.test("bridge: a block evicted before its write started is skipped and nothing stays pinned", async () => {
+Deno.test("tier port: a block evicted before its write started is skipped and nothing stays pinned", async () => {
   const h = await harness(32 * MiB);
   const store = new KvStore({ capacityBytes: 32 * MiB });
   store.defineNamespace(NS, LAYOUT);
@@ -122,18 +143,46 @@ Deno.test("bridge: a block evicted before its write started is skipped and nothi
     writeQueueDepth: 4,
     writeInflight: 1,
   });
-  const bridge = new SsdKvBridge(tier, store, h.log);
+  const tiers = wire(h, store, tier);
   try {
     const first = save(store, h.pool, hashes.slice(0, 2));
     const second = save(store, h.pool, hashes.slice(2, 4));
-    bridge.onSealed(first); // starts at once (one credit)
-    bridge.onSealed(second); // queued behind it
-    store.evictAll(); // the first batch is pinned by its transfer locks; the second is not yet
-    await tier.flushWrites();
+    tiers.sealed(NS, first); // starts at once (one credit)
+    tiers.sealed(NS, second); // queued behind it
+    store.evictAll(); // the first batch is pinned by its transfer lock; the second is not yet
+    await tiers.flush();
     const s = tier.stats();
     assert.equal(s.writeBlocks, 2);
     assert.equal(s.writeSkippedEvicted, 2);
     assert.equal(store.stats().pinnedBlocks, 0);
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});
+
+Deno.test("tier port: health reports capacity and held bytes, and closed after close", async () => {
+  const h = await harness(32 * MiB);
+  const store = new KvStore({ capacityBytes: 32 * MiB });
+  store.defineNamespace(NS, LAYOUT);
+  const tier = await h.openTier({ capacityBytes: 64 * MiB, segmentBytes: 4 * MiB });
+  const tiers = wire(h, store, tier);
+  try {
+    const [ssd] = tiers.tiers;
+    assert.deepEqual(ssd.health(), {
+      state: "up",
+      capacityBytes: tier.stats().capacityBytes,
+      usedBytes: 0,
+      blocks: 0,
+    });
+    tiers.sealed(NS, save(store, h.pool, hashes.slice(0, 3)));
+    await tiers.flush();
+    const blockBytes = LAYOUT.layers * LAYOUT.tpSize * LAYOUT.segments * LAYOUT.segmentBytes;
+    assert.equal(ssd.health().usedBytes, 3 * blockBytes);
+    assert.equal(ssd.health().blocks, 3);
+    await tiers.close();
+    assert.equal(ssd.health().state, "closed");
+    assert.equal(ssd.health().blocks, 3, "readable after close: no I/O behind it");
   } finally {
     await tier.close();
     await h.close();

@@ -1,0 +1,127 @@
+// The JS cost of the RAM side of the Tier port for a 10K-token Llama-3.1-8B
+// prefix (625 blocks × 32 layers × K/V of 32 KiB, TP=2): pinning a sealed
+// batch for write-behind and planning + committing a prefetch into RAM,
+// through the TierHost (one transfer lock per batch; one beginFill per block)
+// beside what the SSD bridge did before it (one transfer lock per block; one
+// beginSave per block and rank slot), on the same store. No bytes are copied.
+//
+//   deno run -A bench/tier_host.ts [--iterations 100]
+//
+// Prints a table and writes bench/results/tier_host.json. Never asserts on time.
+import { KvStore, type SavePlan } from "../lib/storage/store.ts";
+import { storeTierHost } from "../lib/storage/tier_host.ts";
+import { mergeExtents } from "../lib/transfer/ranges.ts";
+
+const BLOCKS = 625;
+const LAYOUT = { layers: 32, tpSize: 2, collapseTp: false, segments: 2, segmentBytes: 32 * 1024 };
+const NS = "llama31_8b_tp2_bench";
+
+const itArg = Deno.args.indexOf("--iterations");
+const ITER = itArg >= 0 ? Number(Deno.args[itArg + 1]) : 100;
+if (!Number.isInteger(ITER) || ITER < 1) {
+  console.error(`--iterations must be a positive integer, got ${Deno.args[itArg + 1]}`);
+  Deno.exit(2);
+}
+
+function hashes(seed: number): Uint8Array[] {
+  return Array.from({ length: BLOCKS }, (_, i) => {
+    const b = new Uint8Array(32);
+    new DataView(b.buffer).setUint32(0, seed);
+    new DataView(b.buffer).setUint32(4, i);
+    return b;
+  });
+}
+
+interface Row {
+  name: string;
+  p50_us: number;
+  p99_us: number;
+  mean_us: number;
+}
+
+function measure(name: string, fn: (i: number) => void): Row {
+  for (let i = 0; i < Math.min(10, ITER); i++) fn(-1 - i); // warm-up
+  const t: number[] = [];
+  for (let i = 0; i < ITER; i++) {
+    const t0 = performance.now();
+    fn(i);
+    t.push((performance.now() - t0) * 1000);
+  }
+  t.sort((a, b) => a - b);
+  const q = (p: number) => t[Math.min(t.length - 1, Math.floor(p * t.length))];
+  return {
+    name,
+    p50_us: q(0.5),
+    p99_us: q(0.99),
+    mean_us: t.reduce((a, b) => a + b, 0) / t.length,
+  };
+}
+
+// Room for the sealed prefix plus one prefix being filled (the filled one is evicted each round).
+const blockBytes = LAYOUT.layers * LAYOUT.tpSize * LAYOUT.segments * LAYOUT.segmentBytes;
+const store = new KvStore({ capacityBytes: 3 * BLOCKS * blockBytes });
+store.defineNamespace(NS, LAYOUT);
+const host = storeTierHost(store);
+const sealed = hashes(0);
+for (let rank = 0; rank < LAYOUT.tpSize; rank++) {
+  const b = store.beginSave({ namespace: NS, instance: "bench", rank, hashes: sealed });
+  if (!b.ok) throw b.error;
+  store.completeSave(b.plan, true);
+}
+
+const rows: Row[] = [];
+rows.push(measure("write pin: one transfer lock for 625 blocks (TierHost.pin) + release", () => {
+  const pin = host.pin(NS, sealed, "ssd");
+  if (!pin || pin.blocks.some((b) => !b)) throw new Error("pin lost a block");
+  pin.release();
+}));
+rows.push(measure("write pin before: 625 transfer locks (one per block) + releases", () => {
+  for (const h of sealed) {
+    const lock = store.lockForTransfer(NS, [h], "ssd-write-behind");
+    if (!lock) throw new Error("lock lost a block");
+    // The bridge merged each block's offsets into extents, as TierHost.pin does
+    // (a one-block lock's table is that block's offsets in payload order).
+    mergeExtents(lock.offsets, lock.segmentBytes);
+    store.releaseTransferLock(lock.id);
+  }
+}));
+
+// Fills: a fresh prefix each round, evicted afterwards so the pool never fills up.
+let round = 1;
+const drop = () => store.evictAll();
+rows.push(measure("prefetch fill: 625 × beginFill (whole block) + commit", () => {
+  const hs = hashes(round++);
+  for (const h of hs) {
+    const f = host.fill(NS, h, "ssd", "retained");
+    if (!f) throw new Error("fill refused");
+    f.commit();
+  }
+  drop();
+}));
+rows.push(measure("prefetch fill before: 625 × 2 ranks × beginSave + completeSave", () => {
+  const hs = hashes(round++);
+  for (const h of hs) {
+    const plans: SavePlan[] = [];
+    for (let rank = 0; rank < LAYOUT.tpSize; rank++) {
+      const b = store.beginSave({ namespace: NS, instance: "ssd", rank, hashes: [h] });
+      if (!b.ok) throw b.error;
+      plans.push(b.plan);
+    }
+    for (const p of plans) store.completeSave(p, true);
+  }
+  drop();
+}));
+store.verify();
+
+console.log(`| operation (625 blocks, 32 layers × TP 2 × K/V) | p50 µs | p99 µs | mean µs |`);
+console.log(`|---|---|---|---|`);
+for (const r of rows) {
+  console.log(
+    `| ${r.name} | ${r.p50_us.toFixed(0)} | ${r.p99_us.toFixed(0)} | ${r.mean_us.toFixed(0)} |`,
+  );
+}
+await Deno.mkdir("bench/results", { recursive: true });
+await Deno.writeTextFile(
+  "bench/results/tier_host.json",
+  JSON.stringify({ date: new Date().toISOString(), iterations: ITER, rows }, null, 2) + "\n",
+);

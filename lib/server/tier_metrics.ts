@@ -1,0 +1,78 @@
+/**
+ * Prometheus metrics of the tiers below RAM (`pegaflow_tier_*`), one label
+ * value per tier, read from {@link LowerTiers} at scrape time: capacity and
+ * health of each tier, which tier served (or missed) a query's prefix, and
+ * what the `tier.admit` stage dropped. The tier's own metrics
+ * (`pegaflow_ssd_*`) and the stage gauges (`pegaflow_queue_depth{queue}`)
+ * are registered by their owners.
+ *
+ * @module
+ */
+
+import { Counter, Gauge, type Registry } from "prom-client";
+import type { LowerTiers } from "../storage/lower_tiers.ts";
+import type { TierHealth } from "../storage/tier.ts";
+
+/**
+ * Registers the tier metrics on `registry`.
+ *
+ * @example
+ * ```ts
+ * registerTierMetrics(metrics.registry, tiers);
+ * ```
+ */
+export function registerTierMetrics(registry: Registry, tiers: LowerTiers): void {
+  const healthGauge = (name: string, help: string, value: (h: TierHealth) => number) =>
+    new Gauge({
+      name,
+      help,
+      labelNames: ["tier"],
+      registers: [registry],
+      collect() {
+        for (const t of tiers.tiers) this.set({ tier: t.name }, value(t.health()));
+      },
+    });
+  healthGauge(
+    "pegaflow_tier_up",
+    "1 while the tier serves, 0 once closed",
+    (h) => h.state === "up" ? 1 : 0,
+  );
+  healthGauge("pegaflow_tier_capacity_bytes", "bytes the tier can hold", (h) => h.capacityBytes);
+  healthGauge("pegaflow_tier_used_bytes", "block bytes the tier holds", (h) => h.usedBytes);
+  // Counters advance by what changed since the last scrape (the stats are running totals).
+  const advancer = () => {
+    const last = new Map<string, number>();
+    return (c: Counter<string>, labels: Record<string, string>, v: number) => {
+      const key = JSON.stringify(labels);
+      const prev = last.get(key) ?? 0;
+      if (v > prev) c.inc(labels, v - prev);
+      last.set(key, v);
+    };
+  };
+  const advanceQueries = advancer();
+  new Counter({
+    name: "pegaflow_tier_queries_total",
+    help: "queries whose prefix continued past RAM, by tier and answer " +
+      "(loading: a fetch started or joined; ready: its fetch ended; miss_<reason>)",
+    labelNames: ["tier", "answer"],
+    registers: [registry],
+    collect() {
+      for (const [tier, q] of Object.entries(tiers.stats().queries)) {
+        advanceQueries(this, { tier, answer: "loading" }, q.loading);
+        advanceQueries(this, { tier, answer: "ready" }, q.ready);
+        for (const [reason, n] of Object.entries(q.miss)) {
+          advanceQueries(this, { tier, answer: `miss_${reason}` }, n);
+        }
+      }
+    },
+  });
+  const advanceDropped = advancer();
+  new Counter({
+    name: "pegaflow_tier_admit_dropped_blocks_total",
+    help: "sealed blocks not offered to the tiers because the tier.admit queue was full",
+    registers: [registry],
+    collect() {
+      advanceDropped(this, {}, tiers.stats().admitDroppedBlocks);
+    },
+  });
+}

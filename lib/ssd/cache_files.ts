@@ -1,0 +1,253 @@
+/**
+ * The SSD tier's cache files: lock each file before anything reads or sizes
+ * it (one server per file), size it to its share of the capacity (capped to
+ * the filesystem's free space), and read or write its superblock (a
+ * generation that changes on reset and on a format or segment-size change,
+ * so old records can never come back). A path that cannot be used is logged
+ * and skipped; with none left the tier does not start.
+ *
+ * @module
+ */
+
+import { FileFlag, fsSpace, type Uring } from "../../ffi/uring.ts";
+import { decodeSuperblock, encodeSuperblock, newGeneration, PAGE_BYTES } from "./format.ts";
+import type { SsdIo } from "./io.ts";
+import { lockCacheFile, SsdLockedError } from "./file_lock.ts";
+import type { Logger } from "../log.ts";
+
+/** File created inside a directory given as a cache path. */
+export const CACHE_FILE_NAME = "pegaflow-ssd.cache";
+/** Free space left to the filesystem when capping capacity (metadata, other users). */
+const FREE_SPACE_RESERVE_FRACTION = 0.02;
+
+/** One open cache file. */
+export interface CacheFile {
+  path: string;
+  /** Held open with the exclusive advisory lock until close. */
+  lock: Deno.FsFile;
+  handle: number;
+  segments: number;
+  generation: number;
+  direct: boolean;
+  /** Size found at open, before the file was sized to its capacity (records past it are torn). */
+  sizeAtOpen: number;
+}
+
+/** The tier could not start on any path (the server runs without it). */
+export class SsdOpenError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "SsdOpenError";
+  }
+}
+
+function isDirectory(path: string): boolean {
+  try {
+    return Deno.statSync(path).isDirectory;
+  } catch (e) {
+    if (e instanceof Deno.errors.NotFound) return false;
+    throw e;
+  }
+}
+
+function fileSize(path: string): number {
+  try {
+    return Deno.statSync(path).size;
+  } catch (e) {
+    if (e instanceof Deno.errors.NotFound) return 0;
+    throw e;
+  }
+}
+
+/**
+ * Locks every cache file (a directory names the file inside it). A path
+ * that cannot be opened maps to its error (logged and skipped later, like
+ * any unusable path); a file another process holds refuses the whole start.
+ *
+ * @throws SsdLockedError naming the file and the holder.
+ */
+export function lockPaths(paths: string[]): Map<string, Deno.FsFile | Error> {
+  const out = new Map<string, Deno.FsFile | Error>();
+  try {
+    for (const given of paths) {
+      const path = isDirectory(given) ? `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}` : given;
+      if (out.has(path)) continue; // the same file named twice is one file
+      try {
+        out.set(path, lockCacheFile(path));
+      } catch (e) {
+        if (e instanceof SsdLockedError) throw e;
+        out.set(path, e as Error);
+      }
+    }
+  } catch (e) {
+    for (const l of out.values()) if (!(l instanceof Error)) l.close();
+    throw e;
+  }
+  return out;
+}
+
+function dirOf(path: string): string {
+  const i = path.lastIndexOf("/");
+  return i <= 0 ? (i === 0 ? "/" : ".") : path.slice(0, i);
+}
+
+/** What sizing a cache file needs. */
+interface SizeOptions {
+  capacityBytes: number;
+  segmentBytes: number;
+  direct: boolean;
+}
+
+/**
+ * Opens and sizes every locked path; a path that fails is logged, its lock
+ * dropped, and skipped.
+ *
+ * @throws SsdOpenError when no path is usable, with every path's reason.
+ */
+export async function openCacheFiles(
+  uring: Uring,
+  io: SsdIo,
+  locks: Map<string, Deno.FsFile | Error>,
+  opts: SizeOptions,
+  reset: boolean,
+  log: Logger,
+): Promise<CacheFile[]> {
+  const files: CacheFile[] = [];
+  const problems: string[] = [];
+  const share = Math.floor(opts.capacityBytes / locks.size);
+  for (const [path, lock] of locks) {
+    const handle = { id: 0 };
+    try {
+      if (lock instanceof Error) throw lock;
+      files.push(await openCacheFile(uring, io, path, lock, handle, share, opts, reset, log));
+    } catch (e) {
+      if (handle.id) uring.closeFile(handle.id);
+      if (!(lock instanceof Error)) lock.close();
+      locks.delete(path);
+      problems.push(`${path}: ${(e as Error).message}`);
+      log.error("SSD cache path is not usable", { path, error: (e as Error).message });
+    }
+  }
+  if (files.length === 0) {
+    throw new SsdOpenError(`no SSD cache path is usable: ${problems.join("; ")}`);
+  }
+  return files;
+}
+
+/**
+ * Opens one cache file with `share` bytes (capped to its filesystem's free
+ * space), keeps its generation when its superblock matches, else starts it
+ * empty under a new one. `handle.id` is set as soon as the file is open, so
+ * the caller closes it if a later step throws.
+ */
+async function openCacheFile(
+  uring: Uring,
+  io: SsdIo,
+  path: string,
+  lock: Deno.FsFile,
+  handle: { id: number },
+  share: number,
+  opts: SizeOptions,
+  reset: boolean,
+  log: Logger,
+): Promise<CacheFile> {
+  const space = fsSpace(dirOf(path));
+  const usable = Math.floor(
+    (space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION),
+  );
+  let cap = share;
+  if (cap > usable) {
+    log.info("SSD cache capacity capped to the free space of its filesystem", {
+      path,
+      asked_bytes: share,
+      capped_bytes: usable,
+    });
+    cap = usable;
+  }
+  const segments = Math.floor((cap - PAGE_BYTES) / opts.segmentBytes);
+  if (segments < 1) {
+    throw new Error(`capacity ${cap} bytes holds no ${opts.segmentBytes}-byte segment`);
+  }
+  const h = handle.id = uring.openFile(
+    path,
+    FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0),
+  );
+  const info = uring.fileInfo(h);
+  if (opts.direct && !info.direct) {
+    log.warn("the filesystem refused O_DIRECT; running through the page cache", { path });
+  }
+  let generation = 0;
+  if (!reset && info.sizeBytes >= PAGE_BYTES) {
+    const sb = await readSuper(io, h);
+    if (typeof sb === "string") {
+      // An older format is never misread: its records are dropped with the generation.
+      log.warn("SSD cache file not read: starting this file empty", { path, problem: sb });
+    } else if (sb.segmentBytes !== opts.segmentBytes) {
+      log.warn("SSD cache file written with another segment size: starting it empty", {
+        path,
+        on_disk_segment_bytes: sb.segmentBytes,
+        segment_bytes: opts.segmentBytes,
+      });
+    } else {
+      generation = sb.generation;
+      if (sb.segmentCount !== segments) {
+        log.info("SSD cache file resized: keeping its first segments", {
+          path,
+          on_disk_segments: sb.segmentCount,
+          segments,
+          kept: Math.min(sb.segmentCount, segments),
+        });
+      }
+    }
+  }
+  if (generation === 0) {
+    generation = newGeneration();
+    uring.truncate(h, 0); // a reset frees the old records' space at once
+  }
+  uring.truncate(h, PAGE_BYTES + segments * opts.segmentBytes);
+  await writeSuper(io, h, {
+    generation,
+    segmentBytes: opts.segmentBytes,
+    segmentCount: segments,
+    createdAtMs: Date.now(),
+  }, path);
+  return {
+    path,
+    lock,
+    handle: h,
+    segments,
+    generation,
+    direct: info.direct,
+    sizeAtOpen: reset ? 0 : info.sizeBytes,
+  };
+}
+
+async function readSuper(io: SsdIo, handle: number) {
+  const b = io.newBatch();
+  b.read(handle, 0, true, [], false);
+  const r = await io.run(b);
+  try {
+    if (r.status[0] !== 0) return `superblock read failed: ${r.errorText(0)}`;
+    return decodeSuperblock(r.header(0));
+  } finally {
+    r.release();
+  }
+}
+
+async function writeSuper(
+  io: SsdIo,
+  handle: number,
+  sb: Parameters<typeof encodeSuperblock>[1],
+  path: string,
+): Promise<void> {
+  const b = io.newBatch();
+  const i = b.write(handle, 0, true, []);
+  encodeSuperblock(b.headerPage(i), sb);
+  const r = await io.run(b);
+  r.release();
+  if (r.status[0] !== 0) {
+    throw new Error(
+      `writing the superblock of ${path} failed: ${r.errorText(0)} (errno ${r.aux[0]})`,
+    );
+  }
+}

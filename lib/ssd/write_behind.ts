@@ -1,0 +1,318 @@
+/**
+ * SSD write-behind: sealed blocks become records on disk. A credit-bounded
+ * stage (`ssd.write`): a queue of batches with policy `drop-newest` (a full
+ * queue drops the batch being offered and counts it; a save never waits on
+ * the SSD) in front of `inflight` batch writers.
+ *
+ * A batch is pinned in RAM only when its write starts (one `pin` call for
+ * the batch); a block RAM evicted before that is skipped. Each batch is
+ * split in chunks the header arena can stage; a chunk is placed in the
+ * segment ring, checksummed by the reaper thread, headed (key, layout
+ * fingerprint, CRC, sequence, epoch, generation), written in one io batch,
+ * and indexed once its write succeeded.
+ *
+ * @module
+ */
+
+import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
+import type { LayoutIdentity } from "../storage/layout.ts";
+import { encodeHeader, keyBytes, recordBytes } from "./format.ts";
+import type { SsdIo } from "./io.ts";
+import type { PoolExtent } from "../transfer/ranges.ts";
+import type { SsdIndex } from "./index.ts";
+import type { Segment, SegmentRing } from "./space.ts";
+import type { CacheFile } from "./cache_files.ts";
+import { ewma } from "./throughput.ts";
+import type { Logger } from "../log.ts";
+
+/** A sealed block offered for write-behind. */
+export interface SsdWriteBlock {
+  /** Record key (`namespace:hex`), stored in the record header. */
+  key: string;
+  /** The block's namespace and its layout: stored in the record, checked on every read. */
+  namespace: string;
+  layout: LayoutIdentity;
+}
+
+/**
+ * What a write batch pinned when its write started: per block (aligned with
+ * the blocks asked), the pool extents of its bytes in record order, or
+ * undefined when RAM evicted it since (it is skipped, not kept alive).
+ * Pinned until `release()`, which the tier calls once, after the write.
+ */
+export interface SsdPinned {
+  readonly extents: readonly (readonly PoolExtent[] | undefined)[];
+  release(): void;
+}
+
+/**
+ * Blocks offered for write-behind together. The tier pins them only when
+ * their write starts, with one `pin` call for the blocks it will write (the
+ * ones not already on SSD or queued).
+ */
+export interface SsdWriteBatch<B extends SsdWriteBlock = SsdWriteBlock> {
+  readonly blocks: readonly B[];
+  pin(blocks: readonly B[]): SsdPinned;
+}
+
+/** What {@link SsdWriter.enqueue} did. */
+export interface EnqueueResult {
+  status: "queued" | "dropped" | "nothing-to-write";
+  /** Blocks in the queued (or dropped) batch. */
+  blocks: number;
+  /** Blocks skipped because already on SSD or already queued. */
+  duplicates: number;
+}
+
+/**
+ * Stage settings of write-behind: a full queue drops the newest batch (a
+ * save never waits on the SSD), `inflight` batches run at once.
+ */
+export function writeStageOptions(queueDepth: number, inflight: number): StageOptions {
+  return { concurrency: inflight, queue: { depth: queueDepth, policy: "drop-newest" } };
+}
+
+interface WriteJob {
+  blocks: SsdWriteBlock[];
+  /** Pins `blocks` (called when the write starts). */
+  pin: () => SsdPinned;
+}
+
+/** Write-behind counters (part of `SsdStats`). */
+export interface SsdWriteStats {
+  writeBytes: number;
+  writeBlocks: number;
+  writeFailures: number;
+  writeQueueDepth: number;
+  writeInflight: number;
+  writeQueueFullDrops: number;
+  writeQueueFullDroppedBlocks: number;
+  writeSkippedEvicted: number;
+  writeSkippedNoSpace: number;
+  writeThroughputBps: number;
+}
+
+/** What the writer works on (the tier's open files, ring, index and io). */
+export interface SsdWriterDeps {
+  io: SsdIo;
+  files: readonly CacheFile[];
+  segments: SegmentRing;
+  index: SsdIndex;
+  log: Logger;
+  /** Blocks per io batch (bounded by the header arena). */
+  chunk: number;
+  /** Sequence number of the next record (after the newest one recovered). */
+  nextSeq: number;
+  queueDepth: number;
+  inflight: number;
+  metrics?: StageMetrics;
+}
+
+/**
+ * The write-behind flow of one SSD tier.
+ *
+ * @example
+ * ```ts
+ * const w = new SsdWriter({ io, files, segments, index, log, chunk: 64, nextSeq: 1,
+ *   queueDepth: 64, inflight: 4 });
+ * w.enqueue({ blocks, pin: (fresh) => pinInRam(fresh) }); // queued | dropped | nothing-to-write
+ * await w.flush();
+ * ```
+ */
+export class SsdWriter {
+  readonly #io: SsdIo;
+  readonly #files: readonly CacheFile[];
+  readonly #segments: SegmentRing;
+  readonly #index: SsdIndex;
+  readonly #log: Logger;
+  readonly #chunk: number;
+  readonly #stage: Stage<WriteJob, void>;
+  readonly #pendingKeys = new Set<string>();
+  /** Write batches accepted and not yet ended (what {@link flush} waits for). */
+  readonly #writesPending = new Set<Promise<unknown>>();
+  #seq: number;
+  #closed = false;
+  readonly #s = {
+    writeBytes: 0,
+    writeBlocks: 0,
+    writeFailures: 0,
+    writeQueueFullDrops: 0,
+    writeQueueFullDroppedBlocks: 0,
+    writeSkippedEvicted: 0,
+    writeSkippedNoSpace: 0,
+    writeThroughputBps: 0,
+  };
+
+  constructor(d: SsdWriterDeps) {
+    this.#io = d.io;
+    this.#files = d.files;
+    this.#segments = d.segments;
+    this.#index = d.index;
+    this.#log = d.log;
+    this.#chunk = d.chunk;
+    this.#seq = d.nextSeq;
+    this.#stage = new Stage<WriteJob, void>(
+      "ssd.write",
+      { ...writeStageOptions(d.queueDepth, d.inflight), metrics: d.metrics },
+      (job) => this.#writeJob(job),
+    );
+  }
+
+  /**
+   * Offers sealed blocks for writing. Never waits: when the write queue is
+   * full the batch is dropped and counted (and never pinned). Blocks already
+   * on SSD or already queued are skipped.
+   */
+  enqueue<B extends SsdWriteBlock>(batch: SsdWriteBatch<B>): EnqueueResult {
+    const { blocks } = batch;
+    if (this.#closed) return { status: "dropped", blocks: blocks.length, duplicates: 0 };
+    const fresh: B[] = [];
+    let duplicates = 0;
+    for (const b of blocks) {
+      // A record of the key from another layout does not count: this one is written too.
+      const held = this.#index.get(b.key)?.layout === b.layout.fingerprint;
+      if (held || this.#pendingKeys.has(b.key)) duplicates++;
+      else fresh.push(b);
+    }
+    if (fresh.length === 0) return { status: "nothing-to-write", blocks: 0, duplicates };
+    const sub = this.#stage.submit({ blocks: fresh, pin: () => batch.pin(fresh) });
+    if (sub.status === "dropped" || sub.status === "refused") {
+      this.#s.writeQueueFullDrops++;
+      this.#s.writeQueueFullDroppedBlocks += fresh.length;
+      return { status: "dropped", blocks: fresh.length, duplicates };
+    }
+    for (const b of fresh) this.#pendingKeys.add(b.key);
+    const ended = sub.done();
+    this.#writesPending.add(ended);
+    ended.then(() => this.#writesPending.delete(ended));
+    return { status: "queued", blocks: fresh.length, duplicates };
+  }
+
+  /** Resolves when every write accepted so far has ended (tests, shutdown). */
+  async flush(): Promise<void> {
+    while (this.#writesPending.size > 0) await Promise.all(this.#writesPending);
+  }
+
+  async #writeJob(job: WriteJob): Promise<void> {
+    // Pinned now, not when queued: a queued batch keeps nothing from eviction.
+    let pinned: SsdPinned | undefined;
+    try {
+      pinned = job.pin();
+      const chunks = [];
+      for (let start = 0; start < job.blocks.length; start += this.#chunk) {
+        const end = Math.min(job.blocks.length, start + this.#chunk);
+        chunks.push(
+          this.#writeChunk(job.blocks.slice(start, end), pinned.extents.slice(start, end)),
+        );
+      }
+      await Promise.all(chunks);
+    } finally {
+      for (const b of job.blocks) this.#pendingKeys.delete(b.key);
+      pinned?.release();
+    }
+  }
+
+  async #writeChunk(
+    blocks: SsdWriteBlock[],
+    pinned: readonly (readonly PoolExtent[] | undefined)[],
+  ): Promise<void> {
+    const batch = this.#io.newBatch();
+    const placed: {
+      block: SsdWriteBlock;
+      seg: Segment;
+      off: number;
+      bytes: number;
+      seq: number;
+    }[] = [];
+    for (let i = 0; i < blocks.length; i++) {
+      const block = blocks[i];
+      const extents = pinned[i];
+      if (!extents) {
+        this.#s.writeSkippedEvicted++;
+        continue;
+      }
+      const bytes = extents.reduce((n, e) => n + e.bytes, 0);
+      const seq = this.#seq++;
+      const a = this.#segments.allocate(recordBytes(bytes), seq);
+      if (typeof a === "string") {
+        this.#s.writeSkippedNoSpace++;
+        this.#log.warn("block not written to SSD", { block: block.key, bytes, reason: a });
+        continue;
+      }
+      placed.push({ block, seg: a.segment, off: a.fileOffset, bytes, seq });
+      batch.write(this.#files[a.segment.file].handle, a.fileOffset, true, [...extents]);
+    }
+    if (placed.length === 0) return;
+    const t0 = performance.now();
+    try {
+      const crcs = await this.#io.checksum(batch);
+      const now = Date.now();
+      for (let i = 0; i < placed.length; i++) {
+        const p = placed[i];
+        encodeHeader(batch.headerPage(i), {
+          key: p.block.key,
+          seq: p.seq,
+          epoch: p.seg.epoch,
+          payloadBytes: p.bytes,
+          payloadCrc: crcs[i],
+          recordBytes: recordBytes(p.bytes),
+          writtenAtMs: now,
+          generation: this.#files[p.seg.file].generation,
+          namespace: p.block.namespace,
+          layout: p.block.layout.fingerprint,
+          layoutSummary: p.block.layout.summary,
+        }, keyBytes(p.block.key));
+      }
+      const r = await this.#io.run(batch);
+      r.release();
+      let bytes = 0;
+      for (let i = 0; i < placed.length; i++) {
+        const p = placed[i];
+        if (r.status[i] === 0) {
+          // The segment may have been reused meanwhile only if it had no
+          // write in flight, and this one was: the location is current.
+          this.#index.put(p.block.key, {
+            segment: p.seg,
+            fileOffset: p.off,
+            payloadBytes: p.bytes,
+            payloadCrc: crcs[i],
+            seq: p.seq,
+            namespace: p.block.namespace,
+            layout: p.block.layout.fingerprint,
+          }, p.block.layout.summary);
+          bytes += p.bytes;
+          this.#s.writeBlocks++;
+        } else {
+          this.#s.writeFailures++;
+          this.#log.error("SSD write failed", {
+            block: p.block.key,
+            error: r.errorText(i),
+            errno: r.aux[i],
+            path: this.#files[p.seg.file].path,
+            offset: p.off,
+            bytes: recordBytes(p.bytes),
+          });
+        }
+      }
+      this.#s.writeBytes += bytes;
+      this.#s.writeThroughputBps = ewma(
+        this.#s.writeThroughputBps,
+        bytes / ((performance.now() - t0) / 1000),
+      );
+    } finally {
+      for (const p of placed) p.seg.inflightWrites--;
+    }
+  }
+
+  /** Counters and gauges. */
+  stats(): SsdWriteStats {
+    const w = this.#stage.stats();
+    return { ...this.#s, writeQueueDepth: w.queue.depth, writeInflight: w.inflight };
+  }
+
+  /** Stops accepting batches; resolves when the accepted ones have been written. */
+  async close(): Promise<void> {
+    this.#closed = true;
+    await this.#stage.drain();
+  }
+}

@@ -1,0 +1,257 @@
+/**
+ * The tiers below RAM as the engine sees them: one object, built once by the
+ * composition root over the store and the {@link Tier}s in lookup order
+ * (SSD, then peer), that the engine calls at three points:
+ *
+ *  - **seal** ({@link LowerTiers.sealed}): blocks a save just sealed enter
+ *    the write-behind chain;
+ *  - **query** ({@link LowerTiers.beforeQuery}): a prefix that continues past
+ *    RAM is fetched from the first tier that holds it, and the query answers
+ *    "loading" until the tier's reads ended;
+ *  - **register** ({@link LowerTiers.storedLayouts}): a topology is checked
+ *    against the layouts the tiers keep its namespace under.
+ *
+ * Write-behind is a chain of bounded stages (lib/pipeline), each with a fixed
+ * depth, a depth gauge and one stated overflow policy; nothing upstream ever
+ * waits on a tier:
+ *
+ * | stage          | where                     | queue (policy, depth)                      | workers                  | full queue                                    |
+ * | -------------- | ------------------------- | ------------------------------------------ | ------------------------ | --------------------------------------------- |
+ * | `save.gather`  | engine                    | refuse, 64                                 | 4                        | Save answers RESOURCE_EXHAUSTED (engine retries or recomputes) |
+ * | seal           | end of the gather worker  | none: it runs in the gather worker's credit | —                       | cannot overflow                               |
+ * | `tier.admit`   | here                      | drop-newest, `admitQueueDepth` (64)        | 1                        | batch dropped, counted; blocks stay RAM-only   |
+ * | `ssd.write`    | the SSD tier              | drop-newest, `--ssd-write-queue-depth`     | `--ssd-write-inflight`   | batch dropped, counted; never pinned           |
+ *
+ * The admit worker turns a sealed batch into one `put` per tier (each tier
+ * skips what it holds or queues already and pins only when its write
+ * starts); the depth gauges are `pegaflow_queue_depth{queue="tier.admit"}`
+ * and `{queue="ssd.write"}`.
+ *
+ * @module
+ */
+
+import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
+import { blockLayoutIdentity } from "./layout.ts";
+import type { KvStore } from "./store.ts";
+import type { StoredLayout, Tier, TierBlocks, TierMissReason } from "./tier.ts";
+
+/** Default depth of the `tier.admit` queue (sealed batches waiting for the tiers). */
+export const DEFAULT_ADMIT_QUEUE_DEPTH = 64;
+
+/**
+ * Stage settings of `tier.admit`: a full queue drops the newest sealed batch
+ * (a save never waits on a lower tier; the blocks simply stay RAM-only), one
+ * worker (its work is bookkeeping, not I/O).
+ */
+export function admitStageOptions(depth: number): StageOptions {
+  return { concurrency: 1, queue: { depth, policy: "drop-newest" } };
+}
+
+/** What RAM must answer for the tiers (a {@link KvStore} fits). */
+export type TierRam = Pick<KvStore, "blockState" | "layoutOf">;
+
+/** A layout a tier keeps a namespace's blocks under, with where. */
+export interface TierStoredLayout extends StoredLayout {
+  /** The tier's {@link Tier.label} (`SSD`). */
+  where: string;
+}
+
+/** Construction options of {@link LowerTiers}. */
+export interface LowerTiersOptions {
+  ram: TierRam;
+  /** In lookup order: a query asks the first tier first. */
+  tiers: readonly Tier[];
+  /** Depth of the `tier.admit` queue. Default {@link DEFAULT_ADMIT_QUEUE_DEPTH}. */
+  admitQueueDepth?: number;
+  /** Metric hooks of the `tier.admit` stage. */
+  stageMetrics?: (stage: string) => StageMetrics;
+}
+
+/** Per-tier answers to queries (hit attribution), for /metrics. */
+export interface TierQueryCounts {
+  /** Queries a fetch from this tier was started or joined for. */
+  loading: number;
+  /** Polls that found this tier's fetch ended (the next RAM lookup hits its blocks). */
+  ready: number;
+  /** Queries this tier could not serve, by reason. */
+  miss: Record<TierMissReason, number>;
+}
+
+/** Counters of {@link LowerTiers}. */
+export interface LowerTiersStats {
+  admitQueueDepth: number;
+  /** Sealed batches dropped by a full `tier.admit` queue, and their blocks. */
+  admitDropped: number;
+  admitDroppedBlocks: number;
+  queries: Record<string, TierQueryCounts>;
+}
+
+interface AdmitJob {
+  namespace: string;
+  hashes: readonly Uint8Array[];
+}
+
+function emptyCounts(): TierQueryCounts {
+  return {
+    loading: 0,
+    ready: 0,
+    miss: {
+      "not-held": 0,
+      "other-layout": 0,
+      budget: 0,
+      "queue-full": 0,
+      "no-pool-space": 0,
+      closed: 0,
+    },
+  };
+}
+
+/**
+ * The lower tiers behind one object.
+ *
+ * @example
+ * ```ts
+ * const tiers = new LowerTiers({ ram: store, tiers: [new SsdStorageTier(ssd, storeTierHost(store), log)] });
+ * const engine = new KvEngine({ ..., tiers });
+ * // engine: after completeSave → tiers.sealed(ns, sealedHashBytes)
+ * //         in QueryPrefetch    → if (tiers.beforeQuery(ns, inst, hashes, reqId)) answer "loading"
+ * await tiers.close();
+ * ```
+ */
+export class LowerTiers {
+  readonly tiers: readonly Tier[];
+  readonly #ram: TierRam;
+  readonly #admit: Stage<AdmitJob, void>;
+  readonly #admitPending = new Set<Promise<unknown>>();
+  readonly #queries = new Map<string, TierQueryCounts>();
+  #admitDropped = 0;
+  #admitDroppedBlocks = 0;
+  #closing: Promise<void> | undefined;
+
+  constructor(opts: LowerTiersOptions) {
+    this.tiers = opts.tiers;
+    this.#ram = opts.ram;
+    for (const t of opts.tiers) this.#queries.set(t.name, emptyCounts());
+    this.#admit = new Stage<AdmitJob, void>(
+      "tier.admit",
+      {
+        ...admitStageOptions(opts.admitQueueDepth ?? DEFAULT_ADMIT_QUEUE_DEPTH),
+        metrics: opts.stageMetrics?.("tier.admit"),
+      },
+      (job) => Promise.resolve(this.#admitJob(job)),
+    );
+  }
+
+  /**
+   * Blocks a save just sealed (the engine's hash bytes): offered to every
+   * tier through the `tier.admit` stage. Never waits.
+   */
+  sealed(namespace: string, hashes: readonly Uint8Array[]): "queued" | "dropped" | "none" {
+    if (hashes.length === 0 || this.tiers.length === 0) return "none";
+    const sub = this.#admit.submit({ namespace, hashes });
+    if (sub.status !== "accepted") {
+      this.#admitDropped++;
+      this.#admitDroppedBlocks += hashes.length;
+      return "dropped";
+    }
+    const ended = sub.done();
+    this.#admitPending.add(ended);
+    ended.then(() => this.#admitPending.delete(ended));
+    return "queued";
+  }
+
+  #admitJob(job: AdmitJob): void {
+    const layout = this.#ram.layoutOf(job.namespace);
+    if (!layout) return; // sealed blocks always have a namespace
+    const blocks: TierBlocks = {
+      namespace: job.namespace,
+      hashes: job.hashes,
+      layout: blockLayoutIdentity(layout),
+    };
+    for (const t of this.tiers) t.put(blocks);
+  }
+
+  /**
+   * In QueryPrefetch, before the RAM lookup. True: answer "loading" (a tier
+   * is bringing this request's prefix into RAM). False: the RAM lookup gives
+   * the answer — everything a tier fetched for this request was committed
+   * into RAM as it landed.
+   *
+   * A request id with a fetch in a tier is polled there (`take`): loading
+   * while it runs, then ready once. Otherwise the hashes past the RAM prefix
+   * are offered to each tier in order; the first that starts or joins reads
+   * answers the query.
+   */
+  beforeQuery(
+    namespace: string,
+    _instance: string,
+    hashes: readonly Uint8Array[],
+    requestId: string,
+  ): boolean {
+    if (this.tiers.length === 0) return false;
+    const layout = this.#ram.layoutOf(namespace);
+    if (!layout) return false;
+    let ended = false;
+    for (const t of this.tiers) {
+      const a = t.take(requestId);
+      if (a.state === "loading") return true;
+      if (a.state === "ready") {
+        this.#queries.get(t.name)!.ready++;
+        ended = true;
+      }
+    }
+    // The fetch this request waited for has ended: RAM answers, nothing new starts.
+    if (ended) return false;
+    let ram = 0;
+    while (ram < hashes.length && this.#ram.blockState(namespace, hashes[ram]) === "sealed") ram++;
+    if (ram === hashes.length) return false;
+    const rest: TierBlocks = {
+      namespace,
+      hashes: hashes.slice(ram),
+      layout: blockLayoutIdentity(layout),
+    };
+    for (const t of this.tiers) {
+      const a = t.prefetch(requestId, rest);
+      const counts = this.#queries.get(t.name)!;
+      if (a.state === "loading") {
+        counts.loading++;
+        return true;
+      }
+      counts.miss[a.reason]++;
+    }
+    return false;
+  }
+
+  /** Every tier's layouts of `namespace` (a registration must match one of each tier's). */
+  storedLayouts(namespace: string): TierStoredLayout[] {
+    const out: TierStoredLayout[] = [];
+    for (const t of this.tiers) {
+      for (const l of t.storedLayouts(namespace)) out.push({ ...l, where: t.label });
+    }
+    return out;
+  }
+
+  /** Resolves when every sealed batch accepted so far went through every tier's write. */
+  async flush(): Promise<void> {
+    while (this.#admitPending.size > 0) await Promise.all(this.#admitPending);
+    await Promise.all(this.tiers.map((t) => t.flush()));
+  }
+
+  /** Counters for /metrics and tests. */
+  stats(): LowerTiersStats {
+    return {
+      admitQueueDepth: this.#admit.queued,
+      admitDropped: this.#admitDropped,
+      admitDroppedBlocks: this.#admitDroppedBlocks,
+      queries: Object.fromEntries(this.#queries),
+    };
+  }
+
+  /** Stops admitting, lets accepted batches reach their tiers, then closes every tier. Idempotent. */
+  close(): Promise<void> {
+    return this.#closing ??= (async () => {
+      await this.#admit.drain();
+      await Promise.all(this.tiers.map((t) => t.close()));
+    })();
+  }
+}
