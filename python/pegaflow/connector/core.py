@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -50,6 +51,11 @@ log = logging.getLogger("pegaflow.connector")
 LAYERWISE = "layerwise"
 ASYNC = "async"
 MODES = (LAYERWISE, ASYNC)
+#: Who sends the Load RPC: the scheduler as soon as it knows the target blocks
+#: (the copy starts one RPC earlier), or the worker in start_load_kv.
+ISSUER_SCHEDULER = "scheduler"
+ISSUER_WORKER = "worker"
+LOAD_ISSUERS = (ISSUER_SCHEDULER, ISSUER_WORKER)
 #: A cached probe is trusted for this fraction of its lease's TTL, then asked again.
 PROBE_TTL_FRACTION = 0.5
 _NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
@@ -105,11 +111,14 @@ def safe_name(s: str) -> str:
 @dataclass
 class LoadIntent:
     """Load the leased prefix into `block_ids` (the request's blocks after its
-    locally computed prefix)."""
+    locally computed prefix). `states` is set when the scheduler already sent
+    the Load of every rank: (tp_rank, pp_rank) → that rank's load-state name,
+    which the rank's worker attaches to instead of sending a Load."""
 
     request_id: str
     lease_id: bytes
     block_ids: List[int]
+    states: Optional[Dict[Tuple[int, int], str]] = None
 
 
 @dataclass
@@ -173,19 +182,41 @@ class SchedulerCore:
         plan = core.build_step([ScheduledRequest(...)], preempted=[])
     """
 
-    def __init__(self, client: PegaflowClient, *, instance_id: str, block_size: int, mode: str = LAYERWISE):
+    def __init__(
+        self,
+        client: PegaflowClient,
+        *,
+        instance_id: str,
+        block_size: int,
+        mode: str = LAYERWISE,
+        load_issuer: str = ISSUER_WORKER,
+        ranks: Sequence[Tuple[int, int]] = ((0, 0),),
+    ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if load_issuer not in LOAD_ISSUERS:
+            raise ValueError(f"load_issuer {load_issuer!r} is not one of {LOAD_ISSUERS}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks must name each (tp_rank, pp_rank) of the instance once, got {list(ranks)}")
         self.client = client
         self.instance_id = instance_id
         self.block_size = block_size
         self.mode = mode
+        self.load_issuer = load_issuer
+        self.ranks = [tuple(r) for r in ranks]
         self._probes: Dict[str, _Probe] = {}
         self._tracked: Dict[str, _Tracked] = {}
         self._loads: List[LoadIntent] = []
         self._delayed: Set[str] = set()
+        # Async mode: requests whose load has not come back in finished_recving yet.
+        self._loading: Set[str] = set()
+        # Scheduler-issued loads: state names shipped in the last plan (the
+        # workers attach and unlink them during that step) and since then.
+        self._shipped: List[str] = []
+        self._issued: List[str] = []
+        self._stats_lock = threading.Lock()  # Load answers are counted on gRPC threads
         self.stats: Dict[str, int] = defaultdict(int)
 
     # -- probe --
@@ -262,15 +293,66 @@ class SchedulerCore:
             raise ValueError(
                 f"request {rid}: {len(block_ids)} blocks allocated, need blocks {start}..{start + n - 1} to load into"
             )
-        self._loads.append(LoadIntent(rid, p.result.lease_id, targets))
+        intent = LoadIntent(rid, p.result.lease_id, targets)
+        if self.load_issuer == ISSUER_SCHEDULER:
+            self._issue(intent)
+        self._loads.append(intent)
+        if self.mode == ASYNC:
+            self._loading.add(rid)
         tr.saved_upto = max(tr.saved_upto, start + n)  # those blocks are held by the server already
         self.stats["load_intents"] += 1
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += n
+
+    def _issue(self, intent: LoadIntent) -> None:
+        """Sends the Load of every rank now, each with its own fresh load state,
+        without waiting for the answers: the copy starts while the scheduler
+        finishes the step and the workers prepare it. A refusal or a broken
+        call marks that rank's state failed (the server also marks a refusal
+        itself), so the rank's worker sees it like any failed load."""
+        intent.states = {}
+        for tp_rank, pp_rank in self.ranks:
+            st = LoadState.create()
+            # The worker of that rank attaches and unlinks the name (build_step
+            # unlinks what no worker took); this object only maps it until answered.
+            st.hand_over()
+            intent.states[(tp_rank, pp_rank)] = st.name
+            self._issued.append(st.name)
+
+            def answered(err: Optional[PegaflowError], st: LoadState = st, rank=(tp_rank, pp_rank)) -> None:
+                if err is not None:
+                    st.mark_failed()
+                    self._count("load_issue_errors")
+                    log.warning(
+                        "request %s: Load of tp_rank %d pp_rank %d failed (recomputed): %s",
+                        intent.request_id, rank[0], rank[1], err,
+                    )
+                st.close()
+
+            try:
+                self.client.load_nowait(
+                    instance_id=self.instance_id, tp_rank=tp_rank, pp_rank=pp_rank, lease_id=intent.lease_id,
+                    block_ids=intent.block_ids, load_state_shm=st.name, request_id=intent.request_id,
+                    on_done=answered,
+                )
+                self._count("loads_issued")
+            except PegaflowError as e:  # the client is closed: nothing was sent
+                answered(e)
 
     # -- step --
 
     def build_step(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         plan = StepPlan(loads=self._loads, preempted=list(preempted))
         self._loads = []
+        if self._shipped or self._issued:
+            # The engine schedules synchronously (the rule of the scheduler
+            # issuer), so the step that carried these names has run: its
+            # workers attached and unlinked them. A name still there was taken
+            # by no worker; unlink it so nothing is left in /dev/shm.
+            self._unlink(self._shipped)
+            self._shipped, self._issued = self._issued, []
         for rid in plan.preempted:
             tr = self._tracked.get(rid)
             if tr is not None:
@@ -302,12 +384,22 @@ class SchedulerCore:
                 self.stats["save_intents"] += 1
         return plan
 
+    def _unlink(self, names: Iterable[str]) -> None:
+        for name in names:
+            try:
+                os.unlink("/dev/shm" + name)
+            except FileNotFoundError:
+                continue
+            self._count("load_states_unattached")
+
     def request_finished(self, request: Any) -> bool:
-        """True: keep the blocks until the id comes back in finished_sending."""
+        """True: keep the blocks until the id comes back in finished_sending
+        (saves pending) or, async mode, finished_recving (its load may still
+        be landing in them; the worker reports every async load it ran)."""
         rid = request.request_id
         self._release(self._probes.pop(rid, None))
         tr = self._tracked.pop(rid, None)
-        if tr is not None and tr.had_save:
+        if rid in self._loading or (tr is not None and tr.had_save):
             self._delayed.add(rid)
             return True
         return False
@@ -315,6 +407,12 @@ class SchedulerCore:
     def finished_sending(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._delayed.discard(rid)
+
+    def finished_recving(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            if rid in self._loading:
+                self._loading.discard(rid)
+                self._delayed.discard(rid)
 
     @property
     def delayed(self) -> Set[str]:
@@ -324,6 +422,8 @@ class SchedulerCore:
         for p in self._probes.values():
             self._release(p)
         self._probes.clear()
+        self._unlink(self._shipped + self._issued)
+        self._shipped, self._issued = [], []
 
 
 # ---- worker side --------------------------------------------------------------
@@ -343,6 +443,7 @@ class _Load:
     failed: bool = False
     done: bool = False
     at: float = 0.0
+    owned: bool = True  # created here (reusable); False: attached to the scheduler's
 
 
 @dataclass
@@ -466,7 +567,7 @@ class WorkerCore:
     def _recycle(self, ld: _Load) -> None:
         if ld.state is None:
             return
-        if ld.done:
+        if ld.done and ld.owned:
             self._free_states.append(ld.state)
         else:
             ld.state.close()  # timed out: the server may still write it, never reuse it
@@ -480,7 +581,8 @@ class WorkerCore:
             log.warning("load for %s failed (%d blocks recomputed): %s", ld.intent.request_id, len(ld.intent.block_ids), why)
 
     def start_load(self) -> None:
-        """Submits one Load per load intent of the bound plan."""
+        """Submits one Load per load intent of the bound plan, or attaches to
+        this rank's state of a Load the scheduler already sent."""
         plan = self._plan
         if plan is None or not plan.loads:
             return
@@ -491,6 +593,9 @@ class WorkerCore:
                 self._async_loads[intent.request_id] = ld
             else:
                 self._step_loads.append(ld)
+            if intent.states is not None:
+                self._attach(ld)
+                continue
             if not reg.connected:
                 ld.done = True
                 self._fail(ld, "not connected to the server")
@@ -512,6 +617,25 @@ class WorkerCore:
                 ld.done = e.code not in _MAYBE_ACCEPTED
                 self._fail(ld, str(e))
                 self._recycle(ld)
+
+    def _attach(self, ld: _Load) -> None:
+        """A scheduler-issued load: map this rank's state (and unlink its name:
+        this worker is the last process that needs it). No RPC here."""
+        ld.owned = False
+        name = ld.intent.states.get((self.tp_rank, self.pp_rank))
+        if name is None:
+            ld.done = True
+            self._fail(ld, f"the scheduler sent no Load for tp_rank {self.tp_rank} pp_rank {self.pp_rank} "
+                           f"(it loaded ranks {sorted(ld.intent.states)})")
+            return
+        try:
+            ld.state = LoadState.attach(name)
+        except (OSError, ValueError) as e:
+            ld.done = True
+            self._fail(ld, f"cannot attach load state {name}: {e}")
+            return
+        self._count("loads", 1)
+        self._count("load_blocks", len(ld.intent.block_ids))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise mode: returns once `layer_name` has landed for every load of this step."""
