@@ -66,8 +66,8 @@ class LoadState:
             raise ValueError(f"load state name {name!r} must be '/name' (< 64 bytes, no more '/')")
         self.name = name
         path = "/dev/shm" + name
-        # The creator unlinks at close; an attacher unlinks right after mapping
-        # (see `attach`), so its close only unmaps.
+        # The creator unlinks at close (unless it handed the name over); an
+        # attacher only unmaps.
         self._path: Optional[str] = None if attach else path
         flags = os.O_RDWR if attach else os.O_RDWR | os.O_CREAT | os.O_EXCL
         fd = os.open(path, flags, 0o600)
@@ -105,20 +105,12 @@ class LoadState:
         return cls(f"/{prefix}-{os.getpid()}-{next(_counter)}-{os.urandom(3).hex()}")
 
     @classmethod
-    def attach(cls, name: str, *, unlink: bool = True) -> "LoadState":
+    def attach(cls, name: str) -> "LoadState":
         """Maps a block another process created and armed (the scheduler of a
-        scheduler-issued load). With `unlink` the name is removed at once: the
-        creator, the server and this process each hold their own mapping, and
-        this process is the last one that needs the name. Raises OSError
-        (FileNotFoundError) when the block is gone, ValueError when it is not
-        a load state."""
-        st = cls(name, attach=True)
-        if unlink:
-            try:
-                os.unlink("/dev/shm" + name)
-            except FileNotFoundError:
-                pass
-        return st
+        scheduler-issued load); the creator keeps the name and unlinks it.
+        Raises OSError (FileNotFoundError) when the block is gone, ValueError
+        when it is not a load state."""
+        return cls(name, attach=True)
 
     def rearm(self) -> None:
         """Writes a fresh header (magic, version, zeroes) for the next Load."""
@@ -185,8 +177,8 @@ class LoadState:
         return self._i32[_W_STATE]
 
     def hand_over(self) -> None:
-        """Gives the name to the process that attaches (it unlinks it): a
-        later `close` of this object only unmaps."""
+        """The name is unlinked elsewhere (the creator's bookkeeping outlives
+        this mapping): a later `close` only unmaps."""
         self._path = None
 
     def close(self) -> None:

@@ -59,6 +59,12 @@ LOAD_ISSUERS = (ISSUER_SCHEDULER, ISSUER_WORKER)
 #: A cached probe is trusted for this fraction of its lease's TTL, then asked again.
 PROBE_TTL_FRACTION = 0.5
 _NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
+#: A load that timed out keeps its request's blocks held (its copy may still
+#: land in them) until the server settles its state, or this many load
+#: timeouts after it started (a server that died never will; its copies died with it).
+LINGER_LOAD_TIMEOUTS = 3
+#: How often a wait that only lingering loads can end polls their states.
+LINGER_POLL_S = 0.001
 #: Status codes after which a Load may still have reached the server.
 _MAYBE_ACCEPTED = (
     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
@@ -154,6 +160,13 @@ class ScheduledRequest:
 # ---- scheduler side ----------------------------------------------------------
 
 
+def _unlink_shm(name: str) -> None:
+    try:
+        os.unlink("/dev/shm" + name)
+    except FileNotFoundError:
+        pass
+
+
 @dataclass
 class _Probe:
     computed_blocks: int
@@ -168,6 +181,7 @@ class _Tracked:
     block_ids: List[int] = field(default_factory=list)
     saved_upto: int = 0
     had_save: bool = False
+    had_load: bool = False  # layer-wise: the workers hold the blocks until the load settled
 
 
 class SchedulerCore:
@@ -212,11 +226,13 @@ class SchedulerCore:
         self._delayed: Set[str] = set()
         # Async mode: requests whose load has not come back in finished_recving yet.
         self._loading: Set[str] = set()
-        # Scheduler-issued loads: state names shipped in the last plan (the
-        # workers attach and unlink them during that step) and since then.
-        self._shipped: List[str] = []
+        # Scheduler-issued load states not unlinked yet, by name → [answered,
+        # step_ran] (see _issue); _issued: those of the plan being built.
+        self._names: Dict[str, List[bool]] = {}
         self._issued: List[str] = []
-        self._stats_lock = threading.Lock()  # Load answers are counted on gRPC threads
+        self._shipped: List[str] = []
+        # Load answers arrive on gRPC threads: they count and unlink under this lock.
+        self._stats_lock = threading.Lock()
         self.stats: Dict[str, int] = defaultdict(int)
 
     # -- probe --
@@ -299,6 +315,8 @@ class SchedulerCore:
         self._loads.append(intent)
         if self.mode == ASYNC:
             self._loading.add(rid)
+        else:
+            tr.had_load = True
         tr.saved_upto = max(tr.saved_upto, start + n)  # those blocks are held by the server already
         self.stats["load_intents"] += 1
 
@@ -311,14 +329,22 @@ class SchedulerCore:
         without waiting for the answers: the copy starts while the scheduler
         finishes the step and the workers prepare it. A refusal or a broken
         call marks that rank's state failed (the server also marks a refusal
-        itself), so the rank's worker sees it like any failed load."""
+        itself), so the rank's worker sees it like any failed load.
+
+        Life of a state's name: created here; opened by the server when the
+        Load arrives (before it answers); attached by the rank's worker in
+        start_load_kv of the step whose plan carries it. Unlinked here once
+        both are past: the Load was answered, and the next build_step ran (the
+        engine schedules synchronously, so that step's workers have attached).
+        Whichever comes second unlinks; close() unlinks the rest. Every mapping
+        (ours until the answer, the server's, the worker's) outlives the name."""
         intent.states = {}
         for tp_rank, pp_rank in self.ranks:
             st = LoadState.create()
-            # The worker of that rank attaches and unlinks the name (build_step
-            # unlinks what no worker took); this object only maps it until answered.
-            st.hand_over()
+            st.hand_over()  # the name is unlinked by the bookkeeping below, not by st.close()
             intent.states[(tp_rank, pp_rank)] = st.name
+            with self._stats_lock:
+                self._names[st.name] = [False, False]
             self._issued.append(st.name)
 
             def answered(err: Optional[PegaflowError], st: LoadState = st, rank=(tp_rank, pp_rank)) -> None:
@@ -330,6 +356,7 @@ class SchedulerCore:
                         intent.request_id, rank[0], rank[1], err,
                     )
                 st.close()
+                self._passed(st.name, 0)
 
             try:
                 self.client.load_nowait(
@@ -348,10 +375,9 @@ class SchedulerCore:
         self._loads = []
         if self._shipped or self._issued:
             # The engine schedules synchronously (the rule of the scheduler
-            # issuer), so the step that carried these names has run: its
-            # workers attached and unlinked them. A name still there was taken
-            # by no worker; unlink it so nothing is left in /dev/shm.
-            self._unlink(self._shipped)
+            # issuer): the step that carried these names has run.
+            for name in self._shipped:
+                self._passed(name, 1)
             self._shipped, self._issued = self._issued, []
         for rid in plan.preempted:
             tr = self._tracked.get(rid)
@@ -384,22 +410,27 @@ class SchedulerCore:
                 self.stats["save_intents"] += 1
         return plan
 
-    def _unlink(self, names: Iterable[str]) -> None:
-        for name in names:
-            try:
-                os.unlink("/dev/shm" + name)
-            except FileNotFoundError:
-                continue
-            self._count("load_states_unattached")
+    def _passed(self, name: str, event: int) -> None:
+        """Event 0 (Load answered) or 1 (its step ran) of a state; the second unlinks it."""
+        with self._stats_lock:
+            marks = self._names.get(name)
+            if marks is None:
+                return
+            marks[event] = True
+            if not all(marks):
+                return
+            del self._names[name]
+        _unlink_shm(name)
 
     def request_finished(self, request: Any) -> bool:
         """True: keep the blocks until the id comes back in finished_sending
-        (saves pending) or, async mode, finished_recving (its load may still
-        be landing in them; the worker reports every async load it ran)."""
+        (it had saves or a layer-wise load: each worker reports it once none of
+        them is in flight) or, async mode, in finished_recving (its load may
+        still be landing in them; the worker reports every async load it ran)."""
         rid = request.request_id
         self._release(self._probes.pop(rid, None))
         tr = self._tracked.pop(rid, None)
-        if rid in self._loading or (tr is not None and tr.had_save):
+        if rid in self._loading or (tr is not None and (tr.had_save or tr.had_load)):
             self._delayed.add(rid)
             return True
         return False
@@ -422,7 +453,10 @@ class SchedulerCore:
         for p in self._probes.values():
             self._release(p)
         self._probes.clear()
-        self._unlink(self._shipped + self._issued)
+        with self._stats_lock:
+            names, self._names = list(self._names), {}
+        for name in names:
+            _unlink_shm(name)
         self._shipped, self._issued = [], []
 
 
@@ -444,6 +478,9 @@ class _Load:
     done: bool = False
     at: float = 0.0
     owned: bool = True  # created here (reusable); False: attached to the scheduler's
+    timed_out: bool = False
+    held: bool = False  # layer-wise: counted in its request's in-flight transfers
+    lingering: bool = False
 
 
 @dataclass
@@ -493,8 +530,11 @@ class WorkerCore:
         self._free_states: List[LoadState] = []
         self._errors: Set[int] = set()
         self._lock = threading.Condition()
-        self._pending: Dict[str, int] = defaultdict(int)  # request → queued/in-flight saves
-        self._saving: Set[str] = set()  # requests with at least one save on this worker
+        # request → its saves queued or in flight and its layer-wise loads not settled
+        self._pending: Dict[str, int] = defaultdict(int)
+        # requests with a save or a layer-wise load on this worker (reported in finished_sending)
+        self._saving: Set[str] = set()
+        self._lingering: List[_Load] = []  # timed-out loads whose copy may still land
         self._finishing: Set[str] = set()
         self._queue: "queue.Queue[Optional[_SaveJob]]" = queue.Queue(maxsize=save_queue_depth)
         self._thread: Optional[threading.Thread] = None
@@ -544,34 +584,93 @@ class WorkerCore:
         self._plan = None
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
-        """Returns once no save of these requests is queued or in flight (their
-        blocks are about to be reused), or after the save deadline."""
+        """Returns once no save of these requests is queued or in flight and
+        no load into their blocks may still land (the blocks are about to be
+        reused), or after the save deadline."""
         ids = set(preempted)
         if not ids:
             return
         deadline = time.monotonic() + self.client.config.save_timeout_s
-        with self._lock:
-            while any(self._pending.get(r, 0) for r in ids):
+        while True:
+            self._poll_lingering()
+            with self._lock:
+                if not any(self._pending.get(r, 0) for r in ids):
+                    return
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._count("preemption_wait_timeouts", 1)
-                    log.warning("preempted requests %s: saves still pending after the deadline", sorted(ids))
+                    log.warning("preempted requests %s: transfers still pending after the deadline", sorted(ids))
                     return
-                self._lock.wait(left)
+                # Saves notify; a lingering load is only seen by polling its state.
+                self._lock.wait(min(left, LINGER_POLL_S) if self._lingering else left)
 
     def _state(self) -> LoadState:
         st = self._free_states.pop() if self._free_states else LoadState.create()
         st.rearm()
         return st
 
-    def _recycle(self, ld: _Load) -> None:
-        if ld.state is None:
+    def _hold(self, ld: _Load) -> None:
+        """Layer-wise: the load counts as a transfer of its request until it
+        settles, so handle_preemptions waits for it and the request is reported
+        in finished_sending (the scheduler delayed its free) only after it."""
+        if self.mode != LAYERWISE:
+            return  # async: the request is reported in finished_recving instead
+        ld.held = True
+        rid = ld.intent.request_id
+        with self._lock:
+            self._pending[rid] += 1
+            self._saving.add(rid)
+
+    def _unhold(self, ld: _Load) -> None:
+        if not ld.held:
             return
-        if ld.done and ld.owned:
-            self._free_states.append(ld.state)
-        else:
-            ld.state.close()  # timed out: the server may still write it, never reuse it
-        ld.state = None
+        ld.held = False
+        rid = ld.intent.request_id
+        with self._lock:
+            self._pending[rid] -= 1
+            if self._pending[rid] <= 0:
+                del self._pending[rid]
+            self._lock.notify_all()
+
+    def _recycle(self, ld: _Load) -> None:
+        """The load leaves its step (idempotent). Settled (`done`): its state is
+        reused (or, attached, closed) and its hold released. Timed out: it
+        lingers, state mapped and blocks held, until the server settles it."""
+        if ld.lingering:
+            return
+        if ld.timed_out and not ld.done and ld.state is not None:
+            ld.lingering = True
+            self._lingering.append(ld)
+            return
+        if ld.state is not None:
+            if ld.done and ld.owned:
+                self._free_states.append(ld.state)
+            else:
+                # The server may still write it (a Load whose answer was lost): never reuse it.
+                ld.state.close()
+            ld.state = None
+        self._unhold(ld)
+
+    def _poll_lingering(self) -> None:
+        if not self._lingering:
+            return
+        now = time.monotonic()
+        keep: List[_Load] = []
+        for ld in self._lingering:
+            ok = ld.state.poll()
+            if ok is None and now < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
+                keep.append(ld)
+                continue
+            if ok is None:
+                self._count("loads_abandoned", 1)
+                log.warning(
+                    "load for %s: state %s still pending %d load timeouts after it started; its blocks are "
+                    "released", ld.intent.request_id, ld.state.name, LINGER_LOAD_TIMEOUTS,
+                )
+            ld.state.close()
+            ld.state = None
+            self._unhold(ld)
+        self._lingering = keep
 
     def _fail(self, ld: _Load, why: str) -> None:
         if not ld.failed:
@@ -593,6 +692,7 @@ class WorkerCore:
                 self._async_loads[intent.request_id] = ld
             else:
                 self._step_loads.append(ld)
+            self._hold(ld)
             if intent.states is not None:
                 self._attach(ld)
                 continue
@@ -619,8 +719,8 @@ class WorkerCore:
                 self._recycle(ld)
 
     def _attach(self, ld: _Load) -> None:
-        """A scheduler-issued load: map this rank's state (and unlink its name:
-        this worker is the last process that needs it). No RPC here."""
+        """A scheduler-issued load: map this rank's state (the scheduler unlinks
+        its name once this step ran). No RPC here."""
         ld.owned = False
         name = ld.intent.states.get((self.tp_rank, self.pp_rank))
         if name is None:
@@ -654,7 +754,8 @@ class WorkerCore:
             try:
                 ld.state.wait_layer(idx, self._left(ld))
             except PegaflowLoadError as e:
-                ld.done = not isinstance(e, TimeoutError)
+                ld.timed_out = isinstance(e, TimeoutError)
+                ld.done = not ld.timed_out
                 self._fail(ld, str(e))
                 self._recycle(ld)
 
@@ -668,7 +769,8 @@ class WorkerCore:
                     ld.state.wait_all(self._left(ld))
                     ld.done = True
                 except PegaflowLoadError as e:
-                    ld.done = not isinstance(e, TimeoutError)
+                    ld.timed_out = isinstance(e, TimeoutError)
+                    ld.done = not ld.timed_out
                     self._fail(ld, str(e))
             self._recycle(ld)
         self._step_loads = []
@@ -748,6 +850,7 @@ class WorkerCore:
         done (only those that had a save, as the scheduler delayed exactly
         those), and async loads that ended (ok or failed)."""
         recving: Set[str] = set()
+        self._poll_lingering()
         if self.mode == ASYNC:
             for rid, ld in list(self._async_loads.items()):
                 if not ld.done and ld.state is not None:
@@ -756,6 +859,9 @@ class WorkerCore:
                         if self._left(ld) > 0:
                             continue
                         self._fail(ld, f"not done after {self.load_timeout_s} s")
+                        if time.monotonic() < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
+                            continue  # its copy may still land: the request keeps its blocks
+                        self._count("loads_abandoned", 1)
                     else:
                         ld.done = True
                         if not ok:
@@ -789,11 +895,11 @@ class WorkerCore:
         if self.registration is not None:
             self.registration.close(unregister=unregister)
         # Unregistering drained the server's copies: every state can go now.
-        for ld in self._step_loads + list(self._async_loads.values()):
+        for ld in self._step_loads + list(self._async_loads.values()) + self._lingering:
             if ld.state is not None:
                 ld.state.close()
                 ld.state = None
-        self._step_loads, self._async_loads = [], {}
+        self._step_loads, self._async_loads, self._lingering = [], {}, []
         for st in self._free_states:
             st.close()
         self._free_states.clear()
