@@ -11,15 +11,28 @@ Scheduler side (`SchedulerCore`), per request:
           (a different computed prefix), is not used, or the request ends.
           "loading" (a lower tier is fetching) answers None: ask me later.
   load    update_state_after_alloc → a LoadIntent (lease + target block ids;
-          fewer targets than hits load that prefix, the server gives the rest back)
+          fewer targets than hits load that prefix, the server gives the rest back).
+          With load_issuer "scheduler" the Load of every TP/PP rank is sent right
+          here, each with its own LoadState that this side creates; the names ride
+          in the intent and each worker attaches to its rank's (no RPC).
+          SAFETY RULE of the scheduler issuer: the copy starts before the workers
+          run the step, so it is correct only when the engine schedules one step
+          at a time (the previous forward ended before the scheduler runs: no
+          kernel still reads or writes a block just reallocated to this request;
+          and a step that preempts admits no new request, so a preempted
+          request's pending saves were waited for by handle_preemptions first).
+          vLLM's async scheduling and PP's batch queue break it: use "worker".
   save    build_step → SaveIntents for the blocks that become full in this
           step (their ids and the engine's own block hashes)
-  finish  request_finished → delay the free while saves may be pending; the
-          worker reports the id in finished_sending when its saves are done.
+  finish  request_finished → delay the free while saves or a layer-wise load
+          may be pending (the worker reports the id in finished_sending when none
+          is), or while an async load has not come back in finished_recving.
 Worker side (`WorkerCore`): registration (KvRegistration: survives server
-restarts), Loads with a LoadState each, per-layer waits (layer-wise mode) or
-polling between steps (async mode), and a save thread so a step never waits
-for a Save. Failures never raise into the engine: a query error is a miss,
+restarts), Loads with a LoadState each (or attached to the scheduler's),
+per-layer waits (layer-wise mode) or polling between steps (async mode), and
+a save thread so a step never waits for a Save. A load that timed out may
+still land: it keeps its request's blocks held (handle_preemptions waits for
+it, finished_sending waits for it) until the server settles its state. Failures never raise into the engine: a query error is a miss,
 a save error is a dropped save (counted), a load error lists the blocks in
 `take_load_errors()` so the engine recomputes them.
 """
