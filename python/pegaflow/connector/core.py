@@ -458,6 +458,10 @@ class SchedulerCore:
                 self._loading.discard(rid)
                 self._delayed.discard(rid)
 
+    def stats_snapshot(self) -> Dict[str, int]:
+        with self._stats_lock:
+            return dict(self.stats)
+
     @property
     def delayed(self) -> Set[str]:
         return set(self._delayed)

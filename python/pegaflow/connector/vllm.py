@@ -162,9 +162,11 @@ class ConnectorSettings:
 def default_load_issuer(vllm_config: Any) -> str:
     """"scheduler" only where vLLM's config says the engine schedules one
     step at a time: async scheduling explicitly off, and one pipeline stage
-    (vLLM runs PP with a queue of concurrent batches, so step N+1 is
-    scheduled while step N runs, as with async scheduling). Anything else,
-    including a config that does not say: "worker"."""
+    (vLLM's executors report max_concurrent_batches = 2 with async scheduling,
+    else pipeline_parallel_size — vllm/v1/executor/multiproc_executor.py — and
+    the engine core keeps that many batches in flight, so step N+1 is
+    scheduled while step N runs). Anything else, including a config that does
+    not say: "worker"."""
     sc = getattr(vllm_config, "scheduler_config", None)
     if getattr(sc, "async_scheduling", None) is not False:
         return ISSUER_WORKER
@@ -288,7 +290,7 @@ class PegaflowConnector(KVConnectorBase_V1):
         """Counters: queries, hits, loads, load failures, saves, dropped saves, reconnects."""
         if self._worker is not None:
             return self._worker.stats_snapshot()
-        return dict(self._s().stats)
+        return self._s().stats_snapshot()
 
     def shutdown(self) -> None:
         if self._worker is not None:
