@@ -280,3 +280,38 @@ def test_the_load_issuer_is_the_scheduler_only_where_vllm_schedules_synchronousl
     assert issuer(False, **{"pegaflow.load_issuer": "worker"}) == "worker"
     with pytest.raises(ValueError, match="pegaflow.load_issuer 'gpu'"):
         issuer(False, **{"pegaflow.load_issuer": "gpu"})
+
+
+def test_an_async_load_aborted_before_it_landed_keeps_its_blocks_until_finished_recving(engines, uid):
+    eng = engines("async")
+    cold = cold_then_drained(eng, 61, 4, uid)
+    gate = threading.Event()
+    real_send = eng.sched.client.load_nowait
+
+    def late_send(**kw):  # the Load reaches the server only when the gate opens
+        threading.Thread(target=lambda: (gate.wait(30), real_send(**kw)), daemon=True).start()
+
+    eng.sched.client.load_nowait = late_send
+    r = Request("aborted", list(cold.prompt_token_ids), salt=uid)
+    assert eng.admit(r, avoid=set(cold.block_ids)) == 4 * BLOCK and r.load_async
+    res = eng.idle_step()  # the step that carries the load: the worker attaches, nothing landed yet
+    assert not res.finished_recving
+    # Aborted while WAITING_FOR_REMOTE_KVS: vLLM calls request_finished; the
+    # copy may still land in its blocks, so they stay held...
+    delay, _ = eng.sched.request_finished(r, list(r.block_ids))
+    assert delay is True and "aborted" in eng.sched._s().delayed
+    eng.finished_ids.add("aborted")
+    gate.set()
+    for _ in range(400):
+        if res.finished_recving and "aborted" in res.finished_recving:
+            break
+        time.sleep(0.005)
+        res = eng.idle_step()
+    else:
+        raise AssertionError("the aborted request's load never came back")
+    # ...until the worker reports its load (vLLM frees a finished request named
+    # in finished_recving), and it is not reported a second time as sent.
+    assert not res.finished_sending
+    assert eng.sched._s().delayed == set()
+    assert eng.holds_all(r, 4 * BLOCK)  # the copy landed in blocks nobody reused
+    eng._free(r)
