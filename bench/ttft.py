@@ -238,6 +238,7 @@ class Bench:
         self.result: dict[str, Any] = {
             "backend": args.backend,
             "transport": args.transport,
+            "load_issuer": args.load_issuer,
             "config": args.config,
             "tokens": args.tokens,
             "runs": args.runs,
@@ -260,7 +261,11 @@ class Bench:
                 kv_connector_module_path=CONNECTOR_MODULE,
                 kv_role="kv_both",
                 engine_id=f"ttft-{mode}-{os.getpid()}-{time.monotonic_ns()}",
-                kv_connector_extra_config={"pegaflow.addr": self.server.addr, "pegaflow.mode": mode},
+                kv_connector_extra_config={
+                    "pegaflow.addr": self.server.addr,
+                    "pegaflow.mode": mode,
+                    "pegaflow.load_issuer": self.args.load_issuer,
+                },
             )
         alloc = host_allocator(self.regions) if self.args.backend == "host" else None
         return LLMEngine(
@@ -747,6 +752,13 @@ def main() -> None:
         choices=["uds", "tcp"],
         default="uds",
         help="how the engine reaches the server: its Unix socket (default) or TCP loopback",
+    )
+    p.add_argument(
+        "--load-issuer",
+        choices=["scheduler", "worker"],
+        default="scheduler",
+        help="who sends the Load RPC: the scheduler as soon as it allocated the blocks (default; the "
+        "engine schedules synchronously) or the worker in start_load_kv",
     )
     p.add_argument("--decode-repeats", type=int, default=4, help="on and off runs each, interleaved")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a GPU-hit and a decode step")

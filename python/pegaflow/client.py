@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import grpc
 
@@ -310,6 +310,49 @@ class PegaflowClient:
             request_id=request_id,
         )
         return self._call("Load", req, pb.LoadResponse, timeout_s)
+
+    def load_nowait(
+        self,
+        *,
+        instance_id: str,
+        tp_rank: int,
+        pp_rank: int = 0,
+        lease_id: bytes,
+        block_ids: Sequence[int],
+        load_state_shm: str,
+        on_done: Callable[[Optional[PegaflowError]], None],
+        request_id: str = "",
+        timeout_s: Optional[float] = None,
+    ) -> None:
+        """`load` without waiting for the answer: the call is on its way when
+        this returns, and `on_done(None | error)` runs once it is answered
+        (on a gRPC thread, or here if that already happened). The deadline is
+        the same as `load`'s."""
+        req = pb.LoadRequest(
+            instance_id=instance_id,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            lease_id=bytes(lease_id),
+            block_ids=list(block_ids),
+            load_state_shm=load_state_shm,
+            request_id=request_id,
+        )
+        stub = self._stub("Load", pb.LoadRequest, pb.LoadResponse)
+        fut = stub.future(req, timeout=timeout_s if timeout_s is not None else self.config.rpc_timeout_s)
+
+        def done(f) -> None:
+            if f.cancelled():  # the channel closed under it
+                on_done(PegaflowError(grpc.StatusCode.CANCELLED, "Load cancelled", "Load"))
+                return
+            e = f.exception()
+            if e is None:
+                on_done(None)
+            else:
+                code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNKNOWN
+                details = (e.details() if isinstance(e, grpc.RpcError) else str(e)) or ""
+                on_done(PegaflowError(code, details, "Load"))
+
+        fut.add_done_callback(done)
 
     def release(self, lease_id: bytes, timeout_s: Optional[float] = None) -> None:
         """Gives a lease back before it is used up or expires."""

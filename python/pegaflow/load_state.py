@@ -48,8 +48,9 @@ class LoadSnapshot(NamedTuple):
 
 
 class LoadState:
-    """A load-state block owned by this process; reuse it across loads with
-    `rearm()` (one per in-flight load).
+    """A load-state block created by this process (`create`; reuse it across
+    loads with `rearm()`, one per in-flight load) or attached to one another
+    process created (`attach`: scheduler-issued loads).
 
     Example:
         st = LoadState.create()
@@ -60,29 +61,56 @@ class LoadState:
         st.close()
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, attach: bool = False):
         if not name.startswith("/") or "/" in name[1:] or len(name) >= 64:
             raise ValueError(f"load state name {name!r} must be '/name' (< 64 bytes, no more '/')")
         self.name = name
-        self._path = "/dev/shm" + name
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = "/dev/shm" + name
+        # The creator unlinks at close (unless it handed the name over); an
+        # attacher only unmaps.
+        self._path: Optional[str] = None if attach else path
+        flags = os.O_RDWR if attach else os.O_RDWR | os.O_CREAT | os.O_EXCL
+        fd = os.open(path, flags, 0o600)
         try:
-            os.ftruncate(fd, LOAD_STATE_BYTES)
+            if attach:
+                size = os.fstat(fd).st_size
+                if size != LOAD_STATE_BYTES:
+                    raise ValueError(f"load state {name}: {size} bytes, expected {LOAD_STATE_BYTES}")
+            else:
+                os.ftruncate(fd, LOAD_STATE_BYTES)
             self._mm = mmap.mmap(fd, LOAD_STATE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
-            os.unlink(self._path)
+            if not attach:
+                os.unlink(path)
             raise
         os.close(fd)
         # Aligned 4-byte loads through a memoryview read the current memory each time.
         self._u32 = memoryview(self._mm).cast("I")
         self._i32 = memoryview(self._mm).cast("i")
-        self.rearm()
+        if attach:
+            magic, version = struct.unpack_from("<II", self._mm, 0)
+            if (magic, version) != (LOAD_STATE_MAGIC, LOAD_STATE_VERSION):
+                self.close()
+                raise ValueError(
+                    f"load state {name}: header {magic:#x} v{version}, expected {LOAD_STATE_MAGIC:#x} "
+                    f"v{LOAD_STATE_VERSION}"
+                )
+        else:
+            self.rearm()
 
     @classmethod
     def create(cls, prefix: str = "pegaflow-ls") -> "LoadState":
         """A fresh block with a unique name."""
         return cls(f"/{prefix}-{os.getpid()}-{next(_counter)}-{os.urandom(3).hex()}")
+
+    @classmethod
+    def attach(cls, name: str) -> "LoadState":
+        """Maps a block another process created and armed (the scheduler of a
+        scheduler-issued load); the creator keeps the name and unlinks it.
+        Raises OSError (FileNotFoundError) when the block is gone, ValueError
+        when it is not a load state."""
+        return cls(name, attach=True)
 
     def rearm(self) -> None:
         """Writes a fresh header (magic, version, zeroes) for the next Load."""
@@ -148,14 +176,22 @@ class LoadState:
     def state(self) -> int:
         return self._i32[_W_STATE]
 
+    def hand_over(self) -> None:
+        """The name is unlinked elsewhere (the creator's bookkeeping outlives
+        this mapping): a later `close` only unmaps."""
+        self._path = None
+
     def close(self) -> None:
-        """Unmaps and unlinks the block (the server holds its own mapping
-        while a copy runs, so this is safe at any time)."""
+        """Unmaps the block and, if this process created it, unlinks it (the
+        server holds its own mapping while a copy runs, so this is safe at any
+        time)."""
         if self._mm.closed:
             return
         self._u32.release()
         self._i32.release()
         self._mm.close()
+        if self._path is None:
+            return
         try:
             os.unlink(self._path)
         except FileNotFoundError:

@@ -1,7 +1,8 @@
 """End to end on the CPU: the mini engine with `PegaflowConnector` against a real host-backend
 server (the KV cache lives in shared-memory files the server maps). A cold request saves its
 blocks; after `reset_prefix_cache()` the same prompt must hit PegaFlow, load blocks byte-equal
-to the saved ones, and give the cold request's tokens and logits — in both connector modes."""
+to the saved ones, and give the cold request's tokens and logits — in both connector modes and
+with either load issuer (the scheduler sends the Load, or the worker does)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def shm_allocator(regions: list):
     return alloc
 
 
-def pega_engine(model, server, regions, uid: str, mode: str) -> LLMEngine:
+def pega_engine(model, server, regions, uid: str, mode: str, issuer: str | None = None) -> LLMEngine:
     ktc = KVTransferConfig(
         kv_connector="PegaflowConnector",
         kv_connector_module_path="pegaflow.connector.vllm",
@@ -53,6 +54,7 @@ def pega_engine(model, server, regions, uid: str, mode: str) -> LLMEngine:
             "pegaflow.addr": server.addr,
             "pegaflow.mode": mode,
             "pegaflow.namespace": f"ns-{uid}",
+            **({"pegaflow.load_issuer": issuer} if issuer else {}),
         },
     )
     return LLMEngine(
@@ -79,13 +81,15 @@ def run(eng: LLMEngine, prompt: list[int], max_tokens: int):
     return req, first_logits, table, seen
 
 
+@pytest.mark.parametrize("issuer", ["scheduler", "worker"])
 @pytest.mark.parametrize("mode", ["layerwise", "async"])
-def test_a_warm_request_after_reset_hits_pegaflow_and_matches_the_cold_one(model, server, regions, uid, mode):
+def test_a_warm_request_after_reset_hits_pegaflow_and_matches_the_cold_one(model, server, regions, uid, mode, issuer):
     rng = random.Random(uid)
     prompt = [rng.randrange(TINY.vocab_size) for _ in range(150)]
     nfull = (len(prompt) - 1) // BS  # 9 blocks: the last token is always recomputed
-    eng = pega_engine(model, server, regions, uid, mode)
+    eng = pega_engine(model, server, regions, uid, mode, issuer)
     try:
+        assert eng.scheduler_connector.settings.load_issuer == issuer
         cold, cold_logits, cold_table, _ = run(eng, prompt, max_tokens=3)
         assert cold.num_external_computed_tokens == 0
         eng.drain(timeout_s=60)  # the connector frees the blocks once its Save is done
@@ -105,7 +109,19 @@ def test_a_warm_request_after_reset_hits_pegaflow_and_matches_the_cold_one(model
             assert torch.equal(t[:, warm_table[:nfull]], stash[name]), f"{name}: loaded KV differs"
         assert warm.output_token_ids == cold.output_token_ids
         torch.testing.assert_close(warm_logits, cold_logits, rtol=1e-4, atol=1e-4)
+        sent_by_scheduler = eng.scheduler_connector.pegaflow_stats().get("loads_issued", 0)
+        assert sent_by_scheduler == (1 if issuer == "scheduler" else 0)
+        assert eng.worker_connector.pegaflow_stats()["loads"] == 1
         eng.drain(timeout_s=60)
+    finally:
+        eng.shutdown()
+
+
+def test_the_mini_engine_schedules_synchronously_so_the_scheduler_issues_loads_by_default(model, server, regions, uid):
+    eng = pega_engine(model, server, regions, uid, "layerwise")
+    try:
+        assert eng.vllm_config.scheduler_config.async_scheduling is False
+        assert eng.scheduler_connector.settings.load_issuer == "scheduler"
     finally:
         eng.shutdown()
 

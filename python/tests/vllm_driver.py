@@ -217,6 +217,7 @@ class Engine:
             for _ in range(max_steps):
                 if res.finished_recving and req.request_id in res.finished_recving:
                     break
+                time.sleep(0.005)  # a scheduler-issued Load may still be on its way to the server
                 res = self.idle_step()
             else:
                 raise AssertionError("async load never finished")

@@ -11,15 +11,28 @@ Scheduler side (`SchedulerCore`), per request:
           (a different computed prefix), is not used, or the request ends.
           "loading" (a lower tier is fetching) answers None: ask me later.
   load    update_state_after_alloc → a LoadIntent (lease + target block ids;
-          fewer targets than hits load that prefix, the server gives the rest back)
+          fewer targets than hits load that prefix, the server gives the rest back).
+          With load_issuer "scheduler" the Load of every TP/PP rank is sent right
+          here, each with its own LoadState that this side creates; the names ride
+          in the intent and each worker attaches to its rank's (no RPC).
+          SAFETY RULE of the scheduler issuer: the copy starts before the workers
+          run the step, so it is correct only when the engine schedules one step
+          at a time (the previous forward ended before the scheduler runs: no
+          kernel still reads or writes a block just reallocated to this request;
+          and a step that preempts admits no new request, so a preempted
+          request's pending saves were waited for by handle_preemptions first).
+          vLLM's async scheduling and PP's batch queue break it: use "worker".
   save    build_step → SaveIntents for the blocks that become full in this
           step (their ids and the engine's own block hashes)
-  finish  request_finished → delay the free while saves may be pending; the
-          worker reports the id in finished_sending when its saves are done.
+  finish  request_finished → delay the free while saves or a layer-wise load
+          may be pending (the worker reports the id in finished_sending when none
+          is), or while an async load has not come back in finished_recving.
 Worker side (`WorkerCore`): registration (KvRegistration: survives server
-restarts), Loads with a LoadState each, per-layer waits (layer-wise mode) or
-polling between steps (async mode), and a save thread so a step never waits
-for a Save. Failures never raise into the engine: a query error is a miss,
+restarts), Loads with a LoadState each (or attached to the scheduler's),
+per-layer waits (layer-wise mode) or polling between steps (async mode), and
+a save thread so a step never waits for a Save. A load that timed out may
+still land: it keeps its request's blocks held (handle_preemptions waits for
+it, finished_sending waits for it) until the server settles its state. Failures never raise into the engine: a query error is a miss,
 a save error is a dropped save (counted), a load error lists the blocks in
 `take_load_errors()` so the engine recomputes them.
 """
@@ -29,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -50,9 +64,20 @@ log = logging.getLogger("pegaflow.connector")
 LAYERWISE = "layerwise"
 ASYNC = "async"
 MODES = (LAYERWISE, ASYNC)
+#: Who sends the Load RPC: the scheduler as soon as it knows the target blocks
+#: (the copy starts one RPC earlier), or the worker in start_load_kv.
+ISSUER_SCHEDULER = "scheduler"
+ISSUER_WORKER = "worker"
+LOAD_ISSUERS = (ISSUER_SCHEDULER, ISSUER_WORKER)
 #: A cached probe is trusted for this fraction of its lease's TTL, then asked again.
 PROBE_TTL_FRACTION = 0.5
 _NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
+#: A load that timed out keeps its request's blocks held (its copy may still
+#: land in them) until the server settles its state, or this many load
+#: timeouts after it started (a server that died never will; its copies died with it).
+LINGER_LOAD_TIMEOUTS = 3
+#: How often a wait that only lingering loads can end polls their states.
+LINGER_POLL_S = 0.001
 #: Status codes after which a Load may still have reached the server.
 _MAYBE_ACCEPTED = (
     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
@@ -105,11 +130,14 @@ def safe_name(s: str) -> str:
 @dataclass
 class LoadIntent:
     """Load the leased prefix into `block_ids` (the request's blocks after its
-    locally computed prefix)."""
+    locally computed prefix). `states` is set when the scheduler already sent
+    the Load of every rank: (tp_rank, pp_rank) → that rank's load-state name,
+    which the rank's worker attaches to instead of sending a Load."""
 
     request_id: str
     lease_id: bytes
     block_ids: List[int]
+    states: Optional[Dict[Tuple[int, int], str]] = None
 
 
 @dataclass
@@ -145,6 +173,13 @@ class ScheduledRequest:
 # ---- scheduler side ----------------------------------------------------------
 
 
+def _unlink_shm(name: str) -> None:
+    try:
+        os.unlink("/dev/shm" + name)
+    except FileNotFoundError:
+        pass
+
+
 @dataclass
 class _Probe:
     computed_blocks: int
@@ -159,6 +194,7 @@ class _Tracked:
     block_ids: List[int] = field(default_factory=list)
     saved_upto: int = 0
     had_save: bool = False
+    had_load: bool = False  # layer-wise: the workers hold the blocks until the load settled
 
 
 class SchedulerCore:
@@ -173,19 +209,43 @@ class SchedulerCore:
         plan = core.build_step([ScheduledRequest(...)], preempted=[])
     """
 
-    def __init__(self, client: PegaflowClient, *, instance_id: str, block_size: int, mode: str = LAYERWISE):
+    def __init__(
+        self,
+        client: PegaflowClient,
+        *,
+        instance_id: str,
+        block_size: int,
+        mode: str = LAYERWISE,
+        load_issuer: str = ISSUER_WORKER,
+        ranks: Sequence[Tuple[int, int]] = ((0, 0),),
+    ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if load_issuer not in LOAD_ISSUERS:
+            raise ValueError(f"load_issuer {load_issuer!r} is not one of {LOAD_ISSUERS}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks must name each (tp_rank, pp_rank) of the instance once, got {list(ranks)}")
         self.client = client
         self.instance_id = instance_id
         self.block_size = block_size
         self.mode = mode
+        self.load_issuer = load_issuer
+        self.ranks = [tuple(r) for r in ranks]
         self._probes: Dict[str, _Probe] = {}
         self._tracked: Dict[str, _Tracked] = {}
         self._loads: List[LoadIntent] = []
         self._delayed: Set[str] = set()
+        # Async mode: requests whose load has not come back in finished_recving yet.
+        self._loading: Set[str] = set()
+        # Scheduler-issued load states not unlinked yet, by name → [answered,
+        # step_ran] (see _issue); _issued: those of the plan being built.
+        self._names: Dict[str, List[bool]] = {}
+        self._issued: List[str] = []
+        self._shipped: List[str] = []
+        # Load answers arrive on gRPC threads: they count and unlink under this lock.
+        self._stats_lock = threading.Lock()
         self.stats: Dict[str, int] = defaultdict(int)
 
     # -- probe --
@@ -262,15 +322,76 @@ class SchedulerCore:
             raise ValueError(
                 f"request {rid}: {len(block_ids)} blocks allocated, need blocks {start}..{start + n - 1} to load into"
             )
-        self._loads.append(LoadIntent(rid, p.result.lease_id, targets))
+        intent = LoadIntent(rid, p.result.lease_id, targets)
+        if self.load_issuer == ISSUER_SCHEDULER:
+            self._issue(intent)
+        self._loads.append(intent)
+        if self.mode == ASYNC:
+            self._loading.add(rid)
+        else:
+            tr.had_load = True
         tr.saved_upto = max(tr.saved_upto, start + n)  # those blocks are held by the server already
         self.stats["load_intents"] += 1
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += n
+
+    def _issue(self, intent: LoadIntent) -> None:
+        """Sends the Load of every rank now, each with its own fresh load state,
+        without waiting for the answers: the copy starts while the scheduler
+        finishes the step and the workers prepare it. A refusal or a broken
+        call marks that rank's state failed (the server also marks a refusal
+        itself), so the rank's worker sees it like any failed load.
+
+        Life of a state's name: created here; opened by the server when the
+        Load arrives (before it answers); attached by the rank's worker in
+        start_load_kv of the step whose plan carries it. Unlinked here once
+        both are past: the Load was answered, and the next build_step ran (the
+        engine schedules synchronously, so that step's workers have attached).
+        Whichever comes second unlinks; close() unlinks the rest. Every mapping
+        (ours until the answer, the server's, the worker's) outlives the name."""
+        intent.states = {}
+        for tp_rank, pp_rank in self.ranks:
+            st = LoadState.create()
+            st.hand_over()  # the name is unlinked by the bookkeeping below, not by st.close()
+            intent.states[(tp_rank, pp_rank)] = st.name
+            with self._stats_lock:
+                self._names[st.name] = [False, False]
+            self._issued.append(st.name)
+
+            def answered(err: Optional[PegaflowError], st: LoadState = st, rank=(tp_rank, pp_rank)) -> None:
+                if err is not None:
+                    st.mark_failed()
+                    self._count("load_issue_errors")
+                    log.warning(
+                        "request %s: Load of tp_rank %d pp_rank %d failed (recomputed): %s",
+                        intent.request_id, rank[0], rank[1], err,
+                    )
+                st.close()
+                self._passed(st.name, 0)
+
+            try:
+                self.client.load_nowait(
+                    instance_id=self.instance_id, tp_rank=tp_rank, pp_rank=pp_rank, lease_id=intent.lease_id,
+                    block_ids=intent.block_ids, load_state_shm=st.name, request_id=intent.request_id,
+                    on_done=answered,
+                )
+                self._count("loads_issued")
+            except PegaflowError as e:  # the client is closed: nothing was sent
+                answered(e)
 
     # -- step --
 
     def build_step(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         plan = StepPlan(loads=self._loads, preempted=list(preempted))
         self._loads = []
+        if self._shipped or self._issued:
+            # The engine schedules synchronously (the rule of the scheduler
+            # issuer): the step that carried these names has run.
+            for name in self._shipped:
+                self._passed(name, 1)
+            self._shipped, self._issued = self._issued, []
         for rid in plan.preempted:
             tr = self._tracked.get(rid)
             if tr is not None:
@@ -302,12 +423,27 @@ class SchedulerCore:
                 self.stats["save_intents"] += 1
         return plan
 
+    def _passed(self, name: str, event: int) -> None:
+        """Event 0 (Load answered) or 1 (its step ran) of a state; the second unlinks it."""
+        with self._stats_lock:
+            marks = self._names.get(name)
+            if marks is None:
+                return
+            marks[event] = True
+            if not all(marks):
+                return
+            del self._names[name]
+        _unlink_shm(name)
+
     def request_finished(self, request: Any) -> bool:
-        """True: keep the blocks until the id comes back in finished_sending."""
+        """True: keep the blocks until the id comes back in finished_sending
+        (it had saves or a layer-wise load: each worker reports it once none of
+        them is in flight) or, async mode, in finished_recving (its load may
+        still be landing in them; the worker reports every async load it ran)."""
         rid = request.request_id
         self._release(self._probes.pop(rid, None))
         tr = self._tracked.pop(rid, None)
-        if tr is not None and tr.had_save:
+        if rid in self._loading or (tr is not None and (tr.had_save or tr.had_load)):
             self._delayed.add(rid)
             return True
         return False
@@ -315,6 +451,16 @@ class SchedulerCore:
     def finished_sending(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._delayed.discard(rid)
+
+    def finished_recving(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            if rid in self._loading:
+                self._loading.discard(rid)
+                self._delayed.discard(rid)
+
+    def stats_snapshot(self) -> Dict[str, int]:
+        with self._stats_lock:
+            return dict(self.stats)
 
     @property
     def delayed(self) -> Set[str]:
@@ -324,6 +470,11 @@ class SchedulerCore:
         for p in self._probes.values():
             self._release(p)
         self._probes.clear()
+        with self._stats_lock:
+            names, self._names = list(self._names), {}
+        for name in names:
+            _unlink_shm(name)
+        self._shipped, self._issued = [], []
 
 
 # ---- worker side --------------------------------------------------------------
@@ -343,6 +494,10 @@ class _Load:
     failed: bool = False
     done: bool = False
     at: float = 0.0
+    owned: bool = True  # created here (reusable); False: attached to the scheduler's
+    timed_out: bool = False
+    held: bool = False  # layer-wise: counted in its request's in-flight transfers
+    lingering: bool = False
 
 
 @dataclass
@@ -392,8 +547,11 @@ class WorkerCore:
         self._free_states: List[LoadState] = []
         self._errors: Set[int] = set()
         self._lock = threading.Condition()
-        self._pending: Dict[str, int] = defaultdict(int)  # request → queued/in-flight saves
-        self._saving: Set[str] = set()  # requests with at least one save on this worker
+        # request → its saves queued or in flight and its layer-wise loads not settled
+        self._pending: Dict[str, int] = defaultdict(int)
+        # requests with a save or a layer-wise load on this worker (reported in finished_sending)
+        self._saving: Set[str] = set()
+        self._lingering: List[_Load] = []  # timed-out loads whose copy may still land
         self._finishing: Set[str] = set()
         self._queue: "queue.Queue[Optional[_SaveJob]]" = queue.Queue(maxsize=save_queue_depth)
         self._thread: Optional[threading.Thread] = None
@@ -443,34 +601,93 @@ class WorkerCore:
         self._plan = None
 
     def handle_preemptions(self, preempted: Iterable[str]) -> None:
-        """Returns once no save of these requests is queued or in flight (their
-        blocks are about to be reused), or after the save deadline."""
+        """Returns once no save of these requests is queued or in flight and
+        no load into their blocks may still land (the blocks are about to be
+        reused), or after the save deadline."""
         ids = set(preempted)
         if not ids:
             return
         deadline = time.monotonic() + self.client.config.save_timeout_s
-        with self._lock:
-            while any(self._pending.get(r, 0) for r in ids):
+        while True:
+            self._poll_lingering()
+            with self._lock:
+                if not any(self._pending.get(r, 0) for r in ids):
+                    return
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._count("preemption_wait_timeouts", 1)
-                    log.warning("preempted requests %s: saves still pending after the deadline", sorted(ids))
+                    log.warning("preempted requests %s: transfers still pending after the deadline", sorted(ids))
                     return
-                self._lock.wait(left)
+                # Saves notify; a lingering load is only seen by polling its state.
+                self._lock.wait(min(left, LINGER_POLL_S) if self._lingering else left)
 
     def _state(self) -> LoadState:
         st = self._free_states.pop() if self._free_states else LoadState.create()
         st.rearm()
         return st
 
-    def _recycle(self, ld: _Load) -> None:
-        if ld.state is None:
+    def _hold(self, ld: _Load) -> None:
+        """Layer-wise: the load counts as a transfer of its request until it
+        settles, so handle_preemptions waits for it and the request is reported
+        in finished_sending (the scheduler delayed its free) only after it."""
+        if self.mode != LAYERWISE:
+            return  # async: the request is reported in finished_recving instead
+        ld.held = True
+        rid = ld.intent.request_id
+        with self._lock:
+            self._pending[rid] += 1
+            self._saving.add(rid)
+
+    def _unhold(self, ld: _Load) -> None:
+        if not ld.held:
             return
-        if ld.done:
-            self._free_states.append(ld.state)
-        else:
-            ld.state.close()  # timed out: the server may still write it, never reuse it
-        ld.state = None
+        ld.held = False
+        rid = ld.intent.request_id
+        with self._lock:
+            self._pending[rid] -= 1
+            if self._pending[rid] <= 0:
+                del self._pending[rid]
+            self._lock.notify_all()
+
+    def _recycle(self, ld: _Load) -> None:
+        """The load leaves its step (idempotent). Settled (`done`): its state is
+        reused (or, attached, closed) and its hold released. Timed out: it
+        lingers, state mapped and blocks held, until the server settles it."""
+        if ld.lingering:
+            return
+        if ld.timed_out and not ld.done and ld.state is not None:
+            ld.lingering = True
+            self._lingering.append(ld)
+            return
+        if ld.state is not None:
+            if ld.done and ld.owned:
+                self._free_states.append(ld.state)
+            else:
+                # The server may still write it (a Load whose answer was lost): never reuse it.
+                ld.state.close()
+            ld.state = None
+        self._unhold(ld)
+
+    def _poll_lingering(self) -> None:
+        if not self._lingering:
+            return
+        now = time.monotonic()
+        keep: List[_Load] = []
+        for ld in self._lingering:
+            ok = ld.state.poll()
+            if ok is None and now < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
+                keep.append(ld)
+                continue
+            if ok is None:
+                self._count("loads_abandoned", 1)
+                log.warning(
+                    "load for %s: state %s still pending %d load timeouts after it started; its blocks are "
+                    "released", ld.intent.request_id, ld.state.name, LINGER_LOAD_TIMEOUTS,
+                )
+            ld.state.close()
+            ld.state = None
+            self._unhold(ld)
+        self._lingering = keep
 
     def _fail(self, ld: _Load, why: str) -> None:
         if not ld.failed:
@@ -480,7 +697,8 @@ class WorkerCore:
             log.warning("load for %s failed (%d blocks recomputed): %s", ld.intent.request_id, len(ld.intent.block_ids), why)
 
     def start_load(self) -> None:
-        """Submits one Load per load intent of the bound plan."""
+        """Submits one Load per load intent of the bound plan, or attaches to
+        this rank's state of a Load the scheduler already sent."""
         plan = self._plan
         if plan is None or not plan.loads:
             return
@@ -491,6 +709,10 @@ class WorkerCore:
                 self._async_loads[intent.request_id] = ld
             else:
                 self._step_loads.append(ld)
+            self._hold(ld)
+            if intent.states is not None:
+                self._attach(ld)
+                continue
             if not reg.connected:
                 ld.done = True
                 self._fail(ld, "not connected to the server")
@@ -513,6 +735,25 @@ class WorkerCore:
                 self._fail(ld, str(e))
                 self._recycle(ld)
 
+    def _attach(self, ld: _Load) -> None:
+        """A scheduler-issued load: map this rank's state (the scheduler unlinks
+        its name once this step ran). No RPC here."""
+        ld.owned = False
+        name = ld.intent.states.get((self.tp_rank, self.pp_rank))
+        if name is None:
+            ld.done = True
+            self._fail(ld, f"the scheduler sent no Load for tp_rank {self.tp_rank} pp_rank {self.pp_rank} "
+                           f"(it loaded ranks {sorted(ld.intent.states)})")
+            return
+        try:
+            ld.state = LoadState.attach(name)
+        except (OSError, ValueError) as e:
+            ld.done = True
+            self._fail(ld, f"cannot attach load state {name}: {e}")
+            return
+        self._count("loads", 1)
+        self._count("load_blocks", len(ld.intent.block_ids))
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise mode: returns once `layer_name` has landed for every load of this step."""
         if not self._step_loads:
@@ -530,7 +771,8 @@ class WorkerCore:
             try:
                 ld.state.wait_layer(idx, self._left(ld))
             except PegaflowLoadError as e:
-                ld.done = not isinstance(e, TimeoutError)
+                ld.timed_out = isinstance(e, TimeoutError)
+                ld.done = not ld.timed_out
                 self._fail(ld, str(e))
                 self._recycle(ld)
 
@@ -544,7 +786,8 @@ class WorkerCore:
                     ld.state.wait_all(self._left(ld))
                     ld.done = True
                 except PegaflowLoadError as e:
-                    ld.done = not isinstance(e, TimeoutError)
+                    ld.timed_out = isinstance(e, TimeoutError)
+                    ld.done = not ld.timed_out
                     self._fail(ld, str(e))
             self._recycle(ld)
         self._step_loads = []
@@ -624,6 +867,7 @@ class WorkerCore:
         done (only those that had a save, as the scheduler delayed exactly
         those), and async loads that ended (ok or failed)."""
         recving: Set[str] = set()
+        self._poll_lingering()
         if self.mode == ASYNC:
             for rid, ld in list(self._async_loads.items()):
                 if not ld.done and ld.state is not None:
@@ -632,6 +876,9 @@ class WorkerCore:
                         if self._left(ld) > 0:
                             continue
                         self._fail(ld, f"not done after {self.load_timeout_s} s")
+                        if time.monotonic() < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
+                            continue  # its copy may still land: the request keeps its blocks
+                        self._count("loads_abandoned", 1)
                     else:
                         ld.done = True
                         if not ok:
@@ -665,11 +912,11 @@ class WorkerCore:
         if self.registration is not None:
             self.registration.close(unregister=unregister)
         # Unregistering drained the server's copies: every state can go now.
-        for ld in self._step_loads + list(self._async_loads.values()):
+        for ld in self._step_loads + list(self._async_loads.values()) + self._lingering:
             if ld.state is not None:
                 ld.state.close()
                 ld.state = None
-        self._step_loads, self._async_loads = [], {}
+        self._step_loads, self._async_loads, self._lingering = [], {}, []
         for st in self._free_states:
             st.close()
         self._free_states.clear()

@@ -11,6 +11,7 @@ read here (all present at that commit):
   vllm_config.model_config.{model, dtype, use_mla, get_num_kv_heads(pc), get_head_size(), get_num_layers(pc)}
   vllm_config.cache_config.{block_size, cache_dtype}
   vllm_config.parallel_config.{tensor_parallel_size, pipeline_parallel_size, rank}
+  vllm_config.scheduler_config.async_scheduling (default load issuer only)
   request.{request_id, block_hashes, num_tokens, num_publishable_block_hashes (if present)}
   KVCacheBlocks.get_block_ids()
   SchedulerOutput.{scheduled_new_reqs[].{req_id, block_ids, num_computed_tokens},
@@ -25,7 +26,28 @@ Extra config keys (env fallback): pegaflow.addr (PEGAFLOW_ADDR), pegaflow.mode
 (PEGAFLOW_MODE: "layerwise" | "async"), pegaflow.rpc_timeout_ms, pegaflow.save_timeout_ms,
 pegaflow.load_timeout_ms (PEGAFLOW_*_TIMEOUT_MS), pegaflow.instance_id
 (PEGAFLOW_INSTANCE_ID; default kv_transfer_config.engine_id), pegaflow.namespace
-(PEGAFLOW_NAMESPACE; default derived from every layout factor).
+(PEGAFLOW_NAMESPACE; default derived from every layout factor), pegaflow.load_issuer
+(PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker"; default below).
+
+Who sends the Load (pegaflow.load_issuer):
+  worker     start_load_kv sends it, one per rank, after handle_preemptions, in
+             the step that runs the request (always safe).
+  scheduler  update_state_after_alloc sends it for every TP/PP rank as soon as
+             the target blocks are known (each rank with its own load state,
+             created by the scheduler); the state names travel in the step's
+             metadata and each worker attaches to its rank's (no RPC) in
+             start_load_kv; wait_for_layer_load waits on it as before. The copy
+             starts about one RPC and the worker's preparation earlier.
+  Safety rule of the scheduler issuer: the copy may start before the workers
+  run the step, so it is safe only when the engine schedules synchronously:
+  the previous step's forward has finished before the scheduler runs, so no
+  kernel still reads or writes blocks just reallocated to this request (and a
+  step that preempted admits no new request, so the preempted requests'
+  pending saves were waited for by handle_preemptions in that step). vLLM's
+  async scheduling (and PP's batch queue) breaks that: a block freed during
+  schedule(N+1) may still be read by step N. Hence the default: "scheduler"
+  only when scheduler_config.async_scheduling is explicitly False and there
+  is one pipeline stage, else "worker".
 """
 
 from __future__ import annotations
@@ -39,7 +61,10 @@ from ..client import PegaflowClient
 from ..config import ClientConfig
 from .core import (
     ASYNC,
+    ISSUER_SCHEDULER,
+    ISSUER_WORKER,
     LAYERWISE,
+    LOAD_ISSUERS,
     MODES,
     ScheduledRequest,
     SchedulerCore,
@@ -80,6 +105,7 @@ class ConnectorSettings:
     instance_id: str
     namespace: str
     client: ClientConfig
+    load_issuer: str = ISSUER_WORKER
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Optional[Dict[str, str]] = None) -> "ConnectorSettings":
@@ -124,7 +150,29 @@ class ConnectorSettings:
             reconnect_max_ms=ms("reconnect_max_ms"),
             env=e,
         )
-        return cls(mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client)
+        load_issuer = get("load_issuer", "PEGAFLOW_LOAD_ISSUER") or default_load_issuer(vllm_config)
+        if load_issuer not in LOAD_ISSUERS:
+            raise ValueError(f"pegaflow.load_issuer {load_issuer!r} is not one of {LOAD_ISSUERS}")
+        return cls(
+            mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client,
+            load_issuer=load_issuer,
+        )
+
+
+def default_load_issuer(vllm_config: Any) -> str:
+    """"scheduler" only where vLLM's config says the engine schedules one
+    step at a time: async scheduling explicitly off, and one pipeline stage
+    (vLLM's executors report max_concurrent_batches = 2 with async scheduling,
+    else pipeline_parallel_size — vllm/v1/executor/multiproc_executor.py — and
+    the engine core keeps that many batches in flight, so step N+1 is
+    scheduled while step N runs). Anything else, including a config that does
+    not say: "worker"."""
+    sc = getattr(vllm_config, "scheduler_config", None)
+    if getattr(sc, "async_scheduling", None) is not False:
+        return ISSUER_WORKER
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        return ISSUER_WORKER
+    return ISSUER_SCHEDULER
 
 
 def _ranks(vllm_config: Any) -> Tuple[int, int]:
@@ -161,9 +209,14 @@ class PegaflowConnector(KVConnectorBase_V1):
         self._worker: Optional[WorkerCore] = None
         pc = vllm_config.parallel_config
         if role == KVConnectorRole.SCHEDULER:
+            # vLLM orders ranks TP-innermost; the scheduler loads into every one.
+            ranks = [
+                (tp, pp) for pp in range(pc.pipeline_parallel_size) for tp in range(pc.tensor_parallel_size)
+            ]
             self._scheduler = SchedulerCore(
                 self.client, instance_id=self.settings.instance_id,
                 block_size=vllm_config.cache_config.block_size, mode=self.settings.mode,
+                load_issuer=self.settings.load_issuer, ranks=ranks,
             )
         else:
             tp_rank, pp_rank = _ranks(vllm_config)
@@ -237,7 +290,7 @@ class PegaflowConnector(KVConnectorBase_V1):
         """Counters: queries, hits, loads, load failures, saves, dropped saves, reconnects."""
         if self._worker is not None:
             return self._worker.stats_snapshot()
-        return dict(self._s().stats)
+        return self._s().stats_snapshot()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -279,6 +332,7 @@ class PegaflowConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._s().finished_sending(connector_output.finished_sending or ())
+        self._s().finished_recving(connector_output.finished_recving or ())
 
 
 __all__ = ["PegaflowConnector", "PegaflowConnectorMetadata", "ConnectorSettings", "HAVE_VLLM", "ASYNC", "LAYERWISE"]

@@ -47,6 +47,7 @@ __all__ = [
     "NewRequestData",
     "ParallelConfig",
     "RequestStatus",
+    "SchedulerConfig",
     "SchedulerOutput",
     "SupportsHMA",
     "VllmConfig",
@@ -147,12 +148,25 @@ class ParallelConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """The part of `vllm.config.SchedulerConfig` (vllm/config/scheduler.py) a connector reads.
+
+    `async_scheduling`: vLLM schedules step N+1 while step N runs when True. Newer vLLM
+    leaves it None until it decides; None here means "not known", which the connector
+    treats like True. An engine that schedules synchronously says False.
+    """
+
+    async_scheduling: bool | None = None
+
+
+@dataclass
 class VllmConfig:
     """Mirrors `vllm.config.VllmConfig` (vllm/config/vllm.py): the configs a connector sees."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer_config: KVTransferConfig | None = None
 
 

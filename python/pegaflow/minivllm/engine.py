@@ -33,6 +33,7 @@ from pegaflow.connector.vllm_api import (
     ParallelConfig,
     VllmConfig,
 )
+from pegaflow.connector.vllm_api import SchedulerConfig as VllmSchedulerConfig
 from pegaflow.minivllm.kv_cache_manager import KVCacheManager
 from pegaflow.minivllm.llama import CONFIGS, LlamaConfig, LlamaModel
 from pegaflow.minivllm.model_runner import KVCacheAllocator, ModelRunner
@@ -109,6 +110,8 @@ class LLMEngine:
                 num_gpu_blocks=config.num_gpu_blocks,
             ),
             parallel_config=ParallelConfig(),
+            # One step at a time: the previous step's forward ended before schedule() runs.
+            scheduler_config=VllmSchedulerConfig(async_scheduling=False),
             kv_transfer_config=ktc,
         )
         self.kv_cache_config = KVCacheConfig(

@@ -1,0 +1,317 @@
+"""Scheduler-issued loads (pegaflow.load_issuer=scheduler), driven in vLLM's
+call order (tests/vllm_driver.py) against a real host-backend server: the
+scheduler sends every rank's Load in update_state_after_alloc, before the
+worker's step starts; the worker attaches to its rank's load state; failures
+still end in recomputed blocks; the state files do not outlive their step;
+a load that may still land keeps its request's blocks held."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import List
+
+import pytest
+
+from pegaflow.client import PegaflowClient
+from pegaflow.connector.core import ScheduledRequest, SchedulerCore, WorkerCore
+from pegaflow.connector.vllm import ConnectorSettings
+from pegaflow.hashes import synthetic_tokens
+
+from kv_helpers import make_kv
+from test_core_tp import Req, rank_content
+from vllm_driver import BLOCK, Engine, Request, vllm_config
+
+MODES = ["layerwise", "async"]
+SCHED = {"pegaflow.load_issuer": "scheduler"}
+
+
+def my_states() -> List[str]:
+    """This process's load-state files in /dev/shm."""
+    mark = f"pegaflow-ls-{os.getpid()}-"
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(mark))
+
+
+@pytest.fixture
+def engines(server, uid):
+    before = my_states()
+    made = []
+
+    def make(mode: str, **extra) -> Engine:
+        e = Engine(vllm_config(server.addr, f"{uid}-{len(made)}", "tiny-" + uid, mode, **{**SCHED, **extra}))
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+    assert my_states() == before, "load-state files left in /dev/shm"
+
+
+def cold_then_drained(eng: Engine, seed: int, nblocks: int, uid: str) -> Request:
+    cold = Request("cold", synthetic_tokens(seed, nblocks * BLOCK + 1), salt=uid)
+    assert eng.run_prefill(cold) == 0
+    assert eng.finish(cold) is True
+    eng.drain("cold")
+    return cold
+
+
+class Recorder:
+    """Wraps the scheduler's Load sends, the worker's own Loads and the
+    worker's start_load_kv; keeps the order in which they happened."""
+
+    def __init__(self, eng: Engine):
+        self.events: List[tuple] = []
+        real_send = eng.sched.client.load_nowait
+        real_load = eng.worker.client.load
+        real_start = eng.worker.start_load_kv
+
+        def send(**kw):
+            self.events.append(("scheduler sends Load", kw["tp_rank"], kw["pp_rank"], kw["load_state_shm"]))
+            return real_send(**kw)
+
+        def load(**kw):
+            self.events.append(("worker sends Load", kw["tp_rank"], kw["pp_rank"]))
+            return real_load(**kw)
+
+        def start(ctx, **kw):
+            self.events.append(("worker start_load_kv",))
+            return real_start(ctx, **kw)
+
+        eng.sched.client.load_nowait = send
+        eng.worker.client.load = load
+        eng.worker.start_load_kv = start
+
+    def kinds(self) -> List[str]:
+        return [e[0] for e in self.events]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_scheduler_sends_the_load_before_the_workers_step_and_it_lands_byte_exact(engines, uid, mode):
+    eng = engines(mode)
+    assert eng.sched.settings.load_issuer == "scheduler"
+    cold = cold_then_drained(eng, 11, 6, uid)
+    rec = Recorder(eng)
+    warm = Request("warm", cold.prompt_token_ids[: 5 * BLOCK] + synthetic_tokens(12, 3 * BLOCK), salt=uid)
+    n = eng.run_prefill(warm, avoid=set(cold.block_ids))
+    assert n == 5 * BLOCK
+    kinds = rec.kinds()
+    # Sent inside update_state_after_alloc, before any worker step started; the
+    # worker only attached (no Load of its own).
+    assert kinds[0] == "scheduler sends Load" and rec.events[0][1:3] == (0, 0)
+    assert kinds.index("scheduler sends Load") < kinds.index("worker start_load_kv")
+    assert "worker sends Load" not in kinds and kinds.count("scheduler sends Load") == 1
+    assert not set(warm.block_ids) & set(cold.block_ids)
+    assert eng.holds_all(warm, warm.num_tokens)
+    assert eng.layer_violations == [] and eng.invalid_blocks == set()
+    stats = eng.worker.pegaflow_stats()
+    assert stats["loads"] >= 1 and stats.get("load_failures", 0) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_refused_scheduler_issued_load_reports_its_blocks_and_they_are_recomputed(engines, uid, mode):
+    eng = engines(mode)
+    prompt = synthetic_tokens(31, 5 * BLOCK)
+    a = Request("a", prompt, salt=uid)
+    eng.run_prefill(a)
+    eng.finish(a)
+    eng.drain("a")
+    core = eng.sched._s()
+    real = core.update_state_after_alloc
+
+    def lease_gone_then_alloc(req, block_ids, n):
+        # The lease is given back between the probe and the Load (as when it expired).
+        p = core._probes.get(req.request_id)
+        if p is not None and p.result.lease_id:
+            eng.sched.client.release(p.result.lease_id)
+        real(req, block_ids, n)
+
+    core.update_state_after_alloc = lease_gone_then_alloc
+    b = Request("b", list(prompt) + [1, 2], salt=uid)
+    eng.run_prefill(b, avoid=set(a.block_ids))
+    assert eng.invalid_blocks == set(b.block_ids[:5])
+    assert eng.holds_all(b, b.num_tokens)  # recomputed after the failure
+    assert eng.worker.pegaflow_stats()["load_failures"] == 1
+    assert eng.sched.pegaflow_stats()["load_issue_errors"] == 1
+
+
+def test_load_state_files_are_gone_once_their_step_ran_and_the_load_was_answered(engines, uid):
+    eng = engines("layerwise")
+    cold = cold_then_drained(eng, 21, 4, uid)
+    before = my_states()
+    warm = Request("warm", list(cold.prompt_token_ids), salt=uid)
+    eng.run_prefill(warm, avoid=set(cold.block_ids))
+    assert eng.invalid_blocks == set() and eng.holds_all(warm, warm.num_tokens)
+    end = time.monotonic() + 10
+    while my_states() != before:  # the next step and the Load's answer, whichever is last
+        assert time.monotonic() < end, f"left: {sorted(set(my_states()) - set(before))}"
+        eng.idle_step()
+        time.sleep(0.01)
+    # A plan whose step never ran: close() unlinks its state.
+    again = Request("again", list(cold.prompt_token_ids), salt=uid)
+    assert eng.admit(again, avoid=set(cold.block_ids) | set(warm.block_ids)) == 4 * BLOCK
+    assert len(my_states()) == len(before) + 1
+    eng.sched.shutdown()
+    assert my_states() == before
+
+
+def test_a_request_that_loaded_is_held_until_its_load_settled_and_preemption_waits_for_a_late_copy(
+    engines, uid
+):
+    eng = engines("layerwise", **{"pegaflow.load_timeout_ms": 300})
+    cold = cold_then_drained(eng, 41, 4, uid)
+    # The Load reaches the server only when the gate opens: the worker times out
+    # first (its blocks are recomputed) while the copy may still land.
+    gate = threading.Event()
+    opened: List[str] = []
+    real_send = eng.sched.client.load_nowait
+
+    def late_send(**kw):
+        def go():
+            gate.wait(30)
+            opened.append(kw["load_state_shm"])
+            real_send(**kw)
+
+        threading.Thread(target=go, daemon=True).start()
+
+    eng.sched.client.load_nowait = late_send
+    warm = Request("w", list(cold.prompt_token_ids), salt=uid)
+    eng.run_prefill(warm, avoid=set(cold.block_ids))
+    assert eng.invalid_blocks == set(warm.block_ids[:4])  # timed out → recomputed
+    assert eng.holds_all(warm, warm.num_tokens)
+    w = eng.worker._w()
+    assert len(w._lingering) == 1 and w._pending.get("w") == 1  # blocks still held
+    # vLLM frees a preempted request's blocks at once: the worker's
+    # handle_preemptions must not return while the late copy may land in them.
+    threading.Timer(0.2, gate.set).start()
+    preempt = eng._output([], preempted={"w"})
+    eng.worker.handle_preemptions(preempt.kv_connector_metadata)
+    assert opened, "handle_preemptions returned before the late Load was even sent"
+    assert w._lingering == [] and not w._pending.get("w")
+    eng._step(preempt, {})
+    assert eng.holds_all(warm, warm.num_tokens)  # the late copy carried the same KV
+    # Finished: its free is delayed until the worker reports it (nothing in flight now).
+    assert eng.finish(warm) is True
+    eng.drain("w")
+
+
+def test_two_tp_ranks_each_attach_their_own_ranks_state_of_one_scheduler_issued_load(server, uid):
+    before = my_states()
+    client = PegaflowClient(server.addr)
+    regions, kvs, workers = [], [], []
+    try:
+        for rank in range(2):
+            region, kv = make_kv(2, 16)
+            regions.append(region)
+            kvs.append(kv)
+            w = WorkerCore(client, instance_id=uid, namespace="ns-" + uid, tp_rank=rank, tp_size=2)
+            w.register_kv_caches(kv)
+            workers.append(w)
+        sched = SchedulerCore(
+            client, instance_id=uid, block_size=BLOCK, mode="layerwise", load_issuer="scheduler",
+            ranks=[(0, 0), (1, 0)],
+        )
+        a = Req("a", synthetic_tokens(91, 3 * BLOCK + 1), uid)
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        sched.update_state_after_alloc(a, [1, 2, 3, 4], 0)
+        plan = sched.build_step([ScheduledRequest("a", [1, 2, 3, 4], True, 0, a.num_tokens)])
+        for rank, (w, kv) in enumerate(zip(workers, kvs)):
+            for li, t in enumerate(kv.values()):
+                for b, h in zip([1, 2, 3], a.block_hashes):
+                    for s in range(2):
+                        t[s, b] = rank_content(h, rank, li, s)
+            w.bind(plan)
+            w.start_load()
+            w.wait_for_save()
+            w.unbind()
+        assert sched.request_finished(a) is True
+        for w in workers:
+            end = time.monotonic() + 30
+            while w.get_finished({"a"})[0] != {"a"}:
+                assert time.monotonic() < end, "rank never finished sending"
+                time.sleep(0.01)
+        sched.finished_sending({"a"})
+
+        b = Req("b", list(a.tokens) + [5, 6, 7], uid)
+        assert sched.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, False)
+        sched.update_state_after_alloc(b, [9, 10, 11, 12], 3 * BLOCK)
+        assert sched.stats["loads_issued"] == 2  # one Load per rank, from the scheduler
+        plan = sched.build_step([ScheduledRequest("b", [9, 10, 11, 12], True, 3 * BLOCK, 4)])
+        states = plan.loads[0].states
+        assert set(states) == {(0, 0), (1, 0)} and states[(0, 0)] != states[(1, 0)]
+        for rank, w in enumerate(workers):
+            w.bind(plan)
+            w.start_load()
+            assert w._step_loads[0].state.name == states[(rank, 0)]
+            for name in kvs[0]:
+                w.wait_for_layer_load(name)
+            w.wait_for_save()
+            assert w.take_load_errors() == set()
+            w.unbind()
+            assert w.stats["loads"] == 1
+        for rank, kv in enumerate(kvs):
+            for li, t in enumerate(kv.values()):
+                for b_id, h in zip([9, 10, 11], b.block_hashes):
+                    for s in range(2):
+                        assert t[s, b_id].tobytes() == rank_content(h, rank, li, s).tobytes(), (rank, li, b_id, s)
+        sched.close()
+    finally:
+        for w in workers:
+            w.close()
+        for r in regions:
+            r.close()
+        client.close()
+    assert my_states() == before
+
+
+def test_the_load_issuer_is_the_scheduler_only_where_vllm_schedules_synchronously(server, uid):
+    def issuer(async_scheduling, pp=1, **extra) -> str:
+        cfg = vllm_config(server.addr, uid, "tiny", "layerwise", **extra)
+        cfg.scheduler_config.async_scheduling = async_scheduling
+        cfg.parallel_config.pipeline_parallel_size = pp
+        return ConnectorSettings.from_vllm(cfg, env={}).load_issuer
+
+    assert issuer(False) == "scheduler"
+    assert issuer(None) == "worker"  # not known: the safe one
+    assert issuer(True) == "worker"
+    assert issuer(False, pp=2) == "worker"  # PP runs a queue of concurrent batches
+    assert issuer(True, **{"pegaflow.load_issuer": "scheduler"}) == "scheduler"
+    assert issuer(False, **{"pegaflow.load_issuer": "worker"}) == "worker"
+    with pytest.raises(ValueError, match="pegaflow.load_issuer 'gpu'"):
+        issuer(False, **{"pegaflow.load_issuer": "gpu"})
+
+
+def test_an_async_load_aborted_before_it_landed_keeps_its_blocks_until_finished_recving(engines, uid):
+    eng = engines("async")
+    cold = cold_then_drained(eng, 61, 4, uid)
+    gate = threading.Event()
+    real_send = eng.sched.client.load_nowait
+
+    def late_send(**kw):  # the Load reaches the server only when the gate opens
+        threading.Thread(target=lambda: (gate.wait(30), real_send(**kw)), daemon=True).start()
+
+    eng.sched.client.load_nowait = late_send
+    r = Request("aborted", list(cold.prompt_token_ids), salt=uid)
+    assert eng.admit(r, avoid=set(cold.block_ids)) == 4 * BLOCK and r.load_async
+    res = eng.idle_step()  # the step that carries the load: the worker attaches, nothing landed yet
+    assert not res.finished_recving
+    # Aborted while WAITING_FOR_REMOTE_KVS: vLLM calls request_finished; the
+    # copy may still land in its blocks, so they stay held...
+    delay, _ = eng.sched.request_finished(r, list(r.block_ids))
+    assert delay is True and "aborted" in eng.sched._s().delayed
+    eng.finished_ids.add("aborted")
+    gate.set()
+    for _ in range(400):
+        if res.finished_recving and "aborted" in res.finished_recving:
+            break
+        time.sleep(0.005)
+        res = eng.idle_step()
+    else:
+        raise AssertionError("the aborted request's load never came back")
+    # ...until the worker reports its load (vLLM frees a finished request named
+    # in finished_recving), and it is not reported a second time as sent.
+    assert not res.finished_sending
+    assert eng.sched._s().delayed == set()
+    assert eng.holds_all(r, 4 * BLOCK)  # the copy landed in blocks nobody reused
+    eng._free(r)
