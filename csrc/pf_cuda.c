@@ -1121,6 +1121,13 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
   uint32_t want = b->num_ranges / PF_LANE_MIN_RANGES + 1;
   if (b->num_ranges && b->total_bytes / b->num_ranges >= PF_LANE_MAX_MEAN_RANGE)
     want = 1;
+  /* A load (H2D) is consumed layer by layer while it lands: its groups
+   * must complete in order. Several lanes interleave every group over
+   * streams that the copy engines largely serialize, so groups complete in
+   * bursts (measured on the H100: layers 7..31 of a 10K-token load all at
+   * the end, the model idle meanwhile); one stream keeps them in order at
+   * the same total time for a load's merged ranges. */
+  if (b->direction == PF_H2D) want = 1;
   cb->lanes = path == PF_PATH_KERNEL ? 0 : (want < ce->nlanes ? want : ce->nlanes);
   size_t nev = (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
   if (nev > UINT32_MAX) nev = 0;
