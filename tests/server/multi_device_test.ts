@@ -66,6 +66,54 @@ async function loadAndVerify(ranks: SimEngine[], hashes: Uint8Array[], requestId
   }
 }
 
+/** An engine_child.ts rank process; `saves(n)` waits until it printed n "saved" lines. */
+function engineChild(srv: ServerProc, args: string[]) {
+  const child = new Deno.Command(Deno.execPath(), {
+    args: ["run", "-A", "tests/server/fixtures/engine_child.ts", srv.grpc, ...args],
+    cwd: ROOT,
+    stdout: "piped",
+    stderr: "inherit",
+  }).spawn();
+  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "";
+  let saved = 0;
+  let regions: string[] = [];
+  return {
+    get regions() {
+      return regions;
+    },
+    async saves(n: number): Promise<void> {
+      while (saved < n) {
+        const r = await reader.read();
+        if (r.done) throw new Error("engine child exited early");
+        buf += r.value;
+        let i;
+        while ((i = buf.indexOf("\n")) >= 0) {
+          const msg = JSON.parse(buf.slice(0, i));
+          buf = buf.slice(i + 1);
+          if (msg.ready) regions = msg.regions;
+          if (msg.saved) saved = msg.saved;
+        }
+      }
+    },
+    async kill(): Promise<void> {
+      try {
+        child.kill("SIGKILL");
+      } catch (_e) { /* already dead */ }
+      await child.status;
+      reader.releaseLock();
+    },
+    /** The killed child could not unlink its shm files: remove them. */
+    async removeShm(): Promise<void> {
+      for (const name of regions) {
+        await Deno.remove(`/dev/shm${name}`).catch((e) => {
+          if (!(e instanceof Deno.errors.NotFound)) throw e;
+        });
+      }
+    },
+  };
+}
+
 async function until(what: string, cond: () => Promise<boolean>): Promise<void> {
   const deadline = Date.now() + 20_000;
   while (!(await cond())) {
@@ -77,8 +125,9 @@ async function until(what: string, cond: () => Promise<boolean>): Promise<void> 
 async function withServer(
   fn: (srv: ServerProc) => Promise<void>,
   env: Record<string, string> = {},
+  flags: string[] = [],
 ): Promise<void> {
-  const srv = await startServer(DEVICES, env);
+  const srv = await startServer([...DEVICES, ...flags], env);
   try {
     await fn(srv);
   } finally {
@@ -279,23 +328,8 @@ Deno.test("one failed device fails its own instances' copies with an error namin
 
 Deno.test("a rank process SIGKILLed mid-save on one device leaves the other devices' instances and data intact", async () => {
   await withServer(async (srv) => {
-    const namespace = uid("ns");
     const [keep] = instance(srv, { tp: 1, pp: 1, devices: [1], namespace: uid("ns-keep") });
-    const child = new Deno.Command(Deno.execPath(), {
-      args: [
-        "run",
-        "-A",
-        "tests/server/fixtures/engine_child.ts",
-        srv.grpc,
-        uid("kill"),
-        namespace,
-        "3",
-      ],
-      cwd: ROOT,
-      stdout: "piped",
-      stderr: "inherit",
-    }).spawn();
-    let regions: string[] = [];
+    const child = engineChild(srv, [uid("kill"), uid("ns"), "3"]);
     try {
       await keep.register();
       const hashes = chainedBlockHashes(syntheticTokens(21, 16 * 8), 16);
@@ -304,36 +338,14 @@ Deno.test("a rank process SIGKILLed mid-save on one device leaves the other devi
       // A lease pins them: the child's saves fill the pool and may evict anything unpinned.
       const q = await keep.query(hashes, "q-survivor");
       assert.ok(q.kind === "ready" && q.hits === 8, `query: ${JSON.stringify(q)}`);
-      const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
-      let buf = "";
-      let saves = 0;
-      while (saves < 2) {
-        const r = await reader.read();
-        if (r.done) throw new Error("engine child exited early");
-        buf += r.value;
-        let i;
-        while ((i = buf.indexOf("\n")) >= 0) {
-          const msg = JSON.parse(buf.slice(0, i));
-          buf = buf.slice(i + 1);
-          if (msg.ready) regions = msg.regions;
-          if (msg.saved) saves++;
-        }
-      }
       // Kill it while its save loop keeps a Save in flight on device 3.
-      child.kill("SIGKILL");
-      await child.status;
-      reader.releaseLock();
-      const deadline = Date.now() + 20_000;
-      for (;;) {
+      await child.saves(2);
+      await child.kill();
+      await until("the killed rank's instance cleaned up", async () => {
         const listed = (await (await srv.http_get("/instances")).json()).instances;
-        if (listed.length === 1) {
-          assert.equal(listed[0].instanceId, keep.instanceId);
-          assert.equal(listed[0].ranks[0].device, 1);
-          break;
-        }
-        if (Date.now() > deadline) throw new Error("the killed rank's instance was not cleaned up");
-        await new Promise((r) => setTimeout(r, 50));
-      }
+        return listed.length === 1 && listed[0].instanceId === keep.instanceId &&
+          listed[0].ranks[0].device === 1;
+      });
       assert.equal(await srv.metric("pegaflow_inflight_blocks"), 0, "no half-written block left");
       if (q.kind !== "ready") return;
       keep.clear(ids(16, 8));
@@ -345,15 +357,81 @@ Deno.test("a rank process SIGKILLed mid-save on one device leaves the other devi
       keep.fill(ids(0, 4), more);
       assert.equal((await keep.save(ids(0, 4), more)).blocksSaved, 4);
     } finally {
-      try {
-        child.kill("SIGKILL");
-      } catch (_e) { /* already dead */ }
-      for (const name of regions) {
-        await Deno.remove(`/dev/shm${name}`).catch((e) => {
-          if (!(e instanceof Deno.errors.NotFound)) throw e;
-        });
-      }
+      await child.kill();
+      await child.removeShm();
       keep.close();
     }
   });
+});
+
+Deno.test("a TP rank process SIGKILLed mid-save: its instance is cleaned up, blocks both ranks sealed stay byte-exact for a DP instance on other devices", async () => {
+  await withServer(
+    async (srv) => {
+      const namespace = uid("ns");
+      const instanceId = uid("tp-kill");
+      const model = { ...LLAMA_3_1_8B, numLayers: 8 };
+      // Rank 1 on device 1 is a separate process; rank 0 on device 0 lives here.
+      const child = engineChild(srv, [instanceId, namespace, "1", "1", "2"]);
+      const rank0 = SimEngine.create({
+        client: srv.client,
+        instanceId,
+        namespace,
+        model,
+        numBlocks: 64,
+        tpRank: 0,
+        tpSize: 2,
+        backend: "host",
+        device: 0,
+      });
+      // A DP instance of the same namespace, its ranks on devices 2 and 3.
+      const dpId = uid("dp");
+      const reader = [0, 1].map((tpRank) =>
+        SimEngine.create({
+          client: srv.client,
+          instanceId: dpId,
+          namespace,
+          model,
+          numBlocks: 64,
+          tpRank,
+          tpSize: 2,
+          backend: "host",
+          device: 2 + tpRank,
+        })
+      );
+      try {
+        await rank0.register();
+        await child.saves(1); // the child registered and saved the prefix of seed 1 (ids 0..63)
+        const sealedPrefix = chainedBlockHashes(syntheticTokens(1, 16 * 64), 16);
+        rank0.fill(ids(0, 64), sealedPrefix);
+        await rank0.save(ids(0, 64), sealedPrefix);
+        assert.equal(await srv.metric("pegaflow_blocks_sealed_total"), 64, "both ranks' slots in");
+        // The child goes on saving prefixes rank 0 never saves: inflight blocks, then the kill.
+        await child.saves(2);
+        await child.kill();
+        await until("the killed rank's instance cleaned up", async () => {
+          const listed = (await (await srv.http_get("/instances")).json()).instances;
+          return listed.length === 0;
+        });
+        assert.equal(await srv.metric("pegaflow_inflight_blocks"), 0, "no half-written block left");
+        for (const r of reader) await r.register();
+        // Only the first 16 blocks are loaded (the reader's 64 ids hold them at 16..31).
+        const q = await reader[0].query(sealedPrefix.slice(0, 16), "q-after-kill");
+        assert.ok(q.kind === "ready" && q.hits === 16, `query: ${JSON.stringify(q)}`);
+        if (q.kind !== "ready") return;
+        for (const r of reader) {
+          r.clear(ids(16, 16));
+          await r.load(q.leaseId, ids(16, 16));
+          const v = r.verify(ids(16, 16), sealedPrefix.slice(0, 16));
+          assert.equal(v.badSegments, 0, `reader tp_rank ${r.tpRank}: ${v.first ?? ""}`);
+        }
+      } finally {
+        await child.kill();
+        await child.removeShm();
+        rank0.close();
+        for (const r of reader) r.close();
+      }
+    },
+    {},
+    ["--pool-size", "256mb"],
+  );
 });
