@@ -119,7 +119,12 @@ function choiceArg<T extends string>(choices: readonly T[]) {
 /** `PEGAFLOW_TEST_FAIL_DEVICES` (tests only; see {@link ServeConfig.testFailDevices}). */
 function testFailDevices(): number[] | undefined {
   const v = Deno.env.get("PEGAFLOW_TEST_FAIL_DEVICES");
-  return v ? devicesArg(v) : undefined;
+  if (!v) return undefined;
+  try {
+    return devicesArg(v);
+  } catch (e) {
+    throw new Error(`PEGAFLOW_TEST_FAIL_DEVICES: ${(e as Error).message}`);
+  }
 }
 
 /** Parses `--devices`: distinct non-negative ids, comma-separated. */
