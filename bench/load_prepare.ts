@@ -47,7 +47,7 @@ const log = new Logger("debug", {}, (line) => {
 });
 const native = await openNative({
   backend: "host",
-  device: 0,
+  devices: [0],
   poolBytes: Math.ceil((prefixBytes * 1.1) / (1 << 20)) * (1 << 20),
   useHugepages: false,
   transferPath: "auto",

@@ -49,7 +49,7 @@ const log = new Logger("debug", {}, (line) => {
 });
 const native = await openNative({
   backend: "host",
-  device: 0,
+  devices: [0],
   poolBytes: Math.ceil((2 * prefixBytes * 1.05) / (1 << 20)) * (1 << 20),
   useHugepages: false,
   transferPath: "auto",

@@ -114,6 +114,11 @@ int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks);
 int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille);
 /* Fails with PF_EBUSY while pools/regions of this engine are alive. */
 int32_t pf_engine_close(uint32_t engine);
+/* Test hook (host backend only): from now on every copy this engine's
+ * workers run fails with `code` (a negative PF_E*; PF_EIO if 0 or
+ * positive) and a text naming the engine's device, as a lost device would.
+ * Other engines (devices) are untouched. Not reversible. */
+int32_t pf_engine_fail(uint32_t engine, int32_t code);
 
 /* ---- completion ring --------------------------------------------------- */
 /*

@@ -154,6 +154,17 @@ int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille) {
   return PF_OK;
 }
 
+int32_t pf_engine_fail(uint32_t engine, int32_t code) {
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_fail");
+  if (!e) return PF_EHANDLE;
+  if (!e->ops->fault_hook)
+    return pf_fail(PF_EINVAL, "pf_engine_fail: engine %u (%s backend, device "
+                   "%d) has no fault hook; only the host backend has one",
+                   engine, e->ops->name, e->device);
+  atomic_store(&e->failed, code < 0 ? code : PF_EIO);
+  return PF_OK;
+}
+
 int32_t pf_engine_close(uint32_t engine) {
   pthread_mutex_lock(&pf_objects_mu);
   pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_close");
@@ -632,9 +643,10 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
     rc = PF_EHANDLE;
     goto fail_locked;
   }
-  if (p->engine != e) {
+  if (p->engine != e && !(p->engine->ops == e->ops && e->ops->shared_pool)) {
     rc = pf_fail(PF_EINVAL, "pf_copy_submit: pool %u belongs to another "
-                 "engine than %u", pool, engine);
+                 "engine than %u (the %s backend cannot share a pool "
+                 "across devices)", pool, engine, e->ops->name);
     goto fail_locked;
   }
   if (pf_ring_is_shutdown(rg)) {

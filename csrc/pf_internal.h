@@ -237,6 +237,12 @@ typedef struct pf_backend_ops {
   /* Largest range the backend copies in one piece (host: longer ones are
    * split for parallelism; cuda: no limit). */
   uint64_t max_range_bytes;
+  /* 1: a pool of one engine may serve batches of every engine of this
+   * backend (host: one address space, memcpy everywhere). The cuda backend
+   * keeps 0 until pools are registered portable in every device's context. */
+  int shared_pool;
+  /* 1: workers honour pf_engine_fail (a test hook; host only). */
+  int fault_hook;
 } pf_backend_ops;
 
 typedef struct pf_engine {
@@ -255,6 +261,7 @@ typedef struct pf_engine {
   uint32_t driver_version;  /* cuDriverGetVersion; 0 on host */
   char device_name[PF_DEVICE_NAME_BYTES];
   atomic_int live_objects; /* pools + regions of this engine */
+  _Atomic int32_t failed;  /* pf_engine_fail's code; 0 = healthy */
   void *impl;              /* backend private state */
 } pf_engine;
 

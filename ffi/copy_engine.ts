@@ -14,6 +14,7 @@ import {
   type EngineOptions,
   NativeError,
   PATH_NAMES,
+  PF_STATUS,
   type Pool,
   type PoolOptions,
   type PoolProgressOptions,
@@ -59,6 +60,13 @@ export interface CopyEngineOptions extends EngineOptions, PoolOptions {
   poolBytes: number;
   /** Completion ring capacity (power of two). Default 4096. */
   ringCapacity?: number;
+  /**
+   * Devices served besides `device`: one more engine (copy workers / context)
+   * each, all copying through the pool of `device`'s engine and posting to
+   * the one ring. Only a backend that can share a pool across devices takes
+   * them (host today); the library refuses a batch otherwise.
+   */
+  moreDevices?: readonly number[];
 }
 
 const ERROR_BUF = new Uint8Array(512);
@@ -88,8 +96,10 @@ interface Pending {
  * ```
  */
 export class CopyEngine {
-  /** The underlying engine. */
+  /** The engine of the first device; it owns the pool. */
   readonly engine: Engine;
+  /** One engine per served device (the first is {@link CopyEngine.engine}), by device id. */
+  readonly engines: ReadonlyMap<number, Engine>;
   /** The pinned pool every batch copies to/from. */
   readonly pool: Pool;
   /** The completion ring (shareable: see {@link CopyEngine.other$}). */
@@ -102,9 +112,10 @@ export class CopyEngine {
   #nextTag = 1;
   #closed = false;
 
-  private constructor(engine: Engine, pool: Pool, ring: CompletionRing) {
+  private constructor(engines: Engine[], pool: Pool, ring: CompletionRing) {
     this.#pf = loadLibrary();
-    this.engine = engine;
+    this.engine = engines[0];
+    this.engines = new Map(engines.map((e) => [e.device, e]));
     this.pool = pool;
     this.ring = ring;
     this.#sub = ring.completions$.subscribe({
@@ -116,15 +127,15 @@ export class CopyEngine {
 
   /** Opens engine, pool and ring; on failure releases what was opened. */
   static open(opts: CopyEngineOptions): CopyEngine {
-    const engine = Engine.open(opts);
+    const engines = openEngines(opts);
     let pool: Pool | undefined;
     try {
-      pool = engine.createPool(opts.poolBytes, opts);
+      pool = engines[0].createPool(opts.poolBytes, opts);
       const ring = new CompletionRing(opts.ringCapacity ?? 4096);
-      return new CopyEngine(engine, pool, ring);
+      return new CopyEngine(engines, pool, ring);
     } catch (e) {
       pool?.close();
-      engine.close();
+      for (const en of engines) en.close();
       throw e;
     }
   }
@@ -138,15 +149,15 @@ export class CopyEngine {
     opts: CopyEngineOptions,
     watch: PoolProgressOptions = {},
   ): Promise<CopyEngine> {
-    const engine = Engine.open(opts);
+    const engines = openEngines(opts);
     let pool: Pool | undefined;
     try {
-      pool = await engine.createPoolAsync(opts.poolBytes, opts, watch);
+      pool = await engines[0].createPoolAsync(opts.poolBytes, opts, watch);
       const ring = new CompletionRing(opts.ringCapacity ?? 4096);
-      return new CopyEngine(engine, pool, ring);
+      return new CopyEngine(engines, pool, ring);
     } catch (e) {
       pool?.close();
-      engine.close();
+      for (const en of engines) en.close();
       throw e;
     }
   }
@@ -167,14 +178,22 @@ export class CopyEngine {
    *
    * @throws NativeError when the batch is refused (nothing was copied).
    */
-  submit(batch: CopyBatch): Submission {
+  submit(batch: CopyBatch, device?: number): Submission {
     if (this.#closed) throw new NativeError("pf_copy_submit", -9, "CopyEngine is closed");
+    const engine = device === undefined ? this.engine : this.engines.get(device);
+    if (!engine) {
+      throw new NativeError(
+        "pf_copy_submit",
+        PF_EINVAL,
+        `device ${device} is not served (served: ${[...this.engines.keys()].join(",")})`,
+      );
+    }
     const desc = batch.finish();
     const tag = this.#nextTag++;
     check(
       "pf_copy_submit",
       this.#pf.pf_copy_submit(
-        this.engine.handle,
+        engine.handle,
         this.pool.handle,
         this.ring.handle,
         desc,
@@ -262,6 +281,24 @@ export class CopyEngine {
     this.#sub.unsubscribe();
     this.ring.destroy();
     this.pool.close();
-    this.engine.close();
+    for (const en of this.engines.values()) en.close();
   }
+}
+
+const PF_EINVAL = PF_STATUS.PF_EINVAL;
+
+/** Opens the engine of `opts.device`, then one per `opts.moreDevices` (closing all on failure). */
+function openEngines(opts: CopyEngineOptions): Engine[] {
+  const ids = [opts.device ?? 0, ...(opts.moreDevices ?? [])];
+  if (new Set(ids).size !== ids.length) {
+    throw new NativeError("pf_engine_open", PF_EINVAL, `devices ${ids.join(",")} repeat an id`);
+  }
+  const engines: Engine[] = [];
+  try {
+    for (const device of ids) engines.push(Engine.open({ ...opts, device }));
+  } catch (e) {
+    for (const en of engines) en.close();
+    throw e;
+  }
+  return engines;
 }

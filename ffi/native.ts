@@ -294,6 +294,15 @@ export class Engine {
     check("pf_engine_set_dma_share", this.#pf.pf_engine_set_dma_share(this.handle, permille));
   }
 
+  /**
+   * Test hook (host backend only): every copy this engine's workers run from
+   * now on fails with `code` (a negative PF_E*) and a text naming its device,
+   * as a lost GPU would. Other engines keep serving. Not reversible.
+   */
+  fail(code: number = PF_STATUS.PF_EIO): void {
+    check("pf_engine_fail", this.#pf.pf_engine_fail(this.handle, code));
+  }
+
   /** Allocates a page-locked host pool of `bytes` (blocks this thread meanwhile). */
   createPool(bytes: number | bigint, opts: PoolOptions = {}): Pool {
     const out = new Uint32Array(1);

@@ -19,6 +19,7 @@ export const SYMBOLS = {
   pf_engine_set_kernel_grid: { parameters: ["u32", "u32"], result: "i32" },
   pf_engine_set_dma_share: { parameters: ["u32", "u32"], result: "i32" },
   pf_engine_close: { parameters: ["u32"], result: "i32" },
+  pf_engine_fail: { parameters: ["u32", "i32"], result: "i32" },
 
   pf_ring_create: { parameters: ["u32", "buffer"], result: "i32" },
   pf_ring_ptr: { parameters: ["u32"], result: "pointer" },

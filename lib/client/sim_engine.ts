@@ -57,7 +57,11 @@ export interface SimEngineOptions {
   numBlocks: number;
   tpRank?: number;
   tpSize?: number;
+  /** Pipeline stage of this rank; a stage holds `numLayers / ppSize` consecutive layers. */
+  ppRank?: number;
+  ppSize?: number;
   backend?: "auto" | "cuda" | "host";
+  /** The device this rank registers as its own (host backend: any id the server serves). */
   device?: number;
   /** MLA layout: one segment per block, identical on every TP rank (see the module comment). */
   mla?: boolean;
@@ -71,6 +75,15 @@ function segSeed(hash: Uint8Array, layer: number, rank: number, seg: number): nu
   h = Math.imul(h ^ (rank + 0x100), 0x01000193);
   h = Math.imul(h ^ (seg + 0x10000), 0x01000193);
   return h >>> 0;
+}
+
+/** The model's layer indexes pipeline stage `ppRank` of `ppSize` holds (consecutive, equal shares). */
+function stageLayers(numLayers: number, ppRank: number, ppSize: number): number[] {
+  if (numLayers % ppSize !== 0) {
+    throw new Error(`num_layers ${numLayers} not divisible by pp_size ${ppSize}`);
+  }
+  const n = numLayers / ppSize;
+  return Array.from({ length: n }, (_, i) => ppRank * n + i);
 }
 
 /** Fills `dst` (u32-aligned length) with the content of one segment. */
@@ -116,6 +129,10 @@ export class SimEngine {
   readonly numBlocks: number;
   readonly tpRank: number;
   readonly tpSize: number;
+  readonly ppRank: number;
+  readonly ppSize: number;
+  /** The model's layer indexes this rank (its pipeline stage) holds, in order. */
+  readonly layers: number[];
   /** MLA: one segment, the same bytes on every TP rank. */
   readonly mla: boolean;
   /** Segments per block and layer: 2 (K, V), 1 for MLA. */
@@ -136,15 +153,15 @@ export class SimEngine {
     this.numBlocks = o.numBlocks;
     this.tpRank = o.tpRank ?? 0;
     this.tpSize = o.tpSize ?? 1;
+    this.ppRank = o.ppRank ?? 0;
+    this.ppSize = o.ppSize ?? 1;
+    this.layers = stageLayers(this.model.numLayers, this.ppRank, this.ppSize);
     this.mla = o.mla ?? false;
     this.segments = this.mla ? 1 : KV_SEGMENTS;
     this.segBytes = segBytes;
     this.engine = engine;
     this.regions = regions;
-    this.layerNames = Array.from(
-      { length: this.model.numLayers },
-      (_, i) => `model.layers.${String(i).padStart(3, "0")}.attn`,
-    );
+    this.layerNames = this.layers.map((i) => `model.layers.${String(i).padStart(3, "0")}.attn`);
   }
 
   /** Allocates the KV cache (one region per layer). */
@@ -161,8 +178,9 @@ export class SimEngine {
     const segments = o.mla ? 1 : KV_SEGMENTS;
     const engine = Engine.open({ backend: o.backend ?? "auto", device: o.device ?? 0 });
     const regions: Region[] = [];
+    const numLayers = stageLayers(model.numLayers, o.ppRank ?? 0, o.ppSize ?? 1).length;
     try {
-      for (let l = 0; l < model.numLayers; l++) {
+      for (let l = 0; l < numLayers; l++) {
         regions.push(engine.allocRegion(segments * o.numBlocks * segBytes));
       }
     } catch (e) {
@@ -180,7 +198,7 @@ export class SimEngine {
 
   /** Bytes of one block across all layers and segments on this rank. */
   get blockBytes(): number {
-    return this.segBytes * this.segments * this.model.numLayers;
+    return this.segBytes * this.segments * this.layers.length;
   }
 
   /** Registers all layers of this rank. */
@@ -191,9 +209,9 @@ export class SimEngine {
       namespace: this.namespace,
       tpRank: this.tpRank,
       tpSize: this.tpSize,
-      ppRank: 0,
-      ppSize: 1,
-      worldSize: this.tpSize,
+      ppRank: this.ppRank,
+      ppSize: this.ppSize,
+      worldSize: this.tpSize * this.ppSize,
       deviceId: this.engine.device,
       layerNames: this.layerNames,
       regionHandles: this.regions.map((r) => r.handle),
@@ -214,14 +232,14 @@ export class SimEngine {
   /** Writes the expected content of `hashes[i]` into block `ids[i]` of every layer. */
   fill(ids: number[], hashes: Uint8Array[]): void {
     const words = this.segBytes / 4;
-    for (let l = 0; l < this.model.numLayers; l++) {
+    for (let l = 0; l < this.layers.length; l++) {
       for (let s = 0; s < this.segments; s++) {
         for (const [first, count, at] of runs(ids)) {
           const buf = new Uint32Array(words * count);
           for (let k = 0; k < count; k++) {
             fillSegment(
               buf.subarray(k * words, (k + 1) * words),
-              segSeed(hashes[at + k], l, this.#contentRank, s),
+              segSeed(hashes[at + k], this.layers[l], this.#contentRank, s),
             );
           }
           this.regions[l].write(
@@ -235,7 +253,7 @@ export class SimEngine {
 
   /** Zeroes the given blocks in every layer (so a verify after load proves the load wrote them). */
   clear(ids: number[]): void {
-    for (let l = 0; l < this.model.numLayers; l++) {
+    for (let l = 0; l < this.layers.length; l++) {
       for (let s = 0; s < this.segments; s++) {
         for (const [first, count] of runs(ids)) {
           this.regions[l].write(
@@ -256,7 +274,7 @@ export class SimEngine {
     const want = new Uint32Array(words);
     let bad = 0;
     let first: string | undefined;
-    for (let l = 0; l < this.model.numLayers; l++) {
+    for (let l = 0; l < this.layers.length; l++) {
       for (let s = 0; s < this.segments; s++) {
         for (const [firstId, count, at] of runs(ids)) {
           const got = this.regions[l].read(
@@ -265,14 +283,14 @@ export class SimEngine {
           );
           const got32 = new Uint32Array(got.buffer, got.byteOffset, got.byteLength / 4);
           for (let k = 0; k < count; k++) {
-            fillSegment(want, segSeed(hashes[at + k], l, this.#contentRank, s));
+            fillSegment(want, segSeed(hashes[at + k], this.layers[l], this.#contentRank, s));
             const g = got32.subarray(k * words, (k + 1) * words);
             for (let w = 0; w < words; w++) {
               if (g[w] !== want[w]) {
                 bad++;
-                first ??= `layer ${l} segment ${s} block ${firstId + k} word ${w}: got 0x${
-                  g[w].toString(16)
-                }, want 0x${want[w].toString(16)}`;
+                first ??= `layer ${this.layers[l]} segment ${s} block ${
+                  firstId + k
+                } word ${w}: got 0x${g[w].toString(16)}, want 0x${want[w].toString(16)}`;
                 break;
               }
             }
@@ -292,7 +310,7 @@ export class SimEngine {
       return this.client.save({
         instanceId: this.instanceId,
         tpRank: this.tpRank,
-        ppRank: 0,
+        ppRank: this.ppRank,
         layers: this.layerNames.map((layerName) => ({
           layerName,
           blockIds: ids,
@@ -303,7 +321,7 @@ export class SimEngine {
     return this.client.save({
       instanceId: this.instanceId,
       tpRank: this.tpRank,
-      ppRank: 0,
+      ppRank: this.ppRank,
       blockIds: ids,
       blockHashes: hashes,
     });
@@ -332,7 +350,7 @@ export class SimEngine {
     await this.client.load({
       instanceId: this.instanceId,
       tpRank: this.tpRank,
-      ppRank: 0,
+      ppRank: this.ppRank,
       leaseId,
       blockIds: ids,
       loadStateShm: st.name,

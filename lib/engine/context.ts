@@ -15,9 +15,10 @@ import type { NativePort, RegionPort } from "./ports.ts";
 
 /** Hooks the engine reports through (prom-client implements them in lib/server/metrics.ts). */
 export interface EngineMetrics {
-  saveDone(bytes: number, seconds: number, blocks: number): void;
-  saveFailed(reason: string): void;
-  loadDone(bytes: number, seconds: number, ok: boolean): void;
+  /** `device`: the saving (loading) rank's device, so one failing device shows alone. */
+  saveDone(bytes: number, seconds: number, blocks: number, device: number): void;
+  saveFailed(reason: string, device: number): void;
+  loadDone(bytes: number, seconds: number, ok: boolean, device: number): void;
   queryDone(requested: number, hits: number): void;
   stage(name: string): StageMetrics;
 }

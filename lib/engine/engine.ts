@@ -74,6 +74,8 @@ export interface InstanceInfo {
   layers: string[];
   /** MLA: the namespace stores each block once for all TP ranks. */
   kvSharedAcrossTp: boolean;
+  /** Each registered rank and the device its regions (and copies) are on, by rank index. */
+  ranks: { tpRank: number; ppRank: number; device: number }[];
   inflightCopies: number;
   ageSeconds: number;
 }
@@ -186,7 +188,7 @@ export class KvEngine {
     }
     const sub = this.#saveStage.submit({ args, inst, rank });
     if (sub.status === "refused") {
-      this.#ctx.metrics?.saveFailed("queue_full");
+      this.#ctx.metrics?.saveFailed("queue_full", rank.deviceId);
       throw new EngineError(
         Code.RESOURCE_EXHAUSTED,
         `instance "${inst.id}" rank ${rank.rank}: save queue full; the save is dropped`,
@@ -313,6 +315,11 @@ export class KvEngine {
       numLayers: i.layerNames.length,
       layers: [...i.layerNames],
       kvSharedAcrossTp: this.#ctx.layouts.get(i.namespace)?.kvSharedAcrossTp ?? false,
+      ranks: [...i.ranks.values()].sort((a, b) => a.rank - b.rank).map((r) => ({
+        tpRank: r.tpRank,
+        ppRank: r.ppRank,
+        device: r.deviceId,
+      })),
       inflightCopies: i.inflight,
       ageSeconds: Math.round((now - i.createdAt) / 1000),
     }));

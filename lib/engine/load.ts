@@ -239,7 +239,7 @@ export class LoadRunner {
     const { args, inst, rank, shm } = job;
     return copy.then(
       (d) => {
-        this.ctx.metrics?.loadDone(d.bytes, (performance.now() - t.t0) / 1000, true);
+        this.ctx.metrics?.loadDone(d.bytes, (performance.now() - t.t0) / 1000, true, rank.deviceId);
         this.ctx.log.debug("load done", {
           instance: inst.id,
           request: args.requestId || undefined,
@@ -264,12 +264,13 @@ export class LoadRunner {
           (e as { status?: number }).status ?? STATE_REJECTED,
           rank.layers.length,
         );
-        this.ctx.metrics?.loadDone(0, (performance.now() - t.t0) / 1000, false);
+        this.ctx.metrics?.loadDone(0, (performance.now() - t.t0) / 1000, false, rank.deviceId);
         this.ctx.log.warn("load copy failed", {
           request: args.requestId || undefined,
           instance: inst.id,
           tp_rank: rank.tpRank,
           pp_rank: rank.ppRank,
+          device: rank.deviceId,
           client_memory_fault: e instanceof ClientMemoryFault,
           error: (e as Error).message,
         });

@@ -69,7 +69,10 @@ function progressFields(p: PoolProgress) {
 /** Options of {@link openNative}. */
 export interface NativeOptions {
   backend: "auto" | "cuda" | "host";
-  device: number;
+  /** Devices to serve; the first owns the pool. */
+  devices: readonly number[];
+  /** Test hook: devices whose copies fail from the start (host backend; see pf_engine_fail). */
+  failDevices?: readonly number[];
   poolBytes: number;
   useHugepages: boolean;
   transferPath: TransferPathFlag;
@@ -92,6 +95,8 @@ const INITIAL_SEGS = 4096;
  */
 class GrowingBatch implements BatchWriter {
   batch: CopyBatch;
+  /** The device of the regions of the batch being written (its first group's). */
+  device = -1;
   constructor() {
     this.batch = new CopyBatch(INITIAL_GROUPS, INITIAL_SEGS);
   }
@@ -110,8 +115,15 @@ class GrowingBatch implements BatchWriter {
       "host",
       progress ? { shm: progress.shm.handle, offset: progress.offset } : undefined,
     );
+    this.device = -1;
   }
   group(region: RegionPort, layerId: number): void {
+    if (this.device === -1) this.device = region.device;
+    else if (this.device !== region.device) {
+      throw new Error(
+        `a copy batch mixes regions of devices ${this.device} and ${region.device}; a batch is one rank's`,
+      );
+    }
     this.batch.group(region.handle, layerId);
   }
   seg(regionOff: number, poolOff: number, bytes: number): void {
@@ -127,7 +139,7 @@ class GrowingBatch implements BatchWriter {
  *
  * @example
  * ```ts
- * const native = await openNative({ backend: "host", device: 0, poolBytes: 1 << 30,
+ * const native = await openNative({ backend: "host", devices: [0], poolBytes: 1 << 30,
  *   useHugepages: false, transferPath: "auto" }, log);
  * ```
  */
@@ -137,13 +149,14 @@ export async function openNative(
 ): Promise<NativePort & { copyEngine: CopyEngine }> {
   log.info("creating pinned pool", {
     backend: opts.backend,
-    device: opts.device,
+    devices: opts.devices.join(","),
     pool_bytes: opts.poolBytes,
     hugepages: opts.useHugepages,
   });
   const ce = await CopyEngine.openAsync({
     backend: opts.backend,
-    device: opts.device,
+    device: opts.devices[0],
+    moreDevices: opts.devices.slice(1),
     poolBytes: opts.poolBytes,
     hugepages: opts.useHugepages,
     pretouch: true,
@@ -154,7 +167,7 @@ export async function openNative(
   const info = ce.pool.info();
   log.info("native engine open", {
     backend: ce.engine.backend,
-    device: ce.engine.device,
+    devices: [...ce.engines.keys()].join(","),
     device_name: ce.engine.deviceName,
     driver_version: ce.engine.driverVersion,
     kernel: ce.engine.features.kernel,
@@ -166,6 +179,12 @@ export async function openNative(
   });
   let policy: PathPolicy;
   try {
+    for (const d of opts.failDevices ?? []) {
+      const en = ce.engines.get(d);
+      if (!en) throw new Error(`PEGAFLOW_TEST_FAIL_DEVICES names device ${d}, which is not served`);
+      en.fail(PF_STATUS.PF_EIO);
+      log.warn("device marked failed by the test hook", { device: d });
+    }
     policy = openPathPolicy(ce, opts, log);
   } catch (e) {
     await ce.close();
@@ -183,9 +202,16 @@ function portOver(ce: CopyEngine, policy: PathPolicy): NativePort & { copyEngine
     copyEngine: ce,
     backend: ce.engine.backend,
     poolBytes: ce.pool.bytes,
-    importRegion(handle: Uint8Array, bytes: number): RegionPort {
-      const r = ce.engine.importRegion(handle, bytes);
-      return { handle: r.id, close: () => r.close() };
+    devices: [...ce.engines.keys()],
+    importRegion(handle: Uint8Array, bytes: number, device: number): RegionPort {
+      const engine = ce.engines.get(device);
+      if (!engine) {
+        throw new Error(
+          `device ${device} is not served (serves ${[...ce.engines.keys()].join(",")})`,
+        );
+      }
+      const r = engine.importRegion(handle, bytes);
+      return { handle: r.id, device, close: () => r.close() };
     },
     openShm(name: string, bytes: number): ShmPort {
       // The engine owns this object and may shrink it at any time: only the
@@ -210,7 +236,7 @@ function portOver(ce: CopyEngine, policy: PathPolicy): NativePort & { copyEngine
       // Segments arrive merged (lib/transfer/ranges.ts), so this is the mean
       // range the copy path will see.
       batch.setPath(policy.choose(batch.direction, batch.bytes / Math.max(1, batch.numSegs)));
-      const sub = guarded(() => ce.submit(batch));
+      const sub = guarded(() => ce.submit(batch, gb.device === -1 ? undefined : gb.device));
       return sub.done.then((r) => {
         if (r.status === PF_STATUS.PF_EFAULT) {
           throw new ClientMemoryFault(r.status, r.error ?? "client memory faulted");

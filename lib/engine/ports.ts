@@ -28,6 +28,8 @@ export class ClientMemoryFault extends Error {
 export interface RegionPort {
   /** Native handle (u32), for batch groups. */
   readonly handle: number;
+  /** The served device it was opened on; its copies run on that device's lanes. */
+  readonly device: number;
   /** Closes the mapping; throws while copies still target it. */
   close(): void;
 }
@@ -78,12 +80,16 @@ export interface CopyDone {
 export interface NativePort {
   readonly backend: "cuda" | "host";
   readonly poolBytes: number;
-  importRegion(handle: Uint8Array, bytes: number): RegionPort;
+  /** Device ids this server serves (`--devices`), in the order given. */
+  readonly devices: readonly number[];
+  /** Maps a client region on `device` (one of {@link NativePort.devices}). */
+  importRegion(handle: Uint8Array, bytes: number, device: number): RegionPort;
   openShm(name: string, bytes: number): ShmPort;
   /** A new reusable batch writer (call `ensure` before writing each batch). */
   batch(): BatchWriter;
   /**
-   * Submits the batch as written. Throws synchronously when the library
+   * Submits the batch as written, on the device of its regions (a batch is
+   * one rank's, so all its groups name regions of one device). Throws synchronously when the library
    * refuses the batch (nothing was copied); otherwise resolves when the whole
    * batch has landed and rejects when it failed. Either way a fault on the
    * client's memory is a {@link ClientMemoryFault}. The writer may be reset

@@ -54,6 +54,14 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
   };
   const known = ctx.layouts.get(a.namespace);
   if (known) checkStageClaim(known, claim);
+  if (!ctx.native.devices.includes(a.deviceId)) {
+    throw invalid(
+      `${who}: device_id ${a.deviceId} is not served by this server (it serves devices ${
+        ctx.native.devices.join(",")
+      }; see --devices)`,
+      { ...fields, expected: ctx.native.devices.join(","), got: a.deviceId },
+    );
+  }
 
   const { imported, layers } = mapRegions(ctx, a, who);
   // Registration order is kept: it is the order layers land in a load.
@@ -97,6 +105,7 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
     instance: a.instanceId,
     tp_rank: a.tpRank,
     pp_rank: a.ppRank,
+    device: a.deviceId,
     layers: a.layerNames.length,
     regions: imported.length,
     ranks: inst.ranks.size,
@@ -149,7 +158,11 @@ function mapRegions(
       let region = regionOf.get(k);
       if (!region) {
         try {
-          region = ctx.native.importRegion(a.regionHandles[i], a.geometry[i].regionBytes);
+          region = ctx.native.importRegion(
+            a.regionHandles[i],
+            a.geometry[i].regionBytes,
+            a.deviceId,
+          );
         } catch (e) {
           throw invalid(
             `${who} layer "${a.layerNames[i]}": cannot map region: ${(e as Error).message}`,

@@ -96,7 +96,9 @@ export class SaveRunner {
       for (const group of groups) plans.push({ plan: this.#plan(job, group, who, fields), group });
       const tPlanned = performance.now();
       const result = tally(plans.map((p) => p.plan));
-      if (result.blocksRefused > 0) this.ctx.metrics?.saveFailed("pool_exhausted_partial");
+      if (result.blocksRefused > 0) {
+        this.ctx.metrics?.saveFailed("pool_exhausted_partial", rank.deviceId);
+      }
       // ONE gather batch for every layer of the request.
       const shape = this.planner.writeSave(
         this.batch,
@@ -117,7 +119,7 @@ export class SaveRunner {
         }
       }
       const secs = (performance.now() - t0) / 1000;
-      this.ctx.metrics?.saveDone(copied.bytes, secs, result.blocksSaved);
+      this.ctx.metrics?.saveDone(copied.bytes, secs, result.blocksSaved, rank.deviceId);
       this.ctx.log.debug("save done", {
         instance: inst.id,
         rank: rank.rank,
@@ -155,7 +157,7 @@ export class SaveRunner {
       layers: group.layers.map((l) => l.layerId),
     });
     if (!begun.ok) {
-      this.ctx.metrics?.saveFailed("pool_exhausted");
+      this.ctx.metrics?.saveFailed("pool_exhausted", job.rank.deviceId);
       throw new EngineError(
         Code.RESOURCE_EXHAUSTED,
         `${who}: ${begun.error.message}; the save is dropped`,
@@ -177,7 +179,10 @@ export class SaveRunner {
       // The engine shrank its own region under the copy: its request fails
       // (FAILED_PRECONDITION); any other native failure is ours (INTERNAL).
       const fault = e instanceof ClientMemoryFault;
-      this.ctx.metrics?.saveFailed(fault ? "client_memory_fault" : "copy_failed");
+      this.ctx.metrics?.saveFailed(
+        fault ? "client_memory_fault" : "copy_failed",
+        job.rank.deviceId,
+      );
       if (fault) {
         this.ctx.log.warn("save failed: client memory gone", {
           instance: job.inst.id,

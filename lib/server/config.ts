@@ -30,8 +30,16 @@ export interface ServeConfig {
   uds: string | undefined;
   /** HTTP listen address for /health, /metrics, ... (undefined = no HTTP). */
   httpAddr: string | undefined;
-  /** Device ids to serve (cuda backend); the host backend ignores them. */
+  /**
+   * Device ids to serve: every one on the host backend (one set of copy
+   * workers each, one pool); the cuda backend serves the first only.
+   */
   devices: number[];
+  /**
+   * Test hook (env `PEGAFLOW_TEST_FAIL_DEVICES`, host backend): served
+   * devices whose copies fail from start-up, as a lost GPU's would.
+   */
+  testFailDevices?: number[];
   backend: "auto" | "cuda" | "host";
   /** Requested pinned pool size in bytes (before the memory cap). */
   poolSize: number;
@@ -108,12 +116,27 @@ function choiceArg<T extends string>(choices: readonly T[]) {
   };
 }
 
-function devicesArg(value: string): number[] {
+/** `PEGAFLOW_TEST_FAIL_DEVICES` (tests only; see {@link ServeConfig.testFailDevices}). */
+function testFailDevices(): number[] | undefined {
+  const v = Deno.env.get("PEGAFLOW_TEST_FAIL_DEVICES");
+  if (!v) return undefined;
+  try {
+    return devicesArg(v);
+  } catch (e) {
+    throw new Error(`PEGAFLOW_TEST_FAIL_DEVICES: ${(e as Error).message}`);
+  }
+}
+
+/** Parses `--devices`: distinct non-negative ids, comma-separated. */
+export function devicesArg(value: string): number[] {
   const ids = value.split(",").map((s) => s.trim());
   const out: number[] = [];
   for (const id of ids) {
     if (!/^\d+$/.test(id)) {
       throw new InvalidArgumentError(`"${value}" is not a comma-separated list of device ids`);
+    }
+    if (out.includes(Number(id))) {
+      throw new InvalidArgumentError(`"${value}" lists device ${id} twice`);
     }
     out.push(Number(id));
   }
@@ -155,7 +178,11 @@ export function serveCommand(): Command {
         .argParser(addrArg),
     )
     .addOption(
-      envOption("--devices <ids>", "comma-separated GPU ids (cuda backend)", "DEVICES")
+      envOption(
+        "--devices <ids>",
+        "comma-separated device ids to serve (host: each gets its own copy workers; cuda: the first)",
+        "DEVICES",
+      )
         .default([0], "0").argParser(devicesArg),
     )
     .addOption(
@@ -281,6 +308,7 @@ export function parseServeArgs(argv: string[]): ParseResult {
       uds: o.uds,
       httpAddr: o.httpAddr,
       devices: o.devices,
+      testFailDevices: testFailDevices(),
       backend: o.backend,
       poolSize: o.poolSize,
       poolSizeDefaulted: cmd.getOptionValueSource("poolSize") === "default",

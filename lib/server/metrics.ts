@@ -65,13 +65,13 @@ export class ServerMetrics implements EngineMetrics {
   readonly registry = new Registry();
   readonly #rpcTotal: Counter<"method" | "status">;
   readonly #rpcSeconds: Histogram<"method" | "status">;
-  readonly #saveBytes: Counter;
-  readonly #saveSeconds: Histogram;
+  readonly #saveBytes: Counter<"device">;
+  readonly #saveSeconds: Histogram<"device">;
   readonly #saveBlocks: Counter;
-  readonly #saveFailures: Counter<"reason">;
-  readonly #loadBytes: Counter;
-  readonly #loadSeconds: Histogram;
-  readonly #loadFailures: Counter;
+  readonly #saveFailures: Counter<"reason" | "device">;
+  readonly #loadBytes: Counter<"device">;
+  readonly #loadSeconds: Histogram<"device">;
+  readonly #loadFailures: Counter<"device">;
   readonly #queryBlocks: Counter<"result">;
   readonly #queueDepth: Gauge<"queue">;
   readonly #queueInflight: Gauge<"queue">;
@@ -103,7 +103,8 @@ export class ServerMetrics implements EngineMetrics {
     this.#saveBytes = counter(
       r,
       "pegaflow_save_bytes_total",
-      "bytes copied into the pool by saves",
+      "bytes copied into the pool by saves, by the saving rank's device",
+      ["device"],
     );
     this.#saveBlocks = counter(
       r,
@@ -113,23 +114,35 @@ export class ServerMetrics implements EngineMetrics {
     this.#saveSeconds = histogram(
       r,
       "pegaflow_save_duration_seconds",
-      "save time from allocation to the gather's completion",
+      "save time from allocation to the gather's completion, by device",
       COPY_BUCKETS,
+      ["device"],
     );
     this.#saveFailures = counter(
       r,
       "pegaflow_save_failures_total",
-      "saves dropped, by reason (pool_exhausted, queue_full, copy_failed)",
-      ["reason"],
+      "saves dropped, by reason (pool_exhausted, queue_full, copy_failed) and the rank's device",
+      ["reason", "device"],
     );
-    this.#loadBytes = counter(r, "pegaflow_load_bytes_total", "bytes scattered back to engines");
+    this.#loadBytes = counter(
+      r,
+      "pegaflow_load_bytes_total",
+      "bytes scattered back to engines, by the loading rank's device",
+      ["device"],
+    );
     this.#loadSeconds = histogram(
       r,
       "pegaflow_load_duration_seconds",
-      "load time from submit to the scatter's completion",
+      "load time from submit to the scatter's completion, by device",
       COPY_BUCKETS,
+      ["device"],
     );
-    this.#loadFailures = counter(r, "pegaflow_load_failures_total", "loads whose copy failed");
+    this.#loadFailures = counter(
+      r,
+      "pegaflow_load_failures_total",
+      "loads whose copy failed, by device",
+      ["device"],
+    );
     this.#queryBlocks = counter(
       r,
       "pegaflow_query_blocks_total",
@@ -297,22 +310,39 @@ export class ServerMetrics implements EngineMetrics {
     this.#cleanups.inc({ reason });
   }
 
-  saveDone(bytes: number, seconds: number, slots: number): void {
-    this.#saveBytes.inc(bytes);
+  /**
+   * Starts the per-device series of every served device at zero, so a
+   * dashboard sees each device (and its absence of traffic) from start-up.
+   */
+  devicesServed(devices: readonly number[]): void {
+    for (const d of devices) {
+      const labels = { device: String(d) };
+      this.#saveBytes.inc(labels, 0);
+      this.#saveSeconds.zero(labels);
+      this.#loadBytes.inc(labels, 0);
+      this.#loadSeconds.zero(labels);
+      this.#loadFailures.inc(labels, 0);
+    }
+  }
+
+  saveDone(bytes: number, seconds: number, slots: number, device: number): void {
+    const labels = { device: String(device) };
+    this.#saveBytes.inc(labels, bytes);
     this.#saveBlocks.inc(slots);
-    this.#saveSeconds.observe(seconds);
+    this.#saveSeconds.observe(labels, seconds);
   }
 
-  saveFailed(reason: string): void {
-    this.#saveFailures.inc({ reason });
+  saveFailed(reason: string, device: number): void {
+    this.#saveFailures.inc({ reason, device: String(device) });
   }
 
-  loadDone(bytes: number, seconds: number, ok: boolean): void {
+  loadDone(bytes: number, seconds: number, ok: boolean, device: number): void {
+    const labels = { device: String(device) };
     if (ok) {
-      this.#loadBytes.inc(bytes);
-      this.#loadSeconds.observe(seconds);
+      this.#loadBytes.inc(labels, bytes);
+      this.#loadSeconds.observe(labels, seconds);
     } else {
-      this.#loadFailures.inc();
+      this.#loadFailures.inc(labels);
     }
   }
 

@@ -107,15 +107,21 @@ export async function startServer(
       mem_available_bytes: cap.availBytes,
     });
   }
-  if (cfg.devices.length > 1) {
-    log.warn("only the first device is served by this process; run one server per device", {
-      devices: cfg.devices.join(","),
-      serving: cfg.devices[0],
+  // The host backend serves every listed device from one pool; the cuda
+  // backend has one context per process until its pool is registered
+  // portable in every device's context (docs/native.md, "Several devices").
+  let devices = cfg.devices;
+  if (cfg.backend !== "host" && devices.length > 1) {
+    log.warn("the cuda backend serves only the first device; run one server per device", {
+      devices: devices.join(","),
+      serving: devices[0],
     });
+    devices = devices.slice(0, 1);
   }
   const native = await openNative({
     backend: cfg.backend,
-    device: cfg.devices[0],
+    devices,
+    failDevices: cfg.testFailDevices,
     poolBytes: cap.bytes,
     useHugepages: cfg.useHugepages,
     transferPath: cfg.transferPath,
@@ -151,6 +157,7 @@ export async function startServer(
     instances: () => engine.instances().length,
     sessions: () => sessions.count,
   });
+  metrics.devicesServed(native.devices);
   let ssd: SsdTier | undefined;
   if (cfg.ssd.paths.length > 0) {
     try {

@@ -48,6 +48,7 @@ Deno.test("every bad flag value is refused with the flag named", () => {
     [["--transfer-path", "fast"], "--transfer-path"],
     [["--log-level", "loud"], "--log-level"],
     [["--devices", "0,a"], "--devices"],
+    [["--devices", "0,1,0"], "--devices"],
     [["--use-hugepages", "maybe"], "--use-hugepages"],
     [["--hint-value-size", "1"], "--hint-value-size"],
     [["--lease-ttl-ms", "soon"], "--lease-ttl-ms"],

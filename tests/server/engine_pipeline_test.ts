@@ -20,7 +20,7 @@ const silent = new Logger("error", {}, () => {});
 async function setup(opts: { saveConcurrency: number; saveQueueDepth: number }) {
   const native = await openNative({
     backend: "host",
-    device: 0,
+    devices: [0],
     poolBytes: 64 << 20,
     useHugepages: false,
     transferPath: "auto",

@@ -78,9 +78,11 @@ Deno.test("a saved prefix loads byte-exact into different block ids, with per-la
     assert.deepEqual(miss.kind === "ready" && [miss.hits, miss.leaseId.length], [0, 0]);
 
     assert.equal(await srv.metric("pegaflow_rpc_requests_total", '{method="Save",status="OK"}'), 2);
-    assert.equal(await srv.metric("pegaflow_save_bytes_total"), 20 * 4 * 2 * 32768);
+    assert.equal(await srv.metric("pegaflow_save_bytes_total", '{device="0"}'), 20 * 4 * 2 * 32768);
     assert.equal(await srv.metric("pegaflow_cache_blocks"), 20);
-    assert.ok((await srv.metric("pegaflow_load_bytes_total")) === 20 * 4 * 2 * 32768);
+    assert.ok(
+      (await srv.metric("pegaflow_load_bytes_total", '{device="0"}')) === 20 * 4 * 2 * 32768,
+    );
 
     await srv.client.unregisterContext(sim.instanceId);
   } finally {

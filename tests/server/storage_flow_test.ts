@@ -150,7 +150,10 @@ Deno.test("a lease keeps its blocks through eviction pressure; a full pool refus
       const pe = e as PegaflowError;
       return pe.codeName === "RESOURCE_EXHAUSTED" && /pool exhausted/.test(pe.details);
     });
-    assert.ok((await srv.metric("pegaflow_save_failures_total", '{reason="pool_exhausted"}')) >= 1);
+    assert.ok(
+      (await srv.metric("pegaflow_save_failures_total", '{reason="pool_exhausted",device="0"}')) >=
+        1,
+    );
     // The server keeps serving: health, queries, and after release the save fits.
     assert.equal((await srv.client.health()).status, "ok");
     const again = await sim.query(A, "still-there");

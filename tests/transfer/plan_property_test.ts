@@ -27,7 +27,7 @@ class RecordingWriter implements BatchWriter {
 }
 
 const NUM_BLOCKS = 48;
-const region: RegionPort = { handle: 1, close() {} };
+const region: RegionPort = { handle: 1, device: 0, close() {} };
 
 /** Each written segment cut back into `unit`-byte pieces, per layer, sorted. */
 function pieces(w: RecordingWriter, unit: number): Map<number, string[]> {

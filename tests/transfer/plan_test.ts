@@ -38,7 +38,7 @@ const planes: Geometry = {
   baseOffset: 0,
   regionBytes: 2 * BLOCKS * SEG,
 };
-const region: RegionPort = { handle: 1, close() {} };
+const region: RegionPort = { handle: 1, device: 0, close() {} };
 const layers: LayerTarget[] = [0, 1].map((layerId) => ({ region, layerId, geometry: planes }));
 const hashes = (from: number, n: number) =>
   Array.from({ length: n }, (_, i) => (from + i).toString(16).padStart(16, "0"));
