@@ -4,7 +4,9 @@
  * then SIGKILL) when the test ends. Server stderr is kept for assertions and
  * printed when a test fails to start it.
  */
-import { PegaflowClient } from "../../lib/client/client.ts";
+import assert from "node:assert/strict";
+import { PegaflowClient, type PegaflowError } from "../../lib/client/client.ts";
+import { SimEngine, type SimEngineOptions } from "../../lib/client/sim_engine.ts";
 
 const DENO = Deno.execPath();
 const ROOT = new URL("../../", import.meta.url).pathname;
@@ -146,4 +148,25 @@ export function uid(prefix: string): string {
 export function shmMappings(pid: number, needle: string): string[] {
   const maps = Deno.readTextFileSync(`/proc/${pid}/maps`);
   return maps.split("\n").filter((l) => l.includes("/dev/shm/") && l.includes(needle));
+}
+
+/** A simulated engine on the host backend, talking to `srv`. */
+export function hostSim(
+  srv: ServerProc,
+  o: Omit<SimEngineOptions, "client" | "backend">,
+): SimEngine {
+  return SimEngine.create({ client: srv.client, ...o, backend: "host" });
+}
+
+/**
+ * For `assert.rejects`: the call was refused with gRPC status `name` (e.g. `"INVALID_ARGUMENT"`)
+ * and, when given, details matching `detail`.
+ */
+export function refusedWith(name: string, detail?: RegExp): (e: unknown) => true {
+  return (e: unknown) => {
+    const pe = e as PegaflowError;
+    assert.equal(pe.codeName, name, pe.message);
+    if (detail) assert.match(pe.details, detail);
+    return true;
+  };
 }
