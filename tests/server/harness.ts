@@ -170,3 +170,40 @@ export function refusedWith(name: string, detail?: RegExp): (e: unknown) => true
     return true;
   };
 }
+
+/**
+ * Runs `main.ts` to its end with these extra flags (defaults: host backend, 64 MiB pool,
+ * ephemeral ports), for starts that must be refused; kills it if it still runs after the
+ * start-up budget.
+ */
+export async function runServerToEnd(
+  flags: string[],
+): Promise<{ code: number; stdout: string; stderr: string }> {
+  const child = new Deno.Command(DENO, {
+    args: [
+      "run",
+      "-A",
+      "main.ts",
+      "--addr",
+      "127.0.0.1:0",
+      "--http-addr",
+      "127.0.0.1:0",
+      "--backend",
+      "host",
+      "--pool-size",
+      "64mb",
+      ...flags,
+    ],
+    cwd: ROOT,
+    stdout: "piped",
+    stderr: "piped",
+  }).spawn();
+  const timer = setTimeout(() => child.kill("SIGKILL"), START_TIMEOUT_MS);
+  try {
+    const out = await child.output();
+    const dec = new TextDecoder();
+    return { code: out.code, stdout: dec.decode(out.stdout), stderr: dec.decode(out.stderr) };
+  } finally {
+    clearTimeout(timer);
+  }
+}
