@@ -50,6 +50,7 @@ import torch  # noqa: E402
 from pegaflow.connector.vllm_api import KVTransferConfig  # noqa: E402
 from pegaflow.devserver import DevServer  # noqa: E402
 from pegaflow.minivllm import CONFIGS, EngineConfig, LLMEngine, LlamaModel  # noqa: E402
+from pegaflow.minivllm.model_runner import shm_kv_cache_allocator  # noqa: E402
 
 CONNECTOR_MODULE = "pegaflow.connector.vllm"
 CONNECTOR_CLASS = "PegaflowConnector"
@@ -106,21 +107,6 @@ class Prompts:
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def host_allocator(regions: list):
-    """KV tensors inside shared-memory files, which the host backend maps by name."""
-    from pegaflow.regions import ShmRegion
-
-    def alloc(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        r = ShmRegion(n * torch.empty((), dtype=dtype).element_size())
-        regions.append(r)
-        return r.torch(dtype, shape)
-
-    return alloc
 
 
 def first_token(eng: LLMEngine, prompt: list[int], timeout_s: float = 120.0):
@@ -222,7 +208,7 @@ class Bench:
                     "pegaflow.load_issuer": self.args.load_issuer,
                 },
             )
-        alloc = host_allocator(self.regions) if self.args.backend == "host" else None
+        alloc = shm_kv_cache_allocator(self.regions) if self.args.backend == "host" else None
         return LLMEngine(
             EngineConfig(
                 model=self.cfg,

@@ -13,6 +13,7 @@ import torch
 
 from pegaflow.connector.vllm_api import KVTransferConfig, RequestStatus
 from pegaflow.minivllm import CONFIGS, EngineConfig, LLMEngine, LlamaModel
+from pegaflow.minivllm.model_runner import shm_kv_cache_allocator
 from pegaflow.regions import ShmRegion
 
 TINY = CONFIGS["tiny"]
@@ -32,18 +33,6 @@ def regions():
         r.close()
 
 
-def shm_allocator(regions: list):
-    def alloc(name, shape, dtype, device):
-        n = 1
-        for s in shape:
-            n *= s
-        r = ShmRegion(n * torch.empty((), dtype=dtype).element_size())
-        regions.append(r)
-        return r.torch(dtype, shape)
-
-    return alloc
-
-
 def pega_engine(model, server, regions, uid: str, mode: str, issuer: str | None = None) -> LLMEngine:
     ktc = KVTransferConfig(
         kv_connector="PegaflowConnector",
@@ -60,7 +49,7 @@ def pega_engine(model, server, regions, uid: str, mode: str, issuer: str | None 
     return LLMEngine(
         EngineConfig(model="tiny", num_gpu_blocks=64, kv_transfer_config=ktc),
         model=model,
-        kv_cache_allocator=shm_allocator(regions),
+        kv_cache_allocator=shm_kv_cache_allocator(regions),
     )
 
 
