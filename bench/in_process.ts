@@ -139,3 +139,18 @@ export async function writeBenchResult(
     ) + "\n",
   );
 }
+
+/** Prints `header` and a p50/p99 table of each row's times in ms; returns the table's rows. */
+export function printTable(
+  header: string,
+  rows: { what: string; ms: number[] }[],
+): { what: string; p50_ms: string; p99_ms: string }[] {
+  const table = rows.map((r) => ({
+    what: r.what,
+    p50_ms: pct(r.ms, 50).toFixed(3),
+    p99_ms: pct(r.ms, 99).toFixed(3),
+  }));
+  console.log(header);
+  console.table(table);
+  return table;
+}

@@ -20,6 +20,7 @@ import {
   openBenchEngine,
   pct,
   prefixShape,
+  printTable,
   writeBenchResult,
 } from "./in_process.ts";
 
@@ -81,17 +82,14 @@ try {
       loadSubmitMs.push(t2 - t1);
     }
   }
-  const rows = [
-    { what: `query ${blocks} hashes (+ lease)`, ms: queryMs },
-    { what: "load: handler to submit", ms: loadSubmitMs },
-    { what: "load: prepare_ms (engine log)", ms: prepareMs.slice(2) },
-  ].map((r) => ({
-    what: r.what,
-    p50_ms: pct(r.ms, 50).toFixed(3),
-    p99_ms: pct(r.ms, 99).toFixed(3),
-  }));
-  console.log(`${blocks} blocks × ${model.numLayers} layers × ${KV} segments, ${iters} iterations`);
-  console.table(rows);
+  printTable(
+    `${blocks} blocks × ${model.numLayers} layers × ${KV} segments, ${iters} iterations`,
+    [
+      { what: `query ${blocks} hashes (+ lease)`, ms: queryMs },
+      { what: "load: handler to submit", ms: loadSubmitMs },
+      { what: "load: prepare_ms (engine log)", ms: prepareMs.slice(2) },
+    ],
+  );
   await writeBenchResult(o.out, "load-prepare.json", "bench/load_prepare.ts", {
     blocks,
     layers: model.numLayers,

@@ -18,8 +18,8 @@ import {
   benchOptions,
   KV,
   openBenchEngine,
-  pct,
   prefixShape,
+  printTable,
   writeBenchResult,
 } from "./in_process.ts";
 
@@ -61,23 +61,20 @@ try {
   }
   const timed = phases.slice(WARMUP);
   const col = (f: (p: typeof timed[number]) => number) => timed.map(f);
-  const rows = [
-    { what: "validate (handler checks)", ms: col((p) => p.validate_ms) },
-    { what: "plan (store.beginSave, evicting)", ms: col((p) => p.plan_ms) },
-    { what: "build (gather batch)", ms: col((p) => p.build_ms) },
-    { what: "seal (store.completeSave)", ms: col((p) => p.seal_ms) },
-    {
-      what: "JS total (validate+plan+build+seal)",
-      ms: col((p) => p.validate_ms + p.plan_ms + p.build_ms + p.seal_ms),
-    },
-    { what: "whole Save incl. host memcpy", ms: handlerMs },
-  ].map((r) => ({
-    what: r.what,
-    p50_ms: pct(r.ms, 50).toFixed(3),
-    p99_ms: pct(r.ms, 99).toFixed(3),
-  }));
-  console.log(`${blocks} blocks × ${model.numLayers} layers × ${KV} segments, ${iters} iterations`);
-  console.table(rows);
+  const rows = printTable(
+    `${blocks} blocks × ${model.numLayers} layers × ${KV} segments, ${iters} iterations`,
+    [
+      { what: "validate (handler checks)", ms: col((p) => p.validate_ms) },
+      { what: "plan (store.beginSave, evicting)", ms: col((p) => p.plan_ms) },
+      { what: "build (gather batch)", ms: col((p) => p.build_ms) },
+      { what: "seal (store.completeSave)", ms: col((p) => p.seal_ms) },
+      {
+        what: "JS total (validate+plan+build+seal)",
+        ms: col((p) => p.validate_ms + p.plan_ms + p.build_ms + p.seal_ms),
+      },
+      { what: "whole Save incl. host memcpy", ms: handlerMs },
+    ],
+  );
   await writeBenchResult(o.out, "save-prepare.json", "bench/save_prepare.ts", {
     blocks,
     layers: model.numLayers,
