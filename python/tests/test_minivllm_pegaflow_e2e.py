@@ -12,17 +12,13 @@ import pytest
 import torch
 
 from pegaflow.connector.vllm_api import KVTransferConfig, RequestStatus
-from pegaflow.minivllm import CONFIGS, EngineConfig, LLMEngine, LlamaModel
+from pegaflow.minivllm import EngineConfig, LLMEngine
 from pegaflow.minivllm.model_runner import shm_kv_cache_allocator
 from pegaflow.regions import ShmRegion
 
-TINY = CONFIGS["tiny"]
+from tiny_model import TINY, model  # noqa: F401 (model: a fixture)
+
 BS = TINY.block_size
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel(TINY, "cpu", seed=0)
 
 
 @pytest.fixture
