@@ -33,11 +33,11 @@ export interface ServerProc {
   stop(): Promise<void>;
 }
 
-/** Starts a server with these extra flags (defaults: host backend, 64 MiB pool, ephemeral ports). */
-export async function startServer(
-  flags: string[] = [],
-  env: Record<string, string> = {},
-): Promise<ServerProc> {
+/**
+ * `deno run` arguments of a test server: host backend, ephemeral ports, `defaults`, a 64 MiB pool
+ * unless `flags` names one, then `flags`.
+ */
+function serverArgs(defaults: string[], flags: string[]): string[] {
   const args = [
     "run",
     "-A",
@@ -48,11 +48,18 @@ export async function startServer(
     "127.0.0.1:0",
     "--backend",
     "host",
-    "--log-level",
-    "debug",
+    ...defaults,
   ];
   if (!flags.includes("--pool-size")) args.push("--pool-size", "64mb");
-  args.push(...flags);
+  return [...args, ...flags];
+}
+
+/** Starts a server with these extra flags (defaults: host backend, 64 MiB pool, ephemeral ports). */
+export async function startServer(
+  flags: string[] = [],
+  env: Record<string, string> = {},
+): Promise<ServerProc> {
+  const args = serverArgs(["--log-level", "debug"], flags);
   const child = new Deno.Command(DENO, {
     args,
     cwd: ROOT,
@@ -180,20 +187,7 @@ export async function runServerToEnd(
   flags: string[],
 ): Promise<{ code: number; stdout: string; stderr: string }> {
   const child = new Deno.Command(DENO, {
-    args: [
-      "run",
-      "-A",
-      "main.ts",
-      "--addr",
-      "127.0.0.1:0",
-      "--http-addr",
-      "127.0.0.1:0",
-      "--backend",
-      "host",
-      "--pool-size",
-      "64mb",
-      ...flags,
-    ],
+    args: serverArgs([], flags),
     cwd: ROOT,
     stdout: "piped",
     stderr: "piped",
