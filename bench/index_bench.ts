@@ -11,32 +11,17 @@
 import { Redis } from "ioredis";
 import { RedisBlockIndex } from "../lib/index/block_index.ts";
 import { startRedis } from "../tests/index/_redis.ts";
+import { flagValue, iterationsFlag, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
 
-const BLOCKS = 625; // 10K tokens / 16 tokens per block
+const BLOCKS = PREFIX_BLOCKS;
 const NS = "llama31_8b_bench";
 const WARMUP = 30;
 /** Saves the advertising node holds in steady state: 100K blocks, ~200 GB of Llama-3.1-8B KV. */
 const HELD_SAVES = 160;
 
-function arg(name: string): string | undefined {
-  const i = Deno.args.indexOf(name);
-  return i >= 0 ? Deno.args[i + 1] : undefined;
-}
-const ITER = Number(arg("--iterations") ?? 300);
-if (!Number.isInteger(ITER) || ITER < 1) {
-  console.error(`--iterations must be a positive integer, got ${arg("--iterations")}`);
-  Deno.exit(2);
-}
+const ITER = iterationsFlag(300);
 
-function hashes(seed: number): Uint8Array[] {
-  return Array.from({ length: BLOCKS }, (_, i) => {
-    const b = new Uint8Array(32);
-    new DataView(b.buffer).setUint32(0, seed);
-    new DataView(b.buffer).setUint32(4, i);
-    crypto.getRandomValues(b.subarray(8));
-    return b;
-  });
-}
+const hashes = (seed: number) => prefixHashes(seed, true);
 
 interface Row {
   name: string;
@@ -90,7 +75,7 @@ async function measure(
   };
 }
 
-const external = arg("--redis");
+const external = flagValue("--redis");
 const server = external ? undefined : await startRedis();
 const url = external ?? server!.url;
 const admin = new Redis(url);

@@ -12,84 +12,38 @@
  *
  *   deno run -A bench/save_prepare.ts --tokens 10000 --iters 30
  */
-import { Command } from "commander";
-import { KvEngine, PROTOCOL_VERSION } from "../lib/engine/engine.ts";
-import { openNative } from "../lib/engine/native_adapter.ts";
-import { KvStore } from "../lib/storage/store.ts";
 import { Logger } from "../lib/log.ts";
-import { PegaflowClient } from "../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../lib/client/sim_engine.ts";
+import {
+  benchOptions,
+  KV,
+  openBenchEngine,
+  prefixShape,
+  printTable,
+  writeBenchResult,
+} from "./in_process.ts";
 
-const o = new Command("bench-save-prepare")
-  .option("--tokens <n>", "prefix length in tokens", "10000")
-  .option("--iters <n>", "timed iterations", "30")
-  .option("--out <dir>", "where to write the JSON", "bench/results")
-  .parse(["deno", "run", ...Deno.args])
-  .opts<{ tokens: string; iters: string; out: string }>();
-
-const model = LLAMA_3_1_8B;
-const KV = 2;
-const blocks = Math.floor(Number(o.tokens) / model.blockTokens);
-const iters = Number(o.iters);
-const segBytes = model.blockTokens * model.kvHeads * model.headDim * model.dtypeBytes;
-const prefixBytes = blocks * model.numLayers * KV * segBytes;
+const o = benchOptions("bench-save-prepare");
+const { model, blocks, segBytes, prefixBytes } = prefixShape(o.tokens);
+const iters = o.iters;
 /** Iterations left out of the table: the first ones fault the mappings in and warm the JIT. */
 const WARMUP = 2;
-
-function pct(xs: number[], p: number): number {
-  const s = [...xs].sort((a, b) => a - b);
-  return s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))];
-}
 
 /** The engine logs each save's phases at debug level; collect them. */
 const phases: { plan_ms: number; build_ms: number; seal_ms: number; validate_ms: number }[] = [];
 const log = new Logger("debug", {}, (line) => {
   if (line.includes('"save done"')) phases.push(JSON.parse(line));
 });
-const native = await openNative({
-  backend: "host",
-  devices: [0],
-  poolBytes: Math.ceil((2 * prefixBytes * 1.05) / (1 << 20)) * (1 << 20),
-  useHugepages: false,
-  transferPath: "auto",
-}, log);
-const store = new KvStore({ capacityBytes: native.poolBytes });
-const engine = new KvEngine({ native, store, log, leaseTtlMs: 60_000 });
-const client = new PegaflowClient("127.0.0.1:1");
-const sim = SimEngine.create({
-  client,
-  instanceId: "bench",
+const bench = await openBenchEngine({
   namespace: "bench-save",
-  model,
-  numBlocks: blocks,
-  backend: "host",
+  poolBytes: 2 * prefixBytes * 1.05,
+  simBlocks: blocks,
+  segBytes,
+  log,
 });
-const planeBytes = sim.numBlocks * segBytes;
+const { engine } = bench;
 const handlerMs: number[] = [];
 try {
-  engine.register({
-    instanceId: "bench",
-    namespace: "bench-save",
-    tpRank: 0,
-    tpSize: 1,
-    ppRank: 0,
-    ppSize: 1,
-    worldSize: 1,
-    deviceId: 0,
-    layerNames: sim.layerNames,
-    regionHandles: sim.regions.map((r) => r.handle),
-    geometry: sim.regions.map(() => ({
-      numBlocks: sim.numBlocks,
-      blockStride: segBytes,
-      segStride: planeBytes,
-      segBytes,
-      numSegments: KV,
-      baseOffset: 0,
-      regionBytes: KV * planeBytes,
-    })),
-    clientVersion: PROTOCOL_VERSION,
-  });
   const ids = Array.from({ length: blocks }, (_, i) => i);
   for (let i = 0; i < iters + WARMUP; i++) {
     const hashes = chainedBlockHashes(syntheticTokens(100 + i, blocks * model.blockTokens), 16);
@@ -107,42 +61,26 @@ try {
   }
   const timed = phases.slice(WARMUP);
   const col = (f: (p: typeof timed[number]) => number) => timed.map(f);
-  const rows = [
-    { what: "validate (handler checks)", ms: col((p) => p.validate_ms) },
-    { what: "plan (store.beginSave, evicting)", ms: col((p) => p.plan_ms) },
-    { what: "build (gather batch)", ms: col((p) => p.build_ms) },
-    { what: "seal (store.completeSave)", ms: col((p) => p.seal_ms) },
-    {
-      what: "JS total (validate+plan+build+seal)",
-      ms: col((p) => p.validate_ms + p.plan_ms + p.build_ms + p.seal_ms),
-    },
-    { what: "whole Save incl. host memcpy", ms: handlerMs },
-  ].map((r) => ({
-    what: r.what,
-    p50_ms: pct(r.ms, 50).toFixed(3),
-    p99_ms: pct(r.ms, 99).toFixed(3),
-  }));
-  console.log(`${blocks} blocks × ${model.numLayers} layers × ${KV} segments, ${iters} iterations`);
-  console.table(rows);
-  await Deno.mkdir(o.out, { recursive: true });
-  await Deno.writeTextFile(
-    `${o.out}/save-prepare.json`,
-    JSON.stringify(
+  const rows = printTable(
+    `${blocks} blocks × ${model.numLayers} layers × ${KV} segments, ${iters} iterations`,
+    [
+      { what: "validate (handler checks)", ms: col((p) => p.validate_ms) },
+      { what: "plan (store.beginSave, evicting)", ms: col((p) => p.plan_ms) },
+      { what: "build (gather batch)", ms: col((p) => p.build_ms) },
+      { what: "seal (store.completeSave)", ms: col((p) => p.seal_ms) },
       {
-        blocks,
-        layers: model.numLayers,
-        iters,
-        date: new Date().toISOString(),
-        command: `deno run -A bench/save_prepare.ts ${Deno.args.join(" ")}`.trim(),
-        rows,
+        what: "JS total (validate+plan+build+seal)",
+        ms: col((p) => p.validate_ms + p.plan_ms + p.build_ms + p.seal_ms),
       },
-      null,
-      2,
-    ) + "\n",
+      { what: "whole Save incl. host memcpy", ms: handlerMs },
+    ],
   );
+  await writeBenchResult(o.out, "save-prepare.json", "bench/save_prepare.ts", {
+    blocks,
+    layers: model.numLayers,
+    iters,
+    rows,
+  });
 } finally {
-  await engine.close();
-  await native.close();
-  sim.close();
-  client.close();
+  await bench.close();
 }

@@ -6,49 +6,18 @@
 //
 // Prints a table and writes bench/results/storage.json. Never asserts on time.
 import { KvStore } from "../lib/storage/store.ts";
+import { iterationsFlag, measure, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
 
-const BLOCKS = 625; // 10K tokens / 16 tokens per block
+const BLOCKS = PREFIX_BLOCKS;
 const LAYOUT = { layers: 32, tpSize: 1, collapseTp: false, segments: 2, segmentBytes: 32 * 1024 };
 const BLOCK_BYTES = 32 * 2 * 32 * 1024;
 const NS = "llama31_8b_bench";
 
-const itArg = Deno.args.indexOf("--iterations");
-const ITER = itArg >= 0 ? Number(Deno.args[itArg + 1]) : 200;
-if (!Number.isInteger(ITER) || ITER < 1) {
-  console.error(`--iterations must be a positive integer, got ${Deno.args[itArg + 1]}`);
-  Deno.exit(2);
-}
+const ITER = iterationsFlag(200);
 
-function hashes(seed: number): Uint8Array[] {
-  return Array.from({ length: BLOCKS }, (_, i) => {
-    const b = new Uint8Array(32);
-    new DataView(b.buffer).setUint32(0, seed);
-    new DataView(b.buffer).setUint32(4, i);
-    crypto.getRandomValues(b.subarray(8));
-    return b;
-  });
-}
+const hashes = (seed: number) => prefixHashes(seed, true);
 
-function measure(
-  name: string,
-  fn: (i: number) => void,
-): { name: string; p50_us: number; p99_us: number; mean_us: number } {
-  for (let i = 0; i < Math.min(20, ITER); i++) fn(-1 - i); // warm-up
-  const t: number[] = [];
-  for (let i = 0; i < ITER; i++) {
-    const t0 = performance.now();
-    fn(i);
-    t.push((performance.now() - t0) * 1000);
-  }
-  t.sort((a, b) => a - b);
-  const q = (p: number) => t[Math.min(t.length - 1, Math.floor(p * t.length))];
-  return {
-    name,
-    p50_us: q(0.5),
-    p99_us: q(0.99),
-    mean_us: t.reduce((a, b) => a + b, 0) / t.length,
-  };
-}
+const time = (name: string, fn: (i: number) => void) => measure(name, ITER, 20, fn);
 
 // A 30 GiB pool, as the server's default (past ~24 saves it evicts too).
 const store = new KvStore({ capacityBytes: 30 * 2 ** 30 });
@@ -65,18 +34,18 @@ const fresh2 = Array.from({ length: ITER + 20 }, (_, i) => hashes(3_000_000 + i)
 const slot = (i: number) => i + 20; // warm-up calls get i = -1 … -20
 
 const results = [
-  measure("query 625 hashes, all hit (+ release lease)", () => {
+  time("query 625 hashes, all hit (+ release lease)", () => {
     const q = store.query(NS, warm, "bench");
     store.releaseLease(q.lease!.idBytes);
   }),
-  measure("query 625 hashes, all miss", (i) => {
+  time("query 625 hashes, all miss", (i) => {
     store.query(NS, misses[slot(i)], "bench");
   }),
-  measure("query + consumeLease + loadDone (625 blocks × 32 layers)", () => {
+  time("query + consumeLease + loadDone (625 blocks × 32 layers)", () => {
     const q = store.query(NS, warm, "bench");
     store.loadDone(store.consumeLease(q.lease!.id, "bench", 0));
   }),
-  measure("beginSave + completeSave, 625 new blocks (40,000 slots)", (i) => {
+  time("beginSave + completeSave, 625 new blocks (40,000 slots)", (i) => {
     const r = store.beginSave({
       namespace: NS,
       instance: "bench",
@@ -86,7 +55,7 @@ const results = [
     if (!r.ok) throw r.error;
     store.completeSave(r.plan, true);
   }),
-  measure("beginSave of 625 blocks already held (dedup)", () => {
+  time("beginSave of 625 blocks already held (dedup)", () => {
     const r = store.beginSave({ namespace: NS, instance: "bench", rank: 0, hashes: warm });
     if (!r.ok) throw r.error;
     store.completeSave(r.plan, true);
@@ -96,7 +65,7 @@ const results = [
 // Under pressure: a pool that holds exactly 2 prefixes, so every save evicts 625 blocks.
 const tight = new KvStore({ capacityBytes: 2 * BLOCKS * BLOCK_BYTES });
 tight.defineNamespace(NS, LAYOUT);
-results.push(measure("beginSave + completeSave evicting 625 LRU blocks", (i) => {
+results.push(time("beginSave + completeSave evicting 625 LRU blocks", (i) => {
   const r = tight.beginSave({ namespace: NS, instance: "bench", rank: 0, hashes: fresh2[slot(i)] });
   if (!r.ok) throw r.error;
   tight.completeSave(r.plan, true);

@@ -9,53 +9,19 @@
 //
 // Prints a table and writes bench/results/tier_host.json. Never asserts on time.
 import { KvStore, type SavePlan } from "../lib/storage/store.ts";
+import { iterationsFlag, measure, type MicroRow, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
 import { storeTierHost } from "../lib/storage/tier_host.ts";
 import { mergeExtents } from "../lib/transfer/ranges.ts";
 
-const BLOCKS = 625;
+const BLOCKS = PREFIX_BLOCKS;
 const LAYOUT = { layers: 32, tpSize: 2, collapseTp: false, segments: 2, segmentBytes: 32 * 1024 };
 const NS = "llama31_8b_tp2_bench";
 
-const itArg = Deno.args.indexOf("--iterations");
-const ITER = itArg >= 0 ? Number(Deno.args[itArg + 1]) : 100;
-if (!Number.isInteger(ITER) || ITER < 1) {
-  console.error(`--iterations must be a positive integer, got ${Deno.args[itArg + 1]}`);
-  Deno.exit(2);
-}
+const ITER = iterationsFlag(100);
 
-function hashes(seed: number): Uint8Array[] {
-  return Array.from({ length: BLOCKS }, (_, i) => {
-    const b = new Uint8Array(32);
-    new DataView(b.buffer).setUint32(0, seed);
-    new DataView(b.buffer).setUint32(4, i);
-    return b;
-  });
-}
+const hashes = (seed: number) => prefixHashes(seed, false);
 
-interface Row {
-  name: string;
-  p50_us: number;
-  p99_us: number;
-  mean_us: number;
-}
-
-function measure(name: string, fn: (i: number) => void): Row {
-  for (let i = 0; i < Math.min(10, ITER); i++) fn(-1 - i); // warm-up
-  const t: number[] = [];
-  for (let i = 0; i < ITER; i++) {
-    const t0 = performance.now();
-    fn(i);
-    t.push((performance.now() - t0) * 1000);
-  }
-  t.sort((a, b) => a - b);
-  const q = (p: number) => t[Math.min(t.length - 1, Math.floor(p * t.length))];
-  return {
-    name,
-    p50_us: q(0.5),
-    p99_us: q(0.99),
-    mean_us: t.reduce((a, b) => a + b, 0) / t.length,
-  };
-}
+const time = (name: string, fn: (i: number) => void) => measure(name, ITER, 10, fn);
 
 // Room for the sealed prefix plus one prefix being filled (the filled one is evicted each round).
 const blockBytes = LAYOUT.layers * LAYOUT.tpSize * LAYOUT.segments * LAYOUT.segmentBytes;
@@ -69,13 +35,13 @@ for (let rank = 0; rank < LAYOUT.tpSize; rank++) {
   store.completeSave(b.plan, true);
 }
 
-const rows: Row[] = [];
-rows.push(measure("write pin: one transfer lock for 625 blocks (TierHost.pin) + release", () => {
+const rows: MicroRow[] = [];
+rows.push(time("write pin: one transfer lock for 625 blocks (TierHost.pin) + release", () => {
   const pin = host.pin(NS, sealed, "ssd");
   if (!pin || pin.blocks.some((b) => !b)) throw new Error("pin lost a block");
   pin.release();
 }));
-rows.push(measure("write pin before: 625 transfer locks (one per block) + releases", () => {
+rows.push(time("write pin before: 625 transfer locks (one per block) + releases", () => {
   for (const h of sealed) {
     const lock = store.lockForTransfer(NS, [h], "ssd-write-behind");
     if (!lock) throw new Error("lock lost a block");
@@ -89,7 +55,7 @@ rows.push(measure("write pin before: 625 transfer locks (one per block) + releas
 // Fills: a fresh prefix each round, evicted afterwards so the pool never fills up.
 let round = 1;
 const drop = () => store.evictAll();
-rows.push(measure("prefetch fill: 625 × beginFill (whole block) + commit", () => {
+rows.push(time("prefetch fill: 625 × beginFill (whole block) + commit", () => {
   const hs = hashes(round++);
   for (const h of hs) {
     const f = host.fill(NS, h, "ssd", "retained");
@@ -98,7 +64,7 @@ rows.push(measure("prefetch fill: 625 × beginFill (whole block) + commit", () =
   }
   drop();
 }));
-rows.push(measure("prefetch fill before: 625 × 2 ranks × beginSave + completeSave", () => {
+rows.push(time("prefetch fill before: 625 × 2 ranks × beginSave + completeSave", () => {
   const hs = hashes(round++);
   for (const h of hs) {
     const plans: SavePlan[] = [];

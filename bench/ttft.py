@@ -36,12 +36,9 @@ import gc
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -51,7 +48,9 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 import torch  # noqa: E402
 
 from pegaflow.connector.vllm_api import KVTransferConfig  # noqa: E402
+from pegaflow.devserver import DevServer  # noqa: E402
 from pegaflow.minivllm import CONFIGS, EngineConfig, LLMEngine, LlamaModel  # noqa: E402
+from pegaflow.minivllm.model_runner import shm_kv_cache_allocator  # noqa: E402
 
 CONNECTOR_MODULE = "pegaflow.connector.vllm"
 CONNECTOR_CLASS = "PegaflowConnector"
@@ -61,70 +60,27 @@ SERVER_START_TIMEOUT_S = 180.0
 # ---------------------------------------------------------------------------- server
 
 
-def deno_binary() -> str:
-    for p in (
-        os.environ.get("PEGAFLOW_DENO", ""),
-        os.path.join(ROOT, "tools", "deno", "node_modules", "deno", "deno"),
-        os.path.join(ROOT, "deno"),
-    ):
-        if p and os.access(p, os.X_OK):
-            return p
-    raise SystemExit(f"no deno binary: set PEGAFLOW_DENO or run `make deno` in {ROOT}")
-
-
-class Server:
-    """`main.ts` in a child process; its address read from the JSON line it prints."""
-
-    def __init__(
-        self, backend: str, pool_size: str, transfer_path: str | None, uds: bool = False
-    ) -> None:
-        args = [deno_binary(), "run", "--allow-all"]
-        if os.environ.get("PEGAFLOW_DENO_CACHED_ONLY") == "1":
-            args.append("--cached-only")
-        args += [
-            os.path.join(ROOT, "main.ts"),
-            "--backend", backend,
-            "--addr", "127.0.0.1:0",
-            "--pool-size", pool_size,
-            "--log-level", os.environ.get("PEGAFLOW_TTFT_SERVER_LOG", "warn"),
-        ]  # fmt: skip
-        if transfer_path:
-            args += ["--transfer-path", transfer_path]
-        # An engine beside the server reaches it over a Unix socket (--uds):
-        # the local control plane, with no TCP stack between the two.
-        self.uds_dir = tempfile.mkdtemp(prefix="pf-ttft-") if uds else None
-        if self.uds_dir:
-            args += ["--uds", os.path.join(self.uds_dir, "pf.sock")]
-        env = dict(os.environ)
-        env.setdefault("DENO_DIR", os.path.join(ROOT, ".cache", "deno"))
-        env["NO_COLOR"] = "1"
-        fd, self.log_path = tempfile.mkstemp(prefix="pegaflow-ttft-server-", suffix=".log")
-        self.args = args
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=fd)
-        os.close(fd)
-        line: list[bytes] = []
-        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(SERVER_START_TIMEOUT_S)
-        if not line or not line[0]:
-            self.stop()
-            raise SystemExit(f"server did not start ({' '.join(args)}):\n{self.logs()[-4000:]}")
-        listening = json.loads(line[0])["listening"]
-        self.addr = f"unix:{listening['uds']}" if self.uds_dir else listening["grpc"]
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-
-    def logs(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_server(
+    backend: str, pool_size: str, transfer_path: str | None, uds_dir: str | None
+) -> tuple[DevServer, str]:
+    """`main.ts` in a child process (pegaflow.devserver); returns it and the address to dial."""
+    flags = [
+        "--backend", backend,
+        "--addr", "127.0.0.1:0",
+        "--pool-size", pool_size,
+        "--log-level", os.environ.get("PEGAFLOW_TTFT_SERVER_LOG", "warn"),
+    ]  # fmt: skip
+    if transfer_path:
+        flags += ["--transfer-path", transfer_path]
+    # An engine beside the server reaches it over a Unix socket (--uds):
+    # the local control plane, with no TCP stack between the two.
+    if uds_dir:
+        flags += ["--uds", os.path.join(uds_dir, "pf.sock")]
+    try:
+        server = DevServer.launch(flags, SERVER_START_TIMEOUT_S, "pegaflow-ttft-server-")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    return server, f"unix:{server.uds}" if uds_dir else server.addr
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -151,21 +107,6 @@ class Prompts:
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def host_allocator(regions: list):
-    """KV tensors inside shared-memory files, which the host backend maps by name."""
-    from pegaflow.regions import ShmRegion
-
-    def alloc(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        r = ShmRegion(n * torch.empty((), dtype=dtype).element_size())
-        regions.append(r)
-        return r.torch(dtype, shape)
-
-    return alloc
 
 
 def first_token(eng: LLMEngine, prompt: list[int], timeout_s: float = 120.0):
@@ -262,12 +203,12 @@ class Bench:
                 kv_role="kv_both",
                 engine_id=f"ttft-{mode}-{os.getpid()}-{time.monotonic_ns()}",
                 kv_connector_extra_config={
-                    "pegaflow.addr": self.server.addr,
+                    "pegaflow.addr": self.server_addr,
                     "pegaflow.mode": mode,
                     "pegaflow.load_issuer": self.args.load_issuer,
                 },
             )
-        alloc = host_allocator(self.regions) if self.args.backend == "host" else None
+        alloc = shm_kv_cache_allocator(self.regions) if self.args.backend == "host" else None
         return LLMEngine(
             EngineConfig(
                 model=self.cfg,
@@ -345,8 +286,9 @@ class Bench:
                 gc.collect()
                 if self.dev.type == "cuda":
                     torch.cuda.empty_cache()
-        self.server = Server(
-            a.backend, a.pool_size, a.transfer_path if a.backend == "cuda" else None, uds=a.transport == "uds"
+        uds_dir = tempfile.mkdtemp(prefix="pf-ttft-") if a.transport == "uds" else None
+        self.server, self.server_addr = start_server(
+            a.backend, a.pool_size, a.transfer_path if a.backend == "cuda" else None, uds_dir
         )
         try:
             model = LlamaModel(self.cfg, self.dev, seed=0)
@@ -378,7 +320,7 @@ class Bench:
                 if asy is not None:
                     asy.shutdown()
         finally:
-            self.server.stop()
+            self.server.stop(grace_s=15)
             keep = os.environ.get("PEGAFLOW_TTFT_SERVER_LOG_COPY")
             if keep:  # the server's log lines, for reading its side of each RPC
                 with open(keep, "w") as f:

@@ -22,14 +22,20 @@
  * @module
  */
 
-import { Redis } from "ioredis";
 import { Buffer } from "node:buffer";
 import { Availability } from "./availability.ts";
 import { Logger } from "../log.ts";
 import { IndexInputError } from "./errors.ts";
 import { checkNodeToken, nodeSetKey, nodeSetPrefix, nodesKey, packHashes } from "./keys.ts";
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
-import { ADVERTISE_LUA, HEARTBEAT_LUA, LOOKUP_LUA, WITHDRAW_LUA } from "./scripts.ts";
+import {
+  checkRedisUrl,
+  type IndexCommands,
+  type IndexRedis,
+  indexRedisClient,
+  redisWhere,
+  withDeadline,
+} from "./connection.ts";
 
 /** Deadline of one index call: a local Redis answers in ~0.1-1 ms; past this, serve locally. */
 export const DEFAULT_INDEX_TIMEOUT_MS = 250;
@@ -39,9 +45,6 @@ export const DEFAULT_NODE_TTL_MS = 15_000;
 export const DEFAULT_REPUBLISH_BATCH = 625;
 /** Heartbeats per node TTL: two may be lost before the node is taken for dead. */
 const HEARTBEATS_PER_TTL = 3;
-/** Reconnect back-off: 100 ms steps, capped at 1 s, so a restarted Redis is found fast. */
-const RECONNECT_STEP_MS = 100;
-const RECONNECT_MAX_MS = 1_000;
 /** Random bytes of an incarnation id. */
 const INCARNATION_BYTES = 8;
 
@@ -107,29 +110,6 @@ export interface BlockIndexStats {
   errors: number;
 }
 
-/** The scripts as ioredis custom commands (numkeys first, then keys, then args). */
-interface IndexCommands {
-  pfAdvertise(...args: (string | number | Buffer)[]): Promise<number>;
-  pfWithdraw(...args: (string | number | Buffer)[]): Promise<number>;
-  pfHeartbeat(...args: (string | number | Buffer)[]): Promise<number>;
-  pfLookup(...args: (string | number | Buffer)[]): Promise<(string | number)[]>;
-}
-
-/** Where the URL points, without credentials (for log lines). */
-function redisWhere(url: string): string {
-  const u = new URL(url);
-  return `${u.protocol}//${u.host}${u.pathname.length > 1 ? u.pathname : ""}`;
-}
-
-/** A rejected promise after `ms`, or `p`'s outcome, whichever comes first. */
-function withDeadline<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const deadline = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
-  });
-  return Promise.race([p, deadline]).finally(() => clearTimeout(timer));
-}
-
 /**
  * The block index of one node.
  *
@@ -148,7 +128,7 @@ function withDeadline<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
 export class RedisBlockIndex {
   readonly nodeId: string;
   readonly advertiseAddr: string;
-  readonly #redis: Redis & IndexCommands;
+  readonly #redis: IndexRedis;
   readonly #timeoutMs: number;
   readonly #nodeTtlMs: number;
   readonly #heartbeatMs: number;
@@ -195,20 +175,7 @@ export class RedisBlockIndex {
     this.#random = opts.randomBytes ?? ((n) => crypto.getRandomValues(new Uint8Array(n)));
     this.#incarnation = this.#newIncarnation();
     this.#avail = new Availability(this.#log, this.#metrics, () => this.#recovered(), where);
-    this.#redis = new Redis(opts.url, {
-      lazyConnect: true,
-      // Fail fast instead of queueing while disconnected: the caller serves locally.
-      enableOfflineQueue: false,
-      maxRetriesPerRequest: 0,
-      autoResendUnfulfilledCommands: false,
-      commandTimeout: this.#timeoutMs,
-      connectTimeout: Math.max(this.#timeoutMs, 1_000),
-      retryStrategy: (times: number) => Math.min(times * RECONNECT_STEP_MS, RECONNECT_MAX_MS),
-    }) as Redis & IndexCommands;
-    this.#redis.defineCommand("pfAdvertise", { lua: ADVERTISE_LUA });
-    this.#redis.defineCommand("pfWithdraw", { lua: WITHDRAW_LUA });
-    this.#redis.defineCommand("pfHeartbeat", { lua: HEARTBEAT_LUA });
-    this.#redis.defineCommand("pfLookup", { lua: LOOKUP_LUA });
+    this.#redis = indexRedisClient(opts.url, this.#timeoutMs);
     // Connection errors repeat on every reconnect attempt: counted, logged once per outage.
     this.#redis.on("error", (e: Error) => this.#failed("connect", e));
     // Connected (again): one heartbeat proves it and, after an outage, starts the re-join.
@@ -474,41 +441,4 @@ function positive(what: string, n: number): number {
     throw new IndexInputError(`${what} must be an integer ≥ 1`, { got: String(n) });
   }
   return n;
-}
-
-/**
- * Returns `url` if it is a usable Redis URL, else throws
- * {@link IndexInputError} saying what is wrong (the CLI prefixes the flag).
- *
- * @example
- * ```ts
- * checkRedisUrl("redis://10.0.0.5:6379"); // ok
- * checkRedisUrl("10.0.0.5:6379");         // throws: not a redis:// URL
- * ```
- */
-export function checkRedisUrl(url: string): string {
-  let u: URL;
-  try {
-    u = new URL(url);
-  } catch (_e) {
-    throw new IndexInputError(
-      `"${url}" is not a redis:// URL (e.g. redis://127.0.0.1:6379)`,
-      { got: url },
-    );
-  }
-  if (u.protocol !== "redis:" && u.protocol !== "rediss:") {
-    throw new IndexInputError(
-      `"${url}" has scheme "${u.protocol}"; expected redis:// or rediss://`,
-      { got: url },
-    );
-  }
-  if (u.hostname === "") {
-    throw new IndexInputError(`"${url}" names no host (e.g. redis://127.0.0.1:6379)`, { got: url });
-  }
-  if (u.pathname.length > 1 && !/^\/\d+$/.test(u.pathname)) {
-    throw new IndexInputError(`"${url}": the path must be a database number, e.g. /0`, {
-      got: url,
-    });
-  }
-  return url;
 }

@@ -9,7 +9,8 @@
 import { hostname } from "node:os";
 import { InvalidArgumentError, type Option } from "commander";
 import { envOption } from "../cli/flags.ts";
-import { checkRedisUrl, DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
+import { DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
+import { checkRedisUrl } from "./connection.ts";
 import { checkNodeToken } from "./keys.ts";
 
 /** The index part of the server's configuration. */

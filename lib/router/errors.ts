@@ -10,6 +10,8 @@
  * @module
  */
 
+import type { Role } from "./backend_pool.ts";
+
 /** The `type` values the router uses; they follow OpenAI's vocabulary. */
 export type RouterErrorType = "invalid_request_error" | "server_error" | "timeout_error";
 
@@ -89,4 +91,12 @@ export function errorResponse(err: RouterError, requestId?: string): Response {
   const headers = new Headers({ "content-type": "application/json" });
   if (requestId !== undefined) headers.set("x-request-id", requestId);
   return new Response(JSON.stringify(err.toBody()), { status: err.status, headers });
+}
+
+/** Thrown when the client went away; the caller answers nothing more. */
+export class ClientGone extends Error {
+  constructor(phase: Role) {
+    super(`client disconnected during ${phase}`);
+    this.name = "ClientGone";
+  }
 }

@@ -62,7 +62,7 @@ import {
   type SavePlan,
   type SaveRequest,
 } from "./save_plan.ts";
-import { type KvStoreOptions, StoreState } from "./state.ts";
+import { type KvStoreOptions, type StoreCounters, StoreState } from "./state.ts";
 import { lockBlocks, type TransferLock, unlockBlocks } from "./transfer_lock.ts";
 
 // The store's public types, re-exported so callers keep one import for the facade.
@@ -76,8 +76,8 @@ export type { TransferLock } from "./transfer_lock.ts";
 export { DEFAULT_INFLIGHT_TTL_MS, MAX_HASHES_PER_REQUEST } from "./state.ts";
 export { SPARE_BLOCK_RECORDS } from "./namespaces.ts";
 
-/** Counters and gauges for /metrics. */
-export interface StoreStats {
+/** Counters (the monotonic ones are `StoreCounters`, state.ts) and gauges for /metrics. */
+export interface StoreStats extends StoreCounters {
   capacityBytes: number;
   usedBytes: number;
   freeBytes: number;
@@ -89,18 +89,8 @@ export interface StoreStats {
   sealedBlocks: number;
   inflightBlocks: number;
   pinnedBlocks: number;
-  queries: number;
-  hits: number;
-  misses: number;
-  savedBlocks: number;
-  deduplicated: number;
-  evictions: number;
-  evictedBytes: number;
   admissionRejections: number;
-  saveRefusals: number;
-  staleCollected: number;
   leasesActive: number;
-  leasesExpired: number;
   transferLocksActive: number;
   loadsInflight: number;
 }

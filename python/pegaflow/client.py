@@ -107,6 +107,27 @@ class Session:
         self._call.cancel()
 
 
+def _load_request(
+    instance_id: str,
+    tp_rank: int,
+    pp_rank: int,
+    lease_id: bytes,
+    block_ids: Sequence[int],
+    load_state_shm: str,
+    request_id: str,
+) -> pb.LoadRequest:
+    """The one LoadRequest both `load` and `load_nowait` send."""
+    return pb.LoadRequest(
+        instance_id=instance_id,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        lease_id=bytes(lease_id),
+        block_ids=list(block_ids),
+        load_state_shm=load_state_shm,
+        request_id=request_id,
+    )
+
+
 class PegaflowClient:
     """A connection to one KV server. Thread-safe; every call has a deadline.
 
@@ -300,15 +321,7 @@ class PegaflowClient:
     ) -> pb.LoadResponse:
         """Consumes the lease for this rank and starts scattering into
         `block_ids`; returns at submit (progress is in the load state)."""
-        req = pb.LoadRequest(
-            instance_id=instance_id,
-            tp_rank=tp_rank,
-            pp_rank=pp_rank,
-            lease_id=bytes(lease_id),
-            block_ids=list(block_ids),
-            load_state_shm=load_state_shm,
-            request_id=request_id,
-        )
+        req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id)
         return self._call("Load", req, pb.LoadResponse, timeout_s)
 
     def load_nowait(
@@ -328,15 +341,7 @@ class PegaflowClient:
         this returns, and `on_done(None | error)` runs once it is answered
         (on a gRPC thread, or here if that already happened). The deadline is
         the same as `load`'s."""
-        req = pb.LoadRequest(
-            instance_id=instance_id,
-            tp_rank=tp_rank,
-            pp_rank=pp_rank,
-            lease_id=bytes(lease_id),
-            block_ids=list(block_ids),
-            load_state_shm=load_state_shm,
-            request_id=request_id,
-        )
+        req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id)
         stub = self._stub("Load", pb.LoadRequest, pb.LoadResponse)
         fut = stub.future(req, timeout=timeout_s if timeout_s is not None else self.config.rpc_timeout_s)
 

@@ -15,12 +15,11 @@ from typing import List
 import pytest
 
 from pegaflow.client import PegaflowClient
-from pegaflow.connector.core import ScheduledRequest, SchedulerCore, WorkerCore
+from pegaflow.connector.core import ScheduledRequest, SchedulerCore
 from pegaflow.connector.vllm import ConnectorSettings
 from pegaflow.hashes import synthetic_tokens
 
-from kv_helpers import make_kv
-from test_core_tp import Req, rank_content
+from tp_ranks import Req, TwoRanks
 from vllm_driver import BLOCK, Engine, Request, vllm_config
 
 MODES = ["layerwise", "async"]
@@ -199,15 +198,9 @@ def test_a_request_that_loaded_is_held_until_its_load_settled_and_preemption_wai
 def test_two_tp_ranks_each_attach_their_own_ranks_state_of_one_scheduler_issued_load(server, uid):
     before = my_states()
     client = PegaflowClient(server.addr)
-    regions, kvs, workers = [], [], []
+    ranks = None
     try:
-        for rank in range(2):
-            region, kv = make_kv(2, 16)
-            regions.append(region)
-            kvs.append(kv)
-            w = WorkerCore(client, instance_id=uid, namespace="ns-" + uid, tp_rank=rank, tp_size=2)
-            w.register_kv_caches(kv)
-            workers.append(w)
+        ranks = TwoRanks(client, uid)
         sched = SchedulerCore(
             client, instance_id=uid, block_size=BLOCK, mode="layerwise", load_issuer="scheduler",
             ranks=[(0, 0), (1, 0)],
@@ -216,22 +209,7 @@ def test_two_tp_ranks_each_attach_their_own_ranks_state_of_one_scheduler_issued_
         assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
         sched.update_state_after_alloc(a, [1, 2, 3, 4], 0)
         plan = sched.build_step([ScheduledRequest("a", [1, 2, 3, 4], True, 0, a.num_tokens)])
-        for rank, (w, kv) in enumerate(zip(workers, kvs)):
-            for li, t in enumerate(kv.values()):
-                for b, h in zip([1, 2, 3], a.block_hashes):
-                    for s in range(2):
-                        t[s, b] = rank_content(h, rank, li, s)
-            w.bind(plan)
-            w.start_load()
-            w.wait_for_save()
-            w.unbind()
-        assert sched.request_finished(a) is True
-        for w in workers:
-            end = time.monotonic() + 30
-            while w.get_finished({"a"})[0] != {"a"}:
-                assert time.monotonic() < end, "rank never finished sending"
-                time.sleep(0.01)
-        sched.finished_sending({"a"})
+        ranks.save_step(sched, plan, a, [1, 2, 3])
 
         b = Req("b", list(a.tokens) + [5, 6, 7], uid)
         assert sched.get_num_new_matched_tokens(b, 0) == (3 * BLOCK, False)
@@ -240,27 +218,21 @@ def test_two_tp_ranks_each_attach_their_own_ranks_state_of_one_scheduler_issued_
         plan = sched.build_step([ScheduledRequest("b", [9, 10, 11, 12], True, 3 * BLOCK, 4)])
         states = plan.loads[0].states
         assert set(states) == {(0, 0), (1, 0)} and states[(0, 0)] != states[(1, 0)]
-        for rank, w in enumerate(workers):
+        for rank, w in enumerate(ranks.workers):
             w.bind(plan)
             w.start_load()
             assert w._step_loads[0].state.name == states[(rank, 0)]
-            for name in kvs[0]:
+            for name in ranks.kvs[0]:
                 w.wait_for_layer_load(name)
             w.wait_for_save()
             assert w.take_load_errors() == set()
             w.unbind()
             assert w.stats["loads"] == 1
-        for rank, kv in enumerate(kvs):
-            for li, t in enumerate(kv.values()):
-                for b_id, h in zip([9, 10, 11], b.block_hashes):
-                    for s in range(2):
-                        assert t[s, b_id].tobytes() == rank_content(h, rank, li, s).tobytes(), (rank, li, b_id, s)
+        ranks.assert_loaded([9, 10, 11], b)
         sched.close()
     finally:
-        for w in workers:
-            w.close()
-        for r in regions:
-            r.close()
+        if ranks is not None:
+            ranks.close()
         client.close()
     assert my_states() == before
 

@@ -8,15 +8,15 @@ contract that records calls and serves hits from an in-process store."""
 from __future__ import annotations
 
 import pickle
-import random
 
 import pytest
 import torch
 
 from pegaflow.connector.vllm_api import KVTransferConfig, RequestStatus
-from pegaflow.minivllm import CONFIGS, EngineConfig, LLMEngine, LlamaModel
+from pegaflow.minivllm import EngineConfig, LLMEngine, LlamaModel
 
-TINY = CONFIGS["tiny"]
+from tiny_model import TINY, model, prompt  # noqa: F401 (model: a fixture)
+
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(TINY.num_layers)]
 POST_FORWARD = [
     "wait_for_save",
@@ -28,16 +28,6 @@ POST_FORWARD = [
     "clear_connector_metadata",
 ]
 LAYER_HOOKS = [m for name in LAYERS for m in (("wait_for_layer_load", name), ("save_kv_layer", name))]
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel(TINY, "cpu", seed=0)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(TINY.vocab_size) for _ in range(n)]
 
 
 def rec_engine(model: LlamaModel, log: list, store: dict, num_gpu_blocks: int = 64, **opts) -> LLMEngine:

@@ -4,28 +4,17 @@ prefill and batched decode all give the tokens and logits of a plain full recomp
 from __future__ import annotations
 
 import pickle
-import random
 
 import pytest
 import torch
 
 from pegaflow.connector.vllm_api import RequestStatus, SchedulerOutput
-from pegaflow.minivllm import EngineConfig, LLMEngine, LlamaModel, CONFIGS
+from pegaflow.minivllm import EngineConfig, LLMEngine, LlamaModel
 from pegaflow.minivllm.kv_cache_manager import KVCacheManager
 from pegaflow.hashes import chained_block_hashes
 from pegaflow.minivllm.request import Request
 
-TINY = CONFIGS["tiny"]
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel(TINY, "cpu", seed=0)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(TINY.vocab_size) for _ in range(n)]
+from tiny_model import TINY, model, prompt  # noqa: F401 (model: a fixture)
 
 
 def engine(model: LlamaModel, **kw) -> LLMEngine:

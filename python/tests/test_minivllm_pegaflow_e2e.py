@@ -12,16 +12,13 @@ import pytest
 import torch
 
 from pegaflow.connector.vllm_api import KVTransferConfig, RequestStatus
-from pegaflow.minivllm import CONFIGS, EngineConfig, LLMEngine, LlamaModel
+from pegaflow.minivllm import EngineConfig, LLMEngine
+from pegaflow.minivllm.model_runner import shm_kv_cache_allocator
 from pegaflow.regions import ShmRegion
 
-TINY = CONFIGS["tiny"]
+from tiny_model import TINY, model  # noqa: F401 (model: a fixture)
+
 BS = TINY.block_size
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel(TINY, "cpu", seed=0)
 
 
 @pytest.fixture
@@ -30,18 +27,6 @@ def regions():
     yield rs
     for r in rs:
         r.close()
-
-
-def shm_allocator(regions: list):
-    def alloc(name, shape, dtype, device):
-        n = 1
-        for s in shape:
-            n *= s
-        r = ShmRegion(n * torch.empty((), dtype=dtype).element_size())
-        regions.append(r)
-        return r.torch(dtype, shape)
-
-    return alloc
 
 
 def pega_engine(model, server, regions, uid: str, mode: str, issuer: str | None = None) -> LLMEngine:
@@ -60,7 +45,7 @@ def pega_engine(model, server, regions, uid: str, mode: str, issuer: str | None 
     return LLMEngine(
         EngineConfig(model="tiny", num_gpu_blocks=64, kv_transfer_config=ktc),
         model=model,
-        kv_cache_allocator=shm_allocator(regions),
+        kv_cache_allocator=shm_kv_cache_allocator(regions),
     )
 
 

@@ -6,9 +6,9 @@
 
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import { RedisBlockIndex } from "../../lib/index/block_index.ts";
-import { startServer, uid } from "../server/harness.ts";
+import { hostSim, startServer, uid } from "../server/harness.ts";
 import { startRedis, waitFor } from "./_redis.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 2 };
@@ -33,13 +33,11 @@ Deno.test("a server advertises what it seals, withdraws what it evicts, and surv
   });
   probe.start();
   const namespace = uid("ns");
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId: uid("inst"),
     namespace,
     model: MODEL,
     numBlocks: 16,
-    backend: "host",
   });
   try {
     await sim.register();

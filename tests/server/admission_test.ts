@@ -6,8 +6,8 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import { startServer, uid } from "./harness.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
+import { hostSim, startServer, uid } from "./harness.ts";
 
 // 2 layers x K/V x 32 KiB = 128 KiB per block: a 4 MiB pool holds 32 blocks.
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 2 };
@@ -15,13 +15,11 @@ const POOL_BLOCKS = 32;
 
 Deno.test("blocks TinyLFU does not admit are reported in SaveResponse and the admission metric", async () => {
   const srv = await startServer(["--pool-size", "4mb", "--enable-lfu-admission"]);
-  const e = SimEngine.create({
-    client: srv.client,
+  const e = hostSim(srv, {
     instanceId: uid("lfu"),
     namespace: uid("ns"),
     model: MODEL,
     numBlocks: POOL_BLOCKS,
-    backend: "host",
   });
   try {
     await e.register();

@@ -9,7 +9,7 @@ import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LoadState } from "../../lib/client/load_state.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import { type ServerProc, startServer, uid } from "./harness.ts";
+import { hostSim, type ServerProc, startServer, uid } from "./harness.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 /** PF_EFAULT: what a load state reports when the engine's memory faulted under the copy. */
@@ -51,13 +51,11 @@ async function bStillServed(b: SimEngine, hashes: Uint8Array[], tag: string): Pr
 
 async function twoEngines(srv: ServerProc, numBlocks = 64) {
   const mk = (name: string) =>
-    SimEngine.create({
-      client: srv.client,
+    hostSim(srv, {
       instanceId: uid(name),
       namespace: uid(`ns-${name}`),
       model: MODEL,
       numBlocks,
-      backend: "host",
     });
   const a = mk("a");
   const b = mk("b");

@@ -5,20 +5,18 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import type { PegaflowError } from "../../lib/client/client.ts";
-import { startServer, uid } from "./harness.ts";
+import { hostSim, startServer, uid } from "./harness.ts";
 
 Deno.test("a refused Save logs the instance, rank, layer, block id and request id as fields", async () => {
   const srv = await startServer();
   const instanceId = uid("fields");
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId,
     namespace: uid("ns"),
     model: { ...LLAMA_3_1_8B, numLayers: 2 },
     numBlocks: 8,
-    backend: "host",
   });
   try {
     await sim.register();

@@ -13,8 +13,8 @@ import assert from "node:assert/strict";
 import * as grpc from "@grpc/grpc-js";
 import { EngineClient } from "../../proto/pegaflow.ts";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import { type ServerProc, startServer, uid } from "./harness.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
+import { hostSim, type ServerProc, startServer, uid } from "./harness.ts";
 import { stageNodeClient } from "./fixtures/node_stage.ts";
 
 /** RPCs per connection before the graceful close: well past the ~100 that trigger the bug. */
@@ -77,13 +77,11 @@ Deno.test("clients that close gracefully after many RPCs leave the server and it
     // close ~70 % of the time (later closes on a survivor crashed less).
     for (let round = 0; round < ROUNDS; round++) {
       const srv = await startServer();
-      const sim = SimEngine.create({
-        client: srv.client,
+      const sim = hostSim(srv, {
         instanceId: uid("bystander"),
         namespace: uid("ns"),
         model: { ...LLAMA_3_1_8B, numLayers: 2 },
         numBlocks: 8,
-        backend: "host",
       });
       try {
         await sim.register();

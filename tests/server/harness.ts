@@ -4,7 +4,9 @@
  * then SIGKILL) when the test ends. Server stderr is kept for assertions and
  * printed when a test fails to start it.
  */
-import { PegaflowClient } from "../../lib/client/client.ts";
+import assert from "node:assert/strict";
+import { PegaflowClient, type PegaflowError } from "../../lib/client/client.ts";
+import { SimEngine, type SimEngineOptions } from "../../lib/client/sim_engine.ts";
 
 const DENO = Deno.execPath();
 const ROOT = new URL("../../", import.meta.url).pathname;
@@ -31,11 +33,11 @@ export interface ServerProc {
   stop(): Promise<void>;
 }
 
-/** Starts a server with these extra flags (defaults: host backend, 64 MiB pool, ephemeral ports). */
-export async function startServer(
-  flags: string[] = [],
-  env: Record<string, string> = {},
-): Promise<ServerProc> {
+/**
+ * `deno run` arguments of a test server: host backend, ephemeral ports, `defaults`, a 64 MiB pool
+ * unless `flags` names one, then `flags`.
+ */
+function serverArgs(defaults: string[], flags: string[]): string[] {
   const args = [
     "run",
     "-A",
@@ -46,11 +48,18 @@ export async function startServer(
     "127.0.0.1:0",
     "--backend",
     "host",
-    "--log-level",
-    "debug",
+    ...defaults,
   ];
   if (!flags.includes("--pool-size")) args.push("--pool-size", "64mb");
-  args.push(...flags);
+  return [...args, ...flags];
+}
+
+/** Starts a server with these extra flags (defaults: host backend, 64 MiB pool, ephemeral ports). */
+export async function startServer(
+  flags: string[] = [],
+  env: Record<string, string> = {},
+): Promise<ServerProc> {
+  const args = serverArgs(["--log-level", "debug"], flags);
   const child = new Deno.Command(DENO, {
     args,
     cwd: ROOT,
@@ -146,4 +155,49 @@ export function uid(prefix: string): string {
 export function shmMappings(pid: number, needle: string): string[] {
   const maps = Deno.readTextFileSync(`/proc/${pid}/maps`);
   return maps.split("\n").filter((l) => l.includes("/dev/shm/") && l.includes(needle));
+}
+
+/** A simulated engine on the host backend, talking to `srv`. */
+export function hostSim(
+  srv: ServerProc,
+  o: Omit<SimEngineOptions, "client" | "backend">,
+): SimEngine {
+  return SimEngine.create({ client: srv.client, ...o, backend: "host" });
+}
+
+/**
+ * For `assert.rejects`: the call was refused with gRPC status `name` (e.g. `"INVALID_ARGUMENT"`)
+ * and, when given, details matching `detail`.
+ */
+export function refusedWith(name: string, detail?: RegExp): (e: unknown) => true {
+  return (e: unknown) => {
+    const pe = e as PegaflowError;
+    assert.equal(pe.codeName, name, pe.message);
+    if (detail) assert.match(pe.details, detail);
+    return true;
+  };
+}
+
+/**
+ * Runs `main.ts` to its end with these extra flags (defaults: host backend, 64 MiB pool,
+ * ephemeral ports), for starts that must be refused; kills it if it still runs after the
+ * start-up budget.
+ */
+export async function runServerToEnd(
+  flags: string[],
+): Promise<{ code: number; stdout: string; stderr: string }> {
+  const child = new Deno.Command(DENO, {
+    args: serverArgs([], flags),
+    cwd: ROOT,
+    stdout: "piped",
+    stderr: "piped",
+  }).spawn();
+  const timer = setTimeout(() => child.kill("SIGKILL"), START_TIMEOUT_MS);
+  try {
+    const out = await child.output();
+    const dec = new TextDecoder();
+    return { code: out.code, stdout: dec.decode(out.stdout), stderr: dec.decode(out.stderr) };
+  } finally {
+    clearTimeout(timer);
+  }
 }

@@ -4,18 +4,16 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import { startServer, uid } from "./harness.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
+import { hostSim, startServer, uid } from "./harness.ts";
 
 Deno.test("HTTP endpoints report and act on the server's state", async () => {
   const srv = await startServer();
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId: uid("http"),
     namespace: uid("ns"),
     model: { ...LLAMA_3_1_8B, numLayers: 2 },
     numBlocks: 8,
-    backend: "host",
   });
   try {
     const h = await (await srv.http_get("/health")).json();

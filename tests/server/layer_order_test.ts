@@ -8,22 +8,12 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import type { PegaflowError } from "../../lib/client/client.ts";
-import { type ServerProc, shmMappings, startServer, uid } from "./harness.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
+import { hostSim, refusedWith, type ServerProc, shmMappings, startServer, uid } from "./harness.ts";
 
 /** vLLM's names, in execution order: a name sort would put 10 and 11 first. */
 const VLLM_NAMES = ["model.layers.8.attn", "model.layers.9.attn", "model.layers.10.attn"];
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 3 };
-
-function status(name: string, detail?: RegExp) {
-  return (e: unknown) => {
-    const pe = e as PegaflowError;
-    assert.equal(pe.codeName, name, pe.message);
-    if (detail) assert.match(pe.details, detail);
-    return true;
-  };
-}
 
 async function instance(srv: ServerProc, id: string) {
   const j = await (await srv.http_get("/instances")).json();
@@ -31,15 +21,13 @@ async function instance(srv: ServerProc, id: string) {
 }
 
 function sim(srv: ServerProc, instanceId: string, ns: string, tpRank = 0, tpSize = 1) {
-  return SimEngine.create({
-    client: srv.client,
+  return hostSim(srv, {
     instanceId,
     namespace: ns,
     model: MODEL,
     numBlocks: 8,
     tpRank,
     tpSize,
-    backend: "host",
   });
 }
 
@@ -82,7 +70,7 @@ Deno.test("a registration in another layer order is refused with the namespace, 
     const sorted = [...VLLM_NAMES].sort();
     await assert.rejects(
       r1.register({ layerNames: sorted }),
-      status(
+      refusedWith(
         "FAILED_PRECONDITION",
         new RegExp(
           `tp_rank 1 pp_rank 0: namespace "${ns}" .*pp stage 0 layer 0 is ` +
@@ -113,7 +101,10 @@ Deno.test("a registration in another layer order is refused with the namespace, 
         regionHandles: r1.regions.slice(0, 2).map((r) => r.handle),
         geometry: [g, g],
       }),
-      status("FAILED_PRECONDITION", /layer 2 is "model\.layers\.10\.attn" there, got \(none\)/),
+      refusedWith(
+        "FAILED_PRECONDITION",
+        /layer 2 is "model\.layers\.10\.attn" there, got \(none\)/,
+      ),
     );
 
     // The right order seals; then another instance of the namespace must agree too.
@@ -121,7 +112,7 @@ Deno.test("a registration in another layer order is refused with the namespace, 
     assert.equal(sealed.topologySealed, true);
     await assert.rejects(
       other.register({ layerNames: sorted }),
-      status("FAILED_PRECONDITION", /already holds a different layout: pp stage 0 layer 0/),
+      refusedWith("FAILED_PRECONDITION", /already holds a different layout: pp stage 0 layer 0/),
     );
   } finally {
     r0.close();

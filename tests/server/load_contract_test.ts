@@ -8,24 +8,14 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import { LoadState } from "../../lib/client/load_state.ts";
-import type { PegaflowError } from "../../lib/client/client.ts";
 import { readLoadState } from "../../lib/engine/load_state.ts";
-import { type ServerProc, startServer, uid } from "./harness.ts";
+import { hostSim, refusedWith, type ServerProc, startServer, uid } from "./harness.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 3 };
 /** Generous bound for server-side bookkeeping that follows a load's last word. */
 const SETTLE_MS = 10_000;
-
-function status(name: string, detail?: RegExp) {
-  return (e: unknown) => {
-    const pe = e as PegaflowError;
-    assert.equal(pe.codeName, name, pe.message);
-    if (detail) assert.match(pe.details, detail);
-    return true;
-  };
-}
 
 /** Polls a metric until it equals `want` (bookkeeping after the copy is asynchronous). */
 async function metricBecomes(srv: ServerProc, name: string, want: number): Promise<void> {
@@ -39,15 +29,13 @@ async function metricBecomes(srv: ServerProc, name: string, want: number): Promi
 }
 
 function sim(srv: ServerProc, instanceId: string, ns: string, tpRank = 0, tpSize = 1) {
-  return SimEngine.create({
-    client: srv.client,
+  return hostSim(srv, {
     instanceId,
     namespace: ns,
     model: MODEL,
     numBlocks: 16,
     tpRank,
     tpSize,
-    backend: "host",
   });
 }
 
@@ -77,23 +65,23 @@ Deno.test("a refused Load leaves its lease usable: the corrected retry loads byt
     // Each refusal is its own kind of bad input; none may spend the lease.
     await assert.rejects(
       load({ blockIds: [8, 9, 10, 11, 12] }),
-      status("INVALID_ARGUMENT", /request "r-refused".*holds 4 blocks.*got 5/),
+      refusedWith("INVALID_ARGUMENT", /request "r-refused".*holds 4 blocks.*got 5/),
     );
     await assert.rejects(
       load({ blockIds: [8, 9, 10, 16] }),
-      status("INVALID_ARGUMENT", /target block id 16 >= num_blocks 16/),
+      refusedWith("INVALID_ARGUMENT", /target block id 16 >= num_blocks 16/),
     );
     await assert.rejects(
       load({ loadStateShm: "/pegaflow-no-such-load-state" }),
-      status("INVALID_ARGUMENT", /load state/),
+      refusedWith("INVALID_ARGUMENT", /load state/),
     );
     await assert.rejects(
       load({ tpRank: 1 }),
-      status("FAILED_PRECONDITION", /tp_rank 1 pp_rank 0, which is not registered/),
+      refusedWith("FAILED_PRECONDITION", /tp_rank 1 pp_rank 0, which is not registered/),
     );
     await assert.rejects(
       load({ instanceId: "ghost" }),
-      status("FAILED_PRECONDITION", /instance "ghost" is not registered/),
+      refusedWith("FAILED_PRECONDITION", /instance "ghost" is not registered/),
     );
     assert.equal(await srv.metric("pegaflow_leases"), 1, "the lease survived every refusal");
 
@@ -200,7 +188,10 @@ Deno.test("a Load with zero targets consumes this rank's share and marks the loa
     });
     await metricBecomes(srv, "pegaflow_pinned_blocks", 0);
     assert.equal(await srv.metric("pegaflow_leases"), 0, "the only rank consumed it");
-    await assert.rejects(srv.client.load(req), status("FAILED_PRECONDITION", /unknown or expired/));
+    await assert.rejects(
+      srv.client.load(req),
+      refusedWith("FAILED_PRECONDITION", /unknown or expired/),
+    );
   } finally {
     st.close();
     e.close();
@@ -223,7 +214,10 @@ Deno.test("a refused Load marks every layer done, so a layers_ready waiter wakes
       loadStateShm: st.name,
     };
     // Known rank: layers_ready = num_layers = the rank's layer count.
-    await assert.rejects(srv.client.load(req), status("FAILED_PRECONDITION", /unknown or expired/));
+    await assert.rejects(
+      srv.client.load(req),
+      refusedWith("FAILED_PRECONDITION", /unknown or expired/),
+    );
     assert.deepEqual(st.snapshot(), {
       numLayers: MODEL.numLayers,
       layersReady: MODEL.numLayers,
@@ -234,7 +228,7 @@ Deno.test("a refused Load marks every layer done, so a layers_ready waiter wakes
     st.rearm();
     await assert.rejects(
       srv.client.load({ ...req, instanceId: "ghost" }),
-      status("FAILED_PRECONDITION"),
+      refusedWith("FAILED_PRECONDITION"),
     );
     const words = readLoadState(
       new DataView((await Deno.readFile(`/dev/shm${st.name}`)).buffer),

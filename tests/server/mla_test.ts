@@ -5,9 +5,9 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import type { PegaflowError } from "../../lib/client/client.ts";
-import { startServer, uid } from "./harness.ts";
+import { hostSim, startServer, uid } from "./harness.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const TP = 2;
@@ -21,8 +21,7 @@ Deno.test("TP=2 MLA: each rank saves the same bytes, the pool holds them once, e
   const instanceId = uid("mla");
   const namespace = uid("ns");
   const ranks = Array.from({ length: TP }, (_, tpRank) =>
-    SimEngine.create({
-      client: srv.client,
+    hostSim(srv, {
       instanceId,
       namespace,
       model: MODEL,
@@ -30,7 +29,6 @@ Deno.test("TP=2 MLA: each rank saves the same bytes, the pool holds them once, e
       tpRank,
       tpSize: TP,
       mla: true,
-      backend: "host",
     }));
   try {
     for (const r of ranks) await r.register();
@@ -76,23 +74,19 @@ Deno.test("TP=2 MLA: each rank saves the same bytes, the pool holds them once, e
 Deno.test("a namespace keeps its TP sharing: a rank that disagrees is refused before anything is mapped", async () => {
   const srv = await startServer();
   const namespace = uid("ns");
-  const mla = SimEngine.create({
-    client: srv.client,
+  const mla = hostSim(srv, {
     instanceId: uid("mla"),
     namespace,
     model: MODEL,
     numBlocks: 8,
     mla: true,
-    backend: "host",
   });
-  const other = SimEngine.create({
-    client: srv.client,
+  const other = hostSim(srv, {
     instanceId: uid("other"),
     namespace,
     model: MODEL,
     numBlocks: 8,
     mla: true,
-    backend: "host",
   });
   try {
     await mla.register();

@@ -6,8 +6,8 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import { startServer, uid } from "./harness.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
+import { hostSim, startServer, uid } from "./harness.ts";
 import { stageNodeClient } from "./fixtures/node_stage.ts";
 
 function hex(b: Uint8Array): string {
@@ -17,13 +17,11 @@ function hex(b: Uint8Array): string {
 Deno.test("a grpc-js client on Node queries the server and gets real statuses", async () => {
   const dir = await stageNodeClient("node_client.mjs", "pegaflow-node-");
   const srv = await startServer();
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId: uid("node"),
     namespace: uid("ns"),
     model: { ...LLAMA_3_1_8B, numLayers: 2 },
     numBlocks: 8,
-    backend: "host",
   });
   try {
     await sim.register();

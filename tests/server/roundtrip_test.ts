@@ -5,22 +5,20 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import { PROTOCOL_VERSION } from "../../lib/client/client.ts";
-import { startServer, uid } from "./harness.ts";
+import { hostSim, startServer, uid } from "./harness.ts";
 
 /** Llama-3.1-8B block shape, fewer layers so the test stays small. */
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 
 Deno.test("a saved prefix loads byte-exact into different block ids, with per-layer progress", async () => {
   const srv = await startServer();
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId: uid("rt"),
     namespace: uid("ns"),
     model: MODEL,
     numBlocks: 64,
-    backend: "host",
   });
   try {
     const health = await srv.client.health();

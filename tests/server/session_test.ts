@@ -5,8 +5,8 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import { type ServerProc, shmMappings, startServer, uid } from "./harness.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
+import { hostSim, type ServerProc, shmMappings, startServer, uid } from "./harness.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const ROOT = new URL("../../", import.meta.url).pathname;
@@ -31,13 +31,11 @@ async function until(
 Deno.test("closing the session cleans the instance up (leases released) and re-registration works", async () => {
   const srv = await startServer();
   const instanceId = uid("sess");
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId,
     namespace: uid("ns"),
     model: MODEL,
     numBlocks: 16,
-    backend: "host",
   });
   try {
     const session = srv.client.openSession(instanceId);
@@ -128,13 +126,11 @@ Deno.test("an engine killed with SIGKILL mid-save is cleaned up with nothing lea
     assert.equal(await srv.metric("pegaflow_pool_used_bytes"), 0, "pool usage returns to zero");
 
     // The server keeps serving: the same instance id registers again.
-    const sim = SimEngine.create({
-      client: srv.client,
+    const sim = hostSim(srv, {
       instanceId,
       namespace,
       model: { ...LLAMA_3_1_8B, numLayers: 8 },
       numBlocks: 64,
-      backend: "host",
     });
     try {
       const r = await sim.register();
@@ -160,13 +156,11 @@ Deno.test("an engine killed with SIGKILL mid-save is cleaned up with nothing lea
 Deno.test("a newer session for the same rank supersedes the old one without a cleanup", async () => {
   const srv = await startServer();
   const instanceId = uid("super");
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId,
     namespace: uid("ns"),
     model: MODEL,
     numBlocks: 8,
-    backend: "host",
   });
   try {
     const first = srv.client.openSession(instanceId);

@@ -4,9 +4,9 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import type { PegaflowError } from "../../lib/client/client.ts";
-import { startServer, uid } from "./harness.ts";
+import { hostSim, startServer, uid } from "./harness.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 /** 4 layers x K/V x 32 KiB. */
@@ -24,25 +24,21 @@ Deno.test("TP=2: a block saved by one rank only is never served; both ranks load
   const srv = await startServer();
   const instanceId = uid("tp");
   const namespace = uid("ns");
-  const r0 = SimEngine.create({
-    client: srv.client,
+  const r0 = hostSim(srv, {
     instanceId,
     namespace,
     model: MODEL,
     numBlocks: 32,
     tpRank: 0,
     tpSize: 2,
-    backend: "host",
   });
-  const r1 = SimEngine.create({
-    client: srv.client,
+  const r1 = hostSim(srv, {
     instanceId,
     namespace,
     model: MODEL,
     numBlocks: 32,
     tpRank: 1,
     tpSize: 2,
-    backend: "host",
   });
   try {
     const a = await r0.register();
@@ -91,13 +87,11 @@ Deno.test("TP=2: a block saved by one rank only is never served; both ranks load
 Deno.test("a lease keeps its blocks through eviction pressure; a full pool refuses saves and keeps serving", async () => {
   // 8 MiB pool = 32 blocks of 256 KiB.
   const srv = await startServer(["--pool-size", "8mb"]);
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId: uid("ev"),
     namespace: uid("ns"),
     model: MODEL,
     numBlocks: 64,
-    backend: "host",
   });
   try {
     await sim.register();
@@ -171,13 +165,11 @@ Deno.test("a lease keeps its blocks through eviction pressure; a full pool refus
 
 Deno.test("a block saved layer by layer in separate requests is served only once every layer arrived", async () => {
   const srv = await startServer();
-  const sim = SimEngine.create({
-    client: srv.client,
+  const sim = hostSim(srv, {
     instanceId: uid("layers"),
     namespace: uid("ns"),
     model: MODEL,
     numBlocks: 16,
-    backend: "host",
   });
   try {
     await sim.register();

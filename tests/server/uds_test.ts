@@ -13,11 +13,7 @@ import { EngineClient } from "../../proto/pegaflow.ts";
 import { PegaflowClient } from "../../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
-import { startServer, uid } from "./harness.ts";
-
-const ROOT = new URL("../../", import.meta.url).pathname;
-/** A refused start must end by then (start-up on a loaded 2-core machine). */
-const START_TIMEOUT_MS = 60_000;
+import { runServerToEnd, startServer, uid } from "./harness.ts";
 
 function exists(path: string): boolean {
   try {
@@ -26,34 +22,6 @@ function exists(path: string): boolean {
   } catch (e) {
     if (e instanceof Deno.errors.NotFound) return false;
     throw e;
-  }
-}
-
-/** Runs `main.ts` to its end with these flags (for starts that must be refused). */
-async function runServerToEnd(flags: string[]): Promise<{ code: number; stderr: string }> {
-  const child = new Deno.Command(Deno.execPath(), {
-    args: [
-      "run",
-      "-A",
-      "main.ts",
-      "--addr",
-      "127.0.0.1:0",
-      "--backend",
-      "host",
-      "--pool-size",
-      "64mb",
-      ...flags,
-    ],
-    cwd: ROOT,
-    stdout: "null",
-    stderr: "piped",
-  }).spawn();
-  const timer = setTimeout(() => child.kill("SIGKILL"), START_TIMEOUT_MS);
-  try {
-    const out = await child.output();
-    return { code: out.code, stderr: new TextDecoder().decode(out.stderr) };
-  } finally {
-    clearTimeout(timer);
   }
 }
 

@@ -7,40 +7,8 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { startServer, uid } from "../server/harness.ts";
+import { runServerToEnd, startServer, uid } from "../server/harness.ts";
 import { queryUntilReady, sim, SSD_FLAGS, until } from "./_server.ts";
-
-const ROOT = new URL("../../", import.meta.url).pathname;
-/** A start-up that hangs instead of refusing is a failure, not a stuck test. */
-const SECOND_START_TIMEOUT_MS = 60_000;
-
-/** Runs main.ts to completion with these flags; kills it if it is still running after the timeout. */
-async function runServerToExit(flags: string[]) {
-  const child = new Deno.Command(Deno.execPath(), {
-    args: [
-      "run",
-      "-A",
-      "main.ts",
-      "--addr",
-      "127.0.0.1:0",
-      "--http-addr",
-      "127.0.0.1:0",
-      "--backend",
-      "host",
-      "--pool-size",
-      "64mb",
-      ...flags,
-    ],
-    cwd: ROOT,
-    stdout: "piped",
-    stderr: "piped",
-  }).spawn();
-  const timer = setTimeout(() => child.kill("SIGKILL"), SECOND_START_TIMEOUT_MS);
-  const out = await child.output();
-  clearTimeout(timer);
-  const dec = new TextDecoder();
-  return { code: out.code, stdout: dec.decode(out.stdout), stderr: dec.decode(out.stderr) };
-}
 
 Deno.test("a second server on the same SSD cache file exits non-zero naming the file and the holder pid; the first keeps serving", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-ssd-lock-" });
@@ -59,7 +27,7 @@ Deno.test("a second server on the same SSD cache file exits non-zero naming the 
       async () => (await first.metric("pegaflow_ssd_write_blocks_total")) === 6,
     );
 
-    const second = await runServerToExit(SSD_FLAGS(dir));
+    const second = await runServerToEnd(SSD_FLAGS(dir));
     assert.notEqual(second.code, 0, "the second server must refuse to start");
     assert.ok(!second.stdout.includes("listening"), `no readiness line: ${second.stdout}`);
     assert.ok(second.stderr.includes(file), second.stderr);

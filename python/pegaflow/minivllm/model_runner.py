@@ -37,7 +37,13 @@ from pegaflow.connector.vllm_api import (
 from pegaflow.minivllm.llama import LlamaModel, SeqInfo, StepBatch
 from pegaflow.minivllm.outputs import LayerTiming, ModelRunnerOutput
 
-__all__ = ["AttentionMetadata", "KVCacheAllocator", "ModelRunner", "default_kv_cache_allocator"]
+__all__ = [
+    "AttentionMetadata",
+    "KVCacheAllocator",
+    "ModelRunner",
+    "default_kv_cache_allocator",
+    "shm_kv_cache_allocator",
+]
 
 # (layer name, shape, dtype, device) → a zeroed tensor of that shape. The host backend of
 # PegaFlow needs the KV cache inside shared-memory files, so allocation is pluggable.
@@ -48,6 +54,23 @@ def default_kv_cache_allocator(
     name: str, shape: tuple, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def shm_kv_cache_allocator(regions: list) -> KVCacheAllocator:
+    """KV tensors inside shared-memory files, which PegaFlow's host backend maps by name (the
+    device is ignored: the tensors are on the CPU). Each allocation's `ShmRegion` is appended to
+    `regions`; the caller closes them once the engine is shut down."""
+    from pegaflow.regions import ShmRegion
+
+    def alloc(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        r = ShmRegion(n * torch.empty((), dtype=dtype).element_size())
+        regions.append(r)
+        return r.torch(dtype, shape)
+
+    return alloc
 
 
 @dataclass

@@ -1,0 +1,99 @@
+/**
+ * The block index's Redis connection: which URLs are accepted, how the client behaves when Redis
+ * is away (no offline queue, no retries per request, a short reconnect back-off: the caller
+ * serves locally instead of waiting), the index scripts as commands, and the deadline every call
+ * runs under. lib/index/block_index.ts makes the calls.
+ *
+ * @module
+ */
+
+import { Redis } from "ioredis";
+import type { Buffer } from "node:buffer";
+import { IndexInputError } from "./errors.ts";
+import { ADVERTISE_LUA, HEARTBEAT_LUA, LOOKUP_LUA, WITHDRAW_LUA } from "./scripts.ts";
+
+/** Reconnect back-off: 100 ms steps, capped at 1 s, so a restarted Redis is found fast. */
+const RECONNECT_STEP_MS = 100;
+const RECONNECT_MAX_MS = 1_000;
+
+/** The scripts as ioredis custom commands (numkeys first, then keys, then args). */
+export interface IndexCommands {
+  pfAdvertise(...args: (string | number | Buffer)[]): Promise<number>;
+  pfWithdraw(...args: (string | number | Buffer)[]): Promise<number>;
+  pfHeartbeat(...args: (string | number | Buffer)[]): Promise<number>;
+  pfLookup(...args: (string | number | Buffer)[]): Promise<(string | number)[]>;
+}
+
+/** Where the URL points, without credentials (for log lines). */
+export function redisWhere(url: string): string {
+  const u = new URL(url);
+  return `${u.protocol}//${u.host}${u.pathname.length > 1 ? u.pathname : ""}`;
+}
+
+/** A Redis client with the index scripts defined on it. */
+export type IndexRedis = Redis & IndexCommands;
+
+/** A client for the index at `url` whose commands give up after `timeoutMs`; not yet connected. */
+export function indexRedisClient(url: string, timeoutMs: number): IndexRedis {
+  const redis = new Redis(url, {
+    lazyConnect: true,
+    // Fail fast instead of queueing while disconnected: the caller serves locally.
+    enableOfflineQueue: false,
+    maxRetriesPerRequest: 0,
+    autoResendUnfulfilledCommands: false,
+    commandTimeout: timeoutMs,
+    connectTimeout: Math.max(timeoutMs, 1_000),
+    retryStrategy: (times: number) => Math.min(times * RECONNECT_STEP_MS, RECONNECT_MAX_MS),
+  }) as IndexRedis;
+  redis.defineCommand("pfAdvertise", { lua: ADVERTISE_LUA });
+  redis.defineCommand("pfWithdraw", { lua: WITHDRAW_LUA });
+  redis.defineCommand("pfHeartbeat", { lua: HEARTBEAT_LUA });
+  redis.defineCommand("pfLookup", { lua: LOOKUP_LUA });
+  return redis;
+}
+
+/** A rejected promise after `ms`, or `p`'s outcome, whichever comes first. */
+export function withDeadline<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const deadline = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
+  });
+  return Promise.race([p, deadline]).finally(() => clearTimeout(timer));
+}
+
+/**
+ * Returns `url` if it is a usable Redis URL, else throws
+ * {@link IndexInputError} saying what is wrong (the CLI prefixes the flag).
+ *
+ * @example
+ * ```ts
+ * checkRedisUrl("redis://10.0.0.5:6379"); // ok
+ * checkRedisUrl("10.0.0.5:6379");         // throws: not a redis:// URL
+ * ```
+ */
+export function checkRedisUrl(url: string): string {
+  let u: URL;
+  try {
+    u = new URL(url);
+  } catch (_e) {
+    throw new IndexInputError(
+      `"${url}" is not a redis:// URL (e.g. redis://127.0.0.1:6379)`,
+      { got: url },
+    );
+  }
+  if (u.protocol !== "redis:" && u.protocol !== "rediss:") {
+    throw new IndexInputError(
+      `"${url}" has scheme "${u.protocol}"; expected redis:// or rediss://`,
+      { got: url },
+    );
+  }
+  if (u.hostname === "") {
+    throw new IndexInputError(`"${url}" names no host (e.g. redis://127.0.0.1:6379)`, { got: url });
+  }
+  if (u.pathname.length > 1 && !/^\/\d+$/.test(u.pathname)) {
+    throw new IndexInputError(`"${url}": the path must be a database number, e.g. /0`, {
+      got: url,
+    });
+  }
+  return url;
+}

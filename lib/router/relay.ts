@@ -1,0 +1,193 @@
+/**
+ * Relaying D's response to the client: which headers pass, and the body either piped natively
+ * (no JavaScript per chunk) or pulled chunk by chunk under a stream idle deadline, with the time
+ * to first byte, the end of the relay and a client that leaves accounted for exactly once.
+ *
+ * The retry rules stop where this module starts: once D has answered, nothing is retried
+ * (lib/router/pd_flow.ts).
+ *
+ * @module
+ */
+
+import type { Backend } from "./backend_pool.ts";
+import { ClientGone } from "./errors.ts";
+import { describeError } from "./health.ts";
+import type { FlowContext, FlowDeps } from "./pd_flow.ts";
+import type { UpstreamLink } from "./upstream.ts";
+
+/** How a finished relay ended. */
+export type RelayOutcome = "ok" | "client_gone" | "idle_timeout" | "network";
+
+const encoder = new TextEncoder();
+
+/** Headers that describe one hop's connection, or that the relay changes, and are not copied. */
+const HOP_HEADERS = new Set([
+  "connection",
+  "keep-alive",
+  "transfer-encoding",
+  "content-length",
+  "upgrade",
+  "te",
+  "trailer",
+  "proxy-connection",
+  "date",
+  "server",
+]);
+
+export function relayHeaders(upstream: Headers, requestId: string): Headers {
+  const h = new Headers();
+  for (const [k, v] of upstream) if (!HOP_HEADERS.has(k)) h.set(k, v);
+  h.set("x-request-id", requestId);
+  return h;
+}
+
+/** An SSE event carrying an OpenAI-style error, sent when a stream must be cut short. */
+function sseError(message: string, code: string): Uint8Array {
+  const body = { error: { message, type: "timeout_error", param: null, code } };
+  return encoder.encode(`data: ${JSON.stringify(body)}\n\n`);
+}
+
+/**
+ * Hands D's body to the server as it is: Deno then moves the bytes from D's socket to the
+ * client's in native code, chunk by chunk as they arrive, with no JavaScript per chunk. The time
+ * to first byte is taken at D's response headers; the end is learnt from the server's delivery
+ * promise. A client that leaves makes that promise reject, and the upstream request is aborted.
+ */
+export function pipeBody(
+  deps: FlowDeps,
+  res: Response,
+  backend: Backend,
+  link: UpstreamLink,
+  t0: number,
+  ctx: FlowContext,
+  onEnd: (outcome: RelayOutcome) => void,
+): ReadableStream<Uint8Array> | null {
+  const { decode: pool, metrics } = deps;
+  metrics.decodeTtfbSeconds.observe({ backend: backend.url }, (performance.now() - t0) / 1000);
+  ctx.completed().then(
+    () => {
+      // Deno resolves `completed` also when the client left mid-body; its signal tells them
+      // apart, unless the legacy signal aborts on success too (then count it as served).
+      const outcome: RelayOutcome = !deps.legacyAbort && ctx.signal.aborted ? "client_gone" : "ok";
+      link.dispose();
+      pool.release(backend);
+      onEnd(outcome);
+    },
+    () => {
+      // Not delivered: the client went away (Deno aborts its signal first) or D broke off.
+      // Stop D's generation either way.
+      const outcome: RelayOutcome = ctx.signal.aborted ? "client_gone" : "network";
+      if (outcome === "network") {
+        metrics.upstreamFailures.inc({ role: "decode", reason: "network" });
+      }
+      link.abort("client_gone");
+      link.dispose();
+      pool.release(backend);
+      onEnd(outcome);
+    },
+  );
+  return res.body;
+}
+
+/**
+ * Wraps D's body in a pull-based stream: a chunk is read from D only when the client side is
+ * ready for it, and handed on the moment it arrives, so nothing is buffered beyond one chunk.
+ */
+export function relayBody(
+  deps: FlowDeps,
+  res: Response,
+  backend: Backend,
+  link: UpstreamLink,
+  t0: number,
+  ctx: FlowContext,
+  streamIdleTimeoutMs: number,
+  onEnd: (outcome: RelayOutcome) => void,
+): ReadableStream<Uint8Array> | null {
+  const { decode: pool, metrics, log } = deps;
+  let ended = false;
+  let first = true;
+  // When the pending read from D began, or -1 while none is pending: a client that reads slowly
+  // leaves no read pending, and its slowness must not count as D's silence.
+  let readingSince = -1;
+  // One coarse timer per stream instead of one per chunk: the check is cheap and the deadline
+  // only needs to be enforced within a quarter of its length.
+  const idleCheckMs = Math.max(Math.floor(streamIdleTimeoutMs / 4), 5);
+  const idleTimer = setInterval(() => {
+    if (readingSince >= 0 && performance.now() - readingSince > streamIdleTimeoutMs) {
+      link.abort("idle_timeout");
+    }
+  }, idleCheckMs);
+  const end = (outcome: RelayOutcome) => {
+    if (ended) return;
+    ended = true;
+    clearInterval(idleTimer);
+    link.dispose();
+    pool.release(backend);
+    onEnd(outcome);
+  };
+  if (res.body === null) {
+    end("ok");
+    return null;
+  }
+  const reader = res.body.getReader();
+  const isSse = (res.headers.get("content-type") ?? "").includes("text/event-stream");
+  return new ReadableStream<Uint8Array>({
+    async pull(controller) {
+      let r: ReadableStreamReadResult<Uint8Array>;
+      readingSince = performance.now();
+      try {
+        r = await reader.read();
+      } catch (e) {
+        if (link.cause === "client_gone") {
+          end("client_gone");
+          controller.error(new ClientGone("decode"));
+          return;
+        }
+        const idle = link.cause === "idle_timeout";
+        const outcome: RelayOutcome = idle ? "idle_timeout" : "network";
+        metrics.upstreamFailures.inc({ role: "decode", reason: outcome });
+        const message = idle
+          ? `decode backend ${backend.url} sent nothing for ${streamIdleTimeoutMs} ms ` +
+            `(request ${ctx.requestId})`
+          : `decode backend ${backend.url} failed mid-response (request ${ctx.requestId}): ` +
+            describeError(e);
+        log.warn("decode stream cut short", { request_id: ctx.requestId, reason: message });
+        end(outcome);
+        if (isSse) {
+          // A streaming client understands an error event; a truncated chunked body reads as
+          // a network fault with no explanation.
+          controller.enqueue(sseError(message, idle ? "decode_idle_timeout" : "decode_failed"));
+          controller.close();
+        } else {
+          controller.error(e);
+        }
+        return;
+      }
+      if (r.done) {
+        end("ok");
+        controller.close();
+        return;
+      }
+      readingSince = -1;
+      if (first) {
+        first = false;
+        metrics.decodeTtfbSeconds.observe(
+          { backend: backend.url },
+          (performance.now() - t0) / 1000,
+        );
+      }
+      controller.enqueue(r.value);
+    },
+    cancel(reason) {
+      // The client went away (or Deno gave up writing to it): stop D's generation too.
+      link.abort("client_gone");
+      end("client_gone");
+      return reader.cancel(reason).catch((e) => {
+        log.debug("cancelling decode body failed", {
+          request_id: ctx.requestId,
+          error: describeError(e),
+        });
+      });
+    },
+  });
+}

@@ -1,0 +1,119 @@
+"""Start a local PegaFlow server for tests and benchmarks.
+
+Runs `main.ts` of this source checkout under Deno in a child process, reads the
+address it bound from the one JSON line it prints on stdout (then keeps draining
+stdout so the child never blocks on a full pipe), sends its stderr to a temp log
+file, and stops it with SIGTERM, then SIGKILL. Only for a checkout: an installed
+`pegaflow` package has no `main.ts` beside it.
+
+Environment: PEGAFLOW_DENO (the deno binary; else
+tools/deno/node_modules/deno/deno or ./deno), DENO_DIR (default .cache/deno of
+the checkout), PEGAFLOW_DENO_CACHED_ONLY=1 (adds --cached-only: no network).
+
+Example:
+    s = DevServer.launch(["--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", "256mb"])
+    PegaflowClient(s.addr)...
+    s.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+from typing import List, Optional
+
+#: The checkout this module sits in (python/pegaflow/devserver.py).
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def deno_binary() -> str:
+    """The deno that runs the server: $PEGAFLOW_DENO, else the checkout's own."""
+    for p in (
+        os.environ.get("PEGAFLOW_DENO", ""),
+        os.path.join(ROOT, "tools", "deno", "node_modules", "deno", "deno"),
+        os.path.join(ROOT, "deno"),
+    ):
+        if p and os.access(p, os.X_OK):
+            return p
+    raise RuntimeError(f"no deno binary: set PEGAFLOW_DENO or run `make deno` in {ROOT}")
+
+
+class DevServer:
+    """One server child, started by :meth:`launch`."""
+
+    def __init__(self, proc: subprocess.Popen, args: List[str], listening: dict, log_path: str):
+        self.proc = proc
+        #: The command line it runs.
+        self.args = args
+        #: The gRPC address it bound (host:port).
+        self.addr: str = listening["grpc"]
+        #: The Unix socket path when started with --uds, else None.
+        self.uds: Optional[str] = listening.get("uds")
+        #: Where its stderr goes.
+        self.log_path = log_path
+
+    @classmethod
+    def launch(
+        cls, flags: List[str], start_timeout_s: float = 90.0, log_prefix: str = "pegaflow-server-"
+    ) -> "DevServer":
+        """Runs `main.ts flags...` and waits up to `start_timeout_s` for its address.
+
+        Raises RuntimeError naming the command line, with the tail of the server's
+        stderr, when it does not announce its address in time (the child is killed).
+        """
+        args = [deno_binary(), "run", "--allow-all"]
+        if os.environ.get("PEGAFLOW_DENO_CACHED_ONLY") == "1":
+            args.append("--cached-only")
+        args += [os.path.join(ROOT, "main.ts")] + list(flags)
+        env = dict(os.environ)
+        env.setdefault("DENO_DIR", os.path.join(ROOT, ".cache", "deno"))
+        env["NO_COLOR"] = "1"
+        fd, log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=fd)
+        os.close(fd)
+        line: List[bytes] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(start_timeout_s)
+        if not line or not line[0]:
+            proc.kill()
+            proc.wait()
+            with open(log_path, errors="replace") as f:
+                tail = f.read()[-4000:]
+            raise RuntimeError(
+                f"server did not announce its address within {start_timeout_s:g} s "
+                f"({' '.join(args)}); stderr:\n{tail}"
+            )
+        listening = json.loads(line[0])["listening"]
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        return cls(proc, args, listening, log_path)
+
+    def logs(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes as in a crash."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`. The log file stays (see :meth:`remove_log`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def remove_log(self) -> None:
+        try:
+            os.unlink(self.log_path)
+        except FileNotFoundError:
+            pass
