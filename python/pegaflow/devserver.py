@@ -24,6 +24,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from typing import List, Optional
 
 #: The checkout this module sits in (python/pegaflow/devserver.py).
@@ -76,6 +77,7 @@ class DevServer:
         proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=fd)
         os.close(fd)
         line: List[bytes] = []
+        deadline = time.monotonic() + start_timeout_s
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(start_timeout_s)
@@ -90,7 +92,34 @@ class DevServer:
             )
         listening = json.loads(line[0])["listening"]
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        return cls(proc, args, listening, log_path)
+        server = cls(proc, args, listening, log_path)
+        server._wait_healthy(deadline)
+        return server
+
+    def _wait_healthy(self, deadline: float) -> None:
+        """The address line means the sockets are bound; on a loaded machine a
+        first connection can still fail its handshake (UNAVAILABLE). Ask Health
+        until it answers, within the start-up deadline, so that callers' first
+        RPC meets a server that is serving."""
+        from .client import PegaflowClient  # lazy: only a started server needs grpc here
+        from .errors import PegaflowError
+
+        client = PegaflowClient(self.addr, rpc_timeout_ms=2000)
+        try:
+            while True:
+                try:
+                    client.health()
+                    return
+                except PegaflowError as e:
+                    if time.monotonic() >= deadline:
+                        self.kill()
+                        raise RuntimeError(
+                            f"server at {self.addr} announced its address but its Health "
+                            f"never answered ({e}); stderr:\n{self.logs()[-4000:]}"
+                        ) from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
 
     def logs(self) -> str:
         with open(self.log_path, errors="replace") as f:
