@@ -114,13 +114,13 @@ test-python:
 	@if [ -d python/tests ]; then cd python && $(PYTHON) -m pytest -q -p no:cacheprovider tests; \
 	  else echo "no python/tests yet"; fi
 
-test-gpu: deps native
+test-gpu: deno liburing native
 	$(DENO) task test:gpu
 
-serve: deps native
+serve: deno liburing native
 	$(DENO) task serve
 
-bench: deps native
+bench: deno liburing native
 	$(DENO) task bench
 
 clean:
