@@ -594,6 +594,42 @@ static void stream_fail(tcp_stream *st, const char *what, const char *why) {
   for (uint32_t i = 0; i < tp->n; i++) shutdown(tp->st[i].fd, SHUT_RDWR);
 }
 
+/* The chunk cursor of a payload: chunk i, in_chunk bytes into it. Both
+ * directions move a payload as bursts of iovecs straight into or out of the
+ * pool; these two own how a burst is cut and how the cursor moves. */
+
+/* Fills iov[] from the cursor up to `end` (at most TCP_BURST_IOV entries);
+ * returns the count, and the bytes they cover in *bytes (when not NULL). */
+static int chunks_burst(uint8_t *pool, const xfer_chunk *chunks, uint32_t i, uint32_t end,
+                        uint64_t in_chunk, struct iovec *iov, uint64_t *bytes) {
+  int k = 0;
+  uint64_t skip = in_chunk, sum = 0;
+  for (uint32_t j = i; j < end && k < TCP_BURST_IOV; j++, k++) {
+    iov[k].iov_base = pool + chunks[j].local_off + skip;
+    iov[k].iov_len = chunks[j].bytes - skip;
+    sum += iov[k].iov_len;
+    skip = 0;
+  }
+  if (bytes) *bytes = sum;
+  return k;
+}
+
+/* Moves the cursor forward by `moved` bytes (what one sendmsg/recvmsg did). */
+static void chunks_advance(const xfer_chunk *chunks, uint32_t *i, uint64_t *in_chunk,
+                           uint64_t moved) {
+  while (moved) {
+    uint64_t room = chunks[*i].bytes - *in_chunk;
+    if (moved < room) {
+      *in_chunk += moved;
+      moved = 0;
+    } else {
+      moved -= room;
+      *in_chunk = 0;
+      (*i)++;
+    }
+  }
+}
+
 /* Sends a WRITE part's payload from the pool, entering the slot per burst. */
 static int send_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t first, uint32_t n) {
   tcp_peer *tp = st->p->impl;
@@ -614,13 +650,7 @@ static int send_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t fir
     if (!xfer_enter(s, gen)) return -3;
     for (;;) {
       struct iovec iov[TCP_BURST_IOV];
-      int k = 0;
-      uint64_t skip = in_chunk;
-      for (uint32_t j = i; j < end && k < TCP_BURST_IOV; j++, k++) {
-        iov[k].iov_base = pool + s->chunks[j].local_off + skip;
-        iov[k].iov_len = s->chunks[j].bytes - skip;
-        skip = 0;
-      }
+      int k = chunks_burst(pool, s->chunks, i, end, in_chunk, iov, NULL);
       struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)k};
       ssize_t m = sendmsg(st->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (m < 0) {
@@ -630,18 +660,7 @@ static int send_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t fir
         errno = e;
         return -1;
       }
-      uint64_t left = (uint64_t)m;
-      while (left) {
-        uint64_t room = s->chunks[i].bytes - in_chunk;
-        if (left < room) {
-          in_chunk += left;
-          left = 0;
-        } else {
-          left -= room;
-          in_chunk = 0;
-          i++;
-        }
-      }
+      chunks_advance(s->chunks, &i, &in_chunk, (uint64_t)m);
       if (i == end || !xfer_live(s, gen)) {
         xfer_leave(s);
         break;
@@ -747,14 +766,8 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
       }
       for (;;) {
         struct iovec iov[TCP_BURST_IOV];
-        int k = 0;
-        uint64_t skip = in_chunk, want = 0;
-        for (uint32_t j = i; j < end && k < TCP_BURST_IOV; j++, k++) {
-          iov[k].iov_base = pool + s->chunks[j].local_off + skip;
-          iov[k].iov_len = s->chunks[j].bytes - skip;
-          want += iov[k].iov_len;
-          skip = 0;
-        }
+        uint64_t want;
+        int k = chunks_burst(pool, s->chunks, i, end, in_chunk, iov, &want);
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)k};
         ssize_t m = recvmsg(st->fd, &mh, MSG_DONTWAIT);
         if (m <= 0) {
@@ -768,18 +781,7 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
           return -1;
         }
         left_total -= (uint64_t)m;
-        uint64_t left = (uint64_t)m;
-        while (left) {
-          uint64_t room = s->chunks[i].bytes - in_chunk;
-          if (left < room) {
-            in_chunk += left;
-            left = 0;
-          } else {
-            left -= room;
-            in_chunk = 0;
-            i++;
-          }
-        }
+        chunks_advance(s->chunks, &i, &in_chunk, (uint64_t)m);
         if ((uint64_t)m < want) drained = 1;
         if (!left_total || drained || !xfer_live(s, gen)) {
           xfer_leave(s);
