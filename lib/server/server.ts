@@ -39,10 +39,12 @@ import {
   type BoundSocket,
   boundSocket,
   claimSocketPath,
+  localRpcSocketPath,
   releaseSocketPath,
   UPSTREAM_SOCKET_MODE,
   upstreamSocketPath,
 } from "./uds.ts";
+import { type LocalRpcServer, serveLocalRpc } from "./local_rpc.ts";
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -216,7 +218,8 @@ export async function startServer(
     "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
     "grpc.keepalive_permit_without_calls": 1,
   });
-  server.addService(lenientService(), engineServiceImpl(engine, sessions, metrics, log));
+  const impl = engineServiceImpl(engine, sessions, metrics, log);
+  server.addService(lenientService(), impl);
   // With the GOAWAY guard on, grpc-js listens on a loopback port that only
   // the guard connects to; the guard owns the public address and the Unix
   // socket (goaway_guard.ts). Without it grpc-js binds both itself.
@@ -255,8 +258,12 @@ export async function startServer(
   // TCP stack. Its name is fixed so a crashed server's is found and taken over
   // like the public one; only the server's user may connect to it.
   let upstreamSocket: BoundSocket | undefined;
+  let localRpc: LocalRpcServer | undefined;
+  let localRpcSocket: BoundSocket | undefined;
   const failListen = async (flag: string, e: unknown): Promise<never> => {
     for (const g of guards) await g.close();
+    localRpc?.close();
+    if (localRpcSocket) await releaseSocketPath(localRpcSocket);
     if (upstreamSocket) await releaseSocketPath(upstreamSocket);
     server.forceShutdown();
     await cleanupOnListenError();
@@ -291,6 +298,16 @@ export async function startServer(
         await bindGrpc(`unix:${path}`);
       }
       uds = await boundSocket(path);
+      // The engines' hot calls in frames beside it (local_rpc.ts), same handlers.
+      const rpcPath = localRpcSocketPath(path);
+      await claimSocketPath(rpcPath);
+      localRpc = serveLocalRpc(
+        Deno.listen({ transport: "unix", path: rpcPath }),
+        impl,
+        cfg.maxMessageBytes,
+        log,
+      );
+      localRpcSocket = await boundSocket(rpcPath);
     } catch (e) {
       return await failListen(`--uds ${path}`, e);
     }
@@ -334,7 +351,13 @@ export async function startServer(
       advertiser,
     )
     : undefined;
-  log.info("serving", { grpc: grpcAddr, uds: uds?.path, http: httpAddr, backend: native.backend });
+  log.info("serving", {
+    grpc: grpcAddr,
+    uds: uds?.path,
+    local_rpc: localRpc?.path,
+    http: httpAddr,
+    backend: native.backend,
+  });
 
   let closing: Promise<void> | undefined;
   const close = () =>
@@ -353,7 +376,9 @@ export async function startServer(
       // Closing the guard's sockets sends no GOAWAY: clients see the connection end.
       for (const g of guards) await g.close();
       // Left behind, the file would make the next start probe it as stale.
+      localRpc?.close();
       if (uds) await releaseSocketPath(uds);
+      if (localRpcSocket) await releaseSocketPath(localRpcSocket);
       if (upstreamSocket) await releaseSocketPath(upstreamSocket);
       clearInterval(collector);
       await native.close();

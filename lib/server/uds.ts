@@ -21,8 +21,14 @@ const SUN_PATH_BYTES = 107;
  * (lib/server/server.ts): `PATH.up`, beside the public one.
  */
 export const UPSTREAM_SUFFIX = ".up";
-/** Longest `--uds` path: its upstream socket `PATH.up` must fit a `sun_path` too. */
-export const MAX_UDS_PATH_BYTES = SUN_PATH_BYTES - UPSTREAM_SUFFIX.length;
+/**
+ * Suffix of the local RPC socket served beside `--uds PATH` (lib/server/local_rpc.ts):
+ * `PATH.rpc`, where engines on this host send their hot calls.
+ */
+export const LOCAL_RPC_SUFFIX = ".rpc";
+/** Longest `--uds` path: `PATH.up` and `PATH.rpc` must fit a `sun_path` too. */
+export const MAX_UDS_PATH_BYTES = SUN_PATH_BYTES -
+  Math.max(UPSTREAM_SUFFIX.length, LOCAL_RPC_SUFFIX.length);
 /** The upstream socket is for the relay alone: only the server's user may connect. */
 export const UPSTREAM_SOCKET_MODE = 0o600;
 
@@ -36,6 +42,17 @@ export const UPSTREAM_SOCKET_MODE = 0o600;
  */
 export function upstreamSocketPath(path: string): string {
   return path + UPSTREAM_SUFFIX;
+}
+/**
+ * Where the local RPC socket of the `--uds` socket at `path` is.
+ *
+ * @example
+ * ```ts
+ * localRpcSocketPath("/run/pegaflow/grpc.sock"); // "/run/pegaflow/grpc.sock.rpc"
+ * ```
+ */
+export function localRpcSocketPath(path: string): string {
+  return path + LOCAL_RPC_SUFFIX;
 }
 /** How long a probe connect to an existing socket may take before it counts as live. */
 const PROBE_TIMEOUT_MS = 1_000;

@@ -7,14 +7,21 @@ workers; a gRPC channel must never cross a fork). No call waits for the
 server to come up (no wait_for_ready): a dead server answers UNAVAILABLE at
 once, a wedged one hits the deadline, so an engine never hangs on us.
 
+Where the address is unix:/path and the server serves its local RPC socket
+beside it (`path.rpc`, see local_rpc.py), QueryPrefetch, Load, Release, Save
+and Health go over that socket instead: the same messages, codes and deadlines,
+without grpcio's thread hop and HTTP/2 on the warm request's path.
+
 The service stubs are written here by hand (`channel.unary_unary` with the
 generated messages' serializers) because CI has no grpc_tools plugin.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -23,6 +30,9 @@ import grpc
 from ._proto import pegaflow_pb2 as pb
 from .config import ClientConfig
 from .errors import PegaflowError
+from .local_rpc import METHOD_IDS, LocalRpc, LocalRpcAbsent, LocalRpcStatus
+
+log = logging.getLogger("pegaflow.client")
 
 #: The protocol version RegisterContext expects (HealthResponse.version).
 PROTOCOL_VERSION = "pegaflow-1"
@@ -35,6 +45,10 @@ KEEPALIVE_TIMEOUT_S = 20.0
 MIN_RECONNECT_BACKOFF_MS = 100
 
 _SERVICE = "/pegaflow.Engine/"
+#: After finding no local RPC socket, calls use gRPC this long before it is tried again.
+LOCAL_RPC_RETRY_S = 1.0
+#: A status number from the local RPC socket as grpcio's enum (the same numbering).
+_STATUS_BY_CODE = {c.value[0]: c for c in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
@@ -163,6 +177,13 @@ class PegaflowClient:
         self._pid = -1
         self._stubs: dict = {}
         self._closed = False
+        # The hot calls go over the server's local RPC socket when there is one (unix:
+        # address, same host); gRPC carries the rest, and these too where it is absent.
+        rpc_path = self.config.local_rpc_path()
+        self._local: Optional[LocalRpc] = (
+            LocalRpc(rpc_path, self.config.max_message_bytes) if rpc_path is not None else None
+        )
+        self._local_retry_at = 0.0  # after a missing socket: gRPC until then
 
     @property
     def address(self) -> str:
@@ -213,9 +234,17 @@ class PegaflowClient:
             return stub
 
     def _call(self, method: str, req, res_cls, timeout_s: Optional[float] = None):
+        t = timeout_s if timeout_s is not None else self.config.rpc_timeout_s
+        if self._local is not None and method in METHOD_IDS and self._local_retry_at <= time.monotonic():
+            try:
+                return res_cls.FromString(self._local.call(METHOD_IDS[method], req.SerializeToString(), t))
+            except LocalRpcAbsent:
+                self._local_absent()
+            except LocalRpcStatus as e:
+                raise PegaflowError(_STATUS_BY_CODE.get(e.code, grpc.StatusCode.UNKNOWN), e.details, method) from None
         stub = self._stub(method, type(req), res_cls)
         try:
-            return stub(req, timeout=timeout_s if timeout_s is not None else self.config.rpc_timeout_s)
+            return stub(req, timeout=t)
         except grpc.RpcError as e:
             raise PegaflowError(e.code(), e.details() or "", method) from None
 
@@ -342,8 +371,25 @@ class PegaflowClient:
         (on a gRPC thread, or here if that already happened). The deadline is
         the same as `load`'s."""
         req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id)
+        t = timeout_s if timeout_s is not None else self.config.rpc_timeout_s
+        if self._local is not None and self._local_retry_at <= time.monotonic():
+
+            def answered(status: int, body: bytes) -> None:
+                if status == 0:
+                    on_done(None)
+                else:
+                    code = _STATUS_BY_CODE.get(status, grpc.StatusCode.UNKNOWN)
+                    on_done(PegaflowError(code, body.decode("utf-8", "replace"), "Load"))
+
+            try:
+                self._local.call_nowait(METHOD_IDS["Load"], req.SerializeToString(), t, answered)
+                return
+            except LocalRpcAbsent:
+                self._local_absent()
+            except LocalRpcStatus as e:
+                raise PegaflowError(_STATUS_BY_CODE.get(e.code, grpc.StatusCode.UNKNOWN), e.details, "Load") from None
         stub = self._stub("Load", pb.LoadRequest, pb.LoadResponse)
-        fut = stub.future(req, timeout=timeout_s if timeout_s is not None else self.config.rpc_timeout_s)
+        fut = stub.future(req, timeout=t)
 
         def done(f) -> None:
             if f.cancelled():  # the channel closed under it
@@ -380,8 +426,18 @@ class PegaflowClient:
         req = pb.SessionRequest(instance_id=instance_id, tp_rank=tp_rank, pp_rank=pp_rank)
         return Session(stub(req))
 
+    def _local_absent(self) -> None:
+        """No local RPC socket beside the unix: address (a server without one, or a server
+        that is restarting): gRPC for a while, then the socket is tried again."""
+        if self._local is not None:
+            if self._local_retry_at == 0.0:
+                log.info("no local RPC socket at %s; calls go over gRPC until it appears", self._local.path)
+            self._local_retry_at = time.monotonic() + LOCAL_RPC_RETRY_S
+
     def close(self) -> None:
         """Closes the channel; later calls raise CANCELLED."""
+        if self._local is not None:
+            self._local.close()
         with self._lock:
             self._closed = True
             ch, self._channel = self._channel, None

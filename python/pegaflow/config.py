@@ -8,6 +8,8 @@ default). A bad value raises ValueError naming the variable.
     PEGAFLOW_LOAD_TIMEOUT_MS    longest wait on a load state                    60000
     PEGAFLOW_RECONNECT_MAX_MS   cap of the re-registration backoff             5000
     PEGAFLOW_KEEPALIVE_MS       HTTP/2 keepalive ping interval                 30000
+    PEGAFLOW_LOCAL_RPC          with a unix: address, send the hot calls over   1
+                                the server's local RPC socket (PATH.rpc); 0 = gRPC only
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
+
+from pegaflow.local_rpc import LOCAL_RPC_SUFFIX
 
 DEFAULT_ADDR = "127.0.0.1:50055"
 #: The server's default message limit (lib/server/config.ts DEFAULT_MAX_MESSAGE).
@@ -32,6 +36,17 @@ def _env_ms(env: Mapping[str, str], name: str, default: int) -> int:
     if v <= 0:
         raise ValueError(f"{name}={raw!r} must be > 0")
     return v
+
+
+def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
 
 
 def check_address(addr: str) -> str:
@@ -65,6 +80,7 @@ class ClientConfig:
     reconnect_max_s: float = 5.0
     keepalive_s: float = 30.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    local_rpc: bool = True
 
     @classmethod
     def resolve(
@@ -75,6 +91,7 @@ class ClientConfig:
         load_timeout_ms: Optional[int] = None,
         reconnect_max_ms: Optional[int] = None,
         keepalive_ms: Optional[int] = None,
+        local_rpc: Optional[bool] = None,
         env: Optional[Mapping[str, str]] = None,
     ) -> "ClientConfig":
         e = os.environ if env is None else env
@@ -93,4 +110,12 @@ class ClientConfig:
             load_timeout_s=pick(load_timeout_ms, "LOAD_TIMEOUT_MS", 60000),
             reconnect_max_s=pick(reconnect_max_ms, "RECONNECT_MAX_MS", 5000),
             keepalive_s=pick(keepalive_ms, "KEEPALIVE_MS", 30000),
+            local_rpc=local_rpc if local_rpc is not None else _env_flag(e, "PEGAFLOW_LOCAL_RPC", True),
         )
+
+    def local_rpc_path(self) -> Optional[str]:
+        """The server's local RPC socket beside a unix: address, when enabled."""
+        if not self.local_rpc or not self.addr.startswith("unix:"):
+            return None
+        path = self.addr[len("unix:"):]
+        return (path[2:] if path.startswith("//") else path) + LOCAL_RPC_SUFFIX

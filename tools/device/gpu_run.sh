@@ -11,11 +11,14 @@
 #   server       bench/server.ts --backend cuda (warm load, save ratio, query)
 #   native       bench/run.ts --backend cuda --only size,submit (copy paths)
 #   ttft         bench/ttft.py (cold/warm TTFT, Llama-3.1-8B shape); TTFT_ARGS adds flags
-# Results written under bench/results/ are copied to $OUT too.
+# Results this run writes under bench/results/ are copied to $OUT too.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pegaflow-out}
 mkdir -p "$OUT" /tmp/pf-deno/dir
+# Only results this run writes come back (the tool returns at most 8 files).
+stamp=/tmp/pf-gpu-run.stamp
+touch "$stamp"
 xz -T0 -dc .carry/deno.xz >/tmp/pf-deno/deno && chmod +x /tmp/pf-deno/deno
 tar -C /tmp/pf-deno/dir -xJf .carry/deno_npm.tar.xz --strip-components=1
 export PEGAFLOW_DENO=/tmp/pf-deno/deno DENO_DIR=/tmp/pf-deno/dir PEGAFLOW_DENO_CACHED_ONLY=1
@@ -39,6 +42,6 @@ for step in "$@"; do
   [ "$s" -eq 0 ] || rc=1
 done
 for f in bench/results/ttft-cuda*.json bench/results/ttft-cuda*.png bench/results/server-cuda*.json; do
-  [ -f "$f" ] && cp "$f" "$OUT/"
+  [ -f "$f" ] && [ "$f" -nt "$stamp" ] && cp "$f" "$OUT/"
 done
 exit $rc

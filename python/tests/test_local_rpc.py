@@ -1,0 +1,168 @@
+"""The hot calls over the server's local RPC socket (`--uds PATH` serves `PATH.rpc`):
+the client uses it for a unix: address, answers and errors are gRPC's, a silent
+socket hits the deadline, a restarted server is found again, and a server without
+the socket is reached over gRPC."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+
+from pegaflow.client import PegaflowClient
+from pegaflow.config import ClientConfig
+from pegaflow.errors import PegaflowError
+from pegaflow.load_state import LoadState
+
+from kv_helpers import fill, make_kv, matches, register
+from server_proc import ServerProc
+
+
+@pytest.fixture
+def sock_dir():
+    d = tempfile.mkdtemp(prefix="pf-lrpc-")
+    yield d
+    for f in os.listdir(d):
+        os.unlink(os.path.join(d, f))
+    os.rmdir(d)
+
+
+def test_save_query_and_both_loads_go_over_the_local_socket_byte_exact(uid, sock_dir):
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    region, kv = make_kv(2, 16)
+    c = PegaflowClient("unix:" + sock)
+    try:
+        assert c._local is not None and c._local.path == sock + ".rpc"
+        reg = register(c, kv, uid, "ns-" + uid)
+        before = c._local.calls
+        hashes = [bytes([i]) * 16 for i in range(1, 5)]
+        fill(kv, [1, 2, 3, 4], hashes)
+        assert c.save(instance_id=uid, tp_rank=0, block_ids=[1, 2, 3, 4], block_hashes=hashes).blocks_saved == 4
+        q = c.query_prefetch(instance_id=uid, block_hashes=hashes[:2], request_id="r1")
+        assert q.hits == 2
+        with LoadState.create() as st:
+            c.load(instance_id=uid, tp_rank=0, lease_id=q.lease_id, block_ids=[7, 8], load_state_shm=st.name)
+            st.wait_all(timeout_s=30)
+        q2 = c.query_prefetch(instance_id=uid, block_hashes=hashes, request_id="r2")
+        done = threading.Event()
+        errs = []
+        with LoadState.create() as st:
+            c.load_nowait(
+                instance_id=uid, tp_rank=0, lease_id=q2.lease_id, block_ids=[10, 11, 12, 13],
+                load_state_shm=st.name, on_done=lambda e: (errs.append(e), done.set()),
+            )
+            assert done.wait(30) and errs == [None]
+            st.wait_all(timeout_s=30)
+        assert matches(kv, [7, 8], hashes[:2]) == []
+        assert matches(kv, [10, 11, 12, 13], hashes) == []
+        assert c._local.calls - before == 5  # save, 2 queries, 2 loads
+        reg.close()
+    finally:
+        c.close()
+        region.close()
+        s.stop()
+
+
+def test_local_socket_and_grpc_answer_the_same_error(sock_dir):
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    local = PegaflowClient("unix:" + sock)
+    remote = PegaflowClient(config=ClientConfig.resolve(addr="unix:" + sock, local_rpc=False))
+    try:
+        assert remote._local is None
+        errs = []
+        for c in (local, remote):
+            with pytest.raises(PegaflowError) as ei:
+                c.query_prefetch(instance_id="ghost", block_hashes=[b"x" * 32], request_id="req-9")
+            errs.append((ei.value.code, ei.value.details, ei.value.method))
+        assert errs[0] == errs[1]
+        assert errs[0][0] == grpc.StatusCode.FAILED_PRECONDITION and "ghost" in errs[0][1]
+        with pytest.raises(PegaflowError) as ei:
+            local.release(b"short")
+        assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT and "expected 16" in ei.value.details
+        assert local._local.calls == 2
+    finally:
+        local.close()
+        remote.close()
+        s.stop()
+
+
+def test_a_socket_that_never_answers_hits_the_deadline_on_both_call_kinds(sock_dir):
+    base = os.path.join(sock_dir, "silent.sock")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(base + ".rpc")
+    lst.listen(4)
+    held = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        lst.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(lst.accept()[0])  # reads nothing, answers nothing
+            except socket.timeout:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    c = PegaflowClient("unix:" + base, rpc_timeout_ms=300)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PegaflowError) as ei:
+            c.query_prefetch(instance_id="i", block_hashes=[b"h" * 32], request_id="r")
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 5
+        done = threading.Event()
+        got = []
+        c.load_nowait(
+            instance_id="i", tp_rank=0, lease_id=b"l" * 16, block_ids=[1], load_state_shm="/x",
+            on_done=lambda e: (got.append(e), done.set()),
+        )
+        assert done.wait(5)
+        assert got[0] is not None and got[0].code == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        c.close()
+        stop.set()
+        t.join()
+        for h in held:
+            h.close()
+        lst.close()
+
+
+def test_a_restarted_server_is_found_again_without_a_new_client(sock_dir):
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    c = PegaflowClient("unix:" + sock, rpc_timeout_ms=2000)
+    try:
+        assert c.health().status == "ok"
+        assert c._local.calls == 1
+        s.stop()
+        with pytest.raises(PegaflowError) as ei:
+            c.health()
+        assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+        s = ServerProc.start(extra=["--uds", sock])
+        assert c.health().status == "ok"
+        assert c._local is not None and c._local.calls >= 3
+    finally:
+        c.close()
+        s.stop()
+
+
+def test_without_a_local_socket_the_client_uses_grpc(sock_dir):
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    c = PegaflowClient("unix:" + sock)
+    try:
+        os.unlink(sock + ".rpc")  # as a server that serves no local socket
+        assert c.health().status == "ok"
+        assert c.health().status == "ok"
+        assert c._local.calls == 0  # both over gRPC
+    finally:
+        c.close()
+        s.stop()
