@@ -138,6 +138,13 @@ export class PoolAllocator {
     return (this.#partFree[p] ?? 0) * this.unitBytes;
   }
 
+  /** Allocated bytes of each part, in part order. */
+  partUsedBytes(): number[] {
+    return this.#partStart.map((s, p) =>
+      (this.#partEnd(p) - s - this.#partFree[p]) * this.unitBytes
+    );
+  }
+
   /** Bytes between the starts of consecutive items of `itemBytes` (rounded up to the unit). */
   strideOf(itemBytes: number): number {
     return this.#strideUnits(itemBytes) * this.unitBytes;

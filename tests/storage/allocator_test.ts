@@ -159,3 +159,40 @@ Deno.test("uniform item sizes: any request fits whenever enough free bytes exist
     { numRuns: 200 },
   );
 });
+
+Deno.test("parts: a save that names its part lands there, spills over only when its part is full, and extents never coalesce across parts", () => {
+  const unit = 4096;
+  const a = new PoolAllocator({
+    capacityBytes: 64 * unit,
+    unitBytes: unit,
+    parts: [32 * unit, 32 * unit],
+  });
+  assertEquals(a.partCount, 2);
+  const r1 = a.allocate(8, unit, 1)!;
+  assertEquals(r1, [{ offset: 32 * unit, items: 8 }]);
+  assertEquals(a.partUsedBytes(), [0, 8 * unit]);
+  const r0 = a.allocate(4, unit, 0)!;
+  assertEquals(a.partOf(r0[0].offset), 0);
+  // Part 1 has 24 units left: 30 items spill over into part 0.
+  const spill = a.allocate(30, unit, 1)!;
+  assertEquals(spill.reduce((n, r) => n + r.items, 0), 30);
+  assertEquals(a.partFreeBytes(1), 0);
+  assertEquals(a.partUsedBytes(), [(4 + 6) * unit, 32 * unit]);
+  // Free everything: two extents, one per part, not one across the boundary.
+  for (const r of [...r1, ...r0, ...spill]) a.free(r.offset, unit, r.items);
+  assertEquals(a.freeExtents(), [[0, 32 * unit], [32 * unit, 32 * unit]]);
+  assertEquals(a.allocate(33, unit, 0)?.length, 2, "33 items need both parts");
+});
+
+Deno.test("parts must be positive unit multiples inside the capacity", () => {
+  const unit = 4096;
+  throws(
+    () => new PoolAllocator({ capacityBytes: 8 * unit, unitBytes: unit, parts: [100, 8 * unit] }),
+    RangeError,
+  );
+  throws(
+    () =>
+      new PoolAllocator({ capacityBytes: 8 * unit, unitBytes: unit, parts: [8 * unit, 4 * unit] }),
+    RangeError,
+  );
+});
