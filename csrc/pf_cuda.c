@@ -1171,7 +1171,9 @@ static void *submitter_main(void *arg) {
     pthread_mutex_unlock(&ce->mu);
     cuda_batch *cb = b->impl;
     if (atomic_load_explicit(&e->failed, memory_order_relaxed)) {
-      /* The device is gone: nothing is issued, the batch fails naming it. */
+      /* The device is gone: nothing is issued (so nothing to drain), the
+       * batch fails naming it. */
+      cb->drained = 1;
       atomic_store(&cb->status, pf_batch_fail_device(b, 0));
       completion_push(ce, b);
       continue;
@@ -1249,17 +1251,22 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
    * the end, the model idle meanwhile); one stream keeps them in order at
    * the same total time for a load's merged ranges. */
   if (b->direction == PF_H2D) want = 1;
-  cb->lanes = path == PF_PATH_KERNEL ? 0 : (want < ce->nlanes ? want : ce->nlanes);
-  size_t nev = (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
+  /* A failed device issues nothing and creates no events in its context:
+   * the batch only queues, and the submitter fails it naming the device. */
+  int dead = atomic_load_explicit(&e->failed, memory_order_relaxed) != 0;
+  cb->lanes = path == PF_PATH_KERNEL || dead ? 0 : (want < ce->nlanes ? want : ce->nlanes);
+  size_t nev = dead ? 0 : (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
   if (nev > UINT32_MAX) nev = 0;
   cb->nev = (uint32_t)nev;
   cb->ev = calloc(nev ? nev : 1, sizeof *cb->ev);
   if (cb->lanes) cb->issued = calloc(b->num_groups, sizeof *cb->issued);
   b->impl = cb;
   int32_t rc = cb->ev && (!cb->lanes || cb->issued)
-                   ? set_ctx(ce, "pf_copy_submit")
+                   ? PF_OK
                    : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
-  if (rc == PF_OK) rc = pool_view(e, ce, b->pool, "pf_copy_submit", &cb->pool_dev);
+  if (rc == PF_OK && !dead) rc = set_ctx(ce, "pf_copy_submit");
+  if (rc == PF_OK && !dead)
+    rc = pool_view(e, ce, b->pool, "pf_copy_submit", &cb->pool_dev);
   for (size_t g = 0; g < nev && rc == PF_OK; g++)
     if (!(cb->ev[g] = event_get(ce)))
       rc = pf_fail(PF_ECUDA, "pf_copy_submit: cuEventCreate failed");
