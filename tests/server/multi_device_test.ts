@@ -487,6 +487,20 @@ Deno.test("NUMA: --disable-numa-affinity keeps one pool part even with devices o
       assert.ok(line);
       assert.equal(line.parts, 1);
       assert.equal(line.reason, "--disable-numa-affinity");
+      // Device 2 (node 1 in the map) saves into the one part.
+      const [a] = instance(srv, { tp: 1, pp: 1, devices: [2], namespace: uid("ns") });
+      try {
+        await a.register();
+        const h = chainedBlockHashes(syntheticTokens(33, 16 * 2), 16);
+        a.fill(ids(0, 2), h);
+        assert.equal((await a.save(ids(0, 2), h)).blocksSaved, 2);
+        assert.equal(
+          await srv.metric("pegaflow_pool_part_used_bytes", '{part="0"}'),
+          2 * a.blockBytes,
+        );
+      } finally {
+        a.close();
+      }
     },
     { PEGAFLOW_TEST_NUMA_NODES: "0:0,1:0,2:1,3:1" },
     ["--disable-numa-affinity"],
