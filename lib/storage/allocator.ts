@@ -82,6 +82,8 @@ export class PoolAllocator {
   readonly #partStart: number[] = [0];
   /** Free units per part. */
   readonly #partFree: number[];
+  /** Every part's index, in order (no array per allocate call). */
+  readonly #allParts: readonly number[];
   /** One bit per unit, set while allocated: exact double-free detection for 1 bit per 4 KiB. */
   readonly #used: Uint32Array;
   #freeUnits = 0;
@@ -116,6 +118,7 @@ export class PoolAllocator {
       this.#partStart.push(at);
     }
     this.#partFree = this.#partStart.map(() => 0);
+    this.#allParts = this.#partStart.map((_, p) => p);
     const nbins = Math.ceil(Math.log2(this.#units + 1)) + 1;
     for (let p = 0; p < this.#partStart.length; p++) {
       this.#bins.push(Array.from({ length: nbins }, () => new Set<number>()));
@@ -196,7 +199,7 @@ export class PoolAllocator {
     }
     const su = this.#strideUnits(itemBytes);
     if (count * su > this.#freeUnits) return null;
-    const all = this.#partStart.map((_, p) => p);
+    const all = this.#allParts;
     if (part === undefined || all.length === 1 || !(part in this.#partFree)) {
       return this.#allocateIn(all, count, su);
     }

@@ -196,3 +196,70 @@ Deno.test("parts must be positive unit multiples inside the capacity", () => {
     RangeError,
   );
 });
+
+Deno.test("property: with parts, allocations never overlap or leak, no free extent crosses a part, and a part with room gets its save", () => {
+  const unit = 512;
+  const parts = [96 * unit, 64 * unit, 96 * unit];
+  const cap = 256 * unit;
+  const starts = [0, 96 * unit, 160 * unit];
+  fc.assert(
+    fc.property(
+      fc.array(
+        fc.oneof(
+          fc.record({
+            op: fc.constant("alloc" as const),
+            count: fc.integer({ min: 1, max: 24 }),
+            size: fc.constantFrom(512, 1000, 2048),
+            part: fc.integer({ min: 0, max: 2 }),
+          }),
+          fc.record({ op: fc.constant("free" as const), pick: fc.nat() }),
+        ),
+        { maxLength: 120 },
+      ),
+      (ops) => {
+        const a = new PoolAllocator({ capacityBytes: cap, unitBytes: unit, parts });
+        const live: { offset: number; size: number }[] = [];
+        for (const o of ops) {
+          if (o.op === "alloc") {
+            const stride = a.strideOf(o.size);
+            // Whole items fit in the part's largest extent: then every item must land there.
+            const ext = a.freeExtents().filter(([off]) => a.partOf(off) === o.part);
+            const fitsInPart = ext.some(([, len]) => len >= o.count * stride);
+            const runs = a.allocate(o.count, o.size, o.part);
+            if (runs === null) continue;
+            strictEqual(runs.reduce((n, r) => n + r.items, 0), o.count);
+            if (fitsInPart) { for (const r of runs) strictEqual(a.partOf(r.offset), o.part); }
+            for (const r of runs) {
+              for (let i = 0; i < r.items; i++) {
+                live.push({ offset: r.offset + i * stride, size: o.size });
+              }
+            }
+          } else if (live.length > 0) {
+            const [it] = live.splice(o.pick % live.length, 1);
+            a.free(it.offset, it.size);
+          }
+          for (const [off, len] of a.freeExtents()) {
+            const p = a.partOf(off);
+            assert(
+              off + len <= (starts[p + 1] ?? cap),
+              `free extent [${off}, +${len}) crosses part ${p}`,
+            );
+          }
+          const ranges = [
+            ...live.map((x) => [x.offset, a.strideOf(x.size)] as [number, number]),
+            ...a.freeExtents(),
+          ].sort((x, y) => x[0] - y[0]);
+          let at = 0;
+          for (const [off, len] of ranges) {
+            strictEqual(off, at, `overlap or hole at ${at}`);
+            at += len;
+          }
+          strictEqual(at, cap);
+        }
+        for (const it of live) a.free(it.offset, it.size);
+        assertEquals(a.freeExtents(), parts.map((b, i) => [starts[i], b]));
+      },
+    ),
+    { numRuns: 200 },
+  );
+});
