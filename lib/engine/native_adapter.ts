@@ -184,13 +184,14 @@ export async function openNative(
   });
   let policies: Map<number, PathPolicy>;
   try {
+    // Calibrate first: a device failed by the test hook would measure nothing.
+    policies = openPathPolicies(ce, opts, log);
     for (const d of opts.failDevices ?? []) {
       const en = ce.engines.get(d);
       if (!en) throw new Error(`PEGAFLOW_TEST_FAIL_DEVICES names device ${d}, which is not served`);
       en.fail(PF_STATUS.PF_EIO);
       log.warn("device marked failed by the test hook", { device: d });
     }
-    policies = openPathPolicies(ce, opts, log);
   } catch (e) {
     await ce.close();
     throw e;

@@ -308,3 +308,62 @@ Deno.test({
     );
   },
 });
+
+Deno.test({
+  name:
+    "cuda server: a failed device fails its own ranks' saves naming it; the server (and any other GPU) keeps serving",
+  ignore: noCuda,
+  fn: async () => {
+    const failed = GPUS - 1;
+    const srv = await startServer(
+      ["--backend", "cuda", "--pool-size", "1gb", "--transfer-path", "dma"],
+      { PEGAFLOW_TEST_FAIL_DEVICES: String(failed) },
+    );
+    const ns = uid("ns");
+    const model = { ...LLAMA_3_1_8B, numLayers: 4 };
+    const sim = (d: number) =>
+      SimEngine.create({
+        client: srv.client,
+        instanceId: uid(`gpu${d}`),
+        namespace: ns,
+        model,
+        numBlocks: 32,
+        backend: "cuda",
+        device: d,
+      });
+    const bad = sim(failed);
+    const good = GPUS > 1 ? sim(0) : undefined;
+    try {
+      await bad.register();
+      const hashes = chainedBlockHashes(syntheticTokens(93, 16 * 8), 16);
+      const src = Array.from({ length: 8 }, (_, i) => i);
+      bad.fill(src, hashes);
+      await assert.rejects(bad.save(src, hashes), new RegExp(`device ${failed} failed`));
+      assert.equal(
+        await srv.metric(
+          "pegaflow_save_failures_total",
+          `{reason="copy_failed",device="${failed}"}`,
+        ),
+        1,
+      );
+      assert.equal((await srv.client.health()).backend, "cuda");
+      if (good) {
+        await good.register();
+        good.fill(src, hashes);
+        assert.equal((await good.save(src, hashes)).blocksSaved, 8);
+        const q = await good.query(hashes, uid("req"));
+        assert.ok(q.kind === "ready" && q.hits === 8);
+        if (q.kind !== "ready") return;
+        const dst = Array.from({ length: 8 }, (_, i) => 31 - i);
+        good.clear(dst);
+        assert.equal((await good.load(q.leaseId, dst)).state, 1);
+        const v = good.verify(dst, hashes);
+        assert.equal(v.badSegments, 0, v.first ?? "");
+      }
+    } finally {
+      bad.close();
+      good?.close();
+      await srv.stop();
+    }
+  },
+});
