@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 4
+#define PF_ABI_VERSION 5
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {
@@ -114,11 +114,24 @@ int32_t pf_engine_set_kernel_grid(uint32_t engine, uint32_t blocks);
 int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille);
 /* Fails with PF_EBUSY while pools/regions of this engine are alive. */
 int32_t pf_engine_close(uint32_t engine);
-/* Test hook (host backend only): from now on every copy this engine's
- * workers run fails with `code` (a negative PF_E*; PF_EIO if 0 or
- * positive) and a text naming the engine's device, as a lost device would.
- * Other engines (devices) are untouched. Not reversible. */
+/* Marks the engine's device failed, as a lost device would be (a test hook
+ * on both backends; the cuda backend also sets it itself when a copy meets
+ * an error that leaves the context unusable: illegal address, launch
+ * failure, ECC, a destroyed context). From then on every batch this engine
+ * runs fails with `code` (a negative PF_E*; PF_EIO if 0 or positive) and a
+ * text naming the engine's device; other engines (devices) are untouched.
+ * Not reversible. */
 int32_t pf_engine_fail(uint32_t engine, int32_t code);
+
+/* Devices a backend can open: cuda = cuDeviceGetCount (PF_ENODEV without a
+ * driver); host = 0 (no physical devices: every id is a name the caller
+ * picks); AUTO = cuda's count where a driver and a device exist, else 0. */
+int32_t pf_device_count(int32_t backend, uint32_t *out_count);
+/* The NUMA node a device is attached to: cuda reads
+ * /sys/bus/pci/devices/<cuDeviceGetPCIBusId>/numa_node; -1 where the
+ * platform does not say (one node, or a VM) and always on the host backend
+ * (the caller maps host devices itself). */
+int32_t pf_device_numa_node(int32_t backend, int32_t device, int32_t *out_node);
 
 /* ---- completion ring --------------------------------------------------- */
 /*
@@ -209,6 +222,24 @@ typedef struct pf_pool_progress {
 int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
                        uint32_t touch_threads, pf_pool_progress *progress,
                        uint32_t *out_pool);
+/* One part of a pool split across NUMA nodes (16 bytes). */
+typedef struct pf_pool_part {
+  uint64_t bytes; /* offset 0: a multiple of the mapping's page size, except the last part's */
+  int32_t node;   /* offset 8: NUMA node its pages are bound to; -1 = not bound */
+  uint32_t reserved; /* offset 12: 0 */
+} pf_pool_part;
+/* pf_pool_create with the mapping cut into `nparts` consecutive parts
+ * (their bytes sum to `bytes`); each part's pages are bound to its node
+ * (mbind MPOL_BIND, before pre-touch, so the pages are faulted in there).
+ * One pool, one handle, one registration (portable: every device's engine
+ * copies through it); the caller decides which part a device's copies use.
+ * nparts == 0 is pf_pool_create. A node the kernel does not have fails
+ * with PF_EINVAL naming the part and node. */
+#define PF_POOL_PARTS_MAX 64u
+int32_t pf_pool_create_split(uint32_t engine, uint64_t bytes, uint32_t flags,
+                             uint32_t touch_threads, pf_pool_progress *progress,
+                             const pf_pool_part *parts, uint32_t nparts,
+                             uint32_t *out_pool);
 void *pf_pool_ptr(uint32_t pool);
 /* What pf_pool_info reports (32 bytes): what was applied, and timing. */
 typedef struct pf_pool_props {

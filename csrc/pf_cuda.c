@@ -20,6 +20,16 @@
  * Batches on one engine complete in submit order (later batches' main
  * stream waits for the earlier batch's lanes).
  *
+ * Several devices: one engine per device, each with its own primary
+ * context, streams, lanes and threads; one pool (registered PORTABLE, so it
+ * is pinned for every context) that every engine copies through, each with
+ * its own device view of it (pool_view: the creating engine's is the pool's
+ * own, so one device pays nothing extra); every engine posts to the same
+ * ring. A device that meets an error which leaves its context unusable
+ * (illegal address, launch failure, ECC, a destroyed context) is marked
+ * failed: its engine's later batches fail at once with a text naming the
+ * device, and the other engines, on their own threads, keep copying.
+ *
  * Copy paths (chosen per batch by the caller, never here: the policy is
  * lib/copy_path.ts, from pf_calibrate's tables):
  *  - KERNEL: ranges (segments, merged by the caller) are cut into table
@@ -64,6 +74,20 @@ enum {
   CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY = 19,
   CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41,
   CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
+  /* Errors after which the context is unusable (the device is lost for
+   * this process): see cu_sticky. */
+  CUDA_ERROR_ECC_UNCORRECTABLE = 214,
+  CUDA_ERROR_NVLINK_UNCORRECTABLE = 220,
+  CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+  CUDA_ERROR_LAUNCH_TIMEOUT = 702,
+  CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
+  CUDA_ERROR_HARDWARE_STACK_ERROR = 714,
+  CUDA_ERROR_ILLEGAL_INSTRUCTION = 715,
+  CUDA_ERROR_MISALIGNED_ADDRESS = 716,
+  CUDA_ERROR_INVALID_ADDRESS_SPACE = 717,
+  CUDA_ERROR_INVALID_PC = 718,
+  CUDA_ERROR_LAUNCH_FAILED = 719,
+  CUDA_ERROR_UNKNOWN = 999,
   CU_MEMHOSTREGISTER_PORTABLE = 0x1,
   CU_MEMHOSTREGISTER_DEVICEMAP = 0x2,
   CU_MEMHOSTALLOC_PORTABLE = 0x1,
@@ -85,6 +109,7 @@ enum {
   X(cuDeviceGet, CUresult (*)(CUdevice *, int))                                \
   X(cuDeviceGetAttribute, CUresult (*)(int *, int, CUdevice))                  \
   X(cuDeviceGetName, CUresult (*)(char *, int, CUdevice))                      \
+  X(cuDeviceGetPCIBusId, CUresult (*)(char *, int, CUdevice))                  \
   X(cuDriverGetVersion, CUresult (*)(int *))                                   \
   X(cuDeviceTotalMem_v2, CUresult (*)(size_t *, CUdevice))                     \
   X(cuDevicePrimaryCtxRetain, CUresult (*)(CUcontext *, CUdevice))             \
@@ -188,12 +213,46 @@ static void cu_load(void) {
   cu.load_rc = PF_OK;
 }
 
-/* Records a failed driver call as PF_ECUDA with its name and message. */
+/* The engine whose worker thread (submitter, lane, completion) this is;
+ * NULL on the caller's threads. A sticky error met on it fails its device. */
+static __thread pf_engine *cu_thread_engine;
+
+/* 1: after this error the context cannot be used again (the driver says so
+ * for these; an Xid that takes the GPU away shows up as one of them). */
+static int cu_sticky(CUresult r) {
+  switch (r) {
+  case CUDA_ERROR_ECC_UNCORRECTABLE: case CUDA_ERROR_NVLINK_UNCORRECTABLE:
+  case CUDA_ERROR_ILLEGAL_ADDRESS: case CUDA_ERROR_LAUNCH_TIMEOUT:
+  case CUDA_ERROR_CONTEXT_IS_DESTROYED: case CUDA_ERROR_HARDWARE_STACK_ERROR:
+  case CUDA_ERROR_ILLEGAL_INSTRUCTION: case CUDA_ERROR_MISALIGNED_ADDRESS:
+  case CUDA_ERROR_INVALID_ADDRESS_SPACE: case CUDA_ERROR_INVALID_PC:
+  case CUDA_ERROR_LAUNCH_FAILED: case CUDA_ERROR_UNKNOWN:
+    return 1;
+  default:
+    return 0;
+  }
+}
+
+/* Records a failed driver call as PF_ECUDA with its name and message; on an
+ * engine's worker thread a sticky error also marks that device failed. */
 static int32_t cu_fail(CUresult r, const char *fn, const char *call) {
   const char *n = "?", *s = "?";
   if (cu.cuGetErrorName) cu.cuGetErrorName(r, &n);
   if (cu.cuGetErrorString) cu.cuGetErrorString(r, &s);
+  if (cu_thread_engine && cu_sticky(r)) {
+    char why[128];
+    snprintf(why, sizeof why, "%s (%d) in %s; the context is unusable", n, r,
+             call);
+    pf_engine_mark_failed(cu_thread_engine, PF_ECUDA, why);
+  }
   return pf_fail(PF_ECUDA, "%s: %s failed: %s (%d): %s", fn, call, n, r, s);
+}
+
+/* Fails batch b with the calling thread's last error, naming e's device. */
+static void fail_batch_here(pf_engine *e, pf_batch *b, int32_t rc) {
+  char msg[PF_ERROR_TEXT_BYTES];
+  pf_last_error(msg, sizeof msg);
+  pf_batch_fail(b, rc, "device %d: %s", e->device, msg);
 }
 
 #define CU_TRY(fn, expr)                                                       \
@@ -243,6 +302,9 @@ typedef struct pf_kentry {
 #define PF_LANE_MAX_MEAN_RANGE (128ull << 10)
 /* How often the completion thread looks whether a group is fully issued. */
 #define PF_ISSUE_POLL_NS 20000L
+/* Device views of pools created by other engines (pool_view), per engine:
+ * a server has one pool, so a few entries are plenty. */
+#define PF_POOL_VIEWS 4u
 
 struct cuda_engine;
 /* cuMemcpyBatchAsync argument arrays, one set per issuing thread. */
@@ -297,6 +359,9 @@ typedef struct cuda_engine {
   pthread_t sth;
   CUevent events[PF_EVENT_CACHE];
   uint32_t nevents;
+  /* This engine's device views of other engines' pools (under mu). */
+  struct { uint32_t pool; const uint8_t *host; CUdeviceptr dev; } views[PF_POOL_VIEWS];
+  uint32_t next_view;
 } cuda_engine;
 
 typedef struct cuda_batch {
@@ -306,6 +371,7 @@ typedef struct cuda_batch {
   uint32_t nev;
   uint32_t lanes; /* L: 0 when the batch uses the main stream only */
   uint32_t path;
+  uint64_t pool_dev; /* the pool's device address in this engine's context */
   _Atomic int32_t status; /* < 0 when enqueueing failed */
   /* Per group: lanes that have recorded their event for it. The batch goes
    * to the completion thread as soon as the lanes start, so group 0 can be
@@ -324,6 +390,44 @@ extern const uint8_t _binary_pf_kernel_fatbin_end[];
 
 static int32_t set_ctx(cuda_engine *ce, const char *fn) {
   CU_TRY(fn, cu.cuCtxSetCurrent(ce->ctx));
+  return PF_OK;
+}
+
+/* The device address of pool p in e's context (current). The creating
+ * engine's view is the pool's own; another engine asks the driver once per
+ * pool (under UVA it is the host address, but the driver is the one to
+ * say) and keeps the answer. */
+static int32_t pool_view(pf_engine *e, cuda_engine *ce, pf_pool *p,
+                         const char *fn, uint64_t *out) {
+  if (p->engine == e) {
+    *out = p->device_ptr;
+    return PF_OK;
+  }
+  pthread_mutex_lock(&ce->mu);
+  for (uint32_t i = 0; i < PF_POOL_VIEWS; i++)
+    if (ce->views[i].pool == p->handle && ce->views[i].host == p->host) {
+      *out = ce->views[i].dev;
+      pthread_mutex_unlock(&ce->mu);
+      return PF_OK;
+    }
+  pthread_mutex_unlock(&ce->mu);
+  CUdeviceptr d = 0;
+  CUresult r = cu.cuMemHostGetDevicePointer_v2(&d, p->host, 0);
+  if (r != CUDA_SUCCESS) {
+    cu_fail(r, fn, "cuMemHostGetDevicePointer");
+    char msg[PF_ERROR_TEXT_BYTES];
+    pf_last_error(msg, sizeof msg);
+    return pf_fail(PF_ECUDA, "%s: pool %u (created on device %d) has no view "
+                   "on device %d: %s", fn, p->handle, p->engine->device,
+                   e->device, msg);
+  }
+  pthread_mutex_lock(&ce->mu);
+  uint32_t i = ce->next_view++ % PF_POOL_VIEWS;
+  ce->views[i].pool = p->handle;
+  ce->views[i].host = p->host;
+  ce->views[i].dev = d;
+  pthread_mutex_unlock(&ce->mu);
+  *out = d;
   return PF_OK;
 }
 
@@ -383,6 +487,7 @@ static void completion_push(cuda_engine *ce, pf_batch *b) {
 static void *completion_main(void *arg) {
   pf_engine *e = arg;
   cuda_engine *ce = e->impl;
+  cu_thread_engine = e;
   cu.cuCtxSetCurrent(ce->ctx);
   for (;;) {
     pthread_mutex_lock(&ce->mu);
@@ -425,8 +530,13 @@ static void *completion_main(void *arg) {
       CUresult r = cu.cuEventSynchronize(cb->ev[g]);
       for (uint32_t w = 0; w < cb->lanes && r == CUDA_SUCCESS; w++)
         r = cu.cuEventSynchronize(cb->ev[b->num_groups + g * cb->lanes + w]);
-      if (r != CUDA_SUCCESS && status == PF_OK)
+      if (r != CUDA_SUCCESS && status == PF_OK) {
         status = cu_fail(r, "pf_copy_submit(completion)", "cuEventSynchronize");
+        char msg[PF_ERROR_TEXT_BYTES];
+        pf_last_error(msg, sizeof msg);
+        pf_batch_fail(b, status, "device %d: group %u (layer %u): %s",
+                      e->device, g, b->groups[g].layer, msg);
+      }
       pf_batch_group_done(b, g, status);
     }
     while (atomic_load(&cb->lanes_active) > 0) {
@@ -759,7 +869,7 @@ typedef struct kernel_plan {
 static int32_t kernel_prepare(cuda_engine *ce, pf_batch *b, cuda_batch *cb,
                               const uint32_t *lo, const uint32_t *hi,
                               kernel_plan *kp) {
-  uint64_t pool_dev = b->pool->device_ptr;
+  uint64_t pool_dev = cb->pool_dev;
   /* The bulk-copy variant needs 16-byte alignment of every address/size. */
   int tma = ce->variant == PF_KERNEL_TMA && ce->fn_tma;
   for (uint32_t i = 0; tma && i < b->num_ranges; i++)
@@ -822,7 +932,7 @@ static int32_t kernel_launch(pf_engine *e, cuda_engine *ce,
 
 /* One cuMemcpyAsync per range of [lo, hi). */
 static int32_t dma_ranges(pf_batch *b, CUstream st, uint32_t lo, uint32_t hi) {
-  uint64_t pool_dev = b->pool->device_ptr;
+  uint64_t pool_dev = ((const cuda_batch *)b->impl)->pool_dev;
   for (uint32_t i = lo; i < hi; i++) {
     const pf_range *r = &b->ranges[i];
     CUdeviceptr dev = r->region_addr, host = pool_dev + r->pool_off;
@@ -848,7 +958,7 @@ static int32_t dma_batch_ranges(cuda_engine *ce, pf_batch *b, CUstream st,
   attr.srcLocHint = b->direction == PF_D2H ? devloc : hostloc;
   attr.dstLocHint = b->direction == PF_D2H ? hostloc : devloc;
   size_t attr_idx = 0;
-  uint64_t pool_dev = b->pool->device_ptr;
+  uint64_t pool_dev = ((const cuda_batch *)b->impl)->pool_dev;
   uint32_t i = lo;
   while (i < hi) {
     uint32_t n = 0;
@@ -902,6 +1012,7 @@ static void lane_slice(uint32_t lo, uint32_t hi, uint32_t w, uint32_t L,
 static void *lane_main(void *arg) {
   dma_lane *l = arg;
   cuda_engine *ce = l->ce;
+  cu_thread_engine = l->e;
   cu.cuCtxSetCurrent(ce->ctx);
   for (;;) {
     pthread_mutex_lock(&l->mu);
@@ -937,7 +1048,9 @@ static void *lane_main(void *arg) {
     if (rc < 0) {
       char msg[512];
       pf_last_error(msg, sizeof msg);
-      fprintf(stderr, "pegaflow: DMA lane %u: %s\n", l->w, msg);
+      fprintf(stderr, "pegaflow: device %d DMA lane %u: %s\n", l->e->device,
+              l->w, msg);
+      fail_batch_here(l->e, b, rc);
       int32_t ok = PF_OK;
       atomic_compare_exchange_strong(&cb->status, &ok, rc);
     }
@@ -1043,6 +1156,7 @@ static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
 static void *submitter_main(void *arg) {
   pf_engine *e = arg;
   cuda_engine *ce = e->impl;
+  cu_thread_engine = e;
   cu.cuCtxSetCurrent(ce->ctx);
   for (;;) {
     pthread_mutex_lock(&ce->mu);
@@ -1056,6 +1170,14 @@ static void *submitter_main(void *arg) {
     if (!ce->sq_head) ce->sq_tail = NULL;
     pthread_mutex_unlock(&ce->mu);
     cuda_batch *cb = b->impl;
+    if (atomic_load_explicit(&e->failed, memory_order_relaxed)) {
+      /* The device is gone: nothing is issued (so nothing to drain), the
+       * batch fails naming it. */
+      cb->drained = 1;
+      atomic_store(&cb->status, pf_batch_fail_device(b, 0));
+      completion_push(ce, b);
+      continue;
+    }
     uint64_t t0 = pf_now_ns();
     /* Copied now: once handed off, b may be freed at any moment. */
     unsigned long long tag = b->tag;
@@ -1082,8 +1204,9 @@ static void *submitter_main(void *arg) {
        * the batch is reported (its memory may be closed right after). */
       char msg[512];
       pf_last_error(msg, sizeof msg);
-      fprintf(stderr, "pegaflow: batch %llu (path %s) failed: %s\n",
-              (unsigned long long)b->tag, path_name[cb->path], msg);
+      fprintf(stderr, "pegaflow: device %d batch %llu (path %s) failed: %s\n",
+              e->device, (unsigned long long)b->tag, path_name[cb->path], msg);
+      fail_batch_here(e, b, rc);
       cu.cuStreamSynchronize(ce->stream);
       for (uint32_t w = 0; w < ce->nlanes; w++)
         cu.cuStreamSynchronize(ce->lanes[w].stream);
@@ -1128,16 +1251,22 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
    * the end, the model idle meanwhile); one stream keeps them in order at
    * the same total time for a load's merged ranges. */
   if (b->direction == PF_H2D) want = 1;
-  cb->lanes = path == PF_PATH_KERNEL ? 0 : (want < ce->nlanes ? want : ce->nlanes);
-  size_t nev = (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
+  /* A failed device issues nothing and creates no events in its context:
+   * the batch only queues, and the submitter fails it naming the device. */
+  int dead = atomic_load_explicit(&e->failed, memory_order_relaxed) != 0;
+  cb->lanes = path == PF_PATH_KERNEL || dead ? 0 : (want < ce->nlanes ? want : ce->nlanes);
+  size_t nev = dead ? 0 : (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
   if (nev > UINT32_MAX) nev = 0;
   cb->nev = (uint32_t)nev;
   cb->ev = calloc(nev ? nev : 1, sizeof *cb->ev);
   if (cb->lanes) cb->issued = calloc(b->num_groups, sizeof *cb->issued);
   b->impl = cb;
   int32_t rc = cb->ev && (!cb->lanes || cb->issued)
-                   ? set_ctx(ce, "pf_copy_submit")
+                   ? PF_OK
                    : pf_fail(PF_ENOMEM, "pf_copy_submit: out of memory");
+  if (rc == PF_OK && !dead) rc = set_ctx(ce, "pf_copy_submit");
+  if (rc == PF_OK && !dead)
+    rc = pool_view(e, ce, b->pool, "pf_copy_submit", &cb->pool_dev);
   for (size_t g = 0; g < nev && rc == PF_OK; g++)
     if (!(cb->ev[g] = event_get(ce)))
       rc = pf_fail(PF_ECUDA, "pf_copy_submit: cuEventCreate failed");
@@ -1209,6 +1338,9 @@ static int32_t cuda_calibrate(pf_engine *e, pf_pool *p, uint32_t dir,
   cuda_engine *ce = e->impl;
   int32_t rc = set_ctx(ce, "pf_calibrate");
   if (rc < 0) return rc;
+  uint64_t pool_dev = 0;
+  rc = pool_view(e, ce, p, "pf_calibrate", &pool_dev);
+  if (rc < 0) return rc;
   CUdeviceptr scratch = 0;
   CU_TRY("pf_calibrate", cu.cuMemAlloc_v2(&scratch, 2 * total));
   /* Peak: one contiguous copy of `total`, timed by events on the stream. */
@@ -1217,7 +1349,7 @@ static int32_t cuda_calibrate(pf_engine *e, pf_pool *p, uint32_t dir,
   CUresult r = cu.cuEventCreate(&a, CU_EVENT_DEFAULT);
   if (r == CUDA_SUCCESS) r = cu.cuEventCreate(&z, CU_EVENT_DEFAULT);
   for (int rep = 0; rep <= PF_CAL_REPS && r == CUDA_SUCCESS; rep++) {
-    CUdeviceptr host = p->device_ptr;
+    CUdeviceptr host = pool_dev;
     r = cu.cuEventRecord(a, ce->stream);
     if (r == CUDA_SUCCESS)
       r = dir == PF_D2H ? cu.cuMemcpyAsync(host, scratch, total, ce->stream)
@@ -1276,4 +1408,42 @@ const pf_backend_ops pf_cuda_ops = {
     .submit = cuda_submit,
     .calibrate = cuda_calibrate,
     .max_range_bytes = UINT64_MAX,
+    .shared_pool = 1,
 };
+
+/* ---- devices ----------------------------------------------------------- */
+int32_t pf_cuda_device_count(uint32_t *out_count) {
+  pthread_once(&cu_once, cu_load);
+  if (cu.load_rc < 0)
+    return pf_fail(cu.load_rc, "pf_device_count(cuda): %s", cu.load_msg);
+  int n = 0;
+  CU_TRY("pf_device_count(cuda)", cu.cuDeviceGetCount(&n));
+  *out_count = n > 0 ? (uint32_t)n : 0;
+  return PF_OK;
+}
+
+int32_t pf_cuda_numa_node(int32_t device, int32_t *out_node) {
+  uint32_t count = 0;
+  int32_t rc = pf_cuda_device_count(&count);
+  if (rc < 0) return rc;
+  if ((uint32_t)device >= count)
+    return pf_fail(PF_ENODEV, "pf_device_numa_node: device %d; this machine "
+                   "has %u CUDA devices", device, count);
+  CUdevice d = 0;
+  CU_TRY("pf_device_numa_node", cu.cuDeviceGet(&d, device));
+  char bus[32] = {0};
+  CU_TRY("pf_device_numa_node", cu.cuDeviceGetPCIBusId(bus, (int)sizeof bus - 1, d));
+  /* The driver writes "0000:3B:00.0"; sysfs names it in lower case. */
+  for (char *c = bus; *c; c++)
+    if (*c >= 'A' && *c <= 'F') *c = (char)(*c - 'A' + 'a');
+  char path[96];
+  snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/numa_node", bus);
+  FILE *f = fopen(path, "r");
+  long node = -1;
+  if (f) {
+    if (fscanf(f, "%ld", &node) != 1) node = -1;
+    fclose(f);
+  }
+  *out_node = node >= 0 && node < INT32_MAX ? (int32_t)node : -1;
+  return PF_OK;
+}

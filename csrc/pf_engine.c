@@ -42,8 +42,10 @@ static int32_t engine_try(const pf_backend_ops *ops, int32_t backend,
   e->ops = ops;
   e->backend = backend;
   e->device = device;
+  pthread_mutex_init(&e->fail_mu, NULL);
   int32_t rc = ops->open(e, device, workers);
   if (rc < 0) {
+    pthread_mutex_destroy(&e->fail_mu);
     free(e);
     return rc;
   }
@@ -154,15 +156,62 @@ int32_t pf_engine_set_dma_share(uint32_t engine, uint32_t permille) {
   return PF_OK;
 }
 
+void pf_engine_mark_failed(pf_engine *e, int32_t code, const char *why) {
+  pthread_mutex_lock(&e->fail_mu);
+  if (atomic_load(&e->failed) == 0) {
+    snprintf(e->fail_text, sizeof e->fail_text, "%s", why);
+    atomic_store(&e->failed, code < 0 ? code : PF_EIO);
+  }
+  pthread_mutex_unlock(&e->fail_mu);
+}
+
+int32_t pf_batch_fail_device(pf_batch *b, uint32_t g) {
+  pf_engine *e = b->engine;
+  int32_t code = atomic_load(&e->failed);
+  /* fail_text is written before `failed` and never again. */
+  return pf_batch_fail(b, code,
+                       "group %u (layer %u): device %d failed (status %d: %s): "
+                       "this device's copies are refused; other devices keep "
+                       "serving", g, b->groups[g].layer, e->device, code,
+                       e->fail_text);
+}
+
 int32_t pf_engine_fail(uint32_t engine, int32_t code) {
   pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_engine_fail");
   if (!e) return PF_EHANDLE;
-  if (!e->ops->fault_hook)
-    return pf_fail(PF_EINVAL, "pf_engine_fail: engine %u (%s backend, device "
-                   "%d) has no fault hook; only the host backend has one",
-                   engine, e->ops->name, e->device);
-  atomic_store(&e->failed, code < 0 ? code : PF_EIO);
+  pf_engine_mark_failed(e, code, "set by pf_engine_fail");
   return PF_OK;
+}
+
+int32_t pf_device_count(int32_t backend, uint32_t *out_count) {
+  if (!out_count) return pf_fail(PF_EINVAL, "pf_device_count: out_count is NULL");
+  if (backend == PF_BACKEND_HOST) {
+    *out_count = 0;
+    return PF_OK;
+  }
+  if (backend != PF_BACKEND_CUDA && backend != PF_BACKEND_AUTO)
+    return pf_fail(PF_EINVAL, "pf_device_count: backend %d is not one of 0 "
+                   "(auto), 1 (cuda), 2 (host)", backend);
+  int32_t rc = pf_cuda_device_count(out_count);
+  if (rc == PF_ENODEV && backend == PF_BACKEND_AUTO) {
+    *out_count = 0;
+    return PF_OK;
+  }
+  return rc;
+}
+
+int32_t pf_device_numa_node(int32_t backend, int32_t device, int32_t *out_node) {
+  if (!out_node) return pf_fail(PF_EINVAL, "pf_device_numa_node: out_node is NULL");
+  if (device < 0)
+    return pf_fail(PF_EINVAL, "pf_device_numa_node: device %d is negative", device);
+  *out_node = -1;
+  if (backend == PF_BACKEND_HOST) return PF_OK;
+  if (backend != PF_BACKEND_CUDA && backend != PF_BACKEND_AUTO)
+    return pf_fail(PF_EINVAL, "pf_device_numa_node: backend %d is not one of "
+                   "0 (auto), 1 (cuda), 2 (host)", backend);
+  int32_t rc = pf_cuda_numa_node(device, out_node);
+  if (rc == PF_ENODEV && backend == PF_BACKEND_AUTO) return PF_OK;
+  return rc;
 }
 
 int32_t pf_engine_close(uint32_t engine) {
@@ -182,13 +231,42 @@ int32_t pf_engine_close(uint32_t engine) {
   pf_handle_free(engine);
   pthread_mutex_unlock(&pf_objects_mu);
   e->ops->close(e);
+  pthread_mutex_destroy(&e->fail_mu);
   free(e);
   return PF_OK;
 }
 
 /* ---- pool -------------------------------------------------------------- */
+/* Checks the parts of a split pool (sizes; page alignment is checked by
+ * pf_hostmem_alloc, which knows the page size it maps with). */
+static int32_t parts_check(uint64_t bytes, const pf_pool_part *parts,
+                           uint32_t nparts) {
+  if (nparts == 0) return PF_OK;
+  if (!parts) return pf_fail(PF_EINVAL, "pf_pool_create_split: parts is NULL");
+  if (nparts > PF_POOL_PARTS_MAX)
+    return pf_fail(PF_EINVAL, "pf_pool_create_split: %u parts; expected at "
+                   "most %u", nparts, PF_POOL_PARTS_MAX);
+  uint64_t sum = 0;
+  for (uint32_t i = 0; i < nparts; i++) {
+    if (parts[i].bytes == 0 || parts[i].reserved != 0 || parts[i].node < -1)
+      return pf_fail(PF_EINVAL, "pf_pool_create_split: part %u: bytes %llu, "
+                     "node %d, reserved %u (expected bytes > 0, node >= -1, "
+                     "reserved 0)", i, (unsigned long long)parts[i].bytes,
+                     parts[i].node, parts[i].reserved);
+    if (parts[i].bytes > UINT64_MAX - sum)
+      return pf_fail(PF_EINVAL, "pf_pool_create_split: part sizes overflow");
+    sum += parts[i].bytes;
+  }
+  if (sum != bytes)
+    return pf_fail(PF_EINVAL, "pf_pool_create_split: parts sum to %llu bytes; "
+                   "the pool is %llu", (unsigned long long)sum,
+                   (unsigned long long)bytes);
+  return PF_OK;
+}
+
 static int32_t pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
                            uint32_t touch_threads, pf_pool_progress *progress,
+                           const pf_pool_part *parts, uint32_t nparts,
                            uint32_t *out_pool) {
   if (!out_pool) return pf_fail(PF_EINVAL, "pf_pool_create: out_pool is NULL");
   pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_pool_create");
@@ -198,6 +276,8 @@ static int32_t pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
     return pf_fail(PF_EINVAL,
                    "pf_pool_create: unknown flag bits 0x%x (expected "
                    "HUGEPAGES=1, PRETOUCH=2)", flags);
+  int32_t rc = parts_check(bytes, parts, nparts);
+  if (rc < 0) return rc;
   pf_pool *p = calloc(1, sizeof *p);
   if (!p) return pf_fail(PF_ENOMEM, "pf_pool_create: out of memory");
   p->engine = e;
@@ -205,14 +285,18 @@ static int32_t pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
   p->flags = flags;
   p->touch_threads = touch_threads;
   p->progress = progress;
+  p->parts = parts;
+  p->nparts = nparts;
   pf_pool_phase(p, PF_POOL_PHASE_MAP);
-  int32_t rc = e->ops->pool_alloc(e, p);
+  rc = e->ops->pool_alloc(e, p);
   if (rc < 0) {
     free(p);
     return rc;
   }
   pf_pool_phase(p, PF_POOL_PHASE_DONE);
-  p->progress = NULL; /* the caller's memory is borrowed for this call */
+  /* The caller's memory is borrowed for this call. */
+  p->progress = NULL;
+  p->parts = NULL;
   uint32_t h = pf_handle_new(PF_K_POOL, p);
   if (!h) {
     e->ops->pool_free(e, p);
@@ -228,9 +312,17 @@ static int32_t pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
 int32_t pf_pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
                        uint32_t touch_threads, pf_pool_progress *progress,
                        uint32_t *out_pool) {
+  return pf_pool_create_split(engine, bytes, flags, touch_threads, progress,
+                              NULL, 0, out_pool);
+}
+
+int32_t pf_pool_create_split(uint32_t engine, uint64_t bytes, uint32_t flags,
+                             uint32_t touch_threads, pf_pool_progress *progress,
+                             const pf_pool_part *parts, uint32_t nparts,
+                             uint32_t *out_pool) {
   if (progress) progress->error[0] = 0;
   int32_t rc = pool_create(engine, bytes, flags, touch_threads, progress,
-                           out_pool);
+                           parts, nparts, out_pool);
   if (rc < 0 && progress)
     pf_last_error(progress->error, sizeof progress->error);
   return rc;
@@ -775,9 +867,10 @@ int32_t pf_calibrate(uint32_t engine, uint32_t pool, uint32_t direction,
   if (!e) return PF_EHANDLE;
   pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_calibrate");
   if (!p) return PF_EHANDLE;
-  if (p->engine != e)
-    return pf_fail(PF_EINVAL, "pf_calibrate: pool %u belongs to another engine",
-                   pool);
+  if (p->engine != e && !(p->engine->ops == e->ops && e->ops->shared_pool))
+    return pf_fail(PF_EINVAL, "pf_calibrate: pool %u belongs to another engine "
+                   "(the %s backend cannot share a pool across devices)", pool,
+                   e->ops->name);
   if (direction > PF_H2D)
     return pf_fail(PF_EINVAL, "pf_calibrate: direction %u (expected 0 D2H or "
                    "1 H2D)", direction);

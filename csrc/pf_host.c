@@ -97,15 +97,7 @@ static void run_ranges(void *arg) {
 static int32_t run_task(pf_batch *b, uint32_t g, uint32_t lo, uint32_t hi) {
   task_args t = {b, lo, hi};
   pf_region *r = b->groups[g].region;
-  int32_t dead = atomic_load(&b->engine->failed);
-  if (dead && r) {
-    pf_batch_fail(b, dead,
-                  "group %u (layer %u): device %d failed (status %d, set by "
-                  "pf_engine_fail): this device's copies are refused; other "
-                  "devices keep serving",
-                  g, b->groups[g].layer, b->engine->device, dead);
-    return dead;
-  }
+  if (atomic_load(&b->engine->failed) && r) return pf_batch_fail_device(b, g);
   if (!r) {
     run_ranges(&t);
     return PF_OK;
@@ -556,5 +548,4 @@ const pf_backend_ops pf_host_ops = {
     .calibrate = host_calibrate,
     .max_range_bytes = PF_HOST_MAX_RANGE,
     .shared_pool = 1,
-    .fault_hook = 1,
 };

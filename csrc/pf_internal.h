@@ -238,11 +238,9 @@ typedef struct pf_backend_ops {
    * split for parallelism; cuda: no limit). */
   uint64_t max_range_bytes;
   /* 1: a pool of one engine may serve batches of every engine of this
-   * backend (host: one address space, memcpy everywhere). The cuda backend
-   * keeps 0 until pools are registered portable in every device's context. */
+   * backend (host: one address space, memcpy everywhere; cuda: the pool is
+   * registered PORTABLE, and each engine takes its own device view of it). */
   int shared_pool;
-  /* 1: workers honour pf_engine_fail (a test hook; host only). */
-  int fault_hook;
 } pf_backend_ops;
 
 typedef struct pf_engine {
@@ -261,7 +259,13 @@ typedef struct pf_engine {
   uint32_t driver_version;  /* cuDriverGetVersion; 0 on host */
   char device_name[PF_DEVICE_NAME_BYTES];
   atomic_int live_objects; /* pools + regions of this engine */
-  _Atomic int32_t failed;  /* pf_engine_fail's code; 0 = healthy */
+  /* The device's failure (pf_engine_fail, or a sticky CUDA error); 0 =
+   * healthy. Read once per batch by the backend's worker threads. */
+  _Atomic int32_t failed;
+  /* Why it failed, set once by the thread that set `failed` (under
+   * fail_mu); every later batch quotes it. */
+  pthread_mutex_t fail_mu;
+  char fail_text[160];
   void *impl;              /* backend private state */
 } pf_engine;
 
@@ -279,6 +283,10 @@ typedef struct pf_pool {
   uint64_t huge_page_bytes;
   /* The caller's progress block during pf_pool_create (NULL: none). */
   pf_pool_progress *progress;
+  /* NUMA parts (pf_pool_create_split), borrowed for the create call only:
+   * pf_hostmem_alloc binds each part's pages before pre-touching them. */
+  const pf_pool_part *parts;
+  uint32_t nparts;
   atomic_int inflight;
   void *impl;
 } pf_pool;
@@ -296,6 +304,18 @@ typedef struct pf_region {
   atomic_int inflight;
   void *impl;
 } pf_region;
+
+/* Marks engine e's device failed with `code` (first caller wins) and keeps
+ * `why` for the text of every later batch. Any thread. */
+void pf_engine_mark_failed(pf_engine *e, int32_t code, const char *why);
+/* Fails batch b because its engine's device failed: group g's text names
+ * the device, the status and why. Returns the status. */
+int32_t pf_batch_fail_device(pf_batch *b, uint32_t g);
+
+/* The cuda backend's answers for pf_device_count / pf_device_numa_node
+ * (PF_ENODEV without a driver). */
+int32_t pf_cuda_device_count(uint32_t *out_count);
+int32_t pf_cuda_numa_node(int32_t device, int32_t *out_node);
 
 extern const pf_backend_ops pf_host_ops;
 extern const pf_backend_ops pf_cuda_ops;

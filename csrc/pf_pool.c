@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 /* Default pre-touch threads when the caller passes 0; more rarely helps
@@ -117,6 +118,45 @@ static long read_long(const char *path) {
   return v;
 }
 
+/* mbind(2) without libnuma: the policy constant and a node mask wide
+ * enough for any machine we expect (the kernel checks the bits above its own
+ * MAX_NUMNODES are clear). */
+#define PF_MPOL_BIND 2
+#define PF_NUMA_NODES_MAX 1024
+
+/* Binds each part of a split pool to its node (pf_pool_create_split). Runs
+ * before pre-touch, so every page is faulted in on its part's node. */
+static int32_t bind_parts(pf_pool *p, uint64_t page, const char *who) {
+  uint64_t off = 0;
+  for (uint32_t i = 0; i < p->nparts; i++) {
+    const pf_pool_part *part = &p->parts[i];
+    int last = i + 1 == p->nparts;
+    if (!last && part->bytes % page)
+      return pf_fail(PF_EINVAL, "%s: part %u is %llu bytes, not a multiple of "
+                     "the %llu-byte page the pool is mapped with", who, i,
+                     (unsigned long long)part->bytes, (unsigned long long)page);
+    uint64_t len = last ? p->mapped_bytes - off : part->bytes;
+    if (part->node >= 0) {
+      if (part->node >= PF_NUMA_NODES_MAX)
+        return pf_fail(PF_EINVAL, "%s: part %u: node %d; expected < %d", who,
+                       i, part->node, PF_NUMA_NODES_MAX);
+      unsigned long mask[PF_NUMA_NODES_MAX / (8 * sizeof(unsigned long))] = {0};
+      mask[part->node / (8 * sizeof(unsigned long))] |=
+          1ul << (part->node % (8 * sizeof(unsigned long)));
+      if (syscall(SYS_mbind, p->host + off, len, PF_MPOL_BIND, mask,
+                  (unsigned long)PF_NUMA_NODES_MAX + 1, 0u) != 0)
+        return pf_fail(errno == EINVAL ? PF_EINVAL : PF_EIO,
+                       "%s: part %u (bytes [%llu, %llu)): mbind to NUMA node "
+                       "%d failed: %s (is the node online? see "
+                       "/sys/devices/system/node/online)", who, i,
+                       (unsigned long long)off, (unsigned long long)(off + len),
+                       part->node, strerror(errno));
+    }
+    off += len;
+  }
+  return PF_OK;
+}
+
 int32_t pf_hostmem_alloc(pf_pool *p, const char *who) {
   uint64_t t0 = pf_now_ns();
   uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
@@ -155,6 +195,11 @@ int32_t pf_hostmem_alloc(pf_pool *p, const char *who) {
   }
   p->host = m;
   p->mapped_bytes = len;
+  int32_t rc = bind_parts(p, page, who);
+  if (rc < 0) {
+    pf_hostmem_free(p);
+    return rc;
+  }
   if (p->flags & PF_POOL_PRETOUCH) {
     uint32_t n = p->touch_threads ? p->touch_threads : PF_TOUCH_THREADS_DEFAULT;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);

@@ -7,6 +7,8 @@ export { EXPECTED_ABI_VERSION, libraryPath, loadLibrary, SYMBOLS } from "./symbo
 export type { PegaflowSymbols } from "./symbols.ts";
 export {
   check,
+  deviceCount,
+  deviceNumaNode,
   DIRECTION_CODES,
   Engine,
   HANDLE_BYTES,
@@ -29,6 +31,7 @@ export type {
   EngineOptions,
   GpuPath,
   PoolOptions,
+  PoolPart,
   PoolPhase,
   PoolProgress,
   PoolProgressOptions,

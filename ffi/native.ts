@@ -153,6 +153,58 @@ export interface PoolOptions {
   pretouch?: boolean;
   /** Pre-touch threads (0 / absent = library default). */
   touchThreads?: number;
+  /**
+   * NUMA split: consecutive parts of the pool (bytes summing to the pool's
+   * size, each but the last a multiple of the mapping's page) whose pages are
+   * bound to `node` before pre-touch (-1: not bound). Absent: one part.
+   */
+  parts?: readonly PoolPart[];
+}
+
+/** One part of a pool split across NUMA nodes (`pf_pool_part`). */
+export interface PoolPart {
+  bytes: number;
+  /** NUMA node its pages are bound to; -1 = not bound. */
+  node: number;
+}
+
+/** sizeof(pf_pool_part). */
+const POOL_PART_BYTES = 16;
+
+/** The `pf_pool_part` array of `parts` (null when the pool is not split). */
+function encodeParts(parts: readonly PoolPart[] | undefined): Uint8Array | null {
+  if (!parts || parts.length === 0) return null;
+  const buf = new Uint8Array(parts.length * POOL_PART_BYTES);
+  const v = new DataView(buf.buffer);
+  parts.forEach((p, i) => {
+    v.setBigUint64(i * POOL_PART_BYTES, BigInt(p.bytes), true);
+    v.setInt32(i * POOL_PART_BYTES + 8, p.node, true);
+  });
+  return buf;
+}
+
+/**
+ * Devices `backend` can open: cuda asks the driver (cuDeviceGetCount; throws
+ * PF_ENODEV without one); host answers 0 (no physical devices: any id is a
+ * name); auto answers cuda's count where a GPU is usable, else 0.
+ */
+export function deviceCount(backend: BackendName): number {
+  const out = new Uint32Array(1);
+  check("pf_device_count", loadLibrary().pf_device_count(BACKEND_CODES[backend], out));
+  return out[0];
+}
+
+/**
+ * The NUMA node `device` is attached to (cuda: sysfs `numa_node` of its PCI
+ * bus id), or -1 where the platform does not say; always -1 on host.
+ */
+export function deviceNumaNode(backend: BackendName, device: number): number {
+  const out = new Int32Array(1);
+  check(
+    "pf_device_numa_node",
+    loadLibrary().pf_device_numa_node(BACKEND_CODES[backend], device, out),
+  );
+  return out[0];
 }
 
 /** Phases of pool creation, as the library reports them (`pf_pool_phase`). */
@@ -295,9 +347,11 @@ export class Engine {
   }
 
   /**
-   * Test hook (host backend only): every copy this engine's workers run from
-   * now on fails with `code` (a negative PF_E*) and a text naming its device,
-   * as a lost GPU would. Other engines keep serving. Not reversible.
+   * Marks this engine's device failed, as a lost GPU would be (a test hook;
+   * the cuda backend also does it itself on an error that leaves the context
+   * unusable): every batch it runs from now on fails with `code` (a negative
+   * PF_E*) and a text naming its device. Other engines keep serving. Not
+   * reversible.
    */
   fail(code: number = PF_STATUS.PF_EIO): void {
     check("pf_engine_fail", this.#pf.pf_engine_fail(this.handle, code));
@@ -308,12 +362,14 @@ export class Engine {
     const out = new Uint32Array(1);
     check(
       "pf_pool_create",
-      this.#pf.pf_pool_create(
+      this.#pf.pf_pool_create_split(
         this.handle,
         u64(bytes),
         poolFlags(opts),
         opts.touchThreads ?? 0,
         null,
+        encodeParts(opts.parts),
+        opts.parts?.length ?? 0,
         out,
       ),
     );
@@ -360,12 +416,15 @@ export class Engine {
       }, watch.intervalMs ?? 1000)
       : undefined;
     try {
-      const rc = await this.#pf.pf_pool_create_nonblocking(
+      const parts = encodeParts(opts.parts);
+      const rc = await this.#pf.pf_pool_create_split_nonblocking(
         this.handle,
         u64(bytes),
         poolFlags(opts),
         opts.touchThreads ?? 0,
         block,
+        parts,
+        opts.parts?.length ?? 0,
         out,
       );
       if (rc < 0) {

@@ -20,6 +20,8 @@ export const SYMBOLS = {
   pf_engine_set_dma_share: { parameters: ["u32", "u32"], result: "i32" },
   pf_engine_close: { parameters: ["u32"], result: "i32" },
   pf_engine_fail: { parameters: ["u32", "i32"], result: "i32" },
+  pf_device_count: { parameters: ["i32", "buffer"], result: "i32" },
+  pf_device_numa_node: { parameters: ["i32", "i32", "buffer"], result: "i32" },
 
   pf_ring_create: { parameters: ["u32", "buffer"], result: "i32" },
   pf_ring_ptr: { parameters: ["u32"], result: "pointer" },
@@ -28,15 +30,15 @@ export const SYMBOLS = {
   pf_ring_shutdown: { parameters: ["u32"], result: "i32" },
   pf_ring_destroy: { parameters: ["u32"], result: "i32" },
 
-  pf_pool_create: {
-    parameters: ["u32", "u64", "u32", "u32", "buffer", "buffer"],
+  pf_pool_create_split: {
+    parameters: ["u32", "u64", "u32", "u32", "buffer", "buffer", "u32", "buffer"],
     result: "i32",
   },
   // The same function run off the JS thread: a pool of tens of GiB takes
   // seconds to pre-touch and lock, and the caller reports progress meanwhile.
-  pf_pool_create_nonblocking: {
-    name: "pf_pool_create",
-    parameters: ["u32", "u64", "u32", "u32", "buffer", "buffer"],
+  pf_pool_create_split_nonblocking: {
+    name: "pf_pool_create_split",
+    parameters: ["u32", "u64", "u32", "u32", "buffer", "buffer", "u32", "buffer"],
     result: "i32",
     nonblocking: true,
   },
@@ -72,7 +74,7 @@ export const SYMBOLS = {
 export type PegaflowSymbols = Deno.DynamicLibrary<typeof SYMBOLS>["symbols"];
 
 /** The ABI version these bindings were written for (`PF_ABI_VERSION`). */
-export const EXPECTED_ABI_VERSION = 4;
+export const EXPECTED_ABI_VERSION = 5;
 
 let loaded: Deno.DynamicLibrary<typeof SYMBOLS> | undefined;
 

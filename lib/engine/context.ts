@@ -55,6 +55,8 @@ export interface EngineContext {
   readonly instances: Map<string, Instance>;
   /** namespace → its agreed layout and the instances using it (namespaces.ts owns the rule). */
   readonly layouts: Map<string, NamespaceLayout>;
+  /** The pool part (NUMA node, lib/numa.ts) a device's saves allocate in; undefined = any. */
+  readonly poolPartOf?: (device: number) => number | undefined;
 }
 
 /** Closes regions best effort (nothing targets them), logging a native failure. */

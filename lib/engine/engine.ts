@@ -58,6 +58,8 @@ export interface EngineOptions {
   saveQueueDepth?: number;
   loadConcurrency?: number;
   loadQueueDepth?: number;
+  /** NUMA: the pool part a device's saves allocate in (lib/numa.ts); absent = any. */
+  poolPartOf?: (device: number) => number | undefined;
 }
 
 /** Summary of an instance for /instances. */
@@ -118,6 +120,7 @@ export class KvEngine {
       tiers: opts.tiers,
       instances: new Map(),
       layouts: new Map(),
+      poolPartOf: opts.poolPartOf,
     };
     this.#leaseTtlMs = opts.leaseTtlMs;
     // One planner per batch writer: each keeps its writer's scratch.

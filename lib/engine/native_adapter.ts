@@ -9,8 +9,10 @@
 import {
   CopyBatch,
   CopyEngine,
+  type Engine,
   NativeError,
   PF_STATUS,
+  type PoolPart,
   type PoolProgress,
   SharedMemory,
 } from "../../ffi/mod.ts";
@@ -71,8 +73,10 @@ export interface NativeOptions {
   backend: "auto" | "cuda" | "host";
   /** Devices to serve; the first owns the pool. */
   devices: readonly number[];
-  /** Test hook: devices whose copies fail from the start (host backend; see pf_engine_fail). */
+  /** Test hook: devices whose copies fail from the start (see pf_engine_fail). */
   failDevices?: readonly number[];
+  /** NUMA split of the pool (lib/numa.ts); absent = one part. */
+  poolParts?: readonly PoolPart[];
   poolBytes: number;
   useHugepages: boolean;
   transferPath: TransferPathFlag;
@@ -160,6 +164,7 @@ export async function openNative(
     poolBytes: opts.poolBytes,
     hugepages: opts.useHugepages,
     pretouch: true,
+    parts: opts.poolParts,
   }, {
     intervalMs: opts.poolProgressMs ?? 1000,
     onProgress: (p) => log.info("pool creation progress", progressFields(p)),
@@ -177,27 +182,32 @@ export async function openNative(
     locked: info.locked,
     pool_alloc_ms: Math.round(info.allocNs / 1e6),
   });
-  let policy: PathPolicy;
+  let policies: Map<number, PathPolicy>;
   try {
+    // Calibrate first: a device failed by the test hook would measure nothing.
+    policies = openPathPolicies(ce, opts, log);
     for (const d of opts.failDevices ?? []) {
       const en = ce.engines.get(d);
       if (!en) throw new Error(`PEGAFLOW_TEST_FAIL_DEVICES names device ${d}, which is not served`);
       en.fail(PF_STATUS.PF_EIO);
       log.warn("device marked failed by the test hook", { device: d });
     }
-    policy = openPathPolicy(ce, opts, log);
   } catch (e) {
     await ce.close();
     throw e;
   }
-  return portOver(ce, policy);
+  return portOver(ce, policies);
 }
 
 /**
- * The engine's {@link NativePort} over an open CopyEngine; `policy` stamps
- * each batch's copy path at submit.
+ * The engine's {@link NativePort} over an open CopyEngine; the policy of the
+ * batch's device stamps its copy path at submit.
  */
-function portOver(ce: CopyEngine, policy: PathPolicy): NativePort & { copyEngine: CopyEngine } {
+function portOver(
+  ce: CopyEngine,
+  policies: ReadonlyMap<number, PathPolicy>,
+): NativePort & { copyEngine: CopyEngine } {
+  const first = policies.get(ce.engine.device)!;
   return {
     copyEngine: ce,
     backend: ce.engine.backend,
@@ -235,6 +245,7 @@ function portOver(ce: CopyEngine, policy: PathPolicy): NativePort & { copyEngine
       const batch = gb.batch;
       // Segments arrive merged (lib/transfer/ranges.ts), so this is the mean
       // range the copy path will see.
+      const policy = gb.device === -1 ? first : policies.get(gb.device) ?? first;
       batch.setPath(policy.choose(batch.direction, batch.bytes / Math.max(1, batch.numSegs)));
       const sub = guarded(() => ce.submit(batch, gb.device === -1 ? undefined : gb.device));
       return sub.done.then((r) => {
@@ -257,13 +268,40 @@ function portOver(ce: CopyEngine, policy: PathPolicy): NativePort & { copyEngine
 }
 
 /**
- * The path policy for this engine: `host` on the host backend (memcpy, the
+ * One path policy per served device. Devices of one GPU model and driver
+ * share a calibration (its cache key), measured once per start at most.
+ */
+function openPathPolicies(
+  ce: CopyEngine,
+  opts: NativeOptions,
+  log: Logger,
+): Map<number, PathPolicy> {
+  const byKey = new Map<string, PathPolicy>();
+  const out = new Map<number, PathPolicy>();
+  for (const [device, engine] of ce.engines) {
+    const key = engine.backend === "host" ? "host" : calibrationKey(engine.props());
+    let policy = byKey.get(key);
+    if (!policy) {
+      policy = openPathPolicy(ce, engine, opts, log.child({ device }));
+      byKey.set(key, policy);
+    }
+    out.set(device, policy);
+  }
+  return out;
+}
+
+/**
+ * The path policy for one engine: `host` on the host backend (memcpy, the
  * path is ignored); the forced path when `--transfer-path` names one; else
  * calibrated — from the cache file when it has this device, measured
  * otherwise (seconds, before the pool holds anything).
  */
-function openPathPolicy(ce: CopyEngine, opts: NativeOptions, log: Logger): PathPolicy {
-  const engine = ce.engine;
+function openPathPolicy(
+  ce: CopyEngine,
+  engine: Engine,
+  opts: NativeOptions,
+  log: Logger,
+): PathPolicy {
   if (engine.backend === "host") {
     log.info("copy path policy", {
       backend: "host",

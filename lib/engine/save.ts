@@ -155,6 +155,7 @@ export class SaveRunner {
       rank: job.rank.tpRank,
       hashes: group.hashes,
       layers: group.layers.map((l) => l.layerId),
+      poolPart: this.ctx.poolPartOf?.(job.rank.deviceId),
     });
     if (!begun.ok) {
       this.ctx.metrics?.saveFailed("pool_exhausted", job.rank.deviceId);

@@ -31,10 +31,19 @@ export interface ServeConfig {
   /** HTTP listen address for /health, /metrics, ... (undefined = no HTTP). */
   httpAddr: string | undefined;
   /**
-   * Device ids to serve: every one on the host backend (one set of copy
-   * workers each, one pool); the cuda backend serves the first only.
+   * Device ids to serve, one engine each over one pool (undefined: every
+   * visible GPU on cuda, device 0 on the host backend; resolved at start-up
+   * by lib/server/devices.ts, which also checks them against the GPU count).
    */
-  devices: number[];
+  devices: number[] | undefined;
+  /** `--disable-numa-affinity`: one pool part, no node binding, even on a multi-node host. */
+  disableNumaAffinity: boolean;
+  /**
+   * Test hook (env `PEGAFLOW_TEST_NUMA_NODES`, "device:node,..."; host
+   * backend): the device → NUMA node map to plan the pool split with, instead
+   * of sysfs; parts on nodes this host does not have are left unbound.
+   */
+  testNumaNodes?: Map<number, number>;
   /**
    * Test hook (env `PEGAFLOW_TEST_FAIL_DEVICES`, host backend): served
    * devices whose copies fail from start-up, as a lost GPU's would.
@@ -127,6 +136,23 @@ function testFailDevices(): number[] | undefined {
   }
 }
 
+/** `PEGAFLOW_TEST_NUMA_NODES` (tests only; see {@link ServeConfig.testNumaNodes}). */
+function testNumaNodes(): Map<number, number> | undefined {
+  const v = Deno.env.get("PEGAFLOW_TEST_NUMA_NODES");
+  if (!v) return undefined;
+  const out = new Map<number, number>();
+  for (const pair of v.split(",")) {
+    const m = /^\s*(\d+):(\d+)\s*$/.exec(pair);
+    if (!m || out.has(Number(m[1]))) {
+      throw new Error(
+        `PEGAFLOW_TEST_NUMA_NODES: "${v}" is not a list of distinct device:node pairs (e.g. 0:0,1:1)`,
+      );
+    }
+    out.set(Number(m[1]), Number(m[2]));
+  }
+  return out;
+}
+
 /** Parses `--devices`: distinct non-negative ids, comma-separated. */
 export function devicesArg(value: string): number[] {
   const ids = value.split(",").map((s) => s.trim());
@@ -180,10 +206,18 @@ export function serveCommand(): Command {
     .addOption(
       envOption(
         "--devices <ids>",
-        "comma-separated device ids to serve (host: each gets its own copy workers; cuda: the first)",
+        "comma-separated device ids to serve, one copy engine each over one pool",
         "DEVICES",
       )
-        .default([0], "0").argParser(devicesArg),
+        .default(undefined, "every visible GPU (cuda), 0 (host)").argParser(devicesArg),
+    )
+    .addOption(
+      envOption(
+        "--disable-numa-affinity [bool]",
+        "one pool for all devices even on a multi-NUMA-node host (default: split per node)",
+        "DISABLE_NUMA_AFFINITY",
+      )
+        .default(false).preset(true).argParser(boolArg),
     )
     .addOption(
       envOption("--backend <kind>", "copy backend: auto, cuda or host", "BACKEND")
@@ -308,7 +342,9 @@ export function parseServeArgs(argv: string[]): ParseResult {
       uds: o.uds,
       httpAddr: o.httpAddr,
       devices: o.devices,
+      disableNumaAffinity: o.disableNumaAffinity,
       testFailDevices: testFailDevices(),
+      testNumaNodes: testNumaNodes(),
       backend: o.backend,
       poolSize: o.poolSize,
       poolSizeDefaulted: cmd.getOptionValueSource("poolSize") === "default",

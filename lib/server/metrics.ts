@@ -219,6 +219,16 @@ export class ServerMetrics implements EngineMetrics {
       "pinned pool bytes allocated (cached + in flight)",
       (s) => s.usedBytes,
     );
+    new Gauge({
+      name: "pegaflow_pool_part_used_bytes",
+      help:
+        "pinned pool bytes allocated per pool part (one part per NUMA node of the served devices)",
+      labelNames: ["part"],
+      registers: [r],
+      collect() {
+        stats().partUsedBytes.forEach((b, p) => this.set({ part: String(p) }, b));
+      },
+    });
     fromStats(
       "pegaflow_pool_largest_free_bytes",
       "largest free extent of the pool",

@@ -17,6 +17,7 @@ import { openNative } from "../engine/native_adapter.ts";
 import { KvStore } from "../storage/store.ts";
 import { Logger } from "../log.ts";
 import { capPoolSize, type ServeConfig } from "./config.ts";
+import { numaPlacement, resolveDevices } from "./devices.ts";
 import { engineServiceImpl, Sessions } from "./grpc_service.ts";
 import { lenientService } from "./decode.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
@@ -109,21 +110,15 @@ export async function startServer(
       mem_available_bytes: cap.availBytes,
     });
   }
-  // The host backend serves every listed device from one pool; the cuda
-  // backend has one context per process until its pool is registered
-  // portable in every device's context (docs/native.md, "Several devices").
-  let devices = cfg.devices;
-  if (cfg.backend !== "host" && devices.length > 1) {
-    log.warn("the cuda backend serves only the first device; run one server per device", {
-      devices: devices.join(","),
-      serving: devices[0],
-    });
-    devices = devices.slice(0, 1);
-  }
+  // One engine per device over one pool and ring (docs/native.md, "Several
+  // devices"); on a multi-node host the pool is split per NUMA node.
+  const served = resolveDevices(cfg.backend, cfg.devices);
+  const placement = numaPlacement(cfg, served, cap.bytes, log);
   const native = await openNative({
     backend: cfg.backend,
-    devices,
+    devices: served.devices,
     failDevices: cfg.testFailDevices,
+    poolParts: placement?.parts,
     poolBytes: cap.bytes,
     useHugepages: cfg.useHugepages,
     transferPath: cfg.transferPath,
@@ -138,6 +133,7 @@ export async function startServer(
   const store = new KvStore({
     capacityBytes: native.poolBytes,
     unitBytes,
+    parts: placement?.parts.map((p) => p.bytes),
     leaseTtlMs: cfg.leaseTtlMs,
     // Sketch sized for the blocks the pool can hold at the hinted (or a typical 32 KiB) segment size.
     lfuCapacityBlocks: cfg.enableLfuAdmission
@@ -207,6 +203,7 @@ export async function startServer(
     metrics,
     leaseTtlMs: cfg.leaseTtlMs,
     tiers,
+    poolPartOf: placement ? (device) => placement.partOfDevice.get(device) : undefined,
   });
   engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
   if (advertiser) engine.onSealed((ns, keys) => advertiser.onSealed(ns, keys));

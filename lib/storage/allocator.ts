@@ -27,6 +27,11 @@
  * different item sizes a hole smaller than an item can remain; eviction then
  * continues until the items fit, or the save is refused (nothing leaks).
  *
+ * **Parts** (NUMA, lib/numa.ts): the pool may be cut into consecutive parts,
+ * one per NUMA node. Free extents never coalesce across a part boundary, and
+ * `allocate(…, part)` places the items in that part when it can hold them,
+ * else anywhere (a full node spills over rather than refusing the save).
+ *
  * @module
  */
 
@@ -48,6 +53,11 @@ export interface AllocatorOptions {
   capacityBytes: number;
   /** Allocation unit, a power of two ≥ 512. Default {@link DEFAULT_UNIT_BYTES}. */
   unitBytes?: number;
+  /**
+   * Sizes of consecutive parts of the pool (NUMA nodes), each a multiple of
+   * the unit; the last part also takes whatever the sizes leave. Default: one.
+   */
+  parts?: readonly number[];
 }
 
 /**
@@ -66,8 +76,14 @@ export class PoolAllocator {
   readonly #units: number;
   readonly #freeByStart = new Map<number, number>();
   readonly #freeByEnd = new Map<number, number>();
-  /** bins[i] holds the starts of free extents whose length in units is in [2^i, 2^(i+1)). */
-  readonly #bins: Set<number>[] = [];
+  /** bins[p][i]: starts of part p's free extents whose length in units is in [2^i, 2^(i+1)). */
+  readonly #bins: Set<number>[][] = [];
+  /** First unit of each part (ascending; [0] when the pool is one part). */
+  readonly #partStart: number[] = [0];
+  /** Free units per part. */
+  readonly #partFree: number[];
+  /** Every part's index, in order (no array per allocate call). */
+  readonly #allParts: readonly number[];
   /** One bit per unit, set while allocated: exact double-free detection for 1 bit per 4 KiB. */
   readonly #used: Uint32Array;
   #freeUnits = 0;
@@ -86,8 +102,50 @@ export class PoolAllocator {
     this.#units = Math.floor(opts.capacityBytes / unit);
     this.capacityBytes = this.#units * unit;
     this.#used = new Uint32Array(Math.ceil(this.#units / 32));
-    for (let i = 0; i <= Math.ceil(Math.log2(this.#units + 1)); i++) this.#bins.push(new Set());
-    this.#addFree(0, this.#units);
+    let at = 0;
+    for (const [i, bytes] of (opts.parts ?? []).slice(0, -1).entries()) {
+      if (!Number.isSafeInteger(bytes) || bytes <= 0 || bytes % unit !== 0) {
+        throw new RangeError(
+          `allocator part ${i}: ${bytes} bytes is not a positive multiple of the unit ${unit}`,
+        );
+      }
+      at += bytes / unit;
+      if (at >= this.#units) {
+        throw new RangeError(
+          `allocator parts overrun the capacity of ${this.capacityBytes} bytes at part ${i}`,
+        );
+      }
+      this.#partStart.push(at);
+    }
+    this.#partFree = this.#partStart.map(() => 0);
+    this.#allParts = this.#partStart.map((_, p) => p);
+    const nbins = Math.ceil(Math.log2(this.#units + 1)) + 1;
+    for (let p = 0; p < this.#partStart.length; p++) {
+      this.#bins.push(Array.from({ length: nbins }, () => new Set<number>()));
+      this.#addFree(this.#partStart[p], this.#partEnd(p) - this.#partStart[p]);
+    }
+  }
+
+  /** Number of parts (1 unless the pool is split across NUMA nodes). */
+  get partCount(): number {
+    return this.#partStart.length;
+  }
+
+  /** The part holding byte `offset`. */
+  partOf(offset: number): number {
+    return this.#partOfUnit(Math.floor(offset / this.unitBytes));
+  }
+
+  /** Free bytes of part `p`. */
+  partFreeBytes(p: number): number {
+    return (this.#partFree[p] ?? 0) * this.unitBytes;
+  }
+
+  /** Allocated bytes of each part, in part order. */
+  partUsedBytes(): number[] {
+    return this.#partStart.map((s, p) =>
+      (this.#partEnd(p) - s - this.#partFree[p]) * this.unitBytes
+    );
   }
 
   /** Bytes between the starts of consecutive items of `itemBytes` (rounded up to the unit). */
@@ -112,13 +170,15 @@ export class PoolAllocator {
 
   /** Bytes of the largest free extent. */
   largestFreeBytes(): number {
-    for (let b = this.#bins.length - 1; b >= 0; b--) {
-      if (this.#bins[b].size === 0) continue;
-      let max = 0;
-      for (const s of this.#bins[b]) max = Math.max(max, this.#freeByStart.get(s)!);
-      return max * this.unitBytes;
+    let max = 0;
+    for (const bins of this.#bins) {
+      for (let b = bins.length - 1; b >= 0; b--) {
+        if (bins[b].size === 0) continue;
+        for (const s of bins[b]) max = Math.max(max, this.#freeByStart.get(s)!);
+        break;
+      }
     }
-    return 0;
+    return max * this.unitBytes;
   }
 
   /** Upper bound check without allocating: do the free units hold `count` items at all? */
@@ -128,35 +188,55 @@ export class PoolAllocator {
 
   /**
    * Allocates `count` items of `itemBytes`: one run when a free extent holds
-   * them all, else several runs (largest extents first). Returns null, with
-   * nothing allocated, when the free extents cannot hold `count` whole items.
+   * them all, else several runs (largest extents first). With `part`, the
+   * items go to that part when it can hold them, else anywhere. Returns null,
+   * with nothing allocated, when the free extents cannot hold `count` whole
+   * items.
    */
-  allocate(count: number, itemBytes: number): Extent[] | null {
+  allocate(count: number, itemBytes: number, part?: number): Extent[] | null {
     if (!Number.isSafeInteger(count) || count < 1) {
       throw new RangeError(`allocate: count must be an integer ≥ 1, got ${count}`);
     }
     const su = this.#strideUnits(itemBytes);
+    if (count * su > this.#freeUnits) return null;
+    const all = this.#allParts;
+    if (part === undefined || all.length === 1 || !(part in this.#partFree)) {
+      return this.#allocateIn(all, count, su);
+    }
+    return this.#allocateIn([part], count, su) ??
+      this.#allocateIn([part, ...all.filter((p) => p !== part)], count, su);
+  }
+
+  /** {@link allocate} over the parts `parts` (in preference order). */
+  #allocateIn(parts: readonly number[], count: number, su: number): Extent[] | null {
     const need = count * su;
-    if (need > this.#freeUnits) return null;
-    const single = this.#findFit(need);
-    if (single !== undefined) {
-      this.#carve(single, need);
-      return [{ offset: single * this.unitBytes, items: count }];
+    let free = 0;
+    for (const p of parts) free += this.#partFree[p];
+    if (need > free) return null;
+    for (const p of parts) {
+      const single = this.#findFit(need, p);
+      if (single !== undefined) {
+        this.#carve(single, need);
+        return [{ offset: single * this.unitBytes, items: count }];
+      }
     }
     // No single extent fits: gather whole-item pieces from the largest extents down.
     const picks: number[] = [];
     const takes: number[] = [];
     let remaining = count;
-    for (let b = this.#bins.length - 1; b >= 0 && remaining > 0; b--) {
-      if (2 ** (b + 1) <= su) break; // every extent in this bin and below is shorter than one item
-      for (const start of this.#bins[b]) {
-        const fit = Math.floor(this.#freeByStart.get(start)! / su);
-        if (fit === 0) continue;
-        const take = Math.min(fit, remaining);
-        picks.push(start);
-        takes.push(take);
-        remaining -= take;
-        if (remaining === 0) break;
+    for (const p of parts) {
+      const bins = this.#bins[p];
+      for (let b = bins.length - 1; b >= 0 && remaining > 0; b--) {
+        if (2 ** (b + 1) <= su) break; // every extent in this bin and below is shorter than one item
+        for (const start of bins[b]) {
+          const fit = Math.floor(this.#freeByStart.get(start)! / su);
+          if (fit === 0) continue;
+          const take = Math.min(fit, remaining);
+          picks.push(start);
+          takes.push(take);
+          remaining -= take;
+          if (remaining === 0) break;
+        }
       }
     }
     if (remaining > 0) return null;
@@ -191,13 +271,14 @@ export class PoolAllocator {
     this.#mark(start, n, false);
     let s = start;
     let len = n;
-    const leftStart = this.#freeByEnd.get(s);
+    // Neighbours across a part boundary stay apart (an extent is one node's memory).
+    const leftStart = this.#isPartStart(s) ? undefined : this.#freeByEnd.get(s);
     if (leftStart !== undefined) {
       len += this.#freeByStart.get(leftStart)!;
       this.#removeFree(leftStart);
       s = leftStart;
     }
-    const rightLen = this.#freeByStart.get(start + n);
+    const rightLen = this.#isPartStart(start + n) ? undefined : this.#freeByStart.get(start + n);
     if (rightLen !== undefined) {
       this.#removeFree(start + n);
       len += rightLen;
@@ -219,19 +300,36 @@ export class PoolAllocator {
     return Math.ceil(itemBytes / this.unitBytes);
   }
 
-  /** Start of a free extent of ≥ `need` units, preferring the smallest bin; undefined if none. */
-  #findFit(need: number): number | undefined {
+  /** Start of a free extent of part p of ≥ `need` units, preferring the smallest bin; undefined if none. */
+  #findFit(need: number, p: number): number | undefined {
+    const bins = this.#bins[p];
     const b0 = Math.floor(Math.log2(need));
+    if (b0 >= bins.length) return undefined;
     let scanned = 0;
-    for (const start of this.#bins[b0]) {
+    for (const start of bins[b0]) {
       if (this.#freeByStart.get(start)! >= need) return start;
       if (++scanned >= EXACT_BIN_SCAN_LIMIT) break;
     }
-    for (let b = b0 + 1; b < this.#bins.length; b++) {
-      const first = this.#bins[b].values().next();
+    for (let b = b0 + 1; b < bins.length; b++) {
+      const first = bins[b].values().next();
       if (!first.done) return first.value;
     }
     return undefined;
+  }
+
+  #partEnd(p: number): number {
+    return p + 1 < this.#partStart.length ? this.#partStart[p + 1] : this.#units;
+  }
+
+  #isPartStart(unit: number): boolean {
+    if (this.#partStart.length === 1) return false;
+    return this.#partStart.includes(unit);
+  }
+
+  #partOfUnit(unit: number): number {
+    let p = 0;
+    while (p + 1 < this.#partStart.length && this.#partStart[p + 1] <= unit) p++;
+    return p;
   }
 
   /** Takes `n` units from the front of the free extent at `start`. */
@@ -271,17 +369,21 @@ export class PoolAllocator {
   }
 
   #addFree(start: number, len: number): void {
+    const p = this.#partOfUnit(start);
     this.#freeByStart.set(start, len);
     this.#freeByEnd.set(start + len, start);
-    this.#bins[Math.floor(Math.log2(len))].add(start);
+    this.#bins[p][Math.floor(Math.log2(len))].add(start);
     this.#freeUnits += len;
+    this.#partFree[p] += len;
   }
 
   #removeFree(start: number): void {
+    const p = this.#partOfUnit(start);
     const len = this.#freeByStart.get(start)!;
     this.#freeByStart.delete(start);
     this.#freeByEnd.delete(start + len);
-    this.#bins[Math.floor(Math.log2(len))].delete(start);
+    this.#bins[p][Math.floor(Math.log2(len))].delete(start);
     this.#freeUnits -= len;
+    this.#partFree[p] -= len;
   }
 }

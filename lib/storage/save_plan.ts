@@ -40,6 +40,11 @@ export interface SaveRequest {
   layers?: readonly number[];
   /** Cache class when sealed; "reclaimable" for blocks fetched from a peer. Default "retained". */
   cacheClass?: CacheClass;
+  /**
+   * The pool part (NUMA node) the saving device copies to fastest; the bytes
+   * go there when it has room, else anywhere. Default: any part.
+   */
+  poolPart?: number;
 }
 
 /** A whole-block fill (SSD prefetch, peer fetch): every layer and rank slot of each block. */
@@ -117,6 +122,8 @@ interface PlanTarget {
   /** Column (li * R + ri) → slot index within a block. */
   readonly colSlot: Int32Array;
   readonly cacheClass: CacheClass;
+  /** Preferred pool part (NUMA node), or undefined for any. */
+  readonly part?: number;
 }
 
 /**
@@ -152,7 +159,7 @@ export function planSave(st: StoreState, req: SaveRequest): SaveBegin {
   const layers = layerList(namespace, instance, L, req.layers, req.rank);
   const rankSlot = L.collapseTp ? 0 : req.rank;
   const target = planTarget(ns, namespace, instance, req.rank, layers, [rankSlot], req.cacheClass);
-  return plan(st, target, req.hashes);
+  return plan(st, { ...target, part: req.poolPart }, req.hashes);
 }
 
 /** Plans a whole-block fill (see {@link KvStore.beginFill}). */
@@ -356,9 +363,9 @@ function allocate(
     for (let k = 0; k < count; k++) m += need[k * C + c];
     if (m === 0) continue;
     for (let seg = 0; seg < S; seg++) {
-      let runs = st.allocator.allocate(m, itemBytes);
+      let runs = st.allocator.allocate(m, itemBytes, t.part);
       // Fragmentation across namespaces: keep evicting until the items fit.
-      while (runs === null && evictOne(st)) runs = st.allocator.allocate(m, itemBytes);
+      while (runs === null && evictOne(st)) runs = st.allocator.allocate(m, itemBytes, t.part);
       if (runs === null) {
         for (const [off, items] of allocated) st.allocator.free(off, itemBytes, items);
         return null;

@@ -30,6 +30,11 @@ export interface KvStoreOptions {
   capacityBytes: number;
   /** Allocation unit (power of two ≥ 512). Default 4096. */
   unitBytes?: number;
+  /**
+   * Sizes of the pool's consecutive NUMA parts (lib/numa.ts), multiples of
+   * the unit; a save that names a part allocates there first. Default: one.
+   */
+  parts?: readonly number[];
   /** Milliseconds now; inject a fake in tests. Default `Date.now`. */
   clock?: () => number;
   /** Lease lifetime. Default 600 s. */
@@ -100,6 +105,7 @@ export class StoreState {
     this.allocator = new PoolAllocator({
       capacityBytes: opts.capacityBytes,
       unitBytes: opts.unitBytes,
+      parts: opts.parts,
     });
     this.clock = opts.clock ?? Date.now;
     this.inflightTtlMs = opts.inflightTtlMs ?? DEFAULT_INFLIGHT_TTL_MS;

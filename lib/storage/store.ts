@@ -86,6 +86,8 @@ export interface StoreStats extends StoreCounters {
   inflightCopyBytes: number;
   largestFreeBytes: number;
   freeExtents: number;
+  /** Allocated bytes per pool part (NUMA node, lib/numa.ts); one entry when unsplit. */
+  partUsedBytes: number[];
   sealedBlocks: number;
   inflightBlocks: number;
   pinnedBlocks: number;
@@ -290,6 +292,7 @@ export class KvStore {
       inflightCopyBytes: st.inflightCopyBytes,
       largestFreeBytes: st.allocator.largestFreeBytes(),
       freeExtents: st.allocator.freeExtentCount,
+      partUsedBytes: st.allocator.partUsedBytes(),
       sealedBlocks: st.index.sealedCount,
       inflightBlocks: st.index.inflightCount,
       pinnedBlocks: st.pinned,

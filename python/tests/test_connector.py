@@ -248,3 +248,40 @@ def test_a_layer_sharing_another_layers_kv_is_registered_once_and_waits_on_it(se
         w.close()
         client.close()
         region.close()
+
+
+def test_a_host_backend_worker_registers_the_configured_device_and_a_bad_one_is_refused(uid):
+    from pegaflow.connector.vllm import ConnectorSettings
+    from pegaflow.connector.vllm_api import KVTransferConfig, VllmConfig
+
+    def settings(device):
+        ktc = KVTransferConfig(engine_id=uid, kv_connector_extra_config={"pegaflow.device_id": device})
+        return ConnectorSettings.from_vllm(VllmConfig(kv_transfer_config=ktc), env={})
+
+    assert settings(3).device_id == 3
+    assert settings("1").device_id == 1
+    with pytest.raises(ValueError, match="pegaflow.device_id 'gpu1'"):
+        settings("gpu1")
+    assert ConnectorSettings.from_vllm(VllmConfig(kv_transfer_config=KVTransferConfig(engine_id=uid)), env={
+        "PEGAFLOW_DEVICE_ID": "2"}).device_id == 2
+
+
+def test_a_worker_registers_its_rank_on_the_device_it_is_given(server, uid):
+    from pegaflow.client import PegaflowClient
+    from pegaflow.connector.core import WorkerCore
+    from pegaflow.errors import PegaflowError
+    from pegaflow.regions import ShmRegion
+
+    # The session's server serves device 0 only: a rank given device 5 is refused by name.
+    client = PegaflowClient(server.addr)
+    region = ShmRegion(4096)
+    w = WorkerCore(client, instance_id=uid, namespace="ns-" + uid, device_id=5)
+    try:
+        kv = {"l0": region.torch(torch.float16, (2, 8, 4, 2, 8))}
+        with pytest.raises(PegaflowError, match="device_id 5 is not served by this server"):
+            w.register_kv_caches(kv)
+        del kv  # no view of the region outlives it (a failure report would read it)
+    finally:
+        w.close()
+        client.close()
+        region.close()

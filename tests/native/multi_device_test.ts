@@ -2,10 +2,20 @@
  * Several host-backend devices in one process (ffi level): an engine per
  * device, one pool (owned by the first) that every engine copies through,
  * one ring for all completions; pf_engine_fail fails one engine's copies
- * with a text naming its device and leaves the others copying byte-exact.
+ * with a text naming its device and leaves the others copying byte-exact;
+ * a pool split per NUMA node binds each part's pages (numa_maps).
  */
 import assert from "node:assert/strict";
-import { CopyBatch, CopyEngine, Engine, NativeError, PF_STATUS } from "../../ffi/mod.ts";
+import {
+  CopyBatch,
+  CopyEngine,
+  deviceCount,
+  deviceNumaNode,
+  Engine,
+  NativeError,
+  PF_STATUS,
+} from "../../ffi/mod.ts";
+import { onlineNodes } from "../../lib/numa.ts";
 
 const KB = 1024;
 
@@ -75,4 +85,66 @@ Deno.test("pf_engine_fail on a closed engine is refused with a handle error", ()
     () => e.fail(),
     (err: unknown) => err instanceof NativeError && err.code === PF_STATUS.PF_EHANDLE,
   );
+});
+
+/** The NUMA policy of the mapping that starts at `addr` (from /proc/self/numa_maps), e.g. "bind:0". */
+function numaPolicyAt(addr: bigint): string | undefined {
+  const hex = addr.toString(16);
+  for (const line of Deno.readTextFileSync("/proc/self/numa_maps").split("\n")) {
+    const [start, policy] = line.split(" ");
+    if (start === hex) return policy;
+  }
+  return undefined;
+}
+
+Deno.test("a split pool binds each part's pages to its node before pre-touch; an unbound part keeps the default policy", () => {
+  const online = onlineNodes();
+  const e = Engine.open({ backend: "host" });
+  const MB = 1 << 20;
+  const pool = e.createPool(8 * MB, {
+    pretouch: true,
+    parts: [{ bytes: 4 * MB, node: online[0] }, { bytes: 4 * MB, node: -1 }],
+  });
+  try {
+    const base = BigInt(Deno.UnsafePointer.value(Deno.UnsafePointer.of(pool.view(0, 1))!));
+    assert.equal(numaPolicyAt(base), `bind:${online[0]}`);
+    assert.equal(numaPolicyAt(base + BigInt(4 * MB)), "default");
+    pool.view(0, 8 * MB).fill(5); // every byte of both parts is usable
+  } finally {
+    pool.close();
+    e.close();
+  }
+});
+
+Deno.test("split pool parts are checked: the sum, the page multiple, and a node the host lacks", () => {
+  const e = Engine.open({ backend: "host" });
+  const MB = 1 << 20;
+  const refused = (parts: { bytes: number; node: number }[], re: RegExp) =>
+    assert.throws(
+      () => e.createPool(8 * MB, { parts }),
+      (err: unknown) =>
+        err instanceof NativeError && err.code === PF_STATUS.PF_EINVAL && re.test(err.message),
+    );
+  try {
+    refused(
+      [{ bytes: 4 * MB, node: -1 }, { bytes: 2 * MB, node: -1 }],
+      /parts sum to 6291456 bytes; the pool is 8388608/,
+    );
+    refused(
+      [{ bytes: 4 * MB + 100, node: -1 }, { bytes: 4 * MB - 100, node: -1 }],
+      /part 0 is 4194404 bytes, not a multiple/,
+    );
+    refused(
+      [{ bytes: 4 * MB, node: 0 }, { bytes: 4 * MB, node: 1000 }],
+      /part 1 .*mbind to NUMA node 1000 failed/,
+    );
+  } finally {
+    e.close();
+  }
+});
+
+Deno.test("the host backend has no physical devices to count and no NUMA node to name", () => {
+  assert.equal(deviceCount("host"), 0);
+  assert.equal(deviceNumaNode("host", 3), -1);
+  assert.throws(() => deviceNumaNode("host", -1), /device -1 is negative/);
 });

@@ -289,7 +289,10 @@ Deno.test("engine, pool and shm options are validated", () => {
   const engine = Engine.open({ backend: "host" });
   try {
     assertNative(() => engine.createPool(0), "PF_EINVAL", /bytes is 0/);
-    assert.equal(pf.pf_pool_create(engine.handle, 4096n, 0x80, 0, null, new Uint32Array(1)), -1);
+    assert.equal(
+      pf.pf_pool_create_split(engine.handle, 4096n, 0x80, 0, null, null, 0, new Uint32Array(1)),
+      -1,
+    );
     assertNative(() => engine.setKernelGrid(8), "PF_EUNSUPPORTED", /host backend/);
     assertNative(() => SharedMemory.open("nope", 64), "PF_EINVAL");
     assertNative(

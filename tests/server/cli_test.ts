@@ -95,6 +95,10 @@ Deno.test("flags parse into the config, with defaults", () => {
   assert.ok(
     d.kind === "config" && d.config.poolSizeDefaulted && d.config.poolSize === 30 * 1024 ** 3,
   );
+  // No --devices: resolved at start-up (every visible GPU on cuda, 0 on host); NUMA split on.
+  assert.ok(d.kind === "config" && d.config.devices === undefined && !d.config.disableNumaAffinity);
+  const n = parseServeArgs(["--disable-numa-affinity"]);
+  assert.ok(n.kind === "config" && n.config.disableNumaAffinity);
 });
 
 Deno.test("main.ts refuses a bad flag and a bad env var before start-up, exit 2", async () => {
@@ -119,6 +123,7 @@ Deno.test("--help lists every flag with its default and env var", async () => {
       "--uds",
       "PEGAFLOW_UDS",
       "--devices",
+      "--disable-numa-affinity",
       "--backend",
       "--pool-size",
       "30gb",

@@ -435,3 +435,74 @@ Deno.test("a TP rank process SIGKILLed mid-save: its instance is cleaned up, blo
     ["--pool-size", "256mb"],
   );
 });
+
+Deno.test("NUMA: with devices on two nodes the pool splits in two and each device's saves land in its node's part", async () => {
+  // PEGAFLOW_TEST_NUMA_NODES stands in for sysfs: devices 0,1 on node 0, devices 2,3 on node 1
+  // (this host has one node, so node 1's part is planned but left unbound).
+  await withServer(async (srv) => {
+    const line = srv.logs().filter((l) => l.startsWith("{")).map((l) => JSON.parse(l)).find((l) =>
+      l.msg === "numa placement"
+    );
+    assert.ok(line, "the server logs its NUMA placement");
+    assert.equal(line.parts, 2);
+    assert.equal(line.part_nodes, "0,1");
+    assert.equal(line.device_nodes, "0:0,1:0,2:1,3:1");
+    assert.equal(line.part_bytes, `${32 << 20},${32 << 20}`);
+    const namespace = uid("ns");
+    const [a] = instance(srv, { tp: 1, pp: 1, devices: [2], namespace });
+    const [b] = instance(srv, { tp: 1, pp: 1, devices: [1], namespace });
+    try {
+      await a.register();
+      await b.register();
+      const h1 = chainedBlockHashes(syntheticTokens(31, 16 * 6), 16);
+      a.fill(ids(0, 6), h1);
+      assert.equal((await a.save(ids(0, 6), h1)).blocksSaved, 6);
+      assert.equal(await srv.metric("pegaflow_pool_part_used_bytes", '{part="0"}'), 0);
+      assert.equal(
+        await srv.metric("pegaflow_pool_part_used_bytes", '{part="1"}'),
+        6 * a.blockBytes,
+      );
+      const h2 = chainedBlockHashes(syntheticTokens(32, 16 * 4), 16);
+      b.fill(ids(0, 4), h2);
+      assert.equal((await b.save(ids(0, 4), h2)).blocksSaved, 4);
+      assert.equal(
+        await srv.metric("pegaflow_pool_part_used_bytes", '{part="0"}'),
+        4 * b.blockBytes,
+      );
+      // A block saved on node 1's part loads byte-exact on a device of node 0.
+      await loadAndVerify([b], h1, "q-numa");
+    } finally {
+      a.close();
+      b.close();
+    }
+  }, { PEGAFLOW_TEST_NUMA_NODES: "0:0,1:0,2:1,3:1" });
+});
+
+Deno.test("NUMA: --disable-numa-affinity keeps one pool part even with devices on two nodes", async () => {
+  await withServer(
+    async (srv) => {
+      const line = srv.logs().filter((l) => l.startsWith("{")).map((l) => JSON.parse(l)).find((l) =>
+        l.msg === "numa placement"
+      );
+      assert.ok(line);
+      assert.equal(line.parts, 1);
+      assert.equal(line.reason, "--disable-numa-affinity");
+      // Device 2 (node 1 in the map) saves into the one part.
+      const [a] = instance(srv, { tp: 1, pp: 1, devices: [2], namespace: uid("ns") });
+      try {
+        await a.register();
+        const h = chainedBlockHashes(syntheticTokens(33, 16 * 2), 16);
+        a.fill(ids(0, 2), h);
+        assert.equal((await a.save(ids(0, 2), h)).blocksSaved, 2);
+        assert.equal(
+          await srv.metric("pegaflow_pool_part_used_bytes", '{part="0"}'),
+          2 * a.blockBytes,
+        );
+      } finally {
+        a.close();
+      }
+    },
+    { PEGAFLOW_TEST_NUMA_NODES: "0:0,1:0,2:1,3:1" },
+    ["--disable-numa-affinity"],
+  );
+});

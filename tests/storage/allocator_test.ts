@@ -159,3 +159,107 @@ Deno.test("uniform item sizes: any request fits whenever enough free bytes exist
     { numRuns: 200 },
   );
 });
+
+Deno.test("parts: a save that names its part lands there, spills over only when its part is full, and extents never coalesce across parts", () => {
+  const unit = 4096;
+  const a = new PoolAllocator({
+    capacityBytes: 64 * unit,
+    unitBytes: unit,
+    parts: [32 * unit, 32 * unit],
+  });
+  assertEquals(a.partCount, 2);
+  const r1 = a.allocate(8, unit, 1)!;
+  assertEquals(r1, [{ offset: 32 * unit, items: 8 }]);
+  assertEquals(a.partUsedBytes(), [0, 8 * unit]);
+  const r0 = a.allocate(4, unit, 0)!;
+  assertEquals(a.partOf(r0[0].offset), 0);
+  // Part 1 has 24 units left: 30 items spill over into part 0.
+  const spill = a.allocate(30, unit, 1)!;
+  assertEquals(spill.reduce((n, r) => n + r.items, 0), 30);
+  assertEquals(a.partFreeBytes(1), 0);
+  assertEquals(a.partUsedBytes(), [(4 + 6) * unit, 32 * unit]);
+  // Free everything: two extents, one per part, not one across the boundary.
+  for (const r of [...r1, ...r0, ...spill]) a.free(r.offset, unit, r.items);
+  assertEquals(a.freeExtents(), [[0, 32 * unit], [32 * unit, 32 * unit]]);
+  assertEquals(a.allocate(33, unit, 0)?.length, 2, "33 items need both parts");
+});
+
+Deno.test("parts must be positive unit multiples inside the capacity", () => {
+  const unit = 4096;
+  throws(
+    () => new PoolAllocator({ capacityBytes: 8 * unit, unitBytes: unit, parts: [100, 8 * unit] }),
+    RangeError,
+  );
+  throws(
+    () =>
+      new PoolAllocator({ capacityBytes: 8 * unit, unitBytes: unit, parts: [8 * unit, 4 * unit] }),
+    RangeError,
+  );
+});
+
+Deno.test("property: with parts, allocations never overlap or leak, no free extent crosses a part, and a part with room gets its save", () => {
+  const unit = 512;
+  const parts = [96 * unit, 64 * unit, 96 * unit];
+  const cap = 256 * unit;
+  const starts = [0, 96 * unit, 160 * unit];
+  fc.assert(
+    fc.property(
+      fc.array(
+        fc.oneof(
+          fc.record({
+            op: fc.constant("alloc" as const),
+            count: fc.integer({ min: 1, max: 24 }),
+            size: fc.constantFrom(512, 1000, 2048),
+            part: fc.integer({ min: 0, max: 2 }),
+          }),
+          fc.record({ op: fc.constant("free" as const), pick: fc.nat() }),
+        ),
+        { maxLength: 120 },
+      ),
+      (ops) => {
+        const a = new PoolAllocator({ capacityBytes: cap, unitBytes: unit, parts });
+        const live: { offset: number; size: number }[] = [];
+        for (const o of ops) {
+          if (o.op === "alloc") {
+            const stride = a.strideOf(o.size);
+            // Whole items fit in the part's largest extent: then every item must land there.
+            const ext = a.freeExtents().filter(([off]) => a.partOf(off) === o.part);
+            const fitsInPart = ext.some(([, len]) => len >= o.count * stride);
+            const runs = a.allocate(o.count, o.size, o.part);
+            if (runs === null) continue;
+            strictEqual(runs.reduce((n, r) => n + r.items, 0), o.count);
+            if (fitsInPart) { for (const r of runs) strictEqual(a.partOf(r.offset), o.part); }
+            for (const r of runs) {
+              for (let i = 0; i < r.items; i++) {
+                live.push({ offset: r.offset + i * stride, size: o.size });
+              }
+            }
+          } else if (live.length > 0) {
+            const [it] = live.splice(o.pick % live.length, 1);
+            a.free(it.offset, it.size);
+          }
+          for (const [off, len] of a.freeExtents()) {
+            const p = a.partOf(off);
+            assert(
+              off + len <= (starts[p + 1] ?? cap),
+              `free extent [${off}, +${len}) crosses part ${p}`,
+            );
+          }
+          const ranges = [
+            ...live.map((x) => [x.offset, a.strideOf(x.size)] as [number, number]),
+            ...a.freeExtents(),
+          ].sort((x, y) => x[0] - y[0]);
+          let at = 0;
+          for (const [off, len] of ranges) {
+            strictEqual(off, at, `overlap or hole at ${at}`);
+            at += len;
+          }
+          strictEqual(at, cap);
+        }
+        for (const it of live) a.free(it.offset, it.size);
+        assertEquals(a.freeExtents(), parts.map((b, i) => [starts[i], b]));
+      },
+    ),
+    { numRuns: 200 },
+  );
+});

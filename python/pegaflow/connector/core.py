@@ -530,12 +530,16 @@ class WorkerCore:
         mode: str = LAYERWISE,
         load_timeout_s: Optional[float] = None,
         save_queue_depth: int = 64,
+        device_id: Optional[int] = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         self.client = client
         self.instance_id, self.namespace = instance_id, namespace
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
+        # The device this rank registers: CUDA KV names its own; host-backend KV (shm) has none,
+        # so a server serving several devices (--devices 0,1) is told which one here.
+        self.device_id = device_id
         self.mode = mode
         self.load_timeout_s = load_timeout_s if load_timeout_s is not None else client.config.load_timeout_s
         self.registration: Optional[KvRegistration] = None
@@ -574,6 +578,13 @@ class WorkerCore:
                 unique[name] = t
         layers, device = export_kv_layers(unique, layout)
         self._cuda = any(bool(getattr(t, "is_cuda", False)) for t in unique.values())
+        if self.device_id is not None:
+            if self._cuda and device != self.device_id:
+                raise ValueError(
+                    f"tp_rank {self.tp_rank}: device_id {self.device_id} was configured but the KV "
+                    f"tensors are on cuda:{device}"
+                )
+            device = self.device_id
         self.registration = KvRegistration(
             self.client, instance_id=self.instance_id, namespace=self.namespace, layers=layers,
             tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,

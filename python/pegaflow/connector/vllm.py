@@ -27,7 +27,9 @@ Extra config keys (env fallback): pegaflow.addr (PEGAFLOW_ADDR), pegaflow.mode
 pegaflow.load_timeout_ms (PEGAFLOW_*_TIMEOUT_MS), pegaflow.instance_id
 (PEGAFLOW_INSTANCE_ID; default kv_transfer_config.engine_id), pegaflow.namespace
 (PEGAFLOW_NAMESPACE; default derived from every layout factor), pegaflow.load_issuer
-(PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker"; default below).
+(PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker"; default below), pegaflow.device_id
+(PEGAFLOW_DEVICE_ID: the device a host-backend worker registers under, for a server that
+serves several; CUDA KV registers the device its tensors are on).
 
 Who sends the Load (pegaflow.load_issuer):
   worker     start_load_kv sends it, one per rank, after handle_preemptions, in
@@ -106,6 +108,9 @@ class ConnectorSettings:
     namespace: str
     client: ClientConfig
     load_issuer: str = ISSUER_WORKER
+    # Device id this worker registers its KV under (pegaflow.device_id / PEGAFLOW_DEVICE_ID): only
+    # for host-backend (shm) KV; CUDA tensors name their own device.
+    device_id: Optional[int] = None
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Optional[Dict[str, str]] = None) -> "ConnectorSettings":
@@ -153,9 +158,12 @@ class ConnectorSettings:
         load_issuer = get("load_issuer", "PEGAFLOW_LOAD_ISSUER") or default_load_issuer(vllm_config)
         if load_issuer not in LOAD_ISSUERS:
             raise ValueError(f"pegaflow.load_issuer {load_issuer!r} is not one of {LOAD_ISSUERS}")
+        device = get("device_id", "PEGAFLOW_DEVICE_ID")
+        if device is not None and not str(device).isdigit():
+            raise ValueError(f"pegaflow.device_id {device!r} is not a non-negative integer")
         return cls(
             mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client,
-            load_issuer=load_issuer,
+            load_issuer=load_issuer, device_id=int(device) if device is not None else None,
         )
 
 
@@ -224,7 +232,7 @@ class PegaflowConnector(KVConnectorBase_V1):
                 self.client, instance_id=self.settings.instance_id, namespace=self.settings.namespace,
                 tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, pp_rank=pp_rank,
                 pp_size=pc.pipeline_parallel_size, mode=self.settings.mode,
-                load_timeout_s=self.settings.client.load_timeout_s,
+                load_timeout_s=self.settings.client.load_timeout_s, device_id=self.settings.device_id,
             )
 
     @property

@@ -7,6 +7,15 @@ as it would there. The connector is two instances of one class, roles SCHEDULER 
 built from a `KVTransferConfig` like vLLM's factory does (`kv_connector` names the class,
 `kv_connector_module_path` its module), or from a class given directly.
 
+Tensor parallelism: with `tensor_parallel_size` > 1 the engine runs as that many processes,
+one per rank, in a `torch.distributed` group the caller initialised (gloo on the CPU, NCCL on
+GPUs), as vLLM's multiprocess executor does: rank 0 is the driver (scheduler, scheduler-side
+connector, the API below), every rank has a model shard (llama.py), its own slice of the KV cache
+and its own worker-side connector registering that rank. Each step the driver broadcasts the
+`SchedulerOutput`, every rank runs it, and the driver gathers the ranks' connector outputs (a
+request has finished sending or receiving once every rank says so, vLLM's KVOutputAggregator).
+The other ranks call `run_worker()`, which serves the driver until it shuts down.
+
 Example:
     >>> eng = LLMEngine(EngineConfig(model="tiny", num_gpu_blocks=64))
     >>> out = eng.generate([list(range(40))], max_tokens=2)
@@ -19,7 +28,11 @@ from __future__ import annotations
 import importlib
 import pickle
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
 
 from pegaflow.connector.vllm_api import (
     CacheConfig,
@@ -27,6 +40,7 @@ from pegaflow.connector.vllm_api import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVConnectorBase_V1,
+    KVConnectorOutput,
     KVConnectorRole,
     KVTransferConfig,
     ModelConfig,
@@ -58,6 +72,10 @@ class EngineConfig:
     record_timeline: bool = False
     # Extra salt of the block hashes (same salt ⇔ same keys, across processes).
     hash_salt: str = ""
+    # Tensor parallelism: this process is rank `tp_rank` of `tensor_parallel_size` (the
+    # torch.distributed default group, initialised by the caller, is the TP group).
+    tensor_parallel_size: int = 1
+    tp_rank: int = 0
     extra: dict = field(default_factory=dict)
 
     def llama(self) -> LlamaConfig:
@@ -92,7 +110,20 @@ class LLMEngine:
         self.config = config
         cfg = config.llama()
         self.model_config = cfg
-        self.model = model or LlamaModel(cfg, config.device, config.seed)
+        tp, rank = config.tensor_parallel_size, config.tp_rank
+        if tp > 1 and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == tp):
+            raise RuntimeError(
+                f"tensor_parallel_size {tp}: initialise torch.distributed with {tp} ranks first "
+                "(this process is one of them)"
+            )
+        if tp > 1 and dist.get_rank() != rank:
+            raise ValueError(f"tp_rank {rank} but this process is torch.distributed rank {dist.get_rank()}")
+        self.model = model or LlamaModel(cfg, config.device, config.seed, tp_rank=rank, tp_size=tp)
+        if (self.model.tp_rank, self.model.tp_size) != (rank, tp):
+            raise ValueError(
+                f"the model is TP rank {self.model.tp_rank} of {self.model.tp_size}; the engine is {rank} of {tp}"
+            )
+        self.is_driver = rank == 0
         ktc = config.kv_transfer_config
         self.vllm_config = VllmConfig(
             model_config=ModelConfig(
@@ -109,7 +140,7 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 num_gpu_blocks=config.num_gpu_blocks,
             ),
-            parallel_config=ParallelConfig(),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank),
             # One step at a time: the previous step's forward ended before schedule() runs.
             scheduler_config=VllmSchedulerConfig(async_scheduling=False),
             kv_transfer_config=ktc,
@@ -119,7 +150,7 @@ class LLMEngine:
             kv_cache_groups=[
                 KVCacheGroupSpec(
                     [cfg.layer_name(i) for i in range(cfg.num_layers)],
-                    FullAttentionSpec(cfg.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.torch_dtype),
+                    FullAttentionSpec(cfg.block_size, self.model.kv_heads, cfg.head_dim, cfg.torch_dtype),
                 )
             ],
         )
@@ -138,9 +169,14 @@ class LLMEngine:
             kv_cache_allocator,
             record_timeline=config.record_timeline,
         )
+        self.worker_connector = worker_conn
+        self.scheduler_connector = None
+        self._aggregator = _KVOutputAggregator(tp)
+        self._stopped = False
+        if not self.is_driver:
+            return  # a TP worker: run_worker() executes what the driver schedules
         if connector_cls is not None:
             sched_conn = connector_cls(self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
-        self.worker_connector = worker_conn
         self.scheduler_connector = sched_conn
         self.kv_cache_manager = KVCacheManager(
             config.num_gpu_blocks,
@@ -199,12 +235,15 @@ class LLMEngine:
             self.last_block_tables = {
                 rid: self.kv_cache_manager.get_block_ids(rid)[0] for rid in so.num_scheduled_tokens
             }
-        worker_so = pickle.loads(pickle.dumps(so))
-        runner_out = self.runner.execute_model(worker_so)
-        logits, timeline = runner_out.logits, runner_out.timeline
-        runner_out.logits, runner_out.timeline = {}, None
-        back = pickle.loads(pickle.dumps(runner_out))
-        back.logits, back.timeline = logits, timeline
+        if self.config.tensor_parallel_size > 1:
+            back = self._step_ranks(so)
+        else:
+            worker_so = pickle.loads(pickle.dumps(so))
+            runner_out = self.runner.execute_model(worker_so)
+            logits, timeline = runner_out.logits, runner_out.timeline
+            runner_out.logits, runner_out.timeline = {}, None
+            back = pickle.loads(pickle.dumps(runner_out))
+            back.logits, back.timeline = logits, timeline
         if back.phases is not None:
             back.phases.update(schedule_start=t_sched, scheduled=t_scheduled)
         if so.total_num_scheduled_tokens > 0:
@@ -213,6 +252,50 @@ class LLMEngine:
         if so.total_num_scheduled_tokens == 0 and not outputs:
             time.sleep(0.0002)  # only waiting on transfers: do not spin a core the server needs
         return outputs
+
+    # ------------------------------------------------------------------ tensor parallel
+
+    def _broadcast(self, msg: tuple) -> tuple:
+        box = [msg]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        out = [None] * self.config.tensor_parallel_size if self.is_driver else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def _step_ranks(self, so: Any) -> ModelRunnerOutput:
+        """Driver: every rank runs `so`; the connector outputs are aggregated over the ranks."""
+        self._broadcast(("step", so))  # pickled on the way, as between vLLM's processes
+        own = self.runner.execute_model(pickle.loads(pickle.dumps(so)))
+        outs = self._gather(_stripped(own))
+        own.kv_connector_output = self._aggregator.aggregate([o.kv_connector_output for o in outs])
+        return own
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Driver: runs `method(*args)` of every rank's model runner (vLLM's collective_rpc);
+        returns each rank's answer, by rank."""
+        if not self.is_driver:
+            raise RuntimeError("collective_rpc is called on the driver (tp_rank 0)")
+        if self.config.tensor_parallel_size == 1:
+            return [getattr(self.runner, method)(*args)]
+        self._broadcast(("rpc", method, args))
+        return self._gather(getattr(self.runner, method)(*args))
+
+    def run_worker(self) -> None:
+        """A TP rank other than 0: runs what the driver sends until it shuts down."""
+        if self.is_driver:
+            raise RuntimeError("run_worker is for tp_rank > 0; the driver steps the engine")
+        while True:
+            msg = self._broadcast(("",))
+            if msg[0] == "step":
+                self._gather(_stripped(self.runner.execute_model(msg[1])))
+            elif msg[0] == "rpc":
+                self._gather(getattr(self.runner, msg[1])(*msg[2]))
+            else:
+                break
+        self._shutdown_connectors()
 
     def generate(
         self,
@@ -251,6 +334,13 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        """Driver: stops the TP workers too. Idempotent."""
+        if self.is_driver and self.config.tensor_parallel_size > 1 and not self._stopped:
+            self._stopped = True
+            self._broadcast(("stop",))
+        self._shutdown_connectors()
+
+    def _shutdown_connectors(self) -> None:
         for conn in (self.scheduler_connector, self.worker_connector):
             if conn is not None:
                 conn.shutdown()
@@ -260,3 +350,54 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _stripped(out: ModelRunnerOutput) -> ModelRunnerOutput:
+    """What a rank sends the driver: the output without the device-side logits and timeline."""
+    return ModelRunnerOutput(
+        req_ids=out.req_ids,
+        req_id_to_index=out.req_id_to_index,
+        sampled_token_ids=out.sampled_token_ids,
+        kv_connector_output=out.kv_connector_output,
+        sampled_time=out.sampled_time,
+    )
+
+
+class _KVOutputAggregator:
+    """vLLM's KVOutputAggregator: a request has finished sending (receiving) once every rank
+    reported it, over however many steps that takes; invalid blocks are the union."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._sending: Counter[str] = Counter()
+        self._recving: Counter[str] = Counter()
+
+    def _count(self, seen: Counter[str], ids: set[str] | None) -> set[str]:
+        done = set()
+        for rid in ids or ():
+            seen[rid] += 1
+            if seen[rid] == self.world:
+                del seen[rid]
+                done.add(rid)
+        return done
+
+    def aggregate(self, outs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
+        present = [o for o in outs if o is not None]
+        if not present:
+            return None
+        sending: set[str] = set()
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        for o in present:
+            sending |= self._count(self._sending, o.finished_sending)
+            recving |= self._count(self._recving, o.finished_recving)
+            invalid |= set(o.invalid_block_ids or ())
+        first = present[0]
+        return KVConnectorOutput(
+            finished_sending=sending or None,
+            finished_recving=recving or None,
+            invalid_block_ids=invalid,
+            kv_connector_stats=first.kv_connector_stats,
+            kv_cache_events=first.kv_cache_events,
+            kv_connector_worker_meta=first.kv_connector_worker_meta,
+        )

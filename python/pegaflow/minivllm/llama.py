@@ -11,6 +11,14 @@ op is bracketed by `LayerHooks` so a model runner can put vLLM's connector calls
 
 Weights are random (std 0.02; output projections scaled by 1/sqrt(2·layers) so 32 layers stay
 finite): the benchmark needs the real shapes and FLOPs, not a trained model.
+
+Tensor parallelism (`tp_size` > 1, one process per rank in a `torch.distributed` group), as
+vLLM shards Llama: rank r keeps KV heads [r·Hkv/tp, (r+1)·Hkv/tp) and the query heads that
+attend to them (QKV column-parallel), the matching input rows of o-proj and a 1/tp slice of the
+MLP (gate/up column-parallel, down row-parallel); o-proj's and down-proj's partial sums are
+all-reduced, so every rank holds the whole hidden state and samples the same token. Each rank's
+KV cache holds only its heads: `[2, num_blocks, block_size, Hkv/tp, head_dim]`. Every rank draws
+the full weights from the same seed and keeps its slice, so the ranks agree without a transfer.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 
 from pegaflow.minivllm.attention import attend, attend_varlen
@@ -133,9 +142,27 @@ class LayerHooks(Protocol):
 class LlamaModel:
     """Weights and the forward over a `StepBatch`; stateless between steps."""
 
-    def __init__(self, cfg: LlamaConfig, device: str | torch.device = "cpu", seed: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1}")
+        if cfg.num_kv_heads % tp_size or cfg.intermediate_size % tp_size:
+            raise ValueError(
+                f"tp_size {tp_size} must divide num_kv_heads {cfg.num_kv_heads} and "
+                f"intermediate_size {cfg.intermediate_size} of {cfg.name}"
+            )
         self.cfg = cfg
         self.device = torch.device(device)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # This rank's heads: KV heads, and the query heads grouped under them.
+        self.kv_heads = cfg.num_kv_heads // tp_size
+        self.q_heads = cfg.num_heads // tp_size
         dt = cfg.torch_dtype
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
@@ -160,6 +187,8 @@ class LlamaModel:
                     "down": randn(h, cfg.intermediate_size, s=out_std),
                 }
             )
+        if tp_size > 1:
+            self.layers = [self._shard(w) for w in self.layers]
         # The forward's view of the weights: GEMM operands pre-transposed, one tuple a layer (every
         # torch call costs ~10 us of CPU, and the warm step is launch-bound).
         self._fw = [
@@ -173,6 +202,37 @@ class LlamaModel:
             ** (torch.arange(0, hd, 2, dtype=torch.float32, device=self.device) / hd)
         )
         self.scale = 1.0 / math.sqrt(hd)
+
+    def _shard(self, w: dict) -> dict:
+        """This rank's slice of one layer's weights. QKV rows are Q heads in head order, then K,
+        then V heads; query head j attends KV head j // (Hq/Hkv) (attention.py), so a rank's
+        query heads are one contiguous run, as are its K and V heads."""
+        cfg, r, hd = self.cfg, self.tp_rank, self.cfg.head_dim
+        nq, nkv, ql, kl = cfg.num_heads, cfg.num_kv_heads, self.q_heads, self.kv_heads
+        il = cfg.intermediate_size // self.tp_size
+        inter = cfg.intermediate_size
+        qkv = w["qkv"]
+        q = qkv[r * ql * hd : (r + 1) * ql * hd]
+        k = qkv[(nq + r * kl) * hd : (nq + (r + 1) * kl) * hd]
+        v = qkv[(nq + nkv + r * kl) * hd : (nq + nkv + (r + 1) * kl) * hd]
+        gu = w["gate_up"]
+        return {
+            "in_norm": w["in_norm"],
+            "qkv": torch.cat([q, k, v]).contiguous(),
+            "o": w["o"][:, r * ql * hd : (r + 1) * ql * hd].contiguous(),
+            "post_norm": w["post_norm"],
+            "gate_up": torch.cat([gu[r * il : (r + 1) * il], gu[inter + r * il : inter + (r + 1) * il]]).contiguous(),
+            "down": w["down"][:, r * il : (r + 1) * il].contiguous(),
+        }
+
+    def _reduce_into(self, x: torch.Tensor, a: torch.Tensor, w_t: torch.Tensor) -> None:
+        """x += a @ w_t, summed over the TP ranks (each holds a slice of the contraction)."""
+        if self.tp_size == 1:
+            x.addmm_(a, w_t)
+            return
+        part = torch.mm(a, w_t)
+        torch.distributed.all_reduce(part)
+        x.add_(part)
 
     # ------------------------------------------------------------------ pieces
 
@@ -195,8 +255,7 @@ class LlamaModel:
     def kv_planes(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of one layer's paged cache, made once: K and V planes as [slots, 1, Hkv, D] (the
         shape the step's K/V come in), and both planes as [2, slots, Hkv, D] for the gather."""
-        cfg = self.cfg
-        both = cache.view(2, -1, cfg.num_kv_heads, cfg.head_dim)
+        both = cache.view(2, -1, self.kv_heads, self.cfg.head_dim)
         k, v = both.unsqueeze(2).unbind(0)
         return k, v, both
 
@@ -238,7 +297,7 @@ class LlamaModel:
         views prepared once), no host sync inside. `planes`: `kv_planes` of each cache, when
         the caller keeps them."""
         cfg = self.cfg
-        nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nq, nkv, hd = self.q_heads, self.kv_heads, cfg.head_dim
         g = nq // nkv
         half = hd // 2
         eps = cfg.rms_norm_eps
@@ -266,11 +325,11 @@ class LlamaModel:
             attn = self._attention(q, k, v, planes[i], b)
             if hooks is not None:
                 hooks.post_attention(i, kv_caches[i])
-            x.addmm_(attn.reshape(t, nq * hd), o_t)  # x is this forward's own tensor
+            self._reduce_into(x, attn.reshape(t, nq * hd), o_t)  # x is this forward's own tensor
             h = F.rms_norm(x, (x.shape[-1],), post_norm, eps) if fused_norm else self._rms_norm(x, post_norm)
             gate, up = torch.mm(h, gu_t).chunk(2, dim=-1)
             F.silu(gate, inplace=True).mul_(up)
-            x.addmm_(gate, down_t)
+            self._reduce_into(x, gate, down_t)
             if hooks is not None:
                 hooks.layer_end(i)
         return self._rms_norm(x[b.logits_indices], self.norm)

@@ -117,7 +117,7 @@ class ModelRunner:
         # starts (no overlap of load and compute), to measure what layer-wise load saves.
         self.load_then_compute = load_then_compute
         alloc = kv_cache_allocator or default_kv_cache_allocator
-        shape = (2, num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (2, num_blocks, cfg.block_size, model.kv_heads, cfg.head_dim)  # this rank's heads
         self.layer_names = [cfg.layer_name(i) for i in range(cfg.num_layers)]
         # Insertion order is execution order (vLLM builds this dict from the model's layers).
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -135,6 +135,17 @@ class ModelRunner:
         self._pending_load = False
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
+
+    # ------------------------------------------------------------------ inspection
+
+    def kv_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """A copy of blocks `block_ids` of every layer's cache (this rank's heads), by layer."""
+        return {name: t[:, block_ids].clone() for name, t in self.kv_caches.items()}
+
+    def fill_kv(self, value: float) -> None:
+        """Overwrites every layer's cache with `value` (tests: only a real load restores it)."""
+        for t in self.kv_caches.values():
+            t.fill_(value)
 
     # ------------------------------------------------------------------ state
 

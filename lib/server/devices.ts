@@ -1,0 +1,100 @@
+/**
+ * Which devices a server serves and on which NUMA node each sits, resolved
+ * at start-up: `--devices` defaults to every visible GPU on cuda (device 0 on
+ * the host backend, which has no physical devices), and a listed id the
+ * machine does not have is refused with the count it has.
+ *
+ * @module
+ */
+import { deviceCount, deviceNumaNode } from "../../ffi/mod.ts";
+import type { Logger } from "../log.ts";
+import { onlineNodes, planPlacement, type PoolPlacement } from "../numa.ts";
+
+/** The backend a server will run on and the devices it serves. */
+export interface ServedDevices {
+  /** `auto` resolved: cuda where a GPU is usable, else host. */
+  backend: "cuda" | "host";
+  devices: number[];
+}
+
+/**
+ * Resolves `--devices` against the machine.
+ *
+ * @throws Error naming the id and the device count when `devices` lists a
+ * GPU this machine does not have.
+ */
+export function resolveDevices(
+  backend: "auto" | "cuda" | "host",
+  devices: readonly number[] | undefined,
+): ServedDevices {
+  if (backend === "host") return { backend, devices: [...(devices ?? [0])] };
+  const count = deviceCount(backend); // cuda without a driver throws PF_ENODEV
+  if (count === 0) return { backend: "host", devices: [...(devices ?? [0])] };
+  if (devices === undefined) {
+    return {
+      backend: "cuda",
+      devices: Array.from({ length: count }, (_, i) => i),
+    };
+  }
+  for (const d of devices) {
+    if (d >= count) {
+      throw new Error(
+        `--devices ${devices.join(",")}: device ${d} does not exist; this machine has ${count} ` +
+          `CUDA device${count === 1 ? "" : "s"} (${count === 1 ? "0" : `0..${count - 1}`})`,
+      );
+    }
+  }
+  return { backend: "cuda", devices: [...devices] };
+}
+
+/**
+ * Each served device's NUMA node: sysfs through the library on cuda; on the
+ * host backend the test map (`PEGAFLOW_TEST_NUMA_NODES`) or none.
+ */
+export function deviceNodes(
+  served: ServedDevices,
+  testMap: ReadonlyMap<number, number> | undefined,
+): Map<number, number> {
+  if (served.backend === "host") return new Map(testMap ?? []);
+  return new Map(served.devices.map((d) => [d, deviceNumaNode("cuda", d)]));
+}
+
+/** What {@link numaPlacement} reads of the server's configuration. */
+export interface NumaConfig {
+  disableNumaAffinity: boolean;
+  testNumaNodes?: ReadonlyMap<number, number>;
+}
+
+/**
+ * The pool's split across NUMA nodes for the served devices (lib/numa.ts),
+ * or undefined for one part: `--disable-numa-affinity`, or the devices sit
+ * on fewer than two known nodes (one-node hosts, VMs that hide the topology).
+ * Logs the decision either way.
+ */
+export function numaPlacement(
+  cfg: NumaConfig,
+  served: ServedDevices,
+  poolBytes: number,
+  log: Logger,
+): PoolPlacement | undefined {
+  if (cfg.disableNumaAffinity) {
+    log.info("numa placement", { parts: 1, reason: "--disable-numa-affinity" });
+    return undefined;
+  }
+  const nodeOf = deviceNodes(served, cfg.testNumaNodes);
+  const online = onlineNodes();
+  const placement = planPlacement(poolBytes, served.devices, nodeOf, online);
+  log.info("numa placement", {
+    nodes_online: online.join(","),
+    device_nodes: served.devices.map((d) => `${d}:${nodeOf.get(d) ?? -1}`).join(","),
+    parts: placement?.parts.length ?? 1,
+    ...(placement
+      ? {
+        part_nodes: placement.partNodes.join(","),
+        bound_nodes: placement.parts.map((p) => p.node).join(","),
+        part_bytes: placement.parts.map((p) => p.bytes).join(","),
+      }
+      : { reason: "the served devices sit on fewer than two known NUMA nodes" }),
+  });
+  return placement;
+}
