@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 import torch  # noqa: E402
 
+from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.connector.vllm_api import KVTransferConfig  # noqa: E402
 from pegaflow.devserver import DevServer  # noqa: E402
 from pegaflow.minivllm import CONFIGS, EngineConfig, LLMEngine, LlamaModel  # noqa: E402
@@ -133,9 +134,53 @@ def first_token(eng: LLMEngine, prompt: list[int], timeout_s: float = 120.0):
     )
 
 
-def phases_ms(eng: LLMEngine, req) -> dict[str, float]:
-    """The last step's phases (recorded with the timeline) in ms since the request arrived."""
-    ph = eng.last_runner_output.phases or {}
+class ControlPlaneClock:
+    """Marks when this process sent a QueryPrefetch, got its answer, and sent a Load (the
+    control plane a warm request waits on before its copy starts), by wrapping the client's
+    methods while a timed request runs. perf_counter times, like the engine's phases."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+        # The same marks in wall-clock ms, to line up with the server's debug log
+        # ("local rpc" lines carry in_epoch_ms / out_epoch_ms).
+        self.epoch_ms: dict[str, float] = {}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> "ControlPlaneClock":
+        marks = self.marks
+        query, load_nowait = PegaflowClient.query_prefetch, PegaflowClient.load_nowait
+
+        epoch = self.epoch_ms
+
+        def timed_query(client, *a, **kw):
+            marks.setdefault("query_sent", time.perf_counter())
+            epoch.setdefault("query_sent", time.time() * 1e3)
+            try:
+                return query(client, *a, **kw)
+            finally:
+                marks.setdefault("query_answered", time.perf_counter())
+                epoch.setdefault("query_answered", time.time() * 1e3)
+
+        def timed_load(client, *a, **kw):
+            marks.setdefault("load_sent", time.perf_counter())
+            epoch.setdefault("load_sent", time.time() * 1e3)
+            return load_nowait(client, *a, **kw)
+
+        self._saved = {"query_prefetch": query, "load_nowait": load_nowait}
+        PegaflowClient.query_prefetch = timed_query  # type: ignore[method-assign]
+        PegaflowClient.load_nowait = timed_load  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._saved.items():
+            setattr(PegaflowClient, name, fn)
+
+
+def phases_ms(eng: LLMEngine, req, extra: dict[str, float] | None = None) -> dict[str, float]:
+    """The last step's phases (recorded with the timeline), plus `extra` marks, in ms since
+    the request arrived."""
+    ph = dict(eng.last_runner_output.phases or {})
+    ph.update(extra or {})
     return {k: (v - req.arrival_time) * 1e3 for k, v in sorted(ph.items(), key=lambda kv: kv[1])}
 
 
@@ -421,8 +466,14 @@ class Bench:
         # Warm from PegaFlow, layer-wise.
         for _ in range(a.warmup):
             self.warm_run(eng, prompt)
-        _, wreq, wlogits, wtable, timeline = self.warm_run(eng, prompt, timeline=True)
-        res["warm_phases_ms"] = phases_ms(eng, wreq)
+        with ControlPlaneClock() as clock:
+            _, wreq, wlogits, wtable, timeline = self.warm_run(eng, prompt, timeline=True)
+        res["warm_phases_ms"] = phases_ms(eng, wreq, clock.marks)
+        res["warm_control_plane_epoch_ms"] = clock.epoch_ms
+        if timeline:  # layer 0 seen usable (waits are timed from just after pre_forward_done)
+            res["warm_phases_ms"]["layer0_landed"] = (
+                res["warm_phases_ms"]["pre_forward_done"] + timeline[0].wait_end_ms
+            )
         res["correctness"] = self.check(n, st, eng, wreq, wlogits, wtable)
         res["timeline"] = [t.__dict__ for t in timeline or []]
         if timeline:
@@ -685,7 +736,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-size", default=None)
-    p.add_argument("--transfer-path", default="dma", choices=["auto", "kernel", "dma"])
+    p.add_argument("--transfer-path", default="auto", choices=["auto", "kernel", "dma"])
     p.add_argument("--decode-requests", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=None)
     p.add_argument("--decode-prompt", type=int, default=None)

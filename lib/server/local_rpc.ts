@@ -58,6 +58,8 @@ function frame(callId: number, status: number, payload: Uint8Array): Uint8Array 
   return out;
 }
 
+const round3 = (x: number) => Math.round(x * 1e3) / 1e3;
+
 async function writeAll(conn: Deno.Conn, bytes: Uint8Array): Promise<void> {
   let off = 0;
   while (off < bytes.length) off += await conn.write(bytes.subarray(off));
@@ -88,6 +90,7 @@ export function serveLocalRpc(
 ): LocalRpcServer {
   const conns = new Set<Deno.Conn>();
   let closed = false;
+  const traced = log.enabled("debug");
   const path = listener.addr.path ?? "";
 
   const serveConn = async (conn: Deno.UnixConn) => {
@@ -119,7 +122,17 @@ export function serveLocalRpc(
         unknown,
         unknown
       >;
+      // Wall-clock ms of arrival and answer, to line up with an engine's own clock (debug only).
+      const tIn = traced ? performance.timeOrigin + performance.now() : 0;
       handler(call, (err, res) => {
+        if (traced) {
+          log.debug("local rpc", {
+            method: name,
+            call: callId,
+            in_epoch_ms: round3(tIn),
+            out_epoch_ms: round3(performance.timeOrigin + performance.now()),
+          });
+        }
         if (err) {
           const details = new TextEncoder().encode(err.details ?? "");
           send(frame(callId, err.code ?? STATUS_INTERNAL, details));
