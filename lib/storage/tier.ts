@@ -158,6 +158,8 @@ export interface RamFill {
 export interface RamExtents {
   readonly extents: readonly PoolExtent[];
   readonly payloadBytes: number;
+  /** CRC32C of the payload recorded after the seal, or undefined when none was recorded yet. */
+  readonly checksum: number | undefined;
 }
 
 /**
@@ -201,6 +203,11 @@ export interface TierHost {
   payloadBytes(namespace: string): number | undefined;
   /** Pins the sealed ones of `hashes` under one transfer lock; null when none is held. */
   pin(namespace: string, hashes: readonly Uint8Array[], requester: string): RamPin | null;
+  /**
+   * Records each block's CRC32C of its payload (index-aligned with `hashes`)
+   * for later pins to carry; blocks no longer held are skipped.
+   */
+  recordChecksums(namespace: string, hashes: readonly Uint8Array[], crcs: ArrayLike<number>): void;
 }
 
 /**

@@ -20,7 +20,7 @@
  */
 
 import { mergeExtents } from "../transfer/ranges.ts";
-import { rankSlots } from "./block.ts";
+import { NO_CHECKSUM, rankSlots } from "./block.ts";
 import { LeaseError } from "./errors.ts";
 import { offsetIndex, type OffsetTable } from "./offsets.ts";
 import type { KvStore } from "./store.ts";
@@ -71,6 +71,10 @@ export function storeTierHost(store: KvStore): TierHost {
       return l ? l.layers * rankSlots(l) * l.segments * l.segmentBytes : undefined;
     },
 
+    recordChecksums(namespace, hashes, crcs) {
+      store.recordChecksums(namespace, hashes, crcs);
+    },
+
     pin(namespace, hashes, requester): RamPin | null {
       const layout = store.layoutOf(namespace);
       if (!layout || hashes.length === 0) return null;
@@ -97,9 +101,11 @@ export function storeTierHost(store: KvStore): TierHost {
             }
           }
         }
+        const crc = lock.checksums[i];
         blocks[lock.found[i]] = {
           extents: mergeExtents(own, lock.segmentBytes),
           payloadBytes: per * lock.segmentBytes,
+          checksum: crc === NO_CHECKSUM ? undefined : crc,
         };
       }
       let released = false;
