@@ -114,8 +114,17 @@ export interface PeerTierOptions {
   log: Logger;
   fetchTimeoutMs?: number;
   rpcTimeoutMs?: number;
-  /** Lock TTL asked of owners; default: fetch timeout + 2 RPC timeouts. */
+  /**
+   * Lock TTL asked of owners; default: the READ deadline plus one RPC
+   * deadline (the lock answer's transit before the READ starts).
+   */
   lockTtlMs?: number;
+  /**
+   * Test hook (env `PEGAFLOW_TEST_PEER_READ_DELAY_MS`): awaited after the
+   * owner locked the blocks and the transfer peer is connected, right before
+   * the READ is submitted, so a test can freeze or kill a node mid-fetch.
+   */
+  beforeRead?: () => Promise<void>;
   stageMetrics?: (stage: string) => StageMetrics;
   /** Called with each fetch's duration in seconds (a histogram). */
   onFetchDuration?: (seconds: number) => void;
@@ -227,7 +236,7 @@ export class PeerTier implements Tier {
     this.#o = opts;
     this.#fetchTimeout = opts.fetchTimeoutMs ?? DEFAULT_PEER_FETCH_TIMEOUT_MS;
     this.#rpcTimeout = opts.rpcTimeoutMs ?? DEFAULT_PEER_RPC_TIMEOUT_MS;
-    this.#lockTtl = opts.lockTtlMs ?? this.#fetchTimeout + 2 * this.#rpcTimeout;
+    this.#lockTtl = opts.lockTtlMs ?? this.#fetchTimeout + this.#rpcTimeout;
     this.#checksums = new Stage<ChecksumJob, void>(
       "peer.checksum",
       {
@@ -461,9 +470,15 @@ export class PeerTier implements Tier {
       await release();
       return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
     }
+    if (this.#o.beforeRead) await this.#o.beforeRead();
     let done;
     try {
       done = peer.submit(batch);
+      this.#o.log.debug("peer read submitted", {
+        owner: owner.nodeId,
+        blocks: fills.length,
+        bytes: batch.bytes,
+      });
     } catch (e) {
       // Refused before anything moved: the fills were never written.
       for (const f of fills) f.abort();

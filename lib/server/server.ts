@@ -82,6 +82,20 @@ export function allocationUnit(hint: number): number {
   return u;
 }
 
+/** `PEGAFLOW_TEST_PEER_READ_DELAY_MS` (tests only): the peer tier waits this long before each READ. */
+function readDelayHook(log: Logger): (() => Promise<void>) | undefined {
+  const v = Deno.env.get("PEGAFLOW_TEST_PEER_READ_DELAY_MS");
+  if (!v) return undefined;
+  const ms = Number(v);
+  if (!Number.isInteger(ms) || ms < 0) {
+    throw new Error(`PEGAFLOW_TEST_PEER_READ_DELAY_MS must be an integer ≥ 0, got "${v}"`);
+  }
+  return () => {
+    log.warn("test hook: delaying the peer read", { delay_ms: ms });
+    return new Promise((r) => setTimeout(r, ms));
+  };
+}
+
 /** A started server. */
 export interface RunningServer {
   /** Bound gRPC address host:port. */
@@ -259,6 +273,7 @@ export async function startServer(
         fetchTimeoutMs: cfg.peer.fetchTimeoutMs,
         stageMetrics: (stage) => metrics.stage(stage),
         onFetchDuration: observeFetch,
+        beforeRead: readDelayHook(plog),
       });
     }
   }
