@@ -28,7 +28,12 @@ import { registerSsdMetrics } from "../ssd/metrics.ts";
 import { LowerTiers } from "../storage/lower_tiers.ts";
 import { storeTierHost } from "../storage/tier_host.ts";
 import { registerTierMetrics } from "./tier_metrics.ts";
-import { type BlockIndexHandle, indexAdvertiser, openBlockIndex } from "../index/attach.ts";
+import {
+  advertisedFills,
+  type BlockIndexHandle,
+  indexAdvertiser,
+  openBlockIndex,
+} from "../index/attach.ts";
 import { type OpenedTransport, openTransport } from "../transfer/transport.ts";
 import { registerTransferMetrics } from "../transfer/metrics.ts";
 import { poolChecksums } from "../../ffi/uring.ts";
@@ -212,7 +217,10 @@ export async function startServer(
   // Cross-node (docs/peer.md): where the block index runs, this node opens a
   // transfer endpoint over its pool, grants transfer locks to peers, and —
   // unless --peer-fetch false — fetches from peers on a local miss.
-  const tierHost = storeTierHost(store);
+  // Blocks the tiers bring into RAM are advertised like saved ones.
+  const tierHost = advertiser
+    ? advertisedFills(storeTierHost(store), advertiser)
+    : storeTierHost(store);
   const plog = log.child({ component: "peer" });
   let transfer: OpenedTransport | undefined;
   if (cfg.index.redisUrl) {

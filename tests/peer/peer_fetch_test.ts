@@ -11,7 +11,6 @@ import { RedisBlockIndex } from "../../lib/index/block_index.ts";
 import { uid } from "../server/harness.ts";
 import { makeCluster } from "./_cluster.ts";
 import {
-  assertClean,
   engineOn,
   loadAndVerify,
   metric,
@@ -79,6 +78,58 @@ Deno.test("a prefix saved on node A is loaded by an engine on node B, every byte
     await probe.close();
     await a.stop();
     await b.stop();
+    await c.remove();
+  }
+});
+
+Deno.test("three nodes: B fetches from the longest owner, C completes its partial prefix from A or B", async () => {
+  const c = await makeCluster(3, "f3");
+  const [a, b, cc] = [await c.start(0), await c.start(1), await c.start(2)];
+  const probe = new RedisBlockIndex({
+    url: c.redis.url,
+    nodeId: "probe",
+    advertiseAddr: "probe:1",
+    listSealed: () => [],
+  });
+  probe.start();
+  const ns = uid("ns");
+  const hashes = prefix(2, 8);
+  const [simA, simB, simC] = [
+    await engineOn(a, ns, 16),
+    await engineOn(b, ns, 16),
+    await engineOn(cc, ns, 16),
+  ];
+  try {
+    await savePrefix(simA, hashes);
+    await savePrefix(simC, hashes.slice(0, 4));
+    await waitFor("both saves advertised", async () => {
+      const r = await probe.lookup(ns, hashes);
+      return r.owners.length === 2 && r.owners[0].length === 8;
+    });
+    const fromA = await pollQuery(simB, hashes, "q-b");
+    assert.equal(fromA.answer.hits, 8);
+    await loadAndVerify(simB, hashes, fromA.answer.leaseId, 8);
+    assert.equal(await metric(a, "pegaflow_peer_locks_total", '{event="granted"}'), 1);
+    assert.equal(await metric(cc, "pegaflow_peer_locks_total", '{event="granted"}'), 0);
+
+    // C holds the first 4 in RAM; the other 4 come from a node holding the whole prefix.
+    await waitFor(
+      "B's fetched blocks advertised",
+      async () =>
+        (await probe.lookup(ns, hashes)).owners.filter((o) => o.length === 8).length === 2,
+    );
+    const fromPeer = await pollQuery(simC, hashes, "q-c");
+    assert.equal(fromPeer.loading, true);
+    assert.equal(fromPeer.answer.hits, 8);
+    await loadAndVerify(simC, hashes, fromPeer.answer.leaseId, 8);
+    assert.equal(await metric(cc, "pegaflow_peer_fetch_blocks_total"), 4);
+    const granted = await metric(a, "pegaflow_peer_locks_total", '{event="granted"}') +
+      await metric(b, "pegaflow_peer_locks_total", '{event="granted"}');
+    assert.equal(granted, 2, "one lock for B's fetch, one for C's");
+  } finally {
+    for (const s of [simA, simB, simC]) s.close();
+    await probe.close();
+    for (const s of [a, b, cc]) await s.stop();
     await c.remove();
   }
 });
