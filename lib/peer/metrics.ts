@@ -68,6 +68,18 @@ export function registerPeerMetrics(
     const s = tier();
     return s && [[{}, s.bytes]];
   });
+  counter("pegaflow_peer_read_bytes_total", "bytes of peer READ batches that ended OK", () => {
+    const s = tier();
+    return s && [[{}, s.readBytes]];
+  });
+  counter(
+    "pegaflow_peer_read_seconds_total",
+    "time of peer READ batches that ended OK, submit to completion (the wire part of a fetch)",
+    () => {
+      const s = tier();
+      return s && [[{}, s.readSeconds]];
+    },
+  );
   counter(
     "pegaflow_peer_checksums_total",
     "block checksums computed, by when: after the seal, or at lock time (not recorded yet)",

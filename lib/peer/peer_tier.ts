@@ -48,7 +48,7 @@ import { hashHex } from "../storage/keys.ts";
 import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { LookupResult } from "../index/block_index.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
-import { XferBatch, type XferEndpoint, type XferPeer } from "../../ffi/xfer.ts";
+import { XferBatch, type XferEndpoint, type XferPeer, type XferResult } from "../../ffi/xfer.ts";
 import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
@@ -64,6 +64,15 @@ export const DEFAULT_PEER_RPC_TIMEOUT_MS = 2_000;
 const FORGET_AFTER_MS = 60_000;
 /** Depth of the seal-time checksum queue (sealed batches; a full queue drops, the lock computes). */
 const CHECKSUM_QUEUE_DEPTH = 64;
+/**
+ * Bytes per READ batch of a fetch: big enough that each batch still stripes
+ * over every stream at full rate, small enough that verifying one chunk
+ * overlaps the next chunks' reads (the last chunk's checksum is what a fetch
+ * adds to the wire time: ~4 ms at 9 GB/s).
+ */
+export const PIPELINE_CHUNK_BYTES = 32 << 20;
+/** Most READ batches one fetch puts in flight (a peer takes 256). */
+const MAX_PIPELINE_CHUNKS = 64;
 /** A lookup result answers `has` for this long. */
 const LOOKUP_MEMO_MS = 1_000;
 
@@ -95,6 +104,9 @@ export interface PeerTierStats {
   failures: Record<PeerFetchFailure, number>;
   blocks: number;
   bytes: number;
+  /** Bytes and time of the READ batches that ended OK (the transport's own ns), for the wire rate. */
+  readBytes: number;
+  readSeconds: number;
   /** Checksums recorded after a seal (the checksum stage). */
   checksumsAtSeal: number;
   /** Seal batches the full checksum queue dropped (their checksums are computed at lock time). */
@@ -114,6 +126,8 @@ export interface PeerTierOptions {
   log: Logger;
   fetchTimeoutMs?: number;
   rpcTimeoutMs?: number;
+  /** Bytes per READ batch of a fetch (pipelined). Default {@link PIPELINE_CHUNK_BYTES}. */
+  chunkBytes?: number;
   /**
    * Lock TTL asked of owners; default: the READ deadline plus one RPC
    * deadline (the lock answer's transit before the READ starts).
@@ -209,7 +223,7 @@ export class PeerTier implements Tier {
   readonly #xferPeers = new Map<string, Promise<XferPeer>>();
   readonly #memo = new Map<string, { length: number; at: number }>();
   readonly #checksums: Stage<ChecksumJob, void>;
-  readonly #pendingChecksums = new Set<Promise<unknown>>();
+  readonly #pending = new Set<Promise<unknown>>();
   readonly #stats: Omit<PeerTierStats, "inflight"> = {
     fetches: 0,
     fetchesOk: 0,
@@ -227,6 +241,8 @@ export class PeerTier implements Tier {
     },
     blocks: 0,
     bytes: 0,
+    readBytes: 0,
+    readSeconds: 0,
     checksumsAtSeal: 0,
     checksumDropped: 0,
   };
@@ -268,8 +284,8 @@ export class PeerTier implements Tier {
       return { status: "dropped", blocks: blocks.hashes.length, duplicates: 0 };
     }
     const ended = sub.done();
-    this.#pendingChecksums.add(ended);
-    ended.then(() => this.#pendingChecksums.delete(ended));
+    this.#pending.add(ended);
+    ended.then(() => this.#pending.delete(ended));
     return { status: "queued", blocks: blocks.hashes.length, duplicates: 0 };
   }
 
@@ -340,9 +356,15 @@ export class PeerTier implements Tier {
     return { state: this.#closed ? "closed" : "up", capacityBytes: 0, usedBytes: 0, blocks: 0 };
   }
 
-  /** Resolves when every checksum job and fetch started so far has ended. */
+  /** Keeps `p` (a background release) until it settles, for flush and close. */
+  #track(p: Promise<unknown>): void {
+    this.#pending.add(p);
+    p.finally(() => this.#pending.delete(p));
+  }
+
+  /** Resolves when every checksum job, fetch and lock release started so far has ended. */
   async flush(): Promise<void> {
-    while (this.#pendingChecksums.size > 0) await Promise.all(this.#pendingChecksums);
+    while (this.#pending.size > 0) await Promise.all(this.#pending);
     await Promise.all([...this.#running.values()].map((f) => f.done));
   }
 
@@ -352,6 +374,7 @@ export class PeerTier implements Tier {
     this.#closed = true;
     await this.#checksums.drain();
     await Promise.all([...this.#running.values()].map((f) => f.done));
+    while (this.#pending.size > 0) await Promise.all(this.#pending);
     for (const p of this.#xferPeers.values()) {
       await p.then((peer) => peer.close(), () => {});
     }
@@ -400,7 +423,9 @@ export class PeerTier implements Tier {
 
   async #fetchOnce(index: PeerIndex, blocks: TierBlocks): Promise<void> {
     const { namespace, hashes, layout } = blocks;
+    const t0 = performance.now();
     const found = await index.lookup(namespace, hashes);
+    const tLookup = performance.now();
     if (!found.available) return this.#fail("index-down");
     this.#memo.set(this.#key(namespace, hashes[0]), { length: found.length, at: Date.now() });
     const owner = found.owners[0];
@@ -421,6 +446,7 @@ export class PeerTier implements Tier {
     if (res.lockId.length === 0) {
       return this.#fail("owner-miss", { owner: owner.nodeId, reason: res.missReason });
     }
+    const tLock = performance.now();
     const release = () =>
       this.#o.links.release(owner.addr, res.lockId, index.nodeId, this.#rpcTimeout).catch(
         (e: Error) =>
@@ -440,97 +466,157 @@ export class PeerTier implements Tier {
         : `owner transport ${res.transport}: peer fetch over RDMA needs the QP handshake (not built)`;
       return this.#fail("bad-answer", { owner: owner.nodeId, error: why });
     }
-    // Pool space here, whole blocks, in prefix order; stop at the first that cannot be placed.
-    const fills: RamFill[] = [];
-    try {
-      for (let i = 0; i < remote.length; i++) {
-        const f = this.#o.host.fill(namespace, want[i], PEER_TIER_NAME, "reclaimable");
-        if (!f) break;
-        fills.push(f);
-      }
-    } catch (e) {
-      for (const f of fills) f.abort();
-      await release();
-      throw e;
-    }
-    if (fills.length === 0) {
-      await release();
-      return this.#fail("no-pool-space", { owner: owner.nodeId });
-    }
-    let segs = 0;
-    for (let i = 0; i < fills.length; i++) segs += remote[i].length + fills[i].extents.length;
-    const batch = new XferBatch(segs).reset("read", this.#fetchTimeout);
-    for (let i = 0; i < fills.length; i++) pairRanges(batch, remote[i], fills[i].extents);
-
     let peer: XferPeer;
     try {
       peer = await this.#xferPeer(res.xferAddr);
     } catch (e) {
-      for (const f of fills) f.abort();
       await release();
       return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
     }
+    const tConnect = performance.now();
     if (this.#o.beforeRead) await this.#o.beforeRead();
-    let done;
-    try {
-      done = peer.submit(batch);
-      this.#o.log.debug("peer read submitted", {
-        owner: owner.nodeId,
-        blocks: fills.length,
-        bytes: batch.bytes,
-      });
-    } catch (e) {
-      // Refused before anything moved: the fills were never written.
-      for (const f of fills) f.abort();
-      this.#dropPeer(res.xferAddr, peer);
-      await release();
-      return this.#fail("transfer", { owner: owner.nodeId, error: (e as Error).message });
+
+    // Pipelined: the prefix is read in chunks, each planned (pool space here,
+    // whole blocks, prefix order) and submitted while the previous ones are
+    // on the wire; each chunk is verified as soon as it landed, while the
+    // later ones still read. Planning stops at the first block that cannot
+    // be placed.
+    const per = Math.max(
+      1,
+      Math.floor((this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES) / res.payloadBytes),
+      Math.ceil(remote.length / MAX_PIPELINE_CHUNKS),
+    );
+    interface Chunk {
+      fills: RamFill[];
+      from: number;
+      done: Promise<XferResult>;
+      submittedAt: number;
     }
-    // The record is posted only once nothing can land in the fills any more (#403).
-    const r = await done;
-    if (r.status !== 0) {
-      for (const f of fills) f.abort();
-      if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
-      await release();
-      return this.#fail(r.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
-        owner: owner.nodeId,
-        status: r.statusName,
-      });
+    const chunks: Chunk[] = [];
+    let refused: string | undefined;
+    let planned = 0;
+    const tSubmit = performance.now();
+    for (let from = 0; from < remote.length && refused === undefined; from += per) {
+      const fills: RamFill[] = [];
+      const to = Math.min(from + per, remote.length);
+      let segs = 0;
+      try {
+        for (let i = from; i < to; i++) {
+          const f = this.#o.host.fill(namespace, want[i], PEER_TIER_NAME, "reclaimable");
+          if (!f) break;
+          fills.push(f);
+          segs += remote[i].length + f.extents.length;
+        }
+      } catch (e) {
+        for (const f of fills) f.abort();
+        refused = (e as Error).message;
+        break;
+      }
+      if (fills.length === 0) break;
+      planned += fills.length;
+      const batch = new XferBatch(segs).reset("read", this.#fetchTimeout);
+      for (let k = 0; k < fills.length; k++) pairRanges(batch, remote[from + k], fills[k].extents);
+      try {
+        chunks.push({ fills, from, done: peer.submit(batch), submittedAt: performance.now() });
+      } catch (e) {
+        // Refused before anything moved: these fills were never written.
+        for (const f of fills) f.abort();
+        refused = (e as Error).message;
+        this.#dropPeer(res.xferAddr, peer);
+        break;
+      }
+      if (chunks.length === 1) {
+        this.#o.log.debug("peer read submitted", { owner: owner.nodeId, blocks: remote.length });
+      }
+      if (fills.length < to - from) break;
     }
-    let crcs: Uint32Array;
-    try {
-      crcs = await this.#o.checksum(fills.map((f) => f.extents));
-    } catch (e) {
-      for (const f of fills) f.abort();
+    if (chunks.length === 0) {
       await release();
-      throw e;
+      return refused !== undefined
+        ? this.#fail("transfer", { owner: owner.nodeId, error: refused })
+        : this.#fail("no-pool-space", { owner: owner.nodeId });
     }
+
+    // Each chunk's fills are freed only after its completion record: the
+    // transport posts it once nothing can land in them any more (#403).
     const good: Uint8Array[] = [];
     const goodCrcs: number[] = [];
     let bad = 0;
-    for (let i = 0; i < fills.length; i++) {
-      if (crcs[i] === res.checksums[i]) {
-        fills[i].commit();
-        good.push(want[i]);
-        goodCrcs.push(crcs[i]);
-      } else {
-        fills[i].abort();
-        bad++;
-        this.#o.log.warn("peer block failed its checksum: not served", {
-          owner: owner.nodeId,
-          namespace,
-          block_hash: hashHex(want[i]),
-          expected: res.checksums[i],
-          got: crcs[i],
-        });
+    let failed: XferResult | undefined;
+    let readEnd = 0;
+    for (let ci = 0; ci < chunks.length; ci++) {
+      const c = chunks[ci];
+      const r = await c.done;
+      if (r.status !== 0) {
+        for (const f of c.fills) f.abort();
+        failed ??= r;
+        continue;
+      }
+      readEnd = Math.max(readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
+      this.#stats.readBytes += c.fills.length * res.payloadBytes;
+      let crcs: Uint32Array;
+      try {
+        crcs = await this.#o.checksum(c.fills.map((f) => f.extents));
+      } catch (e) {
+        // A bug, not bad bytes: free this chunk, and each later one once it ended.
+        for (const f of c.fills) f.abort();
+        for (const later of chunks.slice(ci + 1)) {
+          await later.done;
+          for (const f of later.fills) f.abort();
+        }
+        await release();
+        throw e;
+      }
+      for (let k = 0; k < c.fills.length; k++) {
+        const i = c.from + k;
+        if (crcs[k] === res.checksums[i]) {
+          c.fills[k].commit();
+          good.push(want[i]);
+          goodCrcs.push(crcs[k]);
+        } else {
+          c.fills[k].abort();
+          bad++;
+          this.#o.log.warn("peer block failed its checksum: not served", {
+            owner: owner.nodeId,
+            namespace,
+            block_hash: hashHex(want[i]),
+            expected: res.checksums[i],
+            got: crcs[k],
+          });
+        }
       }
     }
-    await release();
+    const tVerify = performance.now();
+    this.#stats.readSeconds += readEnd / 1e3;
+    // The blocks are committed: the answer need not wait for the release's round trip.
+    this.#track(release());
     if (good.length > 0) this.#o.host.recordChecksums(namespace, good, goodCrcs);
+    if (failed && peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
+    if (failed) {
+      this.#fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
+        owner: owner.nodeId,
+        status: failed.statusName,
+      });
+    }
     if (bad > 0) this.#stats.failures.checksum += bad;
     if (good.length > 0) this.#stats.fetchesOk++;
     this.#stats.blocks += good.length;
     this.#stats.bytes += good.length * res.payloadBytes;
+    const ms = (a: number, b: number) => Math.round((b - a) * 100) / 100;
+    this.#o.log.info("peer fetch done", {
+      owner: owner.nodeId,
+      namespace,
+      blocks: good.length,
+      planned,
+      bad,
+      chunks: chunks.length,
+      bytes: good.length * res.payloadBytes,
+      lookup_ms: ms(t0, tLookup),
+      lock_ms: ms(tLookup, tLock),
+      connect_ms: ms(tLock, tConnect),
+      read_ms: Math.round(readEnd * 100) / 100,
+      total_ms: ms(t0, tVerify),
+    });
   }
 
   #xferPeer(addr: string): Promise<XferPeer> {

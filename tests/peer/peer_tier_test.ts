@@ -84,7 +84,7 @@ function payloadOf(host: TierHost, mem: Uint8Array, h: Uint8Array): Uint8Array |
   return out;
 }
 
-async function twoNodes() {
+async function twoNodes(chunkBytes?: number) {
   const owner = node(1), req = node(2);
   const locks = new PeerLockTable({
     host: owner.host,
@@ -128,6 +128,7 @@ async function twoNodes() {
     checksum: req.checksum,
     log,
     fetchTimeoutMs: 2000,
+    chunkBytes,
   });
   return {
     owner,
@@ -180,8 +181,9 @@ Deno.test("blocks fetched from a peer land byte-exact and sealed in RAM, the own
   }
 });
 
-Deno.test("a block whose bytes changed after its checksum was recorded is never served", async () => {
-  const t = await twoNodes();
+Deno.test("a block whose bytes changed after its checksum was recorded is never served (fetch read in chunks of 2 blocks)", async () => {
+  // 96 KiB blocks, 200 KiB chunks: 2 blocks per READ batch, verified batch by batch.
+  const t = await twoNodes(200 * 1024);
   try {
     const hashes = [10, 11, 12, 13].map(hash);
     const payloads = seal(t.owner, hashes);
