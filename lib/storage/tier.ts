@@ -7,8 +7,8 @@
  * polled for that fetch.
  *
  * Two sides, both ports:
- *  - {@link Tier}: implemented by each tier (lib/ssd/ssd_tier_port.ts; the
- *    peer tier of issue 13 next). The server reaches tiers only through
+ *  - {@link Tier}: implemented by each tier (lib/ssd/ssd_tier_port.ts,
+ *    lib/peer/peer_tier.ts). The server reaches tiers only through
  *    {@link LowerTiers} (lib/storage/lower_tiers.ts), which the composition
  *    root builds once.
  *  - {@link TierHost}: the RAM side a tier fills into and reads from,
