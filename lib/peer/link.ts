@@ -12,6 +12,9 @@ import {
   type QueryBlocksForTransferResponse,
 } from "../../proto/pegaflow.ts";
 
+/** Largest lock answer accepted: the owner's default --max-message-size. */
+const MAX_LOCK_ANSWER_BYTES = 64 << 20;
+
 /** Clients of other nodes' `Peer` service, by address. */
 export class PeerLinks {
   readonly #clients = new Map<string, PeerClient>();
@@ -23,6 +26,8 @@ export class PeerLinks {
         // A dead owner must fail the call fast, not wait for the default backoff.
         "grpc.initial_reconnect_backoff_ms": 100,
         "grpc.max_reconnect_backoff_ms": 1_000,
+        // A lock answer lists every locked block's pool ranges (peer_tier.ts bounds it).
+        "grpc.max_receive_message_length": MAX_LOCK_ANSWER_BYTES,
       });
       this.#clients.set(addr, c);
     }

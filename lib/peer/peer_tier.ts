@@ -73,6 +73,13 @@ const CHECKSUM_QUEUE_DEPTH = 64;
 export const PIPELINE_CHUNK_BYTES = 32 << 20;
 /** Most READ batches one fetch puts in flight (a peer takes 256). */
 const MAX_PIPELINE_CHUNKS = 64;
+/**
+ * Most blocks one fetch locks and reads (2 GiB of Llama-3.1-8B blocks): it
+ * bounds the lock answer (extents of a block of 80 layers × TP 8 × K/V are
+ * 20 KiB), which must fit the owner's --max-message-size (64 MiB default).
+ * A longer prefix is fetched up to here; the engine loads that part.
+ */
+const MAX_FETCH_BLOCKS = 1024;
 /** A lookup result answers `has` for this long. */
 const LOOKUP_MEMO_MS = 1_000;
 
@@ -430,7 +437,7 @@ export class PeerTier implements Tier {
     this.#memo.set(this.#key(namespace, hashes[0]), { length: found.length, at: Date.now() });
     const owner = found.owners[0];
     if (!owner || owner.length === 0) return this.#fail("no-owner");
-    const want = hashes.slice(0, owner.length);
+    const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
     let res: QueryBlocksForTransferResponse;
     try {
       res = await this.#o.links.lock(owner.addr, {
@@ -519,10 +526,11 @@ export class PeerTier implements Tier {
       try {
         chunks.push({ fills, from, done: peer.submit(batch), submittedAt: performance.now() });
       } catch (e) {
-        // Refused before anything moved: these fills were never written.
+        // Refused before anything moved: these fills were never written. A broken
+        // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
         for (const f of fills) f.abort();
         refused = (e as Error).message;
-        this.#dropPeer(res.xferAddr, peer);
+        if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
         break;
       }
       if (chunks.length === 1) {
