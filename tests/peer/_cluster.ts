@@ -20,9 +20,11 @@ export interface Cluster {
   /** The namespace of node i (netns mode) and the address it binds. */
   nodeNs(i: number): string | undefined;
   nodeAddr(i: number): string;
-  /** Starts node i's server with the cluster's index flags plus `flags`. */
+  /** Starts node i's server with the cluster's index flags plus `flags`; stopped by remove(). */
   start(i: number, flags?: string[], env?: Record<string, string>): Promise<ServerProc>;
-  /** Kills Redis and removes the namespaces and the bridge. */
+  /** Runs `fn` in remove(), before the servers stop (latest first): engines, probes. */
+  defer(fn: () => void | Promise<void>): void;
+  /** Runs the deferred cleanups, stops the servers, kills Redis, removes the namespaces and the bridge. */
   remove(): Promise<void>;
 }
 
@@ -30,10 +32,29 @@ async function quietIp(...args: string[]): Promise<void> {
   await new Deno.Command("ip", { args, stdout: "null", stderr: "null" }).output();
 }
 
+/** Second octets of the 10.X.0.0/24 routes this (root) namespace has now. */
+async function usedOctets(): Promise<Set<number>> {
+  const out = await new Deno.Command("ip", { args: ["-4", "route"], stdout: "piped" }).output();
+  const used = new Set<number>();
+  for (const m of new TextDecoder().decode(out.stdout).matchAll(/^10\.(\d+)\.0\.0\/24/gm)) {
+    used.add(Number(m[1]));
+  }
+  return used;
+}
+
+/** Test files run in parallel in one process: the subnet starts from the tag, skips taken ones. */
+function tagHash(tag: string): number {
+  let h = 0;
+  for (const ch of tag) h = (h * 31 + ch.charCodeAt(0)) >>> 0;
+  return h;
+}
+
 /** Makes the namespaces and the bridge, or returns why it could not. */
 async function makeNetns(n: number, tag: string) {
   const id = `${tag}${Deno.pid}`.slice(0, 9);
-  const octet = 16 + (Deno.pid % 200);
+  const used = await usedOctets();
+  let octet = 100 + (tagHash(tag) % 150);
+  while (used.has(octet)) octet = 100 + ((octet - 100 + 1) % 150);
   const br = `pfbr${id}`.slice(0, 15);
   const ns = Array.from({ length: n }, (_, i) => `pfn${i}${id}`);
   const remove = async () => {
@@ -43,6 +64,13 @@ async function makeNetns(n: number, tag: string) {
   try {
     await ip("link", "add", br, "type", "bridge");
     await ip("addr", "add", `10.${octet}.0.254/24`, "dev", br);
+    // Another cluster made at the same moment may have taken the subnet: give up clearly.
+    const routes = new TextDecoder().decode(
+      (await new Deno.Command("ip", { args: ["-4", "route"], stdout: "piped" }).output()).stdout,
+    );
+    if (routes.split("\n").filter((l) => l.startsWith(`10.${octet}.0.0/24 `)).length > 1) {
+      throw new Error(`subnet 10.${octet}.0.0/24 is taken by another bridge`);
+    }
     await ip("link", "set", br, "up");
     for (let i = 0; i < n; i++) {
       const inside = `pv${i}${id}`.slice(0, 15), outside = `ph${i}${id}`.slice(0, 15);
@@ -85,14 +113,24 @@ export async function makeCluster(n: number, tag: string): Promise<Cluster> {
     throw e;
   }
   const addr = (i: number) => netns ? netns.addr(i) : "127.0.0.1";
+  const servers: ServerProc[] = [];
+  const deferred: (() => void | Promise<void>)[] = [];
+  const attempt = async (what: string, fn: () => void | Promise<void>) => {
+    try {
+      await fn();
+    } catch (e) {
+      console.error(`cluster cleanup (${what}): ${(e as Error).message}`);
+    }
+  };
   return {
     mode: netns ? "netns" : "loopback",
     why: typeof net === "string" ? net : undefined,
     redis,
     nodeNs: (i) => netns?.ns[i],
     nodeAddr: addr,
-    start: (i, flags = [], env = {}) =>
-      startServer(
+    defer: (fn) => void deferred.push(fn),
+    async start(i, flags = [], env = {}) {
+      const srv = await startServer(
         [
           "--addr",
           `${addr(i)}:0`,
@@ -112,9 +150,15 @@ export async function makeCluster(n: number, tag: string): Promise<Cluster> {
         ],
         env,
         netns?.ns[i],
-      ),
+      );
+      servers.push(srv);
+      return srv;
+    },
     async remove() {
-      await redis.stop();
+      // Engines and probes first (latest first), then the servers, Redis, the network.
+      for (const fn of deferred.reverse()) await attempt("deferred", fn);
+      for (const srv of servers) await attempt("server", () => srv.stop());
+      await attempt("redis", () => redis.stop());
       await netns?.remove();
     },
   };

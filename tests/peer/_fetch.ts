@@ -10,21 +10,38 @@ import type { QueryResult } from "../../lib/client/client.ts";
 import { LLAMA_3_1_8B, type SimEngine } from "../../lib/client/sim_engine.ts";
 import { hostSim, type ServerProc, uid } from "../server/harness.ts";
 import { waitFor } from "../index/_redis.ts";
+import { RedisBlockIndex } from "../../lib/index/block_index.ts";
+import type { Cluster } from "./_cluster.ts";
 
 /** Two layers of Llama-3.1-8B: 128 KiB per block (2 layers × K/V × 32 KiB). */
 export const MODEL = { ...LLAMA_3_1_8B, numLayers: 2 };
 /** Most polls of one query (each 20 ms apart): far beyond a fetch's deadline. */
 const MAX_POLLS = 1_500;
 
-/** An engine of `namespace` on `srv`, registered. */
+/** An engine of `namespace` on `srv`, registered; closed by the cluster's remove(). */
 export async function engineOn(
+  c: Cluster,
   srv: ServerProc,
   namespace: string,
   numBlocks: number,
 ): Promise<SimEngine> {
   const sim = hostSim(srv, { instanceId: uid("inst"), namespace, model: MODEL, numBlocks });
+  c.defer(() => sim.close());
   await sim.register();
   return sim;
+}
+
+/** A client of the cluster's index (another node id), closed by the cluster's remove(). */
+export function probeOf(c: Cluster, nodeId = "probe", addr = "probe:1"): RedisBlockIndex {
+  const p = new RedisBlockIndex({
+    url: c.redis.url,
+    nodeId,
+    advertiseAddr: addr,
+    listSealed: () => [],
+  });
+  p.start();
+  c.defer(() => p.close());
+  return p;
 }
 
 /** `n` chained block hashes of a synthetic prompt. */

@@ -7,11 +7,10 @@
  */
 
 import assert from "node:assert/strict";
-import { RedisBlockIndex } from "../../lib/index/block_index.ts";
 import type { ServerProc } from "../server/harness.ts";
 import { uid } from "../server/harness.ts";
 import { stopProcess } from "../xfer/_harness.ts";
-import { type Cluster, makeCluster } from "./_cluster.ts";
+import { makeCluster } from "./_cluster.ts";
 import {
   assertClean,
   engineOn,
@@ -19,28 +18,25 @@ import {
   metric,
   pollQuery,
   prefix,
+  probeOf,
   savePrefix,
   waitFor,
 } from "./_fetch.ts";
 
-function probeOf(c: Cluster, nodeId = "probe", addr = "probe:1"): RedisBlockIndex {
-  const p = new RedisBlockIndex({
-    url: c.redis.url,
-    nodeId,
-    advertiseAddr: addr,
-    listSealed: () => [],
-  });
-  p.start();
-  return p;
-}
+/**
+ * How long a requester waits (test hook) between the owner's lock and its
+ * READ: ample for the test to freeze or kill a node there, even on a loaded
+ * machine (the test waits for the hook's log line, never for the time).
+ */
+const READ_DELAY_MS = "3000";
 
 function logged(srv: ServerProc, text: string): () => boolean {
   return () => srv.logs().some((l) => l.includes(text));
 }
 
+/** SIGKILL (a stopped process dies as it is: no SIGCONT first, which would let it answer). */
 function kill(srv: ServerProc): Promise<Deno.CommandStatus> {
   try {
-    Deno.kill(srv.pid, "SIGCONT");
     Deno.kill(srv.pid, "SIGKILL");
   } catch (_e) {
     // already gone
@@ -50,16 +46,16 @@ function kill(srv: ServerProc): Promise<Deno.CommandStatus> {
 
 Deno.test("the owner SIGKILLed in the middle of a read: the query ends as a miss, nothing dirty on the requester", async () => {
   const c = await makeCluster(2, "kA");
-  const a = await c.start(0);
-  // B pauses right before submitting its READ, so the test can freeze A first:
-  // the READ is then certainly in flight when A dies.
-  const b = await c.start(1, [], { PEGAFLOW_TEST_PEER_READ_DELAY_MS: "300" });
-  const probe = probeOf(c);
-  const ns = uid("ns");
-  const hashes = prefix(3, 16);
-  const simA = await engineOn(a, ns, 16);
-  const simB = await engineOn(b, ns, 16);
   try {
+    const a = await c.start(0);
+    // B pauses right before submitting its READ, so the test can freeze A first:
+    // the READ is then certainly in flight when A dies.
+    const b = await c.start(1, [], { PEGAFLOW_TEST_PEER_READ_DELAY_MS: READ_DELAY_MS });
+    const probe = probeOf(c);
+    const ns = uid("ns");
+    const hashes = prefix(3, 16);
+    const simA = await engineOn(c, a, ns, 16);
+    const simB = await engineOn(c, b, ns, 16);
     await savePrefix(simA, hashes);
     await waitFor("advertised", async () => (await probe.lookup(ns, hashes)).length === 16);
     const q = pollQuery(simB, hashes, "q-kill");
@@ -81,36 +77,29 @@ Deno.test("the owner SIGKILLed in the middle of a read: the query ends as a miss
     assert.equal(own.answer.hits, 2);
     await b.client.release(own.answer.leaseId);
   } finally {
-    simA.close();
-    simB.close();
-    await probe.close();
-    await a.stop();
-    await b.stop();
     await c.remove();
   }
 });
 
 Deno.test("a lock whose requester vanished expires on the owner, and its blocks become evictable again", async () => {
   const c = await makeCluster(2, "kB");
-  const a = await c.start(0);
-  // B asks for a lock of its READ deadline + one RPC deadline (1 s + 2 s), then stalls.
-  const b = await c.start(1, ["--peer-fetch-timeout-ms", "1000"], {
-    PEGAFLOW_TEST_PEER_READ_DELAY_MS: "60000",
-  });
-  const probe = probeOf(c);
-  const ns = uid("ns");
-  const hashes = prefix(4, 8);
-  const simA = await engineOn(a, ns, 16);
-  const simB = await engineOn(b, ns, 16);
   try {
+    const a = await c.start(0);
+    // B asks for a lock of its READ deadline + one RPC deadline (1 s + 2 s), then stalls.
+    const b = await c.start(1, ["--peer-fetch-timeout-ms", "1000"], {
+      PEGAFLOW_TEST_PEER_READ_DELAY_MS: "60000",
+    });
+    const probe = probeOf(c);
+    const ns = uid("ns");
+    const hashes = prefix(4, 8);
+    const simA = await engineOn(c, a, ns, 16);
+    const simB = await engineOn(c, b, ns, 16);
     await savePrefix(simA, hashes);
     await waitFor("advertised", async () => (await probe.lookup(ns, hashes)).length === 8);
-    const q = simB.query(hashes, "q-vanish");
-    assert.equal((await q).kind, "loading");
+    assert.equal((await simB.query(hashes, "q-vanish")).kind, "loading");
     await waitFor("B holds A's lock", logged(b, "delaying the peer read"));
     assert.equal(await metric(a, "pegaflow_peer_locks_held"), 1);
     assert.equal(await metric(a, "pegaflow_pinned_blocks"), 8);
-    simB.close();
     await kill(b);
     await waitFor(
       "the lock expired",
@@ -125,27 +114,22 @@ Deno.test("a lock whose requester vanished expires on the owner, and its blocks 
     await res.body?.cancel();
     await assertClean(a, "owner after the lock expired and everything was evicted");
   } finally {
-    simA.close();
-    await probe.close();
-    await a.stop();
-    await b.stop();
     await c.remove();
   }
 });
 
 Deno.test("Redis killed: a local miss stays a miss and both nodes serve locally; Redis back: the fetch works again", async () => {
   const c = await makeCluster(2, "kR");
-  const a = await c.start(0);
-  const b = await c.start(1);
-  const ns = uid("ns");
-  const hashes = prefix(5, 8);
-  const simA = await engineOn(a, ns, 16);
-  const simB = await engineOn(b, ns, 16);
-  let probe = probeOf(c);
   try {
+    const a = await c.start(0);
+    const b = await c.start(1);
+    const ns = uid("ns");
+    const hashes = prefix(5, 8);
+    const simA = await engineOn(c, a, ns, 16);
+    const simB = await engineOn(c, b, ns, 16);
+    const before = probeOf(c, "probe-before");
     await savePrefix(simA, hashes);
-    await waitFor("advertised", async () => (await probe.lookup(ns, hashes)).length === 8);
-    await probe.close();
+    await waitFor("advertised", async () => (await before.lookup(ns, hashes)).length === 8);
     await c.redis.kill();
 
     const down = await pollQuery(simB, hashes, "q-down");
@@ -156,10 +140,10 @@ Deno.test("Redis killed: a local miss stays a miss and both nodes serve locally;
     await assertClean(b, "requester while Redis is down");
 
     await c.redis.restart();
-    probe = probeOf(c);
+    const after = probeOf(c, "probe-after");
     await waitFor(
       "A re-advertised",
-      async () => (await probe.lookup(ns, hashes)).length === 8,
+      async () => (await after.lookup(ns, hashes)).length === 8,
       15_000,
     );
     await waitFor(
@@ -176,28 +160,23 @@ Deno.test("Redis killed: a local miss stays a miss and both nodes serve locally;
     }
     assert.ok(errors >= 1, `B counted the outage: ${errors} index errors`);
   } finally {
-    simA.close();
-    simB.close();
-    await probe.close();
-    await a.stop();
-    await b.stop();
     await c.remove();
   }
 });
 
 Deno.test("an owner that lost the blocks after the index named it (evicted between lookup and lock) answers a clean miss", async () => {
   const c = await makeCluster(2, "kE");
-  const a = await c.start(0);
-  const b = await c.start(1);
-  const probe = probeOf(c);
-  const ns = uid("ns");
-  const hashes = prefix(6, 4);
-  const simA = await engineOn(a, ns, 16);
-  const simB = await engineOn(b, ns, 16);
-  // The index still names A after A evicted: a stale entry, as after a lost
-  // withdraw, a failover, or an eviction racing the requester's lookup.
-  const stale = probeOf(c, "stale-entry", a.grpc);
   try {
+    const a = await c.start(0);
+    const b = await c.start(1);
+    const probe = probeOf(c);
+    const ns = uid("ns");
+    const hashes = prefix(6, 4);
+    const simA = await engineOn(c, a, ns, 16);
+    const simB = await engineOn(c, b, ns, 16);
+    // The index still names A after A evicted: a stale entry, as after a lost
+    // withdraw, a failover, or an eviction racing the requester's lookup.
+    const stale = probeOf(c, "stale-entry", a.grpc);
     await savePrefix(simA, hashes);
     await waitFor("advertised", async () => (await probe.lookup(ns, hashes)).length === 4);
     assert.equal(await stale.advertise(ns, hashes), true);
@@ -210,18 +189,15 @@ Deno.test("an owner that lost the blocks after the index named it (evicted betwe
     const q = await pollQuery(simB, hashes, "q-stale");
     assert.equal(q.loading, true);
     assert.equal(q.answer.hits, 0);
-    assert.equal(await metric(b, "pegaflow_peer_fetch_failures_total", '{reason="owner-miss"}'), 1);
+    assert.equal(
+      await metric(b, "pegaflow_peer_fetch_failures_total", '{reason="owner-miss"}'),
+      1,
+    );
     assert.equal(await metric(a, "pegaflow_peer_lock_misses_total", '{reason="not-held"}'), 1);
     assert.equal(await metric(a, "pegaflow_peer_locks_held"), 0);
     await assertClean(b, "requester after a stale index entry");
     await assertClean(a, "owner after refusing the lock");
   } finally {
-    simA.close();
-    simB.close();
-    await stale.close();
-    await probe.close();
-    await a.stop();
-    await b.stop();
     await c.remove();
   }
 });

@@ -7,7 +7,6 @@
  */
 
 import assert from "node:assert/strict";
-import { RedisBlockIndex } from "../../lib/index/block_index.ts";
 import { uid } from "../server/harness.ts";
 import { makeCluster } from "./_cluster.ts";
 import {
@@ -16,26 +15,21 @@ import {
   metric,
   pollQuery,
   prefix,
+  probeOf,
   savePrefix,
   waitFor,
 } from "./_fetch.ts";
 
 Deno.test("a prefix saved on node A is loaded by an engine on node B, every byte verified", async () => {
   const c = await makeCluster(2, "f2");
-  const a = await c.start(0);
-  const b = await c.start(1);
-  const probe = new RedisBlockIndex({
-    url: c.redis.url,
-    nodeId: "probe",
-    advertiseAddr: "probe:1",
-    listSealed: () => [],
-  });
-  probe.start();
-  const ns = uid("ns");
-  const hashes = prefix(1, 8);
-  const simA = await engineOn(a, ns, 16);
-  const simB = await engineOn(b, ns, 16);
   try {
+    const a = await c.start(0);
+    const b = await c.start(1);
+    const probe = probeOf(c);
+    const ns = uid("ns");
+    const hashes = prefix(1, 8);
+    const simA = await engineOn(c, a, ns, 16);
+    const simB = await engineOn(c, b, ns, 16);
     await savePrefix(simA, hashes);
     await waitFor(
       "A's save is advertised",
@@ -73,33 +67,20 @@ Deno.test("a prefix saved on node A is loaded by an engine on node B, every byte
     assert.equal(await metric(a, "pegaflow_peer_checksums_total", '{when="lock"}'), 0);
     console.log(`peer fetch over ${c.mode}${c.why ? ` (${c.why})` : ""}`);
   } finally {
-    simA.close();
-    simB.close();
-    await probe.close();
-    await a.stop();
-    await b.stop();
     await c.remove();
   }
 });
 
 Deno.test("three nodes: B fetches from the longest owner, C completes its partial prefix from A or B", async () => {
   const c = await makeCluster(3, "f3");
-  const [a, b, cc] = [await c.start(0), await c.start(1), await c.start(2)];
-  const probe = new RedisBlockIndex({
-    url: c.redis.url,
-    nodeId: "probe",
-    advertiseAddr: "probe:1",
-    listSealed: () => [],
-  });
-  probe.start();
-  const ns = uid("ns");
-  const hashes = prefix(2, 8);
-  const [simA, simB, simC] = [
-    await engineOn(a, ns, 16),
-    await engineOn(b, ns, 16),
-    await engineOn(cc, ns, 16),
-  ];
   try {
+    const [a, b, cc] = [await c.start(0), await c.start(1), await c.start(2)];
+    const probe = probeOf(c);
+    const ns = uid("ns");
+    const hashes = prefix(2, 8);
+    const simA = await engineOn(c, a, ns, 16);
+    const simB = await engineOn(c, b, ns, 16);
+    const simC = await engineOn(c, cc, ns, 16);
     await savePrefix(simA, hashes);
     await savePrefix(simC, hashes.slice(0, 4));
     await waitFor("both saves advertised", async () => {
@@ -127,9 +108,6 @@ Deno.test("three nodes: B fetches from the longest owner, C completes its partia
       await metric(b, "pegaflow_peer_locks_total", '{event="granted"}');
     assert.equal(granted, 2, "one lock for B's fetch, one for C's");
   } finally {
-    for (const s of [simA, simB, simC]) s.close();
-    await probe.close();
-    for (const s of [a, b, cc]) await s.stop();
     await c.remove();
   }
 });

@@ -166,6 +166,7 @@ Deno.test("blocks fetched from a peer land byte-exact and sealed in RAM, the own
       assert.equal(t.req.store.blockState(NS, hashes[i]), "sealed");
       assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i], `block ${i}`);
     }
+    await t.tier.flush(); // the lock release runs after the answer
     const s = t.tier.stats();
     assert.equal(s.blocks, 5);
     assert.equal(s.fetchesOk, 1);
