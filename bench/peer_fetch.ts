@@ -77,7 +77,15 @@ interface Run {
   /** B's "peer fetch done" log line: time per phase (ms). */
   phases: Record<string, number>;
 }
-const PHASES = ["lookup_ms", "lock_ms", "connect_ms", "read_ms", "total_ms"];
+const PHASES = [
+  "lookup_ms",
+  "lock_ms",
+  "connect_ms",
+  "plan_ms",
+  "read_ms",
+  "verify_tail_ms",
+  "total_ms",
+];
 const runs: Run[] = [];
 let xferAddr = "";
 try {

@@ -538,6 +538,7 @@ export class PeerTier implements Tier {
       }
       if (fills.length < to - from) break;
     }
+    const tPlanned = performance.now();
     if (chunks.length === 0) {
       await release();
       return refused !== undefined
@@ -622,7 +623,9 @@ export class PeerTier implements Tier {
       lookup_ms: ms(t0, tLookup),
       lock_ms: ms(tLookup, tLock),
       connect_ms: ms(tLock, tConnect),
+      plan_ms: ms(tSubmit, tPlanned),
       read_ms: Math.round(readEnd * 100) / 100,
+      verify_tail_ms: ms(tSubmit + readEnd, tVerify),
       total_ms: ms(t0, tVerify),
     });
   }
