@@ -294,3 +294,41 @@ Deno.test("the Peer service refuses malformed lock requests naming the field, an
     await t.close();
   }
 });
+
+Deno.test("a prefix no peer holds answers loading once, then a clean miss; nothing is planned", async () => {
+  const t = await twoNodes();
+  try {
+    const hashes = [20, 21].map(hash);
+    t.setOwned(0);
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "r3");
+    assert.equal(t.tier.take("r3").state, "none", "ready is answered once");
+    assert.equal(t.tier.stats().failures["no-owner"], 1);
+    assert.equal(t.locks.stats().granted, 0);
+    assert.equal(t.req.store.stats().usedBytes, 0);
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("two requests starting at the same missing block share one fetch and one lock", async () => {
+  const t = await twoNodes();
+  try {
+    const hashes = [30, 31, 32].map(hash);
+    const payloads = seal(t.owner, hashes);
+    t.setOwned(3);
+    const blocks = { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) };
+    assert.equal(t.tier.prefetch("ra", blocks).state, "loading");
+    assert.equal(t.tier.prefetch("rb", blocks).state, "loading");
+    for (const id of ["ra", "rb"]) {
+      while (t.tier.take(id).state === "loading") await new Promise((r) => setTimeout(r, 5));
+    }
+    await t.tier.flush();
+    assert.equal(t.tier.stats().fetches, 1);
+    assert.equal(t.locks.stats().granted, 1);
+    for (let i = 0; i < 3; i++) {
+      assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i]);
+    }
+  } finally {
+    await t.close();
+  }
+});
