@@ -201,3 +201,43 @@ Deno.test("an owner that lost the blocks after the index named it (evicted betwe
     await c.remove();
   }
 });
+
+Deno.test("a READ that timed out never lands in the requester's pool, even once its space is reused (#403)", async () => {
+  const c = await makeCluster(2, "kT");
+  try {
+    const a = await c.start(0);
+    const b = await c.start(1, ["--peer-fetch-timeout-ms", "1500"], {
+      PEGAFLOW_TEST_PEER_READ_DELAY_MS: READ_DELAY_MS,
+    });
+    const probe = probeOf(c);
+    const ns = uid("ns");
+    const lent = prefix(7, 16);
+    const own = prefix(8, 16);
+    const simA = await engineOn(c, a, ns, 16);
+    const simB = await engineOn(c, b, ns, 16);
+    await savePrefix(simA, lent);
+    await waitFor("advertised", async () => (await probe.lookup(ns, lent)).length === 16);
+    const q = pollQuery(simB, lent, "q-timeout");
+    await waitFor("B holds A's lock and waits to read", logged(b, "delaying the peer read"));
+    await stopProcess(a.pid); // frozen, not dead: its answer will come, late
+    const { answer } = await q;
+    assert.equal(answer.hits, 0);
+    assert.equal(await metric(b, "pegaflow_peer_fetch_failures_total", '{reason="timeout"}'), 1);
+    await assertClean(b, "requester after its READ timed out");
+    // B's pool is empty again: its own save is placed where the timed-out fetch had planned.
+    // Then A wakes and sends its answer to the READ that already ended.
+    await savePrefix(simB, own);
+    Deno.kill(a.pid, "SIGCONT");
+    await waitFor(
+      "the late answer arrived and was discarded",
+      async () => await metric(b, "pegaflow_transfer_late_bytes_total") > 0,
+      15_000,
+    );
+    const mine = await pollQuery(simB, own, "q-own");
+    assert.equal(mine.answer.hits, 16);
+    await loadAndVerify(simB, own, mine.answer.leaseId, 16);
+    assert.equal(await metric(b, "pegaflow_peer_fetch_blocks_total"), 0);
+  } finally {
+    await c.remove();
+  }
+});
