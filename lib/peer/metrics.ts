@@ -132,7 +132,7 @@ export function registerPeerMetrics(
   );
   const duration = new Histogram({
     name: "pegaflow_peer_fetch_duration_seconds",
-    help: "peer fetch duration, index lookup to lock release",
+    help: "peer fetch duration, index lookup to the last block committed (or the failure)",
     buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
     registers: [registry],
   });

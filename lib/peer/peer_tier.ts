@@ -11,12 +11,15 @@
  *     pool ranges and CRC32C;
  *  3. pool space for each block here (`TierHost.fill`, whole blocks, the
  *     "reclaimable" class: evicted before blocks saved here);
- *  4. ONE transfer batch READs every block (owner ranges paired with ours in
- *     payload order), with a deadline;
- *  5. ONE native call checksums what landed; a block whose CRC32C matches is
- *     committed (sealed: the next poll is a RAM hit) and its checksum
- *     recorded, one that does not is freed and counted;
- *  6. the lock is released (a lost release only lets it expire on the owner).
+ *  4. the prefix is read in chunks of {@link PIPELINE_CHUNK_BYTES}: ONE
+ *     transfer batch per chunk (owner ranges paired with ours in payload
+ *     order, a deadline each), planned and submitted while the earlier
+ *     chunks are on the wire;
+ *  5. as each chunk lands, ONE native call checksums it; a block whose
+ *     CRC32C matches is committed (sealed: the next poll is a RAM hit) and
+ *     its checksum recorded, one that does not is freed and counted;
+ *  6. the lock is released in the background once every block is settled
+ *     (a lost release only lets it expire on the owner).
  *
  * Memory safety (the original system's #403): the pool space of a fill is
  * freed only after the transport's completion record for the batch was
