@@ -88,6 +88,21 @@ export function openBlockIndex(
 export function advertisedFills(host: TierHost, advertiser: IndexAdvertiser): TierHost {
   return {
     ...host,
+    fillMany(namespace, hashes, filler, cacheClass) {
+      const b = host.fillMany(namespace, hashes, filler, cacheClass);
+      if (!b) return null;
+      return {
+        blocks: b.blocks,
+        settle: (ok) => {
+          b.settle(ok);
+          const keys: string[] = [];
+          for (let i = 0; i < b.blocks.length; i++) {
+            if (ok(i)) keys.push(blockKey(namespace, hashes[i]));
+          }
+          if (keys.length > 0) advertiser.onSealed(namespace, keys);
+        },
+      };
+    },
     fill(namespace, hash, filler, cacheClass) {
       const f = host.fill(namespace, hash, filler, cacheClass);
       if (!f) return null;

@@ -46,7 +46,7 @@ import type {
   TierPutResult,
   TierTakeAnswer,
 } from "../storage/tier.ts";
-import type { RamFill } from "../storage/tier.ts";
+import type { RamFillBatch } from "../storage/tier.ts";
 import { hashHex } from "../storage/keys.ts";
 import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { LookupResult } from "../index/block_index.ts";
@@ -497,7 +497,8 @@ export class PeerTier implements Tier {
       Math.ceil(remote.length / MAX_PIPELINE_CHUNKS),
     );
     interface Chunk {
-      fills: RamFill[];
+      /** Pool space of this chunk's blocks: one plan, settled once. */
+      fill: RamFillBatch;
       from: number;
       done: Promise<XferResult>;
       submittedAt: number;
@@ -506,32 +507,34 @@ export class PeerTier implements Tier {
     let refused: string | undefined;
     let planned = 0;
     const tSubmit = performance.now();
-    for (let from = 0; from < remote.length && refused === undefined; from += per) {
-      const fills: RamFill[] = [];
+    for (let from = 0; from < remote.length; from += per) {
       const to = Math.min(from + per, remote.length);
-      let segs = 0;
+      let fill: RamFillBatch | null;
       try {
-        for (let i = from; i < to; i++) {
-          const f = this.#o.host.fill(namespace, want[i], PEER_TIER_NAME, "reclaimable");
-          if (!f) break;
-          fills.push(f);
-          segs += remote[i].length + f.extents.length;
-        }
+        fill = this.#o.host.fillMany(
+          namespace,
+          want.slice(from, to),
+          PEER_TIER_NAME,
+          "reclaimable",
+        );
       } catch (e) {
-        for (const f of fills) f.abort();
+        // Planning refused (a store bug): the chunks already on the wire still end below.
         refused = (e as Error).message;
         break;
       }
-      if (fills.length === 0) break;
-      planned += fills.length;
+      if (!fill) break;
+      const n = fill.blocks.length;
+      planned += n;
+      let segs = 0;
+      for (let k = 0; k < n; k++) segs += remote[from + k].length + fill.blocks[k].extents.length;
       const batch = new XferBatch(segs).reset("read", this.#fetchTimeout);
-      for (let k = 0; k < fills.length; k++) pairRanges(batch, remote[from + k], fills[k].extents);
+      for (let k = 0; k < n; k++) pairRanges(batch, remote[from + k], fill.blocks[k].extents);
       try {
-        chunks.push({ fills, from, done: peer.submit(batch), submittedAt: performance.now() });
+        chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
       } catch (e) {
-        // Refused before anything moved: these fills were never written. A broken
+        // Refused before anything moved: this space was never written. A broken
         // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
-        for (const f of fills) f.abort();
+        fill.settle(() => false);
         refused = (e as Error).message;
         if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
         break;
@@ -539,7 +542,7 @@ export class PeerTier implements Tier {
       if (chunks.length === 1) {
         this.#o.log.debug("peer read submitted", { owner: owner.nodeId, blocks: remote.length });
       }
-      if (fills.length < to - from) break;
+      if (n < to - from) break;
     }
     const tPlanned = performance.now();
     if (chunks.length === 0) {
@@ -549,8 +552,8 @@ export class PeerTier implements Tier {
         : this.#fail("no-pool-space", { owner: owner.nodeId });
     }
 
-    // Each chunk's fills are freed only after its completion record: the
-    // transport posts it once nothing can land in them any more (#403).
+    // Each chunk's space is freed only after its completion record: the
+    // transport posts it once nothing can land in it any more (#403).
     const good: Uint8Array[] = [];
     const goodCrcs: number[] = [];
     let bad = 0;
@@ -560,33 +563,34 @@ export class PeerTier implements Tier {
       const c = chunks[ci];
       const r = await c.done;
       if (r.status !== 0) {
-        for (const f of c.fills) f.abort();
+        c.fill.settle(() => false);
         failed ??= r;
         continue;
       }
+      const n = c.fill.blocks.length;
       readEnd = Math.max(readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
-      this.#stats.readBytes += c.fills.length * res.payloadBytes;
+      this.#stats.readBytes += n * res.payloadBytes;
       let crcs: Uint32Array;
       try {
-        crcs = await this.#o.checksum(c.fills.map((f) => f.extents));
+        crcs = await this.#o.checksum(c.fill.blocks.map((b) => b.extents));
       } catch (e) {
         // A bug, not bad bytes: free this chunk, and each later one once it ended.
-        for (const f of c.fills) f.abort();
+        c.fill.settle(() => false);
         for (const later of chunks.slice(ci + 1)) {
           await later.done;
-          for (const f of later.fills) f.abort();
+          later.fill.settle(() => false);
         }
         await release();
         throw e;
       }
-      for (let k = 0; k < c.fills.length; k++) {
+      const verified = (k: number) => crcs[k] === res.checksums[c.from + k];
+      c.fill.settle(verified);
+      for (let k = 0; k < n; k++) {
         const i = c.from + k;
-        if (crcs[k] === res.checksums[i]) {
-          c.fills[k].commit();
+        if (verified(k)) {
           good.push(want[i]);
           goodCrcs.push(crcs[k]);
         } else {
-          c.fills[k].abort();
           bad++;
           this.#o.log.warn("peer block failed its checksum: not served", {
             owner: owner.nodeId,

@@ -187,10 +187,11 @@ export class KvStore {
    * Ends a save or fill. `ok`: the copied slots become FILLED and blocks
    * whose every slot is filled are sealed (servable). Not ok: the plan's
    * slots return to EMPTY and their bytes are freed (blocks left with
-   * nothing are dropped). Throws {@link StaleHandleError} for a plan already
+   * nothing are dropped). `ok` may also be given per plan block (index k in
+   * plan order: a fill whose blocks verify one by one). Throws {@link StaleHandleError} for a plan already
    * completed or foreign.
    */
-  completeSave(plan: SavePlan, ok: boolean): SaveCompletion {
+  completeSave(plan: SavePlan, ok: boolean | ((block: number) => boolean)): SaveCompletion {
     return completePlan(this.#st, plan, ok);
   }
 

@@ -154,6 +154,21 @@ export interface RamFill {
   abort(): void;
 }
 
+/**
+ * Pool space planned for a run of whole blocks in ONE plan (the peer tier's
+ * chunk): `blocks[i]` is the asked `hashes[i]`, a prefix of them (planning
+ * stops at the first block that is held, being saved, or does not fit). The
+ * tier calls `settle` exactly once, saying per block whether its bytes are
+ * its own (sealed) or not (freed).
+ */
+export interface RamFillBatch {
+  readonly blocks: readonly {
+    readonly extents: readonly PoolExtent[];
+    readonly payloadBytes: number;
+  }[];
+  settle(ok: (i: number) => boolean): void;
+}
+
 /** Pool ranges of one pinned block, in payload order. */
 export interface RamExtents {
   readonly extents: readonly PoolExtent[];
@@ -199,6 +214,17 @@ export interface TierHost {
     filler: string,
     cacheClass: FillClass,
   ): RamFill | null;
+  /**
+   * Plans pool space for the leading run of `hashes` that can be placed
+   * whole, in one plan (a handful of allocator calls per slot column instead
+   * of per block). Null when not even the first can be.
+   */
+  fillMany(
+    namespace: string,
+    hashes: readonly Uint8Array[],
+    filler: string,
+    cacheClass: FillClass,
+  ): RamFillBatch | null;
   /** Payload bytes of one block of `namespace` (every slot), or undefined for an unknown namespace. */
   payloadBytes(namespace: string): number | undefined;
   /** Pins the sealed ones of `hashes` under one transfer lock; null when none is held. */
