@@ -239,6 +239,21 @@ Deno.test("a block's checksum is the CRC32C of its payload however the pool cuts
     assert.equal(crcs[0], want);
     assert.equal(crcs[1], want);
     assert.equal(crcs[2], crc32c(bytes.subarray(65536, 65543)));
+    // Lengths around the native code's stripes (3 × 1 KiB interleaved), odd offsets.
+    const cases: { offset: number; bytes: number }[] = [];
+    for (const off of [0, 3, 4096 + 5]) {
+      for (const n of [1, 7, 8, 1023, 3071, 3072, 3073, 6149, 32768, 100_003, (1 << 20) + 13]) {
+        cases.push({ offset: off, bytes: n });
+      }
+    }
+    const got = await poolChecksums(nd.n.pool.handle, cases.map((x) => [x]));
+    cases.forEach((x, i) =>
+      assert.equal(
+        got[i],
+        crc32c(bytes.subarray(x.offset, x.offset + x.bytes)),
+        `${x.bytes} @ ${x.offset}`,
+      )
+    );
     await assert.rejects(
       poolChecksums(nd.n.pool.handle, [[{ offset: POOL - 10, bytes: 11 }]]),
       /outside the pool/,
