@@ -572,6 +572,13 @@ int32_t pf_pool_crc32c(uint32_t pool, const void *desc, uint64_t desc_bytes,
                        uint32_t *out_crcs);
 /* CRC32C of `bytes` at `buf` continuing from `crc` (0 to start). */
 uint32_t pf_crc32c(uint32_t crc, const void *buf, uint64_t bytes);
+/* CRC32C per block of pool ranges: `exts` is num_exts pf_io_ext (pool_off,
+ * bytes > 0); block b covers the next counts[b] of them in order, its CRC
+ * continued across them, into out_crcs[b]. Every extent is checked against
+ * the pool first (PF_ERANGE naming it); the counts must sum to num_exts
+ * (PF_EINVAL). One call per batch; no limit on extents per block. */
+int32_t pf_pool_checksums(uint32_t pool, const void *exts, uint64_t num_exts,
+                          const uint32_t *counts, uint32_t num_blocks, uint32_t *out_crcs);
 
 #ifdef __cplusplus
 }

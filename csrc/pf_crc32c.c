@@ -80,3 +80,45 @@ uint32_t pf_crc32c(uint32_t crc, const void *buf, uint64_t bytes) {
 #endif
   return ~crc_table(crc, buf, bytes);
 }
+
+/* ---- per-block checksums of pool ranges ------------------------------- */
+/*
+ * One call per batch of blocks (the peer tier's seal-time checksums, the
+ * owner's lock answer, the requester's verification): block b covers the
+ * next counts[b] extents, in payload order, and its CRC32C continues across
+ * them, so two nodes whose allocators cut a block into different ranges
+ * agree as long as the bytes in payload order agree. Unlike pf_pool_crc32c
+ * there is no per-op iovec cap: a block of 80 layers × 8 ranks × K/V is
+ * 1,280 extents when nothing merges.
+ */
+int32_t pf_pool_checksums(uint32_t pool, const void *exts, uint64_t num_exts,
+                          const uint32_t *counts, uint32_t num_blocks, uint32_t *out_crcs) {
+  pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_checksums");
+  if (!p) return PF_EHANDLE;
+  if (num_blocks == 0) return PF_OK;
+  if (!exts || !counts || !out_crcs)
+    return pf_fail(PF_EINVAL, "pf_pool_checksums: extents, counts or out_crcs is NULL");
+  const pf_io_ext *x = exts;
+  uint64_t need = 0;
+  for (uint32_t b = 0; b < num_blocks; b++) need += counts[b];
+  if (need != num_exts)
+    return pf_fail(PF_EINVAL, "pf_pool_checksums: %u blocks name %llu extents, %llu given",
+                   num_blocks, (unsigned long long)need, (unsigned long long)num_exts);
+  for (uint64_t e = 0; e < num_exts; e++) {
+    if (x[e].bytes == 0 || x[e].pool_off > p->bytes || x[e].bytes > p->bytes - x[e].pool_off)
+      return pf_fail(PF_ERANGE, "pf_pool_checksums: extent %llu [%llu, +%llu) is empty or "
+                     "outside the pool (%llu bytes)", (unsigned long long)e,
+                     (unsigned long long)x[e].pool_off, (unsigned long long)x[e].bytes,
+                     (unsigned long long)p->bytes);
+  }
+  atomic_fetch_add(&p->inflight, 1);
+  uint64_t e = 0;
+  for (uint32_t b = 0; b < num_blocks; b++) {
+    uint32_t crc = 0;
+    for (uint32_t k = 0; k < counts[b]; k++, e++)
+      crc = pf_crc32c(crc, p->host + x[e].pool_off, x[e].bytes);
+    out_crcs[b] = crc;
+  }
+  atomic_fetch_sub(&p->inflight, 1);
+  return PF_OK;
+}

@@ -46,6 +46,12 @@ export const URING_SYMBOLS = {
     result: "i32",
     nonblocking: true,
   },
+  // Checksums a batch of blocks (MBs): off the JS thread.
+  pf_pool_checksums: {
+    parameters: ["u32", "buffer", "u64", "buffer", "u32", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
 } as const satisfies Deno.ForeignLibraryInterface;
 
 /** `enum pf_io_op`. */
@@ -241,4 +247,55 @@ export async function poolCrc32c(pool: number, desc: Uint8Array, out: Uint32Arra
   if (rc < 0) {
     throw new PegaflowIoError("pf_pool_crc32c", rc, "malformed descriptor or pool handle");
   }
+}
+
+/**
+ * CRC32C of each block's pool ranges (in the order given, continued across
+ * them), computed off the JS thread in ONE FFI call for the whole batch —
+ * never one per block. `blocks[i]` lists block i's extents in payload order;
+ * the answer is index-aligned. Two nodes agree on a block's checksum when its
+ * bytes in payload order agree, however their pools cut it into ranges.
+ *
+ * @example
+ * ```ts
+ * const crcs = await poolChecksums(pool.handle, [[{ offset: 0, bytes: 4096 }]]);
+ * ```
+ */
+export async function poolChecksums(
+  pool: number,
+  blocks: readonly (readonly { offset: number; bytes: number }[])[],
+): Promise<Uint32Array> {
+  const out = new Uint32Array(blocks.length);
+  if (blocks.length === 0) return out;
+  let n = 0;
+  for (const b of blocks) n += b.length;
+  // pf_io_ext {u64 pool_off, u64 bytes} as little-endian u32 words: no BigInt per extent.
+  const exts = new Uint32Array(4 * n);
+  const counts = new Uint32Array(blocks.length);
+  let w = 0;
+  for (let i = 0; i < blocks.length; i++) {
+    counts[i] = blocks[i].length;
+    for (const x of blocks[i]) {
+      exts[w++] = x.offset >>> 0;
+      exts[w++] = (x.offset / 4294967296) >>> 0;
+      exts[w++] = x.bytes >>> 0;
+      exts[w++] = (x.bytes / 4294967296) >>> 0;
+    }
+  }
+  const rc = await uringLib().pf_pool_checksums(
+    pool,
+    new Uint8Array(exts.buffer),
+    BigInt(n),
+    new Uint8Array(counts.buffer),
+    blocks.length,
+    new Uint8Array(out.buffer),
+  );
+  if (rc < 0) {
+    throw new PegaflowIoError(
+      "pf_pool_checksums",
+      rc,
+      `${blocks.length} blocks, ${n} extents: an extent is empty or outside the pool`,
+    );
+  }
+  return out;
 }

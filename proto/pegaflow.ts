@@ -101,6 +101,54 @@ export const protobufFileName = "pegaflow.proto";
  * and layers_ready.
  */
 
+export interface QueryBlocksForTransferRequest {
+  namespace: string;
+  /** the engine's chained hashes, prefix order */
+  blockHashes: Uint8Array[];
+  /** the requester's layout of the namespace */
+  layoutFingerprint: string;
+  /** the requester's node id (logs, lock owner) */
+  requester: string;
+  /** 0 = the owner's default; capped by the owner */
+  lockTtlMs: number;
+}
+
+export interface QueryBlocksForTransferResponse {
+  /** empty: nothing locked (a miss) */
+  lockId: Uint8Array;
+  /** the TTL the owner granted */
+  lockTtlMs: number;
+  /** "tcp" | "rdma" */
+  transport: string;
+  /** TCP: host:port of the owner's transfer listener */
+  xferAddr: string;
+  /** bytes of one block (every slot) */
+  payloadBytes: number;
+  /**
+   * Per locked block, in request order (the held prefix): its CRC32C over
+   * the payload in payload order (docs/tiers.md), and how many extents of
+   * `extents` are its pool ranges.
+   */
+  checksums: number[];
+  extentCounts: number[];
+  /**
+   * Every locked block's pool ranges in payload order, back to back: per
+   * extent a little-endian u64 pool offset then a u64 byte count.
+   */
+  extents: Uint8Array;
+  /** "not-held" | "other-layout" | "unknown-namespace" */
+  missReason: string;
+}
+
+export interface ReleaseTransferLockRequest {
+  lockId: Uint8Array;
+  requester: string;
+}
+
+export interface ReleaseTransferLockResponse {
+  released: boolean;
+}
+
 /**
  * Where one layer's blocks live inside its region:
  *   addr(block, seg) = base_offset + block * block_stride + seg * seg_stride
@@ -296,6 +344,448 @@ export interface HealthResponse {
   /** "cuda" | "host" */
   backend: string;
 }
+
+function createBaseQueryBlocksForTransferRequest(): QueryBlocksForTransferRequest {
+  return { namespace: "", blockHashes: [], layoutFingerprint: "", requester: "", lockTtlMs: 0 };
+}
+
+export const QueryBlocksForTransferRequest: MessageFns<QueryBlocksForTransferRequest> = {
+  encode(
+    message: QueryBlocksForTransferRequest,
+    writer: BinaryWriter = new BinaryWriter(),
+  ): BinaryWriter {
+    if (message.namespace !== "") {
+      writer.uint32(10).string(message.namespace);
+    }
+    for (const v of message.blockHashes) {
+      writer.uint32(18).bytes(v!);
+    }
+    if (message.layoutFingerprint !== "") {
+      writer.uint32(26).string(message.layoutFingerprint);
+    }
+    if (message.requester !== "") {
+      writer.uint32(34).string(message.requester);
+    }
+    if (message.lockTtlMs !== 0) {
+      writer.uint32(40).uint32(message.lockTtlMs);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): QueryBlocksForTransferRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseQueryBlocksForTransferRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.namespace = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.blockHashes.push(reader.bytes());
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.layoutFingerprint = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.requester = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.lockTtlMs = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<QueryBlocksForTransferRequest>, I>>(
+    base?: I,
+  ): QueryBlocksForTransferRequest {
+    return QueryBlocksForTransferRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<QueryBlocksForTransferRequest>, I>>(
+    object: I,
+  ): QueryBlocksForTransferRequest {
+    const message = createBaseQueryBlocksForTransferRequest();
+    message.namespace = object.namespace ?? "";
+    message.blockHashes = object.blockHashes?.map((e) => e) || [];
+    message.layoutFingerprint = object.layoutFingerprint ?? "";
+    message.requester = object.requester ?? "";
+    message.lockTtlMs = object.lockTtlMs ?? 0;
+    return message;
+  },
+};
+
+function createBaseQueryBlocksForTransferResponse(): QueryBlocksForTransferResponse {
+  return {
+    lockId: new Uint8Array(0),
+    lockTtlMs: 0,
+    transport: "",
+    xferAddr: "",
+    payloadBytes: 0,
+    checksums: [],
+    extentCounts: [],
+    extents: new Uint8Array(0),
+    missReason: "",
+  };
+}
+
+export const QueryBlocksForTransferResponse: MessageFns<QueryBlocksForTransferResponse> = {
+  encode(
+    message: QueryBlocksForTransferResponse,
+    writer: BinaryWriter = new BinaryWriter(),
+  ): BinaryWriter {
+    if (message.lockId.length !== 0) {
+      writer.uint32(10).bytes(message.lockId);
+    }
+    if (message.lockTtlMs !== 0) {
+      writer.uint32(16).uint32(message.lockTtlMs);
+    }
+    if (message.transport !== "") {
+      writer.uint32(26).string(message.transport);
+    }
+    if (message.xferAddr !== "") {
+      writer.uint32(34).string(message.xferAddr);
+    }
+    if (message.payloadBytes !== 0) {
+      writer.uint32(40).uint64(message.payloadBytes);
+    }
+    if (message.checksums.length !== 0) {
+      writer.uint32(50).fork();
+      for (const v of message.checksums) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.extentCounts.length !== 0) {
+      writer.uint32(58).fork();
+      for (const v of message.extentCounts) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.extents.length !== 0) {
+      writer.uint32(66).bytes(message.extents);
+    }
+    if (message.missReason !== "") {
+      writer.uint32(74).string(message.missReason);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): QueryBlocksForTransferResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseQueryBlocksForTransferResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.lockId = reader.bytes();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.lockTtlMs = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.transport = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.xferAddr = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.payloadBytes = longToNumber(reader.uint64());
+            continue;
+          }
+          case 6: {
+            if (tag === 48) {
+              message.checksums.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 50) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.checksums.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 7: {
+            if (tag === 56) {
+              message.extentCounts.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 58) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.extentCounts.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.extents = reader.bytes();
+            continue;
+          }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.missReason = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<QueryBlocksForTransferResponse>, I>>(
+    base?: I,
+  ): QueryBlocksForTransferResponse {
+    return QueryBlocksForTransferResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<QueryBlocksForTransferResponse>, I>>(
+    object: I,
+  ): QueryBlocksForTransferResponse {
+    const message = createBaseQueryBlocksForTransferResponse();
+    message.lockId = object.lockId ?? new Uint8Array(0);
+    message.lockTtlMs = object.lockTtlMs ?? 0;
+    message.transport = object.transport ?? "";
+    message.xferAddr = object.xferAddr ?? "";
+    message.payloadBytes = object.payloadBytes ?? 0;
+    message.checksums = object.checksums?.map((e) => e) || [];
+    message.extentCounts = object.extentCounts?.map((e) => e) || [];
+    message.extents = object.extents ?? new Uint8Array(0);
+    message.missReason = object.missReason ?? "";
+    return message;
+  },
+};
+
+function createBaseReleaseTransferLockRequest(): ReleaseTransferLockRequest {
+  return { lockId: new Uint8Array(0), requester: "" };
+}
+
+export const ReleaseTransferLockRequest: MessageFns<ReleaseTransferLockRequest> = {
+  encode(
+    message: ReleaseTransferLockRequest,
+    writer: BinaryWriter = new BinaryWriter(),
+  ): BinaryWriter {
+    if (message.lockId.length !== 0) {
+      writer.uint32(10).bytes(message.lockId);
+    }
+    if (message.requester !== "") {
+      writer.uint32(18).string(message.requester);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ReleaseTransferLockRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseReleaseTransferLockRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.lockId = reader.bytes();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.requester = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<ReleaseTransferLockRequest>, I>>(
+    base?: I,
+  ): ReleaseTransferLockRequest {
+    return ReleaseTransferLockRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ReleaseTransferLockRequest>, I>>(
+    object: I,
+  ): ReleaseTransferLockRequest {
+    const message = createBaseReleaseTransferLockRequest();
+    message.lockId = object.lockId ?? new Uint8Array(0);
+    message.requester = object.requester ?? "";
+    return message;
+  },
+};
+
+function createBaseReleaseTransferLockResponse(): ReleaseTransferLockResponse {
+  return { released: false };
+}
+
+export const ReleaseTransferLockResponse: MessageFns<ReleaseTransferLockResponse> = {
+  encode(
+    message: ReleaseTransferLockResponse,
+    writer: BinaryWriter = new BinaryWriter(),
+  ): BinaryWriter {
+    if (message.released !== false) {
+      writer.uint32(8).bool(message.released);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ReleaseTransferLockResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseReleaseTransferLockResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.released = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<ReleaseTransferLockResponse>, I>>(
+    base?: I,
+  ): ReleaseTransferLockResponse {
+    return ReleaseTransferLockResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ReleaseTransferLockResponse>, I>>(
+    object: I,
+  ): ReleaseTransferLockResponse {
+    const message = createBaseReleaseTransferLockResponse();
+    message.released = object.released ?? false;
+    return message;
+  },
+};
 
 function createBaseLayerGeometry(): LayerGeometry {
   return {
@@ -2445,6 +2935,124 @@ export const EngineClient = makeGenericClientConstructor(
     options?: Partial<ClientOptions>,
   ): EngineClient;
   service: typeof EngineService;
+  serviceName: string;
+};
+
+/**
+ * Node to node: what a node that missed a prefix locally asks the node the
+ * block index names as its owner (docs/peer.md). The owner pins the blocks it
+ * holds under a transfer lock with a TTL; the requester reads their bytes
+ * one-sided over the transfer layer (docs/transfer.md), verifies each block's
+ * CRC32C, and releases the lock. A lock whose requester vanished expires.
+ */
+export type PeerService = typeof PeerService;
+export const PeerService = {
+  /**
+   * Locks the longest prefix of block_hashes this node holds sealed under the
+   * asked layout. An empty lock_id is a miss (miss_reason says why); errors
+   * are gRPC statuses (INVALID_ARGUMENT naming the field, UNAVAILABLE while
+   * the server stops).
+   */
+  queryBlocksForTransfer: {
+    path: "/pegaflow.Peer/QueryBlocksForTransfer" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: QueryBlocksForTransferRequest): Buffer =>
+      Buffer.from(QueryBlocksForTransferRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): QueryBlocksForTransferRequest =>
+      QueryBlocksForTransferRequest.decode(value),
+    responseSerialize: (value: QueryBlocksForTransferResponse): Buffer =>
+      Buffer.from(QueryBlocksForTransferResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): QueryBlocksForTransferResponse =>
+      QueryBlocksForTransferResponse.decode(value),
+  },
+  /**
+   * Ends a lock early (the requester read the bytes or gave up). Unknown or
+   * expired locks answer released = false; never an error.
+   */
+  releaseTransferLock: {
+    path: "/pegaflow.Peer/ReleaseTransferLock" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ReleaseTransferLockRequest): Buffer =>
+      Buffer.from(ReleaseTransferLockRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ReleaseTransferLockRequest =>
+      ReleaseTransferLockRequest.decode(value),
+    responseSerialize: (value: ReleaseTransferLockResponse): Buffer =>
+      Buffer.from(ReleaseTransferLockResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ReleaseTransferLockResponse =>
+      ReleaseTransferLockResponse.decode(value),
+  },
+} as const;
+
+export interface PeerServer extends UntypedServiceImplementation {
+  /**
+   * Locks the longest prefix of block_hashes this node holds sealed under the
+   * asked layout. An empty lock_id is a miss (miss_reason says why); errors
+   * are gRPC statuses (INVALID_ARGUMENT naming the field, UNAVAILABLE while
+   * the server stops).
+   */
+  queryBlocksForTransfer: handleUnaryCall<
+    QueryBlocksForTransferRequest,
+    QueryBlocksForTransferResponse
+  >;
+  /**
+   * Ends a lock early (the requester read the bytes or gave up). Unknown or
+   * expired locks answer released = false; never an error.
+   */
+  releaseTransferLock: handleUnaryCall<ReleaseTransferLockRequest, ReleaseTransferLockResponse>;
+}
+
+export interface PeerClient extends Client {
+  /**
+   * Locks the longest prefix of block_hashes this node holds sealed under the
+   * asked layout. An empty lock_id is a miss (miss_reason says why); errors
+   * are gRPC statuses (INVALID_ARGUMENT naming the field, UNAVAILABLE while
+   * the server stops).
+   */
+  queryBlocksForTransfer(
+    request: QueryBlocksForTransferRequest,
+    callback: (error: ServiceError | null, response: QueryBlocksForTransferResponse) => void,
+  ): ClientUnaryCall;
+  queryBlocksForTransfer(
+    request: QueryBlocksForTransferRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: QueryBlocksForTransferResponse) => void,
+  ): ClientUnaryCall;
+  queryBlocksForTransfer(
+    request: QueryBlocksForTransferRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: QueryBlocksForTransferResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Ends a lock early (the requester read the bytes or gave up). Unknown or
+   * expired locks answer released = false; never an error.
+   */
+  releaseTransferLock(
+    request: ReleaseTransferLockRequest,
+    callback: (error: ServiceError | null, response: ReleaseTransferLockResponse) => void,
+  ): ClientUnaryCall;
+  releaseTransferLock(
+    request: ReleaseTransferLockRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ReleaseTransferLockResponse) => void,
+  ): ClientUnaryCall;
+  releaseTransferLock(
+    request: ReleaseTransferLockRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ReleaseTransferLockResponse) => void,
+  ): ClientUnaryCall;
+}
+
+export const PeerClient = makeGenericClientConstructor(PeerService, "pegaflow.Peer") as unknown as {
+  new (
+    address: string,
+    credentials: ChannelCredentials,
+    options?: Partial<ClientOptions>,
+  ): PeerClient;
+  service: typeof PeerService;
   serviceName: string;
 };
 

@@ -13,6 +13,8 @@ import { IndexAdvertiser } from "./advertiser.ts";
 import { RedisBlockIndex } from "./block_index.ts";
 import { type IndexConfig, nodeIdentity } from "./flags.ts";
 import { registerIndexMetrics } from "./metrics.ts";
+import type { TierHost } from "../storage/tier.ts";
+import { blockKey } from "../storage/keys.ts";
 
 /**
  * The advertiser the server's seal and evict hooks feed (made before the
@@ -69,4 +71,50 @@ export function openBlockIndex(
   index.start();
   ilog.info("block index started", { node: nodeId, advertise_addr: advertiseAddr });
   return { index, advertiser, close: () => index.close() };
+}
+
+/**
+ * `host` with every committed fill advertised: a block a tier brought into
+ * RAM (SSD prefetch, peer fetch) is held here like a saved one, so peers may
+ * fetch it from this node too; its eviction withdraws it through the store's
+ * `onEvict` as for any block. (The engine's `onSealed` only sees saves.)
+ * The commits of one fetch land in one tick: one advertise.
+ *
+ * @example
+ * ```ts
+ * const tierHost = advertiser ? advertisedFills(storeTierHost(store), advertiser) : storeTierHost(store);
+ * ```
+ */
+export function advertisedFills(host: TierHost, advertiser: IndexAdvertiser): TierHost {
+  return {
+    ...host,
+    fillMany(namespace, hashes, filler, cacheClass) {
+      const b = host.fillMany(namespace, hashes, filler, cacheClass);
+      if (!b) return null;
+      return {
+        blocks: b.blocks,
+        settle: (ok) => {
+          b.settle(ok);
+          const keys: string[] = [];
+          for (let i = 0; i < b.blocks.length; i++) {
+            if (ok(i)) keys.push(blockKey(namespace, hashes[i]));
+          }
+          if (keys.length > 0) advertiser.onSealed(namespace, keys);
+        },
+      };
+    },
+    fill(namespace, hash, filler, cacheClass) {
+      const f = host.fill(namespace, hash, filler, cacheClass);
+      if (!f) return null;
+      return {
+        extents: f.extents,
+        payloadBytes: f.payloadBytes,
+        abort: f.abort,
+        commit: () => {
+          f.commit();
+          advertiser.onSealed(namespace, [blockKey(namespace, hash)]);
+        },
+      };
+    },
+  };
 }

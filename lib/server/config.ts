@@ -12,6 +12,7 @@ import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
 import { type IndexConfig, indexConfigFrom, indexOptions } from "../index/flags.ts";
+import { type PeerConfig, peerConfigFrom, peerOptions } from "../peer/flags.ts";
 import { TRANSFER_PATH_FLAGS, type TransferPathFlag } from "../copy_path.ts";
 import { defaultCalibrationFile } from "../copy_calibration.ts";
 import { MAX_UDS_PATH_BYTES } from "./uds.ts";
@@ -81,6 +82,8 @@ export interface ServeConfig {
   ssd: SsdConfig;
   /** Cross-node block index (lib/index/flags.ts); no Redis URL = no index. */
   index: IndexConfig;
+  /** Peer tier and transfer layer (lib/peer/flags.ts); active with the index. */
+  peer: PeerConfig;
 }
 
 /** Default gRPC address (the original system's port). */
@@ -313,6 +316,7 @@ export function serveCommand(): Command {
     );
   for (const o of ssdOptions()) cmd.addOption(o);
   for (const o of indexOptions()) cmd.addOption(o);
+  for (const o of peerOptions()) cmd.addOption(o);
   return cmd;
 }
 
@@ -361,6 +365,7 @@ export function parseServeArgs(argv: string[]): ParseResult {
       goawayGuard: o.goawayGuard,
       ssd: ssdConfigFrom(o),
       index: indexConfigFrom(o),
+      peer: peerConfigFrom(o),
     },
   };
 }

@@ -29,7 +29,21 @@ import { registerSsdMetrics } from "../ssd/metrics.ts";
 import { LowerTiers } from "../storage/lower_tiers.ts";
 import { storeTierHost } from "../storage/tier_host.ts";
 import { registerTierMetrics } from "./tier_metrics.ts";
-import { type BlockIndexHandle, indexAdvertiser, openBlockIndex } from "../index/attach.ts";
+import {
+  advertisedFills,
+  type BlockIndexHandle,
+  indexAdvertiser,
+  openBlockIndex,
+} from "../index/attach.ts";
+import { type OpenedTransport, openTransport } from "../transfer/transport.ts";
+import { registerTransferMetrics } from "../transfer/metrics.ts";
+import { poolChecksums } from "../../ffi/uring.ts";
+import { type ChecksumFn, PeerLockTable } from "../peer/locks.ts";
+import { PeerLinks } from "../peer/link.ts";
+import { PeerTier } from "../peer/peer_tier.ts";
+import { registerPeerMetrics } from "../peer/metrics.ts";
+import { peerServiceImpl } from "../peer/service.ts";
+import { PeerService } from "../../proto/pegaflow.ts";
 import {
   type GoawayGuard,
   type GuardListen,
@@ -74,6 +88,20 @@ export function allocationUnit(hint: number): number {
   let u = MIN_UNIT;
   while (u * 2 <= MAX_UNIT && hint % (u * 2) === 0) u *= 2;
   return u;
+}
+
+/** `PEGAFLOW_TEST_PEER_READ_DELAY_MS` (tests only): the peer tier waits this long before each READ. */
+function readDelayHook(log: Logger): (() => Promise<void>) | undefined {
+  const v = Deno.env.get("PEGAFLOW_TEST_PEER_READ_DELAY_MS");
+  if (!v) return undefined;
+  const ms = Number(v);
+  if (!Number.isInteger(ms) || ms < 0) {
+    throw new Error(`PEGAFLOW_TEST_PEER_READ_DELAY_MS must be an integer ≥ 0, got "${v}"`);
+  }
+  return () => {
+    log.warn("test hook: delaying the peer read", { delay_ms: ms });
+    return new Promise((r) => setTimeout(r, ms));
+  };
 }
 
 /** A started server. */
@@ -184,16 +212,85 @@ export async function startServer(
       log.error("SSD tier disabled", { error: e.message });
     }
   }
-  // The tiers below RAM, wired once through the Tier port: the engine hands
-  // them sealed blocks (write-behind) and asks them on a RAM miss.
-  const tiers = ssd
-    ? new LowerTiers({
+  // Cross-node (docs/peer.md): where the block index runs, this node opens a
+  // transfer endpoint over its pool, grants transfer locks to peers, and —
+  // unless --peer-fetch false — fetches from peers on a local miss.
+  // Blocks the tiers bring into RAM are advertised like saved ones.
+  const tierHost = advertiser
+    ? advertisedFills(storeTierHost(store), advertiser)
+    : storeTierHost(store);
+  const plog = log.child({ component: "peer" });
+  let transfer: OpenedTransport | undefined;
+  if (cfg.index.redisUrl) {
+    try {
+      transfer = openTransport(native.copyEngine.pool, native.copyEngine.ring, {
+        transport: cfg.peer.transport,
+        nics: cfg.peer.nics,
+        qpsPerNic: cfg.peer.xferStreams,
+        tcpStreams: cfg.peer.xferStreams,
+        port: cfg.peer.xferPort,
+      }, log);
+    } catch (e) {
+      // An explicit transport that cannot open, or a bad --nics: refuse to start.
+      await ssd?.close();
+      clearInterval(collector);
+      await native.close();
+      throw e;
+    }
+    registerTransferMetrics(metrics.registry, () => transfer?.endpoint);
+    plog.info("transfer endpoint open", {
+      transport: transfer.name,
+      port: transfer.endpoint.info().port,
+    });
+  }
+  // Opened once the gRPC port is known (below); the peer tier and service read it late.
+  // deno-lint-ignore prefer-const
+  let index: BlockIndexHandle | undefined;
+  // The gRPC address once bound (peers are told the advertised one; this is its default).
+  let boundGrpcAddr = cfg.addr;
+  const checksum: ChecksumFn = (blocks) => poolChecksums(native.copyEngine.pool.handle, blocks);
+  const peerLinks = new PeerLinks();
+  const peerLocks = transfer
+    ? new PeerLockTable({
+      host: tierHost,
       ram: store,
-      tiers: [
-        new SsdStorageTier(ssd, storeTierHost(store), log.child({ tier: "ssd" })),
-      ],
-      stageMetrics: (stage) => metrics.stage(stage),
+      checksum,
+      log: plog,
+      defaultTtlMs: cfg.peer.lockTtlMs,
     })
+    : undefined;
+  let peerTier: PeerTier | undefined;
+  const observeFetch = transfer
+    ? registerPeerMetrics(metrics.registry, () => peerTier?.stats(), () => peerLocks?.stats())
+    : undefined;
+  if (transfer && cfg.peer.fetch) {
+    if (transfer.name !== "tcp") {
+      plog.error("peer fetch is off: over RDMA it needs the QP handshake, which is not built", {
+        transport: transfer.name,
+      });
+    } else {
+      peerTier = new PeerTier({
+        host: tierHost,
+        index: () => index?.index,
+        endpoint: transfer.endpoint,
+        links: peerLinks,
+        checksum,
+        log: plog,
+        fetchTimeoutMs: cfg.peer.fetchTimeoutMs,
+        stageMetrics: (stage) => metrics.stage(stage),
+        onFetchDuration: observeFetch,
+        beforeRead: readDelayHook(plog),
+      });
+    }
+  }
+  // The tiers below RAM, wired once through the Tier port: the engine hands
+  // them sealed blocks (write-behind) and asks them on a RAM miss, SSD first.
+  const lower = [
+    ...(ssd ? [new SsdStorageTier(ssd, tierHost, log.child({ tier: "ssd" }))] : []),
+    ...(peerTier ? [peerTier] : []),
+  ];
+  const tiers = lower.length > 0
+    ? new LowerTiers({ ram: store, tiers: lower, stageMetrics: (stage) => metrics.stage(stage) })
     : undefined;
   if (tiers) registerTierMetrics(metrics.registry, tiers);
   const engine = new KvEngine({
@@ -217,12 +314,32 @@ export async function startServer(
   });
   const impl = engineServiceImpl(engine, sessions, metrics, log);
   server.addService(lenientService(), impl);
+  if (transfer && peerLocks) {
+    const ep = transfer;
+    server.addService(
+      PeerService,
+      peerServiceImpl(peerLocks, () => {
+        // The listener binds every address; peers dial the advertised host.
+        const adv = index?.index.advertiseAddr ?? boundGrpcAddr;
+        return {
+          transport: ep.name,
+          addr: `${adv.slice(0, adv.lastIndexOf(":"))}:${ep.endpoint.info().port}`,
+        };
+      }, plog),
+    );
+  }
   // With the GOAWAY guard on, grpc-js listens on a loopback port that only
   // the guard connects to; the guard owns the public address and the Unix
   // socket (goaway_guard.ts). Without it grpc-js binds both itself.
+  const closeCrossNode = async () => {
+    peerLocks?.close();
+    peerLinks.close();
+    await transfer?.endpoint.close();
+  };
   const cleanupOnListenError = async () => {
     clearInterval(collector);
     await tiers?.close();
+    await closeCrossNode();
     await native.close();
   };
   const bindGrpc = (addr: string) =>
@@ -311,6 +428,7 @@ export async function startServer(
   }
   const host = hostPart;
   const grpcAddr = `${host}:${port}`;
+  boundGrpcAddr = grpcAddr;
 
   let http: Deno.HttpServer | undefined;
   let httpAddr: string | undefined;
@@ -339,7 +457,7 @@ export async function startServer(
     const a = http.addr as Deno.NetAddr;
     httpAddr = `${hostname}:${a.port}`;
   }
-  const index: BlockIndexHandle | undefined = cfg.index.redisUrl && advertiser
+  index = cfg.index.redisUrl && advertiser
     ? openBlockIndex(
       { ...cfg.index, redisUrl: cfg.index.redisUrl },
       grpcAddr,
@@ -364,6 +482,7 @@ export async function startServer(
       await engine.close();
       await index?.close();
       await tiers?.close();
+      await closeCrossNode();
       // grpc-js's sockets are left to process exit on purpose: its
       // tryShutdown/forceShutdown send GOAWAY, and a Deno process receiving a
       // GOAWAY on a busy HTTP/2 session can abort inside nghttp2

@@ -66,6 +66,31 @@ export function registerTierMetrics(registry: Registry, tiers: LowerTiers): void
       }
     },
   });
+  const advanceSources = advancer();
+  new Counter({
+    name: "pegaflow_query_source_total",
+    help: "QueryPrefetch answers by where their prefix came from (hit attribution): " +
+      "ram, a tier (ssd, peer: the fetch the request waited for), or miss",
+    labelNames: ["source"],
+    registers: [registry],
+    collect() {
+      for (const [source, n] of Object.entries(tiers.stats().sources.queries)) {
+        advanceSources(this, { source }, n);
+      }
+    },
+  });
+  const advanceSourceBlocks = advancer();
+  new Counter({
+    name: "pegaflow_query_source_blocks_total",
+    help: "prefix blocks QueryPrefetch answers held, by where they came from (ram, ssd, peer)",
+    labelNames: ["source"],
+    registers: [registry],
+    collect() {
+      for (const [source, n] of Object.entries(tiers.stats().sources.blocks)) {
+        advanceSourceBlocks(this, { source }, n);
+      }
+    },
+  });
   const advanceDropped = advancer();
   new Counter({
     name: "pegaflow_tier_admit_dropped_blocks_total",

@@ -78,13 +78,15 @@ export const SLOT_FILLED = 2;
 
 /**
  * Cache class: saved or prefetched here (kept longer) vs fetched from a peer
- * (evicted first). "reclaimable" is a hook for the cross-node peer tier,
- * which does not exist yet: nothing in the server passes it today.
+ * (evicted first): the peer tier (lib/peer/) fills its blocks "reclaimable".
  */
 export type CacheClass = "retained" | "reclaimable";
 
 /** Marker for "no pool offset" in offset arrays. */
 export const NO_OFFSET = -1;
+
+/** Marker for "no checksum recorded yet" (a CRC32C is 0..2^32-1). */
+export const NO_CHECKSUM = -1;
 
 /**
  * One block. Fields are public for the storage modules (index, cache, store)
@@ -104,6 +106,13 @@ export class Block {
   /** Leases + in-flight loads + transfer locks holding this block. */
   pins = 0;
   cls: CacheClass = "retained";
+  /**
+   * CRC32C of the sealed block's payload in payload order (lib/storage/tier.ts),
+   * or {@link NO_CHECKSUM}: recorded once after the seal (the peer tier computes
+   * it in one native call per batch) and carried in a transfer lock, so a peer
+   * that reads the block can verify it.
+   */
+  checksum = NO_CHECKSUM;
   /**
    * The instance that last wrote slots while inflight. When it unregisters
    * the partial block is freed; if another (live) instance wrote after it,
@@ -196,6 +205,7 @@ export class Block {
     this.runPrevGen = 0;
     this.state = "inflight";
     this.cls = "retained";
+    this.checksum = NO_CHECKSUM;
     this.lastWriter = undefined;
   }
 

@@ -3,7 +3,7 @@
  *
  * **LRU with pins taken out of the list.** A sealed block is in one of two
  * intrusive LRU lists (reclaimable — fetched from a peer — is evicted before
- * retained; no block is reclaimable until the peer tier exists) only while
+ * retained; the peer tier, lib/peer/, fills its blocks reclaimable) only while
  * nothing pins it. A lease, an in-flight load or a
  * transfer lock unlinks it; the last unpin links it back at the MRU end. So
  * the LRU tail is always evictable, eviction is O(1) per block, and a pinned

@@ -77,6 +77,18 @@ export interface TierQueryCounts {
   miss: Record<TierMissReason, number>;
 }
 
+/**
+ * Where a query's answer came from (hit attribution): `ram` (its prefix was in
+ * the pool), a tier's name (the fetch this request waited for brought it),
+ * or `miss` (no block of it anywhere).
+ */
+export interface QuerySourceCounts {
+  /** Final answers (not "loading") by source. */
+  queries: Record<string, number>;
+  /** Blocks of the prefix the answers held, by source. */
+  blocks: Record<string, number>;
+}
+
 /** Counters of {@link LowerTiers}. */
 export interface LowerTiersStats {
   admitQueueDepth: number;
@@ -84,6 +96,7 @@ export interface LowerTiersStats {
   admitDropped: number;
   admitDroppedBlocks: number;
   queries: Record<string, TierQueryCounts>;
+  sources: QuerySourceCounts;
 }
 
 interface AdmitJob {
@@ -124,6 +137,10 @@ export class LowerTiers {
   readonly #admit: Stage<AdmitJob, void>;
   readonly #admitPending = new Set<Promise<unknown>>();
   readonly #queries = new Map<string, TierQueryCounts>();
+  readonly #sources: QuerySourceCounts = {
+    queries: { ram: 0, miss: 0 },
+    blocks: { ram: 0, miss: 0 },
+  };
   #admitDropped = 0;
   #admitDroppedBlocks = 0;
   #closing: Promise<void> | undefined;
@@ -131,7 +148,11 @@ export class LowerTiers {
   constructor(opts: LowerTiersOptions) {
     this.tiers = opts.tiers;
     this.#ram = opts.ram;
-    for (const t of opts.tiers) this.#queries.set(t.name, emptyCounts());
+    for (const t of opts.tiers) {
+      this.#queries.set(t.name, emptyCounts());
+      this.#sources.queries[t.name] = 0;
+      this.#sources.blocks[t.name] = 0;
+    }
     this.#admit = new Stage<AdmitJob, void>(
       "tier.admit",
       {
@@ -190,21 +211,21 @@ export class LowerTiers {
   ): boolean {
     if (this.tiers.length === 0) return false;
     const layout = this.#ram.layoutOf(namespace);
-    if (!layout) return false;
-    let ended = false;
+    if (!layout) return this.#answered("miss", 0);
+    let ended: string | undefined;
     for (const t of this.tiers) {
       const a = t.take(requestId);
       if (a.state === "loading") return true;
       if (a.state === "ready") {
         this.#queries.get(t.name)!.ready++;
-        ended = true;
+        ended ??= t.name;
       }
     }
-    // The fetch this request waited for has ended: RAM answers, nothing new starts.
-    if (ended) return false;
     let ram = 0;
     while (ram < hashes.length && this.#ram.blockState(namespace, hashes[ram]) === "sealed") ram++;
-    if (ram === hashes.length) return false;
+    // The fetch this request waited for has ended: RAM answers, nothing new starts.
+    if (ended !== undefined) return this.#answered(ram > 0 ? ended : "miss", ram);
+    if (ram === hashes.length) return this.#answered(ram > 0 ? "ram" : "miss", ram);
     const rest: TierBlocks = {
       namespace,
       hashes: hashes.slice(ram),
@@ -219,6 +240,13 @@ export class LowerTiers {
       }
       counts.miss[a.reason]++;
     }
+    return this.#answered(ram > 0 ? "ram" : "miss", ram);
+  }
+
+  /** Counts a final answer (hit attribution) and returns false: RAM answers it. */
+  #answered(source: string, blocks: number): false {
+    this.#sources.queries[source]++;
+    this.#sources.blocks[source] += blocks;
     return false;
   }
 
@@ -244,6 +272,10 @@ export class LowerTiers {
       admitDropped: this.#admitDropped,
       admitDroppedBlocks: this.#admitDroppedBlocks,
       queries: Object.fromEntries(this.#queries),
+      sources: {
+        queries: { ...this.#sources.queries },
+        blocks: { ...this.#sources.blocks },
+      },
     };
   }
 

@@ -25,8 +25,15 @@ export interface SaveCompletion {
   readonly freedBytes: number;
 }
 
-/** Completes an open plan exactly once (see {@link KvStore.completeSave}). */
-export function completePlan(st: StoreState, plan: SavePlan, ok: boolean): SaveCompletion {
+/**
+ * Completes an open plan exactly once (see {@link KvStore.completeSave}).
+ * `ok` is the outcome of every block, or per plan block (index k, plan order).
+ */
+export function completePlan(
+  st: StoreState,
+  plan: SavePlan,
+  ok: boolean | ((block: number) => boolean),
+): SaveCompletion {
   const p = plan as PlanRecord;
   if (!st.plans.has(p) || p.settled) {
     throw new StaleHandleError(`save plan was already completed or is not from this store`, {
@@ -47,11 +54,12 @@ export function completePlan(st: StoreState, plan: SavePlan, ok: boolean): SaveC
   let freed = 0;
   for (let k = 0; k < n; k++) {
     const b = p.blocks[k];
+    const blockOk = typeof ok === "boolean" ? ok : ok(k);
     for (let c = 0; c < C; c++) {
       if (p.offsets[slotColumn(c, 0, S) * n + k] === NO_OFFSET) continue;
       const si = slotIndex(p.layers[Math.floor(c / R)], p.rankSlots[c % R], rankSlotsOf);
       b.pending--;
-      if (ok) {
+      if (blockOk) {
         b.slots[si] = SLOT_FILLED;
         b.filled++;
       } else {
@@ -64,13 +72,13 @@ export function completePlan(st: StoreState, plan: SavePlan, ok: boolean): SaveC
         }
       }
     }
-    if (ok && b.filled === b.slotCount && b.state === "inflight") {
+    if (blockOk && b.filled === b.slotCount && b.state === "inflight") {
       st.index.seal(b);
       st.lru.insert(b, p.cacheClass);
       st.c.savedBlocks++;
       sealedKeys.push(b.key);
       sealedHashes.push(b.hash);
-    } else if (!ok && b.filled === 0 && b.pending === 0) {
+    } else if (!blockOk && b.filled === 0 && b.pending === 0) {
       st.index.remove(b);
       st.namespaces.recycle(b);
     }

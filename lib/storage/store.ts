@@ -63,7 +63,12 @@ import {
   type SaveRequest,
 } from "./save_plan.ts";
 import { type KvStoreOptions, type StoreCounters, StoreState } from "./state.ts";
-import { lockBlocks, type TransferLock, unlockBlocks } from "./transfer_lock.ts";
+import {
+  lockBlocks,
+  recordBlockChecksums,
+  type TransferLock,
+  unlockBlocks,
+} from "./transfer_lock.ts";
 
 // The store's public types, re-exported so callers keep one import for the facade.
 export type { BlockLayout } from "./block.ts";
@@ -172,9 +177,8 @@ export class KvStore {
   /**
    * Plans a whole-block fill (SSD prefetch into RAM, peer fetch): every layer
    * and every rank slot of each block not already held. Same contract as
-   * {@link beginSave}; the blocks seal at {@link completeSave}. No server
-   * path calls it yet (only tests): the SSD bridge still plans per rank with
-   * beginSave, and the peer fetch does not exist.
+   * {@link beginSave}; the blocks seal at {@link completeSave}. The tiers
+   * call it through lib/storage/tier_host.ts (SSD prefetch, peer fetch).
    */
   beginFill(req: FillRequest): SaveBegin {
     this.collect();
@@ -185,10 +189,11 @@ export class KvStore {
    * Ends a save or fill. `ok`: the copied slots become FILLED and blocks
    * whose every slot is filled are sealed (servable). Not ok: the plan's
    * slots return to EMPTY and their bytes are freed (blocks left with
-   * nothing are dropped). Throws {@link StaleHandleError} for a plan already
+   * nothing are dropped). `ok` may also be given per plan block (index k in
+   * plan order: a fill whose blocks verify one by one). Throws {@link StaleHandleError} for a plan already
    * completed or foreign.
    */
-  completeSave(plan: SavePlan, ok: boolean): SaveCompletion {
+  completeSave(plan: SavePlan, ok: boolean | ((block: number) => boolean)): SaveCompletion {
     return completePlan(this.#st, plan, ok);
   }
 
@@ -227,7 +232,7 @@ export class KvStore {
 
   /**
    * Pins whichever of `hashes` are sealed here, for another reader to copy
-   * out (the SSD writer; a peer's one-sided read once the peer tier exists).
+   * out (the SSD writer; a peer's one-sided read, lib/peer/).
    * Returns null when none is held.
    */
   lockForTransfer(
@@ -243,6 +248,19 @@ export class KvStore {
   releaseTransferLock(id: LeaseId): void {
     this.collect();
     unlockBlocks(this.#st, id);
+  }
+
+  /**
+   * Records the CRC32C of sealed blocks (index-aligned with `hashes`) for
+   * transfer locks to carry; blocks not held sealed are skipped. Returns how
+   * many were recorded.
+   */
+  recordChecksums(
+    namespace: string,
+    hashes: readonly BlockHash[],
+    crcs: ArrayLike<number>,
+  ): number {
+    return recordBlockChecksums(this.#st, namespace, hashes, crcs);
   }
 
   /**

@@ -7,8 +7,8 @@
  * polled for that fetch.
  *
  * Two sides, both ports:
- *  - {@link Tier}: implemented by each tier (lib/ssd/ssd_tier_port.ts; the
- *    peer tier of issue 13 next). The server reaches tiers only through
+ *  - {@link Tier}: implemented by each tier (lib/ssd/ssd_tier_port.ts,
+ *    lib/peer/peer_tier.ts). The server reaches tiers only through
  *    {@link LowerTiers} (lib/storage/lower_tiers.ts), which the composition
  *    root builds once.
  *  - {@link TierHost}: the RAM side a tier fills into and reads from,
@@ -154,10 +154,27 @@ export interface RamFill {
   abort(): void;
 }
 
+/**
+ * Pool space planned for a run of whole blocks in ONE plan (the peer tier's
+ * chunk): `blocks[i]` is the asked `hashes[i]`, a prefix of them (planning
+ * stops at the first block that is held, being saved, or does not fit). The
+ * tier calls `settle` exactly once, saying per block whether its bytes are
+ * its own (sealed) or not (freed).
+ */
+export interface RamFillBatch {
+  readonly blocks: readonly {
+    readonly extents: readonly PoolExtent[];
+    readonly payloadBytes: number;
+  }[];
+  settle(ok: (i: number) => boolean): void;
+}
+
 /** Pool ranges of one pinned block, in payload order. */
 export interface RamExtents {
   readonly extents: readonly PoolExtent[];
   readonly payloadBytes: number;
+  /** CRC32C of the payload recorded after the seal, or undefined when none was recorded yet. */
+  readonly checksum: number | undefined;
 }
 
 /**
@@ -197,10 +214,26 @@ export interface TierHost {
     filler: string,
     cacheClass: FillClass,
   ): RamFill | null;
+  /**
+   * Plans pool space for the leading run of `hashes` that can be placed
+   * whole, in one plan (a handful of allocator calls per slot column instead
+   * of per block). Null when not even the first can be.
+   */
+  fillMany(
+    namespace: string,
+    hashes: readonly Uint8Array[],
+    filler: string,
+    cacheClass: FillClass,
+  ): RamFillBatch | null;
   /** Payload bytes of one block of `namespace` (every slot), or undefined for an unknown namespace. */
   payloadBytes(namespace: string): number | undefined;
   /** Pins the sealed ones of `hashes` under one transfer lock; null when none is held. */
   pin(namespace: string, hashes: readonly Uint8Array[], requester: string): RamPin | null;
+  /**
+   * Records each block's CRC32C of its payload (index-aligned with `hashes`)
+   * for later pins to carry; blocks no longer held are skipped.
+   */
+  recordChecksums(namespace: string, hashes: readonly Uint8Array[], crcs: ArrayLike<number>): void;
 }
 
 /**

@@ -19,12 +19,12 @@
  * @module
  */
 
-import { mergeExtents } from "../transfer/ranges.ts";
-import { rankSlots } from "./block.ts";
+import { mergeExtents, type PoolExtent } from "../transfer/ranges.ts";
+import { NO_CHECKSUM, rankSlots } from "./block.ts";
 import { LeaseError } from "./errors.ts";
 import { offsetIndex, type OffsetTable } from "./offsets.ts";
 import type { KvStore } from "./store.ts";
-import type { FillClass, RamExtents, RamFill, RamPin, TierHost } from "./tier.ts";
+import type { FillClass, RamExtents, RamFill, RamFillBatch, RamPin, TierHost } from "./tier.ts";
 
 /**
  * A {@link TierHost} over `store`.
@@ -66,9 +66,52 @@ export function storeTierHost(store: KvStore): TierHost {
       };
     },
 
+    fillMany(namespace, hashes, filler, cacheClass: FillClass): RamFillBatch | null {
+      if (hashes.length === 0) return null;
+      const begun = store.beginFill({ namespace, instance: filler, hashes, cacheClass });
+      if (!begun.ok) return null;
+      const p = begun.plan;
+      const n = p.blockCount;
+      const items = n > 0 ? p.offsets.length / n : 0;
+      // The leading run of asked hashes planned whole: plan block k must be hash k
+      // (a held block is deduplicated out of the plan) with every slot of its own.
+      const own = new Float64Array(items);
+      const blocks: { extents: PoolExtent[]; payloadBytes: number }[] = [];
+      for (let k = 0; k < n && p.hashIndex[k] === k; k++) {
+        let whole = true;
+        for (let col = 0; whole && col < items; col++) whole = p.offsets[col * n + k] >= 0;
+        if (!whole) break;
+        for (let col = 0; col < items; col++) own[col] = p.offsets[col * n + k];
+        blocks.push({
+          extents: mergeExtents(own, p.segmentBytes),
+          payloadBytes: items * p.segmentBytes,
+        });
+      }
+      const m = blocks.length;
+      if (m === 0) {
+        store.completeSave(p, false);
+        return null;
+      }
+      let settled = false;
+      return {
+        blocks,
+        settle: (ok) => {
+          if (settled) {
+            throw new Error(`fill of ${m} blocks in namespace ${namespace} settled twice`);
+          }
+          settled = true;
+          store.completeSave(p, (k) => k < m && ok(k));
+        },
+      };
+    },
+
     payloadBytes(namespace) {
       const l = store.layoutOf(namespace);
       return l ? l.layers * rankSlots(l) * l.segments * l.segmentBytes : undefined;
+    },
+
+    recordChecksums(namespace, hashes, crcs) {
+      store.recordChecksums(namespace, hashes, crcs);
     },
 
     pin(namespace, hashes, requester): RamPin | null {
@@ -97,9 +140,11 @@ export function storeTierHost(store: KvStore): TierHost {
             }
           }
         }
+        const crc = lock.checksums[i];
         blocks[lock.found[i]] = {
           extents: mergeExtents(own, lock.segmentBytes),
           payloadBytes: per * lock.segmentBytes,
+          checksum: crc === NO_CHECKSUM ? undefined : crc,
         };
       }
       let released = false;

@@ -1,8 +1,9 @@
 /**
  * Transfer locks: pin whichever of a list of blocks are sealed here, with a
- * TTL, so another reader (the SSD writer today; a peer's one-sided read in
- * the cross-node tier to come) can copy their bytes out of the pool while
- * eviction keeps its hands off. A lock is a lease with one consumer.
+ * TTL, so another reader (the SSD writer; a peer's one-sided read, lib/peer/)
+ * can copy their bytes out of the pool while eviction keeps its hands off. A
+ * lock is a lease with one consumer. The lock carries each block's recorded
+ * checksum, which the peer that reads the bytes verifies.
  *
  * @module
  */
@@ -25,6 +26,8 @@ export interface TransferLock {
    */
   readonly offsets: Float64Array;
   readonly segmentBytes: number;
+  /** Per found block, its recorded CRC32C, or NO_CHECKSUM (-1) when none was recorded yet. */
+  readonly checksums: Float64Array;
 }
 
 /** Locks the sealed subset of `hashes` for `requester`; null when none is held. */
@@ -45,9 +48,11 @@ export function lockBlocks(
   const cols = ns.layout.layers * ns.rankSlots * ns.layout.segments;
   const n = blocks.length;
   const offsets = new Float64Array(cols * n);
+  const checksums = new Float64Array(n);
   for (let k = 0; k < n; k++) {
     const rec = blocks[k].offsets;
     for (let j = 0; j < cols; j++) offsets[j * n + k] = rec[j];
+    checksums[k] = blocks[k].checksum;
   }
   return {
     id: lock.id,
@@ -56,7 +61,28 @@ export function lockBlocks(
     found: Int32Array.from(found),
     offsets,
     segmentBytes: ns.layout.segmentBytes,
+    checksums,
   };
+}
+
+/**
+ * Records CRC32Cs of sealed blocks (index-aligned with `hashes`); a block
+ * no longer held, or not sealed, is skipped. Returns how many were recorded.
+ */
+export function recordBlockChecksums(
+  st: StoreState,
+  namespace: string,
+  hashes: readonly BlockHash[],
+  crcs: ArrayLike<number>,
+): number {
+  if (crcs.length !== hashes.length) {
+    throw new RangeError(`${crcs.length} checksums for ${hashes.length} hashes`);
+  }
+  const ns = st.namespaces.get(namespace);
+  if (!ns) return 0;
+  const { found, blocks } = sealedSubset(st, namespace, hashes);
+  for (let k = 0; k < blocks.length; k++) blocks[k].checksum = crcs[found[k]] >>> 0;
+  return blocks.length;
 }
 
 /** Releases a transfer lock. Throws {@link LeaseError} when unknown or expired. */

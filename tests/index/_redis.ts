@@ -28,17 +28,17 @@ export interface RedisProcess {
   stop(): Promise<void>;
 }
 
-function freePort(): number {
-  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+function freePort(hostname: string): number {
+  const l = Deno.listen({ hostname, port: 0 });
   const port = (l.addr as Deno.NetAddr).port;
   l.close();
   return port;
 }
 
 /** True once a PING on `port` answers PONG. */
-async function pings(port: number): Promise<boolean> {
+async function pings(hostname: string, port: number): Promise<boolean> {
   try {
-    const c = await Deno.connect({ hostname: "127.0.0.1", port });
+    const c = await Deno.connect({ hostname, port });
     try {
       await c.write(new TextEncoder().encode("PING\r\n"));
       const buf = new Uint8Array(16);
@@ -52,9 +52,10 @@ async function pings(port: number): Promise<boolean> {
   }
 }
 
-export async function startRedis(): Promise<RedisProcess> {
+/** Starts redis-server; `host` is the address it binds and is reached at (default 127.0.0.1). */
+export async function startRedis(host = "127.0.0.1"): Promise<RedisProcess> {
   const dir = await Deno.makeTempDir({ prefix: "pf-redis-test-" });
-  const port = freePort();
+  const port = freePort(host);
   let child: Deno.ChildProcess | undefined;
   const admins: Redis[] = [];
   const spawnChild = () => {
@@ -64,7 +65,11 @@ export async function startRedis(): Promise<RedisProcess> {
           "--port",
           String(port),
           "--bind",
-          "127.0.0.1",
+          host,
+          // Reached over a test bridge (tests/peer/_cluster.ts), not only loopback; no
+          // password on a throwaway server bound to a private test address.
+          "--protected-mode",
+          "no",
           "--save",
           "",
           "--appendonly",
@@ -85,7 +90,7 @@ export async function startRedis(): Promise<RedisProcess> {
   const spawn = async () => {
     child = spawnChild();
     const deadline = Date.now() + READY_TIMEOUT_MS;
-    while (!await pings(port)) {
+    while (!await pings(host, port)) {
       if (Date.now() > deadline) {
         const p = child;
         child = undefined;
@@ -113,9 +118,9 @@ export async function startRedis(): Promise<RedisProcess> {
   }
   return {
     port,
-    url: `redis://127.0.0.1:${port}`,
+    url: `redis://${host}:${port}`,
     admin() {
-      const r = new Redis({ port, host: "127.0.0.1", lazyConnect: false, maxRetriesPerRequest: 1 });
+      const r = new Redis({ port, host, lazyConnect: false, maxRetriesPerRequest: 1 });
       r.on("error", () => {}); // the test kills the server under it on purpose
       admins.push(r);
       return r;

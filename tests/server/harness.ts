@@ -54,14 +54,19 @@ function serverArgs(defaults: string[], flags: string[]): string[] {
   return [...args, ...flags];
 }
 
-/** Starts a server with these extra flags (defaults: host backend, 64 MiB pool, ephemeral ports). */
+/**
+ * Starts a server with these extra flags (defaults: host backend, 64 MiB pool, ephemeral ports);
+ * `netns` runs it inside that network namespace (`ip netns exec`, which execs: the pid is the
+ * server's).
+ */
 export async function startServer(
   flags: string[] = [],
   env: Record<string, string> = {},
+  netns?: string,
 ): Promise<ServerProc> {
   const args = serverArgs(["--log-level", "debug"], flags);
-  const child = new Deno.Command(DENO, {
-    args,
+  const child = new Deno.Command(netns ? "ip" : DENO, {
+    args: netns ? ["netns", "exec", netns, DENO, ...args] : args,
     cwd: ROOT,
     stdout: "piped",
     stderr: "piped",

@@ -1,7 +1,12 @@
 // The RAM side of the Tier port over the real KvStore: fills through
 // beginFill (one whole block per plan), pins through one transfer lock per
 // batch, and the sealed-hash pairing the engine hands the tiers.
-import { deepStrictEqual as assertEquals, ok as assert, strictEqual } from "node:assert/strict";
+import {
+  deepStrictEqual as assertEquals,
+  ok as assert,
+  strictEqual,
+  throws,
+} from "node:assert/strict";
 import { hashHex } from "../../lib/storage/keys.ts";
 import { sealedHashBytes } from "../../lib/storage/tier.ts";
 import { storeTierHost } from "../../lib/storage/tier_host.ts";
@@ -136,5 +141,30 @@ Deno.test("a write pin that outlived its transfer-lock TTL releases cleanly: the
   strictEqual(store.stats().pinnedBlocks, 0, "expired with its TTL");
   pin.release();
   strictEqual(store.stats().transferLocksActive, 0);
+  store.verify();
+});
+
+Deno.test("a batch fill plans the leading run of blocks in one plan, stops at a held one, and seals per block", () => {
+  const { store } = makeStore(8, {}, TP2);
+  const host = storeTierHost(store);
+  host.fill(NS, bytes(13), "ssd", "retained")!.commit();
+  const asked = [bytes(10), bytes(11), bytes(12), bytes(13), bytes(14)];
+  const free = store.stats().freeBytes;
+  const b = host.fillMany(NS, asked, "peer", "reclaimable")!;
+  strictEqual(b.blocks.length, 3, "stops at the held block 13");
+  for (const blk of b.blocks) strictEqual(blk.payloadBytes, ITEMS * 4096);
+  // Every planned byte is distinct.
+  const all = b.blocks.flatMap((blk) => expand(blk.extents, 4096));
+  strictEqual(new Set(all).size, 3 * ITEMS);
+  assert(store.stats().freeBytes < free);
+  b.settle((i) => i !== 1); // block 11 did not verify
+  throws(() => b.settle(() => true), /settled twice/);
+  strictEqual(store.blockState(NS, bytes(10)), "sealed");
+  strictEqual(store.blockState(NS, bytes(11)), "absent", "a block that failed is freed");
+  strictEqual(store.blockState(NS, bytes(12)), "sealed");
+  strictEqual(store.blockState(NS, bytes(14)), "absent", "never planned past the held block");
+  // Sealed blocks are where the batch planned them, in payload order.
+  assertEquals(payloadOffsets(store, bytes(12)), expand(b.blocks[2].extents, 4096));
+  strictEqual(host.fillMany(NS, [bytes(13)], "peer", "reclaimable"), null, "held: nothing to plan");
   store.verify();
 });

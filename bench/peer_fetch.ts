@@ -1,0 +1,208 @@
+/**
+ * Peer fetch over TCP between two server processes in two network
+ * namespaces vs the raw TCP throughput of the same path, measured in the
+ * same run (`deno run -A bench/peer_fetch.ts`; root and `ip netns`, else
+ * loopback, said so).
+ *
+ * Node A saves a prefix of `PEER_BENCH_BLOCKS` (default 256) Llama-3.1-8B
+ * blocks (32 layers × K/V × 32 KiB = 2 MiB each); an engine on node B queries
+ * it, which fetches it from A (index lookup → lock → one READ batch →
+ * checksums → release) and answers from RAM. Then B evicts it and the next
+ * run fetches again. Each run is alternated with a raw blast over the same
+ * path (`pf_tcp_blast` from A's transfer listener into a pinned pool in B's
+ * namespace, the same bytes over the same number of streams). Reported per
+ * run, median of `PEER_BENCH_REPEAT` (default 5) after one warm-up:
+ *
+ *  - fetch GB/s: bytes / B's fetch duration (lookup to lock release, the
+ *    server's own histogram), what a query waits for;
+ *  - READ GB/s: bytes / the READ batch's own time (the transport's ns);
+ *  - raw GB/s: the blast;
+ *  - query ms: the engine's first query to the answer, polled every 2 ms.
+ *
+ * Prints a table and writes bench/results/peer_fetch.json. No assertion on time.
+ *
+ * @module
+ */
+import { LLAMA_3_1_8B } from "../lib/client/sim_engine.ts";
+import { RedisBlockIndex } from "../lib/index/block_index.ts";
+import { hostSim, type ServerProc, uid } from "../tests/server/harness.ts";
+import { makeCluster } from "../tests/peer/_cluster.ts";
+import { prefix } from "../tests/peer/_fetch.ts";
+import { waitFor } from "../tests/index/_redis.ts";
+
+const MiB = 1 << 20;
+const blocks = Number(Deno.env.get("PEER_BENCH_BLOCKS") ?? 256);
+const repeat = Number(Deno.env.get("PEER_BENCH_REPEAT") ?? 5);
+const streams = Number(Deno.env.get("PEER_BENCH_STREAMS") ?? 4);
+const model = LLAMA_3_1_8B;
+const blockBytes = model.numLayers * 2 * model.kvHeads * model.headDim * model.dtypeBytes *
+  model.blockTokens;
+const bytes = blocks * blockBytes;
+const poolMiB = Math.ceil((bytes * 1.25) / MiB) + 64;
+const out = decodeURIComponent(new URL("./results/peer_fetch.json", import.meta.url).pathname);
+const CHILD = decodeURIComponent(new URL("./peer_blast_child.ts", import.meta.url).pathname);
+
+const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+async function metric(s: ServerProc, name: string, labels = ""): Promise<number> {
+  const v = await s.metric(name, labels);
+  return Number.isNaN(v) ? 0 : v;
+}
+
+const c = await makeCluster(2, "bp");
+const flags = [
+  "--pool-size",
+  `${poolMiB}mb`,
+  "--xfer-streams",
+  String(streams),
+  "--log-level",
+  "info",
+];
+const a = await c.start(0, flags);
+const b = await c.start(1, flags);
+const probe = new RedisBlockIndex({
+  url: c.redis.url,
+  nodeId: "probe",
+  advertiseAddr: "probe:1",
+  listSealed: () => [],
+});
+probe.start();
+const ns = uid("bench");
+const simA = hostSim(a, { instanceId: uid("a"), namespace: ns, model, numBlocks: blocks });
+const simB = hostSim(b, { instanceId: uid("b"), namespace: ns, model, numBlocks: 1 });
+interface Run {
+  fetchS: number;
+  readS: number;
+  rawNs: number;
+  queryMs: number;
+  /** B's "peer fetch done" log line: time per phase (ms). */
+  phases: Record<string, number>;
+}
+const PHASES = [
+  "lookup_ms",
+  "lock_ms",
+  "connect_ms",
+  "plan_ms",
+  "read_ms",
+  "verify_tail_ms",
+  "total_ms",
+];
+const runs: Run[] = [];
+let xferAddr = "";
+try {
+  await simA.register();
+  await simB.register();
+  const hashes = prefix(7, blocks);
+  const ids = hashes.map((_, i) => i);
+  simA.fill(ids, hashes);
+  await simA.save(ids, hashes);
+  await waitFor(
+    "advertised",
+    async () => (await probe.lookup(ns, hashes)).length === blocks,
+    60_000,
+  );
+  await waitFor(
+    "A's checksums",
+    async () => await metric(a, "pegaflow_peer_checksums_total", '{when="seal"}') === blocks,
+    60_000,
+  );
+  const open = a.logs().map((l) => JSON.parse(l)).find((o) => o.msg === "transfer endpoint open");
+  xferAddr = `${c.nodeAddr(0)}:${open.port}`;
+  for (let i = 0; i <= repeat; i++) {
+    const f0 = await metric(b, "pegaflow_peer_fetch_duration_seconds_sum");
+    const r0 = await metric(b, "pegaflow_peer_read_seconds_total");
+    const t0 = performance.now();
+    let q = await simB.query(hashes, `q-${i}`);
+    while (q.kind === "loading") {
+      await new Promise((r) => setTimeout(r, 2));
+      q = await simB.query(hashes, `q-${i}`);
+    }
+    const queryMs = performance.now() - t0;
+    if (q.hits !== blocks) throw new Error(`run ${i}: ${q.hits} of ${blocks} blocks fetched`);
+    const fetchS = await metric(b, "pegaflow_peer_fetch_duration_seconds_sum") - f0;
+    const readS = await metric(b, "pegaflow_peer_read_seconds_total") - r0;
+    await b.client.release(q.leaseId);
+    await (await b.http_post("/cache/memory/cleanup")).body?.cancel();
+    await waitFor("B evicted", async () => await metric(b, "pegaflow_cache_blocks") === 0);
+    const argv = ["run", "-A", CHILD, xferAddr, String(streams), String(bytes)];
+    const nsB = c.nodeNs(1);
+    const child = await new Deno.Command(nsB ? "ip" : Deno.execPath(), {
+      args: nsB ? ["netns", "exec", nsB, Deno.execPath(), ...argv] : argv,
+      stdout: "piped",
+      stderr: "inherit",
+    }).output();
+    if (!child.success) throw new Error("raw blast child failed");
+    const raw = JSON.parse(new TextDecoder().decode(child.stdout).trim()) as { ns: number };
+    const done = b.logs().map((l) => JSON.parse(l)).filter((o) => o.msg === "peer fetch done");
+    const last = done[done.length - 1] ?? {};
+    const phases = Object.fromEntries(PHASES.map((p) => [p, Number(last[p])]));
+    if (i > 0) runs.push({ fetchS, readS, rawNs: raw.ns, queryMs, phases }); // run 0 warms up
+  }
+} finally {
+  simA.close();
+  simB.close();
+  await probe.close();
+  await a.stop();
+  await b.stop();
+  await c.remove();
+}
+
+const fetchGBps = bytes / median(runs.map((r) => r.fetchS)) / 1e9;
+const readGBps = bytes / median(runs.map((r) => r.readS)) / 1e9;
+const rawGBps = bytes / median(runs.map((r) => r.rawNs));
+const path = c.mode === "netns"
+  ? "veth pairs to a bridge, node A's namespace → node B's namespace"
+  : `loopback (${c.why})`;
+const cpu = (await Deno.readTextFile("/proc/cpuinfo")).match(/model name\s*:\s*(.*)/)?.[1] ?? "?";
+const cores = navigator.hardwareConcurrency;
+console.log(
+  `\npeer fetch of ${blocks} blocks × ${blockBytes / MiB} MiB (${
+    bytes / MiB
+  } MiB) over TCP, ${streams} streams, ${path}`,
+);
+console.log(`${cores} cores (${cpu}); median of ${repeat} runs after a warm-up\n`);
+console.log("| what | GB/s | vs raw TCP |");
+console.log("| ---- | ---- | ---------- |");
+console.log(
+  `| raw TCP, same path, same bytes, into a pinned pool | ${rawGBps.toFixed(2)} | 100 % |`,
+);
+console.log(
+  `| peer fetch (lookup → lock → READ → checksums → release) | ${fetchGBps.toFixed(2)} | ${
+    (100 * fetchGBps / rawGBps).toFixed(0)
+  } % |`,
+);
+console.log(
+  `| its READ batch alone | ${readGBps.toFixed(2)} | ${(100 * readGBps / rawGBps).toFixed(0)} % |`,
+);
+console.log(`\nquery → answer on B, p50: ${median(runs.map((r) => r.queryMs)).toFixed(1)} ms`);
+console.log(
+  `fetch phases on B, p50 ms: ${
+    PHASES.map((p) => `${p.replace("_ms", "")} ${median(runs.map((r) => r.phases[p])).toFixed(2)}`)
+      .join(", ")
+  }`,
+);
+await Deno.mkdir(new URL("./results/", import.meta.url), { recursive: true });
+await Deno.writeTextFile(
+  out,
+  JSON.stringify(
+    {
+      when: new Date().toISOString(),
+      path,
+      cores,
+      cpu,
+      blocks,
+      blockBytes,
+      bytes,
+      streams,
+      repeat,
+      fetchGBps,
+      readGBps,
+      rawGBps,
+      fetchVsRaw: fetchGBps / rawGBps,
+      readVsRaw: readGBps / rawGBps,
+      runs,
+    },
+    null,
+    2,
+  ) + "\n",
+);
+console.log(`\nwrote ${out}`);

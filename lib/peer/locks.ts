@@ -1,0 +1,284 @@
+/**
+ * The owner's side of a peer fetch: transfer locks granted to other nodes.
+ * A node that missed a prefix asks this node (`QueryBlocksForTransfer`) to
+ * pin the blocks it holds; the lock answer carries, per block, its pool
+ * ranges in payload order and its CRC32C, so the requester can READ the
+ * bytes one-sided and verify them.
+ *
+ * Lock lifetime (docs/peer.md):
+ *  - granted: the longest prefix held sealed under the asked layout is pinned
+ *    with one store transfer lock ({@link TierHost.pin}); eviction cannot
+ *    free or reuse its ranges while it is held;
+ *  - released by the requester (`ReleaseTransferLock`) once its READ ended,
+ *    successful or not;
+ *  - or expired: a requester that vanished (SIGKILL, partition) never
+ *    releases, so every lock has a TTL (asked by the requester, capped here)
+ *    and a timer unpins it. The store's own lock TTL (the lease TTL) stays
+ *    behind it as a backstop.
+ *
+ * An expired lock's ranges may be reused at once. A requester still reading
+ * them then gets another block's bytes — and the checksum, taken from the
+ * block's bytes after its seal and not from the pool at read time, refuses
+ * them: the requester's fetch deadline is shorter than the TTL it asks for,
+ * so this is the slow path of a broken requester, never silent data.
+ *
+ * Checksums: recorded after the seal by the peer tier's checksum stage (one
+ * native call per sealed batch); a block whose checksum is not recorded yet
+ * (its batch was dropped by a full queue, or it sealed a moment ago) gets
+ * it computed here, in one native call for the whole lock, and recorded.
+ *
+ * @module
+ */
+
+import type { TierHost } from "../storage/tier.ts";
+import type { TierRam } from "../storage/lower_tiers.ts";
+import { blockLayoutIdentity } from "../storage/layout.ts";
+import type { PoolExtent } from "../transfer/ranges.ts";
+import type { Logger } from "../log.ts";
+import { hashHex } from "../storage/keys.ts";
+
+/** Default lock TTL when the requester asks for none. */
+export const DEFAULT_PEER_LOCK_TTL_MS = 10_000;
+/** Most a requester may ask for: a longer lock only delays the reuse of a dead requester's pins. */
+export const MAX_PEER_LOCK_TTL_MS = 120_000;
+/** Random bytes of a lock id. */
+const LOCK_ID_BYTES = 16;
+/** Expiry sweep period bounds (a quarter of the TTL, within these). */
+const MIN_SWEEP_MS = 20;
+const MAX_SWEEP_MS = 1_000;
+
+/** Computes CRC32C per block of pool ranges (ffi/uring.ts `poolChecksums` over the pool). */
+export type ChecksumFn = (blocks: readonly (readonly PoolExtent[])[]) => Promise<Uint32Array>;
+
+/** What a requester asks for. */
+export interface LockRequest {
+  namespace: string;
+  hashes: readonly Uint8Array[];
+  layoutFingerprint: string;
+  requester: string;
+  /** 0 = the default. */
+  ttlMs: number;
+}
+
+/** Why nothing was locked. */
+export type LockMissReason = "not-held" | "other-layout" | "unknown-namespace";
+
+/** The answer to a {@link LockRequest}. */
+export type LockAnswer =
+  | {
+    readonly kind: "locked";
+    readonly lockId: Uint8Array;
+    readonly ttlMs: number;
+    readonly payloadBytes: number;
+    /** Per locked block (the held prefix, in request order). */
+    readonly checksums: Uint32Array;
+    readonly extentCounts: Uint32Array;
+    /** Every block's extents back to back: u64 pool offset, u64 bytes, little-endian. */
+    readonly extents: Uint8Array;
+  }
+  | { readonly kind: "miss"; readonly reason: LockMissReason };
+
+/** Counters for /metrics. */
+export interface PeerLockStats {
+  /** Locks held now. */
+  held: number;
+  granted: number;
+  released: number;
+  timedOut: number;
+  /** Blocks locked (granted locks' prefixes). */
+  lockedBlocks: number;
+  /** Answers that locked nothing, by reason. */
+  misses: Record<LockMissReason, number>;
+  /** Checksums computed at lock time (not recorded after the seal). */
+  checksumsAtLock: number;
+}
+
+interface HeldLock {
+  readonly requester: string;
+  readonly namespace: string;
+  readonly blocks: number;
+  readonly expiresAt: number;
+  readonly release: () => void;
+}
+
+/** Options of {@link PeerLockTable}. */
+export interface PeerLockTableOptions {
+  host: TierHost;
+  ram: TierRam;
+  checksum: ChecksumFn;
+  log: Logger;
+  /** TTL when the requester asks for none. Default {@link DEFAULT_PEER_LOCK_TTL_MS}. */
+  defaultTtlMs?: number;
+  /** Milliseconds now. Default `Date.now`. */
+  clock?: () => number;
+}
+
+/**
+ * Transfer locks this node granted to peers.
+ *
+ * @example
+ * ```ts
+ * const locks = new PeerLockTable({ host: storeTierHost(store), ram: store, checksum, log });
+ * const a = await locks.grant({ namespace, hashes, layoutFingerprint, requester: "node-b", ttlMs: 5000 });
+ * // … the requester READs a.extents …
+ * locks.release(a.lockId);
+ * ```
+ */
+export class PeerLockTable {
+  readonly #o: PeerLockTableOptions;
+  readonly #clock: () => number;
+  readonly #defaultTtl: number;
+  readonly #held = new Map<string, HeldLock>();
+  readonly #stats: Omit<PeerLockStats, "held"> = {
+    granted: 0,
+    released: 0,
+    timedOut: 0,
+    lockedBlocks: 0,
+    misses: { "not-held": 0, "other-layout": 0, "unknown-namespace": 0 },
+    checksumsAtLock: 0,
+  };
+  readonly #timer: ReturnType<typeof setInterval>;
+  #closed = false;
+
+  constructor(opts: PeerLockTableOptions) {
+    this.#o = opts;
+    this.#clock = opts.clock ?? Date.now;
+    this.#defaultTtl = opts.defaultTtlMs ?? DEFAULT_PEER_LOCK_TTL_MS;
+    if (!(this.#defaultTtl > 0 && this.#defaultTtl <= MAX_PEER_LOCK_TTL_MS)) {
+      throw new RangeError(
+        `peer lock TTL ${this.#defaultTtl} ms; expected 1..${MAX_PEER_LOCK_TTL_MS}`,
+      );
+    }
+    const sweep = Math.min(MAX_SWEEP_MS, Math.max(MIN_SWEEP_MS, this.#defaultTtl / 4));
+    this.#timer = setInterval(() => this.expire(), sweep);
+    Deno.unrefTimer(this.#timer as unknown as number);
+  }
+
+  /** Locks the longest prefix of `req.hashes` held here under the asked layout. */
+  async grant(req: LockRequest): Promise<LockAnswer> {
+    const { namespace, hashes, requester } = req;
+    if (this.#closed) return this.#miss("not-held");
+    const layout = this.#o.ram.layoutOf(namespace);
+    if (!layout) return this.#miss("unknown-namespace");
+    if (blockLayoutIdentity(layout).fingerprint !== req.layoutFingerprint) {
+      return this.#miss("other-layout");
+    }
+    const pin = this.#o.host.pin(namespace, hashes, `peer:${requester}`);
+    if (!pin) return this.#miss("not-held");
+    let k = 0;
+    while (k < pin.blocks.length && pin.blocks[k] !== undefined) k++;
+    if (k === 0) {
+      pin.release();
+      return this.#miss("not-held");
+    }
+    const blocks = pin.blocks.slice(0, k).map((b) => b!);
+    const checksums = new Uint32Array(k);
+    const missing: number[] = [];
+    for (let i = 0; i < k; i++) {
+      const c = blocks[i].checksum;
+      if (c === undefined) missing.push(i);
+      else checksums[i] = c;
+    }
+    if (missing.length > 0) {
+      // The pin holds the blocks while the checksum runs off the JS thread.
+      let crcs: Uint32Array;
+      try {
+        crcs = await this.#o.checksum(missing.map((i) => blocks[i].extents));
+      } catch (e) {
+        pin.release();
+        throw e;
+      }
+      for (let j = 0; j < missing.length; j++) checksums[missing[j]] = crcs[j];
+      this.#o.host.recordChecksums(namespace, missing.map((i) => hashes[i]), crcs);
+      this.#stats.checksumsAtLock += missing.length;
+    }
+    if (this.#closed) {
+      pin.release();
+      return this.#miss("not-held");
+    }
+    let nExt = 0;
+    const extentCounts = new Uint32Array(k);
+    for (let i = 0; i < k; i++) nExt += extentCounts[i] = blocks[i].extents.length;
+    const words = new Uint32Array(4 * nExt);
+    let w = 0;
+    for (const b of blocks) {
+      for (const x of b.extents) {
+        words[w++] = x.offset >>> 0;
+        words[w++] = (x.offset / 4294967296) >>> 0;
+        words[w++] = x.bytes >>> 0;
+        words[w++] = (x.bytes / 4294967296) >>> 0;
+      }
+    }
+    const ttlMs = Math.min(MAX_PEER_LOCK_TTL_MS, req.ttlMs > 0 ? req.ttlMs : this.#defaultTtl);
+    const lockId = crypto.getRandomValues(new Uint8Array(LOCK_ID_BYTES));
+    this.#held.set(hashHex(lockId), {
+      requester,
+      namespace,
+      blocks: k,
+      expiresAt: this.#clock() + ttlMs,
+      release: pin.release,
+    });
+    this.#stats.granted++;
+    this.#stats.lockedBlocks += k;
+    return {
+      kind: "locked",
+      lockId,
+      ttlMs,
+      payloadBytes: blocks[0].payloadBytes,
+      checksums,
+      extentCounts,
+      extents: new Uint8Array(words.buffer),
+    };
+  }
+
+  /** Ends a lock early. False when it is unknown, expired, or another requester's. */
+  release(lockId: Uint8Array, requester: string): boolean {
+    const id = hashHex(lockId);
+    const l = this.#held.get(id);
+    if (!l || l.requester !== requester) return false;
+    this.#held.delete(id);
+    l.release();
+    this.#stats.released++;
+    return true;
+  }
+
+  /** Unpins every lock past its TTL (the timer calls it). Returns how many expired. */
+  expire(): number {
+    const now = this.#clock();
+    let n = 0;
+    for (const [id, l] of this.#held) {
+      if (l.expiresAt > now) continue;
+      this.#held.delete(id);
+      l.release();
+      n++;
+      this.#o.log.warn("peer transfer lock expired: its requester never released it", {
+        requester: l.requester,
+        namespace: l.namespace,
+        blocks: l.blocks,
+      });
+    }
+    this.#stats.timedOut += n;
+    return n;
+  }
+
+  stats(): PeerLockStats {
+    return {
+      held: this.#held.size,
+      ...this.#stats,
+      misses: { ...this.#stats.misses },
+    };
+  }
+
+  /** Releases every lock and stops the timer. Idempotent. */
+  close(): void {
+    this.#closed = true;
+    clearInterval(this.#timer);
+    for (const l of this.#held.values()) l.release();
+    this.#held.clear();
+  }
+
+  #miss(reason: LockMissReason): LockAnswer {
+    this.#stats.misses[reason]++;
+    return { kind: "miss", reason };
+  }
+}

@@ -1,0 +1,668 @@
+/**
+ * The peer tier behind the {@link Tier} port: blocks another node holds,
+ * found through the block index on Redis and read one-sided over the
+ * transfer layer into this node's pool (docs/peer.md).
+ *
+ * A fetch (one per request id; a request whose first missing block is being
+ * fetched for another request joins that fetch):
+ *  1. longest-prefix lookup in the index (one round trip, its own deadline);
+ *  2. `QueryBlocksForTransfer` on the owner with the longest run: it pins the
+ *     prefix it still holds under a transfer lock and answers each block's
+ *     pool ranges and CRC32C;
+ *  3. pool space for each block here (`TierHost.fill`, whole blocks, the
+ *     "reclaimable" class: evicted before blocks saved here);
+ *  4. the prefix is read in chunks of {@link PIPELINE_CHUNK_BYTES}: ONE
+ *     transfer batch per chunk (owner ranges paired with ours in payload
+ *     order, a deadline each), planned and submitted while the earlier
+ *     chunks are on the wire;
+ *  5. as each chunk lands, ONE native call checksums it; a block whose
+ *     CRC32C matches is committed (sealed: the next poll is a RAM hit) and
+ *     its checksum recorded, one that does not is freed and counted;
+ *  6. the lock is released in the background once every block is settled
+ *     (a lost release only lets it expire on the owner).
+ *
+ * Memory safety (the original system's #403): the pool space of a fill is
+ * freed only after the transport's completion record for the batch was
+ * seen. The transport posts that record — on success, failure, timeout or
+ * close — only once no thread or NIC can still write into the batch's
+ * ranges (docs/transfer.md), so a late response never lands in memory that
+ * was freed and handed to another block. The record always arrives: every
+ * batch has a deadline, and closing the peer ends what is in flight.
+ *
+ * Every failure is a miss — never bytes: no owner, owner lost the blocks
+ * (evicted between lookup and lock), owner died mid-read (the connection
+ * reports it), deadline, checksum mismatch. Each is counted by reason.
+ *
+ * @module
+ */
+
+import type {
+  StoredLayout,
+  Tier,
+  TierBlocks,
+  TierHealth,
+  TierHost,
+  TierPrefetchAnswer,
+  TierPutResult,
+  TierTakeAnswer,
+} from "../storage/tier.ts";
+import type { RamFillBatch } from "../storage/tier.ts";
+import { hashHex } from "../storage/keys.ts";
+import { Stage, type StageMetrics } from "../pipeline/stage.ts";
+import type { LookupResult } from "../index/block_index.ts";
+import type { PoolExtent } from "../transfer/ranges.ts";
+import { XferBatch, type XferEndpoint, type XferPeer, type XferResult } from "../../ffi/xfer.ts";
+import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
+import type { Logger } from "../log.ts";
+import type { ChecksumFn } from "./locks.ts";
+import type { PeerLinks } from "./link.ts";
+
+/** Name of the peer tier: metric label, hit attribution, filler of its blocks. */
+export const PEER_TIER_NAME = "peer";
+/** Default deadline of a whole fetch's READ batch. */
+export const DEFAULT_PEER_FETCH_TIMEOUT_MS = 5_000;
+/** Deadline of the lock and release RPCs and of a transport connect. */
+export const DEFAULT_PEER_RPC_TIMEOUT_MS = 2_000;
+/** Finished fetches nobody polled are forgotten after this long (their blocks stay cached). */
+const FORGET_AFTER_MS = 60_000;
+/** Depth of the seal-time checksum queue (sealed batches; a full queue drops, the lock computes). */
+const CHECKSUM_QUEUE_DEPTH = 64;
+/**
+ * Bytes per READ batch of a fetch: big enough that each batch still stripes
+ * over every stream at full rate, small enough that verifying one chunk
+ * overlaps the next chunks' reads (the last chunk's checksum is what a fetch
+ * adds to the wire time: ~4 ms at 9 GB/s).
+ */
+export const PIPELINE_CHUNK_BYTES = 32 << 20;
+/** Most READ batches one fetch puts in flight (a peer takes 256). */
+const MAX_PIPELINE_CHUNKS = 64;
+/**
+ * Most blocks one fetch locks and reads (2 GiB of Llama-3.1-8B blocks): it
+ * bounds the lock answer (extents of a block of 80 layers × TP 8 × K/V are
+ * 20 KiB), which must fit the owner's --max-message-size (64 MiB default).
+ * A longer prefix is fetched up to here; the engine loads that part.
+ */
+const MAX_FETCH_BLOCKS = 1024;
+/** A lookup result answers `has` for this long. */
+const LOOKUP_MEMO_MS = 1_000;
+
+/** What the tier needs from the block index (a RedisBlockIndex fits). */
+export interface PeerIndex {
+  readonly nodeId: string;
+  lookup(namespace: string, hashes: readonly Uint8Array[]): Promise<LookupResult>;
+  stats(): { up: boolean };
+}
+
+/** Why a fetch brought nothing (or less than the owner locked). */
+export type PeerFetchFailure =
+  | "index-down"
+  | "no-owner"
+  | "owner-miss"
+  | "lock-rpc"
+  | "bad-answer"
+  | "no-pool-space"
+  | "connect"
+  | "transfer"
+  | "timeout"
+  | "checksum";
+
+/** Counters for /metrics. */
+export interface PeerTierStats {
+  fetches: number;
+  /** Fetches that committed at least one block. */
+  fetchesOk: number;
+  failures: Record<PeerFetchFailure, number>;
+  blocks: number;
+  bytes: number;
+  /** Bytes and time of the READ batches that ended OK (the transport's own ns), for the wire rate. */
+  readBytes: number;
+  readSeconds: number;
+  /** Checksums recorded after a seal (the checksum stage). */
+  checksumsAtSeal: number;
+  /** Seal batches the full checksum queue dropped (their checksums are computed at lock time). */
+  checksumDropped: number;
+  /** Fetches running now. */
+  inflight: number;
+}
+
+/** Options of {@link PeerTier}. */
+export interface PeerTierOptions {
+  host: TierHost;
+  /** The index (undefined until it is opened: the tier then misses). */
+  index: () => PeerIndex | undefined;
+  endpoint: XferEndpoint;
+  links: PeerLinks;
+  checksum: ChecksumFn;
+  log: Logger;
+  fetchTimeoutMs?: number;
+  rpcTimeoutMs?: number;
+  /** Bytes per READ batch of a fetch (pipelined). Default {@link PIPELINE_CHUNK_BYTES}. */
+  chunkBytes?: number;
+  /**
+   * Lock TTL asked of owners; default: the READ deadline plus one RPC
+   * deadline (the lock answer's transit before the READ starts).
+   */
+  lockTtlMs?: number;
+  /**
+   * Test hook (env `PEGAFLOW_TEST_PEER_READ_DELAY_MS`): awaited after the
+   * owner locked the blocks and the transfer peer is connected, right before
+   * the READ is submitted, so a test can freeze or kill a node mid-fetch.
+   */
+  beforeRead?: () => Promise<void>;
+  stageMetrics?: (stage: string) => StageMetrics;
+  /** Called with each fetch's duration in seconds (a histogram). */
+  onFetchDuration?: (seconds: number) => void;
+}
+
+interface Fetch {
+  readonly done: Promise<void>;
+  ended: boolean;
+  endedAt: number;
+}
+
+interface ChecksumJob {
+  namespace: string;
+  hashes: readonly Uint8Array[];
+}
+
+/** Splits the owner's packed extents (u64 offset, u64 bytes per extent) per block. */
+function remoteExtents(res: QueryBlocksForTransferResponse): PoolExtent[][] | string {
+  const n = res.checksums.length;
+  if (res.extentCounts.length !== n) {
+    return `${n} checksums but ${res.extentCounts.length} extent counts`;
+  }
+  const total = res.extentCounts.reduce((a, b) => a + b, 0);
+  if (res.extents.length !== total * 16) {
+    return `${res.extents.length} extent bytes for ${total} extents`;
+  }
+  const dv = new DataView(res.extents.buffer, res.extents.byteOffset, res.extents.byteLength);
+  const out: PoolExtent[][] = [];
+  let p = 0;
+  for (let i = 0; i < n; i++) {
+    const b: PoolExtent[] = [];
+    let sum = 0;
+    for (let k = 0; k < res.extentCounts[i]; k++, p += 16) {
+      const offset = dv.getUint32(p, true) + dv.getUint32(p + 4, true) * 4294967296;
+      const bytes = dv.getUint32(p + 8, true) + dv.getUint32(p + 12, true) * 4294967296;
+      b.push({ offset, bytes });
+      sum += bytes;
+    }
+    if (sum !== res.payloadBytes) {
+      return `block ${i}: extents cover ${sum} bytes, payload is ${res.payloadBytes}`;
+    }
+    out.push(b);
+  }
+  return out;
+}
+
+/**
+ * Adds READ segments pairing `remote` ranges with `local` ranges, both in
+ * payload order and covering the same bytes.
+ */
+function pairRanges(batch: XferBatch, remote: readonly PoolExtent[], local: readonly PoolExtent[]) {
+  let i = 0, j = 0, ri = 0, lj = 0;
+  while (i < remote.length && j < local.length) {
+    const n = Math.min(remote[i].bytes - ri, local[j].bytes - lj);
+    batch.seg(remote[i].offset + ri, local[j].offset + lj, n);
+    ri += n;
+    lj += n;
+    if (ri === remote[i].bytes) (i++, ri = 0);
+    if (lj === local[j].bytes) (j++, lj = 0);
+  }
+}
+
+/**
+ * {@link Tier} over the block index and the transfer layer.
+ *
+ * @example
+ * ```ts
+ * const peer = new PeerTier({ host: storeTierHost(store), index: () => idx, endpoint, links, checksum, log });
+ * new LowerTiers({ ram: store, tiers: [ssdTier, peer] });
+ * ```
+ */
+export class PeerTier implements Tier {
+  readonly name = PEER_TIER_NAME;
+  readonly label = "peer nodes";
+  readonly #o: PeerTierOptions;
+  readonly #fetchTimeout: number;
+  readonly #rpcTimeout: number;
+  readonly #lockTtl: number;
+  readonly #requests = new Map<string, Fetch>();
+  /** Running fetches by namespace + first hash: a request starting there joins. */
+  readonly #running = new Map<string, Fetch>();
+  readonly #xferPeers = new Map<string, Promise<XferPeer>>();
+  readonly #memo = new Map<string, { length: number; at: number }>();
+  readonly #checksums: Stage<ChecksumJob, void>;
+  readonly #pending = new Set<Promise<unknown>>();
+  readonly #stats: Omit<PeerTierStats, "inflight"> = {
+    fetches: 0,
+    fetchesOk: 0,
+    failures: {
+      "index-down": 0,
+      "no-owner": 0,
+      "owner-miss": 0,
+      "lock-rpc": 0,
+      "bad-answer": 0,
+      "no-pool-space": 0,
+      connect: 0,
+      transfer: 0,
+      timeout: 0,
+      checksum: 0,
+    },
+    blocks: 0,
+    bytes: 0,
+    readBytes: 0,
+    readSeconds: 0,
+    checksumsAtSeal: 0,
+    checksumDropped: 0,
+  };
+  #closed = false;
+
+  constructor(opts: PeerTierOptions) {
+    this.#o = opts;
+    this.#fetchTimeout = opts.fetchTimeoutMs ?? DEFAULT_PEER_FETCH_TIMEOUT_MS;
+    this.#rpcTimeout = opts.rpcTimeoutMs ?? DEFAULT_PEER_RPC_TIMEOUT_MS;
+    this.#lockTtl = opts.lockTtlMs ?? this.#fetchTimeout + this.#rpcTimeout;
+    this.#checksums = new Stage<ChecksumJob, void>(
+      "peer.checksum",
+      {
+        concurrency: 1,
+        queue: { depth: CHECKSUM_QUEUE_DEPTH, policy: "drop-newest" },
+        metrics: opts.stageMetrics?.("peer.checksum"),
+      },
+      (job) => this.#checksumJob(job),
+    );
+  }
+
+  /** The held prefix as the last lookup of this prefix answered it (no I/O). */
+  has(blocks: TierBlocks): number {
+    if (blocks.hashes.length === 0) return 0;
+    const m = this.#memo.get(this.#key(blocks.namespace, blocks.hashes[0]));
+    return m && Date.now() - m.at < LOOKUP_MEMO_MS ? Math.min(m.length, blocks.hashes.length) : 0;
+  }
+
+  /**
+   * Sealed blocks: their checksums are computed (one native call per batch)
+   * and recorded, for the locks peers will ask for. The index advertiser
+   * publishes the blocks themselves. Never waits.
+   */
+  put(blocks: TierBlocks): TierPutResult {
+    if (this.#closed) return { status: "dropped", blocks: blocks.hashes.length, duplicates: 0 };
+    const sub = this.#checksums.submit({ namespace: blocks.namespace, hashes: blocks.hashes });
+    if (sub.status !== "accepted") {
+      this.#stats.checksumDropped++;
+      return { status: "dropped", blocks: blocks.hashes.length, duplicates: 0 };
+    }
+    const ended = sub.done();
+    this.#pending.add(ended);
+    ended.then(() => this.#pending.delete(ended));
+    return { status: "queued", blocks: blocks.hashes.length, duplicates: 0 };
+  }
+
+  async #checksumJob(job: ChecksumJob): Promise<void> {
+    const pin = this.#o.host.pin(job.namespace, job.hashes, "peer-checksum");
+    if (!pin) return;
+    try {
+      const hashes: Uint8Array[] = [];
+      const extents: (readonly PoolExtent[])[] = [];
+      pin.blocks.forEach((b, i) => {
+        if (b && b.checksum === undefined) {
+          hashes.push(job.hashes[i]);
+          extents.push(b.extents);
+        }
+      });
+      if (hashes.length === 0) return;
+      const crcs = await this.#o.checksum(extents);
+      this.#o.host.recordChecksums(job.namespace, hashes, crcs);
+      this.#stats.checksumsAtSeal += hashes.length;
+    } finally {
+      pin.release();
+    }
+  }
+
+  prefetch(requestId: string, blocks: TierBlocks): TierPrefetchAnswer {
+    if (this.#closed) return { state: "miss", reason: "closed" };
+    if (this.#requests.has(requestId)) return { state: "loading" };
+    const index = this.#o.index();
+    if (!index || !index.stats().up || blocks.hashes.length === 0) {
+      return { state: "miss", reason: "not-held" };
+    }
+    if (this.#o.host.payloadBytes(blocks.namespace) === undefined) {
+      return { state: "miss", reason: "not-held" };
+    }
+    this.#sweep();
+    const key = this.#key(blocks.namespace, blocks.hashes[0]);
+    let f = this.#running.get(key);
+    if (!f) {
+      const fetch: Fetch = {
+        ended: false,
+        endedAt: 0,
+        done: this.#fetch(index, blocks).finally(() => {
+          fetch.ended = true;
+          fetch.endedAt = Date.now();
+          if (this.#running.get(key) === fetch) this.#running.delete(key);
+        }),
+      };
+      this.#running.set(key, f = fetch);
+    }
+    this.#requests.set(requestId, f);
+    return { state: "loading" };
+  }
+
+  take(requestId: string): TierTakeAnswer {
+    const f = this.#requests.get(requestId);
+    if (!f) return { state: "none" };
+    if (!f.ended) return { state: "loading" };
+    this.#requests.delete(requestId);
+    return { state: "ready" };
+  }
+
+  /** A peer tier keeps nothing across restarts. */
+  storedLayouts(): readonly StoredLayout[] {
+    return [];
+  }
+
+  health(): TierHealth {
+    return { state: this.#closed ? "closed" : "up", capacityBytes: 0, usedBytes: 0, blocks: 0 };
+  }
+
+  /** Keeps `p` (a background release) until it settles, for flush and close. */
+  #track(p: Promise<unknown>): void {
+    this.#pending.add(p);
+    p.finally(() => this.#pending.delete(p));
+  }
+
+  /** Resolves when every checksum job, fetch and lock release started so far has ended. */
+  async flush(): Promise<void> {
+    while (this.#pending.size > 0) await Promise.all(this.#pending);
+    await Promise.all([...this.#running.values()].map((f) => f.done));
+  }
+
+  /** Lets running fetches end (each has a deadline), then closes the transfer peers. */
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    await this.#checksums.drain();
+    await Promise.all([...this.#running.values()].map((f) => f.done));
+    while (this.#pending.size > 0) await Promise.all(this.#pending);
+    for (const p of this.#xferPeers.values()) {
+      await p.then((peer) => peer.close(), () => {});
+    }
+    this.#xferPeers.clear();
+  }
+
+  stats(): PeerTierStats {
+    return {
+      ...this.#stats,
+      failures: { ...this.#stats.failures },
+      inflight: this.#running.size,
+    };
+  }
+
+  #key(namespace: string, first: Uint8Array): string {
+    return `${namespace}\n${hashHex(first)}`;
+  }
+
+  #sweep(): void {
+    const old = Date.now() - FORGET_AFTER_MS;
+    for (const [id, f] of this.#requests) if (f.ended && f.endedAt < old) this.#requests.delete(id);
+    for (const [k, m] of this.#memo) if (m.at < Date.now() - LOOKUP_MEMO_MS) this.#memo.delete(k);
+  }
+
+  #fail(why: PeerFetchFailure, fields: Record<string, string | number> = {}): void {
+    this.#stats.failures[why]++;
+    this.#o.log.debug("peer fetch brought nothing", { reason: why, ...fields });
+  }
+
+  /** One fetch; never rejects (every failure is counted and is a miss). */
+  async #fetch(index: PeerIndex, blocks: TierBlocks): Promise<void> {
+    const t0 = performance.now();
+    this.#stats.fetches++;
+    try {
+      await this.#fetchOnce(index, blocks);
+    } catch (e) {
+      // A bug, not an outage: log it loudly; the request still ends as a miss.
+      this.#o.log.error("peer fetch failed", {
+        namespace: blocks.namespace,
+        error: (e as Error).message,
+      });
+    } finally {
+      this.#o.onFetchDuration?.((performance.now() - t0) / 1000);
+    }
+  }
+
+  async #fetchOnce(index: PeerIndex, blocks: TierBlocks): Promise<void> {
+    const { namespace, hashes, layout } = blocks;
+    const t0 = performance.now();
+    const found = await index.lookup(namespace, hashes);
+    const tLookup = performance.now();
+    if (!found.available) return this.#fail("index-down");
+    this.#memo.set(this.#key(namespace, hashes[0]), { length: found.length, at: Date.now() });
+    const owner = found.owners[0];
+    if (!owner || owner.length === 0) return this.#fail("no-owner");
+    const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
+    let res: QueryBlocksForTransferResponse;
+    try {
+      res = await this.#o.links.lock(owner.addr, {
+        namespace,
+        blockHashes: want,
+        layoutFingerprint: layout.fingerprint,
+        requester: index.nodeId,
+        lockTtlMs: this.#lockTtl,
+      }, this.#rpcTimeout);
+    } catch (e) {
+      return this.#fail("lock-rpc", { owner: owner.nodeId, error: (e as Error).message });
+    }
+    if (res.lockId.length === 0) {
+      return this.#fail("owner-miss", { owner: owner.nodeId, reason: res.missReason });
+    }
+    const tLock = performance.now();
+    const release = () =>
+      this.#o.links.release(owner.addr, res.lockId, index.nodeId, this.#rpcTimeout).catch(
+        (e: Error) =>
+          this.#o.log.debug("peer lock release failed; it expires on the owner", {
+            owner: owner.nodeId,
+            error: e.message,
+          }),
+      );
+    const local = this.#o.host.payloadBytes(namespace);
+    const remote = remoteExtents(res);
+    if (typeof remote === "string" || res.payloadBytes !== local || res.transport !== "tcp") {
+      await release();
+      const why = typeof remote === "string"
+        ? remote
+        : res.payloadBytes !== local
+        ? `block payload ${res.payloadBytes} bytes, ${local} here`
+        : `owner transport ${res.transport}: peer fetch over RDMA needs the QP handshake (not built)`;
+      return this.#fail("bad-answer", { owner: owner.nodeId, error: why });
+    }
+    let peer: XferPeer;
+    try {
+      peer = await this.#xferPeer(res.xferAddr);
+    } catch (e) {
+      await release();
+      return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
+    }
+    const tConnect = performance.now();
+    if (this.#o.beforeRead) await this.#o.beforeRead();
+
+    // Pipelined: the prefix is read in chunks, each planned (pool space here,
+    // whole blocks, prefix order) and submitted while the previous ones are
+    // on the wire; each chunk is verified as soon as it landed, while the
+    // later ones still read. Planning stops at the first block that cannot
+    // be placed.
+    const per = Math.max(
+      1,
+      Math.floor((this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES) / res.payloadBytes),
+      Math.ceil(remote.length / MAX_PIPELINE_CHUNKS),
+    );
+    interface Chunk {
+      /** Pool space of this chunk's blocks: one plan, settled once. */
+      fill: RamFillBatch;
+      from: number;
+      done: Promise<XferResult>;
+      submittedAt: number;
+    }
+    const chunks: Chunk[] = [];
+    let refused: string | undefined;
+    let planned = 0;
+    const tSubmit = performance.now();
+    for (let from = 0; from < remote.length; from += per) {
+      const to = Math.min(from + per, remote.length);
+      let fill: RamFillBatch | null;
+      try {
+        fill = this.#o.host.fillMany(
+          namespace,
+          want.slice(from, to),
+          PEER_TIER_NAME,
+          "reclaimable",
+        );
+      } catch (e) {
+        // Planning refused (a store bug): the chunks already on the wire still end below.
+        refused = (e as Error).message;
+        break;
+      }
+      if (!fill) break;
+      const n = fill.blocks.length;
+      planned += n;
+      let segs = 0;
+      for (let k = 0; k < n; k++) segs += remote[from + k].length + fill.blocks[k].extents.length;
+      const batch = new XferBatch(segs).reset("read", this.#fetchTimeout);
+      for (let k = 0; k < n; k++) pairRanges(batch, remote[from + k], fill.blocks[k].extents);
+      try {
+        chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
+      } catch (e) {
+        // Refused before anything moved: this space was never written. A broken
+        // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
+        fill.settle(() => false);
+        refused = (e as Error).message;
+        if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
+        break;
+      }
+      if (chunks.length === 1) {
+        this.#o.log.debug("peer read submitted", { owner: owner.nodeId, blocks: remote.length });
+      }
+      if (n < to - from) break;
+    }
+    const tPlanned = performance.now();
+    if (chunks.length === 0) {
+      await release();
+      return refused !== undefined
+        ? this.#fail("transfer", { owner: owner.nodeId, error: refused })
+        : this.#fail("no-pool-space", { owner: owner.nodeId });
+    }
+
+    // Each chunk's space is freed only after its completion record: the
+    // transport posts it once nothing can land in it any more (#403).
+    const good: Uint8Array[] = [];
+    const goodCrcs: number[] = [];
+    let bad = 0;
+    let failed: XferResult | undefined;
+    let readEnd = 0;
+    for (let ci = 0; ci < chunks.length; ci++) {
+      const c = chunks[ci];
+      const r = await c.done;
+      if (r.status !== 0) {
+        c.fill.settle(() => false);
+        failed ??= r;
+        continue;
+      }
+      const n = c.fill.blocks.length;
+      readEnd = Math.max(readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
+      this.#stats.readBytes += n * res.payloadBytes;
+      let crcs: Uint32Array;
+      try {
+        crcs = await this.#o.checksum(c.fill.blocks.map((b) => b.extents));
+      } catch (e) {
+        // A bug, not bad bytes: free this chunk, and each later one once it ended.
+        c.fill.settle(() => false);
+        for (const later of chunks.slice(ci + 1)) {
+          await later.done;
+          later.fill.settle(() => false);
+        }
+        await release();
+        throw e;
+      }
+      const verified = (k: number) => crcs[k] === res.checksums[c.from + k];
+      c.fill.settle(verified);
+      for (let k = 0; k < n; k++) {
+        const i = c.from + k;
+        if (verified(k)) {
+          good.push(want[i]);
+          goodCrcs.push(crcs[k]);
+        } else {
+          bad++;
+          this.#o.log.warn("peer block failed its checksum: not served", {
+            owner: owner.nodeId,
+            namespace,
+            block_hash: hashHex(want[i]),
+            expected: res.checksums[i],
+            got: crcs[k],
+          });
+        }
+      }
+    }
+    const tVerify = performance.now();
+    this.#stats.readSeconds += readEnd / 1e3;
+    // The blocks are committed: the answer need not wait for the release's round trip.
+    this.#track(release());
+    if (good.length > 0) this.#o.host.recordChecksums(namespace, good, goodCrcs);
+    if (failed && peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
+    if (failed) {
+      this.#fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
+        owner: owner.nodeId,
+        status: failed.statusName,
+      });
+    }
+    if (bad > 0) this.#stats.failures.checksum += bad;
+    if (good.length > 0) this.#stats.fetchesOk++;
+    this.#stats.blocks += good.length;
+    this.#stats.bytes += good.length * res.payloadBytes;
+    const ms = (a: number, b: number) => Math.round((b - a) * 100) / 100;
+    this.#o.log.info("peer fetch done", {
+      owner: owner.nodeId,
+      namespace,
+      blocks: good.length,
+      planned,
+      bad,
+      chunks: chunks.length,
+      bytes: good.length * res.payloadBytes,
+      lookup_ms: ms(t0, tLookup),
+      lock_ms: ms(tLookup, tLock),
+      connect_ms: ms(tLock, tConnect),
+      plan_ms: ms(tSubmit, tPlanned),
+      read_ms: Math.round(readEnd * 100) / 100,
+      verify_tail_ms: ms(tSubmit + readEnd, tVerify),
+      total_ms: ms(t0, tVerify),
+    });
+  }
+
+  #xferPeer(addr: string): Promise<XferPeer> {
+    let p = this.#xferPeers.get(addr);
+    if (!p) {
+      p = (async () => {
+        const peer = this.#o.endpoint.createPeer();
+        try {
+          await peer.connect(addr, this.#rpcTimeout);
+        } catch (e) {
+          await peer.close();
+          throw e;
+        }
+        return peer;
+      })();
+      this.#xferPeers.set(addr, p);
+      p.catch(() => {
+        if (this.#xferPeers.get(addr) === p) this.#xferPeers.delete(addr);
+      });
+    }
+    return p;
+  }
+
+  /** A broken peer is closed (what it still has in flight ends first) and reconnected next time. */
+  #dropPeer(addr: string, peer: XferPeer): void {
+    this.#xferPeers.delete(addr);
+    peer.close().catch((e: Error) =>
+      this.#o.log.warn("closing a broken transfer peer failed", { addr, error: e.message })
+    );
+  }
+}

@@ -1,0 +1,122 @@
+/**
+ * The gRPC `Peer` service (proto/pegaflow.proto): what other nodes call on
+ * this node to fetch blocks from it. `QueryBlocksForTransfer` checks the
+ * request, locks the held prefix ({@link PeerLockTable}) and answers where
+ * its bytes are; `ReleaseTransferLock` ends a lock. Bad input is refused with
+ * INVALID_ARGUMENT naming the field; nothing is locked for it.
+ *
+ * @module
+ */
+
+import * as grpc from "@grpc/grpc-js";
+import type {
+  PeerServer,
+  QueryBlocksForTransferRequest,
+  QueryBlocksForTransferResponse,
+} from "../../proto/pegaflow.ts";
+import { MAX_HASH_BYTES } from "../limits.ts";
+import { MAX_HASHES_PER_REQUEST } from "../storage/store.ts";
+import type { Logger } from "../log.ts";
+import type { PeerLockTable } from "./locks.ts";
+
+/** What the service tells a requester about this node's transport. */
+export interface TransferEndpointInfo {
+  /** "tcp" | "rdma". */
+  transport: string;
+  /** Where a requester connects its transfer peer (TCP: host:port of the listener). */
+  addr: string;
+}
+
+function refuse(message: string): grpc.ServiceError {
+  return Object.assign(new Error(message), {
+    code: grpc.status.INVALID_ARGUMENT,
+    details: message,
+    metadata: new grpc.Metadata(),
+  });
+}
+
+/** Why a lock request is malformed, or undefined. */
+export function checkLockRequest(r: QueryBlocksForTransferRequest): string | undefined {
+  if (!r.namespace) return "QueryBlocksForTransferRequest.namespace is empty";
+  if (!r.requester) return "QueryBlocksForTransferRequest.requester is empty";
+  if (r.blockHashes.length === 0) return "QueryBlocksForTransferRequest.block_hashes is empty";
+  if (r.blockHashes.length > MAX_HASHES_PER_REQUEST) {
+    return `QueryBlocksForTransferRequest.block_hashes names ${r.blockHashes.length} hashes; at most ${MAX_HASHES_PER_REQUEST}`;
+  }
+  for (let i = 0; i < r.blockHashes.length; i++) {
+    const n = r.blockHashes[i].length;
+    if (n < 1 || n > MAX_HASH_BYTES) {
+      return `QueryBlocksForTransferRequest.block_hashes[${i}] is ${n} bytes (1..${MAX_HASH_BYTES})`;
+    }
+  }
+  if (!r.layoutFingerprint) return "QueryBlocksForTransferRequest.layout_fingerprint is empty";
+  return undefined;
+}
+
+/**
+ * The `Peer` service over `locks`; `endpoint()` is this node's transfer
+ * endpoint as peers must dial it.
+ *
+ * @example
+ * ```ts
+ * server.addService(PeerService, peerServiceImpl(locks, () => ({ transport: "tcp", addr }), log));
+ * ```
+ */
+export function peerServiceImpl(
+  locks: PeerLockTable,
+  endpoint: () => TransferEndpointInfo,
+  log: Logger,
+): PeerServer {
+  return {
+    queryBlocksForTransfer(call, callback) {
+      const r = call.request;
+      const bad = checkLockRequest(r);
+      if (bad) {
+        log.warn("peer lock request refused", { requester: r.requester, error: bad });
+        callback(refuse(bad));
+        return;
+      }
+      locks.grant({
+        namespace: r.namespace,
+        hashes: r.blockHashes,
+        layoutFingerprint: r.layoutFingerprint,
+        requester: r.requester,
+        ttlMs: r.lockTtlMs,
+      }).then((a) => {
+        const ep = endpoint();
+        const res: QueryBlocksForTransferResponse = {
+          lockId: new Uint8Array(0),
+          lockTtlMs: 0,
+          transport: ep.transport,
+          xferAddr: ep.addr,
+          payloadBytes: 0,
+          checksums: [],
+          extentCounts: [],
+          extents: new Uint8Array(0),
+          missReason: "",
+        };
+        if (a.kind === "miss") {
+          res.missReason = a.reason;
+        } else {
+          res.lockId = a.lockId;
+          res.lockTtlMs = a.ttlMs;
+          res.payloadBytes = a.payloadBytes;
+          res.checksums = Array.from(a.checksums);
+          res.extentCounts = Array.from(a.extentCounts);
+          res.extents = a.extents;
+        }
+        callback(null, res);
+      }, (e: Error) => {
+        log.error("peer lock failed", { requester: r.requester, error: e.message });
+        callback(Object.assign(new Error(e.message), {
+          code: grpc.status.INTERNAL,
+          details: e.message,
+          metadata: new grpc.Metadata(),
+        }));
+      });
+    },
+    releaseTransferLock(call, callback) {
+      callback(null, { released: locks.release(call.request.lockId, call.request.requester) });
+    },
+  };
+}

@@ -1,0 +1,349 @@
+/**
+ * The peer tier in one process, over real parts: two pools on the host
+ * backend, two stores, the owner's lock table behind a real gRPC `Peer`
+ * service, the requester's tier reading over the real TCP transport. What
+ * the multi-process tests cannot reach from outside: a block whose bytes do
+ * not match its checksum is never served, block checksums agree however the
+ * pool cuts a block, and the service refuses bad input naming the field.
+ */
+
+import assert from "node:assert/strict";
+import * as grpc from "@grpc/grpc-js";
+import { PeerService } from "../../proto/pegaflow.ts";
+import { poolChecksums } from "../../ffi/uring.ts";
+import { crc32c } from "../../lib/ssd/format.ts";
+import { KvStore } from "../../lib/storage/store.ts";
+import { storeTierHost } from "../../lib/storage/tier_host.ts";
+import { blockLayoutIdentity } from "../../lib/storage/layout.ts";
+import type { BlockLayout } from "../../lib/storage/block.ts";
+import type { TierBlocks, TierHost } from "../../lib/storage/tier.ts";
+import { Logger } from "../../lib/log.ts";
+import { PeerLockTable } from "../../lib/peer/locks.ts";
+import { PeerLinks } from "../../lib/peer/link.ts";
+import { type PeerIndex, PeerTier } from "../../lib/peer/peer_tier.ts";
+import { peerServiceImpl } from "../../lib/peer/service.ts";
+import { LocalNode } from "../xfer/_harness.ts";
+
+const NS = "ns-peer";
+const LAYOUT: BlockLayout = {
+  layers: 3,
+  tpSize: 2,
+  collapseTp: false,
+  segments: 2,
+  segmentBytes: 8192,
+};
+const POOL = 16 << 20;
+const log = new Logger("error");
+
+function hash(i: number): Uint8Array {
+  return new Uint8Array([0x70, i, 0xee, i ^ 0x5a]);
+}
+
+/** A node: pool + ring + TCP endpoint, a store over the pool, its tier host. */
+function node(seed: number) {
+  const n = new LocalNode(POOL, seed);
+  const store = new KvStore({ capacityBytes: POOL });
+  store.defineNamespace(NS, LAYOUT);
+  const host = storeTierHost(store);
+  const checksum = (b: readonly (readonly { offset: number; bytes: number }[])[]) =>
+    poolChecksums(n.pool.handle, b);
+  return { n, store, host, checksum };
+}
+
+/** Seals blocks on `host` with bytes derived from their hash; returns their payloads. */
+function seal(nd: ReturnType<typeof node>, hashes: Uint8Array[]): Uint8Array[] {
+  return hashes.map((h) => {
+    const f = nd.host.fill(NS, h, "test", "retained")!;
+    const payload = new Uint8Array(f.payloadBytes);
+    for (let i = 0; i < payload.length; i++) payload[i] = (i * 131 + h[1] * 7 + (i >> 9)) & 0xff;
+    let p = 0;
+    for (const x of f.extents) {
+      nd.n.mem.set(payload.subarray(p, p + x.bytes), x.offset);
+      p += x.bytes;
+    }
+    f.commit();
+    return payload;
+  });
+}
+
+/** A block's bytes in payload order, read through a pin. */
+function payloadOf(host: TierHost, mem: Uint8Array, h: Uint8Array): Uint8Array | undefined {
+  const pin = host.pin(NS, [h], "test-read");
+  const b = pin?.blocks[0];
+  if (!b) {
+    pin?.release();
+    return undefined;
+  }
+  const out = new Uint8Array(b.payloadBytes);
+  let p = 0;
+  for (const x of b.extents) {
+    out.set(mem.subarray(x.offset, x.offset + x.bytes), p);
+    p += x.bytes;
+  }
+  pin!.release();
+  return out;
+}
+
+async function twoNodes(chunkBytes?: number) {
+  const owner = node(1), req = node(2);
+  const locks = new PeerLockTable({
+    host: owner.host,
+    ram: owner.store,
+    checksum: owner.checksum,
+    log,
+  });
+  const server = new grpc.Server();
+  const xferAddr = `127.0.0.1:${owner.n.ep.info().port}`;
+  server.addService(
+    PeerService,
+    peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), log),
+  );
+  const port = await new Promise<number>((res, rej) =>
+    server.bindAsync(
+      "127.0.0.1:0",
+      grpc.ServerCredentials.createInsecure(),
+      (e, p) => e ? rej(e) : res(p),
+    )
+  );
+  const ownerAddr = `127.0.0.1:${port}`;
+  let owned = 0;
+  const index: PeerIndex = {
+    nodeId: "requester",
+    lookup: (_ns, hashes) =>
+      Promise.resolve({
+        length: Math.min(owned, hashes.length),
+        owners: owned > 0
+          ? [{ nodeId: "owner", addr: ownerAddr, length: Math.min(owned, hashes.length) }]
+          : [],
+        available: true,
+      }),
+    stats: () => ({ up: true }),
+  };
+  const links = new PeerLinks();
+  const tier = new PeerTier({
+    host: req.host,
+    index: () => index,
+    endpoint: req.n.ep,
+    links,
+    checksum: req.checksum,
+    log,
+    fetchTimeoutMs: 2000,
+    chunkBytes,
+  });
+  return {
+    owner,
+    req,
+    locks,
+    tier,
+    links,
+    ownerAddr,
+    setOwned: (n: number) => (owned = n),
+    async close() {
+      await tier.close();
+      locks.close();
+      links.close();
+      server.forceShutdown();
+      await req.n.close();
+      await owner.n.close();
+    },
+  };
+}
+
+async function fetchAll(tier: PeerTier, blocks: TierBlocks, id: string): Promise<void> {
+  assert.equal(tier.prefetch(id, blocks).state, "loading");
+  while (tier.take(id).state === "loading") await new Promise((r) => setTimeout(r, 5));
+}
+
+Deno.test("blocks fetched from a peer land byte-exact and sealed in RAM, the owner's lock released", async () => {
+  const t = await twoNodes();
+  try {
+    const hashes = [0, 1, 2, 3, 4].map(hash);
+    const payloads = seal(t.owner, hashes);
+    t.setOwned(5);
+    const blocks = { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) };
+    await fetchAll(t.tier, blocks, "r1");
+    for (let i = 0; i < 5; i++) {
+      assert.equal(t.req.store.blockState(NS, hashes[i]), "sealed");
+      assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i], `block ${i}`);
+    }
+    await t.tier.flush(); // the lock release runs after the answer
+    const s = t.tier.stats();
+    assert.equal(s.blocks, 5);
+    assert.equal(s.fetchesOk, 1);
+    assert.equal(t.locks.stats().held, 0);
+    assert.equal(t.locks.stats().released, 1);
+    // No checksum was recorded after the owner's seal here: the lock computed them.
+    assert.equal(t.locks.stats().checksumsAtLock, 5);
+    assert.equal(t.owner.store.stats().pinnedBlocks, 0);
+    t.req.store.verify();
+    t.owner.store.verify();
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("a block whose bytes changed after its checksum was recorded is never served (fetch read in chunks of 2 blocks)", async () => {
+  // 96 KiB blocks, 200 KiB chunks: 2 blocks per READ batch, verified batch by batch.
+  const t = await twoNodes(200 * 1024);
+  try {
+    const hashes = [10, 11, 12, 13].map(hash);
+    const payloads = seal(t.owner, hashes);
+    // The checksum stage (put after the seal) records each block's CRC32C.
+    const layout = blockLayoutIdentity(LAYOUT);
+    const ownerTier = new PeerTier({
+      host: t.owner.host,
+      index: () => undefined,
+      endpoint: t.owner.n.ep,
+      links: t.links,
+      checksum: t.owner.checksum,
+      log,
+    });
+    assert.equal(ownerTier.put({ namespace: NS, hashes, layout }).status, "queued");
+    await ownerTier.flush();
+    assert.equal(ownerTier.stats().checksumsAtSeal, 4);
+    await ownerTier.close();
+    // Block 2's bytes change in the owner's pool (a stray write, a reused range).
+    const pin = t.owner.host.pin(NS, [hashes[2]], "corrupt")!;
+    t.owner.n.mem[pin.blocks[0]!.extents[0].offset + 5] ^= 0xff;
+    pin.release();
+    t.setOwned(4);
+    await fetchAll(t.tier, { namespace: NS, hashes, layout }, "r2");
+    assert.equal(
+      t.req.store.blockState(NS, hashes[2]),
+      "absent",
+      "the corrupt block is not served",
+    );
+    for (const i of [0, 1, 3]) {
+      assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i], `block ${i}`);
+    }
+    assert.equal(t.tier.stats().failures.checksum, 1);
+    assert.equal(t.locks.stats().checksumsAtLock, 0, "the seal-time checksums were carried");
+    t.req.store.verify();
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("a block's checksum is the CRC32C of its payload however the pool cuts it into ranges", async () => {
+  const nd = node(3);
+  try {
+    const bytes = nd.n.mem;
+    const whole = [{ offset: 4096, bytes: 12288 }];
+    const cut = [{ offset: 4096, bytes: 100 }, { offset: 4196, bytes: 8000 }, {
+      offset: 12196,
+      bytes: 4188,
+    }];
+    const other = [{ offset: 65536, bytes: 7 }];
+    const crcs = await poolChecksums(nd.n.pool.handle, [whole, cut, other]);
+    const want = crc32c(bytes.subarray(4096, 4096 + 12288));
+    assert.equal(crcs[0], want);
+    assert.equal(crcs[1], want);
+    assert.equal(crcs[2], crc32c(bytes.subarray(65536, 65543)));
+    // Lengths around the native code's stripes (3 × 1 KiB interleaved), odd offsets.
+    const cases: { offset: number; bytes: number }[] = [];
+    for (const off of [0, 3, 4096 + 5]) {
+      for (const n of [1, 7, 8, 1023, 3071, 3072, 3073, 6149, 32768, 100_003, (1 << 20) + 13]) {
+        cases.push({ offset: off, bytes: n });
+      }
+    }
+    const got = await poolChecksums(nd.n.pool.handle, cases.map((x) => [x]));
+    cases.forEach((x, i) =>
+      assert.equal(
+        got[i],
+        crc32c(bytes.subarray(x.offset, x.offset + x.bytes)),
+        `${x.bytes} @ ${x.offset}`,
+      )
+    );
+    await assert.rejects(
+      poolChecksums(nd.n.pool.handle, [[{ offset: POOL - 10, bytes: 11 }]]),
+      /outside the pool/,
+    );
+  } finally {
+    await nd.n.close();
+  }
+});
+
+Deno.test("the Peer service refuses malformed lock requests naming the field, and locks nothing", async () => {
+  const t = await twoNodes();
+  try {
+    const ok = {
+      namespace: NS,
+      blockHashes: [hash(1)],
+      layoutFingerprint: blockLayoutIdentity(LAYOUT).fingerprint,
+      requester: "r",
+      lockTtlMs: 0,
+    };
+    const cases: [Partial<typeof ok>, RegExp][] = [
+      [{ namespace: "" }, /namespace is empty/],
+      [{ requester: "" }, /requester is empty/],
+      [{ blockHashes: [] }, /block_hashes is empty/],
+      [{ blockHashes: [hash(1), new Uint8Array(65)] }, /block_hashes\[1\] is 65 bytes/],
+      [{ layoutFingerprint: "" }, /layout_fingerprint is empty/],
+    ];
+    for (const [bad, why] of cases) {
+      await assert.rejects(
+        t.links.lock(t.ownerAddr, { ...ok, ...bad }, 2000),
+        (e: grpc.ServiceError) => {
+          assert.equal(e.code, grpc.status.INVALID_ARGUMENT);
+          assert.match(e.details, why);
+          return true;
+        },
+      );
+    }
+    seal(t.owner, [hash(1)]);
+    const other = await t.links.lock(
+      t.ownerAddr,
+      { ...ok, layoutFingerprint: "0".repeat(32) },
+      2000,
+    );
+    assert.equal(other.missReason, "other-layout");
+    assert.equal(other.lockId.length, 0);
+    assert.equal(t.locks.stats().held, 0);
+    const locked = await t.links.lock(t.ownerAddr, ok, 2000);
+    assert.equal(locked.checksums.length, 1);
+    assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "someone-else", 2000), false);
+    assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "r", 2000), true);
+    assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "r", 2000), false);
+    assert.equal(t.owner.store.stats().pinnedBlocks, 0);
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("a prefix no peer holds answers loading once, then a clean miss; nothing is planned", async () => {
+  const t = await twoNodes();
+  try {
+    const hashes = [20, 21].map(hash);
+    t.setOwned(0);
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "r3");
+    assert.equal(t.tier.take("r3").state, "none", "ready is answered once");
+    assert.equal(t.tier.stats().failures["no-owner"], 1);
+    assert.equal(t.locks.stats().granted, 0);
+    assert.equal(t.req.store.stats().usedBytes, 0);
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("two requests starting at the same missing block share one fetch and one lock", async () => {
+  const t = await twoNodes();
+  try {
+    const hashes = [30, 31, 32].map(hash);
+    const payloads = seal(t.owner, hashes);
+    t.setOwned(3);
+    const blocks = { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) };
+    assert.equal(t.tier.prefetch("ra", blocks).state, "loading");
+    assert.equal(t.tier.prefetch("rb", blocks).state, "loading");
+    for (const id of ["ra", "rb"]) {
+      while (t.tier.take(id).state === "loading") await new Promise((r) => setTimeout(r, 5));
+    }
+    await t.tier.flush();
+    assert.equal(t.tier.stats().fetches, 1);
+    assert.equal(t.locks.stats().granted, 1);
+    for (let i = 0; i < 3; i++) {
+      assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i]);
+    }
+  } finally {
+    await t.close();
+  }
+});
