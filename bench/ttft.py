@@ -237,6 +237,9 @@ class Bench:
         decode_blocks = args.decode_requests * -(-(args.decode_prompt + args.decode_tokens) // bs)
         # Two prompts of the longest length (the warm one + a fresh one) and headroom.
         self.num_blocks = max(2 * -(-max_t // bs), decode_blocks) + 64
+        # Staging blocks for layer-wise loads (connector/staging.py): the longest prompt's.
+        self.staging_blocks = -(-max_t // bs) if args.staging_blocks < 0 else args.staging_blocks
+        self.result["staging_blocks"] = self.staging_blocks
         self.max_batched = max(max_t, 2048)
 
     def engine(self, mode: str | None, *, model: LlamaModel, record_timeline: bool = False) -> LLMEngine:
@@ -251,6 +254,7 @@ class Bench:
                     "pegaflow.addr": self.server_addr,
                     "pegaflow.mode": mode,
                     "pegaflow.load_issuer": self.args.load_issuer,
+                    "pegaflow.staging_blocks": self.staging_blocks,
                 },
             )
         alloc = shm_kv_cache_allocator(self.regions) if self.args.backend == "host" else None
@@ -737,6 +741,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-size", default=None)
     p.add_argument("--transfer-path", default="auto", choices=["auto", "kernel", "dma"])
+    p.add_argument(
+        "--staging-blocks", type=int, default=-1,
+        help="pegaflow.staging_blocks of the layer-wise engine (-1: the longest prompt's blocks; 0: off)",
+    )
     p.add_argument("--decode-requests", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=None)
     p.add_argument("--decode-prompt", type=int, default=None)

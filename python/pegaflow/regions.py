@@ -112,6 +112,13 @@ def kv_geometry(
     )
 
 
+def block_axis(shape: Sequence[int], layout: Optional[str] = None) -> int:
+    """The axis of a paged KV tensor that indexes blocks, by `kv_geometry`'s layout rule."""
+    if layout is None:
+        layout = KV_FIRST if shape[0] == 2 and len(shape) >= 3 else BLOCKS_FIRST
+    return 1 if layout == KV_FIRST else 0
+
+
 def _footprint_bytes(g: Geometry) -> int:
     return (g.num_blocks - 1) * g.block_stride + (g.num_segments - 1) * g.seg_stride + g.seg_bytes
 

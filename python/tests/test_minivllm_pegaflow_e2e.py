@@ -29,7 +29,9 @@ def regions():
         r.close()
 
 
-def pega_engine(model, server, regions, uid: str, mode: str, issuer: str | None = None) -> LLMEngine:
+def pega_engine(
+    model, server, regions, uid: str, mode: str, issuer: str | None = None, staging: int = 0
+) -> LLMEngine:
     ktc = KVTransferConfig(
         kv_connector="PegaflowConnector",
         kv_connector_module_path="pegaflow.connector.vllm",
@@ -40,6 +42,7 @@ def pega_engine(model, server, regions, uid: str, mode: str, issuer: str | None 
             "pegaflow.mode": mode,
             "pegaflow.namespace": f"ns-{uid}",
             **({"pegaflow.load_issuer": issuer} if issuer else {}),
+            **({"pegaflow.staging_blocks": staging} if staging else {}),
         },
     )
     return LLMEngine(
@@ -66,13 +69,23 @@ def run(eng: LLMEngine, prompt: list[int], max_tokens: int):
     return req, first_logits, table, seen
 
 
-@pytest.mark.parametrize("issuer", ["scheduler", "worker"])
-@pytest.mark.parametrize("mode", ["layerwise", "async"])
-def test_a_warm_request_after_reset_hits_pegaflow_and_matches_the_cold_one(model, server, regions, uid, mode, issuer):
+@pytest.mark.parametrize(
+    "mode,issuer,staging",
+    [
+        ("layerwise", "scheduler", 0),
+        ("layerwise", "worker", 0),
+        ("async", "scheduler", 0),
+        ("async", "worker", 0),
+        ("layerwise", "scheduler", 32),  # through staging blocks (connector/staging.py)
+    ],
+)
+def test_a_warm_request_after_reset_hits_pegaflow_and_matches_the_cold_one(
+    model, server, regions, uid, mode, issuer, staging
+):
     rng = random.Random(uid)
     prompt = [rng.randrange(TINY.vocab_size) for _ in range(150)]
     nfull = (len(prompt) - 1) // BS  # 9 blocks: the last token is always recomputed
-    eng = pega_engine(model, server, regions, uid, mode, issuer)
+    eng = pega_engine(model, server, regions, uid, mode, issuer, staging)
     try:
         assert eng.scheduler_connector.settings.load_issuer == issuer
         cold, cold_logits, cold_table, _ = run(eng, prompt, max_tokens=3)

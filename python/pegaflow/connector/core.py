@@ -58,6 +58,7 @@ from ..errors import PegaflowError, PegaflowLoadError
 from ..load_state import LoadState
 from ..regions import export_kv_layers
 from ..registration import KvRegistration
+from .staging import StagingBuffers, StagingRoom, staging_instance
 
 log = logging.getLogger("pegaflow.connector")
 
@@ -138,6 +139,14 @@ class LoadIntent:
     lease_id: bytes
     block_ids: List[int]
     states: Optional[Dict[Tuple[int, int], str]] = None
+    # Staged (staging.py): `block_ids` are staging blocks of `<instance>.staging`, and each
+    # layer is scattered from there into these, the request's own blocks.
+    scatter_to: Optional[List[int]] = None
+
+    @property
+    def targets(self) -> List[int]:
+        """The request's blocks this load fills (recomputed if it fails)."""
+        return self.scatter_to if self.scatter_to is not None else self.block_ids
 
 
 @dataclass
@@ -218,6 +227,7 @@ class SchedulerCore:
         mode: str = LAYERWISE,
         load_issuer: str = ISSUER_WORKER,
         ranks: Sequence[Tuple[int, int]] = ((0, 0),),
+        staging_blocks: int = 0,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -233,6 +243,12 @@ class SchedulerCore:
         self.mode = mode
         self.load_issuer = load_issuer
         self.ranks = [tuple(r) for r in ranks]
+        # Layer-wise loads go through the workers' staging blocks (staging.py) when they have
+        # some: queries and Loads then name the staging instance, which holds the same blocks.
+        self.staging: Optional[StagingRoom] = (
+            StagingRoom(staging_blocks) if staging_blocks > 0 and mode == LAYERWISE else None
+        )
+        self.load_instance = staging_instance(instance_id) if self.staging else instance_id
         self._probes: Dict[str, _Probe] = {}
         self._tracked: Dict[str, _Tracked] = {}
         self._loads: List[LoadIntent] = []
@@ -251,7 +267,11 @@ class SchedulerCore:
     # -- probe --
 
     def _release(self, probe: Optional[_Probe]) -> None:
-        if probe is None or not probe.result.lease_id:
+        if probe is None:
+            return
+        if self.staging is not None:
+            self.staging.unreserve(probe.result.hits)
+        if not probe.result.lease_id:
             return
         try:
             self.client.release(probe.result.lease_id)
@@ -278,10 +298,16 @@ class SchedulerCore:
         ):
             return self._answer(p)
         self._release(self._probes.pop(rid, None))
+        if self.staging is not None:
+            # A load must fit the step's staging blocks: ask for no more than are left.
+            loadable = computed + self.staging.offer(asked)
+            if loadable <= computed:
+                self.stats["staging_full"] += 1
+                return 0, False
         self.stats["queries"] += 1
         try:
             q = self.client.query_prefetch(
-                instance_id=self.instance_id, block_hashes=hashes[computed:loadable], request_id=rid
+                instance_id=self.load_instance, block_hashes=hashes[computed:loadable], request_id=rid
             )
         except PegaflowError as e:
             # Server away, instance not (yet) registered, ...: a miss, never an error in the step.
@@ -293,6 +319,8 @@ class SchedulerCore:
             return None, False
         p = _Probe(computed, asked, q, now)
         self._probes[rid] = p
+        if self.staging is not None:
+            self.staging.reserve(q.hits)
         self.stats["hit_blocks"] += q.hits
         return self._answer(p)
 
@@ -322,7 +350,11 @@ class SchedulerCore:
             raise ValueError(
                 f"request {rid}: {len(block_ids)} blocks allocated, need blocks {start}..{start + n - 1} to load into"
             )
-        intent = LoadIntent(rid, p.result.lease_id, targets)
+        if self.staging is not None:
+            first = self.staging.take(n, reserved=p.result.hits)
+            intent = LoadIntent(rid, p.result.lease_id, list(range(first, first + n)), scatter_to=targets)
+        else:
+            intent = LoadIntent(rid, p.result.lease_id, targets)
         if self.load_issuer == ISSUER_SCHEDULER:
             self._issue(intent)
         self._loads.append(intent)
@@ -373,7 +405,7 @@ class SchedulerCore:
 
             try:
                 self.client.load_nowait(
-                    instance_id=self.instance_id, tp_rank=tp_rank, pp_rank=pp_rank, lease_id=intent.lease_id,
+                    instance_id=self.load_instance, tp_rank=tp_rank, pp_rank=pp_rank, lease_id=intent.lease_id,
                     block_ids=intent.block_ids, load_state_shm=st.name, request_id=intent.request_id,
                     on_done=answered,
                 )
@@ -386,6 +418,8 @@ class SchedulerCore:
     def build_step(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         plan = StepPlan(loads=self._loads, preempted=list(preempted))
         self._loads = []
+        if self.staging is not None:
+            self.staging.next_step()
         if self._shipped or self._issued:
             # The engine schedules synchronously (the rule of the scheduler
             # issuer): the step that carried these names has run.
@@ -498,6 +532,8 @@ class _Load:
     timed_out: bool = False
     held: bool = False  # layer-wise: counted in its request's in-flight transfers
     lingering: bool = False
+    index: Any = None  # staged: the request's blocks as the scatter's index
+    scattered: int = 0  # staged: layers already scattered into the request's blocks
 
 
 @dataclass
@@ -531,10 +567,17 @@ class WorkerCore:
         load_timeout_s: Optional[float] = None,
         save_queue_depth: int = 64,
         device_id: Optional[int] = None,
+        staging_blocks: int = 0,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if staging_blocks < 0:
+            raise ValueError(f"staging_blocks must be >= 0, got {staging_blocks}")
         self.client = client
+        # Layer-wise only (async loads span steps): see staging.py.
+        self.staging_blocks = staging_blocks if mode == LAYERWISE else 0
+        self.staging: Optional[StagingBuffers] = None
+        self.staging_registration: Optional[KvRegistration] = None
         self.instance_id, self.namespace = instance_id, namespace
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
         # The device this rank registers: CUDA KV names its own; host-backend KV (shm) has none,
@@ -591,8 +634,22 @@ class WorkerCore:
             device_id=device,
         )
         self.registration.register()
+        if self.staging_blocks:
+            self._register_staging(unique, layout, device)
         self._thread = threading.Thread(target=self._save_loop, name=f"pegaflow-save-{self.tp_rank}", daemon=True)
         self._thread.start()
+
+    def _register_staging(self, unique: Mapping[str, Any], layout: Optional[str], device: int) -> None:
+        """The staging blocks, registered as `<instance>.staging` in the same namespace (same
+        layers, same rank): the server loads into them as into any instance's blocks."""
+        self.staging = StagingBuffers(unique, self.staging_blocks, layout)
+        layers, _ = export_kv_layers(self.staging.tensors, layout)
+        self.staging_registration = KvRegistration(
+            self.client, instance_id=staging_instance(self.instance_id), namespace=self.namespace,
+            layers=layers, tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank,
+            pp_size=self.pp_size, device_id=device,
+        )
+        self.staging_registration.register()
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:  # the save thread and the engine's thread both count
@@ -703,9 +760,9 @@ class WorkerCore:
     def _fail(self, ld: _Load, why: str) -> None:
         if not ld.failed:
             ld.failed = True
-            self._errors.update(ld.intent.block_ids)
+            self._errors.update(ld.intent.targets)
             self._count("load_failures", 1)
-            log.warning("load for %s failed (%d blocks recomputed): %s", ld.intent.request_id, len(ld.intent.block_ids), why)
+            log.warning("load for %s failed (%d blocks recomputed): %s", ld.intent.request_id, len(ld.intent.targets), why)
 
     def start_load(self) -> None:
         """Submits one Load per load intent of the bound plan, or attaches to
@@ -721,6 +778,8 @@ class WorkerCore:
             else:
                 self._step_loads.append(ld)
             self._hold(ld)
+            if intent.scatter_to is not None and not self._stage(ld):
+                continue
             if intent.states is not None:
                 self._attach(ld)
                 continue
@@ -731,7 +790,9 @@ class WorkerCore:
             ld.state = self._state()
             try:
                 self.client.load(
-                    instance_id=self.instance_id, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
+                    instance_id=staging_instance(self.instance_id) if intent.scatter_to is not None
+                    else self.instance_id,
+                    tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                     lease_id=intent.lease_id, block_ids=intent.block_ids, load_state_shm=ld.state.name,
                     request_id=intent.request_id,
                 )
@@ -745,6 +806,37 @@ class WorkerCore:
                 ld.done = e.code not in _MAYBE_ACCEPTED
                 self._fail(ld, str(e))
                 self._recycle(ld)
+
+    def _stage(self, ld: _Load) -> bool:
+        """A staged load: False (and failed: its blocks are recomputed) when this rank cannot
+        scatter it — no staging blocks, or a timed-out staged load that may still write them."""
+        if self.staging is None:
+            ld.done = True
+            self._fail(ld, "the scheduler staged this load but this worker has no staging blocks "
+                           "(pegaflow.staging_blocks must be the same on both sides)")
+            return False
+        if any(x.intent.scatter_to is not None for x in self._lingering):
+            # Its late bytes could land in the blocks this load reuses: never scatter those.
+            ld.done = ld.intent.states is None  # a scheduler-issued Load may still be running
+            self._fail(ld, "a timed-out staged load may still write the staging blocks")
+            if not ld.done:
+                self._attach(ld)
+                ld.timed_out = True  # keep its state mapped until the server settles it
+                self._recycle(ld)
+            return False
+        ld.index = self.staging.index(ld.intent.scatter_to)
+        return True
+
+    def _scatter(self, ld: _Load, upto: int) -> None:
+        """Staged: layers [scattered, upto] have landed in the staging blocks; move them into
+        the request's blocks (on the engine's stream, before the layer's attention)."""
+        if ld.index is None or self.staging is None:
+            return
+        layers = self._reg().layers
+        first = ld.intent.block_ids[0]
+        for j in range(ld.scattered, upto + 1):
+            self.staging.scatter(layers[j].name, first, ld.index)
+        ld.scattered = max(ld.scattered, upto + 1)
 
     def _attach(self, ld: _Load) -> None:
         """A scheduler-issued load: map this rank's state (the scheduler unlinks
@@ -781,6 +873,7 @@ class WorkerCore:
                 continue
             try:
                 ld.state.wait_layer(idx, self._left(ld))
+                self._scatter(ld, idx)
             except PegaflowLoadError as e:
                 ld.timed_out = isinstance(e, TimeoutError)
                 ld.done = not ld.timed_out
@@ -795,6 +888,7 @@ class WorkerCore:
             if not ld.done and ld.state is not None and not ld.failed:
                 try:
                     ld.state.wait_all(self._left(ld))
+                    self._scatter(ld, len(self._reg().layers) - 1)
                     ld.done = True
                 except PegaflowLoadError as e:
                     ld.timed_out = isinstance(e, TimeoutError)
@@ -922,6 +1016,8 @@ class WorkerCore:
             self._thread = None
         if self.registration is not None:
             self.registration.close(unregister=unregister)
+        if self.staging_registration is not None:
+            self.staging_registration.close(unregister=unregister)
         # Unregistering drained the server's copies: every state can go now.
         for ld in self._step_loads + list(self._async_loads.values()) + self._lingering:
             if ld.state is not None:
@@ -931,3 +1027,6 @@ class WorkerCore:
         for st in self._free_states:
             st.close()
         self._free_states.clear()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None

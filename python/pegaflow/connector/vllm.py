@@ -27,7 +27,10 @@ Extra config keys (env fallback): pegaflow.addr (PEGAFLOW_ADDR), pegaflow.mode
 pegaflow.load_timeout_ms (PEGAFLOW_*_TIMEOUT_MS), pegaflow.instance_id
 (PEGAFLOW_INSTANCE_ID; default kv_transfer_config.engine_id), pegaflow.namespace
 (PEGAFLOW_NAMESPACE; default derived from every layout factor), pegaflow.load_issuer
-(PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker"; default below), pegaflow.device_id
+(PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker"; default below), pegaflow.staging_blocks
+(PEGAFLOW_STAGING_BLOCKS: layer-wise loads through that many staging blocks per layer, so a
+load's copies stay contiguous whatever blocks the engine gave the request; 0 = off, the
+default; connector/staging.py), pegaflow.device_id
 (PEGAFLOW_DEVICE_ID: the device a host-backend worker registers under, for a server that
 serves several; CUDA KV registers the device its tensors are on).
 
@@ -111,6 +114,10 @@ class ConnectorSettings:
     # Device id this worker registers its KV under (pegaflow.device_id / PEGAFLOW_DEVICE_ID): only
     # for host-backend (shm) KV; CUDA tensors name their own device.
     device_id: Optional[int] = None
+    # Staging blocks per layer for layer-wise loads (pegaflow.staging_blocks /
+    # PEGAFLOW_STAGING_BLOCKS; 0 = load straight into the request's blocks): see
+    # connector/staging.py. Costs that many blocks of KV memory per layer on every rank.
+    staging_blocks: int = 0
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Optional[Dict[str, str]] = None) -> "ConnectorSettings":
@@ -161,9 +168,13 @@ class ConnectorSettings:
         device = get("device_id", "PEGAFLOW_DEVICE_ID")
         if device is not None and not str(device).isdigit():
             raise ValueError(f"pegaflow.device_id {device!r} is not a non-negative integer")
+        staging = get("staging_blocks", "PEGAFLOW_STAGING_BLOCKS") or "0"
+        if not str(staging).isdigit():
+            raise ValueError(f"pegaflow.staging_blocks {staging!r} is not a non-negative integer")
         return cls(
             mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client,
             load_issuer=load_issuer, device_id=int(device) if device is not None else None,
+            staging_blocks=int(staging),
         )
 
 
@@ -225,6 +236,7 @@ class PegaflowConnector(KVConnectorBase_V1):
                 self.client, instance_id=self.settings.instance_id,
                 block_size=vllm_config.cache_config.block_size, mode=self.settings.mode,
                 load_issuer=self.settings.load_issuer, ranks=ranks,
+                staging_blocks=self.settings.staging_blocks,
             )
         else:
             tp_rank, pp_rank = _ranks(vllm_config)
@@ -233,6 +245,7 @@ class PegaflowConnector(KVConnectorBase_V1):
                 tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, pp_rank=pp_rank,
                 pp_size=pc.pipeline_parallel_size, mode=self.settings.mode,
                 load_timeout_s=self.settings.client.load_timeout_s, device_id=self.settings.device_id,
+                staging_blocks=self.settings.staging_blocks,
             )
 
     @property
