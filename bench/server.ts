@@ -27,6 +27,11 @@ const o = new Command("bench-server")
   .option("--query-iters <n>", "QueryPrefetch samples", "200")
   .option("--out <dir>", "where to write the JSON", "bench/results")
   .option("--server-log <file>", "write the server's debug log (per-phase save/load times) here")
+  .option(
+    "--transport <how>",
+    "uds: the engine on the server's Unix socket with its local RPC socket, as an engine on the same host; tcp: gRPC over TCP",
+    "uds",
+  )
   .parse(["deno", "run", ...Deno.args])
   .opts<{
     backend: "auto" | "cuda" | "host";
@@ -35,7 +40,12 @@ const o = new Command("bench-server")
     queryIters: string;
     out: string;
     serverLog?: string;
+    transport: string;
   }>();
+if (o.transport !== "uds" && o.transport !== "tcp") {
+  console.error(`--transport ${o.transport}: expected uds or tcp`);
+  Deno.exit(2);
+}
 
 const model = LLAMA_3_1_8B;
 /** Concurrent Saves in the throughput row (the server copies up to 4 at once). */
@@ -94,6 +104,7 @@ async function nativeGatherGbps(): Promise<number> {
 
 // ---- the server, as a child process.
 const poolBytes = Math.ceil((prefixBytes * 1.25) / (1 << 20)) * (1 << 20);
+const sockDir = o.transport === "uds" ? await Deno.makeTempDir({ prefix: "pf-bench-" }) : undefined;
 const child = new Deno.Command(Deno.execPath(), {
   args: [
     "run",
@@ -109,6 +120,7 @@ const child = new Deno.Command(Deno.execPath(), {
     `${poolBytes}`,
     "--log-level",
     o.serverLog ? "debug" : "warn",
+    ...(sockDir ? ["--uds", `${sockDir}/pf.sock`] : []),
   ],
   cwd: new URL("../", import.meta.url).pathname,
   stdout: "piped",
@@ -126,9 +138,9 @@ while (!line.includes("\n")) {
   line += r.value;
 }
 reader.releaseLock();
-const { grpc, http } = JSON.parse(line.slice(0, line.indexOf("\n"))).listening;
+const { grpc, http, uds } = JSON.parse(line.slice(0, line.indexOf("\n"))).listening;
 
-const client = new PegaflowClient(grpc);
+const client = new PegaflowClient(uds ? `unix:${uds}` : grpc);
 const sim = SimEngine.create({
   client,
   instanceId: `bench-${Deno.pid}`,
@@ -145,6 +157,7 @@ const result: Record<string, unknown> = {
   prefix_bytes: prefixBytes,
   segment_bytes: segBytes,
   layers: model.numLayers,
+  transport: o.transport,
   date: new Date().toISOString(),
   command: `deno run -A bench/server.ts ${Deno.args.join(" ")}`.trim(),
 };
@@ -302,7 +315,7 @@ try {
     hMs.push(performance.now() - t0);
   }
   rows.push({
-    what: "Health (empty RPC: transport floor)",
+    what: `Health (empty RPC: transport floor, ${o.transport})`,
     p50_ms: pct(hMs, 50).toFixed(3),
     p99_ms: pct(hMs, 99).toFixed(3),
     gbps: "-",
@@ -345,4 +358,5 @@ try {
   const st = await child.status;
   if (!st.success) console.error(`server exited with code ${st.code} signal ${st.signal}`);
   await serverLogDone;
+  if (sockDir) await Deno.remove(sockDir, { recursive: true });
 }

@@ -21,8 +21,14 @@ import {
   type UnregisterContextResponse,
 } from "../../proto/pegaflow.ts";
 import { PROTOCOL_VERSION } from "../engine/engine.ts";
+import { EngineService } from "../../proto/pegaflow.ts";
+import { LOCAL_RPC_SUFFIX } from "../local_rpc/wire.ts";
+import { LocalRpcClient, LocalRpcStatus } from "./local_rpc.ts";
 
 export { PROTOCOL_VERSION };
+
+/** Deadline of a call over the local RPC socket (a Save returns after its copy). */
+export const LOCAL_RPC_DEADLINE_MS = 30_000;
 
 /** 64 MiB, the server's default message limit. */
 export const CLIENT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
@@ -74,10 +80,23 @@ type Cb<T> = (err: grpc.ServiceError | null, res: T) => void;
 export class PegaflowClient {
   readonly address: string;
   readonly #raw: EngineClient;
+  /** The server's local RPC socket beside a `unix:` address (see lib/server/local_rpc.ts). */
+  readonly #local: LocalRpcClient | undefined;
 
-  constructor(address: string, opts: { maxMessageBytes?: number } = {}) {
+  /**
+   * `localRpc` (default true): with a `unix:PATH` address, Save, QueryPrefetch,
+   * Load, Release and Health go over the local RPC socket `PATH.rpc` when the
+   * server has one, gRPC otherwise.
+   */
+  constructor(address: string, opts: { maxMessageBytes?: number; localRpc?: boolean } = {}) {
     this.address = address;
     const max = opts.maxMessageBytes ?? CLIENT_MAX_MESSAGE_BYTES;
+    const unixPath = address.startsWith("unix:")
+      ? address.slice("unix:".length).replace(/^\/\/(?=\/)/, "")
+      : undefined;
+    this.#local = unixPath !== undefined && opts.localRpc !== false
+      ? new LocalRpcClient(unixPath + LOCAL_RPC_SUFFIX, max)
+      : undefined;
     this.#raw = new EngineClient(address, grpc.credentials.createInsecure(), {
       "grpc.max_receive_message_length": max,
       "grpc.max_send_message_length": max,
@@ -87,12 +106,36 @@ export class PegaflowClient {
   }
 
   #call<Req, Res>(method: string, fn: (req: Req, cb: Cb<Res>) => unknown, req: Req): Promise<Res> {
+    const local = this.#local;
+    const name = method[0].toLowerCase() + method.slice(1) as keyof typeof EngineService;
+    if (local && HOT.has(name) && LocalRpcClient.present(local.path)) {
+      return this.#callLocal(local, method, name, req);
+    }
     return new Promise((resolve, reject) => {
       fn.call(this.#raw, req, (err: grpc.ServiceError | null, res: Res) => {
         if (err) reject(new PegaflowError(method, err.code, err.details ?? err.message));
         else resolve(res);
       });
     });
+  }
+
+  async #callLocal<Req, Res>(
+    local: LocalRpcClient,
+    method: string,
+    name: keyof typeof EngineService,
+    req: Req,
+  ): Promise<Res> {
+    const def = EngineService[name] as unknown as {
+      requestSerialize(r: Req): Uint8Array;
+      responseDeserialize(b: Uint8Array): Res;
+    };
+    try {
+      const body = await local.call(name, def.requestSerialize(req), LOCAL_RPC_DEADLINE_MS);
+      return def.responseDeserialize(body);
+    } catch (e) {
+      if (e instanceof LocalRpcStatus) throw new PegaflowError(method, e.code, e.details);
+      throw e;
+    }
   }
 
   health(): Promise<HealthResponse> {
@@ -190,6 +233,10 @@ export class PegaflowClient {
   }
 
   close(): void {
+    this.#local?.close();
     this.#raw.close();
   }
 }
+
+/** The calls the local RPC socket carries. */
+const HOT = new Set<string>(["save", "queryPrefetch", "load", "release", "health"]);

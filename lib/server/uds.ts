@@ -14,6 +14,8 @@
  * @module
  */
 
+import { LOCAL_RPC_SUFFIX } from "../local_rpc/wire.ts";
+
 /** `sun_path` holds 108 bytes on Linux, the terminating NUL included. */
 const SUN_PATH_BYTES = 107;
 /**
@@ -21,11 +23,6 @@ const SUN_PATH_BYTES = 107;
  * (lib/server/server.ts): `PATH.up`, beside the public one.
  */
 export const UPSTREAM_SUFFIX = ".up";
-/**
- * Suffix of the local RPC socket served beside `--uds PATH` (lib/server/local_rpc.ts):
- * `PATH.rpc`, where engines on this host send their hot calls.
- */
-export const LOCAL_RPC_SUFFIX = ".rpc";
 /** Longest `--uds` path: `PATH.up` and `PATH.rpc` must fit a `sun_path` too. */
 export const MAX_UDS_PATH_BYTES = SUN_PATH_BYTES -
   Math.max(UPSTREAM_SUFFIX.length, LOCAL_RPC_SUFFIX.length);

@@ -7,6 +7,7 @@
 import assert from "node:assert/strict";
 import { HealthResponse, QueryPrefetchRequest, ReleaseRequest } from "../../proto/pegaflow.ts";
 import { startServer } from "./harness.ts";
+import { PegaflowClient, PegaflowError } from "../../lib/client/client.ts";
 
 const enc = (callId: number, method: number, payload: Uint8Array, len?: number) => {
   const out = new Uint8Array(9 + payload.length);
@@ -156,6 +157,34 @@ Deno.test("local RPC: a socket left by a killed server is taken over at the next
     c.close();
   } finally {
     await second.stop();
+  }
+  await Deno.remove(dir, { recursive: true });
+});
+
+Deno.test("local RPC: the TS client sends its hot calls over PATH.rpc and gets gRPC's answers", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pegaflow-lrpc-" });
+  const path = `${dir}/grpc.sock`;
+  const srv = await startServer(["--uds", path, "--log-level", "debug"]);
+  const local = new PegaflowClient(`unix:${path}`);
+  const tcp = new PegaflowClient(srv.grpc);
+  try {
+    assert.equal((await local.health()).status, "ok");
+    const ask = { instanceId: "ghost", blockHashes: [new Uint8Array(32)], requestId: "req-9" };
+    const errs: PegaflowError[] = [];
+    for (const c of [local, tcp]) {
+      await c.queryPrefetch(ask).then(
+        () => assert.fail("a query for an unregistered instance must be refused"),
+        (e) => errs.push(e as PegaflowError),
+      );
+    }
+    assert.deepEqual([errs[0].code, errs[0].details], [errs[1].code, errs[1].details]);
+    assert.equal(errs[0].codeName, "FAILED_PRECONDITION");
+    const lines = srv.logs().filter((l) => l.includes('"local rpc"'));
+    assert.deepEqual(lines.map((l) => JSON.parse(l).method), ["health", "queryPrefetch"]);
+  } finally {
+    local.close();
+    tcp.close();
+    await srv.stop();
   }
   await Deno.remove(dir, { recursive: true });
 });

@@ -1,0 +1,155 @@
+/**
+ * The TypeScript client of the server's local RPC socket (`PATH.rpc` beside
+ * `--uds PATH`; wire format in lib/local_rpc/wire.ts): one connection, calls
+ * matched to answers by call id, a deadline on every call. A connection that
+ * breaks fails the calls in flight (UNAVAILABLE) and the next call dials
+ * again, so a restarted server is found without help.
+ *
+ * @module
+ */
+import { encodeFrame, FrameReader, LOCAL_RPC_IDS, writeAll } from "../local_rpc/wire.ts";
+
+const UNAVAILABLE = 14;
+const DEADLINE_EXCEEDED = 4;
+const CANCELLED = 1;
+
+/** A call that did not answer OK: the gRPC status code and the server's message. */
+export class LocalRpcStatus extends Error {
+  constructor(readonly code: number, readonly details: string) {
+    super(details);
+    this.name = "LocalRpcStatus";
+  }
+}
+
+interface Pending {
+  resolve: (b: Uint8Array) => void;
+  reject: (e: LocalRpcStatus) => void;
+  timer: ReturnType<typeof setTimeout>;
+}
+
+/**
+ * @example
+ * ```ts
+ * const rpc = new LocalRpcClient("/run/pegaflow/grpc.sock.rpc", 64 << 20);
+ * const body = await rpc.call("health", new Uint8Array(0), 5_000);
+ * rpc.close();
+ * ```
+ */
+export class LocalRpcClient {
+  #conn: Promise<Deno.UnixConn> | undefined;
+  #pending = new Map<number, Pending>();
+  #nextId = 0;
+  #writing: Promise<void> = Promise.resolve();
+  #closed = false;
+
+  constructor(readonly path: string, readonly maxMessageBytes: number) {}
+
+  /** Whether a socket file is there (a server without `--uds` has none). */
+  static present(path: string): boolean {
+    try {
+      return Deno.lstatSync(path).isSocket === true;
+    } catch {
+      return false;
+    }
+  }
+
+  #dial(): Promise<Deno.UnixConn> {
+    if (!this.#conn) {
+      const conn = Deno.connect({ transport: "unix", path: this.path });
+      this.#conn = conn;
+      conn.then((c) => this.#readLoop(c), () => {
+        if (this.#conn === conn) this.#conn = undefined;
+      });
+    }
+    return this.#conn;
+  }
+
+  async #readLoop(conn: Deno.UnixConn): Promise<void> {
+    const frames = new FrameReader(this.maxMessageBytes);
+    let why = "the server closed the connection";
+    try {
+      for (;;) {
+        const n = await conn.read(frames.space());
+        if (n === null) break;
+        frames.wrote(n);
+        for (let f = frames.next(); f; f = frames.next()) {
+          if (f.callId === 0) {
+            why = new TextDecoder().decode(f.payload); // the server refused our framing
+            continue;
+          }
+          const p = this.#pending.get(f.callId);
+          if (!p) continue; // its deadline passed
+          this.#pending.delete(f.callId);
+          clearTimeout(p.timer);
+          if (f.tag === 0) p.resolve(f.payload);
+          else p.reject(new LocalRpcStatus(f.tag, new TextDecoder().decode(f.payload)));
+        }
+      }
+    } catch (e) {
+      why = (e as Error).message;
+    }
+    try {
+      conn.close();
+    } catch {
+      // closed by close()
+    }
+    if (this.#conn && (await this.#conn.catch(() => undefined)) === conn) this.#conn = undefined;
+    this.#failAll(UNAVAILABLE, `local RPC connection to ${this.path} ended: ${why}`);
+  }
+
+  #failAll(code: number, msg: string): void {
+    const all = [...this.#pending.values()];
+    this.#pending.clear();
+    for (const p of all) {
+      clearTimeout(p.timer);
+      p.reject(new LocalRpcStatus(code, msg));
+    }
+  }
+
+  /** One call of `method` (a service method name); resolves with the response bytes. */
+  async call(method: string, payload: Uint8Array, deadlineMs: number): Promise<Uint8Array> {
+    if (this.#closed) throw new LocalRpcStatus(CANCELLED, "client is closed");
+    const id = LOCAL_RPC_IDS[method];
+    if (id === undefined) throw new LocalRpcStatus(12, `local RPC has no method ${method}`);
+    let conn: Deno.UnixConn;
+    try {
+      conn = await this.#dial();
+    } catch (e) {
+      throw new LocalRpcStatus(
+        UNAVAILABLE,
+        `local RPC socket ${this.path}: ${(e as Error).message}`,
+      );
+    }
+    this.#nextId = (this.#nextId % 0xffff_fffe) + 1;
+    const callId = this.#nextId;
+    const answer = new Promise<Uint8Array>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.#pending.delete(callId);
+        reject(new LocalRpcStatus(DEADLINE_EXCEEDED, `no answer within ${deadlineMs} ms`));
+      }, deadlineMs);
+      this.#pending.set(callId, { resolve, reject, timer });
+    });
+    const frame = encodeFrame(callId, id, payload);
+    this.#writing = this.#writing.then(() => writeAll(conn, frame)).catch(() => {
+      const p = this.#pending.get(callId);
+      if (!p) return;
+      this.#pending.delete(callId);
+      clearTimeout(p.timer);
+      p.reject(new LocalRpcStatus(UNAVAILABLE, `local RPC connection to ${this.path} broke`));
+    });
+    return await answer;
+  }
+
+  close(): void {
+    this.#closed = true;
+    this.#failAll(CANCELLED, "client is closed");
+    this.#conn?.then((c) => {
+      try {
+        c.close();
+      } catch {
+        // already closed
+      }
+    }, () => {});
+    this.#conn = undefined;
+  }
+}

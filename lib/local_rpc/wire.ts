@@ -1,0 +1,144 @@
+/**
+ * The local RPC socket's wire format (the server side is
+ * lib/server/local_rpc.ts, the TypeScript client lib/client/local_rpc.ts;
+ * python/pegaflow/local_rpc.py is the Python client's copy of these facts):
+ *
+ *   request:  u32 len | u32 call_id | u8 method | protobuf request
+ *   response: u32 len | u32 call_id | u8 status | protobuf response (status 0)
+ *                                                | UTF-8 details (a gRPC code)
+ *
+ * little-endian; `len` counts the bytes after itself (5 + payload).
+ *
+ * @module
+ */
+import type { EngineService } from "../../proto/pegaflow.ts";
+
+/**
+ * Suffix of the local RPC socket beside `--uds PATH`: `PATH.rpc` (the server
+ * claims it, lib/server/uds.ts; clients derive it from a `unix:PATH` address).
+ */
+export const LOCAL_RPC_SUFFIX = ".rpc";
+
+/** u32 len + u32 call id + u8 method / status. */
+export const HEADER_BYTES = 9;
+
+/** Method ids on the wire. */
+export const LOCAL_RPC_METHODS = {
+  1: "queryPrefetch",
+  2: "load",
+  3: "release",
+  4: "save",
+  5: "health",
+} as const satisfies Record<number, keyof typeof EngineService>;
+
+/** A method's id, by the service's method name. */
+export const LOCAL_RPC_IDS: Readonly<Record<string, number>> = Object.fromEntries(
+  Object.entries(LOCAL_RPC_METHODS).map(([id, name]) => [name, Number(id)]),
+);
+
+/** One frame's bytes: header, then payload. */
+export function encodeFrame(
+  callId: number,
+  methodOrStatus: number,
+  payload: Uint8Array,
+): Uint8Array {
+  const out = new Uint8Array(HEADER_BYTES + payload.length);
+  const dv = new DataView(out.buffer);
+  dv.setUint32(0, 5 + payload.length, true);
+  dv.setUint32(4, callId, true);
+  out[8] = methodOrStatus;
+  out.set(payload, HEADER_BYTES);
+  return out;
+}
+
+/** A decoded frame: the call id, the method (request) or status (response), the payload. */
+export interface Frame {
+  callId: number;
+  tag: number;
+  payload: Uint8Array;
+}
+
+/** Why the byte stream cannot go on (the connection must be closed). */
+export class FrameError extends Error {
+  constructor(readonly tooLong: boolean, message: string) {
+    super(message);
+    this.name = "FrameError";
+  }
+}
+
+/**
+ * Cuts a byte stream into frames: `push` what arrived, then take frames with
+ * `next` until it answers null. Payloads are copies (the buffer is reused).
+ *
+ * @example
+ * ```ts
+ * const r = new FrameReader(64 << 20);
+ * r.push(bytes);
+ * for (let f = r.next(); f; f = r.next()) handle(f);
+ * ```
+ */
+export class FrameReader {
+  #buf = new Uint8Array(64 * 1024);
+  #start = 0;
+  #end = 0;
+
+  constructor(readonly maxPayloadBytes: number) {}
+
+  /** Room for at least `n` more bytes at the end; returns the writable view. */
+  space(n = 64 * 1024): Uint8Array {
+    if (this.#buf.length - this.#end < n) {
+      const live = this.#end - this.#start;
+      const grown = live + n > this.#buf.length
+        ? new Uint8Array(Math.max(this.#buf.length * 2, live + n))
+        : this.#buf;
+      grown.set(this.#buf.subarray(this.#start, this.#end), 0);
+      this.#buf = grown;
+      this.#start = 0;
+      this.#end = live;
+    }
+    return this.#buf.subarray(this.#end);
+  }
+
+  /** `n` bytes were written into the last `space()` view. */
+  wrote(n: number): void {
+    this.#end += n;
+  }
+
+  /** Appends a chunk (copying it). */
+  push(chunk: Uint8Array): void {
+    this.space(chunk.length).set(chunk);
+    this.#end += chunk.length;
+  }
+
+  /** The next whole frame, or null; throws {@link FrameError} for a length out of range. */
+  next(): Frame | null {
+    const have = this.#end - this.#start;
+    if (have < 4) return null;
+    const dv = new DataView(this.#buf.buffer, this.#buf.byteOffset + this.#start);
+    const len = dv.getUint32(0, true);
+    if (len < 5) {
+      throw new FrameError(false, `local RPC: frame length ${len} is below the 5-byte header`);
+    }
+    if (len > this.maxPayloadBytes + 5) {
+      throw new FrameError(
+        true,
+        `local RPC: frame of ${len} bytes exceeds the ${this.maxPayloadBytes}-byte message limit (--max-message-size)`,
+      );
+    }
+    if (have < 4 + len) return null;
+    const f = {
+      callId: dv.getUint32(4, true),
+      tag: this.#buf[this.#start + 8],
+      payload: this.#buf.slice(this.#start + HEADER_BYTES, this.#start + 4 + len),
+    };
+    this.#start += 4 + len;
+    if (this.#start === this.#end) this.#start = this.#end = 0;
+    return f;
+  }
+}
+
+/** Writes all of `bytes` to `conn`. */
+export async function writeAll(conn: Deno.Conn, bytes: Uint8Array): Promise<void> {
+  let off = 0;
+  while (off < bytes.length) off += await conn.write(bytes.subarray(off));
+}
