@@ -36,3 +36,23 @@ def client(server):
 def uid(request):
     """A unique id prefix for this test (instances, namespaces, request ids)."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", request.node.name[:24]) + "-" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def engine_factory(server, uid):
+    """Connector test engines (tests/vllm_driver.py) on the session's server:
+    `make(mode, **extra_config)`; closed at the end, and no shm file may be left."""
+    from vllm_driver import Engine, vllm_config
+
+    made = []
+
+    def make(mode: str, **extra) -> "Engine":
+        e = Engine(vllm_config(server.addr, f"{uid}-{len(made)}", "tiny-" + uid, mode, **extra))
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+    mine = [f for f in os.listdir("/dev/shm") if f.startswith("pegaflow-") and f"-{os.getpid()}-" in f]
+    assert mine == [], f"shm files left behind: {mine}"

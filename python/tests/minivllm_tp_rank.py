@@ -25,24 +25,11 @@ from pegaflow.connector.vllm_api import KVTransferConfig  # noqa: E402
 from pegaflow.minivllm import EngineConfig, LLMEngine  # noqa: E402
 from pegaflow.minivllm.model_runner import shm_kv_cache_allocator  # noqa: E402
 
+from minivllm_runs import run  # noqa: E402
 from tiny_model import TINY  # noqa: E402
 
 #: Collectives wait at most this long for the other ranks (a dead peer fails the test, not hangs it).
 GROUP_TIMEOUT_S = 120
-
-
-def run(eng: LLMEngine, prompt: list[int], max_tokens: int):
-    req = eng.add_request(prompt, max_tokens=max_tokens)
-    first_logits = table = None
-    for _ in range(2000):
-        eng.step()
-        if first_logits is None and req.num_output_tokens >= 1:
-            first_logits = eng.last_runner_output.logits[req.request_id]
-            table = list(eng.last_block_tables[req.request_id])
-        if req.is_finished():
-            break
-    assert req.is_finished(), f"{req} did not finish"
-    return req, first_logits, table
 
 
 def main() -> None:
@@ -76,12 +63,12 @@ def main() -> None:
         rng = random.Random(uid)
         prompt = [rng.randrange(TINY.vocab_size) for _ in range(150)]
         nfull = (len(prompt) - 1) // TINY.block_size
-        cold, cold_logits, cold_table = run(eng, prompt, max_tokens=3)
+        cold, cold_logits, cold_table, _ = run(eng, prompt, max_tokens=3)
         eng.drain(timeout_s=60)
         stash = eng.collective_rpc("kv_blocks", cold_table[:nfull])
         assert eng.reset_prefix_cache()
         eng.collective_rpc("fill_kv", 7.0)  # only a real load restores the blocks
-        warm, warm_logits, warm_table = run(eng, prompt, max_tokens=3)
+        warm, warm_logits, warm_table, _ = run(eng, prompt, max_tokens=3)
         got = eng.collective_rpc("kv_blocks", warm_table[:nfull])
         eng.drain(timeout_s=60)
         differing = [

@@ -22,22 +22,6 @@ from vllm_driver import BLOCK, Engine, Request, vllm_config
 MODES = ["layerwise", "async"]
 
 
-@pytest.fixture
-def engine_factory(server, uid):
-    made = []
-
-    def make(mode: str, **extra) -> Engine:
-        e = Engine(vllm_config(server.addr, f"{uid}-{len(made)}", "tiny-" + uid, mode, **extra))
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-    mine = [f for f in os.listdir("/dev/shm") if f.startswith("pegaflow-") and f"-{os.getpid()}-" in f]
-    assert mine == [], f"shm files left behind: {mine}"
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_a_cold_request_saves_and_a_shared_prefix_loads_byte_exact_into_other_blocks(engine_factory, uid, mode):
     eng = engine_factory(mode)

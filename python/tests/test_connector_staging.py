@@ -6,8 +6,6 @@ against a real host-backend server."""
 
 from __future__ import annotations
 
-import os
-
 import grpc
 import pytest
 
@@ -15,28 +13,19 @@ from pegaflow.errors import PegaflowError
 from pegaflow.connector.staging import STAGING_SUFFIX, StagingRoom, staging_instance
 from pegaflow.hashes import synthetic_tokens
 
-from vllm_driver import BLOCK, Engine, Request, vllm_config
+from vllm_driver import BLOCK, Engine, Request
 
 ISSUERS = ["worker", "scheduler"]
 
 
 @pytest.fixture
-def make_engine(server, uid):
-    made = []
-
+def make_engine(engine_factory):
     def make(staging: int, issuer: str) -> Engine:
-        e = Engine(vllm_config(
-            server.addr, f"{uid}-{len(made)}", "tiny-" + uid, "layerwise",
-            **{"pegaflow.staging_blocks": staging, "pegaflow.load_issuer": issuer},
-        ))
-        made.append(e)
-        return e
+        return engine_factory(
+            "layerwise", **{"pegaflow.staging_blocks": staging, "pegaflow.load_issuer": issuer}
+        )
 
-    yield make
-    for e in made:
-        e.close()
-    mine = [f for f in os.listdir("/dev/shm") if f.startswith("pegaflow-") and f"-{os.getpid()}-" in f]
-    assert mine == [], f"shm files left behind: {mine}"
+    return make
 
 
 def _cold(eng: Engine, uid: str, seed: int, blocks: int) -> tuple:

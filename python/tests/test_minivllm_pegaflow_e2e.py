@@ -16,6 +16,7 @@ from pegaflow.minivllm import EngineConfig, LLMEngine
 from pegaflow.minivllm.model_runner import shm_kv_cache_allocator
 from pegaflow.regions import ShmRegion
 
+from minivllm_runs import run
 from tiny_model import TINY, model  # noqa: F401 (model: a fixture)
 
 BS = TINY.block_size
@@ -50,23 +51,6 @@ def pega_engine(
         model=model,
         kv_cache_allocator=shm_kv_cache_allocator(regions),
     )
-
-
-def run(eng: LLMEngine, prompt: list[int], max_tokens: int):
-    """(request, logits of the first token, block table of that step, statuses seen)."""
-    req = eng.add_request(prompt, max_tokens=max_tokens)
-    first_logits = table = None
-    seen = set()
-    for _ in range(2000):
-        eng.step()
-        seen.add(req.status)
-        if first_logits is None and req.num_output_tokens >= 1:
-            first_logits = eng.last_runner_output.logits[req.request_id]
-            table = list(eng.last_block_tables[req.request_id])
-        if req.is_finished():
-            break
-    assert req.is_finished(), f"{req} did not finish"
-    return req, first_logits, table, seen
 
 
 @pytest.mark.parametrize(
