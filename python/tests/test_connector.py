@@ -5,7 +5,6 @@ failed loads, preemption and delayed frees."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 
@@ -17,7 +16,7 @@ from pegaflow.connector.vllm import PegaflowConnector, PegaflowConnectorMetadata
 from pegaflow.connector.vllm_api import KVConnectorRole
 from pegaflow.hashes import synthetic_tokens
 
-from vllm_driver import BLOCK, Engine, Request, vllm_config
+from vllm_driver import BLOCK, Request, vllm_config
 
 MODES = ["layerwise", "async"]
 
