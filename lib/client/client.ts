@@ -27,8 +27,8 @@ import { LocalRpcClient, LocalRpcStatus } from "./local_rpc.ts";
 
 export { PROTOCOL_VERSION };
 
-/** Deadline of a call over the local RPC socket (a Save returns after its copy). */
-export const LOCAL_RPC_DEADLINE_MS = 30_000;
+/** Default deadline of every unary call (a Save returns after its copy: it is the longest). */
+export const DEFAULT_DEADLINE_MS = 30_000;
 
 /** 64 MiB, the server's default message limit. */
 export const CLIENT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
@@ -82,14 +82,21 @@ export class PegaflowClient {
   readonly #raw: EngineClient;
   /** The server's local RPC socket beside a `unix:` address (see lib/server/local_rpc.ts). */
   readonly #local: LocalRpcClient | undefined;
+  readonly #deadlineMs: number;
 
   /**
    * `localRpc` (default true): with a `unix:PATH` address, Save, QueryPrefetch,
    * Load, Release and Health go over the local RPC socket `PATH.rpc` when the
-   * server has one, gRPC otherwise.
+   * server has one, gRPC otherwise. `deadlineMs` (default
+   * {@link DEFAULT_DEADLINE_MS}): every unary call fails with
+   * DEADLINE_EXCEEDED past it, so a wedged server never hangs a caller.
    */
-  constructor(address: string, opts: { maxMessageBytes?: number; localRpc?: boolean } = {}) {
+  constructor(
+    address: string,
+    opts: { maxMessageBytes?: number; localRpc?: boolean; deadlineMs?: number } = {},
+  ) {
     this.address = address;
+    this.#deadlineMs = opts.deadlineMs ?? DEFAULT_DEADLINE_MS;
     const max = opts.maxMessageBytes ?? CLIENT_MAX_MESSAGE_BYTES;
     const unixPath = address.startsWith("unix:")
       ? address.slice("unix:".length).replace(/^\/\/(?=\/)/, "")
@@ -105,17 +112,28 @@ export class PegaflowClient {
     });
   }
 
-  #call<Req, Res>(method: string, fn: (req: Req, cb: Cb<Res>) => unknown, req: Req): Promise<Res> {
+  #call<Req, Res>(
+    method: string,
+    fn: (req: Req, md: grpc.Metadata, opts: grpc.CallOptions, cb: Cb<Res>) => unknown,
+    req: Req,
+  ): Promise<Res> {
     const local = this.#local;
     const name = method[0].toLowerCase() + method.slice(1) as keyof typeof EngineService;
     if (local && HOT.has(name) && LocalRpcClient.present(local.path)) {
       return this.#callLocal(local, method, name, req);
     }
     return new Promise((resolve, reject) => {
-      fn.call(this.#raw, req, (err: grpc.ServiceError | null, res: Res) => {
-        if (err) reject(new PegaflowError(method, err.code, err.details ?? err.message));
-        else resolve(res);
-      });
+      const opts = { deadline: Date.now() + this.#deadlineMs };
+      fn.call(
+        this.#raw,
+        req,
+        new grpc.Metadata(),
+        opts,
+        (err: grpc.ServiceError | null, res: Res) => {
+          if (err) reject(new PegaflowError(method, err.code, err.details ?? err.message));
+          else resolve(res);
+        },
+      );
     });
   }
 
@@ -130,7 +148,7 @@ export class PegaflowClient {
       responseDeserialize(b: Uint8Array): Res;
     };
     try {
-      const body = await local.call(name, def.requestSerialize(req), LOCAL_RPC_DEADLINE_MS);
+      const body = await local.call(name, def.requestSerialize(req), this.#deadlineMs);
       return def.responseDeserialize(body);
     } catch (e) {
       if (e instanceof LocalRpcStatus) throw new PegaflowError(method, e.code, e.details);
