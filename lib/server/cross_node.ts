@@ -1,0 +1,169 @@
+/**
+ * The server's cross-node pieces (docs/peer.md), wired in one place: where
+ * the block index runs (`--index-redis`), this node opens a transfer endpoint
+ * over its pool, grants transfer locks to peers (the gRPC `Peer` service) and
+ * — unless `--peer-fetch false` — fetches from peers on a local miss (the
+ * peer tier). The index itself opens once the gRPC address is known.
+ *
+ * @module
+ */
+import type * as grpc from "@grpc/grpc-js";
+import type { Logger } from "../log.ts";
+import type { ServeConfig } from "./config.ts";
+import type { ServerMetrics } from "./metrics.ts";
+import type { NativePort } from "../engine/ports.ts";
+import type { KvStore } from "../storage/store.ts";
+import type { TierHost } from "../storage/tier.ts";
+import { type BlockIndexHandle, openBlockIndex } from "../index/attach.ts";
+import type { IndexAdvertiser } from "../index/advertiser.ts";
+import type { CopyEngine } from "../../ffi/mod.ts";
+import { type OpenedTransport, openTransport } from "../transfer/transport.ts";
+import { registerTransferMetrics } from "../transfer/metrics.ts";
+import { poolChecksums } from "../../ffi/uring.ts";
+import { type ChecksumFn, PeerLockTable } from "../peer/locks.ts";
+import { PeerLinks } from "../peer/link.ts";
+import { PeerTier } from "../peer/peer_tier.ts";
+import { registerPeerMetrics } from "../peer/metrics.ts";
+import { peerServiceImpl } from "../peer/service.ts";
+import { PeerService } from "../../proto/pegaflow.ts";
+
+/** `PEGAFLOW_TEST_PEER_READ_DELAY_MS` (tests only): the peer tier waits this long before each READ. */
+function readDelayHook(log: Logger): (() => Promise<void>) | undefined {
+  const v = Deno.env.get("PEGAFLOW_TEST_PEER_READ_DELAY_MS");
+  if (!v) return undefined;
+  const ms = Number(v);
+  if (!Number.isInteger(ms) || ms < 0) {
+    throw new Error(`PEGAFLOW_TEST_PEER_READ_DELAY_MS must be an integer ≥ 0, got "${v}"`);
+  }
+  return () => {
+    log.warn("test hook: delaying the peer read", { delay_ms: ms });
+    return new Promise((r) => setTimeout(r, ms));
+  };
+}
+
+/** The opened cross-node pieces. */
+export interface CrossNode {
+  /** The peer tier (a tier below RAM), when this node fetches from peers. */
+  readonly peerTier: PeerTier | undefined;
+  /** Adds the `Peer` service (this node lends blocks) to the gRPC server. */
+  addServices(server: grpc.Server): void;
+  /** Opens the block index, advertising `grpcAddr` unless `--advertise-addr` says otherwise. */
+  openIndex(grpcAddr: string): void;
+  /** Stops advertising (first, while the tiers still run). */
+  closeIndex(): Promise<void>;
+  /** Closes the locks, the links to other nodes and the transfer endpoint. */
+  close(): Promise<void>;
+}
+
+/**
+ * Opens what `cfg` asks for; nothing at all without `--index-redis`. Throws
+ * when an explicitly named transport cannot open (the server must not start).
+ *
+ * @example
+ * ```ts
+ * const cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
+ * cross.addServices(server);
+ * cross.openIndex("10.0.0.5:50055");
+ * ```
+ */
+export function openCrossNode(
+  cfg: ServeConfig,
+  native: NativePort & { copyEngine: CopyEngine },
+  store: KvStore,
+  tierHost: TierHost,
+  advertiser: IndexAdvertiser | undefined,
+  metrics: ServerMetrics,
+  log: Logger,
+): CrossNode {
+  const plog = log.child({ component: "peer" });
+  let transfer: OpenedTransport | undefined;
+  if (cfg.index.redisUrl) {
+    transfer = openTransport(native.copyEngine.pool, native.copyEngine.ring, {
+      transport: cfg.peer.transport,
+      nics: cfg.peer.nics,
+      qpsPerNic: cfg.peer.xferStreams,
+      tcpStreams: cfg.peer.xferStreams,
+      port: cfg.peer.xferPort,
+    }, log);
+    registerTransferMetrics(metrics.registry, () => transfer?.endpoint);
+    plog.info("transfer endpoint open", {
+      transport: transfer.name,
+      port: transfer.endpoint.info().port,
+    });
+  }
+  let index: BlockIndexHandle | undefined;
+  // The gRPC address once bound (peers are told the advertised one; this is its default).
+  let boundGrpcAddr = cfg.addr;
+  const checksum: ChecksumFn = (blocks) => poolChecksums(native.copyEngine.pool.handle, blocks);
+  const peerLinks = new PeerLinks();
+  const peerLocks = transfer
+    ? new PeerLockTable({
+      host: tierHost,
+      ram: store,
+      checksum,
+      log: plog,
+      defaultTtlMs: cfg.peer.lockTtlMs,
+    })
+    : undefined;
+  let peerTier: PeerTier | undefined;
+  const observeFetch = transfer
+    ? registerPeerMetrics(metrics.registry, () => peerTier?.stats(), () => peerLocks?.stats())
+    : undefined;
+  if (transfer && cfg.peer.fetch) {
+    if (transfer.name !== "tcp") {
+      plog.error("peer fetch is off: over RDMA it needs the QP handshake, which is not built", {
+        transport: transfer.name,
+      });
+    } else {
+      peerTier = new PeerTier({
+        host: tierHost,
+        index: () => index?.index,
+        endpoint: transfer.endpoint,
+        links: peerLinks,
+        checksum,
+        log: plog,
+        fetchTimeoutMs: cfg.peer.fetchTimeoutMs,
+        stageMetrics: (stage) => metrics.stage(stage),
+        onFetchDuration: observeFetch,
+        beforeRead: readDelayHook(plog),
+      });
+    }
+  }
+  return {
+    peerTier,
+    addServices(server) {
+      if (!transfer || !peerLocks) return;
+      const ep = transfer;
+      server.addService(
+        PeerService,
+        peerServiceImpl(peerLocks, () => {
+          // The listener binds every address; peers dial the advertised host.
+          const adv = index?.index.advertiseAddr ?? boundGrpcAddr;
+          return {
+            transport: ep.name,
+            addr: `${adv.slice(0, adv.lastIndexOf(":"))}:${ep.endpoint.info().port}`,
+          };
+        }, plog),
+      );
+    },
+    openIndex(grpcAddr) {
+      boundGrpcAddr = grpcAddr;
+      if (!cfg.index.redisUrl || !advertiser) return;
+      index = openBlockIndex(
+        { ...cfg.index, redisUrl: cfg.index.redisUrl },
+        grpcAddr,
+        log,
+        metrics.registry,
+        advertiser,
+      );
+    },
+    async closeIndex() {
+      await index?.close();
+    },
+    async close() {
+      peerLocks?.close();
+      peerLinks.close();
+      await transfer?.endpoint.close();
+    },
+  };
+}
