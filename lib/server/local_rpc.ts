@@ -43,6 +43,95 @@ const STATUS_INTERNAL = 13;
 const round3 = (x: number) => Math.round(x * 1e3) / 1e3;
 const utf8 = (s: string) => new TextEncoder().encode(s);
 
+/** What every connection of one listener shares. */
+interface ConnContext {
+  impl: grpc.UntypedServiceImplementation;
+  maxMessageBytes: number;
+  log: Logger;
+  path: string;
+  traced: boolean;
+  conns: Set<Deno.Conn>;
+  closed: boolean;
+}
+
+/** Reads one connection's frames and answers each call with the service's own handler. */
+async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<void> {
+  const { impl, log, path, traced } = ctx;
+  ctx.conns.add(conn);
+  // Answers are written in the order they are ready, one at a time.
+  let writing: Promise<void> = Promise.resolve();
+  let broken = false;
+  const send = (bytes: Uint8Array) => {
+    writing = writing.then(() => broken ? undefined : writeAll(conn, bytes)).catch(() => {
+      broken = true; // the peer went away; its later answers have nowhere to go
+    });
+  };
+  const dispatch = (callId: number, method: number, payload: Uint8Array) => {
+    const name = (LOCAL_RPC_METHODS as Record<number, keyof typeof EngineService>)[method];
+    if (name === undefined) {
+      send(encodeFrame(
+        callId,
+        STATUS_UNIMPLEMENTED,
+        utf8(
+          `local RPC: unknown method id ${method} (known: ${
+            Object.keys(LOCAL_RPC_METHODS).join(", ")
+          })`,
+        ),
+      ));
+      return;
+    }
+    const handler = impl[name] as grpc.handleUnaryCall<unknown, unknown>;
+    const request = decodeRequest(name, Buffer.from(payload));
+    const call = { request } as grpc.ServerUnaryCall<unknown, unknown>;
+    // Wall-clock ms of arrival and answer, to line up with an engine's own clock (debug only).
+    const tIn = traced ? performance.timeOrigin + performance.now() : 0;
+    handler(call, (err, res) => {
+      if (traced) {
+        log.debug("local rpc", {
+          method: name,
+          call: callId,
+          in_epoch_ms: round3(tIn),
+          out_epoch_ms: round3(performance.timeOrigin + performance.now()),
+        });
+      }
+      if (err) {
+        send(encodeFrame(callId, err.code ?? STATUS_INTERNAL, utf8(err.details ?? "")));
+        return;
+      }
+      const def = EngineService[name] as unknown as grpc.MethodDefinition<unknown, unknown>;
+      send(encodeFrame(callId, 0, def.responseSerialize(res)));
+    });
+  };
+  const frames = new FrameReader(ctx.maxMessageBytes);
+  try {
+    for (;;) {
+      const n = await conn.read(frames.space());
+      if (n === null) break;
+      frames.wrote(n);
+      for (let f = frames.next(); f; f = frames.next()) dispatch(f.callId, f.tag, f.payload);
+    }
+  } catch (e) {
+    if (e instanceof FrameError) {
+      log.warn("local RPC connection dropped: bad frame", { path, error: e.message });
+      send(encodeFrame(
+        0,
+        e.tooLong ? STATUS_RESOURCE_EXHAUSTED : STATUS_INVALID_ARGUMENT,
+        utf8(e.message),
+      ));
+    } else if (!ctx.closed) {
+      log.debug("local RPC connection ended", { path, error: String(e) });
+    }
+  } finally {
+    ctx.conns.delete(conn);
+    await writing;
+    try {
+      conn.close();
+    } catch (_e) {
+      // already closed by close()
+    }
+  }
+}
+
 /** Running local RPC listener; `close` stops accepting and drops every connection. */
 export interface LocalRpcServer {
   readonly path: string;
@@ -66,112 +155,41 @@ export function serveLocalRpc(
   maxMessageBytes: number,
   log: Logger,
 ): LocalRpcServer {
-  const conns = new Set<Deno.Conn>();
-  let closed = false;
-  const traced = log.enabled("debug");
-  const path = listener.addr.path ?? "";
-
-  const serveConn = async (conn: Deno.UnixConn) => {
-    conns.add(conn);
-    // Answers are written in the order they are ready, one at a time.
-    let writing: Promise<void> = Promise.resolve();
-    let broken = false;
-    const send = (bytes: Uint8Array) => {
-      writing = writing.then(() => broken ? undefined : writeAll(conn, bytes)).catch(() => {
-        broken = true; // the peer went away; its later answers have nowhere to go
-      });
-    };
-    const dispatch = (callId: number, method: number, payload: Uint8Array) => {
-      const name = (LOCAL_RPC_METHODS as Record<number, keyof typeof EngineService>)[method];
-      if (name === undefined) {
-        send(encodeFrame(
-          callId,
-          STATUS_UNIMPLEMENTED,
-          utf8(
-            `local RPC: unknown method id ${method} (known: ${
-              Object.keys(LOCAL_RPC_METHODS).join(", ")
-            })`,
-          ),
-        ));
-        return;
-      }
-      const handler = impl[name] as grpc.handleUnaryCall<unknown, unknown>;
-      const request = decodeRequest(name, Buffer.from(payload));
-      const call = { request } as grpc.ServerUnaryCall<unknown, unknown>;
-      // Wall-clock ms of arrival and answer, to line up with an engine's own clock (debug only).
-      const tIn = traced ? performance.timeOrigin + performance.now() : 0;
-      handler(call, (err, res) => {
-        if (traced) {
-          log.debug("local rpc", {
-            method: name,
-            call: callId,
-            in_epoch_ms: round3(tIn),
-            out_epoch_ms: round3(performance.timeOrigin + performance.now()),
-          });
-        }
-        if (err) {
-          send(encodeFrame(callId, err.code ?? STATUS_INTERNAL, utf8(err.details ?? "")));
-          return;
-        }
-        const def = EngineService[name] as unknown as grpc.MethodDefinition<unknown, unknown>;
-        send(encodeFrame(callId, 0, def.responseSerialize(res)));
-      });
-    };
-    const frames = new FrameReader(maxMessageBytes);
-    try {
-      for (;;) {
-        const n = await conn.read(frames.space());
-        if (n === null) break;
-        frames.wrote(n);
-        for (let f = frames.next(); f; f = frames.next()) dispatch(f.callId, f.tag, f.payload);
-      }
-    } catch (e) {
-      if (e instanceof FrameError) {
-        log.warn("local RPC connection dropped: bad frame", { path, error: e.message });
-        send(encodeFrame(
-          0,
-          e.tooLong ? STATUS_RESOURCE_EXHAUSTED : STATUS_INVALID_ARGUMENT,
-          utf8(e.message),
-        ));
-      } else if (!closed) {
-        log.debug("local RPC connection ended", { path, error: String(e) });
-      }
-    } finally {
-      conns.delete(conn);
-      await writing;
-      try {
-        conn.close();
-      } catch (_e) {
-        // already closed by close()
-      }
-    }
+  const ctx: ConnContext = {
+    impl,
+    maxMessageBytes,
+    log,
+    path: listener.addr.path ?? "",
+    traced: log.enabled("debug"),
+    conns: new Set(),
+    closed: false,
   };
 
   (async () => {
     try {
-      for await (const conn of listener) serveConn(conn);
+      for await (const conn of listener) serveConnection(conn, ctx);
     } catch (e) {
-      if (!closed) log.error("local RPC listener failed", { path, error: String(e) });
+      if (!ctx.closed) log.error("local RPC listener failed", { path: ctx.path, error: String(e) });
     }
   })();
 
   return {
-    path,
+    path: ctx.path,
     close() {
-      closed = true;
+      ctx.closed = true;
       try {
         listener.close();
       } catch (_e) {
         // already closed
       }
-      for (const c of conns) {
+      for (const c of ctx.conns) {
         try {
           c.close();
         } catch (_e) {
           // already closed
         }
       }
-      conns.clear();
+      ctx.conns.clear();
     },
   };
 }
