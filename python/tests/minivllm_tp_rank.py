@@ -46,7 +46,9 @@ def main() -> None:
         engine_id=f"{uid}-tp{tp}",
         kv_connector_extra_config={
             "pegaflow.addr": addr,
-            "pegaflow.mode": mode,
+            # "layerwise+staging": layer-wise through staging blocks (connector/staging.py).
+            "pegaflow.mode": mode.split("+")[0],
+            **({"pegaflow.staging_blocks": 32} if mode.endswith("+staging") else {}),
             "pegaflow.namespace": f"ns-{uid}",
             "pegaflow.device_id": rank,  # one server device per rank
         },

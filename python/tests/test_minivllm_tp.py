@@ -60,7 +60,7 @@ def run_ranks(server: ServerProc, tp: int, uid: str, mode: str, out: str) -> dic
         return json.load(f)
 
 
-@pytest.mark.parametrize("mode", ["layerwise", "async"])
+@pytest.mark.parametrize("mode", ["layerwise", "async", "layerwise+staging"])
 def test_tp2_shard_processes_save_and_load_their_own_heads_and_warm_equals_cold(tp_server, uid, mode, tmp_path):
     r = run_ranks(tp_server, 2, uid, mode, str(tmp_path / "result.json"))
     assert r["cold_external"] == 0
