@@ -16,7 +16,7 @@ from pegaflow.connector.vllm import PegaflowConnector, PegaflowConnectorMetadata
 from pegaflow.connector.vllm_api import KVConnectorRole
 from pegaflow.hashes import synthetic_tokens
 
-from vllm_driver import BLOCK, Request, vllm_config
+from vllm_driver import BLOCK, Request, lose_leases_after_alloc, vllm_config
 
 MODES = ["layerwise", "async"]
 
@@ -69,14 +69,7 @@ def test_a_failed_load_reports_its_blocks_and_they_are_recomputed(engine_factory
     eng.drain("a")
     # The lease is given back between the scheduler's decision and the worker's
     # Load (as when it expired): the Load is refused, the blocks must be recomputed.
-    real = eng.sched._s().update_state_after_alloc
-
-    def alloc_then_lose_lease(req, block_ids, n):
-        real(req, block_ids, n)
-        for li in eng.sched._s()._loads:
-            eng.sched.client.release(li.lease_id)
-
-    eng.sched._s().update_state_after_alloc = alloc_then_lose_lease
+    lose_leases_after_alloc(eng)
     b = Request("b", list(prompt) + [1, 2], salt=uid)
     eng.run_prefill(b, avoid=set(a.block_ids))
     loaded = set(b.block_ids[:5])

@@ -13,7 +13,7 @@ from pegaflow.errors import PegaflowError
 from pegaflow.connector.staging import STAGING_SUFFIX, StagingRoom, staging_instance
 from pegaflow.hashes import synthetic_tokens
 
-from vllm_driver import BLOCK, Engine, Request
+from vllm_driver import BLOCK, Engine, Request, lose_leases_after_alloc
 
 ISSUERS = ["worker", "scheduler"]
 
@@ -67,14 +67,7 @@ def test_a_failed_staged_load_reports_the_requests_own_blocks(make_engine, uid, 
     prompt, cold = _cold(eng, uid, 43, 5)
     if issuer == "worker":
         # The lease is given back between the scheduler's decision and the worker's Load.
-        real = eng.sched._s().update_state_after_alloc
-
-        def alloc_then_lose_lease(req, block_ids, n):
-            real(req, block_ids, n)
-            for li in eng.sched._s()._loads:
-                eng.sched.client.release(li.lease_id)
-
-        eng.sched._s().update_state_after_alloc = alloc_then_lose_lease
+        lose_leases_after_alloc(eng)
     else:
         # The scheduler's Load is refused (as by a server that lost the instance).
         def refused(*, on_done, **_kw):

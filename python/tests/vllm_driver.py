@@ -264,3 +264,18 @@ class Engine:
         self.worker.shutdown()
         self.sched.shutdown()
         self.region.close()
+
+
+def lose_leases_after_alloc(eng: "Engine") -> None:
+    """From now on every lease is given back right after the scheduler allocated for it, before
+    the worker's Load (as when a lease expired): that Load is refused and its blocks must be
+    recomputed. For worker-issued loads (a scheduler-issued Load has consumed the lease already)."""
+    core = eng.sched._s()
+    real = core.update_state_after_alloc
+
+    def alloc_then_lose_lease(req, block_ids, n):
+        real(req, block_ids, n)
+        for li in core._loads:
+            eng.sched.client.release(li.lease_id)
+
+    core.update_state_after_alloc = alloc_then_lose_lease
