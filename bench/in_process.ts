@@ -55,9 +55,9 @@ export interface BenchEngine {
  * in `namespace`.
  */
 export async function openBenchEngine(
-  opts: { namespace: string; poolBytes: number; simBlocks: number; segBytes: number; log: Logger },
+  opts: { namespace: string; poolBytes: number; simBlocks: number; log: Logger },
 ): Promise<BenchEngine> {
-  const { segBytes, log } = opts;
+  const { log } = opts;
   const native = await openNative({
     backend: "host",
     devices: [0],
@@ -83,30 +83,8 @@ export async function openBenchEngine(
     sim.close();
     client.close();
   };
-  const planeBytes = sim.numBlocks * segBytes;
   try {
-    engine.register({
-      instanceId: "bench",
-      namespace: opts.namespace,
-      tpRank: 0,
-      tpSize: 1,
-      ppRank: 0,
-      ppSize: 1,
-      worldSize: 1,
-      deviceId: 0,
-      layerNames: sim.layerNames,
-      regionHandles: sim.regions.map((r) => r.handle),
-      geometry: sim.regions.map(() => ({
-        numBlocks: sim.numBlocks,
-        blockStride: segBytes,
-        segStride: planeBytes,
-        segBytes,
-        numSegments: KV,
-        baseOffset: 0,
-        regionBytes: KV * planeBytes,
-      })),
-      clientVersion: PROTOCOL_VERSION,
-    });
+    engine.register({ ...sim.registration(), clientVersion: PROTOCOL_VERSION });
   } catch (e) {
     await close();
     throw e;

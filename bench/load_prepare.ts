@@ -25,7 +25,7 @@ import {
 } from "./in_process.ts";
 
 const o = benchOptions("bench-load-prepare");
-const { model, blocks, segBytes, prefixBytes } = prefixShape(o.tokens);
+const { model, blocks, prefixBytes } = prefixShape(o.tokens);
 const iters = o.iters;
 
 /** The engine logs each load's prepare_ms at debug level; collect them. */
@@ -37,7 +37,6 @@ const bench = await openBenchEngine({
   namespace: "bench-prepare",
   poolBytes: prefixBytes * 1.1,
   simBlocks: 2 * blocks,
-  segBytes,
   log,
 });
 const { engine } = bench;

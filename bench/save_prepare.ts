@@ -24,7 +24,7 @@ import {
 } from "./in_process.ts";
 
 const o = benchOptions("bench-save-prepare");
-const { model, blocks, segBytes, prefixBytes } = prefixShape(o.tokens);
+const { model, blocks, prefixBytes } = prefixShape(o.tokens);
 const iters = o.iters;
 /** Iterations left out of the table: the first ones fault the mappings in and warm the JIT. */
 const WARMUP = 2;
@@ -38,7 +38,6 @@ const bench = await openBenchEngine({
   namespace: "bench-save",
   poolBytes: 2 * prefixBytes * 1.05,
   simBlocks: blocks,
-  segBytes,
   log,
 });
 const { engine } = bench;

@@ -201,10 +201,19 @@ export class SimEngine {
     return this.segBytes * this.segments * this.layers.length;
   }
 
-  /** Registers all layers of this rank. */
+  /** Registers all layers of this rank with the server. */
   register(overrides: Partial<Parameters<PegaflowClient["registerContext"]>[0]> = {}) {
+    return this.client.registerContext({ ...this.registration(), ...overrides });
+  }
+
+  /**
+   * What this rank registers (every layer's region and geometry), as the
+   * RegisterContext request without its client version: for the server, or
+   * for a `KvEngine` driven in-process (benches, pipeline tests).
+   */
+  registration() {
     const planeBytes = this.numBlocks * this.segBytes;
-    return this.client.registerContext({
+    return {
       instanceId: this.instanceId,
       namespace: this.namespace,
       tpRank: this.tpRank,
@@ -225,8 +234,7 @@ export class SimEngine {
         regionBytes: this.segments * planeBytes,
       })),
       kvSharedAcrossTp: this.mla,
-      ...overrides,
-    });
+    };
   }
 
   /** Writes the expected content of `hashes[i]` into block `ids[i]` of every layer. */

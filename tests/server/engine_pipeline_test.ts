@@ -37,29 +37,7 @@ async function setup(opts: { saveConcurrency: number; saveQueueDepth: number }) 
     numBlocks: 64,
     backend: "host",
   });
-  const planeBytes = sim.numBlocks * sim.segBytes;
-  engine.register({
-    instanceId: "inproc",
-    namespace: "ns-inproc",
-    tpRank: 0,
-    tpSize: 1,
-    ppRank: 0,
-    ppSize: 1,
-    worldSize: 1,
-    deviceId: 0,
-    layerNames: sim.layerNames,
-    regionHandles: sim.regions.map((r) => r.handle),
-    geometry: sim.regions.map(() => ({
-      numBlocks: 64,
-      blockStride: sim.segBytes,
-      segStride: planeBytes,
-      segBytes: sim.segBytes,
-      numSegments: 2,
-      baseOffset: 0,
-      regionBytes: 2 * planeBytes,
-    })),
-    clientVersion: PROTOCOL_VERSION,
-  });
+  engine.register({ ...sim.registration(), clientVersion: PROTOCOL_VERSION });
   const teardown = async () => {
     await engine.close();
     await native.close();
