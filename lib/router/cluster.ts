@@ -53,6 +53,157 @@ interface Member {
   stopped: Promise<void>;
 }
 
+/** What the main thread shares with the code that spawns and answers its workers. */
+interface Cluster {
+  config: RouterConfig;
+  logger: Logger;
+  prefill: BackendPool;
+  decode: BackendPool;
+  members: Member[];
+  metrics: MetricsMerge;
+  /** Rejects `finished` (a worker failed). */
+  fail(e: Error): void;
+}
+
+const poolOf = (c: Cluster, role: "prefill" | "decode") =>
+  role === "prefill" ? c.prefill : c.decode;
+
+function broadcast(c: Cluster, m: ToWorker, except?: Member): void {
+  for (const w of c.members) if (w !== except) w.worker.postMessage(m);
+}
+
+/**
+ * One `GET /metrics`: every worker's `getMetricsAsJSON()` collected and merged
+ * with prom-client's `AggregatorRegistry.aggregate` (counters and histograms
+ * summed); fails when a worker sends nothing within {@link SCRAPE_TIMEOUT_MS}.
+ */
+class MetricsMerge {
+  #next = 0;
+  readonly #collects = new Map<number, { parts: unknown[]; received: number; done: () => void }>();
+
+  constructor(readonly cluster: () => Cluster) {}
+
+  async merged(): Promise<{ text: string; contentType: string }> {
+    const c = this.cluster();
+    const id = this.#next++;
+    const parts: unknown[] = [];
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    try {
+      await new Promise<void>((resolve, reject) => {
+        this.#collects.set(id, { parts, received: 0, done: resolve });
+        timer = setTimeout(() => {
+          const missing = c.members.length - (this.#collects.get(id)?.received ?? 0);
+          reject(
+            new Error(
+              `${missing} of ${c.members.length} workers sent no metrics within ${SCRAPE_TIMEOUT_MS} ms`,
+            ),
+          );
+        }, SCRAPE_TIMEOUT_MS);
+        broadcast(c, { type: "collect", id });
+      });
+    } finally {
+      clearTimeout(timer);
+      this.#collects.delete(id);
+    }
+    // Each part is one worker's getMetricsAsJSON(), which is what aggregate() merges.
+    const merged = AggregatorRegistry.aggregate(
+      parts as Parameters<typeof AggregatorRegistry.aggregate>[0],
+    );
+    return { text: await merged.metrics(), contentType: merged.contentType };
+  }
+
+  /** A worker's part of scrape `id` arrived. */
+  received(id: number, json: unknown): void {
+    const c = this.#collects.get(id);
+    if (c === undefined) return; // that scrape timed out already
+    c.parts.push(json);
+    if (++c.received >= this.cluster().members.length) c.done();
+  }
+}
+
+/** Starts worker `index` on `port` (0: pick one) and wires its messages. */
+function spawnWorker(c: Cluster, index: number, port: number): Member {
+  const worker = new Worker(WORKER_URL, { type: "module", name: `router-worker-${index}` });
+  let onStart!: (a: { url: string; port: number }) => void;
+  let onStartFailed!: (e: Error) => void;
+  let onStopped!: () => void;
+  const member: Member = {
+    worker,
+    index,
+    started: new Promise((res, rej) => {
+      onStart = res;
+      onStartFailed = rej;
+    }),
+    stopped: new Promise<void>((res) => (onStopped = res)),
+  };
+  worker.onmessage = (ev: MessageEvent<FromWorker>) => {
+    const m = ev.data;
+    switch (m.type) {
+      case "listening":
+        onStart({ url: m.url, port: m.port });
+        return;
+      case "start-failed": {
+        const Err = m.name === "AddrInUse"
+          ? Deno.errors.AddrInUse
+          : m.name === "AddrNotAvailable"
+          ? Deno.errors.AddrNotAvailable
+          : Error;
+        onStartFailed(new Err(m.message));
+        return;
+      }
+      case "health": {
+        // The worker already flipped the shared flag; keep the reason and pass it on.
+        const b = poolOf(c, m.backend.role).backends[m.backend.index];
+        b.lastError = m.healthy ? null : m.reason;
+        broadcast(c, {
+          type: "health",
+          backend: m.backend,
+          healthy: m.healthy,
+          error: b.lastError,
+        }, member);
+        return;
+      }
+      case "scrape":
+        c.metrics.merged().then(
+          (r) => worker.postMessage({ type: "scraped", id: m.id, ...r } satisfies ToWorker),
+          (e) =>
+            worker.postMessage(
+              {
+                type: "scrape-failed",
+                id: m.id,
+                error: String(e?.message ?? e),
+              } satisfies ToWorker,
+            ),
+        );
+        return;
+      case "metrics":
+        c.metrics.received(m.id, m.json);
+        return;
+      case "stopped":
+        onStopped();
+        return;
+    }
+  };
+  worker.onerror = (ev) => {
+    ev.preventDefault();
+    const e = new Error(`router worker ${index} failed: ${ev.message}`);
+    c.logger.error("router worker failed", { worker: index, error: ev.message });
+    onStartFailed(e);
+    c.fail(e);
+  };
+  worker.postMessage(
+    {
+      type: "start",
+      worker: index,
+      config: { ...c.config, port },
+      prefillState: c.prefill.sharedState,
+      decodeState: c.decode.sharedState,
+    } satisfies ToWorker,
+  );
+  c.members.push(member);
+  return member;
+}
+
 /**
  * Starts `config.workers` worker threads serving `config.host:config.port`. The first one binds
  * (so port 0 picks one free port), the others join it on that port. Rejects — leaving nothing
@@ -70,146 +221,27 @@ export async function startRouterCluster(
   log?: Logger,
 ): Promise<ClusterHandle> {
   const logger = log ?? new Logger(config.logLevel);
-  const prefill = new BackendPool("prefill", config.prefill);
-  const decode = new BackendPool("decode", config.decode);
-  const poolOf = (role: "prefill" | "decode") => role === "prefill" ? prefill : decode;
-  const members: Member[] = [];
-  const broadcast = (m: ToWorker, except?: Member) => {
-    for (const w of members) if (w !== except) w.worker.postMessage(m);
-  };
-  const refOf = (b: Backend) => ({ role: b.role, index: poolOf(b.role).backends.indexOf(b) });
-  for (const pool of [prefill, decode]) {
-    pool.onHealthChange((b, healthy, reason) => {
-      logger.debug("backend health changed", { role: b.role, url: b.url, healthy, reason });
-      broadcast({ type: "health", backend: refOf(b), healthy, error: b.lastError });
-    });
-  }
-
-  // Scrapes in progress: each collects one metrics snapshot per worker.
-  let nextCollect = 0;
-  const collects = new Map<number, { parts: unknown[]; received: number; done: () => void }>();
-  const mergedMetrics = async (): Promise<{ text: string; contentType: string }> => {
-    const id = nextCollect++;
-    const parts: unknown[] = [];
-    let timer: ReturnType<typeof setTimeout> | undefined;
-    try {
-      await new Promise<void>((resolve, reject) => {
-        collects.set(id, { parts, received: 0, done: resolve });
-        timer = setTimeout(
-          () =>
-            reject(
-              new Error(
-                `${
-                  members.length - (collects.get(id)?.received ?? 0)
-                } of ${members.length} workers sent no ` +
-                  `metrics within ${SCRAPE_TIMEOUT_MS} ms`,
-              ),
-            ),
-          SCRAPE_TIMEOUT_MS,
-        );
-        broadcast({ type: "collect", id });
-      });
-    } finally {
-      clearTimeout(timer);
-      collects.delete(id);
-    }
-    // Each part is one worker's getMetricsAsJSON(), which is what aggregate() merges.
-    const merged = AggregatorRegistry.aggregate(
-      parts as Parameters<typeof AggregatorRegistry.aggregate>[0],
-    );
-    return { text: await merged.metrics(), contentType: merged.contentType };
-  };
-
   let failed: ((e: Error) => void) | undefined;
   const failure = new Promise<never>((_, reject) => (failed = reject));
   // A rejection nobody awaits yet must not end the process on its own: finished reports it.
   failure.catch(() => {});
-
-  const spawn = (index: number, port: number): Member => {
-    const worker = new Worker(WORKER_URL, { type: "module", name: `router-worker-${index}` });
-    let onStart!: (a: { url: string; port: number }) => void;
-    let onStartFailed!: (e: Error) => void;
-    let onStopped!: () => void;
-    const member: Member = {
-      worker,
-      index,
-      started: new Promise((res, rej) => {
-        onStart = res;
-        onStartFailed = rej;
-      }),
-      stopped: new Promise<void>((res) => (onStopped = res)),
-    };
-    worker.onmessage = (ev: MessageEvent<FromWorker>) => {
-      const m = ev.data;
-      switch (m.type) {
-        case "listening":
-          onStart({ url: m.url, port: m.port });
-          return;
-        case "start-failed": {
-          const Err = m.name === "AddrInUse"
-            ? Deno.errors.AddrInUse
-            : m.name === "AddrNotAvailable"
-            ? Deno.errors.AddrNotAvailable
-            : Error;
-          onStartFailed(new Err(m.message));
-          return;
-        }
-        case "health": {
-          // The worker already flipped the shared flag; keep the reason and pass it on.
-          const b = poolOf(m.backend.role).backends[m.backend.index];
-          b.lastError = m.healthy ? null : m.reason;
-          broadcast({
-            type: "health",
-            backend: m.backend,
-            healthy: m.healthy,
-            error: b.lastError,
-          }, member);
-          return;
-        }
-        case "scrape":
-          mergedMetrics().then(
-            (r) => worker.postMessage({ type: "scraped", id: m.id, ...r } satisfies ToWorker),
-            (e) =>
-              worker.postMessage(
-                {
-                  type: "scrape-failed",
-                  id: m.id,
-                  error: String(e?.message ?? e),
-                } satisfies ToWorker,
-              ),
-          );
-          return;
-        case "metrics": {
-          const c = collects.get(m.id);
-          if (c === undefined) return; // that scrape timed out already
-          c.parts.push(m.json);
-          if (++c.received >= members.length) c.done();
-          return;
-        }
-        case "stopped":
-          onStopped();
-          return;
-      }
-    };
-    worker.onerror = (ev) => {
-      ev.preventDefault();
-      const e = new Error(`router worker ${index} failed: ${ev.message}`);
-      logger.error("router worker failed", { worker: index, error: ev.message });
-      onStartFailed(e);
-      failed?.(e);
-    };
-    worker.postMessage(
-      {
-        type: "start",
-        worker: index,
-        config: { ...config, port },
-        prefillState: prefill.sharedState,
-        decodeState: decode.sharedState,
-      } satisfies ToWorker,
-    );
-    members.push(member);
-    return member;
+  const c: Cluster = {
+    config,
+    logger,
+    prefill: new BackendPool("prefill", config.prefill),
+    decode: new BackendPool("decode", config.decode),
+    members: [],
+    metrics: new MetricsMerge(() => c),
+    fail: (e) => failed?.(e),
   };
+  const { prefill, decode, members } = c;
+  const refOf = (b: Backend) => ({ role: b.role, index: poolOf(c, b.role).backends.indexOf(b) });
+  for (const pool of [prefill, decode]) {
+    pool.onHealthChange((b, healthy, reason) => {
+      logger.debug("backend health changed", { role: b.role, url: b.url, healthy, reason });
+      broadcast(c, { type: "health", backend: refOf(b), healthy, error: b.lastError });
+    });
+  }
 
   const client = Deno.createHttpClient({ poolIdleTimeout: UPSTREAM_POOL_IDLE_MS });
   let health: HealthChecker | undefined;
@@ -217,9 +249,9 @@ export async function startRouterCluster(
   try {
     health = await startHealthChecks(config, [prefill, decode], client, logger);
     // The first worker binds (port 0 becomes a real port); the others join it there.
-    first = await spawn(0, config.port).started;
+    first = await spawnWorker(c, 0, config.port).started;
     const rest: Member[] = [];
-    for (let i = 1; i < config.workers; i++) rest.push(spawn(i, first.port));
+    for (let i = 1; i < config.workers; i++) rest.push(spawnWorker(c, i, first.port));
     await Promise.all(rest.map((m) => m.started));
   } catch (e) {
     for (const m of members) m.worker.terminate();
@@ -235,7 +267,7 @@ export async function startRouterCluster(
   const shutdown = (graceMs?: number) => {
     stopping ??= (async () => {
       await health?.stop();
-      broadcast({ type: "shutdown", graceMs });
+      broadcast(c, { type: "shutdown", graceMs });
       await Promise.all(members.map((m) => m.stopped));
       for (const m of members) m.worker.terminate();
       client.close();
