@@ -58,6 +58,9 @@ export interface CrossNode {
 /**
  * Opens what `cfg` asks for; nothing at all without `--index-redis`. Throws
  * when an explicitly named transport cannot open (the server must not start).
+ * Longer than 80 lines on purpose: a flat wiring list (endpoint → locks →
+ * tier → the object the server drives), each step reading what the one before
+ * it opened.
  *
  * @example
  * ```ts

@@ -141,16 +141,7 @@ export async function openListeners(
       }
       uds = await boundSocket(path);
       sockets.push(uds);
-      // The engines' hot calls in frames beside it (local_rpc.ts), same handlers.
-      const rpcPath = localRpcSocketPath(path);
-      await claimSocketPath(rpcPath);
-      localRpc = serveLocalRpc(
-        Deno.listen({ transport: "unix", path: rpcPath }),
-        impl,
-        cfg.maxMessageBytes,
-        log,
-      );
-      sockets.push(await boundSocket(rpcPath));
+      localRpc = await openLocalRpc(path, impl, cfg.maxMessageBytes, log, sockets);
     } catch (e) {
       return await fail(`--uds ${path}`, e);
     }
@@ -161,4 +152,24 @@ export async function openListeners(
     localRpcPath: localRpc?.path,
     close,
   };
+}
+
+/** The engines' hot calls in frames beside the `--uds` socket (local_rpc.ts), same handlers. */
+async function openLocalRpc(
+  udsPath: string,
+  impl: grpc.UntypedServiceImplementation,
+  maxMessageBytes: number,
+  log: Logger,
+  sockets: BoundSocket[],
+): Promise<LocalRpcServer> {
+  const rpcPath = localRpcSocketPath(udsPath);
+  await claimSocketPath(rpcPath);
+  const rpc = serveLocalRpc(
+    Deno.listen({ transport: "unix", path: rpcPath }),
+    impl,
+    maxMessageBytes,
+    log,
+  );
+  sockets.push(await boundSocket(rpcPath));
+  return rpc;
 }
