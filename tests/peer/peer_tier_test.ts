@@ -239,10 +239,31 @@ Deno.test("a block's checksum is the CRC32C of its payload however the pool cuts
     assert.equal(crcs[0], want);
     assert.equal(crcs[1], want);
     assert.equal(crcs[2], crc32c(bytes.subarray(65536, 65543)));
-    // Lengths around the native code's stripes (3 × 1 KiB interleaved), odd offsets.
+    // Lengths around the native code's paths (the crc32 instruction below 256
+    // bytes; the fold: 256-byte rounds, then 16-byte lanes, then a tail), odd offsets.
     const cases: { offset: number; bytes: number }[] = [];
     for (const off of [0, 3, 4096 + 5]) {
-      for (const n of [1, 7, 8, 1023, 3071, 3072, 3073, 6149, 32768, 100_003, (1 << 20) + 13]) {
+      for (
+        const n of [
+          1,
+          7,
+          8,
+          255,
+          256,
+          257,
+          271,
+          272,
+          511,
+          512,
+          527,
+          1023,
+          3073,
+          6149,
+          32768,
+          100_003,
+          (1 << 20) + 13,
+        ]
+      ) {
         cases.push({ offset: off, bytes: n });
       }
     }
