@@ -15,9 +15,12 @@
  *     transfer batch per chunk (owner ranges paired with ours in payload
  *     order, a deadline each), planned and submitted while the earlier
  *     chunks are on the wire;
- *  5. as each chunk lands, ONE native call checksums it; a block whose
- *     CRC32C matches is committed (sealed: the next poll is a RAM hit) and
- *     its checksum recorded, one that does not is freed and counted;
+ *  5. each block is one checksum group of its chunk's batch: the transport
+ *     computes its CRC32C on the receiving thread as the bytes land (no
+ *     second pass over memory) and hands them back with the completion;
+ *     a block whose CRC32C matches the owner's is committed (sealed: the
+ *     next poll is a RAM hit) and its checksum recorded, one that does not
+ *     is freed and counted;
  *  6. the lock is released in the background once every block is settled
  *     (a lost release only lets it expire on the owner).
  *
@@ -69,9 +72,8 @@ const FORGET_AFTER_MS = 60_000;
 const CHECKSUM_QUEUE_DEPTH = 64;
 /**
  * Bytes per READ batch of a fetch: big enough that each batch still stripes
- * over every stream at full rate, small enough that verifying one chunk
- * overlaps the next chunks' reads (the last chunk's checksum is what a fetch
- * adds to the wire time: ~4 ms at 9 GB/s).
+ * over every stream at full rate, small enough that committing one chunk's
+ * blocks overlaps the next chunks' reads.
  */
 export const PIPELINE_CHUNK_BYTES = 32 << 20;
 /** Most READ batches one fetch puts in flight (a peer takes 256). */
@@ -527,8 +529,13 @@ export class PeerTier implements Tier {
       planned += n;
       let segs = 0;
       for (let k = 0; k < n; k++) segs += remote[from + k].length + fill.blocks[k].extents.length;
-      const batch = new XferBatch(segs).reset("read", this.#fetchTimeout);
-      for (let k = 0; k < n; k++) pairRanges(batch, remote[from + k], fill.blocks[k].extents);
+      // One checksum group per block: the transport checksums each block's
+      // bytes as they land and hands the CRC32Cs back with the completion.
+      const batch = new XferBatch(segs, n).reset("read", this.#fetchTimeout);
+      for (let k = 0; k < n; k++) {
+        pairRanges(batch, remote[from + k], fill.blocks[k].extents);
+        batch.group(res.payloadBytes);
+      }
       try {
         chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
       } catch (e) {
@@ -570,10 +577,8 @@ export class PeerTier implements Tier {
       const n = c.fill.blocks.length;
       readEnd = Math.max(readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
       this.#stats.readBytes += n * res.payloadBytes;
-      let crcs: Uint32Array;
-      try {
-        crcs = await this.#o.checksum(c.fill.blocks.map((b) => b.extents));
-      } catch (e) {
+      const crcs = r.crcs;
+      if (!crcs || crcs.length !== n) {
         // A bug, not bad bytes: free this chunk, and each later one once it ended.
         c.fill.settle(() => false);
         for (const later of chunks.slice(ci + 1)) {
@@ -581,7 +586,7 @@ export class PeerTier implements Tier {
           later.fill.settle(() => false);
         }
         await release();
-        throw e;
+        throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
       }
       const verified = (k: number) => crcs[k] === res.checksums[c.from + k];
       c.fill.settle(verified);
