@@ -34,6 +34,7 @@ const MiB = 1 << 20;
 const blocks = Number(Deno.env.get("PEER_BENCH_BLOCKS") ?? 256);
 const repeat = Number(Deno.env.get("PEER_BENCH_REPEAT") ?? 5);
 const streams = Number(Deno.env.get("PEER_BENCH_STREAMS") ?? 4);
+const pollMs = Number(Deno.env.get("PEER_BENCH_POLL_MS") ?? 2);
 const model = LLAMA_3_1_8B;
 const blockBytes = model.numLayers * 2 * model.kvHeads * model.headDim * model.dtypeBytes *
   model.blockTokens;
@@ -80,6 +81,7 @@ interface Run {
 const PHASES = [
   "lookup_ms",
   "lock_ms",
+  "rest_lock_ms",
   "connect_ms",
   "plan_ms",
   "read_ms",
@@ -113,7 +115,7 @@ try {
     const t0 = performance.now();
     let q = await simB.query(hashes, `q-${i}`);
     while (q.kind === "loading") {
-      await new Promise((r) => setTimeout(r, 2));
+      await new Promise((r) => setTimeout(r, pollMs));
       q = await simB.query(hashes, `q-${i}`);
     }
     const queryMs = performance.now() - t0;

@@ -572,6 +572,16 @@ int32_t pf_pool_crc32c(uint32_t pool, const void *desc, uint64_t desc_bytes,
                        uint32_t *out_crcs);
 /* CRC32C of `bytes` at `buf` continuing from `crc` (0 to start). */
 uint32_t pf_crc32c(uint32_t crc, const void *buf, uint64_t bytes);
+/* The unconditioned CRC32C state (no ~ in or out) continued over `bytes` at
+ * `buf`: pieces of one message checksummed apart start from state 0 and are
+ * joined in order with pf_crc32c_combine. */
+uint32_t pf_crc32c_raw(uint32_t state, const void *buf, uint64_t bytes);
+/* The state after `bytes` zero bytes more (x^(8*bytes) mod P; log2(bytes)
+ * multiplications). */
+uint32_t pf_crc32c_shift(uint32_t state, uint64_t bytes);
+/* CRC32C of A followed by B, from crc_a = pf_crc32c(0, A) and
+ * raw_b = pf_crc32c_raw(0, B) over bytes_b bytes. */
+uint32_t pf_crc32c_combine(uint32_t crc_a, uint32_t raw_b, uint64_t bytes_b);
 /* CRC32C per block of pool ranges: `exts` is num_exts pf_io_ext (pool_off,
  * bytes > 0); block b covers the next counts[b] of them in order, its CRC
  * continued across them, into out_crcs[b]. Every extent is checked against

@@ -614,6 +614,20 @@ static int chunks_burst(uint8_t *pool, const xfer_chunk *chunks, uint32_t i, uin
   return k;
 }
 
+/* Continues each chunk's checksum state over the `moved` bytes that just
+ * landed from the cursor on: they are still in this core's cache, so the
+ * READ needs no second pass over memory (pf_xfer.h, checksum groups). */
+static void chunks_checksum(const uint8_t *pool, xfer_chunk *chunks, uint32_t i,
+                            uint64_t in_chunk, uint64_t moved) {
+  while (moved) {
+    xfer_chunk *c = &chunks[i++];
+    uint64_t n = c->bytes - in_chunk < moved ? c->bytes - in_chunk : moved;
+    c->crc = pf_crc32c_raw(c->crc, pool + c->local_off + in_chunk, n);
+    moved -= n;
+    in_chunk = 0;
+  }
+}
+
 /* Moves the cursor forward by `moved` bytes (what one sendmsg/recvmsg did). */
 static void chunks_advance(const xfer_chunk *chunks, uint32_t *i, uint64_t *in_chunk,
                            uint64_t moved) {
@@ -781,6 +795,7 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
           return -1;
         }
         left_total -= (uint64_t)m;
+        if (s->ngroups) chunks_checksum(pool, s->chunks, i, in_chunk, (uint64_t)m);
         chunks_advance(s->chunks, &i, &in_chunk, (uint64_t)m);
         if ((uint64_t)m < want) drained = 1;
         if (!left_total || drained || !xfer_live(s, gen)) {
@@ -1061,6 +1076,7 @@ const xfer_ops pf_tcp_ops = {
     .submit = tcp_submit,
     .expire = NULL,
     .max_part_chunks = TCP_MAX_FRAME_SEGS,
+    .crc_on_receive = 1,
 };
 
 /* ---- raw throughput (benchmarks) ---------------------------------------- */

@@ -53,6 +53,29 @@ static void slot_release(pf_xfer_peer *p, xfer_slot *s) {
   pthread_mutex_unlock(&p->mu);
 }
 
+/* The checksum of each group of an OK batch into the caller's out_crcs:
+ * chunks are in payload order and each lies in one group, so one pass
+ * joins their states in order (pf_crc32c_combine's arithmetic). */
+static void batch_checksums(pf_xfer_peer *p, xfer_slot *s) {
+  const uint8_t *pool = p->ep->pool->host;
+  int land_pass = !p->ep->ops->crc_on_receive;
+  uint32_t g = 0, acc = 0;
+  uint64_t glen = 0;
+  for (uint32_t k = 0; k < s->nchunks; k++) {
+    const xfer_chunk *c = &s->chunks[k];
+    uint32_t crc = land_pass ? pf_crc32c_raw(0, pool + c->local_off, c->bytes) : c->crc;
+    if (c->group != g) {
+      s->crc_out[g] = ~(pf_crc32c_shift(~0u, glen) ^ acc);
+      g = c->group;
+      acc = 0;
+      glen = 0;
+    }
+    acc = pf_crc32c_shift(acc, c->bytes) ^ crc;
+    glen += c->bytes;
+  }
+  s->crc_out[g] = ~(pf_crc32c_shift(~0u, glen) ^ acc);
+}
+
 int xfer_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen, int32_t status) {
   uint64_t w = atomic_load_explicit(&s->guard, memory_order_acquire);
   for (;;) {
@@ -67,6 +90,7 @@ int xfer_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen, int32_t status) {
   while (atomic_load_explicit(&s->guard, memory_order_acquire) & XFER_INSIDE_MASK)
     sched_yield();
   pf_xfer_ep *ep = p->ep;
+  if (status == PF_OK && s->ngroups) batch_checksums(p, s);
   if (status == PF_OK) atomic_fetch_add(&ep->n_ok, 1);
   else if (status == PF_ETIMEDOUT) atomic_fetch_add(&ep->n_timedout, 1);
   else atomic_fetch_add(&ep->n_failed, 1);
@@ -450,20 +474,63 @@ static int grow(void **arr, uint32_t *cap, uint32_t need, size_t elem) {
   return 0;
 }
 
-/* Merges adjacent segments (remote and local both contiguous), cuts pieces
- * of at most `stripe` bytes, and spreads them over `lanes` in contiguous runs
- * of about equal bytes (a run's imbalance is at most one stripe); a run longer
- * than max_part chunks becomes several parts. */
-static int32_t plan(xfer_slot *s, const pf_xfer_seg *segs, uint32_t n, uint64_t stripe,
-                    uint32_t lanes, uint32_t max_part) {
-  uint64_t pieces = 0, total = 0;
-  for (uint32_t i = 0; i < n;) {
-    uint64_t r = segs[i].remote_off, l = segs[i].local_off, b = segs[i].bytes;
-    uint32_t j = i + 1;
-    while (j < n && segs[j].remote_off == r + b && segs[j].local_off == l + b) b += segs[j++].bytes;
+/* Walks a batch's segments as maximal runs that are contiguous on both
+ * sides and lie in one checksum group (a batch without groups is one
+ * endless group), so a run never straddles two groups' checksums. */
+typedef struct run_iter {
+  const pf_xfer_seg *segs;
+  uint32_t n, i;
+  uint64_t in_seg;
+  const uint64_t *groups;
+  uint32_t ngroups, g;
+  uint64_t g_left;
+} run_iter;
+
+static void runs_begin(run_iter *it, const pf_xfer_seg *segs, uint32_t n, const uint64_t *groups,
+                       uint32_t ngroups) {
+  *it = (run_iter){.segs = segs, .n = n, .groups = groups, .ngroups = ngroups,
+                   .g_left = ngroups ? groups[0] : UINT64_MAX};
+}
+
+static int runs_next(run_iter *it, uint64_t *r, uint64_t *l, uint64_t *b, uint32_t *g) {
+  if (it->i >= it->n) return 0;
+  *r = it->segs[it->i].remote_off + it->in_seg;
+  *l = it->segs[it->i].local_off + it->in_seg;
+  *b = 0;
+  *g = it->g;
+  for (;;) {
+    uint64_t avail = it->segs[it->i].bytes - it->in_seg;
+    uint64_t take = avail < it->g_left ? avail : it->g_left;
+    *b += take;
+    it->in_seg += take;
+    it->g_left -= take;
+    if (it->in_seg == it->segs[it->i].bytes) {
+      it->i++;
+      it->in_seg = 0;
+    }
+    if (it->g_left == 0) {
+      if (++it->g < it->ngroups) it->g_left = it->groups[it->g];
+      return 1;
+    }
+    if (it->i >= it->n) return 1;
+    const pf_xfer_seg *nx = &it->segs[it->i];
+    if (nx->remote_off != *r + *b || nx->local_off != *l + *b) return 1;
+  }
+}
+
+/* Merges adjacent segments (remote and local both contiguous, same checksum
+ * group), cuts pieces of at most `stripe` bytes, and spreads them over
+ * `lanes` in contiguous runs of about equal bytes (a run's imbalance is at
+ * most one stripe); a run longer than max_part chunks becomes several parts. */
+static int32_t plan(xfer_slot *s, const pf_xfer_seg *segs, uint32_t n, const uint64_t *groups,
+                    uint32_t ngroups, uint64_t stripe, uint32_t lanes, uint32_t max_part) {
+  uint64_t pieces = 0, total = 0, r, l, b;
+  uint32_t g;
+  run_iter it;
+  runs_begin(&it, segs, n, groups, ngroups);
+  while (runs_next(&it, &r, &l, &b, &g)) {
     pieces += (b + stripe - 1) / stripe;
     total += b;
-    i = j;
   }
   if (pieces > UINT32_MAX / 2)
     return pf_fail(PF_EINVAL, "pf_xfer_submit: batch cuts into %llu pieces; too many",
@@ -472,15 +539,12 @@ static int32_t plan(xfer_slot *s, const pf_xfer_seg *segs, uint32_t n, uint64_t 
     return pf_fail(PF_ENOMEM, "pf_xfer_submit: out of memory for %llu pieces",
                    (unsigned long long)pieces);
   uint32_t k = 0;
-  for (uint32_t i = 0; i < n;) {
-    uint64_t r = segs[i].remote_off, l = segs[i].local_off, b = segs[i].bytes;
-    uint32_t j = i + 1;
-    while (j < n && segs[j].remote_off == r + b && segs[j].local_off == l + b) b += segs[j++].bytes;
+  runs_begin(&it, segs, n, groups, ngroups);
+  while (runs_next(&it, &r, &l, &b, &g)) {
     for (uint64_t off = 0; off < b; off += stripe) {
       uint64_t len = b - off < stripe ? b - off : stripe;
-      s->chunks[k++] = (xfer_chunk){r + off, l + off, len};
+      s->chunks[k++] = (xfer_chunk){r + off, l + off, len, g, 0};
     }
-    i = j;
   }
   s->nchunks = k;
   s->bytes = total;
@@ -513,7 +577,8 @@ static int32_t plan(xfer_slot *s, const pf_xfer_seg *segs, uint32_t n, uint64_t 
   return PF_OK;
 }
 
-int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64_t tag) {
+int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64_t tag,
+                       uint32_t *out_crcs) {
   pthread_mutex_lock(&pf_objects_mu);
   pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_submit");
   pthread_mutex_unlock(&pf_objects_mu);
@@ -538,18 +603,30 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
   if (hd->num_segs == 0 || hd->num_segs > PF_XFER_MAX_SEGS)
     return pf_fail(PF_EINVAL, "pf_xfer_submit: num_segs %u; expected 1..%u", hd->num_segs,
                    PF_XFER_MAX_SEGS);
-  if (desc_bytes != sizeof *hd + (uint64_t)hd->num_segs * sizeof(pf_xfer_seg))
-    return pf_fail(PF_EINVAL, "pf_xfer_submit: descriptor is %llu bytes; %u segments need %llu",
-                   (unsigned long long)desc_bytes, hd->num_segs,
-                   (unsigned long long)(sizeof *hd + (uint64_t)hd->num_segs * sizeof(pf_xfer_seg)));
+  if (hd->num_groups > PF_XFER_MAX_SEGS)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: num_groups %u; expected 0..%u", hd->num_groups,
+                   PF_XFER_MAX_SEGS);
+  uint64_t need = sizeof *hd + (uint64_t)hd->num_segs * sizeof(pf_xfer_seg) +
+                  (uint64_t)hd->num_groups * sizeof(uint64_t);
+  if (desc_bytes != need)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: descriptor is %llu bytes; %u segments and %u "
+                   "checksum groups need %llu", (unsigned long long)desc_bytes, hd->num_segs,
+                   hd->num_groups, (unsigned long long)need);
+  if (hd->num_groups && hd->op != PF_XFER_READ)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: checksum groups are for read batches (op %u)",
+                   hd->op);
+  if (hd->num_groups && !out_crcs)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: %u checksum groups but out_crcs is NULL",
+                   hd->num_groups);
   if (hd->timeout_ms == 0 || hd->timeout_ms > XFER_MAX_TIMEOUT_MS)
     return pf_fail(PF_EINVAL, "pf_xfer_submit: timeout_ms %u; expected 1..%u", hd->timeout_ms,
                    XFER_MAX_TIMEOUT_MS);
   if (hd->reserved || (hd->op != PF_XFER_WRITE_IMM && hd->imm))
     return pf_fail(PF_EINVAL, "pf_xfer_submit: reserved must be 0 and imm is only for write_imm");
-  uint64_t local = ep->pool->bytes, remote = p->remote_bytes;
+  uint64_t local = ep->pool->bytes, remote = p->remote_bytes, total = 0;
   for (uint32_t i = 0; i < hd->num_segs; i++) {
     const pf_xfer_seg *g = &segs[i];
+    total += g->bytes; /* a sum that wrapped belongs to a batch refused below */
     if (g->bytes == 0)
       return pf_fail(PF_EINVAL, "pf_xfer_submit: segment %u has 0 bytes", i);
     if (g->local_off > local || g->bytes > local - g->local_off)
@@ -563,6 +640,18 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
                      (unsigned long long)g->remote_off, (unsigned long long)g->bytes,
                      (unsigned long long)remote);
   }
+  const uint64_t *groups = (const uint64_t *)(segs + hd->num_segs);
+  uint64_t grouped = 0;
+  for (uint32_t g = 0; g < hd->num_groups; g++) {
+    if (groups[g] == 0 || groups[g] > total - grouped)
+      return pf_fail(PF_EINVAL, "pf_xfer_submit: checksum group %u of %llu bytes: groups must "
+                     "be > 0 and cover the segments' %llu bytes exactly", g,
+                     (unsigned long long)groups[g], (unsigned long long)total);
+    grouped += groups[g];
+  }
+  if (hd->num_groups && grouped != total)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: checksum groups cover %llu bytes; the segments "
+                   "%llu", (unsigned long long)grouped, (unsigned long long)total);
   pthread_mutex_lock(&p->mu);
   if (p->nfree == 0) {
     pthread_mutex_unlock(&p->mu);
@@ -573,8 +662,8 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
   p->inflight++;
   pthread_mutex_unlock(&p->mu);
 
-  int32_t rc = plan(s, segs, hd->num_segs, ep->cfg.stripe_bytes, p->lanes,
-                    ep->ops->max_part_chunks);
+  int32_t rc = plan(s, segs, hd->num_segs, groups, hd->num_groups, ep->cfg.stripe_bytes,
+                    p->lanes, ep->ops->max_part_chunks);
   if (rc < 0) {
     pthread_mutex_lock(&p->mu);
     p->free_list[p->nfree++] = s->index;
@@ -584,6 +673,8 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
   }
   s->op = hd->op;
   s->imm = hd->imm;
+  s->ngroups = hd->num_groups;
+  s->crc_out = hd->num_groups ? out_crcs : NULL;
   s->tag = tag;
   s->submit_ns = pf_now_ns();
   s->deadline_ns = s->submit_ns + (uint64_t)hd->timeout_ms * 1000000ull;

@@ -145,19 +145,31 @@ int32_t pf_xfer_peer_close(uint32_t peer);
  * A transfer batch lives in one caller-owned buffer (copied before
  * pf_xfer_submit returns):
  *
- *   pf_xfer_header                 (24 bytes)
- *   pf_xfer_seg  segs[num_segs]    (24 bytes each)
+ *   pf_xfer_header                    (24 bytes)
+ *   pf_xfer_seg  segs[num_segs]       (24 bytes each)
+ *   uint64_t     group_bytes[num_groups]  (READ with checksums only)
  *
  * READ moves remote_off -> local_off; WRITE/WRITE_IMM local_off ->
  * remote_off. Segments need not be sorted; adjacent ones are merged and long
  * ones striped over the peer's streams/QPs.
+ *
+ * Checksum groups (READ only): the batch's payload, in segment order, is cut
+ * into num_groups runs of group_bytes[g] bytes (each > 0, summing to the
+ * segments' bytes); out_crcs[g] receives the CRC32C (pf_crc32c) of run g's
+ * bytes as they landed in the local pool, written before the batch's
+ * PF_DONE_XFER record is posted and only when its status is PF_OK. TCP
+ * computes it on the receiving thread as each burst lands (the bytes are
+ * still in cache; no second pass over memory); RDMA in one pass before the
+ * record. Runs never merge across a group boundary, so each wire chunk lies
+ * in one group and the per-chunk checksums are combined in order.
  */
 typedef struct pf_xfer_header {
   uint32_t op;         /* pf_xfer_op */
   uint32_t num_segs;   /* 1 .. PF_XFER_MAX_SEGS */
   uint32_t timeout_ms; /* 1 .. 3,600,000 */
   uint32_t imm;        /* WRITE_IMM: the immediate; else 0 */
-  uint64_t reserved;   /* 0 */
+  uint32_t num_groups; /* READ: checksum groups, 0 .. PF_XFER_MAX_SEGS (0 = none) */
+  uint32_t reserved;   /* 0 */
 } pf_xfer_header;
 
 typedef struct pf_xfer_seg {
@@ -171,9 +183,11 @@ typedef struct pf_xfer_seg {
 #define PF_XFER_MAX_INFLIGHT 256u
 
 /* Validates and queues a batch; returns 0 once queued (never blocks on the
- * network). Exactly one PF_DONE_XFER record with `tag` follows. */
+ * network). Exactly one PF_DONE_XFER record with `tag` follows. out_crcs:
+ * num_groups u32, NULL when num_groups is 0; the caller keeps it valid and
+ * untouched until the record (it is written from a transport thread). */
 int32_t pf_xfer_submit(uint32_t peer, const void *desc, uint64_t desc_bytes,
-                       uint64_t tag);
+                       uint64_t tag, uint32_t *out_crcs);
 
 /* The raw TCP throughput of a path, for benchmarks (what iperf measures):
  * opens `streams` plain connections to the TCP endpoint at host:port `addr`,

@@ -37,6 +37,8 @@ typedef struct xfer_chunk {
   uint64_t remote_off;
   uint64_t local_off;
   uint64_t bytes;
+  uint32_t group; /* checksum group (batches with groups) */
+  uint32_t crc;   /* pf_crc32c_raw state of the bytes landed so far, from 0 */
 } xfer_chunk;
 
 /* A run of chunks that travels as one unit on one lane (TCP: one frame on
@@ -64,6 +66,8 @@ typedef struct xfer_slot {
   atomic_int expiring;    /* RDMA: timeout seen, waiting for the flush */
   xfer_chunk *chunks;
   uint32_t nchunks, cap_chunks;
+  uint32_t ngroups;       /* checksum groups; 0 = none */
+  uint32_t *crc_out;      /* the caller's, written by xfer_end on PF_OK */
   xfer_part *parts;
   uint32_t nparts, cap_parts;
   void *impl;             /* transport per-slot state */
@@ -110,6 +114,9 @@ typedef struct xfer_ops {
   void (*expire)(pf_xfer_peer *p, xfer_slot *s, uint32_t gen);
   /* Most chunks one part may carry. */
   uint32_t max_part_chunks;
+  /* 1: the transport updates each chunk's crc as its bytes land (TCP);
+   * 0: xfer_end checksums the landed chunks in one pass (RDMA). */
+  int crc_on_receive;
 } xfer_ops;
 
 typedef struct pf_xfer_ep {

@@ -45,7 +45,10 @@ export const XFER_SYMBOLS = {
   // Posts the records of batches it cancels: may wait for ring room, which
   // only the JS thread frees.
   pf_xfer_peer_close: { parameters: ["u32"], result: "i32", nonblocking: true },
-  pf_xfer_submit: { parameters: ["u32", "buffer", "u64", "u64"], result: "i32" },
+  // The 5th argument (checksums out) is written from a transport thread
+  // until the batch's record: always an ArrayBuffer-backed array (off V8's
+  // heap, never moved), kept alive by the pending entry.
+  pf_xfer_submit: { parameters: ["u32", "buffer", "u64", "u64", "buffer"], result: "i32" },
   pf_tcp_blast: {
     parameters: ["buffer", "u32", "u64", "u32", "u32", "buffer"],
     result: "i32",
@@ -106,6 +109,7 @@ export const XFER_MAX_INFLIGHT = 256;
 const CONFIG_BYTES = 352; // sizeof(pf_xfer_config)
 const HEADER_BYTES = 24; // sizeof(pf_xfer_header)
 const SEG_BYTES = 24; // sizeof(pf_xfer_seg)
+const GROUP_BYTES = 8; // a checksum group's u64 byte count
 const TWO32 = 4294967296;
 
 /** Options of {@link XferEndpoint.open}. */
@@ -142,6 +146,11 @@ export interface XferResult {
   parts: number;
   /** ns from submit to end. */
   ns: number;
+  /**
+   * A READ with checksum groups that ended OK: the CRC32C of each group's
+   * bytes as they landed in the local pool (see {@link XferBatch.group}).
+   */
+  crcs?: Uint32Array;
 }
 
 /** An immediate received from a peer's WRITE_IMM (after its data landed). */
@@ -175,6 +184,8 @@ function cfgBytes(o: XferEndpointOptions): Uint8Array {
 
 interface Pending {
   resolve: (r: XferResult) => void;
+  /** Where the native side writes the group checksums (undefined: no groups). */
+  crcs?: Uint32Array;
 }
 
 /**
@@ -222,6 +233,7 @@ export class XferEndpoint {
           op: OP_NAMES[c.index] ?? "read",
           parts: c.aux,
           ns: c.value,
+          crcs: c.status === 0 ? p.crcs : undefined,
         });
       },
       complete: () => this.#failAll(PF_STATUS.PF_ESHUTDOWN),
@@ -268,8 +280,8 @@ export class XferEndpoint {
   }
 
   /** @internal */
-  track(tag: number): Promise<XferResult> {
-    return new Promise((resolve) => this.#pending.set(tag, { resolve }));
+  track(tag: number, crcs?: Uint32Array): Promise<XferResult> {
+    return new Promise((resolve) => this.#pending.set(tag, { resolve, crcs }));
   }
 
   /** @internal */
@@ -354,11 +366,15 @@ export class XferPeer {
     if (this.#closed) throw new NativeError("pf_xfer_submit", -9, `peer ${this.handle} is closed`);
     const desc = batch.finish();
     const tag = this.#ep.nextTag();
+    // One array per batch (not per block): the native side writes it after
+    // this call returns, so it cannot be the reusable batch's own.
+    const groups = batch.numGroups;
+    const crcs = groups > 0 ? new Uint32Array(new ArrayBuffer(4 * groups)) : null;
     check(
       "pf_xfer_submit",
-      xferLib().pf_xfer_submit(this.handle, desc, BigInt(desc.length), BigInt(tag)),
+      xferLib().pf_xfer_submit(this.handle, desc, BigInt(desc.length), BigInt(tag), crcs),
     );
-    return this.#ep.track(tag);
+    return this.#ep.track(tag, crcs ?? undefined);
   }
 
   /** Cancels what is in flight (records say PF_ESHUTDOWN) and disconnects. */
@@ -371,8 +387,9 @@ export class XferPeer {
 }
 
 /**
- * A reusable transfer batch descriptor (`pf_xfer_header` + `pf_xfer_seg[]`),
- * written as u32 words: no allocation and no FFI call per segment.
+ * A reusable transfer batch descriptor (`pf_xfer_header` + `pf_xfer_seg[]`
+ * + checksum groups), written as u32 words: no allocation and no FFI call
+ * per segment.
  *
  * @example
  * ```ts
@@ -385,18 +402,33 @@ export class XferPeer {
 export class XferBatch {
   /** Most segments this descriptor holds. */
   readonly maxSegs: number;
+  /** Most checksum groups this descriptor holds. */
+  readonly maxGroups: number;
   readonly #buf: Uint8Array;
   readonly #u32: Uint32Array;
+  /** Group byte counts as u32 pairs, copied behind the segments by finish(). */
+  readonly #groupWords: Uint32Array;
   #segs = 0;
   #bytes = 0;
+  #groups = 0;
 
-  constructor(maxSegs: number) {
+  constructor(maxSegs: number, maxGroups = 0) {
     if (!Number.isInteger(maxSegs) || maxSegs < 1 || maxSegs > XFER_MAX_SEGS) {
       throw new RangeError(`XferBatch: maxSegs ${maxSegs}; expected 1..${XFER_MAX_SEGS}`);
     }
+    if (!Number.isInteger(maxGroups) || maxGroups < 0 || maxGroups > XFER_MAX_SEGS) {
+      throw new RangeError(`XferBatch: maxGroups ${maxGroups}; expected 0..${XFER_MAX_SEGS}`);
+    }
     this.maxSegs = maxSegs;
-    this.#buf = new Uint8Array(HEADER_BYTES + SEG_BYTES * maxSegs);
+    this.maxGroups = maxGroups;
+    this.#buf = new Uint8Array(HEADER_BYTES + SEG_BYTES * maxSegs + GROUP_BYTES * maxGroups);
     this.#u32 = new Uint32Array(this.#buf.buffer);
+    this.#groupWords = new Uint32Array(2 * maxGroups);
+  }
+
+  /** Checksum groups written since reset. */
+  get numGroups(): number {
+    return this.#groups;
   }
 
   /** Segments written since reset. */
@@ -423,6 +455,7 @@ export class XferBatch {
     u[5] = 0;
     this.#segs = 0;
     this.#bytes = 0;
+    this.#groups = 0;
     return this;
   }
 
@@ -444,10 +477,30 @@ export class XferBatch {
     return this;
   }
 
-  /** Writes the count into the header; returns the bytes to submit. */
+  /**
+   * Adds a checksum group (READ only): the next `bytes` of the payload in
+   * segment order. The groups must cover the segments' bytes exactly; the
+   * result's `crcs[g]` is then group g's CRC32C as it landed, computed by
+   * the transport while receiving (no second pass over memory).
+   */
+  group(bytes: number): this {
+    if (this.#groups === this.maxGroups) {
+      throw new RangeError(`XferBatch.group: batch holds at most ${this.maxGroups} groups`);
+    }
+    const w = 2 * this.#groups++;
+    this.#groupWords[w] = bytes >>> 0;
+    this.#groupWords[w + 1] = (bytes / TWO32) >>> 0;
+    return this;
+  }
+
+  /** Writes the counts into the header; returns the bytes to submit. */
   finish(): Uint8Array {
-    this.#u32[1] = this.#segs;
-    return this.#buf.subarray(0, HEADER_BYTES + SEG_BYTES * this.#segs);
+    const u = this.#u32;
+    u[1] = this.#segs;
+    u[4] = this.#groups;
+    const end = HEADER_BYTES + SEG_BYTES * this.#segs;
+    u.set(this.#groupWords.subarray(0, 2 * this.#groups), end >> 2);
+    return this.#buf.subarray(0, end + GROUP_BYTES * this.#groups);
   }
 }
 

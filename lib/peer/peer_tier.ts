@@ -15,9 +15,12 @@
  *     transfer batch per chunk (owner ranges paired with ours in payload
  *     order, a deadline each), planned and submitted while the earlier
  *     chunks are on the wire;
- *  5. as each chunk lands, ONE native call checksums it; a block whose
- *     CRC32C matches is committed (sealed: the next poll is a RAM hit) and
- *     its checksum recorded, one that does not is freed and counted;
+ *  5. each block is one checksum group of its chunk's batch: the transport
+ *     computes its CRC32C on the receiving thread as the bytes land (no
+ *     second pass over memory) and hands them back with the completion;
+ *     a block whose CRC32C matches the owner's is committed (sealed: the
+ *     next poll is a RAM hit) and its checksum recorded, one that does not
+ *     is freed and counted;
  *  6. the lock is released in the background once every block is settled
  *     (a lost release only lets it expire on the owner).
  *
@@ -69,9 +72,8 @@ const FORGET_AFTER_MS = 60_000;
 const CHECKSUM_QUEUE_DEPTH = 64;
 /**
  * Bytes per READ batch of a fetch: big enough that each batch still stripes
- * over every stream at full rate, small enough that verifying one chunk
- * overlaps the next chunks' reads (the last chunk's checksum is what a fetch
- * adds to the wire time: ~4 ms at 9 GB/s).
+ * over every stream at full rate, small enough that committing one chunk's
+ * blocks overlaps the next chunks' reads.
  */
 export const PIPELINE_CHUNK_BYTES = 32 << 20;
 /** Most READ batches one fetch puts in flight (a peer takes 256). */
@@ -441,40 +443,62 @@ export class PeerTier implements Tier {
     const owner = found.owners[0];
     if (!owner || owner.length === 0) return this.#fail("no-owner");
     const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
-    let res: QueryBlocksForTransferResponse;
-    try {
-      res = await this.#o.links.lock(owner.addr, {
+    // The lock is taken in two parts: the first READ chunk's blocks, whose
+    // short answer starts the wire at once, then the rest, locked while that
+    // chunk is read (a lock of 256 blocks answers 16,384 ranges: ~10 ms
+    // that would otherwise pass before the first byte).
+    const local = this.#o.host.payloadBytes(namespace);
+    const per = Math.max(
+      1,
+      Math.floor((this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES) / (local ?? 1)),
+      Math.ceil(want.length / MAX_PIPELINE_CHUNKS),
+    );
+    const lockPart = (part: Uint8Array[]) =>
+      this.#o.links.lock(owner.addr, {
         namespace,
-        blockHashes: want,
+        blockHashes: part,
         layoutFingerprint: layout.fingerprint,
         requester: index.nodeId,
         lockTtlMs: this.#lockTtl,
       }, this.#rpcTimeout);
+    const lockIds: Uint8Array[] = [];
+    const release = () =>
+      Promise.all(
+        lockIds.map((id) =>
+          this.#o.links.release(owner.addr, id, index.nodeId, this.#rpcTimeout).catch(
+            (e: Error) =>
+              this.#o.log.debug("peer lock release failed; it expires on the owner", {
+                owner: owner.nodeId,
+                error: e.message,
+              }),
+          )
+        ),
+      );
+    /** Why a lock answer cannot be read from (undefined: it can). */
+    const unusable = (r: QueryBlocksForTransferResponse, ext: PoolExtent[][] | string) =>
+      typeof ext === "string"
+        ? ext
+        : r.payloadBytes !== local
+        ? `block payload ${r.payloadBytes} bytes, ${local} here`
+        : r.transport !== "tcp"
+        ? `owner transport ${r.transport}: peer fetch over RDMA needs the QP handshake (not built)`
+        : undefined;
+    let res: QueryBlocksForTransferResponse;
+    try {
+      res = await lockPart(want.slice(0, per));
     } catch (e) {
       return this.#fail("lock-rpc", { owner: owner.nodeId, error: (e as Error).message });
     }
     if (res.lockId.length === 0) {
       return this.#fail("owner-miss", { owner: owner.nodeId, reason: res.missReason });
     }
+    lockIds.push(res.lockId);
     const tLock = performance.now();
-    const release = () =>
-      this.#o.links.release(owner.addr, res.lockId, index.nodeId, this.#rpcTimeout).catch(
-        (e: Error) =>
-          this.#o.log.debug("peer lock release failed; it expires on the owner", {
-            owner: owner.nodeId,
-            error: e.message,
-          }),
-      );
-    const local = this.#o.host.payloadBytes(namespace);
-    const remote = remoteExtents(res);
-    if (typeof remote === "string" || res.payloadBytes !== local || res.transport !== "tcp") {
+    const head = remoteExtents(res);
+    const why = unusable(res, head);
+    if (why !== undefined || typeof head === "string") {
       await release();
-      const why = typeof remote === "string"
-        ? remote
-        : res.payloadBytes !== local
-        ? `block payload ${res.payloadBytes} bytes, ${local} here`
-        : `owner transport ${res.transport}: peer fetch over RDMA needs the QP handshake (not built)`;
-      return this.#fail("bad-answer", { owner: owner.nodeId, error: why });
+      return this.#fail("bad-answer", { owner: owner.nodeId, error: why ?? "" });
     }
     let peer: XferPeer;
     try {
@@ -485,17 +509,24 @@ export class PeerTier implements Tier {
     }
     const tConnect = performance.now();
     if (this.#o.beforeRead) await this.#o.beforeRead();
+    // The rest only continues a whole head: the prefix must stay contiguous.
+    let tRest = 0;
+    const tRest0 = performance.now();
+    const rest = want.length > per && head.length === per
+      ? lockPart(want.slice(per)).then(
+        (r) => (tRest = performance.now(), r),
+        (e: Error) => (tRest = performance.now(), e),
+      )
+      : undefined;
 
     // Pipelined: the prefix is read in chunks, each planned (pool space here,
     // whole blocks, prefix order) and submitted while the previous ones are
     // on the wire; each chunk is verified as soon as it landed, while the
     // later ones still read. Planning stops at the first block that cannot
-    // be placed.
-    const per = Math.max(
-      1,
-      Math.floor((this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES) / res.payloadBytes),
-      Math.ceil(remote.length / MAX_PIPELINE_CHUNKS),
-    );
+    // be placed. `remote` and `expected` grow as the lock parts arrive,
+    // indexed like `want`.
+    const remote: PoolExtent[][] = head;
+    const expected: number[] = Array.from(res.checksums);
     interface Chunk {
       /** Pool space of this chunk's blocks: one plan, settled once. */
       fill: RamFillBatch;
@@ -505,44 +536,79 @@ export class PeerTier implements Tier {
     }
     const chunks: Chunk[] = [];
     let refused: string | undefined;
+    let stopped = false;
     let planned = 0;
     const tSubmit = performance.now();
-    for (let from = 0; from < remote.length; from += per) {
-      const to = Math.min(from + per, remote.length);
-      let fill: RamFillBatch | null;
-      try {
-        fill = this.#o.host.fillMany(
-          namespace,
-          want.slice(from, to),
-          PEER_TIER_NAME,
-          "reclaimable",
-        );
-      } catch (e) {
-        // Planning refused (a store bug): the chunks already on the wire still end below.
-        refused = (e as Error).message;
-        break;
+    const plan = (upTo: number) => {
+      for (let from = planned; !stopped && from < upTo; from += per) {
+        const to = Math.min(from + per, upTo);
+        let fill: RamFillBatch | null;
+        try {
+          fill = this.#o.host.fillMany(
+            namespace,
+            want.slice(from, to),
+            PEER_TIER_NAME,
+            "reclaimable",
+          );
+        } catch (e) {
+          // Planning refused (a store bug): the chunks already on the wire still end below.
+          refused = (e as Error).message;
+          stopped = true;
+          break;
+        }
+        if (!fill) {
+          stopped = true;
+          break;
+        }
+        const n = fill.blocks.length;
+        planned += n;
+        let segs = 0;
+        for (let k = 0; k < n; k++) segs += remote[from + k].length + fill.blocks[k].extents.length;
+        // One checksum group per block: the transport checksums each block's
+        // bytes as they land and hands the CRC32Cs back with the completion.
+        const batch = new XferBatch(segs, n).reset("read", this.#fetchTimeout);
+        for (let k = 0; k < n; k++) {
+          pairRanges(batch, remote[from + k], fill.blocks[k].extents);
+          batch.group(res.payloadBytes);
+        }
+        try {
+          chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
+        } catch (e) {
+          // Refused before anything moved: this space was never written. A broken
+          // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
+          fill.settle(() => false);
+          refused = (e as Error).message;
+          if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
+          stopped = true;
+          break;
+        }
+        if (chunks.length === 1) {
+          this.#o.log.debug("peer read submitted", { owner: owner.nodeId, blocks: want.length });
+        }
+        if (n < to - from) stopped = true;
       }
-      if (!fill) break;
-      const n = fill.blocks.length;
-      planned += n;
-      let segs = 0;
-      for (let k = 0; k < n; k++) segs += remote[from + k].length + fill.blocks[k].extents.length;
-      const batch = new XferBatch(segs).reset("read", this.#fetchTimeout);
-      for (let k = 0; k < n; k++) pairRanges(batch, remote[from + k], fill.blocks[k].extents);
-      try {
-        chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
-      } catch (e) {
-        // Refused before anything moved: this space was never written. A broken
-        // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
-        fill.settle(() => false);
-        refused = (e as Error).message;
-        if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
-        break;
+    };
+    plan(remote.length);
+    if (rest) {
+      const r2 = await rest;
+      if (r2 instanceof Error) {
+        this.#fail("lock-rpc", { owner: owner.nodeId, error: r2.message, part: "rest" });
+      } else if (r2.lockId.length > 0) {
+        lockIds.push(r2.lockId);
+        const more = remoteExtents(r2);
+        const bad = unusable(r2, more) ??
+          (r2.xferAddr !== res.xferAddr
+            ? `transfer address ${r2.xferAddr}, then ${res.xferAddr}`
+            : undefined);
+        if (bad !== undefined || typeof more === "string") {
+          this.#fail("bad-answer", { owner: owner.nodeId, error: bad ?? "", part: "rest" });
+        } else if (!stopped) {
+          remote.push(...more);
+          for (const c of r2.checksums) expected.push(c);
+          plan(remote.length);
+        }
       }
-      if (chunks.length === 1) {
-        this.#o.log.debug("peer read submitted", { owner: owner.nodeId, blocks: remote.length });
-      }
-      if (n < to - from) break;
+      // A miss here: the owner evicted the rest since the lookup; the head is fetched.
     }
     const tPlanned = performance.now();
     if (chunks.length === 0) {
@@ -570,10 +636,8 @@ export class PeerTier implements Tier {
       const n = c.fill.blocks.length;
       readEnd = Math.max(readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
       this.#stats.readBytes += n * res.payloadBytes;
-      let crcs: Uint32Array;
-      try {
-        crcs = await this.#o.checksum(c.fill.blocks.map((b) => b.extents));
-      } catch (e) {
+      const crcs = r.crcs;
+      if (!crcs || crcs.length !== n) {
         // A bug, not bad bytes: free this chunk, and each later one once it ended.
         c.fill.settle(() => false);
         for (const later of chunks.slice(ci + 1)) {
@@ -581,9 +645,9 @@ export class PeerTier implements Tier {
           later.fill.settle(() => false);
         }
         await release();
-        throw e;
+        throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
       }
-      const verified = (k: number) => crcs[k] === res.checksums[c.from + k];
+      const verified = (k: number) => crcs[k] === expected[c.from + k];
       c.fill.settle(verified);
       for (let k = 0; k < n; k++) {
         const i = c.from + k;
@@ -596,7 +660,7 @@ export class PeerTier implements Tier {
             owner: owner.nodeId,
             namespace,
             block_hash: hashHex(want[i]),
-            expected: res.checksums[i],
+            expected: expected[i],
             got: crcs[k],
           });
         }
@@ -629,6 +693,7 @@ export class PeerTier implements Tier {
       bytes: good.length * res.payloadBytes,
       lookup_ms: ms(t0, tLookup),
       lock_ms: ms(tLookup, tLock),
+      rest_lock_ms: rest ? ms(tRest0, tRest) : 0,
       connect_ms: ms(tLock, tConnect),
       plan_ms: ms(tSubmit, tPlanned),
       read_ms: Math.round(readEnd * 100) / 100,

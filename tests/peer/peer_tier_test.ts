@@ -182,8 +182,10 @@ Deno.test("blocks fetched from a peer land byte-exact and sealed in RAM, the own
   }
 });
 
-Deno.test("a block whose bytes changed after its checksum was recorded is never served (fetch read in chunks of 2 blocks)", async () => {
-  // 96 KiB blocks, 200 KiB chunks: 2 blocks per READ batch, verified batch by batch.
+Deno.test("a block whose bytes changed after its checksum was recorded is never served (fetch read in chunks of 2 blocks, locked in two parts)", async () => {
+  // 96 KiB blocks, 200 KiB chunks: 2 blocks per READ batch, verified batch by
+  // batch as the transport hands back each block's CRC32C. The first chunk's
+  // blocks are locked first, the rest (the corrupt block among them) while it reads.
   const t = await twoNodes(200 * 1024);
   try {
     const hashes = [10, 11, 12, 13].map(hash);
@@ -218,6 +220,11 @@ Deno.test("a block whose bytes changed after its checksum was recorded is never 
     }
     assert.equal(t.tier.stats().failures.checksum, 1);
     assert.equal(t.locks.stats().checksumsAtLock, 0, "the seal-time checksums were carried");
+    await t.tier.flush();
+    assert.equal(t.locks.stats().granted, 2, "a head lock and a rest lock");
+    assert.equal(t.locks.stats().lockedBlocks, 4);
+    assert.equal(t.locks.stats().released, 2);
+    assert.equal(t.locks.stats().held, 0);
     t.req.store.verify();
   } finally {
     await t.close();
@@ -239,10 +246,31 @@ Deno.test("a block's checksum is the CRC32C of its payload however the pool cuts
     assert.equal(crcs[0], want);
     assert.equal(crcs[1], want);
     assert.equal(crcs[2], crc32c(bytes.subarray(65536, 65543)));
-    // Lengths around the native code's stripes (3 × 1 KiB interleaved), odd offsets.
+    // Lengths around the native code's paths (the crc32 instruction below 256
+    // bytes; the fold: 256-byte rounds, then 16-byte lanes, then a tail), odd offsets.
     const cases: { offset: number; bytes: number }[] = [];
     for (const off of [0, 3, 4096 + 5]) {
-      for (const n of [1, 7, 8, 1023, 3071, 3072, 3073, 6149, 32768, 100_003, (1 << 20) + 13]) {
+      for (
+        const n of [
+          1,
+          7,
+          8,
+          255,
+          256,
+          257,
+          271,
+          272,
+          511,
+          512,
+          527,
+          1023,
+          3073,
+          6149,
+          32768,
+          100_003,
+          (1 << 20) + 13,
+        ]
+      ) {
         cases.push({ offset: off, bytes: n });
       }
     }

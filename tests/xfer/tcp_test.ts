@@ -8,6 +8,7 @@ import { NativeError } from "../../ffi/mod.ts";
 import { XferBatch, type XferPeer } from "../../ffi/xfer.ts";
 import { LocalNode, type NodeProc, spawnNode, stopProcess } from "./_harness.ts";
 import { checksum, firstMismatch, patternByte, type Seg } from "./_pattern.ts";
+import { crc32c } from "../../lib/ssd/format.ts";
 
 const MiB = 1 << 20;
 const SEED_A = 0x5eed_a;
@@ -92,6 +93,71 @@ Deno.test("one long segment is striped over every stream and lands in order", as
     assert.equal(firstMismatch(b.mem, segs, SEED_A), -1);
     assert.equal(b.mem[4], 0);
     assert.equal(b.mem[5 + 40 * MiB + 7], 0);
+  } finally {
+    await teardown(a, b);
+  }
+});
+
+Deno.test("a READ with checksum groups hands back each group's CRC32C as its bytes landed", async () => {
+  // Small stripes: a group's bytes are cut over several streams and combined in order.
+  const { a, b, peer } = await pair(8 * MiB, 8 * MiB, 4, 4096);
+  const batch = new XferBatch(512, 512);
+  try {
+    await fc.assert(
+      fc.asyncProperty(
+        fc.array(
+          fc.record({
+            bytes: fc.integer({ min: 1, max: 40_000 }),
+            // Adjacent on both sides half the time: the transport merges such
+            // segments, but never across a group boundary.
+            adjacent: fc.boolean(),
+            remote: fc.nat({ max: 8 * MiB - 40_000 }),
+          }),
+          { minLength: 1, maxLength: 60 },
+        ),
+        fc.array(fc.double({ min: 0, max: 1, noNaN: true }), { maxLength: 40 }),
+        async (specs, cutsAt) => {
+          const segs: Seg[] = [];
+          let l = 0;
+          for (const s of specs) {
+            const prev = segs[segs.length - 1];
+            const r = s.adjacent && prev && prev[0] + prev[2] + s.bytes <= 8 * MiB
+              ? prev[0] + prev[2]
+              : s.remote;
+            if (!s.adjacent) l += 512;
+            segs.push([r, l, s.bytes]);
+            l += s.bytes;
+          }
+          const total = segs.reduce((n, sg) => n + sg[2], 0);
+          // Group boundaries anywhere in the payload, inside segments too.
+          const cuts = [...new Set(cutsAt.map((c) => Math.floor(c * total)))]
+            .filter((c) => c > 0 && c < total).sort((x, y) => x - y);
+          const bounds = [0, ...cuts, total];
+          batch.reset("read", 20_000);
+          for (const [r, lo, n] of segs) batch.seg(r, lo, n);
+          for (let g = 0; g + 1 < bounds.length; g++) batch.group(bounds[g + 1] - bounds[g]);
+          const res = await peer.submit(batch);
+          assert.equal(res.statusName, "PF_OK");
+          assert.equal(firstMismatch(b.mem, segs, SEED_A), -1);
+          const payload = new Uint8Array(total);
+          let p = 0;
+          for (const [, lo, n] of segs) payload.set(b.mem.subarray(lo, lo + n), (p += n) - n);
+          assert.ok(res.crcs, "checksums handed back");
+          assert.equal(res.crcs.length, bounds.length - 1);
+          for (let g = 0; g + 1 < bounds.length; g++) {
+            assert.equal(
+              res.crcs[g],
+              crc32c(payload.subarray(bounds[g], bounds[g + 1])),
+              `group ${g} [${bounds[g]}, ${bounds[g + 1]})`,
+            );
+          }
+        },
+      ),
+      { numRuns: 30 },
+    );
+    // Without groups there is nothing to hand back.
+    const plain = await peer.submit(new XferBatch(1).reset("read", 5000).seg(0, 0, 4096));
+    assert.equal(plain.crcs, undefined);
   } finally {
     await teardown(a, b);
   }
@@ -206,6 +272,22 @@ Deno.test("malformed batches name what is wrong", async () => {
     assert.throws(
       () => peer.submit(new XferBatch(1).reset("write", 10, 5).seg(0, 0, 1)),
       /imm is only for write_imm/,
+    );
+    assert.throws(
+      () => peer.submit(new XferBatch(1, 1).reset("write", 10).seg(0, 0, 8).group(8)),
+      /checksum groups are for read batches/,
+    );
+    assert.throws(
+      () => peer.submit(new XferBatch(1, 2).reset("read", 10).seg(0, 0, 8).group(4).group(3)),
+      /checksum groups cover 7 bytes; the segments 8/,
+    );
+    assert.throws(
+      () => peer.submit(new XferBatch(1, 2).reset("read", 10).seg(0, 0, 8).group(0).group(8)),
+      /checksum group 0 of 0 bytes/,
+    );
+    assert.throws(
+      () => peer.submit(new XferBatch(1, 1).reset("read", 10).seg(0, 0, 8).group(9)),
+      /checksum group 0 of 9 bytes/,
     );
     const unconnected = b.ep.createPeer();
     assert.throws(
