@@ -574,8 +574,11 @@ class WorkerCore:
         if staging_blocks < 0:
             raise ValueError(f"staging_blocks must be >= 0, got {staging_blocks}")
         self.client = client
-        # Layer-wise only (async loads span steps): see staging.py.
+        # Layer-wise only (async loads span steps, so a step's staging run would not be free
+        # at the next step): see staging.py.
         self.staging_blocks = staging_blocks if mode == LAYERWISE else 0
+        if staging_blocks and mode != LAYERWISE:
+            log.warning("pegaflow.staging_blocks=%d is ignored in %s mode (layer-wise only)", staging_blocks, mode)
         self.staging: Optional[StagingBuffers] = None
         self.staging_registration: Optional[KvRegistration] = None
         self.instance_id, self.namespace = instance_id, namespace
