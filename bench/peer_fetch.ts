@@ -81,7 +81,6 @@ interface Run {
 const PHASES = [
   "lookup_ms",
   "lock_ms",
-  "rest_lock_ms",
   "connect_ms",
   "plan_ms",
   "read_ms",
