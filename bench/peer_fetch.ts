@@ -17,7 +17,8 @@
  *    server's own histogram), what a query waits for;
  *  - READ GB/s: bytes / the READ batch's own time (the transport's ns);
  *  - raw GB/s: the blast;
- *  - query ms: the engine's first query to the answer, polled every 2 ms.
+ *  - query ms: the engine's first query to the answer, polled every
+ *    `PEER_BENCH_POLL_MS` (default 2) ms.
  *
  * Prints a table and writes bench/results/peer_fetch.json. No assertion on time.
  *
@@ -81,7 +82,6 @@ interface Run {
 const PHASES = [
   "lookup_ms",
   "lock_ms",
-  "rest_lock_ms",
   "connect_ms",
   "plan_ms",
   "read_ms",

@@ -340,6 +340,7 @@ static void serve_blast(tcp_conn *c, uint64_t bytes, int wide) {
 }
 
 static void *serve_main(void *arg) {
+  pthread_setname_np(pthread_self(), "pf-tcp-serve"); /* top, perf, /proc: whose CPU */
   tcp_conn *c = arg;
   pf_xfer_ep *ep = c->ep;
   tcp_ep *t = ep->impl;
@@ -428,6 +429,7 @@ static void reap_conns(tcp_ep *t, int all) {
 }
 
 static void *accept_main(void *arg) {
+  pthread_setname_np(pthread_self(), "pf-tcp-accept");
   pf_xfer_ep *ep = arg;
   tcp_ep *t = ep->impl;
   struct pollfd pfd[2] = {{.fd = t->lfd, .events = POLLIN}, {.fd = t->wake, .events = POLLIN}};
@@ -685,6 +687,7 @@ static int send_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t fir
 }
 
 static void *tx_main(void *arg) {
+  pthread_setname_np(pthread_self(), "pf-tcp-tx");
   tcp_stream *st = arg;
   pf_xfer_peer *p = st->p;
   tcp_peer *tp = p->impl;
@@ -853,6 +856,7 @@ static void on_ack(tcp_stream *st, const pf_tcp_frame *f) {
 }
 
 static void *rx_main(void *arg) {
+  pthread_setname_np(pthread_self(), "pf-tcp-rx");
   tcp_stream *st = arg;
   pf_xfer_peer *p = st->p;
   tcp_peer *tp = p->impl;
@@ -1093,6 +1097,7 @@ typedef struct blast_arg {
 } blast_arg;
 
 static void *blast_main(void *arg) {
+  pthread_setname_np(pthread_self(), "pf-tcp-blast");
   blast_arg *a = arg;
   int fd;
   if (connect_to("pf_tcp_blast", &a->ss, a->sl, a->sock_buf, 10000, "blast", &fd) < 0) {

@@ -137,6 +137,7 @@ typedef struct expired_t {
 } expired_t;
 
 static void *timer_main(void *arg) {
+  pthread_setname_np(pthread_self(), "pf-xfer-timer");
   pf_xfer_ep *ep = arg;
   expired_t *due = NULL;
   uint32_t n = 0, cap = 0;

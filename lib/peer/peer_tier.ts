@@ -167,8 +167,16 @@ interface ChecksumJob {
   hashes: readonly Uint8Array[];
 }
 
+/**
+ * One block's pool ranges on the owner, flat: offset, bytes, offset, bytes…
+ * (a view into one array per lock answer: a lock of 256 blocks answers
+ * 16,384 ranges, which as objects cost the requester's JS thread and GC
+ * time while its READ runs).
+ */
+type RemoteRanges = Float64Array;
+
 /** Splits the owner's packed extents (u64 offset, u64 bytes per extent) per block. */
-function remoteExtents(res: QueryBlocksForTransferResponse): PoolExtent[][] | string {
+function remoteExtents(res: QueryBlocksForTransferResponse): RemoteRanges[] | string {
   const n = res.checksums.length;
   if (res.extentCounts.length !== n) {
     return `${n} checksums but ${res.extentCounts.length} extent counts`;
@@ -178,21 +186,20 @@ function remoteExtents(res: QueryBlocksForTransferResponse): PoolExtent[][] | st
     return `${res.extents.length} extent bytes for ${total} extents`;
   }
   const dv = new DataView(res.extents.buffer, res.extents.byteOffset, res.extents.byteLength);
-  const out: PoolExtent[][] = [];
-  let p = 0;
+  const flat = new Float64Array(2 * total);
+  for (let e = 0, p = 0; e < 2 * total; e++, p += 8) {
+    flat[e] = dv.getUint32(p, true) + dv.getUint32(p + 4, true) * 4294967296;
+  }
+  const out: RemoteRanges[] = [];
+  let e = 0;
   for (let i = 0; i < n; i++) {
-    const b: PoolExtent[] = [];
+    const first = e;
     let sum = 0;
-    for (let k = 0; k < res.extentCounts[i]; k++, p += 16) {
-      const offset = dv.getUint32(p, true) + dv.getUint32(p + 4, true) * 4294967296;
-      const bytes = dv.getUint32(p + 8, true) + dv.getUint32(p + 12, true) * 4294967296;
-      b.push({ offset, bytes });
-      sum += bytes;
-    }
+    for (let k = 0; k < res.extentCounts[i]; k++, e += 2) sum += flat[e + 1];
     if (sum !== res.payloadBytes) {
       return `block ${i}: extents cover ${sum} bytes, payload is ${res.payloadBytes}`;
     }
-    out.push(b);
+    out.push(flat.subarray(first, e));
   }
   return out;
 }
@@ -201,14 +208,15 @@ function remoteExtents(res: QueryBlocksForTransferResponse): PoolExtent[][] | st
  * Adds READ segments pairing `remote` ranges with `local` ranges, both in
  * payload order and covering the same bytes.
  */
-function pairRanges(batch: XferBatch, remote: readonly PoolExtent[], local: readonly PoolExtent[]) {
+function pairRanges(batch: XferBatch, remote: RemoteRanges, local: readonly PoolExtent[]) {
   let i = 0, j = 0, ri = 0, lj = 0;
   while (i < remote.length && j < local.length) {
-    const n = Math.min(remote[i].bytes - ri, local[j].bytes - lj);
-    batch.seg(remote[i].offset + ri, local[j].offset + lj, n);
+    const rb = remote[i + 1];
+    const n = Math.min(rb - ri, local[j].bytes - lj);
+    batch.seg(remote[i] + ri, local[j].offset + lj, n);
     ri += n;
     lj += n;
-    if (ri === remote[i].bytes) (i++, ri = 0);
+    if (ri === rb) (i += 2, ri = 0);
     if (lj === local[j].bytes) (j++, lj = 0);
   }
 }
@@ -443,62 +451,40 @@ export class PeerTier implements Tier {
     const owner = found.owners[0];
     if (!owner || owner.length === 0) return this.#fail("no-owner");
     const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
-    // The lock is taken in two parts: the first READ chunk's blocks, whose
-    // short answer starts the wire at once, then the rest, locked while that
-    // chunk is read (a lock of 256 blocks answers 16,384 ranges: ~10 ms
-    // that would otherwise pass before the first byte).
-    const local = this.#o.host.payloadBytes(namespace);
-    const per = Math.max(
-      1,
-      Math.floor((this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES) / (local ?? 1)),
-      Math.ceil(want.length / MAX_PIPELINE_CHUNKS),
-    );
-    const lockPart = (part: Uint8Array[]) =>
-      this.#o.links.lock(owner.addr, {
+    let res: QueryBlocksForTransferResponse;
+    try {
+      res = await this.#o.links.lock(owner.addr, {
         namespace,
-        blockHashes: part,
+        blockHashes: want,
         layoutFingerprint: layout.fingerprint,
         requester: index.nodeId,
         lockTtlMs: this.#lockTtl,
       }, this.#rpcTimeout);
-    const lockIds: Uint8Array[] = [];
-    const release = () =>
-      Promise.all(
-        lockIds.map((id) =>
-          this.#o.links.release(owner.addr, id, index.nodeId, this.#rpcTimeout).catch(
-            (e: Error) =>
-              this.#o.log.debug("peer lock release failed; it expires on the owner", {
-                owner: owner.nodeId,
-                error: e.message,
-              }),
-          )
-        ),
-      );
-    /** Why a lock answer cannot be read from (undefined: it can). */
-    const unusable = (r: QueryBlocksForTransferResponse, ext: PoolExtent[][] | string) =>
-      typeof ext === "string"
-        ? ext
-        : r.payloadBytes !== local
-        ? `block payload ${r.payloadBytes} bytes, ${local} here`
-        : r.transport !== "tcp"
-        ? `owner transport ${r.transport}: peer fetch over RDMA needs the QP handshake (not built)`
-        : undefined;
-    let res: QueryBlocksForTransferResponse;
-    try {
-      res = await lockPart(want.slice(0, per));
     } catch (e) {
       return this.#fail("lock-rpc", { owner: owner.nodeId, error: (e as Error).message });
     }
     if (res.lockId.length === 0) {
       return this.#fail("owner-miss", { owner: owner.nodeId, reason: res.missReason });
     }
-    lockIds.push(res.lockId);
     const tLock = performance.now();
-    const head = remoteExtents(res);
-    const why = unusable(res, head);
-    if (why !== undefined || typeof head === "string") {
+    const release = () =>
+      this.#o.links.release(owner.addr, res.lockId, index.nodeId, this.#rpcTimeout).catch(
+        (e: Error) =>
+          this.#o.log.debug("peer lock release failed; it expires on the owner", {
+            owner: owner.nodeId,
+            error: e.message,
+          }),
+      );
+    const local = this.#o.host.payloadBytes(namespace);
+    const remote = remoteExtents(res);
+    if (typeof remote === "string" || res.payloadBytes !== local || res.transport !== "tcp") {
       await release();
-      return this.#fail("bad-answer", { owner: owner.nodeId, error: why ?? "" });
+      const why = typeof remote === "string"
+        ? remote
+        : res.payloadBytes !== local
+        ? `block payload ${res.payloadBytes} bytes, ${local} here`
+        : `owner transport ${res.transport}: peer fetch over RDMA needs the QP handshake (not built)`;
+      return this.#fail("bad-answer", { owner: owner.nodeId, error: why });
     }
     let peer: XferPeer;
     try {
@@ -509,24 +495,17 @@ export class PeerTier implements Tier {
     }
     const tConnect = performance.now();
     if (this.#o.beforeRead) await this.#o.beforeRead();
-    // The rest only continues a whole head: the prefix must stay contiguous.
-    let tRest = 0;
-    const tRest0 = performance.now();
-    const rest = want.length > per && head.length === per
-      ? lockPart(want.slice(per)).then(
-        (r) => (tRest = performance.now(), r),
-        (e: Error) => (tRest = performance.now(), e),
-      )
-      : undefined;
 
     // Pipelined: the prefix is read in chunks, each planned (pool space here,
     // whole blocks, prefix order) and submitted while the previous ones are
     // on the wire; each chunk is verified as soon as it landed, while the
     // later ones still read. Planning stops at the first block that cannot
-    // be placed. `remote` and `expected` grow as the lock parts arrive,
-    // indexed like `want`.
-    const remote: PoolExtent[][] = head;
-    const expected: number[] = Array.from(res.checksums);
+    // be placed.
+    const per = Math.max(
+      1,
+      Math.floor((this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES) / res.payloadBytes),
+      Math.ceil(remote.length / MAX_PIPELINE_CHUNKS),
+    );
     interface Chunk {
       /** Pool space of this chunk's blocks: one plan, settled once. */
       fill: RamFillBatch;
@@ -536,79 +515,51 @@ export class PeerTier implements Tier {
     }
     const chunks: Chunk[] = [];
     let refused: string | undefined;
-    let stopped = false;
     let planned = 0;
     const tSubmit = performance.now();
-    const plan = (upTo: number) => {
-      for (let from = planned; !stopped && from < upTo; from += per) {
-        const to = Math.min(from + per, upTo);
-        let fill: RamFillBatch | null;
-        try {
-          fill = this.#o.host.fillMany(
-            namespace,
-            want.slice(from, to),
-            PEER_TIER_NAME,
-            "reclaimable",
-          );
-        } catch (e) {
-          // Planning refused (a store bug): the chunks already on the wire still end below.
-          refused = (e as Error).message;
-          stopped = true;
-          break;
-        }
-        if (!fill) {
-          stopped = true;
-          break;
-        }
-        const n = fill.blocks.length;
-        planned += n;
-        let segs = 0;
-        for (let k = 0; k < n; k++) segs += remote[from + k].length + fill.blocks[k].extents.length;
-        // One checksum group per block: the transport checksums each block's
-        // bytes as they land and hands the CRC32Cs back with the completion.
-        const batch = new XferBatch(segs, n).reset("read", this.#fetchTimeout);
-        for (let k = 0; k < n; k++) {
-          pairRanges(batch, remote[from + k], fill.blocks[k].extents);
-          batch.group(res.payloadBytes);
-        }
-        try {
-          chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
-        } catch (e) {
-          // Refused before anything moved: this space was never written. A broken
-          // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
-          fill.settle(() => false);
-          refused = (e as Error).message;
-          if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
-          stopped = true;
-          break;
-        }
-        if (chunks.length === 1) {
-          this.#o.log.debug("peer read submitted", { owner: owner.nodeId, blocks: want.length });
-        }
-        if (n < to - from) stopped = true;
+    for (let from = 0; from < remote.length; from += per) {
+      const to = Math.min(from + per, remote.length);
+      let fill: RamFillBatch | null;
+      try {
+        fill = this.#o.host.fillMany(
+          namespace,
+          want.slice(from, to),
+          PEER_TIER_NAME,
+          "reclaimable",
+        );
+      } catch (e) {
+        // Planning refused (a store bug): the chunks already on the wire still end below.
+        refused = (e as Error).message;
+        break;
       }
-    };
-    plan(remote.length);
-    if (rest) {
-      const r2 = await rest;
-      if (r2 instanceof Error) {
-        this.#fail("lock-rpc", { owner: owner.nodeId, error: r2.message, part: "rest" });
-      } else if (r2.lockId.length > 0) {
-        lockIds.push(r2.lockId);
-        const more = remoteExtents(r2);
-        const bad = unusable(r2, more) ??
-          (r2.xferAddr !== res.xferAddr
-            ? `transfer address ${r2.xferAddr}, then ${res.xferAddr}`
-            : undefined);
-        if (bad !== undefined || typeof more === "string") {
-          this.#fail("bad-answer", { owner: owner.nodeId, error: bad ?? "", part: "rest" });
-        } else if (!stopped) {
-          remote.push(...more);
-          for (const c of r2.checksums) expected.push(c);
-          plan(remote.length);
-        }
+      if (!fill) break;
+      const n = fill.blocks.length;
+      planned += n;
+      let segs = 0;
+      for (let k = 0; k < n; k++) {
+        segs += remote[from + k].length / 2 + fill.blocks[k].extents.length;
       }
-      // A miss here: the owner evicted the rest since the lookup; the head is fetched.
+      // One checksum group per block: the transport checksums each block's
+      // bytes as they land and hands the CRC32Cs back with the completion.
+      const batch = new XferBatch(segs, n).reset("read", this.#fetchTimeout);
+      for (let k = 0; k < n; k++) {
+        pairRanges(batch, remote[from + k], fill.blocks[k].extents);
+        batch.group(res.payloadBytes);
+      }
+      try {
+        chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
+      } catch (e) {
+        // Refused before anything moved: this space was never written. A broken
+        // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
+        fill.settle(() => false);
+        refused = (e as Error).message;
+        if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
+        break;
+      }
+      if (chunks.length === 1) {
+        this.#o.log.debug("peer read submitted", { owner: owner.nodeId, blocks: remote.length });
+      }
+      if (n < to - from) break;
     }
     const tPlanned = performance.now();
     if (chunks.length === 0) {
@@ -647,7 +598,7 @@ export class PeerTier implements Tier {
         await release();
         throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
       }
-      const verified = (k: number) => crcs[k] === expected[c.from + k];
+      const verified = (k: number) => crcs[k] === res.checksums[c.from + k];
       c.fill.settle(verified);
       for (let k = 0; k < n; k++) {
         const i = c.from + k;
@@ -660,7 +611,7 @@ export class PeerTier implements Tier {
             owner: owner.nodeId,
             namespace,
             block_hash: hashHex(want[i]),
-            expected: expected[i],
+            expected: res.checksums[i],
             got: crcs[k],
           });
         }
@@ -693,7 +644,6 @@ export class PeerTier implements Tier {
       bytes: good.length * res.payloadBytes,
       lookup_ms: ms(t0, tLookup),
       lock_ms: ms(tLookup, tLock),
-      rest_lock_ms: rest ? ms(tRest0, tRest) : 0,
       connect_ms: ms(tLock, tConnect),
       plan_ms: ms(tSubmit, tPlanned),
       read_ms: Math.round(readEnd * 100) / 100,

@@ -182,10 +182,8 @@ Deno.test("blocks fetched from a peer land byte-exact and sealed in RAM, the own
   }
 });
 
-Deno.test("a block whose bytes changed after its checksum was recorded is never served (fetch read in chunks of 2 blocks, locked in two parts)", async () => {
-  // 96 KiB blocks, 200 KiB chunks: 2 blocks per READ batch, verified batch by
-  // batch as the transport hands back each block's CRC32C. The first chunk's
-  // blocks are locked first, the rest (the corrupt block among them) while it reads.
+Deno.test("a block whose bytes changed after its checksum was recorded is never served (fetch read in chunks of 2 blocks)", async () => {
+  // 96 KiB blocks, 200 KiB chunks: 2 blocks per READ batch, verified batch by batch.
   const t = await twoNodes(200 * 1024);
   try {
     const hashes = [10, 11, 12, 13].map(hash);
@@ -220,11 +218,6 @@ Deno.test("a block whose bytes changed after its checksum was recorded is never 
     }
     assert.equal(t.tier.stats().failures.checksum, 1);
     assert.equal(t.locks.stats().checksumsAtLock, 0, "the seal-time checksums were carried");
-    await t.tier.flush();
-    assert.equal(t.locks.stats().granted, 2, "a head lock and a rest lock");
-    assert.equal(t.locks.stats().lockedBlocks, 4);
-    assert.equal(t.locks.stats().released, 2);
-    assert.equal(t.locks.stats().held, 0);
     t.req.store.verify();
   } finally {
     await t.close();
