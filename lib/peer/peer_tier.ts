@@ -49,15 +49,15 @@ import type {
   TierPutResult,
   TierTakeAnswer,
 } from "../storage/tier.ts";
-import type { RamFillBatch } from "../storage/tier.ts";
 import { hashHex } from "../storage/keys.ts";
 import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { LookupResult } from "../index/block_index.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
-import { XferBatch, type XferEndpoint, type XferPeer, type XferResult } from "../../ffi/xfer.ts";
+import type { XferEndpoint, XferPeer } from "../../ffi/xfer.ts";
 import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
+import { readLockedPrefix, type ReadOutcome, remoteExtents } from "./read.ts";
 import type { PeerLinks } from "./link.ts";
 
 /** Name of the peer tier: metric label, hit attribution, filler of its blocks. */
@@ -76,8 +76,6 @@ const CHECKSUM_QUEUE_DEPTH = 64;
  * blocks overlaps the next chunks' reads.
  */
 export const PIPELINE_CHUNK_BYTES = 32 << 20;
-/** Most READ batches one fetch puts in flight (a peer takes 256). */
-const MAX_PIPELINE_CHUNKS = 64;
 /**
  * Most blocks one fetch locks and reads (2 GiB of Llama-3.1-8B blocks): it
  * bounds the lock answer (extents of a block of 80 layers × TP 8 × K/V are
@@ -165,60 +163,6 @@ interface Fetch {
 interface ChecksumJob {
   namespace: string;
   hashes: readonly Uint8Array[];
-}
-
-/**
- * One block's pool ranges on the owner, flat: offset, bytes, offset, bytes…
- * (a view into one array per lock answer: a lock of 256 blocks answers
- * 16,384 ranges, which as objects cost the requester's JS thread and GC
- * time while its READ runs).
- */
-type RemoteRanges = Float64Array;
-
-/** Splits the owner's packed extents (u64 offset, u64 bytes per extent) per block. */
-function remoteExtents(res: QueryBlocksForTransferResponse): RemoteRanges[] | string {
-  const n = res.checksums.length;
-  if (res.extentCounts.length !== n) {
-    return `${n} checksums but ${res.extentCounts.length} extent counts`;
-  }
-  const total = res.extentCounts.reduce((a, b) => a + b, 0);
-  if (res.extents.length !== total * 16) {
-    return `${res.extents.length} extent bytes for ${total} extents`;
-  }
-  const dv = new DataView(res.extents.buffer, res.extents.byteOffset, res.extents.byteLength);
-  const flat = new Float64Array(2 * total);
-  for (let e = 0, p = 0; e < 2 * total; e++, p += 8) {
-    flat[e] = dv.getUint32(p, true) + dv.getUint32(p + 4, true) * 4294967296;
-  }
-  const out: RemoteRanges[] = [];
-  let e = 0;
-  for (let i = 0; i < n; i++) {
-    const first = e;
-    let sum = 0;
-    for (let k = 0; k < res.extentCounts[i]; k++, e += 2) sum += flat[e + 1];
-    if (sum !== res.payloadBytes) {
-      return `block ${i}: extents cover ${sum} bytes, payload is ${res.payloadBytes}`;
-    }
-    out.push(flat.subarray(first, e));
-  }
-  return out;
-}
-
-/**
- * Adds READ segments pairing `remote` ranges with `local` ranges, both in
- * payload order and covering the same bytes.
- */
-function pairRanges(batch: XferBatch, remote: RemoteRanges, local: readonly PoolExtent[]) {
-  let i = 0, j = 0, ri = 0, lj = 0;
-  while (i < remote.length && j < local.length) {
-    const rb = remote[i + 1];
-    const n = Math.min(rb - ri, local[j].bytes - lj);
-    batch.seg(remote[i] + ri, local[j].offset + lj, n);
-    ri += n;
-    lj += n;
-    if (ri === rb) (i += 2, ri = 0);
-    if (lj === local[j].bytes) (j++, lj = 0);
-  }
 }
 
 /**
@@ -441,9 +385,13 @@ export class PeerTier implements Tier {
     }
   }
 
-  async #fetchOnce(index: PeerIndex, blocks: TierBlocks): Promise<void> {
+  /**
+   * Steps 1–2 and the connection: the longest owner from the index, its lock
+   * on the prefix, the answer checked, a transfer peer to it. Undefined (the
+   * failure counted, any lock released) when one of them fails.
+   */
+  async #lockFromOwner(index: PeerIndex, blocks: TierBlocks) {
     const { namespace, hashes, layout } = blocks;
-    const t0 = performance.now();
     const found = await index.lookup(namespace, hashes);
     const tLookup = performance.now();
     if (!found.available) return this.#fail("index-down");
@@ -493,130 +441,46 @@ export class PeerTier implements Tier {
       await release();
       return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
     }
+    return { owner, want, res, remote, release, peer, tLookup, tLock };
+  }
+
+  async #fetchOnce(index: PeerIndex, blocks: TierBlocks): Promise<void> {
+    const { namespace } = blocks;
+    const t0 = performance.now();
+    const locked = await this.#lockFromOwner(index, blocks);
+    if (!locked) return;
+    const { owner, want, res, remote, release, peer, tLookup, tLock } = locked;
     const tConnect = performance.now();
     if (this.#o.beforeRead) await this.#o.beforeRead();
 
-    // Pipelined: the prefix is read in chunks, each planned (pool space here,
-    // whole blocks, prefix order) and submitted while the previous ones are
-    // on the wire; each chunk is verified as soon as it landed, while the
-    // later ones still read. Planning stops at the first block that cannot
-    // be placed.
-    const per = Math.max(
-      1,
-      Math.floor((this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES) / res.payloadBytes),
-      Math.ceil(remote.length / MAX_PIPELINE_CHUNKS),
-    );
-    interface Chunk {
-      /** Pool space of this chunk's blocks: one plan, settled once. */
-      fill: RamFillBatch;
-      from: number;
-      done: Promise<XferResult>;
-      submittedAt: number;
+    let read: ReadOutcome;
+    try {
+      read = await readLockedPrefix(this.#o.host, peer, {
+        namespace,
+        owner: owner.nodeId,
+        hashes: want,
+        remote,
+        payloadBytes: res.payloadBytes,
+        checksums: res.checksums,
+      }, {
+        filler: PEER_TIER_NAME,
+        chunkBytes: this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES,
+        deadlineMs: this.#fetchTimeout,
+        log: this.#o.log,
+        dropPeer: () => this.#dropPeer(res.xferAddr, peer),
+      });
+    } catch (e) {
+      await release(); // every chunk's space was settled before the throw
+      throw e;
     }
-    const chunks: Chunk[] = [];
-    let refused: string | undefined;
-    let planned = 0;
-    const tSubmit = performance.now();
-    for (let from = 0; from < remote.length; from += per) {
-      const to = Math.min(from + per, remote.length);
-      let fill: RamFillBatch | null;
-      try {
-        fill = this.#o.host.fillMany(
-          namespace,
-          want.slice(from, to),
-          PEER_TIER_NAME,
-          "reclaimable",
-        );
-      } catch (e) {
-        // Planning refused (a store bug): the chunks already on the wire still end below.
-        refused = (e as Error).message;
-        break;
-      }
-      if (!fill) break;
-      const n = fill.blocks.length;
-      planned += n;
-      let segs = 0;
-      for (let k = 0; k < n; k++) {
-        segs += remote[from + k].length / 2 + fill.blocks[k].extents.length;
-      }
-      // One checksum group per block: the transport checksums each block's
-      // bytes as they land and hands the CRC32Cs back with the completion.
-      const batch = new XferBatch(segs, n).reset("read", this.#fetchTimeout);
-      for (let k = 0; k < n; k++) {
-        pairRanges(batch, remote[from + k], fill.blocks[k].extents);
-        batch.group(res.payloadBytes);
-      }
-      try {
-        chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
-      } catch (e) {
-        // Refused before anything moved: this space was never written. A broken
-        // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
-        fill.settle(() => false);
-        refused = (e as Error).message;
-        if (peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
-        break;
-      }
-      if (chunks.length === 1) {
-        this.#o.log.debug("peer read submitted", { owner: owner.nodeId, blocks: remote.length });
-      }
-      if (n < to - from) break;
-    }
-    const tPlanned = performance.now();
-    if (chunks.length === 0) {
+    this.#stats.readBytes += read.readBytes;
+    if (read.chunks === 0) {
       await release();
-      return refused !== undefined
-        ? this.#fail("transfer", { owner: owner.nodeId, error: refused })
+      return read.refused !== undefined
+        ? this.#fail("transfer", { owner: owner.nodeId, error: read.refused })
         : this.#fail("no-pool-space", { owner: owner.nodeId });
     }
-
-    // Each chunk's space is freed only after its completion record: the
-    // transport posts it once nothing can land in it any more (#403).
-    const good: Uint8Array[] = [];
-    const goodCrcs: number[] = [];
-    let bad = 0;
-    let failed: XferResult | undefined;
-    let readEnd = 0;
-    for (let ci = 0; ci < chunks.length; ci++) {
-      const c = chunks[ci];
-      const r = await c.done;
-      if (r.status !== 0) {
-        c.fill.settle(() => false);
-        failed ??= r;
-        continue;
-      }
-      const n = c.fill.blocks.length;
-      readEnd = Math.max(readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
-      this.#stats.readBytes += n * res.payloadBytes;
-      const crcs = r.crcs;
-      if (!crcs || crcs.length !== n) {
-        // A bug, not bad bytes: free this chunk, and each later one once it ended.
-        c.fill.settle(() => false);
-        for (const later of chunks.slice(ci + 1)) {
-          await later.done;
-          later.fill.settle(() => false);
-        }
-        await release();
-        throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
-      }
-      const verified = (k: number) => crcs[k] === res.checksums[c.from + k];
-      c.fill.settle(verified);
-      for (let k = 0; k < n; k++) {
-        const i = c.from + k;
-        if (verified(k)) {
-          good.push(want[i]);
-          goodCrcs.push(crcs[k]);
-        } else {
-          bad++;
-          this.#o.log.warn("peer block failed its checksum: not served", {
-            owner: owner.nodeId,
-            namespace,
-            block_hash: hashHex(want[i]),
-            expected: res.checksums[i],
-            got: crcs[k],
-          });
-        }
-      }
-    }
+    const { good, goodCrcs, bad, failed, readEnd, planned, tSubmit, tPlanned } = read;
     const tVerify = performance.now();
     this.#stats.readSeconds += readEnd / 1e3;
     // The blocks are committed: the answer need not wait for the release's round trip.
@@ -640,7 +504,7 @@ export class PeerTier implements Tier {
       blocks: good.length,
       planned,
       bad,
-      chunks: chunks.length,
+      chunks: read.chunks,
       bytes: good.length * res.payloadBytes,
       lookup_ms: ms(t0, tLookup),
       lock_ms: ms(tLookup, tLock),

@@ -1,0 +1,261 @@
+/**
+ * The READ of a locked prefix (docs/peer.md): the prefix is read in chunks,
+ * each planned into pool space here (whole blocks, prefix order, the
+ * "reclaimable" class) and submitted as ONE transfer batch while the earlier
+ * ones are on the wire; each block is one checksum group, so the transport
+ * hands back its CRC32C computed as the bytes landed, and a block is
+ * committed only when that matches the owner's. Each chunk's space is freed
+ * only after its completion record (the original system's #403).
+ *
+ * @module
+ */
+import type { RamFillBatch, TierHost } from "../storage/tier.ts";
+import { hashHex } from "../storage/keys.ts";
+import type { PoolExtent } from "../transfer/ranges.ts";
+import { XferBatch, type XferPeer, type XferResult } from "../../ffi/xfer.ts";
+import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
+import type { Logger } from "../log.ts";
+
+/** Most READ batches one fetch puts in flight (a peer takes 256). */
+const MAX_PIPELINE_CHUNKS = 64;
+
+/**
+ * One block's pool ranges on the owner, flat: offset, bytes, offset, bytes…
+ * (a view into one array per lock answer: a lock of 256 blocks answers
+ * 16,384 ranges, which as objects cost the requester's JS thread and GC
+ * time while its READ runs).
+ */
+export type RemoteRanges = Float64Array;
+
+/** Splits the owner's packed extents (u64 offset, u64 bytes per extent) per block. */
+export function remoteExtents(res: QueryBlocksForTransferResponse): RemoteRanges[] | string {
+  const n = res.checksums.length;
+  if (res.extentCounts.length !== n) {
+    return `${n} checksums but ${res.extentCounts.length} extent counts`;
+  }
+  const total = res.extentCounts.reduce((a, b) => a + b, 0);
+  if (res.extents.length !== total * 16) {
+    return `${res.extents.length} extent bytes for ${total} extents`;
+  }
+  const dv = new DataView(res.extents.buffer, res.extents.byteOffset, res.extents.byteLength);
+  const flat = new Float64Array(2 * total);
+  for (let e = 0, p = 0; e < 2 * total; e++, p += 8) {
+    flat[e] = dv.getUint32(p, true) + dv.getUint32(p + 4, true) * 4294967296;
+  }
+  const out: RemoteRanges[] = [];
+  let e = 0;
+  for (let i = 0; i < n; i++) {
+    const first = e;
+    let sum = 0;
+    for (let k = 0; k < res.extentCounts[i]; k++, e += 2) sum += flat[e + 1];
+    if (sum !== res.payloadBytes) {
+      return `block ${i}: extents cover ${sum} bytes, payload is ${res.payloadBytes}`;
+    }
+    out.push(flat.subarray(first, e));
+  }
+  return out;
+}
+
+/**
+ * Adds READ segments pairing `remote` ranges with `local` ranges, both in
+ * payload order and covering the same bytes.
+ */
+function pairRanges(batch: XferBatch, remote: RemoteRanges, local: readonly PoolExtent[]) {
+  let i = 0, j = 0, ri = 0, lj = 0;
+  while (i < remote.length && j < local.length) {
+    const rb = remote[i + 1];
+    const n = Math.min(rb - ri, local[j].bytes - lj);
+    batch.seg(remote[i] + ri, local[j].offset + lj, n);
+    ri += n;
+    lj += n;
+    if (ri === rb) (i += 2, ri = 0);
+    if (lj === local[j].bytes) (j++, lj = 0);
+  }
+}
+
+/** A prefix locked on its owner, as its lock answer describes it. */
+export interface LockedPrefix {
+  namespace: string;
+  /** The owner's node id (logs). */
+  owner: string;
+  hashes: readonly Uint8Array[];
+  /** Each block's pool ranges on the owner ({@link remoteExtents}). */
+  remote: readonly RemoteRanges[];
+  payloadBytes: number;
+  /** Each block's CRC32C, computed by the owner at seal time. */
+  checksums: readonly number[];
+}
+
+/** How the READ went. */
+export interface ReadOutcome {
+  /** READ batches submitted (0: nothing could be planned or submitted). */
+  chunks: number;
+  /** Blocks that got pool space. */
+  planned: number;
+  /** Committed blocks and their checksums. */
+  good: Uint8Array[];
+  goodCrcs: number[];
+  /** Blocks that landed with another CRC32C than the owner's (freed). */
+  bad: number;
+  /** The first batch that failed (its blocks freed). */
+  failed?: XferResult;
+  /** Why planning or submitting stopped early, if it did. */
+  refused?: string;
+  /** Bytes that landed, and ms from the first submit until the last batch's end. */
+  readBytes: number;
+  readEnd: number;
+  tSubmit: number;
+  tPlanned: number;
+}
+
+const NONE = { chunks: 0, good: [], goodCrcs: [], bad: 0, readBytes: 0, readEnd: 0 };
+
+/**
+ * Reads `p` from `peer` into pool space from `host`. Throws only for a bug (a
+ * batch that ended OK without its checksums), after freeing every chunk.
+ */
+export async function readLockedPrefix(
+  host: TierHost,
+  peer: XferPeer,
+  p: LockedPrefix,
+  o: {
+    /** The fills' filler name (the tier's). */
+    filler: string;
+    chunkBytes: number;
+    deadlineMs: number;
+    log: Logger;
+    dropPeer: () => void;
+  },
+): Promise<ReadOutcome> {
+  // Pipelined: the prefix is read in chunks, each planned (pool space here,
+  // whole blocks, prefix order) and submitted while the previous ones are
+  // on the wire; each chunk is verified as soon as it landed, while the
+  // later ones still read. Planning stops at the first block that cannot
+  // be placed.
+  const per = Math.max(
+    1,
+    Math.floor((o.chunkBytes) / p.payloadBytes),
+    Math.ceil(p.remote.length / MAX_PIPELINE_CHUNKS),
+  );
+  interface Chunk {
+    /** Pool space of this chunk's blocks: one plan, settled once. */
+    fill: RamFillBatch;
+    from: number;
+    done: Promise<XferResult>;
+    submittedAt: number;
+  }
+  const chunks: Chunk[] = [];
+  let refused: string | undefined;
+  let planned = 0;
+  const tSubmit = performance.now();
+  for (let from = 0; from < p.remote.length; from += per) {
+    const to = Math.min(from + per, p.remote.length);
+    let fill: RamFillBatch | null;
+    try {
+      fill = host.fillMany(
+        p.namespace,
+        p.hashes.slice(from, to),
+        o.filler,
+        "reclaimable",
+      );
+    } catch (e) {
+      // Planning refused (a store bug): the chunks already on the wire still end below.
+      refused = (e as Error).message;
+      break;
+    }
+    if (!fill) break;
+    const n = fill.blocks.length;
+    planned += n;
+    let segs = 0;
+    for (let k = 0; k < n; k++) {
+      segs += p.remote[from + k].length / 2 + fill.blocks[k].extents.length;
+    }
+    // One checksum group per block: the transport checksums each block's
+    // bytes as they land and hands the CRC32Cs back with the completion.
+    const batch = new XferBatch(segs, n).reset("read", o.deadlineMs);
+    for (let k = 0; k < n; k++) {
+      pairRanges(batch, p.remote[from + k], fill.blocks[k].extents);
+      batch.group(p.payloadBytes);
+    }
+    try {
+      chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
+    } catch (e) {
+      // Refused before anything moved: this space was never written. A broken
+      // peer is replaced; a full one (PF_EOVERFLOW: other fetches' batches) is kept.
+      fill.settle(() => false);
+      refused = (e as Error).message;
+      if (peer.state().broken !== 0) o.dropPeer();
+      break;
+    }
+    if (chunks.length === 1) {
+      o.log.debug("peer read submitted", { owner: p.owner, blocks: p.remote.length });
+    }
+    if (n < to - from) break;
+  }
+  const tPlanned = performance.now();
+  if (chunks.length === 0) {
+    return { ...NONE, planned, refused, tSubmit, tPlanned };
+  }
+
+  // Each chunk's space is freed only after its completion record: the
+  // transport posts it once nothing can land in it any more (#403).
+  const good: Uint8Array[] = [];
+  const goodCrcs: number[] = [];
+  let bad = 0;
+  let failed: XferResult | undefined;
+  let readEnd = 0;
+  let readBytes = 0;
+  for (let ci = 0; ci < chunks.length; ci++) {
+    const c = chunks[ci];
+    const r = await c.done;
+    if (r.status !== 0) {
+      c.fill.settle(() => false);
+      failed ??= r;
+      continue;
+    }
+    const n = c.fill.blocks.length;
+    readEnd = Math.max(readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
+    readBytes += n * p.payloadBytes;
+    const crcs = r.crcs;
+    if (!crcs || crcs.length !== n) {
+      // A bug, not bad bytes: free this chunk, and each later one once it ended.
+      c.fill.settle(() => false);
+      for (const later of chunks.slice(ci + 1)) {
+        await later.done;
+        later.fill.settle(() => false);
+      }
+      throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
+    }
+    const verified = (k: number) => crcs[k] === p.checksums[c.from + k];
+    c.fill.settle(verified);
+    for (let k = 0; k < n; k++) {
+      const i = c.from + k;
+      if (verified(k)) {
+        good.push(p.hashes[i]);
+        goodCrcs.push(crcs[k]);
+      } else {
+        bad++;
+        o.log.warn("peer block failed its checksum: not served", {
+          owner: p.owner,
+          namespace: p.namespace,
+          block_hash: hashHex(p.hashes[i]),
+          expected: p.checksums[i],
+          got: crcs[k],
+        });
+      }
+    }
+  }
+  return {
+    chunks: chunks.length,
+    planned,
+    good,
+    goodCrcs,
+    bad,
+    failed,
+    refused,
+    readBytes,
+    readEnd,
+    tSubmit,
+    tPlanned,
+  };
+}
