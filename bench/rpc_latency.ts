@@ -198,7 +198,8 @@ function gcSummary(events: GcEvent[]) {
 /** A client of one server variant over one transport. */
 interface Target {
   variant: string;
-  via: "tcp" | "uds";
+  /** tcp / uds: gRPC over TCP / over `--uds`; local: the local RPC socket beside it. */
+  via: "tcp" | "uds" | "local";
   client: PegaflowClient;
 }
 
@@ -299,7 +300,8 @@ try {
     const dir = await Deno.makeTempDir({ prefix: "pegaflow-rpc-bench-" });
     const srv = await startServer(v, dir);
     const tcp = new PegaflowClient(srv.grpc);
-    const uds = new PegaflowClient(`unix:${srv.uds}`);
+    const uds = new PegaflowClient(`unix:${srv.uds}`, { localRpc: false });
+    const local = new PegaflowClient(`unix:${srv.uds}`);
     const sim = SimEngine.create({
       client: tcp,
       instanceId: `bench-${name}`,
@@ -313,7 +315,7 @@ try {
       srv,
       dir,
       sim,
-      clients: [tcp, uds],
+      clients: [tcp, uds, local],
       request: { instanceId: sim.instanceId, blockHashes: [], requestId: "bench-q" },
     });
     await sim.register();
@@ -322,11 +324,11 @@ try {
     sim.fill(ids, hashes);
     await sim.save(ids, hashes);
     servers.at(-1)!.request.blockHashes = hashes;
-    targets.push({ variant: name, via: "tcp", client: tcp }, {
-      variant: name,
-      via: "uds",
-      client: uds,
-    });
+    targets.push(
+      { variant: name, via: "tcp", client: tcp },
+      { variant: name, via: "uds", client: uds },
+      { variant: name, via: "local", client: local },
+    );
     results[name] = {};
   }
   const requestOf = new Map<PegaflowClient, QueryPrefetchRequest>();
