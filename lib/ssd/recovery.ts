@@ -134,40 +134,8 @@ export async function recoverIndex(
             // the chain simply ends (the reaper reports short reads as ENODATA).
             continue;
           }
-          const h = decodeHeader(res.header(i));
-          if (typeof h === "string" || !belongs(h, a, file.generation)) {
-            if (a.cursor === 0 && typeof h === "string" && h === "magic") continue; // empty segment
-            report.stoppedOnBadHeader++;
-            continue;
-          }
-          const offset = a.seg.fileOffset + a.cursor;
-          if (a.cursor + h.recordBytes > ring.segmentBytes) {
-            report.stoppedOnBadHeader++;
-            continue;
-          }
-          if (offset + h.recordBytes > file.sizeBytes) {
-            report.truncated++;
-            continue;
-          }
-          if (a.cursor === 0) a.seg.epoch = h.epoch;
-          a.seg.fill = a.cursor + h.recordBytes;
-          if (
-            index.put(h.key, {
-              segment: a.seg,
-              fileOffset: offset,
-              payloadBytes: h.payloadBytes,
-              payloadCrc: h.payloadCrc,
-              seq: h.seq,
-              namespace: h.namespace,
-              layout: h.layout,
-            }, h.layoutSummary)
-          ) {
-            report.blocks++;
-          }
-          if (h.seq > report.maxSeq) report.maxSeq = h.seq;
-          if (a.cursor + h.recordBytes < ring.segmentBytes) {
-            next.push({ seg: a.seg, cursor: a.cursor + h.recordBytes });
-          }
+          const more = takeHeader(a, res.header(i), file, ring, index, report);
+          if (more) next.push(more);
         }
       } finally {
         res.release();
@@ -179,6 +147,52 @@ export async function recoverIndex(
   report.bytes = index.payloadBytes;
   report.blocks = index.size;
   return report;
+}
+
+/**
+ * One header read at `a`'s cursor: indexes its record (when it belongs to
+ * the segment's chain and lies inside the segment and the file) and answers
+ * where the chain goes on, or null where it ends.
+ */
+function takeHeader(
+  a: { seg: Segment; cursor: number },
+  bytes: Uint8Array,
+  file: RecoveryFile,
+  ring: SegmentRing,
+  index: SsdIndex,
+  report: RecoveryReport,
+): { seg: Segment; cursor: number } | null {
+  const h = decodeHeader(bytes);
+  if (typeof h === "string" || !belongs(h, a, file.generation)) {
+    if (a.cursor === 0 && typeof h === "string" && h === "magic") return null; // empty segment
+    report.stoppedOnBadHeader++;
+    return null;
+  }
+  const offset = a.seg.fileOffset + a.cursor;
+  if (a.cursor + h.recordBytes > ring.segmentBytes) {
+    report.stoppedOnBadHeader++;
+    return null;
+  }
+  if (offset + h.recordBytes > file.sizeBytes) {
+    report.truncated++;
+    return null;
+  }
+  if (a.cursor === 0) a.seg.epoch = h.epoch;
+  a.seg.fill = a.cursor + h.recordBytes;
+  const fresh = index.put(h.key, {
+    segment: a.seg,
+    fileOffset: offset,
+    payloadBytes: h.payloadBytes,
+    payloadCrc: h.payloadCrc,
+    seq: h.seq,
+    namespace: h.namespace,
+    layout: h.layout,
+  }, h.layoutSummary);
+  if (fresh) report.blocks++;
+  if (h.seq > report.maxSeq) report.maxSeq = h.seq;
+  return a.cursor + h.recordBytes < ring.segmentBytes
+    ? { seg: a.seg, cursor: a.cursor + h.recordBytes }
+    : null;
 }
 
 /** A header continues its segment's chain: same generation, same fill. */
