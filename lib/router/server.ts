@@ -111,30 +111,16 @@ export async function startRouter(
   const stopAll = new AbortController();
   const handler = createHandler(deps, config, stopAll.signal, worker?.scrape);
 
-  let resolveListen!: (addr: Deno.NetAddr) => void;
-  const listening = new Promise<Deno.NetAddr>((r) => (resolveListen = r));
   let server: Deno.HttpServer<Deno.NetAddr>;
+  let addr: Deno.NetAddr;
   try {
-    server = Deno.serve({
-      hostname: config.host,
-      port: config.port,
-      // Workers share the port; Linux spreads new connections over their sockets.
-      reusePort: worker !== undefined,
-      onListen: (addr) => resolveListen(addr as Deno.NetAddr),
-      onError: (e) => {
-        logger.error("unhandled error in request handler", { error: describeError(e) });
-        return errorResponse(
-          new RouterError(500, "server_error", `internal router error: ${describeError(e)}`),
-        );
-      },
-    }, handler);
+    ({ server, addr } = await serveRoutes(config, worker !== undefined, handler, logger));
   } catch (e) {
     // Cannot listen (address in use, bad interface): leave nothing running behind.
     await health?.stop();
     client.close();
     throw e;
   }
-  const addr = await listening;
   const hostForUrl = addr.hostname.includes(":") ? `[${addr.hostname}]` : addr.hostname;
   const url = `http://${hostForUrl}:${addr.port}`;
   logger.info("listening", {
@@ -145,26 +131,13 @@ export async function startRouter(
   });
 
   let stopping: Promise<void> | undefined;
-  const shutdown = (graceMs = DEFAULT_SHUTDOWN_GRACE_MS) => {
+  const shutdown = (graceMs = DEFAULT_SHUTDOWN_GRACE_MS) =>
     stopping ??= (async () => {
       await health?.stop();
-      let timer: ReturnType<typeof setTimeout> | undefined;
-      const grace = new Promise<"timeout">((
-        r,
-      ) => (timer = setTimeout(() => r("timeout"), graceMs)));
-      const shut = server.shutdown();
-      const result = await Promise.race([shut.then(() => "done" as const), grace]);
-      clearTimeout(timer);
-      if (result === "timeout") {
-        logger.warn("shutdown grace period over; cutting open requests", { grace_ms: graceMs });
-        stopAll.abort(new DOMException("router shutting down", "AbortError"));
-      }
-      await shut;
+      await drainWithin(server, graceMs, stopAll, logger);
       client.close();
       logger.info("stopped");
     })();
-    return stopping;
-  };
   return {
     url,
     port: addr.port,
@@ -174,6 +147,53 @@ export async function startRouter(
     shutdown,
     finished: server.finished,
   };
+}
+
+/** Listens (`reusePort` for a worker of a multi-threaded router); resolves once bound. */
+async function serveRoutes(
+  config: RouterConfig,
+  shared: boolean,
+  handler: Deno.ServeHandler<Deno.NetAddr>,
+  logger: Logger,
+): Promise<{ server: Deno.HttpServer<Deno.NetAddr>; addr: Deno.NetAddr }> {
+  let resolveListen!: (addr: Deno.NetAddr) => void;
+  const listening = new Promise<Deno.NetAddr>((r) => (resolveListen = r));
+  const server = Deno.serve({
+    hostname: config.host,
+    port: config.port,
+    // Workers share the port; Linux spreads new connections over their sockets.
+    reusePort: shared,
+    onListen: (addr) => resolveListen(addr as Deno.NetAddr),
+    onError: (e) => {
+      logger.error("unhandled error in request handler", { error: describeError(e) });
+      return errorResponse(
+        new RouterError(500, "server_error", `internal router error: ${describeError(e)}`),
+      );
+    },
+  }, handler);
+  return { server, addr: await listening };
+}
+
+/**
+ * Stops accepting and lets open requests finish for up to `graceMs`; then
+ * cuts what is still open (`stopAll`) and waits for the server to end.
+ */
+async function drainWithin(
+  server: Deno.HttpServer<Deno.NetAddr>,
+  graceMs: number,
+  stopAll: AbortController,
+  logger: Logger,
+): Promise<void> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const grace = new Promise<"timeout">((r) => (timer = setTimeout(() => r("timeout"), graceMs)));
+  const shut = server.shutdown();
+  const result = await Promise.race([shut.then(() => "done" as const), grace]);
+  clearTimeout(timer);
+  if (result === "timeout") {
+    logger.warn("shutdown grace period over; cutting open requests", { grace_ms: graceMs });
+    stopAll.abort(new DOMException("router shutting down", "AbortError"));
+  }
+  await shut;
 }
 
 /**
