@@ -27,7 +27,8 @@ import type { KvStore } from "./store.ts";
 import type { FillClass, RamExtents, RamFill, RamFillBatch, RamPin, TierHost } from "./tier.ts";
 
 /**
- * A {@link TierHost} over `store`.
+ * A {@link TierHost} over `store`. Longer than 80 lines on purpose: it is the
+ * port's method table, each method a short adapter onto one store call.
  *
  * @example
  * ```ts
