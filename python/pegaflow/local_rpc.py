@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 __all__ = ["LOCAL_RPC_SUFFIX", "METHOD_IDS", "LocalRpc", "LocalRpcAbsent", "LocalRpcStatus"]
 
@@ -98,11 +98,19 @@ def _read_frame(s: socket.socket, max_bytes: int) -> Tuple[int, int, bytes]:
     return call_id, status, bytes(body)
 
 
+class _ThreadConn(threading.local):
+    """A thread's own connection for blocking calls (and the process it was dialled in)."""
+
+    sock: Optional[socket.socket] = None
+    pid: int = -1
+
+
 class LocalRpc:
-    """Calls to the server's local RPC socket at `path`. Thread-safe: blocking calls share
-    one connection under a lock; nowait calls share a second one whose answers a reader
-    thread hands to their callbacks. A connection that breaks or times out is dropped and
-    the next call dials again (a restarted server is found without any help).
+    """Calls to the server's local RPC socket at `path`. Thread-safe: each thread makes its
+    blocking calls on its own connection (a Save that waits for its copy never holds up the
+    scheduler's QueryPrefetch); nowait calls share one more, whose answers a reader thread
+    hands to their callbacks. A connection that breaks or times out is dropped and the next
+    call dials again (a restarted server is found without any help).
 
     Example:
         rpc = LocalRpc("/run/pegaflow/grpc.sock.rpc", 64 << 20)
@@ -112,8 +120,9 @@ class LocalRpc:
     def __init__(self, path: str, max_message_bytes: int):
         self.path = path
         self.max_message_bytes = max_message_bytes
-        self._lock = threading.Lock()
-        self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()  # the id counter, the connection list, close
+        self._tls = _ThreadConn()
+        self._socks: List[socket.socket] = []  # every thread's, to close them all
         self._pid = os.getpid()
         self._next_id = 0
         self._closed = False
@@ -126,22 +135,37 @@ class LocalRpc:
         self._reader: Optional[threading.Thread] = None
 
     def _id(self) -> int:
-        self._next_id = (self._next_id % 0xFFFFFFFF) + 1
-        return self._next_id
+        with self._lock:
+            self._next_id = (self._next_id % 0xFFFFFFFF) + 1
+            self.calls += 1
+            return self._next_id
 
     def _forked(self) -> None:
         """After a fork the parent's sockets are shared: leave them to it, dial our own."""
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            self._sock = None
+            self._socks = []
             self._asock = None
             self._pending = {}
             self._reader = None
 
     def _drop(self) -> None:
-        s, self._sock = self._sock, None
+        s, self._tls.sock = self._tls.sock, None
         if s is not None:
+            with self._lock:
+                if s in self._socks:
+                    self._socks.remove(s)
             s.close()
+
+    def _conn(self, timeout_s: float) -> socket.socket:
+        """This thread's connection, dialled on first use (and again after a fork)."""
+        t = self._tls
+        if t.sock is None or t.pid != os.getpid():
+            t.sock = _connect(self.path, timeout_s)
+            t.pid = os.getpid()
+            with self._lock:
+                self._socks.append(t.sock)
+        return t.sock
 
     def call(self, method: int, payload: bytes, timeout_s: float) -> bytes:
         """One blocking call; returns the response bytes or raises LocalRpcStatus /
@@ -151,28 +175,25 @@ class LocalRpc:
             if self._closed:
                 raise LocalRpcStatus(_CANCELLED, "client is closed")
             self._forked()
-            if self._sock is None:
-                self._sock = _connect(self.path, timeout_s)
-            s = self._sock
-            call_id = self._id()
-            self.calls += 1
-            try:
+        s = self._conn(timeout_s)
+        call_id = self._id()
+        try:
+            s.settimeout(max(deadline - time.monotonic(), 1e-3))
+            s.sendall(_HEADER.pack(5 + len(payload), call_id, method) + payload)
+            while True:
                 s.settimeout(max(deadline - time.monotonic(), 1e-3))
-                s.sendall(_HEADER.pack(5 + len(payload), call_id, method) + payload)
-                while True:
-                    s.settimeout(max(deadline - time.monotonic(), 1e-3))
-                    got, status, body = _read_frame(s, self.max_message_bytes)
-                    if got == call_id:
-                        break
-                    if got == 0:  # the server refused our framing and closes
-                        self._drop()
-                        raise LocalRpcStatus(status, body.decode("utf-8", "replace"))
-            except socket.timeout:
-                self._drop()  # a half-read answer would desync the stream
-                raise LocalRpcStatus(_DEADLINE_EXCEEDED, f"no answer within {timeout_s:.3f} s") from None
-            except OSError as e:
-                self._drop()
-                raise LocalRpcStatus(_UNAVAILABLE, f"local RPC connection to {self.path} failed: {e}") from None
+                got, status, body = _read_frame(s, self.max_message_bytes)
+                if got == call_id:
+                    break
+                if got == 0:  # the server refused our framing and closes
+                    self._drop()
+                    raise LocalRpcStatus(status, body.decode("utf-8", "replace"))
+        except socket.timeout:
+            self._drop()  # a half-read answer would desync the stream
+            raise LocalRpcStatus(_DEADLINE_EXCEEDED, f"no answer within {timeout_s:.3f} s") from None
+        except OSError as e:
+            self._drop()
+            raise LocalRpcStatus(_UNAVAILABLE, f"local RPC connection to {self.path} failed: {e}") from None
         if status != 0:
             raise LocalRpcStatus(status, body.decode("utf-8", "replace"))
         return body
@@ -195,7 +216,6 @@ class LocalRpc:
                 self._reader.start()
             s = self._asock
             call_id = self._id()
-            self.calls += 1
             self._pending[call_id] = (time.monotonic() + timeout_s, on_done)
             try:
                 s.sendall(_HEADER.pack(5 + len(payload), call_id, method) + payload)
@@ -244,8 +264,15 @@ class LocalRpc:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            if self._pid == os.getpid():
-                self._drop()
+            socks, self._socks = self._socks, []
+        if self._pid == os.getpid():
+            for sk in socks:
+                try:
+                    sk.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sk.close()
+        self._tls.sock = None
         with self._alock:
             s, self._asock = self._asock, None
         if s is not None and self._pid == os.getpid():

@@ -166,3 +166,58 @@ def test_without_a_local_socket_the_client_uses_grpc(sock_dir):
     finally:
         c.close()
         s.stop()
+
+
+def test_a_slow_call_on_one_thread_does_not_hold_up_another_threads_call(sock_dir):
+    """Each thread has its own connection: a Save waiting for its copy (here: a server that
+    answers it after 1.5 s) never delays the scheduler's QueryPrefetch on another thread."""
+    import struct
+
+    from pegaflow.local_rpc import METHOD_IDS
+
+    base = os.path.join(sock_dir, "slow.sock")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(base + ".rpc")
+    lst.listen(8)
+    stop = threading.Event()
+    head = struct.Struct("<IIB")
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while not stop.is_set():
+                hdr = conn.recv(head.size, socket.MSG_WAITALL)
+                if len(hdr) < head.size:
+                    return
+                n, call_id, method = head.unpack(hdr)
+                if n > 5:
+                    conn.recv(n - 5, socket.MSG_WAITALL)
+                if method == METHOD_IDS["Save"]:
+                    time.sleep(1.5)
+                conn.sendall(head.pack(5, call_id, 0))  # OK, an empty message
+
+    def accept() -> None:
+        lst.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                c, _ = lst.accept()
+            except socket.timeout:
+                continue
+            threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    c = PegaflowClient("unix:" + base, rpc_timeout_ms=5000, save_timeout_ms=5000)
+    try:
+        saver = threading.Thread(
+            target=lambda: c.save(instance_id="i", tp_rank=0, block_ids=[1], block_hashes=[b"h" * 16])
+        )
+        saver.start()
+        time.sleep(0.2)  # the Save is in flight on the other thread
+        t0 = time.monotonic()
+        c.health()
+        assert time.monotonic() - t0 < 1.0, "the query waited for the other thread's Save"
+        saver.join(5)
+        assert not saver.is_alive()
+    finally:
+        c.close()
+        stop.set()
+        lst.close()
