@@ -3,7 +3,8 @@
  * this node to fetch blocks from it. `QueryBlocksForTransfer` checks the
  * request, locks the held prefix ({@link PeerLockTable}) and answers where
  * its bytes are; `ReleaseTransferLock` ends a lock. Bad input is refused with
- * INVALID_ARGUMENT naming the field; nothing is locked for it.
+ * INVALID_ARGUMENT naming the field (bytes that are not the request message
+ * too: serve it with `lenientPeerService()`); nothing is locked for it.
  *
  * @module
  */
@@ -18,6 +19,7 @@ import { MAX_HASH_BYTES } from "../limits.ts";
 import { MAX_HASHES_PER_REQUEST } from "../storage/store.ts";
 import type { Logger } from "../log.ts";
 import type { PeerLockTable } from "./locks.ts";
+import { undecodableReason } from "../server/decode.ts";
 
 /** What the service tells a requester about this node's transport. */
 export interface TransferEndpointInfo {
@@ -70,9 +72,9 @@ export function peerServiceImpl(
   return {
     queryBlocksForTransfer(call, callback) {
       const r = call.request;
-      const bad = checkLockRequest(r);
+      const bad = undecodableReason(r) ?? checkLockRequest(r);
       if (bad) {
-        log.warn("peer lock request refused", { requester: r.requester, error: bad });
+        log.warn("peer lock request refused", { requester: r.requester ?? "", error: bad });
         callback(refuse(bad));
         return;
       }
@@ -116,6 +118,12 @@ export function peerServiceImpl(
       });
     },
     releaseTransferLock(call, callback) {
+      const bad = undecodableReason(call.request);
+      if (bad) {
+        log.warn("peer lock release refused", { error: bad });
+        callback(refuse(bad));
+        return;
+      }
       callback(null, { released: locks.release(call.request.lockId, call.request.requester) });
     },
   };

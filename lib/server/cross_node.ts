@@ -25,7 +25,7 @@ import { PeerLinks } from "../peer/link.ts";
 import { PeerTier } from "../peer/peer_tier.ts";
 import { registerPeerMetrics } from "../peer/metrics.ts";
 import { peerServiceImpl } from "../peer/service.ts";
-import { PeerService } from "../../proto/pegaflow.ts";
+import { lenientPeerService } from "./decode.ts";
 
 /** `PEGAFLOW_TEST_PEER_READ_DELAY_MS` (tests only): the peer tier waits this long before each READ. */
 function readDelayHook(log: Logger): (() => Promise<void>) | undefined {
@@ -138,7 +138,7 @@ export function openCrossNode(
       if (!transfer || !peerLocks) return;
       const ep = transfer;
       server.addService(
-        PeerService,
+        lenientPeerService(),
         peerServiceImpl(peerLocks, () => {
           // The listener binds every address; peers dial the advertised host.
           const adv = index?.index.advertiseAddr ?? boundGrpcAddr;

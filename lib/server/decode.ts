@@ -24,9 +24,12 @@ import {
   HealthRequest,
   LoadRequest,
   type MessageFns,
+  PeerService,
+  QueryBlocksForTransferRequest,
   QueryPrefetchRequest,
   RegisterContextRequest,
   ReleaseRequest,
+  ReleaseTransferLockRequest,
   SaveRequest,
   SessionRequest,
   UnregisterContextRequest,
@@ -120,6 +123,10 @@ function explain(name: string, fns: MessageFns<unknown>, bytes: Uint8Array, err:
  */
 export function decodeRequest(method: Method, bytes: Uint8Array): unknown {
   const { name, fns } = REQUEST_TYPES[method];
+  return decodeAs(name, fns, bytes);
+}
+
+function decodeAs(name: string, fns: MessageFns<unknown>, bytes: Uint8Array): unknown {
   try {
     return fns.decode(bytes);
   } catch (e) {
@@ -127,15 +134,40 @@ export function decodeRequest(method: Method, bytes: Uint8Array): unknown {
   }
 }
 
+/** `def` with deserializers that never throw (see the module comment). */
+function lenient<M extends string>(
+  def: Record<M, unknown>,
+  types: { [K in M]: { name: string; fns: MessageFns<unknown> } },
+): grpc.ServiceDefinition {
+  const out: Record<string, grpc.MethodDefinition<unknown, unknown>> = {};
+  for (const m of Object.keys(def) as M[]) {
+    const d = def[m] as grpc.MethodDefinition<unknown, unknown>;
+    const { name, fns } = types[m];
+    out[m] = { ...d, requestDeserialize: (b: Buffer) => decodeAs(name, fns, b) };
+  }
+  return out;
+}
+
 /**
  * The generated service definition with deserializers that never throw (see
  * the module comment); pass it to `server.addService`.
  */
 export function lenientService(): grpc.ServiceDefinition {
-  const out: Record<string, grpc.MethodDefinition<unknown, unknown>> = {};
-  for (const m of Object.keys(EngineService) as Method[]) {
-    const d = EngineService[m] as grpc.MethodDefinition<unknown, unknown>;
-    out[m] = { ...d, requestDeserialize: (b: Buffer) => decodeRequest(m, b) };
-  }
-  return out;
+  return lenient(EngineService, REQUEST_TYPES);
+}
+
+/** The `Peer` service's request messages. */
+const PEER_REQUEST_TYPES: {
+  [M in keyof typeof PeerService]: { name: string; fns: MessageFns<unknown> };
+} = {
+  queryBlocksForTransfer: {
+    name: "QueryBlocksForTransferRequest",
+    fns: QueryBlocksForTransferRequest,
+  },
+  releaseTransferLock: { name: "ReleaseTransferLockRequest", fns: ReleaseTransferLockRequest },
+};
+
+/** The `Peer` service definition, lenient like {@link lenientService}. */
+export function lenientPeerService(): grpc.ServiceDefinition {
+  return lenient(PeerService, PEER_REQUEST_TYPES);
 }

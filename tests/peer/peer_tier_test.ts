@@ -8,8 +8,9 @@
  */
 
 import assert from "node:assert/strict";
+import { Buffer } from "node:buffer";
 import * as grpc from "@grpc/grpc-js";
-import { PeerService } from "../../proto/pegaflow.ts";
+import { lenientPeerService } from "../../lib/server/decode.ts";
 import { poolChecksums } from "../../ffi/uring.ts";
 import { crc32c } from "../../lib/ssd/format.ts";
 import { KvStore } from "../../lib/storage/store.ts";
@@ -95,7 +96,7 @@ async function twoNodes(chunkBytes?: number) {
   const server = new grpc.Server();
   const xferAddr = `127.0.0.1:${owner.n.ep.info().port}`;
   server.addService(
-    PeerService,
+    lenientPeerService(),
     peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), log),
   );
   const port = await new Promise<number>((res, rej) =>
@@ -326,6 +327,22 @@ Deno.test("the Peer service refuses malformed lock requests naming the field, an
     assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "r", 2000), true);
     assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "r", 2000), false);
     assert.equal(t.owner.store.stats().pinnedBlocks, 0);
+    // Bytes that are not the request message: INVALID_ARGUMENT naming it, not INTERNAL.
+    for (
+      const [method, message] of [
+        ["QueryBlocksForTransfer", "QueryBlocksForTransferRequest"],
+        ["ReleaseTransferLock", "ReleaseTransferLockRequest"],
+      ]
+    ) {
+      const e = await rawPeerCall(
+        t.ownerAddr,
+        method,
+        new Uint8Array([0x0a, 0xff, 0xff, 0xff, 0x0f]),
+      );
+      assert.equal(e?.code, grpc.status.INVALID_ARGUMENT, `${method}: ${e?.details}`);
+      assert.match(e!.details, new RegExp(message));
+    }
+    assert.equal(t.locks.stats().held, 0);
   } finally {
     await t.close();
   }
@@ -368,3 +385,32 @@ Deno.test("two requests starting at the same missing block share one fetch and o
     await t.close();
   }
 });
+
+/** One raw-bytes call of a Peer method; resolves with its error (null when it answered OK). */
+function rawPeerCall(
+  addr: string,
+  method: string,
+  body: Uint8Array,
+): Promise<grpc.ServiceError | null> {
+  const raw = (x: Uint8Array) => Buffer.from(x);
+  const Ctor = grpc.makeGenericClientConstructor({
+    [method]: {
+      path: `/pegaflow.Peer/${method}`,
+      requestStream: false,
+      responseStream: false,
+      requestSerialize: raw,
+      requestDeserialize: raw,
+      responseSerialize: raw,
+      responseDeserialize: raw,
+    },
+  }, "Peer");
+  const c = new Ctor(addr, grpc.credentials.createInsecure()) as grpc.Client & {
+    [m: string]: (req: Buffer, cb: (e: grpc.ServiceError | null) => void) => void;
+  };
+  return new Promise((resolve) =>
+    c[method](Buffer.from(body), (e) => {
+      c.close();
+      resolve(e);
+    })
+  );
+}
