@@ -51,6 +51,11 @@ LOCAL_RPC_RETRY_S = 1.0
 _STATUS_BY_CODE = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def _local_error(code: int, details: str, method: str) -> PegaflowError:
+    """A local RPC socket's non-OK status as the PegaflowError gRPC would have raised."""
+    return PegaflowError(_STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), details, method)
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Where one layer's blocks live in its region, in bytes:
@@ -235,13 +240,14 @@ class PegaflowClient:
 
     def _call(self, method: str, req, res_cls, timeout_s: Optional[float] = None):
         t = timeout_s if timeout_s is not None else self.config.rpc_timeout_s
-        if self._local is not None and method in METHOD_IDS and self._local_retry_at <= time.monotonic():
+        local = self._usable_local()
+        if local is not None and method in METHOD_IDS:
             try:
-                return res_cls.FromString(self._local.call(METHOD_IDS[method], req.SerializeToString(), t))
+                return res_cls.FromString(local.call(METHOD_IDS[method], req.SerializeToString(), t))
             except LocalRpcAbsent:
                 self._local_absent()
             except LocalRpcStatus as e:
-                raise PegaflowError(_STATUS_BY_CODE.get(e.code, grpc.StatusCode.UNKNOWN), e.details, method) from None
+                raise _local_error(e.code, e.details, method) from None
         stub = self._stub(method, type(req), res_cls)
         try:
             return stub(req, timeout=t)
@@ -368,26 +374,23 @@ class PegaflowClient:
     ) -> None:
         """`load` without waiting for the answer: the call is on its way when
         this returns, and `on_done(None | error)` runs once it is answered
-        (on a gRPC thread, or here if that already happened). The deadline is
+        (on a gRPC or local-RPC reader thread, or here if that already happened). The deadline is
         the same as `load`'s."""
         req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id)
         t = timeout_s if timeout_s is not None else self.config.rpc_timeout_s
-        if self._local is not None and self._local_retry_at <= time.monotonic():
+        local = self._usable_local()
+        if local is not None:
 
             def answered(status: int, body: bytes) -> None:
-                if status == 0:
-                    on_done(None)
-                else:
-                    code = _STATUS_BY_CODE.get(status, grpc.StatusCode.UNKNOWN)
-                    on_done(PegaflowError(code, body.decode("utf-8", "replace"), "Load"))
+                on_done(None if status == 0 else _local_error(status, body.decode("utf-8", "replace"), "Load"))
 
             try:
-                self._local.call_nowait(METHOD_IDS["Load"], req.SerializeToString(), t, answered)
+                local.call_nowait(METHOD_IDS["Load"], req.SerializeToString(), t, answered)
                 return
             except LocalRpcAbsent:
                 self._local_absent()
             except LocalRpcStatus as e:
-                raise PegaflowError(_STATUS_BY_CODE.get(e.code, grpc.StatusCode.UNKNOWN), e.details, "Load") from None
+                raise _local_error(e.code, e.details, "Load") from None
         stub = self._stub("Load", pb.LoadRequest, pb.LoadResponse)
         fut = stub.future(req, timeout=t)
 
@@ -425,6 +428,12 @@ class PegaflowClient:
         stub = self._stub("Session", pb.SessionRequest, pb.SessionEvent, stream=True)
         req = pb.SessionRequest(instance_id=instance_id, tp_rank=tp_rank, pp_rank=pp_rank)
         return Session(stub(req))
+
+    def _usable_local(self) -> Optional[LocalRpc]:
+        """The local RPC socket's client, unless there is none or it was found absent lately."""
+        if self._local is None or self._local_retry_at > time.monotonic():
+            return None
+        return self._local
 
     def _local_absent(self) -> None:
         """No local RPC socket beside the unix: address (a server without one, or a server
