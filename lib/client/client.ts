@@ -23,7 +23,7 @@ import {
 import { PROTOCOL_VERSION } from "../engine/engine.ts";
 import { EngineService } from "../../proto/pegaflow.ts";
 import { LOCAL_RPC_SUFFIX } from "../local_rpc/wire.ts";
-import { LocalRpcClient, LocalRpcStatus } from "./local_rpc.ts";
+import { LocalRpcAbsent, LocalRpcClient, LocalRpcStatus } from "./local_rpc.ts";
 
 export { PROTOCOL_VERSION };
 
@@ -119,9 +119,15 @@ export class PegaflowClient {
   ): Promise<Res> {
     const local = this.#local;
     const name = method[0].toLowerCase() + method.slice(1) as keyof typeof EngineService;
-    if (local && HOT.has(name) && LocalRpcClient.present(local.path)) {
-      return this.#callLocal(local, method, name, req);
-    }
+    if (local?.usable && HOT.has(name)) return this.#callLocal(local, method, name, fn, req);
+    return this.#callGrpc(method, fn, req);
+  }
+
+  #callGrpc<Req, Res>(
+    method: string,
+    fn: (req: Req, md: grpc.Metadata, opts: grpc.CallOptions, cb: Cb<Res>) => unknown,
+    req: Req,
+  ): Promise<Res> {
     return new Promise((resolve, reject) => {
       const opts = { deadline: Date.now() + this.#deadlineMs };
       fn.call(
@@ -141,6 +147,7 @@ export class PegaflowClient {
     local: LocalRpcClient,
     method: string,
     name: keyof typeof EngineService,
+    fn: (req: Req, md: grpc.Metadata, opts: grpc.CallOptions, cb: Cb<Res>) => unknown,
     req: Req,
   ): Promise<Res> {
     const def = EngineService[name] as unknown as {
@@ -151,6 +158,7 @@ export class PegaflowClient {
       const body = await local.call(name, def.requestSerialize(req), this.#deadlineMs);
       return def.responseDeserialize(body);
     } catch (e) {
+      if (e instanceof LocalRpcAbsent) return this.#callGrpc(method, fn, req);
       if (e instanceof LocalRpcStatus) throw new PegaflowError(method, e.code, e.details);
       throw e;
     }

@@ -21,6 +21,17 @@ export class LocalRpcStatus extends Error {
   }
 }
 
+/** No socket at the path (a server without `--uds`, or restarting): nothing was sent. */
+export class LocalRpcAbsent extends Error {
+  constructor(readonly path: string) {
+    super(`no local RPC socket at ${path}`);
+    this.name = "LocalRpcAbsent";
+  }
+}
+
+/** After finding no socket, calls go over gRPC this long before it is dialled again. */
+export const ABSENT_RETRY_MS = 1_000;
+
 interface Pending {
   resolve: (b: Uint8Array) => void;
   reject: (e: LocalRpcStatus) => void;
@@ -44,14 +55,11 @@ export class LocalRpcClient {
 
   constructor(readonly path: string, readonly maxMessageBytes: number) {}
 
-  /** Whether a socket file is there (a server without `--uds` has none). */
-  static present(path: string): boolean {
-    try {
-      return Deno.lstatSync(path).isSocket === true;
-    } catch {
-      return false;
-    }
+  /** False for {@link ABSENT_RETRY_MS} after a dial found no socket at the path. */
+  get usable(): boolean {
+    return performance.now() >= this.#absentUntil;
   }
+  #absentUntil = 0;
 
   #dial(): Promise<Deno.UnixConn> {
     if (!this.#conn) {
@@ -115,6 +123,11 @@ export class LocalRpcClient {
     try {
       conn = await this.#dial();
     } catch (e) {
+      if (e instanceof Deno.errors.NotFound) {
+        // A server without the socket (or restarting): the caller uses gRPC for a while.
+        this.#absentUntil = performance.now() + ABSENT_RETRY_MS;
+        throw new LocalRpcAbsent(this.path);
+      }
       throw new LocalRpcStatus(
         UNAVAILABLE,
         `local RPC socket ${this.path}: ${(e as Error).message}`,

@@ -188,3 +188,20 @@ Deno.test("local RPC: the TS client sends its hot calls over PATH.rpc and gets g
   }
   await Deno.remove(dir, { recursive: true });
 });
+
+Deno.test("local RPC: without the socket file the TS client falls back to gRPC", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pegaflow-lrpc-" });
+  const path = `${dir}/grpc.sock`;
+  const srv = await startServer(["--uds", path, "--log-level", "debug"]);
+  await Deno.remove(`${path}.rpc`); // as a server that serves no local socket
+  const c = new PegaflowClient(`unix:${path}`);
+  try {
+    assert.equal((await c.health()).status, "ok");
+    assert.equal((await c.health()).status, "ok");
+    assert.equal(srv.logs().filter((l) => l.includes('"local rpc"')).length, 0);
+  } finally {
+    c.close();
+    await srv.stop();
+  }
+  await Deno.remove(dir, { recursive: true });
+});
