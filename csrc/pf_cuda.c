@@ -370,9 +370,6 @@ typedef struct cuda_batch {
   CUevent *ev;
   uint32_t nev;
   uint32_t lanes; /* L: 0 when the batch uses the main stream only */
-  /* Lanes take whole groups round-robin (group g on lane g % L) instead of
-   * a slice of every group: a load's groups then each depend on one stream. */
-  int by_group;
   uint32_t path;
   uint64_t pool_dev; /* the pool's device address in this engine's context */
   _Atomic int32_t status; /* < 0 when enqueueing failed */
@@ -1004,25 +1001,6 @@ static void split_mixed(const pf_batch *b, uint32_t permille, uint32_t *lo,
   }
 }
 
-/* Lanes of a load (H2D). Its groups (layers) must complete in order, and
- * lanes that each take a slice of every group complete them in bursts (the
- * copy engines run the lanes' streams largely one after another). One lane
- * keeps the order, but one thread issues ~1.3 M copy descriptors/s: 40,000
- * 32 KB ranges then take ~30 ms where the link needs 24 (33 GB/s measured
- * on the H100). PEGAFLOW_H2D_LANES=N (1..8, default 1) gives a load with
- * many ranges N lanes that take whole groups round-robin, so each group
- * still depends on one stream. */
-static uint32_t h2d_lanes(const pf_batch *b, uint32_t want) {
-  static int n = -1;
-  if (n < 0) {
-    const char *v = getenv("PEGAFLOW_H2D_LANES");
-    int x = v ? atoi(v) : 1;
-    n = x >= 1 && x <= (int)PF_DMA_LANES_MAX ? x : 1;
-  }
-  if (n == 1 || b->num_groups < 2) return 1;
-  return want < (uint32_t)n ? want : (uint32_t)n;
-}
-
 /* Lane w's slice of [lo, hi): contiguous, the slices tile the range. */
 static void lane_slice(uint32_t lo, uint32_t hi, uint32_t w, uint32_t L,
                        uint32_t *a, uint32_t *z) {
@@ -1052,12 +1030,7 @@ static void *lane_main(void *arg) {
     if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuStreamWaitEvent(lane)");
     for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
       uint32_t a, z;
-      if (cb->by_group) {
-        a = g % L == l->w ? l->lo[g] : l->hi[g];
-        z = l->hi[g];
-      } else {
-        lane_slice(l->lo[g], l->hi[g], l->w, L, &a, &z);
-      }
+      lane_slice(l->lo[g], l->hi[g], l->w, L, &a, &z);
       if (a < z)
         rc = (l->e->features & PF_FEAT_DMA_BATCH) && cb->path != PF_PATH_DMA
                  ? dma_batch_ranges(ce, b, l->stream, a, z, l->sc)
@@ -1277,12 +1250,11 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
    * bursts (measured on the H100: layers 7..31 of a 10K-token load all at
    * the end, the model idle meanwhile); one stream keeps them in order at
    * the same total time for a load's merged ranges. */
-  if (b->direction == PF_H2D) want = h2d_lanes(b, want);
+  if (b->direction == PF_H2D) want = 1;
   /* A failed device issues nothing and creates no events in its context:
    * the batch only queues, and the submitter fails it naming the device. */
   int dead = atomic_load_explicit(&e->failed, memory_order_relaxed) != 0;
   cb->lanes = path == PF_PATH_KERNEL || dead ? 0 : (want < ce->nlanes ? want : ce->nlanes);
-  cb->by_group = b->direction == PF_H2D && cb->lanes > 1;
   size_t nev = dead ? 0 : (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
   if (nev > UINT32_MAX) nev = 0;
   cb->nev = (uint32_t)nev;
