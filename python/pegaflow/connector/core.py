@@ -631,12 +631,7 @@ class WorkerCore:
                     f"tensors are on cuda:{device}"
                 )
             device = self.device_id
-        self.registration = KvRegistration(
-            self.client, instance_id=self.instance_id, namespace=self.namespace, layers=layers,
-            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            device_id=device,
-        )
-        self.registration.register()
+        self.registration = self._register(self.instance_id, layers, device)
         if self.staging_blocks:
             self._register_staging(unique, layout, device)
         self._thread = threading.Thread(target=self._save_loop, name=f"pegaflow-save-{self.tp_rank}", daemon=True)
@@ -647,12 +642,17 @@ class WorkerCore:
         layers, same rank): the server loads into them as into any instance's blocks."""
         self.staging = StagingBuffers(unique, self.staging_blocks, layout)
         layers, _ = export_kv_layers(self.staging.tensors, layout)
-        self.staging_registration = KvRegistration(
-            self.client, instance_id=staging_instance(self.instance_id), namespace=self.namespace,
-            layers=layers, tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank,
-            pp_size=self.pp_size, device_id=device,
+        self.staging_registration = self._register(staging_instance(self.instance_id), layers, device)
+
+    def _register(self, instance_id: str, layers: Sequence[Any], device: int) -> KvRegistration:
+        """Registers `layers` as this rank of `instance_id` (re-registered after a server restart)."""
+        reg = KvRegistration(
+            self.client, instance_id=instance_id, namespace=self.namespace, layers=layers,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
+            device_id=device,
         )
-        self.staging_registration.register()
+        reg.register()
+        return reg
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:  # the save thread and the engine's thread both count
@@ -792,9 +792,9 @@ class WorkerCore:
                 continue
             ld.state = self._state()
             try:
+                reg_of_load = self.staging_registration if intent.scatter_to is not None else reg
                 self.client.load(
-                    instance_id=staging_instance(self.instance_id) if intent.scatter_to is not None
-                    else self.instance_id,
+                    instance_id=reg_of_load.instance_id,
                     tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                     lease_id=intent.lease_id, block_ids=intent.block_ids, load_state_shm=ld.state.name,
                     request_id=intent.request_id,
