@@ -7,11 +7,10 @@
  *
  * @module
  */
+import * as grpc from "@grpc/grpc-js";
 import { encodeFrame, FrameReader, LOCAL_RPC_IDS, writeAll } from "../local_rpc/wire.ts";
 
-const UNAVAILABLE = 14;
-const DEADLINE_EXCEEDED = 4;
-const CANCELLED = 1;
+const { UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNIMPLEMENTED } = grpc.status;
 
 /** A call that did not answer OK: the gRPC status code and the server's message. */
 export class LocalRpcStatus extends Error {
@@ -118,7 +117,9 @@ export class LocalRpcClient {
   async call(method: string, payload: Uint8Array, deadlineMs: number): Promise<Uint8Array> {
     if (this.#closed) throw new LocalRpcStatus(CANCELLED, "client is closed");
     const id = LOCAL_RPC_IDS[method];
-    if (id === undefined) throw new LocalRpcStatus(12, `local RPC has no method ${method}`);
+    if (id === undefined) {
+      throw new LocalRpcStatus(UNIMPLEMENTED, `local RPC has no method ${method}`);
+    }
     let conn: Deno.UnixConn;
     try {
       conn = await this.#dial();

@@ -20,7 +20,7 @@
  *
  * @module
  */
-import type * as grpc from "@grpc/grpc-js";
+import * as grpc from "@grpc/grpc-js";
 import { Buffer } from "node:buffer";
 import { EngineService } from "../../proto/pegaflow.ts";
 import { decodeRequest } from "./decode.ts";
@@ -34,11 +34,6 @@ import {
 } from "../local_rpc/wire.ts";
 
 export { LOCAL_RPC_METHODS };
-
-const STATUS_INVALID_ARGUMENT = 3;
-const STATUS_RESOURCE_EXHAUSTED = 8;
-const STATUS_UNIMPLEMENTED = 12;
-const STATUS_INTERNAL = 13;
 
 const round3 = (x: number) => Math.round(x * 1e3) / 1e3;
 const utf8 = (s: string) => new TextEncoder().encode(s);
@@ -71,7 +66,7 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
     if (name === undefined) {
       send(encodeFrame(
         callId,
-        STATUS_UNIMPLEMENTED,
+        grpc.status.UNIMPLEMENTED,
         utf8(
           `local RPC: unknown method id ${method} (known: ${
             Object.keys(LOCAL_RPC_METHODS).join(", ")
@@ -81,7 +76,11 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
       return;
     }
     const handler = impl[name] as grpc.handleUnaryCall<unknown, unknown>;
-    const request = decodeRequest(name, Buffer.from(payload));
+    // The frame's payload is already its own copy: view it, do not copy it again.
+    const request = decodeRequest(
+      name,
+      Buffer.from(payload.buffer, payload.byteOffset, payload.byteLength),
+    );
     const call = { request } as grpc.ServerUnaryCall<unknown, unknown>;
     // Wall-clock ms of arrival and answer, to line up with an engine's own clock (debug only).
     const tIn = traced ? performance.timeOrigin + performance.now() : 0;
@@ -95,7 +94,7 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
         });
       }
       if (err) {
-        send(encodeFrame(callId, err.code ?? STATUS_INTERNAL, utf8(err.details ?? "")));
+        send(encodeFrame(callId, err.code ?? grpc.status.INTERNAL, utf8(err.details ?? "")));
         return;
       }
       const def = EngineService[name] as unknown as grpc.MethodDefinition<unknown, unknown>;
@@ -115,7 +114,7 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
       log.warn("local RPC connection dropped: bad frame", { path, error: e.message });
       send(encodeFrame(
         0,
-        e.tooLong ? STATUS_RESOURCE_EXHAUSTED : STATUS_INVALID_ARGUMENT,
+        e.tooLong ? grpc.status.RESOURCE_EXHAUSTED : grpc.status.INVALID_ARGUMENT,
         utf8(e.message),
       ));
     } else if (!ctx.closed) {
