@@ -192,6 +192,24 @@ class ShmRegion:
         self._check(n * itemsize, offset)
         return torch.frombuffer(self._mm, dtype=dtype, count=n, offset=offset).view(*shape)
 
+    @classmethod
+    def holding(cls, like: Any, shape: Sequence[int]) -> Tuple["ShmRegion", Any]:
+        """A new region just big enough for `shape` elements of `like`'s dtype, and that
+        array viewed in it: numpy when `like` is a numpy array, else a torch CPU tensor.
+        The caller closes the region once the array is no longer used.
+
+        Example:
+            r, kv = ShmRegion.holding(torch.empty((), dtype=torch.bfloat16), (2, 64, 16, 8, 128))
+        """
+        n = 1
+        for d in shape:
+            n *= int(d)
+        if isinstance(like, np.ndarray):
+            r = cls(n * like.itemsize)
+            return r, r.numpy(like.dtype, shape)
+        r = cls(n * like.element_size())
+        return r, r.torch(like.dtype, shape)
+
     def contains(self, ptr: int, nbytes: int) -> bool:
         return self.address <= ptr and ptr + nbytes <= self.address + self.nbytes
 

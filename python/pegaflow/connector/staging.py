@@ -109,20 +109,13 @@ class StagingBuffers:
             self.tensors[name] = self._alloc(t, shape)
 
     def _alloc(self, like: Any, shape: Sequence[int]) -> Any:
-        n = 1
-        for s in shape:
-            n *= int(s)
-        if isinstance(like, np.ndarray):
-            r = ShmRegion(n * like.itemsize)
-            self._regions.append(r)
-            return r.numpy(like.dtype, shape)
-        import torch
+        if getattr(like, "is_cuda", False):
+            import torch
 
-        if like.is_cuda:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
-        r = ShmRegion(n * like.element_size())
+        r, t = ShmRegion.holding(like, shape)
         self._regions.append(r)
-        return r.torch(like.dtype, shape)
+        return t
 
     def index(self, block_ids: Sequence[int]) -> Any:
         """`block_ids` as the index `scatter` takes (made once per load, used by every layer)."""

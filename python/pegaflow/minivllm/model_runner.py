@@ -63,12 +63,9 @@ def shm_kv_cache_allocator(regions: list) -> KVCacheAllocator:
     from pegaflow.regions import ShmRegion
 
     def alloc(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        r = ShmRegion(n * torch.empty((), dtype=dtype).element_size())
+        r, t = ShmRegion.holding(torch.empty((), dtype=dtype), shape)
         regions.append(r)
-        return r.torch(dtype, shape)
+        return t
 
     return alloc
 
