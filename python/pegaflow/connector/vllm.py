@@ -129,6 +129,15 @@ class ConnectorSettings:
             v = extra.get("pegaflow." + key)
             return str(v) if v is not None else e.get(var)
 
+        def count(key: str, var: str) -> Optional[int]:
+            """A non-negative integer setting, or None when it is not set."""
+            v = get(key, var)
+            if v is None:
+                return None
+            if not v.isdigit():
+                raise ValueError(f"pegaflow.{key} {v!r} is not a non-negative integer")
+            return int(v)
+
         def ms(key: str) -> Optional[int]:
             v = extra.get("pegaflow." + key)
             return int(v) if v is not None else None
@@ -165,16 +174,10 @@ class ConnectorSettings:
         load_issuer = get("load_issuer", "PEGAFLOW_LOAD_ISSUER") or default_load_issuer(vllm_config)
         if load_issuer not in LOAD_ISSUERS:
             raise ValueError(f"pegaflow.load_issuer {load_issuer!r} is not one of {LOAD_ISSUERS}")
-        device = get("device_id", "PEGAFLOW_DEVICE_ID")
-        if device is not None and not str(device).isdigit():
-            raise ValueError(f"pegaflow.device_id {device!r} is not a non-negative integer")
-        staging = get("staging_blocks", "PEGAFLOW_STAGING_BLOCKS") or "0"
-        if not str(staging).isdigit():
-            raise ValueError(f"pegaflow.staging_blocks {staging!r} is not a non-negative integer")
         return cls(
             mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client,
-            load_issuer=load_issuer, device_id=int(device) if device is not None else None,
-            staging_blocks=int(staging),
+            load_issuer=load_issuer, device_id=count("device_id", "PEGAFLOW_DEVICE_ID"),
+            staging_blocks=count("staging_blocks", "PEGAFLOW_STAGING_BLOCKS") or 0,
         )
 
 
