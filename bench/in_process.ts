@@ -12,6 +12,7 @@ import { KvStore } from "../lib/storage/store.ts";
 import type { Logger } from "../lib/log.ts";
 import { PegaflowClient } from "../lib/client/client.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../lib/client/sim_engine.ts";
+import { pct } from "./stats.ts";
 
 /** Segments per block and layer: K and V. */
 export const KV = 2;
@@ -34,12 +35,6 @@ export function prefixShape(tokens: number) {
   const blocks = Math.floor(tokens / model.blockTokens);
   const segBytes = model.blockTokens * model.kvHeads * model.headDim * model.dtypeBytes;
   return { model, blocks, segBytes, prefixBytes: blocks * model.numLayers * KV * segBytes };
-}
-
-/** The `p`-th percentile of `xs` (nearest rank below). */
-export function pct(xs: number[], p: number): number {
-  const s = [...xs].sort((a, b) => a - b);
-  return s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))];
 }
 
 /** A KvEngine over the host backend with one simulated engine registered as instance "bench". */

@@ -12,6 +12,7 @@ import { Redis } from "ioredis";
 import { RedisBlockIndex } from "../lib/index/block_index.ts";
 import { startRedis } from "../tests/index/_redis.ts";
 import { flagValue, iterationsFlag, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
+import { latencyRow } from "./stats.ts";
 
 const BLOCKS = PREFIX_BLOCKS;
 const NS = "llama31_8b_bench";
@@ -64,15 +65,7 @@ async function measure(
     usec += done.usec - before.usec;
     await after?.(i);
   }
-  t.sort((a, b) => a - b);
-  const q = (p: number) => t[Math.min(t.length - 1, Math.floor(p * t.length))];
-  return {
-    name,
-    p50_us: q(0.5),
-    p99_us: q(0.99),
-    mean_us: t.reduce((a, b) => a + b, 0) / t.length,
-    redis_us: calls > 0 ? usec / calls : 0,
-  };
+  return { ...latencyRow(name, t), redis_us: calls > 0 ? usec / calls : 0 };
 }
 
 const external = flagValue("--redis");

@@ -18,11 +18,11 @@ import {
   benchOptions,
   KV,
   openBenchEngine,
-  pct,
   prefixShape,
   printTable,
   writeBenchResult,
 } from "./in_process.ts";
+import { pct } from "./stats.ts";
 
 const o = benchOptions("bench-load-prepare");
 const { model, blocks, prefixBytes } = prefixShape(o.tokens);

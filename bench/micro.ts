@@ -5,6 +5,7 @@
  *
  * @module
  */
+import { latencyRow } from "./stats.ts";
 
 /** Blocks of a 10K-token prefix: 10K tokens / 16 tokens per block. */
 export const PREFIX_BLOCKS = 625;
@@ -65,12 +66,5 @@ export function measure(
     fn(i);
     t.push((performance.now() - t0) * 1000);
   }
-  t.sort((a, b) => a - b);
-  const q = (p: number) => t[Math.min(t.length - 1, Math.floor(p * t.length))];
-  return {
-    name,
-    p50_us: q(0.5),
-    p99_us: q(0.99),
-    mean_us: t.reduce((a, b) => a + b, 0) / t.length,
-  };
+  return latencyRow(name, t);
 }

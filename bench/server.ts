@@ -19,6 +19,7 @@ import { CopyBatch, CopyEngine, type Region } from "../ffi/mod.ts";
 import { PegaflowClient } from "../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../lib/client/sim_engine.ts";
+import { pct } from "./stats.ts";
 
 const o = new Command("bench-server")
   .option("--backend <name>", "auto | cuda | host", "auto")
@@ -59,11 +60,6 @@ const blocks = Math.floor(tokens / model.blockTokens);
 const segBytes = model.blockTokens * model.kvHeads * model.headDim * model.dtypeBytes;
 const prefixBytes = blocks * model.numLayers * KV * segBytes;
 const iters = Number(o.iters);
-
-function pct(xs: number[], p: number): number {
-  const s = [...xs].sort((a, b) => a - b);
-  return s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))];
-}
 
 // ---- native baseline: the same gather (all layers, K and V planes) without the server.
 async function nativeGatherGbps(): Promise<number> {
