@@ -170,6 +170,11 @@ async function openLocalRpc(
     maxMessageBytes,
     log,
   );
-  sockets.push(await boundSocket(rpcPath));
+  try {
+    sockets.push(await boundSocket(rpcPath));
+  } catch (e) {
+    rpc.close(); // not handed back yet: the caller's unwinding cannot reach it
+    throw e;
+  }
   return rpc;
 }
