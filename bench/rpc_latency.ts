@@ -316,7 +316,7 @@ try {
       dir,
       sim,
       clients: [tcp, uds, local],
-      request: { instanceId: sim.instanceId, blockHashes: [], requestId: "bench-q" },
+      request: { instanceId: sim.instanceId, blockHashes: [], requestId: "bench-q", loadInto: undefined },
     });
     await sim.register();
     const hashes = chainedBlockHashes(syntheticTokens(7, HASHES * MODEL.blockTokens), 16);

@@ -250,6 +250,45 @@ export interface QueryPrefetchRequest {
   blockHashes: Uint8Array[];
   /** required; a "loading" answer is polled with it */
   requestId: string;
+  /**
+   * Optional "query and load": when the answer is a hit, the server starts
+   * its load at once, as if a Load of every rank named here had arrived with
+   * the new lease and the hit's leading targets, before it answers. For
+   * targets the engine owns before the scheduler allocates (staging blocks):
+   * the copy then starts one round trip and one scheduling pass earlier.
+   */
+  loadInto: LoadInto | undefined;
+}
+
+export interface LoadInto {
+  /**
+   * One target per hash asked (as many as block_hashes): the hit loads into
+   * the leading ones.
+   */
+  blockIds: number[];
+  /**
+   * Every rank of the instance once (world_size entries), each with its own
+   * load state (created by the engine, as for Load).
+   */
+  ranks: RankLoadTarget[];
+}
+
+export interface RankLoadTarget {
+  tpRank: number;
+  ppRank: number;
+  loadStateShm: string;
+}
+
+export interface RankLoadOutcome {
+  tpRank: number;
+  ppRank: number;
+  /**
+   * Empty: the rank's load was submitted (its load state reports the copy).
+   * Else why it was refused; its load state is marked failed when the
+   * server could open it, and the lease is released (nothing else to undo).
+   */
+  error: string;
+  numBlocks: number;
 }
 
 export interface QueryReady {
@@ -258,6 +297,11 @@ export interface QueryReady {
   /** 16 bytes; empty when num_hit_blocks == 0 */
   leaseId: Uint8Array;
   leaseTtlMs: number;
+  /**
+   * With load_into and a hit: one outcome per rank, in the order named. Every
+   * rank's share of the lease is then spent (or released, on a refusal).
+   */
+  loads: RankLoadOutcome[];
 }
 
 export interface QueryLoading {
@@ -1577,7 +1621,7 @@ export const SaveResponse: MessageFns<SaveResponse> = {
 };
 
 function createBaseQueryPrefetchRequest(): QueryPrefetchRequest {
-  return { instanceId: "", blockHashes: [], requestId: "" };
+  return { instanceId: "", blockHashes: [], requestId: "", loadInto: undefined };
 }
 
 export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
@@ -1590,6 +1634,9 @@ export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
     }
     if (message.requestId !== "") {
       writer.uint32(26).string(message.requestId);
+    }
+    if (message.loadInto !== undefined) {
+      LoadInto.encode(message.loadInto, writer.uint32(34).fork()).join();
     }
     return writer;
   },
@@ -1631,6 +1678,14 @@ export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
             message.requestId = reader.string();
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.loadInto = LoadInto.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1653,12 +1708,266 @@ export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
     message.instanceId = object.instanceId ?? "";
     message.blockHashes = object.blockHashes?.map((e) => e) || [];
     message.requestId = object.requestId ?? "";
+    message.loadInto = (object.loadInto !== undefined && object.loadInto !== null)
+      ? LoadInto.fromPartial(object.loadInto)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseLoadInto(): LoadInto {
+  return { blockIds: [], ranks: [] };
+}
+
+export const LoadInto: MessageFns<LoadInto> = {
+  encode(message: LoadInto, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.blockIds.length !== 0) {
+      writer.uint32(10).fork();
+      for (const v of message.blockIds) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    for (const v of message.ranks) {
+      RankLoadTarget.encode(v!, writer.uint32(18).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): LoadInto {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseLoadInto();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag === 8) {
+              message.blockIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 10) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.blockIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.ranks.push(RankLoadTarget.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<LoadInto>, I>>(base?: I): LoadInto {
+    return LoadInto.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<LoadInto>, I>>(object: I): LoadInto {
+    const message = createBaseLoadInto();
+    message.blockIds = object.blockIds?.map((e) => e) || [];
+    message.ranks = object.ranks?.map((e) => RankLoadTarget.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseRankLoadTarget(): RankLoadTarget {
+  return { tpRank: 0, ppRank: 0, loadStateShm: "" };
+}
+
+export const RankLoadTarget: MessageFns<RankLoadTarget> = {
+  encode(message: RankLoadTarget, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tpRank !== 0) {
+      writer.uint32(8).uint32(message.tpRank);
+    }
+    if (message.ppRank !== 0) {
+      writer.uint32(16).uint32(message.ppRank);
+    }
+    if (message.loadStateShm !== "") {
+      writer.uint32(26).string(message.loadStateShm);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RankLoadTarget {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRankLoadTarget();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.tpRank = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.ppRank = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.loadStateShm = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<RankLoadTarget>, I>>(base?: I): RankLoadTarget {
+    return RankLoadTarget.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RankLoadTarget>, I>>(object: I): RankLoadTarget {
+    const message = createBaseRankLoadTarget();
+    message.tpRank = object.tpRank ?? 0;
+    message.ppRank = object.ppRank ?? 0;
+    message.loadStateShm = object.loadStateShm ?? "";
+    return message;
+  },
+};
+
+function createBaseRankLoadOutcome(): RankLoadOutcome {
+  return { tpRank: 0, ppRank: 0, error: "", numBlocks: 0 };
+}
+
+export const RankLoadOutcome: MessageFns<RankLoadOutcome> = {
+  encode(message: RankLoadOutcome, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tpRank !== 0) {
+      writer.uint32(8).uint32(message.tpRank);
+    }
+    if (message.ppRank !== 0) {
+      writer.uint32(16).uint32(message.ppRank);
+    }
+    if (message.error !== "") {
+      writer.uint32(26).string(message.error);
+    }
+    if (message.numBlocks !== 0) {
+      writer.uint32(32).uint32(message.numBlocks);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RankLoadOutcome {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRankLoadOutcome();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.tpRank = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.ppRank = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.error = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.numBlocks = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<RankLoadOutcome>, I>>(base?: I): RankLoadOutcome {
+    return RankLoadOutcome.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RankLoadOutcome>, I>>(object: I): RankLoadOutcome {
+    const message = createBaseRankLoadOutcome();
+    message.tpRank = object.tpRank ?? 0;
+    message.ppRank = object.ppRank ?? 0;
+    message.error = object.error ?? "";
+    message.numBlocks = object.numBlocks ?? 0;
     return message;
   },
 };
 
 function createBaseQueryReady(): QueryReady {
-  return { numHitBlocks: 0, leaseId: new Uint8Array(0), leaseTtlMs: 0 };
+  return { numHitBlocks: 0, leaseId: new Uint8Array(0), leaseTtlMs: 0, loads: [] };
 }
 
 export const QueryReady: MessageFns<QueryReady> = {
@@ -1671,6 +1980,9 @@ export const QueryReady: MessageFns<QueryReady> = {
     }
     if (message.leaseTtlMs !== 0) {
       writer.uint32(24).uint32(message.leaseTtlMs);
+    }
+    for (const v of message.loads) {
+      RankLoadOutcome.encode(v!, writer.uint32(34).fork()).join();
     }
     return writer;
   },
@@ -1712,6 +2024,14 @@ export const QueryReady: MessageFns<QueryReady> = {
             message.leaseTtlMs = reader.uint32();
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.loads.push(RankLoadOutcome.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1732,6 +2052,7 @@ export const QueryReady: MessageFns<QueryReady> = {
     message.numHitBlocks = object.numHitBlocks ?? 0;
     message.leaseId = object.leaseId ?? new Uint8Array(0);
     message.leaseTtlMs = object.leaseTtlMs ?? 0;
+    message.loads = object.loads?.map((e) => RankLoadOutcome.fromPartial(e)) || [];
     return message;
   },
 };

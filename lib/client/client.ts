@@ -10,9 +10,11 @@ import * as grpc from "@grpc/grpc-js";
 import {
   EngineClient,
   type HealthResponse,
+  type LoadInto,
   type LoadRequest,
   type LoadResponse,
   type QueryPrefetchRequest,
+  type RankLoadOutcome,
   type RegisterContextRequest,
   type RegisterContextResponse,
   type SaveRequest,
@@ -51,7 +53,14 @@ export class PegaflowError extends Error {
 /** What a query answered. */
 export type QueryResult =
   | { kind: "loading" }
-  | { kind: "ready"; hits: number; leaseId: Uint8Array; ttlMs: number };
+  | {
+    kind: "ready";
+    hits: number;
+    leaseId: Uint8Array;
+    ttlMs: number;
+    /** With `loadInto` and a hit: each rank's load, in the order named (empty `error`: submitted). */
+    loads: RankLoadOutcome[];
+  };
 
 /** An open liveness session; `closed` resolves with the server's last event (or null when the stream broke). */
 export interface Session {
@@ -206,14 +215,21 @@ export class PegaflowClient {
     });
   }
 
-  async queryPrefetch(req: QueryPrefetchRequest): Promise<QueryResult> {
+  /**
+   * Longest cached prefix of `blockHashes`. With `loadInto` (one target per
+   * hash, every rank once with its load state), a hit's load of every rank
+   * starts before the answer ("query and load", proto QueryPrefetchRequest).
+   */
+  async queryPrefetch(
+    req: Omit<QueryPrefetchRequest, "loadInto"> & { loadInto?: LoadInto },
+  ): Promise<QueryResult> {
     const r = await this.#call<
       QueryPrefetchRequest,
       import("../../proto/pegaflow.ts").QueryPrefetchResponse
     >(
       "QueryPrefetch",
       this.#raw.queryPrefetch as never,
-      req,
+      { loadInto: undefined, ...req },
     );
     if (r.result?.$case === "ready") {
       return {
@@ -221,6 +237,7 @@ export class PegaflowClient {
         hits: r.result.value.numHitBlocks,
         leaseId: r.result.value.leaseId,
         ttlMs: r.result.value.leaseTtlMs,
+        loads: r.result.value.loads,
       };
     }
     return { kind: "loading" };

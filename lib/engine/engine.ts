@@ -9,6 +9,7 @@
  *   register.ts  RegisterContext: checks, region mapping, topology seal
  *   save.ts      Save: validate, plan, ONE gather batch, seal
  *   load.ts      Load: load state, lease consume, ONE scatter batch
+ *   query_load.ts QueryPrefetch with load_into: the hit's loads start before the answer
  *   namespaces.ts the namespace layout (the one owner) and the store layout it implies
  *
  * Save and Load run as credit-bounded pipeline stages (lib/pipeline):
@@ -35,12 +36,14 @@ import { Code, EngineError, invalid, precondition } from "./errors.ts";
 import type { Instance } from "./instances.ts";
 import { type LoadArgs, type LoadJob, type LoadResult, LoadRunner } from "./load.ts";
 import type { NativePort } from "./ports.ts";
+import { type LoadInto, queryAndLoad, type RankLoadOutcome } from "./query_load.ts";
 import { registerRank, type RegisterResult } from "./register.ts";
 import type { RegisterArgs } from "./registration.ts";
 import { type SaveArgs, type SaveJob, type SaveResult, SaveRunner } from "./save.ts";
 
 export type { EngineMetrics, TiersPort } from "./context.ts";
 export type { LoadArgs, LoadResult } from "./load.ts";
+export type { LoadInto, RankLoadOutcome, RankLoadTarget } from "./query_load.ts";
 export type { RegisterResult } from "./register.ts";
 export type { SaveArgs, SaveResult } from "./save.ts";
 export { PROTOCOL_VERSION, type RegisterArgs } from "./registration.ts";
@@ -248,6 +251,27 @@ export class KvEngine {
       hits: r.hits,
     });
     return { hits: r.hits, leaseId: r.lease?.idBytes ?? null, ttlMs: this.#leaseTtlMs };
+  }
+
+  /** QueryPrefetch with `load_into`: on a hit, every rank's load starts before the answer (query_load.ts). */
+  queryLoad(
+    instanceId: string,
+    hashes: Uint8Array[],
+    requestId: string,
+    into: LoadInto,
+  ): Promise<ReturnType<KvEngine["query"]> & { loads: RankLoadOutcome[] }> {
+    return queryAndLoad(
+      {
+        instance: (id, what) => this.#instance(id, what),
+        query: (id, h, r) => this.query(id, h, r),
+        load: (a) => this.load(a),
+        release: (l) => this.release(l),
+      },
+      instanceId,
+      hashes,
+      requestId,
+      into,
+    );
   }
 
   /** Consumes the lease for this rank and submits ONE scatter batch (load.ts); resolves at submit. */

@@ -35,7 +35,7 @@ import {
   isExpected,
   precondition,
 } from "../engine/errors.ts";
-import { type KvEngine, PROTOCOL_VERSION } from "../engine/engine.ts";
+import { type KvEngine, PROTOCOL_VERSION, type RankLoadOutcome } from "../engine/engine.ts";
 import type { Logger } from "../log.ts";
 import type { ServerMetrics } from "./metrics.ts";
 import { LEASE_ID_BYTES, MAX_PARALLEL } from "../limits.ts";
@@ -97,6 +97,24 @@ export class Sessions {
   endAll(kind: SessionEvent_Kind, message: string): void {
     for (const id of [...this.#byInstance.keys()]) this.end(id, kind, message);
   }
+}
+
+function queryResponse(
+  r: { hits: number; leaseId: Uint8Array | null; ttlMs: number; loading?: boolean },
+  loads: RankLoadOutcome[],
+): QueryPrefetchResponse {
+  if (r.loading) return { result: { $case: "loading", value: {} } };
+  return {
+    result: {
+      $case: "ready",
+      value: {
+        numHitBlocks: r.hits,
+        leaseId: r.leaseId ?? new Uint8Array(0),
+        leaseTtlMs: r.ttlMs,
+        loads,
+      },
+    },
+  };
 }
 
 function statusError(err: unknown): Partial<grpc.StatusObject> {
@@ -217,19 +235,13 @@ export function engineServiceImpl(
     }),
     queryPrefetch: unary(
       "QueryPrefetch",
-      (req: QueryPrefetchRequest): QueryPrefetchResponse => {
-        const r = engine.query(req.instanceId, req.blockHashes, req.requestId);
-        if (r.loading) return { result: { $case: "loading", value: {} } };
-        return {
-          result: {
-            $case: "ready",
-            value: {
-              numHitBlocks: r.hits,
-              leaseId: r.leaseId ?? new Uint8Array(0),
-              leaseTtlMs: r.ttlMs,
-            },
-          },
-        };
+      (req: QueryPrefetchRequest): QueryPrefetchResponse | Promise<QueryPrefetchResponse> => {
+        const { instanceId, blockHashes, requestId, loadInto } = req;
+        if (loadInto === undefined) {
+          return queryResponse(engine.query(instanceId, blockHashes, requestId), []);
+        }
+        return engine.queryLoad(instanceId, blockHashes, requestId, loadInto)
+          .then((r) => queryResponse(r, r.loads));
       },
     ),
     load: unary("Load", async (req: LoadRequest): Promise<LoadResponse> => {

@@ -206,3 +206,17 @@ export async function runServerToEnd(
     clearTimeout(timer);
   }
 }
+
+/** Generous bound for server-side bookkeeping that follows a load's last word. */
+const SETTLE_MS = 10_000;
+
+/** Polls a metric until it equals `want` (bookkeeping after a copy is asynchronous). */
+export async function metricBecomes(srv: ServerProc, name: string, want: number): Promise<void> {
+  const deadline = Date.now() + SETTLE_MS;
+  let got = await srv.metric(name);
+  while (got !== want && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 20));
+    got = await srv.metric(name);
+  }
+  if (got !== want) throw new Error(`${name}: ${got} after ${SETTLE_MS} ms, want ${want}`);
+}

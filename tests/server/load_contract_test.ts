@@ -11,23 +11,16 @@ import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts"
 import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import { LoadState } from "../../lib/client/load_state.ts";
 import { readLoadState } from "../../lib/engine/load_state.ts";
-import { hostSim, refusedWith, type ServerProc, startServer, uid } from "./harness.ts";
+import {
+  hostSim,
+  metricBecomes,
+  refusedWith,
+  type ServerProc,
+  startServer,
+  uid,
+} from "./harness.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 3 };
-/** Generous bound for server-side bookkeeping that follows a load's last word. */
-const SETTLE_MS = 10_000;
-
-/** Polls a metric until it equals `want` (bookkeeping after the copy is asynchronous). */
-async function metricBecomes(srv: ServerProc, name: string, want: number): Promise<void> {
-  const deadline = Date.now() + SETTLE_MS;
-  let got = await srv.metric(name);
-  while (got !== want && Date.now() < deadline) {
-    await new Promise((r) => setTimeout(r, 20));
-    got = await srv.metric(name);
-  }
-  assert.equal(got, want, `${name}`);
-}
-
 function sim(srv: ServerProc, instanceId: string, ns: string, tpRank = 0, tpSize = 1) {
   return hostSim(srv, {
     instanceId,
