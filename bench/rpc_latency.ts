@@ -316,7 +316,12 @@ try {
       dir,
       sim,
       clients: [tcp, uds, local],
-      request: { instanceId: sim.instanceId, blockHashes: [], requestId: "bench-q", loadInto: undefined },
+      request: {
+        instanceId: sim.instanceId,
+        blockHashes: [],
+        requestId: "bench-q",
+        loadInto: undefined,
+      },
     });
     await sim.register();
     const hashes = chainedBlockHashes(syntheticTokens(7, HASHES * MODEL.blockTokens), 16);

@@ -22,8 +22,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
@@ -93,6 +93,23 @@ class QueryResult:
     hits: int = 0
     lease_id: bytes = b""
     ttl_ms: int = 0
+    # With load_into and a hit: each rank's load in the order named.
+    loads: List["RankLoadOutcome"] = field(default_factory=list)
+
+    @property
+    def load_errors(self) -> List[str]:
+        """Why each refused rank load was refused (empty: every rank's load was submitted)."""
+        return [f"tp_rank {o.tp_rank} pp_rank {o.pp_rank}: {o.error}" for o in self.loads if o.error]
+
+
+@dataclass(frozen=True)
+class RankLoadOutcome:
+    """One rank's load of a query-and-load: `error` empty = submitted."""
+
+    tp_rank: int
+    pp_rank: int
+    error: str
+    num_blocks: int
 
 
 class Session:
@@ -325,13 +342,26 @@ class PegaflowClient:
     def query_prefetch(
         self, *, instance_id: str, block_hashes: Sequence[bytes], request_id: str,
         timeout_s: Optional[float] = None,
+        load_into: Optional[Sequence[int]] = None,
+        load_states: Optional[Mapping[Tuple[int, int], str]] = None,
     ) -> QueryResult:
-        """Longest held prefix of `block_hashes`; a hit is pinned under a lease."""
+        """Longest held prefix of `block_hashes`; a hit is pinned under a lease.
+
+        Query and load: with `load_into` (one target block per hash) and
+        `load_states` ((tp_rank, pp_rank) → load-state name, every rank of the
+        instance), a hit's load of every rank starts before the answer; the
+        lease is then spent (`result.loads` says how each rank's went)."""
         req = pb.QueryPrefetchRequest(
             instance_id=instance_id,
             block_hashes=[bytes(h) for h in block_hashes],
             request_id=request_id,
         )
+        if load_into is not None:
+            if not load_states:
+                raise ValueError("query_prefetch: load_into needs load_states (every rank's load state)")
+            req.load_into.block_ids.extend(int(b) for b in load_into)
+            for (tp_rank, pp_rank), name in load_states.items():
+                req.load_into.ranks.add(tp_rank=tp_rank, pp_rank=pp_rank, load_state_shm=name)
         r = self._call("QueryPrefetch", req, pb.QueryPrefetchResponse, timeout_s)
         if r.WhichOneof("result") == "ready":
             return QueryResult(
@@ -339,6 +369,7 @@ class PegaflowClient:
                 hits=r.ready.num_hit_blocks,
                 lease_id=bytes(r.ready.lease_id),
                 ttl_ms=r.ready.lease_ttl_ms,
+                loads=[RankLoadOutcome(o.tp_rank, o.pp_rank, o.error, o.num_blocks) for o in r.ready.loads],
             )
         return QueryResult(loading=True)
 

@@ -46,9 +46,11 @@ def main() -> None:
         engine_id=f"{uid}-tp{tp}",
         kv_connector_extra_config={
             "pegaflow.addr": addr,
-            # "layerwise+staging": layer-wise through staging blocks (connector/staging.py).
+            # "layerwise+staging": layer-wise through staging blocks (connector/staging.py);
+            # "+query": the loads of both ranks ride on the probe (connector/query_issuer.py).
             "pegaflow.mode": mode.split("+")[0],
-            **({"pegaflow.staging_blocks": 32} if mode.endswith("+staging") else {}),
+            **({"pegaflow.staging_blocks": 32} if "+staging" in mode else {}),
+            **({"pegaflow.load_issuer": "query"} if mode.endswith("+query") else {}),
             "pegaflow.namespace": f"ns-{uid}",
             "pegaflow.device_id": rank,  # one server device per rank
         },
@@ -89,6 +91,7 @@ def main() -> None:
             "kv_shapes": [list(next(iter(s.values())).shape) for s in stash],
             "differing_layers": differing,
             "loads_per_rank": eng.worker_connector.pegaflow_stats().get("loads", 0),
+            "query_loads": eng.scheduler_connector.pegaflow_stats().get("query_loads", 0),
         }
         with open(out, "w") as f:
             json.dump(result, f)

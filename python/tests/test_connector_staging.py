@@ -1,10 +1,13 @@
 """Layer-wise loads through staging blocks (pegaflow.staging_blocks, connector/staging.py):
 the server copies into a contiguous run of the worker's staging blocks, registered as a
 second instance of the namespace, and each layer is scattered into the request's own
-blocks before its attention — whatever order those blocks come in. Both load issuers,
-against a real host-backend server."""
+blocks before its attention — whatever order those blocks come in. Every load issuer
+(worker, scheduler, and "query": the load rides on the probe's QueryPrefetch), against a
+real host-backend server."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
@@ -15,7 +18,7 @@ from pegaflow.hashes import synthetic_tokens
 
 from vllm_driver import BLOCK, Engine, Request, lose_leases_after_alloc
 
-ISSUERS = ["worker", "scheduler"]
+ISSUERS = ["worker", "scheduler", "query"]
 
 
 @pytest.fixture
@@ -68,12 +71,25 @@ def test_a_failed_staged_load_reports_the_requests_own_blocks(make_engine, uid, 
     if issuer == "worker":
         # The lease is given back between the scheduler's decision and the worker's Load.
         lose_leases_after_alloc(eng)
-    else:
+    elif issuer == "scheduler":
         # The scheduler's Load is refused (as by a server that lost the instance).
         def refused(*, on_done, **_kw):
             on_done(PegaflowError(grpc.StatusCode.FAILED_PRECONDITION, "refused by the test", "Load"))
 
         eng.sched._s().client.load_nowait = refused
+    else:
+        # The copy the query started fails (as a device error would report it in the state).
+        qi = eng.sched._s()._query_issuer
+        query = qi.query
+
+        def copy_fails(rid, instance_id, hashes):
+            q, early = query(rid, instance_id, hashes)
+            for st in early.states.values():
+                st.wait_all(10.0)  # settled by the server first: nothing overwrites the mark
+                st.mark_failed()
+            return q, early
+
+        qi.query = copy_fails
     warm = Request("warm", list(prompt), salt=uid)
     eng.run_prefill(warm, avoid=set(cold.block_ids))
     assert eng.invalid_blocks == set(warm.block_ids[:5])  # not the staging blocks 0..4
@@ -100,3 +116,74 @@ def test_the_staging_instance_stays_within_the_name_limit():
     long_a, long_b = "a" * 127 + "x", "a" * 127 + "y"
     sa, sb = staging_instance(long_a), staging_instance(long_b)
     assert len(sa) <= 128 and len(sb) <= 128 and sa != sb and sa.endswith(STAGING_SUFFIX)
+
+
+def _probe(eng: Engine, req: Request) -> int:
+    n, _ = eng.sched.get_num_new_matched_tokens(req, 0)
+    return n
+
+
+def test_a_query_issued_load_outlives_a_step_that_did_not_schedule_its_request(make_engine, uid):
+    eng = make_engine(16, "query")
+    prompt, cold = _cold(eng, uid, 44, 6)
+    core = eng.sched._s()
+    warm = Request("warm", list(prompt), salt=uid)
+    assert _probe(eng, warm) == 6 * BLOCK  # the copy into staging blocks 0..5 starts here
+    assert core.staging.held == 1
+    eng.idle_step()  # a step built without the request (the engine had no room for it, say)
+    assert core.staging.held == 1 and core.staging.offer(16) == 10, "its run outlived the step"
+    assert eng.run_prefill(warm, avoid=set(cold.block_ids)) == 6 * BLOCK
+    # One query for the cold request (a miss) and one for the warm one: its second admission
+    # used the first probe and its running copy.
+    assert core.stats["queries"] == 2 and core.stats["query_loads"] == 1
+    assert eng.layer_violations == [] and eng.invalid_blocks == set()
+    assert eng.holds_all(warm, warm.num_tokens)
+    assert core.staging.held == 0
+
+
+def test_an_unused_query_issued_probe_holds_its_run_until_its_copy_settled(make_engine, uid):
+    eng = make_engine(16, "query")
+    prompt, _ = _cold(eng, uid, 45, 6)
+    core = eng.sched._s()
+    warm = Request("warm", list(prompt), salt=uid)
+    assert _probe(eng, warm) == 6 * BLOCK
+    assert eng.finish(warm) is False  # never allocated: nothing of the engine's to hold
+    qi = core._query_issuer
+    assert qi.draining == 1 and core.staging.held == 1, "the run waits for its copy"
+    deadline = time.monotonic() + 10
+    while qi.draining and time.monotonic() < deadline:
+        time.sleep(0.005)
+        qi.poll()
+    assert qi.draining == 0 and core.staging.held == 0 and core.staging.offer(16) == 16
+    assert core.stats["query_loads_dropped"] == 1
+    # The blocks are still cached: the next request of the prefix loads them.
+    again = Request("again", list(prompt), salt=uid)
+    assert eng.run_prefill(again) == 6 * BLOCK and eng.holds_all(again, again.num_tokens)
+
+
+def test_the_query_issuer_needs_staging_blocks(engine_factory):
+    with pytest.raises(ValueError, match="staging_blocks > 0"):
+        engine_factory("layerwise", **{"pegaflow.load_issuer": "query"})
+    with pytest.raises(ValueError, match="staging_blocks > 0"):
+        engine_factory("async", **{"pegaflow.load_issuer": "query", "pegaflow.staging_blocks": 8})
+
+
+def test_staging_room_holds_runs_across_steps_above_the_steps_own():
+    room = StagingRoom(10)
+    room.reserve(2)
+    assert room.take(2, reserved=2) == 0
+    assert room.hold("a", 5) == 2  # above this step's run
+    room.shrink("a", 3)  # a hit of 3: blocks 5, 6 go back
+    assert room.offer(10) == 5
+    room.next_step()
+    assert room.offer(10) == 5, "the held run outlives the step; new runs go above it"
+    assert room.hold("b", 4) == 5
+    room.rekey("a", ("a", 1))
+    assert room.claim("b") == (5, 4)
+    room.release(("a", 1))
+    assert room.offer(10) == 1, "b is this step's run until the next step"
+    room.next_step()
+    assert room.offer(10) == 10 and room.held == 0
+    assert room.hold("c", 7) == 0
+    with pytest.raises(ValueError, match="3 free"):
+        room.hold("d", 4)

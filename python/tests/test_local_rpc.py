@@ -69,6 +69,39 @@ def test_save_query_and_both_loads_go_over_the_local_socket_byte_exact(uid, sock
         s.stop()
 
 
+@pytest.mark.parametrize("transport", ["local", "grpc"])
+def test_a_query_with_load_into_starts_the_load_before_it_answers(uid, sock_dir, transport):
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    region, kv = make_kv(2, 16)
+    c = PegaflowClient("unix:" + sock if transport == "local" else s.addr)
+    try:
+        reg = register(c, kv, uid, "ns-" + uid)
+        hashes = [bytes([i]) * 16 for i in range(1, 5)]
+        fill(kv, [1, 2, 3], hashes[:3])
+        c.save(instance_id=uid, tp_rank=0, block_ids=[1, 2, 3], block_hashes=hashes[:3])
+        with LoadState.create() as st:
+            q = c.query_prefetch(
+                instance_id=uid, block_hashes=hashes, request_id="r-ql",
+                load_into=[9, 10, 11, 12], load_states={(0, 0): st.name},
+            )
+            assert (q.hits, q.load_errors) == (3, [])
+            assert [(o.tp_rank, o.pp_rank, o.num_blocks) for o in q.loads] == [(0, 0, 3)]
+            st.wait_all(timeout_s=30)
+        assert matches(kv, [9, 10, 11], hashes[:3]) == []
+        with pytest.raises(PegaflowError) as e:
+            c.query_prefetch(instance_id=uid, block_hashes=hashes, request_id="r-bad", load_into=[9],
+                             load_states={(0, 0): "/pegaflow-unused"})
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "1 targets for 4 hashes" in e.value.details
+        with pytest.raises(ValueError, match="load_states"):
+            c.query_prefetch(instance_id=uid, block_hashes=hashes, request_id="r-x", load_into=[1, 2, 3, 4])
+        reg.close()
+    finally:
+        c.close()
+        region.close()
+        s.stop()
+
+
 def test_local_socket_and_grpc_answer_the_same_error(sock_dir):
     sock = os.path.join(sock_dir, "pf.sock")
     s = ServerProc.start(extra=["--uds", sock])
@@ -204,7 +237,8 @@ def test_a_slow_call_on_one_thread_does_not_hold_up_another_threads_call(sock_di
                 continue
             threading.Thread(target=serve, args=(c,), daemon=True).start()
 
-    threading.Thread(target=accept, daemon=True).start()
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
     c = PegaflowClient("unix:" + base, rpc_timeout_ms=5000, save_timeout_ms=5000)
     try:
         saver = threading.Thread(
@@ -220,4 +254,5 @@ def test_a_slow_call_on_one_thread_does_not_hold_up_another_threads_call(sock_di
     finally:
         c.close()
         stop.set()
+        acceptor.join()  # before the close: accept() on a closed socket fails
         lst.close()

@@ -61,6 +61,7 @@ def pega_engine(
         ("async", "scheduler", 0),
         ("async", "worker", 0),
         ("layerwise", "scheduler", 32),  # through staging blocks (connector/staging.py)
+        ("layerwise", "query", 32),  # the load rides on the probe (connector/query_issuer.py)
     ],
 )
 def test_a_warm_request_after_reset_hits_pegaflow_and_matches_the_cold_one(
@@ -93,6 +94,8 @@ def test_a_warm_request_after_reset_hits_pegaflow_and_matches_the_cold_one(
         torch.testing.assert_close(warm_logits, cold_logits, rtol=1e-4, atol=1e-4)
         sent_by_scheduler = eng.scheduler_connector.pegaflow_stats().get("loads_issued", 0)
         assert sent_by_scheduler == (1 if issuer == "scheduler" else 0)
+        started_by_query = eng.scheduler_connector.pegaflow_stats().get("query_loads", 0)
+        assert started_by_query == (1 if issuer == "query" else 0)
         assert eng.worker_connector.pegaflow_stats()["loads"] == 1
         eng.drain(timeout_s=60)
     finally:

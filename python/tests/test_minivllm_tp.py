@@ -60,7 +60,7 @@ def run_ranks(server: ServerProc, tp: int, uid: str, mode: str, out: str) -> dic
         return json.load(f)
 
 
-@pytest.mark.parametrize("mode", ["layerwise", "async", "layerwise+staging"])
+@pytest.mark.parametrize("mode", ["layerwise", "async", "layerwise+staging", "layerwise+staging+query"])
 def test_tp2_shard_processes_save_and_load_their_own_heads_and_warm_equals_cold(tp_server, uid, mode, tmp_path):
     r = run_ranks(tp_server, 2, uid, mode, str(tmp_path / "result.json"))
     assert r["cold_external"] == 0
@@ -71,6 +71,7 @@ def test_tp2_shard_processes_save_and_load_their_own_heads_and_warm_equals_cold(
     # Each rank's cache holds its half of the KV heads.
     assert all(s[3] == TINY.num_kv_heads // 2 for s in r["kv_shapes"]), r["kv_shapes"]
     assert r["loads_per_rank"] == 1
+    assert r["query_loads"] == (1 if mode.endswith("+query") else 0), "one query started both ranks' loads"
     # Each rank registered its own device with the server.
     devices = {
         int(m.group(2))

@@ -42,7 +42,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import queue
 import re
 import threading
@@ -51,13 +50,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-import grpc
 
 from ..client import PegaflowClient, QueryResult
 from ..errors import PegaflowError, PegaflowLoadError
 from ..load_state import LoadState
 from ..regions import export_kv_layers
 from ..registration import KvRegistration
+from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, unlink_shm
+from .query_issuer import EarlyLoad, QueryIssuer
 from .staging import StagingBuffers, StagingRoom, staging_instance
 
 log = logging.getLogger("pegaflow.connector")
@@ -66,24 +66,17 @@ LAYERWISE = "layerwise"
 ASYNC = "async"
 MODES = (LAYERWISE, ASYNC)
 #: Who sends the Load RPC: the scheduler as soon as it knows the target blocks
-#: (the copy starts one RPC earlier), or the worker in start_load_kv.
+#: (the copy starts one RPC earlier), the worker in start_load_kv, or (with
+#: staging blocks) the probe itself, riding on the QueryPrefetch (query_issuer.py).
 ISSUER_SCHEDULER = "scheduler"
 ISSUER_WORKER = "worker"
-LOAD_ISSUERS = (ISSUER_SCHEDULER, ISSUER_WORKER)
+ISSUER_QUERY = "query"
+LOAD_ISSUERS = (ISSUER_SCHEDULER, ISSUER_WORKER, ISSUER_QUERY)
 #: A cached probe is trusted for this fraction of its lease's TTL, then asked again.
 PROBE_TTL_FRACTION = 0.5
 _NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
-#: A load that timed out keeps its request's blocks held (its copy may still
-#: land in them) until the server settles its state, or this many load
-#: timeouts after it started (a server that died never will; its copies died with it).
-LINGER_LOAD_TIMEOUTS = 3
 #: How often a wait that only lingering loads can end polls their states.
 LINGER_POLL_S = 0.001
-#: Status codes after which a Load may still have reached the server.
-_MAYBE_ACCEPTED = (
-    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-)
 
 
 def derive_namespace(
@@ -182,19 +175,15 @@ class ScheduledRequest:
 # ---- scheduler side ----------------------------------------------------------
 
 
-def _unlink_shm(name: str) -> None:
-    try:
-        os.unlink("/dev/shm" + name)
-    except FileNotFoundError:
-        pass
-
-
 @dataclass
 class _Probe:
     computed_blocks: int
     asked: int
     result: QueryResult
     at: float
+    rid: str = ""
+    # load_issuer "query": the hit's copy into staging blocks is already running.
+    early: Optional[EarlyLoad] = None
 
 
 @dataclass
@@ -249,6 +238,17 @@ class SchedulerCore:
             StagingRoom(staging_blocks) if staging_blocks > 0 and mode == LAYERWISE else None
         )
         self.load_instance = staging_instance(instance_id) if self.staging else instance_id
+        self._query_issuer: Optional[QueryIssuer] = None
+        if load_issuer == ISSUER_QUERY:
+            if self.staging is None:
+                raise ValueError(
+                    "load_issuer 'query' loads into staging blocks before the engine allocates: it needs "
+                    "layer-wise mode and pegaflow.staging_blocks > 0"
+                )
+            self._query_issuer = QueryIssuer(
+                client, self.staging, ranks=self.ranks, load_timeout_s=client.config.load_timeout_s,
+                count=self._count,
+            )
         self._probes: Dict[str, _Probe] = {}
         self._tracked: Dict[str, _Tracked] = {}
         self._loads: List[LoadIntent] = []
@@ -268,6 +268,9 @@ class SchedulerCore:
 
     def _release(self, probe: Optional[_Probe]) -> None:
         if probe is None:
+            return
+        if probe.early is not None and self._query_issuer is not None:
+            self._query_issuer.drop(probe.rid, probe.early)  # its lease was spent by the loads
             return
         if self.staging is not None:
             self.staging.unreserve(probe.result.hits)
@@ -294,7 +297,7 @@ class SchedulerCore:
         now = time.monotonic()
         p = self._probes.get(rid)
         if p is not None and (p.computed_blocks, p.asked) == (computed, asked) and (
-            now - p.at < p.result.ttl_ms / 1000.0 * PROBE_TTL_FRACTION
+            p.early is not None or now - p.at < p.result.ttl_ms / 1000.0 * PROBE_TTL_FRACTION
         ):
             return self._answer(p)
         self._release(self._probes.pop(rid, None))
@@ -305,10 +308,14 @@ class SchedulerCore:
                 self.stats["staging_full"] += 1
                 return 0, False
         self.stats["queries"] += 1
+        early: Optional[EarlyLoad] = None
         try:
-            q = self.client.query_prefetch(
-                instance_id=self.load_instance, block_hashes=hashes[computed:loadable], request_id=rid
-            )
+            if self._query_issuer is not None:
+                q, early = self._query_issuer.query(rid, self.load_instance, hashes[computed:loadable])
+            else:
+                q = self.client.query_prefetch(
+                    instance_id=self.load_instance, block_hashes=hashes[computed:loadable], request_id=rid
+                )
         except PegaflowError as e:
             # Server away, instance not (yet) registered, ...: a miss, never an error in the step.
             self.stats["query_errors"] += 1
@@ -317,9 +324,9 @@ class SchedulerCore:
         if q.loading:
             self.stats["query_loading"] += 1
             return None, False
-        p = _Probe(computed, asked, q, now)
+        p = _Probe(computed, asked, q, now, rid, early)
         self._probes[rid] = p
-        if self.staging is not None:
+        if self.staging is not None and early is None:
             self.staging.reserve(q.hits)
         self.stats["hit_blocks"] += q.hits
         return self._answer(p)
@@ -350,7 +357,15 @@ class SchedulerCore:
             raise ValueError(
                 f"request {rid}: {len(block_ids)} blocks allocated, need blocks {start}..{start + n - 1} to load into"
             )
-        if self.staging is not None:
+        if p.early is not None and self._query_issuer is not None:
+            first, _ = self._query_issuer.claim(rid, p.early)
+            intent = LoadIntent(rid, p.result.lease_id, list(range(first, first + n)), states=p.early.names,
+                                scatter_to=targets)
+            with self._stats_lock:
+                for name in intent.states.values():
+                    self._names[name] = [True, False]  # answered with the query; unlinked once its step ran
+            self._issued.extend(intent.states.values())
+        elif self.staging is not None:
             first = self.staging.take(n, reserved=p.result.hits)
             intent = LoadIntent(rid, p.result.lease_id, list(range(first, first + n)), scatter_to=targets)
         else:
@@ -420,6 +435,8 @@ class SchedulerCore:
         self._loads = []
         if self.staging is not None:
             self.staging.next_step()
+        if self._query_issuer is not None:
+            self._query_issuer.poll()
         if self._shipped or self._issued:
             # The engine schedules synchronously (the rule of the scheduler
             # issuer): the step that carried these names has run.
@@ -467,7 +484,7 @@ class SchedulerCore:
             if not all(marks):
                 return
             del self._names[name]
-        _unlink_shm(name)
+        unlink_shm(name)
 
     def request_finished(self, request: Any) -> bool:
         """True: keep the blocks until the id comes back in finished_sending
@@ -504,10 +521,12 @@ class SchedulerCore:
         for p in self._probes.values():
             self._release(p)
         self._probes.clear()
+        if self._query_issuer is not None:
+            self._query_issuer.close()
         with self._stats_lock:
             names, self._names = list(self._names), {}
         for name in names:
-            _unlink_shm(name)
+            unlink_shm(name)
         self._shipped, self._issued = [], []
 
 
@@ -806,7 +825,7 @@ class WorkerCore:
                 ld.state.mark_failed()
                 # Only an explicit refusal proves the server will never write this state;
                 # after a timeout or a broken connection it may still: do not reuse it.
-                ld.done = e.code not in _MAYBE_ACCEPTED
+                ld.done = e.code not in MAYBE_ACCEPTED
                 self._fail(ld, str(e))
                 self._recycle(ld)
 

@@ -20,7 +20,7 @@ with the step in layer-wise mode, so every step starts with all of them free.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,15 +41,19 @@ def staging_instance(instance_id: str) -> str:
 
 
 class StagingRoom:
-    """Scheduler side: the staging blocks of the step being scheduled. A probe reserves its
-    hits (the engine may allocate them later in the step), an allocation takes a contiguous
-    run, and the step's end gives everything back.
+    """Scheduler side: the staging blocks. A probe reserves its hits (the engine may allocate
+    them later in the step) and an allocation takes a contiguous run that is free again at the
+    next step. A held run (load_issuer "query": its copy starts at the probe, before the
+    engine allocates) outlives steps until it is claimed by the step that loads it, or
+    released once its copy settled. New runs go above every held one (a held run is rare and
+    short-lived; the room does not fill holes below it).
 
     Example:
         room = StagingRoom(1024)
         n = room.offer(639)          # 639: a probe may report up to this many hits
         room.reserve(n); first = room.take(n, reserved=n)   # 0
         room.next_step()
+        first = room.hold("req-7", 639); room.shrink("req-7", 600); room.claim("req-7")
     """
 
     def __init__(self, blocks: int):
@@ -58,10 +62,18 @@ class StagingRoom:
         self.blocks = blocks
         self._taken = 0
         self._reserved = 0
+        self._held: Dict[Any, Tuple[int, int]] = {}
+
+    def _floor(self) -> int:
+        """First block above this step's runs and every held run."""
+        top = self._taken
+        for first, n in self._held.values():
+            top = max(top, first + n)
+        return top
 
     def offer(self, wanted: int) -> int:
         """How many of `wanted` blocks a new probe may report as hits."""
-        return max(0, min(wanted, self.blocks - self._taken - self._reserved))
+        return max(0, min(wanted, self.blocks - self._floor() - self._reserved))
 
     def reserve(self, n: int) -> None:
         self._reserved += n
@@ -72,14 +84,51 @@ class StagingRoom:
     def take(self, n: int, reserved: int) -> int:
         """First block of a run of `n` for an allocation whose probe reserved `reserved`."""
         self.unreserve(reserved)
-        if self._taken + n > self.blocks:
-            raise ValueError(f"staging: {n} blocks asked, {self.blocks - self._taken} free in this step")
-        first = self._taken
-        self._taken += n
+        first = self._fit(n)
+        self._taken = first + n
         return first
 
+    def _fit(self, n: int) -> int:
+        first = self._floor()
+        if first + n > self.blocks:
+            raise ValueError(f"staging: {n} blocks asked, {self.blocks - first} free")
+        return first
+
+    def hold(self, key: Any, n: int) -> int:
+        """First block of a run of `n` held under `key` across steps."""
+        if key in self._held:
+            raise ValueError(f"staging: a run is already held for {key!r}")
+        first = self._fit(n)
+        self._held[key] = (first, n)
+        return first
+
+    def shrink(self, key: Any, n: int) -> None:
+        """Keeps only the first `n` blocks of `key`'s run (0: gives it all back)."""
+        first, had = self._held.pop(key)
+        if 0 < n <= had:
+            self._held[key] = (first, n)
+
+    def claim(self, key: Any) -> Tuple[int, int]:
+        """`key`'s held run becomes a run of the step being built: (first, n)."""
+        first, n = self._held.pop(key)
+        self._taken = max(self._taken, first + n)
+        return first, n
+
+    def rekey(self, key: Any, new_key: Any) -> None:
+        """`key`'s held run, held from now on under `new_key`."""
+        self._held[new_key] = self._held.pop(key)
+
+    def release(self, key: Any) -> None:
+        """Gives `key`'s held run back (its copy settled, or never started)."""
+        self._held.pop(key, None)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
     def next_step(self) -> None:
-        """The step was built: its loads own their runs until it ends; the next step starts empty."""
+        """The step was built: its loads own their runs until it ends; the next step starts with
+        only the held runs taken."""
         self._taken = 0
 
 
