@@ -41,27 +41,10 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
   if (inst) checkJoin(inst, a, who, ppSize, rankId);
   // The namespace's layout (sizes, block shape, TP sharing, each stage's layer
   // order) must agree with this rank before anything is mapped.
-  // validateRegistration made every layer of the rank share one segment shape.
-  const claim: StageClaim = {
-    who,
-    tpSize: a.tpSize,
-    ppSize,
-    ppRank: a.ppRank,
-    layerNames: a.layerNames,
-    segBytes: a.geometry[0].segBytes,
-    numSegments: a.geometry[0].numSegments,
-    kvSharedAcrossTp: a.kvSharedAcrossTp ?? false,
-  };
+  const claim = stageClaimOf(a, who, ppSize);
   const known = ctx.layouts.get(a.namespace);
   if (known) checkStageClaim(known, claim);
-  if (!ctx.native.devices.includes(a.deviceId)) {
-    throw invalid(
-      `${who}: device_id ${a.deviceId} is not served by this server (it serves devices ${
-        ctx.native.devices.join(",")
-      }; see --devices)`,
-      { ...fields, expected: ctx.native.devices.join(","), got: a.deviceId },
-    );
-  }
+  checkDevice(ctx, a, who);
 
   const { imported, layers } = mapRegions(ctx, a, who);
   // Registration order is kept: it is the order layers land in a load.
@@ -116,6 +99,37 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
     topologySealed: inst.sealed,
     ranksRegistered: inst.ranks.size,
   };
+}
+
+/** What this rank says about its stage of the namespace's layout. */
+function stageClaimOf(a: RegisterArgs, who: string, ppSize: number): StageClaim {
+  // validateRegistration made every layer of the rank share one segment shape.
+  return {
+    who,
+    tpSize: a.tpSize,
+    ppSize,
+    ppRank: a.ppRank,
+    layerNames: a.layerNames,
+    segBytes: a.geometry[0].segBytes,
+    numSegments: a.geometry[0].numSegments,
+    kvSharedAcrossTp: a.kvSharedAcrossTp ?? false,
+  };
+}
+
+/** The rank's device must be one this server serves (--devices). */
+function checkDevice(ctx: EngineContext, a: RegisterArgs, who: string): void {
+  if (ctx.native.devices.includes(a.deviceId)) return;
+  const served = ctx.native.devices.join(",");
+  throw invalid(
+    `${who}: device_id ${a.deviceId} is not served by this server (it serves devices ${served}; see --devices)`,
+    {
+      instance: a.instanceId,
+      tpRank: a.tpRank,
+      ppRank: a.ppRank,
+      expected: served,
+      got: a.deviceId,
+    },
+  );
 }
 
 /** A rank joining a known instance: same namespace and sizes, not registered yet, not fenced. */

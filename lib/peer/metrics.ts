@@ -15,8 +15,10 @@ import type { PeerTierStats } from "./peer_tier.ts";
 
 /**
  * Registers the peer metrics; returns the fetch-duration observer for the
- * tier. Longer than 80 lines on purpose: one declaration per metric, read as
- * the table of what the peer tier exports.
+ * tier.
+ *
+ * long function: one declaration per metric, read as the table of what the
+ * peer tier exports.
  */
 export function registerPeerMetrics(
   registry: Registry,

@@ -50,15 +50,16 @@ import type {
   TierTakeAnswer,
 } from "../storage/tier.ts";
 import { hashHex } from "../storage/keys.ts";
-import { Stage, type StageMetrics } from "../pipeline/stage.ts";
+import type { StageMetrics } from "../pipeline/stage.ts";
 import type { LookupResult } from "../index/block_index.ts";
-import type { PoolExtent } from "../transfer/ranges.ts";
 import type { XferEndpoint, XferPeer } from "../../ffi/xfer.ts";
 import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
 import { readLockedPrefix, type ReadOutcome, remoteExtents } from "./read.ts";
 import type { PeerLinks } from "./link.ts";
+import { SealChecksums } from "./seal_checksums.ts";
+import { XferPeers } from "./xfer_peers.ts";
 
 /** Name of the peer tier: metric label, hit attribution, filler of its blocks. */
 export const PEER_TIER_NAME = "peer";
@@ -68,8 +69,6 @@ export const DEFAULT_PEER_FETCH_TIMEOUT_MS = 5_000;
 export const DEFAULT_PEER_RPC_TIMEOUT_MS = 2_000;
 /** Finished fetches nobody polled are forgotten after this long (their blocks stay cached). */
 const FORGET_AFTER_MS = 60_000;
-/** Depth of the seal-time checksum queue (sealed batches; a full queue drops, the lock computes). */
-const CHECKSUM_QUEUE_DEPTH = 64;
 /**
  * Bytes per READ batch of a fetch: big enough that each batch still stripes
  * over every stream at full rate, small enough that committing one chunk's
@@ -160,11 +159,6 @@ interface Fetch {
   endedAt: number;
 }
 
-interface ChecksumJob {
-  namespace: string;
-  hashes: readonly Uint8Array[];
-}
-
 /**
  * {@link Tier} over the block index and the transfer layer.
  *
@@ -184,11 +178,12 @@ export class PeerTier implements Tier {
   readonly #requests = new Map<string, Fetch>();
   /** Running fetches by namespace + first hash: a request starting there joins. */
   readonly #running = new Map<string, Fetch>();
-  readonly #xferPeers = new Map<string, Promise<XferPeer>>();
+  readonly #xferPeers: XferPeers;
   readonly #memo = new Map<string, { length: number; at: number }>();
-  readonly #checksums: Stage<ChecksumJob, void>;
+  readonly #checksums: SealChecksums;
+  /** Lock releases in the background, for flush and close. */
   readonly #pending = new Set<Promise<unknown>>();
-  readonly #stats: Omit<PeerTierStats, "inflight"> = {
+  readonly #stats: Omit<PeerTierStats, "inflight" | "checksumsAtSeal" | "checksumDropped"> = {
     fetches: 0,
     fetchesOk: 0,
     failures: {
@@ -207,8 +202,6 @@ export class PeerTier implements Tier {
     bytes: 0,
     readBytes: 0,
     readSeconds: 0,
-    checksumsAtSeal: 0,
-    checksumDropped: 0,
   };
   #closed = false;
 
@@ -217,15 +210,12 @@ export class PeerTier implements Tier {
     this.#fetchTimeout = opts.fetchTimeoutMs ?? DEFAULT_PEER_FETCH_TIMEOUT_MS;
     this.#rpcTimeout = opts.rpcTimeoutMs ?? DEFAULT_PEER_RPC_TIMEOUT_MS;
     this.#lockTtl = opts.lockTtlMs ?? this.#fetchTimeout + this.#rpcTimeout;
-    this.#checksums = new Stage<ChecksumJob, void>(
-      "peer.checksum",
-      {
-        concurrency: 1,
-        queue: { depth: CHECKSUM_QUEUE_DEPTH, policy: "drop-newest" },
-        metrics: opts.stageMetrics?.("peer.checksum"),
-      },
-      (job) => this.#checksumJob(job),
+    this.#checksums = new SealChecksums(
+      opts.host,
+      opts.checksum,
+      opts.stageMetrics?.("peer.checksum"),
     );
+    this.#xferPeers = new XferPeers(opts.endpoint, this.#rpcTimeout, opts.log);
   }
 
   /** The held prefix as the last lookup of this prefix answered it (no I/O). */
@@ -241,37 +231,11 @@ export class PeerTier implements Tier {
    * publishes the blocks themselves. Never waits.
    */
   put(blocks: TierBlocks): TierPutResult {
-    if (this.#closed) return { status: "dropped", blocks: blocks.hashes.length, duplicates: 0 };
-    const sub = this.#checksums.submit({ namespace: blocks.namespace, hashes: blocks.hashes });
-    if (sub.status !== "accepted") {
-      this.#stats.checksumDropped++;
-      return { status: "dropped", blocks: blocks.hashes.length, duplicates: 0 };
+    const n = blocks.hashes.length;
+    if (this.#closed || !this.#checksums.submit(blocks.namespace, blocks.hashes)) {
+      return { status: "dropped", blocks: n, duplicates: 0 };
     }
-    const ended = sub.done();
-    this.#pending.add(ended);
-    ended.then(() => this.#pending.delete(ended));
-    return { status: "queued", blocks: blocks.hashes.length, duplicates: 0 };
-  }
-
-  async #checksumJob(job: ChecksumJob): Promise<void> {
-    const pin = this.#o.host.pin(job.namespace, job.hashes, "peer-checksum");
-    if (!pin) return;
-    try {
-      const hashes: Uint8Array[] = [];
-      const extents: (readonly PoolExtent[])[] = [];
-      pin.blocks.forEach((b, i) => {
-        if (b && b.checksum === undefined) {
-          hashes.push(job.hashes[i]);
-          extents.push(b.extents);
-        }
-      });
-      if (hashes.length === 0) return;
-      const crcs = await this.#o.checksum(extents);
-      this.#o.host.recordChecksums(job.namespace, hashes, crcs);
-      this.#stats.checksumsAtSeal += hashes.length;
-    } finally {
-      pin.release();
-    }
+    return { status: "queued", blocks: n, duplicates: 0 };
   }
 
   prefetch(requestId: string, blocks: TierBlocks): TierPrefetchAnswer {
@@ -328,6 +292,7 @@ export class PeerTier implements Tier {
 
   /** Resolves when every checksum job, fetch and lock release started so far has ended. */
   async flush(): Promise<void> {
+    await this.#checksums.flush();
     while (this.#pending.size > 0) await Promise.all(this.#pending);
     await Promise.all([...this.#running.values()].map((f) => f.done));
   }
@@ -336,19 +301,18 @@ export class PeerTier implements Tier {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    await this.#checksums.drain();
+    await this.#checksums.close();
     await Promise.all([...this.#running.values()].map((f) => f.done));
     while (this.#pending.size > 0) await Promise.all(this.#pending);
-    for (const p of this.#xferPeers.values()) {
-      await p.then((peer) => peer.close(), () => {});
-    }
-    this.#xferPeers.clear();
+    await this.#xferPeers.close();
   }
 
   stats(): PeerTierStats {
     return {
       ...this.#stats,
       failures: { ...this.#stats.failures },
+      checksumsAtSeal: this.#checksums.recorded,
+      checksumDropped: this.#checksums.dropped,
       inflight: this.#running.size,
     };
   }
@@ -436,7 +400,7 @@ export class PeerTier implements Tier {
     }
     let peer: XferPeer;
     try {
-      peer = await this.#xferPeer(res.xferAddr);
+      peer = await this.#xferPeers.get(res.xferAddr);
     } catch (e) {
       await release();
       return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
@@ -467,7 +431,7 @@ export class PeerTier implements Tier {
         chunkBytes: this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES,
         deadlineMs: this.#fetchTimeout,
         log: this.#o.log,
-        dropPeer: () => this.#dropPeer(res.xferAddr, peer),
+        dropPeer: () => this.#xferPeers.drop(res.xferAddr, peer),
       });
     } catch (e) {
       await release(); // every chunk's space was settled before the throw
@@ -486,7 +450,7 @@ export class PeerTier implements Tier {
     // The blocks are committed: the answer need not wait for the release's round trip.
     this.#track(release());
     if (good.length > 0) this.#o.host.recordChecksums(namespace, good, goodCrcs);
-    if (failed && peer.state().broken !== 0) this.#dropPeer(res.xferAddr, peer);
+    if (failed && peer.state().broken !== 0) this.#xferPeers.drop(res.xferAddr, peer);
     if (failed) {
       this.#fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
         owner: owner.nodeId,
@@ -514,34 +478,5 @@ export class PeerTier implements Tier {
       verify_tail_ms: ms(tSubmit + readEnd, tVerify),
       total_ms: ms(t0, tVerify),
     });
-  }
-
-  #xferPeer(addr: string): Promise<XferPeer> {
-    let p = this.#xferPeers.get(addr);
-    if (!p) {
-      p = (async () => {
-        const peer = this.#o.endpoint.createPeer();
-        try {
-          await peer.connect(addr, this.#rpcTimeout);
-        } catch (e) {
-          await peer.close();
-          throw e;
-        }
-        return peer;
-      })();
-      this.#xferPeers.set(addr, p);
-      p.catch(() => {
-        if (this.#xferPeers.get(addr) === p) this.#xferPeers.delete(addr);
-      });
-    }
-    return p;
-  }
-
-  /** A broken peer is closed (what it still has in flight ends first) and reconnected next time. */
-  #dropPeer(addr: string, peer: XferPeer): void {
-    this.#xferPeers.delete(addr);
-    peer.close().catch((e: Error) =>
-      this.#o.log.warn("closing a broken transfer peer failed", { addr, error: e.message })
-    );
   }
 }

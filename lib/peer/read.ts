@@ -110,6 +110,32 @@ export interface ReadOutcome {
 
 const NONE = { chunks: 0, good: [], goodCrcs: [], bad: 0, readBytes: 0, readEnd: 0 };
 
+/** How {@link readLockedPrefix} plans and reports. */
+export interface ReadOptions {
+  /** The fills' filler name (the tier's). */
+  filler: string;
+  chunkBytes: number;
+  deadlineMs: number;
+  log: Logger;
+  dropPeer: () => void;
+}
+
+/** One READ batch in flight and the pool space it lands in. */
+interface Chunk {
+  /** Pool space of this chunk's blocks: one plan, settled once. */
+  fill: RamFillBatch;
+  /** Index in the prefix of the chunk's first block. */
+  from: number;
+  done: Promise<XferResult>;
+  submittedAt: number;
+}
+
+/** What settling the chunks brought: the verified blocks and the wire's numbers. */
+type Settled = Pick<
+  ReadOutcome,
+  "good" | "goodCrcs" | "bad" | "failed" | "readBytes" | "readEnd"
+>;
+
 /**
  * Reads `p` from `peer` into pool space from `host`. Throws only for a bug (a
  * batch that ended OK without its checksums), after freeing every chunk.
@@ -118,36 +144,38 @@ export async function readLockedPrefix(
   host: TierHost,
   peer: XferPeer,
   p: LockedPrefix,
-  o: {
-    /** The fills' filler name (the tier's). */
-    filler: string;
-    chunkBytes: number;
-    deadlineMs: number;
-    log: Logger;
-    dropPeer: () => void;
-  },
+  o: ReadOptions,
 ): Promise<ReadOutcome> {
-  // Pipelined: the prefix is read in chunks, each planned (pool space here,
-  // whole blocks, prefix order) and submitted while the previous ones are
-  // on the wire; each chunk is verified as soon as it landed, while the
-  // later ones still read. Planning stops at the first block that cannot
-  // be placed.
+  const tSubmit = performance.now();
+  const { chunks, planned, refused } = submitChunks(host, peer, p, o);
+  const tPlanned = performance.now();
+  if (chunks.length === 0) {
+    return { ...NONE, planned, refused, tSubmit, tPlanned };
+  }
+  const settled = await settleChunks(chunks, p, o.log, tSubmit);
+  return { chunks: chunks.length, planned, refused, tSubmit, tPlanned, ...settled };
+}
+
+/**
+ * Pipelined: the prefix is read in chunks, each planned (pool space here,
+ * whole blocks, prefix order) and submitted while the previous ones are on
+ * the wire; each chunk is verified as soon as it landed, while the later ones
+ * still read. Planning stops at the first block that cannot be placed.
+ */
+function submitChunks(
+  host: TierHost,
+  peer: XferPeer,
+  p: LockedPrefix,
+  o: ReadOptions,
+): { chunks: Chunk[]; planned: number; refused?: string } {
   const per = Math.max(
     1,
     Math.floor((o.chunkBytes) / p.payloadBytes),
     Math.ceil(p.remote.length / MAX_PIPELINE_CHUNKS),
   );
-  interface Chunk {
-    /** Pool space of this chunk's blocks: one plan, settled once. */
-    fill: RamFillBatch;
-    from: number;
-    done: Promise<XferResult>;
-    submittedAt: number;
-  }
   const chunks: Chunk[] = [];
   let refused: string | undefined;
   let planned = 0;
-  const tSubmit = performance.now();
   for (let from = 0; from < p.remote.length; from += per) {
     const to = Math.min(from + per, p.remote.length);
     let fill: RamFillBatch | null;
@@ -166,17 +194,7 @@ export async function readLockedPrefix(
     if (!fill) break;
     const n = fill.blocks.length;
     planned += n;
-    let segs = 0;
-    for (let k = 0; k < n; k++) {
-      segs += p.remote[from + k].length / 2 + fill.blocks[k].extents.length;
-    }
-    // One checksum group per block: the transport checksums each block's
-    // bytes as they land and hands the CRC32Cs back with the completion.
-    const batch = new XferBatch(segs, n).reset("read", o.deadlineMs);
-    for (let k = 0; k < n; k++) {
-      pairRanges(batch, p.remote[from + k], fill.blocks[k].extents);
-      batch.group(p.payloadBytes);
-    }
+    const batch = readBatch(p, fill, from, o.deadlineMs);
     try {
       chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
     } catch (e) {
@@ -192,30 +210,53 @@ export async function readLockedPrefix(
     }
     if (n < to - from) break;
   }
-  const tPlanned = performance.now();
-  if (chunks.length === 0) {
-    return { ...NONE, planned, refused, tSubmit, tPlanned };
-  }
+  return { chunks, planned, refused };
+}
 
-  // Each chunk's space is freed only after its completion record: the
-  // transport posts it once nothing can land in it any more (#403).
-  const good: Uint8Array[] = [];
-  const goodCrcs: number[] = [];
-  let bad = 0;
-  let failed: XferResult | undefined;
-  let readEnd = 0;
-  let readBytes = 0;
+/**
+ * The READ batch of one chunk: the owner's ranges of each block paired with
+ * the pool space planned for it here. One checksum group per block: the
+ * transport checksums each block's bytes as they land and hands the CRC32Cs
+ * back with the completion.
+ */
+function readBatch(p: LockedPrefix, fill: RamFillBatch, from: number, deadlineMs: number) {
+  const n = fill.blocks.length;
+  let segs = 0;
+  for (let k = 0; k < n; k++) {
+    segs += p.remote[from + k].length / 2 + fill.blocks[k].extents.length;
+  }
+  const batch = new XferBatch(segs, n).reset("read", deadlineMs);
+  for (let k = 0; k < n; k++) {
+    pairRanges(batch, p.remote[from + k], fill.blocks[k].extents);
+    batch.group(p.payloadBytes);
+  }
+  return batch;
+}
+
+/**
+ * Waits for each chunk in order and settles its space: committed where the
+ * block's CRC32C matches the owner's, freed otherwise. Each chunk's space is
+ * freed only after its completion record: the transport posts it once
+ * nothing can land in it any more (#403).
+ */
+async function settleChunks(
+  chunks: Chunk[],
+  p: LockedPrefix,
+  log: Logger,
+  tSubmit: number,
+): Promise<Settled> {
+  const out: Settled = { good: [], goodCrcs: [], bad: 0, readBytes: 0, readEnd: 0 };
   for (let ci = 0; ci < chunks.length; ci++) {
     const c = chunks[ci];
     const r = await c.done;
     if (r.status !== 0) {
       c.fill.settle(() => false);
-      failed ??= r;
+      out.failed ??= r;
       continue;
     }
     const n = c.fill.blocks.length;
-    readEnd = Math.max(readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
-    readBytes += n * p.payloadBytes;
+    out.readEnd = Math.max(out.readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
+    out.readBytes += n * p.payloadBytes;
     const crcs = r.crcs;
     if (!crcs || crcs.length !== n) {
       // A bug, not bad bytes: free this chunk, and each later one once it ended.
@@ -226,36 +267,35 @@ export async function readLockedPrefix(
       }
       throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
     }
-    const verified = (k: number) => crcs[k] === p.checksums[c.from + k];
-    c.fill.settle(verified);
-    for (let k = 0; k < n; k++) {
-      const i = c.from + k;
-      if (verified(k)) {
-        good.push(p.hashes[i]);
-        goodCrcs.push(crcs[k]);
-      } else {
-        bad++;
-        o.log.warn("peer block failed its checksum: not served", {
-          owner: p.owner,
-          namespace: p.namespace,
-          block_hash: hashHex(p.hashes[i]),
-          expected: p.checksums[i],
-          got: crcs[k],
-        });
-      }
+    verifyChunk(c, crcs, p, log, out);
+  }
+  return out;
+}
+
+/** Settles one landed chunk by checksum and tallies its good and bad blocks in `out`. */
+function verifyChunk(
+  c: Chunk,
+  crcs: ArrayLike<number>,
+  p: LockedPrefix,
+  log: Logger,
+  out: Settled,
+): void {
+  const verified = (k: number) => crcs[k] === p.checksums[c.from + k];
+  c.fill.settle(verified);
+  for (let k = 0; k < c.fill.blocks.length; k++) {
+    const i = c.from + k;
+    if (verified(k)) {
+      out.good.push(p.hashes[i]);
+      out.goodCrcs.push(crcs[k]);
+    } else {
+      out.bad++;
+      log.warn("peer block failed its checksum: not served", {
+        owner: p.owner,
+        namespace: p.namespace,
+        block_hash: hashHex(p.hashes[i]),
+        expected: p.checksums[i],
+        got: crcs[k],
+      });
     }
   }
-  return {
-    chunks: chunks.length,
-    planned,
-    good,
-    goodCrcs,
-    bad,
-    failed,
-    refused,
-    readBytes,
-    readEnd,
-    tSubmit,
-    tPlanned,
-  };
 }

@@ -121,6 +121,40 @@ class MetricsMerge {
   }
 }
 
+/** A worker's start failure as the error class the main thread would have thrown. */
+function startError(name: string, message: string): Error {
+  const Err = name === "AddrInUse"
+    ? Deno.errors.AddrInUse
+    : name === "AddrNotAvailable"
+    ? Deno.errors.AddrNotAvailable
+    : Error;
+  return new Err(message);
+}
+
+/** A worker saw a backend's health change: keep the reason and tell the other workers. */
+function passOnHealth(c: Cluster, m: Extract<FromWorker, { type: "health" }>, from: Member): void {
+  // The worker already flipped the shared flag.
+  const b = poolOf(c, m.backend.role).backends[m.backend.index];
+  b.lastError = m.healthy ? null : m.reason;
+  broadcast(c, {
+    type: "health",
+    backend: m.backend,
+    healthy: m.healthy,
+    error: b.lastError,
+  }, from);
+}
+
+/** A worker was scraped: answer it with every worker's metrics merged. */
+function answerScrape(c: Cluster, worker: Worker, id: number): void {
+  c.metrics.merged().then(
+    (r) => worker.postMessage({ type: "scraped", id, ...r } satisfies ToWorker),
+    (e) =>
+      worker.postMessage(
+        { type: "scrape-failed", id, error: String(e?.message ?? e) } satisfies ToWorker,
+      ),
+  );
+}
+
 /** Starts worker `index` on `port` (0: pick one) and wires its messages. */
 function spawnWorker(c: Cluster, index: number, port: number): Member {
   const worker = new Worker(WORKER_URL, { type: "module", name: `router-worker-${index}` });
@@ -142,39 +176,14 @@ function spawnWorker(c: Cluster, index: number, port: number): Member {
       case "listening":
         onStart({ url: m.url, port: m.port });
         return;
-      case "start-failed": {
-        const Err = m.name === "AddrInUse"
-          ? Deno.errors.AddrInUse
-          : m.name === "AddrNotAvailable"
-          ? Deno.errors.AddrNotAvailable
-          : Error;
-        onStartFailed(new Err(m.message));
+      case "start-failed":
+        onStartFailed(startError(m.name, m.message));
         return;
-      }
-      case "health": {
-        // The worker already flipped the shared flag; keep the reason and pass it on.
-        const b = poolOf(c, m.backend.role).backends[m.backend.index];
-        b.lastError = m.healthy ? null : m.reason;
-        broadcast(c, {
-          type: "health",
-          backend: m.backend,
-          healthy: m.healthy,
-          error: b.lastError,
-        }, member);
+      case "health":
+        passOnHealth(c, m, member);
         return;
-      }
       case "scrape":
-        c.metrics.merged().then(
-          (r) => worker.postMessage({ type: "scraped", id: m.id, ...r } satisfies ToWorker),
-          (e) =>
-            worker.postMessage(
-              {
-                type: "scrape-failed",
-                id: m.id,
-                error: String(e?.message ?? e),
-              } satisfies ToWorker,
-            ),
-        );
+        answerScrape(c, worker, m.id);
         return;
       case "metrics":
         c.metrics.received(m.id, m.json);

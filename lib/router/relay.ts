@@ -109,14 +109,7 @@ export function relayBody(
   // When the pending read from D began, or -1 while none is pending: a client that reads slowly
   // leaves no read pending, and its slowness must not count as D's silence.
   let readingSince = -1;
-  // One coarse timer per stream instead of one per chunk: the check is cheap and the deadline
-  // only needs to be enforced within a quarter of its length.
-  const idleCheckMs = Math.max(Math.floor(streamIdleTimeoutMs / 4), 5);
-  const idleTimer = setInterval(() => {
-    if (readingSince >= 0 && performance.now() - readingSince > streamIdleTimeoutMs) {
-      link.abort("idle_timeout");
-    }
-  }, idleCheckMs);
+  const idleTimer = watchIdle(link, streamIdleTimeoutMs, () => readingSince);
   const end = (outcome: RelayOutcome) => {
     if (ended) return;
     ended = true;
@@ -138,29 +131,9 @@ export function relayBody(
       try {
         r = await reader.read();
       } catch (e) {
-        if (link.cause === "client_gone") {
-          end("client_gone");
-          controller.error(new ClientGone("decode"));
-          return;
-        }
-        const idle = link.cause === "idle_timeout";
-        const outcome: RelayOutcome = idle ? "idle_timeout" : "network";
-        metrics.upstreamFailures.inc({ role: "decode", reason: outcome });
-        const message = idle
-          ? `decode backend ${backend.url} sent nothing for ${streamIdleTimeoutMs} ms ` +
-            `(request ${ctx.requestId})`
-          : `decode backend ${backend.url} failed mid-response (request ${ctx.requestId}): ` +
-            describeError(e);
-        log.warn("decode stream cut short", { request_id: ctx.requestId, reason: message });
-        end(outcome);
-        if (isSse) {
-          // A streaming client understands an error event; a truncated chunked body reads as
-          // a network fault with no explanation.
-          controller.enqueue(sseError(message, idle ? "decode_idle_timeout" : "decode_failed"));
-          controller.close();
-        } else {
-          controller.error(e);
-        }
+        const cut = cutShort(deps, link, backend, ctx, streamIdleTimeoutMs, e);
+        end(cut.outcome);
+        tellClient(controller, cut, isSse, e);
         return;
       }
       if (r.done) {
@@ -190,4 +163,71 @@ export function relayBody(
       });
     },
   });
+}
+
+/**
+ * Aborts `link` when a pending read from D (`readingSince()`, -1 while none)
+ * has waited past the deadline. One coarse timer per stream instead of one
+ * per chunk: the check is cheap and the deadline only needs to be enforced
+ * within a quarter of its length.
+ */
+function watchIdle(
+  link: UpstreamLink,
+  timeoutMs: number,
+  readingSince: () => number,
+): ReturnType<typeof setInterval> {
+  const idleCheckMs = Math.max(Math.floor(timeoutMs / 4), 5);
+  return setInterval(() => {
+    const since = readingSince();
+    if (since >= 0 && performance.now() - since > timeoutMs) link.abort("idle_timeout");
+  }, idleCheckMs);
+}
+
+/** Why a read from D threw: the client left, or D went silent or failed. */
+interface CutShort {
+  outcome: RelayOutcome;
+  /** What the client is told (D's failures only). */
+  message: string;
+}
+
+/** Classifies a read from D that threw; D's own failures are counted and logged. */
+function cutShort(
+  deps: FlowDeps,
+  link: UpstreamLink,
+  backend: Backend,
+  ctx: FlowContext,
+  streamIdleTimeoutMs: number,
+  e: unknown,
+): CutShort {
+  if (link.cause === "client_gone") return { outcome: "client_gone", message: "" };
+  const idle = link.cause === "idle_timeout";
+  const outcome: RelayOutcome = idle ? "idle_timeout" : "network";
+  deps.metrics.upstreamFailures.inc({ role: "decode", reason: outcome });
+  const message = idle
+    ? `decode backend ${backend.url} sent nothing for ${streamIdleTimeoutMs} ms ` +
+      `(request ${ctx.requestId})`
+    : `decode backend ${backend.url} failed mid-response (request ${ctx.requestId}): ` +
+      describeError(e);
+  deps.log.warn("decode stream cut short", { request_id: ctx.requestId, reason: message });
+  return { outcome, message };
+}
+
+/** Ends the client's body after a cut: an SSE error event where it streams, else an error. */
+function tellClient(
+  controller: ReadableStreamDefaultController<Uint8Array>,
+  cut: CutShort,
+  isSse: boolean,
+  e: unknown,
+): void {
+  if (cut.outcome === "client_gone") {
+    controller.error(new ClientGone("decode"));
+  } else if (isSse) {
+    // A streaming client understands an error event; a truncated chunked body reads as
+    // a network fault with no explanation.
+    const code = cut.outcome === "idle_timeout" ? "decode_idle_timeout" : "decode_failed";
+    controller.enqueue(sseError(cut.message, code));
+    controller.close();
+  } else {
+    controller.error(e);
+  }
 }

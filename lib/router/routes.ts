@@ -124,22 +124,10 @@ async function handleGeneration(
     metrics.requestSeconds.observe({ route }, (performance.now() - t0) / 1000);
   };
 
-  const given = req.headers.get("x-request-id");
-  let requestId: string;
-  if (given === null || given === "") {
-    requestId = crypto.randomUUID();
-  } else if (!REQUEST_ID_RE.test(given)) {
-    const err = new RouterError(
-      400,
-      "invalid_request_error",
-      "X-Request-Id must be 1-256 printable ASCII characters without spaces",
-      null,
-      "invalid_request_id",
-    );
-    finish(err.status);
-    return errorResponse(err);
-  } else {
-    requestId = given;
+  const requestId = requestIdOf(req);
+  if (requestId instanceof RouterError) {
+    finish(requestId.status);
+    return errorResponse(requestId);
   }
 
   let parsed;
@@ -156,22 +144,12 @@ async function handleGeneration(
   }
 
   metrics.inflight.inc();
-  // One signal for "stop working on this request": the client left or shutdown cut it. The
-  // listeners come off before the response completes, because Deno also aborts req.signal after
-  // a successful response and must not find work still attached to it.
-  const cancel = new AbortController();
-  const onGone = () => cancel.abort(new DOMException("client disconnected", "AbortError"));
-  req.signal.addEventListener("abort", onGone, { once: true });
-  stopSignal.addEventListener("abort", onGone, { once: true });
-  const detach = () => {
-    req.signal.removeEventListener("abort", onGone);
-    stopSignal.removeEventListener("abort", onGone);
-  };
+  const { signal, detach } = stopWorkSignal(req.signal, stopSignal);
   let relayStarted = false;
   try {
     const ctx = {
       requestId,
-      signal: cancel.signal,
+      signal,
       authorization: req.headers.get("authorization"),
       completed: () => info.completed,
     };
@@ -193,23 +171,68 @@ async function handleGeneration(
     relayStarted = true;
     return res;
   } catch (e) {
-    if (e instanceof ClientGone) {
-      log.debug("client disconnected", { request_id: requestId, reason: e.message });
-      finish(CLIENT_CLOSED_STATUS);
-      return new Response(null, { status: Number(CLIENT_CLOSED_STATUS) });
-    }
-    if (e instanceof RouterError) {
-      log.warn("request failed", { request_id: requestId, status: e.status, reason: e.message });
-      finish(e.status);
-      return errorResponse(e, requestId);
-    }
-    throw e;
+    return failureResponse(e, requestId, log, finish);
   } finally {
     if (!relayStarted) {
       detach();
       metrics.inflight.dec();
     }
   }
+}
+
+/** The request's X-Request-Id, a new one when it has none, or the refusal of a bad one. */
+function requestIdOf(req: Request): string | RouterError {
+  const given = req.headers.get("x-request-id");
+  if (given === null || given === "") return crypto.randomUUID();
+  if (REQUEST_ID_RE.test(given)) return given;
+  return new RouterError(
+    400,
+    "invalid_request_error",
+    "X-Request-Id must be 1-256 printable ASCII characters without spaces",
+    null,
+    "invalid_request_id",
+  );
+}
+
+/**
+ * One signal for "stop working on this request": the client left or shutdown
+ * cut it. `detach` takes the listeners off before the response completes,
+ * because Deno also aborts req.signal after a successful response and must
+ * not find work still attached to it.
+ */
+function stopWorkSignal(
+  clientSignal: AbortSignal,
+  stopSignal: AbortSignal,
+): { signal: AbortSignal; detach: () => void } {
+  const cancel = new AbortController();
+  const onGone = () => cancel.abort(new DOMException("client disconnected", "AbortError"));
+  clientSignal.addEventListener("abort", onGone, { once: true });
+  stopSignal.addEventListener("abort", onGone, { once: true });
+  const detach = () => {
+    clientSignal.removeEventListener("abort", onGone);
+    stopSignal.removeEventListener("abort", onGone);
+  };
+  return { signal: cancel.signal, detach };
+}
+
+/** The answer to a flow that threw: 499 for a client that left, the error for a refusal. */
+function failureResponse(
+  e: unknown,
+  requestId: string,
+  log: FlowDeps["log"],
+  finish: (status: number | string) => void,
+): Response {
+  if (e instanceof ClientGone) {
+    log.debug("client disconnected", { request_id: requestId, reason: e.message });
+    finish(CLIENT_CLOSED_STATUS);
+    return new Response(null, { status: Number(CLIENT_CLOSED_STATUS) });
+  }
+  if (e instanceof RouterError) {
+    log.warn("request failed", { request_id: requestId, status: e.status, reason: e.message });
+    finish(e.status);
+    return errorResponse(e, requestId);
+  }
+  throw e;
 }
 
 interface ModelEntry {

@@ -22,7 +22,7 @@ import { registerTransferMetrics } from "../transfer/metrics.ts";
 import { poolChecksums } from "../../ffi/uring.ts";
 import { type ChecksumFn, PeerLockTable } from "../peer/locks.ts";
 import { PeerLinks } from "../peer/link.ts";
-import { PeerTier } from "../peer/peer_tier.ts";
+import { PeerTier, type PeerTierOptions } from "../peer/peer_tier.ts";
 import { registerPeerMetrics } from "../peer/metrics.ts";
 import { peerServiceImpl } from "../peer/service.ts";
 import { lenientPeerService } from "./decode.ts";
@@ -58,9 +58,8 @@ export interface CrossNode {
 /**
  * Opens what `cfg` asks for; nothing at all without `--index-redis`. Throws
  * when an explicitly named transport cannot open (the server must not start).
- * Longer than 80 lines on purpose: a flat wiring list (endpoint → locks →
- * tier → the object the server drives), each step reading what the one before
- * it opened.
+ * A flat wiring list (endpoint → locks → tier → the object the server
+ * drives), each step reading what the one before it opened.
  *
  * @example
  * ```ts
@@ -79,21 +78,9 @@ export function openCrossNode(
   log: Logger,
 ): CrossNode {
   const plog = log.child({ component: "peer" });
-  let transfer: OpenedTransport | undefined;
-  if (cfg.index.redisUrl) {
-    transfer = openTransport(native.copyEngine.pool, native.copyEngine.ring, {
-      transport: cfg.peer.transport,
-      nics: cfg.peer.nics,
-      qpsPerNic: cfg.peer.xferStreams,
-      tcpStreams: cfg.peer.xferStreams,
-      port: cfg.peer.xferPort,
-    }, log);
-    registerTransferMetrics(metrics.registry, () => transfer?.endpoint);
-    plog.info("transfer endpoint open", {
-      transport: transfer.name,
-      port: transfer.endpoint.info().port,
-    });
-  }
+  const transfer = cfg.index.redisUrl
+    ? openPeerTransport(cfg, native.copyEngine, metrics, log, plog)
+    : undefined;
   let index: BlockIndexHandle | undefined;
   // The gRPC address once bound (peers are told the advertised one; this is its default).
   let boundGrpcAddr = cfg.addr;
@@ -113,41 +100,25 @@ export function openCrossNode(
     ? registerPeerMetrics(metrics.registry, () => peerTier?.stats(), () => peerLocks?.stats())
     : undefined;
   if (transfer && cfg.peer.fetch) {
-    if (transfer.name !== "tcp") {
-      plog.error("peer fetch is off: over RDMA it needs the QP handshake, which is not built", {
-        transport: transfer.name,
-      });
-    } else {
-      peerTier = new PeerTier({
-        host: tierHost,
-        index: () => index?.index,
-        endpoint: transfer.endpoint,
-        links: peerLinks,
-        checksum,
-        log: plog,
-        fetchTimeoutMs: cfg.peer.fetchTimeoutMs,
-        stageMetrics: (stage) => metrics.stage(stage),
-        onFetchDuration: observeFetch,
-        beforeRead: readDelayHook(plog),
-      });
-    }
+    peerTier = fetchingPeerTier(transfer, {
+      host: tierHost,
+      index: () => index?.index,
+      endpoint: transfer.endpoint,
+      links: peerLinks,
+      checksum,
+      log: plog,
+      fetchTimeoutMs: cfg.peer.fetchTimeoutMs,
+      stageMetrics: (stage) => metrics.stage(stage),
+      onFetchDuration: observeFetch,
+      beforeRead: readDelayHook(plog),
+    });
   }
   return {
     peerTier,
     addServices(server) {
       if (!transfer || !peerLocks) return;
-      const ep = transfer;
-      server.addService(
-        lenientPeerService(),
-        peerServiceImpl(peerLocks, () => {
-          // The listener binds every address; peers dial the advertised host.
-          const adv = index?.index.advertiseAddr ?? boundGrpcAddr;
-          return {
-            transport: ep.name,
-            addr: `${adv.slice(0, adv.lastIndexOf(":"))}:${ep.endpoint.info().port}`,
-          };
-        }, plog),
-      );
+      const advertised = () => index?.index.advertiseAddr ?? boundGrpcAddr;
+      addPeerService(server, peerLocks, transfer, advertised, plog);
     },
     openIndex(grpcAddr) {
       boundGrpcAddr = grpcAddr;
@@ -169,4 +140,62 @@ export function openCrossNode(
       await transfer?.endpoint.close();
     },
   };
+}
+
+/** The transfer endpoint over the pool (`--transport`, `--nics`, ...), with its metrics. */
+function openPeerTransport(
+  cfg: ServeConfig,
+  copyEngine: CopyEngine,
+  metrics: ServerMetrics,
+  log: Logger,
+  plog: Logger,
+): OpenedTransport {
+  const transfer = openTransport(copyEngine.pool, copyEngine.ring, {
+    transport: cfg.peer.transport,
+    nics: cfg.peer.nics,
+    qpsPerNic: cfg.peer.xferStreams,
+    tcpStreams: cfg.peer.xferStreams,
+    port: cfg.peer.xferPort,
+  }, log);
+  registerTransferMetrics(metrics.registry, () => transfer.endpoint);
+  plog.info("transfer endpoint open", {
+    transport: transfer.name,
+    port: transfer.endpoint.info().port,
+  });
+  return transfer;
+}
+
+/** The peer tier (`--peer-fetch`), which fetches over TCP only; undefined (logged) over RDMA. */
+function fetchingPeerTier(
+  transfer: OpenedTransport,
+  opts: PeerTierOptions,
+): PeerTier | undefined {
+  if (transfer.name === "tcp") return new PeerTier(opts);
+  opts.log.error("peer fetch is off: over RDMA it needs the QP handshake, which is not built", {
+    transport: transfer.name,
+  });
+  return undefined;
+}
+
+/**
+ * The gRPC `Peer` service over `locks`; a lock answer names the transfer
+ * endpoint on the advertised host (the listener binds every address).
+ */
+function addPeerService(
+  server: grpc.Server,
+  locks: PeerLockTable,
+  transfer: OpenedTransport,
+  advertisedGrpcAddr: () => string,
+  plog: Logger,
+): void {
+  server.addService(
+    lenientPeerService(),
+    peerServiceImpl(locks, () => {
+      const adv = advertisedGrpcAddr();
+      return {
+        transport: transfer.name,
+        addr: `${adv.slice(0, adv.lastIndexOf(":"))}:${transfer.endpoint.info().port}`,
+      };
+    }, plog),
+  );
 }

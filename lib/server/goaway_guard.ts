@@ -223,6 +223,16 @@ async function relay(
   }
 }
 
+/** The guard's connection to the gRPC server behind it (Unix socket, or TCP without Nagle). */
+async function connectUpstream(opts: GuardUpstream): Promise<Deno.Conn> {
+  if ("upstreamPath" in opts) {
+    return await Deno.connect({ transport: "unix", path: opts.upstreamPath });
+  }
+  const tcp = await Deno.connect({ hostname: opts.upstreamHostname, port: opts.upstreamPort });
+  tcp.setNoDelay(true);
+  return tcp;
+}
+
 /**
  * Starts the guard: listens on `hostname:port` and relays each connection to
  * the upstream gRPC server, dropping client GOAWAY frames. When either side
@@ -252,16 +262,7 @@ export function startGoawayGuard(opts: GoawayGuardOptions): GoawayGuard {
     try {
       // Small RPCs go out at once (Nagle does not apply to a Unix socket).
       if (client.localAddr.transport === "tcp") (client as Deno.TcpConn).setNoDelay(true);
-      if ("upstreamPath" in opts) {
-        upstream = await Deno.connect({ transport: "unix", path: opts.upstreamPath });
-      } else {
-        const tcp = await Deno.connect({
-          hostname: opts.upstreamHostname,
-          port: opts.upstreamPort,
-        });
-        tcp.setNoDelay(true);
-        upstream = tcp;
-      }
+      upstream = await connectUpstream(opts);
       live.add(upstream);
       const up = upstream;
       // Whichever direction ends first closes both sockets: the server then

@@ -122,8 +122,9 @@ function statusError(err: unknown): Partial<grpc.StatusObject> {
 }
 
 /**
- * Builds the service implementation. Longer than 80 lines on purpose: it is
- * a table of one short handler per RPC (decode → engine call → response)
+ * Builds the service implementation.
+ *
+ * long function: a table of one short handler per RPC (decode → engine call → response)
  * sharing the `unary` wrapper's timing, status mapping and logging; each
  * handler is a few lines and reads best next to the others.
  *

@@ -75,30 +75,54 @@ export async function openListeners(
   metrics: ServerMetrics,
   log: Logger,
 ): Promise<Listeners> {
-  const bindGrpc = (addr: string) =>
-    new Promise<number>((resolve, reject) =>
-      server.bindAsync(
-        addr,
-        grpc.ServerCredentials.createInsecure(),
-        (err, p) => err ? reject(err) : resolve(p),
-      )
-    );
-  const guards: GoawayGuard[] = [];
-  const sockets: BoundSocket[] = [];
-  let localRpc: LocalRpcServer | undefined;
-  let uds: BoundSocket | undefined;
+  const opened: Opened = { guards: [], sockets: [], localRpc: undefined };
   const close = async () => {
-    for (const g of guards) await g.close();
-    localRpc?.close();
+    for (const g of opened.guards) await g.close();
+    opened.localRpc?.close();
     // Left behind, a file would make the next start probe it as stale.
-    for (const s of sockets) await releaseSocketPath(s);
+    for (const s of opened.sockets) await releaseSocketPath(s);
   };
   const fail = async (flag: string, e: unknown): Promise<never> => {
     await close();
     server.forceShutdown();
     throw new Error(`${flag}: cannot listen: ${(e as Error).message}`);
   };
-  const startGuard = (listen: GuardListen, upstream: GuardUpstream) =>
+  const startGuard = guardStarter(metrics, log);
+  const hostPart = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
+  let port: number;
+  try {
+    port = await bindAddr(server, cfg, hostPart, startGuard, opened);
+  } catch (e) {
+    return await fail(`--addr ${cfg.addr}`, e);
+  }
+  let uds: BoundSocket | undefined;
+  if (cfg.uds !== undefined) {
+    try {
+      uds = await bindUds(server, impl, { ...cfg, uds: cfg.uds }, startGuard, opened, log);
+    } catch (e) {
+      return await fail(`--uds ${cfg.uds}`, e);
+    }
+  }
+  return {
+    grpcAddr: `${hostPart}:${port}`,
+    udsPath: uds?.path,
+    localRpcPath: opened.localRpc?.path,
+    close,
+  };
+}
+
+/** What the listeners opened so far: closed together on a failure or at close. */
+interface Opened {
+  guards: GoawayGuard[];
+  sockets: BoundSocket[];
+  localRpc: LocalRpcServer | undefined;
+}
+
+type StartGuard = (listen: GuardListen, upstream: GuardUpstream) => GoawayGuard;
+
+/** Starts GOAWAY guards that count and log what they drop. */
+function guardStarter(metrics: ServerMetrics, log: Logger): StartGuard {
+  return (listen, upstream) =>
     startGoawayGuard({
       ...listen,
       ...upstream,
@@ -108,50 +132,68 @@ export async function openListeners(
       },
       onError: (e) => log.warn("gRPC relay connection failed", { error: e.message }),
     });
+}
 
-  const hostPart = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
-  let port: number;
-  try {
-    port = await bindGrpc(cfg.goawayGuard ? UPSTREAM_ADDR : cfg.addr);
-    if (cfg.goawayGuard) {
-      guards.push(startGuard({
-        hostname: hostPart.replace(/^\[(.*)\]$/, "$1"),
-        port: Number(cfg.addr.slice(cfg.addr.lastIndexOf(":") + 1)),
-      }, { upstreamHostname: UPSTREAM_HOST, upstreamPort: port }));
-      port = guards[0].port;
-    }
-  } catch (e) {
-    return await fail(`--addr ${cfg.addr}`, e);
+/** Binds grpc-js to `addr`; resolves the bound port. */
+function bindGrpc(server: grpc.Server, addr: string): Promise<number> {
+  return new Promise<number>((resolve, reject) =>
+    server.bindAsync(
+      addr,
+      grpc.ServerCredentials.createInsecure(),
+      (err, p) => err ? reject(err) : resolve(p),
+    )
+  );
+}
+
+/** `--addr`: grpc-js itself, or behind a guard that owns the address. Resolves the public port. */
+async function bindAddr(
+  server: grpc.Server,
+  cfg: Pick<ServeConfig, "addr" | "goawayGuard">,
+  hostPart: string,
+  startGuard: StartGuard,
+  opened: Opened,
+): Promise<number> {
+  const port = await bindGrpc(server, cfg.goawayGuard ? UPSTREAM_ADDR : cfg.addr);
+  if (!cfg.goawayGuard) return port;
+  const guard = startGuard({
+    hostname: hostPart.replace(/^\[(.*)\]$/, "$1"),
+    port: Number(cfg.addr.slice(cfg.addr.lastIndexOf(":") + 1)),
+  }, { upstreamHostname: UPSTREAM_HOST, upstreamPort: port });
+  opened.guards.push(guard);
+  return guard.port;
+}
+
+/**
+ * `--uds`: the Unix socket (a stale file taken over), relayed by a guard over
+ * the upstream socket beside it when the guard is on, and the local RPC
+ * socket beside it.
+ */
+async function bindUds(
+  server: grpc.Server,
+  impl: grpc.UntypedServiceImplementation,
+  cfg: Pick<ServeConfig, "goawayGuard" | "maxMessageBytes"> & { uds: string },
+  startGuard: StartGuard,
+  opened: Opened,
+  log: Logger,
+): Promise<BoundSocket> {
+  const path = cfg.uds;
+  if (await claimSocketPath(path) === "removed_stale") {
+    log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
   }
-  if (cfg.uds !== undefined) {
-    const path = cfg.uds;
-    try {
-      if (await claimSocketPath(path) === "removed_stale") {
-        log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
-      }
-      if (cfg.goawayGuard) {
-        const upstreamPath = upstreamSocketPath(path);
-        await claimSocketPath(upstreamPath);
-        await bindGrpc(`unix:${upstreamPath}`);
-        sockets.push(await boundSocket(upstreamPath));
-        await Deno.chmod(upstreamPath, UPSTREAM_SOCKET_MODE);
-        guards.push(startGuard({ path }, { upstreamPath }));
-      } else {
-        await bindGrpc(`unix:${path}`);
-      }
-      uds = await boundSocket(path);
-      sockets.push(uds);
-      localRpc = await openLocalRpc(path, impl, cfg.maxMessageBytes, log, sockets);
-    } catch (e) {
-      return await fail(`--uds ${path}`, e);
-    }
+  if (cfg.goawayGuard) {
+    const upstreamPath = upstreamSocketPath(path);
+    await claimSocketPath(upstreamPath);
+    await bindGrpc(server, `unix:${upstreamPath}`);
+    opened.sockets.push(await boundSocket(upstreamPath));
+    await Deno.chmod(upstreamPath, UPSTREAM_SOCKET_MODE);
+    opened.guards.push(startGuard({ path }, { upstreamPath }));
+  } else {
+    await bindGrpc(server, `unix:${path}`);
   }
-  return {
-    grpcAddr: `${hostPart}:${port}`,
-    udsPath: uds?.path,
-    localRpcPath: localRpc?.path,
-    close,
-  };
+  const uds = await boundSocket(path);
+  opened.sockets.push(uds);
+  opened.localRpc = await openLocalRpc(path, impl, cfg.maxMessageBytes, log, opened.sockets);
+  return uds;
 }
 
 /** The engines' hot calls in frames beside the `--uds` socket (local_rpc.ts), same handlers. */

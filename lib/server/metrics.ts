@@ -82,6 +82,8 @@ export class ServerMetrics implements EngineMetrics {
   readonly #cleanups: Counter<"reason">;
   readonly #sealed: Counter;
 
+  // long function: one declaration per metric the server updates as things
+  // happen, read as the table of what it exports.
   constructor(
     stats: () => StoreStats,
     extra?: { instances: () => number; sessions: () => number },
@@ -197,104 +199,7 @@ export class ServerMetrics implements EngineMetrics {
       "instances cleaned up, by reason",
       ["reason"],
     );
-    const fromStats = (
-      name: string,
-      help: string,
-      pick: (s: StoreStats) => number,
-      monotonic = false,
-    ) =>
-      scrapeGauge(
-        r,
-        name,
-        monotonic ? `${help} (monotonic, read from the store)` : help,
-        () => pick(stats()),
-      );
-    fromStats(
-      "pegaflow_pool_capacity_bytes",
-      "pinned pool bytes the store places blocks in",
-      (s) => s.capacityBytes,
-    );
-    fromStats(
-      "pegaflow_pool_used_bytes",
-      "pinned pool bytes allocated (cached + in flight)",
-      (s) => s.usedBytes,
-    );
-    new Gauge({
-      name: "pegaflow_pool_part_used_bytes",
-      help:
-        "pinned pool bytes allocated per pool part (one part per NUMA node of the served devices)",
-      labelNames: ["part"],
-      registers: [r],
-      collect() {
-        stats().partUsedBytes.forEach((b, p) => this.set({ part: String(p) }, b));
-      },
-    });
-    fromStats(
-      "pegaflow_pool_largest_free_bytes",
-      "largest free extent of the pool",
-      (s) => s.largestFreeBytes,
-    );
-    fromStats(
-      "pegaflow_inflight_copy_bytes",
-      "pool bytes reserved by saves whose copy is in flight",
-      (s) => s.inflightCopyBytes,
-    );
-    fromStats("pegaflow_cache_blocks", "sealed blocks resident in RAM", (s) => s.sealedBlocks);
-    fromStats(
-      "pegaflow_cache_evictable_bytes",
-      "bytes of sealed, unpinned blocks",
-      (s) => s.evictableBytes,
-    );
-    fromStats(
-      "pegaflow_inflight_blocks",
-      "blocks with slots still arriving (never served)",
-      (s) => s.inflightBlocks,
-    );
-    fromStats(
-      "pegaflow_pinned_blocks",
-      "blocks held by a lease, a load or a transfer lock",
-      (s) => s.pinnedBlocks,
-    );
-    fromStats("pegaflow_leases", "live leases", (s) => s.leasesActive);
-    fromStats(
-      "pegaflow_loads_inflight",
-      "loads whose scatter has not finished",
-      (s) => s.loadsInflight,
-    );
-    fromStats("pegaflow_cache_hits_total", "queried blocks served from RAM", (s) => s.hits, true);
-    fromStats("pegaflow_cache_misses_total", "queried blocks not served", (s) => s.misses, true);
-    fromStats("pegaflow_cache_evictions_total", "blocks evicted", (s) => s.evictions, true);
-    fromStats("pegaflow_cache_evicted_bytes_total", "bytes evicted", (s) => s.evictedBytes, true);
-    fromStats(
-      "pegaflow_admission_rejections_total",
-      "new blocks refused by TinyLFU admission",
-      (s) => s.admissionRejections,
-      true,
-    );
-    fromStats(
-      "pegaflow_save_refusals_total",
-      "saves refused for room (pool exhausted)",
-      (s) => s.saveRefusals,
-      true,
-    );
-    fromStats(
-      "pegaflow_dedup_blocks_total",
-      "saved blocks skipped before copy (already held)",
-      (s) => s.deduplicated,
-      true,
-    );
-    fromStats(
-      "pegaflow_stale_inflight_collected_total",
-      "inflight blocks collected as stale",
-      (s) => s.staleCollected,
-      true,
-    );
-    fromStats(
-      "pegaflow_leases_expired_total",
-      "leases that expired unused",
-      (s) => s.leasesExpired,
-      true,
-    );
+    registerStoreGauges(r, stats);
     if (extra) {
       scrapeGauge(r, "pegaflow_instances", "registered instances", () => extra.instances());
     }
@@ -369,4 +274,111 @@ export class ServerMetrics implements EngineMetrics {
       dropped: this.#queueDropped.labels({ queue: name }),
     };
   }
+}
+
+/**
+ * The pool and cache gauges, read from the store at scrape time so they can
+ * never drift from its own accounting.
+ */
+// long function: one declaration per gauge, read as the table of what the
+// store exports.
+function registerStoreGauges(r: Registry, stats: () => StoreStats): void {
+  const fromStats = (
+    name: string,
+    help: string,
+    pick: (s: StoreStats) => number,
+    monotonic = false,
+  ) =>
+    scrapeGauge(
+      r,
+      name,
+      monotonic ? `${help} (monotonic, read from the store)` : help,
+      () => pick(stats()),
+    );
+  fromStats(
+    "pegaflow_pool_capacity_bytes",
+    "pinned pool bytes the store places blocks in",
+    (s) => s.capacityBytes,
+  );
+  fromStats(
+    "pegaflow_pool_used_bytes",
+    "pinned pool bytes allocated (cached + in flight)",
+    (s) => s.usedBytes,
+  );
+  new Gauge({
+    name: "pegaflow_pool_part_used_bytes",
+    help:
+      "pinned pool bytes allocated per pool part (one part per NUMA node of the served devices)",
+    labelNames: ["part"],
+    registers: [r],
+    collect() {
+      stats().partUsedBytes.forEach((b, p) => this.set({ part: String(p) }, b));
+    },
+  });
+  fromStats(
+    "pegaflow_pool_largest_free_bytes",
+    "largest free extent of the pool",
+    (s) => s.largestFreeBytes,
+  );
+  fromStats(
+    "pegaflow_inflight_copy_bytes",
+    "pool bytes reserved by saves whose copy is in flight",
+    (s) => s.inflightCopyBytes,
+  );
+  fromStats("pegaflow_cache_blocks", "sealed blocks resident in RAM", (s) => s.sealedBlocks);
+  fromStats(
+    "pegaflow_cache_evictable_bytes",
+    "bytes of sealed, unpinned blocks",
+    (s) => s.evictableBytes,
+  );
+  fromStats(
+    "pegaflow_inflight_blocks",
+    "blocks with slots still arriving (never served)",
+    (s) => s.inflightBlocks,
+  );
+  fromStats(
+    "pegaflow_pinned_blocks",
+    "blocks held by a lease, a load or a transfer lock",
+    (s) => s.pinnedBlocks,
+  );
+  fromStats("pegaflow_leases", "live leases", (s) => s.leasesActive);
+  fromStats(
+    "pegaflow_loads_inflight",
+    "loads whose scatter has not finished",
+    (s) => s.loadsInflight,
+  );
+  fromStats("pegaflow_cache_hits_total", "queried blocks served from RAM", (s) => s.hits, true);
+  fromStats("pegaflow_cache_misses_total", "queried blocks not served", (s) => s.misses, true);
+  fromStats("pegaflow_cache_evictions_total", "blocks evicted", (s) => s.evictions, true);
+  fromStats("pegaflow_cache_evicted_bytes_total", "bytes evicted", (s) => s.evictedBytes, true);
+  fromStats(
+    "pegaflow_admission_rejections_total",
+    "new blocks refused by TinyLFU admission",
+    (s) => s.admissionRejections,
+    true,
+  );
+  fromStats(
+    "pegaflow_save_refusals_total",
+    "saves refused for room (pool exhausted)",
+    (s) => s.saveRefusals,
+    true,
+  );
+  fromStats(
+    "pegaflow_dedup_blocks_total",
+    "saved blocks skipped before copy (already held)",
+    (s) => s.deduplicated,
+    true,
+  );
+  fromStats(
+    "pegaflow_stale_inflight_collected_total",
+    "inflight blocks collected as stale",
+    (s) => s.staleCollected,
+    true,
+  );
+  fromStats(
+    "pegaflow_leases_expired_total",
+    "leases that expired unused",
+    (s) => s.leasesExpired,
+    true,
+  );
 }

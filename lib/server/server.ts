@@ -32,7 +32,12 @@ import { storeTierHost } from "../storage/tier_host.ts";
 import { registerTierMetrics } from "./tier_metrics.ts";
 import { advertisedFills, indexAdvertiser } from "../index/attach.ts";
 import { type CrossNode, openCrossNode } from "./cross_node.ts";
+import type { IndexAdvertiser } from "../index/advertiser.ts";
+import type { NativePort } from "../engine/ports.ts";
 import { type Listeners, openListeners } from "./listeners.ts";
+
+/** What openNative gives: the engine's native port and the copy engine under it. */
+type OpenedNative = NativePort & { copyEngine: CopyEngine };
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -72,10 +77,10 @@ export interface RunningServer {
 }
 
 /**
- * Starts everything described by `cfg`. Longer than 80 lines on purpose: it
- * is the composition root, and the order things open in and the unwinding of
- * each failure read best in one place (each piece is its own function or
- * module: openStorage, openSsdTier, openCrossNode, openListeners, startHttp).
+ * Starts everything described by `cfg`: the composition root. Each piece is
+ * its own function or module (openStorage, openLowerTiers, openListeners,
+ * startHttp, stopServer); here is the order they open in and the unwinding of
+ * each failure.
  *
  * @example
  * ```ts
@@ -96,59 +101,16 @@ export async function startServer(
     sessions: () => sessions.count,
   });
   metrics.devicesServed(native.devices);
-  let ssd: SsdTier | undefined;
-  try {
-    ssd = await openSsdTier(cfg, native, metrics, log);
-  } catch (e) {
-    // Not starting at all beats serving beside another server's cache file;
-    // free what was opened so an embedder can retry.
-    clearInterval(collector);
-    await native.close();
-    throw e;
-  }
-  // Blocks the tiers bring into RAM are advertised like saved ones.
-  const tierHost = advertiser
-    ? advertisedFills(storeTierHost(store), advertiser)
-    : storeTierHost(store);
-  let cross: CrossNode;
-  try {
-    cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
-  } catch (e) {
-    // An explicit transport that cannot open, or a bad --nics: refuse to start.
-    await ssd?.close();
-    clearInterval(collector);
-    await native.close();
-    throw e;
-  }
-  // The tiers below RAM, wired once through the Tier port: the engine hands
-  // them sealed blocks (write-behind) and asks them on a RAM miss, SSD first.
-  const lower = [
-    ...(ssd ? [new SsdStorageTier(ssd, tierHost, log.child({ tier: "ssd" }))] : []),
-    ...(cross.peerTier ? [cross.peerTier] : []),
-  ];
-  const tiers = lower.length > 0
-    ? new LowerTiers({ ram: store, tiers: lower, stageMetrics: (stage) => metrics.stage(stage) })
-    : undefined;
-  if (tiers) registerTierMetrics(metrics.registry, tiers);
-  const engine = new KvEngine({
-    native,
-    store,
-    log,
-    metrics,
-    leaseTtlMs: cfg.leaseTtlMs,
-    tiers,
-    poolPartOf: placement ? (device) => placement.partOfDevice.get(device) : undefined,
-  });
-  engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
-  if (advertiser) engine.onSealed((ns, keys) => advertiser.onSealed(ns, keys));
+  const { cross, tiers } = await openLowerTiers(cfg, native, store, advertiser, metrics, log)
+    .catch(async (e) => {
+      // Free what was opened so an embedder can retry.
+      clearInterval(collector);
+      await native.close();
+      throw e;
+    });
+  const engine = newEngine(cfg, { native, placement, store, advertiser }, tiers, metrics, log);
 
-  const server = new grpc.Server({
-    "grpc.max_receive_message_length": cfg.maxMessageBytes,
-    "grpc.max_send_message_length": cfg.maxMessageBytes,
-    "grpc.keepalive_time_ms": KEEPALIVE_TIME_MS,
-    "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
-    "grpc.keepalive_permit_without_calls": 1,
-  });
+  const server = grpcServer(cfg.maxMessageBytes);
   const impl = engineServiceImpl(engine, sessions, metrics, log);
   server.addService(lenientService(), impl);
   cross.addServices(server);
@@ -188,25 +150,124 @@ export async function startServer(
 
   let closing: Promise<void> | undefined;
   const close = () =>
-    closing ??= (async () => {
-      log.info("shutting down");
-      sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
-      await engine.close();
-      await cross.closeIndex();
-      await tiers?.close();
-      await cross.close();
-      // grpc-js's sockets are left to process exit on purpose: its
-      // tryShutdown/forceShutdown send GOAWAY, and a Deno process receiving a
-      // GOAWAY on a busy HTTP/2 session can abort inside nghttp2
-      // (denoland/deno#36788; engines built on this SDK run on Deno). Every
-      // instance is already cleaned up and every session ended: nothing is lost.
-      if (http) await http.server.shutdown();
-      // Closing the guard's sockets sends no GOAWAY: clients see the connection end.
-      await listeners.close();
-      clearInterval(collector);
-      await native.close();
-    })();
+    closing ??= stopServer({
+      log,
+      sessions,
+      engine,
+      cross,
+      tiers,
+      http: http?.server,
+      listeners,
+      collector,
+      native,
+    });
   return { grpcAddr, udsPath: listeners.udsPath, httpAddr, engine, close };
+}
+
+/** The KV engine over the storage and the tiers; what it seals is counted and advertised. */
+function newEngine(
+  cfg: ServeConfig,
+  storage: Pick<
+    Awaited<ReturnType<typeof openStorage>>,
+    "native" | "placement" | "store" | "advertiser"
+  >,
+  tiers: LowerTiers | undefined,
+  metrics: ServerMetrics,
+  log: Logger,
+): KvEngine {
+  const { native, placement, store, advertiser } = storage;
+  const engine = new KvEngine({
+    native,
+    store,
+    log,
+    metrics,
+    leaseTtlMs: cfg.leaseTtlMs,
+    tiers,
+    poolPartOf: placement ? (device) => placement.partOfDevice.get(device) : undefined,
+  });
+  engine.onSealed((_ns, keys) => metrics.sealed(keys.length));
+  if (advertiser) engine.onSealed((ns, keys) => advertiser.onSealed(ns, keys));
+  return engine;
+}
+
+/**
+ * The tiers below RAM, wired once through the Tier port: SSD when configured,
+ * then the peer tier. The engine hands them sealed blocks (write-behind) and
+ * asks them on a RAM miss, SSD first. A failure closes what this opened and
+ * goes up (the caller frees the storage).
+ */
+async function openLowerTiers(
+  cfg: ServeConfig,
+  native: OpenedNative,
+  store: KvStore,
+  advertiser: IndexAdvertiser | undefined,
+  metrics: ServerMetrics,
+  log: Logger,
+): Promise<{ cross: CrossNode; tiers: LowerTiers | undefined }> {
+  // Not starting at all beats serving beside another server's cache file.
+  const ssd = await openSsdTier(cfg, native, metrics, log);
+  // Blocks the tiers bring into RAM are advertised like saved ones.
+  const tierHost = advertiser
+    ? advertisedFills(storeTierHost(store), advertiser)
+    : storeTierHost(store);
+  let cross: CrossNode;
+  try {
+    cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
+  } catch (e) {
+    // An explicit transport that cannot open, or a bad --nics: refuse to start.
+    await ssd?.close();
+    throw e;
+  }
+  const lower = [
+    ...(ssd ? [new SsdStorageTier(ssd, tierHost, log.child({ tier: "ssd" }))] : []),
+    ...(cross.peerTier ? [cross.peerTier] : []),
+  ];
+  const tiers = lower.length > 0
+    ? new LowerTiers({ ram: store, tiers: lower, stageMetrics: (stage) => metrics.stage(stage) })
+    : undefined;
+  if (tiers) registerTierMetrics(metrics.registry, tiers);
+  return { cross, tiers };
+}
+
+/** The gRPC server: message size limits and HTTP/2 keepalive. */
+function grpcServer(maxMessageBytes: number): grpc.Server {
+  return new grpc.Server({
+    "grpc.max_receive_message_length": maxMessageBytes,
+    "grpc.max_send_message_length": maxMessageBytes,
+    "grpc.keepalive_time_ms": KEEPALIVE_TIME_MS,
+    "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
+    "grpc.keepalive_permit_without_calls": 1,
+  });
+}
+
+/** Graceful stop, in dependency order: sessions, engine, index, tiers, sockets, native. */
+async function stopServer(s: {
+  log: Logger;
+  sessions: Sessions;
+  engine: KvEngine;
+  cross: CrossNode;
+  tiers: LowerTiers | undefined;
+  http: Deno.HttpServer | undefined;
+  listeners: Listeners;
+  collector: ReturnType<typeof setInterval>;
+  native: OpenedNative;
+}): Promise<void> {
+  s.log.info("shutting down");
+  s.sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
+  await s.engine.close();
+  await s.cross.closeIndex();
+  await s.tiers?.close();
+  await s.cross.close();
+  // grpc-js's sockets are left to process exit on purpose: its
+  // tryShutdown/forceShutdown send GOAWAY, and a Deno process receiving a
+  // GOAWAY on a busy HTTP/2 session can abort inside nghttp2
+  // (denoland/deno#36788; engines built on this SDK run on Deno). Every
+  // instance is already cleaned up and every session ended: nothing is lost.
+  if (s.http) await s.http.shutdown();
+  // Closing the guard's sockets sends no GOAWAY: clients see the connection end.
+  await s.listeners.close();
+  clearInterval(s.collector);
+  await s.native.close();
 }
 
 /** The pinned pool (one engine per served device) and the block store over it. */

@@ -151,23 +151,7 @@ async function openCacheFile(
   reset: boolean,
   log: Logger,
 ): Promise<CacheFile> {
-  const space = fsSpace(dirOf(path));
-  const usable = Math.floor(
-    (space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION),
-  );
-  let cap = share;
-  if (cap > usable) {
-    log.info("SSD cache capacity capped to the free space of its filesystem", {
-      path,
-      asked_bytes: share,
-      capped_bytes: usable,
-    });
-    cap = usable;
-  }
-  const segments = Math.floor((cap - PAGE_BYTES) / opts.segmentBytes);
-  if (segments < 1) {
-    throw new Error(`capacity ${cap} bytes holds no ${opts.segmentBytes}-byte segment`);
-  }
+  const segments = segmentsFor(path, share, opts.segmentBytes, log);
   const h = handle.id = uring.openFile(
     path,
     FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0),
@@ -178,27 +162,7 @@ async function openCacheFile(
   }
   let generation = 0;
   if (!reset && info.sizeBytes >= PAGE_BYTES) {
-    const sb = await readSuper(io, h);
-    if (typeof sb === "string") {
-      // An older format is never misread: its records are dropped with the generation.
-      log.warn("SSD cache file not read: starting this file empty", { path, problem: sb });
-    } else if (sb.segmentBytes !== opts.segmentBytes) {
-      log.warn("SSD cache file written with another segment size: starting it empty", {
-        path,
-        on_disk_segment_bytes: sb.segmentBytes,
-        segment_bytes: opts.segmentBytes,
-      });
-    } else {
-      generation = sb.generation;
-      if (sb.segmentCount !== segments) {
-        log.info("SSD cache file resized: keeping its first segments", {
-          path,
-          on_disk_segments: sb.segmentCount,
-          segments,
-          kept: Math.min(sb.segmentCount, segments),
-        });
-      }
-    }
+    generation = await keptGeneration(io, h, path, segments, opts.segmentBytes, log);
   }
   if (generation === 0) {
     generation = newGeneration();
@@ -220,6 +184,68 @@ async function openCacheFile(
     direct: info.direct,
     sizeAtOpen: reset ? 0 : info.sizeBytes,
   };
+}
+
+/**
+ * Segments of a file given `share` bytes, capped to its filesystem's free
+ * space (less a reserve) plus what the file holds already.
+ */
+function segmentsFor(path: string, share: number, segmentBytes: number, log: Logger): number {
+  const space = fsSpace(dirOf(path));
+  const usable = Math.floor(
+    (space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION),
+  );
+  let cap = share;
+  if (cap > usable) {
+    log.info("SSD cache capacity capped to the free space of its filesystem", {
+      path,
+      asked_bytes: share,
+      capped_bytes: usable,
+    });
+    cap = usable;
+  }
+  const segments = Math.floor((cap - PAGE_BYTES) / segmentBytes);
+  if (segments < 1) {
+    throw new Error(`capacity ${cap} bytes holds no ${segmentBytes}-byte segment`);
+  }
+  return segments;
+}
+
+/**
+ * The generation of an existing file's superblock when its records can be
+ * kept (same format and segment size), else 0 (logged): the file starts empty.
+ */
+async function keptGeneration(
+  io: SsdIo,
+  handle: number,
+  path: string,
+  segments: number,
+  segmentBytes: number,
+  log: Logger,
+): Promise<number> {
+  const sb = await readSuper(io, handle);
+  if (typeof sb === "string") {
+    // An older format is never misread: its records are dropped with the generation.
+    log.warn("SSD cache file not read: starting this file empty", { path, problem: sb });
+    return 0;
+  }
+  if (sb.segmentBytes !== segmentBytes) {
+    log.warn("SSD cache file written with another segment size: starting it empty", {
+      path,
+      on_disk_segment_bytes: sb.segmentBytes,
+      segment_bytes: segmentBytes,
+    });
+    return 0;
+  }
+  if (sb.segmentCount !== segments) {
+    log.info("SSD cache file resized: keeping its first segments", {
+      path,
+      on_disk_segments: sb.segmentCount,
+      segments,
+      kept: Math.min(sb.segmentCount, segments),
+    });
+  }
+  return sb.generation;
 }
 
 async function readSuper(io: SsdIo, handle: number) {

@@ -37,7 +37,12 @@ import type { Completion } from "../../ffi/ring.ts";
 import { Uring } from "../../ffi/uring.ts";
 import { SsdIo } from "./io.ts";
 import { SsdIndex } from "./index.ts";
-import { recoverIndex, type RecoveryFile, type RecoveryReport } from "./recovery.ts";
+import {
+  recoverIndex,
+  type RecoveryFile,
+  type RecoveryProgress,
+  type RecoveryReport,
+} from "./recovery.ts";
 import { SegmentRing } from "./space.ts";
 import type { StoredLayout } from "../storage/tier.ts";
 import { type CacheFile, lockPaths, openCacheFiles, SsdOpenError } from "./cache_files.ts";
@@ -143,6 +148,65 @@ type ResolvedOptions = Required<
   Omit<SsdTierOptions, "log" | "ring" | "paths" | "reset" | "stageMetrics">
 >;
 
+/**
+ * The options with their defaults, checked: every count a non-negative
+ * integer, at least one path, and a header arena that holds every write and
+ * prefetch in flight.
+ */
+function resolveOptions(options: SsdTierOptions): ResolvedOptions {
+  const opts: ResolvedOptions = {
+    pool: options.pool,
+    capacityBytes: options.capacityBytes ?? DEFAULT_SSD_CAPACITY,
+    segmentBytes: options.segmentBytes ?? DEFAULT_SEGMENT_BYTES,
+    writeQueueDepth: options.writeQueueDepth ?? SSD_QUEUE_DEFAULTS.writeQueueDepth,
+    writeInflight: options.writeInflight ?? SSD_QUEUE_DEFAULTS.writeInflight,
+    prefetchQueueDepth: options.prefetchQueueDepth ?? SSD_QUEUE_DEFAULTS.prefetchQueueDepth,
+    prefetchInflight: options.prefetchInflight ?? SSD_QUEUE_DEFAULTS.prefetchInflight,
+    maxPrefetchBlocks: options.maxPrefetchBlocks ?? SSD_QUEUE_DEFAULTS.maxPrefetchBlocks,
+    ioDepth: options.ioDepth ?? DEFAULT_IO_DEPTH,
+    hdrPages: options.hdrPages ?? DEFAULT_HDR_PAGES,
+    direct: options.direct ?? true,
+    prefetchTtlMs: options.prefetchTtlMs ?? DEFAULT_PREFETCH_TTL_MS,
+    recoveryProgressMs: options.recoveryProgressMs ?? DEFAULT_RECOVERY_PROGRESS_MS,
+  };
+  for (const [name, v] of Object.entries(opts)) {
+    if (typeof v === "number" && (!Number.isSafeInteger(v) || v < 0)) {
+      throw new RangeError(`SSD tier option ${name}: ${v} is not a non-negative integer`);
+    }
+  }
+  if (options.paths.length === 0) throw new SsdOpenError("no --ssd-cache-path given");
+  if (opts.hdrPages < opts.writeInflight + opts.prefetchInflight) {
+    throw new RangeError(
+      `SSD tier: hdrPages ${opts.hdrPages} < writeInflight + prefetchInflight (${
+        opts.writeInflight + opts.prefetchInflight
+      })`,
+    );
+  }
+  return opts;
+}
+
+/**
+ * The one line an operator watches during a long index rebuild: a sentence
+ * with the counts, and the same counts as fields.
+ */
+function logRebuildProgress(log: Logger, p: RecoveryProgress, final: boolean): void {
+  log.info(
+    `SSD index rebuild${final ? " done" : ""}: ${p.segmentsDone}/${p.segmentsTotal} ` +
+      `segments, ${p.bytesScanned}/${p.bytesTotal} bytes scanned, ${p.records} records ` +
+      `indexed from ${p.headersRead} header reads, ${p.elapsedMs} ms elapsed`,
+    {
+      done: final,
+      segments_done: p.segmentsDone,
+      segments_total: p.segmentsTotal,
+      bytes_scanned: p.bytesScanned,
+      bytes_total: p.bytesTotal,
+      records: p.records,
+      header_reads: p.headersRead,
+      elapsed_ms: p.elapsedMs,
+    },
+  );
+}
+
 /** Where the tier logs when the caller passes no logger. */
 function defaultLog(): Logger {
   return new Logger("info", { tier: "ssd" });
@@ -225,34 +289,7 @@ export class SsdTier {
    */
   static async open(options: SsdTierOptions): Promise<SsdTier> {
     const log = options.log ?? defaultLog();
-    const opts = {
-      pool: options.pool,
-      capacityBytes: options.capacityBytes ?? DEFAULT_SSD_CAPACITY,
-      segmentBytes: options.segmentBytes ?? DEFAULT_SEGMENT_BYTES,
-      writeQueueDepth: options.writeQueueDepth ?? SSD_QUEUE_DEFAULTS.writeQueueDepth,
-      writeInflight: options.writeInflight ?? SSD_QUEUE_DEFAULTS.writeInflight,
-      prefetchQueueDepth: options.prefetchQueueDepth ?? SSD_QUEUE_DEFAULTS.prefetchQueueDepth,
-      prefetchInflight: options.prefetchInflight ?? SSD_QUEUE_DEFAULTS.prefetchInflight,
-      maxPrefetchBlocks: options.maxPrefetchBlocks ?? SSD_QUEUE_DEFAULTS.maxPrefetchBlocks,
-      ioDepth: options.ioDepth ?? DEFAULT_IO_DEPTH,
-      hdrPages: options.hdrPages ?? DEFAULT_HDR_PAGES,
-      direct: options.direct ?? true,
-      prefetchTtlMs: options.prefetchTtlMs ?? DEFAULT_PREFETCH_TTL_MS,
-      recoveryProgressMs: options.recoveryProgressMs ?? DEFAULT_RECOVERY_PROGRESS_MS,
-    };
-    for (const [name, v] of Object.entries(opts)) {
-      if (typeof v === "number" && (!Number.isSafeInteger(v) || v < 0)) {
-        throw new RangeError(`SSD tier option ${name}: ${v} is not a non-negative integer`);
-      }
-    }
-    if (options.paths.length === 0) throw new SsdOpenError("no --ssd-cache-path given");
-    if (opts.hdrPages < opts.writeInflight + opts.prefetchInflight) {
-      throw new RangeError(
-        `SSD tier: hdrPages ${opts.hdrPages} < writeInflight + prefetchInflight (${
-          opts.writeInflight + opts.prefetchInflight
-        })`,
-      );
-    }
+    const opts = resolveOptions(options);
     // Locked before anything opens or sizes a file: two servers on one file
     // would overwrite each other's records (a second server refuses to start).
     const locks = lockPaths(options.paths);
@@ -282,24 +319,7 @@ export class SsdTier {
       });
       const report = await recoverIndex(io, rfiles, ring, index, opts.hdrPages, {
         intervalMs: opts.recoveryProgressMs,
-        // The one line an operator watches during a long scan: a sentence with the counts,
-        // and the same counts as fields.
-        report: (p, final) =>
-          log.info(
-            `SSD index rebuild${final ? " done" : ""}: ${p.segmentsDone}/${p.segmentsTotal} ` +
-              `segments, ${p.bytesScanned}/${p.bytesTotal} bytes scanned, ${p.records} records ` +
-              `indexed from ${p.headersRead} header reads, ${p.elapsedMs} ms elapsed`,
-            {
-              done: final,
-              segments_done: p.segmentsDone,
-              segments_total: p.segmentsTotal,
-              bytes_scanned: p.bytesScanned,
-              bytes_total: p.bytesTotal,
-              records: p.records,
-              header_reads: p.headersRead,
-              elapsed_ms: p.elapsedMs,
-            },
-          ),
+        report: (p, final) => logRebuildProgress(log, p, final),
       });
       ring.resume(report.maxSeq + 1);
       const tier = new SsdTier(io, files, ring, index, report, opts, log, options.stageMetrics);

@@ -17,7 +17,7 @@
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import type { LayoutIdentity } from "../storage/layout.ts";
 import { encodeHeader, keyBytes, recordBytes } from "./format.ts";
-import type { SsdIo } from "./io.ts";
+import type { IoBatch, IoBatchResult, SsdIo } from "./io.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
 import type { SsdIndex } from "./index.ts";
 import type { Segment, SegmentRing } from "./space.ts";
@@ -70,6 +70,17 @@ export interface EnqueueResult {
  */
 export function writeStageOptions(queueDepth: number, inflight: number): StageOptions {
   return { concurrency: inflight, queue: { depth: queueDepth, policy: "drop-newest" } };
+}
+
+/** A block given segment space in a write batch. */
+interface Placed {
+  block: SsdWriteBlock;
+  seg: Segment;
+  /** File offset of its record. */
+  off: number;
+  /** Payload bytes. */
+  bytes: number;
+  seq: number;
 }
 
 interface WriteJob {
@@ -212,18 +223,41 @@ export class SsdWriter {
     }
   }
 
+  /** One io_uring batch for a chunk: placed, checksummed, headers written, submitted, indexed. */
   async #writeChunk(
     blocks: SsdWriteBlock[],
     pinned: readonly (readonly PoolExtent[] | undefined)[],
   ): Promise<void> {
     const batch = this.#io.newBatch();
-    const placed: {
-      block: SsdWriteBlock;
-      seg: Segment;
-      off: number;
-      bytes: number;
-      seq: number;
-    }[] = [];
+    const placed = this.#place(blocks, pinned, batch);
+    if (placed.length === 0) return;
+    const t0 = performance.now();
+    try {
+      const crcs = await this.#io.checksum(batch);
+      this.#writeHeaders(batch, placed, crcs);
+      const r = await this.#io.run(batch);
+      r.release();
+      const bytes = this.#indexWritten(placed, r, crcs);
+      this.#s.writeBytes += bytes;
+      this.#s.writeThroughputBps = ewma(
+        this.#s.writeThroughputBps,
+        bytes / ((performance.now() - t0) / 1000),
+      );
+    } finally {
+      for (const p of placed) p.seg.inflightWrites--;
+    }
+  }
+
+  /**
+   * Segment space for each still-pinned block and its write in `batch`; a
+   * block evicted before its pin, or with no space, is skipped and counted.
+   */
+  #place(
+    blocks: SsdWriteBlock[],
+    pinned: readonly (readonly PoolExtent[] | undefined)[],
+    batch: IoBatch,
+  ): Placed[] {
+    const placed: Placed[] = [];
     for (let i = 0; i < blocks.length; i++) {
       const block = blocks[i];
       const extents = pinned[i];
@@ -242,66 +276,62 @@ export class SsdWriter {
       placed.push({ block, seg: a.segment, off: a.fileOffset, bytes, seq });
       batch.write(this.#files[a.segment.file].handle, a.fileOffset, true, [...extents]);
     }
-    if (placed.length === 0) return;
-    const t0 = performance.now();
-    try {
-      const crcs = await this.#io.checksum(batch);
-      const now = Date.now();
-      for (let i = 0; i < placed.length; i++) {
-        const p = placed[i];
-        encodeHeader(batch.headerPage(i), {
-          key: p.block.key,
-          seq: p.seq,
-          epoch: p.seg.epoch,
+    return placed;
+  }
+
+  /** Each record's header page: key, sequence, payload checksum, layout. */
+  #writeHeaders(batch: IoBatch, placed: Placed[], crcs: Uint32Array): void {
+    const now = Date.now();
+    for (let i = 0; i < placed.length; i++) {
+      const p = placed[i];
+      encodeHeader(batch.headerPage(i), {
+        key: p.block.key,
+        seq: p.seq,
+        epoch: p.seg.epoch,
+        payloadBytes: p.bytes,
+        payloadCrc: crcs[i],
+        recordBytes: recordBytes(p.bytes),
+        writtenAtMs: now,
+        generation: this.#files[p.seg.file].generation,
+        namespace: p.block.namespace,
+        layout: p.block.layout.fingerprint,
+        layoutSummary: p.block.layout.summary,
+      }, keyBytes(p.block.key));
+    }
+  }
+
+  /** Indexes the records that landed, logs the ones that failed; returns the bytes written. */
+  #indexWritten(placed: Placed[], r: IoBatchResult, crcs: Uint32Array): number {
+    let bytes = 0;
+    for (let i = 0; i < placed.length; i++) {
+      const p = placed[i];
+      if (r.status[i] === 0) {
+        // The segment may have been reused meanwhile only if it had no
+        // write in flight, and this one was: the location is current.
+        this.#index.put(p.block.key, {
+          segment: p.seg,
+          fileOffset: p.off,
           payloadBytes: p.bytes,
           payloadCrc: crcs[i],
-          recordBytes: recordBytes(p.bytes),
-          writtenAtMs: now,
-          generation: this.#files[p.seg.file].generation,
+          seq: p.seq,
           namespace: p.block.namespace,
           layout: p.block.layout.fingerprint,
-          layoutSummary: p.block.layout.summary,
-        }, keyBytes(p.block.key));
+        }, p.block.layout.summary);
+        bytes += p.bytes;
+        this.#s.writeBlocks++;
+      } else {
+        this.#s.writeFailures++;
+        this.#log.error("SSD write failed", {
+          block: p.block.key,
+          error: r.errorText(i),
+          errno: r.aux[i],
+          path: this.#files[p.seg.file].path,
+          offset: p.off,
+          bytes: recordBytes(p.bytes),
+        });
       }
-      const r = await this.#io.run(batch);
-      r.release();
-      let bytes = 0;
-      for (let i = 0; i < placed.length; i++) {
-        const p = placed[i];
-        if (r.status[i] === 0) {
-          // The segment may have been reused meanwhile only if it had no
-          // write in flight, and this one was: the location is current.
-          this.#index.put(p.block.key, {
-            segment: p.seg,
-            fileOffset: p.off,
-            payloadBytes: p.bytes,
-            payloadCrc: crcs[i],
-            seq: p.seq,
-            namespace: p.block.namespace,
-            layout: p.block.layout.fingerprint,
-          }, p.block.layout.summary);
-          bytes += p.bytes;
-          this.#s.writeBlocks++;
-        } else {
-          this.#s.writeFailures++;
-          this.#log.error("SSD write failed", {
-            block: p.block.key,
-            error: r.errorText(i),
-            errno: r.aux[i],
-            path: this.#files[p.seg.file].path,
-            offset: p.off,
-            bytes: recordBytes(p.bytes),
-          });
-        }
-      }
-      this.#s.writeBytes += bytes;
-      this.#s.writeThroughputBps = ewma(
-        this.#s.writeThroughputBps,
-        bytes / ((performance.now() - t0) / 1000),
-      );
-    } finally {
-      for (const p of placed) p.seg.inflightWrites--;
     }
+    return bytes;
   }
 
   /** Counters and gauges. */

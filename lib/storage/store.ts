@@ -12,6 +12,7 @@
  * | namespace registry (layout per name)  | namespaces.ts      |
  * | lookup: query prefix, block state     | lookup.ts          |
  * | save planning (dedup → … → blocks)    | save_plan.ts       |
+ * | save candidates (dedup, room, admit)  | save_candidates.ts |
  * | sealing (complete a save or fill)     | seal.ts            |
  * | load tickets (lease consumption)      | load_ticket.ts     |
  * | transfer locks                        | transfer_lock.ts   |

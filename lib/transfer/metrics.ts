@@ -14,6 +14,9 @@ import type { XferEndpoint, XferInfo } from "../../ffi/xfer.ts";
  * Registers the transfer metrics on `registry`; `source()` returns the
  * endpoint to read (undefined while none is open).
  *
+ * long function: one declaration per metric, read as the table of what the
+ * transfer layer exports.
+ *
  * @example
  * ```ts
  * registerTransferMetrics(registry, () => transfer?.endpoint);

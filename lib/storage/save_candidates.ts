@@ -1,0 +1,165 @@
+/**
+ * The first steps of save planning (lib/storage/save_plan.ts): which of a
+ * request's hashes still need bytes, and how many of them the pool takes.
+ *
+ * - **dedup**: hashes already sealed, slots already PENDING or FILLED, and a
+ *   hash named twice are skipped before any byte moves;
+ * - **fitRoom**: keep the longest prefix that free + evictable bytes hold;
+ * - **admit**: only when eviction is needed, TinyLFU turns away new blocks
+ *   less popular than the LRU victim.
+ *
+ * The candidates are one flat need map; no per-block arrays.
+ *
+ * @module
+ */
+
+import { type Block, type CacheClass, SLOT_EMPTY } from "./block.ts";
+import { type BlockHash, hashBucket, hashHex, sameHash } from "./keys.ts";
+import type { NamespaceState } from "./namespaces.ts";
+import type { StoreState } from "./state.ts";
+
+/** What one plan is for: its namespace, writer and slot columns. */
+export interface PlanTarget {
+  readonly ns: NamespaceState;
+  readonly namespace: string;
+  readonly instance: string;
+  /** The saving rank, or -1 for a fill. */
+  readonly rank: number;
+  readonly layers: number[];
+  readonly rankSlotList: number[];
+  /** Column (li * R + ri) → slot index within a block. */
+  readonly colSlot: Int32Array;
+  readonly cacheClass: CacheClass;
+  /** Preferred pool part (NUMA node), or undefined for any. */
+  readonly part?: number;
+}
+
+/**
+ * The hashes that still need bytes after dedup, packed in request order
+ * (`need[k * C + c]`: block k needs column c). The admission step compacts
+ * them in place.
+ */
+export interface Candidates {
+  readonly need: Uint8Array;
+  readonly needCount: Int32Array;
+  readonly hashIndex: number[];
+  readonly buckets: number[];
+  readonly hexes: string[];
+  readonly existing: (Block | undefined)[];
+  readonly deduplicated: number;
+}
+
+/** Step 1: which (block, column) slots still need bytes. One flat need map, no per-block arrays. */
+export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Candidates {
+  const C = t.colSlot.length;
+  const need = new Uint8Array(hashes.length * C);
+  const needCount = new Int32Array(hashes.length);
+  const hashIndex: number[] = [];
+  const buckets: number[] = [];
+  const hexes: string[] = [];
+  const existing: (Block | undefined)[] = [];
+  let deduplicated = 0;
+  // A hash named twice in one request is planned once. New hashes are told
+  // apart by bucket first (a number), bytes only on a bucket match: no string
+  // is hashed per block.
+  const seenBlocks = new Set<Block>();
+  const seenNew = new Map<number, number>(); // bucket → last request index planned with it
+  const sameBucket = new Int32Array(hashes.length); // request index → previous one in its bucket
+  for (let i = 0; i < hashes.length; i++) {
+    const bucket = hashBucket(hashes[i], t.ns.seed);
+    st.lfu?.record(bucket);
+    const b = st.index.find(t.namespace, hashes[i], bucket);
+    let hex: string;
+    if (b) {
+      if (b.state === "sealed" || seenBlocks.has(b)) {
+        // Saving a held block again is an access: keep it from being this save's victim.
+        if (b.state === "sealed") st.lru.touch(b);
+        deduplicated++;
+        continue;
+      }
+      seenBlocks.add(b);
+      hex = b.hash;
+    } else {
+      const head = seenNew.get(bucket) ?? -1;
+      let j = head;
+      while (j >= 0 && !sameHash(hashes[j], hashes[i])) j = sameBucket[j];
+      if (j >= 0) {
+        deduplicated++;
+        continue;
+      }
+      sameBucket[i] = head;
+      seenNew.set(bucket, i);
+      hex = hashHex(hashes[i]);
+    }
+    const k = hexes.length;
+    let n = 0;
+    for (let c = 0; c < C; c++) {
+      if (!b || b.slots[t.colSlot[c]] === SLOT_EMPTY) {
+        need[k * C + c] = 1;
+        n++;
+      }
+    }
+    if (n === 0) {
+      deduplicated++;
+      continue;
+    }
+    needCount[k] = n;
+    hashIndex.push(i);
+    buckets.push(bucket);
+    hexes.push(hex);
+    existing.push(b);
+  }
+  return { need, needCount, hashIndex, buckets, hexes, existing, deduplicated };
+}
+
+/** Step 2: the longest prefix of the candidates that free + evictable bytes can hold. */
+export function fitRoom(st: StoreState, cand: Candidates, slotBytes: number) {
+  const n = cand.hexes.length;
+  let total = 0;
+  for (let k = 0; k < n; k++) total += cand.needCount[k] * slotBytes;
+  let count = n;
+  const room = st.allocator.freeBytes + st.lru.evictableBytes;
+  while (count > 0 && total > room) total -= cand.needCount[--count] * slotBytes;
+  const firstBytes = n > 0 ? cand.needCount[0] * slotBytes : 0;
+  return { count, total, refusedForRoom: n - count, firstBytes };
+}
+
+/**
+ * Step 3 (only when eviction is needed): new blocks must beat the LRU victim
+ * under TinyLFU. Compacts the first `count` candidates in place.
+ */
+export function admit(
+  st: StoreState,
+  t: PlanTarget,
+  cand: Candidates,
+  count: number,
+  total: number,
+  slotBytes: number,
+): { count: number; total: number; admissionRejected: number } {
+  const lfu = st.lfu;
+  if (!lfu || total <= st.allocator.freeBytes) return { count, total, admissionRejected: 0 };
+  const victim = st.lru.victim();
+  if (!victim) return { count, total, admissionRejected: 0 };
+  const C = t.colSlot.length;
+  const { need, needCount, hashIndex, buckets, hexes, existing } = cand;
+  let rejected = 0;
+  let w = 0;
+  total = 0;
+  for (let k = 0; k < count; k++) {
+    if (existing[k] === undefined && !lfu.admit(buckets[k], victim.bucket)) {
+      rejected++;
+      continue;
+    }
+    if (w !== k) {
+      hashIndex[w] = hashIndex[k];
+      buckets[w] = buckets[k];
+      hexes[w] = hexes[k];
+      existing[w] = existing[k];
+      needCount[w] = needCount[k];
+      need.copyWithin(w * C, k * C, (k + 1) * C);
+    }
+    total += needCount[w] * slotBytes;
+    w++;
+  }
+  return { count: w, total, admissionRejected: rejected };
+}
