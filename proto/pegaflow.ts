@@ -251,7 +251,7 @@ export interface QueryPrefetchRequest {
   /** required; a "loading" answer is polled with it */
   requestId: string;
   /**
-   * Optional "query and load": when the answer is a hit, the server starts
+   * Optional "query and load": when the answer is a hit, the server queues
    * its load at once, as if a Load of every rank named here had arrived with
    * the new lease and the hit's leading targets, before it answers. For
    * targets the engine owns before the scheduler allocates (staging blocks):
@@ -283,9 +283,10 @@ export interface RankLoadOutcome {
   tpRank: number;
   ppRank: number;
   /**
-   * Empty: the rank's load was submitted (its load state reports the copy).
+   * Empty: the rank's load passed its checks and is queued (the answer does
+   * not wait for it): its load state reports the copy, or a later refusal.
    * Else why it was refused; its load state is marked failed when the
-   * server could open it, and the lease is released (nothing else to undo).
+   * server could open it. A refusal at any time gives the lease back.
    */
   error: string;
   numBlocks: number;

@@ -253,18 +253,23 @@ export class KvEngine {
     return { hits: r.hits, leaseId: r.lease?.idBytes ?? null, ttlMs: this.#leaseTtlMs };
   }
 
-  /** QueryPrefetch with `load_into`: on a hit, every rank's load starts before the answer (query_load.ts). */
+  /** QueryPrefetch with `load_into`: on a hit, every rank's load is queued before the answer (query_load.ts). */
   queryLoad(
     instanceId: string,
     hashes: Uint8Array[],
     requestId: string,
     into: LoadInto,
-  ): Promise<ReturnType<KvEngine["query"]> & { loads: RankLoadOutcome[] }> {
+  ): ReturnType<KvEngine["query"]> & { loads: RankLoadOutcome[] } {
     return queryAndLoad(
       {
         instance: (id, what) => this.#instance(id, what),
         query: (id, h, r) => this.query(id, h, r),
-        load: (a) => this.load(a),
+        startLoad: (a) =>
+          this.#loader.start(
+            a,
+            (id) => this.#instance(id, "Load"),
+            (job) => this.#loadStage.submit(job),
+          ),
         release: (l) => this.release(l),
       },
       instanceId,

@@ -73,10 +73,28 @@ export class LoadRunner {
   ) {}
 
   /**
-   * The whole Load RPC: checks, then `enqueue` (the load stage) runs
-   * {@link submit}; any refusal marks the load state failed.
+   * The whole Load RPC: {@link start}, awaited; a refusal is a rejection.
    */
-  async load(
+  load(
+    args: LoadArgs,
+    instance: (id: string) => Instance,
+    enqueue: (job: LoadJob) => Submission<LoadJob, LoadResult>,
+  ): Promise<LoadResult> {
+    try {
+      return this.start(args, instance, enqueue);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+  }
+
+  /**
+   * A Load's checks, synchronously (a refusal throws here, with the load
+   * state marked failed when it could be opened), then `enqueue` (the load
+   * stage) runs {@link submit}. Returns the submit's result; a later
+   * refusal (the lease) rejects it and marks the state failed too. A
+   * query-and-load answers as soon as every rank's load passed this point.
+   */
+  start(
     args: LoadArgs,
     instance: (id: string) => Instance,
     enqueue: (job: LoadJob) => Submission<LoadJob, LoadResult>,
@@ -98,9 +116,9 @@ export class LoadRunner {
         fields,
       );
     }
-    let handedOff = false;
     // The rank's layer count once known: a refusal then marks exactly that many layers done.
     let numLayers: number | undefined;
+    let sub: Submission<LoadJob, LoadResult>;
     try {
       this.#stateOp(
         () => checkLoadState(shm, args.loadStateShm),
@@ -117,7 +135,8 @@ export class LoadRunner {
           { ...fields, expected: LEASE_ID_BYTES, got: args.leaseId.length },
         );
       }
-      const sub = enqueue({ args, inst, rank, shm, tEntry });
+      checkTargets(loadWho(inst, rank, args), fields, rank, args.blockIds);
+      sub = enqueue({ args, inst, rank, shm, tEntry });
       if (sub.status === "refused") {
         throw new EngineError(
           Code.RESOURCE_EXHAUSTED,
@@ -125,6 +144,24 @@ export class LoadRunner {
           fields,
         );
       }
+    } catch (e) {
+      this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
+      this.#closeShm(shm, args.loadStateShm);
+      throw e;
+    }
+    return this.#settled(sub, shm, args, numLayers!, fields);
+  }
+
+  /** The queued part of {@link start}: the submit's result, or its refusal (state failed, closed). */
+  async #settled(
+    sub: Submission<LoadJob, LoadResult>,
+    shm: ShmPort,
+    args: LoadArgs,
+    numLayers: number,
+    fields: ErrorFields,
+  ): Promise<LoadResult> {
+    let handedOff = false;
+    try {
       const out = await sub.done();
       if (out.status === "done") {
         handedOff = true;
@@ -156,13 +193,11 @@ export class LoadRunner {
   #submit(job: LoadJob): LoadResult {
     const { args, inst, rank, shm } = job;
     const tStart = performance.now();
-    const who = `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}` +
-      (args.requestId ? ` request "${args.requestId}"` : "");
+    const who = loadWho(inst, rank, args);
     const fields = loadFields(args);
     inst.begin("Load");
     let view: LoadTicket;
     try {
-      checkTargets(who, fields, rank, args.blockIds);
       // Last check, and the only state change before the copy: the store checks
       // the target count against the lease before this rank's consume is spent,
       // so every refusal up to here leaves the lease usable by a corrected retry.
@@ -320,6 +355,12 @@ export class LoadRunner {
       });
     }
   }
+}
+
+/** The load's ids, as its errors name them. */
+function loadWho(inst: Instance, rank: RankCtx, args: LoadArgs): string {
+  return `instance "${inst.id}" tp_rank ${rank.tpRank} pp_rank ${rank.ppRank}` +
+    (args.requestId ? ` request "${args.requestId}"` : "");
 }
 
 function loadFields(args: LoadArgs): ErrorFields {

@@ -53,7 +53,8 @@ export interface QueryAnswer {
 export interface QueryLoadPorts {
   instance(id: string, what: string): Instance;
   query(instanceId: string, hashes: Uint8Array[], requestId: string): QueryAnswer;
-  load(args: LoadArgs): Promise<LoadResult>;
+  /** A Load's checks (a refusal throws) and enqueue; the promise settles at its submit. */
+  startLoad(args: LoadArgs): Promise<LoadResult>;
   release(leaseId: Uint8Array): void;
 }
 
@@ -94,43 +95,52 @@ export function checkLoadInto(
   }
 }
 
-/** Query, then on a hit every rank's load (concurrently); resolves once each was submitted or refused. */
-export async function queryAndLoad(
+/**
+ * Query, then on a hit every rank's load; answers once each load was
+ * checked and queued (the copy starts while the answer travels and the
+ * engine schedules). A rank refused at its checks is named in the answer; a
+ * later refusal (the lease) is reported in its load state. Either way the
+ * lease's unspent shares are given back.
+ */
+export function queryAndLoad(
   ports: QueryLoadPorts,
   instanceId: string,
   hashes: Uint8Array[],
   requestId: string,
   into: LoadInto,
-): Promise<QueryAnswer & { loads: RankLoadOutcome[] }> {
+): QueryAnswer & { loads: RankLoadOutcome[] } {
   checkLoadInto(ports.instance(instanceId, "QueryPrefetch"), hashes.length, into, requestId);
   const q = ports.query(instanceId, hashes, requestId);
   if (q.loading || q.hits === 0 || q.leaseId === null) return { ...q, loads: [] };
   const leaseId = q.leaseId;
-  const targets = into.blockIds.slice(0, q.hits);
-  const settled = await Promise.allSettled(into.ranks.map((r) =>
-    ports.load({
-      instanceId,
-      requestId,
-      tpRank: r.tpRank,
-      ppRank: r.ppRank,
-      leaseId,
-      blockIds: targets,
-      loadStateShm: r.loadStateShm,
-    })
-  ));
-  const loads = settled.map((s, i): RankLoadOutcome => ({
-    tpRank: into.ranks[i].tpRank,
-    ppRank: into.ranks[i].ppRank,
-    error: s.status === "rejected" ? String((s.reason as Error)?.message ?? s.reason) : "",
-    numBlocks: s.status === "fulfilled" ? s.value.numBlocks : 0,
-  }));
+  let released = false;
   // A refused rank left its share unspent: give the lease back now rather than at its TTL.
-  if (loads.some((l) => l.error)) {
+  const giveBack = () => {
+    if (released) return;
+    released = true;
     try {
       ports.release(leaseId);
     } catch {
       // Every share was spent (a rank failed after consuming its own): nothing left to give back.
     }
-  }
+  };
+  const targets = into.blockIds.slice(0, q.hits);
+  const loads = into.ranks.map((r): RankLoadOutcome => {
+    try {
+      ports.startLoad({
+        instanceId,
+        requestId,
+        tpRank: r.tpRank,
+        ppRank: r.ppRank,
+        leaseId,
+        blockIds: targets,
+        loadStateShm: r.loadStateShm,
+      }).catch(giveBack);
+      return { tpRank: r.tpRank, ppRank: r.ppRank, error: "", numBlocks: targets.length };
+    } catch (e) {
+      return { tpRank: r.tpRank, ppRank: r.ppRank, error: (e as Error).message, numBlocks: 0 };
+    }
+  });
+  if (loads.some((l) => l.error)) giveBack();
   return { ...q, loads };
 }

@@ -236,13 +236,13 @@ export function engineServiceImpl(
     }),
     queryPrefetch: unary(
       "QueryPrefetch",
-      (req: QueryPrefetchRequest): QueryPrefetchResponse | Promise<QueryPrefetchResponse> => {
+      (req: QueryPrefetchRequest): QueryPrefetchResponse => {
         const { instanceId, blockHashes, requestId, loadInto } = req;
         if (loadInto === undefined) {
           return queryResponse(engine.query(instanceId, blockHashes, requestId), []);
         }
-        return engine.queryLoad(instanceId, blockHashes, requestId, loadInto)
-          .then((r) => queryResponse(r, r.loads));
+        const r = engine.queryLoad(instanceId, blockHashes, requestId, loadInto);
+        return queryResponse(r, r.loads);
       },
     ),
     load: unary("Load", async (req: LoadRequest): Promise<LoadResponse> => {

@@ -98,13 +98,14 @@ class QueryResult:
 
     @property
     def load_errors(self) -> List[str]:
-        """Why each refused rank load was refused (empty: every rank's load was submitted)."""
+        """Why each refused rank load was refused (empty: every rank's load was queued)."""
         return [f"tp_rank {o.tp_rank} pp_rank {o.pp_rank}: {o.error}" for o in self.loads if o.error]
 
 
 @dataclass(frozen=True)
 class RankLoadOutcome:
-    """One rank's load of a query-and-load: `error` empty = submitted."""
+    """One rank's load of a query-and-load: `error` empty = checked and queued (its load state
+    reports the copy or a later refusal)."""
 
     tp_rank: int
     pp_rank: int
