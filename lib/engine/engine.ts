@@ -264,13 +264,11 @@ export class KvEngine {
       {
         instance: (id, what) => this.#instance(id, what),
         query: (id, h, r) => this.query(id, h, r),
-        startLoad: (a) =>
-          this.#loader.start(
-            a,
-            (id) => this.#instance(id, "Load"),
-            (job) => this.#loadStage.submit(job),
-          ),
+        accept: (a) => this.#loader.accept(a, (id) => this.#instance(id, "Load")),
+        queue: (a) => this.#loader.queue(a, (job) => this.#loadStage.submit(job)),
+        abandon: (a, why) => this.#loader.abandon(a, why),
         release: (l) => this.release(l),
+        later: (fn) => setTimeout(fn, 0),
       },
       instanceId,
       hashes,

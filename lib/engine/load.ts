@@ -64,6 +64,12 @@ export interface LoadJob {
   shm: ShmPort;
 }
 
+/** A Load that passed its checks ({@link LoadRunner.accept}), holding its open load state. */
+export interface AcceptedLoad {
+  job: LoadJob;
+  fields: ErrorFields;
+}
+
 /** Runs Loads; one per engine (it owns the scatter batch and its planner). */
 export class LoadRunner {
   constructor(
@@ -73,7 +79,7 @@ export class LoadRunner {
   ) {}
 
   /**
-   * The whole Load RPC: {@link start}, awaited; a refusal is a rejection.
+   * The whole Load RPC: {@link accept}, then {@link queue}; a refusal is a rejection.
    */
   load(
     args: LoadArgs,
@@ -81,24 +87,19 @@ export class LoadRunner {
     enqueue: (job: LoadJob) => Submission<LoadJob, LoadResult>,
   ): Promise<LoadResult> {
     try {
-      return this.start(args, instance, enqueue);
+      return this.queue(this.accept(args, instance), enqueue);
     } catch (e) {
       return Promise.reject(e);
     }
   }
 
   /**
-   * A Load's checks, synchronously (a refusal throws here, with the load
-   * state marked failed when it could be opened), then `enqueue` (the load
-   * stage) runs {@link submit}. Returns the submit's result; a later
-   * refusal (the lease) rejects it and marks the state failed too. A
-   * query-and-load answers as soon as every rank's load passed this point.
+   * A Load's checks, synchronously: its load state opened and checked, the
+   * rank, the lease id, every target. A refusal throws, with the load state
+   * marked failed when it could be opened. The accepted load holds the open
+   * state until {@link queue} or {@link abandon}.
    */
-  start(
-    args: LoadArgs,
-    instance: (id: string) => Instance,
-    enqueue: (job: LoadJob) => Submission<LoadJob, LoadResult>,
-  ): Promise<LoadResult> {
+  accept(args: LoadArgs, instance: (id: string) => Instance): AcceptedLoad {
     const tEntry = performance.now();
     const fields = loadFields(args);
     // Attach the load state first so that any refusal is visible to a polling engine too.
@@ -118,7 +119,6 @@ export class LoadRunner {
     }
     // The rank's layer count once known: a refusal then marks exactly that many layers done.
     let numLayers: number | undefined;
-    let sub: Submission<LoadJob, LoadResult>;
     try {
       this.#stateOp(
         () => checkLoadState(shm, args.loadStateShm),
@@ -136,32 +136,42 @@ export class LoadRunner {
         );
       }
       checkTargets(loadWho(inst, rank, args), fields, rank, args.blockIds);
-      sub = enqueue({ args, inst, rank, shm, tEntry });
-      if (sub.status === "refused") {
-        throw new EngineError(
-          Code.RESOURCE_EXHAUSTED,
-          `instance "${inst.id}": load queue full`,
-          fields,
-        );
-      }
+      return { job: { args, inst, rank, shm, tEntry }, fields };
     } catch (e) {
       this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
       this.#closeShm(shm, args.loadStateShm);
       throw e;
     }
-    return this.#settled(sub, shm, args, numLayers!, fields);
   }
 
-  /** The queued part of {@link start}: the submit's result, or its refusal (state failed, closed). */
-  async #settled(
-    sub: Submission<LoadJob, LoadResult>,
-    shm: ShmPort,
-    args: LoadArgs,
-    numLayers: number,
-    fields: ErrorFields,
+  /** An accepted load that will not run (another rank's was refused): its state fails and closes. */
+  abandon(a: AcceptedLoad, why: string): void {
+    const { args, rank, shm } = a.job;
+    this.ctx.log.debug("load abandoned", { ...a.fields, why });
+    this.#failState(shm, args.loadStateShm, STATE_REJECTED, rank.layers.length);
+    this.#closeShm(shm, args.loadStateShm);
+  }
+
+  /**
+   * `enqueue` (the load stage) runs {@link submit} for an accepted load.
+   * Resolves at its submit; a refusal (queue full, the lease) rejects and
+   * marks the state failed.
+   */
+  async queue(
+    a: AcceptedLoad,
+    enqueue: (job: LoadJob) => Submission<LoadJob, LoadResult>,
   ): Promise<LoadResult> {
+    const { args, inst, rank, shm } = a.job;
     let handedOff = false;
     try {
+      const sub = enqueue(a.job);
+      if (sub.status === "refused") {
+        throw new EngineError(
+          Code.RESOURCE_EXHAUSTED,
+          `instance "${inst.id}": load queue full`,
+          a.fields,
+        );
+      }
       const out = await sub.done();
       if (out.status === "done") {
         handedOff = true;
@@ -171,10 +181,10 @@ export class LoadRunner {
       throw new EngineError(
         Code.RESOURCE_EXHAUSTED,
         `load ${out.status} by the load queue`,
-        fields,
+        a.fields,
       );
     } catch (e) {
-      this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
+      this.#failState(shm, args.loadStateShm, STATE_REJECTED, rank.layers.length);
       throw e;
     } finally {
       if (!handedOff) this.#closeShm(shm, args.loadStateShm);

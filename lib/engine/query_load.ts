@@ -18,7 +18,7 @@
  */
 import { invalid } from "./errors.ts";
 import type { Instance } from "./instances.ts";
-import type { LoadArgs, LoadResult } from "./load.ts";
+import type { AcceptedLoad, LoadArgs, LoadResult } from "./load.ts";
 import { rankIndex } from "./rank.ts";
 
 /** One rank's load of a query-and-load. */
@@ -53,9 +53,15 @@ export interface QueryAnswer {
 export interface QueryLoadPorts {
   instance(id: string, what: string): Instance;
   query(instanceId: string, hashes: Uint8Array[], requestId: string): QueryAnswer;
-  /** A Load's checks (a refusal throws) and enqueue; the promise settles at its submit. */
-  startLoad(args: LoadArgs): Promise<LoadResult>;
+  /** A Load's checks; a refusal throws (load.ts). */
+  accept(args: LoadArgs): AcceptedLoad;
+  /** Runs an accepted load; settles at its submit, a refusal rejects. */
+  queue(a: AcceptedLoad): Promise<LoadResult>;
+  /** Drops an accepted load (its state fails). */
+  abandon(a: AcceptedLoad, why: string): void;
   release(leaseId: Uint8Array): void;
+  /** Runs `fn` after the answer was handed to the transport (a macrotask). */
+  later(fn: () => void): void;
 }
 
 /** Refuses a `load_into` that does not name one target per hash and every rank once. */
@@ -96,11 +102,12 @@ export function checkLoadInto(
 }
 
 /**
- * Query, then on a hit every rank's load; answers once each load was
- * checked and queued (the copy starts while the answer travels and the
- * engine schedules). A rank refused at its checks is named in the answer; a
- * later refusal (the lease) is reported in its load state. Either way the
- * lease's unspent shares are given back.
+ * Query, then on a hit every rank's load: each is checked now (a refusal is
+ * named in the answer) and queued right after the answer left, so the
+ * engine learns of its hit without waiting for the loads' preparation (the
+ * lease, the scatter batch), which runs while it schedules. A later refusal
+ * (the lease expired, the queue full) is reported in the rank's load state.
+ * Any refusal gives the lease's unspent shares back.
  */
 export function queryAndLoad(
   ports: QueryLoadPorts,
@@ -125,9 +132,10 @@ export function queryAndLoad(
     }
   };
   const targets = into.blockIds.slice(0, q.hits);
+  const accepted: AcceptedLoad[] = [];
   const loads = into.ranks.map((r): RankLoadOutcome => {
     try {
-      ports.startLoad({
+      accepted.push(ports.accept({
         instanceId,
         requestId,
         tpRank: r.tpRank,
@@ -135,12 +143,22 @@ export function queryAndLoad(
         leaseId,
         blockIds: targets,
         loadStateShm: r.loadStateShm,
-      }).catch(giveBack);
+      }));
       return { tpRank: r.tpRank, ppRank: r.ppRank, error: "", numBlocks: targets.length };
     } catch (e) {
       return { tpRank: r.tpRank, ppRank: r.ppRank, error: (e as Error).message, numBlocks: 0 };
     }
   });
-  if (loads.some((l) => l.error)) giveBack();
+  const refused = loads.find((l) => l.error);
+  if (refused) {
+    for (const a of accepted) {
+      ports.abandon(a, `tp_rank ${refused.tpRank} pp_rank ${refused.ppRank} was refused`);
+    }
+    giveBack();
+    return { ...q, loads };
+  }
+  ports.later(() => {
+    for (const a of accepted) ports.queue(a).catch(giveBack);
+  });
   return { ...q, loads };
 }

@@ -360,7 +360,7 @@ class PegaflowClient:
         if load_into is not None:
             if not load_states:
                 raise ValueError("query_prefetch: load_into needs load_states (every rank's load state)")
-            req.load_into.block_ids.extend(int(b) for b in load_into)
+            req.load_into.block_ids.extend(load_into)
             for (tp_rank, pp_rank), name in load_states.items():
                 req.load_into.ranks.add(tp_rank=tp_rank, pp_rank=pp_rank, load_state_shm=name)
         r = self._call("QueryPrefetch", req, pb.QueryPrefetchResponse, timeout_s)
