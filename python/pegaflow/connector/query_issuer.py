@@ -83,17 +83,24 @@ class QueryIssuer:
         self._count = count
         self._drains: Dict[Tuple[str, int], _Drain] = {}
         self._serial = 0
+        # Fresh load states made between steps, so a probe does not create them on its way
+        # to the server (each is used by one load; its name is unlinked after).
+        self._spare: List[LoadState] = []
+        self._refill()
+
+    def _refill(self) -> None:
+        while len(self._spare) < len(self.ranks):
+            st = LoadState.create()
+            st.hand_over()  # names are unlinked here (and by the core once its step ran)
+            self._spare.append(st)
 
     def query(self, rid: str, instance_id: str, hashes: Sequence[bytes]) -> Tuple[QueryResult, Optional[EarlyLoad]]:
         """QueryPrefetch with the load of every rank into a held run of `len(hashes)` blocks
         (the caller sized it with `room.offer`). Raises PegaflowError like query_prefetch."""
         self.poll()
         first = self.room.hold(rid, len(hashes))
-        states: Dict[Rank, LoadState] = {}
-        for r in self.ranks:
-            st = LoadState.create()
-            st.hand_over()  # names are unlinked here (and by the core once its step ran)
-            states[r] = st
+        self._refill()
+        states = {r: self._spare.pop() for r in self.ranks}
         try:
             q = self.client.query_prefetch(
                 instance_id=instance_id, block_hashes=hashes, request_id=rid,
@@ -149,7 +156,9 @@ class QueryIssuer:
         self._drains[key] = _Drain(list(states.values()), time.monotonic() + self.load_timeout_s * LINGER_LOAD_TIMEOUTS)
 
     def poll(self) -> None:
-        """Gives back every drained run whose copies settled (or that waited long enough)."""
+        """Between steps: fresh states for the next probe, and every drained run whose copies
+        settled (or that waited long enough) given back."""
+        self._refill()
         if not self._drains:
             return
         now = time.monotonic()
@@ -172,6 +181,10 @@ class QueryIssuer:
         return len(self._drains)
 
     def close(self) -> None:
+        for st in self._spare:
+            st.close()
+            unlink_shm(st.name)
+        self._spare = []
         for key, d in self._drains.items():
             for st in d.states:
                 st.close()
