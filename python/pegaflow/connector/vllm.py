@@ -27,7 +27,7 @@ Extra config keys (env fallback): pegaflow.addr (PEGAFLOW_ADDR), pegaflow.mode
 pegaflow.load_timeout_ms (PEGAFLOW_*_TIMEOUT_MS), pegaflow.instance_id
 (PEGAFLOW_INSTANCE_ID; default kv_transfer_config.engine_id), pegaflow.namespace
 (PEGAFLOW_NAMESPACE; default derived from every layout factor), pegaflow.load_issuer
-(PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker"; default below), pegaflow.staging_blocks
+(PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker" | "query"; default below), pegaflow.staging_blocks
 (PEGAFLOW_STAGING_BLOCKS: layer-wise loads through that many staging blocks per layer, so a
 load's copies stay contiguous whatever blocks the engine gave the request; 0 = off, the
 default; connector/staging.py), pegaflow.device_id
@@ -43,6 +43,9 @@ Who sends the Load (pegaflow.load_issuer):
              metadata and each worker attaches to its rank's (no RPC) in
              start_load_kv; wait_for_layer_load waits on it as before. The copy
              starts about one RPC and the worker's preparation earlier.
+  query      with staging blocks (layer-wise), the probe's QueryPrefetch carries every
+             rank's load into a staging run (connector/query_issuer.py): the copy starts
+             before the scheduler allocates. Opt-in; same safety rule as "scheduler".
   Safety rule of the scheduler issuer: the copy may start before the workers
   run the step, so it is safe only when the engine schedules synchronously:
   the previous step's forward has finished before the scheduler runs, so no
