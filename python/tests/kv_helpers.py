@@ -6,6 +6,7 @@ contents derived from (block hash, layer, K/V)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -58,3 +59,9 @@ def register(client: PegaflowClient, kv, instance_id: str, namespace: str, **kw)
     reg = KvRegistration(client, instance_id=instance_id, namespace=namespace, layers=layers, device_id=device, **kw)
     reg.register()
     return reg
+
+
+def my_states() -> List[str]:
+    """This process's load-state files in /dev/shm (a test's leak check)."""
+    mark = f"pegaflow-ls-{os.getpid()}-"
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(mark))

@@ -7,7 +7,6 @@ a load that may still land keeps its request's blocks held."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import List
@@ -19,17 +18,12 @@ from pegaflow.connector.core import ScheduledRequest, SchedulerCore
 from pegaflow.connector.vllm import ConnectorSettings
 from pegaflow.hashes import synthetic_tokens
 
+from kv_helpers import my_states
 from tp_ranks import Req, TwoRanks
 from vllm_driver import BLOCK, Engine, Request, vllm_config
 
 MODES = ["layerwise", "async"]
 SCHED = {"pegaflow.load_issuer": "scheduler"}
-
-
-def my_states() -> List[str]:
-    """This process's load-state files in /dev/shm."""
-    mark = f"pegaflow-ls-{os.getpid()}-"
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(mark))
 
 
 @pytest.fixture

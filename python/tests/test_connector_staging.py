@@ -7,15 +7,23 @@ real host-backend server."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import grpc
 import pytest
 
+from pegaflow.client import PegaflowClient
+from pegaflow.config import ClientConfig
+from pegaflow.connector.core import SchedulerCore
+
 from pegaflow.errors import PegaflowError
 from pegaflow.connector.staging import STAGING_SUFFIX, StagingRoom, staging_instance
 from pegaflow.hashes import synthetic_tokens
 
+from kv_helpers import my_states
+from tp_ranks import Req
 from vllm_driver import BLOCK, Engine, Request, lose_leases_after_alloc
 
 ISSUERS = ["worker", "scheduler", "query"]
@@ -187,3 +195,65 @@ def test_staging_room_holds_runs_across_steps_above_the_steps_own():
     assert room.hold("c", 7) == 0
     with pytest.raises(ValueError, match="3 free"):
         room.hold("d", 4)
+
+
+def test_a_refused_query_gives_its_run_and_states_back_at_once(server, uid):
+    """The staging instance is not registered: the server refuses the query before any load, so
+    nothing can ever write the run: it is free again and no state is left behind."""
+    before = my_states()
+    client = PegaflowClient(server.addr)
+    sched = SchedulerCore(client, instance_id=uid, block_size=BLOCK, load_issuer="query", staging_blocks=8)
+    try:
+        req = Req("r", synthetic_tokens(46, 4 * BLOCK + 1), uid)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert sched.stats["query_errors"] == 1
+        assert sched.staging.held == 0 and sched.staging.offer(8) == 8
+    finally:
+        sched.close()
+        client.close()
+    assert my_states() == before
+
+
+def test_a_query_that_may_have_reached_the_server_holds_its_run_until_its_deadline(uid, tmp_path):
+    """A server that never answers: the query times out (DEADLINE_EXCEEDED), so its loads may
+    still run; the run stays held until the states settle or 3 load timeouts pass."""
+    base = str(tmp_path / "silent.sock")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(base + ".rpc")
+    lst.listen(4)
+    held, stop = [], threading.Event()
+
+    def accept() -> None:
+        lst.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                held.append(lst.accept()[0])  # reads nothing, answers nothing
+            except socket.timeout:
+                pass
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    before = my_states()
+    cfg = ClientConfig.resolve(addr="unix:" + base, rpc_timeout_ms=200, load_timeout_ms=100)
+    client = PegaflowClient(config=cfg)
+    sched = SchedulerCore(client, instance_id=uid, block_size=BLOCK, load_issuer="query", staging_blocks=8)
+    try:
+        req = Req("r", synthetic_tokens(47, 4 * BLOCK + 1), uid)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        qi = sched._query_issuer
+        assert qi.draining == 1 and sched.staging.offer(8) == 4, "the run waits: a copy may still land"
+        deadline = time.monotonic() + 5
+        while qi.draining and time.monotonic() < deadline:
+            time.sleep(0.02)
+            sched.build_step([])
+        assert qi.draining == 0 and sched.staging.offer(8) == 8
+        assert sched.stats["query_loads_abandoned"] == 1
+    finally:
+        sched.close()
+        client.close()
+        stop.set()
+        acceptor.join()
+        for h in held:
+            h.close()
+        lst.close()
+    assert my_states() == before
