@@ -101,6 +101,21 @@ export const protobufFileName = "pegaflow.proto";
  * and layers_ready.
  */
 
+export interface ConnectTransferRequest {
+  /** the requester's node id */
+  requester: string;
+  /** "tcp" | "rdma": the requester's */
+  transport: string;
+  /** its transfer peer's info (XferPeer.info()) */
+  peerInfo: Uint8Array;
+}
+
+export interface ConnectTransferResponse {
+  transport: string;
+  /** this node's side: connect the requester's peer with it */
+  peerInfo: Uint8Array;
+}
+
 export interface QueryBlocksForTransferRequest {
   namespace: string;
   /** the engine's chained hashes, prefix order */
@@ -120,7 +135,7 @@ export interface QueryBlocksForTransferResponse {
   lockTtlMs: number;
   /** "tcp" | "rdma" */
   transport: string;
-  /** TCP: host:port of the owner's transfer listener */
+  /** TCP: host:port of the owner's listener (for logs: the requester dials what ConnectTransfer answers) */
   xferAddr: string;
   /** bytes of one block (every slot) */
   payloadBytes: number;
@@ -389,6 +404,163 @@ export interface HealthResponse {
   /** "cuda" | "host" */
   backend: string;
 }
+
+function createBaseConnectTransferRequest(): ConnectTransferRequest {
+  return { requester: "", transport: "", peerInfo: new Uint8Array(0) };
+}
+
+export const ConnectTransferRequest: MessageFns<ConnectTransferRequest> = {
+  encode(message: ConnectTransferRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.requester !== "") {
+      writer.uint32(10).string(message.requester);
+    }
+    if (message.transport !== "") {
+      writer.uint32(18).string(message.transport);
+    }
+    if (message.peerInfo.length !== 0) {
+      writer.uint32(26).bytes(message.peerInfo);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ConnectTransferRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseConnectTransferRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.requester = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.transport = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.peerInfo = reader.bytes();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<ConnectTransferRequest>, I>>(
+    base?: I,
+  ): ConnectTransferRequest {
+    return ConnectTransferRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ConnectTransferRequest>, I>>(
+    object: I,
+  ): ConnectTransferRequest {
+    const message = createBaseConnectTransferRequest();
+    message.requester = object.requester ?? "";
+    message.transport = object.transport ?? "";
+    message.peerInfo = object.peerInfo ?? new Uint8Array(0);
+    return message;
+  },
+};
+
+function createBaseConnectTransferResponse(): ConnectTransferResponse {
+  return { transport: "", peerInfo: new Uint8Array(0) };
+}
+
+export const ConnectTransferResponse: MessageFns<ConnectTransferResponse> = {
+  encode(
+    message: ConnectTransferResponse,
+    writer: BinaryWriter = new BinaryWriter(),
+  ): BinaryWriter {
+    if (message.transport !== "") {
+      writer.uint32(10).string(message.transport);
+    }
+    if (message.peerInfo.length !== 0) {
+      writer.uint32(18).bytes(message.peerInfo);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ConnectTransferResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseConnectTransferResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.transport = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.peerInfo = reader.bytes();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<ConnectTransferResponse>, I>>(
+    base?: I,
+  ): ConnectTransferResponse {
+    return ConnectTransferResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ConnectTransferResponse>, I>>(
+    object: I,
+  ): ConnectTransferResponse {
+    const message = createBaseConnectTransferResponse();
+    message.transport = object.transport ?? "";
+    message.peerInfo = object.peerInfo ?? new Uint8Array(0);
+    return message;
+  },
+};
 
 function createBaseQueryBlocksForTransferRequest(): QueryBlocksForTransferRequest {
   return { namespace: "", blockHashes: [], layoutFingerprint: "", requester: "", lockTtlMs: 0 };
@@ -3305,6 +3477,28 @@ export const PeerService = {
     responseDeserialize: (value: Buffer): ReleaseTransferLockResponse =>
       ReleaseTransferLockResponse.decode(value),
   },
+  /**
+   * The transfer handshake, before a requester's first READ from this node:
+   * it sends its transfer peer's info bytes, this node answers its own. RDMA:
+   * RC QPs are point to point, so this node creates its side for the
+   * requester (one per requester node; a new handshake replaces the old) and
+   * connects it with the requester's QPNs, PSNs, GIDs and rkeys before it
+   * answers. TCP: the answer is this node's listener, host:port. A requester
+   * on another transport is FAILED_PRECONDITION naming both.
+   */
+  connectTransfer: {
+    path: "/pegaflow.Peer/ConnectTransfer" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ConnectTransferRequest): Buffer =>
+      Buffer.from(ConnectTransferRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ConnectTransferRequest =>
+      ConnectTransferRequest.decode(value),
+    responseSerialize: (value: ConnectTransferResponse): Buffer =>
+      Buffer.from(ConnectTransferResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ConnectTransferResponse =>
+      ConnectTransferResponse.decode(value),
+  },
 } as const;
 
 export interface PeerServer extends UntypedServiceImplementation {
@@ -3323,6 +3517,16 @@ export interface PeerServer extends UntypedServiceImplementation {
    * expired locks answer released = false; never an error.
    */
   releaseTransferLock: handleUnaryCall<ReleaseTransferLockRequest, ReleaseTransferLockResponse>;
+  /**
+   * The transfer handshake, before a requester's first READ from this node:
+   * it sends its transfer peer's info bytes, this node answers its own. RDMA:
+   * RC QPs are point to point, so this node creates its side for the
+   * requester (one per requester node; a new handshake replaces the old) and
+   * connects it with the requester's QPNs, PSNs, GIDs and rkeys before it
+   * answers. TCP: the answer is this node's listener, host:port. A requester
+   * on another transport is FAILED_PRECONDITION naming both.
+   */
+  connectTransfer: handleUnaryCall<ConnectTransferRequest, ConnectTransferResponse>;
 }
 
 export interface PeerClient extends Client {
@@ -3365,6 +3569,30 @@ export interface PeerClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: ReleaseTransferLockResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * The transfer handshake, before a requester's first READ from this node:
+   * it sends its transfer peer's info bytes, this node answers its own. RDMA:
+   * RC QPs are point to point, so this node creates its side for the
+   * requester (one per requester node; a new handshake replaces the old) and
+   * connects it with the requester's QPNs, PSNs, GIDs and rkeys before it
+   * answers. TCP: the answer is this node's listener, host:port. A requester
+   * on another transport is FAILED_PRECONDITION naming both.
+   */
+  connectTransfer(
+    request: ConnectTransferRequest,
+    callback: (error: ServiceError | null, response: ConnectTransferResponse) => void,
+  ): ClientUnaryCall;
+  connectTransfer(
+    request: ConnectTransferRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ConnectTransferResponse) => void,
+  ): ClientUnaryCall;
+  connectTransfer(
+    request: ConnectTransferRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ConnectTransferResponse) => void,
   ): ClientUnaryCall;
 }
 

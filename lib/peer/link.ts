@@ -7,6 +7,8 @@
 
 import * as grpc from "@grpc/grpc-js";
 import {
+  type ConnectTransferRequest,
+  type ConnectTransferResponse,
   PeerClient,
   type QueryBlocksForTransferRequest,
   type QueryBlocksForTransferResponse,
@@ -63,6 +65,22 @@ export class PeerLinks {
         new grpc.Metadata(),
         { deadline: Date.now() + timeoutMs },
         (err, res) => err ? reject(err) : resolve(res.released),
+      );
+    });
+  }
+
+  /** `ConnectTransfer` (the transfer handshake) on the node at `addr`. Rejects with the gRPC error. */
+  connect(
+    addr: string,
+    req: ConnectTransferRequest,
+    timeoutMs: number,
+  ): Promise<ConnectTransferResponse> {
+    return new Promise((resolve, reject) => {
+      this.#client(addr).connectTransfer(
+        req,
+        new grpc.Metadata(),
+        { deadline: Date.now() + timeoutMs },
+        (err, res) => err ? reject(err) : resolve(res),
       );
     });
   }

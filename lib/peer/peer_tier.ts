@@ -130,6 +130,8 @@ export interface PeerTierOptions {
   /** The index (undefined until it is opened: the tier then misses). */
   index: () => PeerIndex | undefined;
   endpoint: XferEndpoint;
+  /** The endpoint's transport ("tcp" | "rdma"): owners must use the same. */
+  transport: string;
   links: PeerLinks;
   checksum: ChecksumFn;
   log: Logger;
@@ -215,7 +217,15 @@ export class PeerTier implements Tier {
       opts.checksum,
       opts.stageMetrics?.("peer.checksum"),
     );
-    this.#xferPeers = new XferPeers(opts.endpoint, this.#rpcTimeout, opts.log);
+    this.#xferPeers = new XferPeers(opts.endpoint, this.#rpcTimeout, opts.log, {
+      transport: opts.transport,
+      trade: (addr, peerInfo) =>
+        opts.links.connect(addr, {
+          requester: opts.index()?.nodeId ?? "",
+          transport: opts.transport,
+          peerInfo,
+        }, this.#rpcTimeout),
+    });
   }
 
   /** The held prefix as the last lookup of this prefix answered it (no I/O). */
@@ -389,18 +399,19 @@ export class PeerTier implements Tier {
       );
     const local = this.#o.host.payloadBytes(namespace);
     const remote = remoteExtents(res);
-    if (typeof remote === "string" || res.payloadBytes !== local || res.transport !== "tcp") {
+    const mine = this.#o.transport;
+    if (typeof remote === "string" || res.payloadBytes !== local || res.transport !== mine) {
       await release();
       const why = typeof remote === "string"
         ? remote
         : res.payloadBytes !== local
         ? `block payload ${res.payloadBytes} bytes, ${local} here`
-        : `owner transport ${res.transport}: peer fetch over RDMA needs the QP handshake (not built)`;
+        : `owner transport ${res.transport}, this node ${mine}`;
       return this.#fail("bad-answer", { owner: owner.nodeId, error: why });
     }
     let peer: XferPeer;
     try {
-      peer = await this.#xferPeers.get(res.xferAddr);
+      peer = await this.#xferPeers.get(owner.addr);
     } catch (e) {
       await release();
       return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
@@ -431,7 +442,7 @@ export class PeerTier implements Tier {
         chunkBytes: this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES,
         deadlineMs: this.#fetchTimeout,
         log: this.#o.log,
-        dropPeer: () => this.#xferPeers.drop(res.xferAddr, peer),
+        dropPeer: () => this.#xferPeers.drop(owner.addr, peer),
       });
     } catch (e) {
       await release(); // every chunk's space was settled before the throw
@@ -450,7 +461,7 @@ export class PeerTier implements Tier {
     // The blocks are committed: the answer need not wait for the release's round trip.
     this.#track(release());
     if (good.length > 0) this.#o.host.recordChecksums(namespace, good, goodCrcs);
-    if (failed && peer.state().broken !== 0) this.#xferPeers.drop(res.xferAddr, peer);
+    if (failed && peer.state().broken !== 0) this.#xferPeers.drop(owner.addr, peer);
     if (failed) {
       this.#fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
         owner: owner.nodeId,

@@ -2,7 +2,8 @@
  * The gRPC `Peer` service (proto/pegaflow.proto): what other nodes call on
  * this node to fetch blocks from it. `QueryBlocksForTransfer` checks the
  * request, locks the held prefix ({@link PeerLockTable}) and answers where
- * its bytes are; `ReleaseTransferLock` ends a lock. Bad input is refused with
+ * its bytes are; `ReleaseTransferLock` ends a lock; `ConnectTransfer` is the
+ * transfer handshake (lender.ts). Bad input is refused with
  * INVALID_ARGUMENT naming the field (bytes that are not the request message
  * too: serve it with `lenientPeerService()`); nothing is locked for it.
  *
@@ -18,6 +19,7 @@ import type {
 import { MAX_HASH_BYTES } from "../limits.ts";
 import { MAX_HASHES_PER_REQUEST } from "../storage/store.ts";
 import type { Logger } from "../log.ts";
+import { HandshakeRefused, type TransferLender } from "./lender.ts";
 import type { PeerLockTable } from "./locks.ts";
 import { undecodableReason } from "../server/decode.ts";
 
@@ -61,12 +63,13 @@ export function checkLockRequest(r: QueryBlocksForTransferRequest): string | und
  *
  * @example
  * ```ts
- * server.addService(PeerService, peerServiceImpl(locks, () => ({ transport: "tcp", addr }), log));
+ * server.addService(PeerService, peerServiceImpl(locks, () => ({ transport: "tcp", addr }), lender, log));
  * ```
  */
 export function peerServiceImpl(
   locks: PeerLockTable,
   endpoint: () => TransferEndpointInfo,
+  lender: TransferLender,
   log: Logger,
 ): PeerServer {
   return {
@@ -125,6 +128,27 @@ export function peerServiceImpl(
         return;
       }
       callback(null, { released: locks.release(call.request.lockId, call.request.requester) });
+    },
+    connectTransfer(call, callback) {
+      const r = call.request;
+      const bad = undecodableReason(r);
+      if (bad) {
+        log.warn("transfer handshake refused", { error: bad });
+        callback(refuse(bad));
+        return;
+      }
+      lender.connect(r.requester, r.transport, r.peerInfo).then(
+        (a) => callback(null, a),
+        (e: Error) => {
+          const code = e instanceof HandshakeRefused ? grpc.status[e.code] : grpc.status.INTERNAL;
+          log.warn("transfer handshake refused", { requester: r.requester, error: e.message });
+          callback(Object.assign(new Error(e.message), {
+            code,
+            details: e.message,
+            metadata: new grpc.Metadata(),
+          }));
+        },
+      );
     },
   };
 }

@@ -1,7 +1,9 @@
 /**
- * The peer tier's transfer connections, one per owner address: made on first
- * use (with a deadline), shared by every fetch from that owner, dropped when
- * broken so the next fetch reconnects.
+ * The peer tier's transfer connections, one per owner (by its gRPC address):
+ * made on first use through the transfer handshake (`Peer.ConnectTransfer`,
+ * lender.ts on the owner: this side's info out, the owner's back, then
+ * connect; every step with a deadline), shared by every fetch from that
+ * owner, dropped when broken so the next fetch handshakes again.
  *
  * @module
  */
@@ -9,14 +11,20 @@
 import type { XferEndpoint, XferPeer } from "../../ffi/xfer.ts";
 import type { Logger } from "../log.ts";
 
+/** The handshake with an owner: this side's transport and a call that trades info bytes. */
+export interface Handshake {
+  transport: string;
+  trade(ownerAddr: string, info: Uint8Array): Promise<{ transport: string; peerInfo: Uint8Array }>;
+}
+
 /**
  * Transfer peers by owner address.
  *
  * @example
  * ```ts
- * const peers = new XferPeers(endpoint, 2_000, log);
- * const peer = await peers.get("10.0.0.2:7400");
- * if (peer.state().broken !== 0) peers.drop("10.0.0.2:7400", peer);
+ * const peers = new XferPeers(endpoint, 2_000, log, { transport: "tcp", trade });
+ * const peer = await peers.get("10.0.0.2:50055");
+ * if (peer.state().broken !== 0) peers.drop("10.0.0.2:50055", peer);
  * await peers.close();
  * ```
  */
@@ -24,15 +32,17 @@ export class XferPeers {
   readonly #endpoint: XferEndpoint;
   readonly #connectTimeoutMs: number;
   readonly #log: Logger;
+  readonly #handshake: Handshake;
   readonly #peers = new Map<string, Promise<XferPeer>>();
 
-  constructor(endpoint: XferEndpoint, connectTimeoutMs: number, log: Logger) {
+  constructor(endpoint: XferEndpoint, connectTimeoutMs: number, log: Logger, handshake: Handshake) {
     this.#endpoint = endpoint;
     this.#connectTimeoutMs = connectTimeoutMs;
     this.#log = log;
+    this.#handshake = handshake;
   }
 
-  /** The peer connected to `addr` (a failed connect is forgotten, so the next call retries). */
+  /** The peer connected to the owner at `addr` (a failed handshake is forgotten: the next call retries). */
   get(addr: string): Promise<XferPeer> {
     let p = this.#peers.get(addr);
     if (!p) {
@@ -64,7 +74,13 @@ export class XferPeers {
   async #connect(addr: string): Promise<XferPeer> {
     const peer = this.#endpoint.createPeer();
     try {
-      await peer.connect(addr, this.#connectTimeoutMs);
+      const theirs = await this.#handshake.trade(addr, peer.info());
+      if (theirs.transport !== this.#handshake.transport) {
+        throw new Error(
+          `transfer handshake with ${addr}: the owner uses ${theirs.transport}, this node ${this.#handshake.transport}`,
+        );
+      }
+      await peer.connect(theirs.peerInfo, this.#connectTimeoutMs);
     } catch (e) {
       await peer.close();
       throw e;

@@ -22,7 +22,8 @@ import { registerTransferMetrics } from "../transfer/metrics.ts";
 import { poolChecksums } from "../../ffi/uring.ts";
 import { type ChecksumFn, PeerLockTable } from "../peer/locks.ts";
 import { PeerLinks } from "../peer/link.ts";
-import { PeerTier, type PeerTierOptions } from "../peer/peer_tier.ts";
+import { PeerTier } from "../peer/peer_tier.ts";
+import { type LenderEndpoint, TransferLender } from "../peer/lender.ts";
 import { registerPeerMetrics } from "../peer/metrics.ts";
 import { peerServiceImpl } from "../peer/service.ts";
 import { lenientPeerService } from "./decode.ts";
@@ -95,15 +96,20 @@ export function openCrossNode(
       defaultTtlMs: cfg.peer.lockTtlMs,
     })
     : undefined;
+  const advertised = () => index?.index.advertiseAddr ?? boundGrpcAddr;
+  const lender = transfer
+    ? new TransferLender(lenderEndpoint(transfer, advertised), cfg.peer.fetchTimeoutMs, plog)
+    : undefined;
   let peerTier: PeerTier | undefined;
   const observeFetch = transfer
     ? registerPeerMetrics(metrics.registry, () => peerTier?.stats(), () => peerLocks?.stats())
     : undefined;
   if (transfer && cfg.peer.fetch) {
-    peerTier = fetchingPeerTier(transfer, {
+    peerTier = new PeerTier({
       host: tierHost,
       index: () => index?.index,
       endpoint: transfer.endpoint,
+      transport: transfer.name,
       links: peerLinks,
       checksum,
       log: plog,
@@ -116,9 +122,16 @@ export function openCrossNode(
   return {
     peerTier,
     addServices(server) {
-      if (!transfer || !peerLocks) return;
-      const advertised = () => index?.index.advertiseAddr ?? boundGrpcAddr;
-      addPeerService(server, peerLocks, transfer, advertised, plog);
+      if (!transfer || !peerLocks || !lender) return;
+      server.addService(
+        lenientPeerService(),
+        peerServiceImpl(
+          peerLocks,
+          () => ({ transport: transfer.name, addr: xferAddr(transfer, advertised) }),
+          lender,
+          plog,
+        ),
+      );
     },
     openIndex(grpcAddr) {
       boundGrpcAddr = grpcAddr;
@@ -137,6 +150,7 @@ export function openCrossNode(
     async close() {
       peerLocks?.close();
       peerLinks.close();
+      await lender?.close();
       await transfer?.endpoint.close();
     },
   };
@@ -165,37 +179,20 @@ function openPeerTransport(
   return transfer;
 }
 
-/** The peer tier (`--peer-fetch`), which fetches over TCP only; undefined (logged) over RDMA. */
-function fetchingPeerTier(
-  transfer: OpenedTransport,
-  opts: PeerTierOptions,
-): PeerTier | undefined {
-  if (transfer.name === "tcp") return new PeerTier(opts);
-  opts.log.error("peer fetch is off: over RDMA it needs the QP handshake, which is not built", {
-    transport: transfer.name,
-  });
-  return undefined;
+/** The transfer listener as peers dial it: the advertised host, the listener's port (it binds every address). */
+function xferAddr(transfer: OpenedTransport, advertisedGrpcAddr: () => string): string {
+  const adv = advertisedGrpcAddr();
+  return `${adv.slice(0, adv.lastIndexOf(":"))}:${transfer.endpoint.info().port}`;
 }
 
-/**
- * The gRPC `Peer` service over `locks`; a lock answer names the transfer
- * endpoint on the advertised host (the listener binds every address).
- */
-function addPeerService(
-  server: grpc.Server,
-  locks: PeerLockTable,
+/** The endpoint as the handshake's lender sees it (lib/peer/lender.ts). */
+function lenderEndpoint(
   transfer: OpenedTransport,
   advertisedGrpcAddr: () => string,
-  plog: Logger,
-): void {
-  server.addService(
-    lenientPeerService(),
-    peerServiceImpl(locks, () => {
-      const adv = advertisedGrpcAddr();
-      return {
-        transport: transfer.name,
-        addr: `${adv.slice(0, adv.lastIndexOf(":"))}:${transfer.endpoint.info().port}`,
-      };
-    }, plog),
-  );
+): LenderEndpoint {
+  return {
+    transport: transfer.name,
+    addr: () => xferAddr(transfer, advertisedGrpcAddr),
+    createPeer: () => transfer.endpoint.createPeer(),
+  };
 }

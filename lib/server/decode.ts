@@ -20,6 +20,7 @@ import type { Buffer } from "node:buffer";
 import { BinaryReader } from "@bufbuild/protobuf/wire";
 import type * as grpc from "@grpc/grpc-js";
 import {
+  ConnectTransferRequest,
   EngineService,
   HealthRequest,
   LoadRequest,
@@ -165,6 +166,7 @@ const PEER_REQUEST_TYPES: {
     fns: QueryBlocksForTransferRequest,
   },
   releaseTransferLock: { name: "ReleaseTransferLockRequest", fns: ReleaseTransferLockRequest },
+  connectTransfer: { name: "ConnectTransferRequest", fns: ConnectTransferRequest },
 };
 
 /** The `Peer` service definition, lenient like {@link lenientService}. */

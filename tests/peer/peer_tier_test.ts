@@ -23,6 +23,7 @@ import { PeerLockTable } from "../../lib/peer/locks.ts";
 import { PeerLinks } from "../../lib/peer/link.ts";
 import { type PeerIndex, PeerTier } from "../../lib/peer/peer_tier.ts";
 import { peerServiceImpl } from "../../lib/peer/service.ts";
+import { TransferLender } from "../../lib/peer/lender.ts";
 import { LocalNode } from "../xfer/_harness.ts";
 
 const NS = "ns-peer";
@@ -95,9 +96,18 @@ async function twoNodes(chunkBytes?: number) {
   });
   const server = new grpc.Server();
   const xferAddr = `127.0.0.1:${owner.n.ep.info().port}`;
+  const lender = new TransferLender(
+    {
+      transport: "tcp",
+      addr: () => xferAddr,
+      createPeer: () => owner.n.ep.createPeer(),
+    },
+    2000,
+    log,
+  );
   server.addService(
     lenientPeerService(),
-    peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), log),
+    peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), lender, log),
   );
   const port = await new Promise<number>((res, rej) =>
     server.bindAsync(
@@ -125,6 +135,7 @@ async function twoNodes(chunkBytes?: number) {
     host: req.host,
     index: () => index,
     endpoint: req.n.ep,
+    transport: "tcp",
     links,
     checksum: req.checksum,
     log,
@@ -195,6 +206,7 @@ Deno.test("a block whose bytes changed after its checksum was recorded is never 
       host: t.owner.host,
       index: () => undefined,
       endpoint: t.owner.n.ep,
+      transport: "tcp",
       links: t.links,
       checksum: t.owner.checksum,
       log,

@@ -1,0 +1,150 @@
+/**
+ * The owner's side of the transfer handshake (`Peer.ConnectTransfer`): what
+ * a requester needs before its first READ from this node.
+ *
+ * RDMA: RC QPs are point to point, so this node creates a transfer peer for
+ * each requester node, connects it with the requester's info (QPNs, PSNs,
+ * GIDs, rkeys) and answers its own; the requester then connects its side
+ * with that answer. A new handshake from the same node replaces (and closes)
+ * the old peer: the requester reconnects after its side broke. TCP: no state
+ * here; the answer is this node's listener, host:port, which the requester
+ * dials.
+ *
+ * @module
+ */
+
+import type { Logger } from "../log.ts";
+
+/** The slice of a transfer peer the lender uses (ffi/xfer.ts `XferPeer`). */
+export interface LenderPeer {
+  info(): Uint8Array;
+  connect(remote: Uint8Array, timeoutMs: number): Promise<void>;
+  close(): Promise<void>;
+}
+
+/** What the lender needs of this node's transfer endpoint. */
+export interface LenderEndpoint {
+  /** "tcp" | "rdma". */
+  transport: string;
+  /** TCP: host:port a requester dials (the advertised host, the listener's port). */
+  addr(): string;
+  createPeer(): LenderPeer;
+}
+
+/** A refusal the service maps to a gRPC status. */
+export class HandshakeRefused extends Error {
+  constructor(
+    readonly code: "INVALID_ARGUMENT" | "FAILED_PRECONDITION" | "RESOURCE_EXHAUSTED",
+    message: string,
+  ) {
+    super(message);
+  }
+}
+
+/** Largest peer info accepted (RDMA: a few dozen bytes per QP; 8 NICs × 16 QPs fit). */
+export const MAX_PEER_INFO_BYTES = 16 << 10;
+/** Requester nodes this node keeps a connected RDMA peer for at once. */
+export const MAX_LENT_PEERS = 1024;
+
+/**
+ * Transfer peers this node keeps for requesters.
+ *
+ * @example
+ * ```ts
+ * const lender = new TransferLender(endpoint, 5_000, log);
+ * const { transport, peerInfo } = await lender.connect("node-b", "rdma", bytes);
+ * await lender.close();
+ * ```
+ */
+export class TransferLender {
+  readonly #ep: LenderEndpoint;
+  readonly #connectTimeoutMs: number;
+  readonly #log: Logger;
+  readonly #peers = new Map<string, LenderPeer>();
+  #closed = false;
+
+  constructor(ep: LenderEndpoint, connectTimeoutMs: number, log: Logger) {
+    this.#ep = ep;
+    this.#connectTimeoutMs = connectTimeoutMs;
+    this.#log = log;
+  }
+
+  /** Connected peers kept for requesters. */
+  get size(): number {
+    return this.#peers.size;
+  }
+
+  /** One handshake: this node's side for `requester`, connected, and the bytes to answer. */
+  async connect(
+    requester: string,
+    transport: string,
+    peerInfo: Uint8Array,
+  ): Promise<{ transport: string; peerInfo: Uint8Array }> {
+    const who = `ConnectTransfer from "${requester}"`;
+    if (!requester) {
+      throw new HandshakeRefused("INVALID_ARGUMENT", "ConnectTransferRequest.requester is empty");
+    }
+    if (transport !== this.#ep.transport) {
+      throw new HandshakeRefused(
+        "FAILED_PRECONDITION",
+        `${who}: the requester uses ${transport || "(none)"}, this node ${this.#ep.transport}; ` +
+          `every node must run the same --transport`,
+      );
+    }
+    if (peerInfo.length > MAX_PEER_INFO_BYTES) {
+      throw new HandshakeRefused(
+        "INVALID_ARGUMENT",
+        `${who}: ConnectTransferRequest.peer_info is ${peerInfo.length} bytes, at most ${MAX_PEER_INFO_BYTES}`,
+      );
+    }
+    if (this.#ep.transport === "tcp") {
+      return { transport: "tcp", peerInfo: new TextEncoder().encode(this.#ep.addr()) };
+    }
+    if (this.#closed) {
+      throw new HandshakeRefused("FAILED_PRECONDITION", `${who}: this node is stopping`);
+    }
+    if (!this.#peers.has(requester) && this.#peers.size >= MAX_LENT_PEERS) {
+      throw new HandshakeRefused(
+        "RESOURCE_EXHAUSTED",
+        `${who}: this node already keeps ${MAX_LENT_PEERS} requesters' transfer peers`,
+      );
+    }
+    if (peerInfo.length === 0) {
+      throw new HandshakeRefused(
+        "INVALID_ARGUMENT",
+        `${who}: ConnectTransferRequest.peer_info is empty`,
+      );
+    }
+    const peer = this.#ep.createPeer();
+    try {
+      await peer.connect(peerInfo, this.#connectTimeoutMs);
+    } catch (e) {
+      await peer.close().catch(() => {});
+      // The native layer checks the bytes (version, QP count, sizes) and names what is wrong.
+      throw new HandshakeRefused("INVALID_ARGUMENT", `${who}: ${(e as Error).message}`);
+    }
+    const old = this.#peers.get(requester);
+    this.#peers.set(requester, peer);
+    if (old) this.#retire(requester, old);
+    this.#log.info("transfer peer lent", {
+      requester,
+      transport: this.#ep.transport,
+      peers: this.#peers.size,
+    });
+    return { transport: this.#ep.transport, peerInfo: peer.info() };
+  }
+
+  /** Closes every lent peer (each ends what it has in flight first). */
+  async close(): Promise<void> {
+    this.#closed = true;
+    const peers = [...this.#peers.values()];
+    this.#peers.clear();
+    await Promise.all(peers.map((p) => p.close().catch(() => {})));
+  }
+
+  #retire(requester: string, peer: LenderPeer): void {
+    peer.close().catch((e: Error) =>
+      this.#log.warn("closing a replaced transfer peer failed", { requester, error: e.message })
+    );
+  }
+}
