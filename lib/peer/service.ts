@@ -129,26 +129,34 @@ export function peerServiceImpl(
       }
       callback(null, { released: locks.release(call.request.lockId, call.request.requester) });
     },
-    connectTransfer(call, callback) {
-      const r = call.request;
-      const bad = undecodableReason(r);
-      if (bad) {
-        log.warn("transfer handshake refused", { error: bad });
-        callback(refuse(bad));
-        return;
-      }
-      lender.connect(r.requester, r.transport, r.peerInfo).then(
-        (a) => callback(null, a),
-        (e: Error) => {
-          const code = e instanceof HandshakeRefused ? grpc.status[e.code] : grpc.status.INTERNAL;
-          log.warn("transfer handshake refused", { requester: r.requester, error: e.message });
-          callback(Object.assign(new Error(e.message), {
-            code,
-            details: e.message,
-            metadata: new grpc.Metadata(),
-          }));
-        },
-      );
-    },
+    connectTransfer: connectTransferHandler(lender, log),
+  };
+}
+
+/** `ConnectTransfer`: the handshake (lender.ts), its refusals mapped to gRPC statuses. */
+function connectTransferHandler(
+  lender: TransferLender,
+  log: Logger,
+): PeerServer["connectTransfer"] {
+  return (call, callback) => {
+    const r = call.request;
+    const bad = undecodableReason(r);
+    if (bad) {
+      log.warn("transfer handshake refused", { error: bad });
+      callback(refuse(bad));
+      return;
+    }
+    lender.connect(r.requester, r.transport, r.peerInfo).then(
+      (a) => callback(null, a),
+      (e: Error) => {
+        const code = e instanceof HandshakeRefused ? grpc.status[e.code] : grpc.status.INTERNAL;
+        log.warn("transfer handshake refused", { requester: r.requester, error: e.message });
+        callback(Object.assign(new Error(e.message), {
+          code,
+          details: e.message,
+          metadata: new grpc.Metadata(),
+        }));
+      },
+    );
   };
 }

@@ -123,15 +123,7 @@ export function openCrossNode(
     peerTier,
     addServices(server) {
       if (!transfer || !peerLocks || !lender) return;
-      server.addService(
-        lenientPeerService(),
-        peerServiceImpl(
-          peerLocks,
-          () => ({ transport: transfer.name, addr: xferAddr(transfer, advertised) }),
-          lender,
-          plog,
-        ),
-      );
+      addPeerService(server, peerLocks, transfer, lender, advertised, plog);
     },
     openIndex(grpcAddr) {
       boundGrpcAddr = grpcAddr;
@@ -195,4 +187,24 @@ function lenderEndpoint(
     addr: () => xferAddr(transfer, advertisedGrpcAddr),
     createPeer: () => transfer.endpoint.createPeer(),
   };
+}
+
+/** The gRPC `Peer` service: locks, and the handshake (lock answers name the advertised listener). */
+function addPeerService(
+  server: grpc.Server,
+  locks: PeerLockTable,
+  transfer: OpenedTransport,
+  lender: TransferLender,
+  advertisedGrpcAddr: () => string,
+  plog: Logger,
+): void {
+  server.addService(
+    lenientPeerService(),
+    peerServiceImpl(
+      locks,
+      () => ({ transport: transfer.name, addr: xferAddr(transfer, advertisedGrpcAddr) }),
+      lender,
+      plog,
+    ),
+  );
 }
