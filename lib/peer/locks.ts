@@ -196,18 +196,17 @@ export class PeerLockTable {
       pin.release();
       return this.#miss("not-held");
     }
-    let nExt = 0;
+    // The pin's flat ranges of the leading k blocks, packed as they lie (no
+    // object per range): counts from the block starts, u64 pairs from the pairs.
+    const { ranges, starts } = pin.ranges;
     const extentCounts = new Uint32Array(k);
-    for (let i = 0; i < k; i++) nExt += extentCounts[i] = blocks[i].extents.length;
-    const words = new Uint32Array(4 * nExt);
-    let w = 0;
-    for (const b of blocks) {
-      for (const x of b.extents) {
-        words[w++] = x.offset >>> 0;
-        words[w++] = (x.offset / 4294967296) >>> 0;
-        words[w++] = x.bytes >>> 0;
-        words[w++] = (x.bytes / 4294967296) >>> 0;
-      }
+    for (let i = 0; i < k; i++) extentCounts[i] = starts[i + 1] - starts[i];
+    const nums = 2 * starts[k];
+    const words = new Uint32Array(2 * nums);
+    for (let e = 0, w = 0; e < nums; e++, w += 2) {
+      const v = ranges[e];
+      words[w] = v >>> 0;
+      words[w + 1] = (v / 4294967296) >>> 0;
     }
     const ttlMs = Math.min(MAX_PEER_LOCK_TTL_MS, req.ttlMs > 0 ? req.ttlMs : this.#defaultTtl);
     const lockId = crypto.getRandomValues(new Uint8Array(LOCK_ID_BYTES));

@@ -449,7 +449,10 @@ export class PeerTier implements Tier {
     this.#stats.readSeconds += readEnd / 1e3;
     // The blocks are committed: the answer need not wait for the release's round trip.
     this.#track(release());
-    if (good.length > 0) this.#o.host.recordChecksums(namespace, good, goodCrcs);
+    if (good.length > 0) {
+      this.#o.host.recordChecksums(namespace, good, goodCrcs);
+      this.#o.host.committed(namespace, good); // advertised once per fetch
+    }
     if (failed && peer.state().broken !== 0) this.#xferPeers.drop(res.xferAddr, peer);
     if (failed) {
       this.#fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
