@@ -56,7 +56,8 @@ import type { XferEndpoint, XferPeer } from "../../ffi/xfer.ts";
 import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
-import { readLockedPrefix, type ReadOutcome, remoteExtents } from "./read.ts";
+import { readLockedPrefix, type ReadOutcome } from "./read.ts";
+import { remoteExtents } from "./extents_wire.ts";
 import type { PeerLinks } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
 import { XferPeers } from "./xfer_peers.ts";
@@ -371,6 +372,7 @@ export class PeerTier implements Tier {
         layoutFingerprint: layout.fingerprint,
         requester: index.nodeId,
         lockTtlMs: this.#lockTtl,
+        shiftedExtents: true,
       }, this.#rpcTimeout);
     } catch (e) {
       return this.#fail("lock-rpc", { owner: owner.nodeId, error: (e as Error).message });

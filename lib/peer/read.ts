@@ -13,43 +13,10 @@ import type { RamFillBatch, TierHost } from "../storage/tier.ts";
 import { hashHex } from "../storage/keys.ts";
 import type { BlockRanges } from "../transfer/ranges.ts";
 import { XferBatch, type XferPeer, type XferResult } from "../../ffi/xfer.ts";
-import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import type { Logger } from "../log.ts";
 
 /** Most READ batches one fetch puts in flight (a peer takes 256). */
 const MAX_PIPELINE_CHUNKS = 64;
-
-/**
- * Splits the owner's packed extents (u64 offset, u64 bytes per extent) per
- * block, into one flat array (a lock of 256 blocks answers 16,384 ranges,
- * which as objects cost the requester's JS thread and GC time while its
- * READ runs). A string says what is wrong with the answer.
- */
-export function remoteExtents(res: QueryBlocksForTransferResponse): BlockRanges | string {
-  const n = res.checksums.length;
-  if (res.extentCounts.length !== n) {
-    return `${n} checksums but ${res.extentCounts.length} extent counts`;
-  }
-  const starts = new Uint32Array(n + 1);
-  for (let i = 0; i < n; i++) starts[i + 1] = starts[i] + res.extentCounts[i];
-  const total = starts[n];
-  if (res.extents.length !== total * 16) {
-    return `${res.extents.length} extent bytes for ${total} extents`;
-  }
-  const dv = new DataView(res.extents.buffer, res.extents.byteOffset, res.extents.byteLength);
-  const ranges = new Float64Array(2 * total);
-  for (let e = 0, p = 0; e < 2 * total; e++, p += 8) {
-    ranges[e] = dv.getUint32(p, true) + dv.getUint32(p + 4, true) * 4294967296;
-  }
-  for (let i = 0; i < n; i++) {
-    let sum = 0;
-    for (let e = starts[i]; e < starts[i + 1]; e++) sum += ranges[2 * e + 1];
-    if (sum !== res.payloadBytes) {
-      return `block ${i}: extents cover ${sum} bytes, payload is ${res.payloadBytes}`;
-    }
-  }
-  return { ranges, starts };
-}
 
 /**
  * Adds READ segments pairing remote block `rk`'s ranges with local block
