@@ -177,6 +177,7 @@ export interface RamFillBatch {
 
 /** Pool ranges of one pinned block, in payload order. */
 export interface RamExtents {
+  /** Built from {@link RamPin.ranges} when read (each read builds it again). */
   readonly extents: readonly PoolExtent[];
   readonly payloadBytes: number;
   /** CRC32C of the payload recorded after the seal, or undefined when none was recorded yet. */

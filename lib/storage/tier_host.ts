@@ -166,6 +166,8 @@ function pinBlocks(
   for (let i = 0; i < found; i++) {
     const a = lock.found[i];
     const crc = lock.checksums[i];
+    // Objects per range only for a caller that reads them (the SSD write, a
+    // lock-time checksum); a lock answer packs `ranges` directly.
     blocks[a] = {
       get extents() {
         return blockExtents(ranges, a);
