@@ -18,13 +18,16 @@
  *  - READ GB/s: bytes / the READ batch's own time (the transport's ns);
  *  - raw GB/s: the blast;
  *  - query ms: the engine's first query to the answer, polled every
- *    `PEER_BENCH_POLL_MS` (default 2) ms.
+ *    `PEER_BENCH_POLL_MS` (default 2) ms, over gRPC, or with
+ *    `PEER_BENCH_ENGINE_RPC=uds` over B's local RPC socket (`--uds`, what an
+ *    engine on the same host uses: each poll then costs B's CPU less).
  *
  * Prints a table and writes bench/results/peer_fetch.json. No assertion on time.
  *
  * @module
  */
-import { LLAMA_3_1_8B } from "../lib/client/sim_engine.ts";
+import { LLAMA_3_1_8B, SimEngine } from "../lib/client/sim_engine.ts";
+import { PegaflowClient } from "../lib/client/client.ts";
 import { RedisBlockIndex } from "../lib/index/block_index.ts";
 import { hostSim, type ServerProc, uid } from "../tests/server/harness.ts";
 import { makeCluster } from "../tests/peer/_cluster.ts";
@@ -36,6 +39,10 @@ const blocks = Number(Deno.env.get("PEER_BENCH_BLOCKS") ?? 256);
 const repeat = Number(Deno.env.get("PEER_BENCH_REPEAT") ?? 5);
 const streams = Number(Deno.env.get("PEER_BENCH_STREAMS") ?? 4);
 const pollMs = Number(Deno.env.get("PEER_BENCH_POLL_MS") ?? 2);
+const engineRpc = Deno.env.get("PEER_BENCH_ENGINE_RPC") ?? "grpc";
+if (engineRpc !== "grpc" && engineRpc !== "uds") {
+  throw new Error(`PEER_BENCH_ENGINE_RPC=${engineRpc}; expected grpc or uds`);
+}
 const model = LLAMA_3_1_8B;
 const blockBytes = model.numLayers * 2 * model.kvHeads * model.headDim * model.dtypeBytes *
   model.blockTokens;
@@ -60,7 +67,9 @@ const flags = [
   "info",
 ];
 const a = await c.start(0, flags);
-const b = await c.start(1, flags);
+const udsDir = engineRpc === "uds" ? await Deno.makeTempDir({ prefix: "pf-peer-bench-" }) : "";
+const b = await c.start(1, engineRpc === "uds" ? [...flags, "--uds", `${udsDir}/b.sock`] : flags);
+const clientB = engineRpc === "uds" ? new PegaflowClient(`unix:${b.uds}`) : b.client;
 const probe = new RedisBlockIndex({
   url: c.redis.url,
   nodeId: "probe",
@@ -70,7 +79,14 @@ const probe = new RedisBlockIndex({
 probe.start();
 const ns = uid("bench");
 const simA = hostSim(a, { instanceId: uid("a"), namespace: ns, model, numBlocks: blocks });
-const simB = hostSim(b, { instanceId: uid("b"), namespace: ns, model, numBlocks: 1 });
+const simB = SimEngine.create({
+  client: clientB,
+  instanceId: uid("b"),
+  namespace: ns,
+  model,
+  numBlocks: 1,
+  backend: "host",
+});
 interface Run {
   fetchS: number;
   readS: number;
@@ -142,10 +158,12 @@ try {
 } finally {
   simA.close();
   simB.close();
+  if (clientB !== b.client) clientB.close();
   await probe.close();
   await a.stop();
   await b.stop();
   await c.remove();
+  if (udsDir) await Deno.remove(udsDir, { recursive: true });
 }
 
 const fetchGBps = bytes / median(runs.map((r) => r.fetchS)) / 1e9;
@@ -161,7 +179,9 @@ console.log(
     bytes / MiB
   } MiB) over TCP, ${streams} streams, ${path}`,
 );
-console.log(`${cores} cores (${cpu}); median of ${repeat} runs after a warm-up\n`);
+console.log(
+  `${cores} cores (${cpu}); median of ${repeat} runs after a warm-up; engine polls every ${pollMs} ms over ${engineRpc}\n`,
+);
 console.log("| what | GB/s | vs raw TCP |");
 console.log("| ---- | ---- | ---------- |");
 console.log(
@@ -196,6 +216,8 @@ await Deno.writeTextFile(
       bytes,
       streams,
       repeat,
+      pollMs,
+      engineRpc,
       fetchGBps,
       readGBps,
       rawGBps,

@@ -126,6 +126,12 @@ export interface QueryBlocksForTransferRequest {
   requester: string;
   /** 0 = the owner's default; capped by the owner */
   lockTtlMs: number;
+  /**
+   * The requester reads extent_shifts: the owner may answer a block's
+   * extents as the previous block's, moved (an owner that predates the field
+   * ignores it and answers every extent).
+   */
+  shiftedExtents: boolean;
 }
 
 export interface QueryBlocksForTransferResponse {
@@ -153,6 +159,14 @@ export interface QueryBlocksForTransferResponse {
   extents: Uint8Array;
   /** "not-held" | "other-layout" | "unknown-namespace" */
   missReason: string;
+  /**
+   * Only when the request set shifted_extents, else empty. Per locked block:
+   * where extent_counts[i] is 0, block i's extents are block i-1's with
+   * each pool offset moved by extent_shifts[i] bytes (0 elsewhere). Blocks
+   * saved in one batch lie one slot apart in every column, so a lock of 256
+   * such blocks answers 64 extents and 255 shifts instead of 16,384 extents.
+   */
+  extentShifts: number[];
 }
 
 export interface ReleaseTransferLockRequest {
@@ -563,7 +577,14 @@ export const ConnectTransferResponse: MessageFns<ConnectTransferResponse> = {
 };
 
 function createBaseQueryBlocksForTransferRequest(): QueryBlocksForTransferRequest {
-  return { namespace: "", blockHashes: [], layoutFingerprint: "", requester: "", lockTtlMs: 0 };
+  return {
+    namespace: "",
+    blockHashes: [],
+    layoutFingerprint: "",
+    requester: "",
+    lockTtlMs: 0,
+    shiftedExtents: false,
+  };
 }
 
 export const QueryBlocksForTransferRequest: MessageFns<QueryBlocksForTransferRequest> = {
@@ -585,6 +606,9 @@ export const QueryBlocksForTransferRequest: MessageFns<QueryBlocksForTransferReq
     }
     if (message.lockTtlMs !== 0) {
       writer.uint32(40).uint32(message.lockTtlMs);
+    }
+    if (message.shiftedExtents !== false) {
+      writer.uint32(48).bool(message.shiftedExtents);
     }
     return writer;
   },
@@ -642,6 +666,14 @@ export const QueryBlocksForTransferRequest: MessageFns<QueryBlocksForTransferReq
             message.lockTtlMs = reader.uint32();
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.shiftedExtents = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -668,6 +700,7 @@ export const QueryBlocksForTransferRequest: MessageFns<QueryBlocksForTransferReq
     message.layoutFingerprint = object.layoutFingerprint ?? "";
     message.requester = object.requester ?? "";
     message.lockTtlMs = object.lockTtlMs ?? 0;
+    message.shiftedExtents = object.shiftedExtents ?? false;
     return message;
   },
 };
@@ -683,6 +716,7 @@ function createBaseQueryBlocksForTransferResponse(): QueryBlocksForTransferRespo
     extentCounts: [],
     extents: new Uint8Array(0),
     missReason: "",
+    extentShifts: [],
   };
 }
 
@@ -725,6 +759,13 @@ export const QueryBlocksForTransferResponse: MessageFns<QueryBlocksForTransferRe
     }
     if (message.missReason !== "") {
       writer.uint32(74).string(message.missReason);
+    }
+    if (message.extentShifts.length !== 0) {
+      writer.uint32(82).fork();
+      for (const v of message.extentShifts) {
+        writer.sint64(v);
+      }
+      writer.join();
     }
     return writer;
   },
@@ -834,6 +875,24 @@ export const QueryBlocksForTransferResponse: MessageFns<QueryBlocksForTransferRe
             message.missReason = reader.string();
             continue;
           }
+          case 10: {
+            if (tag === 80) {
+              message.extentShifts.push(longToNumber(reader.sint64()));
+
+              continue;
+            }
+
+            if (tag === 82) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.extentShifts.push(longToNumber(reader.sint64()));
+              }
+
+              continue;
+            }
+
+            break;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -864,6 +923,7 @@ export const QueryBlocksForTransferResponse: MessageFns<QueryBlocksForTransferRe
     message.extentCounts = object.extentCounts?.map((e) => e) || [];
     message.extents = object.extents ?? new Uint8Array(0);
     message.missReason = object.missReason ?? "";
+    message.extentShifts = object.extentShifts?.map((e) => e) || [];
     return message;
   },
 };

@@ -78,7 +78,8 @@ export function openBlockIndex(
  * RAM (SSD prefetch, peer fetch) is held here like a saved one, so peers may
  * fetch it from this node too; its eviction withdraws it through the store's
  * `onEvict` as for any block. (The engine's `onSealed` only sees saves.)
- * The commits of one fetch land in one tick: one advertise.
+ * A `fill` is advertised at its commit; `fillMany`'s blocks when the tier
+ * announces them (`committed`, once per fetch).
  *
  * @example
  * ```ts
@@ -88,20 +89,13 @@ export function openBlockIndex(
 export function advertisedFills(host: TierHost, advertiser: IndexAdvertiser): TierHost {
   return {
     ...host,
-    fillMany(namespace, hashes, filler, cacheClass) {
-      const b = host.fillMany(namespace, hashes, filler, cacheClass);
-      if (!b) return null;
-      return {
-        blocks: b.blocks,
-        settle: (ok) => {
-          b.settle(ok);
-          const keys: string[] = [];
-          for (let i = 0; i < b.blocks.length; i++) {
-            if (ok(i)) keys.push(blockKey(namespace, hashes[i]));
-          }
-          if (keys.length > 0) advertiser.onSealed(namespace, keys);
-        },
-      };
+    // A fetch commits its batches as they land and announces them once, at its end:
+    // one advertise per fetch, not one per batch.
+    committed(namespace, hashes) {
+      host.committed(namespace, hashes);
+      if (hashes.length > 0) {
+        advertiser.onSealed(namespace, hashes.map((h) => blockKey(namespace, h)));
+      }
     },
     fill(namespace, hash, filler, cacheClass) {
       const f = host.fill(namespace, hash, filler, cacheClass);

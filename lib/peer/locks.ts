@@ -36,6 +36,7 @@ import { blockLayoutIdentity } from "../storage/layout.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
 import type { Logger } from "../log.ts";
 import { hashHex } from "../storage/keys.ts";
+import { packExtents } from "./extents_wire.ts";
 
 /** Default lock TTL when the requester asks for none. */
 export const DEFAULT_PEER_LOCK_TTL_MS = 10_000;
@@ -58,6 +59,8 @@ export interface LockRequest {
   requester: string;
   /** 0 = the default. */
   ttlMs: number;
+  /** The requester reads shifted extents (lib/peer/extents_wire.ts); absent: every extent. */
+  shiftedExtents?: boolean;
 }
 
 /** Why nothing was locked. */
@@ -73,8 +76,10 @@ export type LockAnswer =
     /** Per locked block (the held prefix, in request order). */
     readonly checksums: Uint32Array;
     readonly extentCounts: Uint32Array;
-    /** Every block's extents back to back: u64 pool offset, u64 bytes, little-endian. */
+    /** The blocks' own extents back to back: u64 pool offset, u64 bytes, little-endian. */
     readonly extents: Uint8Array;
+    /** Per block, the shift of a block sent as its predecessor's extents moved (or empty). */
+    readonly extentShifts: Float64Array;
   }
   | { readonly kind: "miss"; readonly reason: LockMissReason };
 
@@ -196,19 +201,8 @@ export class PeerLockTable {
       pin.release();
       return this.#miss("not-held");
     }
-    let nExt = 0;
-    const extentCounts = new Uint32Array(k);
-    for (let i = 0; i < k; i++) nExt += extentCounts[i] = blocks[i].extents.length;
-    const words = new Uint32Array(4 * nExt);
-    let w = 0;
-    for (const b of blocks) {
-      for (const x of b.extents) {
-        words[w++] = x.offset >>> 0;
-        words[w++] = (x.offset / 4294967296) >>> 0;
-        words[w++] = x.bytes >>> 0;
-        words[w++] = (x.bytes / 4294967296) >>> 0;
-      }
-    }
+    // The pin's flat ranges of the leading k blocks, packed as they lie (no object per range).
+    const packed = packExtents(pin.ranges, k, req.shiftedExtents === true);
     const ttlMs = Math.min(MAX_PEER_LOCK_TTL_MS, req.ttlMs > 0 ? req.ttlMs : this.#defaultTtl);
     const lockId = crypto.getRandomValues(new Uint8Array(LOCK_ID_BYTES));
     this.#held.set(hashHex(lockId), {
@@ -226,8 +220,7 @@ export class PeerLockTable {
       ttlMs,
       payloadBytes: blocks[0].payloadBytes,
       checksums,
-      extentCounts,
-      extents: new Uint8Array(words.buffer),
+      ...packed,
     };
   }
 

@@ -56,7 +56,8 @@ import type { XferEndpoint, XferPeer } from "../../ffi/xfer.ts";
 import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
-import { readLockedPrefix, type ReadOutcome, remoteExtents } from "./read.ts";
+import { readLockedPrefix, type ReadOutcome } from "./read.ts";
+import { remoteExtents } from "./extents_wire.ts";
 import type { PeerLinks } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
 import { XferPeers } from "./xfer_peers.ts";
@@ -381,6 +382,7 @@ export class PeerTier implements Tier {
         layoutFingerprint: layout.fingerprint,
         requester: index.nodeId,
         lockTtlMs: this.#lockTtl,
+        shiftedExtents: true,
       }, this.#rpcTimeout);
     } catch (e) {
       return this.#fail("lock-rpc", { owner: owner.nodeId, error: (e as Error).message });
@@ -460,7 +462,10 @@ export class PeerTier implements Tier {
     this.#stats.readSeconds += readEnd / 1e3;
     // The blocks are committed: the answer need not wait for the release's round trip.
     this.#track(release());
-    if (good.length > 0) this.#o.host.recordChecksums(namespace, good, goodCrcs);
+    if (good.length > 0) {
+      this.#o.host.recordChecksums(namespace, good, goodCrcs);
+      this.#o.host.committed(namespace, good); // advertised once per fetch
+    }
     if (failed && peer.state().broken !== 0) this.#xferPeers.drop(owner.addr, peer);
     if (failed) {
       this.#fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {

@@ -11,65 +11,35 @@
  */
 import type { RamFillBatch, TierHost } from "../storage/tier.ts";
 import { hashHex } from "../storage/keys.ts";
-import type { PoolExtent } from "../transfer/ranges.ts";
+import type { BlockRanges } from "../transfer/ranges.ts";
 import { XferBatch, type XferPeer, type XferResult } from "../../ffi/xfer.ts";
-import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import type { Logger } from "../log.ts";
 
 /** Most READ batches one fetch puts in flight (a peer takes 256). */
 const MAX_PIPELINE_CHUNKS = 64;
 
 /**
- * One block's pool ranges on the owner, flat: offset, bytes, offset, bytes…
- * (a view into one array per lock answer: a lock of 256 blocks answers
- * 16,384 ranges, which as objects cost the requester's JS thread and GC
- * time while its READ runs).
+ * Adds READ segments pairing remote block `rk`'s ranges with local block
+ * `lk`'s, both in payload order and covering the same bytes.
  */
-export type RemoteRanges = Float64Array;
-
-/** Splits the owner's packed extents (u64 offset, u64 bytes per extent) per block. */
-export function remoteExtents(res: QueryBlocksForTransferResponse): RemoteRanges[] | string {
-  const n = res.checksums.length;
-  if (res.extentCounts.length !== n) {
-    return `${n} checksums but ${res.extentCounts.length} extent counts`;
-  }
-  const total = res.extentCounts.reduce((a, b) => a + b, 0);
-  if (res.extents.length !== total * 16) {
-    return `${res.extents.length} extent bytes for ${total} extents`;
-  }
-  const dv = new DataView(res.extents.buffer, res.extents.byteOffset, res.extents.byteLength);
-  const flat = new Float64Array(2 * total);
-  for (let e = 0, p = 0; e < 2 * total; e++, p += 8) {
-    flat[e] = dv.getUint32(p, true) + dv.getUint32(p + 4, true) * 4294967296;
-  }
-  const out: RemoteRanges[] = [];
-  let e = 0;
-  for (let i = 0; i < n; i++) {
-    const first = e;
-    let sum = 0;
-    for (let k = 0; k < res.extentCounts[i]; k++, e += 2) sum += flat[e + 1];
-    if (sum !== res.payloadBytes) {
-      return `block ${i}: extents cover ${sum} bytes, payload is ${res.payloadBytes}`;
-    }
-    out.push(flat.subarray(first, e));
-  }
-  return out;
-}
-
-/**
- * Adds READ segments pairing `remote` ranges with `local` ranges, both in
- * payload order and covering the same bytes.
- */
-function pairRanges(batch: XferBatch, remote: RemoteRanges, local: readonly PoolExtent[]) {
-  let i = 0, j = 0, ri = 0, lj = 0;
-  while (i < remote.length && j < local.length) {
-    const rb = remote[i + 1];
-    const n = Math.min(rb - ri, local[j].bytes - lj);
-    batch.seg(remote[i] + ri, local[j].offset + lj, n);
+function pairRanges(
+  batch: XferBatch,
+  remote: BlockRanges,
+  rk: number,
+  local: BlockRanges,
+  lk: number,
+) {
+  const r = remote.ranges, l = local.ranges;
+  let i = 2 * remote.starts[rk], j = 2 * local.starts[lk], ri = 0, lj = 0;
+  const iEnd = 2 * remote.starts[rk + 1], jEnd = 2 * local.starts[lk + 1];
+  while (i < iEnd && j < jEnd) {
+    const rb = r[i + 1], lb = l[j + 1];
+    const n = Math.min(rb - ri, lb - lj);
+    batch.seg(r[i] + ri, l[j] + lj, n);
     ri += n;
     lj += n;
     if (ri === rb) (i += 2, ri = 0);
-    if (lj === local[j].bytes) (j++, lj = 0);
+    if (lj === lb) (j += 2, lj = 0);
   }
 }
 
@@ -80,7 +50,7 @@ export interface LockedPrefix {
   owner: string;
   hashes: readonly Uint8Array[];
   /** Each block's pool ranges on the owner ({@link remoteExtents}). */
-  remote: readonly RemoteRanges[];
+  remote: BlockRanges;
   payloadBytes: number;
   /** Each block's CRC32C, computed by the owner at seal time. */
   checksums: readonly number[];
@@ -171,13 +141,13 @@ function submitChunks(
   const per = Math.max(
     1,
     Math.floor((o.chunkBytes) / p.payloadBytes),
-    Math.ceil(p.remote.length / MAX_PIPELINE_CHUNKS),
+    Math.ceil(p.hashes.length / MAX_PIPELINE_CHUNKS),
   );
   const chunks: Chunk[] = [];
   let refused: string | undefined;
   let planned = 0;
-  for (let from = 0; from < p.remote.length; from += per) {
-    const to = Math.min(from + per, p.remote.length);
+  for (let from = 0; from < p.hashes.length; from += per) {
+    const to = Math.min(from + per, p.hashes.length);
     let fill: RamFillBatch | null;
     try {
       fill = host.fillMany(
@@ -192,7 +162,7 @@ function submitChunks(
       break;
     }
     if (!fill) break;
-    const n = fill.blocks.length;
+    const n = fill.count;
     planned += n;
     const batch = readBatch(p, fill, from, o.deadlineMs);
     try {
@@ -206,7 +176,7 @@ function submitChunks(
       break;
     }
     if (chunks.length === 1) {
-      o.log.debug("peer read submitted", { owner: p.owner, blocks: p.remote.length });
+      o.log.debug("peer read submitted", { owner: p.owner, blocks: p.hashes.length });
     }
     if (n < to - from) break;
   }
@@ -220,14 +190,13 @@ function submitChunks(
  * back with the completion.
  */
 function readBatch(p: LockedPrefix, fill: RamFillBatch, from: number, deadlineMs: number) {
-  const n = fill.blocks.length;
-  let segs = 0;
-  for (let k = 0; k < n; k++) {
-    segs += p.remote[from + k].length / 2 + fill.blocks[k].extents.length;
-  }
+  const n = fill.count;
+  const rs = p.remote.starts, ls = fill.ranges.starts;
+  // Pairing two payload-order walks makes at most one segment per range of either side.
+  const segs = rs[from + n] - rs[from] + ls[n] - ls[0];
   const batch = new XferBatch(segs, n).reset("read", deadlineMs);
   for (let k = 0; k < n; k++) {
-    pairRanges(batch, p.remote[from + k], fill.blocks[k].extents);
+    pairRanges(batch, p.remote, from + k, fill.ranges, k);
     batch.group(p.payloadBytes);
   }
   return batch;
@@ -254,7 +223,7 @@ async function settleChunks(
       out.failed ??= r;
       continue;
     }
-    const n = c.fill.blocks.length;
+    const n = c.fill.count;
     out.readEnd = Math.max(out.readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
     out.readBytes += n * p.payloadBytes;
     const crcs = r.crcs;
@@ -282,7 +251,7 @@ function verifyChunk(
 ): void {
   const verified = (k: number) => crcs[k] === p.checksums[c.from + k];
   c.fill.settle(verified);
-  for (let k = 0; k < c.fill.blocks.length; k++) {
+  for (let k = 0; k < c.fill.count; k++) {
     const i = c.from + k;
     if (verified(k)) {
       out.good.push(p.hashes[i]);

@@ -87,6 +87,7 @@ export function peerServiceImpl(
         layoutFingerprint: r.layoutFingerprint,
         requester: r.requester,
         ttlMs: r.lockTtlMs,
+        shiftedExtents: r.shiftedExtents,
       }).then((a) => {
         const ep = endpoint();
         const res: QueryBlocksForTransferResponse = {
@@ -99,6 +100,7 @@ export function peerServiceImpl(
           extentCounts: [],
           extents: new Uint8Array(0),
           missReason: "",
+          extentShifts: [],
         };
         if (a.kind === "miss") {
           res.missReason = a.reason;
@@ -109,6 +111,7 @@ export function peerServiceImpl(
           res.checksums = Array.from(a.checksums);
           res.extentCounts = Array.from(a.extentCounts);
           res.extents = a.extents;
+          res.extentShifts = Array.from(a.extentShifts);
         }
         callback(null, res);
       }, (e: Error) => {

@@ -31,7 +31,7 @@
 import { hashMatches } from "./keys.ts";
 import type { LayoutIdentity } from "./layout.ts";
 import type { SaveCompletion, SavePlan } from "./store.ts";
-import type { PoolExtent } from "../transfer/ranges.ts";
+import type { BlockRanges, PoolExtent } from "../transfer/ranges.ts";
 
 /** Blocks of one namespace, by content hash, under that namespace's layout. */
 export interface TierBlocks {
@@ -162,15 +162,22 @@ export interface RamFill {
  * its own (sealed) or not (freed).
  */
 export interface RamFillBatch {
-  readonly blocks: readonly {
-    readonly extents: readonly PoolExtent[];
-    readonly payloadBytes: number;
-  }[];
+  /** Blocks planned: the asked `hashes[0 .. count)`. */
+  readonly count: number;
+  /** Bytes of one block's payload. */
+  readonly payloadBytes: number;
+  /**
+   * Where each block's payload goes, in payload order, adjacent ranges
+   * merged: flat, no object per range or per block (the peer tier pairs
+   * them with the owner's in one walk).
+   */
+  readonly ranges: BlockRanges;
   settle(ok: (i: number) => boolean): void;
 }
 
 /** Pool ranges of one pinned block, in payload order. */
 export interface RamExtents {
+  /** Built from {@link RamPin.ranges} when read (each read builds it again). */
   readonly extents: readonly PoolExtent[];
   readonly payloadBytes: number;
   /** CRC32C of the payload recorded after the seal, or undefined when none was recorded yet. */
@@ -184,6 +191,11 @@ export interface RamExtents {
  */
 export interface RamPin {
   readonly blocks: readonly (RamExtents | undefined)[];
+  /**
+   * The same ranges flat, index-aligned with the asked hashes (a block not
+   * held has none): what a lock answer packs without an object per range.
+   */
+  readonly ranges: BlockRanges;
   release(): void;
 }
 
@@ -217,7 +229,8 @@ export interface TierHost {
   /**
    * Plans pool space for the leading run of `hashes` that can be placed
    * whole, in one plan (a handful of allocator calls per slot column instead
-   * of per block). Null when not even the first can be.
+   * of per block). Null when not even the first can be. The caller
+   * announces what it committed with {@link TierHost.committed}.
    */
   fillMany(
     namespace: string,
@@ -234,6 +247,13 @@ export interface TierHost {
    * for later pins to carry; blocks no longer held are skipped.
    */
   recordChecksums(namespace: string, hashes: readonly Uint8Array[], crcs: ArrayLike<number>): void;
+  /**
+   * Blocks a tier committed through {@link TierHost.fillMany}, announced
+   * once per run of batches (a peer fetch) instead of once per batch: the
+   * node advertises them to the block index then (lib/index/attach.ts).
+   * Each `fill`'s commit is announced by the commit itself.
+   */
+  committed(namespace: string, hashes: readonly Uint8Array[]): void;
 }
 
 /**

@@ -19,10 +19,9 @@
  * @module
  */
 
-import { mergeExtents, type PoolExtent } from "../transfer/ranges.ts";
+import { blockExtents, BlockRangesWriter, mergeExtents } from "../transfer/ranges.ts";
 import { NO_CHECKSUM, rankSlots } from "./block.ts";
 import { LeaseError } from "./errors.ts";
-import { offsetIndex, type OffsetTable } from "./offsets.ts";
 import type { KvStore } from "./store.ts";
 import type { FillClass, RamExtents, RamFill, RamFillBatch, RamPin, TierHost } from "./tier.ts";
 
@@ -50,6 +49,9 @@ export function storeTierHost(store: KvStore): TierHost {
     recordChecksums(namespace, hashes, crcs) {
       store.recordChecksums(namespace, hashes, crcs);
     },
+
+    // The store has nobody to tell; advertisedFills (lib/index/attach.ts) does.
+    committed() {},
 
     pin: (namespace, hashes, requester) => pinBlocks(store, namespace, hashes, requester),
   };
@@ -107,26 +109,24 @@ function fillBlocks(
   const items = n > 0 ? p.offsets.length / n : 0;
   // The leading run of asked hashes planned whole: plan block k must be hash k
   // (a held block is deduplicated out of the plan) with every slot of its own.
-  const own = new Float64Array(items);
-  const blocks: { extents: PoolExtent[]; payloadBytes: number }[] = [];
-  for (let k = 0; k < n && p.hashIndex[k] === k; k++) {
+  let m = 0;
+  for (; m < n && p.hashIndex[m] === m; m++) {
     let whole = true;
-    for (let col = 0; whole && col < items; col++) whole = p.offsets[col * n + k] >= 0;
+    for (let col = 0; whole && col < items; col++) whole = p.offsets[col * n + m] >= 0;
     if (!whole) break;
-    for (let col = 0; col < items; col++) own[col] = p.offsets[col * n + k];
-    blocks.push({
-      extents: mergeExtents(own, p.segmentBytes),
-      payloadBytes: items * p.segmentBytes,
-    });
   }
-  const m = blocks.length;
   if (m === 0) {
     store.completeSave(p, false);
     return null;
   }
+  // Each block's offsets in payload order are column col of the table (lib/storage/offsets.ts).
+  const w = new BlockRangesWriter(m, m * items);
+  for (let k = 0; k < m; k++) w.addBlock(p.offsets, k, n, items, p.segmentBytes);
   let settled = false;
   return {
-    blocks,
+    count: m,
+    payloadBytes: items * p.segmentBytes,
+    ranges: w.finish(),
     settle: (ok) => {
       if (settled) {
         throw new Error(`fill of ${m} blocks in namespace ${namespace} settled twice`);
@@ -149,36 +149,37 @@ function pinBlocks(
   const lock = store.lockForTransfer(namespace, hashes, requester);
   if (!lock) return null;
   const found = lock.found.length;
-  const rs = rankSlots(layout);
-  const per = layout.layers * rs * layout.segments;
-  const table: OffsetTable = {
-    offsets: lock.offsets,
-    blockCount: found,
-    segments: layout.segments,
-  };
-  // One block's offsets in payload order, gathered out of the column-major
-  // table; reused for every block of the batch.
-  const own = new Float64Array(per);
+  const per = layout.layers * rankSlots(layout) * layout.segments;
+  // Asked index → found index (the lock's table is column-major over the
+  // found blocks; a block's offsets in payload order are its column walk,
+  // lib/storage/offsets.ts), turned into flat ranges once.
+  const at = new Int32Array(hashes.length).fill(-1);
+  for (let i = 0; i < found; i++) at[lock.found[i]] = i;
+  const w = new BlockRangesWriter(hashes.length, found * per);
+  for (let a = 0; a < hashes.length; a++) {
+    if (at[a] < 0) w.addEmpty();
+    else w.addBlock(lock.offsets, at[a], found, per, lock.segmentBytes);
+  }
+  const ranges = w.finish();
+  const payloadBytes = per * lock.segmentBytes;
   const blocks: (RamExtents | undefined)[] = new Array(hashes.length).fill(undefined);
   for (let i = 0; i < found; i++) {
-    let j = 0;
-    for (let layer = 0; layer < layout.layers; layer++) {
-      for (let r = 0; r < rs; r++) {
-        for (let seg = 0; seg < layout.segments; seg++) {
-          own[j++] = lock.offsets[offsetIndex(table, layer, r, seg, i, rs)];
-        }
-      }
-    }
+    const a = lock.found[i];
     const crc = lock.checksums[i];
-    blocks[lock.found[i]] = {
-      extents: mergeExtents(own, lock.segmentBytes),
-      payloadBytes: per * lock.segmentBytes,
+    // Objects per range only for a caller that reads them (the SSD write, a
+    // lock-time checksum); a lock answer packs `ranges` directly.
+    blocks[a] = {
+      get extents() {
+        return blockExtents(ranges, a);
+      },
+      payloadBytes,
       checksum: crc === NO_CHECKSUM ? undefined : crc,
     };
   }
   let released = false;
   return {
     blocks,
+    ranges,
     release: () => {
       if (released) return;
       released = true;

@@ -306,6 +306,7 @@ Deno.test("the Peer service refuses malformed lock requests naming the field, an
       layoutFingerprint: blockLayoutIdentity(LAYOUT).fingerprint,
       requester: "r",
       lockTtlMs: 0,
+      shiftedExtents: false,
     };
     const cases: [Partial<typeof ok>, RegExp][] = [
       [{ namespace: "" }, /namespace is empty/],
@@ -335,6 +336,7 @@ Deno.test("the Peer service refuses malformed lock requests naming the field, an
     assert.equal(t.locks.stats().held, 0);
     const locked = await t.links.lock(t.ownerAddr, ok, 2000);
     assert.equal(locked.checksums.length, 1);
+    assert.equal(locked.extentShifts.length, 0, "not asked for shifts: every extent");
     assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "someone-else", 2000), false);
     assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "r", 2000), true);
     assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "r", 2000), false);

@@ -10,6 +10,7 @@ import {
 import { hashHex } from "../../lib/storage/keys.ts";
 import { sealedHashBytes } from "../../lib/storage/tier.ts";
 import { storeTierHost } from "../../lib/storage/tier_host.ts";
+import { blockExtents } from "../../lib/transfer/ranges.ts";
 import type { BlockLayout } from "../../lib/storage/block.ts";
 import { makeStore, NS } from "./helpers.ts";
 
@@ -105,7 +106,10 @@ Deno.test("a pin takes one transfer lock for a whole batch, in payload order, an
     const b = pin.blocks[i]!;
     strictEqual(b.payloadBytes, ITEMS * 4096);
     assertEquals(expand(b.extents, 4096), payloadOffsets(store, asked[i]), `block ${i}`);
+    assertEquals(blockExtents(pin.ranges, i), b.extents, `block ${i}: flat ranges agree`);
   }
+  strictEqual(pin.ranges.starts.length, asked.length + 1, "flat ranges index-aligned with the ask");
+  strictEqual(pin.ranges.starts[3], pin.ranges.starts[2], "the block not held has no ranges");
   strictEqual(store.evictAll(), 0, "pinned blocks survive eviction");
   pin.release();
   pin.release(); // idempotent: the lock is released once
@@ -151,10 +155,11 @@ Deno.test("a batch fill plans the leading run of blocks in one plan, stops at a 
   const asked = [bytes(10), bytes(11), bytes(12), bytes(13), bytes(14)];
   const free = store.stats().freeBytes;
   const b = host.fillMany(NS, asked, "peer", "reclaimable")!;
-  strictEqual(b.blocks.length, 3, "stops at the held block 13");
-  for (const blk of b.blocks) strictEqual(blk.payloadBytes, ITEMS * 4096);
+  strictEqual(b.count, 3, "stops at the held block 13");
+  strictEqual(b.ranges.starts.length, 4, "one range list per planned block");
+  strictEqual(b.payloadBytes, ITEMS * 4096);
   // Every planned byte is distinct.
-  const all = b.blocks.flatMap((blk) => expand(blk.extents, 4096));
+  const all = [0, 1, 2].flatMap((k) => expand(blockExtents(b.ranges, k), 4096));
   strictEqual(new Set(all).size, 3 * ITEMS);
   assert(store.stats().freeBytes < free);
   b.settle((i) => i !== 1); // block 11 did not verify
@@ -164,7 +169,7 @@ Deno.test("a batch fill plans the leading run of blocks in one plan, stops at a 
   strictEqual(store.blockState(NS, bytes(12)), "sealed");
   strictEqual(store.blockState(NS, bytes(14)), "absent", "never planned past the held block");
   // Sealed blocks are where the batch planned them, in payload order.
-  assertEquals(payloadOffsets(store, bytes(12)), expand(b.blocks[2].extents, 4096));
+  assertEquals(payloadOffsets(store, bytes(12)), expand(blockExtents(b.ranges, 2), 4096));
   strictEqual(host.fillMany(NS, [bytes(13)], "peer", "reclaimable"), null, "held: nothing to plan");
   store.verify();
 });

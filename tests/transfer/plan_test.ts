@@ -5,7 +5,12 @@ import { deepStrictEqual, strictEqual } from "node:assert/strict";
 import { KvStore } from "../../lib/storage/store.ts";
 import type { BatchWriter, RegionPort, ShmPort } from "../../lib/engine/ports.ts";
 import type { Geometry } from "../../lib/engine/geometry.ts";
-import { mergeExtents, RangeMerger } from "../../lib/transfer/ranges.ts";
+import {
+  blockExtents,
+  BlockRangesWriter,
+  mergeExtents,
+  RangeMerger,
+} from "../../lib/transfer/ranges.ts";
 import { type LayerTarget, TransferPlanner } from "../../lib/transfer/plan.ts";
 
 type Seg = [number, number, number];
@@ -68,6 +73,25 @@ Deno.test("the range merger joins a segment only when both sides continue the pr
   deepStrictEqual(mergeExtents([0, 4096, 65536, 69632], 4096), [
     { offset: 0, bytes: 8192 },
     { offset: 65536, bytes: 8192 },
+  ]);
+});
+
+Deno.test("flat block ranges merge each block's adjacent items, never across blocks, and read back per block", () => {
+  // A column-major table of 3 blocks × 2 items: block k's items at offsets[k], offsets[3 + k].
+  const offsets = [0, 8192, 100_000, 4096, 12288, 200_000];
+  const w = new BlockRangesWriter(4, 6);
+  w.addBlock(offsets, 0, 3, 2, 4096); // 0 then 4096: one range
+  w.addEmpty();
+  w.addBlock(offsets, 1, 3, 2, 4096); // 8192 then 12288: one range (touches block 0's end, not merged)
+  w.addBlock(offsets, 2, 3, 2, 4096); // 100000 then 200000: two ranges
+  const r = w.finish();
+  deepStrictEqual([...r.starts], [0, 1, 1, 2, 4]);
+  deepStrictEqual([...r.ranges], [0, 8192, 8192, 8192, 100_000, 4096, 200_000, 4096]);
+  deepStrictEqual(blockExtents(r, 0), [{ offset: 0, bytes: 8192 }]);
+  deepStrictEqual(blockExtents(r, 1), []);
+  deepStrictEqual(blockExtents(r, 3), [
+    { offset: 100_000, bytes: 4096 },
+    { offset: 200_000, bytes: 4096 },
   ]);
 });
 
