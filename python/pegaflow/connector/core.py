@@ -56,7 +56,7 @@ from ..errors import PegaflowError, PegaflowLoadError
 from ..load_state import LoadState
 from ..regions import export_kv_layers
 from ..registration import KvRegistration
-from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, unlink_shm
+from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, FreshStates, unlink_shm
 from .query_issuer import EarlyLoad, QueryIssuer
 from .staging import StagingBuffers, StagingRoom, staging_instance
 
@@ -238,16 +238,18 @@ class SchedulerCore:
             StagingRoom(staging_blocks) if staging_blocks > 0 and mode == LAYERWISE else None
         )
         self.load_instance = staging_instance(instance_id) if self.staging else instance_id
+        if load_issuer == ISSUER_QUERY and self.staging is None:
+            raise ValueError(
+                "load_issuer 'query' loads into staging blocks before the engine allocates: it needs "
+                "layer-wise mode and pegaflow.staging_blocks > 0"
+            )
+        # Load states the scheduler-side issuers use, made between steps (lifecycle.py).
+        self._fresh = FreshStates(0 if load_issuer == ISSUER_WORKER else len(self.ranks))
         self._query_issuer: Optional[QueryIssuer] = None
         if load_issuer == ISSUER_QUERY:
-            if self.staging is None:
-                raise ValueError(
-                    "load_issuer 'query' loads into staging blocks before the engine allocates: it needs "
-                    "layer-wise mode and pegaflow.staging_blocks > 0"
-                )
             self._query_issuer = QueryIssuer(
                 client, self.staging, ranks=self.ranks, load_timeout_s=client.config.load_timeout_s,
-                count=self._count,
+                count=self._count, fresh=self._fresh,
             )
         self._probes: Dict[str, _Probe] = {}
         self._tracked: Dict[str, _Tracked] = {}
@@ -399,9 +401,8 @@ class SchedulerCore:
         Whichever comes second unlinks; close() unlinks the rest. Every mapping
         (ours until the answer, the server's, the worker's) outlives the name."""
         intent.states = {}
-        for tp_rank, pp_rank in self.ranks:
-            st = LoadState.create()
-            st.hand_over()  # the name is unlinked by the bookkeeping below, not by st.close()
+        for (tp_rank, pp_rank), st in zip(self.ranks, self._fresh.take(len(self.ranks))):
+            # Handed over: the name is unlinked by the bookkeeping below, not by st.close().
             intent.states[(tp_rank, pp_rank)] = st.name
             with self._stats_lock:
                 self._names[st.name] = [False, False]
@@ -437,6 +438,7 @@ class SchedulerCore:
             self.staging.next_step()
         if self._query_issuer is not None:
             self._query_issuer.poll()
+        self._fresh.refill()
         if self._shipped or self._issued:
             # The engine schedules synchronously (the rule of the scheduler
             # issuer): the step that carried these names has run.
@@ -523,6 +525,7 @@ class SchedulerCore:
         self._probes.clear()
         if self._query_issuer is not None:
             self._query_issuer.close()
+        self._fresh.close()
         with self._stats_lock:
             names, self._names = list(self._names), {}
         for name in names:

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..client import PegaflowClient, QueryResult
 from ..errors import PegaflowError
 from ..load_state import LoadState
-from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, unlink_shm
+from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, FreshStates, unlink_shm
 from .staging import StagingRoom
 
 log = logging.getLogger("pegaflow.connector")
@@ -62,7 +62,8 @@ class QueryIssuer:
     """Probes that start their loads (see the module doc). `count(key, n)` records stats.
 
     Example:
-        qi = QueryIssuer(client, room, ranks=[(0, 0)], load_timeout_s=10.0, count=stats.add)
+        qi = QueryIssuer(client, room, ranks=[(0, 0)], load_timeout_s=10.0, count=stats.add,
+                         fresh=FreshStates(1))
         q, early = qi.query("req-7", "inst.staging", hashes)   # early: the copy is running
         first, n = qi.claim("req-7", early)                     # in update_state_after_alloc
     """
@@ -75,6 +76,7 @@ class QueryIssuer:
         ranks: Sequence[Rank],
         load_timeout_s: float,
         count: Callable[[str, int], None],
+        fresh: FreshStates,
     ):
         self.client = client
         self.room = room
@@ -83,24 +85,14 @@ class QueryIssuer:
         self._count = count
         self._drains: Dict[Tuple[str, int], _Drain] = {}
         self._serial = 0
-        # Fresh load states made between steps, so a probe does not create them on its way
-        # to the server (each is used by one load; its name is unlinked after).
-        self._spare: List[LoadState] = []
-        self._refill()
-
-    def _refill(self) -> None:
-        while len(self._spare) < len(self.ranks):
-            st = LoadState.create()
-            st.hand_over()  # names are unlinked here (and by the core once its step ran)
-            self._spare.append(st)
+        self._fresh = fresh
 
     def query(self, rid: str, instance_id: str, hashes: Sequence[bytes]) -> Tuple[QueryResult, Optional[EarlyLoad]]:
         """QueryPrefetch with the load of every rank into a held run of `len(hashes)` blocks
         (the caller sized it with `room.offer`). Raises PegaflowError like query_prefetch."""
         self.poll()
         first = self.room.hold(rid, len(hashes))
-        self._refill()
-        states = {r: self._spare.pop() for r in self.ranks}
+        states = dict(zip(self.ranks, self._fresh.take(len(self.ranks))))
         try:
             q = self.client.query_prefetch(
                 instance_id=instance_id, block_hashes=hashes, request_id=rid,
@@ -156,9 +148,7 @@ class QueryIssuer:
         self._drains[key] = _Drain(list(states.values()), time.monotonic() + self.load_timeout_s * LINGER_LOAD_TIMEOUTS)
 
     def poll(self) -> None:
-        """Between steps: fresh states for the next probe, and every drained run whose copies
-        settled (or that waited long enough) given back."""
-        self._refill()
+        """Gives back every drained run whose copies settled (or that waited long enough)."""
         if not self._drains:
             return
         now = time.monotonic()
@@ -181,10 +171,6 @@ class QueryIssuer:
         return len(self._drains)
 
     def close(self) -> None:
-        for st in self._spare:
-            st.close()
-            unlink_shm(st.name)
-        self._spare = []
         for key, d in self._drains.items():
             for st in d.states:
                 st.close()
