@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from pegaflow.connector.core import LoadIntent, SaveIntent, StepPlan
+from pegaflow.connector.plan import LoadIntent, SaveIntent, StepPlan
 from pegaflow.connector.vllm import PegaflowConnector, PegaflowConnectorMetadata
 from pegaflow.connector.vllm_api import KVConnectorRole
 from pegaflow.hashes import synthetic_tokens
@@ -198,7 +198,7 @@ def test_a_load_trimmed_by_the_scheduler_loads_that_prefix_and_gives_the_rest_ba
 
 def test_a_layer_sharing_another_layers_kv_is_registered_once_and_waits_on_it(server, uid):
     from pegaflow.client import PegaflowClient
-    from pegaflow.connector.core import WorkerCore
+    from pegaflow.connector.worker_core import WorkerCore
     from pegaflow.regions import ShmRegion
 
     client = PegaflowClient(server.addr)
@@ -244,7 +244,7 @@ def test_a_host_backend_worker_registers_the_configured_device_and_a_bad_one_is_
 
 def test_a_worker_registers_its_rank_on_the_device_it_is_given(server, uid):
     from pegaflow.client import PegaflowClient
-    from pegaflow.connector.core import WorkerCore
+    from pegaflow.connector.worker_core import WorkerCore
     from pegaflow.errors import PegaflowError
     from pegaflow.regions import ShmRegion
 

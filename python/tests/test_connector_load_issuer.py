@@ -14,7 +14,8 @@ from typing import List
 import pytest
 
 from pegaflow.client import PegaflowClient
-from pegaflow.connector.core import ScheduledRequest, SchedulerCore
+from pegaflow.connector.plan import ScheduledRequest
+from pegaflow.connector.scheduler_core import SchedulerCore
 from pegaflow.connector.vllm import ConnectorSettings
 from pegaflow.hashes import synthetic_tokens
 

@@ -16,7 +16,7 @@ import pytest
 
 from pegaflow.client import PegaflowClient
 from pegaflow.config import ClientConfig
-from pegaflow.connector.core import SchedulerCore
+from pegaflow.connector.scheduler_core import SchedulerCore
 
 from pegaflow.errors import PegaflowError
 from pegaflow.connector.staging import STAGING_SUFFIX, StagingRoom, staging_instance

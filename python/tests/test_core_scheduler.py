@@ -13,7 +13,8 @@ import pytest
 
 from pegaflow.client import QueryResult
 from pegaflow.config import ClientConfig
-from pegaflow.connector.core import ScheduledRequest, SchedulerCore
+from pegaflow.connector.plan import ScheduledRequest
+from pegaflow.connector.scheduler_core import SchedulerCore
 from pegaflow.errors import PegaflowError
 
 BS = 4

@@ -6,7 +6,8 @@ bytes."""
 from __future__ import annotations
 
 from pegaflow.client import PegaflowClient
-from pegaflow.connector.core import ScheduledRequest, SchedulerCore
+from pegaflow.connector.plan import ScheduledRequest
+from pegaflow.connector.scheduler_core import SchedulerCore
 from pegaflow.hashes import synthetic_tokens
 
 from tp_ranks import BLOCK, Req, TwoRanks

@@ -13,7 +13,9 @@ from typing import List, Sequence
 import numpy as np
 
 from pegaflow.client import PegaflowClient
-from pegaflow.connector.core import SchedulerCore, StepPlan, WorkerCore
+from pegaflow.connector.plan import StepPlan
+from pegaflow.connector.scheduler_core import SchedulerCore
+from pegaflow.connector.worker_core import WorkerCore
 from pegaflow.hashes import chained_block_hashes
 
 from kv_helpers import block_content, make_kv

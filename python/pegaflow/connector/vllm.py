@@ -1,6 +1,6 @@
 """`PegaflowConnector`: vLLM's KV connector v1 (`KVConnectorBase_V1`) over
 PegaFlow. It maps vLLM's objects onto the engine-agnostic state machines
-in core.py and holds no policy of its own.
+in scheduler_core.py / worker_core.py and holds no policy of its own.
 
 Written against vllm-project/vllm `vllm/distributed/kv_transfer/kv_connector/
 v1/base.py` @ 003df2961dd8830c317a61f9745ccd557da9fa06. It subclasses vLLM's
@@ -67,7 +67,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 from ..client import PegaflowClient
 from ..config import ClientConfig
-from .core import (
+from .plan import (
     ASYNC,
     ISSUER_SCHEDULER,
     ISSUER_WORKER,
@@ -75,12 +75,12 @@ from .core import (
     LOAD_ISSUERS,
     MODES,
     ScheduledRequest,
-    SchedulerCore,
     StepPlan,
-    WorkerCore,
     derive_namespace,
     safe_name,
 )
+from .scheduler_core import SchedulerCore
+from .worker_core import WorkerCore
 
 try:  # the real vLLM when it is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore

@@ -1,0 +1,425 @@
+"""The scheduler side of a KV connector over PegaFlow (`SchedulerCore`): it decides what to load
+and save; plain ids, hashes and the picklable plan of plan.py cross to the workers
+(worker_core.py). Failures never raise into the engine's step: a query error is a miss.
+
+Scheduler side (`SchedulerCore`), per request:
+  probe   get_num_new_matched_tokens → QueryPrefetch of the hashes past the
+          locally computed prefix, capped so at least one token is computed.
+          The answer and its lease are cached per request, so repeated calls
+          are side-effect free; the lease is released when the probe drifts
+          (a different computed prefix), is not used, or the request ends.
+          "loading" (a lower tier is fetching) answers None: ask me later.
+  load    update_state_after_alloc → a LoadIntent (lease + target block ids;
+          fewer targets than hits load that prefix, the server gives the rest back).
+          With load_issuer "scheduler" the Load of every TP/PP rank is sent right
+          here, each with its own LoadState that this side creates; the names ride
+          in the intent and each worker attaches to its rank's (no RPC).
+          SAFETY RULE of the scheduler issuer: the copy starts before the workers
+          run the step, so it is correct only when the engine schedules one step
+          at a time (the previous forward ended before the scheduler runs: no
+          kernel still reads or writes a block just reallocated to this request;
+          and a step that preempts admits no new request, so a preempted
+          request's pending saves were waited for by handle_preemptions first).
+          vLLM's async scheduling and PP's batch queue break it: use "worker".
+  save    build_step → SaveIntents for the blocks that become full in this
+          step (their ids and the engine's own block hashes)
+  finish  request_finished → delay the free while saves or a layer-wise load
+          may be pending (the worker reports the id in finished_sending when none
+          is), or while an async load has not come back in finished_recving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from ..client import PegaflowClient, QueryResult
+from ..errors import PegaflowError
+from ..load_state import LoadState
+from .lifecycle import FreshStates, unlink_shm
+from .plan import (
+    ASYNC,
+    ISSUER_QUERY,
+    ISSUER_SCHEDULER,
+    ISSUER_WORKER,
+    LAYERWISE,
+    LOAD_ISSUERS,
+    MODES,
+    LoadIntent,
+    SaveIntent,
+    ScheduledRequest,
+    StepPlan,
+)
+from .query_issuer import EarlyLoad, QueryIssuer
+from .staging import StagingRoom, staging_instance
+
+log = logging.getLogger("pegaflow.connector")
+
+#: A cached probe is trusted for this fraction of its lease's TTL, then asked again.
+PROBE_TTL_FRACTION = 0.5
+
+
+# ---- scheduler side ----------------------------------------------------------
+
+
+@dataclass
+class _Probe:
+    computed_blocks: int
+    asked: int
+    result: QueryResult
+    at: float
+    rid: str = ""
+    # load_issuer "query": the hit's copy into staging blocks is already running.
+    early: Optional[EarlyLoad] = None
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    block_ids: List[int] = field(default_factory=list)
+    saved_upto: int = 0
+    had_save: bool = False
+    had_load: bool = False  # layer-wise: the workers hold the blocks until the load settled
+
+
+class SchedulerCore:
+    """The scheduler-side state machine. `request` objects need
+    `request_id`, `block_hashes` (list of bytes) and `num_tokens`;
+    `num_publishable_block_hashes` is honoured when present.
+
+    Example:
+        core = SchedulerCore(client, instance_id="inst", block_size=16, mode="async")
+        n, is_async = core.get_num_new_matched_tokens(req, 0)
+        core.update_state_after_alloc(req, block_ids, n)
+        plan = core.build_step([ScheduledRequest(...)], preempted=[])
+    """
+
+    def __init__(
+        self,
+        client: PegaflowClient,
+        *,
+        instance_id: str,
+        block_size: int,
+        mode: str = LAYERWISE,
+        load_issuer: str = ISSUER_WORKER,
+        ranks: Sequence[Tuple[int, int]] = ((0, 0),),
+        staging_blocks: int = 0,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if load_issuer not in LOAD_ISSUERS:
+            raise ValueError(f"load_issuer {load_issuer!r} is not one of {LOAD_ISSUERS}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks must name each (tp_rank, pp_rank) of the instance once, got {list(ranks)}")
+        self.client = client
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.mode = mode
+        self.load_issuer = load_issuer
+        self.ranks = [tuple(r) for r in ranks]
+        # Layer-wise loads go through the workers' staging blocks (staging.py) when they have
+        # some: queries and Loads then name the staging instance, which holds the same blocks.
+        self.staging: Optional[StagingRoom] = (
+            StagingRoom(staging_blocks) if staging_blocks > 0 and mode == LAYERWISE else None
+        )
+        self.load_instance = staging_instance(instance_id) if self.staging else instance_id
+        if load_issuer == ISSUER_QUERY and self.staging is None:
+            raise ValueError(
+                "load_issuer 'query' loads into staging blocks before the engine allocates: it needs "
+                "layer-wise mode and pegaflow.staging_blocks > 0"
+            )
+        # Load states the scheduler-side issuers use, made between steps (lifecycle.py).
+        self._fresh = FreshStates(0 if load_issuer == ISSUER_WORKER else len(self.ranks))
+        self._query_issuer: Optional[QueryIssuer] = None
+        if load_issuer == ISSUER_QUERY:
+            self._query_issuer = QueryIssuer(
+                client, self.staging, ranks=self.ranks, load_timeout_s=client.config.load_timeout_s,
+                count=self._count, fresh=self._fresh,
+            )
+        self._probes: Dict[str, _Probe] = {}
+        self._tracked: Dict[str, _Tracked] = {}
+        self._loads: List[LoadIntent] = []
+        self._delayed: Set[str] = set()
+        # Async mode: requests whose load has not come back in finished_recving yet.
+        self._loading: Set[str] = set()
+        # Scheduler-issued load states not unlinked yet, by name → [answered,
+        # step_ran] (see _issue); _issued: those of the plan being built.
+        self._names: Dict[str, List[bool]] = {}
+        self._issued: List[str] = []
+        self._shipped: List[str] = []
+        # Load answers arrive on gRPC threads: they count and unlink under this lock.
+        self._stats_lock = threading.Lock()
+        self.stats: Dict[str, int] = defaultdict(int)
+
+    # -- probe --
+
+    def _release(self, probe: Optional[_Probe]) -> None:
+        if probe is None:
+            return
+        if probe.early is not None and self._query_issuer is not None:
+            self._query_issuer.drop(probe.rid, probe.early)  # its lease was spent by the loads
+            return
+        if self.staging is not None:
+            self.staging.unreserve(probe.result.hits)
+        if not probe.result.lease_id:
+            return
+        try:
+            self.client.release(probe.result.lease_id)
+        except PegaflowError as e:  # it expires on its own; nothing to undo here
+            self.stats["release_errors"] += 1
+            log.debug("release failed: %s", e)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        rid = request.request_id
+        self._tracked.setdefault(rid, _Tracked(request))
+        bs = self.block_size
+        hashes = request.block_hashes
+        computed = num_computed_tokens // bs
+        # At least the last token is computed by the engine (it needs its logits).
+        loadable = min(len(hashes), max(0, (request.num_tokens - 1) // bs))
+        asked = loadable - computed
+        if asked <= 0:
+            self._release(self._probes.pop(rid, None))
+            return 0, False
+        now = time.monotonic()
+        p = self._probes.get(rid)
+        if p is not None and (p.computed_blocks, p.asked) == (computed, asked) and (
+            p.early is not None or now - p.at < p.result.ttl_ms / 1000.0 * PROBE_TTL_FRACTION
+        ):
+            return self._answer(p)
+        self._release(self._probes.pop(rid, None))
+        if self.staging is not None:
+            # A load must fit the step's staging blocks: ask for no more than are left.
+            loadable = computed + self.staging.offer(asked)
+            if loadable <= computed:
+                self.stats["staging_full"] += 1
+                return 0, False
+        self.stats["queries"] += 1
+        early: Optional[EarlyLoad] = None
+        try:
+            if self._query_issuer is not None:
+                q, early = self._query_issuer.query(rid, self.load_instance, hashes[computed:loadable])
+            else:
+                q = self.client.query_prefetch(
+                    instance_id=self.load_instance, block_hashes=hashes[computed:loadable], request_id=rid
+                )
+        except PegaflowError as e:
+            # Server away, instance not (yet) registered, ...: a miss, never an error in the step.
+            self.stats["query_errors"] += 1
+            log.debug("query for %s failed (answering 0 hits): %s", rid, e)
+            return 0, False
+        if q.loading:
+            self.stats["query_loading"] += 1
+            return None, False
+        p = _Probe(computed, asked, q, now, rid, early)
+        self._probes[rid] = p
+        if self.staging is not None and early is None:
+            self.staging.reserve(q.hits)
+        self.stats["hit_blocks"] += q.hits
+        return self._answer(p)
+
+    def _answer(self, p: _Probe) -> Tuple[int, bool]:
+        hits = p.result.hits
+        return hits * self.block_size, hits > 0 and self.mode == ASYNC
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """`block_ids`: all of the request's blocks (group 0), local prefix first."""
+        rid = request.request_id
+        tr = self._tracked.setdefault(rid, _Tracked(request))
+        p = self._probes.pop(rid, None)
+        n = num_external_tokens // self.block_size
+        if n <= 0 or p is None or not p.result.lease_id:
+            self._release(p)
+            return
+        if n > p.result.hits:
+            self._release(p)
+            raise ValueError(
+                f"request {rid}: {num_external_tokens} external tokens exceed the {p.result.hits} "
+                f"blocks get_num_new_matched_tokens offered"
+            )
+        start = p.computed_blocks
+        targets = list(block_ids[start:start + n])
+        if len(targets) != n:
+            self._release(p)
+            raise ValueError(
+                f"request {rid}: {len(block_ids)} blocks allocated, need blocks {start}..{start + n - 1} to load into"
+            )
+        if p.early is not None and self._query_issuer is not None:
+            first, _ = self._query_issuer.claim(rid, p.early)
+            intent = LoadIntent(rid, p.result.lease_id, list(range(first, first + n)), states=p.early.names,
+                                scatter_to=targets)
+            with self._stats_lock:
+                for name in intent.states.values():
+                    self._names[name] = [True, False]  # answered with the query; unlinked once its step ran
+            self._issued.extend(intent.states.values())
+        elif self.staging is not None:
+            first = self.staging.take(n, reserved=p.result.hits)
+            intent = LoadIntent(rid, p.result.lease_id, list(range(first, first + n)), scatter_to=targets)
+        else:
+            intent = LoadIntent(rid, p.result.lease_id, targets)
+        if self.load_issuer == ISSUER_SCHEDULER:
+            self._issue(intent)
+        self._loads.append(intent)
+        if self.mode == ASYNC:
+            self._loading.add(rid)
+        else:
+            tr.had_load = True
+        tr.saved_upto = max(tr.saved_upto, start + n)  # those blocks are held by the server already
+        self.stats["load_intents"] += 1
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += n
+
+    def _issue(self, intent: LoadIntent) -> None:
+        """Sends the Load of every rank now, each with its own fresh load state,
+        without waiting for the answers: the copy starts while the scheduler
+        finishes the step and the workers prepare it. A refusal or a broken
+        call marks that rank's state failed (the server also marks a refusal
+        itself), so the rank's worker sees it like any failed load.
+
+        Life of a state's name: created here; opened by the server when the
+        Load arrives (before it answers); attached by the rank's worker in
+        start_load_kv of the step whose plan carries it. Unlinked here once
+        both are past: the Load was answered, and the next build_step ran (the
+        engine schedules synchronously, so that step's workers have attached).
+        Whichever comes second unlinks; close() unlinks the rest. Every mapping
+        (ours until the answer, the server's, the worker's) outlives the name."""
+        intent.states = {}
+        for (tp_rank, pp_rank), st in zip(self.ranks, self._fresh.take(len(self.ranks))):
+            # Handed over: the name is unlinked by the bookkeeping below, not by st.close().
+            intent.states[(tp_rank, pp_rank)] = st.name
+            with self._stats_lock:
+                self._names[st.name] = [False, False]
+            self._issued.append(st.name)
+
+            def answered(err: Optional[PegaflowError], st: LoadState = st, rank=(tp_rank, pp_rank)) -> None:
+                if err is not None:
+                    st.mark_failed()
+                    self._count("load_issue_errors")
+                    log.warning(
+                        "request %s: Load of tp_rank %d pp_rank %d failed (recomputed): %s",
+                        intent.request_id, rank[0], rank[1], err,
+                    )
+                st.close()
+                self._passed(st.name, 0)
+
+            try:
+                self.client.load_nowait(
+                    instance_id=self.load_instance, tp_rank=tp_rank, pp_rank=pp_rank, lease_id=intent.lease_id,
+                    block_ids=intent.block_ids, load_state_shm=st.name, request_id=intent.request_id,
+                    on_done=answered,
+                )
+                self._count("loads_issued")
+            except PegaflowError as e:  # the client is closed: nothing was sent
+                answered(e)
+
+    # -- step --
+
+    def build_step(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+        plan = StepPlan(loads=self._loads, preempted=list(preempted))
+        self._loads = []
+        if self.staging is not None:
+            self.staging.next_step()
+        if self._query_issuer is not None:
+            self._query_issuer.poll()
+        self._fresh.refill()
+        if self._shipped or self._issued:
+            # The engine schedules synchronously (the rule of the scheduler
+            # issuer): the step that carried these names has run.
+            for name in self._shipped:
+                self._passed(name, 1)
+            self._shipped, self._issued = self._issued, []
+        for rid in plan.preempted:
+            tr = self._tracked.get(rid)
+            if tr is not None:
+                tr.block_ids = []  # freed; new ids come with the resumed schedule
+        bs = self.block_size
+        tracked = self._tracked
+        for s in scheduled:
+            tr = tracked.get(s.request_id)
+            if tr is None:
+                continue  # never probed: not ours to save
+            if s.block_ids is None:
+                pass
+            elif s.replace_blocks:
+                tr.block_ids = list(s.block_ids)
+            elif s.block_ids:
+                tr.block_ids.extend(s.block_ids)  # own list (intents copy their slices)
+            if (s.num_computed_tokens + s.num_scheduled_tokens) // bs <= tr.saved_upto:
+                continue  # no block completes in this step (most decode steps): nothing to save
+            hashes = tr.request.block_hashes
+            publishable = getattr(tr.request, "num_publishable_block_hashes", None)
+            n_hash = len(hashes) if publishable is None else min(len(hashes), publishable)
+            full = min((s.num_computed_tokens + s.num_scheduled_tokens) // bs, n_hash, len(tr.block_ids))
+            if full > tr.saved_upto:
+                plan.saves.append(
+                    SaveIntent(s.request_id, tr.block_ids[tr.saved_upto:full], list(hashes[tr.saved_upto:full]))
+                )
+                tr.saved_upto = full
+                tr.had_save = True
+                self.stats["save_intents"] += 1
+        return plan
+
+    def _passed(self, name: str, event: int) -> None:
+        """Event 0 (Load answered) or 1 (its step ran) of a state; the second unlinks it."""
+        with self._stats_lock:
+            marks = self._names.get(name)
+            if marks is None:
+                return
+            marks[event] = True
+            if not all(marks):
+                return
+            del self._names[name]
+        unlink_shm(name)
+
+    def request_finished(self, request: Any) -> bool:
+        """True: keep the blocks until the id comes back in finished_sending
+        (it had saves or a layer-wise load: each worker reports it once none of
+        them is in flight) or, async mode, in finished_recving (its load may
+        still be landing in them; the worker reports every async load it ran)."""
+        rid = request.request_id
+        self._release(self._probes.pop(rid, None))
+        tr = self._tracked.pop(rid, None)
+        if rid in self._loading or (tr is not None and (tr.had_save or tr.had_load)):
+            self._delayed.add(rid)
+            return True
+        return False
+
+    def finished_sending(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._delayed.discard(rid)
+
+    def finished_recving(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            if rid in self._loading:
+                self._loading.discard(rid)
+                self._delayed.discard(rid)
+
+    def stats_snapshot(self) -> Dict[str, int]:
+        with self._stats_lock:
+            return dict(self.stats)
+
+    @property
+    def delayed(self) -> Set[str]:
+        return set(self._delayed)
+
+    def close(self) -> None:
+        for p in self._probes.values():
+            self._release(p)
+        self._probes.clear()
+        if self._query_issuer is not None:
+            self._query_issuer.close()
+        self._fresh.close()
+        with self._stats_lock:
+            names, self._names = list(self._names), {}
+        for name in names:
+            unlink_shm(name)
+        self._shipped, self._issued = [], []
+
