@@ -92,8 +92,12 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
-def summary(xs: list[float]) -> dict[str, float]:
-    return {"p50": pct(xs, 50), "p99": pct(xs, 99), "mean": statistics.fmean(xs), "n": len(xs)}
+def summary(xs: list[float]) -> dict[str, Any]:
+    """Percentiles, and every run in order (a tail is read against its neighbours)."""
+    return {
+        "p50": pct(xs, 50), "p99": pct(xs, 99), "mean": statistics.fmean(xs), "n": len(xs),
+        "runs_ms": [round(x, 3) for x in xs],
+    }
 
 
 class Prompts:
