@@ -4,8 +4,11 @@ backend with the tests' pool size and log level, started by
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import List, Optional
+import socket
+import threading
+from typing import Iterator, List, Optional
 
 from pegaflow.devserver import ROOT, DevServer
 
@@ -36,3 +39,33 @@ class ServerProc(DevServer):
     def stop(self, grace_s: float = 10.0) -> None:
         super().stop(grace_s)
         self.remove_log()
+
+
+@contextlib.contextmanager
+def silent_local_rpc(base: str) -> Iterator[None]:
+    """A local RPC socket at `base + ".rpc"` that accepts connections and never reads or answers
+    (a wedged server), for deadline tests; everything is closed on exit."""
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(base + ".rpc")
+    lst.listen(4)
+    held: List[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        lst.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                held.append(lst.accept()[0])  # reads nothing, answers nothing
+            except socket.timeout:
+                pass
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        acceptor.join()  # before the close: accept() on a closed socket fails
+        for h in held:
+            h.close()
+        lst.close()

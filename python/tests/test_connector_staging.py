@@ -7,8 +7,6 @@ real host-backend server."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import grpc
@@ -23,6 +21,7 @@ from pegaflow.connector.staging import STAGING_SUFFIX, StagingRoom, staging_inst
 from pegaflow.hashes import synthetic_tokens
 
 from kv_helpers import my_states
+from server_proc import silent_local_rpc
 from tp_ranks import Req
 from vllm_driver import BLOCK, Engine, Request, lose_leases_after_alloc
 
@@ -218,42 +217,23 @@ def test_a_query_that_may_have_reached_the_server_holds_its_run_until_its_deadli
     """A server that never answers: the query times out (DEADLINE_EXCEEDED), so its loads may
     still run; the run stays held until the states settle or 3 load timeouts pass."""
     base = str(tmp_path / "silent.sock")
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    lst.bind(base + ".rpc")
-    lst.listen(4)
-    held, stop = [], threading.Event()
-
-    def accept() -> None:
-        lst.settimeout(0.05)
-        while not stop.is_set():
-            try:
-                held.append(lst.accept()[0])  # reads nothing, answers nothing
-            except socket.timeout:
-                pass
-
-    acceptor = threading.Thread(target=accept, daemon=True)
-    acceptor.start()
     before = my_states()
-    cfg = ClientConfig.resolve(addr="unix:" + base, rpc_timeout_ms=200, load_timeout_ms=100)
-    client = PegaflowClient(config=cfg)
-    sched = SchedulerCore(client, instance_id=uid, block_size=BLOCK, load_issuer="query", staging_blocks=8)
-    try:
-        req = Req("r", synthetic_tokens(47, 4 * BLOCK + 1), uid)
-        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-        qi = sched._query_issuer
-        assert qi.draining == 1 and sched.staging.offer(8) == 4, "the run waits: a copy may still land"
-        deadline = time.monotonic() + 5
-        while qi.draining and time.monotonic() < deadline:
-            time.sleep(0.02)
-            sched.build_step([])
-        assert qi.draining == 0 and sched.staging.offer(8) == 8
-        assert sched.stats["query_loads_abandoned"] == 1
-    finally:
-        sched.close()
-        client.close()
-        stop.set()
-        acceptor.join()
-        for h in held:
-            h.close()
-        lst.close()
+    with silent_local_rpc(base):
+        cfg = ClientConfig.resolve(addr="unix:" + base, rpc_timeout_ms=200, load_timeout_ms=100)
+        client = PegaflowClient(config=cfg)
+        sched = SchedulerCore(client, instance_id=uid, block_size=BLOCK, load_issuer="query", staging_blocks=8)
+        try:
+            req = Req("r", synthetic_tokens(47, 4 * BLOCK + 1), uid)
+            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+            qi = sched._query_issuer
+            assert qi.draining == 1 and sched.staging.offer(8) == 4, "the run waits: a copy may still land"
+            deadline = time.monotonic() + 5
+            while qi.draining and time.monotonic() < deadline:
+                time.sleep(0.02)
+                sched.build_step([])
+            assert qi.draining == 0 and sched.staging.offer(8) == 8
+            assert sched.stats["query_loads_abandoned"] == 1
+        finally:
+            sched.close()
+            client.close()
     assert my_states() == before

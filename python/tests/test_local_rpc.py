@@ -20,7 +20,7 @@ from pegaflow.errors import PegaflowError
 from pegaflow.load_state import LoadState
 
 from kv_helpers import fill, make_kv, matches, register
-from server_proc import ServerProc
+from server_proc import ServerProc, silent_local_rpc
 
 
 @pytest.fixture
@@ -128,44 +128,24 @@ def test_local_socket_and_grpc_answer_the_same_error(sock_dir):
 
 def test_a_socket_that_never_answers_hits_the_deadline_on_both_call_kinds(sock_dir):
     base = os.path.join(sock_dir, "silent.sock")
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    lst.bind(base + ".rpc")
-    lst.listen(4)
-    held = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        lst.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(lst.accept()[0])  # reads nothing, answers nothing
-            except socket.timeout:
-                pass
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    c = PegaflowClient("unix:" + base, rpc_timeout_ms=300)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(PegaflowError) as ei:
-            c.query_prefetch(instance_id="i", block_hashes=[b"h" * 32], request_id="r")
-        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - t0 < 5
-        done = threading.Event()
-        got = []
-        c.load_nowait(
-            instance_id="i", tp_rank=0, lease_id=b"l" * 16, block_ids=[1], load_state_shm="/x",
-            on_done=lambda e: (got.append(e), done.set()),
-        )
-        assert done.wait(5)
-        assert got[0] is not None and got[0].code == grpc.StatusCode.DEADLINE_EXCEEDED
-    finally:
-        c.close()
-        stop.set()
-        t.join()
-        for h in held:
-            h.close()
-        lst.close()
+    with silent_local_rpc(base):
+        c = PegaflowClient("unix:" + base, rpc_timeout_ms=300)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PegaflowError) as ei:
+                c.query_prefetch(instance_id="i", block_hashes=[b"h" * 32], request_id="r")
+            assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - t0 < 5
+            done = threading.Event()
+            got = []
+            c.load_nowait(
+                instance_id="i", tp_rank=0, lease_id=b"l" * 16, block_ids=[1], load_state_shm="/x",
+                on_done=lambda e: (got.append(e), done.set()),
+            )
+            assert done.wait(5)
+            assert got[0] is not None and got[0].code == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            c.close()
 
 
 def test_a_restarted_server_is_found_again_without_a_new_client(sock_dir):
