@@ -37,14 +37,20 @@ import { Code, EngineError, invalid, precondition } from "./errors.ts";
 import type { Instance } from "./instances.ts";
 import { type LoadArgs, type LoadJob, type LoadResult, LoadRunner } from "./load.ts";
 import type { NativePort } from "./ports.ts";
-import { type LoadInto, queryAndLoad, type RankLoadOutcome } from "./query_load.ts";
+import {
+  type LoadInto,
+  queryAndLoad,
+  type QueryAnswer,
+  type QueryLoadPorts,
+  type RankLoadOutcome,
+} from "./query_load.ts";
 import { registerRank, type RegisterResult } from "./register.ts";
 import type { RegisterArgs } from "./registration.ts";
 import { type SaveArgs, type SaveJob, type SaveResult, SaveRunner } from "./save.ts";
 
 export type { EngineMetrics, TiersPort } from "./context.ts";
 export type { LoadArgs, LoadResult } from "./load.ts";
-export type { LoadInto, RankLoadOutcome, RankLoadTarget } from "./query_load.ts";
+export type { LoadInto, QueryAnswer, RankLoadOutcome, RankLoadTarget } from "./query_load.ts";
 export type { RegisterResult } from "./register.ts";
 export type { SaveArgs, SaveResult } from "./save.ts";
 export { PROTOCOL_VERSION, type RegisterArgs } from "./registration.ts";
@@ -111,6 +117,8 @@ export class KvEngine {
   readonly #loader: LoadRunner;
   readonly #saveStage: Stage<SaveJob, SaveResult>;
   readonly #loadStage: Stage<LoadJob, LoadResult>;
+  /** What a query-and-load composes (query_load.ts): made once, not per query. */
+  readonly #queryLoadPorts: QueryLoadPorts;
   readonly #goneListeners: ((instanceId: string, reason: string) => void)[] = [];
   readonly #sealedListeners: ((namespace: string, keys: readonly string[]) => void)[] = [];
   #closed = false;
@@ -155,6 +163,16 @@ export class KvEngine {
       },
       (job) => this.#loader.run(job),
     );
+    this.#queryLoadPorts = {
+      instance: (id, what) => this.#instance(id, what),
+      query: (id, h, r) => this.query(id, h, r),
+      accept: (a) => this.#loader.accept(a, (id) => this.#instance(id, "Load")),
+      queue: (a) => this.#loader.queue(a, (job) => this.#loadStage.submit(job)),
+      abandon: (a, why) => this.#loader.abandon(a, why),
+      release: (l) => this.release(l),
+      // setImmediate: after this turn's I/O (the answer's write); Deno's setTimeout(0) waits ~2 ms.
+      later: (fn) => setImmediate(fn),
+    };
   }
 
   /**
@@ -213,7 +231,7 @@ export class KvEngine {
     instanceId: string,
     hashes: Uint8Array[],
     requestId: string,
-  ): { hits: number; leaseId: Uint8Array | null; ttlMs: number; loading?: boolean } {
+  ): QueryAnswer {
     const inst = this.#instance(instanceId, `QueryPrefetch (request "${requestId}")`);
     const fields = { instance: instanceId, requestId: requestId || undefined };
     if (!requestId) {
@@ -260,23 +278,8 @@ export class KvEngine {
     hashes: Uint8Array[],
     requestId: string,
     into: LoadInto,
-  ): ReturnType<KvEngine["query"]> & { loads: RankLoadOutcome[] } {
-    return queryAndLoad(
-      {
-        instance: (id, what) => this.#instance(id, what),
-        query: (id, h, r) => this.query(id, h, r),
-        accept: (a) => this.#loader.accept(a, (id) => this.#instance(id, "Load")),
-        queue: (a) => this.#loader.queue(a, (job) => this.#loadStage.submit(job)),
-        abandon: (a, why) => this.#loader.abandon(a, why),
-        release: (l) => this.release(l),
-        // setImmediate: after this turn's I/O (the answer's write); Deno's setTimeout(0) waits ~2 ms.
-        later: (fn) => setImmediate(fn),
-      },
-      instanceId,
-      hashes,
-      requestId,
-      into,
-    );
+  ): QueryAnswer & { loads: RankLoadOutcome[] } {
+    return queryAndLoad(this.#queryLoadPorts, instanceId, hashes, requestId, into);
   }
 
   /** Consumes the lease for this rank and submits ONE scatter batch (load.ts); resolves at submit. */

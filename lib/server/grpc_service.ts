@@ -35,7 +35,12 @@ import {
   isExpected,
   precondition,
 } from "../engine/errors.ts";
-import { type KvEngine, PROTOCOL_VERSION, type RankLoadOutcome } from "../engine/engine.ts";
+import {
+  type KvEngine,
+  PROTOCOL_VERSION,
+  type QueryAnswer,
+  type RankLoadOutcome,
+} from "../engine/engine.ts";
 import type { Logger } from "../log.ts";
 import type { ServerMetrics } from "./metrics.ts";
 import { LEASE_ID_BYTES, MAX_PARALLEL } from "../limits.ts";
@@ -99,10 +104,7 @@ export class Sessions {
   }
 }
 
-function queryResponse(
-  r: { hits: number; leaseId: Uint8Array | null; ttlMs: number; loading?: boolean },
-  loads: RankLoadOutcome[],
-): QueryPrefetchResponse {
+function queryResponse(r: QueryAnswer, loads: RankLoadOutcome[]): QueryPrefetchResponse {
   if (r.loading) return { result: { $case: "loading", value: {} } };
   return {
     result: {
