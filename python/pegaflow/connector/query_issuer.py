@@ -90,7 +90,6 @@ class QueryIssuer:
     def query(self, rid: str, instance_id: str, hashes: Sequence[bytes]) -> Tuple[QueryResult, Optional[EarlyLoad]]:
         """QueryPrefetch with the load of every rank into a held run of `len(hashes)` blocks
         (the caller sized it with `room.offer`). Raises PegaflowError like query_prefetch."""
-        self.poll()
         first = self.room.hold(rid, len(hashes))
         states = dict(zip(self.ranks, self._fresh.take(len(self.ranks))))
         try:
@@ -137,9 +136,6 @@ class QueryIssuer:
 
     def _drain(self, rid: str, states: Dict[Rank, LoadState]) -> None:
         """Moves `rid`'s run to a drain key (the request may probe again under its id)."""
-        if not states:
-            self.room.release(rid)
-            return
         self._serial += 1
         key = (rid, self._serial)
         self.room.rekey(rid, key)
@@ -148,7 +144,8 @@ class QueryIssuer:
         self._drains[key] = _Drain(list(states.values()), time.monotonic() + self.load_timeout_s * LINGER_LOAD_TIMEOUTS)
 
     def poll(self) -> None:
-        """Gives back every drained run whose copies settled (or that waited long enough)."""
+        """Gives back every drained run whose copies settled (or that waited long enough); once a
+        step, from build_step (a probe sizes its run with `room.offer` before it gets here)."""
         if not self._drains:
             return
         now = time.monotonic()
