@@ -7,6 +7,24 @@ import {
 import fc from "fast-check";
 import { type Extent, PoolAllocator } from "../../lib/storage/allocator.ts";
 
+/** Live items and free extents partition the pool's `cap` bytes exactly: no overlap, no hole. */
+function assertPartition(
+  a: PoolAllocator,
+  live: readonly { offset: number; size: number }[],
+  cap: number,
+): void {
+  const ranges = [
+    ...live.map((x) => [x.offset, a.strideOf(x.size)] as [number, number]),
+    ...a.freeExtents(),
+  ].sort((x, y) => x[0] - y[0]);
+  let at = 0;
+  for (const [off, len] of ranges) {
+    strictEqual(off, at, `overlap or hole at ${at}`);
+    at += len;
+  }
+  strictEqual(at, cap);
+}
+
 const KiB = 1024;
 const MiB = 1024 * KiB;
 
@@ -115,17 +133,7 @@ Deno.test("property: random allocate/free never overlaps and never leaks", () =>
             const [it] = live.splice(o.pick % live.length, 1);
             a.free(it.offset, it.size);
           }
-          // Live items and free extents partition the pool exactly.
-          const ranges = [
-            ...live.map((x) => [x.offset, a.strideOf(x.size)] as [number, number]),
-            ...a.freeExtents(),
-          ].sort((x, y) => x[0] - y[0]);
-          let at = 0;
-          for (const [off, len] of ranges) {
-            strictEqual(off, at, `overlap or hole at ${at}`);
-            at += len;
-          }
-          strictEqual(at, cap);
+          assertPartition(a, live, cap);
         }
         for (const it of live) a.free(it.offset, it.size);
         strictEqual(a.freeBytes, cap);
@@ -245,16 +253,7 @@ Deno.test("property: with parts, allocations never overlap or leak, no free exte
               `free extent [${off}, +${len}) crosses part ${p}`,
             );
           }
-          const ranges = [
-            ...live.map((x) => [x.offset, a.strideOf(x.size)] as [number, number]),
-            ...a.freeExtents(),
-          ].sort((x, y) => x[0] - y[0]);
-          let at = 0;
-          for (const [off, len] of ranges) {
-            strictEqual(off, at, `overlap or hole at ${at}`);
-            at += len;
-          }
-          strictEqual(at, cap);
+          assertPartition(a, live, cap);
         }
         for (const it of live) a.free(it.offset, it.size);
         assertEquals(a.freeExtents(), parts.map((b, i) => [starts[i], b]));
