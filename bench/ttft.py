@@ -92,6 +92,39 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
+# Wall clock minus perf_counter: turns a Request's arrival_time into epoch seconds (server log).
+EPOCH_MINUS_PERF_S = time.time() - time.perf_counter()
+
+
+def copy_breakdown(logs: str, runs: list[tuple[str, float, float]]) -> dict[str, Any] | None:
+    """Where each warm run's time went around its copy, from the server's debug "load done"
+    lines (wall-clock submit and completion, by request id): ms from arrival to the copy's
+    submit and to its completion, the copy itself, and from its completion to the first token.
+    None when the log has no such lines (the server logged above debug)."""
+    loads: dict[str, dict] = {}
+    for line in logs.splitlines():
+        if '"load done"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("msg") == "load done" and "submitted_epoch_ms" in rec and rec.get("request"):
+            loads[rec["request"]] = rec
+    rows = [(loads[rid], arr, ttft) for rid, arr, ttft in runs if rid in loads]
+    if not rows:
+        return None
+    sub = [r["submitted_epoch_ms"] - arr for r, arr, _ in rows]
+    done = [r["done_epoch_ms"] - arr for r, arr, _ in rows]
+    return {
+        "runs": len(rows),
+        "submitted_ms": summary(sub),
+        "done_ms": summary(done),
+        "copy_ms": summary([d - s for s, d in zip(sub, done)]),
+        "after_copy_ms": summary([ttft - d for d, (_, _, ttft) in zip(done, rows)]),
+    }
+
+
 def summary(xs: list[float]) -> dict[str, Any]:
     """Percentiles, and every run in order (a tail is read against its neighbours)."""
     return {
@@ -245,6 +278,8 @@ class Bench:
         self.staging_blocks = -(-max_t // bs) if args.staging_blocks < 0 else args.staging_blocks
         self.result["staging_blocks"] = self.staging_blocks
         self.max_batched = max(max_t, 2048)
+        # Per length: (request id, arrival epoch ms, TTFT ms) of each timed warm run.
+        self.warm_requests: dict[str, list[tuple[str, float, float]]] = {}
 
     def engine(self, mode: str | None, *, model: LlamaModel, record_timeline: bool = False) -> LLMEngine:
         ktc = None
@@ -378,10 +413,20 @@ class Bench:
                     asy.shutdown()
         finally:
             self.server.stop(grace_s=15)
+            logs = self.server.logs()
             keep = os.environ.get("PEGAFLOW_TTFT_SERVER_LOG_COPY")
             if keep:  # the server's log lines, for reading its side of each RPC
                 with open(keep, "w") as f:
-                    f.write(self.server.logs())
+                    f.write(logs)
+            for n, runs in self.warm_requests.items():
+                split = copy_breakdown(logs, runs)
+                if split and n in self.result["lengths"]:
+                    self.result["lengths"][n]["warm_copy_breakdown"] = split
+                    print(
+                        f"{n:>6} tokens  warm runs, ms since arrival (p50): copy submitted "
+                        f"{split['submitted_ms']['p50']:.2f}, copy done {split['done_ms']['p50']:.2f} "
+                        f"(copy {split['copy_ms']['p50']:.2f}); first token {split['after_copy_ms']['p50']:.2f} after it"
+                    )
             for r in self.regions:
                 r.close()
         self.targets()
@@ -492,7 +537,13 @@ class Bench:
             # The warm step's forward alone, first layer's start to last layer's end (waits included).
             res["warm_forward_ms"] = timeline[-1].compute_end_ms - timeline[0].compute_start_ms
             res["warm_wait_ms"] = sum(t.wait_end_ms - t.wait_start_ms for t in timeline)
-        res["warm"] = summary([self.warm_run(eng, prompt)[0] * 1e3 for _ in range(a.runs)])
+        warm = [self.warm_run(eng, prompt) for _ in range(a.runs)]
+        res["warm"] = summary([w[0] * 1e3 for w in warm])
+        # Each timed run's request id, arrival (wall clock) and TTFT, to pair with the server's log.
+        self.warm_requests[str(n)] = [
+            (w[1].request_id, (w[1].arrival_time + EPOCH_MINUS_PERF_S) * 1e3, w[0] * 1e3) for w in warm
+        ]
+        del warm
         # Warm, load-then-compute.
         eng.runner.load_then_compute = True
         try:
@@ -772,10 +823,10 @@ def main() -> None:
     p.add_argument(
         "--load-issuer",
         choices=["scheduler", "worker", "query"],
-        default="scheduler",
-        help="who sends the Load RPC: the scheduler as soon as it allocated the blocks (default; the "
-        "engine schedules synchronously), the worker in start_load_kv, or the probe itself (query: "
-        "the load rides on QueryPrefetch into staging blocks; layer-wise with --staging-blocks only)",
+        default="query",
+        help="who sends the Load RPC: the probe itself (query, the default: the load rides on "
+        "QueryPrefetch into staging blocks; layer-wise with staging blocks only, the other engines "
+        "use scheduler), the scheduler as soon as it allocated the blocks, or the worker in start_load_kv",
     )
     p.add_argument("--decode-repeats", type=int, default=4, help="on and off runs each, interleaved")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a GPU-hit and a decode step")

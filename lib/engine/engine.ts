@@ -26,7 +26,6 @@
  *
  * @module
  */
-import { setImmediate } from "node:timers";
 import { Stage } from "../pipeline/stage.ts";
 import { MAX_HASH_BYTES } from "../limits.ts";
 import type { Logger } from "../log.ts";
@@ -170,8 +169,6 @@ export class KvEngine {
       queue: (a) => this.#loader.queue(a, (job) => this.#loadStage.submit(job)),
       abandon: (a, why) => this.#loader.abandon(a, why),
       release: (l) => this.release(l),
-      // setImmediate: after this turn's I/O (the answer's write); Deno's setTimeout(0) waits ~2 ms.
-      later: (fn) => setImmediate(fn),
     };
   }
 

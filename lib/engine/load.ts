@@ -298,6 +298,9 @@ export class LoadRunner {
           submit_ms: round3(t.tSubmitted - t.t0),
           copy_ms: round3(performance.now() - t.t0),
           native_ms: round3(d.ns / 1e6),
+          // Wall-clock ms of the submit and of the completion, to line up with an engine's clock.
+          submitted_epoch_ms: round3(performance.timeOrigin + t.tSubmitted),
+          done_epoch_ms: round3(performance.timeOrigin + performance.now()),
         });
       },
       (e) => {

