@@ -32,6 +32,7 @@ import torch.distributed
 import torch.nn.functional as F
 
 from pegaflow.minivllm.attention import attend, attend_varlen
+from pegaflow.minivllm.graphs import StepGraphs
 
 __all__ = ["CONFIGS", "LayerHooks", "LlamaConfig", "LlamaModel", "SeqInfo", "StepBatch"]
 
@@ -120,7 +121,10 @@ class StepBatch:
     # Slots of every sequence's keys, context then new tokens, sequences back to back: one
     # gather per layer (both planes at once) feeds the ragged attention. None when every
     # sequence is fresh (its keys are the step's own K/V).
+    # The cached keys to attend over: every slot in position order (ragged batches), or, with
+    # `gather_blocks`, the one sequence's block ids (whole blocks, then its first kv_len slots).
     kv_gather: torch.Tensor | None = None
+    gather_blocks: bool = False
     cu_q: torch.Tensor | None = None  # [S+1] int32 query offsets
     cu_k: torch.Tensor | None = None  # [S+1] int32 key offsets
     max_q: int = 0
@@ -149,6 +153,7 @@ class LlamaModel:
         seed: int = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
+        cuda_graphs: bool = True,
     ) -> None:
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside 0..{tp_size - 1}")
@@ -195,6 +200,9 @@ class LlamaModel:
             (w["in_norm"], w["qkv"].t(), w["o"].t(), w["post_norm"], w["gate_up"].t(), w["down"].t())
             for w in self.layers
         ]
+        # CUDA graphs of the small steps' dense halves (a prefix hit's step, decode): on a GPU,
+        # one process per model (the all-reduce of tp_size > 1 stays eager).
+        self.graphs = StepGraphs(self) if cuda_graphs and self.device.type == "cuda" and tp_size == 1 else None
         self.norm = torch.ones(h, dtype=dt, device=self.device)
         self.lm_head = randn(cfg.vocab_size, h)
         self.inv_freq = 1.0 / (
@@ -252,24 +260,25 @@ class LlamaModel:
         sin = torch.cat([-sin, sin], dim=-1).to(dt)
         return cos[:, None, None, :], sin[:, None, None, :]
 
-    def kv_planes(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def kv_planes(self, cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Views of one layer's paged cache, made once: K and V planes as [slots, 1, Hkv, D] (the
-        shape the step's K/V come in), and both planes as [2, slots, Hkv, D] for the gather."""
+        shape the step's K/V come in), both planes as [2, slots, Hkv, D] for a slot gather, and
+        as [2, blocks, block bytes] for a block gather."""
         both = cache.view(2, -1, self.kv_heads, self.cfg.head_dim)
         k, v = both.unsqueeze(2).unbind(0)
-        return k, v, both
+        return k, v, both, cache.view(2, cache.shape[1], -1)
 
     def _attention(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        planes: tuple[torch.Tensor, ...],
         b: StepBatch,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, 1, Hkv, D] (views): vLLM's reshape_and_cache (the step's K/V into
         their slots before anyone attends), then attention over each request's context."""
-        k_plane, v_plane, both = planes
+        k_plane, v_plane, both, blocks = planes
         k_plane.index_copy_(0, b.slot_mapping, k)
         v_plane.index_copy_(0, b.slot_mapping, v)
         if b.kv_gather is None:  # every sequence fresh: its keys are the step's own
@@ -277,16 +286,49 @@ class LlamaModel:
             if len(b.seqs) == 1:  # a plain prefill: SDPA's causal flash path, as transformers
                 return attend(q, k, v, self.scale)
             return attend_varlen(q, k, v, b.cu_q, b.cu_k, b.max_q, b.max_k, b.spans, self.scale)
-        kc, vc = both.index_select(1, b.kv_gather).unbind(0)  # one gather kernel, both planes
-        if len(b.seqs) == 1:
-            # One sequence over its cached context (a prefix hit's step, a decode of one request):
-            # dense SDPA, whose flash kernel splits a long context over the SMs; the ragged kernel
-            # runs few queries as one CTA per head (16 queries over 10K keys: 0.30 ms vs 0.09 ms a
-            # layer on an H100).
+        if b.gather_blocks:
+            # One sequence over its cached context (a prefix hit's step, a decode of one request).
+            # Its whole blocks in one gather of block-sized rows (a slot gather of 10K keys took
+            # 70 us a layer on an H100), then dense SDPA, whose flash kernel splits a long context
+            # over the SMs; the ragged kernel runs few queries as one CTA per head (16 queries
+            # over 10K keys: 0.30 ms vs 0.09 ms a layer).
+            kv = blocks.index_select(1, b.kv_gather).view(2, -1, self.kv_heads, self.cfg.head_dim)
+            kc, vc = kv[:, : b.seqs[0].kv_len].unbind(0)
             return attend(q, kc, vc, self.scale)
+        kc, vc = both.index_select(1, b.kv_gather).unbind(0)  # one gather kernel, both planes
         return attend_varlen(q, kc, vc, b.cu_q, b.cu_k, b.max_q, b.max_k, b.spans, self.scale)
 
     # ------------------------------------------------------------------ forward
+
+    def _pre_attention(
+        self, w: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer up to its attention: norm, fused QKV, RoPE of Q and K at once. Returns q
+        [T, Hq, D] and k, v [T, 1, Hkv, D] (views). Captured as is by `graphs.StepGraphs`."""
+        cfg = self.cfg
+        nq, nkv, hd = self.q_heads, self.kv_heads, cfg.head_dim
+        g = nq // nkv
+        half = hd // 2
+        t = x.shape[0]
+        h = F.rms_norm(x, (x.shape[-1],), w[0], cfg.rms_norm_eps) if _HAS_RMS_NORM else self._rms_norm(x, w[0])
+        qkv = torch.mm(h, w[1]).view(t, g + 2, nkv, hd)  # Q as g groups of nkv heads, K, V
+        qk = qkv[:, : g + 1]
+        # RoPE of Q and K at once: x*cos + swap_halves(x)*sin (sin sign-folded).
+        rot = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        rot.mul_(sin)
+        rot.addcmul_(qk, cos)
+        q, k = rot.split((g, 1), dim=1)
+        return q.reshape(t, nq, hd), k, qkv[:, g + 1 :]
+
+    def _post_attention(self, w: tuple, x: torch.Tensor, attn: torch.Tensor) -> None:
+        """A layer after its attention, in place on the residual stream `x`: o-proj, norm, MLP
+        (the residual added by the o-proj and down-proj GEMMs). `attn` is [T, Hq·D]."""
+        self._reduce_into(x, attn, w[2])
+        eps = self.cfg.rms_norm_eps
+        h = F.rms_norm(x, (x.shape[-1],), w[3], eps) if _HAS_RMS_NORM else self._rms_norm(x, w[3])
+        gate, up = torch.mm(h, w[4]).chunk(2, dim=-1)
+        F.silu(gate, inplace=True).mul_(up)
+        self._reduce_into(x, gate, w[5])
 
     @torch.no_grad()
     def forward(
@@ -294,48 +336,42 @@ class LlamaModel:
         b: StepBatch,
         kv_caches: list[torch.Tensor],
         hooks: LayerHooks | None = None,
-        planes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+        planes: list[tuple[torch.Tensor, ...]] | None = None,
     ) -> torch.Tensor:
         """Hidden states (after the final norm) of the `logits_indices` rows: [n, hidden].
 
         Launch-lean: ~15 kernels and ~27 torch calls a layer (fused QKV and gate/up, RoPE of Q
         and K together, the residual added by the o-proj and down-proj GEMMs, weights and cache
-        views prepared once), no host sync inside. `planes`: `kv_planes` of each cache, when
-        the caller keeps them."""
-        cfg = self.cfg
-        nq, nkv, hd = self.q_heads, self.kv_heads, cfg.head_dim
-        g = nq // nkv
-        half = hd // 2
-        eps = cfg.rms_norm_eps
+        views prepared once), no host sync inside. A step of at most `graphs.MAX_GRAPH_TOKENS`
+        tokens on a GPU replays each layer's dense halves as CUDA graphs (`graphs.py`; vLLM's
+        piecewise graphs: the attention and the connector hooks stay eager). `planes`:
+        `kv_planes` of each cache, when the caller keeps them."""
         if planes is None:
             planes = [self.kv_planes(c) for c in kv_caches]
-        x = self.embed[b.input_ids]
-        cos, sin = self._rope(b.positions)
-        t = x.shape[0]
-        fused_norm = _HAS_RMS_NORM
-        for i, (in_norm, qkv_t, o_t, post_norm, gu_t, down_t) in enumerate(self._fw):
+        t = b.input_ids.shape[0]
+        graphs = self.graphs.for_tokens(t) if self.graphs is not None else None
+        if graphs is not None:
+            x = graphs.begin(b.input_ids, b.positions)
+        else:
+            x = self.embed[b.input_ids]
+            cos, sin = self._rope(b.positions)
+        nqd = self.q_heads * self.cfg.head_dim
+        for i, w in enumerate(self._fw):
             if hooks is not None:
                 hooks.layer_begin(i)
-            h = F.rms_norm(x, (x.shape[-1],), in_norm, eps) if fused_norm else self._rms_norm(x, in_norm)
-            qkv = torch.mm(h, qkv_t).view(t, g + 2, nkv, hd)  # Q as g groups of nkv heads, K, V
-            qk = qkv[:, : g + 1]
-            # RoPE of Q and K at once: x*cos + swap_halves(x)*sin (sin sign-folded).
-            rot = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-            rot.mul_(sin)
-            rot.addcmul_(qk, cos)
-            q, k = rot.split((g, 1), dim=1)
-            q = q.reshape(t, nq, hd)
-            v = qkv[:, g + 1 :]
+            if graphs is not None:
+                q, k, v = graphs.pre_attention(i, t)
+            else:
+                q, k, v = self._pre_attention(w, x, cos, sin)
             if hooks is not None:
                 hooks.pre_attention(i)
-            attn = self._attention(q, k, v, planes[i], b)
+            attn = self._attention(q, k, v, planes[i], b).reshape(t, nqd)
             if hooks is not None:
                 hooks.post_attention(i, kv_caches[i])
-            self._reduce_into(x, attn.reshape(t, nq * hd), o_t)  # x is this forward's own tensor
-            h = F.rms_norm(x, (x.shape[-1],), post_norm, eps) if fused_norm else self._rms_norm(x, post_norm)
-            gate, up = torch.mm(h, gu_t).chunk(2, dim=-1)
-            F.silu(gate, inplace=True).mul_(up)
-            self._reduce_into(x, gate, down_t)
+            if graphs is not None:
+                graphs.post_attention(i, attn)
+            else:
+                self._post_attention(w, x, attn)  # x is this forward's own tensor
             if hooks is not None:
                 hooks.layer_end(i)
         return self._rms_norm(x[b.logits_indices], self.norm)

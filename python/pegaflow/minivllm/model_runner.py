@@ -188,6 +188,7 @@ class ModelRunner:
         pos: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         gathers: list[np.ndarray] = []
+        tables: list[np.ndarray] = []
         seqs: list[SeqInfo] = []
         logits_rows: list[int] = []
         sample_ids: list[str] = []
@@ -204,6 +205,7 @@ class ModelRunner:
             # Every slot of the request's keys, context and new tokens, in position order.
             all_slots = (table[:, None] * bs + offs).reshape(-1)[:kv]
             gathers.append(all_slots)
+            tables.append(table)
             slots.append(all_slots[c:])
             pos.append(np.arange(c, kv, dtype=np.int64))
             if kv >= len(st.token_ids):  # the step reaches the last token: sample
@@ -216,8 +218,10 @@ class ModelRunner:
         cu_q = np.concatenate([[0], np.cumsum(q_lens)])
         cu_k = np.concatenate([[0], np.cumsum(k_lens)])
         parts = [np.asarray(ids, dtype=np.int64), *pos, *slots, np.asarray(logits_rows, dtype=np.int64), cu_q, cu_k]
+        # One sequence with a context gathers whole blocks (llama.py `_attention`).
+        gather_blocks = not all_fresh and len(seqs) == 1
         if not all_fresh:
-            parts += gathers
+            parts += tables if gather_blocks else gathers
         flat = torch.from_numpy(np.concatenate(parts)).to(self.device)
         o = 3 * t + len(logits_rows)
         ns = len(seqs) + 1
@@ -229,6 +233,7 @@ class ModelRunner:
             seqs=seqs,
             logits_indices=flat[3 * t : o],
             kv_gather=None if all_fresh else flat[o + 2 * ns :],
+            gather_blocks=gather_blocks,
             cu_q=cu[:ns],
             cu_k=cu[ns:],
             max_q=int(q_lens.max()),
