@@ -22,6 +22,7 @@ replayed in the order they were captured (prologue, then pre/post of each layer)
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from pegaflow.minivllm.llama import LlamaModel
 
 __all__ = ["MAX_GRAPH_TOKENS", "SIZES", "SizeGraphs", "StepGraphs"]
+
+log = logging.getLogger(__name__)
 
 #: Padded token counts a step is captured at (vLLM's capture sizes, shortened).
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -117,13 +120,22 @@ class StepGraphs:
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
         self.sizes: dict[int, SizeGraphs] = {}
+        #: Why capturing failed (graphs are then off for good and every step runs eagerly).
+        self.disabled: str | None = None
 
     def for_tokens(self, t: int) -> SizeGraphs | None:
-        """The graphs a step of `t` tokens replays, or None (too many tokens: run eagerly)."""
-        if t < 1 or t > MAX_GRAPH_TOKENS:
+        """The graphs a step of `t` tokens replays, or None (too many tokens, or graphs off:
+        run eagerly)."""
+        if t < 1 or t > MAX_GRAPH_TOKENS or self.disabled is not None:
             return None
         size = SIZES[bisect.bisect_left(SIZES, t)]
         g = self.sizes.get(size)
         if g is None:
-            g = self.sizes[size] = SizeGraphs(self.model, size)
+            try:
+                g = self.sizes[size] = SizeGraphs(self.model, size)
+            except RuntimeError as e:  # e.g. a driver or build that cannot capture
+                self.disabled = f"{type(e).__name__}: {e}"
+                self.sizes.clear()
+                log.warning("CUDA graph capture failed at %d tokens; running eagerly: %s", size, e)
+                return None
         return g
