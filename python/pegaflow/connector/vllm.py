@@ -253,6 +253,10 @@ class PegaflowConnector(KVConnectorBase_V1):
                 load_timeout_s=self.settings.client.load_timeout_s, device_id=self.settings.device_id,
                 staging_blocks=self.settings.staging_blocks,
             )
+            if self.settings.mode == LAYERWISE:
+                # Called once per layer per step (from vLLM's attention op): straight to the
+                # worker, without this class's wrapper frames.
+                self.wait_for_layer_load = self._worker.wait_for_layer_load  # type: ignore[method-assign]
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -134,6 +134,9 @@ class StepBatch:
 
 
 class LayerHooks(Protocol):
+    """Called around each layer's attention; `layer_begin` / `layer_end` may be None (a caller
+    that does not time layers: two Python calls a layer fewer in a launch-bound step)."""
+
     def layer_begin(self, i: int) -> None: ...
 
     def pre_attention(self, i: int) -> None: ...
@@ -356,9 +359,11 @@ class LlamaModel:
             x = self.embed[b.input_ids]
             cos, sin = self._rope(b.positions)
         nqd = self.q_heads * self.cfg.head_dim
+        begin = hooks.layer_begin if hooks is not None else None
+        end = hooks.layer_end if hooks is not None else None
         for i, w in enumerate(self._fw):
-            if hooks is not None:
-                hooks.layer_begin(i)
+            if begin is not None:
+                begin(i)
             if graphs is not None:
                 q, k, v = graphs.pre_attention(i, t)
             else:
@@ -372,8 +377,8 @@ class LlamaModel:
                 graphs.post_attention(i, attn)
             else:
                 self._post_attention(w, x, attn)  # x is this forward's own tensor
-            if hooks is not None:
-                hooks.layer_end(i)
+            if end is not None:
+                end(i)
         return self._rms_norm(x[b.logits_indices], self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

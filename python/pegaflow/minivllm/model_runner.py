@@ -350,6 +350,14 @@ class _StepHooks:
         self.cuda = runner.device.type == "cuda"
         self.needed = self.conn is not None or self.record
         n = len(self.names)
+        if not self.record:
+            # The per-layer calls of a step that is not timed: no timeline hooks, and the
+            # connector's two called straight (a decode step is launch-bound).
+            self.layer_begin = self.layer_end = None  # type: ignore[assignment]
+            if self.conn is not None:
+                wait, save, names = self.conn.wait_for_layer_load, self.conn.save_kv_layer, self.names
+                self.pre_attention = lambda i: wait(names[i])  # type: ignore[method-assign]
+                self.post_attention = lambda i, kv: save(names[i], kv, meta)  # type: ignore[method-assign]
         if self.record:
             self.t0 = time.perf_counter()
             self.wait = [(0.0, 0.0)] * n
