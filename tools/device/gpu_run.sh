@@ -7,7 +7,7 @@
 #
 # Usage: tools/device/gpu_run.sh STEP...   (each step's output goes to $OUT/STEP.log)
 #   suite        deno task test:gpu (the GPU test suite)
-#   pytest-gpu   python/tests with a GPU (CUDA IPC of torch tensors)
+#   pytest-gpu   python/tests that need a GPU (CUDA IPC, the engine's flash paths, CUDA graphs)
 #   server       bench/server.ts --backend cuda (warm load, save ratio, query)
 #   native       bench/run.ts --backend cuda --only size,submit (copy paths)
 #   ttft         bench/ttft.py (cold/warm TTFT, Llama-3.1-8B shape); TTFT_ARGS adds flags
@@ -31,7 +31,7 @@ for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case "$step" in
     suite) $DENO test --allow-all --cached-only tests/gpu/ ;;
-    pytest-gpu) (cd python && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc_gpu.py tests/test_minivllm_graphs_gpu.py) ;;
+    pytest-gpu) (cd python && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc_gpu.py tests/test_minivllm_gpu.py tests/test_minivllm_graphs_gpu.py) ;;
     server) $DENO run --allow-all --cached-only bench/server.ts --backend cuda --tokens 10000 --iters 20 ;;
     native) $DENO run --allow-all --cached-only bench/run.ts --backend cuda --only size,submit ;;
     ttft) python3 bench/ttft.py ${TTFT_ARGS:-} ;;
