@@ -284,7 +284,8 @@ export class LoadRunner {
     const { args, inst, rank, shm } = job;
     return copy.then(
       (d) => {
-        this.ctx.metrics?.loadDone(d.bytes, (performance.now() - t.t0) / 1000, true, rank.deviceId);
+        const tDone = performance.now();
+        this.ctx.metrics?.loadDone(d.bytes, (tDone - t.t0) / 1000, true, rank.deviceId);
         this.ctx.log.debug("load done", {
           instance: inst.id,
           request: args.requestId || undefined,
@@ -296,11 +297,11 @@ export class LoadRunner {
           lease_ms: round3(t.tLease - t.tStart),
           batch_ms: round3(t.t0 - t.tLease),
           submit_ms: round3(t.tSubmitted - t.t0),
-          copy_ms: round3(performance.now() - t.t0),
+          copy_ms: round3(tDone - t.t0),
           native_ms: round3(d.ns / 1e6),
           // Wall-clock ms of the submit and of the completion, to line up with an engine's clock.
           submitted_epoch_ms: round3(performance.timeOrigin + t.tSubmitted),
-          done_epoch_ms: round3(performance.timeOrigin + performance.now()),
+          done_epoch_ms: round3(performance.timeOrigin + tDone),
         });
       },
       (e) => {

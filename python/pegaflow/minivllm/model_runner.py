@@ -351,14 +351,14 @@ class _StepHooks:
         self.needed = self.conn is not None or self.record
         n = len(self.names)
         if not self.record:
-            # The per-layer calls of a step that is not timed: no timeline hooks, and the
-            # connector's two called straight (a decode step is launch-bound).
+            # A step that is not timed: no timeline hooks, and the connector's two called
+            # straight (a decode step is launch-bound). The methods below are the timed path.
             self.layer_begin = self.layer_end = None  # type: ignore[assignment]
             if self.conn is not None:
                 wait, save, names = self.conn.wait_for_layer_load, self.conn.save_kv_layer, self.names
                 self.pre_attention = lambda i: wait(names[i])  # type: ignore[method-assign]
                 self.post_attention = lambda i, kv: save(names[i], kv, meta)  # type: ignore[method-assign]
-        if self.record:
+        else:
             self.t0 = time.perf_counter()
             self.wait = [(0.0, 0.0)] * n
             if self.cuda:
@@ -372,29 +372,26 @@ class _StepHooks:
                 self.cpu = [(0.0, 0.0)] * n
 
     def layer_begin(self, i: int) -> None:
-        if self.record:
-            if self.cuda:
-                self.ev[i][0].record()
-            else:
-                self.cpu[i] = (time.perf_counter(), 0.0)
+        if self.cuda:
+            self.ev[i][0].record()
+        else:
+            self.cpu[i] = (time.perf_counter(), 0.0)
 
     def pre_attention(self, i: int) -> None:
-        t = time.perf_counter() if self.record else 0.0
+        t = time.perf_counter()
         if self.conn is not None:
             self.conn.wait_for_layer_load(self.names[i])
-        if self.record:
-            self.wait[i] = (t, time.perf_counter())
+        self.wait[i] = (t, time.perf_counter())
 
     def post_attention(self, i: int, kv_cache: torch.Tensor) -> None:
         if self.conn is not None:
             self.conn.save_kv_layer(self.names[i], kv_cache, self.meta)
 
     def layer_end(self, i: int) -> None:
-        if self.record:
-            if self.cuda:
-                self.ev[i][1].record()
-            else:
-                self.cpu[i] = (self.cpu[i][0], time.perf_counter())
+        if self.cuda:
+            self.ev[i][1].record()
+        else:
+            self.cpu[i] = (self.cpu[i][0], time.perf_counter())
 
     def timeline(self) -> list[LayerTiming] | None:
         if not self.record:
