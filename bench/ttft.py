@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 import torch  # noqa: E402
 
+from pegaflow import native  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.connector.vllm_api import KVTransferConfig  # noqa: E402
 from pegaflow.devserver import DevServer  # noqa: E402
@@ -262,6 +263,8 @@ class Bench:
             "backend": args.backend,
             "transport": args.transport,
             "load_issuer": args.load_issuer,
+            # What hashes a prompt's blocks (on the TTFT clock): libpegaflow's chain or hashlib.
+            "block_hashes": native.hash_impl(),
             "config": args.config,
             "tokens": args.tokens,
             "runs": args.runs,
@@ -715,7 +718,10 @@ class Bench:
 
 def print_table(r: dict[str, Any]) -> None:
     print()
-    print(f"TTFT (ms), {r['config']} on {r['device']}, backend {r['backend']}, {r['runs']} runs")
+    print(
+        f"TTFT (ms), {r['config']} on {r['device']}, backend {r['backend']}, {r['runs']} runs, "
+        f"block hashes by {r.get('block_hashes', '?')}"
+    )
     hdr = f"{'tokens':>7} {'phase':<13} {'p50':>9} {'p99':>9} {'vs cold':>8}"
     print(hdr)
     print("-" * len(hdr))

@@ -590,6 +590,19 @@ uint32_t pf_crc32c_combine(uint32_t crc_a, uint32_t raw_b, uint64_t bytes_b);
 int32_t pf_pool_checksums(uint32_t pool, const void *exts, uint64_t num_exts,
                           const uint32_t *counts, uint32_t num_blocks, uint32_t *out_crcs);
 
+/* ---- prefix block hashes --------------------------------------------- */
+/* The chained block hashes of num_blocks blocks of block_tokens token ids
+ * each (little-endian u32, contiguous): block i's hash is the first
+ * hash_bytes (1..32) of SHA-256(hash of block i-1 || block i's 4*block_tokens
+ * bytes), block 0's parent being `parent` (hash_bytes long). Writes
+ * num_blocks * hash_bytes bytes to `out`. One call per prompt
+ * (python/pegaflow/hashes.py owns the formula). */
+int32_t pf_chain_hashes(const uint32_t *tokens, uint64_t num_blocks, uint32_t block_tokens,
+                        const uint8_t *parent, uint32_t hash_bytes, uint8_t *out);
+/* "sha-ni" or "portable": the compression pf_chain_hashes runs (cpuid at
+ * load; PF_SHA256=portable in the environment forces the C path). */
+const char *pf_sha256_impl(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import List, Sequence
 
-import numpy as np
+from pegaflow.native import chain_hashes_native, u32_tokens
 
 #: Bytes kept of each sha256 (lib/client/hashes.ts BLOCK_HASH_BYTES).
 BLOCK_HASH_BYTES = 16
@@ -31,16 +31,34 @@ def chained_block_hashes(tokens: Sequence[int], block_tokens: int, salt: str = "
     Example:
         hs = chained_block_hashes(list(range(64)), 16)   # 4 hashes of 16 bytes
     """
+    return chain_hashes(root_hash(salt), tokens, block_tokens)
+
+
+def chain_hashes(parent: bytes, tokens: Sequence[int], block_tokens: int) -> List[bytes]:
+    """The chain continued from `parent` over every full block of `tokens`
+    (an engine extends a request's hashes as its blocks fill). libpegaflow
+    computes it in one call where it is loaded (pegaflow.native), else hashlib
+    does, byte-equal. A token id outside u32 raises ValueError.
+
+    Example:
+        hs = chained_block_hashes(list(range(64)), 16)
+        assert chain_hashes(hs[1], list(range(32, 64)), 16) == hs[2:]
+    """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    le = np.asarray(tokens, dtype="<u4").tobytes()
-    out: List[bytes] = []
-    prev = root_hash(salt)
+    if len(parent) != BLOCK_HASH_BYTES:
+        raise ValueError(f"parent hash is {len(parent)} bytes, expected {BLOCK_HASH_BYTES}")
+    out = chain_hashes_native(parent, tokens, block_tokens, BLOCK_HASH_BYTES)
+    if out is not None:
+        return out
+    n = len(tokens) // block_tokens
+    le = u32_tokens(tokens[: n * block_tokens]).tobytes()
+    out = []
+    prev = parent
     step = block_tokens * 4
-    for b in range(len(tokens) // block_tokens):
-        h = hashlib.sha256(prev)
-        h.update(le[b * step:(b + 1) * step])
-        prev = h.digest()[:BLOCK_HASH_BYTES]
+    sha = hashlib.sha256
+    for o in range(0, len(le), step):
+        prev = sha(prev + le[o : o + step]).digest()[:BLOCK_HASH_BYTES]
         out.append(prev)
     return out
 

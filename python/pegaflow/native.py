@@ -1,0 +1,108 @@
+"""libpegaflow.so through ctypes, for the one thing an engine computes on a
+request's critical path that C does 3-5x faster than hashlib: the chained
+prefix block hashes (`pf_chain_hashes`, one call per prompt).
+
+The library is the server's own (built by `make native`): `$PEGAFLOW_LIB`,
+else `<repo>/build/libpegaflow.so` beside this package. Optional: without it
+(a pip-installed client on a host without the build) `pegaflow.hashes`
+computes the same bytes with hashlib. `PEGAFLOW_NATIVE_HASH=0` forces hashlib
+(benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import logging
+import os
+import struct
+import sys
+import threading
+from typing import List, Optional, Sequence
+
+_log = logging.getLogger("pegaflow.native")
+_REPO_LIB = os.path.join(os.path.dirname(__file__), "..", "..", "build", "libpegaflow.so")
+
+
+class _Lib:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        f = lib.pf_chain_hashes
+        f.argtypes = [
+            ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_uint32,
+            ctypes.c_void_p,
+        ]
+        f.restype = ctypes.c_int32
+        lib.pf_sha256_impl.restype = ctypes.c_char_p
+        lib.pf_last_error.argtypes = [ctypes.c_char_p, ctypes.c_uint32]
+        self.lib = lib
+        self.chain = f
+        self.impl = lib.pf_sha256_impl().decode()
+
+
+_loaded: Optional[_Lib] = None
+_tried = False
+_lock = threading.Lock()
+
+
+def library_path() -> str:
+    """Where the library is looked for (`$PEGAFLOW_LIB`, else the repo's build/)."""
+    return os.environ.get("PEGAFLOW_LIB") or os.path.normpath(_REPO_LIB)
+
+
+def _lib() -> Optional[_Lib]:
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    with _lock:
+        if _tried:
+            return _loaded
+        if os.environ.get("PEGAFLOW_NATIVE_HASH", "1") != "0":
+            path = library_path()
+            try:
+                _loaded = _Lib(ctypes.CDLL(path))
+            except (OSError, AttributeError) as e:
+                # A missing build is normal for a pip-installed client; an old one lacks the symbol.
+                _log.info("pegaflow: block hashes by hashlib (%s: %s)", path, e)
+        _tried = True
+        return _loaded
+
+
+def u32_tokens(tokens: Sequence[int]) -> array.array:
+    """Token ids as a little-endian u32 array; an id outside u32 raises
+    ValueError naming it."""
+    try:
+        a = array.array("I", tokens)
+        if sys.byteorder == "big":
+            a.byteswap()
+        return a
+    except (OverflowError, TypeError) as e:
+        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= 0xFFFFFFFF)), None)
+        raise ValueError(f"block hashes: token id {bad!r} is not a u32 ({e})") from None
+
+
+def hash_impl() -> str:
+    """What computes the block hashes: "sha-ni" / "portable" (libpegaflow) or "hashlib"."""
+    lib = _lib()
+    return lib.impl if lib else "hashlib"
+
+
+def chain_hashes_native(
+    parent: bytes, tokens: Sequence[int], block_tokens: int, hash_bytes: int
+) -> Optional[List[bytes]]:
+    """The chain over every full block of `tokens` from `parent`, or None when
+    the library is not loaded (the caller then uses hashlib). A token id
+    outside u32 raises ValueError, as the hashlib path does."""
+    lib = _lib()
+    if lib is None:
+        return None
+    n = len(tokens) // block_tokens
+    if n == 0:
+        return []
+    toks = u32_tokens(tokens[: n * block_tokens])
+    out = ctypes.create_string_buffer(n * hash_bytes)
+    rc = lib.chain(toks.buffer_info()[0], n, block_tokens, parent, hash_bytes, out)
+    if rc != 0:
+        msg = ctypes.create_string_buffer(512)
+        lib.lib.pf_last_error(msg, len(msg))
+        raise ValueError(f"{msg.value.decode(errors='replace')} ({rc})")
+    return [h for (h,) in struct.iter_unpack(f"{hash_bytes}s", out)]
