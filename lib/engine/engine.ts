@@ -260,12 +260,19 @@ export class KvEngine {
     }
     const r = store.query(inst.namespace, hashes, inst.id, inst.worldSize);
     metrics?.queryDone(hashes.length, r.hits);
-    log.debug("query", {
-      instance: inst.id,
-      request: requestId,
-      requested: hashes.length,
-      hits: r.hits,
-    });
+    // After the handler's synchronous part: a query-and-load's copy is submitted first
+    // (a debug line is ~0.05 ms of formatting and a write on a warm request's critical path).
+    if (log.enabled("debug")) {
+      const hits = r.hits;
+      queueMicrotask(() =>
+        log.debug("query", {
+          instance: inst.id,
+          request: requestId,
+          requested: hashes.length,
+          hits,
+        })
+      );
+    }
     return { hits: r.hits, leaseId: r.lease?.idBytes ?? null, ttlMs: this.#leaseTtlMs };
   }
 
