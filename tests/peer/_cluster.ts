@@ -28,8 +28,13 @@ export interface Cluster {
   remove(): Promise<void>;
 }
 
+/** Best effort (cleanup): a missing `ip` binary or a failed command is ignored. */
 async function quietIp(...args: string[]): Promise<void> {
-  await new Deno.Command("ip", { args, stdout: "null", stderr: "null" }).output();
+  try {
+    await new Deno.Command("ip", { args, stdout: "null", stderr: "null" }).output();
+  } catch {
+    // nothing to remove without `ip`
+  }
 }
 
 /** Second octets of the 10.X.0.0/24 routes this (root) namespace has now. */
@@ -52,7 +57,13 @@ function tagHash(tag: string): number {
 /** Makes the namespaces and the bridge, or returns why it could not. */
 async function makeNetns(n: number, tag: string) {
   const id = `${tag}${Deno.pid}`.slice(0, 9);
-  const used = await usedOctets();
+  let used: Set<number>;
+  try {
+    used = await usedOctets();
+  } catch (e) {
+    // No `ip` binary (a container without iproute2): loopback, saying why.
+    return `cannot run ip: ${(e as Error).message}`;
+  }
   let octet = 100 + (tagHash(tag) % 150);
   while (used.has(octet)) octet = 100 + ((octet - 100 + 1) % 150);
   const br = `pfbr${id}`.slice(0, 15);

@@ -3,7 +3,9 @@
 # (the device machine). Carried beside the tree, in .carry/ (ignored by git):
 #   deno.xz          xz -T2 -6 -c tools/deno/node_modules/deno/deno
 #   deno_npm.tar.xz  tar -C .cache -cJf .carry/deno_npm.tar.xz deno/npm
-# and build/ (libpegaflow.so built where nvcc is: `make native`).
+# and build/ (libpegaflow.so built where nvcc is: `make native`); for `peer`, also
+#   redis/           redis-server and the libraries it needs that the machine lacks
+#                    (libjemalloc.so.2, liblzf.so.1, libatomic.so.1, from Debian's redis-server)
 #
 # Usage: tools/device/gpu_run.sh STEP...   (each step's output goes to $OUT/STEP.log)
 #   suite        deno task test:gpu (the GPU test suite)
@@ -11,6 +13,7 @@
 #   server       bench/server.ts --backend cuda (warm load, save ratio, query)
 #   native       bench/run.ts --backend cuda --only size,submit (copy paths)
 #   ttft         bench/ttft.py (cold/warm TTFT, Llama-3.1-8B shape); TTFT_ARGS adds flags
+#   peer         bench/peer_fetch.ts (peer fetch over TCP vs raw TCP; the machine's cores)
 # Results this run writes under bench/results/ are copied to $OUT too.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,13 +38,17 @@ for step in "$@"; do
     server) $DENO run --allow-all --cached-only bench/server.ts --backend cuda --tokens 10000 --iters 20 ;;
     native) $DENO run --allow-all --cached-only bench/run.ts --backend cuda --only size,submit ;;
     ttft) python3 bench/ttft.py ${TTFT_ARGS:-} ;;
+    peer) PEGAFLOW_REDIS_SERVER="$PWD/.carry/redis/redis-server" \
+      LD_LIBRARY_PATH="$PWD/.carry/redis:$LD_LIBRARY_PATH" \
+      $DENO run --allow-all --cached-only bench/peer_fetch.ts ;;
     *) echo "unknown step $step"; false ;;
   esac 2>&1 | sed 's/\x1b\[[0-9;]*m//g' | tee "$OUT/$step.log"
   s=${PIPESTATUS[0]}
   echo "=== $step exit $s"
   [ "$s" -eq 0 ] || rc=1
 done
-for f in bench/results/ttft-cuda*.json bench/results/ttft-cuda*.png bench/results/server-cuda*.json; do
+for f in bench/results/ttft-cuda*.json bench/results/ttft-cuda*.png bench/results/server-cuda*.json \
+  bench/results/peer_fetch.json; do
   [ -f "$f" ] && [ "$f" -nt "$stamp" ] && cp "$f" "$OUT/"
 done
 exit $rc
