@@ -21,6 +21,8 @@ import threading
 from typing import List, Optional, Sequence
 
 _log = logging.getLogger("pegaflow.native")
+#: The array typecode of a 4-byte unsigned int (C `unsigned int` on every LP64 host; else long).
+_U32 = "I" if array.array("I").itemsize == 4 else "L"
 _REPO_LIB = os.path.join(os.path.dirname(__file__), "..", "..", "build", "libpegaflow.so")
 
 
@@ -71,7 +73,7 @@ def u32_tokens(tokens: Sequence[int]) -> array.array:
     """Token ids as a little-endian u32 array; an id outside u32 raises
     ValueError naming it."""
     try:
-        a = array.array("I", tokens)
+        a = array.array(_U32, tokens)
         if sys.byteorder == "big":
             a.byteswap()
         return a
