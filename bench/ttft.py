@@ -263,7 +263,6 @@ class Bench:
             "backend": args.backend,
             "transport": args.transport,
             "load_issuer": args.load_issuer,
-            "gc_freeze": args.gc_freeze,
             # What hashes a prompt's blocks (on the TTFT clock): libpegaflow's chain or hashlib.
             "block_hashes": native.hash_impl(),
             "config": args.config,
@@ -394,12 +393,6 @@ class Bench:
             # a warm prompt is then still in the server's pool (cold runs keep saving new ones).
             lw = self.engine("layerwise", model=model)
             asy = self.engine("async", model=model)
-            if a.gc_freeze:
-                # vLLM's engine core freezes the heap after start-up (`freeze_gc_heap`), so a
-                # collection never walks the model and the engine's long-lived objects; the
-                # collection before each timed request (first_token) then stays small.
-                gc.collect()
-                gc.freeze()
             try:
                 for n in a.tokens:
                     prompt = self.prompts.fresh(n)
@@ -844,10 +837,6 @@ def main() -> None:
     p.add_argument("--decode-repeats", type=int, default=4, help="on and off runs each, interleaved")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a GPU-hit and a decode step")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument(
-        "--no-gc-freeze", dest="gc_freeze", action="store_false",
-        help="do not freeze the GC heap after start-up (vLLM does; for comparison)",
-    )
     p.add_argument("--out", default=None, help="JSON path (default bench/results/ttft-<backend>.json)")
     a = p.parse_args()
     gpu = a.backend == "cuda"
