@@ -42,7 +42,7 @@ static const uint32_t K[64] = {
 static const uint32_t H0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
 
-/* Every SHA-256 message's length fits here as a block count. */
+/* The compression of `nblocks` consecutive 64-byte blocks into the state. */
 typedef void (*compress_fn)(uint32_t st[8], const uint8_t *data, uint64_t nblocks);
 
 #define ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
@@ -153,10 +153,9 @@ static void sha256_two(const uint8_t *a, uint64_t na, const uint8_t *b, uint64_t
   uint8_t buf[128];
   memcpy(st, H0, sizeof st);
   const uint64_t total = na + nb;
-  uint64_t fill = 0;
   /* `a` is at most 32 bytes (a parent hash): it only ever starts the first block. */
   if (na) memcpy(buf, a, na);
-  fill = na;
+  uint64_t fill = na;
   uint64_t take = 64 - fill < nb ? 64 - fill : nb;
   memcpy(buf + fill, b, take);
   fill += take;

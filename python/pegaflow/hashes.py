@@ -8,16 +8,20 @@ these are for our own engines and the cross-language test vectors.)
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from typing import List, Sequence
 
-from pegaflow.native import chain_hashes_native, u32_tokens
+from pegaflow.native import chain_hashes_native
 
 #: Bytes kept of each sha256 (lib/client/hashes.ts BLOCK_HASH_BYTES).
 BLOCK_HASH_BYTES = 16
 #: Llama-3 vocabulary size, the range of `synthetic_tokens`.
 SYNTHETIC_VOCAB = 128_256
 _U32 = 0xFFFFFFFF
+#: The array typecode of a 4-byte unsigned int (C `unsigned int` on every LP64 host; else long).
+_U32_CODE = "I" if array.array("I").itemsize == 4 else "L"
 
 
 def root_hash(salt: str = "") -> bytes:
@@ -48,11 +52,14 @@ def chain_hashes(parent: bytes, tokens: Sequence[int], block_tokens: int) -> Lis
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     if len(parent) != BLOCK_HASH_BYTES:
         raise ValueError(f"parent hash is {len(parent)} bytes, expected {BLOCK_HASH_BYTES}")
-    out = chain_hashes_native(parent, tokens, block_tokens, BLOCK_HASH_BYTES)
+    n = len(tokens) // block_tokens
+    if n == 0:
+        return []
+    toks = u32_tokens(tokens[: n * block_tokens])
+    out = chain_hashes_native(parent, toks, block_tokens, BLOCK_HASH_BYTES)
     if out is not None:
         return out
-    n = len(tokens) // block_tokens
-    le = u32_tokens(tokens[: n * block_tokens]).tobytes()
+    le = toks.tobytes()
     out = []
     prev = parent
     step = block_tokens * 4
@@ -61,6 +68,19 @@ def chain_hashes(parent: bytes, tokens: Sequence[int], block_tokens: int) -> Lis
         prev = sha(prev + le[o : o + step]).digest()[:BLOCK_HASH_BYTES]
         out.append(prev)
     return out
+
+
+def u32_tokens(tokens: Sequence[int]) -> array.array:
+    """Token ids as a little-endian u32 array (the bytes each block hashes); an id
+    outside u32 raises ValueError naming it."""
+    try:
+        a = array.array(_U32_CODE, tokens)
+        if sys.byteorder == "big":
+            a.byteswap()
+        return a
+    except (OverflowError, TypeError) as e:
+        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= _U32)), None)
+        raise ValueError(f"block hashes: token id {bad!r} is not a u32 ({e})") from None
 
 
 def synthetic_tokens(seed: int, count: int) -> List[int]:

@@ -16,13 +16,10 @@ import ctypes
 import logging
 import os
 import struct
-import sys
 import threading
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 _log = logging.getLogger("pegaflow.native")
-#: The array typecode of a 4-byte unsigned int (C `unsigned int` on every LP64 host; else long).
-_U32 = "I" if array.array("I").itemsize == 4 else "L"
 _REPO_LIB = os.path.join(os.path.dirname(__file__), "..", "..", "build", "libpegaflow.so")
 
 
@@ -69,19 +66,6 @@ def _lib() -> Optional[_Lib]:
         return _loaded
 
 
-def u32_tokens(tokens: Sequence[int]) -> array.array:
-    """Token ids as a little-endian u32 array; an id outside u32 raises
-    ValueError naming it."""
-    try:
-        a = array.array(_U32, tokens)
-        if sys.byteorder == "big":
-            a.byteswap()
-        return a
-    except (OverflowError, TypeError) as e:
-        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= 0xFFFFFFFF)), None)
-        raise ValueError(f"block hashes: token id {bad!r} is not a u32 ({e})") from None
-
-
 def hash_impl() -> str:
     """What computes the block hashes: "sha-ni" / "portable" (libpegaflow) or "hashlib"."""
     lib = _lib()
@@ -89,20 +73,17 @@ def hash_impl() -> str:
 
 
 def chain_hashes_native(
-    parent: bytes, tokens: Sequence[int], block_tokens: int, hash_bytes: int
+    parent: bytes, tokens: array.array, block_tokens: int, hash_bytes: int
 ) -> Optional[List[bytes]]:
-    """The chain over every full block of `tokens` from `parent`, or None when
-    the library is not loaded (the caller then uses hashlib). A token id
-    outside u32 raises ValueError, as the hashlib path does."""
+    """The chain from `parent` over `tokens` (little-endian u32, whole blocks of
+    `block_tokens`, as `pegaflow.hashes` prepares them), or None when the
+    library is not loaded (the caller then uses hashlib)."""
     lib = _lib()
     if lib is None:
         return None
     n = len(tokens) // block_tokens
-    if n == 0:
-        return []
-    toks = u32_tokens(tokens[: n * block_tokens])
     out = ctypes.create_string_buffer(n * hash_bytes)
-    rc = lib.chain(toks.buffer_info()[0], n, block_tokens, parent, hash_bytes, out)
+    rc = lib.chain(tokens.buffer_info()[0], n, block_tokens, parent, hash_bytes, out)
     if rc != 0:
         msg = ctypes.create_string_buffer(512)
         lib.lib.pf_last_error(msg, len(msg))

@@ -118,11 +118,10 @@ class StepBatch:
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset
     seqs: list[SeqInfo]
     logits_indices: torch.Tensor  # [n] rows of the flat batch to sample from
-    # Slots of every sequence's keys, context then new tokens, sequences back to back: one
-    # gather per layer (both planes at once) feeds the ragged attention. None when every
-    # sequence is fresh (its keys are the step's own K/V).
-    # The cached keys to attend over: every slot in position order (ragged batches), or, with
+    # The cached keys to attend over, gathered once per layer (both planes at once): every
+    # sequence's slots, context then new tokens, back to back (the ragged attention), or, with
     # `gather_blocks`, the one sequence's block ids (whole blocks, then its first kv_len slots).
+    # None when every sequence is fresh (its keys are the step's own K/V).
     kv_gather: torch.Tensor | None = None
     gather_blocks: bool = False
     cu_q: torch.Tensor | None = None  # [S+1] int32 query offsets
