@@ -18,9 +18,10 @@
  *  - READ GB/s: bytes / the READ batch's own time (the transport's ns);
  *  - raw GB/s: the blast;
  *  - query ms: the engine's first query to the answer, polled every
- *    `PEER_BENCH_POLL_MS` (default 2) ms, over gRPC, or with
- *    `PEER_BENCH_ENGINE_RPC=uds` over B's local RPC socket (`--uds`, what an
- *    engine on the same host uses: each poll then costs B's CPU less).
+ *    `PEER_BENCH_POLL_MS` (default 2) ms over B's local RPC socket (`--uds`:
+ *    what an engine on the same host uses, README's `pegaflow.addr`), or
+ *    with `PEER_BENCH_ENGINE_RPC=grpc` over gRPC (each poll then costs B's
+ *    CPU more, which the READ feels where cores are few).
  *
  * Prints a table and writes bench/results/peer_fetch.json. No assertion on time.
  *
@@ -39,7 +40,7 @@ const blocks = Number(Deno.env.get("PEER_BENCH_BLOCKS") ?? 256);
 const repeat = Number(Deno.env.get("PEER_BENCH_REPEAT") ?? 5);
 const streams = Number(Deno.env.get("PEER_BENCH_STREAMS") ?? 4);
 const pollMs = Number(Deno.env.get("PEER_BENCH_POLL_MS") ?? 2);
-const engineRpc = Deno.env.get("PEER_BENCH_ENGINE_RPC") ?? "grpc";
+const engineRpc = Deno.env.get("PEER_BENCH_ENGINE_RPC") ?? "uds";
 if (engineRpc !== "grpc" && engineRpc !== "uds") {
   throw new Error(`PEER_BENCH_ENGINE_RPC=${engineRpc}; expected grpc or uds`);
 }

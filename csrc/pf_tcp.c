@@ -28,9 +28,10 @@
  *                              the target's PF_DONE_XFER_IMM record follows
  *                              the data on every stream
  *   server -> client   ACK    for the IMM
- *   client -> server   BLAST  bytes: the server sends that many raw bytes
- *                              (aux PF_BLAST_WIDE: from as much of its pool)
- *                              and closes (pf_tcp_blast, benchmarks only)
+ *   client -> server   BLAST  bytes, part = stream index: the server sends
+ *                              that many raw bytes (aux PF_BLAST_WIDE: the
+ *                              stream's own range of its pool) and closes
+ *                              (pf_tcp_blast, benchmarks only)
  *
  * Deadlines and late bytes: (slot, gen) in each response names the batch.
  * The receiver enters the slot (pf_xfer_internal.h) for each burst of
@@ -328,14 +329,21 @@ static int discard(int fd, uint64_t bytes, uint8_t *scratch, atomic_int *stop) {
   return 0;
 }
 
-static void serve_blast(tcp_conn *c, uint64_t bytes, int wide) {
+/* Sends `bytes` raw bytes from the pool: the first BLAST_BUF bytes over and
+ * over (iperf's way), or, `wide`, stream `stream`'s own `bytes` of the pool
+ * (stream i from offset i * bytes, wrapping at its end): like a READ, every
+ * stream moves distinct memory. */
+static void serve_blast(tcp_conn *c, uint64_t bytes, int wide, uint32_t stream) {
   tcp_ep *t = c->ep->impl;
-  uint64_t cap = wide ? bytes : BLAST_BUF;
-  uint64_t span = c->ep->pool->bytes < cap ? c->ep->pool->bytes : cap;
+  uint64_t pool = c->ep->pool->bytes;
+  uint64_t span = wide ? pool : (pool < BLAST_BUF ? pool : BLAST_BUF);
+  uint64_t at = wide ? (uint64_t)stream * bytes % pool : 0;
   while (bytes) {
-    size_t n = bytes < span ? (size_t)bytes : (size_t)span;
-    if (send_all(c->fd, c->ep->pool->host, n, &t->stop)) return;
+    uint64_t room = span - at;
+    size_t n = bytes < room ? (size_t)bytes : (size_t)room;
+    if (send_all(c->fd, c->ep->pool->host + at, n, &t->stop)) return;
     bytes -= n;
+    at = (at + n) % span;
   }
 }
 
@@ -351,7 +359,7 @@ static void *serve_main(void *arg) {
   if (!segs || !scratch) goto out;
   if (recv_all(c->fd, &f, sizeof f, &t->stop) || f.magic != TCP_MAGIC) goto out;
   if (f.op == OP_BLAST) {
-    serve_blast(c, f.bytes, f.aux & PF_BLAST_WIDE);
+    serve_blast(c, f.bytes, f.aux & PF_BLAST_WIDE, f.part);
     goto out;
   }
   if (f.op != OP_HELLO || f.aux != TCP_VERSION) goto out;
@@ -1091,6 +1099,7 @@ typedef struct blast_arg {
   uint8_t *buf;
   uint64_t span;
   uint32_t flags;
+  uint32_t stream;
   uint32_t sock_buf;
   int32_t rc;
   char err[160];
@@ -1108,7 +1117,8 @@ static void *blast_main(void *arg) {
   /* Plain blocking receives, as iperf does. */
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   uint8_t *buf = a->buf;
-  pf_tcp_frame f = {.magic = TCP_MAGIC, .op = OP_BLAST, .bytes = a->bytes, .aux = a->flags};
+  pf_tcp_frame f = {.magic = TCP_MAGIC, .op = OP_BLAST, .bytes = a->bytes, .aux = a->flags,
+                    .part = a->stream};
   uint64_t left = a->bytes, at = 0;
   if (send_all(fd, &f, sizeof f, NULL) < 0) left = ~0ull;
   while (left && left != ~0ull) {
@@ -1162,7 +1172,7 @@ int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stre
   }
   for (uint32_t i = 0; i < streams; i++) {
     a[i] = (blast_arg){.ss = ss, .sl = sl, .bytes = bytes_per_stream, .sock_buf = sock_buf,
-                       .span = span, .flags = p ? PF_BLAST_WIDE : 0,
+                       .span = span, .flags = p ? PF_BLAST_WIDE : 0, .stream = i,
                        .buf = p ? p->host + i * slice : own + (size_t)i * BLAST_BUF};
   }
   uint64_t t0 = pf_now_ns();

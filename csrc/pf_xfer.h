@@ -195,8 +195,10 @@ int32_t pf_xfer_submit(uint32_t peer, const void *desc, uint64_t desc_bytes,
  * receives them with blocking recv (no framing, no bounds checks, no
  * deadlines). pool = 0: both ends cycle over 1 MiB per stream (cache-
  * resident, as iperf does). pool = a pool handle: stream i receives into its
- * own 1/streams slice of that pool and the server sends from as much of its
- * pool (PF_BLAST_WIDE), the memory a real transfer moves between.
+ * own 1/streams slice of that pool and the server sends stream i's bytes
+ * from its own pool at offset i * bytes_per_stream, wrapping at the end
+ * (PF_BLAST_WIDE): every stream moves distinct memory, as a real transfer
+ * does.
  * Synchronous (declare it nonblocking in FFI); out_ns = first connect to
  * last byte. */
 enum pf_blast_flags { PF_BLAST_WIDE = 1u << 0 };

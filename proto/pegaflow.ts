@@ -114,6 +114,13 @@ export interface ConnectTransferResponse {
   transport: string;
   /** this node's side: connect the requester's peer with it */
   peerInfo: Uint8Array;
+  /**
+   * host:port of this node's peer RPC socket: QueryBlocksForTransfer and
+   * ReleaseTransferLock in length-prefixed frames over TCP (docs/peer.md),
+   * the same handlers without HTTP/2's hops. Empty: an owner that predates
+   * it; the requester calls them over gRPC.
+   */
+  rpcAddr: string;
 }
 
 export interface QueryBlocksForTransferRequest {
@@ -503,7 +510,7 @@ export const ConnectTransferRequest: MessageFns<ConnectTransferRequest> = {
 };
 
 function createBaseConnectTransferResponse(): ConnectTransferResponse {
-  return { transport: "", peerInfo: new Uint8Array(0) };
+  return { transport: "", peerInfo: new Uint8Array(0), rpcAddr: "" };
 }
 
 export const ConnectTransferResponse: MessageFns<ConnectTransferResponse> = {
@@ -516,6 +523,9 @@ export const ConnectTransferResponse: MessageFns<ConnectTransferResponse> = {
     }
     if (message.peerInfo.length !== 0) {
       writer.uint32(18).bytes(message.peerInfo);
+    }
+    if (message.rpcAddr !== "") {
+      writer.uint32(26).string(message.rpcAddr);
     }
     return writer;
   },
@@ -549,6 +559,14 @@ export const ConnectTransferResponse: MessageFns<ConnectTransferResponse> = {
             message.peerInfo = reader.bytes();
             continue;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.rpcAddr = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -572,6 +590,7 @@ export const ConnectTransferResponse: MessageFns<ConnectTransferResponse> = {
     const message = createBaseConnectTransferResponse();
     message.transport = object.transport ?? "";
     message.peerInfo = object.peerInfo ?? new Uint8Array(0);
+    message.rpcAddr = object.rpcAddr ?? "";
     return message;
   },
 };

@@ -1,9 +1,10 @@
 /**
- * The TypeScript client of the server's local RPC socket (`PATH.rpc` beside
- * `--uds PATH`; wire format in lib/local_rpc/wire.ts): one connection, calls
- * matched to answers by call id, a deadline on every call. A connection that
- * breaks fails the calls in flight (UNAVAILABLE) and the next call dials
- * again, so a restarted server is found without help.
+ * The TypeScript client of the framed RPC (wire format in
+ * lib/local_rpc/wire.ts): the server's local RPC socket (`PATH.rpc` beside
+ * `--uds PATH`), or a peer's RPC socket over TCP (lib/peer/link.ts). One
+ * connection, calls matched to answers by call id, a deadline on every
+ * call. A connection that breaks fails the calls in flight (UNAVAILABLE) and
+ * the next call dials again, so a restarted server is found without help.
  *
  * @module
  */
@@ -37,22 +38,46 @@ interface Pending {
   timer: ReturnType<typeof setTimeout>;
 }
 
+/** Where a framed RPC client dials: a Unix socket path, or a TCP host and port. */
+export type RpcTarget =
+  | { transport: "unix"; path: string }
+  | { transport: "tcp"; hostname: string; port: number };
+
 /**
  * @example
  * ```ts
  * const rpc = new LocalRpcClient("/run/pegaflow/grpc.sock.rpc", 64 << 20);
  * const body = await rpc.call("health", new Uint8Array(0), 5_000);
  * rpc.close();
+ * const peer = new LocalRpcClient({ transport: "tcp", hostname: "10.0.0.7", port: 50057 }, 64 << 20, ids);
  * ```
  */
 export class LocalRpcClient {
-  #conn: Promise<Deno.UnixConn> | undefined;
+  #conn: Promise<Deno.Conn> | undefined;
   #pending = new Map<number, Pending>();
   #nextId = 0;
   #writing: Promise<void> = Promise.resolve();
   #closed = false;
+  readonly #target: RpcTarget;
+  readonly #ids: Readonly<Record<string, number>>;
+  /** The socket path, or host:port (messages). */
+  readonly path: string;
 
-  constructor(readonly path: string, readonly maxMessageBytes: number) {}
+  /**
+   * `target`: a Unix socket path (the local RPC socket) or a TCP target;
+   * `ids`: method ids by name (default: the local RPC socket's).
+   */
+  constructor(
+    target: string | RpcTarget,
+    readonly maxMessageBytes: number,
+    ids: Readonly<Record<string, number>> = LOCAL_RPC_IDS,
+  ) {
+    this.#target = typeof target === "string" ? { transport: "unix", path: target } : target;
+    this.path = this.#target.transport === "unix"
+      ? this.#target.path
+      : `${this.#target.hostname}:${this.#target.port}`;
+    this.#ids = ids;
+  }
 
   /** False for {@link ABSENT_RETRY_MS} after a dial found no socket at the path. */
   get usable(): boolean {
@@ -60,9 +85,12 @@ export class LocalRpcClient {
   }
   #absentUntil = 0;
 
-  #dial(): Promise<Deno.UnixConn> {
+  #dial(): Promise<Deno.Conn> {
     if (!this.#conn) {
-      const conn = Deno.connect({ transport: "unix", path: this.path });
+      const t = this.#target;
+      const conn: Promise<Deno.Conn> = t.transport === "unix"
+        ? Deno.connect(t)
+        : Deno.connect(t).then((c) => (c.setNoDelay(true), c));
       this.#conn = conn;
       conn.then((c) => this.#readLoop(c), () => {
         if (this.#conn === conn) this.#conn = undefined;
@@ -71,7 +99,7 @@ export class LocalRpcClient {
     return this.#conn;
   }
 
-  async #readLoop(conn: Deno.UnixConn): Promise<void> {
+  async #readLoop(conn: Deno.Conn): Promise<void> {
     const frames = new FrameReader(this.maxMessageBytes);
     let why = "the server closed the connection";
     try {
@@ -101,7 +129,7 @@ export class LocalRpcClient {
       // closed by close()
     }
     if (this.#conn && (await this.#conn.catch(() => undefined)) === conn) this.#conn = undefined;
-    this.#failAll(UNAVAILABLE, `local RPC connection to ${this.path} ended: ${why}`);
+    this.#failAll(UNAVAILABLE, `RPC connection to ${this.path} ended: ${why}`);
   }
 
   #failAll(code: number, msg: string): void {
@@ -116,22 +144,22 @@ export class LocalRpcClient {
   /** One call of `method` (a service method name); resolves with the response bytes. */
   async call(method: string, payload: Uint8Array, deadlineMs: number): Promise<Uint8Array> {
     if (this.#closed) throw new LocalRpcStatus(CANCELLED, "client is closed");
-    const id = LOCAL_RPC_IDS[method];
+    const id = this.#ids[method];
     if (id === undefined) {
-      throw new LocalRpcStatus(UNIMPLEMENTED, `local RPC has no method ${method}`);
+      throw new LocalRpcStatus(UNIMPLEMENTED, `RPC socket ${this.path} has no method ${method}`);
     }
-    let conn: Deno.UnixConn;
+    let conn: Deno.Conn;
     try {
       conn = await this.#dial();
     } catch (e) {
-      if (e instanceof Deno.errors.NotFound) {
+      if (e instanceof Deno.errors.NotFound && this.#target.transport === "unix") {
         // A server without the socket (or restarting): the caller uses gRPC for a while.
         this.#absentUntil = performance.now() + ABSENT_RETRY_MS;
         throw new LocalRpcAbsent(this.path);
       }
       throw new LocalRpcStatus(
         UNAVAILABLE,
-        `local RPC socket ${this.path}: ${(e as Error).message}`,
+        `RPC socket ${this.path}: ${(e as Error).message}`,
       );
     }
     this.#nextId = (this.#nextId % 0xffff_fffe) + 1;
@@ -149,7 +177,7 @@ export class LocalRpcClient {
       if (!p) return;
       this.#pending.delete(callId);
       clearTimeout(p.timer);
-      p.reject(new LocalRpcStatus(UNAVAILABLE, `local RPC connection to ${this.path} broke`));
+      p.reject(new LocalRpcStatus(UNAVAILABLE, `RPC connection to ${this.path} broke`));
     });
     return await answer;
   }

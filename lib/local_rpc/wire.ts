@@ -1,7 +1,10 @@
 /**
- * The local RPC socket's wire format (the server side is
- * lib/server/local_rpc.ts, the TypeScript client lib/client/local_rpc.ts;
- * python/pegaflow/local_rpc.py is the Python client's copy of these facts):
+ * The framed RPC's wire format, spoken on two sockets: the engines' local
+ * RPC socket beside `--uds` (the Engine service's hot calls) and the peers'
+ * RPC socket over TCP (the Peer service's lock and release, docs/peer.md).
+ * The server side is lib/server/local_rpc.ts, the TypeScript client
+ * lib/client/local_rpc.ts; python/pegaflow/local_rpc.py is the Python
+ * client's copy of these facts (the engine methods):
  *
  *   request:  u32 len | u32 call_id | u8 method | protobuf request
  *   response: u32 len | u32 call_id | u8 status | protobuf response (status 0)
@@ -11,7 +14,7 @@
  *
  * @module
  */
-import type { EngineService } from "../../proto/pegaflow.ts";
+import type { EngineService, PeerService } from "../../proto/pegaflow.ts";
 
 /**
  * Suffix of the local RPC socket beside `--uds PATH`: `PATH.rpc` (the server
@@ -31,10 +34,22 @@ export const LOCAL_RPC_METHODS = {
   5: "health",
 } as const satisfies Record<number, keyof typeof EngineService>;
 
-/** A method's id, by the service's method name. */
-export const LOCAL_RPC_IDS: Readonly<Record<string, number>> = Object.fromEntries(
-  Object.entries(LOCAL_RPC_METHODS).map(([id, name]) => [name, Number(id)]),
-);
+/**
+ * Method ids on the peers' RPC socket. ConnectTransfer stays on gRPC: it is
+ * called once per owner, and its answer names this socket.
+ */
+export const PEER_RPC_METHODS = {
+  1: "queryBlocksForTransfer",
+  2: "releaseTransferLock",
+} as const satisfies Record<number, keyof typeof PeerService>;
+
+/** Method ids by method name, for a client of a socket that serves `methods`. */
+export function methodIds(methods: Readonly<Record<number, string>>): Record<string, number> {
+  return Object.fromEntries(Object.entries(methods).map(([id, name]) => [name, Number(id)]));
+}
+
+/** A method's id on the local RPC socket, by the Engine service's method name. */
+export const LOCAL_RPC_IDS: Readonly<Record<string, number>> = methodIds(LOCAL_RPC_METHODS);
 
 /** One frame's bytes: header, then payload. */
 export function encodeFrame(
@@ -117,12 +132,12 @@ export class FrameReader {
     const dv = new DataView(this.#buf.buffer, this.#buf.byteOffset + this.#start);
     const len = dv.getUint32(0, true);
     if (len < 5) {
-      throw new FrameError(false, `local RPC: frame length ${len} is below the 5-byte header`);
+      throw new FrameError(false, `RPC frame length ${len} is below the 5-byte header`);
     }
     if (len > this.maxPayloadBytes + 5) {
       throw new FrameError(
         true,
-        `local RPC: frame of ${len} bytes exceeds the ${this.maxPayloadBytes}-byte message limit (--max-message-size)`,
+        `RPC frame of ${len} bytes exceeds the ${this.maxPayloadBytes}-byte message limit (--max-message-size)`,
       );
     }
     if (have < 4 + len) return null;

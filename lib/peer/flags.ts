@@ -21,6 +21,8 @@ export interface PeerConfig {
   transport: TransportChoice;
   /** Transfer listener port (0 = any free port). */
   xferPort: number;
+  /** Peer RPC listener port (lock and release in frames over TCP; 0 = any free port). */
+  rpcPort: number;
   /** TCP sockets (or RDMA QPs per NIC) per peer. */
   xferStreams: number;
   /** RDMA devices; empty = every device. */
@@ -66,6 +68,11 @@ export function peerOptions(): Option[] {
       .default("auto").choices(["auto", "tcp", "rdma"]),
     envOption("--xfer-port <port>", "cross-node transfer listener port (0: any free)", "XFER_PORT")
       .default(0).argParser(intArg("--xfer-port", 0, 65535)),
+    envOption(
+      "--peer-rpc-port <port>",
+      "peer RPC listener port: transfer locks in frames over TCP (0: any free)",
+      "PEER_RPC_PORT",
+    ).default(0).argParser(intArg("--peer-rpc-port", 0, 65535)),
     envOption("--xfer-streams <n>", "TCP sockets (RDMA QPs per NIC) per peer", "XFER_STREAMS")
       .default(DEFAULT_TCP_STREAMS).argParser(intArg("--xfer-streams", 1, 64)),
     envOption("--nics <list>", "RDMA devices, name[:port] comma-separated (default: all)", "NICS")
@@ -93,6 +100,7 @@ export function peerConfigFrom(o: Record<string, unknown>): PeerConfig {
     fetch: o.peerFetch as boolean,
     transport: o.transport as TransportChoice,
     xferPort: o.xferPort as number,
+    rpcPort: o.peerRpcPort as number,
     xferStreams: o.xferStreams as number,
     nics: (o.nics as string[] | undefined) ?? [],
     fetchTimeoutMs: o.peerFetchTimeoutMs as number,

@@ -8,7 +8,8 @@
  * with that answer. A new handshake from the same node replaces (and closes)
  * the old peer: the requester reconnects after its side broke. TCP: no state
  * here; the answer is this node's listener, host:port, which the requester
- * dials.
+ * dials. Either way the answer also names this node's peer RPC socket, where
+ * the requester then asks for its transfer locks.
  *
  * @module
  */
@@ -28,6 +29,8 @@ export interface LenderEndpoint {
   transport: string;
   /** TCP: host:port a requester dials (the advertised host, the listener's port). */
   addr(): string;
+  /** host:port of this node's peer RPC socket as requesters dial it ("" when there is none). */
+  rpcAddr(): string;
   createPeer(): LenderPeer;
 }
 
@@ -79,7 +82,7 @@ export class TransferLender {
     requester: string,
     transport: string,
     peerInfo: Uint8Array,
-  ): Promise<{ transport: string; peerInfo: Uint8Array }> {
+  ): Promise<{ transport: string; peerInfo: Uint8Array; rpcAddr: string }> {
     const who = `ConnectTransfer from "${requester}"`;
     if (!requester) {
       throw new HandshakeRefused("INVALID_ARGUMENT", "ConnectTransferRequest.requester is empty");
@@ -98,7 +101,11 @@ export class TransferLender {
       );
     }
     if (this.#ep.transport === "tcp") {
-      return { transport: "tcp", peerInfo: new TextEncoder().encode(this.#ep.addr()) };
+      return {
+        transport: "tcp",
+        peerInfo: new TextEncoder().encode(this.#ep.addr()),
+        rpcAddr: this.#ep.rpcAddr(),
+      };
     }
     if (this.#closed) {
       throw new HandshakeRefused("FAILED_PRECONDITION", `${who}: this node is stopping`);
@@ -131,7 +138,7 @@ export class TransferLender {
       transport: this.#ep.transport,
       peers: this.#peers.size,
     });
-    return { transport: this.#ep.transport, peerInfo: peer.info() };
+    return { transport: this.#ep.transport, peerInfo: peer.info(), rpcAddr: this.#ep.rpcAddr() };
   }
 
   /** Closes every lent peer (each ends what it has in flight first). */

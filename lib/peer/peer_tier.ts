@@ -6,9 +6,9 @@
  * A fetch (one per request id; a request whose first missing block is being
  * fetched for another request joins that fetch):
  *  1. longest-prefix lookup in the index (one round trip, its own deadline);
- *  2. `QueryBlocksForTransfer` on the owner with the longest run: it pins the
- *     prefix it still holds under a transfer lock and answers each block's
- *     pool ranges and CRC32C;
+ *  2. `QueryBlocksForTransfer` on the owner with the longest run, over its
+ *     peer RPC socket (link.ts): it pins the prefix it still holds under a
+ *     transfer lock and answers each block's pool ranges and CRC32C;
  *  3. pool space for each block here (`TierHost.fill`, whole blocks, the
  *     "reclaimable" class: evicted before blocks saved here);
  *  4. the prefix is read in chunks of {@link PIPELINE_CHUNK_BYTES}: ONE
@@ -52,7 +52,7 @@ import type {
 import { hashHex } from "../storage/keys.ts";
 import type { StageMetrics } from "../pipeline/stage.ts";
 import type { LookupResult } from "../index/block_index.ts";
-import type { XferEndpoint, XferPeer } from "../../ffi/xfer.ts";
+import type { XferEndpoint } from "../../ffi/xfer.ts";
 import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
@@ -60,7 +60,7 @@ import { readLockedPrefix, type ReadOutcome } from "./read.ts";
 import { remoteExtents } from "./extents_wire.ts";
 import type { PeerLinks } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
-import { XferPeers } from "./xfer_peers.ts";
+import { type OwnerLink, XferPeers } from "./xfer_peers.ts";
 
 /** Name of the peer tier: metric label, hit attribution, filler of its blocks. */
 export const PEER_TIER_NAME = "peer";
@@ -361,9 +361,9 @@ export class PeerTier implements Tier {
   }
 
   /**
-   * Steps 1–2 and the connection: the longest owner from the index, its lock
-   * on the prefix, the answer checked, a transfer peer to it. Undefined (the
-   * failure counted, any lock released) when one of them fails.
+   * Steps 1–2: the longest owner from the index, a transfer peer to it (the
+   * handshake, once per owner, names its peer RPC socket), its lock, the
+   * answer checked. Undefined (failure counted, lock released) on a failure.
    */
   async #lockFromOwner(index: PeerIndex, blocks: TierBlocks) {
     const { namespace, hashes, layout } = blocks;
@@ -373,17 +373,26 @@ export class PeerTier implements Tier {
     this.#memo.set(this.#key(namespace, hashes[0]), { length: found.length, at: Date.now() });
     const owner = found.owners[0];
     if (!owner || owner.length === 0) return this.#fail("no-owner");
+    let link: OwnerLink;
+    try {
+      link = await this.#xferPeers.get(owner.addr);
+    } catch (e) {
+      return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
+    }
+    const { peer, rpcAddr } = link;
+    const tConnect = performance.now();
     const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
+    const ask = {
+      namespace,
+      blockHashes: want,
+      layoutFingerprint: layout.fingerprint,
+      requester: index.nodeId,
+      lockTtlMs: this.#lockTtl,
+      shiftedExtents: true,
+    };
     let res: QueryBlocksForTransferResponse;
     try {
-      res = await this.#o.links.lock(owner.addr, {
-        namespace,
-        blockHashes: want,
-        layoutFingerprint: layout.fingerprint,
-        requester: index.nodeId,
-        lockTtlMs: this.#lockTtl,
-        shiftedExtents: true,
-      }, this.#rpcTimeout);
+      res = await this.#o.links.lock(owner.addr, ask, this.#rpcTimeout, rpcAddr);
     } catch (e) {
       return this.#fail("lock-rpc", { owner: owner.nodeId, error: (e as Error).message });
     }
@@ -392,13 +401,13 @@ export class PeerTier implements Tier {
     }
     const tLock = performance.now();
     const release = () =>
-      this.#o.links.release(owner.addr, res.lockId, index.nodeId, this.#rpcTimeout).catch(
-        (e: Error) =>
+      this.#o.links.release(owner.addr, res.lockId, index.nodeId, this.#rpcTimeout, rpcAddr)
+        .catch((e: Error) =>
           this.#o.log.debug("peer lock release failed; it expires on the owner", {
             owner: owner.nodeId,
             error: e.message,
-          }),
-      );
+          })
+        );
     const local = this.#o.host.payloadBytes(namespace);
     const remote = remoteExtents(res);
     const mine = this.#o.transport;
@@ -411,14 +420,7 @@ export class PeerTier implements Tier {
         : `owner transport ${res.transport}, this node ${mine}`;
       return this.#fail("bad-answer", { owner: owner.nodeId, error: why });
     }
-    let peer: XferPeer;
-    try {
-      peer = await this.#xferPeers.get(owner.addr);
-    } catch (e) {
-      await release();
-      return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
-    }
-    return { owner, want, res, remote, release, peer, tLookup, tLock };
+    return { owner, want, res, remote, release, peer, tLookup, tConnect, tLock };
   }
 
   async #fetchOnce(index: PeerIndex, blocks: TierBlocks): Promise<void> {
@@ -426,8 +428,7 @@ export class PeerTier implements Tier {
     const t0 = performance.now();
     const locked = await this.#lockFromOwner(index, blocks);
     if (!locked) return;
-    const { owner, want, res, remote, release, peer, tLookup, tLock } = locked;
-    const tConnect = performance.now();
+    const { owner, want, res, remote, release, peer, tLookup, tConnect, tLock } = locked;
     if (this.#o.beforeRead) await this.#o.beforeRead();
 
     let read: ReadOutcome;
@@ -487,8 +488,8 @@ export class PeerTier implements Tier {
       chunks: read.chunks,
       bytes: good.length * res.payloadBytes,
       lookup_ms: ms(t0, tLookup),
-      lock_ms: ms(tLookup, tLock),
-      connect_ms: ms(tLock, tConnect),
+      connect_ms: ms(tLookup, tConnect),
+      lock_ms: ms(tConnect, tLock),
       plan_ms: ms(tSubmit, tPlanned),
       read_ms: Math.round(readEnd * 100) / 100,
       verify_tail_ms: ms(tSubmit + readEnd, tVerify),

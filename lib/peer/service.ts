@@ -1,6 +1,7 @@
 /**
- * The gRPC `Peer` service (proto/pegaflow.proto): what other nodes call on
- * this node to fetch blocks from it. `QueryBlocksForTransfer` checks the
+ * The `Peer` service (proto/pegaflow.proto): what other nodes call on this
+ * node to fetch blocks from it, served on gRPC and — lock and release — on
+ * the peer RPC socket (lib/server/local_rpc.ts `servePeerRpc`). `QueryBlocksForTransfer` checks the
  * request, locks the held prefix ({@link PeerLockTable}) and answers where
  * its bytes are; `ReleaseTransferLock` ends a lock; `ConnectTransfer` is the
  * transfer handshake (lender.ts). Bad input is refused with

@@ -3,7 +3,9 @@
  * made on first use through the transfer handshake (`Peer.ConnectTransfer`,
  * lender.ts on the owner: this side's info out, the owner's back, then
  * connect; every step with a deadline), shared by every fetch from that
- * owner, dropped when broken so the next fetch handshakes again.
+ * owner, dropped when broken so the next fetch handshakes again. The
+ * handshake's answer also names the owner's peer RPC socket (where locks
+ * are asked for), kept beside the connection.
  *
  * @module
  */
@@ -14,7 +16,16 @@ import type { Logger } from "../log.ts";
 /** The handshake with an owner: this side's transport and a call that trades info bytes. */
 export interface Handshake {
   transport: string;
-  trade(ownerAddr: string, info: Uint8Array): Promise<{ transport: string; peerInfo: Uint8Array }>;
+  trade(
+    ownerAddr: string,
+    info: Uint8Array,
+  ): Promise<{ transport: string; peerInfo: Uint8Array; rpcAddr: string }>;
+}
+
+/** An owner as the handshake left it: the connected transfer peer, and its peer RPC socket ("" = none: gRPC). */
+export interface OwnerLink {
+  peer: XferPeer;
+  rpcAddr: string;
 }
 
 /**
@@ -23,7 +34,7 @@ export interface Handshake {
  * @example
  * ```ts
  * const peers = new XferPeers(endpoint, 2_000, log, { transport: "tcp", trade });
- * const peer = await peers.get("10.0.0.2:50055");
+ * const { peer, rpcAddr } = await peers.get("10.0.0.2:50055");
  * if (peer.state().broken !== 0) peers.drop("10.0.0.2:50055", peer);
  * await peers.close();
  * ```
@@ -33,7 +44,7 @@ export class XferPeers {
   readonly #connectTimeoutMs: number;
   readonly #log: Logger;
   readonly #handshake: Handshake;
-  readonly #peers = new Map<string, Promise<XferPeer>>();
+  readonly #peers = new Map<string, Promise<OwnerLink>>();
 
   constructor(endpoint: XferEndpoint, connectTimeoutMs: number, log: Logger, handshake: Handshake) {
     this.#endpoint = endpoint;
@@ -42,8 +53,8 @@ export class XferPeers {
     this.#handshake = handshake;
   }
 
-  /** The peer connected to the owner at `addr` (a failed handshake is forgotten: the next call retries). */
-  get(addr: string): Promise<XferPeer> {
+  /** The link to the owner at `addr` (a failed handshake is forgotten: the next call retries). */
+  get(addr: string): Promise<OwnerLink> {
     let p = this.#peers.get(addr);
     if (!p) {
       p = this.#connect(addr);
@@ -66,15 +77,17 @@ export class XferPeers {
   /** Closes every peer (each ends what it has in flight first). */
   async close(): Promise<void> {
     for (const p of this.#peers.values()) {
-      await p.then((peer) => peer.close(), () => {});
+      await p.then((l) => l.peer.close(), () => {});
     }
     this.#peers.clear();
   }
 
-  async #connect(addr: string): Promise<XferPeer> {
+  async #connect(addr: string): Promise<OwnerLink> {
     const peer = this.#endpoint.createPeer();
+    let rpcAddr: string;
     try {
       const theirs = await this.#handshake.trade(addr, peer.info());
+      rpcAddr = theirs.rpcAddr;
       if (theirs.transport !== this.#handshake.transport) {
         throw new Error(
           `transfer handshake with ${addr}: the owner uses ${theirs.transport}, this node ${this.#handshake.transport}`,
@@ -85,6 +98,6 @@ export class XferPeers {
       await peer.close();
       throw e;
     }
-    return peer;
+    return { peer, rpcAddr };
   }
 }

@@ -1,9 +1,10 @@
 /**
  * The server's cross-node pieces (docs/peer.md), wired in one place: where
  * the block index runs (`--index-redis`), this node opens a transfer endpoint
- * over its pool, grants transfer locks to peers (the gRPC `Peer` service) and
- * — unless `--peer-fetch false` — fetches from peers on a local miss (the
- * peer tier). The index itself opens once the gRPC address is known.
+ * over its pool, grants transfer locks to peers (the `Peer` service, on gRPC
+ * and on the peer RPC socket, `--peer-rpc-port`) and — unless `--peer-fetch
+ * false` — fetches from peers on a local miss (the peer tier). The index
+ * itself opens once the gRPC address is known.
  *
  * @module
  */
@@ -27,6 +28,7 @@ import { type LenderEndpoint, TransferLender } from "../peer/lender.ts";
 import { registerPeerMetrics } from "../peer/metrics.ts";
 import { peerServiceImpl } from "../peer/service.ts";
 import { lenientPeerService } from "./decode.ts";
+import { servePeerRpc } from "./local_rpc.ts";
 
 /** `PEGAFLOW_TEST_PEER_READ_DELAY_MS` (tests only): the peer tier waits this long before each READ. */
 function readDelayHook(log: Logger): (() => Promise<void>) | undefined {
@@ -79,9 +81,9 @@ export function openCrossNode(
   log: Logger,
 ): CrossNode {
   const plog = log.child({ component: "peer" });
-  const transfer = cfg.index.redisUrl
-    ? openPeerTransport(cfg, native.copyEngine, metrics, log, plog)
-    : undefined;
+  const { rpcListener, transfer } = cfg.index.redisUrl
+    ? openListeners(cfg, native.copyEngine, metrics, log, plog)
+    : { rpcListener: undefined, transfer: undefined };
   let index: BlockIndexHandle | undefined;
   // The gRPC address once bound (peers are told the advertised one; this is its default).
   let boundGrpcAddr = cfg.addr;
@@ -97,8 +99,8 @@ export function openCrossNode(
     })
     : undefined;
   const advertised = () => index?.index.advertiseAddr ?? boundGrpcAddr;
-  const lender = transfer
-    ? new TransferLender(lenderEndpoint(transfer, advertised), cfg.peer.fetchTimeoutMs, plog)
+  const lending = transfer && peerLocks && rpcListener
+    ? openLending(cfg, transfer, peerLocks, rpcListener, advertised, plog)
     : undefined;
   let peerTier: PeerTier | undefined;
   const observeFetch = transfer
@@ -122,8 +124,7 @@ export function openCrossNode(
   return {
     peerTier,
     addServices(server) {
-      if (!transfer || !peerLocks || !lender) return;
-      addPeerService(server, peerLocks, transfer, lender, advertised, plog);
+      if (lending) server.addService(lenientPeerService(), lending.impl);
     },
     openIndex(grpcAddr) {
       boundGrpcAddr = grpcAddr;
@@ -140,12 +141,31 @@ export function openCrossNode(
       await index?.close();
     },
     async close() {
+      lending?.rpc.close();
       peerLocks?.close();
       peerLinks.close();
-      await lender?.close();
+      await lending?.lender.close();
       await transfer?.endpoint.close();
     },
   };
+}
+
+/** The peer RPC listener, then the transfer endpoint; both or (throwing) neither. */
+function openListeners(
+  cfg: ServeConfig,
+  copyEngine: CopyEngine,
+  metrics: ServerMetrics,
+  log: Logger,
+  plog: Logger,
+): { rpcListener: Deno.TcpListener; transfer: OpenedTransport } {
+  // Bound first: a taken --peer-rpc-port refuses the start before anything else opens.
+  const rpcListener = listenPeerRpc(cfg.peer.rpcPort, plog);
+  try {
+    return { rpcListener, transfer: openPeerTransport(cfg, copyEngine, metrics, log, plog) };
+  } catch (e) {
+    rpcListener.close();
+    throw e;
+  }
 }
 
 /** The transfer endpoint over the pool (`--transport`, `--nics`, ...), with its metrics. */
@@ -171,40 +191,67 @@ function openPeerTransport(
   return transfer;
 }
 
-/** The transfer listener as peers dial it: the advertised host, the listener's port (it binds every address). */
-function xferAddr(transfer: OpenedTransport, advertisedGrpcAddr: () => string): string {
+/** The peer RPC listener (`--peer-rpc-port`); it binds every address, like the transfer listener. */
+function listenPeerRpc(port: number, plog: Logger): Deno.TcpListener {
+  let listener: Deno.TcpListener;
+  try {
+    listener = Deno.listen({ hostname: "0.0.0.0", port });
+  } catch (e) {
+    throw new Error(
+      `cannot listen for peer RPC on port ${port} (--peer-rpc-port): ${(e as Error).message}`,
+    );
+  }
+  plog.info("peer RPC open", { port: listener.addr.port });
+  return listener;
+}
+
+/**
+ * This node's lending side: the handshake's lender, the `Peer` handlers
+ * (served on gRPC by `addServices`) and the peer RPC socket serving them.
+ */
+function openLending(
+  cfg: ServeConfig,
+  transfer: OpenedTransport,
+  locks: PeerLockTable,
+  listener: Deno.TcpListener,
+  advertised: () => string,
+  plog: Logger,
+) {
+  const lender = new TransferLender(
+    lenderEndpoint(transfer, listener, advertised),
+    cfg.peer.fetchTimeoutMs,
+    plog,
+  );
+  const impl = peerServiceImpl(
+    locks,
+    () => ({ transport: transfer.name, addr: xferAddr(transfer, advertised) }),
+    lender,
+    plog,
+  );
+  return { lender, impl, rpc: servePeerRpc(listener, impl, cfg.maxMessageBytes, plog) };
+}
+
+/** `port` on the advertised host: how peers dial this node's listeners (each binds every address). */
+function advertisedPort(advertisedGrpcAddr: () => string, port: number): string {
   const adv = advertisedGrpcAddr();
-  return `${adv.slice(0, adv.lastIndexOf(":"))}:${transfer.endpoint.info().port}`;
+  return `${adv.slice(0, adv.lastIndexOf(":"))}:${port}`;
+}
+
+/** The transfer listener as peers dial it. */
+function xferAddr(transfer: OpenedTransport, advertisedGrpcAddr: () => string): string {
+  return advertisedPort(advertisedGrpcAddr, transfer.endpoint.info().port);
 }
 
 /** The endpoint as the handshake's lender sees it (lib/peer/lender.ts). */
 function lenderEndpoint(
   transfer: OpenedTransport,
+  rpc: Deno.TcpListener,
   advertisedGrpcAddr: () => string,
 ): LenderEndpoint {
   return {
     transport: transfer.name,
     addr: () => xferAddr(transfer, advertisedGrpcAddr),
+    rpcAddr: () => advertisedPort(advertisedGrpcAddr, rpc.addr.port),
     createPeer: () => transfer.endpoint.createPeer(),
   };
-}
-
-/** The gRPC `Peer` service: locks, and the handshake (lock answers name the advertised listener). */
-function addPeerService(
-  server: grpc.Server,
-  locks: PeerLockTable,
-  transfer: OpenedTransport,
-  lender: TransferLender,
-  advertisedGrpcAddr: () => string,
-  plog: Logger,
-): void {
-  server.addService(
-    lenientPeerService(),
-    peerServiceImpl(
-      locks,
-      () => ({ transport: transfer.name, addr: xferAddr(transfer, advertisedGrpcAddr) }),
-      lender,
-      plog,
-    ),
-  );
 }

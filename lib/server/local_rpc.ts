@@ -1,16 +1,24 @@
 /**
- * The local RPC socket: the engines' hot calls (QueryPrefetch, Load,
- * Release, Save, Health) over a Unix-domain socket in length-prefixed
- * frames (lib/local_rpc/wire.ts), beside gRPC, for engines on the same host.
+ * Framed RPC listeners (wire format: lib/local_rpc/wire.ts): a service's
+ * unary calls in length-prefixed frames, answered by the gRPC service's own
+ * handlers. Two sockets speak it:
  *
- * Why: an engine asks QueryPrefetch and sends Load while a request waits for
- * its first token, so their round trip is on the TTFT. Over gRPC (grpcio's
- * completion-queue thread, HTTP/2, the GOAWAY relay, grpc-js) one such call
- * took ~3.3 ms from the engine's side on a 0.02 ms server handler; a frame
- * on a Unix socket read by the caller's own thread has none of those hops.
- * The handlers are the gRPC service's own (`engineServiceImpl`): the same
- * decoding, checks, status codes, metrics and logs, so the two transports
- * cannot drift. Session (liveness) and RegisterContext stay on gRPC.
+ * - the engines' local RPC socket beside `--uds` ({@link serveLocalRpc}):
+ *   QueryPrefetch, Load, Release, Save, Health. An engine asks QueryPrefetch
+ *   and sends Load while a request waits for its first token, so their round
+ *   trip is on the TTFT. Over gRPC (grpcio's completion-queue thread, HTTP/2,
+ *   the GOAWAY relay, grpc-js) one such call took ~3.3 ms from the engine's
+ *   side on a 0.02 ms server handler; a frame on a Unix socket read by the
+ *   caller's own thread has none of those hops. Session (liveness) and
+ *   RegisterContext stay on gRPC.
+ * - the peers' RPC socket over TCP ({@link servePeerRpc}, docs/peer.md):
+ *   QueryBlocksForTransfer and ReleaseTransferLock, the lock on the owner
+ *   that every peer fetch waits for before its first byte (over grpc-js
+ *   both ways it cost ~3 ms of transit on a ~2 ms handler).
+ *
+ * The handlers are the gRPC services' own (`engineServiceImpl`,
+ * `peerServiceImpl`) behind the same lenient decoding: the same checks,
+ * status codes, metrics and logs, so the transports cannot drift.
  *
  * Calls on one connection may be answered out of order (a Save is slower
  * than a Query); the client matches answers by call id. A frame longer than
@@ -20,15 +28,16 @@
  *
  * @module
  */
+import type { Buffer } from "node:buffer";
 import * as grpc from "@grpc/grpc-js";
-import { EngineService } from "../../proto/pegaflow.ts";
-import { decodeRequest } from "./decode.ts";
+import { lenientPeerService, lenientService } from "./decode.ts";
 import type { Logger } from "../log.ts";
 import {
   encodeFrame,
   FrameError,
   FrameReader,
   LOCAL_RPC_METHODS,
+  PEER_RPC_METHODS,
   writeAll,
 } from "../local_rpc/wire.ts";
 
@@ -37,11 +46,23 @@ export { LOCAL_RPC_METHODS };
 const round3 = (x: number) => Math.round(x * 1e3) / 1e3;
 const utf8 = (s: string) => new TextEncoder().encode(s);
 
+/** A service as a framed listener serves it. */
+interface FramedService {
+  /** The lenient service definition (lib/server/decode.ts): decoding and encoding. */
+  def: grpc.ServiceDefinition;
+  /** Method ids on the wire → method names of `def`. */
+  methods: Readonly<Record<number, string>>;
+  impl: grpc.UntypedServiceImplementation;
+  /** For logs and errors: "local RPC" | "peer RPC". */
+  label: string;
+}
+
 /** What every connection of one listener shares. */
 interface ConnContext {
-  impl: grpc.UntypedServiceImplementation;
+  service: FramedService;
   maxMessageBytes: number;
   log: Logger;
+  /** The listener's address (a socket path or host:port), for logs. */
   path: string;
   traced: boolean;
   conns: Set<Deno.Conn>;
@@ -49,8 +70,9 @@ interface ConnContext {
 }
 
 /** Reads one connection's frames and answers each call with the service's own handler. */
-async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<void> {
-  const { impl, log, path, traced } = ctx;
+async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void> {
+  const { service, log, path, traced } = ctx;
+  const { impl, methods, def, label } = service;
   ctx.conns.add(conn);
   // Answers are written in the order they are ready, one at a time.
   let writing: Promise<void> = Promise.resolve();
@@ -61,30 +83,27 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
     });
   };
   const dispatch = (callId: number, method: number, payload: Uint8Array) => {
-    const name = (LOCAL_RPC_METHODS as Record<number, keyof typeof EngineService>)[method];
+    const name = methods[method];
     if (name === undefined) {
       send(encodeFrame(
         callId,
         grpc.status.UNIMPLEMENTED,
-        utf8(
-          `local RPC: unknown method id ${method} (known: ${
-            Object.keys(LOCAL_RPC_METHODS).join(", ")
-          })`,
-        ),
+        utf8(`${label}: unknown method id ${method} (known: ${Object.keys(methods).join(", ")})`),
       ));
       return;
     }
     const handler = impl[name] as grpc.handleUnaryCall<unknown, unknown>;
+    const md = def[name];
     // The frame's payload is already its own copy: decode it in place, as a plain
     // Uint8Array: a bytes field is then a typed-array view, about half the cost of a
     // Buffer's subarray (a QueryPrefetch of 639 hashes: 0.09 vs 0.17 ms).
-    const request = decodeRequest(name, payload);
+    const request = md.requestDeserialize(payload as Buffer);
     const call = { request } as grpc.ServerUnaryCall<unknown, unknown>;
     // Wall-clock ms of arrival and answer, to line up with an engine's own clock (debug only).
     const tIn = traced ? performance.timeOrigin + performance.now() : 0;
     handler(call, (err, res) => {
       if (traced) {
-        log.debug("local rpc", {
+        log.debug(label.toLowerCase(), {
           method: name,
           call: callId,
           in_epoch_ms: round3(tIn),
@@ -95,8 +114,7 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
         send(encodeFrame(callId, err.code ?? grpc.status.INTERNAL, utf8(err.details ?? "")));
         return;
       }
-      const def = EngineService[name] as unknown as grpc.MethodDefinition<unknown, unknown>;
-      send(encodeFrame(callId, 0, def.responseSerialize(res)));
+      send(encodeFrame(callId, 0, md.responseSerialize(res)));
     });
   };
   const frames = new FrameReader(ctx.maxMessageBytes);
@@ -109,14 +127,14 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
     }
   } catch (e) {
     if (e instanceof FrameError) {
-      log.warn("local RPC connection dropped: bad frame", { path, error: e.message });
+      log.warn(`${label} connection dropped: bad frame`, { path, error: e.message });
       send(encodeFrame(
         0,
         e.tooLong ? grpc.status.RESOURCE_EXHAUSTED : grpc.status.INVALID_ARGUMENT,
         utf8(e.message),
       ));
     } else if (!ctx.closed) {
-      log.debug("local RPC connection ended", { path, error: String(e) });
+      log.debug(`${label} connection ended`, { path, error: String(e) });
     }
   } finally {
     ctx.conns.delete(conn);
@@ -129,14 +147,16 @@ async function serveConnection(conn: Deno.UnixConn, ctx: ConnContext): Promise<v
   }
 }
 
-/** Running local RPC listener; `close` stops accepting and drops every connection. */
+/** Running framed RPC listener; `close` stops accepting and drops every connection. */
 export interface LocalRpcServer {
+  /** The socket path, or host:port of a TCP listener. */
   readonly path: string;
   close(): void;
 }
 
 /**
- * Serves `impl` (the gRPC service implementation) on `listener`.
+ * The engines' local RPC socket: serves `impl` (the Engine service's gRPC
+ * implementation) on `listener`.
  *
  * @example
  * ```ts
@@ -152,11 +172,42 @@ export function serveLocalRpc(
   maxMessageBytes: number,
   log: Logger,
 ): LocalRpcServer {
+  const service = { def: lenientService(), methods: LOCAL_RPC_METHODS, impl, label: "local RPC" };
+  return serveFramed(listener, listener.addr.path ?? "", service, maxMessageBytes, log);
+}
+
+/**
+ * The peers' RPC socket: serves the Peer service's lock and release
+ * (`impl`: `peerServiceImpl`) on a TCP `listener`.
+ *
+ * @example
+ * ```ts
+ * const rpc = servePeerRpc(Deno.listen({ port: 0 }), peerServiceImpl(locks, ep, lender, log), 64 << 20, log);
+ * ```
+ */
+export function servePeerRpc(
+  listener: Deno.TcpListener,
+  impl: grpc.UntypedServiceImplementation,
+  maxMessageBytes: number,
+  log: Logger,
+): LocalRpcServer {
+  const service = { def: lenientPeerService(), methods: PEER_RPC_METHODS, impl, label: "peer RPC" };
+  const { hostname, port } = listener.addr;
+  return serveFramed(listener, `${hostname}:${port}`, service, maxMessageBytes, log);
+}
+
+function serveFramed(
+  listener: Deno.Listener,
+  path: string,
+  service: FramedService,
+  maxMessageBytes: number,
+  log: Logger,
+): LocalRpcServer {
   const ctx: ConnContext = {
-    impl,
+    service,
     maxMessageBytes,
     log,
-    path: listener.addr.path ?? "",
+    path,
     traced: log.enabled("debug"),
     conns: new Set(),
     closed: false,
@@ -164,9 +215,14 @@ export function serveLocalRpc(
 
   (async () => {
     try {
-      for await (const conn of listener) serveConnection(conn, ctx);
+      for await (const conn of listener) {
+        if (conn.remoteAddr.transport === "tcp") (conn as Deno.TcpConn).setNoDelay(true);
+        serveConnection(conn, ctx);
+      }
     } catch (e) {
-      if (!ctx.closed) log.error("local RPC listener failed", { path: ctx.path, error: String(e) });
+      if (!ctx.closed) {
+        log.error(`${service.label} listener failed`, { path: ctx.path, error: String(e) });
+      }
     }
   })();
 

@@ -31,6 +31,7 @@ function standIn(transport = "rdma") {
   const ep: LenderEndpoint = {
     transport,
     addr: () => "10.0.0.1:7400",
+    rpcAddr: () => "10.0.0.1:7401",
     createPeer(): LenderPeer {
       const rec: { n: number; connectedWith?: string; closed: boolean } = {
         n: made.length,
@@ -92,8 +93,9 @@ Deno.test("an RDMA owner keeps one connected peer per requester node; a new hand
     peerInfo: bytes("b-1"),
   });
   assert.deepEqual(
-    { transport: a.transport, info: new TextDecoder().decode(a.peerInfo) },
-    { transport: "rdma", info: "qp-0" },
+    { transport: a.transport, info: new TextDecoder().decode(a.peerInfo), rpc: a.rpcAddr },
+    { transport: "rdma", info: "qp-0", rpc: "10.0.0.1:7401" },
+    "the answer names the owner's side and its peer RPC socket",
   );
   assert.equal(made[0].connectedWith, "b-1", "the owner's side is connected before it answers");
   await handshake(lender, { requester: "node-c", transport: "rdma", peerInfo: bytes("c-1") });
@@ -151,13 +153,13 @@ Deno.test("a handshake with bad info, another transport, no requester or too man
   await lender.close();
 });
 
-Deno.test("a TCP owner answers its listener and keeps no state", async () => {
+Deno.test("a TCP owner answers its listener and its peer RPC socket and keeps no state", async () => {
   const { ep, made } = standIn("tcp");
   const lender = new TransferLender(ep, 1000, log);
   const a = await handshake(lender, { requester: "node-b", transport: "tcp", peerInfo: bytes("") });
   assert.deepEqual(
-    { transport: a.transport, info: new TextDecoder().decode(a.peerInfo) },
-    { transport: "tcp", info: "10.0.0.1:7400" },
+    { transport: a.transport, info: new TextDecoder().decode(a.peerInfo), rpc: a.rpcAddr },
+    { transport: "tcp", info: "10.0.0.1:7400", rpc: "10.0.0.1:7401" },
   );
   assert.equal(made.length, 0);
   assert.equal(lender.size, 0);

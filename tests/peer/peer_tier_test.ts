@@ -23,6 +23,9 @@ import { PeerLockTable } from "../../lib/peer/locks.ts";
 import { PeerLinks } from "../../lib/peer/link.ts";
 import { type PeerIndex, PeerTier } from "../../lib/peer/peer_tier.ts";
 import { peerServiceImpl } from "../../lib/peer/service.ts";
+import { servePeerRpc } from "../../lib/server/local_rpc.ts";
+import { LocalRpcClient, LocalRpcStatus } from "../../lib/client/local_rpc.ts";
+import type { PeerServer } from "../../proto/pegaflow.ts";
 import { TransferLender } from "../../lib/peer/lender.ts";
 import { LocalNode } from "../xfer/_harness.ts";
 
@@ -86,7 +89,35 @@ function payloadOf(host: TierHost, mem: Uint8Array, h: Uint8Array): Uint8Array |
   return out;
 }
 
-async function twoNodes(chunkBytes?: number) {
+/** The owner's Peer handlers, counting the calls each transport brought. */
+function counted(impl: PeerServer, calls: Record<string, number>, via: string): PeerServer {
+  const out = { ...impl };
+  for (const m of ["queryBlocksForTransfer", "releaseTransferLock"] as const) {
+    const h = impl[m] as grpc.handleUnaryCall<unknown, unknown>;
+    (out as Record<string, unknown>)[m] = (call: never, cb: never) => {
+      calls[`${via} ${m}`] = (calls[`${via} ${m}`] ?? 0) + 1;
+      h(call, cb);
+    };
+  }
+  return out;
+}
+
+interface TwoNodesOptions {
+  chunkBytes?: number;
+  /** False: the owner has no peer RPC socket (one that predates it). Default true. */
+  framed?: boolean;
+  /** The peer RPC address the owner's handshake names instead of its own socket's. */
+  rpcAddr?: string;
+  rpcTimeoutMs?: number;
+}
+
+/**
+ * Owner and requester in this process. The owner serves its Peer handlers on
+ * gRPC and — unless `framed` is false — on a peer RPC socket its handshake
+ * names.
+ */
+async function twoNodes(o: TwoNodesOptions = {}) {
+  const { chunkBytes, framed = true, rpcTimeoutMs } = o;
   const owner = node(1), req = node(2);
   const locks = new PeerLockTable({
     host: owner.host,
@@ -96,19 +127,23 @@ async function twoNodes(chunkBytes?: number) {
   });
   const server = new grpc.Server();
   const xferAddr = `127.0.0.1:${owner.n.ep.info().port}`;
+  const rpcListener = framed ? Deno.listen({ hostname: "127.0.0.1", port: 0 }) : undefined;
   const lender = new TransferLender(
     {
       transport: "tcp",
       addr: () => xferAddr,
+      rpcAddr: () => o.rpcAddr ?? (rpcListener ? `127.0.0.1:${rpcListener.addr.port}` : ""),
       createPeer: () => owner.n.ep.createPeer(),
     },
     2000,
     log,
   );
-  server.addService(
-    lenientPeerService(),
-    peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), lender, log),
-  );
+  const impl = peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), lender, log);
+  const calls: Record<string, number> = {};
+  server.addService(lenientPeerService(), counted(impl, calls, "grpc"));
+  const rpc = rpcListener
+    ? servePeerRpc(rpcListener, counted(impl, calls, "framed"), 64 << 20, log)
+    : undefined;
   const port = await new Promise<number>((res, rej) =>
     server.bindAsync(
       "127.0.0.1:0",
@@ -140,6 +175,7 @@ async function twoNodes(chunkBytes?: number) {
     checksum: req.checksum,
     log,
     fetchTimeoutMs: 2000,
+    rpcTimeoutMs,
     chunkBytes,
   });
   return {
@@ -149,11 +185,14 @@ async function twoNodes(chunkBytes?: number) {
     tier,
     links,
     ownerAddr,
+    rpcAddr: rpc?.path ?? "",
+    calls,
     setOwned: (n: number) => (owned = n),
     async close() {
       await tier.close();
       locks.close();
       links.close();
+      rpc?.close();
       server.forceShutdown();
       await req.n.close();
       await owner.n.close();
@@ -184,6 +223,11 @@ Deno.test("blocks fetched from a peer land byte-exact and sealed in RAM, the own
     assert.equal(s.fetchesOk, 1);
     assert.equal(t.locks.stats().held, 0);
     assert.equal(t.locks.stats().released, 1);
+    assert.deepEqual(
+      t.calls,
+      { "framed queryBlocksForTransfer": 1, "framed releaseTransferLock": 1 },
+      "the lock and its release went over the peer RPC socket the handshake named",
+    );
     // No checksum was recorded after the owner's seal here: the lock computed them.
     assert.equal(t.locks.stats().checksumsAtLock, 5);
     assert.equal(t.owner.store.stats().pinnedBlocks, 0);
@@ -196,7 +240,7 @@ Deno.test("blocks fetched from a peer land byte-exact and sealed in RAM, the own
 
 Deno.test("a block whose bytes changed after its checksum was recorded is never served (fetch read in chunks of 2 blocks)", async () => {
   // 96 KiB blocks, 200 KiB chunks: 2 blocks per READ batch, verified batch by batch.
-  const t = await twoNodes(200 * 1024);
+  const t = await twoNodes({ chunkBytes: 200 * 1024 });
   try {
     const hashes = [10, 11, 12, 13].map(hash);
     const payloads = seal(t.owner, hashes);
@@ -297,7 +341,7 @@ Deno.test("a block's checksum is the CRC32C of its payload however the pool cuts
   }
 });
 
-Deno.test("the Peer service refuses malformed lock requests naming the field, and locks nothing", async () => {
+Deno.test("the Peer service refuses malformed lock requests naming the field, over gRPC and the peer RPC socket, and locks nothing", async () => {
   const t = await twoNodes();
   try {
     const ok = {
@@ -315,50 +359,134 @@ Deno.test("the Peer service refuses malformed lock requests naming the field, an
       [{ blockHashes: [hash(1), new Uint8Array(65)] }, /block_hashes\[1\] is 65 bytes/],
       [{ layoutFingerprint: "" }, /layout_fingerprint is empty/],
     ];
-    for (const [bad, why] of cases) {
-      await assert.rejects(
-        t.links.lock(t.ownerAddr, { ...ok, ...bad }, 2000),
-        (e: grpc.ServiceError) => {
-          assert.equal(e.code, grpc.status.INVALID_ARGUMENT);
-          assert.match(e.details, why);
-          return true;
-        },
-      );
-    }
     seal(t.owner, [hash(1)]);
-    const other = await t.links.lock(
-      t.ownerAddr,
-      { ...ok, layoutFingerprint: "0".repeat(32) },
-      2000,
-    );
-    assert.equal(other.missReason, "other-layout");
-    assert.equal(other.lockId.length, 0);
-    assert.equal(t.locks.stats().held, 0);
-    const locked = await t.links.lock(t.ownerAddr, ok, 2000);
-    assert.equal(locked.checksums.length, 1);
-    assert.equal(locked.extentShifts.length, 0, "not asked for shifts: every extent");
-    assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "someone-else", 2000), false);
-    assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "r", 2000), true);
-    assert.equal(await t.links.release(t.ownerAddr, locked.lockId, "r", 2000), false);
-    assert.equal(t.owner.store.stats().pinnedBlocks, 0);
-    // Bytes that are not the request message: INVALID_ARGUMENT naming it, not INTERNAL.
-    for (
-      const [method, message] of [
-        ["QueryBlocksForTransfer", "QueryBlocksForTransferRequest"],
-        ["ReleaseTransferLock", "ReleaseTransferLockRequest"],
-      ]
-    ) {
-      const e = await rawPeerCall(
+    for (const rpcAddr of ["", t.rpcAddr]) {
+      const via = rpcAddr ? "peer RPC" : "gRPC";
+      for (const [bad, why] of cases) {
+        await assert.rejects(
+          t.links.lock(t.ownerAddr, { ...ok, ...bad }, 2000, rpcAddr),
+          (e: { code: number; details: string }) => {
+            assert.equal(e.code, grpc.status.INVALID_ARGUMENT, `${via}: ${e.details}`);
+            assert.match(e.details, why);
+            return true;
+          },
+        );
+      }
+      const other = await t.links.lock(
         t.ownerAddr,
-        method,
-        new Uint8Array([0x0a, 0xff, 0xff, 0xff, 0x0f]),
+        { ...ok, layoutFingerprint: "0".repeat(32) },
+        2000,
+        rpcAddr,
       );
-      assert.equal(e?.code, grpc.status.INVALID_ARGUMENT, `${method}: ${e?.details}`);
-      assert.match(e!.details, new RegExp(message));
+      assert.equal(other.missReason, "other-layout");
+      assert.equal(other.lockId.length, 0);
+      assert.equal(t.locks.stats().held, 0);
+      const locked = await t.links.lock(t.ownerAddr, ok, 2000, rpcAddr);
+      assert.equal(locked.checksums.length, 1);
+      assert.equal(locked.extentShifts.length, 0, "not asked for shifts: every extent");
+      const release = (who: string) =>
+        t.links.release(t.ownerAddr, locked.lockId, who, 2000, rpcAddr);
+      assert.equal(await release("someone-else"), false, via);
+      assert.equal(await release("r"), true, via);
+      assert.equal(await release("r"), false, via);
+      assert.equal(t.owner.store.stats().pinnedBlocks, 0);
+    }
+    assert.equal(t.calls["grpc queryBlocksForTransfer"], 7);
+    assert.equal(t.calls["framed queryBlocksForTransfer"], 7);
+    // Bytes that are not the request message: INVALID_ARGUMENT naming it, not INTERNAL.
+    const framed = new LocalRpcClient(
+      { transport: "tcp", hostname: "127.0.0.1", port: Number(t.rpcAddr.split(":")[1]) },
+      1 << 20,
+      { queryBlocksForTransfer: 1, releaseTransferLock: 2, nothing: 9 },
+    );
+    const garbage = new Uint8Array([0x0a, 0xff, 0xff, 0xff, 0x0f]);
+    try {
+      for (
+        const [method, message] of [
+          ["QueryBlocksForTransfer", "QueryBlocksForTransferRequest"],
+          ["ReleaseTransferLock", "ReleaseTransferLockRequest"],
+        ]
+      ) {
+        const e = await rawPeerCall(t.ownerAddr, method, garbage);
+        assert.equal(e?.code, grpc.status.INVALID_ARGUMENT, `${method}: ${e?.details}`);
+        assert.match(e!.details, new RegExp(message));
+        const name = method[0].toLowerCase() + method.slice(1);
+        await assert.rejects(framed.call(name, garbage, 2000), (f: LocalRpcStatus) => {
+          assert.equal(f.code, grpc.status.INVALID_ARGUMENT, `${method}: ${f.details}`);
+          assert.match(f.details, new RegExp(message));
+          return true;
+        });
+      }
+      // A method id the socket does not serve: UNIMPLEMENTED naming the socket's ids.
+      await assert.rejects(framed.call("nothing", new Uint8Array(0), 2000), (f: LocalRpcStatus) => {
+        assert.equal(f.code, grpc.status.UNIMPLEMENTED);
+        assert.match(f.details, /peer RPC: unknown method id 9 \(known: 1, 2\)/);
+        return true;
+      });
+    } finally {
+      framed.close();
     }
     assert.equal(t.locks.stats().held, 0);
   } finally {
     await t.close();
+  }
+});
+
+Deno.test("an owner without a peer RPC socket is asked for its lock over gRPC", async () => {
+  const t = await twoNodes({ framed: false });
+  try {
+    const hashes = [0, 1, 2].map(hash);
+    const payloads = seal(t.owner, hashes);
+    t.setOwned(3);
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "g");
+    for (let i = 0; i < 3; i++) {
+      assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i], `block ${i}`);
+    }
+    await t.tier.flush();
+    assert.deepEqual(t.calls, {
+      "grpc queryBlocksForTransfer": 1,
+      "grpc releaseTransferLock": 1,
+    });
+    assert.equal(t.locks.stats().held, 0);
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("a peer RPC socket that never answers: the lock ends at its deadline as a miss, nothing planned", async () => {
+  // Accepts and reads, never answers (a wedged owner).
+  const mute = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const held: Deno.Conn[] = [];
+  (async () => {
+    for await (const c of mute) {
+      held.push(c);
+      c.readable.pipeTo(new WritableStream()).catch(() => {});
+    }
+  })();
+  const t = await twoNodes({ rpcAddr: `127.0.0.1:${mute.addr.port}`, rpcTimeoutMs: 300 });
+  try {
+    const hashes = [0, 1].map(hash);
+    seal(t.owner, hashes);
+    t.setOwned(2);
+    const free = t.req.store.stats().freeBytes;
+    const t0 = performance.now();
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "m");
+    const took = performance.now() - t0;
+    assert.ok(took >= 290 && took < 2000, `the fetch ended at the lock's deadline (${took} ms)`);
+    const s = t.tier.stats();
+    assert.equal(s.failures["lock-rpc"], 1);
+    assert.equal(s.blocks, 0);
+    assert.equal(t.req.store.blockState(NS, hashes[0]), "absent");
+    assert.equal(t.req.store.stats().freeBytes, free, "nothing planned here");
+    assert.equal(t.locks.stats().held, 0, "the owner was never asked");
+  } finally {
+    await t.close();
+    mute.close();
+    for (const c of held) {
+      try {
+        c.close();
+      } catch { /* closed */ }
+    }
   }
 });
 

@@ -5,7 +5,7 @@
 import assert from "node:assert/strict";
 import fc from "fast-check";
 import { NativeError } from "../../ffi/mod.ts";
-import { XferBatch, type XferPeer } from "../../ffi/xfer.ts";
+import { tcpBlast, XferBatch, type XferPeer } from "../../ffi/xfer.ts";
 import { LocalNode, type NodeProc, spawnNode, stopProcess } from "./_harness.ts";
 import { checksum, firstMismatch, patternByte, type Seg } from "./_pattern.ts";
 import { crc32c } from "../../lib/ssd/format.ts";
@@ -511,6 +511,20 @@ Deno.test("connecting to a port nobody listens on fails with the reason", async 
     await peer.close();
   } finally {
     await b.close();
+  }
+});
+
+Deno.test("a raw blast into a pool moves each stream's own range of the sender's pool", async () => {
+  const { a, b, peer } = await pair(16 * MiB, 16 * MiB);
+  try {
+    await peer.close();
+    b.mem.fill(0);
+    // 4 streams x 3 MiB: stream i lands in its 4 MiB slice here, from the sender's i * 3 MiB.
+    await tcpBlast(`127.0.0.1:${a.port}`, 4, 3 * MiB, b.pool);
+    const segs: Seg[] = [0, 1, 2, 3].map((i) => [i * 3 * MiB, i * 4 * MiB, 3 * MiB]);
+    assert.equal(firstMismatch(b.mem, segs, SEED_A), -1, "every stream sent distinct memory");
+  } finally {
+    await teardown(a, b);
   }
 });
 
