@@ -37,6 +37,11 @@ export class PeerRpcError extends Error {
     super(`${code} ${grpc.status[code] ?? "UNKNOWN"}: ${details} (peer RPC ${addr})`);
     this.name = "PeerRpcError";
   }
+
+  /** The socket could not be reached or broke (UNAVAILABLE): not an answer from the owner. */
+  get socketGone(): boolean {
+    return this.code === grpc.status.UNAVAILABLE;
+  }
 }
 
 /**
@@ -85,8 +90,14 @@ export class PeerLinks {
     try {
       return await c.call(method, body, timeoutMs);
     } catch (e) {
-      if (e instanceof LocalRpcStatus) throw new PeerRpcError(e.code, e.details, rpcAddr);
-      throw e;
+      if (!(e instanceof LocalRpcStatus)) throw e;
+      const err = new PeerRpcError(e.code, e.details, rpcAddr);
+      if (err.socketGone && this.#framed.get(rpcAddr) === c) {
+        // Its owner moved or died: the handshake names the next address; nothing is kept.
+        this.#framed.delete(rpcAddr);
+        c.close();
+      }
+      throw err;
     }
   }
 

@@ -24,13 +24,11 @@
  *  6. the lock is released in the background once every block is settled
  *     (a lost release only lets it expire on the owner).
  *
- * Memory safety (the original system's #403): the pool space of a fill is
- * freed only after the transport's completion record for the batch was
- * seen. The transport posts that record — on success, failure, timeout or
- * close — only once no thread or NIC can still write into the batch's
- * ranges (docs/transfer.md), so a late response never lands in memory that
- * was freed and handed to another block. The record always arrives: every
- * batch has a deadline, and closing the peer ends what is in flight.
+ * Memory safety (the original system's #403): a fill's pool space is freed
+ * only after the transport's completion record for its batch, posted (on
+ * success, failure, timeout or close) once no thread or NIC can still write
+ * into the batch's ranges (docs/transfer.md): a late response never lands in
+ * memory handed to another block. Every batch has a deadline, so it comes.
  *
  * Every failure is a miss — never bytes: no owner, owner lost the blocks
  * (evicted between lookup and lock), owner died mid-read (the connection
@@ -58,7 +56,7 @@ import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
 import { readLockedPrefix, type ReadOutcome } from "./read.ts";
 import { remoteExtents } from "./extents_wire.ts";
-import type { PeerLinks } from "./link.ts";
+import { type PeerLinks, PeerRpcError } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
 import { type OwnerLink, XferPeers } from "./xfer_peers.ts";
 
@@ -394,6 +392,8 @@ export class PeerTier implements Tier {
     try {
       res = await this.#o.links.lock(owner.addr, ask, this.#rpcTimeout, rpcAddr);
     } catch (e) {
+      // Its socket is gone (a restart, maybe on another port): handshake again next time.
+      if (e instanceof PeerRpcError && e.socketGone) this.#xferPeers.drop(owner.addr, peer);
       return this.#fail("lock-rpc", { owner: owner.nodeId, error: (e as Error).message });
     }
     if (res.lockId.length === 0) {

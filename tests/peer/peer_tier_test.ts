@@ -127,7 +127,7 @@ async function twoNodes(o: TwoNodesOptions = {}) {
   });
   const server = new grpc.Server();
   const xferAddr = `127.0.0.1:${owner.n.ep.info().port}`;
-  const rpcListener = framed ? Deno.listen({ hostname: "127.0.0.1", port: 0 }) : undefined;
+  let rpcListener = framed ? Deno.listen({ hostname: "127.0.0.1", port: 0 }) : undefined;
   const lender = new TransferLender(
     {
       transport: "tcp",
@@ -141,9 +141,9 @@ async function twoNodes(o: TwoNodesOptions = {}) {
   const impl = peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), lender, log);
   const calls: Record<string, number> = {};
   server.addService(lenientPeerService(), counted(impl, calls, "grpc"));
-  const rpc = rpcListener
-    ? servePeerRpc(rpcListener, counted(impl, calls, "framed"), 64 << 20, log)
-    : undefined;
+  const serve = (l: Deno.TcpListener) =>
+    servePeerRpc(l, counted(impl, calls, "framed"), 64 << 20, log);
+  let rpc = rpcListener ? serve(rpcListener) : undefined;
   const port = await new Promise<number>((res, rej) =>
     server.bindAsync(
       "127.0.0.1:0",
@@ -187,6 +187,12 @@ async function twoNodes(o: TwoNodesOptions = {}) {
     ownerAddr,
     rpcAddr: rpc?.path ?? "",
     calls,
+    /** The owner's peer RPC socket closed and opened again on another port. */
+    moveRpc() {
+      rpc?.close();
+      rpcListener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+      rpc = serve(rpcListener);
+    },
     setOwned: (n: number) => (owned = n),
     async close() {
       await tier.close();
@@ -447,6 +453,35 @@ Deno.test("an owner without a peer RPC socket is asked for its lock over gRPC", 
       "grpc queryBlocksForTransfer": 1,
       "grpc releaseTransferLock": 1,
     });
+    assert.equal(t.locks.stats().held, 0);
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("an owner whose peer RPC socket moved: one fetch misses, the next handshakes again and finds it", async () => {
+  const t = await twoNodes();
+  try {
+    const hashes = [0, 1, 2, 3, 4, 5].map(hash);
+    const payloads = seal(t.owner, hashes);
+    t.setOwned(6);
+    const at = (i: number) => ({
+      namespace: NS,
+      hashes: hashes.slice(i, i + 2),
+      layout: blockLayoutIdentity(LAYOUT),
+    });
+    await fetchAll(t.tier, at(0), "before");
+    t.moveRpc(); // the owner restarted its socket on another port
+    await fetchAll(t.tier, at(2), "moved");
+    assert.equal(t.tier.stats().failures["lock-rpc"], 1, "the old address refuses: a miss");
+    assert.equal(t.req.store.blockState(NS, hashes[2]), "absent");
+    await fetchAll(t.tier, at(2), "again");
+    for (const i of [0, 1, 2, 3]) {
+      assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i], `block ${i}`);
+    }
+    await t.tier.flush();
+    assert.equal(t.calls["framed queryBlocksForTransfer"], 2, "both locks over a peer RPC socket");
+    assert.equal(t.calls["grpc queryBlocksForTransfer"], undefined);
     assert.equal(t.locks.stats().held, 0);
   } finally {
     await t.close();
