@@ -23,7 +23,9 @@
  *    with `PEER_BENCH_ENGINE_RPC=grpc` over gRPC (each poll then costs B's
  *    CPU more, which the READ feels where cores are few).
  *
- * Prints a table and writes bench/results/peer_fetch.json. No assertion on time.
+ * Prints a table, writes bench/results/peer_fetch.json and draws
+ * bench/results/peer_fetch.png (bench/peer_chart.py, where Python has
+ * matplotlib). No assertion on time.
  *
  * @module
  */
@@ -231,3 +233,14 @@ await Deno.writeTextFile(
   ) + "\n",
 );
 console.log(`\nwrote ${out}`);
+// The chart (bench/peer_chart.py, matplotlib): where Python has it; else the JSON is the record.
+const python = Deno.env.get("PEGAFLOW_PYTHON") ??
+  (await Deno.stat("/usr/bin/python3").then(() => "/usr/bin/python3", () => "python3"));
+const chart = await new Deno.Command(python, {
+  args: [new URL("./peer_chart.py", import.meta.url).pathname, out.replace(/\.json$/, ".png"), out],
+}).output().catch((e: Error) => ({ success: false, stdout: new Uint8Array(), stderr: e.message }));
+console.log(
+  chart.success
+    ? new TextDecoder().decode(chart.stdout).trim()
+    : `chart skipped (${python} bench/peer_chart.py failed)`,
+);
