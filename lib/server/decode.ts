@@ -113,20 +113,6 @@ function explain(name: string, fns: MessageFns<unknown>, bytes: Uint8Array, err:
   }`;
 }
 
-/**
- * Decodes one request of `method`; never throws.
- *
- * @example
- * ```ts
- * const req = decodeRequest("save", buf);
- * const why = undecodableReason(req); // undefined for a good request
- * ```
- */
-export function decodeRequest(method: Method, bytes: Uint8Array): unknown {
-  const { name, fns } = REQUEST_TYPES[method];
-  return decodeAs(name, fns, bytes);
-}
-
 function decodeAs(name: string, fns: MessageFns<unknown>, bytes: Uint8Array): unknown {
   try {
     return fns.decode(bytes);
