@@ -11,8 +11,8 @@ import { brokenChunkedRequest, peakRssBytes, streamUpload } from "../http/raw_ht
 /**
  * The upload: four thousand times the limit. The server answers after the
  * first 64 KiB; the rest is headroom for a loaded machine, where the answer
- * can take a while to reach the writer (at 64 MiB, the suite on a loaded 2-core machine once sent it
- * all first).
+ * can take a while to reach the writer (at 64 MiB, the suite on a loaded
+ * 2-core machine once sent it all first).
  */
 const UPLOAD_BYTES = 256 * 1024 * 1024;
 /**
