@@ -26,10 +26,13 @@ import {
 } from "../../proto/pegaflow.ts";
 import { LocalRpcClient, LocalRpcStatus } from "../client/local_rpc.ts";
 import { methodIds, PEER_RPC_METHODS } from "../local_rpc/wire.ts";
+import type { Logger } from "../log.ts";
 
 /** Largest lock answer accepted: the owner's default --max-message-size. */
 const MAX_LOCK_ANSWER_BYTES = 64 << 20;
 const PEER_RPC_IDS = methodIds(PEER_RPC_METHODS);
+/** Owners warned about (no peer RPC socket) at most: the log line is once per owner, bounded. */
+const MAX_WARNED_OWNERS = 1024;
 
 /** A framed call that did not answer OK, worded like a grpc-js error ("4 DEADLINE_EXCEEDED: ..."). */
 export class PeerRpcError extends Error {
@@ -58,10 +61,44 @@ export function parseRpcAddr(addr: string): { hostname: string; port: number } |
   return { hostname: host.startsWith("[") && host.endsWith("]") ? host.slice(1, -1) : host, port };
 }
 
-/** Clients of other nodes' `Peer` service: gRPC by owner address, frames by RPC address. */
+/** Lock and release calls made on owners, by the way they went. */
+export interface PeerLinkStats {
+  calls: { rpc: number; grpc: number };
+}
+
+/**
+ * Clients of other nodes' `Peer` service: gRPC by owner address, frames by
+ * RPC address. An owner without a peer RPC socket is logged once (its locks
+ * take the slower way) and counted (`pegaflow_peer_lock_calls_total{via}`).
+ */
 export class PeerLinks {
   readonly #clients = new Map<string, PeerClient>();
   readonly #framed = new Map<string, LocalRpcClient>();
+  readonly #log: Logger | undefined;
+  readonly #calls = { rpc: 0, grpc: 0 };
+  readonly #slowOwners = new Set<string>();
+
+  constructor(log?: Logger) {
+    this.#log = log;
+  }
+
+  stats(): PeerLinkStats {
+    return { calls: { ...this.#calls } };
+  }
+
+  /** Counts a lock or release call, and warns once per owner that has no peer RPC socket. */
+  #via(addr: string, rpcAddr: string): void {
+    if (rpcAddr) {
+      this.#calls.rpc++;
+      return;
+    }
+    this.#calls.grpc++;
+    if (this.#slowOwners.has(addr) || this.#slowOwners.size >= MAX_WARNED_OWNERS) return;
+    this.#slowOwners.add(addr);
+    this.#log?.warn("owner has no peer RPC socket (an older version): its locks go over gRPC", {
+      owner: addr,
+    });
+  }
 
   #client(addr: string): PeerClient {
     let c = this.#clients.get(addr);
@@ -111,6 +148,7 @@ export class PeerLinks {
     timeoutMs: number,
     rpcAddr = "",
   ): Promise<QueryBlocksForTransferResponse> {
+    this.#via(addr, rpcAddr);
     if (rpcAddr) {
       const body = QueryBlocksForTransferRequest.encode(req).finish();
       return QueryBlocksForTransferResponse.decode(
@@ -135,6 +173,7 @@ export class PeerLinks {
     timeoutMs: number,
     rpcAddr = "",
   ): Promise<boolean> {
+    this.#via(addr, rpcAddr);
     if (rpcAddr) {
       const body = ReleaseTransferLockRequest.encode({ lockId, requester }).finish();
       return ReleaseTransferLockResponse.decode(

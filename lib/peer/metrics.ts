@@ -12,6 +12,7 @@
 import { Counter, Gauge, Histogram, type Registry } from "prom-client";
 import type { PeerLockStats } from "./locks.ts";
 import type { PeerTierStats } from "./peer_tier.ts";
+import type { PeerLinkStats } from "./link.ts";
 
 /**
  * Registers the peer metrics; returns the fetch-duration observer for the
@@ -24,6 +25,7 @@ export function registerPeerMetrics(
   registry: Registry,
   tier: () => PeerTierStats | undefined,
   locks: () => PeerLockStats | undefined,
+  links?: () => PeerLinkStats,
 ): (seconds: number) => void {
   const last = new Map<string, number>();
   const advance = (c: Counter<string>, key: string, labels: Record<string, string>, v: number) => {
@@ -85,6 +87,15 @@ export function registerPeerMetrics(
       const s = tier();
       return s && [[{}, s.readSeconds]];
     },
+  );
+  counter(
+    "pegaflow_peer_lock_calls_total",
+    "lock and release calls this node made on owners, by the way: rpc (the owner's peer RPC socket) or grpc (an owner without one)",
+    () => {
+      const c = links?.().calls;
+      return c && [[{ via: "rpc" }, c.rpc], [{ via: "grpc" }, c.grpc]];
+    },
+    ["via"],
   );
   counter(
     "pegaflow_peer_checksums_total",

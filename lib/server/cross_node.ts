@@ -64,6 +64,9 @@ export interface CrossNode {
  * A flat wiring list (endpoint → locks → tier → the object the server
  * drives), each step reading what the one before it opened.
  *
+ * long function: that list, in the order things open; the steps with more
+ * than a constructor call are functions below.
+ *
  * @example
  * ```ts
  * const cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
@@ -88,7 +91,7 @@ export function openCrossNode(
   // The gRPC address once bound (peers are told the advertised one; this is its default).
   let boundGrpcAddr = cfg.addr;
   const checksum: ChecksumFn = (blocks) => poolChecksums(native.copyEngine.pool.handle, blocks);
-  const peerLinks = new PeerLinks();
+  const peerLinks = new PeerLinks(plog);
   const peerLocks = transfer
     ? new PeerLockTable({
       host: tierHost,
@@ -104,7 +107,12 @@ export function openCrossNode(
     : undefined;
   let peerTier: PeerTier | undefined;
   const observeFetch = transfer
-    ? registerPeerMetrics(metrics.registry, () => peerTier?.stats(), () => peerLocks?.stats())
+    ? registerPeerMetrics(
+      metrics.registry,
+      () => peerTier?.stats(),
+      () => peerLocks?.stats(),
+      () => peerLinks.stats(),
+    )
     : undefined;
   if (transfer && cfg.peer.fetch) {
     peerTier = new PeerTier({

@@ -63,6 +63,9 @@ Deno.test("a prefix saved on node A is loaded by an engine on node B, every byte
       async () => await metric(a, "pegaflow_peer_locks_total", '{event="released"}') === 1,
     );
     assert.equal(await metric(a, "pegaflow_peer_locks_held"), 0);
+    // The lock and its release went over A's peer RPC socket, not gRPC.
+    assert.equal(await metric(b, "pegaflow_peer_lock_calls_total", '{via="rpc"}'), 2);
+    assert.equal(await metric(b, "pegaflow_peer_lock_calls_total", '{via="grpc"}'), 0);
     assert.equal(await metric(a, "pegaflow_pinned_blocks"), 0);
     assert.equal(await metric(a, "pegaflow_peer_checksums_total", '{when="lock"}'), 0);
     console.log(`peer fetch over ${c.mode}${c.why ? ` (${c.why})` : ""}`);

@@ -165,7 +165,8 @@ async function twoNodes(o: TwoNodesOptions = {}) {
       }),
     stats: () => ({ up: true }),
   };
-  const links = new PeerLinks();
+  const linkLog: string[] = [];
+  const links = new PeerLinks(new Logger("warn", {}, (l) => void linkLog.push(l)));
   const tier = new PeerTier({
     host: req.host,
     index: () => index,
@@ -187,6 +188,7 @@ async function twoNodes(o: TwoNodesOptions = {}) {
     ownerAddr,
     rpcAddr: rpc?.path ?? "",
     calls,
+    linkLog,
     /** The owner's peer RPC socket closed and opened again on another port. */
     moveRpc() {
       rpc?.close();
@@ -234,6 +236,8 @@ Deno.test("blocks fetched from a peer land byte-exact and sealed in RAM, the own
       { "framed queryBlocksForTransfer": 1, "framed releaseTransferLock": 1 },
       "the lock and its release went over the peer RPC socket the handshake named",
     );
+    assert.deepEqual(t.links.stats().calls, { rpc: 2, grpc: 0 });
+    assert.deepEqual(t.linkLog, [], "nothing to warn about");
     // No checksum was recorded after the owner's seal here: the lock computed them.
     assert.equal(t.locks.stats().checksumsAtLock, 5);
     assert.equal(t.owner.store.stats().pinnedBlocks, 0);
@@ -453,6 +457,18 @@ Deno.test("an owner without a peer RPC socket is asked for its lock over gRPC", 
       "grpc queryBlocksForTransfer": 1,
       "grpc releaseTransferLock": 1,
     });
+    assert.deepEqual(t.links.stats().calls, { rpc: 0, grpc: 2 }, "counted for the metric");
+    // One warning per owner, however many of its locks take the slow way.
+    await fetchAll(t.tier, {
+      namespace: NS,
+      hashes: [hash(7)],
+      layout: blockLayoutIdentity(LAYOUT),
+    }, "x");
+    const warned = t.linkLog.map((l) => JSON.parse(l)).filter((o) =>
+      /no peer RPC socket/.test(o.msg)
+    );
+    assert.equal(warned.length, 1, t.linkLog.join("\n"));
+    assert.equal(warned[0].owner, t.ownerAddr);
     assert.equal(t.locks.stats().held, 0);
   } finally {
     await t.close();
