@@ -99,6 +99,21 @@ export class LocalRpcClient {
     return this.#conn;
   }
 
+  /** The connection, or DEADLINE_EXCEEDED after `ms` (the dial goes on; a later call may use it). */
+  #dialWithin(ms: number): Promise<Deno.Conn> {
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<never>((_, reject) => {
+      timer = setTimeout(
+        () =>
+          reject(
+            new LocalRpcStatus(DEADLINE_EXCEEDED, `no connection to ${this.path} within ${ms} ms`),
+          ),
+        ms,
+      );
+    });
+    return Promise.race([this.#dial(), late]).finally(() => clearTimeout(timer));
+  }
+
   async #readLoop(conn: Deno.Conn): Promise<void> {
     const frames = new FrameReader(this.maxMessageBytes);
     let why = "the server closed the connection";
@@ -148,10 +163,13 @@ export class LocalRpcClient {
     if (id === undefined) {
       throw new LocalRpcStatus(UNIMPLEMENTED, `RPC socket ${this.path} has no method ${method}`);
     }
+    const deadline = performance.now() + deadlineMs;
     let conn: Deno.Conn;
     try {
-      conn = await this.#dial();
+      // A TCP connect to a host that drops SYNs waits for minutes: the deadline covers it.
+      conn = await this.#dialWithin(deadlineMs);
     } catch (e) {
+      if (e instanceof LocalRpcStatus) throw e;
       if (e instanceof Deno.errors.NotFound && this.#target.transport === "unix") {
         // A server without the socket (or restarting): the caller uses gRPC for a while.
         this.#absentUntil = performance.now() + ABSENT_RETRY_MS;
@@ -168,7 +186,7 @@ export class LocalRpcClient {
       const timer = setTimeout(() => {
         this.#pending.delete(callId);
         reject(new LocalRpcStatus(DEADLINE_EXCEEDED, `no answer within ${deadlineMs} ms`));
-      }, deadlineMs);
+      }, Math.max(0, deadline - performance.now()));
       this.#pending.set(callId, { resolve, reject, timer });
     });
     const frame = encodeFrame(callId, id, payload);

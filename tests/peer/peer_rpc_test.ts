@@ -1,11 +1,12 @@
 /**
  * The peer RPC socket's edges (the fetches through it are in
  * peer_tier_test.ts and the multi-process tests): its flag, a start refused
- * when its port is taken, and the addresses a handshake may hand over.
+ * when its port is taken, the addresses a handshake may hand over, and a
+ * connect that never completes.
  */
 import assert from "node:assert/strict";
 import { parseServeArgs } from "../../lib/server/config.ts";
-import { parseRpcAddr } from "../../lib/peer/link.ts";
+import { parseRpcAddr, PeerLinks, PeerRpcError } from "../../lib/peer/link.ts";
 import { runServerToEnd } from "../server/harness.ts";
 
 Deno.test("--peer-rpc-port parses, defaults to any free port, and is refused out of range naming the flag", () => {
@@ -59,5 +60,56 @@ Deno.test("a peer RPC address from another node is read as host:port, or refused
   assert.deepEqual(parseRpcAddr("[fd00::7]:50057"), { hostname: "fd00::7", port: 50057 });
   for (const bad of ["10.0.0.7", ":50057", "10.0.0.7:0", "10.0.0.7:65536", "h:12x"]) {
     assert.equal(parseRpcAddr(bad), `peer RPC address "${bad}" is not host:port`, bad);
+  }
+});
+
+Deno.test("a lock whose connect never completes (the owner drops SYNs) ends at its deadline", async () => {
+  // A listener with a backlog of 0 and one connection it never accepts: the
+  // kernel drops further SYNs, so a connect waits (for minutes, left alone).
+  const py = new Deno.Command("/usr/bin/python3", {
+    args: [
+      "-c",
+      "import socket, sys\n" +
+      "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(0)\n" +
+      "print(s.getsockname()[1], flush=True); sys.stdin.read()",
+    ],
+    stdin: "piped",
+    stdout: "piped",
+  }).spawn();
+  const reader = py.stdout.getReader();
+  const port = Number(new TextDecoder().decode((await reader.read()).value).trim());
+  const filler = await Deno.connect({ hostname: "127.0.0.1", port });
+  const links = new PeerLinks();
+  try {
+    const t0 = performance.now();
+    await assert.rejects(
+      links.lock(
+        "127.0.0.1:1",
+        {
+          namespace: "ns",
+          blockHashes: [new Uint8Array([1])],
+          layoutFingerprint: "f",
+          requester: "r",
+          lockTtlMs: 0,
+          shiftedExtents: true,
+        },
+        300,
+        `127.0.0.1:${port}`,
+      ),
+      (e: PeerRpcError) => {
+        assert.equal(e.code, 4, e.message); // DEADLINE_EXCEEDED
+        assert.match(e.message, /no connection to 127\.0\.0\.1:\d+ within 300 ms/);
+        return true;
+      },
+    );
+    const took = performance.now() - t0;
+    assert.ok(took >= 290 && took < 1500, `the call ended at its deadline (${took} ms)`);
+  } finally {
+    links.close();
+    filler.close();
+    reader.releaseLock();
+    await py.stdin.close();
+    await py.status;
+    await py.stdout.cancel();
   }
 });
