@@ -101,6 +101,7 @@ interface Run {
 const PHASES = [
   "lookup_ms",
   "lock_ms",
+  "lock_rest_ms",
   "connect_ms",
   "plan_ms",
   "read_ms",

@@ -1,38 +1,23 @@
 /**
  * The peer tier behind the {@link Tier} port: blocks another node holds,
  * found through the block index on Redis and read one-sided over the
- * transfer layer into this node's pool (docs/peer.md).
+ * transfer layer into this node's pool (docs/peer.md, "How a fetch goes").
  *
- * A fetch (one per request id; a request whose first missing block is being
- * fetched for another request joins that fetch):
- *  1. longest-prefix lookup in the index (one round trip, its own deadline);
- *  2. `QueryBlocksForTransfer` on the owner with the longest run, over its
- *     peer RPC socket (link.ts): it pins the prefix it still holds under a
- *     transfer lock and answers each block's pool ranges and CRC32C;
- *  3. pool space for each block here (`TierHost.fill`, whole blocks, the
- *     "reclaimable" class: evicted before blocks saved here);
- *  4. the prefix is read in chunks of {@link PIPELINE_CHUNK_BYTES}: ONE
- *     transfer batch per chunk (owner ranges paired with ours in payload
- *     order, a deadline each), planned and submitted while the earlier
- *     chunks are on the wire;
- *  5. each block is one checksum group of its chunk's batch: the transport
- *     computes its CRC32C on the receiving thread as the bytes land (no
- *     second pass over memory) and hands them back with the completion;
- *     a block whose CRC32C matches the owner's is committed (sealed: the
- *     next poll is a RAM hit) and its checksum recorded, one that does not
- *     is freed and counted;
- *  6. the lock is released in the background once every block is settled
- *     (a lost release only lets it expire on the owner).
+ * A fetch (one per request id; a request starting at the first missing block
+ * of a running fetch joins it): 1. longest-prefix lookup in the index; 2. a
+ * transfer lock on the owner with the longest run (lock_call.ts, over its
+ * peer RPC socket): its first chunk's blocks alone when the prefix is longer
+ * than two chunks, the rest while that chunk reads; 3. each locked part read
+ * in chunks of {@link PIPELINE_CHUNK_BYTES} into pool space here, the
+ * "reclaimable" class (read.ts: one batch per chunk, planned while earlier
+ * chunks are on the wire, each block's CRC32C computed as it lands and
+ * checked against the owner's before the block is committed); 4. the locks
+ * released in the background (a lost release lets them expire).
  *
  * Memory safety (the original system's #403): a fill's pool space is freed
- * only after the transport's completion record for its batch, posted (on
- * success, failure, timeout or close) once no thread or NIC can still write
- * into the batch's ranges (docs/transfer.md): a late response never lands in
- * memory handed to another block. Every batch has a deadline, so it comes.
- *
- * Every failure is a miss — never bytes: no owner, owner lost the blocks
- * (evicted between lookup and lock), owner died mid-read (the connection
- * reports it), deadline, checksum mismatch. Each is counted by reason.
+ * only after its batch's completion record, which the transport posts once
+ * nothing can write into the batch's ranges (docs/transfer.md). Every
+ * failure is a miss — never bytes — counted by reason.
  *
  * @module
  */
@@ -50,13 +35,12 @@ import type {
 import { hashHex } from "../storage/keys.ts";
 import type { StageMetrics } from "../pipeline/stage.ts";
 import type { LookupResult } from "../index/block_index.ts";
-import type { XferEndpoint } from "../../ffi/xfer.ts";
-import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
+import type { XferEndpoint, XferPeer } from "../../ffi/xfer.ts";
 import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
-import { readLockedPrefix, type ReadOutcome } from "./read.ts";
-import { remoteExtents } from "./extents_wire.ts";
-import { type PeerLinks, PeerRpcError } from "./link.ts";
+import { mergeReads, readLockedPrefix, type ReadOutcome } from "./read.ts";
+import { type LockedPart, lockPart } from "./lock_call.ts";
+import type { PeerLinks } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
 import { type OwnerLink, XferPeers } from "./xfer_peers.ts";
 
@@ -68,11 +52,7 @@ export const DEFAULT_PEER_FETCH_TIMEOUT_MS = 5_000;
 export const DEFAULT_PEER_RPC_TIMEOUT_MS = 2_000;
 /** Finished fetches nobody polled are forgotten after this long (their blocks stay cached). */
 const FORGET_AFTER_MS = 60_000;
-/**
- * Bytes per READ batch of a fetch: big enough that each batch still stripes
- * over every stream at full rate, small enough that committing one chunk's
- * blocks overlaps the next chunks' reads.
- */
+/** Bytes per READ batch: each still stripes over every stream; commits overlap later reads. */
 export const PIPELINE_CHUNK_BYTES = 32 << 20;
 /**
  * Most blocks one fetch locks and reads (2 GiB of Llama-3.1-8B blocks): it
@@ -81,6 +61,8 @@ export const PIPELINE_CHUNK_BYTES = 32 << 20;
  * A longer prefix is fetched up to here; the engine loads that part.
  */
 const MAX_FETCH_BLOCKS = 1024;
+/** An owner as the index names it. */
+type Owner = LookupResult["owners"][number];
 /** A lookup result answers `has` for this long. */
 const LOOKUP_MEMO_MS = 1_000;
 
@@ -139,6 +121,11 @@ export interface PeerTierOptions {
   /** Bytes per READ batch of a fetch (pipelined). Default {@link PIPELINE_CHUNK_BYTES}. */
   chunkBytes?: number;
   /**
+   * Lock the first chunk's blocks alone and READ them while the rest is
+   * locked (a prefix of more than two chunks). Default true.
+   */
+  splitLock?: boolean;
+  /**
    * Lock TTL asked of owners; default: the READ deadline plus one RPC
    * deadline (the lock answer's transit before the READ starts).
    */
@@ -176,6 +163,7 @@ export class PeerTier implements Tier {
   readonly #fetchTimeout: number;
   readonly #rpcTimeout: number;
   readonly #lockTtl: number;
+  readonly #chunkBytes: number;
   readonly #requests = new Map<string, Fetch>();
   /** Running fetches by namespace + first hash: a request starting there joins. */
   readonly #running = new Map<string, Fetch>();
@@ -211,6 +199,7 @@ export class PeerTier implements Tier {
     this.#fetchTimeout = opts.fetchTimeoutMs ?? DEFAULT_PEER_FETCH_TIMEOUT_MS;
     this.#rpcTimeout = opts.rpcTimeoutMs ?? DEFAULT_PEER_RPC_TIMEOUT_MS;
     this.#lockTtl = opts.lockTtlMs ?? this.#fetchTimeout + this.#rpcTimeout;
+    this.#chunkBytes = opts.chunkBytes ?? PIPELINE_CHUNK_BYTES;
     this.#checksums = new SealChecksums(
       opts.host,
       opts.checksum,
@@ -360,8 +349,9 @@ export class PeerTier implements Tier {
 
   /**
    * Steps 1–2: the longest owner from the index, a transfer peer to it (the
-   * handshake, once per owner, names its peer RPC socket), its lock, the
-   * answer checked. Undefined (failure counted, lock released) on a failure.
+   * handshake, once per owner, names its peer RPC socket), the lock of the
+   * prefix's first part (its first chunk when the lock is split, else all of
+   * it). Undefined (the failure counted) on a failure.
    */
   async #lockFromOwner(index: PeerIndex, blocks: TierBlocks) {
     const { namespace, hashes, layout } = blocks;
@@ -377,50 +367,56 @@ export class PeerTier implements Tier {
     } catch (e) {
       return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
     }
-    const { peer, rpcAddr } = link;
     const tConnect = performance.now();
     const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
-    const ask = {
-      namespace,
-      blockHashes: want,
-      layoutFingerprint: layout.fingerprint,
-      requester: index.nodeId,
-      lockTtlMs: this.#lockTtl,
-      shiftedExtents: true,
+    const expect = {
+      payloadBytes: this.#o.host.payloadBytes(namespace),
+      transport: this.#o.transport,
     };
-    let res: QueryBlocksForTransferResponse;
-    try {
-      res = await this.#o.links.lock(owner.addr, ask, this.#rpcTimeout, rpcAddr);
-    } catch (e) {
+    const target = { addr: owner.addr, rpcAddr: link.rpcAddr, nodeId: owner.nodeId };
+    const lock = async (part: Uint8Array[]) => {
+      const ask = {
+        namespace,
+        blockHashes: part,
+        layoutFingerprint: layout.fingerprint,
+        requester: index.nodeId,
+        lockTtlMs: this.#lockTtl,
+        shiftedExtents: true,
+      };
+      const l = await lockPart(this.#o.links, target, ask, expect, this.#rpcTimeout, this.#o.log);
+      if ("res" in l) return { ...l, hashes: part.slice(0, l.res.checksums.length) };
       // Its socket is gone (a restart, maybe on another port): handshake again next time.
-      if (e instanceof PeerRpcError && e.socketGone) this.#xferPeers.drop(owner.addr, peer);
-      return this.#fail("lock-rpc", { owner: owner.nodeId, error: (e as Error).message });
-    }
-    if (res.lockId.length === 0) {
-      return this.#fail("owner-miss", { owner: owner.nodeId, reason: res.missReason });
-    }
+      if (l.socketGone) this.#xferPeers.drop(owner.addr, link.peer);
+      this.#fail(l.why, l.fields);
+    };
+    const per = Math.max(1, Math.floor(this.#chunkBytes / (expect.payloadBytes ?? 1)));
+    const head = this.#o.splitLock !== false && want.length > 2 * per ? per : want.length;
+    const first = await lock(want.slice(0, head));
+    if (!first) return;
     const tLock = performance.now();
-    const release = () =>
-      this.#o.links.release(owner.addr, res.lockId, index.nodeId, this.#rpcTimeout, rpcAddr)
-        .catch((e: Error) =>
-          this.#o.log.debug("peer lock release failed; it expires on the owner", {
-            owner: owner.nodeId,
-            error: e.message,
-          })
-        );
-    const local = this.#o.host.payloadBytes(namespace);
-    const remote = remoteExtents(res);
-    const mine = this.#o.transport;
-    if (typeof remote === "string" || res.payloadBytes !== local || res.transport !== mine) {
-      await release();
-      const why = typeof remote === "string"
-        ? remote
-        : res.payloadBytes !== local
-        ? `block payload ${res.payloadBytes} bytes, ${local} here`
-        : `owner transport ${res.transport}, this node ${mine}`;
-      return this.#fail("bad-answer", { owner: owner.nodeId, error: why });
-    }
-    return { owner, want, res, remote, release, peer, tLookup, tConnect, tLock };
+    // The rest only where the first part is whole (a shorter answer: the held prefix ends there).
+    const rest = first.hashes.length === head && head < want.length
+      ? () => lock(want.slice(head))
+      : undefined;
+    return { owner, peer: link.peer, first, rest, tLookup, tConnect, tLock };
+  }
+
+  /** Reads one locked part into pool space here (read.ts). */
+  #read(part: LockedPart & { hashes: Uint8Array[] }, ns: string, owner: Owner, peer: XferPeer) {
+    return readLockedPrefix(this.#o.host, peer, {
+      namespace: ns,
+      owner: owner.nodeId,
+      hashes: part.hashes,
+      remote: part.remote,
+      payloadBytes: part.res.payloadBytes,
+      checksums: part.res.checksums,
+    }, {
+      filler: PEER_TIER_NAME,
+      chunkBytes: this.#chunkBytes,
+      deadlineMs: this.#fetchTimeout,
+      log: this.#o.log,
+      dropPeer: () => this.#xferPeers.drop(owner.addr, peer),
+    });
   }
 
   async #fetchOnce(index: PeerIndex, blocks: TierBlocks): Promise<void> {
@@ -428,32 +424,33 @@ export class PeerTier implements Tier {
     const t0 = performance.now();
     const locked = await this.#lockFromOwner(index, blocks);
     if (!locked) return;
-    const { owner, want, res, remote, release, peer, tLookup, tConnect, tLock } = locked;
+    const { owner, peer, first, rest, tLookup, tConnect, tLock } = locked;
     if (this.#o.beforeRead) await this.#o.beforeRead();
-
+    // Part 1 reads while part 2 (if any) is locked; its chunks queue behind part 1's on the wire.
+    const releases = [first.release];
+    const reads = [this.#read(first, namespace, owner, peer)];
+    let tLock2 = 0;
+    if (rest) {
+      const second = await rest();
+      tLock2 = performance.now();
+      if (second) {
+        releases.push(second.release);
+        reads.push(this.#read(second, namespace, owner, peer));
+      }
+    }
+    const releaseAll = () => Promise.all(releases.map((r) => r()));
     let read: ReadOutcome;
     try {
-      read = await readLockedPrefix(this.#o.host, peer, {
-        namespace,
-        owner: owner.nodeId,
-        hashes: want,
-        remote,
-        payloadBytes: res.payloadBytes,
-        checksums: res.checksums,
-      }, {
-        filler: PEER_TIER_NAME,
-        chunkBytes: this.#o.chunkBytes ?? PIPELINE_CHUNK_BYTES,
-        deadlineMs: this.#fetchTimeout,
-        log: this.#o.log,
-        dropPeer: () => this.#xferPeers.drop(owner.addr, peer),
-      });
+      read = mergeReads(await Promise.all(reads));
     } catch (e) {
-      await release(); // every chunk's space was settled before the throw
+      // Every chunk's space was settled before a part threw; the other part's too once it ended.
+      await Promise.allSettled(reads);
+      await releaseAll();
       throw e;
     }
     this.#stats.readBytes += read.readBytes;
     if (read.chunks === 0) {
-      await release();
+      await releaseAll();
       return read.refused !== undefined
         ? this.#fail("transfer", { owner: owner.nodeId, error: read.refused })
         : this.#fail("no-pool-space", { owner: owner.nodeId });
@@ -462,7 +459,7 @@ export class PeerTier implements Tier {
     const tVerify = performance.now();
     this.#stats.readSeconds += readEnd / 1e3;
     // The blocks are committed: the answer need not wait for the release's round trip.
-    this.#track(release());
+    this.#track(releaseAll());
     if (good.length > 0) {
       this.#o.host.recordChecksums(namespace, good, goodCrcs);
       this.#o.host.committed(namespace, good); // advertised once per fetch
@@ -477,7 +474,7 @@ export class PeerTier implements Tier {
     if (bad > 0) this.#stats.failures.checksum += bad;
     if (good.length > 0) this.#stats.fetchesOk++;
     this.#stats.blocks += good.length;
-    this.#stats.bytes += good.length * res.payloadBytes;
+    this.#stats.bytes += good.length * first.res.payloadBytes;
     const ms = (a: number, b: number) => Math.round((b - a) * 100) / 100;
     this.#o.log.info("peer fetch done", {
       owner: owner.nodeId,
@@ -486,10 +483,11 @@ export class PeerTier implements Tier {
       planned,
       bad,
       chunks: read.chunks,
-      bytes: good.length * res.payloadBytes,
+      bytes: good.length * first.res.payloadBytes,
       lookup_ms: ms(t0, tLookup),
       connect_ms: ms(tLookup, tConnect),
       lock_ms: ms(tConnect, tLock),
+      lock_rest_ms: tLock2 ? ms(tLock, tLock2) : 0,
       plan_ms: ms(tSubmit, tPlanned),
       read_ms: Math.round(readEnd * 100) / 100,
       verify_tail_ms: ms(tSubmit + readEnd, tVerify),

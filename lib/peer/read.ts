@@ -117,6 +117,11 @@ export async function readLockedPrefix(
   o: ReadOptions,
 ): Promise<ReadOutcome> {
   const tSubmit = performance.now();
+  const held = p.remote.starts.length - 1;
+  if (p.hashes.length !== held || p.checksums.length !== held) {
+    const refused = `${p.hashes.length} blocks to read, the lock answer covers ${held}`;
+    return { ...NONE, planned: 0, refused, tSubmit, tPlanned: tSubmit };
+  }
   const { chunks, planned, refused } = submitChunks(host, peer, p, o);
   const tPlanned = performance.now();
   if (chunks.length === 0) {
@@ -124,6 +129,39 @@ export async function readLockedPrefix(
   }
   const settled = await settleChunks(chunks, p, o.log, tSubmit);
   return { chunks: chunks.length, planned, refused, tSubmit, tPlanned, ...settled };
+}
+
+/**
+ * The outcome of a prefix read in parts (one per lock, in prefix order) as
+ * one: blocks in order, counts summed, the first failure, the READ's time
+ * from the first submit to the last batch's end.
+ */
+export function mergeReads(parts: ReadOutcome[]): ReadOutcome {
+  if (parts.length === 1) return parts[0];
+  const tSubmit = Math.min(...parts.map((p) => p.tSubmit));
+  const out: ReadOutcome = {
+    chunks: 0,
+    planned: 0,
+    good: [],
+    goodCrcs: [],
+    bad: 0,
+    readBytes: 0,
+    readEnd: 0,
+    tSubmit,
+    tPlanned: Math.max(...parts.map((p) => p.tPlanned)),
+  };
+  for (const p of parts) {
+    out.chunks += p.chunks;
+    out.planned += p.planned;
+    out.good.push(...p.good);
+    out.goodCrcs.push(...p.goodCrcs);
+    out.bad += p.bad;
+    out.readBytes += p.readBytes;
+    out.failed ??= p.failed;
+    out.refused ??= p.refused;
+    if (p.chunks > 0) out.readEnd = Math.max(out.readEnd, p.tSubmit - tSubmit + p.readEnd);
+  }
+  return out;
 }
 
 /**
@@ -164,8 +202,8 @@ function submitChunks(
     if (!fill) break;
     const n = fill.count;
     planned += n;
-    const batch = readBatch(p, fill, from, o.deadlineMs);
     try {
+      const batch = readBatch(p, fill, from, o.deadlineMs);
       chunks.push({ fill, from, done: peer.submit(batch), submittedAt: performance.now() });
     } catch (e) {
       // Refused before anything moved: this space was never written. A broken

@@ -109,6 +109,7 @@ interface TwoNodesOptions {
   /** The peer RPC address the owner's handshake names instead of its own socket's. */
   rpcAddr?: string;
   rpcTimeoutMs?: number;
+  splitLock?: boolean;
 }
 
 /**
@@ -117,7 +118,7 @@ interface TwoNodesOptions {
  * names.
  */
 async function twoNodes(o: TwoNodesOptions = {}) {
-  const { chunkBytes, framed = true, rpcTimeoutMs } = o;
+  const { chunkBytes, framed = true, rpcTimeoutMs, splitLock } = o;
   const owner = node(1), req = node(2);
   const locks = new PeerLockTable({
     host: owner.host,
@@ -178,6 +179,7 @@ async function twoNodes(o: TwoNodesOptions = {}) {
     fetchTimeoutMs: 2000,
     rpcTimeoutMs,
     chunkBytes,
+    splitLock,
   });
   return {
     owner,
@@ -607,3 +609,49 @@ function rawPeerCall(
     })
   );
 }
+
+Deno.test("a prefix over two chunks is locked in two parts — the first chunk alone, the rest while it reads — however much the owner still holds", async () => {
+  // 96 KiB blocks, 200 KiB chunks: 2 blocks a chunk, so 8 blocks split as [0, 1] + [2..7].
+  const hashes = [0, 1, 2, 3, 4, 5, 6, 7].map(hash);
+  const cases: { held: number; split?: boolean; locks: number; lands: number }[] = [
+    { held: 8, locks: 2, lands: 8 }, // both parts whole
+    { held: 3, locks: 2, lands: 3 }, // the second part answers 1 of 6 (evicted since the lookup)
+    { held: 1, locks: 1, lands: 1 }, // the first part is short: the prefix ends there, no second lock
+    { held: 8, split: false, locks: 1, lands: 8 }, // --splitLock off: one lock
+  ];
+  for (const c of cases) {
+    const t = await twoNodes({ chunkBytes: 200 * 1024, splitLock: c.split });
+    try {
+      const payloads = seal(t.owner, hashes.slice(0, c.held));
+      t.setOwned(8); // the index still names all 8
+      const free = t.req.store.stats().freeBytes;
+      const blocks = { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) };
+      await fetchAll(t.tier, blocks, `r${c.held}`);
+      await t.tier.flush();
+      const what = JSON.stringify(c);
+      for (let i = 0; i < 8; i++) {
+        if (i < c.lands) {
+          assert.deepEqual(
+            payloadOf(t.req.host, t.req.n.mem, hashes[i]),
+            payloads[i],
+            `${what} block ${i}`,
+          );
+        } else assert.equal(t.req.store.blockState(NS, hashes[i]), "absent", `${what} block ${i}`);
+      }
+      assert.equal(t.locks.stats().granted, c.locks, what);
+      assert.equal(t.locks.stats().released, c.locks, `${what}: every lock released`);
+      assert.equal(t.locks.stats().held, 0, what);
+      assert.equal(t.owner.store.stats().pinnedBlocks, 0, what);
+      assert.equal(t.tier.stats().blocks, c.lands, what);
+      // Nothing planned for blocks the owner did not lock stays behind.
+      assert.equal(
+        free - t.req.store.stats().freeBytes,
+        c.lands * 96 * 1024,
+        `${what}: no space leaked`,
+      );
+      t.req.store.verify();
+    } finally {
+      await t.close();
+    }
+  }
+});

@@ -1,0 +1,94 @@
+/**
+ * One transfer lock on an owner, as the requester makes it (peer_tier.ts):
+ * asked over the owner's peer RPC socket (or gRPC, link.ts), its answer
+ * checked against this node (block payload, transport, extents), and the
+ * release that ends it. A fetch takes one or two of them: the first chunk's
+ * blocks alone, then the rest while that chunk reads (docs/peer.md).
+ *
+ * @module
+ */
+
+import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
+import type { BlockRanges } from "../transfer/ranges.ts";
+import type { Logger } from "../log.ts";
+import { remoteExtents } from "./extents_wire.ts";
+import { type PeerLinks, PeerRpcError } from "./link.ts";
+
+/** Whom a lock is asked of: the owner's gRPC address, its peer RPC socket, its node id (logs). */
+export interface LockTarget {
+  addr: string;
+  rpcAddr: string;
+  nodeId: string;
+}
+
+/** What this node expects of every answer. */
+export interface LockExpect {
+  /** This node's bytes per block of the namespace. */
+  payloadBytes: number | undefined;
+  /** This node's transport. */
+  transport: string;
+}
+
+/** A granted, checked lock. */
+export interface LockedPart {
+  res: QueryBlocksForTransferResponse;
+  /** The locked blocks' pool ranges on the owner. */
+  remote: BlockRanges;
+  /** Ends the lock on the owner; never rejects (a lost release lets it expire there). */
+  release: () => Promise<unknown>;
+}
+
+/** Why a lock brought nothing (peer_tier.ts counts it). */
+export type LockFailure = {
+  why: "lock-rpc" | "owner-miss" | "bad-answer";
+  fields: Record<string, string>;
+  /** The owner's peer RPC socket is gone: its link must be dropped (the next fetch handshakes again). */
+  socketGone?: boolean;
+};
+
+/**
+ * Asks `target` for a lock on `ask.blockHashes` and checks the answer; a
+ * bad answer's lock is released before this returns.
+ */
+export async function lockPart(
+  links: PeerLinks,
+  target: LockTarget,
+  ask: Parameters<PeerLinks["lock"]>[1],
+  expect: LockExpect,
+  timeoutMs: number,
+  log: Logger,
+): Promise<LockedPart | LockFailure> {
+  const owner = target.nodeId;
+  let res: QueryBlocksForTransferResponse;
+  try {
+    res = await links.lock(target.addr, ask, timeoutMs, target.rpcAddr);
+  } catch (e) {
+    const socketGone = e instanceof PeerRpcError && e.socketGone;
+    return { why: "lock-rpc", fields: { owner, error: (e as Error).message }, socketGone };
+  }
+  if (res.lockId.length === 0) {
+    return { why: "owner-miss", fields: { owner, reason: res.missReason } };
+  }
+  const release = () =>
+    links.release(target.addr, res.lockId, ask.requester, timeoutMs, target.rpcAddr).catch(
+      (e: Error) =>
+        log.debug("peer lock release failed; it expires on the owner", {
+          owner,
+          error: e.message,
+        }),
+    );
+  const remote = remoteExtents(res);
+  if (
+    typeof remote === "string" || res.payloadBytes !== expect.payloadBytes ||
+    res.transport !== expect.transport
+  ) {
+    await release();
+    const error = typeof remote === "string"
+      ? remote
+      : res.payloadBytes !== expect.payloadBytes
+      ? `block payload ${res.payloadBytes} bytes, ${expect.payloadBytes} here`
+      : `owner transport ${res.transport}, this node ${expect.transport}`;
+    return { why: "bad-answer", fields: { owner, error } };
+  }
+  return { res, remote, release };
+}
