@@ -6,6 +6,9 @@
 # and build/ (libpegaflow.so built where nvcc is: `make native`); for `peer`, also
 #   redis/           redis-server and the libraries it needs that the machine lacks
 #                    (libjemalloc.so.2, liblzf.so.1, libatomic.so.1, from Debian's redis-server)
+#   ip/              Debian's /bin/ip and its libraries (libbpf, libelf, libmnl, libbsd, libcap,
+#                    libmd, libz): the machine has no iproute2, and with it the nodes run in
+#                    network namespaces joined by veth, as the benchmark means, not on loopback
 #
 # Usage: tools/device/gpu_run.sh STEP...   (each step's output goes to $OUT/STEP.log)
 #   suite        deno task test:gpu (the GPU test suite)
@@ -38,7 +41,12 @@ for step in "$@"; do
     server) $DENO run --allow-all --cached-only bench/server.ts --backend cuda --tokens 10000 --iters 20 ;;
     native) $DENO run --allow-all --cached-only bench/run.ts --backend cuda --only size,submit ;;
     ttft) python3 bench/ttft.py ${TTFT_ARGS:-} ;;
-    peer) PEGAFLOW_REDIS_SERVER="$PWD/.carry/redis/redis-server" \
+    peer) ipdir=/tmp/pf-ip
+      if [ -x .carry/ip/ip ]; then # `ip` on the PATH; its libraries for it alone, not its children
+        mkdir -p $ipdir && printf '#!/bin/sh\nexec /lib64/ld-linux-x86-64.so.2 --library-path %s %s "$@"\n' \
+          "$PWD/.carry/ip" "$PWD/.carry/ip/ip" >$ipdir/ip && chmod +x $ipdir/ip
+      fi
+      PATH="$ipdir:$PATH" PEGAFLOW_REDIS_SERVER="$PWD/.carry/redis/redis-server" \
       LD_LIBRARY_PATH="$PWD/.carry/redis:$LD_LIBRARY_PATH" \
       $DENO run --allow-all --cached-only bench/peer_fetch.ts ;;
     *) echo "unknown step $step"; false ;;
