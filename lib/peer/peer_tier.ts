@@ -429,6 +429,7 @@ export class PeerTier implements Tier {
     // Part 1 reads while part 2 (if any) is locked; its chunks queue behind part 1's on the wire.
     const releases = [first.release];
     const reads = [this.#read(first, namespace, owner, peer)];
+    reads[0].catch(() => {}); // handled below; may fail while part 2 is locked
     let tLock2 = 0;
     if (rest) {
       const second = await rest();
