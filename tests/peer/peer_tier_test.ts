@@ -90,13 +90,19 @@ function payloadOf(host: TierHost, mem: Uint8Array, h: Uint8Array): Uint8Array |
 }
 
 /** The owner's Peer handlers, counting the calls each transport brought. */
-function counted(impl: PeerServer, calls: Record<string, number>, via: string): PeerServer {
+function counted(
+  impl: PeerServer,
+  calls: Record<string, number>,
+  via: string,
+  beforeLock?: (n: number) => Promise<void>,
+): PeerServer {
   const out = { ...impl };
   for (const m of ["queryBlocksForTransfer", "releaseTransferLock"] as const) {
     const h = impl[m] as grpc.handleUnaryCall<unknown, unknown>;
     (out as Record<string, unknown>)[m] = (call: never, cb: never) => {
-      calls[`${via} ${m}`] = (calls[`${via} ${m}`] ?? 0) + 1;
-      h(call, cb);
+      const n = calls[`${via} ${m}`] = (calls[`${via} ${m}`] ?? 0) + 1;
+      if (m === "queryBlocksForTransfer" && beforeLock) beforeLock(n).then(() => h(call, cb));
+      else h(call, cb);
     };
   }
   return out;
@@ -110,6 +116,8 @@ interface TwoNodesOptions {
   rpcAddr?: string;
   rpcTimeoutMs?: number;
   splitLock?: boolean;
+  /** Awaited by the owner's peer RPC socket before it handles its n-th lock request. */
+  beforeLock?: (n: number) => Promise<void>;
 }
 
 /**
@@ -143,7 +151,7 @@ async function twoNodes(o: TwoNodesOptions = {}) {
   const calls: Record<string, number> = {};
   server.addService(lenientPeerService(), counted(impl, calls, "grpc"));
   const serve = (l: Deno.TcpListener) =>
-    servePeerRpc(l, counted(impl, calls, "framed"), 64 << 20, log);
+    servePeerRpc(l, counted(impl, calls, "framed", o.beforeLock), 64 << 20, log);
   let rpc = rpcListener ? serve(rpcListener) : undefined;
   const port = await new Promise<number>((res, rej) =>
     server.bindAsync(
@@ -653,5 +661,40 @@ Deno.test("a prefix over two chunks is locked in two parts — the first chunk a
     } finally {
       await t.close();
     }
+  }
+});
+
+Deno.test("the owner's transfer endpoint gone while the second part is locked: at most the first part lands, both locks released, nothing left behind", async () => {
+  let closeOwner = () => Promise.resolve();
+  const t = await twoNodes({
+    chunkBytes: 200 * 1024,
+    // The second lock waits until the owner's transfer endpoint is closed under the first READ.
+    beforeLock: async (n) => {
+      if (n === 2) await closeOwner();
+    },
+  });
+  try {
+    const hashes = [0, 1, 2, 3, 4, 5, 6, 7].map(hash);
+    seal(t.owner, hashes);
+    t.setOwned(8);
+    closeOwner = () => t.owner.n.ep.close();
+    const free = t.req.store.stats().freeBytes;
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "gone");
+    await t.tier.flush();
+    const s = t.tier.stats();
+    assert.equal(s.fetches, 1);
+    // At most the first part (2 blocks) landed: the second part's READ found the peer broken.
+    const landed = hashes.filter((h) => t.req.store.blockState(NS, h) === "sealed").length;
+    assert.ok(landed === 0 || landed === 2, `${landed} blocks landed`);
+    for (const h of hashes.slice(2)) assert.equal(t.req.store.blockState(NS, h), "absent");
+    assert.equal(s.blocks, landed);
+    assert.equal(free - t.req.store.stats().freeBytes, landed * 96 * 1024, "no space left behind");
+    for (const h of hashes) assert.notEqual(t.req.store.blockState(NS, h), "inflight");
+    assert.equal(t.locks.stats().granted, 2);
+    assert.equal(t.locks.stats().held, 0, "both locks released");
+    assert.equal(t.owner.store.stats().pinnedBlocks, 0);
+    t.req.store.verify();
+  } finally {
+    await t.close().catch(() => {}); // the owner's endpoint is closed already
   }
 });
