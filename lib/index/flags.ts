@@ -12,6 +12,7 @@ import { envOption } from "../cli/flags.ts";
 import { DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
 import { checkRedisUrl } from "./connection.ts";
 import { checkNodeToken } from "./keys.ts";
+import { splitHostPort } from "../host_port.ts";
 
 /** The index part of the server's configuration. */
 export interface IndexConfig {
@@ -37,11 +38,11 @@ function asArg<T>(check: (v: string) => T) {
 }
 
 function hostPort(value: string): string {
-  const m = /^(.+):(\d+)$/.exec(value);
-  if (!m || Number(m[2]) < 1 || Number(m[2]) > 65535) {
+  const a = splitHostPort(value);
+  if (!a || a.port < 1 || a.port > 65535) {
     throw new Error(`"${value}" is not host:port (e.g. 10.0.0.7:50055)`);
   }
-  if (/^(0\.0\.0\.0|\[?::\]?)$/.test(m[1])) {
+  if (/^(0\.0\.0\.0|\[?::\]?)$/.test(a.host)) {
     throw new Error(`"${value}" is a wildcard address; peers need one they can dial`);
   }
   checkNodeToken("advertise address", value);

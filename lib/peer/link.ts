@@ -27,6 +27,7 @@ import {
 import { LocalRpcClient, LocalRpcStatus } from "../client/local_rpc.ts";
 import { methodIds, PEER_RPC_METHODS } from "../local_rpc/wire.ts";
 import type { Logger } from "../log.ts";
+import { splitHostPort } from "../host_port.ts";
 
 /** Largest lock answer accepted: the owner's default --max-message-size. */
 const MAX_LOCK_ANSWER_BYTES = 64 << 20;
@@ -52,12 +53,9 @@ export class PeerRpcError extends Error {
  * wrong with it (it comes from another node).
  */
 export function parseRpcAddr(addr: string): { hostname: string; port: number } | string {
-  const i = addr.lastIndexOf(":");
-  const host = i > 0 ? addr.slice(0, i) : "";
-  const port = Number(addr.slice(i + 1));
-  if (!host || !/^\d+$/.test(addr.slice(i + 1)) || port < 1 || port > 65535) {
-    return `peer RPC address "${addr}" is not host:port`;
-  }
+  const a = splitHostPort(addr);
+  if (!a || a.port < 1 || a.port > 65535) return `peer RPC address "${addr}" is not host:port`;
+  const { host, port } = a;
   return { hostname: host.startsWith("[") && host.endsWith("]") ? host.slice(1, -1) : host, port };
 }
 

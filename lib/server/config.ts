@@ -16,6 +16,7 @@ import { type PeerConfig, peerConfigFrom, peerOptions } from "../peer/flags.ts";
 import { TRANSFER_PATH_FLAGS, type TransferPathFlag } from "../copy_path.ts";
 import { defaultCalibrationFile } from "../copy_calibration.ts";
 import { MAX_UDS_PATH_BYTES } from "./uds.ts";
+import { splitHostPort } from "../host_port.ts";
 
 /** The size parser behind --pool-size and friends (it lives in lib/cli/flags.ts). */
 export { parseSize };
@@ -98,8 +99,8 @@ export const DEFAULT_POOL_PROGRESS_MS = 1000;
 export const DEFAULT_LEASE_TTL_MS = 600_000;
 
 function addrArg(value: string): string {
-  const m = /^(.+):(\d+)$/.exec(value);
-  if (!m || Number(m[2]) > 65535) {
+  const a = splitHostPort(value);
+  if (!a || a.port > 65535) {
     throw new InvalidArgumentError(`"${value}" is not host:port (e.g. 127.0.0.1:50055)`);
   }
   return value;
