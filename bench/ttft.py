@@ -263,6 +263,8 @@ class Bench:
             "backend": args.backend,
             "transport": args.transport,
             "load_issuer": args.load_issuer,
+            # Layer-wise waits on the GPU stream (pegaflow/gpu_wait.py) or on the host.
+            "gpu_waits": args.gpu_waits,
             # What hashes a prompt's blocks (on the TTFT clock): libpegaflow's chain or hashlib.
             "block_hashes": native.hash_impl(),
             "config": args.config,
@@ -300,6 +302,7 @@ class Bench:
                     if self.args.load_issuer != "query" or (mode == "layerwise" and self.staging_blocks)
                     else "scheduler",
                     "pegaflow.staging_blocks": self.staging_blocks if mode == "layerwise" else 0,
+                    "pegaflow.gpu_waits": self.args.gpu_waits,
                 },
             )
         alloc = shm_kv_cache_allocator(self.regions) if self.args.backend == "host" else None
@@ -825,6 +828,12 @@ def main() -> None:
         choices=["uds", "tcp"],
         default="uds",
         help="how the engine reaches the server: its Unix socket (default) or TCP loopback",
+    )
+    p.add_argument(
+        "--gpu-waits",
+        choices=["1", "0"],
+        default="1",
+        help="pegaflow.gpu_waits: layer-wise waits on the GPU stream (1, the default) or on the host (0)",
     )
     p.add_argument(
         "--load-issuer",

@@ -14,12 +14,13 @@ waiting thread does not hold the GIL away from the save thread.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import os
 import struct
 import time
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from .errors import PegaflowLoadError, PegaflowLoadTimeout
 
@@ -40,6 +41,11 @@ SPIN_S = 0.02
 #: costs at most this much extra latency per wait).
 SLEEP_MIN_S = 0.00005
 SLEEP_MAX_S = 0.0002
+
+#: `layers_ready` of a released block: past every layer, yet within 2^31 of any layer count,
+#: because a GPU stream's "value >= n" (CU_STREAM_WAIT_VALUE_GEQ) compares cyclically: all
+#: ones would read as -1 there and keep the stream waiting.
+RELEASED_LAYERS = 1 << 30
 
 _counter = itertools.count()
 
@@ -88,6 +94,11 @@ class LoadState:
                 os.unlink(path)
             raise
         os.close(fd)
+        self.nbytes = LOAD_STATE_BYTES
+        # Set by gpu_wait.GpuWaits.arm: the device address of `layers_ready` (the page
+        # registered with CUDA) and what unregisters it at close.
+        self.gpu_word: Optional[int] = None
+        self._gpu_unregister: Optional[Callable[[int], None]] = None
         # Aligned 4-byte loads through a memoryview read the current memory each time.
         self._u32 = memoryview(self._mm).cast("I")
         self._i32 = memoryview(self._mm).cast("i")
@@ -119,6 +130,26 @@ class LoadState:
         """Writes a fresh header (magic, version, zeroes) for the next Load."""
         self._mm[:] = b"\0" * LOAD_STATE_BYTES
         struct.pack_into("<II", self._mm, 0, LOAD_STATE_MAGIC, LOAD_STATE_VERSION)
+
+    def host_address(self) -> int:
+        """The mapping's address in this process (page-aligned: mmap's)."""
+        c = ctypes.c_char.from_buffer(self._mm)
+        try:
+            return ctypes.addressof(c)
+        finally:
+            del c  # a live export would make close() fail
+
+    def set_gpu_mapping(self, mapped: int, unregister: Callable[[int], None]) -> None:
+        """The block's device mapping (`mapped`: its device address); `unregister(host address)`
+        runs at close."""
+        self.gpu_word = mapped + 4 * _W_LAYERS_READY
+        self._gpu_unregister = unregister
+
+    def release_waiters(self) -> None:
+        """Lets every GPU-side wait on this block through (`layers_ready` = RELEASED_LAYERS): a
+        load abandoned at its deadline must not leave a stream waiting. Never touches `state`,
+        which still tells when the server is done with the block."""
+        self._u32[_W_LAYERS_READY] = RELEASED_LAYERS
 
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(self._u32[_W_NUM_LAYERS], self._u32[_W_LAYERS_READY], self._i32[_W_STATE])
@@ -190,6 +221,9 @@ class LoadState:
         time)."""
         if self._mm.closed:
             return
+        if self._gpu_unregister is not None:
+            self._gpu_unregister(self.host_address())
+            self._gpu_unregister, self.gpu_word = None, None
         self._u32.release()
         self._i32.release()
         self._mm.close()

@@ -37,7 +37,7 @@ for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case "$step" in
     suite) $DENO test --allow-all --cached-only tests/gpu/ ;;
-    pytest-gpu) (cd python && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc_gpu.py tests/test_minivllm_gpu.py tests/test_minivllm_graphs_gpu.py) ;;
+    pytest-gpu) (cd python && python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ipc_gpu.py tests/test_minivllm_gpu.py tests/test_minivllm_graphs_gpu.py tests/test_gpu_wait_gpu.py) ;;
     server) $DENO run --allow-all --cached-only bench/server.ts --backend cuda --tokens 10000 --iters 20 ;;
     native) $DENO run --allow-all --cached-only bench/run.ts --backend cuda --only size,submit ;;
     ttft) python3 bench/ttft.py ${TTFT_ARGS:-} ;;

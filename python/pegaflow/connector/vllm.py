@@ -32,7 +32,10 @@ pegaflow.load_timeout_ms (PEGAFLOW_*_TIMEOUT_MS), pegaflow.instance_id
 load's copies stay contiguous whatever blocks the engine gave the request; 0 = off, the
 default; connector/staging.py), pegaflow.device_id
 (PEGAFLOW_DEVICE_ID: the device a host-backend worker registers under, for a server that
-serves several; CUDA KV registers the device its tensors are on).
+serves several; CUDA KV registers the device its tensors are on), pegaflow.gpu_waits
+(PEGAFLOW_GPU_WAITS: "1" | "0"; default 1: layer-wise loads on CUDA wait on the GPU stream,
+not the host, so the forward is launched ahead and each layer starts as its bytes land;
+pegaflow/gpu_wait.py).
 
 Who sends the Load (pegaflow.load_issuer):
   worker     start_load_kv sends it, one per rank, after handle_preemptions, in
@@ -121,6 +124,8 @@ class ConnectorSettings:
     # PEGAFLOW_STAGING_BLOCKS; 0 = load straight into the request's blocks): see
     # connector/staging.py. Costs that many blocks of KV memory per layer on every rank.
     staging_blocks: int = 0
+    # Layer-wise waits on the GPU stream (pegaflow.gpu_waits / PEGAFLOW_GPU_WAITS): gpu_wait.py.
+    gpu_waits: bool = True
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Optional[Dict[str, str]] = None) -> "ConnectorSettings":
@@ -174,6 +179,9 @@ class ConnectorSettings:
             reconnect_max_ms=ms("reconnect_max_ms"),
             env=e,
         )
+        gpu_waits = (get("gpu_waits", "PEGAFLOW_GPU_WAITS") or "1").lower()
+        if gpu_waits not in ("0", "1", "true", "false"):
+            raise ValueError(f"pegaflow.gpu_waits {gpu_waits!r} is not one of 1, 0, true, false")
         load_issuer = get("load_issuer", "PEGAFLOW_LOAD_ISSUER") or default_load_issuer(vllm_config)
         if load_issuer not in LOAD_ISSUERS:
             raise ValueError(f"pegaflow.load_issuer {load_issuer!r} is not one of {LOAD_ISSUERS}")
@@ -181,6 +189,7 @@ class ConnectorSettings:
             mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client,
             load_issuer=load_issuer, device_id=count("device_id", "PEGAFLOW_DEVICE_ID"),
             staging_blocks=count("staging_blocks", "PEGAFLOW_STAGING_BLOCKS") or 0,
+            gpu_waits=gpu_waits in ("1", "true"),
         )
 
 
@@ -251,7 +260,7 @@ class PegaflowConnector(KVConnectorBase_V1):
                 tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, pp_rank=pp_rank,
                 pp_size=pc.pipeline_parallel_size, mode=self.settings.mode,
                 load_timeout_s=self.settings.client.load_timeout_s, device_id=self.settings.device_id,
-                staging_blocks=self.settings.staging_blocks,
+                staging_blocks=self.settings.staging_blocks, gpu_waits=self.settings.gpu_waits,
             )
             if self.settings.mode == LAYERWISE:
                 # Called once per layer per step (from vLLM's attention op): straight to the

@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 from ..client import PegaflowClient
 from ..errors import PegaflowError, PegaflowLoadError
+from ..gpu_wait import GpuWaits
 from ..load_state import LoadState
 from ..regions import export_kv_layers
 from ..registration import KvRegistration
@@ -59,6 +60,7 @@ class _Load:
     lingering: bool = False
     index: Any = None  # staged: the request's blocks as the scatter's index
     scattered: int = 0  # staged: layers already scattered into the request's blocks
+    gpu: bool = False  # its layer waits are enqueued on the GPU stream (gpu_wait.py)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class WorkerCore:
         save_queue_depth: int = 64,
         device_id: Optional[int] = None,
         staging_blocks: int = 0,
+        gpu_waits: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -116,6 +119,9 @@ class WorkerCore:
         self.registration: Optional[KvRegistration] = None
         self._alias: Dict[str, str] = {}
         self._cuda = False
+        # Layer-wise loads on CUDA wait on the GPU stream, not the host (gpu_wait.py).
+        self._gpu_waits_wanted = gpu_waits and mode == LAYERWISE
+        self._gpu: Optional[GpuWaits] = None
         self._plan: Optional[StepPlan] = None
         self._step_loads: List[_Load] = []  # layer-wise: this step's loads
         self._async_loads: Dict[str, _Load] = {}
@@ -149,6 +155,8 @@ class WorkerCore:
                 unique[name] = t
         layers, device = export_kv_layers(unique, layout)
         self._cuda = any(bool(getattr(t, "is_cuda", False)) for t in unique.values())
+        if self._cuda and self._gpu_waits_wanted:
+            self._gpu = GpuWaits.open()
         if self.device_id is not None:
             if self._cuda and device != self.device_id:
                 raise ValueError(
@@ -218,6 +226,8 @@ class WorkerCore:
                 self._lock.wait(min(left, LINGER_POLL_S) if self._lingering else left)
 
     def _state(self) -> LoadState:
+        if self._gpu is not None:
+            self._gpu.reap()
         st = self._free_states.pop() if self._free_states else LoadState.create()
         st.rearm()
         return st
@@ -256,13 +266,27 @@ class WorkerCore:
             self._lingering.append(ld)
             return
         if ld.state is not None:
-            if ld.done and ld.owned:
-                self._free_states.append(ld.state)
-            else:
-                # The server may still write it (a Load whose answer was lost): never reuse it.
-                ld.state.close()
+            # Not done: the server may still write it (a Load whose answer was lost): never reuse it.
+            self._let_go(ld.state, reuse=ld.done and ld.owned)
             ld.state = None
         self._unhold(ld)
+
+    def _let_go(self, st: LoadState, reuse: bool) -> None:
+        """Back to the free list (`reuse`) or closed; a state the GPU waits on, only once the
+        stream has passed those waits (gpu_wait.py)."""
+        then = self._free_states.append if reuse else LoadState.close
+        if st.gpu_word is not None and self._gpu is not None:
+            self._gpu.retire(st, then)
+        else:
+            then(st)
+
+    def _arm_gpu(self, ld: _Load) -> None:
+        """Layer-wise on CUDA: this load's layer waits go on the GPU stream when its state can
+        be mapped for the GPU."""
+        ld.gpu = self._gpu is not None and ld.state is not None and self._gpu.arm(ld.state)
+        if ld.gpu:
+            self._gpu.guard(ld.state, ld.at + self.load_timeout_s)
+            self._count("gpu_wait_loads", 1)
 
     def _poll_lingering(self) -> None:
         if not self._lingering:
@@ -280,7 +304,7 @@ class WorkerCore:
                     "load for %s: state %s still pending %d load timeouts after it started; its blocks are "
                     "released", ld.intent.request_id, ld.state.name, LINGER_LOAD_TIMEOUTS,
                 )
-            ld.state.close()
+            self._let_go(ld.state, reuse=False)
             ld.state = None
             self._unhold(ld)
         self._lingering = keep
@@ -316,6 +340,7 @@ class WorkerCore:
                 self._fail(ld, "not connected to the server")
                 continue
             ld.state = self._state()
+            self._arm_gpu(ld)
             try:
                 reg_of_load = self.staging_registration if intent.scatter_to is not None else reg
                 self.client.load(
@@ -382,6 +407,7 @@ class WorkerCore:
             ld.done = True
             self._fail(ld, f"cannot attach load state {name}: {e}")
             return
+        self._arm_gpu(ld)
         self._count("loads", 1)
         self._count("load_blocks", len(ld.intent.block_ids))
 
@@ -399,6 +425,13 @@ class WorkerCore:
         for ld in self._step_loads:
             if ld.failed or ld.done or ld.state is None:
                 continue
+            if ld.gpu and ld.state.poll() is None:
+                # The stream waits; the host goes on launching. The deadline is kept at the
+                # step's end (_finish_step_loads).
+                if self._gpu.wait(ld.state, idx):
+                    self._scatter(ld, idx)
+                    continue
+                ld.gpu = False
             try:
                 ld.state.wait_layer(idx, self._left(ld))
                 self._scatter(ld, idx)
@@ -422,8 +455,12 @@ class WorkerCore:
                     ld.timed_out = isinstance(e, TimeoutError)
                     ld.done = not ld.timed_out
                     self._fail(ld, str(e))
+                    if ld.gpu:
+                        ld.state.release_waiters()  # no stream waits on past the deadline
             self._recycle(ld)
         self._step_loads = []
+        if self._gpu is not None:
+            self._gpu.reap()
 
     def wait_for_save(self) -> None:
         """End of the forward: settles this step's layer-wise loads and hands
@@ -546,8 +583,16 @@ class WorkerCore:
             self.registration.close(unregister=unregister)
         if self.staging_registration is not None:
             self.staging_registration.close(unregister=unregister)
-        # Unregistering drained the server's copies: every state can go now.
-        for ld in self._step_loads + list(self._async_loads.values()) + self._lingering:
+        # Unregistering drained the server's copies: every state can go now (a GPU wait on
+        # one is let through first, and the stream drained, before its page is unregistered).
+        loads = self._step_loads + list(self._async_loads.values()) + self._lingering
+        if self._gpu is not None:
+            for ld in loads:
+                if ld.state is not None:
+                    ld.state.release_waiters()
+            self._gpu.reap(block=True)
+            self._gpu.close()
+        for ld in loads:
             if ld.state is not None:
                 ld.state.close()
                 ld.state = None

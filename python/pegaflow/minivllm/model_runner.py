@@ -368,6 +368,12 @@ class _StepHooks:
                     (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                     for _ in range(n)
                 ]
+                # Around each layer's wait, on the stream: where the wait is the GPU's own
+                # (connector/gpu_wait.py) the host does not block, and these tell when it passed.
+                self.wait_ev = [
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    for _ in range(n)
+                ]
             else:
                 self.cpu = [(0.0, 0.0)] * n
 
@@ -379,8 +385,12 @@ class _StepHooks:
 
     def pre_attention(self, i: int) -> None:
         t = time.perf_counter()
+        if self.cuda:
+            self.wait_ev[i][0].record()
         if self.conn is not None:
             self.conn.wait_for_layer_load(self.names[i])
+        if self.cuda:
+            self.wait_ev[i][1].record()
         self.wait[i] = (t, time.perf_counter())
 
     def post_attention(self, i: int, kv_cache: torch.Tensor) -> None:
@@ -401,11 +411,15 @@ class _StepHooks:
         if self.cuda:
             torch.cuda.synchronize()
         for i in range(len(self.names)):
-            ws, we = self.wait[i]
             if self.cuda:
+                # On the GPU's clock (from ev0, recorded when the host was at t0): the wait ends
+                # when the stream got past it, whether the host or the stream itself waited.
+                ws = max(self.ev0.elapsed_time(self.wait_ev[i][0]), (self.wait[i][0] - self.t0) * ms)
+                we = max(self.ev0.elapsed_time(self.wait_ev[i][1]), ws)
                 cs = self.ev0.elapsed_time(self.ev[i][0])
                 ce = self.ev0.elapsed_time(self.ev[i][1])
             else:
+                ws, we = ((x - self.t0) * ms for x in self.wait[i])
                 cs, ce = ((x - self.t0) * ms for x in self.cpu[i])
-            out.append(LayerTiming(i, (ws - self.t0) * ms, (we - self.t0) * ms, cs, ce))
+            out.append(LayerTiming(i, ws, we, cs, ce))
         return out

@@ -20,8 +20,10 @@ __all__ = ["LayerTiming", "ModelRunnerOutput", "RequestOutput"]
 class LayerTiming:
     """One layer of one step, in ms from the step's start.
 
-    `wait_*` is the CPU time spent in `wait_for_layer_load`; `compute_*` is when the layer's
-    kernels ran (CUDA events on a GPU, CPU clock otherwise).
+    `wait_*` is the layer's wait for its load (on a GPU: when the stream reached the wait and
+    got past it, whether the host blocked in `wait_for_layer_load` or the stream waited itself;
+    CPU clock otherwise); `compute_*` is when the layer's kernels ran (CUDA events on a GPU,
+    CPU clock otherwise).
     """
 
     layer: int

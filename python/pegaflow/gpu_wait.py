@@ -1,0 +1,192 @@
+"""GPU-side waits on a load state's progress word (layer-wise loads on CUDA).
+
+A host-side `wait_for_layer_load` blocks the engine's thread until layer i has
+landed, so every layer's kernels are launched only after its bytes arrived,
+and the last layer's launches, the LM head and the sampling all start from the
+host after the last copy: ~0.5 ms of host work on a warm request's critical
+path (measured on the H100, docs/minivllm.md). Here the wait is enqueued on
+the engine's CUDA stream instead (`cuStreamWaitValue32` on the load state's
+`layers_ready` word, the shm page registered with `cuMemHostRegister` and read
+by the GPU through its device mapping): `wait_for_layer_load` returns at once,
+the host launches the whole forward ahead, and layer i's kernels start on the
+GPU as soon as the server's completion thread writes `layers_ready > i`.
+
+The deadline stays on the host, twice: the worker waits for the whole load
+(with the load timeout) before the step's sampling, and a load that did not
+finish in time is released (`LoadState.release_waiters`: `layers_ready` past every
+layer) so that no stream waits forever on a dead server; its blocks are
+recomputed. And a watchdog thread (`guard`) releases a load at its deadline on
+its own: the engine's thread may be blocked inside a kernel launch behind the
+wait (CUDA's lazy module loading synchronizes the context when a kernel is
+launched for the first time), where it could never release it.
+
+A registered state must stay mapped and registered until the stream has
+passed every wait on it: `retire` records an event after the step's waits and
+`reap` unregisters (and hands the state back) only once that event completed.
+
+Example:
+    gw = GpuWaits.open()            # None where the driver cannot (CPU, old driver)
+    gw.arm(state)                    # once per state (cached)
+    gw.wait(state, layer)            # on torch's current stream
+    gw.retire(state, then=free.append)
+    gw.reap()                        # later: unregisters what the GPU is done with
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, List, Optional, Tuple
+
+from .cuda_ipc import CUDA_SUCCESS, CudaIpcError, _drv
+from .load_state import LoadState
+
+log = logging.getLogger("pegaflow.gpu_wait")
+
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+
+
+class GpuWaits:
+    """The driver calls and the registered states of one worker (one thread: the engine's)."""
+
+    def __init__(self, lib: Any, wait_fn: Any) -> None:
+        self._lib = lib
+        self._wait = wait_fn
+        self._err = _drv().err
+        # (event after the last wait on the state, the state, what to do with it afterwards)
+        self._retired: List[Tuple[Any, LoadState, Callable[[LoadState], None]]] = []
+        # The watchdog: (deadline, tie-break, state) of loads a stream may wait on.
+        self._cv = threading.Condition()
+        self._deadlines: List[Tuple[float, int, LoadState]] = []
+        self._guarded: set = set()
+        self._seq = itertools.count()
+        self._watchdog: Optional[threading.Thread] = None
+        self._stop = False
+
+    @classmethod
+    def open(cls) -> Optional["GpuWaits"]:
+        """The driver's stream memory operations, or None (logged) where they are missing."""
+        try:
+            lib = _drv().lib
+        except CudaIpcError as e:
+            log.warning("GPU-side layer waits off (host waits instead): %s", e)
+            return None
+        wait_fn = None
+        for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+            wait_fn = getattr(lib, name, None)
+            if wait_fn is not None:
+                break
+        if wait_fn is None:
+            log.warning("GPU-side layer waits off (host waits instead): libcuda has no cuStreamWaitValue32")
+            return None
+        wait_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        return cls(lib, wait_fn)
+
+    def arm(self, st: LoadState) -> bool:
+        """Registers the state's page for the GPU (once per state); False (logged) if the driver refuses."""
+        if st.gpu_word is not None:
+            return True
+        addr = st.host_address()
+        rc = self._lib.cuMemHostRegister_v2(addr, st.nbytes, CU_MEMHOSTREGISTER_DEVICEMAP)
+        if rc != CUDA_SUCCESS:
+            log.warning("load state %s: cuMemHostRegister failed (%s): host waits for this load", st.name, self._err(rc))
+            return False
+        dptr = ctypes.c_uint64()
+        rc = self._lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), addr, 0)
+        if rc != CUDA_SUCCESS:
+            self._lib.cuMemHostUnregister(addr)
+            log.warning("load state %s: cuMemHostGetDevicePointer failed (%s): host waits for this load",
+                        st.name, self._err(rc))
+            return False
+        st.set_gpu_mapping(dptr.value, self._unregister)
+        return True
+
+    def _unregister(self, addr: int) -> None:
+        rc = self._lib.cuMemHostUnregister(addr)
+        if rc != CUDA_SUCCESS:
+            log.warning("cuMemHostUnregister(0x%x) failed: %s", addr, self._err(rc))
+
+    def wait(self, st: LoadState, layer: int) -> bool:
+        """Enqueues "layers_ready > layer" on torch's current stream; False if the driver refused
+        (the caller then waits on the host)."""
+        import torch
+
+        stream = torch.cuda.current_stream().cuda_stream
+        rc = self._wait(ctypes.c_void_p(stream), st.gpu_word, layer + 1, CU_STREAM_WAIT_VALUE_GEQ)
+        if rc != CUDA_SUCCESS:
+            log.warning("load state %s: cuStreamWaitValue32 failed (%s): host waits", st.name, self._err(rc))
+            return False
+        return True
+
+    def guard(self, st: LoadState, deadline: float) -> None:
+        """Releases `st`'s waiters at `deadline` (time.monotonic()) if its load is still
+        pending then, from the watchdog thread, whatever the engine's thread is doing."""
+        with self._cv:
+            self._guarded.add(id(st))
+            heapq.heappush(self._deadlines, (deadline, next(self._seq), st))
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="pegaflow-gpu-wait-watchdog", daemon=True)
+                self._watchdog.start()
+            self._cv.notify()
+
+    def unguard(self, st: LoadState) -> None:
+        """The state leaves the watchdog (before it is reused or closed)."""
+        with self._cv:
+            self._guarded.discard(id(st))
+
+    def _watch(self) -> None:
+        with self._cv:
+            while not self._stop:
+                now = time.monotonic()
+                while self._deadlines and (self._deadlines[0][0] <= now or id(self._deadlines[0][2]) not in self._guarded):
+                    _, _, st = heapq.heappop(self._deadlines)
+                    if id(st) in self._guarded:
+                        self._guarded.discard(id(st))
+                        if st.poll() is None:
+                            log.warning("load state %s: load not done at its deadline; GPU waits on it released",
+                                        st.name)
+                            st.release_waiters()
+                wait = self._deadlines[0][0] - now if self._deadlines else None
+                self._cv.wait(wait)
+
+    def close(self) -> None:
+        """Stops the watchdog (after the states were released and reaped)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._watchdog is not None:
+            self._watchdog.join(1.0)
+
+    def retire(self, st: LoadState, then: Callable[[LoadState], None]) -> None:
+        """`then(st)` once the current stream has passed every wait enqueued so far."""
+        import torch
+
+        self.unguard(st)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._retired.append((ev, st, then))
+
+    def reap(self, block: bool = False) -> None:
+        """Runs `then` for the retired states the GPU is done with (all of them when `block`)."""
+        keep = []
+        for ev, st, then in self._retired:
+            if block:
+                st.release_waiters()  # nothing may keep the stream waiting at shutdown
+                ev.synchronize()
+            elif not ev.query():
+                keep.append((ev, st, then))
+                continue
+            then(st)
+        self._retired = keep
+
+    @property
+    def retired(self) -> int:
+        return len(self._retired)

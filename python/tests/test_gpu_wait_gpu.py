@@ -1,0 +1,180 @@
+"""GPU-side layer waits (pegaflow/gpu_wait.py), on a CUDA device: a wait enqueued on a stream
+holds the kernels behind it until the load state's `layers_ready` passes the layer, a released
+state lets every wait through, a retired state is handed back only after the stream passed its
+waits; and the tiny engine on the GPU against a cuda-backend server loads layer-wise through
+GPU waits, byte-equal, with the cold request's tokens."""
+
+from __future__ import annotations
+
+import random
+import struct
+import time
+
+import pytest
+import torch
+
+from pegaflow.connector.vllm_api import KVTransferConfig
+from pegaflow.devserver import DevServer
+from pegaflow.gpu_wait import GpuWaits
+from pegaflow.load_state import LoadState
+from pegaflow.minivllm import EngineConfig, LLMEngine
+
+from minivllm_runs import run
+from tiny_model import TINY
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+LAYERS_READY_OFF = 16
+
+
+def _land(st: LoadState, layers: int) -> None:
+    """What the server's completion thread does when `layers` layers have landed."""
+    struct.pack_into("<I", st._mm, LAYERS_READY_OFF, layers)
+
+
+def _done_within(ev: torch.cuda.Event, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ev.query():
+            return True
+        time.sleep(0.001)
+    return False
+
+
+@pytest.fixture
+def waits():
+    gw = GpuWaits.open()
+    assert gw is not None, "the driver has no stream memory operations"
+    # Every kernel the tests launch behind a wait is loaded first: CUDA's lazy module loading
+    # synchronizes the context at a kernel's first launch, which a pending wait would block.
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    yield gw
+    gw.close()
+
+
+def test_a_stream_wait_holds_the_kernels_behind_it_until_the_layer_lands(waits):
+    st = LoadState.create()
+    x = torch.zeros(1, device="cuda")
+    s = torch.cuda.Stream()
+    try:
+        assert waits.arm(st) and st.gpu_word is not None
+        with torch.cuda.stream(s):
+            assert waits.wait(st, 1)  # layers_ready > 1
+            x.add_(1)
+            ev = torch.cuda.Event()
+            ev.record()
+        _land(st, 1)
+        time.sleep(0.05)
+        assert not ev.query(), "the kernel ran before layer 1 landed"
+        _land(st, 2)
+        assert _done_within(ev, 5.0), "the wait did not pass after layer 1 landed"
+        assert x.item() == 1.0
+    finally:
+        st.release_waiters()
+        s.synchronize()
+        st.close()
+    assert st.gpu_word is None
+
+
+def test_the_watchdog_releases_a_load_that_never_lands_at_its_deadline(waits):
+    st = LoadState.create()
+    x = torch.zeros(1, device="cuda")
+    s = torch.cuda.Stream()
+    try:
+        assert waits.arm(st)
+        waits.guard(st, time.monotonic() + 0.3)
+        with torch.cuda.stream(s):
+            assert waits.wait(st, 0)
+            x.add_(1)
+            ev = torch.cuda.Event()
+            ev.record()
+        time.sleep(0.1)
+        assert not ev.query(), "the kernel ran before the load landed or its deadline passed"
+        # Nobody lands it and the test's thread does nothing: the watchdog lets the stream go.
+        assert _done_within(ev, 5.0), "the stream still waits after the deadline"
+        assert x.item() == 1.0
+        assert st.state == 0, "the watchdog must not touch the state word (the server's)"
+    finally:
+        st.release_waiters()
+        s.synchronize()
+        st.close()
+
+
+def test_release_lets_every_wait_through_and_retired_states_wait_for_the_stream(waits):
+    st = LoadState.create()
+    s = torch.cuda.Stream()
+    handed_back = []
+    try:
+        assert waits.arm(st)
+        with torch.cuda.stream(s):
+            for layer in range(4):
+                assert waits.wait(st, layer)
+            waits.retire(st, handed_back.append)
+            ev = torch.cuda.Event()
+            ev.record()
+        time.sleep(0.02)
+        waits.reap()
+        assert handed_back == [], "a state was handed back while the stream still waited on it"
+        assert waits.retired == 1
+        st.release_waiters()  # the deadline passed: nothing may keep the stream waiting
+        assert _done_within(ev, 5.0)
+        waits.reap()
+        assert handed_back == [st] and waits.retired == 0
+        assert st.state == 0, "release must not touch the state word (the server's)"
+    finally:
+        st.release_waiters()
+        s.synchronize()
+        st.close()
+
+
+@pytest.fixture(scope="module")
+def cuda_server():
+    srv = DevServer.launch(
+        ["--backend", "cuda", "--addr", "127.0.0.1:0", "--pool-size", "512mb", "--log-level", "info"],
+        120.0,
+        "pegaflow-gpu-wait-",
+    )
+    yield srv
+    srv.stop(10.0)
+
+
+@pytest.mark.parametrize("issuer,staging", [("worker", 0), ("query", 32)])
+def test_the_engine_on_the_gpu_loads_layer_wise_through_gpu_waits(cuda_server, issuer, staging):
+    uid = f"gw-{issuer}-{random.randrange(1 << 30)}"
+    ktc = KVTransferConfig(
+        kv_connector="PegaflowConnector",
+        kv_connector_module_path="pegaflow.connector.vllm",
+        kv_role="kv_both",
+        engine_id=uid,
+        kv_connector_extra_config={
+            "pegaflow.addr": cuda_server.addr,
+            "pegaflow.mode": "layerwise",
+            "pegaflow.namespace": f"ns-{uid}",
+            "pegaflow.load_issuer": issuer,
+            **({"pegaflow.staging_blocks": staging} if staging else {}),
+        },
+    )
+    eng = LLMEngine(EngineConfig(model="tiny", num_gpu_blocks=64, device="cuda", kv_transfer_config=ktc))
+    rng = random.Random(uid)
+    prompt = [rng.randrange(TINY.vocab_size) for _ in range(150)]
+    nfull = (len(prompt) - 1) // TINY.block_size
+    try:
+        cold, cold_logits, cold_table, _ = run(eng, prompt, max_tokens=3)
+        eng.drain(timeout_s=60)
+        stash = {n: t[:, cold_table[:nfull]].clone() for n, t in eng.runner.kv_caches.items()}
+        assert eng.reset_prefix_cache()
+        for t in eng.runner.kv_caches.values():
+            t.fill_(7.0)
+        warm, warm_logits, warm_table, _ = run(eng, prompt, max_tokens=3)
+        assert warm.num_external_computed_tokens == nfull * TINY.block_size
+        for n, t in eng.runner.kv_caches.items():
+            assert torch.equal(t[:, warm_table[:nfull]], stash[n]), f"{n}: loaded KV differs"
+        assert warm.output_token_ids == cold.output_token_ids
+        torch.testing.assert_close(warm_logits, cold_logits, rtol=1e-3, atol=1e-3)
+        stats = eng.worker_connector.pegaflow_stats()
+        assert stats.get("gpu_wait_loads", 0) == 1, stats
+        assert stats.get("load_failures", 0) == 0, stats
+        eng.drain(timeout_s=60)
+    finally:
+        eng.shutdown()
