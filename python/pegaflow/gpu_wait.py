@@ -40,7 +40,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .cuda_ipc import CUDA_SUCCESS, CudaIpcError, _drv
 from .load_state import LoadState
@@ -57,13 +57,13 @@ class GpuWaits:
     def __init__(self, lib: Any, wait_fn: Any) -> None:
         self._lib = lib
         self._wait = wait_fn
-        self._err = _drv().err
         # (event after the last wait on the state, the state, what to do with it afterwards)
         self._retired: List[Tuple[Any, LoadState, Callable[[LoadState], None]]] = []
-        # The watchdog: (deadline, tie-break, state) of loads a stream may wait on.
+        # The watchdog: (deadline, guard token, state) of loads a stream may wait on; a state
+        # is guarded by its latest token only (a reused state's old deadline must not fire).
         self._cv = threading.Condition()
         self._deadlines: List[Tuple[float, int, LoadState]] = []
-        self._guarded: set = set()
+        self._guarded: Dict[int, int] = {}
         self._seq = itertools.count()
         self._watchdog: Optional[threading.Thread] = None
         self._stop = False
@@ -97,14 +97,14 @@ class GpuWaits:
         addr = st.host_address()
         rc = self._lib.cuMemHostRegister_v2(addr, st.nbytes, CU_MEMHOSTREGISTER_DEVICEMAP)
         if rc != CUDA_SUCCESS:
-            log.warning("load state %s: cuMemHostRegister failed (%s): host waits for this load", st.name, self._err(rc))
+            log.warning("load state %s: cuMemHostRegister failed (%s): host waits for this load", st.name, _drv().err(rc))
             return False
         dptr = ctypes.c_uint64()
         rc = self._lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), addr, 0)
         if rc != CUDA_SUCCESS:
             self._lib.cuMemHostUnregister(addr)
             log.warning("load state %s: cuMemHostGetDevicePointer failed (%s): host waits for this load",
-                        st.name, self._err(rc))
+                        st.name, _drv().err(rc))
             return False
         st.set_gpu_mapping(dptr.value, self._unregister)
         return True
@@ -112,7 +112,7 @@ class GpuWaits:
     def _unregister(self, addr: int) -> None:
         rc = self._lib.cuMemHostUnregister(addr)
         if rc != CUDA_SUCCESS:
-            log.warning("cuMemHostUnregister(0x%x) failed: %s", addr, self._err(rc))
+            log.warning("cuMemHostUnregister(0x%x) failed: %s", addr, _drv().err(rc))
 
     def wait(self, st: LoadState, layer: int) -> bool:
         """Enqueues "layers_ready > layer" on torch's current stream; False if the driver refused
@@ -122,7 +122,7 @@ class GpuWaits:
         stream = torch.cuda.current_stream().cuda_stream
         rc = self._wait(ctypes.c_void_p(stream), st.gpu_word, layer + 1, CU_STREAM_WAIT_VALUE_GEQ)
         if rc != CUDA_SUCCESS:
-            log.warning("load state %s: cuStreamWaitValue32 failed (%s): host waits", st.name, self._err(rc))
+            log.warning("load state %s: cuStreamWaitValue32 failed (%s): host waits", st.name, _drv().err(rc))
             return False
         return True
 
@@ -130,8 +130,9 @@ class GpuWaits:
         """Releases `st`'s waiters at `deadline` (time.monotonic()) if its load is still
         pending then, from the watchdog thread, whatever the engine's thread is doing."""
         with self._cv:
-            self._guarded.add(id(st))
-            heapq.heappush(self._deadlines, (deadline, next(self._seq), st))
+            token = next(self._seq)
+            self._guarded[id(st)] = token
+            heapq.heappush(self._deadlines, (deadline, token, st))
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="pegaflow-gpu-wait-watchdog", daemon=True)
                 self._watchdog.start()
@@ -140,16 +141,21 @@ class GpuWaits:
     def unguard(self, st: LoadState) -> None:
         """The state leaves the watchdog (before it is reused or closed)."""
         with self._cv:
-            self._guarded.discard(id(st))
+            self._guarded.pop(id(st), None)
+
+    def _current(self, token: int, st: LoadState) -> bool:
+        return self._guarded.get(id(st)) == token
 
     def _watch(self) -> None:
         with self._cv:
             while not self._stop:
                 now = time.monotonic()
-                while self._deadlines and (self._deadlines[0][0] <= now or id(self._deadlines[0][2]) not in self._guarded):
-                    _, _, st = heapq.heappop(self._deadlines)
-                    if id(st) in self._guarded:
-                        self._guarded.discard(id(st))
+                while self._deadlines and (
+                    self._deadlines[0][0] <= now or not self._current(self._deadlines[0][1], self._deadlines[0][2])
+                ):
+                    _, token, st = heapq.heappop(self._deadlines)
+                    if self._current(token, st):
+                        del self._guarded[id(st)]
                         if st.poll() is None:
                             log.warning("load state %s: load not done at its deadline; GPU waits on it released",
                                         st.name)

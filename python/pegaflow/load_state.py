@@ -98,6 +98,9 @@ class LoadState:
         # Set by gpu_wait.GpuWaits.arm: the device address of `layers_ready` (the page
         # registered with CUDA) and what unregisters it at close.
         self.gpu_word: Optional[int] = None
+        # Set by release_waiters: a stream may have gone past a layer before it landed, so
+        # this load counts as failed even if the server later reports it done.
+        self.released = False
         self._gpu_unregister: Optional[Callable[[int], None]] = None
         # Aligned 4-byte loads through a memoryview read the current memory each time.
         self._u32 = memoryview(self._mm).cast("I")
@@ -128,6 +131,7 @@ class LoadState:
 
     def rearm(self) -> None:
         """Writes a fresh header (magic, version, zeroes) for the next Load."""
+        self.released = False
         self._mm[:] = b"\0" * LOAD_STATE_BYTES
         struct.pack_into("<II", self._mm, 0, LOAD_STATE_MAGIC, LOAD_STATE_VERSION)
 
@@ -149,6 +153,7 @@ class LoadState:
         """Lets every GPU-side wait on this block through (`layers_ready` = RELEASED_LAYERS): a
         load abandoned at its deadline must not leave a stream waiting. Never touches `state`,
         which still tells when the server is done with the block."""
+        self.released = True  # before the word: whoever sees the stream let go sees this too
         self._u32[_W_LAYERS_READY] = RELEASED_LAYERS
 
     def snapshot(self) -> LoadSnapshot:

@@ -449,8 +449,13 @@ class WorkerCore:
             if not ld.done and ld.state is not None and not ld.failed:
                 try:
                     ld.state.wait_all(self._left(ld))
-                    self._scatter(ld, len(self._reg().layers) - 1)
                     ld.done = True
+                    if ld.gpu and ld.state.released:
+                        # Let go at its deadline (the watchdog) before it reported done: the
+                        # stream may have read a layer before it landed.
+                        self._fail(ld, f"load state {ld.state.name}: done after its deadline released the GPU's waits")
+                    else:
+                        self._scatter(ld, len(self._reg().layers) - 1)
                 except PegaflowLoadError as e:
                     ld.timed_out = isinstance(e, TimeoutError)
                     ld.done = not ld.timed_out
