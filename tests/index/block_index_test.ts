@@ -210,14 +210,18 @@ Deno.test("a 625-block advertise and a 625-hash lookup are one round trip each",
     const hs = hashes(625);
     await save(a, hashes(3, 5)); // scripts loaded, namespace joined
     await b.index.lookup(NS, hashes(3, 5));
+    // The marker client is connected (its ready check's INFO done) before MONITOR starts: a
+    // command another client runs while the monitor connection is switching into monitor
+    // mode reaches ioredis as a reply it has no command for ("Command queue state error").
+    const echo = redis.admin();
+    await echo.ping();
     const admin = redis.admin();
+    await admin.ping();
     const monitor = await admin.monitor();
     const seen: { args: string[]; source: string }[] = [];
     monitor.on("monitor", (_t: string, args: string[], source: string) => {
       seen.push({ args, source });
     });
-    const echo = redis.admin();
-    await echo.ping();
     const marker = async (tag: string) => {
       await echo.echo(tag);
       await waitFor(`monitor saw ${tag}`, () => seen.some((s) => s.args[1] === tag));
