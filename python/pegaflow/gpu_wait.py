@@ -43,7 +43,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .cuda_ipc import CUDA_SUCCESS, CudaIpcError, _drv
-from .load_state import LoadState
+from .load_state import LOAD_STATE_BYTES, LoadState
 
 log = logging.getLogger("pegaflow.gpu_wait")
 
@@ -95,7 +95,7 @@ class GpuWaits:
         if st.gpu_word is not None:
             return True
         addr = st.host_address()
-        rc = self._lib.cuMemHostRegister_v2(addr, st.nbytes, CU_MEMHOSTREGISTER_DEVICEMAP)
+        rc = self._lib.cuMemHostRegister_v2(addr, LOAD_STATE_BYTES, CU_MEMHOSTREGISTER_DEVICEMAP)
         if rc != CUDA_SUCCESS:
             log.warning("load state %s: cuMemHostRegister failed (%s): host waits for this load", st.name, _drv().err(rc))
             return False

@@ -94,7 +94,6 @@ class LoadState:
                 os.unlink(path)
             raise
         os.close(fd)
-        self.nbytes = LOAD_STATE_BYTES
         # Set by gpu_wait.GpuWaits.arm: the device address of `layers_ready` (the page
         # registered with CUDA) and what unregisters it at close.
         self.gpu_word: Optional[int] = None
