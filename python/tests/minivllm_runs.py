@@ -21,3 +21,28 @@ def run(eng: LLMEngine, prompt: list[int], max_tokens: int, max_steps: int = 200
             break
     assert req.is_finished(), f"{req} did not finish"
     return req, first_logits, table, seen
+
+
+def cold_then_warm(eng: LLMEngine, prompt: list[int], tol: float, max_tokens: int = 3):
+    """Runs `prompt` cold, waits for its saves, resets the engine's prefix cache and scribbles
+    over every KV block, then runs it warm: the warm request must load every full block but the
+    one holding the last token (always recomputed) from PegaFlow byte-equal to the cold ones and give the cold tokens and logits (within `tol`).
+    Returns (cold request, warm request, statuses the warm request went through)."""
+    import torch
+
+    bs = eng.model_config.block_size
+    nfull = (len(prompt) - 1) // bs
+    cold, cold_logits, cold_table, _ = run(eng, prompt, max_tokens=max_tokens)
+    assert cold.num_external_computed_tokens == 0
+    eng.drain(timeout_s=60)  # the connector frees the blocks once its Save is done
+    stash = {name: t[:, cold_table[:nfull]].clone() for name, t in eng.runner.kv_caches.items()}
+    assert eng.reset_prefix_cache()
+    for t in eng.runner.kv_caches.values():  # only a real load can restore them
+        t.fill_(7.0)
+    warm, warm_logits, warm_table, seen = run(eng, prompt, max_tokens=max_tokens)
+    assert warm.num_external_computed_tokens == nfull * bs
+    for name, t in eng.runner.kv_caches.items():
+        assert torch.equal(t[:, warm_table[:nfull]], stash[name]), f"{name}: loaded KV differs"
+    assert warm.output_token_ids == cold.output_token_ids
+    torch.testing.assert_close(warm_logits, cold_logits, rtol=tol, atol=tol)
+    return cold, warm, seen

@@ -19,7 +19,7 @@ from pegaflow.gpu_wait import GpuWaits
 from pegaflow.load_state import LoadState
 from pegaflow.minivllm import EngineConfig, LLMEngine
 
-from minivllm_runs import run
+from minivllm_runs import cold_then_warm
 from tiny_model import TINY
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -158,20 +158,8 @@ def test_the_engine_on_the_gpu_loads_layer_wise_through_gpu_waits(cuda_server, i
     eng = LLMEngine(EngineConfig(model="tiny", num_gpu_blocks=64, device="cuda", kv_transfer_config=ktc))
     rng = random.Random(uid)
     prompt = [rng.randrange(TINY.vocab_size) for _ in range(150)]
-    nfull = (len(prompt) - 1) // TINY.block_size
     try:
-        cold, cold_logits, cold_table, _ = run(eng, prompt, max_tokens=3)
-        eng.drain(timeout_s=60)
-        stash = {n: t[:, cold_table[:nfull]].clone() for n, t in eng.runner.kv_caches.items()}
-        assert eng.reset_prefix_cache()
-        for t in eng.runner.kv_caches.values():
-            t.fill_(7.0)
-        warm, warm_logits, warm_table, _ = run(eng, prompt, max_tokens=3)
-        assert warm.num_external_computed_tokens == nfull * TINY.block_size
-        for n, t in eng.runner.kv_caches.items():
-            assert torch.equal(t[:, warm_table[:nfull]], stash[n]), f"{n}: loaded KV differs"
-        assert warm.output_token_ids == cold.output_token_ids
-        torch.testing.assert_close(warm_logits, cold_logits, rtol=1e-3, atol=1e-3)
+        cold_then_warm(eng, prompt, tol=1e-3)
         stats = eng.worker_connector.pegaflow_stats()
         assert stats.get("gpu_wait_loads", 0) == 1, stats
         assert stats.get("load_failures", 0) == 0, stats
