@@ -17,6 +17,8 @@
 #   native       bench/run.ts --backend cuda --only size,submit (copy paths)
 #   ttft         bench/ttft.py (cold/warm TTFT, Llama-3.1-8B shape); TTFT_ARGS adds flags
 #   peer         bench/peer_fetch.ts (peer fetch over TCP vs raw TCP; the machine's cores)
+#   control      bench/query_load_latency.py (a warm request's control plane before its copy,
+#                host backend; CONTROL_ARGS adds flags)
 # Results this run writes under bench/results/ are copied to $OUT too.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,6 +43,7 @@ for step in "$@"; do
     server) $DENO run --allow-all --cached-only bench/server.ts --backend cuda --tokens 10000 --iters 20 ;;
     native) $DENO run --allow-all --cached-only bench/run.ts --backend cuda --only size,submit ;;
     ttft) python3 bench/ttft.py ${TTFT_ARGS:-} ;;
+    control) python3 bench/query_load_latency.py ${CONTROL_ARGS:-} ;;
     peer) ipdir=/tmp/pf-ip
       if [ -x .carry/ip/ip ]; then # `ip` on the PATH; its libraries for it alone, not its children
         mkdir -p $ipdir && printf '#!/bin/sh\nexec /lib64/ld-linux-x86-64.so.2 --library-path %s %s "$@"\n' \
@@ -56,7 +59,7 @@ for step in "$@"; do
   [ "$s" -eq 0 ] || rc=1
 done
 for f in bench/results/ttft-cuda*.json bench/results/ttft-cuda*.png bench/results/server-cuda*.json \
-  bench/results/peer_fetch.json; do
+  bench/results/peer_fetch.json bench/results/query-load-latency*.json; do
   [ -f "$f" ] && [ "$f" -nt "$stamp" ] && cp "$f" "$OUT/"
 done
 exit $rc
