@@ -79,9 +79,12 @@ def _hashes_field(message: str, hashes: Sequence[bytes]) -> Optional[bytes]:
         return None
     sep = bytes((_HASHES_TAG[message], n))
     try:
-        return sep + sep.join(hashes)
+        wire = sep + sep.join(hashes)
     except TypeError:  # not bytes-like: the message's own check names it
         return None
+    # len() counts items, the join takes buffer bytes: they differ for wider items (an int
+    # array), whose entries would not match their length bytes.
+    return wire if len(wire) == len(hashes) * (n + 2) else None
 
 
 def _local_error(code: int, details: str, method: str) -> PegaflowError:

@@ -3,6 +3,7 @@ serializes, and every shape it does not cover is left to the message."""
 
 from __future__ import annotations
 
+import array
 import os
 
 import pytest
@@ -30,8 +31,16 @@ def test_bytes_like_hashes_are_taken_without_copies():
 
 @pytest.mark.parametrize(
     "hashes",
-    [[b"\x01" * 16, b"\x02" * 15], [b"\x01" * 128], [b""], ["ab"], [16]],
-    ids=["mixed lengths", "a 2-byte length", "empty hash", "str", "int"],
+    [
+        [b"\x01" * 16, b"\x02" * 15],
+        [b"\x01" * 128],
+        [b""],
+        ["ab"],
+        [16],
+        [array.array("I", range(4))],
+        [memoryview(array.array("Q", range(2)))],
+    ],
+    ids=["mixed lengths", "a 2-byte length", "empty hash", "str", "int", "u32 array", "u64 view"],
 )
 def test_shapes_it_does_not_cover_are_left_to_the_message(hashes):
     assert _hashes_field("QueryPrefetchRequest", hashes) is None
