@@ -373,6 +373,8 @@ class PegaflowClient:
             layers=list(layers or ()),
             request_id=request_id,
         )
+        if not isinstance(block_hashes, (list, tuple)):
+            block_hashes = list(block_hashes)  # any iterable, read once
         tail = _hashes_field("SaveRequest", block_hashes)
         if tail is None:
             req.block_hashes.extend(bytes(h) for h in block_hashes)
@@ -395,6 +397,8 @@ class PegaflowClient:
         instance), a hit's load of every rank starts before the answer; the
         lease is then spent (`result.loads` says how each rank's went)."""
         req = pb.QueryPrefetchRequest(instance_id=instance_id, request_id=request_id)
+        if not isinstance(block_hashes, (list, tuple)):
+            block_hashes = list(block_hashes)  # any iterable, read once
         tail = _hashes_field("QueryPrefetchRequest", block_hashes)
         if tail is None:
             req.block_hashes.extend(bytes(h) for h in block_hashes)

@@ -1,5 +1,6 @@
 """The client's own wire bytes for block hashes (`_hashes_field`): equal to what protobuf
-serializes, and every shape it does not cover is left to the message."""
+serializes, every shape it does not cover is left to the message, and any iterable of hashes
+works against a real server."""
 
 from __future__ import annotations
 
@@ -48,3 +49,22 @@ def test_shapes_it_does_not_cover_are_left_to_the_message(hashes):
 
 def test_no_hashes_is_an_empty_field():
     assert _hashes_field("SaveRequest", []) == b""
+
+
+def test_a_save_and_a_query_take_hashes_from_any_iterable(client, uid):
+    """A generator is read once, whichever way its hashes go on the wire."""
+    from kv_helpers import fill, make_kv, register
+
+    region, kv = make_kv(2, 8)
+    reg = register(client, kv, uid, "ns-" + uid)
+    try:
+        hashes = [bytes([i]) * 16 for i in range(1, 4)]
+        fill(kv, [1, 2, 3], hashes)
+        r = client.save(instance_id=uid, tp_rank=0, block_ids=[1, 2, 3], block_hashes=(h for h in hashes))
+        assert r.blocks_saved == 3
+        q = client.query_prefetch(instance_id=uid, block_hashes=iter(hashes), request_id="r-gen")
+        assert q.hits == 3
+        client.release(q.lease_id)
+    finally:
+        reg.close()
+        region.close()
