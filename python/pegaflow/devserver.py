@@ -54,6 +54,8 @@ class DevServer:
         self.addr: str = listening["grpc"]
         #: The Unix socket path when started with --uds, else None.
         self.uds: Optional[str] = listening.get("uds")
+        #: The HTTP address (host:port: metrics, admin) when started with --http-addr, else None.
+        self.http: Optional[str] = listening.get("http")
         #: Where its stderr goes.
         self.log_path = log_path
 

@@ -1,7 +1,12 @@
-"""Running one request of the mini engine to its end, for the engine tests (in-process and
-the TP shard processes)."""
+"""Running the mini engine in the engine tests (in-process and the TP shard processes): one
+request to its end, an engine wired to a server through `PegaflowConnector`, and the cold →
+reset → warm sequence the end-to-end tests check."""
 
 from __future__ import annotations
+
+from typing import Callable, Optional
+
+import pytest
 
 from pegaflow.minivllm import LLMEngine
 
@@ -23,11 +28,58 @@ def run(eng: LLMEngine, prompt: list[int], max_tokens: int, max_steps: int = 200
     return req, first_logits, table, seen
 
 
-def cold_then_warm(eng: LLMEngine, prompt: list[int], tol: float, max_tokens: int = 3):
-    """Runs `prompt` cold, waits for its saves, resets the engine's prefix cache and scribbles
-    over every KV block, then runs it warm: the warm request must load every full block but the
-    one holding the last token (always recomputed) from PegaFlow byte-equal to the cold ones and give the cold tokens and logits (within `tol`).
-    Returns (cold request, warm request, statuses the warm request went through)."""
+@pytest.fixture
+def regions():
+    """Shared-memory regions an engine's KV lives in, closed after the test."""
+    from pegaflow.regions import ShmRegion
+
+    rs: list[ShmRegion] = []
+    yield rs
+    for r in rs:
+        r.close()
+
+
+def pega_engine(
+    model, server, regions, uid: str, mode: str, issuer: str | None = None, staging: int = 0,
+    **extra: object,
+) -> LLMEngine:
+    """The tiny engine on the CPU with its KV in shm `regions`, connected to `server`;
+    `extra`: more `pegaflow.*` settings (without the prefix)."""
+    from pegaflow.connector.vllm_api import KVTransferConfig
+    from pegaflow.minivllm import EngineConfig
+    from pegaflow.minivllm.model_runner import shm_kv_cache_allocator
+
+    ktc = KVTransferConfig(
+        kv_connector="PegaflowConnector",
+        kv_connector_module_path="pegaflow.connector.vllm",
+        kv_role="kv_both",
+        engine_id=f"{uid}-{mode}",
+        kv_connector_extra_config={
+            "pegaflow.addr": server.addr,
+            "pegaflow.mode": mode,
+            "pegaflow.namespace": f"ns-{uid}",
+            **({"pegaflow.load_issuer": issuer} if issuer else {}),
+            **({"pegaflow.staging_blocks": staging} if staging else {}),
+            **{f"pegaflow.{k}": v for k, v in extra.items()},
+        },
+    )
+    return LLMEngine(
+        EngineConfig(model="tiny", num_gpu_blocks=64, kv_transfer_config=ktc),
+        model=model,
+        kv_cache_allocator=shm_kv_cache_allocator(regions),
+    )
+
+
+def cold_then_warm(
+    eng: LLMEngine, prompt: list[int], tol: float, max_tokens: int = 3,
+    before_warm: Optional[Callable[[], None]] = None,
+):
+    """Runs `prompt` cold, waits for its saves, runs `before_warm` (if given), resets the
+    engine's prefix cache and scribbles over every KV block, then runs it warm: the warm
+    request must load every full block but the one holding the last token (always
+    recomputed) from PegaFlow byte-equal to the cold ones and give the cold tokens and
+    logits (within `tol`). Returns (cold request, warm request, statuses the warm request
+    went through)."""
     import torch
 
     bs = eng.model_config.block_size
@@ -36,6 +88,8 @@ def cold_then_warm(eng: LLMEngine, prompt: list[int], tol: float, max_tokens: in
     assert cold.num_external_computed_tokens == 0
     eng.drain(timeout_s=60)  # the connector frees the blocks once its Save is done
     stash = {name: t[:, cold_table[:nfull]].clone() for name, t in eng.runner.kv_caches.items()}
+    if before_warm is not None:
+        before_warm()
     assert eng.reset_prefix_cache()
     for t in eng.runner.kv_caches.values():  # only a real load can restore them
         t.fill_(7.0)

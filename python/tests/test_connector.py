@@ -242,6 +242,30 @@ def test_a_host_backend_worker_registers_the_configured_device_and_a_bad_one_is_
         "PEGAFLOW_DEVICE_ID": "2"}).device_id == 2
 
 
+def test_the_loading_retry_setting_reaches_the_scheduler_and_a_bad_one_is_refused(uid):
+    from pegaflow.connector.scheduler_core import LOADING_RETRY_MAX_S
+    from pegaflow.connector.vllm import ConnectorSettings, PegaflowConnector
+    from pegaflow.connector.vllm_api import KVConnectorRole, KVTransferConfig, VllmConfig
+
+    def cfg(v=None, env=None):
+        extra = {} if v is None else {"pegaflow.loading_retry_ms": v}
+        return VllmConfig(kv_transfer_config=KVTransferConfig(engine_id=uid, kv_connector_extra_config=extra))
+
+    assert ConnectorSettings.from_vllm(cfg(), env={}).loading_retry_ms is None
+    assert ConnectorSettings.from_vllm(cfg(0), env={}).loading_retry_ms == 0
+    assert ConnectorSettings.from_vllm(cfg(), env={"PEGAFLOW_LOADING_RETRY_MS": "7"}).loading_retry_ms == 7
+    with pytest.raises(ValueError, match="pegaflow.loading_retry_ms '-1'"):
+        ConnectorSettings.from_vllm(cfg(-1), env={})
+    conn = PegaflowConnector(cfg(5), KVConnectorRole.SCHEDULER)
+    default = PegaflowConnector(cfg(), KVConnectorRole.SCHEDULER)
+    try:
+        assert conn._s().loading_retry_s == 0.005
+        assert default._s().loading_retry_s == LOADING_RETRY_MAX_S
+    finally:
+        conn.shutdown()
+        default.shutdown()
+
+
 def test_a_worker_registers_its_rank_on_the_device_it_is_given(server, uid):
     from pegaflow.client import PegaflowClient
     from pegaflow.connector.worker_core import WorkerCore

@@ -1,7 +1,8 @@
 """Scheduler-side state machine rules, checked against a recording stand-in
 for the client (the same rules run against the real server in test_connector.py):
 probes are cached (repeated calls are side-effect free), drift or disuse
-releases the lease, "loading" is never cached, hits leave the last token."""
+releases the lease, "loading" is asked again after a growing pause (never cached), hits leave the
+last token."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from pegaflow.client import QueryResult
 from pegaflow.config import ClientConfig
 from pegaflow.connector.plan import ScheduledRequest
-from pegaflow.connector.scheduler_core import SchedulerCore
+from pegaflow.connector.scheduler_core import LOADING_RETRY_FIRST_S, SchedulerCore
 from pegaflow.errors import PegaflowError
 
 BS = 4
@@ -80,13 +81,73 @@ def test_a_changed_local_prefix_releases_the_old_lease_and_asks_again():
     assert c.released == [b"A" * 16] and len(c.queries) == 2
 
 
-def test_loading_answers_none_and_is_asked_again_next_time():
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_loading_answers_none_and_is_asked_again_after_a_pause():
     c = FakeClient([QueryResult(loading=True), ready(2)])
-    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    clock = Clock()
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock)
     r = Req("r", 3 * BS + 1, hashes(3))
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # too soon: no query
+    assert len(c.queries) == 1 and s.stats["query_loading_deferred"] == 1
+    clock.t += LOADING_RETRY_FIRST_S
     assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
     assert len(c.queries) == 2
+
+
+def test_the_pause_after_loading_doubles_up_to_the_cap_and_a_hit_ends_it():
+    n = 12
+    c = FakeClient([QueryResult(loading=True)] * n + [ready(2), QueryResult(loading=True)])
+    clock = Clock()
+    s = SchedulerCore(c, instance_id="i", block_size=BS, loading_retry_s=0.002, clock=clock)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    asked_at = []
+    while len(c.queries) < n:  # an engine stepping every 0.1 ms while it only waits
+        before = len(c.queries)
+        assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+        if len(c.queries) > before:
+            asked_at.append(clock.t)
+        clock.t += 0.0001
+    gaps = [round(b - a, 5) for a, b in zip(asked_at, asked_at[1:])]
+    assert gaps[:3] == [0.0003, 0.0005, 0.001]  # 0.25, 0.5, 1 ms, each rounded up to a step
+    assert gaps[-3:] == [0.002, 0.002, 0.002]  # the cap
+    clock.t += 0.002
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+    # The hit ended the waiting: a later "loading" starts from the first pause again.
+    s2 = Req("r2", 3 * BS + 1, hashes(3))
+    assert s.get_num_new_matched_tokens(s2, 0) == (None, False)
+    assert s._waiting["r2"].pause == LOADING_RETRY_FIRST_S
+
+
+def test_a_changed_probe_or_a_finished_request_is_not_held_back_by_its_pause():
+    c = FakeClient([QueryResult(loading=True), QueryResult(loading=True), ready(1)])
+    clock = Clock()
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(r, BS) == (None, False)  # other local prefix: asked at once
+    assert len(c.queries) == 2
+    s.request_finished(r)
+    assert "r" not in s._waiting
+    assert s.get_num_new_matched_tokens(Req("r", 3 * BS + 1, hashes(3)), 0) == (BS, False)
+
+
+def test_loading_retry_zero_asks_at_every_call():
+    c = FakeClient([QueryResult(loading=True)] * 3)
+    s = SchedulerCore(c, instance_id="i", block_size=BS, loading_retry_s=0, clock=Clock())
+    r = Req("r", 3 * BS + 1, hashes(3))
+    for _ in range(3):
+        assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert len(c.queries) == 3
+    with pytest.raises(ValueError, match="loading_retry_s"):
+        SchedulerCore(c, instance_id="i", block_size=BS, loading_retry_s=-1)
 
 
 def test_an_unused_probe_gives_its_lease_back():

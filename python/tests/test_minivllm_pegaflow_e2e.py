@@ -10,44 +10,11 @@ import random
 
 import pytest
 
-from pegaflow.connector.vllm_api import KVTransferConfig, RequestStatus
+from pegaflow.connector.vllm_api import RequestStatus
 from pegaflow.minivllm import EngineConfig, LLMEngine
-from pegaflow.minivllm.model_runner import shm_kv_cache_allocator
-from pegaflow.regions import ShmRegion
 
-from minivllm_runs import cold_then_warm
+from minivllm_runs import cold_then_warm, pega_engine, regions  # noqa: F401 (regions: a fixture)
 from tiny_model import TINY, model  # noqa: F401 (model: a fixture)
-
-
-@pytest.fixture
-def regions():
-    rs: list[ShmRegion] = []
-    yield rs
-    for r in rs:
-        r.close()
-
-
-def pega_engine(
-    model, server, regions, uid: str, mode: str, issuer: str | None = None, staging: int = 0
-) -> LLMEngine:
-    ktc = KVTransferConfig(
-        kv_connector="PegaflowConnector",
-        kv_connector_module_path="pegaflow.connector.vllm",
-        kv_role="kv_both",
-        engine_id=f"{uid}-{mode}",
-        kv_connector_extra_config={
-            "pegaflow.addr": server.addr,
-            "pegaflow.mode": mode,
-            "pegaflow.namespace": f"ns-{uid}",
-            **({"pegaflow.load_issuer": issuer} if issuer else {}),
-            **({"pegaflow.staging_blocks": staging} if staging else {}),
-        },
-    )
-    return LLMEngine(
-        EngineConfig(model="tiny", num_gpu_blocks=64, kv_transfer_config=ktc),
-        model=model,
-        kv_cache_allocator=shm_kv_cache_allocator(regions),
-    )
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,12 @@ Scheduler side (`SchedulerCore`), per request:
           The answer and its lease are cached per request, so repeated calls
           are side-effect free; the lease is released when the probe drifts
           (a different computed prefix), is not used, or the request ends.
-          "loading" (a lower tier is fetching) answers None: ask me later.
+          "loading" (a lower tier is fetching) answers None: ask me later. The
+          request is asked again only after a pause that doubles from
+          LOADING_RETRY_FIRST_S up to `loading_retry_s` (an engine steps every
+          fraction of a millisecond while it only waits: thousands of queries a
+          second would take the server's event loop from the fetch itself);
+          in between, None without a query.
   load    update_state_after_alloc → a LoadIntent (lease + target block ids;
           fewer targets than hits load that prefix, the server gives the rest back).
           With load_issuer "scheduler" the Load of every TP/PP rank is sent right
@@ -61,6 +66,12 @@ log = logging.getLogger("pegaflow.connector")
 
 #: A cached probe is trusted for this fraction of its lease's TTL, then asked again.
 PROBE_TTL_FRACTION = 0.5
+#: After a "loading" answer the same request is asked again after this pause, doubled after
+#: each further "loading" up to the connector's loading_retry_s (pegaflow.loading_retry_ms).
+LOADING_RETRY_FIRST_S = 0.00025
+#: Default of that cap: a finished fetch is seen at most this late, and a 100 ms fetch costs
+#: ~55 queries instead of one per engine step.
+LOADING_RETRY_MAX_S = 0.002
 
 
 # ---- scheduler side ----------------------------------------------------------
@@ -75,6 +86,15 @@ class _Probe:
     rid: str = ""
     # load_issuer "query": the hit's copy into staging blocks is already running.
     early: Optional[EarlyLoad] = None
+
+
+@dataclass
+class _Waiting:
+    """A request whose last answer was "loading": not asked again before `until`."""
+
+    until: float
+    pause: float
+    probe: Tuple[int, int]  # (computed, asked) it was asked with
 
 
 @dataclass
@@ -108,6 +128,8 @@ class SchedulerCore:
         load_issuer: str = ISSUER_WORKER,
         ranks: Sequence[Tuple[int, int]] = ((0, 0),),
         staging_blocks: int = 0,
+        loading_retry_s: float = LOADING_RETRY_MAX_S,
+        clock: Any = time.monotonic,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -117,7 +139,12 @@ class SchedulerCore:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"ranks must name each (tp_rank, pp_rank) of the instance once, got {list(ranks)}")
+        if not loading_retry_s >= 0:
+            raise ValueError(f"loading_retry_s must be >= 0, got {loading_retry_s}")
         self.client = client
+        self.loading_retry_s = loading_retry_s
+        self._clock = clock
+        self._waiting: Dict[str, _Waiting] = {}
         self.instance_id = instance_id
         self.block_size = block_size
         self.mode = mode
@@ -186,8 +213,13 @@ class SchedulerCore:
         asked = loadable - computed
         if asked <= 0:
             self._release(self._probes.pop(rid, None))
+            self._waiting.pop(rid, None)
             return 0, False
-        now = time.monotonic()
+        now = self._clock()
+        w = self._waiting.get(rid)
+        if w is not None and now < w.until and w.probe == (computed, asked):
+            self.stats["query_loading_deferred"] += 1
+            return None, False
         p = self._probes.get(rid)
         if p is not None and (p.computed_blocks, p.asked) == (computed, asked) and (
             p.early is not None or now - p.at < p.result.ttl_ms / 1000.0 * PROBE_TTL_FRACTION
@@ -213,10 +245,15 @@ class SchedulerCore:
             # Server away, instance not (yet) registered, ...: a miss, never an error in the step.
             self.stats["query_errors"] += 1
             log.debug("query for %s failed (answering 0 hits): %s", rid, e)
+            self._waiting.pop(rid, None)
             return 0, False
         if q.loading:
             self.stats["query_loading"] += 1
+            if self.loading_retry_s > 0:
+                pause = min(self.loading_retry_s, 2 * w.pause if w else LOADING_RETRY_FIRST_S)
+                self._waiting[rid] = _Waiting(now + pause, pause, (computed, asked))
             return None, False
+        self._waiting.pop(rid, None)
         p = _Probe(computed, asked, q, now, rid, early)
         self._probes[rid] = p
         if self.staging is not None and early is None:
@@ -386,6 +423,7 @@ class SchedulerCore:
         still be landing in them; the worker reports every async load it ran)."""
         rid = request.request_id
         self._release(self._probes.pop(rid, None))
+        self._waiting.pop(rid, None)
         tr = self._tracked.pop(rid, None)
         if rid in self._loading or (tr is not None and (tr.had_save or tr.had_load)):
             self._delayed.add(rid)

@@ -35,7 +35,9 @@ default; connector/staging.py), pegaflow.device_id
 serves several; CUDA KV registers the device its tensors are on), pegaflow.gpu_waits
 (PEGAFLOW_GPU_WAITS: "1" | "0"; default 1: layer-wise loads on CUDA wait on the GPU stream,
 not the host, so the forward is launched ahead and each layer starts as its bytes land;
-pegaflow/gpu_wait.py).
+pegaflow/gpu_wait.py), pegaflow.loading_retry_ms (PEGAFLOW_LOADING_RETRY_MS: after a "loading"
+answer a request is asked again after a pause that doubles up to this many ms; 0 = at every call;
+default and first pause in connector/scheduler_core.py).
 
 Who sends the Load (pegaflow.load_issuer):
   worker     start_load_kv sends it, one per rank, after handle_preemptions, in
@@ -82,7 +84,7 @@ from .plan import (
     derive_namespace,
     safe_name,
 )
-from .scheduler_core import SchedulerCore
+from .scheduler_core import LOADING_RETRY_MAX_S, SchedulerCore
 from .worker_core import WorkerCore
 
 try:  # the real vLLM when it is installed
@@ -126,6 +128,9 @@ class ConnectorSettings:
     staging_blocks: int = 0
     # Layer-wise waits on the GPU stream (pegaflow.gpu_waits / PEGAFLOW_GPU_WAITS): gpu_wait.py.
     gpu_waits: bool = True
+    # Longest pause before a request answered "loading" is asked again (pegaflow.loading_retry_ms /
+    # PEGAFLOW_LOADING_RETRY_MS; 0 = ask at every call; None = scheduler_core.LOADING_RETRY_MAX_S).
+    loading_retry_ms: Optional[int] = None
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Optional[Dict[str, str]] = None) -> "ConnectorSettings":
@@ -190,6 +195,7 @@ class ConnectorSettings:
             load_issuer=load_issuer, device_id=count("device_id", "PEGAFLOW_DEVICE_ID"),
             staging_blocks=count("staging_blocks", "PEGAFLOW_STAGING_BLOCKS") or 0,
             gpu_waits=gpu_waits in ("1", "true"),
+            loading_retry_ms=count("loading_retry_ms", "PEGAFLOW_LOADING_RETRY_MS"),
         )
 
 
@@ -252,6 +258,10 @@ class PegaflowConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size, mode=self.settings.mode,
                 load_issuer=self.settings.load_issuer, ranks=ranks,
                 staging_blocks=self.settings.staging_blocks,
+                loading_retry_s=(
+                    LOADING_RETRY_MAX_S if self.settings.loading_retry_ms is None
+                    else self.settings.loading_retry_ms / 1000.0
+                ),
             )
         else:
             tp_rank, pp_rank = _ranks(vllm_config)
