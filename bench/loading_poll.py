@@ -1,0 +1,166 @@
+"""What an engine's polling costs while a lower tier fetches its prefix: the scheduler side of
+the connector (`SchedulerCore`, a real client and server) asked every 0.1 ms, as an engine that
+only waits steps, while the server reads an evicted prefix back from its SSD tier.
+
+A host-backend server with an SSD tier; one rank of Llama-3.1-8B-shaped KV (32 layers, K/V,
+32 KiB per block and layer) saves PREFIX blocks, waits until they are written behind to SSD,
+and the server's RAM is emptied (POST /cache/memory/cleanup). Then the scheduler core asks for
+the prefix until it is answered with hits, once per `--loading-retry-ms` setting, each on a
+freshly evicted prefix. Per run: QueryPrefetch calls sent, calls answered without one, the
+time until the hit, and the server process's CPU time meanwhile (/proc, user + system).
+
+Prints a table, writes bench/results/loading-poll.json. Never asserts.
+
+    /usr/bin/python3 bench/loading_poll.py [--blocks 256] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+import numpy as np  # noqa: E402
+
+from pegaflow.client import PegaflowClient  # noqa: E402
+from pegaflow.connector.scheduler_core import SchedulerCore  # noqa: E402
+from pegaflow.devserver import DevServer  # noqa: E402
+from pegaflow.regions import ShmRegion, export_kv_layers  # noqa: E402
+from pegaflow.registration import KvRegistration  # noqa: E402
+
+LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 32, 16, 8, 128  # 32 KiB per block, layer and K/V
+STEP_S = 0.0001  # an engine that only waits steps about this often
+
+
+class Req:
+    def __init__(self, rid: str, hashes: list[bytes]):
+        self.request_id = rid
+        self.block_hashes = hashes
+        self.num_tokens = (len(hashes) + 1) * BLOCK_TOKENS
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def metric(http: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def evict(http: str, written: float, deadline_s: float = 120.0) -> None:
+    """Waits until `written` blocks are on SSD, then empties the server's RAM."""
+    end = time.monotonic() + deadline_s
+    while metric(http, "pegaflow_ssd_write_blocks_total") < written:
+        if time.monotonic() > end:
+            raise RuntimeError(f"write-behind did not reach {written} blocks in {deadline_s} s")
+        time.sleep(0.05)
+    req = urllib.request.Request(f"http://{http}/cache/memory/cleanup", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=256, help="prefix length in blocks (2 MiB each)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per setting, alternated")
+    ap.add_argument("--settings", default="0,2", help="loading_retry_ms values to compare")
+    a = ap.parse_args()
+    settings = [int(x) for x in a.settings.split(",")]
+    block_bytes = LAYERS * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2
+    ssd_dir = tempfile.mkdtemp(prefix="pf-loading-poll-")
+    pool = max(256 << 20, int(a.blocks * block_bytes * 1.3))
+    server = DevServer.launch([
+        "--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", str(pool), "--http-addr", "127.0.0.1:0",
+        "--ssd-cache-path", ssd_dir, "--ssd-cache-capacity", str(max(128 << 20, 4 * a.blocks * block_bytes)),
+        "--log-level", "warn",
+    ], start_timeout_s=180.0)
+    per_layer = 2 * a.blocks * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2
+    region = ShmRegion(per_layer * LAYERS)
+    kv = {
+        f"model.layers.{i}.self_attn.attn": region.numpy(
+            np.float16, (2, a.blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM), offset=i * per_layer
+        )
+        for i in range(LAYERS)
+    }
+    client = PegaflowClient(server.addr)
+    uid = f"poll-{os.getpid()}"
+    layers, device = export_kv_layers(kv)
+    reg = KvRegistration(client, instance_id=uid, namespace="ns-" + uid, layers=layers, device_id=device)
+    reg.register()
+    rows = []
+    try:
+        written = 0
+        for run in range(a.runs):
+            for ms in settings:
+                hashes = [os.urandom(16) for _ in range(a.blocks)]
+                client.save(instance_id=uid, tp_rank=0, block_ids=list(range(a.blocks)), block_hashes=hashes)
+                written += a.blocks
+                evict(server.http, written)
+                core = SchedulerCore(client, instance_id=uid, block_size=BLOCK_TOKENS, loading_retry_s=ms / 1000)
+                req = Req(f"r{run}-{ms}", hashes)
+                c0, t0, calls = cpu_s(server.proc.pid), time.monotonic(), 0
+                while True:
+                    calls += 1
+                    n, _ = core.get_num_new_matched_tokens(req, 0)
+                    if n is not None:
+                        break
+                    if time.monotonic() - t0 > 120:
+                        raise RuntimeError(f"{req.request_id}: still loading after 120 s")
+                    time.sleep(STEP_S)
+                wall, cpu = time.monotonic() - t0, cpu_s(server.proc.pid) - c0
+                core.request_finished(req)
+                rows.append({
+                    "loading_retry_ms": ms, "run": run, "hit_blocks": n // BLOCK_TOKENS, "calls": calls,
+                    "queries": core.stats["queries"], "deferred": core.stats["query_loading_deferred"],
+                    "ready_ms": round(wall * 1e3, 2), "server_cpu_ms": round(cpu * 1e3, 1),
+                })
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        reg.close()
+        client.close()
+        server.stop()
+        server.remove_log()
+        region.close()
+        for f in os.listdir(ssd_dir):
+            os.unlink(os.path.join(ssd_dir, f))
+        os.rmdir(ssd_dir)
+
+    def med(ms: int, key: str) -> float:
+        xs = sorted(r[key] for r in rows if r["loading_retry_ms"] == ms)
+        return xs[len(xs) // 2]
+
+    print(f"\n{a.blocks} blocks x 2 MiB read back from SSD, engine stepping every {STEP_S * 1e3:g} ms "
+          f"({os.cpu_count()} cores); medians of {a.runs} runs")
+    print(f"{'loading_retry_ms':>16} {'queries':>8} {'ready ms':>9} {'server CPU ms':>14}")
+    summary = {}
+    for ms in settings:
+        summary[ms] = {k: med(ms, k) for k in ("queries", "ready_ms", "server_cpu_ms")}
+        print(f"{ms:>16} {summary[ms]['queries']:>8} {summary[ms]['ready_ms']:>9.1f} "
+              f"{summary[ms]['server_cpu_ms']:>14.1f}")
+    out = os.path.join(HERE, "results", "loading-poll.json")
+    with open(out, "w") as f:
+        json.dump({
+            "command": "python3 bench/loading_poll.py " + " ".join(sys.argv[1:]),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "cores": os.cpu_count(), "blocks": a.blocks, "block_bytes": block_bytes,
+            "step_ms": STEP_S * 1e3, "runs": rows, "medians": summary,
+        }, f, indent=1)
+    print("json:", out)
+
+
+if __name__ == "__main__":
+    main()
