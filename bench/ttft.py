@@ -790,10 +790,12 @@ def draw_chart(r: dict[str, Any], path: str) -> None:
     ax1.set_title("cold vs warm")
     ax1.legend()
     tl = r["lengths"][lengths[-1]]["timeline"]
+    # With layer waits on the GPU stream, a wait is timed on the GPU clock (docs/python.md).
+    wait_label = "wait for load (GPU stream)" if r.get("gpu_waits") else "wait for load (CPU)"
     for t in tl:
         y = t["layer"]
         ax2.barh(y - 0.2, t["wait_end_ms"] - t["wait_start_ms"], left=t["wait_start_ms"], height=0.4,
-                 color="tab:orange", label="wait for load (CPU)" if y == 0 else None)  # fmt: skip
+                 color="tab:orange", label=wait_label if y == 0 else None)  # fmt: skip
         ax2.barh(y + 0.2, t["compute_end_ms"] - t["compute_start_ms"], left=t["compute_start_ms"], height=0.4,
                  color="tab:blue", label="layer compute (GPU)" if y == 0 else None)  # fmt: skip
     ax2.set_yticks(range(0, len(tl), max(1, len(tl) // 16)))
