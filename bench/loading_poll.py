@@ -22,7 +22,6 @@ import os
 import sys
 import tempfile
 import time
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
@@ -53,24 +52,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def metric(http: str, name: str) -> float:
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
-
-
-def evict(http: str, written: float, deadline_s: float = 120.0) -> None:
+def evict(server: DevServer, written: float, deadline_s: float = 120.0) -> None:
     """Waits until `written` blocks are on SSD, then empties the server's RAM."""
     end = time.monotonic() + deadline_s
-    while metric(http, "pegaflow_ssd_write_blocks_total") < written:
+    while server.metric("pegaflow_ssd_write_blocks_total") < written:
         if time.monotonic() > end:
             raise RuntimeError(f"write-behind did not reach {written} blocks in {deadline_s} s")
         time.sleep(0.05)
-    req = urllib.request.Request(f"http://{http}/cache/memory/cleanup", method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        r.read()
+    server.post("/cache/memory/cleanup")
 
 
 def main() -> None:
@@ -109,7 +98,7 @@ def main() -> None:
                 hashes = [os.urandom(16) for _ in range(a.blocks)]
                 client.save(instance_id=uid, tp_rank=0, block_ids=list(range(a.blocks)), block_hashes=hashes)
                 written += a.blocks
-                evict(server.http, written)
+                evict(server, written)
                 core = SchedulerCore(client, instance_id=uid, block_size=BLOCK_TOKENS, loading_retry_s=ms / 1000)
                 req = Req(f"r{run}-{ms}", hashes)
                 c0, t0, calls = cpu_s(server.proc.pid), time.monotonic(), 0

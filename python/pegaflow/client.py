@@ -87,6 +87,18 @@ def _hashes_field(message: str, hashes: Sequence[bytes]) -> Optional[bytes]:
     return wire if len(wire) == len(hashes) * (n + 2) else None
 
 
+def _put_hashes(req, hashes: Iterable[bytes]) -> bytes:
+    """`hashes` (any iterable, read once) as `req`'s block_hashes: the wire bytes to append to
+    the serialized `req` (`_hashes_field`), or b"" after adding them to `req` itself."""
+    if not isinstance(hashes, (list, tuple)):
+        hashes = list(hashes)
+    tail = _hashes_field(req.DESCRIPTOR.name, hashes)
+    if tail is None:
+        req.block_hashes.extend(bytes(h) for h in hashes)
+        return b""
+    return tail
+
+
 def _local_error(code: int, details: str, method: str) -> PegaflowError:
     """A local RPC socket's non-OK status as the PegaflowError gRPC would have raised."""
     return PegaflowError(_STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), details, method)
@@ -373,12 +385,7 @@ class PegaflowClient:
             layers=list(layers or ()),
             request_id=request_id,
         )
-        if not isinstance(block_hashes, (list, tuple)):
-            block_hashes = list(block_hashes)  # any iterable, read once
-        tail = _hashes_field("SaveRequest", block_hashes)
-        if tail is None:
-            req.block_hashes.extend(bytes(h) for h in block_hashes)
-            tail = b""
+        tail = _put_hashes(req, block_hashes)
         return self._call(
             "Save", req, pb.SaveResponse,
             timeout_s if timeout_s is not None else self.config.save_timeout_s, tail,
@@ -397,12 +404,7 @@ class PegaflowClient:
         instance), a hit's load of every rank starts before the answer; the
         lease is then spent (`result.loads` says how each rank's went)."""
         req = pb.QueryPrefetchRequest(instance_id=instance_id, request_id=request_id)
-        if not isinstance(block_hashes, (list, tuple)):
-            block_hashes = list(block_hashes)  # any iterable, read once
-        tail = _hashes_field("QueryPrefetchRequest", block_hashes)
-        if tail is None:
-            req.block_hashes.extend(bytes(h) for h in block_hashes)
-            tail = b""
+        tail = _put_hashes(req, block_hashes)
         if load_into is not None:
             if not load_states:
                 raise ValueError("query_prefetch: load_into needs load_states (every rank's load state)")

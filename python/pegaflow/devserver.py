@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from typing import List, Optional
 
 #: The checkout this module sits in (python/pegaflow/devserver.py).
@@ -122,6 +123,26 @@ class DevServer:
                     time.sleep(0.05)
         finally:
             client.close()
+
+    def metric(self, name: str, timeout_s: float = 10.0) -> float:
+        """A counter or gauge without labels from the server's /metrics (0 when absent);
+        needs a server started with --http-addr."""
+        if not self.http:
+            raise RuntimeError("metric(): the server was started without --http-addr")
+        with urllib.request.urlopen(f"http://{self.http}/metrics", timeout=timeout_s) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return 0.0
+
+    def post(self, path: str, timeout_s: float = 30.0) -> int:
+        """POSTs to the server's HTTP admin `path` (e.g. /cache/memory/cleanup); its status."""
+        if not self.http:
+            raise RuntimeError("post(): the server was started without --http-addr")
+        req = urllib.request.Request(f"http://{self.http}{path}", method="POST")
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            r.read()
+            return r.status
 
     def logs(self) -> str:
         with open(self.log_path, errors="replace") as f:

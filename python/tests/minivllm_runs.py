@@ -39,29 +39,36 @@ def regions():
         r.close()
 
 
+def connector_config(engine_id: str, addr: str, namespace: str, **settings: object):
+    """vLLM's KVTransferConfig for `PegaflowConnector`; `settings`: `pegaflow.*` keys without
+    the prefix (None: left out)."""
+    from pegaflow.connector.vllm_api import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="PegaflowConnector",
+        kv_connector_module_path="pegaflow.connector.vllm",
+        kv_role="kv_both",
+        engine_id=engine_id,
+        kv_connector_extra_config={
+            "pegaflow.addr": addr,
+            "pegaflow.namespace": namespace,
+            **{f"pegaflow.{k}": v for k, v in settings.items() if v is not None},
+        },
+    )
+
+
 def pega_engine(
     model, server, regions, uid: str, mode: str, issuer: str | None = None, staging: int = 0,
     **extra: object,
 ) -> LLMEngine:
     """The tiny engine on the CPU with its KV in shm `regions`, connected to `server`;
     `extra`: more `pegaflow.*` settings (without the prefix)."""
-    from pegaflow.connector.vllm_api import KVTransferConfig
     from pegaflow.minivllm import EngineConfig
     from pegaflow.minivllm.model_runner import shm_kv_cache_allocator
 
-    ktc = KVTransferConfig(
-        kv_connector="PegaflowConnector",
-        kv_connector_module_path="pegaflow.connector.vllm",
-        kv_role="kv_both",
-        engine_id=f"{uid}-{mode}",
-        kv_connector_extra_config={
-            "pegaflow.addr": server.addr,
-            "pegaflow.mode": mode,
-            "pegaflow.namespace": f"ns-{uid}",
-            **({"pegaflow.load_issuer": issuer} if issuer else {}),
-            **({"pegaflow.staging_blocks": staging} if staging else {}),
-            **{f"pegaflow.{k}": v for k, v in extra.items()},
-        },
+    ktc = connector_config(
+        f"{uid}-{mode}", server.addr, f"ns-{uid}", mode=mode, load_issuer=issuer, staging_blocks=staging or None,
+        **extra,
     )
     return LLMEngine(
         EngineConfig(model="tiny", num_gpu_blocks=64, kv_transfer_config=ktc),

@@ -21,11 +21,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from pegaflow.connector.vllm_api import KVTransferConfig  # noqa: E402
 from pegaflow.minivllm import EngineConfig, LLMEngine  # noqa: E402
 from pegaflow.minivllm.model_runner import shm_kv_cache_allocator  # noqa: E402
 
-from minivllm_runs import run  # noqa: E402
+from minivllm_runs import connector_config, run  # noqa: E402
 from tiny_model import TINY  # noqa: E402
 
 #: Collectives wait at most this long for the other ranks (a dead peer fails the test, not hangs it).
@@ -39,21 +38,13 @@ def main() -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
-    ktc = KVTransferConfig(
-        kv_connector="PegaflowConnector",
-        kv_connector_module_path="pegaflow.connector.vllm",
-        kv_role="kv_both",
-        engine_id=f"{uid}-tp{tp}",
-        kv_connector_extra_config={
-            "pegaflow.addr": addr,
-            # "layerwise+staging": layer-wise through staging blocks (connector/staging.py);
-            # "+query": the loads of both ranks ride on the probe (connector/query_issuer.py).
-            "pegaflow.mode": mode.split("+")[0],
-            **({"pegaflow.staging_blocks": 32} if "+staging" in mode else {}),
-            **({"pegaflow.load_issuer": "query"} if mode.endswith("+query") else {}),
-            "pegaflow.namespace": f"ns-{uid}",
-            "pegaflow.device_id": rank,  # one server device per rank
-        },
+    # "layerwise+staging": layer-wise through staging blocks (connector/staging.py);
+    # "+query": the loads of both ranks ride on the probe (connector/query_issuer.py).
+    ktc = connector_config(
+        f"{uid}-tp{tp}", addr, f"ns-{uid}", mode=mode.split("+")[0],
+        staging_blocks=32 if "+staging" in mode else None,
+        load_issuer="query" if mode.endswith("+query") else None,
+        device_id=rank,  # one server device per rank
     )
     regions: list = []
     eng = LLMEngine(

@@ -13,13 +13,12 @@ import time
 import pytest
 import torch
 
-from pegaflow.connector.vllm_api import KVTransferConfig
 from pegaflow.devserver import DevServer
 from pegaflow.gpu_wait import GpuWaits
 from pegaflow.load_state import LoadState
 from pegaflow.minivllm import EngineConfig, LLMEngine
 
-from minivllm_runs import cold_then_warm
+from minivllm_runs import cold_then_warm, connector_config
 from tiny_model import TINY
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -142,18 +141,8 @@ def cuda_server():
 @pytest.mark.parametrize("issuer,staging", [("worker", 0), ("query", 32)])
 def test_the_engine_on_the_gpu_loads_layer_wise_through_gpu_waits(cuda_server, issuer, staging):
     uid = f"gw-{issuer}-{random.randrange(1 << 30)}"
-    ktc = KVTransferConfig(
-        kv_connector="PegaflowConnector",
-        kv_connector_module_path="pegaflow.connector.vllm",
-        kv_role="kv_both",
-        engine_id=uid,
-        kv_connector_extra_config={
-            "pegaflow.addr": cuda_server.addr,
-            "pegaflow.mode": "layerwise",
-            "pegaflow.namespace": f"ns-{uid}",
-            "pegaflow.load_issuer": issuer,
-            **({"pegaflow.staging_blocks": staging} if staging else {}),
-        },
+    ktc = connector_config(
+        uid, cuda_server.addr, f"ns-{uid}", mode="layerwise", load_issuer=issuer, staging_blocks=staging or None
     )
     eng = LLMEngine(EngineConfig(model="tiny", num_gpu_blocks=64, device="cuda", kv_transfer_config=ktc))
     rng = random.Random(uid)

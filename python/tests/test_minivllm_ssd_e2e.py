@@ -8,20 +8,10 @@ from __future__ import annotations
 
 import random
 import time
-import urllib.request
 
 from minivllm_runs import cold_then_warm, pega_engine, regions  # noqa: F401 (regions: a fixture)
 from server_proc import ServerProc
 from tiny_model import TINY, model  # noqa: F401 (model: a fixture)
-
-
-def metric(http: str, name: str) -> float:
-    """A counter or gauge without labels from the server's /metrics (0 when absent)."""
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
 
 
 def test_a_prefix_evicted_to_ssd_comes_back_through_loading_answers(model, regions, uid, tmp_path):
@@ -36,20 +26,17 @@ def test_a_prefix_evicted_to_ssd_comes_back_through_loading_answers(model, regio
 
     def evict_to_ssd() -> None:
         deadline = time.monotonic() + 30
-        while metric(s.http, "pegaflow_ssd_write_blocks_total") < nfull:
+        while s.metric("pegaflow_ssd_write_blocks_total") < nfull:
             assert time.monotonic() < deadline, "the prefix was not written behind to SSD in 30 s"
             time.sleep(0.02)
-        with urllib.request.urlopen(
-            urllib.request.Request(f"http://{s.http}/cache/memory/cleanup", method="POST"), timeout=10
-        ) as r:
-            assert r.status == 200
+        assert s.post("/cache/memory/cleanup") == 200
 
     try:
         cold_then_warm(eng, prompt, tol=1e-4, before_warm=evict_to_ssd)
         st = eng.scheduler_connector.pegaflow_stats()
         assert st["query_loading"] >= 1, st
-        assert metric(s.http, "pegaflow_ssd_read_blocks_total") >= nfull
-        assert metric(s.http, "pegaflow_ssd_checksum_failures_total") == 0
+        assert s.metric("pegaflow_ssd_read_blocks_total") >= nfull
+        assert s.metric("pegaflow_ssd_checksum_failures_total") == 0
         eng.drain(timeout_s=60)
     finally:
         eng.shutdown()
