@@ -192,6 +192,11 @@ int32_t pf_hostmem_alloc(pf_pool *p, const char *who) {
   if (p->flags & PF_POOL_HUGEPAGES) {
     p->applied |= PF_POOL_HUGEPAGES;
     p->huge_page_bytes = page;
+  } else {
+    /* Transparent huge pages where the kernel offers them (a hint; "never"
+     * ignores it): 2 MiB pages fault in 512x fewer times at pre-touch and
+     * cut TLB misses of every pass over the pool. */
+    (void)madvise(m, len, MADV_HUGEPAGE);
   }
   p->host = m;
   p->mapped_bytes = len;
