@@ -665,10 +665,14 @@ class Bench:
                 "runs": rs,
             }
         res["on_stats"] = on.worker_connector.pegaflow_stats() if on.worker_connector else {}
+        # Repeat i ran on and off back to back: the mean of their ratios cancels slow drift.
+        pairs = [a[0] / b[0] for a, b in zip(runs["on"], runs["off"])]
+        res["paired_slowdown"] = 1 - statistics.fmean(pairs)
         print(
             f"decode tokens/s (median of {self.args.decode_repeats}): on {res['on']['decode_tokens_per_s']:.1f} "
             f"off {res['off']['decode_tokens_per_s']:.1f}; end to end on {res['on']['e2e_tokens_per_s']:.1f} "
-            f"off {res['off']['e2e_tokens_per_s']:.1f}"
+            f"off {res['off']['e2e_tokens_per_s']:.1f}; on/off per back-to-back pair "
+            f"{' '.join(f'{x:.3f}' for x in pairs)} (mean: {100 * res['paired_slowdown']:.1f} % slower)"
         )
         on.drain()
         off.drain()
@@ -845,7 +849,7 @@ def main() -> None:
         "QueryPrefetch into staging blocks; layer-wise with staging blocks only, the other engines "
         "use scheduler), the scheduler as soon as it allocated the blocks, or the worker in start_load_kv",
     )
-    p.add_argument("--decode-repeats", type=int, default=4, help="on and off runs each, interleaved")
+    p.add_argument("--decode-repeats", type=int, default=8, help="on and off runs each, interleaved")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a GPU-hit and a decode step")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/ttft-<backend>.json)")
