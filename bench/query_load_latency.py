@@ -32,14 +32,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
-import numpy as np  # noqa: E402
-
 import pegaflow.local_rpc as local_rpc  # noqa: E402
 from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.devserver import DevServer  # noqa: E402
 from pegaflow.load_state import LoadState  # noqa: E402
-from pegaflow.regions import ShmRegion, export_kv_layers  # noqa: E402
-from pegaflow.registration import KvRegistration  # noqa: E402
+
+from host_kv import register_host_kv  # noqa: E402
 
 LAYERS, BLOCK_TOKENS, HEADS, HEAD_DIM = 32, 16, 1, 128  # 4 KB segments: the pool unit, so runs merge as at 32 KB
 HIT_BLOCKS = 639  # a 10,240-token prompt: the last block holds the recomputed token
@@ -65,20 +63,12 @@ def main() -> None:
          "--log-level", "debug"],
         start_timeout_s=120.0,
     )
-    blocks = 2 * HIT_BLOCKS + 2
-    per_layer = 2 * blocks * BLOCK_TOKENS * HEADS * HEAD_DIM * 2
-    region = ShmRegion(per_layer * LAYERS)
-    kv = {
-        f"model.layers.{i}.self_attn.attn": region.numpy(
-            np.float16, (2, blocks, BLOCK_TOKENS, HEADS, HEAD_DIM), offset=i * per_layer
-        )
-        for i in range(LAYERS)
-    }
     client = PegaflowClient("unix:" + sock)
     uid = f"qll-{os.getpid()}"
-    layers, device = export_kv_layers(kv)
-    reg = KvRegistration(client, instance_id=uid, namespace="ns-" + uid, layers=layers, device_id=device)
-    reg.register()
+    region, reg = register_host_kv(
+        client, uid, layers=LAYERS, blocks=2 * HIT_BLOCKS + 2, block_tokens=BLOCK_TOKENS, kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+    )
     hashes = [os.urandom(16) for _ in range(HIT_BLOCKS)]
     client.save(instance_id=uid, tp_rank=0, block_ids=list(range(1, HIT_BLOCKS + 1)), block_hashes=hashes)
     targets = list(range(HIT_BLOCKS + 1, 2 * HIT_BLOCKS + 1))
