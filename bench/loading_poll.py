@@ -26,13 +26,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
-import numpy as np  # noqa: E402
-
 from pegaflow.client import PegaflowClient  # noqa: E402
 from pegaflow.connector.scheduler_core import SchedulerCore  # noqa: E402
 from pegaflow.devserver import DevServer  # noqa: E402
-from pegaflow.regions import ShmRegion, export_kv_layers  # noqa: E402
-from pegaflow.registration import KvRegistration  # noqa: E402
+
+from host_kv import register_host_kv  # noqa: E402
 
 LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 32, 16, 8, 128  # 32 KiB per block, layer and K/V
 STEP_S = 0.0001  # an engine that only waits steps about this often
@@ -74,22 +72,14 @@ def main() -> None:
     pool = max(256 << 20, int(a.blocks * block_bytes * 1.3))
     server = DevServer.launch([
         "--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", str(pool), "--http-addr", "127.0.0.1:0",
-        "--ssd-cache-path", ssd_dir, "--ssd-cache-capacity", str(max(128 << 20, 4 * a.blocks * block_bytes)),
+        "--ssd-cache-path", ssd_dir, "--ssd-cache-capacity", str(max(1 << 30, 8 * a.blocks * block_bytes)),
         "--log-level", "warn",
     ], start_timeout_s=180.0)
-    per_layer = 2 * a.blocks * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2
-    region = ShmRegion(per_layer * LAYERS)
-    kv = {
-        f"model.layers.{i}.self_attn.attn": region.numpy(
-            np.float16, (2, a.blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM), offset=i * per_layer
-        )
-        for i in range(LAYERS)
-    }
     client = PegaflowClient(server.addr)
     uid = f"poll-{os.getpid()}"
-    layers, device = export_kv_layers(kv)
-    reg = KvRegistration(client, instance_id=uid, namespace="ns-" + uid, layers=layers, device_id=device)
-    reg.register()
+    region, reg = register_host_kv(
+        client, uid, layers=LAYERS, blocks=a.blocks, block_tokens=BLOCK_TOKENS, kv_heads=KV_HEADS, head_dim=HEAD_DIM
+    )
     rows = []
     try:
         written = 0
