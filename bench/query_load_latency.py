@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -105,6 +106,8 @@ def main() -> None:
         reg.close()
         client.close()
         server.stop()
+        region.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     # The server's side: "local rpc" lines (decoded / answered) in call order, "load done" by request.
     rpc, done = [], {}
     with open(server.log_path) as f:
@@ -115,7 +118,6 @@ def main() -> None:
                 r = json.loads(line)
                 done[r["request"]] = r
     server.remove_log()
-    region.close()
     rpc = rpc[-a.runs:]
     parts: dict[str, list[float]] = {
         k: [] for k in ("build", "to server", "to submit", " query", " load checks", " lease", " batch", " submit",
