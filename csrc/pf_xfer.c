@@ -13,9 +13,11 @@
  * slot for each burst of bytes it moves, never across a blocking call, so
  * the wait is short and bounded.
  *
- * The timer is one thread per endpoint that scans armed slots every
- * XFER_TIMER_TICK_MS: deadlines are met to within a tick, and a batch never
- * costs a timer operation.
+ * The timer is one thread per endpoint that sleeps until the earliest
+ * deadline of the armed slots, and for good while none is armed: an idle
+ * endpoint costs no wakeup, and a batch ends within a scheduler wakeup of its
+ * deadline. A submit wakes it only when its deadline comes before the wake
+ * the timer planned (the first batch after idle, a shorter timeout).
  */
 #define _GNU_SOURCE
 #include "pf_xfer_internal.h"
@@ -28,8 +30,12 @@
 #include <string.h>
 #include <time.h>
 
-/* Deadline resolution; also how long a timed-out batch may overrun. */
-#define XFER_TIMER_TICK_MS 5
+/* Retry interval of a scan that could not list every due slot (no memory). */
+#define XFER_TIMER_RETRY_NS 5000000ull
+/* timer_wake_ns while the timer scans: every submit then wakes it again. */
+#define XFER_TIMER_SCANNING 0ull
+/* timer_wake_ns while no slot is armed: the timer sleeps until a submit. */
+#define XFER_TIMER_IDLE UINT64_MAX
 #define XFER_MAX_TIMEOUT_MS 3600000u
 #define XFER_DEFAULT_STRIPE (1u << 20)
 #define XFER_MIN_STRIPE 4096u
@@ -136,50 +142,83 @@ typedef struct expired_t {
   uint32_t gen;
 } expired_t;
 
+/* Wakes the timer for a batch whose deadline comes before its planned wake. */
+static void timer_kick(pf_xfer_ep *ep) {
+  pthread_mutex_lock(&ep->timer_mu);
+  ep->timer_kick = 1;
+  pthread_cond_signal(&ep->timer_cv);
+  pthread_mutex_unlock(&ep->timer_mu);
+}
+
+/* Ends the armed slots whose deadline passed; returns the earliest deadline
+ * of those left (XFER_TIMER_IDLE when none). */
+static uint64_t timer_scan(pf_xfer_ep *ep, expired_t **due, uint32_t *cap) {
+  uint32_t n = 0;
+  uint64_t next = XFER_TIMER_IDLE;
+  /* Collect under ep->mu, end outside it (an end may wait for ring room);
+   * `scan` keeps the collected peers alive meanwhile. */
+  pthread_rwlock_rdlock(&ep->scan);
+  pthread_mutex_lock(&ep->mu);
+  uint64_t now = pf_now_ns();
+  for (pf_xfer_peer *p = ep->peers; p; p = p->next) {
+    for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
+      xfer_slot *s = &p->slots[i];
+      if (!atomic_load_explicit(&s->armed, memory_order_acquire)) continue;
+      uint64_t w = atomic_load(&s->guard);
+      if (w & XFER_CLOSED) continue;
+      if (atomic_load(&s->expiring)) continue;
+      if (s->deadline_ns > now) {
+        if (s->deadline_ns < next) next = s->deadline_ns;
+        continue;
+      }
+      if (n == *cap) {
+        uint32_t ncap = *cap ? *cap * 2 : 64;
+        expired_t *e = realloc(*due, ncap * sizeof **due);
+        if (!e) { /* the rest waits for a retry */
+          if (now + XFER_TIMER_RETRY_NS < next) next = now + XFER_TIMER_RETRY_NS;
+          continue;
+        }
+        *due = e;
+        *cap = ncap;
+      }
+      (*due)[n++] = (expired_t){p, s, (uint32_t)(w >> 32)};
+    }
+  }
+  pthread_mutex_unlock(&ep->mu);
+  for (uint32_t k = 0; k < n; k++) {
+    if (ep->ops->expire) ep->ops->expire((*due)[k].p, (*due)[k].s, (*due)[k].gen);
+    else xfer_end((*due)[k].p, (*due)[k].s, (*due)[k].gen, PF_ETIMEDOUT);
+  }
+  pthread_rwlock_unlock(&ep->scan);
+  return next;
+}
+
 static void *timer_main(void *arg) {
   pthread_setname_np(pthread_self(), "pf-xfer-timer");
   pf_xfer_ep *ep = arg;
   expired_t *due = NULL;
-  uint32_t n = 0, cap = 0;
+  uint32_t cap = 0;
   pthread_mutex_lock(&ep->timer_mu);
   while (!ep->timer_stop) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_nsec += XFER_TIMER_TICK_MS * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
-    pthread_cond_timedwait(&ep->timer_cv, &ep->timer_mu, &ts);
-    if (ep->timer_stop) break;
+    /* Scanning: a submit from here on wakes the timer again (Dekker with
+     * pf_xfer_submit: either the scan sees its slot armed, or the submit
+     * sees XFER_TIMER_SCANNING or a wake after its deadline, and kicks). */
+    ep->timer_kick = 0;
+    atomic_store(&ep->timer_wake_ns, XFER_TIMER_SCANNING);
+    atomic_thread_fence(memory_order_seq_cst);
     pthread_mutex_unlock(&ep->timer_mu);
-    /* Collect under ep->mu, end outside it (an end may wait for ring room);
-     * `scan` keeps the collected peers alive meanwhile. */
-    pthread_rwlock_rdlock(&ep->scan);
-    pthread_mutex_lock(&ep->mu);
-    uint64_t now = pf_now_ns();
-    n = 0;
-    for (pf_xfer_peer *p = ep->peers; p; p = p->next) {
-      for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
-        xfer_slot *s = &p->slots[i];
-        if (!atomic_load_explicit(&s->armed, memory_order_acquire)) continue;
-        uint64_t w = atomic_load(&s->guard);
-        if (w & XFER_CLOSED) continue;
-        if (s->deadline_ns > now || atomic_load(&s->expiring)) continue;
-        if (n == cap) {
-          uint32_t ncap = cap ? cap * 2 : 64;
-          expired_t *e = realloc(due, ncap * sizeof *due);
-          if (!e) break; /* the rest waits for the next tick */
-          due = e;
-          cap = ncap;
-        }
-        due[n++] = (expired_t){p, s, (uint32_t)(w >> 32)};
-      }
-    }
-    pthread_mutex_unlock(&ep->mu);
-    for (uint32_t k = 0; k < n; k++) {
-      if (ep->ops->expire) ep->ops->expire(due[k].p, due[k].s, due[k].gen);
-      else xfer_end(due[k].p, due[k].s, due[k].gen, PF_ETIMEDOUT);
-    }
-    pthread_rwlock_unlock(&ep->scan);
+    uint64_t next = timer_scan(ep, &due, &cap);
     pthread_mutex_lock(&ep->timer_mu);
+    if (ep->timer_stop) break;
+    if (ep->timer_kick) continue; /* a submit raced the scan: scan again */
+    atomic_store(&ep->timer_wake_ns, next);
+    if (next == XFER_TIMER_IDLE) {
+      pthread_cond_wait(&ep->timer_cv, &ep->timer_mu);
+    } else {
+      struct timespec ts = {.tv_sec = (time_t)(next / 1000000000ull),
+                            .tv_nsec = (long)(next % 1000000000ull)};
+      pthread_cond_timedwait(&ep->timer_cv, &ep->timer_mu, &ts);
+    }
   }
   pthread_mutex_unlock(&ep->timer_mu);
   free(due);
@@ -685,6 +724,10 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
   /* Publish: everything above is visible to whoever enters with this gen. */
   atomic_store_explicit(&s->guard, (uint64_t)s->gen << 32, memory_order_release);
   atomic_store_explicit(&s->armed, 1, memory_order_release);
+  /* The timer sleeps until the earliest deadline it saw: wake it if this
+   * one comes first (or it is scanning and may have missed this slot). */
+  atomic_thread_fence(memory_order_seq_cst);
+  if (s->deadline_ns < atomic_load(&ep->timer_wake_ns)) timer_kick(ep);
   atomic_fetch_add(&ep->n_submitted, 1);
   /* From here on the batch is accepted: a failure to post it is reported by
    * its record, like any later failure. */

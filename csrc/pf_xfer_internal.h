@@ -139,6 +139,8 @@ typedef struct pf_xfer_ep {
   pthread_mutex_t timer_mu;
   pthread_cond_t timer_cv;
   int timer_stop;
+  int timer_kick;                /* a submit's deadline comes first: scan again */
+  atomic_ullong timer_wake_ns;   /* when the timer looks next (pf_xfer.c) */
   atomic_ullong n_submitted, n_ok, n_failed, n_timedout, late_bytes;
   atomic_ullong conns_open, bytes_served, bytes_landed;
   uint32_t listen_port;

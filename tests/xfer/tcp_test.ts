@@ -397,6 +397,61 @@ Deno.test("a batch whose peer stops answering times out and its late bytes never
   }
 });
 
+Deno.test("a short deadline submitted behind a long one still ends at its own deadline", async () => {
+  // The timer sleeps until the earliest deadline it saw (30 s here): the
+  // second submit must wake it, or its 200 ms batch would wait out 30 s.
+  const { a, b, peer } = await pair(64 * MiB, 64 * MiB, 2);
+  try {
+    await stopProcess(a.pid);
+    const long = submit(peer, new XferBatch(1).reset("read", 30_000), [[0, 0, 32 * MiB]]);
+    const t0 = performance.now();
+    const short = await submit(peer, new XferBatch(1).reset("read", 200), [[0, 32 * MiB, MiB]]);
+    const ms = performance.now() - t0;
+    assert.equal(short.statusName, "PF_ETIMEDOUT");
+    assert.ok(ms >= 199 && ms < 2_000, `the 200 ms batch ended after ${ms.toFixed(0)} ms`);
+    Deno.kill(a.pid, "SIGCONT");
+    const res = await long;
+    assert.equal(res.statusName, "PF_OK");
+    assert.equal(firstMismatch(b.mem, [[0, 0, 32 * MiB]], SEED_A), -1);
+  } finally {
+    try {
+      Deno.kill(a.pid, "SIGCONT");
+    } catch { /* already gone */ }
+    await teardown(a, b);
+  }
+});
+
+/** Context switches of `pid`'s thread named `name` (one such thread expected). */
+async function threadSwitches(pid: number, name: string): Promise<number> {
+  const found: number[] = [];
+  for await (const t of Deno.readDir(`/proc/${pid}/task`)) {
+    const dir = `/proc/${pid}/task/${t.name}`;
+    const comm = (await Deno.readTextFile(`${dir}/comm`).catch(() => "")).trim();
+    if (comm !== name) continue;
+    const status = await Deno.readTextFile(`${dir}/status`);
+    const n = (key: string) => Number(status.match(new RegExp(`^${key}:\\s+(\\d+)`, "m"))?.[1]);
+    found.push(n("voluntary_ctxt_switches") + n("nonvoluntary_ctxt_switches"));
+  }
+  assert.equal(found.length, 1, `process ${pid} has ${found.length} threads named ${name}`);
+  return found[0];
+}
+
+Deno.test("an endpoint with nothing in flight has a sleeping deadline timer", async () => {
+  const { a, b, peer } = await pair(8 * MiB, 8 * MiB, 2);
+  try {
+    // A serves a READ (its timer never arms: A submits nothing), then idles.
+    const res = await submit(peer, new XferBatch(1).reset("read", 5_000), [[0, 0, MiB]]);
+    assert.equal(res.statusName, "PF_OK");
+    const before = await threadSwitches(a.pid, "pf-xfer-timer");
+    await new Promise((r) => setTimeout(r, 500));
+    const after = await threadSwitches(a.pid, "pf-xfer-timer");
+    // A timer that ticked every 5 ms would have woken ~100 times.
+    assert.ok(after - before <= 2, `the idle timer woke ${after - before} times in 500 ms`);
+  } finally {
+    await teardown(a, b);
+  }
+});
+
 Deno.test("a WRITE_IMM that times out mid-payload breaks the stream and never delivers its immediate", async () => {
   const { a, b, peer } = await pair(128 * MiB, 128 * MiB, 2);
   try {
