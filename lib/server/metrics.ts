@@ -8,6 +8,7 @@
  */
 import { type Counter, Gauge, type Histogram, Registry } from "prom-client";
 import { counter, gauge, histogram, scrapeGauge } from "../metrics.ts";
+import { registerProcessMetrics } from "./process_metrics.ts";
 import type { StageMetrics } from "../pipeline/stage.ts";
 import type { EngineMetrics } from "../engine/engine.ts";
 import type { StoreStats } from "../storage/store.ts";
@@ -200,6 +201,7 @@ export class ServerMetrics implements EngineMetrics {
       ["reason"],
     );
     registerStoreGauges(r, stats);
+    registerProcessMetrics(r);
     if (extra) {
       scrapeGauge(r, "pegaflow_instances", "registered instances", () => extra.instances());
     }
