@@ -241,7 +241,16 @@ export class LoadRunner {
           fields,
         );
       }
-      const times = { tEntry: job.tEntry, tStart, tLease, t0, tSubmitted: performance.now() };
+      // Ranges after the merge of contiguous segments (the batch is reused by the next load).
+      const segments = this.batch.numSegs;
+      const times = {
+        tEntry: job.tEntry,
+        tStart,
+        tLease,
+        t0,
+        tSubmitted: performance.now(),
+        segments,
+      };
       const bytes = rank.layers.reduce((n, l) => n + l.slotBytes, 0) * args.blockIds.length;
       const done = this.#whenDone(job, view, copy, times);
       return { numBlocks: args.blockIds.length, numLayers: rank.layers.length, bytes, done };
@@ -279,7 +288,14 @@ export class LoadRunner {
     job: LoadJob,
     view: LoadTicket,
     copy: Promise<{ bytes: number; ns: number }>,
-    t: { tEntry: number; tStart: number; tLease: number; t0: number; tSubmitted: number },
+    t: {
+      tEntry: number;
+      tStart: number;
+      tLease: number;
+      t0: number;
+      tSubmitted: number;
+      segments: number;
+    },
   ): Promise<void> {
     const { args, inst, rank, shm } = job;
     return copy.then(
@@ -292,6 +308,7 @@ export class LoadRunner {
           rank: rank.rank,
           blocks: args.blockIds.length,
           bytes: d.bytes,
+          segments: t.segments,
           admit_ms: round3(t.tStart - t.tEntry),
           prepare_ms: round3(t.t0 - t.tStart),
           lease_ms: round3(t.tLease - t.tStart),

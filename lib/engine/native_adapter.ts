@@ -133,6 +133,9 @@ class GrowingBatch implements BatchWriter {
   seg(regionOff: number, poolOff: number, bytes: number): void {
     this.batch.seg(regionOff, poolOff, bytes);
   }
+  get numSegs(): number {
+    return this.batch.numSegs;
+  }
 }
 
 /**

@@ -67,6 +67,8 @@ export interface BatchWriter {
   group(region: RegionPort, layerId: number): void;
   /** Adds one segment to the current group. */
   seg(regionOff: number, poolOff: number, bytes: number): void;
+  /** Segments written since the last reset (ranges as merged: what the copy will issue). */
+  readonly numSegs: number;
 }
 
 /** What a finished copy reports. */

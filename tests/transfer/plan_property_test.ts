@@ -24,6 +24,9 @@ class RecordingWriter implements BatchWriter {
   seg(r: number, p: number, n: number): void {
     this.groups[this.groups.length - 1].segs.push([r, p, n]);
   }
+  get numSegs(): number {
+    return this.groups.reduce((n, g) => n + g.segs.length, 0);
+  }
 }
 
 const NUM_BLOCKS = 48;

@@ -29,6 +29,9 @@ class RecordingWriter implements BatchWriter {
   seg(r: number, p: number, n: number): void {
     this.groups[this.groups.length - 1].segs.push([r, p, n]);
   }
+  get numSegs(): number {
+    return this.groups.reduce((n, g) => n + g.segs.length, 0);
+  }
 }
 
 const SEG = 4096;
