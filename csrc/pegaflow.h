@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 5
+#define PF_ABI_VERSION 6
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {
@@ -361,8 +361,15 @@ typedef struct pf_batch_header {
    * for G groups and write segments before it knows how many groups the
    * batch will have. */
   uint32_t segs_off;
-  uint32_t reserved; /* must be 0 */
+  uint32_t flags; /* PF_BATCH_* bits; any other bit is refused */
 } pf_batch_header;
+
+/* The consumer reads the batch only once all of it has landed (an engine's
+ * async load), never group by group: a cuda engine may then spread an H2D
+ * batch over several copy lanes, as it does a D2H one. Its groups still
+ * complete (and count in the progress words) in order, but in bursts; a
+ * layer-wise load leaves this off, so its layers land one after another. */
+#define PF_BATCH_WHOLE 1u
 
 typedef struct pf_batch_group {
   uint32_t region;    /* region handle (imported or allocated) */

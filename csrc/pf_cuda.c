@@ -1249,8 +1249,10 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
    * streams that the copy engines largely serialize, so groups complete in
    * bursts (measured on the H100: layers 7..31 of a 10K-token load all at
    * the end, the model idle meanwhile); one stream keeps them in order at
-   * the same total time for a load's merged ranges. */
-  if (b->direction == PF_H2D) want = 1;
+   * the same total time for a load's merged ranges. A load consumed only
+   * once whole (PF_BATCH_WHOLE: an async load) takes lanes like a save: its
+   * scattered 32 KB ranges are issue-bound on one thread. */
+  if (b->direction == PF_H2D && !b->whole) want = 1;
   /* A failed device issues nothing and creates no events in its context:
    * the batch only queues, and the submitter fails it naming the device. */
   int dead = atomic_load_explicit(&e->failed, memory_order_relaxed) != 0;

@@ -669,9 +669,9 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
                    "2 dma_batch, 3 dma, 4 mixed)", h->path);
   if (h->num_groups == 0)
     return pf_fail(PF_EINVAL, "pf_copy_submit: num_groups is 0");
-  if (h->reserved != 0)
-    return pf_fail(PF_EINVAL, "pf_copy_submit: header.reserved is %u "
-                   "(expected 0)", h->reserved);
+  if (h->flags & ~PF_BATCH_WHOLE)
+    return pf_fail(PF_EINVAL, "pf_copy_submit: header.flags 0x%x has unknown "
+                   "bits (known: PF_BATCH_WHOLE = 0x1)", h->flags);
   uint64_t groups_end =
       sizeof(pf_batch_header) + (uint64_t)h->num_groups * sizeof(pf_batch_group);
   uint64_t segs_off = h->segs_off ? h->segs_off : groups_end;
@@ -722,6 +722,7 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
                    "%u segments", h->num_groups, h->num_segs);
   b->direction = h->direction;
   b->path = h->path;
+  b->whole = (h->flags & PF_BATCH_WHOLE) != 0;
   b->tag = tag;
   b->num_segs = h->num_segs;
   b->progress_off = h->progress_off;

@@ -23,6 +23,20 @@ const GROUP_BYTES = 16;
 const SEG_BYTES = 24;
 const TWO32 = 4294967296;
 
+/** `pf_batch_header.flags` bit PF_BATCH_WHOLE. */
+const BATCH_WHOLE = 1;
+
+/** Options of {@link CopyBatch.reset}. */
+export interface BatchOptions {
+  /**
+   * The consumer reads the batch only once all of it has landed (an
+   * engine's async load), never group by group: a cuda engine may then
+   * spread an H2D batch over several copy lanes (`PF_BATCH_WHOLE`). Its
+   * groups still complete in order, in bursts.
+   */
+  whole?: boolean;
+}
+
 /** Where a batch stores its progress words (see `pf_batch_header`). */
 export interface ProgressTarget {
   /** The shm object (or its u32 handle). */
@@ -61,6 +75,7 @@ export class CopyBatch {
   #bytes = 0;
   #direction: Direction = "d2h";
   #path: CopyPath = "host";
+  #whole = false;
 
   /** Preallocates room for `maxGroups` groups and `maxSegs` segments. */
   constructor(maxGroups: number, maxSegs: number) {
@@ -100,6 +115,10 @@ export class CopyBatch {
   get path(): CopyPath {
     return this.#path;
   }
+  /** Set by {@link CopyBatch.reset}'s `whole` (PF_BATCH_WHOLE). */
+  get whole(): boolean {
+    return this.#whole;
+  }
   /** Descriptor bytes in use (header, all group slots, written segments). */
   get byteLength(): number {
     return (this.#segsWord << 2) + SEG_BYTES * this.#segs;
@@ -110,7 +129,12 @@ export class CopyBatch {
    * backend's memcpy); a cuda engine needs a GPU path, set here or later
    * with {@link CopyBatch.setPath} by the path policy.
    */
-  reset(direction: Direction, path: CopyPath = "host", progress?: ProgressTarget): this {
+  reset(
+    direction: Direction,
+    path: CopyPath = "host",
+    progress?: ProgressTarget,
+    opts: BatchOptions = {},
+  ): this {
     const d = DIRECTION_CODES[direction];
     const p = PATH_CODES[path];
     if (d === undefined) {
@@ -137,7 +161,8 @@ export class CopyBatch {
       u[4] = 0;
       u[5] = 0;
     }
-    u[7] = 0;
+    u[7] = opts.whole ? BATCH_WHOLE : 0;
+    this.#whole = opts.whole === true;
     return this;
   }
 

@@ -40,7 +40,7 @@ export type {
 } from "./native.ts";
 export type { EngineProps, PoolInfo, RegionInfo } from "./structs.ts";
 export { type Completion, COMPLETION_KIND, CompletionRing } from "./ring.ts";
-export { CopyBatch, type ProgressTarget } from "./batch.ts";
+export { type BatchOptions, CopyBatch, type ProgressTarget } from "./batch.ts";
 export {
   CopyEngine,
   type CopyEngineOptions,

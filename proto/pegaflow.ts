@@ -368,6 +368,14 @@ export interface LoadRequest {
   loadStateShm: string;
   /** Optional: the engine's request id, carried into the server's log lines. */
   requestId: string;
+  /**
+   * Optional: the engine reads these blocks only once the whole load has
+   * landed (vLLM's async loading), never layer by layer. The server may then
+   * spread the copy over several copy lanes (docs/native.md): its layers still
+   * count in order in the load state, but land in bursts, which only a
+   * layer-wise consumer would mind. Off (the default) keeps one lane.
+   */
+  whole: boolean;
 }
 
 export interface LoadResponse {
@@ -2450,6 +2458,7 @@ function createBaseLoadRequest(): LoadRequest {
     blockIds: [],
     loadStateShm: "",
     requestId: "",
+    whole: false,
   };
 }
 
@@ -2479,6 +2488,9 @@ export const LoadRequest: MessageFns<LoadRequest> = {
     }
     if (message.requestId !== "") {
       writer.uint32(58).string(message.requestId);
+    }
+    if (message.whole !== false) {
+      writer.uint32(64).bool(message.whole);
     }
     return writer;
   },
@@ -2562,6 +2574,14 @@ export const LoadRequest: MessageFns<LoadRequest> = {
             message.requestId = reader.string();
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.whole = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2586,6 +2606,7 @@ export const LoadRequest: MessageFns<LoadRequest> = {
     message.blockIds = object.blockIds?.map((e) => e) || [];
     message.loadStateShm = object.loadStateShm ?? "";
     message.requestId = object.requestId ?? "";
+    message.whole = object.whole ?? false;
     return message;
   },
 };

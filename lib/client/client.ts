@@ -251,8 +251,11 @@ export class PegaflowClient {
    * lease holds is INVALID_ARGUMENT, and like every refusal leaves the lease
    * usable for a corrected retry.
    */
-  load(req: Omit<LoadRequest, "requestId"> & { requestId?: string }): Promise<LoadResponse> {
-    return this.#call("Load", this.#raw.load as never, { requestId: "", ...req });
+  /** `whole`: the engine reads the load only once all of it landed (async mode; see the proto). */
+  load(
+    req: Omit<LoadRequest, "requestId" | "whole"> & { requestId?: string; whole?: boolean },
+  ): Promise<LoadResponse> {
+    return this.#call("Load", this.#raw.load as never, { requestId: "", whole: false, ...req });
   }
 
   async release(leaseId: Uint8Array): Promise<void> {

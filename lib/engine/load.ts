@@ -44,6 +44,8 @@ export interface LoadArgs {
   leaseId: Uint8Array;
   blockIds: number[];
   loadStateShm: string;
+  /** The engine reads the load only once whole (async mode): the copy may take several lanes. */
+  whole?: boolean;
 }
 
 export interface LoadResult {
@@ -225,10 +227,14 @@ export class LoadRunner {
     try {
       this.#stateOp(() => armLoadState(shm, rank.layers.length), who, args.loadStateShm, fields);
       // ONE scatter batch for every layer of the rank, in registration order.
-      this.planner.writeLoad(this.batch, view, rank.layers, args.blockIds, {
-        shm,
-        offset: OFF_PROGRESS,
-      });
+      this.planner.writeLoad(
+        this.batch,
+        view,
+        rank.layers,
+        args.blockIds,
+        { shm, offset: OFF_PROGRESS },
+        { whole: args.whole === true },
+      );
       const t0 = performance.now();
       let copy;
       try {
@@ -309,6 +315,7 @@ export class LoadRunner {
           blocks: args.blockIds.length,
           bytes: d.bytes,
           segments: t.segments,
+          whole: args.whole === true || undefined,
           admit_ms: round3(t.tStart - t.tEntry),
           prepare_ms: round3(t.t0 - t.tStart),
           lease_ms: round3(t.tLease - t.tStart),

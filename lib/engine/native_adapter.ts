@@ -21,6 +21,7 @@ import { forcedPath, PathPolicy, type TransferPathFlag } from "../copy_path.ts";
 import { calibrationKey, loadOrMeasure, measureCalibration } from "../copy_calibration.ts";
 import {
   type BatchWriter,
+  type BatchWriterOptions,
   ClientMemoryFault,
   type CopyDirection,
   type CopyDone,
@@ -112,12 +113,17 @@ class GrowingBatch implements BatchWriter {
     while (s < segs) s *= 2;
     this.batch = new CopyBatch(g, s);
   }
-  reset(direction: CopyDirection, progress?: { shm: ShmPort; offset: number }): void {
+  reset(
+    direction: CopyDirection,
+    progress?: { shm: ShmPort; offset: number },
+    opts: BatchWriterOptions = {},
+  ): void {
     // The path is set at submit, once the segments are known (PathPolicy).
     this.batch.reset(
       direction === "gather" ? "d2h" : "h2d",
       "host",
       progress ? { shm: progress.shm.handle, offset: progress.offset } : undefined,
+      { whole: opts.whole === true },
     );
     this.device = -1;
   }

@@ -58,11 +58,21 @@ export type CopyDirection = "gather" | "scatter";
  * allocation per segment, and the writer does not merge (one merger:
  * lib/transfer/ranges.ts).
  */
+/** How a batch may be copied (`pf_batch_header.flags`). */
+export interface BatchWriterOptions {
+  /** Consumed only once all of it landed (an async load): an H2D copy may take several lanes. */
+  whole?: boolean;
+}
+
 export interface BatchWriter {
   /** Makes room for a batch of this many groups and segments (grows; never shrinks). */
   ensure(groups: number, segs: number): void;
   /** Starts a new batch; `progress` names the shm words the copy publishes per-group progress to. */
-  reset(direction: CopyDirection, progress?: { shm: ShmPort; offset: number }): void;
+  reset(
+    direction: CopyDirection,
+    progress?: { shm: ShmPort; offset: number },
+    opts?: BatchWriterOptions,
+  ): void;
   /** Opens a group (a layer) whose segments follow. */
   group(region: RegionPort, layerId: number): void;
   /** Adds one segment to the current group. */

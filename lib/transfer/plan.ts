@@ -14,7 +14,7 @@
  */
 
 import { type Geometry, segmentAddr } from "../engine/geometry.ts";
-import type { BatchWriter, RegionPort, ShmPort } from "../engine/ports.ts";
+import type { BatchWriter, BatchWriterOptions, RegionPort, ShmPort } from "../engine/ports.ts";
 import { offsetColumn, offsetIndex } from "../storage/offsets.ts";
 import type { LoadTicket, SavePlan } from "../storage/store.ts";
 import { RangeMerger } from "./ranges.ts";
@@ -130,11 +130,12 @@ export class TransferPlanner {
     layers: readonly LayerTarget[],
     ids: readonly number[],
     progress: { shm: ShmPort; offset: number },
+    opts: BatchWriterOptions = {},
   ): BatchShape {
     let nSegs = 0;
     for (const l of layers) nSegs += ids.length * l.geometry.numSegments;
     batch.ensure(layers.length, nSegs);
-    batch.reset("scatter", progress);
+    batch.reset("scatter", progress, opts);
     const m = this.#merger;
     m.sink = batch;
     const n = ticket.blockCount;

@@ -200,6 +200,7 @@ def _load_request(
     block_ids: Sequence[int],
     load_state_shm: str,
     request_id: str,
+    whole: bool,
 ) -> pb.LoadRequest:
     """The one LoadRequest both `load` and `load_nowait` send."""
     return pb.LoadRequest(
@@ -210,6 +211,7 @@ def _load_request(
         block_ids=list(block_ids),
         load_state_shm=load_state_shm,
         request_id=request_id,
+        whole=whole,
     )
 
 
@@ -433,10 +435,13 @@ class PegaflowClient:
         load_state_shm: str,
         request_id: str = "",
         timeout_s: Optional[float] = None,
+        whole: bool = False,
     ) -> pb.LoadResponse:
         """Consumes the lease for this rank and starts scattering into
-        `block_ids`; returns at submit (progress is in the load state)."""
-        req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id)
+        `block_ids`; returns at submit (progress is in the load state).
+        `whole`: the engine reads the blocks only once all of them landed
+        (async loading), so the server may copy over several lanes."""
+        req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole)
         return self._call("Load", req, pb.LoadResponse, timeout_s)
 
     def load_nowait(
@@ -451,12 +456,13 @@ class PegaflowClient:
         on_done: Callable[[Optional[PegaflowError]], None],
         request_id: str = "",
         timeout_s: Optional[float] = None,
+        whole: bool = False,
     ) -> None:
         """`load` without waiting for the answer: the call is on its way when
         this returns, and `on_done(None | error)` runs once it is answered
         (on a gRPC or local-RPC reader thread, or here if that already happened). The deadline is
         the same as `load`'s."""
-        req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id)
+        req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole)
         t = timeout_s if timeout_s is not None else self.config.rpc_timeout_s
         local = self._usable_local()
         if local is not None:

@@ -51,6 +51,28 @@ def test_save_query_load_round_trip_lands_byte_exact_in_other_blocks(client, uid
         region.close()
 
 
+def test_a_whole_load_into_descending_blocks_lands_byte_exact(client, uid):
+    """`whole=True` (an async engine's load): the same contract, the server free to use copy lanes."""
+    region, kv = make_kv(2, 32)
+    reg = register(client, kv, uid, "ns-" + uid)
+    try:
+        hashes = chained_block_hashes(synthetic_tokens(17, 4 * 4), 4, salt=uid)
+        fill(kv, [0, 1, 2, 3], hashes)
+        client.save(instance_id=uid, tp_rank=0, block_ids=[0, 1, 2, 3], block_hashes=hashes)
+        q = client.query_prefetch(instance_id=uid, block_hashes=hashes, request_id="w1")
+        assert q.hits == 4
+        dst = [31, 30, 29, 28]
+        with LoadState.create() as st:
+            res = client.load(instance_id=uid, tp_rank=0, lease_id=q.lease_id, block_ids=dst,
+                              load_state_shm=st.name, request_id="w1", whole=True)
+            assert (res.num_blocks, res.num_layers) == (4, 2)
+            st.wait_all(timeout_s=30)
+        assert matches(kv, dst, hashes) == []
+    finally:
+        reg.close()
+        region.close()
+
+
 def test_a_lease_is_consumed_once_per_rank_and_release_gives_it_back(client, uid):
     region, kv = make_kv(1, 16)
     reg = register(client, kv, uid, "ns-" + uid)

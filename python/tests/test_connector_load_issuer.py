@@ -61,12 +61,16 @@ class Recorder:
         real_load = eng.worker.client.load
         real_start = eng.worker.start_load_kv
 
+        self.whole: List[bool] = []
+
         def send(**kw):
             self.events.append(("scheduler sends Load", kw["tp_rank"], kw["pp_rank"], kw["load_state_shm"]))
+            self.whole.append(kw.get("whole", False))
             return real_send(**kw)
 
         def load(**kw):
             self.events.append(("worker sends Load", kw["tp_rank"], kw["pp_rank"]))
+            self.whole.append(kw.get("whole", False))
             return real_load(**kw)
 
         def start(ctx, **kw):
@@ -96,6 +100,8 @@ def test_the_scheduler_sends_the_load_before_the_workers_step_and_it_lands_byte_
     assert kinds[0] == "scheduler sends Load" and rec.events[0][1:3] == (0, 0)
     assert kinds.index("scheduler sends Load") < kinds.index("worker start_load_kv")
     assert "worker sends Load" not in kinds and kinds.count("scheduler sends Load") == 1
+    # An async load is read only once whole: the server may spread it over copy lanes.
+    assert rec.whole == [mode == "async"]
     assert not set(warm.block_ids) & set(cold.block_ids)
     assert eng.holds_all(warm, warm.num_tokens)
     assert eng.layer_violations == [] and eng.invalid_blocks == set()
@@ -288,3 +294,16 @@ def test_an_async_load_aborted_before_it_landed_keeps_its_blocks_until_finished_
     assert eng.sched._s().delayed == set()
     assert eng.holds_all(r, 4 * BLOCK)  # the copy landed in blocks nobody reused
     eng._free(r)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_worker_issued_load_is_whole_only_in_async_mode_and_lands_byte_exact(engines, uid, mode):
+    eng = engines(mode, **{"pegaflow.load_issuer": "worker"})
+    cold = cold_then_drained(eng, 41, 6, uid)
+    rec = Recorder(eng)
+    warm = Request("warm", cold.prompt_token_ids[: 5 * BLOCK] + synthetic_tokens(42, 3 * BLOCK), salt=uid)
+    assert eng.run_prefill(warm, avoid=set(cold.block_ids)) == 5 * BLOCK
+    assert "scheduler sends Load" not in rec.kinds() and rec.kinds().count("worker sends Load") == 1
+    assert rec.whole == [mode == "async"]
+    assert eng.holds_all(warm, warm.num_tokens)
+    assert eng.layer_violations == [] and eng.invalid_blocks == set()

@@ -233,3 +233,49 @@ Deno.test("a refused Load marks every layer done, so a layers_ready waiter wakes
     await srv.stop();
   }
 });
+
+Deno.test("a whole (async) Load lands byte-exact into scattered targets, and its log line says whole", async () => {
+  const srv = await startServer();
+  const e = sim(srv, uid("whole"), uid("ns"));
+  const st = LoadState.create();
+  try {
+    await e.register();
+    const hashes = chainedBlockHashes(syntheticTokens(31, 16 * 6), 16);
+    e.fill([0, 1, 2, 3, 4, 5], hashes);
+    await e.save([0, 1, 2, 3, 4, 5], hashes);
+    const q = await e.query(hashes, "r-whole");
+    assert.ok(q.kind === "ready" && q.hits === 6);
+    if (q.kind !== "ready") return;
+    const dst = [15, 13, 11, 9, 7, 8]; // descending and scattered, as vLLM hands a re-sent prompt
+    e.clear(dst);
+    const r = await srv.client.load({
+      instanceId: e.instanceId,
+      tpRank: 0,
+      ppRank: 0,
+      leaseId: q.leaseId,
+      blockIds: dst,
+      loadStateShm: st.name,
+      requestId: "r-whole",
+      whole: true,
+    });
+    assert.equal(r.numBlocks, 6);
+    assert.equal(await st.waitAll(), 1);
+    assert.equal(st.snapshot().layersReady, MODEL.numLayers);
+    const v = e.verify(dst, hashes);
+    assert.equal(v.badSegments, 0, v.first ?? "");
+    let line: Record<string, unknown> | undefined;
+    for (let i = 0; i < 100 && !line; i++) {
+      const hit = srv.logs().find((l) => l.includes('"load done"') && l.includes("r-whole"));
+      if (hit) line = JSON.parse(hit);
+      else await new Promise((res) => setTimeout(res, 10));
+    }
+    assert.ok(line, "the load done line");
+    assert.equal(line!.whole, true);
+    // Nothing merges: descending targets, 6 blocks x 3 layers x K/V.
+    assert.equal(line!.segments, 6 * MODEL.numLayers * 2 - 2 * MODEL.numLayers);
+  } finally {
+    st.close();
+    e.close();
+    await srv.stop();
+  }
+});

@@ -351,7 +351,7 @@ class SchedulerCore:
                 self.client.load_nowait(
                     instance_id=self.load_instance, tp_rank=tp_rank, pp_rank=pp_rank, lease_id=intent.lease_id,
                     block_ids=intent.block_ids, load_state_shm=st.name, request_id=intent.request_id,
-                    on_done=answered,
+                    on_done=answered, whole=self.mode == ASYNC,
                 )
                 self._count("loads_issued")
             except PegaflowError as e:  # the client is closed: nothing was sent

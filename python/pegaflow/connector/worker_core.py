@@ -347,7 +347,7 @@ class WorkerCore:
                     instance_id=reg_of_load.instance_id,
                     tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                     lease_id=intent.lease_id, block_ids=intent.block_ids, load_state_shm=ld.state.name,
-                    request_id=intent.request_id,
+                    request_id=intent.request_id, whole=self.mode == ASYNC,
                 )
                 self._count("loads", 1)
                 self._count("load_blocks", len(intent.block_ids))
