@@ -145,11 +145,15 @@ const NIBBLE: Int8Array = (() => {
 })();
 
 /**
- * 32-bit FNV-1a over a hash's bytes (hex input gives the same value as its
- * bytes), seeded per namespace. The block index is keyed by this number:
- * a Map with small-integer keys skips building and hashing a 70-character
- * `namespace:hex` string per lookup (measured ~2.7× faster for 625 hashes).
- * Collisions are chained and resolved with {@link hashMatches}.
+ * FNV-1a over a hash's bytes (hex input gives the same value as its bytes),
+ * seeded per namespace, kept to its low 30 bits. The block index is keyed by
+ * this number: a Map with small-integer keys skips building and hashing a
+ * 70-character `namespace:hex` string per lookup (measured ~2.7× faster for
+ * 625 hashes), and 30 bits keep every key a V8 small integer (a 32-bit value
+ * above 2^30 is a heap number: one allocation and a slower Map probe per
+ * lookup; 0.46 → 0.37 ms for the server's side of a 639-block query against
+ * ~13,000 stored blocks). Collisions are chained and resolved with
+ * {@link hashMatches}.
  * Throws {@link InvalidArgumentError} on an empty, oversized or malformed hash.
  */
 export function hashBucket(hash: BlockHash, seed: number): number {
@@ -167,7 +171,7 @@ export function hashBucket(hash: BlockHash, seed: number): number {
       x = Math.imul(x, 0x01000193);
     }
   }
-  return x >>> 0;
+  return x & 0x3fffffff;
 }
 
 /**

@@ -7,6 +7,21 @@ const LAYOUT = { layers: 1, tpSize: 1, collapseTp: false, segments: 1, segmentBy
 const block = (ns: string, hex: string, bucket: number) =>
   new Block(`${ns}:${hex}`, ns, hex, LAYOUT, 0, bucket);
 
+Deno.test("hash buckets are V8 small integers (0 .. 2^30 - 1) and still spread", () => {
+  // A bucket of 2^30 or more would be a heap number: an allocation and a slower Map probe per lookup.
+  const seen = new Set<number>();
+  let high = 0;
+  for (let i = 0; i < 4096; i++) {
+    const h = crypto.getRandomValues(new Uint8Array(16));
+    const b = hashBucket(h, 0x5eed);
+    strictEqual(Number.isInteger(b) && b >= 0 && b < 2 ** 30, true, `bucket ${b}`);
+    if (b >= 2 ** 29) high++;
+    seen.add(b);
+  }
+  strictEqual(seen.size > 4080, true, `${seen.size} distinct buckets of 4096`);
+  strictEqual(high > 1700 && high < 2400, true, `${high} of 4096 in the upper half`);
+});
+
 Deno.test("hash buckets agree for bytes and hex, differ by namespace seed, and reject bad hashes", () => {
   const bytes = new Uint8Array([0xde, 0xad, 0xbe, 0xef]);
   strictEqual(hashBucket(bytes, 7), hashBucket("deadbeef", 7));
