@@ -13,10 +13,13 @@ load and gives nothing back (the load spent the lease). Per run, wall-clock ms:
   to submit  decoded -> the copy submitted (lookup, lease, the load's checks, batch, submit)
   answer     submitted -> the answer is back in the client
 
-Segments are 4 KB (one head; the JS work scales with blocks x layers, not bytes). Prints a
-table, writes bench/results/query-load-latency[-TAG].json. Never asserts.
+Segments are 4 KB (one head; the JS work scales with blocks x layers, not bytes). With
+`--stored-prompts N` the server first holds N other prompts of 639 blocks: the lookup's cost
+grows with the store (a TTFT run's server holds ~13,000 blocks). Prints a table, writes
+bench/results/query-load-latency[-TAG].json. Never asserts.
 
     /usr/bin/python3 bench/query_load_latency.py --runs 200 [--tag host2]
+    /usr/bin/python3 bench/query_load_latency.py --stored-prompts 20 --pool-size 4gb
 """
 
 from __future__ import annotations
@@ -55,12 +58,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--gap-ms", type=float, default=20.0, help="idle time between runs")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
+    ap.add_argument(
+        "--stored-prompts", type=int, default=0,
+        help="other 639-block prompts saved first (a server that holds more blocks: ~13,000 at 20)",
+    )
+    ap.add_argument("--pool-size", default="256mb", help="the server's --pool-size (4gb for 20 stored prompts)")
     a = ap.parse_args()
 
     sock_dir = tempfile.mkdtemp(prefix="pf-qll-")
     sock = os.path.join(sock_dir, "pf.sock")
     server = DevServer.launch(
-        ["--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", "256mb", "--uds", sock,
+        ["--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", a.pool_size, "--uds", sock,
          "--log-level", "debug"],
         start_timeout_s=120.0,
     )
@@ -73,6 +81,9 @@ def main() -> None:
     hashes = [os.urandom(16) for _ in range(HIT_BLOCKS)]
     client.save(instance_id=uid, tp_rank=0, block_ids=list(range(1, HIT_BLOCKS + 1)), block_hashes=hashes)
     targets = list(range(HIT_BLOCKS + 1, 2 * HIT_BLOCKS + 1))
+    for _ in range(a.stored_prompts):  # the same blocks saved again under other hashes
+        client.save(instance_id=uid, tp_rank=0, block_ids=list(range(1, HIT_BLOCKS + 1)),
+                    block_hashes=[os.urandom(16) for _ in range(HIT_BLOCKS)])
 
     sent: list[float] = []
     orig_call = local_rpc.LocalRpc.call
@@ -148,6 +159,7 @@ def main() -> None:
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "blocks": HIT_BLOCKS, "layers": LAYERS, "runs": a.runs, "gap_ms": a.gap_ms,
+            "stored_prompts": a.stored_prompts,
             "parts": table,
         }, f, indent=1)
     print("json:", out)
