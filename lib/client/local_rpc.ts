@@ -54,6 +54,8 @@ export type RpcTarget =
  */
 export class LocalRpcClient {
   #conn: Promise<Deno.Conn> | undefined;
+  /** The dialled connection until it ends: a call then needs no dial, timer or race. */
+  #open: Deno.Conn | undefined;
   #pending = new Map<number, Pending>();
   #nextId = 0;
   #writing: Promise<void> = Promise.resolve();
@@ -92,7 +94,10 @@ export class LocalRpcClient {
         ? Deno.connect(t)
         : Deno.connect(t).then((c) => (c.setNoDelay(true), c));
       this.#conn = conn;
-      conn.then((c) => this.#readLoop(c), () => {
+      conn.then((c) => {
+        if (this.#conn === conn) this.#open = c;
+        return this.#readLoop(c);
+      }, () => {
         if (this.#conn === conn) this.#conn = undefined;
       });
     }
@@ -138,6 +143,7 @@ export class LocalRpcClient {
     } catch (e) {
       why = (e as Error).message;
     }
+    if (this.#open === conn) this.#open = undefined;
     try {
       conn.close();
     } catch {
@@ -167,7 +173,7 @@ export class LocalRpcClient {
     let conn: Deno.Conn;
     try {
       // A TCP connect to a host that drops SYNs waits for minutes: the deadline covers it.
-      conn = await this.#dialWithin(deadlineMs);
+      conn = this.#open ?? await this.#dialWithin(deadlineMs);
     } catch (e) {
       if (e instanceof LocalRpcStatus) throw e;
       if (e instanceof Deno.errors.NotFound && this.#target.transport === "unix") {
@@ -211,5 +217,6 @@ export class LocalRpcClient {
       }
     }, () => {});
     this.#conn = undefined;
+    this.#open = undefined;
   }
 }
