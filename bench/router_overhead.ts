@@ -23,6 +23,7 @@
  */
 
 import { spawnBackend, spawnRouter } from "../tests/router/harness.ts";
+import { statCpuSeconds } from "../lib/server/process_metrics.ts";
 
 function flag(name: string, fallback: number): number {
   const i = Deno.args.indexOf(`--${name}`);
@@ -50,8 +51,6 @@ const outIdx = Deno.args.indexOf("--out");
 const OUT = outIdx >= 0
   ? Deno.args[outIdx + 1]
   : new URL("./results/router.json", import.meta.url).pathname;
-/** Linux reports process CPU time in clock ticks of 1/100 s. */
-const CLOCK_TICKS_PER_S = 100;
 
 /**
  * Stream lengths vary (CHUNKS/2 … 3·CHUNKS/2 tokens, seeded so every path sees the same
@@ -199,9 +198,7 @@ async function threadCpu(pid: number): Promise<{ main: number; all: number }> {
   let all = 0;
   let main = 0;
   for await (const t of Deno.readDir(`/proc/${pid}/task`)) {
-    const stat = await Deno.readTextFile(`/proc/${pid}/task/${t.name}/stat`);
-    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-    const s = (Number(fields[11]) + Number(fields[12])) / CLOCK_TICKS_PER_S;
+    const s = statCpuSeconds(await Deno.readTextFile(`/proc/${pid}/task/${t.name}/stat`));
     all += s;
     if (t.name === String(pid)) main = s;
   }
@@ -209,10 +206,7 @@ async function threadCpu(pid: number): Promise<{ main: number; all: number }> {
 }
 
 async function cpuSeconds(pid: number): Promise<number> {
-  const stat = await Deno.readTextFile(`/proc/${pid}/stat`);
-  // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-  const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-  return (Number(fields[11]) + Number(fields[12])) / CLOCK_TICKS_PER_S;
+  return statCpuSeconds(await Deno.readTextFile(`/proc/${pid}/stat`));
 }
 
 const p = await spawnBackend("P-bench", ["--no-record"]);

@@ -13,8 +13,17 @@ import { scrapeGauge } from "../metrics.ts";
 /** Linux's USER_HZ: the unit of the CPU times in /proc/self/stat. */
 const CLOCK_TICKS_PER_S = 100;
 
+/**
+ * User plus system CPU seconds from a `/proc/PID/stat` or `/proc/PID/task/TID/stat` text: the
+ * fields after the command name (which may hold spaces); utime is field 14, stime 15.
+ */
+export function statCpuSeconds(stat: string): number {
+  const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+  return (Number(f[11]) + Number(f[12])) / CLOCK_TICKS_PER_S;
+}
+
 /** Open file descriptors of this process (NaN where /proc is not readable). */
-export function openFds(): number {
+function openFds(): number {
   try {
     let n = 0;
     for (const _ of Deno.readDirSync("/proc/self/fd")) n++;
@@ -24,13 +33,10 @@ export function openFds(): number {
   }
 }
 
-/** User plus system CPU seconds of this process, from /proc/self/stat (NaN where unreadable). */
-export function cpuSeconds(): number {
+/** User plus system CPU seconds of this process (NaN where /proc is not readable). */
+function cpuSeconds(): number {
   try {
-    const stat = Deno.readTextFileSync("/proc/self/stat");
-    // Fields after the command name, which may hold spaces: state is field 3, utime 14, stime 15.
-    const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-    return (Number(f[11]) + Number(f[12])) / CLOCK_TICKS_PER_S;
+    return statCpuSeconds(Deno.readTextFileSync("/proc/self/stat"));
   } catch {
     return NaN;
   }
