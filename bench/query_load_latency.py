@@ -78,12 +78,12 @@ def main() -> None:
         client, uid, layers=LAYERS, blocks=2 * HIT_BLOCKS + 2, block_tokens=BLOCK_TOKENS, kv_heads=HEADS,
         head_dim=HEAD_DIM,
     )
+    src = list(range(1, HIT_BLOCKS + 1))
     hashes = [os.urandom(16) for _ in range(HIT_BLOCKS)]
-    client.save(instance_id=uid, tp_rank=0, block_ids=list(range(1, HIT_BLOCKS + 1)), block_hashes=hashes)
+    client.save(instance_id=uid, tp_rank=0, block_ids=src, block_hashes=hashes)
     targets = list(range(HIT_BLOCKS + 1, 2 * HIT_BLOCKS + 1))
     for _ in range(a.stored_prompts):  # the same blocks saved again under other hashes
-        client.save(instance_id=uid, tp_rank=0, block_ids=list(range(1, HIT_BLOCKS + 1)),
-                    block_hashes=[os.urandom(16) for _ in range(HIT_BLOCKS)])
+        client.save(instance_id=uid, tp_rank=0, block_ids=src, block_hashes=[os.urandom(16) for _ in src])
 
     sent: list[float] = []
     orig_call = local_rpc.LocalRpc.call

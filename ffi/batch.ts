@@ -75,7 +75,6 @@ export class CopyBatch {
   #bytes = 0;
   #direction: Direction = "d2h";
   #path: CopyPath = "host";
-  #whole = false;
 
   /** Preallocates room for `maxGroups` groups and `maxSegs` segments. */
   constructor(maxGroups: number, maxSegs: number) {
@@ -114,10 +113,6 @@ export class CopyBatch {
   /** Path given to {@link CopyBatch.reset} or {@link CopyBatch.setPath}. */
   get path(): CopyPath {
     return this.#path;
-  }
-  /** Set by {@link CopyBatch.reset}'s `whole` (PF_BATCH_WHOLE). */
-  get whole(): boolean {
-    return this.#whole;
   }
   /** Descriptor bytes in use (header, all group slots, written segments). */
   get byteLength(): number {
@@ -162,7 +157,6 @@ export class CopyBatch {
       u[5] = 0;
     }
     u[7] = opts.whole ? BATCH_WHOLE : 0;
-    this.#whole = opts.whole === true;
     return this;
   }
 

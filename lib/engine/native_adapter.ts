@@ -123,7 +123,7 @@ class GrowingBatch implements BatchWriter {
       direction === "gather" ? "d2h" : "h2d",
       "host",
       progress ? { shm: progress.shm.handle, offset: progress.offset } : undefined,
-      { whole: opts.whole === true },
+      opts,
     );
     this.device = -1;
   }
