@@ -107,9 +107,12 @@ def main() -> None:
                     load_into=targets, load_states={(0, 0): st.name},
                 )
                 t_back = time.time() * 1e3
+                if q.hits != HIT_BLOCKS or q.load_errors:  # before waiting: a miss queues no load
+                    raise RuntimeError(
+                        f"run {i}: {q.hits} of {HIT_BLOCKS} hits, load errors {q.load_errors} "
+                        f"(is --pool-size {a.pool_size} big enough for {a.stored_prompts} stored prompts?)"
+                    )
                 st.wait_all(timeout_s=30)
-                if q.hits != HIT_BLOCKS or q.load_errors:
-                    raise RuntimeError(f"run {i}: {q.hits} hits, load errors {q.load_errors}")
                 if i >= a.warmup:
                     rows.append((rid, t0, sent[0], t_back))
     finally:
