@@ -21,6 +21,7 @@ matched by call_id.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import socket
@@ -41,8 +42,6 @@ _LEN = struct.Struct("<I")
 _UNAVAILABLE = 14
 _DEADLINE_EXCEEDED = 4
 _CANCELLED = 1
-# How often the answer reader of the nowait calls looks for deadlines that passed.
-_READER_TICK_S = 0.05
 # A frame whose first bytes arrived and whose rest takes longer than this: the server is gone.
 _FRAME_READ_TIMEOUT_S = 30.0
 
@@ -133,6 +132,11 @@ class LocalRpc:
         self._asock: Optional[socket.socket] = None
         self._pending: Dict[int, Tuple[float, Callable[[int, bytes], None]]] = {}
         self._reader: Optional[threading.Thread] = None
+        # The reader sleeps until an answer comes or the earliest deadline of the calls in
+        # flight (for good while none is: an idle engine's reader never wakes); a call due
+        # before the reader's next wake pokes it through this socket.
+        self._wake: Optional[socket.socket] = None
+        self._wake_at = math.inf
 
     def _id(self) -> int:
         with self._lock:
@@ -148,6 +152,8 @@ class LocalRpc:
             self._asock = None
             self._pending = {}
             self._reader = None
+            self._wake = None
+            self._wake_at = math.inf
 
     def _drop(self) -> None:
         s, self._tls.sock = self._tls.sock, None
@@ -210,13 +216,17 @@ class LocalRpc:
             self._forked()
             if self._asock is None:
                 self._asock = _connect(self.path, timeout_s)
+                wake_r, self._wake = socket.socketpair()
+                self._wake.setblocking(False)
+                self._wake_at = math.inf
                 self._reader = threading.Thread(
-                    target=self._read_answers, args=(self._asock,), name="pegaflow-local-rpc", daemon=True
+                    target=self._read_answers, args=(self._asock, wake_r, self._wake), name="pegaflow-local-rpc", daemon=True
                 )
                 self._reader.start()
             s = self._asock
             call_id = self._id()
-            self._pending[call_id] = (time.monotonic() + timeout_s, on_done)
+            due = time.monotonic() + timeout_s
+            self._pending[call_id] = (due, on_done)
             try:
                 s.sendall(_HEADER.pack(5 + len(payload), call_id, method) + payload)
             except OSError as e:
@@ -224,16 +234,28 @@ class LocalRpc:
                 self._asock = None
                 s.close()
                 raise LocalRpcStatus(_UNAVAILABLE, f"local RPC connection to {self.path} failed: {e}") from None
+            if due < self._wake_at and self._wake is not None:
+                self._wake_at = due
+                try:
+                    self._wake.send(b"\0")
+                except OSError:
+                    pass  # a full socket has a poke in it already; a closed one, no reader
 
-    def _read_answers(self, s: socket.socket) -> None:
+    def _read_answers(self, s: socket.socket, wake_r: socket.socket, wake_w: socket.socket) -> None:
         why = "closed"
         try:
             while True:
-                # Wait between frames with a tick (to expire deadlines); a frame once begun
-                # is read whole (the server writes each frame at once), so a tick never
-                # cuts one in half.
-                ready, _, _ = select.select([s], [], [], _READER_TICK_S)
-                if not ready:
+                # Wait between frames until the earliest deadline in flight, or a poke; a
+                # frame once begun is read whole (the server writes each frame at once), so a
+                # deadline never cuts one in half.
+                with self._alock:
+                    self._wake_at = min((d for d, _ in self._pending.values()), default=math.inf)
+                    due = self._wake_at
+                timeout = None if due == math.inf else max(0.0, due - time.monotonic())
+                ready, _, _ = select.select([s, wake_r], [], [], timeout)
+                if wake_r in ready:
+                    wake_r.recv(4096)
+                if s not in ready:
                     self._expire(time.monotonic())
                     continue
                 s.settimeout(_FRAME_READ_TIMEOUT_S)
@@ -249,8 +271,12 @@ class LocalRpc:
             with self._alock:
                 if self._asock is s:
                     self._asock = None
+                if self._wake is wake_w:
+                    self._wake = None
                 pending, self._pending = self._pending, {}
             s.close()
+            wake_r.close()
+            wake_w.close()
             for _, cb in pending.values():
                 cb(_UNAVAILABLE, f"local RPC connection to {self.path} ended: {why}".encode())
 

@@ -148,6 +148,87 @@ def test_a_socket_that_never_answers_hits_the_deadline_on_both_call_kinds(sock_d
             c.close()
 
 
+def test_a_nowait_call_due_first_expires_at_its_own_deadline_behind_a_later_one(sock_dir):
+    """The answer reader sleeps until the earliest deadline in flight: a call due in 0.3 s,
+    sent while the reader sleeps for one due in 5 s, still ends at ~0.3 s."""
+    base = os.path.join(sock_dir, "silent.sock")
+    with silent_local_rpc(base):
+        c = PegaflowClient("unix:" + base)
+        try:
+            ended: dict = {}
+            done = threading.Event()
+
+            def load(name: str, timeout_s: float) -> None:
+                def on_done(e):
+                    ended[name] = (time.monotonic(), e)
+                    if len(ended) == 2:
+                        done.set()
+
+                c.load_nowait(
+                    instance_id="i", tp_rank=0, lease_id=b"l" * 16, block_ids=[1], load_state_shm="/x",
+                    on_done=on_done, timeout_s=timeout_s,
+                )
+
+            t0 = time.monotonic()
+            load("late", 5.0)
+            time.sleep(0.1)  # the reader is asleep until the late one's deadline
+            load("early", 0.3)
+            assert done.wait(10)
+            early_at, early_err = ended["early"]
+            late_at, late_err = ended["late"]
+            assert early_err.code == late_err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert 0.35 <= early_at - t0 < 1.5, early_at - t0
+            assert late_at - t0 >= 5.0
+        finally:
+            c.close()
+
+
+def test_an_idle_nowait_reader_does_not_wake(sock_dir, monkeypatch):
+    """Between calls the answer reader sleeps for good: no periodic wakeups that would take the
+    GIL from an engine's step (it used to tick every 50 ms)."""
+    import select as select_mod
+
+    from pegaflow import local_rpc
+
+    waits = []
+
+    class CountingSelect:
+        @staticmethod
+        def select(r, w, x, timeout=None):
+            waits.append(timeout)
+            return select_mod.select(r, w, x, timeout)
+
+    monkeypatch.setattr(local_rpc, "select", CountingSelect)
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    c = PegaflowClient("unix:" + sock)
+    try:
+        got = []
+        done = threading.Event()
+        c.load_nowait(
+            instance_id="nobody", tp_rank=0, lease_id=b"l" * 16, block_ids=[1], load_state_shm="/x",
+            on_done=lambda e: (got.append(e), done.set()),
+        )
+        assert done.wait(5)
+        assert got[0] is not None and got[0].code == grpc.StatusCode.INVALID_ARGUMENT  # answered
+        time.sleep(0.2)
+        before = len(waits)
+        time.sleep(0.5)
+        assert len(waits) == before, f"{len(waits) - before} wakeups in 0.5 s while idle"
+        assert waits[-1] is None  # asleep with no deadline
+        # Still serves: the next call wakes it through its answer.
+        done.clear()
+        got.clear()
+        c.load_nowait(
+            instance_id="nobody", tp_rank=0, lease_id=b"l" * 16, block_ids=[1], load_state_shm="/x",
+            on_done=lambda e: (got.append(e), done.set()),
+        )
+        assert done.wait(5) and got[0].code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        c.close()
+        s.stop()
+
+
 def test_a_restarted_server_is_found_again_without_a_new_client(sock_dir):
     sock = os.path.join(sock_dir, "pf.sock")
     s = ServerProc.start(extra=["--uds", sock])
