@@ -7,11 +7,9 @@
  *
  * Rule: the copy engines use no SMs (the kernel takes them from the model),
  * so a DMA path (dma_batch, else dma) wins whenever it reaches
- * `dmaTolerance` of the fastest path measured at that size; otherwise that
- * fastest path wins. (Against the fastest path, not the link's peak: on an
- * H100 no path reaches 95 % of the peak for 32 KB saves, and then DMA at
- * 51.8 GB/s lost to `mixed` at 52.2 and took SMs from decoding for nothing;
- * loads use a lower bar, {@link LOAD_DMA_TOLERANCE}.) `mixed` is a candidate for saves (d2h) only: its
+ * {@link DMA_TOLERANCE} of the fastest path measured at that size; otherwise
+ * that fastest path wins. The same bar for saves and loads: either one runs
+ * beside a forward whose SMs a kernel copy would take. `mixed` is a candidate for saves (d2h) only: its
  * copy-engine half reports the first layer late (measured 7-22 ms into a
  * 25 ms batch against ~1-2 ms for kernel and dma_batch), which would waste
  * layer-wise load. A forced path (`--transfer-path kernel|dma`) overrides
@@ -26,17 +24,20 @@ import type { CalibrationTable, CopyPath, Direction, GpuPath } from "../ffi/mod.
 export const CALIBRATION_SIZES: readonly number[] = [8, 16, 32, 64, 128, 256, 512, 1024, 2048].map((
   k,
 ) => k * 1024);
-/** Fraction of the fastest path's rate at which the SM-free DMA paths are good enough. */
-export const DMA_TOLERANCE = 0.95;
 /**
- * The same for loads (h2d). A load runs beside the forward that consumes it
- * layer by layer, and a kernel copy's SMs are taken from that very forward:
- * on the H100 a 10K-token warm request with its fragmented 32 KB ranges on
- * the kernel (48 GB/s alone) reached its first token in 56.5 ms (p50),
- * against 32.6 ms on DMA at 33 GB/s; the two ran nearly one after the other.
- * So a load takes SMs only where DMA is less than half as fast (8-16 KB).
+ * Fraction of the fastest path's rate at which the SM-free DMA paths are good
+ * enough: a copy takes SMs only where DMA is less than half as fast (8-16 KB
+ * segments). Measured on the H100:
+ * - A load runs beside the forward that consumes it layer by layer: a
+ *   10K-token warm request with its fragmented 32 KB ranges on the kernel
+ *   (48 GB/s alone) reached its first token in 56.5 ms (p50), against
+ *   32.6 ms on DMA at 33 GB/s; the two ran nearly one after the other.
+ * - A save runs beside the next steps: with saves of 2 MB segments on the
+ *   kernel (a few % faster than DMA in that start's calibration), decoding at
+ *   0 % hits ran 2.0-2.6 % slower than with PegaFlow off; with DMA, no slower
+ *   (`bench/results/ttft-cuda-dec-{auto,dma}.json`).
  */
-export const LOAD_DMA_TOLERANCE = 0.5;
+export const DMA_TOLERANCE = 0.5;
 /**
  * The path when a table has no usable figure for a size: plain DMA
  * (`cuMemcpyAsync`) exists on every driver and takes no SMs.
@@ -56,8 +57,6 @@ export interface PathPolicyOptions {
   force?: GpuPath;
   /** See {@link DMA_TOLERANCE}. */
   dmaTolerance?: number;
-  /** See {@link LOAD_DMA_TOLERANCE}. */
-  loadDmaTolerance?: number;
 }
 
 /**
@@ -87,14 +86,12 @@ export class PathPolicy {
   readonly #backend: "cuda" | "host";
   readonly #force: GpuPath | undefined;
   readonly #tol: number;
-  readonly #loadTol: number;
 
   constructor(tables: Partial<Record<Direction, CalibrationTable>>, opts: PathPolicyOptions = {}) {
     this.#tables = tables;
     this.#backend = opts.backend ?? "cuda";
     this.#force = opts.force;
     this.#tol = opts.dmaTolerance ?? DMA_TOLERANCE;
-    this.#loadTol = opts.loadDmaTolerance ?? LOAD_DMA_TOLERANCE;
   }
 
   /** The calibration tables in use. */
@@ -128,8 +125,7 @@ export class PathPolicy {
     for (const p of candidates) if (t.gbps[p][i] > t.gbps[best][i]) best = p;
     if (t.gbps[best][i] <= 0) return FALLBACK_PATH;
     // SMs are taken from the model only for a real gain over the copy engines.
-    const tol = direction === "h2d" ? this.#loadTol : this.#tol;
-    return t.gbps[dma][i] >= tol * t.gbps[best][i] ? dma : best;
+    return t.gbps[dma][i] >= this.#tol * t.gbps[best][i] ? dma : best;
   }
 
   /**
