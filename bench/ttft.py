@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
@@ -647,16 +648,26 @@ class Bench:
         n = a.decode_requests
         return n * (a.decode_tokens - 1) / (t2 - t1), n * a.decode_tokens / (t2 - t0)
 
-    def decode_on_off(self, on: LLMEngine, off: LLMEngine) -> dict[str, Any]:
-        """PegaFlow on (layer-wise connector, every new block saved) vs off (no connector), same
-        model, interleaved on/off/off/on so drift (clocks, heat) hits both alike; medians."""
-        self.decode_run(on)  # warm-up, both
-        self.decode_run(off)
-        runs: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    def decode_on_off(self, on: LLMEngine, plain: LLMEngine) -> dict[str, Any]:
+        """PegaFlow on (the layer-wise engine: every new block saved, 0 % hits) vs off: the same
+        engine with its connector detached (same KV cache, graphs and memory, so only PegaFlow
+        differs), and a separate plain engine over the same weights (an A/A check of the
+        off engine: two engines without PegaFlow that differ only in where their memory lies).
+        One warm-up each, then `decode_repeats` rounds, each running the three in a rotating
+        order so that drift (clocks, heat) hits all alike; medians, and the mean of each round's
+        ratios (which cancels slow drift)."""
+        variants = {
+            "on": lambda: self.decode_run(on),
+            "off": lambda: self.decode_detached(on),
+            "plain": lambda: self.decode_run(plain),
+        }
+        for run in variants.values():
+            run()  # warm-up
+        orders = list(itertools.permutations(variants))
+        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
         for i in range(self.args.decode_repeats):
-            order = ("on", "off") if i % 2 == 0 else ("off", "on")
-            for which in order:
-                runs[which].append(self.decode_run(on if which == "on" else off))
+            for which in orders[i % len(orders)]:
+                runs[which].append(variants[which]())
         res: dict[str, Any] = {}
         for which, rs in runs.items():
             res[which] = {
@@ -665,18 +676,38 @@ class Bench:
                 "runs": rs,
             }
         res["on_stats"] = on.worker_connector.pegaflow_stats() if on.worker_connector else {}
-        # Repeat i ran on and off back to back: the mean of their ratios cancels slow drift.
-        pairs = [a[0] / b[0] for a, b in zip(runs["on"], runs["off"])]
-        res["paired_slowdown"] = 1 - statistics.fmean(pairs)
+
+        def slower(a: str, b: str) -> tuple[float, list[float]]:
+            ratios = [x[0] / y[0] for x, y in zip(runs[a], runs[b])]
+            return 1 - statistics.fmean(ratios), ratios
+
+        res["paired_slowdown"], pairs = slower("on", "off")
+        res["paired_slowdown_vs_plain"], _ = slower("on", "plain")
+        res["aa_plain_vs_off"], aa = slower("plain", "off")
         print(
-            f"decode tokens/s (median of {self.args.decode_repeats}): on {res['on']['decode_tokens_per_s']:.1f} "
-            f"off {res['off']['decode_tokens_per_s']:.1f}; end to end on {res['on']['e2e_tokens_per_s']:.1f} "
-            f"off {res['off']['e2e_tokens_per_s']:.1f}; on/off per back-to-back pair "
-            f"{' '.join(f'{x:.3f}' for x in pairs)} (mean: {100 * res['paired_slowdown']:.1f} % slower)"
+            f"decode tokens/s (median of {self.args.decode_repeats}): on {res['on']['decode_tokens_per_s']:.1f}, "
+            f"off (same engine, connector detached) {res['off']['decode_tokens_per_s']:.1f}, "
+            f"plain engine {res['plain']['decode_tokens_per_s']:.1f}; on/off per round "
+            f"{' '.join(f'{x:.3f}' for x in pairs)} (mean: {100 * res['paired_slowdown']:.2f} % slower; "
+            f"vs plain {100 * res['paired_slowdown_vs_plain']:.2f} %); A/A plain/off "
+            f"{' '.join(f'{x:.3f}' for x in aa)} (mean: {100 * res['aa_plain_vs_off']:.2f} %)"
         )
         on.drain()
-        off.drain()
+        plain.drain()
         return res
+
+    def decode_detached(self, eng: LLMEngine) -> tuple[float, float]:
+        """`decode_run` of `eng` with its connector detached: no hook called, nothing queried or
+        saved, as an engine started without `kv_transfer_config`."""
+        eng.drain()
+        sched, worker = eng.scheduler.connector, eng.runner.connector
+        eng.scheduler.connector = eng.runner.connector = None
+        try:
+            out = self.decode_run(eng)
+            eng.drain()
+        finally:
+            eng.scheduler.connector, eng.runner.connector = sched, worker
+        return out
 
     def targets(self) -> None:
         r = self.result
@@ -758,11 +789,13 @@ def print_table(r: dict[str, Any]) -> None:
                 f"(of which waiting for loads {L['warm_wait_ms']:.2f})"
             )
     if "decode" in r:
+        d = r["decode"]
+        plain = f", plain engine {d['plain']['decode_tokens_per_s']:.1f}" if "plain" in d else ""
         print()
         print(
-            f"decode tokens/s (decode phase, median): on {r['decode']['on']['decode_tokens_per_s']:.1f}, "
-            f"off {r['decode']['off']['decode_tokens_per_s']:.1f}; end to end (admission + prefill too): "
-            f"on {r['decode']['on']['e2e_tokens_per_s']:.1f}, off {r['decode']['off']['e2e_tokens_per_s']:.1f}"
+            f"decode tokens/s (decode phase, median): on {d['on']['decode_tokens_per_s']:.1f}, "
+            f"off {d['off']['decode_tokens_per_s']:.1f}{plain}; end to end (admission + prefill too): "
+            f"on {d['on']['e2e_tokens_per_s']:.1f}, off {d['off']['e2e_tokens_per_s']:.1f}"
         )
     print()
     for name, v in r["targets"].items():

@@ -478,7 +478,9 @@ class WorkerCore:
         if self._cuda:
             import torch
 
-            event = torch.cuda.Event()
+            # Blocking: the save thread sleeps in the driver until the step's writes are done,
+            # instead of spinning a core beside the engine's launches for a whole step.
+            event = torch.cuda.Event(blocking=True)
             event.record()
         with self._lock:
             for s in plan.saves:
