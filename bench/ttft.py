@@ -623,10 +623,10 @@ class Bench:
         print(f"{n:>6} tokens  warm async {res['p50']:7.2f} ms (p99 {res['p99']:.2f})")
         return res
 
-    def decode_run(self, eng: LLMEngine) -> tuple[float, float]:
+    def decode_run(self, eng: LLMEngine) -> tuple[float, float, list[float]]:
         """`decode_requests` fresh prompts (0 % hits) × `decode_tokens` each: (tokens/s of the
         decode phase, from the step after the last first token to the end; tokens/s end to end,
-        admission and the prefill step included)."""
+        admission and the prefill step included; each decode-phase step's host time in ms)."""
         a = self.args
         eng.reset_prefix_cache()
         prompts = [self.prompts.fresh(a.decode_prompt) for _ in range(a.decode_requests)]
@@ -639,14 +639,19 @@ class Bench:
             while any(r.num_output_tokens == 0 for r in reqs):
                 eng.step()
             t1 = time.perf_counter()
+            steps: list[float] = []
+            ts = t1
             while not all(r.is_finished() for r in reqs):
                 eng.step()
+                te = time.perf_counter()
+                steps.append((te - ts) * 1e3)
+                ts = te
             sync(self.dev)
             t2 = time.perf_counter()
         finally:
             gc.enable()
         n = a.decode_requests
-        return n * (a.decode_tokens - 1) / (t2 - t1), n * a.decode_tokens / (t2 - t0)
+        return n * (a.decode_tokens - 1) / (t2 - t1), n * a.decode_tokens / (t2 - t0), steps
 
     def decode_on_off(self, on: LLMEngine, plain: LLMEngine) -> dict[str, Any]:
         """PegaFlow on (the layer-wise engine: every new block saved, 0 % hits) vs off: the same
@@ -664,16 +669,26 @@ class Bench:
         for run in variants.values():
             run()  # warm-up
         orders = list(itertools.permutations(variants))
-        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+        runs: dict[str, list[tuple[float, float, list[float]]]] = {k: [] for k in variants}
         for i in range(self.args.decode_repeats):
             for which in orders[i % len(orders)]:
                 runs[which].append(variants[which]())
         res: dict[str, Any] = {}
         for which, rs in runs.items():
+            # Step by step (the same index is the same point of every run: a block boundary
+            # every block_size steps): where a slower variant loses its time.
+            by_index = [statistics.fmean(col) for col in zip(*(r[2] for r in rs))]
+            every = [x for r in rs for x in r[2]]
             res[which] = {
                 "decode_tokens_per_s": statistics.median(r[0] for r in rs),
                 "e2e_tokens_per_s": statistics.median(r[1] for r in rs),
-                "runs": rs,
+                "runs": [r[:2] for r in rs],
+                "step_ms": {
+                    "p50": statistics.median(every),
+                    "mean": statistics.fmean(every),
+                    "p99": sorted(every)[int(0.99 * (len(every) - 1))],
+                    "by_index": [round(x, 3) for x in by_index],
+                },
             }
         res["on_stats"] = on.worker_connector.pegaflow_stats() if on.worker_connector else {}
 
@@ -691,6 +706,11 @@ class Bench:
             f"{' '.join(f'{x:.3f}' for x in pairs)} (mean: {100 * res['paired_slowdown']:.2f} % slower; "
             f"vs plain {100 * res['paired_slowdown_vs_plain']:.2f} %); A/A plain/off "
             f"{' '.join(f'{x:.3f}' for x in aa)} (mean: {100 * res['aa_plain_vs_off']:.2f} %)"
+        )
+        print(
+            "decode step ms (p50 / mean / p99): "
+            + "; ".join(f"{k} {v['step_ms']['p50']:.3f} / {v['step_ms']['mean']:.3f} / {v['step_ms']['p99']:.3f}"
+                        for k, v in res.items() if isinstance(v, dict) and "step_ms" in v)
         )
         on.drain()
         plain.drain()
