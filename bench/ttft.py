@@ -716,7 +716,7 @@ class Bench:
         plain.drain()
         return res
 
-    def decode_detached(self, eng: LLMEngine) -> tuple[float, float]:
+    def decode_detached(self, eng: LLMEngine) -> tuple[float, float, list[float]]:
         """`decode_run` of `eng` with its connector detached: no hook called, nothing queried or
         saved, as an engine started without `kv_transfer_config`."""
         eng.drain()

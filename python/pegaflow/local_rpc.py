@@ -130,7 +130,8 @@ class LocalRpc:
         # nowait calls: their connection, reader thread and pending callbacks
         self._alock = threading.Lock()
         self._asock: Optional[socket.socket] = None
-        self._pending: Dict[int, Tuple[float, Callable[[int, bytes], None]]] = {}
+        # call id -> (deadline, callback, the connection it was sent on)
+        self._pending: Dict[int, Tuple[float, Callable[[int, bytes], None], socket.socket]] = {}
         self._reader: Optional[threading.Thread] = None
         # The reader sleeps until an answer comes or the earliest deadline of the calls in
         # flight (for good while none is: an idle engine's reader never wakes); a call due
@@ -226,13 +227,18 @@ class LocalRpc:
             s = self._asock
             call_id = self._id()
             due = time.monotonic() + timeout_s
-            self._pending[call_id] = (due, on_done)
+            self._pending[call_id] = (due, on_done, s)
             try:
                 s.sendall(_HEADER.pack(5 + len(payload), call_id, method) + payload)
             except OSError as e:
                 self._pending.pop(call_id, None)
                 self._asock = None
-                s.close()
+                # Its reader may sleep with no deadline in sight: the shutdown wakes it, and it
+                # closes the socket and fails the connection's other calls on its way out.
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 raise LocalRpcStatus(_UNAVAILABLE, f"local RPC connection to {self.path} failed: {e}") from None
             if due < self._wake_at and self._wake is not None:
                 self._wake_at = due
@@ -249,7 +255,7 @@ class LocalRpc:
                 # frame once begun is read whole (the server writes each frame at once), so a
                 # deadline never cuts one in half.
                 with self._alock:
-                    self._wake_at = min((d for d, _ in self._pending.values()), default=math.inf)
+                    self._wake_at = min((d for d, _, _ in self._pending.values()), default=math.inf)
                     due = self._wake_at
                 timeout = None if due == math.inf else max(0.0, due - time.monotonic())
                 ready, _, _ = select.select([s, wake_r], [], [], timeout)
@@ -265,7 +271,7 @@ class LocalRpc:
                 if entry is not None:
                     entry[1](status, body)
                 self._expire(time.monotonic())
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: select on a socket closed under it
             why = str(e)
         finally:
             with self._alock:
@@ -273,16 +279,20 @@ class LocalRpc:
                     self._asock = None
                 if self._wake is wake_w:
                     self._wake = None
-                pending, self._pending = self._pending, {}
+                # Only this connection's calls: after a failed send a new connection may
+                # already carry calls of its own.
+                pending = {k: v for k, v in self._pending.items() if v[2] is s}
+                for k in pending:
+                    del self._pending[k]
             s.close()
             wake_r.close()
             wake_w.close()
-            for _, cb in pending.values():
+            for _, cb, _ in pending.values():
                 cb(_UNAVAILABLE, f"local RPC connection to {self.path} ended: {why}".encode())
 
     def _expire(self, now: float) -> None:
         with self._alock:
-            late = [k for k, (d, _) in self._pending.items() if d <= now]
+            late = [k for k, (d, _, _) in self._pending.items() if d <= now]
             cbs = [self._pending.pop(k)[1] for k in late]
         for cb in cbs:
             cb(_DEADLINE_EXCEEDED, b"no answer before the deadline")

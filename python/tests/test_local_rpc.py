@@ -183,6 +183,32 @@ def test_a_nowait_call_due_first_expires_at_its_own_deadline_behind_a_later_one(
             c.close()
 
 
+def test_a_nowait_send_that_fails_ends_its_sleeping_reader(sock_dir):
+    """A send that fails drops the connection; its reader, asleep with no deadline in sight,
+    is woken to close it and exits (no thread or descriptor left behind)."""
+    from pegaflow.local_rpc import LocalRpc, LocalRpcStatus
+
+    base = os.path.join(sock_dir, "silent.sock")
+    with silent_local_rpc(base):
+        rpc = LocalRpc(base + ".rpc", 64 << 20)
+        try:
+            got = []
+            done = threading.Event()
+            rpc.call_nowait(2, b"x", 0.2, lambda st, body: (got.append(st), done.set()))
+            assert done.wait(5) and got == [4]  # DEADLINE_EXCEEDED: the reader now sleeps for good
+            reader = rpc._reader
+            time.sleep(0.1)
+            assert reader.is_alive()
+            # 16 MiB to a peer that reads nothing: the send times out (the socket's 0.2 s).
+            with pytest.raises(LocalRpcStatus) as ei:
+                rpc.call_nowait(2, b"y" * (16 << 20), 0.2, lambda st, body: None)
+            assert ei.value.code == 14  # UNAVAILABLE
+            reader.join(2.0)
+            assert not reader.is_alive(), "the dropped connection's reader still sleeps"
+        finally:
+            rpc.close()
+
+
 def test_an_idle_nowait_reader_does_not_wake(sock_dir, monkeypatch):
     """Between calls the answer reader sleeps for good: no periodic wakeups that would take the
     GIL from an engine's step (it used to tick every 50 ms)."""
