@@ -154,7 +154,7 @@ def test_wait_for_layer_load_returns_when_that_layer_landed_not_when_the_load_di
     eng.worker.client.load = lambda **kw: None  # the test plays the server's copy engine
     w.bind(StepPlan(loads=[LoadIntent("r", b"\x01" * 16, [4, 5])]))
     w.start_load()
-    st = w._step_loads[0].state
+    st = w.step_loads[0].state
     publish(st, num_layers=3, layers_ready=1)
     eng.worker.wait_for_layer_load("model.layers.0.self_attn.attn")
     done = threading.Event()
@@ -214,9 +214,9 @@ def test_a_layer_sharing_another_layers_kv_is_registered_once_and_waits_on_it(se
         w.start_load()
         from test_load_state import publish
 
-        publish(w._step_loads[0].state, num_layers=2, layers_ready=1)
+        publish(w.step_loads[0].state, num_layers=2, layers_ready=1)
         w.wait_for_layer_load("l2_shares_l0")  # returns: its tensor is l0's, which landed
-        publish(w._step_loads[0].state, layers_ready=2, state=1)
+        publish(w.step_loads[0].state, layers_ready=2, state=1)
         w.wait_for_layer_load("not-a-layer")  # unknown: waits for every layer, does not raise
         w.wait_for_save()
         w.unbind()

@@ -228,7 +228,7 @@ def test_two_tp_ranks_each_attach_their_own_ranks_state_of_one_scheduler_issued_
         for rank, w in enumerate(ranks.workers):
             w.bind(plan)
             w.start_load()
-            assert w._step_loads[0].state.name == states[(rank, 0)]
+            assert w.step_loads[0].state.name == states[(rank, 0)]
             for name in ranks.kvs[0]:
                 w.wait_for_layer_load(name)
             w.wait_for_save()

@@ -9,7 +9,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 LAYERWISE = "layerwise"
 ASYNC = "async"
@@ -105,10 +105,11 @@ class StepPlan:
     preempted: List[str] = field(default_factory=list)
 
 
-@dataclass
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     """One request in a step's schedule: `block_ids` is its new blocks
-    (appended) or, with `replace_blocks`, all of them (new or resumed)."""
+    (appended) or, with `replace_blocks`, all of them (new or resumed). A tuple: the
+    connector builds one per running request per step, so a plain tuple of the same
+    five fields is accepted too."""
 
     request_id: str
     block_ids: Optional[Sequence[int]]

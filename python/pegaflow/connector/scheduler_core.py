@@ -56,7 +56,6 @@ from .plan import (
     MODES,
     LoadIntent,
     SaveIntent,
-    ScheduledRequest,
     StepPlan,
 )
 from .query_issuer import EarlyLoad, QueryIssuer
@@ -359,7 +358,14 @@ class SchedulerCore:
 
     # -- step --
 
-    def build_step(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+    def build_step(
+        self,
+        scheduled: Iterable[Tuple[str, Optional[Sequence[int]], bool, int, int]],
+        preempted: Iterable[str] = (),
+    ) -> StepPlan:
+        """The step's plan: its loads (issued since the last step), the saves of blocks that
+        complete in it, the preempted requests. `scheduled`: ScheduledRequest or plain tuples
+        of its fields, one per request the step runs."""
         plan = StepPlan(loads=self._loads, preempted=list(preempted))
         self._loads = []
         if self.staging is not None:
@@ -379,26 +385,26 @@ class SchedulerCore:
                 tr.block_ids = []  # freed; new ids come with the resumed schedule
         bs = self.block_size
         tracked = self._tracked
-        for s in scheduled:
-            tr = tracked.get(s.request_id)
+        # Once per running request per step: plain tuple unpacking, no attribute lookups.
+        for rid, new_ids, replace, computed, nsched in scheduled:
+            tr = tracked.get(rid)
             if tr is None:
                 continue  # never probed: not ours to save
-            if s.block_ids is None:
+            if new_ids is None:
                 pass
-            elif s.replace_blocks:
-                tr.block_ids = list(s.block_ids)
-            elif s.block_ids:
-                tr.block_ids.extend(s.block_ids)  # own list (intents copy their slices)
-            if (s.num_computed_tokens + s.num_scheduled_tokens) // bs <= tr.saved_upto:
+            elif replace:
+                tr.block_ids = list(new_ids)
+            elif new_ids:
+                tr.block_ids.extend(new_ids)  # own list (intents copy their slices)
+            done = (computed + nsched) // bs
+            if done <= tr.saved_upto:
                 continue  # no block completes in this step (most decode steps): nothing to save
             hashes = tr.request.block_hashes
             publishable = getattr(tr.request, "num_publishable_block_hashes", None)
             n_hash = len(hashes) if publishable is None else min(len(hashes), publishable)
-            full = min((s.num_computed_tokens + s.num_scheduled_tokens) // bs, n_hash, len(tr.block_ids))
+            full = min(done, n_hash, len(tr.block_ids))
             if full > tr.saved_upto:
-                plan.saves.append(
-                    SaveIntent(s.request_id, tr.block_ids[tr.saved_upto:full], list(hashes[tr.saved_upto:full]))
-                )
+                plan.saves.append(SaveIntent(rid, tr.block_ids[tr.saved_upto:full], list(hashes[tr.saved_upto:full])))
                 tr.saved_upto = full
                 tr.had_save = True
                 self.stats["save_intents"] += 1

@@ -319,8 +319,13 @@ class PegaflowConnector(KVConnectorBase_V1):
         self._w().start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self.settings.mode == LAYERWISE:
-            self._w().wait_for_layer_load(layer_name)
+        # Called for every layer of every step: one frame and one test when the step loads
+        # nothing (a launch-bound decode step pays each call on its critical path).
+        w = self._worker
+        if w is not None and w.step_loads:
+            w.wait_for_layer_load(layer_name)
+        elif w is None:
+            self._w()  # the role's error
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         # All layers are saved by one Save after the step (wait_for_save), which
@@ -369,11 +374,11 @@ class PegaflowConnector(KVConnectorBase_V1):
         if resumed is None:  # older vLLM: a bool per request
             flags = getattr(c, "resumed_from_preemption", None) or [False] * len(c.req_ids)
             resumed = {rid for rid, f in zip(c.req_ids, flags) if f}
-        for i, rid in enumerate(c.req_ids):
-            new = c.new_block_ids[i]
-            sched.append(
-                ScheduledRequest(rid, new[0] if new else None, rid in resumed, c.num_computed_tokens[i], n.get(rid, 0))
-            )
+        # The running requests (most of a decode step's): plain tuples of ScheduledRequest's fields.
+        sched.extend(
+            (rid, new[0] if new else None, rid in resumed, computed, n.get(rid, 0))
+            for rid, new, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens)
+        )
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         return PegaflowConnectorMetadata(self._s().build_step(sched, sorted(preempted)))
 

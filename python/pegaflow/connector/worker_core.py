@@ -123,7 +123,9 @@ class WorkerCore:
         self._gpu_waits_wanted = gpu_waits and mode == LAYERWISE
         self._gpu: Optional[GpuWaits] = None
         self._plan: Optional[StepPlan] = None
-        self._step_loads: List[_Load] = []  # layer-wise: this step's loads
+        #: Layer-wise: this step's loads, which wait_for_layer_load gates on (empty in async
+        #: mode and in every step without a load: the connector then returns at once).
+        self.step_loads: List[_Load] = []
         self._async_loads: Dict[str, _Load] = {}
         self._free_states: List[LoadState] = []
         self._errors: Set[int] = set()
@@ -328,7 +330,7 @@ class WorkerCore:
             if self.mode == ASYNC:
                 self._async_loads[intent.request_id] = ld
             else:
-                self._step_loads.append(ld)
+                self.step_loads.append(ld)
             self._hold(ld)
             if intent.scatter_to is not None and not self._stage(ld):
                 continue
@@ -413,7 +415,7 @@ class WorkerCore:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise mode: returns once `layer_name` has landed for every load of this step."""
-        if not self._step_loads:
+        if not self.step_loads:
             return
         reg = self._reg()
         name = self._alias.get(layer_name, layer_name)
@@ -422,7 +424,7 @@ class WorkerCore:
         except KeyError:
             # A layer we never saw: wait for every layer rather than let it read early.
             idx = len(reg.layers) - 1
-        for ld in self._step_loads:
+        for ld in self.step_loads:
             if ld.failed or ld.done or ld.state is None:
                 continue
             if ld.gpu and ld.state.poll() is None:
@@ -445,7 +447,7 @@ class WorkerCore:
         return max(0.0, ld.at + self.load_timeout_s - time.monotonic())
 
     def _finish_step_loads(self) -> None:
-        for ld in self._step_loads:
+        for ld in self.step_loads:
             if not ld.done and ld.state is not None and not ld.failed:
                 try:
                     ld.state.wait_all(self._left(ld))
@@ -463,7 +465,7 @@ class WorkerCore:
                     if ld.gpu:
                         ld.state.release_waiters()  # no stream waits on past the deadline
             self._recycle(ld)
-        self._step_loads = []
+        self.step_loads = []
         if self._gpu is not None:
             self._gpu.reap()
 
@@ -543,6 +545,8 @@ class WorkerCore:
         """(finished_sending, finished_recving): requests whose saves are all
         done (only those that had a save, as the scheduler delayed exactly
         those), and async loads that ended (ok or failed)."""
+        if not finished_req_ids and not self._finishing and not self._lingering and not self._async_loads:
+            return None, None  # most steps: nothing ended, nothing waits to be reported
         recving: Set[str] = set()
         self._poll_lingering()
         if self.mode == ASYNC:
@@ -592,7 +596,7 @@ class WorkerCore:
             self.staging_registration.close(unregister=unregister)
         # Unregistering drained the server's copies: every state can go now (a GPU wait on
         # one is let through first, and the stream drained, before its page is unregistered).
-        loads = self._step_loads + list(self._async_loads.values()) + self._lingering
+        loads = self.step_loads + list(self._async_loads.values()) + self._lingering
         if self._gpu is not None:
             for ld in loads:
                 if ld.state is not None:
@@ -603,7 +607,7 @@ class WorkerCore:
             if ld.state is not None:
                 ld.state.close()
                 ld.state = None
-        self._step_loads, self._async_loads, self._lingering = [], {}, []
+        self.step_loads, self._async_loads, self._lingering = [], {}, []
         for st in self._free_states:
             st.close()
         self._free_states.clear()
