@@ -37,8 +37,9 @@ export class SsdLockedError extends Error {
  * Opens (creating it if missing) and exclusively locks `path`. The returned
  * file holds the lock until it is closed.
  *
- * @throws SsdLockedError when another process holds the file; the OS error
- *   when it cannot be opened (missing directory, read-only filesystem).
+ * @throws SsdLockedError when another process holds the file, or this
+ *   process still holds it after `settleMs` (two tiers on one file); the OS
+ *   error when it cannot be opened (missing directory, read-only filesystem).
  * @example
  * ```ts
  * const lock = lockCacheFile("/mnt/nvme/pegaflow-ssd.cache");
@@ -46,20 +47,39 @@ export class SsdLockedError extends Error {
  * lock.close(); // releases the lock
  * ```
  */
-export function lockCacheFile(path: string): Deno.FsFile {
+export function lockCacheFile(path: string, settleMs = LOCK_SETTLE_MS): Deno.FsFile {
   const f = Deno.openSync(path, { read: true, write: true, create: true });
-  let locked = false;
+  const until = performance.now() + settleMs;
   try {
-    locked = f.tryLockSync(true);
+    for (;;) {
+      if (f.tryLockSync(true)) return f;
+      const info = f.statSync();
+      const pid = lockHolder(info.dev, info.ino ?? -1);
+      // Another live process: refused at once. A lock in transition (this process's own,
+      // closed but its file still shared with a child being spawned, or no holder left by
+      // the time the table was read) is given up within `settleMs`: waited out.
+      if ((pid !== undefined && pid !== Deno.pid) || performance.now() >= until) {
+        throw new SsdLockedError(path, pid, pid === undefined ? undefined : commandOf(pid));
+      }
+      sleepSync(LOCK_RETRY_MS);
+    }
   } catch (e) {
     f.close();
     throw e;
   }
-  if (locked) return f;
-  const info = f.statSync();
-  f.close();
-  const pid = lockHolder(info.dev, info.ino ?? -1);
-  throw new SsdLockedError(path, pid, pid === undefined ? undefined : commandOf(pid));
+}
+
+/**
+ * How long a lock in transition is waited out. A flock belongs to the open file, which a
+ * child forked at that moment shares until it execs: a cache file closed by this process
+ * (an SSD tier reopened in place) can stay locked for that short while.
+ */
+export const LOCK_SETTLE_MS = 500;
+const LOCK_RETRY_MS = 5;
+const sleeper = new Int32Array(new SharedArrayBuffer(4));
+
+function sleepSync(ms: number): void {
+  Atomics.wait(sleeper, 0, 0, ms);
 }
 
 /** Pid holding a FLOCK on (dev, ino) per /proc/locks, or undefined. */
