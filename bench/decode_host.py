@@ -44,12 +44,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "decode-host.json"))
     a = ap.parse_args()
     torch.set_num_threads(1)
-    args = argparse.Namespace(
-        backend="host", config="tiny", tokens=[256], runs=1, warmup=0, pool_size="512mb",
-        transfer_path="auto", staging_blocks=-1, decode_requests=a.requests, decode_tokens=a.tokens,
-        decode_prompt=32, transport="uds", gpu_waits="1", load_issuer="query", decode_repeats=a.rounds,
-        profile=False, skip_transformers=True, out=None,
-    )  # fmt: skip
+    args = ttft.parse_args([
+        "--backend", "host", "--pool-size", "512mb", "--skip-transformers", "--decode-repeats", str(a.rounds),
+        "--decode-tokens", str(a.tokens), "--decode-prompt", "32",
+    ])  # fmt: skip
+    args.decode_requests = a.requests  # ttft caps a CPU run's decode at 8 requests; this one has no model
     b = ttft.Bench(args)
     b.cfg = dataclasses.replace(b.cfg, num_layers=a.layers)
     b.server, b.server_addr = ttft.start_server("host", args.pool_size, None, tempfile.mkdtemp())

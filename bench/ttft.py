@@ -810,11 +810,10 @@ def print_table(r: dict[str, Any]) -> None:
             )
     if "decode" in r:
         d = r["decode"]
-        plain = f", plain engine {d['plain']['decode_tokens_per_s']:.1f}" if "plain" in d else ""
         print()
         print(
             f"decode tokens/s (decode phase, median): on {d['on']['decode_tokens_per_s']:.1f}, "
-            f"off {d['off']['decode_tokens_per_s']:.1f}{plain}; end to end (admission + prefill too): "
+            f"off {d['off']['decode_tokens_per_s']:.1f}, plain engine {d['plain']['decode_tokens_per_s']:.1f}; end to end (admission + prefill too): "
             f"on {d['on']['e2e_tokens_per_s']:.1f}, off {d['off']['e2e_tokens_per_s']:.1f}"
         )
     print()
@@ -866,7 +865,9 @@ def draw_chart(r: dict[str, Any], path: str) -> None:
     print(f"chart: {path}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's options with their per-backend defaults filled in (bench/decode_host.py
+    builds its Bench from these too)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     p.add_argument("--config", choices=sorted(CONFIGS), default=None)
@@ -902,11 +903,13 @@ def main() -> None:
         "QueryPrefetch into staging blocks; layer-wise with staging blocks only, the other engines "
         "use scheduler), the scheduler as soon as it allocated the blocks, or the worker in start_load_kv",
     )
-    p.add_argument("--decode-repeats", type=int, default=8, help="on and off runs each, interleaved")
+    p.add_argument(
+        "--decode-repeats", type=int, default=8, help="rounds of on, off and the plain engine, in a rotating order"
+    )
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a GPU-hit and a decode step")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/ttft-<backend>.json)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     gpu = a.backend == "cuda"
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--backend cuda needs a CUDA GPU; use --backend host --config tiny here")
@@ -918,6 +921,11 @@ def main() -> None:
     a.decode_prompt = a.decode_prompt or (256 if gpu else 64)
     if not gpu:
         a.decode_requests = min(a.decode_requests, 8)
+    return a
+
+
+def main() -> None:
+    a = parse_args()
     out = a.out or os.path.join(ROOT, "bench", "results", f"ttft-{a.backend}.json")
     torch.manual_seed(0)
     r = Bench(a).run()
