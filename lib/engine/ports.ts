@@ -52,18 +52,18 @@ export interface ShmPort {
 /** Direction of a batch copy. */
 export type CopyDirection = "gather" | "scatter";
 
-/**
- * A reusable batch descriptor: lib/transfer/plan.ts writes groups (one per
- * layer) and segments, already merged, into it; the engine submits it. No
- * allocation per segment, and the writer does not merge (one merger:
- * lib/transfer/ranges.ts).
- */
 /** How a batch may be copied (`pf_batch_header.flags`). */
 export interface BatchWriterOptions {
   /** Consumed only once all of it landed (an async load): an H2D copy may take several lanes. */
   whole?: boolean;
 }
 
+/**
+ * A reusable batch descriptor: lib/transfer/plan.ts writes groups (one per
+ * layer) and segments, already merged, into it; the engine submits it. No
+ * allocation per segment, and the writer does not merge (one merger:
+ * lib/transfer/ranges.ts).
+ */
 export interface BatchWriter {
   /** Makes room for a batch of this many groups and segments (grows; never shrinks). */
   ensure(groups: number, segs: number): void;
