@@ -104,6 +104,11 @@ class StepPlan:
     saves: List[SaveIntent] = field(default_factory=list)
     preempted: List[str] = field(default_factory=list)
 
+    def __reduce__(self) -> Tuple[type, Tuple[List[LoadIntent], List[SaveIntent], List[str]]]:
+        # Pickled every step (scheduler → workers): by position, half the time of the default
+        # (a class reference and a field-name dict per object).
+        return StepPlan, (self.loads, self.saves, self.preempted)
+
 
 class ScheduledRequest(NamedTuple):
     """One request in a step's schedule: `block_ids` is its new blocks

@@ -109,6 +109,9 @@ class PegaflowConnectorMetadata(KVConnectorMetadata):
 
     plan: StepPlan
 
+    def __reduce__(self) -> Tuple[type, Tuple[StepPlan]]:
+        return PegaflowConnectorMetadata, (self.plan,)  # by position, as StepPlan
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:

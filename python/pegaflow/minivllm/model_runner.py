@@ -116,6 +116,9 @@ class ModelRunner:
         alloc = kv_cache_allocator or default_kv_cache_allocator
         shape = (2, num_blocks, cfg.block_size, model.kv_heads, cfg.head_dim)  # this rank's heads
         self.layer_names = [cfg.layer_name(i) for i in range(cfg.num_layers)]
+        # ForwardContext.no_compile_layers: fixed for the engine's life, built once (start_load_kv
+        # gets a context every step).
+        self._no_compile_layers: dict[str, None] = dict.fromkeys(self.layer_names)
         # Insertion order is execution order (vLLM builds this dict from the model's layers).
         self.kv_caches: dict[str, torch.Tensor] = {}
         for name in self.layer_names:
@@ -250,8 +253,8 @@ class ModelRunner:
 
     def _forward_context(self, meta: AttentionMetadata | None) -> ForwardContext:
         return ForwardContext(
-            no_compile_layers={n: None for n in self.layer_names},
-            attn_metadata=None if meta is None else {n: meta for n in self.layer_names},
+            no_compile_layers=self._no_compile_layers,
+            attn_metadata=None if meta is None else dict.fromkeys(self.layer_names, meta),
         )
 
     def _pre_forward(self, so: SchedulerOutput, meta: AttentionMetadata | None) -> None:
