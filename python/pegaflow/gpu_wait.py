@@ -51,6 +51,27 @@ CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 
 
+_stream_getter: Optional[Callable[[], int]] = None
+
+
+def _current_stream() -> int:
+    """torch's current CUDA stream on the current device, as the driver's handle (an int).
+
+    Called once per layer of a loading step: torch's raw getter takes ~0.1 us where
+    `torch.cuda.current_stream()` builds a Stream object (~9 us on the H100 host)."""
+    global _stream_getter
+    if _stream_getter is None:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        current_device = torch.cuda.current_device
+        if raw is not None:
+            _stream_getter = lambda: raw(current_device())  # noqa: E731
+        else:  # an older torch: the public way
+            _stream_getter = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    return _stream_getter()
+
+
 class GpuWaits:
     """The driver calls and the registered states of one worker (one thread: the engine's)."""
 
@@ -117,10 +138,7 @@ class GpuWaits:
     def wait(self, st: LoadState, layer: int) -> bool:
         """Enqueues "layers_ready > layer" on torch's current stream; False if the driver refused
         (the caller then waits on the host)."""
-        import torch
-
-        stream = torch.cuda.current_stream().cuda_stream
-        rc = self._wait(ctypes.c_void_p(stream), st.gpu_word, layer + 1, CU_STREAM_WAIT_VALUE_GEQ)
+        rc = self._wait(_current_stream(), st.gpu_word, layer + 1, CU_STREAM_WAIT_VALUE_GEQ)
         if rc != CUDA_SUCCESS:
             log.warning("load state %s: cuStreamWaitValue32 failed (%s): host waits", st.name, _drv().err(rc))
             return False
