@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import math
 import json
 import os
 import random
@@ -133,6 +134,21 @@ def summary(xs: list[float]) -> dict[str, Any]:
         "p50": pct(xs, 50), "p99": pct(xs, 99), "mean": statistics.fmean(xs), "n": len(xs),
         "runs_ms": [round(x, 3) for x in xs],
     }
+
+
+# Student's t, two-sided 95 %, by degrees of freedom (1..30; beyond, the normal's 1.96 is within 2 %).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)  # fmt: skip
+
+
+def mean_ci95(xs: list[float]) -> tuple[float, float]:
+    """The 95 % confidence interval of the mean of `xs` (independent rounds; Student's t)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, m
+    half = (_T975[len(xs) - 2] if len(xs) - 1 <= len(_T975) else 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m - half, m + half
 
 
 class Prompts:
@@ -694,18 +710,24 @@ class Bench:
 
         def slower(a: str, b: str) -> tuple[float, list[float]]:
             ratios = [x[0] / y[0] for x, y in zip(runs[a], runs[b])]
+            # How sure the rounds' mean is: a round swings a few % on a noisy host.
+            lo, hi = mean_ci95([1 - x for x in ratios])
+            res[f"ci95_{a}_vs_{b}"] = [lo, hi]
             return 1 - statistics.fmean(ratios), ratios
 
         res["paired_slowdown"], pairs = slower("on", "off")
         res["paired_slowdown_vs_plain"], _ = slower("on", "plain")
         res["aa_plain_vs_off"], aa = slower("plain", "off")
+        ci = {k: f"95 % CI {100 * res[k][0]:+.2f}..{100 * res[k][1]:+.2f} %"
+              for k in ("ci95_on_vs_off", "ci95_on_vs_plain", "ci95_plain_vs_off")}  # fmt: skip
         print(
             f"decode tokens/s (median of {self.args.decode_repeats}): on {res['on']['decode_tokens_per_s']:.1f}, "
             f"off (same engine, connector detached) {res['off']['decode_tokens_per_s']:.1f}, "
             f"plain engine {res['plain']['decode_tokens_per_s']:.1f}; on/off per round "
-            f"{' '.join(f'{x:.3f}' for x in pairs)} (mean: {100 * res['paired_slowdown']:.2f} % slower; "
-            f"vs plain {100 * res['paired_slowdown_vs_plain']:.2f} %); A/A plain/off "
-            f"{' '.join(f'{x:.3f}' for x in aa)} (mean: {100 * res['aa_plain_vs_off']:.2f} %)"
+            f"{' '.join(f'{x:.3f}' for x in pairs)} (mean: {100 * res['paired_slowdown']:.2f} % slower, "
+            f"{ci['ci95_on_vs_off']}; vs plain {100 * res['paired_slowdown_vs_plain']:.2f} %, "
+            f"{ci['ci95_on_vs_plain']}); A/A plain/off "
+            f"{' '.join(f'{x:.3f}' for x in aa)} (mean: {100 * res['aa_plain_vs_off']:.2f} %, {ci['ci95_plain_vs_off']})"
         )
         print(
             "decode step ms (p50 / mean / p99): "
@@ -753,6 +775,8 @@ class Bench:
         if off > 0:
             t["decode with PegaFlow on at 0% hits <= 1% slower than off"] = {
                 "value": 1 - on / off, "limit": 0.01, "pass": on >= 0.99 * off,
+                # The rounds' paired mean slowdown and its 95 % interval: how far the medians can be trusted.
+                "rounds_mean": r["decode"]["paired_slowdown"], "rounds_ci95": r["decode"]["ci95_on_vs_off"],
             }  # fmt: skip
         else:
             t["decode with PegaFlow on at 0% hits <= 1% slower than off"] = {"pass": None, "skipped": "no decode run"}
