@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import math
 import json
+import math
 import os
 import random
 import statistics
