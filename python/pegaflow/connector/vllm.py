@@ -322,13 +322,9 @@ class PegaflowConnector(KVConnectorBase_V1):
         self._w().start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Called for every layer of every step: one frame and one test when the step loads
-        # nothing (a launch-bound decode step pays each call on its critical path).
-        w = self._worker
-        if w is not None and w.step_loads:
-            w.wait_for_layer_load(layer_name)
-        elif w is None:
-            self._w()  # the role's error
+        # A layer-wise worker never gets here: __init__ binds its WorkerCore's method in place of
+        # this one (one frame per layer). Async mode loads between steps (the worker returns at once).
+        self._w().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         # All layers are saved by one Save after the step (wait_for_save), which
