@@ -95,6 +95,13 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process `pid` so far (/proc/PID/stat: utime, stime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # Wall clock minus perf_counter: turns a Request's arrival_time into epoch seconds (server log).
 EPOCH_MINUS_PERF_S = time.time() - time.perf_counter()
 
@@ -686,9 +693,16 @@ class Bench:
             run()  # warm-up
         orders = list(itertools.permutations(variants))
         runs: dict[str, list[tuple[float, float, list[float]]]] = {k: [] for k in variants}
+        # The server's CPU time while each variant runs (on: until its saves are done too).
+        server_cpu_s = {k: 0.0 for k in variants}
+        pid = self.server.proc.pid
         for i in range(self.args.decode_repeats):
             for which in orders[i % len(orders)]:
+                c0 = cpu_seconds(pid)
                 runs[which].append(variants[which]())
+                if which == "on":
+                    on.drain()
+                server_cpu_s[which] += cpu_seconds(pid) - c0
         res: dict[str, Any] = {}
         for which, rs in runs.items():
             # Step by step (the same index is the same point of every run: a block boundary
@@ -696,6 +710,8 @@ class Bench:
             by_index = [statistics.fmean(col) for col in zip(*(r[2] for r in rs))]
             every = [x for r in rs for x in r[2]]
             res[which] = {
+                # Server CPU per decode step, ms (ticks of 10 ms: a sum over every round).
+                "server_cpu_ms_per_step": round(1e3 * server_cpu_s[which] / max(1, len(every)), 4),
                 "decode_tokens_per_s": statistics.median(r[0] for r in rs),
                 "e2e_tokens_per_s": statistics.median(r[1] for r in rs),
                 "runs": [r[:2] for r in rs],
@@ -728,6 +744,10 @@ class Bench:
             f"{ci['ci95_on_vs_off']}; vs plain {100 * res['paired_slowdown_vs_plain']:.2f} %, "
             f"{ci['ci95_on_vs_plain']}); A/A plain/off "
             f"{' '.join(f'{x:.3f}' for x in aa)} (mean: {100 * res['aa_plain_vs_off']:.2f} %, {ci['ci95_plain_vs_off']})"
+        )
+        print(
+            "server CPU ms per decode step: "
+            + "; ".join(f"{k} {res[k]['server_cpu_ms_per_step']:.3f}" for k in variants)
         )
         print(
             "decode step ms (p50 / mean / p99): "

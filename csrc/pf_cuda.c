@@ -487,6 +487,7 @@ static void completion_push(cuda_engine *ce, pf_batch *b) {
 static void *completion_main(void *arg) {
   pf_engine *e = arg;
   cuda_engine *ce = e->impl;
+  pthread_setname_np(pthread_self(), "pf-cu-done"); /* top, perf, /proc: whose CPU */
   cu_thread_engine = e;
   cu.cuCtxSetCurrent(ce->ctx);
   for (;;) {
@@ -1012,6 +1013,7 @@ static void lane_slice(uint32_t lo, uint32_t hi, uint32_t w, uint32_t L,
 static void *lane_main(void *arg) {
   dma_lane *l = arg;
   cuda_engine *ce = l->ce;
+  pthread_setname_np(pthread_self(), "pf-cu-lane");
   cu_thread_engine = l->e;
   cu.cuCtxSetCurrent(ce->ctx);
   for (;;) {
@@ -1156,6 +1158,7 @@ static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
 static void *submitter_main(void *arg) {
   pf_engine *e = arg;
   cuda_engine *ce = e->impl;
+  pthread_setname_np(pthread_self(), "pf-cu-submit");
   cu_thread_engine = e;
   cu.cuCtxSetCurrent(ce->ctx);
   for (;;) {

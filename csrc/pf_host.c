@@ -141,6 +141,7 @@ static void finish_task(pf_batch *b, uint32_t g) {
 
 static void *host_worker(void *arg) {
   host_engine *he = arg;
+  pthread_setname_np(pthread_self(), "pf-host-copy"); /* top, perf, /proc: whose CPU */
   for (;;) {
     pthread_mutex_lock(&he->mu);
     while (!he->stop && !he->head) pthread_cond_wait(&he->cv, &he->mu);

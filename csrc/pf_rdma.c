@@ -925,6 +925,7 @@ static void on_send_wc(pf_xfer_peer *p, rdma_qp *q, const struct ibv_wc *wc) {
 static void *poller_main(void *arg) {
   pf_xfer_ep *ep = arg;
   rdma_ep *r = ep->impl;
+  pthread_setname_np(pthread_self(), "pf-rdma-poll"); /* top, perf, /proc: whose CPU */
   struct ibv_wc wc[32];
   while (!atomic_load(&r->stop)) {
     int any = 0;

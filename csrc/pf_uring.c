@@ -835,6 +835,7 @@ static void finish_op(pf_uring *u, io_op *op, int32_t res) {
 
 static void *reaper_main(void *arg) {
   pf_uring *u = arg;
+  pthread_setname_np(pthread_self(), "pf-uring-reap"); /* top, perf, /proc: whose CPU */
   reaped *done = calloc(u->depth * 2, sizeof *done);
   int armed = 0;
   for (;;) {

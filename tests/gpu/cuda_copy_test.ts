@@ -26,6 +26,7 @@ import {
   runRoundTrip,
 } from "../native/kv_layout.ts";
 import { crossProcessRoundTrip } from "../native/cross_process.ts";
+import { threadsNamed } from "../native/process.ts";
 import { PathPolicy } from "../../lib/copy_path.ts";
 import { measureCalibration } from "../../lib/copy_calibration.ts";
 
@@ -57,6 +58,19 @@ Deno.test("a CUDA device is present and the copy kernel is loaded", () => {
     const auto = Engine.open({ backend: "auto" });
     assert.equal(auto.backend, "cuda");
     auto.close();
+  } finally {
+    e.close();
+  }
+});
+
+Deno.test("the cuda engine's threads carry their names (top, perf and /proc say whose CPU)", async () => {
+  const names = ["pf-cu-done", "pf-cu-submit", "pf-cu-lane"];
+  const before = await Promise.all(names.map((n) => threadsNamed(n)));
+  const e = Engine.open({ backend: "cuda" });
+  try {
+    for (const [i, n] of names.entries()) {
+      assert.ok(await threadsNamed(n, before[i] + 1) > before[i], `no thread named ${n}`);
+    }
   } finally {
     e.close();
   }

@@ -17,7 +17,7 @@ import {
   NativeError,
   SharedMemory,
 } from "../../ffi/mod.ts";
-import { spawnDeno } from "./process.ts";
+import { spawnDeno, threadsNamed } from "./process.ts";
 
 const pf = loadLibrary();
 
@@ -214,4 +214,15 @@ Deno.test("a process with waits pending exits once the ring is shut down", async
     clearTimeout(timer);
     await child.closeStdin().catch(() => {});
   }
+});
+
+Deno.test("the copy engine's threads carry their names (top, perf and /proc say whose CPU)", async () => {
+  const before = await threadsNamed("pf-host-copy");
+  const engine = Engine.open({ backend: "host", workers: 3 });
+  try {
+    assert.equal(await threadsNamed("pf-host-copy", before + 3), before + 3);
+  } finally {
+    engine.close();
+  }
+  assert.equal(await threadsNamed("pf-host-copy"), before, "closed: joined");
 });

@@ -1,4 +1,5 @@
-/** Test helper: spawn a Deno child and read its stdout line by line. */
+/** Test helpers for processes: spawn a Deno child and read its stdout line by line; count this
+ * process's threads by name. */
 
 /** A running child with a line reader over its stdout. */
 export interface Child {
@@ -61,4 +62,25 @@ export function unhex(s: string): Uint8Array {
   const out = new Uint8Array(s.length / 2);
   for (let i = 0; i < out.length; i++) out[i] = parseInt(s.slice(2 * i, 2 * i + 2), 16);
   return out;
+}
+
+/**
+ * How many of this process's threads are named `name` (/proc/self/task/TID/comm), once
+ * at least `atLeast` are (threads name themselves as they start: up to 2 s).
+ */
+export async function threadsNamed(name: string, atLeast = 0): Promise<number> {
+  const count = () =>
+    [...Deno.readDirSync("/proc/self/task")].filter((t) => {
+      try {
+        return Deno.readTextFileSync(`/proc/self/task/${t.name}/comm`).trim() === name;
+      } catch {
+        return false; // the thread ended while we listed
+      }
+    }).length;
+  let n = count();
+  for (let i = 0; i < 200 && n < atLeast; i++) {
+    await new Promise((r) => setTimeout(r, 10));
+    n = count();
+  }
+  return n;
 }
