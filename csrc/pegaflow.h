@@ -420,6 +420,11 @@ int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
  * touch it directly: the peer can shrink it at any time; use the guarded
  * pf_shm_read / pf_shm_write instead. */
 void *pf_shm_ptr(uint32_t shm);
+/* 1 while the name `shm` was opened by still names the object it maps, at
+ * least as long as the mapping (one stat: a process keeping a peer's mapping
+ * for reuse checks it before each use); 0 once the name was unlinked,
+ * recreated or the object shrunk; PF_EHANDLE for a bad handle. */
+int32_t pf_shm_same(uint32_t shm);
 /* Guarded byte access to a mapped shm object: [offset, offset + bytes) must
  * lie inside the mapping (PF_ERANGE). When offset and bytes are 4-aligned the
  * bytes move as whole u32 words (acquire loads / release stores), so a peer

@@ -8,6 +8,7 @@
 
 #include "pegaflow.h"
 #include <pthread.h>
+#include <sys/types.h>
 #include <stdatomic.h>
 #include <stddef.h>
 
@@ -110,6 +111,8 @@ typedef struct pf_shm {
   uint8_t *ptr;
   uint64_t bytes;
   int unlink_on_close;
+  dev_t dev; /* the object mapped (pf_shm_same) */
+  ino_t ino;
   atomic_int inflight; /* batches that will still write progress words */
 } pf_shm;
 

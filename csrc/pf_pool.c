@@ -266,22 +266,20 @@ int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
     return pf_fail(errno == ENOENT ? PF_EINVAL : PF_EIO,
                    "pf_shm_open: shm_open(\"%s\"%s): %s", name,
                    (flags & PF_SHM_CREATE) ? ", create" : "", strerror(errno));
+  struct stat st;
   if (flags & PF_SHM_CREATE) {
-    if (ftruncate(fd, (off_t)bytes) != 0) {
+    if (ftruncate(fd, (off_t)bytes) != 0 || fstat(fd, &st) != 0) {
       int err = errno;
       close(fd);
       shm_unlink(name);
       return pf_fail(PF_EIO, "pf_shm_open: ftruncate(\"%s\", %llu): %s", name,
                      (unsigned long long)bytes, strerror(err));
     }
-  } else {
-    struct stat st;
-    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < bytes) {
-      close(fd);
-      return pf_fail(PF_ERANGE, "pf_shm_open: \"%s\" is %lld bytes; expected "
-                     "at least %llu", name, (long long)st.st_size,
-                     (unsigned long long)bytes);
-    }
+  } else if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < bytes) {
+    close(fd);
+    return pf_fail(PF_ERANGE, "pf_shm_open: \"%s\" is %lld bytes; expected "
+                   "at least %llu", name, (long long)st.st_size,
+                   (unsigned long long)bytes);
   }
   void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int err = errno;
@@ -301,6 +299,8 @@ int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
   s->ptr = m;
   s->bytes = bytes;
   s->unlink_on_close = (flags & PF_SHM_UNLINK) != 0;
+  s->dev = st.st_dev;
+  s->ino = st.st_ino;
   uint32_t h = pf_handle_new(PF_K_SHM, s);
   if (!h) {
     munmap(m, bytes);
@@ -311,6 +311,18 @@ int32_t pf_shm_open(const char *name, uint64_t bytes, uint32_t flags,
   s->handle = h;
   *out_shm = h;
   return PF_OK;
+}
+
+int32_t pf_shm_same(uint32_t shm) {
+  pf_shm *s = pf_handle_get(shm, PF_K_SHM, "pf_shm_same");
+  if (!s) return PF_EHANDLE;
+  /* shm_open's directory on Linux (glibc and musl alike). */
+  char path[sizeof "/dev/shm" + PF_HANDLE_BYTES];
+  snprintf(path, sizeof path, "/dev/shm%s", s->name);
+  struct stat st;
+  if (stat(path, &st) != 0) return 0; /* unlinked (or unreadable): not the same */
+  return st.st_dev == s->dev && st.st_ino == s->ino &&
+         (uint64_t)st.st_size >= s->bytes;
 }
 
 void *pf_shm_ptr(uint32_t shm) {

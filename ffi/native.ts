@@ -704,6 +704,18 @@ export class SharedMemory {
     return new Uint8Array(Deno.UnsafePointerView.getArrayBuffer(this.#ptr, this.bytes));
   }
 
+  /**
+   * True while {@link SharedMemory.name} still names the object this maps, at
+   * least {@link SharedMemory.bytes} long (one `stat`): false once the owner
+   * unlinked it, made a new one under the name, or shrank it. For a process
+   * that keeps a peer's mapping between uses.
+   */
+  same(): boolean {
+    const r = this.#pf.pf_shm_same(this.handle);
+    if (r < 0) check("pf_shm_same", r);
+    return r === 1;
+  }
+
   /** Unmaps (and unlinks if asked). @throws NativeError PF_EBUSY while a batch reports here. */
   close(): void {
     if (this.#closed) return;

@@ -64,6 +64,7 @@ export const SYMBOLS = {
 
   pf_shm_open: { parameters: ["buffer", "u64", "u32", "buffer"], result: "i32" },
   pf_shm_ptr: { parameters: ["u32"], result: "pointer" },
+  pf_shm_same: { parameters: ["u32"], result: "i32" },
   pf_shm_read: { parameters: ["u32", "u64", "buffer", "u64"], result: "i32" },
   pf_shm_write: { parameters: ["u32", "u64", "buffer", "u64"], result: "i32" },
   pf_shm_close: { parameters: ["u32"], result: "i32" },

@@ -320,6 +320,7 @@ export class KvEngine {
     const { store, layouts, log } = this.#ctx;
     const { leases, inflightFreed } = store.dropInstance(inst.id);
     this.#ctx.instances.delete(inst.id);
+    this.#loader.states.forget(inst.id);
     const lay = layouts.get(inst.namespace);
     if (lay) {
       lay.users.delete(inst.id);

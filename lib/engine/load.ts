@@ -34,6 +34,7 @@ import {
   OFF_PROGRESS,
   STATE_REJECTED,
 } from "./load_state.ts";
+import { LoadStateMaps } from "./load_state_maps.ts";
 import { type BatchWriter, ClientMemoryFault, type ShmPort } from "./ports.ts";
 
 export interface LoadArgs {
@@ -74,11 +75,20 @@ export interface AcceptedLoad {
 
 /** Runs Loads; one per engine (it owns the scatter batch and its planner). */
 export class LoadRunner {
+  /** Load states stay mapped between an instance's loads (load_state_maps.ts). */
+  readonly states: LoadStateMaps;
+
   constructor(
     readonly ctx: EngineContext,
     readonly batch: BatchWriter,
     readonly planner: TransferPlanner,
-  ) {}
+  ) {
+    this.states = new LoadStateMaps(
+      (name, bytes) => ctx.native.openShm(name, bytes),
+      (instance) => ctx.instances.has(instance),
+      ctx.log,
+    );
+  }
 
   /**
    * The whole Load RPC: {@link accept}, then {@link queue}; a refusal is a rejection.
@@ -110,7 +120,7 @@ export class LoadRunner {
     }
     let shm: ShmPort;
     try {
-      shm = this.ctx.native.openShm(args.loadStateShm, LOAD_STATE_BYTES);
+      shm = this.states.acquire(args.instanceId, args.loadStateShm, LOAD_STATE_BYTES);
     } catch (e) {
       throw invalid(
         `instance "${args.instanceId}": cannot open load state "${args.loadStateShm}": ${
@@ -141,7 +151,7 @@ export class LoadRunner {
       return { job: { args, inst, rank, shm, tEntry }, fields };
     } catch (e) {
       this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
-      this.#closeShm(shm, args.loadStateShm);
+      this.#releaseShm(args, shm);
       throw e;
     }
   }
@@ -151,7 +161,7 @@ export class LoadRunner {
     const { args, rank, shm } = a.job;
     this.ctx.log.debug("load abandoned", { ...a.fields, why });
     this.#failState(shm, args.loadStateShm, STATE_REJECTED, rank.layers.length);
-    this.#closeShm(shm, args.loadStateShm);
+    this.#releaseShm(args, shm);
   }
 
   /**
@@ -189,7 +199,7 @@ export class LoadRunner {
       this.#failState(shm, args.loadStateShm, STATE_REJECTED, rank.layers.length);
       throw e;
     } finally {
-      if (!handedOff) this.#closeShm(shm, args.loadStateShm);
+      if (!handedOff) this.#releaseShm(args, shm);
     }
   }
 
@@ -279,7 +289,7 @@ export class LoadRunner {
       args.loadStateShm,
       loadFields(args),
     );
-    this.#closeShm(shm, args.loadStateShm);
+    this.#releaseShm(args, shm);
     this.ctx.log.debug("load done", {
       instance: inst.id,
       request: args.requestId || undefined,
@@ -350,7 +360,7 @@ export class LoadRunner {
       },
     ).finally(() => {
       this.ctx.store.loadDone(view);
-      this.#closeShm(shm, args.loadStateShm);
+      this.#releaseShm(args, shm);
       inst.end();
     });
   }
@@ -381,17 +391,9 @@ export class LoadRunner {
     }
   }
 
-  #closeShm(shm: { close(): void }, name: string): void {
-    try {
-      shm.close();
-    } catch (e) {
-      // Only reached after the batch's completion record, when the native layer
-      // has already dropped its reference: a failure here is a bug worth a log line.
-      this.ctx.log.error("closing load state failed", {
-        shm: name,
-        error: (e as Error).message,
-      });
-    }
+  /** The load is done with its load state: kept mapped for the instance's next load, or closed. */
+  #releaseShm(args: LoadArgs, shm: ShmPort): void {
+    this.states.release(args.instanceId, args.loadStateShm, LOAD_STATE_BYTES, shm);
   }
 }
 

@@ -240,6 +240,7 @@ function portOver(
         handle: shm.handle,
         read: (off, dst) => guarded(() => shm.read(off, dst)),
         write: (off, src) => guarded(() => shm.write(off, src)),
+        same: () => shm.same(),
         close: () => shm.close(),
       };
     },

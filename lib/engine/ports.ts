@@ -46,6 +46,8 @@ export interface ShmPort {
   read(offset: number, dst: Uint8Array): void;
   /** Copies `src` to `offset` (aligned u32 words land whole). */
   write(offset: number, src: Uint8Array): void;
+  /** True while the name it was opened by still names this object, as long as it was (one stat). */
+  same(): boolean;
   close(): void;
 }
 

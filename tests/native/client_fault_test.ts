@@ -153,6 +153,33 @@ Deno.test("a load state shrunk after it was opened: guarded access and submit fa
   }
 });
 
+Deno.test("a kept mapping knows whether its name still names its object (pf_shm_same)", () => {
+  const name = `/pf-same-${Deno.pid}`;
+  let owner = SharedMemory.open(name, 4 * KB, { create: true, unlink: true });
+  const peer = SharedMemory.open(name, 4 * KB);
+  try {
+    assert.equal(peer.same(), true);
+    shrink(name, 2 * KB);
+    assert.equal(peer.same(), false, "shrunk below the mapping");
+    Deno.truncateSync(`/dev/shm${name}`, 8 * KB);
+    assert.equal(peer.same(), true, "as long as it was again (longer is fine)");
+    owner.close(); // unlinks
+    assert.equal(peer.same(), false, "unlinked");
+    owner = SharedMemory.open(name, 4 * KB, { create: true, unlink: true });
+    assert.equal(peer.same(), false, "another object under the same name");
+    const again = SharedMemory.open(name, 4 * KB);
+    assert.equal(again.same(), true);
+    again.close();
+  } finally {
+    peer.close();
+    owner.close();
+  }
+  assert.throws(
+    () => peer.same(),
+    (e: unknown) => e instanceof NativeError && e.codeName === "PF_EHANDLE",
+  );
+});
+
 Deno.test("progress words that vanish while a batch is queued fail that batch only", async () => {
   const name = `/pegaflow-test-ls-${Deno.pid}-b`;
   const owner = SharedMemory.open(name, 64, { create: true, unlink: true });

@@ -10,12 +10,14 @@ import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import { LoadState } from "../../lib/client/load_state.ts";
-import { readLoadState } from "../../lib/engine/load_state.ts";
+import { initLoadState, LOAD_STATE_BYTES, readLoadState } from "../../lib/engine/load_state.ts";
+import { SharedMemory } from "../../ffi/mod.ts";
 import {
   hostSim,
   metricBecomes,
   refusedWith,
   type ServerProc,
+  shmMappings,
   startServer,
   uid,
 } from "./harness.ts";
@@ -273,6 +275,71 @@ Deno.test("a whole (async) Load lands byte-exact into scattered targets, and its
     assert.equal(line!.whole, true);
     // Nothing merges: descending targets, 6 blocks x 3 layers x K/V.
     assert.equal(line!.segments, 6 * MODEL.numLayers * 2 - 2 * MODEL.numLayers);
+  } finally {
+    st.close();
+    e.close();
+    await srv.stop();
+  }
+});
+
+/** A load-state block made under a chosen name (the engine's own, as the connector's free list reuses). */
+function namedState(name: string): { view: DataView; close(): void } {
+  const shm = SharedMemory.open(name, LOAD_STATE_BYTES, { create: true, unlink: true });
+  const u8 = shm.view();
+  const view = new DataView(u8.buffer, u8.byteOffset, u8.byteLength);
+  initLoadState(view);
+  return { view, close: () => shm.close() };
+}
+
+async function settled(view: DataView): Promise<number> {
+  const deadline = Date.now() + 10_000;
+  while (readLoadState(view).state === 0) {
+    assert.ok(Date.now() < deadline, "the load never settled");
+    await new Promise((r) => setTimeout(r, 2));
+  }
+  return readLoadState(view).state;
+}
+
+Deno.test("the server maps a load state once across loads, follows a new object under its name, unmaps it when the engine leaves", async () => {
+  const srv = await startServer();
+  const e = sim(srv, uid("kept"), uid("ns"));
+  const name = `/${uid("kept-ls")}`;
+  let st = namedState(name);
+  try {
+    await e.register();
+    const hashes = chainedBlockHashes(syntheticTokens(61, 16 * 4), 16);
+    e.fill([0, 1, 2, 3], hashes);
+    await e.save([0, 1, 2, 3], hashes);
+    const loadOnce = async (i: number) => {
+      const q = await e.query(hashes, `r-kept-${i}`);
+      assert.ok(q.kind === "ready" && q.hits === 4);
+      if (q.kind !== "ready") return;
+      e.clear([8, 9, 10, 11]);
+      initLoadState(st.view);
+      await srv.client.load({
+        instanceId: e.instanceId,
+        tpRank: 0,
+        ppRank: 0,
+        leaseId: q.leaseId,
+        blockIds: [8, 9, 10, 11],
+        loadStateShm: name,
+        requestId: `r-kept-${i}`,
+      });
+      assert.equal(await settled(st.view), 1, `load ${i}`);
+      assert.equal(e.verify([8, 9, 10, 11], hashes).badSegments, 0, `load ${i}`);
+    };
+    for (let i = 0; i < 3; i++) {
+      await loadOnce(i);
+      assert.equal(shmMappings(srv.pid, name.slice(1)).length, 1, `one mapping after load ${i}`);
+    }
+    // The engine drops the block and makes a new one under the same name: the
+    // server must report into the new one, not the mapping it kept.
+    st.close();
+    st = namedState(name);
+    await loadOnce(3);
+    assert.equal(shmMappings(srv.pid, name.slice(1)).length, 1, "the old mapping was closed");
+    await srv.client.unregisterContext(e.instanceId);
+    assert.deepEqual(shmMappings(srv.pid, name.slice(1)), [], "unmapped once the engine left");
   } finally {
     st.close();
     e.close();
