@@ -11,7 +11,7 @@
  *
  * @module
  */
-import { Code, EngineError, precondition } from "./errors.ts";
+import { Code, EngineError, invalid, precondition } from "./errors.ts";
 import { rankIndex } from "./rank.ts";
 import { type Geometry, slotBytes } from "./geometry.ts";
 import type { RegionPort } from "./ports.ts";
@@ -112,6 +112,19 @@ export class Instance {
   }
 
   rankCtx(tpRank: number, ppRank: number, what: string): RankCtx {
+    // Before the lookup: tp_rank tp_size of pp_rank p would index rank (0, p + 1), so a
+    // Save or Load naming it would read or write another rank's memory and spend its share.
+    if (!(tpRank < this.tpSize) || !(ppRank < this.ppSize)) {
+      throw invalid(
+        `instance "${this.id}": ${what} from tp_rank ${tpRank} pp_rank ${ppRank}, outside its topology (tp_size ${this.tpSize}, pp_size ${this.ppSize})`,
+        {
+          instance: this.id,
+          tpRank,
+          ppRank,
+          expected: `tp_rank < ${this.tpSize}, pp_rank < ${this.ppSize}`,
+        },
+      );
+    }
     const r = this.ranks.get(rankIndex(tpRank, ppRank, this.tpSize));
     if (!r) {
       throw precondition(

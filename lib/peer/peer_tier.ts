@@ -32,6 +32,7 @@ import type {
   TierPutResult,
   TierTakeAnswer,
 } from "../storage/tier.ts";
+import { tierHolder } from "../storage/tier.ts";
 import { hashHex } from "../storage/keys.ts";
 import type { StageMetrics } from "../pipeline/stage.ts";
 import type { LookupResult } from "../index/block_index.ts";
@@ -411,7 +412,7 @@ export class PeerTier implements Tier {
       payloadBytes: part.res.payloadBytes,
       checksums: part.res.checksums,
     }, {
-      filler: PEER_TIER_NAME,
+      filler: tierHolder(PEER_TIER_NAME),
       chunkBytes: this.#chunkBytes,
       deadlineMs: this.#fetchTimeout,
       log: this.#o.log,

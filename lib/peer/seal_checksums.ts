@@ -8,7 +8,7 @@
  * @module
  */
 
-import type { TierHost } from "../storage/tier.ts";
+import { tierHolder, type TierHost } from "../storage/tier.ts";
 import { Stage, type StageMetrics } from "../pipeline/stage.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
 import type { ChecksumFn } from "./locks.ts";
@@ -81,7 +81,7 @@ export class SealChecksums {
 
   /** Pins the batch, checksums the blocks that have none yet, records them. */
   async #run(job: ChecksumJob): Promise<void> {
-    const pin = this.#host.pin(job.namespace, job.hashes, "peer-checksum");
+    const pin = this.#host.pin(job.namespace, job.hashes, tierHolder("peer-checksum"));
     if (!pin) return;
     try {
       const hashes: Uint8Array[] = [];

@@ -32,6 +32,7 @@ import { storeTierHost } from "../storage/tier_host.ts";
 import { registerTierMetrics } from "./tier_metrics.ts";
 import { advertisedFills, indexAdvertiser } from "../index/attach.ts";
 import { type CrossNode, openCrossNode } from "./cross_node.ts";
+import { MAX_PEER_LOCK_TTL_MS } from "../peer/locks.ts";
 import type { IndexAdvertiser } from "../index/advertiser.ts";
 import type { NativePort } from "../engine/ports.ts";
 import { type Listeners, openListeners } from "./listeners.ts";
@@ -62,6 +63,16 @@ export function allocationUnit(hint: number): number {
   let u = MIN_UNIT;
   while (u * 2 <= MAX_UNIT && hint % (u * 2) === 0) u *= 2;
   return u;
+}
+
+/**
+ * The store's transfer lock lifetime. Those locks back the peer locks
+ * (granted for up to MAX_PEER_LOCK_TTL_MS; they expire and release on their
+ * own timer) and the SSD writer's pins, so they must not expire first: at the
+ * lease TTL, a short `--lease-ttl-ms` freed blocks a peer was still reading.
+ */
+export function transferLockTtlMs(leaseTtlMs: number): number {
+  return Math.max(leaseTtlMs, MAX_PEER_LOCK_TTL_MS);
 }
 
 /** A started server. */
@@ -305,6 +316,7 @@ async function openStorage(cfg: ServeConfig, log: Logger) {
     unitBytes,
     parts: placement?.parts.map((p) => p.bytes),
     leaseTtlMs: cfg.leaseTtlMs,
+    transferLockTtlMs: transferLockTtlMs(cfg.leaseTtlMs),
     // Sketch sized for the blocks the pool can hold at the hinted (or a typical 32 KiB) segment size.
     lfuCapacityBlocks: cfg.enableLfuAdmission
       ? Math.max(1024, Math.floor(native.poolBytes / (cfg.hintValueSize || TYPICAL_SEGMENT_BYTES)))

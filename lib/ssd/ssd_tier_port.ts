@@ -21,6 +21,7 @@ import type {
   TierPutResult,
   TierTakeAnswer,
 } from "../storage/tier.ts";
+import { tierHolder } from "../storage/tier.ts";
 import type { PrefetchAllocation } from "./prefetch.ts";
 import type { SsdTier } from "./tier.ts";
 import type { SsdPinned, SsdWriteBlock } from "./write_behind.ts";
@@ -74,7 +75,7 @@ export class SsdStorageTier implements Tier {
     return this.ssd.enqueueWrite({
       blocks: writes,
       pin: (fresh): SsdPinned => {
-        const pin = this.host.pin(namespace, fresh.map((w) => w.hash), this.name);
+        const pin = this.host.pin(namespace, fresh.map((w) => w.hash), tierHolder(this.name));
         if (!pin) return { extents: fresh.map(() => undefined), release: () => {} };
         return { extents: pin.blocks.map((b) => b?.extents), release: () => pin.release() };
       },
@@ -100,7 +101,7 @@ export class SsdStorageTier implements Tier {
           });
           break;
         }
-        const fill = this.host.fill(namespace, hashes[w.index], this.name, "retained");
+        const fill = this.host.fill(namespace, hashes[w.index], tierHolder(this.name), "retained");
         if (!fill) break;
         out.push({ extents: [...fill.extents], free: fill.abort, commit: fill.commit });
       }

@@ -199,6 +199,17 @@ export interface RamPin {
   release(): void;
 }
 
+/**
+ * The name a tier holds pool blocks under (its transfer locks, the writer of
+ * its fills): `tier:NAME`. An engine's instance id cannot contain ':'
+ * (lib/engine/registration.ts `checkName`), so cleaning up an engine, which
+ * drops what its id holds, never drops a tier's holds: an engine named `ssd`
+ * once released the SSD writer's locks with its own leases.
+ */
+export function tierHolder(tier: string): string {
+  return `tier:${tier}`;
+}
+
 /** Cache class of a filled block when it seals (see lib/storage/cache.ts). */
 export type FillClass = "retained" | "reclaimable";
 
@@ -207,10 +218,10 @@ export type FillClass = "retained" | "reclaimable";
  *
  * @example
  * ```ts
- * const pin = host.pin(namespace, hashes, "ssd");   // one transfer lock for the batch
+ * const pin = host.pin(namespace, hashes, tierHolder("ssd")); // one transfer lock for the batch
  * // … write pin.blocks[i].extents …
  * pin?.release();
- * const f = host.fill(namespace, hash, "ssd", "retained"); // beginFill of one block
+ * const f = host.fill(namespace, hash, tierHolder("ssd"), "retained"); // beginFill of one block
  * // … read into f.extents …; f.commit() or f.abort()
  * ```
  */

@@ -26,7 +26,7 @@ import {
   runRoundTrip,
 } from "../native/kv_layout.ts";
 import { crossProcessRoundTrip } from "../native/cross_process.ts";
-import { threadsNamed } from "../native/process.ts";
+import { threadNamesOf } from "../native/process.ts";
 import { PathPolicy } from "../../lib/copy_path.ts";
 import { measureCalibration } from "../../lib/copy_calibration.ts";
 
@@ -65,14 +65,10 @@ Deno.test("a CUDA device is present and the copy kernel is loaded", () => {
 
 Deno.test("the cuda engine's threads carry their names (top, perf and /proc say whose CPU)", async () => {
   const names = ["pf-cu-done", "pf-cu-submit", "pf-cu-lane"];
-  const before = await Promise.all(names.map((n) => threadsNamed(n)));
-  const e = Engine.open({ backend: "cuda" });
-  try {
-    for (const [i, n] of names.entries()) {
-      assert.ok(await threadsNamed(n, before[i] + 1) > before[i], `no thread named ${n}`);
-    }
-  } finally {
-    e.close();
+  const r = await threadNamesOf("cuda", names);
+  for (const n of names) {
+    assert.ok(r.open[n] >= 1, `no thread named ${n}: ${JSON.stringify(r)}`);
+    assert.equal(r.closed[n], 0, `${n} left after close`);
   }
 });
 

@@ -1,3 +1,5 @@
+import assert from "node:assert/strict";
+
 /** Test helpers for processes: spawn a Deno child and read its stdout line by line; count this
  * process's threads by name. */
 
@@ -83,4 +85,25 @@ export async function threadsNamed(name: string, atLeast = 0): Promise<number> {
     n = count();
   }
   return n;
+}
+
+/**
+ * Threads named `names` in a child process with an engine of `backend` open,
+ * then after it closed (thread_names_child.ts).
+ */
+export async function threadNamesOf(
+  backend: "host" | "cuda",
+  names: string[],
+): Promise<{ open: Record<string, number>; closed: Record<string, number> }> {
+  const child = spawnDeno(new URL("./thread_names_child.ts", import.meta.url), [backend, ...names]);
+  const timer = setTimeout(() => child.proc.kill("SIGKILL"), 30_000);
+  try {
+    const line = await child.line();
+    assert.ok(line, "the child printed nothing");
+    assert.equal((await child.proc.status).code, 0);
+    return JSON.parse(line);
+  } finally {
+    clearTimeout(timer);
+    await child.closeStdin().catch(() => {});
+  }
 }

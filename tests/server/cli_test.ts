@@ -10,7 +10,9 @@ import {
   parseSize,
   POOL_MEM_FRACTION,
 } from "../../lib/server/config.ts";
-import { allocationUnit } from "../../lib/server/server.ts";
+import { allocationUnit, transferLockTtlMs } from "../../lib/server/server.ts";
+import { MAX_PEER_LOCK_TTL_MS } from "../../lib/peer/locks.ts";
+import { KvStore } from "../../lib/storage/store.ts";
 
 const ROOT = new URL("../../", import.meta.url).pathname;
 
@@ -152,4 +154,42 @@ Deno.test("--hint-value-size picks the largest power-of-two unit dividing it, wi
   assert.equal(allocationUnit(36864), 4096, "36 KiB = 9 x 4 KiB");
   assert.equal(allocationUnit(1 << 20), 65536, "capped at 64 KiB");
   assert.equal(allocationUnit(1000), 512, "odd sizes fall back to the 512 B floor");
+});
+
+Deno.test("a short --lease-ttl-ms does not shorten transfer locks: a peer-locked block outlives it", () => {
+  assert.equal(transferLockTtlMs(5_000), MAX_PEER_LOCK_TTL_MS);
+  assert.equal(transferLockTtlMs(10 * MAX_PEER_LOCK_TTL_MS), 10 * MAX_PEER_LOCK_TTL_MS);
+  // The store as the server builds it: a lock taken for a peer read is still held past the lease TTL.
+  let now = 0;
+  const store = new KvStore({
+    capacityBytes: 1 << 20,
+    leaseTtlMs: 5_000,
+    transferLockTtlMs: transferLockTtlMs(5_000),
+    clock: () => now,
+  });
+  store.defineNamespace("0123456789abcdef", {
+    layers: 1,
+    tpSize: 1,
+    collapseTp: false,
+    segments: 2,
+    segmentBytes: 4096,
+  });
+  const hash = new Uint8Array([7, 7, 7]);
+  const plan = store.beginSave({
+    namespace: "0123456789abcdef",
+    instance: "e",
+    rank: 0,
+    hashes: [hash],
+  });
+  assert.ok(plan.ok);
+  if (!plan.ok) return;
+  store.completeSave(plan.plan, true);
+  const lock = store.lockForTransfer("0123456789abcdef", [hash], "peer:node-b");
+  assert.ok(lock);
+  now += 60_000; // past the lease TTL, inside the longest peer lock
+  store.collect();
+  assert.equal(store.evictAll(), 0, "the locked block stays");
+  now += MAX_PEER_LOCK_TTL_MS;
+  store.collect();
+  assert.equal(store.evictAll(), 1, "an abandoned lock still expires");
 });

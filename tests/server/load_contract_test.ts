@@ -23,6 +23,8 @@ import {
 } from "./harness.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 3 };
+/** Four layers: two pipeline stages of two. */
+const MODEL4 = { ...LLAMA_3_1_8B, numLayers: 4 };
 function sim(srv: ServerProc, instanceId: string, ns: string, tpRank = 0, tpSize = 1) {
   return hostSim(srv, {
     instanceId,
@@ -72,7 +74,7 @@ Deno.test("a refused Load leaves its lease usable: the corrected retry loads byt
     );
     await assert.rejects(
       load({ tpRank: 1 }),
-      refusedWith("FAILED_PRECONDITION", /tp_rank 1 pp_rank 0, which is not registered/),
+      refusedWith("INVALID_ARGUMENT", /tp_rank 1 pp_rank 0, outside its topology \(tp_size 1/),
     );
     await assert.rejects(
       load({ instanceId: "ghost" }),
@@ -343,6 +345,67 @@ Deno.test("the server maps a load state once across loads, follows a new object 
   } finally {
     st.close();
     e.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a Save or Load naming a tp_rank beyond tp_size is refused: the rank it would alias keeps its memory and its share", async () => {
+  const srv = await startServer();
+  const id = uid("alias");
+  const ns = uid("ns");
+  // tp_size 1, pp_size 2: (tp 1, pp 0) would index rank (tp 0, pp 1).
+  const ranks = [0, 1].map((ppRank) =>
+    hostSim(srv, { instanceId: id, namespace: ns, model: MODEL4, numBlocks: 16, ppRank, ppSize: 2 })
+  );
+  const st = LoadState.create();
+  try {
+    for (const r of ranks) await r.register();
+    const hashes = chainedBlockHashes(syntheticTokens(71, 16 * 2), 16);
+    for (const r of ranks) {
+      r.fill([0, 1], hashes);
+      await r.save([0, 1], hashes);
+    }
+    await assert.rejects(
+      srv.client.save({
+        instanceId: id,
+        tpRank: 1,
+        ppRank: 0,
+        blockIds: [2],
+        blockHashes: [hashes[0]],
+      }),
+      refusedWith(
+        "INVALID_ARGUMENT",
+        /tp_rank 1 pp_rank 0, outside its topology \(tp_size 1, pp_size 2\)/,
+      ),
+    );
+    const q = await ranks[0].query(hashes, "r-alias");
+    assert.ok(q.kind === "ready" && q.hits === 2);
+    if (q.kind !== "ready") return;
+    ranks[1].clear([8, 9]);
+    await assert.rejects(
+      srv.client.load({
+        instanceId: id,
+        tpRank: 1,
+        ppRank: 0,
+        leaseId: q.leaseId,
+        blockIds: [8, 9],
+        loadStateShm: st.name,
+        requestId: "r-alias",
+      }),
+      refusedWith("INVALID_ARGUMENT", /outside its topology/),
+    );
+    assert.ok(
+      ranks[1].verify([8, 9], hashes).badSegments > 0,
+      "pp rank 1's targets were not written",
+    );
+    // Both real ranks still load their share, byte-exact.
+    for (const r of ranks) {
+      await r.load(q.leaseId, [8, 9], "r-alias");
+      assert.equal(r.verify([8, 9], hashes).badSegments, 0, `pp_rank ${r.ppRank}`);
+    }
+  } finally {
+    st.close();
+    for (const r of ranks) r.close();
     await srv.stop();
   }
 });

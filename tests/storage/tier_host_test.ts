@@ -8,7 +8,8 @@ import {
   throws,
 } from "node:assert/strict";
 import { hashHex } from "../../lib/storage/keys.ts";
-import { sealedHashBytes } from "../../lib/storage/tier.ts";
+import { sealedHashBytes, tierHolder } from "../../lib/storage/tier.ts";
+import { checkName } from "../../lib/engine/registration.ts";
 import { storeTierHost } from "../../lib/storage/tier_host.ts";
 import { blockExtents } from "../../lib/transfer/ranges.ts";
 import type { BlockLayout } from "../../lib/storage/block.ts";
@@ -172,4 +173,19 @@ Deno.test("a batch fill plans the leading run of blocks in one plan, stops at a 
   assertEquals(payloadOffsets(store, bytes(12)), expand(blockExtents(b.ranges, 2), 4096));
   strictEqual(host.fillMany(NS, [bytes(13)], "peer", "reclaimable"), null, "held: nothing to plan");
   store.verify();
+});
+
+Deno.test("a tier's holds are not an engine's: cleaning up an engine named like the tier keeps them", () => {
+  const { store } = makeStore(8, {}, TP2);
+  const host = storeTierHost(store);
+  for (const i of [1, 2]) host.fill(NS, bytes(i), tierHolder("ssd"), "retained")!.commit();
+  const pin = host.pin(NS, [bytes(1), bytes(2)], tierHolder("ssd"))!;
+  // An engine may be named "ssd" (or "peer-checksum"); its cleanup drops what its id holds.
+  assertEquals(store.dropInstance("ssd"), { leases: 0, inflightFreed: 0 });
+  assertEquals(store.dropInstance("peer-checksum"), { leases: 0, inflightFreed: 0 });
+  strictEqual(store.evictAll(), 0, "the tier's lock still pins both blocks");
+  pin.release();
+  strictEqual(store.evictAll(), 2);
+  // No engine can be named like a holder: instance ids have no ':'.
+  throws(() => checkName("instance_id", tierHolder("ssd"), "test"), /instance_id/);
 });
