@@ -220,8 +220,11 @@ class LocalRpc:
                 wake_r, self._wake = socket.socketpair()
                 self._wake.setblocking(False)
                 self._wake_at = math.inf
+                # The reader reads on a socket object of its own (the same connection): a
+                # timeout it sets never applies to a send here, which has the call's own.
                 self._reader = threading.Thread(
-                    target=self._read_answers, args=(self._asock, wake_r, self._wake), name="pegaflow-local-rpc", daemon=True
+                    target=self._read_answers, args=(self._asock, self._asock.dup(), wake_r, self._wake),
+                    name="pegaflow-local-rpc", daemon=True,
                 )
                 self._reader.start()
             s = self._asock
@@ -229,8 +232,10 @@ class LocalRpc:
             due = time.monotonic() + timeout_s
             self._pending[call_id] = (due, on_done, s)
             try:
+                # A server that stopped reading holds the send up to the call's deadline, no more.
+                s.settimeout(max(due - time.monotonic(), 1e-3))
                 s.sendall(_HEADER.pack(5 + len(payload), call_id, method) + payload)
-            except OSError as e:
+            except OSError as e:  # socket.timeout included: part of a frame may have gone
                 self._pending.pop(call_id, None)
                 self._asock = None
                 # Its reader may sleep with no deadline in sight: the shutdown wakes it, and it
@@ -239,6 +244,10 @@ class LocalRpc:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+                if isinstance(e, socket.timeout):
+                    raise LocalRpcStatus(
+                        _DEADLINE_EXCEEDED, f"local RPC {self.path}: not sent within {timeout_s:.3f} s"
+                    ) from None
                 raise LocalRpcStatus(_UNAVAILABLE, f"local RPC connection to {self.path} failed: {e}") from None
             if due < self._wake_at and self._wake is not None:
                 self._wake_at = due
@@ -247,8 +256,17 @@ class LocalRpc:
                 except OSError:
                     pass  # a full socket has a poke in it already; a closed one, no reader
 
-    def _read_answers(self, s: socket.socket, wake_r: socket.socket, wake_w: socket.socket) -> None:
+    def _read_answers(
+        self, s: socket.socket, rs: socket.socket, wake_r: socket.socket, wake_w: socket.socket
+    ) -> None:
+        """The nowait connection's reader: `s` is the connection as the senders hold it (their
+        calls are filed under it), `rs` its own socket object on the same connection."""
         why = "closed"
+        # poll, not select: select cannot watch a descriptor >= 1024 (FD_SETSIZE), which a
+        # busy engine process reaches, and every nowait call then failed.
+        poller = select.poll()
+        poller.register(rs, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
         try:
             while True:
                 # Wait between frames until the earliest deadline in flight, or a poke; a
@@ -257,21 +275,21 @@ class LocalRpc:
                 with self._alock:
                     self._wake_at = min((d for d, _, _ in self._pending.values()), default=math.inf)
                     due = self._wake_at
-                timeout = None if due == math.inf else max(0.0, due - time.monotonic())
-                ready, _, _ = select.select([s, wake_r], [], [], timeout)
-                if wake_r in ready:
+                timeout_ms = None if due == math.inf else max(0, math.ceil(1e3 * (due - time.monotonic())))
+                ready = {fd: ev for fd, ev in poller.poll(timeout_ms)}
+                if wake_r.fileno() in ready:
                     wake_r.recv(4096)
-                if s not in ready:
+                if rs.fileno() not in ready:
                     self._expire(time.monotonic())
                     continue
-                s.settimeout(_FRAME_READ_TIMEOUT_S)
-                call_id, status, body = _read_frame(s, self.max_message_bytes)
+                rs.settimeout(_FRAME_READ_TIMEOUT_S)
+                call_id, status, body = _read_frame(rs, self.max_message_bytes)
                 with self._alock:
                     entry = self._pending.pop(call_id, None)
                 if entry is not None:
                     entry[1](status, body)
                 self._expire(time.monotonic())
-        except (OSError, ValueError) as e:  # ValueError: select on a socket closed under it
+        except (OSError, ValueError) as e:  # ValueError: a socket closed under it
             why = str(e)
         finally:
             with self._alock:
@@ -285,6 +303,7 @@ class LocalRpc:
                 for k in pending:
                     del self._pending[k]
             s.close()
+            rs.close()
             wake_r.close()
             wake_w.close()
             for _, cb, _ in pending.values():

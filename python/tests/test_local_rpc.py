@@ -199,10 +199,10 @@ def test_a_nowait_send_that_fails_ends_its_sleeping_reader(sock_dir):
             reader = rpc._reader
             time.sleep(0.1)
             assert reader.is_alive()
-            # 16 MiB to a peer that reads nothing: the send times out (the socket's 0.2 s).
+            # 16 MiB to a peer that reads nothing: the send times out at the call's 0.2 s.
             with pytest.raises(LocalRpcStatus) as ei:
                 rpc.call_nowait(2, b"y" * (16 << 20), 0.2, lambda st, body: None)
-            assert ei.value.code == 14  # UNAVAILABLE
+            assert ei.value.code == 4  # DEADLINE_EXCEEDED
             reader.join(2.0)
             assert not reader.is_alive(), "the dropped connection's reader still sleeps"
         finally:
@@ -218,11 +218,20 @@ def test_an_idle_nowait_reader_does_not_wake(sock_dir, monkeypatch):
 
     waits = []
 
-    class CountingSelect:
-        @staticmethod
-        def select(r, w, x, timeout=None):
+    class CountingPoll:
+        def __init__(self):
+            self.p = select_mod.poll()
+
+        def register(self, fd, events):
+            self.p.register(fd, events)
+
+        def poll(self, timeout=None):
             waits.append(timeout)
-            return select_mod.select(r, w, x, timeout)
+            return self.p.poll(timeout)
+
+    class CountingSelect:
+        POLLIN = select_mod.POLLIN
+        poll = CountingPoll
 
     monkeypatch.setattr(local_rpc, "select", CountingSelect)
     sock = os.path.join(sock_dir, "pf.sock")
@@ -343,3 +352,77 @@ def test_a_slow_call_on_one_thread_does_not_hold_up_another_threads_call(sock_di
         stop.set()
         acceptor.join()  # before the close: accept() on a closed socket fails
         lst.close()
+
+
+def test_a_nowait_send_to_a_server_that_stopped_reading_ends_at_the_calls_deadline(sock_dir):
+    """The answer reader reads with a 30 s frame timeout; a send on the same connection once
+    inherited it, so a server that answered once and then stopped reading held the engine's
+    scheduler for 30 s whatever the call's deadline."""
+    from pegaflow.local_rpc import _HEADER, LocalRpc, LocalRpcStatus
+
+    path = os.path.join(sock_dir, "once.sock.rpc")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(path)
+    lst.listen(1)
+    held = []
+
+    def serve() -> None:
+        c, _ = lst.accept()
+        held.append(c)
+        n, call_id, _method = _HEADER.unpack(c.recv(_HEADER.size, socket.MSG_WAITALL))
+        c.recv(n - 5, socket.MSG_WAITALL)
+        c.sendall(_HEADER.pack(5, call_id, 0))  # one answer, then it reads nothing more
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    rpc = LocalRpc(path, 64 << 20)
+    try:
+        got = []
+        done = threading.Event()
+        rpc.call_nowait(2, b"x", 5.0, lambda st, body: (got.append(st), done.set()))
+        assert done.wait(5) and got == [0]
+        t0 = time.monotonic()
+        with pytest.raises(LocalRpcStatus) as ei:
+            rpc.call_nowait(2, b"y" * (16 << 20), 0.5, lambda st, body: None)
+        assert ei.value.code == 4  # DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 3, f"the send took {time.monotonic() - t0:.1f} s"
+    finally:
+        rpc.close()
+        for c in held:
+            c.close()
+        lst.close()
+
+
+def test_nowait_calls_work_in_a_process_with_over_1024_descriptors(sock_dir):
+    """The answer reader once waited with select(), which cannot watch a descriptor >= 1024:
+    in a busy engine process every nowait call then failed with UNAVAILABLE."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if hard == resource.RLIM_INFINITY else hard, hard))
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    fillers = []
+    c = PegaflowClient("unix:" + sock)
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        fillers.append(devnull)
+        while fillers[-1] < 1100:
+            fillers.append(os.dup(devnull))
+        got = []
+        done = threading.Event()
+        c.load_nowait(
+            instance_id="nobody", tp_rank=0, lease_id=b"l" * 16, block_ids=[1], load_state_shm="/x",
+            on_done=lambda e: (got.append(e), done.set()),
+        )
+        assert c._local._asock.fileno() >= 1024
+        assert done.wait(5)
+        assert got[0] is not None and got[0].code == grpc.StatusCode.INVALID_ARGUMENT, got[0]  # answered
+    finally:
+        c.close()
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        s.stop()
