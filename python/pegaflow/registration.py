@@ -166,15 +166,19 @@ class KvRegistration:
                 log.error("%s: another process took over this rank's session (%s); not re-registering", self.who, why)
                 return
             log.warning("%s: session lost (%s); re-registering when the server is back", self.who, why)
-            self._reregister()
+            if not self._reregister():
+                return  # its session is gone for good: waiting on it again would spin
 
-    def _reregister(self) -> None:
+    def _reregister(self) -> bool:
+        """Registers again once the server is back; False when it never will (the client
+        was closed, or close() stopped it)."""
         delay = RETRY_MIN_S
         cap = self.client.config.reconnect_max_s
         while not self._stop.is_set():
             if self.client.closed:
                 self.last_error = "the client was closed; not re-registering"
-                return
+                log.warning("%s: %s", self.who, self.last_error)
+                return False
             try:
                 self._register_once()
                 ok = True
@@ -190,11 +194,12 @@ class KvRegistration:
                     self._open_session()
                 except PegaflowError as e:  # only a closed client raises here
                     self.last_error = str(e)
-                    return
+                    return False
                 log.info("%s: re-registered (generation %d)", self.who, self.generation)
-                return
+                return True
             self._stop.wait(delay)
             delay = min(delay * 2, cap)
+        return False
 
     def close(self, unregister: bool = True) -> None:
         """Stops the session thread; with `unregister`, cleans the instance

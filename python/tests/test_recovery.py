@@ -133,3 +133,24 @@ def test_closing_a_registration_unregisters_the_instance(client, uid):
         client.query_prefetch(instance_id=uid, block_hashes=[b"\x01"], request_id="q")
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "is not registered" in e.value.details
     region.close()
+
+
+def test_a_registration_whose_client_was_closed_first_stops_its_session_thread(client, uid):
+    """The client closed under a live registration ends its session for good: the session
+    thread gives up once (it used to spin on the ended stream, ~90,000 laps a second)."""
+    from pegaflow.client import PegaflowClient
+
+    from kv_helpers import make_kv, register
+
+    region, kv = make_kv(1, 8)
+    own = PegaflowClient(client.address)
+    reg = register(own, kv, uid, "ns-" + uid)
+    try:
+        own.close()
+        reg._thread.join(5.0)
+        assert not reg._thread.is_alive(), "the session thread still runs"
+        assert reg._stats["disconnects"] == 1
+        assert "closed" in (reg.last_error or "")
+    finally:
+        reg.close(unregister=False)  # the server cleaned the instance up when its session ended
+        region.close()
