@@ -463,26 +463,45 @@ class PegaflowClient:
         (on a gRPC or local-RPC reader thread, or here if that already happened). The deadline is
         the same as `load`'s."""
         req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole)
+        self._call_nowait("Load", req, pb.LoadRequest, pb.LoadResponse, on_done, timeout_s)
+
+    def release_nowait(
+        self, lease_id: bytes, on_done: Callable[[Optional[PegaflowError]], None], timeout_s: Optional[float] = None
+    ) -> None:
+        """`release` without waiting for the answer, like `load_nowait`: a connector gives
+        back a lease its rank will not load from (a refused or skipped Load) without
+        holding up the engine's step."""
+        self._call_nowait(
+            "Release", pb.ReleaseRequest(lease_id=bytes(lease_id)), pb.ReleaseRequest, pb.ReleaseResponse,
+            on_done, timeout_s,
+        )
+
+    def _call_nowait(
+        self, method: str, req, req_cls, res_cls, on_done: Callable[[Optional[PegaflowError]], None],
+        timeout_s: Optional[float],
+    ) -> None:
+        """Sends `req` and returns; `on_done(None | error)` runs on a reader thread once it is
+        answered (or here if it could not be sent over gRPC). The local socket when usable."""
         t = timeout_s if timeout_s is not None else self.config.rpc_timeout_s
         local = self._usable_local()
         if local is not None:
 
             def answered(status: int, body: bytes) -> None:
-                on_done(None if status == 0 else _local_error(status, body.decode("utf-8", "replace"), "Load"))
+                on_done(None if status == 0 else _local_error(status, body.decode("utf-8", "replace"), method))
 
             try:
-                local.call_nowait(METHOD_IDS["Load"], req.SerializeToString(), t, answered)
+                local.call_nowait(METHOD_IDS[method], req.SerializeToString(), t, answered)
                 return
             except LocalRpcAbsent:
                 self._local_absent()
             except LocalRpcStatus as e:
-                raise _local_error(e.code, e.details, "Load") from None
-        stub = self._stub("Load", pb.LoadRequest, pb.LoadResponse)
+                raise _local_error(e.code, e.details, method) from None
+        stub = self._stub(method, req_cls, res_cls)
         fut = stub.future(req, timeout=t)
 
         def done(f) -> None:
             if f.cancelled():  # the channel closed under it
-                on_done(PegaflowError(grpc.StatusCode.CANCELLED, "Load cancelled", "Load"))
+                on_done(PegaflowError(grpc.StatusCode.CANCELLED, f"{method} cancelled", method))
                 return
             e = f.exception()
             if e is None:
@@ -490,7 +509,7 @@ class PegaflowClient:
             else:
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNKNOWN
                 details = (e.details() if isinstance(e, grpc.RpcError) else str(e)) or ""
-                on_done(PegaflowError(code, details, "Load"))
+                on_done(PegaflowError(code, details, method))
 
         fut.add_done_callback(done)
 

@@ -8,6 +8,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from typing import Iterator, List, Optional
 
 from pegaflow.devserver import ROOT, DevServer
@@ -69,3 +70,11 @@ def silent_local_rpc(base: str) -> Iterator[None]:
         for h in held:
             h.close()
         lst.close()
+
+
+def leases_become(server: DevServer, n: int, timeout_s: float = 10.0) -> None:
+    """Waits until the server's `pegaflow_leases` gauge reads `n` (a server with --http-addr)."""
+    deadline = time.monotonic() + timeout_s
+    while server.metric("pegaflow_leases") != n:
+        assert time.monotonic() < deadline, f"pegaflow_leases stays {server.metric('pegaflow_leases')}, expected {n}"
+        time.sleep(0.02)

@@ -16,6 +16,7 @@ from pegaflow.connector.vllm import PegaflowConnector, PegaflowConnectorMetadata
 from pegaflow.connector.vllm_api import KVConnectorRole
 from pegaflow.hashes import synthetic_tokens
 
+from server_proc import leases_become
 from vllm_driver import BLOCK, Request, lose_leases_after_alloc, vllm_config
 
 MODES = ["layerwise", "async"]
@@ -285,3 +286,45 @@ def test_a_worker_registers_its_rank_on_the_device_it_is_given(server, uid):
         w.close()
         client.close()
         region.close()
+
+
+
+@pytest.fixture
+def http_server():
+    """A server of this test's own with /metrics (the session's has no HTTP listener)."""
+    from server_proc import ServerProc
+
+    s = ServerProc.start(extra=["--http-addr", "127.0.0.1:0"])
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_refused_worker_load_gives_its_lease_back_at_once(http_server, uid, mode):
+    """A Load the server refuses leaves its lease as it was: the worker gives it back instead of
+    leaving its blocks pinned until the lease's TTL (10 minutes)."""
+    from vllm_driver import Engine
+
+    eng = Engine(vllm_config(http_server.addr, uid, "tiny-" + uid, mode))
+    try:
+        prompt = synthetic_tokens(37, 5 * BLOCK)
+        a = Request("a", prompt, salt=uid)
+        eng.run_prefill(a)
+        eng.finish(a)
+        eng.drain("a")
+        leases_become(http_server, 0)
+        wc = eng.worker._w()
+        real_load = wc.client.load
+
+        def out_of_range(**kw):  # refused by the server (INVALID_ARGUMENT), its lease untouched
+            return real_load(**{**kw, "block_ids": [10**6] * len(kw["block_ids"])})
+
+        wc.client.load = out_of_range
+        b = Request("b", list(prompt) + [1, 2], salt=uid)
+        eng.run_prefill(b, avoid=set(a.block_ids))
+        assert eng.invalid_blocks == set(b.block_ids[:5])
+        assert eng.holds_all(b, b.num_tokens)  # recomputed
+        leases_become(http_server, 0)
+        assert wc.stats_snapshot()["leases_given_back"] == 1
+    finally:
+        eng.close()

@@ -307,3 +307,36 @@ def test_a_worker_issued_load_is_whole_only_in_async_mode_and_lands_byte_exact(e
     assert rec.whole == [mode == "async"]
     assert eng.holds_all(warm, warm.num_tokens)
     assert eng.layer_violations == [] and eng.invalid_blocks == set()
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "async"])
+def test_a_refused_scheduler_issued_load_gives_its_lease_back_at_once(uid, mode):
+    """A Load the server refuses leaves its lease as it was: the scheduler gives it back
+    instead of leaving its blocks pinned until the lease's TTL (10 minutes)."""
+    from server_proc import ServerProc, leases_become
+
+    srv = ServerProc.start(extra=["--http-addr", "127.0.0.1:0"])
+    eng = Engine(vllm_config(srv.addr, uid, "tiny-" + uid, mode, **SCHED))
+    try:
+        prompt = synthetic_tokens(39, 5 * BLOCK)
+        a = Request("a", prompt, salt=uid)
+        eng.run_prefill(a)
+        eng.finish(a)
+        eng.drain("a")
+        leases_become(srv, 0)
+        client = eng.sched._s().client
+        real = client.load_nowait
+
+        def out_of_range(**kw):  # refused by the server (INVALID_ARGUMENT), its lease untouched
+            return real(**{**kw, "block_ids": [10**6] * len(kw["block_ids"])})
+
+        client.load_nowait = out_of_range
+        b = Request("b", list(prompt) + [1, 2], salt=uid)
+        eng.run_prefill(b, avoid=set(a.block_ids))
+        assert eng.invalid_blocks == set(b.block_ids[:5])
+        assert eng.holds_all(b, b.num_tokens)  # recomputed
+        leases_become(srv, 0)
+        assert eng.sched.pegaflow_stats()["leases_given_back"] == 1
+    finally:
+        eng.close()
+        srv.stop()

@@ -45,7 +45,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 from ..client import PegaflowClient, QueryResult
 from ..errors import PegaflowError
 from ..load_state import LoadState
-from .lifecycle import FreshStates, unlink_shm
+from .lifecycle import MAYBE_ACCEPTED, FreshStates, unlink_shm
 from .plan import (
     ASYNC,
     ISSUER_QUERY,
@@ -343,6 +343,8 @@ class SchedulerCore:
                         "request %s: Load of tp_rank %d pp_rank %d failed (recomputed): %s",
                         intent.request_id, rank[0], rank[1], err,
                     )
+                    if err.code not in MAYBE_ACCEPTED:
+                        self._give_back(intent)  # a refused Load leaves its lease as it was
                 st.close()
                 self._passed(st.name, 0)
 
@@ -355,6 +357,20 @@ class SchedulerCore:
                 self._count("loads_issued")
             except PegaflowError as e:  # the client is closed: nothing was sent
                 answered(e)
+
+    def _give_back(self, intent: LoadIntent) -> None:
+        """A rank's Load was refused: the lease's unspent shares go back now, not at its TTL
+        (its request is recomputed). Without waiting; a failure is only logged."""
+
+        def done(e: Optional[PegaflowError]) -> None:
+            if e is not None:
+                log.debug("request %s: giving its lease back failed: %s", intent.request_id, e)
+
+        try:
+            self.client.release_nowait(intent.lease_id, done)
+            self._count("leases_given_back")
+        except PegaflowError as e:
+            done(e)
 
     # -- step --
 

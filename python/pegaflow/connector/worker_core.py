@@ -360,6 +360,8 @@ class WorkerCore:
                 # after a timeout or a broken connection it may still: do not reuse it.
                 ld.done = e.code not in MAYBE_ACCEPTED
                 self._fail(ld, str(e))
+                if ld.done:
+                    self._give_back(ld)  # a refused Load leaves its lease as it was
                 self._recycle(ld)
 
     def _stage(self, ld: _Load) -> bool:
@@ -369,11 +371,13 @@ class WorkerCore:
             ld.done = True
             self._fail(ld, "the scheduler staged this load but this worker has no staging blocks "
                            "(pegaflow.staging_blocks must be the same on both sides)")
+            self._give_back(ld)
             return False
         if any(x.intent.scatter_to is not None for x in self._lingering):
             # Its late bytes could land in the blocks this load reuses: never scatter those.
             ld.done = ld.intent.states is None  # a scheduler-issued Load may still be running
             self._fail(ld, "a timed-out staged load may still write the staging blocks")
+            self._give_back(ld)
             if not ld.done:
                 self._attach(ld)
                 ld.timed_out = True  # keep its state mapped until the server settles it
@@ -381,6 +385,25 @@ class WorkerCore:
             return False
         ld.index = self.staging.index(ld.intent.scatter_to)
         return True
+
+    def _give_back(self, ld: _Load) -> None:
+        """This rank will not load from the lease (its Load was refused, or never sent): the
+        lease goes back now rather than pinning its blocks until its TTL (10 minutes by
+        default). Not when the server already started this rank's load (scheduler- or
+        query-issued: `states`). Without waiting for the answer; a failure is only logged."""
+        if ld.intent.states is not None:
+            return
+        rid = ld.intent.request_id
+
+        def done(e: Optional[PegaflowError]) -> None:
+            if e is not None:
+                log.debug("request %s: giving its lease back failed: %s", rid, e)
+
+        try:
+            self.client.release_nowait(ld.intent.lease_id, done)
+            self._count("leases_given_back", 1)
+        except PegaflowError as e:
+            done(e)
 
     def _scatter(self, ld: _Load, upto: int) -> None:
         """Staged: layers [scattered, upto] have landed in the staging blocks; move them into
