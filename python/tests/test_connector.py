@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -328,3 +329,40 @@ def test_a_refused_worker_load_gives_its_lease_back_at_once(http_server, uid, mo
         assert wc.stats_snapshot()["leases_given_back"] == 1
     finally:
         eng.close()
+
+
+def test_a_preemption_that_stops_waiting_drops_the_requests_queued_saves(engine_factory, uid):
+    """handle_preemptions gives up after the save deadline and vLLM then reuses the blocks: a
+    save of the request still queued behind the slow one must not be sent (it would store
+    another request's KV under this one's hashes); a later save of it, after it resumed, is."""
+    eng = engine_factory("layerwise", **{"pegaflow.save_timeout_ms": 300})
+    w = eng.worker._w()
+    real_save = w.client.save
+    gate = threading.Event()
+    sent = []
+
+    def gated_save(**kw):
+        gate.wait(10)
+        sent.append(list(kw["block_ids"]))
+        return real_save(**kw)
+
+    w.client.save = gated_save
+    h = [bytes([i]) * 16 for i in range(1, 5)]
+    for ids, hs in (([1], h[:1]), ([2], h[1:2])):  # the first is in flight, the second queued
+        w.bind(StepPlan(saves=[SaveIntent("p", ids, hs)]))
+        w.wait_for_save()
+        w.unbind()
+    t0 = time.monotonic()
+    w.handle_preemptions(["p"])
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert w.stats_snapshot()["preemption_wait_timeouts"] == 1
+    w.bind(StepPlan(saves=[SaveIntent("p", [3], h[2:3])]))  # resumed: its new save goes out
+    w.wait_for_save()
+    w.unbind()
+    gate.set()
+    deadline = time.monotonic() + 10
+    while w._pending.get("p"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert sent == [[1], [3]], sent
+    assert w.stats_snapshot()["saves_dropped"] == 1

@@ -67,6 +67,8 @@ class _Load:
 class _SaveJob:
     event: Any
     intents: List[SaveIntent]
+    #: Order of enqueueing: a preemption that gave up waiting cuts the jobs queued before it.
+    seq: int = 0
 
 
 class WorkerCore:
@@ -137,6 +139,10 @@ class WorkerCore:
         self._lingering: List[_Load] = []  # timed-out loads whose copy may still land
         self._finishing: Set[str] = set()
         self._queue: "queue.Queue[Optional[_SaveJob]]" = queue.Queue(maxsize=save_queue_depth)
+        self._save_seq = 0
+        # request → the last job queued before a preemption that stopped waiting for its saves:
+        # its blocks are being reused, so those jobs' intents of it must never be sent
+        self._cut: Dict[str, int] = {}
         self._thread: Optional[threading.Thread] = None
         self.stats: Dict[str, int] = defaultdict(int)
 
@@ -222,7 +228,16 @@ class WorkerCore:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._count("preemption_wait_timeouts", 1)
-                    log.warning("preempted requests %s: transfers still pending after the deadline", sorted(ids))
+                    # vLLM reuses their blocks next: a save still queued would read another
+                    # request's KV and store it under these requests' hashes. Cut those saves
+                    # (a Save already sent is past recall: it holds up to its RPC deadline).
+                    for r in ids:
+                        if self._pending.get(r, 0):
+                            self._cut[r] = self._save_seq
+                    log.warning(
+                        "preempted requests %s: transfers still pending after the deadline; their queued saves "
+                        "are dropped", sorted(ids),
+                    )
                     return
                 # Saves notify; a lingering load is only seen by polling its state.
                 self._lock.wait(min(left, LINGER_POLL_S) if self._lingering else left)
@@ -511,8 +526,10 @@ class WorkerCore:
             for s in plan.saves:
                 self._pending[s.request_id] += 1
                 self._saving.add(s.request_id)
+            self._save_seq += 1
+            seq = self._save_seq
         try:
-            self._queue.put_nowait(_SaveJob(event, list(plan.saves)))
+            self._queue.put_nowait(_SaveJob(event, list(plan.saves), seq))
         except queue.Full:
             self._done_saving(plan.saves)
             self._count("saves_dropped", sum(len(s.block_ids) for s in plan.saves))
@@ -524,6 +541,7 @@ class WorkerCore:
                 self._pending[s.request_id] -= 1
                 if self._pending[s.request_id] <= 0:
                     del self._pending[s.request_id]
+                    self._cut.pop(s.request_id, None)  # no job of it left to cut
             self._lock.notify_all()
 
     def _save_loop(self) -> None:
@@ -537,9 +555,16 @@ class WorkerCore:
                 self._done_saving(job.intents)
 
     def _save(self, job: _SaveJob) -> None:
-        blocks = sum(len(s.block_ids) for s in job.intents)
         if job.event is not None:
             job.event.synchronize()  # the step's KV writes are done before the server copies
+        with self._lock:
+            cut = [s for s in job.intents if job.seq <= self._cut.get(s.request_id, 0)]
+        if cut:
+            self._count("saves_dropped", sum(len(s.block_ids) for s in cut))
+            job = _SaveJob(job.event, [s for s in job.intents if s not in cut], job.seq)
+            if not job.intents:
+                return
+        blocks = sum(len(s.block_ids) for s in job.intents)
         reg = self._reg()
         if not reg.connected:
             self._count("saves_dropped", blocks)
