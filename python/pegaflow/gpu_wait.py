@@ -24,6 +24,13 @@ A registered state must stay mapped and registered until the stream has
 passed every wait on it: `retire` records an event after the step's waits and
 `reap` unregisters (and hands the state back) only once that event completed.
 
+A release must also stick until then: the server writes each landed layer's
+count (and zero when it accepts a Load) with plain stores, so a late server
+could lower the released word under a wait the stream has not reached yet, and
+if it then died, that wait would never pass. Until `reap` hands a released
+state back, the watchdog writes the released value again every
+`RELEASE_REASSERT_S`.
+
 Example:
     gw = GpuWaits.open()            # None where the driver cannot (CPU, old driver)
     gw.arm(state)                    # once per state (cached)
@@ -49,6 +56,8 @@ log = logging.getLogger("pegaflow.gpu_wait")
 
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
+#: How often a released state's word is written again until the stream is past its waits.
+RELEASE_REASSERT_S = 0.01
 
 
 _stream_getter: Optional[Callable[[], int]] = None
@@ -86,6 +95,9 @@ class GpuWaits:
         self._deadlines: List[Tuple[float, int, LoadState]] = []
         self._guarded: Dict[int, int] = {}
         self._seq = itertools.count()
+        # Released states whose waits the stream may not have passed yet: their word is
+        # written again every RELEASE_REASSERT_S until `reap` hands them back.
+        self._released: Dict[int, LoadState] = {}
         self._watchdog: Optional[threading.Thread] = None
         self._stop = False
 
@@ -144,6 +156,19 @@ class GpuWaits:
             return False
         return True
 
+    def release(self, st: LoadState) -> None:
+        """Lets every wait on `st` through, and keeps it so until `reap` hands it back."""
+        with self._cv:
+            st.release_waiters()
+            self._released[id(st)] = st
+            self._start_watchdog()
+            self._cv.notify()
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="pegaflow-gpu-wait-watchdog", daemon=True)
+            self._watchdog.start()
+
     def guard(self, st: LoadState, deadline: float) -> None:
         """Releases `st`'s waiters at `deadline` (time.monotonic()) if its load is still
         pending then, from the watchdog thread, whatever the engine's thread is doing."""
@@ -151,9 +176,7 @@ class GpuWaits:
             token = next(self._seq)
             self._guarded[id(st)] = token
             heapq.heappush(self._deadlines, (deadline, token, st))
-            if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watch, name="pegaflow-gpu-wait-watchdog", daemon=True)
-                self._watchdog.start()
+            self._start_watchdog()
             self._cv.notify()
 
     def unguard(self, st: LoadState) -> None:
@@ -178,13 +201,19 @@ class GpuWaits:
                             log.warning("load state %s: load not done at its deadline; GPU waits on it released",
                                         st.name)
                             st.release_waiters()
+                            self._released[id(st)] = st
                 wait = self._deadlines[0][0] - now if self._deadlines else None
+                if self._released:
+                    for st in self._released.values():
+                        st.release_waiters()  # a late server may have lowered it
+                    wait = RELEASE_REASSERT_S if wait is None else min(wait, RELEASE_REASSERT_S)
                 self._cv.wait(wait)
 
     def close(self) -> None:
         """Stops the watchdog (after the states were released and reaped)."""
         with self._cv:
             self._stop = True
+            self._released.clear()  # the states are closed next: never written again
             self._cv.notify()
         if self._watchdog is not None:
             self._watchdog.join(1.0)
@@ -208,6 +237,8 @@ class GpuWaits:
             elif not ev.query():
                 keep.append((ev, st, then))
                 continue
+            with self._cv:
+                self._released.pop(id(st), None)  # past its waits: `then` may close it
             then(st)
         self._retired = keep
 

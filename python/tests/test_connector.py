@@ -366,3 +366,19 @@ def test_a_preemption_that_stops_waiting_drops_the_requests_queued_saves(engine_
         time.sleep(0.01)
     assert sent == [[1], [3]], sent
     assert w.stats_snapshot()["saves_dropped"] == 1
+
+
+def test_a_timeout_setting_that_is_not_whole_milliseconds_is_refused_naming_its_key(uid):
+    from pegaflow.connector.vllm import ConnectorSettings
+    from pegaflow.connector.vllm_api import KVTransferConfig, VllmConfig
+
+    def cfg(v):
+        return VllmConfig(
+            kv_transfer_config=KVTransferConfig(engine_id=uid, kv_connector_extra_config={"pegaflow.rpc_timeout_ms": v})
+        )
+
+    for ok, want in ((250, 0.25), ("250", 0.25), (250.0, 0.25)):
+        assert ConnectorSettings.from_vllm(cfg(ok), env={}).client.rpc_timeout_s == want
+    for bad in ("5s", 2.5, 0, -1, True, ""):
+        with pytest.raises(ValueError, match="pegaflow.rpc_timeout_ms .* is not a whole number of milliseconds"):
+            ConnectorSettings.from_vllm(cfg(bad), env={})

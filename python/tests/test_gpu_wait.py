@@ -82,3 +82,32 @@ def test_the_released_value_is_cyclically_ahead_of_every_layer(layer):
     assert diff < 1 << 31
     all_ones = (0xFFFFFFFF - (layer + 1)) & 0xFFFFFFFF
     assert all_ones >= 1 << 31  # why the release is not all ones: it would read as negative
+
+
+def test_a_release_sticks_until_the_state_is_handed_back(watchdog, state):
+    """The server stores each landed layer's count with plain stores: one arriving after the
+    deadline's release lowers the word under waits the stream has not reached yet. The
+    watchdog writes the released value again until `reap` hands the state back."""
+
+    class Passed:  # the retire event: the stream is past every wait on the state
+        def query(self):
+            return True
+
+    watchdog.guard(state, time.monotonic() + 0.02)
+    assert _eventually(lambda: state.released)
+    struct.pack_into("<I", state._mm, LAYERS_READY_OFF, 5)  # a late server's layer 4 landed
+    assert _eventually(lambda: _layers_ready(state) == RELEASED_LAYERS), "the release did not stick"
+    handed_back = []
+    watchdog._retired.append((Passed(), state, handed_back.append))
+    watchdog.reap()
+    assert handed_back == [state]
+    struct.pack_into("<I", state._mm, LAYERS_READY_OFF, 5)
+    time.sleep(0.1)
+    assert _layers_ready(state) == 5, "a state handed back is the engine's again: never written"
+
+
+def test_a_release_by_the_worker_sticks_too(watchdog, state):
+    watchdog.release(state)
+    assert state.released and _layers_ready(state) == RELEASED_LAYERS
+    struct.pack_into("<I", state._mm, LAYERS_READY_OFF, 0)  # a late Load's arm zeroes it
+    assert _eventually(lambda: _layers_ready(state) == RELEASED_LAYERS)

@@ -156,7 +156,17 @@ class ConnectorSettings:
 
         def ms(key: str) -> Optional[int]:
             v = extra.get("pegaflow." + key)
-            return int(v) if v is not None else None
+            if v is None:
+                return None
+            # JSON gives an int (or a float, a string): a whole number of ms, > 0, or a clear error
+            # ("5s" once failed with int()'s own message, and 2.5 became 2 ms).
+            if isinstance(v, bool) or not (
+                (isinstance(v, int) and v > 0)
+                or (isinstance(v, float) and v.is_integer() and v > 0)
+                or (isinstance(v, str) and v.isdigit() and int(v) > 0)
+            ):
+                raise ValueError(f"pegaflow.{key} {v!r} is not a whole number of milliseconds > 0")
+            return int(v)
 
         mode = get("mode", "PEGAFLOW_MODE") or LAYERWISE
         if mode not in MODES:

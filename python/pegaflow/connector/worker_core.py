@@ -501,7 +501,7 @@ class WorkerCore:
                     ld.done = not ld.timed_out
                     self._fail(ld, str(e))
                     if ld.gpu:
-                        ld.state.release_waiters()  # no stream waits on past the deadline
+                        self._gpu.release(ld.state)  # no stream waits on past the deadline
             self._recycle(ld)
         self.step_loads = []
         if self._gpu is not None:
