@@ -110,8 +110,11 @@ export class SaveRunner {
       // The bytes are in the pool: the slots join their blocks, complete blocks seal.
       const tCopied = performance.now();
       let sealed = 0;
-      for (const p of plans.splice(0)) {
-        const done = this.ctx.store.completeSave(p.plan, true);
+      // One plan at a time: a throw below (a tier's or a listener's) leaves the plans not
+      // yet completed to the finally, which frees them, instead of leaking their slots.
+      while (plans.length > 0) {
+        const done = this.ctx.store.completeSave(plans[0].plan, true);
+        const p = plans.shift()!;
         sealed += done.sealed;
         if (done.sealed > 0) {
           this.ctx.tiers?.sealed(inst.namespace, sealedHashBytes(p.plan, p.group.hashes, done));

@@ -44,6 +44,13 @@ import {
 export { LOCAL_RPC_METHODS };
 
 const round3 = (x: number) => Math.round(x * 1e3) / 1e3;
+
+/**
+ * Answers a connection may leave unread (queued behind a write the peer does not take):
+ * a peer that keeps calling and never reads is dropped here instead of growing the
+ * server's memory without bound. An engine has a few calls in flight.
+ */
+export const MAX_UNREAD_ANSWERS = 4096;
 const utf8 = (s: string) => new TextEncoder().encode(s);
 
 /** A service as a framed listener serves it. */
@@ -69,19 +76,48 @@ interface ConnContext {
   closed: boolean;
 }
 
+/**
+ * A connection's answers, written in the order they are ready, one at a time;
+ * past MAX_UNREAD_ANSWERS queued behind a write the peer does not take, the
+ * connection is closed. `drained` settles once the writes queued so far ended.
+ */
+function answerWriter(
+  conn: Deno.Conn,
+  label: string,
+  path: string,
+  log: Logger,
+): { send(bytes: Uint8Array): void; drained(): Promise<void> } {
+  let writing: Promise<void> = Promise.resolve();
+  let broken = false;
+  let queued = 0;
+  const send = (bytes: Uint8Array) => {
+    if (broken) return;
+    if (++queued > MAX_UNREAD_ANSWERS) {
+      broken = true;
+      log.warn(`${label} connection dropped: the peer leaves its answers unread`, {
+        path,
+        unread: queued - 1,
+      });
+      try {
+        conn.close(); // ends the connection's reader too
+      } catch (_e) {
+        // already closed
+      }
+      return;
+    }
+    writing = writing.then(() => broken ? undefined : writeAll(conn, bytes)).catch(() => {
+      broken = true; // the peer went away; its later answers have nowhere to go
+    }).finally(() => queued--);
+  };
+  return { send, drained: () => writing };
+}
+
 /** Reads one connection's frames and answers each call with the service's own handler. */
 async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void> {
   const { service, log, path, traced } = ctx;
   const { impl, methods, def, label } = service;
   ctx.conns.add(conn);
-  // Answers are written in the order they are ready, one at a time.
-  let writing: Promise<void> = Promise.resolve();
-  let broken = false;
-  const send = (bytes: Uint8Array) => {
-    writing = writing.then(() => broken ? undefined : writeAll(conn, bytes)).catch(() => {
-      broken = true; // the peer went away; its later answers have nowhere to go
-    });
-  };
+  const { send, drained } = answerWriter(conn, label, path, log);
   const dispatch = (callId: number, method: number, payload: Uint8Array) => {
     const name = methods[method];
     if (name === undefined) {
@@ -138,7 +174,7 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
     }
   } finally {
     ctx.conns.delete(conn);
-    await writing;
+    await drained();
     try {
       conn.close();
     } catch (_e) {

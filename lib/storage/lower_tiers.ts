@@ -205,11 +205,15 @@ export class LowerTiers {
    */
   beforeQuery(
     namespace: string,
-    _instance: string,
+    instance: string,
     hashes: readonly Uint8Array[],
-    requestId: string,
+    request: string,
   ): boolean {
     if (this.tiers.length === 0) return false;
+    // A tier keys its fetches by request id: the instance's own, so two engines sending the
+    // same id (a P/D pair's prefill and decode engines) never poll each other's fetch.
+    // Instance ids have no ':' (lib/engine/registration.ts checkName).
+    const requestId = `${instance}:${request}`;
     const layout = this.#ram.layoutOf(namespace);
     if (!layout) return this.#answered("miss", 0);
     let ended: string | undefined;

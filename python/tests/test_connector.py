@@ -382,3 +382,30 @@ def test_a_timeout_setting_that_is_not_whole_milliseconds_is_refused_naming_its_
     for bad in ("5s", 2.5, 0, -1, True, ""):
         with pytest.raises(ValueError, match="pegaflow.rpc_timeout_ms .* is not a whole number of milliseconds"):
             ConnectorSettings.from_vllm(cfg(bad), env={})
+
+
+def test_a_save_that_raises_a_bug_drops_that_steps_saves_and_the_save_thread_lives_on(engine_factory, uid):
+    eng = engine_factory("layerwise")
+    w = eng.worker._w()
+    real_save = w.client.save
+    calls = []
+
+    def buggy_then_fine(**kw):
+        calls.append(list(kw["block_ids"]))
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the save path")
+        return real_save(**kw)
+
+    w.client.save = buggy_then_fine
+    h = [bytes([i]) * 16 for i in range(1, 3)]
+    for ids, hs in (([1], h[:1]), ([2], h[1:2])):
+        w.bind(StepPlan(saves=[SaveIntent("s", ids, hs)]))
+        w.wait_for_save()
+        w.unbind()
+    deadline = time.monotonic() + 10
+    while w._pending.get("s"):
+        assert time.monotonic() < deadline, "the save thread died: the second save never ran"
+        time.sleep(0.01)
+    assert calls == [[1], [2]]
+    st = w.stats_snapshot()
+    assert st["save_errors"] == 1 and st["saves_dropped"] == 1 and st["saves"] == 1

@@ -65,7 +65,7 @@ Deno.test("a CUDA device is present and the copy kernel is loaded", () => {
 
 Deno.test("the cuda engine's threads carry their names (top, perf and /proc say whose CPU)", async () => {
   const names = ["pf-cu-done", "pf-cu-submit", "pf-cu-lane"];
-  const r = await threadNamesOf("cuda", names);
+  const r = await threadNamesOf("cuda", Object.fromEntries(names.map((n) => [n, 1])));
   for (const n of names) {
     assert.ok(r.open[n] >= 1, `no thread named ${n}: ${JSON.stringify(r)}`);
     assert.equal(r.closed[n], 0, `${n} left after close`);

@@ -217,7 +217,7 @@ Deno.test("a process with waits pending exits once the ring is shut down", async
 });
 
 Deno.test("the copy engine's threads carry their names (top, perf and /proc say whose CPU)", async () => {
-  assert.deepEqual(await threadNamesOf("host", ["pf-host-copy"]), {
+  assert.deepEqual(await threadNamesOf("host", { "pf-host-copy": 3 }), {
     open: { "pf-host-copy": 3 },
     closed: { "pf-host-copy": 0 },
   });

@@ -88,14 +88,16 @@ export async function threadsNamed(name: string, atLeast = 0): Promise<number> {
 }
 
 /**
- * Threads named `names` in a child process with an engine of `backend` open,
- * then after it closed (thread_names_child.ts).
+ * Threads of each name in `atLeast` (counted once that many are named, up to 2 s) in a
+ * child process with an engine of `backend` open, then after it closed
+ * (thread_names_child.ts).
  */
 export async function threadNamesOf(
   backend: "host" | "cuda",
-  names: string[],
+  atLeast: Record<string, number>,
 ): Promise<{ open: Record<string, number>; closed: Record<string, number> }> {
-  const child = spawnDeno(new URL("./thread_names_child.ts", import.meta.url), [backend, ...names]);
+  const args = Object.entries(atLeast).map(([n, min]) => `${n}=${min}`);
+  const child = spawnDeno(new URL("./thread_names_child.ts", import.meta.url), [backend, ...args]);
   const timer = setTimeout(() => child.proc.kill("SIGKILL"), 30_000);
   try {
     const line = await child.line();

@@ -8,6 +8,7 @@ import assert from "node:assert/strict";
 import { HealthResponse, QueryPrefetchRequest, ReleaseRequest } from "../../proto/pegaflow.ts";
 import { startServer } from "./harness.ts";
 import { PegaflowClient, PegaflowError } from "../../lib/client/client.ts";
+import { MAX_UNREAD_ANSWERS } from "../../lib/server/local_rpc.ts";
 
 const enc = (callId: number, method: number, payload: Uint8Array, len?: number) => {
   const out = new Uint8Array(9 + payload.length);
@@ -205,4 +206,38 @@ Deno.test("local RPC: without the socket file the TS client falls back to gRPC",
     await srv.stop();
   }
   await Deno.remove(dir, { recursive: true });
+});
+
+Deno.test("local RPC: a peer that keeps calling and never reads is dropped, and the server serves on", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pegaflow-lrpc-" });
+  const path = `${dir}/grpc.sock`;
+  const srv = await startServer(["--uds", path]);
+  try {
+    const greedy = await RawClient.dial(`${path}.rpc`);
+    // Health calls, never an answer read: the server's writes stall and answers queue up.
+    const calls = 3 * MAX_UNREAD_ANSWERS;
+    const burst = new Uint8Array(9 * calls);
+    for (let i = 0; i < calls; i++) burst.set(enc(i + 1, 5, new Uint8Array(0)), 9 * i);
+    // Never a hang, whatever the server does: the connection is closed at 20 s.
+    const guard = setTimeout(() => greedy.close(), 20_000);
+    let answers = 0;
+    try {
+      await greedy.send(burst).catch(() => {}); // the server may drop us while we still write
+      // Dropped: reading drains what was written, then the end of the stream.
+      while ((await greedy.next().catch(() => null)) !== null) answers++;
+    } finally {
+      clearTimeout(guard);
+      greedy.close();
+    }
+    assert.ok(answers < calls, `all ${calls} answered: the peer was never dropped`);
+    // Everyone else is still served.
+    const polite = await RawClient.dial(`${path}.rpc`);
+    await polite.send(enc(1, 5, new Uint8Array(0)));
+    const f = await polite.next();
+    assert.ok(f && f.status === 0);
+    polite.close();
+  } finally {
+    await srv.stop();
+    await Deno.remove(dir, { recursive: true });
+  }
 });

@@ -106,7 +106,7 @@ Deno.test("tier port: sealed blocks go to SSD; after RAM eviction a query loads 
       true,
       "another request joins the read in flight",
     );
-    await tier.prefetchSettled("req-A");
+    await tier.prefetchSettled("inst:req-A"); // the tier keys it under its instance
     const other = store.query(NS, hashes, "other", 1);
     assert.equal(other.hits, 12, "committed as they landed, before req-A polls again");
     store.releaseLease(other.lease!.idBytes);

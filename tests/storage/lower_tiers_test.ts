@@ -135,8 +135,9 @@ Deno.test("a RAM miss asks the tiers in order with the hashes past RAM; a miss f
   const hashes = [bytes(1), bytes(2), bytes(3)];
   strictEqual(tiers.beforeQuery(NS, "e", hashes, "r1"), true, "loading from the peer tier");
   const past = [bytes(2), bytes(3)].map((h) => hashHex(h));
-  assertEquals(ssd.prefetches, [{ requestId: "r1", hashes: past }]);
-  assertEquals(peer.prefetches, [{ requestId: "r1", hashes: past }]);
+  // A tier sees the request under its instance: "e:r1".
+  assertEquals(ssd.prefetches, [{ requestId: "e:r1", hashes: past }]);
+  assertEquals(peer.prefetches, [{ requestId: "e:r1", hashes: past }]);
   const q = tiers.stats().queries;
   strictEqual(q.ssd.miss["not-held"], 1);
   strictEqual(q.peer.loading, 1);
@@ -153,7 +154,7 @@ Deno.test("a request with a fetch in a tier is polled: loading while it runs, re
   strictEqual(tiers.beforeQuery(NS, "e", [bytes(5)], "r"), true);
   strictEqual(tiers.beforeQuery(NS, "e", [bytes(5)], "r"), true, "still loading");
   strictEqual(ssd.prefetches.length, 1, "a poll starts nothing");
-  ssd.fetching.set("r", false); // its reads ended
+  ssd.fetching.set("e:r", false); // its reads ended
   strictEqual(tiers.beforeQuery(NS, "e", [bytes(5)], "r"), false, "ready: RAM answers");
   strictEqual(ssd.prefetches.length, 1, "ready does not start another fetch");
   strictEqual(tiers.stats().queries.ssd.ready, 1);
@@ -181,4 +182,20 @@ Deno.test("closing lets accepted sealed batches reach their tiers, then closes e
   strictEqual(ssd.closed, true);
   strictEqual(tiers.sealed(NS, [bytes(3)]), "dropped", "closed: nothing is admitted");
   await tiers.close(); // idempotent
+});
+
+Deno.test("two instances sending the same request id have their own fetches (a P/D pair's engines)", () => {
+  const { store } = makeStore(8);
+  const ssd = new ScriptedTier("ssd", new Set([hashHex(bytes(5))]));
+  const tiers = new LowerTiers({ ram: store, tiers: [ssd] });
+  strictEqual(tiers.beforeQuery(NS, "prefill", [bytes(5)], "req-7"), true);
+  strictEqual(tiers.beforeQuery(NS, "decode", [bytes(5)], "req-7"), true);
+  assertEquals(ssd.prefetches.map((p) => p.requestId), ["prefill:req-7", "decode:req-7"]);
+  ssd.fetching.set("prefill:req-7", false);
+  strictEqual(
+    tiers.beforeQuery(NS, "prefill", [bytes(5)], "req-7"),
+    false,
+    "prefill's fetch ended",
+  );
+  strictEqual(tiers.beforeQuery(NS, "decode", [bytes(5)], "req-7"), true, "decode's still runs");
 });

@@ -551,6 +551,12 @@ class WorkerCore:
                 return
             try:
                 self._save(job)
+            except Exception:  # noqa: BLE001 - the save thread must outlive any one save
+                # A bug or a CUDA error on the event: this step's saves are lost, never the
+                # thread (a dead one left every later save queued and close() waiting).
+                self._count("save_errors", 1)
+                self._count("saves_dropped", sum(len(s.block_ids) for s in job.intents))
+                log.exception("save of requests %s failed (dropped)", sorted({s.request_id for s in job.intents}))
             finally:
                 self._done_saving(job.intents)
 
@@ -635,8 +641,11 @@ class WorkerCore:
 
     def close(self, unregister: bool = True) -> None:
         if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(self.client.config.save_timeout_s)
+            try:
+                self._queue.put(None, timeout=self.client.config.save_timeout_s)
+                self._thread.join(self.client.config.save_timeout_s)
+            except queue.Full:  # the save thread is stuck: leave it (a daemon), never hang here
+                log.warning("save thread still busy after %.1f s; closing without it", self.client.config.save_timeout_s)
             self._thread = None
         if self.registration is not None:
             self.registration.close(unregister=unregister)
