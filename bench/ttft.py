@@ -102,6 +102,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: A decode step's host phases, in order (minivllm's phase clock): each is the time from the
+#: previous mark to its own; "sched" starts at the step.
+STEP_PHASES = (
+    ("sched", "schedule_start", "scheduled"),  # scheduler + the connector's build_connector_meta
+    ("to_runner", "scheduled", "runner_start"),  # the metadata's pickle round trip
+    ("prepare", "runner_start", "prepared"),
+    ("pre_fwd", "prepared", "pre_forward_done"),  # bind + start_load_kv
+    ("launch", "pre_forward_done", "forward_launched"),  # the forward's launches + per-layer hooks
+    ("post_fwd", "forward_launched", "post_forward_done"),  # wait_for_save + get_finished
+    ("sample", "post_forward_done", "sampled"),  # LM head + argmax to the host (waits on the GPU)
+    ("update", "sampled", "updated"),  # the output's pickle + update_from_output
+)
+
+
 # Wall clock minus perf_counter: turns a Request's arrival_time into epoch seconds (server log).
 EPOCH_MINUS_PERF_S = time.time() - time.perf_counter()
 
@@ -646,13 +660,16 @@ class Bench:
         print(f"{n:>6} tokens  warm async {res['p50']:7.2f} ms (p99 {res['p99']:.2f})")
         return res
 
-    def decode_run(self, eng: LLMEngine) -> tuple[float, float, list[float]]:
+    def decode_run(self, eng: LLMEngine) -> tuple[float, float, list[float], dict[str, list[float]]]:
         """`decode_requests` fresh prompts (0 % hits) × `decode_tokens` each: (tokens/s of the
         decode phase, from the step after the last first token to the end; tokens/s end to end,
-        admission and the prefill step included; each decode-phase step's host time in ms)."""
+        admission and the prefill step included; each decode-phase step's host time in ms; each
+        decode-phase step's host phases in ms, STEP_PHASES)."""
         a = self.args
         eng.reset_prefix_cache()
         prompts = [self.prompts.fresh(a.decode_prompt) for _ in range(a.decode_requests)]
+        phases: dict[str, list[float]] = {name: [] for name, _, _ in STEP_PHASES}
+        eng.runner.record_phases = True
         gc.collect()
         gc.disable()
         try:
@@ -669,12 +686,17 @@ class Bench:
                 te = time.perf_counter()
                 steps.append((te - ts) * 1e3)
                 ts = te
+                ph = eng.last_runner_output.phases
+                if ph:  # a TP engine's steps carry none
+                    for name, a0, a1 in STEP_PHASES:
+                        phases[name].append((ph[a1] - ph[a0]) * 1e3)
             sync(self.dev)
             t2 = time.perf_counter()
         finally:
             gc.enable()
+            eng.runner.record_phases = False
         n = a.decode_requests
-        return n * (a.decode_tokens - 1) / (t2 - t1), n * a.decode_tokens / (t2 - t0), steps
+        return n * (a.decode_tokens - 1) / (t2 - t1), n * a.decode_tokens / (t2 - t0), steps, phases
 
     def decode_on_off(self, on: LLMEngine, plain: LLMEngine) -> dict[str, Any]:
         """PegaFlow on (the layer-wise engine: every new block saved, 0 % hits) vs off: the same
@@ -692,7 +714,7 @@ class Bench:
         for run in variants.values():
             run()  # warm-up
         orders = list(itertools.permutations(variants))
-        runs: dict[str, list[tuple[float, float, list[float]]]] = {k: [] for k in variants}
+        runs: dict[str, list[tuple[float, float, list[float], dict[str, list[float]]]]] = {k: [] for k in variants}
         # The server's CPU time while each variant runs (on: until its saves are done too).
         server_cpu_s = {k: 0.0 for k in variants}
         pid = self.server.proc.pid
@@ -710,6 +732,11 @@ class Bench:
             by_index = [statistics.fmean(col) for col in zip(*(r[2] for r in rs))]
             every = [x for r in rs for x in r[2]]
             res[which] = {
+                # Where a step's host time goes: each phase's median over every step of every round.
+                "phase_ms_p50": {
+                    name: round(statistics.median([x for r in rs for x in r[3][name]] or [math.nan]), 4)
+                    for name, _, _ in STEP_PHASES
+                },
                 # Server CPU per decode step, ms (ticks of 10 ms: a sum over every round).
                 "server_cpu_ms_per_step": round(1e3 * server_cpu_s[which] / max(1, len(every)), 4),
                 "decode_tokens_per_s": statistics.median(r[0] for r in rs),
@@ -746,6 +773,14 @@ class Bench:
             f"{' '.join(f'{x:.3f}' for x in aa)} (mean: {100 * res['aa_plain_vs_off']:.2f} %, {ci['ci95_plain_vs_off']})"
         )
         print(
+            "decode step phases, ms p50 ("
+            + " ".join(name for name, _, _ in STEP_PHASES) + "): "
+            + "; ".join(
+                f"{k} " + " ".join(f"{res[k]['phase_ms_p50'][name]:.3f}" for name, _, _ in STEP_PHASES)
+                for k in variants
+            )
+        )
+        print(
             "server CPU ms per decode step: "
             + "; ".join(f"{k} {res[k]['server_cpu_ms_per_step']:.3f}" for k in variants)
         )
@@ -758,7 +793,7 @@ class Bench:
         plain.drain()
         return res
 
-    def decode_detached(self, eng: LLMEngine) -> tuple[float, float, list[float]]:
+    def decode_detached(self, eng: LLMEngine) -> tuple[float, float, list[float], dict[str, list[float]]]:
         """`decode_run` of `eng` with its connector detached: no hook called, nothing queried or
         saved, as an engine started without `kv_transfer_config`."""
         eng.drain()

@@ -249,6 +249,8 @@ class LLMEngine:
         if so.total_num_scheduled_tokens > 0:
             self.last_runner_output = back
         outputs = self.scheduler.update_from_output(so, back)
+        if back.phases is not None:
+            back.phases["updated"] = time.perf_counter()
         if so.total_num_scheduled_tokens == 0 and not outputs:
             time.sleep(0.0002)  # only waiting on transfers: do not spin a core the server needs
         return outputs

@@ -110,6 +110,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.connector = connector
         self.record_timeline = record_timeline
+        # The step's host phases alone (a few clock reads: bench/ttft.py's decode splits each
+        # step with them); the timeline records them too, with its per-layer GPU events.
+        self.record_phases = False
         # Benchmark knob, not a vLLM behaviour: wait for every layer's load before the forward
         # starts (no overlap of load and compute), to measure what layer-wise load saves.
         self.load_then_compute = load_then_compute
@@ -298,7 +301,7 @@ class ModelRunner:
                 return ModelRunnerOutput()
             self._pre_forward(so, None)
             return ModelRunnerOutput(kv_connector_output=self._post_forward(so, None))
-        clock = time.perf_counter if self.record_timeline else None
+        clock = time.perf_counter if self.record_timeline or self.record_phases else None
         phases = {"runner_start": clock()} if clock else None
         batch, sample_ids, meta = self._prepare(so)
         if phases:
