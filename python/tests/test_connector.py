@@ -18,7 +18,7 @@ from pegaflow.connector.vllm_api import KVConnectorRole
 from pegaflow.hashes import synthetic_tokens
 
 from server_proc import leases_become
-from vllm_driver import BLOCK, Request, lose_leases_after_alloc, vllm_config
+from vllm_driver import BLOCK, Request, lose_leases_after_alloc, out_of_range_targets, saved_prompt, vllm_config
 
 MODES = ["layerwise", "async"]
 
@@ -308,21 +308,12 @@ def test_a_refused_worker_load_gives_its_lease_back_at_once(http_server, uid, mo
 
     eng = Engine(vllm_config(http_server.addr, uid, "tiny-" + uid, mode))
     try:
-        prompt = synthetic_tokens(37, 5 * BLOCK)
-        a = Request("a", prompt, salt=uid)
-        eng.run_prefill(a)
-        eng.finish(a)
-        eng.drain("a")
+        prompt, used = saved_prompt(eng, 37, uid)
         leases_become(http_server, 0)
         wc = eng.worker._w()
-        real_load = wc.client.load
-
-        def out_of_range(**kw):  # refused by the server (INVALID_ARGUMENT), its lease untouched
-            return real_load(**{**kw, "block_ids": [10**6] * len(kw["block_ids"])})
-
-        wc.client.load = out_of_range
+        wc.client.load = out_of_range_targets(wc.client.load)
         b = Request("b", list(prompt) + [1, 2], salt=uid)
-        eng.run_prefill(b, avoid=set(a.block_ids))
+        eng.run_prefill(b, avoid=used)
         assert eng.invalid_blocks == set(b.block_ids[:5])
         assert eng.holds_all(b, b.num_tokens)  # recomputed
         leases_become(http_server, 0)

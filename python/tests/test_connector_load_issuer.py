@@ -21,7 +21,7 @@ from pegaflow.hashes import synthetic_tokens
 
 from kv_helpers import my_states
 from tp_ranks import Req, TwoRanks
-from vllm_driver import BLOCK, Engine, Request, vllm_config
+from vllm_driver import BLOCK, Engine, Request, out_of_range_targets, saved_prompt, vllm_config
 
 MODES = ["layerwise", "async"]
 SCHED = {"pegaflow.load_issuer": "scheduler"}
@@ -318,21 +318,12 @@ def test_a_refused_scheduler_issued_load_gives_its_lease_back_at_once(uid, mode)
     srv = ServerProc.start(extra=["--http-addr", "127.0.0.1:0"])
     eng = Engine(vllm_config(srv.addr, uid, "tiny-" + uid, mode, **SCHED))
     try:
-        prompt = synthetic_tokens(39, 5 * BLOCK)
-        a = Request("a", prompt, salt=uid)
-        eng.run_prefill(a)
-        eng.finish(a)
-        eng.drain("a")
+        prompt, used = saved_prompt(eng, 39, uid)
         leases_become(srv, 0)
         client = eng.sched._s().client
-        real = client.load_nowait
-
-        def out_of_range(**kw):  # refused by the server (INVALID_ARGUMENT), its lease untouched
-            return real(**{**kw, "block_ids": [10**6] * len(kw["block_ids"])})
-
-        client.load_nowait = out_of_range
+        client.load_nowait = out_of_range_targets(client.load_nowait)
         b = Request("b", list(prompt) + [1, 2], salt=uid)
-        eng.run_prefill(b, avoid=set(a.block_ids))
+        eng.run_prefill(b, avoid=used)
         assert eng.invalid_blocks == set(b.block_ids[:5])
         assert eng.holds_all(b, b.num_tokens)  # recomputed
         leases_become(srv, 0)

@@ -18,7 +18,7 @@ import hashlib
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from pegaflow.connector.vllm_api import (
     SchedulerOutput,
     VllmConfig,
 )
-from pegaflow.hashes import chained_block_hashes
+from pegaflow.hashes import chained_block_hashes, synthetic_tokens
 from pegaflow.regions import ShmRegion
 
 BLOCK = 4
@@ -279,3 +279,25 @@ def lose_leases_after_alloc(eng: "Engine") -> None:
             eng.sched.client.release(li.lease_id)
 
     core.update_state_after_alloc = alloc_then_lose_lease
+
+
+def saved_prompt(eng: "Engine", seed: int, salt: str, blocks: int = 5) -> "tuple[List[int], Set[int]]":
+    """A prompt of `blocks` full blocks that request "a" prefilled, finished and saved (drained),
+    and the blocks it used: the next request with this prefix hits it, and avoiding those blocks
+    keeps their stale copy from passing for a load or a recompute."""
+    prompt = synthetic_tokens(seed, blocks * BLOCK)
+    a = Request("a", prompt, salt=salt)
+    eng.run_prefill(a)
+    eng.finish(a)
+    eng.drain("a")
+    return prompt, set(a.block_ids)
+
+
+def out_of_range_targets(call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call` (a client's load or load_nowait) with every target id past num_blocks: the server
+    refuses the Load (INVALID_ARGUMENT) and leaves its lease as it was."""
+
+    def refused(**kw: Any) -> Any:
+        return call(**{**kw, "block_ids": [10**6] * len(kw["block_ids"])})
+
+    return refused
