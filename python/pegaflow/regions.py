@@ -56,6 +56,21 @@ def _dense_span(shape: Sequence[int], strides: Sequence[int]) -> Optional[int]:
     return expect
 
 
+def _planes_overlap(num_blocks: int, block_stride: int, seg_stride: int, seg_bytes: int) -> bool:
+    """True when some block's V half [b2*bs + ss, +seg) overlaps some block's K half [b1*bs, +seg):
+    |k*bs - ss| < seg for an integer k = b1 - b2 within -(n-1)..n-1, whose nearest candidates
+    to ss/bs are the only ones to check."""
+    if block_stride == 0 or num_blocks == 1:
+        return abs(seg_stride) < seg_bytes
+    lo, hi = -(num_blocks - 1), num_blocks - 1
+    k0 = seg_stride // block_stride
+    for k in (k0 - 1, k0, k0 + 1, k0 + 2):
+        k = min(hi, max(lo, k))
+        if abs(k * block_stride - seg_stride) < seg_bytes:
+            return True
+    return False
+
+
 def kv_geometry(
     shape: Sequence[int],
     strides: Sequence[int],
@@ -101,6 +116,13 @@ def kv_geometry(
         seg_stride = seg_bytes
     if num_blocks > 1 and block_stride < seg_bytes:
         raise RegionError(f"{where}: block_stride {block_stride} < seg_bytes {seg_bytes} (blocks overlap)")
+    if segs == 2 and _planes_overlap(num_blocks, block_stride, seg_stride, seg_bytes):
+        # e.g. a K/V dim of stride 0 (an `expand`ed tensor): saving a block would store its K
+        # bytes as V too, and a load would write one over the other.
+        raise RegionError(
+            f"{where}: the K and V halves overlap (seg_stride {seg_stride}, block_stride {block_stride}, "
+            f"seg_bytes {seg_bytes}, {num_blocks} blocks); each block's K and V must be their own bytes"
+        )
     return Geometry(
         num_blocks=num_blocks,
         block_stride=block_stride,

@@ -53,6 +53,21 @@ def test_a_block_that_is_not_dense_is_refused_with_the_reason():
         kv_geometry((3, 4, 4), (16, 4, 1), 2, 0, 1 << 10, layout="kv_first")
 
 
+def test_k_and_v_halves_that_overlap_are_refused_and_interleaved_ones_accepted():
+    plane = torch.empty((1, 64, 16, 8, 128), dtype=torch.bfloat16)
+    same = plane.expand(2, -1, -1, -1, -1)  # K and V are the same bytes (stride 0)
+    with pytest.raises(RegionError, match='layer "x": the K and V halves overlap'):
+        kv_geometry(same.shape, same.stride(), 2, 0, 1 << 30, where='layer "x"')
+    seg = 16 * 8 * 128
+    # V starts half a segment into the block after K: every V half straddles two K halves.
+    with pytest.raises(RegionError, match="overlap"):
+        kv_geometry((2, 64, 16, 8, 128), (seg + seg // 2, 2 * seg, 8 * 128, 128, 1), 2, 0, 1 << 30)
+    # K then V of each block side by side ([num_blocks, 2, ...] viewed KV-first): no byte shared.
+    inter = torch.empty((64, 2, 16, 8, 128), dtype=torch.bfloat16).transpose(0, 1)
+    g = kv_geometry(inter.shape, inter.stride(), 2, 0, 1 << 30)
+    assert (g.seg_stride, g.block_stride, g.seg_bytes) == (seg * 2, 2 * seg * 2, seg * 2)
+
+
 def test_layers_in_one_shm_region_share_its_handle_and_sit_at_their_offsets():
     with ShmRegion(2 * 4096) as r:
         a = r.torch(torch.float16, (2, 8, 4, 2, 8), offset=0)
