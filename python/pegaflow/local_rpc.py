@@ -75,25 +75,32 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
     return s
 
 
-def _read_exact(s: socket.socket, view: memoryview) -> None:
+def _read_exact(s: socket.socket, view: memoryview, deadline: Optional[float] = None) -> None:
+    """Fills `view`; with a `deadline` (time.monotonic()) each read gets only what is left of it,
+    so a server trickling bytes cannot stretch a call past its deadline (socket.timeout)."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("local RPC answer not complete by the deadline")
+            s.settimeout(left)
         n = s.recv_into(view[got:])
         if n == 0:
             raise ConnectionResetError("the server closed the local RPC connection")
         got += n
 
 
-def _read_frame(s: socket.socket, max_bytes: int) -> Tuple[int, int, bytes]:
-    """(call id, status, payload) of the next frame."""
+def _read_frame(s: socket.socket, max_bytes: int, deadline: Optional[float] = None) -> Tuple[int, int, bytes]:
+    """(call id, status, payload) of the next frame (whole by `deadline`, when given)."""
     head = bytearray(_HEADER.size)
-    _read_exact(s, memoryview(head))
+    _read_exact(s, memoryview(head), deadline)
     n, call_id, status = _HEADER.unpack(head)
     if n < 5 or n > max_bytes + 5:
         raise ConnectionResetError(f"local RPC answer of {n} bytes is outside 5..{max_bytes + 5}")
     body = bytearray(n - 5)
     if body:
-        _read_exact(s, memoryview(body))
+        _read_exact(s, memoryview(body), deadline)
     return call_id, status, bytes(body)
 
 
@@ -188,8 +195,7 @@ class LocalRpc:
             s.settimeout(max(deadline - time.monotonic(), 1e-3))
             s.sendall(_HEADER.pack(5 + len(payload), call_id, method) + payload)
             while True:
-                s.settimeout(max(deadline - time.monotonic(), 1e-3))
-                got, status, body = _read_frame(s, self.max_message_bytes)
+                got, status, body = _read_frame(s, self.max_message_bytes, deadline)
                 if got == call_id:
                     break
                 if got == 0:  # the server refused our framing and closes

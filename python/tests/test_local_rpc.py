@@ -426,3 +426,43 @@ def test_nowait_calls_work_in_a_process_with_over_1024_descriptors(sock_dir):
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         s.stop()
+
+
+def test_a_server_trickling_its_answer_cannot_stretch_a_call_past_its_deadline(sock_dir):
+    """Each read of an answer gets only what is left of the call's deadline: a server sending a
+    byte every 0.2 s once kept a 0.5 s call going for as long as it trickled."""
+    from pegaflow.local_rpc import _HEADER, LocalRpc, LocalRpcStatus
+
+    path = os.path.join(sock_dir, "trickle.sock.rpc")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(path)
+    lst.listen(1)
+    stop = threading.Event()
+
+    def serve() -> None:
+        c, _ = lst.accept()
+        n, call_id, _method = _HEADER.unpack(c.recv(_HEADER.size, socket.MSG_WAITALL))
+        c.recv(n - 5, socket.MSG_WAITALL)
+        answer = _HEADER.pack(5 + 64, call_id, 0) + b"x" * 64
+        for i in range(len(answer)):  # one byte at a time
+            if stop.wait(0.2):
+                break
+            try:
+                c.send(answer[i:i + 1])
+            except OSError:
+                break
+        c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    rpc = LocalRpc(path, 64 << 20)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LocalRpcStatus) as ei:
+            rpc.call(5, b"", 0.5)
+        assert ei.value.code == 4  # DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 1.5, f"the call took {time.monotonic() - t0:.1f} s"
+    finally:
+        stop.set()
+        rpc.close()
+        lst.close()
