@@ -12,6 +12,12 @@ allocations, shm files) outlive the server, so nothing on the engine side
 changes. While disconnected, callers see `connected == False` and answer
 queries with 0 hits and drop saves (counted), never an exception.
 
+A server that is not up yet when the engine starts is the same case: the
+first registration, refused only for want of a server (UNAVAILABLE,
+DEADLINE_EXCEEDED), is left to the background thread and the engine starts
+without PegaFlow until one answers (logged once). A refusal of the request
+itself (bad layers, a topology mismatch) is still raised at once.
+
 Retry rules: every failure of RegisterContext is retried with exponential
 backoff (50 ms doubling to `config.reconnect_max_s`); ALREADY_EXISTS means
 the server still holds this rank (our stream broke, the server's did not)
@@ -36,6 +42,8 @@ from .regions import LayerRegion
 log = logging.getLogger("pegaflow.registration")
 
 RETRY_MIN_S = 0.05
+#: A registration refused for want of a server, not for its content: retried in the background.
+NO_SERVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class KvRegistration:
@@ -45,7 +53,7 @@ class KvRegistration:
         layers, device = export_kv_layers(kv_caches)
         reg = KvRegistration(client, instance_id="inst", namespace=ns, layers=layers,
                              tp_rank=0, tp_size=1, device_id=device)
-        reg.register()          # raises PegaflowError on bad input
+        reg.register()          # raises PegaflowError on bad input; no server yet: registers later
         reg.connected           # False while the server is away
         reg.close()             # unregisters and ends the session
     """
@@ -127,18 +135,32 @@ class KvRegistration:
             geometry=[l.geometry for l in self.layers],
         )
 
-    def register(self) -> pb.RegisterContextResponse:
-        """First registration: errors are raised (they are bad input or no
-        server), then the session thread starts and keeps it alive."""
+    def register(self) -> Optional[pb.RegisterContextResponse]:
+        """First registration, then the session thread starts and keeps it alive. A refusal
+        of the request is raised; with no server to answer (UNAVAILABLE, DEADLINE_EXCEEDED)
+        the thread registers once one does, and this returns None (`connected` is False)."""
         if self._thread is not None:
             raise RuntimeError(f"{self.who}: register() called twice")
-        res = self._register_once()
+        name = f"pegaflow-session-{self.tp_rank}-{self.pp_rank}"
+        try:
+            res = self._register_once()
+        except PegaflowError as e:
+            if e.code not in NO_SERVER:
+                raise
+            self.last_error = str(e)
+            log.warning("%s: no KV server answers (%s); running without PegaFlow until one does", self.who, e)
+            self._thread = threading.Thread(target=self._register_later, name=name, daemon=True)
+            self._thread.start()
+            return None
         self._open_session()
-        self._thread = threading.Thread(
-            target=self._watch, name=f"pegaflow-session-{self.tp_rank}-{self.pp_rank}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
         self._thread.start()
         return res
+
+    def _register_later(self) -> None:
+        """The first registration, once a server answers; then the session watch."""
+        if self._reregister():
+            self._watch()
 
     def _open_session(self) -> None:
         self._session = self.client.open_session(self.instance_id, self.tp_rank, self.pp_rank)
@@ -187,8 +209,13 @@ class KvRegistration:
                 if not ok:
                     with self._lock:
                         self._stats["register_failures"] += 1
+                    # A server that refuses the request itself (not a server away) is worth a
+                    # warning, once per reason: it will not go away by retrying alone.
+                    if e.code not in NO_SERVER and str(e) != self.last_error:
+                        log.warning("%s: registration refused (retrying): %s", self.who, e)
+                    else:
+                        log.debug("%s: re-registration failed: %s", self.who, e)
                     self.last_error = str(e)
-                    log.debug("%s: re-registration failed: %s", self.who, e)
             if ok and not self._stop.is_set():
                 try:
                     self._open_session()

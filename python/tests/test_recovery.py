@@ -154,3 +154,46 @@ def test_a_registration_whose_client_was_closed_first_stops_its_session_thread(c
     finally:
         reg.close(unregister=False)  # the server cleaned the instance up when its session ended
         region.close()
+
+
+def test_an_engine_started_before_its_server_registers_once_the_server_is_up(own_server, uid):
+    """No server yet is not an error of the engine's: register() returns, the engine runs without
+    PegaFlow (not connected), and the rank registers as soon as a server answers."""
+    import socket
+
+    from pegaflow.client import PegaflowClient
+
+    from kv_helpers import fill, make_kv, register
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()  # nothing listens there yet
+    region, kv = make_kv(2, 8)
+    c = PegaflowClient(addr, rpc_timeout_ms=1000, reconnect_max_ms=200)
+    reg = register(c, kv, uid, "ns-" + uid)
+    try:
+        assert not reg.connected and reg.generation == 0
+        assert "UNAVAILABLE" in (reg.last_error or "") or "DEADLINE" in (reg.last_error or "")
+        own_server(addr)
+        wait_for(lambda: reg.connected, "registration once the server is up")
+        assert reg.generation == 1
+        hashes = [bytes([9]) * 16]
+        fill(kv, [2], hashes)
+        assert c.save(instance_id=uid, tp_rank=0, block_ids=[2], block_hashes=hashes).blocks_saved == 1
+    finally:
+        reg.close()
+        c.close()
+        region.close()
+
+
+def test_a_registration_the_server_refuses_is_still_raised_at_once(client, uid):
+    from kv_helpers import make_kv, register
+
+    region, kv = make_kv(2, 8)
+    try:
+        with pytest.raises(PegaflowError) as e:
+            register(client, kv, uid, "ns-" + uid, tp_rank=3, tp_size=2)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        region.close()
