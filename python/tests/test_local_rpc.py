@@ -466,3 +466,34 @@ def test_a_server_trickling_its_answer_cannot_stretch_a_call_past_its_deadline(s
         stop.set()
         rpc.close()
         lst.close()
+
+
+def test_release_nowait_goes_over_the_local_socket_and_answers_like_release(uid, sock_dir):
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    region, kv = make_kv(2, 16)
+    c = PegaflowClient("unix:" + sock)
+    try:
+        reg = register(c, kv, uid, "ns-" + uid)
+        hashes = [bytes([i]) * 16 for i in range(1, 3)]
+        fill(kv, [1, 2], hashes)
+        c.save(instance_id=uid, tp_rank=0, block_ids=[1, 2], block_hashes=hashes)
+        q = c.query_prefetch(instance_id=uid, block_hashes=hashes, request_id="r")
+        assert q.hits == 2
+        before = c._local.calls
+        got = []
+        done = threading.Event()
+        c.release_nowait(q.lease_id, lambda e: (got.append(e), done.set()))
+        assert done.wait(5) and got == [None]
+        assert c._local.calls == before + 1, "not sent over the local socket"
+        done.clear()
+        c.release_nowait(q.lease_id, lambda e: (got.append(e), done.set()))  # released already
+        assert done.wait(5) and got[1] is not None
+        with pytest.raises(PegaflowError) as ei:
+            c.release(q.lease_id)
+        assert got[1].code == ei.value.code  # the same refusal as the blocking call
+        reg.close()
+    finally:
+        c.close()
+        region.close()
+        s.stop()
