@@ -163,11 +163,17 @@ class KvRegistration:
             self._watch()
 
     def _open_session(self) -> None:
-        self._session = self.client.open_session(self.instance_id, self.tp_rank, self.pp_rank)
+        session = self.client.open_session(self.instance_id, self.tp_rank, self.pp_rank)
         with self._lock:
+            # close() may have run since the caller checked: never install (and leak) a
+            # session past it, nor read connected after it.
+            if self._stop.is_set():
+                session.cancel()
+                return
+            self._session = session
             self.generation += 1
             self._stats["registrations"] += 1
-        self._up.set()
+            self._up.set()
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -231,9 +237,10 @@ class KvRegistration:
     def close(self, unregister: bool = True) -> None:
         """Stops the session thread; with `unregister`, cleans the instance
         up on the server first (ignored when the server is away)."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()  # under the lock: a session being opened now is cancelled there
         if unregister and self.connected:
             try:
                 self.client.unregister_context(self.instance_id)

@@ -197,3 +197,31 @@ def test_a_registration_the_server_refuses_is_still_raised_at_once(client, uid):
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         region.close()
+
+
+def test_a_session_opened_while_the_registration_closes_is_cancelled_not_kept(client, uid):
+    """close() racing a re-registration: the session opened after close() began is cancelled,
+    and the registration never reads connected again."""
+    from kv_helpers import make_kv, register
+
+    region, kv = make_kv(1, 8)
+    reg = register(client, kv, uid, "ns-" + uid)
+    opened = []
+    real_open = client.open_session
+
+    def open_then_close(*a, **kw):
+        s = real_open(*a, **kw)
+        opened.append(s)
+        reg.close(unregister=False)  # close() runs between the check and the session's install
+        return s
+
+    client.open_session = open_then_close
+    try:
+        reg._open_session()  # as the session thread would after re-registering
+        assert not reg.connected
+        assert reg._session is not opened[0], "a session opened past close() was installed"
+        assert opened[0].next_event() is None, "the late session was left open"
+    finally:
+        client.open_session = real_open
+        client.unregister_context(uid)
+        region.close()
