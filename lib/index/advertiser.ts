@@ -17,6 +17,7 @@
 
 import type { SealedBlock } from "./block_index.ts";
 import { hexBytes } from "./keys.ts";
+import { hashHex } from "../storage/keys.ts";
 
 /** What the advertiser needs from the index (a {@link RedisBlockIndex}). */
 export interface AdvertisePort {
@@ -95,6 +96,11 @@ export class IndexAdvertiser {
     for (const [namespace, held] of this.#held) {
       for (const hash of held.values()) yield { namespace, hash };
     }
+  }
+
+  /** Whether `hash` of `namespace` is held now (the index's `isHeld`). */
+  holds(namespace: string, hash: Uint8Array): boolean {
+    return this.#held.get(namespace)?.has(hashHex(hash)) ?? false;
   }
 
   /** Blocks held now. */

@@ -64,6 +64,7 @@ export function openBlockIndex(
     timeoutMs: cfg.timeoutMs,
     nodeTtlMs: cfg.nodeTtlMs,
     listSealed: () => advertiser.listSealed(),
+    isHeld: (ns, hash) => advertiser.holds(ns, hash),
     log: ilog,
     metrics: registerIndexMetrics(registry),
   });

@@ -83,6 +83,12 @@ export interface BlockIndexOptions {
   advertiseAddr: string;
   /** What this node holds now; read on re-advertise (after an outage or a lost registration). */
   listSealed: () => Iterable<SealedBlock>;
+  /**
+   * Whether this node still holds a block: a re-advertise checks each batch at send time (it
+   * awaits batch after batch, and a block evicted meanwhile, its withdraw already sent, must
+   * not be advertised again). Default: every block listed is held.
+   */
+  isHeld?: (namespace: string, hash: Uint8Array) => boolean;
   /** Deadline of each call in ms. Default {@link DEFAULT_INDEX_TIMEOUT_MS}. */
   timeoutMs?: number;
   /** Node liveness TTL in ms. Default {@link DEFAULT_NODE_TTL_MS}. */
@@ -134,6 +140,7 @@ export class RedisBlockIndex {
   readonly #heartbeatMs: number;
   readonly #batch: number;
   readonly #listSealed: () => Iterable<SealedBlock>;
+  readonly #isHeld: (namespace: string, hash: Uint8Array) => boolean;
   readonly #log: Logger;
   readonly #metrics: IndexMetrics | undefined;
   readonly #random: (n: number) => Uint8Array;
@@ -170,6 +177,7 @@ export class RedisBlockIndex {
     }
     this.#batch = positive("republishBatch", opts.republishBatch ?? DEFAULT_REPUBLISH_BATCH);
     this.#listSealed = opts.listSealed;
+    this.#isHeld = opts.isHeld ?? (() => true);
     this.#log = opts.log ?? new Logger("error", {}, () => {});
     this.#metrics = opts.metrics;
     this.#random = opts.randomBytes ?? ((n) => crypto.getRandomValues(new Uint8Array(n)));
@@ -367,8 +375,13 @@ export class RedisBlockIndex {
   async #republishOnce(): Promise<void> {
     const inc = this.#incarnation;
     const pending = new Map<string, Uint8Array[]>();
-    const flush = async (ns: string, list: Uint8Array[]): Promise<boolean> => {
+    const flush = async (ns: string, collected: Uint8Array[]): Promise<boolean> => {
       pending.delete(ns);
+      // Collected across earlier batches' awaits: drop what was evicted since (its withdraw
+      // went out already; an advertise after it would list the block here for good). What is
+      // sent now goes before any later withdraw, on the same connection.
+      const list = collected.filter((h) => this.#isHeld(ns, h));
+      if (list.length === 0) return inc === this.#incarnation && !this.#closed;
       const ok = await this.advertise(ns, list);
       if (ok) {
         this.#republished += list.length;

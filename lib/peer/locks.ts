@@ -202,7 +202,13 @@ export class PeerLockTable {
       return this.#miss("not-held");
     }
     // The pin's flat ranges of the leading k blocks, packed as they lie (no object per range).
-    const packed = packExtents(pin.ranges, k, req.shiftedExtents === true);
+    let packed: ReturnType<typeof packExtents>;
+    try {
+      packed = packExtents(pin.ranges, k, req.shiftedExtents === true);
+    } catch (e) {
+      pin.release(); // never a pin without a lock that ends it
+      throw e;
+    }
     const ttlMs = Math.min(MAX_PEER_LOCK_TTL_MS, req.ttlMs > 0 ? req.ttlMs : this.#defaultTtl);
     const lockId = crypto.getRandomValues(new Uint8Array(LOCK_ID_BYTES));
     this.#held.set(hashHex(lockId), {
