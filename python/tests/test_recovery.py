@@ -223,5 +223,8 @@ def test_a_session_opened_while_the_registration_closes_is_cancelled_not_kept(cl
         assert opened[0].next_event() is None, "the late session was left open"
     finally:
         client.open_session = real_open
-        client.unregister_context(uid)
+        try:
+            client.unregister_context(uid)
+        except PegaflowError:
+            pass  # its session ended with close(): the server may have cleaned it up already
         region.close()
