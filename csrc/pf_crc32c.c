@@ -255,32 +255,38 @@ uint32_t pf_crc32c_combine(uint32_t crc_a, uint32_t raw_b, uint64_t bytes_b) {
  */
 int32_t pf_pool_checksums(uint32_t pool, const void *exts, uint64_t num_exts,
                           const uint32_t *counts, uint32_t num_blocks, uint32_t *out_crcs) {
-  pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_checksums");
+  pf_pool *p = pf_pool_hold(pool, "pf_pool_checksums"); /* runs off the JS thread */
   if (!p) return PF_EHANDLE;
-  if (num_blocks == 0) return PF_OK;
-  if (!exts || !counts || !out_crcs)
-    return pf_fail(PF_EINVAL, "pf_pool_checksums: extents, counts or out_crcs is NULL");
+  int32_t rc = PF_OK;
   const pf_io_ext *x = exts;
   uint64_t need = 0;
-  for (uint32_t b = 0; b < num_blocks; b++) need += counts[b];
-  if (need != num_exts)
-    return pf_fail(PF_EINVAL, "pf_pool_checksums: %u blocks name %llu extents, %llu given",
-                   num_blocks, (unsigned long long)need, (unsigned long long)num_exts);
-  for (uint64_t e = 0; e < num_exts; e++) {
-    if (x[e].bytes == 0 || x[e].pool_off > p->bytes || x[e].bytes > p->bytes - x[e].pool_off)
-      return pf_fail(PF_ERANGE, "pf_pool_checksums: extent %llu [%llu, +%llu) is empty or "
-                     "outside the pool (%llu bytes)", (unsigned long long)e,
-                     (unsigned long long)x[e].pool_off, (unsigned long long)x[e].bytes,
-                     (unsigned long long)p->bytes);
+  if (num_blocks == 0) goto out;
+  if (!exts || !counts || !out_crcs) {
+    rc = pf_fail(PF_EINVAL, "pf_pool_checksums: extents, counts or out_crcs is NULL");
+    goto out;
   }
-  atomic_fetch_add(&p->inflight, 1);
-  uint64_t e = 0;
-  for (uint32_t b = 0; b < num_blocks; b++) {
+  for (uint32_t b = 0; b < num_blocks; b++) need += counts[b];
+  if (need != num_exts) {
+    rc = pf_fail(PF_EINVAL, "pf_pool_checksums: %u blocks name %llu extents, %llu given",
+                 num_blocks, (unsigned long long)need, (unsigned long long)num_exts);
+    goto out;
+  }
+  for (uint64_t e = 0; e < num_exts; e++) {
+    if (x[e].bytes == 0 || x[e].pool_off > p->bytes || x[e].bytes > p->bytes - x[e].pool_off) {
+      rc = pf_fail(PF_ERANGE, "pf_pool_checksums: extent %llu [%llu, +%llu) is empty or "
+                   "outside the pool (%llu bytes)", (unsigned long long)e,
+                   (unsigned long long)x[e].pool_off, (unsigned long long)x[e].bytes,
+                   (unsigned long long)p->bytes);
+      goto out;
+    }
+  }
+  for (uint64_t e = 0, b = 0; b < num_blocks; b++) {
     uint32_t crc = 0;
     for (uint32_t k = 0; k < counts[b]; k++, e++)
       crc = pf_crc32c(crc, p->host + x[e].pool_off, x[e].bytes);
     out_crcs[b] = crc;
   }
-  atomic_fetch_sub(&p->inflight, 1);
-  return PF_OK;
+out:
+  pf_pool_unhold(p);
+  return rc;
 }

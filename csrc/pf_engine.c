@@ -264,13 +264,45 @@ static int32_t parts_check(uint64_t bytes, const pf_pool_part *parts,
   return PF_OK;
 }
 
+/* Looks `engine` up and counts the object about to be made on it
+ * (`live_objects`) under pf_objects_mu: a pf_engine_close racing a creation
+ * that runs off the JS thread (pf_pool_create pre-touching tens of GiB) then
+ * fails with PF_EBUSY instead of freeing the engine under it. The count is
+ * given back (engine_unhold) when the creation fails, else kept by the object. */
+static pf_engine *engine_hold(uint32_t engine, const char *fn) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, fn);
+  if (e) atomic_fetch_add(&e->live_objects, 1);
+  pthread_mutex_unlock(&pf_objects_mu);
+  return e;
+}
+
+static int32_t engine_unhold(pf_engine *e, int32_t rc) {
+  atomic_fetch_sub(&e->live_objects, 1);
+  return rc;
+}
+
+static int32_t pool_create_held(pf_engine *e, uint64_t bytes, uint32_t flags,
+                                uint32_t touch_threads, pf_pool_progress *progress,
+                                const pf_pool_part *parts, uint32_t nparts,
+                                uint32_t *out_pool);
+
 static int32_t pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
                            uint32_t touch_threads, pf_pool_progress *progress,
                            const pf_pool_part *parts, uint32_t nparts,
                            uint32_t *out_pool) {
   if (!out_pool) return pf_fail(PF_EINVAL, "pf_pool_create: out_pool is NULL");
-  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_pool_create");
+  pf_engine *e = engine_hold(engine, "pf_pool_create");
   if (!e) return PF_EHANDLE;
+  int32_t rc = pool_create_held(e, bytes, flags, touch_threads, progress, parts, nparts,
+                                out_pool);
+  return rc < 0 ? engine_unhold(e, rc) : rc;
+}
+
+static int32_t pool_create_held(pf_engine *e, uint64_t bytes, uint32_t flags,
+                                uint32_t touch_threads, pf_pool_progress *progress,
+                                const pf_pool_part *parts, uint32_t nparts,
+                                uint32_t *out_pool) {
   if (bytes == 0) return pf_fail(PF_EINVAL, "pf_pool_create: bytes is 0");
   if (flags & ~(uint32_t)(PF_POOL_HUGEPAGES | PF_POOL_PRETOUCH))
     return pf_fail(PF_EINVAL,
@@ -303,8 +335,7 @@ static int32_t pool_create(uint32_t engine, uint64_t bytes, uint32_t flags,
     free(p);
     return PF_ENOMEM;
   }
-  p->handle = h;
-  atomic_fetch_add(&e->live_objects, 1);
+  p->handle = h; /* the engine's live_objects counts it since engine_hold */
   *out_pool = h;
   return PF_OK;
 }
@@ -350,6 +381,16 @@ int32_t pf_pool_info(uint32_t pool, pf_pool_props *out) {
   return PF_OK;
 }
 
+pf_pool *pf_pool_hold(uint32_t pool, const char *fn) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_pool *p = pf_handle_get(pool, PF_K_POOL, fn);
+  if (p) atomic_fetch_add(&p->inflight, 1);
+  pthread_mutex_unlock(&pf_objects_mu);
+  return p;
+}
+
+void pf_pool_unhold(pf_pool *p) { atomic_fetch_sub(&p->inflight, 1); }
+
 int32_t pf_pool_destroy(uint32_t pool) {
   pthread_mutex_lock(&pf_objects_mu);
   pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_destroy");
@@ -380,8 +421,7 @@ static int32_t region_finish(pf_engine *e, pf_region *r, uint32_t *out) {
     free(r);
     return PF_ENOMEM;
   }
-  r->handle = h;
-  atomic_fetch_add(&e->live_objects, 1);
+  r->handle = h; /* the engine's live_objects counts it since engine_hold */
   *out = h;
   return PF_OK;
 }
@@ -390,31 +430,32 @@ int32_t pf_region_alloc(uint32_t engine, uint64_t bytes, uint8_t *out_handle,
                         uint32_t *out_region) {
   if (!out_handle || !out_region)
     return pf_fail(PF_EINVAL, "pf_region_alloc: out_handle/out_region is NULL");
-  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_region_alloc");
-  if (!e) return PF_EHANDLE;
   if (bytes == 0) return pf_fail(PF_EINVAL, "pf_region_alloc: bytes is 0");
+  pf_engine *e = engine_hold(engine, "pf_region_alloc");
+  if (!e) return PF_EHANDLE;
   pf_region *r = calloc(1, sizeof *r);
-  if (!r) return pf_fail(PF_ENOMEM, "pf_region_alloc: out of memory");
+  if (!r) return engine_unhold(e, pf_fail(PF_ENOMEM, "pf_region_alloc: out of memory"));
   r->engine = e;
   r->bytes = bytes;
   int32_t rc = e->ops->region_alloc(e, r, r->name);
   if (rc < 0) {
     free(r);
-    return rc;
+    return engine_unhold(e, rc);
   }
   memcpy(out_handle, r->name, PF_HANDLE_BYTES);
-  return region_finish(e, r, out_region);
+  rc = region_finish(e, r, out_region);
+  return rc < 0 ? engine_unhold(e, rc) : rc;
 }
 
 int32_t pf_region_import(uint32_t engine, const uint8_t *handle, uint64_t bytes,
                          uint32_t *out_region) {
   if (!handle || !out_region)
     return pf_fail(PF_EINVAL, "pf_region_import: handle/out_region is NULL");
-  pf_engine *e = pf_handle_get(engine, PF_K_ENGINE, "pf_region_import");
-  if (!e) return PF_EHANDLE;
   if (bytes == 0) return pf_fail(PF_EINVAL, "pf_region_import: bytes is 0");
+  pf_engine *e = engine_hold(engine, "pf_region_import");
+  if (!e) return PF_EHANDLE;
   pf_region *r = calloc(1, sizeof *r);
-  if (!r) return pf_fail(PF_ENOMEM, "pf_region_import: out of memory");
+  if (!r) return engine_unhold(e, pf_fail(PF_ENOMEM, "pf_region_import: out of memory"));
   r->engine = e;
   r->bytes = bytes;
   r->imported = 1;
@@ -422,9 +463,10 @@ int32_t pf_region_import(uint32_t engine, const uint8_t *handle, uint64_t bytes,
   int32_t rc = e->ops->region_import(e, r, handle);
   if (rc < 0) {
     free(r);
-    return rc;
+    return engine_unhold(e, rc);
   }
-  return region_finish(e, r, out_region);
+  rc = region_finish(e, r, out_region);
+  return rc < 0 ? engine_unhold(e, rc) : rc;
 }
 
 _Static_assert(sizeof(pf_region_props) == 24, "pf_region_props layout");

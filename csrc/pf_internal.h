@@ -295,6 +295,13 @@ typedef struct pf_pool {
   void *impl;
 } pf_pool;
 
+/* Looks `pool` up and holds it (its `inflight`) under pf_objects_mu, so a
+ * pf_pool_destroy racing a call that runs off the JS thread (a checksum)
+ * fails with PF_EBUSY instead of freeing the pool under it; NULL (error set)
+ * for a bad handle. Every hold ends with pf_pool_unhold. */
+pf_pool *pf_pool_hold(uint32_t pool, const char *fn);
+void pf_pool_unhold(pf_pool *p);
+
 /* Publishes the pool-creation phase (no-op without progress words). */
 void pf_pool_phase(pf_pool *p, uint32_t phase);
 

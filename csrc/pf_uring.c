@@ -181,6 +181,9 @@ static void query_alignment(pf_file *f) {
 static void *reaper_main(void *arg);
 static unsigned uring_fill(pf_uring *u);
 
+static int32_t uring_open(pf_pool *p, pf_ring *cr, uint32_t depth, uint32_t hdr_pages,
+                          uint32_t *out_uring);
+
 int32_t pf_uring_open(uint32_t pool, uint32_t ring, uint32_t depth, uint32_t hdr_pages,
                       uint32_t *out_uring) {
   if (!out_uring) return pf_fail(PF_EINVAL, "pf_uring_open: out_uring is NULL");
@@ -190,11 +193,30 @@ int32_t pf_uring_open(uint32_t pool, uint32_t ring, uint32_t depth, uint32_t hdr
   if (hdr_pages > URING_MAX_HDR_PAGES)
     return pf_fail(PF_EINVAL, "pf_uring_open: hdr_pages %u exceeds %u", hdr_pages,
                    URING_MAX_HDR_PAGES);
+  /* The uring reads and writes the pool and posts to the ring for as long as
+   * it is open: it holds both (as a transfer endpoint does), so destroying
+   * either fails with PF_EBUSY until pf_uring_close instead of leaving it
+   * with freed memory and a pool the kernel still has registered. */
+  pthread_mutex_lock(&pf_objects_mu);
   pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_uring_open(pool)");
-  if (!p) return PF_EHANDLE;
-  pf_ring *cr = pf_handle_get(ring, PF_K_RING, "pf_uring_open(ring)");
-  if (!cr) return PF_EHANDLE;
+  pf_ring *cr = p ? pf_handle_get(ring, PF_K_RING, "pf_uring_open(ring)") : NULL;
+  if (!p || !cr) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  atomic_fetch_add(&p->inflight, 1);
+  pf_ring_acquire(cr);
+  pthread_mutex_unlock(&pf_objects_mu);
+  int32_t rc = uring_open(p, cr, depth, hdr_pages, out_uring);
+  if (rc < 0) {
+    atomic_fetch_sub(&p->inflight, 1);
+    pf_ring_release(cr);
+  }
+  return rc;
+}
 
+static int32_t uring_open(pf_pool *p, pf_ring *cr, uint32_t depth, uint32_t hdr_pages,
+                          uint32_t *out_uring) {
   pf_uring *u = calloc(1, sizeof *u);
   if (!u) return pf_fail(PF_ENOMEM, "pf_uring_open: out of memory");
   u->pool = p;
@@ -335,6 +357,8 @@ int32_t pf_uring_close(uint32_t uring) {
   io_uring_queue_exit(&u->ring);
   close(u->efd);
   pthread_mutex_destroy(&u->mu);
+  atomic_fetch_sub(&u->pool->inflight, 1); /* taken in pf_uring_open */
+  pf_ring_release(u->cring);
   free(u->hdr);
   free(u);
   return PF_OK;
@@ -884,15 +908,17 @@ static void *reaper_main(void *arg) {
 /* ---- integrity --------------------------------------------------------- */
 int32_t pf_pool_crc32c(uint32_t pool, const void *desc, uint64_t desc_bytes,
                        uint32_t *out_crcs) {
-  pf_pool *p = pf_handle_get(pool, PF_K_POOL, "pf_pool_crc32c");
+  pf_pool *p = pf_pool_hold(pool, "pf_pool_crc32c"); /* runs off the JS thread */
   if (!p) return PF_EHANDLE;
-  if (!out_crcs) return pf_fail(PF_EINVAL, "pf_pool_crc32c: out_crcs is NULL");
   const pf_io_batch_header *h;
   const pf_io_desc *o;
   const pf_io_ext *x;
-  int32_t rc = parse_batch("pf_pool_crc32c", p, desc, desc_bytes, &h, &o, &x);
-  if (rc) return rc;
-  atomic_fetch_add(&p->inflight, 1);
+  int32_t rc = out_crcs ? parse_batch("pf_pool_crc32c", p, desc, desc_bytes, &h, &o, &x)
+                        : pf_fail(PF_EINVAL, "pf_pool_crc32c: out_crcs is NULL");
+  if (rc) {
+    pf_pool_unhold(p);
+    return rc;
+  }
   for (uint32_t i = 0; i < h->num_ops; i++) {
     uint32_t crc = 0;
     for (uint32_t e = 0; e < o[i].num_ext; e++) {
@@ -901,6 +927,6 @@ int32_t pf_pool_crc32c(uint32_t pool, const void *desc, uint64_t desc_bytes,
     }
     out_crcs[i] = crc;
   }
-  atomic_fetch_sub(&p->inflight, 1);
+  pf_pool_unhold(p);
   return PF_OK;
 }

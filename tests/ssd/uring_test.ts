@@ -79,3 +79,16 @@ Deno.test("io engine: malformed batches are refused whole, naming the op", async
     await h.close();
   }
 });
+
+Deno.test("an open io engine holds its pool and ring: destroying either is refused (EBUSY) until it closes", async () => {
+  const h = await harness(1 << 20);
+  const u = Uring.open(h.pool.handle, h.ring.handle, 16, 4);
+  try {
+    // It reads and writes the pool and posts to the ring: freeing them under it was a use after free.
+    assert.throws(() => h.pool.close(), /PF_EBUSY/);
+    assert.throws(() => h.ring.destroy(), /PF_EBUSY/);
+  } finally {
+    await u.close();
+  }
+  await h.close(); // both go once it closed
+});
