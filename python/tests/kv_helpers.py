@@ -43,6 +43,14 @@ def fill(kv: Dict[str, np.ndarray], block_ids: Sequence[int], hashes: Sequence[b
                 t[s, b] = block_content(h, li, s)
 
 
+def save_one(client: PegaflowClient, kv: Dict[str, np.ndarray], instance_id: str, block_id: int, mark: int) -> int:
+    """Fills `block_id` with the content of hash `bytes([mark]) * 16` and saves it: the blocks
+    saved (a registered rank of `instance_id` answers 1)."""
+    hashes = [bytes([mark]) * 16]
+    fill(kv, [block_id], hashes)
+    return client.save(instance_id=instance_id, tp_rank=0, block_ids=[block_id], block_hashes=hashes).blocks_saved
+
+
 def matches(kv: Dict[str, np.ndarray], block_ids: Sequence[int], hashes: Sequence[bytes]) -> List[Tuple[str, int, int]]:
     """(layer, block, seg) triples whose bytes differ from the expected content."""
     bad = []

@@ -104,7 +104,7 @@ def test_a_wedged_server_costs_deadlines_not_a_hung_engine(own_server, uid):
 def test_a_rank_whose_instance_was_cleaned_up_registers_again_by_itself(client, uid):
     from pegaflow.client import PegaflowClient
 
-    from kv_helpers import fill, make_kv, register
+    from kv_helpers import make_kv, register, save_one
 
     region, kv = make_kv(2, 8)
     own = PegaflowClient(client.address, reconnect_max_ms=300)
@@ -113,9 +113,7 @@ def test_a_rank_whose_instance_was_cleaned_up_registers_again_by_itself(client, 
         assert client.unregister_context(uid) == 0  # e.g. an operator, or a TP peer's session loss
         wait_for(lambda: reg.generation == 2 and reg.connected, "re-registration after CLEANED_UP")
         assert "CLEANED_UP" in (reg.last_error or "")
-        hashes = [bytes([7]) * 16]
-        fill(kv, [3], hashes)
-        assert own.save(instance_id=uid, tp_rank=0, block_ids=[3], block_hashes=hashes).blocks_saved == 1
+        assert save_one(own, kv, uid, 3, 7) == 1
     finally:
         reg.close()
         own.close()
@@ -163,7 +161,7 @@ def test_an_engine_started_before_its_server_registers_once_the_server_is_up(own
 
     from pegaflow.client import PegaflowClient
 
-    from kv_helpers import fill, make_kv, register
+    from kv_helpers import make_kv, register, save_one
 
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
@@ -178,9 +176,7 @@ def test_an_engine_started_before_its_server_registers_once_the_server_is_up(own
         own_server(addr)
         wait_for(lambda: reg.connected, "registration once the server is up")
         assert reg.generation == 1
-        hashes = [bytes([9]) * 16]
-        fill(kv, [2], hashes)
-        assert c.save(instance_id=uid, tp_rank=0, block_ids=[2], block_hashes=hashes).blocks_saved == 1
+        assert save_one(c, kv, uid, 2, 9) == 1
     finally:
         reg.close()
         c.close()
