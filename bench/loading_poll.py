@@ -43,13 +43,6 @@ class Req:
         self.num_tokens = (len(hashes) + 1) * BLOCK_TOKENS
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def evict(server: DevServer, written: float, deadline_s: float = 120.0) -> None:
     """Waits until `written` blocks are on SSD, then empties the server's RAM."""
     end = time.monotonic() + deadline_s
@@ -91,7 +84,7 @@ def main() -> None:
                 evict(server, written)
                 core = SchedulerCore(client, instance_id=uid, block_size=BLOCK_TOKENS, loading_retry_s=ms / 1000)
                 req = Req(f"r{run}-{ms}", hashes)
-                c0, t0, calls = cpu_s(server.proc.pid), time.monotonic(), 0
+                c0, t0, calls = server.cpu_seconds(), time.monotonic(), 0
                 while True:
                     calls += 1
                     n, _ = core.get_num_new_matched_tokens(req, 0)
@@ -100,7 +93,7 @@ def main() -> None:
                     if time.monotonic() - t0 > 120:
                         raise RuntimeError(f"{req.request_id}: still loading after 120 s")
                     time.sleep(STEP_S)
-                wall, cpu = time.monotonic() - t0, cpu_s(server.proc.pid) - c0
+                wall, cpu = time.monotonic() - t0, server.cpu_seconds() - c0
                 core.request_finished(req)
                 rows.append({
                     "loading_retry_ms": ms, "run": run, "hit_blocks": n // BLOCK_TOKENS, "calls": calls,

@@ -95,13 +95,6 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds of process `pid` so far (/proc/PID/stat: utime, stime)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 #: A decode step's host phases, in order (minivllm's phase clock): each is the time from the
 #: previous mark to its own; "sched" starts at the step.
 STEP_PHASES = (
@@ -717,14 +710,13 @@ class Bench:
         runs: dict[str, list[tuple[float, float, list[float], dict[str, list[float]]]]] = {k: [] for k in variants}
         # The server's CPU time while each variant runs (on: until its saves are done too).
         server_cpu_s = {k: 0.0 for k in variants}
-        pid = self.server.proc.pid
         for i in range(self.args.decode_repeats):
             for which in orders[i % len(orders)]:
-                c0 = cpu_seconds(pid)
+                c0 = self.server.cpu_seconds()
                 runs[which].append(variants[which]())
                 if which == "on":
                     on.drain()
-                server_cpu_s[which] += cpu_seconds(pid) - c0
+                server_cpu_s[which] += self.server.cpu_seconds() - c0
         res: dict[str, Any] = {}
         for which, rs in runs.items():
             # Step by step (the same index is the same point of every run: a block boundary

@@ -135,6 +135,12 @@ class DevServer:
                     return float(line.split()[1])
         return 0.0
 
+    def cpu_seconds(self) -> float:
+        """User plus system CPU seconds the server process has used so far (/proc/PID/stat)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def post(self, path: str, timeout_s: float = 30.0) -> int:
         """POSTs to the server's HTTP admin `path` (e.g. /cache/memory/cleanup); its status."""
         if not self.http:
