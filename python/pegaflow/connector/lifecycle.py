@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import List
+from typing import TYPE_CHECKING, List, Optional
 
 import grpc
 
+from ..errors import PegaflowError
 from ..load_state import LoadState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..client import PegaflowClient
+
+log = logging.getLogger("pegaflow.connector")
 
 #: A load that timed out keeps what it may still write into (its request's blocks, or a
 #: staging run) held until the server settles its state, or this many load timeouts after it
@@ -20,6 +27,23 @@ MAYBE_ACCEPTED = (
     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
 )
+
+
+def give_lease_back(client: "PegaflowClient", lease_id: bytes, request_id: str) -> bool:
+    """A rank will not load from `lease_id` (its Load was refused, or never sent): the lease goes
+    back now rather than pinning its blocks until its TTL (10 minutes by default). Without
+    waiting for the answer; a failure is only logged. True when the release was sent."""
+
+    def done(e: Optional[PegaflowError]) -> None:
+        if e is not None:
+            log.debug("request %s: giving its lease back failed: %s", request_id, e)
+
+    try:
+        client.release_nowait(lease_id, done)
+        return True
+    except PegaflowError as e:
+        done(e)
+        return False
 
 
 def unlink_shm(name: str) -> None:

@@ -45,7 +45,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 from ..client import PegaflowClient, QueryResult
 from ..errors import PegaflowError
 from ..load_state import LoadState
-from .lifecycle import MAYBE_ACCEPTED, FreshStates, unlink_shm
+from .lifecycle import MAYBE_ACCEPTED, FreshStates, give_lease_back, unlink_shm
 from .plan import (
     ASYNC,
     ISSUER_QUERY,
@@ -359,18 +359,9 @@ class SchedulerCore:
                 answered(e)
 
     def _give_back(self, intent: LoadIntent) -> None:
-        """A rank's Load was refused: the lease's unspent shares go back now, not at its TTL
-        (its request is recomputed). Without waiting; a failure is only logged."""
-
-        def done(e: Optional[PegaflowError]) -> None:
-            if e is not None:
-                log.debug("request %s: giving its lease back failed: %s", intent.request_id, e)
-
-        try:
-            self.client.release_nowait(intent.lease_id, done)
+        """A rank's Load was refused: its lease goes back now (lifecycle.give_lease_back)."""
+        if give_lease_back(self.client, intent.lease_id, intent.request_id):
             self._count("leases_given_back")
-        except PegaflowError as e:
-            done(e)
 
     # -- step --
 

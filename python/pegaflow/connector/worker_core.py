@@ -27,7 +27,7 @@ from ..gpu_wait import GpuWaits
 from ..load_state import LoadState
 from ..regions import export_kv_layers
 from ..registration import KvRegistration
-from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED
+from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, give_lease_back
 from .plan import ASYNC, LAYERWISE, MODES, LoadIntent, SaveIntent, StepPlan
 from .staging import StagingBuffers, staging_instance
 
@@ -402,23 +402,10 @@ class WorkerCore:
         return True
 
     def _give_back(self, ld: _Load) -> None:
-        """This rank will not load from the lease (its Load was refused, or never sent): the
-        lease goes back now rather than pinning its blocks until its TTL (10 minutes by
-        default). Not when the server already started this rank's load (scheduler- or
-        query-issued: `states`). Without waiting for the answer; a failure is only logged."""
-        if ld.intent.states is not None:
-            return
-        rid = ld.intent.request_id
-
-        def done(e: Optional[PegaflowError]) -> None:
-            if e is not None:
-                log.debug("request %s: giving its lease back failed: %s", rid, e)
-
-        try:
-            self.client.release_nowait(ld.intent.lease_id, done)
+        """This rank will not load from the lease (lifecycle.give_lease_back). Not when the
+        server already started this rank's load (scheduler- or query-issued: `states`)."""
+        if ld.intent.states is None and give_lease_back(self.client, ld.intent.lease_id, ld.intent.request_id):
             self._count("leases_given_back", 1)
-        except PegaflowError as e:
-            done(e)
 
     def _scatter(self, ld: _Load, upto: int) -> None:
         """Staged: layers [scattered, upto] have landed in the staging blocks; move them into
