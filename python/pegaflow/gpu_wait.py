@@ -159,10 +159,14 @@ class GpuWaits:
     def release(self, st: LoadState) -> None:
         """Lets every wait on `st` through, and keeps it so until `reap` hands it back."""
         with self._cv:
-            st.release_waiters()
-            self._released[id(st)] = st
+            self._release_locked(st)
             self._start_watchdog()
             self._cv.notify()
+
+    def _release_locked(self, st: LoadState) -> None:
+        """Lets `st`'s waits through and keeps re-asserting it until `reap` (under `_cv`)."""
+        st.release_waiters()
+        self._released[id(st)] = st
 
     def _start_watchdog(self) -> None:
         if self._watchdog is None:
@@ -200,8 +204,7 @@ class GpuWaits:
                         if st.poll() is None:
                             log.warning("load state %s: load not done at its deadline; GPU waits on it released",
                                         st.name)
-                            st.release_waiters()
-                            self._released[id(st)] = st
+                            self._release_locked(st)
                 wait = self._deadlines[0][0] - now if self._deadlines else None
                 if self._released:
                     for st in self._released.values():
