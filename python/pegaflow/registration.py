@@ -162,18 +162,20 @@ class KvRegistration:
         if self._reregister():
             self._watch()
 
-    def _open_session(self) -> None:
+    def _open_session(self) -> bool:
+        """Opens and installs the rank's session; False (cancelled) when close() ran meanwhile."""
         session = self.client.open_session(self.instance_id, self.tp_rank, self.pp_rank)
         with self._lock:
             # close() may have run since the caller checked: never install (and leak) a
             # session past it, nor read connected after it.
             if self._stop.is_set():
                 session.cancel()
-                return
+                return False
             self._session = session
             self.generation += 1
             self._stats["registrations"] += 1
             self._up.set()
+            return True
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -224,7 +226,8 @@ class KvRegistration:
                     self.last_error = str(e)
             if ok and not self._stop.is_set():
                 try:
-                    self._open_session()
+                    if not self._open_session():
+                        return False  # closed meanwhile: not re-registered after all
                 except PegaflowError as e:  # only a closed client raises here
                     self.last_error = str(e)
                     return False
