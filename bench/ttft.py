@@ -109,6 +109,11 @@ STEP_PHASES = (
 )
 
 
+#: One decode run: (decode-phase tokens/s, end-to-end tokens/s, each step's host ms, each step's
+#: host phases in ms by STEP_PHASES name).
+DecodeRun = tuple[float, float, list[float], dict[str, list[float]]]
+
+
 # Wall clock minus perf_counter: turns a Request's arrival_time into epoch seconds (server log).
 EPOCH_MINUS_PERF_S = time.time() - time.perf_counter()
 
@@ -653,7 +658,7 @@ class Bench:
         print(f"{n:>6} tokens  warm async {res['p50']:7.2f} ms (p99 {res['p99']:.2f})")
         return res
 
-    def decode_run(self, eng: LLMEngine) -> tuple[float, float, list[float], dict[str, list[float]]]:
+    def decode_run(self, eng: LLMEngine) -> DecodeRun:
         """`decode_requests` fresh prompts (0 % hits) × `decode_tokens` each: (tokens/s of the
         decode phase, from the step after the last first token to the end; tokens/s end to end,
         admission and the prefill step included; each decode-phase step's host time in ms; each
@@ -707,7 +712,7 @@ class Bench:
         for run in variants.values():
             run()  # warm-up
         orders = list(itertools.permutations(variants))
-        runs: dict[str, list[tuple[float, float, list[float], dict[str, list[float]]]]] = {k: [] for k in variants}
+        runs: dict[str, list[DecodeRun]] = {k: [] for k in variants}
         # The server's CPU time while each variant runs (on: until its saves are done too).
         server_cpu_s = {k: 0.0 for k in variants}
         for i in range(self.args.decode_repeats):
@@ -785,7 +790,7 @@ class Bench:
         plain.drain()
         return res
 
-    def decode_detached(self, eng: LLMEngine) -> tuple[float, float, list[float], dict[str, list[float]]]:
+    def decode_detached(self, eng: LLMEngine) -> DecodeRun:
         """`decode_run` of `eng` with its connector detached: no hook called, nothing queried or
         saved, as an engine started without `kv_transfer_config`."""
         eng.drain()
