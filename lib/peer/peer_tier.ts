@@ -22,17 +22,17 @@
  * @module
  */
 
-import type {
-  StoredLayout,
-  Tier,
-  TierBlocks,
-  TierHealth,
-  TierHost,
-  TierPrefetchAnswer,
-  TierPutResult,
-  TierTakeAnswer,
+import {
+  type StoredLayout,
+  type Tier,
+  type TierBlocks,
+  type TierHealth,
+  tierHolder,
+  type TierHost,
+  type TierPrefetchAnswer,
+  type TierPutResult,
+  type TierTakeAnswer,
 } from "../storage/tier.ts";
-import { tierHolder } from "../storage/tier.ts";
 import { hashHex } from "../storage/keys.ts";
 import type { StageMetrics } from "../pipeline/stage.ts";
 import type { LookupResult } from "../index/block_index.ts";
@@ -45,7 +45,7 @@ import type { PeerLinks } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
 import { type OwnerLink, XferPeers } from "./xfer_peers.ts";
 
-/** Name of the peer tier: metric label, hit attribution, filler of its blocks. */
+/** Name of the peer tier: metric label and hit attribution; its fills are `tierHolder(PEER_TIER_NAME)`. */
 export const PEER_TIER_NAME = "peer";
 /** Default deadline of a whole fetch's READ batch. */
 export const DEFAULT_PEER_FETCH_TIMEOUT_MS = 5_000;

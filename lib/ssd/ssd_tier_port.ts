@@ -11,23 +11,23 @@
  */
 
 import { blockKey } from "../storage/keys.ts";
-import type {
-  StoredLayout,
-  Tier,
-  TierBlocks,
-  TierHealth,
-  TierHost,
-  TierPrefetchAnswer,
-  TierPutResult,
-  TierTakeAnswer,
+import {
+  type StoredLayout,
+  type Tier,
+  type TierBlocks,
+  type TierHealth,
+  tierHolder,
+  type TierHost,
+  type TierPrefetchAnswer,
+  type TierPutResult,
+  type TierTakeAnswer,
 } from "../storage/tier.ts";
-import { tierHolder } from "../storage/tier.ts";
 import type { PrefetchAllocation } from "./prefetch.ts";
 import type { SsdTier } from "./tier.ts";
 import type { SsdPinned, SsdWriteBlock } from "./write_behind.ts";
 import type { Logger } from "../log.ts";
 
-/** Name of the SSD tier: metric label, hit attribution, transfer-lock requester and filler. */
+/** Name of the SSD tier: metric label and hit attribution; it holds blocks as `tierHolder(SSD_TIER_NAME)`. */
 export const SSD_TIER_NAME = "ssd";
 
 /** A write block that remembers its hash bytes (for pinning it in RAM). */
