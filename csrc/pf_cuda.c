@@ -87,6 +87,7 @@ enum {
   CUDA_ERROR_INVALID_ADDRESS_SPACE = 717,
   CUDA_ERROR_INVALID_PC = 718,
   CUDA_ERROR_LAUNCH_FAILED = 719,
+  CUDA_ERROR_NOT_READY = 600,
   CUDA_ERROR_UNKNOWN = 999,
   CU_MEMHOSTREGISTER_PORTABLE = 0x1,
   CU_MEMHOSTREGISTER_DEVICEMAP = 0x2,
@@ -122,6 +123,7 @@ enum {
   X(cuEventCreate, CUresult (*)(CUevent *, unsigned))                          \
   X(cuEventRecord, CUresult (*)(CUevent, CUstream))                            \
   X(cuEventSynchronize, CUresult (*)(CUevent))                                 \
+  X(cuEventQuery, CUresult (*)(CUevent))                                       \
   X(cuEventElapsedTime, CUresult (*)(float *, CUevent, CUevent))               \
   X(cuEventDestroy_v2, CUresult (*)(CUevent))                                  \
   X(cuMemAlloc_v2, CUresult (*)(CUdeviceptr *, size_t))                        \
@@ -302,6 +304,8 @@ typedef struct pf_kentry {
 #define PF_LANE_MAX_MEAN_RANGE (128ull << 10)
 /* How often the completion thread looks whether a group is fully issued. */
 #define PF_ISSUE_POLL_NS 20000L
+/* How often the completion thread looks whether a save's group landed. */
+#define PF_SAVE_POLL_NS 50000L
 /* Device views of pools created by other engines (pool_view), per engine:
  * a server has one pool, so a few entries are plenty. */
 #define PF_POOL_VIEWS 4u
@@ -484,6 +488,22 @@ static void completion_push(cuda_engine *ce, pf_batch *b) {
   pthread_mutex_unlock(&ce->mu);
 }
 
+/* Waits for ev. A load's layers feed a forward that waits on each one, so its
+ * groups are waited for in the driver, which spins (their landing is seen
+ * within microseconds). Nobody waits on a save's layer: its groups are
+ * polled (poll != 0) with a sleep between looks, so a save costs the host
+ * no core spinning beside the engine's launches for as long as it copies
+ * (its completion is seen up to ~0.1 ms later; docs/native.md). */
+static CUresult event_wait(CUevent ev, int poll) {
+  if (!poll) return cu.cuEventSynchronize(ev);
+  for (;;) {
+    CUresult r = cu.cuEventQuery(ev);
+    if (r != CUDA_ERROR_NOT_READY) return r;
+    struct timespec ts = {0, PF_SAVE_POLL_NS};
+    nanosleep(&ts, NULL);
+  }
+}
+
 static void *completion_main(void *arg) {
   pf_engine *e = arg;
   cuda_engine *ce = e->impl;
@@ -528,11 +548,13 @@ static void *completion_main(void *arg) {
         pf_batch_group_done(b, g, status);
         continue;
       }
-      CUresult r = cu.cuEventSynchronize(cb->ev[g]);
+      const int poll = b->direction == PF_D2H;
+      CUresult r = event_wait(cb->ev[g], poll);
       for (uint32_t w = 0; w < cb->lanes && r == CUDA_SUCCESS; w++)
-        r = cu.cuEventSynchronize(cb->ev[b->num_groups + g * cb->lanes + w]);
+        r = event_wait(cb->ev[b->num_groups + g * cb->lanes + w], poll);
       if (r != CUDA_SUCCESS && status == PF_OK) {
-        status = cu_fail(r, "pf_copy_submit(completion)", "cuEventSynchronize");
+        status = cu_fail(r, "pf_copy_submit(completion)",
+                         poll ? "cuEventQuery" : "cuEventSynchronize");
         char msg[PF_ERROR_TEXT_BYTES];
         pf_last_error(msg, sizeof msg);
         pf_batch_fail(b, status, "device %d: group %u (layer %u): %s",
