@@ -12,23 +12,22 @@
  * until every read it waits on ended (`ready`, once); a finished request
  * nobody polls is forgotten after a TTL (its blocks simply stay cached).
  *
- * Every read is verified: I/O status, header (magic, version, CRC), the
- * expected key, sequence number, length and layout fingerprint, and the
- * payload CRC32C computed by the reaper thread. A block that fails ends its
- * read there (only the verified prefix before it is delivered), is dropped
- * from the index, counted and logged.
+ * The read itself — io batches, verification of every record, commit as
+ * each verifies, the rest freed once every batch ended — is
+ * prefetch_read.ts.
  *
  * @module
  */
 
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
-import { decodeHeader } from "./format.ts";
-import type { SsdIo } from "./io.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
 import type { SsdIndex, SsdLocation } from "./index.ts";
-import type { CacheFile } from "./cache_files.ts";
-import { ewma } from "./throughput.ts";
-import type { Logger } from "../log.ts";
+import {
+  type PrefetchRead,
+  type PrefetchReadCounters,
+  PrefetchReader,
+  type PrefetchReaderDeps,
+} from "./prefetch_read.ts";
 
 /** Period of the sweep that forgets finished prefetches. */
 const EXPIRY_SWEEP_MS = 1_000;
@@ -78,12 +77,7 @@ export function prefetchStageOptions(queueDepth: number, inflight: number): Stag
 }
 
 /** One read of blocks from SSD into pool space; queries of the same blocks join it. */
-interface PrefetchJob {
-  keys: string[];
-  locs: SsdLocation[];
-  allocations: PrefetchAllocation[];
-  /** Layout fingerprint the blocks must carry. */
-  layout: string;
+interface PrefetchJob extends PrefetchRead {
   done: boolean;
   /** Date.now() when it ended. */
   doneAt: number;
@@ -98,12 +92,7 @@ interface PrefetchRequest {
 }
 
 /** Prefetch counters (part of `SsdStats`). */
-export interface SsdReadStats {
-  readBytes: number;
-  readBlocks: number;
-  readFailures: number;
-  checksumFailures: number;
-  readThroughputBps: number;
+export interface SsdReadStats extends PrefetchReadCounters {
   prefetchQueueDepth: number;
   prefetchInflight: number;
   prefetchBudgetBlocks: number;
@@ -115,14 +104,8 @@ export interface SsdReadStats {
   layoutMismatches: number;
 }
 
-/** What the prefetcher works on (the tier's open files, index and io). */
-export interface SsdPrefetcherDeps {
-  io: SsdIo;
-  files: readonly CacheFile[];
-  index: SsdIndex;
-  log: Logger;
-  /** Blocks per io batch (bounded by the header arena). */
-  chunk: number;
+/** What the prefetcher works on (the tier's open files, index and io) and its bounds. */
+export interface SsdPrefetcherDeps extends PrefetchReaderDeps {
   queueDepth: number;
   inflight: number;
   /** Blocks being read at once, over every prefetch. */
@@ -144,11 +127,8 @@ export interface SsdPrefetcherDeps {
  * ```
  */
 export class SsdPrefetcher {
-  readonly #io: SsdIo;
-  readonly #files: readonly CacheFile[];
   readonly #index: SsdIndex;
-  readonly #log: Logger;
-  readonly #chunk: number;
+  readonly #reader: PrefetchReader;
   readonly #maxBlocks: number;
   readonly #ttlMs: number;
   readonly #stage: Stage<PrefetchJob, void>;
@@ -160,11 +140,6 @@ export class SsdPrefetcher {
   #reserved = 0;
   #closed = false;
   readonly #s = {
-    readBytes: 0,
-    readBlocks: 0,
-    readFailures: 0,
-    checksumFailures: 0,
-    readThroughputBps: 0,
     prefetchBackpressure: 0,
     prefetchPartial: 0,
     prefetchExpired: 0,
@@ -172,11 +147,8 @@ export class SsdPrefetcher {
   };
 
   constructor(d: SsdPrefetcherDeps) {
-    this.#io = d.io;
-    this.#files = d.files;
     this.#index = d.index;
-    this.#log = d.log;
-    this.#chunk = d.chunk;
+    this.#reader = new PrefetchReader(d);
     this.#maxBlocks = d.maxBlocks;
     this.#ttlMs = d.ttlMs;
     this.#stage = new Stage<PrefetchJob, void>(
@@ -338,119 +310,16 @@ export class SsdPrefetcher {
   }
 
   async #prefetchJob(job: PrefetchJob): Promise<void> {
-    const { keys, locs, allocations } = job;
-    let next = 0; // allocations[next..] are neither committed nor freed yet
     try {
-      const t0 = performance.now();
-      // Every chunk is submitted at once (the header arena bounds what is in
-      // flight); verification then walks them in order and stops at the
-      // first block that fails, so only a verified prefix is delivered.
-      const runs = [];
-      for (let start = 0; start < locs.length; start += this.#chunk) {
-        const end = Math.min(locs.length, start + this.#chunk);
-        const batch = this.#io.newBatch();
-        for (let i = start; i < end; i++) {
-          const l = locs[i];
-          batch.read(
-            this.#files[l.segment.file].handle,
-            l.fileOffset,
-            true,
-            allocations[i].extents,
-            true,
-          );
-        }
-        // A batch the engine refuses (closing) must not become an unhandled rejection.
-        runs.push({ start, end, result: this.#io.run(batch).catch((e: Error) => e) });
-      }
-      let bytes = 0;
-      let blocks = 0;
-      let ok = true;
-      for (const run of runs) {
-        const r = await run.result;
-        if (r instanceof Error) {
-          if (ok) {
-            this.#s.readFailures++;
-            this.#log.error("SSD prefetch not submitted", {
-              block: keys[run.start],
-              error: r.message,
-            });
-          }
-          ok = false;
-          continue;
-        }
-        try {
-          for (let i = run.start; i < run.end && ok; i++) {
-            ok = this.#verify(keys[i], locs[i], job.layout, r, i - run.start);
-            if (ok) {
-              // Visible to every query from now on, and evictable like any cached block.
-              next = i + 1;
-              this.#fetching.delete(keys[i]);
-              allocations[i].commit();
-              bytes += locs[i].payloadBytes;
-              blocks++;
-            }
-          }
-        } finally {
-          r.release();
-        }
-      }
-      this.#s.readBytes += bytes;
-      this.#s.readBlocks += blocks;
-      const secs = (performance.now() - t0) / 1000;
-      if (bytes > 0) this.#s.readThroughputBps = ewma(this.#s.readThroughputBps, bytes / secs);
+      // A key leaves the table as its block commits: from then on queries find it in RAM.
+      await this.#reader.read(job, (key) => this.#fetching.delete(key));
     } finally {
-      for (let i = next; i < allocations.length; i++) allocations[i].free();
-      for (const k of keys) if (this.#fetching.get(k) === job) this.#fetching.delete(k);
-      this.#reserved -= allocations.length;
+      for (const k of job.keys) if (this.#fetching.get(k) === job) this.#fetching.delete(k);
+      this.#reserved -= job.allocations.length;
       job.done = true;
       job.doneAt = Date.now();
       job.end();
     }
-  }
-
-  /** Checks one read op: I/O status, header identity and layout, payload CRC. */
-  #verify(
-    key: string,
-    loc: SsdLocation,
-    layout: string,
-    r: Awaited<ReturnType<SsdIo["run"]>>,
-    i: number,
-  ): boolean {
-    const where = { path: this.#files[loc.segment.file].path, offset: loc.fileOffset };
-    if (r.status[i] !== 0) {
-      this.#s.readFailures++;
-      this.#log.error("SSD read failed", {
-        block: key,
-        error: r.errorText(i),
-        errno: r.aux[i],
-        ...where,
-      });
-      this.#index.remove(key, loc);
-      return false;
-    }
-    const h = decodeHeader(r.header(i));
-    let problem = "";
-    if (typeof h === "string") problem = `header ${h}`;
-    else if (h.key !== key) problem = `header holds block ${h.key} (the segment was reused)`;
-    else if (h.layout !== layout) {
-      problem = `written by layout ${h.layout} (${h.layoutSummary}), asked for by layout ${layout}`;
-    } else if (h.seq !== loc.seq || h.payloadBytes !== loc.payloadBytes) {
-      problem =
-        `header seq/length ${h.seq}/${h.payloadBytes}, index ${loc.seq}/${loc.payloadBytes}`;
-    } else if (h.payloadCrc !== loc.payloadCrc || r.aux[i] !== loc.payloadCrc) {
-      problem = `payload CRC32C ${r.aux[i].toString(16)}, expected ${loc.payloadCrc.toString(16)}`;
-    }
-    if (problem) {
-      this.#s.checksumFailures++;
-      this.#log.warn("SSD block failed verification: served as a miss", {
-        block: key,
-        problem,
-        ...where,
-      });
-      this.#index.remove(key, loc);
-      return false;
-    }
-    return true;
   }
 
   /** Forgets finished prefetches nobody polled for (their blocks stay cached). */
@@ -468,6 +337,7 @@ export class SsdPrefetcher {
   stats(): SsdReadStats {
     const p = this.#stage.stats();
     return {
+      ...this.#reader.stats(),
       ...this.#s,
       prefetchQueueDepth: p.queue.depth,
       prefetchInflight: p.inflight,

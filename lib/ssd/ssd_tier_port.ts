@@ -12,6 +12,7 @@
 
 import { blockKey } from "../storage/keys.ts";
 import {
+  type RamFill,
   type StoredLayout,
   type Tier,
   type TierBlocks,
@@ -101,7 +102,19 @@ export class SsdStorageTier implements Tier {
           });
           break;
         }
-        const fill = this.host.fill(namespace, hashes[w.index], tierHolder(this.name), "retained");
+        let fill: RamFill | null;
+        try {
+          fill = this.host.fill(namespace, hashes[w.index], tierHolder(this.name), "retained");
+        } catch (e) {
+          // Planning refused (a store bug): the blocks planned before it are still read.
+          this.log.error("SSD prefetch: planning pool space for a block failed; fetched up to it", {
+            block: w.key,
+            namespace,
+            request: requestId,
+            error: e instanceof Error ? e.message : String(e),
+          });
+          break;
+        }
         if (!fill) break;
         out.push({ extents: [...fill.extents], free: fill.abort, commit: fill.commit });
       }

@@ -10,6 +10,7 @@
  * | segment ring        | space.ts          |
  * | write-behind stage  | write_behind.ts   |
  * | prefetch stage      | prefetch.ts       |
+ * | a prefetch's read   | prefetch_read.ts  |
  * | record format, CRC  | format.ts         |
  * | io batches          | io.ts             |
  *

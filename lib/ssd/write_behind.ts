@@ -11,6 +11,11 @@
  * fingerprint, CRC, sequence, epoch, generation), written in one io batch,
  * and indexed once its write succeeded.
  *
+ * A record not written (its op failed, or its io batch was refused whole)
+ * is counted and logged with its block, namespace, file and offset; its
+ * segment is released for reuse either way, and the batch's pin goes only
+ * once every chunk of the batch ended (a write in flight reads the pool).
+ *
  * @module
  */
 
@@ -24,6 +29,10 @@ import type { Segment, SegmentRing } from "./space.ts";
 import type { CacheFile } from "./cache_files.ts";
 import { ewma } from "./throughput.ts";
 import type { Logger } from "../log.ts";
+
+function errorText(e: unknown): string {
+  return e instanceof Error ? e.message : String(e);
+}
 
 /** A sealed block offered for write-behind. */
 export interface SsdWriteBlock {
@@ -186,13 +195,15 @@ export class SsdWriter {
       else fresh.push(b);
     }
     if (fresh.length === 0) return { status: "nothing-to-write", blocks: 0, duplicates };
+    // Marked before the submit: a free worker starts the batch inside it, and may end it there.
+    for (const b of fresh) this.#pendingKeys.add(b.key);
     const sub = this.#stage.submit({ blocks: fresh, pin: () => batch.pin(fresh) });
     if (sub.status === "dropped" || sub.status === "refused") {
+      for (const b of fresh) this.#pendingKeys.delete(b.key);
       this.#s.writeQueueFullDrops++;
       this.#s.writeQueueFullDroppedBlocks += fresh.length;
       return { status: "dropped", blocks: fresh.length, duplicates };
     }
-    for (const b of fresh) this.#pendingKeys.add(b.key);
     const ended = sub.done();
     this.#writesPending.add(ended);
     ended.then(() => this.#writesPending.delete(ended));
@@ -206,9 +217,21 @@ export class SsdWriter {
 
   async #writeJob(job: WriteJob): Promise<void> {
     // Pinned now, not when queued: a queued batch keeps nothing from eviction.
-    let pinned: SsdPinned | undefined;
+    let pinned: SsdPinned;
     try {
       pinned = job.pin();
+    } catch (e) {
+      for (const b of job.blocks) this.#pendingKeys.delete(b.key);
+      this.#s.writeFailures += job.blocks.length;
+      this.#log.error("SSD write batch could not be pinned in RAM: not written", {
+        block: job.blocks[0].key,
+        namespace: job.blocks[0].namespace,
+        blocks: job.blocks.length,
+        error: errorText(e),
+      });
+      return;
+    }
+    try {
       const chunks = [];
       for (let start = 0; start < job.blocks.length; start += this.#chunk) {
         const end = Math.min(job.blocks.length, start + this.#chunk);
@@ -216,10 +239,12 @@ export class SsdWriter {
           this.#writeChunk(job.blocks.slice(start, end), pinned.extents.slice(start, end)),
         );
       }
-      await Promise.all(chunks);
+      // Every chunk ends before the pin goes: a write in flight still reads those pool bytes.
+      const bug = (await Promise.allSettled(chunks)).find((c) => c.status === "rejected");
+      if (bug) throw bug.reason; // I/O errors are counted per block; this is the stage's failure
     } finally {
       for (const b of job.blocks) this.#pendingKeys.delete(b.key);
-      pinned?.release();
+      pinned.release();
     }
   }
 
@@ -233,9 +258,17 @@ export class SsdWriter {
     if (placed.length === 0) return;
     const t0 = performance.now();
     try {
-      const crcs = await this.#io.checksum(batch);
-      this.#writeHeaders(batch, placed, crcs);
-      const r = await this.#io.run(batch);
+      let crcs: Uint32Array;
+      let r: IoBatchResult;
+      try {
+        crcs = await this.#io.checksum(batch);
+        this.#writeHeaders(batch, placed, crcs);
+        r = await this.#io.run(batch);
+      } catch (e) {
+        // Refused whole (a malformed batch, the engine closing): none of it was written.
+        for (const p of placed) this.#writeFailed(p, errorText(e));
+        return;
+      }
       r.release();
       const bytes = this.#indexWritten(placed, r, crcs);
       this.#s.writeBytes += bytes;
@@ -320,18 +353,24 @@ export class SsdWriter {
         bytes += p.bytes;
         this.#s.writeBlocks++;
       } else {
-        this.#s.writeFailures++;
-        this.#log.error("SSD write failed", {
-          block: p.block.key,
-          error: r.errorText(i),
-          errno: r.aux[i],
-          path: this.#files[p.seg.file].path,
-          offset: p.off,
-          bytes: recordBytes(p.bytes),
-        });
+        this.#writeFailed(p, r.errorText(i), r.aux[i]);
       }
     }
     return bytes;
+  }
+
+  /** Counts and logs a record that was not written (it is not indexed). */
+  #writeFailed(p: Placed, error: string, errno?: number): void {
+    this.#s.writeFailures++;
+    this.#log.error("SSD write failed", {
+      block: p.block.key,
+      namespace: p.block.namespace,
+      error,
+      errno,
+      path: this.#files[p.seg.file].path,
+      offset: p.off,
+      bytes: recordBytes(p.bytes),
+    });
   }
 
   /** Counters and gauges. */

@@ -89,6 +89,22 @@ function pattern(key: string, out: Uint8Array): void {
   for (let i = w.length * 4; i < out.length; i++) out[i] = (s >>> (i & 24)) & 0xff;
 }
 
+/**
+ * `p`, or an error naming `what` once `ms` passed: a test of an error path
+ * fails (instead of hanging) when a promise it waits for is never settled.
+ */
+export async function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what} did not end within ${ms} ms`)), ms);
+  });
+  try {
+    return await Promise.race([p, late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 export async function harness(poolBytes = 64 << 20): Promise<Harness> {
   const engine = Engine.open({ backend: "host" });
   const pool = engine.createPool(poolBytes);

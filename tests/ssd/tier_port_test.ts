@@ -9,6 +9,7 @@ import { KvStore } from "../../lib/storage/store.ts";
 import { LowerTiers } from "../../lib/storage/lower_tiers.ts";
 import { sealedHashBytes } from "../../lib/storage/tier.ts";
 import { storeTierHost } from "../../lib/storage/tier_host.ts";
+import type { TierHost } from "../../lib/storage/tier.ts";
 import { SsdStorageTier } from "../../lib/ssd/ssd_tier_port.ts";
 import type { SsdTier } from "../../lib/ssd/tier.ts";
 import { type Harness, harness } from "./_harness.ts";
@@ -63,12 +64,9 @@ function slotTag(
   return tags;
 }
 
-/** The tiers as the server wires them: one SSD tier behind the port, over `store`. */
-function wire(h: Harness, store: KvStore, tier: SsdTier): LowerTiers {
-  return new LowerTiers({
-    ram: store,
-    tiers: [new SsdStorageTier(tier, storeTierHost(store), h.log)],
-  });
+/** The tiers as the server wires them: one SSD tier behind the port, over `store` (or `host`). */
+function wire(h: Harness, store: KvStore, tier: SsdTier, host = storeTierHost(store)): LowerTiers {
+  return new LowerTiers({ ram: store, tiers: [new SsdStorageTier(tier, host, h.log)] });
 }
 
 Deno.test("tier port: sealed blocks go to SSD; after RAM eviction a query loads them back into the store byte-exact", async () => {
@@ -183,6 +181,47 @@ Deno.test("tier port: health reports capacity and held bytes, and closed after c
     await tiers.close();
     assert.equal(ssd.health().state, "closed");
     assert.equal(ssd.health().blocks, 3, "readable after close: no I/O behind it");
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});
+
+Deno.test("tier port: a fill that throws while planning a prefetch stops it there; the blocks planned before it are read, nothing leaks", async () => {
+  const h = await harness(32 * MiB);
+  const store = new KvStore({ capacityBytes: 32 * MiB });
+  store.defineNamespace(NS, LAYOUT);
+  const tier = await h.openTier({ capacityBytes: 64 * MiB, segmentBytes: 4 * MiB });
+  const real = storeTierHost(store);
+  let fills = 0;
+  const host: TierHost = {
+    ...real,
+    fill(...args) {
+      if (++fills === 3) throw new Error("the store refused the fill");
+      return real.fill(...args);
+    },
+  };
+  const tiers = wire(h, store, tier, host);
+  try {
+    const six = hashes.slice(0, 6);
+    tiers.sealed(NS, save(store, h.pool, six));
+    await tiers.flush();
+    store.evictAll();
+    assert.equal(tiers.beforeQuery(NS, "inst", six, "req-F"), true, "loading: two blocks planned");
+    await tier.prefetchSettled("inst:req-F");
+    assert.equal(store.stats().inflightBlocks, 0, "every fill planned was committed");
+    const q = store.query(NS, six, "other", 1);
+    assert.equal(q.hits, 2, "the blocks before the refused one were read");
+    store.releaseLease(q.lease!.idBytes);
+    assert.ok(
+      h.logs.some((l) =>
+        l.includes('"level":"error"') && l.includes(hex(six[2])) && l.includes("inst:req-F") &&
+        l.includes(`"namespace":"${NS}"`) && l.includes("the store refused the fill")
+      ),
+      h.logs.join("\n"),
+    );
+    assert.equal(tiers.beforeQuery(NS, "inst", six, "req-F"), false, "ready");
+    store.verify();
   } finally {
     await tier.close();
     await h.close();

@@ -1,0 +1,111 @@
+/**
+ * Write-behind when a whole io batch fails (the engine refuses it before
+ * anything is written): each of its blocks is counted and logged with its
+ * ids, the batch's pin is released only once every write of the batch
+ * ended, the segment space is given back, and later writes go on.
+ */
+import assert from "node:assert/strict";
+import { FP, harness, TEST_NAMESPACE, type TestBlock, within } from "./_harness.ts";
+
+const MiB = 1 << 20;
+const BLOCK = 64 * 1024;
+
+Deno.test("a refused write batch is counted and logged per block, its pin outlives the batch's other writes, and writing goes on", async () => {
+  const h = await harness(); // a 64 MiB pool
+  // 4 header pages over 1 writer + 1 reader: 2 blocks per io batch. The 3 segments of
+  // 1 MiB (the superblock takes a page) hold 45 records of 64 KiB, so the writes after
+  // the failure wrap the ring.
+  const tier = await h.openTier({
+    capacityBytes: 4 * MiB,
+    segmentBytes: MiB,
+    hdrPages: 4,
+    writeInflight: 1,
+    prefetchInflight: 1,
+  });
+  try {
+    const key = (s: string) => `${TEST_NAMESPACE}/${s}`;
+    // The first block's bytes lie outside the pool: its io batch (with "a") is refused whole.
+    const blocks = [h.block(key("bad"), 80 * MiB, BLOCK)];
+    for (const [i, s] of ["a", "b", "c"].entries()) {
+      h.fill(key(s), i * BLOCK, BLOCK);
+      blocks.push(h.block(key(s), i * BLOCK, BLOCK));
+    }
+    const batch = h.batch(blocks);
+    let writtenAtRelease: boolean[] | undefined;
+    tier.enqueueWrite({
+      blocks,
+      pin(fresh: readonly TestBlock[]) {
+        const pinned = batch.pin(fresh);
+        return {
+          extents: pinned.extents,
+          release() {
+            writtenAtRelease = ["b", "c"].map((s) => tier.locate(key(s)) !== undefined);
+            pinned.release();
+          },
+        };
+      },
+    });
+    await within(tier.flushWrites(), 5_000, "the failed batch");
+    assert.deepEqual(writtenAtRelease, [true, true], "the pin outlived every write of its batch");
+    for (const b of blocks) assert.equal(b.pins, 0, `${b.key} unpinned`);
+    let s = tier.stats();
+    assert.equal(s.writeBlocks, 2, "the other io batch was written");
+    assert.equal(s.writeFailures, 2, "each block of the refused batch is counted");
+    assert.equal(tier.lookupPrefix([key("bad")], FP) + tier.lookupPrefix([key("a")], FP), 0);
+    for (const k of [key("bad"), key("a")]) {
+      assert.ok(
+        h.logs.some((l) =>
+          l.includes('"level":"error"') && l.includes(`"block":"${k}"`) &&
+          l.includes(`"namespace":"${TEST_NAMESPACE}"`) && l.includes('"path"') &&
+          l.includes('"offset"') && l.includes("malformed descriptor")
+        ),
+        h.logs.join("\n"),
+      );
+    }
+    // Writing goes on, and the failed records' segment is reused when the ring wraps.
+    const more = Array.from(
+      { length: 70 },
+      (_, i) => h.block(key(`m${i}`), (8 + i) * BLOCK, BLOCK),
+    );
+    for (let i = 0; i < more.length; i += 10) h.write(tier, more.slice(i, i + 10));
+    await within(tier.flushWrites(), 10_000, "the writes after the failure");
+    s = tier.stats();
+    assert.equal(s.writeBlocks, 72);
+    assert.equal(s.writeSkippedNoSpace, 0, "no segment was left busy by the failed batch");
+    assert.ok(s.segmentsReused >= 3, `the ring wrapped (${s.segmentsReused} segment moves)`);
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});
+
+Deno.test("a write batch whose pin throws is counted and logged per batch with its ids, and the next batch is written", async () => {
+  const h = await harness();
+  const tier = await h.openTier({ capacityBytes: 8 * MiB, segmentBytes: MiB });
+  try {
+    const blocks = ["x", "y"].map((s, i) => h.block(`${TEST_NAMESPACE}/${s}`, i * BLOCK, BLOCK));
+    tier.enqueueWrite({
+      blocks,
+      pin() {
+        throw new Error("the store refused the transfer lock");
+      },
+    });
+    await within(tier.flushWrites(), 5_000, "the unpinned batch");
+    assert.equal(tier.stats().writeFailures, 2);
+    assert.ok(
+      h.logs.some((l) =>
+        l.includes('"level":"error"') && l.includes(`"block":"${TEST_NAMESPACE}/x"`) &&
+        l.includes(`"namespace":"${TEST_NAMESPACE}"`) && l.includes('"blocks":2') &&
+        l.includes("the store refused the transfer lock")
+      ),
+      h.logs.join("\n"),
+    );
+    // The keys were not left queued: the same blocks are written when offered again.
+    assert.equal(h.write(tier, blocks).status, "queued");
+    await within(tier.flushWrites(), 5_000, "the batch offered again");
+    assert.equal(tier.stats().writeBlocks, 2);
+  } finally {
+    await tier.close();
+    await h.close();
+  }
+});
