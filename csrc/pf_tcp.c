@@ -847,15 +847,13 @@ static void on_ack(tcp_stream *st, const pf_tcp_frame *f) {
   }
   if (!xfer_enter(s, f->gen)) return; /* ended already */
   int imm = s->op == PF_XFER_WRITE_IMM;
-  xfer_leave(s);
-  if (f->part == IMM_PART) {
-    xfer_part_done(p, s, f->gen);
-    return;
-  }
+  /* Counted before leaving: afterwards the slot may hold another batch
+   * (xfer_part_done says why). */
   unsigned left = atomic_fetch_sub(&s->parts_left, 1) - 1;
+  xfer_leave(s);
   if (left == 0) {
     xfer_end(p, s, f->gen, PF_OK);
-  } else if (imm && left == 1) {
+  } else if (imm && left == 1 && f->part != IMM_PART) {
     /* Every data part landed at the target: now the immediate. */
     tcp_peer *tp = p->impl;
     if (enqueue(&tp->st[0], f->slot, f->gen, IMM_PART) < 0)

@@ -132,6 +132,7 @@ struct pf_uring {
   int efd;                /* eventfd: pf_io_submit / close wake the reaper */
   uint64_t efd_value;     /* where the reaper's armed eventfd read lands */
   int closing;
+  atomic_int holds;       /* calls between their lookup and return (uring_hold) */
   pthread_t reaper;
   uint64_t n_submitted, n_fallback;
   atomic_ullong n_completed;
@@ -178,6 +179,25 @@ static void query_alignment(pf_file *f) {
 }
 
 /* ---- open / close ------------------------------------------------------ */
+/* Looks `uring` up and holds it under pf_objects_mu, for the calls on the JS
+ * thread that use it past the lookup (submit, file open, info) while a
+ * pf_uring_close runs off that thread: close retires the handle under the
+ * same mutex and then waits for the holds to end before it frees anything,
+ * so such a call either fails the lookup or finishes on a live uring (which
+ * refuses new work once `closing`). Every hold ends with uring_unhold. */
+static pf_uring *uring_hold(uint32_t uring, const char *fn) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_uring *u = pf_handle_get(uring, PF_K_URING, fn);
+  if (u) atomic_fetch_add(&u->holds, 1);
+  pthread_mutex_unlock(&pf_objects_mu);
+  return u;
+}
+
+static int32_t uring_unhold(pf_uring *u, int32_t rc) {
+  atomic_fetch_sub(&u->holds, 1);
+  return rc;
+}
+
 static void *reaper_main(void *arg);
 static unsigned uring_fill(pf_uring *u);
 
@@ -305,9 +325,9 @@ _Static_assert(sizeof(pf_uring_stats) == 48, "pf_uring_stats layout");
 _Static_assert(offsetof(pf_uring_stats, submitted) == 16, "pf_uring_stats layout");
 
 int32_t pf_uring_info(uint32_t uring, pf_uring_stats *out) {
-  pf_uring *u = pf_handle_get(uring, PF_K_URING, "pf_uring_info");
+  pf_uring *u = uring_hold(uring, "pf_uring_info");
   if (!u) return PF_EHANDLE;
-  if (!out) return pf_fail(PF_EINVAL, "pf_uring_info: out is NULL");
+  if (!out) return uring_unhold(u, pf_fail(PF_EINVAL, "pf_uring_info: out is NULL"));
   memset(out, 0, sizeof *out);
   pthread_mutex_lock(&u->mu);
   out->depth = u->depth;
@@ -319,7 +339,7 @@ int32_t pf_uring_info(uint32_t uring, pf_uring_stats *out) {
   out->align_fallbacks = u->n_fallback;
   out->inflight = u->inflight;
   pthread_mutex_unlock(&u->mu);
-  return PF_OK;
+  return uring_unhold(u, PF_OK);
 }
 
 static void file_release(pf_file *f) {
@@ -338,20 +358,28 @@ static void file_release(pf_file *f) {
 }
 
 int32_t pf_uring_close(uint32_t uring) {
-  pf_uring *u = pf_handle_get(uring, PF_K_URING, "pf_uring_close");
+  pf_uring *u = uring_hold(uring, "pf_uring_close");
   if (!u) return PF_EHANDLE;
   if (pthread_equal(pthread_self(), u->reaper))
-    return pf_fail(PF_EBUSY, "pf_uring_close: called from the reaper thread");
+    return uring_unhold(u, pf_fail(PF_EBUSY, "pf_uring_close: called from the reaper thread"));
   pthread_mutex_lock(&u->mu);
   if (u->closing) {
     pthread_mutex_unlock(&u->mu);
-    return pf_fail(PF_ESHUTDOWN, "pf_uring_close: uring %u is already closing", uring);
+    return uring_unhold(u, pf_fail(PF_ESHUTDOWN, "pf_uring_close: uring %u is already closing",
+                                   uring));
   }
   u->closing = 1;
   pthread_mutex_unlock(&u->mu);
+  uring_unhold(u, PF_OK);
   eventfd_write(u->efd, 1); /* wake the reaper even when nothing is in flight */
   pthread_join(u->reaper, NULL);
+  pthread_mutex_lock(&pf_objects_mu);
   pf_handle_free(uring);
+  pthread_mutex_unlock(&pf_objects_mu);
+  /* A call that looked the uring up before the handle went may still run
+   * (a submit racing this close; it then sees `closing` and refuses): wait
+   * it out before its uring and files are freed. Such calls never block. */
+  while (atomic_load(&u->holds)) usleep(50);
   for (uint32_t i = 0; i < URING_FILE_SLOTS; i++)
     if (u->files[i]) file_release(u->files[i]);
   io_uring_queue_exit(&u->ring);
@@ -365,9 +393,17 @@ int32_t pf_uring_close(uint32_t uring) {
 }
 
 /* ---- files ------------------------------------------------------------- */
+static int32_t file_open_held(pf_uring *u, const char *path, uint32_t flags,
+                              uint32_t *out_file);
+
 int32_t pf_file_open(uint32_t uring, const char *path, uint32_t flags, uint32_t *out_file) {
-  pf_uring *u = pf_handle_get(uring, PF_K_URING, "pf_file_open");
+  pf_uring *u = uring_hold(uring, "pf_file_open");
   if (!u) return PF_EHANDLE;
+  return uring_unhold(u, file_open_held(u, path, flags, out_file));
+}
+
+static int32_t file_open_held(pf_uring *u, const char *path, uint32_t flags,
+                              uint32_t *out_file) {
   if (!path || !out_file) return pf_fail(PF_EINVAL, "pf_file_open: path or out_file is NULL");
   if (strlen(path) >= sizeof(((pf_file *)0)->path))
     return pf_fail(PF_EINVAL, "pf_file_open: path longer than %zu bytes",
@@ -598,9 +634,17 @@ static int32_t parse_batch(const char *who, pf_pool *p, const void *desc, uint64
 
 static int aligned(uint64_t v, uint32_t a) { return a == 0 || (v % a) == 0; }
 
+static int32_t io_submit_held(pf_uring *u, uint32_t uring, const void *desc,
+                              uint64_t desc_bytes, uint64_t tag);
+
 int32_t pf_io_submit(uint32_t uring, const void *desc, uint64_t desc_bytes, uint64_t tag) {
-  pf_uring *u = pf_handle_get(uring, PF_K_URING, "pf_io_submit");
+  pf_uring *u = uring_hold(uring, "pf_io_submit");
   if (!u) return PF_EHANDLE;
+  return uring_unhold(u, io_submit_held(u, uring, desc, desc_bytes, tag));
+}
+
+static int32_t io_submit_held(pf_uring *u, uint32_t uring, const void *desc,
+                              uint64_t desc_bytes, uint64_t tag) {
   const pf_io_batch_header *h;
   const pf_io_desc *o;
   const pf_io_ext *x;

@@ -112,7 +112,13 @@ int xfer_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen, int32_t status) {
 }
 
 void xfer_part_done(pf_xfer_peer *p, xfer_slot *s, uint32_t gen) {
-  if (atomic_fetch_sub(&s->parts_left, 1) == 1) xfer_end(p, s, gen, PF_OK);
+  /* Counted inside the slot: once a thread has left it, the batch may end
+   * (timer, failure) and a new batch re-arm the slot, whose parts_left this
+   * part must not touch (it would end that batch one part early). */
+  if (!xfer_enter(s, gen)) return; /* ended meanwhile: nothing to count */
+  unsigned left = atomic_fetch_sub(&s->parts_left, 1) - 1;
+  xfer_leave(s);
+  if (left == 0) xfer_end(p, s, gen, PF_OK);
 }
 
 static void end_all(pf_xfer_peer *p, int32_t status) {
@@ -167,8 +173,9 @@ static uint64_t timer_scan(pf_xfer_ep *ep, expired_t **due, uint32_t *cap) {
       uint64_t w = atomic_load(&s->guard);
       if (w & XFER_CLOSED) continue;
       if (atomic_load(&s->expiring)) continue;
-      if (s->deadline_ns > now) {
-        if (s->deadline_ns < next) next = s->deadline_ns;
+      uint64_t deadline = atomic_load_explicit(&s->deadline_ns, memory_order_relaxed);
+      if (deadline > now) {
+        if (deadline < next) next = deadline;
         continue;
       }
       if (n == *cap) {
@@ -717,7 +724,8 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
   s->crc_out = hd->num_groups ? out_crcs : NULL;
   s->tag = tag;
   s->submit_ns = pf_now_ns();
-  s->deadline_ns = s->submit_ns + (uint64_t)hd->timeout_ms * 1000000ull;
+  uint64_t deadline = s->submit_ns + (uint64_t)hd->timeout_ms * 1000000ull;
+  atomic_store_explicit(&s->deadline_ns, deadline, memory_order_relaxed);
   atomic_store(&s->expiring, 0);
   atomic_store(&s->parts_left, s->nparts + (hd->op == PF_XFER_WRITE_IMM ? 1u : 0u));
   s->gen = s->gen + 1 ? s->gen + 1 : 1;
@@ -727,10 +735,18 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
   /* The timer sleeps until the earliest deadline it saw: wake it if this
    * one comes first (or it is scanning and may have missed this slot). */
   atomic_thread_fence(memory_order_seq_cst);
-  if (s->deadline_ns < atomic_load(&ep->timer_wake_ns)) timer_kick(ep);
+  if (deadline < atomic_load(&ep->timer_wake_ns)) timer_kick(ep);
   atomic_fetch_add(&ep->n_submitted, 1);
   /* From here on the batch is accepted: a failure to post it is reported by
-   * its record, like any later failure. */
+   * its record, like any later failure. A peer that broke since the check
+   * above ended its batches without this one if end_all looked before the
+   * slot was armed (and a dead stream never sends its parts): end it now,
+   * not at its deadline. The fence above orders the arming before this
+   * load, as xfer_peer_fail sets `broken` before end_all looks. */
+  if (atomic_load(&p->broken)) {
+    xfer_end(p, s, s->gen, atomic_load(&p->closing) ? PF_ESHUTDOWN : PF_EIO);
+    return PF_OK;
+  }
   rc = ep->ops->submit(p, s);
   if (rc < 0) xfer_end(p, s, s->gen, rc);
   return PF_OK;

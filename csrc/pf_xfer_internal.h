@@ -59,7 +59,9 @@ typedef struct xfer_slot {
   uint32_t imm;
   uint64_t tag;
   uint64_t submit_ns;
-  uint64_t deadline_ns;
+  /* Atomic: the timer reads it from a slot that a submit may be re-arming
+   * (relaxed; the generation check decides what the timer ends). */
+  _Atomic uint64_t deadline_ns;
   uint64_t bytes;
   atomic_uint parts_left; /* data parts not yet landed / acknowledged */
   atomic_int armed;       /* 1 from submit until the record is posted */
@@ -175,7 +177,8 @@ static inline int xfer_live(xfer_slot *s, uint32_t gen) {
  * returns the slot to the free list. Returns 1 if this call ended it. The
  * caller must not be inside the slot. */
 int xfer_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen, int32_t status);
-/* One part of (s, gen) is done; ends the batch OK after the last one. */
+/* One part of (s, gen) is done; ends the batch OK after the last one. A
+ * no-op once (s, gen) has ended. The caller must not be inside the slot. */
 void xfer_part_done(pf_xfer_peer *p, xfer_slot *s, uint32_t gen);
 /* Marks p broken with status/message (first caller wins) and ends every
  * batch in flight with PF_ESHUTDOWN if the peer is closing, else status. */
