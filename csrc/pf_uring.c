@@ -373,12 +373,18 @@ int32_t pf_uring_close(uint32_t uring) {
   uring_unhold(u, PF_OK);
   eventfd_write(u->efd, 1); /* wake the reaper even when nothing is in flight */
   pthread_join(u->reaper, NULL);
+  /* The uring's and its files' handles retire together: a call looks either
+   * up and holds the uring under the same mutex, or finds neither. */
   pthread_mutex_lock(&pf_objects_mu);
   pf_handle_free(uring);
+  pthread_mutex_lock(&u->mu);
+  for (uint32_t i = 0; i < URING_FILE_SLOTS; i++)
+    if (u->files[i]) pf_handle_free(u->files[i]->handle);
+  pthread_mutex_unlock(&u->mu);
   pthread_mutex_unlock(&pf_objects_mu);
-  /* A call that looked the uring up before the handle went may still run
-   * (a submit racing this close; it then sees `closing` and refuses): wait
-   * it out before its uring and files are freed. Such calls never block. */
+  /* A call that looked them up before may still run (a submit racing this
+   * close sees `closing` and refuses; a file close finishes; a file sync
+   * ends its fdatasync): wait it out before the uring and files are freed. */
   while (atomic_load(&u->holds)) usleep(50);
   for (uint32_t i = 0; i < URING_FILE_SLOTS; i++)
     if (u->files[i]) file_release(u->files[i]);
@@ -546,12 +552,34 @@ int32_t pf_file_allocate(uint32_t file, uint64_t bytes) {
   return PF_OK;
 }
 
+/* Looks `file` up and holds it (its `inflight`, which pf_file_close refuses
+ * while set) and its uring (which pf_uring_close waits out) under
+ * pf_objects_mu: pf_file_sync runs off the JS thread, where a close of the
+ * file or of its uring may run meanwhile. Ends with file_unhold. */
+static pf_file *file_hold(uint32_t file, const char *fn) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_file *f = pf_handle_get(file, PF_K_FILE, fn);
+  if (f) {
+    atomic_fetch_add(&f->inflight, 1);
+    atomic_fetch_add(&f->u->holds, 1);
+  }
+  pthread_mutex_unlock(&pf_objects_mu);
+  return f;
+}
+
+static int32_t file_unhold(pf_file *f, int32_t rc) {
+  pf_uring *u = f->u; /* f may go once its inflight drops; u stays while held */
+  atomic_fetch_sub(&f->inflight, 1);
+  return uring_unhold(u, rc);
+}
+
 int32_t pf_file_sync(uint32_t file) {
-  pf_file *f = pf_handle_get(file, PF_K_FILE, "pf_file_sync");
+  pf_file *f = file_hold(file, "pf_file_sync");
   if (!f) return PF_EHANDLE;
   if (fdatasync(f->fd_buf) != 0)
-    return pf_fail(PF_EIO, "fdatasync %s: %s (errno %d)", f->path, strerror(errno), errno);
-  return PF_OK;
+    return file_unhold(f, pf_fail(PF_EIO, "fdatasync %s: %s (errno %d)", f->path,
+                                  strerror(errno), errno));
+  return file_unhold(f, PF_OK);
 }
 
 int32_t pf_file_drop_cache(uint32_t file) {
@@ -564,16 +592,28 @@ int32_t pf_file_drop_cache(uint32_t file) {
 }
 
 int32_t pf_file_close(uint32_t file) {
+  /* Checked and retired under pf_objects_mu, the uring held meanwhile: a
+   * pf_file_sync either holds the file first (EBUSY here) or no longer finds
+   * it, and a pf_uring_close waits for this release before its own. */
+  pthread_mutex_lock(&pf_objects_mu);
   pf_file *f = pf_handle_get(file, PF_K_FILE, "pf_file_close");
-  if (!f) return PF_EHANDLE;
-  if (atomic_load(&f->inflight) > 0)
-    return pf_fail(PF_EBUSY, "pf_file_close(%s): %d ops in flight", f->path,
-                   atomic_load(&f->inflight));
+  if (!f) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
+  int busy = atomic_load(&f->inflight);
+  if (busy > 0) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return pf_fail(PF_EBUSY, "pf_file_close(%s): %d ops in flight", f->path, busy);
+  }
   pf_uring *u = f->u;
+  atomic_fetch_add(&u->holds, 1);
+  pf_handle_free(f->handle);
+  pthread_mutex_unlock(&pf_objects_mu);
   pthread_mutex_lock(&u->mu);
   file_release(f);
   pthread_mutex_unlock(&u->mu);
-  return PF_OK;
+  return uring_unhold(u, PF_OK);
 }
 
 _Static_assert(sizeof(pf_fs_usage) == 24, "pf_fs_usage layout");

@@ -77,7 +77,7 @@ async function build(
   return exe;
 }
 
-Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a close waits for a submit past its lookup", async () => {
+Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a close waits for a submit or sync past its lookup", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-races-" });
   try {
     const objs = await objects(dir);
@@ -96,10 +96,17 @@ Deno.test("C races: a landed part counts against its own batch, a broken peer en
       await run(broken, [], "xfer_broken"),
       /^0 of 2000 peer failures left a batch in flight/m,
     );
-    const c = await run(close, [`${dir}/uring_close.dat`], "uring_close");
-    assert.match(c, /pf_io_submit: -\d+ .*is closing/, "the racing submit is refused");
-    assert.match(c, /pf_uring_close: 0/);
-    assert.match(c, /pool destroy 0, ring destroy 0/);
+    const file = `${dir}/uring_close.dat`;
+    const submit = await run(close, [file, "submit"], "uring_close submit");
+    assert.match(submit, /call: -\d+ pf_io_submit: .*is closing/, "the racing submit is refused");
+    const sync = await run(close, [file, "sync-uring"], "uring_close sync-uring");
+    assert.match(sync, /call: 0 /, "the sync the close waited for succeeded");
+    const fileClose = await run(close, [file, "sync-file"], "uring_close sync-file");
+    assert.match(fileClose, /file close during sync: -6/, "PF_EBUSY while the sync holds the file");
+    for (const out of [submit, sync, fileClose]) {
+      assert.match(out, /pf_uring_close: 0/);
+      assert.match(out, /pool destroy 0, ring destroy 0/);
+    }
   } finally {
     await Deno.remove(dir, { recursive: true });
   }

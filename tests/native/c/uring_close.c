@@ -1,22 +1,31 @@
-/* Regression test (docs/native.md, "Lifetimes"): pf_uring_close, which runs
- * off the JS thread, racing a pf_io_submit already past its lookup of the
- * uring. pf_uring.c is included with calloc hooked: when pf_io_submit
- * allocates its batch, the hook runs pf_uring_close on a second thread and
- * gives it up to 300 ms before the submit goes on. The close must wait for
- * the submit (which is then refused) and free nothing under it (built with
- * ASan, which names any use of the freed uring or file). Usage: FILE. */
+/* Regression test (docs/native.md, "Lifetimes"): a close racing a call
+ * already past its lookup. pf_uring.c is included with calloc and fdatasync
+ * hooked; when the call reaches the hook, the close runs and the call goes
+ * on after it (up to 300 ms). Built with ASan, which names any use of a
+ * freed uring or file. Usage: FILE MODE, where MODE is
+ *   submit      pf_uring_close (off the JS thread) during pf_io_submit: the
+ *               close waits for the submit, which is refused;
+ *   sync-uring  pf_uring_close during pf_file_sync (off the JS thread): the
+ *               close waits for the sync, which succeeds;
+ *   sync-file   pf_file_close (the JS thread) during pf_file_sync: refused
+ *               with PF_EBUSY, then closes once the sync ended. */
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <time.h>
+#include <string.h>
+#include <unistd.h>
 static int hook_armed;
-static unsigned hook_uring;
-static int close_rc = 99;
+static unsigned hook_uring, hook_file;
+static int close_rc = 99, file_close_rc = 99;
 static void *hook_calloc(size_t n, size_t sz);
+static int hook_fdatasync(int fd);
 #define calloc(n, s) hook_calloc(n, s)
+#define fdatasync(fd) hook_fdatasync(fd)
 #include "pf_uring.c"
 #undef calloc
+#undef fdatasync
 #include "check.h"
 
 static void *closer(void *arg) {
@@ -24,26 +33,39 @@ static void *closer(void *arg) {
   close_rc = pf_uring_close(hook_uring);
   return NULL;
 }
+/* Runs pf_uring_close on another thread and gives it up to 300 ms. */
+static void close_meanwhile(const char *during) {
+  pthread_t t;
+  pthread_create(&t, NULL, closer, NULL);
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_nsec += 300000000;
+  if (ts.tv_nsec >= 1000000000) { ts.tv_sec++; ts.tv_nsec -= 1000000000; }
+  int e = pthread_timedjoin_np(t, NULL, &ts);
+  printf("close during %s: %s (rc %d)\n", during,
+         e == 0 ? "finished" : "still waiting for it", close_rc);
+  if (e) pthread_detach(t);
+}
 static void *hook_calloc(size_t n, size_t sz) {
-  if (hook_armed && n == 1 && sz == sizeof(io_batch)) {
+  if (hook_armed == 1 && n == 1 && sz == sizeof(io_batch)) {
     hook_armed = 0;
-    pthread_t t;
-    pthread_create(&t, NULL, closer, NULL);
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_nsec += 300000000;
-    if (ts.tv_nsec >= 1000000000) { ts.tv_sec++; ts.tv_nsec -= 1000000000; }
-    int e = pthread_timedjoin_np(t, NULL, &ts);
-    printf("close during submit: %s (rc %d)\n", e == 0 ? "finished" : "still waiting for the submit",
-           close_rc);
-    if (e) pthread_detach(t);
+    close_meanwhile("submit");
   }
   return calloc(n, sz);
+}
+static int hook_fdatasync(int fd) {
+  if (hook_armed == 2) close_meanwhile("sync");
+  if (hook_armed == 3) {
+    file_close_rc = pf_file_close(hook_file);
+    printf("file close during sync: %d\n", file_close_rc);
+  }
+  hook_armed = 0;
+  return fdatasync(fd);
 }
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: uring_close FILE\n");
+    fprintf(stderr, "usage: uring_close FILE [submit|sync-uring|sync-file]\n");
     return 2;
   }
   uint32_t eng, pool, ring, u, f;
@@ -56,16 +78,34 @@ int main(int argc, char **argv) {
       .h = {.num_ops = 1, .num_exts = 1},
       .d = {.file = f, .op = PF_IO_WRITE, .first_ext = 0, .num_ext = 1},
       .x = {.pool_off = 0, .bytes = 4096}};
-  hook_armed = 1;
+  const char *mode = argc > 2 ? argv[2] : "submit";
   hook_uring = u;
-  int32_t rc = pf_io_submit(u, &b, sizeof b, 1);
+  hook_file = f;
+  int32_t rc, want_rc;
+  if (!strcmp(mode, "submit")) {
+    hook_armed = 1;
+    rc = pf_io_submit(u, &b, sizeof b, 1);
+    want_rc = PF_ESHUTDOWN;
+  } else if (!strcmp(mode, "sync-uring") || !strcmp(mode, "sync-file")) {
+    hook_armed = mode[5] == 'u' ? 2 : 3;
+    rc = pf_file_sync(f);
+    want_rc = PF_OK;
+  } else {
+    fprintf(stderr, "unknown mode %s\n", mode);
+    return 2;
+  }
   char e[256];
   pf_last_error(e, sizeof e);
-  printf("pf_io_submit: %d %s\n", rc, rc ? e : "");
+  printf("call: %d %s\n", rc, rc ? e : "");
+  if (hook_armed == 0 && !strcmp(mode, "sync-file")) {
+    CHECK(file_close_rc == PF_EBUSY);
+    CHECK(pf_file_close(f) == PF_OK); /* the sync ended: now it closes */
+    close_rc = pf_uring_close(u);
+  }
   /* The close must end, and leave the pool and ring free to destroy. */
   for (int i = 0; i < 100 && close_rc == 99; i++) usleep(10000);
   printf("pf_uring_close: %d\n", close_rc);
   int32_t pd = pf_pool_destroy(pool), rd = pf_ring_destroy(ring);
   printf("pool destroy %d, ring destroy %d\n", pd, rd);
-  return close_rc != 0 || rc == 0 || pd != 0 || rd != 0;
+  return close_rc != 0 || rc != want_rc || pd != 0 || rd != 0;
 }
