@@ -21,6 +21,13 @@ export const MAX_LAYERS = 4096;
 export const MAX_PARALLEL = 1024;
 /** Most segments per (block, layer) slot (K/V split uses 2; a few more allow other splits). */
 export const MAX_SEGMENTS = 8;
+/**
+ * Most items (layer × rank slot × segment) in one block: each limit above is
+ * far from any model, but their product sizes a block's slot tables (tens of
+ * millions at the limits, an allocation failure mid-save). 2^20 holds 512
+ * layers × TP 1024 × 2 segments.
+ */
+export const MAX_BLOCK_ITEMS = 1 << 20;
 /** Longest namespace or instance id, in characters. */
 export const MAX_NAME_CHARS = 128;
 /** Bytes of a lease id. */

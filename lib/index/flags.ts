@@ -8,7 +8,7 @@
 
 import { hostname } from "node:os";
 import { InvalidArgumentError, type Option } from "commander";
-import { envOption } from "../cli/flags.ts";
+import { envOption, MAX_TIMER_MS } from "../cli/flags.ts";
 import { DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
 import { checkRedisUrl } from "./connection.ts";
 import { checkNodeToken } from "./keys.ts";
@@ -49,12 +49,16 @@ function hostPort(value: string): string {
   return value;
 }
 
+/** Milliseconds in min..MAX_TIMER_MS: both flags set timers (a call's deadline, the heartbeat). */
 function msArg(flag: string, min: number) {
   return (value: string): number => {
-    if (!/^\d+$/.test(value.trim()) || Number(value) < min) {
-      throw new InvalidArgumentError(`${flag} must be an integer ≥ ${min}, got "${value}"`);
+    const n = Number(value);
+    if (!/^\d+$/.test(value.trim()) || n < min || n > MAX_TIMER_MS) {
+      throw new InvalidArgumentError(
+        `${flag} must be an integer ≥ ${min} and ≤ ${MAX_TIMER_MS}, got "${value}"`,
+      );
     }
-    return Number(value);
+    return n;
   };
 }
 

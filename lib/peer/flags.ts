@@ -45,6 +45,39 @@ function intArg(flag: string, min: number, max: number) {
   };
 }
 
+/** Most RDMA devices one endpoint opens (`RDMA_MAX_NICS` in csrc/pf_rdma.c). */
+const MAX_NICS = 16;
+/** Longest `--nics` list the transfer layer takes (ffi/xfer.ts: 255 bytes, comma-joined). */
+const MAX_NICS_BYTES = 255;
+/** One `--nics` entry as csrc/pf_rdma.c reads it: a device name (under 64 bytes) and a port 1..255. */
+const NIC_ENTRY = /^([A-Za-z0-9_.-]{1,63})(?::(\d+))?$/;
+
+/**
+ * Parses `--nics`: `name[:port],...` (empty = every device). The library
+ * checks the same at open, after the pool exists and without the flag's name.
+ */
+function nicsArg(value: string): string[] {
+  if (value.trim() === "") return [];
+  const nics = value.split(",").map((s) => s.trim());
+  for (const nic of nics) {
+    const m = NIC_ENTRY.exec(nic);
+    if (!m || (m[2] !== undefined && (Number(m[2]) < 1 || Number(m[2]) > 255))) {
+      throw new InvalidArgumentError(
+        `--nics entry "${nic}" of "${value}" is not name[:port] (a device name of ` +
+          `[A-Za-z0-9_.-], under 64 characters; port 1..255)`,
+      );
+    }
+  }
+  const bytes = nics.join(",").length;
+  if (nics.length > MAX_NICS || bytes > MAX_NICS_BYTES) {
+    throw new InvalidArgumentError(
+      `--nics "${value}" names ${nics.length} devices in ${bytes} bytes; ` +
+        `at most ${MAX_NICS} devices in ${MAX_NICS_BYTES} bytes`,
+    );
+  }
+  return nics;
+}
+
 /**
  * The peer flags as commander Options.
  *
@@ -76,7 +109,7 @@ export function peerOptions(): Option[] {
     envOption("--xfer-streams <n>", "TCP sockets (RDMA QPs per NIC) per peer", "XFER_STREAMS")
       .default(DEFAULT_TCP_STREAMS).argParser(intArg("--xfer-streams", 1, 64)),
     envOption("--nics <list>", "RDMA devices, name[:port] comma-separated (default: all)", "NICS")
-      .argParser((v: string) => v.split(",").map((s) => s.trim())),
+      .argParser(nicsArg),
     envOption(
       "--peer-fetch-timeout-ms <ms>",
       "deadline of one peer fetch's read",

@@ -7,8 +7,8 @@
  * @module
  */
 import { type Command, InvalidArgumentError } from "commander";
-import { newCommand, parseCommandLine, type ParsedArgs } from "../cli/command_line.ts";
-import { boolArg, envOption, parseSize, sizeArg } from "../cli/flags.ts";
+import { newCommand, parseCommandLine, type ParsedArgs, usageExit } from "../cli/command_line.ts";
+import { boolArg, envOption, MAX_TIMER_MS, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
 import { type IndexConfig, indexConfigFrom, indexOptions } from "../index/flags.ts";
@@ -97,6 +97,10 @@ export const DEFAULT_MAX_MESSAGE = "64mb";
 export const DEFAULT_POOL_PROGRESS_MS = 1000;
 /** Leases expire after 10 minutes unless consumed or released. */
 export const DEFAULT_LEASE_TTL_MS = 600_000;
+/** Largest `--lease-ttl-ms`: a QueryPrefetch answer carries it as `lease_ttl_ms`, a uint32. */
+export const MAX_LEASE_TTL_MS = 2 ** 32 - 1;
+/** Largest device id: `RegisterContextRequest.device_id` and the native library's are int32. */
+export const MAX_DEVICE_ID = 2 ** 31 - 1;
 
 function addrArg(value: string): string {
   const a = splitHostPort(value);
@@ -165,6 +169,9 @@ export function devicesArg(value: string): number[] {
     if (!/^\d+$/.test(id)) {
       throw new InvalidArgumentError(`"${value}" is not a comma-separated list of device ids`);
     }
+    if (Number(id) > MAX_DEVICE_ID) {
+      throw new InvalidArgumentError(`"${value}": device ${id} is above ${MAX_DEVICE_ID} (int32)`);
+    }
     if (out.includes(Number(id))) {
       throw new InvalidArgumentError(`"${value}" lists device ${id} twice`);
     }
@@ -173,11 +180,12 @@ export function devicesArg(value: string): number[] {
   return out;
 }
 
-function intArg(what: string, min: number) {
+function intArg(what: string, min: number, max: number) {
   return (value: string): number => {
     if (!/^\d+$/.test(value.trim())) throw new InvalidArgumentError(`"${value}" is not an integer`);
     const n = Number(value);
     if (n < min) throw new InvalidArgumentError(`${what} must be at least ${min}, got ${n}`);
+    if (n > max) throw new InvalidArgumentError(`${what} must be at most ${max}, got ${value}`);
     return n;
   };
 }
@@ -259,7 +267,7 @@ export function serveCommand(): Command {
         "log pool pre-touch progress this often while the pool is created",
         "POOL_PROGRESS_MS",
       )
-        .default(DEFAULT_POOL_PROGRESS_MS).argParser(intArg("--pool-progress-ms", 1)),
+        .default(DEFAULT_POOL_PROGRESS_MS).argParser(intArg("--pool-progress-ms", 1, MAX_TIMER_MS)),
     )
     .addOption(
       envOption(
@@ -304,7 +312,7 @@ export function serveCommand(): Command {
     )
     .addOption(
       envOption("--lease-ttl-ms <ms>", "lease lifetime in milliseconds", "LEASE_TTL_MS")
-        .default(DEFAULT_LEASE_TTL_MS).argParser(intArg("--lease-ttl-ms", 1)),
+        .default(DEFAULT_LEASE_TTL_MS).argParser(intArg("--lease-ttl-ms", 1, MAX_LEASE_TTL_MS)),
     )
     .addOption(
       envOption("--max-message-size <size>", "largest gRPC message accepted", "MAX_MESSAGE_SIZE")
@@ -344,6 +352,14 @@ export function parseServeArgs(argv: string[]): ParseResult {
   const parsed = parseCommandLine(cmd, argv);
   if (parsed.kind === "exit") return parsed;
   const o = cmd.opts();
+  // Flags that are valid alone but not together are refused here, as a parser refuses one.
+  let ssd: SsdConfig, index: IndexConfig, peer: PeerConfig;
+  try {
+    [ssd, index, peer] = [ssdConfigFrom(o), indexConfigFrom(o), peerConfigFrom(o)];
+  } catch (e) {
+    if (e instanceof InvalidArgumentError) return usageExit(e.message);
+    throw e;
+  }
   return {
     kind: "config",
     config: {
@@ -368,9 +384,9 @@ export function parseServeArgs(argv: string[]): ParseResult {
       leaseTtlMs: o.leaseTtlMs,
       maxMessageBytes: o.maxMessageSize,
       goawayGuard: o.goawayGuard,
-      ssd: ssdConfigFrom(o),
-      index: indexConfigFrom(o),
-      peer: peerConfigFrom(o),
+      ssd,
+      index,
+      peer,
     },
   };
 }

@@ -7,7 +7,13 @@
 
 import { InvalidArgumentError, type Option } from "commander";
 import { boolArg, envOption, formatSize, sizeArg } from "../cli/flags.ts";
-import { DEFAULT_SEGMENT_BYTES, DEFAULT_SSD_CAPACITY, SSD_QUEUE_DEFAULTS } from "./tier.ts";
+import {
+  DEFAULT_HDR_PAGES,
+  DEFAULT_SEGMENT_BYTES,
+  DEFAULT_SSD_CAPACITY,
+  SSD_QUEUE_DEFAULTS,
+} from "./tier.ts";
+import { PAGE_BYTES } from "./format.ts";
 
 /** The SSD part of the server's configuration. */
 export interface SsdConfig {
@@ -25,10 +31,25 @@ export interface SsdConfig {
 
 function positiveInt(flag: string) {
   return (value: string): number => {
-    if (!/^\d+$/.test(value.trim()) || Number(value) < 1) {
-      throw new InvalidArgumentError(`${flag} must be an integer ≥ 1, got "${value}"`);
+    const n = Number(value);
+    if (!/^\d+$/.test(value.trim()) || n < 1 || !Number.isSafeInteger(n)) {
+      throw new InvalidArgumentError(
+        `${flag} must be an integer ≥ 1 and ≤ ${Number.MAX_SAFE_INTEGER}, got "${value}"`,
+      );
     }
-    return Number(value);
+    return n;
+  };
+}
+
+/** A size flag in whole pages (the SSD's unit of placement). */
+function pagesArg(flag: string, min: number) {
+  const size = sizeArg(flag, min);
+  return (value: string): number => {
+    const n = size(value);
+    if (n % PAGE_BYTES !== 0) {
+      throw new InvalidArgumentError(`${flag} must be a multiple of ${PAGE_BYTES} bytes, got ${n}`);
+    }
+    return n;
   };
 }
 
@@ -104,13 +125,38 @@ export function ssdOptions(): Option[] {
       "SSD_SEGMENT_SIZE",
     )
       .default(DEFAULT_SEGMENT_BYTES, formatSize(DEFAULT_SEGMENT_BYTES)).argParser(
-        sizeArg("--ssd-segment-size", 8192),
+        pagesArg("--ssd-segment-size", 2 * PAGE_BYTES),
       ),
   ];
 }
 
-/** Reads the parsed SSD options out of commander's `opts()`. */
+/**
+ * Reads the parsed SSD options out of commander's `opts()`, refusing (with an
+ * `InvalidArgumentError` naming the flags) combinations the tier cannot open
+ * with: more batches in flight than it has header pages, or a capacity whose
+ * share per cache file holds no segment besides the file's header page.
+ */
 export function ssdConfigFrom(o: Record<string, unknown>): SsdConfig {
+  const c = ssdConfig(o);
+  if (c.writeInflight + c.prefetchInflight > DEFAULT_HDR_PAGES) {
+    throw new InvalidArgumentError(
+      `--ssd-write-inflight ${c.writeInflight} + --ssd-prefetch-inflight ${c.prefetchInflight} ` +
+        `is more than the ${DEFAULT_HDR_PAGES} batches the SSD tier keeps in flight`,
+    );
+  }
+  const files = new Set(c.paths).size;
+  const share = files > 0 ? Math.floor(c.capacityBytes / files) : 0;
+  if (files > 0 && share < PAGE_BYTES + c.segmentBytes) {
+    throw new InvalidArgumentError(
+      `--ssd-cache-capacity ${c.capacityBytes} over ${files} --ssd-cache-path gives each ` +
+        `${share} bytes, less than one --ssd-segment-size ${c.segmentBytes} segment ` +
+        `and its ${PAGE_BYTES}-byte header page`,
+    );
+  }
+  return c;
+}
+
+function ssdConfig(o: Record<string, unknown>): SsdConfig {
   return {
     paths: (o.ssdCachePath as string[] | undefined) ?? [],
     capacityBytes: o.ssdCacheCapacity as number,

@@ -80,8 +80,8 @@ export const SSD_QUEUE_DEFAULTS = {
 } as const;
 /** Default io_uring depth: enough to saturate an NVMe drive with 2 MiB records. */
 const DEFAULT_IO_DEPTH = 128;
-/** Default header staging pages (4 MiB). */
-const DEFAULT_HDR_PAGES = 1024;
+/** Default header staging pages (4 MiB): one per write or prefetch batch in flight. */
+export const DEFAULT_HDR_PAGES = 1024;
 /** A finished prefetch nobody polled for is forgotten after this (its blocks stay cached). */
 const DEFAULT_PREFETCH_TTL_MS = 30_000;
 /** Index rebuild progress is logged this often (an operator sees a long scan is alive). */

@@ -15,7 +15,13 @@
 
 import { InvalidArgumentError } from "./errors.ts";
 import { type BlockHash, hexBytesInto } from "./keys.ts";
-import { MAX_HASH_BYTES, MAX_LAYERS, MAX_PARALLEL, MAX_SEGMENTS } from "../limits.ts";
+import {
+  MAX_BLOCK_ITEMS,
+  MAX_HASH_BYTES,
+  MAX_LAYERS,
+  MAX_PARALLEL,
+  MAX_SEGMENTS,
+} from "../limits.ts";
 import type { LayoutIdentity } from "./layout.ts";
 import { slotIndex } from "./offsets.ts";
 
@@ -61,6 +67,14 @@ export function validateLayout(namespace: string, l: BlockLayout): void {
       namespace,
       got: String(l.collapseTp),
     });
+  }
+  const items = l.layers * rankSlots(l) * l.segments;
+  if (items > MAX_BLOCK_ITEMS) {
+    throw new InvalidArgumentError(
+      `layout of namespace ${namespace}: ${l.layers} layers × ${rankSlots(l)} rank slots × ` +
+        `${l.segments} segments = ${items} items per block, at most ${MAX_BLOCK_ITEMS}`,
+      { namespace, expected: `≤ ${MAX_BLOCK_ITEMS}`, got: String(items) },
+    );
   }
 }
 

@@ -5,7 +5,8 @@ import {
   layoutIdentity,
 } from "../../lib/storage/layout.ts";
 import { KvStore } from "../../lib/storage/store.ts";
-import { LayoutMismatchError } from "../../lib/storage/errors.ts";
+import { InvalidArgumentError, LayoutMismatchError } from "../../lib/storage/errors.ts";
+import { MAX_BLOCK_ITEMS } from "../../lib/limits.ts";
 
 const names = (n: number) => Array.from({ length: n }, (_, i) => `model.layers.${i}.attn`);
 const kv = (n: number, segBytes: number, numSegments = 2): LayoutDescription => ({
@@ -97,4 +98,20 @@ Deno.test("the store refuses a second layout identity under one namespace, namin
       e.message.includes(a.fingerprint) && e.message.includes(b.fingerprint),
   );
   assert.equal(store.layoutOf("ns")!.identity!.fingerprint, a.fingerprint);
+});
+
+Deno.test("a layout whose block has more items than MAX_BLOCK_ITEMS is refused, naming the product", () => {
+  const store = new KvStore({ capacityBytes: 1 << 20 });
+  // Each field is within its own limit; the product sized a 33-million-entry slot table mid-save.
+  const huge = { layers: 4096, tpSize: 1024, collapseTp: false, segments: 8, segmentBytes: 1 };
+  assert.throws(
+    () => store.defineNamespace("huge", huge),
+    (e: unknown) =>
+      e instanceof InvalidArgumentError && e.code === "INVALID_ARGUMENT" &&
+      e.message.includes(`4096 layers × 1024 rank slots × 8 segments = ${4096 * 1024 * 8} items`),
+  );
+  assert.equal(store.layoutOf("huge"), undefined, "nothing defined");
+  // At the limit it is defined; TP collapsed counts one rank slot.
+  store.defineNamespace("edge", { ...huge, layers: MAX_BLOCK_ITEMS / (1024 * 8) });
+  store.defineNamespace("mla", { ...huge, collapseTp: true, segments: 1 });
 });
