@@ -15,7 +15,7 @@
 import { exitWith, usageError } from "./lib/cli/command_line.ts";
 import { Logger } from "./lib/log.ts";
 import { parseRouterArgs, type RouterConfig } from "./lib/router/config.ts";
-import { startRouter } from "./lib/router/server.ts";
+import { ListenError, startRouter } from "./lib/router/server.ts";
 import { startRouterCluster } from "./lib/router/cluster.ts";
 
 const parsed = parseRouterArgs(Deno.args);
@@ -50,11 +50,7 @@ const config = withUsableWorkers(parsed.config);
 // One thread serves with --workers 1; more share the port (lib/router/cluster.ts).
 const start = config.workers === 1 ? startRouter(config) : startRouterCluster(config);
 const router = await start.catch((e) => {
-  if (e instanceof Deno.errors.AddrInUse || e instanceof Deno.errors.AddrNotAvailable) {
-    return usageError(
-      `--host/--port: cannot listen on ${config.host}:${config.port}: ${e.message}`,
-    );
-  }
+  if (e instanceof ListenError) return usageError(`--host/--port: ${e.message}`);
   throw e;
 });
 // Signals are handled before the line goes out: a supervisor may stop the router as soon as it

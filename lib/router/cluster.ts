@@ -25,7 +25,7 @@ import type { RouterConfig } from "./config.ts";
 import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
 import type { HealthChecker } from "./health.ts";
 import { Logger } from "../log.ts";
-import { startHealthChecks, UPSTREAM_POOL_IDLE_MS } from "./server.ts";
+import { ListenError, startHealthChecks, UPSTREAM_POOL_IDLE_MS } from "./server.ts";
 
 /** A worker that has not sent its metrics by then is left out of that scrape (and it fails). */
 const SCRAPE_TIMEOUT_MS = 5_000;
@@ -123,12 +123,7 @@ class MetricsMerge {
 
 /** A worker's start failure as the error class the main thread would have thrown. */
 function startError(name: string, message: string): Error {
-  const Err = name === "AddrInUse"
-    ? Deno.errors.AddrInUse
-    : name === "AddrNotAvailable"
-    ? Deno.errors.AddrNotAvailable
-    : Error;
-  return new Err(message);
+  return name === "ListenError" ? new ListenError(message) : new Error(message);
 }
 
 /** A worker saw a backend's health change: keep the reason and tell the other workers. */
@@ -216,7 +211,7 @@ function spawnWorker(c: Cluster, index: number, port: number): Member {
 /**
  * Starts `config.workers` worker threads serving `config.host:config.port`. The first one binds
  * (so port 0 picks one free port), the others join it on that port. Rejects — leaving nothing
- * running — when a worker cannot listen, with the worker's error (e.g. `Deno.errors.AddrInUse`).
+ * running — when a worker cannot listen, with the worker's error (a `ListenError`).
  *
  * @example
  * ```ts

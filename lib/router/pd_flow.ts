@@ -107,8 +107,18 @@ export function prefillBody(body: JsonObject): JsonObject {
   return p;
 }
 
+/**
+ * Headers of a request to P or D. `accept-encoding: identity` because fetch would otherwise offer
+ * gzip and br, decode what a compressing engine (or a proxy before it) sends, and leave its
+ * `content-encoding` on the response: relayed, that header would make clients decode plain bytes.
+ * Uncompressed, D's bytes pass to the client as they are.
+ */
 function upstreamHeaders(ctx: FlowContext): Headers {
-  const h = new Headers({ "content-type": "application/json", "x-request-id": ctx.requestId });
+  const h = new Headers({
+    "content-type": "application/json",
+    "accept-encoding": "identity",
+    "x-request-id": ctx.requestId,
+  });
   if (ctx.authorization !== null) h.set("authorization", ctx.authorization);
   return h;
 }
@@ -191,6 +201,7 @@ export async function runPrefill(
     }
     if (out.kind === "http" && !TRANSIENT_STATUSES.has(out.status)) {
       metrics.upstreamFailures.inc({ role: "prefill", reason: `http_${out.status}` });
+      logErrorAnswer(deps, "prefill", backend, out.status, ctx, snippet(out.text));
       const refused: PrefillResult = {
         kind: "refused",
         status: out.status,
@@ -360,12 +371,36 @@ export async function runDecode(
       };
     }
     link.clearDeadline();
+    if (res.status >= 400) logErrorAnswer(deps, "decode", backend, res.status, ctx);
     const headers = relayHeaders(res.headers, ctx.requestId);
     const done = (outcome: RelayOutcome) => onEnd(res.status, outcome);
     const stream = deps.streamIdleTimeoutMs === null
       ? pipeBody(deps, res, backend, link, t0, ctx, done)
       : relayBody(deps, res, backend, link, t0, ctx, deps.streamIdleTimeoutMs, done);
     return { kind: "done", value: new Response(stream, { status: res.status, headers }) };
+  });
+}
+
+/**
+ * Logs an engine's error answer that goes to the client as it stands (P's refusal, D's answer):
+ * its body is the engine's own and names neither the phase nor the engine, so this line, under
+ * the request id the client got, is what says which one. A 5xx is a warning; a 4xx (the engine
+ * judged the request) is routine, at debug like the router's own refusals.
+ */
+function logErrorAnswer(
+  deps: FlowDeps,
+  role: Role,
+  backend: Backend,
+  status: number,
+  ctx: FlowContext,
+  body?: string,
+): void {
+  deps.log[status >= 500 ? "warn" : "debug"]("backend answered with an error", {
+    request_id: ctx.requestId,
+    role,
+    backend: backend.url,
+    status,
+    body,
   });
 }
 

@@ -15,6 +15,7 @@ import type { RouterConfig } from "./config.ts";
 import { errorResponse, RouterError } from "./errors.ts";
 import { describeError, HealthChecker } from "./health.ts";
 import { Logger } from "../log.ts";
+import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
 import { RouterMetrics } from "./metrics.ts";
 import type { FlowDeps } from "./pd_flow.ts";
 import { createHandler } from "./routes.ts";
@@ -30,7 +31,8 @@ export interface RouterHandle {
   readonly metrics: RouterMetrics;
   /**
    * Stops accepting connections, lets open requests finish for up to `graceMs`, then cuts the
-   * rest and releases timers and connections.
+   * rest and releases timers and connections. Resolves at most ~2 s after the grace period even
+   * when a client stalled mid-request keeps its connection (and {@link finished}) open.
    */
   shutdown(graceMs?: number): Promise<void>;
   /** Resolves when the server has stopped. */
@@ -149,7 +151,22 @@ export async function startRouter(
   };
 }
 
-/** Listens (`reusePort` for a worker of a multi-threaded router); resolves once bound. */
+/**
+ * The router cannot listen on `--host`/`--port`: the address is in use or not on this host, the
+ * host name does not resolve, or the port may not be bound by this user. A usage error, not a
+ * crash (router.ts exits 2 naming the flags).
+ */
+export class ListenError extends Error {
+  constructor(message: string, options?: ErrorOptions) {
+    super(message, options);
+    this.name = "ListenError";
+  }
+}
+
+/**
+ * Listens (`reusePort` for a worker of a multi-threaded router); resolves once bound. Any failure
+ * to listen is a {@link ListenError}.
+ */
 async function serveRoutes(
   config: RouterConfig,
   shared: boolean,
@@ -158,25 +175,33 @@ async function serveRoutes(
 ): Promise<{ server: Deno.HttpServer<Deno.NetAddr>; addr: Deno.NetAddr }> {
   let resolveListen!: (addr: Deno.NetAddr) => void;
   const listening = new Promise<Deno.NetAddr>((r) => (resolveListen = r));
-  const server = Deno.serve({
-    hostname: config.host,
-    port: config.port,
-    // Workers share the port; Linux spreads new connections over their sockets.
-    reusePort: shared,
-    onListen: (addr) => resolveListen(addr as Deno.NetAddr),
-    onError: (e) => {
-      logger.error("unhandled error in request handler", { error: describeError(e) });
-      return errorResponse(
-        new RouterError(500, "server_error", `internal router error: ${describeError(e)}`),
-      );
-    },
-  }, handler);
+  let server: Deno.HttpServer<Deno.NetAddr>;
+  try {
+    server = Deno.serve({
+      hostname: config.host,
+      port: config.port,
+      // Workers share the port; Linux spreads new connections over their sockets.
+      reusePort: shared,
+      onListen: (addr) => resolveListen(addr as Deno.NetAddr),
+      onError: (e) => {
+        logger.error("unhandled error in request handler", { error: describeError(e) });
+        return errorResponse(
+          new RouterError(500, "server_error", `internal router error: ${describeError(e)}`),
+        );
+      },
+    }, handler);
+  } catch (e) {
+    throw new ListenError(`cannot listen on ${config.host}:${config.port}: ${describeError(e)}`, {
+      cause: e,
+    });
+  }
   return { server, addr: await listening };
 }
 
 /**
- * Stops accepting and lets open requests finish for up to `graceMs`; then
- * cuts what is still open (`stopAll`) and waits for the server to end.
+ * Stops accepting and lets open requests finish for up to `graceMs`; then cuts what is still open
+ * (`stopAll`) and waits up to {@link HTTP_CLOSE_WAIT_MS} for the server to end (a client stalled
+ * mid-upload may keep it open longer: lib/http/shutdown.ts).
  */
 async function drainWithin(
   server: Deno.HttpServer<Deno.NetAddr>,
@@ -184,16 +209,15 @@ async function drainWithin(
   stopAll: AbortController,
   logger: Logger,
 ): Promise<void> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const grace = new Promise<"timeout">((r) => (timer = setTimeout(() => r("timeout"), graceMs)));
   const shut = server.shutdown();
-  const result = await Promise.race([shut.then(() => "done" as const), grace]);
-  clearTimeout(timer);
-  if (result === "timeout") {
-    logger.warn("shutdown grace period over; cutting open requests", { grace_ms: graceMs });
-    stopAll.abort(new DOMException("router shutting down", "AbortError"));
-  }
-  await shut;
+  if (await settlesWithin(shut, graceMs)) return;
+  logger.warn("shutdown grace period over; cutting open requests", { grace_ms: graceMs });
+  stopAll.abort(new DOMException("router shutting down", "AbortError"));
+  if (await settlesWithin(shut, HTTP_CLOSE_WAIT_MS)) return;
+  logger.warn("connections still open after the cut (a client stalled mid-request); stopping", {
+    grace_ms: graceMs,
+    wait_ms: HTTP_CLOSE_WAIT_MS,
+  });
 }
 
 /**

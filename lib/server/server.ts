@@ -36,6 +36,7 @@ import { MAX_PEER_LOCK_TTL_MS } from "../peer/locks.ts";
 import type { IndexAdvertiser } from "../index/advertiser.ts";
 import type { NativePort } from "../engine/ports.ts";
 import { type Listeners, openListeners } from "./listeners.ts";
+import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
 
 /** What openNative gives: the engine's native port and the copy engine under it. */
 type OpenedNative = NativePort & { copyEngine: CopyEngine };
@@ -274,7 +275,11 @@ async function stopServer(s: {
   // GOAWAY on a busy HTTP/2 session can abort inside nghttp2
   // (denoland/deno#36788; engines built on this SDK run on Deno). Every
   // instance is already cleaned up and every session ended: nothing is lost.
-  if (s.http) await s.http.shutdown();
+  if (s.http && !(await settlesWithin(s.http.shutdown(), HTTP_CLOSE_WAIT_MS))) {
+    s.log.warn("HTTP connections still open at shutdown (a client stalled mid-request); stopping", {
+      wait_ms: HTTP_CLOSE_WAIT_MS,
+    });
+  }
   // Closing the guard's sockets sends no GOAWAY: clients see the connection end.
   await s.listeners.close();
   clearInterval(s.collector);

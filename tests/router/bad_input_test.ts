@@ -359,3 +359,22 @@ Deno.test("a port already in use is refused with exit 2, naming host and port", 
     taken.close();
   }
 });
+
+Deno.test("a --host that does not resolve is refused with exit 2, naming host and port", async () => {
+  // .invalid never resolves (RFC 6761).
+  const { code, stderr } = await runRouterCli([
+    "--host",
+    "no-such-host.invalid",
+    "--port",
+    "0",
+    "--prefill",
+    "http://127.0.0.1:9",
+    "--decode",
+    "http://127.0.0.1:9",
+    "--health-timeout",
+    "200ms",
+  ]);
+  assert.equal(code, 2, stderr);
+  assert.match(stderr, /error: --host\/--port: cannot listen on no-such-host\.invalid:0: /);
+  assert.doesNotMatch(stderr, /Uncaught/);
+});

@@ -452,3 +452,35 @@ Deno.test("SIGTERM lets an open stream finish, then the router exits 0", async (
     await Promise.all([router.stop(), p.stop(), d.stop()]);
   }
 });
+
+Deno.test("SIGTERM with a client stalled mid-upload: the router cuts it after the grace and exits 0", async () => {
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url]);
+  // Headers and the start of a body, then silence: the HTTP layer waits for the other 90 bytes.
+  const conn = await Deno.connect({ hostname: "127.0.0.1", port: router.port });
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  try {
+    await conn.write(
+      new TextEncoder().encode(
+        "POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n" +
+          'content-length: 100\r\n\r\n{"model":',
+      ),
+    );
+    // Let the router's handler start reading that body.
+    await new Promise((r) => setTimeout(r, 300));
+    Deno.kill(router.pid, "SIGTERM");
+    // The grace period (10 s) and the cut (2 s), plus room for a loaded machine.
+    const exited = await Promise.race([
+      router.status,
+      new Promise<"hung">((r) => timer = setTimeout(() => r("hung"), 25_000)),
+    ]);
+    assert.notEqual(exited, "hung", `the router did not exit: ${router.stderr()}`);
+    assert.equal((exited as Deno.CommandStatus).code, 0);
+    assert.match(router.stderr(), /"msg":"shutdown grace period over; cutting open requests"/);
+    assert.match(router.stderr(), /connections still open after the cut/);
+  } finally {
+    clearTimeout(timer);
+    conn.close();
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});

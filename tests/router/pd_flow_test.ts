@@ -304,3 +304,89 @@ Deno.test("without --unstable-no-legacy-abort served streams still count as 200,
     await Promise.all([router.stop(), p.stop(), d.stop()]);
   }
 });
+
+/**
+ * A decode engine behind a compressing proxy: it gzips every answer whose request offers gzip
+ * (JSON and SSE alike) and answers plainly otherwise.
+ */
+function compressingDecode() {
+  const enc = new TextEncoder();
+  const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, async (req) => {
+    if (new URL(req.url).pathname === "/health") return new Response("ok");
+    const body = await req.json() as { stream?: boolean };
+    const gzip = (req.headers.get("accept-encoding") ?? "").includes("gzip");
+    const parts = body.stream === true
+      ? [0, 1, 2].map((i) =>
+        `data: ${
+          JSON.stringify({
+            id: "c",
+            object: "text_completion",
+            choices: [{ index: 0, text: `z${i}` }],
+          })
+        }\n\n`
+      ).concat("data: [DONE]\n\n")
+      : [JSON.stringify({
+        id: "c",
+        object: "text_completion",
+        choices: [{ index: 0, text: "plain text", finish_reason: "length" }],
+      })];
+    const stream = ReadableStream.from(parts.map((p) => enc.encode(p)));
+    const headers: Record<string, string> = {
+      "content-type": body.stream === true ? "text/event-stream" : "application/json",
+    };
+    if (!gzip) return new Response(stream, { headers });
+    headers["content-encoding"] = "gzip";
+    return new Response(stream.pipeThrough(new CompressionStream("gzip")), { headers });
+  });
+  return { url: `http://127.0.0.1:${server.addr.port}`, stop: () => server.shutdown() };
+}
+
+Deno.test("a decode engine that would compress its answers still reaches the client readable", async () => {
+  const p = await spawnBackend("P0");
+  const d = compressingDecode();
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url]);
+  try {
+    const client = new OpenAI({ baseURL: `${router.url}/v1`, apiKey: API_KEY, maxRetries: 0 });
+    const { data, response } = await client.completions.create({ model: "m", prompt: "x" })
+      .withResponse();
+    assert.equal(data.choices[0].text, "plain text");
+    assert.equal(response.headers.get("content-encoding"), null);
+    const stream = await client.completions.create({ model: "m", prompt: "x", stream: true });
+    const got: string[] = [];
+    for await (const c of stream) got.push(c.choices[0].text);
+    assert.deepEqual(got, ["z0", "z1", "z2"]);
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});
+
+Deno.test("an engine's 500 goes to the client as it is; the log says which phase and engine", async () => {
+  const [p, d] = await Promise.all([spawnBackend("P0"), spawnBackend("D0")]);
+  const router = await spawnRouter(["--prefill", p.url, "--decode", d.url]);
+  const logged = (requestId: string) =>
+    router.stderr().split("\n").filter((l) => l.startsWith("{")).map((l) => JSON.parse(l))
+      .filter((r) => r.request_id === requestId && r.msg === "backend answered with an error");
+  try {
+    await p.control({ failNext: 1, failStatus: 500 });
+    await d.control({ failNext: 1, failStatus: 500 });
+    for (const [id, role, backend] of [["p-500", "prefill", p], ["d-500", "decode", d]] as const) {
+      const res = await fetch(`${router.url}/v1/completions`, {
+        method: "POST",
+        headers: { "x-request-id": id },
+        body: JSON.stringify({ model: "m", prompt: "x" }),
+      });
+      assert.equal(res.status, 500);
+      assert.equal(res.headers.get("x-request-id"), id);
+      assert.match(await res.text(), /failing on purpose/);
+      await waitFor(`the log line of ${id}`, () => logged(id).length === 1);
+      const [line] = logged(id);
+      assert.equal(line.level, "warn");
+      assert.equal(line.role, role);
+      assert.equal(line.backend, backend.url);
+      assert.equal(line.status, 500);
+    }
+    assert.equal((await d.requests()).length, 1, "P's 500 was not sent on to D");
+  } finally {
+    await Promise.all([router.stop(), p.stop(), d.stop()]);
+  }
+});

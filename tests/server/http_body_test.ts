@@ -83,3 +83,36 @@ Deno.test("a broken chunked body on the server's HTTP side is a 400, not a 500",
     await srv.stop();
   }
 });
+
+Deno.test("SIGTERM with a client stalled mid-upload: the server stops within the HTTP close wait and exits 0", async () => {
+  const srv = await startServer();
+  const port = Number(srv.http.slice(srv.http.lastIndexOf(":") + 1));
+  // Headers and the start of a body, then silence: the HTTP layer waits for the other 90 bytes.
+  const conn = await Deno.connect({ hostname: "127.0.0.1", port });
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  try {
+    await conn.write(
+      new TextEncoder().encode(
+        "POST /instances/cleanup HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n" +
+          'content-length: 100\r\n\r\n{"all":',
+      ),
+    );
+    await new Promise((r) => setTimeout(r, 300)); // the handler is reading that body
+    Deno.kill(srv.pid, "SIGTERM");
+    // The close wait (2 s) and the rest of the shutdown, with room for a loaded machine.
+    const exited = await Promise.race([
+      srv.status,
+      new Promise<"hung">((r) => timer = setTimeout(() => r("hung"), 20_000)),
+    ]);
+    assert.notEqual(exited, "hung", "the server did not exit");
+    assert.equal((exited as Deno.CommandStatus).code, 0);
+    assert.ok(
+      srv.logs().some((l) => l.includes('"msg":"HTTP connections still open at shutdown')),
+      "the stalled connection is logged",
+    );
+  } finally {
+    clearTimeout(timer);
+    conn.close();
+    await srv.stop();
+  }
+});
