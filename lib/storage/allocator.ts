@@ -269,6 +269,17 @@ export class PoolAllocator {
       );
     }
     this.#mark(start, n, false);
+    // A run of items may span parts (eviction frees neighbouring victims as one
+    // run): each part's piece becomes a free extent of that part.
+    for (let s = start; s < start + n;) {
+      const end = Math.min(start + n, this.#partEnd(this.#partOfUnit(s)));
+      this.#release(s, end - s);
+      s = end;
+    }
+  }
+
+  /** Makes units [start, start+n) of one part free, coalescing with that part's free neighbours. */
+  #release(start: number, n: number): void {
     let s = start;
     let len = n;
     // Neighbours across a part boundary stay apart (an extent is one node's memory).

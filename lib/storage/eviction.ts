@@ -39,44 +39,48 @@ export function evictBytes(st: StoreState, bytes: number): number {
       runStart[j] = NO_OFFSET;
     }
   };
-  while (freed < bytes) {
-    const b = st.lru.victim();
-    if (!b) break;
-    const ns = st.namespaces.require(b.namespace);
-    if (ns !== runNs) {
-      flush();
-      runNs = ns;
-      runStart = new Float64Array(b.offsets.length).fill(NO_OFFSET);
-      runEnd = new Float64Array(b.offsets.length);
-    }
-    const stride = ns.strideBytes;
-    st.lru.remove(b);
-    for (let j = 0; j < b.offsets.length; j++) {
-      const off = b.offsets[j];
-      if (runStart[j] !== NO_OFFSET && off === runEnd[j]) {
-        runEnd[j] += stride;
-      } else if (runStart[j] !== NO_OFFSET && off + stride === runStart[j]) {
-        runStart[j] = off;
-      } else {
-        if (runStart[j] !== NO_OFFSET) {
-          st.allocator.free(runStart[j], stride, (runEnd[j] - runStart[j]) / stride);
-        }
-        runStart[j] = off;
-        runEnd[j] = off + stride;
+  // A throwing onEvict stops here, but the runs taken so far are still freed.
+  try {
+    while (freed < bytes) {
+      const b = st.lru.victim();
+      if (!b) break;
+      const ns = st.namespaces.require(b.namespace);
+      if (ns !== runNs) {
+        flush();
+        runNs = ns;
+        runStart = new Float64Array(b.offsets.length).fill(NO_OFFSET);
+        runEnd = new Float64Array(b.offsets.length);
       }
-      b.offsets[j] = NO_OFFSET;
+      const stride = ns.strideBytes;
+      st.lru.remove(b);
+      for (let j = 0; j < b.offsets.length; j++) {
+        const off = b.offsets[j];
+        if (runStart[j] !== NO_OFFSET && off === runEnd[j]) {
+          runEnd[j] += stride;
+        } else if (runStart[j] !== NO_OFFSET && off + stride === runStart[j]) {
+          runStart[j] = off;
+        } else {
+          if (runStart[j] !== NO_OFFSET) {
+            st.allocator.free(runStart[j], stride, (runEnd[j] - runStart[j]) / stride);
+          }
+          runStart[j] = off;
+          runEnd[j] = off + stride;
+        }
+        b.offsets[j] = NO_OFFSET;
+      }
+      b.slots.fill(SLOT_EMPTY);
+      b.filled = 0;
+      st.index.remove(b);
+      st.namespaces.recycle(b);
+      freed += ns.blockBytes;
+      evicted++;
+      st.c.evictions++;
+      st.c.evictedBytes += ns.blockBytes;
+      st.onEvict?.(b.namespace, b.hash);
     }
-    b.slots.fill(SLOT_EMPTY);
-    b.filled = 0;
-    st.index.remove(b);
-    st.namespaces.recycle(b);
-    freed += ns.blockBytes;
-    evicted++;
-    st.c.evictions++;
-    st.c.evictedBytes += ns.blockBytes;
-    st.onEvict?.(b.namespace, b.hash);
+  } finally {
+    flush();
   }
-  flush();
   return evicted;
 }
 

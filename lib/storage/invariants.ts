@@ -5,7 +5,7 @@
  * never the hot path.
  *
  * - pool bytes are partitioned exactly into free extents and owned slot
- *   items (no overlap, no leak);
+ *   items (no overlap, no leak); no free extent crosses a pool part (NUMA node);
  * - each block's pin count equals the leases, locks and loads holding it;
  *   pinned blocks are sealed and out of the LRU, unpinned sealed blocks are
  *   in it; evictable bytes and the pinned gauge add up;
@@ -26,7 +26,13 @@ type Range = [offset: number, bytes: number, owner: string];
 /** Throws naming the first broken invariant; returns when the store is consistent. */
 export function verifyStore(st: StoreState): void {
   const ranges: Range[] = [];
-  for (const [off, len] of st.allocator.freeExtents()) ranges.push([off, len, "free"]);
+  for (const [off, len] of st.allocator.freeExtents()) {
+    const part = st.allocator.partOf(off);
+    if (st.allocator.partOf(off + len - 1) !== part) {
+      throw new Error(`free extent [${off}, +${len}) crosses the end of pool part ${part}`);
+    }
+    ranges.push([off, len, "free"]);
+  }
   const pins = holders(st);
   let evictable = 0;
   let pinned = 0;

@@ -59,10 +59,11 @@ export function queryPrefix(
   st.c.hits += hit.length;
   st.c.misses += hashes.length - hit.length;
   if (hit.length === 0) return { hits: 0 };
+  // The lease first (its id source may throw), then its pins: no pin without a holder.
   // No LRU touch: the pin takes each block out of the LRU and the last unpin
   // puts it back at the MRU end, which is where a touch would have moved it.
-  for (const b of hit) st.pin(b);
   const lease = st.leases.create(instance, namespace, hit, worldSize);
+  for (const b of hit) st.pin(b);
   return {
     hits: hit.length,
     lease: { id: lease.id, idBytes: lease.idBytes, expiresAt: lease.expiresAt },

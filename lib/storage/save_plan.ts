@@ -210,16 +210,25 @@ function allocate(
   follows[0] = 0;
   const allocated: [number, number][] = []; // [offset, items] runs, for rollback
   const itemBytes = ns.layout.segmentBytes;
+  const rollback = () => {
+    for (const [off, items] of allocated) st.allocator.free(off, itemBytes, items);
+  };
   for (let c = 0; c < C; c++) {
     let m = 0;
     for (let k = 0; k < count; k++) m += need[k * C + c];
     if (m === 0) continue;
     for (let seg = 0; seg < S; seg++) {
       let runs = st.allocator.allocate(m, itemBytes, t.part);
-      // Fragmentation across namespaces: keep evicting until the items fit.
-      while (runs === null && evictOne(st)) runs = st.allocator.allocate(m, itemBytes, t.part);
+      // Fragmentation across namespaces: keep evicting until the items fit
+      // (an onEvict that throws leaves the columns placed so far freed).
+      try {
+        while (runs === null && evictOne(st)) runs = st.allocator.allocate(m, itemBytes, t.part);
+      } catch (e) {
+        rollback();
+        throw e;
+      }
       if (runs === null) {
-        for (const [off, items] of allocated) st.allocator.free(off, itemBytes, items);
+        rollback();
         return null;
       }
       for (const r of runs) allocated.push([r.offset, r.items]);

@@ -41,20 +41,32 @@ export function completePlan(
       instance: plan.instance,
     });
   }
+  const n = p.blockCount;
+  // Every block's outcome first: a predicate that throws leaves nothing half
+  // completed; the plan then fails whole (slots freed) and the error goes on.
+  let oks: Uint8Array | undefined;
+  if (typeof ok === "function") {
+    oks = new Uint8Array(n);
+    try {
+      for (let k = 0; k < n; k++) oks[k] = ok(k) ? 1 : 0;
+    } catch (e) {
+      completePlan(st, p, false);
+      throw e;
+    }
+  }
   p.settled = true;
   st.plans.delete(p);
   st.inflightCopyBytes -= p.poolBytes;
   const S = p.segments;
   const R = p.rankSlots.length;
   const C = p.layers.length * R;
-  const n = p.blockCount;
   const rankSlotsOf = st.namespaces.require(p.namespace).rankSlots;
   const sealedKeys: string[] = [];
   const sealedHashes: string[] = [];
   let freed = 0;
   for (let k = 0; k < n; k++) {
     const b = p.blocks[k];
-    const blockOk = typeof ok === "boolean" ? ok : ok(k);
+    const blockOk = oks ? oks[k] === 1 : ok === true;
     for (let c = 0; c < C; c++) {
       if (p.offsets[slotColumn(c, 0, S) * n + k] === NO_OFFSET) continue;
       const si = slotIndex(p.layers[Math.floor(c / R)], p.rankSlots[c % R], rankSlotsOf);

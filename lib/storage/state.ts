@@ -50,6 +50,8 @@ export interface KvStoreOptions {
   /**
    * Called synchronously for each evicted block, e.g. to withdraw it from the
    * cross-node index or the SSD write queue. Must not call back into the store.
+   * If it throws, eviction stops at that block (every block evicted so far is
+   * freed, a save being placed rolls back) and the error reaches the caller.
    */
   onEvict?: (namespace: string, hash: string) => void;
 }

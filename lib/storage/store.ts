@@ -191,8 +191,9 @@ export class KvStore {
    * whose every slot is filled are sealed (servable). Not ok: the plan's
    * slots return to EMPTY and their bytes are freed (blocks left with
    * nothing are dropped). `ok` may also be given per plan block (index k in
-   * plan order: a fill whose blocks verify one by one). Throws {@link StaleHandleError} for a plan already
-   * completed or foreign.
+   * plan order: a fill whose blocks verify one by one); when it throws, the
+   * plan completes as failed (every slot freed) and the error is rethrown.
+   * Throws {@link StaleHandleError} for a plan already completed or foreign.
    */
   completeSave(plan: SavePlan, ok: boolean | ((block: number) => boolean)): SaveCompletion {
     return completePlan(this.#st, plan, ok);

@@ -42,8 +42,8 @@ export function lockBlocks(
   if (!ns) return null;
   const { found, blocks } = sealedSubset(st, namespace, hashes);
   if (blocks.length === 0) return null;
+  const lock = st.locks.create(requester, namespace, blocks, 1); // before the pins: no pin without a holder
   for (const b of blocks) st.pin(b);
-  const lock = st.locks.create(requester, namespace, blocks, 1);
   // A block record's offsets are already in column order: transpose to column-major.
   const cols = ns.layout.layers * ns.rankSlots * ns.layout.segments;
   const n = blocks.length;

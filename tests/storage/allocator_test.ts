@@ -192,6 +192,34 @@ Deno.test("parts: a save that names its part lands there, spills over only when 
   assertEquals(a.allocate(33, unit, 0)?.length, 2, "33 items need both parts");
 });
 
+Deno.test("parts: a run of items freed in one call across a part boundary leaves one extent per part", () => {
+  // Eviction frees neighbouring victims as one run; the end of part 0 and the
+  // start of part 1 are neighbours in offsets, never in memory.
+  const unit = 4096;
+  const a = new PoolAllocator({
+    capacityBytes: 8 * unit,
+    unitBytes: unit,
+    parts: [4 * unit, 4 * unit],
+  });
+  assertEquals(a.allocate(4, unit, 0), [{ offset: 0, items: 4 }]);
+  assertEquals(a.allocate(4, unit, 1), [{ offset: 4 * unit, items: 4 }]);
+  a.free(2 * unit, unit, 4); // units 2..5: two of part 0, two of part 1
+  assertEquals(a.freeExtents(), [[2 * unit, 2 * unit], [4 * unit, 2 * unit]]);
+  assertEquals(a.partUsedBytes(), [2 * unit, 2 * unit]);
+  assertEquals([a.partFreeBytes(0), a.partFreeBytes(1)], [2 * unit, 2 * unit]);
+  // Part 0 has room for 2 items, not 4: a 3-item save for it takes those two
+  // and spills the third into part 1 instead of using part 1 as its own.
+  assertEquals(a.allocate(3, unit, 0), [
+    { offset: 2 * unit, items: 2 },
+    { offset: 4 * unit, items: 1 },
+  ]);
+  assertEquals(a.partUsedBytes(), [4 * unit, 3 * unit]);
+  a.free(0, unit, 5); // units 0..4, one run over both parts (unit 5 is free)
+  a.free(6 * unit, unit, 2);
+  assertEquals(a.freeExtents(), [[0, 4 * unit], [4 * unit, 4 * unit]]);
+  assertEquals(a.partUsedBytes(), [0, 0]);
+});
+
 Deno.test("parts must be positive unit multiples inside the capacity", () => {
   const unit = 4096;
   throws(

@@ -1,7 +1,8 @@
 // Random interleavings of save / complete / query / consume / load / release /
-// clock / collect / unregister / evict against the store, checked after every
+// lock / unlock / clock / collect / unregister / evict against the store (one
+// pool, or one split in two NUMA parts that saves name), checked after every
 // step against a small model and the store's own invariant check:
-// - a leased, loading or in-flight-copy block is never evicted or freed;
+// - a leased, loading, locked or in-flight-copy block is never evicted or freed;
 // - an unsealed (half-saved) block is never served;
 // - pool extents never overlap and never leak: after everything ends and is
 //   evicted, free bytes == capacity.
@@ -31,6 +32,7 @@ const opArb = fc.oneof(
       len: fc.integer({ min: 1, max: 5 }),
       rank: fc.nat(1),
       inst: fc.nat(1),
+      part: fc.nat(1),
     }),
   },
   {
@@ -41,6 +43,7 @@ const opArb = fc.oneof(
       start: fc.nat(UNIVERSE - 1),
       len: fc.integer({ min: 1, max: 5 }),
       inst: fc.nat(1),
+      part: fc.nat(1),
     }),
   },
   {
@@ -58,7 +61,8 @@ const opArb = fc.oneof(
     arbitrary: fc.record({
       op: fc.constant("complete" as const),
       pick: fc.nat(),
-      ok: fc.boolean(),
+      // "even": per block, only the plan's even-numbered blocks copied OK (a fill verified block by block).
+      ok: fc.constantFrom(true, false, "even" as const),
     }),
   },
   {
@@ -88,6 +92,17 @@ const opArb = fc.oneof(
       ms: fc.oneof(fc.integer({ min: 0, max: 60_000 }), fc.integer({ min: 200_000, max: 700_000 })),
     }),
   },
+  {
+    weight: 2,
+    arbitrary: fc.record({
+      op: fc.constant("lock" as const),
+      ns: fc.nat(1),
+      start: fc.nat(UNIVERSE - 1),
+      len: fc.integer({ min: 1, max: 4 }),
+      inst: fc.nat(1),
+    }),
+  },
+  { weight: 2, arbitrary: fc.record({ op: fc.constant("unlock" as const), pick: fc.nat() }) },
   { weight: 1, arbitrary: fc.record({ op: fc.constant("drop" as const), inst: fc.nat(1) }) },
   { weight: 1, arbitrary: fc.record({ op: fc.constant("evictAll" as const) }) },
 );
@@ -104,10 +119,14 @@ type Op = typeof opArb extends fc.Arbitrary<infer T> ? T : never;
 
 let coverage: ((s: ReturnType<KvStore["stats"]>) => void) | undefined;
 
-function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
+function run(ops: Op[], capacityBlocks: number, lfu: boolean, split: boolean): void {
   const clock = new FakeClock();
   const store = new KvStore({
     capacityBytes: capacityBlocks * 32 * 1024,
+    // Two NUMA parts: saves name one; eviction frees victims of both as runs.
+    parts: split
+      ? [Math.floor(capacityBlocks / 2) * 32 * 1024, Math.ceil(capacityBlocks / 2) * 32 * 1024]
+      : undefined,
     clock: clock.read,
     lfuCapacityBlocks: lfu ? 32 : undefined,
   });
@@ -115,6 +134,7 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
   const plans: { plan: SavePlan; keys: string[] }[] = [];
   const leases: LiveLease[] = [];
   const tickets: { t: LoadTicket; keys: string[] }[] = [];
+  const locks: LiveLease[] = [];
   /** Model: ranks whose slots of a block completed OK since it last existed. */
   const done = new Map<string, Set<number>>();
   const keyOf = (ns: number, i: number) => `${NAMESPACES[ns]}:${h(i % UNIVERSE)}`;
@@ -133,6 +153,7 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
           instance: INSTANCES[o.inst],
           rank: o.rank,
           hashes,
+          poolPart: o.part,
         });
         if (r.ok) {
           plans.push({
@@ -151,6 +172,7 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
             instance: INSTANCES[o.inst],
             rank,
             hashes,
+            poolPart: o.part,
           });
           if (!r.ok) continue;
           store.completeSave(r.plan, true);
@@ -182,11 +204,13 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
       case "complete": {
         if (plans.length === 0) break;
         const [{ plan, keys }] = plans.splice(o.pick % plans.length, 1);
-        store.completeSave(plan, o.ok);
+        const blockOk = (b: number) => o.ok === true || (o.ok === "even" && b % 2 === 0);
+        store.completeSave(plan, o.ok === "even" ? blockOk : o.ok);
         if (o.ok) {
           // Which ranks this plan wrote for each block: the slots it did not skip.
           const n = plan.blockCount;
           keys.forEach((k, b) => {
+            if (!blockOk(b)) return;
             if (!done.has(k)) done.set(k, new Set());
             plan.rankSlots.forEach((r, ri) => {
               if (plan.offsets[ri * plan.segments * n + b] !== -1) done.get(k)!.add(r);
@@ -250,14 +274,45 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
         }
         break;
       }
+      case "lock": {
+        // A transfer lock (SSD writer, peer read) pins the sealed subset until released or expired.
+        const hashes = Array.from({ length: o.len }, (_, k) => h((o.start + k) % UNIVERSE));
+        const lock = store.lockForTransfer(NAMESPACES[o.ns], hashes, INSTANCES[o.inst]);
+        if (lock) {
+          const keys = [...lock.found].map((i) => `${NAMESPACES[o.ns]}:${hashes[i]}`);
+          for (const k of keys) strictEqual(state(k), "sealed", `locked ${k} is not sealed`);
+          locks.push({
+            id: lock.id,
+            inst: INSTANCES[o.inst],
+            keys,
+            expiresAt: lock.expiresAt,
+            consumed: new Set(),
+          });
+        }
+        break;
+      }
+      case "unlock": {
+        if (locks.length === 0) break;
+        const [l] = locks.splice(o.pick % locks.length, 1);
+        try {
+          store.releaseTransferLock(l.id);
+          assert(live(l), "an expired transfer lock was released");
+        } catch (e) {
+          if (!(e instanceof LeaseError)) throw e;
+          assert(!live(l), "a live transfer lock could not be released");
+        }
+        break;
+      }
       case "tick":
         clock.tick(o.ms);
         store.collect();
         break;
       case "drop": {
         store.dropInstance(INSTANCES[o.inst]);
-        for (let i = leases.length - 1; i >= 0; i--) {
-          if (leases[i].inst === INSTANCES[o.inst]) leases.splice(i, 1);
+        for (const held of [leases, locks]) {
+          for (let i = held.length - 1; i >= 0; i--) {
+            if (held[i].inst === INSTANCES[o.inst]) held.splice(i, 1);
+          }
         }
         break;
       }
@@ -268,9 +323,9 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
     // Forget blocks the store dropped (evicted, collected, failed), then check.
     for (const k of [...done.keys()]) if (state(k) === "absent") done.delete(k);
     store.verify();
-    for (const l of leases) {
+    for (const l of [...leases, ...locks]) {
       if (live(l)) {
-        for (const k of l.keys) strictEqual(state(k), "sealed", `leased ${k} was freed`);
+        for (const k of l.keys) strictEqual(state(k), "sealed", `leased or locked ${k} was freed`);
       }
     }
     for (const { keys } of tickets) {
@@ -302,8 +357,9 @@ function run(ops: Op[], capacityBlocks: number, lfu: boolean): void {
     st.inflightBlocks,
     st.pinnedBlocks,
     st.leasesActive,
+    st.transferLocksActive,
     st.loadsInflight,
-  ], [0, 0, 0, 0, 0]);
+  ], [0, 0, 0, 0, 0, 0]);
 }
 
 Deno.test("property: random interleavings never free a held block, never serve a half-saved one, never leak", () => {
@@ -312,13 +368,14 @@ Deno.test("property: random interleavings never free a held block, never serve a
       fc.array(opArb, { minLength: 20, maxLength: 120 }),
       fc.integer({ min: 2, max: 12 }),
       fc.boolean(),
+      fc.boolean(),
       run,
     ),
-    { numRuns: 300 },
+    { numRuns: 1000 },
   );
 });
 
-Deno.test("the random interleavings reach hits, loads, evictions, refusals, expiries and stale collection", () => {
+Deno.test("the random interleavings reach hits, loads, evictions, refusals, expiries, stale collection and locks", () => {
   // Guards the generator: a property over runs that never evict proves nothing.
   const sum: Record<string, number> = {};
   coverage = (st) => {
@@ -329,6 +386,7 @@ Deno.test("the random interleavings reach hits, loads, evictions, refusals, expi
       fc.property(
         fc.array(opArb, { minLength: 20, maxLength: 120 }),
         fc.integer({ min: 2, max: 12 }),
+        fc.boolean(),
         fc.boolean(),
         run,
       ),
@@ -345,6 +403,7 @@ Deno.test("the random interleavings reach hits, loads, evictions, refusals, expi
       "leasesExpired",
       "staleCollected",
       "admissionRejections",
+      "transferLocksActive",
     ]
   ) {
     assert(sum[k] > 0, `no run reached ${k}`);

@@ -486,6 +486,34 @@ Deno.test("onEvict reports each evicted block; completion reports the sealed has
   assertEquals(evicted, [`${NS}:${h(0)}`]);
 });
 
+Deno.test("evicting blocks side by side across a NUMA part boundary frees each part's bytes to that part", () => {
+  // One 4 KiB item per block, a pool of two 2-unit parts: the saves fill part 0
+  // up to its end and part 1 from its start, so the victims' items are neighbours.
+  const one = { layers: 1, tpSize: 1, collapseTp: false, segments: 1, segmentBytes: 4096 };
+  const { store } = makeStore(4, { parts: [2 * 4096, 2 * 4096] }, one);
+  for (const [part, hashes] of [[0, hs(0, 2)], [1, hs(2, 4)]] as const) {
+    const b = store.beginSave({ namespace: NS, instance: "eng", rank: 0, hashes, poolPart: part });
+    assert(b.ok);
+    store.completeSave(b.plan, true);
+  }
+  assertEquals(store.stats().partUsedBytes, [2 * 4096, 2 * 4096]);
+  strictEqual(store.evictAll(), 4);
+  store.verify();
+  assertEquals(store.allocator.freeExtents(), [[0, 2 * 4096], [2 * 4096, 2 * 4096]]);
+  assertEquals(store.stats().partUsedBytes, [0, 0]);
+  // Three blocks for part 0: two fit there, the third spills into part 1.
+  const b = store.beginSave({
+    namespace: NS,
+    instance: "eng",
+    rank: 0,
+    hashes: hs(4, 7),
+    poolPart: 0,
+  });
+  assert(b.ok);
+  assertEquals(store.stats().partUsedBytes, [2 * 4096, 4096]);
+  store.completeSave(b.plan, false);
+});
+
 Deno.test("the same content hash in two namespaces is two different blocks", () => {
   const { store } = makeStore(8);
   const other = "fedcba9876543210";
