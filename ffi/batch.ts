@@ -17,6 +17,7 @@ import {
   type Region,
 } from "./native.ts";
 import type { SharedMemory } from "./native.ts";
+import { isU53, notU53 } from "./structs.ts";
 
 const HEADER_BYTES = 32;
 const GROUP_BYTES = 16;
@@ -192,11 +193,22 @@ export class CopyBatch {
     return this;
   }
 
-  /** Adds one segment to the current group. Offsets/bytes < 2^53. */
+  /**
+   * Adds one segment to the current group. Offsets and bytes are integers in
+   * [0, 2^53): anything else (negative, NaN, fractional) throws a RangeError
+   * here, since its u32 halves would spell another, valid-looking offset.
+   */
   seg(regionOff: number, poolOff: number, bytes: number): this {
     if (this.#groups === 0) throw new RangeError("CopyBatch.seg: call group() first");
     if (this.#segs === this.maxSegs) {
       throw new RangeError(`CopyBatch.seg: batch holds at most ${this.maxSegs} segments`);
+    }
+    if (!(isU53(regionOff) && isU53(poolOff) && isU53(bytes))) {
+      throw notU53(
+        `CopyBatch.seg: segment ${this.#segs} (group ${this.#groups - 1})`,
+        ["regionOff", "poolOff", "bytes"],
+        [regionOff, poolOff, bytes],
+      );
     }
     const u = this.#u32;
     const w = this.#segsWord + this.#segs * (SEG_BYTES >> 2);

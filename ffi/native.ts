@@ -543,6 +543,13 @@ export class Pool {
    * range is in flight.
    */
   view(off: number, len: number): Uint8Array {
+    if (this.#closed) {
+      throw new NativeError(
+        "Pool.view",
+        PF_STATUS.PF_EHANDLE,
+        `pool ${this.handle} is closed: its memory is unmapped (or another pool's now)`,
+      );
+    }
     if (
       !Number.isSafeInteger(off) || !Number.isSafeInteger(len) || off < 0 || len < 0 ||
       off + len > this.bytes
@@ -701,6 +708,13 @@ export class SharedMemory {
    * view kills this process with SIGBUS.
    */
   view(): Uint8Array {
+    if (this.#closed) {
+      throw new NativeError(
+        "SharedMemory.view",
+        PF_STATUS.PF_EHANDLE,
+        `shm ${this.handle} (${this.name}) is closed: its mapping is gone`,
+      );
+    }
     return new Uint8Array(Deno.UnsafePointerView.getArrayBuffer(this.#ptr, this.bytes));
   }
 

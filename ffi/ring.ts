@@ -76,6 +76,8 @@ export class CompletionRing {
   readonly #subject = new Subject<Completion>();
   #seen = 0;
   #loop: Promise<void> | undefined;
+  /** The reader loop has returned: no wait pending, no record being read. */
+  #loopDone = false;
   #destroyed = false;
 
   /** Creates a ring of `capacity` records (power of two, 16 .. 2^24). */
@@ -107,7 +109,7 @@ export class CompletionRing {
   }
 
   #start(): void {
-    if (!this.#loop) this.#loop = this.#run();
+    if (!this.#loop) this.#loop = this.#run().finally(() => (this.#loopDone = true));
   }
 
   async #run(): Promise<void> {
@@ -149,9 +151,22 @@ export class CompletionRing {
     if (this.#loop) await this.#loop;
   }
 
-  /** Frees the ring. @throws NativeError PF_EBUSY while work or a wait uses it. */
+  /**
+   * Frees the ring. @throws NativeError PF_EBUSY while work or a wait uses
+   * it, and while the reader runs (until {@link CompletionRing.shutdown}
+   * resolved): between two waits, and inside a subscriber, the library
+   * counts no waiter, but the reader still reads records and the tail word.
+   */
   destroy(): void {
     if (this.#destroyed) return;
+    if (this.#loop && !this.#loopDone) {
+      throw new NativeError(
+        "pf_ring_destroy",
+        PF_STATUS.PF_EBUSY,
+        `ring ${this.handle}: its reader is still running (consumed ${this.#seen}); ` +
+          `await shutdown() first`,
+      );
+    }
     check("pf_ring_destroy", this.#pf.pf_ring_destroy(this.handle));
     this.#destroyed = true;
   }

@@ -21,6 +21,28 @@ function view(buf: Uint8Array, bytes: number, what: string): DataView {
   return new DataView(buf.buffer, buf.byteOffset, bytes);
 }
 
+/**
+ * True for an integer in [0, 2^53): a u64 descriptor field that a Number
+ * carries exactly and the u32-pair encoding (`x >>> 0`, `(x / 2^32) >>> 0`)
+ * writes as itself. A negative value would come out as 2^32 - |x|, NaN or
+ * a fraction as a truncated one: other offsets the library would accept.
+ */
+export function isU53(x: number): boolean {
+  return Number.isSafeInteger(x) && x >= 0;
+}
+
+/** The RangeError naming the first of `values` (named `names`) that is not {@link isU53}. */
+export function notU53(
+  where: string,
+  names: readonly string[],
+  values: readonly number[],
+): RangeError {
+  const i = values.findIndex((x) => !isU53(x));
+  return new RangeError(
+    `${where}: ${names[i]} ${values[i]} is not an integer in [0, 2^53)`,
+  );
+}
+
 function u64(v: DataView, off: number): number {
   return Number(v.getBigUint64(off, true));
 }

@@ -18,6 +18,8 @@ import {
   type FileInfo,
   FS_USAGE_BYTES,
   type FsSpace,
+  isU53,
+  notU53,
   URING_STATS_BYTES,
   type UringInfo,
 } from "./structs.ts";
@@ -51,6 +53,18 @@ export const URING_SYMBOLS = {
     parameters: ["u32", "buffer", "u64", "buffer", "u32", "buffer"],
     result: "i32",
     nonblocking: true,
+  },
+  // The same two calls on the JS thread, only to read a failure's text: they
+  // fail in validation, before any work, and pf_last_error is thread-local.
+  pf_pool_crc32c_here: {
+    name: "pf_pool_crc32c",
+    parameters: ["u32", "buffer", "u64", "buffer"],
+    result: "i32",
+  },
+  pf_pool_checksums_here: {
+    name: "pf_pool_checksums",
+    parameters: ["u32", "buffer", "u64", "buffer", "u32", "buffer"],
+    result: "i32",
   },
 } as const satisfies Deno.ForeignLibraryInterface;
 
@@ -150,15 +164,30 @@ export function fsSpace(path: string): FsSpace {
  * ```
  */
 export class Uring {
-  /** The header staging arena (hdrPages × IO_HDR_BYTES), shared with C. */
-  readonly headers: Uint8Array;
+  readonly #headers: Uint8Array;
   #closed = false;
 
   private constructor(readonly handle: number, readonly depth: number, readonly hdrPages: number) {
     const ptr = uringLib().pf_uring_hdr_ptr(handle);
-    this.headers = hdrPages > 0 && ptr
+    this.#headers = hdrPages > 0 && ptr
       ? new Uint8Array(Deno.UnsafePointerView.getArrayBuffer(ptr, hdrPages * IO_HDR_BYTES))
       : new Uint8Array(0);
+  }
+
+  /**
+   * The header staging arena (hdrPages × IO_HDR_BYTES), shared with C.
+   * @throws PegaflowIoError PF_EHANDLE once {@link Uring.close} began: the
+   *   library frees the arena.
+   */
+  get headers(): Uint8Array {
+    if (this.#closed) {
+      throw new PegaflowIoError(
+        "Uring.headers",
+        -2,
+        `uring ${this.handle} is closed: its header arena is freed`,
+      );
+    }
+    return this.#headers;
   }
 
   /** `pf_uring_open`. `depth` is a power of two ≤ 4096. */
@@ -245,8 +274,20 @@ export class Uring {
 export async function poolCrc32c(pool: number, desc: Uint8Array, out: Uint32Array): Promise<void> {
   const rc = await uringLib().pf_pool_crc32c(pool, desc, BigInt(desc.byteLength), out);
   if (rc < 0) {
-    throw new PegaflowIoError("pf_pool_crc32c", rc, "malformed descriptor or pool handle");
+    const again = uringLib().pf_pool_crc32c_here(pool, desc, BigInt(desc.byteLength), out);
+    throw new PegaflowIoError("pf_pool_crc32c", rc, failureText(again, pool));
   }
+}
+
+/**
+ * The text of a checksum call that failed off the JS thread, from the same
+ * call run again here (`again`: its status). Every failure of these calls is
+ * a check of the handle and the extents before any byte is read, so it fails
+ * again, at once, and this thread's pf_last_error holds the library's text.
+ */
+function failureText(again: number, pool: number): string {
+  if (again < 0) return lastError();
+  return `pool ${pool}: refused off the JS thread, accepted when run again (its handle or extents changed meanwhile)`;
 }
 
 /**
@@ -275,7 +316,14 @@ export async function poolChecksums(
   let w = 0;
   for (let i = 0; i < blocks.length; i++) {
     counts[i] = blocks[i].length;
-    for (const x of blocks[i]) {
+    for (let j = 0; j < blocks[i].length; j++) {
+      const x = blocks[i][j];
+      if (!(isU53(x.offset) && isU53(x.bytes))) {
+        throw notU53(`poolChecksums: block ${i} extent ${j}`, ["offset", "bytes"], [
+          x.offset,
+          x.bytes,
+        ]);
+      }
       exts[w++] = x.offset >>> 0;
       exts[w++] = (x.offset / 4294967296) >>> 0;
       exts[w++] = x.bytes >>> 0;
@@ -291,11 +339,15 @@ export async function poolChecksums(
     new Uint8Array(out.buffer),
   );
   if (rc < 0) {
-    throw new PegaflowIoError(
-      "pf_pool_checksums",
-      rc,
-      `${blocks.length} blocks, ${n} extents: an extent is empty or outside the pool`,
+    const again = uringLib().pf_pool_checksums_here(
+      pool,
+      new Uint8Array(exts.buffer),
+      BigInt(n),
+      new Uint8Array(counts.buffer),
+      blocks.length,
+      new Uint8Array(out.buffer),
     );
+    throw new PegaflowIoError("pf_pool_checksums", rc, failureText(again, pool));
   }
   return out;
 }

@@ -17,6 +17,8 @@ import type { CompletionRing } from "./ring.ts";
 import {
   decodeXferPeerStatus,
   decodeXferStats,
+  isU53,
+  notU53,
   type PeerState,
   XFER_PEER_STATUS_BYTES,
   XFER_STATS_BYTES,
@@ -213,7 +215,7 @@ export class XferEndpoint {
   readonly #peers = new Set<XferPeer>();
   readonly #immTag: number;
   #nextTag: number;
-  #closed = false;
+  #closing: Promise<void> | undefined;
 
   private constructor(handle: number, opts: XferEndpointOptions) {
     this.handle = handle;
@@ -301,12 +303,27 @@ export class XferEndpoint {
     }
   }
 
-  /** Closes every peer, then the endpoint (listener and serving threads). */
-  async close(): Promise<void> {
-    if (this.#closed) return;
-    this.#closed = true;
+  /**
+   * Closes every peer (waiting for closes already under way), then the
+   * endpoint (listener and serving threads). Idempotent; after a failure
+   * (PF_EBUSY: a peer this object does not track is open) it may be retried.
+   */
+  close(): Promise<void> {
+    this.#closing ??= this.#close().catch((e) => {
+      this.#closing = undefined;
+      throw e;
+    });
+    return this.#closing;
+  }
+
+  async #close(): Promise<void> {
     for (const p of [...this.#peers]) await p.close();
-    check("pf_xfer_close", await xferLib().pf_xfer_close(this.handle));
+    const rc = await xferLib().pf_xfer_close(this.handle);
+    if (rc < 0) {
+      // The C text stays on the worker thread that ran the call: say what is known here.
+      const open = rc === PF_STATUS.PF_EBUSY ? `still has ${this.info().peers} peer(s) open` : "";
+      throw new NativeError("pf_xfer_close", rc, `endpoint ${this.handle} ${open}`.trimEnd());
+    }
     this.#sub.unsubscribe();
   }
 }
@@ -316,6 +333,7 @@ export class XferPeer {
   readonly handle: number;
   readonly #ep: XferEndpoint;
   #closed = false;
+  #closing: Promise<void> | undefined;
 
   /** @internal Use {@link XferEndpoint.createPeer}. */
   constructor(handle: number, ep: XferEndpoint) {
@@ -337,6 +355,18 @@ export class XferPeer {
   /** Connects to the remote described by `remote` ("host:port" for TCP). */
   async connect(remote: Uint8Array | string, timeoutMs: number): Promise<void> {
     const bytes = typeof remote === "string" ? ENCODER.encode(remote) : remote;
+    // The peer keeps the text of a failed connect attempt only: the library's
+    // argument checks leave theirs on the worker thread, where lastError()
+    // would answer "" or an earlier attempt's text. So they are made here.
+    const refuse = (code: number, why: string) => {
+      throw new NativeError("pf_xfer_peer_connect", code, `peer ${this.handle}: ${why}`);
+    };
+    if (this.#closed) refuse(PF_STATUS.PF_EHANDLE, "is closed");
+    if (bytes.length === 0) refuse(PF_STATUS.PF_EINVAL, "remote info is empty");
+    if (!(Number.isInteger(timeoutMs) && timeoutMs > 0 && timeoutMs <= 0x7fffffff)) {
+      refuse(PF_STATUS.PF_EINVAL, `timeoutMs ${timeoutMs} must be an integer in [1, 2^31)`);
+    }
+    if (this.state().connected) refuse(PF_STATUS.PF_EINVAL, "is already connected");
     const rc = await xferLib().pf_xfer_peer_connect(this.handle, bytes, bytes.length, timeoutMs);
     // pf_last_error belongs to the worker thread that ran the call; the peer
     // keeps its own copy.
@@ -377,12 +407,25 @@ export class XferPeer {
     return this.#ep.track(tag, crcs ?? undefined);
   }
 
-  /** Cancels what is in flight (records say PF_ESHUTDOWN) and disconnects. */
-  async close(): Promise<void> {
-    if (this.#closed) return;
+  /**
+   * Cancels what is in flight (records say PF_ESHUTDOWN) and disconnects.
+   * Idempotent: every call resolves when the one close has finished, and the
+   * endpoint's close waits for it too.
+   */
+  close(): Promise<void> {
     this.#closed = true;
-    this.#ep.forget(this);
-    check("pf_xfer_peer_close", await xferLib().pf_xfer_peer_close(this.handle));
+    this.#closing ??= this.#close();
+    return this.#closing;
+  }
+
+  async #close(): Promise<void> {
+    try {
+      const rc = await xferLib().pf_xfer_peer_close(this.handle);
+      // The C text stays on the worker thread that ran the call.
+      if (rc < 0) throw new NativeError("pf_xfer_peer_close", rc, `peer ${this.handle}`);
+    } finally {
+      this.#ep.forget(this);
+    }
   }
 }
 
@@ -459,10 +502,17 @@ export class XferBatch {
     return this;
   }
 
-  /** Adds (remote offset, local offset, bytes); values < 2^53. */
+  /** Adds (remote offset, local offset, bytes): integers in [0, 2^53), else a RangeError. */
   seg(remoteOff: number, localOff: number, bytes: number): this {
     if (this.#segs === this.maxSegs) {
       throw new RangeError(`XferBatch.seg: batch holds at most ${this.maxSegs} segments`);
+    }
+    if (!(isU53(remoteOff) && isU53(localOff) && isU53(bytes))) {
+      throw notU53(`XferBatch.seg: segment ${this.#segs}`, ["remoteOff", "localOff", "bytes"], [
+        remoteOff,
+        localOff,
+        bytes,
+      ]);
     }
     const u = this.#u32;
     const w = (HEADER_BYTES >> 2) + this.#segs * (SEG_BYTES >> 2);
@@ -487,6 +537,7 @@ export class XferBatch {
     if (this.#groups === this.maxGroups) {
       throw new RangeError(`XferBatch.group: batch holds at most ${this.maxGroups} groups`);
     }
+    if (!isU53(bytes)) throw notU53(`XferBatch.group: group ${this.#groups}`, ["bytes"], [bytes]);
     const w = 2 * this.#groups++;
     this.#groupWords[w] = bytes >>> 0;
     this.#groupWords[w + 1] = (bytes / TWO32) >>> 0;

@@ -57,7 +57,7 @@ Deno.test("a refused write batch is counted and logged per block, its pin outliv
         h.logs.some((l) =>
           l.includes('"level":"error"') && l.includes(`"block":"${k}"`) &&
           l.includes(`"namespace":"${TEST_NAMESPACE}"`) && l.includes('"path"') &&
-          l.includes('"offset"') && l.includes("malformed descriptor")
+          l.includes('"offset"') && l.includes("is empty or outside the pool")
         ),
         h.logs.join("\n"),
       );
