@@ -16,7 +16,7 @@ import { createHash } from "node:crypto";
 import { InvalidArgumentError } from "./errors.ts";
 import { MAX_HASH_BYTES } from "../limits.ts";
 
-/** How one layer's KV is laid out per block (see DESIGN.md, Layout). */
+/** How one layer's KV is laid out per block (docs/storage.md). */
 export type LayoutKind = "kv-split" | "mla" | "cross-layer";
 
 /** Everything that changes the stored bytes of a block. */

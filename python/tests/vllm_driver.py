@@ -1,6 +1,6 @@
 """A minimal vLLM-shaped driver for the connector tests: a scheduler that
 calls the scheduler-side connector as vllm/v1/core/sched/scheduler.py does
-(engines.md §1.2) and a model runner that calls the worker-side connector
+(docs/minivllm.md has the order) and a model runner that calls the worker-side connector
 in ActiveKVConnector's order, with a tiny fake "model" writing known bytes.
 
 The fake model: the K (seg 0) / V (seg 1) of token position p in layer l is

@@ -434,7 +434,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     Abstract methods (as in vLLM: a subclass missing one cannot be instantiated) raise
     NotImplementedError when called through `super()`; optional ones return what vLLM's
-    base returns. The per-step call order is in `pegaflow.minivllm` (docs: engines.md §1.2).
+    base returns. The per-step call order is in `pegaflow.minivllm` (docs/minivllm.md).
     """
 
     def __init__(
