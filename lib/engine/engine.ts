@@ -376,7 +376,10 @@ export class KvEngine {
   /** Cleans every instance up and stops accepting work. */
   async close(): Promise<void> {
     this.#closed = true;
-    for (const id of [...this.#ctx.instances.keys()]) await this.unregister(id, "shutdown");
+    for (const id of [...this.#ctx.instances.keys()]) {
+      // One cleaned up meanwhile (its session dropped while another drained) is gone already.
+      if (this.#ctx.instances.has(id)) await this.unregister(id, "shutdown");
+    }
   }
 
   #instance(id: string, what: string): Instance {

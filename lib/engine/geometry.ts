@@ -43,6 +43,23 @@ export function segmentAddr(g: Geometry, block: number, seg: number): number {
   return g.baseOffset + block * g.blockStride + seg * g.segStride;
 }
 
+/**
+ * Why `id` names no block of a layer of `numBlocks` blocks, for a refusal's
+ * message (the caller checks `id < numBlocks && id >= 0 && Number.isInteger(id)`:
+ * the wire's uint32 cannot be negative, an in-process caller's number can).
+ *
+ * @example
+ * ```ts
+ * outOf(16, 16); // ">= num_blocks 16"
+ * outOf(-1, 16); // "is not a block index 0..15"
+ * ```
+ */
+export function outOf(id: number, numBlocks: number): string {
+  return id >= numBlocks
+    ? `>= num_blocks ${numBlocks}`
+    : `is not a block index 0..${numBlocks - 1}`;
+}
+
 /** [first byte, end) of everything this layer's geometry can address. */
 export function footprint(g: Geometry): [number, number] {
   const end = segmentAddr(g, g.numBlocks - 1, g.numSegments - 1) + g.segBytes;

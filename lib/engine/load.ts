@@ -35,6 +35,7 @@ import {
   STATE_REJECTED,
 } from "./load_state.ts";
 import { LoadStateMaps } from "./load_state_maps.ts";
+import { outOf } from "./geometry.ts";
 import { type BatchWriter, ClientMemoryFault, type ShmPort } from "./ports.ts";
 
 export interface LoadArgs {
@@ -131,6 +132,8 @@ export class LoadRunner {
     }
     // The rank's layer count once known: a refusal then marks exactly that many layers done.
     let numLayers: number | undefined;
+    // Only a block whose header says it is a load state gets the refusal written into it.
+    let isLoadState = false;
     try {
       this.#stateOp(
         () => checkLoadState(shm, args.loadStateShm),
@@ -138,6 +141,7 @@ export class LoadRunner {
         args.loadStateShm,
         fields,
       );
+      isLoadState = true;
       const inst = instance(args.instanceId);
       const rank = inst.rankCtx(args.tpRank, args.ppRank, "Load");
       numLayers = rank.layers.length;
@@ -150,7 +154,8 @@ export class LoadRunner {
       checkTargets(loadWho(inst, rank, args), fields, rank, args.blockIds);
       return { job: { args, inst, rank, shm, tEntry }, fields };
     } catch (e) {
-      this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
+      // Another object's bytes, or another version's layout, are not ours to write.
+      if (isLoadState) this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
       this.#releaseShm(args, shm);
       throw e;
     }
@@ -339,14 +344,10 @@ export class LoadRunner {
         });
       },
       (e) => {
-        // The native layer writes a failed batch's state itself; this also covers
-        // a failure it could not report there, so the engine never waits forever.
-        this.#failState(
-          shm,
-          args.loadStateShm,
-          (e as { status?: number }).status ?? STATE_REJECTED,
-          rank.layers.length,
-        );
+        // Nothing is written into the load state here: the native layer wrote the
+        // failure (state, then layers_ready) when the batch ended (pf_batch_done),
+        // before this record was posted. The engine may have seen it and started
+        // another load with the same block since; a write now would land on that one.
         this.ctx.metrics?.loadDone(0, (performance.now() - t.t0) / 1000, false, rank.deviceId);
         this.ctx.log.warn("load copy failed", {
           request: args.requestId || undefined,
@@ -427,9 +428,9 @@ function checkTargets(
     const numBlocks = l.geometry.numBlocks;
     if (numBlocks === checked) continue;
     for (let i = 0; i < ids.length; i++) {
-      if (!(ids[i] < numBlocks)) {
+      if (!(ids[i] < numBlocks && ids[i] >= 0 && Number.isInteger(ids[i]))) {
         throw invalid(
-          `${who} layer "${l.name}": target block id ${ids[i]} >= num_blocks ${numBlocks}`,
+          `${who} layer "${l.name}": target block id ${ids[i]} ${outOf(ids[i], numBlocks)}`,
           { ...fields, layer: l.name, blockId: ids[i], expected: `< ${numBlocks}`, got: ids[i] },
         );
       }

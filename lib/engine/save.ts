@@ -16,6 +16,7 @@ import type { TransferPlanner } from "../transfer/plan.ts";
 import { type EngineContext, round3 } from "./context.ts";
 import { Code, EngineError, type ErrorFields, invalid } from "./errors.ts";
 import type { Instance, LayerCtx, RankCtx } from "./instances.ts";
+import { outOf } from "./geometry.ts";
 import { type BatchWriter, ClientMemoryFault } from "./ports.ts";
 
 export interface SaveArgs {
@@ -290,8 +291,8 @@ function checkBlocks(
 ): void {
   for (let i = 0; i < ls.blockIds.length; i++) {
     const id = ls.blockIds[i];
-    if (!(id < numBlocks)) {
-      throw invalid(`${who} layer "${ls.layerName}": block id ${id} >= num_blocks ${numBlocks}`, {
+    if (!(id < numBlocks && id >= 0 && Number.isInteger(id))) {
+      throw invalid(`${who} layer "${ls.layerName}": block id ${id} ${outOf(id, numBlocks)}`, {
         ...fields,
         blockId: id,
         expected: `< ${numBlocks}`,

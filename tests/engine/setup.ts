@@ -1,0 +1,88 @@
+/**
+ * An in-process KvEngine over the real host backend and a real store, for
+ * the engine's own tests: the native port can hold a batch's completion
+ * back (as a busy event loop would deliver it late) while the native layer
+ * has already finished the copy and written its progress words.
+ */
+import { KvEngine } from "../../lib/engine/engine.ts";
+import { openNative } from "../../lib/engine/native_adapter.ts";
+import type { CopyDone, NativePort } from "../../lib/engine/ports.ts";
+import { KvStore } from "../../lib/storage/store.ts";
+import { Logger } from "../../lib/log.ts";
+import { PegaflowClient } from "../../lib/client/client.ts";
+import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { PROTOCOL_VERSION } from "../../lib/engine/engine.ts";
+
+export const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
+export const silent = new Logger("error", {}, () => {});
+
+/** A native port whose next submitted batch reports its completion only once released. */
+export interface HeldNative {
+  port: NativePort;
+  /** Holds the completion of the next batch submitted; resolves the release function. */
+  holdNext(): { release: () => void; submitted: Promise<void> };
+}
+
+function holding(native: NativePort): HeldNative {
+  let hold: { gate: Promise<void>; onSubmit: () => void } | undefined;
+  const port: NativePort = {
+    ...native,
+    submit(b) {
+      const copy = native.submit(b);
+      const h = hold;
+      if (!h) return copy;
+      hold = undefined;
+      h.onSubmit();
+      return copy.then(
+        (d: CopyDone) => h.gate.then(() => d),
+        (e: unknown) => h.gate.then(() => Promise.reject(e)),
+      );
+    },
+  };
+  return {
+    port,
+    holdNext() {
+      let release!: () => void;
+      let onSubmit!: () => void;
+      const gate = new Promise<void>((r) => release = r);
+      const submitted = new Promise<void>((r) => onSubmit = r);
+      hold = { gate, onSubmit };
+      return { release, submitted };
+    },
+  };
+}
+
+/** An engine, its store and native port, and `instances` simulated ranks registered (TP 1). */
+export async function setup(instances: string[], numBlocks = 64) {
+  const native = await openNative({
+    backend: "host",
+    devices: [0],
+    poolBytes: 64 << 20,
+    useHugepages: false,
+    transferPath: "auto",
+  }, silent);
+  const held = holding(native);
+  const store = new KvStore({ capacityBytes: native.poolBytes });
+  const engine = new KvEngine({ native: held.port, store, log: silent, leaseTtlMs: 60_000 });
+  // The simulated engines only need their regions here; no server connection is made.
+  const client = new PegaflowClient("127.0.0.1:1");
+  const sims = instances.map((instanceId) => {
+    const sim = SimEngine.create({
+      client,
+      instanceId,
+      namespace: `ns-${instanceId}`,
+      model: MODEL,
+      numBlocks,
+      backend: "host",
+    });
+    engine.register({ ...sim.registration(), clientVersion: PROTOCOL_VERSION });
+    return sim;
+  });
+  const teardown = async () => {
+    await engine.close();
+    await native.close();
+    for (const s of sims) s.close();
+    client.close();
+  };
+  return { engine, store, native, held, sims, teardown };
+}
