@@ -196,7 +196,10 @@ export class LocalRpcClient {
       this.#pending.set(callId, { resolve, reject, timer });
     });
     const frame = encodeFrame(callId, id, payload);
-    this.#writing = this.#writing.then(() => writeAll(conn, frame)).catch(() => {
+    // Queued behind a write the server does not take, a call may reach its deadline
+    // before its turn: it was failed with DEADLINE_EXCEEDED, so it must not run later.
+    const write = () => this.#pending.has(callId) ? writeAll(conn, frame) : undefined;
+    this.#writing = this.#writing.then(write).catch(() => {
       const p = this.#pending.get(callId);
       if (!p) return;
       this.#pending.delete(callId);

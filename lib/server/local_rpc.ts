@@ -46,12 +46,16 @@ export { LOCAL_RPC_METHODS };
 const round3 = (x: number) => Math.round(x * 1e3) / 1e3;
 
 /**
- * Answers a connection may leave unread (queued behind a write the peer does not take):
- * a peer that keeps calling and never reads is dropped here instead of growing the
- * server's memory without bound. An engine has a few calls in flight.
+ * Answers a connection may have waiting to be written (queued behind a write the peer
+ * does not take): past it, the connection's frames are not read until its answers drain,
+ * so a peer that keeps calling and never reads stalls its own writes instead of growing
+ * the server's memory without bound, while a peer that pipelines many calls in one write
+ * and reads its answers is served in full. An engine has a few calls in flight.
  */
 export const MAX_UNREAD_ANSWERS = 4096;
 const utf8 = (s: string) => new TextEncoder().encode(s);
+/** After an accept fails (EMFILE: the process is out of descriptors), the wait before the next. */
+const ACCEPT_RETRY_MS = 100;
 
 /** A service as a framed listener serves it. */
 interface FramedService {
@@ -77,39 +81,34 @@ interface ConnContext {
 }
 
 /**
- * A connection's answers, written in the order they are ready, one at a time;
- * past MAX_UNREAD_ANSWERS queued behind a write the peer does not take, the
- * connection is closed. `drained` settles once the writes queued so far ended.
+ * A connection's answers, written in the order they are ready, one at a time.
+ * `room` is undefined while at most MAX_UNREAD_ANSWERS wait, else a promise that
+ * settles once they are back under it (the reader waits for it before reading on).
+ * `drained` settles once the writes queued so far ended.
  */
-function answerWriter(
-  conn: Deno.Conn,
-  label: string,
-  path: string,
-  log: Logger,
-): { send(bytes: Uint8Array): void; drained(): Promise<void> } {
+function answerWriter(conn: Deno.Conn): {
+  send(bytes: Uint8Array): void;
+  room(): Promise<void> | undefined;
+  drained(): Promise<void>;
+} {
   let writing: Promise<void> = Promise.resolve();
   let broken = false;
   let queued = 0;
+  let wake: (() => void) | undefined;
   const send = (bytes: Uint8Array) => {
     if (broken) return;
-    if (++queued > MAX_UNREAD_ANSWERS) {
-      broken = true;
-      log.warn(`${label} connection dropped: the peer leaves its answers unread`, {
-        path,
-        unread: queued - 1,
-      });
-      try {
-        conn.close(); // ends the connection's reader too
-      } catch (_e) {
-        // already closed
-      }
-      return;
-    }
+    queued++;
     writing = writing.then(() => broken ? undefined : writeAll(conn, bytes)).catch(() => {
       broken = true; // the peer went away; its later answers have nowhere to go
-    }).finally(() => queued--);
+    }).finally(() => {
+      if (--queued <= MAX_UNREAD_ANSWERS && wake) {
+        wake();
+        wake = undefined;
+      }
+    });
   };
-  return { send, drained: () => writing };
+  const room = () => queued <= MAX_UNREAD_ANSWERS ? undefined : new Promise<void>((r) => wake = r);
+  return { send, room, drained: () => writing };
 }
 
 /** Reads one connection's frames and answers each call with the service's own handler. */
@@ -117,7 +116,7 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
   const { service, log, path, traced } = ctx;
   const { impl, methods, def, label } = service;
   ctx.conns.add(conn);
-  const { send, drained } = answerWriter(conn, label, path, log);
+  const { send, room, drained } = answerWriter(conn);
   const dispatch = (callId: number, method: number, payload: Uint8Array) => {
     const name = methods[method];
     if (name === undefined) {
@@ -156,6 +155,9 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
   const frames = new FrameReader(ctx.maxMessageBytes);
   try {
     for (;;) {
+      // Answers pile up unread: read no more of this peer's calls until they drain.
+      const full = room();
+      if (full) await full;
       const n = await conn.read(frames.space());
       if (n === null) break;
       frames.wrote(n);
@@ -250,15 +252,27 @@ function serveFramed(
   };
 
   (async () => {
-    try {
-      for await (const conn of listener) {
-        if (conn.remoteAddr.transport === "tcp") (conn as Deno.TcpConn).setNoDelay(true);
-        serveConnection(conn, ctx);
+    while (!ctx.closed) {
+      let conn: Deno.Conn;
+      try {
+        conn = await listener.accept();
+      } catch (e) {
+        if (ctx.closed) break;
+        if (e instanceof Deno.errors.BadResource || e instanceof Deno.errors.Interrupted) {
+          log.error(`${service.label} listener failed`, { path: ctx.path, error: String(e) });
+          break;
+        }
+        // Out of descriptors (EMFILE) and the like pass. The listener once stopped for
+        // good here while its file stayed: every later call hung to its deadline.
+        log.warn(`${service.label} accept failed; accepting again in ${ACCEPT_RETRY_MS} ms`, {
+          path: ctx.path,
+          error: String(e),
+        });
+        await new Promise((r) => setTimeout(r, ACCEPT_RETRY_MS));
+        continue;
       }
-    } catch (e) {
-      if (!ctx.closed) {
-        log.error(`${service.label} listener failed`, { path: ctx.path, error: String(e) });
-      }
+      if (conn.remoteAddr.transport === "tcp") (conn as Deno.TcpConn).setNoDelay(true);
+      serveConnection(conn, ctx);
     }
   })();
 

@@ -28,7 +28,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+import weakref
+from typing import Callable, Dict, Optional, Tuple
 
 __all__ = ["LOCAL_RPC_SUFFIX", "METHOD_IDS", "LocalRpc", "LocalRpcAbsent", "LocalRpcStatus"]
 
@@ -75,39 +76,69 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
     return s
 
 
-def _read_exact(s: socket.socket, view: memoryview, deadline: Optional[float] = None) -> None:
+def _read_exact(
+    s: socket.socket, view: memoryview, deadline: Optional[float] = None,
+    look_up: Optional[Callable[[], float]] = None,
+) -> None:
     """Fills `view`; with a `deadline` (time.monotonic()) each read gets only what is left of it,
-    so a server trickling bytes cannot stretch a call past its deadline (socket.timeout)."""
+    so a server trickling bytes cannot stretch a call past its deadline (socket.timeout).
+    `look_up()`, when given (with a deadline), runs before each read and answers when it must
+    run again: a read waits no longer than that, then goes on filling `view`."""
     got = 0
     while got < len(view):
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise socket.timeout("local RPC answer not complete by the deadline")
+            if look_up is not None:
+                left = min(left, max(look_up() - time.monotonic(), 1e-3))
             s.settimeout(left)
-        n = s.recv_into(view[got:])
+        try:
+            n = s.recv_into(view[got:])
+        except socket.timeout:
+            if look_up is None:
+                raise
+            continue  # look_up is due; the deadline is checked above
         if n == 0:
             raise ConnectionResetError("the server closed the local RPC connection")
         got += n
 
 
-def _read_frame(s: socket.socket, max_bytes: int, deadline: Optional[float] = None) -> Tuple[int, int, bytes]:
-    """(call id, status, payload) of the next frame (whole by `deadline`, when given)."""
+def _read_frame(
+    s: socket.socket, max_bytes: int, deadline: Optional[float] = None,
+    look_up: Optional[Callable[[], float]] = None,
+) -> Tuple[int, int, bytes]:
+    """(call id, status, payload) of the next frame (whole by `deadline`, when given;
+    `look_up` as for `_read_exact`)."""
     head = bytearray(_HEADER.size)
-    _read_exact(s, memoryview(head), deadline)
+    _read_exact(s, memoryview(head), deadline, look_up)
     n, call_id, status = _HEADER.unpack(head)
     if n < 5 or n > max_bytes + 5:
         raise ConnectionResetError(f"local RPC answer of {n} bytes is outside 5..{max_bytes + 5}")
     body = bytearray(n - 5)
     if body:
-        _read_exact(s, memoryview(body), deadline)
+        _read_exact(s, memoryview(body), deadline, look_up)
     return call_id, status, bytes(body)
+
+
+class _ThreadSock:
+    """A thread's connection for blocking calls. Only its thread's local state holds it, so it
+    is closed when that thread ends (connections of threads long gone once stayed open, a
+    descriptor and a server connection each, until the client was closed)."""
+
+    __slots__ = ("sock", "__weakref__")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def __del__(self) -> None:
+        self.sock.close()  # a no-op when dropped or closed before
 
 
 class _ThreadConn(threading.local):
     """A thread's own connection for blocking calls (and the process it was dialled in)."""
 
-    sock: Optional[socket.socket] = None
+    conn: Optional[_ThreadSock] = None
     pid: int = -1
 
 
@@ -128,7 +159,8 @@ class LocalRpc:
         self.max_message_bytes = max_message_bytes
         self._lock = threading.Lock()  # the id counter, the connection list, close
         self._tls = _ThreadConn()
-        self._socks: List[socket.socket] = []  # every thread's, to close them all
+        # every live thread's, to close them all (a thread's own goes with it)
+        self._socks: "weakref.WeakSet[_ThreadSock]" = weakref.WeakSet()
         self._pid = os.getpid()
         self._next_id = 0
         self._closed = False
@@ -156,7 +188,7 @@ class LocalRpc:
         """After a fork the parent's sockets are shared: leave them to it, dial our own."""
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            self._socks = []
+            self._socks = weakref.WeakSet()
             self._asock = None
             self._pending = {}
             self._reader = None
@@ -164,22 +196,23 @@ class LocalRpc:
             self._wake_at = math.inf
 
     def _drop(self) -> None:
-        s, self._tls.sock = self._tls.sock, None
-        if s is not None:
+        c, self._tls.conn = self._tls.conn, None
+        if c is not None:
             with self._lock:
-                if s in self._socks:
-                    self._socks.remove(s)
-            s.close()
+                self._socks.discard(c)
+            c.sock.close()
 
-    def _conn(self, timeout_s: float) -> socket.socket:
-        """This thread's connection, dialled on first use (and again after a fork)."""
+    def _conn(self, timeout_s: float) -> Tuple[socket.socket, bool]:
+        """This thread's connection, dialled on first use (and again after a fork), and whether
+        it was dialled just now."""
         t = self._tls
-        if t.sock is None or t.pid != os.getpid():
-            t.sock = _connect(self.path, timeout_s)
+        if t.conn is None or t.pid != os.getpid():
+            t.conn = _ThreadSock(_connect(self.path, timeout_s))
             t.pid = os.getpid()
             with self._lock:
-                self._socks.append(t.sock)
-        return t.sock
+                self._socks.add(t.conn)
+            return t.conn.sock, True
+        return t.conn.sock, False
 
     def call(self, method: int, payload: bytes, timeout_s: float) -> bytes:
         """One blocking call; returns the response bytes or raises LocalRpcStatus /
@@ -189,11 +222,28 @@ class LocalRpc:
             if self._closed:
                 raise LocalRpcStatus(_CANCELLED, "client is closed")
             self._forked()
-        s = self._conn(timeout_s)
+        s, fresh = self._conn(timeout_s)
         call_id = self._id()
+        frame = _HEADER.pack(5 + len(payload), call_id, method) + payload
         try:
             s.settimeout(max(deadline - time.monotonic(), 1e-3))
-            s.sendall(_HEADER.pack(5 + len(payload), call_id, method) + payload)
+            try:
+                s.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                if fresh:
+                    raise
+                # The server closed this thread's idle connection (it restarted, or shut it):
+                # no whole frame reached it, so the call goes once on a new one (the first
+                # call after a restart once failed UNAVAILABLE on every thread).
+                self._drop()
+                try:
+                    s, _ = self._conn(max(deadline - time.monotonic(), 1e-3))
+                except LocalRpcAbsent:  # the server is down (its socket file went with it)
+                    raise LocalRpcStatus(
+                        _UNAVAILABLE, f"local RPC connection to {self.path} closed, and the socket is gone"
+                    ) from None
+                s.settimeout(max(deadline - time.monotonic(), 1e-3))
+                s.sendall(frame)
             while True:
                 got, status, body = _read_frame(s, self.max_message_bytes, deadline)
                 if got == call_id:
@@ -288,8 +338,13 @@ class LocalRpc:
                 if rs.fileno() not in ready:
                     self._expire(time.monotonic())
                     continue
-                rs.settimeout(_FRAME_READ_TIMEOUT_S)
-                call_id, status, body = _read_frame(rs, self.max_message_bytes)
+                # The frame comes whole within _FRAME_READ_TIMEOUT_S, and calls in flight still
+                # end at their deadlines while it trickles in (they once waited for it whole:
+                # a server trickling an answer kept a 0.5 s call going, then answered it OK).
+                call_id, status, body = _read_frame(
+                    rs, self.max_message_bytes, time.monotonic() + _FRAME_READ_TIMEOUT_S,
+                    lambda: self._expire(time.monotonic()),
+                )
                 with self._alock:
                     entry = self._pending.pop(call_id, None)
                 if entry is not None:
@@ -315,25 +370,28 @@ class LocalRpc:
             for _, cb, _ in pending.values():
                 cb(_UNAVAILABLE, f"local RPC connection to {self.path} ended: {why}".encode())
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, now: float) -> float:
+        """Fails the nowait calls due by `now`; returns the earliest deadline still in flight."""
         with self._alock:
             late = [k for k, (d, _, _) in self._pending.items() if d <= now]
             cbs = [self._pending.pop(k)[1] for k in late]
+            due = min((d for d, _, _ in self._pending.values()), default=math.inf)
         for cb in cbs:
             cb(_DEADLINE_EXCEEDED, b"no answer before the deadline")
+        return due
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            socks, self._socks = self._socks, []
+            conns, self._socks = list(self._socks), weakref.WeakSet()
         if self._pid == os.getpid():
-            for sk in socks:
+            for c in conns:
                 try:
-                    sk.shutdown(socket.SHUT_RDWR)
+                    c.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-                sk.close()
-        self._tls.sock = None
+                c.sock.close()
+        self._tls.conn = None
         with self._alock:
             s, self._asock = self._asock, None
         if s is not None and self._pid == os.getpid():

@@ -283,6 +283,54 @@ def test_a_restarted_server_is_found_again_without_a_new_client(sock_dir):
         s.stop()
 
 
+def test_a_server_restarted_between_two_calls_is_found_by_the_second(sock_dir):
+    """A thread's idle connection to a server that restarted is dead: the next call found it
+    so (a broken pipe before any of its frame was sent) and failed with UNAVAILABLE, on each
+    thread of the engine, although the new server was up. It is now sent on a new one."""
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    c = PegaflowClient("unix:" + sock, rpc_timeout_ms=2000)
+    try:
+        assert c.health().status == "ok"
+        s.stop()
+        s = ServerProc.start(extra=["--uds", sock])
+        before = c._local.calls
+        assert c.health().status == "ok"
+        assert c._local.calls == before + 1, "not sent over the local socket"
+    finally:
+        c.close()
+        s.stop()
+
+
+def test_a_threads_connection_is_closed_when_the_thread_ends(sock_dir):
+    """Each thread's blocking calls use a connection of its own; the client kept every one
+    (a descriptor here, a connection in the server) until it was closed, so an engine that
+    calls from short-lived threads grew by one per thread."""
+    import gc
+
+    sock = os.path.join(sock_dir, "pf.sock")
+    s = ServerProc.start(extra=["--uds", sock])
+    c = PegaflowClient("unix:" + sock)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    try:
+        assert c.health().status == "ok"
+        before, calls = fds(), c._local.calls
+        for _ in range(20):
+            t = threading.Thread(target=c.health)
+            t.start()
+            t.join()
+        gc.collect()
+        assert c._local.calls == calls + 20, "not sent over the local socket"
+        assert fds() - before <= 1, f"{fds() - before} descriptors left by 20 ended threads"
+        assert c.health().status == "ok"  # this thread's connection is still served
+    finally:
+        c.close()
+        s.stop()
+
+
 def test_without_a_local_socket_the_client_uses_grpc(sock_dir):
     sock = os.path.join(sock_dir, "pf.sock")
     s = ServerProc.start(extra=["--uds", sock])
@@ -464,6 +512,118 @@ def test_a_server_trickling_its_answer_cannot_stretch_a_call_past_its_deadline(s
         assert time.monotonic() - t0 < 1.5, f"the call took {time.monotonic() - t0:.1f} s"
     finally:
         stop.set()
+        rpc.close()
+        lst.close()
+
+
+def test_a_server_trickling_its_answer_cannot_stretch_a_nowait_call_past_its_deadline(sock_dir):
+    """The nowait reader read a frame it had begun whole, however slowly it came: a server
+    sending a byte every 0.2 s kept a 0.5 s call waiting ~5 s, then answered it OK."""
+    from pegaflow.local_rpc import _HEADER, LocalRpc
+
+    path = os.path.join(sock_dir, "trickle.sock.rpc")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(path)
+    lst.listen(1)
+    stop = threading.Event()
+
+    def serve() -> None:
+        c, _ = lst.accept()
+        with c:
+            n, call_id, _method = _HEADER.unpack(c.recv(_HEADER.size, socket.MSG_WAITALL))
+            c.recv(n - 5, socket.MSG_WAITALL)
+            answer = _HEADER.pack(5 + 16, call_id, 0) + b"x" * 16
+            for i in range(len(answer)):  # one byte at a time
+                if stop.wait(0.2):
+                    return
+                c.send(answer[i:i + 1])
+            stop.wait(10)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    rpc = LocalRpc(path, 64 << 20)
+    try:
+        got = []
+        done = threading.Event()
+        t0 = time.monotonic()
+        rpc.call_nowait(2, b"x", 0.5, lambda st, body: (got.append((st, time.monotonic() - t0)), done.set()))
+        assert done.wait(15)
+        status, at = got[0]
+        assert status == 4, f"status {status} after {at:.1f} s"  # DEADLINE_EXCEEDED
+        assert at < 1.5, f"the nowait call ended after {at:.1f} s"
+    finally:
+        stop.set()
+        rpc.close()
+        t.join(5)
+        lst.close()
+
+
+def test_a_late_answer_for_a_call_that_gave_up_is_not_taken_for_a_later_calls(sock_dir):
+    """Answers are matched by call id on both call kinds: a server answering 0.4 s late gives
+    the answer of a call that already ended at its 0.1 s deadline while a later call waits."""
+    from pegaflow.local_rpc import _HEADER, LocalRpc, LocalRpcStatus
+
+    path = os.path.join(sock_dir, "late.sock.rpc")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(path)
+    lst.listen(4)
+    stop = threading.Event()
+
+    def serve(c: socket.socket) -> None:
+        with c:
+            while True:
+                head = c.recv(_HEADER.size, socket.MSG_WAITALL)
+                if len(head) < _HEADER.size:
+                    return
+                n, call_id, _method = _HEADER.unpack(head)
+                if n > 5:
+                    c.recv(n - 5, socket.MSG_WAITALL)
+                body = f"answer of {call_id}".encode()
+                threading.Timer(0.4, lambda b=body, i=call_id: _send(c, _HEADER.pack(5 + len(b), i, 0) + b)).start()
+
+    def _send(c: socket.socket, frame: bytes) -> None:
+        try:
+            c.sendall(frame)
+        except OSError:
+            pass  # the client dropped that connection
+
+    def accept() -> None:
+        lst.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                threading.Thread(target=serve, args=(lst.accept()[0],), daemon=True).start()
+            except socket.timeout:
+                pass
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    rpc = LocalRpc(path, 64 << 20)
+    try:
+        # Blocking calls: the first gives up, the second must get its own answer.
+        with pytest.raises(LocalRpcStatus) as ei:
+            rpc.call(5, b"", 0.1)
+        assert ei.value.code == 4
+        time.sleep(0.2)
+        later = rpc._next_id + 1
+        assert rpc.call(5, b"", 2.0) == f"answer of {later}".encode()
+        # nowait calls share one connection: the same.
+        got: dict = {}
+        done = threading.Event()
+
+        def on_done(name: str):
+            return lambda st, body: (got.setdefault(name, []).append((st, body)), len(got) == 2 and done.set())
+
+        rpc.call_nowait(2, b"", 0.1, on_done("early"))
+        time.sleep(0.3)
+        later = rpc._next_id + 1
+        rpc.call_nowait(2, b"", 2.0, on_done("later"))
+        assert done.wait(5)
+        time.sleep(0.3)  # no second callback for either
+        assert got["early"] == [(4, b"no answer before the deadline")]
+        assert got["later"] == [(0, f"answer of {later}".encode())]
+    finally:
+        stop.set()
+        acceptor.join()
         rpc.close()
         lst.close()
 
