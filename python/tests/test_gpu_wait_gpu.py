@@ -127,6 +127,47 @@ def test_release_lets_every_wait_through_and_retired_states_wait_for_the_stream(
         st.close()
 
 
+def test_a_scheduler_issued_load_failing_mid_forward_lets_the_stream_go(waits):
+    """The scheduler's Load breaks (its answer: a deadline, a lost connection) after the worker
+    queued the stream's wait for layer 0: the scheduler marks the state failed without raising
+    `layers_ready` (the server writes all ones for a rank it does not know, which the stream's
+    compare reads as -1). The worker sees the failure at layer 1; the stream's wait must pass
+    then, not at the load's deadline, nor never (the recycled state is no longer guarded)."""
+    from pegaflow.client import PegaflowClient
+    from pegaflow.connector.plan import LoadIntent, StepPlan
+    from pegaflow.connector.worker_core import WorkerCore
+
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    client = PegaflowClient("127.0.0.1:1", rpc_timeout_ms=200)  # no server: registered later
+    w = WorkerCore(client, instance_id="gw-fail", namespace="ns-gw-fail", load_timeout_s=60.0)
+    st = LoadState.create()  # the scheduler's state of this rank's Load
+    s = torch.cuda.Stream()
+    x = torch.zeros(1, device="cuda")
+    try:
+        w.register_kv_caches({n: torch.zeros((2, 8, 4, 2, 8), dtype=torch.float16, device="cuda") for n in layers})
+        w.bind(StepPlan(loads=[LoadIntent("r", b"\x01" * 16, [1, 2], states={(0, 0): st.name})]))
+        w.start_load()
+        assert w.stats_snapshot()["gpu_wait_loads"] == 1
+        with torch.cuda.stream(s):
+            w.wait_for_layer_load(layers[0])  # pending: the stream waits for layer 0
+            st.mark_failed()  # the Load's answer was an error
+            w.wait_for_layer_load(layers[1])  # the host sees the failure
+            x.add_(1)
+            ev = torch.cuda.Event()
+            ev.record()
+        w.wait_for_save()
+        w.unbind()
+        assert w.take_load_errors() == {1, 2}
+        assert _done_within(ev, 5.0), "the stream still waits on the state of a load that failed"
+        assert x.item() == 1.0
+    finally:
+        st.release_waiters()  # never leave the device waiting, whatever failed above
+        s.synchronize()
+        w.close(unregister=False)
+        client.close()
+        st.close()
+
+
 @pytest.fixture(scope="module")
 def cuda_server():
     srv = DevServer.launch(

@@ -89,11 +89,14 @@ class LoadIntent:
 
 @dataclass
 class SaveIntent:
-    """Save these full blocks of a request (ids + the engine's block hashes)."""
+    """Save these full blocks of a request (ids + the engine's block hashes). `after_loads`: the
+    requests whose layer-wise loads of this step fill blocks these were computed over (or are):
+    when one of those loads fails, the step computed them over wrong KV, and the save is dropped."""
 
     request_id: str
     block_ids: List[int]
     block_hashes: List[bytes]
+    after_loads: Tuple[str, ...] = ()
 
 
 @dataclass

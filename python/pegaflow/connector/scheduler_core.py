@@ -27,7 +27,9 @@ Scheduler side (`SchedulerCore`), per request:
           request's pending saves were waited for by handle_preemptions first).
           vLLM's async scheduling and PP's batch queue break it: use "worker".
   save    build_step → SaveIntents for the blocks that become full in this
-          step (their ids and the engine's own block hashes)
+          step (their ids and the engine's own block hashes, and the requests
+          whose layer-wise loads of the step fill blocks they were computed over:
+          the worker drops them if one of those loads fails)
   finish  request_finished → delay the free while saves or a layer-wise load
           may be pending (the worker reports the id in finished_sending when none
           is), or while an async load has not come back in finished_recving.
@@ -392,6 +394,13 @@ class SchedulerCore:
                 tr.block_ids = []  # freed; new ids come with the resumed schedule
         bs = self.block_size
         tracked = self._tracked
+        # Layer-wise loads of this step, by target block: a block computed in this step over one
+        # of them is wrong if that load fails, so its save names the load (SaveIntent.after_loads).
+        loading: Dict[int, str] = {}
+        if self.mode == LAYERWISE:
+            for li in plan.loads:
+                for b in li.targets:
+                    loading[b] = li.request_id
         # Once per running request per step: plain tuple unpacking, no attribute lookups.
         for rid, new_ids, replace, computed, nsched in scheduled:
             tr = tracked.get(rid)
@@ -411,7 +420,12 @@ class SchedulerCore:
             n_hash = len(hashes) if publishable is None else min(len(hashes), publishable)
             full = min(done, n_hash, len(tr.block_ids))
             if full > tr.saved_upto:
-                plan.saves.append(SaveIntent(rid, tr.block_ids[tr.saved_upto:full], list(hashes[tr.saved_upto:full])))
+                after: Tuple[str, ...] = ()
+                if loading:
+                    after = tuple({loading[b] for b in tr.block_ids[:full] if b in loading})
+                plan.saves.append(
+                    SaveIntent(rid, tr.block_ids[tr.saved_upto:full], list(hashes[tr.saved_upto:full]), after)
+                )
                 tr.saved_upto = full
                 tr.had_save = True
                 self.stats["save_intents"] += 1

@@ -270,6 +270,7 @@ class WorkerCore:
             self._pending[rid] -= 1
             if self._pending[rid] <= 0:
                 del self._pending[rid]
+                self._cut.pop(rid, None)  # no job of it left to cut (as in _done_saving)
             self._lock.notify_all()
 
     def _recycle(self, ld: _Load) -> None:
@@ -466,10 +467,20 @@ class WorkerCore:
                 ld.timed_out = isinstance(e, TimeoutError)
                 ld.done = not ld.timed_out
                 self._fail(ld, str(e))
+                self._let_stream_go(ld)
                 self._recycle(ld)
 
     def _left(self, ld: _Load) -> float:
         return max(0.0, ld.at + self.load_timeout_s - time.monotonic())
+
+    def _let_stream_go(self, ld: _Load) -> None:
+        """A load that failed or ran out of time: every wait the stream holds on its state passes
+        now. A failure need not raise `layers_ready` past the waits (a state failed on this
+        side, by the scheduler when its Load broke, never does; the server writes all ones for a
+        rank it does not know, which the stream's cyclic compare reads as -1), and once the
+        state is recycled the watchdog no longer guards it: the step would hang for good."""
+        if self._gpu is not None and ld.state is not None and ld.state.gpu_word is not None:
+            self._gpu.release(ld.state)
 
     def _finish_step_loads(self) -> None:
         for ld in self.step_loads:
@@ -477,9 +488,10 @@ class WorkerCore:
                 try:
                     ld.state.wait_all(self._left(ld))
                     ld.done = True
-                    if ld.gpu and ld.state.released:
+                    if ld.state.released:
                         # Let go at its deadline (the watchdog) before it reported done: the
-                        # stream may have read a layer before it landed.
+                        # stream (or a host wait, which a released word passes too) may have
+                        # read a layer before it landed.
                         self._fail(ld, f"load state {ld.state.name}: done after its deadline released the GPU's waits")
                     else:
                         self._scatter(ld, len(self._reg().layers) - 1)
@@ -487,8 +499,7 @@ class WorkerCore:
                     ld.timed_out = isinstance(e, TimeoutError)
                     ld.done = not ld.timed_out
                     self._fail(ld, str(e))
-                    if ld.gpu:
-                        self._gpu.release(ld.state)  # no stream waits on past the deadline
+                    self._let_stream_go(ld)  # no stream waits on past the deadline
             self._recycle(ld)
         self.step_loads = []
         if self._gpu is not None:
@@ -496,11 +507,30 @@ class WorkerCore:
 
     def wait_for_save(self) -> None:
         """End of the forward: settles this step's layer-wise loads and hands
-        the step's saves to the save thread (never waits for a Save)."""
+        the step's saves to the save thread (never waits for a Save). A save of
+        blocks computed over a load of this step that failed is dropped: their KV
+        is wrong (vLLM recomputes them), and stored under the prompt's hashes it
+        would be served to every later request with that prefix."""
+        loads = self.step_loads
         self._finish_step_loads()
         plan = self._plan
         if plan is None or not plan.saves:
             return
+        saves = plan.saves
+        failed = {ld.intent.request_id for ld in loads if ld.failed}
+        if failed:
+            saves = [s for s in plan.saves if failed.isdisjoint(s.after_loads)]
+            dropped = [s for s in plan.saves if not failed.isdisjoint(s.after_loads)]
+            if dropped:
+                self._count("saves_dropped", sum(len(s.block_ids) for s in dropped))
+                log.warning(
+                    "tp_rank %d: saves of requests %s dropped: computed over the failed loads of %s",
+                    self.tp_rank, sorted({s.request_id for s in dropped}), sorted(failed),
+                )
+                with self._lock:  # the scheduler delays their frees all the same
+                    self._saving.update(s.request_id for s in dropped)
+            if not saves:
+                return
         event = None
         if self._cuda:
             import torch
@@ -510,17 +540,17 @@ class WorkerCore:
             event = torch.cuda.Event(blocking=True)
             event.record()
         with self._lock:
-            for s in plan.saves:
+            for s in saves:
                 self._pending[s.request_id] += 1
                 self._saving.add(s.request_id)
             self._save_seq += 1
             seq = self._save_seq
         try:
-            self._queue.put_nowait(_SaveJob(event, list(plan.saves), seq))
+            self._queue.put_nowait(_SaveJob(event, list(saves), seq))
         except queue.Full:
-            self._done_saving(plan.saves)
-            self._count("saves_dropped", sum(len(s.block_ids) for s in plan.saves))
-            log.warning("save queue full: dropped the saves of %d requests", len(plan.saves))
+            self._done_saving(saves)
+            self._count("saves_dropped", sum(len(s.block_ids) for s in saves))
+            log.warning("save queue full: dropped the saves of %d requests", len(saves))
 
     def _done_saving(self, intents: Sequence[SaveIntent]) -> None:
         with self._lock:
@@ -585,7 +615,10 @@ class WorkerCore:
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """(finished_sending, finished_recving): requests whose saves are all
         done (only those that had a save, as the scheduler delayed exactly
-        those), and async loads that ended (ok or failed)."""
+        those), and async loads that ended (ok or failed). A request that
+        finished while its async load was landing is reported once, in
+        finished_recving (vLLM frees it on either), even if it saved blocks
+        before a preemption."""
         if not finished_req_ids and not self._finishing and not self._lingering and not self._async_loads:
             return None, None  # most steps: nothing ended, nothing waits to be reported
         recving: Set[str] = set()
@@ -610,7 +643,13 @@ class WorkerCore:
                 del self._async_loads[rid]
         with self._lock:
             self._finishing |= set(finished_req_ids) & self._saving
-            sending = {r for r in self._finishing if not self._pending.get(r)}
+            # A finished request whose async load is still landing is freed by vLLM when it comes
+            # back in finished_recving (its earlier saves, before a preemption, do not free it):
+            # in finished_sending as well, its blocks would be freed under the load, then twice.
+            freed = self._finishing & recving
+            self._finishing -= freed
+            self._saving -= freed
+            sending = {r for r in self._finishing if not self._pending.get(r) and r not in self._async_loads}
             self._finishing -= sending
             self._saving -= sending
         return (sending or None), (recving or None)

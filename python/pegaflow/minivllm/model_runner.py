@@ -14,7 +14,8 @@ wrapper `maybe_transfer_kv_layer` (`model_executor/layers/attention/kv_transfer_
          → build_connector_worker_meta() → clear_connector_metadata()
          → sample (greedy); the token reaches the CPU.
   A step with no tokens scheduled still runs the connector part (vLLM's `no_forward`), so
-  async loads get started and their completion polled.
+  async loads get started and their completion polled; like vLLM's, without wait_for_save
+  (`post_forward(..., wait_for_save=False)`: no forward wrote KV to save).
 
 Without a connector the same runner is a plain engine.
 """
@@ -273,14 +274,17 @@ class ModelRunner:
         else:
             self._pending_load = True
 
-    def _post_forward(self, so: SchedulerOutput, meta: AttentionMetadata | None) -> KVConnectorOutput:
+    def _post_forward(
+        self, so: SchedulerOutput, meta: AttentionMetadata | None, wait_for_save: bool = True
+    ) -> KVConnectorOutput:
         conn = self.connector
         assert conn is not None
         if self._pending_load:
             self._pending_load = False
             conn.start_load_kv(self._forward_context(meta))
         out = KVConnectorOutput()
-        conn.wait_for_save()
+        if wait_for_save:
+            conn.wait_for_save()
         sending, recving = conn.get_finished(so.finished_req_ids)
         out.finished_sending = sending or None
         out.finished_recving = recving or None
@@ -300,7 +304,7 @@ class ModelRunner:
             if self.connector is None:
                 return ModelRunnerOutput()
             self._pre_forward(so, None)
-            return ModelRunnerOutput(kv_connector_output=self._post_forward(so, None))
+            return ModelRunnerOutput(kv_connector_output=self._post_forward(so, None, wait_for_save=False))
         clock = time.perf_counter if self.record_timeline or self.record_phases else None
         phases = {"runner_start": clock()} if clock else None
         batch, sample_ids, meta = self._prepare(so)

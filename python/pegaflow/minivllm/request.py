@@ -31,6 +31,11 @@ class Request:
 
     `num_computed_tokens` counts tokens whose KV is in the paged cache (or is being loaded
     into it); the scheduler advances it when it schedules tokens, exactly like vLLM.
+
+    No `num_publishable_block_hashes`: every full block's hash here is final, and a connector
+    saves a block after the step that computes it. (It once returned the full blocks of
+    `num_computed_tokens`, which at `build_connector_meta` does not count the step being built
+    yet: each step's blocks were saved a step late, and a request's last step's never.)
     """
 
     def __init__(
@@ -94,11 +99,6 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return self.num_tokens
-
-    @property
-    def num_publishable_block_hashes(self) -> int:
-        """Full blocks whose KV is computed, hence safe to publish under their hash."""
-        return min(len(self.block_hashes), self.num_computed_tokens // self.block_size)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
