@@ -330,23 +330,18 @@ export async function poolChecksums(
       exts[w++] = (x.bytes / 4294967296) >>> 0;
     }
   }
-  const rc = await uringLib().pf_pool_checksums(
+  const args = [
     pool,
     new Uint8Array(exts.buffer),
     BigInt(n),
     new Uint8Array(counts.buffer),
     blocks.length,
     new Uint8Array(out.buffer),
-  );
+  ] as const;
+  const rc = await uringLib().pf_pool_checksums(...args);
   if (rc < 0) {
-    const again = uringLib().pf_pool_checksums_here(
-      pool,
-      new Uint8Array(exts.buffer),
-      BigInt(n),
-      new Uint8Array(counts.buffer),
-      blocks.length,
-      new Uint8Array(out.buffer),
-    );
+    // The library's own text is on the thread that ran the call: its checks again, here.
+    const again = uringLib().pf_pool_checksums_here(...args);
     throw new PegaflowIoError("pf_pool_checksums", rc, failureText(again, pool));
   }
   return out;

@@ -10,13 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int32_t stub_peer_create(pf_xfer_peer *p) { (void)p; return PF_OK; }
-static void stub_nop(pf_xfer_peer *p) { (void)p; }
-static int32_t stub_submit(pf_xfer_peer *p, xfer_slot *s) { (void)p; (void)s; return PF_OK; }
-static const xfer_ops stub_ops = {.name = "stub", .peer_create = stub_peer_create,
-                                  .peer_shutdown = stub_nop, .peer_free = stub_nop,
-                                  .submit = stub_submit, .max_part_chunks = 1 << 16,
-                                  .crc_on_receive = 1};
+#include "stub_xfer.h"
 static pf_ring *ring;
 static void drain(void) {
   uint8_t *mem = ring->mem;
@@ -33,27 +27,8 @@ static void *failer(void *arg) {
 }
 #define NSEG 2048
 int main(void) {
-  uint32_t eng, pool, rh, peer;
-  CHECK(pf_engine_open(PF_BACKEND_HOST, 0, 1, &eng) == 0);
-  CHECK(pf_pool_create(eng, 64 << 20, 0, 0, NULL, &pool) == 0);
-  CHECK(pf_ring_create(1 << 12, &rh) == 0);
-  ring = pf_handle_get(rh, PF_K_RING, "t");
-  pf_xfer_ep *ep = calloc(1, sizeof *ep);
-  ep->ops = &stub_ops;
-  ep->pool = pf_handle_get(pool, PF_K_POOL, "t");
-  ep->ring = ring;
-  ep->cfg.stripe_bytes = 1 << 20;
-  pthread_mutex_init(&ep->mu, NULL);
-  pthread_mutex_init(&ep->timer_mu, NULL);
-  pthread_cond_init(&ep->timer_cv, NULL);
-  pthread_rwlock_init(&ep->scan, NULL);
-  atomic_store(&ep->timer_wake_ns, UINT64_MAX - 1);
-  ep->handle = pf_handle_new(PF_K_XFER, ep);
-  CHECK(pf_xfer_peer_create(ep->handle, &peer) == 0);
+  uint32_t peer = stub_peer(1 << 16, 4, 64 << 20, 1 << 12, &ring);
   P = pf_handle_get(peer, PF_K_XPEER, "t");
-  P->remote_bytes = 64 << 20;
-  P->lanes = 4;
-  atomic_store(&P->connected, 1);
   size_t db = sizeof(pf_xfer_header) + NSEG * sizeof(pf_xfer_seg);
   pf_xfer_header *h = calloc(1, db);
   *h = (pf_xfer_header){.op = PF_XFER_READ, .num_segs = NSEG, .timeout_ms = 60000};

@@ -23,13 +23,7 @@ static void test_leave(xfer_slot *s) {
 #include "pf_tcp.c"
 #undef xfer_leave
 
-static int32_t stub_peer_create(pf_xfer_peer *p) { (void)p; return PF_OK; }
-static void stub_nop(pf_xfer_peer *p) { (void)p; }
-static int32_t stub_submit(pf_xfer_peer *p, xfer_slot *s) { (void)p; (void)s; return PF_OK; }
-static const xfer_ops stub_ops = {.name = "stub", .peer_create = stub_peer_create,
-                                  .peer_shutdown = stub_nop, .peer_free = stub_nop,
-                                  .submit = stub_submit, .max_part_chunks = 1,
-                                  .crc_on_receive = 1};
+#include "stub_xfer.h"
 
 static pf_ring *ring;
 static uint64_t seen;
@@ -63,27 +57,8 @@ static int32_t submit(uint32_t peer, uint32_t op, uint64_t tag, int nsegs) {
 
 int main(int argc, char **argv) {
   int use_ack = argc > 1 && !strcmp(argv[1], "ack");
-  uint32_t eng, pool, rh, peer;
-  CHECK(pf_engine_open(PF_BACKEND_HOST, 0, 1, &eng) == 0);
-  CHECK(pf_pool_create(eng, 1 << 20, 0, 0, NULL, &pool) == 0);
-  CHECK(pf_ring_create(64, &rh) == 0);
-  ring = pf_handle_get(rh, PF_K_RING, "t");
-  pf_xfer_ep *ep = calloc(1, sizeof *ep);
-  ep->ops = &stub_ops;
-  ep->pool = pf_handle_get(pool, PF_K_POOL, "t");
-  ep->ring = ring;
-  ep->cfg.stripe_bytes = 1 << 20;
-  pthread_mutex_init(&ep->mu, NULL);
-  pthread_mutex_init(&ep->timer_mu, NULL);
-  pthread_cond_init(&ep->timer_cv, NULL);
-  pthread_rwlock_init(&ep->scan, NULL);
-  atomic_store(&ep->timer_wake_ns, UINT64_MAX - 1); /* no kick needed */
-  ep->handle = pf_handle_new(PF_K_XFER, ep);
-  CHECK(pf_xfer_peer_create(ep->handle, &peer) == 0);
+  uint32_t peer = stub_peer(1, 1, 1 << 20, 64, &ring);
   pf_xfer_peer *p = pf_handle_get(peer, PF_K_XPEER, "t");
-  p->remote_bytes = 1 << 20;
-  p->lanes = 1;
-  atomic_store(&p->connected, 1);
   uint32_t op = use_ack ? PF_XFER_WRITE : PF_XFER_READ;
 
   /* Batch A, one part, in slot 0. */
