@@ -93,10 +93,13 @@ export function advertisedFills(host: TierHost, advertiser: IndexAdvertiser): Ti
     // A fetch commits its batches as they land and announces them once, at its end:
     // one advertise per fetch, not one per batch.
     committed(namespace, hashes) {
-      host.committed(namespace, hashes);
-      if (hashes.length > 0) {
-        advertiser.onSealed(namespace, hashes.map((h) => blockKey(namespace, h)));
+      // Only those still held: a block evicted since its commit was not held when its
+      // eviction came (nothing was withdrawn), and advertising it now would list it for good.
+      const held = host.committed(namespace, hashes);
+      if (held.length > 0) {
+        advertiser.onSealed(namespace, held.map((h) => blockKey(namespace, h)));
       }
+      return held;
     },
     fill(namespace, hash, filler, cacheClass) {
       const f = host.fill(namespace, hash, filler, cacheClass);

@@ -238,7 +238,7 @@ export class RedisBlockIndex {
       if (inc === this.#incarnation) this.#joined.add(namespace);
       return true;
     }
-    if (inc === this.#incarnation) this.#lost(namespace);
+    if (inc === this.#incarnation) this.#lost(namespace, res);
     return false;
   }
 
@@ -320,8 +320,8 @@ export class RedisBlockIndex {
       });
     });
     if (res === undefined || inc !== this.#incarnation) return;
-    const lost = namespaces.find((_, i) => res[i] === 0);
-    if (lost !== undefined) this.#lost(lost);
+    const lost = namespaces.findIndex((_, i) => res[i] !== 1);
+    if (lost >= 0) this.#lost(namespaces[lost], res[lost]);
   }
 
   /**
@@ -427,12 +427,28 @@ export class RedisBlockIndex {
     void this.republish();
   }
 
-  /** Redis no longer has this node's registration in `ns`: re-join and re-advertise all. */
-  #lost(ns: string): void {
-    this.#log.info("this node's index registration was lost; re-advertising what it holds", {
-      namespace: ns,
-      node: this.nodeId,
-    });
+  /**
+   * Redis no longer has this node's registration in `ns`: re-join and
+   * re-advertise all. `answer` is the script's: the address of another live
+   * process registered under this node id (a string), or 0 (lost, expired).
+   */
+  #lost(ns: string, answer: unknown): void {
+    if (typeof answer === "string") {
+      // Node ids must be unique among live nodes: the two take the registration from each
+      // other at every heartbeat, and neither sees the other's blocks (its own id is left out).
+      this.#log.error("another live process uses this node id in the block index", {
+        namespace: ns,
+        node: this.nodeId,
+        advertise_addr: this.advertiseAddr,
+        other_addr: answer,
+        fix: "give every node its own --node-id",
+      });
+    } else {
+      this.#log.info("this node's index registration was lost; re-advertising what it holds", {
+        namespace: ns,
+        node: this.nodeId,
+      });
+    }
     this.#rejoin();
     void this.republish();
   }

@@ -18,9 +18,11 @@ const RECONNECT_MAX_MS = 1_000;
 
 /** The scripts as ioredis custom commands (numkeys first, then keys, then args). */
 export interface IndexCommands {
-  pfAdvertise(...args: (string | number | Buffer)[]): Promise<number>;
+  /** 1, or 0 / another live process's address when this node's registration is not its own. */
+  pfAdvertise(...args: (string | number | Buffer)[]): Promise<number | string>;
   pfWithdraw(...args: (string | number | Buffer)[]): Promise<number>;
-  pfHeartbeat(...args: (string | number | Buffer)[]): Promise<number>;
+  /** 1, or 0 / another live process's address when this node's registration is not its own. */
+  pfHeartbeat(...args: (string | number | Buffer)[]): Promise<number | string>;
   pfLookup(...args: (string | number | Buffer)[]): Promise<(string | number)[]>;
 }
 

@@ -28,7 +28,9 @@ const FIRST_LOOKUP_CHUNK = 16;
 const MAX_LOOKUP_CHUNK = 512;
 
 /**
- * `now` in ms, `parse(field)` → inc, addr of a live node field, `split(blob, n)` → hashes.
+ * `now` in ms, `parse(field)` → inc, addr of a live node field, `split(blob, n)` → hashes,
+ * `extend(key, ms)` → the key's TTL raised to `ms`, never lowered (the registry is shared:
+ * a node run with a shorter TTL must not shorten it under the others' registrations).
  * Globals are read once into locals: a global read in a Redis script goes through the
  * sandbox's metatable, which is measurable over 625 iterations.
  */
@@ -48,6 +50,9 @@ local function split(blob, size)
   for i = 1, #blob, size do n = n + 1; out[n] = sub(blob, i, i + size - 1) end
   return out
 end
+local function extend(key, ms)
+  if call('PTTL', key) < ms then call('PEXPIRE', key, ms) end
+end
 local function each_chunk(hs, f)
   for i = 1, #hs, ${UNPACK_CHUNK} do f(unpack(hs, i, math.min(i + ${UNPACK_CHUNK - 1}, #hs))) end
 end
@@ -58,16 +63,18 @@ end
  * join, hashBytes, packed hashes. Without `join`, the node's own registry
  * field must be live with `inc` — otherwise Redis lost or expired it and
  * nothing is written (returns 0: the node re-joins under a new incarnation
- * and re-advertises all it holds). Returns 1.
+ * and re-advertises all it holds; or, when the field is live with another
+ * incarnation — another live process under this node id — that process's
+ * address). Returns 1.
  */
 export const ADVERTISE_LUA = PRELUDE + `
 local node, inc, ttl = ARGV[1], ARGV[2], tonumber(ARGV[4])
 if ARGV[5] ~= '1' then
-  local cur = parse(call('HGET', KEYS[1], node))
-  if cur ~= inc then return 0 end
+  local cur, addr = parse(call('HGET', KEYS[1], node))
+  if cur ~= inc then return cur and addr or 0 end
 end
 call('HSET', KEYS[1], node, inc .. ' ' .. (now + ttl) .. ' ' .. ARGV[3])
-call('PEXPIRE', KEYS[1], ttl * ${REGISTRY_TTLS})
+extend(KEYS[1], ttl * ${REGISTRY_TTLS})
 each_chunk(split(ARGV[7], tonumber(ARGV[6])), function(...) call('SADD', KEYS[2], ...) end)
 call('PEXPIRE', KEYS[2], ttl)
 return 1
@@ -83,21 +90,24 @@ return n
 /**
  * heartbeat: KEYS = registry, own set. ARGV = node, inc, addr, nodeTtlMs.
  * Extends the node's deadline and its set's TTL if its field is live with
- * `inc` (returns 1); otherwise writes nothing and returns 0 (lost). Drops
- * expired registry fields on the way.
+ * `inc` (returns 1); otherwise writes nothing and returns 0 (lost), or the
+ * address of the live field of another incarnation (another live process
+ * under this node id). Drops expired registry fields on the way.
  */
 export const HEARTBEAT_LUA = PRELUDE + `
 local node, inc, ttl = ARGV[1], ARGV[2], tonumber(ARGV[4])
 local raw = call('HGETALL', KEYS[1])
-local mine = 0
+local mine, other = 0, nil
 for i = 1, #raw, 2 do
-  local finc = parse(raw[i + 1])
+  local finc, faddr = parse(raw[i + 1])
   if not finc then call('HDEL', KEYS[1], raw[i])
-  elseif raw[i] == node and finc == inc then mine = 1 end
+  elseif raw[i] == node then
+    if finc == inc then mine = 1 else other = faddr end
+  end
 end
-if mine == 0 then return 0 end
+if mine == 0 then return other or 0 end
 call('HSET', KEYS[1], node, inc .. ' ' .. (now + ttl) .. ' ' .. ARGV[3])
-call('PEXPIRE', KEYS[1], ttl * ${REGISTRY_TTLS})
+extend(KEYS[1], ttl * ${REGISTRY_TTLS})
 call('PEXPIRE', KEYS[2], ttl)
 return 1
 `;

@@ -6,7 +6,9 @@
  * each requester node, connects it with the requester's info (QPNs, PSNs,
  * GIDs, rkeys) and answers its own; the requester then connects its side
  * with that answer. A new handshake from the same node replaces (and closes)
- * the old peer: the requester reconnects after its side broke. TCP: no state
+ * the old peer: the requester reconnects after its side broke; past
+ * {@link MAX_LENT_PEERS} requesters the oldest handshake's peer is closed (a
+ * requester that died never says so). TCP: no state
  * here; the answer is this node's listener, host:port, which the requester
  * dials. Either way the answer also names this node's peer RPC socket, where
  * the requester then asks for its transfer locks.
@@ -37,7 +39,7 @@ export interface LenderEndpoint {
 /** A refusal the service maps to a gRPC status. */
 export class HandshakeRefused extends Error {
   constructor(
-    readonly code: "INVALID_ARGUMENT" | "FAILED_PRECONDITION" | "RESOURCE_EXHAUSTED",
+    readonly code: "INVALID_ARGUMENT" | "FAILED_PRECONDITION",
     message: string,
   ) {
     super(message);
@@ -46,7 +48,7 @@ export class HandshakeRefused extends Error {
 
 /** Largest peer info accepted (RDMA: a few dozen bytes per QP; 8 NICs × 16 QPs fit). */
 export const MAX_PEER_INFO_BYTES = 16 << 10;
-/** Requester nodes this node keeps a connected RDMA peer for at once. */
+/** Requester nodes this node keeps a connected RDMA peer for at once (past it, the oldest handshake's goes). */
 export const MAX_LENT_PEERS = 1024;
 
 /**
@@ -110,12 +112,6 @@ export class TransferLender {
     if (this.#closed) {
       throw new HandshakeRefused("FAILED_PRECONDITION", `${who}: this node is stopping`);
     }
-    if (!this.#peers.has(requester) && this.#peers.size >= MAX_LENT_PEERS) {
-      throw new HandshakeRefused(
-        "RESOURCE_EXHAUSTED",
-        `${who}: this node already keeps ${MAX_LENT_PEERS} requesters' transfer peers`,
-      );
-    }
     if (peerInfo.length === 0) {
       throw new HandshakeRefused(
         "INVALID_ARGUMENT",
@@ -131,8 +127,22 @@ export class TransferLender {
       throw new HandshakeRefused("INVALID_ARGUMENT", `${who}: ${(e as Error).message}`);
     }
     const old = this.#peers.get(requester);
+    // Re-inserted last: the map's order is the order of the last handshakes.
+    this.#peers.delete(requester);
     this.#peers.set(requester, peer);
     if (old) this.#retire(requester, old);
+    if (this.#peers.size > MAX_LENT_PEERS) {
+      // A requester that died (or came back under another id) never says so: the table
+      // would fill with them and refuse every new node. The oldest handshake's peer goes;
+      // a live requester of it sees its READ fail and handshakes again.
+      const [oldest, p] = this.#peers.entries().next().value!;
+      this.#peers.delete(oldest);
+      this.#log.warn("transfer peer of the oldest handshake closed: at most this many are kept", {
+        requester: oldest,
+        peers: MAX_LENT_PEERS,
+      });
+      this.#retire(oldest, p);
+    }
     this.#log.info("transfer peer lent", {
       requester,
       transport: this.#ep.transport,

@@ -78,13 +78,16 @@ export async function lockPart(
         }),
     );
   const remote = remoteExtents(res);
+  const asked = ask.blockHashes.length;
   if (
-    typeof remote === "string" || res.payloadBytes !== expect.payloadBytes ||
-    res.transport !== expect.transport
+    typeof remote === "string" || res.checksums.length > asked ||
+    res.payloadBytes !== expect.payloadBytes || res.transport !== expect.transport
   ) {
     await release();
     const error = typeof remote === "string"
       ? remote
+      : res.checksums.length > asked
+      ? `${res.checksums.length} blocks locked, ${asked} asked`
       : res.payloadBytes !== expect.payloadBytes
       ? `block payload ${res.payloadBytes} bytes, ${expect.payloadBytes} here`
       : `owner transport ${res.transport}, this node ${expect.transport}`;

@@ -251,6 +251,7 @@ export class PeerLockTable {
       l.release();
       n++;
       this.#o.log.warn("peer transfer lock expired: its requester never released it", {
+        lock: id,
         requester: l.requester,
         namespace: l.namespace,
         blocks: l.blocks,

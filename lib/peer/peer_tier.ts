@@ -457,21 +457,25 @@ export class PeerTier implements Tier {
         ? this.#fail("transfer", { owner: owner.nodeId, error: read.refused })
         : this.#fail("no-pool-space", { owner: owner.nodeId });
     }
-    const { good, goodCrcs, bad, failed, readEnd, planned, tSubmit, tPlanned } = read;
+    const { good, bad, failed, readEnd, planned, tSubmit, tPlanned } = read;
     const tVerify = performance.now();
     this.#stats.readSeconds += readEnd / 1e3;
     // The blocks are committed: the answer need not wait for the release's round trip.
     this.#track(releaseAll());
-    if (good.length > 0) {
-      this.#o.host.recordChecksums(namespace, good, goodCrcs);
-      this.#o.host.committed(namespace, good); // advertised once per fetch
-    }
+    // Their checksums were recorded with each commit (read.ts); those still held are
+    // advertised, once per fetch.
+    if (good.length > 0) this.#o.host.committed(namespace, good);
     if (failed && peer.state().broken !== 0) this.#xferPeers.drop(owner.addr, peer);
     if (failed) {
       this.#fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
         owner: owner.nodeId,
         status: failed.statusName,
       });
+    }
+    if (read.refused !== undefined) {
+      // A later batch could not be planned or was refused before anything moved (its owner
+      // ranges outside the owner's pool, a broken or full peer): the blocks before it landed.
+      this.#fail("transfer", { owner: owner.nodeId, namespace, error: read.refused });
     }
     if (bad > 0) this.#stats.failures.checksum += bad;
     if (good.length > 0) this.#stats.fetchesOk++;

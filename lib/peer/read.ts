@@ -127,7 +127,7 @@ export async function readLockedPrefix(
   if (chunks.length === 0) {
     return { ...NONE, planned, refused, tSubmit, tPlanned };
   }
-  const settled = await settleChunks(chunks, p, o.log, tSubmit);
+  const settled = await settleChunks(host, chunks, p, o.log, tSubmit);
   return { chunks: chunks.length, planned, refused, tSubmit, tPlanned, ...settled };
 }
 
@@ -247,6 +247,7 @@ function readBatch(p: LockedPrefix, fill: RamFillBatch, from: number, deadlineMs
  * nothing can land in it any more (#403).
  */
 async function settleChunks(
+  host: TierHost,
   chunks: Chunk[],
   p: LockedPrefix,
   log: Logger,
@@ -274,13 +275,19 @@ async function settleChunks(
       }
       throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
     }
-    verifyChunk(c, crcs, p, log, out);
+    verifyChunk(host, c, crcs, p, log, out);
   }
   return out;
 }
 
-/** Settles one landed chunk by checksum and tallies its good and bad blocks in `out`. */
+/**
+ * Settles one landed chunk by checksum and tallies its good and bad blocks in
+ * `out`. The committed blocks' checksums are recorded now, with the commit:
+ * by the fetch's end a block may have been evicted and saved again with
+ * other bytes, which the fetched value would then misdescribe.
+ */
 function verifyChunk(
+  host: TierHost,
   c: Chunk,
   crcs: ArrayLike<number>,
   p: LockedPrefix,
@@ -289,11 +296,12 @@ function verifyChunk(
 ): void {
   const verified = (k: number) => crcs[k] === p.checksums[c.from + k];
   c.fill.settle(verified);
+  const good: Uint8Array[] = [], goodCrcs: number[] = [];
   for (let k = 0; k < c.fill.count; k++) {
     const i = c.from + k;
     if (verified(k)) {
-      out.good.push(p.hashes[i]);
-      out.goodCrcs.push(crcs[k]);
+      good.push(p.hashes[i]);
+      goodCrcs.push(crcs[k]);
     } else {
       out.bad++;
       log.warn("peer block failed its checksum: not served", {
@@ -304,5 +312,10 @@ function verifyChunk(
         got: crcs[k],
       });
     }
+  }
+  if (good.length > 0) host.recordChecksums(p.namespace, good, goodCrcs);
+  for (let k = 0; k < good.length; k++) {
+    out.good.push(good[k]);
+    out.goodCrcs.push(goodCrcs[k]);
   }
 }

@@ -45,6 +45,8 @@ export class XferPeers {
   readonly #log: Logger;
   readonly #handshake: Handshake;
   readonly #peers = new Map<string, Promise<OwnerLink>>();
+  /** The connected peer of each entry of `#peers`, once its handshake ended. */
+  readonly #connected = new Map<string, XferPeer>();
 
   constructor(endpoint: XferEndpoint, connectTimeoutMs: number, log: Logger, handshake: Handshake) {
     this.#endpoint = endpoint;
@@ -55,20 +57,32 @@ export class XferPeers {
 
   /** The link to the owner at `addr` (a failed handshake is forgotten: the next call retries). */
   get(addr: string): Promise<OwnerLink> {
-    let p = this.#peers.get(addr);
-    if (!p) {
-      p = this.#connect(addr);
-      this.#peers.set(addr, p);
-      p.catch(() => {
+    const known = this.#peers.get(addr);
+    if (known) return known;
+    const p = this.#connect(addr);
+    this.#peers.set(addr, p);
+    p.then(
+      (l) => {
+        if (this.#peers.get(addr) === p) this.#connected.set(addr, l.peer);
+      },
+      () => {
         if (this.#peers.get(addr) === p) this.#peers.delete(addr);
-      });
-    }
+      },
+    );
     return p;
   }
 
-  /** A broken peer is closed (what it still has in flight ends first) and reconnected next time. */
+  /**
+   * A broken peer is closed (what it still has in flight ends first) and
+   * reconnected next time. A peer that is no longer the owner's link (another
+   * fetch dropped it and a third made a new one) is only closed: the new
+   * link stays.
+   */
   drop(addr: string, peer: XferPeer): void {
-    this.#peers.delete(addr);
+    if (this.#connected.get(addr) === peer) {
+      this.#peers.delete(addr);
+      this.#connected.delete(addr);
+    }
     peer.close().catch((e: Error) =>
       this.#log.warn("closing a broken transfer peer failed", { addr, error: e.message })
     );
@@ -80,6 +94,7 @@ export class XferPeers {
       await p.then((l) => l.peer.close(), () => {});
     }
     this.#peers.clear();
+    this.#connected.clear();
   }
 
   async #connect(addr: string): Promise<OwnerLink> {

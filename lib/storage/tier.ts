@@ -262,9 +262,11 @@ export interface TierHost {
    * Blocks a tier committed through {@link TierHost.fillMany}, announced
    * once per run of batches (a peer fetch) instead of once per batch: the
    * node advertises them to the block index then (lib/index/attach.ts).
+   * Only those still held sealed now are announced (and returned): one
+   * evicted since its commit must not be advertised after its eviction.
    * Each `fill`'s commit is announced by the commit itself.
    */
-  committed(namespace: string, hashes: readonly Uint8Array[]): void;
+  committed(namespace: string, hashes: readonly Uint8Array[]): readonly Uint8Array[];
 }
 
 /**

@@ -50,8 +50,10 @@ export function storeTierHost(store: KvStore): TierHost {
       store.recordChecksums(namespace, hashes, crcs);
     },
 
-    // The store has nobody to tell; advertisedFills (lib/index/attach.ts) does.
-    committed() {},
+    // The store has nobody to tell (advertisedFills, lib/index/attach.ts, does): it only
+    // says which of them it still holds sealed.
+    committed: (namespace, hashes) =>
+      hashes.filter((h) => store.blockState(namespace, h) === "sealed"),
 
     pin: (namespace, hashes, requester) => pinBlocks(store, namespace, hashes, requester),
   };

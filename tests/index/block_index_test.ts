@@ -415,3 +415,63 @@ Deno.test("a block evicted while a re-advertise is under way is not advertised a
     await redis.stop();
   }
 });
+
+Deno.test("a node with a shorter TTL never shortens the namespace registry under a longer-lived node", async () => {
+  // a: node TTL 60 s (registry kept ≥ 120 s); s: a node run with a 300 ms TTL (a rolling
+  // config change), which then dies. Its writes used to set the registry's expiry to 600 ms,
+  // so it vanished with every live node's registration 600 ms after s's last heartbeat.
+  await withNodes(async (redis, [a, c]) => {
+    const hs = hashes(8);
+    await save(a, hs);
+    const s = node(redis.url, "s", { nodeTtlMs: 300, heartbeatMs: 100 });
+    try {
+      await waitFor("s connected", () => s.index.up);
+      await save(s, hashes(4, 1));
+      await s.index.heartbeat();
+      const pttl = await redis.admin().pttl(`pf:{${NS}}:nodes`);
+      assert.ok(pttl > 60_000, `the registry expires in ${pttl} ms: a's TTL keeps it`);
+    } finally {
+      await s.index.close(); // dies: no more heartbeats
+    }
+    await waitFor(
+      "s's entries expired",
+      async () => (await c.index.lookup(NS, hashes(4, 1))).length === 0,
+    );
+    // Well past the 600 ms s's registry TTL was; a heartbeats only every 20 s.
+    await new Promise((r) => setTimeout(r, 800));
+    const r = await c.index.lookup(NS, hs);
+    assert.deepEqual(owners(r), ["a@a.local:50055=8"], "a is still found");
+    assert.equal(a.index.stats().rejoins, 1, "a never lost its registration");
+  }, ["a", "c"]);
+});
+
+Deno.test("two live processes under one node id are reported as an error naming both addresses", async () => {
+  // A copied --node-id (or one hostname on two hosts): each process takes the registration
+  // from the other at its next heartbeat and re-advertises all it holds, and neither ever
+  // sees the other's blocks (a node's own id is left out of its lookups). That used to
+  // show only as info lines about a lost registration.
+  await withNodes(async (redis) => {
+    const opts = { nodeTtlMs: 3000, heartbeatMs: 100 };
+    const x = node(redis.url, "dup", { ...opts, advertiseAddr: "host-x:50055" });
+    const y = node(redis.url, "dup", { ...opts, advertiseAddr: "host-y:50055" });
+    try {
+      await waitFor("both connected", () => x.index.up && y.index.up);
+      await save(x, hashes(4));
+      await save(y, hashes(4, 1));
+      const collision = (logs: string[], other: string) =>
+        logs.map((l) => JSON.parse(l)).find((o) =>
+          o.level === "error" && /another live process/.test(o.msg) && o.other_addr === other
+        );
+      await waitFor(
+        "the collision reported on both",
+        () => !!collision(x.logs, "host-y:50055") && !!collision(y.logs, "host-x:50055"),
+      );
+      const e = collision(x.logs, "host-y:50055");
+      assert.equal(e.node, "dup");
+      assert.equal(e.advertise_addr, "host-x:50055");
+    } finally {
+      await x.index.close();
+      await y.index.close();
+    }
+  }, []);
+});

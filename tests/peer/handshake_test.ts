@@ -16,6 +16,7 @@ import { Logger } from "../../lib/log.ts";
 import {
   type LenderEndpoint,
   type LenderPeer,
+  MAX_LENT_PEERS,
   MAX_PEER_INFO_BYTES,
   TransferLender,
 } from "../../lib/peer/lender.ts";
@@ -164,4 +165,25 @@ Deno.test("a TCP owner answers its listener and its peer RPC socket and keeps no
   assert.equal(made.length, 0);
   assert.equal(lender.size, 0);
   await lender.close();
+});
+
+Deno.test("an RDMA owner with a full table of lent peers closes the oldest handshake's for a new requester", async () => {
+  // Requesters that died (or came back under another node id) never say so: a table that
+  // only refused once full stopped every new node from fetching, for the owner's lifetime.
+  const { ep, made } = standIn();
+  const lender = new TransferLender(ep, 1000, log);
+  const shake = (n: number) =>
+    handshake(lender, { requester: `node-${n}`, transport: "rdma", peerInfo: bytes(`i-${n}`) });
+  for (let n = 0; n < MAX_LENT_PEERS; n++) await shake(n);
+  assert.equal(lender.size, MAX_LENT_PEERS);
+  await shake(1); // node-1 handshakes again: now the newest
+  await shake(MAX_LENT_PEERS); // a new node: node-0's peer, the oldest handshake, goes
+  await shake(MAX_LENT_PEERS + 1); // another: node-2's (node-1 handshook since)
+  await new Promise((r) => setTimeout(r, 0));
+  assert.equal(lender.size, MAX_LENT_PEERS);
+  const closed = made.flatMap((m, i) => m.closed ? [i] : []);
+  // Peers by creation: node-n is made[n]; node-1's second is made[MAX]; the new ones follow.
+  assert.deepEqual(closed, [0, 1, 2], "node-0's, node-1's first, node-2's");
+  await lender.close();
+  assert.ok(made.every((m) => m.closed), "shutdown closes every lent peer");
 });

@@ -5,6 +5,9 @@ import { deepStrictEqual, strictEqual } from "node:assert/strict";
 import { packExtents, remoteExtents } from "../../lib/peer/extents_wire.ts";
 import { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import { type BlockRanges, BlockRangesWriter } from "../../lib/transfer/ranges.ts";
+import { lockPart } from "../../lib/peer/lock_call.ts";
+import type { PeerLinks } from "../../lib/peer/link.ts";
+import { Logger } from "../../lib/log.ts";
 
 /** Packs (offset, bytes) pairs as the owner does: little-endian u64 each. */
 function packed(pairs: [number, number][]): Uint8Array {
@@ -119,4 +122,37 @@ Deno.test("a shifted lock answer that cannot be applied is refused, naming why",
     remoteExtents(answer([1, 0], [[4096, 8192]], 8192, [0, -8192])),
     "block 1: shift -8192 moves extent 0 to offset -4096",
   );
+});
+
+Deno.test("a lock answer naming more blocks than were asked is refused as a bad answer, and its lock released", async () => {
+  const released: string[] = [];
+  const links = {
+    // Asked for one block, the owner answers two, each whole and well formed.
+    lock: () => Promise.resolve(answer([1, 1], [[0, 8192], [8192, 8192]], 8192)),
+    release: (_addr: string, _id: Uint8Array, requester: string) => {
+      released.push(requester);
+      return Promise.resolve(true);
+    },
+  } as unknown as PeerLinks;
+  const ask = {
+    namespace: "ns",
+    blockHashes: [new Uint8Array([7])],
+    layoutFingerprint: "f",
+    requester: "node-b",
+    lockTtlMs: 1000,
+    shiftedExtents: true,
+  };
+  const got = await lockPart(
+    links,
+    { addr: "10.0.0.1:50055", rpcAddr: "10.0.0.1:50057", nodeId: "node-a" },
+    ask,
+    { payloadBytes: 8192, transport: "tcp" },
+    1000,
+    new Logger("error"),
+  );
+  if ("res" in got) throw new Error("an answer with more blocks than asked was taken");
+  strictEqual(got.why, "bad-answer");
+  strictEqual(got.fields.error, "2 blocks locked, 1 asked");
+  strictEqual(got.fields.owner, "node-a");
+  deepStrictEqual(released, ["node-b"], "the lock it did grant is released at once");
 });

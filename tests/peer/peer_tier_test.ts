@@ -25,9 +25,11 @@ import { type PeerIndex, PeerTier } from "../../lib/peer/peer_tier.ts";
 import { peerServiceImpl } from "../../lib/peer/service.ts";
 import { servePeerRpc } from "../../lib/server/local_rpc.ts";
 import { LocalRpcClient, LocalRpcStatus } from "../../lib/client/local_rpc.ts";
-import type { PeerServer } from "../../proto/pegaflow.ts";
+import type { PeerServer, QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import { TransferLender } from "../../lib/peer/lender.ts";
 import { LocalNode } from "../xfer/_harness.ts";
+import { IndexAdvertiser } from "../../lib/index/advertiser.ts";
+import { advertisedFills } from "../../lib/index/attach.ts";
 
 const NS = "ns-peer";
 const LAYOUT: BlockLayout = {
@@ -44,12 +46,21 @@ function hash(i: number): Uint8Array {
   return new Uint8Array([0x70, i, 0xee, i ^ 0x5a]);
 }
 
-/** A node: pool + ring + TCP endpoint, a store over the pool, its tier host. */
-function node(seed: number) {
+/**
+ * A node: pool + ring + TCP endpoint, a store over the pool, its tier host
+ * (with an index advertiser: fed by the store's evictions, its fills
+ * advertised, as the server wires it).
+ */
+function node(seed: number, advertiser?: IndexAdvertiser) {
   const n = new LocalNode(POOL, seed);
-  const store = new KvStore({ capacityBytes: POOL });
+  const store = new KvStore({
+    capacityBytes: POOL,
+    onEvict: advertiser && ((ns, hex) => advertiser.onEvicted(ns, hex)),
+  });
   store.defineNamespace(NS, LAYOUT);
-  const host = storeTierHost(store);
+  const host = advertiser
+    ? advertisedFills(storeTierHost(store), advertiser)
+    : storeTierHost(store);
   const checksum = (b: readonly (readonly { offset: number; bytes: number }[])[]) =>
     poolChecksums(n.pool.handle, b);
   return { n, store, host, checksum };
@@ -95,14 +106,22 @@ function counted(
   calls: Record<string, number>,
   via: string,
   beforeLock?: (n: number) => Promise<void>,
+  tamper?: (res: QueryBlocksForTransferResponse) => void,
 ): PeerServer {
   const out = { ...impl };
   for (const m of ["queryBlocksForTransfer", "releaseTransferLock"] as const) {
     const h = impl[m] as grpc.handleUnaryCall<unknown, unknown>;
-    (out as Record<string, unknown>)[m] = (call: never, cb: never) => {
+    (out as Record<string, unknown>)[m] = (call: never, cb: grpc.sendUnaryData<unknown>) => {
       const n = calls[`${via} ${m}`] = (calls[`${via} ${m}`] ?? 0) + 1;
-      if (m === "queryBlocksForTransfer" && beforeLock) beforeLock(n).then(() => h(call, cb));
-      else h(call, cb);
+      const answer: grpc.sendUnaryData<unknown> = (e, res) => {
+        if (m === "queryBlocksForTransfer" && tamper && res) {
+          tamper(res as QueryBlocksForTransferResponse);
+        }
+        cb(e, res);
+      };
+      if (m === "queryBlocksForTransfer" && beforeLock) {
+        beforeLock(n).then(() => h(call, answer));
+      } else h(call, answer);
     };
   }
   return out;
@@ -118,6 +137,10 @@ interface TwoNodesOptions {
   splitLock?: boolean;
   /** Awaited by the owner's peer RPC socket before it handles its n-th lock request. */
   beforeLock?: (n: number) => Promise<void>;
+  /** The requester's index advertiser (its store's evictions and its fills feed it). */
+  advertiser?: IndexAdvertiser;
+  /** Changes each lock answer of the owner's peer RPC socket before it is sent (a buggy owner). */
+  tamper?: (res: QueryBlocksForTransferResponse) => void;
 }
 
 /**
@@ -127,7 +150,7 @@ interface TwoNodesOptions {
  */
 async function twoNodes(o: TwoNodesOptions = {}) {
   const { chunkBytes, framed = true, rpcTimeoutMs, splitLock } = o;
-  const owner = node(1), req = node(2);
+  const owner = node(1), req = node(2, o.advertiser);
   const locks = new PeerLockTable({
     host: owner.host,
     ram: owner.store,
@@ -151,7 +174,7 @@ async function twoNodes(o: TwoNodesOptions = {}) {
   const calls: Record<string, number> = {};
   server.addService(lenientPeerService(), counted(impl, calls, "grpc"));
   const serve = (l: Deno.TcpListener) =>
-    servePeerRpc(l, counted(impl, calls, "framed", o.beforeLock), 64 << 20, log);
+    servePeerRpc(l, counted(impl, calls, "framed", o.beforeLock, o.tamper), 64 << 20, log);
   let rpc = rpcListener ? serve(rpcListener) : undefined;
   const port = await new Promise<number>((res, rej) =>
     server.bindAsync(
@@ -696,5 +719,113 @@ Deno.test("the owner's transfer endpoint gone while the second part is locked: a
     t.req.store.verify();
   } finally {
     await t.close().catch(() => {}); // the owner's endpoint is closed already
+  }
+});
+
+Deno.test("a fetched block evicted before its fetch ends is neither advertised nor given the fetched checksum", async () => {
+  // 96 KiB blocks, 200 KiB chunks: 8 blocks split as [0, 1] + [2..7]. While the owner takes
+  // the second lock, the first part has landed here; then it is evicted, and block 0 is saved
+  // again with other bytes (another engine computed it) before the fetch ends.
+  const hashes = [0, 1, 2, 3, 4, 5, 6, 7].map(hash);
+  const advertised: string[][] = [];
+  const advertiser = new IndexAdvertiser();
+  advertiser.connect({
+    advertise: (
+      _ns,
+      hs,
+    ) => (advertised.push(hs.map((h) => h[1].toString())), Promise.resolve(true)),
+    withdraw: () => Promise.resolve(true),
+  });
+  let evict = () => Promise.resolve();
+  const t = await twoNodes({
+    chunkBytes: 200 * 1024,
+    advertiser,
+    beforeLock: async (n) => {
+      if (n === 2) await evict();
+    },
+  });
+  try {
+    const payloads = seal(t.owner, hashes);
+    t.setOwned(8);
+    const resaved = new Uint8Array(96 * 1024).fill(0x5a);
+    evict = async () => {
+      for (let i = 0; i < 400; i++) {
+        if (hashes.slice(0, 2).every((h) => t.req.store.blockState(NS, h) === "sealed")) break;
+        await new Promise((r) => setTimeout(r, 5));
+      }
+      assert.equal(t.req.store.blockState(NS, hashes[1]), "sealed", "the first part landed");
+      assert.equal(t.req.store.evictAll(), 2);
+      const f = t.req.host.fill(NS, hashes[0], "engine", "retained")!;
+      let p = 0;
+      for (const x of f.extents) {
+        t.req.n.mem.set(resaved.subarray(p, p + x.bytes), x.offset);
+        p += x.bytes;
+      }
+      f.commit();
+    };
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "ev");
+    await t.tier.flush();
+    await Promise.resolve(); // the advertiser sends in a microtask
+    assert.equal(t.tier.stats().blocks, 8, "every block landed and was committed");
+    for (let i = 2; i < 8; i++) {
+      assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i], `block ${i}`);
+      assert.ok(advertiser.holds(NS, hashes[i]), `block ${i} is advertised`);
+    }
+    assert.equal(t.req.store.blockState(NS, hashes[1]), "absent");
+    assert.equal(advertiser.holds(NS, hashes[1]), false, "an evicted block is not listed as held");
+    assert.ok(
+      advertised.every((a) => !a.includes("1")),
+      `block 1 was never advertised after its eviction: ${JSON.stringify(advertised)}`,
+    );
+    // Block 0 holds the engine's bytes now: no checksum of the fetched bytes may be recorded on it.
+    const pin = t.req.host.pin(NS, [hashes[0]], "check")!;
+    try {
+      const b = pin.blocks[0]!;
+      const actual = (await t.req.checksum([b.extents]))[0];
+      assert.ok(
+        b.checksum === undefined || b.checksum === actual,
+        `block 0's recorded checksum ${b.checksum} is its bytes' ${actual}`,
+      );
+    } finally {
+      pin.release();
+    }
+    assert.equal(t.locks.stats().held, 0);
+    t.req.store.verify();
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("a lock answer whose later ranges lie outside the owner's pool: the blocks before them land, the refusal is counted and nothing is left planned", async () => {
+  // 96 KiB blocks, 200 KiB chunks, split off: 4 blocks in 2 READ batches. The owner's answer
+  // moves block 2 (a shift of block 1's ranges) past the end of its pool: the second batch is
+  // refused before anything moves. That refusal used to go uncounted and unlogged.
+  const hashes = [0, 1, 2, 3].map(hash);
+  const t = await twoNodes({
+    chunkBytes: 200 * 1024,
+    splitLock: false,
+    tamper: (res) => {
+      assert.equal(res.extentCounts[2], 0, "block 2 is sent as a shift");
+      res.extentShifts[2] = 2 ** 40;
+    },
+  });
+  try {
+    const payloads = seal(t.owner, hashes);
+    t.setOwned(4);
+    const free = t.req.store.stats().freeBytes;
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "oob");
+    await t.tier.flush();
+    for (const i of [0, 1]) {
+      assert.deepEqual(payloadOf(t.req.host, t.req.n.mem, hashes[i]), payloads[i], `block ${i}`);
+    }
+    for (const i of [2, 3]) assert.equal(t.req.store.blockState(NS, hashes[i]), "absent");
+    const s = t.tier.stats();
+    assert.equal(s.blocks, 2);
+    assert.equal(s.failures.transfer, 1, "the refused READ batch is counted");
+    assert.equal(free - t.req.store.stats().freeBytes, 2 * 96 * 1024, "no space left planned");
+    assert.equal(t.locks.stats().held, 0);
+    t.req.store.verify();
+  } finally {
+    await t.close();
   }
 });
