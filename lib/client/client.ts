@@ -66,6 +66,12 @@ export type QueryResult =
 export interface Session {
   readonly events: SessionEvent[];
   readonly closed: Promise<SessionEvent | null>;
+  /**
+   * The status the stream broke with (UNAVAILABLE: the server is stopping or
+   * went away; INVALID_ARGUMENT: the session was refused; CANCELLED after
+   * {@link close}); undefined while open and after the server ended it with an event.
+   */
+  readonly error: PegaflowError | undefined;
   /** Ends the session from the client side (the server then cleans the instance up). */
   close(): void;
 }
@@ -270,12 +276,23 @@ export class PegaflowClient {
   openSession(instanceId: string, tpRank = 0, ppRank = 0): Session {
     const call = this.#raw.session({ instanceId, tpRank, ppRank });
     const events: SessionEvent[] = [];
+    let error: PegaflowError | undefined;
     const closed = new Promise<SessionEvent | null>((resolve) => {
       call.on("data", (e: SessionEvent) => events.push(e));
       call.on("end", () => resolve(events.at(-1) ?? null));
-      call.on("error", () => resolve(events.at(-1) ?? null));
+      call.on("error", (e: grpc.ServiceError) => {
+        error = new PegaflowError("Session", e.code, e.details ?? e.message);
+        resolve(events.at(-1) ?? null);
+      });
     });
-    return { events, closed, close: () => call.cancel() };
+    return {
+      events,
+      closed,
+      get error() {
+        return error;
+      },
+      close: () => call.cancel(),
+    };
   }
 
   close(): void {

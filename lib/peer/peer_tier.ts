@@ -14,10 +14,9 @@
  * checked against the owner's before the block is committed); 4. the locks
  * released in the background (a lost release lets them expire).
  *
- * Memory safety (the original system's #403): a fill's pool space is freed
- * only after its batch's completion record, which the transport posts once
- * nothing can write into the batch's ranges (docs/transfer.md). Every
- * failure is a miss — never bytes — counted by reason.
+ * Memory safety (the original system's #403): a fill's pool space is freed only after its
+ * batch's completion record, which the transport posts once nothing can write into the batch's
+ * ranges (docs/transfer.md). Every failure is a miss — never bytes — counted by reason.
  *
  * @module
  */
@@ -462,8 +461,7 @@ export class PeerTier implements Tier {
     this.#stats.readSeconds += readEnd / 1e3;
     // The blocks are committed: the answer need not wait for the release's round trip.
     this.#track(releaseAll());
-    // Their checksums were recorded with each commit (read.ts); those still held are
-    // advertised, once per fetch.
+    // Checksums were recorded as each chunk committed (read.ts); those still held are advertised.
     if (good.length > 0) this.#o.host.committed(namespace, good);
     if (failed && peer.state().broken !== 0) this.#xferPeers.drop(owner.addr, peer);
     if (failed) {
@@ -472,10 +470,9 @@ export class PeerTier implements Tier {
         status: failed.statusName,
       });
     }
+    // A later batch refused before anything moved (ranges outside the owner's pool, a broken peer).
     if (read.refused !== undefined) {
-      // A later batch could not be planned or was refused before anything moved (its owner
-      // ranges outside the owner's pool, a broken or full peer): the blocks before it landed.
-      this.#fail("transfer", { owner: owner.nodeId, namespace, error: read.refused });
+      this.#fail("transfer", { owner: owner.nodeId, error: read.refused });
     }
     if (bad > 0) this.#stats.failures.checksum += bad;
     if (good.length > 0) this.#stats.fetchesOk++;

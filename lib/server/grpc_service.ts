@@ -28,8 +28,10 @@ import {
   type UnregisterContextRequest,
 } from "../../proto/pegaflow.ts";
 import {
+  Code,
   CODE_NAMES,
   codeOf,
+  EngineError,
   errorLogFields,
   invalid,
   isExpected,
@@ -43,7 +45,7 @@ import {
 } from "../engine/engine.ts";
 import type { Logger } from "../log.ts";
 import type { ServerMetrics } from "./metrics.ts";
-import { LEASE_ID_BYTES, MAX_PARALLEL } from "../limits.ts";
+import { LEASE_ID_BYTES, MAX_NAME_CHARS, MAX_PARALLEL } from "../limits.ts";
 import { rankIndex, rankOutOfRange } from "../engine/rank.ts";
 import { undecodableReason } from "./decode.ts";
 
@@ -55,6 +57,12 @@ export class Sessions {
     string,
     Map<number, grpc.ServerWritableStream<SessionRequest, SessionEvent>>
   >();
+  #stopping = false;
+
+  /** True once {@link endAll} ran: the server is stopping; no session or RPC is taken. */
+  get stopping(): boolean {
+    return this.#stopping;
+  }
 
   get count(): number {
     let n = 0;
@@ -99,7 +107,9 @@ export class Sessions {
     }
   }
 
+  /** Ends every stream with `kind` (the server is stopping); from now on {@link stopping}. */
   endAll(kind: SessionEvent_Kind, message: string): void {
+    this.#stopping = true;
     for (const id of [...this.#byInstance.keys()]) this.end(id, kind, message);
   }
 }
@@ -117,6 +127,30 @@ function queryResponse(r: QueryAnswer, loads: RankLoadOutcome[]): QueryPrefetchR
       },
     },
   };
+}
+
+/**
+ * The ids a request names (instance, TP/PP rank, request id) as log fields,
+ * for refusals whose error carries fewer (a registration's checks, an
+ * unknown instance, an internal failure). Strings are cut at
+ * MAX_NAME_CHARS: a refused request may carry an id of any length.
+ */
+function requestLogFields(req: unknown): Record<string, string | number> {
+  const r = (typeof req === "object" && req !== null ? req : {}) as Record<string, unknown>;
+  const out: Record<string, string | number> = {};
+  const str = (k: string, v: unknown) => {
+    if (typeof v === "string" && v !== "") out[k] = v.slice(0, MAX_NAME_CHARS);
+  };
+  str("instance", r.instanceId);
+  if (typeof r.tpRank === "number") out.tp_rank = r.tpRank;
+  if (typeof r.ppRank === "number") out.pp_rank = r.ppRank;
+  str("request", r.requestId);
+  return out;
+}
+
+/** What every call gets once the server began stopping. */
+function stopping(method: string): EngineError {
+  return new EngineError(Code.UNAVAILABLE, `${method}: server is stopping`);
 }
 
 function statusError(err: unknown): Partial<grpc.StatusObject> {
@@ -147,6 +181,7 @@ export function engineServiceImpl(
       const t0 = performance.now();
       let p: Promise<Res>;
       try {
+        if (sessions.stopping) throw stopping(method);
         const bad = undecodableReason(call.request);
         if (bad !== undefined) throw invalid(`${method}: ${bad}`);
         p = Promise.resolve(fn(call.request));
@@ -175,12 +210,15 @@ export function engineServiceImpl(
             log.error("rpc failed unexpectedly", {
               method,
               error: String((e as Error)?.stack ?? e),
+              ...requestLogFields(call.request),
+              ...errorLogFields(e),
             });
           } else {
             log.info("rpc refused", {
               method,
               code: CODE_NAMES[st.code!],
               error: st.details,
+              ...requestLogFields(call.request),
               ...errorLogFields(e),
             });
           }
@@ -284,6 +322,18 @@ export function engineServiceImpl(
         return;
       }
       const { instanceId, tpRank, ppRank } = call.request;
+      if (sessions.stopping) {
+        // endAll already ran: a session taken now would get no event until the sockets close.
+        metrics.rpc("Session", "UNAVAILABLE", 0);
+        log.info("rpc refused", {
+          method: "Session",
+          code: "UNAVAILABLE",
+          error: "server is stopping",
+          ...requestLogFields(call.request),
+        });
+        call.emit("error", { code: grpc.status.UNAVAILABLE, details: stopping("Session").message });
+        return;
+      }
       const outOfRange = rankOutOfRange(tpRank, ppRank);
       if (outOfRange !== undefined) {
         metrics.rpc("Session", "INVALID_ARGUMENT", 0);
@@ -303,6 +353,7 @@ export function engineServiceImpl(
       const rank = rankIndex(tpRank, ppRank, MAX_PARALLEL);
       const old = sessions.add(instanceId, rank, call);
       if (old) {
+        log.info("session superseded", { instance: instanceId, tp_rank: tpRank, pp_rank: ppRank });
         old.write({
           kind: SessionEvent_Kind.SUPERSEDED,
           message: "a newer session for this rank took over",

@@ -60,7 +60,10 @@ export function httpHandler(deps: {
   store: KvStore;
   metrics: ServerMetrics;
   log: Logger;
-  /** Cleans one instance up the way a lost session does. */
+  /**
+   * Cleans one instance up the way a lost session does; fences it (KvEngine.unregister)
+   * before its first await, so cleanups started together each hold their instance.
+   */
   cleanup: (instanceId: string, reason: string) => Promise<number>;
 }): (req: Request) => Promise<Response> {
   const { engine, store, metrics, log } = deps;
@@ -104,12 +107,16 @@ export function httpHandler(deps: {
           if (unknown.length > 0) {
             return json(404, { error: `instance "${unknown[0]}" is not registered` });
           }
-          const cleaned = [];
-          for (const id of ids) {
-            const leases = await deps.cleanup(id, "http_cleanup");
-            cleaned.push({ instance_id: id, leases_released: leases });
-          }
-          log.info("instances cleaned up over HTTP", { count: cleaned.length });
+          // Every cleanup starts now, in this turn: each fences its instance before
+          // the first await, so none is left to vanish (a session dropping) or to be
+          // registered anew under its id while an earlier one drains.
+          const leases = await Promise.all(ids.map((id) => deps.cleanup(id, "http_cleanup")));
+          const cleaned = ids.map((id, i) => ({ instance_id: id, leases_released: leases[i] }));
+          // Ids follow the name rule ([A-Za-z0-9._-]): a comma separates them.
+          log.info("instances cleaned up over HTTP", {
+            count: cleaned.length,
+            instances: ids.join(","),
+          });
           return json(200, { cleaned });
         }
         case "POST /cache/memory/cleanup": {
