@@ -72,6 +72,9 @@ export function lockPaths(paths: string[]): Map<string, Deno.FsFile | Error> {
     for (const given of paths) {
       const path = isDirectory(given) ? `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}` : given;
       if (out.has(path)) continue; // the same file named twice is one file
+      // ... and so is one file named through a symlink or a hard link: locking it again
+      // would find this process's own lock and refuse the start.
+      if (sameFileLocked(path, out)) continue;
       try {
         out.set(path, lockCacheFile(path));
       } catch (e) {
@@ -84,6 +87,22 @@ export function lockPaths(paths: string[]): Map<string, Deno.FsFile | Error> {
     throw e;
   }
   return out;
+}
+
+/** True when `path` is (through a link) a file already locked in `locked`. */
+function sameFileLocked(path: string, locked: Map<string, Deno.FsFile | Error>): boolean {
+  let st: Deno.FileInfo;
+  try {
+    st = Deno.statSync(path);
+  } catch (_e) {
+    return false; // not there yet (created when locked) or unusable: lockCacheFile says why
+  }
+  for (const l of locked.values()) {
+    if (l instanceof Error) continue;
+    const o = l.statSync();
+    if (o.dev === st.dev && o.ino !== null && o.ino === st.ino) return true;
+  }
+  return false;
 }
 
 function dirOf(path: string): string {

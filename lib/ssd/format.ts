@@ -203,7 +203,7 @@ export type HeaderProblem =
   | "version"
   | "key-length"
   | "checksum"
-  | "lengths"
+  | "lengths" // also: a u64 field (seq, epoch, lengths, time, generation) past 2^53
   | "key-utf8";
 
 /** Decodes and verifies a header page; returns the problem instead when it does not verify. */
@@ -223,6 +223,11 @@ export function decodeHeader(page: Uint8Array): RecordHeader | HeaderProblem {
   const copy = page.slice(0, end);
   new DataView(copy.buffer).setUint32(36, 0, true);
   if (crc32c(copy) !== stored) return "checksum";
+  // u64 fields past 2^53 lose precision as numbers: such a seq would make the next
+  // write reuse it (and wrap to 0 on disk), so the header is refused with its lengths.
+  for (const off of [8, 16, 24, 40, 48, 56]) {
+    if (v.getBigUint64(off, true) > BigInt(Number.MAX_SAFE_INTEGER)) return "lengths";
+  }
   const payloadBytes = Number(v.getBigUint64(24, true));
   const rec = Number(v.getBigUint64(40, true));
   if (rec !== recordBytes(payloadBytes)) return "lengths";
