@@ -22,7 +22,7 @@
  *
  * @module
  */
-import { dirname, join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import type { CalibrationTable, Direction, Engine, GpuPath, Pool } from "../ffi/mod.ts";
 import { CALIBRATION_SIZES } from "./copy_path.ts";
 
@@ -175,9 +175,22 @@ export function writeCalibration(file: string, key: string, tables: CalibrationT
   }
   doc.entries[key] = { measuredAt: new Date().toISOString(), ...tables };
   Deno.mkdirSync(dirname(file), { recursive: true });
-  const tmp = `${file}.${Deno.pid}.tmp`;
-  Deno.writeTextFileSync(tmp, JSON.stringify(doc, null, 1) + "\n");
-  Deno.renameSync(tmp, file);
+  // A temp name of its own (not the pid: two containers' servers are both
+  // pid 1 on a shared cache volume), removed when the rename does not happen.
+  // createNew keeps the umask's mode (a temp file's 0600 would hide the
+  // cache from the other users of a shared one).
+  const tmp = join(dirname(file), `${basename(file)}.${crypto.randomUUID()}.tmp`);
+  try {
+    Deno.writeTextFileSync(tmp, JSON.stringify(doc, null, 1) + "\n", { createNew: true });
+    Deno.renameSync(tmp, file);
+  } catch (e) {
+    try {
+      Deno.removeSync(tmp);
+    } catch {
+      // Best effort: the write's own error is the one to report.
+    }
+    throw e;
+  }
 }
 
 /**
@@ -256,7 +269,9 @@ export function loadOrMeasure(
     try {
       writeCalibration(opts.file, key, tables);
     } catch (e) {
-      cacheError = `calibration cache ${opts.file}: cannot be written: ${(e as Error).message}`;
+      // Keep the read problem too: it is what made the file need rewriting.
+      const write = `calibration cache ${opts.file}: cannot be written: ${(e as Error).message}`;
+      cacheError = cacheError ? `${cacheError}; ${write}` : write;
     }
   }
   return { tables, source: "measured", cacheError };

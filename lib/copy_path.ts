@@ -117,15 +117,21 @@ export class PathPolicy {
         i = k;
       }
     }
-    const dma: GpuPath = t.gbps.dma_batch[i] >= t.gbps.dma[i] ? "dma_batch" : "dma";
+    // A figure that is not a finite positive rate (NaN, Infinity, a missing
+    // entry) is no throughput: it must neither win nor hide the others.
+    const rate = (p: GpuPath): number => {
+      const v = t.gbps[p]?.[i];
+      return typeof v === "number" && Number.isFinite(v) && v > 0 ? v : 0;
+    };
+    const dma: GpuPath = rate("dma_batch") >= rate("dma") ? "dma_batch" : "dma";
     const candidates: GpuPath[] = direction === "d2h"
       ? ["kernel", "mixed", "dma_batch", "dma"]
       : ["kernel", "dma_batch", "dma"];
     let best: GpuPath = candidates[0];
-    for (const p of candidates) if (t.gbps[p][i] > t.gbps[best][i]) best = p;
-    if (t.gbps[best][i] <= 0) return FALLBACK_PATH;
+    for (const p of candidates) if (rate(p) > rate(best)) best = p;
+    if (rate(best) <= 0) return FALLBACK_PATH;
     // SMs are taken from the model only for a real gain over the copy engines.
-    return t.gbps[dma][i] >= this.#tol * t.gbps[best][i] ? dma : best;
+    return rate(dma) >= this.#tol * rate(best) ? dma : best;
   }
 
   /**

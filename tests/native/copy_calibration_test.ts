@@ -163,3 +163,20 @@ Deno.test("the default cache lives under XDG_CACHE_HOME, else ~/.cache", () => {
   assert.equal(defaultCalibrationFile(env({ HOME: "/h" })), "/h/.cache/pegaflow/calibration.json");
   assert.equal(defaultCalibrationFile(env({})), undefined);
 });
+
+Deno.test("a cache that can be neither read nor replaced: both problems are reported and no temp file is left", () => {
+  const { dir, file } = tempFile();
+  try {
+    // A directory where the file should be: reading fails, and so does renaming over it.
+    Deno.mkdirSync(join(file, "x"), { recursive: true });
+    const r = loadOrMeasure(H100, { file, recalibrate: false, measure: measurer(52.5).measure });
+    assert.equal(r.source, "measured");
+    assert.match(r.cacheError ?? "", /cannot be read/);
+    assert.match(r.cacheError ?? "", /cannot be written/);
+    assert.ok(r.cacheError?.includes(file), r.cacheError ?? "no cache error");
+    const left = [...Deno.readDirSync(join(dir, "sub"))].map((e) => e.name).sort();
+    assert.deepEqual(left, ["calibration.json"]);
+  } finally {
+    Deno.removeSync(dir, { recursive: true });
+  }
+});

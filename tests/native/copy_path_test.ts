@@ -110,3 +110,21 @@ Deno.test("DMA wins even where no path reaches the link's peak, down to half the
   assert.equal(p.choose("h2d", 32 * KB), "dma_batch");
   assert.equal(new PathPolicy({ h2d }, { dmaTolerance: 0.8 }).choose("h2d", 32 * KB), "kernel");
 });
+
+Deno.test("a NaN or infinite figure is no throughput: it never wins, and all-unusable falls back to DMA", () => {
+  const t = (kernel: number, dma_batch: number, dma: number, mixed: number): CalibrationTable => ({
+    direction: "d2h",
+    sizes: [32 * KB],
+    peak: 55,
+    gbps: { kernel: [kernel], dma_batch: [dma_batch], dma: [dma], mixed: [mixed] },
+  });
+  // A NaN kernel figure must not shadow the real ones behind it.
+  assert.equal(new PathPolicy({ d2h: t(NaN, 10, 3, 50) }).choose("d2h", 32 * KB), "mixed");
+  assert.equal(new PathPolicy({ d2h: t(NaN, 40, 3, 50) }).choose("d2h", 32 * KB), "dma_batch");
+  assert.equal(new PathPolicy({ d2h: t(Infinity, 40, 3, 50) }).choose("d2h", 32 * KB), "dma_batch");
+  assert.equal(
+    new PathPolicy({ d2h: t(NaN, NaN, NaN, NaN) }).choose("d2h", 32 * KB),
+    FALLBACK_PATH,
+  );
+  assert.equal(new PathPolicy({ d2h: t(0, 0, 0, 0) }).choose("d2h", 32 * KB), FALLBACK_PATH);
+});
