@@ -52,15 +52,20 @@ function holding(native: NativePort): HeldNative {
   };
 }
 
-/** An engine, its store and native port, and `instances` simulated ranks registered (TP 1). */
-export async function setup(instances: string[], numBlocks = 64) {
-  const native = await openNative({
+/** The host backend's native port over a 64 MiB pool: what the in-process engine tests run on. */
+export function openTestNative(): ReturnType<typeof openNative> {
+  return openNative({
     backend: "host",
     devices: [0],
     poolBytes: 64 << 20,
     useHugepages: false,
     transferPath: "auto",
   }, silent);
+}
+
+/** An engine, its store and native port, and `instances` simulated ranks registered (TP 1). */
+export async function setup(instances: string[], numBlocks = 64) {
+  const native = await openTestNative();
   const held = holding(native);
   const store = new KvStore({ capacityBytes: native.poolBytes });
   const engine = new KvEngine({ native: held.port, store, log: silent, leaseTtlMs: 60_000 });

@@ -4,7 +4,7 @@
  */
 import assert from "node:assert/strict";
 import { KvEngine } from "../../lib/engine/engine.ts";
-import { openNative } from "../../lib/engine/native_adapter.ts";
+import { openTestNative } from "../engine/setup.ts";
 import { EngineError } from "../../lib/engine/errors.ts";
 import { KvStore } from "../../lib/storage/store.ts";
 import { Logger } from "../../lib/log.ts";
@@ -18,13 +18,7 @@ const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const silent = new Logger("error", {}, () => {});
 
 async function setup(opts: { saveConcurrency: number; saveQueueDepth: number }) {
-  const native = await openNative({
-    backend: "host",
-    devices: [0],
-    poolBytes: 64 << 20,
-    useHugepages: false,
-    transferPath: "auto",
-  }, silent);
+  const native = await openTestNative();
   const store = new KvStore({ capacityBytes: native.poolBytes });
   const engine = new KvEngine({ native, store, log: silent, leaseTtlMs: 60_000, ...opts });
   // The simulated engine only needs its regions here; no server connection is made.

@@ -12,24 +12,17 @@ import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts"
 import { PegaflowClient } from "../../lib/client/client.ts";
 import { SimEngine } from "../../lib/client/sim_engine.ts";
 import { KvEngine, PROTOCOL_VERSION } from "../../lib/engine/engine.ts";
-import { openNative } from "../../lib/engine/native_adapter.ts";
 import type { NativePort } from "../../lib/engine/ports.ts";
 import { Logger } from "../../lib/log.ts";
 import { engineServiceImpl, Sessions } from "../../lib/server/grpc_service.ts";
 import { lenientService } from "../../lib/server/decode.ts";
 import { ServerMetrics } from "../../lib/server/metrics.ts";
 import { KvStore } from "../../lib/storage/store.ts";
-import { MODEL, silent } from "../engine/setup.ts";
+import { MODEL, openTestNative, silent } from "../engine/setup.ts";
 import { refusedWith } from "./harness.ts";
 
 Deno.test("refusals and internal failures log the request's instance, ranks and request id", async () => {
-  const native = await openNative({
-    backend: "host",
-    devices: [0],
-    poolBytes: 64 << 20,
-    useHugepages: false,
-    transferPath: "auto",
-  }, silent);
+  const native = await openTestNative();
   // Every copy fails the way a broken native layer would: a plain Error, not the engine's.
   const failing: NativePort = {
     ...native,
