@@ -4,7 +4,11 @@
  * back (as a busy event loop would deliver it late) while the native layer
  * has already finished the copy and written its progress words.
  */
+import * as grpc from "@grpc/grpc-js";
 import { KvEngine } from "../../lib/engine/engine.ts";
+import { engineServiceImpl, type Sessions } from "../../lib/server/grpc_service.ts";
+import { lenientService } from "../../lib/server/decode.ts";
+import type { ServerMetrics } from "../../lib/server/metrics.ts";
 import { openNative } from "../../lib/engine/native_adapter.ts";
 import type { CopyDone, NativePort } from "../../lib/engine/ports.ts";
 import { KvStore } from "../../lib/storage/store.ts";
@@ -15,6 +19,28 @@ import { PROTOCOL_VERSION } from "../../lib/engine/engine.ts";
 
 export const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 export const silent = new Logger("error", {}, () => {});
+
+/**
+ * The Engine service over `engine` on a grpc-js server in this process, on an
+ * ephemeral loopback port (the caller force-shuts it down).
+ */
+export async function serveEngine(
+  engine: KvEngine,
+  sessions: Sessions,
+  metrics: ServerMetrics,
+  log: Logger,
+): Promise<{ server: grpc.Server; port: number }> {
+  const server = new grpc.Server();
+  server.addService(lenientService(), engineServiceImpl(engine, sessions, metrics, log));
+  const port = await new Promise<number>((resolve, reject) =>
+    server.bindAsync(
+      "127.0.0.1:0",
+      grpc.ServerCredentials.createInsecure(),
+      (e, p) => e ? reject(e) : resolve(p),
+    )
+  );
+  return { server, port };
+}
 
 /** A native port whose next submitted batch reports its completion only once released. */
 export interface HeldNative {

@@ -8,14 +8,12 @@
  * guard), and Health answered "ok".
  */
 import assert from "node:assert/strict";
-import * as grpc from "@grpc/grpc-js";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { PegaflowClient } from "../../lib/client/client.ts";
-import { engineServiceImpl, Sessions } from "../../lib/server/grpc_service.ts";
-import { lenientService } from "../../lib/server/decode.ts";
+import { Sessions } from "../../lib/server/grpc_service.ts";
 import { ServerMetrics } from "../../lib/server/metrics.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
-import { setup, silent } from "../engine/setup.ts";
+import { serveEngine, setup, silent } from "../engine/setup.ts";
 import { refusedWith } from "./harness.ts";
 
 /** Resolves with what `p` resolved, or with "timeout" after `ms`. */
@@ -36,15 +34,7 @@ Deno.test("while the server stops, a new Session and new RPCs are answered UNAVA
     instances: () => engine.instances().length,
     sessions: () => sessions.count,
   });
-  const server = new grpc.Server();
-  server.addService(lenientService(), engineServiceImpl(engine, sessions, metrics, silent));
-  const port = await new Promise<number>((resolve, reject) =>
-    server.bindAsync(
-      "127.0.0.1:0",
-      grpc.ServerCredentials.createInsecure(),
-      (e, p) => e ? reject(e) : resolve(p),
-    )
-  );
+  const { server, port } = await serveEngine(engine, sessions, metrics, silent);
   const client = new PegaflowClient(`127.0.0.1:${port}`, { deadlineMs: 10_000 });
   const early = client.openSession("s-a");
   let late: ReturnType<PegaflowClient["openSession"]> | undefined;

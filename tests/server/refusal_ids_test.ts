@@ -7,18 +7,16 @@
  * grpc-js server over a KvEngine on the host backend whose copies fail.
  */
 import assert from "node:assert/strict";
-import * as grpc from "@grpc/grpc-js";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { PegaflowClient } from "../../lib/client/client.ts";
 import { SimEngine } from "../../lib/client/sim_engine.ts";
 import { KvEngine, PROTOCOL_VERSION } from "../../lib/engine/engine.ts";
 import type { NativePort } from "../../lib/engine/ports.ts";
 import { Logger } from "../../lib/log.ts";
-import { engineServiceImpl, Sessions } from "../../lib/server/grpc_service.ts";
-import { lenientService } from "../../lib/server/decode.ts";
+import { Sessions } from "../../lib/server/grpc_service.ts";
 import { ServerMetrics } from "../../lib/server/metrics.ts";
 import { KvStore } from "../../lib/storage/store.ts";
-import { MODEL, openTestNative, silent } from "../engine/setup.ts";
+import { MODEL, openTestNative, serveEngine, silent } from "../engine/setup.ts";
 import { refusedWith } from "./harness.ts";
 
 Deno.test("refusals and internal failures log the request's instance, ranks and request id", async () => {
@@ -33,18 +31,8 @@ Deno.test("refusals and internal failures log the request's instance, ranks and 
   const lines: Record<string, unknown>[] = [];
   const log = new Logger("info", {}, (l) => lines.push(JSON.parse(l)));
   const sessions = new Sessions();
-  const server = new grpc.Server();
-  server.addService(
-    lenientService(),
-    engineServiceImpl(engine, sessions, new ServerMetrics(() => store.stats()), log),
-  );
-  const port = await new Promise<number>((resolve, reject) =>
-    server.bindAsync(
-      "127.0.0.1:0",
-      grpc.ServerCredentials.createInsecure(),
-      (e, p) => e ? reject(e) : resolve(p),
-    )
-  );
+  const metrics = new ServerMetrics(() => store.stats());
+  const { server, port } = await serveEngine(engine, sessions, metrics, log);
   const client = new PegaflowClient(`127.0.0.1:${port}`, { deadlineMs: 10_000 });
   // The instance's two TP ranks; rank 1 is the one whose calls fail.
   const [rank0, sim] = [0, 1].map((tpRank) =>
