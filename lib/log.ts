@@ -17,6 +17,11 @@ export const LOG_LEVELS = ["debug", "info", "warn", "error"] as const;
 /** One of {@link LOG_LEVELS}. */
 export type LogLevel = typeof LOG_LEVELS[number];
 
+/** An error's message as a log field's text (what was thrown need not be an Error). */
+export function errorText(e: unknown): string {
+  return e instanceof Error ? e.message : String(e);
+}
+
 /** Fields attached to a log line (ids, sizes, durations). */
 export type LogFields = Record<string, string | number | boolean | bigint | null | undefined>;
 

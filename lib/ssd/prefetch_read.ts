@@ -22,7 +22,7 @@ import type { SsdIndex, SsdLocation } from "./index.ts";
 import type { CacheFile } from "./cache_files.ts";
 import type { PrefetchAllocation } from "./prefetch.ts";
 import { ewma } from "./throughput.ts";
-import type { Logger } from "../log.ts";
+import { errorText, type Logger } from "../log.ts";
 
 /** What one read reads: `keys[i]` at `locs[i]` into `allocations[i]`. */
 export interface PrefetchRead {
@@ -60,10 +60,6 @@ interface ReadRun {
   ended: boolean;
   /** The batch's result, or the Error the engine refused it with. */
   result: Promise<IoBatchResult | Error>;
-}
-
-function errorText(e: unknown): string {
-  return e instanceof Error ? e.message : String(e);
 }
 
 /**

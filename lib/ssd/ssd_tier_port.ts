@@ -26,7 +26,7 @@ import {
 import type { PrefetchAllocation } from "./prefetch.ts";
 import type { SsdTier } from "./tier.ts";
 import type { SsdPinned, SsdWriteBlock } from "./write_behind.ts";
-import type { Logger } from "../log.ts";
+import { errorText, type Logger } from "../log.ts";
 
 /** Name of the SSD tier: metric label and hit attribution; it holds blocks as `tierHolder(SSD_TIER_NAME)`. */
 export const SSD_TIER_NAME = "ssd";
@@ -111,7 +111,7 @@ export class SsdStorageTier implements Tier {
             block: w.key,
             namespace,
             request: requestId,
-            error: e instanceof Error ? e.message : String(e),
+            error: errorText(e),
           });
           break;
         }

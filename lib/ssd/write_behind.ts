@@ -28,11 +28,7 @@ import type { SsdIndex } from "./index.ts";
 import type { Segment, SegmentRing } from "./space.ts";
 import type { CacheFile } from "./cache_files.ts";
 import { ewma } from "./throughput.ts";
-import type { Logger } from "../log.ts";
-
-function errorText(e: unknown): string {
-  return e instanceof Error ? e.message : String(e);
-}
+import { errorText, type Logger } from "../log.ts";
 
 /** A sealed block offered for write-behind. */
 export interface SsdWriteBlock {
