@@ -62,9 +62,8 @@ export interface ReadOutcome {
   chunks: number;
   /** Blocks that got pool space. */
   planned: number;
-  /** Committed blocks and their checksums. */
+  /** Committed blocks (their checksums were recorded with the commit). */
   good: Uint8Array[];
-  goodCrcs: number[];
   /** Blocks that landed with another CRC32C than the owner's (freed). */
   bad: number;
   /** The first batch that failed (its blocks freed). */
@@ -78,7 +77,7 @@ export interface ReadOutcome {
   tPlanned: number;
 }
 
-const NONE = { chunks: 0, good: [], goodCrcs: [], bad: 0, readBytes: 0, readEnd: 0 };
+const NONE = { chunks: 0, good: [], bad: 0, readBytes: 0, readEnd: 0 };
 
 /** How {@link readLockedPrefix} plans and reports. */
 export interface ReadOptions {
@@ -103,7 +102,7 @@ interface Chunk {
 /** What settling the chunks brought: the verified blocks and the wire's numbers. */
 type Settled = Pick<
   ReadOutcome,
-  "good" | "goodCrcs" | "bad" | "failed" | "readBytes" | "readEnd"
+  "good" | "bad" | "failed" | "readBytes" | "readEnd"
 >;
 
 /**
@@ -143,7 +142,6 @@ export function mergeReads(parts: ReadOutcome[]): ReadOutcome {
     chunks: 0,
     planned: 0,
     good: [],
-    goodCrcs: [],
     bad: 0,
     readBytes: 0,
     readEnd: 0,
@@ -154,7 +152,6 @@ export function mergeReads(parts: ReadOutcome[]): ReadOutcome {
     out.chunks += p.chunks;
     out.planned += p.planned;
     out.good.push(...p.good);
-    out.goodCrcs.push(...p.goodCrcs);
     out.bad += p.bad;
     out.readBytes += p.readBytes;
     out.failed ??= p.failed;
@@ -253,7 +250,7 @@ async function settleChunks(
   log: Logger,
   tSubmit: number,
 ): Promise<Settled> {
-  const out: Settled = { good: [], goodCrcs: [], bad: 0, readBytes: 0, readEnd: 0 };
+  const out: Settled = { good: [], bad: 0, readBytes: 0, readEnd: 0 };
   for (let ci = 0; ci < chunks.length; ci++) {
     const c = chunks[ci];
     const r = await c.done;
@@ -302,6 +299,7 @@ function verifyChunk(
     if (verified(k)) {
       good.push(p.hashes[i]);
       goodCrcs.push(crcs[k]);
+      out.good.push(p.hashes[i]);
     } else {
       out.bad++;
       log.warn("peer block failed its checksum: not served", {
@@ -314,8 +312,4 @@ function verifyChunk(
     }
   }
   if (good.length > 0) host.recordChecksums(p.namespace, good, goodCrcs);
-  for (let k = 0; k < good.length; k++) {
-    out.good.push(good[k]);
-    out.goodCrcs.push(goodCrcs[k]);
-  }
 }
