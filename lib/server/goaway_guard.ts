@@ -28,14 +28,14 @@
  * @module
  */
 
+import { acceptEach } from "./accept.ts";
+
 /** The client connection preface (RFC 9113 §3.4) that precedes the first frame. */
 const PREFACE = new TextEncoder().encode("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
 /** Every HTTP/2 frame starts with a 9-byte header: length(24) type(8) flags(8) stream(32). */
 const FRAME_HEADER_BYTES = 9;
 /** Frame type of GOAWAY (RFC 9113 §6.8). */
 export const FRAME_TYPE_GOAWAY = 0x7;
-/** Pause after a failed accept (e.g. out of file descriptors) before the next. */
-const ACCEPT_RETRY_MS = 50;
 /** Relay read buffer: large enough that a Save/Load message moves in few reads. */
 const RELAY_CHUNK_BYTES = 256 * 1024;
 
@@ -285,24 +285,14 @@ export function startGoawayGuard(opts: GoawayGuardOptions): GoawayGuard {
     }
   };
   let closed = false;
-  const accepting = (async () => {
-    while (!closed) {
-      let conn: Deno.Conn;
-      try {
-        conn = await listener.accept();
-      } catch (e) {
-        // close() closes the listener; any other accept error (EMFILE, a
-        // connection reset while queued) is reported and accepting goes on.
-        if (closed || e instanceof Deno.errors.BadResource) return;
-        fail(e);
-        await new Promise((r) => setTimeout(r, ACCEPT_RETRY_MS));
-        continue;
-      }
+  const accepting = acceptEach(listener, () => closed, {
+    serve(conn) {
       const p = handle(conn);
       pairs.add(p);
       p.finally(() => pairs.delete(p));
-    }
-  })();
+    },
+    retrying: fail, // close() closes the listener; any other accept error is reported
+  });
   return {
     port: listener.addr.transport === "tcp" ? listener.addr.port : 0,
     get connections() {

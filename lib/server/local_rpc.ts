@@ -32,6 +32,7 @@ import type { Buffer } from "node:buffer";
 import * as grpc from "@grpc/grpc-js";
 import { lenientPeerService, lenientService } from "./decode.ts";
 import type { Logger } from "../log.ts";
+import { ACCEPT_RETRY_MS, acceptEach } from "./accept.ts";
 import {
   encodeFrame,
   FrameError,
@@ -54,8 +55,6 @@ const round3 = (x: number) => Math.round(x * 1e3) / 1e3;
  */
 export const MAX_UNREAD_ANSWERS = 4096;
 const utf8 = (s: string) => new TextEncoder().encode(s);
-/** After an accept fails (EMFILE: the process is out of descriptors), the wait before the next. */
-const ACCEPT_RETRY_MS = 100;
 
 /** A service as a framed listener serves it. */
 interface FramedService {
@@ -251,30 +250,21 @@ function serveFramed(
     closed: false,
   };
 
-  (async () => {
-    while (!ctx.closed) {
-      let conn: Deno.Conn;
-      try {
-        conn = await listener.accept();
-      } catch (e) {
-        if (ctx.closed) break;
-        if (e instanceof Deno.errors.BadResource || e instanceof Deno.errors.Interrupted) {
-          log.error(`${service.label} listener failed`, { path: ctx.path, error: String(e) });
-          break;
-        }
-        // Out of descriptors (EMFILE) and the like pass. The listener once stopped for
-        // good here while its file stayed: every later call hung to its deadline.
-        log.warn(`${service.label} accept failed; accepting again in ${ACCEPT_RETRY_MS} ms`, {
-          path: ctx.path,
-          error: String(e),
-        });
-        await new Promise((r) => setTimeout(r, ACCEPT_RETRY_MS));
-        continue;
-      }
+  acceptEach(listener, () => ctx.closed, {
+    serve(conn) {
       if (conn.remoteAddr.transport === "tcp") (conn as Deno.TcpConn).setNoDelay(true);
       serveConnection(conn, ctx);
-    }
-  })();
+    },
+    retrying(e) {
+      log.warn(`${service.label} accept failed; accepting again in ${ACCEPT_RETRY_MS} ms`, {
+        path: ctx.path,
+        error: String(e),
+      });
+    },
+    gone(e) {
+      log.error(`${service.label} listener failed`, { path: ctx.path, error: String(e) });
+    },
+  });
 
   return {
     path: ctx.path,
