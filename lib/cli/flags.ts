@@ -1,8 +1,8 @@
 /**
  * Command-line flag plumbing shared by the KV server (lib/server/config.ts),
  * its SSD tier flags (lib/ssd/flags.ts) and the router (router.ts): the
- * `PEGAFLOW_*` environment-variable option, the byte-size parser, and the
- * commander argument parsers built on them.
+ * `PEGAFLOW_*` environment-variable option, the byte-size and integer
+ * parsers, and the commander argument parsers built on them.
  *
  * The argument parsers throw commander's `InvalidArgumentError`, so commander
  * prefixes the message with the option (and, for a value read from the
@@ -114,6 +114,31 @@ export function sizeArg(flag: string, min: number): (value: string) => number {
       throw new InvalidArgumentError((e as Error).message);
     }
     if (n < min) throw new InvalidArgumentError(`${flag} must be at least ${min} bytes, got ${n}`);
+    return n;
+  };
+}
+
+/**
+ * A commander argument parser for a whole number in `min..max` (digits only:
+ * no sign, no fraction, no exponent); `flag` names the option in the error.
+ * Every integer flag uses it, so a refusal always reads the same way.
+ *
+ * @example
+ * ```ts
+ * envOption("--xfer-streams <n>", "TCP streams per peer", "XFER_STREAMS")
+ *   .argParser(intArg("--xfer-streams", 1, 64));
+ * // --xfer-streams 0 → "--xfer-streams must be an integer in 1..64, got "0""
+ * ```
+ */
+export function intArg(flag: string, min: number, max: number): (value: string) => number {
+  return (value: string): number => {
+    const text = value.trim();
+    const n = Number(text);
+    if (!/^\d+$/.test(text) || n < min || n > max) {
+      throw new InvalidArgumentError(
+        `${flag} must be an integer in ${min}..${max}, got "${value}"`,
+      );
+    }
     return n;
   };
 }

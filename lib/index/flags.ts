@@ -8,7 +8,7 @@
 
 import { hostname } from "node:os";
 import { InvalidArgumentError, type Option } from "commander";
-import { envOption, MAX_TIMER_MS } from "../cli/flags.ts";
+import { envOption, intArg, MAX_TIMER_MS } from "../cli/flags.ts";
 import { DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
 import { checkRedisUrl } from "./connection.ts";
 import { checkNodeToken } from "./keys.ts";
@@ -49,19 +49,6 @@ function hostPort(value: string): string {
   return value;
 }
 
-/** Milliseconds in min..MAX_TIMER_MS: both flags set timers (a call's deadline, the heartbeat). */
-function msArg(flag: string, min: number) {
-  return (value: string): number => {
-    const n = Number(value);
-    if (!/^\d+$/.test(value.trim()) || n < min || n > MAX_TIMER_MS) {
-      throw new InvalidArgumentError(
-        `${flag} must be an integer ≥ ${min} and ≤ ${MAX_TIMER_MS}, got "${value}"`,
-      );
-    }
-    return n;
-  };
-}
-
 /**
  * The index flags as commander Options.
  *
@@ -94,12 +81,12 @@ export function indexOptions(): Option[] {
       "--index-timeout-ms <ms>",
       "deadline of each block index call; past it the node serves locally",
       "INDEX_TIMEOUT_MS",
-    ).default(DEFAULT_INDEX_TIMEOUT_MS).argParser(msArg("--index-timeout-ms", 1)),
+    ).default(DEFAULT_INDEX_TIMEOUT_MS).argParser(intArg("--index-timeout-ms", 1, MAX_TIMER_MS)),
     envOption(
       "--index-node-ttl-ms <ms>",
       "a node that stops heartbeating leaves the index after this long",
       "INDEX_NODE_TTL_MS",
-    ).default(DEFAULT_NODE_TTL_MS).argParser(msArg("--index-node-ttl-ms", 100)),
+    ).default(DEFAULT_NODE_TTL_MS).argParser(intArg("--index-node-ttl-ms", 100, MAX_TIMER_MS)),
   ];
 }
 

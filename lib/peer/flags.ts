@@ -8,7 +8,7 @@
  */
 
 import { InvalidArgumentError, type Option } from "commander";
-import { boolArg, envOption } from "../cli/flags.ts";
+import { boolArg, envOption, intArg } from "../cli/flags.ts";
 import type { TransportChoice } from "../transfer/transport.ts";
 import { DEFAULT_TCP_STREAMS } from "../transfer/transport.ts";
 import { DEFAULT_PEER_LOCK_TTL_MS, MAX_PEER_LOCK_TTL_MS } from "./locks.ts";
@@ -31,18 +31,6 @@ export interface PeerConfig {
   fetchTimeoutMs: number;
   /** TTL of locks this node grants when the requester asks for none. */
   lockTtlMs: number;
-}
-
-function intArg(flag: string, min: number, max: number) {
-  return (value: string): number => {
-    const n = Number(value.trim());
-    if (!/^\d+$/.test(value.trim()) || n < min || n > max) {
-      throw new InvalidArgumentError(
-        `${flag} must be an integer in ${min}..${max}, got "${value}"`,
-      );
-    }
-    return n;
-  };
 }
 
 /** Most RDMA devices one endpoint opens (`RDMA_MAX_NICS` in csrc/pf_rdma.c). */

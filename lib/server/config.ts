@@ -8,7 +8,7 @@
  */
 import { type Command, InvalidArgumentError } from "commander";
 import { newCommand, parseCommandLine, type ParsedArgs, usageExit } from "../cli/command_line.ts";
-import { boolArg, envOption, MAX_TIMER_MS, parseSize, sizeArg } from "../cli/flags.ts";
+import { boolArg, envOption, intArg, MAX_TIMER_MS, parseSize, sizeArg } from "../cli/flags.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
 import { type IndexConfig, indexConfigFrom, indexOptions } from "../index/flags.ts";
@@ -178,16 +178,6 @@ export function devicesArg(value: string): number[] {
     out.push(Number(id));
   }
   return out;
-}
-
-function intArg(what: string, min: number, max: number) {
-  return (value: string): number => {
-    if (!/^\d+$/.test(value.trim())) throw new InvalidArgumentError(`"${value}" is not an integer`);
-    const n = Number(value);
-    if (n < min) throw new InvalidArgumentError(`${what} must be at least ${min}, got ${n}`);
-    if (n > max) throw new InvalidArgumentError(`${what} must be at most ${max}, got ${value}`);
-    return n;
-  };
 }
 
 /**

@@ -6,7 +6,7 @@
  */
 
 import { InvalidArgumentError, type Option } from "commander";
-import { boolArg, envOption, formatSize, sizeArg } from "../cli/flags.ts";
+import { boolArg, envOption, formatSize, intArg, sizeArg } from "../cli/flags.ts";
 import {
   DEFAULT_HDR_PAGES,
   DEFAULT_SEGMENT_BYTES,
@@ -27,18 +27,6 @@ export interface SsdConfig {
   prefetchInflight: number;
   maxPrefetchBlocks: number;
   segmentBytes: number;
-}
-
-function positiveInt(flag: string) {
-  return (value: string): number => {
-    const n = Number(value);
-    if (!/^\d+$/.test(value.trim()) || n < 1 || !Number.isSafeInteger(n)) {
-      throw new InvalidArgumentError(
-        `${flag} must be an integer ≥ 1 and ≤ ${Number.MAX_SAFE_INTEGER}, got "${value}"`,
-      );
-    }
-    return n;
-  };
 }
 
 /** A size flag in whole pages (the SSD's unit of placement). */
@@ -98,27 +86,29 @@ export function ssdOptions(): Option[] {
       "SSD_WRITE_QUEUE_DEPTH",
     )
       .default(SSD_QUEUE_DEFAULTS.writeQueueDepth).argParser(
-        positiveInt("--ssd-write-queue-depth"),
+        intArg("--ssd-write-queue-depth", 1, Number.MAX_SAFE_INTEGER),
       ),
     envOption("--ssd-write-inflight <n>", "write-behind batches in flight", "SSD_WRITE_INFLIGHT")
-      .default(SSD_QUEUE_DEFAULTS.writeInflight).argParser(positiveInt("--ssd-write-inflight")),
+      .default(SSD_QUEUE_DEFAULTS.writeInflight).argParser(
+        intArg("--ssd-write-inflight", 1, Number.MAX_SAFE_INTEGER),
+      ),
     envOption(
       "--ssd-prefetch-queue-depth <n>",
       "prefetches waiting (full: answered as a miss)",
       "SSD_PREFETCH_QUEUE_DEPTH",
     )
       .default(SSD_QUEUE_DEFAULTS.prefetchQueueDepth)
-      .argParser(positiveInt("--ssd-prefetch-queue-depth")),
+      .argParser(intArg("--ssd-prefetch-queue-depth", 1, Number.MAX_SAFE_INTEGER)),
     envOption("--ssd-prefetch-inflight <n>", "prefetch reads in flight", "SSD_PREFETCH_INFLIGHT")
       .default(SSD_QUEUE_DEFAULTS.prefetchInflight)
-      .argParser(positiveInt("--ssd-prefetch-inflight")),
+      .argParser(intArg("--ssd-prefetch-inflight", 1, Number.MAX_SAFE_INTEGER)),
     envOption(
       "--max-prefetch-blocks <n>",
       "blocks being read from SSD by prefetches at once",
       "MAX_PREFETCH_BLOCKS",
     )
       .default(SSD_QUEUE_DEFAULTS.maxPrefetchBlocks)
-      .argParser(positiveInt("--max-prefetch-blocks")),
+      .argParser(intArg("--max-prefetch-blocks", 1, Number.MAX_SAFE_INTEGER)),
     envOption(
       "--ssd-segment-size <size>",
       "SSD segment (reuse unit; ≥ the largest block)",
