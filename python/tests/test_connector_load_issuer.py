@@ -11,12 +11,14 @@ import threading
 import time
 from typing import List
 
+import grpc
 import pytest
 
 from pegaflow.client import PegaflowClient
 from pegaflow.connector.plan import ScheduledRequest
 from pegaflow.connector.scheduler_core import SchedulerCore
 from pegaflow.connector.vllm import ConnectorSettings
+from pegaflow.errors import PegaflowError
 from pegaflow.hashes import synthetic_tokens
 
 from kv_helpers import my_states
@@ -331,3 +333,52 @@ def test_a_refused_scheduler_issued_load_gives_its_lease_back_at_once(uid, mode)
     finally:
         eng.close()
         srv.stop()
+
+
+@pytest.mark.parametrize("issuer", ["worker", "scheduler"])
+def test_an_async_load_whose_answer_was_lost_is_reported_only_once_its_late_copy_could_have_settled(
+    engines, uid, issuer
+):
+    # DEADLINE_EXCEEDED: the Load may still reach the server and copy into the request's
+    # blocks, so finished_recving (after which vLLM may free or reuse them) waits for that.
+    eng = engines("async", **{"pegaflow.load_issuer": issuer, "pegaflow.load_timeout_ms": 300})
+    cold = cold_then_drained(eng, 45, 4, uid)
+    gate = threading.Event()
+    sent: List[str] = []
+    lost = PegaflowError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost by the test", "Load")
+    if issuer == "worker":
+        real_load = eng.worker.client.load
+
+        def late_load(**kw):
+            def go():
+                gate.wait(30)
+                sent.append(kw["load_state_shm"])
+                try:
+                    real_load(**kw)
+                except PegaflowError:
+                    pass
+
+            threading.Thread(target=go, daemon=True).start()
+            raise lost
+
+        eng.worker.client.load = late_load
+    else:
+        real_send = eng.sched.client.load_nowait
+
+        def late_send(*, on_done, **kw):
+            def go():
+                gate.wait(30)
+                sent.append(kw["load_state_shm"])
+                real_send(on_done=lambda _e: None, **kw)
+
+            threading.Thread(target=go, daemon=True).start()
+            on_done(lost)
+
+        eng.sched.client.load_nowait = late_send
+    threading.Timer(0.2, gate.set).start()
+    warm = Request("w", list(cold.prompt_token_ids), salt=uid)
+    eng.run_prefill(warm, avoid=set(cold.block_ids))
+    assert sent, "finished_recving named the request before its late Load was even sent"
+    assert set(warm.block_ids[:4]) <= eng.invalid_blocks  # failed → recomputed
+    assert eng.holds_all(warm, warm.num_tokens)
+    assert eng.finish(warm) is False

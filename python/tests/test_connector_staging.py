@@ -7,6 +7,7 @@ real host-backend server."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -237,3 +238,80 @@ def test_a_query_that_may_have_reached_the_server_holds_its_run_until_its_deadli
             sched.close()
             client.close()
     assert my_states() == before
+
+
+@pytest.mark.parametrize("issuer", ["worker", "scheduler"])
+def test_a_staged_load_whose_answer_was_lost_holds_its_request_and_the_staging_blocks_until_it_settles(
+    engine_factory, uid, issuer
+):
+    # A Load that ended DEADLINE_EXCEEDED (or UNAVAILABLE, ...) may still reach the server and
+    # copy into the staging run: the load is recomputed, but the next staged load must not
+    # scatter from that run, nor the request's blocks be reused, until the copy settled.
+    eng = engine_factory(
+        "layerwise",
+        **{"pegaflow.staging_blocks": 16, "pegaflow.load_issuer": issuer, "pegaflow.load_timeout_ms": 300},
+    )
+    prompt, cold = _cold(eng, uid, 44, 5)
+    gate = threading.Event()
+    sent: list = []
+    lost = PegaflowError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost by the test", "Load")
+    if issuer == "worker":
+        client = eng.worker._w().client
+        real_load = client.load
+
+        def late_load(**kw):
+            def go():
+                gate.wait(30)
+                sent.append(kw["load_state_shm"])
+                try:
+                    real_load(**kw)
+                except PegaflowError:
+                    pass  # the state is the worker's answer
+
+            threading.Thread(target=go, daemon=True).start()
+            raise lost
+
+        client.load = late_load
+    else:
+        client = eng.sched._s().client
+        real_send = client.load_nowait
+
+        def late_send(*, on_done, **kw):
+            def go():
+                gate.wait(30)
+                sent.append(kw["load_state_shm"])
+                real_send(on_done=lambda _e: None, **kw)
+
+            threading.Thread(target=go, daemon=True).start()
+            on_done(lost)
+
+        client.load_nowait = late_send
+    warm = Request("warm", list(prompt), salt=uid)
+    eng.run_prefill(warm, avoid=set(cold.block_ids))
+    assert eng.invalid_blocks == set(warm.block_ids[:5])  # failed → recomputed
+    assert eng.holds_all(warm, warm.num_tokens)
+    w = eng.worker._w()
+    assert len(w._lingering) == 1 and w._pending.get("warm") == 1, "the lost Load's copy is not waited for"
+    if issuer == "worker":
+        client.load = real_load
+    else:
+        client.load_nowait = real_send
+    # Fenced: while that copy may land in the staging run, a staged load is not scattered from it.
+    again = Request("again", list(prompt), salt=uid)
+    eng.run_prefill(again, avoid=set(cold.block_ids) | set(warm.block_ids))
+    assert set(again.block_ids[:5]) <= eng.invalid_blocks and eng.holds_all(again, again.num_tokens)
+    gate.set()
+    end = time.monotonic() + 10
+    while w._lingering or w._pending.get("warm"):
+        assert time.monotonic() < end, "the lost Load's hold never ended"
+        eng.idle_step()
+        time.sleep(0.01)
+    assert sent, "the hold ended before the late Load was even sent"
+    for r in (warm, again):
+        eng.finish(r)
+        eng.drain(r.request_id)
+    # The staging blocks serve again.
+    third = Request("third", list(prompt), salt=uid)
+    before = set(eng.invalid_blocks)
+    assert eng.run_prefill(third, avoid=set(cold.block_ids)) == 5 * BLOCK
+    assert eng.invalid_blocks == before and eng.holds_all(third, third.num_tokens)

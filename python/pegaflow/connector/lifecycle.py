@@ -28,6 +28,14 @@ MAYBE_ACCEPTED = (
     grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
 )
 
+#: The state a Load's sender writes when the Load ended with a MAYBE_ACCEPTED status (its answer
+#: was lost): the load failed for the engine (its blocks are recomputed), but the server may
+#: still copy into them. A worker holds what that copy may write (the request's blocks, the
+#: staging run) until the server settles the state (a Load that arrives resets it, then ends
+#: it) or LINGER_LOAD_TIMEOUTS pass. Not a code the server writes (those are PF statuses and
+#: -1000, a refusal).
+STATE_ANSWER_LOST = -1001
+
 
 def give_lease_back(client: "PegaflowClient", lease_id: bytes, request_id: str) -> bool:
     """A rank will not load from `lease_id` (its Load was refused, or never sent): the lease goes

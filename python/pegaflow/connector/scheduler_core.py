@@ -46,8 +46,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..client import PegaflowClient, QueryResult
 from ..errors import PegaflowError
-from ..load_state import LoadState
-from .lifecycle import MAYBE_ACCEPTED, FreshStates, give_lease_back, unlink_shm
+from ..load_state import STATE_REJECTED, LoadState
+from .lifecycle import MAYBE_ACCEPTED, STATE_ANSWER_LOST, FreshStates, give_lease_back, unlink_shm
 from .plan import (
     ASYNC,
     ISSUER_QUERY,
@@ -339,7 +339,7 @@ class SchedulerCore:
 
             def answered(err: Optional[PegaflowError], st: LoadState = st, rank=(tp_rank, pp_rank)) -> None:
                 if err is not None:
-                    st.mark_failed()
+                    st.mark_failed(STATE_ANSWER_LOST if err.code in MAYBE_ACCEPTED else STATE_REJECTED)
                     self._count("load_issue_errors")
                     log.warning(
                         "request %s: Load of tp_rank %d pp_rank %d failed (recomputed): %s",

@@ -24,10 +24,10 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 from ..client import PegaflowClient
 from ..errors import PegaflowError, PegaflowLoadError
 from ..gpu_wait import GpuWaits
-from ..load_state import LoadState
+from ..load_state import STATE_PENDING, LoadState
 from ..regions import export_kv_layers
 from ..registration import KvRegistration
-from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, give_lease_back
+from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, STATE_ANSWER_LOST, give_lease_back
 from .plan import ASYNC, LAYERWISE, MODES, LoadIntent, SaveIntent, StepPlan
 from .staging import StagingBuffers, staging_instance
 
@@ -45,6 +45,18 @@ def _tensor_key(t: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
     if hasattr(t, "data_ptr"):
         return t.data_ptr(), tuple(t.shape), tuple(t.stride())
     return t.__array_interface__["data"][0], tuple(t.shape), tuple(t.strides)
+
+
+def _unsettled(st: LoadState) -> bool:
+    """The server may still write into what this load targets: pending, or its Load's answer was
+    lost (lifecycle.STATE_ANSWER_LOST) and no Load reached the server since to end it."""
+    s = st.state
+    return s == STATE_PENDING or s == STATE_ANSWER_LOST
+
+
+def _maybe_landing(e: PegaflowLoadError) -> bool:
+    """A wait that failed this way leaves a copy that may still land (held until settled)."""
+    return isinstance(e, TimeoutError) or e.state == STATE_ANSWER_LOST
 
 
 @dataclass
@@ -312,11 +324,11 @@ class WorkerCore:
         now = time.monotonic()
         keep: List[_Load] = []
         for ld in self._lingering:
-            ok = ld.state.poll()
-            if ok is None and now < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
+            unsettled = _unsettled(ld.state)
+            if unsettled and now < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
                 keep.append(ld)
                 continue
-            if ok is None:
+            if unsettled:
                 self._count("loads_abandoned", 1)
                 log.warning(
                     "load for %s: state %s still pending %d load timeouts after it started; its blocks are "
@@ -370,14 +382,20 @@ class WorkerCore:
                 self._count("loads", 1)
                 self._count("load_blocks", len(intent.block_ids))
             except PegaflowError as e:
+                self._fail(ld, str(e))
+                if e.code in MAYBE_ACCEPTED:
+                    # It may have reached the server, whose copy may still land: failed for the
+                    # engine, but its state stays mapped and what it may write held until the
+                    # server settles it (layer-wise: lingering; async: get_finished waits).
+                    ld.state.mark_failed(STATE_ANSWER_LOST)
+                    if self.mode == LAYERWISE:
+                        ld.timed_out = True
+                        self._recycle(ld)
+                    continue
                 # A refusal left the state alone or failed it; mark it ourselves too.
                 ld.state.mark_failed()
-                # Only an explicit refusal proves the server will never write this state;
-                # after a timeout or a broken connection it may still: do not reuse it.
-                ld.done = e.code not in MAYBE_ACCEPTED
-                self._fail(ld, str(e))
-                if ld.done:
-                    self._give_back(ld)  # a refused Load leaves its lease as it was
+                ld.done = True
+                self._give_back(ld)  # a refused Load leaves its lease as it was
                 self._recycle(ld)
 
     def _stage(self, ld: _Load) -> bool:
@@ -464,7 +482,7 @@ class WorkerCore:
                 ld.state.wait_layer(idx, self._left(ld))
                 self._scatter(ld, idx)
             except PegaflowLoadError as e:
-                ld.timed_out = isinstance(e, TimeoutError)
+                ld.timed_out = _maybe_landing(e)
                 ld.done = not ld.timed_out
                 self._fail(ld, str(e))
                 self._let_stream_go(ld)
@@ -496,7 +514,7 @@ class WorkerCore:
                     else:
                         self._scatter(ld, len(self._reg().layers) - 1)
                 except PegaflowLoadError as e:
-                    ld.timed_out = isinstance(e, TimeoutError)
+                    ld.timed_out = _maybe_landing(e)
                     ld.done = not ld.timed_out
                     self._fail(ld, str(e))
                     self._let_stream_go(ld)  # no stream waits on past the deadline
@@ -627,10 +645,13 @@ class WorkerCore:
             for rid, ld in list(self._async_loads.items()):
                 if not ld.done and ld.state is not None:
                     ok = ld.state.poll()
-                    if ok is None:
-                        if self._left(ld) > 0:
+                    if _unsettled(ld.state):
+                        if ok is None and self._left(ld) > 0:
                             continue
-                        self._fail(ld, f"not done after {self.load_timeout_s} s")
+                        if ok is None:
+                            self._fail(ld, f"not done after {self.load_timeout_s} s")
+                        else:  # the answer of its Load was lost (already failed)
+                            self._fail(ld, f"the answer of its Load was lost (state {ld.state.name})")
                         if time.monotonic() < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
                             continue  # its copy may still land: the request keeps its blocks
                         self._count("loads_abandoned", 1)
