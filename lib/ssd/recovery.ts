@@ -44,7 +44,18 @@ export interface RecoveryReport {
   maxSeq: number;
   /** Header reads issued. */
   headerReads: number;
+  /**
+   * Header reads that failed with an I/O error (not a read past the written
+   * end of a sparse file): the disk is failing there; that segment's chain
+   * ends at the failed read (its records beyond cannot be read).
+   */
+  readErrors: number;
+  /** The first of those, to name in the log. */
+  firstReadError?: { path: string; offset: number; error: string };
 }
+
+/** Linux errno of a short read (the io reaper's code for reading past the written end). */
+const ENODATA = 61;
 
 /** Where the scan stands (logged while it runs: a large cache takes a while). */
 export interface RecoveryProgress {
@@ -88,6 +99,7 @@ export async function recoverIndex(
     truncated: 0,
     maxSeq: 0,
     headerReads: 0,
+    readErrors: 0,
   };
   // Segments still scanning, with their cursor (bytes into the segment).
   let active: { seg: Segment; cursor: number }[] = ring.segments
@@ -132,6 +144,15 @@ export async function recoverIndex(
           if (res.status[i] !== 0) {
             // Reading past the written part of a sparse file is not an error:
             // the chain simply ends (the reaper reports short reads as ENODATA).
+            // Any other errno is the disk failing: the chain ends too, counted.
+            if (res.aux[i] !== ENODATA) {
+              report.readErrors++;
+              report.firstReadError ??= {
+                path: file.path,
+                offset: a.seg.fileOffset + a.cursor,
+                error: res.errorText(i),
+              };
+            }
             continue;
           }
           const more = takeHeader(a, res.header(i), file, ring, index, report);

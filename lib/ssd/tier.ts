@@ -331,7 +331,16 @@ export class SsdTier {
         header_reads: report.headerReads,
         chains_ended_on_bad_header: report.stoppedOnBadHeader,
         truncated_records_dropped: report.truncated,
+        header_read_errors: report.readErrors,
       });
+      if (report.firstReadError) {
+        log.warn("SSD header reads failed while rebuilding the index: those segments end there", {
+          failed_reads: report.readErrors,
+          path: report.firstReadError.path,
+          offset: report.firstReadError.offset,
+          error: report.firstReadError.error,
+        });
+      }
       return tier;
     } catch (e) {
       io.dispose();

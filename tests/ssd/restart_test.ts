@@ -1,9 +1,14 @@
 import assert from "node:assert/strict";
 import { SsdTier } from "../../lib/ssd/tier.ts";
+import { SsdIo } from "../../lib/ssd/io.ts";
+import { PF_STATUS } from "../../ffi/native.ts";
 import { FP, type Harness, harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 128 * 1024;
+const PF_EIO = PF_STATUS.PF_EIO;
+/** Linux errno of an I/O error. */
+const EIO = 5;
 
 function open(h: Harness, dir = h.dir, reset = false) {
   return h.openTier({
@@ -178,6 +183,47 @@ Deno.test("a torn header (garbage where the last record starts) ends the chain a
     try {
       assert.equal(tier.recovery.blocks, 3);
       assert.equal(tier.recovery.stoppedOnBadHeader, 1);
+    } finally {
+      await tier.close();
+    }
+  } finally {
+    await h.close();
+  }
+});
+
+Deno.test("a header read that fails with an I/O error ends that chain, counted and logged with the path", async () => {
+  const h = await harness();
+  try {
+    const keys = Array.from({ length: 4 }, (_, i) => `ns-eio/${i}`);
+    let tier = await open(h);
+    await writeBlocks(h, tier, keys);
+    const path = tier.locate(keys[0])!.path;
+    await tier.close();
+    // The disk fails the scan's second round of header reads (the second record of each
+    // segment) with EIO, as a bad sector would: injected where the reaper reports it.
+    const run = SsdIo.prototype.run;
+    const mark = h.logs.length;
+    let round = 0;
+    SsdIo.prototype.run = async function (this: SsdIo, batch) {
+      const res = await run.call(this, batch);
+      const scanning = h.logs.slice(mark).some((l) => l.includes("rebuilding the SSD index"));
+      if (scanning && ++round === 2) {
+        for (let i = 0; i < res.status.length; i++) [res.status[i], res.aux[i]] = [PF_EIO, EIO];
+      }
+      return res;
+    };
+    try {
+      tier = await open(h);
+    } finally {
+      SsdIo.prototype.run = run;
+    }
+    try {
+      assert.equal(tier.recovery.blocks, 1);
+      assert.equal(tier.recovery.readErrors, 1);
+      assert.equal(tier.recovery.stoppedOnBadHeader, 0);
+      assert.equal(tier.lookupPrefix(keys, FP), 1);
+      const warned = h.logs.find((l) => l.includes("SSD header reads failed"));
+      assert.ok(warned?.includes(path) && warned.includes("Input/output error"), h.logs.join("\n"));
     } finally {
       await tier.close();
     }
