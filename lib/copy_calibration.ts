@@ -7,7 +7,7 @@
  * device's name, the driver version and the library's ABI version (a new
  * driver or a rebuilt kernel can move the crossovers) — so one file serves
  * every GPU model of a fleet. A missing entry is measured and written back
- * (atomically: temp file + rename). An unreadable or malformed file is
+ * (atomically: temp file + rename; writers take turns on `<file>.lock`). An unreadable or malformed file is
  * never trusted: it is reported, measured over and rewritten. `--recalibrate`
  * measures even when an entry exists.
  *
@@ -161,11 +161,37 @@ export function readCalibration(file: string, key: string): CalibrationTables | 
 }
 
 /**
+ * How long a writer waits for another writer of the same cache (the servers
+ * of a node's GPUs starting together) before writing anyway: at worst an
+ * entry is lost and measured again at the next start.
+ */
+const WRITE_LOCK_WAIT_MS = 5_000;
+const WRITE_LOCK_POLL_MS = 2;
+
+/**
  * Stores `tables` under `key`, keeping the file's other entries (a
  * malformed file is replaced). Atomic: a reader sees the old file or the
- * new one.
+ * new one. Writers of one file take turns (an exclusive `flock` on
+ * `<file>.lock` around the read-modify-write), so entries written at the
+ * same time by several processes are all kept.
  */
 export function writeCalibration(file: string, key: string, tables: CalibrationTables): void {
+  Deno.mkdirSync(dirname(file), { recursive: true });
+  const lock = Deno.openSync(`${file}.lock`, { create: true, write: true });
+  try {
+    const until = performance.now() + WRITE_LOCK_WAIT_MS;
+    const pause = new Int32Array(new SharedArrayBuffer(4));
+    // flock, not lockSync: a holder that hangs must not hang this start.
+    while (!lock.tryLockSync(true) && performance.now() < until) {
+      Atomics.wait(pause, 0, 0, WRITE_LOCK_POLL_MS);
+    }
+    replaceEntry(file, key, tables);
+  } finally {
+    lock.close(); // releases the flock
+  }
+}
+
+function replaceEntry(file: string, key: string, tables: CalibrationTables): void {
   let doc: CacheFile;
   try {
     doc = readCacheFile(file) ?? { format: CALIBRATION_FORMAT, entries: {} };
@@ -174,7 +200,6 @@ export function writeCalibration(file: string, key: string, tables: CalibrationT
     doc = { format: CALIBRATION_FORMAT, entries: {} };
   }
   doc.entries[key] = { measuredAt: new Date().toISOString(), ...tables };
-  Deno.mkdirSync(dirname(file), { recursive: true });
   // A temp name of its own (not the pid: two containers' servers are both
   // pid 1 on a shared cache volume), removed when the rename does not happen.
   // createNew keeps the umask's mode (a temp file's 0600 would hide the

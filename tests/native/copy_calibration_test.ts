@@ -1,6 +1,6 @@
 /** The calibration cache: measured once per GPU model + driver, read back after, never trusted blindly. */
 import assert from "node:assert/strict";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import type { CalibrationTable, Direction } from "../../ffi/mod.ts";
 import {
   CALIBRATION_FORMAT,
@@ -175,7 +175,46 @@ Deno.test("a cache that can be neither read nor replaced: both problems are repo
     assert.match(r.cacheError ?? "", /cannot be written/);
     assert.ok(r.cacheError?.includes(file), r.cacheError ?? "no cache error");
     const left = [...Deno.readDirSync(join(dir, "sub"))].map((e) => e.name).sort();
-    assert.deepEqual(left, ["calibration.json"]);
+    // The writers' lock file stays (removing it would let two writers lock two files).
+    assert.deepEqual(left, ["calibration.json", "calibration.json.lock"]);
+  } finally {
+    Deno.removeSync(dir, { recursive: true });
+  }
+});
+
+Deno.test("servers writing one cache at once keep every entry (GPUs of a node calibrating together)", async () => {
+  const { dir, file } = tempFile();
+  try {
+    const writers = 4, each = 25;
+    const children = Array.from({ length: writers }, (_, w) =>
+      new Deno.Command(Deno.execPath(), {
+        args: [
+          "run",
+          "-A",
+          "--cached-only",
+          new URL("./_calibration_writer.ts", import.meta.url).pathname,
+          file,
+          `gpu${w}`,
+          String(each),
+        ],
+        stdout: "null",
+      }).output());
+    for (const r of await Promise.all(children)) {
+      assert.equal(r.code, 0, new TextDecoder().decode(r.stderr));
+    }
+    const doc = JSON.parse(Deno.readTextFileSync(file));
+    const missing = [];
+    for (let w = 0; w < writers; w++) {
+      for (let i = 0; i < each; i++) {
+        if (!(`gpu${w}-${i}` in doc.entries)) missing.push(`gpu${w}-${i}`);
+      }
+    }
+    assert.deepEqual(missing, [], `${missing.length} entries lost`);
+    assert.deepEqual(
+      [...Deno.readDirSync(dirname(file))].map((e) => e.name).filter((n) => n.endsWith(".tmp")),
+      [],
+      "temp files left",
+    );
   } finally {
     Deno.removeSync(dir, { recursive: true });
   }
