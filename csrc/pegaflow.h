@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 6
+#define PF_ABI_VERSION 7
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {
@@ -490,8 +490,11 @@ typedef struct pf_uring_stats {
 } pf_uring_stats;
 int32_t pf_uring_info(uint32_t uring, pf_uring_stats *out);
 /* Stops accepting ops, waits for ops in flight, joins the reaper, closes
- * files still open on it. PF_EBUSY if called from the reaper itself. */
-int32_t pf_uring_close(uint32_t uring);
+ * files still open on it. PF_EBUSY if called from the reaper itself.
+ * Called off the caller's thread (it waits), so on failure the error text
+ * is copied into `err` (`err_cap` bytes, NUL-terminated; may be NULL): the
+ * thread-local pf_last_error is the calling thread's. */
+int32_t pf_uring_close(uint32_t uring, char *err, uint32_t err_cap);
 
 /* Opens (and registers) a file on `uring`. */
 int32_t pf_file_open(uint32_t uring, const char *path, uint32_t flags,
@@ -511,8 +514,10 @@ int32_t pf_file_truncate(uint32_t file, uint64_t bytes);
 /* Reserves [0, bytes) with fallocate so ENOSPC shows up now, not mid-write;
  * PF_EUNSUPPORTED where the filesystem has no fallocate. */
 int32_t pf_file_allocate(uint32_t file, uint64_t bytes);
-/* fdatasync (ops completed before the call are durable after it). */
-int32_t pf_file_sync(uint32_t file);
+/* fdatasync (ops completed before the call are durable after it). On
+ * failure the error text (path, errno) is copied into `err` as for
+ * pf_uring_close: it runs off the caller's thread too. */
+int32_t pf_file_sync(uint32_t file, char *err, uint32_t err_cap);
 /* Drops the file's pages from the page cache (posix_fadvise DONTNEED), so a
  * buffered benchmark reads the device, not memory. */
 int32_t pf_file_drop_cache(uint32_t file);

@@ -48,6 +48,11 @@ int32_t pf_last_error(char *buf, uint32_t cap) {
   return pf_text_out(last_error, buf, cap);
 }
 
+int32_t pf_error_out(int32_t rc, char *err, uint32_t cap) {
+  if (rc < 0) pf_text_out(last_error, err, cap);
+  return rc;
+}
+
 int32_t pf_abi_version(void) { return PF_ABI_VERSION; }
 
 /* ---- handles ----------------------------------------------------------- */

@@ -19,6 +19,10 @@ int32_t pf_fail(int32_t code, const char *fmt, ...)
  * is written when buf is NULL or cap is 0). Returns strlen(text), the
  * length a caller needs for the whole of it. */
 int32_t pf_text_out(const char *text, char *buf, uint32_t cap);
+/* Returns `rc`; when it is a failure, first copies this thread's error text
+ * into `err` (`cap` bytes; `err` may be NULL). For the entry points that run
+ * off the caller's thread, whose pf_last_error the caller cannot read. */
+int32_t pf_error_out(int32_t rc, char *err, uint32_t cap);
 
 /* What an engine can do (pf_engine.features); pf_engine_info reports each
  * as a named field. */

@@ -357,7 +357,7 @@ static void file_release(pf_file *f) {
   free(f);
 }
 
-int32_t pf_uring_close(uint32_t uring) {
+static int32_t uring_close(uint32_t uring) {
   pf_uring *u = uring_hold(uring, "pf_uring_close");
   if (!u) return PF_EHANDLE;
   if (pthread_equal(pthread_self(), u->reaper))
@@ -567,19 +567,27 @@ static pf_file *file_hold(uint32_t file, const char *fn) {
   return f;
 }
 
+int32_t pf_uring_close(uint32_t uring, char *err, uint32_t err_cap) {
+  return pf_error_out(uring_close(uring), err, err_cap);
+}
+
 static int32_t file_unhold(pf_file *f, int32_t rc) {
   pf_uring *u = f->u; /* f may go once its inflight drops; u stays while held */
   atomic_fetch_sub(&f->inflight, 1);
   return uring_unhold(u, rc);
 }
 
-int32_t pf_file_sync(uint32_t file) {
+static int32_t file_sync(uint32_t file) {
   pf_file *f = file_hold(file, "pf_file_sync");
   if (!f) return PF_EHANDLE;
   if (fdatasync(f->fd_buf) != 0)
     return file_unhold(f, pf_fail(PF_EIO, "fdatasync %s: %s (errno %d)", f->path,
                                   strerror(errno), errno));
   return file_unhold(f, PF_OK);
+}
+
+int32_t pf_file_sync(uint32_t file, char *err, uint32_t err_cap) {
+  return pf_error_out(file_sync(file), err, err_cap);
 }
 
 int32_t pf_file_drop_cache(uint32_t file) {

@@ -31,12 +31,13 @@ export const URING_SYMBOLS = {
   pf_uring_hdr_ptr: { parameters: ["u32"], result: "pointer" },
   pf_uring_info: { parameters: ["u32", "buffer"], result: "i32" },
   // Waits for ops in flight: off the JS thread.
-  pf_uring_close: { parameters: ["u32"], result: "i32", nonblocking: true },
+  // Off the JS thread: a failure's text comes back in the buffer, not pf_last_error.
+  pf_uring_close: { parameters: ["u32", "buffer", "u32"], result: "i32", nonblocking: true },
   pf_file_open: { parameters: ["u32", "buffer", "u32", "buffer"], result: "i32" },
   pf_file_info: { parameters: ["u32", "buffer"], result: "i32" },
   pf_file_truncate: { parameters: ["u32", "u64"], result: "i32" },
   pf_file_allocate: { parameters: ["u32", "u64"], result: "i32" },
-  pf_file_sync: { parameters: ["u32"], result: "i32", nonblocking: true },
+  pf_file_sync: { parameters: ["u32", "buffer", "u32"], result: "i32", nonblocking: true },
   pf_file_drop_cache: { parameters: ["u32"], result: "i32" },
   pf_file_close: { parameters: ["u32"], result: "i32" },
   pf_fs_space: { parameters: ["buffer", "buffer"], result: "i32" },
@@ -116,11 +117,19 @@ export function uringLib(): UringLib["symbols"] {
   return lib.symbols;
 }
 
-const errBuf = new Uint8Array(1024);
+/** Bytes of a library error text read back (the calling thread's, or a buffer's). */
+const ERROR_TEXT_BYTES = 1024;
+const errBuf = new Uint8Array(ERROR_TEXT_BYTES);
 /** The calling thread's last libpegaflow error message. */
 export function lastError(): string {
   const n = uringLib().pf_last_error(errBuf, errBuf.length);
   return new TextDecoder().decode(errBuf.subarray(0, Math.min(n, errBuf.length - 1)));
+}
+
+/** The NUL-terminated text a call wrote into `buf` ("" when it wrote none). */
+function cText(buf: Uint8Array): string {
+  const end = buf.indexOf(0);
+  return new TextDecoder().decode(buf.subarray(0, end < 0 ? buf.length : end));
 }
 
 function check(call: string, rc: number): void {
@@ -229,8 +238,9 @@ export class Uring {
 
   /** `fdatasync`, off the JS thread. */
   async sync(file: number): Promise<void> {
-    const rc = await uringLib().pf_file_sync(file);
-    if (rc < 0) throw new PegaflowIoError("pf_file_sync", rc, `file handle ${file}`);
+    const err = new Uint8Array(ERROR_TEXT_BYTES);
+    const rc = await uringLib().pf_file_sync(file, err, err.length);
+    if (rc < 0) throw new PegaflowIoError("pf_file_sync", rc, cText(err) || `file handle ${file}`);
   }
 
   /** Drops the file's cached pages (benchmarks of buffered I/O). */
@@ -262,8 +272,11 @@ export class Uring {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    const rc = await uringLib().pf_uring_close(this.handle);
-    if (rc < 0) throw new PegaflowIoError("pf_uring_close", rc, `uring handle ${this.handle}`);
+    const err = new Uint8Array(ERROR_TEXT_BYTES);
+    const rc = await uringLib().pf_uring_close(this.handle, err, err.length);
+    if (rc < 0) {
+      throw new PegaflowIoError("pf_uring_close", rc, cText(err) || `uring handle ${this.handle}`);
+    }
   }
 }
 

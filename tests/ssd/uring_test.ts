@@ -92,3 +92,21 @@ Deno.test("an open io engine holds its pool and ring: destroying either is refus
   }
   await h.close(); // both go once it closed
 });
+
+Deno.test("calls that run off the JS thread fail with the library's own text, not a bare code", async () => {
+  const h = await harness(1 << 20);
+  const u = Uring.open(h.pool.handle, h.ring.handle, 16, 4);
+  try {
+    const f = u.openFile(`${h.dir}/sync.bin`, FileFlag.CREATE);
+    u.closeFile(f);
+    // A closed file's handle: the text says which call and why.
+    await assert.rejects(u.sync(f), (e: unknown) => {
+      assert.ok(e instanceof PegaflowIoError, String(e));
+      assert.match(e.message, /pf_file_sync failed \(-\d+\): pf_file_sync: .*handle/);
+      return true;
+    });
+  } finally {
+    await u.close();
+  }
+  await h.close();
+});

@@ -30,7 +30,7 @@ static int hook_fdatasync(int fd);
 
 static void *closer(void *arg) {
   (void)arg;
-  close_rc = pf_uring_close(hook_uring);
+  close_rc = pf_uring_close(hook_uring, NULL, 0);
   return NULL;
 }
 /* Runs pf_uring_close on another thread and gives it up to 300 ms. */
@@ -88,7 +88,7 @@ int main(int argc, char **argv) {
     want_rc = PF_ESHUTDOWN;
   } else if (!strcmp(mode, "sync-uring") || !strcmp(mode, "sync-file")) {
     hook_armed = mode[5] == 'u' ? 2 : 3;
-    rc = pf_file_sync(f);
+    rc = pf_file_sync(f, NULL, 0);
     want_rc = PF_OK;
   } else {
     fprintf(stderr, "unknown mode %s\n", mode);
@@ -100,7 +100,7 @@ int main(int argc, char **argv) {
   if (hook_armed == 0 && !strcmp(mode, "sync-file")) {
     CHECK(file_close_rc == PF_EBUSY);
     CHECK(pf_file_close(f) == PF_OK); /* the sync ended: now it closes */
-    close_rc = pf_uring_close(u);
+    close_rc = pf_uring_close(u, NULL, 0);
   }
   /* The close must end, and leave the pool and ring free to destroy. */
   for (int i = 0; i < 100 && close_rc == 99; i++) usleep(10000);
