@@ -15,18 +15,9 @@ import { ServerMetrics } from "../../lib/server/metrics.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
 import { serveEngine, setup, silent } from "../engine/setup.ts";
 import { refusedWith } from "./harness.ts";
+import { settlesWithin } from "../../lib/http/shutdown.ts";
 
 /** Resolves with what `p` resolved, or with "timeout" after `ms`. */
-async function within<T>(p: Promise<T>, ms: number): Promise<T | "timeout"> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const t = new Promise<"timeout">((r) => timer = setTimeout(() => r("timeout"), ms));
-  try {
-    return await Promise.race([p, t]);
-  } finally {
-    clearTimeout(timer);
-  }
-}
-
 Deno.test("while the server stops, a new Session and new RPCs are answered UNAVAILABLE", async () => {
   const { engine, held, store, sims: [a], teardown } = await setup(["s-a"]);
   const sessions = new Sessions();
@@ -63,7 +54,8 @@ Deno.test("while the server stops, a new Session and new RPCs are answered UNAVA
     assert.equal((await early.closed)?.kind, SessionEvent_Kind.SHUTDOWN);
 
     late = client.openSession("s-late");
-    assert.equal(await within(late.closed, 5_000), null, "the late session is refused at once");
+    assert.ok(await settlesWithin(late.closed, 5_000), "the late session is refused at once");
+    assert.equal(await late.closed, null);
     assert.equal(late.error?.codeName, "UNAVAILABLE", String(late.error));
     assert.match(late.error!.details, /stopping/);
     assert.equal(sessions.count, 0, "the refused session is not kept");

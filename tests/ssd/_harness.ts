@@ -14,6 +14,7 @@ import { SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
 import type { EnqueueResult, SsdWriteBatch, SsdWriteBlock } from "../../lib/ssd/write_behind.ts";
 import { layoutIdentity } from "../../lib/storage/layout.ts";
 import { Logger } from "../../lib/log.ts";
+import { settlesWithin } from "../../lib/http/shutdown.ts";
 
 /** The layout the tier tests write and read under (one layer of one segment per block). */
 export const TEST_LAYOUT = layoutIdentity({
@@ -94,15 +95,8 @@ function pattern(key: string, out: Uint8Array): void {
  * fails (instead of hanging) when a promise it waits for is never settled.
  */
 export async function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const late = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(`${what} did not end within ${ms} ms`)), ms);
-  });
-  try {
-    return await Promise.race([p, late]);
-  } finally {
-    clearTimeout(timer);
-  }
+  if (!(await settlesWithin(p, ms))) throw new Error(`${what} did not end within ${ms} ms`);
+  return await p;
 }
 
 export async function harness(poolBytes = 64 << 20): Promise<Harness> {
