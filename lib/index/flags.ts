@@ -37,6 +37,12 @@ function asArg<T>(check: (v: string) => T) {
   };
 }
 
+/** `--index-redis`: a redis:// URL, or "" (no index) for empty / `none` (an env var set to nothing). */
+function redisArg(value: string): string {
+  const v = value.trim();
+  return v === "" || v.toLowerCase() === "none" ? "" : checkRedisUrl(v);
+}
+
 function hostPort(value: string): string {
   const a = splitHostPort(value);
   if (!a || a.port < 1 || a.port > 65535) {
@@ -61,9 +67,9 @@ export function indexOptions(): Option[] {
   return [
     envOption(
       "--index-redis <url>",
-      "Redis of the cross-node block index, e.g. redis://10.0.0.5:6379 (none: no index)",
+      "Redis of the cross-node block index, e.g. redis://10.0.0.5:6379 (unset, empty or none: no index)",
       "INDEX_REDIS",
-    ).argParser(asArg(checkRedisUrl)),
+    ).argParser(asArg(redisArg)),
     envOption(
       "--node-id <id>",
       "this node's id in the block index (default: <hostname>:<gRPC port>)",
@@ -93,7 +99,7 @@ export function indexOptions(): Option[] {
 /** Reads the parsed index options out of commander's `opts()`. */
 export function indexConfigFrom(o: Record<string, unknown>): IndexConfig {
   return {
-    redisUrl: o.indexRedis as string | undefined,
+    redisUrl: (o.indexRedis as string | undefined) || undefined, // "": none
     nodeId: o.nodeId as string | undefined,
     advertiseAddr: o.advertiseAddr as string | undefined,
     timeoutMs: o.indexTimeoutMs as number,

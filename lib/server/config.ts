@@ -212,10 +212,11 @@ export function serveCommand(): Command {
     .addOption(
       envOption(
         "--devices <ids>",
-        "comma-separated device ids to serve, one copy engine each over one pool",
+        "comma-separated device ids to serve, one copy engine each over one pool " +
+          "(default: every visible GPU on cuda, 0 on host)",
         "DEVICES",
       )
-        .default(undefined, "every visible GPU (cuda), 0 (host)").argParser(devicesArg),
+        .argParser(devicesArg),
     )
     .addOption(
       envOption(

@@ -14,6 +14,7 @@
  *
  * @module
  */
+import { dirname } from "node:path";
 import * as grpc from "@grpc/grpc-js";
 import type { Logger } from "../log.ts";
 import type { ServeConfig } from "./config.ts";
@@ -177,6 +178,7 @@ async function bindUds(
   log: Logger,
 ): Promise<BoundSocket> {
   const path = cfg.uds;
+  await checkSocketDir(path);
   if (await claimSocketPath(path) === "removed_stale") {
     log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
   }
@@ -194,6 +196,22 @@ async function bindUds(
   opened.sockets.push(uds);
   opened.localRpc = await openLocalRpc(path, impl, cfg.maxMessageBytes, log, opened.sockets);
   return uds;
+}
+
+/**
+ * The socket's directory exists: else binding fails on the first socket made
+ * (the relay's `PATH.up`), whose name says nothing to the user.
+ */
+async function checkSocketDir(path: string): Promise<void> {
+  const dir = dirname(path);
+  let info: Deno.FileInfo;
+  try {
+    info = await Deno.stat(dir);
+  } catch (e) {
+    if (e instanceof Deno.errors.NotFound) throw new Error(`directory ${dir} does not exist`);
+    throw e;
+  }
+  if (!info.isDirectory) throw new Error(`${dir} is not a directory`);
 }
 
 /** The engines' hot calls in frames beside the `--uds` socket (local_rpc.ts), same handlers. */

@@ -14,6 +14,7 @@ import {
   SSD_QUEUE_DEFAULTS,
 } from "./tier.ts";
 import { PAGE_BYTES } from "./format.ts";
+import { MIN_SEGMENT_BYTES } from "./space.ts";
 
 /** The SSD part of the server's configuration. */
 export interface SsdConfig {
@@ -72,7 +73,9 @@ export function ssdOptions(): Option[] {
       "SSD_CACHE_CAPACITY",
     )
       .default(DEFAULT_SSD_CAPACITY, formatSize(DEFAULT_SSD_CAPACITY)).argParser(
-        sizeArg("--ssd-cache-capacity", 2 * DEFAULT_SEGMENT_BYTES),
+        // The smallest file (a header page and one segment of the smallest size); whether it
+        // holds a segment of the chosen --ssd-segment-size is checked in ssdConfigFrom.
+        sizeArg("--ssd-cache-capacity", PAGE_BYTES + MIN_SEGMENT_BYTES),
       ),
     envOption(
       "--ssd-reset [bool]",
@@ -115,7 +118,7 @@ export function ssdOptions(): Option[] {
       "SSD_SEGMENT_SIZE",
     )
       .default(DEFAULT_SEGMENT_BYTES, formatSize(DEFAULT_SEGMENT_BYTES)).argParser(
-        pagesArg("--ssd-segment-size", 2 * PAGE_BYTES),
+        pagesArg("--ssd-segment-size", MIN_SEGMENT_BYTES),
       ),
   ];
 }

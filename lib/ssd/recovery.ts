@@ -18,7 +18,7 @@
  */
 
 import { decodeHeader, type RecordHeader } from "./format.ts";
-import type { SsdIo } from "./io.ts";
+import type { IoBatchResult, SsdIo } from "./io.ts";
 import type { SsdIndex } from "./index.ts";
 import type { Segment, SegmentRing } from "./space.ts";
 
@@ -142,18 +142,8 @@ export async function recoverIndex(
           const a = chunk[i];
           const file = files[a.seg.file];
           if (res.status[i] !== 0) {
-            // Reading past the written part of a sparse file is not an error:
-            // the chain simply ends (the reaper reports short reads as ENODATA).
-            // Any other errno is the disk failing: the chain ends too, counted.
-            if (res.aux[i] !== ENODATA) {
-              report.readErrors++;
-              report.firstReadError ??= {
-                path: file.path,
-                offset: a.seg.fileOffset + a.cursor,
-                error: res.errorText(i),
-              };
-            }
-            continue;
+            countReadError(res, i, file.path, a.seg.fileOffset + a.cursor, report);
+            continue; // the chain ends
           }
           const more = takeHeader(a, res.header(i), file, ring, index, report);
           if (more) next.push(more);
@@ -168,6 +158,23 @@ export async function recoverIndex(
   report.bytes = index.payloadBytes;
   report.blocks = index.size;
   return report;
+}
+
+/**
+ * A failed header read: reading past the written part of a sparse file is not
+ * an error (the reaper reports short reads as ENODATA); any other errno is the
+ * disk failing there, counted and, the first time, kept to be named.
+ */
+function countReadError(
+  res: IoBatchResult,
+  i: number,
+  path: string,
+  offset: number,
+  report: RecoveryReport,
+): void {
+  if (res.aux[i] === ENODATA) return;
+  report.readErrors++;
+  report.firstReadError ??= { path, offset, error: res.errorText(i) };
 }
 
 /**

@@ -45,6 +45,9 @@ export interface Allocation {
 /** Why a record could not be placed. */
 export type AllocationRefusal = "record-larger-than-segment" | "next-segment-busy";
 
+/** Smallest segment: two pages (a record's header page and one page of payload). */
+export const MIN_SEGMENT_BYTES = 2 * PAGE_BYTES;
+
 /**
  * The ring of segments and its write head.
  *
@@ -72,9 +75,9 @@ export class SegmentRing {
     segmentBytes: number,
     onReuse: (seg: Segment) => void,
   ) {
-    if (segmentBytes % PAGE_BYTES !== 0 || segmentBytes < 2 * PAGE_BYTES) {
+    if (segmentBytes % PAGE_BYTES !== 0 || segmentBytes < MIN_SEGMENT_BYTES) {
       throw new RangeError(
-        `segment size ${segmentBytes} must be a multiple of ${PAGE_BYTES} and ≥ ${2 * PAGE_BYTES}`,
+        `segment size ${segmentBytes} must be a multiple of ${PAGE_BYTES} and ≥ ${MIN_SEGMENT_BYTES}`,
       );
     }
     this.segmentBytes = segmentBytes;

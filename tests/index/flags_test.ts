@@ -93,3 +93,20 @@ Deno.test("node id and advertise address default from the bound gRPC address", (
     { nodeId: "x", advertiseAddr: "y:1" },
   );
 });
+
+Deno.test("--index-redis none, or an empty PEGAFLOW_INDEX_REDIS, means no index (as its help says)", () => {
+  const redis = (argv: string[]) => {
+    const r = parseServeArgs(argv);
+    assert.equal(r.kind, "config", r.kind === "exit" ? r.output : "");
+    return r.kind === "config" ? r.config.index.redisUrl : "unparsed";
+  };
+  assert.equal(redis(["--index-redis", "none"]), undefined);
+  assert.equal(redis(["--index-redis", "NONE"]), undefined);
+  try {
+    Deno.env.set("PEGAFLOW_INDEX_REDIS", "");
+    assert.equal(redis([]), undefined);
+  } finally {
+    Deno.env.delete("PEGAFLOW_INDEX_REDIS");
+  }
+  assert.equal(redis(["--index-redis", " redis://h:6379 "]), "redis://h:6379");
+});

@@ -119,6 +119,9 @@ Deno.test("values the server cannot run with are refused at parse time, naming t
       ["--ssd-cache-path", "/tmp/a", "--ssd-cache-capacity", "128mb", "--ssd-segment-size", "64mb"],
       ["--ssd-cache-path", "/tmp/a,/tmp/a", "--ssd-cache-capacity", "128mb"],
       ["--ssd-write-inflight", "1000", "--ssd-prefetch-inflight", "24"],
+      // Small segments make a small capacity usable: the floor follows --ssd-segment-size.
+      ["--ssd-cache-path", "/tmp/a", "--ssd-segment-size", "8kb", "--ssd-cache-capacity", "64mb"],
+      ["--ssd-cache-path", "/tmp/a", "--ssd-segment-size", "8kb", "--ssd-cache-capacity", "12kb"],
     ]
   ) config(argv);
 });

@@ -141,6 +141,15 @@ Deno.test("a --uds path that is not a socket is refused and left untouched; a pa
     assert.match(r.stderr, new RegExp(`${path} exists and is not a socket`));
     assert.equal(await Deno.readTextFile(path), "keep me");
 
+    // A directory that does not exist is named (not the relay socket beside the path).
+    const lost = await runServerToEnd(["--uds", `${dir}/no-such-dir/x.sock`]);
+    assert.notEqual(lost.code, 0);
+    assert.match(
+      lost.stderr,
+      new RegExp(`--uds ${dir}/no-such-dir/x.sock.*directory ${dir}/no-such-dir does not exist`),
+    );
+    assert.doesNotMatch(lost.stderr, /\.up\b/);
+
     const long = await runServerToEnd(["--uds", `${dir}/${"x".repeat(120)}.sock`]);
     assert.equal(long.code, 2, long.stderr);
     assert.match(long.stderr, /--uds/);
