@@ -94,7 +94,12 @@ export function scrapeGauge(
 }
 
 /**
- * The `/metrics` answer: `registry` rendered in its own exposition format.
+ * The `/metrics` answer: `registry` rendered in its own exposition format,
+ * metric by metric. A metric whose scrape-time read throws (a collector over
+ * a handle closed at shutdown) is left out and named in a `# NAME
+ * unavailable: why` comment line; every other metric is still served.
+ * `registry.metrics()` would reject as a whole, and one closed handle would
+ * blank the scrape (an HTTP 500) for the rest of a server's shutdown.
  *
  * @example
  * ```ts
@@ -102,7 +107,18 @@ export function scrapeGauge(
  * ```
  */
 export async function metricsResponse(registry: Registry): Promise<Response> {
-  return new Response(await registry.metrics(), {
+  const parts = await Promise.all(
+    registry.getMetricsAsArray().map(async ({ name }) => {
+      try {
+        return await registry.getSingleMetricAsString(name);
+      } catch (e) {
+        // A comment is one line: a multi-line message must not break the exposition format.
+        const why = String((e as Error)?.message ?? e).replace(/\s+/g, " ");
+        return `# ${name} unavailable: ${why}`;
+      }
+    }),
+  );
+  return new Response(`${parts.join("\n\n")}\n`, {
     headers: { "content-type": registry.contentType },
   });
 }

@@ -11,6 +11,10 @@
  * | POST /instances/cleanup      | body `{"instance_id":"x"}` or `{"all":true}`     |
  * | POST /cache/memory/cleanup   | evicts every unpinned cached block               |
  *
+ * HEAD is answered as GET without a body (Deno.serve drops it: `curl -I`
+ * probes like a GET); another method on one of these paths is a 405 naming
+ * the one it accepts (with `Allow`), any other path a 404.
+ *
  * Every request's body, on every route, is read through lib/http/body.ts
  * under {@link MAX_BODY_BYTES}: over it the answer is 413 before the rest is
  * read, a body that cannot be decoded is a 400.
@@ -28,10 +32,28 @@ import { BodyError, CLOSE_AFTER_REFUSAL, readBodyLimited } from "../http/body.ts
 /** Largest body any endpoint reads: the operator endpoints take one small JSON object. */
 export const MAX_BODY_BYTES = 64 * 1024;
 
+/** The method each route answers; another method on one of these paths is a 405, not a 404. */
+const ROUTE_METHODS: ReadonlyMap<string, "GET" | "POST"> = new Map([
+  ["/health", "GET"],
+  ["/metrics", "GET"],
+  ["/instances", "GET"],
+  ["/instances/cleanup", "POST"],
+  ["/cache/memory/cleanup", "POST"],
+]);
+
 function json(status: number, body: unknown, headers: Record<string, string> = {}): Response {
   return new Response(JSON.stringify(body, null, 1) + "\n", {
     status,
     headers: { "content-type": "application/json", ...headers },
+  });
+}
+
+/** 405 (with `Allow`) for a served path under another method, else 404. */
+function noRoute(method: string, path: string): Response {
+  const allowed = ROUTE_METHODS.get(path);
+  if (allowed === undefined) return json(404, { error: `no route ${method} ${path}` });
+  return json(405, { error: `${path} only accepts ${allowed}` }, {
+    allow: allowed === "GET" ? "GET, HEAD" : allowed,
   });
 }
 
@@ -69,7 +91,7 @@ export function httpHandler(deps: {
   const { engine, store, metrics, log } = deps;
   return async (req) => {
     const url = new URL(req.url);
-    const route = `${req.method} ${url.pathname}`;
+    const route = `${req.method === "HEAD" ? "GET" : req.method} ${url.pathname}`;
     let body: Uint8Array;
     try {
       body = await readBodyLimited(req, { maxBytes: MAX_BODY_BYTES });
@@ -127,7 +149,7 @@ export function httpHandler(deps: {
           return json(200, { blocks_evicted: blocks, bytes_freed: freed, stats: store.stats() });
         }
         default:
-          return json(404, { error: `no route ${route}` });
+          return noRoute(req.method, url.pathname);
       }
     } catch (e) {
       log.error("http handler failed", { route, error: String((e as Error)?.stack ?? e) });

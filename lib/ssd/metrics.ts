@@ -130,7 +130,13 @@ export function registerSsdMetrics(registry: Registry, stats: () => SsdStats): v
   const read = () => {
     const now = performance.now();
     if (!snap || now - snapAt > 1) {
-      snap = stats();
+      try {
+        snap = stats();
+      } catch (e) {
+        // A closed tier's io_uring handle is gone (stats() throws PF_EHANDLE) while the server
+        // still answers /metrics during its shutdown: its last figures are its final ones.
+        if (!snap) throw e;
+      }
       snapAt = now;
     }
     return snap;
