@@ -17,13 +17,6 @@ import { InvalidArgumentError, Option } from "commander";
 export const ENV_PREFIX = "PEGAFLOW_";
 
 /**
- * Longest delay a timer can wait, in ms (2^31 - 1, about 24.8 days): a longer
- * `setTimeout` / `setInterval` fires after 1 ms instead. Every flag in
- * milliseconds that sets a timer stays at or below it.
- */
-export const MAX_TIMER_MS = 2 ** 31 - 1;
-
-/**
  * A commander option that is also read from the environment variable
  * `PEGAFLOW_<env>`.
  *

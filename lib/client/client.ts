@@ -35,11 +35,16 @@ export const DEFAULT_DEADLINE_MS = 30_000;
 /** 64 MiB, the server's default message limit. */
 export const CLIENT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 
-/** A failed call: the gRPC status code, its name and the server's message. */
+/**
+ * A failed call: the method, the gRPC status code, its name and the server's
+ * message (which names the ids involved), as python/pegaflow/errors.py's.
+ */
 export class PegaflowError extends Error {
   readonly code: number;
   readonly codeName: string;
   readonly details: string;
+  /** The RPC that failed, e.g. "Save". */
+  readonly method: string;
   constructor(method: string, code: number, details: string) {
     const codeName = grpc.status[code] ?? String(code);
     super(`${method}: ${codeName}: ${details}`);
@@ -47,6 +52,7 @@ export class PegaflowError extends Error {
     this.code = code;
     this.codeName = codeName;
     this.details = details;
+    this.method = method;
   }
 }
 
@@ -98,6 +104,7 @@ export class PegaflowClient {
   /** The server's local RPC socket beside a `unix:` address (see lib/server/local_rpc.ts). */
   readonly #local: LocalRpcClient | undefined;
   readonly #deadlineMs: number;
+  #closed = false;
 
   /**
    * `localRpc` (default true): with a `unix:PATH` address, Save, QueryPrefetch,
@@ -112,6 +119,12 @@ export class PegaflowClient {
   ) {
     this.address = address;
     this.#deadlineMs = opts.deadlineMs ?? DEFAULT_DEADLINE_MS;
+    if (!(this.#deadlineMs > 0)) {
+      // 0, a negative or NaN deadline fails every call before it is sent.
+      throw new RangeError(
+        `PegaflowClient ${address}: deadlineMs ${opts.deadlineMs} is not a positive number of ms`,
+      );
+    }
     const max = opts.maxMessageBytes ?? CLIENT_MAX_MESSAGE_BYTES;
     const unixPath = address.startsWith("unix:")
       ? address.slice("unix:".length).replace(/^\/\/(?=\/)/, "")
@@ -132,6 +145,12 @@ export class PegaflowClient {
     fn: (req: Req, md: grpc.Metadata, opts: grpc.CallOptions, cb: Cb<Res>) => unknown,
     req: Req,
   ): Promise<Res> {
+    if (this.#closed) {
+      // grpc-js would throw a bare "Channel has been shut down" with no status.
+      return Promise.reject(
+        new PegaflowError(method, grpc.status.CANCELLED, `client of ${this.address} is closed`),
+      );
+    }
     const local = this.#local;
     const name = method[0].toLowerCase() + method.slice(1) as keyof typeof EngineService;
     if (local?.usable && HOT.has(name)) return this.#callLocal(local, method, name, fn, req);
@@ -169,13 +188,23 @@ export class PegaflowClient {
       requestSerialize(r: Req): Uint8Array;
       responseDeserialize(b: Uint8Array): Res;
     };
+    let body: Uint8Array;
     try {
-      const body = await local.call(name, def.requestSerialize(req), this.#deadlineMs);
-      return def.responseDeserialize(body);
+      body = await local.call(name, def.requestSerialize(req), this.#deadlineMs);
     } catch (e) {
       if (e instanceof LocalRpcAbsent) return this.#callGrpc(method, fn, req);
       if (e instanceof LocalRpcStatus) throw new PegaflowError(method, e.code, e.details);
       throw e;
+    }
+    try {
+      return def.responseDeserialize(body);
+    } catch (e) {
+      // What grpc-js answers for an answer it cannot parse.
+      throw new PegaflowError(
+        method,
+        grpc.status.INTERNAL,
+        `unparsable answer (${body.length} bytes) from ${local.path}: ${(e as Error).message}`,
+      );
     }
   }
 
@@ -296,6 +325,7 @@ export class PegaflowClient {
   }
 
   close(): void {
+    this.#closed = true;
     this.#local?.close();
     this.#raw.close();
   }

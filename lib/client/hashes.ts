@@ -26,6 +26,11 @@ export function chainedBlockHashes(
   blockTokens: number,
   salt = "",
 ): Uint8Array[] {
+  // 0 would never leave the loop below (every "block" is full), a fraction would
+  // cut tokens in half: both are caller bugs, refused as python/pegaflow/hashes.py does.
+  if (!Number.isInteger(blockTokens) || blockTokens < 1) {
+    throw new RangeError(`block hashes: blockTokens must be an integer >= 1, got ${blockTokens}`);
+  }
   const out: Uint8Array[] = [];
   let prev = new Uint8Array(createHash("sha256").update(`pegaflow-root:${salt}`).digest()).subarray(
     0,

@@ -8,6 +8,7 @@
 import { SharedMemory } from "../../ffi/mod.ts";
 import {
   initLoadState,
+  LAYERS_UNKNOWN,
   LOAD_STATE_BYTES,
   readLoadState,
   STATE_OK,
@@ -53,6 +54,10 @@ class Turns {
 }
 
 async function pollUntil(done: () => boolean, what: string, timeoutMs: number): Promise<void> {
+  if (Number.isNaN(timeoutMs)) {
+    // NaN compares false against every deadline: the wait would never time out.
+    throw new RangeError(`${what}: timeout ${timeoutMs} is not a number of milliseconds`);
+  }
   if (done()) return;
   const start = performance.now();
   const deadline = start + timeoutMs;
@@ -85,6 +90,8 @@ export class LoadState {
   readonly name: string;
   readonly #shm: SharedMemory;
   readonly #view: DataView;
+  /** The mapping is gone after close(): touching #view then would crash the process. */
+  #closed = false;
 
   private constructor(name: string) {
     this.name = name;
@@ -101,38 +108,67 @@ export class LoadState {
 
   /** Resets progress for reuse by another Load. */
   rearm(): void {
-    initLoadState(this.#view);
+    initLoadState(this.#words());
   }
 
   snapshot(): { numLayers: number; layersReady: number; state: number } {
-    return readLoadState(this.#view);
+    return readLoadState(this.#words());
   }
 
-  /** Resolves once layer `i` has landed (or the load ended); returns the state then. */
+  /**
+   * Resolves once layer `i` (an index into this rank's layers, in registration
+   * order) has landed, or the load ended; returns the state then. A layer that
+   * is not an index, or not below the layer count the server armed, is a
+   * RangeError: no progress word could ever say it landed.
+   */
   async waitLayer(i: number, timeoutMs = 120_000): Promise<number> {
+    if (!Number.isInteger(i) || i < 0) {
+      // A negative index is below any layers_ready: it would read as landed at once.
+      throw new RangeError(`load state ${this.name}: layer ${i} is not a layer index (>= 0)`);
+    }
     await pollUntil(
       () => {
-        const s = readLoadState(this.#view);
-        return s.state !== STATE_PENDING || s.layersReady > i;
+        const s = readLoadState(this.#words(`layer ${i}`));
+        if (s.state !== STATE_PENDING || s.layersReady > i) return true;
+        if (s.numLayers !== 0 && s.numLayers !== LAYERS_UNKNOWN && i >= s.numLayers) {
+          throw new RangeError(
+            `load state ${this.name}: layer ${i} is out of range (the load has ${s.numLayers} layers)`,
+          );
+        }
+        return false;
       },
       `load state ${this.name}: layer ${i} not ready`,
       timeoutMs,
     );
-    return readLoadState(this.#view).state;
+    return readLoadState(this.#words(`layer ${i}`)).state;
   }
 
   /** Resolves with the final state (1 ok, < 0 failed). */
   async waitAll(timeoutMs = 120_000): Promise<number> {
     await pollUntil(
-      () => readLoadState(this.#view).state !== STATE_PENDING,
+      () => readLoadState(this.#words("the load")).state !== STATE_PENDING,
       `load state ${this.name}: not done`,
       timeoutMs,
     );
-    return readLoadState(this.#view).state;
+    return readLoadState(this.#words("the load")).state;
   }
 
+  /** Unmaps (and unlinks) the block; a wait still polling it rejects. */
   close(): void {
+    this.#closed = true;
     this.#shm.close();
+  }
+
+  /** The words, or an Error naming the block once it was closed (`waiting`: what a wait was for). */
+  #words(waiting?: string): DataView {
+    if (this.#closed) {
+      throw new Error(
+        waiting === undefined
+          ? `load state ${this.name} is closed`
+          : `load state ${this.name} was closed while waiting for ${waiting}`,
+      );
+    }
+    return this.#view;
   }
 }
 

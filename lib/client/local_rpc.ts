@@ -10,8 +10,10 @@
  */
 import * as grpc from "@grpc/grpc-js";
 import { encodeFrame, FrameReader, LOCAL_RPC_IDS, writeAll } from "../local_rpc/wire.ts";
+import { timerDelay } from "../timer_limit.ts";
 
-const { UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNIMPLEMENTED } = grpc.status;
+const { UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNIMPLEMENTED, RESOURCE_EXHAUSTED } =
+  grpc.status;
 
 /** A call that did not answer OK: the gRPC status code and the server's message. */
 export class LocalRpcStatus extends Error {
@@ -113,7 +115,7 @@ export class LocalRpcClient {
           reject(
             new LocalRpcStatus(DEADLINE_EXCEEDED, `no connection to ${this.path} within ${ms} ms`),
           ),
-        ms,
+        timerDelay(ms),
       );
     });
     return Promise.race([this.#dial(), late]).finally(() => clearTimeout(timer));
@@ -169,6 +171,14 @@ export class LocalRpcClient {
     if (id === undefined) {
       throw new LocalRpcStatus(UNIMPLEMENTED, `RPC socket ${this.path} has no method ${method}`);
     }
+    if (payload.length > this.maxMessageBytes) {
+      // As gRPC's max_send_message_length: refused here. Sent, it would make a server
+      // with this limit drop the connection and every other call in flight on it.
+      throw new LocalRpcStatus(
+        RESOURCE_EXHAUSTED,
+        `${method} request of ${payload.length} bytes exceeds the ${this.maxMessageBytes}-byte message limit`,
+      );
+    }
     const deadline = performance.now() + deadlineMs;
     let conn: Deno.Conn;
     try {
@@ -186,13 +196,16 @@ export class LocalRpcClient {
         `RPC socket ${this.path}: ${(e as Error).message}`,
       );
     }
+    // close() ran while we dialled: it already failed every pending call and
+    // closes this connection; the call is cancelled like them, not "broken".
+    if (this.#closed) throw new LocalRpcStatus(CANCELLED, "client is closed");
     this.#nextId = (this.#nextId % 0xffff_fffe) + 1;
     const callId = this.#nextId;
     const answer = new Promise<Uint8Array>((resolve, reject) => {
       const timer = setTimeout(() => {
         this.#pending.delete(callId);
         reject(new LocalRpcStatus(DEADLINE_EXCEEDED, `no answer within ${deadlineMs} ms`));
-      }, Math.max(0, deadline - performance.now()));
+      }, timerDelay(deadline - performance.now()));
       this.#pending.set(callId, { resolve, reject, timer });
     });
     const frame = encodeFrame(callId, id, payload);

@@ -79,6 +79,10 @@ function segSeed(hash: Uint8Array, layer: number, rank: number, seg: number): nu
 
 /** The model's layer indexes pipeline stage `ppRank` of `ppSize` holds (consecutive, equal shares). */
 function stageLayers(numLayers: number, ppRank: number, ppSize: number): number[] {
+  if (!Number.isInteger(ppRank) || ppRank < 0 || ppRank >= ppSize) {
+    // A stage past the last would name layers the model does not have.
+    throw new RangeError(`pp_rank ${ppRank} is not a stage of pp_size ${ppSize}`);
+  }
   if (numLayers % ppSize !== 0) {
     throw new Error(`num_layers ${numLayers} not divisible by pp_size ${ppSize}`);
   }
@@ -117,7 +121,7 @@ function runs(ids: number[]): [number, number, number][] {
  * sim.fill(ids, hashes); await sim.save(ids, hashes);
  * const q = await sim.query(hashes, "req-1");
  * await sim.load(q.leaseId, otherIds);
- * sim.verify(otherIds, hashes); // throws on the first wrong byte
+ * sim.verify(otherIds, hashes); // { badSegments: 0 } when every byte arrived
  * await sim.close();
  * ```
  */
@@ -173,12 +177,26 @@ export class SimEngine {
     if (model.kvHeads % split !== 0) {
       throw new Error(`kv_heads ${model.kvHeads} not divisible by tp_size ${tpSize}`);
     }
+    const tpRank = o.tpRank ?? 0;
+    if (!Number.isInteger(tpRank) || tpRank < 0 || tpRank >= tpSize) {
+      throw new RangeError(`tp_rank ${tpRank} is not a rank of tp_size ${tpSize}`);
+    }
     const segBytes = model.blockTokens * (model.kvHeads / split) * model.headDim *
       model.dtypeBytes;
+    if (segBytes % 4 !== 0) {
+      // fill and verify work in u32 words: the bytes past the last whole word
+      // would be neither written nor checked, and verify would pass unchecked bytes.
+      throw new RangeError(
+        `model ${model.name}: a segment of ${segBytes} bytes is not a multiple of 4 ` +
+          `(block_tokens ${model.blockTokens} x kv_heads/tp ${model.kvHeads / split} x ` +
+          `head_dim ${model.headDim} x dtype ${model.dtypeBytes} B)`,
+      );
+    }
     const segments = o.mla ? 1 : KV_SEGMENTS;
+    // Checked before the engine opens: a throw after it would leak the engine.
+    const numLayers = stageLayers(model.numLayers, o.ppRank ?? 0, o.ppSize ?? 1).length;
     const engine = Engine.open({ backend: o.backend ?? "auto", device: o.device ?? 0 });
     const regions: Region[] = [];
-    const numLayers = stageLayers(model.numLayers, o.ppRank ?? 0, o.ppSize ?? 1).length;
     try {
       for (let l = 0; l < numLayers; l++) {
         regions.push(engine.allocRegion(segments * o.numBlocks * segBytes));
@@ -189,6 +207,16 @@ export class SimEngine {
       throw e;
     }
     return new SimEngine(o, engine, regions, segBytes);
+  }
+
+  /** One hash per block id: a shorter list would leave blocks without content to compare. */
+  #checkPairs(what: string, ids: number[], hashes: Uint8Array[]): void {
+    if (ids.length !== hashes.length) {
+      throw new RangeError(
+        `${this.instanceId} rank ${this.tpRank}/${this.ppRank}: ${what} of ${ids.length} block ids ` +
+          `with ${hashes.length} hashes (one hash per block)`,
+      );
+    }
   }
 
   /** The rank the content seed uses: MLA content is the same on every rank. */
@@ -239,6 +267,7 @@ export class SimEngine {
 
   /** Writes the expected content of `hashes[i]` into block `ids[i]` of every layer. */
   fill(ids: number[], hashes: Uint8Array[]): void {
+    this.#checkPairs("fill", ids, hashes);
     const words = this.segBytes / 4;
     for (let l = 0; l < this.layers.length; l++) {
       for (let s = 0; s < this.segments; s++) {
@@ -278,6 +307,7 @@ export class SimEngine {
    * Returns the number of wrong segments and a description of the first.
    */
   verify(ids: number[], hashes: Uint8Array[]): { badSegments: number; first?: string } {
+    this.#checkPairs("verify", ids, hashes);
     const words = this.segBytes / 4;
     const want = new Uint32Array(words);
     let bad = 0;

@@ -8,7 +8,8 @@
 
 import { hostname } from "node:os";
 import { InvalidArgumentError, type Option } from "commander";
-import { envOption, intArg, MAX_TIMER_MS } from "../cli/flags.ts";
+import { envOption, intArg } from "../cli/flags.ts";
+import { MAX_TIMER_MS } from "../timer_limit.ts";
 import { DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
 import { checkRedisUrl } from "./connection.ts";
 import { checkNodeToken } from "./keys.ts";

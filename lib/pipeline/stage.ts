@@ -25,7 +25,9 @@ import {
   Observable,
   of,
   type OperatorFunction,
+  Subject,
   type Subscription,
+  takeUntil,
 } from "rxjs";
 import type { QueueClosedError, QueueFullError } from "./errors.ts";
 import {
@@ -366,12 +368,21 @@ export function stage<I, O>(
   return (source) =>
     new Observable<StageOutcome<I, O>>((subscriber) => {
       const s = new Stage<I, O>(name, opts, worker);
+      // Teardown is registered before the source is subscribed: a consumer that
+      // leaves while a synchronous source is still emitting (take(n) downstream)
+      // must stop that source at once, not after it ran every value through the
+      // worker (or forever, for an endless one).
+      const stop = new Subject<void>();
+      subscriber.add(() => {
+        stop.next();
+        s.abort(new Error(`stage "${name}": unsubscribed`));
+      });
       let pending = 0;
       let sourceDone = false;
       const maybeComplete = () => {
         if (sourceDone && pending === 0) subscriber.complete();
       };
-      const inner = source.subscribe({
+      source.pipe(takeUntil(stop)).subscribe({
         next: (input) => {
           pending++;
           s.submit(input).outcome.subscribe((o) => {
@@ -387,9 +398,5 @@ export function stage<I, O>(
           maybeComplete();
         },
       });
-      return () => {
-        inner.unsubscribe();
-        s.abort(new Error(`stage "${name}": unsubscribed`));
-      };
     });
 }

@@ -8,7 +8,8 @@
  */
 import { type Command, InvalidArgumentError } from "commander";
 import { newCommand, parseCommandLine, type ParsedArgs, usageExit } from "../cli/command_line.ts";
-import { boolArg, envOption, intArg, MAX_TIMER_MS, parseSize, sizeArg } from "../cli/flags.ts";
+import { boolArg, envOption, intArg, parseSize, sizeArg } from "../cli/flags.ts";
+import { MAX_TIMER_MS } from "../timer_limit.ts";
 import { LOG_LEVELS, type LogLevel } from "../log.ts";
 import { type SsdConfig, ssdConfigFrom, ssdOptions } from "../ssd/flags.ts";
 import { type IndexConfig, indexConfigFrom, indexOptions } from "../index/flags.ts";

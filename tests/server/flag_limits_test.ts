@@ -16,7 +16,7 @@ import {
   parseServeArgs,
   type ServeConfig,
 } from "../../lib/server/config.ts";
-import { MAX_TIMER_MS } from "../../lib/cli/flags.ts";
+import { MAX_TIMER_MS } from "../../lib/timer_limit.ts";
 import { runServerToEnd } from "./harness.ts";
 
 function config(argv: string[]): ServeConfig {
