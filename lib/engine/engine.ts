@@ -30,6 +30,7 @@ import { Stage } from "../pipeline/stage.ts";
 import { MAX_HASH_BYTES } from "../limits.ts";
 import type { Logger } from "../log.ts";
 import type { KvStore } from "../storage/store.ts";
+import { MAX_HASHES_PER_REQUEST } from "../storage/state.ts";
 import { TransferPlanner } from "../transfer/plan.ts";
 import { closeRegions, type EngineContext, type EngineMetrics, type TiersPort } from "./context.ts";
 import { Code, EngineError, invalid, precondition } from "./errors.ts";
@@ -242,6 +243,13 @@ export class KvEngine {
     }
     if (inst.fenced) {
       throw new EngineError(Code.UNAVAILABLE, `instance "${inst.id}" is being cleaned up`, fields);
+    }
+    // Checked before the tiers see the query: refused, it must not count or start a read.
+    if (hashes.length > MAX_HASHES_PER_REQUEST) {
+      throw invalid(
+        `request "${requestId}": ${hashes.length} block hashes; at most ${MAX_HASHES_PER_REQUEST} are accepted`,
+        { ...fields, expected: MAX_HASHES_PER_REQUEST, got: hashes.length },
+      );
     }
     for (let i = 0; i < hashes.length; i++) {
       if (hashes[i].length < 1 || hashes[i].length > MAX_HASH_BYTES) {

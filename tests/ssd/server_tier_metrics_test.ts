@@ -57,3 +57,28 @@ Deno.test("server: write-behind stage depths, SSD tier health and per-tier query
     await Deno.remove(dir, { recursive: true });
   }
 });
+
+Deno.test("server: a query over the hash limit is refused before any tier counts it or starts a read", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pf-ssd-tier-limit-" });
+  const namespace = uid("ns");
+  let srv: ServerProc | undefined;
+  let eng: SimEngine | undefined;
+  try {
+    srv = await startServer(SSD_FLAGS(dir));
+    eng = sim(srv.client, namespace);
+    await eng.register();
+    const tooMany = chainedBlockHashes(syntheticTokens(32, 65_537), 1);
+    // A series never counted is absent (NaN): 0.
+    await assert.rejects(eng.query(tooMany, "over-limit"), /INVALID_ARGUMENT.*65537 block hashes/);
+    assert.equal(
+      (await srv.metric("pegaflow_tier_queries_total", '{tier="ssd",answer="miss_not-held"}')) || 0,
+      0,
+    );
+    assert.equal((await srv.metric("pegaflow_query_source_total", '{source="miss"}')) || 0, 0);
+  } finally {
+    if (eng && srv) await srv.client.unregisterContext(eng.instanceId).catch(() => {});
+    eng?.close();
+    await srv?.stop();
+    await Deno.remove(dir, { recursive: true });
+  }
+});
