@@ -349,7 +349,6 @@ export function engineServiceImpl(
         });
         return;
       }
-      const t0 = performance.now();
       const rank = rankIndex(tpRank, ppRank, MAX_PARALLEL);
       const old = sessions.add(instanceId, rank, call);
       if (old) {
@@ -365,7 +364,7 @@ export function engineServiceImpl(
       const onGone = (why: string) => {
         if (gone) return;
         gone = true;
-        metrics.rpc("Session", "CANCELLED", (performance.now() - t0) / 1000);
+        metrics.streamEnded("Session", "CANCELLED");
         // Only the current session's loss cleans up; a superseded one just goes away.
         if (!sessions.remove(instanceId, rank, call)) return;
         log.warn("session dropped; cleaning up the instance", {

@@ -213,6 +213,15 @@ export class ServerMetrics implements EngineMetrics {
     this.#rpcSeconds.observe({ method, status }, seconds);
   }
 
+  /**
+   * Counts the end of a streaming RPC (a Session) without a duration: its
+   * lifetime (hours) is not handling time, and past the histogram's last
+   * bucket it would only skew `pegaflow_rpc_duration_seconds`' sum.
+   */
+  streamEnded(method: string, status: string): void {
+    this.#rpcTotal.inc({ method, status });
+  }
+
   /** Counts blocks a save sealed. */
   sealed(count: number): void {
     this.#sealed.inc(count);

@@ -58,6 +58,10 @@ Deno.test("closing the session cleans the instance up (leases released) and re-r
       await srv.metric("pegaflow_instance_cleanups_total", '{reason="session_lost"}'),
       1,
     );
+    // The session's end is counted, but its lifetime is no handling time for the RPC histogram.
+    const ended = '{method="Session",status="CANCELLED"}';
+    assert.equal(await srv.metric("pegaflow_rpc_requests_total", ended), 1);
+    assert.ok(Number.isNaN(await srv.metric("pegaflow_rpc_duration_seconds_count", ended)));
 
     // Re-registration of the same instance works and the cache still serves it.
     const again = srv.client.openSession(instanceId);
