@@ -214,7 +214,10 @@ export function engineServiceImpl(
               ...errorLogFields(e),
             });
           } else {
-            log.info("rpc refused", {
+            // A rank registered again answers ALREADY_EXISTS by design (a client whose stream
+            // broke, and the Python client's check once its session is open): not news.
+            const routine = method === "RegisterContext" && st.code === grpc.status.ALREADY_EXISTS;
+            log[routine ? "debug" : "info"]("rpc refused", {
               method,
               code: CODE_NAMES[st.code!],
               error: st.details,

@@ -99,6 +99,13 @@ def _put_hashes(req, hashes: Iterable[bytes]) -> bytes:
     return tail
 
 
+def _closed_error(method: str) -> PegaflowError:
+    """What a call on a closed client raises. grpcio itself raises ValueError ("Cannot invoke
+    RPC on closed channel!") for a call that close() on another thread overtook between the stub
+    look-up and the invocation: the engine must see the same CANCELLED, not a ValueError."""
+    return PegaflowError(grpc.StatusCode.CANCELLED, "client is closed", method)
+
+
 def _local_error(code: int, details: str, method: str) -> PegaflowError:
     """A local RPC socket's non-OK status as the PegaflowError gRPC would have raised."""
     return PegaflowError(_STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), details, method)
@@ -287,7 +294,7 @@ class PegaflowClient:
     def _stub(self, method: str, req_cls, res_cls, stream: bool = False):
         with self._lock:
             if self._closed:
-                raise PegaflowError(grpc.StatusCode.CANCELLED, "client is closed", method)
+                raise _closed_error(method)
             pid = os.getpid()
             if self._channel is None or self._pid != pid:
                 # After a fork the parent's channel (and its threads) is unusable:
@@ -324,6 +331,10 @@ class PegaflowClient:
             return stub(req, timeout=t)
         except grpc.RpcError as e:
             raise PegaflowError(e.code(), e.details() or "", method) from None
+        except ValueError:
+            if not self._closed:
+                raise
+            raise _closed_error(method) from None
 
     # ---- RPCs ---------------------------------------------------------------
 
@@ -497,7 +508,12 @@ class PegaflowClient:
             except LocalRpcStatus as e:
                 raise _local_error(e.code, e.details, method) from None
         stub = self._stub(method, req_cls, res_cls)
-        fut = stub.future(req, timeout=t)
+        try:
+            fut = stub.future(req, timeout=t)
+        except ValueError:
+            if not self._closed:
+                raise
+            raise _closed_error(method) from None
 
         def done(f) -> None:
             if f.cancelled():  # the channel closed under it
@@ -532,7 +548,12 @@ class PegaflowClient:
         as long as the registration); keepalive pings detect a dead peer."""
         stub = self._stub("Session", pb.SessionRequest, pb.SessionEvent, stream=True)
         req = pb.SessionRequest(instance_id=instance_id, tp_rank=tp_rank, pp_rank=pp_rank)
-        return Session(stub(req))
+        try:
+            return Session(stub(req))
+        except ValueError:
+            if not self._closed:
+                raise
+            raise _closed_error("Session") from None
 
     def _usable_local(self) -> Optional[LocalRpc]:
         """The local RPC socket's client, unless there is none or it was found absent lately."""

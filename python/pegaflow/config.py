@@ -21,24 +21,38 @@ from typing import Mapping, Optional
 from pegaflow.local_rpc import LOCAL_RPC_SUFFIX
 
 DEFAULT_ADDR = "127.0.0.1:50055"
+#: The largest millisecond setting: gRPC's channel arguments (keepalive, reconnect backoff) and
+#: poll() timeouts are C ints; a larger value made every call raise OverflowError.
+MAX_MS = 2**31 - 1
 #: The server's default message limit (lib/server/config.ts DEFAULT_MAX_MESSAGE).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def _ms(name: str, raw: object) -> int:
+    """`raw` as a number of milliseconds in 1..MAX_MS, else ValueError naming `name`."""
+    try:
+        v = int(raw)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
+        raise ValueError(f"{name}={raw!r} is not an integer number of milliseconds") from None
+    if not 0 < v <= MAX_MS:
+        raise ValueError(f"{name}={raw!r} must be in 1..{MAX_MS} (milliseconds)")
+    return v
 
 
 def _env_ms(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer number of milliseconds") from None
-    if v <= 0:
-        raise ValueError(f"{name}={raw!r} must be > 0")
-    return v
+    return _ms(name, raw)
 
 
-def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """`env[name]` as a boolean (1/0, true/false, yes/no, on/off; unset or empty = `default`),
+    else ValueError naming the variable.
+
+    Example:
+        env_flag({"PEGAFLOW_LOCAL_RPC": "off"}, "PEGAFLOW_LOCAL_RPC", True)   # False
+    """
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -98,19 +112,27 @@ class ClientConfig:
 
         def pick(arg: Optional[int], name: str, default: int) -> float:
             if arg is not None:
-                if int(arg) <= 0:
-                    raise ValueError(f"{name.lower()} must be > 0, got {arg}")
-                return int(arg) / 1000.0
+                return _ms(name.lower(), arg) / 1000.0
             return _env_ms(e, "PEGAFLOW_" + name, default) / 1000.0
 
+        if addr:
+            where = addr
+        elif e.get("PEGAFLOW_ADDR"):
+            try:
+                where = check_address(e["PEGAFLOW_ADDR"])
+            except ValueError as err:
+                raise ValueError(f"PEGAFLOW_ADDR: {err}") from None
+        else:
+            where = DEFAULT_ADDR
+
         return cls(
-            addr=check_address(addr or e.get("PEGAFLOW_ADDR") or DEFAULT_ADDR),
+            addr=check_address(where),
             rpc_timeout_s=pick(rpc_timeout_ms, "RPC_TIMEOUT_MS", 5000),
             save_timeout_s=pick(save_timeout_ms, "SAVE_TIMEOUT_MS", 30000),
             load_timeout_s=pick(load_timeout_ms, "LOAD_TIMEOUT_MS", 60000),
             reconnect_max_s=pick(reconnect_max_ms, "RECONNECT_MAX_MS", 5000),
             keepalive_s=pick(keepalive_ms, "KEEPALIVE_MS", 30000),
-            local_rpc=local_rpc if local_rpc is not None else _env_flag(e, "PEGAFLOW_LOCAL_RPC", True),
+            local_rpc=local_rpc if local_rpc is not None else env_flag(e, "PEGAFLOW_LOCAL_RPC", True),
         )
 
     def local_rpc_path(self) -> Optional[str]:

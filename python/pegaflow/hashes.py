@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import numbers
 import sys
 from typing import List, Sequence
 
@@ -50,6 +51,9 @@ def chain_hashes(parent: bytes, tokens: Sequence[int], block_tokens: int) -> Lis
     """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    # Any bytes-like parent (a bytearray, a memoryview of a hash): libpegaflow's ctypes
+    # signature takes only bytes, and hashlib's `prev + block` no memoryview.
+    parent = bytes(memoryview(parent))
     if len(parent) != BLOCK_HASH_BYTES:
         raise ValueError(f"parent hash is {len(parent)} bytes, expected {BLOCK_HASH_BYTES}")
     n = len(tokens) // block_tokens
@@ -79,8 +83,13 @@ def u32_tokens(tokens: Sequence[int]) -> array.array:
             a.byteswap()
         return a
     except (OverflowError, TypeError) as e:
-        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= _U32)), None)
-        raise ValueError(f"block hashes: token id {bad!r} is not a u32 ({e})") from None
+        # Integral, not int: numpy's integers are token ids too (naming the first of them, a
+        # valid one, sent the reader after the wrong token).
+        at, bad = next(
+            ((i, t) for i, t in enumerate(tokens) if not (isinstance(t, numbers.Integral) and 0 <= t <= _U32)),
+            (None, None),
+        )
+        raise ValueError(f"block hashes: token id {bad!r} is not a u32 (position {at}: {e})") from None
 
 
 def synthetic_tokens(seed: int, count: int) -> List[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import mmap
 import os
 import struct
@@ -130,6 +131,7 @@ class LoadState:
 
     def rearm(self) -> None:
         """Writes a fresh header (magic, version, zeroes) for the next Load."""
+        self._open()
         self.released = False
         self._mm[:] = b"\0" * LOAD_STATE_BYTES
         struct.pack_into("<II", self._mm, 0, LOAD_STATE_MAGIC, LOAD_STATE_VERSION)
@@ -156,13 +158,27 @@ class LoadState:
         self._u32[_W_LAYERS_READY] = RELEASED_LAYERS
 
     def snapshot(self) -> LoadSnapshot:
+        self._open()
         return LoadSnapshot(self._u32[_W_NUM_LAYERS], self._u32[_W_LAYERS_READY], self._i32[_W_STATE])
 
     def mark_failed(self, state: int = STATE_REJECTED) -> None:
         """Marks the load failed from this side (its RPC never reached the server)."""
+        self._open()
         self._i32[_W_STATE] = state
 
+    def _open(self) -> None:
+        """Raises ValueError naming the block when it was closed (its words are gone)."""
+        if self._mm.closed:
+            raise ValueError(f"load state {self.name} is closed")
+
     def _wait(self, layer: Optional[int], timeout_s: float) -> int:
+        self._open()
+        if layer is not None and (not hasattr(layer, "__index__") or layer < 0):
+            # A negative index compares below any layers_ready: it read as landed at once.
+            raise ValueError(f"load state {self.name}: layer {layer!r} is not a layer index (>= 0)")
+        if math.isnan(timeout_s):
+            # NaN compares false against every deadline: the wait never ended.
+            raise ValueError(f"load state {self.name}: timeout {timeout_s!r} is not a number of seconds")
         u32, i32 = self._u32, self._i32
         start = time.monotonic()
         deadline = start + timeout_s
@@ -207,11 +223,13 @@ class LoadState:
 
     def poll(self) -> Optional[bool]:
         """Non-blocking: None while pending, True when ok, False when failed."""
+        self._open()
         s = self._i32[_W_STATE]
         return None if s == STATE_PENDING else s > 0
 
     @property
     def state(self) -> int:
+        self._open()
         return self._i32[_W_STATE]
 
     def hand_over(self) -> None:

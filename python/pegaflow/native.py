@@ -5,7 +5,7 @@ prefix block hashes (`pf_chain_hashes`, one call per prompt).
 The library is the server's own (built by `make native`): `$PEGAFLOW_LIB`,
 else `<repo>/build/libpegaflow.so` beside this package. Optional: without it
 (a pip-installed client on a host without the build) `pegaflow.hashes`
-computes the same bytes with hashlib. `PEGAFLOW_NATIVE_HASH=0` forces hashlib
+computes the same bytes with hashlib. `PEGAFLOW_NATIVE_HASH=0` (or false/no/off) forces hashlib
 (benchmarks compare the two).
 """
 
@@ -18,6 +18,8 @@ import os
 import struct
 import threading
 from typing import List, Optional
+
+from pegaflow.config import env_flag
 
 _log = logging.getLogger("pegaflow.native")
 _REPO_LIB = os.path.join(os.path.dirname(__file__), "..", "..", "build", "libpegaflow.so")
@@ -55,7 +57,9 @@ def _lib() -> Optional[_Lib]:
     with _lock:
         if _tried:
             return _loaded
-        if os.environ.get("PEGAFLOW_NATIVE_HASH", "1") != "0":
+        # Raises ValueError naming the variable for a value that is no boolean ("off" used to
+        # leave the library in, since only "0" was read as off).
+        if env_flag(os.environ, "PEGAFLOW_NATIVE_HASH", True):
             path = library_path()
             try:
                 _loaded = _Lib(ctypes.CDLL(path))

@@ -225,12 +225,16 @@ class ShmRegion:
         """
         n = 1
         for d in shape:
+            if int(d) <= 0:
+                raise ValueError(f"ShmRegion.holding: shape {tuple(shape)} has a dimension <= 0")
             n *= int(d)
-        if isinstance(like, np.ndarray):
-            r = cls(n * like.itemsize)
-            return r, r.numpy(like.dtype, shape)
-        r = cls(n * like.element_size())
-        return r, r.torch(like.dtype, shape)
+        numpy = isinstance(like, np.ndarray)
+        r = cls(n * (like.itemsize if numpy else like.element_size()))
+        try:
+            return r, (r.numpy(like.dtype, shape) if numpy else r.torch(like.dtype, shape))
+        except BaseException:
+            r.close()  # the file would outlive the process: nobody holds the region to close it
+            raise
 
     def contains(self, ptr: int, nbytes: int) -> bool:
         return self.address <= ptr and ptr + nbytes <= self.address + self.nbytes

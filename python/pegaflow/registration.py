@@ -21,7 +21,10 @@ itself (bad layers, a topology mismatch) is still raised at once.
 Retry rules: every failure of RegisterContext is retried with exponential
 backoff (50 ms doubling to `config.reconnect_max_s`); ALREADY_EXISTS means
 the server still holds this rank (our stream broke, the server's did not)
-and counts as registered. A SUPERSEDED event means another process opened a
+and counts as registered. With the session open, RegisterContext goes once
+more and must answer ALREADY_EXISTS (or register): the server that took the
+session holds the rank too, even when it restarted in between (else the
+attempt counts as failed). A SUPERSEDED event means another process opened a
 session for this same rank: that process owns it, so this one stops
 (connected stays False) and logs why.
 """
@@ -144,6 +147,7 @@ class KvRegistration:
         name = f"pegaflow-session-{self.tp_rank}-{self.pp_rank}"
         try:
             res = self._register_once()
+            self._open_session()
         except PegaflowError as e:
             if e.code not in NO_SERVER:
                 raise
@@ -152,7 +156,6 @@ class KvRegistration:
             self._thread = threading.Thread(target=self._register_later, name=name, daemon=True)
             self._thread.start()
             return None
-        self._open_session()
         self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
         self._thread.start()
         return res
@@ -163,8 +166,15 @@ class KvRegistration:
             self._watch()
 
     def _open_session(self) -> bool:
-        """Opens and installs the rank's session; False (cancelled) when close() ran meanwhile."""
+        """Opens and installs the rank's session; False (cancelled) when close() ran meanwhile.
+        Raises PegaflowError (the session cancelled) when the server that took the session
+        cannot be shown to hold the rank (`_confirm_held`)."""
         session = self.client.open_session(self.instance_id, self.tp_rank, self.pp_rank)
+        try:
+            self._confirm_held()
+        except PegaflowError:
+            session.cancel()
+            raise
         with self._lock:
             # close() may have run since the caller checked: never install (and leak) a
             # session past it, nor read connected after it.
@@ -176,6 +186,19 @@ class KvRegistration:
             self._stats["registrations"] += 1
             self._up.set()
             return True
+
+    def _confirm_held(self) -> None:
+        """RegisterContext once more, with the session open: ALREADY_EXISTS (or a registration
+        now, after a restart) means the server the calls reach holds the rank, and a server
+        that took the session before a restart breaks it. Without this, a server restarted
+        between RegisterContext and Session took the session (it takes one for any instance)
+        without the registration: the rank read connected while its every call failed "not
+        registered", until the next restart. Raises PegaflowError for any other answer."""
+        try:
+            self._register_once()
+        except PegaflowError as e:
+            if e.code != grpc.StatusCode.ALREADY_EXISTS:
+                raise
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -209,9 +232,10 @@ class KvRegistration:
                 self.last_error = "the client was closed; not re-registering"
                 log.warning("%s: %s", self.who, self.last_error)
                 return False
+            fresh = False
             try:
                 self._register_once()
-                ok = True
+                ok = fresh = True
             except PegaflowError as e:
                 ok = e.code == grpc.StatusCode.ALREADY_EXISTS
                 if not ok:
@@ -224,18 +248,36 @@ class KvRegistration:
                     else:
                         log.debug("%s: re-registration failed: %s", self.who, e)
                     self.last_error = str(e)
+            if fresh and self._stop.is_set():
+                self._undo_late_registration()
+                return False
             if ok and not self._stop.is_set():
                 try:
                     if not self._open_session():
                         return False  # closed meanwhile: not re-registered after all
-                except PegaflowError as e:  # only a closed client raises here
+                    log.info("%s: re-registered (generation %d)", self.who, self.generation)
+                    return True
+                except PegaflowError as e:  # the server went away again, or the client closed
                     self.last_error = str(e)
-                    return False
-                log.info("%s: re-registered (generation %d)", self.who, self.generation)
-                return True
+                    if self.client.closed:
+                        return False
+                    with self._lock:
+                        self._stats["register_failures"] += 1
+                    log.debug("%s: re-registration failed after its session opened: %s", self.who, e)
             self._stop.wait(delay)
             delay = min(delay * 2, cap)
         return False
+
+    def _undo_late_registration(self) -> None:
+        """close() ran while a RegisterContext was on its way: it found the rank not connected
+        and unregistered nothing, and no session will ever end this registration, so the server
+        would keep the instance (and its mapped regions) for good. Undone here instead, as
+        close() would have done (a session's end cleans the instance up the same way)."""
+        try:
+            self.client.unregister_context(self.instance_id)
+            log.info("%s: registered after close(); unregistered it again", self.who)
+        except PegaflowError as e:
+            log.warning("%s: registered after close() and could not unregister it: %s", self.who, e)
 
     def close(self, unregister: bool = True) -> None:
         """Stops the session thread; with `unregister`, cleans the instance
