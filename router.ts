@@ -14,7 +14,7 @@
 
 import { exitWith, usageError } from "./lib/cli/command_line.ts";
 import { Logger } from "./lib/log.ts";
-import { parseRouterArgs, type RouterConfig } from "./lib/router/config.ts";
+import { envNote, parseRouterArgs, type RouterConfig } from "./lib/router/config.ts";
 import { ListenError, startRouter } from "./lib/router/server.ts";
 import { startRouterCluster } from "./lib/router/cluster.ts";
 
@@ -42,7 +42,8 @@ function withUsableWorkers(config: RouterConfig): RouterConfig {
   }
   return usageError(
     `--workers: ${config.workers} workers share the port with SO_REUSEPORT, which Deno ` +
-      `enables with --unstable-net (deno task router passes it); run with it or use --workers 1`,
+      `enables with --unstable-net (deno task router passes it); run with it or use --workers 1` +
+      envNote(config.envVars, ["--workers"]),
   );
 }
 
@@ -50,7 +51,11 @@ const config = withUsableWorkers(parsed.config);
 // One thread serves with --workers 1; more share the port (lib/router/cluster.ts).
 const start = config.workers === 1 ? startRouter(config) : startRouterCluster(config);
 const router = await start.catch((e) => {
-  if (e instanceof ListenError) return usageError(`--host/--port: ${e.message}`);
+  if (e instanceof ListenError) {
+    return usageError(
+      `--host/--port: ${e.message}${envNote(config.envVars, ["--host", "--port"])}`,
+    );
+  }
   throw e;
 });
 // Signals are handled before the line goes out: a supervisor may stop the router as soon as it

@@ -73,6 +73,9 @@ export class Backend {
 /** Called when a backend goes in or out of service. */
 export type HealthChangeListener = (backend: Backend, healthy: boolean, reason: string) => void;
 
+/** Called when a backend already out of service is out for another reason. */
+export type ReasonChangeListener = (backend: Backend, reason: string) => void;
+
 /**
  * The backends of one role.
  *
@@ -95,6 +98,7 @@ export class BackendPool {
   readonly sharedState: SharedArrayBuffer;
   readonly #state: Int32Array;
   #listeners: HealthChangeListener[] = [];
+  #reasonListeners: ReasonChangeListener[] = [];
 
   /**
    * @param shared the state buffer of the same pool in another thread (from its
@@ -149,9 +153,13 @@ export class BackendPool {
 
   /** Takes `b` out of service (no-op if already out). */
   markDown(b: Backend, reason: string): void {
+    const before = b.lastError;
     b.lastError = reason;
-    if (!b.setHealthy(false)) return;
-    for (const l of this.#listeners) l(b, false, reason);
+    if (b.setHealthy(false)) {
+      for (const l of this.#listeners) l(b, false, reason);
+    } else if (before !== reason) {
+      for (const l of this.#reasonListeners) l(b, reason);
+    }
   }
 
   /** Puts `b` back in service (no-op if already in). */
@@ -171,5 +179,13 @@ export class BackendPool {
   /** Registers a listener for health changes. */
   onHealthChange(listener: HealthChangeListener): void {
     this.#listeners.push(listener);
+  }
+
+  /**
+   * Registers a listener for a new reason on a backend that stays out of service (a
+   * {@link markDown} that changes {@link Backend.lastError} but not the healthy flag).
+   */
+  onReasonChange(listener: ReasonChangeListener): void {
+    this.#reasonListeners.push(listener);
   }
 }

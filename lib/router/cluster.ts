@@ -128,13 +128,15 @@ function startError(name: string, message: string): Error {
 
 /** A worker saw a backend's health change: keep the reason and tell the other workers. */
 function passOnHealth(c: Cluster, m: Extract<FromWorker, { type: "health" }>, from: Member): void {
-  // The worker already flipped the shared flag.
+  // The worker already flipped the shared flag; a health round may have flipped it back
+  // since (a backend up again): the flag as it is now decides, never a stale reason on a
+  // healthy backend that no later round would clear.
   const b = poolOf(c, m.backend.role).backends[m.backend.index];
-  b.lastError = m.healthy ? null : m.reason;
+  b.lastError = b.healthy ? null : m.reason;
   broadcast(c, {
     type: "health",
     backend: m.backend,
-    healthy: m.healthy,
+    healthy: b.healthy,
     error: b.lastError,
   }, from);
 }
@@ -202,6 +204,11 @@ function spawnWorker(c: Cluster, index: number, port: number): Member {
       config: { ...c.config, port },
       prefillState: c.prefill.sharedState,
       decodeState: c.decode.sharedState,
+      // Backends out since before this worker existed: it was not there to be told why.
+      lastErrors: {
+        prefill: c.prefill.backends.map((b) => b.lastError),
+        decode: c.decode.backends.map((b) => b.lastError),
+      },
     } satisfies ToWorker,
   );
   c.members.push(member);
@@ -244,6 +251,10 @@ export async function startRouterCluster(
     pool.onHealthChange((b, healthy, reason) => {
       logger.debug("backend health changed", { role: b.role, url: b.url, healthy, reason });
       broadcast(c, { type: "health", backend: refOf(b), healthy, error: b.lastError });
+    });
+    // Still out, for another reason (a later health round): /health on every worker says so.
+    pool.onReasonChange((b) => {
+      broadcast(c, { type: "health", backend: refOf(b), healthy: false, error: b.lastError });
     });
   }
 

@@ -24,6 +24,11 @@ export type ToWorker =
     config: RouterConfig;
     prefillState: SharedArrayBuffer;
     decodeState: SharedArrayBuffer;
+    /**
+     * Each backend's last error (by pool, in list order) when the worker was started: the
+     * reasons of backends already out then (the flags are in shared memory; these are not).
+     */
+    lastErrors: Record<Role, (string | null)[]>;
   }
   /** A backend's health changed (the flag itself is in shared memory; this carries the reason). */
   | { type: "health"; backend: BackendRef; healthy: boolean; error: string | null }
@@ -39,7 +44,7 @@ export type ToWorker =
 export type FromWorker =
   | { type: "listening"; url: string; port: number }
   | { type: "start-failed"; name: string; message: string }
-  /** The request path took a backend out (a refused connection). */
+  /** The request path took a backend out (a refused connection), or it is out for a new reason. */
   | { type: "health"; backend: BackendRef; healthy: boolean; reason: string }
   /** A client asked this worker for /metrics: merge everyone's and answer with `scraped`. */
   | { type: "scrape"; id: number }

@@ -16,6 +16,7 @@ import { newCommand, parseCommandLine, type ParsedArgs, usageExit } from "../cli
 import { envOption, parseSize } from "../cli/flags.ts";
 import type { LogLevel } from "../log.ts";
 import { LOG_LEVELS } from "../log.ts";
+import { MAX_TIMER_MS } from "../timer_limit.ts";
 
 /** Everything the router needs to run. Durations are milliseconds, sizes are bytes. */
 export interface RouterConfig {
@@ -54,6 +55,11 @@ export interface RouterConfig {
   workers: number;
   /** `--workers auto` chose {@link RouterConfig.workers} (one thread is then an allowed fallback). */
   workersAuto: boolean;
+  /**
+   * The flags whose value came from their `PEGAFLOW_ROUTER_*` variable rather than the command
+   * line, flag → variable (set by {@link parseRouterArgs}), so a refusal found later names it.
+   */
+  envVars?: Record<string, string>;
 }
 
 /** Defaults; each is the value a flag takes when neither it nor its env var is given. */
@@ -118,8 +124,6 @@ export class ConfigError extends Error {
 const MAX_PORT = 65535;
 const DURATION_RE = /^(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$/;
 const DURATION_UNIT_MS: Record<string, number> = { ms: 1, s: 1000, m: 60_000, h: 3_600_000 };
-/** setTimeout cannot wait longer than 2^31-1 ms; a longer duration would fire at once. */
-const MAX_TIMER_MS = 2 ** 31 - 1;
 
 /**
  * Parses a TCP port (0–65535).
@@ -311,6 +315,22 @@ export function resolveConfig(raw: RawRouterOptions): RouterConfig {
   };
 }
 
+/**
+ * What to add to a refusal of `flags` so it names the environment variables (of
+ * {@link RouterConfig.envVars}) their values came from: `""` when all came from the command line.
+ *
+ * @example
+ * ```ts
+ * envNote({ "--port": "PEGAFLOW_ROUTER_PORT" }, ["--port"]); // " (value from env 'PEGAFLOW_ROUTER_PORT')"
+ * ```
+ */
+export function envNote(envVars: Record<string, string> | undefined, flags: string[]): string {
+  const named = flags.filter((f) => envVars?.[f] !== undefined);
+  if (named.length === 0) return "";
+  const parts = named.map((f) => `${flags.length === 1 ? "value" : f} from env '${envVars?.[f]}'`);
+  return ` (${parts.join("; ")})`;
+}
+
 /** Repeatable flags accumulate; an env var may list several URLs separated by commas. */
 function collect(value: string, previous: string[] | undefined): string[] {
   const items = value.split(",").map((s) => s.trim()).filter((s) => s !== "");
@@ -432,6 +452,12 @@ export function parseRouterArgs(argv: string[]): ParsedArgs<RouterConfig> {
   const parsed = parseCommandLine(cmd, argv);
   if (parsed.kind === "exit") return parsed;
   const raw = cmd.opts<Partial<RawRouterOptions>>();
+  const envVars: Record<string, string> = {};
+  for (const o of cmd.options) {
+    if (o.long && o.envVar && cmd.getOptionValueSource(o.attributeName()) === "env") {
+      envVars[o.long] = o.envVar;
+    }
+  }
   try {
     const config = resolveConfig({
       ...DEFAULTS,
@@ -439,9 +465,9 @@ export function parseRouterArgs(argv: string[]): ParsedArgs<RouterConfig> {
       prefill: raw.prefill ?? [],
       decode: raw.decode ?? [],
     } as RawRouterOptions);
-    return { kind: "config", config };
+    return { kind: "config", config: { ...config, envVars } };
   } catch (e) {
     if (!(e instanceof ConfigError)) throw e;
-    return usageExit(e.message);
+    return usageExit(e.message + envNote(envVars, [e.flag]));
   }
 }

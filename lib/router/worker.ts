@@ -9,19 +9,27 @@
 
 /// <reference lib="deno.worker" />
 
-import type { BackendPool } from "./backend_pool.ts";
-import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
+import type { Backend, BackendPool } from "./backend_pool.ts";
+import type { BackendRef, FromWorker, ToWorker } from "./cluster_protocol.ts";
 import { Logger } from "../log.ts";
 import { type RouterHandle, startRouter } from "./server.ts";
 
 const post = (m: FromWorker) => self.postMessage(m);
 
 let router: RouterHandle | undefined;
+/** Reasons the main thread sent while this worker's router was starting: applied once it runs. */
+const early: Extract<ToWorker, { type: "health" }>[] = [];
 let nextScrape = 0;
 const scrapes = new Map<number, { resolve: (r: Response) => void; reject: (e: Error) => void }>();
 
 function poolOf(role: "prefill" | "decode"): BackendPool | undefined {
   return role === "prefill" ? router?.prefill : router?.decode;
+}
+
+/** A backend's reason as the main thread last told it (its flag is in shared memory). */
+function setLastError(backend: BackendRef, error: string | null): void {
+  const b = poolOf(backend.role)?.backends[backend.index];
+  if (b !== undefined) b.lastError = error;
 }
 
 /** GET /metrics on this worker: the main thread gathers every worker's metrics and merges them. */
@@ -49,22 +57,26 @@ self.onmessage = async (ev: MessageEvent<ToWorker>) => {
         post({ type: "start-failed", name: err.name, message: err.message });
         return;
       }
+      // Backends out before this worker started, then what changed while it was starting.
       for (const pool of [router.prefill, router.decode]) {
+        pool.backends.forEach((b, i) => (b.lastError = m.lastErrors[pool.role][i] ?? null));
+      }
+      for (const h of early.splice(0)) setLastError(h.backend, h.error);
+      for (const pool of [router.prefill, router.decode]) {
+        const ref = (b: Backend) => ({ role: b.role, index: pool.backends.indexOf(b) });
         pool.onHealthChange((b, healthy, reason) => {
-          post({
-            type: "health",
-            backend: { role: b.role, index: pool.backends.indexOf(b) },
-            healthy,
-            reason,
-          });
+          post({ type: "health", backend: ref(b), healthy, reason });
+        });
+        pool.onReasonChange((b, reason) => {
+          post({ type: "health", backend: ref(b), healthy: false, reason });
         });
       }
       post({ type: "listening", url: router.url, port: router.port });
       return;
     }
     case "health": {
-      const b = poolOf(m.backend.role)?.backends[m.backend.index];
-      if (b !== undefined) b.lastError = m.error;
+      if (router === undefined) early.push(m);
+      else setLastError(m.backend, m.error);
       return;
     }
     case "collect": {
