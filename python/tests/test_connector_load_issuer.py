@@ -11,19 +11,17 @@ import threading
 import time
 from typing import List
 
-import grpc
 import pytest
 
 from pegaflow.client import PegaflowClient
 from pegaflow.connector.plan import ScheduledRequest
 from pegaflow.connector.scheduler_core import SchedulerCore
 from pegaflow.connector.vllm import ConnectorSettings
-from pegaflow.errors import PegaflowError
 from pegaflow.hashes import synthetic_tokens
 
 from kv_helpers import my_states
 from tp_ranks import Req, TwoRanks
-from vllm_driver import BLOCK, Engine, Request, out_of_range_targets, saved_prompt, vllm_config
+from vllm_driver import BLOCK, Engine, Request, lose_load_answers, out_of_range_targets, saved_prompt, vllm_config
 
 MODES = ["layerwise", "async"]
 SCHED = {"pegaflow.load_issuer": "scheduler"}
@@ -344,37 +342,7 @@ def test_an_async_load_whose_answer_was_lost_is_reported_only_once_its_late_copy
     eng = engines("async", **{"pegaflow.load_issuer": issuer, "pegaflow.load_timeout_ms": 300})
     cold = cold_then_drained(eng, 45, 4, uid)
     gate = threading.Event()
-    sent: List[str] = []
-    lost = PegaflowError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost by the test", "Load")
-    if issuer == "worker":
-        real_load = eng.worker.client.load
-
-        def late_load(**kw):
-            def go():
-                gate.wait(30)
-                sent.append(kw["load_state_shm"])
-                try:
-                    real_load(**kw)
-                except PegaflowError:
-                    pass
-
-            threading.Thread(target=go, daemon=True).start()
-            raise lost
-
-        eng.worker.client.load = late_load
-    else:
-        real_send = eng.sched.client.load_nowait
-
-        def late_send(*, on_done, **kw):
-            def go():
-                gate.wait(30)
-                sent.append(kw["load_state_shm"])
-                real_send(on_done=lambda _e: None, **kw)
-
-            threading.Thread(target=go, daemon=True).start()
-            on_done(lost)
-
-        eng.sched.client.load_nowait = late_send
+    sent, _ = lose_load_answers(eng, issuer, gate)
     threading.Timer(0.2, gate.set).start()
     warm = Request("w", list(cold.prompt_token_ids), salt=uid)
     eng.run_prefill(warm, avoid=set(cold.block_ids))

@@ -24,7 +24,7 @@ from pegaflow.hashes import synthetic_tokens
 from kv_helpers import my_states
 from server_proc import silent_local_rpc
 from tp_ranks import Req
-from vllm_driver import BLOCK, Engine, Request, lose_leases_after_alloc
+from vllm_driver import BLOCK, Engine, Request, lose_leases_after_alloc, lose_load_answers
 
 ISSUERS = ["worker", "scheduler", "query"]
 
@@ -253,49 +253,14 @@ def test_a_staged_load_whose_answer_was_lost_holds_its_request_and_the_staging_b
     )
     prompt, cold = _cold(eng, uid, 44, 5)
     gate = threading.Event()
-    sent: list = []
-    lost = PegaflowError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost by the test", "Load")
-    if issuer == "worker":
-        client = eng.worker._w().client
-        real_load = client.load
-
-        def late_load(**kw):
-            def go():
-                gate.wait(30)
-                sent.append(kw["load_state_shm"])
-                try:
-                    real_load(**kw)
-                except PegaflowError:
-                    pass  # the state is the worker's answer
-
-            threading.Thread(target=go, daemon=True).start()
-            raise lost
-
-        client.load = late_load
-    else:
-        client = eng.sched._s().client
-        real_send = client.load_nowait
-
-        def late_send(*, on_done, **kw):
-            def go():
-                gate.wait(30)
-                sent.append(kw["load_state_shm"])
-                real_send(on_done=lambda _e: None, **kw)
-
-            threading.Thread(target=go, daemon=True).start()
-            on_done(lost)
-
-        client.load_nowait = late_send
+    sent, restore = lose_load_answers(eng, issuer, gate)
     warm = Request("warm", list(prompt), salt=uid)
     eng.run_prefill(warm, avoid=set(cold.block_ids))
     assert eng.invalid_blocks == set(warm.block_ids[:5])  # failed → recomputed
     assert eng.holds_all(warm, warm.num_tokens)
     w = eng.worker._w()
     assert len(w._lingering) == 1 and w._pending.get("warm") == 1, "the lost Load's copy is not waited for"
-    if issuer == "worker":
-        client.load = real_load
-    else:
-        client.load_nowait = real_send
+    restore()
     # Fenced: while that copy may land in the staging run, a staged load is not scattered from it.
     again = Request("again", list(prompt), salt=uid)
     eng.run_prefill(again, avoid=set(cold.block_ids) | set(warm.block_ids))

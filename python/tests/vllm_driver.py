@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set
 
+import grpc
 import numpy as np
 import torch
 
@@ -39,6 +41,7 @@ from pegaflow.connector.vllm_api import (
     SchedulerOutput,
     VllmConfig,
 )
+from pegaflow.errors import PegaflowError
 from pegaflow.hashes import chained_block_hashes, synthetic_tokens
 from pegaflow.regions import ShmRegion
 
@@ -279,6 +282,47 @@ def lose_leases_after_alloc(eng: "Engine") -> None:
             eng.sched.client.release(li.lease_id)
 
     core.update_state_after_alloc = alloc_then_lose_lease
+
+
+def lose_load_answers(eng: "Engine", issuer: str, gate: threading.Event) -> "tuple[List[str], Callable[[], None]]":
+    """From now on every Load's answer is lost (DEADLINE_EXCEEDED at once) while the Load itself
+    reaches the server late, once `gate` is set (its real answer ignored): the copy may land
+    after the engine gave up on it. Returns the load-state names sent so far (appended as each
+    late Load goes out) and a function that puts the real sends back. `issuer`: "worker" (the
+    worker's Load) or "scheduler" (the scheduler's load_nowait)."""
+    sent: List[str] = []
+    lost = PegaflowError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost by the test", "Load")
+
+    def later(send: Callable[[], None], name: str) -> None:
+        def go() -> None:
+            gate.wait(30)
+            sent.append(name)
+            try:
+                send()
+            except PegaflowError:
+                pass  # the load state carries what happened
+
+        threading.Thread(target=go, daemon=True).start()
+
+    if issuer == "worker":
+        client = eng.worker._w().client
+        real_load = client.load
+
+        def late_load(**kw):
+            later(lambda: real_load(**kw), kw["load_state_shm"])
+            raise lost
+
+        client.load = late_load
+        return sent, lambda: setattr(client, "load", real_load)
+    client = eng.sched._s().client
+    real_send = client.load_nowait
+
+    def late_send(*, on_done, **kw):
+        later(lambda: real_send(on_done=lambda _e: None, **kw), kw["load_state_shm"])
+        on_done(lost)
+
+    client.load_nowait = late_send
+    return sent, lambda: setattr(client, "load_nowait", real_send)
 
 
 def saved_prompt(eng: "Engine", seed: int, salt: str, blocks: int = 5) -> "tuple[List[int], Set[int]]":

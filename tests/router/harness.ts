@@ -254,3 +254,18 @@ export function metricValue(
   }
   return 0;
 }
+
+/**
+ * One request on a connection of its own (a fresh client), so the kernel picks a router worker
+ * anew; the body is read whole before the client goes.
+ */
+export async function fresh(url: string, init: RequestInit = {}): Promise<Response> {
+  const client = Deno.createHttpClient({});
+  try {
+    const res = await fetch(url, { ...init, client });
+    const body = new Uint8Array(await res.arrayBuffer());
+    return new Response(body, { status: res.status, headers: res.headers });
+  } finally {
+    client.close();
+  }
+}

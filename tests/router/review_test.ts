@@ -7,22 +7,10 @@
 
 import assert from "node:assert/strict";
 import { parseRouterArgs } from "../../lib/router/config.ts";
-import { runRouterCli, spawnBackend, spawnRouter, waitFor } from "./harness.ts";
+import { fresh, runRouterCli, spawnBackend, spawnRouter, waitFor } from "./harness.ts";
 
 /** Fresh connections: with 2 workers, all 12 on one worker is 2·2^-12 ≈ 5e-4. */
 const PROBES = 12;
-
-/** One request on a connection of its own, so the kernel picks a worker anew. */
-async function fresh(url: string, init: RequestInit = {}): Promise<Response> {
-  const client = Deno.createHttpClient({});
-  try {
-    const res = await fetch(url, { ...init, client });
-    const body = new Uint8Array(await res.arrayBuffer());
-    return new Response(body, { status: res.status, headers: res.headers });
-  } finally {
-    client.close();
-  }
-}
 
 interface HealthBody {
   prefill: { backends: Array<{ healthy: boolean; error: string | null }> };

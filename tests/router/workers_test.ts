@@ -6,24 +6,18 @@
 
 import assert from "node:assert/strict";
 import OpenAI from "openai";
-import { type FakeBackend, metricValue, spawnBackend, spawnRouter, waitFor } from "./harness.ts";
+import {
+  type FakeBackend,
+  fresh,
+  metricValue,
+  spawnBackend,
+  spawnRouter,
+  waitFor,
+} from "./harness.ts";
 
 const WORKERS = 3;
 /** Enough new connections that each of 3 workers gets some: all on one is (2/3)^29·3 ≈ 2e-5. */
 const SPREAD_REQUESTS = 30;
-
-/** One request on a connection of its own (a fresh client), so the kernel picks a worker anew. */
-async function fresh(url: string, init: RequestInit = {}): Promise<Response> {
-  const client = Deno.createHttpClient({});
-  try {
-    const res = await fetch(url, { ...init, client });
-    // Read it all before the client goes.
-    const body = new Uint8Array(await res.arrayBuffer());
-    return new Response(body, { status: res.status, headers: res.headers });
-  } finally {
-    client.close();
-  }
-}
 
 const complete = (url: string, id: string, extra: Record<string, unknown> = {}) =>
   fresh(`${url}/v1/completions`, {
