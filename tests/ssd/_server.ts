@@ -1,11 +1,12 @@
 /**
  * Helpers for the SSD tests that drive a real server process (host backend,
  * real gRPC): the SSD flags, a polling wait with a deadline, QueryPrefetch
- * polled until ready, and simulated engines of a given shape.
+ * polled until ready, simulated engines of a given shape, and a server with
+ * one registered rank for a test body (withSsdServer).
  */
 import type { PegaflowClient } from "../../lib/client/client.ts";
 import { LLAMA_3_1_8B, type ModelShape, SimEngine } from "../../lib/client/sim_engine.ts";
-import { uid } from "../server/harness.ts";
+import { type ServerProc, startServer, uid } from "../server/harness.ts";
 
 /** Llama-3.1-8B cut to 4 layers: 256 KiB blocks at TP=1. */
 export const MODEL: ModelShape = { ...LLAMA_3_1_8B, numLayers: 4 };
@@ -67,4 +68,29 @@ export function sim(
     numBlocks: 64,
     backend: "host",
   });
+}
+
+/**
+ * A real server with an SSD tier on a temp dir and one registered simulated engine rank (a
+ * namespace of its own), handed to `body`; the rank is unregistered, the server stopped and the
+ * dir removed afterwards, also when `body` throws.
+ */
+export async function withSsdServer(
+  prefix: string,
+  body: (srv: ServerProc, eng: SimEngine) => Promise<void>,
+): Promise<void> {
+  const dir = await Deno.makeTempDir({ prefix });
+  let srv: ServerProc | undefined;
+  let eng: SimEngine | undefined;
+  try {
+    srv = await startServer(SSD_FLAGS(dir));
+    eng = sim(srv.client, uid("ns"));
+    await eng.register();
+    await body(srv, eng);
+  } finally {
+    if (eng && srv) await srv.client.unregisterContext(eng.instanceId).catch(() => {});
+    eng?.close();
+    await srv?.stop();
+    await Deno.remove(dir, { recursive: true });
+  }
 }

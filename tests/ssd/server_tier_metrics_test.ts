@@ -6,27 +6,17 @@
  */
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import type { SimEngine } from "../../lib/client/sim_engine.ts";
-import { type ServerProc, startServer, uid } from "../server/harness.ts";
-import { MODEL, queryUntilReady, sim, SSD_FLAGS, until } from "./_server.ts";
+import { MODEL, queryUntilReady, until, withSsdServer } from "./_server.ts";
 
 const BLOCKS = 6;
 
 Deno.test("server: write-behind stage depths, SSD tier health and per-tier query attribution are on /metrics", async () => {
-  const dir = await Deno.makeTempDir({ prefix: "pf-ssd-tier-metrics-" });
-  const namespace = uid("ns");
   const hashes = chainedBlockHashes(syntheticTokens(31, 16 * BLOCKS), 16);
   const ids = Array.from({ length: BLOCKS }, (_, i) => 1 + i);
-  let srv: ServerProc | undefined;
-  let eng: SimEngine | undefined;
-  try {
-    srv = await startServer(SSD_FLAGS(dir));
-    const s = srv;
+  await withSsdServer("pf-ssd-tier-metrics-", async (s, eng) => {
     assert.equal(await s.metric("pegaflow_tier_up", '{tier="ssd"}'), 1);
     assert.ok((await s.metric("pegaflow_tier_capacity_bytes", '{tier="ssd"}')) > 0);
     assert.equal(await s.metric("pegaflow_tier_used_bytes", '{tier="ssd"}'), 0);
-    eng = sim(s.client, namespace);
-    await eng.register();
     eng.fill(ids, hashes);
     assert.equal((await eng.save(ids, hashes)).blocksSaved, BLOCKS);
     await until(
@@ -50,35 +40,19 @@ Deno.test("server: write-behind stage depths, SSD tier health and per-tier query
       "one fetch started for the request",
     );
     assert.equal(await s.metric("pegaflow_tier_queries_total", '{tier="ssd",answer="ready"}'), 1);
-  } finally {
-    if (eng && srv) await srv.client.unregisterContext(eng.instanceId).catch(() => {});
-    eng?.close();
-    await srv?.stop();
-    await Deno.remove(dir, { recursive: true });
-  }
+  });
 });
 
 Deno.test("server: a query over the hash limit is refused before any tier counts it or starts a read", async () => {
-  const dir = await Deno.makeTempDir({ prefix: "pf-ssd-tier-limit-" });
-  const namespace = uid("ns");
-  let srv: ServerProc | undefined;
-  let eng: SimEngine | undefined;
-  try {
-    srv = await startServer(SSD_FLAGS(dir));
-    eng = sim(srv.client, namespace);
-    await eng.register();
+  await withSsdServer("pf-ssd-tier-limit-", async (srv, eng) => {
     const tooMany = chainedBlockHashes(syntheticTokens(32, 65_537), 1);
-    // A series never counted is absent (NaN): 0.
     await assert.rejects(eng.query(tooMany, "over-limit"), /INVALID_ARGUMENT.*65537 block hashes/);
+    // A series never counted is absent (NaN): 0.
+    const count = async (name: string, labels: string) => (await srv.metric(name, labels)) || 0;
     assert.equal(
-      (await srv.metric("pegaflow_tier_queries_total", '{tier="ssd",answer="miss_not-held"}')) || 0,
+      await count("pegaflow_tier_queries_total", '{tier="ssd",answer="miss_not-held"}'),
       0,
     );
-    assert.equal((await srv.metric("pegaflow_query_source_total", '{source="miss"}')) || 0, 0);
-  } finally {
-    if (eng && srv) await srv.client.unregisterContext(eng.instanceId).catch(() => {});
-    eng?.close();
-    await srv?.stop();
-    await Deno.remove(dir, { recursive: true });
-  }
+    assert.equal(await count("pegaflow_query_source_total", '{source="miss"}'), 0);
+  });
 });
