@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,12 +37,15 @@ import ttft  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Prints a table and writes the JSON to --out."
+    )
     ap.add_argument("--layers", type=int, default=32, help="layers of the stub model (the 8B shape has 32)")
     ap.add_argument("--requests", type=int, default=32, help="requests decoding together")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per run")
     ap.add_argument("--rounds", type=int, default=16, help="on and off runs each, alternated")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "decode-host.json"))
+    out = os.path.join(HERE, "results", "decode-host.json")
+    ap.add_argument("--out", default=out, help=f"the JSON file (default {out})")
     a = ap.parse_args()
     torch.set_num_threads(1)
     args = ttft.parse_args([
@@ -51,7 +55,12 @@ def main() -> None:
     args.decode_requests = a.requests  # ttft caps a CPU run's decode at 8 requests; this one has no model
     b = ttft.Bench(args)
     b.cfg = dataclasses.replace(b.cfg, num_layers=a.layers)
-    b.server, b.server_addr = ttft.start_server("host", args.pool_size, None, tempfile.mkdtemp())
+    uds_dir = tempfile.mkdtemp(prefix="pf-decode-host-")
+    try:
+        b.server, b.server_addr = ttft.start_server("host", args.pool_size, None, uds_dir)
+    except BaseException:
+        shutil.rmtree(uds_dir, ignore_errors=True)
+        raise
     try:
         model = ttft.LlamaModel(b.cfg, b.dev, seed=0)
         scratch = torch.zeros(64)
@@ -87,6 +96,10 @@ def main() -> None:
             eng.shutdown()
     finally:
         b.server.stop()
+        b.server.remove_log()
+        shutil.rmtree(uds_dir, ignore_errors=True)
+        for r in b.regions:  # the engine's KV cache files in /dev/shm
+            r.close()
     res = {
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),

@@ -7,13 +7,11 @@ Needs a GPU:
     python3 bench/h2d_idle_gap.py [OUT.json]
 """
 
+import argparse
 import json
 import os
 import subprocess
-import sys
 import time
-
-import torch
 
 LAYERS = 32
 PER_LAYER = 639 * 2 * 16 * 8 * 128 * 2  # blocks x K/V x tokens x kv heads x head dim x bf16
@@ -21,7 +19,17 @@ GAPS_S = [0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 REPS = 8
 
 
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h2d-idle-gap.json")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=f"Writes OUT.json (default {DEFAULT_OUT}).",
+    )
+    ap.add_argument("out", nargs="?", default=DEFAULT_OUT, metavar="OUT.json", help="where to write the JSON")
+    a = ap.parse_args()
+    import torch  # after the arguments: --help needs no GPU stack
+
     dev = torch.device("cuda")
     host = torch.empty(LAYERS * PER_LAYER, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)
@@ -91,8 +99,7 @@ def main() -> None:
         kept.append(copy_once()[0])
     summary("gap 200 ms with a 4 KB copy every 10 ms", kept)
 
-    default = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h2d-idle-gap.json")
-    with open(sys.argv[1] if len(sys.argv) > 1 else default, "w") as f:
+    with open(a.out, "w") as f:
         json.dump({
             "command": "python3 bench/h2d_idle_gap.py",
             "device": torch.cuda.get_device_name(),

@@ -13,17 +13,25 @@ import type { Logger } from "../lib/log.ts";
 import { PegaflowClient } from "../lib/client/client.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../lib/client/sim_engine.ts";
 import { pct } from "./stats.ts";
+import { strictCommand } from "./cli.ts";
 
 /** Segments per block and layer: K and V. */
 export const KV = 2;
 const MIB = 1 << 20;
 
-/** `--tokens`, `--iters`, `--out` of a bench named `name`. */
-export function benchOptions(name: string): { tokens: number; iters: number; out: string } {
-  const o = new Command(name)
+/**
+ * `--tokens`, `--iters`, `--out` of a bench named `name` that writes `file` under `--out`;
+ * `--help` and an unknown flag as {@link strictCommand} says.
+ */
+export function benchOptions(
+  name: string,
+  file: string,
+): { tokens: number; iters: number; out: string } {
+  const cmd = new Command(name)
     .option("--tokens <n>", "prefix length in tokens", "10000")
     .option("--iters <n>", "timed iterations", "30")
-    .option("--out <dir>", "where to write the JSON", "bench/results")
+    .option("--out <dir>", "where to write the JSON", "bench/results");
+  const o = strictCommand(cmd, `a table on stdout and <--out>/${file}`)
     .parse(["deno", "run", ...Deno.args])
     .opts<{ tokens: string; iters: string; out: string }>();
   return { tokens: Number(o.tokens), iters: Number(o.iters), out: o.out };

@@ -24,7 +24,7 @@ import {
 } from "./in_process.ts";
 import { pct } from "./stats.ts";
 
-const o = benchOptions("bench-load-prepare");
+const o = benchOptions("bench-load-prepare", "load-prepare.json");
 const { model, blocks, prefixBytes } = prefixShape(o.tokens);
 const iters = o.iters;
 

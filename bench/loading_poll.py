@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -54,7 +55,10 @@ def evict(server: DevServer, written: float, deadline_s: float = 120.0) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Prints a table and writes {os.path.join(HERE, 'results', 'loading-poll.json')}.",
+    )
     ap.add_argument("--blocks", type=int, default=256, help="prefix length in blocks (2 MiB each)")
     ap.add_argument("--runs", type=int, default=3, help="runs per setting, alternated")
     ap.add_argument("--settings", default="0,2", help="loading_retry_ms values to compare")
@@ -63,18 +67,25 @@ def main() -> None:
     block_bytes = LAYERS * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2
     ssd_dir = tempfile.mkdtemp(prefix="pf-loading-poll-")
     pool = max(256 << 20, int(a.blocks * block_bytes * 1.3))
-    server = DevServer.launch([
-        "--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", str(pool), "--http-addr", "127.0.0.1:0",
-        "--ssd-cache-path", ssd_dir, "--ssd-cache-capacity", str(max(1 << 30, 8 * a.blocks * block_bytes)),
-        "--log-level", "warn",
-    ], start_timeout_s=180.0)
+    try:
+        server = DevServer.launch([
+            "--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", str(pool), "--http-addr", "127.0.0.1:0",
+            "--ssd-cache-path", ssd_dir, "--ssd-cache-capacity", str(max(1 << 30, 8 * a.blocks * block_bytes)),
+            "--log-level", "warn",
+        ], start_timeout_s=180.0)
+    except BaseException:
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+        raise
     client = PegaflowClient(server.addr)
     uid = f"poll-{os.getpid()}"
-    region, reg = register_host_kv(
-        client, uid, layers=LAYERS, blocks=a.blocks, block_tokens=BLOCK_TOKENS, kv_heads=KV_HEADS, head_dim=HEAD_DIM
-    )
+    region = reg = None
     rows = []
+    # On success or failure the `finally` stops the server and removes its files and the region.
     try:
+        region, reg = register_host_kv(
+            client, uid, layers=LAYERS, blocks=a.blocks, block_tokens=BLOCK_TOKENS, kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+        )
         written = 0
         for run in range(a.runs):
             for ms in settings:
@@ -102,14 +113,14 @@ def main() -> None:
                 })
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        reg.close()
+        if reg is not None:
+            reg.close()
         client.close()
         server.stop()
         server.remove_log()
-        region.close()
-        for f in os.listdir(ssd_dir):
-            os.unlink(os.path.join(ssd_dir, f))
-        os.rmdir(ssd_dir)
+        if region is not None:
+            region.close()
+        shutil.rmtree(ssd_dir, ignore_errors=True)
 
     def med(ms: int, key: str) -> float:
         xs = sorted(r[key] for r in rows if r["loading_retry_ms"] == ms)

@@ -1,30 +1,25 @@
 /**
  * What the microbenchmarks of one 10K-token prefix share (bench/storage.ts, bench/tier_host.ts,
- * bench/index_bench.ts): their `--iterations` flag, the prefix's synthetic block hashes, and the
+ * bench/index_run.ts): their `--iterations` flag, the prefix's synthetic block hashes, and the
  * timing of a synchronous step in µs.
  *
  * @module
  */
 import { latencyRow } from "./stats.ts";
+import { type BenchArgs, positiveInt } from "./cli.ts";
 
 /** Blocks of a 10K-token prefix: 10K tokens / 16 tokens per block. */
 export const PREFIX_BLOCKS = 625;
 
-/** The value of `--name` on the command line, if given. */
-export function flagValue(name: string): string | undefined {
-  const i = Deno.args.indexOf(name);
-  return i >= 0 ? Deno.args[i + 1] : undefined;
-}
+/** The microbenchmarks' flag for their timed calls per row. */
+export const ITERATIONS_FLAG = "--iterations";
 
-/** `--iterations` (default `fallback`); exits 2 naming the flag when it is not a positive integer. */
-export function iterationsFlag(fallback: number): number {
-  const given = flagValue("--iterations");
-  const n = Number(given ?? fallback);
-  if (!Number.isInteger(n) || n < 1) {
-    console.error(`--iterations must be a positive integer, got ${given}`);
-    Deno.exit(2);
-  }
-  return n;
+/**
+ * `--iterations` from the parsed command line (default `fallback`); exits 2 naming the flag when
+ * it is not a positive integer.
+ */
+export function iterationsFlag(args: BenchArgs, fallback: number): number {
+  return positiveInt(ITERATIONS_FLAG, args.flags[ITERATIONS_FLAG], fallback);
 }
 
 /**

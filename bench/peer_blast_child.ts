@@ -10,9 +10,22 @@
  */
 import { Engine } from "../ffi/mod.ts";
 import { tcpBlast } from "../ffi/xfer.ts";
+import { benchCli, positiveInt } from "./cli.ts";
 
-const [addr, streamsArg, bytesArg] = Deno.args;
-const streams = Number(streamsArg), bytes = Number(bytesArg);
+const args = benchCli({
+  usage: "deno run -A bench/peer_blast_child.ts <host:port> <streams> <bytes>",
+  about: "Child of bench/peer_fetch.ts: the raw TCP throughput from a transfer listener into " +
+    "this process's pinned pool\n(one warm-up blast, then one timed).",
+  positionals: {
+    "host:port": "the owner's transfer listener",
+    streams: "TCP connections",
+    bytes: "bytes in all, split evenly over the streams",
+  },
+  writes: 'one JSON line on stdout, {"ns": N, "bytes": B}; no file',
+});
+const [addr, streamsArg, bytesArg] = args.positionals;
+const streams = positiveInt("<streams>", streamsArg, 1);
+const bytes = positiveInt("<bytes>", bytesArg, 1);
 const engine = Engine.open({ backend: "host" });
 const pool = engine.createPool(bytes, { pretouch: true });
 try {

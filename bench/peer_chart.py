@@ -11,6 +11,7 @@ the raw stream's time for the same bytes as a tick: what separates the two.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -84,14 +85,18 @@ def draw(runs: List[Dict[str, Any]], out: str) -> None:
 
 
 def main(argv: List[str]) -> None:
-    if len(argv) < 2:
-        raise SystemExit(__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Writes OUT.png (nothing where matplotlib is missing).",
+    )
+    ap.add_argument("out", metavar="OUT.png", help="the chart to write")
+    ap.add_argument("runs", metavar="RUN.json", nargs="+", help="bench/peer_fetch.ts results, one bar group each")
+    a = ap.parse_args(argv)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib not installed: chart skipped")
         return
-    draw(load(argv[1:]), argv[0])
+    draw(load(a.runs), a.out)
 
 
 if __name__ == "__main__":

@@ -36,15 +36,33 @@ import { hostSim, type ServerProc, uid } from "../tests/server/harness.ts";
 import { makeCluster } from "../tests/peer/_cluster.ts";
 import { prefix } from "../tests/peer/_fetch.ts";
 import { waitFor } from "../tests/index/_redis.ts";
+import { benchCli, cleanupOnSignal, positiveInt } from "./cli.ts";
+
+benchCli({
+  usage: "deno run -A bench/peer_fetch.ts   (settings from the environment)",
+  about: "Peer fetch over TCP between two servers in two network namespaces (root and ip netns; " +
+    "else loopback)\nbeside the raw TCP throughput of the same path, in the same run.",
+  env: {
+    PEER_BENCH_BLOCKS: "2 MiB Llama-3.1-8B blocks of the prefix (default 256)",
+    PEER_BENCH_REPEAT: "measured runs after one warm-up, median reported (default 5)",
+    PEER_BENCH_STREAMS: "TCP streams of the transfer and of the raw blast (default 4)",
+    PEER_BENCH_POLL_MS: "the engine's query poll interval, ms (default 2)",
+    PEER_BENCH_ENGINE_RPC: "uds (B's local RPC socket, default) or grpc",
+    PEGAFLOW_PYTHON: "the Python that draws the chart (default /usr/bin/python3)",
+  },
+  writes: "a table on stdout, bench/results/peer_fetch.json and bench/results/peer_fetch.png",
+});
 
 const MiB = 1 << 20;
-const blocks = Number(Deno.env.get("PEER_BENCH_BLOCKS") ?? 256);
-const repeat = Number(Deno.env.get("PEER_BENCH_REPEAT") ?? 5);
-const streams = Number(Deno.env.get("PEER_BENCH_STREAMS") ?? 4);
-const pollMs = Number(Deno.env.get("PEER_BENCH_POLL_MS") ?? 2);
+const envInt = (name: string, fallback: number) => positiveInt(name, Deno.env.get(name), fallback);
+const blocks = envInt("PEER_BENCH_BLOCKS", 256);
+const repeat = envInt("PEER_BENCH_REPEAT", 5);
+const streams = envInt("PEER_BENCH_STREAMS", 4);
+const pollMs = envInt("PEER_BENCH_POLL_MS", 2);
 const engineRpc = Deno.env.get("PEER_BENCH_ENGINE_RPC") ?? "uds";
 if (engineRpc !== "grpc" && engineRpc !== "uds") {
-  throw new Error(`PEER_BENCH_ENGINE_RPC=${engineRpc}; expected grpc or uds`);
+  console.error(`PEER_BENCH_ENGINE_RPC=${engineRpc}; expected grpc or uds`);
+  Deno.exit(2);
 }
 const model = LLAMA_3_1_8B;
 const blockBytes = model.numLayers * 2 * model.kvHeads * model.headDim * model.dtypeBytes *
@@ -61,6 +79,16 @@ async function metric(s: ServerProc, name: string, labels = ""): Promise<number>
 }
 
 const c = await makeCluster(2, "bp");
+let udsDir = "";
+let removing: Promise<void> | undefined;
+/** Once: a signal's cleanup and the main path's `finally` share it, so the first one finishes. */
+const removeAll = () =>
+  removing ??= (async () => {
+    await c.remove();
+    if (udsDir) await Deno.remove(udsDir, { recursive: true });
+  })();
+// Interrupted, the servers die with this process; Redis's dir and the namespaces would not.
+const offSignal = cleanupOnSignal(removeAll);
 const flags = [
   "--pool-size",
   `${poolMiB}mb`,
@@ -69,27 +97,6 @@ const flags = [
   "--log-level",
   "info",
 ];
-const a = await c.start(0, flags);
-const udsDir = engineRpc === "uds" ? await Deno.makeTempDir({ prefix: "pf-peer-bench-" }) : "";
-const b = await c.start(1, engineRpc === "uds" ? [...flags, "--uds", `${udsDir}/b.sock`] : flags);
-const clientB = engineRpc === "uds" ? new PegaflowClient(`unix:${b.uds}`) : b.client;
-const probe = new RedisBlockIndex({
-  url: c.redis.url,
-  nodeId: "probe",
-  advertiseAddr: "probe:1",
-  listSealed: () => [],
-});
-probe.start();
-const ns = uid("bench");
-const simA = hostSim(a, { instanceId: uid("a"), namespace: ns, model, numBlocks: blocks });
-const simB = SimEngine.create({
-  client: clientB,
-  instanceId: uid("b"),
-  namespace: ns,
-  model,
-  numBlocks: 1,
-  backend: "host",
-});
 interface Run {
   fetchS: number;
   readS: number;
@@ -109,8 +116,35 @@ const PHASES = [
   "total_ms",
 ];
 const runs: Run[] = [];
-let xferAddr = "";
+// Everything made after the cluster is undone by c.remove() (engines and probe first, through
+// c.defer), on success and on any failure: a server that fails to start must not leave the
+// other one, Redis and the namespaces behind.
 try {
+  const a = await c.start(0, flags);
+  if (engineRpc === "uds") udsDir = await Deno.makeTempDir({ prefix: "pf-peer-bench-" });
+  const b = await c.start(1, engineRpc === "uds" ? [...flags, "--uds", `${udsDir}/b.sock`] : flags);
+  const clientB = engineRpc === "uds" ? new PegaflowClient(`unix:${b.uds}`) : b.client;
+  if (clientB !== b.client) c.defer(() => clientB.close());
+  const probe = new RedisBlockIndex({
+    url: c.redis.url,
+    nodeId: "probe",
+    advertiseAddr: "probe:1",
+    listSealed: () => [],
+  });
+  probe.start();
+  c.defer(() => probe.close());
+  const ns = uid("bench");
+  const simA = hostSim(a, { instanceId: uid("a"), namespace: ns, model, numBlocks: blocks });
+  c.defer(() => simA.close());
+  const simB = SimEngine.create({
+    client: clientB,
+    instanceId: uid("b"),
+    namespace: ns,
+    model,
+    numBlocks: 1,
+    backend: "host",
+  });
+  c.defer(() => simB.close());
   await simA.register();
   await simB.register();
   const hashes = prefix(7, blocks);
@@ -128,7 +162,7 @@ try {
     60_000,
   );
   const open = a.logs().map((l) => JSON.parse(l)).find((o) => o.msg === "transfer endpoint open");
-  xferAddr = `${c.nodeAddr(0)}:${open.port}`;
+  const xferAddr = `${c.nodeAddr(0)}:${open.port}`;
   for (let i = 0; i <= repeat; i++) {
     const f0 = await metric(b, "pegaflow_peer_fetch_duration_seconds_sum");
     const r0 = await metric(b, "pegaflow_peer_read_seconds_total");
@@ -160,14 +194,8 @@ try {
     if (i > 0) runs.push({ fetchS, readS, rawNs: raw.ns, queryMs, phases }); // run 0 warms up
   }
 } finally {
-  simA.close();
-  simB.close();
-  if (clientB !== b.client) clientB.close();
-  await probe.close();
-  await a.stop();
-  await b.stop();
-  await c.remove();
-  if (udsDir) await Deno.remove(udsDir, { recursive: true });
+  offSignal();
+  await removeAll();
 }
 
 const fetchGBps = bytes / median(runs.map((r) => r.fetchS)) / 1e9;

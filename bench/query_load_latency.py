@@ -53,7 +53,10 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Prints a table and writes {os.path.join(HERE, 'results', 'query-load-latency[-TAG].json')}.",
+    )
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--gap-ms", type=float, default=20.0, help="idle time between runs")
@@ -67,24 +70,18 @@ def main() -> None:
 
     sock_dir = tempfile.mkdtemp(prefix="pf-qll-")
     sock = os.path.join(sock_dir, "pf.sock")
-    server = DevServer.launch(
-        ["--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", a.pool_size, "--uds", sock,
-         "--log-level", "debug"],
-        start_timeout_s=120.0,
-    )
+    try:
+        server = DevServer.launch(
+            ["--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", a.pool_size, "--uds", sock,
+             "--log-level", "debug"],
+            start_timeout_s=120.0,
+        )
+    except BaseException:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        raise
     client = PegaflowClient("unix:" + sock)
     uid = f"qll-{os.getpid()}"
-    region, reg = register_host_kv(
-        client, uid, layers=LAYERS, blocks=2 * HIT_BLOCKS + 2, block_tokens=BLOCK_TOKENS, kv_heads=HEADS,
-        head_dim=HEAD_DIM,
-    )
-    src = list(range(1, HIT_BLOCKS + 1))
-    hashes = [os.urandom(16) for _ in range(HIT_BLOCKS)]
-    client.save(instance_id=uid, tp_rank=0, block_ids=src, block_hashes=hashes)
-    targets = list(range(HIT_BLOCKS + 1, 2 * HIT_BLOCKS + 1))
-    for _ in range(a.stored_prompts):  # the same blocks saved again under other hashes
-        client.save(instance_id=uid, tp_rank=0, block_ids=src, block_hashes=[os.urandom(16) for _ in src])
-
+    region = reg = None
     sent: list[float] = []
     orig_call = local_rpc.LocalRpc.call
 
@@ -92,9 +89,22 @@ def main() -> None:
         sent.append(time.time() * 1e3)
         return orig_call(self, *args, **kw)
 
-    local_rpc.LocalRpc.call = timed_call  # type: ignore[method-assign]
     rows = []
+    # Everything from here on, on success or failure, ends in the `finally`: no server left
+    # running, no shm region, no socket directory, no log file.
     try:
+        region, reg = register_host_kv(
+            client, uid, layers=LAYERS, blocks=2 * HIT_BLOCKS + 2, block_tokens=BLOCK_TOKENS, kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+        )
+        src = list(range(1, HIT_BLOCKS + 1))
+        hashes = [os.urandom(16) for _ in range(HIT_BLOCKS)]
+        client.save(instance_id=uid, tp_rank=0, block_ids=src, block_hashes=hashes)
+        targets = list(range(HIT_BLOCKS + 1, 2 * HIT_BLOCKS + 1))
+        for _ in range(a.stored_prompts):  # the same blocks saved again under other hashes
+            client.save(instance_id=uid, tp_rank=0, block_ids=src, block_hashes=[os.urandom(16) for _ in src])
+
+        local_rpc.LocalRpc.call = timed_call  # type: ignore[method-assign]
         with LoadState.create() as st:
             for i in range(a.warmup + a.runs):
                 time.sleep(a.gap_ms / 1e3)
@@ -117,21 +127,23 @@ def main() -> None:
                     rows.append((rid, t0, sent[0], t_back))
     finally:
         local_rpc.LocalRpc.call = orig_call
-        reg.close()
+        if reg is not None:
+            reg.close()
         client.close()
         server.stop()
-        region.close()
+        if region is not None:
+            region.close()
         shutil.rmtree(sock_dir, ignore_errors=True)
+        log_lines = server.logs().splitlines()
+        server.remove_log()
     # The server's side: "local rpc" lines (decoded / answered) in call order, "load done" by request.
     rpc, done = [], {}
-    with open(server.log_path) as f:
-        for line in f:
-            if '"local rpc"' in line and '"queryPrefetch"' in line:
-                rpc.append(json.loads(line))
-            elif '"load done"' in line:
-                r = json.loads(line)
-                done[r["request"]] = r
-    server.remove_log()
+    for line in log_lines:
+        if '"local rpc"' in line and '"queryPrefetch"' in line:
+            rpc.append(json.loads(line))
+        elif '"load done"' in line:
+            r = json.loads(line)
+            done[r["request"]] = r
     rpc = rpc[-a.runs:]
     parts: dict[str, list[float]] = {
         k: [] for k in ("build", "to server", "to submit", " query", " load checks", " lease", " batch", " submit",

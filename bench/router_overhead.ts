@@ -24,13 +24,34 @@
 
 import { spawnBackend, spawnRouter } from "../tests/router/harness.ts";
 import { statCpuSeconds } from "../lib/server/process_metrics.ts";
+import { benchCli } from "./cli.ts";
+
+const FLAGS = {
+  "--concurrency": "concurrent streams, a closed loop (default 256)",
+  "--requests": "recorded requests per path (default 2048)",
+  "--chunks": "mean chunks per stream (default 32)",
+  "--step-ms": "the fake decode engine's step, ms (default 20)",
+  "--rounds": "rounds alternating the paths (default 2)",
+  "--workers": "N or auto, handed to both routers (default: the router's own, auto)",
+  "--out": "the JSON file (default bench/results/router.json)",
+};
+const args = benchCli({
+  usage: "deno run -A --unstable-no-legacy-abort --unstable-net bench/router_overhead.ts " +
+    "[--flag value ...]\n       (deno task bench:router [--flag value ...])",
+  about: "One streaming workload straight to a fake decode backend and through the router " +
+    "(prefill hop,\nthen decode relayed), alternated on loopback: TTFT, chunk delivery and " +
+    "total latency the router adds.",
+  flags: FLAGS,
+  writes: "a table on stdout and bench/results/router.json (or --out)",
+});
 
 function flag(name: string, fallback: number): number {
-  const i = Deno.args.indexOf(`--${name}`);
-  if (i < 0) return fallback;
-  const v = Number(Deno.args[i + 1]);
+  const given = args.flags[`--${name}`];
+  if (given === undefined) return fallback;
+  const v = Number(given);
   if (!Number.isFinite(v) || v <= 0) {
-    throw new Error(`--${name}: expected a positive number, got '${Deno.args[i + 1]}'`);
+    console.error(`--${name}: expected a positive number, got '${given}'`);
+    Deno.exit(2);
   }
   return v;
 }
@@ -42,15 +63,12 @@ const ROUNDS = flag("rounds", 2);
 /** Enough to warm the JIT and fill every keep-alive pool on both paths. */
 const WARMUP_REQUESTS = CONCURRENCY;
 /** `--workers` for both routers: a count or `auto`; absent, the router's default (auto). */
-const workersIdx = Deno.args.indexOf("--workers");
-const WORKERS = workersIdx >= 0 ? Deno.args[workersIdx + 1] : undefined;
+const WORKERS = args.flags["--workers"];
 if (WORKERS !== undefined && !/^(auto|[1-9]\d*)$/.test(WORKERS)) {
-  throw new Error(`--workers: expected 'auto' or a positive whole number, got '${WORKERS}'`);
+  console.error(`--workers: expected 'auto' or a positive whole number, got '${WORKERS}'`);
+  Deno.exit(2);
 }
-const outIdx = Deno.args.indexOf("--out");
-const OUT = outIdx >= 0
-  ? Deno.args[outIdx + 1]
-  : new URL("./results/router.json", import.meta.url).pathname;
+const OUT = args.flags["--out"] ?? new URL("./results/router.json", import.meta.url).pathname;
 
 /**
  * Stream lengths vary (CHUNKS/2 … 3·CHUNKS/2 tokens, seeded so every path sees the same

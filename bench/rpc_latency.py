@@ -130,13 +130,18 @@ def probe(targets, n, warmup, query_request):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tcp", required=True, help="host:port of the server's gRPC address")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog="Prints its results as one JSON line on stdout; writes no file."
+    )
+    # Checked after parsing (not required=True), so that an unknown flag is what gets named.
+    ap.add_argument("--tcp", help="host:port of the server's gRPC address (required)")
     ap.add_argument("--uds", help="the server's --uds socket path")
     ap.add_argument("--n", type=int, default=5000, help="timed calls per RPC and transport")
     ap.add_argument("--warmup", type=int, default=500, help="untimed calls first")
     ap.add_argument("--query-request", help="file holding an encoded QueryPrefetchRequest")
     a = ap.parse_args()
+    if not a.tcp:
+        ap.error("--tcp is required")
     targets = {"tcp": a.tcp}
     if a.uds:
         targets["uds"] = "unix:" + a.uds

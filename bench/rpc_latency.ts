@@ -27,18 +27,22 @@ import { PegaflowClient } from "../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../lib/client/sim_engine.ts";
 import { QueryPrefetchRequest } from "../proto/pegaflow.ts";
+import { strictCommand } from "./cli.ts";
 
-const o = new Command("bench-rpc-latency")
-  .option("--n <n>", "timed calls per RPC and transport", "5000")
-  .option("--warmup <n>", "untimed calls per RPC and transport first", "500")
-  .option("--hashes <n>", "hashes per QueryPrefetch (625 = 10K tokens)", "625")
-  .option(
-    "--variants <list>",
-    "server variants: guard (the default server), noguard (GOAWAY guard off), singlegc (V8 GC on one thread), semispace (larger young generation)",
-    "guard,noguard,singlegc,semispace",
-  )
-  .option("--python <bool>", "also probe with Python grpcio when available", "true")
-  .option("--out <dir>", "where to write the JSON", "bench/results")
+const o = strictCommand(
+  new Command("bench-rpc-latency")
+    .option("--n <n>", "timed calls per RPC and transport", "5000")
+    .option("--warmup <n>", "untimed calls per RPC and transport first", "500")
+    .option("--hashes <n>", "hashes per QueryPrefetch (625 = 10K tokens)", "625")
+    .option(
+      "--variants <list>",
+      "server variants: guard (the default server), noguard (GOAWAY guard off), singlegc (V8 GC on one thread), semispace (larger young generation)",
+      "guard,noguard,singlegc,semispace",
+    )
+    .option("--python <bool>", "also probe with Python grpcio when available", "true")
+    .option("--out <dir>", "where to write the JSON", "bench/results"),
+  "a table on stdout and <--out>/rpc_latency.json",
+)
   .parse(["deno", "run", ...Deno.args])
   .opts<{
     n: string;
@@ -298,7 +302,11 @@ try {
       );
     }
     const dir = await Deno.makeTempDir({ prefix: "pegaflow-rpc-bench-" });
-    const srv = await startServer(v, dir);
+    const srv = await startServer(v, dir).catch(async (e) => {
+      // Not yet in `servers`, whose cleanup removes the dirs of the servers that started.
+      await Deno.remove(dir, { recursive: true });
+      throw e;
+    });
     const tcp = new PegaflowClient(srv.grpc);
     const uds = new PegaflowClient(`unix:${srv.uds}`, { localRpc: false });
     const local = new PegaflowClient(`unix:${srv.uds}`);

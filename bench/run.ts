@@ -15,6 +15,7 @@ import { CopyBatch, CopyEngine, type CopyPath, type Direction, type Region } fro
 import { fillStrided, pct, type Row, table, timeBatch } from "./native_copy.ts";
 import { PathPolicy } from "../lib/copy_path.ts";
 import { measureCalibration } from "../lib/copy_calibration.ts";
+import { strictCommand } from "./cli.ts";
 
 const KB = 1024;
 const MB = 1024 * KB;
@@ -22,18 +23,20 @@ const MB = 1024 * KB;
 const LLAMA_SEGMENTS = 40_000;
 const LLAMA_SEG = 32 * KB;
 
-const program = new Command()
-  .name("bench")
-  .option("--backend <name>", "auto | cuda | host", "auto")
-  .option("--device <n>", "CUDA device", "0")
-  .option("--full", "full sweep even on the host backend", false)
-  .option("--iters <n>", "timed batches per row (default 10 cuda, 3 host)")
-  .option("--out <dir>", "where to write the JSON", "bench/results")
-  .option(
-    "--only <sections>",
-    "comma-separated subset: size,layers,count,grid,variant,mixed,lanes,dmacheck,submit,calibrate,huge",
-  )
-  .parse(["deno", "run", ...Deno.args]);
+const program = strictCommand(
+  new Command()
+    .name("bench")
+    .option("--backend <name>", "auto | cuda | host", "auto")
+    .option("--device <n>", "CUDA device", "0")
+    .option("--full", "full sweep even on the host backend", false)
+    .option("--iters <n>", "timed batches per row (default 10 cuda, 3 host)")
+    .option("--out <dir>", "where to write the JSON", "bench/results")
+    .option(
+      "--only <sections>",
+      "comma-separated subset: size,layers,count,grid,variant,mixed,lanes,dmacheck,submit,calibrate,huge",
+    ),
+  "a table on stdout and <--out>/native-<backend>-<date>.json",
+).parse(["deno", "run", ...Deno.args]);
 const opts = program.opts<
   {
     backend: "auto" | "cuda" | "host";

@@ -23,7 +23,7 @@ import {
   writeBenchResult,
 } from "./in_process.ts";
 
-const o = benchOptions("bench-save-prepare");
+const o = benchOptions("bench-save-prepare", "save-prepare.json");
 const { model, blocks, prefixBytes } = prefixShape(o.tokens);
 const iters = o.iters;
 /** Iterations left out of the table: the first ones fault the mappings in and warm the JIT. */

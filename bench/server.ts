@@ -20,19 +20,23 @@ import { PegaflowClient } from "../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../lib/client/sim_engine.ts";
 import { pct } from "./stats.ts";
+import { strictCommand } from "./cli.ts";
 
-const o = new Command("bench-server")
-  .option("--backend <name>", "auto | cuda | host", "auto")
-  .option("--tokens <n>", "prefix length in tokens (default 10000 on cuda, 2048 on host)")
-  .option("--iters <n>", "timed iterations per row", "5")
-  .option("--query-iters <n>", "QueryPrefetch samples", "200")
-  .option("--out <dir>", "where to write the JSON", "bench/results")
-  .option("--server-log <file>", "write the server's debug log (per-phase save/load times) here")
-  .option(
-    "--transport <how>",
-    "uds: the engine on the server's Unix socket with its local RPC socket, as an engine on the same host; tcp: gRPC over TCP",
-    "uds",
-  )
+const o = strictCommand(
+  new Command("bench-server")
+    .option("--backend <name>", "auto | cuda | host", "auto")
+    .option("--tokens <n>", "prefix length in tokens (default 10000 on cuda, 2048 on host)")
+    .option("--iters <n>", "timed iterations per row", "5")
+    .option("--query-iters <n>", "QueryPrefetch samples", "200")
+    .option("--out <dir>", "where to write the JSON", "bench/results")
+    .option("--server-log <file>", "write the server's debug log (per-phase save/load times) here")
+    .option(
+      "--transport <how>",
+      "uds: the engine on the server's Unix socket with its local RPC socket, as an engine on the same host; tcp: gRPC over TCP",
+      "uds",
+    ),
+  "a table on stdout and <--out>/server-<backend>.json (and --server-log when given)",
+)
   .parse(["deno", "run", ...Deno.args])
   .opts<{
     backend: "auto" | "cuda" | "host";
@@ -126,25 +130,42 @@ const serverLog = o.serverLog
   ? await Deno.open(o.serverLog, { write: true, create: true, truncate: true })
   : null;
 const serverLogDone = serverLog ? child.stderr.pipeTo(serverLog.writable) : null;
-const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
-let line = "";
-while (!line.includes("\n")) {
-  const r = await reader.read();
-  if (r.done) throw new Error("server exited before announcing its ports");
-  line += r.value;
+let grpc: string, http: string, uds: string | undefined;
+let client: PegaflowClient | undefined;
+let sim: SimEngine;
+try {
+  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  let line = "";
+  while (!line.includes("\n")) {
+    const r = await reader.read();
+    if (r.done) {
+      throw new Error(`server exited before announcing its ports (${(await child.status).code})`);
+    }
+    line += r.value;
+  }
+  reader.releaseLock();
+  ({ grpc, http, uds } = JSON.parse(line.slice(0, line.indexOf("\n"))).listening);
+  client = new PegaflowClient(uds ? `unix:${uds}` : grpc);
+  sim = SimEngine.create({
+    client,
+    instanceId: `bench-${Deno.pid}`,
+    namespace: `bench-${backend}`,
+    model,
+    numBlocks: blocks * 2,
+    backend,
+  });
+} catch (e) {
+  // A server that did not start (or an engine that could not be made) leaves nothing behind.
+  client?.close();
+  try {
+    child.kill("SIGKILL");
+  } catch {
+    // it has exited already
+  }
+  await child.status;
+  if (sockDir) await Deno.remove(sockDir, { recursive: true });
+  throw e;
 }
-reader.releaseLock();
-const { grpc, http, uds } = JSON.parse(line.slice(0, line.indexOf("\n"))).listening;
-
-const client = new PegaflowClient(uds ? `unix:${uds}` : grpc);
-const sim = SimEngine.create({
-  client,
-  instanceId: `bench-${Deno.pid}`,
-  namespace: `bench-${backend}`,
-  model,
-  numBlocks: blocks * 2,
-  backend,
-});
 const rows: Record<string, string | number>[] = [];
 const result: Record<string, unknown> = {
   backend,

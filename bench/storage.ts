@@ -6,14 +6,22 @@
 //
 // Prints a table and writes bench/results/storage.json. Never asserts on time.
 import { KvStore } from "../lib/storage/store.ts";
-import { iterationsFlag, measure, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
+import { benchCli } from "./cli.ts";
+import { ITERATIONS_FLAG, iterationsFlag, measure, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
 
 const BLOCKS = PREFIX_BLOCKS;
 const LAYOUT = { layers: 32, tpSize: 1, collapseTp: false, segments: 2, segmentBytes: 32 * 1024 };
 const BLOCK_BYTES = 32 * 2 * 32 * 1024;
 const NS = "llama31_8b_bench";
 
-const ITER = iterationsFlag(200);
+const args = benchCli({
+  usage: "deno run -A bench/storage.ts [--iterations N]",
+  about: "The storage policy's JS cost per request for a 10K-token Llama-3.1-8B prefix " +
+    "(query, lease,\nsave, eviction; no bytes copied).",
+  flags: { [ITERATIONS_FLAG]: "timed calls per row, after 20 warm-up calls (default 200)" },
+  writes: "a table on stdout and bench/results/storage.json",
+});
+const ITER = iterationsFlag(args, 200);
 
 const hashes = (seed: number) => prefixHashes(seed, true);
 

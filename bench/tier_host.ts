@@ -9,7 +9,15 @@
 //
 // Prints a table and writes bench/results/tier_host.json. Never asserts on time.
 import { KvStore, type SavePlan } from "../lib/storage/store.ts";
-import { iterationsFlag, measure, type MicroRow, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
+import { benchCli } from "./cli.ts";
+import {
+  ITERATIONS_FLAG,
+  iterationsFlag,
+  measure,
+  type MicroRow,
+  PREFIX_BLOCKS,
+  prefixHashes,
+} from "./micro.ts";
 import { storeTierHost } from "../lib/storage/tier_host.ts";
 import { mergeExtents } from "../lib/transfer/ranges.ts";
 
@@ -17,7 +25,14 @@ const BLOCKS = PREFIX_BLOCKS;
 const LAYOUT = { layers: 32, tpSize: 2, collapseTp: false, segments: 2, segmentBytes: 32 * 1024 };
 const NS = "llama31_8b_tp2_bench";
 
-const ITER = iterationsFlag(100);
+const args = benchCli({
+  usage: "deno run -A bench/tier_host.ts [--iterations N]",
+  about: "The JS cost of the RAM side of the Tier port for a 10K-token prefix (TP=2): pinning " +
+    "a sealed batch,\nplanning and committing a prefetch; TierHost beside the per-block path.",
+  flags: { [ITERATIONS_FLAG]: "timed calls per row, after 10 warm-up calls (default 100)" },
+  writes: "a table on stdout and bench/results/tier_host.json",
+});
+const ITER = iterationsFlag(args, 100);
 
 const hashes = (seed: number) => prefixHashes(seed, false);
 
@@ -88,6 +103,6 @@ for (const r of rows) {
 }
 await Deno.mkdir("bench/results", { recursive: true });
 await Deno.writeTextFile(
-  "bench/results/tier_host.json",
+  new URL("./results/tier_host.json", import.meta.url),
   JSON.stringify({ date: new Date().toISOString(), iterations: ITER, rows }, null, 2) + "\n",
 );

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -420,9 +421,14 @@ class Bench:
                 if self.dev.type == "cuda":
                     torch.cuda.empty_cache()
         uds_dir = tempfile.mkdtemp(prefix="pf-ttft-") if a.transport == "uds" else None
-        self.server, self.server_addr = start_server(
-            a.backend, a.pool_size, a.transfer_path if a.backend == "cuda" else None, uds_dir
-        )
+        try:
+            self.server, self.server_addr = start_server(
+                a.backend, a.pool_size, a.transfer_path if a.backend == "cuda" else None, uds_dir
+            )
+        except BaseException:
+            if uds_dir:
+                shutil.rmtree(uds_dir, ignore_errors=True)
+            raise
         try:
             model = LlamaModel(self.cfg, self.dev, seed=0)
             self.result["kv_link_gbps"] = h2d_rate(
@@ -456,6 +462,10 @@ class Bench:
         finally:
             self.server.stop(grace_s=15)
             logs = self.server.logs()
+            # The socket's directory and the log file are this run's; PEGAFLOW_TTFT_SERVER_LOG_COPY keeps the log.
+            self.server.remove_log()
+            if uds_dir:
+                shutil.rmtree(uds_dir, ignore_errors=True)
             keep = os.environ.get("PEGAFLOW_TTFT_SERVER_LOG_COPY")
             if keep:  # the server's log lines, for reading its side of each RPC
                 with open(keep, "w") as f:
@@ -984,7 +994,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a GPU-hit and a decode step")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/ttft-<backend>.json)")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default bench/results/ttft-<backend>.json; its chart beside it, .png)"
+    )
     a = p.parse_args(argv)
     gpu = a.backend == "cuda"
     if gpu and not torch.cuda.is_available():

@@ -20,14 +20,29 @@
  * @module
  */
 import { makeNetnsPair, type NodeProc, spawnNode } from "../tests/xfer/_harness.ts";
+import { benchCli, cleanupOnSignal, positiveInt } from "./cli.ts";
+
+benchCli({
+  usage: "deno run -A bench/xfer_tcp.ts   (settings from the environment)",
+  about: "Peer READ over the TCP transport beside the raw TCP throughput of the same path " +
+    "(two node processes\nin two network namespaces where root and ip netns allow, else loopback).",
+  env: {
+    XFER_BENCH_BYTES: "bytes per READ batch (default 536870912 = 512 MiB)",
+    XFER_BENCH_REPEAT: "measured runs after one warm-up, median reported (default 5)",
+    XFER_BENCH_STREAMS: "comma-separated stream counts (default 1,4)",
+    XFER_BENCH_SEGS: "comma-separated segment sizes in bytes (default 32768,2097152)",
+  },
+  writes: "a table on stdout and bench/results/xfer_tcp.json",
+});
 
 const MiB = 1 << 20;
-const bytes = Number(Deno.env.get("XFER_BENCH_BYTES") ?? 512 * MiB);
-const repeat = Number(Deno.env.get("XFER_BENCH_REPEAT") ?? 5);
-const streamsList = (Deno.env.get("XFER_BENCH_STREAMS") ?? "1,4").split(",").map(Number);
-const segList = (Deno.env.get("XFER_BENCH_SEGS") ?? `${32 * 1024},${2 * MiB}`).split(",").map(
-  Number,
-);
+const envInt = (name: string, fallback: number) => positiveInt(name, Deno.env.get(name), fallback);
+const envInts = (name: string, fallback: string) =>
+  (Deno.env.get(name) ?? fallback).split(",").map((x) => positiveInt(name, x, 1));
+const bytes = envInt("XFER_BENCH_BYTES", 512 * MiB);
+const repeat = envInt("XFER_BENCH_REPEAT", 5);
+const streamsList = envInts("XFER_BENCH_STREAMS", "1,4");
+const segList = envInts("XFER_BENCH_SEGS", `${32 * 1024},${2 * MiB}`);
 const out = decodeURIComponent(new URL("./results/xfer_tcp.json", import.meta.url).pathname);
 
 const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
@@ -57,6 +72,17 @@ if (typeof ns === "string") console.log(`ip netns unavailable (${ns}); benchmark
 const net = typeof ns === "string" ? undefined : ns;
 const addrA = net?.addrA ?? "127.0.0.1";
 const rows: Row[] = [];
+// The nodes die with this process; the namespaces do not.
+const nodes = new Set<NodeProc>();
+let removing: Promise<void> | undefined;
+/** Once: a signal's cleanup and the main path's `finally` share it, so the first one finishes. */
+const removeNet = () => removing ??= net?.remove() ?? Promise.resolve();
+const offSignal = cleanupOnSignal(async () => {
+  for (const n of nodes) {
+    await n.close().catch((e) => console.error(`closing a node: ${(e as Error).message}`));
+  }
+  await removeNet();
+});
 try {
   for (const streams of streamsList) {
     let a: NodeProc | undefined, b: NodeProc | undefined;
@@ -65,7 +91,9 @@ try {
         { poolBytes: 2 * bytes, seed: 1, streams, bindAddr: addrA, fill: false },
         net?.a,
       );
+      nodes.add(a);
       b = await spawnNode({ poolBytes: 2 * bytes, seed: 2, streams, fill: false }, net?.b);
+      nodes.add(b);
       const addr = `${addrA}:${a.port}`;
       await b.cmd({ cmd: "connect", addr });
       for (const segBytes of segList) {
@@ -121,10 +149,12 @@ try {
     } finally {
       await b?.close();
       await a?.close();
+      nodes.clear();
     }
   }
 } finally {
-  await net?.remove();
+  offSignal();
+  await removeNet();
 }
 
 const cpu = (await Deno.readTextFile("/proc/cpuinfo")).match(/model name\s*:\s*(.*)/)?.[1] ?? "?";

@@ -4,15 +4,29 @@
 // call, one round trip) and at Redis (`INFO commandstats`, time inside the
 // script).
 //
-//   deno run -A bench/index_bench.ts [--iterations 300] [--redis redis://host:port]
+//   deno run -A bench/index_run.ts [--iterations 300] [--redis redis://host:port]
 //
 // Without --redis it starts its own redis-server (persistence off) on a free
 // port. Prints a table and writes bench/results/index.json. Never asserts on time.
+// A script, not `Deno.bench` cases: named *_run.ts so that `deno bench` (which
+// picks up *_bench.ts under bench/) does not run it and rewrite the result.
 import { Redis } from "ioredis";
 import { RedisBlockIndex } from "../lib/index/block_index.ts";
 import { startRedis } from "../tests/index/_redis.ts";
-import { flagValue, iterationsFlag, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
+import { benchCli } from "./cli.ts";
+import { ITERATIONS_FLAG, iterationsFlag, PREFIX_BLOCKS, prefixHashes } from "./micro.ts";
 import { latencyRow } from "./stats.ts";
+
+const args = benchCli({
+  usage: "deno run -A bench/index_run.ts [--iterations N] [--redis URL]",
+  about: "The block index's calls (advertise, withdraw, lookup of a 625-block prefix) against " +
+    "Redis,\ntimed at the client and inside Redis (INFO commandstats).",
+  flags: {
+    [ITERATIONS_FLAG]: "timed calls per row, after 30 warm-up calls (default 300)",
+    "--redis": "an external Redis to use (default: starts its own redis-server, persistence off)",
+  },
+  writes: "a table on stdout and bench/results/index.json",
+});
 
 const BLOCKS = PREFIX_BLOCKS;
 const NS = "llama31_8b_bench";
@@ -20,7 +34,7 @@ const WARMUP = 30;
 /** Saves the advertising node holds in steady state: 100K blocks, ~200 GB of Llama-3.1-8B KV. */
 const HELD_SAVES = 160;
 
-const ITER = iterationsFlag(300);
+const ITER = iterationsFlag(args, 300);
 
 const hashes = (seed: number) => prefixHashes(seed, true);
 
@@ -68,7 +82,7 @@ async function measure(
   return { ...latencyRow(name, t), redis_us: calls > 0 ? usec / calls : 0 };
 }
 
-const external = flagValue("--redis");
+const external = args.flags["--redis"];
 const server = external ? undefined : await startRedis();
 const url = external ?? server!.url;
 const admin = new Redis(url);
