@@ -89,6 +89,7 @@ class DevServer:
             proc.wait()
             with open(log_path, errors="replace") as f:
                 tail = f.read()[-4000:]
+            os.unlink(log_path)  # its tail is in the error; nobody else has its name
             raise RuntimeError(
                 f"server did not announce its address within {start_timeout_s:g} s "
                 f"({' '.join(args)}); stderr:\n{tail}"
@@ -116,9 +117,11 @@ class DevServer:
                 except PegaflowError as e:
                     if time.monotonic() >= deadline:
                         self.kill()
+                        tail = self.logs()[-4000:]
+                        self.remove_log()  # the caller never gets the server, nor its log's name
                         raise RuntimeError(
                             f"server at {self.addr} announced its address but its Health "
-                            f"never answered ({e}); stderr:\n{self.logs()[-4000:]}"
+                            f"never answered ({e}); stderr:\n{tail}"
                         ) from None
                     time.sleep(0.05)
         finally:
