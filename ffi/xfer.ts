@@ -216,6 +216,7 @@ export class XferEndpoint {
   readonly #immTag: number;
   #nextTag: number;
   #closing: Promise<void> | undefined;
+  #closedDone = false;
 
   private constructor(handle: number, opts: XferEndpointOptions) {
     this.handle = handle;
@@ -324,7 +325,13 @@ export class XferEndpoint {
       const open = rc === PF_STATUS.PF_EBUSY ? `still has ${this.info().peers} peer(s) open` : "";
       throw new NativeError("pf_xfer_close", rc, `endpoint ${this.handle} ${open}`.trimEnd());
     }
+    this.#closedDone = true;
     this.#sub.unsubscribe();
+  }
+
+  /** The endpoint was closed: its handle is gone (what reads it, e.g. metrics, stops). */
+  get closed(): boolean {
+    return this.#closedDone;
   }
 }
 

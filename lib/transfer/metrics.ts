@@ -26,7 +26,12 @@ export function registerTransferMetrics(
   registry: Registry,
   source: () => XferEndpoint | undefined,
 ): void {
-  const read = (): XferInfo | undefined => source()?.info();
+  // A closed endpoint's handle is gone (shutdown closes it before /metrics stops answering):
+  // its counters keep their last values.
+  const read = (): XferInfo | undefined => {
+    const ep = source();
+    return ep && !ep.closed ? ep.info() : undefined;
+  };
   new Gauge({
     name: "pegaflow_transfer_transport",
     help: "1 for the cross-node transport in use (tcp or rdma), 0 for the other",

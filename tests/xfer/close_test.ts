@@ -8,6 +8,9 @@
 import assert from "node:assert/strict";
 import { loadLibrary, NativeError } from "../../ffi/mod.ts";
 import { xferLib } from "../../ffi/xfer.ts";
+import { Registry } from "prom-client";
+import { metricsResponse } from "../../lib/metrics.ts";
+import { registerTransferMetrics } from "../../lib/transfer/metrics.ts";
 import { LocalNode } from "./_harness.ts";
 
 const MiB = 1 << 20;
@@ -72,4 +75,24 @@ Deno.test("a failed endpoint close names the endpoint and its open peers, and ca
   b.ring.destroy();
   b.pool.close();
   b.engine.close();
+});
+
+Deno.test("the transfer metrics stop reading an endpoint once it is closed, keeping their last values", async () => {
+  const b = new LocalNode(4 * MiB, 2);
+  const registry = new Registry();
+  registerTransferMetrics(registry, () => b.ep);
+  const scrape = async () => await (await metricsResponse(registry)).text();
+  try {
+    assert.match(await scrape(), /pegaflow_transfer_batches_total\{result="ok"\} 0/);
+    await b.ep.close();
+    assert.ok(b.ep.closed);
+    const after = await scrape();
+    assert.doesNotMatch(after, /unavailable/, after);
+    assert.match(after, /pegaflow_transfer_batches_total\{result="ok"\} 0/);
+  } finally {
+    await b.ring.shutdown();
+    b.ring.destroy();
+    b.pool.close();
+    b.engine.close();
+  }
 });
