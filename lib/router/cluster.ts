@@ -25,7 +25,13 @@ import type { RouterConfig } from "./config.ts";
 import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
 import type { HealthChecker } from "./health.ts";
 import { Logger } from "../log.ts";
-import { ListenError, startHealthChecks, UPSTREAM_POOL_IDLE_MS } from "./server.ts";
+import {
+  DEFAULT_SHUTDOWN_GRACE_MS,
+  ListenError,
+  startHealthChecks,
+  UPSTREAM_POOL_IDLE_MS,
+} from "./server.ts";
+import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
 
 /** A worker that has not sent its metrics by then is left out of that scrape (and it fails). */
 const SCRAPE_TIMEOUT_MS = 5_000;
@@ -120,6 +126,9 @@ class MetricsMerge {
     if (++c.received >= this.cluster().members.length) c.done();
   }
 }
+
+/** Beyond a worker's own bounded drain, how long its "stopped" may take to arrive. */
+const WORKER_STOP_SLACK_MS = 1_000;
 
 /** A worker's start failure as the error class the main thread would have thrown. */
 function startError(name: string, message: string): Error {
@@ -283,7 +292,13 @@ export async function startRouterCluster(
     stopping ??= (async () => {
       await health?.stop();
       broadcast(c, { type: "shutdown", graceMs });
-      await Promise.all(members.map((m) => m.stopped));
+      // Each worker's drain is bounded (its grace, then the HTTP close wait); a worker whose
+      // event loop is stuck would never say "stopped": past the sum, it is terminated.
+      const limitMs = (graceMs ?? DEFAULT_SHUTDOWN_GRACE_MS) + HTTP_CLOSE_WAIT_MS +
+        WORKER_STOP_SLACK_MS;
+      if (!(await settlesWithin(Promise.all(members.map((m) => m.stopped)), limitMs))) {
+        logger.warn("router workers did not stop in time; terminating them", { wait_ms: limitMs });
+      }
       for (const m of members) m.worker.terminate();
       client.close();
       resolveFinished();

@@ -52,7 +52,8 @@ export interface WorkerMembership {
   scrape: () => Promise<Response>;
 }
 
-const DEFAULT_SHUTDOWN_GRACE_MS = 10_000;
+/** How long open requests may run on after a shutdown began, unless the caller says. */
+export const DEFAULT_SHUTDOWN_GRACE_MS = 10_000;
 /**
  * Idle keep-alive connections to backends are dropped after this long: shorter than uvicorn's
  * default keep-alive (5 s, what vLLM runs on), so the router does not pick a connection the
