@@ -8,7 +8,8 @@ own base class when vLLM is importable (new optional methods keep vLLM's
 defaults), else our stand-in `pegaflow.connector.vllm_api`. vLLM attributes
 read here (all present at that commit):
   vllm_config.kv_transfer_config.{engine_id, kv_connector_extra_config, get_from_extra_config}
-  vllm_config.model_config.{model, dtype, use_mla, get_num_kv_heads(pc), get_head_size(), get_num_layers(pc)}
+  vllm_config.model_config.{model, dtype, use_mla, get_num_kv_heads(pc), get_head_size(),
+    get_total_num_hidden_layers() (or hf_text_config.num_hidden_layers)}
   vllm_config.cache_config.{block_size, cache_dtype}
   vllm_config.parallel_config.{tensor_parallel_size, pipeline_parallel_size, rank}
   vllm_config.scheduler_config.async_scheduling (default load issuer only)
@@ -60,7 +61,9 @@ Who sends the Load (pegaflow.load_issuer):
   async scheduling (and PP's batch queue) breaks that: a block freed during
   schedule(N+1) may still be read by step N. Hence the default: "scheduler"
   only when scheduler_config.async_scheduling is explicitly False and there
-  is one pipeline stage, else "worker".
+  is one pipeline stage, else "worker". vLLM resolves async_scheduling to True
+  unless an option forbids it: an explicit "scheduler" or "query" is honoured,
+  with a warning, and needs `vllm serve --no-async-scheduling`.
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ class ConnectorSettings:
             pp_size=pc.pipeline_parallel_size,
             num_kv_heads=mc.get_num_kv_heads(pc),
             head_size=mc.get_head_size(),
-            num_layers=mc.get_num_layers(pc),
+            num_layers=_total_layers(mc, pc),
             block_size=cc.block_size,
             cache_dtype=str(cc.cache_dtype),
             layout="mla" if getattr(mc, "use_mla", False) else "kv",
@@ -203,6 +206,16 @@ class ConnectorSettings:
         load_issuer = get("load_issuer", "PEGAFLOW_LOAD_ISSUER") or default_load_issuer(vllm_config)
         if load_issuer not in LOAD_ISSUERS:
             raise ValueError(f"pegaflow.load_issuer {load_issuer!r} is not one of {LOAD_ISSUERS}")
+        if load_issuer != ISSUER_WORKER and default_load_issuer(vllm_config) == ISSUER_WORKER:
+            log.warning(
+                "pegaflow.load_issuer %r assumes an engine that schedules one step at a time "
+                "(docs/python.md, safety rule), but scheduler_config.async_scheduling=%s, "
+                "pipeline_parallel_size=%s: its loads may fail (their state unlinked before the step's "
+                "workers attach; recomputed) or land in blocks an earlier step still uses. Start vLLM "
+                "with --no-async-scheduling (one pipeline stage), or use pegaflow.load_issuer=worker",
+                load_issuer, getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", None),
+                vllm_config.parallel_config.pipeline_parallel_size,
+            )
         return cls(
             mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client,
             load_issuer=load_issuer, device_id=count("device_id", "PEGAFLOW_DEVICE_ID"),
@@ -210,6 +223,21 @@ class ConnectorSettings:
             gpu_waits=gpu_waits in ("1", "true"),
             loading_retry_ms=count("loading_retry_ms", "PEGAFLOW_LOADING_RETRY_MS"),
         )
+
+
+def _total_layers(mc: Any, pc: Any) -> int:
+    """The model's layer count, the same in every process of the engine. vLLM's
+    `ModelConfig.get_num_layers(pc)` is this process's pipeline stage's share, from
+    `pc.rank` (vllm/config/model.py `get_layers_start_end_indices`), and stages differ
+    when the layers do not split evenly: their namespaces would differ, and the server
+    refuses a rank of an instance registered under another namespace."""
+    total = getattr(mc, "get_total_num_hidden_layers", None)
+    if callable(total):
+        return int(total())
+    n = getattr(getattr(mc, "hf_text_config", None), "num_hidden_layers", None)
+    if n is not None:
+        return int(n)
+    return mc.get_num_layers(pc) * pc.pipeline_parallel_size  # an even split (no vLLM fields to ask)
 
 
 def default_load_issuer(vllm_config: Any) -> str:

@@ -113,8 +113,17 @@ class ModelConfig:
     max_model_len: int = 131072
     use_mla: bool = False
 
+    def get_total_num_hidden_layers(self) -> int:
+        return self.num_layers
+
     def get_num_layers(self, parallel_config: ParallelConfig) -> int:
-        return self.num_layers // parallel_config.pipeline_parallel_size
+        """This process's pipeline stage's layers, as vLLM counts them (the stage from
+        `parallel_config.rank`, ranks TP-innermost): an uneven split gives one more layer to
+        each of the stages before the last, from the last-but-one backwards."""
+        pp = parallel_config.pipeline_parallel_size
+        stage = (parallel_config.rank // parallel_config.tensor_parallel_size) % pp
+        base, extra = divmod(self.num_layers, pp)
+        return base + (1 if pp - 1 - extra <= stage < pp - 1 else 0)
 
     def get_total_num_kv_heads(self) -> int:
         return self.num_kv_heads
