@@ -186,7 +186,10 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                config.enable_chunked_prefill,
+                cfg.max_model_len,
             ),
             self.kv_cache_manager,
             sched_conn,
@@ -324,9 +327,15 @@ class LLMEngine:
         deadline = time.monotonic() + timeout_s
         while self.scheduler.has_work():
             if time.monotonic() > deadline:
+                s = self.scheduler
+                left = {
+                    "running": [r.request_id for r in s.running],
+                    "waiting": [f"{r.request_id} ({r.status.name})" for r in (*s.skipped_waiting, *s.waiting)],
+                    "delayed frees": [rid for rid, r in s.requests.items() if r.is_finished()],
+                }
                 raise TimeoutError(
-                    f"drain: {self.scheduler.num_delayed_frees()} delayed frees and "
-                    f"{len(self.scheduler.running)} running requests left after {timeout_s} s"
+                    f"drain: unfinished after {timeout_s} s: "
+                    + "; ".join(f"{k} {v}" for k, v in left.items() if v)
                 )
             self.step()
 

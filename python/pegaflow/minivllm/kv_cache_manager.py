@@ -214,6 +214,12 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full)
         self.num_cached_block[request.request_id] = num_full
 
+    def uncache_from(self, request_id: str, first_block: int) -> None:
+        """The request's blocks from `first_block` on are to be recomputed (evicted after a failed
+        load): publish them again once they are, instead of counting them as published."""
+        if self.num_cached_block.get(request_id, 0) > first_block:
+            self.num_cached_block[request_id] = first_block
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so a prompt's last blocks evict first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

@@ -121,12 +121,15 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def check_stop(self) -> bool:
-        """Set a FINISHED status when the last token ends the request (vLLM's `check_stop`)."""
+    def check_stop(self, max_model_len: int | None = None) -> bool:
+        """Set a FINISHED status when the last token ends the request (vLLM's `check_stop`):
+        EOS, `max_tokens` outputs, or `max_model_len` tokens in all (no position past it)."""
         if self._output_token_ids and self._output_token_ids[-1] == self.eos_token_id:
             self.status = RequestStatus.FINISHED_STOPPED
             return True
-        if self.num_output_tokens >= self.max_tokens:
+        if self.num_output_tokens >= self.max_tokens or (
+            max_model_len is not None and self.num_tokens >= max_model_len
+        ):
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -57,6 +57,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # A request stops at this many tokens (prompt + output); a longer prompt is refused.
+    max_model_len: int | None = None
 
 
 class Scheduler:
@@ -91,10 +93,37 @@ class Scheduler:
                 f"request {request.request_id}: block_size {request.block_size}, "
                 f"the KV cache uses {self.block_size}"
             )
+        self._check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.connector is not None:
             self.connector.on_new_request(request)
+
+    def _check_fits(self, request: Request) -> None:
+        """Refuse what could never run: a prompt over max_model_len (as vLLM's input checks), or
+        a request whose KV outgrows the whole cache (vLLM refuses to start with a cache that
+        cannot hold max_model_len tokens; here the cache is sized per test, so the request is
+        checked). Either would otherwise wait, or be preempted, forever."""
+        rid, n_prompt, mml = request.request_id, request.num_prompt_tokens, self.config.max_model_len
+        if mml is not None and n_prompt > mml:
+            raise ValueError(f"request {rid}: prompt has {n_prompt} tokens, more than max_model_len {mml}")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and n_prompt > budget:
+            raise ValueError(
+                f"request {rid}: prompt has {n_prompt} tokens, more than max_num_batched_tokens "
+                f"{budget}, and chunked prefill is off"
+            )
+        # The most tokens it is ever scheduled over: its last step feeds the next-to-last token.
+        need = n_prompt + request.max_tokens - 1
+        if mml is not None:
+            need = max(n_prompt, min(need, mml - 1))
+        usable = self.kv_cache_manager.block_pool.num_blocks - 1
+        if need > usable * self.block_size:
+            raise ValueError(
+                f"request {rid}: needs KV slots for {need} tokens (prompt {n_prompt}, max_tokens "
+                f"{request.max_tokens}), the KV cache holds {usable * self.block_size} "
+                f"({usable} blocks of {self.block_size})"
+            )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.skipped_waiting or self.running)
@@ -325,7 +354,7 @@ class Scheduler:
             request.append_output_token_ids(new_tokens)
             if request.first_token_time is None:
                 request.first_token_time = runner_output.sampled_time
-            finished = request.check_stop()
+            finished = request.check_stop(self.config.max_model_len)
             if finished:
                 stopped.append(request)
             outputs.append(
@@ -408,10 +437,14 @@ class Scheduler:
             num_blocks = -(-computed // self.block_size)
             for idx, bid in enumerate(block_ids[:num_blocks]):
                 if bid in invalid:
-                    lost = computed - idx * self.block_size
-                    request.num_computed_tokens = idx * self.block_size
-                    request.num_external_computed_tokens -= lost
+                    keep = idx * self.block_size
+                    request.num_computed_tokens = keep
+                    # The external tokens were the last of `computed`; those before `keep` stay
+                    # (none, for a request whose bad block was another's load it hit locally).
+                    ext = request.num_external_computed_tokens
+                    request.num_external_computed_tokens = max(0, keep - (computed - ext))
                     to_evict.update(block_ids[idx:])
+                    self.kv_cache_manager.uncache_from(request.request_id, idx)
                     affected.add(request.request_id)
                     break
         return affected, to_evict
