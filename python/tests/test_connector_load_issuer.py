@@ -21,7 +21,10 @@ from pegaflow.hashes import synthetic_tokens
 
 from kv_helpers import my_states
 from tp_ranks import Req, TwoRanks
-from vllm_driver import BLOCK, Engine, Request, lose_load_answers, out_of_range_targets, saved_prompt, vllm_config
+from pegaflow.connector.vllm_api import ForwardContext
+from vllm_driver import (
+    BLOCK, LAYER_NAMES, Engine, Request, lose_load_answers, out_of_range_targets, saved_prompt, vllm_config,
+)
 
 MODES = ["layerwise", "async"]
 SCHED = {"pegaflow.load_issuer": "scheduler"}
@@ -350,3 +353,69 @@ def test_an_async_load_whose_answer_was_lost_is_reported_only_once_its_late_copy
     assert set(warm.block_ids[:4]) <= eng.invalid_blocks  # failed → recomputed
     assert eng.holds_all(warm, warm.num_tokens)
     assert eng.finish(warm) is False
+
+
+class _StreamWaits:
+    """GpuWaits as the worker uses them, without a GPU: each layer's wait is "enqueued on the
+    stream" and the host goes on, so a failed load shows only when the step's loads settle."""
+
+    def arm(self, st) -> bool:
+        return True
+
+    def guard(self, st, deadline) -> None:
+        pass
+
+    def wait(self, st, layer) -> bool:
+        return True
+
+    def release(self, st) -> None:
+        pass
+
+    def retire(self, st, then) -> None:
+        then(st)
+
+    def reap(self, block: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_load_errors_asked_before_wait_for_save_name_this_steps_failed_loads(engines, uid):
+    # vLLM's runner with a deferred finalize (speculative decoding) asks for the load errors
+    # before wait_for_save: a layer-wise load whose failure the GPU's waits let pass must be
+    # reported in this step, not after a token was sampled over KV that never landed.
+    eng = engines("layerwise")
+    cold = cold_then_drained(eng, 47, 4, uid)
+    eng.worker._w()._gpu = _StreamWaits()
+    gate = threading.Event()
+    client = eng.sched.client
+    real_send = client.load_nowait
+
+    def refused_late(**kw):
+        def go():
+            gate.wait(30)
+            client.release(kw["lease_id"])  # the lease is gone: the server refuses the Load
+            real_send(**kw)
+
+        threading.Thread(target=go, daemon=True).start()
+
+    client.load_nowait = refused_late
+    warm = Request("w", list(cold.prompt_token_ids), salt=uid)
+    n = eng.admit(warm, avoid=set(cold.block_ids))
+    assert n == 4 * BLOCK
+    warm.num_computed_tokens = n
+    out = eng._output([warm], sched_tokens={"w": warm.num_tokens - n})
+    w = eng.worker
+    w.handle_preemptions(out.kv_connector_metadata)
+    w.bind_connector_metadata(out.kv_connector_metadata)
+    w.start_load_kv(ForwardContext())
+    for name in LAYER_NAMES:
+        w.wait_for_layer_load(name)  # enqueued; the host goes on
+    gate.set()
+    assert w.get_block_ids_with_load_errors() == set(warm.block_ids[:4])
+    w.wait_for_save()
+    w.get_finished(out.finished_req_ids)
+    w.clear_connector_metadata()
+    assert w.get_block_ids_with_load_errors() == set()  # reported once
+    client.load_nowait = real_send

@@ -143,6 +143,9 @@ class WorkerCore:
         self._async_loads: Dict[str, _Load] = {}
         self._free_states: List[LoadState] = []
         self._errors: Set[int] = set()
+        # This step's loads that take_load_errors settled before wait_for_save (which still
+        # drops the saves computed over the failed ones).
+        self._settled_early: List[_Load] = []
         self._lock = threading.Condition()
         # request → its saves queued or in flight and its layer-wise loads not settled
         self._pending: Dict[str, int] = defaultdict(int)
@@ -220,6 +223,7 @@ class WorkerCore:
 
     def bind(self, plan: StepPlan) -> None:
         self._plan = plan
+        self._settled_early = []
 
     def unbind(self) -> None:
         self._plan = None
@@ -529,7 +533,7 @@ class WorkerCore:
         blocks computed over a load of this step that failed is dropped: their KV
         is wrong (vLLM recomputes them), and stored under the prompt's hashes it
         would be served to every later request with that prefix."""
-        loads = self.step_loads
+        loads, self._settled_early = self._settled_early + self.step_loads, []
         self._finish_step_loads()
         plan = self._plan
         if plan is None or not plan.saves:
@@ -676,6 +680,13 @@ class WorkerCore:
         return (sending or None), (recving or None)
 
     def take_load_errors(self) -> Set[int]:
+        """The blocks of every load that failed so far, this step's included: asked before
+        wait_for_save (vLLM's runner with a deferred finalize, speculative decoding), the
+        step's layer-wise loads are settled here first, else a failure the GPU's waits let pass
+        would be reported a step late, after a token computed over KV that never landed."""
+        if self.step_loads:
+            self._settled_early.extend(self.step_loads)
+            self._finish_step_loads()
         errs, self._errors = self._errors, set()
         return errs
 
