@@ -36,6 +36,7 @@ import {
 } from "./load_state.ts";
 import { LoadStateMaps } from "./load_state_maps.ts";
 import { outOf } from "./geometry.ts";
+import { checkName } from "./registration.ts";
 import { type BatchWriter, ClientMemoryFault, type ShmPort } from "./ports.ts";
 
 export interface LoadArgs {
@@ -142,6 +143,8 @@ export class LoadRunner {
         fields,
       );
       isLoadState = true;
+      // An id outside the name rule names no instance: the request is malformed (not "unknown").
+      checkName("instance_id", args.instanceId, "Load");
       const inst = instance(args.instanceId);
       const rank = inst.rankCtx(args.tpRank, args.ppRank, "Load");
       numLayers = rank.layers.length;

@@ -10,7 +10,13 @@
  */
 import { invalid, precondition } from "./errors.ts";
 import { footprint, type Geometry, validateGeometry } from "./geometry.ts";
-import { MAX_LAYERS, MAX_NAME_CHARS, MAX_PARALLEL, REGION_HANDLE_BYTES } from "../limits.ts";
+import {
+  MAX_BLOCK_ITEMS,
+  MAX_LAYERS,
+  MAX_NAME_CHARS,
+  MAX_PARALLEL,
+  REGION_HANDLE_BYTES,
+} from "../limits.ts";
 
 /** The protocol version RegisterContext requires (client_version must equal it). */
 export const PROTOCOL_VERSION = "pegaflow-1";
@@ -163,6 +169,24 @@ function checkLayers(a: RegisterArgs, who: string): void {
           }; all layers must agree`,
       );
     }
+  }
+  // A block holds every (layer, rank slot, segment) of the namespace: past the limit no block
+  // could ever be stored, so the first rank is refused, not the last one at seal.
+  const slots = a.kvSharedAcrossTp ? 1 : a.tpSize;
+  const items = n * slots * a.geometry[0].numSegments;
+  if (items > MAX_BLOCK_ITEMS) {
+    throw invalid(
+      `${who}: ${n} layers x ${slots} TP rank slots x ${
+        a.geometry[0].numSegments
+      } segments = ${items} items per block, at most ${MAX_BLOCK_ITEMS}`,
+      {
+        instance: a.instanceId,
+        tpRank: a.tpRank,
+        ppRank: a.ppRank,
+        expected: `<= ${MAX_BLOCK_ITEMS}`,
+        got: items,
+      },
+    );
   }
 }
 

@@ -48,6 +48,8 @@ import type { ServerMetrics } from "./metrics.ts";
 import { LEASE_ID_BYTES, MAX_NAME_CHARS, MAX_PARALLEL } from "../limits.ts";
 import { rankIndex, rankOutOfRange } from "../engine/rank.ts";
 import { undecodableReason } from "./decode.ts";
+import { checkName } from "../engine/registration.ts";
+import { capDetails, capFields } from "./status_text.ts";
 
 type Unary<Req, Res> = grpc.handleUnaryCall<Req, Res>;
 
@@ -153,8 +155,20 @@ function stopping(method: string): EngineError {
   return new EngineError(Code.UNAVAILABLE, `${method}: server is stopping`);
 }
 
+/** Why a Session cannot name a rank of any instance (its id breaks the name rule, a rank is past MAX_PARALLEL). */
+function sessionRefusal(instanceId: string, tpRank: number, ppRank: number): string | undefined {
+  try {
+    checkName("instance_id", instanceId, "Session");
+  } catch (e) {
+    return capDetails((e as Error).message);
+  }
+  const outOfRange = rankOutOfRange(tpRank, ppRank);
+  return outOfRange && capDetails(`Session: instance "${instanceId}": ${outOfRange}`);
+}
+
 function statusError(err: unknown): Partial<grpc.StatusObject> {
-  return { code: codeOf(err) as number, details: err instanceof Error ? err.message : String(err) };
+  const message = err instanceof Error ? err.message : String(err);
+  return { code: codeOf(err) as number, details: capDetails(message) };
 }
 
 /**
@@ -210,8 +224,7 @@ export function engineServiceImpl(
             log.error("rpc failed unexpectedly", {
               method,
               error: String((e as Error)?.stack ?? e),
-              ...requestLogFields(call.request),
-              ...errorLogFields(e),
+              ...capFields({ ...requestLogFields(call.request), ...errorLogFields(e) }),
             });
           } else {
             // A rank registered again answers ALREADY_EXISTS by design (a client whose stream
@@ -221,8 +234,7 @@ export function engineServiceImpl(
               method,
               code: CODE_NAMES[st.code!],
               error: st.details,
-              ...requestLogFields(call.request),
-              ...errorLogFields(e),
+              ...capFields({ ...requestLogFields(call.request), ...errorLogFields(e) }),
             });
           }
           callback(st, null);
@@ -268,6 +280,7 @@ export function engineServiceImpl(
       },
     ),
     save: unary("Save", async (req: SaveRequest): Promise<SaveResponse> => {
+      checkName("instance_id", req.instanceId, "Save");
       const r = await engine.save(req);
       return {
         blocksSaved: r.blocksSaved,
@@ -281,6 +294,7 @@ export function engineServiceImpl(
       "QueryPrefetch",
       (req: QueryPrefetchRequest): QueryPrefetchResponse => {
         const { instanceId, blockHashes, requestId, loadInto } = req;
+        checkName("instance_id", instanceId, `QueryPrefetch (request "${requestId}")`);
         if (loadInto === undefined) {
           return queryResponse(engine.query(instanceId, blockHashes, requestId), []);
         }
@@ -304,6 +318,7 @@ export function engineServiceImpl(
     unregisterContext: unary(
       "UnregisterContext",
       async (req: UnregisterContextRequest) => {
+        checkName("instance_id", req.instanceId, "UnregisterContext");
         if (!engine.has(req.instanceId)) {
           throw precondition(`UnregisterContext: instance "${req.instanceId}" is not registered`);
         }
@@ -337,19 +352,16 @@ export function engineServiceImpl(
         call.emit("error", { code: grpc.status.UNAVAILABLE, details: stopping("Session").message });
         return;
       }
-      const outOfRange = rankOutOfRange(tpRank, ppRank);
-      if (outOfRange !== undefined) {
+      const refusal = sessionRefusal(instanceId, tpRank, ppRank);
+      if (refusal !== undefined) {
         metrics.rpc("Session", "INVALID_ARGUMENT", 0);
         log.info("rpc refused", {
           method: "Session",
           code: "INVALID_ARGUMENT",
-          instance: instanceId,
-          error: outOfRange,
+          error: refusal,
+          ...capFields(requestLogFields(call.request)),
         });
-        call.emit("error", {
-          code: grpc.status.INVALID_ARGUMENT,
-          details: `Session: instance "${instanceId}": ${outOfRange}`,
-        });
+        call.emit("error", { code: grpc.status.INVALID_ARGUMENT, details: refusal });
         return;
       }
       const rank = rankIndex(tpRank, ppRank, MAX_PARALLEL);
