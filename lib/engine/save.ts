@@ -282,13 +282,40 @@ function groupLayers(
   return groups;
 }
 
-/** Throws INVALID_ARGUMENT naming the layer and block unless every id and hash is valid. */
+/**
+ * Where each block id was last seen in the list being checked: `seenIn[id] === pass` marks an
+ * id of this pass, at index `seenAt[id]`. Kept across calls and grown to the largest num_blocks
+ * (no allocation per block or per Save); the JS thread runs one check at a time.
+ */
+let seenIn = new Uint32Array(0);
+let seenAt = new Uint32Array(0);
+let pass = 0;
+
+/** A new pass over a list of ids below `numBlocks`. */
+function newPass(numBlocks: number): number {
+  if (seenIn.length < numBlocks) {
+    seenIn = new Uint32Array(numBlocks);
+    seenAt = new Uint32Array(numBlocks);
+    pass = 0;
+  }
+  if (++pass > 0xffff_fffe) {
+    seenIn.fill(0);
+    pass = 1;
+  }
+  return pass;
+}
+
+/**
+ * Throws INVALID_ARGUMENT naming the layer and block unless every id and hash is valid, and no
+ * id comes twice under two hashes (its bytes would be stored under both, one of them wrong).
+ */
 function checkBlocks(
   who: string,
   fields: ErrorFields,
   ls: { layerName: string; blockIds: number[]; blockHashes: Uint8Array[] },
   numBlocks: number,
 ): void {
+  const p = newPass(numBlocks);
   for (let i = 0; i < ls.blockIds.length; i++) {
     const id = ls.blockIds[i];
     if (!(id < numBlocks && id >= 0 && Number.isInteger(id))) {
@@ -306,6 +333,16 @@ function checkBlocks(
         { ...fields, blockId: id, expected: `1..${MAX_HASH_BYTES}`, got: h.length },
       );
     }
+    if (seenIn[id] === p && !sameBytes(ls.blockHashes[seenAt[id]], h)) {
+      throw invalid(
+        `${who} layer "${ls.layerName}": block id ${id} is listed twice (at ${
+          seenAt[id]
+        } and ${i}) under two different hashes`,
+        { ...fields, blockId: id },
+      );
+    }
+    seenIn[id] = p;
+    seenAt[id] = i;
   }
 }
 
