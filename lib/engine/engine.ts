@@ -377,6 +377,12 @@ export class KvEngine {
     return this.#ctx.instances.has(instanceId);
   }
 
+  /** A registered instance's TP and PP sizes; undefined when it is not registered. */
+  topologyOf(instanceId: string): { tpSize: number; ppSize: number } | undefined {
+    const i = this.#ctx.instances.get(instanceId);
+    return i && { tpSize: i.tpSize, ppSize: i.ppSize };
+  }
+
   stageStats() {
     return [this.#saveStage.stats(), this.#loadStage.stats()];
   }

@@ -155,15 +155,32 @@ function stopping(method: string): EngineError {
   return new EngineError(Code.UNAVAILABLE, `${method}: server is stopping`);
 }
 
-/** Why a Session cannot name a rank of any instance (its id breaks the name rule, a rank is past MAX_PARALLEL). */
-function sessionRefusal(instanceId: string, tpRank: number, ppRank: number): string | undefined {
+/**
+ * Why a Session cannot stand for this rank: its id breaks the name rule, a rank is past
+ * MAX_PARALLEL, or the instance is registered and the rank is outside its topology (its
+ * end would clean up an instance it is no rank of). A Session may open before its rank
+ * registers (the TS client's order): an unknown instance is no refusal.
+ */
+function sessionRefusal(
+  engine: KvEngine,
+  instanceId: string,
+  tpRank: number,
+  ppRank: number,
+): string | undefined {
   try {
     checkName("instance_id", instanceId, "Session");
   } catch (e) {
     return capDetails((e as Error).message);
   }
   const outOfRange = rankOutOfRange(tpRank, ppRank);
-  return outOfRange && capDetails(`Session: instance "${instanceId}": ${outOfRange}`);
+  if (outOfRange) return capDetails(`Session: instance "${instanceId}": ${outOfRange}`);
+  const t = engine.topologyOf(instanceId);
+  if (t && !(tpRank < t.tpSize && ppRank < t.ppSize)) {
+    return capDetails(
+      `Session: instance "${instanceId}": tp_rank ${tpRank} pp_rank ${ppRank} is outside its topology (tp_size ${t.tpSize}, pp_size ${t.ppSize})`,
+    );
+  }
+  return undefined;
 }
 
 function statusError(err: unknown): Partial<grpc.StatusObject> {
@@ -352,7 +369,7 @@ export function engineServiceImpl(
         call.emit("error", { code: grpc.status.UNAVAILABLE, details: stopping("Session").message });
         return;
       }
-      const refusal = sessionRefusal(instanceId, tpRank, ppRank);
+      const refusal = sessionRefusal(engine, instanceId, tpRank, ppRank);
       if (refusal !== undefined) {
         metrics.rpc("Session", "INVALID_ARGUMENT", 0);
         log.info("rpc refused", {

@@ -7,6 +7,7 @@ import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import { hostSim, type ServerProc, shmMappings, startServer, uid } from "./harness.ts";
+import { settlesWithin } from "../../lib/http/shutdown.ts";
 
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
 const ROOT = new URL("../../", import.meta.url).pathname;
@@ -179,6 +180,30 @@ Deno.test("a newer session for the same rank supersedes the old one without a cl
       "instance gone after the current session drops",
       async () => (await instanceIds(srv)).length === 0,
     );
+  } finally {
+    sim.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a session for a rank outside a registered instance's topology is refused, and the instance stays", async () => {
+  const srv = await startServer();
+  const instanceId = uid("topo");
+  const sim = hostSim(srv, { instanceId, namespace: uid("ns"), model: MODEL, numBlocks: 8 });
+  try {
+    const own = srv.client.openSession(instanceId);
+    await sim.register(); // tp_size 1, pp_size 1
+    const stray = srv.client.openSession(instanceId, 1, 0);
+    assert.ok(await settlesWithin(stray.closed, 5_000), "the stray session was not refused");
+    assert.equal(await stray.closed, null);
+    assert.equal(stray.error?.codeName, "INVALID_ARGUMENT");
+    assert.match(
+      stray.error?.details ?? "",
+      /tp_rank 1 pp_rank 0 is outside its topology \(tp_size 1/,
+    );
+    // Its end cleaned nothing up: the instance and its own session stand.
+    assert.deepEqual(await instanceIds(srv), [instanceId]);
+    own.close();
   } finally {
     sim.close();
     await srv.stop();
