@@ -19,6 +19,7 @@
  * @module
  */
 import type { Command } from "commander";
+import { intArg } from "../lib/cli/flags.ts";
 
 /** What a bench script tells `--help`, and the flags it accepts. */
 export interface BenchSpec {
@@ -120,12 +121,13 @@ export function benchCli(spec: BenchSpec, args: readonly string[] = Deno.args): 
  * exits 2 naming `what` when it is not one.
  */
 export function positiveInt(what: string, given: string | undefined, fallback: number): number {
-  const n = Number(given ?? fallback);
-  if (!Number.isSafeInteger(n) || n < 1) {
-    console.error(`${what} must be a positive integer, got '${given}'`);
+  if (given === undefined) return fallback;
+  try {
+    return intArg(what, 1, Number.MAX_SAFE_INTEGER)(given);
+  } catch (e) {
+    console.error((e as Error).message);
     Deno.exit(2);
   }
-  return n;
 }
 
 /**
