@@ -28,7 +28,8 @@ find_liburing = $$(for f in $(LIBURING_CANDIDATES); do [ -f $$f ] && { echo $$f;
 
 # The Python that sees Debian's python3-* packages (CI and the README use it).
 PYTHON ?= /usr/bin/python3
-PY_DEBS := python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
+# python3-pip and python3-venv: the packaging test builds the wheel and installs it offline.
+PY_DEBS := python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch python3-pip python3-venv
 
 # apt_install(packages): Debian install as root or through sudo.
 define apt_install
@@ -62,8 +63,9 @@ liburing:
 	fi
 
 # The engines' side (python/) is tested with Debian's packages under /usr/bin/python3.
+# (setuptools is imported before pip: pip first trips Debian's distutils shim.)
 python-deps:
-	@if ! $(PYTHON) -c 'import grpc, google.protobuf, numpy, pytest, torch' 2>/dev/null; then \
+	@if ! $(PYTHON) -c 'import grpc, google.protobuf, numpy, pytest, torch, setuptools, wheel, pip, ensurepip' 2>/dev/null; then \
 	  echo "installing $(PY_DEBS) (Debian packages)"; \
 	  $(call apt_install,$(PY_DEBS)); \
 	fi

@@ -3,10 +3,12 @@ request's critical path that C does 3-5x faster than hashlib: the chained
 prefix block hashes (`pf_chain_hashes`, one call per prompt).
 
 The library is the server's own (built by `make native`): `$PEGAFLOW_LIB`,
-else `<repo>/build/libpegaflow.so` beside this package. Optional: without it
-(a pip-installed client on a host without the build) `pegaflow.hashes`
-computes the same bytes with hashlib. `PEGAFLOW_NATIVE_HASH=0` (or false/no/off) forces hashlib
-(benchmarks compare the two).
+else `<repo>/build/libpegaflow.so` beside this package (a checkout or an
+editable install; an installed copy finds it only through $PEGAFLOW_LIB).
+Optional: without it `pegaflow.hashes` computes the same bytes with hashlib
+(`hash_impl()` says which; a $PEGAFLOW_LIB that does not load is a warning).
+`PEGAFLOW_NATIVE_HASH=0` (or false/no/off) forces hashlib (benchmarks compare
+the two).
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ def _lib() -> Optional[_Lib]:
                 _loaded = _Lib(ctypes.CDLL(path))
             except (OSError, AttributeError) as e:
                 # A missing build is normal for a pip-installed client; an old one lacks the symbol.
-                _log.info("pegaflow: block hashes by hashlib (%s: %s)", path, e)
+                # One named by $PEGAFLOW_LIB was asked for: its absence is said where it is seen
+                # (an info line is dropped by default logging, and hashlib is 3-5x slower).
+                level = logging.WARNING if os.environ.get("PEGAFLOW_LIB") else logging.INFO
+                _log.log(level, "pegaflow: block hashes by hashlib (%s not loaded: %s)", path, e)
         _tried = True
         return _loaded
 
