@@ -234,6 +234,8 @@ export class SsdTier {
   readonly #writer: SsdWriter;
   readonly #prefetcher: SsdPrefetcher;
   #closed = false;
+  /** The engine's alignment fallbacks when it closed (its handle is gone after). */
+  #finalAlignmentFallbacks: number | undefined;
 
   private constructor(
     io: SsdIo,
@@ -444,7 +446,7 @@ export class SsdTier {
     };
   }
 
-  /** Counters and gauges for /metrics and tests. */
+  /** Counters and gauges for /metrics and tests; the final figures after {@link close}. */
   stats(): SsdStats {
     return {
       ...this.#writer.stats(),
@@ -456,7 +458,8 @@ export class SsdTier {
       recoveredBytes: this.recovery.bytes,
       recoveryTornRecords: this.recovery.truncated + this.recovery.stoppedOnBadHeader,
       segmentsReused: this.#ring.reuses,
-      alignmentFallbacks: this.#io.uring.info().alignmentFallbacks,
+      alignmentFallbacks: this.#finalAlignmentFallbacks ??
+        this.#io.uring.info().alignmentFallbacks,
     };
   }
 
@@ -470,6 +473,7 @@ export class SsdTier {
     await Promise.all([this.#writer.close(), this.#prefetcher.close()]);
     for (const f of this.files) await this.#io.uring.sync(f.handle);
     this.#io.dispose();
+    this.#finalAlignmentFallbacks = this.#io.uring.info().alignmentFallbacks;
     await this.#io.uring.close();
     for (const f of this.files) f.lock.close();
   }

@@ -183,12 +183,17 @@ export class SsdWriter {
     const { blocks } = batch;
     if (this.#closed) return { status: "dropped", blocks: blocks.length, duplicates: 0 };
     const fresh: B[] = [];
+    const seen = new Set<string>();
     let duplicates = 0;
     for (const b of blocks) {
       // A record of the key from another layout does not count: this one is written too.
       const held = this.#index.get(b.key)?.layout === b.layout.fingerprint;
-      if (held || this.#pendingKeys.has(b.key)) duplicates++;
-      else fresh.push(b);
+      // A key twice in one batch is written once (else two records, two pins, one block).
+      if (held || this.#pendingKeys.has(b.key) || seen.has(b.key)) duplicates++;
+      else {
+        seen.add(b.key);
+        fresh.push(b);
+      }
     }
     if (fresh.length === 0) return { status: "nothing-to-write", blocks: 0, duplicates };
     // Marked before the submit: a free worker starts the batch inside it, and may end it there.
