@@ -133,6 +133,16 @@ export class SegmentRing {
   }
 
   /**
+   * A record placed in `seg` was not written: recovery reads a segment's chain
+   * up to its first gap, so nothing more is placed in `seg` when it is still
+   * the head (the next record opens the next segment). Records already placed
+   * after the gap stay indexed until a restart, which cannot reach them.
+   */
+  sealAfterGap(seg: Segment): void {
+    if (seg === this.segments[this.#head]) seg.fill = this.segmentBytes;
+  }
+
+  /**
    * Places a record of `bytes` (page-aligned) written with sequence `seq`.
    * Moving into the next segment drops its old records first (onReuse).
    */

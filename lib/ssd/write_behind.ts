@@ -360,8 +360,9 @@ export class SsdWriter {
     return bytes;
   }
 
-  /** Counts and logs a record that was not written (it is not indexed). */
+  /** Counts and logs a record that was not written (it is not indexed), a gap in its segment. */
   #writeFailed(p: Placed, error: string, errno?: number): void {
+    this.#segments.sealAfterGap(p.seg);
     this.#s.writeFailures++;
     this.#log.error("SSD write failed", {
       block: p.block.key,

@@ -5,6 +5,7 @@
  * ended, the segment space is given back, and later writes go on.
  */
 import assert from "node:assert/strict";
+import type { SsdTier } from "../../lib/ssd/tier.ts";
 import { FP, harness, TEST_NAMESPACE, type TestBlock, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
@@ -106,6 +107,45 @@ Deno.test("a write batch whose pin throws is counted and logged per batch with i
     assert.equal(tier.stats().writeBlocks, 2);
   } finally {
     await tier.close();
+    await h.close();
+  }
+});
+
+Deno.test("a failed record write seals its segment: blocks written after it land in the next one and survive a restart", async () => {
+  const h = await harness();
+  const opts = {
+    capacityBytes: 4 * MiB,
+    segmentBytes: MiB,
+    hdrPages: 4,
+    writeInflight: 1,
+    prefetchInflight: 1,
+  };
+  const key = (s: string) => `${TEST_NAMESPACE}/seal-${s}`;
+  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  let tier: SsdTier | undefined;
+  try {
+    tier = await h.openTier(opts);
+    h.write(tier, [block("a", 0)]);
+    await within(tier.flushWrites(), 5_000, "a");
+    // Its bytes lie outside the pool: the record is never written, a hole in the segment.
+    h.write(tier, [h.block(key("bad"), 80 * MiB, BLOCK)]);
+    await within(tier.flushWrites(), 5_000, "the failed write");
+    assert.equal(tier.stats().writeFailures, 1);
+    h.write(tier, [block("b", BLOCK), block("c", 2 * BLOCK)]);
+    await within(tier.flushWrites(), 5_000, "the writes after it");
+    const segment = (t: SsdTier, s: string) => Math.floor(t.locate(key(s))!.fileOffset / MiB);
+    assert.notEqual(segment(tier, "b"), segment(tier, "a"), "b was placed past the hole");
+    await tier.close();
+    // Recovery reads a segment's records up to its first gap: b and c are past none.
+    tier = await h.openTier(opts);
+    assert.equal(tier.lookupPrefix([key("a")], FP), 1);
+    assert.equal(
+      tier.lookupPrefix([key("b"), key("c")], FP),
+      2,
+      "b and c were lost at the restart",
+    );
+  } finally {
+    await tier?.close(); // idempotent
     await h.close();
   }
 });
