@@ -17,7 +17,7 @@
  * @module
  */
 
-import { decodeHeader, type RecordHeader } from "./format.ts";
+import { decodeHeader, PAGE_BYTES, type RecordHeader } from "./format.ts";
 import type { IoBatchResult, SsdIo } from "./io.ts";
 import type { SsdIndex } from "./index.ts";
 import type { Segment, SegmentRing } from "./space.ts";
@@ -56,6 +56,29 @@ export interface RecoveryReport {
 
 /** Linux errno of a short read (the io reaper's code for reading past the written end). */
 const ENODATA = 61;
+
+/** Where a segment's scan stands: its next header's offset and the last record's seq. */
+interface Chain {
+  seg: Segment;
+  cursor: number;
+  lastSeq: number;
+}
+
+/**
+ * The first sequence number after a recovery: above every record on disk, also those past a gap
+ * or a tear that the scan did not reach (a chain stops at its first gap; records placed after it
+ * keep their higher seqs). Those fit in the ring, a page at least each: skipping as many seqs as
+ * it has pages puts new records above all of them, so a record of an older write is never taken
+ * for a newer one.
+ *
+ * @example
+ * ```ts
+ * ring.resume(nextSeqAfter(report, ring));
+ * ```
+ */
+export function nextSeqAfter(report: RecoveryReport, ring: SegmentRing): number {
+  return report.maxSeq + 1 + ring.capacityBytes / PAGE_BYTES;
+}
 
 /** Where the scan stands (logged while it runs: a large cache takes a while). */
 export interface RecoveryProgress {
@@ -102,9 +125,9 @@ export async function recoverIndex(
     readErrors: 0,
   };
   // Segments still scanning, with their cursor (bytes into the segment).
-  let active: { seg: Segment; cursor: number }[] = ring.segments
+  let active: Chain[] = ring.segments
     .filter((s) => s.fileOffset < files[s.file].sizeBytes)
-    .map((seg) => ({ seg, cursor: 0 }));
+    .map((seg) => ({ seg, cursor: 0, lastSeq: -1 }));
   const t0 = performance.now();
   let lastReport = t0;
   const total = active.length;
@@ -128,7 +151,7 @@ export async function recoverIndex(
       lastReport = now;
       progress.report(where(), false);
     }
-    const next: { seg: Segment; cursor: number }[] = [];
+    const next: Chain[] = [];
     for (let start = 0; start < active.length; start += maxBatch) {
       const chunk = active.slice(start, start + maxBatch);
       const batch = io.newBatch();
@@ -183,13 +206,13 @@ function countReadError(
  * where the chain goes on, or null where it ends.
  */
 function takeHeader(
-  a: { seg: Segment; cursor: number },
+  a: Chain,
   bytes: Uint8Array,
   file: RecoveryFile,
   ring: SegmentRing,
   index: SsdIndex,
   report: RecoveryReport,
-): { seg: Segment; cursor: number } | null {
+): Chain | null {
   const h = decodeHeader(bytes);
   if (typeof h === "string" || !belongs(h, a, file.generation)) {
     if (a.cursor === 0 && typeof h === "string" && h === "magic") return null; // empty segment
@@ -219,18 +242,20 @@ function takeHeader(
   if (fresh) report.blocks++;
   if (h.seq > report.maxSeq) report.maxSeq = h.seq;
   return a.cursor + h.recordBytes < ring.segmentBytes
-    ? { seg: a.seg, cursor: a.cursor + h.recordBytes }
+    ? { seg: a.seg, cursor: a.cursor + h.recordBytes, lastSeq: h.seq }
     : null;
 }
 
 /** A header continues its segment's chain: same generation, same fill. */
 function belongs(
   h: RecordHeader,
-  a: { seg: Segment; cursor: number },
+  a: Chain,
   generation: number,
 ): boolean {
   if (h.generation !== generation) return false;
   // The first record of a fill opened it: its seq is the fill's epoch.
   if (a.cursor === 0) return h.epoch === h.seq;
-  return h.epoch === a.seg.epoch;
+  // A fill's records are placed in seq order: a lower one is an older record of this fill,
+  // left past a gap and reached again once newer records were written up to it.
+  return h.epoch === a.seg.epoch && h.seq > a.lastSeq;
 }

@@ -39,6 +39,7 @@ import { Uring } from "../../ffi/uring.ts";
 import { SsdIo } from "./io.ts";
 import { SsdIndex } from "./index.ts";
 import {
+  nextSeqAfter,
   recoverIndex,
   type RecoveryFile,
   type RecoveryProgress,
@@ -264,7 +265,7 @@ export class SsdTier {
       index,
       log,
       chunk,
-      nextSeq: recovery.maxSeq + 1,
+      nextSeq: nextSeqAfter(recovery, ring),
       queueDepth: opts.writeQueueDepth,
       inflight: opts.writeInflight,
       metrics: metrics?.("ssd.write"),
@@ -324,7 +325,7 @@ export class SsdTier {
         intervalMs: opts.recoveryProgressMs,
         report: (p, final) => logRebuildProgress(log, p, final),
       });
-      ring.resume(report.maxSeq + 1);
+      ring.resume(nextSeqAfter(report, ring));
       const tier = new SsdTier(io, files, ring, index, report, opts, log, options.stageMetrics);
       log.info("SSD index recovered", {
         blocks: report.blocks,

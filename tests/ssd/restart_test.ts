@@ -231,3 +231,41 @@ Deno.test("a header read that fails with an I/O error ends that chain, counted a
     await h.close();
   }
 });
+
+Deno.test("after a torn header, new records take seqs above every record on disk, and old ones past the tear stay out", async () => {
+  const h = await harness();
+  try {
+    const keys = Array.from({ length: 5 }, (_, i) => `ns-seq/${i}`);
+    let tier = await open(h);
+    await writeBlocks(h, tier, keys);
+    const seqs = keys.map((k) => tier.locate(k)!.seq);
+    const torn = tier.locate(keys[2])!;
+    await tier.close();
+    const f = await Deno.open(torn.path, { read: true, write: true });
+    await f.seek(torn.fileOffset + 40, Deno.SeekMode.Start);
+    await f.write(new Uint8Array([1, 2, 3, 4]));
+    f.close();
+    tier = await open(h);
+    try {
+      assert.equal(tier.recovery.blocks, 2);
+      // Written where the torn record was, same size: the old records 3 and 4 follow it on disk.
+      await writeBlocks(h, tier, ["ns-seq/new"]);
+      const fresh = tier.locate("ns-seq/new")!;
+      assert.equal(fresh.fileOffset, torn.fileOffset);
+      assert.ok(fresh.seq > Math.max(...seqs), `seq ${fresh.seq} repeats one on disk (${seqs})`);
+    } finally {
+      await tier.close();
+    }
+    tier = await open(h);
+    try {
+      assert.equal(tier.lookupPrefix(["ns-seq/new"], FP), 1);
+      // Records of an older write past the tear are not taken back into the chain.
+      assert.equal(tier.locate(keys[3]), undefined);
+      assert.equal(tier.locate(keys[4]), undefined);
+    } finally {
+      await tier.close();
+    }
+  } finally {
+    await h.close();
+  }
+});
