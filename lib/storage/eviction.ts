@@ -84,6 +84,49 @@ export function evictBytes(st: StoreState, bytes: number): number {
   return evicted;
 }
 
+/**
+ * Whether evicting every evictable block could place `items` items of
+ * `strideBytes` at all: the free extents and the evictable blocks' items,
+ * joined where they touch within one pool part, counted in whole items
+ * (what the allocator can take from them). With namespaces of different
+ * item sizes, a hole between pinned items can stay too small however much
+ * is evicted; a save that no eviction can place is then refused before the
+ * cache is flushed for nothing. O(evictable items · log): only for the slow
+ * path, after an allocation failed with the save's bytes already free.
+ *
+ * @example
+ * ```ts
+ * if (!evictionCanPlace(state, 8192, 64)) return refuse(); // evict nothing more
+ * ```
+ */
+export function evictionCanPlace(st: StoreState, strideBytes: number, items: number): boolean {
+  const ranges = st.allocator.freeExtents();
+  for (const b of st.index.all()) {
+    if (!b.linked) continue; // pinned or inflight: stays where it is
+    const stride = st.namespaces.require(b.namespace).strideBytes;
+    for (const off of b.offsets) ranges.push([off, stride]);
+  }
+  ranges.sort((x, y) => x[0] - y[0]);
+  // An item never spans a part, and neither does a free extent: runs join within one part.
+  let fit = 0;
+  let start = -1;
+  let end = -1;
+  let part = -1;
+  for (const [off, len] of ranges) {
+    const p = st.allocator.partOf(off);
+    if (off === end && p === part) {
+      end += len;
+      continue;
+    }
+    if (start >= 0) fit += Math.floor((end - start) / strideBytes);
+    start = off;
+    end = off + len;
+    part = p;
+  }
+  if (start >= 0) fit += Math.floor((end - start) / strideBytes);
+  return fit >= items;
+}
+
 /** Evicts the LRU victim; false when nothing is evictable. */
 export function evictOne(st: StoreState): boolean {
   return evictBytes(st, 1) > 0;

@@ -8,7 +8,8 @@
  *   hashes still need bytes, and how many of them the pool takes;
  * - **allocate**: evict until the bytes are free, then one allocation per
  *   (column, segment) for all blocks; fragmentation across namespaces keeps
- *   evicting until the items fit, or rolls back and refuses;
+ *   evicting until the items fit, or rolls back and refuses (at once, with
+ *   nothing more evicted, when no eviction could place them);
  * - **createBlocks**: new (or recycled) block records, slots marked PENDING,
  *   offsets recorded, run links between consecutive new blocks.
  *
@@ -21,7 +22,7 @@ import { Block, type CacheClass, NO_OFFSET, SLOT_PENDING } from "./block.ts";
 import { InvalidArgumentError, PoolExhaustedError } from "./errors.ts";
 import type { BlockHash } from "./keys.ts";
 import type { NamespaceState } from "./namespaces.ts";
-import { evictBytes, evictOne } from "./eviction.ts";
+import { evictBytes, evictionCanPlace, evictOne } from "./eviction.ts";
 import { slotColumn, slotIndex } from "./offsets.ts";
 import { checkRequest, layerList, type StoreState } from "./state.ts";
 import { admit, type Candidates, dedup, fitRoom, type PlanTarget } from "./save_candidates.ts";
@@ -213,6 +214,8 @@ function allocate(
   const rollback = () => {
     for (const [off, items] of allocated) st.allocator.free(off, itemBytes, items);
   };
+  let itemsLeft = 0; // items of this plan not placed yet
+  for (let k = 0; k < count; k++) itemsLeft += cand.needCount[k] * S;
   for (let c = 0; c < C; c++) {
     let m = 0;
     for (let k = 0; k < count; k++) m += need[k * C + c];
@@ -220,7 +223,12 @@ function allocate(
     for (let seg = 0; seg < S; seg++) {
       let runs = st.allocator.allocate(m, itemBytes, t.part);
       // Fragmentation across namespaces: keep evicting until the items fit
-      // (an onEvict that throws leaves the columns placed so far freed).
+      // (an onEvict that throws leaves the columns placed so far freed) —
+      // unless no eviction could place them: then refuse, evicting nothing more.
+      if (runs === null && !evictionCanPlace(st, ns.strideBytes, itemsLeft)) {
+        rollback();
+        return null;
+      }
       try {
         while (runs === null && evictOne(st)) runs = st.allocator.allocate(m, itemBytes, t.part);
       } catch (e) {
@@ -232,6 +240,7 @@ function allocate(
         return null;
       }
       for (const r of runs) allocated.push([r.offset, r.items]);
+      itemsLeft -= m;
       let r = 0;
       let inRun = 0;
       let prevK = -2;
