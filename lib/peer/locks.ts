@@ -37,6 +37,7 @@ import type { PoolExtent } from "../transfer/ranges.ts";
 import type { Logger } from "../log.ts";
 import { hashHex } from "../storage/keys.ts";
 import { packExtents } from "./extents_wire.ts";
+import { monotonicNow } from "../clock.ts";
 
 /** Default lock TTL when the requester asks for none. */
 export const DEFAULT_PEER_LOCK_TTL_MS = 10_000;
@@ -114,7 +115,7 @@ export interface PeerLockTableOptions {
   log: Logger;
   /** TTL when the requester asks for none. Default {@link DEFAULT_PEER_LOCK_TTL_MS}. */
   defaultTtlMs?: number;
-  /** Milliseconds now. Default `Date.now`. */
+  /** Milliseconds now. Default `monotonicNow` (lib/clock.ts): a system clock set forward must not expire locks mid-READ. */
   clock?: () => number;
 }
 
@@ -147,7 +148,7 @@ export class PeerLockTable {
 
   constructor(opts: PeerLockTableOptions) {
     this.#o = opts;
-    this.#clock = opts.clock ?? Date.now;
+    this.#clock = opts.clock ?? monotonicNow;
     this.#defaultTtl = opts.defaultTtlMs ?? DEFAULT_PEER_LOCK_TTL_MS;
     if (!(this.#defaultTtl > 0 && this.#defaultTtl <= MAX_PEER_LOCK_TTL_MS)) {
       throw new RangeError(

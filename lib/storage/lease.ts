@@ -16,6 +16,7 @@
 import { LeaseError } from "./errors.ts";
 import { hashHex } from "./keys.ts";
 import { LEASE_ID_BYTES } from "../limits.ts";
+import { monotonicNow } from "../clock.ts";
 
 /** Default lease lifetime: long enough for a slow engine step, short enough to bound a leak. */
 export const DEFAULT_LEASE_TTL_MS = 600_000;
@@ -40,7 +41,7 @@ export interface Lease<B> {
 export interface LeaseTableOptions {
   /** Lifetime in ms. Default {@link DEFAULT_LEASE_TTL_MS}. */
   ttlMs?: number;
-  /** Milliseconds now. Default `Date.now`. */
+  /** Milliseconds now. Default `monotonicNow` (lib/clock.ts). */
   clock?: () => number;
   /** Source of random id bytes. Default `crypto.getRandomValues`. */
   randomBytes?: (n: number) => Uint8Array;
@@ -72,7 +73,7 @@ export class LeaseTable<B> {
   constructor(opts: LeaseTableOptions = {}) {
     this.ttlMs = opts.ttlMs ?? DEFAULT_LEASE_TTL_MS;
     if (!(this.ttlMs > 0)) throw new RangeError(`lease TTL must be > 0 ms, got ${this.ttlMs}`);
-    this.#clock = opts.clock ?? Date.now;
+    this.#clock = opts.clock ?? monotonicNow;
     this.#random = opts.randomBytes ??
       ((n) => crypto.getRandomValues(new Uint8Array(n)));
     this.#noun = opts.noun ?? "lease";

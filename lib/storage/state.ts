@@ -18,6 +18,7 @@ import { type Lease, LeaseTable } from "./lease.ts";
 import { NamespaceRegistry } from "./namespaces.ts";
 import type { PlanRecord } from "./save_plan.ts";
 import type { TicketRecord } from "./load_ticket.ts";
+import { monotonicNow } from "../clock.ts";
 
 /** Default age after which an inflight block with no copy in flight is collected. */
 export const DEFAULT_INFLIGHT_TTL_MS = 300_000;
@@ -35,7 +36,7 @@ export interface KvStoreOptions {
    * the unit; a save that names a part allocates there first. Default: one.
    */
   parts?: readonly number[];
-  /** Milliseconds now; inject a fake in tests. Default `Date.now`. */
+  /** Milliseconds now; inject a fake in tests. Default `monotonicNow` (lib/clock.ts). */
   clock?: () => number;
   /** Lease lifetime. Default 600 s. */
   leaseTtlMs?: number;
@@ -109,7 +110,7 @@ export class StoreState {
       unitBytes: opts.unitBytes,
       parts: opts.parts,
     });
-    this.clock = opts.clock ?? Date.now;
+    this.clock = opts.clock ?? monotonicNow;
     this.inflightTtlMs = opts.inflightTtlMs ?? DEFAULT_INFLIGHT_TTL_MS;
     this.onEvict = opts.onEvict;
     this.namespaces = new NamespaceRegistry(this.allocator);

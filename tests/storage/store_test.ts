@@ -14,6 +14,7 @@ import {
   StaleHandleError,
 } from "../../lib/storage/errors.ts";
 import { BLOCK_BYTES, h, hs, makeStore, NS, save, SMALL } from "./helpers.ts";
+import { KvStore } from "../../lib/storage/store.ts";
 import { fnv1a32 } from "../../lib/storage/cache.ts";
 import { hashBucket, hashHex } from "../../lib/storage/keys.ts";
 
@@ -629,4 +630,23 @@ Deno.test("new hashes named twice in one request are planned once, even when two
   store.completeSave(r.plan, true);
   strictEqual(store.query(NS, [a, b!], "e").hits, 2);
   store.verify();
+});
+
+Deno.test("leases expire by the monotonic clock: a system clock set back does not keep them pinning", async () => {
+  const wall = Date.now;
+  let back = 0;
+  Date.now = () => wall() - back; // the system clock, which NTP (or an operator) may step
+  try {
+    const store = new KvStore({ capacityBytes: 4 * BLOCK_BYTES, leaseTtlMs: 20 });
+    store.defineNamespace(NS, SMALL);
+    save(store, hs(0, 2));
+    const q = store.query(NS, hs(0, 2), "e");
+    assert(q.lease);
+    back = 3_600_000; // set back an hour
+    await new Promise((r) => setTimeout(r, 60));
+    throws(() => store.consumeLease(q.lease!.id, "e", 0), LeaseError);
+    strictEqual(store.stats().evictableBytes, 2 * BLOCK_BYTES);
+  } finally {
+    Date.now = wall;
+  }
 });
