@@ -43,6 +43,7 @@ import { type LockedPart, lockPart } from "./lock_call.ts";
 import type { PeerLinks } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
 import { type OwnerLink, XferPeers } from "./xfer_peers.ts";
+import { monotonicNow } from "../clock.ts";
 
 /** Name of the peer tier: metric label and hit attribution; its fills are `tierHolder(PEER_TIER_NAME)`. */
 export const PEER_TIER_NAME = "peer";
@@ -220,7 +221,9 @@ export class PeerTier implements Tier {
   has(blocks: TierBlocks): number {
     if (blocks.hashes.length === 0) return 0;
     const m = this.#memo.get(this.#key(blocks.namespace, blocks.hashes[0]));
-    return m && Date.now() - m.at < LOOKUP_MEMO_MS ? Math.min(m.length, blocks.hashes.length) : 0;
+    return m && monotonicNow() - m.at < LOOKUP_MEMO_MS
+      ? Math.min(m.length, blocks.hashes.length)
+      : 0;
   }
 
   /**
@@ -255,7 +258,7 @@ export class PeerTier implements Tier {
         endedAt: 0,
         done: this.#fetch(index, blocks).finally(() => {
           fetch.ended = true;
-          fetch.endedAt = Date.now();
+          fetch.endedAt = monotonicNow();
           if (this.#running.get(key) === fetch) this.#running.delete(key);
         }),
       };
@@ -320,9 +323,11 @@ export class PeerTier implements Tier {
   }
 
   #sweep(): void {
-    const old = Date.now() - FORGET_AFTER_MS;
+    const old = monotonicNow() - FORGET_AFTER_MS;
     for (const [id, f] of this.#requests) if (f.ended && f.endedAt < old) this.#requests.delete(id);
-    for (const [k, m] of this.#memo) if (m.at < Date.now() - LOOKUP_MEMO_MS) this.#memo.delete(k);
+    for (const [k, m] of this.#memo) {
+      if (m.at < monotonicNow() - LOOKUP_MEMO_MS) this.#memo.delete(k);
+    }
   }
 
   #fail(why: PeerFetchFailure, fields: Record<string, string | number> = {}): void {
@@ -358,7 +363,7 @@ export class PeerTier implements Tier {
     const found = await index.lookup(namespace, hashes);
     const tLookup = performance.now();
     if (!found.available) return this.#fail("index-down");
-    this.#memo.set(this.#key(namespace, hashes[0]), { length: found.length, at: Date.now() });
+    this.#memo.set(this.#key(namespace, hashes[0]), { length: found.length, at: monotonicNow() });
     const owner = found.owners[0];
     if (!owner || owner.length === 0) return this.#fail("no-owner");
     let link: OwnerLink;

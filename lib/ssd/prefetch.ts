@@ -28,6 +28,7 @@ import {
   PrefetchReader,
   type PrefetchReaderDeps,
 } from "./prefetch_read.ts";
+import { monotonicNow } from "../clock.ts";
 
 /** Period of the sweep that forgets finished prefetches. */
 const EXPIRY_SWEEP_MS = 1_000;
@@ -79,7 +80,7 @@ export function prefetchStageOptions(queueDepth: number, inflight: number): Stag
 /** One read of blocks from SSD into pool space; queries of the same blocks join it. */
 interface PrefetchJob extends PrefetchRead {
   done: boolean;
-  /** Date.now() when it ended. */
+  /** When it ended (lib/clock.ts monotonicNow). */
   doneAt: number;
   /** Resolves when it ended (every allocation committed or freed). */
   ended: Promise<void>;
@@ -317,14 +318,14 @@ export class SsdPrefetcher {
       for (const k of job.keys) if (this.#fetching.get(k) === job) this.#fetching.delete(k);
       this.#reserved -= job.allocations.length;
       job.done = true;
-      job.doneAt = Date.now();
+      job.doneAt = monotonicNow();
       job.end();
     }
   }
 
   /** Forgets finished prefetches nobody polled for (their blocks stay cached). */
   #expire(): void {
-    const cutoff = Date.now() - this.#ttlMs;
+    const cutoff = monotonicNow() - this.#ttlMs;
     for (const [id, req] of this.#requests) {
       if (req.jobs.every((j) => j.done && j.doneAt < cutoff)) {
         this.#requests.delete(id);
