@@ -44,6 +44,7 @@ import type { PeerLinks } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
 import { type OwnerLink, XferPeers } from "./xfer_peers.ts";
 import { monotonicNow } from "../clock.ts";
+import { LookupMemo } from "./lookup_memo.ts";
 
 /** Name of the peer tier: metric label and hit attribution; its fills are `tierHolder(PEER_TIER_NAME)`. */
 export const PEER_TIER_NAME = "peer";
@@ -64,8 +65,6 @@ export const PIPELINE_CHUNK_BYTES = 32 << 20;
 const MAX_FETCH_BLOCKS = 1024;
 /** An owner as the index names it. */
 type Owner = LookupResult["owners"][number];
-/** A lookup result answers `has` for this long. */
-const LOOKUP_MEMO_MS = 1_000;
 
 /** What the tier needs from the block index (a RedisBlockIndex fits). */
 export interface PeerIndex {
@@ -169,7 +168,7 @@ export class PeerTier implements Tier {
   /** Running fetches by namespace + first hash: a request starting there joins. */
   readonly #running = new Map<string, Fetch>();
   readonly #xferPeers: XferPeers;
-  readonly #memo = new Map<string, { length: number; at: number }>();
+  readonly #memo = new LookupMemo();
   readonly #checksums: SealChecksums;
   /** Lock releases in the background, for flush and close. */
   readonly #pending = new Set<Promise<unknown>>();
@@ -220,10 +219,8 @@ export class PeerTier implements Tier {
   /** The held prefix as the last lookup of this prefix answered it (no I/O). */
   has(blocks: TierBlocks): number {
     if (blocks.hashes.length === 0) return 0;
-    const m = this.#memo.get(this.#key(blocks.namespace, blocks.hashes[0]));
-    return m && monotonicNow() - m.at < LOOKUP_MEMO_MS
-      ? Math.min(m.length, blocks.hashes.length)
-      : 0;
+    const held = this.#memo.length(this.#key(blocks.namespace, blocks.hashes[0]));
+    return Math.min(held, blocks.hashes.length);
   }
 
   /**
@@ -325,9 +322,7 @@ export class PeerTier implements Tier {
   #sweep(): void {
     const old = monotonicNow() - FORGET_AFTER_MS;
     for (const [id, f] of this.#requests) if (f.ended && f.endedAt < old) this.#requests.delete(id);
-    for (const [k, m] of this.#memo) {
-      if (m.at < monotonicNow() - LOOKUP_MEMO_MS) this.#memo.delete(k);
-    }
+    this.#memo.sweep();
   }
 
   #fail(why: PeerFetchFailure, fields: Record<string, string | number> = {}): void {
@@ -363,7 +358,7 @@ export class PeerTier implements Tier {
     const found = await index.lookup(namespace, hashes);
     const tLookup = performance.now();
     if (!found.available) return this.#fail("index-down");
-    this.#memo.set(this.#key(namespace, hashes[0]), { length: found.length, at: monotonicNow() });
+    this.#memo.record(this.#key(namespace, hashes[0]), found.length);
     const owner = found.owners[0];
     if (!owner || owner.length === 0) return this.#fail("no-owner");
     let link: OwnerLink;
