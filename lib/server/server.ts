@@ -235,7 +235,12 @@ async function openLowerTiers(
     ...(cross.peerTier ? [cross.peerTier] : []),
   ];
   const tiers = lower.length > 0
-    ? new LowerTiers({ ram: store, tiers: lower, stageMetrics: (stage) => metrics.stage(stage) })
+    ? new LowerTiers({
+      ram: store,
+      tiers: lower,
+      stageMetrics: (stage) => metrics.stage(stage),
+      log: log.child({ component: "tier.admit" }),
+    })
     : undefined;
   if (tiers) registerTierMetrics(metrics.registry, tiers);
   return { cross, tiers };

@@ -100,4 +100,16 @@ export function registerTierMetrics(registry: Registry, tiers: LowerTiers): void
       advanceDropped(this, {}, tiers.stats().admitDroppedBlocks);
     },
   });
+  const advanceFailed = advancer();
+  new Counter({
+    name: "pegaflow_tier_admit_failures_total",
+    help: "batches of sealed blocks a tier failed to take (its put threw; logged), by tier",
+    labelNames: ["tier"],
+    registers: [registry],
+    collect() {
+      for (const [tier, n] of Object.entries(tiers.stats().admitFailed)) {
+        advanceFailed(this, { tier }, n);
+      }
+    },
+  });
 }

@@ -44,7 +44,6 @@ export function queryPrefix(
       got: worldSize,
     });
   }
-  st.c.queries++;
   const hit: Block[] = [];
   const ns = st.namespaces.get(namespace);
   const buckets = st.index.buckets(namespace);
@@ -56,6 +55,8 @@ export function queryPrefix(
     const b = BlockIndex.findIn(buckets, hashes[i], bucket);
     if (b && b.state === "sealed") hit.push(b);
   }
+  // Counted once every hash was accepted: a malformed hash throws above, and is no query.
+  st.c.queries++;
   st.c.hits += hit.length;
   st.c.misses += hashes.length - hit.length;
   if (hit.length === 0) return { hits: 0 };

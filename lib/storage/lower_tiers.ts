@@ -30,6 +30,7 @@
  * @module
  */
 
+import { errorText, Logger } from "../log.ts";
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import { blockLayoutIdentity } from "./layout.ts";
 import type { KvStore } from "./store.ts";
@@ -65,6 +66,8 @@ export interface LowerTiersOptions {
   admitQueueDepth?: number;
   /** Metric hooks of the `tier.admit` stage. */
   stageMetrics?: (stage: string) => StageMetrics;
+  /** Where a tier's failed put is reported. Default: a stderr logger at "info". */
+  log?: Logger;
 }
 
 /** Per-tier answers to queries (hit attribution), for /metrics. */
@@ -95,6 +98,8 @@ export interface LowerTiersStats {
   /** Sealed batches dropped by a full `tier.admit` queue, and their blocks. */
   admitDropped: number;
   admitDroppedBlocks: number;
+  /** Sealed batches a tier's `put` threw on, by tier (the other tiers still got them). */
+  admitFailed: Record<string, number>;
   queries: Record<string, TierQueryCounts>;
   sources: QuerySourceCounts;
 }
@@ -137,6 +142,8 @@ export class LowerTiers {
   readonly #admit: Stage<AdmitJob, void>;
   readonly #admitPending = new Set<Promise<unknown>>();
   readonly #queries = new Map<string, TierQueryCounts>();
+  readonly #admitFailed: Record<string, number> = {};
+  readonly #log: Logger;
   readonly #sources: QuerySourceCounts = {
     queries: { ram: 0, miss: 0 },
     blocks: { ram: 0, miss: 0 },
@@ -148,7 +155,9 @@ export class LowerTiers {
   constructor(opts: LowerTiersOptions) {
     this.tiers = opts.tiers;
     this.#ram = opts.ram;
+    this.#log = opts.log ?? new Logger("info", { component: "tier.admit" });
     for (const t of opts.tiers) {
+      this.#admitFailed[t.name] = 0;
       this.#queries.set(t.name, emptyCounts());
       this.#sources.queries[t.name] = 0;
       this.#sources.blocks[t.name] = 0;
@@ -189,7 +198,20 @@ export class LowerTiers {
       hashes: job.hashes,
       layout: blockLayoutIdentity(layout),
     };
-    for (const t of this.tiers) t.put(blocks);
+    // One tier's failure is its own: the tiers after it still get the batch.
+    for (const t of this.tiers) {
+      try {
+        t.put(blocks);
+      } catch (e) {
+        this.#admitFailed[t.name]++;
+        this.#log.warn("tier put failed: sealed blocks stay out of this tier", {
+          tier: t.name,
+          namespace: job.namespace,
+          blocks: job.hashes.length,
+          error: errorText(e),
+        });
+      }
+    }
   }
 
   /**
@@ -275,6 +297,7 @@ export class LowerTiers {
       admitQueueDepth: this.#admit.queued,
       admitDropped: this.#admitDropped,
       admitDroppedBlocks: this.#admitDroppedBlocks,
+      admitFailed: { ...this.#admitFailed },
       queries: Object.fromEntries(this.#queries),
       sources: {
         queries: { ...this.#sources.queries },
