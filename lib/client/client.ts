@@ -303,6 +303,14 @@ export class PegaflowClient {
 
   /** Opens the liveness stream for one rank. */
   openSession(instanceId: string, tpRank = 0, ppRank = 0): Session {
+    if (this.#closed) {
+      // grpc-js would throw a bare "Channel has been shut down" with no status.
+      throw new PegaflowError(
+        "Session",
+        grpc.status.CANCELLED,
+        `client of ${this.address} is closed (instance ${instanceId} tp ${tpRank} pp ${ppRank})`,
+      );
+    }
     const call = this.#raw.session({ instanceId, tpRank, ppRank });
     const events: SessionEvent[] = [];
     let error: PegaflowError | undefined;

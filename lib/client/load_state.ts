@@ -18,6 +18,24 @@ import {
 let counter = 0;
 
 /**
+ * A wait on a load state that ran past its timeout with the load still
+ * pending (python/pegaflow/errors.py's PegaflowLoadTimeout): not a failed
+ * load, whose state the wait returns instead.
+ */
+export class LoadStateTimeout extends Error {
+  constructor(
+    /** The load state's shm name. */
+    readonly stateName: string,
+    /** What the wait was for: "the load" or "layer N". */
+    readonly waitingFor: string,
+    readonly timeoutMs: number,
+  ) {
+    super(`load state ${stateName}: ${waitingFor} not ready after ${timeoutMs} ms`);
+    this.name = "LoadStateTimeout";
+  }
+}
+
+/**
  * Polling: the words are written by native threads, so no JS event announces
  * them. For the first SPIN_MS of a wait (a whole GPU load of a long prefix)
  * re-check after every event-loop turn, taken through a MessageChannel: a few
@@ -53,10 +71,17 @@ class Turns {
   }
 }
 
-async function pollUntil(done: () => boolean, what: string, timeoutMs: number): Promise<void> {
+async function pollUntil(
+  done: () => boolean,
+  stateName: string,
+  what: string,
+  timeoutMs: number,
+): Promise<void> {
   if (Number.isNaN(timeoutMs)) {
     // NaN compares false against every deadline: the wait would never time out.
-    throw new RangeError(`${what}: timeout ${timeoutMs} is not a number of milliseconds`);
+    throw new RangeError(
+      `load state ${stateName}: ${what}: timeout ${timeoutMs} is not a number of milliseconds`,
+    );
   }
   if (done()) return;
   const start = performance.now();
@@ -65,7 +90,7 @@ async function pollUntil(done: () => boolean, what: string, timeoutMs: number): 
   try {
     while (!done()) {
       const now = performance.now();
-      if (now > deadline) throw new Error(`${what} after ${timeoutMs} ms`);
+      if (now > deadline) throw new LoadStateTimeout(stateName, what, timeoutMs);
       if (now - start < SPIN_MS) await turns.next();
       else await new Promise((r) => setTimeout(r, 1));
     }
@@ -101,9 +126,16 @@ export class LoadState {
     initLoadState(this.#view);
   }
 
-  /** Creates a fresh block with a unique name. */
+  /**
+   * Creates a fresh block with a unique name: pid, time and counter, plus
+   * random bits, since Workers of one process each have their own counter.
+   */
   static create(): LoadState {
-    return new LoadState(`/pegaflow-ls-${Deno.pid}-${Date.now().toString(36)}-${counter++}`);
+    const rnd = crypto.getRandomValues(new Uint32Array(2));
+    const tag = [...rnd].map((w) => w.toString(36)).join("");
+    return new LoadState(
+      `/pegaflow-ls-${Deno.pid}-${Date.now().toString(36)}-${counter++}-${tag}`,
+    );
   }
 
   /** Resets progress for reuse by another Load. */
@@ -137,7 +169,8 @@ export class LoadState {
         }
         return false;
       },
-      `load state ${this.name}: layer ${i} not ready`,
+      this.name,
+      `layer ${i}`,
       timeoutMs,
     );
     return readLoadState(this.#words(`layer ${i}`)).state;
@@ -147,7 +180,8 @@ export class LoadState {
   async waitAll(timeoutMs = 120_000): Promise<number> {
     await pollUntil(
       () => readLoadState(this.#words("the load")).state !== STATE_PENDING,
-      `load state ${this.name}: not done`,
+      this.name,
+      "the load",
       timeoutMs,
     );
     return readLoadState(this.#words("the load")).state;

@@ -9,7 +9,7 @@
  * @module
  */
 import * as grpc from "@grpc/grpc-js";
-import { encodeFrame, FrameReader, LOCAL_RPC_IDS, writeAll } from "../local_rpc/wire.ts";
+import { encodeFrame, FrameReader, LOCAL_RPC_IDS } from "../local_rpc/wire.ts";
 import { timerDelay } from "../timer_limit.ts";
 
 const { UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNIMPLEMENTED, RESOURCE_EXHAUSTED } =
@@ -36,8 +36,12 @@ export const ABSENT_RETRY_MS = 1_000;
 
 interface Pending {
   resolve: (b: Uint8Array) => void;
-  reject: (e: LocalRpcStatus) => void;
+  reject: (e: Error) => void;
   timer: ReturnType<typeof setTimeout>;
+  /** The connection its frame is written on; undefined while queued behind other writes. */
+  conn?: Deno.Conn;
+  /** Some of its frame reached that connection: the server may run it, so it is never resent. */
+  sent: boolean;
 }
 
 /** Where a framed RPC client dials: a Unix socket path, or a TCP host and port. */
@@ -59,6 +63,8 @@ export class LocalRpcClient {
   /** The dialled connection until it ends: a call then needs no dial, timer or race. */
   #open: Deno.Conn | undefined;
   #pending = new Map<number, Pending>();
+  /** Connections that ended (or broke on a write): no frame is written on them any more. */
+  readonly #dead = new WeakSet<Deno.Conn>();
   #nextId = 0;
   #writing: Promise<void> = Promise.resolve();
   #closed = false;
@@ -121,6 +127,16 @@ export class LocalRpcClient {
     return Promise.race([this.#dial(), late]).finally(() => clearTimeout(timer));
   }
 
+  /** No call writes on `conn` any more; the next call dials again (no gap where it is reused). */
+  #retire(conn: Deno.Conn): void {
+    this.#dead.add(conn);
+    if (this.#open === conn) {
+      // #open is set only from the dial that #conn holds: the two are reset together.
+      this.#open = undefined;
+      this.#conn = undefined;
+    }
+  }
+
   async #readLoop(conn: Deno.Conn): Promise<void> {
     const frames = new FrameReader(this.maxMessageBytes);
     let why = "the server closed the connection";
@@ -145,14 +161,21 @@ export class LocalRpcClient {
     } catch (e) {
       why = (e as Error).message;
     }
-    if (this.#open === conn) this.#open = undefined;
+    this.#retire(conn);
     try {
       conn.close();
     } catch {
       // closed by close()
     }
-    if (this.#conn && (await this.#conn.catch(() => undefined)) === conn) this.#conn = undefined;
-    this.#failAll(UNAVAILABLE, `RPC connection to ${this.path} ended: ${why}`);
+    // Only calls written here are lost with it: one still queued, or whose write
+    // has not put a byte out yet, goes to the next connection (see #send).
+    const msg = `RPC connection to ${this.path} ended: ${why}`;
+    for (const [id, p] of this.#pending) {
+      if (p.conn !== conn || !p.sent) continue;
+      this.#pending.delete(id);
+      clearTimeout(p.timer);
+      p.reject(new LocalRpcStatus(UNAVAILABLE, msg));
+    }
   }
 
   #failAll(code: number, msg: string): void {
@@ -180,22 +203,7 @@ export class LocalRpcClient {
       );
     }
     const deadline = performance.now() + deadlineMs;
-    let conn: Deno.Conn;
-    try {
-      // A TCP connect to a host that drops SYNs waits for minutes: the deadline covers it.
-      conn = this.#open ?? await this.#dialWithin(deadlineMs);
-    } catch (e) {
-      if (e instanceof LocalRpcStatus) throw e;
-      if (e instanceof Deno.errors.NotFound && this.#target.transport === "unix") {
-        // A server without the socket (or restarting): the caller uses gRPC for a while.
-        this.#absentUntil = performance.now() + ABSENT_RETRY_MS;
-        throw new LocalRpcAbsent(this.path);
-      }
-      throw new LocalRpcStatus(
-        UNAVAILABLE,
-        `RPC socket ${this.path}: ${(e as Error).message}`,
-      );
-    }
+    const conn = await this.#connect(deadlineMs);
     // close() ran while we dialled: it already failed every pending call and
     // closes this connection; the call is cancelled like them, not "broken".
     if (this.#closed) throw new LocalRpcStatus(CANCELLED, "client is closed");
@@ -206,20 +214,78 @@ export class LocalRpcClient {
         this.#pending.delete(callId);
         reject(new LocalRpcStatus(DEADLINE_EXCEEDED, `no answer within ${deadlineMs} ms`));
       }, timerDelay(deadline - performance.now()));
-      this.#pending.set(callId, { resolve, reject, timer });
+      this.#pending.set(callId, { resolve, reject, timer, sent: false });
     });
     const frame = encodeFrame(callId, id, payload);
-    // Queued behind a write the server does not take, a call may reach its deadline
-    // before its turn: it was failed with DEADLINE_EXCEEDED, so it must not run later.
-    const write = () => this.#pending.has(callId) ? writeAll(conn, frame) : undefined;
-    this.#writing = this.#writing.then(write).catch(() => {
+    this.#writing = this.#writing.then(() => this.#send(callId, frame, conn, deadline));
+    return await answer;
+  }
+
+  /** The open connection, or a dial within `ms`; dial failures as LocalRpcStatus / LocalRpcAbsent. */
+  async #connect(ms: number): Promise<Deno.Conn> {
+    try {
+      // A TCP connect to a host that drops SYNs waits for minutes: the deadline covers it.
+      return this.#open ?? await this.#dialWithin(ms);
+    } catch (e) {
+      if (e instanceof LocalRpcStatus) throw e;
+      if (e instanceof Deno.errors.NotFound && this.#target.transport === "unix") {
+        // A server without the socket (or restarting): the caller uses gRPC for a while.
+        this.#absentUntil = performance.now() + ABSENT_RETRY_MS;
+        throw new LocalRpcAbsent(this.path);
+      }
+      throw new LocalRpcStatus(UNAVAILABLE, `RPC socket ${this.path}: ${(e as Error).message}`);
+    }
+  }
+
+  /**
+   * Writes call `callId`'s frame (its turn in the write queue; never throws).
+   * A connection that ended, or whose first write fails, has taken none of
+   * the frame: the call goes once to a fresh connection instead of failing
+   * UNAVAILABLE. Once a byte went out the call is never resent (it may run).
+   */
+  async #send(callId: number, frame: Uint8Array, conn: Deno.Conn, deadline: number) {
+    const fail = (e: Error) => {
       const p = this.#pending.get(callId);
       if (!p) return;
       this.#pending.delete(callId);
       clearTimeout(p.timer);
-      p.reject(new LocalRpcStatus(UNAVAILABLE, `RPC connection to ${this.path} broke`));
-    });
-    return await answer;
+      p.reject(e);
+    };
+    for (let attempt = 0;; attempt++) {
+      // Queued behind a write the server does not take, a call may reach its deadline
+      // before its turn: it was failed with DEADLINE_EXCEEDED, so it must not run later.
+      // After close() it was failed CANCELLED, and no connection is dialled for it.
+      const p = this.#pending.get(callId);
+      if (!p || this.#closed) return;
+      try {
+        if (this.#dead.has(conn)) conn = await this.#connect(deadline - performance.now());
+      } catch (e) {
+        return fail(e as Error); // nothing was sent: LocalRpcAbsent lets the caller use gRPC
+      }
+      if (!this.#pending.has(callId) || this.#closed) return;
+      p.conn = conn;
+      let off = 0;
+      try {
+        while (off < frame.length) {
+          off += await conn.write(frame.subarray(off));
+          p.sent = true;
+        }
+      } catch (e) {
+        this.#retire(conn);
+        if (off === 0 && attempt === 0) continue;
+        return fail(
+          new LocalRpcStatus(
+            UNAVAILABLE,
+            `RPC connection to ${this.path} broke writing call ${callId}: ${(e as Error).message}`,
+          ),
+        );
+      }
+      // Written on a connection whose read loop has already ended: no answer can come.
+      if (this.#dead.has(conn)) {
+        fail(new LocalRpcStatus(UNAVAILABLE, `RPC connection to ${this.path} ended`));
+      }
+      return;
+    }
   }
 
   close(): void {

@@ -5,7 +5,7 @@ import * as grpc from "@grpc/grpc-js";
 import { LocalRpcClient, LocalRpcStatus } from "../../lib/client/local_rpc.ts";
 import { encodeFrame } from "../../lib/local_rpc/wire.ts";
 import { chainedBlockHashes } from "../../lib/client/hashes.ts";
-import { LoadState } from "../../lib/client/load_state.ts";
+import { LoadState, LoadStateTimeout } from "../../lib/client/load_state.ts";
 import { SimEngine, type SimEngineOptions } from "../../lib/client/sim_engine.ts";
 import { PegaflowClient, PegaflowError } from "../../lib/client/client.ts";
 import { SharedMemory } from "../../ffi/mod.ts";
@@ -387,5 +387,131 @@ Deno.test("client: a deadline that is not a positive number is refused at constr
       () => new PegaflowClient("127.0.0.1:1", { deadlineMs: bad }),
       (e: unknown) => e instanceof RangeError && e.message.includes(`deadlineMs ${bad}`),
     );
+  }
+});
+
+Deno.test("client: openSession after close() fails as a PegaflowError CANCELLED naming Session", () => {
+  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const c = new PegaflowClient(`127.0.0.1:${(l.addr as Deno.NetAddr).port}`, { deadlineMs: 1000 });
+  l.close();
+  c.close();
+  assert.throws(() => c.openSession("inst-1", 2, 1), (e: unknown) => {
+    assert.ok(e instanceof PegaflowError, `not a PegaflowError: ${e}`);
+    assert.equal(e.codeName, "CANCELLED");
+    assert.equal(e.method, "Session");
+    assert.match(e.details, /inst-1/);
+    return true;
+  });
+});
+
+Deno.test("local RPC: a call right after the server closed dials again instead of failing UNAVAILABLE", async () => {
+  // Each connection answers one call and closes (a server restarting, or one
+  // that drops idle connections). The next call is issued at once, before the
+  // client has read the end of the stream: it must not be lost to the dead
+  // connection, since it was never written there.
+  let closed = Promise.withResolvers<void>();
+  const srv = await fakeServer(async (c) => {
+    const { callId } = await readRequest(c);
+    await c.write(encodeFrame(callId, 0, new Uint8Array([7])));
+    c.close();
+    closed.resolve();
+  });
+  const rpc = new LocalRpcClient(srv.path, 1 << 20);
+  try {
+    for (let i = 0; i < 20; i++) {
+      assert.deepEqual(await rpc.call("health", new Uint8Array(0), 2_000), new Uint8Array([7]));
+      await closed.promise;
+      closed = Promise.withResolvers<void>();
+    }
+  } finally {
+    rpc.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("local RPC: a call written on a connection that then ends fails UNAVAILABLE, never resent", async () => {
+  let accepted = 0;
+  let requests = 0;
+  const srv = await fakeServer(async (c) => {
+    accepted++;
+    await readRequest(c);
+    requests++;
+    c.close(); // took the call, then went away without an answer: it may have run
+  });
+  const rpc = new LocalRpcClient(srv.path, 1 << 20);
+  try {
+    await assert.rejects(
+      rpc.call("health", new Uint8Array(0), 2_000),
+      isStatus(grpc.status.UNAVAILABLE, /ended/),
+    );
+    assert.equal(requests, 1);
+    assert.equal(accepted, 1);
+  } finally {
+    rpc.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("load state: a wait that times out is a LoadStateTimeout naming the state and the wait", async () => {
+  const st = LoadState.create();
+  try {
+    for (
+      const [wait, what] of [
+        [() => st.waitAll(20), "the load"],
+        [() => st.waitLayer(2, 20), "layer 2"],
+      ] as const
+    ) {
+      await assert.rejects(wait(), (e: unknown) => {
+        assert.ok(e instanceof LoadStateTimeout, `not a LoadStateTimeout: ${e}`);
+        assert.equal(e.name, "LoadStateTimeout");
+        assert.equal(e.stateName, st.name);
+        assert.equal(e.waitingFor, what);
+        assert.equal(e.timeoutMs, 20);
+        assert.match(e.message, new RegExp(`load state ${st.name}: ${what} not ready after 20 ms`));
+        return true;
+      });
+    }
+  } finally {
+    st.close();
+  }
+});
+
+Deno.test("load state: two Workers creating a state in the same millisecond get distinct names", async () => {
+  const mod = new URL("../../lib/client/load_state.ts", import.meta.url).href;
+  // Both workers see one frozen clock: the same millisecond, each with its own counter at 0.
+  const src = `
+    Date.now = () => 1_700_000_000_000;
+    const { LoadState } = await import("${mod}");
+    let st: { name: string; close(): void } | undefined;
+    try {
+      st = LoadState.create();
+      self.postMessage({ name: st.name });
+    } catch (e) {
+      self.postMessage({ error: String(e) });
+    }
+    self.onmessage = () => { st?.close(); self.postMessage({ closed: true }); };
+  `;
+  const url = URL.createObjectURL(new Blob([src], { type: "application/typescript" }));
+  const workers = [0, 1].map(() => new Worker(url, { type: "module" }));
+  const next = (w: Worker) =>
+    new Promise<Record<string, string>>((resolve, reject) => {
+      w.onmessage = (e) => resolve(e.data);
+      w.onerror = (e) => (e.preventDefault(), reject(new Error(`worker: ${e.message}`)));
+    });
+  // Listening on both before waiting on either: a message with no listener is lost.
+  const created = workers.map(next);
+  try {
+    const [a, b] = await Promise.all(created);
+    assert.equal(a.error, undefined, a.error);
+    assert.equal(b.error, undefined, b.error);
+    assert.notEqual(a.name, b.name);
+  } finally {
+    for (const w of workers) {
+      const done = next(w);
+      w.postMessage("close");
+      await done;
+      w.terminate();
+    }
+    URL.revokeObjectURL(url);
   }
 });
