@@ -14,6 +14,20 @@ import type { LowerTiers } from "../storage/lower_tiers.ts";
 import type { TierHealth } from "../storage/tier.ts";
 
 /**
+ * A counter's advance to a running total: by what changed since the last
+ * scrape, per label set (the stats are running totals).
+ */
+function advancer(): (c: Counter<string>, labels: Record<string, string>, v: number) => void {
+  const last = new Map<string, number>();
+  return (c, labels, v) => {
+    const key = JSON.stringify(labels);
+    const prev = last.get(key) ?? 0;
+    if (v > prev) c.inc(labels, v - prev);
+    last.set(key, v);
+  };
+}
+
+/**
  * Registers the tier metrics on `registry`.
  *
  * @example
@@ -39,16 +53,6 @@ export function registerTierMetrics(registry: Registry, tiers: LowerTiers): void
   );
   healthGauge("pegaflow_tier_capacity_bytes", "bytes the tier can hold", (h) => h.capacityBytes);
   healthGauge("pegaflow_tier_used_bytes", "block bytes the tier holds", (h) => h.usedBytes);
-  // Counters advance by what changed since the last scrape (the stats are running totals).
-  const advancer = () => {
-    const last = new Map<string, number>();
-    return (c: Counter<string>, labels: Record<string, string>, v: number) => {
-      const key = JSON.stringify(labels);
-      const prev = last.get(key) ?? 0;
-      if (v > prev) c.inc(labels, v - prev);
-      last.set(key, v);
-    };
-  };
   const advanceQueries = advancer();
   new Counter({
     name: "pegaflow_tier_queries_total",
@@ -91,6 +95,11 @@ export function registerTierMetrics(registry: Registry, tiers: LowerTiers): void
       }
     },
   });
+  registerAdmitMetrics(registry, tiers);
+}
+
+/** What the tier.admit stage did not hand the tiers: batches dropped when full, puts that threw. */
+function registerAdmitMetrics(registry: Registry, tiers: LowerTiers): void {
   const advanceDropped = advancer();
   new Counter({
     name: "pegaflow_tier_admit_dropped_blocks_total",
