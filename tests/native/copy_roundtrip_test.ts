@@ -12,9 +12,9 @@ import {
   makeGeometry,
   pickBlocks,
   poolBytesFor,
-  rng,
   runRoundTrip,
 } from "./kv_layout.ts";
+import { mulberry32 as rng } from "../_seeded.ts";
 
 loadLibrary(); // dlopen once, outside any test's resource accounting
 

@@ -5,7 +5,8 @@
 import assert from "node:assert/strict";
 import { CopyEngine, type CopyPath, NativeError, type Region } from "../../ffi/mod.ts";
 import type { ExporterArgs } from "./exporter_child.ts";
-import { makeGeometry, pickBlocks, rng, runRoundTrip } from "./kv_layout.ts";
+import { makeGeometry, pickBlocks, runRoundTrip } from "./kv_layout.ts";
+import { mulberry32 as rng } from "../_seeded.ts";
 import { spawnDeno, unhex } from "./process.ts";
 
 /** Runs one two-process round trip for `args` on `backend`. */

@@ -215,18 +215,6 @@ export function firstDiff(a: Uint8Array, b: Uint8Array): number {
   return -1;
 }
 
-/** A deterministic PRNG (mulberry32) for block-id choices. */
-export function rng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
-
 /** `n` distinct block ids out of [0, numBlocks), shuffled or sorted. */
 export function pickBlocks(
   rand: () => number,

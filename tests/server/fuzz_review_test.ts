@@ -42,6 +42,7 @@ import {
   startServer,
   uid,
 } from "./harness.ts";
+import { mulberry32 } from "../_seeded.ts";
 
 const FUZZ_SEED = 0x5eed_f022;
 const MODEL = { ...LLAMA_3_1_8B, numLayers: 2 };
@@ -63,16 +64,9 @@ const REFUSALS = new Set<number>([
   S.FAILED_PRECONDITION,
 ]);
 
-/** mulberry32: small, fast, deterministic. */
+/** The seeded draws the fuzzing makes. */
 function rng(seed: number) {
-  let a = seed >>> 0;
-  const next = () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
+  const next = mulberry32(seed);
   return {
     next,
     int: (n: number) => Math.floor(next() * n),

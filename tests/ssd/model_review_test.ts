@@ -27,6 +27,7 @@ import type { SsdTier } from "../../lib/ssd/tier.ts";
 import type { PrefetchAllocation, PrefetchWant } from "../../lib/ssd/prefetch.ts";
 import { type LayoutIdentity, layoutIdentity } from "../../lib/storage/layout.ts";
 import { type Harness, harness, type TestBlock, within } from "./_harness.ts";
+import { mulberry32 } from "../_seeded.ts";
 
 const KiB = 1024;
 const MiB = 1024 * KiB;
@@ -75,17 +76,6 @@ const KEYS = [...new Set(LAYOUTS.map((l) => l.ns))].flatMap((ns) =>
 /** The bytes a block of `key` written by layout `fp` holds (content-addressed: fixed per pair). */
 function contentId(key: string, fp: string): string {
   return `${key}#${fp}`;
-}
-
-function mulberry32(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
 }
 
 /** Where one block's record was seen in the index. */

@@ -23,6 +23,7 @@ import {
 import type { RamFillBatch, RamPin } from "../../lib/storage/tier.ts";
 import { storeTierHost } from "../../lib/storage/tier_host.ts";
 import { blockExtents, type PoolExtent } from "../../lib/transfer/ranges.ts";
+import { mulberry32 } from "../_seeded.ts";
 
 const UNIT = 4096;
 const NAMESPACES = ["aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc", "dddddddddddddddd"];
@@ -84,17 +85,6 @@ function bytesOf(x: string): Uint8Array {
 }
 
 // ---- seeded randomness -------------------------------------------------------
-
-function mulberry32(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 type OkSpec = "ok" | "fail" | "even" | "throw";
 type Op =
