@@ -22,9 +22,9 @@ import {
   type LayoutKind,
   makeGeometry,
   pickBlocks,
-  rng,
   runRoundTrip,
 } from "../native/kv_layout.ts";
+import { mulberry32 as rng } from "../_seeded.ts";
 import { crossProcessRoundTrip } from "../native/cross_process.ts";
 import { threadNamesOf } from "../native/process.ts";
 import { PathPolicy } from "../../lib/copy_path.ts";
