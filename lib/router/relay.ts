@@ -41,9 +41,17 @@ export function relayHeaders(upstream: Headers, requestId: string): Headers {
   return h;
 }
 
-/** An SSE event carrying an OpenAI-style error, sent when a stream must be cut short. */
-function sseError(message: string, code: string): Uint8Array {
-  const body = { error: { message, type: "timeout_error", param: null, code } };
+/**
+ * An SSE event carrying an OpenAI-style error, sent when a stream must be cut short: a
+ * `timeout_error` when D went silent, a `server_error` when D broke off (as the router's own
+ * `decode_unavailable`), so a client does not report a failed engine as a slow one.
+ */
+function sseError(
+  message: string,
+  type: "timeout_error" | "server_error",
+  code: string,
+): Uint8Array {
+  const body = { error: { message, type, param: null, code } };
   return encoder.encode(`data: ${JSON.stringify(body)}\n\n`);
 }
 
@@ -224,8 +232,12 @@ function tellClient(
   } else if (isSse) {
     // A streaming client understands an error event; a truncated chunked body reads as
     // a network fault with no explanation.
-    const code = cut.outcome === "idle_timeout" ? "decode_idle_timeout" : "decode_failed";
-    controller.enqueue(sseError(cut.message, code));
+    const idle = cut.outcome === "idle_timeout";
+    controller.enqueue(
+      idle
+        ? sseError(cut.message, "timeout_error", "decode_idle_timeout")
+        : sseError(cut.message, "server_error", "decode_failed"),
+    );
     controller.close();
   } else {
     controller.error(e);
