@@ -18,6 +18,7 @@
  *
  * @module
  */
+import { timerDelay } from "../timer_limit.ts";
 
 /**
  * Header to answer a refused body with: the unread rest of the upload is
@@ -26,8 +27,8 @@
  */
 export const CLOSE_AFTER_REFUSAL: Readonly<Record<string, string>> = { connection: "close" };
 
-/** Why a body was refused: 413 over the limit, 400 not a readable HTTP body. */
-export type BodyErrorCode = "body_too_large" | "malformed_body";
+/** Why a body was refused: 413 over the limit, 400 not a readable HTTP body, 408 too slow. */
+export type BodyErrorCode = "body_too_large" | "malformed_body" | "body_timeout";
 
 /**
  * A refused request body; `status` is the HTTP status to answer with.
@@ -43,10 +44,10 @@ export type BodyErrorCode = "body_too_large" | "malformed_body";
  * ```
  */
 export class BodyError extends Error {
-  /** 413 (over the limit) or 400 (malformed). */
-  readonly status: 400 | 413;
+  /** 413 (over the limit), 400 (malformed) or 408 (not received in time). */
+  readonly status: 400 | 408 | 413;
   readonly code: BodyErrorCode;
-  constructor(status: 400 | 413, code: BodyErrorCode, message: string) {
+  constructor(status: 400 | 408 | 413, code: BodyErrorCode, message: string) {
     super(message);
     this.name = "BodyError";
     this.status = status;
@@ -60,7 +61,16 @@ export interface BodyLimit {
   maxBytes: number;
   /** Appended to the 413 message, e.g. "raise it with --max-body". */
   hint?: string;
+  /** Longest wait for the whole body, in ms (default {@link BODY_READ_TIMEOUT_MS}). */
+  timeoutMs?: number;
 }
+
+/**
+ * How long a request body may take to arrive: a client that stalls mid-upload
+ * would otherwise hold its connection (and the handler) until shutdown. Far
+ * above any real upload of the bodies these endpoints take.
+ */
+export const BODY_READ_TIMEOUT_MS = 30_000;
 
 /**
  * Reads `req`'s whole body, refusing it with a {@link BodyError} as soon as
@@ -78,6 +88,23 @@ export async function readBodyLimited(
   req: Request,
   limit: BodyLimit,
 ): Promise<Uint8Array<ArrayBuffer>> {
+  const ms = limit.timeoutMs ?? BODY_READ_TIMEOUT_MS;
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(
+      () => reject(new BodyError(408, "body_timeout", `request body not received within ${ms} ms`)),
+      timerDelay(ms),
+    );
+  });
+  try {
+    // Past the deadline the read is left pending: the refusal closes the connection, which ends it.
+    return await Promise.race([readBody(req, limit), late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+async function readBody(req: Request, limit: BodyLimit): Promise<Uint8Array<ArrayBuffer>> {
   const { maxBytes } = limit;
   if (req.body === null) return new Uint8Array(0);
   const header = req.headers.get("content-length");

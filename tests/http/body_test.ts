@@ -84,3 +84,19 @@ Deno.test("a body that fails while arriving is a 400 malformed_body naming the c
       /invalid chunk size line/.test(e.message),
   );
 });
+
+Deno.test("a body that stalls mid-upload is a 408 body_timeout at its deadline, not a wait for ever", async () => {
+  const stalled = new ReadableStream<Uint8Array>({
+    start(c) {
+      c.enqueue(new Uint8Array(10)); // then nothing more, and no end
+    },
+  });
+  const req = new Request("http://x/", { method: "POST", body: stalled });
+  await assert.rejects(
+    readBodyLimited(req, { maxBytes: 1 << 20, timeoutMs: 50 }),
+    (e: unknown) =>
+      e instanceof BodyError && e.status === 408 && e.code === "body_timeout" &&
+      /not received within 50 ms/.test(e.message),
+  );
+  await req.body?.cancel().catch(() => {}); // the stream is still locked by the abandoned read
+});
