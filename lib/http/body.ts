@@ -63,6 +63,8 @@ export interface BodyLimit {
   hint?: string;
   /** Longest wait for the whole body, in ms (default {@link BODY_READ_TIMEOUT_MS}). */
   timeoutMs?: number;
+  /** What the body is, in messages (default "request body"; e.g. "prefill answer"). */
+  what?: string;
 }
 
 /**
@@ -85,14 +87,21 @@ export const BODY_READ_TIMEOUT_MS = 30_000;
  * ```
  */
 export async function readBodyLimited(
-  req: Request,
+  req: Request | Response,
   limit: BodyLimit,
 ): Promise<Uint8Array<ArrayBuffer>> {
   const ms = limit.timeoutMs ?? BODY_READ_TIMEOUT_MS;
   let timer: ReturnType<typeof setTimeout> | undefined;
   const late = new Promise<never>((_, reject) => {
     timer = setTimeout(
-      () => reject(new BodyError(408, "body_timeout", `request body not received within ${ms} ms`)),
+      () =>
+        reject(
+          new BodyError(
+            408,
+            "body_timeout",
+            `${limit.what ?? "request body"} not received within ${ms} ms`,
+          ),
+        ),
       timerDelay(ms),
     );
   });
@@ -104,7 +113,10 @@ export async function readBodyLimited(
   }
 }
 
-async function readBody(req: Request, limit: BodyLimit): Promise<Uint8Array<ArrayBuffer>> {
+async function readBody(
+  req: Request | Response,
+  limit: BodyLimit,
+): Promise<Uint8Array<ArrayBuffer>> {
   const { maxBytes } = limit;
   if (req.body === null) return new Uint8Array(0);
   const header = req.headers.get("content-length");
@@ -155,7 +167,7 @@ function tooLarge(got: string, limit: BodyLimit): BodyError {
   return new BodyError(
     413,
     "body_too_large",
-    `request body is ${got}, larger than the limit of ${limit.maxBytes} bytes` +
+    `${limit.what ?? "request body"} is ${got}, larger than the limit of ${limit.maxBytes} bytes` +
       (limit.hint ? ` (${limit.hint})` : ""),
   );
 }

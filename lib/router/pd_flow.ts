@@ -33,6 +33,11 @@ import type { RouterMetrics } from "./metrics.ts";
 import { pipeBody, relayBody, relayHeaders, type RelayOutcome } from "./relay.ts";
 import type { GenerationRequest, JsonObject } from "./validate.ts";
 import { classifyNetworkError, TRANSIENT_STATUSES, UpstreamLink } from "./upstream.ts";
+import { BodyError, readBodyLimited } from "../http/body.ts";
+
+/** Largest prefill answer read (a max_tokens=1 completion is a few KiB). */
+const MAX_PREFILL_ANSWER_BYTES = 16 * 1024 * 1024;
+const decoder = new TextDecoder();
 
 /** What the flow needs from the router. */
 export interface FlowDeps {
@@ -126,7 +131,8 @@ function upstreamHeaders(ctx: FlowContext): Headers {
 type Attempt =
   | { kind: "http"; status: number; text: string; contentType: string }
   | { kind: "timeout" }
-  | { kind: "network"; failure: "connect" | "network"; message: string };
+  | { kind: "network"; failure: "connect" | "network"; message: string }
+  | { kind: "oversized"; message: string };
 
 /** One attempt's verdict, for {@link withOneRetry}. */
 type Tried<T> =
@@ -210,6 +216,16 @@ export async function runPrefill(
       };
       return { kind: "done", value: refused };
     }
+    if (out.kind === "oversized") {
+      metrics.upstreamFailures.inc({ role: "prefill", reason: "oversized" });
+      throw new RouterError(
+        502,
+        "server_error",
+        `prefill backend ${backend.url}: ${out.message} (request ${ctx.requestId})`,
+        null,
+        "prefill_bad_response",
+      );
+    }
     if (out.kind === "timeout") {
       metrics.upstreamFailures.inc({ role: "prefill", reason: "timeout" });
       throw new RouterError(
@@ -265,7 +281,22 @@ async function prefillAttempt(
       signal: link.signal,
       client: deps.client,
     });
-    const text = await res.text();
+    let raw: Uint8Array;
+    try {
+      // A prefill answers max_tokens=1: anything near the limit is a broken backend, and
+      // read whole it would hold the router's memory.
+      raw = await readBodyLimited(res, {
+        maxBytes: MAX_PREFILL_ANSWER_BYTES,
+        timeoutMs: deps.prefillTimeoutMs,
+        what: "prefill answer",
+      });
+    } catch (e) {
+      if (e instanceof BodyError && e.status === 413) {
+        return { kind: "oversized", message: e.message };
+      }
+      throw e;
+    }
+    const text = decoder.decode(raw);
     metrics.prefillSeconds.observe({ backend: backend.url }, (performance.now() - t0) / 1000);
     return {
       kind: "http",

@@ -430,6 +430,21 @@ const HUGE_HEADER = "x".repeat(1 << 20);
 
 const BACKEND_CASES: BackendCase[] = [
   {
+    // Read whole it held the router's memory: refused at 16 MiB, no retry, D not called.
+    name: "P answers 200 with a body of 17 MiB",
+    prefill: answer(200, `{"pad":"${"x".repeat(17 << 20)}"}`),
+    attempts: [1, 0],
+    check: ({ status, text }) => {
+      assert.equal(status, 502);
+      const e = assertOpenAIError(text, "huge P").error;
+      assert.equal(e.code, "prefill_bad_response");
+      assert.match(
+        e.message,
+        /prefill answer is \d+ bytes \(Content-Length\), larger than the limit/,
+      );
+    },
+  },
+  {
     name: "P answers 200 with a body that is not JSON",
     prefill: answer(200, "<html>oops</html>", "text/html"),
     attempts: [1, 0],
