@@ -260,9 +260,22 @@ int32_t pf_pool_checksums(uint32_t pool, const void *exts, uint64_t num_exts,
   int32_t rc = PF_OK;
   const pf_io_ext *x = exts;
   uint64_t need = 0;
-  if (num_blocks == 0) goto out;
+  if (num_blocks == 0) {
+    /* No blocks name no extents: extents given without blocks are a caller
+     * whose counts went missing, not an empty batch. */
+    if (num_exts)
+      rc = pf_fail(PF_EINVAL, "pf_pool_checksums: 0 blocks name 0 extents, %llu given",
+                   (unsigned long long)num_exts);
+    goto out;
+  }
   if (!exts || !counts || !out_crcs) {
     rc = pf_fail(PF_EINVAL, "pf_pool_checksums: extents, counts or out_crcs is NULL");
+    goto out;
+  }
+  /* Read in place: a misaligned u64 / u32 read is undefined behaviour. */
+  if (((uintptr_t)exts & 7u) || ((uintptr_t)counts & 3u)) {
+    rc = pf_fail(PF_EINVAL, "pf_pool_checksums: extents (%p) must be 8-byte and counts (%p) "
+                 "4-byte aligned", exts, (const void *)counts);
     goto out;
   }
   for (uint32_t b = 0; b < num_blocks; b++) need += counts[b];

@@ -182,6 +182,33 @@ static int recv_all(int fd, void *buf, size_t len, atomic_int *stop) {
   return 0;
 }
 
+/* recv_all with a deadline (pf_now_ns clock): 0 ok, -1 error (errno; 0 =
+ * EOF), -3 the deadline passed first. For the connect handshake, where the
+ * other end may be anything that accepts and then never finishes a frame. */
+static int recv_by(int fd, void *buf, size_t len, uint64_t deadline) {
+  uint8_t *b = buf;
+  while (len) {
+    ssize_t n = recv(fd, b, len, MSG_DONTWAIT);
+    if (n > 0) {
+      b += n;
+      len -= (size_t)n;
+      continue;
+    }
+    if (n == 0) {
+      errno = 0;
+      return -1;
+    }
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+    int64_t left = (int64_t)(deadline - pf_now_ns()) / 1000000;
+    if (left <= 0) return -3;
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    if (poll(&pfd, 1, left > TCP_POLL_MS ? TCP_POLL_MS : (int)left) < 0 && errno != EINTR)
+      return -1;
+  }
+  return 0;
+}
+
 static const char *eof_text(void) { return errno ? strerror(errno) : "connection closed by peer"; }
 
 /* Parses "host:port" / "[v6]:port" into addr. */
@@ -973,19 +1000,19 @@ static int32_t tcp_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_t
     if (rc < 0) goto fail;
     pf_tcp_frame hello = {.magic = TCP_MAGIC, .op = OP_HELLO, .part = i, .aux = TCP_VERSION};
     pf_tcp_frame ans;
-    struct pollfd pfd = {.fd = st->fd, .events = POLLIN};
     if (send_all(st->fd, &hello, sizeof hello, NULL) < 0) {
       rc = pf_fail(PF_EIO, "%s: stream %u to %s: hello: %s", fn, i, tp->remote, strerror(errno));
       goto fail;
     }
-    left = (int)((int64_t)(deadline - pf_now_ns()) / 1000000);
-    if (left <= 0 || poll(&pfd, 1, left) <= 0) {
+    /* The whole answer by the deadline: a listener that is not a PegaFlow
+     * endpoint may send part of a frame and then nothing. */
+    int got = recv_by(st->fd, &ans, sizeof ans, deadline);
+    if (got == -3) {
       rc = pf_fail(PF_ETIMEDOUT, "%s: stream %u to %s: no hello within %d ms", fn, i,
                    tp->remote, timeout_ms);
       goto fail;
     }
-    if (recv_all(st->fd, &ans, sizeof ans, NULL) < 0 || ans.magic != TCP_MAGIC ||
-        ans.op != OP_HELLO || ans.aux != TCP_VERSION) {
+    if (got < 0 || ans.magic != TCP_MAGIC || ans.op != OP_HELLO || ans.aux != TCP_VERSION) {
       rc = pf_fail(PF_EIO, "%s: stream %u to %s: not a PegaFlow transfer endpoint (or "
                    "protocol version differs from %u)", fn, i, tp->remote, TCP_VERSION);
       goto fail;

@@ -650,7 +650,14 @@ static int32_t parse_batch(const char *who, pf_pool *p, const void *desc, uint64
   if (!desc || desc_bytes < sizeof(pf_io_batch_header))
     return pf_fail(PF_EINVAL, "%s: descriptor of %llu bytes is shorter than its header", who,
                    (unsigned long long)desc_bytes);
+  /* The ops and extents hold u64 fields: read in place, they need 8-byte
+   * alignment (a misaligned read is undefined behaviour). */
+  if ((uintptr_t)desc & 7u)
+    return pf_fail(PF_EINVAL, "%s: descriptor at %p is not 8-byte aligned", who, desc);
   const pf_io_batch_header *h = desc;
+  if (h->reserved)
+    return pf_fail(PF_EINVAL, "%s: header.reserved is 0x%llx (must be 0)", who,
+                   (unsigned long long)h->reserved);
   uint64_t need = sizeof *h + (uint64_t)h->num_ops * sizeof(pf_io_desc) +
                   (uint64_t)h->num_exts * sizeof(pf_io_ext);
   if (h->num_ops == 0) return pf_fail(PF_EINVAL, "%s: batch has no ops", who);
@@ -743,6 +750,14 @@ static int32_t io_submit_held(pf_uring *u, uint32_t uring, const void *desc,
       free(files);
       return pf_fail(PF_EINVAL, "pf_io_submit: op %u moves %llu bytes (max %llu per op)", i,
                      (unsigned long long)bytes, (unsigned long long)IO_MAX_OP_BYTES);
+    }
+    /* The kernel takes file offsets as a signed loff_t: an op reaching past
+     * 2^63 would be accepted here and only fail in the kernel (EINVAL). */
+    if (d->file_off > (uint64_t)INT64_MAX - bytes) {
+      free(files);
+      return pf_fail(PF_ERANGE, "pf_io_submit: op %u file_off %llu + %llu bytes passes the "
+                     "largest file offset (2^63 - 1) of %s", i,
+                     (unsigned long long)d->file_off, (unsigned long long)bytes, f->path);
     }
     files[i] = f;
     total_iov += (d->hdr_page ? 1 : 0) + d->num_ext;

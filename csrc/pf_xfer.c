@@ -642,6 +642,10 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
   if (!desc || desc_bytes < sizeof(pf_xfer_header))
     return pf_fail(PF_EINVAL, "pf_xfer_submit: descriptor of %llu bytes is shorter than its "
                    "%zu-byte header", (unsigned long long)desc_bytes, sizeof(pf_xfer_header));
+  /* Segments and groups are u64s read in place: a misaligned read is
+   * undefined behaviour. */
+  if ((uintptr_t)desc & 7u)
+    return pf_fail(PF_EINVAL, "pf_xfer_submit: descriptor at %p is not 8-byte aligned", desc);
   const pf_xfer_header *hd = desc;
   const pf_xfer_seg *segs = (const pf_xfer_seg *)(hd + 1);
   if (hd->op > PF_XFER_WRITE_IMM)
