@@ -202,7 +202,13 @@ export async function runPrefill(
   return await withOneRetry<PrefillResult>("prefill", pool, deps, ctx, async (backend) => {
     const out = await prefillAttempt(deps, backend, req.route, body, ctx);
     if (out.kind === "http" && out.status >= 200 && out.status < 300) {
-      const kvTransferParams = readKvParams(out.text, backend);
+      let kvTransferParams: JsonObject | undefined;
+      try {
+        kvTransferParams = readKvParams(out.text, backend);
+      } catch (e) {
+        metrics.upstreamFailures.inc({ role: "prefill", reason: "bad_response" });
+        throw e;
+      }
       return { kind: "done", value: { kind: "ok", kvTransferParams, backend } };
     }
     if (out.kind === "http" && !TRANSIENT_STATUSES.has(out.status)) {

@@ -670,6 +670,15 @@ for (const inspecting of [false, true]) {
         // Every case left the router up and healthy (the engines answered their health checks).
         const h = await fetch(`${router.url}/health`);
         assert.equal(h.status, 200, await h.text());
+        // A P answer that is not JSON, or over the limit, is counted as P's failure.
+        const m = await (await fetch(`${router.url}/metrics`)).text();
+        for (const reason of ["bad_response", "oversized"]) {
+          const n = metricValue(m, "pegaflow_router_upstream_failures_total", {
+            role: "prefill",
+            reason,
+          });
+          assert.ok(n >= 1, `upstream failures {prefill, ${reason}}: ${n}`);
+        }
       } finally {
         await router.stop();
         await Promise.all([p.stop(), d.stop()]);
