@@ -40,6 +40,10 @@
 #define XFER_DEFAULT_STRIPE (1u << 20)
 #define XFER_MIN_STRIPE 4096u
 #define XFER_MAX_LANES 64u
+/* A submit's hold on its peer, counted in p->inflight above the batches
+ * (at most PF_XFER_MAX_INFLIGHT): pf_xfer_peer_close waits for both. */
+#define XFER_HOLD (1u << 16)
+_Static_assert(PF_XFER_MAX_INFLIGHT < XFER_HOLD, "holds count above the batches");
 
 static const xfer_ops *ops_for(uint32_t transport) {
   switch (transport) {
@@ -457,7 +461,7 @@ int32_t pf_xfer_peer_state(uint32_t h, pf_xfer_peer_status *out) {
   out->connected = atomic_load(&p->connected) ? 1u : 0u;
   out->remote_bytes = p->remote_bytes;
   pthread_mutex_lock(&p->mu);
-  out->inflight = p->inflight;
+  out->inflight = p->inflight % XFER_HOLD; /* batches, not submits in progress */
   pthread_mutex_unlock(&p->mu);
   out->broken = atomic_load(&p->broken);
   return PF_OK;
@@ -624,12 +628,8 @@ static int32_t plan(xfer_slot *s, const pf_xfer_seg *segs, uint32_t n, const uin
   return PF_OK;
 }
 
-int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64_t tag,
-                       uint32_t *out_crcs) {
-  pthread_mutex_lock(&pf_objects_mu);
-  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_submit");
-  pthread_mutex_unlock(&pf_objects_mu);
-  if (!p) return PF_EHANDLE;
+static int32_t submit_held(pf_xfer_peer *p, uint32_t h, const void *desc, uint64_t desc_bytes,
+                           uint64_t tag, uint32_t *out_crcs) {
   pf_xfer_ep *ep = p->ep;
   if (!atomic_load(&p->connected))
     return pf_fail(PF_EINVAL, "pf_xfer_submit: peer %u is not connected", h);
@@ -704,6 +704,10 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
     return pf_fail(PF_EINVAL, "pf_xfer_submit: checksum groups cover %llu bytes; the segments "
                    "%llu", (unsigned long long)grouped, (unsigned long long)total);
   pthread_mutex_lock(&p->mu);
+  if (atomic_load(&p->closing)) {
+    pthread_mutex_unlock(&p->mu);
+    return pf_fail(PF_ESHUTDOWN, "pf_xfer_submit: peer %u is closing", h);
+  }
   if (p->nfree == 0) {
     pthread_mutex_unlock(&p->mu);
     return pf_fail(PF_EOVERFLOW, "pf_xfer_submit: peer %u has %u batches in flight (the most)",
@@ -745,13 +749,38 @@ int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64
    * its record, like any later failure. A peer that broke since the check
    * above ended its batches without this one if end_all looked before the
    * slot was armed (and a dead stream never sends its parts): end it now,
-   * not at its deadline. The fence above orders the arming before this
-   * load, as xfer_peer_fail sets `broken` before end_all looks. */
-  if (atomic_load(&p->broken)) {
+   * not at its deadline. So does a close that began since the check above
+   * (its end_all, which may also have missed this slot, then waits for the
+   * batch). The fence above orders the arming before these loads, as
+   * xfer_peer_fail sets `broken` and pf_xfer_peer_close `closing` before
+   * end_all looks. */
+  if (atomic_load(&p->broken) || atomic_load(&p->closing)) {
     xfer_end(p, s, s->gen, atomic_load(&p->closing) ? PF_ESHUTDOWN : PF_EIO);
     return PF_OK;
   }
   rc = ep->ops->submit(p, s);
   if (rc < 0) xfer_end(p, s, s->gen, rc);
   return PF_OK;
+}
+
+/* Holds the peer from its lookup (under pf_objects_mu, which
+ * pf_xfer_peer_close retires the handle under) to the return, so a close
+ * racing the submit waits for it instead of freeing the peer under it. */
+int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64_t tag,
+                       uint32_t *out_crcs) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_submit");
+  if (p) {
+    pthread_mutex_lock(&p->mu);
+    p->inflight += XFER_HOLD;
+    pthread_mutex_unlock(&p->mu);
+  }
+  pthread_mutex_unlock(&pf_objects_mu);
+  if (!p) return PF_EHANDLE;
+  int32_t rc = submit_held(p, h, desc, desc_bytes, tag, out_crcs);
+  pthread_mutex_lock(&p->mu);
+  p->inflight -= XFER_HOLD;
+  if (p->inflight == 0) pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+  return rc;
 }

@@ -7,84 +7,17 @@
  * "Transfer batches end once").
  */
 import assert from "node:assert/strict";
-
-const ROOT = decodeURIComponent(new URL("../../", import.meta.url).pathname);
-const LIBURING = [
-  "/usr/lib/x86_64-linux-gnu/liburing.a",
-  "/usr/lib/aarch64-linux-gnu/liburing.a",
-  "/usr/lib/liburing.a",
-  "/usr/local/lib/liburing.a",
-];
-const FLAGS = [
-  "-O1",
-  "-g",
-  "-std=gnu11",
-  "-pthread",
-  "-fsanitize=address,undefined",
-  "-fno-sanitize-recover=undefined",
-  "-fno-omit-frame-pointer",
-  `-I${ROOT}csrc`,
-  `-I${ROOT}tests/native/c`,
-];
-
-async function run(cmd: string, args: string[], what: string): Promise<string> {
-  const out = await new Deno.Command(cmd, {
-    args,
-    stdout: "piped",
-    stderr: "piped",
-    // The programs leave their test scaffolding allocated at exit: leaks are not what they test.
-    env: { ASAN_OPTIONS: "detect_leaks=0:abort_on_error=0", UBSAN_OPTIONS: "print_stacktrace=1" },
-  }).output();
-  const text = new TextDecoder().decode(out.stdout) + new TextDecoder().decode(out.stderr);
-  assert.equal(out.code, 0, `${what} exited ${out.code}:\n${text}`);
-  return text;
-}
-
-/** Builds csrc/*.c with the sanitizers once; each program links all but the files it includes. */
-async function objects(dir: string): Promise<Map<string, string>> {
-  const objs = new Map<string, string>();
-  const jobs: Promise<string>[] = [];
-  for await (const e of Deno.readDir(`${ROOT}csrc`)) {
-    if (!e.isFile || !e.name.endsWith(".c")) continue;
-    const o = `${dir}/${e.name.replace(/\.c$/, ".o")}`;
-    objs.set(e.name, o);
-    jobs.push(run("gcc", [...FLAGS, "-c", `${ROOT}csrc/${e.name}`, "-o", o], `gcc ${e.name}`));
-  }
-  await Promise.all(jobs);
-  return objs;
-}
-
-async function liburing(): Promise<string> {
-  for (const p of LIBURING) {
-    if (await Deno.stat(p).then(() => true, () => false)) return p;
-  }
-  throw new Error(`liburing.a not found in ${LIBURING.join(", ")} (make liburing)`);
-}
-
-async function build(
-  dir: string,
-  objs: Map<string, string>,
-  name: string,
-  includes: string[],
-): Promise<string> {
-  const exe = `${dir}/${name}`;
-  const linked = [...objs].filter(([c]) => !includes.includes(c)).map(([, o]) => o);
-  await run(
-    "gcc",
-    [...FLAGS, "-o", exe, `${ROOT}tests/native/c/${name}.c`, ...linked, await liburing(), "-ldl"],
-    `link ${name}`,
-  );
-  return exe;
-}
+import { build, objects, run } from "./_sanitized_c.ts";
 
 Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a close waits for a submit or sync past its lookup", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-races-" });
   try {
     const objs = await objects(dir);
-    const [parts, broken, close] = await Promise.all([
+    const [parts, broken, close, peerClose] = await Promise.all([
       build(dir, objs, "xfer_parts", ["pf_tcp.c"]),
       build(dir, objs, "xfer_broken", []),
       build(dir, objs, "uring_close", ["pf_uring.c"]),
+      build(dir, objs, "xfer_submit_close", ["pf_xfer.c"]),
     ]);
 
     for (const mode of ["", "ack"]) {
@@ -107,6 +40,12 @@ Deno.test("C races: a landed part counts against its own batch, a broken peer en
       assert.match(out, /pf_uring_close: 0/);
       assert.match(out, /pool destroy 0, ring destroy 0/);
     }
+    const lookup = await run(peerClose, ["lookup"], "xfer_submit_close lookup");
+    assert.match(lookup, /submit: -9 pf_xfer_submit: peer \d+ is closing/, "refused");
+    assert.match(lookup, /pf_xfer_peer_close: 0/);
+    const armed = await run(peerClose, ["armed"], "xfer_submit_close armed");
+    assert.match(armed, /records: 1 \(tag 7 status -9\)/, "the batch ended PF_ESHUTDOWN");
+    assert.match(armed, /pf_xfer_peer_close: 0/);
   } finally {
     await Deno.remove(dir, { recursive: true });
   }
