@@ -353,6 +353,9 @@ export class XferPeer {
    * "host:port" text; RDMA: QP numbers, PSNs, LIDs/GIDs, rkeys, pool address).
    */
   info(): Uint8Array {
+    if (this.#closed) {
+      throw new NativeError("pf_xfer_peer_info", -9, `peer ${this.handle} is closed`);
+    }
     const n = check("pf_xfer_peer_info", xferLib().pf_xfer_peer_info(this.handle, null, 0));
     const buf = new Uint8Array(n);
     check("pf_xfer_peer_info", xferLib().pf_xfer_peer_info(this.handle, buf, n));
@@ -382,12 +385,21 @@ export class XferPeer {
 
   /** Why the last connect failed, or what broke the peer ("" if nothing). */
   lastError(): string {
+    // Once close() began, the library frees the peer on another thread: never read it then.
+    if (this.#closed) return `peer ${this.handle} is closed`;
     const n = xferLib().pf_xfer_peer_error(this.handle, ERR_BUF, ERR_BUF.length);
     return n > 0 ? DECODER.decode(ERR_BUF.subarray(0, Math.min(n, ERR_BUF.length - 1))) : "";
   }
 
-  /** Connected, remote pool size, batches in flight, failure. */
+  /**
+   * Connected, remote pool size, batches in flight, failure. A peer whose
+   * close() began reads as broken by PF_ESHUTDOWN, without asking the library
+   * (which frees the peer on another thread meanwhile).
+   */
   state(): PeerState {
+    if (this.#closed) {
+      return { connected: false, remoteBytes: 0, inflight: 0, broken: PF_STATUS.PF_ESHUTDOWN };
+    }
     const out = new Uint8Array(XFER_PEER_STATUS_BYTES);
     check("pf_xfer_peer_state", xferLib().pf_xfer_peer_state(this.handle, out));
     return decodeXferPeerStatus(out);

@@ -96,3 +96,26 @@ Deno.test("the transfer metrics stop reading an endpoint once it is closed, keep
     b.engine.close();
   }
 });
+
+Deno.test("a peer whose close began reads as shut down without asking the library (which frees it meanwhile)", async () => {
+  const a = new LocalNode(4 * MiB, 1);
+  const b = new LocalNode(4 * MiB, 2);
+  try {
+    const peer = b.ep.createPeer();
+    await peer.connect(`127.0.0.1:${a.ep.info().port}`, 5000);
+    assert.equal(peer.state().connected, true);
+    const closing = peer.close();
+    // Asked while the close runs on another thread, and after: never a read of the freed peer.
+    for (const s of [peer.state(), (await closing, peer.state())]) {
+      assert.deepEqual(s, { connected: false, remoteBytes: 0, inflight: 0, broken: -9 });
+    }
+    assert.match(peer.lastError(), /is closed/);
+    assert.throws(
+      () => peer.info(),
+      (e) => e instanceof NativeError && /is closed/.test(e.message),
+    );
+  } finally {
+    await b.close();
+    await a.close();
+  }
+});
