@@ -121,13 +121,19 @@ static void tune_socket(int fd, uint32_t sock_buf) {
   setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
 }
 
-/* Waits until fd is ready for `events` or *stop is set; 1 ready, 0 stop,
- * -1 error (errno). */
-static int wait_fd(int fd, short events, atomic_int *stop) {
+/* Waits until fd is ready for `events`, *stop is set or `deadline` (pf_now_ns
+ * clock; 0 = none) passes; 1 ready, 0 stop, -1 error (errno), -3 deadline. */
+static int wait_fd(int fd, short events, atomic_int *stop, uint64_t deadline) {
   struct pollfd pfd = {.fd = fd, .events = events};
   for (;;) {
     if (stop && atomic_load(stop)) return 0;
-    int r = poll(&pfd, 1, TCP_POLL_MS);
+    int ms = TCP_POLL_MS;
+    if (deadline) {
+      int64_t left = (int64_t)(deadline - pf_now_ns()) / 1000000;
+      if (left <= 0) return -3;
+      if (left < ms) ms = (int)left;
+    }
+    int r = poll(&pfd, 1, ms);
     if (r > 0) return 1;
     if (r < 0 && errno != EINTR) return -1;
   }
@@ -146,7 +152,7 @@ static int send_all(int fd, const void *buf, size_t len, atomic_int *stop) {
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      int r = wait_fd(fd, POLLOUT, stop);
+      int r = wait_fd(fd, POLLOUT, stop, 0);
       if (r == 0) return -2;
       if (r < 0) return -1;
       continue;
@@ -156,8 +162,9 @@ static int send_all(int fd, const void *buf, size_t len, atomic_int *stop) {
   return 0;
 }
 
-/* Receives exactly len bytes. 0 ok, -1 error (errno; 0 = EOF), -2 stopped. */
-static int recv_all(int fd, void *buf, size_t len, atomic_int *stop) {
+/* Receives exactly len bytes by `deadline` (pf_now_ns clock; 0 = none). 0 ok,
+ * -1 error (errno; 0 = EOF), -2 stopped, -3 the deadline passed first. */
+static int recv_all(int fd, void *buf, size_t len, atomic_int *stop, uint64_t deadline) {
   uint8_t *b = buf;
   while (len) {
     ssize_t n = recv(fd, b, len, MSG_DONTWAIT);
@@ -172,39 +179,12 @@ static int recv_all(int fd, void *buf, size_t len, atomic_int *stop) {
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      int r = wait_fd(fd, POLLIN, stop);
+      int r = wait_fd(fd, POLLIN, stop, deadline);
       if (r == 0) return -2;
-      if (r < 0) return -1;
+      if (r < 0) return r;
       continue;
     }
     return -1;
-  }
-  return 0;
-}
-
-/* recv_all with a deadline (pf_now_ns clock): 0 ok, -1 error (errno; 0 =
- * EOF), -3 the deadline passed first. For the connect handshake, where the
- * other end may be anything that accepts and then never finishes a frame. */
-static int recv_by(int fd, void *buf, size_t len, uint64_t deadline) {
-  uint8_t *b = buf;
-  while (len) {
-    ssize_t n = recv(fd, b, len, MSG_DONTWAIT);
-    if (n > 0) {
-      b += n;
-      len -= (size_t)n;
-      continue;
-    }
-    if (n == 0) {
-      errno = 0;
-      return -1;
-    }
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
-    int64_t left = (int64_t)(deadline - pf_now_ns()) / 1000000;
-    if (left <= 0) return -3;
-    struct pollfd pfd = {.fd = fd, .events = POLLIN};
-    if (poll(&pfd, 1, left > TCP_POLL_MS ? TCP_POLL_MS : (int)left) < 0 && errno != EINTR)
-      return -1;
   }
   return 0;
 }
@@ -323,7 +303,7 @@ static int serve_payload(tcp_conn *c, const wire_seg *segs, uint32_t n, int to_s
     if (m < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        int r = wait_fd(c->fd, to_socket ? POLLOUT : POLLIN, &t->stop);
+        int r = wait_fd(c->fd, to_socket ? POLLOUT : POLLIN, &t->stop, 0);
         if (r == 0) return -2;
         if (r < 0) return -1;
         continue;
@@ -349,7 +329,7 @@ static int serve_payload(tcp_conn *c, const wire_seg *segs, uint32_t n, int to_s
 static int discard(int fd, uint64_t bytes, uint8_t *scratch, atomic_int *stop) {
   while (bytes) {
     size_t n = bytes < TCP_SCRATCH ? (size_t)bytes : TCP_SCRATCH;
-    int r = recv_all(fd, scratch, n, stop);
+    int r = recv_all(fd, scratch, n, stop, 0);
     if (r) return r;
     bytes -= n;
   }
@@ -384,7 +364,7 @@ static void *serve_main(void *arg) {
   uint8_t *scratch = malloc(TCP_SCRATCH);
   pf_tcp_frame f;
   if (!segs || !scratch) goto out;
-  if (recv_all(c->fd, &f, sizeof f, &t->stop) || f.magic != TCP_MAGIC) goto out;
+  if (recv_all(c->fd, &f, sizeof f, &t->stop, 0) || f.magic != TCP_MAGIC) goto out;
   if (f.op == OP_BLAST) {
     serve_blast(c, f.bytes, f.aux & PF_BLAST_WIDE, f.part);
     goto out;
@@ -394,7 +374,7 @@ static void *serve_main(void *arg) {
                         .aux = TCP_VERSION, .part = f.part};
   if (send_all(c->fd, &hello, sizeof hello, &t->stop)) goto out;
   for (;;) {
-    if (recv_all(c->fd, &f, sizeof f, &t->stop)) break;
+    if (recv_all(c->fd, &f, sizeof f, &t->stop, 0)) break;
     /* A frame we cannot parse leaves the stream out of sync: drop it. */
     if (f.magic != TCP_MAGIC || f.nseg > TCP_MAX_FRAME_SEGS) break;
     if (f.op == OP_IMM) {
@@ -406,7 +386,7 @@ static void *serve_main(void *arg) {
       continue;
     }
     if (f.op != OP_READ && f.op != OP_WRITE) break;
-    if (f.nseg && recv_all(c->fd, segs, (size_t)f.nseg * sizeof *segs, &t->stop)) break;
+    if (f.nseg && recv_all(c->fd, segs, (size_t)f.nseg * sizeof *segs, &t->stop, 0)) break;
     /* Our own bounds, whatever the peer believes our pool to be. */
     int32_t status = f.nseg ? PF_OK : PF_EINVAL;
     uint64_t total = 0;
@@ -800,7 +780,7 @@ static int recv_payload(tcp_stream *st, xfer_slot *s, uint32_t gen, uint32_t par
     if (drained) {
       int want = left_total < TCP_RCVLOWAT ? (int)left_total : (int)TCP_RCVLOWAT;
       set_lowat(st, want);
-      int r = wait_fd(st->fd, POLLIN, &tp->stop);
+      int r = wait_fd(st->fd, POLLIN, &tp->stop, 0);
       if (r == 0) return -2;
       if (r < 0) return -1;
       drained = 0;
@@ -895,7 +875,7 @@ static void *rx_main(void *arg) {
   tcp_peer *tp = p->impl;
   pf_tcp_frame f;
   for (;;) {
-    int r = recv_all(st->fd, &f, sizeof f, &tp->stop);
+    int r = recv_all(st->fd, &f, sizeof f, &tp->stop, 0);
     if (r == -2) break;
     if (r < 0) {
       stream_fail(st, "receive", eof_text());
@@ -1006,7 +986,7 @@ static int32_t tcp_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_t
     }
     /* The whole answer by the deadline: a listener that is not a PegaFlow
      * endpoint may send part of a frame and then nothing. */
-    int got = recv_by(st->fd, &ans, sizeof ans, deadline);
+    int got = recv_all(st->fd, &ans, sizeof ans, NULL, deadline);
     if (got == -3) {
       rc = pf_fail(PF_ETIMEDOUT, "%s: stream %u to %s: no hello within %d ms", fn, i,
                    tp->remote, timeout_ms);
