@@ -35,16 +35,9 @@ static void *closer(void *arg) {
 }
 /* Runs pf_uring_close on another thread and gives it up to 300 ms. */
 static void close_meanwhile(const char *during) {
-  pthread_t t;
-  pthread_create(&t, NULL, closer, NULL);
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  ts.tv_nsec += 300000000;
-  if (ts.tv_nsec >= 1000000000) { ts.tv_sec++; ts.tv_nsec -= 1000000000; }
-  int e = pthread_timedjoin_np(t, NULL, &ts);
-  printf("close during %s: %s (rc %d)\n", during,
-         e == 0 ? "finished" : "still waiting for it", close_rc);
-  if (e) pthread_detach(t);
+  int done = run_within(closer, 300);
+  printf("close during %s: %s (rc %d)\n", during, done ? "finished" : "still waiting for it",
+         close_rc);
 }
 static void *hook_calloc(size_t n, size_t sz) {
   if (hook_armed == 1 && n == 1 && sz == sizeof(io_batch)) {
