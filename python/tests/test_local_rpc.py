@@ -476,33 +476,43 @@ def test_nowait_calls_work_in_a_process_with_over_1024_descriptors(sock_dir):
         s.stop()
 
 
-def test_a_server_trickling_its_answer_cannot_stretch_a_call_past_its_deadline(sock_dir):
-    """Each read of an answer gets only what is left of the call's deadline: a server sending a
-    byte every 0.2 s once kept a 0.5 s call going for as long as it trickled."""
-    from pegaflow.local_rpc import _HEADER, LocalRpc, LocalRpcStatus
+def _trickling_server(path: str, payload: int, stop: threading.Event):
+    """A framed RPC server on `path` that answers its first call with `payload` bytes, one byte
+    every 0.2 s, then holds the connection until `stop`: (listener, thread)."""
+    from pegaflow.local_rpc import _HEADER
 
-    path = os.path.join(sock_dir, "trickle.sock.rpc")
     lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lst.bind(path)
     lst.listen(1)
-    stop = threading.Event()
 
     def serve() -> None:
         c, _ = lst.accept()
-        n, call_id, _method = _HEADER.unpack(c.recv(_HEADER.size, socket.MSG_WAITALL))
-        c.recv(n - 5, socket.MSG_WAITALL)
-        answer = _HEADER.pack(5 + 64, call_id, 0) + b"x" * 64
-        for i in range(len(answer)):  # one byte at a time
-            if stop.wait(0.2):
-                break
-            try:
-                c.send(answer[i:i + 1])
-            except OSError:
-                break
-        c.close()
+        with c:
+            n, call_id, _method = _HEADER.unpack(c.recv(_HEADER.size, socket.MSG_WAITALL))
+            c.recv(n - 5, socket.MSG_WAITALL)
+            answer = _HEADER.pack(5 + payload, call_id, 0) + b"x" * payload
+            for i in range(len(answer)):  # one byte at a time
+                if stop.wait(0.2):
+                    return
+                try:
+                    c.send(answer[i:i + 1])
+                except OSError:
+                    return
+            stop.wait(10)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
+    return lst, t
+
+
+def test_a_server_trickling_its_answer_cannot_stretch_a_call_past_its_deadline(sock_dir):
+    """Each read of an answer gets only what is left of the call's deadline: a server sending a
+    byte every 0.2 s once kept a 0.5 s call going for as long as it trickled."""
+    from pegaflow.local_rpc import LocalRpc, LocalRpcStatus
+
+    path = os.path.join(sock_dir, "trickle.sock.rpc")
+    stop = threading.Event()
+    lst, t = _trickling_server(path, 64, stop)
     rpc = LocalRpc(path, 64 << 20)
     try:
         t0 = time.monotonic()
@@ -519,28 +529,11 @@ def test_a_server_trickling_its_answer_cannot_stretch_a_call_past_its_deadline(s
 def test_a_server_trickling_its_answer_cannot_stretch_a_nowait_call_past_its_deadline(sock_dir):
     """The nowait reader read a frame it had begun whole, however slowly it came: a server
     sending a byte every 0.2 s kept a 0.5 s call waiting ~5 s, then answered it OK."""
-    from pegaflow.local_rpc import _HEADER, LocalRpc
+    from pegaflow.local_rpc import LocalRpc
 
     path = os.path.join(sock_dir, "trickle.sock.rpc")
-    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    lst.bind(path)
-    lst.listen(1)
     stop = threading.Event()
-
-    def serve() -> None:
-        c, _ = lst.accept()
-        with c:
-            n, call_id, _method = _HEADER.unpack(c.recv(_HEADER.size, socket.MSG_WAITALL))
-            c.recv(n - 5, socket.MSG_WAITALL)
-            answer = _HEADER.pack(5 + 16, call_id, 0) + b"x" * 16
-            for i in range(len(answer)):  # one byte at a time
-                if stop.wait(0.2):
-                    return
-                c.send(answer[i:i + 1])
-            stop.wait(10)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
+    lst, t = _trickling_server(path, 16, stop)
     rpc = LocalRpc(path, 64 << 20)
     try:
         got = []
