@@ -223,7 +223,8 @@ class WorkerCore:
 
     def bind(self, plan: StepPlan) -> None:
         self._plan = plan
-        self._settled_early = []
+        if self._settled_early:  # (no new list per step: most steps settle nothing early)
+            self._settled_early = []
 
     def unbind(self) -> None:
         self._plan = None
@@ -533,7 +534,9 @@ class WorkerCore:
         blocks computed over a load of this step that failed is dropped: their KV
         is wrong (vLLM recomputes them), and stored under the prompt's hashes it
         would be served to every later request with that prefix."""
-        loads, self._settled_early = self._settled_early + self.step_loads, []
+        loads = self.step_loads
+        if self._settled_early:
+            loads, self._settled_early = self._settled_early + loads, []
         self._finish_step_loads()
         plan = self._plan
         if plan is None or not plan.saves:
