@@ -206,3 +206,34 @@ def test_decode_saves_each_block_once_as_it_fills():
     p = s.build_step([ScheduledRequest("r", None, False, BS + 3, 1)])
     assert [x.block_ids for x in p.saves] == [[4]]
     assert s.request_finished(r) is True
+
+
+def test_hashes_finer_than_a_block_are_never_queried_nor_saved(caplog):
+    # vLLM hashes every hash_block_size tokens (hybrid KV groups, a prefix_match_unit below the
+    # block size): block i stored under hashes[i] would cover only part of its tokens, and be
+    # served to a prompt that shares just those.
+    c = FakeClient([ready(3)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    r = Req("r", 4 * BS + 1, hashes(8))  # one hash per BS / 2 tokens
+    with caplog.at_level("ERROR", logger="pegaflow.connector"):
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert s.get_num_new_matched_tokens(Req("r2", 4 * BS + 1, hashes(8)), 0) == (0, False)
+    assert c.queries == []
+    s.update_state_after_alloc(r, [1, 2, 3, 4, 5], 0)
+    p = s.build_step([ScheduledRequest("r", [1, 2, 3, 4, 5], True, 0, 4 * BS + 1)])
+    assert p.saves == []
+    errors = [m for m in caplog.messages if "block hashes" in m]
+    assert len(errors) == 1 and "request r:" in errors[0] and "need 4 block hashes, the engine gave 8" in errors[0]
+    assert s.stats["hash_granularity_refused"] == 2
+
+
+def test_no_block_hashes_prefix_caching_off_is_a_miss_said_once(caplog):
+    c = FakeClient([])
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
+    with caplog.at_level("ERROR", logger="pegaflow.connector"):
+        assert s.get_num_new_matched_tokens(Req("r", 3 * BS, []), 0) == (0, False)
+    assert c.queries == []
+    assert any("prefix caching off" in m for m in caplog.messages)
+    # A prompt shorter than a block has no hash and needs none: it is tracked as usual.
+    assert s.get_num_new_matched_tokens(Req("short", BS - 1, []), 0) == (0, False)
+    assert s.stats["hash_granularity_refused"] == 1

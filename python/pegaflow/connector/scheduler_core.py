@@ -146,6 +146,9 @@ class SchedulerCore:
         self.loading_retry_s = loading_retry_s
         self._clock = clock
         self._waiting: Dict[str, _Waiting] = {}
+        self._granularity_warned = False
+        # Requests whose block hashes are not one per block (_hashes_per_block), until they finish.
+        self._refused: Set[str] = set()
         self.instance_id = instance_id
         self.block_size = block_size
         self.mode = mode
@@ -203,9 +206,44 @@ class SchedulerCore:
             self.stats["release_errors"] += 1
             log.debug("release failed: %s", e)
 
+    def _hashes_per_block(self, request: Any) -> bool:
+        """Whether `request.block_hashes` holds exactly one hash per full block of
+        `block_size` tokens, as the store's keys need (a block is saved and found under the
+        hash that ends on its last token). vLLM hashes at another granularity with hybrid
+        KV cache groups, context parallelism, or a `hash_block_size` (`prefix_match_unit`)
+        below the block size, and not at all with prefix caching off: stored under such
+        hashes, a block would be served for a prefix that shares only its first tokens.
+        Such a request is never loaded or saved (a miss), said once per process; a request
+        that passes is tracked from here on."""
+        rid = request.request_id
+        if rid in self._tracked:
+            return True
+        hashes = request.block_hashes
+        want = request.num_tokens // self.block_size
+        if len(hashes) == want:
+            self._tracked[rid] = _Tracked(request)
+            return True
+        if rid in self._refused:
+            return False
+        self._refused.add(rid)
+        self.stats["hash_granularity_refused"] += 1
+        if not self._granularity_warned:
+            self._granularity_warned = True
+            why = (
+                "none (is vLLM's prefix caching off?)" if not hashes
+                else f"{len(hashes)} (hashed every ~{request.num_tokens // len(hashes)} tokens)"
+            )
+            log.error(
+                "request %s: %d tokens in blocks of %d need %d block hashes, the engine gave %s: "
+                "PegaFlow neither loads nor saves such requests (one hash per KV block is required)",
+                rid, request.num_tokens, self.block_size, want, why,
+            )
+        return False
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         rid = request.request_id
-        self._tracked.setdefault(rid, _Tracked(request))
+        if not self._hashes_per_block(request):
+            return 0, False
         bs = self.block_size
         hashes = request.block_hashes
         computed = num_computed_tokens // bs
@@ -269,8 +307,10 @@ class SchedulerCore:
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """`block_ids`: all of the request's blocks (group 0), local prefix first."""
         rid = request.request_id
-        tr = self._tracked.setdefault(rid, _Tracked(request))
         p = self._probes.pop(rid, None)
+        if not self._hashes_per_block(request):
+            return  # never probed (no lease to give back): not ours to load or save
+        tr = self._tracked[rid]
         n = num_external_tokens // self.block_size
         if n <= 0 or p is None or not p.result.lease_id:
             self._release(p)
@@ -452,6 +492,7 @@ class SchedulerCore:
         self._release(self._probes.pop(rid, None))
         self._waiting.pop(rid, None)
         tr = self._tracked.pop(rid, None)
+        self._refused.discard(rid)
         if rid in self._loading or (tr is not None and (tr.had_save or tr.had_load)):
             self._delayed.add(rid)
             return True
