@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from pegaflow.connector.vllm import ConnectorSettings, PegaflowConnector
@@ -101,3 +102,23 @@ def test_a_scheduler_side_load_issuer_under_vllms_async_scheduling_is_warned_abo
         assert any(issuer in m and "async_scheduling" in m and "--no-async-scheduling" in m for m in warned), warned
         assert settings(issuer, False) == []
     assert settings("worker", True) == []
+
+
+def test_hybrid_kv_cache_groups_and_context_parallelism_are_refused_at_construction(uid):
+    # vllm/v1/kv_cache_interface.py KVCacheConfig.kv_cache_groups: a hybrid model (sliding window +
+    # full attention) has one block table per group; vllm/config/parallel.py
+    # decode_context_parallel_size splits a block's KV over ranks. Neither can be stored per
+    # (block id, layer) of group 0: refused by name, before any client or registration exists.
+    from pegaflow.connector.vllm_api import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    cfg = vllm_config("127.0.0.1:1", uid, "tiny-" + uid, "layerwise")
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
+    two = KVCacheConfig(num_blocks=8, kv_cache_groups=[
+        KVCacheGroupSpec(["l.0", "l.2"], spec), KVCacheGroupSpec(["l.1"], spec),
+    ])
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=r"one KV cache group; this model has 2 .*\[2, 1\]"):
+            PegaflowConnector(cfg, role, two)
+    cfg.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
+        PegaflowConnector(cfg, KVConnectorRole.SCHEDULER, None)

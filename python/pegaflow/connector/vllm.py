@@ -11,7 +11,9 @@ read here (all present at that commit):
   vllm_config.model_config.{model, dtype, use_mla, get_num_kv_heads(pc), get_head_size(),
     get_total_num_hidden_layers() (or hf_text_config.num_hidden_layers)}
   vllm_config.cache_config.{block_size, cache_dtype}
-  vllm_config.parallel_config.{tensor_parallel_size, pipeline_parallel_size, rank}
+  vllm_config.parallel_config.{tensor_parallel_size, pipeline_parallel_size, rank,
+    decode_context_parallel_size, prefill_context_parallel_size (if present)}
+  kv_cache_config.kv_cache_groups (if given)
   vllm_config.scheduler_config.async_scheduling (default load issuer only)
   request.{request_id, block_hashes, num_tokens, num_publishable_block_hashes (if present)}
   KVCacheBlocks.get_block_ids()
@@ -271,6 +273,24 @@ def _ranks(vllm_config: Any) -> Tuple[int, int]:
     return rank % pc.tensor_parallel_size, rank // pc.tensor_parallel_size
 
 
+def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuses, naming why, what the connector cannot store correctly: more than one KV cache
+    group (hybrid attention: each group has its own block table, and a save names group 0's
+    block ids for every layer), and context parallelism (a block's KV is split over ranks and
+    hashed per `block_size * cp` tokens). Raises ValueError."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise ValueError(
+            f"PegaflowConnector stores one KV cache group; this model has {len(groups)} "
+            f"(hybrid attention: {[len(g.layer_names) for g in groups]} layers each), which it does not support"
+        )
+    pc = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        n = int(getattr(pc, name, 1) or 1)
+        if n > 1:
+            raise ValueError(f"PegaflowConnector does not support context parallelism ({name}={n})")
+
+
 class PegaflowConnector(KVConnectorBase_V1):
     """vLLM KV connector v1 over PegaFlow; one instance per role and process.
 
@@ -284,6 +304,7 @@ class PegaflowConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_supported(vllm_config, kv_cache_config)
         self.settings = ConnectorSettings.from_vllm(vllm_config)
         self.client = PegaflowClient(config=self.settings.client)
         self._scheduler: Optional[SchedulerCore] = None
