@@ -13,8 +13,10 @@
  * refused (the request never reached it; another D is tried), or closed/reset — typically a
  * keep-alive connection D had just closed (another D, else the same one on a new connection).
  * An engine that did receive such a request sees its connection close and aborts it, so no
- * generation is duplicated; once D has answered, nothing is retried. A P error that is not
- * transient (4xx, 500) is the client's answer as it stands, and D is not called.
+ * generation is duplicated; once D has answered, nothing is retried. A P or D whose answer is
+ * not a usable HTTP response head (headers too large, not HTTP) is retried on another backend
+ * only: the same one would answer the same. A P error that is not transient (4xx, 500) is the
+ * client's answer as it stands, and D is not called.
  *
  * Relaying D's body once it answered is lib/router/relay.ts's job.
  *
@@ -30,9 +32,14 @@ import { ClientGone, RouterError } from "./errors.ts";
 import { describeError } from "./health.ts";
 import type { Logger } from "../log.ts";
 import type { RouterMetrics } from "./metrics.ts";
-import { pipeBody, relayBody, relayHeaders, type RelayOutcome } from "./relay.ts";
+import { relayDecodeBody, relayHeaders, type RelayOutcome } from "./relay.ts";
 import type { GenerationRequest, JsonObject } from "./validate.ts";
-import { classifyNetworkError, TRANSIENT_STATUSES, UpstreamLink } from "./upstream.ts";
+import {
+  classifyNetworkError,
+  type NetworkFailure,
+  TRANSIENT_STATUSES,
+  UpstreamLink,
+} from "./upstream.ts";
 import { BodyError, readBodyLimited } from "../http/body.ts";
 
 /** Largest prefill answer read (a max_tokens=1 completion is a few KiB). */
@@ -48,7 +55,10 @@ export interface FlowDeps {
   client: Deno.HttpClient;
   prefillTimeoutMs: number;
   decodeTimeoutMs: number;
-  /** `null`: pipe D's body natively; a number: relay chunk by chunk and enforce this silence. */
+  /**
+   * `null`: pipe D's body natively, except SSE streams (relayed chunk by chunk, see relay.ts); a
+   * number: relay every body chunk by chunk and enforce this silence.
+   */
   streamIdleTimeoutMs: number | null;
   /**
    * Whether this Deno aborts a request's signal after a successful response too (its legacy
@@ -131,7 +141,7 @@ function upstreamHeaders(ctx: FlowContext): Headers {
 type Attempt =
   | { kind: "http"; status: number; text: string; contentType: string }
   | { kind: "timeout" }
-  | { kind: "network"; failure: "connect" | "network"; message: string }
+  | { kind: "network"; failure: NetworkFailure; message: string }
   | { kind: "oversized"; message: string };
 
 /** One attempt's verdict, for {@link withOneRetry}. */
@@ -253,8 +263,9 @@ export async function runPrefill(
       kind: "retry",
       reason,
       detail,
-      // A connection failure marked the backend down, so `healthy` rules it out here.
-      sameBackend: true,
+      // A connection failure marked the backend down, so `healthy` rules it out here. An
+      // answer that cannot be parsed would come again from the same P: another P only.
+      sameBackend: reason !== "bad_response",
       giveUp: (attempts) =>
         new RouterError(
           out.kind === "http" ? out.status : 502,
@@ -313,7 +324,8 @@ async function prefillAttempt(
   } catch (e) {
     if (link.cause === "client_gone") throw new ClientGone("prefill");
     if (link.cause === "timeout") return { kind: "timeout" };
-    return { kind: "network", failure: classifyNetworkError(e), message: describeError(e) };
+    const failure = classifyNetworkError(e);
+    return { kind: "network", failure, message: failureMessage(failure, e) };
   } finally {
     link.dispose();
     pool.release(backend);
@@ -388,15 +400,16 @@ export async function runDecode(
       }
       const failure = classifyNetworkError(e);
       metrics.upstreamFailures.inc({ role: "decode", reason: failure });
-      const message = describeError(e);
+      const message = failureMessage(failure, e);
       if (failure === "connect") pool.markDown(backend, `connection failed: ${message}`);
       return {
         kind: "retry",
         reason: failure,
         detail: message,
         // Refused: the request never reached D, another D takes it. Closed/reset: D had
-        // likely just closed a keep-alive connection; the same D on a new one will do.
-        sameBackend: failure !== "connect",
+        // likely just closed a keep-alive connection; the same D on a new one will do. An
+        // answer that cannot be parsed would come again from the same D: another D only.
+        sameBackend: failure === "network",
         giveUp: () =>
           new RouterError(
             502,
@@ -411,9 +424,7 @@ export async function runDecode(
     if (res.status >= 400) logErrorAnswer(deps, "decode", backend, res.status, ctx);
     const headers = relayHeaders(res.headers, ctx.requestId);
     const done = (outcome: RelayOutcome) => onEnd(res.status, outcome);
-    const stream = deps.streamIdleTimeoutMs === null
-      ? pipeBody(deps, res, backend, link, t0, ctx, done)
-      : relayBody(deps, res, backend, link, t0, ctx, deps.streamIdleTimeoutMs, done);
+    const stream = relayDecodeBody(deps, res, backend, link, t0, ctx, done);
     return { kind: "done", value: new Response(stream, { status: res.status, headers }) };
   });
 }
@@ -459,6 +470,12 @@ function noBackend(role: Role, pool: BackendPool): RouterError {
     null,
     `no_${role}_backend`,
   );
+}
+
+/** What a failed fetch says to the client and the log; an unparsable answer is named as one. */
+function failureMessage(failure: NetworkFailure, e: unknown): string {
+  const text = describeError(e);
+  return failure === "bad_response" ? `answered with an unusable HTTP response: ${text}` : text;
 }
 
 const SNIPPET_CHARS = 300;

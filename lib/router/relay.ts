@@ -1,7 +1,14 @@
 /**
  * Relaying D's response to the client: which headers pass, and the body either piped natively
- * (no JavaScript per chunk) or pulled chunk by chunk under a stream idle deadline, with the time
- * to first byte, the end of the relay and a client that leaves accounted for exactly once.
+ * (no JavaScript per chunk) or pulled chunk by chunk, with the time to first byte, the end of the
+ * relay and a client that leaves accounted for exactly once.
+ *
+ * Which one ({@link relayDecodeBody}): an SSE stream, or any body under a stream idle deadline,
+ * is pulled chunk by chunk, because only a relay that reads D's body itself sees D break off
+ * while the client's stream is still open, and can end it with an error event the client
+ * understands; the native pipe learns of the break only after Deno has cut the client's
+ * connection (a truncated chunked body, no explanation). Other bodies (one JSON answer) are
+ * piped natively: a cut JSON body cannot be mended, only cut, and the pipe does that too.
  *
  * The retry rules stop where this module starts: once D has answered, nothing is retried
  * (lib/router/pd_flow.ts).
@@ -19,6 +26,8 @@ import type { UpstreamLink } from "./upstream.ts";
 export type RelayOutcome = "ok" | "client_gone" | "idle_timeout" | "network";
 
 const encoder = new TextEncoder();
+/** Size of the buffer D's body is read into (Deno's own read size for a response body). */
+const READ_BUFFER_BYTES = 64 * 1024;
 
 /** Headers that describe one hop's connection, or that the relay changes, and are not copied. */
 const HOP_HEADERS = new Set([
@@ -56,12 +65,37 @@ function sseError(
 }
 
 /**
+ * Relays D's body: SSE streams, and every body when `deps.streamIdleTimeoutMs` is set, through
+ * {@link relayBody} (D breaking off ends an SSE stream with an error event); other bodies
+ * through {@link pipeBody}. `onEnd` is called exactly once, when the relay is over.
+ */
+export function relayDecodeBody(
+  deps: FlowDeps,
+  res: Response,
+  backend: Backend,
+  link: UpstreamLink,
+  t0: number,
+  ctx: FlowContext,
+  onEnd: (outcome: RelayOutcome) => void,
+): ReadableStream<Uint8Array> | null {
+  if (deps.streamIdleTimeoutMs === null && !isEventStream(res.headers)) {
+    return pipeBody(deps, res, backend, link, t0, ctx, onEnd);
+  }
+  return relayBody(deps, res, backend, link, t0, ctx, deps.streamIdleTimeoutMs, onEnd);
+}
+
+function isEventStream(headers: Headers): boolean {
+  return (headers.get("content-type") ?? "").includes("text/event-stream");
+}
+
+/**
  * Hands D's body to the server as it is: Deno then moves the bytes from D's socket to the
  * client's in native code, chunk by chunk as they arrive, with no JavaScript per chunk. The time
  * to first byte is taken at D's response headers; the end is learnt from the server's delivery
  * promise. A client that leaves makes that promise reject, and the upstream request is aborted.
+ * A D that breaks off is only counted: the client's body is cut, with nothing added to it.
  */
-export function pipeBody(
+function pipeBody(
   deps: FlowDeps,
   res: Response,
   backend: Backend,
@@ -87,6 +121,10 @@ export function pipeBody(
       const outcome: RelayOutcome = ctx.signal.aborted ? "client_gone" : "network";
       if (outcome === "network") {
         metrics.upstreamFailures.inc({ role: "decode", reason: "network" });
+        deps.log.warn("decode stream cut short", {
+          request_id: ctx.requestId,
+          reason: `decode backend ${backend.url} failed mid-response; the client's body was cut`,
+        });
       }
       link.abort("client_gone");
       link.dispose();
@@ -100,15 +138,18 @@ export function pipeBody(
 /**
  * Wraps D's body in a pull-based stream: a chunk is read from D only when the client side is
  * ready for it, and handed on the moment it arrives, so nothing is buffered beyond one chunk.
+ * With `streamIdleTimeoutMs` (null: none) D's silence is bounded. A D that goes silent or breaks
+ * off ends an SSE stream with an OpenAI-style error event naming D and the request, then the
+ * end of the stream; a body of another kind is cut.
  */
-export function relayBody(
+function relayBody(
   deps: FlowDeps,
   res: Response,
   backend: Backend,
   link: UpstreamLink,
   t0: number,
   ctx: FlowContext,
-  streamIdleTimeoutMs: number,
+  streamIdleTimeoutMs: number | null,
   onEnd: (outcome: RelayOutcome) => void,
 ): ReadableStream<Uint8Array> | null {
   const { decode: pool, metrics, log } = deps;
@@ -117,11 +158,13 @@ export function relayBody(
   // When the pending read from D began, or -1 while none is pending: a client that reads slowly
   // leaves no read pending, and its slowness must not count as D's silence.
   let readingSince = -1;
-  const idleTimer = watchIdle(link, streamIdleTimeoutMs, () => readingSince);
+  const idleTimer = streamIdleTimeoutMs === null
+    ? undefined
+    : watchIdle(link, streamIdleTimeoutMs, () => readingSince);
   const end = (outcome: RelayOutcome) => {
     if (ended) return;
     ended = true;
-    clearInterval(idleTimer);
+    if (idleTimer !== undefined) clearInterval(idleTimer);
     link.dispose();
     pool.release(backend);
     onEnd(outcome);
@@ -130,14 +173,17 @@ export function relayBody(
     end("ok");
     return null;
   }
-  const reader = res.body.getReader();
-  const isSse = (res.headers.get("content-type") ?? "").includes("text/event-stream");
+  const reader = res.body.getReader({ mode: "byob" });
+  // One read buffer per stream, handed back by every read; what a read filled is copied out.
+  // A default reader would allocate a new 64 KiB buffer for every chunk of a few hundred bytes.
+  let buf = new Uint8Array(READ_BUFFER_BYTES);
+  const isSse = isEventStream(res.headers);
   return new ReadableStream<Uint8Array>({
     async pull(controller) {
       let r: ReadableStreamReadResult<Uint8Array>;
-      readingSince = performance.now();
+      if (idleTimer !== undefined) readingSince = performance.now();
       try {
-        r = await reader.read();
+        r = await reader.read(buf);
       } catch (e) {
         const cut = cutShort(deps, link, backend, ctx, streamIdleTimeoutMs, e);
         end(cut.outcome);
@@ -150,6 +196,7 @@ export function relayBody(
         return;
       }
       readingSince = -1;
+      buf = new Uint8Array(r.value.buffer as ArrayBuffer);
       if (first) {
         first = false;
         metrics.decodeTtfbSeconds.observe(
@@ -157,7 +204,7 @@ export function relayBody(
           (performance.now() - t0) / 1000,
         );
       }
-      controller.enqueue(r.value);
+      controller.enqueue(r.value.slice());
     },
     cancel(reason) {
       // The client went away (or Deno gave up writing to it): stop D's generation too.
@@ -204,7 +251,7 @@ function cutShort(
   link: UpstreamLink,
   backend: Backend,
   ctx: FlowContext,
-  streamIdleTimeoutMs: number,
+  streamIdleTimeoutMs: number | null,
   e: unknown,
 ): CutShort {
   if (link.cause === "client_gone") return { outcome: "client_gone", message: "" };

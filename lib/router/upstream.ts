@@ -69,20 +69,34 @@ export class UpstreamLink {
 }
 
 /** How a fetch that threw (not aborted by us) failed. */
-export type NetworkFailure = "connect" | "network";
+export type NetworkFailure = "connect" | "network" | "bad_response";
+
+/**
+ * What hyper says when a backend's answer is not a usable HTTP response head (too large, not
+ * HTTP, a bad header, status or length). The backend got the request and answered; it would
+ * answer the same again, so such a failure is never retried on the same backend.
+ */
+const BAD_RESPONSE_RE =
+  /message head is too large|invalid [\w -]+ parsed|unexpected transfer-encoding/i;
 
 /**
  * Classifies a fetch exception: `connect` when the TCP connection was never made (the request
- * certainly did not reach the backend, so any request may be retried), `network` otherwise
- * (reset, closed mid-response).
+ * certainly did not reach the backend, so any request may be retried), `bad_response` when the
+ * backend answered with a response head that cannot be parsed (e.g. headers over hyper's limit),
+ * `network` otherwise (reset, closed mid-response).
+ *
+ * @example
+ * ```ts
+ * const e = await fetch(url).then(() => null, (e) => e);
+ * if (classifyNetworkError(e) === "connect") pool.markDown(backend, String(e));
+ * ```
  */
 export function classifyNetworkError(e: unknown): NetworkFailure {
   const text = e instanceof Error
     ? `${e.message} ${e.cause instanceof Error ? e.cause.message : ""}`
     : String(e);
-  return /\(Connect\)|Connection refused|tcp connect error|dns error/i.test(text)
-    ? "connect"
-    : "network";
+  if (/\(Connect\)|Connection refused|tcp connect error|dns error/i.test(text)) return "connect";
+  return BAD_RESPONSE_RE.test(text) ? "bad_response" : "network";
 }
 
 /** HTTP statuses from a backend that mean "try again, maybe elsewhere". */

@@ -243,7 +243,7 @@ Deno.test("router splits each request between prefill and decode", async (t) => 
     );
 
     await t.step(
-      "a client that leaves mid-stream stops D (native pipe) and is counted as 499",
+      "a client that leaves mid-stream stops D (default relay) and is counted as 499",
       async () => {
         await d.control({ chunks: 500, chunkDelayMs: 10 });
         const stream = await client.completions.create({

@@ -72,3 +72,26 @@ Deno.test("errors render as OpenAI error bodies with the status and request id",
     code: null,
   });
 });
+
+Deno.test("an answer that is not a usable HTTP response head is told apart from a reset", async () => {
+  const answers = [
+    `HTTP/1.1 200 OK\r\nx-big: ${"x".repeat(1 << 20)}\r\ncontent-length: 2\r\n\r\n{}`,
+    "HELLO I AM NOT HTTP\r\n\r\n",
+    "HTTP/1.1 200 OK\r\ncontent-length: many\r\n\r\n",
+  ];
+  for (const answer of answers) {
+    const server = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+    const serving = (async () => {
+      const conn = await server.accept();
+      await conn.read(new Uint8Array(64 * 1024));
+      let bytes = new TextEncoder().encode(answer);
+      while (bytes.length > 0) bytes = bytes.subarray(await conn.write(bytes));
+      conn.close();
+    })();
+    const err = await fetch(`http://127.0.0.1:${server.addr.port}/`, { method: "POST", body: "x" })
+      .then(() => null, (e) => e);
+    await serving.catch(() => {});
+    server.close();
+    assert.equal(classifyNetworkError(err), "bad_response", `${answer.slice(0, 30)}: ${err}`);
+  }
+});
