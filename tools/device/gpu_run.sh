@@ -19,6 +19,8 @@
 #   peer         bench/peer_fetch.ts (peer fetch over TCP vs raw TCP; the machine's cores)
 #   control      bench/query_load_latency.py (a warm request's control plane before its copy,
 #                host backend; CONTROL_ARGS adds flags)
+#   router       bench/router_overhead.ts (the P/D router's added latency; no GPU, the machine's
+#                cores; ROUTER_ARGS replaces the default --requests 8192 --workers 4)
 # Results this run writes under bench/results/ are copied to $OUT too.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -44,6 +46,8 @@ for step in "$@"; do
     native) $DENO run --allow-all --cached-only bench/run.ts --backend cuda --only size,submit ;;
     ttft) python3 bench/ttft.py ${TTFT_ARGS:-} ;;
     control) python3 bench/query_load_latency.py ${CONTROL_ARGS:-} ;;
+    router) $DENO run --allow-all --cached-only --unstable-no-legacy-abort --unstable-net \
+      bench/router_overhead.ts ${ROUTER_ARGS:---requests 8192 --workers 4} ;;
     peer) ipdir=/tmp/pf-ip
       if [ -x .carry/ip/ip ]; then # `ip` on the PATH; its libraries for it alone, not its children
         mkdir -p $ipdir && printf '#!/bin/sh\nexec /lib64/ld-linux-x86-64.so.2 --library-path %s %s "$@"\n' \
