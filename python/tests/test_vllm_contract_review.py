@@ -119,6 +119,10 @@ def test_hybrid_kv_cache_groups_and_context_parallelism_are_refused_at_construct
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ValueError, match=r"one KV cache group; this model has 2 .*\[2, 1\]"):
             PegaflowConnector(cfg, role, two)
+    one = KVCacheConfig(num_blocks=8, kv_cache_groups=[KVCacheGroupSpec(["l.0"], spec)])
+    one.needs_kv_cache_zeroing = True  # vLLM's property for a Mamba group
+    with pytest.raises(ValueError, match="needs zeroing of new blocks"):
+        PegaflowConnector(cfg, KVConnectorRole.SCHEDULER, one)
     cfg.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
         PegaflowConnector(cfg, KVConnectorRole.SCHEDULER, None)

@@ -13,7 +13,7 @@ read here (all present at that commit):
   vllm_config.cache_config.{block_size, cache_dtype}
   vllm_config.parallel_config.{tensor_parallel_size, pipeline_parallel_size, rank,
     decode_context_parallel_size, prefill_context_parallel_size (if present)}
-  kv_cache_config.kv_cache_groups (if given)
+  kv_cache_config.{kv_cache_groups, needs_kv_cache_zeroing} (if given)
   vllm_config.scheduler_config.async_scheduling (default load issuer only)
   request.{request_id, block_hashes, num_tokens, num_publishable_block_hashes (if present)}
   KVCacheBlocks.get_block_ids()
@@ -277,12 +277,20 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuses, naming why, what the connector cannot store correctly: more than one KV cache
     group (hybrid attention: each group has its own block table, and a save names group 0's
     block ids for every layer), and context parallelism (a block's KV is split over ranks and
-    hashed per `block_size * cp` tokens). Raises ValueError."""
+    hashed per `block_size * cp` tokens), and a KV cache whose new blocks vLLM zeroes (Mamba
+    state). Raises ValueError."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     if len(groups) > 1:
         raise ValueError(
             f"PegaflowConnector stores one KV cache group; this model has {len(groups)} "
             f"(hybrid attention: {[len(g.layer_names) for g in groups]} layers each), which it does not support"
+        )
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        # vLLM zeroes newly allocated blocks of such models (Mamba state) in the step that
+        # runs them: a load issued before that step would be wiped.
+        raise ValueError(
+            "PegaflowConnector stores attention KV only; this model's KV cache needs zeroing of new "
+            "blocks (Mamba state), which it does not support"
         )
     pc = vllm_config.parallel_config
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
