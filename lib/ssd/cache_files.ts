@@ -70,16 +70,18 @@ export function lockPaths(paths: string[]): Map<string, Deno.FsFile | Error> {
   const out = new Map<string, Deno.FsFile | Error>();
   try {
     for (const given of paths) {
-      const path = isDirectory(given) ? `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}` : given;
-      if (out.has(path)) continue; // the same file named twice is one file
-      // ... and so is one file named through a symlink or a hard link: locking it again
-      // would find this process's own lock and refuse the start.
-      if (sameFileLocked(path, out)) continue;
+      let path = given;
       try {
+        if (isDirectory(given)) path = `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}`;
+        if (out.has(path)) continue; // the same file named twice is one file
+        // ... and so is one file named through a symlink or a hard link: locking it again
+        // would find this process's own lock and refuse the start.
+        if (sameFileLocked(path, out)) continue;
         out.set(path, lockCacheFile(path));
       } catch (e) {
+        // Unusable (not a directory on the way, a loop, no permission): skipped like the rest.
         if (e instanceof SsdLockedError) throw e;
-        out.set(path, e as Error);
+        if (!out.has(path)) out.set(path, e as Error);
       }
     }
   } catch (e) {
@@ -119,7 +121,9 @@ interface SizeOptions {
 
 /**
  * Opens and sizes every locked path; a path that fails is logged, its lock
- * dropped, and skipped.
+ * dropped, and skipped. The capacity is split over the paths that can be
+ * used: an unusable one (not opened, no room for a segment) gets no share,
+ * so the others hold what was asked (each capped to its free space).
  *
  * @throws SsdOpenError when no path is usable, with every path's reason.
  */
@@ -131,20 +135,47 @@ export async function openCacheFiles(
   reset: boolean,
   log: Logger,
 ): Promise<CacheFile[]> {
-  const files: CacheFile[] = [];
   const problems: string[] = [];
-  const share = Math.floor(opts.capacityBytes / locks.size);
+  const handles = new Map<string, number>();
+  const drop = (path: string, e: unknown): void => {
+    const handle = handles.get(path);
+    if (handle) uring.closeFile(handle);
+    handles.delete(path);
+    const lock = locks.get(path);
+    if (lock && !(lock instanceof Error)) lock.close();
+    locks.delete(path);
+    problems.push(`${path}: ${(e as Error).message}`);
+    log.error("SSD cache path is not usable", { path, error: (e as Error).message });
+  };
+  const given = locks.size;
   for (const [path, lock] of locks) {
-    const handle = { id: 0 };
     try {
       if (lock instanceof Error) throw lock;
-      files.push(await openCacheFile(uring, io, path, lock, handle, share, opts, reset, log));
+      handles.set(
+        path,
+        uring.openFile(path, FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0)),
+      );
     } catch (e) {
-      if (handle.id) uring.closeFile(handle.id);
-      if (!(lock instanceof Error)) lock.close();
-      locks.delete(path);
-      problems.push(`${path}: ${(e as Error).message}`);
-      log.error("SSD cache path is not usable", { path, error: (e as Error).message });
+      drop(path, e);
+    }
+  }
+  const plan = planSegments([...handles.keys()], opts, drop, log);
+  if (plan.size > 0 && plan.size < given) {
+    log.warn("SSD cache capacity split over the usable paths only", {
+      paths_given: given,
+      paths_usable: plan.size,
+      capacity_bytes: opts.capacityBytes,
+    });
+  }
+  const files: CacheFile[] = [];
+  for (const [path, segments] of plan) {
+    const lock = locks.get(path) as Deno.FsFile;
+    try {
+      files.push(
+        await openCacheFile(uring, io, path, lock, handles.get(path)!, segments, opts, reset, log),
+      );
+    } catch (e) {
+      drop(path, e);
     }
   }
   if (files.length === 0) {
@@ -154,27 +185,69 @@ export async function openCacheFiles(
 }
 
 /**
- * Opens one cache file with `share` bytes (capped to its filesystem's free
- * space), keeps its generation when its superblock matches, else starts it
- * empty under a new one. `handle.id` is set as soon as the file is open, so
- * the caller closes it if a later step throws.
+ * Segments per path: the capacity split evenly over the paths whose
+ * filesystem has room for a segment, each share capped to that room
+ * (logged). A path with no room is dropped before the split (its share goes
+ * to the others); a share too small for a segment drops every path.
+ */
+function planSegments(
+  paths: string[],
+  opts: SizeOptions,
+  drop: (path: string, e: unknown) => void,
+  log: Logger,
+): Map<string, number> {
+  const need = PAGE_BYTES + opts.segmentBytes;
+  const room = new Map<string, number>();
+  for (const path of paths) {
+    try {
+      const bytes = usableBytes(path);
+      if (bytes >= need) room.set(path, bytes);
+      else {
+        drop(
+          path,
+          new Error(`free space ${bytes} bytes holds no ${opts.segmentBytes}-byte segment`),
+        );
+      }
+    } catch (e) {
+      drop(path, e);
+    }
+  }
+  const plan = new Map<string, number>();
+  if (room.size === 0) return plan;
+  const share = Math.floor(opts.capacityBytes / room.size);
+  for (const [path, usable] of room) {
+    if (share < need) {
+      drop(path, new Error(`capacity ${share} bytes holds no ${opts.segmentBytes}-byte segment`));
+      continue;
+    }
+    if (share > usable) {
+      log.info("SSD cache capacity capped to the free space of its filesystem", {
+        path,
+        asked_bytes: share,
+        capped_bytes: usable,
+      });
+    }
+    plan.set(path, Math.floor((Math.min(share, usable) - PAGE_BYTES) / opts.segmentBytes));
+  }
+  return plan;
+}
+
+/**
+ * Opens one cache file, already open as `h`, with `segments` segments:
+ * keeps its generation when its superblock matches, else starts it empty
+ * under a new one.
  */
 async function openCacheFile(
   uring: Uring,
   io: SsdIo,
   path: string,
   lock: Deno.FsFile,
-  handle: { id: number },
-  share: number,
+  h: number,
+  segments: number,
   opts: SizeOptions,
   reset: boolean,
   log: Logger,
 ): Promise<CacheFile> {
-  const segments = segmentsFor(path, share, opts.segmentBytes, log);
-  const h = handle.id = uring.openFile(
-    path,
-    FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0),
-  );
   const info = uring.fileInfo(h);
   if (opts.direct && !info.direct) {
     log.warn("the filesystem refused O_DIRECT; running through the page cache", { path });
@@ -206,28 +279,12 @@ async function openCacheFile(
 }
 
 /**
- * Segments of a file given `share` bytes, capped to its filesystem's free
- * space (less a reserve) plus what the file holds already.
+ * Bytes a cache file may take: its filesystem's free space (less a reserve)
+ * plus what the file holds already.
  */
-function segmentsFor(path: string, share: number, segmentBytes: number, log: Logger): number {
+function usableBytes(path: string): number {
   const space = fsSpace(dirOf(path));
-  const usable = Math.floor(
-    (space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION),
-  );
-  let cap = share;
-  if (cap > usable) {
-    log.info("SSD cache capacity capped to the free space of its filesystem", {
-      path,
-      asked_bytes: share,
-      capped_bytes: usable,
-    });
-    cap = usable;
-  }
-  const segments = Math.floor((cap - PAGE_BYTES) / segmentBytes);
-  if (segments < 1) {
-    throw new Error(`capacity ${cap} bytes holds no ${segmentBytes}-byte segment`);
-  }
-  return segments;
+  return Math.floor((space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION));
 }
 
 /**

@@ -10,8 +10,8 @@
  * | off | type | field |
  * |-----|------|-------|
  * | 0   | u32  | magic `PFRC` |
- * | 4   | u16  | format version (1) |
- * | 6   | u16  | key length in bytes (≤ MAX_KEY_BYTES) |
+ * | 4   | u16  | format version (FORMAT_VERSION) |
+ * | 6   | u16  | key length in bytes (≤ MAX_KEY_BYTES; 0: a pad, below) |
  * | 8   | u64  | seq: global write sequence number (newer wins) |
  * | 16  | u64  | epoch: seq at which this segment was (re)opened for writing |
  * | 24  | u64  | payload length in bytes |
@@ -27,6 +27,12 @@
  * | 96  | ...  | key, then namespace, then layout summary (UTF-8) |
  *
  * The header CRC covers [0, 96 + key + namespace + summary lengths).
+ *
+ * A header with key length 0 is a _pad_: written over the header page of a
+ * record whose write failed, it says "recordBytes bytes here hold no block"
+ * (payload length 0, CRC 0, the failed record's seq and epoch), so a scan
+ * steps over the gap to the records placed after it in the same fill
+ * instead of ending the segment's chain there. A pad is never indexed.
  *
  * The layout fingerprint makes the one-layout-per-namespace rule survive a
  * restart: the index rebuilt from these headers knows which layout wrote
@@ -160,6 +166,53 @@ function fingerprintHex(b: Uint8Array): string {
   return s;
 }
 
+/** True when `h` is a pad (a failed record's space; see the module head): nothing to index. */
+export function isPad(h: RecordHeader): boolean {
+  return h.key === "";
+}
+
+/** What a pad header carries: the failed record's place in its fill and its size on disk. */
+export type PadHeader = Pick<
+  RecordHeader,
+  "seq" | "epoch" | "recordBytes" | "writtenAtMs" | "generation"
+>;
+
+/**
+ * A pad's namespace and layout: fixed, not the failed block's (whose own
+ * namespace or fingerprint may be what made its header fail to encode).
+ */
+const PAD_NAMESPACE = "(pad)";
+const PAD_LAYOUT = "0".repeat(2 * LAYOUT_FINGERPRINT_BYTES);
+
+/**
+ * Writes a pad header into `page`: the failed record's `recordBytes` hold no
+ * block, and a scan goes on after them.
+ *
+ * @example
+ * ```ts
+ * encodePadHeader(batch.headerPage(i), { seq, epoch, recordBytes: recordBytes(bytes),
+ *   writtenAtMs: Date.now(), generation });
+ * ```
+ */
+export function encodePadHeader(page: Uint8Array, p: PadHeader): void {
+  if (p.recordBytes < PAGE_BYTES || p.recordBytes % PAGE_BYTES !== 0) {
+    throw new RangeError(`a pad of ${p.recordBytes} bytes is not a whole number of pages`);
+  }
+  encodeHeader(
+    page,
+    {
+      ...p,
+      key: "",
+      payloadBytes: 0,
+      payloadCrc: 0,
+      namespace: PAD_NAMESPACE,
+      layout: PAD_LAYOUT,
+      layoutSummary: "",
+    },
+    new Uint8Array(0),
+  );
+}
+
 /** Writes a header into `page` (PAGE_BYTES, zeroed past the variable part). */
 export function encodeHeader(
   page: Uint8Array,
@@ -212,7 +265,7 @@ export function decodeHeader(page: Uint8Array): RecordHeader | HeaderProblem {
   if (v.getUint32(0, true) !== RECORD_MAGIC) return "magic";
   if (v.getUint16(4, true) !== FORMAT_VERSION) return "version";
   const keyLen = v.getUint16(6, true);
-  if (keyLen === 0 || keyLen > MAX_KEY_BYTES) return "key-length";
+  if (keyLen > MAX_KEY_BYTES) return "key-length"; // 0: a pad
   const nsLen = v.getUint16(80, true);
   const sumLen = v.getUint16(82, true);
   if (nsLen === 0 || nsLen > MAX_NAMESPACE_BYTES || sumLen > MAX_LAYOUT_SUMMARY_BYTES) {
@@ -230,7 +283,10 @@ export function decodeHeader(page: Uint8Array): RecordHeader | HeaderProblem {
   }
   const payloadBytes = Number(v.getBigUint64(24, true));
   const rec = Number(v.getBigUint64(40, true));
-  if (rec !== recordBytes(payloadBytes)) return "lengths";
+  if (keyLen === 0) {
+    // A pad holds no payload, and spans whole pages of the record it stands for.
+    if (payloadBytes !== 0 || rec < PAGE_BYTES || rec % PAGE_BYTES !== 0) return "lengths";
+  } else if (rec !== recordBytes(payloadBytes)) return "lengths";
   let key: string, namespace: string, layoutSummary: string;
   const k0 = HEADER_FIXED_BYTES, n0 = k0 + keyLen, s0 = n0 + nsLen;
   try {

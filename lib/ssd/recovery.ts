@@ -11,13 +11,15 @@
  * A segment's chain stops at the first header that does not verify (magic,
  * version, checksum, lengths), belongs to another generation or fill
  * (epoch), or whose record would end past the segment or the file's end (a
- * torn or truncated last write). Payload checksums are not read here (that
+ * torn or truncated last write). A pad (the header written over a failed
+ * write, format.ts) is stepped over: the records placed after the failure
+ * in the same fill stay reachable. Payload checksums are not read here (that
  * would read the whole disk); every read verifies them before serving.
  *
  * @module
  */
 
-import { decodeHeader, PAGE_BYTES, type RecordHeader } from "./format.ts";
+import { decodeHeader, isPad, PAGE_BYTES, type RecordHeader } from "./format.ts";
 import type { IoBatchResult, SsdIo } from "./io.ts";
 import type { SsdIndex } from "./index.ts";
 import type { Segment, SegmentRing } from "./space.ts";
@@ -36,7 +38,11 @@ export interface RecoveryReport {
   blocks: number;
   /** Payload bytes indexed. */
   bytes: number;
-  /** Segment chains that ended on a header that did not verify (torn writes and old data). */
+  /**
+   * Segment chains that ended on a header that did not verify (a torn write, damage) or whose
+   * record would run past its segment; not the normal end of a chain (space never written, a
+   * record of an older fill or generation).
+   */
   stoppedOnBadHeader: number;
   /** Records whose end lay past the end of the file (truncated). */
   truncated: number;
@@ -214,11 +220,14 @@ function takeHeader(
   report: RecoveryReport,
 ): Chain | null {
   const h = decodeHeader(bytes);
-  if (typeof h === "string" || !belongs(h, a, file.generation)) {
-    if (a.cursor === 0 && typeof h === "string" && h === "magic") return null; // empty segment
-    report.stoppedOnBadHeader++;
+  // The normal end of a chain is space never written (no magic: a sparse file reads zeros)
+  // or a record of an older fill or life of the file; only a header that does not verify
+  // is damage (counted: a torn write, a flipped bit).
+  if (typeof h === "string") {
+    if (h !== "magic") report.stoppedOnBadHeader++;
     return null;
   }
+  if (!belongs(h, a, file.generation)) return null;
   const offset = a.seg.fileOffset + a.cursor;
   if (a.cursor + h.recordBytes > ring.segmentBytes) {
     report.stoppedOnBadHeader++;
@@ -230,6 +239,11 @@ function takeHeader(
   }
   if (a.cursor === 0) a.seg.epoch = h.epoch;
   a.seg.fill = a.cursor + h.recordBytes;
+  if (h.seq > report.maxSeq) report.maxSeq = h.seq;
+  const next = a.cursor + h.recordBytes < ring.segmentBytes
+    ? { seg: a.seg, cursor: a.cursor + h.recordBytes, lastSeq: h.seq }
+    : null;
+  if (isPad(h)) return next; // a failed write's space: the chain goes on past it
   const fresh = index.put(h.key, {
     segment: a.seg,
     fileOffset: offset,
@@ -240,10 +254,7 @@ function takeHeader(
     layout: h.layout,
   }, h.layoutSummary);
   if (fresh) report.blocks++;
-  if (h.seq > report.maxSeq) report.maxSeq = h.seq;
-  return a.cursor + h.recordBytes < ring.segmentBytes
-    ? { seg: a.seg, cursor: a.cursor + h.recordBytes, lastSeq: h.seq }
-    : null;
+  return next;
 }
 
 /** A header continues its segment's chain: same generation, same fill. */

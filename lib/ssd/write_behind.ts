@@ -12,16 +12,18 @@
  * and indexed once its write succeeded.
  *
  * A record not written (its op failed, or its io batch was refused whole)
- * is counted and logged with its block, namespace, file and offset; its
- * segment is released for reuse either way, and the batch's pin goes only
- * once every chunk of the batch ended (a write in flight reads the pool).
+ * is counted and logged with its block, namespace, file and offset; a pad
+ * header is written over it (so a restart's scan steps over the gap to the
+ * records placed after it), its segment is released for reuse either way,
+ * and the batch's pin goes only once every chunk of the batch ended (a
+ * write in flight reads the pool).
  *
  * @module
  */
 
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import type { LayoutIdentity } from "../storage/layout.ts";
-import { encodeHeader, keyBytes, recordBytes } from "./format.ts";
+import { encodeHeader, encodePadHeader, keyBytes, recordBytes } from "./format.ts";
 import type { IoBatch, IoBatchResult, SsdIo } from "./io.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
 import type { SsdIndex } from "./index.ts";
@@ -258,6 +260,7 @@ export class SsdWriter {
     const placed = this.#place(blocks, pinned, batch);
     if (placed.length === 0) return;
     const t0 = performance.now();
+    const failed: Placed[] = [];
     try {
       let crcs: Uint32Array;
       let r: IoBatchResult;
@@ -268,17 +271,23 @@ export class SsdWriter {
       } catch (e) {
         // Refused whole (a malformed batch, the engine closing): none of it was written.
         for (const p of placed) this.#writeFailed(p, errorText(e));
+        failed.push(...placed);
         return;
       }
       r.release();
-      const bytes = this.#indexWritten(placed, r, crcs);
+      const bytes = this.#indexWritten(placed, r, crcs, failed);
       this.#s.writeBytes += bytes;
       this.#s.writeThroughputBps = ewma(
         this.#s.writeThroughputBps,
         bytes / ((performance.now() - t0) / 1000),
       );
     } finally {
-      for (const p of placed) p.seg.inflightWrites--;
+      // Padded while the failed records still hold their segments (none is reused meanwhile).
+      try {
+        if (failed.length > 0) await this.#padGaps(failed);
+      } finally {
+        for (const p of placed) p.seg.inflightWrites--;
+      }
     }
   }
 
@@ -334,8 +343,16 @@ export class SsdWriter {
     }
   }
 
-  /** Indexes the records that landed, logs the ones that failed; returns the bytes written. */
-  #indexWritten(placed: Placed[], r: IoBatchResult, crcs: Uint32Array): number {
+  /**
+   * Indexes the records that landed, logs the ones that failed (added to
+   * `failed`); returns the bytes written.
+   */
+  #indexWritten(
+    placed: Placed[],
+    r: IoBatchResult,
+    crcs: Uint32Array,
+    failed: Placed[],
+  ): number {
     let bytes = 0;
     for (let i = 0; i < placed.length; i++) {
       const p = placed[i];
@@ -355,9 +372,57 @@ export class SsdWriter {
         this.#s.writeBlocks++;
       } else {
         this.#writeFailed(p, r.errorText(i), r.aux[i]);
+        failed.push(p);
       }
     }
     return bytes;
+  }
+
+  /**
+   * Writes a pad (format.ts) over each failed record's header page: a
+   * restart's scan steps over the gap to the records placed after it in its
+   * segment (by this batch or another one in flight), which would otherwise
+   * be lost with the chain ending at the gap. A pad not written is logged:
+   * the records after its gap are served until a restart only.
+   */
+  async #padGaps(failed: Placed[]): Promise<void> {
+    const batch = this.#io.newBatch();
+    const now = Date.now();
+    for (const p of failed) {
+      const i = batch.write(this.#files[p.seg.file].handle, p.off, true, []);
+      encodePadHeader(batch.headerPage(i), {
+        seq: p.seq,
+        epoch: p.seg.epoch,
+        recordBytes: recordBytes(p.bytes),
+        writtenAtMs: now,
+        generation: this.#files[p.seg.file].generation,
+      });
+    }
+    let r: IoBatchResult;
+    try {
+      r = await this.#io.run(batch);
+    } catch (e) {
+      for (const p of failed) this.#padFailed(p, errorText(e));
+      return;
+    }
+    r.release();
+    for (let i = 0; i < failed.length; i++) {
+      if (r.status[i] !== 0) this.#padFailed(failed[i], r.errorText(i), r.aux[i]);
+    }
+  }
+
+  #padFailed(p: Placed, error: string, errno?: number): void {
+    this.#log.error(
+      "SSD write gap could not be padded: records after it in its segment are lost at a restart",
+      {
+        block: p.block.key,
+        namespace: p.block.namespace,
+        error,
+        errno,
+        path: this.#files[p.seg.file].path,
+        offset: p.off,
+      },
+    );
   }
 
   /** Counts and logs a record that was not written (it is not indexed), a gap in its segment. */

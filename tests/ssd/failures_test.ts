@@ -151,3 +151,99 @@ Deno.test("a path whose parent does not exist is refused naming it", async () =>
     await h.close();
   }
 });
+
+Deno.test("an unusable path gets no share of the capacity: the usable ones hold all of it, and the log names the path", async () => {
+  const h = await harness();
+  try {
+    const bad = `${h.dir}/missing/dir/cache.bin`;
+    const ok = `${h.dir}/ok`;
+    await Deno.mkdir(ok);
+    const tier = await h.openTier({
+      paths: [bad, ok],
+      capacityBytes: 16 * MiB,
+      segmentBytes: MiB,
+    });
+    try {
+      assert.equal(tier.files.length, 1);
+      // 16 MiB less the superblock page: 15 segments of 1 MiB (not the 7 of an even split).
+      assert.equal(tier.stats().capacityBytes, 15 * MiB);
+      assert.equal((await Deno.stat(tier.files[0].path)).size, 4096 + 15 * MiB);
+      assert.ok(
+        h.logs.some((l) =>
+          l.includes('"level":"error"') && l.includes("not usable") && l.includes(bad)
+        ),
+        h.logs.join("\n"),
+      );
+    } finally {
+      await tier.close();
+    }
+  } finally {
+    await h.close();
+  }
+});
+
+Deno.test({
+  name:
+    "a path whose filesystem has no room for a segment gets no share: the other path holds the whole capacity",
+  ignore: !canMount,
+  async fn() {
+    const h = await harness();
+    const tiny = `${h.dir}/tiny`;
+    await Deno.mkdir(tiny);
+    assert.ok(await mountTmpfs(tiny, "size=512k"));
+    try {
+      const ok = `${h.dir}/ok`;
+      await Deno.mkdir(ok);
+      const tier = await h.openTier({
+        paths: [tiny, ok],
+        capacityBytes: 16 * MiB,
+        segmentBytes: MiB,
+      });
+      try {
+        assert.equal(tier.files.length, 1);
+        assert.ok(tier.files[0].path.startsWith(ok));
+        assert.equal(tier.stats().capacityBytes, 15 * MiB);
+        assert.ok(
+          h.logs.some((l) =>
+            l.includes("not usable") && l.includes(tiny) && l.includes("holds no 1048576-byte")
+          ),
+          h.logs.join("\n"),
+        );
+        assert.ok(h.logs.some((l) => l.includes("split over the usable paths only")));
+      } finally {
+        await tier.close();
+      }
+    } finally {
+      await umount(tiny);
+      await h.close();
+    }
+  },
+});
+
+Deno.test("a path under a regular file is skipped naming it like any unusable path; the other path keeps the tier up", async () => {
+  const h = await harness();
+  try {
+    const file = `${h.dir}/a-file`;
+    await Deno.writeTextFile(file, "not a directory");
+    const bad = `${file}/cache.bin`;
+    await assert.rejects(
+      h.openTier({ paths: [bad], capacityBytes: 16 * MiB, segmentBytes: MiB }),
+      (e: unknown) => e instanceof SsdOpenError && e.message.includes(bad),
+    );
+    const ok = `${h.dir}/ok`;
+    await Deno.mkdir(ok);
+    const tier = await h.openTier({ paths: [bad, ok], capacityBytes: 16 * MiB, segmentBytes: MiB });
+    try {
+      assert.equal(tier.files.length, 1);
+      assert.ok(tier.files[0].path.startsWith(ok));
+      assert.ok(
+        h.logs.some((l) => l.includes("not usable") && l.includes(bad)),
+        h.logs.join("\n"),
+      );
+    } finally {
+      await tier.close();
+    }
+  } finally {
+    await h.close();
+  }
+});

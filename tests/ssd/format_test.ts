@@ -5,7 +5,9 @@ import {
   decodeHeader,
   decodeSuperblock,
   encodeHeader,
+  encodePadHeader,
   encodeSuperblock,
+  isPad,
   MAX_KEY_BYTES,
   PAGE_BYTES,
   recordBytes,
@@ -85,4 +87,28 @@ Deno.test("a superblock round-trips; a damaged one says why", () => {
   page[9] ^= 1;
   assert.equal(decodeSuperblock(page), "superblock checksum mismatch");
   assert.match(String(decodeSuperblock(new Uint8Array(PAGE_BYTES))), /no superblock/);
+});
+
+Deno.test("a pad header (a failed record's space) decodes as a pad spanning that record, flips caught", () => {
+  const page = new Uint8Array(PAGE_BYTES);
+  const pad = {
+    seq: 7,
+    epoch: 5,
+    recordBytes: recordBytes(100_000),
+    writtenAtMs: 1,
+    generation: 9,
+  };
+  encodePadHeader(page, pad);
+  const h = decodeHeader(page);
+  assert.ok(typeof h !== "string" && isPad(h), String(h));
+  assert.deepEqual(
+    { seq: h.seq, epoch: h.epoch, recordBytes: h.recordBytes, payloadBytes: h.payloadBytes },
+    { seq: 7, epoch: 5, recordBytes: recordBytes(100_000), payloadBytes: 0 },
+  );
+  for (let bit = 0; bit < 96 * 8; bit++) {
+    const flipped = page.slice();
+    flipped[bit >> 3] ^= 1 << (bit & 7);
+    assert.equal(typeof decodeHeader(flipped), "string", `bit ${bit}`);
+  }
+  assert.throws(() => encodePadHeader(page, { ...pad, recordBytes: 100 }), /whole number of pages/);
 });

@@ -269,3 +269,33 @@ Deno.test("after a torn header, new records take seqs above every record on disk
     await h.close();
   }
 });
+
+Deno.test("a clean restart drops no records: chains that end on unwritten space or an older fill are not counted as torn", async () => {
+  const h = await harness();
+  try {
+    // Two 4 MiB segments of 128 KiB blocks, 31 records each (and a slack page): 72 blocks
+    // wrap the ring, so segment 0's new fill ends on a record of its older fill, and
+    // segment 1 ends on its never-written slack page.
+    const opts = { paths: [h.dir], capacityBytes: 8 * MiB + 4096, segmentBytes: 4 * MiB };
+    const keys = Array.from({ length: 72 }, (_, i) => `ns-clean/${i}`);
+    let tier = await h.openTier(opts);
+    for (let i = 0; i < keys.length; i += 8) await writeBlocks(h, tier, keys.slice(i, i + 8));
+    assert.equal(tier.stats().segmentsReused, 2, "the ring wrapped");
+    const held = tier.stats().indexBlocks;
+    await tier.close();
+    tier = await h.openTier(opts);
+    try {
+      assert.equal(tier.recovery.blocks, held);
+      assert.equal(tier.recovery.stoppedOnBadHeader, 0);
+      assert.equal(tier.stats().recoveryTornRecords, 0);
+      assert.ok(
+        h.logs.some((l) => l.includes('"chains_ended_on_bad_header":0')),
+        h.logs.join("\n"),
+      );
+    } finally {
+      await tier.close();
+    }
+  } finally {
+    await h.close();
+  }
+});

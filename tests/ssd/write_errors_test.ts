@@ -6,6 +6,10 @@
  */
 import assert from "node:assert/strict";
 import type { SsdTier } from "../../lib/ssd/tier.ts";
+import { type IoBatch, SsdIo } from "../../lib/ssd/io.ts";
+import { PAGE_BYTES } from "../../lib/ssd/format.ts";
+import { IoOp } from "../../ffi/uring.ts";
+import { PF_STATUS } from "../../ffi/native.ts";
 import { FP, harness, TEST_NAMESPACE, type TestBlock, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
@@ -146,6 +150,114 @@ Deno.test("a failed record write seals its segment: blocks written after it land
     );
   } finally {
     await tier?.close(); // idempotent
+    await h.close();
+  }
+});
+
+Deno.test("records of a batch placed after a failed write in its segment are served before and after a restart; the failed ones never", async () => {
+  const h = await harness();
+  // 4 header pages over 1 writer + 1 reader: 2 blocks per io batch, so the batch below is
+  // written as two io batches placed one after the other in the same segment.
+  const opts = {
+    capacityBytes: 4 * MiB,
+    segmentBytes: MiB,
+    hdrPages: 4,
+    writeInflight: 1,
+    prefetchInflight: 1,
+  };
+  const key = (s: string) => `${TEST_NAMESPACE}/gap-${s}`;
+  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  let tier: SsdTier | undefined;
+  try {
+    tier = await h.openTier(opts);
+    // "bad"'s bytes lie outside the pool: its io batch (with "a") is refused whole, a gap
+    // at the segment's start; "c" and "d" are written after it in the same segment.
+    h.write(tier, [
+      block("a", 0),
+      h.block(key("bad"), 80 * MiB, BLOCK),
+      block("c", BLOCK),
+      block("d", 2 * BLOCK),
+    ]);
+    await within(tier.flushWrites(), 5_000, "the batch with the failed write");
+    assert.equal(tier.stats().writeFailures, 2);
+    const wrote = ["c", "d"].map(key);
+    const failed = ["a", "bad"].map(key);
+    assert.equal(tier.lookupPrefix(wrote, FP), 2, "c and d are served before the restart");
+    for (const k of failed) assert.equal(tier.lookupPrefix([k], FP), 0, `${k} was not written`);
+    const before = wrote.map((k) => tier!.locate(k));
+    await tier.close();
+    tier = await h.openTier(opts);
+    assert.equal(tier.lookupPrefix(wrote, FP), 2, "c and d were lost at the restart");
+    assert.deepEqual(wrote.map((k) => tier!.locate(k)), before, "found where they were written");
+    for (const k of failed) assert.equal(tier.lookupPrefix([k], FP), 0, `${k} came back`);
+    const alloc = h.allocator(32 * MiB);
+    assert.equal(tier.prefetch("r", wrote, alloc, FP).state, "loading");
+    await within(tier.prefetchSettled("r"), 5_000, "the read after the restart");
+    assert.deepEqual([...alloc.committed.keys()], wrote);
+    for (const k of wrote) {
+      const [e] = alloc.committed.get(k)!;
+      assert.ok(h.holds(k, e.offset, BLOCK), `${k} read back byte-exact`);
+    }
+    // Writing goes on after the restart, and those records come back too.
+    h.write(tier, [block("e", 3 * BLOCK)]);
+    await within(tier.flushWrites(), 5_000, "a write after the restart");
+    await tier.close();
+    tier = await h.openTier(opts);
+    assert.equal(tier.lookupPrefix([...wrote, key("e")], FP), 3);
+  } finally {
+    await tier?.close(); // idempotent
+    await h.close();
+  }
+});
+
+Deno.test("a pad that cannot be written over a failed record is logged with its path and offset; the records after it are still served", async () => {
+  const h = await harness();
+  const opts = {
+    capacityBytes: 4 * MiB,
+    segmentBytes: MiB,
+    hdrPages: 4,
+    writeInflight: 1,
+    prefetchInflight: 1,
+  };
+  const key = (s: string) => `${TEST_NAMESPACE}/nopad-${s}`;
+  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  const tier = await h.openTier(opts);
+  const run = SsdIo.prototype.run;
+  try {
+    // The disk refuses every header-only write (a pad) with EIO.
+    SsdIo.prototype.run = async function (this: SsdIo, batch: IoBatch) {
+      const res = await run.call(this, batch);
+      if (batch.numExt.every((n) => n === 0) && batch.kinds.every((k) => k === IoOp.WRITE)) {
+        for (let i = 0; i < res.status.length; i++) {
+          [res.status[i], res.aux[i]] = [PF_STATUS.PF_EIO, 5];
+        }
+      }
+      return res;
+    };
+    h.write(tier, [
+      block("a", 0),
+      h.block(key("bad"), 80 * MiB, BLOCK),
+      block("c", BLOCK),
+      block("d", 2 * BLOCK),
+    ]);
+    await within(tier.flushWrites(), 5_000, "the batch with the failed write");
+    assert.equal(tier.lookupPrefix([key("c"), key("d")], FP), 2, "c and d are served");
+    const path = tier.locate(key("c"))!.path;
+    for (
+      const [k, offset] of [[key("a"), PAGE_BYTES], [key("bad"), PAGE_BYTES + BLOCK + PAGE_BYTES]]
+    ) {
+      assert.ok(
+        h.logs.some((l) =>
+          l.includes("could not be padded") && l.includes(`"block":"${k}"`) &&
+          l.includes(`"path":"${path}"`) && l.includes(`"offset":${offset}`) &&
+          l.includes("Input/output error")
+        ),
+        h.logs.join("\n"),
+      );
+    }
+  } finally {
+    SsdIo.prototype.run = run;
+    await tier.close();
     await h.close();
   }
 });
