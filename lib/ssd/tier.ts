@@ -471,11 +471,23 @@ export class SsdTier {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    await Promise.all([this.#writer.close(), this.#prefetcher.close()]);
-    for (const f of this.files) await this.#io.uring.sync(f.handle);
-    this.#io.dispose();
-    this.#finalAlignmentFallbacks = this.#io.uring.info().alignmentFallbacks;
-    await this.#io.uring.close();
-    for (const f of this.files) f.lock.close();
+    try {
+      await Promise.all([this.#writer.close(), this.#prefetcher.close()]);
+      // Every file is synced even when one fails (EIO): the first failure is thrown last.
+      const failures: unknown[] = [];
+      for (const f of this.files) {
+        await this.#io.uring.sync(f.handle).catch((e) => failures.push(e));
+      }
+      if (failures.length > 0) throw failures[0];
+    } finally {
+      // A failed sync must not keep the ring, its memory and the files' locks until exit.
+      this.#io.dispose();
+      this.#finalAlignmentFallbacks = this.#io.uring.info().alignmentFallbacks;
+      try {
+        await this.#io.uring.close();
+      } finally {
+        for (const f of this.files) f.lock.close();
+      }
+    }
   }
 }

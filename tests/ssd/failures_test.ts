@@ -1,5 +1,6 @@
 import assert from "node:assert/strict";
 import { SsdOpenError } from "../../lib/ssd/tier.ts";
+import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
 import { FP, harness } from "./_harness.ts";
 
 const MiB = 1 << 20;
@@ -243,6 +244,22 @@ Deno.test("a path under a regular file is skipped naming it like any unusable pa
     } finally {
       await tier.close();
     }
+  } finally {
+    await h.close();
+  }
+});
+
+Deno.test("a close whose fdatasync fails still frees the ring and every file's lock, and says why", async () => {
+  const h = await harness();
+  try {
+    const tier = await h.openTier({ capacityBytes: 8 * MiB, segmentBytes: MiB });
+    const path = tier.files[0].path;
+    const real = tier.files[0].handle;
+    tier.files[0].handle = real + 1000; // a handle the ring does not know: its sync fails
+    await assert.rejects(tier.close(), /pf_file_sync/);
+    // The lock went with the close: the path can be locked again (the same process included).
+    const again = lockCacheFile(path, 0);
+    again.close();
   } finally {
     await h.close();
   }
