@@ -29,8 +29,10 @@ const bytes = positiveInt("<bytes>", bytesArg, 1);
 const engine = Engine.open({ backend: "host" });
 const pool = engine.createPool(bytes, { pretouch: true });
 try {
-  await tcpBlast(addr, streams, Math.floor(bytes / streams), pool); // warm-up
-  const ns = await tcpBlast(addr, streams, Math.floor(bytes / streams), pool);
+  // A blast that stalls fails by this deadline instead of hanging the bench.
+  const timeoutMs = 120_000;
+  await tcpBlast(addr, streams, Math.floor(bytes / streams), timeoutMs, { pool }); // warm-up
+  const ns = await tcpBlast(addr, streams, Math.floor(bytes / streams), timeoutMs, { pool });
   console.log(JSON.stringify({ ns, bytes: streams * Math.floor(bytes / streams) }));
 } finally {
   pool.close();

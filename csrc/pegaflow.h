@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 7
+#define PF_ABI_VERSION 8
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {

@@ -221,9 +221,11 @@ static int32_t parse_hostport(const char *fn, const char *text, struct sockaddr_
   return PF_OK;
 }
 
-/* Non-blocking connect with a deadline; returns a non-blocking socket. */
+/* Non-blocking connect by `deadline` (pf_now_ns clock), giving up when
+ * *stop is set (NULL = never); returns a non-blocking socket. */
 static int32_t connect_to(const char *fn, const struct sockaddr_storage *ss, socklen_t sl,
-                          uint32_t sock_buf, int timeout_ms, const char *what, int *out_fd) {
+                          uint32_t sock_buf, uint64_t deadline, atomic_int *stop,
+                          const char *what, int *out_fd) {
   int fd = socket(ss->ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return pf_fail(PF_EIO, "%s: socket: %s", fn, strerror(errno));
   tune_socket(fd, sock_buf);
@@ -232,18 +234,22 @@ static int32_t connect_to(const char *fn, const struct sockaddr_storage *ss, soc
     close(fd);
     return pf_fail(PF_EIO, "%s: connect to %s: %s", fn, what, strerror(e));
   }
-  struct pollfd pfd = {.fd = fd, .events = POLLOUT};
-  int r = poll(&pfd, 1, timeout_ms);
+  int r = wait_fd(fd, POLLOUT, stop, deadline);
+  int e = errno;
   if (r == 0) {
     close(fd);
-    return pf_fail(PF_ETIMEDOUT, "%s: connect to %s: no answer within %d ms", fn, what, timeout_ms);
+    return pf_fail(PF_ESHUTDOWN, "%s: connect to %s: closed while connecting", fn, what);
+  }
+  if (r == -3) {
+    close(fd);
+    return pf_fail(PF_ETIMEDOUT, "%s: connect to %s: no answer by the deadline", fn, what);
   }
   int err = 0;
   socklen_t el = sizeof err;
   getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
   if (r < 0 || err) {
     close(fd);
-    return pf_fail(PF_EIO, "%s: connect to %s: %s", fn, what, strerror(r < 0 ? errno : err));
+    return pf_fail(PF_EIO, "%s: connect to %s: %s", fn, what, strerror(r < 0 ? e : err));
   }
   *out_fd = fd;
   return PF_OK;
@@ -972,21 +978,34 @@ static int32_t tcp_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_t
     pthread_mutex_init(&st->mu, NULL);
     pthread_cond_init(&st->cv, NULL);
   }
+  /* A close of the peer meanwhile (pf_xfer_peer_close sets `closing`, then
+   * waits for this call) ends every wait below within TCP_POLL_MS. */
+  atomic_int *closing = &p->closing;
   for (uint32_t i = 0; i < n; i++) {
     tcp_stream *st = &tp->st[i];
-    int left = (int)((deadline - pf_now_ns()) / 1000000ull);
-    if ((int64_t)(deadline - pf_now_ns()) <= 0) left = 0;
-    rc = connect_to(fn, &ss, sl, ep->cfg.sock_buf, left > 0 ? left : 1, tp->remote, &st->fd);
+    rc = connect_to(fn, &ss, sl, ep->cfg.sock_buf, deadline, closing, tp->remote, &st->fd);
+    if (rc == PF_ETIMEDOUT)
+      rc = pf_fail(PF_ETIMEDOUT, "%s: stream %u to %s: no connection within %d ms", fn, i,
+                   tp->remote, timeout_ms);
+    if (rc == PF_ESHUTDOWN)
+      rc = pf_fail(PF_ESHUTDOWN, "%s: peer %u was closed while stream %u connected to %s", fn,
+                   p->handle, i, tp->remote);
     if (rc < 0) goto fail;
     pf_tcp_frame hello = {.magic = TCP_MAGIC, .op = OP_HELLO, .part = i, .aux = TCP_VERSION};
     pf_tcp_frame ans;
-    if (send_all(st->fd, &hello, sizeof hello, NULL) < 0) {
+    int sent = send_all(st->fd, &hello, sizeof hello, closing);
+    /* The whole answer by the deadline: a listener that is not a PegaFlow
+     * endpoint may send part of a frame and then nothing. */
+    int got = sent < 0 ? sent : recv_all(st->fd, &ans, sizeof ans, closing, deadline);
+    if (got == -2) {
+      rc = pf_fail(PF_ESHUTDOWN, "%s: peer %u was closed while stream %u to %s waited for "
+                   "its hello", fn, p->handle, i, tp->remote);
+      goto fail;
+    }
+    if (sent < 0) {
       rc = pf_fail(PF_EIO, "%s: stream %u to %s: hello: %s", fn, i, tp->remote, strerror(errno));
       goto fail;
     }
-    /* The whole answer by the deadline: a listener that is not a PegaFlow
-     * endpoint may send part of a frame and then nothing. */
-    int got = recv_all(st->fd, &ans, sizeof ans, NULL, deadline);
     if (got == -3) {
       rc = pf_fail(PF_ETIMEDOUT, "%s: stream %u to %s: no hello within %d ms", fn, i,
                    tp->remote, timeout_ms);
@@ -1097,57 +1116,99 @@ const xfer_ops pf_tcp_ops = {
 };
 
 /* ---- raw throughput (benchmarks) ---------------------------------------- */
+/* Longest blast deadline: a batch's (pf_xfer.c's XFER_MAX_TIMEOUT_MS). */
+#define BLAST_MAX_TIMEOUT_MS 3600000u
+/* A blast's blocking recv gives up this often to look at its deadline
+ * (SO_RCVTIMEO): the receive stays iperf's plain blocking recv. */
+#define BLAST_WAKE_MS TCP_POLL_MS
+
 typedef struct blast_arg {
   struct sockaddr_storage ss;
   socklen_t sl;
   uint64_t bytes;
   uint8_t *buf;
   uint64_t span;
+  uint64_t deadline; /* pf_now_ns clock */
+  uint32_t timeout_ms;
   uint32_t flags;
   uint32_t stream;
   uint32_t sock_buf;
   int32_t rc;
-  char err[160];
+  char err[256];
 } blast_arg;
+
+/* Receives a stream's bytes with plain blocking recv, as iperf does, by
+ * the deadline; returns the bytes still missing (errno 0 at EOF). */
+static uint64_t blast_recv(blast_arg *a, int fd, int *timed_out) {
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  struct timeval tv = {.tv_sec = 0, .tv_usec = BLAST_WAKE_MS * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  uint64_t left = a->bytes, at = 0;
+  while (left) {
+    if (pf_now_ns() >= a->deadline) {
+      *timed_out = 1;
+      break;
+    }
+    uint64_t room = a->span - at;
+    ssize_t m = recv(fd, a->buf + at, left < room ? left : room, 0);
+    if (m > 0) {
+      left -= (uint64_t)m;
+      at = (at + (uint64_t)m) % a->span;
+      continue;
+    }
+    if (m < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+    if (m == 0) errno = 0;
+    break;
+  }
+  return left;
+}
 
 static void *blast_main(void *arg) {
   pthread_setname_np(pthread_self(), "pf-tcp-blast");
   blast_arg *a = arg;
   int fd;
-  if (connect_to("pf_tcp_blast", &a->ss, a->sl, a->sock_buf, 10000, "blast", &fd) < 0) {
-    a->rc = PF_EIO;
+  int32_t rc = connect_to("pf_tcp_blast", &a->ss, a->sl, a->sock_buf, a->deadline, NULL,
+                          "blast", &fd);
+  if (rc < 0) {
+    a->rc = rc;
     pf_last_error(a->err, sizeof a->err);
     return NULL;
   }
-  /* Plain blocking receives, as iperf does. */
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  uint8_t *buf = a->buf;
   pf_tcp_frame f = {.magic = TCP_MAGIC, .op = OP_BLAST, .bytes = a->bytes, .aux = a->flags,
                     .part = a->stream};
-  uint64_t left = a->bytes, at = 0;
-  if (send_all(fd, &f, sizeof f, NULL) < 0) left = ~0ull;
-  while (left && left != ~0ull) {
-    uint64_t room = a->span - at;
-    ssize_t m = recv(fd, buf + at, left < room ? left : room, 0);
-    if (m <= 0) break;
-    left -= (uint64_t)m;
-    at = (at + (uint64_t)m) % a->span;
-  }
-  if (left) {
+  /* 40 bytes into a fresh socket's empty buffer: never waits. */
+  if (send_all(fd, &f, sizeof f, NULL) < 0) {
     a->rc = PF_EIO;
-    snprintf(a->err, sizeof a->err, "blast stream ended with %llu bytes missing",
-             (unsigned long long)left);
+    snprintf(a->err, sizeof a->err, "sending its request: %s", strerror(errno));
+    close(fd);
+    return NULL;
+  }
+  int timed_out = 0;
+  uint64_t left = blast_recv(a, fd, &timed_out);
+  if (timed_out) {
+    a->rc = PF_ETIMEDOUT;
+    snprintf(a->err, sizeof a->err, "%llu of %llu bytes still missing at its %u ms deadline "
+             "(the sender stalled or is not a PegaFlow transfer listener)",
+             (unsigned long long)left, (unsigned long long)a->bytes, a->timeout_ms);
+  } else if (left) {
+    a->rc = PF_EIO;
+    snprintf(a->err, sizeof a->err, "stream ended with %llu of %llu bytes missing: %s",
+             (unsigned long long)left, (unsigned long long)a->bytes, eof_text());
   }
   close(fd);
   return NULL;
 }
 
-int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stream,
-                     uint32_t pool, uint32_t sock_buf, uint64_t *out_ns) {
+static int32_t blast_run(const char *addr, uint32_t streams, uint64_t bytes_per_stream,
+                         uint32_t pool, uint32_t sock_buf, uint32_t timeout_ms,
+                         uint64_t *out_ns) {
   if (!addr || !out_ns) return pf_fail(PF_EINVAL, "pf_tcp_blast: addr or out_ns is NULL");
   if (streams == 0 || streams > 64 || bytes_per_stream == 0)
     return pf_fail(PF_EINVAL, "pf_tcp_blast: streams %u (1..64) and bytes %llu (> 0)", streams,
                    (unsigned long long)bytes_per_stream);
+  if (timeout_ms == 0 || timeout_ms > BLAST_MAX_TIMEOUT_MS)
+    return pf_fail(PF_EINVAL, "pf_tcp_blast: timeout_ms %u; expected 1..%u", timeout_ms,
+                   BLAST_MAX_TIMEOUT_MS);
   struct sockaddr_storage ss;
   socklen_t sl;
   int32_t rc = parse_hostport("pf_tcp_blast", addr, &ss, &sl);
@@ -1175,12 +1236,14 @@ int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stre
     rc = pf_fail(PF_EINVAL, "pf_tcp_blast: pool too small for %u streams", streams);
     goto out;
   }
+  uint64_t t0 = pf_now_ns();
+  uint64_t deadline = t0 + (uint64_t)timeout_ms * 1000000ull;
   for (uint32_t i = 0; i < streams; i++) {
     a[i] = (blast_arg){.ss = ss, .sl = sl, .bytes = bytes_per_stream, .sock_buf = sock_buf,
                        .span = span, .flags = p ? PF_BLAST_WIDE : 0, .stream = i,
+                       .deadline = deadline, .timeout_ms = timeout_ms,
                        .buf = p ? p->host + i * slice : own + (size_t)i * BLAST_BUF};
   }
-  uint64_t t0 = pf_now_ns();
   uint32_t started = 0;
   for (uint32_t i = 0; i < streams; i++) {
     if (pthread_create(&th[i], NULL, blast_main, &a[i])) break;
@@ -1190,11 +1253,19 @@ int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stre
   *out_ns = pf_now_ns() - t0;
   rc = started == streams ? PF_OK : pf_fail(PF_ENOMEM, "pf_tcp_blast: cannot start threads");
   for (uint32_t i = 0; i < started && rc == PF_OK; i++)
-    if (a[i].rc) rc = pf_fail(a[i].rc, "pf_tcp_blast: stream %u: %s", i, a[i].err);
+    if (a[i].rc) rc = pf_fail(a[i].rc, "pf_tcp_blast: stream %u to %s: %s", i, addr, a[i].err);
 out:
   if (p) atomic_fetch_sub(&p->inflight, 1);
   free(own);
   free(a);
   free(th);
   return rc;
+}
+
+int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stream,
+                     uint32_t pool, uint32_t sock_buf, uint32_t timeout_ms, uint64_t *out_ns,
+                     char *err, uint32_t err_cap) {
+  return pf_error_out(blast_run(addr, streams, bytes_per_stream, pool, sock_buf, timeout_ms,
+                                out_ns),
+                      err, err_cap);
 }

@@ -328,10 +328,18 @@ fail:
 _Static_assert(sizeof(pf_xfer_stats) == 80, "pf_xfer_stats layout");
 _Static_assert(offsetof(pf_xfer_stats, submitted) == 16, "pf_xfer_stats layout");
 
+/* Under pf_objects_mu, which pf_xfer_close retires the handle under (on
+ * another thread: the FFI call is nonblocking): the endpoint cannot be
+ * freed while it is read (a metrics scrape during a close read a freed
+ * endpoint before). Short: counters and ep->mu only. */
 int32_t pf_xfer_info(uint32_t h, pf_xfer_stats *out) {
-  pf_xfer_ep *ep = pf_handle_get(h, PF_K_XFER, "pf_xfer_info");
-  if (!ep) return PF_EHANDLE;
   if (!out) return pf_fail(PF_EINVAL, "pf_xfer_info: out is NULL");
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_xfer_ep *ep = pf_handle_get(h, PF_K_XFER, "pf_xfer_info");
+  if (!ep) {
+    pthread_mutex_unlock(&pf_objects_mu);
+    return PF_EHANDLE;
+  }
   memset(out, 0, sizeof *out);
   out->transport = ep->cfg.transport;
   out->listen_port = ep->listen_port;
@@ -347,6 +355,7 @@ int32_t pf_xfer_info(uint32_t h, pf_xfer_stats *out) {
   out->serving_connections = atomic_load(&ep->conns_open);
   out->bytes_served = atomic_load(&ep->bytes_served);
   out->bytes_landed = atomic_load(&ep->bytes_landed);
+  pthread_mutex_unlock(&pf_objects_mu);
   return PF_OK;
 }
 
@@ -386,12 +395,33 @@ int32_t pf_xfer_close(uint32_t h) {
 }
 
 /* ---- peers ------------------------------------------------------------- */
+/* Undoes peer_create's reservation of a place among ep's peers. */
+static void peer_unreserve(pf_xfer_ep *ep) {
+  pthread_mutex_lock(&ep->mu);
+  ep->npeers--;
+  pthread_mutex_unlock(&ep->mu);
+}
+
+/* The new peer is counted in ep->npeers from the lookup (under
+ * pf_objects_mu, which pf_xfer_close checks the count and retires the
+ * handle under): a close racing the create answers PF_EBUSY instead of
+ * freeing the endpoint under it. */
 int32_t pf_xfer_peer_create(uint32_t h, uint32_t *out_peer) {
   if (!out_peer) return pf_fail(PF_EINVAL, "pf_xfer_peer_create: out_peer is NULL");
+  pthread_mutex_lock(&pf_objects_mu);
   pf_xfer_ep *ep = pf_handle_get(h, PF_K_XFER, "pf_xfer_peer_create");
+  if (ep) {
+    pthread_mutex_lock(&ep->mu);
+    ep->npeers++;
+    pthread_mutex_unlock(&ep->mu);
+  }
+  pthread_mutex_unlock(&pf_objects_mu);
   if (!ep) return PF_EHANDLE;
   pf_xfer_peer *p = calloc(1, sizeof *p);
-  if (!p) return pf_fail(PF_ENOMEM, "pf_xfer_peer_create: out of memory");
+  if (!p) {
+    peer_unreserve(ep);
+    return pf_fail(PF_ENOMEM, "pf_xfer_peer_create: out of memory");
+  }
   p->ep = ep;
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->cv, NULL);
@@ -413,65 +443,120 @@ int32_t pf_xfer_peer_create(uint32_t h, uint32_t *out_peer) {
   }
   pthread_mutex_lock(&ep->mu);
   p->next = ep->peers;
-  ep->peers = p;
-  ep->npeers++;
+  ep->peers = p; /* counted in npeers since the lookup */
   pthread_mutex_unlock(&ep->mu);
   *out_peer = p->handle;
   return PF_OK;
 fail:
+  peer_unreserve(ep);
   pthread_cond_destroy(&p->cv);
   pthread_mutex_destroy(&p->mu);
   free(p);
   return rc;
 }
 
-int32_t pf_xfer_peer_info(uint32_t h, uint8_t *buf, uint32_t cap) {
-  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_info");
-  if (!p) return PF_EHANDLE;
-  return p->ep->ops->peer_info(p, buf, cap);
+/* Holds peer h from its lookup (under pf_objects_mu, which
+ * pf_xfer_peer_close retires the handle under) until peer_release: a close
+ * racing the call waits for it instead of freeing the peer under it. Every
+ * entry point that takes a peer handle goes through here. */
+static pf_xfer_peer *peer_hold(uint32_t h, const char *fn) {
+  pthread_mutex_lock(&pf_objects_mu);
+  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, fn);
+  if (p) {
+    pthread_mutex_lock(&p->mu);
+    p->inflight += XFER_HOLD;
+    pthread_mutex_unlock(&p->mu);
+  }
+  pthread_mutex_unlock(&pf_objects_mu);
+  return p;
 }
 
-int32_t pf_xfer_peer_connect(uint32_t h, const uint8_t *remote, uint32_t len,
-                             int32_t timeout_ms) {
-  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_connect");
+static int32_t peer_release(pf_xfer_peer *p, int32_t rc) {
+  pthread_mutex_lock(&p->mu);
+  p->inflight -= XFER_HOLD;
+  if (p->inflight < XFER_HOLD) pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+  return rc;
+}
+
+int32_t pf_xfer_peer_info(uint32_t h, uint8_t *buf, uint32_t cap) {
+  pf_xfer_peer *p = peer_hold(h, "pf_xfer_peer_info");
   if (!p) return PF_EHANDLE;
+  return peer_release(p, p->ep->ops->peer_info(p, buf, cap));
+}
+
+static int32_t connect_held(pf_xfer_peer *p, uint32_t h, const uint8_t *remote, uint32_t len,
+                            int32_t timeout_ms) {
   if (!remote || !len) return pf_fail(PF_EINVAL, "pf_xfer_peer_connect: remote info is empty");
   if (timeout_ms <= 0)
     return pf_fail(PF_EINVAL, "pf_xfer_peer_connect: timeout_ms %d must be > 0", timeout_ms);
   if (atomic_load(&p->connected))
     return pf_fail(PF_EINVAL, "pf_xfer_peer_connect: peer %u is already connected", h);
+  if (atomic_load(&p->closing))
+    return pf_fail(PF_ESHUTDOWN, "pf_xfer_peer_connect: peer %u is closing", h);
+  /* One connect at a time: two would build the transport's streams over
+   * each other. */
+  int idle = 0;
+  if (!atomic_compare_exchange_strong(&p->connecting, &idle, 1))
+    return pf_fail(PF_EBUSY, "pf_xfer_peer_connect: peer %u: a connect is already under way", h);
+  /* The transport gives up early (PF_ESHUTDOWN) once p->closing is set. */
   int32_t rc = p->ep->ops->peer_connect(p, remote, len, timeout_ms);
-  if (rc < 0) {
-    pf_last_error(p->connect_msg, sizeof p->connect_msg);
-    return rc;
+  if (rc == PF_OK && atomic_load(&p->closing)) {
+    /* Connected as the close began: the close shuts the streams down. */
+    rc = pf_fail(PF_ESHUTDOWN, "pf_xfer_peer_connect: peer %u was closed while it connected",
+                 h);
+  } else if (rc == PF_OK) {
+    atomic_store(&p->connected, 1);
   }
-  p->connect_msg[0] = 0;
-  atomic_store(&p->connected, 1);
-  return PF_OK;
+  pthread_mutex_lock(&p->mu); /* pf_xfer_peer_error reads it under p->mu */
+  if (rc < 0) pf_last_error(p->connect_msg, sizeof p->connect_msg);
+  else p->connect_msg[0] = 0;
+  pthread_mutex_unlock(&p->mu);
+  atomic_store(&p->connecting, 0);
+  return rc;
+}
+
+/* Holds the peer for the whole connect: pf_xfer_peer_close sets `closing`
+ * (which the transport's waits watch), waits for the connect to give up,
+ * and only then tears the transport down and frees the peer. */
+int32_t pf_xfer_peer_connect(uint32_t h, const uint8_t *remote, uint32_t len,
+                             int32_t timeout_ms) {
+  pf_xfer_peer *p = peer_hold(h, "pf_xfer_peer_connect");
+  if (!p) return PF_EHANDLE;
+  return peer_release(p, connect_held(p, h, remote, len, timeout_ms));
 }
 
 _Static_assert(sizeof(pf_xfer_peer_status) == 24, "pf_xfer_peer_status layout");
 _Static_assert(offsetof(pf_xfer_peer_status, broken) == 16, "pf_xfer_peer_status layout");
 
 int32_t pf_xfer_peer_state(uint32_t h, pf_xfer_peer_status *out) {
-  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_state");
-  if (!p) return PF_EHANDLE;
   if (!out) return pf_fail(PF_EINVAL, "pf_xfer_peer_state: out is NULL");
+  pf_xfer_peer *p = peer_hold(h, "pf_xfer_peer_state");
+  if (!p) return PF_EHANDLE;
   memset(out, 0, sizeof *out);
   out->connected = atomic_load(&p->connected) ? 1u : 0u;
   out->remote_bytes = p->remote_bytes;
   pthread_mutex_lock(&p->mu);
-  out->inflight = p->inflight % XFER_HOLD; /* batches, not submits in progress */
+  /* Batches, not the calls holding the peer (this one among them). */
+  out->inflight = p->inflight % XFER_HOLD;
   pthread_mutex_unlock(&p->mu);
   out->broken = atomic_load(&p->broken);
-  return PF_OK;
+  return peer_release(p, PF_OK);
 }
 
 int32_t pf_xfer_peer_error(uint32_t h, char *buf, uint32_t cap) {
-  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_peer_error");
+  pf_xfer_peer *p = peer_hold(h, "pf_xfer_peer_error");
   if (!p) return PF_EHANDLE;
-  if (atomic_load(&p->broken)) return pf_text_out(p->broken_msg, buf, cap);
-  return pf_text_out(p->connect_msg, buf, cap);
+  int32_t n;
+  if (atomic_load(&p->broken)) {
+    n = pf_text_out(p->broken_msg, buf, cap);
+  } else {
+    /* A connect on another thread writes it under p->mu. */
+    pthread_mutex_lock(&p->mu);
+    n = pf_text_out(p->connect_msg, buf, cap);
+    pthread_mutex_unlock(&p->mu);
+  }
+  return peer_release(p, n);
 }
 
 int32_t pf_xfer_peer_close(uint32_t h) {
@@ -485,6 +570,13 @@ int32_t pf_xfer_peer_close(uint32_t h) {
   pthread_mutex_unlock(&pf_objects_mu);
   pf_xfer_ep *ep = p->ep;
   atomic_store(&p->closing, 1);
+  /* Calls that looked the peer up before its handle was retired finish
+   * first (a connect gives up at its next look at `closing`; a submit
+   * either refuses or ends the batch it armed): none of them is inside the
+   * transport when it is shut down. */
+  pthread_mutex_lock(&p->mu);
+  while (p->inflight >= XFER_HOLD) pthread_cond_wait(&p->cv, &p->mu);
+  pthread_mutex_unlock(&p->mu);
   ep->ops->peer_shutdown(p);
   end_all(p, PF_ESHUTDOWN);
   pthread_mutex_lock(&p->mu);
@@ -763,24 +855,11 @@ static int32_t submit_held(pf_xfer_peer *p, uint32_t h, const void *desc, uint64
   return PF_OK;
 }
 
-/* Holds the peer from its lookup (under pf_objects_mu, which
- * pf_xfer_peer_close retires the handle under) to the return, so a close
+/* Holds the peer (peer_hold) from its lookup to the return, so a close
  * racing the submit waits for it instead of freeing the peer under it. */
 int32_t pf_xfer_submit(uint32_t h, const void *desc, uint64_t desc_bytes, uint64_t tag,
                        uint32_t *out_crcs) {
-  pthread_mutex_lock(&pf_objects_mu);
-  pf_xfer_peer *p = pf_handle_get(h, PF_K_XPEER, "pf_xfer_submit");
-  if (p) {
-    pthread_mutex_lock(&p->mu);
-    p->inflight += XFER_HOLD;
-    pthread_mutex_unlock(&p->mu);
-  }
-  pthread_mutex_unlock(&pf_objects_mu);
+  pf_xfer_peer *p = peer_hold(h, "pf_xfer_submit");
   if (!p) return PF_EHANDLE;
-  int32_t rc = submit_held(p, h, desc, desc_bytes, tag, out_crcs);
-  pthread_mutex_lock(&p->mu);
-  p->inflight -= XFER_HOLD;
-  if (p->inflight == 0) pthread_cond_broadcast(&p->cv);
-  pthread_mutex_unlock(&p->mu);
-  return rc;
+  return peer_release(p, submit_held(p, h, desc, desc_bytes, tag, out_crcs));
 }

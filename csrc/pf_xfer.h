@@ -192,19 +192,23 @@ int32_t pf_xfer_submit(uint32_t peer, const void *desc, uint64_t desc_bytes,
 /* The raw TCP throughput of a path, for benchmarks (what iperf measures):
  * opens `streams` plain connections to the TCP endpoint at host:port `addr`,
  * asks its listener to send `bytes_per_stream` unframed bytes on each, and
- * receives them with blocking recv (no framing, no bounds checks, no
- * deadlines). pool = 0: both ends cycle over 1 MiB per stream (cache-
- * resident, as iperf does). pool = a pool handle: stream i receives into its
- * own 1/streams slice of that pool and the server sends stream i's bytes
- * from its own pool at offset i * bytes_per_stream, wrapping at the end
- * (PF_BLAST_WIDE): every stream moves distinct memory, as a real transfer
- * does.
+ * receives them with blocking recv (no framing, no bounds checks). pool = 0:
+ * both ends cycle over 1 MiB per stream (cache-resident, as iperf does).
+ * pool = a pool handle: stream i receives into its own 1/streams slice of
+ * that pool and the server sends stream i's bytes from its own pool at
+ * offset i * bytes_per_stream, wrapping at the end (PF_BLAST_WIDE): every
+ * stream moves distinct memory, as a real transfer does.
+ * Deadline: every stream must have connected and received all its bytes
+ * within timeout_ms (1 .. 3,600,000, a batch's range) of the call, else
+ * PF_ETIMEDOUT naming the stream and the bytes missing (a sender that
+ * stalls, or a listener that never answers, cannot hang it).
  * Synchronous (declare it nonblocking in FFI); out_ns = first connect to
- * last byte. */
+ * last byte. On failure the text goes to err (err_cap bytes, NUL-ended;
+ * NULL/0 = none), as pf_last_error belongs to the thread that ran it. */
 enum pf_blast_flags { PF_BLAST_WIDE = 1u << 0 };
-int32_t pf_tcp_blast(const char *addr, uint32_t streams,
-                     uint64_t bytes_per_stream, uint32_t pool,
-                     uint32_t sock_buf, uint64_t *out_ns);
+int32_t pf_tcp_blast(const char *addr, uint32_t streams, uint64_t bytes_per_stream,
+                     uint32_t pool, uint32_t sock_buf, uint32_t timeout_ms, uint64_t *out_ns,
+                     char *err, uint32_t err_cap);
 
 /* RDMA only: the NICs libibverbs reports, as "name,name,..." into buf;
  * returns the full length. PF_ENODEV when the library cannot be loaded. */

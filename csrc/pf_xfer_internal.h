@@ -85,9 +85,10 @@ typedef struct pf_xfer_peer {
   pthread_cond_t cv;          /* inflight reached 0 */
   atomic_int connected;
   atomic_int closing;
+  atomic_int connecting;      /* a pf_xfer_peer_connect is under way */
   atomic_int broken;          /* PF_E* that broke the peer, 0 = healthy */
   char broken_msg[256];
-  char connect_msg[512];      /* why the last connect failed */
+  char connect_msg[512];      /* why the last connect failed (under mu) */
   uint64_t remote_bytes;      /* remote pool size */
   uint32_t lanes;             /* streams (TCP) or QPs (RDMA) */
   uint32_t nfree;

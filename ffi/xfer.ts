@@ -51,8 +51,9 @@ export const XFER_SYMBOLS = {
   // until the batch's record: always an ArrayBuffer-backed array (off V8's
   // heap, never moved), kept alive by the pending entry.
   pf_xfer_submit: { parameters: ["u32", "buffer", "u64", "u64", "buffer"], result: "i32" },
+  // Waits up to its timeout; its failure text comes back in the last buffer.
   pf_tcp_blast: {
-    parameters: ["buffer", "u32", "u64", "u32", "u32", "buffer"],
+    parameters: ["buffer", "u32", "u64", "u32", "u32", "u32", "buffer", "buffer", "u32"],
     result: "i32",
     nonblocking: true,
   },
@@ -341,6 +342,7 @@ export class XferPeer {
   readonly #ep: XferEndpoint;
   #closed = false;
   #closing: Promise<void> | undefined;
+  #connecting = false;
 
   /** @internal Use {@link XferEndpoint.createPeer}. */
   constructor(handle: number, ep: XferEndpoint) {
@@ -376,10 +378,19 @@ export class XferPeer {
     if (!(Number.isInteger(timeoutMs) && timeoutMs > 0 && timeoutMs <= 0x7fffffff)) {
       refuse(PF_STATUS.PF_EINVAL, `timeoutMs ${timeoutMs} must be an integer in [1, 2^31)`);
     }
+    if (this.#connecting) refuse(PF_STATUS.PF_EBUSY, "a connect is already under way");
     if (this.state().connected) refuse(PF_STATUS.PF_EINVAL, "is already connected");
-    const rc = await xferLib().pf_xfer_peer_connect(this.handle, bytes, bytes.length, timeoutMs);
+    this.#connecting = true;
+    let rc: number;
+    try {
+      // A close() meanwhile makes it give up at once with PF_ESHUTDOWN (the
+      // library's close waits for it before freeing the peer).
+      rc = await xferLib().pf_xfer_peer_connect(this.handle, bytes, bytes.length, timeoutMs);
+    } finally {
+      this.#connecting = false;
+    }
     // pf_last_error belongs to the worker thread that ran the call; the peer
-    // keeps its own copy.
+    // keeps its own copy (gone once close() began: lastError() says so).
     if (rc < 0) throw new NativeError("pf_xfer_peer_connect", rc, this.lastError());
   }
 
@@ -574,31 +585,64 @@ export class XferBatch {
   }
 }
 
+/** Options of {@link tcpBlast}. */
+export interface BlastOptions {
+  /** Receive into this pool (each stream its slice); absent: 1 MiB per stream, like iperf. */
+  pool?: Pool;
+  /** SO_SNDBUF/SO_RCVBUF; 0 / absent = the kernel's autotuning. */
+  sockBuf?: number;
+}
+
 /**
  * Raw TCP throughput of a path (what iperf measures): `streams` plain
  * connections to the TCP endpoint at `addr`, each receiving
- * `bytesPerStream` unframed bytes — into `pool` (each stream its slice, the
- * server sending from as much of its own pool), or, without one, into 1 MiB
- * per stream like iperf. Returns ns from first connect to last byte.
+ * `bytesPerStream` unframed bytes — into `opts.pool` (each stream its
+ * slice, the server sending from as much of its own pool), or, without one,
+ * into 1 MiB per stream like iperf. Every stream must be done within
+ * `timeoutMs` (1 .. 3,600,000). Returns ns from first connect to last byte.
+ * @throws NativeError naming the stream and what went wrong: `PF_ETIMEDOUT`
+ * with the bytes still missing at the deadline, `PF_EIO` for a refused or
+ * dropped connection.
+ *
+ * @example
+ * ```ts
+ * const ns = await tcpBlast("10.0.0.2:7010", 4, 128 << 20, 60_000, { pool });
+ * console.log(`${(4 * (128 << 20)) / ns} GB/s`);
+ * ```
  */
 export async function tcpBlast(
   addr: string,
   streams: number,
   bytesPerStream: number,
-  pool?: Pool,
-  sockBuf = 0,
+  timeoutMs: number,
+  opts: BlastOptions = {},
 ): Promise<number> {
+  if (!(Number.isInteger(timeoutMs) && timeoutMs >= 1 && timeoutMs <= 3_600_000)) {
+    throw new NativeError(
+      "pf_tcp_blast",
+      PF_STATUS.PF_EINVAL,
+      `to ${addr}: timeoutMs ${timeoutMs} must be an integer in [1, 3600000]`,
+    );
+  }
   const a = ENCODER.encode(addr + "\0");
   const out = new BigUint64Array(1);
+  // Its own buffer: another blast may be running on another worker thread.
+  const err = new Uint8Array(512);
   const rc = await xferLib().pf_tcp_blast(
     a,
     streams,
     BigInt(bytesPerStream),
-    pool?.handle ?? 0,
-    sockBuf,
+    opts.pool?.handle ?? 0,
+    opts.sockBuf ?? 0,
+    timeoutMs,
     out,
+    err,
+    err.length,
   );
-  if (rc < 0) throw new NativeError("pf_tcp_blast", rc, `to ${addr} failed with ${statusName(rc)}`);
+  if (rc < 0) {
+    const text = DECODER.decode(err.subarray(0, Math.max(0, err.indexOf(0))));
+    throw new NativeError("pf_tcp_blast", rc, text || `to ${addr}: ${statusName(rc)}`);
+  }
   return Number(out[0]);
 }
 

@@ -9,15 +9,16 @@
 import assert from "node:assert/strict";
 import { build, objects, run } from "./_sanitized_c.ts";
 
-Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a close waits for a submit or sync past its lookup", async () => {
+Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a close waits for a submit, connect, info, error or sync past its lookup, an endpoint close refuses while a peer is created", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-races-" });
   try {
     const objs = await objects(dir);
-    const [parts, broken, close, peerClose] = await Promise.all([
+    const [parts, broken, close, peerClose, peerCalls] = await Promise.all([
       build(dir, objs, "xfer_parts", ["pf_tcp.c"]),
       build(dir, objs, "xfer_broken", []),
       build(dir, objs, "uring_close", ["pf_uring.c"]),
       build(dir, objs, "xfer_submit_close", ["pf_xfer.c"]),
+      build(dir, objs, "xfer_peer_close", ["pf_xfer.c"]),
     ]);
 
     for (const mode of ["", "ack"]) {
@@ -46,6 +47,27 @@ Deno.test("C races: a landed part counts against its own batch, a broken peer en
     const armed = await run(peerClose, ["armed"], "xfer_submit_close armed");
     assert.match(armed, /records: 1 \(tag 7 status -9\)/, "the batch ended PF_ESHUTDOWN");
     assert.match(armed, /pf_xfer_peer_close: 0/);
+
+    // A close during a pending connect: the connect gives up with PF_ESHUTDOWN
+    // naming the peer, then the close frees it (before: the close freed the
+    // peer under the connect, which then read it).
+    for (const mode of ["handshake", "connect"]) {
+      const out = await run(peerCalls, [mode], `xfer_peer_close ${mode}`);
+      assert.match(out, /close during connect: finished \(rc 0\)/);
+      assert.match(out, /connect: -9 pf_xfer_peer_connect\(tcp\): peer \d+ was closed while/);
+      assert.match(out, /pf_xfer_close: 0/);
+    }
+    const twice = await run(peerCalls, ["twice"], "xfer_peer_close twice");
+    assert.match(twice, /second connect: -6 .*a connect is already under way/);
+    const create = await run(peerCalls, ["create"], "xfer_peer_close create");
+    assert.match(create, /endpoint close during pf_xfer_peer_create: finished \(rc -6\)/);
+    assert.match(create, /peers: 1/);
+    assert.match(create, /pf_xfer_close: 0/);
+    for (const mode of ["info", "error"]) {
+      const out = await run(peerCalls, [mode], `xfer_peer_close ${mode}`);
+      assert.match(out, /still waiting for it/, `the close waits for pf_xfer_peer_${mode}`);
+      assert.match(out, /pf_xfer_peer_close: 0/);
+    }
   } finally {
     await Deno.remove(dir, { recursive: true });
   }

@@ -109,7 +109,8 @@ async function handle(c: Cmd): Promise<unknown> {
             c.addr!,
             c.streams!,
             Math.floor(c.bytes! / c.streams!),
-            c.wide ? pool : undefined,
+            c.timeoutMs ?? 120_000, // the bench batches' deadline
+            { pool: c.wide ? pool : undefined },
           ),
         );
       }

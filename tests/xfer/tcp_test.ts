@@ -575,7 +575,7 @@ Deno.test("a raw blast into a pool moves each stream's own range of the sender's
     await peer.close();
     b.mem.fill(0);
     // 4 streams x 3 MiB: stream i lands in its 4 MiB slice here, from the sender's i * 3 MiB.
-    await tcpBlast(`127.0.0.1:${a.port}`, 4, 3 * MiB, b.pool);
+    await tcpBlast(`127.0.0.1:${a.port}`, 4, 3 * MiB, 30_000, { pool: b.pool });
     const segs: Seg[] = [0, 1, 2, 3].map((i) => [i * 3 * MiB, i * 4 * MiB, 3 * MiB]);
     assert.equal(firstMismatch(b.mem, segs, SEED_A), -1, "every stream sent distinct memory");
   } finally {
