@@ -38,6 +38,11 @@ export interface RankCtx {
   byName: Map<string, LayerCtx>;
   /** Distinct regions (layers may share one), closed on cleanup. */
   regions: RegionPort[];
+  /**
+   * `registrationFingerprint` of what registered this rank: a RegisterContext for the
+   * rank with another one comes from another engine (register.ts refuses it).
+   */
+  fingerprint: string;
 }
 
 /** An inference engine known to the server. */

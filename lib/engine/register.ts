@@ -23,7 +23,13 @@ import {
   type StageClaim,
 } from "./namespaces.ts";
 import type { RegionPort } from "./ports.ts";
-import { keyHex, type RegisterArgs, validateRegistration } from "./registration.ts";
+import {
+  HELD_BY_ANOTHER_ENGINE,
+  keyHex,
+  type RegisterArgs,
+  registrationFingerprint,
+  validateRegistration,
+} from "./registration.ts";
 
 /** What RegisterContext answers. */
 export interface RegisterResult {
@@ -37,8 +43,9 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
   const { who, ppSize } = validateRegistration(a);
   const fields = { instance: a.instanceId, tpRank: a.tpRank, ppRank: a.ppRank };
   const rankId = rankIndex(a.tpRank, a.ppRank, a.tpSize);
+  const fingerprint = registrationFingerprint(a);
   let inst = ctx.instances.get(a.instanceId);
-  if (inst) checkJoin(inst, a, who, ppSize, rankId);
+  if (inst) checkJoin(inst, a, who, ppSize, rankId, fingerprint);
   // The namespace's layout (sizes, block shape, TP sharing, each stage's layer
   // order) must agree with this rank before anything is mapped.
   const claim = stageClaimOf(a, who, ppSize);
@@ -56,6 +63,7 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
     layers,
     byName: new Map(layers.map((l) => [l.name, l])),
     regions: imported,
+    fingerprint,
   };
 
   // Commit: the namespace's layout, the instance, the rank.
@@ -132,8 +140,21 @@ function checkDevice(ctx: EngineContext, a: RegisterArgs, who: string): void {
   );
 }
 
-/** A rank joining a known instance: same namespace and sizes, not registered yet, not fenced. */
-function checkJoin(inst: Instance, a: RegisterArgs, who: string, ppSize: number, rank: number) {
+/**
+ * A rank joining a known instance: same namespace and sizes, not fenced, not registered
+ * yet. A rank registered already answers ALREADY_EXISTS when this is the same registration
+ * (its holder asking again: a client whose stream broke, the Python client's check once its
+ * session is open); another one comes from another engine under this instance id, which
+ * must not be told "registered": its saves and loads would use the holder's memory.
+ */
+function checkJoin(
+  inst: Instance,
+  a: RegisterArgs,
+  who: string,
+  ppSize: number,
+  rank: number,
+  fingerprint: string,
+) {
   const fields = { instance: a.instanceId, tpRank: a.tpRank, ppRank: a.ppRank };
   if (inst.fenced) {
     throw new EngineError(
@@ -148,13 +169,21 @@ function checkJoin(inst: Instance, a: RegisterArgs, who: string, ppSize: number,
       fields,
     );
   }
-  if (inst.ranks.has(rank)) {
+  const held = inst.ranks.get(rank);
+  if (!held) return;
+  if (held.fingerprint === fingerprint) {
     throw new EngineError(
       Code.ALREADY_EXISTS,
       `${who}: already registered; unregister it first`,
       fields,
     );
   }
+  throw precondition(
+    `${who} ${HELD_BY_ANOTHER_ENGINE} (its regions differ: held registration ` +
+      `${held.fingerprint}, this one ${fingerprint}); unregister it, or give this engine ` +
+      `another instance id`,
+    { ...fields, expected: held.fingerprint, got: fingerprint },
+  );
 }
 
 /** Maps the rank's regions (one import per distinct handle); on any failure unmaps them all. */

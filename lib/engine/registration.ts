@@ -8,6 +8,7 @@
  *
  * @module
  */
+import { createHash } from "node:crypto";
 import { invalid, precondition } from "./errors.ts";
 import { footprint, type Geometry, validateGeometry } from "./geometry.ts";
 import {
@@ -88,6 +89,59 @@ export function keyHex(b: Uint8Array): string {
   let s = "";
   for (let i = 0; i < b.length; i++) s += b[i].toString(16).padStart(2, "0");
   return s;
+}
+
+/**
+ * The words a refusal of another engine's registration of a held rank
+ * carries ("instance "x" tp_rank 0 pp_rank 0 is registered by another
+ * engine ..."). Part of the protocol: the Python client
+ * (python/pegaflow/registration.py, `HELD_BY_ANOTHER_ENGINE`) tells this
+ * FAILED_PRECONDITION, which clears when the holder leaves, from a refusal of
+ * the request itself.
+ */
+export const HELD_BY_ANOTHER_ENGINE = "is registered by another engine";
+
+/** 64 bits: tells one engine's registration from another's (not a defence against forgery). */
+const FINGERPRINT_HEX_CHARS = 16;
+
+/**
+ * What makes two registrations of one rank the same one: namespace, sizes,
+ * device, TP sharing, and every layer's name (in order), region handle and
+ * geometry. A hex SHA-256 prefix, computed once per RegisterContext and kept
+ * on the rank: a rank asked for again answers ALREADY_EXISTS only when the
+ * fingerprints agree (the holder asking again); otherwise the request comes
+ * from another engine, whose saves and loads would use the holder's memory.
+ * Call after {@link validateRegistration} (handles are then all 64 bytes, so
+ * their concatenation is unambiguous).
+ *
+ * @example
+ * ```ts
+ * registrationFingerprint(args); // "3f9a0c61d2e4b758"
+ * ```
+ */
+export function registrationFingerprint(a: RegisterArgs): string {
+  const h = createHash("sha256");
+  const g = a.geometry.map((x) => [
+    x.numBlocks,
+    x.blockStride,
+    x.segStride,
+    x.segBytes,
+    x.numSegments,
+    x.baseOffset,
+    x.regionBytes,
+  ]);
+  h.update(JSON.stringify([
+    a.namespace,
+    a.tpSize,
+    a.ppSize || 1,
+    a.worldSize,
+    a.deviceId,
+    a.kvSharedAcrossTp ?? false,
+    a.layerNames,
+    g,
+  ]));
+  for (const handle of a.regionHandles) h.update(handle);
+  return h.digest("hex").slice(0, FINGERPRINT_HEX_CHARS);
 }
 
 /**

@@ -244,8 +244,9 @@ export function engineServiceImpl(
               ...capFields({ ...requestLogFields(call.request), ...errorLogFields(e) }),
             });
           } else {
-            // A rank registered again answers ALREADY_EXISTS by design (a client whose stream
-            // broke, and the Python client's check once its session is open): not news.
+            // The same registration of a rank again answers ALREADY_EXISTS by design (a client
+            // whose stream broke, and the Python client's check once its session is open): not
+            // news. Another engine's registration of a held rank is FAILED_PRECONDITION, logged.
             const routine = method === "RegisterContext" && st.code === grpc.status.ALREADY_EXISTS;
             log[routine ? "debug" : "info"]("rpc refused", {
               method,

@@ -20,12 +20,19 @@ itself (bad layers, a topology mismatch) is still raised at once.
 
 Retry rules: every failure of RegisterContext is retried with exponential
 backoff (50 ms doubling to `config.reconnect_max_s`); ALREADY_EXISTS means
-the server still holds this rank (our stream broke, the server's did not)
-and counts as registered. With the session open, RegisterContext goes once
-more and must answer ALREADY_EXISTS (or register): the server that took the
-session holds the rank too, even when it restarted in between (else the
-attempt counts as failed). A SUPERSEDED event means another process opened a
-session for this same rank: that process owns it, so this one stops
+the server still holds this rank with these very regions (our stream broke,
+the server's did not) and counts as registered. A rank held by another
+engine under the same instance id (other regions: a process that crashed and
+whose session the server has not seen end yet, or a second engine given the
+same instance id) is refused with FAILED_PRECONDITION "... is registered by
+another engine": it is logged, never counted as registered and no session is
+opened (a session would supersede the holder's, and our saves and loads would
+use its memory); the rank retries, also from the first `register()`, and
+registers once the holder is gone. With the session open, RegisterContext
+goes once more and must answer ALREADY_EXISTS (or register): the server that
+took the session holds the rank too, even when it restarted in between (else
+the attempt counts as failed). A SUPERSEDED event means another process
+opened a session for this same rank: that process owns it, so this one stops
 (connected stays False) and logs why.
 """
 
@@ -47,6 +54,15 @@ log = logging.getLogger("pegaflow.registration")
 RETRY_MIN_S = 0.05
 #: A registration refused for want of a server, not for its content: retried in the background.
 NO_SERVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: What the server's refusal of a rank held by another engine says (lib/engine/registration.ts
+#: `HELD_BY_ANOTHER_ENGINE`, the owner): FAILED_PRECONDITION with these words.
+HELD_BY_ANOTHER_ENGINE = "is registered by another engine"
+
+
+def held_by_another_engine(e: PegaflowError) -> bool:
+    """True when RegisterContext was refused because another engine (other regions) holds the
+    rank under this instance id: not registered, retried until the holder leaves."""
+    return e.code == grpc.StatusCode.FAILED_PRECONDITION and HELD_BY_ANOTHER_ENGINE in e.details
 
 
 class KvRegistration:
@@ -140,8 +156,9 @@ class KvRegistration:
 
     def register(self) -> Optional[pb.RegisterContextResponse]:
         """First registration, then the session thread starts and keeps it alive. A refusal
-        of the request is raised; with no server to answer (UNAVAILABLE, DEADLINE_EXCEEDED)
-        the thread registers once one does, and this returns None (`connected` is False)."""
+        of the request is raised; with no server to answer (UNAVAILABLE, DEADLINE_EXCEEDED),
+        or the rank held by another engine, the thread registers once it can, and this
+        returns None (`connected` is False, `last_error` says why)."""
         if self._thread is not None:
             raise RuntimeError(f"{self.who}: register() called twice")
         name = f"pegaflow-session-{self.tp_rank}-{self.pp_rank}"
@@ -149,10 +166,17 @@ class KvRegistration:
             res = self._register_once()
             self._open_session()
         except PegaflowError as e:
-            if e.code not in NO_SERVER:
+            held = held_by_another_engine(e)
+            if e.code not in NO_SERVER and not held:
                 raise
             self.last_error = str(e)
-            log.warning("%s: no KV server answers (%s); running without PegaFlow until one does", self.who, e)
+            if held:
+                log.error(
+                    "%s: another engine holds this rank (%s); running without PegaFlow, retrying until it leaves",
+                    self.who, e,
+                )
+            else:
+                log.warning("%s: no KV server answers (%s); running without PegaFlow until one does", self.who, e)
             self._thread = threading.Thread(target=self._register_later, name=name, daemon=True)
             self._thread.start()
             return None

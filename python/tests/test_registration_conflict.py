@@ -1,0 +1,233 @@
+"""Two engines, one instance id: the server holds the rank for the engine that
+registered it first, and a second engine (other regions) is refused with
+"... is registered by another engine". The second does not count itself
+registered, opens no session (which would supersede the first's) and so
+never saves from or loads into the first's memory; it retries, and registers
+once the first is gone (the engine that crashed and restarted before the
+server saw its session end).
+
+Run as a script, this file is the other engine's process (`_child`, `_holder`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from pegaflow.client import PegaflowClient
+from pegaflow.errors import PegaflowError
+from pegaflow.load_state import LoadState
+from pegaflow.regions import export_kv_layers
+
+from kv_helpers import fill, make_kv, matches, register, save_one
+
+
+def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def load_one(client: PegaflowClient, kv, instance_id: str, mark: int, dst: int, request_id: str) -> list:
+    """Queries the block of hash `bytes([mark]) * 16`, loads it into block `dst` and returns the
+    (layer, block, seg) triples that did not land byte-exact (empty: the round trip worked)."""
+    h = bytes([mark]) * 16
+    q = client.query_prefetch(instance_id=instance_id, block_hashes=[h], request_id=request_id)
+    assert not q.loading and q.hits == 1, f"{instance_id}: query of {request_id} hit {q.hits}"
+    with LoadState.create() as st:
+        client.load(instance_id=instance_id, tp_rank=0, lease_id=q.lease_id, block_ids=[dst], load_state_shm=st.name)
+        st.wait_all(timeout_s=30)
+    return matches(kv, [dst], [h])
+
+
+def _child(addr: str, instance_id: str, namespace: str) -> None:
+    """The second engine: registers its own KV under `instance_id`, reports, waits for "go" on
+    stdin (the first engine is gone by then), and reports again after a load round trip."""
+    client = PegaflowClient(addr, rpc_timeout_ms=5000, reconnect_max_ms=200)
+    region, kv = make_kv(2, 8)
+    reg = register(client, kv, instance_id, namespace)  # must not raise: the rank is retried
+    try:
+        time.sleep(1.0)  # several retries
+        report = dict(connected=reg.connected, superseded=reg.superseded, last_error=reg.last_error,
+                      failures=reg.stats()["register_failures"])
+        print(json.dumps(report), flush=True)
+        sys.stdin.readline()
+        up = reg.wait_connected(30)
+        bad = load_one(client, kv, instance_id, 7, 6, "child") if up else ["not connected"]
+        print(json.dumps(dict(connected=up, generation=reg.generation, bad=[list(b) for b in bad])), flush=True)
+    finally:
+        reg.close()
+        client.close()
+        region.close()
+
+
+def _holder(addr: str, instance_id: str, namespace: str) -> None:
+    """An engine that registers, says so, and runs until it is killed."""
+    client = PegaflowClient(addr, rpc_timeout_ms=5000)
+    region, kv = make_kv(2, 8)
+    reg = register(client, kv, instance_id, namespace)
+    try:
+        print(json.dumps(dict(connected=reg.connected)), flush=True)
+        sys.stdin.readline()
+    finally:
+        reg.close()
+        client.close()
+        region.close()
+
+
+def _spawn(addr: str, instance_id: str, namespace: str, role: str) -> subprocess.Popen:
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), role, addr, instance_id, namespace],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def _read_json(proc: subprocess.Popen, timeout_s: float = 60.0) -> dict:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert ready, "the second engine said nothing in time"
+    line = proc.stdout.readline()
+    assert line, f"the second engine exited (rc {proc.wait()})"
+    return json.loads(line)
+
+
+def test_a_second_engine_process_with_the_same_instance_id_is_refused_and_the_first_keeps_working(server, uid):
+    client = PegaflowClient(server.addr, rpc_timeout_ms=10_000)
+    region, kv = make_kv(2, 8)
+    first = register(client, kv, uid, "ns-" + uid)
+    child = None
+    try:
+        assert first.connected
+        assert save_one(client, kv, uid, 0, 7) == 1
+        child = _spawn(server.addr, uid, "ns-" + uid, "second")
+        second = _read_json(child)
+        assert not second["connected"] and not second["superseded"]
+        assert f'instance "{uid}" tp_rank 0 pp_rank 0 is registered by another engine' in second["last_error"]
+        assert "FAILED_PRECONDITION" in second["last_error"] and second["failures"] >= 2
+
+        # The first engine still holds its rank and its session, and its KV round trip lands in its memory.
+        assert first.connected and not first.superseded and first.generation == 1
+        assert load_one(client, kv, uid, 7, 5, "first") == []
+
+        first.close()  # unregisters: the rank is free, and the second engine takes it by itself
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        after = _read_json(child)
+        assert after == dict(connected=True, generation=1, bad=[])
+        assert child.wait(timeout=30) == 0
+    finally:
+        first.close()
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        client.close()
+        region.close()
+
+
+def test_an_engine_restarted_after_a_crash_registers_once_the_server_sees_the_old_one_gone(server, uid):
+    """The old engine (a child process) still holds the rank when the new one starts: the new
+    one runs without PegaFlow and registers by itself once the old one is SIGKILLed (its
+    session ends, the server cleans its instance up)."""
+    old = _spawn(server.addr, uid, "ns-" + uid, "holder")
+    client = PegaflowClient(server.addr, rpc_timeout_ms=10_000, reconnect_max_ms=200)
+    region, kv = make_kv(2, 8)
+    reg = None
+    try:
+        assert _read_json(old) == dict(connected=True)
+        reg = register(client, kv, uid, "ns-" + uid)  # returns: the rank is retried
+        assert not reg.connected and "is registered by another engine" in (reg.last_error or "")
+        old.kill()
+        old.wait()
+        wait_for(lambda: reg.connected, "registration once the old engine is gone")
+        assert reg.generation == 1 and not reg.superseded
+        assert save_one(client, kv, uid, 2, 5) == 1
+        assert load_one(client, kv, uid, 5, 7, "restarted") == []
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.wait()
+        if reg is not None:
+            reg.close()
+        client.close()
+        region.close()
+
+
+def test_two_engines_with_one_instance_id_racing_for_a_new_server_end_with_one_holder(uid):
+    """Both engines start before the server, so both register from the retry thread: the
+    loser must not take the winner's answer for its own (it used to count ALREADY_EXISTS as
+    registered and open a session that superseded the winner's)."""
+    from server_proc import ServerProc
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()  # nothing listens there yet
+    engines = []
+    srv = None
+    try:
+        for _ in range(2):
+            c = PegaflowClient(addr, rpc_timeout_ms=5000, reconnect_max_ms=100)
+            region, kv = make_kv(2, 8)
+            engines.append((c, region, kv, register(c, kv, uid, "ns-" + uid)))
+        assert not any(e[3].connected for e in engines)
+        srv = ServerProc.start(addr)
+        wait_for(lambda: any(e[3].connected for e in engines), "one engine to register")
+        time.sleep(1.0)  # the loser retries meanwhile (backoff capped at 100 ms)
+        up = [e for e in engines if e[3].connected]
+        assert len(up) == 1, [(e[3].connected, e[3].superseded, e[3].last_error) for e in engines]
+        (c, _, kv, reg), = up
+        (_, _, other_kv, other), = [e for e in engines if e is not up[0]]
+        assert not reg.superseded and not other.superseded
+        assert "is registered by another engine" in (other.last_error or "")
+
+        fill(other_kv, [1], [bytes([9]) * 16])  # a save from the wrong memory would carry it too
+        assert save_one(c, kv, uid, 1, 9) == 1
+        assert load_one(c, kv, uid, 9, 4, "holder") == []
+        assert matches(other_kv, [4], [bytes([9]) * 16]) != [], "nothing landed in the other engine's memory"
+        assert reg.connected and not other.connected
+    finally:
+        for c, region, _, reg in engines:
+            reg.close()
+            c.close()
+            region.close()
+        if srv is not None:
+            srv.stop()
+
+
+def test_the_same_registration_again_is_already_exists_and_another_is_failed_precondition(client, uid):
+    from pegaflow.registration import held_by_another_engine
+
+    region, kv = make_kv(2, 8)
+    reg = register(client, kv, uid, "ns-" + uid)
+    other_region, other_kv = make_kv(2, 8)
+    try:
+        with pytest.raises(PegaflowError) as same:
+            reg._register_once()
+        assert same.value.code == grpc.StatusCode.ALREADY_EXISTS
+        layers, _ = export_kv_layers(other_kv)
+        with pytest.raises(PegaflowError) as other:
+            client.register_context(
+                instance_id=uid, namespace="ns-" + uid, tp_rank=0, tp_size=1,
+                layer_names=[l.name for l in layers], region_handles=[l.handle for l in layers],
+                geometry=[l.geometry for l in layers],
+            )
+        assert held_by_another_engine(other.value), other.value
+        assert reg.connected and not reg.superseded
+    finally:
+        reg.close()
+        region.close()
+        other_region.close()
+
+
+if __name__ == "__main__":
+    {"second": _child, "holder": _holder}[sys.argv[1]](*sys.argv[2:5])
