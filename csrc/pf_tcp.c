@@ -87,6 +87,16 @@ enum { OP_HELLO = 1, OP_READ = 2, OP_WRITE = 3, OP_IMM = 4, OP_READ_RESP = 5, OP
 #define TCP_RCVLOWAT (256u << 10)
 /* A dead peer that never resets the connection is noticed after this. */
 #define TCP_USER_TIMEOUT_MS 30000
+/* The serving side's deadline for any one wait inside a request (the rest
+ * of a frame, a WRITE's payload) or a reply (a READ's payload, a blast): no
+ * byte moved for this long and the connection is closed, logged with the
+ * peer's address and stream. Progress restarts it (nginx's send_timeout):
+ * a slow reader is served, one that stops reading cannot hold the serving
+ * thread. Only the wait for the next request on an open stream is unbounded
+ * (a peer's streams idle between batches). Env PEGAFLOW_TCP_STALL_MS
+ * overrides it per endpoint (1 .. TCP_MAX_STALL_MS). */
+#define TCP_STALL_MS 10000u
+#define TCP_MAX_STALL_MS 3600000u
 
 typedef struct pf_tcp_frame {
   uint32_t magic;
@@ -127,15 +137,18 @@ static int wait_fd(int fd, short events, atomic_int *stop, uint64_t deadline) {
   struct pollfd pfd = {.fd = fd, .events = events};
   for (;;) {
     if (stop && atomic_load(stop)) return 0;
-    int ms = TCP_POLL_MS;
+    int ms = TCP_POLL_MS, last = 0;
     if (deadline) {
       int64_t left = (int64_t)(deadline - pf_now_ns()) / 1000000;
-      if (left <= 0) return -3;
-      if (left < ms) ms = (int)left;
+      /* One last look: a descriptor that is ready has not stalled (this
+       * process may itself have been stopped past the deadline). */
+      if (left <= 0) last = 1;
+      if (left < ms) ms = left > 0 ? (int)left : 0;
     }
     int r = poll(&pfd, 1, ms);
     if (r > 0) return 1;
     if (r < 0 && errno != EINTR) return -1;
+    if (last) return -3;
   }
 }
 
@@ -260,6 +273,10 @@ typedef struct tcp_conn {
   pf_xfer_ep *ep;
   int fd;
   uint32_t id;
+  uint32_t stream;        /* the peer's stream index (its HELLO's part) */
+  char addr[64];          /* the peer's address, "ip:port" (log lines) */
+  const char *doing;      /* what the connection waits on (log lines) */
+  uint64_t doing_bytes;
   pthread_t thread;
   atomic_int done;
   struct tcp_conn *next;
@@ -270,23 +287,56 @@ typedef struct tcp_ep {
   int wake;               /* eventfd: wakes the accept loop at close */
   pthread_t acceptor;
   atomic_int stop;
+  uint32_t stall_ms;      /* TCP_STALL_MS, or PEGAFLOW_TCP_STALL_MS */
   pthread_mutex_t mu;
   tcp_conn *conns;
   uint32_t next_id;
 } tcp_ep;
 
+/* Waits for `events` on a serving connection, at most the endpoint's stall
+ * time: 1 ready, 0 the endpoint is closing, -1 error (errno), -3 stalled. */
+static int serve_wait(tcp_conn *c, short events) {
+  tcp_ep *t = c->ep->impl;
+  return wait_fd(c->fd, events, &t->stop, pf_now_ns() + (uint64_t)t->stall_ms * 1000000ull);
+}
+
+/* Moves len bytes between buf and the connection (to_socket: send), each
+ * wait bounded by the stall time. 0 ok, -1 error or EOF (errno; 0 = EOF),
+ * -2 the endpoint is closing, -3 stalled. */
+static int serve_io(tcp_conn *c, void *buf, size_t len, int to_socket) {
+  uint8_t *b = buf;
+  while (len) {
+    ssize_t n = to_socket ? send(c->fd, b, len, MSG_NOSIGNAL | MSG_DONTWAIT)
+                          : recv(c->fd, b, len, MSG_DONTWAIT);
+    if (n > 0) {
+      b += n;
+      len -= (size_t)n;
+      continue;
+    }
+    if (n == 0) {
+      errno = 0;
+      return -1;
+    }
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+    int r = serve_wait(c, to_socket ? POLLOUT : POLLIN);
+    if (r != 1) return r == 0 ? -2 : r;
+  }
+  return 0;
+}
+
 static int serve_reply(tcp_conn *c, uint16_t op, const pf_tcp_frame *req, int32_t status,
                        uint64_t bytes) {
   pf_tcp_frame r = {.magic = TCP_MAGIC, .op = op, .status = (int16_t)status,
                     .slot = req->slot, .gen = req->gen, .part = req->part, .bytes = bytes};
-  tcp_ep *t = c->ep->impl;
-  return send_all(c->fd, &r, sizeof r, &t->stop);
+  c->doing = "sending a reply";
+  c->doing_bytes = sizeof r;
+  return serve_io(c, &r, sizeof r, 1);
 }
 
 /* Moves the pool bytes of segs[0..n) to (send) or from (recv) the socket,
- * with iovecs straight over the pool. 0 ok, <0 like send_all. */
+ * with iovecs straight over the pool. 0 ok, <0 like serve_io. */
 static int serve_payload(tcp_conn *c, const wire_seg *segs, uint32_t n, int to_socket) {
-  tcp_ep *t = c->ep->impl;
   uint8_t *pool = c->ep->pool->host;
   uint32_t i = 0;
   uint64_t done_in_seg = 0;
@@ -309,9 +359,8 @@ static int serve_payload(tcp_conn *c, const wire_seg *segs, uint32_t n, int to_s
     if (m < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        int r = wait_fd(c->fd, to_socket ? POLLOUT : POLLIN, &t->stop, 0);
-        if (r == 0) return -2;
-        if (r < 0) return -1;
+        int r = serve_wait(c, to_socket ? POLLOUT : POLLIN);
+        if (r != 1) return r == 0 ? -2 : r;
         continue;
       }
       return -1;
@@ -332,10 +381,10 @@ static int serve_payload(tcp_conn *c, const wire_seg *segs, uint32_t n, int to_s
   return 0;
 }
 
-static int discard(int fd, uint64_t bytes, uint8_t *scratch, atomic_int *stop) {
+static int discard(tcp_conn *c, uint64_t bytes, uint8_t *scratch) {
   while (bytes) {
     size_t n = bytes < TCP_SCRATCH ? (size_t)bytes : TCP_SCRATCH;
-    int r = recv_all(fd, scratch, n, stop, 0);
+    int r = serve_io(c, scratch, n, 0);
     if (r) return r;
     bytes -= n;
   }
@@ -345,19 +394,90 @@ static int discard(int fd, uint64_t bytes, uint8_t *scratch, atomic_int *stop) {
 /* Sends `bytes` raw bytes from the pool: the first BLAST_BUF bytes over and
  * over (iperf's way), or, `wide`, stream `stream`'s own `bytes` of the pool
  * (stream i from offset i * bytes, wrapping at its end): like a READ, every
- * stream moves distinct memory. */
-static void serve_blast(tcp_conn *c, uint64_t bytes, int wide, uint32_t stream) {
-  tcp_ep *t = c->ep->impl;
+ * stream moves distinct memory. <0 like serve_io. */
+static int serve_blast(tcp_conn *c, uint64_t bytes, int wide, uint32_t stream) {
   uint64_t pool = c->ep->pool->bytes;
   uint64_t span = wide ? pool : (pool < BLAST_BUF ? pool : BLAST_BUF);
   uint64_t at = wide ? (uint64_t)stream * bytes % pool : 0;
+  c->doing = "sending a blast";
+  c->doing_bytes = bytes;
   while (bytes) {
     uint64_t room = span - at;
     size_t n = bytes < room ? (size_t)bytes : (size_t)room;
-    if (send_all(c->fd, c->ep->pool->host + at, n, &t->stop)) return;
+    int r = serve_io(c, c->ep->pool->host + at, n, 1);
+    if (r) return r;
     bytes -= n;
     at = (at + n) % span;
   }
+  return 0;
+}
+
+/* Says why a serving connection is dropped for a stall (a peer must not be
+ * able to hold a serving thread by not reading or not finishing a frame). */
+static void serve_stalled(tcp_conn *c) {
+  tcp_ep *t = c->ep->impl;
+  fprintf(stderr, "pegaflow: transfer endpoint port %u: connection %u from %s (stream %u): no "
+          "progress for %u ms while %s (%llu bytes); connection closed\n", c->ep->listen_port,
+          c->id, c->addr, c->stream, t->stall_ms, c->doing, (unsigned long long)c->doing_bytes);
+}
+
+/* Serves one READ or WRITE whose header is f. 0 ok, <0 drop the connection
+ * (-3: it stalled). */
+static int serve_data(tcp_conn *c, const pf_tcp_frame *f, wire_seg *segs, uint8_t *scratch) {
+  pf_xfer_ep *ep = c->ep;
+  uint64_t pool_bytes = ep->pool->bytes;
+  c->doing = "receiving a segment list";
+  c->doing_bytes = (uint64_t)f->nseg * sizeof *segs;
+  int r = f->nseg ? serve_io(c, segs, (size_t)f->nseg * sizeof *segs, 0) : 0;
+  if (r) return r;
+  /* Our own bounds, whatever the peer believes our pool to be. */
+  int32_t status = f->nseg ? PF_OK : PF_EINVAL;
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < f->nseg; i++) {
+    const wire_seg *s = &segs[i];
+    if (!s->bytes || s->off > pool_bytes || s->bytes > pool_bytes - s->off) status = PF_ERANGE;
+    total += s->bytes;
+  }
+  if (f->op == OP_READ) {
+    if (status != PF_OK) return serve_reply(c, OP_READ_RESP, f, status, 0);
+    if ((r = serve_reply(c, OP_READ_RESP, f, PF_OK, total))) return r;
+    c->doing = "sending a READ's payload";
+    c->doing_bytes = total;
+    if ((r = serve_payload(c, segs, f->nseg, 1))) return r;
+    atomic_fetch_add(&ep->bytes_served, total);
+    return 0;
+  }
+  if (f->bytes != total) return -1; /* framing lie: cannot skip it safely */
+  c->doing = "receiving a WRITE's payload";
+  c->doing_bytes = total;
+  if (status != PF_OK) {
+    r = discard(c, f->bytes, scratch);
+  } else if (!(r = serve_payload(c, segs, f->nseg, 0))) {
+    atomic_fetch_add(&ep->bytes_landed, total);
+  }
+  return r ? r : serve_reply(c, OP_ACK, f, status, 0);
+}
+
+/* Serves a connection's first frame (HELLO or BLAST); 1 = go on serving
+ * frames, 0 = done, <0 drop it (-3: it stalled). */
+static int serve_first(tcp_conn *c) {
+  pf_tcp_frame f;
+  c->doing = "waiting for its first frame";
+  c->doing_bytes = sizeof f;
+  int r = serve_io(c, &f, sizeof f, 0);
+  if (r) return r;
+  if (f.magic != TCP_MAGIC) return -1;
+  c->stream = f.part;
+  if (f.op == OP_BLAST) {
+    r = serve_blast(c, f.bytes, f.aux & PF_BLAST_WIDE, f.part);
+    return r ? r : 0;
+  }
+  if (f.op != OP_HELLO || f.aux != TCP_VERSION) return -1;
+  pf_tcp_frame hello = {.magic = TCP_MAGIC, .op = OP_HELLO, .bytes = c->ep->pool->bytes,
+                        .aux = TCP_VERSION, .part = f.part};
+  c->doing = "sending its hello";
+  r = serve_io(c, &hello, sizeof hello, 1);
+  return r ? r : 1;
 }
 
 static void *serve_main(void *arg) {
@@ -365,22 +485,19 @@ static void *serve_main(void *arg) {
   tcp_conn *c = arg;
   pf_xfer_ep *ep = c->ep;
   tcp_ep *t = ep->impl;
-  uint64_t pool_bytes = ep->pool->bytes;
   wire_seg *segs = malloc(TCP_MAX_FRAME_SEGS * sizeof *segs);
   uint8_t *scratch = malloc(TCP_SCRATCH);
   pf_tcp_frame f;
-  if (!segs || !scratch) goto out;
-  if (recv_all(c->fd, &f, sizeof f, &t->stop, 0) || f.magic != TCP_MAGIC) goto out;
-  if (f.op == OP_BLAST) {
-    serve_blast(c, f.bytes, f.aux & PF_BLAST_WIDE, f.part);
-    goto out;
-  }
-  if (f.op != OP_HELLO || f.aux != TCP_VERSION) goto out;
-  pf_tcp_frame hello = {.magic = TCP_MAGIC, .op = OP_HELLO, .bytes = pool_bytes,
-                        .aux = TCP_VERSION, .part = f.part};
-  if (send_all(c->fd, &hello, sizeof hello, &t->stop)) goto out;
-  for (;;) {
-    if (recv_all(c->fd, &f, sizeof f, &t->stop, 0)) break;
+  int r = segs && scratch ? serve_first(c) : -1;
+  while (r == 1) {
+    /* Between requests a stream may idle for good; once a frame's first
+     * byte is here, the rest of it is due within the stall time. */
+    r = wait_fd(c->fd, POLLIN, &t->stop, 0);
+    if (r != 1) break;
+    c->doing = "receiving a frame header";
+    c->doing_bytes = sizeof f;
+    if ((r = serve_io(c, &f, sizeof f, 0))) break;
+    r = 1;
     /* A frame we cannot parse leaves the stream out of sync: drop it. */
     if (f.magic != TCP_MAGIC || f.nseg > TCP_MAX_FRAME_SEGS) break;
     if (f.op == OP_IMM) {
@@ -388,39 +505,15 @@ static void *serve_main(void *arg) {
       pf_completion rec = {.tag = ep->cfg.imm_tag, .kind = PF_DONE_XFER_IMM, .index = c->id,
                            .status = PF_OK, .aux = f.aux, .value = f.bytes};
       pf_ring_post(ep->ring, &rec);
-      if (serve_reply(c, OP_ACK, &f, PF_OK, 0)) break;
-      continue;
-    }
-    if (f.op != OP_READ && f.op != OP_WRITE) break;
-    if (f.nseg && recv_all(c->fd, segs, (size_t)f.nseg * sizeof *segs, &t->stop, 0)) break;
-    /* Our own bounds, whatever the peer believes our pool to be. */
-    int32_t status = f.nseg ? PF_OK : PF_EINVAL;
-    uint64_t total = 0;
-    for (uint32_t i = 0; i < f.nseg; i++) {
-      const wire_seg *s = &segs[i];
-      if (!s->bytes || s->off > pool_bytes || s->bytes > pool_bytes - s->off) status = PF_ERANGE;
-      total += s->bytes;
-    }
-    if (f.op == OP_READ) {
-      if (status != PF_OK) {
-        if (serve_reply(c, OP_READ_RESP, &f, status, 0)) break;
-        continue;
-      }
-      if (serve_reply(c, OP_READ_RESP, &f, PF_OK, total)) break;
-      if (serve_payload(c, segs, f.nseg, 1)) break;
-      atomic_fetch_add(&ep->bytes_served, total);
+      r = serve_reply(c, OP_ACK, &f, PF_OK, 0);
+    } else if (f.op == OP_READ || f.op == OP_WRITE) {
+      r = serve_data(c, &f, segs, scratch);
     } else {
-      if (f.bytes != total) break; /* framing lie: cannot skip it safely */
-      if (status != PF_OK) {
-        if (discard(c->fd, f.bytes, scratch, &t->stop)) break;
-      } else {
-        if (serve_payload(c, segs, f.nseg, 0)) break;
-        atomic_fetch_add(&ep->bytes_landed, total);
-      }
-      if (serve_reply(c, OP_ACK, &f, status, 0)) break;
+      break;
     }
+    if (r == 0) r = 1;
   }
-out:
+  if (r == -3) serve_stalled(c);
   free(segs);
   free(scratch);
   atomic_fetch_sub(&ep->conns_open, 1);
@@ -449,6 +542,22 @@ static void reap_conns(tcp_ep *t, int all) {
   pthread_mutex_unlock(&t->mu);
 }
 
+/* "ip:port" ("[v6]:port") of an accepted peer, for log lines. */
+static void format_addr(const struct sockaddr_storage *ss, char *out, size_t cap) {
+  char ip[INET6_ADDRSTRLEN] = "?";
+  unsigned port = 0;
+  if (ss->ss_family == AF_INET) {
+    const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
+    inet_ntop(AF_INET, &a->sin_addr, ip, sizeof ip);
+    port = ntohs(a->sin_port);
+  } else if (ss->ss_family == AF_INET6) {
+    const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
+    inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof ip);
+    port = ntohs(a->sin6_port);
+  }
+  snprintf(out, cap, ss->ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", ip, port);
+}
+
 static void *accept_main(void *arg) {
   pthread_setname_np(pthread_self(), "pf-tcp-accept");
   pf_xfer_ep *ep = arg;
@@ -458,7 +567,9 @@ static void *accept_main(void *arg) {
     int r = poll(pfd, 2, 1000);
     reap_conns(t, 0);
     if (r <= 0 || !(pfd[0].revents & POLLIN)) continue;
-    int fd = accept4(t->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    struct sockaddr_storage from;
+    socklen_t fl = sizeof from;
+    int fd = accept4(t->lfd, (struct sockaddr *)&from, &fl, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) continue;
     tune_socket(fd, ep->cfg.sock_buf);
     tcp_conn *c = calloc(1, sizeof *c);
@@ -468,6 +579,7 @@ static void *accept_main(void *arg) {
     }
     c->ep = ep;
     c->fd = fd;
+    format_addr(&from, c->addr, sizeof c->addr);
     pthread_mutex_lock(&t->mu);
     c->id = ++t->next_id;
     atomic_fetch_add(&ep->conns_open, 1);
@@ -505,8 +617,19 @@ static int32_t tcp_open(pf_xfer_ep *ep) {
     return pf_fail(PF_EINVAL, "%s: bind_addr \"%s\" is not an IPv4 or IPv6 literal", fn,
                    bind_addr);
   }
+  uint32_t stall_ms = TCP_STALL_MS;
+  const char *env = getenv("PEGAFLOW_TCP_STALL_MS");
+  if (env && *env) {
+    char *end;
+    unsigned long v = strtoul(env, &end, 10);
+    if (*end || env[0] == '-' || v == 0 || v > TCP_MAX_STALL_MS)
+      return pf_fail(PF_EINVAL, "%s: PEGAFLOW_TCP_STALL_MS \"%s\"; expected 1..%u (ms)", fn, env,
+                     TCP_MAX_STALL_MS);
+    stall_ms = (uint32_t)v;
+  }
   tcp_ep *t = calloc(1, sizeof *t);
   if (!t) return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
+  t->stall_ms = stall_ms;
   t->lfd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (t->lfd < 0) {
     free(t);

@@ -535,7 +535,11 @@ int32_t pf_xfer_peer_state(uint32_t h, pf_xfer_peer_status *out) {
   if (!p) return PF_EHANDLE;
   memset(out, 0, sizeof *out);
   out->connected = atomic_load(&p->connected) ? 1u : 0u;
-  out->remote_bytes = p->remote_bytes;
+  /* A connect on another thread writes remote_bytes before it sets
+   * `connected` and never after (a connected peer refuses a second
+   * connect): read it only once `connected` is seen (before: a data race
+   * with the transport's write). */
+  if (out->connected) out->remote_bytes = p->remote_bytes;
   pthread_mutex_lock(&p->mu);
   /* Batches, not the calls holding the peer (this one among them). */
   out->inflight = p->inflight % XFER_HOLD;
@@ -720,6 +724,31 @@ static int32_t plan(xfer_slot *s, const pf_xfer_seg *segs, uint32_t n, const uin
   return PF_OK;
 }
 
+/* Takes back the batch a submit armed but could not queue, returning
+ * `status` with no record: the submit runs on the JS thread, the ring's only
+ * consumer, so posting a record there would wait for ever on a full ring.
+ * If another thread (a peer failure's end_all) ended the batch first, that
+ * thread posts its record and the submit has queued it: PF_OK. */
+static int32_t submit_unwind(pf_xfer_peer *p, xfer_slot *s, int32_t status) {
+  uint32_t gen = s->gen;
+  uint64_t w = atomic_load_explicit(&s->guard, memory_order_acquire);
+  for (;;) {
+    if ((uint32_t)(w >> 32) != gen || (w & XFER_CLOSED)) {
+      atomic_fetch_add(&p->ep->n_submitted, 1);
+      return PF_OK;
+    }
+    if (atomic_compare_exchange_weak_explicit(&s->guard, &w, w | XFER_CLOSED,
+                                              memory_order_acq_rel, memory_order_acquire))
+      break;
+  }
+  /* Transport threads inside (parts queued before the failure) leave within
+   * one non-blocking call, as in xfer_end. */
+  while (atomic_load_explicit(&s->guard, memory_order_acquire) & XFER_INSIDE_MASK)
+    sched_yield();
+  slot_release(p, s);
+  return status;
+}
+
 static int32_t submit_held(pf_xfer_peer *p, uint32_t h, const void *desc, uint64_t desc_bytes,
                            uint64_t tag, uint32_t *out_crcs) {
   pf_xfer_ep *ep = p->ep;
@@ -836,22 +865,26 @@ static int32_t submit_held(pf_xfer_peer *p, uint32_t h, const void *desc, uint64
    * one comes first (or it is scanning and may have missed this slot). */
   atomic_thread_fence(memory_order_seq_cst);
   if (deadline < atomic_load(&ep->timer_wake_ns)) timer_kick(ep);
-  atomic_fetch_add(&ep->n_submitted, 1);
-  /* From here on the batch is accepted: a failure to post it is reported by
-   * its record, like any later failure. A peer that broke since the check
-   * above ended its batches without this one if end_all looked before the
-   * slot was armed (and a dead stream never sends its parts): end it now,
-   * not at its deadline. So does a close that began since the check above
-   * (its end_all, which may also have missed this slot, then waits for the
-   * batch). The fence above orders the arming before these loads, as
+  /* A peer that broke since the check above ended its batches without this
+   * one if end_all looked before the slot was armed (and a dead stream never
+   * sends its parts); a close that began since then waits for this call
+   * before its end_all. Either way the batch is taken back now, not left to
+   * its deadline. The fence above orders the arming before these loads, as
    * xfer_peer_fail sets `broken` and pf_xfer_peer_close `closing` before
    * end_all looks. */
-  if (atomic_load(&p->broken) || atomic_load(&p->closing)) {
-    xfer_end(p, s, s->gen, atomic_load(&p->closing) ? PF_ESHUTDOWN : PF_EIO);
-    return PF_OK;
-  }
+  if (atomic_load(&p->closing))
+    return submit_unwind(p, s, pf_fail(PF_ESHUTDOWN, "pf_xfer_submit: peer %u is closing", h));
+  if (atomic_load(&p->broken))
+    return submit_unwind(p, s, pf_fail(PF_EIO, "pf_xfer_submit: peer %u broke as the batch was "
+                                       "queued (%s); close it and reconnect", h, p->broken_msg));
   rc = ep->ops->submit(p, s);
-  if (rc < 0) xfer_end(p, s, s->gen, rc);
+  if (rc < 0) {
+    char why[PF_ERROR_TEXT_BYTES];
+    pf_last_error(why, sizeof why);
+    return submit_unwind(p, s, pf_fail(rc, "pf_xfer_submit: peer %u: the %s transport could "
+                                       "not queue the batch: %s", h, ep->ops->name, why));
+  }
+  atomic_fetch_add(&ep->n_submitted, 1);
   return PF_OK;
 }
 

@@ -183,7 +183,10 @@ typedef struct pf_xfer_seg {
 #define PF_XFER_MAX_INFLIGHT 256u
 
 /* Validates and queues a batch; returns 0 once queued (never blocks on the
- * network). Exactly one PF_DONE_XFER record with `tag` follows. out_crcs:
+ * network, nor on ring room: it runs on the JS thread, the ring's consumer).
+ * Exactly one PF_DONE_XFER record with `tag` follows a 0; an error means no
+ * record, also for a batch the call armed and then took back (the peer broke
+ * or began closing meanwhile, the transport could not queue it). out_crcs:
  * num_groups u32, NULL when num_groups is 0; the caller keeps it valid and
  * untouched until the record (it is written from a transport thread). */
 int32_t pf_xfer_submit(uint32_t peer, const void *desc, uint64_t desc_bytes,

@@ -89,7 +89,8 @@ typedef struct pf_xfer_peer {
   atomic_int broken;          /* PF_E* that broke the peer, 0 = healthy */
   char broken_msg[256];
   char connect_msg[512];      /* why the last connect failed (under mu) */
-  uint64_t remote_bytes;      /* remote pool size */
+  uint64_t remote_bytes;      /* remote pool size (the connect writes it before
+                                 setting `connected`; read it only after) */
   uint32_t lanes;             /* streams (TCP) or QPs (RDMA) */
   uint32_t nfree;
   uint32_t inflight;

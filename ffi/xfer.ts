@@ -420,7 +420,9 @@ export class XferPeer {
    * Submits `batch` (one FFI call); resolves when its record arrives (never
    * rejects: read `status`). @throws NativeError when the batch is refused
    * before anything moved (bad segment: `PF_ERANGE` naming it; not
-   * connected; broken peer; too many in flight: `PF_EOVERFLOW`).
+   * connected; broken peer, also one that broke as the batch was queued:
+   * `PF_EIO` with the reason; too many in flight: `PF_EOVERFLOW`; the
+   * transport could not queue it). A refused batch has no record.
    */
   submit(batch: XferBatch): Promise<XferResult> {
     if (this.#closed) throw new NativeError("pf_xfer_submit", -9, `peer ${this.handle} is closed`);

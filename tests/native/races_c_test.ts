@@ -9,16 +9,17 @@
 import assert from "node:assert/strict";
 import { build, objects, run } from "./_sanitized_c.ts";
 
-Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a close waits for a submit, connect, info, error or sync past its lookup, an endpoint close refuses while a peer is created", async () => {
+Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a submit that cannot queue its batch never waits on a full ring, a close waits for a submit, connect, info, error or sync past its lookup, an endpoint close refuses while a peer is created", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-races-" });
   try {
     const objs = await objects(dir);
-    const [parts, broken, close, peerClose, peerCalls] = await Promise.all([
+    const [parts, broken, close, peerClose, peerCalls, ringFull] = await Promise.all([
       build(dir, objs, "xfer_parts", ["pf_tcp.c"]),
       build(dir, objs, "xfer_broken", []),
       build(dir, objs, "uring_close", ["pf_uring.c"]),
       build(dir, objs, "xfer_submit_close", ["pf_xfer.c"]),
       build(dir, objs, "xfer_peer_close", ["pf_xfer.c"]),
+      build(dir, objs, "xfer_submit_ring_full", ["pf_xfer.c"]),
     ]);
 
     for (const mode of ["", "ack"]) {
@@ -45,8 +46,26 @@ Deno.test("C races: a landed part counts against its own batch, a broken peer en
     assert.match(lookup, /submit: -9 pf_xfer_submit: peer \d+ is closing/, "refused");
     assert.match(lookup, /pf_xfer_peer_close: 0/);
     const armed = await run(peerClose, ["armed"], "xfer_submit_close armed");
-    assert.match(armed, /records: 1 \(tag 7 status -9\)/, "the batch ended PF_ESHUTDOWN");
+    assert.match(armed, /submit: -9 pf_xfer_submit: peer \d+ is closing/, "taken back");
+    assert.match(armed, /records: 0\n/, "no record: the submit returned the error");
     assert.match(armed, /pf_xfer_peer_close: 0/);
+
+    // A submit that must end its own batch while the ring is full returns the
+    // error at once and posts nothing (before: it waited for ring room on the
+    // JS thread, the ring's only consumer, for ever).
+    const refused = await run(ringFull, ["transport"], "xfer_submit_ring_full transport");
+    assert.match(
+      refused,
+      /submit returned: -4 pf_xfer_submit: peer \d+: the stub transport could not queue the batch: .*out of memory for the send queue/,
+    );
+    const brokeMeanwhile = await run(ringFull, ["broken"], "xfer_submit_ring_full broken");
+    assert.match(
+      brokeMeanwhile,
+      /submit returned: -8 pf_xfer_submit: peer \d+ broke as the batch was queued \(stream 1 to 10\.0\.0\.2:7010: receive: connection reset by peer\)/,
+    );
+    for (const out of [refused, brokeMeanwhile]) {
+      assert.match(out, /records: 16, free slots 256, in flight 0, submitted 0/);
+    }
 
     // A close during a pending connect: the connect gives up with PF_ESHUTDOWN
     // naming the peer, then the close frees it (before: the close freed the

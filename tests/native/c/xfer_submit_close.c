@@ -8,8 +8,10 @@
  *           slot: the close waits for the submit, which is refused
  *           (PF_ESHUTDOWN);
  *   armed   the close runs after the submit took its slot, before it is
- *           armed (end_all does not see it): the submit ends its batch with
- *           PF_ESHUTDOWN itself, and the close waits for that.
+ *           armed (end_all does not see it): the submit takes its batch back
+ *           and returns PF_ESHUTDOWN with no record (posting one on the JS
+ *           thread could wait for ever on a full ring: xfer_submit_ring_full.c),
+ *           and the close waits for that.
  * Before the fix the submit held nothing: the close freed the peer under it. */
 #define _GNU_SOURCE
 #include "pf_xfer_internal.h"
@@ -88,6 +90,5 @@ int main(int argc, char **argv) {
     printf(" (tag %llu status %d)", (unsigned long long)c[i].tag, c[i].status);
   printf("\n");
   if (close_rc != 0) return 1;
-  if (mode[0] == 'l') return rc != PF_ESHUTDOWN || n != 0;
-  return rc != PF_OK || n != 1 || c[0].tag != 7 || c[0].status != PF_ESHUTDOWN;
+  return rc != PF_ESHUTDOWN || n != 0;
 }
