@@ -41,7 +41,9 @@ export const protobufFileName = "pegaflow.proto";
  *     FAILED_PRECONDITION  wrong client version, unknown instance, topology
  *                          not sealed, unknown/expired/used-up lease, a second
  *                          layout under one namespace (layer names, their
- *                          order, or block shape differ)
+ *                          order, or block shape differ), a rank held by
+ *                          another engine's registration, a Session whose
+ *                          registration token is not the rank's
  *     ALREADY_EXISTS       the (instance, rank) is already registered
  *     RESOURCE_EXHAUSTED   the pinned pool cannot hold the save (nothing
  *                          evictable) or the request is over the size limit
@@ -236,6 +238,15 @@ export interface RegisterContextResponse {
   /** all world_size ranks registered */
   topologySealed: boolean;
   ranksRegistered: number;
+  /**
+   * Issued by the server for this registration of the rank (32 hex
+   * characters): the rank's Session presents it (SessionRequest). Only a
+   * session with the rank's current token may supersede the rank's session;
+   * another engine under the same instance id cannot take the rank's
+   * liveness. The same registration again (ALREADY_EXISTS) names it in its
+   * message: "... (registration token <token>) ...".
+   */
+  registrationToken: string;
 }
 
 export interface LayerSave {
@@ -404,6 +415,17 @@ export interface SessionRequest {
   instanceId: string;
   tpRank: number;
   ppRank: number;
+  /**
+   * The token RegisterContext answered for this rank. A registered rank takes
+   * a session only with its current registration's token (else
+   * FAILED_PRECONDITION naming the rank; nothing is superseded); a token for a
+   * rank that is not registered (the registration ended, the server
+   * restarted) is refused too. Empty: only for a rank not registered yet (a
+   * session opened before its registration, which then belongs to the
+   * registration that follows). A registered rank whose session does not open
+   * within the server's grace period (--session-grace-ms) is cleaned up.
+   */
+  registrationToken?: string | undefined;
 }
 
 export interface SessionEvent {
@@ -1444,7 +1466,7 @@ export const RegisterContextRequest: MessageFns<RegisterContextRequest> = {
 };
 
 function createBaseRegisterContextResponse(): RegisterContextResponse {
-  return { numLayers: 0, topologySealed: false, ranksRegistered: 0 };
+  return { numLayers: 0, topologySealed: false, ranksRegistered: 0, registrationToken: "" };
 }
 
 export const RegisterContextResponse: MessageFns<RegisterContextResponse> = {
@@ -1460,6 +1482,9 @@ export const RegisterContextResponse: MessageFns<RegisterContextResponse> = {
     }
     if (message.ranksRegistered !== 0) {
       writer.uint32(24).uint32(message.ranksRegistered);
+    }
+    if (message.registrationToken !== "") {
+      writer.uint32(34).string(message.registrationToken);
     }
     return writer;
   },
@@ -1501,6 +1526,14 @@ export const RegisterContextResponse: MessageFns<RegisterContextResponse> = {
             message.ranksRegistered = reader.uint32();
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.registrationToken = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1525,6 +1558,7 @@ export const RegisterContextResponse: MessageFns<RegisterContextResponse> = {
     message.numLayers = object.numLayers ?? 0;
     message.topologySealed = object.topologySealed ?? false;
     message.ranksRegistered = object.ranksRegistered ?? 0;
+    message.registrationToken = object.registrationToken ?? "";
     return message;
   },
 };
@@ -2913,7 +2947,7 @@ export const UnregisterContextResponse: MessageFns<UnregisterContextResponse> = 
 };
 
 function createBaseSessionRequest(): SessionRequest {
-  return { instanceId: "", tpRank: 0, ppRank: 0 };
+  return { instanceId: "", tpRank: 0, ppRank: 0, registrationToken: undefined };
 }
 
 export const SessionRequest: MessageFns<SessionRequest> = {
@@ -2926,6 +2960,9 @@ export const SessionRequest: MessageFns<SessionRequest> = {
     }
     if (message.ppRank !== 0) {
       writer.uint32(24).uint32(message.ppRank);
+    }
+    if (message.registrationToken !== undefined) {
+      writer.uint32(34).string(message.registrationToken);
     }
     return writer;
   },
@@ -2967,6 +3004,14 @@ export const SessionRequest: MessageFns<SessionRequest> = {
             message.ppRank = reader.uint32();
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.registrationToken = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2987,6 +3032,7 @@ export const SessionRequest: MessageFns<SessionRequest> = {
     message.instanceId = object.instanceId ?? "";
     message.tpRank = object.tpRank ?? 0;
     message.ppRank = object.ppRank ?? 0;
+    message.registrationToken = object.registrationToken ?? undefined;
     return message;
   },
 };

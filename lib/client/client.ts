@@ -20,6 +20,7 @@ import {
   type SaveRequest,
   type SaveResponse,
   type SessionEvent,
+  SessionEvent_Kind,
   type UnregisterContextResponse,
 } from "../../proto/pegaflow.ts";
 import { PROTOCOL_VERSION } from "../engine/engine.ts";
@@ -28,6 +29,12 @@ import { LOCAL_RPC_SUFFIX } from "../local_rpc/wire.ts";
 import { LocalRpcAbsent, LocalRpcClient, LocalRpcStatus } from "./local_rpc.ts";
 
 export { PROTOCOL_VERSION };
+
+/**
+ * How an ALREADY_EXISTS answer to RegisterContext (the same registration again) names the
+ * rank's registration token (lib/server/grpc_service.ts `withToken`).
+ */
+const REGISTRATION_TOKEN_IN_DETAILS = /\(registration token ([0-9a-f]+)\)/;
 
 /** Default deadline of every unary call (a Save returns after its copy: it is the longest). */
 export const DEFAULT_DEADLINE_MS = 30_000;
@@ -104,6 +111,11 @@ export class PegaflowClient {
   /** The server's local RPC socket beside a `unix:` address (see lib/server/local_rpc.ts). */
   readonly #local: LocalRpcClient | undefined;
   readonly #deadlineMs: number;
+  /**
+   * The registration token this client was answered for each rank (`instance/tp/pp`): what
+   * {@link openSession} presents, so the session stands for this client's registration.
+   */
+  readonly #tokens = new Map<string, string>();
   #closed = false;
 
   /**
@@ -224,10 +236,24 @@ export class PegaflowClient {
       kvSharedAcrossTp?: boolean;
     },
   ): Promise<RegisterContextResponse> {
-    return this.#call("RegisterContext", this.#raw.registerContext as never, {
-      ...req,
-      clientVersion: req.clientVersion ?? PROTOCOL_VERSION,
-      kvSharedAcrossTp: req.kvSharedAcrossTp ?? false,
+    const rank = rankKey(req.instanceId, req.tpRank, req.ppRank);
+    return this.#call<RegisterContextRequest, RegisterContextResponse>(
+      "RegisterContext",
+      this.#raw.registerContext as never,
+      {
+        ...req,
+        clientVersion: req.clientVersion ?? PROTOCOL_VERSION,
+        kvSharedAcrossTp: req.kvSharedAcrossTp ?? false,
+      },
+    ).then((r) => {
+      if (r.registrationToken !== "") this.#tokens.set(rank, r.registrationToken);
+      return r;
+    }, (e: unknown) => {
+      // The same registration again: the server still holds it and names its token.
+      const token = e instanceof PegaflowError && e.code === grpc.status.ALREADY_EXISTS &&
+        REGISTRATION_TOKEN_IN_DETAILS.exec(e.details)?.[1];
+      if (token) this.#tokens.set(rank, token);
+      throw e;
     });
   }
 
@@ -298,11 +324,26 @@ export class PegaflowClient {
   }
 
   unregisterContext(instanceId: string): Promise<UnregisterContextResponse> {
+    // Its registrations end: their tokens stand for nothing any more.
+    for (const k of [...this.#tokens.keys()]) {
+      if (k.startsWith(`${instanceId}/`)) this.#tokens.delete(k);
+    }
     return this.#call("UnregisterContext", this.#raw.unregisterContext as never, { instanceId });
   }
 
-  /** Opens the liveness stream for one rank. */
-  openSession(instanceId: string, tpRank = 0, ppRank = 0): Session {
+  /**
+   * Opens the liveness stream for one rank. It presents the registration token this client
+   * was answered for the rank (or `opts.registrationToken`): a registered rank takes a
+   * session only with its registration's token, so open it after {@link registerContext}.
+   * With no token (the rank not registered by this client yet) the session belongs to the
+   * registration that follows, and is refused for a rank another registration holds.
+   */
+  openSession(
+    instanceId: string,
+    tpRank = 0,
+    ppRank = 0,
+    opts: { registrationToken?: string } = {},
+  ): Session {
     if (this.#closed) {
       // grpc-js would throw a bare "Channel has been shut down" with no status.
       throw new PegaflowError(
@@ -311,7 +352,9 @@ export class PegaflowClient {
         `client of ${this.address} is closed (instance ${instanceId} tp ${tpRank} pp ${ppRank})`,
       );
     }
-    const call = this.#raw.session({ instanceId, tpRank, ppRank });
+    const rank = rankKey(instanceId, tpRank, ppRank);
+    const registrationToken = opts.registrationToken ?? this.#tokens.get(rank);
+    const call = this.#raw.session({ instanceId, tpRank, ppRank, registrationToken });
     const events: SessionEvent[] = [];
     let error: PegaflowError | undefined;
     const closed = new Promise<SessionEvent | null>((resolve) => {
@@ -321,6 +364,18 @@ export class PegaflowClient {
         error = new PegaflowError("Session", e.code, e.details ?? e.message);
         resolve(events.at(-1) ?? null);
       });
+    });
+    closed.then((last) => {
+      const held = this.#tokens.get(rank);
+      if (held === undefined || last?.kind === SessionEvent_Kind.SUPERSEDED) return;
+      // The end of the session that stood for the rank ends its registration (the server
+      // cleans the instance up): its token is stale. A session opened with a token stood for
+      // that token's registration; one opened with none, for the registration that followed
+      // it, unless it was refused (then it ended nothing).
+      const refused = error?.code === grpc.status.FAILED_PRECONDITION ||
+        error?.code === grpc.status.INVALID_ARGUMENT;
+      const stood = registrationToken === undefined ? !refused : held === registrationToken;
+      if (stood) this.#tokens.delete(rank);
     });
     return {
       events,
@@ -337,6 +392,11 @@ export class PegaflowClient {
     this.#local?.close();
     this.#raw.close();
   }
+}
+
+/** The key of a rank in {@link PegaflowClient}'s token map. */
+function rankKey(instanceId: string, tpRank: number, ppRank: number): string {
+  return `${instanceId}/${tpRank}/${ppRank}`;
 }
 
 /** The calls the local RPC socket carries. */

@@ -5,6 +5,8 @@
  * entry per layer, every layer's geometry is in bounds and overlap-free,
  * all layers share one segment shape (one block shape per namespace), and
  * layers sharing a region do not overlap each other. Pure: no state, no I/O.
+ * Also what a registration is known by: its fingerprint (the holder asking
+ * again, or another engine) and the token its rank's Session must present.
  *
  * @module
  */
@@ -272,4 +274,73 @@ function checkSharedRegions(a: RegisterArgs, who: string): void {
       throw invalid(`${who}: layers sharing one region declare different region_bytes`);
     }
   }
+}
+
+/** Bytes of a registration token (32 hex characters: another engine cannot guess it). */
+const REGISTRATION_TOKEN_BYTES = 16;
+
+/**
+ * A fresh registration token. The server issues one per registration of a rank
+ * (RegisterContextResponse.registration_token) and the rank's Session presents
+ * it (SessionRequest.registration_token): only a session of the rank's current
+ * registration may supersede the rank's session, whose end cleans the instance up.
+ *
+ * @example
+ * ```ts
+ * newRegistrationToken(); // "9b1f0c3e5a7d2468ace0b1d3f5a7c9e1"
+ * ```
+ */
+export function newRegistrationToken(): string {
+  return keyHex(crypto.getRandomValues(new Uint8Array(REGISTRATION_TOKEN_BYTES)));
+}
+
+/** Why a session cannot stand for its rank ({@link sessionMismatch}). */
+export type SessionMismatch = "no_token" | "other_token" | "not_registered";
+
+/**
+ * Whether a session presenting `token` ("" for none) may stand for a rank whose
+ * registration holds token `held` (undefined: the rank is not registered). A
+ * registered rank takes only its registration's token; a token for a rank not
+ * registered (its registration ended, the server restarted) stands for nothing;
+ * no token, only a rank not registered yet (the session then belongs to the
+ * registration that follows).
+ *
+ * @example
+ * ```ts
+ * sessionMismatch("ab12", "ab12");   // undefined: it may
+ * sessionMismatch("ab12", "");       // "no_token"
+ * sessionMismatch(undefined, "ab12"); // "not_registered"
+ * ```
+ */
+export function sessionMismatch(
+  held: string | undefined,
+  token: string,
+): SessionMismatch | undefined {
+  if (held === undefined) return token === "" ? undefined : "not_registered";
+  if (token !== held) return token === "" ? "no_token" : "other_token";
+  return undefined;
+}
+
+const MISMATCH_TEXT: Record<SessionMismatch, string> = {
+  no_token: "is registered, and this session carries no registration token; a session " +
+    "stands for the registration whose token RegisterContext answered (another engine's " +
+    "session would take the rank from its holder): open it after RegisterContext, with that token",
+  other_token: "is registered by another registration (this session's registration token is " +
+    "not the rank's: another engine under this instance id holds the rank, or this token's " +
+    "registration ended); register again, then open the session with the token it answers",
+  not_registered: "is not registered (the registration this token came from ended, or the " +
+    "server restarted); register the rank again and open the session with the token it answers",
+};
+
+/**
+ * What a session that cannot stand for its rank is told; `who` names it
+ * (`Session: instance "x" tp_rank 0 pp_rank 0`).
+ *
+ * @example
+ * ```ts
+ * sessionMismatchText('Session: instance "x" tp_rank 0 pp_rank 0', "no_token");
+ * ```
+ */
+export function sessionMismatchText(who: string, why: SessionMismatch): string {
+  return `${who} ${MISMATCH_TEXT[why]}`;
 }

@@ -18,6 +18,7 @@ import { TRANSFER_PATH_FLAGS, type TransferPathFlag } from "../copy_path.ts";
 import { defaultCalibrationFile } from "../copy_calibration.ts";
 import { MAX_UDS_PATH_BYTES } from "./uds.ts";
 import { splitHostPort } from "../host_port.ts";
+import { DEFAULT_SESSION_GRACE_MS } from "./grpc_service.ts";
 
 /** The size parser behind --pool-size and friends (it lives in lib/cli/flags.ts). */
 export { parseSize };
@@ -72,6 +73,11 @@ export interface ServeConfig {
   logLevel: LogLevel;
   /** Lease lifetime in ms (a query's pins expire after this). */
   leaseTtlMs: number;
+  /**
+   * How long a registered rank may go without a Session before it is cleaned up
+   * as if its session ended, ms (default {@link DEFAULT_SESSION_GRACE_MS}).
+   */
+  sessionGraceMs?: number;
   /** Largest gRPC message accepted or sent, in bytes. */
   maxMessageBytes: number;
   /**
@@ -307,6 +313,16 @@ export function serveCommand(): Command {
         .default(DEFAULT_LEASE_TTL_MS).argParser(intArg("--lease-ttl-ms", 1, MAX_LEASE_TTL_MS)),
     )
     .addOption(
+      envOption(
+        "--session-grace-ms <ms>",
+        "a registered rank whose Session has not opened within this many milliseconds " +
+          "is cleaned up as if its session ended (an engine that died before opening it)",
+        "SESSION_GRACE_MS",
+      )
+        .default(DEFAULT_SESSION_GRACE_MS)
+        .argParser(intArg("--session-grace-ms", 1, MAX_TIMER_MS)),
+    )
+    .addOption(
       envOption("--max-message-size <size>", "largest gRPC message accepted", "MAX_MESSAGE_SIZE")
         .default(parseSize(DEFAULT_MAX_MESSAGE), DEFAULT_MAX_MESSAGE)
         .argParser(sizeArg("--max-message-size", 4096)),
@@ -374,6 +390,7 @@ export function parseServeArgs(argv: string[]): ParseResult {
       recalibrate: o.recalibrate,
       logLevel: o.logLevel,
       leaseTtlMs: o.leaseTtlMs,
+      sessionGraceMs: o.sessionGraceMs,
       maxMessageBytes: o.maxMessageSize,
       goawayGuard: o.goawayGuard,
       ssd,

@@ -33,6 +33,7 @@ import {
   codeOf,
   EngineError,
   errorLogFields,
+  fieldsOf,
   invalid,
   isExpected,
   precondition,
@@ -48,64 +49,129 @@ import type { ServerMetrics } from "./metrics.ts";
 import { LEASE_ID_BYTES, MAX_NAME_CHARS, MAX_PARALLEL } from "../limits.ts";
 import { rankIndex, rankOutOfRange } from "../engine/rank.ts";
 import { undecodableReason } from "./decode.ts";
-import { checkName } from "../engine/registration.ts";
+import {
+  checkName,
+  newRegistrationToken,
+  type SessionMismatch,
+  sessionMismatch,
+  sessionMismatchText,
+} from "../engine/registration.ts";
 import { capDetails, capFields } from "./status_text.ts";
 
 type Unary<Req, Res> = grpc.handleUnaryCall<Req, Res>;
 
-/** Live session streams: instance → rank → call. */
+type SessionCall = grpc.ServerWritableStream<SessionRequest, SessionEvent>;
+
+/**
+ * How long a registered rank may go without a session before it is cleaned up as if its
+ * session ended (`--session-grace-ms`). The clients open the session right after
+ * RegisterContext (one round trip); 30 s covers a retried call on a loaded host, and an
+ * engine that died in between frees its rank for its restart within that time.
+ */
+export const DEFAULT_SESSION_GRACE_MS = 30_000;
+
+/** One rank's liveness: the registration it belongs to, its stream, its grace timer. */
+interface RankSession {
+  /** Issued by RegisterContext; undefined while the rank is not registered (an early session). */
+  token?: string;
+  call?: SessionCall;
+  grace?: ReturnType<typeof setTimeout>;
+}
+
+/**
+ * The sessions and the registrations they belong to: instance → rank → token, stream and
+ * grace timer. A registration's token is issued here (RegisterContext), and a session
+ * stands for a registered rank only with it, so another engine under the same instance
+ * id cannot supersede the holder's session (whose end would clean the holder up).
+ */
 export class Sessions {
-  readonly #byInstance = new Map<
-    string,
-    Map<number, grpc.ServerWritableStream<SessionRequest, SessionEvent>>
-  >();
+  readonly #byInstance = new Map<string, Map<number, RankSession>>();
   #stopping = false;
+  /** How long a registered rank may go without a session ({@link DEFAULT_SESSION_GRACE_MS}). */
+  readonly graceMs: number;
+
+  constructor(opts: { graceMs?: number } = {}) {
+    this.graceMs = opts.graceMs ?? DEFAULT_SESSION_GRACE_MS;
+  }
 
   /** True once {@link endAll} ran: the server is stopping; no session or RPC is taken. */
   get stopping(): boolean {
     return this.#stopping;
   }
 
+  /** Open session streams. */
   get count(): number {
     let n = 0;
-    for (const m of this.#byInstance.values()) n += m.size;
+    for (const m of this.#byInstance.values()) for (const r of m.values()) if (r.call) n++;
     return n;
   }
 
-  /** Registers a stream; returns the one it supersedes, if any. */
-  add(
-    instance: string,
-    rank: number,
-    call: grpc.ServerWritableStream<SessionRequest, SessionEvent>,
-  ) {
+  #rank(instance: string, rank: number): RankSession {
     let m = this.#byInstance.get(instance);
     if (!m) this.#byInstance.set(instance, m = new Map());
-    const old = m.get(rank);
-    m.set(rank, call);
+    let r = m.get(rank);
+    if (!r) m.set(rank, r = {});
+    return r;
+  }
+
+  /** The token of the rank's registration; undefined when it is not registered here. */
+  tokenOf(instance: string, rank: number): string | undefined {
+    return this.#byInstance.get(instance)?.get(rank)?.token;
+  }
+
+  /** Why a session presenting `token` ("" for none) cannot stand for the rank (registration.ts). */
+  check(instance: string, rank: number, token: string): SessionMismatch | undefined {
+    return sessionMismatch(this.tokenOf(instance, rank), token);
+  }
+
+  /**
+   * RegisterContext took the rank: issues its token. A session opened before the
+   * registration becomes its session; else `onGrace` runs when no session opened within
+   * {@link graceMs} (the caller cleans the instance up).
+   */
+  registered(instance: string, rank: number, onGrace: () => void): string {
+    const r = this.#rank(instance, rank);
+    const token = newRegistrationToken();
+    r.token = token;
+    clearTimeout(r.grace);
+    r.grace = r.call ? undefined : setTimeout(() => {
+      r.grace = undefined;
+      if (this.#byInstance.get(instance)?.get(rank) === r && !r.call) onGrace();
+    }, this.graceMs);
+    return token;
+  }
+
+  /** Makes `call` the rank's stream (check it first); returns the one it supersedes, if any. */
+  add(instance: string, rank: number, call: SessionCall): SessionCall | undefined {
+    const r = this.#rank(instance, rank);
+    const old = r.call;
+    r.call = call;
+    clearTimeout(r.grace);
+    r.grace = undefined;
     return old;
   }
 
   /** True if `call` is still the current stream of (instance, rank); removes it. */
-  remove(
-    instance: string,
-    rank: number,
-    call: grpc.ServerWritableStream<SessionRequest, SessionEvent>,
-  ): boolean {
+  remove(instance: string, rank: number, call: SessionCall): boolean {
     const m = this.#byInstance.get(instance);
-    if (!m || m.get(rank) !== call) return false;
-    m.delete(rank);
+    const r = m?.get(rank);
+    if (!m || !r || r.call !== call) return false;
+    r.call = undefined;
+    // A registered rank keeps its token until its instance is gone (the cleanup that follows).
+    if (r.token === undefined) m.delete(rank);
     if (m.size === 0) this.#byInstance.delete(instance);
     return true;
   }
 
-  /** Ends every stream of the instance with `kind`. */
+  /** Ends every stream of the instance with `kind` and forgets its registrations. */
   end(instance: string, kind: SessionEvent_Kind, message: string): void {
     const m = this.#byInstance.get(instance);
     if (!m) return;
     this.#byInstance.delete(instance);
-    for (const call of m.values()) {
-      call.write({ kind, message });
-      call.end();
+    for (const r of m.values()) {
+      clearTimeout(r.grace);
+      r.call?.write({ kind, message });
+      r.call?.end();
     }
   }
 
@@ -181,6 +247,17 @@ function sessionRefusal(
     );
   }
   return undefined;
+}
+
+/**
+ * The same registration of a held rank again (ALREADY_EXISTS: the holder asking, e.g. one
+ * whose first answer was lost) is told the rank's registration token, so that it can open
+ * the rank's session. Any other error passes unchanged.
+ */
+function withToken(err: unknown, token: string | undefined): unknown {
+  if (token === undefined || codeOf(err) !== Code.ALREADY_EXISTS) return err;
+  const message = `${(err as Error).message} (registration token ${token})`;
+  return new EngineError(Code.ALREADY_EXISTS, message, fieldsOf(err));
 }
 
 function statusError(err: unknown): Partial<grpc.StatusObject> {
@@ -267,6 +344,20 @@ export function engineServiceImpl(
     return await engine.unregister(instance, reason);
   };
 
+  /** Refuses a Session: counted, logged with the ids it names, ended with the status. */
+  const refuse = (call: SessionCall, code: grpc.status, details: string) => {
+    const name = CODE_NAMES[code];
+    metrics.rpc("Session", name, 0);
+    log.info("rpc refused", {
+      method: "Session",
+      code: name,
+      error: details,
+      ...capFields(requestLogFields(call.request)),
+    });
+    // grpc-js ends a server stream with the status of an emitted error.
+    call.emit("error", { code, details });
+  };
+
   engine.onInstanceGone((id, reason) =>
     sessions.end(id, SessionEvent_Kind.CLEANED_UP, `instance "${id}" cleaned up (${reason})`)
   );
@@ -275,25 +366,30 @@ export function engineServiceImpl(
     registerContext: unary(
       "RegisterContext",
       (req: RegisterContextRequest): RegisterContextResponse => {
-        const r = engine.register({
-          instanceId: req.instanceId,
-          namespace: req.namespace,
-          tpRank: req.tpRank,
-          tpSize: req.tpSize,
-          ppRank: req.ppRank,
-          ppSize: req.ppSize,
-          worldSize: req.worldSize,
-          deviceId: req.deviceId,
-          layerNames: req.layerNames,
-          regionHandles: req.regionHandles,
-          geometry: req.geometry,
-          clientVersion: req.clientVersion,
-          kvSharedAcrossTp: req.kvSharedAcrossTp,
+        const { instanceId, tpRank, ppRank } = req;
+        const rank = rankIndex(tpRank, ppRank, MAX_PARALLEL);
+        let r;
+        try {
+          r = engine.register(req);
+        } catch (e) {
+          throw withToken(e, sessions.tokenOf(instanceId, rank));
+        }
+        const registrationToken = sessions.registered(instanceId, rank, () => {
+          log.warn("registered rank never opened its session; cleaning up the instance", {
+            instance: instanceId,
+            tp_rank: tpRank,
+            pp_rank: ppRank,
+            grace_ms: sessions.graceMs,
+          });
+          cleanup(instanceId, "session_never_opened").catch((e) =>
+            log.error("session cleanup failed", { instance: instanceId, error: String(e) })
+          );
         });
         return {
           numLayers: r.numLayers,
           topologySealed: r.topologySealed,
           ranksRegistered: r.ranksRegistered,
+          registrationToken,
         };
       },
     ),
@@ -348,41 +444,26 @@ export function engineServiceImpl(
       version: PROTOCOL_VERSION,
       backend: engine.backend,
     })),
-    session: (call: grpc.ServerWritableStream<SessionRequest, SessionEvent>) => {
+    session: (call: SessionCall) => {
       const bad = undecodableReason(call.request);
-      if (bad !== undefined) {
-        metrics.rpc("Session", "INVALID_ARGUMENT", 0);
-        log.info("rpc refused", { method: "Session", code: "INVALID_ARGUMENT", error: bad });
-        // grpc-js ends a server stream with the status of an emitted error.
-        call.emit("error", { code: grpc.status.INVALID_ARGUMENT, details: `Session: ${bad}` });
-        return;
-      }
+      if (bad !== undefined) return refuse(call, grpc.status.INVALID_ARGUMENT, `Session: ${bad}`);
       const { instanceId, tpRank, ppRank } = call.request;
+      // endAll already ran: a session taken now would get no event until the sockets close.
       if (sessions.stopping) {
-        // endAll already ran: a session taken now would get no event until the sockets close.
-        metrics.rpc("Session", "UNAVAILABLE", 0);
-        log.info("rpc refused", {
-          method: "Session",
-          code: "UNAVAILABLE",
-          error: "server is stopping",
-          ...requestLogFields(call.request),
-        });
-        call.emit("error", { code: grpc.status.UNAVAILABLE, details: stopping("Session").message });
-        return;
+        return refuse(call, grpc.status.UNAVAILABLE, stopping("Session").message);
       }
       const refusal = sessionRefusal(engine, instanceId, tpRank, ppRank);
-      if (refusal !== undefined) {
-        metrics.rpc("Session", "INVALID_ARGUMENT", 0);
-        log.info("rpc refused", {
-          method: "Session",
-          code: "INVALID_ARGUMENT",
-          error: refusal,
-          ...capFields(requestLogFields(call.request)),
-        });
-        call.emit("error", { code: grpc.status.INVALID_ARGUMENT, details: refusal });
-        return;
-      }
+      if (refusal !== undefined) return refuse(call, grpc.status.INVALID_ARGUMENT, refusal);
       const rank = rankIndex(tpRank, ppRank, MAX_PARALLEL);
+      const mismatch = sessions.check(instanceId, rank, call.request.registrationToken ?? "");
+      if (mismatch !== undefined) {
+        const who = `Session: instance "${instanceId}" tp_rank ${tpRank} pp_rank ${ppRank}`;
+        return refuse(
+          call,
+          grpc.status.FAILED_PRECONDITION,
+          capDetails(sessionMismatchText(who, mismatch)),
+        );
+      }
       const old = sessions.add(instanceId, rank, call);
       if (old) {
         log.info("session superseded", { instance: instanceId, tp_rank: tpRank, pp_rank: ppRank });

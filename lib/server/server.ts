@@ -106,7 +106,7 @@ export async function startServer(
   log = new Logger(cfg.logLevel),
 ): Promise<RunningServer> {
   const { native, placement, store, advertiser, collector } = await openStorage(cfg, log);
-  const sessions = new Sessions();
+  const sessions = new Sessions({ graceMs: cfg.sessionGraceMs });
   // The gauges read the engine at scrape time, by which point it exists.
   const metrics: ServerMetrics = new ServerMetrics(() => store.stats(), {
     instances: () => engine.instances().length,

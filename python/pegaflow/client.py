@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
@@ -97,6 +98,19 @@ def _put_hashes(req, hashes: Iterable[bytes]) -> bytes:
         req.block_hashes.extend(bytes(h) for h in hashes)
         return b""
     return tail
+
+
+#: How the server's ALREADY_EXISTS (the same registration again) names the rank's registration
+#: token (lib/server/grpc_service.ts `withToken`): a holder whose first answer was lost learns it.
+REGISTRATION_TOKEN_IN_DETAILS = re.compile(r"\(registration token ([0-9a-f]+)\)")
+#: A Session ended with these was refused: it never stood for a registration.
+REFUSED_SESSION = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def registration_token_in(e: PegaflowError) -> Optional[str]:
+    """The registration token an ALREADY_EXISTS refusal of RegisterContext names, else None."""
+    m = REGISTRATION_TOKEN_IN_DETAILS.search(e.details or "")
+    return m.group(1) if e.code == grpc.StatusCode.ALREADY_EXISTS and m else None
 
 
 def _closed_error(method: str) -> PegaflowError:
@@ -178,8 +192,9 @@ class Session:
         ev = s.next_event()   # blocks; None = the stream broke or ended
     """
 
-    def __init__(self, call: grpc.Call):
+    def __init__(self, call: grpc.Call, on_end: Optional[Callable[["Session", Optional[pb.SessionEvent]], None]] = None):
         self._call = call
+        self._on_end = on_end
         #: Why the stream ended, when it ended with an error.
         self.error: Optional[PegaflowError] = None
 
@@ -187,16 +202,24 @@ class Session:
         """The next event, or None when the stream ended (the server closed it
         or the connection broke; see `error`)."""
         try:
-            return next(self._call)
+            ev = next(self._call)
         except StopIteration:
-            return None
+            ev = None
         except grpc.RpcError as e:
             self.error = PegaflowError(e.code(), e.details() or "", "Session")
-            return None
+            ev = None
+        self._ended(ev)
+        return ev
 
     def cancel(self) -> None:
         """Ends the session from this side (the server then cleans the instance up)."""
         self._call.cancel()
+        self._ended(None)
+
+    def _ended(self, ev: Optional[pb.SessionEvent]) -> None:
+        f, self._on_end = self._on_end, None
+        if f is not None:
+            f(self, ev)
 
 
 def _load_request(
@@ -264,6 +287,9 @@ class PegaflowClient:
             LocalRpc(rpc_path, self.config.max_message_bytes) if rpc_path is not None else None
         )
         self._local_retry_at = 0.0  # after a missing socket: gRPC until then
+        # The registration token this client was answered per rank (instance, tp, pp): what
+        # open_session presents, so the session stands for this client's registration.
+        self._tokens: Dict[Tuple[str, int, int], str] = {}
 
     @property
     def address(self) -> str:
@@ -373,7 +399,17 @@ class PegaflowClient:
             geometry=[g.to_proto() for g in geometry],
             client_version=client_version,
         )
-        return self._call("RegisterContext", req, pb.RegisterContextResponse)
+        rank = (instance_id, tp_rank, pp_rank)
+        try:
+            res = self._call("RegisterContext", req, pb.RegisterContextResponse)
+        except PegaflowError as e:
+            token = registration_token_in(e)
+            if token is not None:  # the same registration again: the server still holds it
+                self._tokens[rank] = token
+            raise
+        if res.registration_token:
+            self._tokens[rank] = res.registration_token
+        return res
 
     def save(
         self,
@@ -535,6 +571,8 @@ class PegaflowClient:
 
     def unregister_context(self, instance_id: str, timeout_s: Optional[float] = None) -> int:
         """Cleans the instance up; returns the number of leases released."""
+        for rank in [k for k in list(self._tokens) if k[0] == instance_id]:
+            self._tokens.pop(rank, None)  # its registrations end: their tokens stand for nothing
         r = self._call(
             "UnregisterContext",
             pb.UnregisterContextRequest(instance_id=instance_id),
@@ -543,13 +581,39 @@ class PegaflowClient:
         )
         return r.leases_released
 
-    def open_session(self, instance_id: str, tp_rank: int = 0, pp_rank: int = 0) -> Session:
+    def open_session(
+        self, instance_id: str, tp_rank: int = 0, pp_rank: int = 0, registration_token: Optional[str] = None
+    ) -> Session:
         """Opens the liveness stream for one rank. It has no deadline (it lives
-        as long as the registration); keepalive pings detect a dead peer."""
+        as long as the registration); keepalive pings detect a dead peer.
+
+        `registration_token` (default: the one this client was answered for the
+        rank by RegisterContext): a registered rank takes a session only with its
+        registration's token (else the stream ends FAILED_PRECONDITION naming the
+        rank, and nothing is superseded); without one, only a rank not registered
+        yet (the session then belongs to the registration that follows)."""
         stub = self._stub("Session", pb.SessionRequest, pb.SessionEvent, stream=True)
+        rank = (instance_id, tp_rank, pp_rank)
+        used = registration_token or self._tokens.get(rank)
         req = pb.SessionRequest(instance_id=instance_id, tp_rank=tp_rank, pp_rank=pp_rank)
+        if used:
+            req.registration_token = used
+
+        def ended(s: Session, ev: Optional[pb.SessionEvent]) -> None:
+            # The end of the session that stood for the rank ends its registration (the server
+            # cleans the instance up): its token is stale. One opened with a token stood for that
+            # token's registration; one opened with none, for the registration that followed it,
+            # unless it was refused (then it ended nothing). A superseded one's is not stale.
+            held = self._tokens.get(rank)
+            if held is None or (ev is not None and ev.kind == pb.SessionEvent.SUPERSEDED):
+                return
+            refused = s.error is not None and s.error.code in REFUSED_SESSION
+            stood = held == used if used else not refused
+            if stood:
+                self._tokens.pop(rank, None)
+
         try:
-            return Session(stub(req))
+            return Session(stub(req), ended)
         except ValueError:
             if not self._closed:
                 raise

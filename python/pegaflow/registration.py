@@ -26,14 +26,19 @@ engine under the same instance id (other regions: a process that crashed and
 whose session the server has not seen end yet, or a second engine given the
 same instance id) is refused with FAILED_PRECONDITION "... is registered by
 another engine": it is logged, never counted as registered and no session is
-opened (a session would supersede the holder's, and our saves and loads would
-use its memory); the rank retries, also from the first `register()`, and
-registers once the holder is gone. With the session open, RegisterContext
-goes once more and must answer ALREADY_EXISTS (or register): the server that
-took the session holds the rank too, even when it restarted in between (else
-the attempt counts as failed). A SUPERSEDED event means another process
-opened a session for this same rank: that process owns it, so this one stops
-(connected stays False) and logs why.
+opened (the server would refuse it: a session presents its registration's
+token); the rank retries, also from the first `register()`, and registers
+once the holder is gone. The session presents the registration token the
+server answered (RegisterContext, or the ALREADY_EXISTS message of the same
+registration asked again). With the session open, RegisterContext goes once
+more and must answer ALREADY_EXISTS (or register): the server that took the
+session holds the rank too; one that registered the rank anew there (it
+restarted in between) refused the session's old token, so the attempt counts
+as failed and is retried with the new token. A SUPERSEDED event means a
+session with this registration's own token took over (another process on the
+same regions): that process owns the rank, so this one stops (connected stays
+False) and logs why. The server cleans up a registered rank whose session
+does not open within its grace period (`--session-grace-ms`).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from typing import Dict, List, Optional, Sequence
 import grpc
 
 from ._proto import pegaflow_pb2 as pb
-from .client import PegaflowClient
+from .client import PegaflowClient, registration_token_in
 from .errors import PegaflowError
 from .regions import LayerRegion
 
@@ -63,6 +68,10 @@ def held_by_another_engine(e: PegaflowError) -> bool:
     """True when RegisterContext was refused because another engine (other regions) holds the
     rank under this instance id: not registered, retried until the holder leaves."""
     return e.code == grpc.StatusCode.FAILED_PRECONDITION and HELD_BY_ANOTHER_ENGINE in e.details
+
+
+class _Closed(Exception):
+    """close() ran while a session opened (KvRegistration._open_session)."""
 
 
 class KvRegistration:
@@ -108,6 +117,9 @@ class KvRegistration:
         self.generation = 0
         self.superseded = False
         self.last_error: Optional[str] = None
+        #: The token of this rank's registration on the server (RegisterContext's answer): what
+        #: the session presents. None before the first answer (or from a server without tokens).
+        self.registration_token: Optional[str] = None
         self._stats = {"registrations": 0, "disconnects": 0, "register_failures": 0}
 
     # ---- facts --------------------------------------------------------------
@@ -141,18 +153,26 @@ class KvRegistration:
     # ---- lifecycle ----------------------------------------------------------
 
     def _register_once(self) -> pb.RegisterContextResponse:
-        return self.client.register_context(
-            instance_id=self.instance_id,
-            namespace=self.namespace,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            pp_rank=self.pp_rank,
-            pp_size=self.pp_size,
-            device_id=self.device_id,
-            layer_names=self.layer_names,
-            region_handles=[l.handle for l in self.layers],
-            geometry=[l.geometry for l in self.layers],
-        )
+        """RegisterContext; keeps the registration token it answers (also the one an
+        ALREADY_EXISTS names: the server holds this very registration)."""
+        try:
+            res = self.client.register_context(
+                instance_id=self.instance_id,
+                namespace=self.namespace,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                pp_rank=self.pp_rank,
+                pp_size=self.pp_size,
+                device_id=self.device_id,
+                layer_names=self.layer_names,
+                region_handles=[l.handle for l in self.layers],
+                geometry=[l.geometry for l in self.layers],
+            )
+        except PegaflowError as e:
+            self.registration_token = registration_token_in(e) or self.registration_token
+            raise
+        self.registration_token = res.registration_token or None
+        return res
 
     def register(self) -> Optional[pb.RegisterContextResponse]:
         """First registration, then the session thread starts and keeps it alive. A refusal
@@ -193,11 +213,24 @@ class KvRegistration:
         """Opens and installs the rank's session; False (cancelled) when close() ran meanwhile.
         Raises PegaflowError (the session cancelled) when the server that took the session
         cannot be shown to hold the rank (`_confirm_held`)."""
-        session = self.client.open_session(self.instance_id, self.tp_rank, self.pp_rank)
+        token = self.registration_token
+        session = self.client.open_session(self.instance_id, self.tp_rank, self.pp_rank, registration_token=token)
         try:
+            if self._stop.is_set():
+                raise _Closed()  # close() ran meanwhile: register nothing again
             self._confirm_held()
-        except PegaflowError:
+            if self.registration_token != token:
+                # The server registered the rank anew (it restarted after our RegisterContext): it
+                # refused the session's old token. Retried (the backoff loop) with the new one.
+                raise PegaflowError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{self.who}: the server registered the rank anew while its session opened; retrying",
+                    "Session",
+                )
+        except (PegaflowError, _Closed):
             session.cancel()
+            if self._stop.is_set():
+                return False  # closed meanwhile (its old session's end may be what this saw)
             raise
         with self._lock:
             # close() may have run since the caller checked: never install (and leak) a

@@ -16,6 +16,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -227,6 +228,104 @@ def test_the_same_registration_again_is_already_exists_and_another_is_failed_pre
         reg.close()
         region.close()
         other_region.close()
+
+
+def _next_event_within(session, timeout_s: float):
+    """The session's next event from a helper thread: (ended, event). `ended` is False when
+    the stream stayed open for `timeout_s` (the server took the session)."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(session.next_event()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return (bool(box), box[0] if box else None)
+
+
+def test_another_engines_session_for_a_held_rank_is_refused_and_the_holder_keeps_its_session(server, uid):
+    """A second engine under the same instance id opens the rank's session (the TS SDK opens it
+    before registering; a Python engine can, in a server-restart window): it must not supersede
+    the holder's session, which stops a Python holder for good and whose end cleans it up."""
+    client = PegaflowClient(server.addr, rpc_timeout_ms=10_000)
+    other = PegaflowClient(server.addr, rpc_timeout_ms=10_000)
+    region, kv = make_kv(2, 8)
+    holder = register(client, kv, uid, "ns-" + uid)
+    stray = None
+    try:
+        assert holder.connected
+        stray = other.open_session(uid, 0, 0)
+        ended, ev = _next_event_within(stray, 10.0)
+        assert ended and ev is None, "the other engine's session was taken"
+        assert stray.error is not None and stray.error.code == grpc.StatusCode.FAILED_PRECONDITION, stray.error
+        assert f'instance "{uid}" tp_rank 0 pp_rank 0 is registered' in stray.error.details
+        time.sleep(0.5)  # a SUPERSEDED event would have reached the holder by now
+        assert holder.connected and not holder.superseded and holder.generation == 1, holder.last_error
+        assert save_one(client, kv, uid, 0, 3) == 1
+        assert load_one(client, kv, uid, 3, 5, "holder") == []
+    finally:
+        if stray is not None:
+            stray.cancel()
+        holder.close()
+        other.close()
+        client.close()
+        region.close()
+
+
+def test_a_session_with_another_registrations_token_is_refused_and_the_holders_own_token_works(server, uid):
+    client = PegaflowClient(server.addr, rpc_timeout_ms=10_000)
+    other = PegaflowClient(server.addr, rpc_timeout_ms=10_000)
+    region, kv = make_kv(2, 8)
+    holder = register(client, kv, uid, "ns-" + uid)
+    try:
+        assert holder.registration_token and len(holder.registration_token) == 32
+        wrong = other.open_session(uid, 0, 0, registration_token="0" * 32)
+        ended, _ = _next_event_within(wrong, 10.0)
+        assert ended and wrong.error.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "is registered by another registration" in wrong.error.details
+        assert holder.connected and not holder.superseded
+        # The same registration asked again names its token (a holder whose answer was lost).
+        with pytest.raises(PegaflowError) as again:
+            holder._register_once()
+        assert again.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert f"registration token {holder.registration_token}" in again.value.details
+    finally:
+        holder.close()
+        other.close()
+        client.close()
+        region.close()
+
+
+def test_an_engine_that_died_before_opening_its_session_frees_the_rank_after_the_grace_period(uid, monkeypatch):
+    """The dead engine registered and never opened its session: without a grace period it held
+    the rank for good, and the restarted engine was refused "registered by another engine"."""
+    from server_proc import ServerProc
+
+    monkeypatch.setenv("PEGAFLOW_SESSION_GRACE_MS", "1500")  # --session-grace-ms
+    srv = ServerProc.start()
+    client = PegaflowClient(srv.addr, rpc_timeout_ms=10_000, reconnect_max_ms=200)
+    dead_region, dead_kv = make_kv(2, 8)
+    region, kv = make_kv(2, 8)
+    reg = None
+    try:
+        layers, _ = export_kv_layers(dead_kv)
+        client.register_context(
+            instance_id=uid, namespace="ns-" + uid, tp_rank=0, tp_size=1,
+            layer_names=[l.name for l in layers], region_handles=[l.handle for l in layers],
+            geometry=[l.geometry for l in layers],
+        )  # ... and the engine dies here, before its session opens
+        reg = register(client, kv, uid, "ns-" + uid)  # returns: the rank is retried
+        assert not reg.connected and "is registered by another engine" in (reg.last_error or "")
+        wait_for(lambda: reg.connected, "registration once the dead engine's rank is reaped")
+        assert reg.generation == 1 and not reg.superseded
+        time.sleep(2.0)  # past another grace period: a rank with its session is not reaped
+        assert reg.connected
+        assert save_one(client, kv, uid, 2, 5) == 1
+        assert load_one(client, kv, uid, 5, 7, "restarted") == []
+    finally:
+        if reg is not None:
+            reg.close()
+        client.close()
+        region.close()
+        dead_region.close()
+        srv.stop()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,207 @@
+/**
+ * A Session belongs to a registration: it presents the registration token
+ * RegisterContext answered, and only a session of the rank's current
+ * registration may supersede the holder's. Another engine under the same
+ * instance id (no token, or another registration's) is refused
+ * FAILED_PRECONDITION naming the rank and changes nothing. A rank that
+ * registered and never opened its session is cleaned up after the grace
+ * period (`--session-grace-ms`), so an engine that died in between does not
+ * hold the rank for good.
+ */
+import assert from "node:assert/strict";
+import { PegaflowClient } from "../../lib/client/client.ts";
+import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
+import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { settlesWithin } from "../../lib/http/shutdown.ts";
+import { hostSim, refusedWith, type ServerProc, startServer, uid } from "./harness.ts";
+
+const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
+/** A grace period short enough for a test, long enough for a loaded 2-core machine's round trips. */
+const SHORT_GRACE_MS = 1500;
+
+async function instanceIds(srv: ServerProc): Promise<string[]> {
+  const j = await (await srv.http_get("/instances")).json();
+  return j.instances.map((i: { instanceId: string }) => i.instanceId);
+}
+
+async function until(what: string, cond: () => Promise<boolean>, timeoutMs = 20_000) {
+  const deadline = Date.now() + timeoutMs;
+  while (!(await cond())) {
+    if (Date.now() > deadline) throw new Error(`timed out waiting for: ${what}`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+/** A simulated engine with its own connection (its own registration tokens). */
+function ownSim(srv: ServerProc, instanceId: string, namespace: string) {
+  const client = new PegaflowClient(srv.grpc);
+  const sim = SimEngine.create({
+    client,
+    instanceId,
+    namespace,
+    model: MODEL,
+    numBlocks: 16,
+    backend: "host",
+  });
+  return {
+    client,
+    sim,
+    close() {
+      sim.close();
+      client.close();
+    },
+  };
+}
+
+Deno.test("another engine's session for a held rank is refused and the holder keeps its session and instance", async () => {
+  const srv = await startServer();
+  const instanceId = uid("bind");
+  const namespace = uid("ns");
+  const holder = ownSim(srv, instanceId, namespace);
+  const intruder = ownSim(srv, instanceId, namespace);
+  try {
+    // The holder in the TS SDK's old order: session first, then the registration.
+    const own = holder.client.openSession(instanceId);
+    await holder.sim.register();
+    // The other engine opens its session first (and would register after it).
+    const stray = intruder.client.openSession(instanceId);
+    assert.ok(await settlesWithin(stray.closed, 10_000), "the other engine's session was taken");
+    assert.equal(stray.error?.codeName, "FAILED_PRECONDITION", String(stray.error));
+    assert.match(
+      stray.error?.details ?? "",
+      new RegExp(`instance "${instanceId}" tp_rank 0 pp_rank 0 is registered`),
+    );
+    await assert.rejects(intruder.sim.register(), refusedWith("FAILED_PRECONDITION"));
+    // The holder's session was not superseded, and the refused one's end cleaned nothing up.
+    assert.deepEqual(own.events, [], "the holder's session got no event");
+    assert.equal(own.error, undefined);
+    assert.deepEqual(await instanceIds(srv), [instanceId]);
+    const hashes = chainedBlockHashes(syntheticTokens(8, 16 * 2), 16);
+    holder.sim.fill([0, 1], hashes);
+    assert.equal((await holder.sim.save([0, 1], hashes)).blocksSaved, 2);
+    // The holder's own session still cleans it up when it ends.
+    own.close();
+    await until("instance gone", async () => (await instanceIds(srv)).length === 0);
+  } finally {
+    holder.close();
+    intruder.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a session presents its registration's token: a wrong or stale token is refused, the right one supersedes", async () => {
+  const srv = await startServer();
+  const instanceId = uid("token");
+  const namespace = uid("ns");
+  const holder = ownSim(srv, instanceId, namespace);
+  const other = new PegaflowClient(srv.grpc);
+  try {
+    const r = await holder.sim.register();
+    assert.match(r.registrationToken, /^[0-9a-f]{32}$/, "RegisterContext answers a token");
+    // The SDK opens the session with the token its registration answered.
+    const own = holder.client.openSession(instanceId);
+    // Another registration's token (or a made-up one) does not stand for this rank.
+    const wrong = other.openSession(instanceId, 0, 0, { registrationToken: "0".repeat(32) });
+    assert.ok(await settlesWithin(wrong.closed, 10_000));
+    assert.equal(wrong.error?.codeName, "FAILED_PRECONDITION");
+    assert.match(
+      wrong.error?.details ?? "",
+      new RegExp(
+        `instance "${instanceId}" tp_rank 0 pp_rank 0 is registered by another registration`,
+      ),
+    );
+    // The same registration's token, from another connection, supersedes: it is the holder's.
+    const again = other.openSession(instanceId, 0, 0, { registrationToken: r.registrationToken });
+    assert.equal((await own.closed)?.kind, 1 /* SUPERSEDED */);
+    assert.deepEqual(await instanceIds(srv), [instanceId]);
+    // The same registration again (ALREADY_EXISTS) names the token, for a holder whose answer was lost.
+    await assert.rejects(
+      holder.sim.register(),
+      refusedWith("ALREADY_EXISTS", new RegExp(`registration token ${r.registrationToken}`)),
+    );
+    await srv.client.unregisterContext(instanceId);
+    assert.equal((await again.closed)?.kind, 2 /* CLEANED_UP */);
+    // A token of a registration that ended does not open a session for the rank.
+    const stale = other.openSession(instanceId, 0, 0, { registrationToken: r.registrationToken });
+    assert.ok(await settlesWithin(stale.closed, 10_000));
+    assert.equal(stale.error?.codeName, "FAILED_PRECONDITION");
+    assert.match(
+      stale.error?.details ?? "",
+      new RegExp(`instance "${instanceId}" tp_rank 0 pp_rank 0 is not registered`),
+    );
+  } finally {
+    holder.close();
+    other.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a registered rank that never opens its session is cleaned up after the grace period", async () => {
+  const env = { PEGAFLOW_SESSION_GRACE_MS: String(SHORT_GRACE_MS) };
+  const srv = await startServer([], env);
+  const instanceId = uid("grace");
+  const namespace = uid("ns");
+  const dead = hostSim(srv, { instanceId, namespace, model: MODEL, numBlocks: 16 });
+  const kept = uid("kept");
+  const live = hostSim(srv, { instanceId: kept, namespace, model: MODEL, numBlocks: 16 });
+  const restarted = ownSim(srv, instanceId, namespace);
+  try {
+    // An engine that registers and dies before its session opens.
+    await dead.register();
+    // One that registers and opens its session stays past the grace period.
+    await live.register();
+    const session = srv.client.openSession(kept);
+    // The restarted engine is refused while the dead one holds the rank ...
+    await assert.rejects(restarted.sim.register(), refusedWith("FAILED_PRECONDITION"));
+    // ... and registers once the grace period has reaped it.
+    await until(
+      "the session-less registration reaped",
+      async () => !(await instanceIds(srv)).includes(instanceId),
+    );
+    const line = srv.logs().find((l) => l.includes("never opened its session"));
+    assert.ok(line, "the reaping is logged");
+    const fields = JSON.parse(line);
+    assert.equal(fields.instance, instanceId);
+    assert.equal(fields.tp_rank, 0);
+    assert.equal(fields.pp_rank, 0);
+    assert.equal(
+      await srv.metric("pegaflow_instance_cleanups_total", '{reason="session_never_opened"}'),
+      1,
+    );
+    const r = await restarted.sim.register();
+    assert.equal(r.topologySealed, true);
+    const own = restarted.client.openSession(instanceId);
+    await new Promise((res) => setTimeout(res, 2 * SHORT_GRACE_MS));
+    assert.deepEqual((await instanceIds(srv)).sort(), [instanceId, kept].sort());
+    assert.deepEqual(session.events, []);
+    own.close();
+    session.close();
+  } finally {
+    dead.close();
+    live.close();
+    restarted.close();
+    await srv.stop();
+  }
+});
+
+Deno.test("a session opened before its registration is the registration's session (no reaping)", async () => {
+  const env = { PEGAFLOW_SESSION_GRACE_MS: String(SHORT_GRACE_MS) };
+  const srv = await startServer([], env);
+  const instanceId = uid("early");
+  const sim = hostSim(srv, { instanceId, namespace: uid("ns"), model: MODEL, numBlocks: 16 });
+  try {
+    const early = srv.client.openSession(instanceId);
+    await sim.register();
+    await new Promise((res) => setTimeout(res, 2 * SHORT_GRACE_MS));
+    assert.deepEqual(await instanceIds(srv), [instanceId], "not reaped: it has its session");
+    assert.deepEqual(early.events, []);
+    early.close();
+    await until(
+      "instance gone with its session",
+      async () => (await instanceIds(srv)).length === 0,
+    );
+  } finally {
+    sim.close();
+    await srv.stop();
+  }
+});
