@@ -18,7 +18,7 @@ import { TRANSFER_PATH_FLAGS, type TransferPathFlag } from "../copy_path.ts";
 import { defaultCalibrationFile } from "../copy_calibration.ts";
 import { MAX_UDS_PATH_BYTES } from "./uds.ts";
 import { splitHostPort } from "../host_port.ts";
-import { DEFAULT_SESSION_GRACE_MS } from "./grpc_service.ts";
+import { DEFAULT_SESSION_GRACE_MS } from "./sessions.ts";
 
 /** The size parser behind --pool-size and friends (it lives in lib/cli/flags.ts). */
 export { parseSize };

@@ -6,7 +6,8 @@
  */
 import * as grpc from "@grpc/grpc-js";
 import { KvEngine } from "../../lib/engine/engine.ts";
-import { engineServiceImpl, type Sessions } from "../../lib/server/grpc_service.ts";
+import { engineServiceImpl } from "../../lib/server/grpc_service.ts";
+import type { Sessions } from "../../lib/server/sessions.ts";
 import { lenientService } from "../../lib/server/decode.ts";
 import type { ServerMetrics } from "../../lib/server/metrics.ts";
 import { openNative } from "../../lib/engine/native_adapter.ts";

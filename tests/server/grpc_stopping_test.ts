@@ -10,7 +10,7 @@
 import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { PegaflowClient } from "../../lib/client/client.ts";
-import { Sessions } from "../../lib/server/grpc_service.ts";
+import { Sessions } from "../../lib/server/sessions.ts";
 import { ServerMetrics } from "../../lib/server/metrics.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
 import { serveEngine, setup, silent } from "../engine/setup.ts";

@@ -13,7 +13,7 @@ import { SimEngine } from "../../lib/client/sim_engine.ts";
 import { KvEngine, PROTOCOL_VERSION } from "../../lib/engine/engine.ts";
 import type { NativePort } from "../../lib/engine/ports.ts";
 import { Logger } from "../../lib/log.ts";
-import { Sessions } from "../../lib/server/grpc_service.ts";
+import { Sessions } from "../../lib/server/sessions.ts";
 import { ServerMetrics } from "../../lib/server/metrics.ts";
 import { KvStore } from "../../lib/storage/store.ts";
 import { MODEL, openTestNative, serveEngine, silent } from "../engine/setup.ts";
