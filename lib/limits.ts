@@ -30,6 +30,13 @@ export const MAX_SEGMENTS = 8;
 export const MAX_BLOCK_ITEMS = 1 << 20;
 /** Longest namespace or instance id, in characters. */
 export const MAX_NAME_CHARS = 128;
+/**
+ * Longest request id, in characters (Save, QueryPrefetch, Load). An engine's
+ * ids are short (vLLM's "cmpl-<uuid>-0", a router's prefixes: ~40-200); the
+ * limit keeps a garbage id from being kept in the tiers' maps, echoed in
+ * every error and logged, and it is what a log field keeps whole.
+ */
+export const MAX_REQUEST_ID_CHARS = 1024;
 /** Bytes of a lease id. */
 export const LEASE_ID_BYTES = 16;
 /** Bytes of a region handle: the C library's `PF_HANDLE_BYTES`, as ffi/ mirrors it. */

@@ -77,7 +77,11 @@ export const protobufFileName = "pegaflow.proto";
  *   4       u32   version       engine   1
  *   8       u32   num_layers    server   layers this load covers (the rank's
  *                                        registered layers)
- *   12      u32   reserved      -        0
+ *   12      u32   owner         engine:0 the engine writes 0 when it (re)arms the
+ *                               server   block; the server writes a tag of the
+ *                                        instance whose Load it accepted (a Load
+ *                                        of another instance naming the block
+ *                                        while that load is in flight is refused)
  *   16      u32   layers_ready  native/  layers whose bytes have landed, in
  *                               server   the rank's registration order (the
  *                                        order of RegisterContext.layer_names:

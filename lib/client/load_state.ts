@@ -138,7 +138,10 @@ export class LoadState {
     );
   }
 
-  /** Resets progress for reuse by another Load. */
+  /**
+   * Resets progress for reuse by another Load, and the owner word: the server
+   * refuses another instance's Load naming a block its last load still holds.
+   */
   rearm(): void {
     initLoadState(this.#words());
   }

@@ -46,7 +46,13 @@ import {
 } from "./query_load.ts";
 import { registerRank, type RegisterResult } from "./register.ts";
 import type { RegisterArgs } from "./registration.ts";
-import { type SaveArgs, type SaveJob, type SaveResult, SaveRunner } from "./save.ts";
+import {
+  checkRequestId,
+  type SaveArgs,
+  type SaveJob,
+  type SaveResult,
+  SaveRunner,
+} from "./save.ts";
 
 export type { EngineMetrics, TiersPort } from "./context.ts";
 export type { LoadArgs, LoadResult } from "./load.ts";
@@ -231,6 +237,7 @@ export class KvEngine {
     requestId: string,
   ): QueryAnswer {
     const inst = this.#instance(instanceId, `QueryPrefetch (request "${requestId}")`);
+    checkRequestId("QueryPrefetch", instanceId, requestId);
     const fields = { instance: instanceId, requestId: requestId || undefined };
     if (!requestId) {
       throw invalid(`instance "${instanceId}": QueryPrefetch needs a request_id`, fields);
@@ -296,6 +303,11 @@ export class KvEngine {
 
   /** Consumes the lease for this rank and submits ONE scatter batch (load.ts); resolves at submit. */
   load(args: LoadArgs): Promise<LoadResult> {
+    try {
+      checkRequestId("Load", args.instanceId, args.requestId);
+    } catch (e) {
+      return Promise.reject(e);
+    }
     return this.#loader.load(
       args,
       (id) => this.#instance(id, "Load"),

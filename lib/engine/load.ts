@@ -11,7 +11,7 @@
  *
  * @module
  */
-import { LEASE_ID_BYTES } from "../limits.ts";
+import { LEASE_ID_BYTES, MAX_NAME_CHARS } from "../limits.ts";
 import type { Submission } from "../pipeline/stage.ts";
 import type { LoadTicket } from "../storage/store.ts";
 import type { TransferPlanner } from "../transfer/plan.ts";
@@ -28,9 +28,11 @@ import type { Instance, RankCtx } from "./instances.ts";
 import {
   armLoadState,
   checkLoadState,
+  claimLoadState,
   completeLoadState,
   failLoadState,
   LOAD_STATE_BYTES,
+  loadStateOwner,
   OFF_PROGRESS,
   STATE_REJECTED,
 } from "./load_state.ts";
@@ -67,6 +69,8 @@ export interface LoadJob {
   inst: Instance;
   rank: RankCtx;
   shm: ShmPort;
+  /** The instance's owner tag, written into the load state's header (load_state.ts OFF_OWNER). */
+  owner: number;
 }
 
 /** A Load that passed its checks ({@link LoadRunner.accept}), holding its open load state. */
@@ -133,16 +137,22 @@ export class LoadRunner {
     }
     // The rank's layer count once known: a refusal then marks exactly that many layers done.
     let numLayers: number | undefined;
-    // Only a block whose header says it is a load state gets the refusal written into it.
-    let isLoadState = false;
+    // Only a block whose header says it is a load state, and not another instance's
+    // load, gets the refusal written into it.
+    let writable = false;
     try {
-      this.#stateOp(
+      const who = `instance "${args.instanceId}"` +
+        (args.requestId ? ` request "${args.requestId}"` : "");
+      const owner = this.#stateOp(
         () => checkLoadState(shm, args.loadStateShm),
-        `instance "${args.instanceId}"` + (args.requestId ? ` request "${args.requestId}"` : ""),
+        who,
         args.loadStateShm,
         fields,
       );
-      isLoadState = true;
+      // Another instance's load in flight (its header names it, it holds the block): nothing
+      // of this one goes there. Rearmed by its engine (owner 0), or done, the block is free.
+      writable = owner === 0 || ownedBy(owner, args.instanceId) ||
+        !this.states.busy(owner, args.loadStateShm);
       // An id outside the name rule names no instance: the request is malformed (not "unknown").
       checkName("instance_id", args.instanceId, "Load");
       const inst = instance(args.instanceId);
@@ -155,10 +165,16 @@ export class LoadRunner {
         );
       }
       checkTargets(loadWho(inst, rank, args), fields, rank, args.blockIds);
-      return { job: { args, inst, rank, shm, tEntry }, fields };
+      // Last, so that every other refusal keeps its own status (an unknown instance's too).
+      if (!writable) throw this.#taken(who, args.loadStateShm, owner, fields);
+      // Accepted: the block is this instance's load from now on, queued or not.
+      const mine = loadStateOwner(inst.id);
+      this.#stateOp(() => claimLoadState(shm, mine), who, args.loadStateShm, fields);
+      this.states.begin(mine, args.loadStateShm);
+      return { job: { args, inst, rank, shm, tEntry, owner: mine }, fields };
     } catch (e) {
-      // Another object's bytes, or another version's layout, are not ours to write.
-      if (isLoadState) this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
+      // Another object's bytes, another version's layout, another instance's load: not ours to write.
+      if (writable) this.#failState(shm, args.loadStateShm, STATE_REJECTED, numLayers);
       this.#releaseShm(args, shm);
       throw e;
     }
@@ -169,7 +185,7 @@ export class LoadRunner {
     const { args, rank, shm } = a.job;
     this.ctx.log.debug("load abandoned", { ...a.fields, why });
     this.#failState(shm, args.loadStateShm, STATE_REJECTED, rank.layers.length);
-    this.#releaseShm(args, shm);
+    this.#releaseShm(args, shm, a.job.owner);
   }
 
   /**
@@ -207,7 +223,7 @@ export class LoadRunner {
       this.#failState(shm, args.loadStateShm, STATE_REJECTED, rank.layers.length);
       throw e;
     } finally {
-      if (!handedOff) this.#releaseShm(args, shm);
+      if (!handedOff) this.#releaseShm(args, shm, a.job.owner);
     }
   }
 
@@ -243,7 +259,12 @@ export class LoadRunner {
     const tLease = performance.now();
     if (view.blockCount === 0) return this.#nothingToCopy(job, view, who);
     try {
-      this.#stateOp(() => armLoadState(shm, rank.layers.length), who, args.loadStateShm, fields);
+      this.#stateOp(
+        () => armLoadState(shm, rank.layers.length, job.owner),
+        who,
+        args.loadStateShm,
+        fields,
+      );
       // ONE scatter batch for every layer of the rank, in registration order.
       this.planner.writeLoad(
         this.batch,
@@ -297,7 +318,7 @@ export class LoadRunner {
       args.loadStateShm,
       loadFields(args),
     );
-    this.#releaseShm(args, shm);
+    this.#releaseShm(args, shm, job.owner);
     this.ctx.log.debug("load done", {
       instance: inst.id,
       request: args.requestId || undefined,
@@ -364,7 +385,7 @@ export class LoadRunner {
       },
     ).finally(() => {
       this.ctx.store.loadDone(view);
-      this.#releaseShm(args, shm);
+      this.#releaseShm(args, shm, job.owner);
       inst.end();
     });
   }
@@ -373,13 +394,26 @@ export class LoadRunner {
    * Runs a guarded access to an engine's load state; a block the engine has
    * shrunk since it was opened fails the Load with FAILED_PRECONDITION.
    */
-  #stateOp(fn: () => void, who: string, name: string, fields: ErrorFields): void {
+  #stateOp<T>(fn: () => T, who: string, name: string, fields: ErrorFields): T {
     try {
-      fn();
+      return fn();
     } catch (e) {
       if (!(e instanceof ClientMemoryFault)) throw e;
       throw precondition(`${who}: load state "${name}" is gone: ${e.message}`, fields);
     }
+  }
+
+  /** The refusal of a load state whose header names another instance's load (refusal path only). */
+  #taken(who: string, name: string, owner: number, fields: ErrorFields): EngineError {
+    let holder = `another instance's load (owner tag 0x${owner.toString(16)})`;
+    for (const id of this.ctx.instances.keys()) {
+      if (loadStateOwner(id) === owner) holder = `a load of instance "${id}"`;
+    }
+    return invalid(
+      `${who}: load state "${name}" is in use by ${holder}, still in flight; an engine names ` +
+        `only load states it created, rearmed for each load`,
+      fields,
+    );
   }
 
   /** Best effort: a block the engine shrank cannot carry the failure any more. */
@@ -395,10 +429,19 @@ export class LoadRunner {
     }
   }
 
-  /** The load is done with its load state: kept mapped for the instance's next load, or closed. */
-  #releaseShm(args: LoadArgs, shm: ShmPort): void {
+  /**
+   * The load is done with its load state: kept mapped for the instance's next
+   * load, or closed; an accepted load (`owner`: its tag) no longer holds it.
+   */
+  #releaseShm(args: LoadArgs, shm: ShmPort, owner?: number): void {
+    if (owner !== undefined) this.states.end(owner, args.loadStateShm);
     this.states.release(args.instanceId, args.loadStateShm, LOAD_STATE_BYTES, shm);
   }
+}
+
+/** True when `owner` is `instance`'s tag (an id past the name rule is no instance's). */
+function ownedBy(owner: number, instance: string): boolean {
+  return instance.length <= MAX_NAME_CHARS && loadStateOwner(instance) === owner;
 }
 
 /** The load's ids, as its errors name them. */

@@ -11,6 +11,7 @@
  *
  * @module
  */
+import { fnv1a32 } from "../storage/cache.ts";
 import { invalid } from "./errors.ts";
 
 /** "PFLS" read as a little-endian u32. */
@@ -21,6 +22,14 @@ export const LOAD_STATE_BYTES = 64;
 export const OFF_MAGIC = 0;
 export const OFF_VERSION = 4;
 export const OFF_NUM_LAYERS = 8;
+/**
+ * The owner word (the protocol's reserved word at 12; engines zero it when
+ * they (re)initialise the block): 0, or the {@link loadStateOwner} tag of the
+ * instance whose Load the server accepted with this block. While that load
+ * is in flight (load_state_maps.ts), a Load of another instance naming the
+ * block is refused without a byte written: the block is that engine's load.
+ */
+export const OFF_OWNER = 12;
 /** Where the batch progress words start: u32 layers_ready, then i32 state. */
 export const OFF_PROGRESS = 16;
 export const OFF_LAYERS_READY = 16;
@@ -44,9 +53,20 @@ export interface LoadStateAccess {
   write(offset: number, src: Uint8Array): void;
 }
 
-/** Throws INVALID_ARGUMENT unless the block holds a load-state header (server side). */
-export function checkLoadState(shm: LoadStateAccess, name: string): void {
-  const head = new Uint8Array(8);
+/**
+ * The owner tag of `instance`'s loads (never 0, which means "no owner"). Server
+ * side only: the server writes it and compares it, so no client computes it.
+ */
+export function loadStateOwner(instance: string): number {
+  return fnv1a32(instance) || 1;
+}
+
+/**
+ * Throws INVALID_ARGUMENT unless the block holds a load-state header (server
+ * side); returns its owner word (0: none).
+ */
+export function checkLoadState(shm: LoadStateAccess, name: string): number {
+  const head = new Uint8Array(OFF_OWNER + 4);
   shm.read(OFF_MAGIC, head);
   const view = new DataView(head.buffer);
   const magic = view.getUint32(OFF_MAGIC, true);
@@ -61,14 +81,24 @@ export function checkLoadState(shm: LoadStateAccess, name: string): void {
   if (version !== LOAD_STATE_VERSION) {
     throw invalid(`load state "${name}": version ${version}, expected ${LOAD_STATE_VERSION}`);
   }
+  return view.getUint32(OFF_OWNER, true);
 }
 
-/** Server side: announces the layer count and resets progress before submitting. */
-export function armLoadState(shm: LoadStateAccess, numLayers: number): void {
-  // num_layers, layers_ready, state: three words, one guarded copy.
+/** Server side: records the owner of an accepted Load ({@link loadStateOwner}). */
+export function claimLoadState(shm: LoadStateAccess, owner: number): void {
+  shm.write(OFF_OWNER, u32(owner));
+}
+
+/**
+ * Server side: announces the layer count and resets progress before
+ * submitting; the owner word keeps `owner` (the load's, see {@link OFF_OWNER}).
+ */
+export function armLoadState(shm: LoadStateAccess, numLayers: number, owner = 0): void {
+  // num_layers, owner, layers_ready, state: four words, one guarded copy.
   const words = new Uint8Array(OFF_STATE + 4 - OFF_NUM_LAYERS);
   const view = new DataView(words.buffer);
   view.setUint32(0, numLayers, true);
+  view.setUint32(OFF_OWNER - OFF_NUM_LAYERS, owner, true);
   view.setUint32(OFF_LAYERS_READY - OFF_NUM_LAYERS, 0, true);
   view.setInt32(OFF_STATE - OFF_NUM_LAYERS, STATE_PENDING, true);
   shm.write(OFF_NUM_LAYERS, words);

@@ -7,6 +7,11 @@
  * as it was (one stat, `ShmPort.same`); an instance's kept mappings are closed
  * when it goes.
  *
+ * It also knows which loads hold a load state now (accepted, not yet ended),
+ * by the owner tag the server writes into the block's header: a Load of
+ * another instance naming a block held so is refused without a byte written
+ * (load.ts), since its refusal or progress would land in that engine's load.
+ *
  * @module
  */
 import type { Logger } from "../log.ts";
@@ -24,6 +29,8 @@ interface Kept {
 export class LoadStateMaps {
   /** instance → name → an idle mapping (a Map keeps insertion order: the first is the oldest). */
   readonly #kept = new Map<string, Map<string, Kept>>();
+  /** `${owner tag}:${name}` → accepted loads of that owner holding that load state now. */
+  readonly #busy = new Map<string, number>();
 
   constructor(
     readonly open: (name: string, bytes: number) => ShmPort,
@@ -63,6 +70,25 @@ export class LoadStateMaps {
       kept.delete(oldest);
       this.#close(k.shm, oldest);
     }
+  }
+
+  /** An accepted load of `owner` (its tag, load_state.ts) holds `name` until {@link end}. */
+  begin(owner: number, name: string): void {
+    const k = `${owner}:${name}`;
+    this.#busy.set(k, (this.#busy.get(k) ?? 0) + 1);
+  }
+
+  /** That load ended (refused, abandoned or its copy completed): it no longer holds `name`. */
+  end(owner: number, name: string): void {
+    const k = `${owner}:${name}`;
+    const n = (this.#busy.get(k) ?? 0) - 1;
+    if (n > 0) this.#busy.set(k, n);
+    else this.#busy.delete(k);
+  }
+
+  /** True while a load of `owner` holds `name`. */
+  busy(owner: number, name: string): boolean {
+    return this.#busy.has(`${owner}:${name}`);
   }
 
   /** Closes every mapping kept for `instance` (it unregistered or was cleaned up). */

@@ -85,6 +85,8 @@ export function checkLoadInto(
     );
   }
   const seen = new Set<number>();
+  // Each rank's copy publishes its own progress words: two in one block read as one load.
+  const byState = new Map<string, RankLoadTarget>();
   for (const r of into.ranks) {
     const i = rankIndex(r.tpRank, r.ppRank, inst.tpSize);
     if (r.tpRank >= inst.tpSize || r.ppRank >= inst.ppSize || seen.has(i)) {
@@ -96,6 +98,15 @@ export function checkLoadInto(
       );
     }
     seen.add(i);
+    const other = byState.get(r.loadStateShm);
+    if (other) {
+      throw invalid(
+        `${who} names load state "${r.loadStateShm}" for tp_rank ${other.tpRank} pp_rank ${other.ppRank} and tp_rank ${r.tpRank} pp_rank ${r.ppRank}; each rank needs its own`,
+        fields,
+      );
+    }
+    // An empty name is that rank's own refusal (accept: "Load needs load_state_shm").
+    if (r.loadStateShm) byState.set(r.loadStateShm, r);
   }
 }
 

@@ -9,7 +9,7 @@
  *
  * @module
  */
-import { MAX_HASH_BYTES } from "../limits.ts";
+import { MAX_HASH_BYTES, MAX_REQUEST_ID_CHARS } from "../limits.ts";
 import type { SavePlan } from "../storage/store.ts";
 import { sealedHashBytes } from "../storage/tier.ts";
 import type { TransferPlanner } from "../transfer/plan.ts";
@@ -89,6 +89,7 @@ export class SaveRunner {
     };
     // Validate everything before allocating anything.
     const groups = groupLayers(who, fields, rank, args);
+    checkRequestId("Save", inst.id, args.requestId);
     if (groups.length === 0) return { ...NOTHING };
     inst.begin("Save");
     const t0 = performance.now();
@@ -203,6 +204,31 @@ export class SaveRunner {
       );
     }
   }
+}
+
+/**
+ * Refuses a request id past {@link MAX_REQUEST_ID_CHARS}: the one check of
+ * every RPC that carries one (Save here, after its lists were checked;
+ * QueryPrefetch and Load in engine.ts), over gRPC and the local RPC socket
+ * alike, before the id is kept (a tier's read) or logged. The message names
+ * the id by its head.
+ */
+export function checkRequestId(
+  method: string,
+  instanceId: string,
+  requestId: string | undefined,
+): void {
+  if (requestId === undefined || requestId.length <= MAX_REQUEST_ID_CHARS) return;
+  const head = requestId.slice(0, 64);
+  throw invalid(
+    `${method}: instance "${instanceId}": request_id "${head}..." is ${requestId.length} characters; at most ${MAX_REQUEST_ID_CHARS} are accepted`,
+    {
+      instance: instanceId,
+      requestId: head,
+      expected: MAX_REQUEST_ID_CHARS,
+      got: requestId.length,
+    },
+  );
 }
 
 /** What the plans of one Save add up to (bytes filled in after the copy). */

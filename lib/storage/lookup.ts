@@ -47,12 +47,15 @@ export function queryPrefix(
   const hit: Block[] = [];
   const ns = st.namespaces.get(namespace);
   const buckets = st.index.buckets(namespace);
-  for (let i = 0; i < hashes.length; i++) {
-    const bucket = hashBucket(hashes[i], ns?.seed ?? 0); // validates the hash in any case
-    if (!ns) continue; // nothing was ever saved under an unknown namespace
-    st.lfu?.record(bucket);
+  // Every hash is validated (hashBucket throws on a malformed one) before any counts as
+  // an access: a refused query changes nothing, the hashes before the bad one included.
+  const bucketOf = bucketScratch(hashes.length);
+  for (let i = 0; i < hashes.length; i++) bucketOf[i] = hashBucket(hashes[i], ns?.seed ?? 0);
+  // Nothing was ever saved under an unknown namespace: nothing to count or find.
+  for (let i = 0; ns && i < hashes.length; i++) {
+    st.lfu?.record(bucketOf[i]);
     if (hit.length < i) continue; // prefix already broken: keep counting frequency
-    const b = BlockIndex.findIn(buckets, hashes[i], bucket);
+    const b = BlockIndex.findIn(buckets, hashes[i], bucketOf[i]);
     if (b && b.state === "sealed") hit.push(b);
   }
   // Counted once every hash was accepted: a malformed hash throws above, and is no query.
@@ -69,6 +72,14 @@ export function queryPrefix(
     hits: hit.length,
     lease: { id: lease.id, idBytes: lease.idBytes, expiresAt: lease.expiresAt },
   };
+}
+
+/** A query's buckets, kept across queries (no allocation per query; one query runs at a time). */
+let scratch = new Int32Array(0);
+
+function bucketScratch(n: number): Int32Array {
+  if (scratch.length < n) scratch = new Int32Array(Math.max(n, 2 * scratch.length));
+  return scratch;
 }
 
 /** State of one block: absent, inflight (not servable) or sealed. */

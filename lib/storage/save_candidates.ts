@@ -65,8 +65,12 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
   const seenBlocks = new Set<Block>();
   const seenNew = new Map<number, number>(); // bucket → last request index planned with it
   const sameBucket = new Int32Array(hashes.length); // request index → previous one in its bucket
+  // Every hash is validated (hashBucket throws on a malformed one) before any counts as an
+  // access or touches the LRU: a refused request changes nothing.
+  const bucketOf = new Int32Array(hashes.length);
+  for (let i = 0; i < hashes.length; i++) bucketOf[i] = hashBucket(hashes[i], t.ns.seed);
   for (let i = 0; i < hashes.length; i++) {
-    const bucket = hashBucket(hashes[i], t.ns.seed);
+    const bucket = bucketOf[i];
     st.lfu?.record(bucket);
     const b = st.index.find(t.namespace, hashes[i], bucket);
     let hex: string;

@@ -4,6 +4,8 @@ per-layer progress and the final state without an RPC. Layout (all
 little-endian, proto/pegaflow.proto):
 
     0  u32 magic "PFLS"   4 u32 version 1   8 u32 num_layers (server)
+    12 u32 owner (server: whose Load holds the block; `rearm` zeroes it, which frees
+       the block for a Load of any instance, e.g. the connector's staging instance)
     16 u32 layers_ready (native: layer i landed once layers_ready > i)
     20 i32 state (0 pending, 1 ok, < 0 failed)
 
