@@ -81,6 +81,10 @@ export class FrameError extends Error {
   }
 }
 
+/** A reader's buffer to start with, and the most it keeps once every frame in it was taken. */
+const INITIAL_BUFFER_BYTES = 64 * 1024;
+const KEEP_BUFFER_BYTES = 1024 * 1024;
+
 /**
  * Cuts a byte stream into frames: `push` what arrived, then take frames with
  * `next` until it answers null. Payloads are copies (the buffer is reused).
@@ -93,14 +97,14 @@ export class FrameError extends Error {
  * ```
  */
 export class FrameReader {
-  #buf = new Uint8Array(64 * 1024);
+  #buf = new Uint8Array(INITIAL_BUFFER_BYTES);
   #start = 0;
   #end = 0;
 
   constructor(readonly maxPayloadBytes: number) {}
 
   /** Room for at least `n` more bytes at the end; returns the writable view. */
-  space(n = 64 * 1024): Uint8Array {
+  space(n = INITIAL_BUFFER_BYTES): Uint8Array {
     if (this.#buf.length - this.#end < n) {
       const live = this.#end - this.#start;
       const grown = live + n > this.#buf.length
@@ -112,6 +116,11 @@ export class FrameReader {
       this.#end = live;
     }
     return this.#buf.subarray(this.#end);
+  }
+
+  /** Bytes the reader holds for its buffer (what a connection keeps between frames). */
+  get bufferBytes(): number {
+    return this.#buf.length;
   }
 
   /** `n` bytes were written into the last `space()` view. */
@@ -147,7 +156,11 @@ export class FrameReader {
       payload: this.#buf.slice(this.#start + HEADER_BYTES, this.#start + 4 + len),
     };
     this.#start += 4 + len;
-    if (this.#start === this.#end) this.#start = this.#end = 0;
+    if (this.#start === this.#end) {
+      this.#start = this.#end = 0;
+      // One huge frame must not keep its buffer for the connection's life.
+      if (this.#buf.length > KEEP_BUFFER_BYTES) this.#buf = new Uint8Array(INITIAL_BUFFER_BYTES);
+    }
     return f;
   }
 }
