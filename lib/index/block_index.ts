@@ -148,6 +148,8 @@ export class RedisBlockIndex {
   #incarnation: string;
   /** Namespaces joined under the current incarnation (heartbeated). */
   #joined = new Set<string>();
+  /** Namespaces joined under an older incarnation and not since: their old entries still count. */
+  #stale = new Set<string>();
   #heartbeatTimer: ReturnType<typeof setInterval> | undefined;
   #republishing: Promise<void> | undefined;
   #republishAgain = false;
@@ -219,23 +221,13 @@ export class RedisBlockIndex {
     if (this.#closed) return false;
     if (p.count === 0) return true;
     const inc = this.#incarnation;
-    const join = !this.#joined.has(namespace);
-    const res = await this.#call("advertise", p.count, () =>
-      this.#redis.pfAdvertise(
-        2,
-        nodesKey(namespace),
-        nodeSetKey(namespace, this.nodeId, inc),
-        this.nodeId,
-        inc,
-        this.advertiseAddr,
-        this.#nodeTtlMs,
-        join ? "1" : "0",
-        p.hashBytes,
-        p.blob,
-      ));
+    const res = await this.#advertiseCall(namespace, inc, !this.#joined.has(namespace), p);
     if (res === undefined) return false;
     if (res === 1) {
-      if (inc === this.#incarnation) this.#joined.add(namespace);
+      if (inc === this.#incarnation) {
+        this.#joined.add(namespace);
+        this.#stale.delete(namespace);
+      }
       return true;
     }
     if (inc === this.#incarnation) this.#lost(namespace, res);
@@ -396,6 +388,35 @@ export class RedisBlockIndex {
       if (list.length >= this.#batch && !await flush(b.namespace, list)) return;
     }
     for (const [ns, list] of pending) if (!await flush(ns, list)) return;
+    // Namespaces it holds nothing of now: their old entries (withdrawals lost in the outage)
+    // would be served until the old registration's deadline. Registering the new incarnation
+    // there voids them at once; it is not heartbeated, so it expires with an empty set.
+    for (const ns of [...this.#stale]) {
+      if (inc !== this.#incarnation || this.#closed) return;
+      if (this.#joined.has(ns)) this.#stale.delete(ns);
+      else if (await this.#voidOld(ns, inc)) this.#stale.delete(ns);
+      else return;
+    }
+  }
+
+  /** Registers incarnation `inc` in `ns` with no blocks: its older entries stop counting. */
+  async #voidOld(ns: string, inc: string): Promise<boolean> {
+    const none = { blob: Buffer.alloc(0), hashBytes: 1, count: 0 };
+    return await this.#advertiseCall(ns, inc, true, none) === 1;
+  }
+
+  /** One advertise script call; `join`: (re-)register `inc` first instead of checking it. */
+  #advertiseCall(ns: string, inc: string, join: boolean, p: ReturnType<typeof packHashes>) {
+    const args = [this.nodeId, inc, this.advertiseAddr, this.#nodeTtlMs, join ? "1" : "0"];
+    return this.#call("advertise", p.count, () =>
+      this.#redis.pfAdvertise(
+        2,
+        nodesKey(ns),
+        nodeSetKey(ns, this.nodeId, inc),
+        ...args,
+        p.hashBytes,
+        p.blob,
+      ));
   }
 
   /** Runs one Redis call under the deadline; undefined when it failed (counted, maybe logged). */
@@ -455,6 +476,7 @@ export class RedisBlockIndex {
 
   #rejoin(): void {
     this.#incarnation = this.#newIncarnation();
+    for (const ns of this.#joined) this.#stale.add(ns);
     this.#joined.clear();
     this.#rejoins++;
     this.#metrics?.rejoined();

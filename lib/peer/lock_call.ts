@@ -13,6 +13,8 @@ import type { BlockRanges } from "../transfer/ranges.ts";
 import type { Logger } from "../log.ts";
 import { remoteExtents } from "./extents_wire.ts";
 import { type PeerLinks, PeerRpcError } from "./link.ts";
+import { monotonicNow } from "../clock.ts";
+import { hashHex } from "../storage/keys.ts";
 
 /** Whom a lock is asked of: the owner's gRPC address, its peer RPC socket, its node id (logs). */
 export interface LockTarget {
@@ -36,6 +38,11 @@ export interface LockedPart {
   remote: BlockRanges;
   /** Ends the lock on the owner; never rejects (a lost release lets it expire there). */
   release: () => Promise<unknown>;
+  /**
+   * When the owner may let the lock expire (`monotonicNow()` ms): the TTL it granted, counted
+   * from when the request left here (the owner started it later). A READ must end before.
+   */
+  expiresAt: number;
 }
 
 /** Why a lock brought nothing (peer_tier.ts counts it). */
@@ -60,38 +67,47 @@ export async function lockPart(
 ): Promise<LockedPart | LockFailure> {
   const owner = target.nodeId;
   let res: QueryBlocksForTransferResponse;
+  const sentAt = monotonicNow();
   try {
     res = await links.lock(target.addr, ask, timeoutMs, target.rpcAddr);
   } catch (e) {
     const socketGone = e instanceof PeerRpcError && e.socketGone;
-    return { why: "lock-rpc", fields: { owner, error: (e as Error).message }, socketGone };
+    return {
+      why: "lock-rpc",
+      fields: { owner, addr: target.addr, error: (e as Error).message },
+      socketGone,
+    };
   }
   if (res.lockId.length === 0) {
-    return { why: "owner-miss", fields: { owner, reason: res.missReason } };
+    return { why: "owner-miss", fields: { owner, addr: target.addr, reason: res.missReason } };
   }
   const release = () =>
     links.release(target.addr, res.lockId, ask.requester, timeoutMs, target.rpcAddr).catch(
       (e: Error) =>
         log.debug("peer lock release failed; it expires on the owner", {
           owner,
+          addr: target.addr,
+          lock: hashHex(res.lockId),
           error: e.message,
         }),
     );
   const remote = remoteExtents(res);
   const asked = ask.blockHashes.length;
   if (
-    typeof remote === "string" || res.checksums.length > asked ||
+    typeof remote === "string" || res.checksums.length > asked || res.checksums.length === 0 ||
     res.payloadBytes !== expect.payloadBytes || res.transport !== expect.transport
   ) {
     await release();
     const error = typeof remote === "string"
       ? remote
+      : res.checksums.length === 0
+      ? `a lock on 0 blocks (lock id ${hashHex(res.lockId)})`
       : res.checksums.length > asked
       ? `${res.checksums.length} blocks locked, ${asked} asked`
       : res.payloadBytes !== expect.payloadBytes
       ? `block payload ${res.payloadBytes} bytes, ${expect.payloadBytes} here`
       : `owner transport ${res.transport}, this node ${expect.transport}`;
-    return { why: "bad-answer", fields: { owner, error } };
+    return { why: "bad-answer", fields: { owner, addr: target.addr, error } };
   }
-  return { res, remote, release };
+  return { res, remote, release, expiresAt: sentAt + res.lockTtlMs };
 }

@@ -11,7 +11,7 @@
 
 import { Counter, Gauge, Histogram, type Registry } from "prom-client";
 import type { PeerLockStats } from "./locks.ts";
-import type { PeerTierStats } from "./peer_tier.ts";
+import type { PeerTierStats } from "./fetch_stats.ts";
 import type { PeerLinkStats } from "./link.ts";
 
 /**

@@ -45,6 +45,13 @@ import { SealChecksums } from "./seal_checksums.ts";
 import { type OwnerLink, XferPeers } from "./xfer_peers.ts";
 import { monotonicNow } from "../clock.ts";
 import { LookupMemo } from "./lookup_memo.ts";
+import {
+  type FailFn,
+  fetchFailures,
+  type FetchTotals,
+  fetchTotals,
+  type PeerTierStats,
+} from "./fetch_stats.ts";
 
 /** Name of the peer tier: metric label and hit attribution; its fills are `tierHolder(PEER_TIER_NAME)`. */
 export const PEER_TIER_NAME = "peer";
@@ -71,38 +78,6 @@ export interface PeerIndex {
   readonly nodeId: string;
   lookup(namespace: string, hashes: readonly Uint8Array[]): Promise<LookupResult>;
   stats(): { up: boolean };
-}
-
-/** Why a fetch brought nothing (or less than the owner locked). */
-export type PeerFetchFailure =
-  | "index-down"
-  | "no-owner"
-  | "owner-miss"
-  | "lock-rpc"
-  | "bad-answer"
-  | "no-pool-space"
-  | "connect"
-  | "transfer"
-  | "timeout"
-  | "checksum";
-
-/** Counters for /metrics. */
-export interface PeerTierStats {
-  fetches: number;
-  /** Fetches that committed at least one block. */
-  fetchesOk: number;
-  failures: Record<PeerFetchFailure, number>;
-  blocks: number;
-  bytes: number;
-  /** Bytes and time of the READ batches that ended OK (the transport's own ns), for the wire rate. */
-  readBytes: number;
-  readSeconds: number;
-  /** Checksums recorded after a seal (the checksum stage). */
-  checksumsAtSeal: number;
-  /** Seal batches the full checksum queue dropped (their checksums are computed at lock time). */
-  checksumDropped: number;
-  /** Fetches running now. */
-  inflight: number;
 }
 
 /** Options of {@link PeerTier}. */
@@ -172,26 +147,7 @@ export class PeerTier implements Tier {
   readonly #checksums: SealChecksums;
   /** Lock releases in the background, for flush and close. */
   readonly #pending = new Set<Promise<unknown>>();
-  readonly #stats: Omit<PeerTierStats, "inflight" | "checksumsAtSeal" | "checksumDropped"> = {
-    fetches: 0,
-    fetchesOk: 0,
-    failures: {
-      "index-down": 0,
-      "no-owner": 0,
-      "owner-miss": 0,
-      "lock-rpc": 0,
-      "bad-answer": 0,
-      "no-pool-space": 0,
-      connect: 0,
-      transfer: 0,
-      timeout: 0,
-      checksum: 0,
-    },
-    blocks: 0,
-    bytes: 0,
-    readBytes: 0,
-    readSeconds: 0,
-  };
+  readonly #stats: FetchTotals = fetchTotals();
   #closed = false;
 
   constructor(opts: PeerTierOptions) {
@@ -325,23 +281,17 @@ export class PeerTier implements Tier {
     this.#memo.sweep();
   }
 
-  #fail(why: PeerFetchFailure, fields: Record<string, string | number> = {}): void {
-    this.#stats.failures[why]++;
-    this.#o.log.debug("peer fetch brought nothing", { reason: why, ...fields });
-  }
-
   /** One fetch; never rejects (every failure is counted and is a miss). */
   async #fetch(index: PeerIndex, blocks: TierBlocks): Promise<void> {
     const t0 = performance.now();
     this.#stats.fetches++;
+    const ids = { namespace: blocks.namespace, first_block: hashHex(blocks.hashes[0]) };
     try {
-      await this.#fetchOnce(index, blocks);
+      // Counted once per fetch, under its first failure's reason.
+      await this.#fetchOnce(index, blocks, fetchFailures(this.#stats, this.#o.log, ids));
     } catch (e) {
       // A bug, not an outage: log it loudly; the request still ends as a miss.
-      this.#o.log.error("peer fetch failed", {
-        namespace: blocks.namespace,
-        error: (e as Error).message,
-      });
+      this.#o.log.error("peer fetch failed", { ...ids, error: (e as Error).message });
     } finally {
       this.#o.onFetchDuration?.((performance.now() - t0) / 1000);
     }
@@ -353,19 +303,23 @@ export class PeerTier implements Tier {
    * prefix's first part (its first chunk when the lock is split, else all of
    * it). Undefined (the failure counted) on a failure.
    */
-  async #lockFromOwner(index: PeerIndex, blocks: TierBlocks) {
+  async #lockFromOwner(index: PeerIndex, blocks: TierBlocks, fail: FailFn) {
     const { namespace, hashes, layout } = blocks;
     const found = await index.lookup(namespace, hashes);
     const tLookup = performance.now();
-    if (!found.available) return this.#fail("index-down");
+    if (!found.available) return fail("index-down");
     this.#memo.record(this.#key(namespace, hashes[0]), found.length);
     const owner = found.owners[0];
-    if (!owner || owner.length === 0) return this.#fail("no-owner");
+    if (!owner || owner.length === 0) return fail("no-owner");
     let link: OwnerLink;
     try {
       link = await this.#xferPeers.get(owner.addr);
     } catch (e) {
-      return this.#fail("connect", { owner: owner.nodeId, error: (e as Error).message });
+      return fail("connect", {
+        owner: owner.nodeId,
+        addr: owner.addr,
+        error: (e as Error).message,
+      });
     }
     const tConnect = performance.now();
     const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
@@ -387,7 +341,7 @@ export class PeerTier implements Tier {
       if ("res" in l) return { ...l, hashes: part.slice(0, l.res.checksums.length) };
       // Its socket is gone (a restart, maybe on another port): handshake again next time.
       if (l.socketGone) this.#xferPeers.drop(owner.addr, link.peer);
-      this.#fail(l.why, l.fields);
+      fail(l.why, l.fields);
     };
     const per = Math.max(1, Math.floor(this.#chunkBytes / (expect.payloadBytes ?? 1)));
     const head = this.#o.splitLock !== false && want.length > 2 * per ? per : want.length;
@@ -413,16 +367,17 @@ export class PeerTier implements Tier {
     }, {
       filler: tierHolder(PEER_TIER_NAME),
       chunkBytes: this.#chunkBytes,
-      deadlineMs: this.#fetchTimeout,
+      // Not past the owner's lock: once it expired, the owner may reuse the ranges.
+      deadlineMs: Math.min(this.#fetchTimeout, Math.floor(part.expiresAt - monotonicNow())),
       log: this.#o.log,
       dropPeer: () => this.#xferPeers.drop(owner.addr, peer),
     });
   }
 
-  async #fetchOnce(index: PeerIndex, blocks: TierBlocks): Promise<void> {
+  async #fetchOnce(index: PeerIndex, blocks: TierBlocks, fail: FailFn): Promise<void> {
     const { namespace } = blocks;
     const t0 = performance.now();
-    const locked = await this.#lockFromOwner(index, blocks);
+    const locked = await this.#lockFromOwner(index, blocks, fail);
     if (!locked) return;
     const { owner, peer, first, rest, tLookup, tConnect, tLock } = locked;
     if (this.#o.beforeRead) await this.#o.beforeRead();
@@ -450,11 +405,13 @@ export class PeerTier implements Tier {
       throw e;
     }
     this.#stats.readBytes += read.readBytes;
+    // Nothing read past the owner's lock counts as a timeout; other refusals as the transfer's.
+    const refusal = read.expired ? "timeout" : "transfer";
     if (read.chunks === 0) {
       await releaseAll();
       return read.refused !== undefined
-        ? this.#fail("transfer", { owner: owner.nodeId, error: read.refused })
-        : this.#fail("no-pool-space", { owner: owner.nodeId });
+        ? fail(refusal, { owner: owner.nodeId, error: read.refused })
+        : fail("no-pool-space", { owner: owner.nodeId });
     }
     const { good, bad, failed, readEnd, planned, tSubmit, tPlanned } = read;
     const tVerify = performance.now();
@@ -465,15 +422,13 @@ export class PeerTier implements Tier {
     if (good.length > 0) this.#o.host.committed(namespace, good);
     if (failed && peer.state().broken !== 0) this.#xferPeers.drop(owner.addr, peer);
     if (failed) {
-      this.#fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
+      fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
         owner: owner.nodeId,
         status: failed.statusName,
       });
     }
     // A later batch refused before anything moved (ranges outside the owner's pool, a broken peer).
-    if (read.refused !== undefined) {
-      this.#fail("transfer", { owner: owner.nodeId, error: read.refused });
-    }
+    if (read.refused !== undefined) fail(refusal, { owner: owner.nodeId, error: read.refused });
     if (bad > 0) this.#stats.failures.checksum += bad;
     if (good.length > 0) this.#stats.fetchesOk++;
     this.#stats.blocks += good.length;

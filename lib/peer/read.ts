@@ -70,6 +70,8 @@ export interface ReadOutcome {
   failed?: XferResult;
   /** Why planning or submitting stopped early, if it did. */
   refused?: string;
+  /** True when nothing was read because the owner's lock would end before the READ could. */
+  expired?: boolean;
   /** Bytes that landed, and ms from the first submit until the last batch's end. */
   readBytes: number;
   readEnd: number;
@@ -84,6 +86,10 @@ export interface ReadOptions {
   /** The fills' filler name (the tier's). */
   filler: string;
   chunkBytes: number;
+  /**
+   * Deadline of each READ batch: the fetch's, cut to what is left of the owner's lock (a READ
+   * past it could read ranges the owner reused). Below 1 ms nothing is read.
+   */
   deadlineMs: number;
   log: Logger;
   dropPeer: () => void;
@@ -121,6 +127,10 @@ export async function readLockedPrefix(
     const refused = `${p.hashes.length} blocks to read, the lock answer covers ${held}`;
     return { ...NONE, planned: 0, refused, tSubmit, tPlanned: tSubmit };
   }
+  if (!(o.deadlineMs >= 1)) {
+    const refused = `the owner's lock ends in ${Math.round(o.deadlineMs)} ms, before a READ could`;
+    return { ...NONE, planned: 0, refused, expired: true, tSubmit, tPlanned: tSubmit };
+  }
   const { chunks, planned, refused } = submitChunks(host, peer, p, o);
   const tPlanned = performance.now();
   if (chunks.length === 0) {
@@ -155,7 +165,10 @@ export function mergeReads(parts: ReadOutcome[]): ReadOutcome {
     out.bad += p.bad;
     out.readBytes += p.readBytes;
     out.failed ??= p.failed;
-    out.refused ??= p.refused;
+    if (out.refused === undefined && p.refused !== undefined) {
+      out.refused = p.refused;
+      out.expired = p.expired;
+    }
     if (p.chunks > 0) out.readEnd = Math.max(out.readEnd, p.tSubmit - tSubmit + p.readEnd);
   }
   return out;

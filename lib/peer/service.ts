@@ -78,7 +78,11 @@ export function peerServiceImpl(
       const r = call.request;
       const bad = undecodableReason(r) ?? checkLockRequest(r);
       if (bad) {
-        log.warn("peer lock request refused", { requester: r.requester ?? "", error: bad });
+        log.warn("peer lock request refused", {
+          requester: r.requester ?? "",
+          namespace: r.namespace ?? "",
+          error: bad,
+        });
         callback(refuse(bad));
         return;
       }
@@ -116,7 +120,12 @@ export function peerServiceImpl(
         }
         callback(null, res);
       }, (e: Error) => {
-        log.error("peer lock failed", { requester: r.requester, error: e.message });
+        log.error("peer lock failed", {
+          requester: r.requester,
+          namespace: r.namespace,
+          blocks: r.blockHashes.length,
+          error: e.message,
+        });
         callback(Object.assign(new Error(e.message), {
           code: grpc.status.INTERNAL,
           details: e.message,

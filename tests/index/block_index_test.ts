@@ -475,3 +475,32 @@ Deno.test("two live processes under one node id are reported as an error naming 
     }
   }, []);
 });
+
+Deno.test("withdrawals lost in a connection drop leave no stale entry, even in a namespace the node no longer holds anything of", async () => {
+  await withNodes(async (redis, [a, b]) => {
+    const NS2 = "fedcba9876543210";
+    const xs = hashes(20), ys = hashes(10, 9);
+    await save(a, xs);
+    for (const h of ys) {
+      a.held.set(`y${Buffer.from(h).toString("hex")}`, { namespace: NS2, hash: h });
+    }
+    assert.equal(await a.index.advertise(NS2, ys), true);
+    assert.equal((await b.index.lookup(NS2, ys)).length, 10);
+    const rejoins = a.index.stats().rejoins;
+    // The connections drop; meanwhile every NS2 block is evicted: its withdraw never reaches Redis.
+    const admin = redis.admin();
+    await admin.client("KILL", "TYPE", "normal", "SKIPME", "yes");
+    for (const k of [...a.held.keys()]) if (k.startsWith("y")) a.held.delete(k);
+    assert.equal(await a.index.withdraw(NS2, ys), false);
+    await waitFor("a re-joined", () => a.index.up && a.index.stats().rejoins > rejoins);
+    await waitFor("a's held blocks are found again", async () => {
+      return (await b.index.lookup(NS, xs)).length === 20;
+    });
+    await a.index.republish();
+    assert.deepEqual(
+      await b.index.lookup(NS2, ys),
+      { length: 0, owners: [], available: true },
+      "blocks a no longer holds are still listed under a",
+    );
+  }, ["a", "b"]);
+});

@@ -141,6 +141,10 @@ interface TwoNodesOptions {
   advertiser?: IndexAdvertiser;
   /** Changes each lock answer of the owner's peer RPC socket before it is sent (a buggy owner). */
   tamper?: (res: QueryBlocksForTransferResponse) => void;
+  /** The requester's lock TTL asked of the owner (default: its READ deadline plus an RPC's). */
+  lockTtlMs?: number;
+  /** Awaited by the requester after the lock, before its READ is submitted. */
+  beforeRead?: () => Promise<void>;
 }
 
 /**
@@ -211,6 +215,8 @@ async function twoNodes(o: TwoNodesOptions = {}) {
     rpcTimeoutMs,
     chunkBytes,
     splitLock,
+    lockTtlMs: o.lockTtlMs,
+    beforeRead: o.beforeRead,
   });
   return {
     owner,
@@ -825,6 +831,97 @@ Deno.test("a lock answer whose later ranges lie outside the owner's pool: the bl
     assert.equal(free - t.req.store.stats().freeBytes, 2 * 96 * 1024, "no space left planned");
     assert.equal(t.locks.stats().held, 0);
     t.req.store.verify();
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("a lock that expired before the READ: nothing is read from ranges the owner may have reused", async () => {
+  // The requester's READ may run as long as its fetch deadline; the owner keeps the blocks only
+  // for the TTL it granted (capped at 120 s: a --peer-fetch-timeout-ms above it outlives it).
+  const hashes = [40, 41, 42].map(hash);
+  let reuse = () => Promise.resolve();
+  const t = await twoNodes({ lockTtlMs: 100, beforeRead: () => reuse() });
+  try {
+    seal(t.owner, hashes);
+    const pin = t.owner.host.pin(NS, hashes, "where")!;
+    const extents = pin.blocks.map((b) => b!.extents);
+    pin.release();
+    reuse = async () => {
+      await new Promise((r) => setTimeout(r, 250));
+      assert.equal(t.locks.expire(), 1, "the owner's lock expired");
+      assert.equal(t.owner.store.evictAll(), 3);
+      // The space is reused: other bytes now lie where the blocks were.
+      for (const xs of extents) {
+        for (const x of xs) t.owner.n.mem.fill(0xc3, x.offset, x.offset + x.bytes);
+      }
+    };
+    t.setOwned(3);
+    const free = t.req.store.stats().freeBytes;
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "late");
+    await t.tier.flush();
+    const s = t.tier.stats();
+    assert.equal(s.readBytes, 0, "no READ after the owner's lock expired");
+    assert.equal(s.failures.checksum, 0, "nothing was read to fail its checksum");
+    assert.equal(s.failures.timeout, 1);
+    for (const h of hashes) assert.equal(t.req.store.blockState(NS, h), "absent");
+    assert.equal(t.req.store.stats().freeBytes, free, "nothing left planned");
+    t.req.store.verify();
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("a fetch that fails in both parts of a split lock is counted as one failure", async () => {
+  // 96 KiB blocks, 200 KiB chunks: 8 blocks split as [0, 1] + [2..7]. The first answer's block 1
+  // lies outside the owner's pool (its READ is refused), the second names another transport.
+  const hashes = [0, 1, 2, 3, 4, 5, 6, 7].map(hash);
+  let answers = 0;
+  const t = await twoNodes({
+    chunkBytes: 200 * 1024,
+    tamper: (res) => {
+      if (++answers === 1) res.extentShifts[1] = 2 ** 40;
+      else res.transport = "rdma";
+    },
+  });
+  try {
+    seal(t.owner, hashes);
+    t.setOwned(8);
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "2x");
+    await t.tier.flush();
+    const s = t.tier.stats();
+    assert.equal(s.fetches, 1);
+    assert.equal(s.fetchesOk, 0);
+    assert.equal(answers, 2, "both parts were locked");
+    const counted = Object.values(s.failures).reduce((a, b) => a + b, 0);
+    assert.equal(counted, 1, `one failed fetch, one failure: ${JSON.stringify(s.failures)}`);
+    assert.equal(s.failures["bad-answer"], 1, "the first failure seen is the one counted");
+    assert.equal(t.locks.stats().held, 0, "both locks released");
+    t.req.store.verify();
+  } finally {
+    await t.close();
+  }
+});
+
+Deno.test("a lock answer that locks no block is refused as a bad answer and released", async () => {
+  const hashes = [50, 51].map(hash);
+  const t = await twoNodes({
+    tamper: (res) => {
+      res.checksums = [];
+      res.extentCounts = [];
+      res.extentShifts = [];
+      res.extents = new Uint8Array(0);
+    },
+  });
+  try {
+    seal(t.owner, hashes);
+    t.setOwned(2);
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "zero");
+    await t.tier.flush();
+    const s = t.tier.stats();
+    assert.equal(s.failures["bad-answer"], 1, JSON.stringify(s.failures));
+    assert.equal(s.failures["no-pool-space"], 0, "the pool had room");
+    assert.equal(t.locks.stats().held, 0, "the lock was released");
   } finally {
     await t.close();
   }
