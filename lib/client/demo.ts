@@ -76,7 +76,7 @@ const sim = SimEngine.create({
   numBlocks: blocks * 2,
   backend: o.backend,
 });
-const session = client.openSession(instanceId);
+let session: ReturnType<typeof client.openSession> | undefined;
 const mb = (n: number) => (n / 2 ** 20).toFixed(1);
 const rows: {
   request: string;
@@ -91,6 +91,8 @@ let hits = 0;
 let asked = 0;
 try {
   await sim.register();
+  // Opened once registered: the session presents the registration's token.
+  session = client.openSession(instanceId);
   console.log(
     `server ${o.addr} (${health.backend}, ${health.version}); engine KV on ${sim.engine.backend}; ` +
       `${model.name} x${model.numLayers} layers, ${o.tokens} tokens = ${blocks} blocks = ${
@@ -145,7 +147,7 @@ try {
   console.log(`hit rate ${(100 * hits / asked).toFixed(1)}% (${hits}/${asked} blocks)`);
   await client.unregisterContext(instanceId);
 } finally {
-  session.close();
+  session?.close();
   sim.close();
   client.close();
 }
