@@ -63,7 +63,7 @@ for step in "$@"; do
   [ "$s" -eq 0 ] || rc=1
 done
 for f in bench/results/ttft-cuda*.json bench/results/ttft-cuda*.png bench/results/server-cuda*.json \
-  bench/results/peer_fetch.json bench/results/query-load-latency*.json; do
+  bench/results/peer_fetch.json bench/results/query-load-latency*.json bench/results/router*.json; do
   [ -f "$f" ] && [ "$f" -nt "$stamp" ] && cp "$f" "$OUT/"
 done
 exit $rc
