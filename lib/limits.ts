@@ -37,6 +37,12 @@ export const MAX_NAME_CHARS = 128;
  * every error and logged, and it is what a log field keeps whole.
  */
 export const MAX_REQUEST_ID_CHARS = 1024;
+/**
+ * Longest layer name, in characters. vLLM's are under 100 ("model.layers.31.self_attn.attn",
+ * a multimodal model's longer prefixes); a name is kept per rank, hashed into the layout's
+ * identity and echoed in every error about its layer.
+ */
+export const MAX_LAYER_NAME_CHARS = 1024;
 /** Bytes of a lease id. */
 export const LEASE_ID_BYTES = 16;
 /** Bytes of a region handle: the C library's `PF_HANDLE_BYTES`, as ffi/ mirrors it. */

@@ -15,6 +15,7 @@ import { invalid, precondition } from "./errors.ts";
 import { footprint, type Geometry, validateGeometry } from "./geometry.ts";
 import {
   MAX_BLOCK_ITEMS,
+  MAX_LAYER_NAME_CHARS,
   MAX_LAYERS,
   MAX_NAME_CHARS,
   MAX_PARALLEL,
@@ -199,6 +200,14 @@ function checkLayers(a: RegisterArgs, who: string): void {
   for (let i = 0; i < n; i++) {
     const name = a.layerNames[i];
     if (!name) throw invalid(`${who}: layer ${i} has an empty name`);
+    if (name.length > MAX_LAYER_NAME_CHARS) {
+      throw invalid(
+        `${who}: layer ${i} name "${
+          name.slice(0, 64)
+        }…" is ${name.length} characters, at most ${MAX_LAYER_NAME_CHARS}`,
+        { expected: `<= ${MAX_LAYER_NAME_CHARS}`, got: name.length },
+      );
+    }
     if (seen.has(name)) throw invalid(`${who}: layer "${name}" listed twice`);
     seen.add(name);
     if (a.regionHandles[i].length !== REGION_HANDLE_BYTES) {

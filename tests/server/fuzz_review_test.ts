@@ -464,6 +464,9 @@ function registrationMutants(sim: SimEngine, r: Rng): Mutant[] {
       layerNames: [base.layerNames[0], base.layerNames[0]],
     }),
     m("empty layer name", /layer 1 has an empty name/, { layerNames: [base.layerNames[0], ""] }),
+    m("layer name 1 MiB", /layer 1 name ".*" is 1048576 characters, at most 1024/, {
+      layerNames: [base.layerNames[0], "x".repeat(MB)],
+    }),
     m("fewer handles", /2 layer_names but 1 region_handles/, {
       regionHandles: [base.regionHandles[0]],
     }),
