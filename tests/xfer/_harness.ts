@@ -202,3 +202,19 @@ export async function makeNetnsPair(tag: string): Promise<NetnsPair | string> {
     return (e as Error).message;
   }
 }
+
+/** A listener that takes connections and never reads or writes a byte (no hello ever comes). */
+export function silentListener(): { addr: string; close: () => void } {
+  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const conns: Deno.Conn[] = [];
+  (async () => {
+    for await (const c of l) conns.push(c);
+  })().catch(() => {}); // ends with BadResource when closed below
+  return {
+    addr: `127.0.0.1:${(l.addr as Deno.NetAddr).port}`,
+    close: () => {
+      l.close();
+      for (const c of conns) c.close();
+    },
+  };
+}

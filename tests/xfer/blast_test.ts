@@ -7,24 +7,9 @@
 import assert from "node:assert/strict";
 import { NativeError, PF_STATUS } from "../../ffi/mod.ts";
 import { tcpBlast } from "../../ffi/xfer.ts";
+import { silentListener } from "./_harness.ts";
 
 const MiB = 1 << 20;
-
-/** A listener that takes connections and never reads or writes a byte. */
-function silentListener(): { addr: string; close: () => void } {
-  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
-  const conns: Deno.Conn[] = [];
-  (async () => {
-    for await (const c of l) conns.push(c);
-  })().catch(() => {}); // ends with BadResource when closed below
-  return {
-    addr: `127.0.0.1:${(l.addr as Deno.NetAddr).port}`,
-    close: () => {
-      l.close();
-      for (const c of conns) c.close();
-    },
-  };
-}
 
 Deno.test("a blast to a peer that never answers fails with PF_ETIMEDOUT by its deadline", async () => {
   const peer = silentListener();

@@ -6,25 +6,9 @@
  */
 import assert from "node:assert/strict";
 import { NativeError, PF_STATUS } from "../../ffi/mod.ts";
-import { LocalNode } from "./_harness.ts";
+import { LocalNode, silentListener } from "./_harness.ts";
 
 const MiB = 1 << 20;
-
-/** A listener that takes connections and never answers (no hello ever comes). */
-function silentListener(): { addr: string; close: () => void } {
-  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
-  const conns: Deno.Conn[] = [];
-  (async () => {
-    for await (const c of l) conns.push(c);
-  })().catch(() => {}); // ends with BadResource when closed below
-  return {
-    addr: `127.0.0.1:${(l.addr as Deno.NetAddr).port}`,
-    close: () => {
-      l.close();
-      for (const c of conns) c.close();
-    },
-  };
-}
 
 function isCode(code: number, text: RegExp) {
   return (e: unknown) => {
