@@ -2,7 +2,7 @@
  * The cross-node block index on Redis: which other nodes hold a sealed block
  * `(namespace, hash)`, and who holds the longest prefix of a hash chain.
  *
- * Every call is ONE round trip (one `EVALSHA`, lib/index/scripts.ts) with a
+ * Every call is ONE round trip (one script call, lib/index/scripts.ts) with a
  * deadline, whatever the number of blocks. Redis being down never reaches the
  * caller as an exception: advertise/withdraw answer `false`, lookup answers a
  * miss, the error is counted and logged once per outage
@@ -30,12 +30,12 @@ import { checkNodeToken, nodeSetKey, nodeSetPrefix, nodesKey, packHashes } from 
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
 import {
   checkRedisUrl,
-  type IndexCommands,
   type IndexRedis,
   indexRedisClient,
   redisWhere,
   withDeadline,
 } from "./connection.ts";
+import { HEARTBEAT_LUA } from "./scripts.ts";
 
 /** Deadline of one index call: a local Redis answers in ~0.1-1 ms; past this, serve locally. */
 export const DEFAULT_INDEX_TIMEOUT_MS = 250;
@@ -290,11 +290,13 @@ export class RedisBlockIndex {
     const namespaces = [...this.#joined];
     const res = await this.#call("heartbeat", 0, async () => {
       if (namespaces.length === 0) return [await this.#redis.ping()];
-      const p = this.#redis.pipeline() as unknown as IndexCommands & {
+      const p = this.#redis.pipeline() as unknown as {
+        eval(lua: string, ...args: (string | number)[]): unknown;
         exec(): Promise<[Error | null, unknown][] | null>;
       };
       for (const ns of namespaces) {
-        p.pfHeartbeat(
+        p.eval( // EVAL, not EVALSHA: lib/index/connection.ts (evalAlways) says why
+          HEARTBEAT_LUA,
           2,
           nodesKey(ns),
           nodeSetKey(ns, this.nodeId, inc),

@@ -47,11 +47,27 @@ export function indexRedisClient(url: string, timeoutMs: number): IndexRedis {
     connectTimeout: Math.max(timeoutMs, 1_000),
     retryStrategy: (times: number) => Math.min(times * RECONNECT_STEP_MS, RECONNECT_MAX_MS),
   }) as IndexRedis;
-  redis.defineCommand("pfAdvertise", { lua: ADVERTISE_LUA });
-  redis.defineCommand("pfWithdraw", { lua: WITHDRAW_LUA });
-  redis.defineCommand("pfHeartbeat", { lua: HEARTBEAT_LUA });
+  // The scripts that change the index go as EVAL, never EVALSHA (see `evalAlways`).
+  redis.pfAdvertise = evalAlways(redis, ADVERTISE_LUA) as IndexCommands["pfAdvertise"];
+  redis.pfWithdraw = evalAlways(redis, WITHDRAW_LUA) as IndexCommands["pfWithdraw"];
+  redis.pfHeartbeat = evalAlways(redis, HEARTBEAT_LUA) as IndexCommands["pfHeartbeat"];
+  // A lookup changes nothing: a NOSCRIPT retry costs it one round trip, never a wrong order.
   redis.defineCommand("pfLookup", { lua: LOOKUP_LUA });
   return redis;
+}
+
+/**
+ * A script sent as EVAL (its text, ~1 KB, on every call; Redis hashes it and reuses the
+ * compiled script). ioredis's script commands go as EVALSHA and, on NOSCRIPT (Redis lost its
+ * script cache with the connection up: SCRIPT FLUSH, a failover to a replica that never ran
+ * them), re-send the call when that reply arrives: behind calls sent after it, which may have
+ * run already. A withdraw could so run before the advertise of the same block, which then
+ * stayed listed for the node's life. EVAL cannot fail that way, so Redis applies one node's
+ * advertises and withdraws in the order they were sent on its one connection.
+ */
+function evalAlways(redis: Redis, lua: string) {
+  return (numKeys: number, ...args: (string | number | Buffer)[]) =>
+    redis.eval(lua, numKeys, ...args);
 }
 
 /** A rejected promise after `ms`, or `p`'s outcome, whichever comes first. */

@@ -1,6 +1,7 @@
 /**
- * The index's Lua scripts: each index call is ONE `EVALSHA` (one round trip,
- * atomic), however many blocks it names. KEYS[1] is always the namespace's
+ * The index's Lua scripts: each index call is ONE script call (one round trip,
+ * atomic; `EVAL` for the calls that change the index, lib/index/connection.ts
+ * says why), however many blocks it names. KEYS[1] is always the namespace's
  * registry `pf:{ns}:nodes` (lib/index/keys.ts), so Redis Cluster routes the
  * call to that namespace's slot. The lookup script also reads the per-node
  * block sets it finds in the registry; their names carry the same `{ns}`

@@ -116,6 +116,7 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
   const { impl, methods, def, label } = service;
   ctx.conns.add(conn);
   const { send, room, drained } = answerWriter(conn);
+  const calls = callsRunning();
   const dispatch = (callId: number, method: number, payload: Uint8Array) => {
     const name = methods[method];
     if (name === undefined) {
@@ -135,7 +136,9 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
     const call = { request } as grpc.ServerUnaryCall<unknown, unknown>;
     // Wall-clock ms of arrival and answer, to line up with an engine's own clock (debug only).
     const tIn = traced ? performance.timeOrigin + performance.now() : 0;
+    const done = calls.started();
     handler(call, (err, res) => {
+      done();
       if (traced) {
         log.debug(label.toLowerCase(), {
           method: name,
@@ -174,14 +177,38 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
       log.debug(`${label} connection ended`, { path, error: String(e) });
     }
   } finally {
-    ctx.conns.delete(conn);
+    // A peer that half-closed after its last call still reads: answer what is running.
+    // The connection stays in `conns` meanwhile, so the listener's close() still ends it.
+    await calls.idle(() => ctx.closed);
     await drained();
+    ctx.conns.delete(conn);
     try {
       conn.close();
     } catch (_e) {
       // already closed by close()
     }
   }
+}
+
+/**
+ * Calls of one connection whose handler has not answered yet. `idle` settles once none
+ * runs (each answer is queued by then), or, when `closing()` says the listener closed
+ * (the answers have nowhere to go), at once or at the next answer.
+ */
+function callsRunning(): { started(): () => void; idle(closing: () => boolean): Promise<void> } {
+  let running = 0;
+  let wake: (() => void) | undefined;
+  return {
+    started() {
+      running++;
+      return () => {
+        if (--running === 0) wake?.();
+      };
+    },
+    async idle(closing) {
+      while (running > 0 && !closing()) await new Promise<void>((r) => wake = r);
+    },
+  };
 }
 
 /** Running framed RPC listener; `close` stops accepting and drops every connection. */
