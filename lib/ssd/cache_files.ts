@@ -50,15 +50,6 @@ function isDirectory(path: string): boolean {
   }
 }
 
-function fileSize(path: string): number {
-  try {
-    return Deno.statSync(path).size;
-  } catch (e) {
-    if (e instanceof Deno.errors.NotFound) return 0;
-    throw e;
-  }
-}
-
 /**
  * Locks every cache file (a directory names the file inside it). A path
  * that cannot be opened maps to its error (logged and skipped later, like
@@ -107,11 +98,6 @@ function sameFileLocked(path: string, locked: Map<string, Deno.FsFile | Error>):
   return false;
 }
 
-function dirOf(path: string): string {
-  const i = path.lastIndexOf("/");
-  return i <= 0 ? (i === 0 ? "/" : ".") : path.slice(0, i);
-}
-
 /** What sizing a cache file needs. */
 interface SizeOptions {
   capacityBytes: number;
@@ -119,11 +105,24 @@ interface SizeOptions {
   direct: boolean;
 }
 
+/** An opened cache file before it is sized: what its superblock says it may keep. */
+interface Found {
+  handle: number;
+  direct: boolean;
+  sizeAtOpen: number;
+  /** The generation kept, or a new one when `fresh` (its old records are never read). */
+  generation: number;
+  fresh: boolean;
+  /** Segments the kept superblock names (0 when fresh). */
+  onDiskSegments: number;
+}
+
 /**
  * Opens and sizes every locked path; a path that fails is logged, its lock
  * dropped, and skipped. The capacity is split over the paths that can be
- * used: an unusable one (not opened, no room for a segment) gets no share,
- * so the others hold what was asked (each capped to its free space).
+ * used: an unusable one (not opened, no room for a segment, its superblock
+ * not written) gets no share, so the others hold what was asked (capped to
+ * the free space of their filesystems).
  *
  * @throws SsdOpenError when no path is usable, with every path's reason.
  */
@@ -136,11 +135,13 @@ export async function openCacheFiles(
   log: Logger,
 ): Promise<CacheFile[]> {
   const problems: string[] = [];
+  const found = new Map<string, Found>();
   const handles = new Map<string, number>();
   const drop = (path: string, e: unknown): void => {
     const handle = handles.get(path);
     if (handle) uring.closeFile(handle);
     handles.delete(path);
+    found.delete(path);
     const lock = locks.get(path);
     if (lock && !(lock instanceof Error)) lock.close();
     locks.delete(path);
@@ -151,159 +152,249 @@ export async function openCacheFiles(
   for (const [path, lock] of locks) {
     try {
       if (lock instanceof Error) throw lock;
-      handles.set(
-        path,
-        uring.openFile(path, FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0)),
-      );
+      const h = uring.openFile(path, FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0));
+      handles.set(path, h);
+      found.set(path, await inspectCacheFile(uring, io, path, h, opts, reset, log));
     } catch (e) {
       drop(path, e);
     }
   }
-  const plan = planSegments([...handles.keys()], opts, drop, log);
+  // A path whose sizing fails after the plan gives its share back: the rest are planned again.
+  let plan = new Map<string, Share>();
+  for (let sized = false; !sized;) {
+    plan = planSegments([...found.keys()], opts, drop);
+    sized = true;
+    for (const [path, share] of plan) {
+      try {
+        await sizeCacheFile(uring, io, path, found.get(path)!, share.segments, opts, log);
+      } catch (e) {
+        drop(path, e);
+        sized = false;
+      }
+    }
+  }
+  logPlan(log, plan, given, opts.capacityBytes);
+  if (plan.size === 0) {
+    throw new SsdOpenError(`no SSD cache path is usable: ${problems.join("; ")}`);
+  }
+  return [...plan].map(([path, { segments }]) => {
+    const f = found.get(path)!;
+    return {
+      path,
+      lock: locks.get(path) as Deno.FsFile,
+      handle: f.handle,
+      segments,
+      generation: f.generation,
+      direct: f.direct,
+      sizeAtOpen: reset ? 0 : f.sizeAtOpen,
+    };
+  });
+}
+
+/** Logs the shares that were capped, and a split over fewer paths than given. */
+function logPlan(log: Logger, plan: Map<string, Share>, given: number, capacity: number): void {
+  for (const [path, s] of plan) {
+    if (s.askedBytes <= s.roomBytes) continue;
+    log.info("SSD cache capacity capped to the free space of its filesystem", {
+      path,
+      asked_bytes: s.askedBytes,
+      capped_bytes: s.roomBytes,
+      filesystem_room_bytes: s.filesystemRoomBytes,
+      shared_with: s.sharedWith.join(", "),
+    });
+  }
   if (plan.size > 0 && plan.size < given) {
     log.warn("SSD cache capacity split over the usable paths only", {
       paths_given: given,
       paths_usable: plan.size,
-      capacity_bytes: opts.capacityBytes,
+      capacity_bytes: capacity,
     });
   }
-  const files: CacheFile[] = [];
-  for (const [path, segments] of plan) {
-    const lock = locks.get(path) as Deno.FsFile;
+}
+
+/** Cache paths on one filesystem, and the bytes they may take together. */
+interface Filesystem {
+  paths: string[];
+  roomBytes: number;
+}
+
+/**
+ * The paths grouped by the filesystem their file lies on (its device; the
+ * file is open, so a symlink is followed to where the bytes go): the files
+ * are sparse, so paths on one filesystem take from one free space, and each
+ * file's own bytes count once (what it holds, not its sparse size).
+ */
+function filesystemsOf(paths: string[], drop: (path: string, e: unknown) => void): Filesystem[] {
+  const byDevice = new Map<number, { paths: string[]; available: number; held: number }>();
+  for (const path of paths) {
     try {
-      files.push(
-        await openCacheFile(uring, io, path, lock, handles.get(path)!, segments, opts, reset, log),
-      );
+      const st = Deno.statSync(path);
+      let fs = byDevice.get(st.dev);
+      if (!fs) {
+        fs = { paths: [], available: fsSpace(path).availableBytes, held: 0 };
+        byDevice.set(st.dev, fs);
+      }
+      fs.paths.push(path);
+      // st_blocks counts 512-byte units whatever the filesystem's block size.
+      fs.held += st.blocks === null ? st.size : st.blocks * 512;
     } catch (e) {
       drop(path, e);
     }
   }
-  if (files.length === 0) {
-    throw new SsdOpenError(`no SSD cache path is usable: ${problems.join("; ")}`);
-  }
-  return files;
+  return [...byDevice.values()].map((fs) => ({
+    paths: fs.paths,
+    roomBytes: Math.floor((fs.available + fs.held) * (1 - FREE_SPACE_RESERVE_FRACTION)),
+  }));
+}
+
+/** One path's part of the capacity. */
+interface Share {
+  segments: number;
+  /** Its even share of the capacity, and what its filesystem leaves it. */
+  askedBytes: number;
+  roomBytes: number;
+  filesystemRoomBytes: number;
+  /** The other cache paths on its filesystem. */
+  sharedWith: string[];
 }
 
 /**
- * Segments per path: the capacity split evenly over the paths whose
- * filesystem has room for a segment, each share capped to that room
- * (logged). A path with no room is dropped before the split (its share goes
- * to the others); a share too small for a segment drops every path.
+ * Segments per path: the capacity split evenly over the paths that have
+ * room for a segment, each share capped to its part of its filesystem's
+ * room (the paths on one filesystem split it evenly, so together they never
+ * take more than it has). A path with no room is dropped before the split
+ * (its share goes to the others); a share too small for a segment drops
+ * every path.
  */
 function planSegments(
   paths: string[],
   opts: SizeOptions,
   drop: (path: string, e: unknown) => void,
-  log: Logger,
-): Map<string, number> {
+): Map<string, Share> {
   const need = PAGE_BYTES + opts.segmentBytes;
-  const room = new Map<string, number>();
-  for (const path of paths) {
-    try {
-      const bytes = usableBytes(path);
-      if (bytes >= need) room.set(path, bytes);
-      else {
-        drop(
-          path,
-          new Error(`free space ${bytes} bytes holds no ${opts.segmentBytes}-byte segment`),
-        );
-      }
-    } catch (e) {
-      drop(path, e);
+  const room = new Map<string, Omit<Share, "segments" | "askedBytes">>();
+  for (const fs of filesystemsOf(paths, drop)) {
+    // As many of its paths as it has room for a segment each; the last ones go.
+    let n = fs.paths.length;
+    while (n > 0 && Math.floor(fs.roomBytes / n) < need) n--;
+    const kept = fs.paths.slice(0, n);
+    for (const path of fs.paths.slice(n)) {
+      const beside = n === 0 ? "" : ` beside ${n} other cache path(s) on it (${kept.join(", ")})`;
+      drop(
+        path,
+        new Error(
+          `free space ${fs.roomBytes} bytes holds no ${opts.segmentBytes}-byte segment${beside}`,
+        ),
+      );
+    }
+    for (const path of kept) {
+      room.set(path, {
+        roomBytes: Math.floor(fs.roomBytes / n),
+        filesystemRoomBytes: fs.roomBytes,
+        sharedWith: kept.filter((p) => p !== path),
+      });
     }
   }
-  const plan = new Map<string, number>();
+  const plan = new Map<string, Share>();
   if (room.size === 0) return plan;
   const share = Math.floor(opts.capacityBytes / room.size);
-  for (const [path, usable] of room) {
+  for (const path of paths) {
+    const r = room.get(path);
+    if (!r) continue;
     if (share < need) {
       drop(path, new Error(`capacity ${share} bytes holds no ${opts.segmentBytes}-byte segment`));
       continue;
     }
-    if (share > usable) {
-      log.info("SSD cache capacity capped to the free space of its filesystem", {
-        path,
-        asked_bytes: share,
-        capped_bytes: usable,
-      });
-    }
-    plan.set(path, Math.floor((Math.min(share, usable) - PAGE_BYTES) / opts.segmentBytes));
+    const bytes = Math.min(share, r.roomBytes);
+    plan.set(path, {
+      ...r,
+      askedBytes: share,
+      segments: Math.floor((bytes - PAGE_BYTES) / opts.segmentBytes),
+    });
   }
   return plan;
 }
 
 /**
- * Opens one cache file, already open as `h`, with `segments` segments:
- * keeps its generation when its superblock matches, else starts it empty
- * under a new one.
+ * What an opened cache file keeps: its superblock's generation when the
+ * superblock matches (and no reset), else a new one (the file starts empty).
  */
-async function openCacheFile(
+async function inspectCacheFile(
   uring: Uring,
   io: SsdIo,
   path: string,
-  lock: Deno.FsFile,
   h: number,
-  segments: number,
   opts: SizeOptions,
   reset: boolean,
   log: Logger,
-): Promise<CacheFile> {
+): Promise<Found> {
   const info = uring.fileInfo(h);
   if (opts.direct && !info.direct) {
     log.warn("the filesystem refused O_DIRECT; running through the page cache", { path });
   }
-  let generation = 0;
+  let kept: { generation: number; segments: number } | undefined;
   if (!reset && info.sizeBytes >= PAGE_BYTES) {
-    generation = await keptGeneration(io, h, path, segments, opts.segmentBytes, log);
+    kept = await keptGeneration(io, h, path, opts.segmentBytes, log);
   }
-  if (generation === 0) {
-    generation = newGeneration();
-    uring.truncate(h, 0); // a reset frees the old records' space at once
-  }
-  uring.truncate(h, PAGE_BYTES + segments * opts.segmentBytes);
-  await writeSuper(io, h, {
-    generation,
-    segmentBytes: opts.segmentBytes,
-    segmentCount: segments,
-    createdAtMs: Date.now(),
-  }, path);
   return {
-    path,
-    lock,
     handle: h,
-    segments,
-    generation,
     direct: info.direct,
-    sizeAtOpen: reset ? 0 : info.sizeBytes,
+    sizeAtOpen: info.sizeBytes,
+    generation: kept?.generation ?? newGeneration(),
+    fresh: !kept,
+    onDiskSegments: kept?.segments ?? 0,
   };
 }
 
 /**
- * Bytes a cache file may take: its filesystem's free space (less a reserve)
- * plus what the file holds already.
+ * Sizes a cache file to `segments` segments and writes its superblock. A
+ * fresh file is emptied first (a reset frees the old records' space at
+ * once). Safe to repeat: the plan may change when another path fails.
  */
-function usableBytes(path: string): number {
-  const space = fsSpace(dirOf(path));
-  return Math.floor((space.availableBytes + fileSize(path)) * (1 - FREE_SPACE_RESERVE_FRACTION));
+async function sizeCacheFile(
+  uring: Uring,
+  io: SsdIo,
+  path: string,
+  f: Found,
+  segments: number,
+  opts: SizeOptions,
+  log: Logger,
+): Promise<void> {
+  if (!f.fresh && f.onDiskSegments !== segments) {
+    log.info("SSD cache file resized: keeping its first segments", {
+      path,
+      on_disk_segments: f.onDiskSegments,
+      segments,
+      kept: Math.min(f.onDiskSegments, segments),
+    });
+  }
+  if (f.fresh) uring.truncate(f.handle, 0);
+  uring.truncate(f.handle, PAGE_BYTES + segments * opts.segmentBytes);
+  await writeSuper(io, f.handle, {
+    generation: f.generation,
+    segmentBytes: opts.segmentBytes,
+    segmentCount: segments,
+    createdAtMs: Date.now(),
+  }, path);
 }
 
 /**
- * The generation of an existing file's superblock when its records can be
- * kept (same format and segment size), else 0 (logged): the file starts empty.
+ * The generation and segment count of an existing file's superblock when its
+ * records can be kept (same format and segment size), else undefined
+ * (logged): the file starts empty.
  */
 async function keptGeneration(
   io: SsdIo,
   handle: number,
   path: string,
-  segments: number,
   segmentBytes: number,
   log: Logger,
-): Promise<number> {
+): Promise<{ generation: number; segments: number } | undefined> {
   const sb = await readSuper(io, handle);
   if (typeof sb === "string") {
     // An older format is never misread: its records are dropped with the generation.
     log.warn("SSD cache file not read: starting this file empty", { path, problem: sb });
-    return 0;
+    return undefined;
   }
   if (sb.segmentBytes !== segmentBytes) {
     log.warn("SSD cache file written with another segment size: starting it empty", {
@@ -311,17 +402,9 @@ async function keptGeneration(
       on_disk_segment_bytes: sb.segmentBytes,
       segment_bytes: segmentBytes,
     });
-    return 0;
+    return undefined;
   }
-  if (sb.segmentCount !== segments) {
-    log.info("SSD cache file resized: keeping its first segments", {
-      path,
-      on_disk_segments: sb.segmentCount,
-      segments,
-      kept: Math.min(sb.segmentCount, segments),
-    });
-  }
-  return sb.generation;
+  return { generation: sb.generation, segments: sb.segmentCount };
 }
 
 async function readSuper(io: SsdIo, handle: number) {

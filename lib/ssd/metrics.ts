@@ -42,6 +42,16 @@ const COUNTERS: [string, string, CounterKey][] = [
     "blocks not placed (larger than a segment, or segment busy)",
     "writeSkippedNoSpace",
   ],
+  [
+    "pegaflow_ssd_write_pads_total",
+    "pads written over failed record writes (a restart steps over each gap)",
+    "writePads",
+  ],
+  [
+    "pegaflow_ssd_write_pad_failures_total",
+    "pads that could not be written (the records after each such gap are lost at a restart)",
+    "writePadFailures",
+  ],
   ["pegaflow_ssd_read_bytes_total", "payload bytes read from SSD and verified", "readBytes"],
   ["pegaflow_ssd_read_blocks_total", "blocks read from SSD and verified", "readBlocks"],
   ["pegaflow_ssd_read_failures_total", "block reads that failed with an I/O error", "readFailures"],

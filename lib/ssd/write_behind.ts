@@ -107,6 +107,10 @@ export interface SsdWriteStats {
   writeQueueFullDroppedBlocks: number;
   writeSkippedEvicted: number;
   writeSkippedNoSpace: number;
+  /** Pads written over failed records (a restart's scan steps over each gap). */
+  writePads: number;
+  /** Pads that could not be written (the records after each such gap are lost at a restart). */
+  writePadFailures: number;
   writeThroughputBps: number;
 }
 
@@ -158,6 +162,8 @@ export class SsdWriter {
     writeQueueFullDroppedBlocks: 0,
     writeSkippedEvicted: 0,
     writeSkippedNoSpace: 0,
+    writePads: 0,
+    writePadFailures: 0,
     writeThroughputBps: 0,
   };
 
@@ -408,10 +414,12 @@ export class SsdWriter {
     r.release();
     for (let i = 0; i < failed.length; i++) {
       if (r.status[i] !== 0) this.#padFailed(failed[i], r.errorText(i), r.aux[i]);
+      else this.#s.writePads++;
     }
   }
 
   #padFailed(p: Placed, error: string, errno?: number): void {
+    this.#s.writePadFailures++;
     this.#log.error(
       "SSD write gap could not be padded: records after it in its segment are lost at a restart",
       {

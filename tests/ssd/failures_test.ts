@@ -2,29 +2,10 @@ import assert from "node:assert/strict";
 import { SsdOpenError } from "../../lib/ssd/tier.ts";
 import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
 import { FP, harness } from "./_harness.ts";
+import { canMount, mountTmpfs, umount } from "./_tmpfs.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 256 * 1024;
-
-/** Mounting a tmpfs needs root (CAP_SYS_ADMIN); elsewhere these tests are skipped, not faked. */
-async function mountTmpfs(dir: string, opts: string): Promise<boolean> {
-  const r = await new Deno.Command("mount", {
-    args: ["-t", "tmpfs", "-o", opts, "tmpfs", dir],
-    stderr: "null",
-  })
-    .output().catch(() => ({ code: 1 }));
-  return r.code === 0;
-}
-async function umount(dir: string) {
-  await new Deno.Command("umount", { args: [dir] }).output();
-}
-const canMount = await (async () => {
-  const d = await Deno.makeTempDir();
-  const ok = await mountTmpfs(d, "size=1m");
-  if (ok) await umount(d);
-  await Deno.remove(d);
-  return ok;
-})();
 
 Deno.test({
   name:

@@ -10,6 +10,8 @@ import { type IoBatch, SsdIo } from "../../lib/ssd/io.ts";
 import { PAGE_BYTES } from "../../lib/ssd/format.ts";
 import { IoOp } from "../../ffi/uring.ts";
 import { PF_STATUS } from "../../ffi/native.ts";
+import { Registry } from "prom-client";
+import { registerSsdMetrics } from "../../lib/ssd/metrics.ts";
 import { FP, harness, TEST_NAMESPACE, type TestBlock, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
@@ -255,6 +257,58 @@ Deno.test("a pad that cannot be written over a failed record is logged with its 
         h.logs.join("\n"),
       );
     }
+  } finally {
+    SsdIo.prototype.run = run;
+    await tier.close();
+    await h.close();
+  }
+});
+
+Deno.test("pads written over failed records, and pads that could not be written, are counted and exported on /metrics", async () => {
+  const h = await harness();
+  const opts = {
+    capacityBytes: 4 * MiB,
+    segmentBytes: MiB,
+    hdrPages: 4,
+    writeInflight: 1,
+    prefetchInflight: 1,
+  };
+  const key = (s: string) => `${TEST_NAMESPACE}/padcount-${s}`;
+  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  const tier = await h.openTier(opts);
+  const registry = new Registry();
+  registerSsdMetrics(registry, () => tier.stats());
+  const scrape = async () => {
+    await new Promise((r) => setTimeout(r, 5)); // past the per-scrape snapshot
+    const text = await registry.metrics();
+    const value = (name: string) =>
+      Number(text.split("\n").find((l) => l.startsWith(`${name} `))?.split(" ")[1]);
+    return [value("pegaflow_ssd_write_pads_total"), value("pegaflow_ssd_write_pad_failures_total")];
+  };
+  const run = SsdIo.prototype.run;
+  try {
+    assert.deepEqual(await scrape(), [0, 0]);
+    // "bad"'s bytes lie outside the pool: its io batch (with "a") is refused whole, two gaps.
+    h.write(tier, [block("a", 0), h.block(key("bad"), 80 * MiB, BLOCK), block("c", BLOCK)]);
+    await within(tier.flushWrites(), 5_000, "the first failed batch");
+    let s = tier.stats();
+    assert.deepEqual([s.writeFailures, s.writePads, s.writePadFailures], [2, 2, 0]);
+    assert.deepEqual(await scrape(), [2, 0]);
+    // The disk now refuses every header-only write (a pad) with EIO.
+    SsdIo.prototype.run = async function (this: SsdIo, batch: IoBatch) {
+      const res = await run.call(this, batch);
+      if (batch.numExt.every((n) => n === 0) && batch.kinds.every((k) => k === IoOp.WRITE)) {
+        for (let i = 0; i < res.status.length; i++) {
+          [res.status[i], res.aux[i]] = [PF_STATUS.PF_EIO, 5];
+        }
+      }
+      return res;
+    };
+    h.write(tier, [h.block(key("bad2"), 80 * MiB, BLOCK)]);
+    await within(tier.flushWrites(), 5_000, "the second failed batch");
+    s = tier.stats();
+    assert.deepEqual([s.writeFailures, s.writePads, s.writePadFailures], [3, 2, 1]);
+    assert.deepEqual(await scrape(), [2, 1]);
   } finally {
     SsdIo.prototype.run = run;
     await tier.close();
