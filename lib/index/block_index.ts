@@ -14,7 +14,9 @@
  * that this node's registration was lost (Redis restarted, failover, a stall
  * past the TTL), the node re-joins under a new incarnation — which makes all
  * its older entries dead at once, including any whose withdraw was lost —
- * and re-advertises what it holds, from `listSealed()`, in batches.
+ * and re-advertises what it holds (lib/index/rejoin.ts). A new process under
+ * the same node id voids what its previous life advertised: every join is
+ * recorded in the node's own key, which the first re-join reads.
  *
  * Bad input (namespace, hash) throws {@link IndexInputError}: it is the
  * caller's bug, not an outage.
@@ -26,16 +28,25 @@ import { Buffer } from "node:buffer";
 import { Availability } from "./availability.ts";
 import { Logger } from "../log.ts";
 import { IndexInputError } from "./errors.ts";
-import { checkNodeToken, nodeSetKey, nodeSetPrefix, nodesKey, packHashes } from "./keys.ts";
+import {
+  checkNodeToken,
+  namespaceTag,
+  nodeSetKey,
+  nodeSetPrefix,
+  nodesKey,
+  packHashes,
+} from "./keys.ts";
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
 import {
   checkRedisUrl,
+  indexPipeline,
   type IndexRedis,
   indexRedisClient,
   redisWhere,
   withDeadline,
 } from "./connection.ts";
-import { HEARTBEAT_LUA } from "./scripts.ts";
+import { advertiseArgs, HEARTBEAT_LUA } from "./scripts.ts";
+import { Rejoin } from "./rejoin.ts";
 
 /** Deadline of one index call: a local Redis answers in ~0.1-1 ms; past this, serve locally. */
 export const DEFAULT_INDEX_TIMEOUT_MS = 250;
@@ -148,11 +159,8 @@ export class RedisBlockIndex {
   #incarnation: string;
   /** Namespaces joined under the current incarnation (heartbeated). */
   #joined = new Set<string>();
-  /** Namespaces joined under an older incarnation and not since: their old entries still count. */
-  #stale = new Set<string>();
+  readonly #rejoinPass: Rejoin;
   #heartbeatTimer: ReturnType<typeof setInterval> | undefined;
-  #republishing: Promise<void> | undefined;
-  #republishAgain = false;
   #started = false;
   #closed = false;
   #republished = 0;
@@ -186,6 +194,24 @@ export class RedisBlockIndex {
     this.#incarnation = this.#newIncarnation();
     this.#avail = new Availability(this.#log, this.#metrics, () => this.#recovered(), where);
     this.#redis = indexRedisClient(opts.url, this.#timeoutMs);
+    this.#rejoinPass = new Rejoin({
+      redis: this.#redis,
+      nodeId: this.nodeId,
+      advertiseAddr: this.advertiseAddr,
+      nodeTtlMs: this.#nodeTtlMs,
+      batch: this.#batch,
+      listSealed: this.#listSealed,
+      isHeld: this.#isHeld,
+      incarnation: () => this.#incarnation,
+      closed: () => this.#closed,
+      joined: this.#joined,
+      advertise: (ns, hashes) => this.advertise(ns, hashes),
+      call: (op, blocks, f) => this.#call(op, blocks, f),
+      republished: (n) => {
+        this.#republished += n;
+        this.#metrics?.republished(n);
+      },
+    });
     // Connection errors repeat on every reconnect attempt: counted, logged once per outage.
     this.#redis.on("error", (e: Error) => this.#failed("connect", e));
     // Connected (again): one heartbeat proves it and, after an outage, starts the re-join.
@@ -224,10 +250,7 @@ export class RedisBlockIndex {
     const res = await this.#advertiseCall(namespace, inc, !this.#joined.has(namespace), p);
     if (res === undefined) return false;
     if (res === 1) {
-      if (inc === this.#incarnation) {
-        this.#joined.add(namespace);
-        this.#stale.delete(namespace);
-      }
+      if (inc === this.#incarnation) this.#joined.add(namespace);
       return true;
     }
     if (inc === this.#incarnation) this.#lost(namespace, res);
@@ -290,10 +313,7 @@ export class RedisBlockIndex {
     const namespaces = [...this.#joined];
     const res = await this.#call("heartbeat", 0, async () => {
       if (namespaces.length === 0) return [await this.#redis.ping()];
-      const p = this.#redis.pipeline() as unknown as {
-        eval(lua: string, ...args: (string | number)[]): unknown;
-        exec(): Promise<[Error | null, unknown][] | null>;
-      };
+      const p = indexPipeline(this.#redis);
       for (const ns of namespaces) {
         p.eval( // EVAL, not EVALSHA: lib/index/connection.ts (evalAlways) says why
           HEARTBEAT_LUA,
@@ -306,6 +326,7 @@ export class RedisBlockIndex {
           this.#nodeTtlMs,
         );
       }
+      this.#rejoinPass.refresh(p); // last: the answers per namespace keep their places
       const out = await p.exec();
       if (!out) throw new Error("heartbeat pipeline was discarded");
       return out.map(([err, v]) => {
@@ -319,25 +340,14 @@ export class RedisBlockIndex {
   }
 
   /**
-   * Advertises everything `listSealed()` reports, in batches of
-   * `republishBatch` per namespace, one call at a time (so a re-advertise of
-   * a million blocks never floods Redis or the event loop). Stops at the
-   * first failure; the next recovery runs it again. Concurrent requests
-   * coalesce into one more pass.
+   * Voids what an earlier process under this node id joined (once), advertises everything
+   * `listSealed()` reports in batches of `republishBatch` per namespace, one call at a time (a
+   * re-advertise of a million blocks never floods Redis or the event loop), and voids what this
+   * process's older incarnations joined and it holds nothing of now (lib/index/rejoin.ts). Stops
+   * at the first failure; the next recovery runs it again. Concurrent requests coalesce.
    */
   republish(): Promise<void> {
-    if (this.#closed) return Promise.resolve();
-    if (this.#republishing) {
-      this.#republishAgain = true;
-      return this.#republishing;
-    }
-    this.#republishing = (async () => {
-      do {
-        this.#republishAgain = false;
-        await this.#republishOnce();
-      } while (this.#republishAgain && !this.#closed);
-    })().finally(() => this.#republishing = undefined);
-    return this.#republishing;
+    return this.#rejoinPass.run();
   }
 
   /** Counters for tests and diagnostics. */
@@ -362,63 +372,25 @@ export class RedisBlockIndex {
     if (this.#closed) return;
     this.#closed = true;
     clearInterval(this.#heartbeatTimer);
-    await this.#republishing?.catch(() => {});
+    await this.#rejoinPass.run().catch(() => {}); // the pass under way, if any
     this.#redis.disconnect(false);
   }
 
-  async #republishOnce(): Promise<void> {
-    const inc = this.#incarnation;
-    const pending = new Map<string, Uint8Array[]>();
-    const flush = async (ns: string, collected: Uint8Array[]): Promise<boolean> => {
-      pending.delete(ns);
-      // Collected across earlier batches' awaits: drop what was evicted since (its withdraw
-      // went out already; an advertise after it would list the block here for good). What is
-      // sent now goes before any later withdraw, on the same connection.
-      const list = collected.filter((h) => this.#isHeld(ns, h));
-      if (list.length === 0) return inc === this.#incarnation && !this.#closed;
-      const ok = await this.advertise(ns, list);
-      if (ok) {
-        this.#republished += list.length;
-        this.#metrics?.republished(list.length);
-      }
-      return ok && inc === this.#incarnation && !this.#closed;
-    };
-    for (const b of this.#listSealed()) {
-      let list = pending.get(b.namespace);
-      if (!list) pending.set(b.namespace, list = []);
-      list.push(b.hash);
-      if (list.length >= this.#batch && !await flush(b.namespace, list)) return;
-    }
-    for (const [ns, list] of pending) if (!await flush(ns, list)) return;
-    // Namespaces it holds nothing of now: their old entries (withdrawals lost in the outage)
-    // would be served until the old registration's deadline. Registering the new incarnation
-    // there voids them at once; it is not heartbeated, so it expires with an empty set.
-    for (const ns of [...this.#stale]) {
-      if (inc !== this.#incarnation || this.#closed) return;
-      if (this.#joined.has(ns)) this.#stale.delete(ns);
-      else if (await this.#voidOld(ns, inc)) this.#stale.delete(ns);
-      else return;
-    }
-  }
-
-  /** Registers incarnation `inc` in `ns` with no blocks: its older entries stop counting. */
-  async #voidOld(ns: string, inc: string): Promise<boolean> {
-    const none = { blob: Buffer.alloc(0), hashBytes: 1, count: 0 };
-    return await this.#advertiseCall(ns, inc, true, none) === 1;
-  }
-
-  /** One advertise script call; `join`: (re-)register `inc` first instead of checking it. */
+  /**
+   * One advertise script call; `join`: (re-)register `inc` instead of checking it, after
+   * recording the namespace in the node's own key on the same connection (lib/index/rejoin.ts).
+   */
   #advertiseCall(ns: string, inc: string, join: boolean, p: ReturnType<typeof packHashes>) {
-    const args = [this.nodeId, inc, this.advertiseAddr, this.#nodeTtlMs, join ? "1" : "0"];
-    return this.#call("advertise", p.count, () =>
-      this.#redis.pfAdvertise(
-        2,
-        nodesKey(ns),
-        nodeSetKey(ns, this.nodeId, inc),
-        ...args,
-        p.hashBytes,
-        p.blob,
-      ));
+    const tag = namespaceTag(ns);
+    const who = { node: this.nodeId, inc, addr: this.advertiseAddr, ttlMs: this.#nodeTtlMs, join };
+    return this.#call("advertise", p.count, async () => {
+      const recorded = join ? this.#rejoinPass.record(tag) : undefined;
+      const [, res] = await Promise.all([
+        recorded,
+        this.#redis.pfAdvertise(...advertiseArgs(tag, who, p)),
+      ]);
+      return res;
+    });
   }
 
   /** Runs one Redis call under the deadline; undefined when it failed (counted, maybe logged). */
@@ -478,7 +450,7 @@ export class RedisBlockIndex {
 
   #rejoin(): void {
     this.#incarnation = this.#newIncarnation();
-    for (const ns of this.#joined) this.#stale.add(ns);
+    this.#rejoinPass.stale(this.#joined);
     this.#joined.clear();
     this.#rejoins++;
     this.#metrics?.rejoined();

@@ -26,6 +26,18 @@ export interface IndexCommands {
   pfLookup(...args: (string | number | Buffer)[]): Promise<(string | number)[]>;
 }
 
+/** What the index sends in a pipeline (ioredis's typings take no spread of script arguments). */
+export interface IndexPipeline {
+  eval(lua: string, ...args: (string | number | Buffer)[]): unknown;
+  pexpire(key: string, ms: number): unknown;
+  exec(): Promise<[Error | null, unknown][] | null>;
+}
+
+/** A pipeline on `redis`: its commands go out in one write, and their answers come in one. */
+export function indexPipeline(redis: Redis): IndexPipeline {
+  return redis.pipeline() as unknown as IndexPipeline;
+}
+
 /** Where the URL points, without credentials (for log lines). */
 export function redisWhere(url: string): string {
   const u = new URL(url);

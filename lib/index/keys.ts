@@ -8,6 +8,7 @@
  * ```
  * pf:{<ns>}:nodes               HASH  node id → "<incarnation> <deadline ms> <advertise addr>"
  * pf:{<ns>}:n:<node id>:<inc>   SET   hash bytes of the blocks the node holds   (PEXPIRE: node TTL)
+ * pf:{@<node id>}:namespaces    SET   tags of the namespaces the node joined    (lib/index/rejoin.ts)
  * ```
  *
  * Liveness and ownership expire together: the heartbeat extends the node's
@@ -91,17 +92,40 @@ export function checkNodeToken(what: string, value: string): void {
 
 /** `pf:{ns}:nodes`: the namespace's node registry (liveness and addresses). */
 export function nodesKey(ns: string): string {
-  return `${KEY_ROOT}{${namespaceTag(ns)}}:nodes`;
+  return tagNodesKey(namespaceTag(ns));
+}
+
+/** {@link nodesKey} of the namespace whose {@link namespaceTag} is `tag`. */
+export function tagNodesKey(tag: string): string {
+  return `${KEY_ROOT}{${tag}}:nodes`;
 }
 
 /** `pf:{ns}:n:`: prefix of the per-node block sets; the lookup script appends `<node>:<inc>`. */
 export function nodeSetPrefix(ns: string): string {
-  return `${KEY_ROOT}{${namespaceTag(ns)}}:n:`;
+  return tagSetPrefix(namespaceTag(ns));
+}
+
+function tagSetPrefix(tag: string): string {
+  return `${KEY_ROOT}{${tag}}:n:`;
 }
 
 /** `pf:{ns}:n:<node>:<inc>`: the set of blocks `node` holds under incarnation `inc`. */
 export function nodeSetKey(ns: string, node: string, inc: string): string {
-  return `${nodeSetPrefix(ns)}${node}:${inc}`;
+  return tagNodeSetKey(namespaceTag(ns), node, inc);
+}
+
+/** {@link nodeSetKey} of the namespace whose {@link namespaceTag} is `tag`. */
+export function tagNodeSetKey(tag: string, node: string, inc: string): string {
+  return `${tagSetPrefix(tag)}${node}:${inc}`;
+}
+
+/**
+ * `pf:{@<node>}:namespaces`: the tags of the namespaces `node` joined, read by its next process
+ * (lib/index/rejoin.ts). Its own hash tag, so its own slot on Cluster: `@` starts no namespace
+ * tag, and a `}` in a node id only shortens the tag (a shared slot, never a shared key).
+ */
+export function nodeNamespacesKey(node: string): string {
+  return `${KEY_ROOT}{@${node}}:namespaces`;
 }
 
 /** Hashes of one call packed back to back; every hash of a call has the same length. */

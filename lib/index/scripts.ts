@@ -17,6 +17,9 @@
  * @module
  */
 
+import type { Buffer } from "node:buffer";
+import { tagNodeSetKey, tagNodesKey } from "./keys.ts";
+
 /** Hashes per SADD/SREM/SMISMEMBER call: far below Lua's C stack limit for unpack (8000). */
 const UNPACK_CHUNK = 1024;
 /** Registry TTL in node TTLs: a namespace whose nodes are all gone disappears. */
@@ -80,6 +83,21 @@ each_chunk(split(ARGV[7], tonumber(ARGV[6])), function(...) call('SADD', KEYS[2]
 call('PEXPIRE', KEYS[2], ttl)
 return 1
 `;
+
+/**
+ * What {@link ADVERTISE_LUA} takes after the script, in its order: numkeys, KEYS, ARGV. `join`:
+ * (re-)register `inc` instead of checking it; no hashes (`count` 0) with `join` registers the
+ * incarnation with an empty set, which voids the node's older entries in that namespace.
+ */
+export function advertiseArgs(
+  tag: string,
+  who: { node: string; inc: string; addr: string; ttlMs: number; join: boolean },
+  p: { hashBytes: number; blob: Buffer },
+): (string | number | Buffer)[] {
+  const { node, inc, addr, ttlMs, join } = who;
+  const keys = [tagNodesKey(tag), tagNodeSetKey(tag, node, inc)];
+  return [keys.length, ...keys, node, inc, addr, ttlMs, join ? "1" : "0", p.hashBytes, p.blob];
+}
 
 /** withdraw: KEYS = registry, own set. ARGV = hashBytes, packed hashes. Returns how many were held. */
 export const WITHDRAW_LUA = PRELUDE + `

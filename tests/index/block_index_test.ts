@@ -206,6 +206,37 @@ Deno.test("a node restarted under the same id voids its previous entries at once
   }, ["a", "b"]);
 });
 
+Deno.test("a node restarted after a crash is no longer named in a namespace it has not advertised into yet", async () => {
+  await withNodes(async (redis, [a, b]) => {
+    const NS2 = "fedcba9876543210";
+    const xs = hashes(20), ys = hashes(10, 9);
+    await save(a, xs);
+    assert.equal(await a.index.advertise(NS2, ys), true);
+    assert.deepEqual(owners(await b.index.lookup(NS2, ys)), ["a@a.local:50055=10"]);
+    // A crash: the connection drops, nothing is withdrawn, and a's registrations (60 s TTL)
+    // still stand when the new process under the same id starts.
+    await a.index.close();
+    const a2 = node(redis.url, "a");
+    try {
+      await waitFor("a2 connected", () => a2.index.up);
+      await save(a2, xs.slice(0, 5));
+      await a2.index.republish(); // the start's re-join pass is done
+      assert.deepEqual(owners(await b.index.lookup(NS, xs)), ["a@a.local:50055=5"]);
+      assert.deepEqual(
+        await b.index.lookup(NS2, ys),
+        { length: 0, owners: [], available: true },
+        "the previous process's blocks are still listed under a",
+      );
+      // The node's record now lists only what this process joined, and expires unless renewed.
+      const admin = redis.admin();
+      assert.deepEqual(await admin.smembers("pf:{@a}:namespaces"), [NS]);
+      assert.ok(await admin.pttl("pf:{@a}:namespaces") > 0);
+    } finally {
+      await a2.index.close();
+    }
+  }, ["a", "b"]);
+});
+
 Deno.test("a 625-block advertise and a 625-hash lookup are one round trip each", async () => {
   await withNodes(async (redis, [a, b]) => {
     const hs = hashes(625);

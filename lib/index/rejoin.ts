@@ -1,0 +1,191 @@
+/**
+ * Re-join: what a node does once it has drawn a new incarnation (at its first connect, after an
+ * outage, after Redis lost its registration; lib/index/block_index.ts draws it). Lookups read only
+ * the incarnation a namespace's registry names, so registering the new one in a namespace voids
+ * every older entry of the node there at once. A pass, one at a time:
+ *
+ * 1. Once per process: void what an earlier process under this node id left (a restart after a
+ *    crash). Every join advertise first adds the namespace's tag to the node's record
+ *    `pf:{@<node>}:namespaces` (lib/index/keys.ts), whose TTL the heartbeat keeps above the
+ *    node's registrations; the pass reads it and registers the new incarnation with an empty set
+ *    in each namespace this process has not joined itself, then drops those tags from it.
+ * 2. Re-advertise what the node holds (`listSealed`), in batches, each checked against `isHeld`
+ *    when sent: a block evicted while earlier batches were on the wire had its withdraw sent.
+ * 3. Void the namespaces this process joined under an older incarnation and holds nothing of
+ *    now (withdrawals lost in an outage would be served until the old registration's deadline).
+ *
+ * A void registration is not heartbeated: it expires with its empty set. The pass stops at the
+ * first failure or when the incarnation changes; the next recovery runs it again.
+ *
+ * @module
+ */
+
+import { Buffer } from "node:buffer";
+import type { SealedBlock } from "./block_index.ts";
+import { type IndexPipeline, indexPipeline, type IndexRedis } from "./connection.ts";
+import { namespaceTag, nodeNamespacesKey } from "./keys.ts";
+import type { IndexOp } from "./metrics.ts";
+import { ADVERTISE_LUA, advertiseArgs } from "./scripts.ts";
+
+/**
+ * The node's record lives this many node TTLs past its last refresh (a join or a heartbeat):
+ * every registration it lists lives at most one TTL past the heartbeat that refreshed both.
+ */
+const RECORD_TTLS = 2;
+const NO_HASHES = { hashBytes: 1, blob: Buffer.alloc(0) };
+
+/** What a re-join needs from the index (lib/index/block_index.ts). */
+export interface RejoinHost {
+  redis: IndexRedis;
+  nodeId: string;
+  advertiseAddr: string;
+  nodeTtlMs: number;
+  /** Blocks per re-advertise call. */
+  batch: number;
+  listSealed: () => Iterable<SealedBlock>;
+  isHeld: (namespace: string, hash: Uint8Array) => boolean;
+  /** The incarnation now; a pass stops once it changes (the newer re-join runs its own). */
+  incarnation: () => string;
+  closed: () => boolean;
+  /** Namespaces joined under the current incarnation. */
+  joined: ReadonlySet<string>;
+  advertise: (namespace: string, hashes: readonly Uint8Array[]) => Promise<boolean>;
+  /** Runs one Redis call under the index's deadline; undefined when it failed (counted). */
+  call: <T>(op: IndexOp, blocks: number, f: () => Promise<T>) => Promise<T | undefined>;
+  republished: (blocks: number) => void;
+}
+
+/**
+ * The re-join passes of one index.
+ *
+ * @example
+ * ```ts
+ * const rejoin = new Rejoin(host);
+ * await Promise.all([rejoin.record(namespaceTag(ns)), joinAdvertise]); // each join advertise
+ * rejoin.stale(joinedBefore); // a new incarnation was drawn
+ * await rejoin.run();
+ * ```
+ */
+export class Rejoin {
+  readonly #host: RejoinHost;
+  /** Namespaces joined under an older incarnation and not since: their old entries still count. */
+  readonly #stale = new Set<string>();
+  /** Tags this process sent a join to: that join voided earlier processes' entries there. */
+  readonly #recorded = new Set<string>();
+  #pastVoided = false;
+  #running: Promise<void> | undefined;
+  #again = false;
+
+  constructor(host: RejoinHost) {
+    this.#host = host;
+  }
+
+  /** A new incarnation was drawn: what the old one joined counts until joined again or voided. */
+  stale(namespaces: Iterable<string>): void {
+    for (const ns of namespaces) this.#stale.add(ns);
+  }
+
+  /**
+   * Adds a namespace's tag to the node's record; send it before the join advertise on the same
+   * connection, so that Redis never holds entries a later process cannot find.
+   */
+  record(tag: string): Promise<unknown> {
+    const { redis, nodeId, nodeTtlMs } = this.#host;
+    this.#recorded.add(tag);
+    const key = nodeNamespacesKey(nodeId);
+    return Promise.all([redis.sadd(key, tag), redis.pexpire(key, nodeTtlMs * RECORD_TTLS)]);
+  }
+
+  /** Adds the refresh of the node's record to a heartbeat's pipeline. */
+  refresh(p: IndexPipeline): void {
+    p.pexpire(nodeNamespacesKey(this.#host.nodeId), this.#host.nodeTtlMs * RECORD_TTLS);
+  }
+
+  /** Runs a pass; a request while one runs coalesces into one more pass after it (none once closed). */
+  run(): Promise<void> {
+    if (this.#running) {
+      this.#again = true;
+      return this.#running;
+    }
+    if (this.#host.closed()) return Promise.resolve();
+    this.#running = (async () => {
+      do {
+        this.#again = false;
+        await this.#once();
+      } while (this.#again && !this.#host.closed());
+    })().finally(() => this.#running = undefined);
+    return this.#running;
+  }
+
+  async #once(): Promise<void> {
+    const h = this.#host;
+    const inc = h.incarnation();
+    const current = () => inc === h.incarnation() && !h.closed();
+    if (!this.#pastVoided) {
+      if (!await this.#voidPast(inc) || !current()) return;
+      this.#pastVoided = true;
+    }
+    const pending = new Map<string, Uint8Array[]>();
+    const flush = async (ns: string, collected: Uint8Array[]): Promise<boolean> => {
+      pending.delete(ns);
+      // Collected across earlier batches' awaits: drop what was evicted since (its withdraw
+      // went out already; an advertise after it would list the block here for good). What is
+      // sent now goes before any later withdraw, on the same connection.
+      const list = collected.filter((hash) => h.isHeld(ns, hash));
+      if (list.length === 0) return current();
+      const ok = await h.advertise(ns, list);
+      if (ok) h.republished(list.length);
+      return ok && current();
+    };
+    for (const b of h.listSealed()) {
+      let list = pending.get(b.namespace);
+      if (!list) pending.set(b.namespace, list = []);
+      list.push(b.hash);
+      if (list.length >= h.batch && !await flush(b.namespace, list)) return;
+    }
+    for (const [ns, list] of pending) if (!await flush(ns, list)) return;
+    for (const ns of this.#stale) if (h.joined.has(ns)) this.#stale.delete(ns);
+    const stale = [...this.#stale];
+    if (stale.length === 0 || !current()) return;
+    const voided = await h.call("advertise", 0, () => this.#void(stale.map(namespaceTag), inc));
+    stale.forEach((ns, i) => voided?.[i] && this.#stale.delete(ns));
+  }
+
+  /**
+   * Step 1: voids the namespaces in the node's record that this process has not joined. Three
+   * round trips, once per process: the record sits in its own slot on Cluster, and a script may
+   * touch one slot only, so its tags come to the client before the voids go out (pipelined).
+   */
+  #voidPast(inc: string): Promise<boolean> {
+    const { redis, nodeId } = this.#host;
+    const key = nodeNamespacesKey(nodeId);
+    return this.#host.call("advertise", 0, async () => {
+      const past = (await redis.smembers(key)).filter((t) => !this.#recorded.has(t));
+      if (past.length === 0) return true;
+      const voided = await this.#void(past, inc);
+      // A tag joined meanwhile stays: the join's record went out before this SREM.
+      const drop = past.filter((t, i) => voided[i] && !this.#recorded.has(t));
+      if (drop.length > 0) await redis.srem(key, ...drop);
+      return voided.every(Boolean);
+    }).then((ok) => ok === true);
+  }
+
+  /** Registers `inc` with an empty set in each namespace (by tag), pipelined: one round trip. */
+  async #void(tags: string[], inc: string): Promise<boolean[]> {
+    const { redis, nodeId: node, advertiseAddr: addr, nodeTtlMs: ttlMs } = this.#host;
+    const p = indexPipeline(redis);
+    for (const tag of tags) {
+      // EVAL, not EVALSHA: lib/index/connection.ts (evalAlways) says why
+      p.eval(
+        ADVERTISE_LUA,
+        ...advertiseArgs(tag, { node, inc, addr, ttlMs, join: true }, NO_HASHES),
+      );
+    }
+    const out = await p.exec();
+    if (!out) throw new Error("void pipeline was discarded");
+    return out.map(([err, v]) => {
+      if (err) throw err;
+      return v === 1;
+    });
+  }
+}
