@@ -35,6 +35,29 @@ export type IoCompletion = Pick<Completion, "tag" | "kind" | "index" | "status" 
 export const SSD_TAG_BASE = 2 ** 50;
 
 /**
+ * An io batch outstanding longer than this is stalled: a healthy NVMe
+ * completes a whole batch in milliseconds, so 30 s means a dead device or a
+ * lost network mount, not load (the tier then stops taking new work).
+ */
+export const DEFAULT_IO_STALL_MS = 30_000;
+
+/** The oldest io batch still in the kernel (what a stall or a give-up names). */
+export interface IoOutstanding {
+  /** The batch's first op: its kind, file handle and file offset. */
+  op: "read" | "write";
+  file: number;
+  fileOffset: number;
+  /** Ops in that batch. */
+  ops: number;
+  /** How long it has been in the kernel. */
+  ageMs: number;
+  /** Batches in the kernel now, this one included. */
+  batches: number;
+  /** Batches past the stall deadline now. */
+  stalledBatches: number;
+}
+
+/**
  * The ops of one io batch, built before submission.
  *
  * @example
@@ -182,7 +205,19 @@ interface Pending {
   aux: Uint32Array;
   bytes: Float64Array;
   resolve: (failed: number) => void;
+  /** performance.now() at submit. */
+  at: number;
+  op: "read" | "write";
+  file: number;
+  fileOffset: number;
+  ops: number;
+  /** Fires when the batch passes the stall deadline. */
+  timer: number;
+  stalled: boolean;
 }
+
+/** Told when the first batch stalls (the oldest outstanding) and when none is stalled any more. */
+export type IoStallListener = (stalled: IoOutstanding | undefined) => void;
 
 /**
  * Runs {@link IoBatch}es on a {@link Uring}: header pages are lent from the
@@ -196,11 +231,22 @@ export class SsdIo {
   readonly #freePages: number[] = [];
   readonly #pageWaiters: { n: number; grant: (pages: number[]) => void }[] = [];
   readonly #sub: Subscription;
+  readonly #stallMs: number;
+  readonly #stallListeners: IoStallListener[] = [];
+  #stalledNow = 0;
+  #stalls = 0;
   #nextTag = 1;
 
-  constructor(uring: Uring, pool: number, completions: Observable<IoCompletion>) {
+  /** `stallMs`: a batch outstanding longer is stalled (see {@link onStall}). */
+  constructor(
+    uring: Uring,
+    pool: number,
+    completions: Observable<IoCompletion>,
+    stallMs = DEFAULT_IO_STALL_MS,
+  ) {
     this.#uring = uring;
     this.#pool = pool;
+    this.#stallMs = stallMs;
     for (let p = uring.hdrPages - 1; p >= 0; p--) this.#freePages.push(p);
     this.#sub = completions.subscribe((c) => this.#onCompletion(c));
   }
@@ -241,6 +287,13 @@ export class SsdIo {
       aux: new Uint32Array(n),
       bytes: new Float64Array(n),
       resolve: () => {},
+      at: performance.now(),
+      op: batch.kinds[0] === IoOp.WRITE ? "write" : "read",
+      file: batch.files[0],
+      fileOffset: batch.fileOffsets[0],
+      ops: n,
+      timer: 0,
+      stalled: false,
     };
     const done = new Promise<number>((resolve) => (p.resolve = resolve));
     this.#pending.set(tag, p);
@@ -251,6 +304,10 @@ export class SsdIo {
       this.#givePages(pages);
       throw e;
     }
+    // No deadline can end the wait itself: the kernel may still read or fill
+    // those pool pages. A batch past the deadline is reported as stalled.
+    p.timer = Number(setTimeout(() => this.#stalled(p), this.#stallMs));
+    Deno.unrefTimer(p.timer);
     const failed = await done;
     let released = false;
     return {
@@ -277,9 +334,53 @@ export class SsdIo {
     return this.#pending.size;
   }
 
+  /**
+   * Calls `listener` with the oldest outstanding batch when a batch passes
+   * the stall deadline while none was stalled, and with undefined once every
+   * stalled batch completed.
+   */
+  onStall(listener: IoStallListener): void {
+    this.#stallListeners.push(listener);
+  }
+
+  /** True while a batch is outstanding past the stall deadline. */
+  get stalled(): boolean {
+    return this.#stalledNow > 0;
+  }
+
+  /** Batches that passed the stall deadline, ever. */
+  get stalls(): number {
+    return this.#stalls;
+  }
+
+  /** The oldest batch in the kernel now, or undefined when none is. */
+  oldestOutstanding(): IoOutstanding | undefined {
+    let oldest: Pending | undefined;
+    for (const p of this.#pending.values()) if (!oldest || p.at < oldest.at) oldest = p;
+    if (!oldest) return undefined;
+    return {
+      op: oldest.op,
+      file: oldest.file,
+      fileOffset: oldest.fileOffset,
+      ops: oldest.ops,
+      ageMs: Math.round(performance.now() - oldest.at),
+      batches: this.#pending.size,
+      stalledBatches: this.#stalledNow,
+    };
+  }
+
   /** Stops listening to completions (after the tier drained). */
   dispose(): void {
     this.#sub.unsubscribe();
+    for (const p of this.#pending.values()) clearTimeout(p.timer);
+  }
+
+  #stalled(p: Pending): void {
+    p.stalled = true;
+    this.#stalls++;
+    if (this.#stalledNow++ > 0) return;
+    const oldest = this.oldestOutstanding();
+    for (const l of this.#stallListeners) l(oldest);
   }
 
   #onCompletion(c: IoCompletion): void {
@@ -291,6 +392,10 @@ export class SsdIo {
       p.bytes[c.index] = Number(c.value);
     } else if (c.kind === DONE_IO_BATCH) {
       this.#pending.delete(c.tag);
+      clearTimeout(p.timer);
+      if (p.stalled && --this.#stalledNow === 0) {
+        for (const l of this.#stallListeners) l(undefined);
+      }
       p.resolve(c.aux);
     }
   }

@@ -81,6 +81,26 @@ const COUNTERS: [string, string, CounterKey][] = [
     "layoutMismatches",
   ],
   ["pegaflow_ssd_segments_reused_total", "segments overwritten (oldest first)", "segmentsReused"],
+  [
+    "pegaflow_ssd_io_stalls_total",
+    "io batches outstanding past the stall deadline (a hung disk: the tier degrades)",
+    "ioStalls",
+  ],
+  [
+    "pegaflow_ssd_write_degraded_drops_total",
+    "write batches dropped because the tier was degraded (stalled io)",
+    "writeDegradedDrops",
+  ],
+  [
+    "pegaflow_ssd_write_degraded_dropped_blocks_total",
+    "blocks in write batches dropped because the tier was degraded",
+    "writeDegradedDroppedBlocks",
+  ],
+  [
+    "pegaflow_ssd_prefetch_degraded_misses_total",
+    "prefetches answered as a miss because the tier was degraded (stalled io)",
+    "prefetchDegradedMisses",
+  ],
 ];
 
 const GAUGES: [string, string, CounterKey][] = [
@@ -88,6 +108,11 @@ const GAUGES: [string, string, CounterKey][] = [
     "pegaflow_ssd_capacity_bytes",
     "SSD cache capacity after capping to free space",
     "capacityBytes",
+  ],
+  [
+    "pegaflow_ssd_degraded",
+    "1 while an io batch is stalled (writes dropped, prefetches miss)",
+    "ioDegraded",
   ],
   ["pegaflow_ssd_index_blocks", "blocks indexed on SSD", "indexBlocks"],
   ["pegaflow_ssd_index_bytes", "payload bytes indexed on SSD", "indexBytes"],

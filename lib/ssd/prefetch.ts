@@ -65,7 +65,13 @@ export type PrefetchAnswer =
   | { state: "ready" }
   | {
     state: "miss";
-    reason: "not-on-ssd" | "other-layout" | "budget" | "queue-full" | "no-pool-space";
+    reason:
+      | "not-on-ssd"
+      | "other-layout"
+      | "budget"
+      | "queue-full"
+      | "no-pool-space"
+      | "degraded";
   };
 
 /**
@@ -103,6 +109,8 @@ export interface SsdReadStats extends PrefetchReadCounters {
   prefetchExpired: number;
   /** Blocks on SSD not served because another layout of their namespace asked. */
   layoutMismatches: number;
+  /** Prefetches answered as a miss because the tier was degraded (stall.ts). */
+  prefetchDegradedMisses: number;
 }
 
 /** What the prefetcher works on (the tier's open files, index and io) and its bounds. */
@@ -114,6 +122,8 @@ export interface SsdPrefetcherDeps extends PrefetchReaderDeps {
   /** A finished prefetch not polled within this is forgotten. */
   ttlMs: number;
   metrics?: StageMetrics;
+  /** True while the io is stalled (stall.ts): prefetches answer a miss. */
+  degraded?: () => boolean;
 }
 
 /**
@@ -138,6 +148,7 @@ export class SsdPrefetcher {
   /** Key → the read bringing it into the pool now. */
   readonly #fetching = new Map<string, PrefetchJob>();
   readonly #expiryTimer: number;
+  readonly #degraded: () => boolean;
   #reserved = 0;
   #closed = false;
   readonly #s = {
@@ -145,6 +156,7 @@ export class SsdPrefetcher {
     prefetchPartial: 0,
     prefetchExpired: 0,
     layoutMismatches: 0,
+    prefetchDegradedMisses: 0,
   };
 
   constructor(d: SsdPrefetcherDeps) {
@@ -152,6 +164,7 @@ export class SsdPrefetcher {
     this.#reader = new PrefetchReader(d);
     this.#maxBlocks = d.maxBlocks;
     this.#ttlMs = d.ttlMs;
+    this.#degraded = d.degraded ?? (() => false);
     this.#stage = new Stage<PrefetchJob, void>(
       "ssd.prefetch",
       { ...prefetchStageOptions(d.queueDepth, d.inflight), metrics: d.metrics },
@@ -202,6 +215,11 @@ export class SsdPrefetcher {
     const polled = this.poll(reqId);
     if (polled) return { state: polled };
     if (this.#closed) return { state: "miss", reason: "queue-full" };
+    if (this.#degraded()) {
+      // A stalled disk: a read would wait behind it (and hold pool space) for no one.
+      this.#s.prefetchDegradedMisses++;
+      return { state: "miss", reason: "degraded" };
+    }
     const { joined, mine, locs, stop } = this.#walk(keys, layout);
     if (stop === "other-layout") {
       this.#s.layoutMismatches++;
@@ -296,7 +314,8 @@ export class SsdPrefetcher {
     };
     const sub = this.#stage.submit(job);
     if (sub.status === "refused" || sub.status === "dropped") {
-      for (const a of allocations) a.free();
+      // A free that throws must neither escape the query nor keep the others' space.
+      this.#reader.freeFrom(job, 0);
       return "queue-full";
     }
     this.#reserved += n;

@@ -99,7 +99,7 @@ export class PrefetchReader {
    * Resolves when every io batch of the read ended.
    */
   async read(job: PrefetchRead, committing: (key: string) => void): Promise<void> {
-    const { keys, locs, allocations } = job;
+    const { keys, locs } = job;
     let next = 0; // allocations[next..] are neither committed nor freed yet
     const runs: ReadRun[] = [];
     try {
@@ -140,8 +140,16 @@ export class PrefetchReader {
         const r = await run.result;
         if (!(r instanceof Error)) r.release();
       }
-      for (let i = next; i < allocations.length; i++) this.#free(job, i);
+      this.freeFrom(job, next);
     }
+  }
+
+  /**
+   * Gives back the space of `job`'s blocks from `from` on (not delivered),
+   * each once; a free that throws is logged and the others are still freed.
+   */
+  freeFrom(job: PrefetchRead, from: number): void {
+    for (let i = from; i < job.allocations.length; i++) this.#free(job, i);
   }
 
   /** Counters. */

@@ -23,6 +23,7 @@ import { decodeHeader, isPad, PAGE_BYTES, type RecordHeader } from "./format.ts"
 import type { IoBatchResult, SsdIo } from "./io.ts";
 import type { SsdIndex } from "./index.ts";
 import type { Segment, SegmentRing } from "./space.ts";
+import type { Logger } from "../log.ts";
 
 /** One cache file as recovery needs it. */
 export interface RecoveryFile {
@@ -269,4 +270,26 @@ function belongs(
   // A fill's records are placed in seq order: a lower one is an older record of this fill,
   // left past a gap and reached again once newer records were written up to it.
   return h.epoch === a.seg.epoch && h.seq > a.lastSeq;
+}
+
+/**
+ * The one line an operator watches during a long index rebuild: a sentence
+ * with the counts, and the same counts as fields.
+ */
+export function logRebuildProgress(log: Logger, p: RecoveryProgress, final: boolean): void {
+  log.info(
+    `SSD index rebuild${final ? " done" : ""}: ${p.segmentsDone}/${p.segmentsTotal} ` +
+      `segments, ${p.bytesScanned}/${p.bytesTotal} bytes scanned, ${p.records} records ` +
+      `indexed from ${p.headersRead} header reads, ${p.elapsedMs} ms elapsed`,
+    {
+      done: final,
+      segments_done: p.segmentsDone,
+      segments_total: p.segmentsTotal,
+      bytes_scanned: p.bytesScanned,
+      bytes_total: p.bytesTotal,
+      records: p.records,
+      header_reads: p.headersRead,
+      elapsed_ms: p.elapsedMs,
+    },
+  );
 }

@@ -121,7 +121,13 @@ export class SsdStorageTier implements Tier {
       return out;
     }, layout.fingerprint);
     if (a.state === "miss") {
-      return { state: "miss", reason: a.reason === "not-on-ssd" ? "not-held" : a.reason };
+      // The port has no "degraded": a stalled SSD serves like a closed one until it recovers.
+      const reason = a.reason === "not-on-ssd"
+        ? "not-held"
+        : a.reason === "degraded"
+        ? "closed"
+        : a.reason;
+      return { state: "miss", reason };
     }
     // A new request id never answers "ready" (only a poll does).
     return { state: "loading" };
@@ -138,7 +144,8 @@ export class SsdStorageTier implements Tier {
   health(): TierHealth {
     const u = this.ssd.usage();
     return {
-      state: this.ssd.closed ? "closed" : "up",
+      // A degraded SSD (stalled io, stall.ts) takes no work: not up (pegaflow_tier_up 0).
+      state: this.ssd.closed || this.ssd.degraded ? "closed" : "up",
       capacityBytes: u.capacityBytes,
       usedBytes: u.indexBytes,
       blocks: u.indexBlocks,

@@ -32,17 +32,17 @@
  * @module
  */
 
-import type { Observable } from "rxjs";
 import type { StageMetrics } from "../pipeline/stage.ts";
-import type { Completion } from "../../ffi/ring.ts";
 import { Uring } from "../../ffi/uring.ts";
 import { SsdIo } from "./io.ts";
+import { SsdStallWatch } from "./stall.ts";
+import { type ResolvedOptions, resolveOptions, type SsdTierOptions } from "./options.ts";
 import { SsdIndex } from "./index.ts";
 import {
+  logRebuildProgress,
   nextSeqAfter,
   recoverIndex,
   type RecoveryFile,
-  type RecoveryProgress,
   type RecoveryReport,
 } from "./recovery.ts";
 import { SegmentRing } from "./space.ts";
@@ -58,81 +58,19 @@ import { type PrefetchAllocator, type PrefetchAnswer, SsdPrefetcher } from "./pr
 import type { SsdWriteStats } from "./write_behind.ts";
 import type { SsdReadStats } from "./prefetch.ts";
 import { SsdLockedError } from "./file_lock.ts";
+import { SsdStalledError } from "./stall.ts";
 import { Logger } from "../log.ts";
 
-export { SsdLockedError, SsdOpenError };
+export { SsdLockedError, SsdOpenError, SsdStalledError };
 
-/** Bytes in a GiB. */
-const GIB = 1024 ** 3;
-/** Default `--ssd-cache-capacity`: 512 GiB. */
-export const DEFAULT_SSD_CAPACITY = 512 * GIB;
-/** Default segment: large enough for sequential writes, small enough that reuse drops little. */
-export const DEFAULT_SEGMENT_BYTES = 64 * 1024 ** 2;
-/**
- * Queue depths and in-flight bounds when the caller gives none; also the
- * defaults of the matching `--ssd-*` flags (lib/ssd/flags.ts).
- */
-export const SSD_QUEUE_DEFAULTS = {
-  writeQueueDepth: 64,
-  writeInflight: 4,
-  prefetchQueueDepth: 256,
-  prefetchInflight: 8,
-  maxPrefetchBlocks: 4096,
-} as const;
-/** Default io_uring depth: enough to saturate an NVMe drive with 2 MiB records. */
-const DEFAULT_IO_DEPTH = 128;
-/** Default header staging pages (4 MiB): one per write or prefetch batch in flight. */
-export const DEFAULT_HDR_PAGES = 1024;
-/** A finished prefetch nobody polled for is forgotten after this (its blocks stay cached). */
-const DEFAULT_PREFETCH_TTL_MS = 30_000;
-/** Index rebuild progress is logged this often (an operator sees a long scan is alive). */
-const DEFAULT_RECOVERY_PROGRESS_MS = 5_000;
-
-/** The completion ring the tier posts to (ffi/ring.ts `CompletionRing` fits). */
-export interface SsdRing {
-  readonly handle: number;
-  readonly completions$: Observable<Completion>;
-}
-
-/** Options of {@link SsdTier.open}; the CLI flags map 1:1 (docs/ssd.md). */
-export interface SsdTierOptions {
-  /** Pinned pool handle (reads land in it, writes come from it). */
-  pool: number;
-  /** Completion ring shared with the copy engine. */
-  ring: SsdRing;
-  /** `--ssd-cache-path`: files or directories (a directory gets CACHE_FILE_NAME inside). */
-  paths: string[];
-  /** `--ssd-cache-capacity` in bytes, split evenly over paths, capped to free space. */
-  capacityBytes?: number;
-  /** `--ssd-reset`: ignore and overwrite what is on disk. */
-  reset?: boolean;
-  /** Segment size (multiple of 4 KiB, ≥ the largest record). */
-  segmentBytes?: number;
-  /** `--ssd-write-queue-depth`: write batches waiting. Default 64. */
-  writeQueueDepth?: number;
-  /** `--ssd-write-inflight`: write batches in flight. Default 4. */
-  writeInflight?: number;
-  /** `--ssd-prefetch-queue-depth`: prefetches waiting. Default 256. */
-  prefetchQueueDepth?: number;
-  /** `--ssd-prefetch-inflight`: prefetch reads in flight. Default 8. */
-  prefetchInflight?: number;
-  /** `--max-prefetch-blocks`: blocks being read by prefetches at once. Default 4096. */
-  maxPrefetchBlocks?: number;
-  /** io_uring entries (power of two). */
-  ioDepth?: number;
-  /** Header staging pages (bounds ops with headers in flight). */
-  hdrPages?: number;
-  /** O_DIRECT (default true); false runs through the page cache (benchmarks). */
-  direct?: boolean;
-  /** A finished prefetch not polled within this is forgotten (its blocks stay cached). */
-  prefetchTtlMs?: number;
-  /** Index rebuild progress is logged this often (0: every scan round). */
-  recoveryProgressMs?: number;
-  /** The server's logger (a child with `tier: "ssd"`); default: stderr at info. */
-  log?: Logger;
-  /** Metric hooks of the `ssd.write` and `ssd.prefetch` stages (depth gauge, drops, refusals). */
-  stageMetrics?: (stage: string) => StageMetrics;
-}
+export {
+  DEFAULT_HDR_PAGES,
+  DEFAULT_SEGMENT_BYTES,
+  DEFAULT_SSD_CAPACITY,
+  SSD_QUEUE_DEFAULTS,
+  type SsdRing,
+  type SsdTierOptions,
+} from "./options.ts";
 
 /** Counters and gauges of the tier (exported as pegaflow_ssd_* metrics). */
 export interface SsdStats extends SsdWriteStats, SsdReadStats {
@@ -144,69 +82,9 @@ export interface SsdStats extends SsdWriteStats, SsdReadStats {
   recoveryTornRecords: number;
   segmentsReused: number;
   alignmentFallbacks: number;
-}
-
-type ResolvedOptions = Required<
-  Omit<SsdTierOptions, "log" | "ring" | "paths" | "reset" | "stageMetrics">
->;
-
-/**
- * The options with their defaults, checked: every count a non-negative
- * integer, at least one path, and a header arena that holds every write and
- * prefetch in flight.
- */
-function resolveOptions(options: SsdTierOptions): ResolvedOptions {
-  const opts: ResolvedOptions = {
-    pool: options.pool,
-    capacityBytes: options.capacityBytes ?? DEFAULT_SSD_CAPACITY,
-    segmentBytes: options.segmentBytes ?? DEFAULT_SEGMENT_BYTES,
-    writeQueueDepth: options.writeQueueDepth ?? SSD_QUEUE_DEFAULTS.writeQueueDepth,
-    writeInflight: options.writeInflight ?? SSD_QUEUE_DEFAULTS.writeInflight,
-    prefetchQueueDepth: options.prefetchQueueDepth ?? SSD_QUEUE_DEFAULTS.prefetchQueueDepth,
-    prefetchInflight: options.prefetchInflight ?? SSD_QUEUE_DEFAULTS.prefetchInflight,
-    maxPrefetchBlocks: options.maxPrefetchBlocks ?? SSD_QUEUE_DEFAULTS.maxPrefetchBlocks,
-    ioDepth: options.ioDepth ?? DEFAULT_IO_DEPTH,
-    hdrPages: options.hdrPages ?? DEFAULT_HDR_PAGES,
-    direct: options.direct ?? true,
-    prefetchTtlMs: options.prefetchTtlMs ?? DEFAULT_PREFETCH_TTL_MS,
-    recoveryProgressMs: options.recoveryProgressMs ?? DEFAULT_RECOVERY_PROGRESS_MS,
-  };
-  for (const [name, v] of Object.entries(opts)) {
-    if (typeof v === "number" && (!Number.isSafeInteger(v) || v < 0)) {
-      throw new RangeError(`SSD tier option ${name}: ${v} is not a non-negative integer`);
-    }
-  }
-  if (options.paths.length === 0) throw new SsdOpenError("no --ssd-cache-path given");
-  if (opts.hdrPages < opts.writeInflight + opts.prefetchInflight) {
-    throw new RangeError(
-      `SSD tier: hdrPages ${opts.hdrPages} < writeInflight + prefetchInflight (${
-        opts.writeInflight + opts.prefetchInflight
-      })`,
-    );
-  }
-  return opts;
-}
-
-/**
- * The one line an operator watches during a long index rebuild: a sentence
- * with the counts, and the same counts as fields.
- */
-function logRebuildProgress(log: Logger, p: RecoveryProgress, final: boolean): void {
-  log.info(
-    `SSD index rebuild${final ? " done" : ""}: ${p.segmentsDone}/${p.segmentsTotal} ` +
-      `segments, ${p.bytesScanned}/${p.bytesTotal} bytes scanned, ${p.records} records ` +
-      `indexed from ${p.headersRead} header reads, ${p.elapsedMs} ms elapsed`,
-    {
-      done: final,
-      segments_done: p.segmentsDone,
-      segments_total: p.segmentsTotal,
-      bytes_scanned: p.bytesScanned,
-      bytes_total: p.bytesTotal,
-      records: p.records,
-      header_reads: p.headersRead,
-      elapsed_ms: p.elapsedMs,
-    },
-  );
+  /** io batches that passed the stall deadline, ever; 1 while the tier is degraded. */
+  ioStalls: number;
+  ioDegraded: number;
 }
 
 /** Where the tier logs when the caller passes no logger. */
@@ -234,6 +112,7 @@ export class SsdTier {
   readonly #index: SsdIndex;
   readonly #writer: SsdWriter;
   readonly #prefetcher: SsdPrefetcher;
+  readonly #stall: SsdStallWatch;
   #closed = false;
   /** The engine's alignment fallbacks when it closed (its handle is gone after). */
   #finalAlignmentFallbacks: number | undefined;
@@ -253,6 +132,16 @@ export class SsdTier {
     this.#ring = ring;
     this.#index = index;
     this.recovery = recovery;
+    this.#stall = new SsdStallWatch(io, files, log, opts.closeTimeoutMs, () => {
+      const w = this.#writer.stats(), p = this.#prefetcher.stats();
+      return {
+        writeQueued: w.writeQueueDepth,
+        writeInflight: w.writeInflight,
+        prefetchQueued: p.prefetchQueueDepth,
+        prefetchInflight: p.prefetchInflight,
+      };
+    });
+    const degraded = () => this.#stall.degraded;
     // The header arena is shared by every writer and reader in flight.
     const chunk = Math.max(
       1,
@@ -269,6 +158,7 @@ export class SsdTier {
       queueDepth: opts.writeQueueDepth,
       inflight: opts.writeInflight,
       metrics: metrics?.("ssd.write"),
+      degraded,
     });
     this.#prefetcher = new SsdPrefetcher({
       io,
@@ -281,6 +171,7 @@ export class SsdTier {
       maxBlocks: opts.maxPrefetchBlocks,
       ttlMs: opts.prefetchTtlMs,
       metrics: metrics?.("ssd.prefetch"),
+      degraded,
     });
   }
 
@@ -304,7 +195,7 @@ export class SsdTier {
       for (const l of locks.values()) if (!(l instanceof Error)) l.close();
       throw e;
     }
-    const io = new SsdIo(uring, opts.pool, options.ring.completions$);
+    const io = new SsdIo(uring, opts.pool, options.ring.completions$, opts.ioStallMs);
     try {
       const files = await openCacheFiles(uring, io, locks, opts, !!options.reset, log);
       const index = new SsdIndex();
@@ -364,9 +255,15 @@ export class SsdTier {
     return this.#writer.enqueue(batch);
   }
 
-  /** Resolves when every write accepted so far has ended (tests, shutdown). */
-  flushWrites(): Promise<void> {
-    return this.#writer.flush();
+  /**
+   * Resolves when every write accepted so far has ended (tests, shutdown).
+   *
+   * @throws SsdStalledError when the io stalls or `closeTimeoutMs` passes
+   * first, naming what is outstanding (the writes go on).
+   */
+  async flushWrites(): Promise<void> {
+    const gaveUp = await this.#stall.giveUp(this.#writer.flush(), "flush");
+    if (gaveUp) throw new SsdStalledError(gaveUp);
   }
 
   // ---- lookup and prefetch -------------------------------------------------
@@ -438,6 +335,11 @@ export class SsdTier {
     return this.#closed;
   }
 
+  /** True while an io batch is stalled: writes are dropped, prefetches miss (stall.ts). */
+  get degraded(): boolean {
+    return this.#stall.degraded;
+  }
+
   /** Capacity and what the index holds: no I/O, safe after {@link close} (tier health). */
   usage(): { capacityBytes: number; indexBytes: number; indexBlocks: number } {
     return {
@@ -461,33 +363,50 @@ export class SsdTier {
       segmentsReused: this.#ring.reuses,
       alignmentFallbacks: this.#finalAlignmentFallbacks ??
         this.#io.uring.info().alignmentFallbacks,
+      ioStalls: this.#io.stalls,
+      ioDegraded: this.#io.stalled ? 1 : 0,
     };
   }
 
   /**
    * Finishes queued writes and reads, frees prefetched blocks nobody took,
-   * syncs and closes the files. Idempotent.
+   * syncs and closes the files. Idempotent. Gives up when the io stalls or
+   * `closeTimeoutMs` passes (logged, naming what is outstanding): the engine
+   * and the files' locks are then closed once the kernel completes that io
+   * (its pool pages are never freed under it).
    */
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    try {
-      await Promise.all([this.#writer.close(), this.#prefetcher.close()]);
-      // Every file is synced even when one fails (EIO): the first failure is thrown last.
+    const drained = Promise.all([this.#writer.close(), this.#prefetcher.close()]);
+    // Every file is synced even when one fails (EIO): the first failure is thrown last.
+    const synced = drained.then(async () => {
       const failures: unknown[] = [];
       for (const f of this.files) {
         await this.#io.uring.sync(f.handle).catch((e) => failures.push(e));
       }
       if (failures.length > 0) throw failures[0];
+    });
+    if (await this.#stall.giveUp(synced, "close")) {
+      this.#stall.finishLater(synced.finally(() => this.#shut()), "close");
+      return;
+    }
+    try {
+      await synced;
     } finally {
       // A failed sync must not keep the ring, its memory and the files' locks until exit.
-      this.#io.dispose();
-      this.#finalAlignmentFallbacks = this.#io.uring.info().alignmentFallbacks;
-      try {
-        await this.#io.uring.close();
-      } finally {
-        for (const f of this.files) f.lock.close();
-      }
+      await this.#shut();
+    }
+  }
+
+  /** Closes the engine and the files' locks (nothing of the tier's io is outstanding). */
+  async #shut(): Promise<void> {
+    this.#io.dispose();
+    this.#finalAlignmentFallbacks = this.#io.uring.info().alignmentFallbacks;
+    try {
+      await this.#io.uring.close();
+    } finally {
+      for (const f of this.files) f.lock.close();
     }
   }
 }

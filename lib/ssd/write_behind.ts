@@ -111,6 +111,9 @@ export interface SsdWriteStats {
   writePads: number;
   /** Pads that could not be written (the records after each such gap are lost at a restart). */
   writePadFailures: number;
+  /** Write batches (and their blocks) dropped because the tier was degraded (stall.ts). */
+  writeDegradedDrops: number;
+  writeDegradedDroppedBlocks: number;
   writeThroughputBps: number;
 }
 
@@ -128,6 +131,8 @@ export interface SsdWriterDeps {
   queueDepth: number;
   inflight: number;
   metrics?: StageMetrics;
+  /** True while the io is stalled (stall.ts): offered batches are dropped and counted. */
+  degraded?: () => boolean;
 }
 
 /**
@@ -150,6 +155,7 @@ export class SsdWriter {
   readonly #chunk: number;
   readonly #stage: Stage<WriteJob, void>;
   readonly #pendingKeys = new Set<string>();
+  readonly #degraded: () => boolean;
   /** Write batches accepted and not yet ended (what {@link flush} waits for). */
   readonly #writesPending = new Set<Promise<unknown>>();
   #seq: number;
@@ -164,6 +170,8 @@ export class SsdWriter {
     writeSkippedNoSpace: 0,
     writePads: 0,
     writePadFailures: 0,
+    writeDegradedDrops: 0,
+    writeDegradedDroppedBlocks: 0,
     writeThroughputBps: 0,
   };
 
@@ -175,6 +183,7 @@ export class SsdWriter {
     this.#log = d.log;
     this.#chunk = d.chunk;
     this.#seq = d.nextSeq;
+    this.#degraded = d.degraded ?? (() => false);
     this.#stage = new Stage<WriteJob, void>(
       "ssd.write",
       { ...writeStageOptions(d.queueDepth, d.inflight), metrics: d.metrics },
@@ -190,6 +199,12 @@ export class SsdWriter {
   enqueue<B extends SsdWriteBlock>(batch: SsdWriteBatch<B>): EnqueueResult {
     const { blocks } = batch;
     if (this.#closed) return { status: "dropped", blocks: blocks.length, duplicates: 0 };
+    if (this.#degraded()) {
+      // A stalled disk: a new batch would only pin RAM behind it.
+      this.#s.writeDegradedDrops++;
+      this.#s.writeDegradedDroppedBlocks += blocks.length;
+      return { status: "dropped", blocks: blocks.length, duplicates: 0 };
+    }
     const fresh: B[] = [];
     const seen = new Set<string>();
     let duplicates = 0;
@@ -219,7 +234,10 @@ export class SsdWriter {
     return { status: "queued", blocks: fresh.length, duplicates };
   }
 
-  /** Resolves when every write accepted so far has ended (tests, shutdown). */
+  /**
+   * Resolves when every write accepted so far has ended (tests, shutdown).
+   * No deadline of its own: the tier's flush bounds it (stall.ts).
+   */
   async flush(): Promise<void> {
     while (this.#writesPending.size > 0) await Promise.all(this.#writesPending);
   }

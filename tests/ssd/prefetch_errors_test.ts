@@ -179,3 +179,36 @@ Deno.test("a free that throws is logged, and the read still ends: the request an
     await readsAgain(h, tier, "r2", keys.slice(2));
   });
 });
+
+Deno.test("a prefetch refused by a full queue whose free throws answers a miss, frees the rest and logs the block", async () => {
+  const h = await harness();
+  const tier = await h.openTier({
+    capacityBytes: 32 * MiB,
+    segmentBytes: MiB,
+    prefetchInflight: 1,
+    prefetchQueueDepth: 1,
+  });
+  await closing(h, () => tier, async () => {
+    await writeKeys(h, tier);
+    // One read runs, one waits in the queue of depth 1: the third is refused.
+    assert.equal(tier.prefetch("r1", [keys[0]], h.allocator(8 * MiB), FP).state, "loading");
+    assert.equal(tier.prefetch("r2", [keys[1]], h.allocator(9 * MiB), FP).state, "loading");
+    const { allocate, inner } = faulty(h, 10 * MiB, { freeThrows: keys[2] });
+    const a = tier.prefetch("r3", keys.slice(2), allocate, FP);
+    assert.deepEqual(a, { state: "miss", reason: "queue-full" });
+    assert.equal(inner.freed, 3, "every other block of the refused read was freed");
+    assert.equal(tier.stats().prefetchBackpressure, 1);
+    assert.ok(
+      h.logs.some((l) =>
+        l.includes('"level":"error"') && l.includes(`"block":"${keys[2]}"`) &&
+        l.includes(`"namespace":"${TEST_NAMESPACE}"`) &&
+        l.includes("the store refused to free")
+      ),
+      h.logs.join("\n"),
+    );
+    await within(tier.prefetchSettled("r1"), 5_000, "r1");
+    await within(tier.prefetchSettled("r2"), 5_000, "r2");
+    // The refused keys were never marked as being read: they are read now.
+    await readsAgain(h, tier, "r4", keys.slice(2));
+  });
+});

@@ -1,0 +1,166 @@
+/**
+ * A hung disk (a dead NVMe, a network mount gone) never completes an io
+ * batch, and nothing may end that wait early: the kernel may still read or
+ * fill the pool pages of the batch, so its pins and pool space stay held
+ * until it completes. What the tier can do is stop adding to it. This
+ * module watches for a batch outstanding past the stall deadline
+ * (`ioStallMs`, io.ts) and then marks the tier **degraded**: logged once
+ * per episode, loudly, with the path, offset and age of the oldest
+ * outstanding op; new writes are dropped (counted) and prefetches answer a
+ * miss. Once every stalled batch completed the tier recovers by itself
+ * (logged): a disk that came back serves again, one that did not stays
+ * degraded.
+ *
+ * It also gives `flush()` and `close()` their deadline: they give up when
+ * the io stalls or `closeTimeoutMs` passes, whichever is first, naming what
+ * is still outstanding.
+ *
+ * @module
+ */
+
+import type { IoOutstanding, SsdIo } from "./io.ts";
+import type { CacheFile } from "./cache_files.ts";
+import { errorText, type LogFields, type Logger } from "../log.ts";
+
+/** How long `flush()` and `close()` wait for accepted work while the io is not stalled. */
+export const DEFAULT_CLOSE_TIMEOUT_MS = 60_000;
+
+/** Work the tier holds now (what a give-up names). */
+export interface SsdWorkLeft {
+  writeQueued: number;
+  writeInflight: number;
+  prefetchQueued: number;
+  prefetchInflight: number;
+}
+
+/** Thrown by a `flush()` that gave up: the writes are still outstanding. */
+export class SsdStalledError extends Error {
+  override name = "SsdStalledError";
+}
+
+/**
+ * The stall watch of one tier.
+ *
+ * @example
+ * ```ts
+ * const watch = new SsdStallWatch(io, files, log, DEFAULT_CLOSE_TIMEOUT_MS, () => workLeft());
+ * if (watch.degraded) return "dropped";
+ * const gaveUp = await watch.giveUp(writer.flush(), "flush"); // a sentence, or undefined
+ * ```
+ */
+export class SsdStallWatch {
+  readonly #io: SsdIo;
+  readonly #files: readonly CacheFile[];
+  readonly #log: Logger;
+  readonly #timeoutMs: number;
+  readonly #work: () => SsdWorkLeft;
+  #since = 0;
+  #stalled!: Promise<"stalled">;
+  #onStalled!: () => void;
+
+  constructor(
+    io: SsdIo,
+    files: readonly CacheFile[],
+    log: Logger,
+    timeoutMs: number,
+    work: () => SsdWorkLeft,
+  ) {
+    this.#io = io;
+    this.#files = files;
+    this.#log = log;
+    this.#timeoutMs = timeoutMs;
+    this.#work = work;
+    this.#arm();
+    io.onStall((oldest) => (oldest ? this.#degrade(oldest) : this.#recover()));
+  }
+
+  /** True while an io batch is outstanding past the stall deadline. */
+  get degraded(): boolean {
+    return this.#io.stalled;
+  }
+
+  /**
+   * Waits for `p` until the io stalls or the deadline passes. Returns
+   * undefined when `p` settled (a rejection is left to the caller), else
+   * the sentence that says what `what` gave up on (also logged as an error).
+   */
+  async giveUp(p: Promise<unknown>, what: string): Promise<string | undefined> {
+    const t0 = performance.now();
+    let timer = 0;
+    const late = new Promise<"deadline">((r) => {
+      timer = Number(setTimeout(() => r("deadline"), this.#timeoutMs));
+    });
+    const ended = p.then(() => "ended" as const, () => "ended" as const);
+    const why = await Promise.race([ended, this.#stalled, late]).finally(() => clearTimeout(timer));
+    if (why === "ended") return undefined;
+    const w = this.#work();
+    const o = this.#io.oldestOutstanding();
+    const waited = Math.round(performance.now() - t0);
+    const msg =
+      `SSD ${what} gave up after ${waited} ms (${
+        why === "stalled" ? "the io is stalled" : `deadline ${this.#timeoutMs} ms`
+      }): ${w.writeInflight} write batches in flight, ${w.writeQueued} queued, ` +
+      `${w.prefetchInflight} prefetch reads in flight, ${w.prefetchQueued} queued; ` +
+      (o ? `oldest io op: ${this.#describe(o)}` : "no io op in the kernel");
+    this.#log.error(msg, {
+      waited_ms: waited,
+      why,
+      ...w,
+      ...(o ? this.#fields(o) : {}),
+    });
+    return msg;
+  }
+
+  /** Runs `rest` of a close that gave up once the kernel lets it; logs how it ended. */
+  finishLater(rest: Promise<unknown>, what: string): void {
+    rest.then(
+      () => this.#log.warn(`SSD ${what} finished: the io outstanding at its deadline ended`),
+      (e) => this.#log.error(`SSD ${what} failed after its deadline`, { error: errorText(e) }),
+    );
+  }
+
+  #arm(): void {
+    this.#stalled = new Promise((r) => (this.#onStalled = () => r("stalled")));
+  }
+
+  #degrade(o: IoOutstanding): void {
+    this.#since = performance.now();
+    this.#onStalled();
+    this.#log.error(
+      `SSD io stalled: ${this.#describe(o)}; the SSD tier is degraded: new writes are ` +
+        "dropped and prefetches miss until the kernel completes it (its RAM pins stay held)",
+      this.#fields(o),
+    );
+  }
+
+  #recover(): void {
+    this.#arm();
+    this.#log.warn(
+      "SSD io recovered: every stalled io batch completed; the SSD tier serves again",
+      {
+        degraded_ms: Math.round(performance.now() - this.#since),
+      },
+    );
+  }
+
+  #path(file: number): string {
+    return this.#files.find((f) => f.handle === file)?.path ?? `file handle ${file}`;
+  }
+
+  #describe(o: IoOutstanding): string {
+    return `${o.op} of ${this.#path(o.file)} at offset ${o.fileOffset} (${o.ops} ops) in the ` +
+      `kernel for ${o.ageMs} ms; ${o.batches} io batches outstanding, ${o.stalledBatches} stalled`;
+  }
+
+  #fields(o: IoOutstanding): LogFields {
+    return {
+      path: this.#path(o.file),
+      offset: o.fileOffset,
+      op: o.op,
+      ops: o.ops,
+      age_ms: o.ageMs,
+      batches: o.batches,
+      stalled_batches: o.stalledBatches,
+    };
+  }
+}
