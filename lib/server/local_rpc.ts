@@ -24,7 +24,9 @@
  * than a Query); the client matches answers by call id. A frame longer than
  * `maxMessageBytes` + 5, or shorter than 5, is answered RESOURCE_EXHAUSTED /
  * INVALID_ARGUMENT with call id 0 and the connection is closed (the stream
- * cannot be resynced).
+ * cannot be resynced). One peer's calls are bounded: at most
+ * MAX_UNREAD_ANSWERS running or unread, at most FRAMES_PER_TURN started
+ * before the other connections get the event loop.
  *
  * @module
  */
@@ -47,14 +49,27 @@ export { LOCAL_RPC_METHODS };
 const round3 = (x: number) => Math.round(x * 1e3) / 1e3;
 
 /**
- * Answers a connection may have waiting to be written (queued behind a write the peer
- * does not take): past it, the connection's frames are not read until its answers drain,
- * so a peer that keeps calling and never reads stalls its own writes instead of growing
- * the server's memory without bound, while a peer that pipelines many calls in one write
- * and reads its answers is served in full. An engine has a few calls in flight.
+ * Calls of one connection that are running or whose answers wait to be written (queued
+ * behind a write the peer does not take): at this many, the connection's frames are not
+ * read or started until some answer is written, so a peer that keeps calling and never
+ * reads stalls its own writes, and a peer whose calls never finish (a Save waiting for its
+ * copy) cannot start more, instead of growing the server's memory without bound; a peer
+ * that pipelines many calls in one write and reads its answers is served in full. An
+ * engine has a few calls in flight.
  */
 export const MAX_UNREAD_ANSWERS = 4096;
+
+/**
+ * Frames one connection starts in a row before the event loop serves the others: one
+ * read can hold thousands of tiny frames (64 KiB of 9-byte calls; megabytes once a large
+ * frame grew the buffer), and handling them in one go held up every other engine's calls.
+ * The pause is a timer turn (~1-2 ms), not `setImmediate`: Deno polls sockets only
+ * every ~60 of those. An engine's few calls in flight never reach it.
+ */
+export const FRAMES_PER_TURN = 256;
+
 const utf8 = (s: string) => new TextEncoder().encode(s);
+const nextTurn = () => new Promise<void>((r) => setTimeout(r, 0));
 
 /** A service as a framed listener serves it. */
 interface FramedService {
@@ -75,51 +90,98 @@ interface ConnContext {
   /** The listener's address (a socket path or host:port), for logs. */
   path: string;
   traced: boolean;
-  conns: Set<Deno.Conn>;
+  /** Each open connection → what ends its serving (the listener's close() calls it). */
+  conns: Map<Deno.Conn, () => void>;
   closed: boolean;
+  /** Connections accepted so far: each one's number in logs. */
+  accepted: number;
+}
+
+/** One connection's ids in logs: the listener, its number, the peer's address (TCP). */
+interface ConnIds {
+  path: string;
+  conn: number;
+  peer?: string;
+}
+
+/** The peer's host:port of a TCP connection (undefined on a Unix socket: no address). */
+function peerOf(conn: Deno.Conn): string | undefined {
+  const a = conn.remoteAddr;
+  return a.transport === "tcp" ? `${a.hostname}:${a.port}` : undefined;
 }
 
 /**
- * A connection's answers, written in the order they are ready, one at a time.
- * `room` is undefined while at most MAX_UNREAD_ANSWERS wait, else a promise that
- * settles once they are back under it (the reader waits for it before reading on).
- * `drained` settles once the writes queued so far ended.
+ * A connection's answers, written in the order they are ready, one at a time, and the
+ * count of answers it owes: `owe()` when a call starts, and each `send` pays one once
+ * written (or dropped). `until(n)` is undefined while at most `n` are owed, else a promise
+ * that settles once they are, or once `stop()` (the listener closed: nothing is owed).
  */
 function answerWriter(conn: Deno.Conn): {
+  owe(): void;
   send(bytes: Uint8Array): void;
-  room(): Promise<void> | undefined;
-  drained(): Promise<void>;
+  until(n: number): Promise<void> | undefined;
+  stop(): void;
 } {
   let writing: Promise<void> = Promise.resolve();
   let broken = false;
-  let queued = 0;
+  let stopped = false;
+  let owed = 0;
+  let limit = 0;
   let wake: (() => void) | undefined;
+  const settle = () => {
+    const w = wake;
+    wake = undefined;
+    w?.();
+  };
+  const paid = () => {
+    if (--owed <= limit && wake) settle();
+  };
   const send = (bytes: Uint8Array) => {
-    if (broken) return;
-    queued++;
+    if (broken) return paid();
     writing = writing.then(() => broken ? undefined : writeAll(conn, bytes)).catch(() => {
       broken = true; // the peer went away; its later answers have nowhere to go
-    }).finally(() => {
-      if (--queued <= MAX_UNREAD_ANSWERS && wake) {
-        wake();
-        wake = undefined;
-      }
-    });
+    }).finally(paid);
   };
-  const room = () => queued <= MAX_UNREAD_ANSWERS ? undefined : new Promise<void>((r) => wake = r);
-  return { send, room, drained: () => writing };
+  const until = (n: number) => {
+    if (owed <= n || stopped) return undefined;
+    limit = n;
+    return new Promise<void>((r) => wake = r);
+  };
+  const stop = () => {
+    stopped = broken = true;
+    settle();
+  };
+  return { owe: () => void owed++, send, until, stop };
 }
 
-/** Reads one connection's frames and answers each call with the service's own handler. */
-async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void> {
-  const { service, log, path, traced } = ctx;
-  const { impl, methods, def, label } = service;
-  ctx.conns.add(conn);
-  const { send, room, drained } = answerWriter(conn);
-  const calls = callsRunning();
-  const dispatch = (callId: number, method: number, payload: Uint8Array) => {
+/**
+ * Starts one call: its handler runs with a callback that queues its answer once. A
+ * handler that throws, or an answer that cannot be encoded, answers INTERNAL naming the
+ * method and call id (grpc-js does the same); a second answer is dropped.
+ */
+function callStarter(
+  ctx: ConnContext,
+  ids: ConnIds,
+  out: { owe(): void; send(bytes: Uint8Array): void },
+): (callId: number, method: number, payload: Uint8Array) => void {
+  const { log, traced } = ctx;
+  const { impl, methods, def, label } = ctx.service;
+  const { owe, send } = out;
+  const failed = (what: string, name: string, callId: number, e: unknown, answer = true) => {
+    const error = (e as Error)?.message ?? String(e);
+    log.error(`${label} ${what}`, { ...ids, method: name, call: callId, error });
+    if (!answer) return;
+    send(encodeFrame(
+      callId,
+      grpc.status.INTERNAL,
+      utf8(`${label}: ${name} (call ${callId}): ${what}: ${error}`),
+    ));
+  };
+  return (callId, method, payload) => {
+    owe();
     const name = methods[method];
-    if (name === undefined) {
+    const handler = impl[name] as grpc.handleUnaryCall<unknown, unknown> | undefined;
+    if (name === undefined || handler === undefined) {
       send(encodeFrame(
         callId,
         grpc.status.UNIMPLEMENTED,
@@ -127,7 +189,6 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
       ));
       return;
     }
-    const handler = impl[name] as grpc.handleUnaryCall<unknown, unknown>;
     const md = def[name];
     // The frame's payload is already its own copy: decode it in place, as a plain
     // Uint8Array: a bytes field is then a typed-array view, about half the cost of a
@@ -136,11 +197,13 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
     const call = { request } as grpc.ServerUnaryCall<unknown, unknown>;
     // Wall-clock ms of arrival and answer, to line up with an engine's own clock (debug only).
     const tIn = traced ? performance.timeOrigin + performance.now() : 0;
-    const done = calls.started();
-    handler(call, (err, res) => {
-      done();
+    let answered = false;
+    const answer = (err: Partial<grpc.StatusObject> | null, res?: unknown) => {
+      if (answered) return;
+      answered = true;
       if (traced) {
         log.debug(label.toLowerCase(), {
+          ...ids,
           method: name,
           call: callId,
           in_epoch_ms: round3(tIn),
@@ -151,36 +214,70 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
         send(encodeFrame(callId, err.code ?? grpc.status.INTERNAL, utf8(err.details ?? "")));
         return;
       }
-      send(encodeFrame(callId, 0, md.responseSerialize(res)));
-    });
+      let body: Uint8Array;
+      try {
+        body = md.responseSerialize(res);
+      } catch (e) {
+        return failed("response cannot be encoded", name, callId, e);
+      }
+      send(encodeFrame(callId, 0, body));
+    };
+    try {
+      handler(call, answer);
+    } catch (e) {
+      if (answered) return failed("handler threw after answering", name, callId, e, false);
+      answered = true; // an answer it still sends later is dropped
+      failed("handler threw", name, callId, e);
+    }
   };
+}
+
+/** Reads one connection's frames and answers each call with the service's own handler. */
+async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void> {
+  const { log } = ctx;
+  const { label } = ctx.service;
+  const ids: ConnIds = { path: ctx.path, conn: ++ctx.accepted, peer: peerOf(conn) };
+  const out = answerWriter(conn);
+  ctx.conns.set(conn, out.stop);
+  const start = callStarter(ctx, ids, out);
   const frames = new FrameReader(ctx.maxMessageBytes);
+  let turn = 0;
   try {
-    for (;;) {
-      // Answers pile up unread: read no more of this peer's calls until they drain.
-      const full = room();
+    while (!ctx.closed) {
+      // Calls running or answers unread at the bound: start no more of this peer's calls.
+      const full = out.until(MAX_UNREAD_ANSWERS - 1);
       if (full) await full;
-      const n = await conn.read(frames.space());
-      if (n === null) break;
-      frames.wrote(n);
-      for (let f = frames.next(); f; f = frames.next()) dispatch(f.callId, f.tag, f.payload);
+      const f = frames.next();
+      if (f === null) {
+        turn = 0;
+        const n = await conn.read(frames.space());
+        if (n === null) break;
+        frames.wrote(n);
+        continue;
+      }
+      start(f.callId, f.tag, f.payload);
+      if (++turn === FRAMES_PER_TURN) {
+        turn = 0;
+        await nextTurn(); // the other connections' calls, then the rest of this read
+      }
     }
   } catch (e) {
     if (e instanceof FrameError) {
-      log.warn(`${label} connection dropped: bad frame`, { path, error: e.message });
-      send(encodeFrame(
+      log.warn(`${label} connection dropped: bad frame`, { ...ids, error: e.message });
+      out.owe();
+      out.send(encodeFrame(
         0,
         e.tooLong ? grpc.status.RESOURCE_EXHAUSTED : grpc.status.INVALID_ARGUMENT,
         utf8(e.message),
       ));
     } else if (!ctx.closed) {
-      log.debug(`${label} connection ended`, { path, error: String(e) });
+      log.debug(`${label} connection ended`, { ...ids, error: String(e) });
     }
   } finally {
-    // A peer that half-closed after its last call still reads: answer what is running.
-    // The connection stays in `conns` meanwhile, so the listener's close() still ends it.
-    await calls.idle(() => ctx.closed);
-    await drained();
+    // A peer that half-closed after its last call still reads: answer what is running,
+    // then close. The connection stays in `conns` meanwhile, so the listener's close()
+    // still ends it (and this wait).
+    for (let w = out.until(0); w; w = out.until(0)) await w;
     ctx.conns.delete(conn);
     try {
       conn.close();
@@ -188,27 +285,6 @@ async function serveConnection(conn: Deno.Conn, ctx: ConnContext): Promise<void>
       // already closed by close()
     }
   }
-}
-
-/**
- * Calls of one connection whose handler has not answered yet. `idle` settles once none
- * runs (each answer is queued by then), or, when `closing()` says the listener closed
- * (the answers have nowhere to go), at once or at the next answer.
- */
-function callsRunning(): { started(): () => void; idle(closing: () => boolean): Promise<void> } {
-  let running = 0;
-  let wake: (() => void) | undefined;
-  return {
-    started() {
-      running++;
-      return () => {
-        if (--running === 0) wake?.();
-      };
-    },
-    async idle(closing) {
-      while (running > 0 && !closing()) await new Promise<void>((r) => wake = r);
-    },
-  };
 }
 
 /** Running framed RPC listener; `close` stops accepting and drops every connection. */
@@ -273,8 +349,9 @@ function serveFramed(
     log,
     path,
     traced: log.enabled("debug"),
-    conns: new Set(),
+    conns: new Map(),
     closed: false,
+    accepted: 0,
   };
 
   acceptEach(listener, () => ctx.closed, {
@@ -302,7 +379,8 @@ function serveFramed(
       } catch (_e) {
         // already closed
       }
-      for (const c of ctx.conns) {
+      for (const [c, stop] of ctx.conns) {
+        stop();
         try {
           c.close();
         } catch (_e) {
