@@ -25,7 +25,7 @@ import { lenientService } from "./decode.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
 import { httpHandler } from "./http.ts";
 import { ServerMetrics } from "./metrics.ts";
-import { SsdOpenError, SsdTier } from "../ssd/tier.ts";
+import { SsdOpenError, SsdOpenStalledError, SsdTier } from "../ssd/tier.ts";
 import { SsdStorageTier } from "../ssd/ssd_tier_port.ts";
 import { registerSsdMetrics } from "../ssd/metrics.ts";
 import { LowerTiers } from "../storage/lower_tiers.ts";
@@ -41,6 +41,15 @@ import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
 
 /** What openNative gives: the engine's native port and the copy engine under it. */
 type OpenedNative = NativePort & { copyEngine: CopyEngine };
+
+/**
+ * An SSD io engine that may still hold the pool and the completion ring
+ * (a close that gave up, an open abandoned on a stalled disk): what it
+ * waits on, or undefined once it is closed.
+ */
+interface EngineHold {
+  stillOpen(): string | undefined;
+}
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -114,13 +123,14 @@ export async function startServer(
     sessions: () => sessions.count,
   });
   metrics.devicesServed(native.devices);
-  const { cross, tiers } = await openLowerTiers(cfg, native, store, advertiser, metrics, log)
-    .catch(async (e) => {
-      // Free what was opened so an embedder can retry.
-      clearInterval(collector);
-      await native.close();
-      throw e;
-    });
+  const ssdHold: EngineHold[] = [];
+  const lower = openLowerTiers(cfg, native, store, advertiser, metrics, log, ssdHold);
+  const { cross, tiers } = await lower.catch(async (e) => {
+    // Free what was opened so an embedder can retry.
+    clearInterval(collector);
+    await closeNative(native, ssdHold, log);
+    throw e;
+  });
   const engine = newEngine(cfg, { native, placement, store, advertiser }, tiers, metrics, log);
 
   const server = grpcServer(cfg.maxMessageBytes);
@@ -131,7 +141,7 @@ export async function startServer(
     clearInterval(collector);
     await tiers?.close();
     await cross.close();
-    await native.close();
+    await closeNative(native, ssdHold, log);
   };
   let listeners: Listeners;
   try {
@@ -173,6 +183,7 @@ export async function startServer(
       listeners,
       collector,
       native,
+      ssdHold,
     });
   return { grpcAddr, udsPath: listeners.udsPath, httpAddr, engine, close };
 }
@@ -216,9 +227,10 @@ async function openLowerTiers(
   advertiser: IndexAdvertiser | undefined,
   metrics: ServerMetrics,
   log: Logger,
+  ssdHold: EngineHold[],
 ): Promise<{ cross: CrossNode; tiers: LowerTiers | undefined }> {
   // Not starting at all beats serving beside another server's cache file.
-  const ssd = await openSsdTier(cfg, native, metrics, log);
+  const ssd = await openSsdTier(cfg, native, metrics, log, ssdHold);
   // Blocks the tiers bring into RAM are advertised like saved ones.
   const tierHost = advertiser
     ? advertisedFills(storeTierHost(store), advertiser)
@@ -269,6 +281,7 @@ async function stopServer(s: {
   listeners: Listeners;
   collector: ReturnType<typeof setInterval>;
   native: OpenedNative;
+  ssdHold: readonly EngineHold[];
 }): Promise<void> {
   s.log.info("shutting down");
   s.sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
@@ -289,7 +302,28 @@ async function stopServer(s: {
   // Closing the guard's sockets sends no GOAWAY: clients see the connection end.
   await s.listeners.close();
   clearInterval(s.collector);
-  await s.native.close();
+  await closeNative(s.native, s.ssdHold, s.log);
+}
+
+/**
+ * Frees the pool, the completion ring and the engines, unless an SSD io
+ * engine is still open: the kernel may still read or fill pool pages of its
+ * io and it posts to the ring, so both are left to process exit then
+ * (pf_ring_destroy and pf_pool_destroy would refuse with PF_EBUSY anyway,
+ * and the stop threw that instead of ending), logged with what it waits on.
+ */
+async function closeNative(
+  native: OpenedNative,
+  holds: readonly EngineHold[],
+  log: Logger,
+): Promise<void> {
+  const open = holds.map((h) => h.stillOpen()).filter((w) => w !== undefined);
+  if (open.length === 0) return await native.close();
+  log.error(
+    "pinned pool and completion ring left to process exit: an SSD io engine still has io in " +
+      `the kernel, which may still read or fill pool pages (${open.join("; ")})`,
+    { ssd_engines_open: open.length },
+  );
 }
 
 /** The pinned pool (one engine per served device) and the block store over it. */
@@ -356,6 +390,7 @@ async function openSsdTier(
   native: { copyEngine: CopyEngine },
   metrics: ServerMetrics,
   log: Logger,
+  holds: EngineHold[],
 ): Promise<SsdTier | undefined> {
   if (cfg.ssd.paths.length === 0) return undefined;
   try {
@@ -366,6 +401,7 @@ async function openSsdTier(
       log: log.child({ tier: "ssd" }),
       stageMetrics: (stage) => metrics.stage(stage),
     });
+    holds.push(ssd);
     registerSsdMetrics(metrics.registry, () => ssd.stats());
     log.info("SSD tier ready", {
       paths: ssd.files.map((f) => f.path).join(","),
@@ -375,6 +411,8 @@ async function openSsdTier(
     return ssd;
   } catch (e) {
     if (!(e instanceof SsdOpenError)) throw e; // e.g. SsdLockedError
+    // A stalled open's engine closes once the kernel completes its io: until then it holds the pool.
+    if (e instanceof SsdOpenStalledError) holds.push(e);
     log.error("SSD tier disabled", { error: e.message });
     return undefined;
   }

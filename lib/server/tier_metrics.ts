@@ -48,8 +48,13 @@ export function registerTierMetrics(registry: Registry, tiers: LowerTiers): void
     });
   healthGauge(
     "pegaflow_tier_up",
-    "1 while the tier serves, 0 once closed",
+    "1 while the tier serves, 0 while degraded or once closed",
     (h) => h.state === "up" ? 1 : 0,
+  );
+  healthGauge(
+    "pegaflow_tier_degraded",
+    "1 while the tier is open but takes no work (its io is stalled: a hung disk), else 0",
+    (h) => h.state === "degraded" ? 1 : 0,
   );
   healthGauge("pegaflow_tier_capacity_bytes", "bytes the tier can hold", (h) => h.capacityBytes);
   healthGauge("pegaflow_tier_used_bytes", "block bytes the tier holds", (h) => h.usedBytes);

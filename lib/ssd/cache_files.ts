@@ -154,6 +154,7 @@ export async function openCacheFiles(
       if (lock instanceof Error) throw lock;
       const h = uring.openFile(path, FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0));
       handles.set(path, h);
+      io.namePath(h, path);
       found.set(path, await inspectCacheFile(uring, io, path, h, opts, reset, log));
     } catch (e) {
       drop(path, e);

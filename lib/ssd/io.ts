@@ -43,9 +43,10 @@ export const DEFAULT_IO_STALL_MS = 30_000;
 
 /** The oldest io batch still in the kernel (what a stall or a give-up names). */
 export interface IoOutstanding {
-  /** The batch's first op: its kind, file handle and file offset. */
+  /** The batch's first op: its kind, file handle (and path, once named) and file offset. */
   op: "read" | "write";
   file: number;
+  path: string;
   fileOffset: number;
   /** Ops in that batch. */
   ops: number;
@@ -233,6 +234,8 @@ export class SsdIo {
   readonly #sub: Subscription;
   readonly #stallMs: number;
   readonly #stallListeners: IoStallListener[] = [];
+  readonly #paths = new Map<number, string>();
+  #refused: string | undefined;
   #stalledNow = 0;
   #stalls = 0;
   #nextTag = 1;
@@ -256,6 +259,25 @@ export class SsdIo {
     return this.#uring;
   }
 
+  /** Names file handle `file` by `path` in what a stall or a give-up reports. */
+  namePath(file: number, path: string): void {
+    this.#paths.set(file, path);
+  }
+
+  /** The path named for `file`, else a text naming its handle. */
+  pathOf(file: number): string {
+    return this.#paths.get(file) ?? `file handle ${file}`;
+  }
+
+  /**
+   * Refuses every later {@link run} with an Error saying `why` (an open that
+   * gave up: its remaining steps must not add io to a stalled disk). Batches
+   * already submitted still complete.
+   */
+  refuse(why: string): void {
+    this.#refused = why;
+  }
+
   /** A new, empty batch. */
   newBatch(): IoBatch {
     return new IoBatch();
@@ -274,6 +296,7 @@ export class SsdIo {
    * a closed engine.
    */
   async run(batch: IoBatch): Promise<IoBatchResult> {
+    if (this.#refused !== undefined) throw new Error(`SSD io refused: ${this.#refused}`);
     const n = batch.size;
     const pages = await this.#takePages(batch.headerCount);
     const arena = this.#uring.headers;
@@ -337,10 +360,14 @@ export class SsdIo {
   /**
    * Calls `listener` with the oldest outstanding batch when a batch passes
    * the stall deadline while none was stalled, and with undefined once every
-   * stalled batch completed.
+   * stalled batch completed. Returns the call that stops the calls.
    */
-  onStall(listener: IoStallListener): void {
+  onStall(listener: IoStallListener): () => void {
     this.#stallListeners.push(listener);
+    return () => {
+      const i = this.#stallListeners.indexOf(listener);
+      if (i >= 0) this.#stallListeners.splice(i, 1);
+    };
   }
 
   /** True while a batch is outstanding past the stall deadline. */
@@ -361,6 +388,7 @@ export class SsdIo {
     return {
       op: oldest.op,
       file: oldest.file,
+      path: this.pathOf(oldest.file),
       fileOffset: oldest.fileOffset,
       ops: oldest.ops,
       ageMs: Math.round(performance.now() - oldest.at),
@@ -380,7 +408,7 @@ export class SsdIo {
     this.#stalls++;
     if (this.#stalledNow++ > 0) return;
     const oldest = this.oldestOutstanding();
-    for (const l of this.#stallListeners) l(oldest);
+    for (const l of [...this.#stallListeners]) l(oldest);
   }
 
   #onCompletion(c: IoCompletion): void {
@@ -394,7 +422,7 @@ export class SsdIo {
       this.#pending.delete(c.tag);
       clearTimeout(p.timer);
       if (p.stalled && --this.#stalledNow === 0) {
-        for (const l of this.#stallListeners) l(undefined);
+        for (const l of [...this.#stallListeners]) l(undefined);
       }
       p.resolve(c.aux);
     }

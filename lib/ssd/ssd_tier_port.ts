@@ -121,13 +121,7 @@ export class SsdStorageTier implements Tier {
       return out;
     }, layout.fingerprint);
     if (a.state === "miss") {
-      // The port has no "degraded": a stalled SSD serves like a closed one until it recovers.
-      const reason = a.reason === "not-on-ssd"
-        ? "not-held"
-        : a.reason === "degraded"
-        ? "closed"
-        : a.reason;
-      return { state: "miss", reason };
+      return { state: "miss", reason: a.reason === "not-on-ssd" ? "not-held" : a.reason };
     }
     // A new request id never answers "ready" (only a poll does).
     return { state: "loading" };
@@ -144,8 +138,8 @@ export class SsdStorageTier implements Tier {
   health(): TierHealth {
     const u = this.ssd.usage();
     return {
-      // A degraded SSD (stalled io, stall.ts) takes no work: not up (pegaflow_tier_up 0).
-      state: this.ssd.closed || this.ssd.degraded ? "closed" : "up",
+      // A degraded SSD (stalled io, stall.ts) takes no work until that io completes.
+      state: this.ssd.closed ? "closed" : this.ssd.degraded ? "degraded" : "up",
       capacityBytes: u.capacityBytes,
       usedBytes: u.indexBytes,
       blocks: u.indexBlocks,

@@ -13,13 +13,14 @@
  *
  * It also gives `flush()` and `close()` their deadline: they give up when
  * the io stalls or `closeTimeoutMs` passes, whichever is first, naming what
- * is still outstanding.
+ * is still outstanding; and `SsdTier.open` its own ({@link openWithin}): an
+ * open whose io stalls gives up, and the server starts without the tier.
  *
  * @module
  */
 
 import type { IoOutstanding, SsdIo } from "./io.ts";
-import type { CacheFile } from "./cache_files.ts";
+import { type CacheFile, SsdOpenError } from "./cache_files.ts";
 import { errorText, type LogFields, type Logger } from "../log.ts";
 
 /** How long `flush()` and `close()` wait for accepted work while the io is not stalled. */
@@ -148,8 +149,7 @@ export class SsdStallWatch {
   }
 
   #describe(o: IoOutstanding): string {
-    return `${o.op} of ${this.#path(o.file)} at offset ${o.fileOffset} (${o.ops} ops) in the ` +
-      `kernel for ${o.ageMs} ms; ${o.batches} io batches outstanding, ${o.stalledBatches} stalled`;
+    return describeIo({ ...o, path: this.#path(o.file) });
   }
 
   #fields(o: IoOutstanding): LogFields {
@@ -163,4 +163,97 @@ export class SsdStallWatch {
       stalled_batches: o.stalledBatches,
     };
   }
+}
+
+/** An outstanding io op in words: op, path, offset, ops, age, batches. */
+export function describeIo(o: IoOutstanding): string {
+  return `${o.op} of ${o.path} at offset ${o.fileOffset} (${o.ops} ops) in the ` +
+    `kernel for ${o.ageMs} ms; ${o.batches} io batches outstanding, ${o.stalledBatches} stalled`;
+}
+
+/**
+ * Thrown by `SsdTier.open` when its io stalled (a disk that hangs while the
+ * tier opens): an {@link SsdOpenError}, so the server starts without the
+ * tier. Its engine cannot close while the kernel holds that io (its pool
+ * pages may still be read or filled): the engine and the files' locks close
+ * once the io completes ({@link engineClosed}).
+ */
+export class SsdOpenStalledError extends SsdOpenError {
+  /** Resolves once the abandoned open's engine and locks are closed (or their close failed, logged). */
+  readonly engineClosed: Promise<void>;
+  #open = true;
+
+  constructor(message: string, closing: Promise<void>) {
+    super(message);
+    this.name = "SsdOpenStalledError";
+    this.engineClosed = closing.finally(() => (this.#open = false));
+  }
+
+  /** What the engine still waits on (this error's message) while it is open; undefined after. */
+  stillOpen(): string | undefined {
+    return this.#open ? this.message : undefined;
+  }
+}
+
+/** What an abandoned open closes: the tier it built, or its engine and locks when it failed. */
+interface Closable {
+  close(): Promise<void>;
+  readonly engineClosed: Promise<void>;
+}
+
+/**
+ * Waits for an open's `work` until an io batch of it passes the stall
+ * deadline (`ioStallMs`, io.ts). When it stalls first: later io of the open
+ * is refused, an error is logged naming the op, path and offset, the tier
+ * `work` builds (or, when it fails, `release`: the engine and locks) is
+ * closed in the background once the kernel completes the io, and
+ * {@link SsdOpenStalledError} is thrown. When `work` fails first,
+ * `release` runs before the error goes up.
+ *
+ * @example
+ * ```ts
+ * const tier = await openWithin(io, build(io), () => closeEngineAndLocks(), log);
+ * ```
+ */
+export async function openWithin<T extends Closable>(
+  io: SsdIo,
+  work: Promise<T>,
+  release: () => Promise<void>,
+  log: Logger,
+): Promise<T> {
+  let stop = () => {};
+  const stalled = new Promise<IoOutstanding>((r) => {
+    stop = io.onStall((o) => o && r(o));
+  });
+  const first = await Promise.race([work.then(() => undefined, () => undefined), stalled]);
+  stop();
+  if (first === undefined) {
+    try {
+      return await work;
+    } catch (e) {
+      await release();
+      throw e;
+    }
+  }
+  io.refuse(`the SSD open gave up on a stalled ${first.op} of ${first.path}`);
+  const msg = `SSD open stalled: ${describeIo(first)}; the SSD tier is not started (the server ` +
+    "serves from RAM); its engine and the files' locks close once the kernel completes that io";
+  const fields: LogFields = {
+    path: first.path,
+    offset: first.fileOffset,
+    op: first.op,
+    ops: first.ops,
+    age_ms: first.ageMs,
+  };
+  log.error(msg, fields);
+  const closing = work.then((t) => t.close().then(() => t.engineClosed), () => release()).then(
+    () =>
+      log.warn("SSD open abandoned after its io stalled: the io completed; engine closed", fields),
+    (e) =>
+      log.error("SSD open abandoned: closing its engine failed", {
+        ...fields,
+        error: errorText(e),
+      }),
+  );
+  throw new SsdOpenStalledError(msg, closing);
 }

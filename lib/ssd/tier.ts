@@ -35,7 +35,7 @@
 import type { StageMetrics } from "../pipeline/stage.ts";
 import { Uring } from "../../ffi/uring.ts";
 import { SsdIo } from "./io.ts";
-import { SsdStallWatch } from "./stall.ts";
+import { describeIo, openWithin, SsdStallWatch } from "./stall.ts";
 import { type ResolvedOptions, resolveOptions, type SsdTierOptions } from "./options.ts";
 import { SsdIndex } from "./index.ts";
 import {
@@ -58,10 +58,10 @@ import { type PrefetchAllocator, type PrefetchAnswer, SsdPrefetcher } from "./pr
 import type { SsdWriteStats } from "./write_behind.ts";
 import type { SsdReadStats } from "./prefetch.ts";
 import { SsdLockedError } from "./file_lock.ts";
-import { SsdStalledError } from "./stall.ts";
+import { SsdOpenStalledError, SsdStalledError } from "./stall.ts";
 import { Logger } from "../log.ts";
 
-export { SsdLockedError, SsdOpenError, SsdStalledError };
+export { SsdLockedError, SsdOpenError, SsdOpenStalledError, SsdStalledError };
 
 export {
   DEFAULT_HDR_PAGES,
@@ -114,6 +114,10 @@ export class SsdTier {
   readonly #prefetcher: SsdPrefetcher;
   readonly #stall: SsdStallWatch;
   #closed = false;
+  /** Resolves once the engine and the files' locks are closed ({@link close}; later after a give-up). */
+  readonly engineClosed: Promise<void>;
+  #engineDone!: () => void;
+  #engineOpen = true;
   /** The engine's alignment fallbacks when it closed (its handle is gone after). */
   #finalAlignmentFallbacks: number | undefined;
 
@@ -132,6 +136,7 @@ export class SsdTier {
     this.#ring = ring;
     this.#index = index;
     this.recovery = recovery;
+    this.engineClosed = new Promise((r) => (this.#engineDone = r));
     this.#stall = new SsdStallWatch(io, files, log, opts.closeTimeoutMs, () => {
       const w = this.#writer.stats(), p = this.#prefetcher.stats();
       return {
@@ -181,6 +186,9 @@ export class SsdTier {
    * (read-only, missing parent, no space) is logged and skipped.
    *
    * @throws SsdOpenError when no path is usable, with every path's reason.
+   * @throws SsdOpenStalledError (an SsdOpenError) when an io batch of the
+   * open passes `ioStallMs`: logged with its path and offset; the engine
+   * and the files' locks close once the kernel completes it.
    */
   static async open(options: SsdTierOptions): Promise<SsdTier> {
     const log = options.log ?? defaultLog();
@@ -188,60 +196,77 @@ export class SsdTier {
     // Locked before anything opens or sizes a file: two servers on one file
     // would overwrite each other's records (a second server refuses to start).
     const locks = lockPaths(options.paths);
+    const closeLocks = () => {
+      for (const l of locks.values()) if (!(l instanceof Error)) l.close();
+    };
     let uring: Uring;
     try {
       uring = Uring.open(opts.pool, options.ring.handle, opts.ioDepth, opts.hdrPages);
     } catch (e) {
-      for (const l of locks.values()) if (!(l instanceof Error)) l.close();
+      closeLocks();
       throw e;
     }
     const io = new SsdIo(uring, opts.pool, options.ring.completions$, opts.ioStallMs);
-    try {
-      const files = await openCacheFiles(uring, io, locks, opts, !!options.reset, log);
-      const index = new SsdIndex();
-      const ring = new SegmentRing(files, opts.segmentBytes, (seg) => index.dropSegment(seg));
-      const rfiles: RecoveryFile[] = files.map((f) => ({
-        handle: f.handle,
-        path: f.path,
-        sizeBytes: f.sizeAtOpen,
-        generation: f.generation,
-      }));
-      const capacity = files.reduce((n, f) => n + f.segments * opts.segmentBytes, 0);
-      log.info("rebuilding the SSD index", {
-        segments: ring.segments.length,
-        capacity_bytes: capacity,
-        files: files.length,
-      });
-      const report = await recoverIndex(io, rfiles, ring, index, opts.hdrPages, {
-        intervalMs: opts.recoveryProgressMs,
-        report: (p, final) => logRebuildProgress(log, p, final),
-      });
-      ring.resume(nextSeqAfter(report, ring));
-      const tier = new SsdTier(io, files, ring, index, report, opts, log, options.stageMetrics);
-      log.info("SSD index recovered", {
-        blocks: report.blocks,
-        bytes: report.bytes,
-        files: files.length,
-        header_reads: report.headerReads,
-        chains_ended_on_bad_header: report.stoppedOnBadHeader,
-        truncated_records_dropped: report.truncated,
-        header_read_errors: report.readErrors,
-      });
-      if (report.firstReadError) {
-        log.warn("SSD header reads failed while rebuilding the index: those segments end there", {
-          failed_reads: report.readErrors,
-          path: report.firstReadError.path,
-          offset: report.firstReadError.offset,
-          error: report.firstReadError.error,
-        });
-      }
-      return tier;
-    } catch (e) {
+    // The engine closes only with no io of it in the kernel (pf_uring_close waits for it).
+    const release = async () => {
       io.dispose();
-      await uring.close();
-      for (const l of locks.values()) if (!(l instanceof Error)) l.close();
-      throw e;
+      try {
+        await uring.close();
+      } finally {
+        closeLocks();
+      }
+    };
+    // A disk that hangs while the tier opens: the open gives up at the stall deadline.
+    return await openWithin(io, SsdTier.#build(io, locks, opts, options, log), release, log);
+  }
+
+  /** Opens the cache files and rebuilds the index over `io` (open's work, raced against a stall). */
+  static async #build(
+    io: SsdIo,
+    locks: Map<string, Deno.FsFile | Error>,
+    opts: ResolvedOptions,
+    options: SsdTierOptions,
+    log: Logger,
+  ): Promise<SsdTier> {
+    const files = await openCacheFiles(io.uring, io, locks, opts, !!options.reset, log);
+    const index = new SsdIndex();
+    const ring = new SegmentRing(files, opts.segmentBytes, (seg) => index.dropSegment(seg));
+    const rfiles: RecoveryFile[] = files.map((f) => ({
+      handle: f.handle,
+      path: f.path,
+      sizeBytes: f.sizeAtOpen,
+      generation: f.generation,
+    }));
+    const capacity = files.reduce((n, f) => n + f.segments * opts.segmentBytes, 0);
+    log.info("rebuilding the SSD index", {
+      segments: ring.segments.length,
+      capacity_bytes: capacity,
+      files: files.length,
+    });
+    const report = await recoverIndex(io, rfiles, ring, index, opts.hdrPages, {
+      intervalMs: opts.recoveryProgressMs,
+      report: (p, final) => logRebuildProgress(log, p, final),
+    });
+    ring.resume(nextSeqAfter(report, ring));
+    const tier = new SsdTier(io, files, ring, index, report, opts, log, options.stageMetrics);
+    log.info("SSD index recovered", {
+      blocks: report.blocks,
+      bytes: report.bytes,
+      files: files.length,
+      header_reads: report.headerReads,
+      chains_ended_on_bad_header: report.stoppedOnBadHeader,
+      truncated_records_dropped: report.truncated,
+      header_read_errors: report.readErrors,
+    });
+    if (report.firstReadError) {
+      log.warn("SSD header reads failed while rebuilding the index: those segments end there", {
+        failed_reads: report.readErrors,
+        path: report.firstReadError.path,
+        offset: report.firstReadError.offset,
+        error: report.firstReadError.error,
+      });
     }
+    return tier;
   }
 
   // ---- write-behind ------------------------------------------------------
@@ -340,6 +365,18 @@ export class SsdTier {
     return this.#stall.degraded;
   }
 
+  /**
+   * Undefined once the engine is closed; else what it waits on (the oldest
+   * io op in the kernel, with path and offset). While it is open it holds
+   * the pool and the completion ring: they must not be freed under it.
+   */
+  stillOpen(): string | undefined {
+    if (!this.#engineOpen) return undefined;
+    const o = this.#io.oldestOutstanding();
+    return "the SSD io engine is still open: " +
+      (o ? `oldest io op: ${describeIo(o)}` : "no io op in the kernel");
+  }
+
   /** Capacity and what the index holds: no I/O, safe after {@link close} (tier health). */
   usage(): { capacityBytes: number; indexBytes: number; indexBlocks: number } {
     return {
@@ -407,6 +444,8 @@ export class SsdTier {
       await this.#io.uring.close();
     } finally {
       for (const f of this.files) f.lock.close();
+      this.#engineOpen = false;
+      this.#engineDone();
     }
   }
 }

@@ -119,6 +119,7 @@ function emptyCounts(): TierQueryCounts {
       budget: 0,
       "queue-full": 0,
       "no-pool-space": 0,
+      degraded: 0,
       closed: 0,
     },
   };

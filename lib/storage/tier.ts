@@ -68,6 +68,8 @@ export type TierMissReason =
   | "budget"
   | "queue-full"
   | "no-pool-space"
+  /** The tier's io is stalled (a hung disk): it takes no work until that io completes. */
+  | "degraded"
   | "closed";
 
 /** The answer to {@link Tier.prefetch}. */
@@ -87,8 +89,12 @@ export type TierTakeAnswer =
 
 /** A tier's capacity and health, for /metrics and the operator. */
 export interface TierHealth {
-  /** `up`: serving; `closed`: shut down (puts dropped, fetches miss). */
-  readonly state: "up" | "closed";
+  /**
+   * `up`: serving; `degraded`: open but taking no work until its stalled io
+   * completes (puts dropped, fetches miss `degraded`; it comes back `up` by
+   * itself); `closed`: shut down (puts dropped, fetches miss).
+   */
+  readonly state: "up" | "degraded" | "closed";
   readonly capacityBytes: number;
   readonly usedBytes: number;
   readonly blocks: number;

@@ -1,0 +1,118 @@
+/**
+ * A disk that hangs while the SSD tier opens (superblock io, the index
+ * rebuild). The seam holds back the SSD's completion records on their way
+ * from the ring to the tier, as tests/ssd/stall_test.ts does. `open()` must
+ * give up at the stall deadline with an `SsdOpenError` (so the server starts
+ * without the tier) naming the path and offset that hung, must not close the
+ * engine under the kernel, and must close the engine and release the file's
+ * lock once the kernel completes the io.
+ */
+import assert from "node:assert/strict";
+import { Observable } from "rxjs";
+import type { Completion } from "../../ffi/ring.ts";
+import { SSD_TAG_BASE } from "../../lib/ssd/io.ts";
+import {
+  SsdOpenError,
+  SsdOpenStalledError,
+  SsdTier,
+  type SsdTierOptions,
+} from "../../lib/ssd/tier.ts";
+import { FP, type Harness, harness, TEST_NAMESPACE, within } from "./_harness.ts";
+
+const MiB = 1 << 20;
+const BLOCK = 64 * 1024;
+
+/** The harness ring with the SSD's completion records held back while `hold()` says so. */
+function holdingRing(h: Harness, hold: () => boolean) {
+  const held = { parked: [] as Completion[], released: false, release: () => {} };
+  const completions$ = new Observable<Completion>((sub) => {
+    held.release = () => {
+      held.released = true;
+      for (const c of held.parked.splice(0)) sub.next(c);
+    };
+    return h.ring.completions$.subscribe({
+      next: (c) =>
+        !held.released && c.tag >= SSD_TAG_BASE && hold() ? held.parked.push(c) : sub.next(c),
+      error: (e) => sub.error(e),
+      complete: () => sub.complete(),
+    });
+  });
+  return { ring: { handle: h.ring.handle, completions$ }, held };
+}
+
+function open(h: Harness, ring: SsdTierOptions["ring"], o: Partial<SsdTierOptions> = {}) {
+  return SsdTier.open({
+    pool: h.pool.handle,
+    ring,
+    log: h.log,
+    paths: [h.dir],
+    capacityBytes: 8 * MiB,
+    segmentBytes: MiB,
+    ...o,
+  });
+}
+
+const key = (s: string) => `${TEST_NAMESPACE}/${s}`;
+
+Deno.test("a disk that hangs during the index rebuild: open gives up at the stall deadline naming the path and offset, and the engine and lock close once the kernel completes the io", async () => {
+  const h = await harness();
+  try {
+    const first = await open(h, h.ring);
+    h.fill(key("a"), 0, BLOCK);
+    h.write(first, [h.block(key("a"), 0, BLOCK)]);
+    await within(first.flushWrites(), 5_000, "the first write");
+    const path = first.files[0].path;
+    await first.close();
+    // Hold every SSD completion from the moment the rebuild starts.
+    const rebuilding = () => h.logs.some((l) => l.includes("rebuilding the SSD index"));
+    const { ring, held } = holdingRing(h, rebuilding);
+    const opened = open(h, ring, { ioStallMs: 200 });
+    const err = await within(opened.catch((e) => e), 5_000, "open on a hung disk");
+    assert.ok(err instanceof SsdOpenError, String(err));
+    assert.ok(err instanceof SsdOpenStalledError);
+    assert.match(err.message, /stalled/);
+    assert.ok(err.message.includes(path), err.message);
+    assert.match(err.message, /read of .* at offset \d+/);
+    assert.ok(err.stillOpen(), "the engine waits for the kernel");
+    assert.ok(
+      h.logs.some((l) =>
+        l.includes('"level":"error"') && l.includes("SSD open stalled") &&
+        l.includes(`"path":"${path}"`) && l.includes('"offset":') && l.includes('"op":"read"')
+      ),
+      h.logs.join("\n"),
+    );
+    // The kernel completes: the engine and the lock go, a new tier opens and finds the block.
+    held.release();
+    await within(err.engineClosed, 5_000, "the abandoned engine closing");
+    assert.equal(err.stillOpen(), undefined);
+    assert.ok(h.logs.some((l) => l.includes("SSD open abandoned")), h.logs.join("\n"));
+    const again = await open(h, h.ring);
+    try {
+      assert.equal(again.lookupPrefix([key("a")], FP), 1);
+    } finally {
+      await again.close();
+    }
+  } finally {
+    await h.close();
+  }
+});
+
+Deno.test("a disk that hangs on the superblock write of a new cache file: open gives up at the stall deadline", async () => {
+  const h = await harness();
+  try {
+    const { ring, held } = holdingRing(h, () => true);
+    const err = await within(
+      open(h, ring, { ioStallMs: 200 }).catch((e) => e),
+      5_000,
+      "open on a hung disk",
+    );
+    assert.ok(err instanceof SsdOpenStalledError, String(err));
+    assert.match(err.message, /write of .*pegaflow-ssd\.cache at offset 0/);
+    held.release();
+    await within(err.engineClosed, 5_000, "the abandoned engine closing");
+    const again = await open(h, h.ring);
+    await again.close();
+  } finally {
+    await h.close();
+  }
+});
