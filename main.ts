@@ -35,7 +35,13 @@ if (import.meta.main) {
   );
   const stop = async (sig: string) => {
     log.info("signal received", { signal: sig });
-    await server.close();
+    try {
+      await server.close();
+    } catch (e) {
+      // A stop that could not finish (what it left is in the log lines before this one).
+      log.error("stop failed", { signal: sig, error: (e as Error)?.stack ?? String(e) });
+      Deno.exit(1);
+    }
     Deno.exit(0);
   };
   Deno.addSignalListener("SIGINT", () => stop("SIGINT"));
