@@ -350,8 +350,19 @@ export function engineServiceImpl(
         if (gone) return;
         gone = true;
         metrics.streamEnded("Session", "CANCELLED");
-        // Only the current session's loss cleans up; a superseded one just goes away.
-        if (!sessions.remove(instanceId, rank, call)) return;
+        // Only the current session of a registered rank cleans up; a superseded one just goes
+        // away, and one no registration adopted stood for none of the instance's ranks.
+        const stood = sessions.remove(instanceId, rank, call);
+        if (stood === undefined) return;
+        if (stood === "unregistered") {
+          log.info("session of an unregistered rank ended", {
+            instance: instanceId,
+            tp_rank: tpRank,
+            pp_rank: ppRank,
+            why,
+          });
+          return;
+        }
         log.warn("session dropped; cleaning up the instance", {
           instance: instanceId,
           tp_rank: tpRank,

@@ -106,16 +106,26 @@ export class Sessions {
     return old;
   }
 
-  /** True if `call` is still the current stream of (instance, rank); removes it. */
-  remove(instance: string, rank: number, call: SessionCall): boolean {
+  /**
+   * Removes `call` if it is still the current stream of (instance, rank): "registered" when
+   * it stood for the rank's registration (its end cleans the instance up), "unregistered"
+   * when no registration adopted it (a session opened before a registration that never came,
+   * or for a rank outside the topology the instance then registered with: its end concerns
+   * no registered rank); undefined when it was not current (superseded, or its instance ended).
+   */
+  remove(
+    instance: string,
+    rank: number,
+    call: SessionCall,
+  ): "registered" | "unregistered" | undefined {
     const m = this.#byInstance.get(instance);
     const r = m?.get(rank);
-    if (!m || !r || r.call !== call) return false;
+    if (!m || !r || r.call !== call) return undefined;
     r.call = undefined;
     // A registered rank keeps its token until its instance is gone (the cleanup that follows).
     if (r.token === undefined) m.delete(rank);
     if (m.size === 0) this.#byInstance.delete(instance);
-    return true;
+    return r.token === undefined ? "unregistered" : "registered";
   }
 
   /** Ends every stream of the instance with `kind` and forgets its registrations. */

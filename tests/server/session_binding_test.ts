@@ -205,3 +205,41 @@ Deno.test("a session opened before its registration is the registration's sessio
     await srv.stop();
   }
 });
+
+Deno.test("a session opened before registering, for a rank the instance then does not have, cleans nothing up when it ends", async () => {
+  const srv = await startServer();
+  const instanceId = uid("stray");
+  const holder = ownSim(srv, instanceId, uid("ns"));
+  const other = new PegaflowClient(srv.grpc);
+  try {
+    // A session (no token) for tp_rank 1 of an instance not registered yet is taken ...
+    const stray = other.openSession(instanceId, 1, 0);
+    await until(
+      "the early session taken",
+      async () => (await srv.metric("pegaflow_sessions")) === 1,
+    );
+    // ... and the instance then registers with tp_size 1 and opens its own session.
+    await holder.sim.register();
+    const own = holder.client.openSession(instanceId);
+    await until("both sessions open", async () => (await srv.metric("pegaflow_sessions")) === 2);
+    // The stray session stood for no registered rank: its end must not clean the instance up.
+    stray.close();
+    await settlesWithin(stray.closed, 10_000);
+    await until(
+      "the stray session gone",
+      async () => (await srv.metric("pegaflow_sessions")) <= 1,
+    );
+    await new Promise((res) => setTimeout(res, 300));
+    assert.deepEqual(await instanceIds(srv), [instanceId]);
+    assert.deepEqual(own.events, [], "the holder's session got no event");
+    const lost = await srv.metric("pegaflow_instance_cleanups_total", '{reason="session_lost"}');
+    assert.ok(!(lost > 0), `cleanups for a lost session: ${lost}`);
+    // The holder's own session still cleans it up when it ends.
+    own.close();
+    await until("instance gone", async () => (await instanceIds(srv)).length === 0);
+  } finally {
+    holder.close();
+    other.close();
+    await srv.stop();
+  }
+});
