@@ -81,8 +81,10 @@ export interface Session {
   readonly closed: Promise<SessionEvent | null>;
   /**
    * The status the stream broke with (UNAVAILABLE: the server is stopping or
-   * went away; INVALID_ARGUMENT: the session was refused; CANCELLED after
-   * {@link close}); undefined while open and after the server ended it with an event.
+   * went away; INVALID_ARGUMENT: the session was refused for its ids;
+   * FAILED_PRECONDITION: refused for its registration token, missing, another
+   * registration's or stale; CANCELLED after {@link close}); undefined while
+   * open and after the server ended it with an event.
    */
   readonly error: PegaflowError | undefined;
   /** Ends the session from the client side (the server then cleans the instance up). */
