@@ -71,7 +71,8 @@ export type PrefetchAnswer =
       | "budget"
       | "queue-full"
       | "no-pool-space"
-      | "degraded";
+      | "degraded"
+      | "closed";
   };
 
 /**
@@ -214,7 +215,7 @@ export class SsdPrefetcher {
   ): PrefetchAnswer {
     const polled = this.poll(reqId);
     if (polled) return { state: polled };
-    if (this.#closed) return { state: "miss", reason: "queue-full" };
+    if (this.#closed) return { state: "miss", reason: "closed" };
     if (this.#degraded()) {
       // A stalled disk: a read would wait behind it (and hold pool space) for no one.
       this.#s.prefetchDegradedMisses++;

@@ -212,3 +212,15 @@ Deno.test("a prefetch refused by a full queue whose free throws answers a miss, 
     await readsAgain(h, tier, "r4", keys.slice(2));
   });
 });
+
+Deno.test("a prefetch after close answers a miss for closed, not for a full queue", async () => {
+  const h = await harness();
+  try {
+    const tier = await h.openTier({ capacityBytes: 8 * 1024 * 1024, segmentBytes: 1024 * 1024 });
+    await tier.close();
+    const a = tier.prefetch("after-close", ["ns-test/k0"], h.allocator(0), FP);
+    assert.deepEqual(a, { state: "miss", reason: "closed" });
+  } finally {
+    await h.close();
+  }
+});
