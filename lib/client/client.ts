@@ -118,6 +118,11 @@ export class PegaflowClient {
    * {@link openSession} presents, so the session stands for this client's registration.
    */
   readonly #tokens = new Map<string, string>();
+  /**
+   * Sessions opened with no token, per rank, waiting for the registration that adopts them:
+   * the first one this client is answered for the rank after the session opened.
+   */
+  readonly #adopters = new Map<string, Set<(token: string) => void>>();
   #closed = false;
 
   /**
@@ -248,15 +253,23 @@ export class PegaflowClient {
         kvSharedAcrossTp: req.kvSharedAcrossTp ?? false,
       },
     ).then((r) => {
-      if (r.registrationToken !== "") this.#tokens.set(rank, r.registrationToken);
+      if (r.registrationToken !== "") this.#keepToken(rank, r.registrationToken);
       return r;
     }, (e: unknown) => {
       // The same registration again: the server still holds it and names its token.
       const token = e instanceof PegaflowError && e.code === grpc.status.ALREADY_EXISTS &&
         REGISTRATION_TOKEN_IN_DETAILS.exec(e.details)?.[1];
-      if (token) this.#tokens.set(rank, token);
+      if (token) this.#keepToken(rank, token);
       throw e;
     });
+  }
+
+  /** Keeps the rank's token; the sessions opened with none before it belong to its registration. */
+  #keepToken(rank: string, token: string): void {
+    this.#tokens.set(rank, token);
+    const waiting = this.#adopters.get(rank);
+    this.#adopters.delete(rank);
+    for (const adopt of waiting ?? []) adopt(token);
   }
 
   /**
@@ -359,7 +372,19 @@ export class PegaflowClient {
     const call = this.#raw.session({ instanceId, tpRank, ppRank, registrationToken });
     const events: SessionEvent[] = [];
     let error: PegaflowError | undefined;
+    // The server sends its headers when it takes the session (grpc_service.ts): a session that
+    // never got them (no connection, the server away) stood for no registration.
+    let reached = false;
+    // The token of the registration this session stands for: the one it presented, or for one
+    // opened with none, the registration that follows it (the server adopts it there).
+    let stoodFor = registrationToken;
+    const adopt = (token: string) => stoodFor ??= token;
+    if (registrationToken === undefined) {
+      const waiting = this.#adopters.get(rank) ?? new Set();
+      this.#adopters.set(rank, waiting.add(adopt));
+    }
     const closed = new Promise<SessionEvent | null>((resolve) => {
+      call.on("metadata", () => reached = true);
       call.on("data", (e: SessionEvent) => events.push(e));
       call.on("end", () => resolve(events.at(-1) ?? null));
       call.on("error", (e: grpc.ServiceError) => {
@@ -368,16 +393,18 @@ export class PegaflowClient {
       });
     });
     closed.then((last) => {
-      const held = this.#tokens.get(rank);
-      if (held === undefined || last?.kind === SessionEvent_Kind.SUPERSEDED) return;
+      this.#adopters.get(rank)?.delete(adopt);
+      if (last?.kind === SessionEvent_Kind.SUPERSEDED) return;
       // The end of the session that stood for the rank ends its registration (the server
-      // cleans the instance up): its token is stale. A session opened with a token stood for
-      // that token's registration; one opened with none, for the registration that followed
-      // it, unless it was refused (then it ended nothing).
+      // cleans the instance up): its token, and only its, is stale. A refusal (only the
+      // server answers these) of a presented token says it is stale too; a session opened
+      // with none that was refused, or never reached the server, ended nothing.
       const refused = error?.code === grpc.status.FAILED_PRECONDITION ||
         error?.code === grpc.status.INVALID_ARGUMENT;
-      const stood = registrationToken === undefined ? !refused : held === registrationToken;
-      if (stood) this.#tokens.delete(rank);
+      const ended = registrationToken === undefined ? reached && !refused : reached || refused;
+      if (ended && stoodFor !== undefined && this.#tokens.get(rank) === stoodFor) {
+        this.#tokens.delete(rank);
+      }
     });
     return {
       events,

@@ -344,6 +344,9 @@ export function engineServiceImpl(
         });
         old.end();
       }
+      // The headers say "taken" at once (grpc-js sends them with the first event otherwise): a
+      // client tells a session that stood for its registration from one that never got here.
+      call.sendMetadata(new grpc.Metadata());
       log.info("session opened", { instance: instanceId, tp_rank: tpRank, pp_rank: ppRank });
       let gone = false;
       const onGone = (why: string) => {

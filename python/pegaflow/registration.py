@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Dict, List, Optional, Sequence
 
 import grpc
@@ -57,6 +58,10 @@ from .regions import LayerRegion
 log = logging.getLogger("pegaflow.registration")
 
 RETRY_MIN_S = 0.05
+#: A session that stood this long ended for a reason of its own (a restart, a cleanup), and the
+#: rank re-registers at once; one that ended sooner waits a backoff that doubles per generation
+#: (something on the path ends every session at once: without it, a loop with no pause).
+SESSION_STOOD_S = 1.0
 #: A registration refused for want of a server, not for its content: retried in the background.
 NO_SERVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 #: What the server's refusal of a rank held by another engine says (lib/engine/registration.ts
@@ -183,7 +188,15 @@ class KvRegistration:
             raise RuntimeError(f"{self.who}: register() called twice")
         name = f"pegaflow-session-{self.tp_rank}-{self.pp_rank}"
         try:
-            res = self._register_once()
+            try:
+                res = self._register_once()
+            except PegaflowError as e:
+                if e.code != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                # The server still holds this very registration (an earlier KvRegistration of
+                # these regions, closed without unregistering): registered, with the token the
+                # refusal names (kept by _register_once).
+                res = pb.RegisterContextResponse(registration_token=self.registration_token or "")
             self._open_session()
         except PegaflowError as e:
             held = held_by_another_engine(e)
@@ -258,7 +271,9 @@ class KvRegistration:
                 raise
 
     def _watch(self) -> None:
+        gap = 0.0  # the pause before re-registering after a session that ended at once
         while not self._stop.is_set():
+            since = time.monotonic()
             ev = self._session.next_event()
             if self._stop.is_set():
                 return
@@ -276,7 +291,9 @@ class KvRegistration:
                 log.error("%s: another process took over this rank's session (%s); not re-registering", self.who, why)
                 return
             log.warning("%s: session lost (%s); re-registering when the server is back", self.who, why)
-            if not self._reregister():
+            stood = time.monotonic() - since >= SESSION_STOOD_S
+            gap = 0.0 if stood else min(max(gap * 2, RETRY_MIN_S), self.client.config.reconnect_max_s)
+            if self._stop.wait(gap) or not self._reregister():
                 return  # its session is gone for good: waiting on it again would spin
 
     def _reregister(self) -> bool:

@@ -224,3 +224,46 @@ def test_a_session_opened_while_the_registration_closes_is_cancelled_not_kept(cl
         except PegaflowError:
             pass  # its session ended with close(): the server may have cleaned it up already
         region.close()
+
+
+class _EndsAtOnce:
+    """A session that the path ends as soon as it is installed (its real stream stays open
+    underneath, superseded by the next one): each generation's session ends at once."""
+
+    def __init__(self, real):
+        self.real, self.error = real, None
+
+    def next_event(self):
+        return None
+
+    def cancel(self) -> None:
+        self.real.cancel()
+
+
+def test_sessions_that_end_at_once_are_re_registered_with_backoff_not_in_a_loop(client, uid):
+    from pegaflow.client import PegaflowClient
+
+    from kv_helpers import make_kv, register
+
+    region, kv = make_kv(1, 8)
+    own = PegaflowClient(client.address, reconnect_max_ms=300)
+    opened = []
+    real_open = own.open_session
+
+    def open_session(*a, **kw):
+        s = _EndsAtOnce(real_open(*a, **kw))
+        opened.append(s)
+        return s
+
+    own.open_session = open_session
+    reg = register(own, kv, uid, "ns-" + uid)
+    try:
+        time.sleep(1.0)
+        # 50, 100, 200, 300, 300 ... ms between generations: a handful in a second, not hundreds.
+        assert 2 <= reg.generation <= 10, f"{reg.generation} generations in 1 s"
+    finally:
+        reg.close()
+        for s in opened:
+            s.real.cancel()
+        own.close()
+        region.close()

@@ -330,3 +330,30 @@ def test_an_engine_that_died_before_opening_its_session_frees_the_rank_after_the
 
 if __name__ == "__main__":
     {"second": _child, "holder": _holder}[sys.argv[1]](*sys.argv[2:5])
+
+
+def test_a_first_register_answered_already_exists_counts_as_registered(server, uid):
+    """The server still holds these very regions (registered by an earlier registration of
+    this process, whose session is not open yet): ALREADY_EXISTS on the first register() is
+    "registered", with the token its message names, and the session opens with it."""
+    from pegaflow.registration import KvRegistration
+
+    client = PegaflowClient(server.addr, rpc_timeout_ms=5000, reconnect_max_ms=200)
+    region, kv = make_kv(2, 8)
+    layers, device = export_kv_layers(kv)
+    try:
+        first = client.register_context(
+            instance_id=uid, namespace="ns-" + uid, tp_rank=0, tp_size=1, device_id=device,
+            layer_names=[l.name for l in layers], region_handles=[l.handle for l in layers],
+            geometry=[l.geometry for l in layers],
+        )
+        reg = KvRegistration(client, instance_id=uid, namespace="ns-" + uid, layers=layers, device_id=device)
+        try:
+            reg.register()  # raised ALREADY_EXISTS before
+            assert reg.connected and reg.registration_token == first.registration_token
+            assert save_one(client, kv, uid, 1, 5) == 1
+        finally:
+            reg.close()
+    finally:
+        client.close()
+        region.close()

@@ -243,3 +243,95 @@ Deno.test("a session opened before registering, for a rank the instance then doe
     await srv.stop();
   }
 });
+
+/**
+ * A TCP relay to `target` that can be cut: while cut it closes every connection (the relayed
+ * ones too), as a network blip between an engine and a server that stays up.
+ */
+function cuttableRelay(target: string) {
+  const [hostname, port] = [target.slice(0, target.lastIndexOf(":")), target.split(":").at(-1)];
+  const listener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const open = new Set<Deno.Conn>();
+  let cut = false;
+  const drop = (c: Deno.Conn) => {
+    open.delete(c);
+    try {
+      c.close();
+    } catch { /* closed already: the other side of the pipe went first */ }
+  };
+  (async () => {
+    for await (const conn of listener) {
+      if (cut) {
+        drop(conn);
+        continue;
+      }
+      const up = await Deno.connect({ hostname, port: Number(port) });
+      open.add(conn).add(up);
+      const pipe = (a: Deno.Conn, b: Deno.Conn) =>
+        a.readable.pipeTo(b.writable).catch(() => {}).finally(() => (drop(a), drop(b)));
+      pipe(conn, up);
+      pipe(up, conn);
+    }
+  })().catch(() => {});
+  return {
+    address: `127.0.0.1:${(listener.addr as Deno.NetAddr).port}`,
+    setCut(on: boolean) {
+      cut = on;
+      if (on) { for (const c of [...open]) drop(c); }
+    },
+    close() {
+      this.setCut(true);
+      listener.close();
+    },
+  };
+}
+
+Deno.test("a session that never reached the server keeps the token: the next one stands for the live registration", async () => {
+  const srv = await startServer();
+  const instanceId = uid("blip");
+  const relay = cuttableRelay(srv.grpc);
+  const client = new PegaflowClient(relay.address);
+  const sim = SimEngine.create({
+    client,
+    instanceId,
+    namespace: uid("ns"),
+    model: MODEL,
+    numBlocks: 16,
+    backend: "host",
+  });
+  try {
+    await sim.register();
+    // The connection drops before the session is opened: it fails without reaching the server,
+    // whose registration (inside its grace period) is untouched.
+    relay.setCut(true);
+    const lost = client.openSession(instanceId);
+    assert.ok(await settlesWithin(lost.closed, 10_000), "the session failed");
+    assert.equal(lost.error?.codeName, "UNAVAILABLE", String(lost.error));
+    assert.deepEqual(await instanceIds(srv), [instanceId]);
+    relay.setCut(false);
+    await until("the connection is back", () => client.health().then(() => true, () => false));
+    // The next session presents the registration's token and is taken.
+    const again = client.openSession(instanceId);
+    await until("the session taken", async () => (await srv.metric("pegaflow_sessions")) === 1);
+    assert.equal(again.error, undefined, String(again.error));
+    again.close();
+    await until(
+      "instance gone with its session",
+      async () => (await instanceIds(srv)).length === 0,
+    );
+    // That session stood for the registration: its end forgot the token, so a session opened
+    // before the next registration (the old order) carries none and is taken.
+    const early = client.openSession(instanceId);
+    await until(
+      "the early session taken",
+      async () => (await srv.metric("pegaflow_sessions")) === 1,
+    );
+    assert.equal(early.error, undefined, String(early.error));
+    early.close();
+  } finally {
+    sim.close();
+    client.close();
+    relay.close();
+    await srv.stop();
+  }
+});
