@@ -4,7 +4,9 @@
  * from the key so every byte can be checked after a round trip.
  */
 import { Engine, type Pool } from "../../ffi/native.ts";
-import { CompletionRing } from "../../ffi/ring.ts";
+import { type Completion, CompletionRing } from "../../ffi/ring.ts";
+import { Observable } from "rxjs";
+import { SSD_TAG_BASE } from "../../lib/ssd/io.ts";
 import type {
   PrefetchAllocation,
   PrefetchAllocator,
@@ -201,4 +203,31 @@ export async function harness(poolBytes = 64 << 20): Promise<Harness> {
     },
   };
   return h;
+}
+
+/**
+ * The hung-disk seam: `ring` with the SSD's completion records held back while
+ * `held.on` (or, given `hold`, while it says so until the first release), as a
+ * disk that never completes looks to the tier; `held.release()` delivers them,
+ * as the kernel finally would.
+ */
+export function holdingRing(
+  ring: { handle: number; completions$: Observable<Completion> },
+  hold?: () => boolean,
+) {
+  const held = { on: false, released: false, parked: [] as Completion[], release: () => {} };
+  const holding = hold ? () => !held.released && hold() : () => held.on;
+  const completions$ = new Observable<Completion>((sub) => {
+    held.release = () => {
+      held.on = false;
+      held.released = true;
+      for (const c of held.parked.splice(0)) sub.next(c);
+    };
+    return ring.completions$.subscribe({
+      next: (c) => (c.tag >= SSD_TAG_BASE && holding() ? held.parked.push(c) : sub.next(c)),
+      error: (e) => sub.error(e),
+      complete: () => sub.complete(),
+    });
+  });
+  return { ring: { handle: ring.handle, completions$ }, held };
 }

@@ -8,37 +8,16 @@
  * lock once the kernel completes the io.
  */
 import assert from "node:assert/strict";
-import { Observable } from "rxjs";
-import type { Completion } from "../../ffi/ring.ts";
-import { SSD_TAG_BASE } from "../../lib/ssd/io.ts";
 import {
   SsdOpenError,
   SsdOpenStalledError,
   SsdTier,
   type SsdTierOptions,
 } from "../../lib/ssd/tier.ts";
-import { FP, type Harness, harness, TEST_NAMESPACE, within } from "./_harness.ts";
+import { FP, type Harness, harness, holdingRing, TEST_NAMESPACE, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 64 * 1024;
-
-/** The harness ring with the SSD's completion records held back while `hold()` says so. */
-function holdingRing(h: Harness, hold: () => boolean) {
-  const held = { parked: [] as Completion[], released: false, release: () => {} };
-  const completions$ = new Observable<Completion>((sub) => {
-    held.release = () => {
-      held.released = true;
-      for (const c of held.parked.splice(0)) sub.next(c);
-    };
-    return h.ring.completions$.subscribe({
-      next: (c) =>
-        !held.released && c.tag >= SSD_TAG_BASE && hold() ? held.parked.push(c) : sub.next(c),
-      error: (e) => sub.error(e),
-      complete: () => sub.complete(),
-    });
-  });
-  return { ring: { handle: h.ring.handle, completions$ }, held };
-}
 
 function open(h: Harness, ring: SsdTierOptions["ring"], o: Partial<SsdTierOptions> = {}) {
   return SsdTier.open({
@@ -65,7 +44,7 @@ Deno.test("a disk that hangs during the index rebuild: open gives up at the stal
     await first.close();
     // Hold every SSD completion from the moment the rebuild starts.
     const rebuilding = () => h.logs.some((l) => l.includes("rebuilding the SSD index"));
-    const { ring, held } = holdingRing(h, rebuilding);
+    const { ring, held } = holdingRing(h.ring, rebuilding);
     const opened = open(h, ring, { ioStallMs: 200 });
     const err = await within(opened.catch((e) => e), 5_000, "open on a hung disk");
     assert.ok(err instanceof SsdOpenError, String(err));
@@ -100,7 +79,7 @@ Deno.test("a disk that hangs during the index rebuild: open gives up at the stal
 Deno.test("a disk that hangs on the superblock write of a new cache file: open gives up at the stall deadline", async () => {
   const h = await harness();
   try {
-    const { ring, held } = holdingRing(h, () => true);
+    const { ring, held } = holdingRing(h.ring, () => true);
     const err = await within(
       open(h, ring, { ioStallMs: 200 }).catch((e) => e),
       5_000,

@@ -8,33 +8,25 @@
  * an error log naming the outstanding io, and end without throwing.
  */
 import assert from "node:assert/strict";
-import { Observable } from "rxjs";
-import type { Completion } from "../../ffi/ring.ts";
-import { SSD_TAG_BASE } from "../../lib/ssd/io.ts";
 import { SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
 import { Logger } from "../../lib/log.ts";
 import { parseServeArgs } from "../../lib/server/config.ts";
 import { startServer } from "../../lib/server/server.ts";
-import { TEST_LAYOUT, TEST_NAMESPACE, within } from "./_harness.ts";
+import { holdingRing, TEST_LAYOUT, TEST_NAMESPACE, within } from "./_harness.ts";
 
 const BLOCK = 64 * 1024;
 
 Deno.test("a stop whose SSD close gave up on a hung disk leaves the pool and ring to process exit, logged with the outstanding io, and resolves", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-stop-stall-" });
-  const held = { on: false, parked: [] as Completion[] };
+  let held: ReturnType<typeof holdingRing>["held"] | undefined;
   let tier: SsdTier | undefined;
   const open = SsdTier.open;
   SsdTier.open = (o: SsdTierOptions) => {
-    const completions$ = new Observable<Completion>((sub) =>
-      o.ring.completions$.subscribe({
-        next: (c) => (held.on && c.tag >= SSD_TAG_BASE ? held.parked.push(c) : sub.next(c)),
-        error: (e) => sub.error(e),
-        complete: () => sub.complete(),
-      })
-    );
+    const r = holdingRing(o.ring);
+    held = r.held;
     return open({
       ...o,
-      ring: { handle: o.ring.handle, completions$ },
+      ring: r.ring,
       ioStallMs: 60_000,
       closeTimeoutMs: 300,
     }).then((t) => (tier = t));
@@ -60,7 +52,7 @@ Deno.test("a stop whose SSD close gave up on a hung disk leaves the pool and rin
     if (parsed.kind !== "config") return;
     const server = await startServer(parsed.config, log);
     assert.ok(tier, "the server opened the SSD tier through the seam");
-    held.on = true;
+    held!.on = true;
     // A write the kernel never completes (its pool bytes are whatever the pool holds).
     const pinned = { released: 0 };
     const r = tier.enqueueWrite({

@@ -9,33 +9,13 @@
  * completions arrive.
  */
 import assert from "node:assert/strict";
-import { Observable } from "rxjs";
 import { Registry } from "prom-client";
-import type { Completion } from "../../ffi/ring.ts";
-import { SSD_TAG_BASE } from "../../lib/ssd/io.ts";
 import { registerSsdMetrics } from "../../lib/ssd/metrics.ts";
 import { SsdStalledError, SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
-import { FP, type Harness, harness, TEST_NAMESPACE, within } from "./_harness.ts";
+import { FP, type Harness, harness, holdingRing, TEST_NAMESPACE, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 64 * 1024;
-
-/** The harness ring with the SSD's completion records held back while `held.on`. */
-function holdingRing(h: Harness) {
-  const held = { on: false, parked: [] as Completion[], release: () => {} };
-  const completions$ = new Observable<Completion>((sub) => {
-    held.release = () => {
-      held.on = false;
-      for (const c of held.parked.splice(0)) sub.next(c);
-    };
-    return h.ring.completions$.subscribe({
-      next: (c) => (held.on && c.tag >= SSD_TAG_BASE ? held.parked.push(c) : sub.next(c)),
-      error: (e) => sub.error(e),
-      complete: () => sub.complete(),
-    });
-  });
-  return { ring: { handle: h.ring.handle, completions$ }, held };
-}
 
 function open(h: Harness, ring: SsdTierOptions["ring"], o: Partial<SsdTierOptions>) {
   return SsdTier.open({
@@ -61,7 +41,7 @@ const key = (s: string) => `${TEST_NAMESPACE}/${s}`;
 
 Deno.test("a write batch the disk never completes degrades the tier: logged with its path and offset, its pins kept, new writes dropped, prefetches miss, flush gives up; the tier recovers when it completes", async () => {
   const h = await harness();
-  const { ring, held } = holdingRing(h);
+  const { ring, held } = holdingRing(h.ring);
   const tier = await open(h, ring, { ioStallMs: 200, closeTimeoutMs: 10_000 });
   try {
     h.fill(key("old"), 0, BLOCK);
@@ -128,7 +108,7 @@ Deno.test("a write batch the disk never completes degrades the tier: logged with
 
 Deno.test("close on a stalled disk gives up at its deadline naming the outstanding write, and finishes once the kernel completes it", async () => {
   const h = await harness();
-  const { ring, held } = holdingRing(h);
+  const { ring, held } = holdingRing(h.ring);
   // The stall deadline is far off: close's own deadline ends the wait.
   const tier = await open(h, ring, { ioStallMs: 60_000, closeTimeoutMs: 300 });
   try {

@@ -8,17 +8,14 @@
  * records, as tests/ssd/stall_test.ts does.
  */
 import assert from "node:assert/strict";
-import { Observable } from "rxjs";
 import { Registry } from "prom-client";
-import type { Completion } from "../../ffi/ring.ts";
-import { SSD_TAG_BASE } from "../../lib/ssd/io.ts";
 import { SsdTier } from "../../lib/ssd/tier.ts";
 import { SsdStorageTier } from "../../lib/ssd/ssd_tier_port.ts";
 import { LowerTiers } from "../../lib/storage/lower_tiers.ts";
 import type { TierHost } from "../../lib/storage/tier.ts";
 import { registerTierMetrics } from "../../lib/server/tier_metrics.ts";
 import { makeStore, NS } from "../storage/helpers.ts";
-import { harness, TEST_NAMESPACE, within } from "./_harness.ts";
+import { harness, holdingRing, TEST_NAMESPACE, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 64 * 1024;
@@ -38,21 +35,10 @@ async function until(cond: () => boolean, ms: number, what: string): Promise<voi
 
 Deno.test("a degraded SSD tier reads degraded, not closed: its health, its query misses (miss_degraded) and pegaflow_tier_degraded; up again once the io completes", async () => {
   const h = await harness();
-  const held = { on: false, parked: [] as Completion[], release: () => {} };
-  const completions$ = new Observable<Completion>((sub) => {
-    held.release = () => {
-      held.on = false;
-      for (const c of held.parked.splice(0)) sub.next(c);
-    };
-    return h.ring.completions$.subscribe({
-      next: (c) => (held.on && c.tag >= SSD_TAG_BASE ? held.parked.push(c) : sub.next(c)),
-      error: (e) => sub.error(e),
-      complete: () => sub.complete(),
-    });
-  });
+  const { ring, held } = holdingRing(h.ring);
   const ssd = await SsdTier.open({
     pool: h.pool.handle,
-    ring: { handle: h.ring.handle, completions$ },
+    ring,
     log: h.log,
     paths: [h.dir],
     capacityBytes: 8 * MiB,
