@@ -12,23 +12,34 @@ import { IoOp } from "../../ffi/uring.ts";
 import { PF_STATUS } from "../../ffi/native.ts";
 import { Registry } from "prom-client";
 import { registerSsdMetrics } from "../../lib/ssd/metrics.ts";
-import { FP, harness, TEST_NAMESPACE, type TestBlock, within } from "./_harness.ts";
+import { FP, type Harness, harness, TEST_NAMESPACE, type TestBlock, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 64 * 1024;
 
+/**
+ * 4 header pages over 1 writer + 1 reader: 2 blocks per io batch. The 3 segments of 1 MiB
+ * (the superblock takes a page) hold 45 records of 64 KiB.
+ */
+const TWO_BLOCK_BATCHES = {
+  capacityBytes: 4 * MiB,
+  segmentBytes: MiB,
+  hdrPages: 4,
+  writeInflight: 1,
+  prefetchInflight: 1,
+};
+
+/** Keys under `prefix`, and a block of `BLOCK` bytes at pool offset `at` filled from its key. */
+function filled(h: Harness, prefix: string) {
+  const key = (s: string) => `${TEST_NAMESPACE}/${prefix}-${s}`;
+  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  return { key, block };
+}
+
 Deno.test("a refused write batch is counted and logged per block, its pin outlives the batch's other writes, and writing goes on", async () => {
   const h = await harness(); // a 64 MiB pool
-  // 4 header pages over 1 writer + 1 reader: 2 blocks per io batch. The 3 segments of
-  // 1 MiB (the superblock takes a page) hold 45 records of 64 KiB, so the writes after
-  // the failure wrap the ring.
-  const tier = await h.openTier({
-    capacityBytes: 4 * MiB,
-    segmentBytes: MiB,
-    hdrPages: 4,
-    writeInflight: 1,
-    prefetchInflight: 1,
-  });
+  // 45 records a ring (TWO_BLOCK_BATCHES): the writes after the failure wrap it.
+  const tier = await h.openTier(TWO_BLOCK_BATCHES);
   try {
     const key = (s: string) => `${TEST_NAMESPACE}/${s}`;
     // The first block's bytes lie outside the pool: its io batch (with "a") is refused whole.
@@ -119,15 +130,8 @@ Deno.test("a write batch whose pin throws is counted and logged per batch with i
 
 Deno.test("a failed record write seals its segment: blocks written after it land in the next one and survive a restart", async () => {
   const h = await harness();
-  const opts = {
-    capacityBytes: 4 * MiB,
-    segmentBytes: MiB,
-    hdrPages: 4,
-    writeInflight: 1,
-    prefetchInflight: 1,
-  };
-  const key = (s: string) => `${TEST_NAMESPACE}/seal-${s}`;
-  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  const opts = TWO_BLOCK_BATCHES;
+  const { key, block } = filled(h, "seal");
   let tier: SsdTier | undefined;
   try {
     tier = await h.openTier(opts);
@@ -142,7 +146,7 @@ Deno.test("a failed record write seals its segment: blocks written after it land
     const segment = (t: SsdTier, s: string) => Math.floor(t.locate(key(s))!.fileOffset / MiB);
     assert.notEqual(segment(tier, "b"), segment(tier, "a"), "b was placed past the hole");
     await tier.close();
-    // Recovery reads a segment's records up to its first gap: b and c are past none.
+    // b and c lie in the next segment, past no gap.
     tier = await h.openTier(opts);
     assert.equal(tier.lookupPrefix([key("a")], FP), 1);
     assert.equal(
@@ -158,17 +162,10 @@ Deno.test("a failed record write seals its segment: blocks written after it land
 
 Deno.test("records of a batch placed after a failed write in its segment are served before and after a restart; the failed ones never", async () => {
   const h = await harness();
-  // 4 header pages over 1 writer + 1 reader: 2 blocks per io batch, so the batch below is
-  // written as two io batches placed one after the other in the same segment.
-  const opts = {
-    capacityBytes: 4 * MiB,
-    segmentBytes: MiB,
-    hdrPages: 4,
-    writeInflight: 1,
-    prefetchInflight: 1,
-  };
-  const key = (s: string) => `${TEST_NAMESPACE}/gap-${s}`;
-  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  // 2 blocks per io batch (TWO_BLOCK_BATCHES): the batch below is written as two io batches
+  // placed one after the other in the same segment.
+  const opts = TWO_BLOCK_BATCHES;
+  const { key, block } = filled(h, "gap");
   let tier: SsdTier | undefined;
   try {
     tier = await h.openTier(opts);
@@ -214,15 +211,8 @@ Deno.test("records of a batch placed after a failed write in its segment are ser
 
 Deno.test("a pad that cannot be written over a failed record is logged with its path and offset; the records after it are still served", async () => {
   const h = await harness();
-  const opts = {
-    capacityBytes: 4 * MiB,
-    segmentBytes: MiB,
-    hdrPages: 4,
-    writeInflight: 1,
-    prefetchInflight: 1,
-  };
-  const key = (s: string) => `${TEST_NAMESPACE}/nopad-${s}`;
-  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  const opts = TWO_BLOCK_BATCHES;
+  const { key, block } = filled(h, "nopad");
   const tier = await h.openTier(opts);
   const run = SsdIo.prototype.run;
   try {
@@ -266,15 +256,8 @@ Deno.test("a pad that cannot be written over a failed record is logged with its 
 
 Deno.test("pads written over failed records, and pads that could not be written, are counted and exported on /metrics", async () => {
   const h = await harness();
-  const opts = {
-    capacityBytes: 4 * MiB,
-    segmentBytes: MiB,
-    hdrPages: 4,
-    writeInflight: 1,
-    prefetchInflight: 1,
-  };
-  const key = (s: string) => `${TEST_NAMESPACE}/padcount-${s}`;
-  const block = (s: string, at: number) => (h.fill(key(s), at, BLOCK), h.block(key(s), at, BLOCK));
+  const opts = TWO_BLOCK_BATCHES;
+  const { key, block } = filled(h, "padcount");
   const tier = await h.openTier(opts);
   const registry = new Registry();
   registerSsdMetrics(registry, () => tier.stats());
