@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { SsdOpenError } from "../../lib/ssd/tier.ts";
 import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
 import { FP, harness } from "./_harness.ts";
-import { canMount, mountTmpfs, umount } from "./_tmpfs.ts";
+import { canMount, withTmpfs } from "./_tmpfs.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 256 * 1024;
@@ -12,11 +12,7 @@ Deno.test({
     "disk full: writes fail with ENOSPC, counted and logged with the path; earlier blocks still served",
   ignore: !canMount,
   async fn() {
-    const h = await harness();
-    const mnt = `${h.dir}/small`;
-    await Deno.mkdir(mnt);
-    assert.ok(await mountTmpfs(mnt, "size=8m"));
-    try {
+    await withTmpfs("small", "size=8m", async (h, mnt) => {
       const tier = await h.openTier({
         paths: [mnt],
         capacityBytes: 64 * MiB,
@@ -68,10 +64,7 @@ Deno.test({
       } finally {
         await tier.close();
       }
-    } finally {
-      await umount(mnt);
-      await h.close();
-    }
+    });
   },
 });
 
@@ -79,11 +72,7 @@ Deno.test({
   name: "a read-only path is refused with the path and the reason; another path keeps the tier up",
   ignore: !canMount,
   async fn() {
-    const h = await harness();
-    const ro = `${h.dir}/ro`;
-    await Deno.mkdir(ro);
-    assert.ok(await mountTmpfs(ro, "ro,size=4m"));
-    try {
+    await withTmpfs("ro", "ro,size=4m", async (h, ro) => {
       await assert.rejects(
         h.openTier({
           paths: [ro],
@@ -110,10 +99,7 @@ Deno.test({
       } finally {
         await tier.close();
       }
-    } finally {
-      await umount(ro);
-      await h.close();
-    }
+    });
   },
 });
 
@@ -169,11 +155,7 @@ Deno.test({
     "a path whose filesystem has no room for a segment gets no share: the other path holds the whole capacity",
   ignore: !canMount,
   async fn() {
-    const h = await harness();
-    const tiny = `${h.dir}/tiny`;
-    await Deno.mkdir(tiny);
-    assert.ok(await mountTmpfs(tiny, "size=512k"));
-    try {
+    await withTmpfs("tiny", "size=512k", async (h, tiny) => {
       const ok = `${h.dir}/ok`;
       await Deno.mkdir(ok);
       const tier = await h.openTier({
@@ -195,10 +177,7 @@ Deno.test({
       } finally {
         await tier.close();
       }
-    } finally {
-      await umount(tiny);
-      await h.close();
-    }
+    });
   },
 });
 

@@ -11,7 +11,7 @@ import { type IoBatch, SsdIo } from "../../lib/ssd/io.ts";
 import { IoOp } from "../../ffi/uring.ts";
 import { PF_STATUS } from "../../ffi/native.ts";
 import { FP, type Harness, harness } from "./_harness.ts";
-import { canMount, mountTmpfs, umount } from "./_tmpfs.ts";
+import { canMount, withTmpfs } from "./_tmpfs.ts";
 
 const MiB = 1 << 20;
 /** 252 KiB of payload + the 4 KiB header page: four records fill a 1 MiB segment exactly. */
@@ -37,11 +37,7 @@ Deno.test({
     "two cache paths on one filesystem share its free space: together they never overcommit it, and the whole ring can be written",
   ignore: !canMount,
   async fn() {
-    const h = await harness();
-    const mnt = `${h.dir}/small`;
-    await Deno.mkdir(mnt);
-    assert.ok(await mountTmpfs(mnt, "size=8m"));
-    try {
+    await withTmpfs("small", "size=8m", async (h, mnt) => {
       const [a, b] = [`${mnt}/a`, `${mnt}/b`];
       await Deno.mkdir(a);
       await Deno.mkdir(b);
@@ -67,10 +63,7 @@ Deno.test({
       } finally {
         await tier.close();
       }
-    } finally {
-      await umount(mnt);
-      await h.close();
-    }
+    });
   },
 });
 
@@ -79,11 +72,7 @@ Deno.test({
     "a restart counts what a cache file holds, not its sparse size, as room: the capacity stays what the filesystem can hold",
   ignore: !canMount,
   async fn() {
-    const h = await harness();
-    const mnt = `${h.dir}/small`;
-    await Deno.mkdir(mnt);
-    assert.ok(await mountTmpfs(mnt, "size=8m"));
-    try {
+    await withTmpfs("small", "size=8m", async (h, mnt) => {
       const opts = { paths: [mnt], capacityBytes: 64 * MiB, segmentBytes: MiB };
       let tier = await h.openTier(opts);
       const first = tier.stats().capacityBytes;
@@ -111,10 +100,7 @@ Deno.test({
       } finally {
         await tier.close();
       }
-    } finally {
-      await umount(mnt);
-      await h.close();
-    }
+    });
   },
 });
 
@@ -175,11 +161,7 @@ Deno.test({
     "a cache path that is a symlink is sized to the filesystem its file lies on, not the link's",
   ignore: !canMount,
   async fn() {
-    const h = await harness();
-    const mnt = `${h.dir}/small`;
-    await Deno.mkdir(mnt);
-    assert.ok(await mountTmpfs(mnt, "size=8m"));
-    try {
+    await withTmpfs("small", "size=8m", async (h, mnt) => {
       const link = `${h.dir}/cache.link`;
       await Deno.writeFile(`${mnt}/cache.bin`, new Uint8Array(0));
       await Deno.symlink(`${mnt}/cache.bin`, link);
@@ -195,9 +177,6 @@ Deno.test({
       } finally {
         await tier.close();
       }
-    } finally {
-      await umount(mnt);
-      await h.close();
-    }
+    });
   },
 });
