@@ -10,34 +10,9 @@ import { HealthResponse } from "../../proto/pegaflow.ts";
 import { serveLocalRpc } from "../../lib/server/local_rpc.ts";
 import { encodeFrame, FrameReader, LOCAL_RPC_IDS, writeAll } from "../../lib/local_rpc/wire.ts";
 import { Logger } from "../../lib/log.ts";
+import { eofReportingListener } from "./_eof_listener.ts";
 
 type Answer = (err: grpc.ServiceError | null, res?: unknown) => void;
-
-/** A listener whose connections report when the server read their end of stream. */
-function eofReportingListener(path: string, onEof: () => void) {
-  const real = Deno.listen({ transport: "unix", path });
-  const wrap = (conn: Deno.UnixConn) =>
-    new Proxy(conn, {
-      get(target, prop) {
-        if (prop === "read") {
-          return async (p: Uint8Array) => {
-            const n = await target.read(p);
-            if (n === null) onEof();
-            return n;
-          };
-        }
-        const v = Reflect.get(target, prop, target);
-        return typeof v === "function" ? v.bind(target) : v;
-      },
-    });
-  // What serveLocalRpc uses of a listener: accept, close, addr.
-  const listener = {
-    accept: async () => wrap(await real.accept()),
-    close: () => real.close(),
-    addr: real.addr,
-  };
-  return listener as unknown as Deno.Listener<Deno.UnixConn, Deno.UnixAddr>;
-}
 
 /** Every answer on `conn` until the server closes it. */
 async function readAnswers(conn: Deno.Conn): Promise<{ callId: number; status: number }[]> {

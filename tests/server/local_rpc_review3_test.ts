@@ -11,6 +11,7 @@ import type { HealthResponse, LoadResponse, SaveResponse } from "../../proto/peg
 import * as localRpc from "../../lib/server/local_rpc.ts";
 import { encodeFrame, FrameReader, LOCAL_RPC_IDS, writeAll } from "../../lib/local_rpc/wire.ts";
 import { Logger } from "../../lib/log.ts";
+import { eofReportingListener } from "./_eof_listener.ts";
 
 type Answer = (err: grpc.ServiceError | null, res?: unknown) => void;
 type Handler = (call: unknown, answer: Answer) => void;
@@ -340,35 +341,10 @@ Deno.test("peer RPC: a bad frame's log line names the remote peer's address and 
 
 Deno.test("local RPC: close() ends the serving of a half-closed connection whose call never answers", async () => {
   await withSocket(async (dir) => {
-    const real = Deno.listen({ transport: "unix", path: `${dir}/s.rpc` });
     let eof!: () => void;
     const eofSeen = new Promise<void>((r) => eof = r);
     let closes = 0;
-    const wrap = (conn: Deno.UnixConn) =>
-      new Proxy(conn, {
-        get(target, prop) {
-          if (prop === "read") {
-            return async (p: Uint8Array) => {
-              const n = await target.read(p);
-              if (n === null) eof();
-              return n;
-            };
-          }
-          if (prop === "close") {
-            return () => {
-              closes++;
-              target.close();
-            };
-          }
-          const v = Reflect.get(target, prop, target);
-          return typeof v === "function" ? v.bind(target) : v;
-        },
-      });
-    const listener = {
-      accept: async () => wrap(await real.accept()),
-      close: () => real.close(),
-      addr: real.addr,
-    } as unknown as Deno.Listener<Deno.UnixConn, Deno.UnixAddr>;
+    const listener = eofReportingListener(`${dir}/s.rpc`, () => eof(), () => closes++);
     const held: Answer[] = [];
     const impl: Record<string, Handler> = { save: (_c, answer) => void held.push(answer) };
     const rpc = serveLocalRpc(listener, impl, 1 << 20, quiet());
