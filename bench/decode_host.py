@@ -84,12 +84,16 @@ def main() -> None:
             for run in runs.values():
                 run()  # warm-up
             steps: dict[str, list[float]] = {k: [] for k in runs}
+            phases: dict[str, dict[str, list[float]]] = {k: {n: [] for n, _, _ in ttft.STEP_PHASES} for k in runs}
             per_round: list[float] = []
             for i in range(a.rounds):
                 got = {}
                 for k in ("on", "off") if i % 2 == 0 else ("off", "on"):
-                    got[k] = runs[k]()[2]
+                    run = runs[k]()
+                    got[k] = run[2]
                     steps[k].extend(got[k])
+                    for n, v in run[3].items():
+                        phases[k][n].extend(v)
                 per_round.append((statistics.median(got["on"]) - statistics.median(got["off"])) * 1e3)
             stats = eng.worker_connector.pegaflow_stats()
         finally:
@@ -110,6 +114,7 @@ def main() -> None:
         "step_us": {
             k: {"p50": statistics.median(v) * 1e3, "mean": statistics.fmean(v) * 1e3} for k, v in steps.items()
         },
+        "phase_us_p50": {k: {n: statistics.median(v) * 1e3 for n, v in ph.items() if v} for k, ph in phases.items()},
         "on_minus_off_us_per_round": per_round,
         "on_minus_off_us": statistics.median(per_round),
         "saves": stats.get("saves", 0),
@@ -119,6 +124,9 @@ def main() -> None:
     print(f"{'':8} {'p50 us':>9} {'mean us':>9}")
     for k, v in res["step_us"].items():
         print(f"{k:8} {v['p50']:9.1f} {v['mean']:9.1f}")
+    ph = res["phase_us_p50"]
+    print("step phases, us p50 (on / off / on - off): " + ", ".join(
+        f"{n} {ph['on'][n]:.1f} / {ph['off'][n]:.1f} / {ph['on'][n] - ph['off'][n]:+.1f}" for n in ph["on"]))
     print(f"PegaFlow's calls add {res['on_minus_off_us']:.1f} us a step (median of the rounds' p50 differences; "
           f"rounds {min(per_round):.0f}..{max(per_round):.0f}); {res['saves']} saves, {res['blocks_saved']} blocks")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

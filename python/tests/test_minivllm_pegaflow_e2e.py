@@ -70,3 +70,46 @@ def test_an_engine_with_pegaflow_gives_the_tokens_of_a_plain_engine(model, serve
     finally:
         eng.shutdown()
     assert got == want
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "async"])
+def test_the_layer_hooks_run_only_in_a_layer_wise_step_with_a_load(model, server, regions, uid, mode):
+    """vLLM calls `wait_for_layer_load` and `save_kv_layer` around every attention op only while
+    `has_connector_metadata()` is True (kv_transfer_utils.maybe_transfer_kv_layer). Saves go in
+    one Save after the step, so the hooks matter only for a layer-wise step's loads: a decode
+    step must not pay two calls per layer, and the warm step must still wait for every layer."""
+    rng = random.Random(uid)
+    prompt = [rng.randrange(TINY.vocab_size) for _ in range(150)]
+    eng = pega_engine(model, server, regions, uid, mode)
+    conn = eng.worker_connector
+    per_step: list[list[bool]] = []
+    hooks: list[int] = []
+    bind, waited, saved = conn.bind_connector_metadata, conn.wait_for_layer_load, conn.save_kv_layer
+
+    def bind_and_note(meta):  # noqa: ANN001, ANN202
+        bind(meta)
+        per_step.append([conn.has_connector_metadata(), bool(meta.plan.loads)])
+        hooks.append(0)
+
+    def count(fn):  # noqa: ANN001, ANN202
+        def hook(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            hooks[-1] += 1
+            return fn(*a, **k)
+        return hook
+
+    conn.bind_connector_metadata = bind_and_note
+    conn.wait_for_layer_load, conn.save_kv_layer = count(waited), count(saved)
+    try:
+        cold_then_warm(eng, prompt, tol=1e-4, max_tokens=5)
+        eng.drain(timeout_s=60)
+    finally:
+        eng.shutdown()
+    steps = list(zip(per_step, hooks))
+    loaded = [s for s in steps if s[0][1]]
+    assert len(loaded) == 1, steps  # the warm request's load, in one step
+    gated = mode == "layerwise"
+    assert loaded[0] == ([gated, True], 2 * TINY.num_layers if gated else 0)
+    others = [s for s in steps if not s[0][1]]
+    assert len(others) >= 8, steps  # cold prefill and decode, warm decode
+    assert all(s == ([False, False], 0) for s in others), steps
+    assert not conn.has_connector_metadata()  # cleared after the last step

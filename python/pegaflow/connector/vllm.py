@@ -317,6 +317,7 @@ class PegaflowConnector(KVConnectorBase_V1):
         self.client = PegaflowClient(config=self.settings.client)
         self._scheduler: Optional[SchedulerCore] = None
         self._worker: Optional[WorkerCore] = None
+        self._layer_hooks = False  # has_connector_metadata
         pc = vllm_config.parallel_config
         if role == KVConnectorRole.SCHEDULER:
             # vLLM orders ranks TP-innermost; the scheduler loads into every one.
@@ -379,11 +380,22 @@ class PegaflowConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._w().bind(connector_metadata.plan)
+        plan = connector_metadata.plan
+        self._w().bind(plan)
+        self._layer_hooks = self.settings.mode == LAYERWISE and bool(plan.loads)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._w().unbind()
+        self._layer_hooks = False
+
+    def has_connector_metadata(self) -> bool:
+        """vLLM's gate for the per-layer hooks (`maybe_transfer_kv_layer` calls
+        `wait_for_layer_load` and `save_kv_layer` around every attention op only when this is
+        True). They do work only in a layer-wise step with loads (saves go in one Save after
+        the step), so this is True for such a step alone: a decode step skips 2 calls per layer.
+        vLLM calls every other hook whatever this answers."""
+        return self._layer_hooks
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._w().start_load()
