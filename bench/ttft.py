@@ -211,44 +211,55 @@ def first_token(eng: LLMEngine, prompt: list[int], timeout_s: float = 120.0):
 
 class ControlPlaneClock:
     """Marks when this process sent a QueryPrefetch, got its answer, and sent a Load (the
-    control plane a warm request waits on before its copy starts), by wrapping the client's
-    methods while a timed request runs. perf_counter times, like the engine's phases."""
+    control plane a warm request waits on before its copy starts), and, after the forward, when
+    the worker's end-of-step calls ran (the host side of the tail between the last layer landing
+    and the first token), by wrapping the client's and the worker's methods while a timed
+    request runs. perf_counter times, like the engine's phases: the first query and Load of the
+    timed request, the last of the other calls (the steps drained before it also call them)."""
 
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
         # The same marks in wall-clock ms, to line up with the server's debug log
         # ("local rpc" lines carry in_epoch_ms / out_epoch_ms).
         self.epoch_ms: dict[str, float] = {}
-        self._saved: dict[str, Any] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, name: str, before: str | None, after: str | None, first: bool = False) -> None:
+        fn = getattr(owner, name)
+        marks, epoch = self.marks, self.epoch_ms
+
+        def mark(key: str) -> None:
+            if not first or key not in marks:
+                marks[key], epoch[key] = time.perf_counter(), time.time() * 1e3
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            if before:
+                mark(before)
+            try:
+                return fn(*a, **kw)
+            finally:
+                if after:
+                    mark(after)
+
+        self._saved.append((owner, name, fn))
+        setattr(owner, name, timed)
 
     def __enter__(self) -> "ControlPlaneClock":
-        marks = self.marks
-        query, load_nowait = PegaflowClient.query_prefetch, PegaflowClient.load_nowait
+        from pegaflow.connector.worker_core import WorkerCore
+        from pegaflow.load_state import LoadState
 
-        epoch = self.epoch_ms
-
-        def timed_query(client, *a, **kw):
-            marks.setdefault("query_sent", time.perf_counter())
-            epoch.setdefault("query_sent", time.time() * 1e3)
-            try:
-                return query(client, *a, **kw)
-            finally:
-                marks.setdefault("query_answered", time.perf_counter())
-                epoch.setdefault("query_answered", time.time() * 1e3)
-
-        def timed_load(client, *a, **kw):
-            marks.setdefault("load_sent", time.perf_counter())
-            epoch.setdefault("load_sent", time.time() * 1e3)
-            return load_nowait(client, *a, **kw)
-
-        self._saved = {"query_prefetch": query, "load_nowait": load_nowait}
-        PegaflowClient.query_prefetch = timed_query  # type: ignore[method-assign]
-        PegaflowClient.load_nowait = timed_load  # type: ignore[method-assign]
+        self._wrap(PegaflowClient, "query_prefetch", "query_sent", "query_answered", first=True)
+        self._wrap(PegaflowClient, "load_nowait", "load_sent", None, first=True)
+        self._wrap(WorkerCore, "wait_for_save", "wait_for_save", "wait_for_save_done")
+        self._wrap(LoadState, "wait_all", None, "load_seen_done")
+        self._wrap(WorkerCore, "get_finished", None, "get_finished_done")
+        self._wrap(WorkerCore, "_save", "save_thread_woke", None)
+        self._wrap(PegaflowClient, "save", "save_sent", "save_answered")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, fn in self._saved.items():
-            setattr(PegaflowClient, name, fn)
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
 
 
 def phases_ms(eng: LLMEngine, req, extra: dict[str, float] | None = None) -> dict[str, float]:
