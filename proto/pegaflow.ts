@@ -145,10 +145,21 @@ export interface QueryBlocksForTransferRequest {
    * ignores it and answers every extent).
    */
   shiftedExtents: boolean;
+  /**
+   * The id the lock is to have, chosen by the requester (16 random bytes),
+   * so that it can end the lock even when the answer never reached it: a
+   * lock call past its deadline is followed by ReleaseTransferLock with this
+   * id, which releases the lock if the owner granted it meanwhile, or — when
+   * it arrives first — keeps the owner from granting it (docs/peer.md).
+   * Empty: the owner picks the id (a requester that predates the field). An
+   * owner that predates it answers an id of its own: the requester releases
+   * the id answered.
+   */
+  lockId: Uint8Array;
 }
 
 export interface QueryBlocksForTransferResponse {
-  /** empty: nothing locked (a miss) */
+  /** empty: nothing locked (a miss); else the asked id, if any */
   lockId: Uint8Array;
   /** the TTL the owner granted */
   lockTtlMs: number;
@@ -170,7 +181,7 @@ export interface QueryBlocksForTransferResponse {
    * extent a little-endian u64 pool offset then a u64 byte count.
    */
   extents: Uint8Array;
-  /** "not-held" | "other-layout" | "unknown-namespace" */
+  /** "not-held" | "other-layout" | "unknown-namespace" | "abandoned" */
   missReason: string;
   /**
    * Only when the request set shifted_extents, else empty. Per locked block:
@@ -183,6 +194,7 @@ export interface QueryBlocksForTransferResponse {
 }
 
 export interface ReleaseTransferLockRequest {
+  /** the id answered, or the one asked for (a call with no answer) */
   lockId: Uint8Array;
   requester: string;
 }
@@ -637,6 +649,7 @@ function createBaseQueryBlocksForTransferRequest(): QueryBlocksForTransferReques
     requester: "",
     lockTtlMs: 0,
     shiftedExtents: false,
+    lockId: new Uint8Array(0),
   };
 }
 
@@ -662,6 +675,9 @@ export const QueryBlocksForTransferRequest: MessageFns<QueryBlocksForTransferReq
     }
     if (message.shiftedExtents !== false) {
       writer.uint32(48).bool(message.shiftedExtents);
+    }
+    if (message.lockId.length !== 0) {
+      writer.uint32(58).bytes(message.lockId);
     }
     return writer;
   },
@@ -727,6 +743,14 @@ export const QueryBlocksForTransferRequest: MessageFns<QueryBlocksForTransferReq
             message.shiftedExtents = reader.bool();
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.lockId = reader.bytes();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -754,6 +778,7 @@ export const QueryBlocksForTransferRequest: MessageFns<QueryBlocksForTransferReq
     message.requester = object.requester ?? "";
     message.lockTtlMs = object.lockTtlMs ?? 0;
     message.shiftedExtents = object.shiftedExtents ?? false;
+    message.lockId = object.lockId ?? new Uint8Array(0);
     return message;
   },
 };

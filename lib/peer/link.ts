@@ -49,6 +49,16 @@ export class PeerRpcError extends Error {
 }
 
 /**
+ * The lock or release call ended with no answer from the owner — its
+ * deadline passed, or its connection broke — on either transport (a
+ * {@link PeerRpcError} or a grpc-js error): the owner may still run it.
+ */
+export function unanswered(e: unknown): boolean {
+  const code = (e as { code?: unknown } | undefined)?.code;
+  return code === grpc.status.DEADLINE_EXCEEDED || code === grpc.status.UNAVAILABLE;
+}
+
+/**
  * `host:port` of a peer RPC socket as a dial target; a string says what is
  * wrong with it (it comes from another node).
  */

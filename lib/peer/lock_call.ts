@@ -5,16 +5,29 @@
  * release that ends it. A fetch takes one or two of them: the first chunk's
  * blocks alone, then the rest while that chunk reads (docs/peer.md).
  *
+ * This node names each lock (a random id in the request): a call that got
+ * no answer — the owner was slow, the deadline passed — is followed by a
+ * release of that id in the background, so a lock the owner grants after
+ * this node gave up is released at once instead of pinning its blocks for
+ * its TTL (locks.ts, "abandoned"). Nothing is added to a call that answers.
+ *
  * @module
  */
 
-import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
+import type {
+  QueryBlocksForTransferRequest,
+  QueryBlocksForTransferResponse,
+} from "../../proto/pegaflow.ts";
 import type { BlockRanges } from "../transfer/ranges.ts";
 import type { Logger } from "../log.ts";
 import { remoteExtents } from "./extents_wire.ts";
-import { type PeerLinks, PeerRpcError } from "./link.ts";
+import { type PeerLinks, PeerRpcError, unanswered } from "./link.ts";
+import { PEER_LOCK_ID_BYTES } from "./locks.ts";
 import { monotonicNow } from "../clock.ts";
 import { hashHex } from "../storage/keys.ts";
+
+/** A lock request as the tier asks it; {@link lockPart} names the lock (its id). */
+export type LockAsk = Omit<QueryBlocksForTransferRequest, "lockId">;
 
 /** Whom a lock is asked of: the owner's gRPC address, its peer RPC socket, its node id (logs). */
 export interface LockTarget {
@@ -51,6 +64,12 @@ export type LockFailure = {
   fields: Record<string, string>;
   /** The owner's peer RPC socket is gone: its link must be dropped (the next fetch handshakes again). */
   socketGone?: boolean;
+  /**
+   * The call got no answer: the release of the lock's id, in flight, that
+   * ends the lock should the owner still grant it. Never rejects; the caller
+   * keeps it for flush and close.
+   */
+  abandon?: Promise<unknown>;
 };
 
 /**
@@ -60,37 +79,42 @@ export type LockFailure = {
 export async function lockPart(
   links: PeerLinks,
   target: LockTarget,
-  ask: Parameters<PeerLinks["lock"]>[1],
+  ask: LockAsk,
   expect: LockExpect,
   timeoutMs: number,
   log: Logger,
 ): Promise<LockedPart | LockFailure> {
   const owner = target.nodeId;
+  const end = (lockId: Uint8Array) =>
+    links.release(target.addr, lockId, ask.requester, timeoutMs, target.rpcAddr).catch(
+      (e: Error) =>
+        log.debug("peer lock release failed; it expires on the owner", {
+          owner,
+          addr: target.addr,
+          lock: hashHex(lockId),
+          error: e.message,
+        }),
+    );
+  const lockId = crypto.getRandomValues(new Uint8Array(PEER_LOCK_ID_BYTES));
   let res: QueryBlocksForTransferResponse;
   const sentAt = monotonicNow();
   try {
-    res = await links.lock(target.addr, ask, timeoutMs, target.rpcAddr);
+    res = await links.lock(target.addr, { ...ask, lockId }, timeoutMs, target.rpcAddr);
   } catch (e) {
     const socketGone = e instanceof PeerRpcError && e.socketGone;
     return {
       why: "lock-rpc",
       fields: { owner, addr: target.addr, error: (e as Error).message },
       socketGone,
+      // The owner may grant it yet (or has, its answer late): end it there whenever that is.
+      abandon: unanswered(e) ? end(lockId) : undefined,
     };
   }
   if (res.lockId.length === 0) {
     return { why: "owner-miss", fields: { owner, addr: target.addr, reason: res.missReason } };
   }
-  const release = () =>
-    links.release(target.addr, res.lockId, ask.requester, timeoutMs, target.rpcAddr).catch(
-      (e: Error) =>
-        log.debug("peer lock release failed; it expires on the owner", {
-          owner,
-          addr: target.addr,
-          lock: hashHex(res.lockId),
-          error: e.message,
-        }),
-    );
+  // The id answered: an owner that predates lock_id picks its own.
+  const release = () => end(res.lockId);
   const remote = remoteExtents(res);
   const asked = ask.blockHashes.length;
   if (

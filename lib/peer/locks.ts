@@ -14,7 +14,18 @@
  *  - or expired: a requester that vanished (SIGKILL, partition) never
  *    releases, so every lock has a TTL (asked by the requester, capped here)
  *    and a timer unpins it. The store's own lock TTL (the lease TTL) stays
- *    behind it as a backstop.
+ *    behind it as a backstop;
+ *  - or abandoned: the requester's lock call reached its deadline before the
+ *    answer (this node slow: its event loop busy, checksums to compute), so
+ *    nobody will READ or release what it grants. The requester names each
+ *    lock (`LockRequest.lockId`) and releases that id when its call got no
+ *    answer (lock_call.ts): a lock granted by then is released; a release
+ *    that comes first (the grant still computing checksums, or its request
+ *    not read yet) is remembered for a while ({@link ABANDONED_KEEP_MS}), and
+ *    the grant it names unpins at once and answers `abandoned`. Cheaper than
+ *    a deadline carried in the request: no clock is compared, no round trip
+ *    is added on success, and it covers the time a request waits unread in
+ *    the socket, which this node cannot measure.
  *
  * An expired lock's ranges may be reused at once. A requester still reading
  * them then gets another block's bytes — and the checksum, taken from the
@@ -43,8 +54,17 @@ import { monotonicNow } from "../clock.ts";
 export const DEFAULT_PEER_LOCK_TTL_MS = 10_000;
 /** Most a requester may ask for: a longer lock only delays the reuse of a dead requester's pins. */
 export const MAX_PEER_LOCK_TTL_MS = 120_000;
-/** Random bytes of a lock id. */
-const LOCK_ID_BYTES = 16;
+/** Bytes of a lock id: random, chosen by the requester (or here, for one that predates it). */
+export const PEER_LOCK_ID_BYTES = 16;
+/**
+ * How long a release of a lock not held here is remembered, so the grant it
+ * names (still running, or its request not read yet) is abandoned: the
+ * longest TTL a lock can have. A request delayed longer than that before it
+ * is handled is granted, and expires as a lock whose requester vanished.
+ */
+export const ABANDONED_KEEP_MS = MAX_PEER_LOCK_TTL_MS;
+/** Releases of locks not held that are remembered at most (the oldest forgotten first). */
+export const MAX_ABANDONED = 4096;
 /** Expiry sweep period bounds (a quarter of the TTL, within these). */
 const MIN_SWEEP_MS = 20;
 const MAX_SWEEP_MS = 1_000;
@@ -62,10 +82,16 @@ export interface LockRequest {
   ttlMs: number;
   /** The requester reads shifted extents (lib/peer/extents_wire.ts); absent: every extent. */
   shiftedExtents?: boolean;
+  /**
+   * The lock's id, chosen by the requester ({@link PEER_LOCK_ID_BYTES}): a
+   * release of it abandons the lock whenever it comes. Absent or empty: one
+   * is picked here.
+   */
+  lockId?: Uint8Array;
 }
 
-/** Why nothing was locked. */
-export type LockMissReason = "not-held" | "other-layout" | "unknown-namespace";
+/** Why nothing was locked ("abandoned": its requester released it before it was granted). */
+export type LockMissReason = "not-held" | "other-layout" | "unknown-namespace" | "abandoned";
 
 /** The answer to a {@link LockRequest}. */
 export type LockAnswer =
@@ -100,6 +126,8 @@ export interface PeerLockStats {
 }
 
 interface HeldLock {
+  /** The lock id in hex (logs). */
+  readonly id: string;
   readonly requester: string;
   readonly namespace: string;
   readonly blocks: number;
@@ -134,13 +162,16 @@ export class PeerLockTable {
   readonly #o: PeerLockTableOptions;
   readonly #clock: () => number;
   readonly #defaultTtl: number;
+  /** By {@link lockKey}: an id names a lock of its requester only. */
   readonly #held = new Map<string, HeldLock>();
+  /** Released before they were held, by {@link lockKey} → forget at (ms); oldest first. */
+  readonly #abandoned = new Map<string, number>();
   readonly #stats: Omit<PeerLockStats, "held"> = {
     granted: 0,
     released: 0,
     timedOut: 0,
     lockedBlocks: 0,
-    misses: { "not-held": 0, "other-layout": 0, "unknown-namespace": 0 },
+    misses: { "not-held": 0, "other-layout": 0, "unknown-namespace": 0, abandoned: 0 },
     checksumsAtLock: 0,
   };
   readonly #timer: ReturnType<typeof setInterval>;
@@ -160,10 +191,20 @@ export class PeerLockTable {
     Deno.unrefTimer(this.#timer as unknown as number);
   }
 
-  /** Locks the longest prefix of `req.hashes` held here under the asked layout. */
+  /**
+   * Locks the longest prefix of `req.hashes` held here under the asked
+   * layout. Answers `abandoned` (nothing pinned) when its requester released
+   * the lock's id before it was granted.
+   */
   async grant(req: LockRequest): Promise<LockAnswer> {
     const { namespace, hashes, requester } = req;
     if (this.#closed) return this.#miss("not-held");
+    const lockId = req.lockId?.length
+      ? req.lockId
+      : crypto.getRandomValues(new Uint8Array(PEER_LOCK_ID_BYTES));
+    const key = lockKey(requester, lockId);
+    // Its requester gave up before this request was handled here: pin nothing.
+    if (this.#abandoned.delete(key)) return this.#miss("abandoned");
     const layout = this.#o.ram.layoutOf(namespace);
     if (!layout) return this.#miss("unknown-namespace");
     if (blockLayoutIdentity(layout).fingerprint !== req.layoutFingerprint) {
@@ -178,29 +219,24 @@ export class PeerLockTable {
       return this.#miss("not-held");
     }
     const blocks = pin.blocks.slice(0, k).map((b) => b!);
-    const checksums = new Uint32Array(k);
-    const missing: number[] = [];
-    for (let i = 0; i < k; i++) {
-      const c = blocks[i].checksum;
-      if (c === undefined) missing.push(i);
-      else checksums[i] = c;
-    }
-    if (missing.length > 0) {
-      // The pin holds the blocks while the checksum runs off the JS thread.
-      let crcs: Uint32Array;
-      try {
-        crcs = await this.#o.checksum(missing.map((i) => blocks[i].extents));
-      } catch (e) {
-        pin.release();
-        throw e;
-      }
-      for (let j = 0; j < missing.length; j++) checksums[missing[j]] = crcs[j];
-      this.#o.host.recordChecksums(namespace, missing.map((i) => hashes[i]), crcs);
-      this.#stats.checksumsAtLock += missing.length;
-    }
-    if (this.#closed) {
+    let checksums: Uint32Array;
+    try {
+      checksums = await this.#checksumsOf(namespace, hashes, blocks);
+    } catch (e) {
       pin.release();
-      return this.#miss("not-held");
+      throw e;
+    }
+    // Closed, or abandoned while the checksums ran: the answer would go nowhere.
+    const gone = this.#closed ? "not-held" : this.#abandoned.delete(key) ? "abandoned" : undefined;
+    if (gone) {
+      pin.release();
+      return this.#miss(gone);
+    }
+    if (this.#held.has(key)) {
+      pin.release();
+      throw new Error(
+        `requester ${requester} asked for lock ${hashHex(lockId)}, which it holds already`,
+      );
     }
     // The pin's flat ranges of the leading k blocks, packed as they lie (no object per range).
     let packed: ReturnType<typeof packExtents>;
@@ -211,8 +247,8 @@ export class PeerLockTable {
       throw e;
     }
     const ttlMs = Math.min(MAX_PEER_LOCK_TTL_MS, req.ttlMs > 0 ? req.ttlMs : this.#defaultTtl);
-    const lockId = crypto.getRandomValues(new Uint8Array(LOCK_ID_BYTES));
-    this.#held.set(hashHex(lockId), {
+    this.#held.set(key, {
+      id: hashHex(lockId),
       requester,
       namespace,
       blocks: k,
@@ -231,28 +267,77 @@ export class PeerLockTable {
     };
   }
 
-  /** Ends a lock early. False when it is unknown, expired, or another requester's. */
+  /**
+   * Each block's checksum: recorded after its seal, or computed now for
+   * those without one (one native call, off the JS thread, while the
+   * caller's pin holds them) and recorded.
+   */
+  async #checksumsOf(
+    namespace: string,
+    hashes: readonly Uint8Array[],
+    blocks: readonly { readonly checksum?: number; readonly extents: readonly PoolExtent[] }[],
+  ): Promise<Uint32Array> {
+    const checksums = new Uint32Array(blocks.length);
+    const missing: number[] = [];
+    for (let i = 0; i < blocks.length; i++) {
+      const c = blocks[i].checksum;
+      if (c === undefined) missing.push(i);
+      else checksums[i] = c;
+    }
+    if (missing.length === 0) return checksums;
+    const crcs = await this.#o.checksum(missing.map((i) => blocks[i].extents));
+    for (let j = 0; j < missing.length; j++) checksums[missing[j]] = crcs[j];
+    this.#o.host.recordChecksums(namespace, missing.map((i) => hashes[i]), crcs);
+    this.#stats.checksumsAtLock += missing.length;
+    return checksums;
+  }
+
+  /**
+   * Ends a lock early. False when it is unknown, expired, or another
+   * requester's; a release of a lock id not held is remembered, so a grant of
+   * it still to come (its requester gave up waiting) is abandoned.
+   */
   release(lockId: Uint8Array, requester: string): boolean {
-    const id = hashHex(lockId);
-    const l = this.#held.get(id);
-    if (!l || l.requester !== requester) return false;
-    this.#held.delete(id);
+    const key = lockKey(requester, lockId);
+    const l = this.#held.get(key);
+    if (!l) {
+      // Only well-formed ids: a release names any bytes, and this set is bounded by count.
+      if (lockId.length === PEER_LOCK_ID_BYTES && !this.#closed) this.#abandon(key);
+      return false;
+    }
+    this.#held.delete(key);
     l.release();
     this.#stats.released++;
     return true;
   }
 
-  /** Unpins every lock past its TTL (the timer calls it). Returns how many expired. */
+  #abandon(key: string): void {
+    this.#abandoned.delete(key); // re-inserted last: the map stays in order of forgetting
+    this.#abandoned.set(key, this.#clock() + ABANDONED_KEEP_MS);
+    if (this.#abandoned.size > MAX_ABANDONED) {
+      this.#abandoned.delete(this.#abandoned.keys().next().value!);
+    }
+  }
+
+  /**
+   * Unpins every lock past its TTL (the timer calls it), and forgets
+   * releases remembered for {@link ABANDONED_KEEP_MS}. Returns how many locks
+   * expired.
+   */
   expire(): number {
     const now = this.#clock();
+    for (const [key, until] of this.#abandoned) {
+      if (until > now) break;
+      this.#abandoned.delete(key);
+    }
     let n = 0;
-    for (const [id, l] of this.#held) {
+    for (const [key, l] of this.#held) {
       if (l.expiresAt > now) continue;
-      this.#held.delete(id);
+      this.#held.delete(key);
       l.release();
       n++;
       this.#o.log.warn("peer transfer lock expired: its requester never released it", {
-        lock: id,
+        lock: l.id,
         requester: l.requester,
         namespace: l.namespace,
         blocks: l.blocks,
@@ -276,10 +361,16 @@ export class PeerLockTable {
     clearInterval(this.#timer);
     for (const l of this.#held.values()) l.release();
     this.#held.clear();
+    this.#abandoned.clear();
   }
 
   #miss(reason: LockMissReason): LockAnswer {
     this.#stats.misses[reason]++;
     return { kind: "miss", reason };
   }
+}
+
+/** A lock's key here: its requester and its id (requesters pick ids, so an id is theirs alone). */
+function lockKey(requester: string, lockId: Uint8Array): string {
+  return `${requester}\n${hashHex(lockId)}`;
 }

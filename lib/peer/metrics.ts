@@ -140,7 +140,7 @@ export function registerPeerMetrics(
   );
   counter(
     "pegaflow_peer_lock_misses_total",
-    "lock requests that found nothing to lock, by reason",
+    "lock requests that locked nothing, by reason (abandoned: the requester gave up waiting first)",
     () => {
       const l = locks();
       return l && Object.entries(l.misses).map(([reason, n]) => [{ reason }, n]);

@@ -12,7 +12,8 @@
  * "reclaimable" class (read.ts: one batch per chunk, planned while earlier
  * chunks are on the wire, each block's CRC32C computed as it lands and
  * checked against the owner's before the block is committed); 4. the locks
- * released in the background (a lost release lets them expire).
+ * released in the background (a lost release lets them expire; a lock call
+ * that got no answer releases its lock's id too, lock_call.ts).
  *
  * Memory safety (the original system's #403): a fill's pool space is freed only after its
  * batch's completion record, which the transport posts once nothing can write into the batch's
@@ -145,7 +146,7 @@ export class PeerTier implements Tier {
   readonly #xferPeers: XferPeers;
   readonly #memo = new LookupMemo();
   readonly #checksums: SealChecksums;
-  /** Lock releases in the background, for flush and close. */
+  /** Lock releases in the background (and those of calls that got no answer), for flush and close. */
   readonly #pending = new Set<Promise<unknown>>();
   readonly #stats: FetchTotals = fetchTotals();
   #closed = false;
@@ -339,6 +340,7 @@ export class PeerTier implements Tier {
       };
       const l = await lockPart(this.#o.links, target, ask, expect, this.#rpcTimeout, this.#o.log);
       if ("res" in l) return { ...l, hashes: part.slice(0, l.res.checksums.length) };
+      if (l.abandon) this.#track(l.abandon); // the owner may grant it yet: it ends it then
       // Its socket is gone (a restart, maybe on another port): handshake again next time.
       if (l.socketGone) this.#xferPeers.drop(owner.addr, link.peer);
       fail(l.why, l.fields);

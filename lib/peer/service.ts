@@ -3,7 +3,8 @@
  * node to fetch blocks from it, served on gRPC and — lock and release — on
  * the peer RPC socket (lib/server/local_rpc.ts `servePeerRpc`). `QueryBlocksForTransfer` checks the
  * request, locks the held prefix ({@link PeerLockTable}) and answers where
- * its bytes are; `ReleaseTransferLock` ends a lock; `ConnectTransfer` is the
+ * its bytes are; `ReleaseTransferLock` ends a lock (or, naming a lock not
+ * granted yet, abandons it: locks.ts); `ConnectTransfer` is the
  * transfer handshake (lender.ts). Bad input is refused with
  * INVALID_ARGUMENT naming the field (bytes that are not the request message
  * too: serve it with `lenientPeerService()`); nothing is locked for it.
@@ -21,7 +22,7 @@ import { MAX_HASH_BYTES } from "../limits.ts";
 import { MAX_HASHES_PER_REQUEST } from "../storage/store.ts";
 import type { Logger } from "../log.ts";
 import { HandshakeRefused, type TransferLender } from "./lender.ts";
-import type { PeerLockTable } from "./locks.ts";
+import { PEER_LOCK_ID_BYTES, type PeerLockTable } from "./locks.ts";
 import { undecodableReason } from "../server/decode.ts";
 
 /** What the service tells a requester about this node's transport. */
@@ -55,6 +56,10 @@ export function checkLockRequest(r: QueryBlocksForTransferRequest): string | und
     }
   }
   if (!r.layoutFingerprint) return "QueryBlocksForTransferRequest.layout_fingerprint is empty";
+  const id = r.lockId.length;
+  if (id !== 0 && id !== PEER_LOCK_ID_BYTES) {
+    return `QueryBlocksForTransferRequest.lock_id is ${id} bytes; expected ${PEER_LOCK_ID_BYTES} (or none: the owner picks it)`;
+  }
   return undefined;
 }
 
@@ -93,6 +98,7 @@ export function peerServiceImpl(
         requester: r.requester,
         ttlMs: r.lockTtlMs,
         shiftedExtents: r.shiftedExtents,
+        lockId: r.lockId,
       }).then((a) => {
         const ep = endpoint();
         const res: QueryBlocksForTransferResponse = {

@@ -92,6 +92,7 @@ Deno.test("a lock whose connect never completes (the owner drops SYNs) ends at i
           requester: "r",
           lockTtlMs: 0,
           shiftedExtents: true,
+          lockId: new Uint8Array(0),
         },
         300,
         `127.0.0.1:${port}`,
