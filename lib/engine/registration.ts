@@ -22,8 +22,14 @@ import {
   REGION_HANDLE_BYTES,
 } from "../limits.ts";
 
-/** The protocol version RegisterContext requires (client_version must equal it). */
-export const PROTOCOL_VERSION = "pegaflow-1";
+/**
+ * The protocol version RegisterContext requires (client_version must equal it). Bumped when a
+ * client of the previous version would be accepted and then fail: "pegaflow-2" is the Session
+ * that presents RegisterContext's registration token (a "pegaflow-1" client registered, then
+ * had its token-less Session refused; now it is refused at RegisterContext, naming both).
+ * The Python client mirrors it (python/pegaflow/client.py `PROTOCOL_VERSION`).
+ */
+export const PROTOCOL_VERSION = "pegaflow-2";
 /**
  * What a namespace or instance id may contain. Both end up in storage keys
  * (`namespace:hash`: ':' is the separator), SSD record headers, Redis keys,
@@ -162,7 +168,7 @@ export function validateRegistration(a: RegisterArgs): { who: string; ppSize: nu
   const who = `instance ${JSON.stringify(a.instanceId)} tp_rank ${a.tpRank} pp_rank ${a.ppRank}`;
   if (a.clientVersion !== PROTOCOL_VERSION) {
     throw precondition(
-      `${who}: client version "${a.clientVersion}" does not match the server's "${PROTOCOL_VERSION}"`,
+      `${who}: client version "${a.clientVersion}" does not match the server's "${PROTOCOL_VERSION}"; use a client of the server's protocol version`,
     );
   }
   // Checked on every rank, before anything is stored: no rank of an instance
@@ -303,6 +309,15 @@ export function newRegistrationToken(): string {
   return keyHex(crypto.getRandomValues(new Uint8Array(REGISTRATION_TOKEN_BYTES)));
 }
 
+/**
+ * The response header a Session's stream carries when the server takes it (sent at once,
+ * before any event; lib/server/grpc_service.ts): a client tells a session that stood for its
+ * registration (its end ends the registration) from one refused or that never reached the
+ * server. grpcio shows an empty header block and none alike, so the Python client
+ * (python/pegaflow/client.py `SESSION_TAKEN_HEADER`) looks for this one.
+ */
+export const SESSION_TAKEN_HEADER = "pegaflow-session-taken";
+
 /** Why a session cannot stand for its rank ({@link sessionMismatch}). */
 export type SessionMismatch = "no_token" | "other_token" | "not_registered";
 
@@ -311,8 +326,8 @@ export type SessionMismatch = "no_token" | "other_token" | "not_registered";
  * registration holds token `held` (undefined: the rank is not registered). A
  * registered rank takes only its registration's token; a token for a rank not
  * registered (its registration ended, the server restarted) stands for nothing;
- * no token, only a rank not registered yet (the session then belongs to the
- * registration that follows).
+ * no token, only a rank not registered yet (such a session stands for no
+ * registration: the rank's registration ends it, {@link unadoptedSessionText}).
  *
  * @example
  * ```ts
@@ -340,6 +355,23 @@ const MISMATCH_TEXT: Record<SessionMismatch, string> = {
   not_registered: "is not registered (the registration this token came from ended, or the " +
     "server restarted); register the rank again and open the session with the token it answers",
 };
+
+/**
+ * What a session opened with no token before its rank registered is told when the
+ * registration ends it (lib/server/sessions.ts `registered`): it stands for no registration,
+ * and adopting it would let whichever process opened a session first hold the rank's
+ * registration (its end cleaning the engine up). `who` names it as in {@link sessionMismatchText}.
+ *
+ * @example
+ * ```ts
+ * unadoptedSessionText('Session: instance "x" tp_rank 0 pp_rank 0');
+ * ```
+ */
+export function unadoptedSessionText(who: string): string {
+  return `${who} was registered after this session opened; a session stands for a ` +
+    "registration only with the token RegisterContext answered, and this one carries none: " +
+    "open the session after RegisterContext, with that token";
+}
 
 /**
  * What a session that cannot stand for its rank is told; `who` names it

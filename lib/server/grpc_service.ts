@@ -47,7 +47,12 @@ import type { ServerMetrics } from "./metrics.ts";
 import { LEASE_ID_BYTES, MAX_NAME_CHARS, MAX_PARALLEL } from "../limits.ts";
 import { rankIndex, rankOutOfRange } from "../engine/rank.ts";
 import { undecodableReason } from "./decode.ts";
-import { checkName, sessionMismatchText } from "../engine/registration.ts";
+import {
+  checkName,
+  SESSION_TAKEN_HEADER,
+  sessionMismatchText,
+  unadoptedSessionText,
+} from "../engine/registration.ts";
 import { type SessionCall, Sessions } from "./sessions.ts";
 import { capDetails, capFields } from "./status_text.ts";
 
@@ -95,8 +100,9 @@ function stopping(method: string): EngineError {
 /**
  * Why a Session cannot stand for this rank: its id breaks the name rule, a rank is past
  * MAX_PARALLEL, or the instance is registered and the rank is outside its topology (its
- * end would clean up an instance it is no rank of). A Session may open before its rank
- * registers (the TS client's order): an unknown instance is no refusal.
+ * end would clean up an instance it is no rank of). An unknown instance is no refusal: a
+ * session with no token for a rank not registered yet is taken, standing for no
+ * registration (the rank's registration ends it, sessions.ts `registered`).
  */
 function sessionRefusal(
   engine: KvEngine,
@@ -215,6 +221,22 @@ export function engineServiceImpl(
     return await engine.unregister(instance, reason);
   };
 
+  /** A registered rank's grace period passed with no session presenting its token. */
+  const neverOpened = (instance: string, tpRank: number, ppRank: number) => {
+    log.warn("registered rank never opened its session; cleaning up the instance", {
+      instance,
+      tp_rank: tpRank,
+      pp_rank: ppRank,
+      grace_ms: sessions.graceMs,
+    });
+    cleanup(instance, "session_never_opened").catch((e) =>
+      log.error("session cleanup failed", { instance, error: String(e) })
+    );
+  };
+
+  /** Streams this service ended with a status itself: their "error" event is no client's end. */
+  const endedHere = new WeakSet<SessionCall>();
+
   /** Refuses a Session: counted, logged with the ids it names, ended with the status. */
   const refuse = (call: SessionCall, code: grpc.status, details: string) => {
     const name = CODE_NAMES[code];
@@ -245,17 +267,17 @@ export function engineServiceImpl(
         } catch (e) {
           throw withToken(e, sessions.tokenOf(instanceId, rank));
         }
-        const registrationToken = sessions.registered(instanceId, rank, () => {
-          log.warn("registered rank never opened its session; cleaning up the instance", {
-            instance: instanceId,
-            tp_rank: tpRank,
-            pp_rank: ppRank,
-            grace_ms: sessions.graceMs,
-          });
-          cleanup(instanceId, "session_never_opened").catch((e) =>
-            log.error("session cleanup failed", { instance: instanceId, error: String(e) })
-          );
-        });
+        const { token: registrationToken, unadopted } = sessions.registered(
+          instanceId,
+          rank,
+          () => neverOpened(instanceId, tpRank, ppRank),
+        );
+        if (unadopted) {
+          // Opened with no token before this registration: it stands for none (sessions.ts).
+          endedHere.add(unadopted);
+          const who = `Session: instance "${instanceId}" tp_rank ${tpRank} pp_rank ${ppRank}`;
+          refuse(unadopted, grpc.status.FAILED_PRECONDITION, capDetails(unadoptedSessionText(who)));
+        }
         return {
           numLayers: r.numLayers,
           topologySealed: r.topologySealed,
@@ -346,15 +368,17 @@ export function engineServiceImpl(
       }
       // The headers say "taken" at once (grpc-js sends them with the first event otherwise): a
       // client tells a session that stood for its registration from one that never got here.
-      call.sendMetadata(new grpc.Metadata());
+      const taken = new grpc.Metadata();
+      taken.set(SESSION_TAKEN_HEADER, "1");
+      call.sendMetadata(taken);
       log.info("session opened", { instance: instanceId, tp_rank: tpRank, pp_rank: ppRank });
       let gone = false;
       const onGone = (why: string) => {
-        if (gone) return;
+        if (gone || endedHere.has(call)) return;
         gone = true;
         metrics.streamEnded("Session", "CANCELLED");
         // Only the current session of a registered rank cleans up; a superseded one just goes
-        // away, and one no registration adopted stood for none of the instance's ranks.
+        // away, and a token-less one (a rank not registered) stood for none of the instance's ranks.
         const stood = sessions.remove(instanceId, rank, call);
         if (stood === undefined) return;
         if (stood === "unregistered") {

@@ -29,6 +29,10 @@ export const DEFAULT_SESSION_GRACE_MS = 30_000;
 interface RankSession {
   /** Issued by RegisterContext; undefined while the rank is not registered (an early session). */
   token?: string;
+  /**
+   * The rank's stream. With `token` set it presented that token (`check` admits no other, and
+   * `registered` detaches a stream opened before the registration); without, it stands for none.
+   */
   call?: SessionCall;
   grace?: ReturnType<typeof setTimeout>;
 }
@@ -80,20 +84,30 @@ export class Sessions {
   }
 
   /**
-   * RegisterContext took the rank: issues its token. A session opened before the
-   * registration becomes its session; else `onGrace` runs when no session opened within
-   * {@link graceMs} (the caller cleans the instance up).
+   * RegisterContext took the rank: issues its token and starts its grace timer: `onGrace` runs
+   * when no session presenting the token opened within {@link graceMs} (the caller cleans the
+   * instance up). A stream the rank had (one opened with no token before the registration)
+   * presented no token of it and is never adopted: it is detached and returned as
+   * `unadopted`, for the caller to end (its end then concerns no registration). Adopting it
+   * let whichever process opened a session first hold the registration, and its end clean
+   * the registered engine up.
    */
-  registered(instance: string, rank: number, onGrace: () => void): string {
+  registered(
+    instance: string,
+    rank: number,
+    onGrace: () => void,
+  ): { token: string; unadopted?: SessionCall } {
     const r = this.#rank(instance, rank);
     const token = newRegistrationToken();
+    const unadopted = r.call;
     r.token = token;
+    r.call = undefined;
     clearTimeout(r.grace);
-    r.grace = r.call ? undefined : setTimeout(() => {
+    r.grace = setTimeout(() => {
       r.grace = undefined;
       if (this.#byInstance.get(instance)?.get(rank) === r && !r.call) onGrace();
     }, this.graceMs);
-    return token;
+    return { token, unadopted };
   }
 
   /** Makes `call` the rank's stream (check it first); returns the one it supersedes, if any. */
@@ -108,10 +122,11 @@ export class Sessions {
 
   /**
    * Removes `call` if it is still the current stream of (instance, rank): "registered" when
-   * it stood for the rank's registration (its end cleans the instance up), "unregistered"
-   * when no registration adopted it (a session opened before a registration that never came,
-   * or for a rank outside the topology the instance then registered with: its end concerns
-   * no registered rank); undefined when it was not current (superseded, or its instance ended).
+   * it stood for the rank's registration (it presented its token; its end cleans the instance
+   * up), "unregistered" when it stands for none (a session opened with no token for a rank
+   * that has not registered, or for a rank outside the topology the instance then registered
+   * with: its end concerns no registered rank); undefined when it was not current
+   * (superseded, detached by a registration, or its instance ended).
    */
   remove(
     instance: string,

@@ -35,8 +35,10 @@ from .local_rpc import METHOD_IDS, LocalRpc, LocalRpcAbsent, LocalRpcStatus
 
 log = logging.getLogger("pegaflow.client")
 
-#: The protocol version RegisterContext expects (HealthResponse.version).
-PROTOCOL_VERSION = "pegaflow-1"
+#: The protocol version RegisterContext expects (HealthResponse.version); mirrors
+#: lib/engine/registration.ts `PROTOCOL_VERSION` (pegaflow-2: the Session presents the registration
+#: token, so a client from before tokens is refused at RegisterContext, not at its Session).
+PROTOCOL_VERSION = "pegaflow-2"
 #: Lease ids are 16 bytes (lib/limits.ts LEASE_ID_BYTES; tests/native/abi_mirror_test.ts
 #: checks that the two agree).
 LEASE_ID_BYTES = 16
@@ -105,6 +107,10 @@ def _put_hashes(req, hashes: Iterable[bytes]) -> bytes:
 REGISTRATION_TOKEN_IN_DETAILS = re.compile(r"\(registration token ([0-9a-f]+)\)")
 #: A Session ended with these was refused: it never stood for a registration.
 REFUSED_SESSION = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+#: The response header the server sends at once when it takes a Session (lib/engine/registration.ts
+#: `SESSION_TAKEN_HEADER`, the owner). grpcio shows an empty header block and none alike: only this
+#: header tells a session that stood for its registration from one that never reached the server.
+SESSION_TAKEN_HEADER = "pegaflow-session-taken"
 
 
 def registration_token_in(e: PegaflowError) -> Optional[str]:
@@ -197,6 +203,24 @@ class Session:
         self._on_end = on_end
         #: Why the stream ended, when it ended with an error.
         self.error: Optional[PegaflowError] = None
+        #: Once the stream ended: whether the server had taken it (its headers came). A session
+        #: that was refused, or never reached the server, stood for no registration.
+        self.taken = False
+
+    def _headers_say_taken(self) -> bool:
+        """Waits for the stream's headers (or its end) and says whether the server took it."""
+        md = self._call.initial_metadata() or ()
+        return any(k == SESSION_TAKEN_HEADER for k, _ in md)
+
+    def wait_taken(self, timeout_s: float) -> Optional[bool]:
+        """Whether the server took this session: True once its headers came (the server sends
+        them at once), False once the stream ended without them (refused, or it never reached
+        the server: see `error`), None when neither happened within `timeout_s`."""
+        box: List[bool] = []
+        t = threading.Thread(target=lambda: box.append(self._headers_say_taken()), daemon=True)
+        t.start()
+        t.join(timeout_s)
+        return box[0] if box else None
 
     def next_event(self) -> Optional[pb.SessionEvent]:
         """The next event, or None when the stream ended (the server closed it
@@ -218,8 +242,11 @@ class Session:
 
     def _ended(self, ev: Optional[pb.SessionEvent]) -> None:
         f, self._on_end = self._on_end, None
-        if f is not None:
-            f(self, ev)
+        if f is None:
+            return
+        # The stream has ended: its headers (if any came) are in, reading them does not wait.
+        self.taken = ev is not None or self._headers_say_taken()
+        f(self, ev)
 
 
 def _load_request(
@@ -254,7 +281,7 @@ class PegaflowClient:
 
     Example:
         c = PegaflowClient("127.0.0.1:50055")
-        print(c.health().version)   # "pegaflow-1"
+        print(c.health().version)   # "pegaflow-2"
         c.close()
     """
 
@@ -590,8 +617,11 @@ class PegaflowClient:
         `registration_token` (default: the one this client was answered for the
         rank by RegisterContext): a registered rank takes a session only with its
         registration's token (else the stream ends FAILED_PRECONDITION naming the
-        rank, and nothing is superseded); without one, only a rank not registered
-        yet (the session then belongs to the registration that follows)."""
+        rank, and nothing is superseded), so open it after RegisterContext. Without
+        one, only a rank not registered yet, and such a session stands for no
+        registration: the rank's registration ends it (FAILED_PRECONDITION). A
+        session that fails before the server took it (`Session.taken`) keeps the
+        token for the retry."""
         stub = self._stub("Session", pb.SessionRequest, pb.SessionEvent, stream=True)
         rank = (instance_id, tp_rank, pp_rank)
         used = registration_token or self._tokens.get(rank)
@@ -601,15 +631,18 @@ class PegaflowClient:
 
         def ended(s: Session, ev: Optional[pb.SessionEvent]) -> None:
             # The end of the session that stood for the rank ends its registration (the server
-            # cleans the instance up): its token is stale. One opened with a token stood for that
-            # token's registration; one opened with none, for the registration that followed it,
-            # unless it was refused (then it ended nothing). A superseded one's is not stale.
-            held = self._tokens.get(rank)
-            if held is None or (ev is not None and ev.kind == pb.SessionEvent.SUPERSEDED):
+            # cleans the instance up): its token, and only its, is stale. Only a session that
+            # presented a token and that the server took stood for one (the server adopts no
+            # token-less session); a refusal of a presented token says it is stale too. One that
+            # never reached the server (the connection was down) ended nothing: its token is kept
+            # for the retry (before, it was dropped and the retry refused "no token"). A
+            # superseded one's is not stale either.
+            if not used or self._tokens.get(rank) != used:
+                return
+            if ev is not None and ev.kind == pb.SessionEvent.SUPERSEDED:
                 return
             refused = s.error is not None and s.error.code in REFUSED_SESSION
-            stood = held == used if used else not refused
-            if stood:
+            if s.taken or refused:
                 self._tokens.pop(rank, None)
 
         try:

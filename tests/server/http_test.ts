@@ -6,6 +6,7 @@ import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import { hostSim, startServer, uid } from "./harness.ts";
+import { PROTOCOL_VERSION } from "../../lib/client/client.ts";
 
 Deno.test("HTTP endpoints report and act on the server's state", async () => {
   const srv = await startServer();
@@ -17,7 +18,7 @@ Deno.test("HTTP endpoints report and act on the server's state", async () => {
   });
   try {
     const h = await (await srv.http_get("/health")).json();
-    assert.deepEqual(h, { status: "ok", version: "pegaflow-1", backend: "host" });
+    assert.deepEqual(h, { status: "ok", version: PROTOCOL_VERSION, backend: "host" });
 
     await sim.register();
     const hashes = chainedBlockHashes(syntheticTokens(4, 16 * 4), 16);

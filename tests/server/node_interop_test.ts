@@ -8,6 +8,7 @@ import assert from "node:assert/strict";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
 import { hostSim, startServer, uid } from "./harness.ts";
+import { PROTOCOL_VERSION } from "../../lib/client/client.ts";
 import { stageNodeClient } from "./fixtures/node_stage.ts";
 
 function hex(b: Uint8Array): string {
@@ -45,7 +46,7 @@ Deno.test("a grpc-js client on Node queries the server and gets real statuses", 
     assert.equal(out.code, 0, stderr);
     const r = JSON.parse(new TextDecoder().decode(out.stdout));
     assert.match(r.node, /^v\d+/);
-    assert.deepEqual(r.health, { status: "ok", version: "pegaflow-1", backend: "host" });
+    assert.deepEqual(r.health, { status: "ok", version: PROTOCOL_VERSION, backend: "host" });
     assert.deepEqual(r.query, { hits: 3, leaseBytes: 16 });
     assert.equal(r.badRegister.code, 9 /* FAILED_PRECONDITION */);
     assert.match(r.badRegister.details, /client version "old-version"/);

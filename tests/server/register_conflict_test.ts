@@ -69,8 +69,8 @@ Deno.test("once the holder's session ends, another engine registers the rank", a
   const old = hostSim(srv, { instanceId, namespace, model: MODEL, numBlocks: 16 });
   const fresh = hostSim(srv, { instanceId, namespace, model: MODEL, numBlocks: 16 });
   try {
-    const session = srv.client.openSession(instanceId);
     await old.register();
+    const session = srv.client.openSession(instanceId);
     const hashes = chainedBlockHashes(syntheticTokens(6, 16 * 2), 16);
     old.fill([0, 1], hashes);
     await old.save([0, 1], hashes);

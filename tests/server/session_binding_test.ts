@@ -60,9 +60,13 @@ Deno.test("another engine's session for a held rank is refused and the holder ke
   const holder = ownSim(srv, instanceId, namespace);
   const intruder = ownSim(srv, instanceId, namespace);
   try {
-    // The holder in the TS SDK's old order: session first, then the registration.
-    const own = holder.client.openSession(instanceId);
+    // The holder registers, then opens its session with the token it was answered.
     await holder.sim.register();
+    const own = holder.client.openSession(instanceId);
+    await until(
+      "the holder's session taken",
+      async () => (await srv.metric("pegaflow_sessions")) === 1,
+    );
     // The other engine opens its session first (and would register after it).
     const stray = intruder.client.openSession(instanceId);
     assert.ok(await settlesWithin(stray.closed, 10_000), "the other engine's session was taken");
@@ -184,18 +188,29 @@ Deno.test("a registered rank that never opens its session is cleaned up after th
   }
 });
 
-Deno.test("a session opened before its registration is the registration's session (no reaping)", async () => {
+Deno.test("a session opened before its registration is ended by it, and the session opened after with its token stands (no reaping)", async () => {
   const env = { PEGAFLOW_SESSION_GRACE_MS: String(SHORT_GRACE_MS) };
   const srv = await startServer([], env);
   const instanceId = uid("early");
   const sim = hostSim(srv, { instanceId, namespace: uid("ns"), model: MODEL, numBlocks: 16 });
   try {
+    // The old order (session, then RegisterContext): the token-less session stands for no
+    // registration (tests/server/session_token_review_test.ts), so the registration ends it ...
     const early = srv.client.openSession(instanceId);
+    await until(
+      "the early session taken",
+      async () => (await srv.metric("pegaflow_sessions")) === 1,
+    );
     await sim.register();
+    assert.ok(await settlesWithin(early.closed, 10_000), "the early session was adopted");
+    assert.equal(early.error?.codeName, "FAILED_PRECONDITION", String(early.error));
+    // ... and the client kept the token: the session it opens now presents it and stands.
+    const own = srv.client.openSession(instanceId);
     await new Promise((res) => setTimeout(res, 2 * SHORT_GRACE_MS));
     assert.deepEqual(await instanceIds(srv), [instanceId], "not reaped: it has its session");
-    assert.deepEqual(early.events, []);
-    early.close();
+    assert.deepEqual(own.events, []);
+    assert.equal(own.error, undefined);
+    own.close();
     await until(
       "instance gone with its session",
       async () => (await instanceIds(srv)).length === 0,

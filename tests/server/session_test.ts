@@ -39,8 +39,8 @@ Deno.test("closing the session cleans the instance up (leases released) and re-r
     numBlocks: 16,
   });
   try {
-    const session = srv.client.openSession(instanceId);
     await sim.register();
+    const session = srv.client.openSession(instanceId);
     const hashes = chainedBlockHashes(syntheticTokens(3, 16 * 4), 16);
     sim.fill([0, 1, 2, 3], hashes);
     await sim.save([0, 1, 2, 3], hashes);
@@ -65,8 +65,8 @@ Deno.test("closing the session cleans the instance up (leases released) and re-r
     assert.ok(Number.isNaN(await srv.metric("pegaflow_rpc_duration_seconds_count", ended)));
 
     // Re-registration of the same instance works and the cache still serves it.
-    const again = srv.client.openSession(instanceId);
     await sim.register();
+    const again = srv.client.openSession(instanceId);
     const q2 = await sim.query(hashes, "after");
     assert.ok(q2.kind === "ready" && q2.hits === 4);
     if (q2.kind !== "ready") return;
@@ -168,8 +168,8 @@ Deno.test("a newer session for the same rank supersedes the old one without a cl
     numBlocks: 8,
   });
   try {
-    const first = srv.client.openSession(instanceId);
     await sim.register();
+    const first = srv.client.openSession(instanceId);
     const second = srv.client.openSession(instanceId);
     const ev = await first.closed;
     assert.equal(ev?.kind, 1 /* SUPERSEDED */);
@@ -191,8 +191,8 @@ Deno.test("a session for a rank outside a registered instance's topology is refu
   const instanceId = uid("topo");
   const sim = hostSim(srv, { instanceId, namespace: uid("ns"), model: MODEL, numBlocks: 8 });
   try {
-    const own = srv.client.openSession(instanceId);
     await sim.register(); // tp_size 1, pp_size 1
+    const own = srv.client.openSession(instanceId);
     const stray = srv.client.openSession(instanceId, 1, 0);
     assert.ok(await settlesWithin(stray.closed, 5_000), "the stray session was not refused");
     assert.equal(await stray.closed, null);
