@@ -436,10 +436,12 @@ export interface SessionRequest {
    * a session only with its current registration's token (else
    * FAILED_PRECONDITION naming the rank; nothing is superseded); a token for a
    * rank that is not registered (the registration ended, the server
-   * restarted) is refused too. Empty: only for a rank not registered yet (a
-   * session opened before its registration, which then belongs to the
-   * registration that follows). A registered rank whose session does not open
-   * within the server's grace period (--session-grace-ms) is cleaned up.
+   * restarted) is refused too. Empty: only for a rank not registered yet; such
+   * a session stands for no registration (its end cleans nothing up) and a
+   * registration of its rank ends it (FAILED_PRECONDITION): open the session
+   * after RegisterContext, with its token. A registered rank whose session
+   * does not open within the server's grace period (--session-grace-ms) is
+   * cleaned up.
    */
   registrationToken?: string | undefined;
 }

@@ -122,7 +122,6 @@ export class PegaflowClient {
    * Sessions opened with no token, per rank, waiting for the registration that adopts them:
    * the first one this client is answered for the rank after the session opened.
    */
-  readonly #adopters = new Map<string, Set<(token: string) => void>>();
   #closed = false;
 
   /**
@@ -264,12 +263,9 @@ export class PegaflowClient {
     });
   }
 
-  /** Keeps the rank's token; the sessions opened with none before it belong to its registration. */
+  /** Keeps the rank's token: its sessions present it. */
   #keepToken(rank: string, token: string): void {
     this.#tokens.set(rank, token);
-    const waiting = this.#adopters.get(rank);
-    this.#adopters.delete(rank);
-    for (const adopt of waiting ?? []) adopt(token);
   }
 
   /**
@@ -350,8 +346,9 @@ export class PegaflowClient {
    * Opens the liveness stream for one rank. It presents the registration token this client
    * was answered for the rank (or `opts.registrationToken`): a registered rank takes a
    * session only with its registration's token, so open it after {@link registerContext}.
-   * With no token (the rank not registered by this client yet) the session belongs to the
-   * registration that follows, and is refused for a rank another registration holds.
+   * With no token (the rank not registered by this client yet) the session stands for no
+   * registration: it is refused for a rank a registration holds, and a registration of its
+   * rank made after it ends it (FAILED_PRECONDITION); its end forgets no token.
    */
   openSession(
     instanceId: string,
@@ -375,14 +372,6 @@ export class PegaflowClient {
     // The server sends its headers when it takes the session (grpc_service.ts): a session that
     // never got them (no connection, the server away) stood for no registration.
     let reached = false;
-    // The token of the registration this session stands for: the one it presented, or for one
-    // opened with none, the registration that follows it (the server adopts it there).
-    let stoodFor = registrationToken;
-    const adopt = (token: string) => stoodFor ??= token;
-    if (registrationToken === undefined) {
-      const waiting = this.#adopters.get(rank) ?? new Set();
-      this.#adopters.set(rank, waiting.add(adopt));
-    }
     const closed = new Promise<SessionEvent | null>((resolve) => {
       call.on("metadata", () => reached = true);
       call.on("data", (e: SessionEvent) => events.push(e));
@@ -393,16 +382,15 @@ export class PegaflowClient {
       });
     });
     closed.then((last) => {
-      this.#adopters.get(rank)?.delete(adopt);
-      if (last?.kind === SessionEvent_Kind.SUPERSEDED) return;
+      // A session opened with no token stood for no registration: its end ends none.
+      if (registrationToken === undefined || last?.kind === SessionEvent_Kind.SUPERSEDED) return;
       // The end of the session that stood for the rank ends its registration (the server
       // cleans the instance up): its token, and only its, is stale. A refusal (only the
-      // server answers these) of a presented token says it is stale too; a session opened
-      // with none that was refused, or never reached the server, ended nothing.
+      // server answers these) of a presented token says it is stale too; a session that never
+      // reached the server ended nothing.
       const refused = error?.code === grpc.status.FAILED_PRECONDITION ||
         error?.code === grpc.status.INVALID_ARGUMENT;
-      const ended = registrationToken === undefined ? reached && !refused : reached || refused;
-      if (ended && stoodFor !== undefined && this.#tokens.get(rank) === stoodFor) {
+      if ((reached || refused) && this.#tokens.get(rank) === registrationToken) {
         this.#tokens.delete(rank);
       }
     });

@@ -241,8 +241,8 @@ def _next_event_within(session, timeout_s: float):
 
 
 def test_another_engines_session_for_a_held_rank_is_refused_and_the_holder_keeps_its_session(server, uid):
-    """A second engine under the same instance id opens the rank's session (the TS SDK opens it
-    before registering; a Python engine can, in a server-restart window): it must not supersede
+    """A second engine under the same instance id opens the rank's session (with no token, or a
+    Python engine in a server-restart window): it must not supersede
     the holder's session, which stops a Python holder for good and whose end cleans it up."""
     client = PegaflowClient(server.addr, rpc_timeout_ms=10_000)
     other = PegaflowClient(server.addr, rpc_timeout_ms=10_000)
