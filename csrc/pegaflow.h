@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 8
+#define PF_ABI_VERSION 9
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {

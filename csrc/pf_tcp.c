@@ -32,6 +32,12 @@
  *                              that many raw bytes (aux PF_BLAST_WIDE: the
  *                              stream's own range of its pool) and closes
  *                              (pf_tcp_blast, benchmarks only)
+ *   server -> client   REFUSE status = PF_EBUSY (the endpoint serves its
+ *                              cap of connections) or PF_ENOMEM (out of
+ *                              descriptors, memory or threads), bytes =
+ *                              connections served, aux = the cap; sent in
+ *                              place of the HELLO, unasked, and the server
+ *                              closes the connection
  *
  * Deadlines and late bytes: (slot, gen) in each response names the batch.
  * The receiver enters the slot (pf_xfer_internal.h) for each burst of
@@ -67,7 +73,7 @@
 #define TCP_MAGIC 0x31584650u /* "PFX1" */
 #define TCP_VERSION 1u
 enum { OP_HELLO = 1, OP_READ = 2, OP_WRITE = 3, OP_IMM = 4, OP_READ_RESP = 5, OP_ACK = 6,
-       OP_BLAST = 7 };
+       OP_BLAST = 7, OP_REFUSE = 8 };
 /* Part number of the IMM frame (data parts are numbered from 0). */
 #define IMM_PART 0xffffffffu
 /* Chunks per frame: bounds a serving connection's segment buffer (1 MiB). */
@@ -97,6 +103,20 @@ enum { OP_HELLO = 1, OP_READ = 2, OP_WRITE = 3, OP_IMM = 4, OP_READ_RESP = 5, OP
  * overrides it per endpoint (1 .. TCP_MAX_STALL_MS). */
 #define TCP_STALL_MS 10000u
 #define TCP_MAX_STALL_MS 3600000u
+/* Connections an endpoint serves at once, each with its own thread (a peer
+ * opens `streams`, 1..64, default 4: 4096 serve 1024 peers at the default,
+ * 64 at the most streams). Without a cap anyone who reaches the port could
+ * open connections until threads or memory ran out; one over it is accepted
+ * and refused at once (REFUSE, close), so the requester fails its connect
+ * naming the cap instead of waiting. Env PEGAFLOW_TCP_MAX_CONNS overrides it
+ * per endpoint (1 .. TCP_MAX_CONNS_LIMIT). */
+#define TCP_MAX_CONNS 4096u
+#define TCP_MAX_CONNS_LIMIT 65536u
+/* How long the acceptor waits (on its wake descriptor: a close still ends it
+ * at once) after an accept failed and no connection could be taken off the
+ * backlog: a pending connection keeps the listener readable, so accepting
+ * again at once would spin a core for as long as the shortage lasts. */
+#define TCP_ACCEPT_BACKOFF_MS 100
 
 typedef struct pf_tcp_frame {
   uint32_t magic;
@@ -285,9 +305,17 @@ typedef struct tcp_conn {
 typedef struct tcp_ep {
   int lfd;
   int wake;               /* eventfd: wakes the accept loop at close */
+  /* A descriptor held in reserve (/dev/null; -1 = none): out of descriptors,
+   * the acceptor gives it up for a moment to take a pending connection off
+   * the backlog and refuse it (libev's and nginx's way). */
+  int spare;
   pthread_t acceptor;
   atomic_int stop;
   uint32_t stall_ms;      /* TCP_STALL_MS, or PEGAFLOW_TCP_STALL_MS */
+  uint32_t max_conns;     /* TCP_MAX_CONNS, or PEGAFLOW_TCP_MAX_CONNS */
+  /* Since the last connection served (the acceptor's own; log lines: the
+   * first of a burst is logged, the rest counted). */
+  uint64_t burst_refused, burst_failed;
   pthread_mutex_t mu;
   tcp_conn *conns;
   uint32_t next_id;
@@ -558,6 +586,116 @@ static void format_addr(const struct sockaddr_storage *ss, char *out, size_t cap
   snprintf(out, cap, ss->ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", ip, port);
 }
 
+/* Turns an accepted connection away at once: a REFUSE frame (40 bytes into
+ * a fresh socket's empty buffer: never waits), then close, so the requester
+ * fails its connect naming the reason instead of waiting for a hello.
+ * Counted; the first of a burst is logged with the peer's address (a flood
+ * is one line, not one per connection). */
+static void refuse_conn(pf_xfer_ep *ep, int fd, const char *addr, int32_t status,
+                        const char *why) {
+  tcp_ep *t = ep->impl;
+  uint64_t open_now = atomic_load(&ep->conns_open);
+  pf_tcp_frame f = {.magic = TCP_MAGIC, .op = OP_REFUSE, .status = (int16_t)status,
+                    .bytes = open_now, .aux = t->max_conns};
+  (void)!send(fd, &f, sizeof f, MSG_NOSIGNAL | MSG_DONTWAIT);
+  close(fd);
+  atomic_fetch_add(&ep->conns_refused, 1);
+  if (t->burst_refused++ == 0)
+    fprintf(stderr, "pegaflow: transfer endpoint port %u: connection from %s refused: %s "
+            "(%llu connections served, cap %u); further refusals are counted, not logged, "
+            "until one is served\n", ep->listen_port, addr, why, (unsigned long long)open_now,
+            t->max_conns);
+}
+
+/* A connection is being served: a burst of refusals or failed accepts
+ * before it has ended (one line for it). */
+static void burst_end(pf_xfer_ep *ep) {
+  tcp_ep *t = ep->impl;
+  if (!t->burst_refused && !t->burst_failed) return;
+  fprintf(stderr, "pegaflow: transfer endpoint port %u: serving connections again after "
+          "refusing %llu and failing to accept %llu\n", ep->listen_port,
+          (unsigned long long)t->burst_refused, (unsigned long long)t->burst_failed);
+  t->burst_refused = t->burst_failed = 0;
+}
+
+/* Errors accept(2) passes on from a pending connection that it consumed (the
+ * man page: retry as for EAGAIN): nothing is left in the backlog for them. */
+static int accept_transient(int e) {
+  return e == EAGAIN || e == EWOULDBLOCK || e == EINTR || e == ECONNABORTED || e == EPROTO ||
+         e == ENETDOWN || e == ENOPROTOOPT || e == EHOSTDOWN || e == ENONET ||
+         e == EHOSTUNREACH || e == EOPNOTSUPP || e == ENETUNREACH;
+}
+
+/* accept4 failed with `e` (not transient). Out of descriptors, the reserve
+ * one is given up to take the pending connection off the backlog and refuse
+ * it: 1. Else (no reserve, out of memory, a broken listener) 0: the caller
+ * backs off, since the connection still pending keeps the listener readable
+ * and accepting again at once would spin. Logged once per burst. */
+static int accept_failed(pf_xfer_ep *ep, int e) {
+  tcp_ep *t = ep->impl;
+  atomic_fetch_add(&ep->accept_errors, 1);
+  if (t->spare < 0) t->spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if ((e == EMFILE || e == ENFILE) && t->spare >= 0) {
+    close(t->spare);
+    struct sockaddr_storage from;
+    socklen_t fl = sizeof from;
+    int fd = accept4(t->lfd, (struct sockaddr *)&from, &fl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0) {
+      char addr[64], why[96];
+      format_addr(&from, addr, sizeof addr);
+      snprintf(why, sizeof why, "out of file descriptors (accept: %s)", strerror(e));
+      refuse_conn(ep, fd, addr, PF_ENOMEM, why); /* closes fd: room for the reserve again */
+    }
+    t->spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) return 1;
+  }
+  if (t->burst_failed++ == 0)
+    fprintf(stderr, "pegaflow: transfer endpoint port %u: accept failed: %s; accepting again "
+            "every %u ms until it succeeds (failures are counted, not logged)\n",
+            ep->listen_port, strerror(e), TCP_ACCEPT_BACKOFF_MS);
+  return 0;
+}
+
+/* Serves an accepted connection on its own thread, or refuses it (over the
+ * cap, out of memory or threads). */
+static void serve_conn(pf_xfer_ep *ep, int fd, const struct sockaddr_storage *from) {
+  tcp_ep *t = ep->impl;
+  char addr[64];
+  format_addr(from, addr, sizeof addr);
+  /* conns_open only grows here (serving threads lower it): no race past the cap. */
+  if (atomic_load(&ep->conns_open) >= t->max_conns) {
+    refuse_conn(ep, fd, addr, PF_EBUSY, "the endpoint serves its cap of connections "
+                "(PEGAFLOW_TCP_MAX_CONNS)");
+    return;
+  }
+  tune_socket(fd, ep->cfg.sock_buf);
+  tcp_conn *c = calloc(1, sizeof *c);
+  if (!c) {
+    refuse_conn(ep, fd, addr, PF_ENOMEM, "out of memory");
+    return;
+  }
+  c->ep = ep;
+  c->fd = fd;
+  memcpy(c->addr, addr, sizeof c->addr);
+  pthread_mutex_lock(&t->mu);
+  c->id = ++t->next_id;
+  atomic_fetch_add(&ep->conns_open, 1);
+  int e = pthread_create(&c->thread, NULL, serve_main, c);
+  if (e) {
+    atomic_fetch_sub(&ep->conns_open, 1);
+    pthread_mutex_unlock(&t->mu);
+    free(c);
+    char why[96];
+    snprintf(why, sizeof why, "cannot start a serving thread: %s", strerror(e));
+    refuse_conn(ep, fd, addr, PF_ENOMEM, why);
+    return;
+  }
+  c->next = t->conns;
+  t->conns = c;
+  pthread_mutex_unlock(&t->mu);
+  burst_end(ep);
+}
+
 static void *accept_main(void *arg) {
   pthread_setname_np(pthread_self(), "pf-tcp-accept");
   pf_xfer_ep *ep = arg;
@@ -570,31 +708,30 @@ static void *accept_main(void *arg) {
     struct sockaddr_storage from;
     socklen_t fl = sizeof from;
     int fd = accept4(t->lfd, (struct sockaddr *)&from, &fl, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    tune_socket(fd, ep->cfg.sock_buf);
-    tcp_conn *c = calloc(1, sizeof *c);
-    if (!c) {
-      close(fd);
-      continue;
+    int e = errno;
+    if (fd >= 0) {
+      serve_conn(ep, fd, &from);
+    } else if (!accept_transient(e) && !accept_failed(ep, e)) {
+      poll(&pfd[1], 1, TCP_ACCEPT_BACKOFF_MS); /* the wake descriptor: a close ends it */
     }
-    c->ep = ep;
-    c->fd = fd;
-    format_addr(&from, c->addr, sizeof c->addr);
-    pthread_mutex_lock(&t->mu);
-    c->id = ++t->next_id;
-    atomic_fetch_add(&ep->conns_open, 1);
-    if (pthread_create(&c->thread, NULL, serve_main, c)) {
-      atomic_fetch_sub(&ep->conns_open, 1);
-      pthread_mutex_unlock(&t->mu);
-      close(fd);
-      free(c);
-      continue;
-    }
-    c->next = t->conns;
-    t->conns = c;
-    pthread_mutex_unlock(&t->mu);
   }
   return NULL;
+}
+
+/* An endpoint limit from the environment: `name` unset or empty = `def`,
+ * else a decimal in 1..max, anything else refused naming it. */
+static int32_t env_limit(const char *fn, const char *name, uint32_t def, uint32_t max,
+                         const char *unit, uint32_t *out) {
+  const char *env = getenv(name);
+  *out = def;
+  if (!env || !*env) return PF_OK;
+  char *end;
+  errno = 0;
+  unsigned long v = strtoul(env, &end, 10);
+  if (*end || env[0] == '-' || errno || v == 0 || v > max)
+    return pf_fail(PF_EINVAL, "%s: %s \"%s\"; expected 1..%u%s", fn, name, env, max, unit);
+  *out = (uint32_t)v;
+  return PF_OK;
 }
 
 static int32_t tcp_open(pf_xfer_ep *ep) {
@@ -617,19 +754,17 @@ static int32_t tcp_open(pf_xfer_ep *ep) {
     return pf_fail(PF_EINVAL, "%s: bind_addr \"%s\" is not an IPv4 or IPv6 literal", fn,
                    bind_addr);
   }
-  uint32_t stall_ms = TCP_STALL_MS;
-  const char *env = getenv("PEGAFLOW_TCP_STALL_MS");
-  if (env && *env) {
-    char *end;
-    unsigned long v = strtoul(env, &end, 10);
-    if (*end || env[0] == '-' || v == 0 || v > TCP_MAX_STALL_MS)
-      return pf_fail(PF_EINVAL, "%s: PEGAFLOW_TCP_STALL_MS \"%s\"; expected 1..%u (ms)", fn, env,
-                     TCP_MAX_STALL_MS);
-    stall_ms = (uint32_t)v;
-  }
+  uint32_t stall_ms, max_conns;
+  int32_t rc = env_limit(fn, "PEGAFLOW_TCP_STALL_MS", TCP_STALL_MS, TCP_MAX_STALL_MS, " (ms)",
+                         &stall_ms);
+  if (rc == PF_OK)
+    rc = env_limit(fn, "PEGAFLOW_TCP_MAX_CONNS", TCP_MAX_CONNS, TCP_MAX_CONNS_LIMIT,
+                   " (connections)", &max_conns);
+  if (rc < 0) return rc;
   tcp_ep *t = calloc(1, sizeof *t);
   if (!t) return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
   t->stall_ms = stall_ms;
+  t->max_conns = max_conns;
   t->lfd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (t->lfd < 0) {
     free(t);
@@ -652,10 +787,12 @@ static int32_t tcp_open(pf_xfer_ep *ep) {
   ep->listen_port = ntohs(got.ss_family == AF_INET ? ((struct sockaddr_in *)&got)->sin_port
                                                     : ((struct sockaddr_in6 *)&got)->sin6_port);
   t->wake = eventfd(0, EFD_CLOEXEC);
+  t->spare = open("/dev/null", O_RDONLY | O_CLOEXEC); /* none: accept_failed backs off */
   pthread_mutex_init(&t->mu, NULL);
   ep->impl = t;
   int e = pthread_create(&t->acceptor, NULL, accept_main, ep);
   if (e) {
+    if (t->spare >= 0) close(t->spare);
     close(t->wake);
     close(t->lfd);
     pthread_mutex_destroy(&t->mu);
@@ -674,6 +811,7 @@ static void tcp_close(pf_xfer_ep *ep) {
   reap_conns(t, 1);
   close(t->lfd);
   close(t->wake);
+  if (t->spare >= 0) close(t->spare);
   pthread_mutex_destroy(&t->mu);
   free(t);
 }
@@ -1073,6 +1211,27 @@ static void stream_stop_all(pf_xfer_peer *p) {
   }
 }
 
+/* Why stream `i`'s hello was not answered with a hello (got: recv_all's
+ * result; errno set by it): the endpoint refused the connection (its REFUSE
+ * frame), closed it first (a refusal whose frame was lost, or not a PegaFlow
+ * endpoint), or answered something else. */
+static int32_t hello_refused(const char *fn, uint32_t i, const char *remote, int got,
+                             const pf_tcp_frame *ans) {
+  if (got < 0)
+    return pf_fail(PF_EIO, "%s: stream %u to %s: the endpoint closed the connection before "
+                   "its hello (%s): over its connection cap, out of descriptors, or not a "
+                   "PegaFlow transfer endpoint", fn, i, remote, eof_text());
+  if (ans->magic == TCP_MAGIC && ans->op == OP_REFUSE && ans->status == PF_EBUSY)
+    return pf_fail(PF_EBUSY, "%s: stream %u to %s: refused: the endpoint serves %llu "
+                   "connections, its cap (PEGAFLOW_TCP_MAX_CONNS there) is %u", fn, i, remote,
+                   (unsigned long long)ans->bytes, ans->aux);
+  if (ans->magic == TCP_MAGIC && ans->op == OP_REFUSE)
+    return pf_fail(PF_EIO, "%s: stream %u to %s: refused: the endpoint is out of file "
+                   "descriptors, memory or threads (status %d)", fn, i, remote, ans->status);
+  return pf_fail(PF_EIO, "%s: stream %u to %s: not a PegaFlow transfer endpoint (or "
+                 "protocol version differs from %u)", fn, i, remote, TCP_VERSION);
+}
+
 static int32_t tcp_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_t len,
                                 int32_t timeout_ms) {
   const char *fn = "pf_xfer_peer_connect(tcp)";
@@ -1135,8 +1294,7 @@ static int32_t tcp_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_t
       goto fail;
     }
     if (got < 0 || ans.magic != TCP_MAGIC || ans.op != OP_HELLO || ans.aux != TCP_VERSION) {
-      rc = pf_fail(PF_EIO, "%s: stream %u to %s: not a PegaFlow transfer endpoint (or "
-                   "protocol version differs from %u)", fn, i, tp->remote, TCP_VERSION);
+      rc = hello_refused(fn, i, tp->remote, got, &ans);
       goto fail;
     }
     if (i > 0 && ans.bytes != remote_bytes) {

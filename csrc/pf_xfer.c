@@ -325,7 +325,8 @@ fail:
   return rc;
 }
 
-_Static_assert(sizeof(pf_xfer_stats) == 80, "pf_xfer_stats layout");
+_Static_assert(sizeof(pf_xfer_stats) == 96, "pf_xfer_stats layout");
+_Static_assert(offsetof(pf_xfer_stats, conns_refused) == 80, "pf_xfer_stats layout");
 _Static_assert(offsetof(pf_xfer_stats, submitted) == 16, "pf_xfer_stats layout");
 
 /* Under pf_objects_mu, which pf_xfer_close retires the handle under (on
@@ -355,6 +356,8 @@ int32_t pf_xfer_info(uint32_t h, pf_xfer_stats *out) {
   out->serving_connections = atomic_load(&ep->conns_open);
   out->bytes_served = atomic_load(&ep->bytes_served);
   out->bytes_landed = atomic_load(&ep->bytes_landed);
+  out->conns_refused = atomic_load(&ep->conns_refused);
+  out->accept_errors = atomic_load(&ep->accept_errors);
   pthread_mutex_unlock(&pf_objects_mu);
   return PF_OK;
 }

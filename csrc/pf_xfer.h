@@ -91,7 +91,7 @@ typedef struct pf_xfer_config {
  * count the endpoint as a user until pf_xfer_close. */
 int32_t pf_xfer_open(uint32_t pool, uint32_t ring, const pf_xfer_config *cfg,
                      uint64_t cfg_bytes, uint32_t *out_ep);
-/* What pf_xfer_info reports (80 bytes). */
+/* What pf_xfer_info reports (96 bytes). */
 typedef struct pf_xfer_stats {
   uint32_t transport;   /* offset 0: pf_xfer_transport */
   uint32_t listen_port; /* offset 4: TCP listen port (0 for RDMA) */
@@ -107,6 +107,13 @@ typedef struct pf_xfer_stats {
   uint64_t serving_connections; /* offset 56: TCP connections served */
   uint64_t bytes_served; /* offset 64: READ payload sent to peers */
   uint64_t bytes_landed; /* offset 72: bytes peers' WRITEs landed here */
+  /* offset 80: TCP connections accepted and refused at once (a REFUSE frame,
+   * then close): over the cap (PEGAFLOW_TCP_MAX_CONNS), or out of
+   * descriptors, memory or threads to serve them. */
+  uint64_t conns_refused;
+  /* offset 88: TCP accepts that failed (out of descriptors or kernel memory;
+   * transient network errors of one pending connection are not counted). */
+  uint64_t accept_errors;
 } pf_xfer_stats;
 int32_t pf_xfer_info(uint32_t ep, pf_xfer_stats *out);
 /* Stops listening, closes serving connections, releases the pool and ring.

@@ -147,6 +147,7 @@ typedef struct pf_xfer_ep {
   atomic_ullong timer_wake_ns;   /* when the timer looks next (pf_xfer.c) */
   atomic_ullong n_submitted, n_ok, n_failed, n_timedout, late_bytes;
   atomic_ullong conns_open, bytes_served, bytes_landed;
+  atomic_ullong conns_refused, accept_errors; /* TCP's listening side (pf_tcp.c) */
   uint32_t listen_port;
   void *impl;
 } pf_xfer_ep;

@@ -232,7 +232,7 @@ export function decodeFsUsage(buf: Uint8Array): FsSpace {
 }
 
 /** sizeof(pf_xfer_stats). */
-export const XFER_STATS_BYTES = 80;
+export const XFER_STATS_BYTES = 96;
 /** `pf_xfer_transport` values. */
 const TRANSPORT_NAMES: Record<number, "tcp" | "rdma"> = { 1: "tcp", 2: "rdma" };
 
@@ -255,6 +255,10 @@ export interface XferInfo {
   bytesServed: number;
   /** WRITE payload bytes peers landed in this pool. */
   bytesLanded: number;
+  /** TCP connections refused at once: over the cap, or out of descriptors, memory or threads. */
+  connsRefused: number;
+  /** TCP accepts that failed (out of descriptors or kernel memory). */
+  acceptErrors: number;
 }
 
 /** Decodes a `pf_xfer_stats`. */
@@ -276,6 +280,8 @@ export function decodeXferStats(buf: Uint8Array): XferInfo {
     servingConnections: u64(v, 56),
     bytesServed: u64(v, 64),
     bytesLanded: u64(v, 72),
+    connsRefused: u64(v, 80),
+    acceptErrors: u64(v, 88),
   };
 }
 

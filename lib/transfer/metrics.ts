@@ -3,7 +3,8 @@
  * counters (`pf_xfer_info`) at scrape time so they never drift from it:
  * which transport is in use (a labelled 0/1 gauge, so a dashboard shows a
  * TCP fallback at a glance), batches by outcome, late bytes discarded after
- * deadlines, bytes served / landed for peers, connections and peers.
+ * deadlines, bytes served / landed for peers, connections (served, refused,
+ * failed accepts) and peers.
  *
  * @module
  */
@@ -67,7 +68,7 @@ export function registerTransferMetrics(
       for (const [result, pick] of results) this.inc({ result }, grown(result, pick(i)));
     },
   });
-  const byteCounter = (name: string, help: string, pick: (i: XferInfo) => number) =>
+  const counter = (name: string, help: string, pick: (i: XferInfo) => number) =>
     new Counter({
       name,
       help,
@@ -77,20 +78,31 @@ export function registerTransferMetrics(
         if (i) this.inc(grown(name, pick(i)));
       },
     });
-  byteCounter(
+  counter(
     "pegaflow_transfer_late_bytes_total",
     "bytes of timed-out or cancelled batches that arrived late and were discarded",
     (i) => i.lateBytes,
   );
-  byteCounter(
+  counter(
     "pegaflow_transfer_served_bytes_total",
     "bytes this node sent to peers' READs",
     (i) => i.bytesServed,
   );
-  byteCounter(
+  counter(
     "pegaflow_transfer_landed_bytes_total",
     "bytes peers' WRITEs landed in this node's pool",
     (i) => i.bytesLanded,
+  );
+  counter(
+    "pegaflow_transfer_refused_connections_total",
+    "TCP connections from peers refused at once: over PEGAFLOW_TCP_MAX_CONNS, or out of " +
+      "descriptors, memory or threads",
+    (i) => i.connsRefused,
+  );
+  counter(
+    "pegaflow_transfer_accept_errors_total",
+    "TCP accepts that failed (out of descriptors or kernel memory)",
+    (i) => i.acceptErrors,
   );
   new Gauge({
     name: "pegaflow_transfer_serving_connections",

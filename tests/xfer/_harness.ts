@@ -22,24 +22,45 @@ export interface NodeProc {
   pendingEvents(): number;
   /** Closes stdin and waits for exit (or kills it if already signalled). */
   close(): Promise<Deno.CommandStatus>;
+  /** Its stderr once it exited ("" unless spawned with `keepStderr`). */
+  stderr(): Promise<string>;
+}
+
+/** How a node child runs, beyond its arguments. */
+export interface SpawnOptions {
+  /** Added to its environment (e.g. `PEGAFLOW_TCP_MAX_CONNS`). */
+  env?: Record<string, string>;
+  /** Its descriptor limit, soft and hard (`prlimit --nofile=N:N`: Deno cannot raise it). */
+  nofile?: number;
+  /** Keep its stderr for {@link NodeProc.stderr} instead of passing it through. */
+  keepStderr?: boolean;
 }
 
 /** Starts a node child; `netns` runs it inside that network namespace. */
 export async function spawnNode(
-  args: { poolBytes: number; seed: number; streams?: number; bindAddr?: string; fill?: boolean },
+  args: {
+    poolBytes: number;
+    seed: number;
+    streams?: number;
+    bindAddr?: string;
+    fill?: boolean;
+    /** Open its endpoint with only this many descriptors free (run it with `nofile`). */
+    fdsLeftAtOpen?: number;
+  },
   netns?: string,
+  opts: SpawnOptions = {},
 ): Promise<NodeProc> {
-  const deno = Deno.execPath();
-  const argv = ["run", "-A", NODE, JSON.stringify(args)];
-  const cmd = netns
-    ? new Deno.Command("ip", {
-      args: ["netns", "exec", netns, deno, ...argv],
-      stdin: "piped",
-      stdout: "piped",
-      stderr: "inherit",
-    })
-    : new Deno.Command(deno, { args: argv, stdin: "piped", stdout: "piped", stderr: "inherit" });
-  const proc = cmd.spawn();
+  let argv = [Deno.execPath(), "run", "-A", NODE, JSON.stringify(args)];
+  if (opts.nofile) argv = ["prlimit", `--nofile=${opts.nofile}:${opts.nofile}`, ...argv];
+  if (netns) argv = ["ip", "netns", "exec", netns, ...argv];
+  const proc = new Deno.Command(argv[0], {
+    args: argv.slice(1),
+    env: opts.env,
+    stdin: "piped",
+    stdout: "piped",
+    stderr: opts.keepStderr ? "piped" : "inherit",
+  }).spawn();
+  const stderr = opts.keepStderr ? new Response(proc.stderr).text() : Promise.resolve("");
   const reader = proc.stdout.pipeThrough(new TextDecoderStream()).getReader();
   const writer = proc.stdin.getWriter();
   let buf = "";
@@ -92,6 +113,7 @@ export async function spawnNode(
       }
       return await proc.status;
     },
+    stderr: () => stderr,
   };
 }
 
@@ -216,5 +238,63 @@ export function silentListener(): { addr: string; close: () => void } {
       l.close();
       for (const c of conns) c.close();
     },
+  };
+}
+
+/** The TCP transport's frame ops (csrc/pf_tcp.c's wire format), for hand-made frames. */
+export const TCP_OP = { hello: 1, read: 2, write: 3, blast: 7, refuse: 8 } as const;
+
+/** A 40-byte frame header as a client sends it (slot 1, gen 1; a HELLO carries the version). */
+export function tcpFrame(op: number, nseg = 0, bytes = 0): Uint8Array {
+  const f = new DataView(new ArrayBuffer(40));
+  f.setUint32(0, 0x31584650, true); // "PFX1"
+  f.setUint16(4, op, true);
+  f.setUint32(8, 1, true); // slot
+  f.setUint32(12, 1, true); // gen
+  f.setUint32(20, nseg, true);
+  f.setBigUint64(24, BigInt(bytes), true);
+  f.setUint32(32, op === TCP_OP.hello ? 1 : 0, true); // HELLO: protocol version
+  return new Uint8Array(f.buffer);
+}
+
+/** A frame header as the server sent it. */
+export interface TcpFrameHeader {
+  op: number;
+  status: number;
+  bytes: number;
+  aux: number;
+}
+
+/**
+ * The next frame header on a raw connection: "closed" if the server closed it first, "open" if
+ * nothing came within `ms` (a deadline: a test that fails must not hang).
+ */
+export async function nextFrame(
+  conn: Deno.Conn,
+  ms: number,
+): Promise<TcpFrameHeader | "closed" | "open"> {
+  const buf = new Uint8Array(40);
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<"open">((r) => (timer = setTimeout(() => r("open"), ms)));
+  try {
+    for (let got = 0; got < 40;) {
+      const read = conn.read(buf.subarray(got)).catch((e) => {
+        if (e instanceof Deno.errors.ConnectionReset) return null; // closed with our bytes unread
+        throw e;
+      });
+      const k = await Promise.race([read, late]);
+      if (k === "open") return k;
+      if (k === null) return "closed";
+      got += k;
+    }
+  } finally {
+    clearTimeout(timer);
+  }
+  const v = new DataView(buf.buffer);
+  return {
+    op: v.getUint16(4, true),
+    status: v.getInt16(6, true),
+    bytes: Number(v.getBigUint64(24, true)),
+    aux: v.getUint32(32, true),
   };
 }

@@ -9,7 +9,9 @@
  * timeoutMs, imm?, op?} → {status, statusName, ns}; verify {segs, seed} →
  * {bad: first mismatching local offset or -1}; get {off, len} → {hex};
  * fill {off, len, byte}; watch {off, len} (an immediate then prints
- * {imm, sum} with a checksum of that range taken when it arrived); info.
+ * {imm, sum} with a checksum of that range taken when it arrived); info;
+ * hogFds (opens /dev/null until the descriptor limit: {held}); freeFds (closes
+ * them, and those held since `fdsLeftAtOpen`).
  */
 import { CompletionRing, Engine } from "../../ffi/mod.ts";
 import { tcpBlast, XferBatch, XferEndpoint, type XferOp, type XferPeer } from "../../ffi/xfer.ts";
@@ -23,6 +25,23 @@ interface Args {
   stripeBytes?: number;
   /** false: leave the pool zeroed (benchmarks; filling GBs in JS takes seconds). */
   fill?: boolean;
+  /** Open the endpoint with only this many descriptors free (the rest held as by hogFds). */
+  fdsLeftAtOpen?: number;
+}
+
+const hogged: Deno.FsFile[] = [];
+/** Opens /dev/null until the descriptor limit, then gives `leave` back; how many it holds. */
+function hogFds(leave: number): number {
+  // Deno sets up its signal handling lazily and panics if that finds no descriptor free:
+  // a listener makes it do so now.
+  Deno.addSignalListener("SIGUSR2", () => {});
+  try {
+    for (;;) hogged.push(Deno.openSync("/dev/null"));
+  } catch (e) {
+    if (!/Too many open files/.test((e as Error).message)) throw e;
+  }
+  for (const f of hogged.splice(0, leave)) f.close();
+  return hogged.length;
 }
 
 const args = JSON.parse(Deno.args[0]) as Args;
@@ -31,6 +50,7 @@ const pool = engine.createPool(args.poolBytes, { pretouch: true });
 const ring = new CompletionRing(4096);
 const mem = pool.view(0, pool.bytes);
 if (args.fill !== false) fillPattern(mem, 0, mem.length, args.seed);
+if (args.fdsLeftAtOpen !== undefined) hogFds(args.fdsLeftAtOpen);
 const ep = XferEndpoint.open({
   transport: "tcp",
   pool,
@@ -133,6 +153,11 @@ async function handle(c: Cmd): Promise<unknown> {
       return { ok: true };
     case "info":
       return ep.info();
+    case "hogFds":
+      return { held: hogFds(0) };
+    case "freeFds":
+      for (const f of hogged.splice(0)) f.close();
+      return { ok: true };
     default:
       throw new Error(`unknown command ${c.cmd}`);
   }

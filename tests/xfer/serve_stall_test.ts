@@ -11,7 +11,7 @@
 import assert from "node:assert/strict";
 import { CompletionRing, Engine } from "../../ffi/mod.ts";
 import { XferBatch, XferEndpoint } from "../../ffi/xfer.ts";
-import { LocalNode } from "./_harness.ts";
+import { LocalNode, TCP_OP, tcpFrame } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const NODE = decodeURIComponent(new URL("./_node.ts", import.meta.url).pathname);
@@ -60,18 +60,6 @@ async function stallNode(poolBytes: number) {
   };
 }
 
-function frame(op: number, nseg: number, bytes: number): Uint8Array {
-  const f = new DataView(new ArrayBuffer(40));
-  f.setUint32(0, 0x31584650, true); // "PFX1"
-  f.setUint16(4, op, true);
-  f.setUint32(8, 1, true); // slot
-  f.setUint32(12, 1, true); // gen
-  f.setUint32(20, nseg, true);
-  f.setBigUint64(24, BigInt(bytes), true);
-  f.setUint32(32, op === 1 ? 1 : 0, true); // HELLO: protocol version
-  return new Uint8Array(f.buffer);
-}
-
 function seg(off: number, bytes: number): Uint8Array {
   const d = new DataView(new ArrayBuffer(16));
   d.setBigUint64(0, BigInt(off), true);
@@ -117,9 +105,9 @@ Deno.test("a peer that stops reading, never says hello or stops mid-WRITE loses 
     // 1: asks for a 64 MiB READ and never reads it.
     const reader = await open();
     raw.push(reader);
-    await reader.write(frame(1, 0, 0)); // HELLO
+    await reader.write(tcpFrame(TCP_OP.hello)); // HELLO
     await readExactly(reader, 40);
-    await reader.write(frame(2, 1, 0));
+    await reader.write(tcpFrame(TCP_OP.read, 1));
     await reader.write(seg(0, 64 * MiB));
     // 2: connects and says nothing.
     const silent = await open();
@@ -127,9 +115,9 @@ Deno.test("a peer that stops reading, never says hello or stops mid-WRITE loses 
     // 3: a WRITE of 1 MiB that stops after 4 KiB of its payload.
     const writer = await open();
     raw.push(writer);
-    await writer.write(frame(1, 0, 0));
+    await writer.write(tcpFrame(TCP_OP.hello));
     await readExactly(writer, 40);
-    await writer.write(frame(3, 1, MiB));
+    await writer.write(tcpFrame(TCP_OP.write, 1, MiB));
     await writer.write(seg(0, MiB));
     await writer.write(new Uint8Array(4096));
 
