@@ -787,6 +787,13 @@ static int32_t tcp_open(pf_xfer_ep *ep) {
   ep->listen_port = ntohs(got.ss_family == AF_INET ? ((struct sockaddr_in *)&got)->sin_port
                                                     : ((struct sockaddr_in6 *)&got)->sin6_port);
   t->wake = eventfd(0, EFD_CLOEXEC);
+  if (t->wake < 0) {
+    /* Without it a close would wait out the acceptor's 1 s poll. */
+    int e = errno;
+    close(t->lfd);
+    free(t);
+    return pf_fail(PF_EIO, "%s: eventfd (the accept loop's wake-up): %s", fn, strerror(e));
+  }
   t->spare = open("/dev/null", O_RDONLY | O_CLOEXEC); /* none: accept_failed backs off */
   pthread_mutex_init(&t->mu, NULL);
   ep->impl = t;

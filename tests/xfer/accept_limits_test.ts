@@ -304,3 +304,21 @@ Deno.test("a bad PEGAFLOW_TCP_MAX_CONNS is refused naming it", async () => {
     engine.close();
   }
 });
+
+Deno.test("an endpoint that cannot get its accept loop's wake-up descriptor fails to open", async () => {
+  // One descriptor free: the listener takes it, and the accept loop's wake-up finds none.
+  const spawned = spawnNode(
+    { poolBytes: 4 * MiB, seed: 7, streams: 1, fdsLeftAtOpen: 1 },
+    undefined,
+    { nofile: 256, keepStderr: true },
+  );
+  const err = await spawned.then(
+    async (node) => {
+      await node.close();
+      return undefined;
+    },
+    (e: Error) => e,
+  );
+  assert.ok(err, "the endpoint opened without its wake-up (a close would wait out a 1 s poll)");
+  assert.match(err.message, /node exited/);
+});
