@@ -255,6 +255,13 @@ class ControlPlaneClock:
         self._wrap(WorkerCore, "get_finished", None, "get_finished_done")
         self._wrap(WorkerCore, "_save", "save_thread_woke", None)
         self._wrap(PegaflowClient, "save", "save_sent", "save_answered")
+        # Inside wait_for_save after the load is seen done, and the GPU wait's page registration.
+        from pegaflow.gpu_wait import GpuWaits
+
+        self._wrap(WorkerCore, "_finish_step_loads", None, "step_loads_finished")
+        self._wrap(GpuWaits, "reap", "reap", "reap_done")
+        self._wrap(GpuWaits, "arm", "arm", "arm_done")
+        self._wrap(LoadState, "close", "state_close", "state_close_done")
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -377,6 +377,12 @@ class _StreamWaits:
     def reap(self, block: bool = False) -> None:
         pass
 
+    def close_later(self, st) -> None:
+        st.close()
+
+    def close_idle(self, force: bool = False) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

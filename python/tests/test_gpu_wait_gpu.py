@@ -168,6 +168,53 @@ def test_a_scheduler_issued_load_failing_mid_forward_lets_the_stream_go(waits):
         st.close()
 
 
+def test_a_state_closed_behind_queued_work_waits_for_an_idle_stream_not_the_host(waits):
+    """cuMemHostUnregister waits for the device to drain (64 ms behind queued work on an H200).
+    A load state the worker closes for good (a scheduler-issued load's, attached) is therefore
+    closed at a later step's start with the stream idle: closed at the end of the forward, it
+    held the warm step's host until the last layer and all queued behind it had run."""
+    from pegaflow.client import PegaflowClient
+    from pegaflow.connector.plan import LoadIntent, StepPlan
+    from pegaflow.connector.worker_core import WorkerCore
+
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    client = PegaflowClient("127.0.0.1:1", rpc_timeout_ms=200)  # no server: registered later
+    w = WorkerCore(client, instance_id="gw-close", namespace="ns-gw-close", load_timeout_s=60.0)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    a @ a  # its kernel loaded before any wait is queued
+    states = [LoadState.create() for _ in range(2)]  # the scheduler's, one per step
+    try:
+        w.register_kv_caches({n: torch.zeros((2, 8, 4, 2, 8), dtype=torch.float16, device="cuda") for n in layers})
+        for i, st in enumerate(states):
+            w.bind(StepPlan(loads=[LoadIntent(f"r{i}", b"\x01" * 16, [1, 2], states={(0, 0): st.name})]))
+            w.start_load()
+            _land(st, len(layers))  # the server: every layer landed, the load done
+            struct.pack_into("<i", st._mm, LAYERS_READY_OFF + 4, 1)
+            for name in layers:
+                w.wait_for_layer_load(name)
+            for _ in range(200):  # the rest of the step's forward, still queued (tens of ms)
+                a @ a
+            queued = torch.cuda.Event()
+            queued.record()
+            w.wait_for_save()  # step 1: the GPU is past step 0's waits, its state is closed
+            assert not queued.query(), f"step {i}: the host waited for the queued work to run"
+            w.unbind()
+            torch.cuda.synchronize()
+        assert w.stats_snapshot()["gpu_wait_loads"] == 2
+        assert waits is not None and w._gpu is not None and w._gpu.closing == 1  # step 0's state
+        w.bind(StepPlan())  # the next step's start, the stream idle: it is closed now
+        assert w._gpu.closing == 0
+        w.unbind()
+    finally:
+        for st in states:
+            st.release_waiters()
+        torch.cuda.synchronize()
+        w.close(unregister=False)
+        client.close()
+        for st in states:
+            st.close()
+
+
 @pytest.fixture(scope="module")
 def cuda_server():
     srv = DevServer.launch(

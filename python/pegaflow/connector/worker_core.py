@@ -223,6 +223,8 @@ class WorkerCore:
 
     def bind(self, plan: StepPlan) -> None:
         self._plan = plan
+        if self._gpu is not None:
+            self._gpu.close_idle()  # the step has not launched anything yet: the stream is idle
         if self._settled_early:  # (no new list per step: most steps settle nothing early)
             self._settled_early = []
 
@@ -309,11 +311,13 @@ class WorkerCore:
     def _let_go(self, st: LoadState, reuse: bool) -> None:
         """Back to the free list (`reuse`) or closed; a state the GPU waits on, only once the
         stream has passed those waits (gpu_wait.py)."""
-        then = self._free_states.append if reuse else LoadState.close
         if st.gpu_word is not None and self._gpu is not None:
-            self._gpu.retire(st, then)
+            # Closed only with the stream idle (its unregister waits for the device to drain).
+            self._gpu.retire(st, self._free_states.append if reuse else self._gpu.close_later)
+        elif reuse:
+            self._free_states.append(st)
         else:
-            then(st)
+            st.close()
 
     def _arm_gpu(self, ld: _Load) -> None:
         """Layer-wise on CUDA: this load's layer waits go on the GPU stream when its state can
