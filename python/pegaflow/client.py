@@ -272,10 +272,6 @@ def _load_request(
     )
 
 
-
-def _ignore_answer(status: int, body: bytes) -> None:
-    """The answer of a call sent only for its effect (wake_nowait)."""
-
 class PegaflowClient:
     """A connection to one KV server. Thread-safe; every call has a deadline.
 
@@ -553,24 +549,6 @@ class PegaflowClient:
             "Release", pb.ReleaseRequest(lease_id=bytes(lease_id)), pb.ReleaseRequest, pb.ReleaseResponse,
             on_done, timeout_s,
         )
-
-    def wake_nowait(self) -> bool:
-        """A Health call on the local RPC socket, not waited for (its answer is dropped): a
-        server idle for a while answers its next call late, by the wake-up of its event loop
-        (and, on a VM, of its vCPU; ~0.5 ms measured on the H200 machine), so a connector sends
-        this when a request arrives, and the request's QueryPrefetch, a moment later, finds the
-        server awake. False (nothing sent) without a local RPC socket."""
-        local = self._usable_local()
-        if local is None:
-            return False
-        try:
-            local.call_nowait(METHOD_IDS["Health"], b"", self.config.rpc_timeout_s, _ignore_answer)
-            return True
-        except LocalRpcAbsent:
-            self._local_absent()
-        except LocalRpcStatus:
-            pass
-        return False
 
     def _call_nowait(
         self, method: str, req, req_cls, res_cls, on_done: Callable[[Optional[PegaflowError]], None],

@@ -15,7 +15,7 @@ import pytest
 from pegaflow.client import QueryResult
 from pegaflow.config import ClientConfig
 from pegaflow.connector.plan import ScheduledRequest
-from pegaflow.connector.scheduler_core import LOADING_RETRY_FIRST_S, WAKE_AFTER_IDLE_S, SchedulerCore
+from pegaflow.connector.scheduler_core import LOADING_RETRY_FIRST_S, SchedulerCore
 from pegaflow.errors import PegaflowError
 
 BS = 4
@@ -35,7 +35,6 @@ class FakeClient:
         self.answers = list(answers)
         self.queries = []
         self.released = []
-        self.wakes = 0
 
     def query_prefetch(self, *, instance_id, block_hashes, request_id, timeout_s=None):
         self.queries.append(list(block_hashes))
@@ -46,10 +45,6 @@ class FakeClient:
 
     def release(self, lease_id, timeout_s=None):
         self.released.append(lease_id)
-
-    def wake_nowait(self):
-        self.wakes += 1
-        return True
 
 
 def hashes(n):
@@ -242,23 +237,3 @@ def test_no_block_hashes_prefix_caching_off_is_a_miss_said_once(caplog):
     # A prompt shorter than a block has no hash and needs none: it is tracked as usual.
     assert s.get_num_new_matched_tokens(Req("short", BS - 1, []), 0) == (0, False)
     assert s.stats["hash_granularity_refused"] == 1
-
-
-def test_a_request_arriving_at_a_server_idle_for_a_while_wakes_it_and_only_then():
-    c = FakeClient([ready(2)])
-    clock = Clock()
-    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock)
-    s.on_new_request(Req("a", 3 * BS, hashes(3)))
-    assert c.wakes == 1  # nothing called it yet: it may be idle
-    clock.t += WAKE_AFTER_IDLE_S / 2
-    s.on_new_request(Req("b", 3 * BS, hashes(3)))
-    assert c.wakes == 1  # just woken: still awake
-    clock.t += 2 * WAKE_AFTER_IDLE_S
-    s.on_new_request(Req("c", BS, hashes(1)))
-    assert c.wakes == 1  # one block, its last token computed: nothing it could load
-    s.get_num_new_matched_tokens(Req("d", 3 * BS, hashes(3)), 0)  # a query: the server is awake
-    s.on_new_request(Req("e", 3 * BS, hashes(3)))
-    assert c.wakes == 1
-    clock.t += 2 * WAKE_AFTER_IDLE_S
-    s.on_new_request(Req("f", 3 * BS, hashes(3)))
-    assert c.wakes == 2 and s.stats_snapshot()["wakes"] == 2

@@ -650,34 +650,3 @@ def test_release_nowait_goes_over_the_local_socket_and_answers_like_release(uid,
         c.close()
         region.close()
         s.stop()
-
-
-def _health_calls(s) -> float:
-    """Health calls the server counted (pegaflow_rpc_requests_total, every status)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{s.http}/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return sum(float(l.split()[-1]) for l in lines if l.startswith('pegaflow_rpc_requests_total{method="Health"'))
-
-
-def test_wake_nowait_sends_a_health_call_the_server_answers_without_anyone_waiting(sock_dir):
-    sock = os.path.join(sock_dir, "pf.sock")
-    s = ServerProc.start(extra=["--uds", sock, "--http-addr", "127.0.0.1:0"])
-    c = PegaflowClient("unix:" + sock)
-    tcp = PegaflowClient(s.addr)  # no local socket: nothing to wake it with cheaply
-    try:
-        before = _health_calls(s)
-        t0 = time.monotonic()
-        assert c.wake_nowait() is True
-        assert time.monotonic() - t0 < 1.0  # never waits for the answer
-        deadline = time.monotonic() + 10
-        while _health_calls(s) < before + 1:
-            assert time.monotonic() < deadline, "the server never got the wake-up call"
-            time.sleep(0.01)
-        assert tcp.wake_nowait() is False
-        assert _health_calls(s) == before + 1
-    finally:
-        c.close()
-        tcp.close()
-        s.stop()

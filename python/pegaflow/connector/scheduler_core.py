@@ -38,7 +38,6 @@ Scheduler side (`SchedulerCore`), per request:
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import defaultdict
@@ -74,10 +73,6 @@ LOADING_RETRY_FIRST_S = 0.00025
 #: Default of that cap: a finished fetch is seen at most this late, and a 100 ms fetch costs
 #: ~55 queries instead of one per engine step.
 LOADING_RETRY_MAX_S = 0.002
-#: A server the scheduler has not called for this long is woken when a request arrives
-#: (on_new_request): after a shorter gap its event loop is still warm, and under load the
-#: requests' own queries keep it so.
-WAKE_AFTER_IDLE_S = 0.001
 
 
 # ---- scheduler side ----------------------------------------------------------
@@ -150,8 +145,6 @@ class SchedulerCore:
         self.client = client
         self.loading_retry_s = loading_retry_s
         self._clock = clock
-        # When this scheduler last called the server (on_new_request wakes one idle longer).
-        self._last_call = -math.inf
         self._waiting: Dict[str, _Waiting] = {}
         self._granularity_warned = False
         # Requests whose block hashes are not one per block (_hashes_per_block), until they finish.
@@ -247,19 +240,6 @@ class SchedulerCore:
             )
         return False
 
-    def on_new_request(self, request: Any) -> None:
-        """vLLM's scheduler queued `request` (before its first schedule). A server this
-        scheduler has not called for WAKE_AFTER_IDLE_S is woken now (`client.wake_nowait`) when
-        the request could load, so that its QueryPrefetch, sent once the scheduler reaches it,
-        is not the call that waits for the server's wake-up (~0.5 ms after an idle on the H200
-        machine: the frame reached the server 0.69 ms after it was sent)."""
-        now = self._clock()
-        if now - self._last_call < WAKE_AFTER_IDLE_S or (request.num_tokens - 1) // self.block_size < 1:
-            return
-        if self.client.wake_nowait():
-            self._last_call = now
-            self.stats["wakes"] += 1
-
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         rid = request.request_id
         if not self._hashes_per_block(request):
@@ -292,7 +272,6 @@ class SchedulerCore:
                 self.stats["staging_full"] += 1
                 return 0, False
         self.stats["queries"] += 1
-        self._last_call = now
         early: Optional[EarlyLoad] = None
         try:
             if self._query_issuer is not None:

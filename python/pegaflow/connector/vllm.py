@@ -437,10 +437,6 @@ class PegaflowConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def on_new_request(self, request: Any) -> None:
-        # vLLM's scheduler, when the request is queued: wakes an idle server ahead of its query.
-        self._s().on_new_request(request)
-
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
         self._s().update_state_after_alloc(request, ids, num_external_tokens)
