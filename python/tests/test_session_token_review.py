@@ -135,6 +135,17 @@ def relay(server):
     r.close()
 
 
+
+def assert_session_stands(c: PegaflowClient, uid: str) -> None:
+    """A session opened now presents the registration's token (with none it is refused
+    "carries no registration token"), the server takes it, and it stands for the registration:
+    unregistering ends it CLEANED_UP."""
+    again = c.open_session(uid)
+    assert again.wait_taken(10.0) is True, refusal(again)
+    c.unregister_context(uid)
+    ev = again.next_event()
+    assert ev is not None and ev.kind == ev.CLEANED_UP, again.error
+
 def test_a_session_that_never_reached_the_server_keeps_the_token_and_the_retry_stands(relay, uid):
     c = PegaflowClient(relay.addr, rpc_timeout_ms=10_000, reconnect_max_ms=200)
     region, kv = make_kv(1, 8)
@@ -149,13 +160,8 @@ def test_a_session_that_never_reached_the_server_keeps_the_token_and_the_retry_s
         assert lost.error is not None and lost.error.code == grpc.StatusCode.UNAVAILABLE, lost.error
         relay.cut(False)
         wait_for(lambda: answers(c), "the connection back")
-        # The retry presents the registration's token (no token: refused "carries no
-        # registration token") and the server takes it: it stands for the registration.
-        again = c.open_session(uid)
-        assert again.wait_taken(10.0) is True, refusal(again)
-        c.unregister_context(uid)
-        ev = again.next_event()
-        assert ev is not None and ev.kind == ev.CLEANED_UP, again.error
+        # The retry presents the registration's token and stands for the registration.
+        assert_session_stands(c, uid)
     finally:
         c.close()
         region.close()
@@ -173,11 +179,7 @@ def test_a_token_less_session_that_failed_keeps_a_later_registrations_token(rela
         register_rank(c, kv, uid)
         # The early session's failure comes to light only now: it stood for no registration.
         assert early.next_event() is None and early.error.code == grpc.StatusCode.UNAVAILABLE, early.error
-        again = c.open_session(uid)
-        assert again.wait_taken(10.0) is True, refusal(again)
-        c.unregister_context(uid)
-        ev = again.next_event()
-        assert ev is not None and ev.kind == ev.CLEANED_UP, again.error
+        assert_session_stands(c, uid)
     finally:
         c.close()
         region.close()

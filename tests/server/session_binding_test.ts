@@ -9,49 +9,12 @@
  * hold the rank for good.
  */
 import assert from "node:assert/strict";
+import { instanceIds, MODEL, ownSim, SHORT_GRACE_MS, until } from "./_sessions.ts";
 import { PegaflowClient } from "../../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
+import { SimEngine } from "../../lib/client/sim_engine.ts";
 import { settlesWithin } from "../../lib/http/shutdown.ts";
-import { hostSim, refusedWith, type ServerProc, startServer, uid } from "./harness.ts";
-
-const MODEL = { ...LLAMA_3_1_8B, numLayers: 4 };
-/** A grace period short enough for a test, long enough for a loaded 2-core machine's round trips. */
-const SHORT_GRACE_MS = 1500;
-
-async function instanceIds(srv: ServerProc): Promise<string[]> {
-  const j = await (await srv.http_get("/instances")).json();
-  return j.instances.map((i: { instanceId: string }) => i.instanceId);
-}
-
-async function until(what: string, cond: () => Promise<boolean>, timeoutMs = 20_000) {
-  const deadline = Date.now() + timeoutMs;
-  while (!(await cond())) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for: ${what}`);
-    await new Promise((r) => setTimeout(r, 50));
-  }
-}
-
-/** A simulated engine with its own connection (its own registration tokens). */
-function ownSim(srv: ServerProc, instanceId: string, namespace: string) {
-  const client = new PegaflowClient(srv.grpc);
-  const sim = SimEngine.create({
-    client,
-    instanceId,
-    namespace,
-    model: MODEL,
-    numBlocks: 16,
-    backend: "host",
-  });
-  return {
-    client,
-    sim,
-    close() {
-      sim.close();
-      client.close();
-    },
-  };
-}
+import { hostSim, refusedWith, startServer, uid } from "./harness.ts";
 
 Deno.test("another engine's session for a held rank is refused and the holder keeps its session and instance", async () => {
   const srv = await startServer();
