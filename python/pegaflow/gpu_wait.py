@@ -63,7 +63,7 @@ CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 #: How often a released state's word is written again until the stream is past its waits.
 RELEASE_REASSERT_S = 0.01
-#: States `close_later` keeps for an idle stream, at most: past it they close at once.
+#: States `close_later` keeps for an idle stream, at most: past it `close_kept` closes them anyway.
 MAX_DEFERRED_CLOSES = 64
 
 
@@ -261,11 +261,22 @@ class GpuWaits:
         next `close_idle` that finds the stream idle: unregistering its page waits for the device
         to drain, which would hold the engine's host behind the step's queued kernels."""
         self._to_close.append(st)
-        if len(self._to_close) > MAX_DEFERRED_CLOSES:
-            self.close_idle(force=True)
+
+    def close_kept(self) -> None:
+        """At a step's start (before it launches anything): the kept states close if the stream
+        is idle, or at once past MAX_DEFERRED_CLOSES (a stream never idle there, as under an
+        engine that schedules ahead: their unregister then waits for the previous step's work,
+        once every MAX_DEFERRED_CLOSES loads, never inside a step's forward)."""
+        self.close_idle(force=len(self._to_close) > MAX_DEFERRED_CLOSES)
 
     def close_idle(self, force: bool = False) -> None:
-        """Closes the states `close_later` kept, if the current stream is idle (or `force`)."""
+        """Closes the states `close_later` kept, if the current stream is idle (or `force`).
+
+        Never raises: a state whose close fails (its unmap or unlink) is logged and dropped,
+        and the rest are still closed. Raising here would leave them mapped and registered
+        for good, stop `close` before its watchdog (and the worker's close before its other
+        states), and, from `reap`, whose `then` this runs in, hand its earlier states back
+        a second time at the next `reap` (one state given to two loads)."""
         if not self._to_close:
             return
         if not force:
@@ -275,7 +286,11 @@ class GpuWaits:
                 return
         closing, self._to_close = self._to_close, []
         for st in closing:
-            st.close()
+            try:
+                st.close()
+            except Exception as e:  # noqa: BLE001 - one state's close must not keep the others mapped
+                log.warning("load state %s: close failed (%s: %s); dropped, the others still close",
+                            st.name, type(e).__name__, e)
 
     @property
     def retired(self) -> int:

@@ -380,7 +380,7 @@ class _StreamWaits:
     def close_later(self, st) -> None:
         st.close()
 
-    def close_idle(self, force: bool = False) -> None:
+    def close_kept(self) -> None:
         pass
 
     def close(self) -> None:

@@ -224,7 +224,7 @@ class WorkerCore:
     def bind(self, plan: StepPlan) -> None:
         self._plan = plan
         if self._gpu is not None:
-            self._gpu.close_idle()  # the step has not launched anything yet: the stream is idle
+            self._gpu.close_kept()  # the step has launched nothing yet: the stream may be idle
         if self._settled_early:  # (no new list per step: most steps settle nothing early)
             self._settled_early = []
 
