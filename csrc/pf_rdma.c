@@ -27,10 +27,23 @@
  * Deadlines: RDMA work cannot be cancelled one request at a time; a posted
  * READ may land at any moment until the QP stops. So a batch that times out
  * moves every QP of its peer to the error state, and its record is posted
- * only when the flush completion of its last posted request has been polled:
- * after that the NIC no longer writes into its ranges (the fix for the
- * original system's #403, where a timed-out transfer wrote into freed
- * memory). The peer is then broken and must be reconnected. WRITE_IMM: once
+ * only when the completion of the last WR of every chain it posted has been
+ * polled: after that the NIC no longer writes into its ranges (the fix for
+ * the original system's #403, where a timed-out transfer wrote into freed
+ * memory). Only a chain's last WR is signaled, but a flushed or failed WR
+ * completes whether signaled or not, one completion each, in order: so a
+ * chain ends with its last WR's completion, whatever its status, and the
+ * others only record a failure. The peer is then broken and must be
+ * reconnected; parts still in a backlog are dropped and their batches end
+ * at once with the peer's failure.
+ *
+ * Who ends a batch: the poller (its completions), the timer (a deadline
+ * with nothing posted) or a peer close; never the submit on the JS thread,
+ * the ring's only consumer (a record posted there waits for ever on a full
+ * ring). A submit that cannot post a part moves the QPs to the error state
+ * and, if nothing of the batch is left on the wire, hands the batch back
+ * with the error (no record); otherwise it is accepted and the poller ends
+ * it with the flush of its last posted chain. WRITE_IMM: once
  * every data part has completed, a zero-length WRITE_WITH_IMM goes on the
  * first QP; the target's poller turns its receive completion into a
  * PF_DONE_XFER_IMM record (RC delivers it after the data of that QP, and the
@@ -42,6 +55,7 @@
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -371,12 +385,24 @@ int32_t pf_rdma_devices(char *buf, uint32_t cap) {
 #define RDMA_DEFAULT_GID_INDEX 0
 /* Poller sleep when every CQ is empty. */
 #define RDMA_IDLE_US 20
-/* Send wr_id: gen << 32 | slot << 24 | part (RDMA_IMM_PART for the
- * immediate). Receive wr_id: RDMA_RECV_BIT | lane. An error completion's
- * opcode is undefined, so the wr_id alone must tell sends from receives. */
-#define RDMA_IMM_PART 0x7fffffu
+/* A peer close's longest wait for the flush completions of what its batches
+ * posted, once its QPs are in the error state (a working NIC flushes at
+ * once). Past it (a wedged NIC, a lost completion) the QPs are destroyed
+ * instead, which stops them for good, and the batches end: the close never
+ * hangs. Env PEGAFLOW_RDMA_FLUSH_WAIT_MS overrides it per endpoint. */
+#define RDMA_FLUSH_WAIT_MS 5000u
+#define RDMA_MAX_FLUSH_WAIT_MS 3600000u
+/* Send wr_id: gen << 32 | slot << 24 | RDMA_LAST_BIT on a chain's last WR
+ * | part (RDMA_IMM_PART for the immediate). Receive wr_id: RDMA_RECV_BIT |
+ * lane. An error completion's opcode is undefined, so the wr_id alone must
+ * tell sends from receives; and every WR of a chain carries its part, so
+ * the LAST bit tells the one whose completion ends the chain (IBTA
+ * 10.7.3.1: an unsignaled WR completes silently on success but makes a
+ * completion of its own when it fails or is flushed). */
 #define RDMA_RECV_BIT (1u << 23)
-#define RDMA_PART_MASK 0x7fffffu
+#define RDMA_LAST_BIT (1u << 22)
+#define RDMA_PART_MASK 0x3fffffu
+#define RDMA_IMM_PART RDMA_PART_MASK
 
 typedef struct rdma_nic {
   char name[64];
@@ -394,6 +420,7 @@ typedef struct rdma_nic {
 typedef struct rdma_ep {
   rdma_nic nic[RDMA_MAX_NICS];
   uint32_t nnics;
+  uint32_t flush_wait_ms; /* RDMA_FLUSH_WAIT_MS, or PEGAFLOW_RDMA_FLUSH_WAIT_MS */
   pthread_t poller;
   atomic_int stop;
 } rdma_ep;
@@ -453,6 +480,9 @@ static int32_t rdma_open(pf_xfer_ep *ep) {
   rdma_ep *r = calloc(1, sizeof *r);
   if (!r) return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
   int32_t rc = parse_nics(fn, ep->cfg.nics, r->nic, &r->nnics);
+  if (rc == PF_OK)
+    rc = xfer_env_limit(fn, "PEGAFLOW_RDMA_FLUSH_WAIT_MS", RDMA_FLUSH_WAIT_MS,
+                        RDMA_MAX_FLUSH_WAIT_MS, " (ms)", &r->flush_wait_ms);
   if (rc < 0) goto fail;
   if ((rc = ibv_load(fn)) < 0) goto fail;
   int ndev = 0;
@@ -569,7 +599,8 @@ typedef struct backlog_item {
 } backlog_item;
 
 typedef struct rdma_qp {
-  struct ibv_qp *qp;
+  struct ibv_qp *qp; /* NULL once destroyed by a close that gave up on its flush */
+  uint32_t qpn;      /* its number: what the poller matches completions by */
   rdma_nic *nic;
   pf_xfer_peer *peer;
   uint32_t psn;
@@ -584,8 +615,10 @@ typedef struct rdma_peer {
   rdma_qp *qp;
   uint32_t nqp;
   uint64_t remote_addr;
-  atomic_int in_error; /* QPs moved to the error state */
-  int32_t error_status;
+  /* QPs moved (or being moved) to the error state; set only after the
+   * peer's `broken` and its message are published (qps_to_error). */
+  atomic_int in_error;
+  int detached; /* the poller no longer looks at these QPs (under ep->mu) */
 } rdma_peer;
 
 typedef struct rdma_slot {
@@ -593,21 +626,47 @@ typedef struct rdma_slot {
   atomic_int fail;         /* first failure of this batch (0 = none) */
 } rdma_slot;
 
-static void qps_to_error(pf_xfer_peer *p, int32_t status) {
+/* Breaks the peer with status and the reason (printf-style; the first
+ * reason stays), then moves every QP to the error state once: posted WRs
+ * stop and flush. The reason is published before in_error, so a thread
+ * that sees in_error reads a whole p->broken_msg. */
+static void qps_to_error(pf_xfer_peer *p, int32_t status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void qps_to_error(pf_xfer_peer *p, int32_t status, const char *fmt, ...) {
   rdma_peer *rp = p->impl;
+  char why[200];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(why, sizeof why, fmt, ap);
+  va_end(ap);
+  xfer_peer_mark_broken(p, status, "QPs moved to the error state (%s); close the peer and "
+                        "reconnect", why);
   int expected = 0;
   if (!atomic_compare_exchange_strong(&rp->in_error, &expected, 1)) return;
-  rp->error_status = status;
   for (uint32_t i = 0; i < rp->nqp; i++) {
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_ERR;
-    ibv.modify_qp(rp->qp[i].qp, &a, IBV_QP_STATE);
+    if (rp->qp[i].qp) ibv.modify_qp(rp->qp[i].qp, &a, IBV_QP_STATE);
   }
-  int zero = 0;
-  atomic_compare_exchange_strong(&p->broken, &zero, status);
-  snprintf(p->broken_msg, sizeof p->broken_msg, "QPs moved to the error state (%s)",
-           status == PF_ETIMEDOUT ? "a batch timed out" : "a work request failed");
+}
+
+/* How a batch ends that the peer's failure cancelled (flushed, or dropped
+ * from a backlog): as TCP's, PF_ESHUTDOWN when the peer is closing, else
+ * PF_EIO. */
+static int32_t cancelled_status(pf_xfer_peer *p) {
+  return atomic_load(&p->closing) ? PF_ESHUTDOWN : PF_EIO;
+}
+
+/* ibv_wc_status names (rdma-core's enum ibv_wc_status, stable since v1). */
+static const char *wc_status_name(int st) {
+  static const char *const names[] = {
+      "SUCCESS", "LOC_LEN_ERR", "LOC_QP_OP_ERR", "LOC_EEC_OP_ERR", "LOC_PROT_ERR",
+      "WR_FLUSH_ERR", "MW_BIND_ERR", "BAD_RESP_ERR", "LOC_ACCESS_ERR", "REM_INV_REQ_ERR",
+      "REM_ACCESS_ERR", "REM_OP_ERR", "RETRY_EXC_ERR", "RNR_RETRY_EXC_ERR", "LOC_RDD_VIOL_ERR",
+      "REM_INV_RD_REQ_ERR", "REM_ABORT_ERR", "INV_EECN_ERR", "INV_EEC_STATE_ERR", "FATAL_ERR",
+      "RESP_TIMEOUT_ERR", "GENERAL_ERR"};
+  return st >= 0 && st < (int)(sizeof names / sizeof names[0]) ? names[st] : "unknown status";
 }
 
 static int32_t rdma_peer_create(pf_xfer_peer *p) {
@@ -642,6 +701,7 @@ static int32_t rdma_peer_create(pf_xfer_peer *p) {
       p->ep->ops->peer_free(p);
       return rc;
     }
+    q->qpn = ((struct ibv_qp_head *)q->qp)->qp_num;
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_INIT;
@@ -673,7 +733,7 @@ static int32_t rdma_peer_info(pf_xfer_peer *p, uint8_t *buf, uint32_t cap) {
   memcpy(buf, &h, sizeof h);
   for (uint32_t i = 0; i < rp->nqp; i++) {
     rdma_qp *q = &rp->qp[i];
-    rdma_wire_qp w = {.qpn = ((struct ibv_qp_head *)q->qp)->qp_num, .psn = q->psn,
+    rdma_wire_qp w = {.qpn = q->qpn, .psn = q->psn,
                       .rkey = q->nic->mr->rkey, .lid = q->nic->lid, .port = q->nic->port,
                       .mtu = q->nic->mtu};
     memcpy(w.gid, q->nic->gid.raw, 16);
@@ -755,7 +815,7 @@ static int post_part(pf_xfer_peer *p, rdma_qp *q, xfer_slot *s, uint32_t gen, ui
   if (part == RDMA_IMM_PART) {
     n = 1;
     memset(&wrs[0], 0, sizeof wrs[0]);
-    wrs[0].wr_id = wr_id | RDMA_IMM_PART;
+    wrs[0].wr_id = wr_id | RDMA_LAST_BIT | RDMA_IMM_PART;
     wrs[0].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
     wrs[0].send_flags = IBV_SEND_SIGNALED;
     wrs[0].imm_data = htonl(s->imm);
@@ -778,6 +838,7 @@ static int post_part(pf_xfer_peer *p, rdma_qp *q, xfer_slot *s, uint32_t gen, ui
       wrs[i].next = i + 1 < n ? &wrs[i + 1] : NULL;
     }
     wrs[n - 1].send_flags = IBV_SEND_SIGNALED;
+    wrs[n - 1].wr_id |= RDMA_LAST_BIT;
   }
   atomic_fetch_add(&rs->posted_open, 1);
   if (q->nic->ctx->ops.post_send(q->qp, wrs, &bad)) {
@@ -788,7 +849,8 @@ static int post_part(pf_xfer_peer *p, rdma_qp *q, xfer_slot *s, uint32_t gen, ui
   return 0;
 }
 
-/* Posts (or queues behind the backlog) part `part` of (s, gen) on lane. */
+/* Posts (or queues behind the backlog) part `part` of (s, gen) on lane.
+ * Fails (pf_fail naming the part and the QP) without queueing anything. */
 static int32_t post_or_queue(pf_xfer_peer *p, uint32_t lane, xfer_slot *s, uint32_t gen,
                              uint32_t part) {
   rdma_peer *rp = p->impl;
@@ -797,15 +859,22 @@ static int32_t post_or_queue(pf_xfer_peer *p, uint32_t lane, xfer_slot *s, uint3
   pthread_mutex_lock(&q->mu);
   if (q->bl_len == 0 && q->credit >= need) {
     int rc = post_part(p, q, s, gen, part);
+    int e = errno;
     pthread_mutex_unlock(&q->mu);
-    return rc ? pf_fail(PF_EIO, "ibv_post_send on %s: %s", q->nic->name, strerror(errno)) : PF_OK;
+    if (!rc) return PF_OK;
+    if (part == RDMA_IMM_PART)
+      return pf_fail(PF_EIO, "ibv_post_send of the immediate on QP %u (%s): %s", lane,
+                     q->nic->name, strerror(e));
+    return pf_fail(PF_EIO, "ibv_post_send of part %u (%u WR%s) on QP %u (%s): %s", part, need,
+                   need == 1 ? "" : "s", lane, q->nic->name, strerror(e));
   }
   if (q->bl_len == q->bl_cap) {
     uint32_t ncap = q->bl_cap ? q->bl_cap * 2 : 64;
     backlog_item *b = malloc(ncap * sizeof *b);
     if (!b) {
       pthread_mutex_unlock(&q->mu);
-      return pf_fail(PF_ENOMEM, "pf_xfer_submit(rdma): out of memory for the backlog");
+      return pf_fail(PF_ENOMEM, "out of memory for the backlog of QP %u (%s), part %u", lane,
+                     q->nic->name, part);
     }
     for (uint32_t i = 0; i < q->bl_len; i++) b[i] = q->bl[(q->bl_head + i) % q->bl_cap];
     free(q->bl);
@@ -819,6 +888,9 @@ static int32_t post_or_queue(pf_xfer_peer *p, uint32_t lane, xfer_slot *s, uint3
   return PF_OK;
 }
 
+/* Ends (s, gen) once nothing of it is on the wire and it failed or every
+ * part landed. Called by the threads that may post a record: the poller and
+ * the timer, never the submit. A no-op once (s, gen) has ended. */
 static void maybe_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen) {
   rdma_slot *rs = s->impl;
   if (atomic_load(&rs->posted_open) != 0) return;
@@ -827,17 +899,36 @@ static void maybe_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen) {
   else if (atomic_load(&s->parts_left) == 0) xfer_end(p, s, gen, PF_OK);
 }
 
-/* Credit came back on q: post what waits, in order; parts of ended batches
- * are dropped. */
+/* Records `status` as the failure of (s, gen) unless one is recorded; 0
+ * when (s, gen) has ended (its slot may hold a newer batch: nothing is
+ * touched). Inside the slot guard, so the slot cannot be re-armed under it. */
+static int batch_fail(xfer_slot *s, uint32_t gen, int32_t status) {
+  if (!xfer_enter(s, gen)) return 0;
+  rdma_slot *rs = s->impl;
+  int z = 0;
+  atomic_compare_exchange_strong(&rs->fail, &z, status);
+  xfer_leave(s);
+  return 1;
+}
+
+/* Credit came back on q: post what waits, in order. Parts of ended batches
+ * are dropped; once the peer is in error every part is dropped, and its
+ * batch ends now with the peer's failure (it has no completion left to
+ * wait for, else it would only end at its deadline). Poller thread. */
 static void drain_backlog(pf_xfer_peer *p, rdma_qp *q) {
   rdma_peer *rp = p->impl;
   pthread_mutex_lock(&q->mu);
   while (q->bl_len) {
     backlog_item it = q->bl[q->bl_head];
     xfer_slot *s = &p->slots[it.slot];
-    if (atomic_load(&rp->in_error) || !xfer_live(s, it.gen)) {
+    int in_error = atomic_load(&rp->in_error);
+    if (in_error || !xfer_live(s, it.gen)) {
       q->bl_head = (q->bl_head + 1) % q->bl_cap;
       q->bl_len--;
+      if (!in_error) continue;
+      pthread_mutex_unlock(&q->mu);
+      if (batch_fail(s, it.gen, cancelled_status(p))) maybe_end(p, s, it.gen);
+      pthread_mutex_lock(&q->mu);
       continue;
     }
     uint32_t need = it.part == RDMA_IMM_PART ? 1 : s->parts[it.part].n;
@@ -845,11 +936,13 @@ static void drain_backlog(pf_xfer_peer *p, rdma_qp *q) {
     q->bl_head = (q->bl_head + 1) % q->bl_cap;
     q->bl_len--;
     if (post_part(p, q, s, it.gen, it.part)) {
+      int e = errno;
       rdma_slot *rs = s->impl;
       int z = 0;
       atomic_compare_exchange_strong(&rs->fail, &z, PF_EIO);
       pthread_mutex_unlock(&q->mu);
-      qps_to_error(p, PF_EIO);
+      qps_to_error(p, PF_EIO, "ibv_post_send of a queued part on QP %u (%s): %s",
+                   (uint32_t)(q - rp->qp), q->nic->name, strerror(e));
       maybe_end(p, s, it.gen);
       pthread_mutex_lock(&q->mu);
     }
@@ -857,56 +950,103 @@ static void drain_backlog(pf_xfer_peer *p, rdma_qp *q) {
   pthread_mutex_unlock(&q->mu);
 }
 
+/* Part `part` of the batch being submitted could not be posted or queued
+ * (rc; pf_last_error says why). The batch stops: the QPs go to the error
+ * state, so what it posted stops and flushes. If some of it is still on the
+ * wire, it is accepted (PF_OK) and the poller ends it with `rc` after the
+ * last flush; if nothing is, it is handed back with rc and no record, for
+ * pf_xfer.c's submit_unwind (which answers PF_OK if another thread ended it
+ * meanwhile). JS thread: never ends the batch itself (a record posted here
+ * waits for ever on a full ring). */
+static int32_t submit_failed(pf_xfer_peer *p, xfer_slot *s, int32_t rc) {
+  rdma_peer *rp = p->impl;
+  rdma_slot *rs = s->impl;
+  char why[PF_ERROR_TEXT_BYTES];
+  pf_last_error(why, sizeof why);
+  int z = 0;
+  atomic_compare_exchange_strong(&rs->fail, &z, rc);
+  qps_to_error(p, PF_EIO, "%s", why);
+  /* A backlogged part that the poller read as postable before in_error was
+   * set is posted under its QP's mutex: once each mutex has been taken,
+   * posted_open counts every WR chain this batch will ever have. */
+  for (uint32_t i = 0; i < rp->nqp; i++) {
+    pthread_mutex_lock(&rp->qp[i].mu);
+    pthread_mutex_unlock(&rp->qp[i].mu);
+  }
+  /* seq_cst against the poller's decrement-then-load of `fail`: if a chain
+   * is still open here, its completion (later) sees `fail` and ends it. */
+  if (atomic_load(&rs->posted_open) != 0) return PF_OK;
+  pf_fail(rc, "%s", why);
+  return rc;
+}
+
 static int32_t rdma_submit(pf_xfer_peer *p, xfer_slot *s) {
   rdma_peer *rp = p->impl;
   rdma_slot *rs = slot_state(s);
-  if (!rs) return pf_fail(PF_ENOMEM, "pf_xfer_submit(rdma): out of memory");
+  if (!rs) return pf_fail(PF_ENOMEM, "out of memory for the slot state");
   if (s->nparts >= RDMA_IMM_PART)
-    return pf_fail(PF_EINVAL, "pf_xfer_submit(rdma): %u parts exceed %u", s->nparts,
-                   RDMA_IMM_PART - 1);
+    return pf_fail(PF_EINVAL, "%u parts exceed %u", s->nparts, RDMA_IMM_PART - 1);
   atomic_store(&rs->posted_open, 0);
   atomic_store(&rs->fail, 0);
-  if (atomic_load(&rp->in_error))
-    return pf_fail(PF_EIO, "pf_xfer_submit(rdma): %s", p->broken_msg);
+  /* in_error is set only after the message is whole (qps_to_error). */
+  if (atomic_load(&rp->in_error)) return pf_fail(PF_EIO, "%s", p->broken_msg);
   for (uint32_t i = 0; i < s->nparts; i++) {
     int32_t rc = post_or_queue(p, s->parts[i].lane, s, s->gen, i);
-    if (rc < 0) {
-      /* Parts already posted may still move bytes: fail through the QPs. */
-      int z = 0;
-      atomic_compare_exchange_strong(&rs->fail, &z, rc);
-      qps_to_error(p, PF_EIO);
-      maybe_end(p, s, s->gen);
-      return PF_OK;
-    }
+    if (rc < 0) return submit_failed(p, s, rc);
   }
   return PF_OK;
 }
 
+/* Timer thread. (s, gen) was picked as due before this call: it may have
+ * ended since and its slot hold a newer batch, which must not be marked
+ * (before: it was, its peer broken and the new batch left to fail). */
 static void rdma_expire(pf_xfer_peer *p, xfer_slot *s, uint32_t gen) {
+  if (!xfer_enter(s, gen)) return;
   rdma_slot *rs = s->impl;
   atomic_store(&s->expiring, 1);
   int z = 0;
   atomic_compare_exchange_strong(&rs->fail, &z, PF_ETIMEDOUT);
-  qps_to_error(p, PF_ETIMEDOUT);
+  unsigned long long tag = s->tag;
+  unsigned long long ms =
+      (atomic_load_explicit(&s->deadline_ns, memory_order_relaxed) - s->submit_ns) / 1000000ull;
+  xfer_leave(s);
+  qps_to_error(p, PF_ETIMEDOUT, "batch tag %llu (slot %u) passed its %llu ms deadline", tag,
+               s->index, ms);
   /* With nothing posted (all in a backlog) there is no flush to wait for. */
   maybe_end(p, s, gen);
 }
 
+/* Poller thread. Only the completion of a chain's last WR (RDMA_LAST_BIT)
+ * ends the chain: it returns the chain's credit and closes it in
+ * posted_open. Another WR of the chain completes only when it failed or was
+ * flushed (one completion per WR), and its chain's last WR then completes
+ * after it: it only records the failure. Before, each of those completions
+ * was taken for the whole chain, so a batch could end, and its record go
+ * out, while chains on other QPs were still unflushed (#403), and the QP's
+ * credit grew past its send queue. */
 static void on_send_wc(pf_xfer_peer *p, rdma_qp *q, const struct ibv_wc *wc) {
+  rdma_peer *rp = p->impl;
   uint32_t gen = (uint32_t)(wc->wr_id >> 32);
   uint32_t slot = (uint32_t)(wc->wr_id >> 24) & 0xff;
   uint32_t part = (uint32_t)wc->wr_id & RDMA_PART_MASK;
+  int last = (wc->wr_id & RDMA_LAST_BIT) != 0;
   xfer_slot *s = &p->slots[slot];
-  rdma_slot *rs = s->impl;
+  rdma_slot *rs = s->impl; /* the batch lives: this chain is still open */
+  if (wc->status != IBV_WC_SUCCESS) {
+    int flushed = wc->status == IBV_WC_WR_FLUSH_ERR;
+    int z = 0;
+    atomic_compare_exchange_strong(&rs->fail, &z, flushed ? cancelled_status(p) : PF_EIO);
+    if (!flushed)
+      qps_to_error(p, PF_EIO, "a work request of batch tag %llu on QP %u (%s) failed: %s (status "
+                   "%d, vendor error 0x%x)", (unsigned long long)s->tag,
+                   (uint32_t)(q - rp->qp), q->nic->name, wc_status_name(wc->status),
+                   wc->status, wc->vendor_err);
+  }
+  if (!last) return;
   pthread_mutex_lock(&q->mu);
   q->credit += part == RDMA_IMM_PART ? 1 : s->parts[part].n;
   pthread_mutex_unlock(&q->mu);
-  if (wc->status != IBV_WC_SUCCESS) {
-    int z = 0;
-    atomic_compare_exchange_strong(&rs->fail, &z,
-                                   wc->status == IBV_WC_WR_FLUSH_ERR ? PF_ESHUTDOWN : PF_EIO);
-    if (wc->status != IBV_WC_WR_FLUSH_ERR) qps_to_error(p, PF_EIO);
-  } else if (part != RDMA_IMM_PART) {
+  if (wc->status == IBV_WC_SUCCESS && part != RDMA_IMM_PART) {
     unsigned left = atomic_fetch_sub(&s->parts_left, 1) - 1;
     if (left == 1 && s->op == PF_XFER_WRITE_IMM && !atomic_load(&rs->fail)) {
       if (post_or_queue(p, 0, s, gen, RDMA_IMM_PART) < 0) {
@@ -914,7 +1054,7 @@ static void on_send_wc(pf_xfer_peer *p, rdma_qp *q, const struct ibv_wc *wc) {
         atomic_compare_exchange_strong(&rs->fail, &z, PF_EIO);
       }
     }
-  } else {
+  } else if (wc->status == IBV_WC_SUCCESS) {
     atomic_fetch_sub(&s->parts_left, 1);
   }
   atomic_fetch_sub(&rs->posted_open, 1);
@@ -942,10 +1082,9 @@ static void *poller_main(void *arg) {
         pthread_mutex_lock(&ep->mu);
         for (pf_xfer_peer *p = ep->peers; p && !hit; p = p->next) {
           rdma_peer *rp = p->impl;
-          for (uint32_t j = 0; rp && j < rp->nqp; j++) {
+          for (uint32_t j = 0; rp && !rp->detached && j < rp->nqp; j++) {
             rdma_qp *q = &rp->qp[j];
-            if (q->nic != &r->nic[k] || ((struct ibv_qp_head *)q->qp)->qp_num != wc[i].qp_num)
-              continue;
+            if (q->nic != &r->nic[k] || q->qpn != wc[i].qp_num) continue;
             hit = p;
             hq = q;
             break;
@@ -974,20 +1113,60 @@ static void *poller_main(void *arg) {
   return NULL;
 }
 
+/* Batches of p with WR chains still on the wire (no completion polled). */
+static uint32_t batches_on_wire(pf_xfer_peer *p) {
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
+    rdma_slot *rs = p->slots[i].impl;
+    if (rs && atomic_load(&p->slots[i].armed) && atomic_load(&rs->posted_open)) n++;
+  }
+  return n;
+}
+
+/* The flushes did not come in time: keeps the poller off p's QPs (detached
+ * under ep->mu; then one pass of `scan` for writing waits out a poller pass
+ * that found them before) and destroys them. A destroyed QP's WRs never
+ * touch memory again, so the batches may end now (pf_xfer_peer_close's
+ * end_all ends them with PF_ESHUTDOWN). */
+static void qps_destroy_now(pf_xfer_peer *p, uint32_t on_wire) {
+  pf_xfer_ep *ep = p->ep;
+  rdma_ep *r = ep->impl;
+  rdma_peer *rp = p->impl;
+  fprintf(stderr, "pegaflow: rdma peer %u: %u batch(es) still had work requests on the wire "
+          "%u ms after its QPs were moved to the error state (no flush completion came); "
+          "its QPs are destroyed so that the NIC stops, and the batches end with "
+          "PF_ESHUTDOWN\n", p->handle, on_wire, r->flush_wait_ms);
+  pthread_mutex_lock(&ep->mu);
+  rp->detached = 1;
+  pthread_mutex_unlock(&ep->mu);
+  pthread_rwlock_wrlock(&ep->scan);
+  pthread_rwlock_unlock(&ep->scan);
+  for (uint32_t i = 0; i < rp->nqp; i++) {
+    rdma_qp *q = &rp->qp[i];
+    if (!q->qp) continue;
+    int e = ibv.destroy_qp(q->qp);
+    if (e)
+      fprintf(stderr, "pegaflow: rdma peer %u: ibv_destroy_qp of QP %u (%s): %s\n", p->handle,
+              i, q->nic->name, strerror(e));
+    else
+      q->qp = NULL;
+  }
+}
+
+/* Stops p's traffic: QPs to the error state, then waits (at most the
+ * endpoint's flush wait) until the poller has ended every batch with WRs on
+ * the wire, after their flush; past it the QPs are destroyed. Before, the
+ * wait had no deadline: a flush that never came held the close, and the
+ * endpoint's, for ever. */
 static void rdma_peer_shutdown(pf_xfer_peer *p) {
   rdma_peer *rp = p->impl;
   if (!rp) return;
-  if (atomic_load(&p->connected)) qps_to_error(p, PF_ESHUTDOWN);
-  /* Wait for every posted request's flush: the poller ends those batches. */
-  for (;;) {
-    int open = 0;
-    for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
-      rdma_slot *rs = p->slots[i].impl;
-      if (rs && atomic_load(&p->slots[i].armed) && atomic_load(&rs->posted_open)) open = 1;
-    }
-    if (!open) break;
-    usleep(1000);
-  }
+  if (atomic_load(&p->connected)) qps_to_error(p, PF_ESHUTDOWN, "the peer is closing");
+  rdma_ep *r = p->ep->impl;
+  uint64_t deadline = pf_now_ns() + (uint64_t)r->flush_wait_ms * 1000000ull;
+  uint32_t on_wire;
+  while ((on_wire = batches_on_wire(p)) && pf_now_ns() < deadline) usleep(1000);
+  if (on_wire) qps_destroy_now(p, on_wire);
 }
 
 static void rdma_peer_free(pf_xfer_peer *p) {

@@ -134,15 +134,52 @@ static void end_all(pf_xfer_peer *p, int32_t status) {
   }
 }
 
-void xfer_peer_fail(pf_xfer_peer *p, int32_t status, const char *fmt, ...) {
-  int expected = 0;
-  if (atomic_compare_exchange_strong(&p->broken, &expected, status)) {
-    va_list ap;
-    va_start(ap, fmt);
+/* The message is written before `broken` is published, both under p->mu:
+ * the first caller writes it, a later one waits on the mutex until it is
+ * whole. So a thread that sees `broken` set (any load of it: the store is
+ * seq_cst) reads a whole message, which never changes afterwards. Before,
+ * the flag was set first and the text after it: a submit or
+ * pf_xfer_peer_error that saw the flag could read a half-written message. */
+static int mark_broken(pf_xfer_peer *p, int32_t status, const char *fmt, va_list ap) {
+  pthread_mutex_lock(&p->mu);
+  int first = atomic_load_explicit(&p->broken, memory_order_relaxed) == 0;
+  if (first) {
     vsnprintf(p->broken_msg, sizeof p->broken_msg, fmt, ap);
-    va_end(ap);
+    /* seq_cst: the submit's arming pairs with it (see submit_held). */
+    atomic_store(&p->broken, status);
   }
+  pthread_mutex_unlock(&p->mu);
+  return first;
+}
+
+int xfer_peer_mark_broken(pf_xfer_peer *p, int32_t status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int first = mark_broken(p, status, fmt, ap);
+  va_end(ap);
+  return first;
+}
+
+void xfer_peer_fail(pf_xfer_peer *p, int32_t status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  mark_broken(p, status, fmt, ap);
+  va_end(ap);
   end_all(p, atomic_load(&p->closing) ? PF_ESHUTDOWN : status);
+}
+
+int32_t xfer_env_limit(const char *fn, const char *name, uint32_t def, uint32_t max,
+                       const char *unit, uint32_t *out) {
+  const char *env = getenv(name);
+  *out = def;
+  if (!env || !*env) return PF_OK;
+  char *end;
+  errno = 0;
+  unsigned long v = strtoul(env, &end, 10);
+  if (*end || env[0] == '-' || errno || v == 0 || v > max)
+    return pf_fail(PF_EINVAL, "%s: %s \"%s\"; expected 1..%u%s", fn, name, env, max, unit);
+  *out = (uint32_t)v;
+  return PF_OK;
 }
 
 /* ---- timer ------------------------------------------------------------- */

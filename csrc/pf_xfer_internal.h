@@ -87,7 +87,8 @@ typedef struct pf_xfer_peer {
   atomic_int closing;
   atomic_int connecting;      /* a pf_xfer_peer_connect is under way */
   atomic_int broken;          /* PF_E* that broke the peer, 0 = healthy */
-  char broken_msg[256];
+  char broken_msg[256];       /* why; whole once `broken` is seen set, then fixed
+                                 (xfer_peer_mark_broken writes it first) */
   char connect_msg[512];      /* why the last connect failed (under mu) */
   uint64_t remote_bytes;      /* remote pool size (the connect writes it before
                                  setting `connected`; read it only after) */
@@ -183,10 +184,23 @@ int xfer_end(pf_xfer_peer *p, xfer_slot *s, uint32_t gen, int32_t status);
 /* One part of (s, gen) is done; ends the batch OK after the last one. A
  * no-op once (s, gen) has ended. The caller must not be inside the slot. */
 void xfer_part_done(pf_xfer_peer *p, xfer_slot *s, uint32_t gen);
-/* Marks p broken with status/message (first caller wins) and ends every
+/* Marks p broken with status and message unless it already is (first caller
+ * wins; 1 = this call did). On return `broken` is set and broken_msg whole:
+ * the message is written before the flag is published, under p->mu, so a
+ * reader that sees the flag may read the message without a lock. Ends no
+ * batch. Never call it holding p->mu. */
+int xfer_peer_mark_broken(pf_xfer_peer *p, int32_t status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Marks p broken with status/message (xfer_peer_mark_broken) and ends every
  * batch in flight with PF_ESHUTDOWN if the peer is closing, else status. */
 void xfer_peer_fail(pf_xfer_peer *p, int32_t status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* An endpoint limit from the environment: `name` unset or empty = `def`,
+ * else a decimal in 1..max, anything else PF_EINVAL naming it (`unit` is
+ * appended to the expected range, e.g. " (ms)"). (pf_tcp.c has its own
+ * copy, env_limit, from before this one.) */
+int32_t xfer_env_limit(const char *fn, const char *name, uint32_t def, uint32_t max,
+                       const char *unit, uint32_t *out);
 /* Slot by wire index (NULL if out of range). */
 static inline xfer_slot *xfer_slot_at(pf_xfer_peer *p, uint32_t index) {
   return index < PF_XFER_MAX_INFLIGHT ? &p->slots[index] : NULL;

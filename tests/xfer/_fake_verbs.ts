@@ -1,0 +1,167 @@
+/**
+ * Test helper: the RDMA transport over `fake_ibverbs.c`, a software stand-in
+ * for libibverbs.so.1 (built here with gcc, loaded by the library through
+ * `PEGAFLOW_LIBIBVERBS`), and a connected pair of RDMA endpoints in this
+ * process. The stand-in models the verbs rules the transport depends on;
+ * it is not hardware (docs/transfer.md, "The RDMA data path").
+ */
+import { CompletionRing, Engine, type Pool } from "../../ffi/mod.ts";
+import { XferEndpoint, type XferPeer } from "../../ffi/xfer.ts";
+
+const SOURCE = decodeURIComponent(new URL("./fake_ibverbs.c", import.meta.url).pathname);
+
+const CONTROLS = {
+  fake_hold: { parameters: ["i32"], result: "void" },
+  fake_release: { parameters: [], result: "i32" },
+  fake_parked: { parameters: [], result: "i32" },
+  fake_fail_post: { parameters: ["i32", "i32"], result: "void" },
+  fake_defer_flush: { parameters: ["i32"], result: "i32" },
+  fake_wait_polled: { parameters: ["i32", "i32"], result: "i32" },
+  fake_deliver_flush: { parameters: [], result: "i32" },
+  fake_deferred: { parameters: [], result: "i32" },
+  fake_qp_count: { parameters: [], result: "i32" },
+  fake_qp_state: { parameters: ["i32"], result: "i32" },
+  fake_count: { parameters: ["i32"], result: "u64" },
+  fake_reset: { parameters: [], result: "void" },
+} as const satisfies Deno.ForeignLibraryInterface;
+
+/** The stand-in's controls (see fake_ibverbs.c). */
+export type FakeVerbs = Deno.DynamicLibrary<typeof CONTROLS>["symbols"];
+
+let built: { path: string; lib: FakeVerbs } | undefined;
+
+let builtPath: Promise<string> | undefined;
+
+/** Builds the stand-in (once per process) and answers its path; loads nothing here. */
+export function buildFakeVerbs(): Promise<string> {
+  builtPath ??= (async () => {
+    const dir = await Deno.makeTempDir({ prefix: "pf-fake-ibverbs-" });
+    const path = `${dir}/libfake_ibverbs.so`;
+    const out = await new Deno.Command("gcc", {
+      args: ["-O1", "-g", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-o", path, SOURCE],
+      stdout: "piped",
+      stderr: "piped",
+    }).output();
+    if (out.code !== 0) {
+      throw new Error(
+        `gcc fake_ibverbs.c exited ${out.code}: ${new TextDecoder().decode(out.stderr)}`,
+      );
+    }
+    return path;
+  })();
+  return builtPath;
+}
+
+/**
+ * Builds the stand-in, points `PEGAFLOW_LIBIBVERBS` at it and opens its
+ * controls (the same loaded copy the library uses: one path, one handle).
+ * Process-wide: only for a process of its own (rdma_fake_test.ts runs the
+ * cases that call it each in a child).
+ */
+export async function fakeVerbs(): Promise<{ path: string; lib: FakeVerbs }> {
+  if (built) return built;
+  const path = await buildFakeVerbs();
+  Deno.env.set("PEGAFLOW_LIBIBVERBS", path);
+  built = { path, lib: Deno.dlopen(path, CONTROLS).symbols };
+  return built;
+}
+
+/** QP state numbers (`enum ibv_qp_state`). */
+export const QPS = { RTS: 3, ERR: 6 } as const;
+
+/** Two RDMA endpoints of this process, connected both ways. */
+export interface RdmaPair {
+  fake: FakeVerbs;
+  /** The requester: its pool, its ring, its peer towards B. */
+  poolA: Pool;
+  ringA: CompletionRing;
+  epA: XferEndpoint;
+  peerA: XferPeer;
+  /** The target. */
+  poolB: Pool;
+  epB: XferEndpoint;
+  peerB: XferPeer;
+  /** Ordinal (fake_qp_state) of A's first QP; its others follow. */
+  qpA: number;
+  close(): Promise<void>;
+}
+
+/** Options of {@link rdmaPair}. */
+export interface PairOptions {
+  poolBytes?: number;
+  /** QPs per peer. */
+  streams?: number;
+  stripeBytes?: number;
+  /** A's ring capacity (B's is 4096). */
+  ringA?: number;
+  immTag?: number;
+}
+
+/** Opens two RDMA endpoints over the stand-in and connects a peer of each to the other. */
+export async function rdmaPair(o: PairOptions = {}): Promise<RdmaPair> {
+  const { lib: fake } = await fakeVerbs();
+  fake.fake_reset();
+  const engine = Engine.open({ backend: "host" });
+  const bytes = o.poolBytes ?? 16 << 20;
+  const poolA = engine.createPool(bytes);
+  const poolB = engine.createPool(bytes);
+  const ringA = new CompletionRing(o.ringA ?? 4096);
+  const ringB = new CompletionRing(4096);
+  const base = { transport: "rdma", streams: o.streams ?? 2, stripeBytes: o.stripeBytes } as const;
+  const epA = XferEndpoint.open({ ...base, pool: poolA, ring: ringA });
+  const epB = XferEndpoint.open({ ...base, pool: poolB, ring: ringB, immTag: o.immTag });
+  const qpA = fake.fake_qp_count();
+  const peerA = epA.createPeer();
+  const peerB = epB.createPeer();
+  await peerA.connect(peerB.info(), 1000);
+  await peerB.connect(peerA.info(), 1000);
+  return {
+    fake,
+    poolA,
+    ringA,
+    epA,
+    peerA,
+    poolB,
+    epB,
+    peerB,
+    qpA,
+    async close() {
+      fake.fake_reset();
+      fake.fake_deliver_flush();
+      fake.fake_release();
+      await epA.close();
+      await epB.close();
+      await ringA.shutdown();
+      await ringB.shutdown();
+      ringA.destroy();
+      ringB.destroy();
+      poolA.close();
+      poolB.close();
+      engine.close();
+    },
+  };
+}
+
+/** Resolves `p`, or rejects naming `what` after `ms` (so a hang fails the test). */
+export async function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what}: nothing after ${ms} ms`)), ms);
+  });
+  try {
+    return await Promise.race([p, late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** True if `p` has settled within `ms` (it keeps running either way). */
+export async function settlesWithin(p: Promise<unknown>, ms: number): Promise<boolean> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const r = await Promise.race([
+    p.then(() => true, () => true),
+    new Promise<boolean>((resolve) => timer = setTimeout(() => resolve(false), ms)),
+  ]);
+  clearTimeout(timer);
+  return r;
+}
