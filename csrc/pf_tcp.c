@@ -718,22 +718,6 @@ static void *accept_main(void *arg) {
   return NULL;
 }
 
-/* An endpoint limit from the environment: `name` unset or empty = `def`,
- * else a decimal in 1..max, anything else refused naming it. */
-static int32_t env_limit(const char *fn, const char *name, uint32_t def, uint32_t max,
-                         const char *unit, uint32_t *out) {
-  const char *env = getenv(name);
-  *out = def;
-  if (!env || !*env) return PF_OK;
-  char *end;
-  errno = 0;
-  unsigned long v = strtoul(env, &end, 10);
-  if (*end || env[0] == '-' || errno || v == 0 || v > max)
-    return pf_fail(PF_EINVAL, "%s: %s \"%s\"; expected 1..%u%s", fn, name, env, max, unit);
-  *out = (uint32_t)v;
-  return PF_OK;
-}
-
 static int32_t tcp_open(pf_xfer_ep *ep) {
   const char *fn = "pf_xfer_open(tcp)";
   const char *bind_addr = ep->cfg.bind_addr[0] ? ep->cfg.bind_addr : "0.0.0.0";
@@ -755,11 +739,11 @@ static int32_t tcp_open(pf_xfer_ep *ep) {
                    bind_addr);
   }
   uint32_t stall_ms, max_conns;
-  int32_t rc = env_limit(fn, "PEGAFLOW_TCP_STALL_MS", TCP_STALL_MS, TCP_MAX_STALL_MS, " (ms)",
-                         &stall_ms);
+  int32_t rc = xfer_env_limit(fn, "PEGAFLOW_TCP_STALL_MS", TCP_STALL_MS, TCP_MAX_STALL_MS,
+                              " (ms)", &stall_ms);
   if (rc == PF_OK)
-    rc = env_limit(fn, "PEGAFLOW_TCP_MAX_CONNS", TCP_MAX_CONNS, TCP_MAX_CONNS_LIMIT,
-                   " (connections)", &max_conns);
+    rc = xfer_env_limit(fn, "PEGAFLOW_TCP_MAX_CONNS", TCP_MAX_CONNS, TCP_MAX_CONNS_LIMIT,
+                        " (connections)", &max_conns);
   if (rc < 0) return rc;
   tcp_ep *t = calloc(1, sizeof *t);
   if (!t) return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
