@@ -5,7 +5,8 @@
  * STATUS: the data path has NOT yet run on RDMA hardware (no machine we have
  * has a device and Soft-RoCE cannot be loaded there). What runs in tests:
  * loading libibverbs.so.1, the device list, the errors for a missing library
- * / no device / an unknown NIC, parameter validation.
+ * / no device / an unknown NIC, parameter validation; and the whole data
+ * path over tests/xfer/fake_ibverbs.c, a software stand-in for the library.
  *
  * No link-time dependency: libibverbs.so.1 is dlopen'ed (name overridable
  * with PEGAFLOW_LIBIBVERBS) and the few structures used are declared below,
@@ -16,13 +17,25 @@
  * context and its ops table are declared in full.
  *
  * Shape: an endpoint opens each NIC of --nics (every device when empty),
- * allocates a PD, registers the whole pool (LOCAL_WRITE | REMOTE_READ |
- * REMOTE_WRITE) and creates one CQ per NIC; one poller thread drains the
- * CQs and posts ring records. A peer has `streams` RC QPs per NIC; a batch's
- * parts (pf_xfer.c plans them) go one per QP as a chain of work requests
- * with one sge each, only the last one signaled. A QP whose send queue is
- * full keeps further parts in a backlog that the poller posts as credit
- * returns.
+ * allocates a PD and registers the whole pool (LOCAL_WRITE | REMOTE_READ |
+ * REMOTE_WRITE); one poller thread drains the CQs and posts ring records. A
+ * peer has `streams` RC QPs per NIC and one CQ per NIC for them, sized so
+ * that it can never overrun (see RDMA_QP_CQES); a batch's parts (pf_xfer.c
+ * plans them) go one per QP as a chain of work requests with one sge each,
+ * only the last one signaled. A QP whose send queue is full keeps further
+ * parts in a backlog that the poller posts as credit returns.
+ *
+ * CQ sizing: a CQ that overruns is lost (async event IBV_EVENT_CQ_ERR; its
+ * completions, flushes included, never come, so batches never end), and in
+ * the error state every send WR and every posted receive completes, one
+ * completion each. Before, the NIC's one CQ of 4096 entries was shared by
+ * every peer's QPs (each up to 1024 sends + 128 receives): two peers of two
+ * QPs whose full send queues flushed together overran it. Now each peer
+ * brings its own CQ per NIC of exactly what its QPs there can have
+ * outstanding, so no traffic can overrun it and no post needs admission; a
+ * peer the device cannot give such a CQ (max_cqe) is refused at create.
+ * The poller polls the CQs of the live peers (a list it copies when it
+ * changes), and a CQ's completions are of one peer: no lookup across peers.
  *
  * Deadlines: RDMA work cannot be cancelled one request at a time; a posted
  * READ may land at any moment until the QP stops. So a batch that times out
@@ -375,10 +388,15 @@ int32_t pf_rdma_devices(char *buf, uint32_t cap) {
 
 /* ---- endpoint ----------------------------------------------------------- */
 #define RDMA_MAX_NICS 16
-#define RDMA_CQ_DEPTH 4096
 #define RDMA_SQ_DEPTH 1024
 /* Receive WRs kept posted per QP for incoming immediates. */
 #define RDMA_RQ_DEPTH 128
+/* CQ entries one QP can fill: each send-queue entry and each posted receive
+ * makes at most one completion (a flushed one too) and is not reused before
+ * that completion is polled (send credit returns at poll; a receive is
+ * posted again after its completion is handled). A peer's CQ on a NIC has
+ * this many per QP on that NIC, so it cannot overrun. */
+#define RDMA_QP_CQES (RDMA_SQ_DEPTH + RDMA_RQ_DEPTH)
 /* Chunks per part: one chain of WRs, at most half a send queue. */
 #define RDMA_PART_CHUNKS 512u
 /* env PEGAFLOW_RDMA_GID_INDEX: the GID table entry (RoCE v2 is often 3). */
@@ -410,12 +428,13 @@ typedef struct rdma_nic {
   struct ibv_context *ctx;
   struct ibv_pd *pd;
   struct ibv_mr *mr;
-  struct ibv_cq *cq;
   uint16_t lid;
   uint8_t mtu;
   union ibv_gid gid;
   int gid_index;
 } rdma_nic;
+
+struct rdma_peer;
 
 typedef struct rdma_ep {
   rdma_nic nic[RDMA_MAX_NICS];
@@ -423,6 +442,15 @@ typedef struct rdma_ep {
   uint32_t flush_wait_ms; /* RDMA_FLUSH_WAIT_MS, or PEGAFLOW_RDMA_FLUSH_WAIT_MS */
   pthread_t poller;
   atomic_int stop;
+  /* The peers whose CQs the poller polls (each peer's own, per NIC). A peer
+   * is listed at the end of its create and unlisted at the start of its
+   * free, which then takes ep->scan for writing once: a poller pass (it
+   * holds `scan` for reading) that still saw it has ended, and later passes
+   * see the new `live_version` and copy the list again. */
+  pthread_mutex_t live_mu;
+  struct rdma_peer **live;
+  uint32_t nlive, cap_live;
+  atomic_uint live_version;
 } rdma_ep;
 
 /* Parses "name[:port],..." into nics; EINVAL naming the bad entry. */
@@ -466,7 +494,6 @@ static int32_t parse_nics(const char *fn, const char *text, rdma_nic *nic, uint3
 }
 
 static void nic_close(rdma_nic *n) {
-  if (n->cq) ibv.destroy_cq(n->cq);
   if (n->mr) ibv.dereg_mr(n->mr);
   if (n->pd) ibv.dealloc_pd(n->pd);
   if (n->ctx) ibv.close_device(n->ctx);
@@ -545,21 +572,21 @@ static int32_t rdma_open(pf_xfer_ep *ep) {
                                IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
                                    IBV_ACCESS_REMOTE_WRITE)
                   : NULL;
-    n->cq = n->mr ? ibv.create_cq(n->ctx, RDMA_CQ_DEPTH, NULL, NULL, 0) : NULL;
-    if (!n->cq) {
+    if (!n->mr) {
       int e = errno;
       ibv.free_device_list(list);
       rc = pf_fail(PF_ENOMEM, "%s: %s: %s failed: %s", fn, n->name,
-                   !n->pd ? "ibv_alloc_pd" : !n->mr ? "ibv_reg_mr of the pool" : "ibv_create_cq",
-                   strerror(e));
+                   !n->pd ? "ibv_alloc_pd" : "ibv_reg_mr of the pool", strerror(e));
       goto fail_nics;
     }
   }
   ibv.free_device_list(list);
+  pthread_mutex_init(&r->live_mu, NULL);
   ep->impl = r;
   if (pthread_create(&r->poller, NULL, poller_main, ep)) {
     rc = pf_fail(PF_ENOMEM, "%s: cannot start the CQ poller", fn);
     ep->impl = NULL;
+    pthread_mutex_destroy(&r->live_mu);
     goto fail_nics;
   }
   return PF_OK;
@@ -571,11 +598,15 @@ fail:
   return rc;
 }
 
+/* Every peer was closed before (pf_xfer_close refuses otherwise), so no CQ
+ * is left to poll. */
 static void rdma_close(pf_xfer_ep *ep) {
   rdma_ep *r = ep->impl;
   atomic_store(&r->stop, 1);
   pthread_join(r->poller, NULL);
   for (uint32_t k = 0; k < r->nnics; k++) nic_close(&r->nic[k]);
+  free(r->live);
+  pthread_mutex_destroy(&r->live_mu);
   free(r);
 }
 
@@ -612,13 +643,23 @@ typedef struct rdma_qp {
 } rdma_qp;
 
 typedef struct rdma_peer {
-  rdma_qp *qp;
+  pf_xfer_peer *p;
+  rdma_qp *qp; /* lane i is on NIC i % ncq */
   uint32_t nqp;
+  /* This peer's CQ on each NIC (send and receive CQ of its QPs there),
+   * RDMA_QP_CQES per QP on that NIC. */
+  struct ibv_cq *cq[RDMA_MAX_NICS];
+  uint32_t ncq;
   uint64_t remote_addr;
   /* QPs moved (or being moved) to the error state; set only after the
    * peer's `broken` and its message are published (qps_to_error). */
   atomic_int in_error;
-  int detached; /* the poller no longer looks at these QPs (under ep->mu) */
+  atomic_int detached; /* the poller no longer looks at these QPs */
+  int listed;          /* in the poller's list (rdma_ep.live) */
+  /* Non-empty: a failed connect could not bring the QPs back to INIT (why);
+   * every later connect is refused: the peer must be created again.
+   * Connects run one at a time (pf_xfer.c), so no lock. */
+  char stuck[160];
 } rdma_peer;
 
 typedef struct rdma_slot {
@@ -669,18 +710,109 @@ static const char *wc_status_name(int st) {
   return st >= 0 && st < (int)(sizeof names / sizeof names[0]) ? names[st] : "unknown status";
 }
 
+/* An ibv_* call's error: verbs return the errno value (ibv_post_*,
+ * ibv_modify_qp) or -1 / NULL with errno set. */
+static int verbs_errno(int rc) {
+  return rc > 0 ? rc : errno;
+}
+
+/* Brings QP `lane` (in RESET) to INIT and posts its RDMA_RQ_DEPTH receives
+ * for immediates. Fails (PF_EIO; `why` names the QP, its NIC and, for the
+ * receives, how many were posted) leaving the QP as it is. A QP short of
+ * receives would make immediates stall (RNR retries) or fail later with
+ * no word of why: before, failed receive posts were ignored. */
+static int32_t qp_arm(rdma_qp *q, uint32_t lane, char *why, size_t cap) {
+  struct ibv_qp_attr a;
+  memset(&a, 0, sizeof a);
+  a.qp_state = IBV_QPS_INIT;
+  a.port_num = q->nic->port;
+  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  int rc = ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                                        IBV_QP_ACCESS_FLAGS);
+  if (rc) {
+    snprintf(why, cap, "QP %u (%s) to INIT: %s", lane, q->nic->name, strerror(verbs_errno(rc)));
+    return PF_EIO;
+  }
+  for (uint32_t k = 0; k < RDMA_RQ_DEPTH; k++) {
+    struct ibv_recv_wr wr = {.wr_id = RDMA_RECV_BIT | lane}, *bad;
+    rc = q->nic->ctx->ops.post_recv(q->qp, &wr, &bad);
+    if (rc) {
+      snprintf(why, cap, "ibv_post_recv on QP %u (%s) failed after %u of %u receives: %s", lane,
+               q->nic->name, k, RDMA_RQ_DEPTH, strerror(verbs_errno(rc)));
+      return PF_EIO;
+    }
+  }
+  return PF_OK;
+}
+
+/* Lists rp for the poller (end of a successful create). */
+static int32_t peer_list(rdma_ep *r, rdma_peer *rp, const char *fn) {
+  pthread_mutex_lock(&r->live_mu);
+  if (r->nlive == r->cap_live) {
+    uint32_t ncap = r->cap_live ? r->cap_live * 2 : 8;
+    rdma_peer **nl = realloc(r->live, ncap * sizeof *nl);
+    if (!nl) {
+      pthread_mutex_unlock(&r->live_mu);
+      return pf_fail(PF_ENOMEM, "%s: out of memory for the poller's peer list", fn);
+    }
+    r->live = nl;
+    r->cap_live = ncap;
+  }
+  r->live[r->nlive++] = rp;
+  atomic_fetch_add(&r->live_version, 1);
+  pthread_mutex_unlock(&r->live_mu);
+  rp->listed = 1;
+  return PF_OK;
+}
+
+/* Unlists rp, then waits out a poller pass that may still poll its CQs. */
+static void peer_unlist(pf_xfer_ep *ep, rdma_peer *rp) {
+  rdma_ep *r = ep->impl;
+  if (!rp->listed) return;
+  pthread_mutex_lock(&r->live_mu);
+  for (uint32_t i = 0; i < r->nlive; i++)
+    if (r->live[i] == rp) {
+      r->live[i] = r->live[--r->nlive];
+      break;
+    }
+  atomic_fetch_add(&r->live_version, 1);
+  pthread_mutex_unlock(&r->live_mu);
+  pthread_rwlock_wrlock(&ep->scan);
+  pthread_rwlock_unlock(&ep->scan);
+  rp->listed = 0;
+}
+
 static int32_t rdma_peer_create(pf_xfer_peer *p) {
   const char *fn = "pf_xfer_peer_create(rdma)";
   rdma_ep *r = p->ep->impl;
   rdma_peer *rp = calloc(1, sizeof *rp);
   if (!rp) return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
-  rp->nqp = r->nnics * p->ep->cfg.streams;
+  uint32_t streams = p->ep->cfg.streams;
+  rp->p = p;
+  rp->nqp = r->nnics * streams;
   rp->qp = calloc(rp->nqp, sizeof *rp->qp);
   if (!rp->qp) {
     free(rp);
     return pf_fail(PF_ENOMEM, "%s: out of memory", fn);
   }
   p->impl = rp;
+  int32_t rc = PF_OK;
+  for (uint32_t k = 0; k < r->nnics; k++) {
+    /* Every QP of this peer on NIC k, each with its whole send queue and
+     * receive queue completing at once (the error state flushes them). */
+    uint32_t cqe = streams * RDMA_QP_CQES;
+    rp->cq[k] = ibv.create_cq(r->nic[k].ctx, (int)cqe, NULL, NULL, 0);
+    if (!rp->cq[k]) {
+      int e = errno;
+      rc = pf_fail(e == EINVAL ? PF_EINVAL : PF_ENOMEM,
+                   "%s: ibv_create_cq of %u entries on %s (%u QPs x (%u send + %u receive)): "
+                   "%s%s", fn, cqe, r->nic[k].name, streams, RDMA_SQ_DEPTH, RDMA_RQ_DEPTH,
+                   strerror(e), e == EINVAL ? "; more than the device's max_cqe? use fewer QPs "
+                                              "per NIC (streams)" : "");
+      goto fail;
+    }
+    rp->ncq = k + 1;
+  }
   for (uint32_t i = 0; i < rp->nqp; i++) {
     rdma_qp *q = &rp->qp[i];
     q->nic = &r->nic[i % r->nnics]; /* lanes alternate NICs */
@@ -689,38 +821,29 @@ static int32_t rdma_peer_create(pf_xfer_peer *p) {
     pthread_mutex_init(&q->mu, NULL);
     struct ibv_qp_init_attr ia;
     memset(&ia, 0, sizeof ia);
-    ia.send_cq = ia.recv_cq = q->nic->cq;
+    ia.send_cq = ia.recv_cq = rp->cq[i % r->nnics];
     ia.cap.max_send_wr = RDMA_SQ_DEPTH;
     ia.cap.max_recv_wr = RDMA_RQ_DEPTH;
     ia.cap.max_send_sge = ia.cap.max_recv_sge = 1;
     ia.qp_type = IBV_QPT_RC;
     q->qp = ibv.create_qp(q->nic->pd, &ia);
     if (!q->qp) {
-      int32_t rc = pf_fail(PF_ENOMEM, "%s: ibv_create_qp on %s: %s", fn, q->nic->name,
-                           strerror(errno));
-      p->ep->ops->peer_free(p);
-      return rc;
+      rc = pf_fail(PF_ENOMEM, "%s: ibv_create_qp on %s: %s", fn, q->nic->name, strerror(errno));
+      goto fail;
     }
     q->qpn = ((struct ibv_qp_head *)q->qp)->qp_num;
-    struct ibv_qp_attr a;
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_INIT;
-    a.port_num = q->nic->port;
-    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
-    if (ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                                     IBV_QP_ACCESS_FLAGS)) {
-      int32_t rc = pf_fail(PF_EIO, "%s: QP %u on %s to INIT: %s", fn, i, q->nic->name,
-                           strerror(errno));
-      p->ep->ops->peer_free(p);
-      return rc;
-    }
     q->psn = (uint32_t)(rand() & 0xffffff);
-    for (uint32_t k = 0; k < RDMA_RQ_DEPTH; k++) {
-      struct ibv_recv_wr wr = {.wr_id = RDMA_RECV_BIT | i}, *bad;
-      q->nic->ctx->ops.post_recv(q->qp, &wr, &bad);
+    char why[200];
+    if ((rc = qp_arm(q, i, why, sizeof why)) < 0) {
+      pf_fail(rc, "%s: %s", fn, why);
+      goto fail;
     }
   }
+  if ((rc = peer_list(r, rp, fn)) < 0) goto fail;
   return PF_OK;
+fail:
+  p->ep->ops->peer_free(p);
+  return rc;
 }
 
 static int32_t rdma_peer_info(pf_xfer_peer *p, uint8_t *buf, uint32_t cap) {
@@ -742,10 +865,85 @@ static int32_t rdma_peer_info(pf_xfer_peer *p, uint8_t *buf, uint32_t cap) {
   return (int32_t)need;
 }
 
+/* Moves QP `lane` to RTR and RTS towards the remote QP `w`. */
+static int32_t qp_connect(rdma_qp *q, uint32_t lane, const rdma_wire_qp *w, const char *fn) {
+  struct ibv_qp_attr a;
+  memset(&a, 0, sizeof a);
+  a.qp_state = IBV_QPS_RTR;
+  a.path_mtu = w->mtu < q->nic->mtu ? w->mtu : q->nic->mtu;
+  a.dest_qp_num = w->qpn;
+  a.rq_psn = w->psn;
+  a.max_dest_rd_atomic = 16;
+  a.min_rnr_timer = 12;
+  a.ah_attr.dlid = w->lid;
+  a.ah_attr.port_num = q->nic->port;
+  static const uint8_t zero[16];
+  if (memcmp(w->gid, zero, 16) != 0) {
+    a.ah_attr.is_global = 1;
+    memcpy(a.ah_attr.grh.dgid.raw, w->gid, 16);
+    a.ah_attr.grh.sgid_index = (uint8_t)q->nic->gid_index;
+    a.ah_attr.grh.hop_limit = 64;
+  }
+  int rc = ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+                                        IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+  if (rc)
+    return pf_fail(PF_EIO, "%s: QP %u (%s) to RTR: %s", fn, lane, q->nic->name,
+                   strerror(verbs_errno(rc)));
+  memset(&a, 0, sizeof a);
+  a.qp_state = IBV_QPS_RTS;
+  a.timeout = 14; /* 4.096 us * 2^14 = 67 ms per retry */
+  a.retry_cnt = 7;
+  a.rnr_retry = 7;
+  a.sq_psn = q->psn;
+  a.max_rd_atomic = 16;
+  rc = ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                    IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
+  if (rc)
+    return pf_fail(PF_EIO, "%s: QP %u (%s) to RTS: %s", fn, lane, q->nic->name,
+                   strerror(verbs_errno(rc)));
+  q->remote_rkey = w->rkey;
+  return PF_OK;
+}
+
+/* A connect failed at QP `upto` (rc, pf_last_error says why) after QPs
+ * before it reached RTS, and `upto` itself may be in RTR: none of them can
+ * be connected again from there (RTR is entered from INIT only). So QPs
+ * 0..upto go back through RESET to INIT with their receives posted again
+ * (RESET empties the receive queue), as the create left them: a retry
+ * starts from where the first attempt did. Nothing was ever posted on their
+ * send queues (a submit needs a connected peer). If that fails the peer
+ * cannot be connected any more, and the error, and every later connect's,
+ * says to close it and create it again. Before, the QPs were left where
+ * they stood and a retry failed on QP 0 ("to RTR: Invalid argument"),
+ * saying nothing of why or what to do. */
+static int32_t connect_unwind(rdma_peer *rp, uint32_t upto, int32_t rc) {
+  char why[PF_ERROR_TEXT_BYTES];
+  pf_last_error(why, sizeof why);
+  for (uint32_t i = 0; i <= upto; i++) {
+    rdma_qp *q = &rp->qp[i];
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RESET;
+    int e = ibv.modify_qp(q->qp, &a, IBV_QP_STATE);
+    if (e)
+      snprintf(rp->stuck, sizeof rp->stuck, "resetting QP %u (%s) failed (%s)", i, q->nic->name,
+               strerror(verbs_errno(e)));
+    else
+      qp_arm(q, i, rp->stuck, sizeof rp->stuck); /* writes `stuck` only if it fails */
+    if (rp->stuck[0])
+      return pf_fail(rc, "%s; %s: close the peer and create it again", why, rp->stuck);
+  }
+  return pf_fail(rc, "%s; the peer's QPs were reset to INIT: connect may be retried", why);
+}
+
 static int32_t rdma_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_t len,
                                  int32_t timeout_ms) {
   const char *fn = "pf_xfer_peer_connect(rdma)";
   rdma_peer *rp = p->impl;
+  if (rp->stuck[0])
+    return pf_fail(PF_EIO, "%s: an earlier connect failed and its QPs could not be reset (%s): "
+                   "close the peer and create it again", fn, rp->stuck);
   rdma_wire_hdr h;
   if (len < sizeof h) return pf_fail(PF_EINVAL, "%s: remote info is %u bytes; too short", fn, len);
   memcpy(&h, remote, sizeof h);
@@ -755,41 +953,10 @@ static int32_t rdma_peer_connect(pf_xfer_peer *p, const uint8_t *remote, uint32_
     return pf_fail(PF_EINVAL, "%s: remote has %u QPs (%u bytes); this peer has %u (NICs x "
                    "streams must match on both sides)", fn, h.nqp, len, rp->nqp);
   for (uint32_t i = 0; i < rp->nqp; i++) {
-    rdma_qp *q = &rp->qp[i];
     rdma_wire_qp w;
     memcpy(&w, remote + sizeof h + i * sizeof w, sizeof w);
-    struct ibv_qp_attr a;
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTR;
-    a.path_mtu = w.mtu < q->nic->mtu ? w.mtu : q->nic->mtu;
-    a.dest_qp_num = w.qpn;
-    a.rq_psn = w.psn;
-    a.max_dest_rd_atomic = 16;
-    a.min_rnr_timer = 12;
-    a.ah_attr.dlid = w.lid;
-    a.ah_attr.port_num = q->nic->port;
-    static const uint8_t zero[16];
-    if (memcmp(w.gid, zero, 16) != 0) {
-      a.ah_attr.is_global = 1;
-      memcpy(a.ah_attr.grh.dgid.raw, w.gid, 16);
-      a.ah_attr.grh.sgid_index = (uint8_t)q->nic->gid_index;
-      a.ah_attr.grh.hop_limit = 64;
-    }
-    if (ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                     IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
-                                     IBV_QP_MIN_RNR_TIMER))
-      return pf_fail(PF_EIO, "%s: QP %u to RTR: %s", fn, i, strerror(errno));
-    memset(&a, 0, sizeof a);
-    a.qp_state = IBV_QPS_RTS;
-    a.timeout = 14; /* 4.096 us * 2^14 = 67 ms per retry */
-    a.retry_cnt = 7;
-    a.rnr_retry = 7;
-    a.sq_psn = q->psn;
-    a.max_rd_atomic = 16;
-    if (ibv.modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
-      return pf_fail(PF_EIO, "%s: QP %u to RTS: %s", fn, i, strerror(errno));
-    q->remote_rkey = w.rkey;
+    int32_t rc = qp_connect(&rp->qp[i], i, &w, fn);
+    if (rc < 0) return connect_unwind(rp, i, rc);
   }
   rp->remote_addr = h.pool_addr;
   p->remote_bytes = h.pool_bytes;
@@ -1062,54 +1229,73 @@ static void on_send_wc(pf_xfer_peer *p, rdma_qp *q, const struct ibv_wc *wc) {
   drain_backlog(p, q);
 }
 
+/* A completion polled from rp's CQ on NIC k: find its QP by number among
+ * rp's QPs on that NIC (lanes k, k + NICs, ...; a few). */
+static void on_wc(pf_xfer_ep *ep, rdma_peer *rp, uint32_t k, const struct ibv_wc *wc) {
+  rdma_qp *q = NULL;
+  for (uint32_t j = k; j < rp->nqp && !q; j += rp->ncq)
+    if (rp->qp[j].qpn == wc->qp_num) q = &rp->qp[j];
+  if (!q) return;
+  if (!(wc->wr_id & RDMA_RECV_BIT)) {
+    on_send_wc(rp->p, q, wc);
+    return;
+  }
+  /* An incoming immediate (flushed receives are just dropped). */
+  if (wc->status != IBV_WC_SUCCESS || wc->opcode != IBV_WC_RECV_RDMA_WITH_IMM) return;
+  pf_completion c = {.tag = ep->cfg.imm_tag, .kind = PF_DONE_XFER_IMM, .index = rp->p->handle,
+                     .status = PF_OK, .aux = ntohl(wc->imm_data), .value = 0};
+  pf_ring_post(ep->ring, &c);
+  struct ibv_recv_wr wr = {.wr_id = wc->wr_id}, *bad;
+  int rc = q->nic->ctx->ops.post_recv(q->qp, &wr, &bad);
+  /* One receive short, the QP would stall (RNR) on an immediate some day,
+   * with no word of why: the peer breaks now, saying so. */
+  if (rc)
+    qps_to_error(rp->p, PF_EIO, "ibv_post_recv of a receive for immediates on QP %u (%s): %s",
+                 (uint32_t)(q - rp->qp), q->nic->name, strerror(verbs_errno(rc)));
+}
+
 static void *poller_main(void *arg) {
   pf_xfer_ep *ep = arg;
   rdma_ep *r = ep->impl;
   pthread_setname_np(pthread_self(), "pf-rdma-poll"); /* top, perf, /proc: whose CPU */
   struct ibv_wc wc[32];
+  /* The poller's copy of r->live, refreshed when live_version moves. */
+  rdma_peer **live = NULL;
+  uint32_t nlive = 0, cap = 0, seen = 0;
+  int fresh = 0;
   while (!atomic_load(&r->stop)) {
     int any = 0;
     pthread_rwlock_rdlock(&ep->scan); /* listed peers stay alive this pass */
-    for (uint32_t k = 0; k < r->nnics; k++) {
-      struct ibv_cq *cq = r->nic[k].cq;
-      int n = r->nic[k].ctx->ops.poll_cq(cq, 32, wc);
-      for (int i = 0; i < n; i++) {
-        any = 1;
-        /* Find the QP by number among the peers (few peers, few QPs). The
-         * record is posted outside ep->mu (a full ring waits for JS). */
-        pf_xfer_peer *hit = NULL;
-        rdma_qp *hq = NULL;
-        pthread_mutex_lock(&ep->mu);
-        for (pf_xfer_peer *p = ep->peers; p && !hit; p = p->next) {
-          rdma_peer *rp = p->impl;
-          for (uint32_t j = 0; rp && !rp->detached && j < rp->nqp; j++) {
-            rdma_qp *q = &rp->qp[j];
-            if (q->nic != &r->nic[k] || q->qpn != wc[i].qp_num) continue;
-            hit = p;
-            hq = q;
-            break;
-          }
+    if (!fresh || atomic_load(&r->live_version) != seen) {
+      pthread_mutex_lock(&r->live_mu);
+      if (r->nlive > cap) {
+        rdma_peer **nl = realloc(live, r->cap_live * sizeof *nl);
+        if (nl) {
+          live = nl;
+          cap = r->cap_live;
         }
-        pthread_mutex_unlock(&ep->mu);
-        if (!hit) continue;
-        if (wc[i].wr_id & RDMA_RECV_BIT) {
-          /* An incoming immediate (flushed receives are just dropped). */
-          if (wc[i].status == IBV_WC_SUCCESS && wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-            pf_completion c = {.tag = ep->cfg.imm_tag, .kind = PF_DONE_XFER_IMM,
-                               .index = hit->handle, .status = PF_OK,
-                               .aux = ntohl(wc[i].imm_data), .value = 0};
-            pf_ring_post(ep->ring, &c);
-            struct ibv_recv_wr wr = {.wr_id = wc[i].wr_id}, *bad;
-            hq->nic->ctx->ops.post_recv(hq->qp, &wr, &bad);
-          }
-        } else {
-          on_send_wc(hit, hq, &wc[i]);
-        }
+      }
+      /* Out of memory: poll nothing this pass (the old copy may hold a
+       * peer being freed) and try again. */
+      fresh = r->nlive <= cap;
+      nlive = fresh ? r->nlive : 0;
+      if (nlive) memcpy(live, r->live, nlive * sizeof *live);
+      seen = atomic_load(&r->live_version);
+      pthread_mutex_unlock(&r->live_mu);
+    }
+    for (uint32_t i = 0; i < nlive; i++) {
+      rdma_peer *rp = live[i];
+      if (atomic_load_explicit(&rp->detached, memory_order_relaxed)) continue;
+      for (uint32_t k = 0; k < rp->ncq; k++) {
+        int n = r->nic[k].ctx->ops.poll_cq(rp->cq[k], 32, wc);
+        for (int j = 0; j < n; j++) on_wc(ep, rp, k, &wc[j]);
+        if (n > 0) any = 1;
       }
     }
     pthread_rwlock_unlock(&ep->scan);
     if (!any) usleep(RDMA_IDLE_US);
   }
+  free(live);
   return NULL;
 }
 
@@ -1123,9 +1309,9 @@ static uint32_t batches_on_wire(pf_xfer_peer *p) {
   return n;
 }
 
-/* The flushes did not come in time: keeps the poller off p's QPs (detached
- * under ep->mu; then one pass of `scan` for writing waits out a poller pass
- * that found them before) and destroys them. A destroyed QP's WRs never
+/* The flushes did not come in time: keeps the poller off p's CQs (detached;
+ * then one pass of `scan` for writing waits out a poller pass that polled
+ * them before) and destroys p's QPs. A destroyed QP's WRs never
  * touch memory again, so the batches may end now (pf_xfer_peer_close's
  * end_all ends them with PF_ESHUTDOWN). */
 static void qps_destroy_now(pf_xfer_peer *p, uint32_t on_wire) {
@@ -1136,9 +1322,7 @@ static void qps_destroy_now(pf_xfer_peer *p, uint32_t on_wire) {
           "%u ms after its QPs were moved to the error state (no flush completion came); "
           "its QPs are destroyed so that the NIC stops, and the batches end with "
           "PF_ESHUTDOWN\n", p->handle, on_wire, r->flush_wait_ms);
-  pthread_mutex_lock(&ep->mu);
-  rp->detached = 1;
-  pthread_mutex_unlock(&ep->mu);
+  atomic_store(&rp->detached, 1);
   pthread_rwlock_wrlock(&ep->scan);
   pthread_rwlock_unlock(&ep->scan);
   for (uint32_t i = 0; i < rp->nqp; i++) {
@@ -1169,13 +1353,23 @@ static void rdma_peer_shutdown(pf_xfer_peer *p) {
   if (on_wire) qps_destroy_now(p, on_wire);
 }
 
+/* Also the unwind of a create that failed part way (calloc'ed: what was
+ * not made yet is NULL). The QPs go before the CQs they use. */
 static void rdma_peer_free(pf_xfer_peer *p) {
   rdma_peer *rp = p->impl;
   if (!rp) return;
+  peer_unlist(p->ep, rp);
   for (uint32_t i = 0; i < rp->nqp; i++) {
+    if (!rp->qp[i].nic) continue; /* never made */
     if (rp->qp[i].qp) ibv.destroy_qp(rp->qp[i].qp);
     free(rp->qp[i].bl);
     pthread_mutex_destroy(&rp->qp[i].mu);
+  }
+  for (uint32_t k = 0; k < rp->ncq; k++) {
+    int e = ibv.destroy_cq(rp->cq[k]);
+    if (e)
+      fprintf(stderr, "pegaflow: rdma peer %u: ibv_destroy_cq on %s: %s\n", p->handle,
+              ((rdma_ep *)p->ep->impl)->nic[k].name, strerror(verbs_errno(e)));
   }
   free(rp->qp);
   free(rp);

@@ -22,6 +22,9 @@ const CONTROLS = {
   fake_qp_count: { parameters: [], result: "i32" },
   fake_qp_state: { parameters: ["i32"], result: "i32" },
   fake_count: { parameters: ["i32"], result: "u64" },
+  fake_fail_recv: { parameters: ["i32"], result: "void" },
+  fake_fail_modify: { parameters: ["i32", "i32"], result: "i32" },
+  fake_pause_poll: { parameters: ["i32"], result: "void" },
   fake_reset: { parameters: [], result: "void" },
 } as const satisfies Deno.ForeignLibraryInterface;
 
@@ -67,7 +70,16 @@ export async function fakeVerbs(): Promise<{ path: string; lib: FakeVerbs }> {
 }
 
 /** QP state numbers (`enum ibv_qp_state`). */
-export const QPS = { RTS: 3, ERR: 6 } as const;
+export const QPS = { RESET: 0, INIT: 1, RTR: 2, RTS: 3, ERR: 6 } as const;
+
+/** `fake_count`'s counters. */
+export const COUNT = {
+  posts: 0,
+  failedPosts: 1,
+  flushes: 2,
+  cqOverruns: 3,
+  lostCompletions: 4,
+} as const;
 
 /** Two RDMA endpoints of this process, connected both ways. */
 export interface RdmaPair {
@@ -95,6 +107,8 @@ export interface PairOptions {
   /** A's ring capacity (B's is 4096). */
   ringA?: number;
   immTag?: number;
+  /** false: both peers are left unconnected (the test connects them). Default true. */
+  connect?: boolean;
 }
 
 /** Opens two RDMA endpoints over the stand-in and connects a peer of each to the other. */
@@ -113,8 +127,10 @@ export async function rdmaPair(o: PairOptions = {}): Promise<RdmaPair> {
   const qpA = fake.fake_qp_count();
   const peerA = epA.createPeer();
   const peerB = epB.createPeer();
-  await peerA.connect(peerB.info(), 1000);
-  await peerB.connect(peerA.info(), 1000);
+  if (o.connect ?? true) {
+    await peerA.connect(peerB.info(), 1000);
+    await peerB.connect(peerA.info(), 1000);
+  }
   return {
     fake,
     poolA,
@@ -140,6 +156,18 @@ export async function rdmaPair(o: PairOptions = {}): Promise<RdmaPair> {
       engine.close();
     },
   };
+}
+
+/** Another pair of peers between the pair's endpoints, connected both ways (closed with them). */
+export async function addPeers(
+  pair: RdmaPair,
+): Promise<{ peerA: XferPeer; peerB: XferPeer; qpA: number }> {
+  const qpA = pair.fake.fake_qp_count();
+  const peerA = pair.epA.createPeer();
+  const peerB = pair.epB.createPeer();
+  await peerA.connect(peerB.info(), 1000);
+  await peerB.connect(peerA.info(), 1000);
+  return { peerA, peerB, qpA };
 }
 
 /** Resolves `p`, or rejects naming `what` after `ms` (so a hang fails the test). */

@@ -10,7 +10,7 @@ import assert from "node:assert/strict";
 import { XferBatch, XferEndpoint } from "../../ffi/xfer.ts";
 import { CompletionRing, Engine, NativeError } from "../../ffi/mod.ts";
 import { crc32c } from "../../lib/ssd/format.ts";
-import { fakeVerbs, QPS, rdmaPair, settlesWithin, within } from "./_fake_verbs.ts";
+import { addPeers, COUNT, fakeVerbs, QPS, rdmaPair, settlesWithin, within } from "./_fake_verbs.ts";
 import { fillPattern, firstMismatch, type Seg } from "./_pattern.ts";
 
 const KIB = 1024;
@@ -270,5 +270,202 @@ Deno.test("a bad PEGAFLOW_RDMA_FLUSH_WAIT_MS refuses the RDMA endpoint naming it
     ring.destroy();
     pool.close();
     engine.close();
+  }
+});
+
+/** Waits (up to 5 s) until every QP of `ordinals` is in `state`; false if one is not. */
+async function qpsReach(
+  fake: { fake_qp_state(ordinal: number): number },
+  ordinals: number[],
+  state: number,
+): Promise<boolean> {
+  for (let i = 0; i < 500; i++) {
+    if (ordinals.every((q) => fake.fake_qp_state(q) === state)) return true;
+    await new Promise((r) => setTimeout(r, 10));
+  }
+  return false;
+}
+
+Deno.test("two peers on one NIC whose full send queues flush at once overrun no completion queue, and every batch ends", async () => {
+  const pair = await rdmaPair({ streams: 2, stripeBytes: 4096 });
+  try {
+    const second = await addPeers(pair);
+    const { fake } = pair;
+    // Each batch puts 1024 WRs on each of its peer's 2 QPs (their send
+    // queues full) and stays on the wire; the poller falls behind the NIC,
+    // so when the deadlines move the 4 QPs to the error state their flushes
+    // (4 x 1024 sends + 4 x 128 receives = 4608) pile up unpolled. Before:
+    // one CQ of 4096 for the NIC, shared by both peers: it overran
+    // (IBV_EVENT_CQ_ERR), the completions were lost and the batches never
+    // ended.
+    fake.fake_hold(1);
+    fake.fake_pause_poll(1);
+    const batches = [pair.peerA, second.peerA].map((p) => p.submit(stridedRead(2048, 200)));
+    const qps = [pair.qpA, pair.qpA + 1, second.qpA, second.qpA + 1];
+    assert.ok(await qpsReach(fake, qps, QPS.ERR), "the deadlines moved the QPs to error");
+    fake.fake_pause_poll(0);
+    const ended = await settlesWithin(Promise.all(batches), 5000);
+    const overruns = Number(fake.fake_count(COUNT.cqOverruns));
+    const lost = Number(fake.fake_count(COUNT.lostCompletions));
+    assert.ok(ended, `the batches never ended (CQ overruns ${overruns}, completions lost ${lost})`);
+    assert.deepEqual([overruns, lost], [0, 0], "CQ overruns, completions lost");
+    for (const b of batches) assert.equal((await b).statusName, "PF_ETIMEDOUT");
+    assert.equal(pair.peerA.state().inflight + second.peerA.state().inflight, 0);
+  } finally {
+    await pair.close();
+  }
+});
+
+Deno.test("a peer whose completion queue would exceed the device's max_cqe is refused naming the entries it needs and what to lower", async () => {
+  Deno.env.set("PF_FAKE_IBV_MAX_CQE", "2000");
+  let pair;
+  try {
+    // 1 QP: 1024 send + 128 receive entries fit.
+    pair = await rdmaPair({ streams: 1 });
+    const ep = XferEndpoint.open({
+      transport: "rdma",
+      streams: 2,
+      pool: pair.poolA,
+      ring: pair.ringA,
+    });
+    try {
+      const e = refused(() => ep.createPeer(), "PF_EINVAL");
+      assert.match(
+        e.message,
+        /ibv_create_cq of 2304 entries on pf_fake0 \(2 QPs x \(1024 send \+ 128 receive\)\): Invalid argument; .*fewer QPs per NIC/,
+      );
+      assert.equal(ep.info().peers, 0);
+    } finally {
+      await ep.close();
+    }
+  } finally {
+    Deno.env.delete("PF_FAKE_IBV_MAX_CQE");
+    await pair?.close();
+  }
+});
+
+Deno.test("a connect that fails after some QPs reached RTS resets them, so a retry on the same peer connects and moves bytes both ways", async () => {
+  const pair = await rdmaPair({ streams: 2, stripeBytes: 4096, connect: false });
+  try {
+    const { fake } = pair;
+    // A's QP 1 refuses RTR; QP 0 is in RTS by then.
+    assert.equal(fake.fake_fail_modify(pair.qpA + 1, QPS.RTR), 0);
+    const e = await pair.peerA.connect(pair.peerB.info(), 1000).then(() => null, (e) => e);
+    assert.ok(e instanceof NativeError, String(e));
+    assert.equal(e.codeName, "PF_EIO");
+    assert.match(
+      e.message,
+      /QP 1 \(pf_fake0\) to RTR: Invalid argument; the peer's QPs were reset to INIT: connect may be retried/,
+    );
+    assert.equal(pair.peerA.state().connected, false);
+    assert.deepEqual([fake.fake_qp_state(pair.qpA), fake.fake_qp_state(pair.qpA + 1)], [
+      QPS.INIT,
+      QPS.INIT,
+    ]);
+    // Before: "QP 0 to RTR: Invalid argument" (QP 0 was no longer in INIT).
+    await pair.peerA.connect(pair.peerB.info(), 1000);
+    await pair.peerB.connect(pair.peerA.info(), 1000);
+    const memA = pair.poolA.view(0, pair.poolA.bytes);
+    const memB = pair.poolB.view(0, pair.poolB.bytes);
+    fillPattern(memB, 0, memB.length, 5);
+    const segs: Seg[] = [[0, 1 << 20, 64 * KIB], [256 * KIB, 2 << 20, 64 * KIB]];
+    const read = new XferBatch(8).reset("read", 5000);
+    for (const [r, l, b] of segs) read.seg(r, l, b);
+    assert.equal((await within(pair.peerA.submit(read), 5000, "READ")).statusName, "PF_OK");
+    assert.equal(firstMismatch(memA, segs, 5), -1);
+    // A WRITE_IMM from B into A: the reset emptied A's receive queues, which
+    // must have been filled again for the immediate to arrive.
+    const got = new Promise<number>((resolve) => {
+      const sub = pair.epA.imm$.subscribe((m) => {
+        sub.unsubscribe();
+        resolve(m.imm);
+      });
+    });
+    const imm = new XferBatch(8).reset("write_imm", 5000, 0xbeef).seg(4 << 20, 0, 4 * KIB);
+    assert.equal((await within(pair.peerB.submit(imm), 5000, "WRITE_IMM")).statusName, "PF_OK");
+    assert.equal(await within(got, 5000, "the immediate"), 0xbeef);
+  } finally {
+    await pair.close();
+  }
+});
+
+Deno.test("a connect that fails and whose QPs cannot be reset says the peer must be closed and created again, and so does a retry", async () => {
+  const pair = await rdmaPair({ streams: 2, stripeBytes: 4096, connect: false });
+  try {
+    const { fake } = pair;
+    assert.equal(fake.fake_fail_modify(pair.qpA + 1, QPS.RTS), 0);
+    assert.equal(fake.fake_fail_modify(pair.qpA, QPS.RESET), 0);
+    const first = await pair.peerA.connect(pair.peerB.info(), 1000).then(() => null, (e) => e);
+    assert.ok(first instanceof NativeError, String(first));
+    assert.equal(first.codeName, "PF_EIO");
+    assert.match(
+      first.message,
+      /QP 1 \(pf_fake0\) to RTS: Invalid argument; resetting QP 0 \(pf_fake0\) failed \(Invalid argument\): close the peer and create it again/,
+    );
+    const retry = await pair.peerA.connect(pair.peerB.info(), 1000).then(() => null, (e) => e);
+    assert.ok(retry instanceof NativeError, String(retry));
+    assert.equal(retry.codeName, "PF_EIO");
+    assert.match(
+      retry.message,
+      /an earlier connect failed and its QPs could not be reset .*: close the peer and create it again/,
+    );
+    // A new peer on the same endpoint connects.
+    const again = await addPeers(pair);
+    const read = new XferBatch(1).reset("read", 5000).seg(0, 0, 4 * KIB);
+    assert.equal((await within(again.peerA.submit(read), 5000, "READ")).statusName, "PF_OK");
+  } finally {
+    await pair.close();
+  }
+});
+
+Deno.test("a peer create whose receive posts the NIC refuses fails naming the NIC, the QP and the receives posted, and leaves no QP behind", async () => {
+  const pair = await rdmaPair({ streams: 2 });
+  try {
+    const { fake } = pair;
+    const first = fake.fake_qp_count();
+    // QP 0's 128 receives go in; QP 1's sixth is refused.
+    fake.fake_fail_recv(128 + 5);
+    // Before: accepted with 5 receives on QP 1, so immediates on it would
+    // later stall or fail with no word of why.
+    const e = refused(() => pair.epA.createPeer(), "PF_EIO");
+    assert.match(
+      e.message,
+      /ibv_post_recv on QP 1 \(pf_fake0\) failed after 5 of 128 receives: Cannot allocate memory/,
+    );
+    assert.equal(pair.epA.info().peers, 1, "only the pair's own peer");
+    assert.deepEqual([fake.fake_qp_state(first), fake.fake_qp_state(first + 1)], [-1, -1]);
+    // The NIC is fine again: the next create works.
+    pair.epA.createPeer();
+    assert.equal(pair.epA.info().peers, 2);
+  } finally {
+    await pair.close();
+  }
+});
+
+Deno.test("a receive for immediates that cannot be posted again breaks the peer naming the QP, instead of leaving it a receive short", async () => {
+  const pair = await rdmaPair({ streams: 2, stripeBytes: 4096 });
+  try {
+    const got = new Promise<number>((resolve) => {
+      const sub = pair.epA.imm$.subscribe((m) => {
+        sub.unsubscribe();
+        resolve(m.imm);
+      });
+    });
+    // The immediate from B consumes a receive of A's QP 0; its repost fails.
+    pair.fake.fake_fail_recv(0);
+    const imm = new XferBatch(8).reset("write_imm", 5000, 0x51).seg(0, 0, 4 * KIB);
+    assert.equal((await within(pair.peerB.submit(imm), 5000, "WRITE_IMM")).statusName, "PF_OK");
+    assert.equal(await within(got, 5000, "the immediate"), 0x51);
+    // Before: ignored; the peer stayed healthy with 127 receives on QP 0.
+    for (let i = 0; i < 500 && pair.peerA.state().broken === 0; i++) {
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    assert.equal(pair.peerA.state().broken, -8);
+    assert.match(
+      pair.peerA.lastError(),
+      /ibv_post_recv of a receive for immediates on QP 0 \(pf_fake0\): Cannot allocate memory\); close the peer and reconnect/,
+    );
+  } finally {
+    await pair.close();
   }
 });

@@ -18,10 +18,24 @@
  *   - a WR that fails moves its QP to the error state;
  *   - send-queue entries are freed when their completion is polled (an
  *     unsignaled WR's with the next signaled one); posting beyond
- *     max_send_wr fails with ENOMEM.
+ *     max_send_wr fails with ENOMEM;
+ *   - a CQ holds the `cqe` entries it was created with, no more: a
+ *     completion that finds it full overruns it, as rdma-core reports it
+ *     (async event IBV_EVENT_CQ_ERR): that completion and every later one
+ *     are lost and ibv_poll_cq fails from then on (the CQ is unusable);
+ *   - QP state transitions follow the QP state machine (RESET -> INIT ->
+ *     RTR -> RTS; RESET and ERR from any state), anything else is EINVAL;
+ *     moving to RESET empties both queues without completions (and, as a
+ *     provider does, drops the QP's completions still in its CQ);
+ *   - ibv_create_cq of more entries than the device's max_cqe fails
+ *     (EINVAL; mlx5's 4194303, env PF_FAKE_IBV_MAX_CQE); ibv_destroy_cq of a
+ *     CQ that a QP still uses fails (EBUSY); ibv_post_recv on a QP in RESET
+ *     fails (EINVAL).
  *
  * The test's controls (fake_*, below) park WRs as a stalled NIC would, make
- * a post fail, hold back a QP's flush completions, and count what happened.
+ * a post, a receive post or a QP state change fail, hold back a QP's flush
+ * completions, keep the pollers from seeing completions (a poller slower than
+ * the NIC), and count what happened.
  * One mutex guards everything; poll_cq is the only call the pollers make.
  * The structures are those pf_rdma.c declares (rdma-core v44's layouts).
  */
@@ -227,7 +241,9 @@ typedef struct fake_cq {
   struct ibv_context *context; /* first member, as ibv_cq */
   fake_cqe *q;
   uint32_t head, len, cap;
-  int depth;
+  int depth;      /* entries it holds (ibv_create_cq's cqe) */
+  int overrun;    /* a completion found it full: unusable, later ones lost */
+  int users;      /* QPs whose send or receive CQ it is */
   uint64_t polls; /* poll_cq calls */
 } fake_cq;
 
@@ -268,7 +284,14 @@ static struct ibv_mr *mrs[64];
 static int hold;            /* park new WRs */
 static int fail_after = -1; /* successful posts left before one fails (-1: none) */
 static int fail_drain;      /* the failing post first waits for its CQ to be polled empty */
-static uint64_t n_flushed, n_posts, n_failed_posts, n_overruns;
+static uint64_t n_flushed, n_posts, n_failed_posts, n_overruns, n_lost;
+static int recv_fail_after = -1; /* successful post_recv calls left before one fails */
+static int poll_paused;          /* poll_cq finds nothing (a poller slower than the NIC) */
+/* Armed modify_qp failures: the next change of QP `ordinal` to `state`. */
+#define FAKE_MODIFY_FAILS 8
+static struct {
+  int armed, ordinal, state;
+} modify_fails[FAKE_MODIFY_FAILS];
 
 static char device_name[] = "pf_fake0";
 static struct ibv_device *device_list[2] = {(struct ibv_device *)device_name, NULL};
@@ -285,7 +308,16 @@ static struct ibv_device *device_list[2] = {(struct ibv_device *)device_name, NU
   } while (0)
 
 static void cq_push(fake_cq *cq, const fake_cqe *e) {
-  if ((int)cq->len >= cq->depth) n_overruns++; /* a real CQ would be lost now */
+  if (cq->overrun) {
+    n_lost++;
+    return;
+  }
+  if ((int)cq->len >= cq->depth) { /* IBV_EVENT_CQ_ERR: the CQ is gone */
+    cq->overrun = 1;
+    n_overruns++;
+    n_lost++;
+    return;
+  }
   if (cq->len == cq->cap) {
     uint32_t nc = cq->cap ? cq->cap * 2 : 256;
     fake_cqe *nq = malloc(nc * sizeof *nq);
@@ -396,6 +428,14 @@ static void execute(fake_qp *qp, const fake_wr *w) {
 static int fake_poll_cq(struct ibv_cq *cqp, int n, struct ibv_wc *wc) {
   fake_cq *cq = (fake_cq *)cqp;
   pthread_mutex_lock(&mu);
+  if (cq->overrun) {
+    pthread_mutex_unlock(&mu);
+    return -1;
+  }
+  if (poll_paused) {
+    pthread_mutex_unlock(&mu);
+    return 0;
+  }
   cq->polls++;
   int k = 0;
   while (k < n && cq->len) {
@@ -486,8 +526,21 @@ static int fake_post_send(struct ibv_qp *qpp, struct ibv_send_wr *wr, struct ibv
 
 static int fake_post_recv(struct ibv_qp *qpp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad) {
   fake_qp *qp = (fake_qp *)qpp;
-  (void)bad;
   pthread_mutex_lock(&mu);
+  int err = 0;
+  if (recv_fail_after == 0) {
+    recv_fail_after = -1;
+    err = ENOMEM;
+  } else if (qp->state == QPS_RESET) {
+    err = EINVAL;
+  }
+  if (err) {
+    *bad = wr;
+    pthread_mutex_unlock(&mu);
+    errno = err;
+    return err;
+  }
+  if (recv_fail_after > 0) recv_fail_after--;
   for (struct ibv_recv_wr *w = wr; w; w = w->next) {
     if (qp->state == QPS_ERR) {
       complete(qp, w->wr_id, WC_FLUSH, 0, 0, 0);
@@ -578,8 +631,16 @@ int ibv_dereg_mr(struct ibv_mr *m) {
   free(m);
   return 0;
 }
+/* The device's max_cqe: mlx5's, or env PF_FAKE_IBV_MAX_CQE. */
+#define FAKE_MAX_CQE 4194303
 struct ibv_cq *ibv_create_cq(struct ibv_context *ctx, int cqe, void *cq_ctx, void *ch, int vec) {
   (void)cq_ctx, (void)ch, (void)vec;
+  const char *m = getenv("PF_FAKE_IBV_MAX_CQE");
+  int max = m && *m ? atoi(m) : FAKE_MAX_CQE;
+  if (cqe < 1 || cqe > max) {
+    errno = EINVAL;
+    return NULL;
+  }
   fake_cq *cq = calloc(1, sizeof *cq);
   if (!cq) return NULL;
   cq->context = ctx;
@@ -588,6 +649,13 @@ struct ibv_cq *ibv_create_cq(struct ibv_context *ctx, int cqe, void *cq_ctx, voi
 }
 int ibv_destroy_cq(struct ibv_cq *cqp) {
   fake_cq *cq = (fake_cq *)cqp;
+  pthread_mutex_lock(&mu);
+  int users = cq->users;
+  pthread_mutex_unlock(&mu);
+  if (users) {
+    errno = EBUSY;
+    return EBUSY;
+  }
   free(cq->q);
   free(cq);
   return 0;
@@ -603,6 +671,7 @@ struct ibv_qp *ibv_create_qp(void *pd, struct ibv_qp_init_attr *attr) {
   qp->head.qp_num = next_qpn++;
   qp->ordinal = next_ordinal++;
   qp->cq = (fake_cq *)attr->send_cq;
+  qp->cq->users++;
   qp->max_send_wr = attr->cap.max_send_wr;
   qp->state = QPS_RESET;
   qp->next = qps;
@@ -610,13 +679,54 @@ struct ibv_qp *ibv_create_qp(void *pd, struct ibv_qp_init_attr *attr) {
   pthread_mutex_unlock(&mu);
   return (struct ibv_qp *)qp;
 }
+/* With mu held: drops the completions of qp still in its CQ. */
+static void cq_clean(fake_qp *qp) {
+  fake_cq *cq = qp->cq;
+  uint32_t keep = 0;
+  for (uint32_t i = 0; i < cq->len; i++) {
+    fake_cqe e = cq->q[(cq->head + i) % cq->cap];
+    if (e.wc.qp_num == qp->head.qp_num) continue;
+    cq->q[(cq->head + keep++) % cq->cap] = e;
+  }
+  cq->len = keep;
+}
+
+/* The QP state machine's transitions (IBTA 10.3.1, ib_modify_qp_is_ok). */
+static int transition_ok(int from, int to) {
+  switch (to) {
+  case QPS_RESET:
+  case QPS_ERR: return 1;
+  case QPS_INIT: return from == QPS_RESET || from == QPS_INIT;
+  case QPS_RTR: return from == QPS_INIT;
+  case QPS_RTS: return from == QPS_RTR || from == QPS_RTS;
+  default: return 0;
+  }
+}
+
 int ibv_modify_qp(struct ibv_qp *qpp, struct ibv_qp_attr *attr, int mask) {
   fake_qp *qp = (fake_qp *)qpp;
   pthread_mutex_lock(&mu);
   if (mask & 1) {
-    if (attr->qp_state == QPS_RTR) qp->dest = attr->dest_qp_num;
-    if (attr->qp_state == QPS_ERR && qp->state != QPS_ERR) to_error(qp);
-    qp->state = attr->qp_state;
+    int to = attr->qp_state, err = transition_ok(qp->state, to) ? 0 : EINVAL;
+    for (int i = 0; i < FAKE_MODIFY_FAILS && !err; i++)
+      if (modify_fails[i].armed && modify_fails[i].ordinal == qp->ordinal &&
+          modify_fails[i].state == to) {
+        modify_fails[i].armed = 0;
+        err = EINVAL;
+      }
+    if (err) {
+      pthread_mutex_unlock(&mu);
+      errno = err;
+      return err;
+    }
+    if (to == QPS_RTR) qp->dest = attr->dest_qp_num;
+    if (to == QPS_ERR && qp->state != QPS_ERR) to_error(qp);
+    if (to == QPS_RESET) { /* both queues emptied, no completions */
+      qp->nparked = qp->nrecv = qp->ndeferred = 0;
+      qp->outstanding = qp->unsignaled = 0;
+      cq_clean(qp);
+    }
+    qp->state = to;
   }
   pthread_mutex_unlock(&mu);
   return 0;
@@ -630,14 +740,8 @@ int ibv_destroy_qp(struct ibv_qp *qpp) {
       *pp = qp->next;
       break;
     }
-  fake_cq *cq = qp->cq;
-  uint32_t keep = 0;
-  for (uint32_t i = 0; i < cq->len; i++) {
-    fake_cqe e = cq->q[(cq->head + i) % cq->cap];
-    if (e.wc.qp_num == qp->head.qp_num) continue;
-    cq->q[(cq->head + keep++) % cq->cap] = e;
-  }
-  cq->len = keep;
+  cq_clean(qp);
+  qp->cq->users--;
   pthread_mutex_unlock(&mu);
   free(qp->parked);
   free(qp->recv);
@@ -764,19 +868,52 @@ int32_t fake_qp_state(int32_t ordinal) {
   pthread_mutex_unlock(&mu);
   return st;
 }
-/* Counters: 0 posts, 1 failed posts, 2 flush completions, 3 CQ overruns. */
+/* Counters: 0 posts, 1 failed posts, 2 flush completions, 3 CQ overruns
+ * (IBV_EVENT_CQ_ERR), 4 completions lost to an overrun. */
 uint64_t fake_count(int32_t which) {
   pthread_mutex_lock(&mu);
   uint64_t v = which == 0 ? n_posts : which == 1 ? n_failed_posts : which == 2 ? n_flushed
-                                                                              : n_overruns;
+               : which == 3 ? n_overruns : n_lost;
   pthread_mutex_unlock(&mu);
   return v;
 }
-/* Back to a plain NIC: nothing parked or held, no failure armed. */
+/* After `after` more successful ibv_post_recv calls, the next one fails
+ * (ENOMEM). */
+void fake_fail_recv(int32_t after) {
+  pthread_mutex_lock(&mu);
+  recv_fail_after = after;
+  pthread_mutex_unlock(&mu);
+}
+/* The next ibv_modify_qp of the QP with `ordinal` (it may not exist yet) to
+ * `state` fails (EINVAL), once. 0 = armed, -1 = too many armed. */
+int32_t fake_fail_modify(int32_t ordinal, int32_t state) {
+  pthread_mutex_lock(&mu);
+  int32_t rc = -1;
+  for (int i = 0; i < FAKE_MODIFY_FAILS && rc < 0; i++)
+    if (!modify_fails[i].armed) {
+      modify_fails[i].armed = 1;
+      modify_fails[i].ordinal = ordinal;
+      modify_fails[i].state = state;
+      rc = 0;
+    }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+/* 1: ibv_poll_cq finds every CQ empty (completions pile up in the CQs, as
+ * under a poller slower than the NIC); 0: it takes them again. */
+void fake_pause_poll(int32_t on) {
+  pthread_mutex_lock(&mu);
+  poll_paused = on;
+  pthread_mutex_unlock(&mu);
+}
+/* Back to a plain NIC: nothing parked or held, no failure armed, polling on. */
 void fake_reset(void) {
   pthread_mutex_lock(&mu);
   hold = 0;
   fail_after = -1;
   fail_drain = 0;
+  recv_fail_after = -1;
+  poll_paused = 0;
+  memset(modify_fails, 0, sizeof modify_fails);
   pthread_mutex_unlock(&mu);
 }
