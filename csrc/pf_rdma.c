@@ -970,7 +970,8 @@ static rdma_slot *slot_state(xfer_slot *s) {
   return s->impl;
 }
 
-/* Posts part `part` of (s, gen) on q now; q->mu held; credit checked. */
+/* Posts part `part` of (s, gen) on q now; q->mu held; credit checked. 0, or the
+ * errno value of the failed ibv_post_send. */
 static int post_part(pf_xfer_peer *p, rdma_qp *q, xfer_slot *s, uint32_t gen, uint32_t part) {
   rdma_peer *rp = p->impl;
   rdma_slot *rs = s->impl;
@@ -1008,9 +1009,10 @@ static int post_part(pf_xfer_peer *p, rdma_qp *q, xfer_slot *s, uint32_t gen, ui
     wrs[n - 1].wr_id |= RDMA_LAST_BIT;
   }
   atomic_fetch_add(&rs->posted_open, 1);
-  if (q->nic->ctx->ops.post_send(q->qp, wrs, &bad)) {
+  int rc = q->nic->ctx->ops.post_send(q->qp, wrs, &bad);
+  if (rc) {
     atomic_fetch_sub(&rs->posted_open, 1);
-    return -1;
+    return verbs_errno(rc); /* providers return the errno value, errno is not set */
   }
   q->credit -= (uint32_t)n;
   return 0;
@@ -1025,10 +1027,9 @@ static int32_t post_or_queue(pf_xfer_peer *p, uint32_t lane, xfer_slot *s, uint3
   uint32_t need = part == RDMA_IMM_PART ? 1 : s->parts[part].n;
   pthread_mutex_lock(&q->mu);
   if (q->bl_len == 0 && q->credit >= need) {
-    int rc = post_part(p, q, s, gen, part);
-    int e = errno;
+    int e = post_part(p, q, s, gen, part);
     pthread_mutex_unlock(&q->mu);
-    if (!rc) return PF_OK;
+    if (!e) return PF_OK;
     if (part == RDMA_IMM_PART)
       return pf_fail(PF_EIO, "ibv_post_send of the immediate on QP %u (%s): %s", lane,
                      q->nic->name, strerror(e));
@@ -1102,8 +1103,8 @@ static void drain_backlog(pf_xfer_peer *p, rdma_qp *q) {
     if (q->credit < need) break;
     q->bl_head = (q->bl_head + 1) % q->bl_cap;
     q->bl_len--;
-    if (post_part(p, q, s, it.gen, it.part)) {
-      int e = errno;
+    int e = post_part(p, q, s, it.gen, it.part);
+    if (e) {
       rdma_slot *rs = s->impl;
       int z = 0;
       atomic_compare_exchange_strong(&rs->fail, &z, PF_EIO);

@@ -484,7 +484,10 @@ static int fake_post_send(struct ibv_qp *qpp, struct ibv_send_wr *wr, struct ibv
     n_failed_posts++;
     *bad = wr;
     pthread_mutex_unlock(&mu);
-    errno = ENOMEM;
+    /* As rdma-core's providers: the errno value is returned, errno itself is
+     * left as it was (here: set to something else, so a reader of errno is
+     * caught). */
+    errno = EAGAIN;
     return ENOMEM;
   }
   if (fail_after > 0) fail_after--;
