@@ -83,13 +83,17 @@ async function liburing(): Promise<string> {
   throw new Error(`liburing.a not found in ${LIBURING.join(", ")} (make liburing)`);
 }
 
-/** Links tests/native/c/`name`.c with `objs` but the library files it includes itself. */
+/**
+ * Links tests/native/c/`name`.c (or `source`) with `objs` but the library files it includes
+ * itself.
+ */
 export async function build(
   dir: string,
   objs: Map<string, string>,
   name: string,
   includes: string[] = [],
   sanitizer: Sanitizer = "address",
+  source = `${ROOT}tests/native/c/${name}.c`,
 ): Promise<string> {
   const exe = `${dir}/${name}`;
   const linked = [...objs].filter(([c]) => !includes.includes(c)).map(([, o]) => o);
@@ -99,7 +103,7 @@ export async function build(
       ...FLAGS[sanitizer],
       "-o",
       exe,
-      `${ROOT}tests/native/c/${name}.c`,
+      source,
       ...linked,
       await liburing(),
       "-ldl",

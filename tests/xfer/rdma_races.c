@@ -13,6 +13,7 @@
  *                 reason must be whole when the flag is seen (TSan).
  */
 #define _GNU_SOURCE
+#include "check.h" /* tests/native/c */
 #include "pf_xfer_internal.h"
 
 #include <dlfcn.h>
@@ -21,13 +22,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#define CHECK(expr)                                                            \
-  do {                                                                         \
-    if (!(expr)) {                                                             \
-      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #expr); \
-      exit(2);                                                                 \
-    }                                                                          \
-  } while (0)
 
 typedef struct node {
   uint32_t eng, pool, ring, ep, peer;

@@ -6,45 +6,24 @@
  * before its fix (docs/transfer.md, "RDMA: who ends a batch").
  */
 import assert from "node:assert/strict";
-import { objects, run } from "../native/_sanitized_c.ts";
+import { build, objects, run } from "../native/_sanitized_c.ts";
 import { buildFakeVerbs } from "./_fake_verbs.ts";
 
 const ROOT = decodeURIComponent(new URL("../../", import.meta.url).pathname);
-const LIBURING = [
-  "/usr/lib/x86_64-linux-gnu/liburing.a",
-  "/usr/lib/aarch64-linux-gnu/liburing.a",
-  "/usr/lib/liburing.a",
-  "/usr/local/lib/liburing.a",
-];
-
-async function liburing(): Promise<string> {
-  for (const p of LIBURING) {
-    if (await Deno.stat(p).then(() => true, () => false)) return p;
-  }
-  throw new Error(`liburing.a not found in ${LIBURING.join(", ")} (make liburing)`);
-}
 
 Deno.test("RDMA races: a late expire of an ended batch leaves the batch that took its slot and the peer alone; a peer's reason is whole when it is seen broken", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-rdma-races-" });
   try {
     const fake = await buildFakeVerbs(); // its own process loads it (rdma_races.c)
     const objs = await objects(dir, "thread");
-    const exe = `${dir}/rdma_races`;
-    await run("gcc", [
-      "-O1",
-      "-g",
-      "-std=gnu11",
-      "-pthread",
-      "-fno-omit-frame-pointer",
-      `-I${ROOT}csrc`,
-      "-fsanitize=thread",
-      "-o",
-      exe,
+    const exe = await build(
+      dir,
+      objs,
+      "rdma_races",
+      [],
+      "thread",
       `${ROOT}tests/xfer/rdma_races.c`,
-      ...objs.values(),
-      await liburing(),
-      "-ldl",
-    ], "link rdma_races");
+    );
 
     // Before: the late expire broke the peer (PF_ETIMEDOUT) and marked the
     // new batch as expiring, which then ended PF_ETIMEDOUT with nothing late.
