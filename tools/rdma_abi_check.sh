@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checks csrc/pf_rdma.c's hand-written ibverbs declarations against
+# Checks csrc/pf_verbs.h's hand-written ibverbs declarations against
 # rdma-core's <infiniband/verbs.h> at compile time (tools/rdma_abi_check.c).
 # Headers: $IBV_INCLUDE (a directory holding infiniband/verbs.h), else
 # /usr/include if libibverbs-dev is installed, else Debian's libibverbs-dev
@@ -18,7 +18,6 @@ if [ -z "$inc" ]; then
     inc=$tmp/x/usr/include
   fi
 fi
-awk '/the subset of <infiniband\/verbs.h>/{f=1;next} /---- the library, loaded at run time/{f=0} f' \
-  csrc/pf_rdma.c | sed -E 's/\bibv_/my_ibv_/g; s/\bIBV_/MY_IBV_/g' >"$tmp/my_verbs.h"
+sed -E 's/\bibv_/my_ibv_/g; s/\bIBV_/MY_IBV_/g' csrc/pf_verbs.h >"$tmp/my_verbs.h"
 gcc -std=gnu11 -I"$inc" -DMY_VERBS="\"$tmp/my_verbs.h\"" -fsyntax-only tools/rdma_abi_check.c
-echo "ok: pf_rdma.c's ibverbs declarations match $(ls "$tmp"/libibverbs-dev_*.deb 2>/dev/null | xargs -r -n1 basename || echo "$inc/infiniband/verbs.h")"
+echo "ok: pf_verbs.h's ibverbs declarations match $(ls "$tmp"/libibverbs-dev_*.deb 2>/dev/null | xargs -r -n1 basename || echo "$inc/infiniband/verbs.h")"

@@ -9,6 +9,7 @@ import { CompletionRing, Engine, type Pool } from "../../ffi/mod.ts";
 import { XferEndpoint, type XferPeer } from "../../ffi/xfer.ts";
 
 const SOURCE = decodeURIComponent(new URL("./fake_ibverbs.c", import.meta.url).pathname);
+const CSRC = decodeURIComponent(new URL("../../csrc", import.meta.url).pathname);
 
 const CONTROLS = {
   fake_hold: { parameters: ["i32"], result: "void" },
@@ -41,7 +42,18 @@ export function buildFakeVerbs(): Promise<string> {
     const dir = await Deno.makeTempDir({ prefix: "pf-fake-ibverbs-" });
     const path = `${dir}/libfake_ibverbs.so`;
     const out = await new Deno.Command("gcc", {
-      args: ["-O1", "-g", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-o", path, SOURCE],
+      args: [
+        "-O1",
+        "-g",
+        "-std=gnu11",
+        "-shared",
+        "-fPIC",
+        "-pthread",
+        `-I${CSRC}`,
+        "-o",
+        path,
+        SOURCE,
+      ],
       stdout: "piped",
       stderr: "piped",
     }).output();
