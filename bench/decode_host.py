@@ -86,10 +86,13 @@ def main() -> None:
             steps: dict[str, list[float]] = {k: [] for k in runs}
             phases: dict[str, dict[str, list[float]]] = {k: {n: [] for n, _, _ in ttft.STEP_PHASES} for k in runs}
             per_round: list[float] = []
+            server_cpu = {k: 0.0 for k in runs}  # seconds of the server's CPU during each variant's runs
             for i in range(a.rounds):
                 got = {}
                 for k in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                    cpu0 = b.server.cpu_seconds()
                     run = runs[k]()
+                    server_cpu[k] += b.server.cpu_seconds() - cpu0
                     got[k] = run[2]
                     steps[k].extend(got[k])
                     for n, v in run[3].items():
@@ -114,6 +117,7 @@ def main() -> None:
         "step_us": {
             k: {"p50": statistics.median(v) * 1e3, "mean": statistics.fmean(v) * 1e3} for k, v in steps.items()
         },
+        "server_cpu_us_per_step": {k: v * 1e6 / max(1, len(steps[k])) for k, v in server_cpu.items()},
         "phase_us_p50": {k: {n: statistics.median(v) * 1e3 for n, v in ph.items() if v} for k, ph in phases.items()},
         "on_minus_off_us_per_round": per_round,
         "on_minus_off_us": statistics.median(per_round),
@@ -127,6 +131,8 @@ def main() -> None:
     ph = res["phase_us_p50"]
     print("step phases, us p50 (on / off / on - off): " + ", ".join(
         f"{n} {ph['on'][n]:.1f} / {ph['off'][n]:.1f} / {ph['on'][n] - ph['off'][n]:+.1f}" for n in ph["on"]))
+    sc = res["server_cpu_us_per_step"]
+    print(f"server CPU per step (ticks of 10 ms, summed over the runs): on {sc['on']:.1f} us, off {sc['off']:.1f} us")
     print(f"PegaFlow's calls add {res['on_minus_off_us']:.1f} us a step (median of the rounds' p50 differences; "
           f"rounds {min(per_round):.0f}..{max(per_round):.0f}); {res['saves']} saves, {res['blocks_saved']} blocks")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
