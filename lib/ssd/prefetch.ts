@@ -21,6 +21,7 @@
 
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
+import type { TierMissReason } from "../storage/tier.ts";
 import type { SsdIndex, SsdLocation } from "./index.ts";
 import {
   type PrefetchRead,
@@ -63,17 +64,8 @@ export type PrefetchAnswer =
   | { state: "loading" }
   /** Every read this request waited for has ended; its verified blocks were committed as they landed. */
   | { state: "ready" }
-  | {
-    state: "miss";
-    reason:
-      | "not-on-ssd"
-      | "other-layout"
-      | "budget"
-      | "queue-full"
-      | "no-pool-space"
-      | "degraded"
-      | "closed";
-  };
+  /** The Tier port's reasons (the port maps "not-on-ssd" to "not-held": ssd_tier_port.ts). */
+  | { state: "miss"; reason: Exclude<TierMissReason, "not-held"> | "not-on-ssd" };
 
 /**
  * Stage settings of prefetch: a full queue refuses at once (the query
