@@ -3,6 +3,7 @@
  * server's instance list, a polling wait, and a simulated engine on its own
  * connection (its own registration tokens).
  */
+import assert from "node:assert/strict";
 import { PegaflowClient } from "../../lib/client/client.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../../lib/client/sim_engine.ts";
 import { type ServerProc, uid } from "./harness.ts";
@@ -45,4 +46,21 @@ export function ownSim(srv: ServerProc, instanceId: string, namespace: string = 
       client.close();
     },
   };
+}
+
+/**
+ * `session` stands for its registration (no event, no error so far), and its end cleans
+ * the instance up: the server lists no instance once it is closed.
+ */
+export async function closeStandingSession(
+  srv: ServerProc,
+  session: ReturnType<PegaflowClient["openSession"]>,
+) {
+  assert.deepEqual(session.events, []);
+  assert.equal(session.error, undefined, String(session.error));
+  session.close();
+  await until(
+    "instance gone with its session",
+    async () => (await instanceIds(srv)).length === 0,
+  );
 }
