@@ -71,8 +71,12 @@ export interface Harness {
   /** Allocator over pool bytes from `base` (bump; free() counted in `freed`, commits recorded). */
   allocator(base: number, limit?: number): TestAllocator;
   /** An SsdTier on this pool, ring and log; its files go in `dir` unless `paths` says otherwise. */
+  /** A tier on the harness's pool, log and dir (`paths`), and its ring unless `ring` is given. */
   openTier(
-    options: Omit<SsdTierOptions, "pool" | "ring" | "log" | "paths"> & { paths?: string[] },
+    options: Omit<SsdTierOptions, "pool" | "ring" | "log" | "paths"> & {
+      paths?: string[];
+      ring?: SsdTierOptions["ring"];
+    },
   ): Promise<SsdTier>;
   close(): Promise<void>;
 }
@@ -188,9 +192,9 @@ export async function harness(poolBytes = 64 << 20): Promise<Harness> {
     openTier(options) {
       return SsdTier.open({
         pool: pool.handle,
-        ring,
         log: h.log,
         ...options,
+        ring: options.ring ?? ring,
         paths: options.paths ?? [dir],
       });
     },

@@ -8,27 +8,15 @@
  * lock once the kernel completes the io.
  */
 import assert from "node:assert/strict";
-import {
-  SsdOpenError,
-  SsdOpenStalledError,
-  SsdTier,
-  type SsdTierOptions,
-} from "../../lib/ssd/tier.ts";
+import { SsdOpenError, SsdOpenStalledError, type SsdTierOptions } from "../../lib/ssd/tier.ts";
 import { FP, type Harness, harness, holdingRing, TEST_NAMESPACE, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 64 * 1024;
 
+/** A tier of 8 MiB in 1 MiB segments on `ring` (the harness's, or one that holds io back). */
 function open(h: Harness, ring: SsdTierOptions["ring"], o: Partial<SsdTierOptions> = {}) {
-  return SsdTier.open({
-    pool: h.pool.handle,
-    ring,
-    log: h.log,
-    paths: [h.dir],
-    capacityBytes: 8 * MiB,
-    segmentBytes: MiB,
-    ...o,
-  });
+  return h.openTier({ ring, capacityBytes: 8 * MiB, segmentBytes: MiB, ...o });
 }
 
 const key = (s: string) => `${TEST_NAMESPACE}/${s}`;

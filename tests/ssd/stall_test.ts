@@ -11,22 +11,15 @@
 import assert from "node:assert/strict";
 import { Registry } from "prom-client";
 import { registerSsdMetrics } from "../../lib/ssd/metrics.ts";
-import { SsdStalledError, SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
+import { SsdStalledError, type SsdTierOptions } from "../../lib/ssd/tier.ts";
 import { FP, type Harness, harness, holdingRing, TEST_NAMESPACE, within } from "./_harness.ts";
 
 const MiB = 1 << 20;
 const BLOCK = 64 * 1024;
 
-function open(h: Harness, ring: SsdTierOptions["ring"], o: Partial<SsdTierOptions>) {
-  return SsdTier.open({
-    pool: h.pool.handle,
-    ring,
-    log: h.log,
-    paths: [h.dir],
-    capacityBytes: 8 * MiB,
-    segmentBytes: MiB,
-    ...o,
-  });
+/** A tier of 8 MiB in 1 MiB segments on `ring` (the harness's, or one that holds io back). */
+function open(h: Harness, ring: SsdTierOptions["ring"], o: Partial<SsdTierOptions> = {}) {
+  return h.openTier({ ring, capacityBytes: 8 * MiB, segmentBytes: MiB, ...o });
 }
 
 async function until(cond: () => boolean, ms: number, what: string): Promise<void> {

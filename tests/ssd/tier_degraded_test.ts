@@ -9,7 +9,6 @@
  */
 import assert from "node:assert/strict";
 import { Registry } from "prom-client";
-import { SsdTier } from "../../lib/ssd/tier.ts";
 import { SsdStorageTier } from "../../lib/ssd/ssd_tier_port.ts";
 import { LowerTiers } from "../../lib/storage/lower_tiers.ts";
 import type { TierHost } from "../../lib/storage/tier.ts";
@@ -36,15 +35,7 @@ async function until(cond: () => boolean, ms: number, what: string): Promise<voi
 Deno.test("a degraded SSD tier reads degraded, not closed: its health, its query misses (miss_degraded) and pegaflow_tier_degraded; up again once the io completes", async () => {
   const h = await harness();
   const { ring, held } = holdingRing(h.ring);
-  const ssd = await SsdTier.open({
-    pool: h.pool.handle,
-    ring,
-    log: h.log,
-    paths: [h.dir],
-    capacityBytes: 8 * MiB,
-    segmentBytes: MiB,
-    ioStallMs: 200,
-  });
+  const ssd = await h.openTier({ ring, capacityBytes: 8 * MiB, segmentBytes: MiB, ioStallMs: 200 });
   try {
     // Only payloadBytes is reached: a degraded tier misses before it plans pool space.
     const host = { payloadBytes: () => BLOCK } as unknown as TierHost;
