@@ -123,6 +123,35 @@ async function settled(count: () => number): Promise<number> {
   return last;
 }
 
+/**
+ * Runs `fn`; the connections are closed if it still runs after `ms` (a test never hangs), and
+ * at its end, with the server.
+ */
+async function guarded(
+  rpc: { close(): void },
+  conns: Deno.Conn[],
+  ms: number,
+  fn: () => Promise<void>,
+): Promise<void> {
+  const closeAll = () => {
+    for (const c of conns) {
+      try {
+        c.close();
+      } catch (_e) {
+        // closed already (by the guard)
+      }
+    }
+  };
+  const guard = setTimeout(closeAll, ms);
+  try {
+    await fn();
+  } finally {
+    clearTimeout(guard);
+    closeAll();
+    rpc.close();
+  }
+}
+
 Deno.test("local RPC: calls still running count against MAX_UNREAD_ANSWERS; none is lost once they answer", async () => {
   await withSocket(async (dir) => {
     const held: Answer[] = [];
@@ -134,8 +163,7 @@ Deno.test("local RPC: calls still running count against MAX_UNREAD_ANSWERS; none
       quiet(),
     );
     const conn = await Deno.connect({ transport: "unix", path: `${dir}/s.rpc` });
-    const guard = setTimeout(() => conn.close(), 20_000); // never a hang
-    try {
+    await guarded(rpc, [conn], 20_000, async () => {
       // Saves that never answer by themselves (a copy still running): far past the bound.
       const calls = MAX_UNREAD_ANSWERS + 2000;
       const sending = writeAll(conn, burst(LOCAL_RPC_IDS.save, calls));
@@ -157,15 +185,7 @@ Deno.test("local RPC: calls still running count against MAX_UNREAD_ANSWERS; none
       const got = await reading;
       assert.equal(got.length, calls);
       assert.deepEqual(got.filter((a) => a.status !== 0), []);
-    } finally {
-      clearTimeout(guard);
-      try {
-        conn.close();
-      } catch (_e) {
-        // closed by the guard
-      }
-      rpc.close();
-    }
+    });
   });
 });
 
@@ -190,8 +210,7 @@ Deno.test("local RPC: one connection's burst of frames in one read does not hold
     const rpc = serveLocalRpc(listener, impl, 1 << 20, quiet());
     const polite = await Deno.connect({ transport: "unix", path: `${dir}/s.rpc` });
     const greedy = await Deno.connect({ transport: "unix", path: `${dir}/s.rpc` });
-    const guard = setTimeout(() => (polite.close(), greedy.close()), 20_000); // never a hang
-    try {
+    await guarded(rpc, [polite, greedy], 20_000, async () => {
       await writeAll(polite, encodeFrame(1, LOCAL_RPC_IDS.health, new Uint8Array(0)));
       assert.equal((await readAnswers(polite, 1))[0]?.status, 0);
       const calls = 7000; // 63,000 bytes: one read of the server's 64 KiB buffer
@@ -208,17 +227,7 @@ Deno.test("local RPC: one connection's burst of frames in one read does not hold
         `the polite call waited for ${seenByPolite} of the other connection's ${calls} calls`,
       );
       assert.equal((await greedyAnswers).length, calls, "every call of the burst is answered");
-    } finally {
-      clearTimeout(guard);
-      for (const c of [polite, greedy]) {
-        try {
-          c.close();
-        } catch (_e) {
-          // closed by the guard
-        }
-      }
-      rpc.close();
-    }
+    });
   });
 });
 
@@ -238,8 +247,7 @@ Deno.test("local RPC: a handler that throws answers INTERNAL naming the method a
       new Logger("info", {}, (l) => lines.push(l)),
     );
     const conn = await Deno.connect({ transport: "unix", path: `${dir}/s.rpc` });
-    const guard = setTimeout(() => conn.close(), 5_000); // never a hang
-    try {
+    await guarded(rpc, [conn], 5_000, async () => {
       await writeAll(conn, encodeFrame(7, LOCAL_RPC_IDS.release, new Uint8Array(0)));
       await writeAll(conn, encodeFrame(8, LOCAL_RPC_IDS.health, new Uint8Array(0)));
       const got = await readAnswers(conn, 2);
@@ -254,15 +262,7 @@ Deno.test("local RPC: a handler that throws answers INTERNAL naming the method a
       const logged = lines.find((l) => l.includes("handler threw"));
       assert.ok(logged, "the throw is logged");
       assert.ok(logged.includes('"method":"release"') && logged.includes('"call":7'), logged);
-    } finally {
-      clearTimeout(guard);
-      try {
-        conn.close();
-      } catch (_e) {
-        // closed by the guard
-      }
-      rpc.close();
-    }
+    });
   });
 });
 
@@ -281,8 +281,7 @@ Deno.test("local RPC: a response that cannot be encoded answers INTERNAL instead
       quiet(),
     );
     const conn = await Deno.connect({ transport: "unix", path: `${dir}/s.rpc` });
-    const guard = setTimeout(() => conn.close(), 5_000); // never a hang
-    try {
+    await guarded(rpc, [conn], 5_000, async () => {
       await writeAll(conn, encodeFrame(3, LOCAL_RPC_IDS.load, new Uint8Array(0)));
       const first = await readAnswers(conn, 1);
       await writeAll(conn, encodeFrame(4, LOCAL_RPC_IDS.health, new Uint8Array(0)));
@@ -293,15 +292,7 @@ Deno.test("local RPC: a response that cannot be encoded answers INTERNAL instead
       ]);
       const details = new TextDecoder().decode(got[0].body);
       assert.ok(details.includes("load") && details.includes("call 3"), details);
-    } finally {
-      clearTimeout(guard);
-      try {
-        conn.close();
-      } catch (_e) {
-        // closed by the guard
-      }
-      rpc.close();
-    }
+    });
   });
 });
 
@@ -316,8 +307,7 @@ Deno.test("peer RPC: a bad frame's log line names the remote peer's address and 
   );
   const port = Number(rpc.path.split(":").pop());
   const conn = await Deno.connect({ hostname: "127.0.0.1", port });
-  const guard = setTimeout(() => conn.close(), 5_000); // never a hang
-  try {
+  await guarded(rpc, [conn], 5_000, async () => {
     const short = new Uint8Array(9);
     new DataView(short.buffer).setUint32(0, 3, true); // below the 5-byte header
     await writeAll(conn, short);
@@ -328,15 +318,7 @@ Deno.test("peer RPC: a bad frame's log line names the remote peer's address and 
     const me = `127.0.0.1:${conn.localAddr.port}`;
     assert.ok(logged.includes(`"peer":"${me}"`), `${logged} names the peer ${me}`);
     assert.ok(/"conn":\d+/.test(logged), `${logged} names the connection`);
-  } finally {
-    clearTimeout(guard);
-    try {
-      conn.close();
-    } catch (_e) {
-      // closed by the guard
-    }
-    rpc.close();
-  }
+  });
 });
 
 Deno.test("local RPC: close() ends the serving of a half-closed connection whose call never answers", async () => {
