@@ -36,6 +36,9 @@
  * peer the device cannot give such a CQ (max_cqe) is refused at create.
  * The poller polls the CQs of the live peers (a list it copies when it
  * changes), and a CQ's completions are of one peer: no lookup across peers.
+ * A CQ whose poll fails all the same (a device error) is lost with its
+ * completions: the poller breaks its peer, destroys the peer's QPs and ends
+ * its batches at once (cq_lost).
  *
  * Deadlines: RDMA work cannot be cancelled one request at a time; a posted
  * READ may land at any moment until the QP stops. So a batch that times out
@@ -480,7 +483,10 @@ static void qps_to_error(pf_xfer_peer *p, int32_t status, const char *fmt, ...) 
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_ERR;
+    /* Under the QP's mutex: the poller may be destroying it (cq_lost). */
+    pthread_mutex_lock(&rp->qp[i].mu);
     if (rp->qp[i].qp) ibv.modify_qp(rp->qp[i].qp, &a, IBV_QP_STATE);
+    pthread_mutex_unlock(&rp->qp[i].mu);
   }
 }
 
@@ -818,6 +824,11 @@ static int32_t post_or_queue(pf_xfer_peer *p, uint32_t lane, xfer_slot *s, uint3
   rdma_qp *q = &rp->qp[lane];
   uint32_t need = part == RDMA_IMM_PART ? 1 : s->parts[part].n;
   pthread_mutex_lock(&q->mu);
+  if (!q->qp) { /* destroyed (cq_lost): the peer is broken, its reason whole */
+    pthread_mutex_unlock(&q->mu);
+    return pf_fail(PF_EIO, "part %u on QP %u (%s): the QP is destroyed (%s)", part, lane,
+                   q->nic->name, p->broken_msg);
+  }
   if (q->bl_len == 0 && q->credit >= need) {
     int e = post_part(p, q, s, gen, part);
     pthread_mutex_unlock(&q->mu);
@@ -1047,6 +1058,73 @@ static void on_wc(pf_xfer_ep *ep, rdma_peer *rp, uint32_t k, const struct ibv_wc
                  (uint32_t)(q - rp->qp), q->nic->name, strerror(verbs_errno(rc)));
 }
 
+/* Destroys every QP of p, each under its mutex (a submit posting on it, or
+ * qps_to_error moving it, never meets a freed QP; one destroyed reads as
+ * NULL): a destroyed QP's WRs never touch memory again. Returns how many
+ * are left (a destroy failed, logged naming the peer, the QP and why). */
+static uint32_t qps_destroy(pf_xfer_peer *p) {
+  rdma_peer *rp = p->impl;
+  uint32_t left = 0;
+  for (uint32_t i = 0; i < rp->nqp; i++) {
+    rdma_qp *q = &rp->qp[i];
+    pthread_mutex_lock(&q->mu);
+    int e = q->qp ? ibv.destroy_qp(q->qp) : 0;
+    if (e)
+      fprintf(stderr, "pegaflow: rdma peer %u: ibv_destroy_qp of QP %u (%s): %s\n", p->handle,
+              i, q->nic->name, strerror(verbs_errno(e)));
+    if (e) left++;
+    else q->qp = NULL;
+    pthread_mutex_unlock(&q->mu);
+  }
+  return left;
+}
+
+/* Poller thread: ibv_poll_cq of rp's CQ on NIC k returned rc < 0 (an
+ * overrun, IBV_EVENT_CQ_ERR, or a device error). The CQ is lost: the
+ * completions it held and every later one (flushes included) never come,
+ * so a batch waiting for one would never end. The peer breaks, naming the
+ * NIC, the peer and rc; the poller never polls its CQs again (no spinning on
+ * a CQ that fails every pass); its QPs are destroyed, which stops the NIC
+ * for good (what a flush would have proven), and then every batch in flight
+ * ends at once: PF_ETIMEDOUT if the timer had expired it, else PF_EIO
+ * (PF_ESHUTDOWN while closing). Before, rc was taken for "no completions":
+ * the batches waited for their deadlines, and past them for ever. A peer
+ * not yet connected has nothing on the wire, and a connect may be moving
+ * its QPs: it is only broken. */
+static void cq_lost(pf_xfer_ep *ep, rdma_peer *rp, uint32_t k, int rc) {
+  pf_xfer_peer *p = rp->p;
+  const char *nic = ((rdma_ep *)ep->impl)->nic[k].name;
+  atomic_store(&rp->detached, 1); /* set by the poller itself: no pass to wait out */
+  char why[200];
+  snprintf(why, sizeof why, "ibv_poll_cq of peer %u's CQ on %s returned %d: the CQ is lost "
+           "(an overrun or a device error)", p->handle, nic, rc);
+  if (atomic_load(&p->connected)) qps_to_error(p, PF_EIO, "%s", why);
+  else xfer_peer_mark_broken(p, PF_EIO, "%s; close the peer and create it again", why);
+  /* `connected` again, after `broken` is published (seq_cst): a submit that
+   * sees the peer connected after this load sees it broken and refuses. */
+  if (!atomic_load(&p->connected)) {
+    fprintf(stderr, "pegaflow: rdma peer %u: %s; the peer is broken\n", p->handle, why);
+    return;
+  }
+  qps_to_error(p, PF_EIO, "%s", why); /* connected meanwhile: the QPs too */
+  uint32_t left = qps_destroy(p);
+  if (left) {
+    fprintf(stderr, "pegaflow: rdma peer %u: %s; %u of its QPs could not be destroyed, so its "
+            "batches in flight end when the peer is closed\n", p->handle, why, left);
+    return;
+  }
+  uint32_t ended = 0;
+  for (uint32_t i = 0; i < PF_XFER_MAX_INFLIGHT; i++) {
+    xfer_slot *s = &p->slots[i];
+    if (!atomic_load(&s->armed)) continue;
+    uint32_t gen = (uint32_t)(atomic_load(&s->guard) >> 32);
+    ended += (uint32_t)xfer_end(p, s, gen, atomic_load(&s->expiring) ? PF_ETIMEDOUT
+                                                                    : cancelled_status(p));
+  }
+  fprintf(stderr, "pegaflow: rdma peer %u: %s; its QPs were destroyed and its %u batch(es) in "
+          "flight ended; close the peer and reconnect\n", p->handle, why, ended);
+}
+
 static void *poller_main(void *arg) {
   pf_xfer_ep *ep = arg;
   rdma_ep *r = ep->impl;
@@ -1081,6 +1159,10 @@ static void *poller_main(void *arg) {
       if (atomic_load_explicit(&rp->detached, memory_order_relaxed)) continue;
       for (uint32_t k = 0; k < rp->ncq; k++) {
         int n = r->nic[k].ctx->ops.poll_cq(rp->cq[k], 32, wc);
+        if (n < 0) {
+          cq_lost(ep, rp, k, n);
+          break;
+        }
         for (int j = 0; j < n; j++) on_wc(ep, rp, k, &wc[j]);
         if (n > 0) any = 1;
       }
@@ -1118,16 +1200,7 @@ static void qps_destroy_now(pf_xfer_peer *p, uint32_t on_wire) {
   atomic_store(&rp->detached, 1);
   pthread_rwlock_wrlock(&ep->scan);
   pthread_rwlock_unlock(&ep->scan);
-  for (uint32_t i = 0; i < rp->nqp; i++) {
-    rdma_qp *q = &rp->qp[i];
-    if (!q->qp) continue;
-    int e = ibv.destroy_qp(q->qp);
-    if (e)
-      fprintf(stderr, "pegaflow: rdma peer %u: ibv_destroy_qp of QP %u (%s): %s\n", p->handle,
-              i, q->nic->name, strerror(e));
-    else
-      q->qp = NULL;
-  }
+  qps_destroy(p);
 }
 
 /* Stops p's traffic: QPs to the error state, then waits (at most the

@@ -10,6 +10,11 @@ import { XferEndpoint, type XferPeer } from "../../ffi/xfer.ts";
 
 const SOURCE = decodeURIComponent(new URL("./fake_ibverbs.c", import.meta.url).pathname);
 const CSRC = decodeURIComponent(new URL("../../csrc", import.meta.url).pathname);
+/** Where the stand-in is built, under the repository's ignored build/ folder. */
+const FAKE_VERBS_CACHE = decodeURIComponent(
+  new URL("../../build/fake_ibverbs", import.meta.url).pathname,
+);
+const GCC_FLAGS = ["-O1", "-g", "-std=gnu11", "-shared", "-fPIC", "-pthread"];
 
 const CONTROLS = {
   fake_hold: { parameters: ["i32"], result: "void" },
@@ -26,6 +31,7 @@ const CONTROLS = {
   fake_fail_recv: { parameters: ["i32"], result: "void" },
   fake_fail_modify: { parameters: ["i32", "i32"], result: "i32" },
   fake_pause_poll: { parameters: ["i32"], result: "void" },
+  fake_fail_poll: { parameters: ["i32", "i32"], result: "i32" },
   fake_reset: { parameters: [], result: "void" },
 } as const satisfies Deno.ForeignLibraryInterface;
 
@@ -36,32 +42,60 @@ let built: { path: string; lib: FakeVerbs } | undefined;
 
 let builtPath: Promise<string> | undefined;
 
-/** Builds the stand-in (once per process) and answers its path; loads nothing here. */
+/** The stand-in's source, the header it includes and gcc's flags, hashed: 16 hex digits. */
+async function sourceKey(): Promise<string> {
+  const text = [
+    await Deno.readTextFile(SOURCE),
+    await Deno.readTextFile(`${CSRC}/pf_verbs.h`),
+    GCC_FLAGS.join(" "),
+  ].join("\0");
+  const digest = await crypto.subtle.digest("SHA-256", new TextEncoder().encode(text));
+  return [...new Uint8Array(digest)].map((b) => b.toString(16).padStart(2, "0")).join("")
+    .slice(0, 16);
+}
+
+/** Removes the stand-ins built from other versions of the source (`keep` stays). */
+async function pruneOthers(keep: string): Promise<void> {
+  for await (const e of Deno.readDir(FAKE_VERBS_CACHE)) {
+    const path = `${FAKE_VERBS_CACHE}/${e.name}`;
+    if (path !== keep && /^libfake_ibverbs-[0-9a-f]{16}\.so$/.test(e.name)) {
+      await Deno.remove(path).catch(() => {}); // another process's prune got it first
+    }
+  }
+}
+
+/**
+ * Builds the stand-in once per version of its source and answers its path;
+ * loads nothing here. The path is `build/fake_ibverbs/libfake_ibverbs-KEY.so`
+ * (KEY: {@link sourceKey}), so every process of a test run, children
+ * included, uses the one build, and nothing is left in the temp directory
+ * (before: each process compiled into a new `pf-fake-ibverbs-*` temp
+ * directory that was never removed, 18 per run of rdma_fake_test.ts). gcc
+ * writes a file of its own that is renamed into place: a process running at
+ * the same time sees the whole library or none.
+ */
 export function buildFakeVerbs(): Promise<string> {
   builtPath ??= (async () => {
-    const dir = await Deno.makeTempDir({ prefix: "pf-fake-ibverbs-" });
-    const path = `${dir}/libfake_ibverbs.so`;
-    const out = await new Deno.Command("gcc", {
-      args: [
-        "-O1",
-        "-g",
-        "-std=gnu11",
-        "-shared",
-        "-fPIC",
-        "-pthread",
-        `-I${CSRC}`,
-        "-o",
-        path,
-        SOURCE,
-      ],
-      stdout: "piped",
-      stderr: "piped",
-    }).output();
-    if (out.code !== 0) {
-      throw new Error(
-        `gcc fake_ibverbs.c exited ${out.code}: ${new TextDecoder().decode(out.stderr)}`,
-      );
+    const path = `${FAKE_VERBS_CACHE}/libfake_ibverbs-${await sourceKey()}.so`;
+    if (await Deno.stat(path).then(() => true, () => false)) return path;
+    await Deno.mkdir(FAKE_VERBS_CACHE, { recursive: true });
+    const tmp = `${path}.${Deno.pid}.tmp`;
+    try {
+      const out = await new Deno.Command("gcc", {
+        args: [...GCC_FLAGS, `-I${CSRC}`, "-o", tmp, SOURCE],
+        stdout: "piped",
+        stderr: "piped",
+      }).output();
+      if (out.code !== 0) {
+        throw new Error(
+          `gcc fake_ibverbs.c exited ${out.code}: ${new TextDecoder().decode(out.stderr)}`,
+        );
+      }
+      await Deno.rename(tmp, path);
+    } finally {
+      await Deno.remove(tmp).catch(() => {}); // renamed, or gcc wrote nothing
     }
+    await pruneOthers(path);
     return path;
   })();
   return builtPath;
@@ -91,6 +125,7 @@ export const COUNT = {
   flushes: 2,
   cqOverruns: 3,
   lostCompletions: 4,
+  failedPolls: 5,
 } as const;
 
 /** Two RDMA endpoints of this process, connected both ways. */

@@ -212,6 +212,69 @@ Deno.test("a submit that cannot post a part while the completion ring is full re
   }
 });
 
+Deno.test("a completion queue whose poll fails breaks its peer naming the NIC, the peer and the return value, ends the batches on it at once and is not polled again", async () => {
+  const pair = await rdmaPair({ streams: 2, stripeBytes: 4096 });
+  try {
+    const { fake } = pair;
+    fake.fake_hold(1); // both batches stay on the wire, on both QPs
+    const batches = [
+      pair.peerA.submit(stridedRead(8, 30_000)),
+      pair.peerA.submit(stridedRead(3, 30_000)),
+    ];
+    const failedPolls = Number(fake.fake_count(COUNT.failedPolls));
+    assert.equal(fake.fake_fail_poll(pair.qpA, -5), 0);
+    // Before: the failed poll was taken for "no completions" and the CQ
+    // polled again every pass; the batches waited for their 30 s deadline,
+    // and past it for ever (the deadline's flushes went to the lost CQ).
+    for (const b of batches) {
+      assert.equal((await within(b, 5000, "a record")).statusName, "PF_EIO");
+    }
+    const info = pair.epA.info();
+    assert.deepEqual([info.submitted, info.failed, info.timedOut], [2, 2, 0]);
+    assert.equal(pair.peerA.state().inflight, 0);
+    assert.equal(pair.peerA.state().broken, -8);
+    const why = `ibv_poll_cq of peer ${pair.peerA.handle}'s CQ on pf_fake0 returned -5`;
+    assert.match(pair.peerA.lastError(), new RegExp(`QPs moved to the error state \\(${why}`));
+    const e = refused(() => pair.peerA.submit(stridedRead(1, 5000)), "PF_EIO");
+    assert.match(e.message, new RegExp(`peer ${pair.peerA.handle} is broken \\(.*${why}`));
+    // The NIC stopped for good: the QPs whose completions can no longer be
+    // seen are destroyed, their parked WRs with them.
+    assert.deepEqual([fake.fake_qp_state(pair.qpA), fake.fake_qp_state(pair.qpA + 1)], [-1, -1]);
+    assert.equal(fake.fake_parked(), 0);
+    await new Promise((r) => setTimeout(r, 200));
+    const polls = Number(fake.fake_count(COUNT.failedPolls)) - failedPolls;
+    assert.equal(polls, 1, "the lost CQ is polled once");
+    assert.equal(pair.peerB.state().broken, 0, "the other side's peer is not touched");
+    await within(pair.peerA.close(), 5000, "the peer close");
+  } finally {
+    await pair.close();
+  }
+});
+
+Deno.test("a completion queue whose poll fails before its peer connects breaks the peer, and a submit after the connect is refused naming why", async () => {
+  const pair = await rdmaPair({ streams: 1, connect: false });
+  try {
+    const { fake } = pair;
+    const failedPolls = Number(fake.fake_count(COUNT.failedPolls));
+    assert.equal(fake.fake_fail_poll(pair.qpA, -2), 0);
+    for (let i = 0; i < 500 && pair.peerA.state().broken === 0; i++) {
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    // Before: ignored; the peer stayed healthy over a CQ that is lost.
+    assert.equal(pair.peerA.state().broken, -8);
+    const why = `ibv_poll_cq of peer ${pair.peerA.handle}'s CQ on pf_fake0 returned -2`;
+    assert.match(pair.peerA.lastError(), new RegExp(`${why}.*close the peer and create it again`));
+    await pair.peerA.connect(pair.peerB.info(), 1000);
+    await pair.peerB.connect(pair.peerA.info(), 1000);
+    const e = refused(() => pair.peerA.submit(stridedRead(1, 5000)), "PF_EIO");
+    assert.match(e.message, new RegExp(`is broken \\(${why}`));
+    const polls = Number(fake.fake_count(COUNT.failedPolls)) - failedPolls;
+    assert.equal(polls, 1, "the lost CQ is polled once");
+  } finally {
+    await pair.close();
+  }
+});
+
 Deno.test("closing a peer whose flush never comes gives up after the flush wait, destroys its QPs so the NIC stops, and ends the batch with PF_ESHUTDOWN", async () => {
   Deno.env.set("PEGAFLOW_RDMA_FLUSH_WAIT_MS", "300");
   let pair;

@@ -23,6 +23,7 @@
  *     completion that finds it full overruns it, as rdma-core reports it
  *     (async event IBV_EVENT_CQ_ERR): that completion and every later one
  *     are lost and ibv_poll_cq fails from then on (the CQ is unusable);
+ *     fake_fail_poll makes a CQ fail so on demand (a device error);
  *   - QP state transitions follow the QP state machine (RESET -> INIT ->
  *     RTR -> RTS; RESET and ERR from any state), anything else is EINVAL;
  *     moving to RESET empties both queues without completions (and, as a
@@ -33,9 +34,9 @@
  *     fails (EINVAL).
  *
  * The test's controls (fake_*, below) park WRs as a stalled NIC would, make
- * a post, a receive post or a QP state change fail, hold back a QP's flush
- * completions, keep the pollers from seeing completions (a poller slower than
- * the NIC), and count what happened.
+ * a post, a receive post, a QP state change or a CQ's polls fail, hold back
+ * a QP's flush completions, keep the pollers from seeing completions (a
+ * poller slower than the NIC), and count what happened.
  * One mutex guards everything; poll_cq is the only call the pollers make.
  * The structures are csrc/pf_verbs.h's (rdma-core v44's layouts).
  */
@@ -75,6 +76,7 @@ typedef struct fake_cq {
   int depth;      /* entries it holds (ibv_create_cq's cqe) */
   int overrun;    /* a completion found it full: unusable, later ones lost */
   int users;      /* QPs whose send or receive CQ it is */
+  int fail_rc;    /* < 0: ibv_poll_cq returns it from now on (fake_fail_poll) */
   uint64_t polls; /* poll_cq calls */
 } fake_cq;
 
@@ -115,7 +117,7 @@ static struct ibv_mr *mrs[64];
 static int hold;            /* park new WRs */
 static int fail_after = -1; /* successful posts left before one fails (-1: none) */
 static int fail_drain;      /* the failing post first waits for its CQ to be polled empty */
-static uint64_t n_flushed, n_posts, n_failed_posts, n_overruns, n_lost;
+static uint64_t n_flushed, n_posts, n_failed_posts, n_overruns, n_lost, n_failed_polls;
 static int recv_fail_after = -1; /* successful post_recv calls left before one fails */
 static int poll_paused;          /* poll_cq finds nothing (a poller slower than the NIC) */
 /* Armed modify_qp failures: the next change of QP `ordinal` to `state`. */
@@ -259,9 +261,11 @@ static void execute(fake_qp *qp, const fake_wr *w) {
 static int fake_poll_cq(struct ibv_cq *cqp, int n, struct ibv_wc *wc) {
   fake_cq *cq = (fake_cq *)cqp;
   pthread_mutex_lock(&mu);
-  if (cq->overrun) {
+  if (cq->overrun || cq->fail_rc < 0) {
+    n_failed_polls++;
+    int rc = cq->fail_rc < 0 ? cq->fail_rc : -1;
     pthread_mutex_unlock(&mu);
-    return -1;
+    return rc;
   }
   if (poll_paused) {
     pthread_mutex_unlock(&mu);
@@ -703,11 +707,12 @@ int32_t fake_qp_state(int32_t ordinal) {
   return st;
 }
 /* Counters: 0 posts, 1 failed posts, 2 flush completions, 3 CQ overruns
- * (IBV_EVENT_CQ_ERR), 4 completions lost to an overrun. */
+ * (IBV_EVENT_CQ_ERR), 4 completions lost to an overrun, 5 ibv_poll_cq calls
+ * that failed (returned a negative value). */
 uint64_t fake_count(int32_t which) {
   pthread_mutex_lock(&mu);
   uint64_t v = which == 0 ? n_posts : which == 1 ? n_failed_posts : which == 2 ? n_flushed
-               : which == 3 ? n_overruns : n_lost;
+               : which == 3 ? n_overruns : which == 4 ? n_lost : n_failed_polls;
   pthread_mutex_unlock(&mu);
   return v;
 }
@@ -739,6 +744,21 @@ void fake_pause_poll(int32_t on) {
   pthread_mutex_lock(&mu);
   poll_paused = on;
   pthread_mutex_unlock(&mu);
+}
+/* From its next call on, ibv_poll_cq of the CQ of the QP with `ordinal`
+ * returns `rc` (< 0) and takes nothing: the CQ is lost, as after an
+ * overrun or a device error (its completions, and every later one, never
+ * come). 0 = armed, -1 = no such QP or rc >= 0. */
+int32_t fake_fail_poll(int32_t ordinal, int32_t rc) {
+  pthread_mutex_lock(&mu);
+  int32_t ok = -1;
+  for (fake_qp *q = qps; q && rc < 0; q = q->next)
+    if (q->ordinal == ordinal) {
+      q->cq->fail_rc = rc;
+      ok = 0;
+    }
+  pthread_mutex_unlock(&mu);
+  return ok;
 }
 /* Back to a plain NIC: nothing parked or held, no failure armed, polling on. */
 void fake_reset(void) {
