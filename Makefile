@@ -155,6 +155,8 @@ proto-py: protoc
 # where that host is unreachable. The binary loads libpegaflow.so from
 # PEGAFLOW_LIB (set it to build/libpegaflow.so or wherever you install it).
 DENORT_HOST := https://dl.deno.land/
+# The server's V8 flags, as deno.json's serve task spells them (lib/server/v8_flags.ts).
+SERVE_V8_FLAGS = $(shell grep -o -- '--v8-flags=[^ "]*' deno.json | head -1)
 .PHONY: compile
 compile: native
 	@if [ -n "$$DENORT_BIN" ]; then \
@@ -164,5 +166,5 @@ compile: native
 	  echo "       download denort for Deno $$($(DENO) --version | head -1 | cut -d' ' -f2) elsewhere and run: DENORT_BIN=/path/to/denort make compile"; \
 	  exit 1; \
 	fi
-	$(DENO) compile --allow-all --output $(BUILD)/pegaflow-serve main.ts
+	$(DENO) compile --allow-all $(SERVE_V8_FLAGS) --output $(BUILD)/pegaflow-serve main.ts
 	@echo "built $(BUILD)/pegaflow-serve; run it with PEGAFLOW_LIB=$(CURDIR)/$(BUILD)/libpegaflow.so"

@@ -20,6 +20,7 @@ import { PegaflowClient } from "../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "../lib/client/sim_engine.ts";
 import { pct } from "./stats.ts";
+import { serverRunArgs } from "../lib/server/v8_flags.ts";
 import { strictCommand } from "./cli.ts";
 
 const o = strictCommand(
@@ -107,8 +108,7 @@ const poolBytes = Math.ceil((prefixBytes * 1.25) / (1 << 20)) * (1 << 20);
 const sockDir = o.transport === "uds" ? await Deno.makeTempDir({ prefix: "pf-bench-" }) : undefined;
 const child = new Deno.Command(Deno.execPath(), {
   args: [
-    "run",
-    "-A",
+    ...serverRunArgs(), // as `deno task serve` runs it
     "main.ts",
     "--addr",
     "127.0.0.1:0",

@@ -44,6 +44,18 @@ def deno_binary() -> str:
     raise RuntimeError(f"no deno binary: set PEGAFLOW_DENO or run `make deno` in {ROOT}")
 
 
+def serve_v8_flags() -> str:
+    """The `--v8-flags=...` argument of deno.json's `serve` task: the server runs here as
+    `deno task serve` runs it (lib/server/v8_flags.ts says why it has V8 flags)."""
+    path = os.path.join(ROOT, "deno.json")
+    with open(path) as f:
+        serve = json.load(f).get("tasks", {}).get("serve", "")
+    for arg in serve.split():
+        if arg.startswith("--v8-flags="):
+            return arg
+    raise RuntimeError(f"{path}: tasks.serve ({serve!r}) has no --v8-flags= argument")
+
+
 class DevServer:
     """One server child, started by :meth:`launch`."""
 
@@ -69,7 +81,7 @@ class DevServer:
         Raises RuntimeError naming the command line, with the tail of the server's
         stderr, when it does not announce its address in time (the child is killed).
         """
-        args = [deno_binary(), "run", "--allow-all"]
+        args = [deno_binary(), "run", "--allow-all", serve_v8_flags()]
         if os.environ.get("PEGAFLOW_DENO_CACHED_ONLY") == "1":
             args.append("--cached-only")
         args += [os.path.join(ROOT, "main.ts")] + list(flags)

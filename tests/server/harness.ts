@@ -7,6 +7,7 @@
 import assert from "node:assert/strict";
 import { PegaflowClient, type PegaflowError } from "../../lib/client/client.ts";
 import { SimEngine, type SimEngineOptions } from "../../lib/client/sim_engine.ts";
+import { serverRunArgs } from "../../lib/server/v8_flags.ts";
 
 const DENO = Deno.execPath();
 const ROOT = new URL("../../", import.meta.url).pathname;
@@ -39,8 +40,7 @@ export interface ServerProc {
  */
 function serverArgs(defaults: string[], flags: string[]): string[] {
   const args = [
-    "run",
-    "-A",
+    ...serverRunArgs(), // as `deno task serve` runs it
     "main.ts",
     "--addr",
     "127.0.0.1:0",
