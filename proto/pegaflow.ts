@@ -42,7 +42,8 @@ export const protobufFileName = "pegaflow.proto";
  *                          not sealed, unknown/expired/used-up lease, a second
  *                          layout under one namespace (layer names, their
  *                          order, or block shape differ), a rank held by
- *                          another engine's registration, a Session whose
+ *                          another engine's registration, a rank whose
+ *                          engine_id is not its instance's, a Session whose
  *                          registration token is not the rank's
  *     ALREADY_EXISTS       the (instance, rank) is already registered
  *     RESOURCE_EXHAUSTED   the pinned pool cannot hold the save (nothing
@@ -246,6 +247,22 @@ export interface RegisterContextRequest {
    * otherwise). Default false: each TP rank stores its own shard.
    */
   kvSharedAcrossTp: boolean;
+  /**
+   * The engine this rank belongs to: one id for every rank of one engine
+   * incarnation (vLLM: kv_transfer_config.engine_id, a uuid4 made once per
+   * engine and handed to all its workers). Every rank of an instance must
+   * send the same value. The instance keeps the engine_id of the rank that
+   * created it; while it exists, a rank with another non-empty engine_id (a
+   * second engine under the same instance id, or one restarted before the
+   * server saw the old one's session end) is refused FAILED_PRECONDITION
+   * naming the instance, the rank and both engine ids ("... is registered by
+   * another engine ...", as for a held rank: a client retries until the
+   * instance is gone), and nothing about the instance changes. The same
+   * engine_id again (re-registration after a server restart, the same
+   * registration asked again) is unaffected. Empty: not checked (a client
+   * that predates the field). At most 256 characters (INVALID_ARGUMENT).
+   */
+  engineId: string;
 }
 
 export interface RegisterContextResponse {
@@ -1294,6 +1311,7 @@ function createBaseRegisterContextRequest(): RegisterContextRequest {
     geometry: [],
     clientVersion: "",
     kvSharedAcrossTp: false,
+    engineId: "",
   };
 }
 
@@ -1337,6 +1355,9 @@ export const RegisterContextRequest: MessageFns<RegisterContextRequest> = {
     }
     if (message.kvSharedAcrossTp !== false) {
       writer.uint32(104).bool(message.kvSharedAcrossTp);
+    }
+    if (message.engineId !== "") {
+      writer.uint32(114).string(message.engineId);
     }
     return writer;
   },
@@ -1458,6 +1479,14 @@ export const RegisterContextRequest: MessageFns<RegisterContextRequest> = {
             message.kvSharedAcrossTp = reader.bool();
             continue;
           }
+          case 14: {
+            if (tag !== 114) {
+              break;
+            }
+
+            message.engineId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1492,6 +1521,7 @@ export const RegisterContextRequest: MessageFns<RegisterContextRequest> = {
     message.geometry = object.geometry?.map((e) => LayerGeometry.fromPartial(e)) || [];
     message.clientVersion = object.clientVersion ?? "";
     message.kvSharedAcrossTp = object.kvSharedAcrossTp ?? false;
+    message.engineId = object.engineId ?? "";
     return message;
   },
 };

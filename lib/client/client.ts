@@ -234,12 +234,16 @@ export class PegaflowClient {
    * Registers one rank. `clientVersion` defaults to the protocol version this
    * SDK speaks. List `layerNames` in the order the model runs them: it is the
    * order of `layers_ready` in a load state, and every rank and instance of
-   * the namespace must use the same one.
+   * the namespace must use the same one. `engineId`: the engine incarnation,
+   * the same on every rank of one engine (e.g. `crypto.randomUUID()` once per
+   * engine start); a rank of another engine id is refused while the instance
+   * exists. Default "" (not checked).
    */
   registerContext(
-    req: Omit<RegisterContextRequest, "clientVersion" | "kvSharedAcrossTp"> & {
+    req: Omit<RegisterContextRequest, "clientVersion" | "kvSharedAcrossTp" | "engineId"> & {
       clientVersion?: string;
       kvSharedAcrossTp?: boolean;
+      engineId?: string;
     },
   ): Promise<RegisterContextResponse> {
     const rank = rankKey(req.instanceId, req.tpRank, req.ppRank);
@@ -250,6 +254,7 @@ export class PegaflowClient {
         ...req,
         clientVersion: req.clientVersion ?? PROTOCOL_VERSION,
         kvSharedAcrossTp: req.kvSharedAcrossTp ?? false,
+        engineId: req.engineId ?? "",
       },
     ).then((r) => {
       if (r.registrationToken !== "") this.#keepToken(rank, r.registrationToken);

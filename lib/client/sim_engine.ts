@@ -65,6 +65,11 @@ export interface SimEngineOptions {
   device?: number;
   /** MLA layout: one segment per block, identical on every TP rank (see the module comment). */
   mla?: boolean;
+  /**
+   * The engine incarnation this rank belongs to (RegisterContextRequest.engine_id): give every
+   * rank of one simulated engine the same one. Default "" (not checked by the server).
+   */
+  engineId?: string;
 }
 
 /** Seed of one segment's content: FNV-1a over the hash, mixed with layer, rank and segment. */
@@ -139,6 +144,8 @@ export class SimEngine {
   readonly layers: number[];
   /** MLA: one segment, the same bytes on every TP rank. */
   readonly mla: boolean;
+  /** What RegisterContext sends as engine_id ("" = none). */
+  readonly engineId: string;
   /** Segments per block and layer: 2 (K, V), 1 for MLA. */
   readonly segments: number;
   /** Bytes of one K (or V, or MLA latent) of one block of one layer on this rank. */
@@ -161,6 +168,7 @@ export class SimEngine {
     this.ppSize = o.ppSize ?? 1;
     this.layers = stageLayers(this.model.numLayers, this.ppRank, this.ppSize);
     this.mla = o.mla ?? false;
+    this.engineId = o.engineId ?? "";
     this.segments = this.mla ? 1 : KV_SEGMENTS;
     this.segBytes = segBytes;
     this.engine = engine;
@@ -262,6 +270,7 @@ export class SimEngine {
         regionBytes: this.segments * planeBytes,
       })),
       kvSharedAcrossTp: this.mla,
+      engineId: this.engineId,
     };
   }
 

@@ -92,6 +92,8 @@ export interface InstanceInfo {
   layers: string[];
   /** MLA: the namespace stores each block once for all TP ranks. */
   kvSharedAcrossTp: boolean;
+  /** The engine_id its ranks registered with ("" from a client that sends none). */
+  engineId: string;
   /** Each registered rank and the device its regions (and copies) are on, by rank index. */
   ranks: { tpRank: number; ppRank: number; device: number }[];
   inflightCopies: number;
@@ -375,6 +377,7 @@ export class KvEngine {
       numLayers: i.layerNames.length,
       layers: [...i.layerNames],
       kvSharedAcrossTp: this.#ctx.layouts.get(i.namespace)?.kvSharedAcrossTp ?? false,
+      engineId: i.engineId,
       ranks: [...i.ranks.values()].sort((a, b) => a.rank - b.rank).map((r) => ({
         tpRank: r.tpRank,
         ppRank: r.ppRank,

@@ -52,6 +52,11 @@ export class Instance {
   readonly tpSize: number;
   readonly ppSize: number;
   readonly worldSize: number;
+  /**
+   * The engine_id of the rank that created the instance ("" from a client that sends none):
+   * a rank with another non-empty one belongs to another engine (register.ts refuses it).
+   */
+  readonly engineId: string;
   readonly ranks = new Map<number, RankCtx>();
   readonly createdAt = Date.now();
   sealed = false;
@@ -62,12 +67,20 @@ export class Instance {
   #inflight = 0;
   #drainWaiters: (() => void)[] = [];
 
-  constructor(id: string, namespace: string, tpSize: number, ppSize: number, worldSize: number) {
+  constructor(
+    id: string,
+    namespace: string,
+    tpSize: number,
+    ppSize: number,
+    worldSize: number,
+    engineId = "",
+  ) {
     this.id = id;
     this.namespace = namespace;
     this.tpSize = tpSize;
     this.ppSize = ppSize;
     this.worldSize = worldSize;
+    this.engineId = engineId;
   }
 
   /** Copies currently targeting this instance's regions. */

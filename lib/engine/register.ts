@@ -1,11 +1,11 @@
 /**
  * RegisterContext, one rank at a time: every check (the request, the
- * instance, the namespace's layout and layer order) runs before anything is
- * mapped or recorded; then the rank's regions are mapped (one import per
- * distinct handle); then the rank is committed. When the last rank arrives
- * the topology seals: layer ids are fixed and the store's namespace is
- * defined from the agreed layout (namespaces.ts owns it). A failure at seal
- * rolls the rank back whole.
+ * instance and the engine it belongs to, the namespace's layout and layer
+ * order) runs before anything is mapped or recorded; then the rank's regions
+ * are mapped (one import per distinct handle); then the rank is committed.
+ * When the last rank arrives the topology seals: layer ids are fixed and the
+ * store's namespace is defined from the agreed layout (namespaces.ts owns
+ * it). A failure at seal rolls the rank back whole.
  *
  * @module
  */
@@ -24,6 +24,7 @@ import {
 } from "./namespaces.ts";
 import type { RegionPort } from "./ports.ts";
 import {
+  engineIdText,
   HELD_BY_ANOTHER_ENGINE,
   keyHex,
   type RegisterArgs,
@@ -71,7 +72,9 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
   if (!known) ctx.layouts.set(a.namespace, layout);
   const fixedStage = claimStage(layout, claim);
   const created = !inst;
-  if (!inst) inst = new Instance(a.instanceId, a.namespace, a.tpSize, ppSize, a.worldSize);
+  if (!inst) {
+    inst = new Instance(a.instanceId, a.namespace, a.tpSize, ppSize, a.worldSize, a.engineId);
+  }
   const newUser = !layout.users.has(inst.id);
   layout.users.add(inst.id);
   inst.ranks.set(rankCtx.rank, rankCtx);
@@ -97,6 +100,7 @@ export function registerRank(ctx: EngineContext, a: RegisterArgs): RegisterResul
     tp_rank: a.tpRank,
     pp_rank: a.ppRank,
     device: a.deviceId,
+    engine_id: a.engineId ?? "",
     layers: a.layerNames.length,
     regions: imported.length,
     ranks: inst.ranks.size,
@@ -141,11 +145,11 @@ function checkDevice(ctx: EngineContext, a: RegisterArgs, who: string): void {
 }
 
 /**
- * A rank joining a known instance: same namespace and sizes, not fenced, not registered
- * yet. A rank registered already answers ALREADY_EXISTS when this is the same registration
- * (its holder asking again: a client whose stream broke, the Python client's check once its
- * session is open); another one comes from another engine under this instance id, which
- * must not be told "registered": its saves and loads would use the holder's memory.
+ * A rank joining a known instance: same engine (engine_id), namespace and sizes, not fenced,
+ * not registered yet. A rank registered already answers ALREADY_EXISTS when this is the same
+ * registration (its holder asking again: a client whose stream broke, the Python client's
+ * check once its session is open); another one comes from another engine under this instance
+ * id, which must not be told "registered": its saves and loads would use the holder's memory.
  */
 function checkJoin(
   inst: Instance,
@@ -163,6 +167,7 @@ function checkJoin(
       fields,
     );
   }
+  checkEngine(inst, a, who);
   if (inst.namespace !== a.namespace || inst.tpSize !== a.tpSize || inst.ppSize !== ppSize) {
     throw precondition(
       `${who}: instance already registered with namespace "${inst.namespace}" tp_size ${inst.tpSize} pp_size ${inst.ppSize}`,
@@ -183,6 +188,31 @@ function checkJoin(
       `${held.fingerprint}, this one ${fingerprint}); unregister it, or give this engine ` +
       `another instance id`,
     { ...fields, expected: held.fingerprint, got: fingerprint },
+  );
+}
+
+/**
+ * Every rank of an instance comes from one engine: a rank whose engine_id (non-empty: an older
+ * client sends none, and is not checked) is not the instance's belongs to another engine under
+ * this instance id, and joining it would scatter the instance's loads into that engine's memory.
+ * Refused with the words of a held rank (HELD_BY_ANOTHER_ENGINE: a client retries until the
+ * instance is gone, as an engine restarted before its old session was seen to end must).
+ */
+function checkEngine(inst: Instance, a: RegisterArgs, who: string): void {
+  const engineId = a.engineId ?? "";
+  if (engineId === "" || engineId === inst.engineId) return;
+  throw precondition(
+    `${who}: instance "${inst.id}" ${HELD_BY_ANOTHER_ENGINE} (its engine_id ` +
+      `${engineIdText(inst.engineId)}, this rank's ${engineIdText(engineId)}); every rank of ` +
+      `one engine sends that engine's engine_id: give this engine another instance id, or ` +
+      `unregister the instance`,
+    {
+      instance: a.instanceId,
+      tpRank: a.tpRank,
+      ppRank: a.ppRank,
+      expected: inst.engineId,
+      got: engineId,
+    },
   );
 }
 

@@ -1,7 +1,7 @@
 /**
  * What RegisterContext checks before anything is mapped: the client speaks
  * this protocol version, the namespace and instance id follow the name rule,
- * the topology numbers agree, every array has one
+ * the engine id is not over-long, the topology numbers agree, every array has one
  * entry per layer, every layer's geometry is in bounds and overlap-free,
  * all layers share one segment shape (one block shape per namespace), and
  * layers sharing a region do not overlap each other. Pure: no state, no I/O.
@@ -82,6 +82,28 @@ export interface RegisterArgs {
    * all TP ranks. Part of the namespace's layout. Default false.
    */
   kvSharedAcrossTp?: boolean;
+  /**
+   * The engine incarnation the rank belongs to (vLLM's `kv_transfer_config.engine_id`): every
+   * rank of an instance sends the same one; a rank with another one is refused while the
+   * instance exists (register.ts). Empty or absent: not checked (an older client).
+   */
+  engineId?: string;
+}
+
+/** Longest engine_id accepted (a uuid4 is 36): it is kept per instance and named in refusals. */
+export const MAX_ENGINE_ID_CHARS = 256;
+
+/**
+ * How a refusal names an engine id: quoted (escaped), or what an empty one means.
+ *
+ * @example
+ * ```ts
+ * engineIdText("9b1f-…"); // "\"9b1f-…\""
+ * engineIdText("");       // "none (a client that sends no engine_id)"
+ * ```
+ */
+export function engineIdText(id: string): string {
+  return id === "" ? "none (a client that sends no engine_id)" : JSON.stringify(id);
 }
 
 /**
@@ -186,6 +208,19 @@ export function validateRegistration(a: RegisterArgs): { who: string; ppSize: nu
   if (a.ppRank >= ppSize) throw invalid(`${who}: pp_rank ${a.ppRank} >= pp_size ${ppSize}`);
   if (a.worldSize !== a.tpSize * ppSize) {
     throw invalid(`${who}: world_size ${a.worldSize} != tp_size ${a.tpSize} * pp_size ${ppSize}`);
+  }
+  const engineId = a.engineId ?? "";
+  if (engineId.length > MAX_ENGINE_ID_CHARS) {
+    throw invalid(
+      `${who}: engine_id is ${engineId.length} characters, at most ${MAX_ENGINE_ID_CHARS}`,
+      {
+        instance: a.instanceId,
+        tpRank: a.tpRank,
+        ppRank: a.ppRank,
+        expected: `<= ${MAX_ENGINE_ID_CHARS}`,
+        got: engineId.length,
+      },
+    );
   }
   checkLayers(a, who);
   checkSharedRegions(a, who);

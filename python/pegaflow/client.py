@@ -410,8 +410,12 @@ class PegaflowClient:
         region_handles: Sequence[bytes],
         geometry: Sequence[Geometry],
         client_version: str = PROTOCOL_VERSION,
+        engine_id: str = "",
     ) -> pb.RegisterContextResponse:
-        """Registers every layer of one rank (layer order = execution order)."""
+        """Registers every layer of one rank (layer order = execution order). `engine_id`: the
+        engine incarnation, the same on every rank of one engine (vLLM's
+        `kv_transfer_config.engine_id`); while the instance exists the server refuses a rank of
+        another one ("... is registered by another engine"). "" is not checked."""
         req = pb.RegisterContextRequest(
             instance_id=instance_id,
             namespace=namespace,
@@ -425,6 +429,7 @@ class PegaflowClient:
             region_handles=[bytes(h) for h in region_handles],
             geometry=[g.to_proto() for g in geometry],
             client_version=client_version,
+            engine_id=engine_id,
         )
         rank = (instance_id, tp_rank, pp_rank)
         try:

@@ -25,7 +25,10 @@ the server's did not) and counts as registered. A rank held by another
 engine under the same instance id (other regions: a process that crashed and
 whose session the server has not seen end yet, or a second engine given the
 same instance id) is refused with FAILED_PRECONDITION "... is registered by
-another engine": it is logged, never counted as registered and no session is
+another engine", and so is a rank whose `engine_id` (every rank of one engine
+sends its engine's: vLLM's kv_transfer_config.engine_id) is not the one the
+instance was registered with, even for a rank the instance has not registered
+yet: it is logged, never counted as registered and no session is
 opened (the server would refuse it: a session presents its registration's
 token); the rank retries, also from the first `register()`, and registers
 once the holder is gone. The session presents the registration token the
@@ -70,8 +73,9 @@ HELD_BY_ANOTHER_ENGINE = "is registered by another engine"
 
 
 def held_by_another_engine(e: PegaflowError) -> bool:
-    """True when RegisterContext was refused because another engine (other regions) holds the
-    rank under this instance id: not registered, retried until the holder leaves."""
+    """True when RegisterContext was refused because another engine holds the rank under this
+    instance id (other regions), or the instance (another engine_id): not registered, retried
+    until the holder leaves."""
     return e.code == grpc.StatusCode.FAILED_PRECONDITION and HELD_BY_ANOTHER_ENGINE in e.details
 
 
@@ -85,7 +89,7 @@ class KvRegistration:
     Example:
         layers, device = export_kv_layers(kv_caches)
         reg = KvRegistration(client, instance_id="inst", namespace=ns, layers=layers,
-                             tp_rank=0, tp_size=1, device_id=device)
+                             tp_rank=0, tp_size=1, device_id=device, engine_id=engine_id)
         reg.register()          # raises PegaflowError on bad input; no server yet: registers later
         reg.connected           # False while the server is away
         reg.close()             # unregisters and ends the session
@@ -103,6 +107,7 @@ class KvRegistration:
         pp_rank: int = 0,
         pp_size: int = 1,
         device_id: int = 0,
+        engine_id: str = "",
     ):
         if not layers:
             raise ValueError(f'instance "{instance_id}" tp_rank {tp_rank}: no layers to register')
@@ -113,6 +118,9 @@ class KvRegistration:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.device_id = device_id
+        #: The engine incarnation every rank of this engine registers with (vLLM's
+        #: kv_transfer_config.engine_id); "" = none (the server checks nothing).
+        self.engine_id = engine_id
         self._index: Dict[str, int] = {l.name: i for i, l in enumerate(self.layers)}
         self._lock = threading.Lock()
         self._up = threading.Event()
@@ -172,6 +180,7 @@ class KvRegistration:
                 layer_names=self.layer_names,
                 region_handles=[l.handle for l in self.layers],
                 geometry=[l.geometry for l in self.layers],
+                engine_id=self.engine_id,
             )
         except PegaflowError as e:
             self.registration_token = registration_token_in(e) or self.registration_token
@@ -205,8 +214,9 @@ class KvRegistration:
             self.last_error = str(e)
             if held:
                 log.error(
-                    "%s: another engine holds this rank (%s); running without PegaFlow, retrying until it leaves",
-                    self.who, e,
+                    "%s (engine_id %r): another engine holds this rank or its instance (%s); running without "
+                    "PegaFlow, retrying until it leaves",
+                    self.who, self.engine_id, e,
                 )
             else:
                 log.warning("%s: no KV server answers (%s); running without PegaFlow until one does", self.who, e)

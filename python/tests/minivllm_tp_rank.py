@@ -39,12 +39,16 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
     # "layerwise+staging": layer-wise through staging blocks (connector/staging.py);
-    # "+query": the loads of both ranks ride on the probe (connector/query_issuer.py).
+    # "+query": the loads of both ranks ride on the probe (connector/query_issuer.py);
+    # "+noengineid": no engine id given (each rank's config makes its own uuid4, as vLLM's
+    # default does; the engine hands the driver's to every rank), the instance id set instead.
+    default_id = "+noengineid" in mode
     ktc = connector_config(
-        f"{uid}-tp{tp}", addr, f"ns-{uid}", mode=mode.split("+")[0],
+        None if default_id else f"{uid}-tp{tp}", addr, f"ns-{uid}", mode=mode.split("+")[0],
         staging_blocks=32 if "+staging" in mode else None,
         load_issuer="query" if mode.endswith("+query") else None,
         device_id=rank,  # one server device per rank
+        instance_id=f"{uid}-tp{tp}" if default_id else None,
     )
     regions: list = []
     eng = LLMEngine(

@@ -60,7 +60,9 @@ def run_ranks(server: ServerProc, tp: int, uid: str, mode: str, out: str) -> dic
         return json.load(f)
 
 
-@pytest.mark.parametrize("mode", ["layerwise", "async", "layerwise+staging", "layerwise+staging+query"])
+@pytest.mark.parametrize(
+    "mode", ["layerwise", "async", "layerwise+staging", "layerwise+staging+query", "async+noengineid"]
+)
 def test_tp2_shard_processes_save_and_load_their_own_heads_and_warm_equals_cold(tp_server, uid, mode, tmp_path):
     r = run_ranks(tp_server, 2, uid, mode, str(tmp_path / "result.json"))
     assert r["cold_external"] == 0
@@ -79,3 +81,15 @@ def test_tp2_shard_processes_save_and_load_their_own_heads_and_warm_equals_cold(
         if m.group(1) == f"{uid}-tp2"
     }
     assert devices == {0, 1}
+    # Both ranks registered with the engine's one engine id: the one configured, or (none
+    # configured) the uuid4 the driver's config made, handed to the other rank.
+    engine_ids = [
+        j.get("engine_id")
+        for j in map(json.loads, (l for l in tp_server.logs().splitlines() if '"rank registered"' in l))
+        if j["instance"] == f"{uid}-tp2"
+    ]
+    assert len(engine_ids) == 2 and len(set(engine_ids)) == 1, engine_ids
+    if "+noengineid" in mode:
+        assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}", engine_ids[0]), engine_ids
+    else:
+        assert engine_ids[0] == f"{uid}-tp2"

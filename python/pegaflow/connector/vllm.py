@@ -28,7 +28,9 @@ Use: `--kv-transfer-config '{"kv_connector":"PegaflowConnector",
 Extra config keys (env fallback): pegaflow.addr (PEGAFLOW_ADDR), pegaflow.mode
 (PEGAFLOW_MODE: "layerwise" | "async"), pegaflow.rpc_timeout_ms, pegaflow.save_timeout_ms,
 pegaflow.load_timeout_ms (PEGAFLOW_*_TIMEOUT_MS), pegaflow.instance_id
-(PEGAFLOW_INSTANCE_ID; default kv_transfer_config.engine_id), pegaflow.namespace
+(PEGAFLOW_INSTANCE_ID; default kv_transfer_config.engine_id: every rank also registers with that
+engine_id, so the server refuses a rank of another engine given the same instance id; see
+`engine_id_of`), pegaflow.namespace
 (PEGAFLOW_NAMESPACE; default derived from every layout factor), pegaflow.load_issuer
 (PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker" | "query"; default below), pegaflow.staging_blocks
 (PEGAFLOW_STAGING_BLOCKS: layer-wise loads through that many staging blocks per layer, so a
@@ -72,6 +74,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Set, Tuple
 
@@ -139,6 +144,10 @@ class ConnectorSettings:
     # Longest pause before a request answered "loading" is asked again (pegaflow.loading_retry_ms /
     # PEGAFLOW_LOADING_RETRY_MS; 0 = ask at every call; None = scheduler_core.LOADING_RETRY_MAX_S).
     loading_retry_ms: Optional[int] = None
+    # The engine incarnation every rank registers with (kv_transfer_config.engine_id, else one
+    # uuid4 per config object: `engine_id_of`): the server refuses a rank of another engine
+    # under this instance id.
+    engine_id: str = ""
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Optional[Dict[str, str]] = None) -> "ConnectorSettings":
@@ -223,8 +232,42 @@ class ConnectorSettings:
             load_issuer=load_issuer, device_id=count("device_id", "PEGAFLOW_DEVICE_ID"),
             staging_blocks=count("staging_blocks", "PEGAFLOW_STAGING_BLOCKS") or 0,
             gpu_waits=gpu_waits in ("1", "true"),
-            loading_retry_ms=count("loading_retry_ms", "PEGAFLOW_LOADING_RETRY_MS"),
+            loading_retry_ms=count("loading_retry_ms", "PEGAFLOW_LOADING_RETRY_MS"), engine_id=engine_id_of(kt),
         )
+
+
+#: The engine ids made up for configs without one (`engine_id_of`): id(config) → (a weak
+#: reference to it, the id), so every connector built from one config object gets one id.
+_MADE_UP_ENGINE_IDS: Dict[int, Tuple[Any, str]] = {}
+_MADE_UP_LOCK = threading.Lock()
+
+
+def engine_id_of(kt: Any) -> str:
+    """The engine incarnation id the ranks register with: vLLM's `kv_transfer_config.engine_id`
+    (a uuid4 vLLM makes once per engine, in `KVTransferConfig.__post_init__`, and pickles to every
+    worker with the config). A config without one (None, or no such attribute: not vLLM's) gets a
+    uuid4 made once for that config object, so the connectors of every role and rank built from
+    it agree; ranks in other processes, built from their own configs, must be given the same id
+    (set `engine_id`; `pegaflow.minivllm` hands its driver's to its ranks), else the server
+    refuses them as another engine. The instance id's default is not changed by it."""
+    eid = getattr(kt, "engine_id", None)
+    if eid:
+        return str(eid)
+    with _MADE_UP_LOCK:
+        held = _MADE_UP_ENGINE_IDS.get(id(kt))
+        if held is not None and held[0]() is kt:
+            return held[1]
+        eid = str(uuid.uuid4())
+        try:
+            ref: Any = weakref.ref(kt)
+        except TypeError:  # not weakly referenceable: kept alive instead
+            ref = (lambda obj: lambda: obj)(kt)
+        _MADE_UP_ENGINE_IDS[id(kt)] = (ref, eid)
+    log.warning(
+        "kv_transfer_config has no engine_id: this engine registers as %s; ranks built from other "
+        "config objects (other processes) must be given the same engine_id, or the server refuses them", eid,
+    )
+    return eid
 
 
 def _total_layers(mc: Any, pc: Any) -> int:
@@ -342,6 +385,7 @@ class PegaflowConnector(KVConnectorBase_V1):
                 pp_size=pc.pipeline_parallel_size, mode=self.settings.mode,
                 load_timeout_s=self.settings.client.load_timeout_s, device_id=self.settings.device_id,
                 staging_blocks=self.settings.staging_blocks, gpu_waits=self.settings.gpu_waits,
+                engine_id=self.settings.engine_id,
             )
             if self.settings.mode == LAYERWISE:
                 # Called once per layer per step (from vLLM's attention op): straight to the

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class KVTransferConfig:
     """Mirrors `vllm.config.KVTransferConfig` (vllm/config/kv_transfer.py).
 
     `kv_role` is one of "kv_producer", "kv_consumer", "kv_both"; a cache is "kv_both".
+    `engine_id` left None becomes a fresh uuid4, as vLLM's `__post_init__` makes it: one id
+    per engine, which vLLM pickles to every worker with the config (`pegaflow.minivllm`, whose
+    ranks build their own configs, hands its driver's to them).
     """
 
     kv_connector: str | None = None
@@ -75,6 +79,10 @@ class KVTransferConfig:
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     kv_connector_module_path: str | None = None
     kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.engine_id is None:
+            self.engine_id = str(uuid.uuid4())
 
     @property
     def is_kv_transfer_instance(self) -> bool:

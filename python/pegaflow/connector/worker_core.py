@@ -110,6 +110,7 @@ class WorkerCore:
         device_id: Optional[int] = None,
         staging_blocks: int = 0,
         gpu_waits: bool = True,
+        engine_id: str = "",
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -128,6 +129,9 @@ class WorkerCore:
         # The device this rank registers: CUDA KV names its own; host-backend KV (shm) has none,
         # so a server serving several devices (--devices 0,1) is told which one here.
         self.device_id = device_id
+        # The engine incarnation (vLLM's kv_transfer_config.engine_id), the same on every rank:
+        # the server refuses a rank of another engine under this instance id ("" = not checked).
+        self.engine_id = engine_id
         self.mode = mode
         self.load_timeout_s = load_timeout_s if load_timeout_s is not None else client.config.load_timeout_s
         self.registration: Optional[KvRegistration] = None
@@ -205,7 +209,7 @@ class WorkerCore:
         reg = KvRegistration(
             self.client, instance_id=instance_id, namespace=self.namespace, layers=layers,
             tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            device_id=device,
+            device_id=device, engine_id=self.engine_id,
         )
         reg.register()
         return reg

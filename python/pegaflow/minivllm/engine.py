@@ -11,10 +11,12 @@ Tensor parallelism: with `tensor_parallel_size` > 1 the engine runs as that many
 one per rank, in a `torch.distributed` group the caller initialised (gloo on the CPU, NCCL on
 GPUs), as vLLM's multiprocess executor does: rank 0 is the driver (scheduler, scheduler-side
 connector, the API below), every rank has a model shard (llama.py), its own slice of the KV cache
-and its own worker-side connector registering that rank. Each step the driver broadcasts the
-`SchedulerOutput`, every rank runs it, and the driver gathers the ranks' connector outputs (a
-request has finished sending or receiving once every rank says so, vLLM's KVOutputAggregator).
-The other ranks call `run_worker()`, which serves the driver until it shuts down.
+and its own worker-side connector registering that rank, under the driver's
+`kv_transfer_config.engine_id` (one engine, one engine id, as vLLM pickles one config to all its
+workers). Each step the driver broadcasts the `SchedulerOutput`, every rank runs it, and the
+driver gathers the ranks' connector outputs (a request has finished sending or receiving once
+every rank says so, vLLM's KVOutputAggregator). The other ranks call `run_worker()`, which serves
+the driver until it shuts down.
 
 Example:
     >>> eng = LLMEngine(EngineConfig(model="tiny", num_gpu_blocks=64))
@@ -25,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pickle
 import time
@@ -98,6 +101,21 @@ def _connector_class(ktc: KVTransferConfig) -> type[KVConnectorBase_V1]:
     return cls
 
 
+def _driver_engine_id(ktc: KVTransferConfig | None, tp: int) -> KVTransferConfig | None:
+    """The transfer config every rank's connector is built from, with the driver's engine id.
+    vLLM makes one config (its `engine_id` a uuid4 unless given) and pickles it to every worker;
+    here each rank builds its own, whose default uuid4s differ, so rank 0 hands its engine id to
+    the others (a collective: every rank calls it at the same point of its start). One engine,
+    one engine id: the server refuses a rank registering with another one."""
+    if tp <= 1:
+        return ktc
+    box = [ktc.engine_id if ktc is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    if ktc is None or ktc.engine_id == box[0]:
+        return ktc
+    return dataclasses.replace(ktc, engine_id=box[0])
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -124,7 +142,7 @@ class LLMEngine:
                 f"the model is TP rank {self.model.tp_rank} of {self.model.tp_size}; the engine is {rank} of {tp}"
             )
         self.is_driver = rank == 0
-        ktc = config.kv_transfer_config
+        ktc = _driver_engine_id(config.kv_transfer_config, tp)
         self.vllm_config = VllmConfig(
             model_config=ModelConfig(
                 model=f"minivllm/{cfg.name}",
