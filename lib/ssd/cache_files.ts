@@ -1,22 +1,22 @@
 /**
- * The SSD tier's cache files: lock each file before anything reads or sizes
- * it (one server per file), size it to its share of the capacity (capped to
- * the filesystem's free space), and read or write its superblock (a
- * generation that changes on reset and on a format or segment-size change,
- * so old records can never come back). A path that cannot be used is logged
- * and skipped; with none left the tier does not start.
+ * The SSD tier's cache files, once locked (file_lock.ts: one server per
+ * file): size each to its share of the capacity (capped to the filesystem's
+ * free space), and read or write its superblock (a generation that changes
+ * on reset and on a format or segment-size change, so old records can never
+ * come back). A path that cannot be used is logged and skipped; with none
+ * left the tier does not start. Every filesystem call runs off the JS thread
+ * with a deadline (open_fs.ts).
  *
  * @module
  */
 
-import { FileFlag, fsSpace, type Uring } from "../../ffi/uring.ts";
+import { FileFlag, type Uring } from "../../ffi/uring.ts";
 import { decodeSuperblock, encodeSuperblock, newGeneration, PAGE_BYTES } from "./format.ts";
 import type { SsdIo } from "./io.ts";
-import { lockCacheFile, SsdLockedError } from "./file_lock.ts";
+import { type OpenFs, passHung } from "./open_fs.ts";
 import type { Logger } from "../log.ts";
 
-/** File created inside a directory given as a cache path. */
-export const CACHE_FILE_NAME = "pegaflow-ssd.cache";
+export { CACHE_FILE_NAME } from "./file_lock.ts";
 /** Free space left to the filesystem when capping capacity (metadata, other users). */
 const FREE_SPACE_RESERVE_FRACTION = 0.02;
 
@@ -39,63 +39,6 @@ export class SsdOpenError extends Error {
     super(message);
     this.name = "SsdOpenError";
   }
-}
-
-function isDirectory(path: string): boolean {
-  try {
-    return Deno.statSync(path).isDirectory;
-  } catch (e) {
-    if (e instanceof Deno.errors.NotFound) return false;
-    throw e;
-  }
-}
-
-/**
- * Locks every cache file (a directory names the file inside it). A path
- * that cannot be opened maps to its error (logged and skipped later, like
- * any unusable path); a file another process holds refuses the whole start.
- *
- * @throws SsdLockedError naming the file and the holder.
- */
-export function lockPaths(paths: string[]): Map<string, Deno.FsFile | Error> {
-  const out = new Map<string, Deno.FsFile | Error>();
-  try {
-    for (const given of paths) {
-      let path = given;
-      try {
-        if (isDirectory(given)) path = `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}`;
-        if (out.has(path)) continue; // the same file named twice is one file
-        // ... and so is one file named through a symlink or a hard link: locking it again
-        // would find this process's own lock and refuse the start.
-        if (sameFileLocked(path, out)) continue;
-        out.set(path, lockCacheFile(path));
-      } catch (e) {
-        // Unusable (not a directory on the way, a loop, no permission): skipped like the rest.
-        if (e instanceof SsdLockedError) throw e;
-        if (!out.has(path)) out.set(path, e as Error);
-      }
-    }
-  } catch (e) {
-    for (const l of out.values()) if (!(l instanceof Error)) l.close();
-    throw e;
-  }
-  return out;
-}
-
-/** True when `path` is (through a link) a file already locked in `locked`. */
-function sameFileLocked(path: string, locked: Map<string, Deno.FsFile | Error>): boolean {
-  let st: Deno.FileInfo;
-  try {
-    st = Deno.statSync(path);
-  } catch (_e) {
-    return false; // not there yet (created when locked) or unusable: lockCacheFile says why
-  }
-  for (const l of locked.values()) {
-    if (l instanceof Error) continue;
-    const o = l.statSync();
-    if (o.dev === st.dev && o.ino !== null && o.ino === st.ino) return true;
-  }
-  return false;
 }
 
 /** What sizing a cache file needs. */
@@ -122,14 +65,17 @@ interface Found {
  * dropped, and skipped. The capacity is split over the paths that can be
  * used: an unusable one (not opened, no room for a segment, its superblock
  * not written) gets no share, so the others hold what was asked (capped to
- * the free space of their filesystems).
+ * the free space of their filesystems). Every filesystem call goes through
+ * `bounded` (off the JS thread, with a deadline).
  *
  * @throws SsdOpenError when no path is usable, with every path's reason.
+ * @throws SsdFsHung when a filesystem call passed its deadline (the whole open gives up).
  */
 export async function openCacheFiles(
   uring: Uring,
   io: SsdIo,
   locks: Map<string, Deno.FsFile | Error>,
+  bounded: OpenFs,
   opts: SizeOptions,
   reset: boolean,
   log: Logger,
@@ -137,10 +83,11 @@ export async function openCacheFiles(
   const problems: string[] = [];
   const found = new Map<string, Found>();
   const handles = new Map<string, number>();
-  const drop = (path: string, e: unknown): void => {
+  const drop = async (path: string, e: unknown): Promise<void> => {
+    passHung(e); // not an unusable path: the open gives up
     const handle = handles.get(path);
-    if (handle) uring.closeFile(handle);
     handles.delete(path);
+    if (handle !== undefined) await bounded.closeFile(handle, path);
     found.delete(path);
     const lock = locks.get(path);
     if (lock && !(lock instanceof Error)) lock.close();
@@ -152,24 +99,27 @@ export async function openCacheFiles(
   for (const [path, lock] of locks) {
     try {
       if (lock instanceof Error) throw lock;
-      const h = uring.openFile(path, FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0));
+      const flags = FileFlag.CREATE | (opts.direct ? FileFlag.DIRECT : 0);
+      const h = await bounded.openFile(uring.handle, path, flags);
       handles.set(path, h);
       io.namePath(h, path);
-      found.set(path, await inspectCacheFile(uring, io, path, h, opts, reset, log));
+      found.set(path, await inspectCacheFile(bounded, io, path, h, opts, reset, log));
     } catch (e) {
-      drop(path, e);
+      await drop(path, e);
     }
   }
   // A path whose sizing fails after the plan gives its share back: the rest are planned again.
   let plan = new Map<string, Share>();
   for (let sized = false; !sized;) {
-    plan = planSegments([...found.keys()], opts, drop);
+    plan = await planSegments([...found.keys()], bounded, opts, drop);
     sized = true;
     for (const [path, share] of plan) {
       try {
-        await sizeCacheFile(uring, io, path, found.get(path)!, share.segments, opts, log);
+        const lock = locks.get(path) as Deno.FsFile;
+        const f = found.get(path)!;
+        await sizeCacheFile(bounded, io, path, lock, f, share.segments, opts, log);
       } catch (e) {
-        drop(path, e);
+        await drop(path, e);
         sized = false;
       }
     }
@@ -225,21 +175,25 @@ interface Filesystem {
  * are sparse, so paths on one filesystem take from one free space, and each
  * file's own bytes count once (what it holds, not its sparse size).
  */
-function filesystemsOf(paths: string[], drop: (path: string, e: unknown) => void): Filesystem[] {
+async function filesystemsOf(
+  paths: string[],
+  bounded: OpenFs,
+  drop: (path: string, e: unknown) => Promise<void>,
+): Promise<Filesystem[]> {
   const byDevice = new Map<number, { paths: string[]; available: number; held: number }>();
   for (const path of paths) {
     try {
-      const st = Deno.statSync(path);
+      const st = await bounded.stat(path);
       let fs = byDevice.get(st.dev);
       if (!fs) {
-        fs = { paths: [], available: fsSpace(path).availableBytes, held: 0 };
+        fs = { paths: [], available: (await bounded.fsSpace(path)).availableBytes, held: 0 };
         byDevice.set(st.dev, fs);
       }
       fs.paths.push(path);
       // st_blocks counts 512-byte units whatever the filesystem's block size.
       fs.held += st.blocks === null ? st.size : st.blocks * 512;
     } catch (e) {
-      drop(path, e);
+      await drop(path, e);
     }
   }
   return [...byDevice.values()].map((fs) => ({
@@ -267,21 +221,22 @@ interface Share {
  * (its share goes to the others); a share too small for a segment drops
  * every path.
  */
-function planSegments(
+async function planSegments(
   paths: string[],
+  bounded: OpenFs,
   opts: SizeOptions,
-  drop: (path: string, e: unknown) => void,
-): Map<string, Share> {
+  drop: (path: string, e: unknown) => Promise<void>,
+): Promise<Map<string, Share>> {
   const need = PAGE_BYTES + opts.segmentBytes;
   const room = new Map<string, Omit<Share, "segments" | "askedBytes">>();
-  for (const fs of filesystemsOf(paths, drop)) {
+  for (const fs of await filesystemsOf(paths, bounded, drop)) {
     // As many of its paths as it has room for a segment each; the last ones go.
     let n = fs.paths.length;
     while (n > 0 && Math.floor(fs.roomBytes / n) < need) n--;
     const kept = fs.paths.slice(0, n);
     for (const path of fs.paths.slice(n)) {
       const beside = n === 0 ? "" : ` beside ${n} other cache path(s) on it (${kept.join(", ")})`;
-      drop(
+      await drop(
         path,
         new Error(
           `free space ${fs.roomBytes} bytes holds no ${opts.segmentBytes}-byte segment${beside}`,
@@ -303,7 +258,10 @@ function planSegments(
     const r = room.get(path);
     if (!r) continue;
     if (share < need) {
-      drop(path, new Error(`capacity ${share} bytes holds no ${opts.segmentBytes}-byte segment`));
+      await drop(
+        path,
+        new Error(`capacity ${share} bytes holds no ${opts.segmentBytes}-byte segment`),
+      );
       continue;
     }
     const bytes = Math.min(share, r.roomBytes);
@@ -321,7 +279,7 @@ function planSegments(
  * superblock matches (and no reset), else a new one (the file starts empty).
  */
 async function inspectCacheFile(
-  uring: Uring,
+  bounded: OpenFs,
   io: SsdIo,
   path: string,
   h: number,
@@ -329,7 +287,7 @@ async function inspectCacheFile(
   reset: boolean,
   log: Logger,
 ): Promise<Found> {
-  const info = uring.fileInfo(h);
+  const info = await bounded.fileInfo(h, path);
   if (opts.direct && !info.direct) {
     log.warn("the filesystem refused O_DIRECT; running through the page cache", { path });
   }
@@ -348,14 +306,16 @@ async function inspectCacheFile(
 }
 
 /**
- * Sizes a cache file to `segments` segments and writes its superblock. A
- * fresh file is emptied first (a reset frees the old records' space at
- * once). Safe to repeat: the plan may change when another path fails.
+ * Sizes a cache file to `segments` segments (through its lock's open file:
+ * the same file) and writes its superblock. A fresh file is emptied first (a
+ * reset frees the old records' space at once). Safe to repeat: the plan may
+ * change when another path fails.
  */
 async function sizeCacheFile(
-  uring: Uring,
+  bounded: OpenFs,
   io: SsdIo,
   path: string,
+  lock: Deno.FsFile,
   f: Found,
   segments: number,
   opts: SizeOptions,
@@ -369,8 +329,8 @@ async function sizeCacheFile(
       kept: Math.min(f.onDiskSegments, segments),
     });
   }
-  if (f.fresh) uring.truncate(f.handle, 0);
-  uring.truncate(f.handle, PAGE_BYTES + segments * opts.segmentBytes);
+  if (f.fresh) await bounded.truncate(lock, path, 0);
+  await bounded.truncate(lock, path, PAGE_BYTES + segments * opts.segmentBytes);
   await writeSuper(io, f.handle, {
     generation: f.generation,
     segmentBytes: opts.segmentBytes,

@@ -2,7 +2,7 @@
  * One server per SSD cache file. Two servers on one file would each append
  * records the other's index does not know and reuse segments under each
  * other's blocks: the first silently loses its cache. So a server takes an
- * exclusive advisory lock (`flock`, through `Deno.FsFile.tryLockSync`) on
+ * exclusive advisory lock (`flock`, through `Deno.FsFile.tryLock`) on
  * every cache file before it reads or sizes it, holds it while it runs (the
  * kernel drops it when the process dies, even on kill -9), and a second
  * server is refused with the file and the holder's pid.
@@ -12,6 +12,11 @@
  *
  * @module
  */
+
+import { OpenFs, passHung, SsdFsHung } from "./open_fs.ts";
+
+/** File created inside a directory given as a cache path. */
+export const CACHE_FILE_NAME = "pegaflow-ssd.cache";
 
 /** The cache file is held by another process: the server must not start. */
 export class SsdLockedError extends Error {
@@ -35,36 +40,97 @@ export class SsdLockedError extends Error {
 
 /**
  * Opens (creating it if missing) and exclusively locks `path`. The returned
- * file holds the lock until it is closed.
+ * file holds the lock until it is closed. Every filesystem call goes through
+ * `fs` (off the JS thread, bounded by its deadline: a hung disk gives up the
+ * open with {@link SsdFsHung} instead of freezing the server).
  *
  * @throws SsdLockedError when another process holds the file, or this
  *   process still holds it after `settleMs` (two tiers on one file); the OS
  *   error when it cannot be opened (missing directory, read-only filesystem).
  * @example
  * ```ts
- * const lock = lockCacheFile("/mnt/nvme/pegaflow-ssd.cache");
+ * const lock = await lockCacheFile("/mnt/nvme/pegaflow-ssd.cache");
  * // ... use the file ...
  * lock.close(); // releases the lock
  * ```
  */
-export function lockCacheFile(path: string, settleMs = LOCK_SETTLE_MS): Deno.FsFile {
-  const f = Deno.openSync(path, { read: true, write: true, create: true });
+export async function lockCacheFile(
+  path: string,
+  settleMs = LOCK_SETTLE_MS,
+  fs = new OpenFs(),
+): Promise<Deno.FsFile> {
+  const f = await fs.openRw(path);
   const until = performance.now() + settleMs;
   try {
     for (;;) {
-      if (f.tryLockSync(true)) return f;
-      const info = f.statSync();
-      const pid = lockHolder(info.dev, info.ino ?? -1);
+      if (await fs.tryLock(f, path)) return f;
+      const info = await fs.fstat(f, path);
+      const pid = await lockHolder(info.dev, info.ino ?? -1, fs);
       // Another live process: refused at once. A lock in transition (this process's own,
       // closed but its file still shared with a child being spawned, or no holder left by
       // the time the table was read) is given up within `settleMs`: waited out.
       if ((pid !== undefined && pid !== Deno.pid) || performance.now() >= until) {
-        throw new SsdLockedError(path, pid, pid === undefined ? undefined : commandOf(pid));
+        const cmd = pid === undefined ? undefined : await commandOf(pid, fs);
+        throw new SsdLockedError(path, pid, cmd);
       }
-      sleepSync(LOCK_RETRY_MS);
+      await new Promise((r) => setTimeout(r, LOCK_RETRY_MS));
     }
   } catch (e) {
-    f.close();
+    // A hung filesystem may hang a close too: not on this thread, once the hung call returned.
+    if (e instanceof SsdFsHung) fs.closeWhenSettled(f);
+    else f.close();
+    throw e;
+  }
+}
+
+/**
+ * Locks every cache file (a directory names the file inside it) into
+ * `locks`, which the caller closes (also when this throws). A path that
+ * cannot be opened maps to its error (logged and skipped later, like any
+ * unusable path); a file another process holds refuses the whole start, and
+ * so does a filesystem call past `fs`'s deadline ({@link SsdFsHung}).
+ *
+ * @throws SsdLockedError naming the file and the holder.
+ */
+export async function lockPaths(
+  paths: string[],
+  fs: OpenFs,
+  locks: Map<string, Deno.FsFile | Error>,
+): Promise<void> {
+  const held: { dev: number; ino: number }[] = [];
+  for (const given of paths) {
+    let path = given;
+    let mine: Deno.FsFile | undefined;
+    try {
+      if (await isDirectory(given, fs)) path = `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}`;
+      if (locks.has(path)) continue; // the same file named twice is one file
+      // ... and so is one file named through a symlink or a hard link: locking it again
+      // would find this process's own lock and refuse the start.
+      const st = await fs.stat(path).catch((e) => (passHung(e), undefined));
+      if (st && held.some((h) => h.dev === st.dev && st.ino !== null && h.ino === st.ino)) continue;
+      mine = await lockCacheFile(path, LOCK_SETTLE_MS, fs);
+      locks.set(path, mine);
+      const info = await fs.fstat(mine, path);
+      held.push({ dev: info.dev, ino: info.ino ?? -1 });
+      // What the io engine can open (its own refusal's text stays on another thread).
+      if (!info.isFile && !info.isBlockDevice) {
+        throw new Error(`open ${path}: not a regular file or block device`);
+      }
+    } catch (e) {
+      // Unusable (not a directory on the way, a loop, no permission): skipped like the rest.
+      if (e instanceof SsdLockedError) throw e;
+      passHung(e);
+      mine?.close();
+      if (mine || !locks.has(path)) locks.set(path, e as Error);
+    }
+  }
+}
+
+async function isDirectory(path: string, fs: OpenFs): Promise<boolean> {
+  try {
+    return (await fs.stat(path)).isDirectory;
+  } catch (e) {
+    if (e instanceof Deno.errors.NotFound) return false;
     throw e;
   }
 }
@@ -76,18 +142,18 @@ export function lockCacheFile(path: string, settleMs = LOCK_SETTLE_MS): Deno.FsF
  */
 export const LOCK_SETTLE_MS = 500;
 const LOCK_RETRY_MS = 5;
-const sleeper = new Int32Array(new SharedArrayBuffer(4));
-
-function sleepSync(ms: number): void {
-  Atomics.wait(sleeper, 0, 0, ms);
-}
 
 /** Pid holding a FLOCK on (dev, ino) per /proc/locks, or undefined. */
-export function lockHolder(dev: number, ino: number): number | undefined {
+export async function lockHolder(
+  dev: number,
+  ino: number,
+  fs: OpenFs,
+): Promise<number | undefined> {
   let table: string;
   try {
-    table = Deno.readTextFileSync("/proc/locks");
-  } catch (_e) {
+    table = await fs.readText("/proc/locks");
+  } catch (e) {
+    passHung(e);
     return undefined; // not Linux, or /proc not mounted: the message says the pid is unknown
   }
   // glibc's major()/minor() of st_dev; /proc/locks prints them in hex.
@@ -106,12 +172,15 @@ export function lockHolder(dev: number, ino: number): number | undefined {
   return inodeOnly;
 }
 
-function commandOf(pid: number): string | undefined {
-  try {
-    const argv = Deno.readTextFileSync(`/proc/${pid}/cmdline`).split("\0").filter((a) => a);
-    const cmd = argv.join(" ");
-    return cmd.length > 160 ? `${cmd.slice(0, 157)}...` : cmd || undefined;
-  } catch (_e) {
-    return undefined; // the holder may have just exited, or be in another pid namespace
-  }
+/**
+ * The holder's command line, for the message. Undefined when it cannot be
+ * read: the holder may have just exited, be in another pid namespace, or be
+ * stuck itself (reading its cmdline waits for its memory map's lock, which a
+ * process hung on a disk can hold): then past the deadline, without giving
+ * up the open.
+ */
+async function commandOf(pid: number, fs: OpenFs): Promise<string | undefined> {
+  const text = await fs.optional(() => Deno.readTextFile(`/proc/${pid}/cmdline`));
+  const cmd = (text ?? "").split("\0").filter((a) => a).join(" ");
+  return cmd.length > 160 ? `${cmd.slice(0, 157)}...` : cmd || undefined;
 }

@@ -79,7 +79,10 @@ export interface SsdTierOptions {
   prefetchTtlMs?: number;
   /** Index rebuild progress is logged this often (0: every scan round). */
   recoveryProgressMs?: number;
-  /** An io batch outstanding longer marks the tier degraded (stall.ts). Default 30 s. */
+  /**
+   * An io batch outstanding longer marks the tier degraded (stall.ts); also
+   * the deadline of each filesystem call of `open()` (open_fs.ts). Default 30 s.
+   */
   ioStallMs?: number;
   /** `flush()` and `close()` give up past this, or at once when the io stalls. Default 60 s. */
   closeTimeoutMs?: number;

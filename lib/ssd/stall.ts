@@ -14,13 +14,15 @@
  * It also gives `flush()` and `close()` their deadline: they give up when
  * the io stalls or `closeTimeoutMs` passes, whichever is first, naming what
  * is still outstanding; and `SsdTier.open` its own ({@link openWithin}): an
- * open whose io stalls gives up, and the server starts without the tier.
+ * open whose io stalls, or one of whose filesystem calls does not return
+ * (open_fs.ts), gives up, and the server starts without the tier.
  *
  * @module
  */
 
 import type { IoOutstanding, SsdIo } from "./io.ts";
 import { type CacheFile, SsdOpenError } from "./cache_files.ts";
+import { SsdFsHung } from "./open_fs.ts";
 import { errorText, type LogFields, type Logger } from "../log.ts";
 
 /** How long `flush()` and `close()` wait for accepted work while the io is not stalled. */
@@ -195,6 +197,68 @@ export class SsdOpenStalledError extends SsdOpenError {
   }
 }
 
+/**
+ * Thrown by `SsdTier.open` when one of its filesystem calls (a stat, an
+ * open, a flock, a statvfs, an ftruncate of a cache path) did not return by
+ * its deadline (`ioStallMs`): a hung disk or a dead mount. An
+ * {@link SsdOpenError}, so the server starts without the tier. What the open
+ * holds (the engine, the files' locks, a file the late call opens) closes
+ * once that call returns ({@link engineClosed}).
+ */
+export class SsdOpenHungError extends SsdOpenStalledError {
+  /** The call that did not return, the path it was on, and its deadline. */
+  readonly op: string;
+  readonly path: string;
+  readonly deadlineMs: number;
+  readonly #engine: boolean;
+
+  constructor(hung: SsdFsHung, closing: Promise<void>, engine: boolean) {
+    super(
+      `SSD open gave up: ${hung.op} of ${hung.path} did not return within ${hung.deadlineMs} ms ` +
+        "(ioStallMs: a hung disk or a dead mount?); the SSD tier is not started (the server " +
+        "serves from RAM); what the open holds closes once that call returns",
+      closing,
+    );
+    this.name = "SsdOpenHungError";
+    this.op = hung.op;
+    this.path = hung.path;
+    this.deadlineMs = hung.deadlineMs;
+    this.#engine = engine;
+  }
+
+  /** While the open's io engine waits for the hung call: this error's message; else undefined. */
+  override stillOpen(): string | undefined {
+    return this.#engine ? super.stillOpen() : undefined;
+  }
+}
+
+/**
+ * `e` as the open's error: a filesystem call past its deadline
+ * ({@link SsdFsHung}) becomes an {@link SsdOpenHungError}, logged, with
+ * `release` run in the background (it waits for that call); anything else
+ * is returned as it is (the caller releases).
+ */
+export function hungOpenError(
+  e: unknown,
+  release: () => Promise<void>,
+  engine: boolean,
+  log: Logger,
+): unknown {
+  if (!(e instanceof SsdFsHung)) return e;
+  const fields: LogFields = { path: e.path, op: e.op, deadline_ms: e.deadlineMs };
+  const closing = release().then(
+    () => log.warn("SSD open abandoned after a filesystem call hung: it returned; closed", fields),
+    (err) =>
+      log.error("SSD open abandoned: closing what it held failed", {
+        ...fields,
+        error: errorText(err),
+      }),
+  );
+  const err = new SsdOpenHungError(e, closing, engine);
+  log.error(err.message, fields);
+  return err;
+}
+
 /** What an abandoned open closes: the tier it built, or its engine and locks when it failed. */
 interface Closable {
   close(): Promise<void>;
@@ -208,7 +272,9 @@ interface Closable {
  * `work` builds (or, when it fails, `release`: the engine and locks) is
  * closed in the background once the kernel completes the io, and
  * {@link SsdOpenStalledError} is thrown. When `work` fails first,
- * `release` runs before the error goes up.
+ * `release` runs before the error goes up, except for a filesystem call
+ * past its deadline: then {@link SsdOpenHungError}, released in the
+ * background.
  *
  * @example
  * ```ts
@@ -231,6 +297,10 @@ export async function openWithin<T extends Closable>(
     try {
       return await work;
     } catch (e) {
+      if (e instanceof SsdFsHung) {
+        io.refuse(`the SSD open gave up on a hung ${e.op} of ${e.path}`);
+        throw hungOpenError(e, release, true, log);
+      }
       await release();
       throw e;
     }

@@ -35,7 +35,8 @@
 import type { StageMetrics } from "../pipeline/stage.ts";
 import { Uring } from "../../ffi/uring.ts";
 import { SsdIo } from "./io.ts";
-import { describeIo, openWithin, SsdStallWatch } from "./stall.ts";
+import { describeIo, hungOpenError, openWithin, SsdStallWatch } from "./stall.ts";
+import { OpenFs, SsdFsHung } from "./open_fs.ts";
 import { type ResolvedOptions, resolveOptions, type SsdTierOptions } from "./options.ts";
 import { SsdIndex } from "./index.ts";
 import {
@@ -47,7 +48,7 @@ import {
 } from "./recovery.ts";
 import { SegmentRing } from "./space.ts";
 import type { StoredLayout } from "../storage/tier.ts";
-import { type CacheFile, lockPaths, openCacheFiles, SsdOpenError } from "./cache_files.ts";
+import { type CacheFile, openCacheFiles, SsdOpenError } from "./cache_files.ts";
 import {
   type EnqueueResult,
   type SsdWriteBatch,
@@ -57,11 +58,11 @@ import {
 import { type PrefetchAllocator, type PrefetchAnswer, SsdPrefetcher } from "./prefetch.ts";
 import type { SsdWriteStats } from "./write_behind.ts";
 import type { SsdReadStats } from "./prefetch.ts";
-import { SsdLockedError } from "./file_lock.ts";
-import { SsdOpenStalledError, SsdStalledError } from "./stall.ts";
+import { lockPaths, SsdLockedError } from "./file_lock.ts";
+import { SsdOpenHungError, SsdOpenStalledError, SsdStalledError } from "./stall.ts";
 import { Logger } from "../log.ts";
 
-export { SsdLockedError, SsdOpenError, SsdOpenStalledError, SsdStalledError };
+export { SsdLockedError, SsdOpenError, SsdOpenHungError, SsdOpenStalledError, SsdStalledError };
 
 export {
   DEFAULT_HDR_PAGES,
@@ -189,26 +190,39 @@ export class SsdTier {
    * @throws SsdOpenStalledError (an SsdOpenError) when an io batch of the
    * open passes `ioStallMs`: logged with its path and offset; the engine
    * and the files' locks close once the kernel completes it.
+   * @throws SsdOpenHungError (an SsdOpenStalledError) when a filesystem call
+   * of the open (stat, open, flock, statvfs, ftruncate of a cache path) does
+   * not return within `ioStallMs`: logged with the call, path and deadline;
+   * what the open holds closes once the call returns.
    */
   static async open(options: SsdTierOptions): Promise<SsdTier> {
     const log = options.log ?? defaultLog();
     const opts = resolveOptions(options);
+    // Every filesystem call of the open runs off this thread, bounded by ioStallMs: a hung
+    // disk or a dead mount gives the open up instead of freezing the server (open_fs.ts).
+    const fs = new OpenFs(opts.ioStallMs, log);
     // Locked before anything opens or sizes a file: two servers on one file
     // would overwrite each other's records (a second server refuses to start).
-    const locks = lockPaths(options.paths);
+    const locks = new Map<string, Deno.FsFile | Error>();
     const closeLocks = () => {
       for (const l of locks.values()) if (!(l instanceof Error)) l.close();
     };
+    // After a hung call nothing closes on this thread before that call returned.
+    const releaseLocks = async () => (await fs.settled(), closeLocks());
     let uring: Uring;
     try {
+      await lockPaths(options.paths, fs, locks);
       uring = Uring.open(opts.pool, options.ring.handle, opts.ioDepth, opts.hdrPages);
     } catch (e) {
+      if (e instanceof SsdFsHung) throw hungOpenError(e, releaseLocks, false, log);
       closeLocks();
       throw e;
     }
     const io = new SsdIo(uring, opts.pool, options.ring.completions$, opts.ioStallMs);
-    // The engine closes only with no io of it in the kernel (pf_uring_close waits for it).
+    // The engine closes only with no io of it in the kernel (pf_uring_close waits for it),
+    // and only once no filesystem call of the open runs (one may use the engine's files).
     const release = async () => {
+      await fs.settled();
       io.dispose();
       try {
         await uring.close();
@@ -217,18 +231,19 @@ export class SsdTier {
       }
     };
     // A disk that hangs while the tier opens: the open gives up at the stall deadline.
-    return await openWithin(io, SsdTier.#build(io, locks, opts, options, log), release, log);
+    return await openWithin(io, SsdTier.#build(io, fs, locks, opts, options, log), release, log);
   }
 
   /** Opens the cache files and rebuilds the index over `io` (open's work, raced against a stall). */
   static async #build(
     io: SsdIo,
+    fs: OpenFs,
     locks: Map<string, Deno.FsFile | Error>,
     opts: ResolvedOptions,
     options: SsdTierOptions,
     log: Logger,
   ): Promise<SsdTier> {
-    const files = await openCacheFiles(io.uring, io, locks, opts, !!options.reset, log);
+    const files = await openCacheFiles(io.uring, io, locks, fs, opts, !!options.reset, log);
     const index = new SsdIndex();
     const ring = new SegmentRing(files, opts.segmentBytes, (seg) => index.dropSegment(seg));
     const rfiles: RecoveryFile[] = files.map((f) => ({

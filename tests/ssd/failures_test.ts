@@ -218,7 +218,7 @@ Deno.test("a close whose fdatasync fails still frees the ring and every file's l
     tier.files[0].handle = real + 1000; // a handle the ring does not know: its sync fails
     await assert.rejects(tier.close(), /pf_file_sync/);
     // The lock went with the close: the path can be locked again (the same process included).
-    const again = lockCacheFile(path, 0);
+    const again = await lockCacheFile(path, 0);
     again.close();
   } finally {
     await h.close();

@@ -1,0 +1,302 @@
+/**
+ * The filesystem calls of the SSD tier's open, each off the JS thread and
+ * bounded by a deadline. On a hung disk or a dead network mount a stat, an
+ * open, a statvfs or an ftruncate of the cache path never returns; made on
+ * the server's only JS thread (`Deno.statSync`, a plain FFI call), it froze
+ * the server's start for good, saying nothing. Here every such call runs
+ * where a hang cannot stop the thread (Deno's async fs ops; the library's
+ * file calls as `nonblocking` FFI, on a worker thread) and is raced against
+ * the deadline (`ioStallMs`, the one the open's io batches have). The first
+ * call past it gives up the open ({@link SsdFsHung}, naming the call, the
+ * path and the deadline) and every later call is refused at once: nothing
+ * of the open goes on. A call that returns after its deadline acts on
+ * nothing: what it opened is closed ({@link OpenFs.settled} says when).
+ *
+ * @module
+ */
+
+import { libraryPath, loadLibrary } from "../../ffi/symbols.ts";
+import {
+  decodeFileProps,
+  decodeFsUsage,
+  FILE_PROPS_BYTES,
+  type FileInfo,
+  FS_USAGE_BYTES,
+  type FsSpace,
+} from "../../ffi/structs.ts";
+import { PegaflowIoError } from "../../ffi/uring.ts";
+import { DEFAULT_IO_STALL_MS } from "./io.ts";
+import { errorText, type Logger } from "../log.ts";
+
+/** A filesystem call of the open did not return by its deadline: the open gives up. */
+export class SsdFsHung extends Error {
+  override name = "SsdFsHung";
+  constructor(readonly op: string, readonly path: string, readonly deadlineMs: number) {
+    super(`${op} of ${path} did not return within ${deadlineMs} ms`);
+  }
+}
+
+/** Rethrows `e` when it is a give-up: a per-path catch must not take it for an unusable path. */
+export function passHung(e: unknown): void {
+  if (e instanceof SsdFsHung) throw e;
+}
+
+/**
+ * The library's file calls, `nonblocking`: each runs on a thread of Deno's
+ * blocking pool, so one that hangs in the kernel leaves the JS thread free.
+ * (The same entry points as ffi/uring.ts, whose calls run on the JS thread.)
+ * A failure's text stays in that thread's `pf_last_error`; the callers check
+ * what they can with Deno's own ops first, so the usual failures (a missing
+ * directory, no permission, not a regular file) keep their OS text.
+ */
+const OFF_THREAD_SYMBOLS = {
+  pf_file_open: {
+    parameters: ["u32", "buffer", "u32", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
+  pf_file_info: { parameters: ["u32", "buffer"], result: "i32", nonblocking: true },
+  pf_file_close: { parameters: ["u32"], result: "i32", nonblocking: true },
+  pf_fs_space: { parameters: ["buffer", "buffer"], result: "i32", nonblocking: true },
+} as const satisfies Deno.ForeignLibraryInterface;
+
+let offThreadLib: Deno.DynamicLibrary<typeof OFF_THREAD_SYMBOLS> | undefined;
+
+function offThread(): Deno.DynamicLibrary<typeof OFF_THREAD_SYMBOLS>["symbols"] {
+  if (!offThreadLib) {
+    loadLibrary(); // checks the path and the ABI version first, with clear errors
+    offThreadLib = Deno.dlopen(libraryPath(), OFF_THREAD_SYMBOLS);
+  }
+  return offThreadLib.symbols;
+}
+
+const PF_NAMES: Record<number, string> = {
+  [-1]: "PF_EINVAL",
+  [-2]: "PF_EHANDLE",
+  [-4]: "PF_ENOMEM",
+  [-6]: "PF_EBUSY",
+  [-8]: "PF_EIO",
+  [-9]: "PF_ESHUTDOWN",
+};
+
+function offThreadError(call: string, rc: number): PegaflowIoError {
+  return new PegaflowIoError(
+    call,
+    rc,
+    `${PF_NAMES[rc] ?? "error"} (run off the JS thread: the library's text of it is not kept)`,
+  );
+}
+
+function cstr(s: string): Uint8Array {
+  const b = new TextEncoder().encode(s + "\0");
+  if (b.indexOf(0) !== b.length - 1) throw new TypeError(`path contains a NUL byte: ${s}`);
+  return b;
+}
+
+const LATE = Symbol("late");
+
+/** `p`'s outcome, or LATE once `ms` passed first (`p` goes on; a rejection is rethrown). */
+async function within<T>(p: Promise<T>, ms: number): Promise<T | typeof LATE> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<typeof LATE>((r) => (timer = setTimeout(() => r(LATE), ms)));
+  try {
+    return await Promise.race([p, late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/**
+ * The bounded filesystem calls of one open.
+ *
+ * @example
+ * ```ts
+ * const fs = new OpenFs(opts.ioStallMs, log);
+ * const info = await fs.stat(path); // SsdFsHung past the deadline
+ * // after a give-up: await fs.settled() before closing what the calls used
+ * ```
+ */
+export class OpenFs {
+  readonly deadlineMs: number;
+  readonly #log: Logger | undefined;
+  readonly #running = new Set<Promise<void>>();
+  readonly #closeAfter: { close(): void }[] = [];
+  #hung: SsdFsHung | undefined;
+
+  constructor(deadlineMs = DEFAULT_IO_STALL_MS, log?: Logger) {
+    this.deadlineMs = deadlineMs;
+    this.#log = log;
+  }
+
+  /**
+   * `start()`'s result, or {@link SsdFsHung} once it did not settle within the
+   * deadline (and at once after an earlier give-up). A result that comes
+   * after the deadline is handed to `dispose` (close what it opened), never
+   * to the caller.
+   */
+  async call<T>(
+    op: string,
+    path: string,
+    start: () => Promise<T>,
+    dispose?: (late: T) => unknown,
+  ): Promise<T> {
+    if (this.#hung) throw this.#hung;
+    const t0 = performance.now();
+    const work = start();
+    this.#track(work);
+    const first = await within(work, this.deadlineMs);
+    if (first !== LATE) return first;
+    this.#hung = new SsdFsHung(op, path, this.deadlineMs);
+    const returned = (outcome: string) =>
+      this.#log?.warn("SSD open: a filesystem call returned after its deadline", {
+        op,
+        path,
+        deadline_ms: this.deadlineMs,
+        returned_after_ms: Math.round(performance.now() - t0),
+        outcome,
+      });
+    this.#track(work.then(async (late) => {
+      try {
+        if (dispose) await dispose(late);
+        returned(dispose ? "returned; what it opened is closed" : "returned");
+      } catch (e) {
+        returned(`returned; closing what it opened failed: ${errorText(e)}`);
+      }
+    }, (e) => returned(`failed: ${errorText(e)}`)));
+    throw this.#hung;
+  }
+
+  /**
+   * `start()`'s result, or undefined past the deadline, without giving up
+   * the open (for what only improves a message, e.g. a lock holder's command).
+   */
+  async optional<T>(start: () => Promise<T>): Promise<T | undefined> {
+    const work = start();
+    this.#track(work);
+    const first = await within(work, this.deadlineMs).catch(() => undefined);
+    return first === LATE ? undefined : first;
+  }
+
+  /**
+   * Resolves once no call is running off the thread (a late one returned and
+   * was disposed) and what {@link closeWhenSettled} was given is closed.
+   */
+  async settled(): Promise<void> {
+    while (this.#running.size > 0) await Promise.all(this.#running);
+    for (const f of this.#closeAfter.splice(0)) {
+      try {
+        f.close();
+      } catch (e) {
+        this.#log?.error("SSD open: closing a file after a hung call failed", {
+          error: errorText(e),
+        });
+      }
+    }
+  }
+
+  /**
+   * Closes `f` once no call runs ({@link settled}): after a give-up, a close
+   * (which flushes, and drops a lock) must not wait on this thread for the
+   * filesystem that hung.
+   */
+  closeWhenSettled(f: { close(): void }): void {
+    this.#closeAfter.push(f);
+  }
+
+  #track(p: Promise<unknown>): void {
+    const done: Promise<void> = p.then(() => {}, () => {}).finally(() =>
+      this.#running.delete(done)
+    );
+    this.#running.add(done);
+  }
+
+  // ---- Deno's fs ops --------------------------------------------------------
+
+  /** `stat` (follows links). */
+  stat(path: string): Promise<Deno.FileInfo> {
+    return this.call("stat", path, () => Deno.stat(path));
+  }
+
+  /** Opens `path` read-write, creating it; a file opened past the deadline is closed. */
+  openRw(path: string): Promise<Deno.FsFile> {
+    return this.call(
+      "open",
+      path,
+      () => Deno.open(path, { read: true, write: true, create: true }),
+      (f) => f.close(),
+    );
+  }
+
+  /** `fstat` of an open file. */
+  fstat(f: Deno.FsFile, path: string): Promise<Deno.FileInfo> {
+    return this.call("fstat", path, () => f.stat());
+  }
+
+  /** `flock(LOCK_NB)`: true when taken. */
+  tryLock(f: Deno.FsFile, path: string): Promise<boolean> {
+    return this.call("flock", path, () => f.tryLock(true));
+  }
+
+  /** `ftruncate` through an open file of `path`. */
+  truncate(f: Deno.FsFile, path: string, bytes: number): Promise<void> {
+    return this.call(`ftruncate to ${bytes} bytes`, path, async () => {
+      try {
+        await f.truncate(bytes);
+      } catch (e) {
+        throw new Error(`ftruncate ${path} to ${bytes} bytes: ${(e as Error).message}`);
+      }
+    });
+  }
+
+  /** A whole (small) file's text, e.g. `/proc/locks`. */
+  readText(path: string): Promise<string> {
+    return this.call("read", path, () => Deno.readTextFile(path));
+  }
+
+  // ---- the library's file calls ----------------------------------------------
+
+  /** `pf_file_open` on `uring` (opens and registers the file); its handle. */
+  openFile(uring: number, path: string, flags: number): Promise<number> {
+    return this.call("open for io", path, async () => {
+      const name = cstr(path);
+      const out = new Uint32Array(1);
+      const rc = await offThread().pf_file_open(uring, name, flags, out);
+      void name; // kept alive until the call returned
+      if (rc < 0) throw offThreadError(`pf_file_open(${path})`, rc);
+      return out[0];
+    }, async (late) => {
+      const rc = await offThread().pf_file_close(late);
+      if (rc < 0) throw offThreadError(`pf_file_close(${path})`, rc);
+    });
+  }
+
+  /** `pf_file_info` (an fstat): size and O_DIRECT of an open file. */
+  fileInfo(handle: number, path: string): Promise<FileInfo> {
+    return this.call("fstat", path, async () => {
+      const out = new Uint8Array(FILE_PROPS_BYTES);
+      const rc = await offThread().pf_file_info(handle, out);
+      if (rc < 0) throw offThreadError(`pf_file_info(${path})`, rc);
+      return decodeFileProps(out);
+    });
+  }
+
+  /** `pf_fs_space` (a statvfs) of the filesystem holding `path`. */
+  fsSpace(path: string): Promise<FsSpace> {
+    return this.call("statvfs", path, async () => {
+      const name = cstr(path);
+      const out = new Uint8Array(FS_USAGE_BYTES);
+      const rc = await offThread().pf_fs_space(name, out);
+      void name;
+      if (rc < 0) throw offThreadError(`pf_fs_space(${path})`, rc);
+      return decodeFsUsage(out);
+    });
+  }
+
+  /** `pf_file_close`: closes a file opened with {@link openFile}. */
+  closeFile(handle: number, path: string): Promise<void> {
+    return this.call("close", path, async () => {
+      const rc = await offThread().pf_file_close(handle);
+      if (rc < 0) throw offThreadError(`pf_file_close(${path})`, rc);
+    });
+  }
+}

@@ -1,0 +1,191 @@
+/**
+ * A filesystem that hangs while the SSD tier opens (a dead network mount, a
+ * hung disk), as a real mount: a FUSE filesystem (tests/ssd/_fuse_hang.ts)
+ * that holds one kind of request, so the tier's syscall blocks in the kernel
+ * and does not return. Before, the open made these calls on the server's
+ * only JS thread (Deno.statSync/openSync, FFI calls on that thread): it
+ * froze there for good and never said why. Now `open()` must give up at its
+ * deadline (`ioStallMs`) with an `SsdOpenHungError` (an `SsdOpenError`, so
+ * the server serves from RAM) naming the call, the path and the deadline,
+ * logged; once the call returns, nothing of the open goes on and nothing it
+ * opened is left open (this process's fd count is back where it was), and
+ * the cache file's lock is free again.
+ */
+import assert from "node:assert/strict";
+import {
+  SsdOpenError,
+  SsdOpenHungError,
+  SsdTier,
+  type SsdTierOptions,
+} from "../../lib/ssd/tier.ts";
+import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
+import { Logger } from "../../lib/log.ts";
+import { parseServeArgs } from "../../lib/server/config.ts";
+import { startServer } from "../../lib/server/server.ts";
+import { harness, within } from "./_harness.ts";
+import { canFuse, type FuseOp, hangingMount } from "./_fuse_hang.ts";
+
+const MiB = 1 << 20;
+const DEADLINE_MS = 300;
+
+function openFds(): number {
+  return [...Deno.readDirSync("/proc/self/fd")].length;
+}
+
+async function until(cond: () => boolean, ms: number, what: string): Promise<void> {
+  const end = performance.now() + ms;
+  while (!cond()) {
+    if (performance.now() > end) throw new Error(`${what} did not happen within ${ms} ms`);
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
+interface Case {
+  /** The FUSE request held, and which one of its kind. */
+  hold: FuseOp;
+  nth: number;
+  /** The call the error must name. */
+  op: string;
+  /** Whether the io engine was open when the call hung (the pool stays held till it returns). */
+  engine: boolean;
+  /** Whether the hung call opens a file (closed when it returns late). */
+  opens: boolean;
+}
+
+/**
+ * Opens a tier on a FUSE mount that holds `c.hold`, and checks the give-up,
+ * the error, the log, and that after the release nothing leaked.
+ */
+async function hungOpen(c: Case): Promise<void> {
+  const h = await harness();
+  const mnt = `${h.dir}/mnt`;
+  await Deno.mkdir(mnt);
+  const m = await hangingMount(mnt, c.hold, c.nth, 4_000);
+  const file = `${mnt}/pegaflow-ssd.cache`;
+  try {
+    const fds = openFds();
+    const t0 = performance.now();
+    const opened = h.openTier({
+      paths: [mnt],
+      capacityBytes: 8 * MiB,
+      segmentBytes: MiB,
+      ioStallMs: DEADLINE_MS,
+    });
+    const err = await within(opened.catch((e) => e), 3_000, "open on a hung filesystem");
+    const waited = performance.now() - t0;
+    await within(m.held, 100, `the filesystem holding a ${c.hold}`);
+    assert.ok(err instanceof SsdOpenHungError, String(err));
+    assert.ok(err instanceof SsdOpenError, "the server serves from RAM");
+    assert.ok(
+      waited >= DEADLINE_MS - 5 && waited < DEADLINE_MS + 1_500,
+      `gave up after ${waited} ms`,
+    );
+    const said = `${c.op} of ${file} did not return within ${DEADLINE_MS} ms`;
+    assert.ok(err.message.includes(said), err.message);
+    assert.equal(err.path, file);
+    assert.equal(err.op, c.op);
+    assert.ok(
+      h.logs.some((l) =>
+        l.includes('"level":"error"') && l.includes(said) && l.includes(`"path":"${file}"`) &&
+        l.includes(`"deadline_ms":${DEADLINE_MS}`)
+      ),
+      h.logs.join("\n"),
+    );
+    assert.equal(!!err.stillOpen(), c.engine, "the engine is held while the call hangs");
+    // The call returns: what the open held closes, and the open does not go on.
+    const logged = h.logs.length;
+    await m.release();
+    await within(err.engineClosed, 3_000, "the abandoned open's files closing");
+    assert.equal(err.stillOpen(), undefined);
+    await until(() => openFds() === fds, 2_000, `the fd count back to ${fds} (now ${openFds()})`);
+    const after = h.logs.slice(logged);
+    const late = c.opens ? "returned; what it opened is closed" : "returned after its deadline";
+    assert.ok(after.some((l) => l.includes(late)), after.join("\n"));
+    assert.ok(!after.some((l) => l.includes("rebuilding the SSD index")), after.join("\n"));
+    const lock = await lockCacheFile(file, 0);
+    lock.close();
+  } finally {
+    await m.close();
+    await h.close();
+  }
+}
+
+Deno.test({
+  name:
+    "a cache file whose open hangs (the lock's open, a dead mount): open gives up at its deadline naming the open, the path and the deadline; the late file is closed",
+  ignore: !canFuse,
+  fn: () => hungOpen({ hold: "CREATE", nth: 1, op: "open", engine: false, opens: true }),
+});
+
+Deno.test({
+  name:
+    "a cache file whose open for io hangs (pf_file_open): open gives up at its deadline; the engine closes the late file once it returns",
+  ignore: !canFuse,
+  fn: () => hungOpen({ hold: "OPEN", nth: 1, op: "open for io", engine: true, opens: true }),
+});
+
+Deno.test({
+  name:
+    "a filesystem whose statvfs hangs (the free-space check): open gives up at its deadline naming statvfs and the path",
+  ignore: !canFuse,
+  fn: () => hungOpen({ hold: "STATFS", nth: 1, op: "statvfs", engine: true, opens: false }),
+});
+
+Deno.test({
+  name:
+    "a cache file whose ftruncate hangs (sizing it): open gives up at its deadline naming ftruncate and the path",
+  ignore: !canFuse,
+  fn: () =>
+    hungOpen({ hold: "SETATTR", nth: 1, op: "ftruncate to 0 bytes", engine: true, opens: false }),
+});
+
+Deno.test({
+  name:
+    "a server whose SSD cache path hangs starts without the SSD tier, saying why, and stops cleanly once the call returned",
+  ignore: !canFuse,
+  async fn() {
+    const dir = await Deno.makeTempDir({ prefix: "pf-open-hang-" });
+    const m = await hangingMount(dir, "OPEN", 1, 4_000);
+    // The server's tier, with a short deadline (the default is 30 s).
+    const open = SsdTier.open;
+    SsdTier.open = (o: SsdTierOptions) => open({ ...o, ioStallMs: DEADLINE_MS });
+    const logs: string[] = [];
+    const log = new Logger("debug", {}, (line) => logs.push(line));
+    try {
+      const parsed = parseServeArgs([
+        "--addr",
+        "127.0.0.1:0",
+        "--backend",
+        "host",
+        "--pool-size",
+        "64mb",
+        "--ssd-cache-path",
+        dir,
+        "--ssd-cache-capacity",
+        "16mb",
+        "--ssd-segment-size",
+        "4mb",
+      ]);
+      assert.equal(parsed.kind, "config");
+      if (parsed.kind !== "config") return;
+      const server = await within(startServer(parsed.config, log), 3_000, "the server's start");
+      const file = `${dir}/pegaflow-ssd.cache`;
+      assert.ok(
+        logs.some((l) =>
+          l.includes('"level":"error"') && l.includes("SSD tier disabled") &&
+          l.includes(`open for io of ${file} did not return within ${DEADLINE_MS} ms`)
+        ),
+        logs.join("\n"),
+      );
+      assert.ok(!logs.some((l) => l.includes("SSD tier ready")), logs.join("\n"));
+      await m.release();
+      await until(() => logs.some((l) => l.includes("SSD open abandoned")), 3_000, "the release");
+      await within(server.close(), 5_000, "the server's stop");
+      assert.ok(!logs.some((l) => l.includes("left to process exit")), logs.join("\n"));
+    } finally {
+      SsdTier.open = open;
+      await m.close();
+      await Deno.remove(dir, { recursive: true }).catch(() => {});
+    }
+  },
+});
