@@ -9,6 +9,7 @@
  *
  * @module
  */
+import { statusName } from "./native.ts";
 import { libraryPath, loadLibrary } from "./symbols.ts";
 import {
   decodeFileProps,
@@ -41,6 +42,33 @@ export const URING_SYMBOLS = {
   pf_file_drop_cache: { parameters: ["u32"], result: "i32" },
   pf_file_close: { parameters: ["u32"], result: "i32" },
   pf_fs_space: { parameters: ["buffer", "buffer"], result: "i32" },
+  // The file calls of an open that must not stall the JS thread (a hung disk,
+  // a dead mount): the same four functions, off it. A failure's text stays in
+  // the pf_last_error of the thread that ran the call.
+  pf_file_open_off_thread: {
+    name: "pf_file_open",
+    parameters: ["u32", "buffer", "u32", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
+  pf_file_info_off_thread: {
+    name: "pf_file_info",
+    parameters: ["u32", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
+  pf_file_close_off_thread: {
+    name: "pf_file_close",
+    parameters: ["u32"],
+    result: "i32",
+    nonblocking: true,
+  },
+  pf_fs_space_off_thread: {
+    name: "pf_fs_space",
+    parameters: ["buffer", "buffer"],
+    result: "i32",
+    nonblocking: true,
+  },
   pf_errno_text: { parameters: ["i32", "buffer", "u32"], result: "i32" },
   pf_io_submit: { parameters: ["u32", "buffer", "u64", "u64"], result: "i32" },
   // Checksums a whole batch (MBs): off the JS thread.
@@ -159,6 +187,77 @@ function cstr(s: string): Uint8Array {
 export function fsSpace(path: string): FsSpace {
   const out = new Uint8Array(FS_USAGE_BYTES);
   check(`pf_fs_space(${path})`, uringLib().pf_fs_space(cstr(path), out));
+  return decodeFsUsage(out);
+}
+
+/**
+ * A failure of a call run off the JS thread: its status by name, without the
+ * library's text (that stays in the pf_last_error of the thread that ran it).
+ */
+function offThreadError(call: string, rc: number): PegaflowIoError {
+  return new PegaflowIoError(
+    call,
+    rc,
+    `${statusName(rc)} (run off the JS thread: the library's text of it is not kept)`,
+  );
+}
+
+/** `call` naming `path` when one is given. */
+function naming(call: string, path: string | undefined): string {
+  return path === undefined ? call : `${call}(${path})`;
+}
+
+/**
+ * `pf_file_open` off the JS thread ({@link Uring.openFile}, for a path whose
+ * filesystem may hang): opens and registers `path` on the io_uring `uring`.
+ *
+ * @returns the file's handle.
+ * @throws PegaflowIoError with the status's name, not the library's text.
+ * @example
+ * ```ts
+ * const f = await openFileOffThread(u.handle, "/mnt/nvme/pf.cache", FileFlag.CREATE);
+ * ```
+ */
+export async function openFileOffThread(
+  uring: number,
+  path: string,
+  flags: number,
+): Promise<number> {
+  const name = cstr(path);
+  const out = new Uint32Array(1);
+  const rc = await uringLib().pf_file_open_off_thread(uring, name, flags, out);
+  void name; // kept alive until the call returned
+  if (rc < 0) throw offThreadError(`pf_file_open(${path})`, rc);
+  return out[0];
+}
+
+/**
+ * `pf_file_info` (an fstat) off the JS thread: {@link Uring.fileInfo}.
+ * `path` only names the file in a failure.
+ */
+export async function fileInfoOffThread(file: number, path?: string): Promise<FileInfo> {
+  const out = new Uint8Array(FILE_PROPS_BYTES);
+  const rc = await uringLib().pf_file_info_off_thread(file, out);
+  if (rc < 0) throw offThreadError(naming("pf_file_info", path), rc);
+  return decodeFileProps(out);
+}
+
+/**
+ * `pf_file_close` off the JS thread: {@link Uring.closeFile}. `path` only
+ * names the file in a failure.
+ */
+export async function closeFileOffThread(file: number, path?: string): Promise<void> {
+  const rc = await uringLib().pf_file_close_off_thread(file);
+  if (rc < 0) throw offThreadError(naming("pf_file_close", path), rc);
+}
+
+/** `pf_fs_space` (a statvfs) off the JS thread: {@link fsSpace}. */
+export async function fsSpaceOffThread(path: string): Promise<FsSpace> {
+  const name = cstr(path);
+  const out = new Uint8Array(FS_USAGE_BYTES);
+  const rc = await uringLib().pf_fs_space_off_thread(name, out);
+  void name; // kept alive until the call returned
+  if (rc < 0) throw offThreadError(`pf_fs_space(${path})`, rc);
   return decodeFsUsage(out);
 }
 

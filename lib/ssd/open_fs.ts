@@ -5,7 +5,7 @@
  * the server's only JS thread (`Deno.statSync`, a plain FFI call), it froze
  * the server's start for good, saying nothing. Here every such call runs
  * where a hang cannot stop the thread (Deno's async fs ops; the library's
- * file calls as `nonblocking` FFI, on a worker thread) and is raced against
+ * file calls off the JS thread, ffi/uring.ts) and is raced against
  * the deadline (`ioStallMs`, the one the open's io batches have). The first
  * call past it gives up the open ({@link SsdFsHung}, naming the call, the
  * path and the deadline) and every later call is refused at once: nothing
@@ -15,16 +15,13 @@
  * @module
  */
 
-import { libraryPath, loadLibrary } from "../../ffi/symbols.ts";
+import type { FileInfo, FsSpace } from "../../ffi/structs.ts";
 import {
-  decodeFileProps,
-  decodeFsUsage,
-  FILE_PROPS_BYTES,
-  type FileInfo,
-  FS_USAGE_BYTES,
-  type FsSpace,
-} from "../../ffi/structs.ts";
-import { PegaflowIoError } from "../../ffi/uring.ts";
+  closeFileOffThread,
+  fileInfoOffThread,
+  fsSpaceOffThread,
+  openFileOffThread,
+} from "../../ffi/uring.ts";
 import { DEFAULT_IO_STALL_MS } from "./io.ts";
 import { errorText, type Logger } from "../log.ts";
 
@@ -39,58 +36,6 @@ export class SsdFsHung extends Error {
 /** Rethrows `e` when it is a give-up: a per-path catch must not take it for an unusable path. */
 export function passHung(e: unknown): void {
   if (e instanceof SsdFsHung) throw e;
-}
-
-/**
- * The library's file calls, `nonblocking`: each runs on a thread of Deno's
- * blocking pool, so one that hangs in the kernel leaves the JS thread free.
- * (The same entry points as ffi/uring.ts, whose calls run on the JS thread.)
- * A failure's text stays in that thread's `pf_last_error`; the callers check
- * what they can with Deno's own ops first, so the usual failures (a missing
- * directory, no permission, not a regular file) keep their OS text.
- */
-const OFF_THREAD_SYMBOLS = {
-  pf_file_open: {
-    parameters: ["u32", "buffer", "u32", "buffer"],
-    result: "i32",
-    nonblocking: true,
-  },
-  pf_file_info: { parameters: ["u32", "buffer"], result: "i32", nonblocking: true },
-  pf_file_close: { parameters: ["u32"], result: "i32", nonblocking: true },
-  pf_fs_space: { parameters: ["buffer", "buffer"], result: "i32", nonblocking: true },
-} as const satisfies Deno.ForeignLibraryInterface;
-
-let offThreadLib: Deno.DynamicLibrary<typeof OFF_THREAD_SYMBOLS> | undefined;
-
-function offThread(): Deno.DynamicLibrary<typeof OFF_THREAD_SYMBOLS>["symbols"] {
-  if (!offThreadLib) {
-    loadLibrary(); // checks the path and the ABI version first, with clear errors
-    offThreadLib = Deno.dlopen(libraryPath(), OFF_THREAD_SYMBOLS);
-  }
-  return offThreadLib.symbols;
-}
-
-const PF_NAMES: Record<number, string> = {
-  [-1]: "PF_EINVAL",
-  [-2]: "PF_EHANDLE",
-  [-4]: "PF_ENOMEM",
-  [-6]: "PF_EBUSY",
-  [-8]: "PF_EIO",
-  [-9]: "PF_ESHUTDOWN",
-};
-
-function offThreadError(call: string, rc: number): PegaflowIoError {
-  return new PegaflowIoError(
-    call,
-    rc,
-    `${PF_NAMES[rc] ?? "error"} (run off the JS thread: the library's text of it is not kept)`,
-  );
-}
-
-function cstr(s: string): Uint8Array {
-  const b = new TextEncoder().encode(s + "\0");
-  if (b.indexOf(0) !== b.length - 1) throw new TypeError(`path contains a NUL byte: ${s}`);
-  return b;
 }
 
 const LATE = Symbol("late");
@@ -253,50 +198,34 @@ export class OpenFs {
     return this.call("read", path, () => Deno.readTextFile(path));
   }
 
-  // ---- the library's file calls ----------------------------------------------
+  // ---- the library's file calls (ffi/uring.ts, off the JS thread) ------------
+  // A failure's text stays on the thread that ran the call (it names the call,
+  // the path and the status only); the callers check what they can with
+  // Deno's own ops first, so the usual failures (a missing directory, no
+  // permission, not a regular file) keep their OS text.
 
   /** `pf_file_open` on `uring` (opens and registers the file); its handle. */
   openFile(uring: number, path: string, flags: number): Promise<number> {
-    return this.call("open for io", path, async () => {
-      const name = cstr(path);
-      const out = new Uint32Array(1);
-      const rc = await offThread().pf_file_open(uring, name, flags, out);
-      void name; // kept alive until the call returned
-      if (rc < 0) throw offThreadError(`pf_file_open(${path})`, rc);
-      return out[0];
-    }, async (late) => {
-      const rc = await offThread().pf_file_close(late);
-      if (rc < 0) throw offThreadError(`pf_file_close(${path})`, rc);
-    });
+    return this.call(
+      "open for io",
+      path,
+      () => openFileOffThread(uring, path, flags),
+      (late) => closeFileOffThread(late, path),
+    );
   }
 
   /** `pf_file_info` (an fstat): size and O_DIRECT of an open file. */
   fileInfo(handle: number, path: string): Promise<FileInfo> {
-    return this.call("fstat", path, async () => {
-      const out = new Uint8Array(FILE_PROPS_BYTES);
-      const rc = await offThread().pf_file_info(handle, out);
-      if (rc < 0) throw offThreadError(`pf_file_info(${path})`, rc);
-      return decodeFileProps(out);
-    });
+    return this.call("fstat", path, () => fileInfoOffThread(handle, path));
   }
 
   /** `pf_fs_space` (a statvfs) of the filesystem holding `path`. */
   fsSpace(path: string): Promise<FsSpace> {
-    return this.call("statvfs", path, async () => {
-      const name = cstr(path);
-      const out = new Uint8Array(FS_USAGE_BYTES);
-      const rc = await offThread().pf_fs_space(name, out);
-      void name;
-      if (rc < 0) throw offThreadError(`pf_fs_space(${path})`, rc);
-      return decodeFsUsage(out);
-    });
+    return this.call("statvfs", path, () => fsSpaceOffThread(path));
   }
 
   /** `pf_file_close`: closes a file opened with {@link openFile}. */
   closeFile(handle: number, path: string): Promise<void> {
-    return this.call("close", path, async () => {
-      const rc = await offThread().pf_file_close(handle);
-      if (rc < 0) throw offThreadError(`pf_file_close(${path})`, rc);
-    });
+    return this.call("close", path, () => closeFileOffThread(handle, path));
   }
 }
