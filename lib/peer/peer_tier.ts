@@ -342,7 +342,7 @@ export class PeerTier implements Tier {
       if ("res" in l) return { ...l, hashes: part.slice(0, l.res.checksums.length) };
       if (l.abandon) this.#track(l.abandon); // the owner may grant it yet: it ends it then
       // Its socket is gone (a restart, maybe on another port): handshake again next time.
-      if (l.socketGone) this.#xferPeers.drop(owner.addr, link.peer);
+      if (l.socketGone) void this.#xferPeers.drop(owner.addr, link.peer);
       fail(l.why, l.fields);
     };
     const per = Math.max(1, Math.floor(this.#chunkBytes / (expect.payloadBytes ?? 1)));
@@ -372,7 +372,7 @@ export class PeerTier implements Tier {
       // Not past the owner's lock: once it expired, the owner may reuse the ranges.
       deadlineMs: Math.min(this.#fetchTimeout, Math.floor(part.expiresAt - monotonicNow())),
       log: this.#o.log,
-      dropPeer: () => this.#xferPeers.drop(owner.addr, peer),
+      dropPeer: () => void this.#xferPeers.drop(owner.addr, peer),
     });
   }
 
@@ -422,7 +422,7 @@ export class PeerTier implements Tier {
     this.#track(releaseAll());
     // Checksums were recorded as each chunk committed (read.ts); those still held are advertised.
     if (good.length > 0) this.#o.host.committed(namespace, good);
-    if (failed && peer.state().broken !== 0) this.#xferPeers.drop(owner.addr, peer);
+    if (failed && peer.state().broken !== 0) void this.#xferPeers.drop(owner.addr, peer);
     if (failed) {
       fail(failed.statusName === "PF_ETIMEDOUT" ? "timeout" : "transfer", {
         owner: owner.nodeId,

@@ -76,14 +76,16 @@ export class XferPeers {
    * A broken peer is closed (what it still has in flight ends first) and
    * reconnected next time. A peer that is no longer the owner's link (another
    * fetch dropped it and a third made a new one) is only closed: the new
-   * link stays.
+   * link stays. Returns at once (a fetch does not wait for the close);
+   * the promise settles once the peer is closed (never rejects: a failed
+   * close is logged).
    */
-  drop(addr: string, peer: XferPeer): void {
+  drop(addr: string, peer: XferPeer): Promise<void> {
     if (this.#connected.get(addr) === peer) {
       this.#peers.delete(addr);
       this.#connected.delete(addr);
     }
-    peer.close().catch((e: Error) =>
+    return peer.close().catch((e: Error) =>
       this.#log.warn("closing a broken transfer peer failed", { addr, error: e.message })
     );
   }
