@@ -160,9 +160,10 @@ def test_a_second_engine_with_another_engine_id_is_refused_naming_both_and_the_f
             region.close()
 
 
-def test_a_config_without_an_engine_id_gets_one_per_config_shared_by_its_connectors(uid):
-    """A host config without vLLM's engine_id (None, or no such attribute): one uuid4 per config
-    object, the same for every role built from it, and the instance id's default unchanged."""
+def test_a_config_without_an_engine_id_registers_none_and_keeps_the_instance_default(uid):
+    """A host config without vLLM's engine_id (None, or no such attribute): no engine id ("", not
+    checked by the server): one made up per process would differ between the workers, each of
+    which unpickles its own copy of the config. The instance id's default is unchanged."""
 
     def cfg(kt) -> VllmConfig:
         return VllmConfig(
@@ -175,14 +176,34 @@ def test_a_config_without_an_engine_id_gets_one_per_config_shared_by_its_connect
     none.engine_id = None  # set after vLLM's __post_init__
     bare = types.SimpleNamespace(kv_connector_extra_config={})
     for kt in (none, bare):
-        one, again = ConnectorSettings.from_vllm(cfg(kt), env), ConnectorSettings.from_vllm(cfg(kt), env)
-        assert one.engine_id and one.engine_id == again.engine_id
+        one = ConnectorSettings.from_vllm(cfg(kt), env)
+        again = ConnectorSettings.from_vllm(pickle.loads(pickle.dumps(cfg(kt))), env)
+        assert one.engine_id == again.engine_id == ""
         assert one.instance_id == again.instance_id == "engine-ns-" + uid
-    other = ConnectorSettings.from_vllm(cfg(types.SimpleNamespace(kv_connector_extra_config={})), env)
-    assert other.engine_id != ConnectorSettings.from_vllm(cfg(bare), env).engine_id
     given = KVTransferConfig(engine_id="e-" + uid)
     assert ConnectorSettings.from_vllm(cfg(given), env).engine_id == "e-" + uid
     assert KVTransferConfig().engine_id != KVTransferConfig().engine_id  # vLLM's default: a uuid4 each
+
+
+def test_a_tp2_config_without_an_engine_id_pickled_to_each_worker_registers_both_ranks(server, client, uid):
+    """As vLLM ships it: each worker builds its connector from its own unpickled copy of the
+    config. Without an engine id in it, both ranks still join one instance and round-trip."""
+    cfg = tp2_config(server.addr, uid)
+    cfg.kv_transfer_config.engine_id = None
+    regions, conns = [make_kv(2, 8) for _ in range(2)], []
+    try:
+        for rank in range(2):
+            conns.append(worker(cfg, rank))
+            conns[-1].register_kv_caches(regions[rank][1])
+        regs = [c._w().registration for c in conns]
+        wait_for(lambda: all(r.connected for r in regs), "both ranks to register", timeout_s=5)
+        assert sorted(registered(server, uid)) == [(0, ""), (1, "")]
+        assert round_trip(client, uid, [kv for _, kv in regions]) == []
+    finally:
+        for c in conns:
+            c.shutdown()
+        for region, _ in regions:
+            region.close()
 
 
 def test_after_a_server_restart_every_rank_re_registers_with_the_engines_id(uid):

@@ -74,9 +74,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Set, Tuple
 
@@ -144,9 +141,9 @@ class ConnectorSettings:
     # Longest pause before a request answered "loading" is asked again (pegaflow.loading_retry_ms /
     # PEGAFLOW_LOADING_RETRY_MS; 0 = ask at every call; None = scheduler_core.LOADING_RETRY_MAX_S).
     loading_retry_ms: Optional[int] = None
-    # The engine incarnation every rank registers with (kv_transfer_config.engine_id, else one
-    # uuid4 per config object: `engine_id_of`): the server refuses a rank of another engine
-    # under this instance id.
+    # The engine incarnation every rank registers with (kv_transfer_config.engine_id; "" when the
+    # config has none: `engine_id_of`): the server refuses a rank of another engine under this
+    # instance id.
     engine_id: str = ""
 
     @classmethod
@@ -236,38 +233,22 @@ class ConnectorSettings:
         )
 
 
-#: The engine ids made up for configs without one (`engine_id_of`): id(config) → (a weak
-#: reference to it, the id), so every connector built from one config object gets one id.
-_MADE_UP_ENGINE_IDS: Dict[int, Tuple[Any, str]] = {}
-_MADE_UP_LOCK = threading.Lock()
-
-
 def engine_id_of(kt: Any) -> str:
     """The engine incarnation id the ranks register with: vLLM's `kv_transfer_config.engine_id`
     (a uuid4 vLLM makes once per engine, in `KVTransferConfig.__post_init__`, and pickles to every
-    worker with the config). A config without one (None, or no such attribute: not vLLM's) gets a
-    uuid4 made once for that config object, so the connectors of every role and rank built from
-    it agree; ranks in other processes, built from their own configs, must be given the same id
-    (set `engine_id`; `pegaflow.minivllm` hands its driver's to its ranks), else the server
-    refuses them as another engine. The instance id's default is not changed by it."""
+    worker with the config). A config without one (None, or no such attribute: not vLLM's) gives
+    "": the server does not check it. Every rank must send the same id without talking, and an id
+    made up here would be made once per process: each worker unpickles its own copy of the config,
+    so a TP rank of the engine would be refused as another engine's, and the engine would run
+    without PegaFlow. (A single rank is still refused while another engine holds it.)"""
     eid = getattr(kt, "engine_id", None)
     if eid:
         return str(eid)
-    with _MADE_UP_LOCK:
-        held = _MADE_UP_ENGINE_IDS.get(id(kt))
-        if held is not None and held[0]() is kt:
-            return held[1]
-        eid = str(uuid.uuid4())
-        try:
-            ref: Any = weakref.ref(kt)
-        except TypeError:  # not weakly referenceable: kept alive instead
-            ref = (lambda obj: lambda: obj)(kt)
-        _MADE_UP_ENGINE_IDS[id(kt)] = (ref, eid)
     log.warning(
-        "kv_transfer_config has no engine_id: this engine registers as %s; ranks built from other "
-        "config objects (other processes) must be given the same engine_id, or the server refuses them", eid,
+        "kv_transfer_config has no engine_id: the ranks register without one, so the server cannot "
+        "refuse another engine's rank under this instance id; give the config an engine_id"
     )
-    return eid
+    return ""
 
 
 def _total_layers(mc: Any, pc: Any) -> int:

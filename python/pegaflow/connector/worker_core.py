@@ -375,17 +375,22 @@ class WorkerCore:
             self._hold(ld)
             if intent.scatter_to is not None and not self._stage(ld):
                 continue
+            reg_of_load = self.staging_registration if intent.scatter_to is not None else reg
             if intent.states is not None:
+                if reg_of_load is not None and not reg_of_load.connected:
+                    self._not_registered(ld, reg_of_load)
                 self._attach(ld)
                 continue
             if not reg.connected:
                 ld.done = True
                 self._fail(ld, "not connected to the server")
+                # No Load will use the lease: back now (no wait), not at its TTL. A server that is
+                # up (this rank refused as held by another engine) kept it at every such query.
+                self._give_back(ld)
                 continue
             ld.state = self._state()
             self._arm_gpu(ld)
             try:
-                reg_of_load = self.staging_registration if intent.scatter_to is not None else reg
                 self.client.load(
                     instance_id=reg_of_load.instance_id,
                     tp_rank=self.tp_rank, pp_rank=self.pp_rank,
@@ -410,6 +415,18 @@ class WorkerCore:
                 ld.done = True
                 self._give_back(ld)  # a refused Load leaves its lease as it was
                 self._recycle(ld)
+
+    def _not_registered(self, ld: _Load, reg: KvRegistration) -> None:
+        """A Load the scheduler (or a query) already sent for this rank while the rank is not
+        registered: the server copied it into whatever holds the instance id now (another
+        engine's memory, when this rank is refused as held by another engine: the scheduler
+        side registers nothing and cannot tell), never into this rank's blocks. Failed
+        (recomputed); its state stays mapped until the server settles it, as a copy begun
+        before this rank's session broke may still land in its blocks."""
+        self._fail(ld, f"this rank is not registered ({reg.last_error or 'not connected'}): the scheduler's "
+                       f"Load did not land in its memory")
+        if self.mode == LAYERWISE:
+            ld.timed_out = True  # lingers (blocks held) until the server settles it
 
     def _stage(self, ld: _Load) -> bool:
         """A staged load: False (and failed: its blocks are recomputed) when this rank cannot
