@@ -14,6 +14,7 @@ import { FileFlag, type Uring } from "../../ffi/uring.ts";
 import { decodeSuperblock, encodeSuperblock, newGeneration, PAGE_BYTES } from "./format.ts";
 import type { SsdIo } from "./io.ts";
 import { type OpenFs, passHung } from "./open_fs.ts";
+import type { LockFile } from "./lock_thread.ts";
 import type { Logger } from "../log.ts";
 
 export { CACHE_FILE_NAME } from "./file_lock.ts";
@@ -23,8 +24,8 @@ const FREE_SPACE_RESERVE_FRACTION = 0.02;
 /** One open cache file. */
 export interface CacheFile {
   path: string;
-  /** Held open with the exclusive advisory lock until close. */
-  lock: Deno.FsFile;
+  /** Held open with the exclusive advisory lock until close (on the lock thread). */
+  lock: LockFile;
   handle: number;
   segments: number;
   generation: number;
@@ -74,7 +75,7 @@ interface Found {
 export async function openCacheFiles(
   uring: Uring,
   io: SsdIo,
-  locks: Map<string, Deno.FsFile | Error>,
+  locks: Map<string, LockFile | Error>,
   bounded: OpenFs,
   opts: SizeOptions,
   reset: boolean,
@@ -90,7 +91,7 @@ export async function openCacheFiles(
     if (handle !== undefined) await bounded.closeFile(handle, path);
     found.delete(path);
     const lock = locks.get(path);
-    if (lock && !(lock instanceof Error)) lock.close();
+    if (lock && !(lock instanceof Error)) await bounded.closeLock(lock, path);
     locks.delete(path);
     problems.push(`${path}: ${(e as Error).message}`);
     log.error("SSD cache path is not usable", { path, error: (e as Error).message });
@@ -115,7 +116,7 @@ export async function openCacheFiles(
     sized = true;
     for (const [path, share] of plan) {
       try {
-        const lock = locks.get(path) as Deno.FsFile;
+        const lock = locks.get(path) as LockFile;
         const f = found.get(path)!;
         await sizeCacheFile(bounded, io, path, lock, f, share.segments, opts, log);
       } catch (e) {
@@ -132,7 +133,7 @@ export async function openCacheFiles(
     const f = found.get(path)!;
     return {
       path,
-      lock: locks.get(path) as Deno.FsFile,
+      lock: locks.get(path) as LockFile,
       handle: f.handle,
       segments,
       generation: f.generation,
@@ -315,7 +316,7 @@ async function sizeCacheFile(
   bounded: OpenFs,
   io: SsdIo,
   path: string,
-  lock: Deno.FsFile,
+  lock: LockFile,
   f: Found,
   segments: number,
   opts: SizeOptions,

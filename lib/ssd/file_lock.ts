@@ -2,7 +2,7 @@
  * One server per SSD cache file. Two servers on one file would each append
  * records the other's index does not know and reuse segments under each
  * other's blocks: the first silently loses its cache. So a server takes an
- * exclusive advisory lock (`flock`, through `Deno.FsFile.tryLock`) on
+ * exclusive advisory lock (`flock`, on a thread of its own: lock_thread.ts) on
  * every cache file before it reads or sizes it, holds it while it runs (the
  * kernel drops it when the process dies, even on kill -9), and a second
  * server is refused with the file and the holder's pid.
@@ -14,6 +14,7 @@
  */
 
 import { OpenFs, passHung, SsdFsHung } from "./open_fs.ts";
+import type { LockFile } from "./lock_thread.ts";
 
 /** File created inside a directory given as a cache path. */
 export const CACHE_FILE_NAME = "pegaflow-ssd.cache";
@@ -51,14 +52,14 @@ export class SsdLockedError extends Error {
  * ```ts
  * const lock = await lockCacheFile("/mnt/nvme/pegaflow-ssd.cache");
  * // ... use the file ...
- * lock.close(); // releases the lock
+ * await lock.close(); // releases the lock
  * ```
  */
 export async function lockCacheFile(
   path: string,
   settleMs = LOCK_SETTLE_MS,
   fs = new OpenFs(),
-): Promise<Deno.FsFile> {
+): Promise<LockFile> {
   const f = await fs.openRw(path);
   const until = performance.now() + settleMs;
   try {
@@ -78,7 +79,7 @@ export async function lockCacheFile(
   } catch (e) {
     // A hung filesystem may hang a close too: not on this thread, once the hung call returned.
     if (e instanceof SsdFsHung) fs.closeWhenSettled(f);
-    else f.close();
+    else await fs.closeLock(f, path);
     throw e;
   }
 }
@@ -95,12 +96,12 @@ export async function lockCacheFile(
 export async function lockPaths(
   paths: string[],
   fs: OpenFs,
-  locks: Map<string, Deno.FsFile | Error>,
+  locks: Map<string, LockFile | Error>,
 ): Promise<void> {
   const held: { dev: number; ino: number }[] = [];
   for (const given of paths) {
     let path = given;
-    let mine: Deno.FsFile | undefined;
+    let mine: LockFile | undefined;
     try {
       if (await isDirectory(given, fs)) path = `${given.replace(/\/+$/, "")}/${CACHE_FILE_NAME}`;
       if (locks.has(path)) continue; // the same file named twice is one file
@@ -120,7 +121,7 @@ export async function lockPaths(
       // Unusable (not a directory on the way, a loop, no permission): skipped like the rest.
       if (e instanceof SsdLockedError) throw e;
       passHung(e);
-      mine?.close();
+      if (mine) await fs.closeLock(mine, path);
       if (mine || !locks.has(path)) locks.set(path, e as Error);
     }
   }

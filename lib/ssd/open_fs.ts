@@ -23,6 +23,7 @@ import {
   openFileOffThread,
 } from "../../ffi/uring.ts";
 import { DEFAULT_IO_STALL_MS } from "./io.ts";
+import { type LockFile, type LockFileInfo, LockThread } from "./lock_thread.ts";
 import { errorText, type Logger } from "../log.ts";
 
 /** A filesystem call of the open did not return by its deadline: the open gives up. */
@@ -65,7 +66,9 @@ export class OpenFs {
   readonly deadlineMs: number;
   readonly #log: Logger | undefined;
   readonly #running = new Set<Promise<void>>();
-  readonly #closeAfter: { close(): void }[] = [];
+  readonly #closeAfter: LockFile[] = [];
+  /** Where the lock files' calls run (lock_thread.ts: none of them on the JS thread). */
+  readonly #locks = new LockThread();
   #hung: SsdFsHung | undefined;
 
   constructor(deadlineMs = DEFAULT_IO_STALL_MS, log?: Logger) {
@@ -128,15 +131,37 @@ export class OpenFs {
    */
   async settled(): Promise<void> {
     while (this.#running.size > 0) await Promise.all(this.#running);
-    for (const f of this.#closeAfter.splice(0)) {
-      try {
-        f.close();
-      } catch (e) {
-        this.#log?.error("SSD open: closing a file after a hung call failed", {
-          error: errorText(e),
-        });
-      }
-    }
+    await this.closeLocks(this.#closeAfter.splice(0));
+  }
+
+  /**
+   * Closes lock files (their flocks go with them) on the lock thread, waiting
+   * for them up to the deadline: a close past it goes on there (logged),
+   * without holding up the open's answer. A failure is logged with the path.
+   */
+  async closeLocks(files: Iterable<LockFile | Error>): Promise<void> {
+    const open = [...files].filter((f): f is LockFile => !(f instanceof Error));
+    if (open.length === 0) return;
+    const closed = Promise.all(
+      open.map((f) =>
+        f.close().catch((e) =>
+          this.#log?.error("SSD open: closing a cache file's lock failed", {
+            path: f.path,
+            error: errorText(e),
+          })
+        )
+      ),
+    );
+    if (await within(closed, this.deadlineMs) !== LATE) return;
+    this.#log?.error("SSD open: a cache file's lock did not close within its deadline", {
+      paths: open.map((f) => f.path).join(","),
+      deadline_ms: this.deadlineMs,
+    });
+  }
+
+  /** Closes a lock file (its flock goes with it), bounded like every other call. */
+  closeLock(f: LockFile, path: string): Promise<void> {
+    return this.call("close", path, () => f.close());
   }
 
   /**
@@ -144,7 +169,7 @@ export class OpenFs {
    * (which flushes, and drops a lock) must not wait on this thread for the
    * filesystem that hung.
    */
-  closeWhenSettled(f: { close(): void }): void {
+  closeWhenSettled(f: LockFile): void {
     this.#closeAfter.push(f);
   }
 
@@ -162,28 +187,29 @@ export class OpenFs {
     return this.call("stat", path, () => Deno.stat(path));
   }
 
-  /** Opens `path` read-write, creating it; a file opened past the deadline is closed. */
-  openRw(path: string): Promise<Deno.FsFile> {
-    return this.call(
-      "open",
-      path,
-      () => Deno.open(path, { read: true, write: true, create: true }),
-      (f) => f.close(),
-    );
+  /**
+   * Opens `path` read-write, creating it, on the lock thread (lock_thread.ts:
+   * no call on the file runs on the JS thread); a file opened past the
+   * deadline is closed. The thread's start is not counted in the deadline
+   * (nor made after a give-up: a thread with nothing to do would stay).
+   */
+  async openRw(path: string): Promise<LockFile> {
+    if (!this.#hung) await this.#locks.ready();
+    return await this.call("open", path, () => this.#locks.open(path), (f) => f.close());
   }
 
-  /** `fstat` of an open file. */
-  fstat(f: Deno.FsFile, path: string): Promise<Deno.FileInfo> {
+  /** `fstat` of an open lock file. */
+  fstat(f: LockFile, path: string): Promise<LockFileInfo> {
     return this.call("fstat", path, () => f.stat());
   }
 
   /** `flock(LOCK_NB)`: true when taken. */
-  tryLock(f: Deno.FsFile, path: string): Promise<boolean> {
-    return this.call("flock", path, () => f.tryLock(true));
+  tryLock(f: LockFile, path: string): Promise<boolean> {
+    return this.call("flock", path, () => f.tryLock());
   }
 
-  /** `ftruncate` through an open file of `path`. */
-  truncate(f: Deno.FsFile, path: string, bytes: number): Promise<void> {
+  /** `ftruncate` through an open lock file of `path`. */
+  truncate(f: LockFile, path: string, bytes: number): Promise<void> {
     return this.call(`ftruncate to ${bytes} bytes`, path, async () => {
       try {
         await f.truncate(bytes);

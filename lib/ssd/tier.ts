@@ -59,6 +59,7 @@ import { type PrefetchAllocator, type PrefetchAnswer, SsdPrefetcher } from "./pr
 import type { SsdWriteStats } from "./write_behind.ts";
 import type { SsdReadStats } from "./prefetch.ts";
 import { lockPaths, SsdLockedError } from "./file_lock.ts";
+import type { LockFile } from "./lock_thread.ts";
 import { SsdOpenHungError, SsdOpenStalledError, SsdStalledError } from "./stall.ts";
 import { Logger } from "../log.ts";
 
@@ -203,19 +204,18 @@ export class SsdTier {
     const fs = new OpenFs(opts.ioStallMs, log);
     // Locked before anything opens or sizes a file: two servers on one file
     // would overwrite each other's records (a second server refuses to start).
-    const locks = new Map<string, Deno.FsFile | Error>();
-    const closeLocks = () => {
-      for (const l of locks.values()) if (!(l instanceof Error)) l.close();
-    };
-    // After a hung call nothing closes on this thread before that call returned.
-    const releaseLocks = async () => (await fs.settled(), closeLocks());
+    const locks = new Map<string, LockFile | Error>();
+    // On the lock thread, never this one (lock_thread.ts), and up to the deadline.
+    const closeLocks = () => fs.closeLocks(locks.values());
+    // After a hung call nothing closes before that call returned.
+    const releaseLocks = async () => (await fs.settled(), await closeLocks());
     let uring: Uring;
     try {
       await lockPaths(options.paths, fs, locks);
       uring = Uring.open(opts.pool, options.ring.handle, opts.ioDepth, opts.hdrPages);
     } catch (e) {
       if (e instanceof SsdFsHung) throw hungOpenError(e, releaseLocks, false, log);
-      closeLocks();
+      await closeLocks();
       throw e;
     }
     const io = new SsdIo(uring, opts.pool, options.ring.completions$, opts.ioStallMs);
@@ -227,7 +227,7 @@ export class SsdTier {
       try {
         await uring.close();
       } finally {
-        closeLocks();
+        await closeLocks();
       }
     };
     // A disk that hangs while the tier opens: the open gives up at the stall deadline.
@@ -238,7 +238,7 @@ export class SsdTier {
   static async #build(
     io: SsdIo,
     fs: OpenFs,
-    locks: Map<string, Deno.FsFile | Error>,
+    locks: Map<string, LockFile | Error>,
     opts: ResolvedOptions,
     options: SsdTierOptions,
     log: Logger,
@@ -458,9 +458,13 @@ export class SsdTier {
     try {
       await this.#io.uring.close();
     } finally {
-      for (const f of this.files) f.lock.close();
       this.#engineOpen = false;
-      this.#engineDone();
+      try {
+        // Off this thread (lock_thread.ts); resolved once every lock is dropped.
+        await Promise.all(this.files.map((f) => f.lock.close()));
+      } finally {
+        this.#engineDone();
+      }
     }
   }
 }

@@ -219,7 +219,7 @@ Deno.test("a close whose fdatasync fails still frees the ring and every file's l
     await assert.rejects(tier.close(), /pf_file_sync/);
     // The lock went with the close: the path can be locked again (the same process included).
     const again = await lockCacheFile(path, 0);
-    again.close();
+    await again.close();
   } finally {
     await h.close();
   }

@@ -37,7 +37,7 @@ Deno.test("a lock this process lets go of within the settle time is waited out, 
     const t0 = performance.now();
     const f = await lockCacheFile(path); // retries; the worker's thread lets go at 80 ms
     const waited = performance.now() - t0;
-    f.close();
+    await f.close();
     assert.equal(await released, "released");
     assert.ok(waited >= 40 && waited < 500, `waited ${waited.toFixed(1)} ms`);
   } finally {

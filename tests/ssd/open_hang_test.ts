@@ -28,8 +28,20 @@ import { canFuse, type FuseOp, hangingMount } from "./_fuse_hang.ts";
 const MiB = 1 << 20;
 const DEADLINE_MS = 300;
 
+/**
+ * This process's open files, less the runtime's own (an eventfd, an epoll, a
+ * socket): the lock thread's worker leaves those to Deno, which tears a
+ * worker's runtime down lazily.
+ */
 function openFds(): number {
-  return [...Deno.readDirSync("/proc/self/fd")].length;
+  return [...Deno.readDirSync("/proc/self/fd")].filter((e) => {
+    try {
+      const to = Deno.readLinkSync(`/proc/self/fd/${e.name}`);
+      return !/^(socket:|anon_inode:\[(eventfd|eventpoll)\])/.test(to);
+    } catch {
+      return false; // closed meanwhile (the read of the directory's own fd)
+    }
+  }).length;
 }
 
 async function until(cond: () => boolean, ms: number, what: string): Promise<void> {
@@ -103,7 +115,7 @@ async function hungOpen(c: Case): Promise<void> {
     assert.ok(after.some((l) => l.includes(late)), after.join("\n"));
     assert.ok(!after.some((l) => l.includes("rebuilding the SSD index")), after.join("\n"));
     const lock = await lockCacheFile(file, 0);
-    lock.close();
+    await lock.close();
   } finally {
     await m.close();
     await h.close();
@@ -137,6 +149,64 @@ Deno.test({
   ignore: !canFuse,
   fn: () =>
     hungOpen({ hold: "SETATTR", nth: 1, op: "ftruncate to 0 bytes", engine: true, opens: false }),
+});
+
+/** The longest this thread went without running a 10 ms timer while `p` ran (a frozen JS thread). */
+async function longestStall<T>(p: Promise<T>): Promise<{ value: T; stallMs: number }> {
+  let last = performance.now(), stallMs = 0;
+  const tick = setInterval(() => {
+    const now = performance.now();
+    stallMs = Math.max(stallMs, now - last);
+    last = now;
+  }, 10);
+  try {
+    const value = await p;
+    stallMs = Math.max(stallMs, performance.now() - last);
+    return { value, stallMs };
+  } finally {
+    clearInterval(tick);
+  }
+}
+
+Deno.test({
+  name:
+    "a filesystem whose close hangs (FUSE FLUSH, sent on every close there): no call of the open closes a file on the JS thread, which never stops, and the tier opens and closes once the close returns",
+  ignore: !canFuse,
+  async fn() {
+    const h = await harness();
+    const mnt = `${h.dir}/mnt`;
+    await Deno.mkdir(mnt);
+    const m = await hangingMount(mnt, "FLUSH", 1, 4_000);
+    const file = `${mnt}/pegaflow-ssd.cache`;
+    try {
+      const fds = openFds();
+      // Before, each of Deno's calls on the lock's open file (tryLock, stat, truncate) dup'ed
+      // its fd and closed the dup on this thread: held there until the FLUSH was answered
+      // (4 s), the open then gave up naming the flock, which had returned at once.
+      const opened = h.openTier({
+        paths: [mnt],
+        capacityBytes: 8 * MiB,
+        segmentBytes: MiB,
+        ioStallMs: DEADLINE_MS,
+      }).catch((e) => e);
+      const { value: tier, stallMs } = await longestStall(opened);
+      assert.ok(stallMs < 1_500, `the JS thread stood still for ${Math.round(stallMs)} ms`);
+      assert.ok(tier instanceof SsdTier, String(tier));
+      // Its close waits for the held FLUSH off this thread (the engine's and the lock's closes).
+      const closing = longestStall(tier.close());
+      await within(m.held, 2_000, "the filesystem holding a FLUSH");
+      await new Promise((r) => setTimeout(r, 100));
+      await m.release();
+      const closed = await within(closing, 3_000, "the tier's close");
+      assert.ok(closed.stallMs < 1_500, `stood still ${Math.round(closed.stallMs)} ms at close`);
+      await until(() => openFds() === fds, 2_000, `the fd count back to ${fds} (now ${openFds()})`);
+      const lock = await lockCacheFile(file, 0);
+      await lock.close();
+    } finally {
+      await m.close();
+      await h.close();
+    }
+  },
 });
 
 Deno.test({
