@@ -329,6 +329,7 @@ try {
         blockHashes: [],
         requestId: "bench-q",
         loadInto: undefined,
+        engineId: "",
       },
     });
     await sim.register();

@@ -304,6 +304,14 @@ export interface SaveRequest {
   blockHashes: Uint8Array[];
   /** Optional: the engine's request id, carried into the server's log lines. */
   requestId: string;
+  /**
+   * The sender's engine id (RegisterContextRequest.engine_id of its ranks).
+   * A non-empty one that is not the instance's (another engine under the same
+   * instance id) is refused FAILED_PRECONDITION naming the instance and both
+   * engine ids ("... is registered by another engine ...") before anything is
+   * looked up or copied. Empty: not checked (a client that predates the field).
+   */
+  engineId: string;
 }
 
 export interface SaveResponse {
@@ -337,7 +345,18 @@ export interface QueryPrefetchRequest {
    * targets the engine owns before the scheduler allocates (staging blocks):
    * the copy then starts one round trip and one scheduling pass earlier.
    */
-  loadInto: LoadInto | undefined;
+  loadInto:
+    | LoadInto
+    | undefined;
+  /**
+   * The sender's engine id (RegisterContextRequest.engine_id of its ranks).
+   * A non-empty one that is not the instance's (another engine's scheduler
+   * under the same instance id) is refused FAILED_PRECONDITION naming the
+   * instance, the request and both engine ids, before the lookup: no lease is
+   * taken and no load of `load_into` starts (its load states are not opened).
+   * Empty: not checked (a client that predates the field).
+   */
+  engineId: string;
 }
 
 export interface LoadInto {
@@ -420,6 +439,15 @@ export interface LoadRequest {
    * layer-wise consumer would mind. Off (the default) keeps one lane.
    */
   whole: boolean;
+  /**
+   * The sender's engine id (RegisterContextRequest.engine_id of its ranks).
+   * A non-empty one that is not the instance's (another engine under the same
+   * instance id) is refused FAILED_PRECONDITION naming the instance, the
+   * request and both engine ids, before the lease or any block is touched:
+   * the lease is left as it was, and the load state is marked failed as for
+   * any refused Load. Empty: not checked (a client that predates the field).
+   */
+  engineId: string;
 }
 
 export interface LoadResponse {
@@ -429,6 +457,10 @@ export interface LoadResponse {
   bytes: number;
 }
 
+/**
+ * A lease names no instance (its id is 16 random bytes only its holder was
+ * answered): Release carries no engine_id.
+ */
 export interface ReleaseRequest {
   leaseId: Uint8Array;
 }
@@ -1726,6 +1758,7 @@ function createBaseSaveRequest(): SaveRequest {
     blockIds: [],
     blockHashes: [],
     requestId: "",
+    engineId: "",
   };
 }
 
@@ -1755,6 +1788,9 @@ export const SaveRequest: MessageFns<SaveRequest> = {
     }
     if (message.requestId !== "") {
       writer.uint32(58).string(message.requestId);
+    }
+    if (message.engineId !== "") {
+      writer.uint32(66).string(message.engineId);
     }
     return writer;
   },
@@ -1838,6 +1874,14 @@ export const SaveRequest: MessageFns<SaveRequest> = {
             message.requestId = reader.string();
             continue;
           }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.engineId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1862,6 +1906,7 @@ export const SaveRequest: MessageFns<SaveRequest> = {
     message.blockIds = object.blockIds?.map((e) => e) || [];
     message.blockHashes = object.blockHashes?.map((e) => e) || [];
     message.requestId = object.requestId ?? "";
+    message.engineId = object.engineId ?? "";
     return message;
   },
 };
@@ -1976,7 +2021,7 @@ export const SaveResponse: MessageFns<SaveResponse> = {
 };
 
 function createBaseQueryPrefetchRequest(): QueryPrefetchRequest {
-  return { instanceId: "", blockHashes: [], requestId: "", loadInto: undefined };
+  return { instanceId: "", blockHashes: [], requestId: "", loadInto: undefined, engineId: "" };
 }
 
 export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
@@ -1992,6 +2037,9 @@ export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
     }
     if (message.loadInto !== undefined) {
       LoadInto.encode(message.loadInto, writer.uint32(34).fork()).join();
+    }
+    if (message.engineId !== "") {
+      writer.uint32(42).string(message.engineId);
     }
     return writer;
   },
@@ -2041,6 +2089,14 @@ export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
             message.loadInto = LoadInto.decode(reader, reader.uint32());
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.engineId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2066,6 +2122,7 @@ export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
     message.loadInto = (object.loadInto !== undefined && object.loadInto !== null)
       ? LoadInto.fromPartial(object.loadInto)
       : undefined;
+    message.engineId = object.engineId ?? "";
     return message;
   },
 };
@@ -2554,6 +2611,7 @@ function createBaseLoadRequest(): LoadRequest {
     loadStateShm: "",
     requestId: "",
     whole: false,
+    engineId: "",
   };
 }
 
@@ -2586,6 +2644,9 @@ export const LoadRequest: MessageFns<LoadRequest> = {
     }
     if (message.whole !== false) {
       writer.uint32(64).bool(message.whole);
+    }
+    if (message.engineId !== "") {
+      writer.uint32(74).string(message.engineId);
     }
     return writer;
   },
@@ -2677,6 +2738,14 @@ export const LoadRequest: MessageFns<LoadRequest> = {
             message.whole = reader.bool();
             continue;
           }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.engineId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2702,6 +2771,7 @@ export const LoadRequest: MessageFns<LoadRequest> = {
     message.loadStateShm = object.loadStateShm ?? "";
     message.requestId = object.requestId ?? "";
     message.whole = object.whole ?? false;
+    message.engineId = object.engineId ?? "";
     return message;
   },
 };

@@ -277,10 +277,12 @@ export class PegaflowClient {
    * Saves blocks: per-layer `layers`, or `blockIds`/`blockHashes` for every
    * layer of the rank. The answer counts blocks saved, skipped (held already),
    * refused for room and not admitted (TinyLFU): only saved ones are cached.
+   * `engineId` (as in {@link registerContext}; default "", not checked): the
+   * server refuses a Save of another engine than the instance's.
    */
   save(
     req:
-      & Omit<SaveRequest, "layers" | "blockIds" | "blockHashes" | "requestId">
+      & Omit<SaveRequest, "layers" | "blockIds" | "blockHashes" | "requestId" | "engineId">
       & Partial<SaveRequest>,
   ): Promise<SaveResponse> {
     return this.#call("Save", this.#raw.save as never, {
@@ -289,6 +291,7 @@ export class PegaflowClient {
       blockHashes: [],
       requestId: "",
       ...req,
+      engineId: req.engineId ?? "",
     });
   }
 
@@ -296,9 +299,14 @@ export class PegaflowClient {
    * Longest cached prefix of `blockHashes`. With `loadInto` (one target per
    * hash, every rank once with its load state), a hit's load of every rank
    * starts before the answer ("query and load", proto QueryPrefetchRequest).
+   * `engineId` (default "", not checked): the server refuses a query of another
+   * engine than the instance's, taking no lease and starting no load.
    */
   async queryPrefetch(
-    req: Omit<QueryPrefetchRequest, "loadInto"> & { loadInto?: LoadInto },
+    req: Omit<QueryPrefetchRequest, "loadInto" | "engineId"> & {
+      loadInto?: LoadInto;
+      engineId?: string;
+    },
   ): Promise<QueryResult> {
     const r = await this.#call<
       QueryPrefetchRequest,
@@ -306,7 +314,7 @@ export class PegaflowClient {
     >(
       "QueryPrefetch",
       this.#raw.queryPrefetch as never,
-      { loadInto: undefined, ...req },
+      { loadInto: undefined, ...req, engineId: req.engineId ?? "" },
     );
     if (r.result?.$case === "ready") {
       return {
@@ -328,11 +336,24 @@ export class PegaflowClient {
    * lease holds is INVALID_ARGUMENT, and like every refusal leaves the lease
    * usable for a corrected retry.
    */
-  /** `whole`: the engine reads the load only once all of it landed (async mode; see the proto). */
+  /**
+   * `whole`: the engine reads the load only once all of it landed (async mode; see the proto).
+   * `engineId` (default "", not checked): the server refuses a Load of another engine than
+   * the instance's before the lease is touched.
+   */
   load(
-    req: Omit<LoadRequest, "requestId" | "whole"> & { requestId?: string; whole?: boolean },
+    req: Omit<LoadRequest, "requestId" | "whole" | "engineId"> & {
+      requestId?: string;
+      whole?: boolean;
+      engineId?: string;
+    },
   ): Promise<LoadResponse> {
-    return this.#call("Load", this.#raw.load as never, { requestId: "", whole: false, ...req });
+    return this.#call("Load", this.#raw.load as never, {
+      requestId: "",
+      whole: false,
+      ...req,
+      engineId: req.engineId ?? "",
+    });
   }
 
   async release(leaseId: Uint8Array): Promise<void> {

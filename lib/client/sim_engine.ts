@@ -67,7 +67,8 @@ export interface SimEngineOptions {
   mla?: boolean;
   /**
    * The engine incarnation this rank belongs to (RegisterContextRequest.engine_id): give every
-   * rank of one simulated engine the same one. Default "" (not checked by the server).
+   * rank of one simulated engine the same one. Its saves, queries and loads send it too (the
+   * server refuses another engine's). Default "" (not checked by the server).
    */
   engineId?: string;
 }
@@ -363,6 +364,7 @@ export class SimEngine {
           blockIds: ids,
           blockHashes: hashes,
         })),
+        engineId: this.engineId,
       });
     }
     return this.client.save({
@@ -371,6 +373,7 @@ export class SimEngine {
       ppRank: this.ppRank,
       blockIds: ids,
       blockHashes: hashes,
+      engineId: this.engineId,
     });
   }
 
@@ -379,6 +382,7 @@ export class SimEngine {
       instanceId: this.instanceId,
       blockHashes: hashes,
       requestId,
+      engineId: this.engineId,
     });
   }
 
@@ -402,6 +406,7 @@ export class SimEngine {
       blockIds: ids,
       loadStateShm: st.name,
       requestId,
+      engineId: this.engineId,
     });
     await st.waitLayer(0);
     const firstLayerMs = performance.now() - t0;

@@ -34,7 +34,7 @@ import { MAX_HASHES_PER_REQUEST } from "../storage/state.ts";
 import { TransferPlanner } from "../transfer/plan.ts";
 import { closeRegions, type EngineContext, type EngineMetrics, type TiersPort } from "./context.ts";
 import { Code, EngineError, invalid, precondition } from "./errors.ts";
-import type { Instance } from "./instances.ts";
+import { type Instance, requestWho } from "./instances.ts";
 import { type LoadArgs, type LoadJob, type LoadResult, LoadRunner } from "./load.ts";
 import type { NativePort } from "./ports.ts";
 import {
@@ -173,7 +173,7 @@ export class KvEngine {
     );
     this.#queryLoadPorts = {
       instance: (id, what) => this.#instance(id, what),
-      query: (id, h, r) => this.query(id, h, r),
+      query: (id, h, r, e) => this.query(id, h, r, e),
       accept: (a) => this.#loader.accept(a, (id) => this.#instance(id, "Load")),
       queue: (a) => this.#loader.queue(a, (job) => this.#loadStage.submit(job)),
       abandon: (a, why) => this.#loader.abandon(a, why),
@@ -212,6 +212,12 @@ export class KvEngine {
   /** Copies the listed blocks into the pool (save.ts); resolves after the gather landed and the slots joined their blocks. */
   async save(args: SaveArgs): Promise<SaveResult> {
     const inst = this.#instance(args.instanceId, "Save");
+    // Another engine's Save under this instance id would gather from this engine's memory.
+    inst.checkEngine(args.engineId, requestWho("Save", args), "request", {
+      tpRank: args.tpRank,
+      ppRank: args.ppRank,
+      requestId: args.requestId || undefined,
+    });
     const rank = inst.rankCtx(args.tpRank, args.ppRank, "Save");
     const fields = { instance: inst.id, tpRank: rank.tpRank, ppRank: rank.ppRank };
     if (inst.fenced) {
@@ -232,15 +238,22 @@ export class KvEngine {
     throw new EngineError(Code.RESOURCE_EXHAUSTED, `save ${out.status} by the save queue`, fields);
   }
 
-  /** Longest cached prefix; a hit pins it under a lease consumable once per rank. */
+  /**
+   * Longest cached prefix; a hit pins it under a lease consumable once per rank. `engineId`:
+   * the sender's ("" = not checked); another engine's is refused before anything is looked up.
+   */
   query(
     instanceId: string,
     hashes: Uint8Array[],
     requestId: string,
+    engineId = "",
   ): QueryAnswer {
-    const inst = this.#instance(instanceId, `QueryPrefetch (request "${requestId}")`);
-    checkRequestId("QueryPrefetch", instanceId, requestId);
+    const what = `QueryPrefetch (request "${requestId}")`;
+    const inst = this.#instance(instanceId, what);
     const fields = { instance: instanceId, requestId: requestId || undefined };
+    // Before the store and the tiers see it: another engine's query must not pin this one's blocks.
+    inst.checkEngine(engineId, what, "request", fields);
+    checkRequestId("QueryPrefetch", instanceId, requestId);
     if (!requestId) {
       throw invalid(`instance "${instanceId}": QueryPrefetch needs a request_id`, fields);
     }
@@ -299,8 +312,9 @@ export class KvEngine {
     hashes: Uint8Array[],
     requestId: string,
     into: LoadInto,
+    engineId = "",
   ): QueryAnswer & { loads: RankLoadOutcome[] } {
-    return queryAndLoad(this.#queryLoadPorts, instanceId, hashes, requestId, into);
+    return queryAndLoad(this.#queryLoadPorts, { instanceId, hashes, requestId, into, engineId });
   }
 
   /** Consumes the lease for this rank and submits ONE scatter batch (load.ts); resolves at submit. */
@@ -411,6 +425,7 @@ export class KvEngine {
     }
   }
 
+  /** A registered instance (FAILED_PRECONDITION naming `what` otherwise). */
   #instance(id: string, what: string): Instance {
     const inst = this.#ctx.instances.get(id);
     if (!inst) throw precondition(`${what}: instance "${id}" is not registered`, { instance: id });

@@ -11,8 +11,9 @@
  *
  * @module
  */
-import { Code, EngineError, invalid, precondition } from "./errors.ts";
+import { Code, EngineError, type ErrorFields, invalid, precondition } from "./errors.ts";
 import { rankIndex } from "./rank.ts";
+import { engineIdText, HELD_BY_ANOTHER_ENGINE } from "./registration.ts";
 import { type Geometry, slotBytes } from "./geometry.ts";
 import type { RegionPort } from "./ports.ts";
 
@@ -129,6 +130,41 @@ export class Instance {
     this.sealed = false;
   }
 
+  /**
+   * The one check of "does this engine id belong to this instance": a non-empty `engineId`
+   * that is not the instance's comes from another engine under this instance id, whose rank
+   * joining (RegisterContext, register.ts) or whose Save, QueryPrefetch or Load (engine.ts,
+   * load.ts) would use this engine's memory: a load scattered into its blocks at the other
+   * engine's block ids, a query pinning its blocks under a lease. Refused FAILED_PRECONDITION
+   * with the words of a held rank (HELD_BY_ANOTHER_ENGINE) naming `who`, the instance and
+   * both ids (also as `expected` / `got`). Empty (a client that predates the field): not
+   * checked. One string compare on the accepted path.
+   *
+   * @example
+   * ```ts
+   * inst.checkEngine(req.engineId, `QueryPrefetch (request "r1")`, "request", { instance: inst.id });
+   * // QueryPrefetch (request "r1"): instance "x" is registered by another engine (its
+   * // engine_id "9b1f…", this request's "03c2…"); …
+   * ```
+   */
+  checkEngine(
+    engineId: string | undefined,
+    who: string,
+    sender: "rank" | "request",
+    fields: ErrorFields,
+  ): void {
+    if (!engineId || engineId === this.engineId) return;
+    const rule = sender === "rank"
+      ? "every rank of one engine sends that engine's engine_id"
+      : "an engine's requests carry the engine_id its ranks registered with";
+    throw precondition(
+      `${who}: instance "${this.id}" ${HELD_BY_ANOTHER_ENGINE} (its engine_id ` +
+        `${engineIdText(this.engineId)}, this ${sender}'s ${engineIdText(engineId)}); ${rule}: ` +
+        `give this engine another instance id, or unregister the instance`,
+      { ...fields, instance: this.id, expected: this.engineId, got: engineId },
+    );
+  }
+
   rankCtx(tpRank: number, ppRank: number, what: string): RankCtx {
     // Before the lookup: tp_rank tp_size of pp_rank p would index rank (0, p + 1), so a
     // Save or Load naming it would read or write another rank's memory and spend its share.
@@ -161,4 +197,13 @@ export class Instance {
 /** Builds a LayerCtx (layer id assigned later at seal). */
 export function layerCtx(name: string, geometry: Geometry, region: RegionPort): LayerCtx {
   return { name, geometry, region, layerId: -1, slotBytes: slotBytes(geometry) };
+}
+
+/** How a Save or Load names itself in a refusal: its rank and, when it has one, its request. */
+export function requestWho(
+  method: string,
+  a: { tpRank: number; ppRank: number; requestId?: string },
+): string {
+  return `${method} (tp_rank ${a.tpRank} pp_rank ${a.ppRank}` +
+    (a.requestId ? `, request "${a.requestId}")` : ")");
 }

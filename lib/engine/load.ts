@@ -24,7 +24,7 @@ import {
   precondition,
   withContext,
 } from "./errors.ts";
-import type { Instance, RankCtx } from "./instances.ts";
+import { type Instance, type RankCtx, requestWho } from "./instances.ts";
 import {
   armLoadState,
   checkLoadState,
@@ -51,6 +51,8 @@ export interface LoadArgs {
   loadStateShm: string;
   /** The engine reads the load only once whole (async mode): the copy may take several lanes. */
   whole?: boolean;
+  /** The sender's engine id: another engine's is refused (`Instance.checkEngine`); "" = not checked. */
+  engineId?: string;
 }
 
 export interface LoadResult {
@@ -156,6 +158,8 @@ export class LoadRunner {
       // An id outside the name rule names no instance: the request is malformed (not "unknown").
       checkName("instance_id", args.instanceId, "Load");
       const inst = instance(args.instanceId);
+      // Another engine's Load under this instance id would scatter into this engine's blocks.
+      inst.checkEngine(args.engineId, requestWho("Load", args), "request", fields);
       const rank = inst.rankCtx(args.tpRank, args.ppRank, "Load");
       numLayers = rank.layers.length;
       if (args.leaseId.length !== LEASE_ID_BYTES) {

@@ -52,7 +52,7 @@ export interface QueryAnswer {
 /** The engine calls a query-and-load composes (KvEngine's own). */
 export interface QueryLoadPorts {
   instance(id: string, what: string): Instance;
-  query(instanceId: string, hashes: Uint8Array[], requestId: string): QueryAnswer;
+  query(instanceId: string, hashes: Uint8Array[], requestId: string, engineId: string): QueryAnswer;
   /** A Load's checks; a refusal throws (load.ts). */
   accept(args: LoadArgs): AcceptedLoad;
   /** Runs an accepted load; settles at its submit, a refusal rejects. */
@@ -60,6 +60,16 @@ export interface QueryLoadPorts {
   /** Drops an accepted load (its state fails). */
   abandon(a: AcceptedLoad, why: string): void;
   release(leaseId: Uint8Array): void;
+}
+
+/** A QueryPrefetch with `load_into`, as the engine calls it. */
+export interface QueryLoadRequest {
+  instanceId: string;
+  hashes: Uint8Array[];
+  requestId: string;
+  into: LoadInto;
+  /** The sender's engine id ("" = not checked): another engine's is refused first. */
+  engineId: string;
 }
 
 /** Refuses a `load_into` that does not name one target per hash and every rank once. */
@@ -123,13 +133,16 @@ export function checkLoadInto(
  */
 export function queryAndLoad(
   ports: QueryLoadPorts,
-  instanceId: string,
-  hashes: Uint8Array[],
-  requestId: string,
-  into: LoadInto,
+  req: QueryLoadRequest,
 ): QueryAnswer & { loads: RankLoadOutcome[] } {
-  checkLoadInto(ports.instance(instanceId, "QueryPrefetch"), hashes.length, into, requestId);
-  const q = ports.query(instanceId, hashes, requestId);
+  const { instanceId, hashes, requestId, into, engineId } = req;
+  const inst = ports.instance(instanceId, "QueryPrefetch");
+  // Another engine's: refused before its targets are checked or its load states opened.
+  inst.checkEngine(engineId, `QueryPrefetch (request "${requestId}")`, "request", {
+    requestId: requestId || undefined,
+  });
+  checkLoadInto(inst, hashes.length, into, requestId);
+  const q = ports.query(instanceId, hashes, requestId, engineId);
   if (q.loading || q.hits === 0 || q.leaseId === null) return { ...q, loads: [] };
   const leaseId = q.leaseId;
   let released = false;
@@ -155,6 +168,7 @@ export function queryAndLoad(
         leaseId,
         blockIds: targets,
         loadStateShm: r.loadStateShm,
+        engineId,
       }));
       return { tpRank: r.tpRank, ppRank: r.ppRank, error: "", numBlocks: targets.length };
     } catch (e) {

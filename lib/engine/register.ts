@@ -24,7 +24,6 @@ import {
 } from "./namespaces.ts";
 import type { RegionPort } from "./ports.ts";
 import {
-  engineIdText,
   HELD_BY_ANOTHER_ENGINE,
   keyHex,
   type RegisterArgs,
@@ -195,25 +194,16 @@ function checkJoin(
  * Every rank of an instance comes from one engine: a rank whose engine_id (non-empty: an older
  * client sends none, and is not checked) is not the instance's belongs to another engine under
  * this instance id, and joining it would scatter the instance's loads into that engine's memory.
- * Refused with the words of a held rank (HELD_BY_ANOTHER_ENGINE: a client retries until the
- * instance is gone, as an engine restarted before its old session was seen to end must).
+ * Refused with the words of a held rank (a client retries until the instance is gone, as an
+ * engine restarted before its old session was seen to end must): `Instance.checkEngine`, the
+ * one owner of the check, which also refuses another engine's Save, QueryPrefetch and Load.
  */
 function checkEngine(inst: Instance, a: RegisterArgs, who: string): void {
-  const engineId = a.engineId ?? "";
-  if (engineId === "" || engineId === inst.engineId) return;
-  throw precondition(
-    `${who}: instance "${inst.id}" ${HELD_BY_ANOTHER_ENGINE} (its engine_id ` +
-      `${engineIdText(inst.engineId)}, this rank's ${engineIdText(engineId)}); every rank of ` +
-      `one engine sends that engine's engine_id: give this engine another instance id, or ` +
-      `unregister the instance`,
-    {
-      instance: a.instanceId,
-      tpRank: a.tpRank,
-      ppRank: a.ppRank,
-      expected: inst.engineId,
-      got: engineId,
-    },
-  );
+  inst.checkEngine(a.engineId, who, "rank", {
+    instance: a.instanceId,
+    tpRank: a.tpRank,
+    ppRank: a.ppRank,
+  });
 }
 
 /** Maps the rank's regions (one import per distinct handle); on any failure unmaps them all. */

@@ -28,6 +28,8 @@ export interface SaveArgs {
   layers: { layerName: string; blockIds: number[]; blockHashes: Uint8Array[] }[];
   blockIds?: number[];
   blockHashes?: Uint8Array[];
+  /** The sender's engine id: another engine's is refused (`Instance.checkEngine`); "" = not checked. */
+  engineId?: string;
 }
 
 export interface SaveResult {

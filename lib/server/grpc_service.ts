@@ -300,12 +300,12 @@ export function engineServiceImpl(
     queryPrefetch: unary(
       "QueryPrefetch",
       (req: QueryPrefetchRequest): QueryPrefetchResponse => {
-        const { instanceId, blockHashes, requestId, loadInto } = req;
+        const { instanceId, blockHashes, requestId, loadInto, engineId } = req;
         checkName("instance_id", instanceId, `QueryPrefetch (request "${requestId}")`);
         if (loadInto === undefined) {
-          return queryResponse(engine.query(instanceId, blockHashes, requestId), []);
+          return queryResponse(engine.query(instanceId, blockHashes, requestId, engineId), []);
         }
-        const r = engine.queryLoad(instanceId, blockHashes, requestId, loadInto);
+        const r = engine.queryLoad(instanceId, blockHashes, requestId, loadInto, engineId);
         return queryResponse(r, r.loads);
       },
     ),

@@ -258,6 +258,7 @@ def _load_request(
     load_state_shm: str,
     request_id: str,
     whole: bool,
+    engine_id: str,
 ) -> pb.LoadRequest:
     """The one LoadRequest both `load` and `load_nowait` send."""
     return pb.LoadRequest(
@@ -269,6 +270,7 @@ def _load_request(
         load_state_shm=load_state_shm,
         request_id=request_id,
         whole=whole,
+        engine_id=engine_id,
     )
 
 
@@ -454,10 +456,13 @@ class PegaflowClient:
         layers: Optional[Iterable[pb.LayerSave]] = None,
         request_id: str = "",
         timeout_s: Optional[float] = None,
+        engine_id: str = "",
     ) -> pb.SaveResponse:
         """Saves `block_ids` (with their `block_hashes`) of every registered
         layer of the rank, or per-layer `layers`; returns once the bytes are in
-        the pool (hence its own, longer deadline)."""
+        the pool (hence its own, longer deadline). `engine_id`: the engine's, as
+        registered (`register_context`); the server refuses another engine's
+        ("... is registered by another engine"). "" is not checked."""
         req = pb.SaveRequest(
             instance_id=instance_id,
             tp_rank=tp_rank,
@@ -465,6 +470,7 @@ class PegaflowClient:
             block_ids=list(block_ids),
             layers=list(layers or ()),
             request_id=request_id,
+            engine_id=engine_id,
         )
         tail = _put_hashes(req, block_hashes)
         return self._call(
@@ -477,14 +483,19 @@ class PegaflowClient:
         timeout_s: Optional[float] = None,
         load_into: Optional[Sequence[int]] = None,
         load_states: Optional[Mapping[Tuple[int, int], str]] = None,
+        engine_id: str = "",
     ) -> QueryResult:
         """Longest held prefix of `block_hashes`; a hit is pinned under a lease.
 
         Query and load: with `load_into` (one target block per hash) and
         `load_states` ((tp_rank, pp_rank) → load-state name, every rank of the
         instance), a hit's load of every rank starts before the answer; the
-        lease is then spent (`result.loads` says how each rank's went)."""
-        req = pb.QueryPrefetchRequest(instance_id=instance_id, request_id=request_id)
+        lease is then spent (`result.loads` says how each rank's went).
+
+        `engine_id`: the engine's, as its ranks registered (`register_context`); the server
+        refuses another engine's query (FAILED_PRECONDITION, "... is registered by another
+        engine") before it leases or loads anything. "" is not checked."""
+        req = pb.QueryPrefetchRequest(instance_id=instance_id, request_id=request_id, engine_id=engine_id)
         tail = _put_hashes(req, block_hashes)
         if load_into is not None:
             if not load_states:
@@ -515,12 +526,18 @@ class PegaflowClient:
         request_id: str = "",
         timeout_s: Optional[float] = None,
         whole: bool = False,
+        engine_id: str = "",
     ) -> pb.LoadResponse:
         """Consumes the lease for this rank and starts scattering into
         `block_ids`; returns at submit (progress is in the load state).
         `whole`: the engine reads the blocks only once all of them landed
-        (async loading), so the server may copy over several lanes."""
-        req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole)
+        (async loading), so the server may copy over several lanes.
+        `engine_id`: the engine's, as registered; the server refuses another
+        engine's Load before it touches the lease (the load state is marked
+        failed, as for any refused Load). "" is not checked."""
+        req = _load_request(
+            instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole, engine_id
+        )
         return self._call("Load", req, pb.LoadResponse, timeout_s)
 
     def load_nowait(
@@ -536,12 +553,15 @@ class PegaflowClient:
         request_id: str = "",
         timeout_s: Optional[float] = None,
         whole: bool = False,
+        engine_id: str = "",
     ) -> None:
         """`load` without waiting for the answer: the call is on its way when
         this returns, and `on_done(None | error)` runs once it is answered
         (on a gRPC or local-RPC reader thread, or here if that already happened). The deadline is
-        the same as `load`'s."""
-        req = _load_request(instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole)
+        the same as `load`'s; `engine_id` as for `load`."""
+        req = _load_request(
+            instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole, engine_id
+        )
         self._call_nowait("Load", req, pb.LoadRequest, pb.LoadResponse, on_done, timeout_s)
 
     def release_nowait(

@@ -35,9 +35,11 @@ class FakeClient:
         self.answers = list(answers)
         self.queries = []
         self.released = []
+        self.engine_ids = []
 
-    def query_prefetch(self, *, instance_id, block_hashes, request_id, timeout_s=None):
+    def query_prefetch(self, *, instance_id, block_hashes, request_id, timeout_s=None, engine_id=""):
         self.queries.append(list(block_hashes))
+        self.engine_ids.append(engine_id)
         a = self.answers.pop(0)
         if isinstance(a, Exception):
             raise a
@@ -237,3 +239,27 @@ def test_no_block_hashes_prefix_caching_off_is_a_miss_said_once(caplog):
     # A prompt shorter than a block has no hash and needs none: it is tracked as usual.
     assert s.get_num_new_matched_tokens(Req("short", BS - 1, []), 0) == (0, False)
     assert s.stats["hash_granularity_refused"] == 1
+
+
+def test_a_query_refused_as_another_engines_is_a_miss_counted_and_said_once(caplog):
+    """The scheduler sends its engine id with every query; the server's refusal of another
+    engine's (this engine misconfigured with that instance id) is a miss like any failed query,
+    never an exception into the step, counted apart and logged once as an error."""
+    refused = PegaflowError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        'QueryPrefetch (request "r"): instance "i" is registered by another engine (its engine_id "a", '
+        "this request's \"b\"); an engine's requests carry the engine_id its ranks registered with",
+        "QueryPrefetch",
+    )
+    away = PegaflowError(grpc.StatusCode.UNAVAILABLE, "connection refused", "QueryPrefetch")
+    c = FakeClient([refused, refused, away, ready(2)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS, engine_id="b")
+    with caplog.at_level("DEBUG", logger="pegaflow.connector"):
+        for rid in ("r", "r2", "r3"):
+            assert s.get_num_new_matched_tokens(Req(rid, 3 * BS + 1, hashes(3)), 0) == (0, False)
+        assert s.get_num_new_matched_tokens(Req("r4", 3 * BS + 1, hashes(3)), 0) == (2 * BS, False)
+    assert c.engine_ids == ["b"] * 4
+    assert (s.stats["query_errors"], s.stats["query_other_engine"]) == (3, 2)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1 and "instance i (engine_id 'b') is registered by another engine" in said[0], said
+

@@ -344,6 +344,7 @@ async function leaseOf(t: Transports, sim: SimEngine, hashes: Uint8Array[], req:
       blockHashes: hashes,
       requestId: req,
       loadInto: undefined,
+      engineId: "",
     }).finish(),
   );
   assert.equal(a.code, 0, a.details);
@@ -552,6 +553,7 @@ function saveMutants(sim: SimEngine, hashes: Uint8Array[], r: Rng): Mutant[] {
     blockIds: [4, 5],
     blockHashes: [hashes[4], hashes[5]],
     requestId: "fz-save",
+    engineId: "",
   };
   const m = (what: string, names: RegExp, over: Partial<SaveRequest>): Mutant => ({
     method: "Save",
@@ -641,6 +643,7 @@ function queryMutants(sim: SimEngine, hashes: Uint8Array[], st: string): Mutant[
     blockHashes: hashes.slice(0, 4),
     requestId: "fz-query",
     loadInto: undefined,
+    engineId: "",
   };
   const m = (what: string, names: RegExp, over: Partial<QueryPrefetchRequest>): Mutant => ({
     method: "QueryPrefetch",
@@ -696,6 +699,7 @@ function loadMutants(sim: SimEngine, lease: Uint8Array, st: string, regionName: 
     loadStateShm: st,
     requestId: "fz-load",
     whole: false,
+    engineId: "",
   };
   const m = (what: string, names: RegExp, over: Partial<LoadRequest>): Mutant => ({
     method: "Load",
@@ -827,6 +831,7 @@ async function badFrames(path: string, r: Rng): Promise<void> {
     blockHashes: [r.bytes(32)],
     requestId: "split",
     loadInto: undefined,
+    engineId: "",
   }).finish();
   assertRefused("split QueryPrefetch", await c.call(1, q, true), /instance "ghost"/);
   assert.equal((await c.call(5, new Uint8Array(0), true)).code, 0, "split Health");
@@ -982,6 +987,7 @@ Deno.test("fuzz: calls in the wrong order are refused with the ids, and leak no 
       blockIds: [0, 1, 2, 3],
       blockHashes: hashes,
       requestId: "fz-order",
+      engineId: "",
     }).finish();
   const query = (instanceId: string) =>
     QueryPrefetchRequest.encode({
@@ -989,6 +995,7 @@ Deno.test("fuzz: calls in the wrong order are refused with the ids, and leak no 
       blockHashes: hashes,
       requestId: "fz-order",
       loadInto: undefined,
+      engineId: "",
     }).finish();
   const load = (instanceId: string, leaseId: Uint8Array, blockIds = [8, 9, 10, 11]) =>
     LoadRequest.encode({
@@ -1000,6 +1007,7 @@ Deno.test("fuzz: calls in the wrong order are refused with the ids, and leak no 
       loadStateShm: st.name,
       requestId: "fz-order",
       whole: false,
+      engineId: "",
     }).finish();
   const release = (leaseId: Uint8Array) => ReleaseRequest.encode({ leaseId }).finish();
   const expectAll = async (what: string, m: Method, body: Uint8Array, names: RegExp) => {
@@ -1113,6 +1121,7 @@ Deno.test("fuzz: calls in the wrong order are refused with the ids, and leak no 
         blockHashes: hashes,
         requestId: "fz-into",
         loadInto: { blockIds: [...blockIds], ranks: [{ tpRank: 0, ppRank: 0, loadStateShm: shm }] },
+        engineId: "",
       }).finish();
       for (const [i, a] of (await both(t, "QueryPrefetch", body)).entries()) {
         assert.equal(a.code, 0, a.details);

@@ -85,6 +85,7 @@ Deno.test("local RPC: calls answer like gRPC, out of order by call id; bad frame
       blockHashes: [new Uint8Array(32)],
       requestId: "req-7",
       loadInto: undefined,
+      engineId: "",
     }).finish();
     await a.send(new Uint8Array([...enc(41, 5, new Uint8Array(0)), ...enc(42, 1, q)]));
     const got = new Map<number, { status: number; body: Uint8Array }>();

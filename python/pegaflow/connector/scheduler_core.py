@@ -47,6 +47,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 from ..client import PegaflowClient, QueryResult
 from ..errors import PegaflowError
 from ..load_state import STATE_REJECTED, LoadState
+from ..registration import held_by_another_engine
 from .lifecycle import MAYBE_ACCEPTED, STATE_ANSWER_LOST, FreshStates, give_lease_back, unlink_shm
 from .plan import (
     ASYNC,
@@ -131,6 +132,7 @@ class SchedulerCore:
         staging_blocks: int = 0,
         loading_retry_s: float = LOADING_RETRY_MAX_S,
         clock: Any = time.monotonic,
+        engine_id: str = "",
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -143,6 +145,11 @@ class SchedulerCore:
         if not loading_retry_s >= 0:
             raise ValueError(f"loading_retry_s must be >= 0, got {loading_retry_s}")
         self.client = client
+        # The engine's id (vLLM's kv_transfer_config.engine_id, as its workers register): sent
+        # with every query and Load, which the server refuses when the instance is another
+        # engine's (this engine misconfigured with its instance id). "" = not checked.
+        self.engine_id = engine_id
+        self._other_engine_logged = False
         self.loading_retry_s = loading_retry_s
         self._clock = clock
         self._waiting: Dict[str, _Waiting] = {}
@@ -171,7 +178,7 @@ class SchedulerCore:
         if load_issuer == ISSUER_QUERY:
             self._query_issuer = QueryIssuer(
                 client, self.staging, ranks=self.ranks, load_timeout_s=client.config.load_timeout_s,
-                count=self._count, fresh=self._fresh,
+                count=self._count, fresh=self._fresh, engine_id=engine_id,
             )
         self._probes: Dict[str, _Probe] = {}
         self._tracked: Dict[str, _Tracked] = {}
@@ -278,12 +285,13 @@ class SchedulerCore:
                 q, early = self._query_issuer.query(rid, self.load_instance, hashes[computed:loadable])
             else:
                 q = self.client.query_prefetch(
-                    instance_id=self.load_instance, block_hashes=hashes[computed:loadable], request_id=rid
+                    instance_id=self.load_instance, block_hashes=hashes[computed:loadable], request_id=rid,
+                    engine_id=self.engine_id,
                 )
         except PegaflowError as e:
-            # Server away, instance not (yet) registered, ...: a miss, never an error in the step.
-            self.stats["query_errors"] += 1
-            log.debug("query for %s failed (answering 0 hits): %s", rid, e)
+            # Server away, instance not (yet) registered, another engine's: a miss, never an
+            # error in the step.
+            self._query_failed(rid, e)
             self._waiting.pop(rid, None)
             return 0, False
         if q.loading:
@@ -299,6 +307,25 @@ class SchedulerCore:
             self.staging.reserve(q.hits)
         self.stats["hit_blocks"] += q.hits
         return self._answer(p)
+
+    def _query_failed(self, rid: str, e: PegaflowError) -> None:
+        """Counts a failed query (answered 0 hits). One refused because the instance belongs to
+        another engine (the server checks the engine id) is a misconfiguration, not a passing
+        state: said once as an error, counted apart; the others at debug level, as before."""
+        self.stats["query_errors"] += 1
+        if not held_by_another_engine(e):
+            log.debug("query for %s failed (answering 0 hits): %s", rid, e)
+            return
+        self.stats["query_other_engine"] += 1
+        if self._other_engine_logged:
+            log.debug("query for %s refused (answering 0 hits): %s", rid, e)
+            return
+        self._other_engine_logged = True
+        log.error(
+            "instance %s (engine_id %r) is registered by another engine: this engine's queries are "
+            "refused and its requests computed without PegaFlow until the instance is gone; give "
+            "this engine its own pegaflow.instance_id (%s)", self.load_instance, self.engine_id, e,
+        )
 
     def _answer(self, p: _Probe) -> Tuple[int, bool]:
         hits = p.result.hits
@@ -394,7 +421,7 @@ class SchedulerCore:
                 self.client.load_nowait(
                     instance_id=self.load_instance, tp_rank=tp_rank, pp_rank=pp_rank, lease_id=intent.lease_id,
                     block_ids=intent.block_ids, load_state_shm=st.name, request_id=intent.request_id,
-                    on_done=answered, whole=self.mode == ASYNC,
+                    on_done=answered, whole=self.mode == ASYNC, engine_id=self.engine_id,
                 )
                 self._count("loads_issued")
             except PegaflowError as e:  # the client is closed: nothing was sent

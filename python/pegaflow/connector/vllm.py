@@ -29,8 +29,8 @@ Extra config keys (env fallback): pegaflow.addr (PEGAFLOW_ADDR), pegaflow.mode
 (PEGAFLOW_MODE: "layerwise" | "async"), pegaflow.rpc_timeout_ms, pegaflow.save_timeout_ms,
 pegaflow.load_timeout_ms (PEGAFLOW_*_TIMEOUT_MS), pegaflow.instance_id
 (PEGAFLOW_INSTANCE_ID; default kv_transfer_config.engine_id: every rank also registers with that
-engine_id, so the server refuses a rank of another engine given the same instance id; see
-`engine_id_of`), pegaflow.namespace
+engine_id, and every query, Load and Save carries it, so the server refuses a rank and the
+requests of another engine given the same instance id; see `engine_id_of`), pegaflow.namespace
 (PEGAFLOW_NAMESPACE; default derived from every layout factor), pegaflow.load_issuer
 (PEGAFLOW_LOAD_ISSUER: "scheduler" | "worker" | "query"; default below), pegaflow.staging_blocks
 (PEGAFLOW_STAGING_BLOCKS: layer-wise loads through that many staging blocks per layer, so a
@@ -142,8 +142,8 @@ class ConnectorSettings:
     # PEGAFLOW_LOADING_RETRY_MS; 0 = ask at every call; None = scheduler_core.LOADING_RETRY_MAX_S).
     loading_retry_ms: Optional[int] = None
     # The engine incarnation every rank registers with (kv_transfer_config.engine_id; "" when the
-    # config has none: `engine_id_of`): the server refuses a rank of another engine under this
-    # instance id.
+    # config has none: `engine_id_of`), also sent with every query, Load and Save: the server
+    # refuses a rank, and the requests, of another engine under this instance id.
     engine_id: str = ""
 
     @classmethod
@@ -357,6 +357,7 @@ class PegaflowConnector(KVConnectorBase_V1):
                     LOADING_RETRY_MAX_S if self.settings.loading_retry_ms is None
                     else self.settings.loading_retry_ms / 1000.0
                 ),
+                engine_id=self.settings.engine_id,
             )
         else:
             tp_rank, pp_rank = _ranks(vllm_config)

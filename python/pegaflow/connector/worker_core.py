@@ -129,8 +129,9 @@ class WorkerCore:
         # The device this rank registers: CUDA KV names its own; host-backend KV (shm) has none,
         # so a server serving several devices (--devices 0,1) is told which one here.
         self.device_id = device_id
-        # The engine incarnation (vLLM's kv_transfer_config.engine_id), the same on every rank:
-        # the server refuses a rank of another engine under this instance id ("" = not checked).
+        # The engine incarnation (vLLM's kv_transfer_config.engine_id), the same on every rank,
+        # sent with its registration, Loads and Saves: the server refuses a rank, Load or Save
+        # of another engine under this instance id ("" = not checked).
         self.engine_id = engine_id
         self.mode = mode
         self.load_timeout_s = load_timeout_s if load_timeout_s is not None else client.config.load_timeout_s
@@ -395,7 +396,7 @@ class WorkerCore:
                     instance_id=reg_of_load.instance_id,
                     tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                     lease_id=intent.lease_id, block_ids=intent.block_ids, load_state_shm=ld.state.name,
-                    request_id=intent.request_id, whole=self.mode == ASYNC,
+                    request_id=intent.request_id, whole=self.mode == ASYNC, engine_id=self.engine_id,
                 )
                 self._count("loads", 1)
                 self._count("load_blocks", len(intent.block_ids))
@@ -651,6 +652,7 @@ class WorkerCore:
             r = self.client.save(
                 instance_id=self.instance_id, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                 block_ids=ids, block_hashes=hashes, request_id=job.intents[0].request_id,
+                engine_id=self.engine_id,
             )
         except PegaflowError as e:
             self._count("saves_dropped", blocks)
