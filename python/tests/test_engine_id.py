@@ -29,14 +29,7 @@ from pegaflow.load_state import LoadState
 
 from kv_helpers import make_kv
 from tp_ranks import rank_content
-
-
-def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+from waits import wait_for
 
 
 def tp2_config(addr: str, instance: str, engine_id=None) -> VllmConfig:

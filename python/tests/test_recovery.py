@@ -16,16 +16,9 @@ from pegaflow.hashes import synthetic_tokens
 
 from server_proc import ServerProc
 from vllm_driver import BLOCK, Engine, Request, vllm_config
+from waits import wait_for
 
 FAST = {"pegaflow.reconnect_max_ms": 300, "pegaflow.rpc_timeout_ms": 2000, "pegaflow.save_timeout_ms": 2000}
-
-
-def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

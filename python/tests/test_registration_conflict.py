@@ -28,14 +28,7 @@ from pegaflow.load_state import LoadState
 from pegaflow.regions import export_kv_layers
 
 from kv_helpers import fill, make_kv, matches, register, save_one
-
-
-def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+from waits import wait_for
 
 
 def load_one(client: PegaflowClient, kv, instance_id: str, mark: int, dst: int, request_id: str) -> list:

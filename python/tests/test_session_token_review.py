@@ -21,6 +21,7 @@ from pegaflow.errors import PegaflowError
 from pegaflow.regions import export_kv_layers
 
 from kv_helpers import make_kv
+from waits import wait_for
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 #: How long the relay's accept loop waits before it checks for close().
@@ -96,14 +97,6 @@ class CuttableRelay:
         self._lst.close()
 
 
-def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def answers(c: PegaflowClient) -> bool:
     try:
         c.health(timeout_s=2.0)
@@ -133,7 +126,6 @@ def relay(server):
     r = CuttableRelay(server.addr)
     yield r
     r.close()
-
 
 
 def assert_session_stands(c: PegaflowClient, uid: str) -> None:
