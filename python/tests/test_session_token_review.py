@@ -10,7 +10,6 @@ import os
 import re
 import socket
 import threading
-import time
 from typing import List, Optional
 
 import grpc
