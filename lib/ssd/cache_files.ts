@@ -5,7 +5,8 @@
  * on reset and on a format or segment-size change, so old records can never
  * come back). A path that cannot be used is logged and skipped; with none
  * left the tier does not start. Every filesystem call runs off the JS thread
- * with a deadline (open_fs.ts).
+ * with a deadline (open_fs.ts); once the open gave up (a call past it, or
+ * its io stalled) nothing here goes on: each step checks first.
  *
  * @module
  */
@@ -71,6 +72,7 @@ interface Found {
  *
  * @throws SsdOpenError when no path is usable, with every path's reason.
  * @throws SsdFsHung when a filesystem call passed its deadline (the whole open gives up).
+ * @throws SsdOpenAbandoned once the open gave up otherwise (its io stalled, `bounded.abandon`).
  */
 export async function openCacheFiles(
   uring: Uring,
@@ -86,6 +88,7 @@ export async function openCacheFiles(
   const handles = new Map<string, number>();
   const drop = async (path: string, e: unknown): Promise<void> => {
     passHung(e); // not an unusable path: the open gives up
+    bounded.check(); // nor is an io refused because the open gave up: nothing more runs
     const handle = handles.get(path);
     handles.delete(path);
     if (handle !== undefined) await bounded.closeFile(handle, path);
@@ -125,6 +128,7 @@ export async function openCacheFiles(
       }
     }
   }
+  bounded.check(); // the last superblock write may have returned after the open gave up
   logPlan(log, plan, given, opts.capacityBytes);
   if (plan.size === 0) {
     throw new SsdOpenError(`no SSD cache path is usable: ${problems.join("; ")}`);
@@ -294,7 +298,7 @@ async function inspectCacheFile(
   }
   let kept: { generation: number; segments: number } | undefined;
   if (!reset && info.sizeBytes >= PAGE_BYTES) {
-    kept = await keptGeneration(io, h, path, opts.segmentBytes, log);
+    kept = await keptGeneration(io, bounded, h, path, opts.segmentBytes, log);
   }
   return {
     handle: h,
@@ -347,12 +351,14 @@ async function sizeCacheFile(
  */
 async function keptGeneration(
   io: SsdIo,
+  bounded: OpenFs,
   handle: number,
   path: string,
   segmentBytes: number,
   log: Logger,
 ): Promise<{ generation: number; segments: number } | undefined> {
   const sb = await readSuper(io, handle);
+  bounded.check(); // a read that stalled the open returned: the open is gone
   if (typeof sb === "string") {
     // An older format is never misread: its records are dropped with the generation.
     log.warn("SSD cache file not read: starting this file empty", { path, problem: sb });

@@ -13,7 +13,7 @@
  * @module
  */
 
-import { OpenFs, passHung, SsdFsHung } from "./open_fs.ts";
+import { OpenFs, passHung, SsdOpenAbandoned } from "./open_fs.ts";
 import type { LockFile } from "./lock_thread.ts";
 
 /** File created inside a directory given as a cache path. */
@@ -77,8 +77,9 @@ export async function lockCacheFile(
       await new Promise((r) => setTimeout(r, LOCK_RETRY_MS));
     }
   } catch (e) {
-    // A hung filesystem may hang a close too: not on this thread, once the hung call returned.
-    if (e instanceof SsdFsHung) fs.closeWhenSettled(f);
+    // A hung filesystem may hang a close too: not on this thread, once the hung call returned
+    // (and an open that gave up makes no call: its files close once none runs).
+    if (e instanceof SsdOpenAbandoned) fs.closeWhenSettled(f);
     else await fs.closeLock(f, path);
     throw e;
   }

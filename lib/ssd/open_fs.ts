@@ -9,8 +9,10 @@
  * the deadline (`ioStallMs`, the one the open's io batches have). The first
  * call past it gives up the open ({@link SsdFsHung}, naming the call, the
  * path and the deadline) and every later call is refused at once: nothing
- * of the open goes on. A call that returns after its deadline acts on
- * nothing: what it opened is closed ({@link OpenFs.settled} says when).
+ * of the open goes on. So does an open that gave up for another reason (its
+ * io stalled: {@link OpenFs.abandon}). A call that returns after the open
+ * gave up acts on nothing: what it opened is closed ({@link OpenFs.settled}
+ * says when).
  *
  * @module
  */
@@ -26,8 +28,16 @@ import { DEFAULT_IO_STALL_MS } from "./io.ts";
 import { type LockFile, type LockFileInfo, LockThread } from "./lock_thread.ts";
 import { errorText, type Logger } from "../log.ts";
 
+/**
+ * The open gave up (a call past its deadline, or its io stalled): every
+ * later call of it is refused with this, and nothing of it goes on.
+ */
+export class SsdOpenAbandoned extends Error {
+  override name = "SsdOpenAbandoned";
+}
+
 /** A filesystem call of the open did not return by its deadline: the open gives up. */
-export class SsdFsHung extends Error {
+export class SsdFsHung extends SsdOpenAbandoned {
   override name = "SsdFsHung";
   constructor(readonly op: string, readonly path: string, readonly deadlineMs: number) {
     super(`${op} of ${path} did not return within ${deadlineMs} ms`);
@@ -36,13 +46,14 @@ export class SsdFsHung extends Error {
 
 /** Rethrows `e` when it is a give-up: a per-path catch must not take it for an unusable path. */
 export function passHung(e: unknown): void {
-  if (e instanceof SsdFsHung) throw e;
+  if (e instanceof SsdOpenAbandoned) throw e;
 }
 
-const LATE = Symbol("late");
+/** What {@link within} answers when the deadline passed first. */
+export const LATE = Symbol("late");
 
 /** `p`'s outcome, or LATE once `ms` passed first (`p` goes on; a rejection is rethrown). */
-async function within<T>(p: Promise<T>, ms: number): Promise<T | typeof LATE> {
+export async function within<T>(p: Promise<T>, ms: number): Promise<T | typeof LATE> {
   let timer: ReturnType<typeof setTimeout> | undefined;
   const late = new Promise<typeof LATE>((r) => (timer = setTimeout(() => r(LATE), ms)));
   try {
@@ -69,7 +80,7 @@ export class OpenFs {
   readonly #closeAfter: LockFile[] = [];
   /** Where the lock files' calls run (lock_thread.ts: none of them on the JS thread). */
   readonly #locks = new LockThread();
-  #hung: SsdFsHung | undefined;
+  #hung: SsdOpenAbandoned | undefined;
 
   constructor(deadlineMs = DEFAULT_IO_STALL_MS, log?: Logger) {
     this.deadlineMs = deadlineMs;
@@ -77,10 +88,26 @@ export class OpenFs {
   }
 
   /**
+   * Gives the open up for `why` (its io stalled, stall.ts): every later call
+   * is refused at once ({@link SsdOpenAbandoned}), and a call running now
+   * acts on nothing once it returns (what it opened is closed). Before, the
+   * io stall's give-up refused only the io: the open went on with statvfs,
+   * ftruncate and opens, built the tier and logged it recovered.
+   */
+  abandon(why: string): void {
+    this.#hung ??= new SsdOpenAbandoned(`the SSD open gave up: ${why}`);
+  }
+
+  /** Throws the give-up once the open gave up (between steps that make no call). */
+  check(): void {
+    if (this.#hung) throw this.#hung;
+  }
+
+  /**
    * `start()`'s result, or {@link SsdFsHung} once it did not settle within the
-   * deadline (and at once after an earlier give-up). A result that comes
-   * after the deadline is handed to `dispose` (close what it opened), never
-   * to the caller.
+   * deadline (and {@link SsdOpenAbandoned} at once after a give-up). A result
+   * that comes after the deadline, or after the open gave up meanwhile, is
+   * handed to `dispose` (close what it opened), never to the caller.
    */
   async call<T>(
     op: string,
@@ -88,13 +115,18 @@ export class OpenFs {
     start: () => Promise<T>,
     dispose?: (late: T) => unknown,
   ): Promise<T> {
-    if (this.#hung) throw this.#hung;
+    this.check();
     const t0 = performance.now();
     const work = start();
     this.#track(work);
     const first = await within(work, this.deadlineMs);
-    if (first !== LATE) return first;
-    this.#hung = new SsdFsHung(op, path, this.deadlineMs);
+    if (first !== LATE && !this.#hung) return first;
+    if (first !== LATE) {
+      // Returned in time, but the open gave up meanwhile: nothing may use it.
+      if (dispose) this.#track(Promise.resolve(first).then(dispose));
+      throw this.#hung;
+    }
+    this.#hung ??= new SsdFsHung(op, path, this.deadlineMs);
     const returned = (outcome: string) =>
       this.#log?.warn("SSD open: a filesystem call returned after its deadline", {
         op,
@@ -119,6 +151,7 @@ export class OpenFs {
    * the open (for what only improves a message, e.g. a lock holder's command).
    */
   async optional<T>(start: () => Promise<T>): Promise<T | undefined> {
+    this.check();
     const work = start();
     this.#track(work);
     const first = await within(work, this.deadlineMs).catch(() => undefined);

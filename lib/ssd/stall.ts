@@ -13,7 +13,9 @@
  *
  * It also gives `flush()` and `close()` their deadline: they give up when
  * the io stalls or `closeTimeoutMs` passes, whichever is first, naming what
- * is still outstanding; and `SsdTier.open` its own ({@link openWithin}): an
+ * is still outstanding; the close of the engine's files and their locks has
+ * one too ({@link SsdStallWatch.shutWithin}: a close waits on the
+ * filesystem, which may hang); and `SsdTier.open` its own ({@link openWithin}): an
  * open whose io stalls, or one of whose filesystem calls does not return
  * (open_fs.ts), gives up, and the server starts without the tier.
  *
@@ -22,7 +24,7 @@
 
 import type { IoOutstanding, SsdIo } from "./io.ts";
 import { type CacheFile, SsdOpenError } from "./cache_files.ts";
-import { SsdFsHung } from "./open_fs.ts";
+import { LATE, SsdFsHung, within } from "./open_fs.ts";
 import { errorText, type LogFields, type Logger } from "../log.ts";
 
 /** How long `flush()` and `close()` wait for accepted work while the io is not stalled. */
@@ -34,6 +36,13 @@ export interface SsdWorkLeft {
   writeInflight: number;
   prefetchQueued: number;
   prefetchInflight: number;
+}
+
+/** The call a close is in, and the files it is on: what a close past its deadline names. */
+export interface ClosingCall {
+  op: string;
+  /** Its files (those not closed yet: the closer may take them out as they close). */
+  paths: Iterable<string>;
 }
 
 /** Thrown by a `flush()` that gave up: the writes are still outstanding. */
@@ -111,6 +120,43 @@ export class SsdStallWatch {
       ...w,
       ...(o ? this.#fields(o) : {}),
     });
+    return msg;
+  }
+
+  /**
+   * Runs `shut` (the close of the engine's files and their locks) up to
+   * `closeTimeoutMs`: a close waits on the filesystem (FUSE sends a FLUSH on
+   * every close; a network mount flushes), and on a hung one it never
+   * returned, nor did the server's stop. `shut` says through `at` which call
+   * it is in. Undefined once `shut` ended in time (its failure is thrown);
+   * else the sentence naming the call, the path(s) and the deadline, logged
+   * at error level: `shut` goes on, and how it ended is logged when it does.
+   */
+  async shutWithin(shut: (at: (call: ClosingCall) => void) => Promise<void>): Promise<
+    string | undefined
+  > {
+    let call: ClosingCall = { op: "close", paths: this.#files.map((f) => f.path) };
+    const t0 = performance.now();
+    const done = shut((c) => (call = c));
+    if (await within(done.then(() => {}, () => {}), this.#timeoutMs) !== LATE) {
+      await done;
+      return undefined;
+    }
+    const paths = [...call.paths];
+    const fields: LogFields = { path: paths.join(","), op: call.op, deadline_ms: this.#timeoutMs };
+    const msg = `SSD close gave up: ${call.op} of ${paths.join(", ")} did not return ` +
+      `within ${this.#timeoutMs} ms (closeTimeoutMs: a hung disk or a dead mount?); the stop ` +
+      "goes on without it: what it holds is left to process exit, or closes once it returns";
+    this.#log.error(msg, fields);
+    const returned = () => ({ ...fields, returned_after_ms: Math.round(performance.now() - t0) });
+    done.then(
+      () => this.#log.warn("SSD close finished: its call returned after its deadline", returned()),
+      (e) =>
+        this.#log.error("SSD close failed after its deadline", {
+          ...returned(),
+          error: errorText(e),
+        }),
+    );
     return msg;
   }
 
@@ -265,24 +311,32 @@ interface Closable {
   readonly engineClosed: Promise<void>;
 }
 
+/** The open's filesystem calls (open_fs.ts `OpenFs`): refused from a give-up on. */
+interface Abandonable {
+  abandon(why: string): void;
+}
+
 /**
  * Waits for an open's `work` until an io batch of it passes the stall
- * deadline (`ioStallMs`, io.ts). When it stalls first: later io of the open
- * is refused, an error is logged naming the op, path and offset, the tier
- * `work` builds (or, when it fails, `release`: the engine and locks) is
- * closed in the background once the kernel completes the io, and
- * {@link SsdOpenStalledError} is thrown. When `work` fails first,
- * `release` runs before the error goes up, except for a filesystem call
- * past its deadline: then {@link SsdOpenHungError}, released in the
- * background.
+ * deadline (`ioStallMs`, io.ts). When it stalls first, the open gives up:
+ * its later io and filesystem calls (`fs`) are refused, so nothing of it
+ * goes on once the io completes (before, only the io was: it went on with
+ * statvfs, ftruncate and opens, built the tier and logged "SSD index
+ * recovered" after the tier was disabled); an error is logged naming the
+ * op, path and offset, `release` (the engine and locks, once no call of the
+ * open runs) is run in the background once `work` ended, and
+ * {@link SsdOpenStalledError} is thrown. When `work` fails first, `release`
+ * runs before the error goes up, except for a filesystem call past its
+ * deadline: then {@link SsdOpenHungError}, released in the background.
  *
  * @example
  * ```ts
- * const tier = await openWithin(io, build(io), () => closeEngineAndLocks(), log);
+ * const tier = await openWithin(io, fs, build(io), () => closeEngineAndLocks(), log);
  * ```
  */
 export async function openWithin<T extends Closable>(
   io: SsdIo,
+  fs: Abandonable,
   work: Promise<T>,
   release: () => Promise<void>,
   log: Logger,
@@ -305,7 +359,9 @@ export async function openWithin<T extends Closable>(
       throw e;
     }
   }
-  io.refuse(`the SSD open gave up on a stalled ${first.op} of ${first.path}`);
+  const why = `the SSD open gave up on a stalled ${first.op} of ${first.path}`;
+  io.refuse(why);
+  fs.abandon(why);
   const msg = `SSD open stalled: ${describeIo(first)}; the SSD tier is not started (the server ` +
     "serves from RAM); its engine and the files' locks close once the kernel completes that io";
   const fields: LogFields = {

@@ -35,7 +35,7 @@
 import type { StageMetrics } from "../pipeline/stage.ts";
 import { Uring } from "../../ffi/uring.ts";
 import { SsdIo } from "./io.ts";
-import { describeIo, hungOpenError, openWithin, SsdStallWatch } from "./stall.ts";
+import { type ClosingCall, describeIo, hungOpenError, openWithin, SsdStallWatch } from "./stall.ts";
 import { OpenFs, SsdFsHung } from "./open_fs.ts";
 import { type ResolvedOptions, resolveOptions, type SsdTierOptions } from "./options.ts";
 import { SsdIndex } from "./index.ts";
@@ -122,6 +122,8 @@ export class SsdTier {
   #engineOpen = true;
   /** The engine's alignment fallbacks when it closed (its handle is gone after). */
   #finalAlignmentFallbacks: number | undefined;
+  /** What the close of the engine's files waits on, once that close passed its deadline. */
+  #closeStuck: string | undefined;
 
   private constructor(
     io: SsdIo,
@@ -231,10 +233,19 @@ export class SsdTier {
       }
     };
     // A disk that hangs while the tier opens: the open gives up at the stall deadline.
-    return await openWithin(io, SsdTier.#build(io, fs, locks, opts, options, log), release, log);
+    return await openWithin(
+      io,
+      fs,
+      SsdTier.#build(io, fs, locks, opts, options, log),
+      release,
+      log,
+    );
   }
 
-  /** Opens the cache files and rebuilds the index over `io` (open's work, raced against a stall). */
+  /**
+   * Opens the cache files and rebuilds the index over `io` (open's work, raced against a stall).
+   * Once the open gave up (`fs.check()` throws) nothing more of it runs, nor is logged.
+   */
   static async #build(
     io: SsdIo,
     fs: OpenFs,
@@ -244,6 +255,7 @@ export class SsdTier {
     log: Logger,
   ): Promise<SsdTier> {
     const files = await openCacheFiles(io.uring, io, locks, fs, opts, !!options.reset, log);
+    fs.check();
     const index = new SsdIndex();
     const ring = new SegmentRing(files, opts.segmentBytes, (seg) => index.dropSegment(seg));
     const rfiles: RecoveryFile[] = files.map((f) => ({
@@ -260,8 +272,9 @@ export class SsdTier {
     });
     const report = await recoverIndex(io, rfiles, ring, index, opts.hdrPages, {
       intervalMs: opts.recoveryProgressMs,
-      report: (p, final) => logRebuildProgress(log, p, final),
+      report: (p, final) => (fs.check(), logRebuildProgress(log, p, final)),
     });
+    fs.check();
     ring.resume(nextSeqAfter(report, ring));
     const tier = new SsdTier(io, files, ring, index, report, opts, log, options.stageMetrics);
     log.info("SSD index recovered", {
@@ -387,6 +400,7 @@ export class SsdTier {
    */
   stillOpen(): string | undefined {
     if (!this.#engineOpen) return undefined;
+    if (this.#closeStuck) return this.#closeStuck;
     const o = this.#io.oldestOutstanding();
     return "the SSD io engine is still open: " +
       (o ? `oldest io op: ${describeIo(o)}` : "no io op in the kernel");
@@ -425,7 +439,10 @@ export class SsdTier {
    * syncs and closes the files. Idempotent. Gives up when the io stalls or
    * `closeTimeoutMs` passes (logged, naming what is outstanding): the engine
    * and the files' locks are then closed once the kernel completes that io
-   * (its pool pages are never freed under it).
+   * (its pool pages are never freed under it). The close of the files and
+   * locks has that deadline too (a hung filesystem's FLUSH): past it, it is
+   * logged naming the call and path, and goes on once that call returns
+   * ({@link stillOpen} says what it waits on meanwhile).
    */
   async close(): Promise<void> {
     if (this.#closed) return;
@@ -446,22 +463,30 @@ export class SsdTier {
     try {
       await synced;
     } finally {
-      // A failed sync must not keep the ring, its memory and the files' locks until exit.
-      await this.#shut();
+      // A failed sync must not keep the ring, its memory and the files' locks until exit;
+      // a close that hangs (a FLUSH held) must not hold up the server's stop.
+      this.#closeStuck = await this.#stall.shutWithin((at) => this.#shut(at));
     }
   }
 
-  /** Closes the engine and the files' locks (nothing of the tier's io is outstanding). */
-  async #shut(): Promise<void> {
+  /**
+   * Closes the engine and the files' locks (nothing of the tier's io is
+   * outstanding), telling `at` which close it waits on.
+   */
+  async #shut(at: (call: ClosingCall) => void = () => {}): Promise<void> {
     this.#io.dispose();
     this.#finalAlignmentFallbacks = this.#io.uring.info().alignmentFallbacks;
     try {
+      // Off this thread: closes the io files (and waits for ops in flight: none here).
+      at({ op: "close for io (pf_uring_close)", paths: this.files.map((f) => f.path) });
       await this.#io.uring.close();
     } finally {
       this.#engineOpen = false;
+      const open = new Set(this.files.map((f) => f.path));
+      at({ op: "close of the lock file", paths: open });
       try {
         // Off this thread (lock_thread.ts); resolved once every lock is dropped.
-        await Promise.all(this.files.map((f) => f.lock.close()));
+        await Promise.all(this.files.map((f) => f.lock.close().finally(() => open.delete(f.path))));
       } finally {
         this.#engineDone();
       }

@@ -349,6 +349,31 @@ export async function hangingMount(
   };
 }
 
+/**
+ * This process's open files, less the runtime's own (an eventfd, an epoll, a
+ * socket): the lock thread's worker leaves those to Deno, which tears a
+ * worker's runtime down lazily.
+ */
+export function openFds(): number {
+  return [...Deno.readDirSync("/proc/self/fd")].filter((e) => {
+    try {
+      const to = Deno.readLinkSync(`/proc/self/fd/${e.name}`);
+      return !/^(socket:|anon_inode:\[(eventfd|eventpoll)\])/.test(to);
+    } catch {
+      return false; // closed meanwhile (the read of the directory's own fd)
+    }
+  }).length;
+}
+
+/** Waits until `cond` holds, polling every 10 ms; throws naming `what` after `ms`. */
+export async function until(cond: () => boolean, ms: number, what: string): Promise<void> {
+  const end = performance.now() + ms;
+  while (!cond()) {
+    if (performance.now() > end) throw new Error(`${what} did not happen within ${ms} ms`);
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
 /** True when this process may mount a FUSE filesystem (root with /dev/fuse). */
 export const canFuse = !import.meta.main && await (async () => {
   try {

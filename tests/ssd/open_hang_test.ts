@@ -23,34 +23,10 @@ import { Logger } from "../../lib/log.ts";
 import { parseServeArgs } from "../../lib/server/config.ts";
 import { startServer } from "../../lib/server/server.ts";
 import { harness, within } from "./_harness.ts";
-import { canFuse, type FuseOp, hangingMount } from "./_fuse_hang.ts";
+import { canFuse, type FuseOp, hangingMount, openFds, until } from "./_fuse_hang.ts";
 
 const MiB = 1 << 20;
 const DEADLINE_MS = 300;
-
-/**
- * This process's open files, less the runtime's own (an eventfd, an epoll, a
- * socket): the lock thread's worker leaves those to Deno, which tears a
- * worker's runtime down lazily.
- */
-function openFds(): number {
-  return [...Deno.readDirSync("/proc/self/fd")].filter((e) => {
-    try {
-      const to = Deno.readLinkSync(`/proc/self/fd/${e.name}`);
-      return !/^(socket:|anon_inode:\[(eventfd|eventpoll)\])/.test(to);
-    } catch {
-      return false; // closed meanwhile (the read of the directory's own fd)
-    }
-  }).length;
-}
-
-async function until(cond: () => boolean, ms: number, what: string): Promise<void> {
-  const end = performance.now() + ms;
-  while (!cond()) {
-    if (performance.now() > end) throw new Error(`${what} did not happen within ${ms} ms`);
-    await new Promise((r) => setTimeout(r, 10));
-  }
-}
 
 interface Case {
   /** The FUSE request held, and which one of its kind. */

@@ -1,0 +1,181 @@
+/**
+ * A filesystem that hangs when the running SSD tier closes its files, as a
+ * real mount: a FUSE filesystem (tests/ssd/_fuse_hang.ts) that holds a FLUSH,
+ * the request every close(2) sends there and waits for (a network mount's
+ * flush is the same). Before, the tier's close waited on it without a
+ * deadline (`pf_uring_close` closing the io files, then the lock files'
+ * close), so the server's stop never ended. Now the close gives up at
+ * `closeTimeoutMs`, naming the call, the path and the deadline (logged at
+ * error level); what is stuck is left to process exit (an engine not closed
+ * keeps the pinned pool and the completion ring), and once the call returns
+ * the close finishes by itself: no crash, no double close, nothing left open.
+ */
+import assert from "node:assert/strict";
+import { SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
+import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
+import { Logger } from "../../lib/log.ts";
+import { parseServeArgs } from "../../lib/server/config.ts";
+import { startServer } from "../../lib/server/server.ts";
+import { type Harness, harness, within } from "./_harness.ts";
+import { canFuse, hangingMount, openFds, until } from "./_fuse_hang.ts";
+
+const MiB = 1 << 20;
+const DEADLINE_MS = 300;
+/** How long the FUSE server holds the FLUSH by itself (a test without the fix fails first). */
+const GUARD_MS = 6_000;
+
+/** A tier on `mnt` with short deadlines. */
+function openOn(h: Harness, mnt: string): Promise<SsdTier> {
+  return h.openTier({
+    paths: [mnt],
+    capacityBytes: 8 * MiB,
+    segmentBytes: MiB,
+    ioStallMs: DEADLINE_MS,
+    closeTimeoutMs: DEADLINE_MS,
+  });
+}
+
+/**
+ * Which FLUSH the lock file's close sends: the io engine's close comes first
+ * and sends one per descriptor it has of the file (two when the file takes
+ * O_DIRECT: the direct one and the buffered one).
+ */
+async function lockFlush(h: Harness): Promise<number> {
+  const mnt = `${h.dir}/probe`;
+  await Deno.mkdir(mnt);
+  const m = await hangingMount(mnt, "FLUSH", 1_000, GUARD_MS);
+  try {
+    const tier = await openOn(h, mnt);
+    const direct = tier.files[0].direct;
+    await tier.close();
+    return direct ? 3 : 2;
+  } finally {
+    await m.close();
+  }
+}
+
+/**
+ * Closes a tier on a mount that holds the `nth` FLUSH; checks the give-up
+ * names `op` and the file, what {@link SsdTier.stillOpen} says meanwhile
+ * (`engineHeld`), and that once the FLUSH is answered everything closes.
+ */
+async function hungClose(nth: (h: Harness) => Promise<number>, op: string, engineHeld: boolean) {
+  const h = await harness();
+  const mnt = `${h.dir}/mnt`;
+  await Deno.mkdir(mnt);
+  const m = await hangingMount(mnt, "FLUSH", await nth(h), GUARD_MS);
+  const file = `${mnt}/pegaflow-ssd.cache`;
+  try {
+    const fds = openFds();
+    const tier = await openOn(h, mnt);
+    const t0 = performance.now();
+    await within(tier.close(), 2_000, "the tier's close on a filesystem whose FLUSH hangs");
+    const waited = performance.now() - t0;
+    await within(m.held, 100, "the filesystem holding a FLUSH");
+    assert.ok(waited >= DEADLINE_MS - 5 && waited < DEADLINE_MS + 1_000, `gave up after ${waited}`);
+    const said = `SSD close gave up: ${op} of ${file} did not return within ${DEADLINE_MS} ms`;
+    assert.ok(
+      h.logs.some((l) =>
+        l.includes('"level":"error"') && l.includes(said) && l.includes(`"path":"${file}"`) &&
+        l.includes(`"op":"${op}"`) && l.includes(`"deadline_ms":${DEADLINE_MS}`)
+      ),
+      h.logs.join("\n"),
+    );
+    // While the io files' close hangs the engine still holds the pool and the ring.
+    assert.equal(tier.stillOpen()?.includes(said) ?? false, engineHeld, String(tier.stillOpen()));
+    assert.equal(tier.stats().capacityBytes, 7 * MiB, "stats after the give-up");
+    await within(tier.close(), 100, "a second close");
+    const logged = h.logs.length;
+    await m.release();
+    await within(tier.engineClosed, 3_000, "the engine and lock closing once the FLUSH returned");
+    assert.equal(tier.stillOpen(), undefined);
+    const after = h.logs.slice(logged);
+    assert.ok(
+      after.some((l) => l.includes("SSD close finished") && l.includes('"returned_after_ms":')),
+      after.join("\n"),
+    );
+    assert.ok(!after.some((l) => l.includes('"level":"error"')), after.join("\n"));
+    await until(() => openFds() === fds, 2_000, `the fd count back to ${fds} (now ${openFds()})`);
+    const lock = await lockCacheFile(file, 0);
+    await lock.close();
+  } finally {
+    await m.close();
+    await h.close();
+  }
+}
+
+Deno.test({
+  name:
+    "a tier whose io files' close hangs (FUSE FLUSH in pf_uring_close): close gives up at closeTimeoutMs naming the call, the path and the deadline; the engine stays held until the call returns, then everything closes",
+  ignore: !canFuse,
+  fn: () => hungClose(() => Promise.resolve(1), "close for io (pf_uring_close)", true),
+});
+
+Deno.test({
+  name:
+    "a tier whose lock file's close hangs (FUSE FLUSH): close gives up at closeTimeoutMs naming the lock file's close and the path; the engine is closed, the lock goes once the call returns",
+  ignore: !canFuse,
+  fn: () => hungClose(lockFlush, "close of the lock file", false),
+});
+
+Deno.test({
+  name:
+    "a server whose SSD cache file's close hangs at stop: the stop ends, the SSD close logged with the call, path and deadline, the pool and ring left to process exit; nothing breaks once the call returns",
+  ignore: !canFuse,
+  async fn() {
+    const dir = await Deno.makeTempDir({ prefix: "pf-close-hang-" });
+    const m = await hangingMount(dir, "FLUSH", 1, GUARD_MS);
+    let tier: SsdTier | undefined;
+    const open = SsdTier.open;
+    SsdTier.open = (o: SsdTierOptions) =>
+      open({ ...o, ioStallMs: DEADLINE_MS, closeTimeoutMs: DEADLINE_MS }).then((t) => (tier = t));
+    const logs: string[] = [];
+    const log = new Logger("debug", {}, (line) => logs.push(line));
+    try {
+      const parsed = parseServeArgs([
+        "--addr",
+        "127.0.0.1:0",
+        "--backend",
+        "host",
+        "--pool-size",
+        "64mb",
+        "--ssd-cache-path",
+        dir,
+        "--ssd-cache-capacity",
+        "16mb",
+        "--ssd-segment-size",
+        "4mb",
+      ]);
+      assert.equal(parsed.kind, "config");
+      if (parsed.kind !== "config") return;
+      const server = await within(startServer(parsed.config, log), 3_000, "the server's start");
+      assert.ok(tier, "the server opened the SSD tier");
+      const file = `${dir}/pegaflow-ssd.cache`;
+      await within(server.close(), 3_000, "the server's stop on a filesystem whose FLUSH hangs");
+      const said =
+        `close for io (pf_uring_close) of ${file} did not return within ${DEADLINE_MS} ms`;
+      assert.ok(
+        logs.some((l) =>
+          l.includes('"level":"error"') && l.includes("SSD close gave up") && l.includes(said) &&
+          l.includes(`"deadline_ms":${DEADLINE_MS}`)
+        ),
+        logs.join("\n"),
+      );
+      assert.ok(
+        logs.some((l) =>
+          l.includes('"level":"error"') && l.includes("left to process exit") && l.includes(said)
+        ),
+        logs.join("\n"),
+      );
+      assert.ok(tier.stillOpen(), "the engine was not taken for closed");
+      await m.release();
+      await within(tier.engineClosed, 3_000, "the engine closing once the FLUSH returned");
+      assert.equal(tier.stillOpen(), undefined);
+      await until(() => logs.some((l) => l.includes("SSD close finished")), 1_000, "the log");
+    } finally {
+      SsdTier.open = open;
+      await m.close();
+      await Deno.remove(dir, { recursive: true }).catch(() => {});
+    }
+  },
+});
