@@ -7,6 +7,7 @@
 import type { PegaflowClient } from "../../lib/client/client.ts";
 import { LLAMA_3_1_8B, type ModelShape, SimEngine } from "../../lib/client/sim_engine.ts";
 import { type ServerProc, startServer, uid } from "../server/harness.ts";
+import { parseServeArgs } from "../../lib/server/config.ts";
 
 /** Llama-3.1-8B cut to 4 layers: 256 KiB blocks at TP=1. */
 export const MODEL: ModelShape = { ...LLAMA_3_1_8B, numLayers: 4 };
@@ -20,6 +21,31 @@ export const SSD_FLAGS = (dir: string): string[] => [
   "--ssd-segment-size",
   "4mb",
 ];
+
+/**
+ * What an in-process server of these tests runs (lib/server/server.ts `startServer`): host
+ * backend, an ephemeral port, a 64 MiB pool and a 16 MiB SSD tier in `dir`.
+ */
+export function inProcessSsdConfig(dir: string) {
+  const parsed = parseServeArgs([
+    "--addr",
+    "127.0.0.1:0",
+    "--backend",
+    "host",
+    "--pool-size",
+    "64mb",
+    "--ssd-cache-path",
+    dir,
+    "--ssd-cache-capacity",
+    "16mb",
+    "--ssd-segment-size",
+    "4mb",
+  ]);
+  if (parsed.kind !== "config") {
+    throw new Error(`the test server's flags did not parse (${parsed.kind})`);
+  }
+  return parsed.config;
+}
 
 /** Polls `fn` every 20 ms until it holds; throws naming `what` after `ms`. */
 export async function until(

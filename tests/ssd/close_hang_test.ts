@@ -14,8 +14,8 @@ import assert from "node:assert/strict";
 import { SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
 import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
 import { Logger } from "../../lib/log.ts";
-import { parseServeArgs } from "../../lib/server/config.ts";
 import { startServer } from "../../lib/server/server.ts";
+import { inProcessSsdConfig } from "./_server.ts";
 import { type Harness, harness, within } from "./_harness.ts";
 import { canFuse, hangingMount, openFds, until } from "./_fuse_hang.ts";
 
@@ -132,23 +132,11 @@ Deno.test({
     const logs: string[] = [];
     const log = new Logger("debug", {}, (line) => logs.push(line));
     try {
-      const parsed = parseServeArgs([
-        "--addr",
-        "127.0.0.1:0",
-        "--backend",
-        "host",
-        "--pool-size",
-        "64mb",
-        "--ssd-cache-path",
-        dir,
-        "--ssd-cache-capacity",
-        "16mb",
-        "--ssd-segment-size",
-        "4mb",
-      ]);
-      assert.equal(parsed.kind, "config");
-      if (parsed.kind !== "config") return;
-      const server = await within(startServer(parsed.config, log), 3_000, "the server's start");
+      const server = await within(
+        startServer(inProcessSsdConfig(dir), log),
+        3_000,
+        "the server's start",
+      );
       assert.ok(tier, "the server opened the SSD tier");
       const file = `${dir}/pegaflow-ssd.cache`;
       await within(server.close(), 3_000, "the server's stop on a filesystem whose FLUSH hangs");

@@ -10,8 +10,8 @@
 import assert from "node:assert/strict";
 import { SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
 import { Logger } from "../../lib/log.ts";
-import { parseServeArgs } from "../../lib/server/config.ts";
 import { startServer } from "../../lib/server/server.ts";
+import { inProcessSsdConfig } from "./_server.ts";
 import { holdingRing, TEST_LAYOUT, TEST_NAMESPACE, within } from "./_harness.ts";
 
 const BLOCK = 64 * 1024;
@@ -34,23 +34,7 @@ Deno.test("a stop whose SSD close gave up on a hung disk leaves the pool and rin
   const logs: string[] = [];
   const log = new Logger("debug", {}, (line) => logs.push(line));
   try {
-    const parsed = parseServeArgs([
-      "--addr",
-      "127.0.0.1:0",
-      "--backend",
-      "host",
-      "--pool-size",
-      "64mb",
-      "--ssd-cache-path",
-      dir,
-      "--ssd-cache-capacity",
-      "16mb",
-      "--ssd-segment-size",
-      "4mb",
-    ]);
-    assert.equal(parsed.kind, "config");
-    if (parsed.kind !== "config") return;
-    const server = await startServer(parsed.config, log);
+    const server = await startServer(inProcessSsdConfig(dir), log);
     assert.ok(tier, "the server opened the SSD tier through the seam");
     held!.on = true;
     // A write the kernel never completes (its pool bytes are whatever the pool holds).
