@@ -185,6 +185,9 @@ def test_a_state_closed_behind_queued_work_waits_for_an_idle_stream_not_the_host
     states = [LoadState.create() for _ in range(2)]  # the scheduler's, one per step
     try:
         w.register_kv_caches({n: torch.zeros((2, 8, 4, 2, 8), dtype=torch.float16, device="cuda") for n in layers})
+        # A scheduler's Load lands in this rank's memory only while the rank is registered (the
+        # worker fails it otherwise): stand in for a server that took the registration.
+        w.registration._up.set()
         for i, st in enumerate(states):
             w.bind(StepPlan(loads=[LoadIntent(f"r{i}", b"\x01" * 16, [1, 2], states={(0, 0): st.name})]))
             w.start_load()
