@@ -66,7 +66,7 @@ async function hungClose(nth: (h: Harness) => Promise<number>, op: string, engin
   const m = await hangingMount(mnt, "FLUSH", await nth(h), GUARD_MS);
   const file = `${mnt}/pegaflow-ssd.cache`;
   try {
-    const fds = openFds();
+    const fds = openFds(mnt);
     const tier = await openOn(h, mnt);
     const t0 = performance.now();
     await within(tier.close(), 2_000, "the tier's close on a filesystem whose FLUSH hangs");
@@ -95,7 +95,11 @@ async function hungClose(nth: (h: Harness) => Promise<number>, op: string, engin
       after.join("\n"),
     );
     assert.ok(!after.some((l) => l.includes('"level":"error"')), after.join("\n"));
-    await until(() => openFds() === fds, 2_000, `the fd count back to ${fds} (now ${openFds()})`);
+    await until(
+      () => openFds(mnt) === fds,
+      2_000,
+      `the descriptors on ${mnt} back to ${fds} (now ${openFds(mnt)})`,
+    );
     const lock = await lockCacheFile(file, 0);
     await lock.close();
   } finally {

@@ -51,7 +51,7 @@ async function hungOpen(c: Case): Promise<void> {
   const m = await hangingMount(mnt, c.hold, c.nth, 4_000);
   const file = `${mnt}/pegaflow-ssd.cache`;
   try {
-    const fds = openFds();
+    const fds = openFds(mnt);
     const t0 = performance.now();
     const opened = h.openTier({
       paths: [mnt],
@@ -85,7 +85,11 @@ async function hungOpen(c: Case): Promise<void> {
     await m.release();
     await within(err.engineClosed, 3_000, "the abandoned open's files closing");
     assert.equal(err.stillOpen(), undefined);
-    await until(() => openFds() === fds, 2_000, `the fd count back to ${fds} (now ${openFds()})`);
+    await until(
+      () => openFds(mnt) === fds,
+      2_000,
+      `the descriptors on ${mnt} back to ${fds} (now ${openFds(mnt)})`,
+    );
     const after = h.logs.slice(logged);
     const late = c.opens ? "returned; what it opened is closed" : "returned after its deadline";
     assert.ok(after.some((l) => l.includes(late)), after.join("\n"));
@@ -155,7 +159,7 @@ Deno.test({
     const m = await hangingMount(mnt, "FLUSH", 1, 4_000);
     const file = `${mnt}/pegaflow-ssd.cache`;
     try {
-      const fds = openFds();
+      const fds = openFds(mnt);
       // Before, each of Deno's calls on the lock's open file (tryLock, stat, truncate) dup'ed
       // its fd and closed the dup on this thread: held there until the FLUSH was answered
       // (4 s), the open then gave up naming the flock, which had returned at once.
@@ -175,7 +179,11 @@ Deno.test({
       await m.release();
       const closed = await within(closing, 3_000, "the tier's close");
       assert.ok(closed.stallMs < 1_500, `stood still ${Math.round(closed.stallMs)} ms at close`);
-      await until(() => openFds() === fds, 2_000, `the fd count back to ${fds} (now ${openFds()})`);
+      await until(
+        () => openFds(mnt) === fds,
+        2_000,
+        `the descriptors on ${mnt} back to ${fds} (now ${openFds(mnt)})`,
+      );
       const lock = await lockCacheFile(file, 0);
       await lock.close();
     } finally {
