@@ -53,16 +53,25 @@ const FATTR_SIZE = 1 << 3;
 /** The server side, in the child process. */
 class HangFs {
   readonly #write: (buf: Uint8Array) => void;
-  readonly #hold: { op: number; nth: number };
+  readonly #hold: { op: number; nth: number; fh: bigint; pid: number };
   readonly #onHold: () => void;
   #seen = 0;
   #held: Uint8Array | undefined;
   #data = new Uint8Array(0);
   #exists = false;
+  /** The file handle the next OPEN or CREATE answers (1, 2, ...: one per open file description). */
+  #nextFh = 1n;
 
-  constructor(write: (buf: Uint8Array) => void, op: FuseOp, nth: number, onHold: () => void) {
+  constructor(
+    write: (buf: Uint8Array) => void,
+    op: FuseOp,
+    nth: number,
+    fh: bigint,
+    pid: number,
+    onHold: () => void,
+  ) {
     this.#write = write;
-    this.#hold = { op: OP[op], nth };
+    this.#hold = { op: OP[op], nth, fh, pid };
     this.#onHold = onHold;
   }
 
@@ -70,13 +79,33 @@ class HangFs {
   take(req: Uint8Array): void {
     const v = new DataView(req.buffer, req.byteOffset, req.byteLength);
     const opcode = v.getUint32(4, true);
-    if (opcode === this.#hold.op && ++this.#seen === this.#hold.nth) {
+    // A request on a file handle (FLUSH, RELEASE, FSYNC, READ, WRITE) names it first in its body.
+    const onFh = this.#hold.fh === 0n || (req.byteLength >= IN_HEADER + 8 &&
+      v.getBigUint64(IN_HEADER, true) === this.#hold.fh);
+    if (opcode === this.#hold.op && onFh && this.#fromTest(v) && ++this.#seen === this.#hold.nth) {
       this.#held = req.slice();
       console.log(`held ${Object.keys(OP).find((k) => OP[k as FuseOp] === opcode)}`);
       this.#onHold();
       return;
     }
     this.#answer(req);
+  }
+
+  /**
+   * Whether a request comes from a thread of the test's process. A process
+   * forked meanwhile (a child another test file spawns: `deno test
+   * --parallel` runs them in the same process) closes its copies of every
+   * descriptor at exec, and each of those closes sends this file a FLUSH of
+   * its own, from the child's pid.
+   */
+  #fromTest(v: DataView): boolean {
+    if (this.#hold.pid === 0) return true;
+    try {
+      Deno.statSync(`/proc/${this.#hold.pid}/task/${v.getUint32(32, true)}`);
+      return true;
+    } catch {
+      return false;
+    }
   }
 
   /** Answers the held request (a release, or the guard). */
@@ -112,9 +141,9 @@ class HangFs {
         return attrOut(this.#attr(node));
       case OP.CREATE:
         this.#exists = true;
-        return concat(this.#entry(), openOut());
+        return concat(this.#entry(), openOut(this.#nextFh++));
       case OP.OPEN:
-        return openOut();
+        return openOut(this.#nextFh++);
       case OP.READ:
         return this.#read(Number(bv.getBigUint64(8, true)), bv.getUint32(16, true));
       case OP.WRITE:
@@ -215,8 +244,10 @@ function attrOut(attr: Uint8Array): Uint8Array {
   return concat(new Uint8Array(16), attr);
 }
 
-function openOut(): Uint8Array {
-  return new Uint8Array(16);
+function openOut(fh: bigint): Uint8Array {
+  const o = new Uint8Array(16);
+  new DataView(o.buffer).setBigUint64(0, fh, true);
+  return o;
 }
 
 /** 1 GiB free in 4 KiB blocks. */
@@ -241,7 +272,14 @@ const libc = () =>
 const cstr = (s: string) => new TextEncoder().encode(`${s}\0`);
 
 /** Child: mounts, serves, holds; exits when stdin closes (the kernel then aborts the mount). */
-async function child(mnt: string, op: FuseOp, nth: number, guardMs: number): Promise<void> {
+async function child(
+  mnt: string,
+  op: FuseOp,
+  nth: number,
+  guardMs: number,
+  fh: bigint,
+  pid: number,
+): Promise<void> {
   const c = libc();
   const fd = c.open(cstr("/dev/fuse"), 2 /* O_RDWR */);
   if (fd < 0) throw new Error("cannot open /dev/fuse");
@@ -251,7 +289,7 @@ async function child(mnt: string, op: FuseOp, nth: number, guardMs: number): Pro
     throw new Error(`mount fuse on ${mnt} refused`);
   }
   let guard: ReturnType<typeof setTimeout> | undefined;
-  const fs = new HangFs((b) => void c.write(fd, b, BigInt(b.length)), op, nth, () => {
+  const fs = new HangFs((b) => void c.write(fd, b, BigInt(b.length)), op, nth, fh, pid, () => {
     guard = setTimeout(() => (console.log("guard"), fs.release()), guardMs);
   });
   console.log("mounted");
@@ -271,8 +309,8 @@ async function child(mnt: string, op: FuseOp, nth: number, guardMs: number): Pro
 }
 
 if (import.meta.main) {
-  const [mnt, op, nth, guard] = Deno.args;
-  await child(mnt, op as FuseOp, Number(nth), Number(guard));
+  const [mnt, op, nth, guard, fh, pid] = Deno.args;
+  await child(mnt, op as FuseOp, Number(nth), Number(guard), BigInt(fh ?? 0), Number(pid ?? 0));
 }
 
 /** The parent's handle on a hanging mount. */
@@ -288,16 +326,31 @@ export interface HangMount {
 /**
  * Mounts a hanging FUSE filesystem at `mnt` (an empty directory) that holds
  * the `nth` request of kind `op` until {@link HangMount.release}, or until
- * `guardMs` passed.
+ * `guardMs` passed. With `fh` (> 0), only requests on that file handle
+ * count: the file's OPENs and CREATEs are answered handles 1, 2, ... in
+ * order, so a FLUSH can be picked by the open whose close sends it, however
+ * the closes of other descriptors interleave with it. Only requests of this
+ * process's threads count (not those of a child forked meanwhile).
  */
 export async function hangingMount(
   mnt: string,
   op: FuseOp,
   nth = 1,
   guardMs = 10_000,
+  fh = 0,
 ): Promise<HangMount> {
   const proc = new Deno.Command(Deno.execPath(), {
-    args: ["run", "-A", new URL(import.meta.url).pathname, mnt, op, String(nth), String(guardMs)],
+    args: [
+      "run",
+      "-A",
+      new URL(import.meta.url).pathname,
+      mnt,
+      op,
+      String(nth),
+      String(guardMs),
+      String(fh),
+      String(Deno.pid),
+    ],
     stdin: "piped",
     stdout: "piped",
     stderr: "inherit",
