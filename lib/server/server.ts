@@ -320,8 +320,8 @@ async function closeNative(
   const open = holds.map((h) => h.stillOpen()).filter((w) => w !== undefined);
   if (open.length === 0) return await native.close();
   log.error(
-    "pinned pool and completion ring left to process exit: an SSD io engine still has io in " +
-      `the kernel, which may still read or fill pool pages (${open.join("; ")})`,
+    "pinned pool and completion ring left to process exit: the SSD tier has not finished " +
+      `closing, and while its engine is open they may still be in use (${open.join("; ")})`,
     { ssd_engines_open: open.length },
   );
 }

@@ -67,6 +67,8 @@ export class SsdStallWatch {
   readonly #timeoutMs: number;
   readonly #work: () => SsdWorkLeft;
   #since = 0;
+  /** The fdatasync {@link syncEach} waits on (a call, not an io op in the kernel). */
+  #syncing: ClosingCall | undefined;
   #stalled!: Promise<"stalled">;
   #onStalled!: () => void;
 
@@ -108,19 +110,49 @@ export class SsdStallWatch {
     const w = this.#work();
     const o = this.#io.oldestOutstanding();
     const waited = Math.round(performance.now() - t0);
+    const call = o ? undefined : this.#syncing;
     const msg =
       `SSD ${what} gave up after ${waited} ms (${
         why === "stalled" ? "the io is stalled" : `deadline ${this.#timeoutMs} ms`
       }): ${w.writeInflight} write batches in flight, ${w.writeQueued} queued, ` +
       `${w.prefetchInflight} prefetch reads in flight, ${w.prefetchQueued} queued; ` +
-      (o ? `oldest io op: ${this.#describe(o)}` : "no io op in the kernel");
+      (o
+        ? `oldest io op: ${this.#describe(o)}`
+        : call
+        ? `${this.inCall()} within ${this.#timeoutMs} ms (closeTimeoutMs: a hung disk or a ` +
+          "dead mount?)"
+        : "no io op in the kernel");
     this.#log.error(msg, {
       waited_ms: waited,
       why,
       ...w,
       ...(o ? this.#fields(o) : {}),
+      ...(call
+        ? { op: call.op, path: [...call.paths].join(","), deadline_ms: this.#timeoutMs }
+        : {}),
     });
     return msg;
+  }
+
+  /**
+   * fdatasync (`sync`) of every file, each even when one fails (EIO: the
+   * first failure is thrown last). While one has not returned, a
+   * {@link giveUp} with no io op in the kernel names it, and {@link inCall} says so.
+   */
+  async syncEach(sync: (f: CacheFile) => Promise<void>): Promise<void> {
+    const failures: unknown[] = [];
+    for (const f of this.#files) {
+      this.#syncing = { op: "fdatasync", paths: [f.path] };
+      await sync(f).catch((e) => failures.push(e));
+    }
+    this.#syncing = undefined;
+    if (failures.length > 0) throw failures[0];
+  }
+
+  /** The {@link syncEach} call that has not returned, in words; undefined when none. */
+  inCall(): string | undefined {
+    const c = this.#syncing;
+    return c && `${c.op} of ${[...c.paths].join(", ")} did not return`;
   }
 
   /**

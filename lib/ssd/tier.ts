@@ -403,7 +403,7 @@ export class SsdTier {
     if (this.#closeStuck) return this.#closeStuck;
     const o = this.#io.oldestOutstanding();
     return "the SSD io engine is still open: " +
-      (o ? `oldest io op: ${describeIo(o)}` : "no io op in the kernel");
+      (o ? `oldest io op: ${describeIo(o)}` : this.#stall.inCall() ?? "no io op in the kernel");
   }
 
   /** Capacity and what the index holds: no I/O, safe after {@link close} (tier health). */
@@ -448,14 +448,8 @@ export class SsdTier {
     if (this.#closed) return;
     this.#closed = true;
     const drained = Promise.all([this.#writer.close(), this.#prefetcher.close()]);
-    // Every file is synced even when one fails (EIO): the first failure is thrown last.
-    const synced = drained.then(async () => {
-      const failures: unknown[] = [];
-      for (const f of this.files) {
-        await this.#io.uring.sync(f.handle).catch((e) => failures.push(e));
-      }
-      if (failures.length > 0) throw failures[0];
-    });
+    // Every file is synced even when one fails (EIO); a hung one is named by a give-up.
+    const synced = drained.then(() => this.#stall.syncEach((f) => this.#io.uring.sync(f.handle)));
     if (await this.#stall.giveUp(synced, "close")) {
       this.#stall.finishLater(synced.finally(() => this.#shut()), "close");
       return;

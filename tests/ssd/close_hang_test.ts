@@ -149,6 +149,10 @@ Deno.test({
         ),
         logs.join("\n"),
       );
+      // The stuck call is a close, not io: the server's own words say only that the tier is open.
+      const left = logs.find((l) => l.includes("completion ring left to process exit")) ?? "";
+      assert.ok(!left.includes("io in the kernel"), left);
+      assert.ok(left.includes("the SSD tier has not finished closing"), left);
       assert.ok(tier.stillOpen(), "the engine was not taken for closed");
       await m.release();
       await within(tier.engineClosed, 3_000, "the engine closing once the FLUSH returned");
@@ -158,6 +162,47 @@ Deno.test({
       SsdTier.open = open;
       await m.close();
       await Deno.remove(dir, { recursive: true }).catch(() => {});
+    }
+  },
+});
+
+Deno.test({
+  name:
+    "a tier whose fdatasync hangs at close (FUSE FSYNC held): close gives up at closeTimeoutMs naming fdatasync, the path and the deadline; everything closes once the call returns",
+  ignore: !canFuse,
+  async fn() {
+    const h = await harness();
+    const mnt = `${h.dir}/mnt`;
+    await Deno.mkdir(mnt);
+    const m = await hangingMount(mnt, "FSYNC", 1, GUARD_MS);
+    const file = `${mnt}/pegaflow-ssd.cache`;
+    try {
+      const tier = await openOn(h, mnt);
+      const t0 = performance.now();
+      await within(tier.close(), 2_000, "the tier's close on a filesystem whose FSYNC hangs");
+      const waited = performance.now() - t0;
+      await within(m.held, 100, "the filesystem holding an FSYNC");
+      assert.ok(
+        waited >= DEADLINE_MS - 5 && waited < DEADLINE_MS + 1_000,
+        `gave up after ${waited}`,
+      );
+      const said = `fdatasync of ${file} did not return within ${DEADLINE_MS} ms`;
+      assert.ok(
+        h.logs.some((l) =>
+          l.includes('"level":"error"') && l.includes("SSD close gave up") && l.includes(said) &&
+          !l.includes("no io op in the kernel") && l.includes(`"path":"${file}"`) &&
+          l.includes('"op":"fdatasync"') && l.includes(`"deadline_ms":${DEADLINE_MS}`)
+        ),
+        h.logs.join("\n"),
+      );
+      assert.ok(tier.stillOpen()?.includes(`fdatasync of ${file}`), String(tier.stillOpen()));
+      await m.release();
+      await within(tier.engineClosed, 3_000, "the engine and lock closing once the FSYNC returned");
+      assert.equal(tier.stillOpen(), undefined);
+      await until(() => h.logs.some((l) => l.includes("SSD close finished")), 1_000, "the log");
+    } finally {
+      await m.close();
+      await h.close();
     }
   },
 });
