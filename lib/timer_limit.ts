@@ -2,7 +2,8 @@
  * The longest delay a JS timer honours, and the clamp every deadline timer
  * goes through: `setTimeout` / `setInterval` with a delay above 2^31 - 1 ms
  * (about 24.8 days) fire after 1 ms instead, so a longer deadline (Infinity:
- * none) would fire at once.
+ * none) would fire at once. And {@link within}, the race of a promise
+ * against such a timer.
  *
  * @module
  */
@@ -24,4 +25,26 @@ export const MAX_TIMER_MS = 2 ** 31 - 1;
  */
 export function timerDelay(ms: number): number {
   return Math.min(Math.max(0, ms), MAX_TIMER_MS);
+}
+
+/** What {@link within} answers when the deadline came first. */
+export const LATE = Symbol("late");
+
+/**
+ * `p`'s outcome, or {@link LATE} once `ms` passed first (`p` goes on; its
+ * rejection within the deadline is rethrown). The timer is cleared either way.
+ *
+ * @example
+ * ```ts
+ * if (await within(file.close(), 300) === LATE) log.error("close did not return");
+ * ```
+ */
+export async function within<T>(p: Promise<T>, ms: number): Promise<T | typeof LATE> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<typeof LATE>((r) => (timer = setTimeout(() => r(LATE), timerDelay(ms))));
+  try {
+    return await Promise.race([p, late]);
+  } finally {
+    clearTimeout(timer);
+  }
 }

@@ -12,6 +12,7 @@
  *
  * @module
  */
+import { LATE, within } from "../timer_limit.ts";
 
 /** How long closing an HTTP server's last connections may take once nothing is served. */
 export const HTTP_CLOSE_WAIT_MS = 2_000;
@@ -25,11 +26,5 @@ export const HTTP_CLOSE_WAIT_MS = 2_000;
  * ```
  */
 export async function settlesWithin(p: Promise<unknown>, ms: number): Promise<boolean> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const late = new Promise<false>((r) => (timer = setTimeout(() => r(false), ms)));
-  try {
-    return await Promise.race([p.then(() => true as const), late]);
-  } finally {
-    clearTimeout(timer);
-  }
+  return await within(p, ms) !== LATE;
 }

@@ -27,6 +27,7 @@ import {
 import { DEFAULT_IO_STALL_MS } from "./io.ts";
 import { type LockFile, type LockFileInfo, LockThread } from "./lock_thread.ts";
 import { errorText, type Logger } from "../log.ts";
+import { LATE, within } from "../timer_limit.ts";
 
 /**
  * The open gave up (a call past its deadline, or its io stalled): every
@@ -50,19 +51,6 @@ export function passHung(e: unknown): void {
 }
 
 /** What {@link within} answers when the deadline passed first. */
-export const LATE = Symbol("late");
-
-/** `p`'s outcome, or LATE once `ms` passed first (`p` goes on; a rejection is rethrown). */
-export async function within<T>(p: Promise<T>, ms: number): Promise<T | typeof LATE> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const late = new Promise<typeof LATE>((r) => (timer = setTimeout(() => r(LATE), ms)));
-  try {
-    return await Promise.race([p, late]);
-  } finally {
-    clearTimeout(timer);
-  }
-}
-
 /**
  * The bounded filesystem calls of one open.
  *

@@ -24,7 +24,8 @@
 
 import type { IoOutstanding, SsdIo } from "./io.ts";
 import { type CacheFile, SsdOpenError } from "./cache_files.ts";
-import { LATE, SsdFsHung, within } from "./open_fs.ts";
+import { SsdFsHung } from "./open_fs.ts";
+import { LATE, within } from "../timer_limit.ts";
 import { errorText, type LogFields, type Logger } from "../log.ts";
 
 /** How long `flush()` and `close()` wait for accepted work while the io is not stalled. */
