@@ -15,10 +15,11 @@
  * Mounting needs CAP_SYS_ADMIN and /dev/fuse: where refused, the tests that
  * need it are skipped (`ignore: !canFuse`), never faked.
  *
- * Run as a child: `deno run -A _fuse_hang.ts <mountpoint> <OP> <nth> <guardMs>`;
+ * Run as a child: `deno run -A _fuse_hang.ts <mountpoint> <OP> <nth> <guardMs> <fh> <pid>`;
  * it prints `mounted`, then `held <OP>` when it holds the request; a line
  * `release` on its stdin answers it; closing stdin unmounts and exits.
  */
+import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
 
 /** FUSE opcodes this server knows (linux/fuse.h). */
 const OP = {
@@ -417,6 +418,21 @@ export function openFds(dir: string): number {
       return false; // closed meanwhile (the read of the directory's own fd)
     }
   }).length;
+}
+
+/**
+ * Nothing of a tier is left on `mnt`: its descriptors there back to `fds`
+ * (within 2 s: a late call's close may still be on its way) and the cache
+ * file `file` free to lock again.
+ */
+export async function assertNothingLeft(mnt: string, fds: number, file: string): Promise<void> {
+  await until(
+    () => openFds(mnt) === fds,
+    2_000,
+    `the descriptors on ${mnt} back to ${fds} (now ${openFds(mnt)})`,
+  );
+  const lock = await lockCacheFile(file, 0);
+  await lock.close();
 }
 
 /** Waits until `cond` holds, polling every 10 ms; throws naming `what` after `ms`. */

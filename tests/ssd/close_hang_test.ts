@@ -12,12 +12,11 @@
  */
 import assert from "node:assert/strict";
 import { SsdTier, type SsdTierOptions } from "../../lib/ssd/tier.ts";
-import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
 import { Logger } from "../../lib/log.ts";
 import { startServer } from "../../lib/server/server.ts";
 import { inProcessSsdConfig } from "./_server.ts";
 import { type Harness, harness, within } from "./_harness.ts";
-import { canFuse, hangingMount, openFds, until } from "./_fuse_hang.ts";
+import { assertNothingLeft, canFuse, hangingMount, openFds, until } from "./_fuse_hang.ts";
 
 const MiB = 1 << 20;
 const DEADLINE_MS = 300;
@@ -85,13 +84,7 @@ async function hungClose(fh: number, op: string, engineHeld: boolean) {
       after.join("\n"),
     );
     assert.ok(!after.some((l) => l.includes('"level":"error"')), after.join("\n"));
-    await until(
-      () => openFds(mnt) === fds,
-      2_000,
-      `the descriptors on ${mnt} back to ${fds} (now ${openFds(mnt)})`,
-    );
-    const lock = await lockCacheFile(file, 0);
-    await lock.close();
+    await assertNothingLeft(mnt, fds, file);
   } finally {
     await m.close();
     await h.close();

@@ -18,12 +18,18 @@ import {
   SsdTier,
   type SsdTierOptions,
 } from "../../lib/ssd/tier.ts";
-import { lockCacheFile } from "../../lib/ssd/file_lock.ts";
 import { Logger } from "../../lib/log.ts";
 import { startServer } from "../../lib/server/server.ts";
 import { inProcessSsdConfig } from "./_server.ts";
 import { harness, within } from "./_harness.ts";
-import { canFuse, type FuseOp, hangingMount, openFds, until } from "./_fuse_hang.ts";
+import {
+  assertNothingLeft,
+  canFuse,
+  type FuseOp,
+  hangingMount,
+  openFds,
+  until,
+} from "./_fuse_hang.ts";
 
 const MiB = 1 << 20;
 const DEADLINE_MS = 300;
@@ -85,17 +91,11 @@ async function hungOpen(c: Case): Promise<void> {
     await m.release();
     await within(err.engineClosed, 3_000, "the abandoned open's files closing");
     assert.equal(err.stillOpen(), undefined);
-    await until(
-      () => openFds(mnt) === fds,
-      2_000,
-      `the descriptors on ${mnt} back to ${fds} (now ${openFds(mnt)})`,
-    );
+    await assertNothingLeft(mnt, fds, file);
     const after = h.logs.slice(logged);
     const late = c.opens ? "returned; what it opened is closed" : "returned after its deadline";
     assert.ok(after.some((l) => l.includes(late)), after.join("\n"));
     assert.ok(!after.some((l) => l.includes("rebuilding the SSD index")), after.join("\n"));
-    const lock = await lockCacheFile(file, 0);
-    await lock.close();
   } finally {
     await m.close();
     await h.close();
@@ -179,13 +179,7 @@ Deno.test({
       await m.release();
       const closed = await within(closing, 3_000, "the tier's close");
       assert.ok(closed.stallMs < 1_500, `stood still ${Math.round(closed.stallMs)} ms at close`);
-      await until(
-        () => openFds(mnt) === fds,
-        2_000,
-        `the descriptors on ${mnt} back to ${fds} (now ${openFds(mnt)})`,
-      );
-      const lock = await lockCacheFile(file, 0);
-      await lock.close();
+      await assertNothingLeft(mnt, fds, file);
     } finally {
       await m.close();
       await h.close();
