@@ -32,6 +32,14 @@ from tp_ranks import rank_content
 from waits import wait_for
 
 
+def close_all(conns, regions) -> None:
+    """Shuts the connectors down, then closes their KV regions."""
+    for c in conns:
+        c.shutdown()
+    for region, _ in regions:
+        region.close()
+
+
 def tp2_config(addr: str, instance: str, engine_id=None) -> VllmConfig:
     """One engine's config, TP 2 (`rank` set per worker). `engine_id` None: vLLM's default, a
     uuid4 made when the config is."""
@@ -108,10 +116,7 @@ def test_every_rank_of_one_engine_registers_its_config_engine_id(server, client,
         assert sorted(registered(server, uid)) == [(0, eid), (1, eid)]
         assert round_trip(client, uid, [kv for _, kv in regions]) == []
     finally:
-        for c in conns:
-            c.shutdown()
-        for region, _ in regions:
-            region.close()
+        close_all(conns, regions)
 
 
 def test_a_second_engine_with_another_engine_id_is_refused_naming_both_and_the_first_keeps_its_instance(
@@ -147,10 +152,7 @@ def test_a_second_engine_with_another_engine_id_is_refused_naming_both_and_the_f
         assert not np.any(kv[:, 6]), "nothing was loaded into the second engine's memory"
         assert not intruder.connected
     finally:
-        for c in conns:
-            c.shutdown()
-        for region, _ in regions:
-            region.close()
+        close_all(conns, regions)
 
 
 def test_a_config_without_an_engine_id_registers_none_and_keeps_the_instance_default(uid):
@@ -193,10 +195,7 @@ def test_a_tp2_config_without_an_engine_id_pickled_to_each_worker_registers_both
         assert sorted(registered(server, uid)) == [(0, ""), (1, "")]
         assert round_trip(client, uid, [kv for _, kv in regions]) == []
     finally:
-        for c in conns:
-            c.shutdown()
-        for region, _ in regions:
-            region.close()
+        close_all(conns, regions)
 
 
 def test_after_a_server_restart_every_rank_re_registers_with_the_engines_id(uid):
@@ -227,10 +226,7 @@ def test_after_a_server_restart_every_rank_re_registers_with_the_engines_id(uid)
         finally:
             client.close()
     finally:
-        for c in conns:
-            c.shutdown()
-        for region, _ in regions:
-            region.close()
+        close_all(conns, regions)
         for s in (s1, s2):
             if s is not None:
                 s.stop()
