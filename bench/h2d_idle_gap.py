@@ -1,6 +1,8 @@
 """Does the PCIe link idle? A plain pinned H2D copy with torch (no PegaFlow) of a 10K-token
 Llama-3.1-8B prefix's KV (639 blocks, 1.34 GB) in 32 layer pieces, after idle gaps of 0-1000 ms;
-then with matmuls on another stream, and with a 4 KB copy every 10 ms during the gap. Prints one
+then with matmuls on another stream, with a 4 KB copy every 10 ms during the gap, and with another
+stream blocked on a load state's word the whole time (the engine's GPU-side layer waits: the GPU
+polls that host page across the same link). Prints one
 line per case and writes the per-gap times as JSON (default bench/results/h2d-idle-gap.json).
 Needs a GPU:
 
@@ -99,6 +101,10 @@ def main() -> None:
         kept.append(copy_once()[0])
     summary("gap 200 ms with a 4 KB copy every 10 ms", kept)
 
+    waited = gpu_waits_case(torch, dev, copy_once)
+    if waited:
+        summary("gap 200 ms, another stream waiting on a load state's word", waited)
+
     with open(a.out, "w") as f:
         json.dump({
             "command": "python3 bench/h2d_idle_gap.py",
@@ -107,7 +113,45 @@ def main() -> None:
             "gaps_s": out,
             "busy_ms": busy,
             "kept_warm_ms": kept,
+            "gpu_wait_ms": waited,
         }, f, indent=1)
+
+
+def gpu_waits_case(torch, dev, copy_once) -> list[float]:
+    """Whole-copy times while another stream waits on a load state's `layers_ready` word, one
+    `cuStreamWaitValue32` per layer as the connector enqueues them (pegaflow.gpu_wait), released
+    only after the copy: does the GPU's polling of that host page slow the copy it waits for?
+    [] where the driver has no stream memory operations."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    from pegaflow.gpu_wait import GpuWaits
+    from pegaflow.load_state import LoadState
+
+    gw = GpuWaits.open()
+    if gw is None:
+        return []
+    other, times = torch.cuda.Stream(), []
+    try:
+        for _ in range(REPS):
+            time.sleep(0.2)
+            st = LoadState.create()
+            if not gw.arm(st):
+                st.close()
+                return []
+            with torch.cuda.stream(other):
+                for layer in range(LAYERS):
+                    gw.wait(st, layer)
+            times.append(copy_once()[0])
+            st.release_waiters()
+            with torch.cuda.stream(other):
+                gw.retire(st, then=gw.close_later)
+            gw.reap(block=True)
+            torch.cuda.synchronize(dev)
+            gw.close_idle(force=True)
+    finally:
+        gw.close()
+    return times
 
 
 if __name__ == "__main__":
