@@ -16,7 +16,8 @@
  * its older entries dead at once, including any whose withdraw was lost —
  * and re-advertises what it holds (lib/index/rejoin.ts). A new process under
  * the same node id voids what its previous life advertised: every join is
- * recorded in the node's own key, which the first re-join reads.
+ * recorded in the node's own key, which the first re-join reads; a live one
+ * at another address keeps the id (`NodeIdConflict`, lib/index/rejoin.ts).
  *
  * Bad input (namespace, hash) throws {@link IndexInputError}: it is the
  * caller's bug, not an outage.
@@ -46,7 +47,7 @@ import {
   withDeadline,
 } from "./connection.ts";
 import { advertiseArgs, HEARTBEAT_LUA } from "./scripts.ts";
-import { Rejoin } from "./rejoin.ts";
+import { NodeIdConflict, Rejoin } from "./rejoin.ts";
 
 /** Deadline of one index call: a local Redis answers in ~0.1-1 ms; past this, serve locally. */
 export const DEFAULT_INDEX_TIMEOUT_MS = 250;
@@ -125,6 +126,8 @@ export interface BlockIndexStats {
   republishedBlocks: number;
   rejoins: number;
   errors: number;
+  /** While another live process holds this node id (this node is kept out): its address. */
+  conflictWith: string | null;
 }
 
 /**
@@ -160,6 +163,7 @@ export class RedisBlockIndex {
   /** Namespaces joined under the current incarnation (heartbeated). */
   #joined = new Set<string>();
   readonly #rejoinPass: Rejoin;
+  readonly #conflict: NodeIdConflict;
   #heartbeatTimer: ReturnType<typeof setInterval> | undefined;
   #started = false;
   #closed = false;
@@ -194,6 +198,7 @@ export class RedisBlockIndex {
     this.#incarnation = this.#newIncarnation();
     this.#avail = new Availability(this.#log, this.#metrics, () => this.#recovered(), where);
     this.#redis = indexRedisClient(opts.url, this.#timeoutMs);
+    this.#conflict = new NodeIdConflict(this.#log, this.#metrics, this.nodeId, this.advertiseAddr);
     this.#rejoinPass = new Rejoin({
       redis: this.#redis,
       nodeId: this.nodeId,
@@ -203,7 +208,7 @@ export class RedisBlockIndex {
       listSealed: this.#listSealed,
       isHeld: this.#isHeld,
       incarnation: () => this.#incarnation,
-      closed: () => this.#closed,
+      stopped: () => this.#closed || this.#conflict.active,
       joined: this.#joined,
       advertise: (ns, hashes) => this.advertise(ns, hashes),
       call: (op, blocks, f) => this.#call(op, blocks, f),
@@ -211,6 +216,7 @@ export class RedisBlockIndex {
         this.#republished += n;
         this.#metrics?.republished(n);
       },
+      refused: (tag, other, inc) => inc === this.#incarnation && this.#exclude(tag, other),
     });
     // Connection errors repeat on every reconnect attempt: counted, logged once per outage.
     this.#redis.on("error", (e: Error) => this.#failed("connect", e));
@@ -239,12 +245,13 @@ export class RedisBlockIndex {
   /**
    * Advertises sealed blocks of one namespace: one round trip. Resolves true
    * when Redis took them, false when it was unreachable (counted; the blocks
-   * are advertised again when it answers) or this node's registration was
-   * lost (a re-join with a full re-advertise is started).
+   * are advertised again when it answers), this node's registration was
+   * lost (a re-join with a full re-advertise is started) or another live
+   * process holds this node id (nothing is sent; its join re-advertises them).
    */
   async advertise(namespace: string, hashes: readonly Uint8Array[]): Promise<boolean> {
     const p = packHashes(namespace, hashes);
-    if (this.#closed) return false;
+    if (this.#closed || this.#conflict.active) return false;
     if (p.count === 0) return true;
     const inc = this.#incarnation;
     const res = await this.#advertiseCall(namespace, inc, !this.#joined.has(namespace), p);
@@ -257,10 +264,13 @@ export class RedisBlockIndex {
     return false;
   }
 
-  /** Withdraws evicted blocks of one namespace: one round trip; false when Redis was unreachable. */
+  /**
+   * Withdraws evicted blocks of one namespace: one round trip; false when Redis was unreachable
+   * or another live process holds this node id (nothing is sent).
+   */
   async withdraw(namespace: string, hashes: readonly Uint8Array[]): Promise<boolean> {
     const p = packHashes(namespace, hashes);
-    if (this.#closed) return false;
+    if (this.#closed || this.#conflict.active) return false;
     if (p.count === 0) return true;
     const inc = this.#incarnation;
     const res = await this.#call("withdraw", p.count, () =>
@@ -305,10 +315,18 @@ export class RedisBlockIndex {
   /**
    * Renews this node's liveness in every namespace it joined (one pipelined
    * round trip; a PING when it joined none, so a recovery is still seen).
-   * Runs on a timer; exposed so tests and shutdown paths can force one.
+   * A node kept out of the index retries its join instead. Runs on a timer;
+   * exposed so tests and shutdown paths can force one.
    */
   async heartbeat(): Promise<void> {
     if (this.#closed) return;
+    if (this.#conflict.active) {
+      // Kept out: retry the join where refused (accepted once the other's registration expired).
+      if (await this.#rejoinPass.probe(this.#conflict.tag!) && this.#conflict.joined()) {
+        void this.republish();
+      }
+      return;
+    }
     const inc = this.#incarnation;
     const namespaces = [...this.#joined];
     const res = await this.#call("heartbeat", 0, async () => {
@@ -335,7 +353,9 @@ export class RedisBlockIndex {
       });
     });
     if (res === undefined || inc !== this.#incarnation) return;
-    const lost = namespaces.findIndex((_, i) => res[i] !== 1);
+    // Another process holding the id in one namespace weighs more than a lost registration.
+    const taken = namespaces.findIndex((_, i) => this.#conflict.isOther(res[i]));
+    const lost = taken >= 0 ? taken : namespaces.findIndex((_, i) => res[i] !== 1);
     if (lost >= 0) this.#lost(namespaces[lost], res[lost]);
   }
 
@@ -360,6 +380,7 @@ export class RedisBlockIndex {
       republishedBlocks: this.#republished,
       rejoins: this.#rejoins,
       errors: this.#errors,
+      conflictWith: this.#conflict.otherAddr ?? null,
     };
   }
 
@@ -416,7 +437,8 @@ export class RedisBlockIndex {
 
   /** Redis answered after failing (or for the first time): re-join and re-advertise. */
   #recovered(): void {
-    if (this.#closed) return;
+    // Kept out of the index: the join the heartbeat retries does it once accepted.
+    if (this.#closed || this.#conflict.active) return;
     // Withdrawals sent during the outage were lost; a new incarnation voids every old entry.
     this.#rejoin();
     void this.republish();
@@ -428,9 +450,10 @@ export class RedisBlockIndex {
    * process registered under this node id (a string), or 0 (lost, expired).
    */
   #lost(ns: string, answer: unknown): void {
+    if (this.#conflict.isOther(answer)) return this.#exclude(namespaceTag(ns), answer); // kept out
     if (typeof answer === "string") {
-      // Node ids must be unique among live nodes: the two take the registration from each
-      // other at every heartbeat, and neither sees the other's blocks (its own id is left out).
+      // At this node's own address a join cannot tell it from a restart of this node: the
+      // two take the registration from each other (node ids must be unique among live nodes).
       this.#log.error("another live process uses this node id in the block index", {
         namespace: ns,
         node: this.nodeId,
@@ -446,6 +469,12 @@ export class RedisBlockIndex {
     }
     this.#rejoin();
     void this.republish();
+  }
+
+  /** `other`'s process holds this node id in `tag`'s registry: a new incarnation, if news. */
+  #exclude(tag: string, other: string): void {
+    // What the old incarnation registered is no longer renewed: it expires unheard.
+    if (!this.#closed && this.#conflict.refused(tag, other)) this.#rejoin();
   }
 
   #rejoin(): void {

@@ -24,6 +24,8 @@ export interface IndexMetrics {
   republished(blocks: number): void;
   /** This node re-joined under a new incarnation (its older entries became dead at once). */
   rejoined(): void;
+  /** Another live process holds this node id: this node is kept out of the index (true) or not. */
+  conflict(excluded: boolean): void;
 }
 
 /** Index calls: 20 µs .. 1 s (a local Redis answers a 625-block call in well under 1 ms). */
@@ -74,6 +76,11 @@ export function registerIndexMetrics(registry: Registry): IndexMetrics {
     "pegaflow_index_rejoins_total",
     "times this node re-joined the index under a new incarnation",
   );
+  const conflict = gauge(
+    registry,
+    "pegaflow_index_node_id_conflict",
+    "1 while another live process holds this node's id in the index and this node advertises nothing",
+  );
   return {
     call(op, s, ok, n) {
       calls.inc({ op, result: ok ? "ok" : "error" });
@@ -84,5 +91,6 @@ export function registerIndexMetrics(registry: Registry): IndexMetrics {
     up: (u) => up.set(u ? 1 : 0),
     republished: (n) => republished.inc(n),
     rejoined: () => rejoins.inc(),
+    conflict: (on) => conflict.set(on ? 1 : 0),
   };
 }

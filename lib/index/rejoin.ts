@@ -17,14 +17,19 @@
  * A void registration is not heartbeated: it expires with its empty set. The pass stops at the
  * first failure or when the incarnation changes; the next recovery runs it again.
  *
+ * A join (a void included) is refused while another live process, at another advertise address,
+ * holds the node id in that namespace (a copied `--node-id`): that process keeps the id, and
+ * this node is kept out of the index ({@link NodeIdConflict}) until its registration expires.
+ *
  * @module
  */
 
 import { Buffer } from "node:buffer";
 import type { SealedBlock } from "./block_index.ts";
 import { type IndexPipeline, indexPipeline, type IndexRedis } from "./connection.ts";
-import { namespaceTag, nodeNamespacesKey } from "./keys.ts";
-import type { IndexOp } from "./metrics.ts";
+import { namespaceTag, nodeNamespacesKey, tagNodesKey } from "./keys.ts";
+import type { IndexMetrics, IndexOp } from "./metrics.ts";
+import type { Logger } from "../log.ts";
 import { ADVERTISE_LUA, advertiseArgs } from "./scripts.ts";
 
 /**
@@ -46,13 +51,16 @@ export interface RejoinHost {
   isHeld: (namespace: string, hash: Uint8Array) => boolean;
   /** The incarnation now; a pass stops once it changes (the newer re-join runs its own). */
   incarnation: () => string;
-  closed: () => boolean;
+  /** Closed, or kept out of the index by a node id conflict: no pass runs. */
+  stopped: () => boolean;
   /** Namespaces joined under the current incarnation. */
   joined: ReadonlySet<string>;
   advertise: (namespace: string, hashes: readonly Uint8Array[]) => Promise<boolean>;
   /** Runs one Redis call under the index's deadline; undefined when it failed (counted). */
   call: <T>(op: IndexOp, blocks: number, f: () => Promise<T>) => Promise<T | undefined>;
   republished: (blocks: number) => void;
+  /** A join under `inc` in `tag`'s namespace was refused: `otherAddr`'s process holds the id. */
+  refused: (tag: string, otherAddr: string, inc: string) => void;
 }
 
 /**
@@ -101,18 +109,18 @@ export class Rejoin {
     p.pexpire(nodeNamespacesKey(this.#host.nodeId), this.#host.nodeTtlMs * RECORD_TTLS);
   }
 
-  /** Runs a pass; a request while one runs coalesces into one more pass after it (none once closed). */
+  /** Runs a pass; a request while one runs coalesces into one more pass after it (none once stopped). */
   run(): Promise<void> {
     if (this.#running) {
       this.#again = true;
       return this.#running;
     }
-    if (this.#host.closed()) return Promise.resolve();
+    if (this.#host.stopped()) return Promise.resolve();
     this.#running = (async () => {
       do {
         this.#again = false;
         await this.#once();
-      } while (this.#again && !this.#host.closed());
+      } while (this.#again && !this.#host.stopped());
     })().finally(() => this.#running = undefined);
     return this.#running;
   }
@@ -120,7 +128,7 @@ export class Rejoin {
   async #once(): Promise<void> {
     const h = this.#host;
     const inc = h.incarnation();
-    const current = () => inc === h.incarnation() && !h.closed();
+    const current = () => inc === h.incarnation() && !h.stopped();
     if (!this.#pastVoided) {
       if (!await this.#voidPast(inc) || !current()) return;
       this.#pastVoided = true;
@@ -148,7 +156,20 @@ export class Rejoin {
     const stale = [...this.#stale];
     if (stale.length === 0 || !current()) return;
     const voided = await h.call("advertise", 0, () => this.#void(stale.map(namespaceTag), inc));
-    stale.forEach((ns, i) => voided?.[i] && this.#stale.delete(ns));
+    stale.forEach((ns, i) => voided?.[i] === 1 && this.#stale.delete(ns));
+  }
+
+  /**
+   * The join a node kept out of the index retries (at each heartbeat): the current incarnation
+   * registered with an empty set in one namespace (by tag), one call counted as an advertise.
+   * True once the other process's registration there has expired; while it lives, nothing is
+   * written (and its address is reported again).
+   */
+  async probe(tag: string): Promise<boolean> {
+    const h = this.#host;
+    const inc = h.incarnation();
+    const res = await h.call("advertise", 0, () => this.#void([tag], inc));
+    return res?.[0] === 1 && inc === h.incarnation();
   }
 
   /**
@@ -164,14 +185,18 @@ export class Rejoin {
       if (past.length === 0) return true;
       const voided = await this.#void(past, inc);
       // A tag joined meanwhile stays: the join's record went out before this SREM.
-      const drop = past.filter((t, i) => voided[i] && !this.#recorded.has(t));
+      const drop = past.filter((t, i) => voided[i] === 1 && !this.#recorded.has(t));
       if (drop.length > 0) await redis.srem(key, ...drop);
-      return voided.every(Boolean);
+      return voided.every((v) => v === 1);
     }).then((ok) => ok === true);
   }
 
-  /** Registers `inc` with an empty set in each namespace (by tag), pipelined: one round trip. */
-  async #void(tags: string[], inc: string): Promise<boolean[]> {
+  /**
+   * Registers `inc` with an empty set in each namespace (by tag), pipelined: one round trip.
+   * Each answer is 1, or the address of another live process that keeps the node id there
+   * (reported to the host; nothing was written in that namespace).
+   */
+  async #void(tags: string[], inc: string): Promise<unknown[]> {
     const { redis, nodeId: node, advertiseAddr: addr, nodeTtlMs: ttlMs } = this.#host;
     const p = indexPipeline(redis);
     for (const tag of tags) {
@@ -183,9 +208,93 @@ export class Rejoin {
     }
     const out = await p.exec();
     if (!out) throw new Error("void pipeline was discarded");
-    return out.map(([err, v]) => {
+    const answers = out.map(([err, v]) => {
       if (err) throw err;
-      return v === 1;
+      return v;
     });
+    const other = answers.findIndex((v) => typeof v === "string");
+    if (other >= 0) this.#host.refused(tags[other], answers[other] as string, inc);
+    return answers;
+  }
+}
+
+/**
+ * Another live process holds this node id at another advertise address (a copied `--node-id`):
+ * it keeps the id, and this node stays out of the index — it advertises nothing and retries the
+ * join at each heartbeat ({@link Rejoin.probe}) — until that process's registration expires.
+ * One error per episode; the `pegaflow_index_node_id_conflict` gauge is 1 meanwhile.
+ *
+ * @example
+ * ```ts
+ * const conflict = new NodeIdConflict(log, metrics, "node-a:50055", "10.0.0.1:50055");
+ * if (conflict.isOther(answer) && conflict.refused(tag, answer)) drawNewIncarnation();
+ * if (conflict.active && await rejoin.probe(conflict.tag!) && conflict.joined()) republish();
+ * ```
+ */
+export class NodeIdConflict {
+  #other: { tag: string; addr: string } | undefined;
+
+  constructor(
+    private readonly log: Logger,
+    private readonly metrics: IndexMetrics | undefined,
+    private readonly nodeId: string,
+    private readonly advertiseAddr: string,
+  ) {}
+
+  /** True while this node is kept out of the index. */
+  get active(): boolean {
+    return this.#other !== undefined;
+  }
+
+  /** The address of the process that holds this node id while this node is kept out. */
+  get otherAddr(): string | undefined {
+    return this.#other?.addr;
+  }
+
+  /** Whether a script's answer names another live process, at another address, under this id. */
+  isOther(answer: unknown): answer is string {
+    return typeof answer === "string" && answer !== this.advertiseAddr;
+  }
+
+  /** The namespace (tag) whose registry last refused this node: where the retry joins. */
+  get tag(): string | undefined {
+    return this.#other?.tag;
+  }
+
+  /** `otherAddr`'s process holds the id in `tag`'s registry. True when an episode starts. */
+  refused(tag: string, otherAddr: string): boolean {
+    const starts = this.#other === undefined;
+    this.#other = { tag, addr: otherAddr };
+    if (!starts) return false;
+    this.metrics?.conflict(true);
+    this.log.error(
+      "another live process holds this node id in the block index: this node advertises nothing until it is gone",
+      {
+        node: this.nodeId,
+        advertise_addr: this.advertiseAddr,
+        other_addr: otherAddr,
+        registry: tagNodesKey(tag),
+        fix: "give every node its own --node-id",
+      },
+    );
+    return true;
+  }
+
+  /** The retried join was accepted: the other process's registration expired. True if kept out. */
+  joined(): boolean {
+    const other = this.#other;
+    if (!other) return false;
+    this.#other = undefined;
+    this.metrics?.conflict(false);
+    this.log.info(
+      "joined the block index: the other process under this node id is gone; re-advertising what this node holds",
+      {
+        node: this.nodeId,
+        advertise_addr: this.advertiseAddr,
+        other_addr: other.addr,
+        registry: tagNodesKey(other.tag),
+      },
+    );
+    return true;
   }
 }

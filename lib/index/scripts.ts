@@ -69,15 +69,21 @@ end
  * nothing is written (returns 0: the node re-joins under a new incarnation
  * and re-advertises all it holds; or, when the field is live with another
  * incarnation — another live process under this node id — that process's
- * address). Returns 1.
+ * address). A `join` takes the field unless it is live with another
+ * incarnation AND another address: that is another live process, which
+ * keeps the id (nothing is written; returns its address). A live field with
+ * this address is this node's own previous life (a restart, an older
+ * incarnation of this process): the join voids it. Returns 1.
  */
 export const ADVERTISE_LUA = PRELUDE + `
-local node, inc, ttl = ARGV[1], ARGV[2], tonumber(ARGV[4])
+local node, inc, addr, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local cur, curaddr = parse(call('HGET', KEYS[1], node))
 if ARGV[5] ~= '1' then
-  local cur, addr = parse(call('HGET', KEYS[1], node))
-  if cur ~= inc then return cur and addr or 0 end
+  if cur ~= inc then return cur and curaddr or 0 end
+elseif cur and cur ~= inc and curaddr ~= addr then
+  return curaddr
 end
-call('HSET', KEYS[1], node, inc .. ' ' .. (now + ttl) .. ' ' .. ARGV[3])
+call('HSET', KEYS[1], node, inc .. ' ' .. (now + ttl) .. ' ' .. addr)
 extend(KEYS[1], ttl * ${REGISTRY_TTLS})
 each_chunk(split(ARGV[7], tonumber(ARGV[6])), function(...) call('SADD', KEYS[2], ...) end)
 call('PEXPIRE', KEYS[2], ttl)
@@ -86,7 +92,8 @@ return 1
 
 /**
  * What {@link ADVERTISE_LUA} takes after the script, in its order: numkeys, KEYS, ARGV. `join`:
- * (re-)register `inc` instead of checking it; no hashes (`count` 0) with `join` registers the
+ * (re-)register `inc` instead of checking it (refused while another live process, at another
+ * address, holds the node id there); no hashes (`count` 0) with `join` registers the
  * incarnation with an empty set, which voids the node's older entries in that namespace.
  */
 export function advertiseArgs(

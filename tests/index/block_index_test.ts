@@ -477,35 +477,139 @@ Deno.test("a node with a shorter TTL never shortens the namespace registry under
   }, ["a", "c"]);
 });
 
-Deno.test("two live processes under one node id are reported as an error naming both addresses", async () => {
-  // A copied --node-id (or one hostname on two hosts): each process takes the registration
-  // from the other at its next heartbeat and re-advertises all it holds, and neither ever
-  // sees the other's blocks (a node's own id is left out of its lookups). That used to
-  // show only as info lines about a lost registration.
-  await withNodes(async (redis) => {
-    const opts = { nodeTtlMs: 3000, heartbeatMs: 100 };
-    const x = node(redis.url, "dup", { ...opts, advertiseAddr: "host-x:50055" });
-    const y = node(redis.url, "dup", { ...opts, advertiseAddr: "host-y:50055" });
-    try {
-      await waitFor("both connected", () => x.index.up && y.index.up);
-      await save(x, hashes(4));
-      await save(y, hashes(4, 1));
-      const collision = (logs: string[], other: string) =>
-        logs.map((l) => JSON.parse(l)).find((o) =>
-          o.level === "error" && /another live process/.test(o.msg) && o.other_addr === other
-        );
+/** Parsed log lines of `n` at `level` whose message matches `msg`. */
+function logged(n: Node, level: string, msg: RegExp): Record<string, string>[] {
+  return n.logs.map((l) => JSON.parse(l)).filter((o) => o.level === level && msg.test(o.msg));
+}
+
+const KEPT_OUT = /another live process holds this node id/;
+const REGISTRY = `pf:{${NS}}:nodes`;
+
+/** Resolves once `n` has made `ticks` more calls to Redis (heartbeats, or the join it retries). */
+async function ticks(n: Node, ticks: number): Promise<void> {
+  const start = await n.count("pegaflow_index_calls_total");
+  await waitFor(
+    `${ticks} calls of ${n.index.advertiseAddr}`,
+    async () => await n.count("pegaflow_index_calls_total") >= start + ticks,
+  );
+}
+
+/**
+ * Two processes under node id "dup" (a copied --node-id): x at host-x joins and advertises xs
+ * first; y at host-y starts after it and holds ys. Both have a 1 s TTL, heartbeats every 100 ms.
+ */
+async function withDuplicate(
+  redis: Awaited<ReturnType<typeof startRedis>>,
+  f: (x: Node, y: Node, xs: Uint8Array[], ys: Uint8Array[]) => Promise<void>,
+) {
+  const opts = { nodeTtlMs: 1000, heartbeatMs: 100 };
+  const xs = hashes(4), ys = hashes(4, 1);
+  const x = node(redis.url, "dup", { ...opts, advertiseAddr: "host-x:50055" });
+  let y: Node | undefined;
+  try {
+    await waitFor("x connected", () => x.index.up);
+    assert.equal(await save(x, xs), true);
+    y = node(redis.url, "dup", { ...opts, advertiseAddr: "host-y:50055" });
+    await waitFor("y connected", () => y!.index.up);
+    assert.equal(await save(y, ys), false, "y's join took the node id from x");
+    await f(x, y, xs, ys);
+  } finally {
+    await x.index.close();
+    await y?.index.close();
+  }
+}
+
+Deno.test("a second live process under one node id is kept out of the index: the first keeps it, nothing flaps", async () => {
+  // Each join and each heartbeat of the process that had lost the field used to take it back
+  // and re-advertise all it held, every TTL/3, and lookups alternated between the two.
+  await withNodes(async (redis, [c]) => {
+    await withDuplicate(redis, async (x, y, xs, ys) => {
+      const incX = x.index.incarnation;
+      await waitFor("y kept out", () => y.index.stats().conflictWith === "host-x:50055");
+      await Promise.all([ticks(x, 5), ticks(y, 5)]); // several heartbeat ticks of both
+      const admin = redis.admin();
+      const [inc, , addr] = (await admin.hget(REGISTRY, "dup"))!.split(" ");
+      assert.deepEqual([inc, addr], [incX, "host-x:50055"], "the registration moved to y");
+      assert.equal(x.index.incarnation, incX);
+      assert.equal(x.index.stats().rejoins, 1, "x re-joined: it lost the node id");
+      assert.deepEqual(owners(await c.index.lookup(NS, xs)), ["dup@host-x:50055=4"]);
+      assert.equal((await c.index.lookup(NS, ys)).length, 0, "y's blocks were advertised");
+      assert.equal(await y.index.withdraw(NS, ys), false);
+      // Nothing y holds reached Redis: the only block set under "dup" is x's.
+      assert.deepEqual(await admin.keys(`pf:{${NS}}:n:dup:*`), [`pf:{${NS}}:n:dup:${incX}`]);
+      // One error naming both addresses and the fix; the metric and stats() say so.
+      const errors = logged(y, "error", KEPT_OUT);
+      assert.equal(errors.length, 1, y.logs.join("\n"));
+      assert.equal(errors[0].node, "dup");
+      assert.equal(errors[0].advertise_addr, "host-y:50055");
+      assert.equal(errors[0].other_addr, "host-x:50055");
+      assert.match(errors[0].fix, /--node-id/);
+      assert.equal(logged(x, "error", /another live process/).length, 0);
+      assert.equal(await y.count("pegaflow_index_node_id_conflict"), 1);
+      assert.equal(await x.count("pegaflow_index_node_id_conflict"), 0);
+      assert.equal(x.index.stats().conflictWith, null);
+      // y still serves lookups.
+      const cs = hashes(3, 2);
+      await save(c, cs);
+      assert.deepEqual(owners(await y.index.lookup(NS, cs)), ["c@c.local:50055=3"]);
+    });
+  }, ["c"]);
+});
+
+Deno.test("once the holder of a node id is gone, the process kept out joins by itself and re-advertises what it holds", async () => {
+  await withNodes(async (redis, [c]) => {
+    await withDuplicate(redis, async (x, y, xs, ys) => {
+      await waitFor("y kept out", () => y.index.stats().conflictWith === "host-x:50055");
+      await x.index.close(); // stops heartbeating: its registration expires after its TTL
       await waitFor(
-        "the collision reported on both",
-        () => !!collision(x.logs, "host-y:50055") && !!collision(y.logs, "host-x:50055"),
+        "lookups find y's blocks",
+        async () => owners(await c.index.lookup(NS, ys)).join() === "dup@host-y:50055=4",
       );
-      const e = collision(x.logs, "host-y:50055");
-      assert.equal(e.node, "dup");
-      assert.equal(e.advertise_addr, "host-x:50055");
-    } finally {
-      await x.index.close();
-      await y.index.close();
-    }
-  }, []);
+      assert.equal((await c.index.lookup(NS, xs)).length, 0, "x's blocks are still listed");
+      const [inc, , addr] = (await redis.admin().hget(REGISTRY, "dup"))!.split(" ");
+      assert.deepEqual([inc, addr], [y.index.incarnation, "host-y:50055"]);
+      assert.equal(y.index.stats().conflictWith, null);
+      assert.equal(await y.count("pegaflow_index_node_id_conflict"), 0);
+      assert.ok(await y.count("pegaflow_index_readvertised_blocks_total") >= 4);
+      assert.equal(logged(y, "info", /joined the block index/).length, 1);
+      assert.equal(logged(y, "error", KEPT_OUT).length, 1);
+      // y now heartbeats its registration like any holder.
+      await ticks(y, 5);
+      assert.deepEqual(owners(await c.index.lookup(NS, ys)), ["dup@host-y:50055=4"]);
+      assert.equal(await y.index.advertise(NS, hashes(2, 3)), true);
+    });
+  }, ["c"]);
+});
+
+Deno.test("a node whose heartbeat finds another process holding its id is kept out, not re-joined, until that one is gone", async () => {
+  // E.g. Redis restarted and the other process under this id re-joined first. Re-joining here
+  // took the id back and started the flapping from the other side.
+  await withNodes(
+    async (redis, [a, c]) => {
+      const hs = hashes(6);
+      await save(a, hs);
+      const admin = redis.admin();
+      const [sec, usec] = await admin.time();
+      const deadline = Number(sec) * 1000 + Math.floor(Number(usec) / 1000) + 3000;
+      const other = `feedface00000000 ${deadline} host-z:50055`;
+      await admin.hset(REGISTRY, "a", other);
+      await admin.pexpire(REGISTRY, 10_000); // as the other's own TTL (5 s) keeps it
+      await waitFor("a kept out", () => a.index.stats().conflictWith === "host-z:50055");
+      await ticks(a, 5);
+      assert.equal(await admin.hget(REGISTRY, "a"), other, "a took the node id back");
+      assert.equal((await c.index.lookup(NS, hs)).length, 0);
+      assert.equal(logged(a, "error", KEPT_OUT).length, 1);
+      // The other's registration expires (it died): a joins again and re-advertises.
+      await waitFor(
+        "lookups find a's blocks again",
+        async () => owners(await c.index.lookup(NS, hs)).join() === "a@a.local:50055=6",
+      );
+      assert.equal(a.index.stats().conflictWith, null);
+      assert.equal(logged(a, "info", /joined the block index/).length, 1);
+    },
+    ["a", "c"],
+    { nodeTtlMs: 1000, heartbeatMs: 100 },
+  );
 });
 
 Deno.test("withdrawals lost in a connection drop leave no stale entry, even in a namespace the node no longer holds anything of", async () => {
