@@ -3,7 +3,7 @@
  * goes through: `setTimeout` / `setInterval` with a delay above 2^31 - 1 ms
  * (about 24.8 days) fire after 1 ms instead, so a longer deadline (Infinity:
  * none) would fire at once. And {@link within}, the race of a promise
- * against such a timer.
+ * against such a timer ({@link withinOrThrow}: the same, rejecting when late).
  *
  * @module
  */
@@ -47,4 +47,19 @@ export async function within<T>(p: Promise<T>, ms: number): Promise<T | typeof L
   } finally {
     clearTimeout(timer);
   }
+}
+
+/**
+ * `p`'s outcome, or a rejection with `late()` once `ms` passed first (`p`
+ * goes on): {@link within} for the callers whose deadline is an error.
+ *
+ * @example
+ * ```ts
+ * const conn = await withinOrThrow(dial(), 500, () => new Error("no connection within 500 ms"));
+ * ```
+ */
+export async function withinOrThrow<T>(p: Promise<T>, ms: number, late: () => Error): Promise<T> {
+  const v = await within(p, ms);
+  if (v === LATE) throw late();
+  return v;
 }

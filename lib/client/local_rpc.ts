@@ -10,7 +10,7 @@
  */
 import * as grpc from "@grpc/grpc-js";
 import { encodeFrame, FrameReader, LOCAL_RPC_IDS } from "../local_rpc/wire.ts";
-import { timerDelay } from "../timer_limit.ts";
+import { timerDelay, withinOrThrow } from "../timer_limit.ts";
 
 const { UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNIMPLEMENTED, RESOURCE_EXHAUSTED } =
   grpc.status;
@@ -114,17 +114,9 @@ export class LocalRpcClient {
 
   /** The connection, or DEADLINE_EXCEEDED after `ms` (the dial goes on; a later call may use it). */
   #dialWithin(ms: number): Promise<Deno.Conn> {
-    let timer: ReturnType<typeof setTimeout> | undefined;
-    const late = new Promise<never>((_, reject) => {
-      timer = setTimeout(
-        () =>
-          reject(
-            new LocalRpcStatus(DEADLINE_EXCEEDED, `no connection to ${this.path} within ${ms} ms`),
-          ),
-        timerDelay(ms),
-      );
-    });
-    return Promise.race([this.#dial(), late]).finally(() => clearTimeout(timer));
+    const late = () =>
+      new LocalRpcStatus(DEADLINE_EXCEEDED, `no connection to ${this.path} within ${ms} ms`);
+    return withinOrThrow(this.#dial(), ms, late);
   }
 
   /** No call writes on `conn` any more; the next call dials again (no gap where it is reused). */

@@ -18,7 +18,7 @@
  *
  * @module
  */
-import { timerDelay } from "../timer_limit.ts";
+import { withinOrThrow } from "../timer_limit.ts";
 
 /**
  * Header to answer a refused body with: the unread rest of the upload is
@@ -91,26 +91,10 @@ export async function readBodyLimited(
   limit: BodyLimit,
 ): Promise<Uint8Array<ArrayBuffer>> {
   const ms = limit.timeoutMs ?? BODY_READ_TIMEOUT_MS;
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const late = new Promise<never>((_, reject) => {
-    timer = setTimeout(
-      () =>
-        reject(
-          new BodyError(
-            408,
-            "body_timeout",
-            `${limit.what ?? "request body"} not received within ${ms} ms`,
-          ),
-        ),
-      timerDelay(ms),
-    );
-  });
-  try {
-    // Past the deadline the read is left pending: the refusal closes the connection, which ends it.
-    return await Promise.race([readBody(req, limit), late]);
-  } finally {
-    clearTimeout(timer);
-  }
+  const what = limit.what ?? "request body";
+  const late = () => new BodyError(408, "body_timeout", `${what} not received within ${ms} ms`);
+  // Past the deadline the read is left pending: the refusal closes the connection, which ends it.
+  return await withinOrThrow(readBody(req, limit), ms, late);
 }
 
 async function readBody(

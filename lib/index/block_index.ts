@@ -44,8 +44,8 @@ import {
   type IndexRedis,
   indexRedisClient,
   redisWhere,
-  withDeadline,
 } from "./connection.ts";
+import { withinOrThrow } from "../timer_limit.ts";
 import { advertiseArgs, HEARTBEAT_LUA } from "./scripts.ts";
 import { NodeIdConflict, Rejoin } from "./rejoin.ts";
 
@@ -418,7 +418,8 @@ export class RedisBlockIndex {
   async #call<T>(op: IndexOp, blocks: number, f: () => Promise<T>): Promise<T | undefined> {
     const t0 = performance.now();
     try {
-      const v = await withDeadline(f(), this.#timeoutMs, `index ${op}`);
+      const late = () => new Error(`index ${op}: no answer within ${this.#timeoutMs} ms`);
+      const v = await withinOrThrow(f(), this.#timeoutMs, late);
       this.#metrics?.call(op, (performance.now() - t0) / 1e3, true, blocks);
       this.#avail.succeeded();
       return v;

@@ -82,15 +82,6 @@ function evalAlways(redis: Redis, lua: string) {
     redis.eval(lua, numKeys, ...args);
 }
 
-/** A rejected promise after `ms`, or `p`'s outcome, whichever comes first. */
-export function withDeadline<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const deadline = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
-  });
-  return Promise.race([p, deadline]).finally(() => clearTimeout(timer));
-}
-
 /**
  * Returns `url` if it is a usable Redis URL, else throws
  * {@link IndexInputError} saying what is wrong (the CLI prefixes the flag).

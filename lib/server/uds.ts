@@ -15,6 +15,7 @@
  */
 
 import { LOCAL_RPC_SUFFIX } from "../local_rpc/wire.ts";
+import { LATE, within } from "../timer_limit.ts";
 
 /** `sun_path` holds 108 bytes on Linux, the terminating NUL included. */
 const SUN_PATH_BYTES = 107;
@@ -104,15 +105,11 @@ export async function claimSocketPath(path: string): Promise<ClaimOutcome> {
 
 /** Whether something accepts a connection on the socket at `path` (a refusal means stale). */
 async function acceptsConnections(path: string): Promise<boolean> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
   const connecting = Deno.connect({ transport: "unix", path });
   try {
-    const conn = await Promise.race([
-      connecting,
-      new Promise<null>((r) => timer = setTimeout(() => r(null), PROBE_TIMEOUT_MS)),
-    ]);
+    const conn = await within(connecting, PROBE_TIMEOUT_MS);
     // A listener too busy to accept within the probe's deadline is still alive.
-    if (conn === null) {
+    if (conn === LATE) {
       connecting.then((c) => c.close(), () => {});
       return true;
     }
@@ -123,8 +120,6 @@ async function acceptsConnections(path: string): Promise<boolean> {
       return false;
     }
     throw new UdsPathError(`cannot probe ${path}: ${(e as Error).message}`);
-  } finally {
-    clearTimeout(timer);
   }
 }
 
