@@ -249,37 +249,20 @@ class Session:
         f(self, ev)
 
 
-def _load_request(
-    instance_id: str,
-    tp_rank: int,
-    pp_rank: int,
-    lease_id: bytes,
-    block_ids: Sequence[int],
-    load_state_shm: str,
-    request_id: str,
-    whole: bool,
-    engine_id: str,
-) -> pb.LoadRequest:
-    """The one LoadRequest both `load` and `load_nowait` send."""
-    return pb.LoadRequest(
-        instance_id=instance_id,
-        tp_rank=tp_rank,
-        pp_rank=pp_rank,
-        lease_id=bytes(lease_id),
-        block_ids=list(block_ids),
-        load_state_shm=load_state_shm,
-        request_id=request_id,
-        whole=whole,
-        engine_id=engine_id,
-    )
-
-
 class PegaflowClient:
     """A connection to one KV server. Thread-safe; every call has a deadline.
 
     Args are the `ClientConfig` knobs (None = `PEGAFLOW_*` env, else default):
     `addr` ("host:port" or "unix:/path"), `rpc_timeout_ms`, `save_timeout_ms`,
     `reconnect_max_ms`, `keepalive_ms`; or pass a resolved `config`.
+
+    `engine_id`: the engine incarnation this client speaks for, the same on every rank of one
+    engine (vLLM's `kv_transfer_config.engine_id`; the connector passes `engine_id_of`'s).
+    RegisterContext, Save, QueryPrefetch and Load carry it, and while an instance exists the
+    server refuses a rank or a request of another engine id under it (FAILED_PRECONDITION,
+    "... is registered by another engine"). "" (the default) is not checked. Those four calls
+    take `engine_id=` too: None (the default) sends the client's, anything else (also "") is
+    sent instead for that one call, as a test acting as two engines through one client does.
 
     Example:
         c = PegaflowClient("127.0.0.1:50055")
@@ -296,6 +279,7 @@ class PegaflowClient:
         reconnect_max_ms: Optional[int] = None,
         keepalive_ms: Optional[int] = None,
         config: Optional[ClientConfig] = None,
+        engine_id: str = "",
     ):
         self.config = config or ClientConfig.resolve(
             addr=addr,
@@ -304,6 +288,7 @@ class PegaflowClient:
             reconnect_max_ms=reconnect_max_ms,
             keepalive_ms=keepalive_ms,
         )
+        self._engine_id = engine_id
         self._lock = threading.Lock()
         self._channel: Optional[grpc.Channel] = None
         self._pid = -1
@@ -327,6 +312,16 @@ class PegaflowClient:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def engine_id(self) -> str:
+        """The engine id every RegisterContext, Save, QueryPrefetch and Load carries unless the
+        call names another ("" = none: not checked by the server)."""
+        return self._engine_id
+
+    def _engine(self, override: Optional[str]) -> str:
+        """The engine id a request carries: the call's `engine_id=` when given, else the client's."""
+        return self._engine_id if override is None else override
 
     # ---- channel ------------------------------------------------------------
 
@@ -412,12 +407,11 @@ class PegaflowClient:
         region_handles: Sequence[bytes],
         geometry: Sequence[Geometry],
         client_version: str = PROTOCOL_VERSION,
-        engine_id: str = "",
+        engine_id: Optional[str] = None,
     ) -> pb.RegisterContextResponse:
-        """Registers every layer of one rank (layer order = execution order). `engine_id`: the
-        engine incarnation, the same on every rank of one engine (vLLM's
-        `kv_transfer_config.engine_id`); while the instance exists the server refuses a rank of
-        another one ("... is registered by another engine"). "" is not checked."""
+        """Registers every layer of one rank (layer order = execution order), with the client's
+        `engine_id` (or the call's: see the class); while the instance exists the server refuses a
+        rank of another one ("... is registered by another engine"). "" is not checked."""
         req = pb.RegisterContextRequest(
             instance_id=instance_id,
             namespace=namespace,
@@ -431,7 +425,7 @@ class PegaflowClient:
             region_handles=[bytes(h) for h in region_handles],
             geometry=[g.to_proto() for g in geometry],
             client_version=client_version,
-            engine_id=engine_id,
+            engine_id=self._engine(engine_id),
         )
         rank = (instance_id, tp_rank, pp_rank)
         try:
@@ -456,13 +450,13 @@ class PegaflowClient:
         layers: Optional[Iterable[pb.LayerSave]] = None,
         request_id: str = "",
         timeout_s: Optional[float] = None,
-        engine_id: str = "",
+        engine_id: Optional[str] = None,
     ) -> pb.SaveResponse:
         """Saves `block_ids` (with their `block_hashes`) of every registered
         layer of the rank, or per-layer `layers`; returns once the bytes are in
-        the pool (hence its own, longer deadline). `engine_id`: the engine's, as
-        registered (`register_context`); the server refuses another engine's
-        ("... is registered by another engine"). "" is not checked."""
+        the pool (hence its own, longer deadline). It carries the client's
+        `engine_id` (or the call's: see the class); the server refuses another
+        engine's ("... is registered by another engine"). "" is not checked."""
         req = pb.SaveRequest(
             instance_id=instance_id,
             tp_rank=tp_rank,
@@ -470,7 +464,7 @@ class PegaflowClient:
             block_ids=list(block_ids),
             layers=list(layers or ()),
             request_id=request_id,
-            engine_id=engine_id,
+            engine_id=self._engine(engine_id),
         )
         tail = _put_hashes(req, block_hashes)
         return self._call(
@@ -483,7 +477,7 @@ class PegaflowClient:
         timeout_s: Optional[float] = None,
         load_into: Optional[Sequence[int]] = None,
         load_states: Optional[Mapping[Tuple[int, int], str]] = None,
-        engine_id: str = "",
+        engine_id: Optional[str] = None,
     ) -> QueryResult:
         """Longest held prefix of `block_hashes`; a hit is pinned under a lease.
 
@@ -492,10 +486,12 @@ class PegaflowClient:
         instance), a hit's load of every rank starts before the answer; the
         lease is then spent (`result.loads` says how each rank's went).
 
-        `engine_id`: the engine's, as its ranks registered (`register_context`); the server
-        refuses another engine's query (FAILED_PRECONDITION, "... is registered by another
-        engine") before it leases or loads anything. "" is not checked."""
-        req = pb.QueryPrefetchRequest(instance_id=instance_id, request_id=request_id, engine_id=engine_id)
+        The query carries the client's `engine_id` (or the call's: see the class); the server
+        refuses another engine's (FAILED_PRECONDITION, "... is registered by another engine")
+        before it leases or loads anything. "" is not checked."""
+        req = pb.QueryPrefetchRequest(
+            instance_id=instance_id, request_id=request_id, engine_id=self._engine(engine_id)
+        )
         tail = _put_hashes(req, block_hashes)
         if load_into is not None:
             if not load_states:
@@ -526,16 +522,16 @@ class PegaflowClient:
         request_id: str = "",
         timeout_s: Optional[float] = None,
         whole: bool = False,
-        engine_id: str = "",
+        engine_id: Optional[str] = None,
     ) -> pb.LoadResponse:
         """Consumes the lease for this rank and starts scattering into
         `block_ids`; returns at submit (progress is in the load state).
         `whole`: the engine reads the blocks only once all of them landed
         (async loading), so the server may copy over several lanes.
-        `engine_id`: the engine's, as registered; the server refuses another
-        engine's Load before it touches the lease (the load state is marked
-        failed, as for any refused Load). "" is not checked."""
-        req = _load_request(
+        It carries the client's `engine_id` (or the call's: see the class); the
+        server refuses another engine's Load before it touches the lease (the
+        load state is marked failed, as for any refused Load). "" is not checked."""
+        req = self._load_request(
             instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole, engine_id
         )
         return self._call("Load", req, pb.LoadResponse, timeout_s)
@@ -553,16 +549,41 @@ class PegaflowClient:
         request_id: str = "",
         timeout_s: Optional[float] = None,
         whole: bool = False,
-        engine_id: str = "",
+        engine_id: Optional[str] = None,
     ) -> None:
         """`load` without waiting for the answer: the call is on its way when
         this returns, and `on_done(None | error)` runs once it is answered
         (on a gRPC or local-RPC reader thread, or here if that already happened). The deadline is
         the same as `load`'s; `engine_id` as for `load`."""
-        req = _load_request(
+        req = self._load_request(
             instance_id, tp_rank, pp_rank, lease_id, block_ids, load_state_shm, request_id, whole, engine_id
         )
         self._call_nowait("Load", req, pb.LoadRequest, pb.LoadResponse, on_done, timeout_s)
+
+    def _load_request(
+        self,
+        instance_id: str,
+        tp_rank: int,
+        pp_rank: int,
+        lease_id: bytes,
+        block_ids: Sequence[int],
+        load_state_shm: str,
+        request_id: str,
+        whole: bool,
+        engine_id: Optional[str],
+    ) -> pb.LoadRequest:
+        """The one LoadRequest both `load` and `load_nowait` send (`engine_id` None: the client's)."""
+        return pb.LoadRequest(
+            instance_id=instance_id,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            lease_id=bytes(lease_id),
+            block_ids=list(block_ids),
+            load_state_shm=load_state_shm,
+            request_id=request_id,
+            whole=whole,
+            engine_id=self._engine(engine_id),
+        )
 
     def release_nowait(
         self, lease_id: bytes, on_done: Callable[[Optional[PegaflowError]], None], timeout_s: Optional[float] = None

@@ -25,10 +25,10 @@ the server's did not) and counts as registered. A rank held by another
 engine under the same instance id (other regions: a process that crashed and
 whose session the server has not seen end yet, or a second engine given the
 same instance id) is refused with FAILED_PRECONDITION "... is registered by
-another engine", and so is a rank whose `engine_id` (every rank of one engine
-sends its engine's: vLLM's kv_transfer_config.engine_id) is not the one the
-instance was registered with, even for a rank the instance has not registered
-yet: it is logged, never counted as registered and no session is
+another engine", and so is a rank whose engine id (its client's `engine_id`:
+every rank of one engine sends its engine's, vLLM's kv_transfer_config.engine_id)
+is not the one the instance was registered with, even for a rank the instance
+has not registered yet: it is logged, never counted as registered and no session is
 opened (the server would refuse it: a session presents its registration's
 token); the rank retries, also from the first `register()`, and registers
 once the holder is gone. The session presents the registration token the
@@ -87,9 +87,10 @@ class KvRegistration:
     """One rank's layers, registered and kept registered.
 
     Example:
+        client = PegaflowClient(addr, engine_id=engine_id)  # the rank registers with its id
         layers, device = export_kv_layers(kv_caches)
         reg = KvRegistration(client, instance_id="inst", namespace=ns, layers=layers,
-                             tp_rank=0, tp_size=1, device_id=device, engine_id=engine_id)
+                             tp_rank=0, tp_size=1, device_id=device)
         reg.register()          # raises PegaflowError on bad input; no server yet: registers later
         reg.connected           # False while the server is away
         reg.close()             # unregisters and ends the session
@@ -107,7 +108,6 @@ class KvRegistration:
         pp_rank: int = 0,
         pp_size: int = 1,
         device_id: int = 0,
-        engine_id: str = "",
     ):
         if not layers:
             raise ValueError(f'instance "{instance_id}" tp_rank {tp_rank}: no layers to register')
@@ -118,9 +118,6 @@ class KvRegistration:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.device_id = device_id
-        #: The engine incarnation every rank of this engine registers with (vLLM's
-        #: kv_transfer_config.engine_id); "" = none (the server checks nothing).
-        self.engine_id = engine_id
         self._index: Dict[str, int] = {l.name: i for i, l in enumerate(self.layers)}
         self._lock = threading.Lock()
         self._up = threading.Event()
@@ -180,7 +177,6 @@ class KvRegistration:
                 layer_names=self.layer_names,
                 region_handles=[l.handle for l in self.layers],
                 geometry=[l.geometry for l in self.layers],
-                engine_id=self.engine_id,
             )
         except PegaflowError as e:
             self.registration_token = registration_token_in(e) or self.registration_token
@@ -216,7 +212,7 @@ class KvRegistration:
                 log.error(
                     "%s (engine_id %r): another engine holds this rank or its instance (%s); running without "
                     "PegaFlow, retrying until it leaves",
-                    self.who, self.engine_id, e,
+                    self.who, self.client.engine_id, e,
                 )
             else:
                 log.warning("%s: no KV server answers (%s); running without PegaFlow until one does", self.who, e)

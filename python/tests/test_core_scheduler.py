@@ -31,15 +31,17 @@ class Req:
 class FakeClient:
     config = ClientConfig()
 
-    def __init__(self, answers):
+    def __init__(self, answers, engine_id=""):
         self.answers = list(answers)
+        self.engine_id = engine_id
         self.queries = []
         self.released = []
         self.engine_ids = []
 
-    def query_prefetch(self, *, instance_id, block_hashes, request_id, timeout_s=None, engine_id=""):
+    def query_prefetch(self, *, instance_id, block_hashes, request_id, timeout_s=None, engine_id=None):
+        """Records the engine id the query carries: the call's, else the client's (as PegaflowClient)."""
         self.queries.append(list(block_hashes))
-        self.engine_ids.append(engine_id)
+        self.engine_ids.append(self.engine_id if engine_id is None else engine_id)
         a = self.answers.pop(0)
         if isinstance(a, Exception):
             raise a
@@ -242,7 +244,7 @@ def test_no_block_hashes_prefix_caching_off_is_a_miss_said_once(caplog):
 
 
 def test_a_query_refused_as_another_engines_is_a_miss_counted_and_said_once(caplog):
-    """The scheduler sends its engine id with every query; the server's refusal of another
+    """Every query carries the engine id of the scheduler's client; the server's refusal of another
     engine's (this engine misconfigured with that instance id) is a miss like any failed query,
     never an exception into the step, counted apart and logged once as an error."""
     refused = PegaflowError(
@@ -252,8 +254,8 @@ def test_a_query_refused_as_another_engines_is_a_miss_counted_and_said_once(capl
         "QueryPrefetch",
     )
     away = PegaflowError(grpc.StatusCode.UNAVAILABLE, "connection refused", "QueryPrefetch")
-    c = FakeClient([refused, refused, away, ready(2)])
-    s = SchedulerCore(c, instance_id="i", block_size=BS, engine_id="b")
+    c = FakeClient([refused, refused, away, ready(2)], engine_id="b")
+    s = SchedulerCore(c, instance_id="i", block_size=BS)
     with caplog.at_level("DEBUG", logger="pegaflow.connector"):
         for rid in ("r", "r2", "r3"):
             assert s.get_num_new_matched_tokens(Req(rid, 3 * BS + 1, hashes(3)), 0) == (0, False)

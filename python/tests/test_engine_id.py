@@ -12,7 +12,9 @@ import pickle
 import time
 import types
 
+import grpc
 import numpy as np
+import pytest
 import torch
 
 from pegaflow.client import PegaflowClient
@@ -25,9 +27,11 @@ from pegaflow.connector.vllm_api import (
     ParallelConfig,
     VllmConfig,
 )
-from pegaflow.load_state import LoadState
+from pegaflow.errors import PegaflowError
+from pegaflow.load_state import STATE_REJECTED, LoadState
+from pegaflow.regions import export_kv_layers
 
-from kv_helpers import make_kv
+from kv_helpers import fill, make_kv, matches, register
 from tp_ranks import rank_content
 from waits import wait_for
 
@@ -231,3 +235,70 @@ def test_after_a_server_restart_every_rank_re_registers_with_the_engines_id(uid)
             if s is not None:
                 s.stop()
 
+
+
+def test_a_client_stamps_its_engine_id_on_every_request_and_a_call_may_name_another(server, uid):
+    """`PegaflowClient(engine_id=…)` sends its id with RegisterContext, Save, QueryPrefetch and
+    Load without any per-call argument: under an instance its id registered, a client of another
+    id is refused FAILED_PRECONDITION naming both, its own goes through. A call's `engine_id=`
+    wins over the client's, and an override of "" sends "" (not checked)."""
+    e1, e2 = "e1-" + uid, "e2-" + uid
+    one = PegaflowClient(server.addr, rpc_timeout_ms=10_000, engine_id=e1)
+    two = PegaflowClient(server.addr, rpc_timeout_ms=10_000, engine_id=e2)
+    assert (one.engine_id, two.engine_id) == (e1, e2)
+    region, kv = make_kv(2, 8)
+    reg = None
+
+    def refused(call, **kw) -> str:
+        """The details of `call`'s refusal as e2's under e1's instance."""
+        with pytest.raises(PegaflowError) as e:
+            call(**kw)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value
+        assert f'its engine_id "{e1}", this ' in e.value.details, e.value
+        assert f'\'s "{e2}")' in e.value.details, e.value  # this rank's / this request's
+        return e.value.details
+
+    try:
+        reg = register(one, kv, uid, "ns-" + uid)  # RegisterContext with the client's id
+        assert reg.connected and registered(server, uid) == [(0, e1)]
+        layers, device = export_kv_layers(kv)
+        rank = dict(
+            instance_id=uid, namespace="ns-" + uid, tp_rank=0, tp_size=1, device_id=device,
+            layer_names=[l.name for l in layers], region_handles=[l.handle for l in layers],
+            geometry=[l.geometry for l in layers],
+        )
+        assert "this rank's" in refused(two.register_context, **rank)
+        assert "this rank's" in refused(one.register_context, **rank, engine_id=e2)
+
+        h = [b"\x21" * 16]
+        fill(kv, [1], h)
+        save = dict(instance_id=uid, tp_rank=0, block_ids=[1], block_hashes=h)
+        assert refused(two.save, **save).startswith("Save (tp_rank 0 pp_rank 0)")
+        refused(one.save, **save, engine_id=e2)
+        assert one.save(**save).blocks_saved == 1
+
+        ask = dict(instance_id=uid, block_hashes=h)
+        assert 'request "q-two"' in refused(two.query_prefetch, **ask, request_id="q-two")
+        refused(one.query_prefetch, **ask, request_id="q-over", engine_id=e2)
+        q = two.query_prefetch(**ask, request_id="q-empty", engine_id="")  # "" is sent, not e2
+        assert q.hits == 1
+        two.release(q.lease_id)
+        q = one.query_prefetch(**ask, request_id="q-one")
+        assert q.hits == 1
+
+        with LoadState.create() as st:
+            load = dict(instance_id=uid, tp_rank=0, lease_id=q.lease_id, block_ids=[6], load_state_shm=st.name)
+            assert refused(two.load, **load).startswith("Load (tp_rank 0 pp_rank 0")
+            assert st.state == STATE_REJECTED
+            st.rearm()
+            refused(one.load, **load, engine_id=e2)
+            st.rearm()
+            one.load(**load)  # the refused Loads left the lease as it was
+            st.wait_all(timeout_s=30)
+        assert matches(kv, [6], h) == []
+    finally:
+        if reg is not None:
+            reg.close()
+        for c in (one, two):
+            c.close()
+        region.close()

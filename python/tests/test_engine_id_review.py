@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
+from pegaflow.client import PegaflowClient
 from pegaflow.errors import PegaflowError
 from pegaflow.hashes import synthetic_tokens
 from pegaflow.load_state import STATE_REJECTED, LoadState
@@ -178,7 +179,8 @@ def test_the_client_sends_the_engine_id_with_save_query_and_load(server, client,
     own (and "") go through."""
     region, kv = make_kv(2, 8)
     mine, other = "first-" + uid, "second-" + uid
-    reg = register(client, kv, uid, "ns-" + uid, engine_id=mine)
+    owner = PegaflowClient(server.addr, rpc_timeout_ms=10_000, engine_id=mine)  # the rank registers with it
+    reg = register(owner, kv, uid, "ns-" + uid)
 
     def refused(call, *args, **kw) -> str:
         with pytest.raises(PegaflowError) as e:
@@ -212,4 +214,5 @@ def test_the_client_sends_the_engine_id_with_save_query_and_load(server, client,
         assert matches(kv, [6], h) == []
     finally:
         reg.close()
+        owner.close()
         region.close()

@@ -77,11 +77,10 @@ class QueryIssuer:
         load_timeout_s: float,
         count: Callable[[str, int], None],
         fresh: FreshStates,
-        engine_id: str = "",
     ):
+        # Every probe carries the client's engine_id: the server refuses another engine's under
+        # this instance id.
         self.client = client
-        # Sent with every probe: the server refuses another engine's under this instance id.
-        self.engine_id = engine_id
         self.room = room
         self.ranks = list(ranks)
         self.load_timeout_s = load_timeout_s
@@ -99,7 +98,6 @@ class QueryIssuer:
             q = self.client.query_prefetch(
                 instance_id=instance_id, block_hashes=hashes, request_id=rid,
                 load_into=range(first, first + len(hashes)), load_states={r: st.name for r, st in states.items()},
-                engine_id=self.engine_id,
             )
         except PegaflowError as e:
             if e.code in MAYBE_ACCEPTED:

@@ -132,7 +132,6 @@ class SchedulerCore:
         staging_blocks: int = 0,
         loading_retry_s: float = LOADING_RETRY_MAX_S,
         clock: Any = time.monotonic,
-        engine_id: str = "",
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -144,11 +143,10 @@ class SchedulerCore:
             raise ValueError(f"ranks must name each (tp_rank, pp_rank) of the instance once, got {list(ranks)}")
         if not loading_retry_s >= 0:
             raise ValueError(f"loading_retry_s must be >= 0, got {loading_retry_s}")
+        # The client's `engine_id` (vLLM's kv_transfer_config.engine_id, as the workers
+        # register) goes with every query and Load, which the server refuses when the instance
+        # is another engine's (this engine misconfigured with its instance id). "" = not checked.
         self.client = client
-        # The engine's id (vLLM's kv_transfer_config.engine_id, as its workers register): sent
-        # with every query and Load, which the server refuses when the instance is another
-        # engine's (this engine misconfigured with its instance id). "" = not checked.
-        self.engine_id = engine_id
         self._other_engine_logged = False
         self.loading_retry_s = loading_retry_s
         self._clock = clock
@@ -178,7 +176,7 @@ class SchedulerCore:
         if load_issuer == ISSUER_QUERY:
             self._query_issuer = QueryIssuer(
                 client, self.staging, ranks=self.ranks, load_timeout_s=client.config.load_timeout_s,
-                count=self._count, fresh=self._fresh, engine_id=engine_id,
+                count=self._count, fresh=self._fresh,
             )
         self._probes: Dict[str, _Probe] = {}
         self._tracked: Dict[str, _Tracked] = {}
@@ -286,7 +284,6 @@ class SchedulerCore:
             else:
                 q = self.client.query_prefetch(
                     instance_id=self.load_instance, block_hashes=hashes[computed:loadable], request_id=rid,
-                    engine_id=self.engine_id,
                 )
         except PegaflowError as e:
             # Server away, instance not (yet) registered, another engine's: a miss, never an
@@ -324,7 +321,7 @@ class SchedulerCore:
         log.error(
             "instance %s (engine_id %r) is registered by another engine: this engine's queries are "
             "refused and its requests computed without PegaFlow until the instance is gone; give "
-            "this engine its own pegaflow.instance_id (%s)", self.load_instance, self.engine_id, e,
+            "this engine its own pegaflow.instance_id (%s)", self.load_instance, self.client.engine_id, e,
         )
 
     def _answer(self, p: _Probe) -> Tuple[int, bool]:
@@ -421,7 +418,7 @@ class SchedulerCore:
                 self.client.load_nowait(
                     instance_id=self.load_instance, tp_rank=tp_rank, pp_rank=pp_rank, lease_id=intent.lease_id,
                     block_ids=intent.block_ids, load_state_shm=st.name, request_id=intent.request_id,
-                    on_done=answered, whole=self.mode == ASYNC, engine_id=self.engine_id,
+                    on_done=answered, whole=self.mode == ASYNC,
                 )
                 self._count("loads_issued")
             except PegaflowError as e:  # the client is closed: nothing was sent

@@ -142,8 +142,9 @@ class ConnectorSettings:
     # PEGAFLOW_LOADING_RETRY_MS; 0 = ask at every call; None = scheduler_core.LOADING_RETRY_MAX_S).
     loading_retry_ms: Optional[int] = None
     # The engine incarnation every rank registers with (kv_transfer_config.engine_id; "" when the
-    # config has none: `engine_id_of`), also sent with every query, Load and Save: the server
-    # refuses a rank, and the requests, of another engine under this instance id.
+    # config has none: `engine_id_of`), the connector's client's `engine_id`, so also sent with
+    # every query, Load and Save: the server refuses a rank, and the requests, of another engine
+    # under this instance id.
     engine_id: str = ""
 
     @classmethod
@@ -338,7 +339,8 @@ class PegaflowConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         check_supported(vllm_config, kv_cache_config)
         self.settings = ConnectorSettings.from_vllm(vllm_config)
-        self.client = PegaflowClient(config=self.settings.client)
+        # Every registration, query, Load and Save of this engine carries its engine id.
+        self.client = PegaflowClient(config=self.settings.client, engine_id=self.settings.engine_id)
         self._scheduler: Optional[SchedulerCore] = None
         self._worker: Optional[WorkerCore] = None
         self._layer_hooks = False  # has_connector_metadata
@@ -357,7 +359,6 @@ class PegaflowConnector(KVConnectorBase_V1):
                     LOADING_RETRY_MAX_S if self.settings.loading_retry_ms is None
                     else self.settings.loading_retry_ms / 1000.0
                 ),
-                engine_id=self.settings.engine_id,
             )
         else:
             tp_rank, pp_rank = _ranks(vllm_config)
@@ -367,7 +368,6 @@ class PegaflowConnector(KVConnectorBase_V1):
                 pp_size=pc.pipeline_parallel_size, mode=self.settings.mode,
                 load_timeout_s=self.settings.client.load_timeout_s, device_id=self.settings.device_id,
                 staging_blocks=self.settings.staging_blocks, gpu_waits=self.settings.gpu_waits,
-                engine_id=self.settings.engine_id,
             )
             if self.settings.mode == LAYERWISE:
                 # Called once per layer per step (from vLLM's attention op): straight to the

@@ -110,12 +110,14 @@ class WorkerCore:
         device_id: Optional[int] = None,
         staging_blocks: int = 0,
         gpu_waits: bool = True,
-        engine_id: str = "",
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         if staging_blocks < 0:
             raise ValueError(f"staging_blocks must be >= 0, got {staging_blocks}")
+        # The client's `engine_id` (vLLM's kv_transfer_config.engine_id, the same on every rank)
+        # goes with this rank's registration, Loads and Saves: the server refuses a rank, Load or
+        # Save of another engine under this instance id ("" = not checked).
         self.client = client
         # Layer-wise only (async loads span steps, so a step's staging run would not be free
         # at the next step): see staging.py.
@@ -129,10 +131,6 @@ class WorkerCore:
         # The device this rank registers: CUDA KV names its own; host-backend KV (shm) has none,
         # so a server serving several devices (--devices 0,1) is told which one here.
         self.device_id = device_id
-        # The engine incarnation (vLLM's kv_transfer_config.engine_id), the same on every rank,
-        # sent with its registration, Loads and Saves: the server refuses a rank, Load or Save
-        # of another engine under this instance id ("" = not checked).
-        self.engine_id = engine_id
         self.mode = mode
         self.load_timeout_s = load_timeout_s if load_timeout_s is not None else client.config.load_timeout_s
         self.registration: Optional[KvRegistration] = None
@@ -210,7 +208,7 @@ class WorkerCore:
         reg = KvRegistration(
             self.client, instance_id=instance_id, namespace=self.namespace, layers=layers,
             tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size,
-            device_id=device, engine_id=self.engine_id,
+            device_id=device,
         )
         reg.register()
         return reg
@@ -396,7 +394,7 @@ class WorkerCore:
                     instance_id=reg_of_load.instance_id,
                     tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                     lease_id=intent.lease_id, block_ids=intent.block_ids, load_state_shm=ld.state.name,
-                    request_id=intent.request_id, whole=self.mode == ASYNC, engine_id=self.engine_id,
+                    request_id=intent.request_id, whole=self.mode == ASYNC,
                 )
                 self._count("loads", 1)
                 self._count("load_blocks", len(intent.block_ids))
@@ -652,7 +650,6 @@ class WorkerCore:
             r = self.client.save(
                 instance_id=self.instance_id, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                 block_ids=ids, block_hashes=hashes, request_id=job.intents[0].request_id,
-                engine_id=self.engine_id,
             )
         except PegaflowError as e:
             self._count("saves_dropped", blocks)
