@@ -13,7 +13,7 @@
  *
  * HEAD is answered as GET without a body (Deno.serve drops it: `curl -I`
  * probes like a GET); another method on one of these paths is a 405 naming
- * the one it accepts (with `Allow`), any other path a 404.
+ * the one it accepts (with `Allow`), any other path a 404 listing the routes.
  *
  * Every request's body, on every route, is read through lib/http/body.ts
  * under {@link MAX_BODY_BYTES}: over it the answer is 413 before the rest is
@@ -51,7 +51,10 @@ function json(status: number, body: unknown, headers: Record<string, string> = {
 /** 405 (with `Allow`) for a served path under another method, else 404. */
 function noRoute(method: string, path: string): Response {
   const allowed = ROUTE_METHODS.get(path);
-  if (allowed === undefined) return json(404, { error: `no route ${method} ${path}` });
+  if (allowed === undefined) {
+    const routes = [...ROUTE_METHODS].map(([p, m]) => `${m} ${p}`);
+    return json(404, { error: `no route ${method} ${path}`, routes });
+  }
   return json(405, { error: `${path} only accepts ${allowed}` }, {
     allow: allowed === "GET" ? "GET, HEAD" : allowed,
   });

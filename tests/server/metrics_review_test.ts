@@ -129,7 +129,12 @@ Deno.test("the HTTP side answers a wrong method with 405 and Allow, HEAD like GE
     assert.equal(await head.text(), "");
     const nf = await fetch(`${base}/metrics/nope`);
     assert.equal(nf.status, 404);
-    assert.match((await nf.json()).error, /no route GET \/metrics\/nope/);
+    const nfBody = await nf.json();
+    assert.match(nfBody.error, /no route GET \/metrics\/nope/);
+    assert.ok(
+      nfBody.routes.includes("GET /health"),
+      "a 404 lists the routes a probe may have meant",
+    );
     const big = await rawStatus(
       port,
       `GET /metrics HTTP/1.1\r\nhost: x\r\nx-big: ${"a".repeat(1 << 20)}\r\n\r\n`,
