@@ -90,8 +90,9 @@ class LoadIntent:
 @dataclass
 class SaveIntent:
     """Save these full blocks of a request (ids + the engine's block hashes). `after_loads`: the
-    requests whose layer-wise loads of this step fill blocks these were computed over (or are):
-    when one of those loads fails, the step computed them over wrong KV, and the save is dropped."""
+    requests whose layer-wise loads (of this step or an earlier one) fill blocks these were
+    computed over (or are): when one of those loads failed, they hold KV computed over wrong KV
+    (the engine may have scheduled this step before it saw the failure), and the save is dropped."""
 
     request_id: str
     block_ids: List[int]

@@ -12,6 +12,10 @@ Life of a run (held in the StagingRoom under the request id):
            the run shrinks to the hit; every rank's copy is running.
   claim    update_state_after_alloc: the run becomes a run of the step being built; the
            intent carries the state names, each worker attaches (as for the scheduler issuer).
+           The run stays held until every state settled (or LINGER_LOAD_TIMEOUTS load timeouts
+           passed): a copy the worker timed out on may still land in it, and a later probe's copy
+           into the same blocks, claimed once the worker saw the late one settle, would be
+           scattered with the late copy's bytes.
   drop     the probe is not used (it drifted, the request ended, a rank's load was refused)
            or the query failed in a way that may have reached the server: the run drains —
            held until every state settled (or LINGER_LOAD_TIMEOUTS load timeouts passed:
@@ -120,10 +124,14 @@ class QueryIssuer:
 
     def claim(self, rid: str, early: EarlyLoad) -> Tuple[int, int]:
         """The probe's run joins the step being built; the workers attach to its states (the
-        names stay linked for them: the caller's bookkeeping unlinks them once the step ran)."""
-        for st in early.states.values():
-            st.close()
-        return self.room.claim(rid)
+        names stay linked for them: the caller's bookkeeping unlinks them once the step ran). It
+        stays held, as a drained run, until its copies settled (see the module doc)."""
+        self._serial += 1
+        key = (rid, self._serial)
+        ran = self.room.claim(rid, keep_as=key)
+        until = time.monotonic() + self.load_timeout_s * LINGER_LOAD_TIMEOUTS
+        self._drains[key] = _Drain(list(early.states.values()), until)
+        return ran
 
     def drop(self, rid: str, early: EarlyLoad) -> None:
         """An unused probe: its run drains until its copies settled."""
@@ -146,8 +154,8 @@ class QueryIssuer:
         self._drains[key] = _Drain(list(states.values()), time.monotonic() + self.load_timeout_s * LINGER_LOAD_TIMEOUTS)
 
     def poll(self) -> None:
-        """Gives back every drained run whose copies settled (or that waited long enough); once a
-        step, from build_step (a probe sizes its run with `room.offer` before it gets here)."""
+        """Gives back every drained run whose copies settled (or that waited long enough): from
+        build_step, and before a probe sizes its run with `room.offer`."""
         if not self._drains:
             return
         now = time.monotonic()

@@ -28,8 +28,8 @@ Scheduler side (`SchedulerCore`), per request:
           vLLM's async scheduling and PP's batch queue break it: use "worker".
   save    build_step → SaveIntents for the blocks that become full in this
           step (their ids and the engine's own block hashes, and the requests
-          whose layer-wise loads of the step fill blocks they were computed over:
-          the worker drops them if one of those loads fails)
+          whose layer-wise loads fill blocks they were computed over, in this
+          step or an earlier one: the worker drops them if one of those loads failed)
   finish  request_finished → delay the free while saves or a layer-wise load
           may be pending (the worker reports the id in finished_sending when none
           is), or while an async load has not come back in finished_recving.
@@ -106,6 +106,12 @@ class _Tracked:
     saved_upto: int = 0
     had_save: bool = False
     had_load: bool = False  # layer-wise: the workers hold the blocks until the load settled
+    # Layer-wise: the requests whose loads fill blocks this request's KV is computed over (its own
+    # load, and loads of blocks it shares through the prefix cache): its saves name them
+    # (SaveIntent.after_loads) for as long as it runs, as a step the engine scheduled before it
+    # saw such a load fail still computes over it (vLLM's async scheduling).
+    after: Tuple[str, ...] = ()
+    load_targets: List[int] = field(default_factory=list)  # layer-wise: its load's blocks
 
 
 class SchedulerCore:
@@ -182,8 +188,16 @@ class SchedulerCore:
         self._tracked: Dict[str, _Tracked] = {}
         self._loads: List[LoadIntent] = []
         self._delayed: Set[str] = set()
-        # Async mode: requests whose load has not come back in finished_recving yet.
+        # Async mode: requests whose load has not come back in finished_recving yet, and the
+        # blocks each loads into (a failed one's blocks come back in invalid_block_ids).
         self._loading: Set[str] = set()
+        self._async_targets: Dict[str, Set[int]] = {}
+        # Async mode: requests whose load failed. vLLM retries such a request, asking
+        # get_num_new_matched_tokens again: it is a miss from then on, or a load that fails every
+        # time (a refused rank, a server too slow for the load timeout) is retried at every step.
+        self._load_failed: Set[str] = set()
+        # Layer-wise: block → the running request whose load fills it (_Tracked.after).
+        self._lw_blocks: Dict[int, str] = {}
         # Scheduler-issued load states not unlinked yet, by name → [answered,
         # step_ran] (see _issue); _issued: those of the plan being built.
         self._names: Dict[str, List[bool]] = {}
@@ -249,6 +263,9 @@ class SchedulerCore:
         rid = request.request_id
         if not self._hashes_per_block(request):
             return 0, False
+        if rid in self._load_failed:
+            self.stats["failed_load_retries"] += 1
+            return 0, False
         bs = self.block_size
         hashes = request.block_hashes
         computed = num_computed_tokens // bs
@@ -271,6 +288,8 @@ class SchedulerCore:
             return self._answer(p)
         self._release(self._probes.pop(rid, None))
         if self.staging is not None:
+            if self._query_issuer is not None:
+                self._query_issuer.poll()  # runs whose copies settled since the last step are free
             # A load must fit the step's staging blocks: ask for no more than are left.
             loadable = computed + self.staging.offer(asked)
             if loadable <= computed:
@@ -370,8 +389,12 @@ class SchedulerCore:
         self._loads.append(intent)
         if self.mode == ASYNC:
             self._loading.add(rid)
+            self._async_targets[rid] = set(targets)
         else:
             tr.had_load = True
+            tr.load_targets = targets
+            for b in targets:
+                self._lw_blocks[b] = rid
         tr.saved_upto = max(tr.saved_upto, start + n)  # those blocks are held by the server already
         self.stats["load_intents"] += 1
 
@@ -456,15 +479,12 @@ class SchedulerCore:
             tr = self._tracked.get(rid)
             if tr is not None:
                 tr.block_ids = []  # freed; new ids come with the resumed schedule
+                self._forget_load(tr)
         bs = self.block_size
         tracked = self._tracked
-        # Layer-wise loads of this step, by target block: a block computed in this step over one
-        # of them is wrong if that load fails, so its save names the load (SaveIntent.after_loads).
-        loading: Dict[int, str] = {}
-        if self.mode == LAYERWISE:
-            for li in plan.loads:
-                for b in li.targets:
-                    loading[b] = li.request_id
+        # Running layer-wise loads, by target block: a block computed over one of them is wrong if
+        # that load failed, so its save names the load (SaveIntent.after_loads).
+        loading = self._lw_blocks
         # Once per running request per step: plain tuple unpacking, no attribute lookups.
         for rid, new_ids, replace, computed, nsched in scheduled:
             tr = tracked.get(rid)
@@ -474,6 +494,9 @@ class SchedulerCore:
                 pass
             elif replace:
                 tr.block_ids = list(new_ids)
+                # New or resumed: its KV is computed over the loads of the blocks it starts with
+                # (its own, and shared ones), whichever step it runs in (after_loads).
+                tr.after = tuple({loading[b] for b in tr.block_ids if b in loading}) if loading else ()
             elif new_ids:
                 tr.block_ids.extend(new_ids)  # own list (intents copy their slices)
             done = (computed + nsched) // bs
@@ -484,11 +507,8 @@ class SchedulerCore:
             n_hash = len(hashes) if publishable is None else min(len(hashes), publishable)
             full = min(done, n_hash, len(tr.block_ids))
             if full > tr.saved_upto:
-                after: Tuple[str, ...] = ()
-                if loading:
-                    after = tuple({loading[b] for b in tr.block_ids[:full] if b in loading})
                 plan.saves.append(
-                    SaveIntent(rid, tr.block_ids[tr.saved_upto:full], list(hashes[tr.saved_upto:full]), after)
+                    SaveIntent(rid, tr.block_ids[tr.saved_upto:full], list(hashes[tr.saved_upto:full]), tr.after)
                 )
                 tr.saved_upto = full
                 tr.had_save = True
@@ -517,6 +537,9 @@ class SchedulerCore:
         self._waiting.pop(rid, None)
         tr = self._tracked.pop(rid, None)
         self._refused.discard(rid)
+        self._load_failed.discard(rid)
+        if tr is not None:
+            self._forget_load(tr)
         if rid in self._loading or (tr is not None and (tr.had_save or tr.had_load)):
             self._delayed.add(rid)
             return True
@@ -528,9 +551,30 @@ class SchedulerCore:
 
     def finished_recving(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
+            self._async_targets.pop(rid, None)
             if rid in self._loading:
                 self._loading.discard(rid)
                 self._delayed.discard(rid)
+
+    def load_errors(self, block_ids: Iterable[int]) -> None:
+        """The blocks the workers reported as failed to load (vLLM's invalid_block_ids), before
+        that output's finished_recving: an async load into one of them failed, and its request,
+        which vLLM retries, is offered no load again (get_num_new_matched_tokens answers 0)."""
+        bad = set(block_ids)
+        if not bad or not self._async_targets:
+            return
+        for rid, targets in self._async_targets.items():
+            if not targets.isdisjoint(bad) and rid in self._tracked:
+                self._load_failed.add(rid)
+
+    def _forget_load(self, tr: _Tracked) -> None:
+        """The request's blocks are freed (it finished or was preempted): its layer-wise load's
+        blocks are no longer its (another request may get them)."""
+        rid = tr.request.request_id
+        for b in tr.load_targets:
+            if self._lw_blocks.get(b) == rid:
+                del self._lw_blocks[b]
+        tr.load_targets = []
 
     def stats_snapshot(self) -> Dict[str, int]:
         with self._stats_lock:

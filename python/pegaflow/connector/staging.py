@@ -108,10 +108,13 @@ class StagingRoom:
         if 0 < n <= had:
             self._held[key] = (first, n)
 
-    def claim(self, key: Any) -> Tuple[int, int]:
-        """`key`'s held run becomes a run of the step being built: (first, n)."""
+    def claim(self, key: Any, keep_as: Any = None) -> Tuple[int, int]:
+        """`key`'s held run becomes a run of the step being built: (first, n). With `keep_as`
+        it also stays held, under that key, until released (a copy into it may outlive the step)."""
         first, n = self._held.pop(key)
         self._taken = max(self._taken, first + n)
+        if keep_as is not None:
+            self._held[keep_as] = (first, n)
         return first, n
 
     def rekey(self, key: Any, new_key: Any) -> None:

@@ -20,7 +20,7 @@ read here (all present at that commit):
   SchedulerOutput.{scheduled_new_reqs[].{req_id, block_ids, num_computed_tokens},
     scheduled_cached_reqs.{req_ids, new_block_ids, num_computed_tokens, resumed_req_ids
     (or the older resumed_from_preemption)}, num_scheduled_tokens, preempted_req_ids}
-  KVConnectorOutput.finished_sending
+  KVConnectorOutput.{finished_sending, finished_recving, invalid_block_ids}
 
 Use: `--kv-transfer-config '{"kv_connector":"PegaflowConnector",
 "kv_connector_module_path":"pegaflow.connector.vllm","kv_role":"kv_both",
@@ -490,8 +490,11 @@ class PegaflowConnector(KVConnectorBase_V1):
         return self._s().request_finished(request), None
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._s().finished_sending(connector_output.finished_sending or ())
-        self._s().finished_recving(connector_output.finished_recving or ())
+        s = self._s()
+        # The failed loads first: an async load's failure comes with or before its finished_recving.
+        s.load_errors(getattr(connector_output, "invalid_block_ids", None) or ())
+        s.finished_sending(connector_output.finished_sending or ())
+        s.finished_recving(connector_output.finished_recving or ())
 
 
 __all__ = ["PegaflowConnector", "PegaflowConnectorMetadata", "ConnectorSettings", "HAVE_VLLM", "ASYNC", "LAYERWISE"]

@@ -146,9 +146,10 @@ class WorkerCore:
         self._async_loads: Dict[str, _Load] = {}
         self._free_states: List[LoadState] = []
         self._errors: Set[int] = set()
-        # This step's loads that take_load_errors settled before wait_for_save (which still
-        # drops the saves computed over the failed ones).
-        self._settled_early: List[_Load] = []
+        # Layer-wise: requests whose load failed on this rank, until they finish. A save naming
+        # one (SaveIntent.after_loads) is dropped, in the step of the load and in any later one:
+        # the engine may have scheduled steps that compute over it before it saw the failure.
+        self._failed_loads: Set[str] = set()
         self._lock = threading.Condition()
         # request → its saves queued or in flight and its layer-wise loads not settled
         self._pending: Dict[str, int] = defaultdict(int)
@@ -228,8 +229,6 @@ class WorkerCore:
         self._plan = plan
         if self._gpu is not None:
             self._gpu.close_kept()  # the step has launched nothing yet: the stream may be idle
-        if self._settled_early:  # (no new list per step: most steps settle nothing early)
-            self._settled_early = []
 
     def unbind(self) -> None:
         self._plan = None
@@ -355,6 +354,8 @@ class WorkerCore:
         if not ld.failed:
             ld.failed = True
             self._errors.update(ld.intent.targets)
+            if self.mode == LAYERWISE:
+                self._failed_loads.add(ld.intent.request_id)
             self._count("load_failures", 1)
             log.warning("load for %s failed (%d blocks recomputed): %s", ld.intent.request_id, len(ld.intent.targets), why)
 
@@ -555,18 +556,17 @@ class WorkerCore:
     def wait_for_save(self) -> None:
         """End of the forward: settles this step's layer-wise loads and hands
         the step's saves to the save thread (never waits for a Save). A save of
-        blocks computed over a load of this step that failed is dropped: their KV
-        is wrong (vLLM recomputes them), and stored under the prompt's hashes it
-        would be served to every later request with that prefix."""
-        loads = self.step_loads
-        if self._settled_early:
-            loads, self._settled_early = self._settled_early + loads, []
+        blocks computed over a layer-wise load that failed (this step's, or an
+        earlier step's: the engine may have scheduled this step before it saw the
+        failure) is dropped: their KV is wrong (vLLM recomputes them), and stored
+        under the prompt's hashes it would be served to every later request with
+        that prefix."""
         self._finish_step_loads()
         plan = self._plan
         if plan is None or not plan.saves:
             return
         saves = plan.saves
-        failed = {ld.intent.request_id for ld in loads if ld.failed}
+        failed = self._failed_loads
         if failed:
             saves = [s for s in plan.saves if failed.isdisjoint(s.after_loads)]
             dropped = [s for s in plan.saves if not failed.isdisjoint(s.after_loads)]
@@ -574,7 +574,8 @@ class WorkerCore:
                 self._count("saves_dropped", sum(len(s.block_ids) for s in dropped))
                 log.warning(
                     "tp_rank %d: saves of requests %s dropped: computed over the failed loads of %s",
-                    self.tp_rank, sorted({s.request_id for s in dropped}), sorted(failed),
+                    self.tp_rank, sorted({s.request_id for s in dropped}),
+                    sorted({r for s in dropped for r in s.after_loads} & failed),
                 )
                 with self._lock:  # the scheduler delays their frees all the same
                     self._saving.update(s.request_id for s in dropped)
@@ -693,6 +694,8 @@ class WorkerCore:
                 recving.add(rid)
                 self._recycle(ld)
                 del self._async_loads[rid]
+        if self._failed_loads and finished_req_ids:
+            self._failed_loads.difference_update(finished_req_ids)
         with self._lock:
             self._finishing |= set(finished_req_ids) & self._saving
             # A finished request whose async load is still landing is freed by vLLM when it comes
@@ -712,8 +715,7 @@ class WorkerCore:
         step's layer-wise loads are settled here first, else a failure the GPU's waits let pass
         would be reported a step late, after a token computed over KV that never landed."""
         if self.step_loads:
-            self._settled_early.extend(self.step_loads)
-            self._finish_step_loads()
+            self._finish_step_loads()  # its failures are remembered (_failed_loads) for wait_for_save
         errs, self._errors = self._errors, set()
         return errs
 
