@@ -37,8 +37,8 @@ import {
   STATE_REJECTED,
 } from "./load_state.ts";
 import { LoadStateMaps } from "./load_state_maps.ts";
-import { outOf } from "./geometry.ts";
 import { checkName } from "./registration.ts";
+import { checkTargets } from "./targets.ts";
 import { type BatchWriter, ClientMemoryFault, type ShmPort } from "./ports.ts";
 
 export interface LoadArgs {
@@ -461,30 +461,4 @@ function loadFields(args: LoadArgs): ErrorFields {
     ppRank: args.ppRank,
     requestId: args.requestId || undefined,
   };
-}
-
-/**
- * Every target id against every layer's num_blocks; layers of one rank nearly
- * always share it, and a pass against the same bound would check nothing new.
- */
-function checkTargets(
-  who: string,
-  fields: ErrorFields,
-  rank: RankCtx,
-  ids: readonly number[],
-): void {
-  let checked = -1;
-  for (const l of rank.layers) {
-    const numBlocks = l.geometry.numBlocks;
-    if (numBlocks === checked) continue;
-    for (let i = 0; i < ids.length; i++) {
-      if (!(ids[i] < numBlocks && ids[i] >= 0 && Number.isInteger(ids[i]))) {
-        throw invalid(
-          `${who} layer "${l.name}": target block id ${ids[i]} ${outOf(ids[i], numBlocks)}`,
-          { ...fields, layer: l.name, blockId: ids[i], expected: `< ${numBlocks}`, got: ids[i] },
-        );
-      }
-    }
-    checked = numBlocks;
-  }
 }

@@ -1,23 +1,25 @@
 /**
- * Save, for one rank: validate the request (every layer registered, every
- * block id below its layer's num_blocks, every hash 1..64 bytes), plan it in
- * the store (dedup, room, admission, allocation), write ONE gather batch for
- * every layer (lib/transfer/plan.ts), await it, then complete the plans:
- * the slots join their blocks and complete blocks seal. A save that fails
- * anywhere completes its plans as failed: nothing half-written is ever
- * served.
+ * Save, for one rank: validate the request (save_request.ts: every layer
+ * registered, every block id below its layer's num_blocks, every hash 1..64
+ * bytes), plan it in the store (dedup, room, admission, allocation), write
+ * ONE gather batch for every layer (lib/transfer/plan.ts), await it, then
+ * complete the plans: the slots join their blocks and complete blocks seal.
+ * A save that fails anywhere completes its plans as failed: nothing
+ * half-written is ever served. Hashes skipped because another save was still
+ * copying them are planned again once it settled (that copy may have failed).
  *
  * @module
  */
-import { MAX_HASH_BYTES, MAX_REQUEST_ID_CHARS } from "../limits.ts";
+import { MAX_REQUEST_ID_CHARS } from "../limits.ts";
 import type { SavePlan } from "../storage/store.ts";
 import { sealedHashBytes } from "../storage/tier.ts";
 import type { TransferPlanner } from "../transfer/plan.ts";
+import { within } from "../timer_limit.ts";
 import { type EngineContext, round3 } from "./context.ts";
 import { Code, EngineError, type ErrorFields, invalid } from "./errors.ts";
-import type { Instance, LayerCtx, RankCtx } from "./instances.ts";
-import { outOf } from "./geometry.ts";
+import type { Instance, RankCtx } from "./instances.ts";
 import { type BatchWriter, ClientMemoryFault } from "./ports.ts";
+import { groupLayers, type LayerGroup } from "./save_request.ts";
 
 export interface SaveArgs {
   instanceId: string;
@@ -48,14 +50,6 @@ export interface SaveJob {
   rank: RankCtx;
 }
 
-/** Layers saving the same (ids, hashes) lists: one store plan for all of them. */
-interface LayerGroup {
-  ids: number[];
-  hashes: Uint8Array[];
-  layers: LayerCtx[];
-  checkedFor: number;
-}
-
 const NOTHING: SaveResult = {
   blocksSaved: 0,
   blocksSkipped: 0,
@@ -64,8 +58,27 @@ const NOTHING: SaveResult = {
   blocksNotAdmitted: 0,
 };
 
+/**
+ * Longest a Save waits for the saves its riders rode on: they end when their
+ * copies do (a copy of a 10K-token prefix takes ~25 ms on an H100). Past it,
+ * the riders not stored by then count as skipped, as they did before.
+ */
+export const RIDER_WAIT_MS = 30_000;
+
+/** What one round of a Save did. */
+interface Round {
+  result: SaveResult;
+  /** Per layer group, the hashes skipped because another save was copying them. */
+  riders: LayerGroup[];
+  /** The other saves running when the round planned (one of them is the copy ridden on). */
+  others: Promise<void>[];
+}
+
 /** Runs Saves; one per engine (it owns the gather batch and its planner). */
 export class SaveRunner {
+  /** Saves running now (each settles when its run ends): riders wait for those of their time. */
+  readonly #running = new Set<Promise<void>>();
+
   constructor(
     readonly ctx: EngineContext,
     readonly batch: BatchWriter,
@@ -75,8 +88,10 @@ export class SaveRunner {
   ) {}
 
   /**
-   * The save stage's worker: the one place where a save's phases are timed
-   * and its plans are settled exactly once (the try/finally below).
+   * The save stage's worker: the request is validated, then copied in one
+   * round; hashes it skipped only because another save was copying their
+   * slots (riders, see {@link #riders}) are saved again once those saves
+   * settled, so the Save answers only when its bytes are in the pool.
    */
   async run(job: SaveJob): Promise<SaveResult> {
     const { args, inst, rank } = job;
@@ -94,10 +109,82 @@ export class SaveRunner {
     checkRequestId("Save", inst.id, args.requestId);
     if (groups.length === 0) return { ...NOTHING };
     inst.begin("Save");
+    let settle!: () => void;
+    const me = new Promise<void>((resolve) => (settle = resolve));
+    this.#running.add(me);
+    try {
+      const first = await this.#round(job, groups, who, fields, { me, tStart });
+      const result = first.riders.length > 0
+        ? await this.#riders(job, first, who, fields)
+        : first.result;
+      const secs = (performance.now() - tStart) / 1000;
+      this.ctx.metrics?.saveDone(result.bytesCopied, secs, result.blocksSaved, rank.deviceId);
+      return result;
+    } finally {
+      this.#running.delete(me);
+      settle();
+      inst.end();
+    }
+  }
+
+  /**
+   * The riders of the first round: hashes skipped because another save was
+   * copying every slot they lacked. That copy may fail (its slots are freed),
+   * and this Save's answer would then count them held while nothing of them
+   * is stored, nor ever would be (the engine saves a block once). So wait for
+   * the saves that were running when the first round planned (one of them is
+   * the copy ridden on; bounded by {@link RIDER_WAIT_MS}), then plan the
+   * riders again: what landed meanwhile is skipped, what did not is copied
+   * now from this engine's blocks (still its until this Save answers).
+   */
+  async #riders(
+    job: SaveJob,
+    first: Round,
+    who: string,
+    fields: ErrorFields,
+  ): Promise<SaveResult> {
+    const tWait = performance.now();
+    if (first.others.length > 0) {
+      await within(Promise.allSettled(first.others), RIDER_WAIT_MS);
+    }
+    const tStart = performance.now();
+    const waitMs = tStart - tWait;
+    const again = await this.#round(job, first.riders, who, fields, { tStart, waitMs });
+    const r = first.result;
+    const p = again.result;
+    // Every rider was counted skipped by the first round; those copied or refused now are not.
+    r.blocksSkipped -= p.blocksSaved + p.blocksRefused + p.blocksNotAdmitted;
+    r.blocksSaved += p.blocksSaved;
+    r.blocksRefused += p.blocksRefused;
+    r.blocksNotAdmitted += p.blocksNotAdmitted;
+    r.bytesCopied += p.bytesCopied;
+    return r;
+  }
+
+  /**
+   * One round: plan every group, ONE gather batch, copy, complete; the one
+   * place where a round's phases are timed and its plans are settled exactly
+   * once (the try/finally below). `me` (the first round's): the saves running
+   * besides this one when it planned are kept, for riders to wait on; a
+   * second round (no `me`) plans riders, counted once already.
+   */
+  async #round(
+    job: SaveJob,
+    groups: LayerGroup[],
+    who: string,
+    fields: ErrorFields,
+    t: { me?: Promise<void>; tStart: number; waitMs?: number },
+  ): Promise<Round> {
+    const { inst, rank } = job;
+    const me = t.me;
     const t0 = performance.now();
     const plans: { plan: SavePlan; group: LayerGroup }[] = [];
     try {
-      for (const group of groups) plans.push({ plan: this.#plan(job, group, who, fields), group });
+      for (const group of groups) {
+        plans.push({ plan: this.#plan(job, group, who, fields, me === undefined), group });
+      }
+      const riders = me ? ridersOf(plans) : [];
+      const others = riders.length > 0 ? [...this.#running].filter((p) => p !== me) : [];
       const tPlanned = performance.now();
       const result = tally(plans.map((p) => p.plan));
       if (result.blocksRefused > 0) {
@@ -113,49 +200,63 @@ export class SaveRunner {
       result.bytesCopied = copied.bytes;
       // The bytes are in the pool: the slots join their blocks, complete blocks seal.
       const tCopied = performance.now();
-      let sealed = 0;
-      // One plan at a time: a throw below (a tier's or a listener's) leaves the plans not
-      // yet completed to the finally, which frees them, instead of leaking their slots.
-      while (plans.length > 0) {
-        const done = this.ctx.store.completeSave(plans[0].plan, true);
-        const p = plans.shift()!;
-        sealed += done.sealed;
-        if (done.sealed > 0) {
-          this.ctx.tiers?.sealed(inst.namespace, sealedHashBytes(p.plan, p.group.hashes, done));
-          this.onSealed(inst.namespace, done.sealedKeys);
-        }
-      }
-      const secs = (performance.now() - t0) / 1000;
-      this.ctx.metrics?.saveDone(copied.bytes, secs, result.blocksSaved, rank.deviceId);
+      const sealed = this.#complete(plans, inst.namespace);
       this.ctx.log.debug("save done", {
         instance: inst.id,
         rank: rank.rank,
-        request: args.requestId || undefined,
+        request: job.args.requestId || undefined,
+        round: me ? undefined : "riders",
         blocks: result.blocksSaved,
         skipped: result.blocksSkipped,
         refused: result.blocksRefused,
         not_admitted: result.blocksNotAdmitted,
+        riders: riders.length > 0 ? riders.reduce((n, g) => n + g.ids.length, 0) : undefined,
         sealed,
         bytes: copied.bytes,
-        ms: Math.round(secs * 1e6) / 1e3,
+        ms: round3(performance.now() - t0),
         // Phases, for finding where a save's time goes.
-        validate_ms: round3(t0 - tStart),
+        wait_ms: t.waitMs === undefined ? undefined : round3(t.waitMs),
+        validate_ms: round3(t0 - t.tStart),
         plan_ms: round3(tPlanned - t0),
         build_ms: round3(tBuilt - tPlanned),
         copy_ms: round3(tCopied - tBuilt),
         seal_ms: round3(performance.now() - tCopied),
         native_ms: round3(copied.ns / 1e6),
       });
-      return result;
+      return { result, riders, others };
     } finally {
       // Plans still here did not complete: free their slots (never half-written data).
       for (const p of plans) this.ctx.store.completeSave(p.plan, false);
-      inst.end();
     }
   }
 
+  /**
+   * Completes the plans, one at a time: a throw (a tier's or a listener's)
+   * leaves the plans not yet completed to the caller's finally, which frees
+   * them, instead of leaking their slots. Returns the blocks sealed.
+   */
+  #complete(plans: { plan: SavePlan; group: LayerGroup }[], namespace: string): number {
+    let sealed = 0;
+    while (plans.length > 0) {
+      const done = this.ctx.store.completeSave(plans[0].plan, true);
+      const p = plans.shift()!;
+      sealed += done.sealed;
+      if (done.sealed > 0) {
+        this.ctx.tiers?.sealed(namespace, sealedHashBytes(p.plan, p.group.hashes, done));
+        this.onSealed(namespace, done.sealedKeys);
+      }
+    }
+    return sealed;
+  }
+
   /** The store's plan for one layer group; a refusal for room fails the whole Save. */
-  #plan(job: SaveJob, group: LayerGroup, who: string, fields: ErrorFields): SavePlan {
+  #plan(
+    job: SaveJob,
+    group: LayerGroup,
+    who: string,
+    fields: ErrorFields,
+    again: boolean,
+  ): SavePlan {
     const begun = this.ctx.store.beginSave({
       namespace: job.inst.namespace,
       instance: job.inst.id,
@@ -163,6 +264,7 @@ export class SaveRunner {
       hashes: group.hashes,
       layers: group.layers.map((l) => l.layerId),
       poolPart: this.ctx.poolPartOf?.(job.rank.deviceId),
+      again,
     });
     if (!begun.ok) {
       this.ctx.metrics?.saveFailed("pool_exhausted", job.rank.deviceId);
@@ -233,6 +335,22 @@ export function checkRequestId(
   );
 }
 
+/** The riders of each plan, as the layer groups a second round plans (usually none). */
+function ridersOf(plans: readonly { plan: SavePlan; group: LayerGroup }[]): LayerGroup[] {
+  const out: LayerGroup[] = [];
+  for (const { plan, group } of plans) {
+    if (plan.riders.length === 0) continue;
+    const at = Array.from(plan.riders);
+    out.push({
+      ids: at.map((i) => group.ids[i]),
+      hashes: at.map((i) => group.hashes[i]),
+      layers: group.layers,
+      checkedFor: group.checkedFor,
+    });
+  }
+  return out;
+}
+
 /** What the plans of one Save add up to (bytes filled in after the copy). */
 function tally(plans: readonly SavePlan[]): SaveResult {
   const r = { ...NOTHING };
@@ -243,153 +361,4 @@ function tally(plans: readonly SavePlan[]): SaveResult {
     r.blocksNotAdmitted += p.admissionRejected;
   }
   return r;
-}
-
-/**
- * The Save's layers, grouped by identical (ids, hashes) lists — the normal
- * case, every layer saving the same blocks, is one group — after checking
- * every layer name, list length, block id and hash.
- */
-function groupLayers(
-  who: string,
-  fields: ErrorFields,
-  rank: RankCtx,
-  args: SaveArgs,
-): LayerGroup[] {
-  const groups: LayerGroup[] = [];
-  const seenLayer = new Set<string>();
-  const shared = (args.blockIds?.length ?? 0) > 0 || (args.blockHashes?.length ?? 0) > 0;
-  if (shared && args.layers.length > 0) {
-    throw invalid(
-      `${who}: Save gives both per-layer lists and the all-layers block_ids/block_hashes`,
-      fields,
-    );
-  }
-  const layerSaves = shared
-    ? rank.layers.map((l) => ({
-      layerName: l.name,
-      blockIds: args.blockIds!,
-      blockHashes: args.blockHashes!,
-    }))
-    : args.layers;
-  for (const ls of layerSaves) {
-    const layer = rank.byName.get(ls.layerName);
-    if (!layer) {
-      throw invalid(
-        `${who}: Save names layer "${ls.layerName}", which this rank did not register`,
-        {
-          ...fields,
-          layer: ls.layerName,
-        },
-      );
-    }
-    if (seenLayer.has(layer.name)) {
-      throw invalid(`${who}: Save lists layer "${layer.name}" twice`, {
-        ...fields,
-        layer: layer.name,
-      });
-    }
-    seenLayer.add(layer.name);
-    if (ls.blockIds.length !== ls.blockHashes.length) {
-      throw invalid(
-        `${who} layer "${layer.name}": ${ls.blockIds.length} block_ids but ${ls.blockHashes.length} block_hashes`,
-        { ...fields, layer: layer.name },
-      );
-    }
-    const nb = layer.geometry.numBlocks;
-    const g = groups.find((g) => sameLists(g.ids, g.hashes, ls.blockIds, ls.blockHashes));
-    // The all-layers shorthand hands every layer the same arrays: check them once per num_blocks.
-    if (!g || g.checkedFor !== nb) checkBlocks(who, { ...fields, layer: layer.name }, ls, nb);
-    if (g) {
-      g.checkedFor = nb;
-      g.layers.push(layer);
-    } else {
-      groups.push({ ids: ls.blockIds, hashes: ls.blockHashes, layers: [layer], checkedFor: nb });
-    }
-  }
-  return groups;
-}
-
-/**
- * Where each block id was last seen in the list being checked: `seenIn[id] === pass` marks an
- * id of this pass, at index `seenAt[id]`. Kept across calls and grown to the largest num_blocks
- * (no allocation per block or per Save); the JS thread runs one check at a time.
- */
-let seenIn = new Uint32Array(0);
-let seenAt = new Uint32Array(0);
-let pass = 0;
-
-/** A new pass over a list of ids below `numBlocks`. */
-function newPass(numBlocks: number): number {
-  if (seenIn.length < numBlocks) {
-    seenIn = new Uint32Array(numBlocks);
-    seenAt = new Uint32Array(numBlocks);
-    pass = 0;
-  }
-  if (++pass > 0xffff_fffe) {
-    seenIn.fill(0);
-    pass = 1;
-  }
-  return pass;
-}
-
-/**
- * Throws INVALID_ARGUMENT naming the layer and block unless every id and hash is valid, and no
- * id comes twice under two hashes (its bytes would be stored under both, one of them wrong).
- */
-function checkBlocks(
-  who: string,
-  fields: ErrorFields,
-  ls: { layerName: string; blockIds: number[]; blockHashes: Uint8Array[] },
-  numBlocks: number,
-): void {
-  const p = newPass(numBlocks);
-  for (let i = 0; i < ls.blockIds.length; i++) {
-    const id = ls.blockIds[i];
-    if (!(id < numBlocks && id >= 0 && Number.isInteger(id))) {
-      throw invalid(`${who} layer "${ls.layerName}": block id ${id} ${outOf(id, numBlocks)}`, {
-        ...fields,
-        blockId: id,
-        expected: `< ${numBlocks}`,
-        got: id,
-      });
-    }
-    const h = ls.blockHashes[i];
-    if (h.length < 1 || h.length > MAX_HASH_BYTES) {
-      throw invalid(
-        `${who} layer "${ls.layerName}": block hash ${i} is ${h.length} bytes (1..${MAX_HASH_BYTES})`,
-        { ...fields, blockId: id, expected: `1..${MAX_HASH_BYTES}`, got: h.length },
-      );
-    }
-    if (seenIn[id] === p && !sameBytes(ls.blockHashes[seenAt[id]], h)) {
-      throw invalid(
-        `${who} layer "${ls.layerName}": block id ${id} is listed twice (at ${
-          seenAt[id]
-        } and ${i}) under two different hashes`,
-        { ...fields, blockId: id },
-      );
-    }
-    seenIn[id] = p;
-    seenAt[id] = i;
-  }
-}
-
-function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
-  if (a.length !== b.length) return false;
-  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
-  return true;
-}
-
-function sameLists(
-  ids: number[],
-  hashes: Uint8Array[],
-  ids2: number[],
-  hashes2: Uint8Array[],
-): boolean {
-  if (ids === ids2 && hashes === hashes2) return true;
-  if (ids.length !== ids2.length) return false;
-  for (let i = 0; i < ids.length; i++) {
-    if (ids[i] !== ids2[i] || !sameBytes(hashes[i], hashes2[i])) return false;
-  }
-  return true;
 }

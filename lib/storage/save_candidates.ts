@@ -3,7 +3,9 @@
  * request's hashes still need bytes, and how many of them the pool takes.
  *
  * - **dedup**: hashes already sealed, slots already PENDING or FILLED, and a
- *   hash named twice are skipped before any byte moves;
+ *   hash named twice are skipped before any byte moves; a hash skipped only
+ *   because another copy is writing its slots (PENDING) is a rider: that
+ *   copy may still fail, so the caller learns which (`riders`);
  * - **fitRoom**: keep the longest prefix that free + evictable bytes hold;
  * - **admit**: only when eviction is needed, TinyLFU turns away new blocks
  *   less popular than the LRU victim.
@@ -13,7 +15,7 @@
  * @module
  */
 
-import { type Block, type CacheClass, SLOT_EMPTY } from "./block.ts";
+import { type Block, type CacheClass, SLOT_EMPTY, SLOT_PENDING } from "./block.ts";
 import { type BlockHash, hashBucket, hashHex, sameHash } from "./keys.ts";
 import type { NamespaceState } from "./namespaces.ts";
 import type { StoreState } from "./state.ts";
@@ -32,6 +34,8 @@ export interface PlanTarget {
   readonly cacheClass: CacheClass;
   /** Preferred pool part (NUMA node), or undefined for any. */
   readonly part?: number;
+  /** A second pass over hashes this request already named (its riders): no access is counted again. */
+  readonly again?: boolean;
 }
 
 /**
@@ -47,6 +51,11 @@ export interface Candidates {
   readonly hexes: string[];
   readonly existing: (Block | undefined)[];
   readonly deduplicated: number;
+  /**
+   * Request indexes of the deduplicated hashes that lacked slots only another copy
+   * was writing (PENDING, none FILLED or sealed yet): they land only if that copy does.
+   */
+  readonly riders: number[];
 }
 
 /** Step 1: which (block, column) slots still need bytes. One flat need map, no per-block arrays. */
@@ -59,6 +68,7 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
   const hexes: string[] = [];
   const existing: (Block | undefined)[] = [];
   let deduplicated = 0;
+  const riders: number[] = [];
   // A hash named twice in one request is planned once. New hashes are told
   // apart by bucket first (a number), bytes only on a bucket match: no string
   // is hashed per block.
@@ -71,7 +81,7 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
   for (let i = 0; i < hashes.length; i++) bucketOf[i] = hashBucket(hashes[i], t.ns.seed);
   for (let i = 0; i < hashes.length; i++) {
     const bucket = bucketOf[i];
-    st.lfu?.record(bucket);
+    if (!t.again) st.lfu?.record(bucket);
     const b = st.index.find(t.namespace, hashes[i], bucket);
     let hex: string;
     if (b) {
@@ -97,14 +107,17 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
     }
     const k = hexes.length;
     let n = 0;
+    let pending = false;
     for (let c = 0; c < C; c++) {
-      if (!b || b.slots[t.colSlot[c]] === SLOT_EMPTY) {
+      const slot = b ? b.slots[t.colSlot[c]] : SLOT_EMPTY;
+      if (slot === SLOT_EMPTY) {
         need[k * C + c] = 1;
         n++;
-      }
+      } else if (slot === SLOT_PENDING) pending = true;
     }
     if (n === 0) {
       deduplicated++;
+      if (pending) riders.push(i);
       continue;
     }
     needCount[k] = n;
@@ -113,7 +126,7 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
     hexes.push(hex);
     existing.push(b);
   }
-  return { need, needCount, hashIndex, buckets, hexes, existing, deduplicated };
+  return { need, needCount, hashIndex, buckets, hexes, existing, deduplicated, riders };
 }
 
 /** Step 2: the longest prefix of the candidates that free + evictable bytes can hold. */

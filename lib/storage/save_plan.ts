@@ -44,6 +44,12 @@ export interface SaveRequest {
    * go there when it has room, else anywhere. Default: any part.
    */
   poolPart?: number;
+  /**
+   * A second pass over the riders of this request's first plan (`SavePlan.riders`),
+   * once the copies they rode on settled: their accesses and dedups were counted
+   * then; a rider that needs its own copy now is no longer counted as deduplicated.
+   */
+  again?: boolean;
 }
 
 /** A whole-block fill (SSD prefetch, peer fetch): every layer and rank slot of each block. */
@@ -93,6 +99,12 @@ export interface SavePlan {
   readonly admissionRejected: number;
   /** Hashes past the prefix that fitted in the pool (refused for room). */
   readonly refusedForRoom: number;
+  /**
+   * Request indexes (into `hashes`) of deduplicated hashes whose missing slots another
+   * copy is writing (PENDING): counted in `deduplicated`, they land only if that copy
+   * does. Plan them again (`again: true`) once it settled. Usually empty.
+   */
+  readonly riders: Int32Array;
 }
 
 /** The answer to {@link KvStore.beginSave}. */
@@ -108,6 +120,9 @@ export interface PlanRecord extends SavePlan {
   readonly poolBytes: number;
   settled: boolean;
 }
+
+/** The riders of a plan that has none (most): one shared empty list. */
+const NO_RIDERS = new Int32Array(0);
 
 /** Plans an engine Save of one rank (see {@link KvStore.beginSave}). */
 export function planSave(st: StoreState, req: SaveRequest): SaveBegin {
@@ -127,7 +142,7 @@ export function planSave(st: StoreState, req: SaveRequest): SaveBegin {
   const layers = layerList(namespace, instance, L, req.layers, req.rank);
   const rankSlot = L.collapseTp ? 0 : req.rank;
   const target = planTarget(ns, namespace, instance, req.rank, layers, [rankSlot], req.cacheClass);
-  return plan(st, { ...target, part: req.poolPart }, req.hashes);
+  return plan(st, { ...target, part: req.poolPart, again: req.again }, req.hashes);
 }
 
 /** Plans a whole-block fill (see {@link KvStore.beginFill}). */
@@ -161,7 +176,10 @@ function planTarget(
 
 function plan(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): SaveBegin {
   const cand = dedup(st, t, hashes);
-  st.c.deduplicated += cand.deduplicated;
+  // Every hash of a second pass was counted deduplicated by the first: those that
+  // still are stay counted once; the rest (copied now, or refused) no longer are.
+  if (t.again) st.c.deduplicated -= hashes.length - cand.deduplicated;
+  else st.c.deduplicated += cand.deduplicated;
   const slotBytes = t.ns.layout.segments * t.ns.strideBytes;
   const room = fitRoom(st, cand, slotBytes);
   const admitted = admit(st, t, cand, room.count, room.total, slotBytes);
@@ -349,6 +367,7 @@ function record(
     deduplicated: cand.deduplicated,
     admissionRejected: admitted.admissionRejected,
     refusedForRoom,
+    riders: cand.riders.length > 0 ? Int32Array.from(cand.riders) : NO_RIDERS,
     blocks,
     cacheClass: t.cacheClass,
     poolBytes: total,

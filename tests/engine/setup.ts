@@ -5,7 +5,7 @@
  * has already finished the copy and written its progress words.
  */
 import * as grpc from "@grpc/grpc-js";
-import { KvEngine } from "../../lib/engine/engine.ts";
+import { type EngineOptions, KvEngine } from "../../lib/engine/engine.ts";
 import { engineServiceImpl } from "../../lib/server/grpc_service.ts";
 import type { Sessions } from "../../lib/server/sessions.ts";
 import { lenientService } from "../../lib/server/decode.ts";
@@ -46,12 +46,15 @@ export async function serveEngine(
 /** A native port whose next submitted batch reports its completion only once released. */
 export interface HeldNative {
   port: NativePort;
-  /** Holds the completion of the next batch submitted; resolves the release function. */
-  holdNext(): { release: () => void; submitted: Promise<void> };
+  /**
+   * Holds the completion of the next batch submitted: `release` reports it as
+   * it was, `fail` as a failed copy (the native layer finished it either way).
+   */
+  holdNext(): { release: () => void; fail: () => void; submitted: Promise<void> };
 }
 
 function holding(native: NativePort): HeldNative {
-  let hold: { gate: Promise<void>; onSubmit: () => void } | undefined;
+  let hold: { gate: Promise<boolean>; onSubmit: () => void } | undefined;
   const port: NativePort = {
     ...native,
     submit(b) {
@@ -61,7 +64,8 @@ function holding(native: NativePort): HeldNative {
       hold = undefined;
       h.onSubmit();
       return copy.then(
-        (d: CopyDone) => h.gate.then(() => d),
+        (d: CopyDone) =>
+          h.gate.then((failed) => failed ? Promise.reject(new Error("injected copy failure")) : d),
         (e: unknown) => h.gate.then(() => Promise.reject(e)),
       );
     },
@@ -69,12 +73,12 @@ function holding(native: NativePort): HeldNative {
   return {
     port,
     holdNext() {
-      let release!: () => void;
+      let open!: (failed: boolean) => void;
       let onSubmit!: () => void;
-      const gate = new Promise<void>((r) => release = r);
+      const gate = new Promise<boolean>((r) => open = r);
       const submitted = new Promise<void>((r) => onSubmit = r);
       hold = { gate, onSubmit };
-      return { release, submitted };
+      return { release: () => open(false), fail: () => open(true), submitted };
     },
   };
 }
@@ -90,19 +94,37 @@ export function openTestNative(): ReturnType<typeof openNative> {
   }, silent);
 }
 
+/** What {@link setup} may change: the defaults suit most engine tests. */
+export interface SetupOptions {
+  /** One namespace for every instance (DP instances sharing blocks); default one each. */
+  namespace?: string;
+  /** Stage sizes (`loadConcurrency`, `saveQueueDepth`, ...). */
+  engine?: Partial<Pick<EngineOptions, StageOption>>;
+  /** The store's clock (lease and inflight expiry), for tests that move time. */
+  clock?: () => number;
+}
+
+type StageOption = "saveConcurrency" | "saveQueueDepth" | "loadConcurrency" | "loadQueueDepth";
+
 /** An engine, its store and native port, and `instances` simulated ranks registered (TP 1). */
-export async function setup(instances: string[], numBlocks = 64) {
+export async function setup(instances: string[], numBlocks = 64, opts: SetupOptions = {}) {
   const native = await openTestNative();
   const held = holding(native);
-  const store = new KvStore({ capacityBytes: native.poolBytes });
-  const engine = new KvEngine({ native: held.port, store, log: silent, leaseTtlMs: 60_000 });
+  const store = new KvStore({ capacityBytes: native.poolBytes, clock: opts.clock });
+  const engine = new KvEngine({
+    native: held.port,
+    store,
+    log: silent,
+    leaseTtlMs: 60_000,
+    ...opts.engine,
+  });
   // The simulated engines only need their regions here; no server connection is made.
   const client = new PegaflowClient("127.0.0.1:1");
   const sims = instances.map((instanceId) => {
     const sim = SimEngine.create({
       client,
       instanceId,
-      namespace: `ns-${instanceId}`,
+      namespace: opts.namespace ?? `ns-${instanceId}`,
       model: MODEL,
       numBlocks,
       backend: "host",
