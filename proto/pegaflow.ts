@@ -312,6 +312,19 @@ export interface SaveRequest {
    * looked up or copied. Empty: not checked (a client that predates the field).
    */
   engineId: string;
+  /**
+   * Hashes whose KV this rank computed over a load that failed on it (its
+   * Load refused, or its wait timed out): the other ranks of its engine
+   * computed theirs from the same garbage (TP all-reduce, PP hand-off), and
+   * may have saved it. Applied before this Save's own blocks are planned, in
+   * the rank's namespace: an inflight block of such a hash is dropped (every
+   * slot freed; a copy still running into it completes as failed), a sealed
+   * unpinned one is evicted, a pinned one is left; then for 60 s a save of
+   * those hashes is refused (counted in blocks_refused). A Save may carry
+   * only discards (no block_ids) or both. 1..64 bytes each, as block_hashes.
+   * An older server ignores the field.
+   */
+  discardHashes: Uint8Array[];
 }
 
 export interface SaveResponse {
@@ -322,7 +335,8 @@ export interface SaveResponse {
   bytesCopied: number;
   /**
    * Blocks past the prefix that fitted in the pool: not saved (the engine
-   * recomputes them later). Nothing is ever partly written.
+   * recomputes them later), and blocks whose hashes a discard (any rank's
+   * discard_hashes) named less than 60 s ago. Nothing is ever partly written.
    */
   blocksRefused: number;
   /**
@@ -331,6 +345,11 @@ export interface SaveResponse {
    * evict. Not saved; counted in pegaflow_admission_rejections_total.
    */
   blocksNotAdmitted: number;
+  /**
+   * Blocks this Save's discard_hashes dropped (inflight) or evicted (sealed,
+   * unpinned); a sealed block pinned by a lease, load or transfer lock is left.
+   */
+  blocksDiscarded: number;
 }
 
 export interface QueryPrefetchRequest {
@@ -1759,6 +1778,7 @@ function createBaseSaveRequest(): SaveRequest {
     blockHashes: [],
     requestId: "",
     engineId: "",
+    discardHashes: [],
   };
 }
 
@@ -1791,6 +1811,9 @@ export const SaveRequest: MessageFns<SaveRequest> = {
     }
     if (message.engineId !== "") {
       writer.uint32(66).string(message.engineId);
+    }
+    for (const v of message.discardHashes) {
+      writer.uint32(74).bytes(v!);
     }
     return writer;
   },
@@ -1882,6 +1905,14 @@ export const SaveRequest: MessageFns<SaveRequest> = {
             message.engineId = reader.string();
             continue;
           }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.discardHashes.push(reader.bytes());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1907,6 +1938,7 @@ export const SaveRequest: MessageFns<SaveRequest> = {
     message.blockHashes = object.blockHashes?.map((e) => e) || [];
     message.requestId = object.requestId ?? "";
     message.engineId = object.engineId ?? "";
+    message.discardHashes = object.discardHashes?.map((e) => e) || [];
     return message;
   },
 };
@@ -1918,6 +1950,7 @@ function createBaseSaveResponse(): SaveResponse {
     bytesCopied: 0,
     blocksRefused: 0,
     blocksNotAdmitted: 0,
+    blocksDiscarded: 0,
   };
 }
 
@@ -1937,6 +1970,9 @@ export const SaveResponse: MessageFns<SaveResponse> = {
     }
     if (message.blocksNotAdmitted !== 0) {
       writer.uint32(40).uint32(message.blocksNotAdmitted);
+    }
+    if (message.blocksDiscarded !== 0) {
+      writer.uint32(48).uint32(message.blocksDiscarded);
     }
     return writer;
   },
@@ -1994,6 +2030,14 @@ export const SaveResponse: MessageFns<SaveResponse> = {
             message.blocksNotAdmitted = reader.uint32();
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.blocksDiscarded = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2016,6 +2060,7 @@ export const SaveResponse: MessageFns<SaveResponse> = {
     message.bytesCopied = object.bytesCopied ?? 0;
     message.blocksRefused = object.blocksRefused ?? 0;
     message.blocksNotAdmitted = object.blocksNotAdmitted ?? 0;
+    message.blocksDiscarded = object.blocksDiscarded ?? 0;
     return message;
   },
 };

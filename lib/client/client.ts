@@ -276,13 +276,18 @@ export class PegaflowClient {
   /**
    * Saves blocks: per-layer `layers`, or `blockIds`/`blockHashes` for every
    * layer of the rank. The answer counts blocks saved, skipped (held already),
-   * refused for room and not admitted (TinyLFU): only saved ones are cached.
-   * `engineId` (as in {@link registerContext}; default "", not checked): the
-   * server refuses a Save of another engine than the instance's.
+   * refused (room, or a recent discard) and not admitted (TinyLFU): only saved
+   * ones are cached. `engineId` (as in {@link registerContext}; default "", not
+   * checked): the server refuses a Save of another engine than the instance's.
+   * `discardHashes`: blocks this rank computed over a load that failed on it,
+   * dropped at the server whoever saved them (`blocksDiscarded`).
    */
   save(
     req:
-      & Omit<SaveRequest, "layers" | "blockIds" | "blockHashes" | "requestId" | "engineId">
+      & Omit<
+        SaveRequest,
+        "layers" | "blockIds" | "blockHashes" | "requestId" | "engineId" | "discardHashes"
+      >
       & Partial<SaveRequest>,
   ): Promise<SaveResponse> {
     return this.#call("Save", this.#raw.save as never, {
@@ -290,6 +295,7 @@ export class PegaflowClient {
       blockIds: [],
       blockHashes: [],
       requestId: "",
+      discardHashes: [],
       ...req,
       engineId: req.engineId ?? "",
     });

@@ -48,11 +48,13 @@ import { registerRank, type RegisterResult } from "./register.ts";
 import type { RegisterArgs } from "./registration.ts";
 import {
   checkRequestId,
+  NOTHING_SAVED,
   type SaveArgs,
   type SaveJob,
   type SaveResult,
   SaveRunner,
 } from "./save.ts";
+import { applyDiscards, discardOnly } from "./save_discard.ts";
 
 export type { EngineMetrics, TiersPort } from "./context.ts";
 export type { LoadArgs, LoadResult } from "./load.ts";
@@ -220,6 +222,9 @@ export class KvEngine {
     });
     const rank = inst.rankCtx(args.tpRank, args.ppRank, "Save");
     const fields = { instance: inst.id, tpRank: rank.tpRank, ppRank: rank.ppRank };
+    // Before the fence and the queue: a discard copies nothing, and must not be lost to either.
+    const blocksDiscarded = applyDiscards(this.#ctx, inst, rank, args);
+    if (discardOnly(args)) return { ...NOTHING_SAVED, blocksDiscarded };
     if (inst.fenced) {
       throw new EngineError(Code.UNAVAILABLE, `instance "${inst.id}" is being cleaned up`, fields);
     }
@@ -233,7 +238,7 @@ export class KvEngine {
       );
     }
     const out = await sub.done();
-    if (out.status === "done") return out.value;
+    if (out.status === "done") return { ...out.value, blocksDiscarded };
     if (out.status === "failed") throw out.error;
     throw new EngineError(Code.RESOURCE_EXHAUSTED, `save ${out.status} by the save queue`, fields);
   }

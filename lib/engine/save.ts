@@ -32,15 +32,23 @@ export interface SaveArgs {
   blockHashes?: Uint8Array[];
   /** The sender's engine id: another engine's is refused (`Instance.checkEngine`); "" = not checked. */
   engineId?: string;
+  /**
+   * Hashes this rank computed over a load that failed on it: discarded in the
+   * store when the Save arrives, before its own blocks (save_discard.ts).
+   */
+  discardHashes?: Uint8Array[];
 }
 
 export interface SaveResult {
   blocksSaved: number;
   blocksSkipped: number;
   bytesCopied: number;
+  /** Refused for room, or because a discard named them within its TTL (not saved). */
   blocksRefused: number;
   /** New blocks TinyLFU admission turned away (not saved). */
   blocksNotAdmitted: number;
+  /** Blocks the Save's discard hashes dropped or evicted (save_discard.ts). */
+  blocksDiscarded: number;
 }
 
 /** A Save admitted by the save stage. */
@@ -50,12 +58,14 @@ export interface SaveJob {
   rank: RankCtx;
 }
 
-const NOTHING: SaveResult = {
+/** A Save that saved nothing (copy it: callers fill it in). */
+export const NOTHING_SAVED: Readonly<SaveResult> = {
   blocksSaved: 0,
   blocksSkipped: 0,
   bytesCopied: 0,
   blocksRefused: 0,
   blocksNotAdmitted: 0,
+  blocksDiscarded: 0,
 };
 
 /**
@@ -107,7 +117,7 @@ export class SaveRunner {
     // Validate everything before allocating anything.
     const groups = groupLayers(who, fields, rank, args);
     checkRequestId("Save", inst.id, args.requestId);
-    if (groups.length === 0) return { ...NOTHING };
+    if (groups.length === 0) return { ...NOTHING_SAVED };
     inst.begin("Save");
     let settle!: () => void;
     const me = new Promise<void>((resolve) => (settle = resolve));
@@ -187,7 +197,7 @@ export class SaveRunner {
       const others = riders.length > 0 ? [...this.#running].filter((p) => p !== me) : [];
       const tPlanned = performance.now();
       const result = tally(plans.map((p) => p.plan));
-      if (result.blocksRefused > 0) {
+      if (plans.some((p) => p.plan.refusedForRoom > 0)) {
         this.ctx.metrics?.saveFailed("pool_exhausted_partial", rank.deviceId);
       }
       // ONE gather batch for every layer of the request.
@@ -353,11 +363,11 @@ function ridersOf(plans: readonly { plan: SavePlan; group: LayerGroup }[]): Laye
 
 /** What the plans of one Save add up to (bytes filled in after the copy). */
 function tally(plans: readonly SavePlan[]): SaveResult {
-  const r = { ...NOTHING };
+  const r = { ...NOTHING_SAVED };
   for (const p of plans) {
     r.blocksSaved += p.blockCount;
     r.blocksSkipped += p.deduplicated;
-    r.blocksRefused += p.refusedForRoom;
+    r.blocksRefused += p.refusedForRoom + p.discarded;
     r.blocksNotAdmitted += p.admissionRejected;
   }
   return r;

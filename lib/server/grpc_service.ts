@@ -295,6 +295,7 @@ export function engineServiceImpl(
         bytesCopied: r.bytesCopied,
         blocksRefused: r.blocksRefused,
         blocksNotAdmitted: r.blocksNotAdmitted,
+        blocksDiscarded: r.blocksDiscarded,
       };
     }),
     queryPrefetch: unary(

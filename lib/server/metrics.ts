@@ -387,6 +387,29 @@ function registerStoreGauges(r: Registry, stats: () => StoreStats): void {
     true,
   );
   fromStats(
+    "pegaflow_save_discarded_blocks_total",
+    "blocks a Save's discard_hashes dropped (inflight) or evicted (sealed, unpinned)",
+    (s) => s.discardedBlocks,
+    true,
+  );
+  fromStats(
+    "pegaflow_save_discard_pinned_kept_total",
+    "sealed blocks a discard named but left (pinned by a lease, load or transfer lock)",
+    (s) => s.discardPinnedKept,
+    true,
+  );
+  fromStats(
+    "pegaflow_save_discard_refused_blocks_total",
+    "saved or filled blocks refused because a discard named their hash within its TTL",
+    (s) => s.discardRefused,
+    true,
+  );
+  fromStats(
+    "pegaflow_save_discard_tombstones",
+    "discarded hashes still refusing saves",
+    (s) => s.discardTombstones,
+  );
+  fromStats(
     "pegaflow_stale_inflight_collected_total",
     "inflight blocks collected as stale",
     (s) => s.staleCollected,

@@ -133,6 +133,12 @@ export class Block {
    * that one may still complete the block, and the inflight TTL covers the rest.
    */
   lastWriter: string | undefined;
+  /**
+   * A discard named this inflight block while copies still ran into it
+   * (lib/storage/discard.ts): its filled slots are freed, no save or fill
+   * plans into it, and the running copies complete as failed, freeing it.
+   */
+  discarded = false;
   /** Next block of the same index bucket (owned by BlockIndex). */
   chainNext: Block | null = null;
   /** Intrusive LRU links (owned by cache.ts). */
@@ -221,6 +227,7 @@ export class Block {
     this.cls = "retained";
     this.checksum = NO_CHECKSUM;
     this.lastWriter = undefined;
+    this.discarded = false;
   }
 
   /** Stores the hash's bytes: copied when the caller has them (`hex` is their hex), else decoded. */

@@ -1,5 +1,5 @@
 /**
- * Collection: leases and transfer locks past their TTL, inflight blocks
+ * Collection: leases, transfer locks and discard tombstones past their TTL, inflight blocks
  * older than the inflight TTL with no copy in flight, and everything an
  * instance that went away still held. A slot under an in-flight copy is
  * never freed here (`pending > 0`): every plan is completed exactly once.
@@ -19,6 +19,7 @@ export function collectExpired(st: StoreState): { leasesExpired: number; staleFr
     leasesExpired++;
   }
   for (const l of st.locks.expire()) st.unpinLease(l);
+  if (st.tombstones.size > 0) st.tombstones.sweep(st.clock());
   st.c.leasesExpired += leasesExpired;
   const cutoff = st.clock() - st.inflightTtlMs;
   const stale: Block[] = [];

@@ -1,6 +1,7 @@
 /**
  * Freeing pool bytes: LRU eviction of sealed blocks (victims freed as merged
- * runs) and dropping inflight blocks (failed, stale or orphaned saves).
+ * runs), one sealed block out of LRU order (a discard), and dropping inflight
+ * blocks (failed, stale, orphaned or discarded saves).
  * Every freed record goes back to its namespace for reuse.
  *
  * @module
@@ -134,6 +135,13 @@ export function evictOne(st: StoreState): boolean {
 
 /** Frees an inflight block that has no copy in flight. */
 export function dropInflight(st: StoreState, b: Block): void {
+  freeFilledSlots(st, b);
+  st.index.remove(b);
+  st.namespaces.recycle(b);
+}
+
+/** Frees every FILLED slot of an inflight block (PENDING ones are their copy's to complete). */
+export function freeFilledSlots(st: StoreState, b: Block): void {
   const S = b.layout.segments;
   for (let si = 0; si < b.slots.length; si++) {
     if (b.slots[si] !== SLOT_FILLED) continue;
@@ -145,6 +153,26 @@ export function dropInflight(st: StoreState, b: Block): void {
     b.slots[si] = SLOT_EMPTY;
   }
   b.filled = 0;
+}
+
+/**
+ * Evicts one sealed, unpinned block out of LRU order (a discard names it):
+ * freed item by item (a rare path), withdrawn through `onEvict` like any
+ * evicted block. Throws for a pinned or inflight block (a store bug).
+ */
+export function evictSealed(st: StoreState, b: Block): void {
+  if (b.state !== "sealed" || b.pins > 0) {
+    throw new Error(`block ${b.key} is ${b.state} with ${b.pins} pins: not evictable`);
+  }
+  st.lru.remove(b);
+  const bytes = b.layout.segmentBytes;
+  for (let j = 0; j < b.offsets.length; j++) {
+    st.allocator.free(b.offsets[j], bytes);
+    b.offsets[j] = NO_OFFSET;
+  }
+  b.slots.fill(SLOT_EMPTY);
+  b.filled = 0;
   st.index.remove(b);
   st.namespaces.recycle(b);
+  st.onEvict?.(b.namespace, b.hash);
 }

@@ -10,6 +10,7 @@
  *   pinned blocks are sealed and out of the LRU, unpinned sealed blocks are
  *   in it; evictable bytes and the pinned gauge add up;
  * - slot states agree with offsets and counts; a sealed block has every slot;
+ *   a discarded block is inflight with copies still running and nothing filled;
  * - every live run link matches the offsets (a load trusts it instead of
  *   reading the record);
  * - open plans cover exactly the pending slots and the in-flight bytes.
@@ -100,6 +101,10 @@ function checkSlots(b: Block, stride: number, ranges: Range[]): number {
   }
   if (b.state === "sealed" && filled !== b.slotCount) {
     throw new Error(`block ${b.key} is sealed with ${filled}/${b.slotCount} slots`);
+  }
+  // A discarded block lives only until the copies running into it complete.
+  if (b.discarded && (b.state !== "inflight" || filled !== 0 || pend === 0)) {
+    throw new Error(`discarded block ${b.key} is ${b.state}, filled ${filled}, pending ${pend}`);
   }
   return pend;
 }

@@ -5,7 +5,8 @@
  * - **dedup**: hashes already sealed, slots already PENDING or FILLED, and a
  *   hash named twice are skipped before any byte moves; a hash skipped only
  *   because another copy is writing its slots (PENDING) is a rider: that
- *   copy may still fail, so the caller learns which (`riders`);
+ *   copy may still fail, so the caller learns which (`riders`); a hash a
+ *   discard named within its TTL (lib/storage/discard.ts) is refused;
  * - **fitRoom**: keep the longest prefix that free + evictable bytes hold;
  * - **admit**: only when eviction is needed, TinyLFU turns away new blocks
  *   less popular than the LRU victim.
@@ -19,6 +20,7 @@ import { type Block, type CacheClass, SLOT_EMPTY, SLOT_PENDING } from "./block.t
 import { type BlockHash, hashBucket, hashHex, sameHash } from "./keys.ts";
 import type { NamespaceState } from "./namespaces.ts";
 import type { StoreState } from "./state.ts";
+import { Tombstones } from "./discard.ts";
 
 /** What one plan is for: its namespace, writer and slot columns. */
 export interface PlanTarget {
@@ -56,6 +58,8 @@ export interface Candidates {
    * was writing (PENDING, none FILLED or sealed yet): they land only if that copy does.
    */
   readonly riders: number[];
+  /** Hashes refused because a discard named them within its TTL (or their block is discarded). */
+  readonly discarded: number;
 }
 
 /** Step 1: which (block, column) slots still need bytes. One flat need map, no per-block arrays. */
@@ -68,7 +72,10 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
   const hexes: string[] = [];
   const existing: (Block | undefined)[] = [];
   let deduplicated = 0;
+  let discarded = 0;
   const riders: number[] = [];
+  // Discarded hashes of this namespace, if any: one size check when there are none.
+  const tombs = st.tombstones.size > 0 ? st.tombstones.live(t.namespace, st.clock()) : undefined;
   // A hash named twice in one request is planned once. New hashes are told
   // apart by bucket first (a number), bytes only on a bucket match: no string
   // is hashed per block.
@@ -83,6 +90,10 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
     const bucket = bucketOf[i];
     if (!t.again) st.lfu?.record(bucket);
     const b = st.index.find(t.namespace, hashes[i], bucket);
+    if (b?.discarded || (tombs !== undefined && Tombstones.holds(tombs, hashes[i], bucket))) {
+      discarded++;
+      continue;
+    }
     let hex: string;
     if (b) {
       if (b.state === "sealed" || seenBlocks.has(b)) {
@@ -106,18 +117,10 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
       hex = hashHex(hashes[i]);
     }
     const k = hexes.length;
-    let n = 0;
-    let pending = false;
-    for (let c = 0; c < C; c++) {
-      const slot = b ? b.slots[t.colSlot[c]] : SLOT_EMPTY;
-      if (slot === SLOT_EMPTY) {
-        need[k * C + c] = 1;
-        n++;
-      } else if (slot === SLOT_PENDING) pending = true;
-    }
+    const n = markNeeded(need, k, t.colSlot, b);
     if (n === 0) {
       deduplicated++;
-      if (pending) riders.push(i);
+      if (anyPending(b!, t.colSlot)) riders.push(i);
       continue;
     }
     needCount[k] = n;
@@ -126,7 +129,33 @@ export function dedup(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[
     hexes.push(hex);
     existing.push(b);
   }
-  return { need, needCount, hashIndex, buckets, hexes, existing, deduplicated, riders };
+  return { need, needCount, hashIndex, buckets, hexes, existing, deduplicated, riders, discarded };
+}
+
+/**
+ * Marks the columns of candidate `k` whose slot in `b` is EMPTY (every column
+ * of a new block) in `need`; returns how many.
+ */
+function markNeeded(
+  need: Uint8Array,
+  k: number,
+  colSlot: Int32Array,
+  b: Block | undefined,
+): number {
+  const C = colSlot.length;
+  let n = 0;
+  for (let c = 0; c < C; c++) {
+    if (b !== undefined && b.slots[colSlot[c]] !== SLOT_EMPTY) continue;
+    need[k * C + c] = 1;
+    n++;
+  }
+  return n;
+}
+
+/** True when a copy is writing one of `b`'s slots under these columns (PENDING). */
+function anyPending(b: Block, colSlot: Int32Array): boolean {
+  for (let c = 0; c < colSlot.length; c++) if (b.slots[colSlot[c]] === SLOT_PENDING) return true;
+  return false;
 }
 
 /** Step 2: the longest prefix of the candidates that free + evictable bytes can hold. */

@@ -5,7 +5,8 @@
  *   columns → dedup → fitRoom → admit → allocate (evicting) → createBlocks → record
  *
  * - **dedup**, **fitRoom**, **admit** (lib/storage/save_candidates.ts): which
- *   hashes still need bytes, and how many of them the pool takes;
+ *   hashes still need bytes (none a recent discard named), and how many of
+ *   them the pool takes;
  * - **allocate**: evict until the bytes are free, then one allocation per
  *   (column, segment) for all blocks; fragmentation across namespaces keeps
  *   evicting until the items fit, or rolls back and refuses (at once, with
@@ -100,6 +101,11 @@ export interface SavePlan {
   /** Hashes past the prefix that fitted in the pool (refused for room). */
   readonly refusedForRoom: number;
   /**
+   * Hashes refused because a discard named them less than `DISCARD_TTL_MS`
+   * ago, or their block is being discarded (lib/storage/discard.ts).
+   */
+  readonly discarded: number;
+  /**
    * Request indexes (into `hashes`) of deduplicated hashes whose missing slots another
    * copy is writing (PENDING): counted in `deduplicated`, they land only if that copy
    * does. Plan them again (`again: true`) once it settled. Usually empty.
@@ -180,6 +186,7 @@ function plan(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Save
   // still are stay counted once; the rest (copied now, or refused) no longer are.
   if (t.again) st.c.deduplicated -= hashes.length - cand.deduplicated;
   else st.c.deduplicated += cand.deduplicated;
+  st.c.discardRefused += cand.discarded;
   const slotBytes = t.ns.layout.segments * t.ns.strideBytes;
   const room = fitRoom(st, cand, slotBytes);
   const admitted = admit(st, t, cand, room.count, room.total, slotBytes);
@@ -367,6 +374,7 @@ function record(
     deduplicated: cand.deduplicated,
     admissionRejected: admitted.admissionRejected,
     refusedForRoom,
+    discarded: cand.discarded,
     riders: cand.riders.length > 0 ? Int32Array.from(cand.riders) : NO_RIDERS,
     blocks,
     cacheClass: t.cacheClass,

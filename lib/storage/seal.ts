@@ -2,7 +2,8 @@
  * Ending a save or fill: on success the copied slots become FILLED and
  * blocks whose every slot is filled are sealed (servable, in the LRU); on
  * failure the plan's slots return to EMPTY and their bytes are freed, and a
- * block left with nothing is dropped. Never half-written data.
+ * block left with nothing is dropped; a block a discard named while the copy
+ * ran completes as failed whatever the copy did. Never half-written data.
  *
  * @module
  */
@@ -66,7 +67,8 @@ export function completePlan(
   let freed = 0;
   for (let k = 0; k < n; k++) {
     const b = p.blocks[k];
-    const blockOk = oks ? oks[k] === 1 : ok === true;
+    // A block discarded under the copy (lib/storage/discard.ts) never seals: its slots are freed.
+    const blockOk = !b.discarded && (oks ? oks[k] === 1 : ok === true);
     for (let c = 0; c < C; c++) {
       if (p.offsets[slotColumn(c, 0, S) * n + k] === NO_OFFSET) continue;
       const si = slotIndex(p.layers[Math.floor(c / R)], p.rankSlots[c % R], rankSlotsOf);

@@ -18,6 +18,7 @@ import { type Lease, LeaseTable } from "./lease.ts";
 import { NamespaceRegistry } from "./namespaces.ts";
 import type { PlanRecord } from "./save_plan.ts";
 import type { TicketRecord } from "./load_ticket.ts";
+import { Tombstones } from "./discard.ts";
 import { monotonicNow } from "../clock.ts";
 
 /** Default age after which an inflight block with no copy in flight is collected. */
@@ -69,6 +70,12 @@ export interface StoreCounters {
   saveRefusals: number;
   staleCollected: number;
   leasesExpired: number;
+  /** Blocks a discard dropped (inflight) or evicted (sealed, unpinned). */
+  discardedBlocks: number;
+  /** Sealed blocks a discard named but left: pinned by a lease, load or transfer lock. */
+  discardPinnedKept: number;
+  /** Hashes of saves and fills refused because a discard named them within its TTL. */
+  discardRefused: number;
 }
 
 /** The store's records, shared by its job modules. */
@@ -79,6 +86,8 @@ export class StoreState {
   readonly onEvict: ((namespace: string, hash: string) => void) | undefined;
   readonly namespaces: NamespaceRegistry;
   readonly index = new BlockIndex();
+  /** Discarded hashes refusing saves until they expire (discard.ts). */
+  readonly tombstones = new Tombstones();
   readonly lru: LruCache;
   readonly lfu: TinyLfu | undefined;
   readonly leases: LeaseTable<Block>;
@@ -102,6 +111,9 @@ export class StoreState {
     saveRefusals: 0,
     staleCollected: 0,
     leasesExpired: 0,
+    discardedBlocks: 0,
+    discardPinnedKept: 0,
+    discardRefused: 0,
   };
 
   constructor(opts: KvStoreOptions) {

@@ -13,6 +13,7 @@
  * | lookup: query prefix, block state     | lookup.ts          |
  * | save planning (dedup → … → blocks)    | save_plan.ts       |
  * | save candidates (dedup, room, admit)  | save_candidates.ts |
+ * | discards and their tombstones         | discard.ts         |
  * | sealing (complete a save or fill)     | seal.ts            |
  * | load tickets (lease consumption)      | load_ticket.ts     |
  * | transfer locks                        | transfer_lock.ts   |
@@ -45,6 +46,7 @@ import type { BlockLayout } from "./block.ts";
 import type { BlockHash } from "./keys.ts";
 import type { LeaseId } from "./lease.ts";
 import { collectExpired, dropInstanceState } from "./cleanup.ts";
+import { discardHashes, type DiscardRequest, type DiscardResult } from "./discard.ts";
 import { evictBytes } from "./eviction.ts";
 import { verifyStore } from "./invariants.ts";
 import {
@@ -76,6 +78,8 @@ export type { BlockLayout } from "./block.ts";
 export type { ConsumeOptions, LoadTicket } from "./load_ticket.ts";
 export type { QueryResult } from "./lookup.ts";
 export type { SaveCompletion } from "./seal.ts";
+export type { DiscardRequest, DiscardResult } from "./discard.ts";
+export { DISCARD_TTL_MS, MAX_DISCARD_TOMBSTONES } from "./discard.ts";
 export type { FillRequest, SaveBegin, SavePlan, SaveRequest } from "./save_plan.ts";
 export type { KvStoreOptions } from "./state.ts";
 export type { TransferLock } from "./transfer_lock.ts";
@@ -101,6 +105,8 @@ export interface StoreStats extends StoreCounters {
   leasesActive: number;
   transferLocksActive: number;
   loadsInflight: number;
+  /** Discarded hashes still refusing saves (at most `MAX_DISCARD_TOMBSTONES`). */
+  discardTombstones: number;
 }
 
 /**
@@ -197,6 +203,20 @@ export class KvStore {
    */
   completeSave(plan: SavePlan, ok: boolean | ((block: number) => boolean)): SaveCompletion {
     return completePlan(this.#st, plan, ok);
+  }
+
+  /**
+   * A rank's load failed: the KV it (and so every other rank of its engine)
+   * computed over it is wrong. Drops the inflight blocks of `hashes` (a copy
+   * still running into one completes as failed), evicts the sealed unpinned
+   * ones, leaves the pinned ones (counted), and refuses saves and fills of
+   * `hashes` in the namespace for `DISCARD_TTL_MS` (discard.ts). Throws
+   * InvalidArgumentError for a malformed hash or an unknown namespace before
+   * anything changes.
+   */
+  discard(req: DiscardRequest): DiscardResult {
+    this.collect();
+    return discardHashes(this.#st, req);
   }
 
   /**
@@ -321,6 +341,7 @@ export class KvStore {
       leasesActive: st.leases.size,
       transferLocksActive: st.locks.size,
       loadsInflight: st.loadsInflight,
+      discardTombstones: st.tombstones.size,
     };
   }
 }

@@ -451,12 +451,18 @@ class PegaflowClient:
         request_id: str = "",
         timeout_s: Optional[float] = None,
         engine_id: Optional[str] = None,
+        discard_hashes: Iterable[bytes] = (),
     ) -> pb.SaveResponse:
         """Saves `block_ids` (with their `block_hashes`) of every registered
         layer of the rank, or per-layer `layers`; returns once the bytes are in
         the pool (hence its own, longer deadline). It carries the client's
         `engine_id` (or the call's: see the class); the server refuses another
-        engine's ("... is registered by another engine"). "" is not checked."""
+        engine's ("... is registered by another engine"). "" is not checked.
+
+        `discard_hashes`: hashes whose KV this rank computed over a load that failed on it. The
+        server drops (or evicts) their blocks, whatever ranks saved them, and refuses saves of
+        them for a while (`SaveResponse.blocks_discarded`, proto/pegaflow.proto). A Save may
+        carry only these (no `block_ids`). An older server ignores them."""
         req = pb.SaveRequest(
             instance_id=instance_id,
             tp_rank=tp_rank,
@@ -465,6 +471,7 @@ class PegaflowClient:
             layers=list(layers or ()),
             request_id=request_id,
             engine_id=self._engine(engine_id),
+            discard_hashes=[bytes(h) for h in discard_hashes],
         )
         tail = _put_hashes(req, block_hashes)
         return self._call(

@@ -7,10 +7,10 @@ in vLLM's order against a real host-backend server:
 - a query-issued load claimed after a timed-out staged load's late copy settled: both copies went
   into the same staging blocks, and the later request was scattered the late copy's bytes;
 - a step the engine scheduled before it saw a layer-wise load fail (vLLM's async scheduling): the
-  saves of blocks it computed over that load were stored.
-
-Not fixed (xfail, strict): with TP, a layer-wise load that fails on one rank alone leaves the other
-ranks' saves of that step, whose slots a later correct save of the prefix seals.
+  saves of blocks it computed over that load were stored;
+- with TP, a layer-wise load that failed on one rank alone left the other ranks' saves of that
+  step, whose slots a later correct save of the prefix sealed: the failing rank now discards
+  those hashes at the server (`SaveRequest.discard_hashes`).
 """
 
 from __future__ import annotations
@@ -222,17 +222,17 @@ class _RefusedLoads:
         return getattr(self._client, name)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: ranks do not agree on a layer-wise load's outcome (see docstring)")
 def test_with_tp_a_load_failing_on_one_rank_keeps_the_other_ranks_saves_of_that_step(server, uid):
     """TP 2, layer-wise: b loads 3 blocks and computes 2 more in one step. Rank 0's Load is refused,
     rank 1's lands. Rank 0 drops its save of the 2 blocks (computed over its failed load); rank 1
     saves its slot of them, though its KV of those tokens was computed from hidden states rank
-    0's garbage KV fed through the all-reduce (modelled here: other bytes). The blocks stay
-    unsealed until a correct computation of the same prompt (c) saves on both ranks: the server
-    skips rank 1's slot as already filled and seals the blocks with the bad one, and the next
-    request that loads them (d) gets it. Each worker drops only the saves over its own failed
-    loads; fixing it needs the ranks to agree on a load's outcome before its dependent saves go
-    out (a verdict carried in a later step's plan, or the other ranks' load states)."""
+    0's garbage KV fed through the all-reduce (modelled here: other bytes). The blocks stayed
+    unsealed until a correct computation of the same prompt (c) saved on both ranks: the server
+    skipped rank 1's slot as already filled and sealed the blocks with the bad one, and the next
+    request that loaded them (d) got it. Now rank 0 sends the 2 hashes as discard_hashes: the
+    server drops rank 1's slot (or refuses it, whichever arrives first) and refuses saves of them
+    for DISCARD_TTL_MS (lib/storage/discard.ts), c's included; d loads the 3 blocks held, each
+    with the right bytes on every rank, and computes the rest."""
     from pegaflow.client import PegaflowClient
     from pegaflow.connector.plan import ScheduledRequest
     from pegaflow.connector.scheduler_core import SchedulerCore
@@ -297,10 +297,14 @@ def test_with_tp_a_load_failing_on_one_rank_keeps_the_other_ranks_saves_of_that_
             w.wait_for_save()
             w.unbind()
         saved_all()
+        w0, w1 = (w.stats_snapshot() for w in ranks.workers)
+        assert (w0["saves_discarded"], w0["saves_dropped"]) == (2, 2)
+        # c's saves of blocks 3 and 4 came inside the discard's TTL: refused on both ranks.
+        assert w0["blocks_refused"] == 2 and w1["blocks_refused"] >= 2
         d = Req("d", list(b.tokens), uid)
-        assert sched.get_num_new_matched_tokens(d, 0) == (5 * BLOCK, False)
-        sched.update_state_after_alloc(d, [7, 8, 9, 10, 11, 14], 5 * BLOCK)
-        plan = sched.build_step([ScheduledRequest("d", [7, 8, 9, 10, 11, 14], True, 5 * BLOCK, 1)])
+        assert sched.get_num_new_matched_tokens(d, 0) == (3 * BLOCK, False), "b's bad blocks were sealed"
+        sched.update_state_after_alloc(d, [7, 8, 9, 10, 11, 14], 3 * BLOCK)
+        plan = sched.build_step([ScheduledRequest("d", [7, 8, 9, 10, 11, 14], True, 3 * BLOCK, 1)])
         for w in ranks.workers:
             w.bind(plan)
             w.start_load()
@@ -309,9 +313,56 @@ def test_with_tp_a_load_failing_on_one_rank_keeps_the_other_ranks_saves_of_that_
             w.wait_for_save()
             assert w.take_load_errors() == set()
             w.unbind()
-        ranks.assert_loaded([7, 8, 9, 10, 11], d)  # rank 1, block 10: the bytes of b's failed step
+        ranks.assert_loaded([7, 8, 9], d)  # before: 5 blocks, rank 1's block 10 the bytes of b's failed step
         sched.close()
     finally:
         if ranks is not None:
             ranks.close()
+        client.close()
+
+
+def test_a_failed_loads_discard_outlasts_a_full_save_queue_and_goes_ahead_of_the_ranks_next_saves():
+    """The discard of rank 0 (TP 2) must reach the server before any later save of this rank, or a
+    recompute of the prefix could be stored first and then lose to it. A full save queue dropped
+    the step's job with it: it is now kept and rides on the next job, sent with that job's saves
+    in one Save (the server applies it before planning them). With TP 1 there is no other rank to
+    mend: nothing is sent."""
+    from types import SimpleNamespace
+
+    from pegaflow.client import PegaflowClient
+    from pegaflow.connector.plan import SaveIntent, StepPlan
+    from pegaflow.connector.worker_core import WorkerCore, _SaveJob
+
+    bad = [b"\x03" * 16, b"\x04" * 16]
+    client = PegaflowClient("127.0.0.1:1")  # never dialled: Save is recorded below
+    sent = []
+
+    def save(**kw):
+        sent.append(kw)
+        return SimpleNamespace(blocks_saved=len(kw["block_ids"]), blocks_skipped=0, blocks_refused=0,
+                               blocks_not_admitted=0, blocks_discarded=len(kw["discard_hashes"]))
+
+    client.save = save
+    try:
+        for tp_size in (2, 1):
+            w = WorkerCore(client, instance_id="i", namespace="n", tp_rank=0, tp_size=tp_size, save_queue_depth=1)
+            w.registration = SimpleNamespace(connected=True, stats=dict)
+            w._failed_loads.add("b")
+            w._queue.put_nowait(_SaveJob(None, [], 0))  # the queue is full
+            w.bind(StepPlan(saves=[SaveIntent("b", [12, 13], bad, ("b",))]))
+            w.wait_for_save()  # b's save dropped; its discard cannot be queued
+            w.unbind()
+            w._queue.get_nowait()
+            w.bind(StepPlan(saves=[SaveIntent("c", [5], [b"\x05" * 16])]))
+            w.wait_for_save()
+            w.unbind()
+            job = w._queue.get_nowait()
+            assert [s.request_id for s in job.intents] == ["c"]
+            assert job.discard == (bad if tp_size > 1 else [])
+            w._save(job)
+            assert sent.pop()["discard_hashes"] == (bad if tp_size > 1 else [])
+            stats = w.stats_snapshot()
+            assert stats.get("saves_discarded", 0) == stats.get("blocks_discarded", 0) == (2 if tp_size > 1 else 0)
+            assert stats["saves_dropped"] == 2 and stats["saves"] == 1
+    finally:
         client.close()

@@ -102,11 +102,16 @@ export interface SetupOptions {
   engine?: Partial<Pick<EngineOptions, StageOption>>;
   /** The store's clock (lease and inflight expiry), for tests that move time. */
   clock?: () => number;
+  /** TP size of every instance: `sims` then holds each instance's ranks in order. Default 1. */
+  tpSize?: number;
 }
 
 type StageOption = "saveConcurrency" | "saveQueueDepth" | "loadConcurrency" | "loadQueueDepth";
 
-/** An engine, its store and native port, and `instances` simulated ranks registered (TP 1). */
+/**
+ * An engine, its store and native port, and the simulated ranks of `instances` registered
+ * (TP 1 unless `opts.tpSize`: instance-major, `sims[i * tpSize + tpRank]`).
+ */
 export async function setup(instances: string[], numBlocks = 64, opts: SetupOptions = {}) {
   const native = await openTestNative();
   const held = holding(native);
@@ -120,18 +125,23 @@ export async function setup(instances: string[], numBlocks = 64, opts: SetupOpti
   });
   // The simulated engines only need their regions here; no server connection is made.
   const client = new PegaflowClient("127.0.0.1:1");
-  const sims = instances.map((instanceId) => {
-    const sim = SimEngine.create({
-      client,
-      instanceId,
-      namespace: opts.namespace ?? `ns-${instanceId}`,
-      model: MODEL,
-      numBlocks,
-      backend: "host",
-    });
-    engine.register({ ...sim.registration(), clientVersion: PROTOCOL_VERSION });
-    return sim;
-  });
+  const tpSize = opts.tpSize ?? 1;
+  const sims = instances.flatMap((instanceId) =>
+    Array.from({ length: tpSize }, (_, tpRank) => {
+      const sim = SimEngine.create({
+        client,
+        instanceId,
+        namespace: opts.namespace ?? `ns-${instanceId}`,
+        model: MODEL,
+        numBlocks,
+        backend: "host",
+        tpRank,
+        tpSize,
+      });
+      engine.register({ ...sim.registration(), clientVersion: PROTOCOL_VERSION });
+      return sim;
+    })
+  );
   const teardown = async () => {
     await engine.close();
     await native.close();

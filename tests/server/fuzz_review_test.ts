@@ -554,6 +554,7 @@ function saveMutants(sim: SimEngine, hashes: Uint8Array[], r: Rng): Mutant[] {
     blockHashes: [hashes[4], hashes[5]],
     requestId: "fz-save",
     engineId: "",
+    discardHashes: [],
   };
   const m = (what: string, names: RegExp, over: Partial<SaveRequest>): Mutant => ({
     method: "Save",
@@ -988,6 +989,7 @@ Deno.test("fuzz: calls in the wrong order are refused with the ids, and leak no 
       blockHashes: hashes,
       requestId: "fz-order",
       engineId: "",
+      discardHashes: [],
     }).finish();
   const query = (instanceId: string) =>
     QueryPrefetchRequest.encode({

@@ -23,6 +23,7 @@ const SAVED: SaveResponse = {
   bytesCopied: 4096,
   blocksRefused: 0,
   blocksNotAdmitted: 0,
+  blocksDiscarded: 0,
 };
 const quiet = () => new Logger("error", {}, () => {});
 const { MAX_UNREAD_ANSWERS, serveLocalRpc, servePeerRpc } = localRpc;

@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x08pegaflow\"Q\n\x16\x43onnectTransferRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tpeer_info\x18\x03 \x01(\x0c\"Q\n\x17\x43onnectTransferResponse\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x11\n\tpeer_info\x18\x02 \x01(\x0c\x12\x10\n\x08rpc_addr\x18\x03 \x01(\t\"\xb6\x01\n\x1dQueryBlocksForTransferRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x11\n\trequester\x18\x04 \x01(\t\x12\x13\n\x0block_ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0fshifted_extents\x18\x06 \x01(\x08\x12\x0f\n\x07lock_id\x18\x07 \x01(\x0c\"\xea\x01\n\x1eQueryBlocksForTransferResponse\x12\x0f\n\x07lock_id\x18\x01 \x01(\x0c\x12\x13\n\x0block_ttl_ms\x18\x02 \x01(\r\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x11\n\txfer_addr\x18\x04 \x01(\t\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x11\n\tchecksums\x18\x06 \x03(\r\x12\x15\n\rextent_counts\x18\x07 \x03(\r\x12\x0f\n\x07\x65xtents\x18\x08 \x01(\x0c\x12\x13\n\x0bmiss_reason\x18\t \x01(\t\x12\x15\n\rextent_shifts\x18\n \x03(\x12\"@\n\x1aReleaseTransferLockRequest\x12\x0f\n\x07lock_id\x18\x01 \x01(\x0c\x12\x11\n\trequester\x18\x02 \x01(\t\"/\n\x1bReleaseTransferLockResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xa1\x01\n\rLayerGeometry\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x12\n\nseg_stride\x18\x03 \x01(\x04\x12\x11\n\tseg_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x61se_offset\x18\x06 \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x07 \x01(\x04\"\xcb\x02\n\x16RegisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12\x0f\n\x07pp_size\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x11\n\tdevice_id\x18\x08 \x01(\x05\x12\x13\n\x0blayer_names\x18\t \x03(\t\x12\x16\n\x0eregion_handles\x18\n \x03(\x0c\x12)\n\x08geometry\x18\x0b \x03(\x0b\x32\x17.pegaflow.LayerGeometry\x12\x16\n\x0e\x63lient_version\x18\x0c \x01(\t\x12\x1b\n\x13kv_shared_across_tp\x18\r \x01(\x08\x12\x11\n\tengine_id\x18\x0e \x01(\t\"|\n\x17RegisterContextResponse\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x17\n\x0ftopology_sealed\x18\x02 \x01(\x08\x12\x18\n\x10ranks_registered\x18\x03 \x01(\r\x12\x1a\n\x12registration_token\x18\x04 \x01(\t\"H\n\tLayerSave\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xb9\x01\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12#\n\x06layers\x18\x04 \x03(\x0b\x32\x13.pegaflow.LayerSave\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\tengine_id\x18\x08 \x01(\t\"\x87\x01\n\x0cSaveResponse\x12\x14\n\x0c\x62locks_saved\x18\x01 \x01(\r\x12\x16\n\x0e\x62locks_skipped\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_copied\x18\x03 \x01(\x04\x12\x16\n\x0e\x62locks_refused\x18\x04 \x01(\r\x12\x1b\n\x13\x62locks_not_admitted\x18\x05 \x01(\r\"\x8f\x01\n\x14QueryPrefetchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12%\n\tload_into\x18\x04 \x01(\x0b\x32\x12.pegaflow.LoadInto\x12\x11\n\tengine_id\x18\x05 \x01(\t\"F\n\x08LoadInto\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\'\n\x05ranks\x18\x02 \x03(\x0b\x32\x18.pegaflow.RankLoadTarget\"J\n\x0eRankLoadTarget\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\x16\n\x0eload_state_shm\x18\x03 \x01(\t\"V\n\x0fRankLoadOutcome\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"v\n\nQueryReady\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\x12(\n\x05loads\x18\x04 \x03(\x0b\x32\x19.pegaflow.RankLoadOutcome\"\x0e\n\x0cQueryLoading\"s\n\x15QueryPrefetchResponse\x12)\n\x07loading\x18\x01 \x01(\x0b\x32\x16.pegaflow.QueryLoadingH\x00\x12%\n\x05ready\x18\x02 \x01(\x0b\x32\x14.pegaflow.QueryReadyH\x00\x42\x08\n\x06result\"\xb7\x01\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x10\n\x08lease_id\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x16\n\x0eload_state_shm\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05whole\x18\x08 \x01(\x08\x12\x11\n\tengine_id\x18\t \x01(\t\"E\n\x0cLoadResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"/\n\x18UnregisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"4\n\x19UnregisterContextResponse\x12\x17\n\x0fleases_released\x18\x01 \x01(\r\"\x7f\n\x0eSessionRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x1f\n\x12registration_token\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x15\n\x13_registration_token\"\x96\x01\n\x0cSessionEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.pegaflow.SessionEvent.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\"J\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSUPERSEDED\x10\x01\x12\x0e\n\nCLEANED_UP\x10\x02\x12\x0c\n\x08SHUTDOWN\x10\x03\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t2\xba\x04\n\x06\x45ngine\x12V\n\x0fRegisterContext\x12 .pegaflow.RegisterContextRequest\x1a!.pegaflow.RegisterContextResponse\x12\x35\n\x04Save\x12\x15.pegaflow.SaveRequest\x1a\x16.pegaflow.SaveResponse\x12P\n\rQueryPrefetch\x12\x1e.pegaflow.QueryPrefetchRequest\x1a\x1f.pegaflow.QueryPrefetchResponse\x12\x35\n\x04Load\x12\x15.pegaflow.LoadRequest\x1a\x16.pegaflow.LoadResponse\x12>\n\x07Release\x12\x18.pegaflow.ReleaseRequest\x1a\x19.pegaflow.ReleaseResponse\x12\\\n\x11UnregisterContext\x12\".pegaflow.UnregisterContextRequest\x1a#.pegaflow.UnregisterContextResponse\x12=\n\x07Session\x12\x18.pegaflow.SessionRequest\x1a\x16.pegaflow.SessionEvent0\x01\x12;\n\x06Health\x12\x17.pegaflow.HealthRequest\x1a\x18.pegaflow.HealthResponse2\xaf\x02\n\x04Peer\x12k\n\x16QueryBlocksForTransfer\x12\'.pegaflow.QueryBlocksForTransferRequest\x1a(.pegaflow.QueryBlocksForTransferResponse\x12\x62\n\x13ReleaseTransferLock\x12$.pegaflow.ReleaseTransferLockRequest\x1a%.pegaflow.ReleaseTransferLockResponse\x12V\n\x0f\x43onnectTransfer\x12 .pegaflow.ConnectTransferRequest\x1a!.pegaflow.ConnectTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x08pegaflow\"Q\n\x16\x43onnectTransferRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tpeer_info\x18\x03 \x01(\x0c\"Q\n\x17\x43onnectTransferResponse\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x11\n\tpeer_info\x18\x02 \x01(\x0c\x12\x10\n\x08rpc_addr\x18\x03 \x01(\t\"\xb6\x01\n\x1dQueryBlocksForTransferRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x11\n\trequester\x18\x04 \x01(\t\x12\x13\n\x0block_ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0fshifted_extents\x18\x06 \x01(\x08\x12\x0f\n\x07lock_id\x18\x07 \x01(\x0c\"\xea\x01\n\x1eQueryBlocksForTransferResponse\x12\x0f\n\x07lock_id\x18\x01 \x01(\x0c\x12\x13\n\x0block_ttl_ms\x18\x02 \x01(\r\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x11\n\txfer_addr\x18\x04 \x01(\t\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x11\n\tchecksums\x18\x06 \x03(\r\x12\x15\n\rextent_counts\x18\x07 \x03(\r\x12\x0f\n\x07\x65xtents\x18\x08 \x01(\x0c\x12\x13\n\x0bmiss_reason\x18\t \x01(\t\x12\x15\n\rextent_shifts\x18\n \x03(\x12\"@\n\x1aReleaseTransferLockRequest\x12\x0f\n\x07lock_id\x18\x01 \x01(\x0c\x12\x11\n\trequester\x18\x02 \x01(\t\"/\n\x1bReleaseTransferLockResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xa1\x01\n\rLayerGeometry\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x12\n\nseg_stride\x18\x03 \x01(\x04\x12\x11\n\tseg_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x61se_offset\x18\x06 \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x07 \x01(\x04\"\xcb\x02\n\x16RegisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12\x0f\n\x07pp_size\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x11\n\tdevice_id\x18\x08 \x01(\x05\x12\x13\n\x0blayer_names\x18\t \x03(\t\x12\x16\n\x0eregion_handles\x18\n \x03(\x0c\x12)\n\x08geometry\x18\x0b \x03(\x0b\x32\x17.pegaflow.LayerGeometry\x12\x16\n\x0e\x63lient_version\x18\x0c \x01(\t\x12\x1b\n\x13kv_shared_across_tp\x18\r \x01(\x08\x12\x11\n\tengine_id\x18\x0e \x01(\t\"|\n\x17RegisterContextResponse\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x17\n\x0ftopology_sealed\x18\x02 \x01(\x08\x12\x18\n\x10ranks_registered\x18\x03 \x01(\r\x12\x1a\n\x12registration_token\x18\x04 \x01(\t\"H\n\tLayerSave\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xd1\x01\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12#\n\x06layers\x18\x04 \x03(\x0b\x32\x13.pegaflow.LayerSave\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\tengine_id\x18\x08 \x01(\t\x12\x16\n\x0e\x64iscard_hashes\x18\t \x03(\x0c\"\xa1\x01\n\x0cSaveResponse\x12\x14\n\x0c\x62locks_saved\x18\x01 \x01(\r\x12\x16\n\x0e\x62locks_skipped\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_copied\x18\x03 \x01(\x04\x12\x16\n\x0e\x62locks_refused\x18\x04 \x01(\r\x12\x1b\n\x13\x62locks_not_admitted\x18\x05 \x01(\r\x12\x18\n\x10\x62locks_discarded\x18\x06 \x01(\r\"\x8f\x01\n\x14QueryPrefetchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12%\n\tload_into\x18\x04 \x01(\x0b\x32\x12.pegaflow.LoadInto\x12\x11\n\tengine_id\x18\x05 \x01(\t\"F\n\x08LoadInto\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\'\n\x05ranks\x18\x02 \x03(\x0b\x32\x18.pegaflow.RankLoadTarget\"J\n\x0eRankLoadTarget\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\x16\n\x0eload_state_shm\x18\x03 \x01(\t\"V\n\x0fRankLoadOutcome\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"v\n\nQueryReady\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\x12(\n\x05loads\x18\x04 \x03(\x0b\x32\x19.pegaflow.RankLoadOutcome\"\x0e\n\x0cQueryLoading\"s\n\x15QueryPrefetchResponse\x12)\n\x07loading\x18\x01 \x01(\x0b\x32\x16.pegaflow.QueryLoadingH\x00\x12%\n\x05ready\x18\x02 \x01(\x0b\x32\x14.pegaflow.QueryReadyH\x00\x42\x08\n\x06result\"\xb7\x01\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x10\n\x08lease_id\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x16\n\x0eload_state_shm\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05whole\x18\x08 \x01(\x08\x12\x11\n\tengine_id\x18\t \x01(\t\"E\n\x0cLoadResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"/\n\x18UnregisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"4\n\x19UnregisterContextResponse\x12\x17\n\x0fleases_released\x18\x01 \x01(\r\"\x7f\n\x0eSessionRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x1f\n\x12registration_token\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x15\n\x13_registration_token\"\x96\x01\n\x0cSessionEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.pegaflow.SessionEvent.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\"J\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSUPERSEDED\x10\x01\x12\x0e\n\nCLEANED_UP\x10\x02\x12\x0c\n\x08SHUTDOWN\x10\x03\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t2\xba\x04\n\x06\x45ngine\x12V\n\x0fRegisterContext\x12 .pegaflow.RegisterContextRequest\x1a!.pegaflow.RegisterContextResponse\x12\x35\n\x04Save\x12\x15.pegaflow.SaveRequest\x1a\x16.pegaflow.SaveResponse\x12P\n\rQueryPrefetch\x12\x1e.pegaflow.QueryPrefetchRequest\x1a\x1f.pegaflow.QueryPrefetchResponse\x12\x35\n\x04Load\x12\x15.pegaflow.LoadRequest\x1a\x16.pegaflow.LoadResponse\x12>\n\x07Release\x12\x18.pegaflow.ReleaseRequest\x1a\x19.pegaflow.ReleaseResponse\x12\\\n\x11UnregisterContext\x12\".pegaflow.UnregisterContextRequest\x1a#.pegaflow.UnregisterContextResponse\x12=\n\x07Session\x12\x18.pegaflow.SessionRequest\x1a\x16.pegaflow.SessionEvent0\x01\x12;\n\x06Health\x12\x17.pegaflow.HealthRequest\x1a\x18.pegaflow.HealthResponse2\xaf\x02\n\x04Peer\x12k\n\x16QueryBlocksForTransfer\x12\'.pegaflow.QueryBlocksForTransferRequest\x1a(.pegaflow.QueryBlocksForTransferResponse\x12\x62\n\x13ReleaseTransferLock\x12$.pegaflow.ReleaseTransferLockRequest\x1a%.pegaflow.ReleaseTransferLockResponse\x12V\n\x0f\x43onnectTransfer\x12 .pegaflow.ConnectTransferRequest\x1a!.pegaflow.ConnectTransferResponseb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pegaflow_pb2', globals())
@@ -41,47 +41,47 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _LAYERSAVE._serialized_start=1355
   _LAYERSAVE._serialized_end=1427
   _SAVEREQUEST._serialized_start=1430
-  _SAVEREQUEST._serialized_end=1615
-  _SAVERESPONSE._serialized_start=1618
-  _SAVERESPONSE._serialized_end=1753
-  _QUERYPREFETCHREQUEST._serialized_start=1756
-  _QUERYPREFETCHREQUEST._serialized_end=1899
-  _LOADINTO._serialized_start=1901
-  _LOADINTO._serialized_end=1971
-  _RANKLOADTARGET._serialized_start=1973
-  _RANKLOADTARGET._serialized_end=2047
-  _RANKLOADOUTCOME._serialized_start=2049
-  _RANKLOADOUTCOME._serialized_end=2135
-  _QUERYREADY._serialized_start=2137
-  _QUERYREADY._serialized_end=2255
-  _QUERYLOADING._serialized_start=2257
-  _QUERYLOADING._serialized_end=2271
-  _QUERYPREFETCHRESPONSE._serialized_start=2273
-  _QUERYPREFETCHRESPONSE._serialized_end=2388
-  _LOADREQUEST._serialized_start=2391
-  _LOADREQUEST._serialized_end=2574
-  _LOADRESPONSE._serialized_start=2576
-  _LOADRESPONSE._serialized_end=2645
-  _RELEASEREQUEST._serialized_start=2647
-  _RELEASEREQUEST._serialized_end=2681
-  _RELEASERESPONSE._serialized_start=2683
-  _RELEASERESPONSE._serialized_end=2700
-  _UNREGISTERCONTEXTREQUEST._serialized_start=2702
-  _UNREGISTERCONTEXTREQUEST._serialized_end=2749
-  _UNREGISTERCONTEXTRESPONSE._serialized_start=2751
-  _UNREGISTERCONTEXTRESPONSE._serialized_end=2803
-  _SESSIONREQUEST._serialized_start=2805
-  _SESSIONREQUEST._serialized_end=2932
-  _SESSIONEVENT._serialized_start=2935
-  _SESSIONEVENT._serialized_end=3085
-  _SESSIONEVENT_KIND._serialized_start=3011
-  _SESSIONEVENT_KIND._serialized_end=3085
-  _HEALTHREQUEST._serialized_start=3087
-  _HEALTHREQUEST._serialized_end=3102
-  _HEALTHRESPONSE._serialized_start=3104
-  _HEALTHRESPONSE._serialized_end=3170
-  _ENGINE._serialized_start=3173
-  _ENGINE._serialized_end=3743
-  _PEER._serialized_start=3746
-  _PEER._serialized_end=4049
+  _SAVEREQUEST._serialized_end=1639
+  _SAVERESPONSE._serialized_start=1642
+  _SAVERESPONSE._serialized_end=1803
+  _QUERYPREFETCHREQUEST._serialized_start=1806
+  _QUERYPREFETCHREQUEST._serialized_end=1949
+  _LOADINTO._serialized_start=1951
+  _LOADINTO._serialized_end=2021
+  _RANKLOADTARGET._serialized_start=2023
+  _RANKLOADTARGET._serialized_end=2097
+  _RANKLOADOUTCOME._serialized_start=2099
+  _RANKLOADOUTCOME._serialized_end=2185
+  _QUERYREADY._serialized_start=2187
+  _QUERYREADY._serialized_end=2305
+  _QUERYLOADING._serialized_start=2307
+  _QUERYLOADING._serialized_end=2321
+  _QUERYPREFETCHRESPONSE._serialized_start=2323
+  _QUERYPREFETCHRESPONSE._serialized_end=2438
+  _LOADREQUEST._serialized_start=2441
+  _LOADREQUEST._serialized_end=2624
+  _LOADRESPONSE._serialized_start=2626
+  _LOADRESPONSE._serialized_end=2695
+  _RELEASEREQUEST._serialized_start=2697
+  _RELEASEREQUEST._serialized_end=2731
+  _RELEASERESPONSE._serialized_start=2733
+  _RELEASERESPONSE._serialized_end=2750
+  _UNREGISTERCONTEXTREQUEST._serialized_start=2752
+  _UNREGISTERCONTEXTREQUEST._serialized_end=2799
+  _UNREGISTERCONTEXTRESPONSE._serialized_start=2801
+  _UNREGISTERCONTEXTRESPONSE._serialized_end=2853
+  _SESSIONREQUEST._serialized_start=2855
+  _SESSIONREQUEST._serialized_end=2982
+  _SESSIONEVENT._serialized_start=2985
+  _SESSIONEVENT._serialized_end=3135
+  _SESSIONEVENT_KIND._serialized_start=3061
+  _SESSIONEVENT_KIND._serialized_end=3135
+  _HEALTHREQUEST._serialized_start=3137
+  _HEALTHREQUEST._serialized_end=3152
+  _HEALTHRESPONSE._serialized_start=3154
+  _HEALTHRESPONSE._serialized_end=3220
+  _ENGINE._serialized_start=3223
+  _ENGINE._serialized_end=3793
+  _PEER._serialized_start=3796
+  _PEER._serialized_end=4099
 # @@protoc_insertion_point(module_scope)

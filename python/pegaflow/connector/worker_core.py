@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..client import PegaflowClient
@@ -81,6 +81,11 @@ class _SaveJob:
     intents: List[SaveIntent]
     #: Order of enqueueing: a preemption that gave up waiting cuts the jobs queued before it.
     seq: int = 0
+    #: Hashes of saves dropped as computed over this rank's failed loads, sent as the Save's
+    #: discard_hashes (the other ranks may have saved their KV of them: wait_for_save).
+    discard: List[bytes] = field(default_factory=list)
+    #: The request those saves were of (the Save's request_id when it carries no intent).
+    discard_request: str = ""
 
 
 class WorkerCore:
@@ -150,6 +155,12 @@ class WorkerCore:
         # one (SaveIntent.after_loads) is dropped, in the step of the load and in any later one:
         # the engine may have scheduled steps that compute over it before it saw the failure.
         self._failed_loads: Set[str] = set()
+        # With TP or PP the other ranks computed their KV of those blocks from this rank's
+        # garbage (all-reduce, stage hand-off): the dropped saves' hashes go to the server as
+        # discard_hashes, in order with this rank's saves. Kept here when the queue was full,
+        # for the next job.
+        self._discards_other_ranks = tp_size * pp_size > 1
+        self._unsent_discard: Tuple[List[bytes], str] = ([], "")
         self._lock = threading.Condition()
         # request → its saves queued or in flight and its layer-wise loads not settled
         self._pending: Dict[str, int] = defaultdict(int)
@@ -560,29 +571,24 @@ class WorkerCore:
         earlier step's: the engine may have scheduled this step before it saw the
         failure) is dropped: their KV is wrong (vLLM recomputes them), and stored
         under the prompt's hashes it would be served to every later request with
-        that prefix."""
+        that prefix. With TP or PP the other ranks computed theirs from this
+        rank's garbage and save them: their hashes go with this rank's next Save
+        as `discard_hashes` (the server drops those blocks and refuses them for a
+        while), queued in order with its saves."""
         self._finish_step_loads()
         plan = self._plan
-        if plan is None or not plan.saves:
+        saves = plan.saves if plan is not None else []
+        discard, discard_request = self._unsent_discard
+        if self._failed_loads and saves:
+            saves, dropped = self._drop_failed(saves)
+            if dropped and self._discards_other_ranks:
+                discard = discard + [h for s in dropped for h in s.block_hashes]
+                discard_request = discard_request or dropped[0].request_id
+        if not saves and not discard:
             return
-        saves = plan.saves
-        failed = self._failed_loads
-        if failed:
-            saves = [s for s in plan.saves if failed.isdisjoint(s.after_loads)]
-            dropped = [s for s in plan.saves if not failed.isdisjoint(s.after_loads)]
-            if dropped:
-                self._count("saves_dropped", sum(len(s.block_ids) for s in dropped))
-                log.warning(
-                    "tp_rank %d: saves of requests %s dropped: computed over the failed loads of %s",
-                    self.tp_rank, sorted({s.request_id for s in dropped}),
-                    sorted({r for s in dropped for r in s.after_loads} & failed),
-                )
-                with self._lock:  # the scheduler delays their frees all the same
-                    self._saving.update(s.request_id for s in dropped)
-            if not saves:
-                return
+        self._unsent_discard = ([], "")
         event = None
-        if self._cuda:
+        if saves and self._cuda:
             import torch
 
             # Blocking: the save thread sleeps in the driver until the step's writes are done,
@@ -596,11 +602,32 @@ class WorkerCore:
             self._save_seq += 1
             seq = self._save_seq
         try:
-            self._queue.put_nowait(_SaveJob(event, list(saves), seq))
+            self._queue.put_nowait(_SaveJob(event, list(saves), seq, discard, discard_request))
         except queue.Full:
             self._done_saving(saves)
             self._count("saves_dropped", sum(len(s.block_ids) for s in saves))
-            log.warning("save queue full: dropped the saves of %d requests", len(saves))
+            # Never lost: the next job carries it, ahead of its own saves.
+            self._unsent_discard = (discard, discard_request)
+            log.warning(
+                "save queue full: dropped the saves of %d requests%s", len(saves),
+                f"; the discard of {len(discard)} blocks goes with the next job" if discard else "",
+            )
+
+    def _drop_failed(self, intents: Sequence[SaveIntent]) -> Tuple[List[SaveIntent], List[SaveIntent]]:
+        """(kept, dropped): the saves computed over a failed load of this rank are dropped."""
+        failed = self._failed_loads
+        saves = [s for s in intents if failed.isdisjoint(s.after_loads)]
+        dropped = [s for s in intents if not failed.isdisjoint(s.after_loads)]
+        if dropped:
+            self._count("saves_dropped", sum(len(s.block_ids) for s in dropped))
+            log.warning(
+                "tp_rank %d: saves of requests %s dropped: computed over the failed loads of %s",
+                self.tp_rank, sorted({s.request_id for s in dropped}),
+                sorted({r for s in dropped for r in s.after_loads} & failed),
+            )
+            with self._lock:  # the scheduler delays their frees all the same
+                self._saving.update(s.request_id for s in dropped)
+        return saves, dropped
 
     def _done_saving(self, intents: Sequence[SaveIntent]) -> None:
         with self._lock:
@@ -624,6 +651,7 @@ class WorkerCore:
                 self._count("save_errors", 1)
                 self._count("saves_dropped", sum(len(s.block_ids) for s in job.intents))
                 log.exception("save of requests %s failed (dropped)", sorted({s.request_id for s in job.intents}))
+                self._discard_lost(job, "the save thread's error above")
             finally:
                 self._done_saving(job.intents)
 
@@ -634,13 +662,14 @@ class WorkerCore:
             cut = [s for s in job.intents if job.seq <= self._cut.get(s.request_id, 0)]
         if cut:
             self._count("saves_dropped", sum(len(s.block_ids) for s in cut))
-            job = _SaveJob(job.event, [s for s in job.intents if s not in cut], job.seq)
-            if not job.intents:
+            job = replace(job, intents=[s for s in job.intents if s not in cut])  # its discard stays
+            if not job.intents and not job.discard:
                 return
         blocks = sum(len(s.block_ids) for s in job.intents)
         reg = self._reg()
         if not reg.connected:
             self._count("saves_dropped", blocks)
+            self._discard_lost(job, "not connected to the server")
             return
         ids: List[int] = []
         hashes: List[bytes] = []
@@ -650,17 +679,35 @@ class WorkerCore:
         try:
             r = self.client.save(
                 instance_id=self.instance_id, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
-                block_ids=ids, block_hashes=hashes, request_id=job.intents[0].request_id,
+                block_ids=ids, block_hashes=hashes,
+                request_id=job.intents[0].request_id if job.intents else job.discard_request,
+                discard_hashes=job.discard,
             )
         except PegaflowError as e:
             self._count("saves_dropped", blocks)
             self._count("save_errors", 1)
             log.debug("save of %d blocks failed (dropped): %s", blocks, e)
+            self._discard_lost(job, str(e))
             return
-        self._count("saves", 1)
+        if job.discard:
+            self._count("saves_discarded", len(job.discard))
+            self._count("blocks_discarded", r.blocks_discarded)
+        if job.intents:
+            self._count("saves", 1)
         self._count("blocks_saved", r.blocks_saved)
         self._count("blocks_skipped", r.blocks_skipped)
         self._count("blocks_refused", r.blocks_refused + r.blocks_not_admitted)
+
+    def _discard_lost(self, job: _SaveJob, why: str) -> None:
+        """The job's discard did not reach the server: the other ranks' saves of those blocks,
+        computed over this rank's failed load, may stay there (counted, logged)."""
+        if not job.discard:
+            return
+        self._count("discards_lost", len(job.discard))
+        log.warning(
+            "tp_rank %d: discard of %d blocks of request %s (computed over a failed load) not sent: %s",
+            self.tp_rank, len(job.discard), job.discard_request, why,
+        )
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """(finished_sending, finished_recving): requests whose saves are all
