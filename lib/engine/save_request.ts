@@ -12,6 +12,7 @@ import { type ErrorFields, invalid } from "./errors.ts";
 import { outOf } from "./geometry.ts";
 import type { LayerCtx, RankCtx } from "./instances.ts";
 import type { SaveArgs } from "./save.ts";
+import { IdMarks } from "./id_marks.ts";
 
 /** Layers saving the same (ids, hashes) lists: one store plan for all of them. */
 export interface LayerGroup {
@@ -87,29 +88,6 @@ export function groupLayers(
 }
 
 /**
- * Where each block id was last seen in the list being checked: `seenIn[id] === pass` marks an
- * id of this pass, at index `seenAt[id]`. Kept across calls and grown to the largest num_blocks
- * (no allocation per block or per Save); the JS thread runs one check at a time.
- */
-let seenIn = new Uint32Array(0);
-let seenAt = new Uint32Array(0);
-let pass = 0;
-
-/** A new pass over a list of ids below `numBlocks`. */
-function newPass(numBlocks: number): number {
-  if (seenIn.length < numBlocks) {
-    seenIn = new Uint32Array(numBlocks);
-    seenAt = new Uint32Array(numBlocks);
-    pass = 0;
-  }
-  if (++pass > 0xffff_fffe) {
-    seenIn.fill(0);
-    pass = 1;
-  }
-  return pass;
-}
-
-/**
  * Throws INVALID_ARGUMENT naming the layer and block unless every id and hash is valid, and no
  * id comes twice under two hashes (its bytes would be stored under both, one of them wrong).
  */
@@ -119,7 +97,7 @@ function checkBlocks(
   ls: { layerName: string; blockIds: number[]; blockHashes: Uint8Array[] },
   numBlocks: number,
 ): void {
-  const p = newPass(numBlocks);
+  const p = IdMarks.pass(numBlocks);
   for (let i = 0; i < ls.blockIds.length; i++) {
     const id = ls.blockIds[i];
     if (!(id < numBlocks && id >= 0 && Number.isInteger(id))) {
@@ -137,16 +115,14 @@ function checkBlocks(
         { ...fields, blockId: id, expected: `1..${MAX_HASH_BYTES}`, got: h.length },
       );
     }
-    if (seenIn[id] === p && !sameBytes(ls.blockHashes[seenAt[id]], h)) {
+    const before = IdMarks.seen(id, p);
+    if (before >= 0 && !sameBytes(ls.blockHashes[before], h)) {
       throw invalid(
-        `${who} layer "${ls.layerName}": block id ${id} is listed twice (at ${
-          seenAt[id]
-        } and ${i}) under two different hashes`,
+        `${who} layer "${ls.layerName}": block id ${id} is listed twice (at ${before} and ${i}) under two different hashes`,
         { ...fields, blockId: id },
       );
     }
-    seenIn[id] = p;
-    seenAt[id] = i;
+    IdMarks.mark(id, p, i);
   }
 }
 

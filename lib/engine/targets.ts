@@ -5,33 +5,15 @@
  * state read done while one block's KV was lost (and on the host backend the
  * two copies race, so the target could hold a mix of both).
  *
- * The duplicate check stamps ids into a scratch array kept across loads and
- * grown to the largest num_blocks seen: no allocation per block or per load.
+ * The duplicate check marks ids in lib/engine/id_marks.ts (no allocation per
+ * block or per load).
  *
  * @module
  */
 import { type ErrorFields, invalid } from "./errors.ts";
 import { outOf } from "./geometry.ts";
 import type { RankCtx } from "./instances.ts";
-
-/** `seenIn[id] === pass`: id was named in this pass, at index `seenAt[id]`. */
-let seenIn = new Uint32Array(0);
-let seenAt = new Uint32Array(0);
-let pass = 0;
-
-/** A new pass over ids below `numBlocks` (the JS thread runs one check at a time). */
-function newPass(numBlocks: number): number {
-  if (seenIn.length < numBlocks) {
-    seenIn = new Uint32Array(numBlocks);
-    seenAt = new Uint32Array(numBlocks);
-    pass = 0;
-  }
-  if (++pass > 0xffff_fffe) {
-    seenIn.fill(0);
-    pass = 1;
-  }
-  return pass;
-}
+import { IdMarks } from "./id_marks.ts";
 
 /**
  * Throws INVALID_ARGUMENT naming the layer, the block id and its positions
@@ -61,17 +43,17 @@ export function checkTargets(
   }
   if (ids.length < 2) return;
   // Every id is now a block index of the first layer (and of every other).
-  const p = newPass(rank.layers[0].geometry.numBlocks);
+  const p = IdMarks.pass(rank.layers[0].geometry.numBlocks);
   for (let i = 0; i < ids.length; i++) {
     const id = ids[i];
-    if (seenIn[id] === p) {
+    const before = IdMarks.seen(id, p);
+    if (before >= 0) {
       throw invalid(
-        `${who}: target block id ${id} is named twice (targets ${seenAt[id]} and ${i}); ` +
+        `${who}: target block id ${id} is named twice (targets ${before} and ${i}); ` +
           `each leased block needs a target of its own`,
         { ...fields, blockId: id },
       );
     }
-    seenIn[id] = p;
-    seenAt[id] = i;
+    IdMarks.mark(id, p, i);
   }
 }
