@@ -350,7 +350,7 @@ export class KvEngine {
       await inst.drain();
       return 0;
     }
-    inst.fenced = true;
+    inst.fence();
     const t0 = performance.now();
     await inst.drain();
     // Drained: every copy's completion record has arrived, and the native layer

@@ -63,8 +63,10 @@ export class Instance {
   sealed = false;
   /** Every layer name of the instance in the namespace's order (ids are indexes). Set at seal. */
   layerNames: string[] = [];
-  /** Set once cleanup starts: no new save/load is accepted. */
-  fenced = false;
+  #fenced = false;
+  /** Resolves {@link whenFenced}'s promise, once one was asked for. */
+  #onFence: (() => void) | undefined;
+  #fencedPromise: Promise<void> | undefined;
   #inflight = 0;
   #drainWaiters: (() => void)[] = [];
 
@@ -82,6 +84,26 @@ export class Instance {
     this.ppSize = ppSize;
     this.worldSize = worldSize;
     this.engineId = engineId;
+  }
+
+  /** Set once cleanup starts: no new save/load is accepted. */
+  get fenced(): boolean {
+    return this.#fenced;
+  }
+
+  /** Starts cleanup: no new save/load is accepted, and what waits on {@link whenFenced} stops. */
+  fence(): void {
+    this.#fenced = true;
+    this.#onFence?.();
+  }
+
+  /**
+   * Resolves once cleanup starts: what waits on another instance's work (a Save's riders,
+   * lib/engine/save.ts) stops waiting, so this instance's drain is not held by it.
+   */
+  whenFenced(): Promise<void> {
+    if (this.#fenced) return Promise.resolve();
+    return this.#fencedPromise ??= new Promise((resolve) => (this.#onFence = resolve));
   }
 
   /** Copies currently targeting this instance's regions. */

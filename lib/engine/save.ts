@@ -154,11 +154,25 @@ export class SaveRunner {
     fields: ErrorFields,
   ): Promise<SaveResult> {
     const tWait = performance.now();
+    const { inst } = job;
     if (first.others.length > 0) {
-      await within(Promise.allSettled(first.others), RIDER_WAIT_MS);
+      // Cut short by this instance's cleanup: its drain must not wait on another's copy.
+      const settled = Promise.allSettled(first.others);
+      await within(Promise.race([settled, inst.whenFenced()]), RIDER_WAIT_MS);
     }
     const tStart = performance.now();
     const waitMs = tStart - tWait;
+    if (inst.fenced) {
+      // The engine is going away: copy nothing more from it; the riders stay counted skipped.
+      this.ctx.log.info("save riders not copied: the instance is being cleaned up", {
+        instance: inst.id,
+        rank: job.rank.rank,
+        request: job.args.requestId || undefined,
+        riders: first.riders.reduce((n, g) => n + g.ids.length, 0),
+        wait_ms: round3(waitMs),
+      });
+      return first.result;
+    }
     const again = await this.#round(job, first.riders, who, fields, { tStart, waitMs });
     const r = first.result;
     const p = again.result;

@@ -79,8 +79,9 @@ export function openBlockIndex(
  * RAM (SSD prefetch, peer fetch) is held here like a saved one, so peers may
  * fetch it from this node too; its eviction withdraws it through the store's
  * `onEvict` as for any block. (The engine's `onSealed` only sees saves.)
- * A `fill` is advertised at its commit; `fillMany`'s blocks when the tier
- * announces them (`committed`, once per fetch).
+ * A `fill` is advertised at its commit when that sealed it (a discard may
+ * have doomed it meanwhile); `fillMany`'s blocks when the tier announces
+ * them (`committed`, once per fetch).
  *
  * @example
  * ```ts
@@ -110,7 +111,11 @@ export function advertisedFills(host: TierHost, advertiser: IndexAdvertiser): Ti
         abort: f.abort,
         commit: () => {
           f.commit();
-          advertiser.onSealed(namespace, [blockKey(namespace, hash)]);
+          // Only if it sealed: a discard that named the block during the read freed it at
+          // this commit (lib/storage/discard.ts), and no eviction would ever withdraw it.
+          if (host.committed(namespace, [hash]).length > 0) {
+            advertiser.onSealed(namespace, [blockKey(namespace, hash)]);
+          }
         },
       };
     },

@@ -394,7 +394,7 @@ function registerStoreGauges(r: Registry, stats: () => StoreStats): void {
   );
   fromStats(
     "pegaflow_save_discard_pinned_kept_total",
-    "sealed blocks a discard named but left (pinned by a lease, load or transfer lock)",
+    "sealed blocks a discard named while pinned (a lease, load or transfer lock): unservable at once, evicted at their last unpin",
     (s) => s.discardPinnedKept,
     true,
   );

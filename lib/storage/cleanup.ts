@@ -13,14 +13,10 @@ import type { StoreState } from "./state.ts";
 
 /** Expires leases and locks, collects stale inflight blocks (see {@link KvStore.collect}). */
 export function collectExpired(st: StoreState): { leasesExpired: number; staleFreed: number } {
-  let leasesExpired = 0;
-  for (const l of st.leases.expire()) {
-    st.unpinLease(l);
-    leasesExpired++;
-  }
-  for (const l of st.locks.expire()) st.unpinLease(l);
+  const leases = st.leases.expire();
+  const locks = st.locks.expire();
   if (st.tombstones.size > 0) st.tombstones.sweep(st.clock());
-  st.c.leasesExpired += leasesExpired;
+  st.c.leasesExpired += leases.length;
   const cutoff = st.clock() - st.inflightTtlMs;
   const stale: Block[] = [];
   for (const b of st.index.inflight()) {
@@ -29,7 +25,11 @@ export function collectExpired(st: StoreState): { leasesExpired: number; staleFr
   }
   for (const b of stale) dropInflight(st, b);
   st.c.staleCollected += stale.length;
-  return { leasesExpired, staleFreed: stale.length };
+  // Last: a doomed block's eviction calls onEvict (discard.ts), and a throw must leave
+  // nothing above undone (every lease is unpinned all the same).
+  st.unpinLeases(leases);
+  st.unpinLeases(locks);
+  return { leasesExpired: leases.length, staleFreed: stale.length };
 }
 
 /** Releases what `instance` held (see {@link KvStore.dropInstance}). */
@@ -38,11 +38,11 @@ export function dropInstanceState(
   instance: string,
 ): { leases: number; inflightFreed: number } {
   const leases = [...st.leases.dropInstance(instance), ...st.locks.dropInstance(instance)];
-  for (const l of leases) st.unpinLease(l);
   const victims: Block[] = [];
   for (const b of st.index.inflight()) {
     if (b.pending === 0 && b.lastWriter === instance) victims.push(b);
   }
   for (const b of victims) dropInflight(st, b);
+  st.unpinLeases(leases); // last, as in collectExpired
   return { leases: leases.length, inflightFreed: victims.length };
 }

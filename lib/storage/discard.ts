@@ -12,16 +12,18 @@
  *   or fill plans into it meanwhile;
  * - a sealed, unpinned block is evicted (it may hold another rank's slot
  *   computed over the garbage, e.g. MLA's one shared slot; losing it costs a
- *   recompute); a sealed, pinned one (leased, loading, transfer-locked) is
- *   left and counted;
+ *   recompute); a sealed, pinned one (leased, loading, transfer-locked) keeps
+ *   its bytes for those readers but is marked `discarded` (counted): no
+ *   query, lock or save finds it, and its last unpin evicts it
+ *   (lib/storage/state.ts);
  * - a tombstone keeps saves and fills of the hash from being admitted for
  *   {@link DISCARD_TTL_MS}: another rank's save of the same step may still be
  *   on its way, and would otherwise refill the freed slot.
  *
  * Tombstones are found like blocks, by (namespace, hash bucket) with chains;
- * at most {@link MAX_DISCARD_TOMBSTONES} are kept (past it the oldest go),
- * swept lazily from the oldest end. A save with no tombstone in the store
- * pays one size check, nothing per block.
+ * at most {@link MAX_DISCARD_TOMBSTONES} are kept (past it the oldest of the
+ * namespace holding the most go), swept lazily from the oldest end. A save
+ * with no tombstone in the store pays one size check, nothing per block.
  *
  * @module
  */
@@ -64,7 +66,7 @@ export interface DiscardResult {
   readonly copiesCut: number;
   /** Sealed, unpinned blocks evicted. */
   readonly evicted: number;
-  /** Sealed blocks left because a lease, load or transfer lock pins them. */
+  /** Sealed blocks a lease, load or transfer lock pins: doomed (never served again), evicted at their last unpin. */
   readonly pinnedKept: number;
   /** Tombstones held after this discard (all namespaces). */
   readonly tombstones: number;
@@ -81,9 +83,15 @@ interface Tombstone {
   chainNext: Tombstone | null;
 }
 
+/** One namespace's tombstones: found by hash bucket (chains), and oldest first. */
+interface NamespaceTombstones {
+  readonly buckets: Map<number, Tombstone>;
+  readonly order: Set<Tombstone>;
+}
+
 /** The tombstones of every namespace, oldest first. */
 export class Tombstones {
-  readonly #byNamespace = new Map<string, Map<number, Tombstone>>();
+  readonly #byNamespace = new Map<string, NamespaceTombstones>();
   /** Insertion order = expiry order (one TTL, a monotonic clock; a refresh moves to the end). */
   readonly #order = new Set<Tombstone>();
 
@@ -96,7 +104,7 @@ export class Tombstones {
   /** Buckets of `namespace` after sweeping what expired by `now`; undefined when none. */
   live(namespace: string, now: number): ReadonlyMap<number, Tombstone> | undefined {
     this.sweep(now);
-    return this.#byNamespace.get(namespace);
+    return this.#byNamespace.get(namespace)?.buckets;
   }
 
   /** True when `buckets` (from {@link live}) hold a tombstone of `hash`. */
@@ -111,26 +119,35 @@ export class Tombstones {
     return false;
   }
 
-  /** Adds (or refreshes) the tombstone of `hash`; past {@link max}, the oldest go. */
+  /**
+   * Adds (or refreshes) the tombstone of `hash`. Past {@link max}, the oldest
+   * of the namespace holding the most go: one namespace discarding without
+   * end recycles its own, never another's still within their TTL.
+   */
   add(namespace: string, hash: BlockHash, bucket: number, now: number): void {
-    let m = this.#byNamespace.get(namespace);
-    for (let t = m?.get(bucket); t; t = t.chainNext ?? undefined) {
+    const held = this.#byNamespace.get(namespace);
+    for (let t = held?.buckets.get(bucket); t; t = t.chainNext ?? undefined) {
       if (!sameHash(t.hash, hash)) continue;
       t.expiresAt = now + this.ttlMs;
       this.#order.delete(t);
       this.#order.add(t);
+      held!.order.delete(t);
+      held!.order.add(t);
       return;
     }
-    while (this.#order.size >= this.max) this.#remove(this.#order.values().next().value!);
-    if (!m) this.#byNamespace.set(namespace, m = new Map());
+    while (this.#order.size >= this.max) this.#remove(this.#victim());
+    // Looked up again: the eviction may have taken this namespace's last tombstone.
+    let ns = this.#byNamespace.get(namespace);
+    if (!ns) this.#byNamespace.set(namespace, ns = { buckets: new Map(), order: new Set() });
     const t: Tombstone = {
       namespace,
       bucket,
       hash: typeof hash === "string" ? hash : hash.slice(),
       expiresAt: now + this.ttlMs,
-      chainNext: m.get(bucket) ?? null,
+      chainNext: ns.buckets.get(bucket) ?? null,
     };
-    m.set(bucket, t);
+    ns.buckets.set(bucket, t);
+    ns.order.add(t);
     this.#order.add(t);
   }
 
@@ -142,9 +159,20 @@ export class Tombstones {
     }
   }
 
+  /** The oldest tombstone of the namespace holding the most (O(namespaces); only at the bound). */
+  #victim(): Tombstone {
+    let most: NamespaceTombstones | undefined;
+    for (const ns of this.#byNamespace.values()) {
+      if (!most || ns.order.size > most.order.size) most = ns;
+    }
+    return most!.order.values().next().value!;
+  }
+
   #remove(t: Tombstone): void {
     this.#order.delete(t);
-    const m = this.#byNamespace.get(t.namespace)!;
+    const ns = this.#byNamespace.get(t.namespace)!;
+    ns.order.delete(t);
+    const m = ns.buckets;
     let prev: Tombstone | null = null;
     for (let x = m.get(t.bucket) ?? null; x; prev = x, x = x.chainNext) {
       if (x !== t) continue;
@@ -153,7 +181,7 @@ export class Tombstones {
       else m.delete(t.bucket);
       break;
     }
-    if (m.size === 0) this.#byNamespace.delete(t.namespace);
+    if (ns.order.size === 0) this.#byNamespace.delete(t.namespace);
   }
 }
 
@@ -180,8 +208,11 @@ export function discardHashes(st: StoreState, req: DiscardRequest): DiscardResul
       const b = st.index.find(namespace, hashes[i], buckets[i]);
       if (!b || b.discarded) continue;
       if (b.state === "sealed") {
-        if (b.pins > 0) pinnedKept++;
-        else {
+        if (b.pins > 0) {
+          // Its readers keep its bytes; nothing new finds it, and the last unpin evicts it.
+          pinnedKept++;
+          b.discarded = true;
+        } else {
           evicted++;
           evictSealed(st, b);
         }

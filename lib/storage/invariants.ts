@@ -10,7 +10,8 @@
  *   pinned blocks are sealed and out of the LRU, unpinned sealed blocks are
  *   in it; evictable bytes and the pinned gauge add up;
  * - slot states agree with offsets and counts; a sealed block has every slot;
- *   a discarded block is inflight with copies still running and nothing filled;
+ *   a discarded block is inflight with copies still running and nothing filled,
+ *   or sealed and pinned (its last unpin evicts it);
  * - every live run link matches the offsets (a load trusts it instead of
  *   reading the record);
  * - open plans cover exactly the pending slots and the in-flight bytes.
@@ -102,9 +103,15 @@ function checkSlots(b: Block, stride: number, ranges: Range[]): number {
   if (b.state === "sealed" && filled !== b.slotCount) {
     throw new Error(`block ${b.key} is sealed with ${filled}/${b.slotCount} slots`);
   }
-  // A discarded block lives only until the copies running into it complete.
-  if (b.discarded && (b.state !== "inflight" || filled !== 0 || pend === 0)) {
-    throw new Error(`discarded block ${b.key} is ${b.state}, filled ${filled}, pending ${pend}`);
+  // A discarded block lives only until the copies running into it complete (inflight),
+  // or until its last reader unpins it (sealed).
+  if (
+    b.discarded &&
+    (b.state === "sealed" ? b.pins === 0 : filled !== 0 || pend === 0)
+  ) {
+    throw new Error(
+      `discarded block ${b.key} is ${b.state}, filled ${filled}, pending ${pend}, pins ${b.pins}`,
+    );
   }
   return pend;
 }

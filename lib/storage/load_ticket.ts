@@ -14,7 +14,7 @@
 
 import type { Block } from "./block.ts";
 import { InvalidArgumentError, StaleHandleError } from "./errors.ts";
-import type { LeaseId } from "./lease.ts";
+import type { Lease, LeaseId } from "./lease.ts";
 import { offsetColumn, slotColumn } from "./offsets.ts";
 import { layerList, type StoreState } from "./state.ts";
 
@@ -159,7 +159,7 @@ export function consumeTicket(
     }
   }
   for (let k = 0; k < n; k++) st.pin(blocks[k]);
-  if (last) st.unpinLease(l);
+  if (last) endLease(st, l, blocks);
   st.loadsInflight++;
   const ticket = new Ticket(
     l.namespace,
@@ -202,6 +202,24 @@ function runHeads(st: StoreState, blocks: readonly Block[]): { at: Int32Array; r
   return { at: heads, runs };
 }
 
+/**
+ * The last consume ends the lease's pins (the ticket holds its own). An
+ * `onEvict` that throws there (a doomed block past the ticket's prefix,
+ * discard.ts) fails this load: the ticket's pins go too, so nothing stays pinned.
+ */
+function endLease(st: StoreState, l: Lease<Block>, ticketBlocks: readonly Block[]): void {
+  try {
+    st.unpinLease(l);
+  } catch (e) {
+    try {
+      st.unpinAll(ticketBlocks);
+    } catch {
+      // The first error is the one reported.
+    }
+    throw e;
+  }
+}
+
 /** Ends a load exactly once (see {@link KvStore.loadDone}): unpins its blocks. */
 export function finishTicket(st: StoreState, ticket: LoadTicket): void {
   const t = ticket as TicketRecord;
@@ -216,5 +234,5 @@ export function finishTicket(st: StoreState, ticket: LoadTicket): void {
   t.settled = true;
   st.tickets.delete(t);
   st.loadsInflight--;
-  for (const b of t.blocks) st.unpin(b);
+  st.unpinAll(t.blocks);
 }

@@ -56,7 +56,7 @@ export function queryPrefix(
     st.lfu?.record(bucketOf[i]);
     if (hit.length < i) continue; // prefix already broken: keep counting frequency
     const b = BlockIndex.findIn(buckets, hashes[i], bucketOf[i]);
-    if (b && b.state === "sealed") hit.push(b);
+    if (b && b.state === "sealed" && !b.discarded) hit.push(b);
   }
   // Counted once every hash was accepted: a malformed hash throws above, and is no query.
   st.c.queries++;
@@ -82,7 +82,10 @@ function bucketScratch(n: number): Int32Array {
   return scratch;
 }
 
-/** State of one block: absent, inflight (not servable) or sealed. */
+/**
+ * State of one block: absent, inflight (not servable) or sealed. A sealed
+ * block a discard doomed while pinned (discard.ts) is not servable: inflight.
+ */
 export function blockState(
   st: StoreState,
   namespace: string,
@@ -90,10 +93,12 @@ export function blockState(
 ): "absent" | "inflight" | "sealed" {
   const ns = st.namespaces.get(namespace);
   const bucket = hashBucket(hash, ns?.seed ?? 0);
-  return (ns && st.index.find(namespace, hash, bucket)?.state) || "absent";
+  const b = ns && st.index.find(namespace, hash, bucket);
+  if (!b) return "absent";
+  return b.discarded ? "inflight" : b.state;
 }
 
-/** The sealed blocks among `hashes`, with their indexes in `hashes`. */
+/** The sealed blocks among `hashes` (none a discard doomed), with their indexes in `hashes`. */
 export function sealedSubset(
   st: StoreState,
   namespace: string,
@@ -105,7 +110,7 @@ export function sealedSubset(
   if (!ns) return { found, blocks };
   for (let i = 0; i < hashes.length; i++) {
     const b = st.index.find(namespace, hashes[i], hashBucket(hashes[i], ns.seed));
-    if (b?.state === "sealed") {
+    if (b?.state === "sealed" && !b.discarded) {
       found.push(i);
       blocks.push(b);
     }

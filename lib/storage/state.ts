@@ -19,6 +19,7 @@ import { NamespaceRegistry } from "./namespaces.ts";
 import type { PlanRecord } from "./save_plan.ts";
 import type { TicketRecord } from "./load_ticket.ts";
 import { Tombstones } from "./discard.ts";
+import { evictSealed } from "./eviction.ts";
 import { monotonicNow } from "../clock.ts";
 
 /** Default age after which an inflight block with no copy in flight is collected. */
@@ -72,7 +73,7 @@ export interface StoreCounters {
   leasesExpired: number;
   /** Blocks a discard dropped (inflight) or evicted (sealed, unpinned). */
   discardedBlocks: number;
-  /** Sealed blocks a discard named but left: pinned by a lease, load or transfer lock. */
+  /** Sealed blocks a discard named while a lease, load or transfer lock pinned them (evicted at the last unpin). */
   discardPinnedKept: number;
   /** Hashes of saves and fills refused because a discard named them within its TTL. */
   discardRefused: number;
@@ -147,14 +148,53 @@ export class StoreState {
     this.lru.pin(b);
   }
 
-  /** One holder fewer; the last one puts `b` back at the MRU end. */
+  /**
+   * One holder fewer; the last one puts `b` back at the MRU end, or evicts it
+   * when a discard named it while pinned (discard.ts).
+   */
   unpin(b: Block): void {
     this.lru.unpin(b);
-    if (b.pins === 0) this.pinned--;
+    if (b.pins > 0) return;
+    this.pinned--;
+    if (b.discarded) evictSealed(this, b);
   }
 
   unpinLease(l: Lease<Block>): void {
-    for (const b of l.blocks) this.unpin(b);
+    this.unpinAll(l.blocks);
+  }
+
+  /**
+   * Unpins each of `blocks`. An `onEvict` that throws at a doomed block's
+   * eviction (its bytes are freed first) does not leave the others pinned:
+   * the first error is rethrown once every block was unpinned.
+   */
+  unpinAll(blocks: readonly Block[]): void {
+    let error: unknown;
+    let failed = false;
+    for (const b of blocks) {
+      try {
+        this.unpin(b);
+      } catch (e) {
+        if (!failed) error = e;
+        failed = true;
+      }
+    }
+    if (failed) throw error;
+  }
+
+  /** Unpins the blocks of every lease in `leases` ({@link unpinAll}: all of them, then the first error). */
+  unpinLeases(leases: readonly Lease<Block>[]): void {
+    let error: unknown;
+    let failed = false;
+    for (const l of leases) {
+      try {
+        this.unpinAll(l.blocks);
+      } catch (e) {
+        if (!failed) error = e;
+        failed = true;
+      }
+    }
+    if (failed) throw error;
   }
 }
 

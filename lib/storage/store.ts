@@ -209,8 +209,9 @@ export class KvStore {
    * A rank's load failed: the KV it (and so every other rank of its engine)
    * computed over it is wrong. Drops the inflight blocks of `hashes` (a copy
    * still running into one completes as failed), evicts the sealed unpinned
-   * ones, leaves the pinned ones (counted), and refuses saves and fills of
-   * `hashes` in the namespace for `DISCARD_TTL_MS` (discard.ts). Throws
+   * ones, dooms the pinned ones (counted: never served again, evicted at
+   * their last unpin), and refuses saves and fills of `hashes` in the
+   * namespace for `DISCARD_TTL_MS` (discard.ts). Throws
    * InvalidArgumentError for a malformed hash or an unknown namespace before
    * anything changes.
    */
