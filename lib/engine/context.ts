@@ -33,6 +33,8 @@ export interface EngineMetrics {
 export interface TiersPort {
   /** Blocks a save just sealed (the engine's hash bytes). Never waits. */
   sealed(namespace: string, hashes: readonly Uint8Array[]): unknown;
+  /** Discarded blocks: every tier forgets them (in memory, never waits); returns how many. */
+  drop(namespace: string, hashes: readonly Uint8Array[]): number;
   /** Layouts the tiers hold blocks of under `namespace`, with block counts and where. */
   storedLayouts(namespace: string): readonly (LayoutIdentity & { blocks: number; where: string })[];
   /** True: answer "loading" (a fetch for this request id is running). */

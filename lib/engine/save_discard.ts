@@ -67,6 +67,9 @@ export function applyDiscards(
     rank: rank.tpRank,
     hashes,
   });
+  // After the store's: a lower tier's copy (an SSD record written before the discard) must not
+  // come back once the tombstones expire.
+  const tierDropped = ctx.tiers?.drop(inst.namespace, hashes) ?? 0;
   ctx.log.warn("save discard: blocks computed over a failed load", {
     instance: inst.id,
     rank: rank.rank,
@@ -80,6 +83,7 @@ export function applyDiscards(
     evicted: r.evicted,
     pinned_kept: r.pinnedKept,
     tombstones: r.tombstones,
+    tier_dropped: tierDropped,
   });
   return r.dropped + r.evicted;
 }

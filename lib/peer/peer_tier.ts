@@ -230,6 +230,11 @@ export class PeerTier implements Tier {
     return { state: "ready" };
   }
 
+  /** A peer tier holds no copy of its own (it fetches from the owner): nothing to forget. */
+  drop(): number {
+    return 0;
+  }
+
   /** A peer tier keeps nothing across restarts. */
   storedLayouts(): readonly StoredLayout[] {
     return [];

@@ -36,7 +36,7 @@ interface HashedWrite extends SsdWriteBlock {
   hash: Uint8Array;
 }
 
-function recordKeys(blocks: TierBlocks): string[] {
+function recordKeys(blocks: Pick<TierBlocks, "namespace" | "hashes">): string[] {
   return blocks.hashes.map((h) => blockKey(blocks.namespace, h));
 }
 
@@ -129,6 +129,10 @@ export class SsdStorageTier implements Tier {
 
   take(requestId: string): TierTakeAnswer {
     return { state: this.ssd.poll(requestId) ?? "none" };
+  }
+
+  drop(namespace: string, hashes: readonly Uint8Array[]): number {
+    return this.ssd.drop(recordKeys({ namespace, hashes }));
   }
 
   storedLayouts(namespace: string): readonly StoredLayout[] {

@@ -308,6 +308,11 @@ export class SsdTier {
     return this.#writer.enqueue(batch);
   }
 
+  /** Forgets `keys` (discarded blocks; see {@link SsdWriter.drop}). Returns the blocks unindexed. */
+  drop(keys: readonly string[]): number {
+    return this.#writer.drop(keys);
+  }
+
   /**
    * Resolves when every write accepted so far has ended (tests, shutdown).
    *

@@ -154,7 +154,8 @@ export class SsdWriter {
   readonly #log: Logger;
   readonly #chunk: number;
   readonly #stage: Stage<WriteJob, void>;
-  readonly #pendingKeys = new Set<string>();
+  /** Keys queued or being written → dropped meanwhile ({@link drop}: not indexed when they land). */
+  readonly #pendingKeys = new Map<string, boolean>();
   readonly #degraded: () => boolean;
   /** Write batches accepted and not yet ended (what {@link flush} waits for). */
   readonly #writesPending = new Set<Promise<unknown>>();
@@ -220,7 +221,7 @@ export class SsdWriter {
     }
     if (fresh.length === 0) return { status: "nothing-to-write", blocks: 0, duplicates };
     // Marked before the submit: a free worker starts the batch inside it, and may end it there.
-    for (const b of fresh) this.#pendingKeys.add(b.key);
+    for (const b of fresh) this.#pendingKeys.set(b.key, false);
     const sub = this.#stage.submit({ blocks: fresh, pin: () => batch.pin(fresh) });
     if (sub.status === "dropped" || sub.status === "refused") {
       for (const b of fresh) this.#pendingKeys.delete(b.key);
@@ -232,6 +233,20 @@ export class SsdWriter {
     this.#writesPending.add(ended);
     ended.then(() => this.#writesPending.delete(ended));
     return { status: "queued", blocks: fresh.length, duplicates };
+  }
+
+  /**
+   * Forgets `keys` (a discard): unindexed now (dead space the ring reclaims);
+   * a write of one queued or running is not indexed when it lands. Returns
+   * the blocks the index held. In memory only (docs/ssd.md: a restart).
+   */
+  drop(keys: readonly string[]): number {
+    const n = this.#index.size;
+    for (const key of keys) {
+      this.#index.remove(key);
+      if (this.#pendingKeys.has(key)) this.#pendingKeys.set(key, true);
+    }
+    return n - this.#index.size;
   }
 
   /**
@@ -380,7 +395,9 @@ export class SsdWriter {
     let bytes = 0;
     for (let i = 0; i < placed.length; i++) {
       const p = placed[i];
-      if (r.status[i] === 0) {
+      // Discarded while written (drop): a dead record, never indexed.
+      if (r.status[i] === 0 && this.#pendingKeys.get(p.block.key)) bytes += p.bytes;
+      else if (r.status[i] === 0) {
         // The segment may have been reused meanwhile only if it had no
         // write in flight, and this one was: the location is current.
         this.#index.put(p.block.key, {

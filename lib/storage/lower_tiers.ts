@@ -1,7 +1,8 @@
 /**
  * The tiers below RAM as the engine sees them: one object, built once by the
  * composition root over the store and the {@link Tier}s in lookup order
- * (SSD, then peer), that the engine calls at three points:
+ * (SSD, then peer), that the engine calls at three points (and at a Save's
+ * discard, {@link LowerTiers.drop}):
  *
  *  - **seal** ({@link LowerTiers.sealed}): blocks a save just sealed enter
  *    the write-behind chain;
@@ -275,6 +276,29 @@ export class LowerTiers {
     this.#sources.queries[source]++;
     this.#sources.blocks[source] += blocks;
     return false;
+  }
+
+  /**
+   * Discarded blocks (a Save's `discard_hashes`, after the store's discard):
+   * every tier forgets `hashes` of `namespace`, so none serves that garbage
+   * again once the store's tombstones expire. In memory, never waits; one
+   * tier's failure is its own. Returns the blocks the tiers forgot.
+   */
+  drop(namespace: string, hashes: readonly Uint8Array[]): number {
+    let n = 0;
+    for (const t of this.tiers) {
+      try {
+        n += t.drop(namespace, hashes);
+      } catch (e) {
+        this.#log.error("tier drop failed: it may serve discarded blocks again", {
+          tier: t.name,
+          namespace,
+          blocks: hashes.length,
+          error: errorText(e),
+        });
+      }
+    }
+    return n;
   }
 
   /** Every tier's layouts of `namespace` (a registration must match one of each tier's). */

@@ -138,6 +138,13 @@ export interface Tier {
   prefetch(requestId: string, blocks: TierBlocks): TierPrefetchAnswer;
   /** Polls the fetch of `requestId`. */
   take(requestId: string): TierTakeAnswer;
+  /**
+   * Forgets `hashes` of `namespace` (a Save's discard: garbage computed over
+   * a failed load): never served again, and a write of them queued or
+   * running is not kept when it lands. In memory only, never waits. Returns
+   * the blocks forgotten. A tier keeping nothing between fetches does nothing.
+   */
+  drop(namespace: string, hashes: readonly Uint8Array[]): number;
   /** The layouts `namespace`'s blocks here were written with (they outlive a restart). */
   storedLayouts(namespace: string): readonly StoredLayout[];
   health(): TierHealth;

@@ -38,6 +38,9 @@ class PutTier implements Tier {
   take(_requestId: string): TierTakeAnswer {
     return { state: "none" };
   }
+  drop(): number {
+    return 0;
+  }
   storedLayouts(_namespace: string): StoredLayout[] {
     return [];
   }

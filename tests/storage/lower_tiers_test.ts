@@ -58,6 +58,9 @@ class ScriptedTier implements Tier {
     this.fetching.delete(requestId);
     return { state: "ready" };
   }
+  drop(): number {
+    return 0;
+  }
   storedLayouts(_namespace: string): StoredLayout[] {
     return [{ ...blockLayoutIdentity(SMALL), blocks: this.held.size }];
   }
