@@ -107,9 +107,10 @@ class _Tracked:
     had_save: bool = False
     had_load: bool = False  # layer-wise: the workers hold the blocks until the load settled
     # Layer-wise: the requests whose loads fill blocks this request's KV is computed over (its own
-    # load, and loads of blocks it shares through the prefix cache): its saves name them
-    # (SaveIntent.after_loads) for as long as it runs, as a step the engine scheduled before it
-    # saw such a load fail still computes over it (vLLM's async scheduling).
+    # load, and loads of blocks it starts with as a prefix hit; not the fresh blocks it computes
+    # itself): its saves name them (SaveIntent.after_loads) for as long as it runs, as a step the
+    # engine scheduled before it saw such a load fail still computes over it (vLLM's async
+    # scheduling).
     after: Tuple[str, ...] = ()
     load_targets: List[int] = field(default_factory=list)  # layer-wise: its load's blocks
 
@@ -196,8 +197,13 @@ class SchedulerCore:
         # get_num_new_matched_tokens again: it is a miss from then on, or a load that fails every
         # time (a refused rank, a server too slow for the load timeout) is retried at every step.
         self._load_failed: Set[str] = set()
-        # Layer-wise: block → the running request whose load fills it (_Tracked.after).
+        # Layer-wise: block → the request whose load fills it (_Tracked.after), while the block is
+        # that request's: until it is preempted, re-admitted, or its blocks are freed after it
+        # finished (finished_sending). A finished request's free is delayed (its load), and vLLM
+        # may admit another request on those blocks meanwhile (a prefix hit), in a step scheduled
+        # before it saw the load fail: _finished_loads keeps the finished requests' targets.
         self._lw_blocks: Dict[int, str] = {}
+        self._finished_loads: Dict[str, List[int]] = {}
         # Scheduler-issued load states not unlinked yet, by name → [answered,
         # step_ran] (see _issue); _issued: those of the plan being built.
         self._names: Dict[str, List[bool]] = {}
@@ -354,6 +360,11 @@ class SchedulerCore:
         if not self._hashes_per_block(request):
             return  # never probed (no lease to give back): not ours to load or save
         tr = self._tracked[rid]
+        if tr.load_targets:
+            # Admitted again (preempted where no preempted_req_ids said so: vLLM's
+            # reset_prefix_cache): its earlier load's blocks were freed, no longer its.
+            self._forget_load(rid, tr.load_targets)
+            tr.load_targets = []
         n = num_external_tokens // self.block_size
         if n <= 0 or p is None or not p.result.lease_id:
             self._release(p)
@@ -479,11 +490,12 @@ class SchedulerCore:
             tr = self._tracked.get(rid)
             if tr is not None:
                 tr.block_ids = []  # freed; new ids come with the resumed schedule
-                self._forget_load(tr)
+                self._forget_load(rid, tr.load_targets)
+                tr.load_targets = []
         bs = self.block_size
         tracked = self._tracked
-        # Running layer-wise loads, by target block: a block computed over one of them is wrong if
-        # that load failed, so its save names the load (SaveIntent.after_loads).
+        # Layer-wise loads by target block (_lw_blocks): a block computed over one of them is wrong
+        # if that load failed, so its save names the load (SaveIntent.after_loads).
         loading = self._lw_blocks
         # Once per running request per step: plain tuple unpacking, no attribute lookups.
         for rid, new_ids, replace, computed, nsched in scheduled:
@@ -494,9 +506,12 @@ class SchedulerCore:
                 pass
             elif replace:
                 tr.block_ids = list(new_ids)
-                # New or resumed: its KV is computed over the loads of the blocks it starts with
-                # (its own, and shared ones), whichever step it runs in (after_loads).
-                tr.after = tuple({loading[b] for b in tr.block_ids if b in loading}) if loading else ()
+                # New or resumed: its KV is computed over the loads of the blocks it starts with as
+                # computed (its own load, prefix hits), whichever step it runs in (after_loads).
+                # Its fresh blocks hold what it computes itself, whatever load once filled them.
+                tr.after = (
+                    tuple({loading[b] for b in tr.block_ids[:computed // bs] if b in loading}) if loading else ()
+                )
             elif new_ids:
                 tr.block_ids.extend(new_ids)  # own list (intents copy their slices)
             done = (computed + nsched) // bs
@@ -538,8 +553,9 @@ class SchedulerCore:
         tr = self._tracked.pop(rid, None)
         self._refused.discard(rid)
         self._load_failed.discard(rid)
-        if tr is not None:
-            self._forget_load(tr)
+        if tr is not None and tr.load_targets:
+            # Its blocks stay its load's until they are freed (finished_sending): see _lw_blocks.
+            self._finished_loads[rid] = tr.load_targets
         if rid in self._loading or (tr is not None and (tr.had_save or tr.had_load)):
             self._delayed.add(rid)
             return True
@@ -548,6 +564,10 @@ class SchedulerCore:
     def finished_sending(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._delayed.discard(rid)
+            if self._finished_loads:
+                targets = self._finished_loads.pop(rid, None)
+                if targets:
+                    self._forget_load(rid, targets)
 
     def finished_recving(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -567,14 +587,12 @@ class SchedulerCore:
             if not targets.isdisjoint(bad) and rid in self._tracked:
                 self._load_failed.add(rid)
 
-    def _forget_load(self, tr: _Tracked) -> None:
-        """The request's blocks are freed (it finished or was preempted): its layer-wise load's
-        blocks are no longer its (another request may get them)."""
-        rid = tr.request.request_id
-        for b in tr.load_targets:
+    def _forget_load(self, rid: str, targets: Iterable[int]) -> None:
+        """`rid`'s blocks are freed (preempted, admitted again, or finished and handed back): its
+        layer-wise load's blocks `targets` are no longer its (another request may get them)."""
+        for b in targets:
             if self._lw_blocks.get(b) == rid:
                 del self._lw_blocks[b]
-        tr.load_targets = []
 
     def stats_snapshot(self) -> Dict[str, int]:
         with self._stats_lock:

@@ -698,6 +698,19 @@ class WorkerCore:
         self._count("blocks_skipped", r.blocks_skipped)
         self._count("blocks_refused", r.blocks_refused + r.blocks_not_admitted)
 
+    def _abandon_queue(self) -> None:
+        """close() leaves a stuck save thread: the jobs it never took are dropped here, their
+        discards counted lost (never silently). The job it is in still ends on its own."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._count("saves_dropped", sum(len(s.block_ids) for s in job.intents))
+                self._discard_lost(job, "the save thread was stuck at shutdown")
+                self._done_saving(job.intents)
+
     def _discard_lost(self, job: _SaveJob, why: str) -> None:
         """The job's discard did not reach the server: the other ranks' saves of those blocks,
         computed over this rank's failed load, may stay there (counted, logged)."""
@@ -774,13 +787,25 @@ class WorkerCore:
         return out
 
     def close(self, unregister: bool = True) -> None:
+        # A discard the full queue could not take waits for the next job; there is none now: it
+        # goes as the last one, behind the saves queued before it.
+        discard, discard_request = self._unsent_discard
+        self._unsent_discard = ([], "")
+        last = _SaveJob(None, [], self._save_seq + 1, discard, discard_request) if discard else None
         if self._thread is not None:
+            wait = self.client.config.save_timeout_s
             try:
-                self._queue.put(None, timeout=self.client.config.save_timeout_s)
-                self._thread.join(self.client.config.save_timeout_s)
+                if last is not None:
+                    self._queue.put(last, timeout=wait)
+                    last = None
+                self._queue.put(None, timeout=wait)
+                self._thread.join(wait)
             except queue.Full:  # the save thread is stuck: leave it (a daemon), never hang here
-                log.warning("save thread still busy after %.1f s; closing without it", self.client.config.save_timeout_s)
+                log.warning("save thread still busy after %.1f s; closing without it", wait)
+                self._abandon_queue()
             self._thread = None
+        if last is not None:
+            self._discard_lost(last, "the save thread could not take it at shutdown")
         if self.registration is not None:
             self.registration.close(unregister=unregister)
         if self.staging_registration is not None:
