@@ -27,7 +27,15 @@ from pegaflow.load_state import LoadState
 
 from minivllm_runs import pega_engine, regions, run  # noqa: F401 (regions: a fixture)
 from tiny_model import TINY, model  # noqa: F401 (model: a fixture)
-from vllm_driver import BLOCK, Request, lose_leases_after_alloc, out_of_range_targets, saved_prompt
+from vllm_driver import (
+    BLOCK,
+    Request,
+    lose_leases_after_alloc,
+    out_of_range_targets,
+    saved_prompt,
+    sealed,
+    wait_saved,
+)
 
 
 @pytest.mark.parametrize("issuer", ["worker", "scheduler"])
@@ -147,23 +155,6 @@ def test_a_query_issued_run_is_not_reused_while_a_timed_out_copy_into_it_may_lan
             d.close()
 
 
-def _wait_saved(eng) -> None:
-    wc = eng.worker._w()
-    end = time.monotonic() + 10
-    while wc._pending:
-        assert time.monotonic() < end, "saves never finished"
-        time.sleep(0.01)
-
-
-def _sealed(eng, hashes) -> int:
-    q = eng.sched.client.query_prefetch(
-        instance_id=eng.sched.settings.instance_id, block_hashes=hashes, request_id="check"
-    )
-    if q.lease_id:
-        eng.sched.client.release(q.lease_id)
-    return q.hits
-
-
 def test_saves_of_a_step_scheduled_before_a_layerwise_load_failed_are_dropped(engine_factory, uid):
     """vLLM's async scheduling builds step N+1 before step N's output: b's next prefill chunk,
     and c, admitted with b's loading blocks as a local prefix hit, are scheduled before the
@@ -194,9 +185,9 @@ def test_saves_of_a_step_scheduled_before_a_layerwise_load_failed_are_dropped(en
     assert res.invalid_block_ids == set(b.block_ids[:5])
     b.num_computed_tokens = 8 * BLOCK
     eng._step(out_n1, {"b": b, "c": c})
-    _wait_saved(eng)
-    assert _sealed(eng, b.block_hashes[8:11]) == 0, "b's blocks computed over its failed load were saved"
-    assert _sealed(eng, c.block_hashes[5:7]) == 0, "c's blocks computed over b's failed load were saved"
+    wait_saved(eng)
+    assert sealed(eng, b.block_hashes[8:11]) == 0, "b's blocks computed over its failed load were saved"
+    assert sealed(eng, c.block_hashes[5:7]) == 0, "c's blocks computed over b's failed load were saved"
     assert eng.worker.pegaflow_stats()["saves_dropped"] == 3 + 3 + 7  # b in N, b in N+1, all 7 of c
     for r in (b, c):
         assert eng.finish(r) is True  # still reported once done: the scheduler delayed their frees

@@ -28,24 +28,15 @@ import pytest
 
 from pegaflow.hashes import synthetic_tokens
 
-from vllm_driver import BLOCK, Request, lose_leases_after_alloc, out_of_range_targets, saved_prompt
-
-
-def _wait_saved(eng) -> None:
-    wc = eng.worker._w()
-    end = time.monotonic() + 10
-    while wc._pending:
-        assert time.monotonic() < end, "saves never finished"
-        time.sleep(0.01)
-
-
-def _sealed(eng, hashes) -> int:
-    q = eng.sched.client.query_prefetch(
-        instance_id=eng.sched.settings.instance_id, block_hashes=hashes, request_id="check"
-    )
-    if q.lease_id:
-        eng.sched.client.release(q.lease_id)
-    return q.hits
+from vllm_driver import (
+    BLOCK,
+    Request,
+    lose_leases_after_alloc,
+    out_of_range_targets,
+    saved_prompt,
+    sealed,
+    wait_saved,
+)
 
 
 def _blocks(ids):
@@ -83,8 +74,8 @@ def test_a_request_admitted_on_an_aborted_requests_failing_load_does_not_save_ov
     res = eng._step(out_n, {"b": b})
     assert res.invalid_block_ids == set(b.block_ids[:5])
     eng._step(out_n1, {"c": c})
-    _wait_saved(eng)
-    assert _sealed(eng, c.block_hashes[:7]) == 5, "c's blocks computed over b's failed load were saved"
+    wait_saved(eng)
+    assert sealed(eng, c.block_hashes[:7]) == 5, "c's blocks computed over b's failed load were saved"
     assert eng.worker.pegaflow_stats()["saves_dropped"] == 3 + 7  # b's 3, all 7 of c
     eng.drain("b")
     assert eng.finish(c) is True
@@ -106,7 +97,7 @@ def test_a_request_preempted_outside_schedule_leaves_no_load_on_its_old_blocks(e
     assert eng.run_prefill(a, avoid=used) == 5 * BLOCK
     del eng.sched._s().update_state_after_alloc
     assert set(a.block_ids[:5]) <= eng.invalid_blocks
-    _wait_saved(eng)
+    wait_saved(eng)
     # reset_prefix_cache preempts a: blocks freed, num_computed_tokens 0, no preempted_req_ids.
     old = list(a.block_ids)
     eng.free[:0] = old
@@ -114,9 +105,9 @@ def test_a_request_preempted_outside_schedule_leaves_no_load_on_its_old_blocks(e
     c = Request("c2", synthetic_tokens(196, 4 * BLOCK + 1), salt=uid)
     assert eng.run_prefill(c) == 0
     assert set(c.block_ids) & set(old[:5]), "c was not given a's old blocks"
-    _wait_saved(eng)
+    wait_saved(eng)
     dropped = eng.worker.pegaflow_stats().get("saves_dropped", 0)
-    assert _sealed(eng, c.block_hashes) == 4, f"c's own blocks were dropped ({dropped}) as computed over a's load"
+    assert sealed(eng, c.block_hashes) == 4, f"c's own blocks were dropped ({dropped}) as computed over a's load"
     # a resumes (scheduled again from WAITING with new blocks) and loads its prefix again.
     assert eng.run_prefill(a, avoid=used | set(old) | set(c.block_ids)) == 5 * BLOCK
     for r in (a, c):

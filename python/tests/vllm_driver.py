@@ -337,6 +337,25 @@ def saved_prompt(eng: "Engine", seed: int, salt: str, blocks: int = 5) -> "tuple
     return prompt, set(a.block_ids)
 
 
+def wait_saved(eng: "Engine") -> None:
+    """Until the worker has no save queued or in flight (10 s at most)."""
+    wc = eng.worker._w()
+    end = time.monotonic() + 10
+    while wc._pending:
+        assert time.monotonic() < end, "saves never finished"
+        time.sleep(0.01)
+
+
+def sealed(eng: "Engine", hashes: List[bytes]) -> int:
+    """How many of `hashes`, from the first, the server holds sealed (the lease given back)."""
+    q = eng.sched.client.query_prefetch(
+        instance_id=eng.sched.settings.instance_id, block_hashes=hashes, request_id="check"
+    )
+    if q.lease_id:
+        eng.sched.client.release(q.lease_id)
+    return q.hits
+
+
 def out_of_range_targets(call: Callable[..., Any]) -> Callable[..., Any]:
     """`call` (a client's load or load_nowait) with every target id past num_blocks: the server
     refuses the Load (INVALID_ARGUMENT) and leaves its lease as it was."""
