@@ -169,32 +169,12 @@ export class StoreState {
    * the first error is rethrown once every block was unpinned.
    */
   unpinAll(blocks: readonly Block[]): void {
-    let error: unknown;
-    let failed = false;
-    for (const b of blocks) {
-      try {
-        this.unpin(b);
-      } catch (e) {
-        if (!failed) error = e;
-        failed = true;
-      }
-    }
-    if (failed) throw error;
+    eachThenRethrow(blocks, (b) => this.unpin(b));
   }
 
   /** Unpins the blocks of every lease in `leases` ({@link unpinAll}: all of them, then the first error). */
   unpinLeases(leases: readonly Lease<Block>[]): void {
-    let error: unknown;
-    let failed = false;
-    for (const l of leases) {
-      try {
-        this.unpinAll(l.blocks);
-      } catch (e) {
-        if (!failed) error = e;
-        failed = true;
-      }
-    }
-    if (failed) throw error;
+    eachThenRethrow(leases, (l) => this.unpinAll(l.blocks));
   }
 }
 
@@ -256,4 +236,19 @@ export function layerList(
     seen.add(layer);
   }
   return [...layers];
+}
+
+/** `f` on every item: one that throws does not stop the rest; the first error is rethrown after. */
+function eachThenRethrow<T>(items: readonly T[], f: (item: T) => void): void {
+  let error: unknown;
+  let failed = false;
+  for (const x of items) {
+    try {
+      f(x);
+    } catch (e) {
+      if (!failed) error = e;
+      failed = true;
+    }
+  }
+  if (failed) throw error;
 }
