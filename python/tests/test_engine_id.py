@@ -70,6 +70,15 @@ def worker(cfg: VllmConfig, rank: int) -> PegaflowConnector:
     return PegaflowConnector(mine, KVConnectorRole.WORKER, None)
 
 
+def start_ranks(cfg: VllmConfig, regions: list, conns: list) -> list:
+    """Builds rank i's worker connector over `regions[i]` for each region (appended to `conns`,
+    so `close_all` shuts down whatever was built) and registers its KV; their registrations."""
+    for rank, (_, kv) in enumerate(regions):
+        conns.append(worker(cfg, rank))
+        conns[-1].register_kv_caches(kv)
+    return [c._w().registration for c in conns]
+
+
 def registered(server, instance: str) -> list:
     """(tp_rank, engine_id) of every "rank registered" line the server logged for `instance`."""
     out = []
@@ -191,10 +200,7 @@ def test_a_tp2_config_without_an_engine_id_pickled_to_each_worker_registers_both
     cfg.kv_transfer_config.engine_id = None
     regions, conns = [make_kv(2, 8) for _ in range(2)], []
     try:
-        for rank in range(2):
-            conns.append(worker(cfg, rank))
-            conns[-1].register_kv_caches(regions[rank][1])
-        regs = [c._w().registration for c in conns]
+        regs = start_ranks(cfg, regions, conns)
         wait_for(lambda: all(r.connected for r in regs), "both ranks to register", timeout_s=5)
         assert sorted(registered(server, uid)) == [(0, ""), (1, "")]
         assert round_trip(client, uid, [kv for _, kv in regions]) == []
@@ -213,10 +219,7 @@ def test_after_a_server_restart_every_rank_re_registers_with_the_engines_id(uid)
     eid = cfg.kv_transfer_config.engine_id
     regions, conns = [make_kv(2, 8) for _ in range(2)], []
     try:
-        for rank in range(2):
-            conns.append(worker(cfg, rank))
-            conns[-1].register_kv_caches(regions[rank][1])
-        regs = [c._w().registration for c in conns]
+        regs = start_ranks(cfg, regions, conns)
         assert all(r.connected for r in regs)
         s1.kill()
         wait_for(lambda: not any(r.connected for r in regs), "the sessions to notice the dead server")
