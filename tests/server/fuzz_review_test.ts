@@ -873,7 +873,8 @@ async function badFrames(path: string, r: Rng): Promise<void> {
 
 Deno.test("fuzz: bad input from engines over gRPC and the local RPC socket is refused, named, and harms nothing", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pegaflow-fuzz-" });
-  const srv = await startServer(["--uds", `${dir}/grpc.sock`, "--lease-ttl-ms", "600"]);
+  // The lease must outlive every Load mutant on a loaded 2-core machine (600 ms did not).
+  const srv = await startServer(["--uds", `${dir}/grpc.sock`, "--lease-ttl-ms", "5000"]);
   const r = rng(FUZZ_SEED);
   const t: Transports = {
     grpc: new RawGrpc(srv.grpc),
