@@ -52,6 +52,16 @@ const COUNTERS: [string, string, CounterKey][] = [
     "pads that could not be written (the records after each such gap are lost at a restart)",
     "writePadFailures",
   ],
+  [
+    "pegaflow_ssd_drop_pads_total",
+    "pads written over dropped (discarded) blocks' records: a restart does not index them again",
+    "dropPads",
+  ],
+  [
+    "pegaflow_ssd_drop_pad_failures_total",
+    "drop pads that could not be written (that discarded block is indexed again at a restart)",
+    "dropPadFailures",
+  ],
   ["pegaflow_ssd_read_bytes_total", "payload bytes read from SSD and verified", "readBytes"],
   ["pegaflow_ssd_read_blocks_total", "blocks read from SSD and verified", "readBlocks"],
   ["pegaflow_ssd_read_failures_total", "block reads that failed with an I/O error", "readFailures"],

@@ -308,7 +308,7 @@ export class SsdTier {
     return this.#writer.enqueue(batch);
   }
 
-  /** Forgets `keys` (discarded blocks; see {@link SsdWriter.drop}). Returns the blocks unindexed. */
+  /** Forgets `keys` (discarded blocks), on disk too (drops.ts). Returns the blocks unindexed. */
   drop(keys: readonly string[]): number {
     return this.#writer.drop(keys);
   }

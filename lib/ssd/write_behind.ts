@@ -13,23 +13,29 @@
  *
  * A record not written (its op failed, or its io batch was refused whole)
  * is counted and logged with its block, namespace, file and offset; a pad
- * header is written over it (so a restart's scan steps over the gap to the
- * records placed after it), its segment is released for reuse either way,
- * and the batch's pin goes only once every chunk of the batch ended (a
+ * header is written over it (pads.ts: a restart's scan steps over the gap to
+ * the records placed after it), its segment is released for reuse either
+ * way, and the batch's pin goes only once every chunk of the batch ended (a
  * write in flight reads the pool).
+ *
+ * A drop (a discard, {@link SsdWriter.drop}) is durable (drops.ts): the
+ * record is padded over, a write of the key still queued is not written, and
+ * one in flight is padded over when it lands.
  *
  * @module
  */
 
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import type { LayoutIdentity } from "../storage/layout.ts";
-import { encodeHeader, encodePadHeader, keyBytes, recordBytes } from "./format.ts";
+import { encodeHeader, keyBytes, recordBytes } from "./format.ts";
 import type { IoBatch, IoBatchResult, SsdIo } from "./io.ts";
 import type { PoolExtent } from "../transfer/ranges.ts";
 import type { SsdIndex } from "./index.ts";
-import type { Segment, SegmentRing } from "./space.ts";
+import type { SegmentRing } from "./space.ts";
 import type { CacheFile } from "./cache_files.ts";
 import { ewma } from "./throughput.ts";
+import { type PadSite, SsdPads, type SsdPadStats } from "./pads.ts";
+import { type PendingWrite, SsdDrops } from "./drops.ts";
 import { errorText, type Logger } from "../log.ts";
 
 /** A sealed block offered for write-behind. */
@@ -80,24 +86,21 @@ export function writeStageOptions(queueDepth: number, inflight: number): StageOp
 }
 
 /** A block given segment space in a write batch. */
-interface Placed {
+interface Placed extends PadSite {
   block: SsdWriteBlock;
-  seg: Segment;
-  /** File offset of its record. */
-  off: number;
-  /** Payload bytes. */
-  bytes: number;
-  seq: number;
+  mark: PendingWrite;
 }
 
 interface WriteJob {
   blocks: SsdWriteBlock[];
+  /** Per block (aligned with `blocks`): its pending write. */
+  marks: PendingWrite[];
   /** Pins `blocks` (called when the write starts). */
   pin: () => SsdPinned;
 }
 
 /** Write-behind counters (part of `SsdStats`). */
-export interface SsdWriteStats {
+export interface SsdWriteStats extends SsdPadStats {
   writeBytes: number;
   writeBlocks: number;
   writeFailures: number;
@@ -107,10 +110,6 @@ export interface SsdWriteStats {
   writeQueueFullDroppedBlocks: number;
   writeSkippedEvicted: number;
   writeSkippedNoSpace: number;
-  /** Pads written over failed records (a restart's scan steps over each gap). */
-  writePads: number;
-  /** Pads that could not be written (the records after each such gap are lost at a restart). */
-  writePadFailures: number;
   /** Write batches (and their blocks) dropped because the tier was degraded (stall.ts). */
   writeDegradedDrops: number;
   writeDegradedDroppedBlocks: number;
@@ -154,8 +153,9 @@ export class SsdWriter {
   readonly #log: Logger;
   readonly #chunk: number;
   readonly #stage: Stage<WriteJob, void>;
-  /** Keys queued or being written → dropped meanwhile ({@link drop}: not indexed when they land). */
-  readonly #pendingKeys = new Map<string, boolean>();
+  readonly #pads: SsdPads;
+  /** The writes queued or running per key, and the drops (drops.ts). */
+  readonly #drops: SsdDrops;
   readonly #degraded: () => boolean;
   /** Write batches accepted and not yet ended (what {@link flush} waits for). */
   readonly #writesPending = new Set<Promise<unknown>>();
@@ -169,8 +169,6 @@ export class SsdWriter {
     writeQueueFullDroppedBlocks: 0,
     writeSkippedEvicted: 0,
     writeSkippedNoSpace: 0,
-    writePads: 0,
-    writePadFailures: 0,
     writeDegradedDrops: 0,
     writeDegradedDroppedBlocks: 0,
     writeThroughputBps: 0,
@@ -185,6 +183,8 @@ export class SsdWriter {
     this.#chunk = d.chunk;
     this.#seq = d.nextSeq;
     this.#degraded = d.degraded ?? (() => false);
+    this.#pads = new SsdPads(d.io, d.files, d.log, d.chunk);
+    this.#drops = new SsdDrops(d.index, this.#pads, d.log, (ended) => this.#track(ended));
     this.#stage = new Stage<WriteJob, void>(
       "ssd.write",
       { ...writeStageOptions(d.queueDepth, d.inflight), metrics: d.metrics },
@@ -212,8 +212,9 @@ export class SsdWriter {
     for (const b of blocks) {
       // A record of the key from another layout does not count: this one is written too.
       const held = this.#index.get(b.key)?.layout === b.layout.fingerprint;
-      // A key twice in one batch is written once (else two records, two pins, one block).
-      if (held || this.#pendingKeys.has(b.key) || seen.has(b.key)) duplicates++;
+      // A key twice in one batch is written once (else two records, two pins, one block);
+      // a write of it dropped meanwhile holds nothing: this one is written.
+      if (held || this.#drops.writing(b.key) || seen.has(b.key)) duplicates++;
       else {
         seen.add(b.key);
         fresh.push(b);
@@ -221,32 +222,33 @@ export class SsdWriter {
     }
     if (fresh.length === 0) return { status: "nothing-to-write", blocks: 0, duplicates };
     // Marked before the submit: a free worker starts the batch inside it, and may end it there.
-    for (const b of fresh) this.#pendingKeys.set(b.key, false);
-    const sub = this.#stage.submit({ blocks: fresh, pin: () => batch.pin(fresh) });
+    const marks = fresh.map((b) => this.#drops.mark(b.key));
+    const sub = this.#stage.submit({ blocks: fresh, marks, pin: () => batch.pin(fresh) });
     if (sub.status === "dropped" || sub.status === "refused") {
-      for (const b of fresh) this.#pendingKeys.delete(b.key);
+      this.#drops.unmark(fresh, marks);
       this.#s.writeQueueFullDrops++;
       this.#s.writeQueueFullDroppedBlocks += fresh.length;
       return { status: "dropped", blocks: fresh.length, duplicates };
     }
-    const ended = sub.done();
-    this.#writesPending.add(ended);
-    ended.then(() => this.#writesPending.delete(ended));
+    this.#track(sub.done());
     return { status: "queued", blocks: fresh.length, duplicates };
   }
 
+  /** Counts `ended` among the writes {@link flush} waits for. */
+  #track(ended: Promise<unknown>): void {
+    this.#writesPending.add(ended);
+    ended.then(() => this.#writesPending.delete(ended));
+  }
+
   /**
-   * Forgets `keys` (a discard): unindexed now (dead space the ring reclaims);
-   * a write of one queued or running is not indexed when it lands. Returns
-   * the blocks the index held. In memory only (docs/ssd.md: a restart).
+   * Forgets `keys` (a discard), durably (drops.ts): unindexed now, a pad
+   * written over each record (which {@link flush} waits for), so a restart
+   * does not index them again; a write of one still queued is not written,
+   * one in flight is padded over when it lands. Never waits. Returns the
+   * blocks the index held.
    */
   drop(keys: readonly string[]): number {
-    const n = this.#index.size;
-    for (const key of keys) {
-      this.#index.remove(key);
-      if (this.#pendingKeys.has(key)) this.#pendingKeys.set(key, true);
-    }
-    return n - this.#index.size;
+    return this.#drops.drop(keys);
   }
 
   /**
@@ -263,7 +265,7 @@ export class SsdWriter {
     try {
       pinned = job.pin();
     } catch (e) {
-      for (const b of job.blocks) this.#pendingKeys.delete(b.key);
+      this.#drops.unmark(job.blocks, job.marks);
       this.#s.writeFailures += job.blocks.length;
       this.#log.error("SSD write batch could not be pinned in RAM: not written", {
         block: job.blocks[0].key,
@@ -277,15 +279,16 @@ export class SsdWriter {
       const chunks = [];
       for (let start = 0; start < job.blocks.length; start += this.#chunk) {
         const end = Math.min(job.blocks.length, start + this.#chunk);
+        const marks = job.marks.slice(start, end);
         chunks.push(
-          this.#writeChunk(job.blocks.slice(start, end), pinned.extents.slice(start, end)),
+          this.#writeChunk(job.blocks.slice(start, end), marks, pinned.extents.slice(start, end)),
         );
       }
       // Every chunk ends before the pin goes: a write in flight still reads those pool bytes.
       const bug = (await Promise.allSettled(chunks)).find((c) => c.status === "rejected");
       if (bug) throw bug.reason; // I/O errors are counted per block; this is the stage's failure
     } finally {
-      for (const b of job.blocks) this.#pendingKeys.delete(b.key);
+      this.#drops.unmark(job.blocks, job.marks);
       pinned.release();
     }
   }
@@ -293,13 +296,15 @@ export class SsdWriter {
   /** One io_uring batch for a chunk: placed, checksummed, headers written, submitted, indexed. */
   async #writeChunk(
     blocks: SsdWriteBlock[],
+    marks: PendingWrite[],
     pinned: readonly (readonly PoolExtent[] | undefined)[],
   ): Promise<void> {
     const batch = this.#io.newBatch();
-    const placed = this.#place(blocks, pinned, batch);
+    const placed = this.#place(blocks, marks, pinned, batch);
     if (placed.length === 0) return;
     const t0 = performance.now();
     const failed: Placed[] = [];
+    const dropped: Placed[] = [];
     try {
       let crcs: Uint32Array;
       let r: IoBatchResult;
@@ -314,16 +319,19 @@ export class SsdWriter {
         return;
       }
       r.release();
-      const bytes = this.#indexWritten(placed, r, crcs, failed);
+      const bytes = this.#indexWritten(placed, r, crcs, failed, dropped);
       this.#s.writeBytes += bytes;
       this.#s.writeThroughputBps = ewma(
         this.#s.writeThroughputBps,
         bytes / ((performance.now() - t0) / 1000),
       );
     } finally {
-      // Padded while the failed records still hold their segments (none is reused meanwhile).
+      // Padded while the records still hold their segments (none is reused meanwhile).
       try {
-        if (failed.length > 0) await this.#padGaps(failed);
+        await Promise.all([
+          failed.length > 0 && this.#pads.gaps(failed),
+          dropped.length > 0 && this.#pads.dropped(dropped),
+        ]);
       } finally {
         for (const p of placed) p.seg.inflightWrites--;
       }
@@ -336,6 +344,7 @@ export class SsdWriter {
    */
   #place(
     blocks: SsdWriteBlock[],
+    marks: PendingWrite[],
     pinned: readonly (readonly PoolExtent[] | undefined)[],
     batch: IoBatch,
   ): Placed[] {
@@ -343,6 +352,7 @@ export class SsdWriter {
     for (let i = 0; i < blocks.length; i++) {
       const block = blocks[i];
       const extents = pinned[i];
+      if (marks[i].dropped) continue; // discarded while queued: nothing to write
       if (!extents) {
         this.#s.writeSkippedEvicted++;
         continue;
@@ -355,7 +365,7 @@ export class SsdWriter {
         this.#log.warn("block not written to SSD", { block: block.key, bytes, reason: a });
         continue;
       }
-      placed.push({ block, seg: a.segment, off: a.fileOffset, bytes, seq });
+      placed.push({ block, mark: marks[i], seg: a.segment, off: a.fileOffset, bytes, seq });
       batch.write(this.#files[a.segment.file].handle, a.fileOffset, true, [...extents]);
     }
     return placed;
@@ -384,20 +394,23 @@ export class SsdWriter {
 
   /**
    * Indexes the records that landed, logs the ones that failed (added to
-   * `failed`); returns the bytes written.
+   * `failed`); a record that landed dropped goes to `dropped` (padded over,
+   * never indexed). Returns the bytes written.
    */
   #indexWritten(
     placed: Placed[],
     r: IoBatchResult,
     crcs: Uint32Array,
     failed: Placed[],
+    dropped: Placed[],
   ): number {
     let bytes = 0;
     for (let i = 0; i < placed.length; i++) {
       const p = placed[i];
-      // Discarded while written (drop): a dead record, never indexed.
-      if (r.status[i] === 0 && this.#pendingKeys.get(p.block.key)) bytes += p.bytes;
-      else if (r.status[i] === 0) {
+      if (r.status[i] === 0 && p.mark.dropped) {
+        bytes += p.bytes;
+        dropped.push(p);
+      } else if (r.status[i] === 0) {
         // The segment may have been reused meanwhile only if it had no
         // write in flight, and this one was: the location is current.
         this.#index.put(p.block.key, {
@@ -419,55 +432,6 @@ export class SsdWriter {
     return bytes;
   }
 
-  /**
-   * Writes a pad (format.ts) over each failed record's header page: a
-   * restart's scan steps over the gap to the records placed after it in its
-   * segment (by this batch or another one in flight), which would otherwise
-   * be lost with the chain ending at the gap. A pad not written is logged:
-   * the records after its gap are served until a restart only.
-   */
-  async #padGaps(failed: Placed[]): Promise<void> {
-    const batch = this.#io.newBatch();
-    const now = Date.now();
-    for (const p of failed) {
-      const i = batch.write(this.#files[p.seg.file].handle, p.off, true, []);
-      encodePadHeader(batch.headerPage(i), {
-        seq: p.seq,
-        epoch: p.seg.epoch,
-        recordBytes: recordBytes(p.bytes),
-        writtenAtMs: now,
-        generation: this.#files[p.seg.file].generation,
-      });
-    }
-    let r: IoBatchResult;
-    try {
-      r = await this.#io.run(batch);
-    } catch (e) {
-      for (const p of failed) this.#padFailed(p, errorText(e));
-      return;
-    }
-    r.release();
-    for (let i = 0; i < failed.length; i++) {
-      if (r.status[i] !== 0) this.#padFailed(failed[i], r.errorText(i), r.aux[i]);
-      else this.#s.writePads++;
-    }
-  }
-
-  #padFailed(p: Placed, error: string, errno?: number): void {
-    this.#s.writePadFailures++;
-    this.#log.error(
-      "SSD write gap could not be padded: records after it in its segment are lost at a restart",
-      {
-        block: p.block.key,
-        namespace: p.block.namespace,
-        error,
-        errno,
-        path: this.#files[p.seg.file].path,
-        offset: p.off,
-      },
-    );
-  }
-
   /** Counts and logs a record that was not written (it is not indexed), a gap in its segment. */
   #writeFailed(p: Placed, error: string, errno?: number): void {
     this.#segments.sealAfterGap(p.seg);
@@ -486,12 +450,19 @@ export class SsdWriter {
   /** Counters and gauges. */
   stats(): SsdWriteStats {
     const w = this.#stage.stats();
-    return { ...this.#s, writeQueueDepth: w.queue.depth, writeInflight: w.inflight };
+    return {
+      ...this.#s,
+      ...this.#pads.stats(),
+      writeQueueDepth: w.queue.depth,
+      writeInflight: w.inflight,
+    };
   }
 
-  /** Stops accepting batches; resolves when the accepted ones have been written. */
+  /** Stops accepting batches; resolves when the accepted ones and the drops' pads have ended. */
   async close(): Promise<void> {
     this.#closed = true;
     await this.#stage.drain();
+    await this.flush();
+    this.#drops.close();
   }
 }

@@ -281,8 +281,8 @@ export class LowerTiers {
   /**
    * Discarded blocks (a Save's `discard_hashes`, after the store's discard):
    * every tier forgets `hashes` of `namespace`, so none serves that garbage
-   * again once the store's tombstones expire. In memory, never waits; one
-   * tier's failure is its own. Returns the blocks the tiers forgot.
+   * again once the store's tombstones expire, nor after a restart. Never
+   * waits; one tier's failure is its own. Returns the blocks the tiers forgot.
    */
   drop(namespace: string, hashes: readonly Uint8Array[]): number {
     let n = 0;

@@ -141,8 +141,10 @@ export interface Tier {
   /**
    * Forgets `hashes` of `namespace` (a Save's discard: garbage computed over
    * a failed load): never served again, and a write of them queued or
-   * running is not kept when it lands. In memory only, never waits. Returns
-   * the blocks forgotten. A tier keeping nothing between fetches does nothing.
+   * running is not kept when it lands. Never waits; a tier that outlives a
+   * restart makes the drop outlive it too (the SSD tier pads the records over,
+   * lib/ssd/drops.ts). Returns the blocks forgotten. A tier keeping nothing
+   * between fetches does nothing.
    */
   drop(namespace: string, hashes: readonly Uint8Array[]): number;
   /** The layouts `namespace`'s blocks here were written with (they outlive a restart). */
