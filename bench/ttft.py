@@ -464,6 +464,7 @@ class Bench:
                     res["warm_async"] = self.length_async(asy, n, prompt, stash)
                     self.result["lengths"][str(n)] = res
                     del stash
+                self.relink(max(a.tokens))
                 asy.shutdown()
                 asy = None
                 gc.collect()
@@ -633,6 +634,19 @@ class Bench:
             f"correct={res['correctness']['ok']}"
         )
         return res
+
+    def relink(self, tokens: int) -> None:
+        """Measures the link again after the runs and keeps the faster figure (the target's
+        `warm / link` is then the stricter one): the first measure, taken once before the runs,
+        read 47 GB/s in one run on an H200 where a plain pinned copy measured 54-55 GB/s minutes
+        before (`ttft-cuda-diag7.json`), which made the warm step look 1.01x the link."""
+        first = self.result["kv_link_gbps"]
+        again = h2d_rate(self.cfg.kv_bytes_per_token() * tokens, self.dev) / 1e9
+        self.result["kv_link_gbps_measures"] = [first, again]
+        best = max(first, again)
+        self.result["kv_link_gbps"] = best
+        for res in self.result["lengths"].values():
+            res["link_ms"] = res["loaded_bytes"] / (best * 1e9) * 1e3
 
     def check(self, n: int, st: dict, eng: LLMEngine, req, logits, table) -> dict[str, Any]:
         nfull = (n - 1) // self.cfg.block_size
