@@ -93,11 +93,13 @@ export type LeaseErrorReason =
   | "unknown-or-expired"
   | "wrong-instance"
   | "rank-already-consumed"
-  | "rank-out-of-range";
+  | "rank-out-of-range"
+  | "block-discarded";
 
 /**
  * A lease that cannot be used: unknown or expired, bound to another instance,
- * already consumed by this rank. The server answers FAILED_PRECONDITION and
+ * already consumed by this rank, or holding a block discarded since it was
+ * granted (its bytes were computed over a failed load). The server answers FAILED_PRECONDITION and
  * the engine queries again (it recomputes on failure).
  */
 export class LeaseError extends StorageError {

@@ -13,7 +13,7 @@
  */
 
 import type { Block } from "./block.ts";
-import { InvalidArgumentError, StaleHandleError } from "./errors.ts";
+import { InvalidArgumentError, LeaseError, StaleHandleError } from "./errors.ts";
 import type { Lease, LeaseId } from "./lease.ts";
 import { offsetColumn, slotColumn } from "./offsets.ts";
 import { layerList, type StoreState } from "./state.ts";
@@ -103,6 +103,26 @@ export interface ConsumeOptions {
   count?: number;
 }
 
+/**
+ * Refuses a load of a lease whose first `count` blocks hold one discarded
+ * since the lease was granted (discard.ts: garbage computed over another
+ * rank's failed load, e.g. MLA's one shared slot): the engine recomputes
+ * instead of loading it. A load already running when the discard came keeps
+ * reading (its copy cannot be recalled); the lease's other ranks are refused
+ * the same way. Before the rank's consume is spent.
+ */
+function refuseDiscarded(l: Lease<Block>, count: number, instance: string, rank: number): void {
+  for (let i = 0; i < count; i++) {
+    const b = l.blocks[i];
+    if (!b.discarded) continue;
+    throw new LeaseError(
+      "block-discarded",
+      `lease ${l.id}: block ${i} (hash ${b.hash}) was discarded after the lease was granted (computed over a failed load); recompute it`,
+      { namespace: l.namespace, instance, rank, lease: l.id, block: b.hash },
+    );
+  }
+}
+
 /** Consumes `lease` for `rank` and returns its ticket (see {@link KvStore.consumeLease}). */
 export function consumeTicket(
   st: StoreState,
@@ -122,6 +142,7 @@ export function consumeTicket(
         { namespace: l.namespace, instance, rank, lease: l.id, expected: l.blocks.length, got: c },
       );
     }
+    refuseDiscarded(l, c ?? l.blocks.length, instance, rank);
     const L = st.namespaces.require(l.namespace, instance).layout;
     tpRank = opts.tpRank ?? rank % L.tpSize;
     if (!Number.isSafeInteger(tpRank) || tpRank < 0 || tpRank >= L.tpSize) {
