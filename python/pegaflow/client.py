@@ -5,7 +5,11 @@ raised as `PegaflowError(code, details, method)`.
 The channel is created on first use and again after a fork (vLLM spawns its
 workers; a gRPC channel must never cross a fork). No call waits for the
 server to come up (no wait_for_ready): a dead server answers UNAVAILABLE at
-once, a wedged one hits the deadline, so an engine never hangs on us.
+once, a wedged one hits the deadline, so an engine never hangs on us. After an
+UNAVAILABLE one background thread waits (wait_for_ready, with a deadline) for
+the channel to come back, which is what makes grpcio reconnect at once when the
+server is up again (`_reconnect_soon`). A call that never left this process (no
+server could be reached, or the client was closed) raises `CallNotSent`.
 
 Where the address is unix:/path and the server serves its local RPC socket
 beside it (`path.rpc`, see local_rpc.py), QueryPrefetch, Load, Release, Save
@@ -31,7 +35,7 @@ import grpc
 from ._proto import pegaflow_pb2 as pb
 from .config import ClientConfig
 from .errors import PegaflowError
-from .local_rpc import METHOD_IDS, LocalRpc, LocalRpcAbsent, LocalRpcStatus
+from .local_rpc import METHOD_IDS, LocalRpc, LocalRpcAbsent, LocalRpcNotSent, LocalRpcStatus
 
 log = logging.getLogger("pegaflow.client")
 
@@ -119,16 +123,39 @@ def registration_token_in(e: PegaflowError) -> Optional[str]:
     return m.group(1) if e.code == grpc.StatusCode.ALREADY_EXISTS and m else None
 
 
+class CallNotSent(PegaflowError):
+    """A failed call that never left this process: no connection to a server could be made (a
+    server down or restarting), or the client was closed. Unlike other UNAVAILABLE or CANCELLED
+    failures, no server saw it, so nothing it asked for (a Load's copy, a query's loads) happens:
+    what it would have written needs no holding (connector/lifecycle.py `maybe_accepted`)."""
+
+
+#: How grpcio fails a call it could not give to any connection (its load balancer's pick, before
+#: anything is sent; grpc core's pick_first), e.g. "failed to connect to all addresses; last error:
+#: UNKNOWN: ipv4:127.0.0.1:50055: Failed to connect to remote host: Connection refused". A failure
+#: without it is taken as one that may have reached the server.
+GRPC_NO_CONNECTION = "failed to connect to all addresses"
+
+
+def _grpc_error(code: grpc.StatusCode, details: str, method: str) -> PegaflowError:
+    """A failed gRPC call as PegaflowError (CallNotSent when grpcio never sent it)."""
+    if code == grpc.StatusCode.UNAVAILABLE and GRPC_NO_CONNECTION in details:
+        return CallNotSent(code, details, method)
+    return PegaflowError(code, details, method)
+
+
 def _closed_error(method: str) -> PegaflowError:
     """What a call on a closed client raises. grpcio itself raises ValueError ("Cannot invoke
     RPC on closed channel!") for a call that close() on another thread overtook between the stub
     look-up and the invocation: the engine must see the same CANCELLED, not a ValueError."""
-    return PegaflowError(grpc.StatusCode.CANCELLED, "client is closed", method)
+    return CallNotSent(grpc.StatusCode.CANCELLED, "client is closed", method)
 
 
-def _local_error(code: int, details: str, method: str) -> PegaflowError:
-    """A local RPC socket's non-OK status as the PegaflowError gRPC would have raised."""
-    return PegaflowError(_STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN), details, method)
+def _local_error(code: int, details: str, method: str, sent: bool = True) -> PegaflowError:
+    """A local RPC socket's non-OK status as the PegaflowError gRPC would have raised
+    (CallNotSent when it never left this process)."""
+    status = _STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN)
+    return PegaflowError(status, details, method) if sent else CallNotSent(status, details, method)
 
 
 @dataclass(frozen=True)
@@ -294,6 +321,9 @@ class PegaflowClient:
         self._pid = -1
         self._stubs: dict = {}
         self._closed = False
+        # While the channel is down: the channel and the thread that drives its reconnection
+        # (`_reconnect_soon`).
+        self._reconnect: Optional[Tuple[grpc.Channel, threading.Thread]] = None
         # The hot calls go over the server's local RPC socket when there is one (unix:
         # address, same host); gRPC carries the rest, and these too where it is absent.
         rpc_path = self.config.local_rpc_path()
@@ -373,14 +403,16 @@ class PegaflowClient:
             except LocalRpcAbsent:
                 self._local_absent()
             except LocalRpcStatus as e:
-                raise _local_error(e.code, e.details, method) from None
+                raise _local_error(e.code, e.details, method, not isinstance(e, LocalRpcNotSent)) from None
         if tail:
             req.MergeFromString(tail)
         stub = self._stub(method, type(req), res_cls)
         try:
             return stub(req, timeout=t)
         except grpc.RpcError as e:
-            raise PegaflowError(e.code(), e.details() or "", method) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._reconnect_soon()
+            raise _grpc_error(e.code(), e.details() or "", method) from None
         except ValueError:
             if not self._closed:
                 raise
@@ -622,7 +654,7 @@ class PegaflowClient:
             except LocalRpcAbsent:
                 self._local_absent()
             except LocalRpcStatus as e:
-                raise _local_error(e.code, e.details, method) from None
+                raise _local_error(e.code, e.details, method, not isinstance(e, LocalRpcNotSent)) from None
         stub = self._stub(method, req_cls, res_cls)
         try:
             fut = stub.future(req, timeout=t)
@@ -641,7 +673,9 @@ class PegaflowClient:
             else:
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNKNOWN
                 details = (e.details() if isinstance(e, grpc.RpcError) else str(e)) or ""
-                on_done(PegaflowError(code, details, method))
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._reconnect_soon()
+                on_done(_grpc_error(code, details, method))
 
         fut.add_done_callback(done)
 
@@ -719,6 +753,45 @@ class PegaflowClient:
                 log.info("no local RPC socket at %s; calls go over gRPC until it appears", self._local.path)
             self._local_retry_at = time.monotonic() + LOCAL_RPC_RETRY_S
 
+    def _reconnect_soon(self) -> None:
+        """A gRPC call failed UNAVAILABLE: the channel is down. grpcio moves a connection attempt
+        on only while some thread polls the channel, and a call that fails at once (no
+        wait_for_ready: pick_first stays in TRANSIENT_FAILURE until a connection is up) polls
+        nothing. So after a server restart the channel found the server back only when gRPC's
+        backup poller (every 5 s) happened to run during an attempt: re-registration, queries
+        and saves failed on for 1.5-7.5 s whatever `reconnect_max_ms` said (and for good without
+        that poller). One thread per down channel (`_drive_reconnect`) waits in a Health call
+        that waits for the channel to be ready, which polls it, then ends."""
+        with self._lock:
+            ch = self._channel
+            if self._closed or ch is None or self._pid != os.getpid():
+                return
+            if self._reconnect is not None and self._reconnect[0] is ch and self._reconnect[1].is_alive():
+                return  # already driven
+            t = threading.Thread(target=self._drive_reconnect, args=(ch,), name="pegaflow-reconnect", daemon=True)
+            self._reconnect = (ch, t)
+            t.start()
+
+    def _drive_reconnect(self, ch: grpc.Channel) -> None:
+        """Health with wait_for_ready on `ch`, again until it is answered (the channel is up) or
+        the client is closed (the call is cancelled). Each call wakes this thread once per RPC
+        deadline while the server is away; a wedged server (connected, never answering) is
+        asked once per deadline until it answers."""
+        health = ch.unary_unary(
+            _SERVICE + "Health",
+            request_serializer=pb.HealthRequest.SerializeToString,
+            response_deserializer=pb.HealthResponse.FromString,
+        )
+        while not self._closed:
+            try:
+                health(pb.HealthRequest(), timeout=self.config.rpc_timeout_s, wait_for_ready=True)
+                return
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    return  # answered (the channel is up), or cancelled (closed)
+            except ValueError:  # the channel was closed between two calls
+                return
+
     def close(self) -> None:
         """Closes the channel; later calls raise CANCELLED."""
         if self._local is not None:
@@ -726,5 +799,8 @@ class PegaflowClient:
         with self._lock:
             self._closed = True
             ch, self._channel = self._channel, None
+            driving, self._reconnect = self._reconnect, None
             if ch is not None and self._pid == os.getpid():
-                ch.close()
+                ch.close()  # cancels the reconnect's call too
+        if driving is not None and self._pid == os.getpid():
+            driving[1].join(self.config.rpc_timeout_s)

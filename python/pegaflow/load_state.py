@@ -52,6 +52,9 @@ RELEASED_LAYERS = 1 << 30
 
 _counter = itertools.count()
 
+#: What a wait asks while it sleeps: why no server will write the block any more, or None.
+GiveUp = Callable[[], Optional[str]]
+
 
 class LoadSnapshot(NamedTuple):
     num_layers: int
@@ -173,7 +176,7 @@ class LoadState:
         if self._mm.closed:
             raise ValueError(f"load state {self.name} is closed")
 
-    def _wait(self, layer: Optional[int], timeout_s: float) -> int:
+    def _wait(self, layer: Optional[int], timeout_s: float, give_up: Optional[GiveUp] = None) -> int:
         self._open()
         if layer is not None and (not hasattr(layer, "__index__") or layer < 0):
             # A negative index compares below any layers_ready: it read as landed at once.
@@ -202,9 +205,16 @@ class LoadState:
                 )
             if now - start < SPIN_S:
                 os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, SLEEP_MAX_S)
+                continue
+            why = give_up() if give_up is not None else None
+            if why:
+                what = "the load" if layer is None else f"layer {layer}"
+                raise PegaflowLoadTimeout(
+                    f"load state {self.name}: stopped waiting for {what} after {now - start:.3f} s: {why} "
+                    f"(layers_ready {u32[_W_LAYERS_READY]}/{u32[_W_NUM_LAYERS]})"
+                )
+            time.sleep(sleep)
+            sleep = min(sleep * 2, SLEEP_MAX_S)
         if state < 0:
             snap = self.snapshot()
             raise PegaflowLoadError(
@@ -214,14 +224,18 @@ class LoadState:
             )
         return state
 
-    def wait_layer(self, layer: int, timeout_s: float) -> None:
+    def wait_layer(self, layer: int, timeout_s: float, give_up: Optional[GiveUp] = None) -> None:
         """Returns once layer `layer` (registration order) has landed; raises
-        PegaflowLoadError if the load failed, PegaflowLoadTimeout past the deadline."""
-        self._wait(layer, timeout_s)
+        PegaflowLoadError if the load failed, PegaflowLoadTimeout past the deadline.
+        `give_up()`, asked while the wait sleeps (past its first SPIN_S), says why no server
+        will write this block any more (e.g. the session of the rank that sent the Load ended):
+        a reason ends the wait at once with PegaflowLoadTimeout (the load may still land, as
+        after a deadline, if its server is alive)."""
+        self._wait(layer, timeout_s, give_up)
 
-    def wait_all(self, timeout_s: float) -> None:
+    def wait_all(self, timeout_s: float, give_up: Optional[GiveUp] = None) -> None:
         """Returns once every layer landed (state ok); raises as `wait_layer`."""
-        self._wait(None, timeout_s)
+        self._wait(None, timeout_s, give_up)
 
     def poll(self) -> Optional[bool]:
         """Non-blocking: None while pending, True when ok, False when failed."""

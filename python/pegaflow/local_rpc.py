@@ -31,7 +31,7 @@ import time
 import weakref
 from typing import Callable, Dict, Optional, Tuple
 
-__all__ = ["LOCAL_RPC_SUFFIX", "METHOD_IDS", "LocalRpc", "LocalRpcAbsent", "LocalRpcStatus"]
+__all__ = ["LOCAL_RPC_SUFFIX", "METHOD_IDS", "LocalRpc", "LocalRpcAbsent", "LocalRpcNotSent", "LocalRpcStatus"]
 
 log = logging.getLogger("pegaflow.local_rpc")
 
@@ -62,6 +62,11 @@ class LocalRpcStatus(Exception):
         super().__init__(f"status {code}: {details}")
 
 
+class LocalRpcNotSent(LocalRpcStatus):
+    """A call that failed before any of its bytes left this process (no connection to the socket
+    could be made, or the client was closed): the server never saw it."""
+
+
 def _connect(path: str, timeout_s: float) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(max(timeout_s, 1e-3))
@@ -72,7 +77,7 @@ def _connect(path: str, timeout_s: float) -> socket.socket:
         raise LocalRpcAbsent(path) from None
     except (ConnectionRefusedError, OSError) as e:
         s.close()
-        raise LocalRpcStatus(_UNAVAILABLE, f"local RPC socket {path}: {e}") from None
+        raise LocalRpcNotSent(_UNAVAILABLE, f"local RPC socket {path}: {e}") from None
     return s
 
 
@@ -119,6 +124,17 @@ def _read_frame(
     if body:
         _read_exact(s, memoryview(body), deadline, look_up)
     return call_id, status, bytes(body)
+
+
+def _deliver(on_done: Callable[[int, bytes], None], status: int, body: bytes, call_id: int) -> None:
+    """Runs a nowait call's callback on the reader thread; what it raises is logged, never let
+    out: it once ended the reader, and with it the connection and every other call in flight on
+    it (failed UNAVAILABLE, their answers lost; a Load so failed holds its blocks as "answer
+    lost")."""
+    try:
+        on_done(status, body)
+    except Exception:  # noqa: BLE001 - the reader serves every call of the connection
+        log.exception("local RPC call %d: its callback raised (status %d)", call_id, status)
 
 
 class _ThreadSock:
@@ -215,12 +231,12 @@ class LocalRpc:
         return t.conn.sock, False
 
     def call(self, method: int, payload: bytes, timeout_s: float) -> bytes:
-        """One blocking call; returns the response bytes or raises LocalRpcStatus /
-        LocalRpcAbsent (nothing was sent)."""
+        """One blocking call; returns the response bytes or raises LocalRpcStatus
+        (LocalRpcNotSent: the server never saw it) / LocalRpcAbsent (nothing was sent)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._closed:
-                raise LocalRpcStatus(_CANCELLED, "client is closed")
+                raise LocalRpcNotSent(_CANCELLED, "client is closed")
             self._forked()
         s, fresh = self._conn(timeout_s)
         call_id = self._id()
@@ -239,7 +255,7 @@ class LocalRpc:
                 try:
                     s, _ = self._conn(max(deadline - time.monotonic(), 1e-3))
                 except LocalRpcAbsent:  # the server is down (its socket file went with it)
-                    raise LocalRpcStatus(
+                    raise LocalRpcNotSent(
                         _UNAVAILABLE, f"local RPC connection to {self.path} closed, and the socket is gone"
                     ) from None
                 s.settimeout(max(deadline - time.monotonic(), 1e-3))
@@ -266,10 +282,10 @@ class LocalRpc:
     ) -> None:
         """Sends the call and returns; `on_done(status, body)` runs on the reader thread
         once it is answered, or with DEADLINE_EXCEEDED / UNAVAILABLE. Raises
-        LocalRpcAbsent (nothing sent) or LocalRpcStatus if it could not be sent."""
+        LocalRpcAbsent or LocalRpcNotSent (nothing sent), or LocalRpcStatus if sending failed."""
         with self._alock:
             if self._closed:
-                raise LocalRpcStatus(_CANCELLED, "client is closed")
+                raise LocalRpcNotSent(_CANCELLED, "client is closed")
             self._forked()
             if self._asock is None:
                 self._asock = _connect(self.path, timeout_s)
@@ -348,7 +364,7 @@ class LocalRpc:
                 with self._alock:
                     entry = self._pending.pop(call_id, None)
                 if entry is not None:
-                    entry[1](status, body)
+                    _deliver(entry[1], status, body, call_id)
                 self._expire(time.monotonic())
         except (OSError, ValueError) as e:  # ValueError: a socket closed under it
             why = str(e)
@@ -367,17 +383,17 @@ class LocalRpc:
             rs.close()
             wake_r.close()
             wake_w.close()
-            for _, cb, _ in pending.values():
-                cb(_UNAVAILABLE, f"local RPC connection to {self.path} ended: {why}".encode())
+            for k, (_, cb, _) in pending.items():
+                _deliver(cb, _UNAVAILABLE, f"local RPC connection to {self.path} ended: {why}".encode(), k)
 
     def _expire(self, now: float) -> float:
         """Fails the nowait calls due by `now`; returns the earliest deadline still in flight."""
         with self._alock:
             late = [k for k, (d, _, _) in self._pending.items() if d <= now]
-            cbs = [self._pending.pop(k)[1] for k in late]
+            cbs = [(k, self._pending.pop(k)[1]) for k in late]
             due = min((d for d, _, _ in self._pending.values()), default=math.inf)
-        for cb in cbs:
-            cb(_DEADLINE_EXCEEDED, b"no answer before the deadline")
+        for k, cb in cbs:
+            _deliver(cb, _DEADLINE_EXCEEDED, b"no answer before the deadline", k)
         return due
 
     def close(self) -> None:

@@ -79,6 +79,15 @@ def held_by_another_engine(e: PegaflowError) -> bool:
     return e.code == grpc.StatusCode.FAILED_PRECONDITION and HELD_BY_ANOTHER_ENGINE in e.details
 
 
+def _event_text(ev: pb.SessionEvent) -> str:
+    """A session event as words: its kind's name, or its number for a kind this client does not
+    know (a newer server's; `Kind.Name` raised ValueError there, which ended the session thread:
+    the rank was never registered again)."""
+    kind = pb.SessionEvent.Kind
+    name = kind.Name(ev.kind) if ev.kind in kind.values() else f"session event kind {ev.kind}"
+    return name + (f": {ev.message}" if ev.message else "")
+
+
 class _Closed(Exception):
     """close() ran while a session opened (KvRegistration._open_session)."""
 
@@ -131,6 +140,8 @@ class KvRegistration:
         #: the session presents. None before the first answer (or from a server without tokens).
         self.registration_token: Optional[str] = None
         self._stats = {"registrations": 0, "disconnects": 0, "register_failures": 0}
+        # RegisterContexts answered with a new registration (not ALREADY_EXISTS): see registered_anew.
+        self._anew = 0
 
     # ---- facts --------------------------------------------------------------
 
@@ -155,6 +166,20 @@ class KvRegistration:
 
     def wait_connected(self, timeout_s: float) -> bool:
         return self._up.wait(timeout_s)
+
+    @property
+    def sessions_lost(self) -> int:
+        """How many times this rank's session ended. A Load sent before a change went to a server
+        whose session with this rank is gone: it died, or it is cleaning the instance up."""
+        return self._stats["disconnects"]
+
+    @property
+    def registered_anew(self) -> int:
+        """How many RegisterContexts made a new registration of this rank (the first one
+        included). A change since a Load was sent means the server that took it no longer holds
+        that registration: it died (its copies with it), or it cleaned the instance up, which
+        drains the instance's copies first. Either way no byte of that Load lands any more."""
+        return self._anew
 
     def stats(self) -> Dict[str, int]:
         with self._lock:
@@ -182,6 +207,8 @@ class KvRegistration:
             self.registration_token = registration_token_in(e) or self.registration_token
             raise
         self.registration_token = res.registration_token or None
+        with self._lock:
+            self._anew += 1
         return res
 
     def register(self) -> Optional[pb.RegisterContextResponse]:
@@ -287,7 +314,7 @@ class KvRegistration:
             with self._lock:
                 self._stats["disconnects"] += 1
             why = (
-                pb.SessionEvent.Kind.Name(ev.kind) + (f": {ev.message}" if ev.message else "")
+                _event_text(ev)
                 if ev is not None
                 else (str(self._session.error) if self._session.error else "stream ended")
             )

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import grpc
 
+from ..client import CallNotSent
 from ..errors import PegaflowError
 from ..load_state import LoadState
 
@@ -27,6 +28,15 @@ MAYBE_ACCEPTED = (
     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
 )
+
+
+def maybe_accepted(e: PegaflowError) -> bool:
+    """Whether the failed call (a Load, a query that carried loads) may have reached the server,
+    whose copy may then still run: a MAYBE_ACCEPTED status, unless the client knows it never
+    left this process (CallNotSent: no server could be reached). A Load sent while no server was
+    up once held its request's blocks, and a probe's staging run, for 3 load timeouts."""
+    return e.code in MAYBE_ACCEPTED and not isinstance(e, CallNotSent)
+
 
 #: The state a Load's sender writes when the Load ended with a MAYBE_ACCEPTED status (its answer
 #: was lost): the load failed for the engine (its blocks are recomputed), but the server may

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..client import PegaflowClient, QueryResult
 from ..errors import PegaflowError
 from ..load_state import LoadState
-from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, FreshStates, unlink_shm
+from .lifecycle import LINGER_LOAD_TIMEOUTS, FreshStates, maybe_accepted, unlink_shm
 from .staging import StagingRoom
 
 log = logging.getLogger("pegaflow.connector")
@@ -104,7 +104,7 @@ class QueryIssuer:
                 load_into=range(first, first + len(hashes)), load_states={r: st.name for r, st in states.items()},
             )
         except PegaflowError as e:
-            if e.code in MAYBE_ACCEPTED:
+            if maybe_accepted(e):
                 self._drain(rid, states)
             else:  # refused before any load: nothing will ever write the run
                 self._discard(rid, states)

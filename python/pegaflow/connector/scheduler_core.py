@@ -48,7 +48,7 @@ from ..client import PegaflowClient, QueryResult
 from ..errors import PegaflowError
 from ..load_state import STATE_REJECTED, LoadState
 from ..registration import held_by_another_engine
-from .lifecycle import MAYBE_ACCEPTED, STATE_ANSWER_LOST, FreshStates, give_lease_back, unlink_shm
+from .lifecycle import STATE_ANSWER_LOST, FreshStates, give_lease_back, maybe_accepted, unlink_shm
 from .plan import (
     ASYNC,
     ISSUER_QUERY,
@@ -437,13 +437,14 @@ class SchedulerCore:
 
             def answered(err: Optional[PegaflowError], st: LoadState = st, rank=(tp_rank, pp_rank)) -> None:
                 if err is not None:
-                    st.mark_failed(STATE_ANSWER_LOST if err.code in MAYBE_ACCEPTED else STATE_REJECTED)
+                    lost = maybe_accepted(err)
+                    st.mark_failed(STATE_ANSWER_LOST if lost else STATE_REJECTED)
                     self._count("load_issue_errors")
                     log.warning(
                         "request %s: Load of tp_rank %d pp_rank %d failed (recomputed): %s",
                         intent.request_id, rank[0], rank[1], err,
                     )
-                    if err.code not in MAYBE_ACCEPTED:
+                    if not lost:
                         self._give_back(intent)  # a refused Load leaves its lease as it was
                 st.close()
                 self._passed(st.name, 0)

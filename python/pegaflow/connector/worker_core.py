@@ -27,7 +27,7 @@ from ..gpu_wait import GpuWaits
 from ..load_state import STATE_PENDING, LoadState
 from ..regions import export_kv_layers
 from ..registration import KvRegistration
-from .lifecycle import LINGER_LOAD_TIMEOUTS, MAYBE_ACCEPTED, STATE_ANSWER_LOST, give_lease_back
+from .lifecycle import LINGER_LOAD_TIMEOUTS, STATE_ANSWER_LOST, give_lease_back, maybe_accepted
 from .plan import ASYNC, LAYERWISE, MODES, LoadIntent, SaveIntent, StepPlan
 from .staging import StagingBuffers, staging_instance
 
@@ -73,6 +73,11 @@ class _Load:
     index: Any = None  # staged: the request's blocks as the scatter's index
     scattered: int = 0  # staged: layers already scattered into the request's blocks
     gpu: bool = False  # its layer waits are enqueued on the GPU stream (gpu_wait.py)
+    # The registration of the instance the Load targets, and its counters when the load began
+    # (_server_gone, _server_forgot).
+    reg: Optional[KvRegistration] = None
+    lost: int = 0
+    anew: int = 0
 
 
 @dataclass
@@ -293,6 +298,27 @@ class WorkerCore:
             self._pending[rid] += 1
             self._saving.add(rid)
 
+    @staticmethod
+    def _server_gone(ld: _Load) -> Optional[str]:
+        """Why no server will write a pending load's state any more, or None: the session of the
+        rank the Load targets ended since it was sent (the server died, or it is cleaning the
+        instance up, which settles the state). Its wait ends then (a server gone mid-load once
+        held a layer-wise forward until the load timeout, 60 s by default); what it may still
+        write stays held, as after a deadline, until the state settles or `_server_forgot`."""
+        r = ld.reg
+        if r is None or (r.connected and r.sessions_lost == ld.lost):
+            return None
+        why = r.last_error or "disconnected"
+        return f"{r.who}: its session with the server ended after the Load was sent ({why})"
+
+    @staticmethod
+    def _server_forgot(ld: _Load) -> bool:
+        """The rank was registered anew since the load's Load was sent: the server that took it no
+        longer holds that registration (it died, or it cleaned the instance up after draining its
+        copies), so nothing will write what the load targets any more. A load lost with its
+        server once kept its request's blocks (and a preemption's wait) for 3 load timeouts."""
+        return ld.reg is not None and ld.reg.registered_anew != ld.anew
+
     def _unhold(self, ld: _Load) -> None:
         if not ld.held:
             return
@@ -347,19 +373,30 @@ class WorkerCore:
         keep: List[_Load] = []
         for ld in self._lingering:
             unsettled = _unsettled(ld.state)
-            if unsettled and now < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
+            forgot = unsettled and self._server_forgot(ld)
+            if unsettled and not forgot and now < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
                 keep.append(ld)
                 continue
             if unsettled:
-                self._count("loads_abandoned", 1)
-                log.warning(
-                    "load for %s: state %s still pending %d load timeouts after it started; its blocks are "
-                    "released", ld.intent.request_id, ld.state.name, LINGER_LOAD_TIMEOUTS,
-                )
+                self._abandoned(ld, forgot)
             self._let_go(ld.state, reuse=False)
             ld.state = None
             self._unhold(ld)
         self._lingering = keep
+
+    def _abandoned(self, ld: _Load, forgot: bool) -> None:
+        """Counts and logs a load whose state never settled, let go."""
+        self._count("loads_abandoned", 1)
+        if forgot:
+            log.warning(
+                "load for %s: state %s never settled; %s was registered anew since (the server that took the "
+                "Load is gone): its blocks are released", ld.intent.request_id, ld.state.name, ld.reg.who,
+            )
+        else:
+            log.warning(
+                "load for %s: state %s still pending %d load timeouts after it started; its blocks are "
+                "released", ld.intent.request_id, ld.state.name, LINGER_LOAD_TIMEOUTS,
+            )
 
     def _fail(self, ld: _Load, why: str) -> None:
         if not ld.failed:
@@ -378,7 +415,10 @@ class WorkerCore:
             return
         reg = self._reg()
         for intent in plan.loads:
+            reg_of_load = self.staging_registration if intent.scatter_to is not None else reg
             ld = _Load(intent, None, at=time.monotonic())
+            if reg_of_load is not None:
+                ld.reg, ld.lost, ld.anew = reg_of_load, reg_of_load.sessions_lost, reg_of_load.registered_anew
             if self.mode == ASYNC:
                 self._async_loads[intent.request_id] = ld
             else:
@@ -386,7 +426,6 @@ class WorkerCore:
             self._hold(ld)
             if intent.scatter_to is not None and not self._stage(ld):
                 continue
-            reg_of_load = self.staging_registration if intent.scatter_to is not None else reg
             if intent.states is not None:
                 if reg_of_load is not None and not reg_of_load.connected:
                     self._not_registered(ld, reg_of_load)
@@ -412,7 +451,7 @@ class WorkerCore:
                 self._count("load_blocks", len(intent.block_ids))
             except PegaflowError as e:
                 self._fail(ld, str(e))
-                if e.code in MAYBE_ACCEPTED:
+                if maybe_accepted(e):
                     # It may have reached the server, whose copy may still land: failed for the
                     # engine, but its state stays mapped and what it may write held until the
                     # server settles it (layer-wise: lingering; async: get_finished waits).
@@ -520,7 +559,7 @@ class WorkerCore:
                     continue
                 ld.gpu = False
             try:
-                ld.state.wait_layer(idx, self._left(ld))
+                ld.state.wait_layer(idx, self._left(ld), lambda: self._server_gone(ld))
                 self._scatter(ld, idx)
             except PegaflowLoadError as e:
                 ld.timed_out = _maybe_landing(e)
@@ -545,7 +584,7 @@ class WorkerCore:
         for ld in self.step_loads:
             if not ld.done and ld.state is not None and not ld.failed:
                 try:
-                    ld.state.wait_all(self._left(ld))
+                    ld.state.wait_all(self._left(ld), lambda: self._server_gone(ld))
                     ld.done = True
                     if ld.state.released:
                         # Let go at its deadline (the watchdog) before it reported done: the
@@ -738,15 +777,17 @@ class WorkerCore:
                 if not ld.done and ld.state is not None:
                     ok = ld.state.poll()
                     if _unsettled(ld.state):
-                        if ok is None and self._left(ld) > 0:
+                        gone = self._server_gone(ld) if ok is None else None
+                        if ok is None and self._left(ld) > 0 and gone is None:
                             continue
                         if ok is None:
-                            self._fail(ld, f"not done after {self.load_timeout_s} s")
+                            self._fail(ld, gone or f"not done after {self.load_timeout_s} s")
                         else:  # the answer of its Load was lost (already failed)
                             self._fail(ld, f"the answer of its Load was lost (state {ld.state.name})")
-                        if time.monotonic() < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
+                        forgot = self._server_forgot(ld)
+                        if not forgot and time.monotonic() < ld.at + self.load_timeout_s * LINGER_LOAD_TIMEOUTS:
                             continue  # its copy may still land: the request keeps its blocks
-                        self._count("loads_abandoned", 1)
+                        self._abandoned(ld, forgot)
                     else:
                         ld.done = True
                         if not ok:
