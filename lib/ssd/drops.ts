@@ -96,8 +96,7 @@ export class SsdDrops {
     if (sites.length === 0) return 0;
     if (this.#closed) {
       this.#log.warn("SSD drop after close: not padded, indexed again at a restart", {
-        block: sites[0].block.key,
-        namespace: sites[0].block.namespace,
+        ...this.#pads.site(sites[0]),
         blocks: sites.length,
       });
       return sites.length;

@@ -46,9 +46,12 @@ export interface SsdPadStats {
   writePads: number;
   /** Pads that could not be written (the records after each such gap are lost at a restart). */
   writePadFailures: number;
-  /** Pads written over dropped blocks' records (a restart does not index them again). */
+  /** Pads written over dropped blocks' records and synced (a restart does not index them again). */
   dropPads: number;
-  /** Drop pads that could not be written (that block's record comes back at a restart). */
+  /**
+   * Drop pads that could not be written, or whose file's sync failed (that block's record may
+   * come back at a restart).
+   */
   dropPadFailures: number;
 }
 
@@ -76,6 +79,8 @@ export class SsdPads {
   readonly #files: readonly CacheFile[];
   readonly #log: Logger;
   readonly #chunk: number;
+  /** File → syncs after a drop's pads not returned yet. */
+  readonly #syncing = new Map<number, number>();
 
   /** `chunk`: pads per io batch (bounded by the header arena). */
   constructor(io: SsdIo, files: readonly CacheFile[], log: Logger, chunk: number) {
@@ -104,13 +109,13 @@ export class SsdPads {
 
   /**
    * Pads over dropped blocks' records, then syncs the files they lie in. A
-   * pad not written (or not synced) is logged with the block, file and
-   * offset: that record is indexed again at a restart. Never throws.
+   * pad not written, or written to a file whose sync failed, is logged with
+   * the block, file and offset and counted as a failure: that record may be
+   * indexed again at a restart (a failed `fdatasync` may have lost it). Never
+   * throws.
    */
   async dropped(sites: readonly PadSite[]): Promise<void> {
     const failed = await this.#write(sites);
-    this.#s.dropPads += sites.length - failed.length;
-    this.#s.dropPadFailures += failed.length;
     for (const f of failed) {
       this.#log.error(
         "SSD dropped block could not be padded: its record is indexed again at a restart",
@@ -118,9 +123,25 @@ export class SsdPads {
       );
     }
     const bad = new Set(failed.map((f) => f.site));
-    const files = new Map<number, PadSite>(); // file → a site padded there (to name)
-    for (const s of sites) if (!bad.has(s)) files.set(s.seg.file, s);
-    await Promise.all([...files].map(([file, site]) => this.#sync(file, site, files.size)));
+    const byFile = new Map<number, PadSite[]>(); // file → the sites padded there
+    for (const s of sites) {
+      if (bad.has(s)) continue;
+      const padded = byFile.get(s.seg.file);
+      if (padded) padded.push(s);
+      else byFile.set(s.seg.file, [s]);
+    }
+    const unsynced = await Promise.all(
+      [...byFile].map(([file, padded]) => this.#sync(file, padded)),
+    );
+    const lost = failed.length + unsynced.reduce((n, u) => n + u, 0);
+    this.#s.dropPads += sites.length - lost;
+    this.#s.dropPadFailures += lost;
+  }
+
+  /** The ids of `site` for a log line: its block, namespace, file path and offset. */
+  site(site: PadSite): { block: string; namespace: string; path: string; offset: number } {
+    const { block, namespace, path, offset } = this.#where({ site, error: "" });
+    return { block, namespace, path, offset };
   }
 
   /** Counters. */
@@ -128,14 +149,30 @@ export class SsdPads {
     return { ...this.#s };
   }
 
-  async #sync(file: number, site: PadSite, files: number): Promise<void> {
+  /** The files whose sync after a drop's pads has not returned yet (what a give-up names). */
+  syncing(): string[] {
+    return [...this.#syncing.keys()].map((file) => this.#files[file].path);
+  }
+
+  /**
+   * fdatasync of `file` after the pads `padded`; returns how many of them it
+   * did not make durable (all when it failed, logged with the first one's ids).
+   */
+  async #sync(file: number, padded: readonly PadSite[]): Promise<number> {
+    this.#syncing.set(file, (this.#syncing.get(file) ?? 0) + 1);
     try {
       await this.#io.uring.sync(this.#files[file].handle);
+      return 0;
     } catch (e) {
       this.#log.error(
-        "SSD drop not synced: a dropped block may be indexed again after a power loss",
-        { ...this.#where({ site, error: errorText(e) }), files },
+        "SSD drop not synced: dropped blocks may be indexed again after a power loss",
+        { ...this.#where({ site: padded[0], error: errorText(e) }), blocks: padded.length },
       );
+      return padded.length;
+    } finally {
+      const n = this.#syncing.get(file)! - 1;
+      if (n > 0) this.#syncing.set(file, n);
+      else this.#syncing.delete(file);
     }
   }
 

@@ -11,12 +11,14 @@
  * read there (only the verified prefix before it is delivered), is dropped
  * from the index, counted and logged. So does a block whose commit throws
  * (the commit has taken its space all the same: it is not freed after).
- * A free that throws is logged; the read still ends.
+ * A block dropped (a discard, drops.ts) while it was read is a miss there
+ * too, neither delivered nor counted as damage (logged with its ids). A free
+ * that throws is logged; the read still ends.
  *
  * @module
  */
 
-import { decodeHeader } from "./format.ts";
+import { decodeHeader, isPad } from "./format.ts";
 import type { IoBatchResult, SsdIo } from "./io.ts";
 import type { SsdIndex, SsdLocation } from "./index.ts";
 import type { CacheFile } from "./cache_files.ts";
@@ -246,6 +248,15 @@ export class PrefetchReader {
       return false;
     }
     const h = decodeHeader(r.header(i));
+    if (typeof h !== "string" && (isPad(h) || h.key === key) && this.#index.get(key) !== loc) {
+      // Dropped while read (a discard): its pad landed first, or is still to land over the
+      // record read whole. Neither damage nor a block to deliver: a miss, not counted.
+      this.#log.info("SSD block dropped while it was read: served as a miss", {
+        block: key,
+        ...where,
+      });
+      return false;
+    }
     let problem = "";
     if (typeof h === "string") problem = `header ${h}`;
     else if (h.key !== key) problem = `header holds block ${h.key} (the segment was reused)`;

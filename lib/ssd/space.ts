@@ -160,6 +160,9 @@ export class SegmentRing {
       this.#head = next.id;
       seg = next;
     }
+    // A fill's first record opens it: a restart's scan starts a chain only at a record whose seq
+    // is its epoch (a fresh ring's head was opened at a seq that a refused record may have used).
+    if (seg.fill === 0) seg.epoch = seq;
     const fileOffset = seg.fileOffset + seg.fill;
     seg.fill += bytes;
     seg.inflightWrites++;

@@ -37,6 +37,8 @@ export interface SsdWorkLeft {
   writeInflight: number;
   prefetchQueued: number;
   prefetchInflight: number;
+  /** Files whose fdatasync after a drop's pads (pads.ts) has not returned. */
+  padSyncs?: readonly string[];
 }
 
 /** The call a close is in, and the files it is on: what a close past its deadline names. */
@@ -108,10 +110,10 @@ export class SsdStallWatch {
     const ended = p.then(() => "ended" as const, () => "ended" as const);
     const why = await Promise.race([ended, this.#stalled, late]).finally(() => clearTimeout(timer));
     if (why === "ended") return undefined;
-    const w = this.#work();
+    const { padSyncs: _, ...w } = this.#work();
     const o = this.#io.oldestOutstanding();
     const waited = Math.round(performance.now() - t0);
-    const call = o ? undefined : this.#syncing;
+    const call = o ? undefined : this.#call();
     const msg =
       `SSD ${what} gave up after ${waited} ms (${
         why === "stalled" ? "the io is stalled" : `deadline ${this.#timeoutMs} ms`
@@ -150,10 +152,19 @@ export class SsdStallWatch {
     if (failures.length > 0) throw failures[0];
   }
 
-  /** The {@link syncEach} call that has not returned, in words; undefined when none. */
+  /**
+   * The fdatasync that has not returned ({@link syncEach}'s, else one after a
+   * drop's pads), in words; undefined when none.
+   */
   inCall(): string | undefined {
-    const c = this.#syncing;
+    const c = this.#call();
     return c && `${c.op} of ${[...c.paths].join(", ")} did not return`;
+  }
+
+  #call(): ClosingCall | undefined {
+    if (this.#syncing) return this.#syncing;
+    const pads = this.#work().padSyncs;
+    return pads?.length ? { op: "fdatasync after a drop's pads", paths: pads } : undefined;
   }
 
   /**

@@ -148,6 +148,7 @@ export class SsdTier {
         writeInflight: w.writeInflight,
         prefetchQueued: p.prefetchQueueDepth,
         prefetchInflight: p.prefetchInflight,
+        padSyncs: this.#writer.padSyncs(),
       };
     });
     const degraded = () => this.#stall.degraded;

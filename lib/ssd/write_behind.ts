@@ -458,6 +458,11 @@ export class SsdWriter {
     };
   }
 
+  /** The files whose fdatasync after a drop's pads has not returned (what a give-up names). */
+  padSyncs(): string[] {
+    return this.#pads.syncing();
+  }
+
   /** Stops accepting batches; resolves when the accepted ones and the drops' pads have ended. */
   async close(): Promise<void> {
     this.#closed = true;
