@@ -41,7 +41,8 @@ class Req:
     def __init__(self, rid: str, hashes: list[bytes]):
         self.request_id = rid
         self.block_hashes = hashes
-        self.num_tokens = (len(hashes) + 1) * BLOCK_TOKENS
+        # Whole blocks plus the token the engine always computes: every hash is of a full block.
+        self.num_tokens = len(hashes) * BLOCK_TOKENS + 1
 
 
 def evict(server: DevServer, written: float, deadline_s: float = 120.0) -> None:
@@ -57,11 +58,12 @@ def evict(server: DevServer, written: float, deadline_s: float = 120.0) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog=f"Prints a table and writes {os.path.join(HERE, 'results', 'loading-poll.json')}.",
+        epilog="Prints a table and writes --out (default bench/results/loading-poll.json).",
     )
     ap.add_argument("--blocks", type=int, default=256, help="prefix length in blocks (2 MiB each)")
     ap.add_argument("--runs", type=int, default=3, help="runs per setting, alternated")
     ap.add_argument("--settings", default="0,2", help="loading_retry_ms values to compare")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "loading-poll.json"), help="the JSON to write")
     a = ap.parse_args()
     settings = [int(x) for x in a.settings.split(",")]
     block_bytes = LAYERS * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2
@@ -106,6 +108,8 @@ def main() -> None:
                     time.sleep(STEP_S)
                 wall, cpu = time.monotonic() - t0, server.cpu_seconds() - c0
                 core.request_finished(req)
+                if n // BLOCK_TOKENS != a.blocks:  # a miss measures nothing: stop, naming it
+                    raise RuntimeError(f"{req.request_id}: {n // BLOCK_TOKENS} of {a.blocks} blocks hit")
                 rows.append({
                     "loading_retry_ms": ms, "run": run, "hit_blocks": n // BLOCK_TOKENS, "calls": calls,
                     "queries": core.stats["queries"], "deferred": core.stats["query_loading_deferred"],
@@ -134,7 +138,7 @@ def main() -> None:
         summary[ms] = {k: med(ms, k) for k in ("queries", "ready_ms", "server_cpu_ms")}
         print(f"{ms:>16} {summary[ms]['queries']:>8} {summary[ms]['ready_ms']:>9.1f} "
               f"{summary[ms]['server_cpu_ms']:>14.1f}")
-    out = os.path.join(HERE, "results", "loading-poll.json")
+    out = a.out
     with open(out, "w") as f:
         json.dump({
             "command": "python3 bench/loading_poll.py " + " ".join(sys.argv[1:]),

@@ -117,6 +117,7 @@ export function table(rows: Row[]): string {
     "wall GB/s",
     "p50 ms",
     "p99 ms",
+    "first ms",
     "peak",
     "ratio",
     "huge",

@@ -62,7 +62,9 @@ if (blocks < 1) {
 const client = new PegaflowClient(o.addr);
 const health = await client.health().catch((e) => {
   console.error(
-    `cannot reach the server at ${o.addr}: ${(e as Error).message}\nstart it with: deno task serve`,
+    `cannot reach the server at ${o.addr}: ${
+      (e as Error).message
+    }\nstart it with: deno task serve --addr ${o.addr}`,
   );
   Deno.exit(1);
 });
@@ -77,6 +79,19 @@ const sim = SimEngine.create({
   backend: o.backend,
 });
 let session: ReturnType<typeof client.openSession> | undefined;
+// Ctrl-C or SIGTERM mid-run: the engine's KV regions are shm files that outlive the process
+// unless closed (a 100K-token demo leaves GiBs in /dev/shm). Close them, then exit as a signal would.
+const stop = (signal: Deno.Signal, code: number) => () => {
+  session?.close();
+  sim.close();
+  client.close();
+  console.error(`demo stopped by ${signal}: its shared-memory regions were removed`);
+  Deno.exit(code);
+};
+const onInt = stop("SIGINT", 130);
+const onTerm = stop("SIGTERM", 143);
+Deno.addSignalListener("SIGINT", onInt);
+Deno.addSignalListener("SIGTERM", onTerm);
 const mb = (n: number) => (n / 2 ** 20).toFixed(1);
 const rows: {
   request: string;
@@ -147,6 +162,8 @@ try {
   console.log(`hit rate ${(100 * hits / asked).toFixed(1)}% (${hits}/${asked} blocks)`);
   await client.unregisterContext(instanceId);
 } finally {
+  Deno.removeSignalListener("SIGINT", onInt);
+  Deno.removeSignalListener("SIGTERM", onTerm);
   session?.close();
   sim.close();
   client.close();
