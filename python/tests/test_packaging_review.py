@@ -247,12 +247,18 @@ def test_readme_install_commands_work_offline(readme_venv):
     assert where.startswith(site) and site.startswith(readme_venv["tmp"]), r.stdout
 
 
-def test_readme_client_example_runs(readme_venv, server, uid):
+def test_readme_client_example_runs(readme_venv, server):
+    """As written, and twice against one server: a second run once loaded the first run's bytes
+    (same instance, namespace and hashes: its Save was skipped as held) and failed its check."""
     code = _readme_block("Client", "python")
-    code = code.replace('instance_id="inst"', f'instance_id="{uid}"').replace('namespace="ns"', f'namespace="{uid}-ns"')
     path = os.path.join(readme_venv["tmp"], "readme_client.py")
     with open(path, "w") as f:
         f.write(code)
+    _run_readme_client(readme_venv, server, path)
+    _run_readme_client(readme_venv, server, path)
+
+
+def _run_readme_client(readme_venv, server, path):
     p = subprocess.Popen([readme_venv["python"], "-I", path], cwd=readme_venv["tmp"],
                          env=_offline_env(PEGAFLOW_ADDR=server.addr), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
