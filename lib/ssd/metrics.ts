@@ -90,7 +90,11 @@ const COUNTERS: [string, string, CounterKey][] = [
     "prefetches stopped at a block another layout of its namespace wrote (served as a miss)",
     "layoutMismatches",
   ],
-  ["pegaflow_ssd_segments_reused_total", "segments overwritten (oldest first)", "segmentsReused"],
+  [
+    "pegaflow_ssd_segments_reused_total",
+    "segments overwritten (oldest first) while they held records; a fresh file's first fill is not counted",
+    "segmentsReused",
+  ],
   [
     "pegaflow_ssd_io_stalls_total",
     "io batches outstanding past the stall deadline (a hung disk: the tier degrades)",

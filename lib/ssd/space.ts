@@ -153,7 +153,9 @@ export class SegmentRing {
       const next = this.segments[(this.#head + 1) % this.segments.length];
       if (next.inflightWrites > 0) return "next-segment-busy";
       this.#onReuse(next);
-      this.reuses++;
+      // Overwritten only if it held records (this run's, or found at open): a fresh file's
+      // segments are filled for the first time, which drops nothing.
+      if (next.fill > 0) this.reuses++;
       next.keys.clear();
       next.epoch = seq;
       next.fill = 0;
