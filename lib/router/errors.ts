@@ -93,6 +93,26 @@ export function errorResponse(err: RouterError, requestId?: string): Response {
   return new Response(JSON.stringify(err.toBody()), { status: err.status, headers });
 }
 
+/**
+ * What a client whose request the router's shutdown cut is told (its grace period for open
+ * requests ended): in a 503 `router_shutting_down` before D answered, in an SSE error event after.
+ */
+export function shutdownMessage(phase: Role, backendUrl: string, requestId: string): string {
+  return `the router is shutting down and cut the request during ${phase} on ${backendUrl} ` +
+    `(request ${requestId}): its grace period for open requests ended; send it again`;
+}
+
+/** The 503 for a request the router's shutdown cut before D answered. */
+export function shuttingDown(phase: Role, backendUrl: string, requestId: string): RouterError {
+  return new RouterError(
+    503,
+    "server_error",
+    shutdownMessage(phase, backendUrl, requestId),
+    null,
+    "router_shutting_down",
+  );
+}
+
 /** Thrown when the client went away; the caller answers nothing more. */
 export class ClientGone extends Error {
   constructor(phase: Role) {

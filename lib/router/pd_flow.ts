@@ -2,11 +2,11 @@
  * The prefill → decode hand-off for one request.
  *
  * 1. P gets a copy of the request with `max_tokens: 1` (and `max_completion_tokens: 1` when the
- *    client set it), `stream: false`, no `stream_options`, and `kv_transfer_params` asking for
- *    `do_remote_decode` — vLLM's disaggregated-serving contract. P's answer means its KV is saved
- *    (the synchronous hand-off; see docs/router.md).
- * 2. D gets the original request, plus P's `kv_transfer_params` when P returned any, under the
- *    same `X-Request-Id`. D's response is relayed to the client chunk by chunk as it arrives.
+ *    client set it, `min_tokens` at most 1), `stream: false`, no `stream_options`, and
+ *    `kv_transfer_params` asking for `do_remote_decode` — vLLM's disaggregated-serving contract.
+ *    P's answer means its KV is saved (the synchronous hand-off; see docs/router.md).
+ * 2. D gets the original request (its bytes), plus P's `kv_transfer_params` when P returned any,
+ *    under the same `X-Request-Id`. D's response is relayed to the client as it arrives.
  *
  * P is retried once, on another backend when there is one, after a connection failure or a
  * 502/503/504. D is retried once only when its connection failed before D answered anything:
@@ -18,7 +18,8 @@
  * only: the same one would answer the same. A P error that is not transient (4xx, 500) is the
  * client's answer as it stands, and D is not called.
  *
- * Relaying D's body once it answered is lib/router/relay.ts's job.
+ * What P and D are sent (bodies, headers) is lib/router/upstream_bodies.ts's job; relaying D's
+ * body once it answered is lib/router/relay.ts's.
  *
  * Both phases run through one helper, `withOneRetry`: a phase's attempt says "done" or "retry"
  * (with whether the same backend may take the retry); the helper owns picking, the one-retry
@@ -28,7 +29,7 @@
  */
 
 import type { Backend, BackendPool, Role } from "./backend_pool.ts";
-import { ClientGone, RouterError } from "./errors.ts";
+import { ClientGone, RouterError, shuttingDown } from "./errors.ts";
 import { describeError } from "./health.ts";
 import type { Logger } from "../log.ts";
 import type { RouterMetrics } from "./metrics.ts";
@@ -41,6 +42,7 @@ import {
   UpstreamLink,
 } from "./upstream.ts";
 import { BodyError, readBodyLimited } from "../http/body.ts";
+import { decodePayload, prefillPayload, upstreamHeaders } from "./upstream_bodies.ts";
 
 /** Largest prefill answer read (a max_tokens=1 completion is a few KiB). */
 const MAX_PREFILL_ANSWER_BYTES = 16 * 1024 * 1024;
@@ -89,55 +91,6 @@ export type PrefillResult =
   /** P refused the request (4xx/500): relay its answer, skip D. */
   | { kind: "refused"; status: number; body: string; contentType: string };
 
-/**
- * The `kv_transfer_params` sent to P: ask it to keep the KV for a remote decode. The null fields
- * are the ones P fills in its answer (vLLM's NIXL and PegaFlow connectors read this shape).
- */
-export const PREFILL_KV_TRANSFER_PARAMS: Readonly<JsonObject> = Object.freeze({
-  do_remote_decode: true,
-  do_remote_prefill: false,
-  remote_engine_id: null,
-  remote_block_ids: null,
-  remote_host: null,
-  remote_port: null,
-});
-
-const encoder = new TextEncoder();
-
-/**
- * Builds the body sent to P.
- *
- * @example
- * ```ts
- * prefillBody({ model: "m", prompt: "hi", max_tokens: 50, stream: true });
- * // { model: "m", prompt: "hi", max_tokens: 1, stream: false, kv_transfer_params: {...} }
- * ```
- */
-export function prefillBody(body: JsonObject): JsonObject {
-  const p: JsonObject = { ...body, max_tokens: 1, stream: false };
-  if ("max_completion_tokens" in p) p.max_completion_tokens = 1;
-  // vLLM rejects stream_options on a non-streaming request.
-  delete p.stream_options;
-  p.kv_transfer_params = { ...PREFILL_KV_TRANSFER_PARAMS };
-  return p;
-}
-
-/**
- * Headers of a request to P or D. `accept-encoding: identity` because fetch would otherwise offer
- * gzip and br, decode what a compressing engine (or a proxy before it) sends, and leave its
- * `content-encoding` on the response: relayed, that header would make clients decode plain bytes.
- * Uncompressed, D's bytes pass to the client as they are.
- */
-function upstreamHeaders(ctx: FlowContext): Headers {
-  const h = new Headers({
-    "content-type": "application/json",
-    "accept-encoding": "identity",
-    "x-request-id": ctx.requestId,
-  });
-  if (ctx.authorization !== null) h.set("authorization", ctx.authorization);
-  return h;
-}
-
 type Attempt =
   | { kind: "http"; status: number; text: string; contentType: string }
   | { kind: "timeout" }
@@ -177,7 +130,7 @@ async function withOneRetry<T>(
 ): Promise<T> {
   const tried = new Set<Backend>();
   const firstPick = pool.pick();
-  if (firstPick === undefined) throw noBackend(role, pool);
+  if (firstPick === undefined) throw noBackend(role, pool, ctx.requestId);
   let backend: Backend = firstPick;
   for (let n = 1;; n++) {
     tried.add(backend);
@@ -208,13 +161,13 @@ export async function runPrefill(
   ctx: FlowContext,
 ): Promise<PrefillResult> {
   const { prefill: pool, metrics } = deps;
-  const body = JSON.stringify(prefillBody(req.body));
+  const body = prefillPayload(req);
   return await withOneRetry<PrefillResult>("prefill", pool, deps, ctx, async (backend) => {
     const out = await prefillAttempt(deps, backend, req.route, body, ctx);
     if (out.kind === "http" && out.status >= 200 && out.status < 300) {
       let kvTransferParams: JsonObject | undefined;
       try {
-        kvTransferParams = readKvParams(out.text, backend);
+        kvTransferParams = readKvParams(out.text, backend, ctx.requestId);
       } catch (e) {
         metrics.upstreamFailures.inc({ role: "prefill", reason: "bad_response" });
         throw e;
@@ -293,7 +246,7 @@ async function prefillAttempt(
   try {
     const res = await fetch(backend.url + route, {
       method: "POST",
-      headers: upstreamHeaders(ctx),
+      headers: upstreamHeaders(ctx.requestId, ctx.authorization),
       body,
       signal: link.signal,
       client: deps.client,
@@ -311,6 +264,10 @@ async function prefillAttempt(
       if (e instanceof BodyError && e.status === 413) {
         return { kind: "oversized", message: e.message };
       }
+      // Not the client's body: P's answer broke off (a BodyError names a request body).
+      if (e instanceof BodyError && e.status === 400 && link.cause === null) {
+        return { kind: "network", failure: "network", message: cutAnswer(e) };
+      }
       throw e;
     }
     const text = decoder.decode(raw);
@@ -323,6 +280,7 @@ async function prefillAttempt(
     };
   } catch (e) {
     if (link.cause === "client_gone") throw new ClientGone("prefill");
+    if (link.cause === "shutdown") throw shuttingDown("prefill", backend.url, ctx.requestId);
     if (link.cause === "timeout") return { kind: "timeout" };
     const failure = classifyNetworkError(e);
     return { kind: "network", failure, message: failureMessage(failure, e) };
@@ -332,7 +290,14 @@ async function prefillAttempt(
   }
 }
 
-function readKvParams(text: string, backend: Backend): JsonObject | undefined {
+/** What a P answer whose body broke off mid-way is called (not the client's request body). */
+function cutAnswer(e: BodyError): string {
+  const cause = e.message.slice(e.message.lastIndexOf("): ") + 3);
+  return `the prefill answer's body was cut short (the connection ended before its ` +
+    `Content-Length, or its chunked encoding broke): ${cause}`;
+}
+
+function readKvParams(text: string, backend: Backend, requestId: string): JsonObject | undefined {
   let json: unknown;
   try {
     json = JSON.parse(text);
@@ -340,8 +305,8 @@ function readKvParams(text: string, backend: Backend): JsonObject | undefined {
     throw new RouterError(
       502,
       "server_error",
-      `prefill backend ${backend.url} returned a body that is not JSON (${describeError(e)}): ` +
-        snippet(text),
+      `prefill backend ${backend.url} returned a body that is not JSON (request ${requestId}; ` +
+        `${describeError(e)}): ${snippet(text)}`,
       null,
       "prefill_bad_response",
     );
@@ -367,9 +332,7 @@ export async function runDecode(
   onEnd: (status: number, outcome: RelayOutcome) => void,
 ): Promise<Response> {
   const { decode: pool, metrics } = deps;
-  const body: Uint8Array<ArrayBuffer> = kvTransferParams === undefined
-    ? req.raw
-    : encoder.encode(JSON.stringify({ ...req.body, kv_transfer_params: kvTransferParams }));
+  const body = decodePayload(req, kvTransferParams);
   return await withOneRetry<Response>("decode", pool, deps, ctx, async (backend) => {
     pool.acquire(backend);
     const link = new UpstreamLink(ctx.signal, deps.decodeTimeoutMs);
@@ -378,7 +341,7 @@ export async function runDecode(
     try {
       res = await fetch(backend.url + req.route, {
         method: "POST",
-        headers: upstreamHeaders(ctx),
+        headers: upstreamHeaders(ctx.requestId, ctx.authorization),
         body,
         signal: link.signal,
         client: deps.client,
@@ -387,6 +350,7 @@ export async function runDecode(
       link.dispose();
       pool.release(backend);
       if (link.cause === "client_gone") throw new ClientGone("decode");
+      if (link.cause === "shutdown") throw shuttingDown("decode", backend.url, ctx.requestId);
       if (link.cause === "timeout") {
         metrics.upstreamFailures.inc({ role: "decode", reason: "timeout" });
         throw new RouterError(
@@ -456,17 +420,17 @@ function logErrorAnswer(
  * Refuses up front when either pool has no backend in service, so a request that cannot finish
  * does not cost a prefill first.
  */
-export function checkCapacity(deps: FlowDeps): void {
-  if (deps.prefill.healthyCount() === 0) throw noBackend("prefill", deps.prefill);
-  if (deps.decode.healthyCount() === 0) throw noBackend("decode", deps.decode);
+export function checkCapacity(deps: FlowDeps, requestId: string): void {
+  if (deps.prefill.healthyCount() === 0) throw noBackend("prefill", deps.prefill, requestId);
+  if (deps.decode.healthyCount() === 0) throw noBackend("decode", deps.decode, requestId);
 }
 
-function noBackend(role: Role, pool: BackendPool): RouterError {
+function noBackend(role: Role, pool: BackendPool, requestId: string): RouterError {
   const reasons = pool.backends.map((b) => `${b.url} (${b.lastError ?? "out of service"})`);
   return new RouterError(
     503,
     "server_error",
-    `no healthy ${role} backend is available: ${reasons.join("; ")}`,
+    `no healthy ${role} backend is available (request ${requestId}): ${reasons.join("; ")}`,
     null,
     `no_${role}_backend`,
   );

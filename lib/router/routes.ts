@@ -11,6 +11,7 @@ import type { BackendPool } from "./backend_pool.ts";
 import type { RouterConfig } from "./config.ts";
 import { ClientGone, errorResponse, RouterError } from "./errors.ts";
 import { describeError } from "./health.ts";
+import { ShutdownCut } from "./upstream.ts";
 import { checkCapacity, type FlowDeps, runDecode, runPrefill } from "./pd_flow.ts";
 import {
   type GenerationRoute,
@@ -153,7 +154,7 @@ async function handleGeneration(
       authorization: req.headers.get("authorization"),
       completed: () => info.completed,
     };
-    checkCapacity(deps);
+    checkCapacity(deps, requestId);
     const pre = await runPrefill(deps, parsed, ctx);
     if (pre.kind === "refused") {
       finish(pre.status);
@@ -195,10 +196,12 @@ function requestIdOf(req: Request): string | RouterError {
 }
 
 /**
- * One signal for "stop working on this request": the client left or shutdown
- * cut it. `detach` takes the listeners off before the response completes,
- * because Deno also aborts req.signal after a successful response and must
- * not find work still attached to it.
+ * One signal for "stop working on this request": the client left, or shutdown
+ * cut it (then its reason is a {@link ShutdownCut}, so the client, still
+ * there, is told so instead of being counted as gone). A signal aborted
+ * already counts at once. `detach` takes the listeners off before the
+ * response completes, because Deno also aborts req.signal after a successful
+ * response and must not find work still attached to it.
  */
 function stopWorkSignal(
   clientSignal: AbortSignal,
@@ -206,11 +209,14 @@ function stopWorkSignal(
 ): { signal: AbortSignal; detach: () => void } {
   const cancel = new AbortController();
   const onGone = () => cancel.abort(new DOMException("client disconnected", "AbortError"));
+  const onStop = () => cancel.abort(new ShutdownCut());
+  if (clientSignal.aborted) onGone();
+  else if (stopSignal.aborted) onStop();
   clientSignal.addEventListener("abort", onGone, { once: true });
-  stopSignal.addEventListener("abort", onGone, { once: true });
+  stopSignal.addEventListener("abort", onStop, { once: true });
   const detach = () => {
     clientSignal.removeEventListener("abort", onGone);
-    stopSignal.removeEventListener("abort", onGone);
+    stopSignal.removeEventListener("abort", onStop);
   };
   return { signal: cancel.signal, detach };
 }

@@ -13,7 +13,19 @@
 export type AbortCause = "client_gone" | "timeout" | "idle_timeout" | "shutdown";
 
 /**
- * An AbortController tied to a parent signal (the client's) plus an optional deadline.
+ * The reason a request's work signal aborts with when the router's shutdown cut it (its grace
+ * period ended) rather than its client leaving: a link under such a signal aborts with the cause
+ * `shutdown`, so the client, still there, is told why.
+ */
+export class ShutdownCut extends DOMException {
+  constructor() {
+    super("the router is shutting down", "AbortError");
+  }
+}
+
+/**
+ * An AbortController tied to a parent signal (the client's, or the router's shutdown: see
+ * {@link ShutdownCut}) plus an optional deadline.
  *
  * @example
  * ```ts
@@ -27,11 +39,12 @@ export class UpstreamLink {
   readonly #parent: AbortSignal;
   #timer: ReturnType<typeof setTimeout> | undefined;
   #cause: AbortCause | null = null;
-  readonly #onParent = () => this.abort("client_gone");
+  readonly #onParent = () =>
+    this.abort(this.#parent.reason instanceof ShutdownCut ? "shutdown" : "client_gone");
 
   constructor(parent: AbortSignal, deadlineMs?: number) {
     this.#parent = parent;
-    if (parent.aborted) this.abort("client_gone");
+    if (parent.aborted) this.#onParent();
     else parent.addEventListener("abort", this.#onParent, { once: true });
     if (deadlineMs !== undefined) {
       this.#timer = setTimeout(() => this.abort("timeout"), deadlineMs);

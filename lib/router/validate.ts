@@ -24,7 +24,19 @@ export interface GenerationRequest {
   raw: Uint8Array<ArrayBuffer>;
   /** Whether the client asked for a stream (`"stream": true`). */
   stream: boolean;
+  /**
+   * Whether the body may hold a number JavaScript does not keep as written (an integer past
+   * 2^53, an exponent past a double's range): a body built from {@link body} would change it, so
+   * the bodies sent upstream are built from {@link raw} (lib/router/upstream_bodies.ts).
+   */
+  inexactNumbers: boolean;
 }
+
+/**
+ * A run of 16+ digits (an integer past 2^53 has 16 or more) or a 3-digit exponent. It may match
+ * inside a string or a long fraction too: that only costs the exact, slower copy.
+ */
+const INEXACT_NUMBER_RE = /\d{16}|[eE][+-]?\d{3}/;
 
 /** What a client over `--max-body` is told to do. */
 const MAX_BODY_HINT = "raise it with --max-body";
@@ -87,28 +99,7 @@ export function parseGenerationRequest(
   route: GenerationRoute,
   raw: Uint8Array<ArrayBuffer>,
 ): GenerationRequest {
-  if (raw.byteLength === 0) {
-    throw badRequest("request body is empty; expected a JSON object", null, "invalid_json");
-  }
-  let parsed: unknown;
-  try {
-    parsed = JSON.parse(decoder.decode(raw));
-  } catch (e) {
-    throw badRequest(
-      `request body is not valid JSON: ${e instanceof Error ? e.message : String(e)}`,
-      null,
-      "invalid_json",
-    );
-  }
-  if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) {
-    throw badRequest(
-      `request body must be a JSON object, got ${jsonKind(parsed)}`,
-      null,
-      "invalid_json",
-    );
-  }
-  const body = parsed as JsonObject;
-
+  const { body, text } = parseObject(raw);
   if (body.model === undefined || body.model === null) {
     throw badRequest("'model' is required", "model", "missing_model");
   }
@@ -156,7 +147,40 @@ export function parseGenerationRequest(
       );
     }
   }
-  return { route, body, raw, stream: body.stream === true };
+  return {
+    route,
+    body,
+    raw,
+    stream: body.stream === true,
+    inexactNumbers: INEXACT_NUMBER_RE.test(text),
+  };
+}
+
+/** The body as a JSON object, and its text; a 400 `invalid_json` when it is not one. */
+function parseObject(raw: Uint8Array<ArrayBuffer>): { body: JsonObject; text: string } {
+  if (raw.byteLength === 0) {
+    throw badRequest("request body is empty; expected a JSON object", null, "invalid_json");
+  }
+  let parsed: unknown;
+  let text: string;
+  try {
+    text = decoder.decode(raw);
+    parsed = JSON.parse(text);
+  } catch (e) {
+    throw badRequest(
+      `request body is not valid JSON: ${e instanceof Error ? e.message : String(e)}`,
+      null,
+      "invalid_json",
+    );
+  }
+  if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) {
+    throw badRequest(
+      `request body must be a JSON object, got ${jsonKind(parsed)}`,
+      null,
+      "invalid_json",
+    );
+  }
+  return { body: parsed as JsonObject, text };
 }
 
 function checkPrompt(prompt: unknown): void {

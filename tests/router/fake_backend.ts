@@ -50,6 +50,8 @@ export interface Recorded {
   requestId: string | null;
   authorization: string | null;
   body: Record<string, unknown>;
+  /** The body's text exactly as received (numbers JavaScript would round included). */
+  raw: string;
   /** Wall-clock ms (performance.timeOrigin + now) when the request arrived. */
   receivedAt: number;
   /** When the last byte of the answer was handed to the server, or null. */
@@ -138,6 +140,19 @@ function completionJson(
   };
 }
 
+/**
+ * vLLM's own check of a request's sampling parameters that the router's changes could trip
+ * (`SamplingParams._verify_args`): `min_tokens` may not exceed the token limit. Null when fine.
+ */
+function samplingRefusal(body: Record<string, unknown>): string | null {
+  const max = body.max_completion_tokens ?? body.max_tokens;
+  const min = body.min_tokens;
+  if (typeof max === "number" && typeof min === "number" && min > max) {
+    return `min_tokens must be less than or equal to max_tokens=${max}, got ${min}.`;
+  }
+  return null;
+}
+
 function chunkJson(path: string, id: string, model: string, i: number, last: boolean) {
   const created = Math.floor(Date.now() / 1000);
   const text = `tok${i} `;
@@ -164,7 +179,8 @@ function chunkJson(path: string, id: string, model: string, i: number, last: boo
 }
 
 async function generate(req: Request, path: string): Promise<Response> {
-  const body = await req.json() as Record<string, unknown>;
+  const raw = await req.text();
+  const body = JSON.parse(raw) as Record<string, unknown>;
   const requestId = req.headers.get("x-request-id");
   const rec: Recorded = {
     seq: seq++,
@@ -172,6 +188,7 @@ async function generate(req: Request, path: string): Promise<Response> {
     requestId,
     authorization: req.headers.get("authorization"),
     body,
+    raw,
     receivedAt: now(),
     finishedAt: null,
     chunksSent: 0,
@@ -191,6 +208,13 @@ async function generate(req: Request, path: string): Promise<Response> {
       // The router gave up (timeout or its client left): `cancelled` is already recorded.
       return new Response(null, { status: 499 });
     }
+  }
+  const refusal = samplingRefusal(body);
+  if (refusal !== null) {
+    rec.finishedAt = now();
+    return Response.json({
+      error: { message: refusal, type: "BadRequestError", param: null, code: 400 },
+    }, { status: 400 });
   }
   if (behaviour.failNext > 0) {
     behaviour.failNext--;

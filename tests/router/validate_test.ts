@@ -3,7 +3,7 @@
 import assert from "node:assert/strict";
 import fc from "fast-check";
 import { RouterError } from "../../lib/router/errors.ts";
-import { prefillBody } from "../../lib/router/pd_flow.ts";
+import { prefillBody } from "../../lib/router/upstream_bodies.ts";
 import { parseGenerationRequest, readRequestBody } from "../../lib/router/validate.ts";
 
 const enc = (v: unknown) => new TextEncoder().encode(typeof v === "string" ? v : JSON.stringify(v));
