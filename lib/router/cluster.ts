@@ -23,7 +23,7 @@ import { AggregatorRegistry } from "prom-client";
 import { type Backend, BackendPool } from "./backend_pool.ts";
 import type { RouterConfig } from "./config.ts";
 import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
-import type { HealthChecker } from "./health.ts";
+import { describeError, type HealthChecker } from "./health.ts";
 import { Logger } from "../log.ts";
 import {
   DEFAULT_SHUTDOWN_GRACE_MS,
@@ -225,6 +225,23 @@ function spawnWorker(c: Cluster, index: number, port: number): Member {
 }
 
 /**
+ * Refuses a port another process listens on. The workers bind with SO_REUSEPORT, which Linux
+ * lets any process of the same user share: a second router on the port did not fail, it took half
+ * of the first one's clients. A plain bind (then closed) fails on any listener there. Port 0 is
+ * skipped (the first worker picks a free one).
+ */
+function portFree(config: RouterConfig): void {
+  if (config.port === 0) return;
+  try {
+    Deno.listen({ hostname: config.host, port: config.port }).close();
+  } catch (e) {
+    throw new ListenError(`cannot listen on ${config.host}:${config.port}: ${describeError(e)}`, {
+      cause: e,
+    });
+  }
+}
+
+/**
  * Starts `config.workers` worker threads serving `config.host:config.port`. The first one binds
  * (so port 0 picks one free port), the others join it on that port. Rejects — leaving nothing
  * running — when a worker cannot listen, with the worker's error (a `ListenError`).
@@ -267,6 +284,7 @@ export async function startRouterCluster(
     });
   }
 
+  portFree(config);
   const client = Deno.createHttpClient({ poolIdleTimeout: UPSTREAM_POOL_IDLE_MS });
   let health: HealthChecker | undefined;
   let first: { url: string; port: number };

@@ -238,18 +238,8 @@ export async function startHealthChecks(
     client,
     log: logger,
   });
+  // Each backend found down is logged once, by the check itself ("backend out of service").
   await health.checkAll();
-  for (const pool of pools) {
-    for (const b of pool.backends) {
-      if (!b.healthy) {
-        logger.warn("backend out of service at start", {
-          role: b.role,
-          url: b.url,
-          reason: b.lastError,
-        });
-      }
-    }
-  }
   health.start();
   return health;
 }
