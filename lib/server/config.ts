@@ -323,7 +323,11 @@ export function serveCommand(): Command {
         .argParser(intArg("--session-grace-ms", 1, MAX_TIMER_MS)),
     )
     .addOption(
-      envOption("--max-message-size <size>", "largest gRPC message accepted", "MAX_MESSAGE_SIZE")
+      envOption(
+        "--max-message-size <size>",
+        "largest gRPC message accepted or sent; also the largest local or peer RPC request",
+        "MAX_MESSAGE_SIZE",
+      )
         .default(parseSize(DEFAULT_MAX_MESSAGE), DEFAULT_MAX_MESSAGE)
         .argParser(sizeArg("--max-message-size", 4096)),
     )

@@ -60,7 +60,10 @@ export interface CrossNode {
 
 /**
  * Opens what `cfg` asks for; nothing at all without `--index-redis`. Throws
- * when an explicitly named transport cannot open (the server must not start).
+ * when an explicitly named transport cannot open (the server must not start),
+ * naming the flags. `rpcListener` is the peer RPC listener, bound before the
+ * pool was built (early_bind.ts; there with `--index-redis`): served from here
+ * on once this returns, left to the caller when it throws.
  * A flat wiring list (endpoint → locks → tier → the object the server
  * drives), each step reading what the one before it opened.
  *
@@ -69,7 +72,7 @@ export interface CrossNode {
  *
  * @example
  * ```ts
- * const cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
+ * const cross = openCrossNode(cfg, native, store, tierHost, advertiser, early.peerRpc, metrics, log);
  * cross.addServices(server);
  * cross.openIndex("10.0.0.5:50055");
  * ```
@@ -80,13 +83,17 @@ export function openCrossNode(
   store: KvStore,
   tierHost: TierHost,
   advertiser: IndexAdvertiser | undefined,
+  rpcListener: Deno.TcpListener | undefined,
   metrics: ServerMetrics,
   log: Logger,
 ): CrossNode {
   const plog = log.child({ component: "peer" });
-  const { rpcListener, transfer } = cfg.index.redisUrl
-    ? openListeners(cfg, native.copyEngine, metrics, log, plog)
-    : { rpcListener: undefined, transfer: undefined };
+  if (cfg.index.redisUrl && !rpcListener) {
+    throw new Error("--index-redis: the peer RPC listener (--peer-rpc-port) was not bound");
+  }
+  const transfer = cfg.index.redisUrl
+    ? openPeerTransport(cfg, native.copyEngine, metrics, log, plog)
+    : undefined;
   let index: BlockIndexHandle | undefined;
   // The gRPC address once bound (peers are told the advertised one; this is its default).
   let boundGrpcAddr = cfg.addr;
@@ -158,25 +165,10 @@ export function openCrossNode(
   };
 }
 
-/** The peer RPC listener, then the transfer endpoint; both or (throwing) neither. */
-function openListeners(
-  cfg: ServeConfig,
-  copyEngine: CopyEngine,
-  metrics: ServerMetrics,
-  log: Logger,
-  plog: Logger,
-): { rpcListener: Deno.TcpListener; transfer: OpenedTransport } {
-  // Bound first: a taken --peer-rpc-port refuses the start before anything else opens.
-  const rpcListener = listenPeerRpc(cfg.peer.rpcPort, plog);
-  try {
-    return { rpcListener, transfer: openPeerTransport(cfg, copyEngine, metrics, log, plog) };
-  } catch (e) {
-    rpcListener.close();
-    throw e;
-  }
-}
-
-/** The transfer endpoint over the pool (`--transport`, `--nics`, ...), with its metrics. */
+/**
+ * The transfer endpoint over the pool (`--transport`, `--nics`, ...), with
+ * its metrics. Throws naming the flags it was opened with.
+ */
 function openPeerTransport(
   cfg: ServeConfig,
   copyEngine: CopyEngine,
@@ -184,13 +176,24 @@ function openPeerTransport(
   log: Logger,
   plog: Logger,
 ): OpenedTransport {
-  const transfer = openTransport(copyEngine.pool, copyEngine.ring, {
-    transport: cfg.peer.transport,
-    nics: cfg.peer.nics,
-    qpsPerNic: cfg.peer.xferStreams,
-    tcpStreams: cfg.peer.xferStreams,
-    port: cfg.peer.xferPort,
-  }, log);
+  let transfer: OpenedTransport;
+  try {
+    transfer = openTransport(copyEngine.pool, copyEngine.ring, {
+      transport: cfg.peer.transport,
+      nics: cfg.peer.nics,
+      qpsPerNic: cfg.peer.xferStreams,
+      tcpStreams: cfg.peer.xferStreams,
+      port: cfg.peer.xferPort,
+    }, log);
+  } catch (e) {
+    const noFallback = cfg.peer.transport === "rdma"
+      ? " (--transport rdma never falls back to TCP; --transport auto does)"
+      : "";
+    throw new Error(
+      `${transportFlags(cfg.peer)}: cannot open the transfer endpoint: ${(e as Error).message}` +
+        noFallback,
+    );
+  }
   registerTransferMetrics(metrics.registry, () => transfer.endpoint);
   plog.info("transfer endpoint open", {
     transport: transfer.name,
@@ -199,18 +202,15 @@ function openPeerTransport(
   return transfer;
 }
 
-/** The peer RPC listener (`--peer-rpc-port`); it binds every address, like the transfer listener. */
-function listenPeerRpc(port: number, plog: Logger): Deno.TcpListener {
-  let listener: Deno.TcpListener;
-  try {
-    listener = Deno.listen({ hostname: "0.0.0.0", port });
-  } catch (e) {
-    throw new Error(
-      `cannot listen for peer RPC on port ${port} (--peer-rpc-port): ${(e as Error).message}`,
-    );
-  }
-  plog.info("peer RPC open", { port: listener.addr.port });
-  return listener;
+/**
+ * The flags that shaped the transfer endpoint, as given: `--transport`, the
+ * TCP port unless RDMA alone was asked for, the RDMA devices unless TCP was.
+ */
+function transportFlags(peer: ServeConfig["peer"]): string {
+  const flags = [`--transport ${peer.transport}`];
+  if (peer.transport !== "rdma") flags.push(`--xfer-port ${peer.xferPort}`);
+  if (peer.transport !== "tcp" && peer.nics.length > 0) flags.push(`--nics ${peer.nics.join(",")}`);
+  return flags.join(" ");
 }
 
 /**

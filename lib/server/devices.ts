@@ -6,7 +6,7 @@
  *
  * @module
  */
-import { deviceCount, deviceNumaNode } from "../../ffi/mod.ts";
+import { deviceCount, deviceNumaNode, NativeError } from "../../ffi/mod.ts";
 import type { Logger } from "../log.ts";
 import { onlineNodes, planPlacement, type PoolPlacement } from "../numa.ts";
 
@@ -18,18 +18,34 @@ export interface ServedDevices {
 }
 
 /**
- * Resolves `--devices` against the machine.
+ * Resolves `--backend` and `--devices` against the machine. `auto` without a
+ * usable GPU resolves to host, and `log` gets one info line saying why.
  *
- * @throws Error naming the id and the device count when `devices` lists a
- * GPU this machine does not have.
+ * @throws Error naming `--backend cuda`, the reason and what to use instead
+ * when no GPU is usable; naming the id and the device count when `devices`
+ * lists a GPU this machine does not have.
  */
 export function resolveDevices(
   backend: "auto" | "cuda" | "host",
   devices: readonly number[] | undefined,
+  log: Logger,
 ): ServedDevices {
   if (backend === "host") return { backend, devices: [...(devices ?? [0])] };
-  const count = deviceCount(backend); // cuda without a driver throws PF_ENODEV
-  if (count === 0) return { backend: "host", devices: [...(devices ?? [0])] };
+  const gpus = cudaDevices(backend);
+  if (typeof gpus === "string") {
+    if (backend === "cuda") {
+      throw new Error(
+        `--backend cuda: no usable GPU: ${gpus}; use --backend host or --backend auto ` +
+          "(auto serves on host where no GPU is usable)",
+      );
+    }
+    log.info("--backend auto: no usable GPU, serving on the host backend", {
+      backend: "host",
+      reason: gpus,
+    });
+    return { backend: "host", devices: [...(devices ?? [0])] };
+  }
+  const count = gpus;
   if (devices === undefined) {
     return {
       backend: "cuda",
@@ -45,6 +61,22 @@ export function resolveDevices(
     }
   }
   return { backend: "cuda", devices: [...devices] };
+}
+
+/**
+ * How many GPUs the cuda backend sees, or why it sees none (no driver: the
+ * library's PF_ENODEV message; a driver with no device). Other failures
+ * (a driver that fails to initialise) are thrown naming `--backend`.
+ */
+function cudaDevices(backend: "auto" | "cuda"): number | string {
+  let count: number;
+  try {
+    count = deviceCount("cuda");
+  } catch (e) {
+    if (e instanceof NativeError && e.codeName === "PF_ENODEV") return e.message;
+    throw new Error(`--backend ${backend}: cannot count the CUDA devices: ${(e as Error).message}`);
+  }
+  return count > 0 ? count : "the CUDA driver reports no devices";
 }
 
 /**

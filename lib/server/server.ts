@@ -37,6 +37,7 @@ import { MAX_PEER_LOCK_TTL_MS } from "../peer/locks.ts";
 import type { IndexAdvertiser } from "../index/advertiser.ts";
 import type { NativePort } from "../engine/ports.ts";
 import { type Listeners, openListeners } from "./listeners.ts";
+import { bindEarly, type EarlySockets } from "./early_bind.ts";
 import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
 
 /** What openNative gives: the engine's native port and the copy engine under it. */
@@ -99,10 +100,10 @@ export interface RunningServer {
 }
 
 /**
- * Starts everything described by `cfg`: the composition root. Each piece is
- * its own function or module (openStorage, openLowerTiers, openListeners,
- * startHttp, stopServer); here is the order they open in and the unwinding of
- * each failure.
+ * Starts everything described by `cfg`: the composition root. Every address
+ * is bound (or probed) first (early_bind.ts): a taken port refuses the start
+ * before the pinned pool is built, which takes seconds. On a failure what
+ * was opened is closed before the error (naming the flag) goes up.
  *
  * @example
  * ```ts
@@ -115,6 +116,26 @@ export async function startServer(
   cfg: ServeConfig,
   log = new Logger(cfg.logLevel),
 ): Promise<RunningServer> {
+  const early = await bindEarly(cfg, log);
+  try {
+    return await startOn(early, cfg, log);
+  } catch (e) {
+    await early.close();
+    throw e;
+  }
+}
+
+/**
+ * The rest of the start, on the sockets `early` bound. Each piece is its own
+ * function or module (openStorage, openLowerTiers, openListeners, stopServer);
+ * here is the order they open in and the unwinding of each failure (what
+ * `early` holds and was not handed on is the caller's).
+ */
+async function startOn(
+  early: EarlySockets,
+  cfg: ServeConfig,
+  log: Logger,
+): Promise<RunningServer> {
   const { native, placement, store, advertiser, collector } = await openStorage(cfg, log);
   const sessions = new Sessions({ graceMs: cfg.sessionGraceMs });
   // The gauges read the engine at scrape time, by which point it exists.
@@ -124,7 +145,7 @@ export async function startServer(
   });
   metrics.devicesServed(native.devices);
   const ssdHold: EngineHold[] = [];
-  const lower = openLowerTiers(cfg, native, store, advertiser, metrics, log, ssdHold);
+  const lower = openLowerTiers(cfg, native, store, advertiser, early, metrics, log, ssdHold);
   const { cross, tiers } = await lower.catch(async (e) => {
     // Free what was opened so an embedder can retry.
     clearInterval(collector);
@@ -137,31 +158,29 @@ export async function startServer(
   const impl = engineServiceImpl(engine, sessions, metrics, log);
   server.addService(lenientService(), impl);
   cross.addServices(server);
-  const cleanupOnListenError = async () => {
+  let listeners: Listeners;
+  try {
+    listeners = await openListeners(server, impl, cfg, early, metrics, log);
+  } catch (e) {
     clearInterval(collector);
     await tiers?.close();
     await cross.close();
     await closeNative(native, ssdHold, log);
-  };
-  let listeners: Listeners;
-  try {
-    listeners = await openListeners(server, impl, cfg, metrics, log);
-  } catch (e) {
-    await cleanupOnListenError();
     throw e;
   }
   const grpcAddr = listeners.grpcAddr;
-
-  let http: { server: Deno.HttpServer; addr: string } | undefined;
-  try {
-    http = cfg.httpAddr ? startHttp(cfg.httpAddr, engine, store, metrics, log) : undefined;
-  } catch (e) {
-    await listeners.close();
-    server.forceShutdown();
-    await cleanupOnListenError();
-    throw e;
-  }
-  const httpAddr = http?.addr;
+  // The HTTP side answered 503 `starting` until now.
+  early.http?.serve(httpHandler({
+    engine,
+    store,
+    metrics,
+    log,
+    cleanup: async (id, reason) => {
+      metrics.cleanup(reason);
+      return await engine.unregister(id, reason);
+    },
+  }));
+  const httpAddr = early.http?.addr;
   cross.openIndex(grpcAddr);
   log.info("serving", {
     grpc: grpcAddr,
@@ -170,7 +189,6 @@ export async function startServer(
     http: httpAddr,
     backend: native.backend,
   });
-
   let closing: Promise<void> | undefined;
   const close = () =>
     closing ??= stopServer({
@@ -179,7 +197,7 @@ export async function startServer(
       engine,
       cross,
       tiers,
-      http: http?.server,
+      http: early.http?.server,
       listeners,
       collector,
       native,
@@ -225,6 +243,7 @@ async function openLowerTiers(
   native: OpenedNative,
   store: KvStore,
   advertiser: IndexAdvertiser | undefined,
+  early: Pick<EarlySockets, "peerRpc">,
   metrics: ServerMetrics,
   log: Logger,
   ssdHold: EngineHold[],
@@ -237,7 +256,7 @@ async function openLowerTiers(
     : storeTierHost(store);
   let cross: CrossNode;
   try {
-    cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
+    cross = openCrossNode(cfg, native, store, tierHost, advertiser, early.peerRpc, metrics, log);
   } catch (e) {
     // An explicit transport that cannot open, or a bad --nics: refuse to start.
     await ssd?.close();
@@ -338,7 +357,7 @@ async function openStorage(cfg: ServeConfig, log: Logger) {
   }
   // One engine per device over one pool and ring (docs/native.md, "Several
   // devices"); on a multi-node host the pool is split per NUMA node.
-  const served = resolveDevices(cfg.backend, cfg.devices);
+  const served = resolveDevices(cfg.backend, cfg.devices, log);
   const placement = numaPlacement(cfg, served, cap.bytes, log);
   const native = await openNative({
     backend: cfg.backend,
@@ -416,36 +435,4 @@ async function openSsdTier(
     log.error("SSD tier disabled", { error: e.message });
     return undefined;
   }
-}
-
-/** The HTTP endpoints (`--http-addr`); throws naming the flag when it cannot listen. */
-function startHttp(
-  httpAddr: string,
-  engine: KvEngine,
-  store: KvStore,
-  metrics: ServerMetrics,
-  log: Logger,
-): { server: Deno.HttpServer; addr: string } {
-  const i = httpAddr.lastIndexOf(":");
-  const hostname = httpAddr.slice(0, i);
-  const handler = httpHandler({
-    engine,
-    store,
-    metrics,
-    log,
-    cleanup: async (id, reason) => {
-      metrics.cleanup(reason);
-      return await engine.unregister(id, reason);
-    },
-  });
-  let server: Deno.HttpServer;
-  try {
-    server = Deno.serve(
-      { hostname, port: Number(httpAddr.slice(i + 1)), onListen: () => {} },
-      handler,
-    );
-  } catch (e) {
-    throw new Error(`--http-addr ${httpAddr}: cannot listen: ${(e as Error).message}`);
-  }
-  return { server, addr: `${hostname}:${(server.addr as Deno.NetAddr).port}` };
 }

@@ -185,17 +185,19 @@ export function refusedWith(name: string, detail?: RegExp): (e: unknown) => true
 
 /**
  * Runs `main.ts` to its end with these extra flags (defaults: host backend, 64 MiB pool,
- * ephemeral ports), for starts that must be refused; kills it if it still runs after the
- * start-up budget.
+ * ephemeral ports) and environment, for starts that must be refused; kills it if it still runs
+ * after the start-up budget.
  */
 export async function runServerToEnd(
   flags: string[],
+  env: Record<string, string> = {},
 ): Promise<{ code: number; stdout: string; stderr: string }> {
   const child = new Deno.Command(DENO, {
     args: serverArgs([], flags),
     cwd: ROOT,
     stdout: "piped",
     stderr: "piped",
+    env,
   }).spawn();
   const timer = setTimeout(() => child.kill("SIGKILL"), START_TIMEOUT_MS);
   try {

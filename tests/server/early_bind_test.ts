@@ -1,0 +1,95 @@
+/**
+ * lib/server/early_bind.ts in-process: what the server binds before it
+ * builds the pool. The HTTP address answers 503 `starting` until the server
+ * hands it its handler; `close()` (a start that failed) closes every
+ * listener and removes every socket file it made; a taken address refuses
+ * the bind naming the flag and closes what was bound before it.
+ */
+import assert from "node:assert/strict";
+import { bindEarly } from "../../lib/server/early_bind.ts";
+import { parseServeArgs, type ServeConfig } from "../../lib/server/config.ts";
+import { Logger } from "../../lib/log.ts";
+
+const log = new Logger("error");
+
+function config(flags: string[]): ServeConfig {
+  const r = parseServeArgs(["--addr", "127.0.0.1:0", ...flags]);
+  if (r.kind !== "config") throw new Error(r.output);
+  return r.config;
+}
+
+/** Whether a TCP port on 127.0.0.1 can be bound now (nothing holds it). */
+function free(port: number): boolean {
+  try {
+    Deno.listen({ hostname: "127.0.0.1", port }).close();
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+function exists(path: string): boolean {
+  try {
+    Deno.lstatSync(path);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+Deno.test("HTTP answers 503 starting until the server is ready, then the real handler", async () => {
+  const early = await bindEarly(config(["--http-addr", "127.0.0.1:0"]), log);
+  try {
+    assert.ok(early.http, "no HTTP server");
+    const before = await fetch(`http://${early.http.addr}/health`);
+    assert.equal(before.status, 503);
+    assert.equal(before.headers.get("retry-after"), "1");
+    assert.equal((await before.json()).status, "starting");
+    early.http.serve(() => new Response("ready"));
+    const after = await fetch(`http://${early.http.addr}/health`);
+    assert.equal(after.status, 200);
+    assert.equal(await after.text(), "ready");
+  } finally {
+    await early.close();
+  }
+});
+
+Deno.test("close() after a failed start frees every port and removes every socket file", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pegaflow-early-" });
+  const path = `${dir}/grpc.sock`;
+  try {
+    const early = await bindEarly(
+      config(["--uds", path, "--http-addr", "127.0.0.1:0", "--index-redis", "redis://h:1"]),
+      log,
+    );
+    const ports = [early.grpc!.addr.port, early.peerRpc!.addr.port];
+    const http = Number(early.http!.addr.split(":")[1]);
+    assert.ok(exists(path) && exists(`${path}.rpc`), "the --uds sockets are bound");
+    assert.ok(![...ports, http].some(free), "the ports are held");
+    await early.close();
+    assert.deepEqual([...ports, http].map(free), [true, true, true]);
+    assert.ok(!exists(path) && !exists(`${path}.rpc`), "socket files left behind");
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
+
+Deno.test("a taken --http-addr is refused naming it, and what was bound before is closed", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pegaflow-early-" });
+  const path = `${dir}/grpc.sock`;
+  const taken = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const addr = `127.0.0.1:${taken.addr.port}`;
+  try {
+    await assert.rejects(
+      bindEarly(config(["--uds", path, "--http-addr", addr]), log),
+      new RegExp(`^Error: --http-addr ${addr}: cannot listen: .*in use`),
+    );
+    assert.ok(!exists(path) && !exists(`${path}.rpc`), "socket files left behind");
+    // The path is free for the next start: nothing accepts on it, nothing is there.
+    const again = await bindEarly(config(["--uds", path]), log);
+    await again.close();
+  } finally {
+    taken.close();
+    await Deno.remove(dir, { recursive: true });
+  }
+});
