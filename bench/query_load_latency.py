@@ -55,12 +55,13 @@ def pct(xs: list[float], p: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog=f"Prints a table and writes {os.path.join(HERE, 'results', 'query-load-latency[-TAG].json')}.",
+        epilog="Prints a table and writes --out (default bench/results/query-load-latency[-TAG].json).",
     )
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--gap-ms", type=float, default=20.0, help="idle time between runs")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
+    ap.add_argument("--out", default=None, help="the JSON to write (default bench/results/query-load-latency[-TAG].json)")
     ap.add_argument(
         "--stored-prompts", type=int, default=0,
         help="other 639-block prompts saved first (a server that holds more blocks: ~13,000 at 20)",
@@ -167,7 +168,7 @@ def main() -> None:
     print(f"{'part':<10} {'p50 ms':>8} {'p90 ms':>8}")
     for k, v in table.items():
         print(f"{k:<10} {v['p50_ms']:>8.3f} {v['p90_ms']:>8.3f}")
-    out = os.path.join(HERE, "results", f"query-load-latency{'-' + a.tag if a.tag else ''}.json")
+    out = a.out or os.path.join(HERE, "results", f"query-load-latency{'-' + a.tag if a.tag else ''}.json")
     with open(out, "w") as f:
         json.dump({
             "command": "python3 bench/query_load_latency.py " + " ".join(sys.argv[1:]),
