@@ -27,6 +27,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -50,6 +51,10 @@ LEASE_ID_BYTES = 16
 KEEPALIVE_TIMEOUT_S = 20.0
 #: First reconnect attempt of the channel after a drop (gRPC's default is 1 s).
 MIN_RECONNECT_BACKOFF_MS = 100
+#: The longest pause of the reconnect thread between two Health calls a server refused at once
+#: (`_drive_reconnect`; `reconnect_max_ms` when less): a stopping server is asked about once a
+#: second, and the thread is back in a wait_for_ready call within that when its successor is up.
+RECONNECT_PAUSE_MAX_S = 1.0
 
 _SERVICE = "/pegaflow.Engine/"
 #: After finding no local RPC socket, calls use gRPC this long before it is tried again.
@@ -156,6 +161,49 @@ def _local_error(code: int, details: str, method: str, sent: bool = True) -> Peg
     (CallNotSent when it never left this process)."""
     status = _STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN)
     return PegaflowError(status, details, method) if sent else CallNotSent(status, details, method)
+
+
+def _drive_reconnect(
+    client: "weakref.ref[PegaflowClient]", ch: grpc.Channel, stop: threading.Event, rpc_timeout_s: float,
+    reconnect_max_s: float,
+) -> None:
+    """The `pegaflow-reconnect` thread (PegaflowClient._reconnect_soon): Health with
+    wait_for_ready on `ch`, again until it is answered (the channel is up) or the client is
+    closed (the call is cancelled, `stop` set) or gone. Each call wakes this thread once per RPC
+    deadline while the server is away; a wedged server (connected, never answering) is asked
+    once per deadline until it answers. A Health that fails UNAVAILABLE at once (a server that
+    is stopping refuses every call so until it exits, Health too; a connection that broke under
+    the call) is asked again only after a pause, doubling from MIN_RECONNECT_BACKOFF_MS to
+    RECONNECT_PAUSE_MAX_S (`reconnect_max_ms` when less): without one this thread asked a
+    stopping server thousands of times a second (a core of the engine, and the server's event
+    loop while it drained). It holds the client weakly: a client dropped without close() while
+    its server was away once kept its thread and channel for good."""
+    health = ch.unary_unary(
+        _SERVICE + "Health",
+        request_serializer=pb.HealthRequest.SerializeToString,
+        response_deserializer=pb.HealthResponse.FromString,
+    )
+    pause = MIN_RECONNECT_BACKOFF_MS / 1000
+    cap = max(min(reconnect_max_s, RECONNECT_PAUSE_MAX_S), pause)
+    while True:
+        c = client()
+        if c is None or c.closed:
+            return
+        del c
+        asked = time.monotonic()
+        try:
+            health(pb.HealthRequest(), timeout=rpc_timeout_s, wait_for_ready=True)
+            return
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                return  # answered (the channel is up), or cancelled (closed)
+        except ValueError:  # the channel was closed between two calls
+            return
+        # A call that waited its whole deadline is asked again at once; one that failed sooner,
+        # after what is left of the pause.
+        if stop.wait(max(0.0, pause - (time.monotonic() - asked))):
+            return  # closed
+        pause = min(pause * 2, cap)
 
 
 @dataclass(frozen=True)
@@ -321,9 +369,9 @@ class PegaflowClient:
         self._pid = -1
         self._stubs: dict = {}
         self._closed = False
-        # While the channel is down: the channel and the thread that drives its reconnection
-        # (`_reconnect_soon`).
-        self._reconnect: Optional[Tuple[grpc.Channel, threading.Thread]] = None
+        # While the channel is down: the channel, the thread that drives its reconnection
+        # (`_reconnect_soon`) and the event close() sets to end that thread's pause.
+        self._reconnect: Optional[Tuple[grpc.Channel, threading.Thread, threading.Event]] = None
         # The hot calls go over the server's local RPC socket when there is one (unix:
         # address, same host); gRPC carries the rest, and these too where it is absent.
         rpc_path = self.config.local_rpc_path()
@@ -768,29 +816,16 @@ class PegaflowClient:
                 return
             if self._reconnect is not None and self._reconnect[0] is ch and self._reconnect[1].is_alive():
                 return  # already driven
-            t = threading.Thread(target=self._drive_reconnect, args=(ch,), name="pegaflow-reconnect", daemon=True)
-            self._reconnect = (ch, t)
+            # An event of its own (not one the client keeps): a fork never leaves the child one
+            # whose lock a thread of the parent held.
+            stop = threading.Event()
+            t = threading.Thread(
+                target=_drive_reconnect,
+                args=(weakref.ref(self), ch, stop, self.config.rpc_timeout_s, self.config.reconnect_max_s),
+                name="pegaflow-reconnect", daemon=True,
+            )
+            self._reconnect = (ch, t, stop)
             t.start()
-
-    def _drive_reconnect(self, ch: grpc.Channel) -> None:
-        """Health with wait_for_ready on `ch`, again until it is answered (the channel is up) or
-        the client is closed (the call is cancelled). Each call wakes this thread once per RPC
-        deadline while the server is away; a wedged server (connected, never answering) is
-        asked once per deadline until it answers."""
-        health = ch.unary_unary(
-            _SERVICE + "Health",
-            request_serializer=pb.HealthRequest.SerializeToString,
-            response_deserializer=pb.HealthResponse.FromString,
-        )
-        while not self._closed:
-            try:
-                health(pb.HealthRequest(), timeout=self.config.rpc_timeout_s, wait_for_ready=True)
-                return
-            except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                    return  # answered (the channel is up), or cancelled (closed)
-            except ValueError:  # the channel was closed between two calls
-                return
 
     def close(self) -> None:
         """Closes the channel; later calls raise CANCELLED."""
@@ -802,5 +837,7 @@ class PegaflowClient:
             driving, self._reconnect = self._reconnect, None
             if ch is not None and self._pid == os.getpid():
                 ch.close()  # cancels the reconnect's call too
-        if driving is not None and self._pid == os.getpid():
+        # Only this process's (after a fork, the parent's thread and event are not ours to touch).
+        if driving is not None and driving[0] is ch and self._pid == os.getpid():
+            driving[2].set()  # ends its pause between two calls
             driving[1].join(self.config.rpc_timeout_s)

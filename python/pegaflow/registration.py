@@ -142,6 +142,10 @@ class KvRegistration:
         self._stats = {"registrations": 0, "disconnects": 0, "register_failures": 0}
         # RegisterContexts answered with a new registration (not ALREADY_EXISTS): see registered_anew.
         self._anew = 0
+        # RegisterContexts begun (numbered from 1 as they are sent), and the number of the latest
+        # one answered with a new registration: see registrations_begun, registered_anew_since.
+        self._begun = 0
+        self._anew_at = 0
 
     # ---- facts --------------------------------------------------------------
 
@@ -176,10 +180,27 @@ class KvRegistration:
     @property
     def registered_anew(self) -> int:
         """How many RegisterContexts made a new registration of this rank (the first one
-        included). A change since a Load was sent means the server that took it no longer holds
-        that registration: it died (its copies with it), or it cleaned the instance up, which
-        drains the instance's copies first. Either way no byte of that Load lands any more."""
+        included). Not what tells a load's server gone: a registration answered after a load
+        began may be the very one that took its Load (`registered_anew_since`)."""
         return self._anew
+
+    @property
+    def registrations_begun(self) -> int:
+        """How many RegisterContexts of this rank were begun (sent, or about to be): the mark a
+        load takes when it begins, for `registered_anew_since`."""
+        return self._begun
+
+    def registered_anew_since(self, begun: int) -> bool:
+        """Whether a RegisterContext begun after `registrations_begun` read `begun` made a new
+        registration of this rank. Then the registration that took any Load whose lease was
+        granted before that mark is gone from the server that answered: that server died (its
+        copies with it), or it cleaned the instance up, which drains the instance's copies first
+        (a lease dies with its instance: no later registration takes such a Load). No byte of it
+        lands any more. A registration begun before the mark and answered after it does not
+        count: it may be the one that took the Load (the server registered the rank, a query
+        hit, the scheduler sent the Load, all before this rank's thread took the answer in), and
+        counting it let such a load go while its copy ran."""
+        return self._anew_at > begun
 
     def stats(self) -> Dict[str, int]:
         with self._lock:
@@ -190,6 +211,9 @@ class KvRegistration:
     def _register_once(self) -> pb.RegisterContextResponse:
         """RegisterContext; keeps the registration token it answers (also the one an
         ALREADY_EXISTS names: the server holds this very registration)."""
+        with self._lock:
+            self._begun += 1
+            seq = self._begun
         try:
             res = self.client.register_context(
                 instance_id=self.instance_id,
@@ -209,6 +233,7 @@ class KvRegistration:
         self.registration_token = res.registration_token or None
         with self._lock:
             self._anew += 1
+            self._anew_at = max(self._anew_at, seq)
         return res
 
     def register(self) -> Optional[pb.RegisterContextResponse]:

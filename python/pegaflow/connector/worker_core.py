@@ -19,7 +19,8 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..client import PegaflowClient
 from ..errors import PegaflowError, PegaflowLoadError
@@ -59,6 +60,15 @@ def _maybe_landing(e: PegaflowLoadError) -> bool:
     return isinstance(e, TimeoutError) or e.state == STATE_ANSWER_LOST
 
 
+def _session_ended(reg: KvRegistration, lost: int) -> Optional[str]:
+    """Why the session of `reg`'s rank ended since `sessions_lost` read `lost`, or None while it
+    stands (WorkerCore._server_gone)."""
+    if reg.connected and reg.sessions_lost == lost:
+        return None
+    why = reg.last_error or "disconnected"
+    return f"{reg.who}: its session with the server ended after the Load was sent ({why})"
+
+
 @dataclass
 class _Load:
     intent: LoadIntent
@@ -74,10 +84,12 @@ class _Load:
     scattered: int = 0  # staged: layers already scattered into the request's blocks
     gpu: bool = False  # its layer waits are enqueued on the GPU stream (gpu_wait.py)
     # The registration of the instance the Load targets, and its counters when the load began
-    # (_server_gone, _server_forgot).
+    # (_server_gone: sessions_lost; _server_forgot: registrations_begun), and the layer waits'
+    # give_up (_session_ended of those, bound once per load).
     reg: Optional[KvRegistration] = None
     lost: int = 0
-    anew: int = 0
+    begun: int = 0
+    give_up: Optional[Callable[[], Optional[str]]] = None
 
 
 @dataclass
@@ -305,19 +317,17 @@ class WorkerCore:
         instance up, which settles the state). Its wait ends then (a server gone mid-load once
         held a layer-wise forward until the load timeout, 60 s by default); what it may still
         write stays held, as after a deadline, until the state settles or `_server_forgot`."""
-        r = ld.reg
-        if r is None or (r.connected and r.sessions_lost == ld.lost):
-            return None
-        why = r.last_error or "disconnected"
-        return f"{r.who}: its session with the server ended after the Load was sent ({why})"
+        return None if ld.reg is None else _session_ended(ld.reg, ld.lost)
 
     @staticmethod
     def _server_forgot(ld: _Load) -> bool:
-        """The rank was registered anew since the load's Load was sent: the server that took it no
-        longer holds that registration (it died, or it cleaned the instance up after draining its
-        copies), so nothing will write what the load targets any more. A load lost with its
-        server once kept its request's blocks (and a preemption's wait) for 3 load timeouts."""
-        return ld.reg is not None and ld.reg.registered_anew != ld.anew
+        """A RegisterContext begun after the load began registered the rank anew: the server that
+        took its Load no longer holds that registration (it died, or it cleaned the instance up
+        after draining its copies), so nothing will write what the load targets any more. A load
+        lost with its server once kept its request's blocks (and a preemption's wait) for 3 load
+        timeouts. A registration begun earlier and answered since does not count: it may be the
+        one that took the Load (KvRegistration.registered_anew_since)."""
+        return ld.reg is not None and ld.reg.registered_anew_since(ld.begun)
 
     def _unhold(self, ld: _Load) -> None:
         if not ld.held:
@@ -418,7 +428,10 @@ class WorkerCore:
             reg_of_load = self.staging_registration if intent.scatter_to is not None else reg
             ld = _Load(intent, None, at=time.monotonic())
             if reg_of_load is not None:
-                ld.reg, ld.lost, ld.anew = reg_of_load, reg_of_load.sessions_lost, reg_of_load.registered_anew
+                ld.reg, ld.lost, ld.begun = reg_of_load, reg_of_load.sessions_lost, reg_of_load.registrations_begun
+                # Bound once per load (a lambda per layer wait cost an allocation per layer per
+                # load per step), and not over `ld` (a cycle per load for the collector).
+                ld.give_up = partial(_session_ended, reg_of_load, ld.lost)
             if self.mode == ASYNC:
                 self._async_loads[intent.request_id] = ld
             else:
@@ -559,7 +572,7 @@ class WorkerCore:
                     continue
                 ld.gpu = False
             try:
-                ld.state.wait_layer(idx, self._left(ld), lambda: self._server_gone(ld))
+                ld.state.wait_layer(idx, self._left(ld), ld.give_up)
                 self._scatter(ld, idx)
             except PegaflowLoadError as e:
                 ld.timed_out = _maybe_landing(e)
@@ -584,7 +597,7 @@ class WorkerCore:
         for ld in self.step_loads:
             if not ld.done and ld.state is not None and not ld.failed:
                 try:
-                    ld.state.wait_all(self._left(ld), lambda: self._server_gone(ld))
+                    ld.state.wait_all(self._left(ld), ld.give_up)
                     ld.done = True
                     if ld.state.released:
                         # Let go at its deadline (the watchdog) before it reported done: the
