@@ -16,6 +16,7 @@ waiting thread does not hold the GIL away from the save thread.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import math
@@ -23,7 +24,7 @@ import mmap
 import os
 import struct
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 from .errors import PegaflowLoadError, PegaflowLoadTimeout
 
@@ -51,6 +52,28 @@ SLEEP_MAX_S = 0.0002
 RELEASED_LAYERS = 1 << 30
 
 _counter = itertools.count()
+
+#: Names this process created and nobody unlinked yet (→ the creator's pid): unlinked at
+#: interpreter exit, normal or on an unhandled exception (a SIGKILLed process leaves them).
+_linked: Dict[str, int] = {}
+
+
+def unlink(name: str) -> None:
+    """Unlinks a load state's name (every mapping of it stays valid)."""
+    try:
+        os.unlink("/dev/shm" + name)
+    except FileNotFoundError:
+        pass
+    _linked.pop(name, None)
+
+
+@atexit.register
+def _unlink_at_exit() -> None:
+    me = os.getpid()  # a forked child's exit leaves its parent's names alone
+    for name, pid in dict(_linked).items():
+        if pid == me:
+            unlink(name)
+
 
 #: What a wait asks while it sleeps: why no server will write the block any more, or None.
 GiveUp = Callable[[], Optional[str]]
@@ -100,6 +123,8 @@ class LoadState:
                 os.unlink(path)
             raise
         os.close(fd)
+        if not attach:
+            _linked[name] = os.getpid()
         # Set by gpu_wait.GpuWaits.arm: the device address of `layers_ready` (the page
         # registered with CUDA) and what unregisters it at close.
         self.gpu_word: Optional[int] = None
@@ -267,10 +292,7 @@ class LoadState:
         self._mm.close()
         if self._path is None:
             return
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        unlink(self.name)
 
     def __enter__(self) -> "LoadState":
         return self

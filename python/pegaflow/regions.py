@@ -18,6 +18,7 @@ A block's own dimensions must be dense (any order, e.g. HND or NHD).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import mmap
@@ -151,7 +152,9 @@ class ShmRegion:
     host-backend KV memory the server maps by name. Not
     multiprocessing.shared_memory: its resource tracker unlinks the file
     when some process exits. The file is unlinked by `close()`; it must
-    outlive the registration (the server maps it again after a restart).
+    outlive the registration (the server maps it again after a restart). A region still open
+    when its process exits (normally or on an unhandled exception) is unlinked then; a
+    SIGKILLed process leaves its files (whoever killed it removes `pegaflow-kv-<pid>-*`).
 
     Example:
         r = ShmRegion(2 * 64 * 4096)
@@ -169,6 +172,7 @@ class ShmRegion:
         self.name = name
         self.nbytes = nbytes
         self._path = "/dev/shm" + name
+        self._pid = os.getpid()  # a forked child's exit leaves the file to this process
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -260,6 +264,19 @@ class ShmRegion:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@atexit.register
+def _unlink_at_exit() -> None:
+    """The files of this process's regions still open at interpreter exit: nothing can use
+    them once it is gone (the server's mappings stay valid), and they would stay in /dev/shm."""
+    with _live_lock:
+        left = [r._path for r in _live.values() if r._pid == os.getpid()]
+    for path in left:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def find_shm_region(ptr: int, nbytes: int) -> Optional[ShmRegion]:

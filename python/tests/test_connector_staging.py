@@ -283,3 +283,22 @@ def test_a_staged_load_whose_answer_was_lost_holds_its_request_and_the_staging_b
     before = set(eng.invalid_blocks)
     assert eng.run_prefill(third, avoid=set(cold.block_ids)) == 5 * BLOCK
     assert eng.invalid_blocks == before and eng.holds_all(third, third.num_tokens)
+
+
+def test_staging_buffers_that_fail_midway_unlink_the_regions_they_made():
+    """A layer whose staging tensor cannot be made (here a dimension of 0) raises from the
+    constructor, after earlier layers got their shm regions: nobody holds the object to close
+    them, so the constructor must (they were left in /dev/shm)."""
+    import os
+
+    import numpy as np
+
+    from pegaflow.connector.staging import StagingBuffers
+
+    mine = f"pegaflow-kv-{os.getpid()}-"
+    before = {f for f in os.listdir("/dev/shm") if f.startswith(mine)}
+    kv = {"model.layers.0.attn": np.zeros((2, 4, 4, 2, 8), np.float16),
+          "model.layers.1.attn": np.zeros((2, 4, 4, 0, 8), np.float16)}
+    with pytest.raises(ValueError, match="dimension <= 0"):
+        StagingBuffers(kv, 2)
+    assert {f for f in os.listdir("/dev/shm") if f.startswith(mine)} == before

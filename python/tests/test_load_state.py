@@ -100,3 +100,35 @@ def test_a_refused_load_fails_the_state_the_engine_waits_on(client, uid):
     finally:
         reg.close()
         region.close()
+
+
+#: An engine process that ends on an unhandled exception without closing its load states (one
+#: its own, one handed over to bookkeeping that never ran); a child it forked, exiting normally
+#: first, must not take its parent's names with it.
+_ENDS_WITHOUT_CLOSING = r"""
+import os, sys
+from pegaflow.load_state import LoadState
+own = LoadState.create()
+given = LoadState.create()
+given.hand_over()
+if os.fork() == 0:
+    sys.exit(0)
+os.waitpid(-1, 0)
+print(own.name, given.name, os.path.exists("/dev/shm" + own.name), os.path.exists("/dev/shm" + given.name), flush=True)
+raise RuntimeError("the engine crashed")
+"""
+
+
+def test_load_states_a_process_never_closed_are_unlinked_when_it_exits():
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(here))
+    r = subprocess.run([sys.executable, "-c", _ENDS_WITHOUT_CLOSING], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "the engine crashed" in r.stderr, r.stderr
+    own, given, own_there, given_there = r.stdout.split()
+    assert (own_there, given_there) == ("True", "True"), "a forked child's exit unlinked its parent's states"
+    left = [n for n in (own, given) if os.path.exists("/dev/shm" + n)]
+    assert left == [], f"left in /dev/shm after the process ended: {left}"

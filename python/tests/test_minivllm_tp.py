@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from leaks import kill_and_clean
 from server_proc import ServerProc
 from tiny_model import TINY
 
@@ -52,7 +53,7 @@ def run_ranks(server: ServerProc, tp: int, uid: str, mode: str, out: str) -> dic
             text, _ = p.communicate(timeout=RANKS_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                kill_and_clean(q)  # a killed rank leaves its KV region files
             raise
         logs.append(text.decode(errors="replace"))
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[-1][-4000:]}"

@@ -23,6 +23,8 @@ import zipfile
 
 import pytest
 
+from leaks import remove_shm_of
+
 PY = "/usr/bin/python3"
 HERE = os.path.dirname(os.path.abspath(__file__))
 PKG_SRC = os.path.dirname(HERE)  # python/
@@ -268,6 +270,7 @@ def _run_readme_client(readme_venv, server, path):
         if p.poll() is None:
             p.kill()
             p.communicate()
+            remove_shm_of(p.pid)  # killed, it never unlinked its regions
     assert p.returncode == 0, f"README client example failed:\n{out[-2000:]}\n{err[-3000:]}"
     left = [f for f in os.listdir("/dev/shm") if f"-{p.pid}-" in f]
     assert left == [], f"the README example left shm files behind: {left}"

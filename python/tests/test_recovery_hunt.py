@@ -26,6 +26,7 @@ from pegaflow.connector.worker_core import WorkerCore
 from pegaflow.load_state import LoadState
 
 from kv_helpers import make_kv, register
+from leaks import kill_and_clean
 from server_proc import ServerProc
 from waits import wait_for
 
@@ -119,9 +120,7 @@ def test_a_rank_re_registers_as_soon_as_its_restarted_server_is_up_without_grpcs
         assert rank.stdout.readline().strip() == "THREADS []", "a thread of the client outlived its close()"
         assert rank.wait(30) == 0
     finally:
-        if rank.poll() is None:
-            rank.kill()
-            rank.wait()
+        kill_and_clean(rank)  # killed midway, the rank leaves its region file
 
 
 # ---- a load whose server died ---------------------------------------------------------------

@@ -152,3 +152,35 @@ def test_without_libcuda_the_export_says_so():
     cuda_ipc._driver = None
     with pytest.raises(cuda_ipc.CudaIpcError, match="libcuda"):
         cuda_ipc.export_pointer(0x1000, 0)
+
+
+#: An engine process that ends on an unhandled exception without closing its KV regions (one
+#: with a numpy view still alive); a child it forked, exiting normally first, must not take its
+#: parent's files with it.
+_ENDS_WITHOUT_CLOSING = r"""
+import os, sys
+import numpy as np
+from pegaflow.regions import ShmRegion
+plain = ShmRegion(4096)
+held, kv = ShmRegion.holding(np.zeros(0, np.float16), (2, 4, 8))
+if os.fork() == 0:
+    sys.exit(0)
+os.waitpid(-1, 0)
+print(plain.name, held.name, os.path.exists("/dev/shm" + plain.name), os.path.exists("/dev/shm" + held.name), flush=True)
+raise RuntimeError("the engine crashed")
+"""
+
+
+def test_regions_a_process_never_closed_are_unlinked_when_it_exits():
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(here))
+    r = subprocess.run([sys.executable, "-c", _ENDS_WITHOUT_CLOSING], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "the engine crashed" in r.stderr, r.stderr
+    plain, held, plain_there, held_there = r.stdout.split()
+    assert (plain_there, held_there) == ("True", "True"), "a forked child's exit unlinked its parent's regions"
+    left = [n for n in (plain, held) if os.path.exists("/dev/shm" + n)]
+    assert left == [], f"left in /dev/shm after the process ended: {left}"

@@ -28,6 +28,7 @@ from pegaflow.load_state import LoadState
 from pegaflow.regions import export_kv_layers
 
 from kv_helpers import fill, make_kv, matches, register, save_one
+from leaks import kill_and_clean
 from waits import wait_for
 
 
@@ -121,9 +122,8 @@ def test_a_second_engine_process_with_the_same_instance_id_is_refused_and_the_fi
         assert child.wait(timeout=30) == 0
     finally:
         first.close()
-        if child is not None and child.poll() is None:
-            child.kill()
-            child.wait()
+        if child is not None:
+            kill_and_clean(child)  # a child killed midway leaves its region file
         client.close()
         region.close()
 
@@ -131,7 +131,8 @@ def test_a_second_engine_process_with_the_same_instance_id_is_refused_and_the_fi
 def test_an_engine_restarted_after_a_crash_registers_once_the_server_sees_the_old_one_gone(server, uid):
     """The old engine (a child process) still holds the rank when the new one starts: the new
     one runs without PegaFlow and registers by itself once the old one is SIGKILLed (its
-    session ends, the server cleans its instance up)."""
+    session ends, the server cleans its instance up). A killed engine never unlinks its region
+    file: the test does, by the child's pid."""
     old = _spawn(server.addr, uid, "ns-" + uid, "holder")
     client = PegaflowClient(server.addr, rpc_timeout_ms=10_000, reconnect_max_ms=200)
     region, kv = make_kv(2, 8)
@@ -140,16 +141,13 @@ def test_an_engine_restarted_after_a_crash_registers_once_the_server_sees_the_ol
         assert _read_json(old) == dict(connected=True)
         reg = register(client, kv, uid, "ns-" + uid)  # returns: the rank is retried
         assert not reg.connected and "is registered by another engine" in (reg.last_error or "")
-        old.kill()
-        old.wait()
+        kill_and_clean(old)
         wait_for(lambda: reg.connected, "registration once the old engine is gone")
         assert reg.generation == 1 and not reg.superseded
         assert save_one(client, kv, uid, 2, 5) == 1
         assert load_one(client, kv, uid, 5, 7, "restarted") == []
     finally:
-        if old.poll() is None:
-            old.kill()
-            old.wait()
+        kill_and_clean(old)
         if reg is not None:
             reg.close()
         client.close()

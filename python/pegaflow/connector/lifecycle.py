@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, List, Optional
 
 import grpc
@@ -11,6 +10,7 @@ import grpc
 from ..client import CallNotSent
 from ..errors import PegaflowError
 from ..load_state import LoadState
+from ..load_state import unlink as _unlink_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..client import PegaflowClient
@@ -66,10 +66,7 @@ def give_lease_back(client: "PegaflowClient", lease_id: bytes, request_id: str) 
 
 def unlink_shm(name: str) -> None:
     """Unlinks a load state's name (every mapping of it stays valid)."""
-    try:
-        os.unlink("/dev/shm" + name)
-    except FileNotFoundError:
-        pass
+    _unlink_state(name)  # also drops it from what the process unlinks at exit
 
 
 class FreshStates:

@@ -153,12 +153,16 @@ class StagingBuffers:
         self._axis: Dict[str, int] = {}
         self._regions: List[ShmRegion] = []
         self._index: Dict[str, Any] = {}
-        for name, t in self._kv.items():
-            ax = block_axis(list(t.shape), layout)
-            shape = list(t.shape)
-            shape[ax] = blocks
-            self._axis[name] = ax
-            self.tensors[name] = self._alloc(t, shape)
+        try:
+            for name, t in self._kv.items():
+                ax = block_axis(list(t.shape), layout)
+                shape = list(t.shape)
+                shape[ax] = blocks
+                self._axis[name] = ax
+                self.tensors[name] = self._alloc(t, shape)
+        except BaseException:
+            self.close()  # nobody gets this object to close: the regions made so far go now
+            raise
 
     def _alloc(self, like: Any, shape: Sequence[int]) -> Any:
         if getattr(like, "is_cuda", False):
