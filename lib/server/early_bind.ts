@@ -15,9 +15,11 @@
  *  - `--http-addr`: the HTTP server, answering 503 `starting` until the
  *    server is ready ({@link EarlyHttp.serve}; Deno.serve takes no listener).
  *
- * Bound by code that takes no listener, so only probed (bound and released
- * at once; another process may take the port in between, and the real bind
- * then refuses the start naming the flag all the same):
+ * Bound by code that takes no listener, so only probed (bound, and released
+ * once every other address is bound, so that another of the server's flags
+ * naming the same port is refused here; another process may take the port
+ * before the real bind, which then refuses the start naming the flag all the
+ * same):
  *  - `--addr` without the guard (grpc-js binds it);
  *  - `--xfer-port` with `--transport tcp` (the native transfer endpoint binds
  *    it over the pool). With `auto` RDMA may not use the port at all: not probed.
@@ -108,13 +110,18 @@ export async function bindEarly(cfg: EarlyConfig, log: Logger): Promise<EarlySoc
     }
     closers.length = 0;
   };
+  // Probes stay bound until every address is: one of the server's own flags
+  // naming a probed port (--http-addr = --addr without the guard) is refused
+  // here naming that flag, not after the pool when the real bind finds it taken.
+  const probes: Deno.Listener[] = [];
   try {
-    const grpc = bindAddr(cfg, closers);
+    const grpc = bindAddr(cfg, closers, probes);
     const uds = cfg.uds === undefined
       ? undefined
       : await bindUds(cfg.uds, cfg.goawayGuard, closers, log);
-    const peerRpc = cfg.index.redisUrl ? bindPeer(cfg.peer, closers, log) : undefined;
+    const peerRpc = cfg.index.redisUrl ? bindPeer(cfg.peer, closers, probes, log) : undefined;
     const http = cfg.httpAddr ? serveHttp(cfg.httpAddr, closers) : undefined;
+    for (const p of probes) closeListener(p);
     return { grpc, uds, peerRpc, http, close };
   } catch (e) {
     await close();
@@ -149,14 +156,21 @@ function listenTcp(flag: string, at: { hostname: string; port: number }): Deno.T
   }
 }
 
+/** Holds a probe: released once every address is bound, or by `close()`. */
+function holdProbe(l: Deno.Listener, closers: Closer[], probes: Deno.Listener[]): void {
+  closers.push(() => closeListener(l));
+  probes.push(l);
+}
+
 /** `--addr`: bound for the guard; probed for grpc-js (port 0 needs no probe). */
 function bindAddr(
   cfg: Pick<ServeConfig, "addr" | "goawayGuard">,
   closers: Closer[],
+  probes: Deno.Listener[],
 ): Deno.TcpListener | undefined {
   const at = hostPort(cfg.addr);
   if (!cfg.goawayGuard) {
-    if (at.port !== 0) closeListener(listenTcp(`--addr ${cfg.addr}`, at));
+    if (at.port !== 0) holdProbe(listenTcp(`--addr ${cfg.addr}`, at), closers, probes);
     return undefined;
   }
   const l = listenTcp(`--addr ${cfg.addr}`, at);
@@ -225,12 +239,13 @@ async function checkSocketDir(path: string): Promise<void> {
 function bindPeer(
   peer: ServeConfig["peer"],
   closers: Closer[],
+  probes: Deno.Listener[],
   log: Logger,
 ): Deno.TcpListener {
   if (peer.transport === "tcp" && peer.xferPort !== 0) {
     const at = { hostname: "0.0.0.0", port: peer.xferPort };
     try {
-      closeListener(Deno.listen(at));
+      holdProbe(Deno.listen(at), closers, probes);
     } catch (e) {
       throw new Error(
         `--xfer-port ${at.port}: cannot listen on ${at.hostname}:${at.port}: ${

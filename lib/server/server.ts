@@ -105,6 +105,11 @@ export interface RunningServer {
  * before the pinned pool is built, which takes seconds. On a failure what
  * was opened is closed before the error (naming the flag) goes up.
  *
+ * `signal` stops a start (SIGINT/SIGTERM while the pool is built, main.ts):
+ * once it aborts, every socket bound early is closed and its file removed at
+ * once, without waiting for the pool, and the start rejects with the abort's
+ * reason; what the start opens after that is closed when it gets there.
+ *
  * @example
  * ```ts
  * const s = await startServer({ ...config, addr: "127.0.0.1:0" });
@@ -115,13 +120,46 @@ export interface RunningServer {
 export async function startServer(
   cfg: ServeConfig,
   log = new Logger(cfg.logLevel),
+  signal?: AbortSignal,
 ): Promise<RunningServer> {
   const early = await bindEarly(cfg, log);
   try {
-    return await startOn(early, cfg, log);
+    signal?.throwIfAborted();
+    return await unlessAborted(startOn(early, cfg, log, signal), signal, log);
   } catch (e) {
     await early.close();
     throw e;
+  }
+}
+
+/**
+ * `started`, or its rejection with `signal`'s reason as soon as `signal`
+ * aborts; a server that starts after that is closed in the background.
+ */
+async function unlessAborted(
+  started: Promise<RunningServer>,
+  signal: AbortSignal | undefined,
+  log: Logger,
+): Promise<RunningServer> {
+  if (!signal) return await started;
+  let onAbort = () => {};
+  const aborted = new Promise<never>((_, reject) => {
+    onAbort = () => reject(signal.reason);
+    signal.addEventListener("abort", onAbort, { once: true });
+  });
+  try {
+    return await Promise.race([started, aborted]);
+  } catch (e) {
+    if (signal.aborted) {
+      started.then((s) => s.close(), () => {}).catch((err) =>
+        log.warn("closing a server started after its start was stopped failed", {
+          error: (err as Error).message,
+        })
+      );
+    }
+    throw e;
+  } finally {
+    signal.removeEventListener("abort", onAbort);
   }
 }
 
@@ -135,6 +173,7 @@ async function startOn(
   early: EarlySockets,
   cfg: ServeConfig,
   log: Logger,
+  signal: AbortSignal | undefined,
 ): Promise<RunningServer> {
   const { native, placement, store, advertiser, collector } = await openStorage(cfg, log);
   const sessions = new Sessions({ graceMs: cfg.sessionGraceMs });
@@ -160,6 +199,7 @@ async function startOn(
   cross.addServices(server);
   let listeners: Listeners;
   try {
+    signal?.throwIfAborted(); // stopped while the pool was built: nothing serves
     listeners = await openListeners(server, impl, cfg, early, metrics, log);
   } catch (e) {
     clearInterval(collector);

@@ -20,8 +20,13 @@ function config(flags: string[]): ServeConfig {
 
 /** Whether a TCP port on 127.0.0.1 can be bound now (nothing holds it). */
 function free(port: number): boolean {
+  return freeOn(port, "127.0.0.1");
+}
+
+/** Whether a TCP port on `hostname` can be bound now. */
+function freeOn(port: number, hostname: string): boolean {
   try {
-    Deno.listen({ hostname: "127.0.0.1", port }).close();
+    Deno.listen({ hostname, port }).close();
     return true;
   } catch {
     return false;
@@ -91,5 +96,53 @@ Deno.test("a taken --http-addr is refused naming it, and what was bound before i
   } finally {
     taken.close();
     await Deno.remove(dir, { recursive: true });
+  }
+});
+
+/** A port nothing holds right now, on every address. */
+function freePort(): number {
+  const l = Deno.listen({ hostname: "0.0.0.0", port: 0 });
+  const port = l.addr.port;
+  l.close();
+  return port;
+}
+
+Deno.test("--goaway-guard false: --http-addr on --addr's port is refused naming --http-addr", async () => {
+  const port = freePort();
+  const addr = `127.0.0.1:${port}`;
+  // The probe of --addr used to be released at once: the HTTP server took the
+  // port, and the start failed after the pool blaming --addr (grpc-js).
+  await assert.rejects(
+    bindEarly(config(["--goaway-guard", "false", "--addr", addr, "--http-addr", addr]), log),
+    new RegExp(`^Error: --http-addr ${addr}: cannot listen: .*in use`),
+  );
+  assert.ok(free(port), "the probe is released after a refused bind");
+  // Without the clash the probe is released once everything is bound: grpc-js binds it later.
+  const early = await bindEarly(
+    config(["--goaway-guard", "false", "--addr", addr, "--http-addr", "127.0.0.1:0"]),
+    log,
+  );
+  try {
+    assert.ok(free(port), "--addr's port is held after bindEarly: grpc-js could not bind it");
+  } finally {
+    await early.close();
+  }
+});
+
+Deno.test("--transport tcp: --peer-rpc-port on --xfer-port's port is refused naming it", async () => {
+  const port = freePort();
+  const indexed = ["--index-redis", "redis://h:1", "--transport", "tcp", "--xfer-port", `${port}`];
+  await assert.rejects(
+    bindEarly(config([...indexed, "--peer-rpc-port", `${port}`]), log),
+    new RegExp(
+      `^Error: cannot listen for peer RPC on port ${port} \\(--peer-rpc-port\\): .*in use`,
+    ),
+  );
+  assert.ok(freeOn(port, "0.0.0.0"), "the probe is released after a refused bind");
+  const early = await bindEarly(config([...indexed, "--peer-rpc-port", "0"]), log);
+  try {
+    assert.ok(freeOn(port, "0.0.0.0"), "--xfer-port is held after bindEarly");
+  } finally {
+    await early.close();
   }
 });

@@ -222,3 +222,66 @@ export async function metricBecomes(srv: ServerProc, name: string, want: number)
   }
   if (got !== want) throw new Error(`${name}: ${got} after ${SETTLE_MS} ms, want ${want}`);
 }
+
+/** A server child watched from its first line: for what happens while it starts. */
+export interface StartingServer {
+  pid: number;
+  /** The first JSON log line whose `msg` is `msg`; rejects if the process ends without one. */
+  logged(msg: string): Promise<Record<string, unknown>>;
+  kill(signal: Deno.Signal): void;
+  /** The process's end: status, stdout and stderr in full (SIGKILLed after the start-up budget). */
+  ended(): Promise<{ status: Deno.CommandStatus; stdout: string; stderr: string }>;
+}
+
+/**
+ * Spawns `main.ts` with these extra flags (defaults: host backend, 64 MiB pool, ephemeral
+ * ports) and environment, without waiting for it to start.
+ */
+export function spawnServer(flags: string[], env: Record<string, string> = {}): StartingServer {
+  const child = new Deno.Command(DENO, {
+    args: serverArgs([], flags),
+    cwd: ROOT,
+    stdout: "piped",
+    stderr: "piped",
+    env,
+  }).spawn();
+  const timer = setTimeout(() => child.kill("SIGKILL"), START_TIMEOUT_MS);
+  const text = (s: ReadableStream<Uint8Array>) => new Response(s).text();
+  let stderr = "";
+  const waiters: { msg: string; resolve: (l: Record<string, unknown>) => void }[] = [];
+  const lineOf = (msg: string) =>
+    stderr.split("\n").map((l) => {
+      try {
+        return JSON.parse(l) as Record<string, unknown>;
+      } catch {
+        return undefined;
+      }
+    }).find((l) => l?.msg === msg);
+  const errDone = (async () => {
+    const dec = new TextDecoder();
+    for await (const chunk of child.stderr) {
+      stderr += dec.decode(chunk, { stream: true });
+      for (const w of waiters.splice(0)) {
+        const l = lineOf(w.msg);
+        if (l) w.resolve(l);
+        else waiters.push(w);
+      }
+    }
+  })();
+  const end = Promise.all([child.status, text(child.stdout), errDone]).then(([status, stdout]) => {
+    clearTimeout(timer);
+    return { status, stdout, stderr };
+  });
+  return {
+    pid: child.pid,
+    logged: (msg) =>
+      new Promise((resolve, reject) => {
+        const l = lineOf(msg);
+        if (l) return resolve(l);
+        waiters.push({ msg, resolve });
+        end.then(() => reject(new Error(`the server ended without logging ${msg}:\n${stderr}`)));
+      }),
+    kill: (signal) => child.kill(signal),
+    ended: () => end,
+  };
+}

@@ -76,6 +76,16 @@ Deno.test("a taken --addr without the GOAWAY guard is refused before the pool to
   }
 });
 
+Deno.test("--http-addr on --addr's port with --goaway-guard false is refused before the pool, naming --http-addr", async () => {
+  const l = taken("127.0.0.1");
+  const addr = `127.0.0.1:${l.addr.port}`;
+  l.close(); // free: only the server's own two flags want it
+  await refusedBeforePool(
+    ["--goaway-guard", "false", "--addr", addr, "--http-addr", addr],
+    new RegExp(`^--http-addr ${addr}: cannot listen: .*in use`),
+  );
+});
+
 Deno.test("a taken --http-addr refuses the start before the pool, naming the flag and address", async () => {
   const l = taken("127.0.0.1");
   try {
