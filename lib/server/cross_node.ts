@@ -28,6 +28,7 @@ import { type LenderEndpoint, TransferLender } from "../peer/lender.ts";
 import { registerPeerMetrics } from "../peer/metrics.ts";
 import { peerServiceImpl } from "../peer/service.ts";
 import { lenientPeerService } from "./decode.ts";
+import { listenPeerRpc } from "./early_bind.ts";
 import { servePeerRpc } from "./local_rpc.ts";
 
 /** `PEGAFLOW_TEST_PEER_READ_DELAY_MS` (tests only): the peer tier waits this long before each READ. */
@@ -61,9 +62,9 @@ export interface CrossNode {
 /**
  * Opens what `cfg` asks for; nothing at all without `--index-redis`. Throws
  * when an explicitly named transport cannot open (the server must not start),
- * naming the flags. `rpcListener` is the peer RPC listener, bound before the
- * pool was built (early_bind.ts; there with `--index-redis`): served from here
- * on once this returns, left to the caller when it throws.
+ * naming the flags (the peer RPC port, `--peer-rpc-port`, was probed before
+ * the pool was built, early_bind.ts; it is bound here, and one taken since
+ * refuses the start naming the flag).
  * A flat wiring list (endpoint → locks → tier → the object the server
  * drives), each step reading what the one before it opened.
  *
@@ -72,7 +73,7 @@ export interface CrossNode {
  *
  * @example
  * ```ts
- * const cross = openCrossNode(cfg, native, store, tierHost, advertiser, early.peerRpc, metrics, log);
+ * const cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
  * cross.addServices(server);
  * cross.openIndex("10.0.0.5:50055");
  * ```
@@ -83,17 +84,13 @@ export function openCrossNode(
   store: KvStore,
   tierHost: TierHost,
   advertiser: IndexAdvertiser | undefined,
-  rpcListener: Deno.TcpListener | undefined,
   metrics: ServerMetrics,
   log: Logger,
 ): CrossNode {
   const plog = log.child({ component: "peer" });
-  if (cfg.index.redisUrl && !rpcListener) {
-    throw new Error("--index-redis: the peer RPC listener (--peer-rpc-port) was not bound");
-  }
-  const transfer = cfg.index.redisUrl
-    ? openPeerTransport(cfg, native.copyEngine, metrics, log, plog)
-    : undefined;
+  const { rpcListener, transfer } = cfg.index.redisUrl
+    ? openPeerListeners(cfg, native.copyEngine, metrics, log, plog)
+    : { rpcListener: undefined, transfer: undefined };
   let index: BlockIndexHandle | undefined;
   // The gRPC address once bound (peers are told the advertised one; this is its default).
   let boundGrpcAddr = cfg.addr;
@@ -163,6 +160,26 @@ export function openCrossNode(
       await transfer?.endpoint.close();
     },
   };
+}
+
+/** The peer RPC listener, then the transfer endpoint; both or (throwing) neither. */
+function openPeerListeners(
+  cfg: ServeConfig,
+  copyEngine: CopyEngine,
+  metrics: ServerMetrics,
+  log: Logger,
+  plog: Logger,
+): { rpcListener: Deno.TcpListener; transfer: OpenedTransport } {
+  // Bound first: a --peer-rpc-port taken since it was probed refuses the start
+  // before anything else opens.
+  const rpcListener = listenPeerRpc(cfg.peer.rpcPort);
+  plog.info("peer RPC open", { port: rpcListener.addr.port });
+  try {
+    return { rpcListener, transfer: openPeerTransport(cfg, copyEngine, metrics, log, plog) };
+  } catch (e) {
+    rpcListener.close();
+    throw e;
+  }
 }
 
 /**

@@ -1,28 +1,29 @@
 /**
- * The server's listening addresses, bound before anything slow starts. The
+ * The server's listening addresses, checked before anything slow starts. The
  * pinned pool takes seconds to build (10-15 s for the default on a small
  * machine): a taken port must refuse the start at once, naming its flag and
  * address, not after that wait.
  *
- * What can be bound for real is bound here and handed on to what serves it
- * (a listener bound now cannot be taken by another process; connections
- * wait in its backlog until the server accepts):
- *  - `--addr` behind the GOAWAY guard: the guard's TCP listener (listeners.ts);
- *  - `--uds PATH`: the path claimed (uds.ts: a live server's path is refused,
- *    a stale one taken over), the guard's listener on it and the local RPC
- *    socket `PATH.rpc` (listeners.ts);
- *  - `--peer-rpc-port` (with `--index-redis`): the peer RPC listener (cross_node.ts);
- *  - `--http-addr`: the HTTP server, answering 503 `starting` until the
- *    server is ready ({@link EarlyHttp.serve}; Deno.serve takes no listener).
+ * Every address an engine or a peer calls is only probed here: bound, held
+ * until every other address is bound too (so one of the server's own flags
+ * naming another's port is refused here, naming it), then released, the
+ * socket files removed. Nothing listens on them while the pool is built, so
+ * a call made meanwhile is refused at once (connection refused, or no socket
+ * file) instead of waiting its whole deadline in a listen backlog; the server
+ * binds them for real once it can serve (listeners.ts, cross_node.ts). A
+ * port another process takes in between still refuses the start, naming the
+ * flag, after the pool. Probed:
+ *  - `--addr` (port 0 needs no probe);
+ *  - `--uds PATH`: the directory checked, PATH claimed (uds.ts: a live
+ *    server's path is refused, a stale one taken over), `PATH.up` (the
+ *    GOAWAY guard's relay) claimed, PATH and the local RPC socket `PATH.rpc`
+ *    claimed and bound;
+ *  - with `--index-redis`: `--xfer-port` where TCP is sure to bind it
+ *    (`--transport tcp`; with `auto` RDMA may not use the port at all), and
+ *    `--peer-rpc-port`.
  *
- * Bound by code that takes no listener, so only probed (bound, and released
- * once every other address is bound, so that another of the server's flags
- * naming the same port is refused here; another process may take the port
- * before the real bind, which then refuses the start naming the flag all the
- * same):
- *  - `--addr` without the guard (grpc-js binds it);
- *  - `--xfer-port` with `--transport tcp` (the native transfer endpoint binds
- *    it over the pool). With `auto` RDMA may not use the port at all: not probed.
+ * `--http-addr` is bound for real: the HTTP server answers 503 `starting` (a
+ * fast answer) until the server is ready ({@link EarlyHttp.serve}).
  *
  * @module
  */
@@ -31,24 +32,12 @@ import type { Logger } from "../log.ts";
 import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
 import type { ServeConfig } from "./config.ts";
 import {
-  type BoundSocket,
   boundSocket,
   claimSocketPath,
   localRpcSocketPath,
   releaseSocketPath,
   upstreamSocketPath,
 } from "./uds.ts";
-
-/** The `--uds` sockets bound early. */
-export interface EarlyUds {
-  readonly path: string;
-  /** The public socket when the GOAWAY guard relays it; undefined: grpc-js binds `path` later. */
-  readonly listener: Deno.UnixListener | undefined;
-  /** The local RPC socket `PATH.rpc`. */
-  readonly rpc: Deno.UnixListener;
-  /** The socket files bound here, for whoever serves them to remove at shutdown. */
-  readonly files: readonly BoundSocket[];
-}
 
 /** The HTTP server bound early (`--http-addr`). */
 export interface EarlyHttp {
@@ -59,18 +48,10 @@ export interface EarlyHttp {
   serve(handler: Deno.ServeHandler): void;
 }
 
-/** What {@link bindEarly} bound; each piece is handed on to what serves it. */
+/** What {@link bindEarly} leaves bound: the HTTP server alone (the probes are released). */
 export interface EarlySockets {
-  /** `--addr`'s listener when the GOAWAY guard relays it; undefined: grpc-js binds it later. */
-  readonly grpc: Deno.TcpListener | undefined;
-  readonly uds: EarlyUds | undefined;
-  /** The peer RPC listener (`--peer-rpc-port`), with `--index-redis`. */
-  readonly peerRpc: Deno.TcpListener | undefined;
   readonly http: EarlyHttp | undefined;
-  /**
-   * Closes everything bound here and removes its socket files: for a start
-   * that failed. What was handed on and closed since is skipped.
-   */
+  /** Shuts the HTTP server down: for a start that failed or was stopped. */
   close(): Promise<void>;
 }
 
@@ -83,15 +64,17 @@ export type EarlyConfig = Pick<
 type Closer = () => unknown;
 
 /**
- * Binds (or probes) every address `cfg` names, in flag order. Throws an
- * Error naming the flag and the address (`--addr 127.0.0.1:50055: cannot
- * listen: …`) for the first that cannot be bound, having closed the others.
+ * Probes every address `cfg` names, in flag order, and binds `--http-addr`.
+ * Throws an Error naming the flag and the address (`--addr 127.0.0.1:50055:
+ * cannot listen: …`) for the first that cannot be bound, having closed the
+ * others. On return nothing but the HTTP server listens, and no socket file
+ * made here is left.
  *
  * @example
  * ```ts
  * const early = await bindEarly(cfg, log);
  * try {
- *   // build the pool, hand early.grpc, early.uds, ... on
+ *   // build the pool, bind the listeners, early.http?.serve(handler)
  * } catch (e) {
  *   await early.close();
  *   throw e;
@@ -99,31 +82,30 @@ type Closer = () => unknown;
  * ```
  */
 export async function bindEarly(cfg: EarlyConfig, log: Logger): Promise<EarlySockets> {
-  const closers: Closer[] = [];
-  const close = async () => {
-    for (const c of closers.reverse()) {
+  const run = (closers: Closer[]) => async () => {
+    for (const c of closers.splice(0).reverse()) {
       try {
         await c();
       } catch (e) {
         log.warn("closing a socket of a failed start failed", { error: (e as Error).message });
       }
     }
-    closers.length = 0;
   };
-  // Probes stay bound until every address is: one of the server's own flags
-  // naming a probed port (--http-addr = --addr without the guard) is refused
-  // here naming that flag, not after the pool when the real bind finds it taken.
-  const probes: Deno.Listener[] = [];
+  // Held until every address is bound: one flag naming another's port
+  // (--http-addr = --addr) is refused here naming it.
+  const probes: Closer[] = [];
+  const closers: Closer[] = [];
+  const release = run(probes);
+  const close = run(closers);
   try {
-    const grpc = bindAddr(cfg, closers, probes);
-    const uds = cfg.uds === undefined
-      ? undefined
-      : await bindUds(cfg.uds, cfg.goawayGuard, closers, log);
-    const peerRpc = cfg.index.redisUrl ? bindPeer(cfg.peer, closers, probes, log) : undefined;
+    probeAddr(cfg.addr, probes);
+    if (cfg.uds !== undefined) await probeUds(cfg.uds, cfg.goawayGuard, probes, log);
+    if (cfg.index.redisUrl) probePeer(cfg.peer, probes);
     const http = cfg.httpAddr ? serveHttp(cfg.httpAddr, closers) : undefined;
-    for (const p of probes) closeListener(p);
-    return { grpc, uds, peerRpc, http, close };
+    await release();
+    return { http, close };
   } catch (e) {
+    await release();
     await close();
     throw e;
   }
@@ -138,7 +120,7 @@ function hostPort(addr: string): { hostname: string; port: number } {
   };
 }
 
-/** Closes a listener; one closed already (handed on, then closed) is fine. */
+/** Closes a listener; one closed already is fine. */
 function closeListener(l: Deno.Listener): void {
   try {
     l.close();
@@ -156,61 +138,41 @@ function listenTcp(flag: string, at: { hostname: string; port: number }): Deno.T
   }
 }
 
-/** Holds a probe: released once every address is bound, or by `close()`. */
-function holdProbe(l: Deno.Listener, closers: Closer[], probes: Deno.Listener[]): void {
-  closers.push(() => closeListener(l));
-  probes.push(l);
-}
-
-/** `--addr`: bound for the guard; probed for grpc-js (port 0 needs no probe). */
-function bindAddr(
-  cfg: Pick<ServeConfig, "addr" | "goawayGuard">,
-  closers: Closer[],
-  probes: Deno.Listener[],
-): Deno.TcpListener | undefined {
-  const at = hostPort(cfg.addr);
-  if (!cfg.goawayGuard) {
-    if (at.port !== 0) holdProbe(listenTcp(`--addr ${cfg.addr}`, at), closers, probes);
-    return undefined;
-  }
-  const l = listenTcp(`--addr ${cfg.addr}`, at);
-  closers.push(() => closeListener(l));
-  return l;
+/** `--addr`, probed (port 0: any free port, nothing to probe). */
+function probeAddr(addr: string, probes: Closer[]): void {
+  const at = hostPort(addr);
+  if (at.port === 0) return;
+  const l = listenTcp(`--addr ${addr}`, at);
+  probes.push(() => closeListener(l));
 }
 
 /**
- * `--uds PATH`: the directory checked, PATH claimed (and `PATH.up` where the
- * guard relays to grpc-js), the guard's listener on PATH and the local RPC
- * socket beside it bound. Throws naming the flag and the path.
+ * `--uds PATH`: the directory checked, PATH claimed (and `PATH.up`, where
+ * the guard relays to grpc-js), PATH and the local RPC socket beside it
+ * claimed and bound; each released with its file removed. Throws naming the
+ * flag and the path.
  */
-async function bindUds(
+async function probeUds(
   path: string,
   guard: boolean,
-  closers: Closer[],
+  probes: Closer[],
   log: Logger,
-): Promise<EarlyUds> {
-  const files: BoundSocket[] = [];
-  const listen = async (p: string) => {
+): Promise<void> {
+  const probe = async (p: string) => {
     await claimSocketPath(p);
     const l = Deno.listen({ transport: "unix", path: p });
-    closers.push(() => closeListener(l));
+    probes.push(() => closeListener(l));
     const f = await boundSocket(p);
-    files.push(f);
-    closers.push(() => releaseSocketPath(f));
-    return l;
+    probes.push(() => releaseSocketPath(f));
   };
   try {
     await checkSocketDir(path);
     if (await claimSocketPath(path) === "removed_stale") {
       log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
     }
-    let listener: Deno.UnixListener | undefined;
-    if (guard) {
-      await claimSocketPath(upstreamSocketPath(path));
-      listener = await listen(path);
-    }
-    const rpc = await listen(localRpcSocketPath(path));
-    return { path, listener, rpc, files };
+    if (guard) await claimSocketPath(upstreamSocketPath(path));
+    await probe(path);
+    await probe(localRpcSocketPath(path));
   } catch (e) {
     throw new Error(`--uds ${path}: cannot listen: ${(e as Error).message}`);
   }
@@ -232,20 +194,13 @@ async function checkSocketDir(path: string): Promise<void> {
   if (!info.isDirectory) throw new Error(`${dir} is not a directory`);
 }
 
-/**
- * The probe of `--xfer-port` where TCP is sure to bind it, then the peer RPC
- * listener (`--peer-rpc-port`; it binds every address, like the transfer listener).
- */
-function bindPeer(
-  peer: ServeConfig["peer"],
-  closers: Closer[],
-  probes: Deno.Listener[],
-  log: Logger,
-): Deno.TcpListener {
+/** `--xfer-port` where TCP is sure to bind it, then `--peer-rpc-port`; port 0 is not probed. */
+function probePeer(peer: ServeConfig["peer"], probes: Closer[]): void {
   if (peer.transport === "tcp" && peer.xferPort !== 0) {
     const at = { hostname: "0.0.0.0", port: peer.xferPort };
     try {
-      holdProbe(Deno.listen(at), closers, probes);
+      const l = Deno.listen(at);
+      probes.push(() => closeListener(l));
     } catch (e) {
       throw new Error(
         `--xfer-port ${at.port}: cannot listen on ${at.hostname}:${at.port}: ${
@@ -254,19 +209,28 @@ function bindPeer(
       );
     }
   }
-  let rpc: Deno.TcpListener;
+  if (peer.rpcPort === 0) return;
+  const rpc = listenPeerRpc(peer.rpcPort);
+  probes.push(() => closeListener(rpc));
+}
+
+/**
+ * The peer RPC listener (`--peer-rpc-port`; it binds every address, like the
+ * transfer listener), or an Error naming the flag.
+ *
+ * @example
+ * ```ts
+ * const l = listenPeerRpc(50057);
+ * ```
+ */
+export function listenPeerRpc(port: number): Deno.TcpListener {
   try {
-    rpc = Deno.listen({ hostname: "0.0.0.0", port: peer.rpcPort });
+    return Deno.listen({ hostname: "0.0.0.0", port });
   } catch (e) {
     throw new Error(
-      `cannot listen for peer RPC on port ${peer.rpcPort} (--peer-rpc-port): ${
-        (e as Error).message
-      }`,
+      `cannot listen for peer RPC on port ${port} (--peer-rpc-port): ${(e as Error).message}`,
     );
   }
-  closers.push(() => closeListener(rpc));
-  log.child({ component: "peer" }).info("peer RPC open", { port: rpc.addr.port });
-  return rpc;
 }
 
 /** The answer to every HTTP request before the server is ready. */

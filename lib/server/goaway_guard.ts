@@ -146,16 +146,10 @@ export class GoawayFilter {
 }
 
 /**
- * Where the guard listens: a TCP address (port 0: any free port), a
- * Unix-domain socket path (`--uds`; the caller owns the file,
- * lib/server/uds.ts), or a listener the caller bound already (the server
- * binds its addresses before it builds the pool: lib/server/early_bind.ts);
- * the guard then owns it and closes it with itself.
+ * Where the guard listens: a TCP address (port 0: any free port), or a
+ * Unix-domain socket path (`--uds`; the caller owns the file, lib/server/uds.ts).
  */
-export type GuardListen =
-  | { hostname: string; port: number }
-  | { path: string }
-  | { listener: Deno.Listener };
+export type GuardListen = { hostname: string; port: number } | { path: string };
 
 /**
  * Where the guard relays to: the grpc-js server's loopback port, or a Unix
@@ -240,7 +234,7 @@ async function connectUpstream(opts: GuardUpstream): Promise<Deno.Conn> {
 }
 
 /**
- * Starts the guard: listens (or accepts on the given listener) and relays each connection to
+ * Starts the guard: listens on `hostname:port` and relays each connection to
  * the upstream gRPC server, dropping client GOAWAY frames. When either side
  * ends, both sockets are closed (the server sees the client's close as a
  * plain connection end).
@@ -253,9 +247,7 @@ async function connectUpstream(opts: GuardUpstream): Promise<Deno.Conn> {
  * ```
  */
 export function startGoawayGuard(opts: GoawayGuardOptions): GoawayGuard {
-  const listener: Deno.Listener = "listener" in opts
-    ? opts.listener
-    : "path" in opts
+  const listener: Deno.Listener = "path" in opts
     ? Deno.listen({ transport: "unix", path: opts.path })
     : Deno.listen({ hostname: opts.hostname, port: opts.port });
   const live = new Set<Deno.Conn>();

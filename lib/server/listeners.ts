@@ -1,10 +1,11 @@
 /**
  * The server's sockets for the engines: the gRPC address (behind the GOAWAY
  * guard when it is on), the `--uds` Unix socket and the local RPC socket
- * beside it. The public sockets were bound before the pool was built
- * (early_bind.ts); here grpc-js binds behind them and they start serving.
- * Binds them all or none: a failure closes what was opened and names the
- * flag.
+ * beside it. They were probed before the pool was built (early_bind.ts) and
+ * released, so that nothing listens while the pool is built (a call then is
+ * refused at once, not left in a backlog); they are bound here, once the
+ * server can serve. Binds them all or none: a failure (an address another
+ * process took since the probe) closes what was opened and names the flag.
  *
  * With the guard on, grpc-js listens on a loopback port that only the guard
  * connects to; the guard owns the public address and the Unix socket
@@ -30,12 +31,12 @@ import {
   type BoundSocket,
   boundSocket,
   claimSocketPath,
+  localRpcSocketPath,
   releaseSocketPath,
   UPSTREAM_SOCKET_MODE,
   upstreamSocketPath,
 } from "./uds.ts";
 import { type LocalRpcServer, serveLocalRpc } from "./local_rpc.ts";
-import type { EarlySockets, EarlyUds } from "./early_bind.ts";
 
 /** Where grpc-js listens behind the GOAWAY guard: loopback, any free port. */
 const UPSTREAM_HOST = "127.0.0.1";
@@ -58,18 +59,14 @@ export interface Listeners {
 }
 
 /**
- * Binds the gRPC `server` behind the sockets `early` bound and serves the
- * local RPC socket (answered by `impl`, the gRPC service's own handlers). The
- * guard relays an address exactly when `early` holds its listener (bindEarly
- * binds it when `--goaway-guard` is on); the listeners `early` holds are
- * owned from here on. On failure everything it opened is closed, `server` is
- * force-shut, and an Error naming the flag is thrown (`--addr …: cannot
- * listen: …`, `--uds …: cannot listen: …`); what `early` holds and was not
- * handed on yet is left to `early.close()`.
+ * Binds the gRPC `server` and the local RPC socket (answered by `impl`, the
+ * gRPC service's own handlers) as `cfg` says. On failure everything it
+ * opened is closed, `server` is force-shut, and an Error naming the flag is
+ * thrown (`--addr …: cannot listen: …`, `--uds …: cannot listen: …`).
  *
  * @example
  * ```ts
- * const l = await openListeners(server, impl, cfg, early, metrics, log);
+ * const l = await openListeners(server, impl, cfg, metrics, log);
  * console.log(l.grpcAddr);
  * await l.close();
  * ```
@@ -77,8 +74,7 @@ export interface Listeners {
 export async function openListeners(
   server: grpc.Server,
   impl: grpc.UntypedServiceImplementation,
-  cfg: Pick<ServeConfig, "addr" | "maxMessageBytes">,
-  early: Pick<EarlySockets, "grpc" | "uds">,
+  cfg: Pick<ServeConfig, "addr" | "goawayGuard" | "uds" | "maxMessageBytes">,
   metrics: ServerMetrics,
   log: Logger,
 ): Promise<Listeners> {
@@ -98,20 +94,21 @@ export async function openListeners(
   const hostPart = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
   let port: number;
   try {
-    port = await bindAddr(server, cfg.addr, early.grpc, startGuard, opened);
+    port = await bindAddr(server, cfg, hostPart, startGuard, opened);
   } catch (e) {
     return await fail(`--addr ${cfg.addr}`, e);
   }
-  if (early.uds) {
+  let uds: BoundSocket | undefined;
+  if (cfg.uds !== undefined) {
     try {
-      await bindUds(server, impl, cfg.maxMessageBytes, early.uds, startGuard, opened, log);
+      uds = await bindUds(server, impl, { ...cfg, uds: cfg.uds }, startGuard, opened, log);
     } catch (e) {
-      return await fail(`--uds ${early.uds.path}`, e);
+      return await fail(`--uds ${cfg.uds}`, e);
     }
   }
   return {
     grpcAddr: `${hostPart}:${port}`,
-    udsPath: early.uds?.path,
+    udsPath: uds?.path,
     localRpcPath: opened.localRpc?.path,
     close,
   };
@@ -151,50 +148,78 @@ function bindGrpc(server: grpc.Server, addr: string): Promise<number> {
   );
 }
 
-/**
- * `--addr`: grpc-js itself, or behind a guard on the listener bound early.
- * Resolves the public port.
- */
+/** `--addr`: grpc-js itself, or behind a guard that owns the address. Resolves the public port. */
 async function bindAddr(
   server: grpc.Server,
-  addr: string,
-  listener: Deno.TcpListener | undefined,
+  cfg: Pick<ServeConfig, "addr" | "goawayGuard">,
+  hostPart: string,
   startGuard: StartGuard,
   opened: Opened,
 ): Promise<number> {
-  if (!listener) return await bindGrpc(server, addr);
-  const port = await bindGrpc(server, UPSTREAM_ADDR);
-  const guard = startGuard({ listener }, { upstreamHostname: UPSTREAM_HOST, upstreamPort: port });
+  const port = await bindGrpc(server, cfg.goawayGuard ? UPSTREAM_ADDR : cfg.addr);
+  if (!cfg.goawayGuard) return port;
+  const guard = startGuard({
+    hostname: hostPart.replace(/^\[(.*)\]$/, "$1"),
+    port: Number(cfg.addr.slice(cfg.addr.lastIndexOf(":") + 1)),
+  }, { upstreamHostname: UPSTREAM_HOST, upstreamPort: port });
   opened.guards.push(guard);
   return guard.port;
 }
 
 /**
- * `--uds`: grpc-js behind a guard on the socket bound early (relayed over
- * the upstream socket beside it), or grpc-js on the path itself; then the
- * local RPC socket beside it serves.
+ * `--uds`: the Unix socket (a stale file taken over), relayed by a guard over
+ * the upstream socket beside it when the guard is on, and the local RPC
+ * socket beside it.
  */
 async function bindUds(
   server: grpc.Server,
   impl: grpc.UntypedServiceImplementation,
-  maxMessageBytes: number,
-  uds: EarlyUds,
+  cfg: Pick<ServeConfig, "goawayGuard" | "maxMessageBytes"> & { uds: string },
   startGuard: StartGuard,
   opened: Opened,
   log: Logger,
-): Promise<void> {
-  opened.sockets.push(...uds.files);
-  if (uds.listener) {
-    const upstreamPath = upstreamSocketPath(uds.path);
+): Promise<BoundSocket> {
+  const path = cfg.uds; // its directory was checked before the pool (early_bind.ts)
+  if (await claimSocketPath(path) === "removed_stale") {
+    log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
+  }
+  if (cfg.goawayGuard) {
+    const upstreamPath = upstreamSocketPath(path);
+    await claimSocketPath(upstreamPath);
     await bindGrpc(server, `unix:${upstreamPath}`);
     opened.sockets.push(await boundSocket(upstreamPath));
     await Deno.chmod(upstreamPath, UPSTREAM_SOCKET_MODE);
-    opened.guards.push(startGuard({ listener: uds.listener }, { upstreamPath }));
+    opened.guards.push(startGuard({ path }, { upstreamPath }));
   } else {
-    // Claimed before the pool was built; claimed again in case a server took it since.
-    await claimSocketPath(uds.path);
-    await bindGrpc(server, `unix:${uds.path}`);
-    opened.sockets.push(await boundSocket(uds.path));
+    await bindGrpc(server, `unix:${path}`);
   }
-  opened.localRpc = serveLocalRpc(uds.rpc, impl, maxMessageBytes, log);
+  const uds = await boundSocket(path);
+  opened.sockets.push(uds);
+  opened.localRpc = await openLocalRpc(path, impl, cfg.maxMessageBytes, log, opened.sockets);
+  return uds;
+}
+
+/** The engines' hot calls in frames beside the `--uds` socket (local_rpc.ts), same handlers. */
+async function openLocalRpc(
+  udsPath: string,
+  impl: grpc.UntypedServiceImplementation,
+  maxMessageBytes: number,
+  log: Logger,
+  sockets: BoundSocket[],
+): Promise<LocalRpcServer> {
+  const rpcPath = localRpcSocketPath(udsPath);
+  await claimSocketPath(rpcPath);
+  const rpc = serveLocalRpc(
+    Deno.listen({ transport: "unix", path: rpcPath }),
+    impl,
+    maxMessageBytes,
+    log,
+  );
+  try {
+    sockets.push(await boundSocket(rpcPath));
+  } catch (e) {
+    rpc.close(); // not handed back yet: the caller's unwinding cannot reach it
+    throw e;
+  }
+  return rpc;
 }

@@ -101,14 +101,15 @@ export interface RunningServer {
 
 /**
  * Starts everything described by `cfg`: the composition root. Every address
- * is bound (or probed) first (early_bind.ts): a taken port refuses the start
- * before the pinned pool is built, which takes seconds. On a failure what
- * was opened is closed before the error (naming the flag) goes up.
+ * is probed first (early_bind.ts), so a taken port refuses the start before
+ * the pinned pool is built (seconds); the sockets are bound once the server
+ * can serve. On a failure what was opened is closed before the error (naming
+ * the flag) goes up.
  *
  * `signal` stops a start (SIGINT/SIGTERM while the pool is built, main.ts):
- * once it aborts, every socket bound early is closed and its file removed at
- * once, without waiting for the pool, and the start rejects with the abort's
- * reason; what the start opens after that is closed when it gets there.
+ * once it aborts, the HTTP server bound early is closed at once, and the
+ * start rejects with the abort's reason; what the start opens after that is
+ * closed when it gets there.
  *
  * @example
  * ```ts
@@ -164,10 +165,10 @@ async function unlessAborted(
 }
 
 /**
- * The rest of the start, on the sockets `early` bound. Each piece is its own
- * function or module (openStorage, openLowerTiers, openListeners, stopServer);
- * here is the order they open in and the unwinding of each failure (what
- * `early` holds and was not handed on is the caller's).
+ * The rest of the start, the HTTP server `early` bound answering 503 until
+ * it is ready. Each piece is its own function or module (openStorage,
+ * openLowerTiers, openListeners, stopServer); here is the order they open in
+ * and the unwinding of each failure (`early` is the caller's).
  */
 async function startOn(
   early: EarlySockets,
@@ -184,7 +185,7 @@ async function startOn(
   });
   metrics.devicesServed(native.devices);
   const ssdHold: EngineHold[] = [];
-  const lower = openLowerTiers(cfg, native, store, advertiser, early, metrics, log, ssdHold);
+  const lower = openLowerTiers(cfg, native, store, advertiser, metrics, log, ssdHold);
   const { cross, tiers } = await lower.catch(async (e) => {
     // Free what was opened so an embedder can retry.
     clearInterval(collector);
@@ -200,7 +201,7 @@ async function startOn(
   let listeners: Listeners;
   try {
     signal?.throwIfAborted(); // stopped while the pool was built: nothing serves
-    listeners = await openListeners(server, impl, cfg, early, metrics, log);
+    listeners = await openListeners(server, impl, cfg, metrics, log);
   } catch (e) {
     clearInterval(collector);
     await tiers?.close();
@@ -283,7 +284,6 @@ async function openLowerTiers(
   native: OpenedNative,
   store: KvStore,
   advertiser: IndexAdvertiser | undefined,
-  early: Pick<EarlySockets, "peerRpc">,
   metrics: ServerMetrics,
   log: Logger,
   ssdHold: EngineHold[],
@@ -296,7 +296,7 @@ async function openLowerTiers(
     : storeTierHost(store);
   let cross: CrossNode;
   try {
-    cross = openCrossNode(cfg, native, store, tierHost, advertiser, early.peerRpc, metrics, log);
+    cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
   } catch (e) {
     // An explicit transport that cannot open, or a bad --nics: refuse to start.
     await ssd?.close();

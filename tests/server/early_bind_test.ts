@@ -1,9 +1,11 @@
 /**
- * lib/server/early_bind.ts in-process: what the server binds before it
- * builds the pool. The HTTP address answers 503 `starting` until the server
- * hands it its handler; `close()` (a start that failed) closes every
- * listener and removes every socket file it made; a taken address refuses
- * the bind naming the flag and closes what was bound before it.
+ * lib/server/early_bind.ts in-process: what the server checks before it
+ * builds the pool. Every address engines and peers call is probed and
+ * released (nothing listens on it, no socket file is left, while the pool is
+ * built); the HTTP address is bound and answers 503 `starting` until the
+ * server hands it its handler; `close()` (a start that failed) frees it; a
+ * taken address refuses the bind naming the flag and releases what was
+ * bound before it.
  */
 import assert from "node:assert/strict";
 import { bindEarly } from "../../lib/server/early_bind.ts";
@@ -59,21 +61,27 @@ Deno.test("HTTP answers 503 starting until the server is ready, then the real ha
   }
 });
 
-Deno.test("close() after a failed start frees every port and removes every socket file", async () => {
+Deno.test("only HTTP stays bound: the probed ports are free and no socket file is left; close() frees HTTP", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pegaflow-early-" });
   const path = `${dir}/grpc.sock`;
+  const addr = freePort();
+  const peer = freePort();
   try {
     const early = await bindEarly(
-      config(["--uds", path, "--http-addr", "127.0.0.1:0", "--index-redis", "redis://h:1"]),
+      config([
+        ...["--addr", `127.0.0.1:${addr}`, "--uds", path, "--http-addr", "127.0.0.1:0"],
+        ...["--index-redis", "redis://h:1", "--peer-rpc-port", `${peer}`],
+      ]),
       log,
     );
-    const ports = [early.grpc!.addr.port, early.peerRpc!.addr.port];
     const http = Number(early.http!.addr.split(":")[1]);
-    assert.ok(exists(path) && exists(`${path}.rpc`), "the --uds sockets are bound");
-    assert.ok(![...ports, http].some(free), "the ports are held");
+    // Nothing listens on what engines and peers call while the pool is built:
+    // a call is refused at once instead of waiting in a listen backlog.
+    assert.ok(free(addr) && freeOn(peer, "0.0.0.0"), "a probed port is still held");
+    assert.ok(!exists(path) && !exists(`${path}.rpc`), "a probed socket file is left");
+    assert.ok(!free(http), "the HTTP port is held (it answers 503 starting)");
     await early.close();
-    assert.deepEqual([...ports, http].map(free), [true, true, true]);
-    assert.ok(!exists(path) && !exists(`${path}.rpc`), "socket files left behind");
+    assert.ok(free(http), "close() freed the HTTP port");
   } finally {
     await Deno.remove(dir, { recursive: true });
   }
@@ -145,4 +153,24 @@ Deno.test("--transport tcp: --peer-rpc-port on --xfer-port's port is refused nam
   } finally {
     await early.close();
   }
+});
+
+Deno.test("--http-addr on --addr's port (GOAWAY guard on) is refused naming --http-addr", async () => {
+  const port = freePort();
+  const addr = `127.0.0.1:${port}`;
+  await assert.rejects(
+    bindEarly(config(["--addr", addr, "--http-addr", addr]), log),
+    new RegExp(`^Error: --http-addr ${addr}: cannot listen: .*in use`),
+  );
+  assert.ok(free(port), "the probe is released after a refused bind");
+});
+
+Deno.test("a --uds path whose directory is missing is refused naming --uds", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pegaflow-early-" });
+  await Deno.remove(dir);
+  const path = `${dir}/grpc.sock`;
+  await assert.rejects(
+    bindEarly(config(["--uds", path]), log),
+    new RegExp(`^Error: --uds ${path}: cannot listen: directory ${dir} does not exist`),
+  );
 });
