@@ -19,6 +19,15 @@ import type { BlockRanges } from "../transfer/ranges.ts";
 import type { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 
 const TWO32 = 4294967296;
+/**
+ * Most pool ranges one lock answer may describe: what 64 MiB of extents
+ * (the largest answer a requester reads, link.ts) can carry unshifted.
+ * Shifts copy the previous block's count, so without this bound a small
+ * answer — one block of many ranges, then shifts — made the requester
+ * allocate and walk ranges without end (gigabytes; a RangeError that
+ * escaped the fetch and left the owner's lock pinned until its TTL).
+ */
+export const MAX_ANSWER_RANGES = (64 << 20) / 16;
 
 /** The extent fields of a lock answer. */
 export interface PackedExtents {
@@ -104,6 +113,9 @@ export function remoteExtents(res: QueryBlocksForTransferResponse): BlockRanges 
       }
       c = starts[i] - starts[i - 1];
     }
+    if (starts[i] + c > MAX_ANSWER_RANGES) {
+      return `blocks 0..${i} describe ${starts[i] + c} pool ranges; at most ${MAX_ANSWER_RANGES}`;
+    }
     starts[i + 1] = starts[i] + c;
   }
   if (res.extents.length !== own * 16) {
@@ -129,7 +141,11 @@ export function remoteExtents(res: QueryBlocksForTransferResponse): BlockRanges 
       }
     }
     let sum = 0;
-    for (let e = from + 1; e < to; e += 2) sum += ranges[e];
+    for (let e = from + 1; e < to; e += 2) {
+      // A range of no bytes is nothing a pool cuts (and would let a block claim any count).
+      if (ranges[e] === 0) return `block ${i}: extent ${(e - from - 1) / 2} is 0 bytes`;
+      sum += ranges[e];
+    }
     if (sum !== res.payloadBytes) {
       return `block ${i}: extents cover ${sum} bytes, payload is ${res.payloadBytes}`;
     }

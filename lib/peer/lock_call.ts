@@ -42,6 +42,8 @@ export interface LockExpect {
   payloadBytes: number | undefined;
   /** This node's transport. */
   transport: string;
+  /** This node's layout of the namespace in words (for an owner that refuses it). */
+  layoutSummary?: string;
 }
 
 /** A granted, checked lock. */
@@ -111,11 +113,22 @@ export async function lockPart(
     };
   }
   if (res.lockId.length === 0) {
-    return { why: "owner-miss", fields: { owner, addr: target.addr, reason: res.missReason } };
+    const fields = { owner, addr: target.addr, miss_reason: res.missReason };
+    if (res.missReason !== "other-layout") return { why: "owner-miss", fields };
+    // The owner's engine cuts this namespace's blocks another way: name this node's layout
+    // (the owner logs its own beside the one asked for).
+    const layout = { layout: ask.layoutFingerprint, layout_summary: expect.layoutSummary ?? "" };
+    return { why: "owner-miss", fields: { ...fields, ...layout } };
   }
   // The id answered: an owner that predates lock_id picks its own.
   const release = () => end(res.lockId);
-  const remote = remoteExtents(res);
+  let remote: BlockRanges | string;
+  try {
+    remote = remoteExtents(res);
+  } catch (e) {
+    // Never let an answer it cannot read escape with its lock still held on the owner.
+    remote = `unreadable extents: ${(e as Error).message}`;
+  }
   const asked = ask.blockHashes.length;
   if (
     typeof remote === "string" || res.checksums.length > asked || res.checksums.length === 0 ||

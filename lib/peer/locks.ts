@@ -65,6 +65,8 @@ export const PEER_LOCK_ID_BYTES = 16;
 export const ABANDONED_KEEP_MS = MAX_PEER_LOCK_TTL_MS;
 /** Releases of locks not held that are remembered at most (the oldest forgotten first). */
 export const MAX_ABANDONED = 4096;
+/** Distinct (requester, namespace, layout) refusals logged at most (then only counted). */
+const MAX_LAYOUT_WARNINGS = 1024;
 /** Expiry sweep period bounds (a quarter of the TTL, within these). */
 const MIN_SWEEP_MS = 20;
 const MAX_SWEEP_MS = 1_000;
@@ -175,6 +177,8 @@ export class PeerLockTable {
     checksumsAtLock: 0,
   };
   readonly #timer: ReturnType<typeof setInterval>;
+  /** (requester, namespace, layout) refused as another layout and logged (bounded). */
+  readonly #warnedLayouts = new Set<string>();
   #closed = false;
 
   constructor(opts: PeerLockTableOptions) {
@@ -207,7 +211,9 @@ export class PeerLockTable {
     if (this.#abandoned.delete(key)) return this.#miss("abandoned");
     const layout = this.#o.ram.layoutOf(namespace);
     if (!layout) return this.#miss("unknown-namespace");
-    if (blockLayoutIdentity(layout).fingerprint !== req.layoutFingerprint) {
+    const mine = blockLayoutIdentity(layout);
+    if (mine.fingerprint !== req.layoutFingerprint) {
+      this.#warnOtherLayout(req, mine);
       return this.#miss("other-layout");
     }
     const pin = this.#o.host.pin(namespace, hashes, `peer:${requester}`);
@@ -362,6 +368,29 @@ export class PeerLockTable {
     for (const l of this.#held.values()) l.release();
     this.#held.clear();
     this.#abandoned.clear();
+  }
+
+  /**
+   * A requester whose engine cuts this namespace's blocks another way (same
+   * namespace, other layers, TP size or segment bytes): nothing is lent,
+   * and it is a configuration error both nodes' operators must see, so it
+   * is logged once per (requester, namespace, layout), naming both layouts.
+   */
+  #warnOtherLayout(req: LockRequest, mine: { fingerprint: string; summary: string }): void {
+    const key = `${req.requester}\n${req.namespace}\n${req.layoutFingerprint}`;
+    if (this.#warnedLayouts.has(key) || this.#warnedLayouts.size >= MAX_LAYOUT_WARNINGS) return;
+    this.#warnedLayouts.add(key);
+    this.#o.log.warn(
+      "peer lock refused: the requester's engine uses another KV layout under this namespace; " +
+        "nothing is lent to it (give each layout its own namespace)",
+      {
+        requester: req.requester,
+        namespace: req.namespace,
+        requester_layout: req.layoutFingerprint,
+        layout: mine.fingerprint,
+        layout_summary: mine.summary,
+      },
+    );
   }
 
   #miss(reason: LockMissReason): LockAnswer {

@@ -71,6 +71,10 @@ export const PIPELINE_CHUNK_BYTES = 32 << 20;
  * A longer prefix is fetched up to here; the engine loads that part.
  */
 const MAX_FETCH_BLOCKS = 1024;
+/** Distinct (owner, namespace) layout refusals logged at most (then only counted). */
+const MAX_LAYOUT_WARNINGS = 1024;
+/** What names a fetch in its logs: namespace, first block, the request that started it. */
+type FetchIds = Record<string, string>;
 /** An owner as the index names it. */
 type Owner = LookupResult["owners"][number];
 
@@ -149,6 +153,8 @@ export class PeerTier implements Tier {
   /** Lock releases in the background (and those of calls that got no answer), for flush and close. */
   readonly #pending = new Set<Promise<unknown>>();
   readonly #stats: FetchTotals = fetchTotals();
+  /** (owner, namespace) whose lock refused this node's layout, logged (bounded). */
+  readonly #warnedLayouts = new Set<string>();
   #closed = false;
 
   constructor(opts: PeerTierOptions) {
@@ -210,7 +216,7 @@ export class PeerTier implements Tier {
       const fetch: Fetch = {
         ended: false,
         endedAt: 0,
-        done: this.#fetch(index, blocks).finally(() => {
+        done: this.#fetch(index, blocks, requestId).finally(() => {
           fetch.ended = true;
           fetch.endedAt = monotonicNow();
           if (this.#running.get(key) === fetch) this.#running.delete(key);
@@ -288,13 +294,18 @@ export class PeerTier implements Tier {
   }
 
   /** One fetch; never rejects (every failure is counted and is a miss). */
-  async #fetch(index: PeerIndex, blocks: TierBlocks): Promise<void> {
+  async #fetch(index: PeerIndex, blocks: TierBlocks, requestId: string): Promise<void> {
     const t0 = performance.now();
     this.#stats.fetches++;
-    const ids = { namespace: blocks.namespace, first_block: hashHex(blocks.hashes[0]) };
+    // The request that started it (others may join): every failure's log names all three.
+    const ids = {
+      namespace: blocks.namespace,
+      first_block: hashHex(blocks.hashes[0]),
+      request: requestId,
+    };
     try {
       // Counted once per fetch, under its first failure's reason.
-      await this.#fetchOnce(index, blocks, fetchFailures(this.#stats, this.#o.log, ids));
+      await this.#fetchOnce(index, blocks, fetchFailures(this.#stats, this.#o.log, ids), ids);
     } catch (e) {
       // A bug, not an outage: log it loudly; the request still ends as a miss.
       this.#o.log.error("peer fetch failed", { ...ids, error: (e as Error).message });
@@ -309,7 +320,7 @@ export class PeerTier implements Tier {
    * prefix's first part (its first chunk when the lock is split, else all of
    * it). Undefined (the failure counted) on a failure.
    */
-  async #lockFromOwner(index: PeerIndex, blocks: TierBlocks, fail: FailFn) {
+  async #lockFromOwner(index: PeerIndex, blocks: TierBlocks, fail: FailFn, ids: FetchIds) {
     const { namespace, hashes, layout } = blocks;
     const found = await index.lookup(namespace, hashes);
     const tLookup = performance.now();
@@ -332,6 +343,7 @@ export class PeerTier implements Tier {
     const expect = {
       payloadBytes: this.#o.host.payloadBytes(namespace),
       transport: this.#o.transport,
+      layoutSummary: layout.summary,
     };
     const target = { addr: owner.addr, rpcAddr: link.rpcAddr, nodeId: owner.nodeId };
     const lock = async (part: Uint8Array[]) => {
@@ -348,6 +360,7 @@ export class PeerTier implements Tier {
       if (l.abandon) this.#track(l.abandon); // the owner may grant it yet: it ends it then
       // Its socket is gone (a restart, maybe on another port): handshake again next time.
       if (l.socketGone) void this.#xferPeers.drop(owner.addr, link.peer);
+      if (l.fields.miss_reason === "other-layout") this.#warnOtherLayout(l.fields, namespace, ids);
       fail(l.why, l.fields);
     };
     const per = Math.max(1, Math.floor(this.#chunkBytes / (expect.payloadBytes ?? 1)));
@@ -360,6 +373,21 @@ export class PeerTier implements Tier {
       ? () => lock(want.slice(head))
       : undefined;
     return { owner, peer: link.peer, first, rest, tLookup, tConnect, tLock };
+  }
+
+  /**
+   * The owner holds the prefix under another layout of the same namespace: a configuration
+   * error nothing here can fix (every fetch from it misses), logged once per owner and namespace.
+   */
+  #warnOtherLayout(fields: Record<string, string>, namespace: string, ids: FetchIds): void {
+    const key = `${fields.addr}\n${namespace}`;
+    if (this.#warnedLayouts.has(key) || this.#warnedLayouts.size >= MAX_LAYOUT_WARNINGS) return;
+    this.#warnedLayouts.add(key);
+    this.#o.log.warn(
+      "peer fetch refused: the owner's engine uses another KV layout under this namespace; " +
+        "its blocks are never loaded here (give each layout its own namespace)",
+      { ...ids, ...fields },
+    );
   }
 
   /** Reads one locked part into pool space here (read.ts). */
@@ -381,10 +409,10 @@ export class PeerTier implements Tier {
     });
   }
 
-  async #fetchOnce(index: PeerIndex, blocks: TierBlocks, fail: FailFn): Promise<void> {
+  async #fetchOnce(index: PeerIndex, blocks: TierBlocks, fail: FailFn, ids: FetchIds) {
     const { namespace } = blocks;
     const t0 = performance.now();
-    const locked = await this.#lockFromOwner(index, blocks, fail);
+    const locked = await this.#lockFromOwner(index, blocks, fail, ids);
     if (!locked) return;
     const { owner, peer, first, rest, tLookup, tConnect, tLock } = locked;
     if (this.#o.beforeRead) await this.#o.beforeRead();

@@ -55,10 +55,24 @@ export class XferPeers {
     this.#handshake = handshake;
   }
 
-  /** The link to the owner at `addr` (a failed handshake is forgotten: the next call retries). */
+  /**
+   * The link to the owner at `addr` (a failed handshake is forgotten: the
+   * next call retries). A link whose connection broke while idle (the owner
+   * restarted: its transfer sockets closed) is dropped and made again here,
+   * before a lock is asked over it: reused, its READ was refused after the
+   * owner had locked, and the first fetch after every owner restart was a
+   * `transfer` miss.
+   */
   get(addr: string): Promise<OwnerLink> {
     const known = this.#peers.get(addr);
-    if (known) return known;
+    const peer = this.#connected.get(addr);
+    if (known && peer && peer.state().broken !== 0) {
+      this.#log.info("transfer connection to the owner broke while idle; handshaking again", {
+        addr,
+        error: peer.lastError(),
+      });
+      void this.drop(addr, peer);
+    } else if (known) return known;
     const p = this.#connect(addr);
     this.#peers.set(addr, p);
     p.then(

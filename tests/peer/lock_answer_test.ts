@@ -1,8 +1,9 @@
 // The requester's reading of a lock answer: the owner's packed extents become
 // one flat range array (no object per range), and an answer whose counts,
-// bytes or coverage disagree is refused with a message naming what is wrong.
+// bytes or coverage disagree is refused with a message naming what is wrong, and
+// so is one that would describe more ranges than a whole answer could carry.
 import { deepStrictEqual, strictEqual } from "node:assert/strict";
-import { packExtents, remoteExtents } from "../../lib/peer/extents_wire.ts";
+import { MAX_ANSWER_RANGES, packExtents, remoteExtents } from "../../lib/peer/extents_wire.ts";
 import { QueryBlocksForTransferResponse } from "../../proto/pegaflow.ts";
 import { type BlockRanges, BlockRangesWriter } from "../../lib/transfer/ranges.ts";
 import { lockPart } from "../../lib/peer/lock_call.ts";
@@ -121,6 +122,29 @@ Deno.test("a shifted lock answer that cannot be applied is refused, naming why",
   strictEqual(
     remoteExtents(answer([1, 0], [[4096, 8192]], 8192, [0, -8192])),
     "block 1: shift -8192 moves extent 0 to offset -4096",
+  );
+});
+
+Deno.test("a small lock answer that shifts its way to millions of ranges, or names 0-byte extents, is refused before anything is built", () => {
+  // One block cut into 65,536 one-byte ranges (1 MiB of extents), then 64 blocks "like it":
+  // 4.26M ranges. It was unpacked (68 MB of ranges here; with more blocks, gigabytes and a
+  // RangeError that escaped the fetch and left the owner's lock pinned until its TTL).
+  const K = 65536, n = 65;
+  const pairs = Array.from({ length: K }, (_, e) => [e, 1] as [number, number]);
+  const counts = [K, ...new Array(n - 1).fill(0)];
+  const shifts = [0, ...new Array(n - 1).fill(K)];
+  const why = (r: ReturnType<typeof remoteExtents>) =>
+    typeof r === "string" ? r : `taken: ${r.starts[r.starts.length - 1]} ranges`;
+  strictEqual(
+    why(remoteExtents(answer(counts, pairs, K, shifts))),
+    `blocks 0..64 describe ${n * K} pool ranges; at most ${MAX_ANSWER_RANGES}`,
+  );
+  // The same, one block fewer, is exactly the bound: taken.
+  const ok = remoteExtents(answer(counts.slice(0, n - 1), pairs, K, shifts.slice(0, n - 1)));
+  strictEqual(why(ok), `taken: ${MAX_ANSWER_RANGES} ranges`);
+  strictEqual(
+    why(remoteExtents(answer([2], [[0, 8192], [8192, 0]], 8192))),
+    "block 0: extent 1 is 0 bytes",
   );
 });
 
