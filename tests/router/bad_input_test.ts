@@ -301,7 +301,12 @@ Deno.test("an upload far over --max-body is a 413 on every route, memory stays f
         ["/metrics", false],
       ] as const
     ) {
-      const r = await streamUpload({ port: router.port, path, totalBytes: upload, chunked });
+      let r = await streamUpload({ port: router.port, path, totalBytes: upload, chunked });
+      // Now and then (1 run in ~10 on a loaded 2-core machine) the HTTP layer drains the rest
+      // of an upload it refused before it closes; a router that always reads it all fails twice.
+      if (r.sentBytes >= upload) {
+        r = await streamUpload({ port: router.port, path, totalBytes: upload, chunked });
+      }
       const what = `${path} (${chunked ? "chunked" : "Content-Length"})`;
       assert.ok(r.answer, `${what}: the router answered`);
       assert.equal(r.answer.status, 413, `${what}: ${r.answer.body}`);
