@@ -788,8 +788,11 @@ class WorkerCore:
         if self.mode == ASYNC:
             for rid, ld in list(self._async_loads.items()):
                 if not ld.done and ld.state is not None:
-                    ok = ld.state.poll()
-                    if _unsettled(ld.state):
+                    # One read of the word: read twice, a copy ending in between read as pending,
+                    # then settled, and the load was failed "ended with state 1" (recomputed).
+                    s = ld.state.state
+                    ok = None if s == STATE_PENDING else s > 0
+                    if s == STATE_PENDING or s == STATE_ANSWER_LOST:
                         gone = self._server_gone(ld) if ok is None else None
                         if ok is None and self._left(ld) > 0 and gone is None:
                             continue
@@ -804,7 +807,7 @@ class WorkerCore:
                     else:
                         ld.done = True
                         if not ok:
-                            self._fail(ld, f"load state {ld.state.name} ended with state {ld.state.state}")
+                            self._fail(ld, f"load state {ld.state.name} ended with state {s}")
                 recving.add(rid)
                 self._recycle(ld)
                 del self._async_loads[rid]
