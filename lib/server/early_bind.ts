@@ -28,6 +28,7 @@
  * @module
  */
 import { dirname } from "node:path";
+import { splitHostPort } from "../host_port.ts";
 import type { Logger } from "../log.ts";
 import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
 import type { ServeConfig } from "./config.ts";
@@ -111,13 +112,19 @@ export async function bindEarly(cfg: EarlyConfig, log: Logger): Promise<EarlySoc
   }
 }
 
-/** `host:port` as Deno.listen takes it (IPv6 brackets dropped). */
+/**
+ * What a listening address that cannot be bound is refused with, early (a
+ * probe here) or late (the real bind, listeners.ts): the flag and its value,
+ * then the OS's reason.
+ */
+export function cannotListen(flag: string, e: unknown): Error {
+  return new Error(`${flag}: cannot listen: ${(e as Error).message}`);
+}
+
+/** `host:port` (validated by config.ts) as Deno.listen takes it (IPv6 brackets dropped). */
 function hostPort(addr: string): { hostname: string; port: number } {
-  const i = addr.lastIndexOf(":");
-  return {
-    hostname: addr.slice(0, i).replace(/^\[(.*)\]$/, "$1"),
-    port: Number(addr.slice(i + 1)),
-  };
+  const { host, port } = splitHostPort(addr)!;
+  return { hostname: host.replace(/^\[(.*)\]$/, "$1"), port };
 }
 
 /** Closes a listener; one closed already is fine. */
@@ -134,7 +141,7 @@ function listenTcp(flag: string, at: { hostname: string; port: number }): Deno.T
   try {
     return Deno.listen(at);
   } catch (e) {
-    throw new Error(`${flag}: cannot listen: ${(e as Error).message}`);
+    throw cannotListen(flag, e);
   }
 }
 
@@ -174,7 +181,7 @@ async function probeUds(
     await probe(path);
     await probe(localRpcSocketPath(path));
   } catch (e) {
-    throw new Error(`--uds ${path}: cannot listen: ${(e as Error).message}`);
+    throw cannotListen(`--uds ${path}`, e);
   }
 }
 
@@ -247,17 +254,16 @@ function starting(): Response {
 
 /** `--http-addr`: served from now on, 503 `starting` until {@link EarlyHttp.serve}. */
 function serveHttp(httpAddr: string, closers: Closer[]): EarlyHttp {
-  const i = httpAddr.lastIndexOf(":");
-  const hostname = httpAddr.slice(0, i);
+  const { host: hostname, port } = splitHostPort(httpAddr)!;
   let handler: Deno.ServeHandler = starting;
   let server: Deno.HttpServer;
   try {
     server = Deno.serve(
-      { hostname, port: Number(httpAddr.slice(i + 1)), onListen: () => {} },
+      { hostname, port, onListen: () => {} },
       (req, info) => handler(req, info),
     );
   } catch (e) {
-    throw new Error(`--http-addr ${httpAddr}: cannot listen: ${(e as Error).message}`);
+    throw cannotListen(`--http-addr ${httpAddr}`, e);
   }
   closers.push(() => settlesWithin(server.shutdown(), HTTP_CLOSE_WAIT_MS));
   return {

@@ -37,6 +37,7 @@ import {
   upstreamSocketPath,
 } from "./uds.ts";
 import { type LocalRpcServer, serveLocalRpc } from "./local_rpc.ts";
+import { cannotListen } from "./early_bind.ts";
 
 /** Where grpc-js listens behind the GOAWAY guard: loopback, any free port. */
 const UPSTREAM_HOST = "127.0.0.1";
@@ -88,7 +89,7 @@ export async function openListeners(
   const fail = async (flag: string, e: unknown): Promise<never> => {
     await close();
     server.forceShutdown();
-    throw new Error(`${flag}: cannot listen: ${(e as Error).message}`);
+    throw cannotListen(flag, e);
   };
   const startGuard = guardStarter(metrics, log);
   const hostPart = cfg.addr.slice(0, cfg.addr.lastIndexOf(":"));
