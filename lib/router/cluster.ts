@@ -23,7 +23,7 @@ import { AggregatorRegistry } from "prom-client";
 import { type Backend, BackendPool } from "./backend_pool.ts";
 import type { RouterConfig } from "./config.ts";
 import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
-import { describeError, type HealthChecker } from "./health.ts";
+import type { HealthChecker } from "./health.ts";
 import { Logger } from "../log.ts";
 import {
   DEFAULT_SHUTDOWN_GRACE_MS,
@@ -235,9 +235,7 @@ function portFree(config: RouterConfig): void {
   try {
     Deno.listen({ hostname: config.host, port: config.port }).close();
   } catch (e) {
-    throw new ListenError(`cannot listen on ${config.host}:${config.port}: ${describeError(e)}`, {
-      cause: e,
-    });
+    throw ListenError.of(config, e);
   }
 }
 

@@ -162,6 +162,13 @@ export class ListenError extends Error {
     super(message, options);
     this.name = "ListenError";
   }
+
+  /** `--host`/`--port` could not be bound: the address and the OS's reason. */
+  static of(config: Pick<RouterConfig, "host" | "port">, e: unknown): ListenError {
+    return new ListenError(`cannot listen on ${config.host}:${config.port}: ${describeError(e)}`, {
+      cause: e,
+    });
+  }
 }
 
 /**
@@ -192,9 +199,7 @@ async function serveRoutes(
       },
     }, handler);
   } catch (e) {
-    throw new ListenError(`cannot listen on ${config.host}:${config.port}: ${describeError(e)}`, {
-      cause: e,
-    });
+    throw ListenError.of(config, e);
   }
   return { server, addr: await listening };
 }
