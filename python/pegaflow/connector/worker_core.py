@@ -51,7 +51,11 @@ def _tensor_key(t: Any) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
 def _unsettled(st: LoadState) -> bool:
     """The server may still write into what this load targets: pending, or its Load's answer was
     lost (lifecycle.STATE_ANSWER_LOST) and no Load reached the server since to end it."""
-    s = st.state
+    return _unsettled_word(st.state)
+
+
+def _unsettled_word(s: int) -> bool:
+    """`_unsettled` of a state word already read (one read: see get_finished)."""
     return s == STATE_PENDING or s == STATE_ANSWER_LOST
 
 
@@ -792,7 +796,7 @@ class WorkerCore:
                     # then settled, and the load was failed "ended with state 1" (recomputed).
                     s = ld.state.state
                     ok = None if s == STATE_PENDING else s > 0
-                    if s == STATE_PENDING or s == STATE_ANSWER_LOST:
+                    if _unsettled_word(s):
                         gone = self._server_gone(ld) if ok is None else None
                         if ok is None and self._left(ld) > 0 and gone is None:
                             continue
