@@ -16,7 +16,6 @@ waiting thread does not hold the GIL away from the save thread.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import itertools
 import math
@@ -24,9 +23,10 @@ import mmap
 import os
 import struct
 import time
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from .errors import PegaflowLoadError, PegaflowLoadTimeout
+from . import shm_files
 
 LOAD_STATE_MAGIC = 0x534C4650  # b"PFLS" read as a little-endian u32
 LOAD_STATE_VERSION = 1
@@ -53,26 +53,9 @@ RELEASED_LAYERS = 1 << 30
 
 _counter = itertools.count()
 
-#: Names this process created and nobody unlinked yet (→ the creator's pid): unlinked at
-#: interpreter exit, normal or on an unhandled exception (a SIGKILLed process leaves them).
-_linked: Dict[str, int] = {}
-
-
 def unlink(name: str) -> None:
     """Unlinks a load state's name (every mapping of it stays valid)."""
-    try:
-        os.unlink("/dev/shm" + name)
-    except FileNotFoundError:
-        pass
-    _linked.pop(name, None)
-
-
-@atexit.register
-def _unlink_at_exit() -> None:
-    me = os.getpid()  # a forked child's exit leaves its parent's names alone
-    for name, pid in dict(_linked).items():
-        if pid == me:
-            unlink(name)
+    shm_files.unlink("/dev/shm" + name)
 
 
 #: What a wait asks while it sleeps: why no server will write the block any more, or None.
@@ -124,7 +107,7 @@ class LoadState:
             raise
         os.close(fd)
         if not attach:
-            _linked[name] = os.getpid()
+            shm_files.own(path)
         # Set by gpu_wait.GpuWaits.arm: the device address of `layers_ready` (the page
         # registered with CUDA) and what unregisters it at close.
         self.gpu_word: Optional[int] = None

@@ -18,7 +18,6 @@ A block's own dimensions must be dense (any order, e.g. HND or NHD).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import itertools
 import mmap
@@ -31,6 +30,7 @@ import numpy as np
 
 from .client import Geometry
 from .cuda_ipc import export_pointer
+from . import shm_files
 
 HANDLE_BYTES = 64
 KV_FIRST = "kv_first"
@@ -172,7 +172,6 @@ class ShmRegion:
         self.name = name
         self.nbytes = nbytes
         self._path = "/dev/shm" + name
-        self._pid = os.getpid()  # a forked child's exit leaves the file to this process
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -182,6 +181,7 @@ class ShmRegion:
             os.unlink(self._path)
             raise
         os.close(fd)
+        shm_files.own(self._path)
         probe = ctypes.c_char.from_buffer(self._mm)
         self.address = ctypes.addressof(probe)
         del probe  # releases the buffer export again
@@ -250,10 +250,7 @@ class ShmRegion:
         self._closed = True
         with _live_lock:
             _live.pop(self.name, None)
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        shm_files.unlink(self._path)
         try:
             self._mm.close()
         except BufferError:
@@ -264,19 +261,6 @@ class ShmRegion:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@atexit.register
-def _unlink_at_exit() -> None:
-    """The files of this process's regions still open at interpreter exit: nothing can use
-    them once it is gone (the server's mappings stay valid), and they would stay in /dev/shm."""
-    with _live_lock:
-        left = [r._path for r in _live.values() if r._pid == os.getpid()]
-    for path in left:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def find_shm_region(ptr: int, nbytes: int) -> Optional[ShmRegion]:
