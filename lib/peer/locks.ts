@@ -49,6 +49,7 @@ import type { Logger } from "../log.ts";
 import { hashHex } from "../storage/keys.ts";
 import { packExtents } from "./extents_wire.ts";
 import { monotonicNow } from "../clock.ts";
+import { LayoutWarnings } from "./layout_warnings.ts";
 
 /** Default lock TTL when the requester asks for none. */
 export const DEFAULT_PEER_LOCK_TTL_MS = 10_000;
@@ -65,8 +66,6 @@ export const PEER_LOCK_ID_BYTES = 16;
 export const ABANDONED_KEEP_MS = MAX_PEER_LOCK_TTL_MS;
 /** Releases of locks not held that are remembered at most (the oldest forgotten first). */
 export const MAX_ABANDONED = 4096;
-/** Distinct (requester, namespace, layout) refusals logged at most (then only counted). */
-const MAX_LAYOUT_WARNINGS = 1024;
 /** Expiry sweep period bounds (a quarter of the TTL, within these). */
 const MIN_SWEEP_MS = 20;
 const MAX_SWEEP_MS = 1_000;
@@ -178,7 +177,7 @@ export class PeerLockTable {
   };
   readonly #timer: ReturnType<typeof setInterval>;
   /** (requester, namespace, layout) refused as another layout and logged (bounded). */
-  readonly #warnedLayouts = new Set<string>();
+  readonly #warnedLayouts = new LayoutWarnings();
   #closed = false;
 
   constructor(opts: PeerLockTableOptions) {
@@ -378,8 +377,7 @@ export class PeerLockTable {
    */
   #warnOtherLayout(req: LockRequest, mine: { fingerprint: string; summary: string }): void {
     const key = `${req.requester}\n${req.namespace}\n${req.layoutFingerprint}`;
-    if (this.#warnedLayouts.has(key) || this.#warnedLayouts.size >= MAX_LAYOUT_WARNINGS) return;
-    this.#warnedLayouts.add(key);
+    if (!this.#warnedLayouts.first(key)) return;
     this.#o.log.warn(
       "peer lock refused: the requester's engine uses another KV layout under this namespace; " +
         "nothing is lent to it (give each layout its own namespace)",

@@ -53,6 +53,7 @@ import {
   fetchTotals,
   type PeerTierStats,
 } from "./fetch_stats.ts";
+import { LayoutWarnings } from "./layout_warnings.ts";
 
 /** Name of the peer tier: metric label and hit attribution; its fills are `tierHolder(PEER_TIER_NAME)`. */
 export const PEER_TIER_NAME = "peer";
@@ -71,8 +72,6 @@ export const PIPELINE_CHUNK_BYTES = 32 << 20;
  * A longer prefix is fetched up to here; the engine loads that part.
  */
 const MAX_FETCH_BLOCKS = 1024;
-/** Distinct (owner, namespace) layout refusals logged at most (then only counted). */
-const MAX_LAYOUT_WARNINGS = 1024;
 /** What names a fetch in its logs: namespace, first block, the request that started it. */
 type FetchIds = Record<string, string>;
 /** An owner as the index names it. */
@@ -154,7 +153,7 @@ export class PeerTier implements Tier {
   readonly #pending = new Set<Promise<unknown>>();
   readonly #stats: FetchTotals = fetchTotals();
   /** (owner, namespace) whose lock refused this node's layout, logged (bounded). */
-  readonly #warnedLayouts = new Set<string>();
+  readonly #warnedLayouts = new LayoutWarnings();
   #closed = false;
 
   constructor(opts: PeerTierOptions) {
@@ -381,8 +380,7 @@ export class PeerTier implements Tier {
    */
   #warnOtherLayout(fields: Record<string, string>, namespace: string, ids: FetchIds): void {
     const key = `${fields.addr}\n${namespace}`;
-    if (this.#warnedLayouts.has(key) || this.#warnedLayouts.size >= MAX_LAYOUT_WARNINGS) return;
-    this.#warnedLayouts.add(key);
+    if (!this.#warnedLayouts.first(key)) return;
     this.#o.log.warn(
       "peer fetch refused: the owner's engine uses another KV layout under this namespace; " +
         "its blocks are never loaded here (give each layout its own namespace)",
