@@ -5,6 +5,11 @@
  * the rest are warm (query hits → Load into different block ids → every byte
  * verified). Prints cold vs warm timings and the hit rate.
  *
+ * With `--save-addr`, the cold request saves to another server (a second node
+ * of the same Redis block index) and the warm ones ask `--addr`, which finds
+ * the prefix in the index and fetches it across nodes (docs/peer.md): the
+ * first warm query answers `loading` until the fetch lands, then hits.
+ *
  * @example
  * ```sh
  * deno task serve --backend host --pool-size 2gb &
@@ -13,9 +18,11 @@
  * @module
  */
 import { Command, InvalidArgumentError, Option } from "commander";
-import { PegaflowClient } from "./client.ts";
+import { PegaflowClient, type QueryResult } from "./client.ts";
 import { chainedBlockHashes, syntheticTokens } from "./hashes.ts";
 import { LLAMA_3_1_8B, SimEngine } from "./sim_engine.ts";
+
+type ReadyResult = Extract<QueryResult, { kind: "ready" }>;
 
 function intArg(v: string): number {
   if (!/^\d+$/.test(v) || Number(v) < 1) {
@@ -32,6 +39,13 @@ const cmd = new Command("pegaflow-demo")
     new Option("--addr <host:port>", "server gRPC address").default("127.0.0.1:50055").env(
       "PEGAFLOW_ADDR",
     ),
+  )
+  .addOption(
+    new Option(
+      "--save-addr <host:port>",
+      "server the cold request saves to; another node of the same block index makes the warm " +
+        "requests fetch the prefix across nodes (default: --addr)",
+    ).env("PEGAFLOW_DEMO_SAVE_ADDR"),
   )
   .addOption(
     new Option("--tokens <n>", "prompt length in tokens (16 per block)").default(2048).argParser(
@@ -59,32 +73,65 @@ if (blocks < 1) {
   console.error(`--tokens ${o.tokens}: need at least ${model.blockTokens} tokens (one block)`);
   Deno.exit(2);
 }
-const client = new PegaflowClient(o.addr);
-const health = await client.health().catch((e) => {
-  console.error(
-    `cannot reach the server at ${o.addr}: ${
-      (e as Error).message
-    }\nstart it with: deno task serve --addr ${o.addr}`,
-  );
-  Deno.exit(1);
-});
+/** Longest wait for a lower tier (the SSD, a peer node) to bring a prefix in. */
+const LOADING_DEADLINE_MS = 30_000;
+/** Pause between two queries while the answer is `loading`. */
+const LOADING_PAUSE_MS = 2;
+/** Cross-node: a warm request's miss is asked again for this long (the saver's advertise in flight). */
+const INDEX_LAG_MS = 2_000;
+
+async function connect(addr: string): Promise<PegaflowClient> {
+  const client = new PegaflowClient(addr);
+  await client.health().catch((e) => {
+    console.error(
+      `cannot reach the server at ${addr}: ${
+        (e as Error).message
+      }\nstart it with: deno task serve --addr ${addr}`,
+    );
+    Deno.exit(1);
+  });
+  return client;
+}
+
+const saveAddr: string = o.saveAddr ?? o.addr;
+const crossNode = saveAddr !== o.addr;
+const client = await connect(o.addr);
+const health = await client.health();
+const saveClient = crossNode ? await connect(saveAddr) : client;
 const instanceId = `demo-${Deno.pid}`;
+const namespace = `demo-${model.name}-L${model.numLayers}`;
 // Room for the saved copy and a different target for each load.
 const sim = SimEngine.create({
   client,
   instanceId,
-  namespace: `demo-${model.name}-L${model.numLayers}`,
+  namespace,
   model,
   numBlocks: blocks * 2,
   backend: o.backend,
 });
-let session: ReturnType<typeof client.openSession> | undefined;
+// Cross-node: the saving node's own engine (the same namespace: the same model and layout).
+const saver = crossNode
+  ? SimEngine.create({
+    client: saveClient,
+    instanceId: `${instanceId}-saver`,
+    namespace,
+    model,
+    numBlocks: blocks,
+    backend: o.backend,
+  })
+  : sim;
+const sims = crossNode ? [sim, saver] : [sim];
+const sessions: ReturnType<typeof client.openSession>[] = [];
+const closeAll = () => {
+  for (const s of sessions) s.close();
+  for (const e of sims) e.close();
+  client.close();
+  if (crossNode) saveClient.close();
+};
 // Ctrl-C or SIGTERM mid-run: the engine's KV regions are shm files that outlive the process
 // unless closed (a 100K-token demo leaves GiBs in /dev/shm). Close them, then exit as a signal would.
 const stop = (signal: Deno.Signal, code: number) => () => {
-  session?.close();
-  sim.close();
-  client.close();
+  closeAll();
   console.error(`demo stopped by ${signal}: its shared-memory regions were removed`);
   Deno.exit(code);
 };
@@ -93,6 +140,35 @@ const onTerm = stop("SIGTERM", 143);
 Deno.addSignalListener("SIGINT", onInt);
 Deno.addSignalListener("SIGTERM", onTerm);
 const mb = (n: number) => (n / 2 ** 20).toFixed(1);
+const hashes = chainedBlockHashes(
+  syntheticTokens(Deno.pid, blocks * model.blockTokens),
+  model.blockTokens,
+  instanceId,
+);
+
+/**
+ * Request `r`'s query, asked again while it answers `loading` (a lower tier
+ * bringing the prefix in) and, cross-node, while a warm request misses for
+ * up to {@link INDEX_LAG_MS} (the saver's advertise may not have reached the
+ * index yet). `polls`: how many answers were not the last.
+ */
+async function queryReady(r: number): Promise<{ q: ReadyResult; polls: number }> {
+  const t0 = performance.now();
+  for (let polls = 0;; polls++) {
+    const q = await sim.query(hashes, `demo-req-${r}`);
+    const waited = performance.now() - t0;
+    const lagging = crossNode && r > 0 && q.kind === "ready" && q.hits === 0 &&
+      waited < INDEX_LAG_MS;
+    if (q.kind === "ready" && !lagging) return { q, polls };
+    if (waited > LOADING_DEADLINE_MS) {
+      throw new Error(
+        `request #${r}: ${o.addr} still answers loading after ${LOADING_DEADLINE_MS} ms`,
+      );
+    }
+    await new Promise((res) => setTimeout(res, LOADING_PAUSE_MS));
+  }
+}
+
 const rows: {
   request: string;
   hit: string;
@@ -105,19 +181,16 @@ const rows: {
 let hits = 0;
 let asked = 0;
 try {
-  await sim.register();
-  // Opened once registered: the session presents the registration's token.
-  session = client.openSession(instanceId);
+  for (const e of sims) {
+    await e.register();
+    // Opened once registered: the session presents the registration's token.
+    sessions.push(e.client.openSession(e.instanceId));
+  }
   console.log(
     `server ${o.addr} (${health.backend}, ${health.version}); engine KV on ${sim.engine.backend}; ` +
       `${model.name} x${model.numLayers} layers, ${o.tokens} tokens = ${blocks} blocks = ${
         mb(blocks * sim.blockBytes)
-      } MiB of KV`,
-  );
-  const hashes = chainedBlockHashes(
-    syntheticTokens(Deno.pid, blocks * model.blockTokens),
-    model.blockTokens,
-    instanceId,
+      } MiB of KV` + (crossNode ? `; cold saves go to ${saveAddr}` : ""),
   );
   const src = Array.from({ length: blocks }, (_, i) => i);
   const dst = Array.from({ length: blocks }, (_, i) => blocks + i);
@@ -125,31 +198,31 @@ try {
     // Targets are zeroed before the clock starts, so a verify after the load proves the load wrote them.
     sim.clear(dst);
     const t0 = performance.now();
-    const q = await sim.query(hashes, `demo-req-${r}`);
+    const { q, polls } = await queryReady(r);
     const queryMs = performance.now() - t0;
-    const hit = q.kind === "ready" ? q.hits : 0;
+    const hit = q.hits;
     asked += blocks;
     hits += hit;
     if (hit === 0) {
-      sim.fill(src, hashes); // "prefill": the engine computes the KV (not timed: it is the model's work)
+      saver.fill(src, hashes); // "prefill": the engine computes the KV (not timed: it is the model's work)
       const tSave = performance.now();
-      const s = await sim.save(src, hashes);
+      const s = await saver.save(src, hashes);
       const saveMs = performance.now() - tSave;
       rows.push({
         request: `#${r} cold`,
         hit: `0/${blocks}`,
         queryMs: queryMs.toFixed(2),
-        copyMs: `save ${saveMs.toFixed(1)}`,
+        copyMs: `save ${saveMs.toFixed(1)}` + (crossNode ? ` on ${saveAddr}` : ""),
         firstLayerMs: "-",
         gbps: (s.bytesCopied / saveMs / 1e6).toFixed(2),
         verified: "-",
       });
-    } else if (q.kind === "ready") {
+    } else {
       const l = await sim.load(q.leaseId, dst.slice(0, hit));
       const v = sim.verify(dst.slice(0, hit), hashes);
       rows.push({
         request: `#${r} warm`,
-        hit: `${hit}/${blocks}`,
+        hit: `${hit}/${blocks}` + (polls > 0 ? ` after ${polls} polls` : ""),
         queryMs: queryMs.toFixed(2),
         copyMs: `load ${l.allMs.toFixed(1)}`,
         firstLayerMs: l.firstLayerMs.toFixed(2),
@@ -160,11 +233,9 @@ try {
   }
   console.table(rows);
   console.log(`hit rate ${(100 * hits / asked).toFixed(1)}% (${hits}/${asked} blocks)`);
-  await client.unregisterContext(instanceId);
+  for (const e of sims) await e.client.unregisterContext(e.instanceId);
 } finally {
   Deno.removeSignalListener("SIGINT", onInt);
   Deno.removeSignalListener("SIGTERM", onTerm);
-  session?.close();
-  sim.close();
-  client.close();
+  closeAll();
 }
