@@ -25,12 +25,7 @@ import type { RouterConfig } from "./config.ts";
 import type { FromWorker, ToWorker } from "./cluster_protocol.ts";
 import type { HealthChecker } from "./health.ts";
 import { Logger } from "../log.ts";
-import {
-  DEFAULT_SHUTDOWN_GRACE_MS,
-  ListenError,
-  startHealthChecks,
-  UPSTREAM_POOL_IDLE_MS,
-} from "./server.ts";
+import { ListenError, startHealthChecks, UPSTREAM_POOL_IDLE_MS } from "./server.ts";
 import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
 
 /** A worker that has not sent its metrics by then is left out of that scrape (and it fails). */
@@ -304,14 +299,13 @@ export async function startRouterCluster(
   let resolveFinished!: () => void;
   const stoppedAll = new Promise<void>((r) => (resolveFinished = r));
   let stopping: Promise<void> | undefined;
-  const shutdown = (graceMs?: number) => {
+  const shutdown = (graceMs = config.shutdownGraceMs) => {
     stopping ??= (async () => {
       await health?.stop();
       broadcast(c, { type: "shutdown", graceMs });
       // Each worker's drain is bounded (its grace, then the HTTP close wait); a worker whose
       // event loop is stuck would never say "stopped": past the sum, it is terminated.
-      const limitMs = (graceMs ?? DEFAULT_SHUTDOWN_GRACE_MS) + HTTP_CLOSE_WAIT_MS +
-        WORKER_STOP_SLACK_MS;
+      const limitMs = graceMs + HTTP_CLOSE_WAIT_MS + WORKER_STOP_SLACK_MS;
       if (!(await settlesWithin(Promise.all(members.map((m) => m.stopped)), limitMs))) {
         logger.warn("router workers did not stop in time; terminating them", { wait_ms: limitMs });
       }

@@ -48,6 +48,8 @@ export interface RouterConfig {
   maxBodyBytes: number;
   /** Least severe level that is logged. */
   logLevel: LogLevel;
+  /** On SIGINT/SIGTERM, how long open requests may run on before they are cut (503). */
+  shutdownGraceMs: number;
   /**
    * Threads serving the port (Deno Workers with SO_REUSEPORT, lib/router/cluster.ts); 1 serves
    * from the main thread alone.
@@ -78,6 +80,9 @@ export const DEFAULTS = {
   // 16 MiB fits a ~1M-token prompt sent as token ids; anything larger is almost surely a mistake.
   maxBody: "16mb",
   logLevel: "info",
+  // Long enough for most non-streamed answers and short streams to end; a supervisor's own kill
+  // deadline (Kubernetes: 30 s) should exceed it plus the ~2 s close wait.
+  shutdownGrace: "10s",
   // auto = min(4, CPU cores): see defaultWorkers.
   workers: "auto",
 } as const;
@@ -263,6 +268,7 @@ export interface RawRouterOptions {
   healthPath: string;
   maxBody: string;
   logLevel: string;
+  shutdownGrace: string;
   workers: string;
 }
 
@@ -310,6 +316,7 @@ export function resolveConfig(raw: RawRouterOptions): RouterConfig {
     healthPath: parseHealthPath("--health-path", raw.healthPath),
     maxBodyBytes: parseBytes("--max-body", raw.maxBody),
     logLevel: parseLogLevel("--log-level", raw.logLevel),
+    shutdownGraceMs: parseDurationMs("--shutdown-grace", raw.shutdownGrace),
     workers: parseWorkers("--workers", raw.workers),
     workersAuto: raw.workers.trim().toLowerCase() === "auto",
   };
@@ -425,6 +432,14 @@ export function routerCommand(): Command {
     )
     .addOption(
       opt("--log-level <level>", "error | warn | info | debug", "LOG_LEVEL", DEFAULTS.logLevel),
+    )
+    .addOption(
+      opt(
+        "--shutdown-grace <duration>",
+        "on SIGINT/SIGTERM, how long open requests may finish before they are cut with a 503",
+        "SHUTDOWN_GRACE",
+        DEFAULTS.shutdownGrace,
+      ),
     )
     .addOption(
       opt(

@@ -30,9 +30,10 @@ export interface RouterHandle {
   readonly decode: BackendPool;
   readonly metrics: RouterMetrics;
   /**
-   * Stops accepting connections, lets open requests finish for up to `graceMs`, then cuts the
-   * rest and releases timers and connections. Resolves at most ~2 s after the grace period even
-   * when a client stalled mid-request keeps its connection (and {@link finished}) open.
+   * Stops accepting connections, lets open requests finish for up to `graceMs` (default:
+   * `--shutdown-grace`, {@link RouterConfig.shutdownGraceMs}), then cuts the rest and releases
+   * timers and connections. Resolves at most ~2 s after the grace period even when a client
+   * stalled mid-request keeps its connection (and {@link finished}) open.
    */
   shutdown(graceMs?: number): Promise<void>;
   /** Resolves when the server has stopped. */
@@ -52,8 +53,6 @@ export interface WorkerMembership {
   scrape: () => Promise<Response>;
 }
 
-/** How long open requests may run on after a shutdown began, unless the caller says. */
-export const DEFAULT_SHUTDOWN_GRACE_MS = 10_000;
 /**
  * Idle keep-alive connections to backends are dropped after this long: shorter than uvicorn's
  * default keep-alive (5 s, what vLLM runs on), so the router does not pick a connection the
@@ -134,7 +133,7 @@ export async function startRouter(
   });
 
   let stopping: Promise<void> | undefined;
-  const shutdown = (graceMs = DEFAULT_SHUTDOWN_GRACE_MS) =>
+  const shutdown = (graceMs = config.shutdownGraceMs) =>
     stopping ??= (async () => {
       await health?.stop();
       await drainWithin(server, graceMs, stopAll, logger);

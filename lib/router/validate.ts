@@ -84,9 +84,10 @@ export function refusalResponse(err: RouterError, requestId?: string): Response 
 const decoder = new TextDecoder("utf-8", { fatal: true });
 
 /**
- * Parses and checks a generation request body: a JSON object with a non-empty string `model`, a
- * `prompt` (completions) or non-empty `messages` (chat), `n` absent or 1, and well-typed `stream`,
- * `max_tokens`, `max_completion_tokens`. Throws a 400 {@link RouterError} naming the field.
+ * Parses and checks a generation request body: a JSON object with a non-empty string `model`, one
+ * `prompt` (completions; a batch of several is refused) or non-empty `messages` (chat), `n`
+ * absent or 1, and well-typed `stream`, `max_tokens`, `max_completion_tokens`. Throws a 400
+ * {@link RouterError} naming the field.
  *
  * @example
  * ```ts
@@ -183,23 +184,45 @@ function parseObject(raw: Uint8Array<ArrayBuffer>): { body: JsonObject; text: st
   return { body: parsed as JsonObject, text };
 }
 
+/**
+ * `prompt` must be one prompt: vLLM's prefill answers a batch with ONE top-level
+ * `kv_transfer_params` (its first prompt's), so D would read the first prompt's KV for every prompt
+ * of the batch. A batch of one (`["a"]`, `[[1, 2]]`) and a token-id list (`[1, 2]`) are one prompt.
+ */
 function checkPrompt(prompt: unknown): void {
   if (prompt === undefined || prompt === null) {
     throw badRequest("'prompt' is required for /v1/completions", "prompt", "missing_prompt");
   }
-  const ok = typeof prompt === "string" ||
-    (Array.isArray(prompt) && prompt.length > 0 &&
-      prompt.every((p) =>
-        typeof p === "string" || Number.isInteger(p) ||
-        (Array.isArray(p) && p.every((t) => Number.isInteger(t)))
-      ));
-  if (!ok) {
+  const count = promptCount(prompt);
+  if (count === null) {
     throw badRequest(
-      "'prompt' must be a string, a non-empty array of strings, or token ids",
+      "'prompt' must be a string, a non-empty array of strings, token ids, or token-id arrays",
       "prompt",
       "invalid_prompt",
     );
   }
+  if (count > 1) {
+    throw badRequest(
+      `'prompt' is a batch of ${count} prompts; the P/D router sends one prompt per request ` +
+        "(a prefill engine answers a batch with the KV transfer parameters of its first prompt " +
+        `only): send ${count} requests`,
+      "prompt",
+      "unsupported_prompt_batch",
+    );
+  }
+}
+
+/**
+ * How many prompts `prompt` holds in one of OpenAI's shapes (a string; an array of strings, of
+ * token ids — one prompt —, or of token-id arrays), or null for any other value.
+ */
+function promptCount(prompt: unknown): number | null {
+  if (typeof prompt === "string") return 1;
+  if (!Array.isArray(prompt) || prompt.length === 0) return null;
+  if (prompt.every((t) => Number.isInteger(t))) return 1;
+  const batch = prompt.every((p) => typeof p === "string") ||
+    prompt.every((p) => Array.isArray(p) && p.every((t) => Number.isInteger(t)));
+  return batch ? prompt.length : null;
 }
 
 function checkMessages(messages: unknown): void {

@@ -57,6 +57,12 @@ Deno.test("defaults resolve; a repeated backend is refused", () => {
   assert.equal(cfg.prefillTimeoutMs, 60_000);
   assert.equal(cfg.maxBodyBytes, 16 * 1024 * 1024);
   assert.equal(cfg.logLevel, "info");
+  assert.equal(cfg.shutdownGraceMs, 10_000);
+  assert.equal(resolveConfig({ ...base, shutdownGrace: "250ms" }).shutdownGraceMs, 250);
+  assert.throws(
+    () => resolveConfig({ ...base, shutdownGrace: "later" }),
+    (e) => e instanceof ConfigError && e.flag === "--shutdown-grace",
+  );
   assert.throws(
     () => resolveConfig({ ...base, decode: ["http://d:1", "http://d:1/"] }),
     /--decode: backend http:\/\/d:1 is listed twice/,

@@ -8,8 +8,8 @@ import { parseGenerationRequest, readRequestBody } from "../../lib/router/valida
 
 const enc = (v: unknown) => new TextEncoder().encode(typeof v === "string" ? v : JSON.stringify(v));
 
-Deno.test("valid prompts of every OpenAI shape are accepted", () => {
-  for (const prompt of ["hi", ["a", "b"], [1, 2, 3], [[1, 2], [3]]]) {
+Deno.test("one prompt in every OpenAI shape is accepted", () => {
+  for (const prompt of ["hi", ["a"], [1, 2, 3], [[1, 2]]]) {
     const r = parseGenerationRequest("/v1/completions", enc({ model: "m", prompt, n: 1 }));
     assert.equal(r.stream, false);
     assert.deepEqual(r.body.prompt, prompt);
@@ -33,6 +33,23 @@ Deno.test("property: any n above 1 is refused with param 'n'", () => {
     } catch (e) {
       return e instanceof RouterError && e.status === 400 && e.param === "n" &&
         e.message.includes(`n=${n}`);
+    }
+  }));
+});
+
+Deno.test("property: a batch of several prompts is refused with param 'prompt', naming its size", () => {
+  const batch = fc.oneof(
+    fc.array(fc.string(), { minLength: 2, maxLength: 64 }),
+    fc.array(fc.array(fc.nat(), { maxLength: 4 }), { minLength: 2, maxLength: 64 }),
+  );
+  fc.assert(fc.property(batch, (prompt) => {
+    try {
+      parseGenerationRequest("/v1/completions", enc({ model: "m", prompt }));
+      return false;
+    } catch (e) {
+      return e instanceof RouterError && e.status === 400 && e.param === "prompt" &&
+        e.code === "unsupported_prompt_batch" &&
+        e.message.includes(`batch of ${prompt.length} prompts`);
     }
   }));
 });
