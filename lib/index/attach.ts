@@ -59,6 +59,7 @@ export function openBlockIndex(
   advertiser ??= indexAdvertiser(log);
   const index = new RedisBlockIndex({
     url: cfg.redisUrl,
+    cluster: cfg.redisCluster,
     nodeId,
     advertiseAddr,
     timeoutMs: cfg.timeoutMs,

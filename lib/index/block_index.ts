@@ -38,15 +38,10 @@ import {
   packHashes,
 } from "./keys.ts";
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
-import {
-  checkRedisUrl,
-  indexPipeline,
-  type IndexRedis,
-  indexRedisClient,
-  redisWhere,
-} from "./connection.ts";
+import { checkRedisTarget, type IndexRedis, indexRedisClient } from "./connection.ts";
+import { execBatch, heartbeatCommands, reachCommand } from "./batch.ts";
 import { withinOrThrow } from "../timer_limit.ts";
-import { advertiseArgs, HEARTBEAT_LUA } from "./scripts.ts";
+import { advertiseArgs } from "./scripts.ts";
 import { NodeIdConflict, Rejoin } from "./rejoin.ts";
 
 /** Deadline of one index call: a local Redis answers in ~0.1-1 ms; past this, serve locally. */
@@ -87,8 +82,10 @@ export interface LookupResult {
 
 /** Options of {@link RedisBlockIndex}. */
 export interface BlockIndexOptions {
-  /** `redis://[user:pass@]host:port[/db]` (or `rediss://`). */
+  /** `redis://[user:pass@]host:port[/db]` (or `rediss://`); with `cluster`, seeds comma-separated. */
   url: string;
+  /** `url` lists a Redis Cluster's seed nodes (lib/index/connection.ts). Default false. */
+  cluster?: boolean;
   /** This node's id in the index (unique per live node). */
   nodeId: string;
   /** What peers dial to fetch from this node. */
@@ -149,6 +146,7 @@ export class RedisBlockIndex {
   readonly nodeId: string;
   readonly advertiseAddr: string;
   readonly #redis: IndexRedis;
+  readonly #cluster: boolean;
   readonly #timeoutMs: number;
   readonly #nodeTtlMs: number;
   readonly #heartbeatMs: number;
@@ -162,6 +160,8 @@ export class RedisBlockIndex {
   #incarnation: string;
   /** Namespaces joined under the current incarnation (heartbeated). */
   #joined = new Set<string>();
+  /** Cluster only: every namespace advertised into (the heartbeat probes those not joined). */
+  readonly #tried = new Set<string>();
   readonly #rejoinPass: Rejoin;
   readonly #conflict: NodeIdConflict;
   #heartbeatTimer: ReturnType<typeof setInterval> | undefined;
@@ -174,7 +174,7 @@ export class RedisBlockIndex {
   constructor(opts: BlockIndexOptions) {
     checkNodeToken("node id", opts.nodeId);
     checkNodeToken("advertise address", opts.advertiseAddr);
-    const where = redisWhere(checkRedisUrl(opts.url));
+    const where = checkRedisTarget(opts.url, opts.cluster ?? false);
     this.nodeId = opts.nodeId;
     this.advertiseAddr = opts.advertiseAddr;
     this.#timeoutMs = positive("timeoutMs", opts.timeoutMs ?? DEFAULT_INDEX_TIMEOUT_MS);
@@ -197,7 +197,8 @@ export class RedisBlockIndex {
     this.#random = opts.randomBytes ?? ((n) => crypto.getRandomValues(new Uint8Array(n)));
     this.#incarnation = this.#newIncarnation();
     this.#avail = new Availability(this.#log, this.#metrics, () => this.#recovered(), where);
-    this.#redis = indexRedisClient(opts.url, this.#timeoutMs);
+    this.#cluster = opts.cluster ?? false;
+    this.#redis = indexRedisClient(opts.url, this.#timeoutMs, this.#cluster);
     this.#conflict = new NodeIdConflict(this.#log, this.#metrics, this.nodeId, this.advertiseAddr);
     this.#rejoinPass = new Rejoin({
       redis: this.#redis,
@@ -253,6 +254,7 @@ export class RedisBlockIndex {
     const p = packHashes(namespace, hashes);
     if (this.#closed || this.#conflict.active) return false;
     if (p.count === 0) return true;
+    if (this.#cluster) this.#tried.add(namespace);
     const inc = this.#incarnation;
     const res = await this.#advertiseCall(namespace, inc, !this.#joined.has(namespace), p);
     if (res === undefined) return false;
@@ -329,28 +331,17 @@ export class RedisBlockIndex {
     }
     const inc = this.#incarnation;
     const namespaces = [...this.#joined];
+    // Cluster: a namespace tried and not joined (its master did not answer) is probed too, so
+    // that no heartbeat proves a recovery while one of the node's masters is still away.
+    const away = [...this.#tried].filter((ns) => !this.#joined.has(ns));
     const res = await this.#call("heartbeat", 0, async () => {
-      if (namespaces.length === 0) return [await this.#redis.ping()];
-      const p = indexPipeline(this.#redis);
-      for (const ns of namespaces) {
-        p.eval( // EVAL, not EVALSHA: lib/index/connection.ts (evalAlways) says why
-          HEARTBEAT_LUA,
-          2,
-          nodesKey(ns),
-          nodeSetKey(ns, this.nodeId, inc),
-          this.nodeId,
-          inc,
-          this.advertiseAddr,
-          this.#nodeTtlMs,
-        );
-      }
-      this.#rejoinPass.refresh(p); // last: the answers per namespace keep their places
-      const out = await p.exec();
-      if (!out) throw new Error("heartbeat pipeline was discarded");
-      return out.map(([err, v]) => {
-        if (err) throw err;
-        return v;
-      });
+      if (namespaces.length + away.length === 0) return [await this.#redis.ping()];
+      const who = { node: this.nodeId, inc, addr: this.advertiseAddr, ttlMs: this.#nodeTtlMs };
+      return await execBatch(this.#redis, [
+        ...heartbeatCommands(who, namespaces), // first: the answers per namespace keep their places
+        this.#rejoinPass.refresh(),
+        ...away.map(reachCommand),
+      ], "heartbeat");
     });
     if (res === undefined || inc !== this.#incarnation) return;
     // Another process holding the id in one namespace weighs more than a lost registration.
@@ -406,6 +397,9 @@ export class RedisBlockIndex {
     const who = { node: this.nodeId, inc, addr: this.advertiseAddr, ttlMs: this.#nodeTtlMs, join };
     return this.#call("advertise", p.count, async () => {
       const recorded = join ? this.#rejoinPass.record(tag) : undefined;
+      // One Redis runs the record's SADD first (one connection); Cluster keeps the record on
+      // another master, so a join waits for it: never entries a later process cannot find.
+      if (this.#cluster) await recorded;
       const [, res] = await Promise.all([
         recorded,
         this.#redis.pfAdvertise(...advertiseArgs(tag, who, p)),
@@ -421,7 +415,9 @@ export class RedisBlockIndex {
       const late = () => new Error(`index ${op}: no answer within ${this.#timeoutMs} ms`);
       const v = await withinOrThrow(f(), this.#timeoutMs, late);
       this.#metrics?.call(op, (performance.now() - t0) / 1e3, true, blocks);
-      this.#avail.succeeded();
+      // On Cluster one master may answer while another does not: only a heartbeat, which
+      // reaches every master the node uses, proves a recovery.
+      if (!this.#cluster || op === "heartbeat") this.#avail.succeeded();
       return v;
     } catch (e) {
       this.#metrics?.call(op, (performance.now() - t0) / 1e3, false, blocks);

@@ -4,10 +4,16 @@
  * serves locally instead of waiting), the index scripts as commands, and the deadline every call
  * runs under. lib/index/block_index.ts makes the calls.
  *
+ * One Redis (`redis://host:port`), or a Redis Cluster (`--index-redis-cluster`) reached through
+ * seed nodes listed comma-separated (`redis://h1:7000,redis://h2:7001`): ioredis's `Cluster`
+ * with the same fail-fast options, and no retry of its own after a closed connection or a
+ * CLUSTERDOWN (the caller's deadline and re-join handle both; a retried advertise could land
+ * after a later withdraw). Pipelines spanning namespaces are split per slot (lib/index/batch.ts).
+ *
  * @module
  */
 
-import { Redis } from "ioredis";
+import { Cluster, Redis } from "ioredis";
 import type { Buffer } from "node:buffer";
 import { IndexInputError } from "./errors.ts";
 import { ADVERTISE_LUA, HEARTBEAT_LUA, LOOKUP_LUA, WITHDRAW_LUA } from "./scripts.ts";
@@ -30,35 +36,47 @@ export interface IndexCommands {
 export interface IndexPipeline {
   eval(lua: string, ...args: (string | number | Buffer)[]): unknown;
   pexpire(key: string, ms: number): unknown;
+  pttl(key: string): unknown;
   exec(): Promise<[Error | null, unknown][] | null>;
 }
 
 /** A pipeline on `redis`: its commands go out in one write, and their answers come in one. */
-export function indexPipeline(redis: Redis): IndexPipeline {
+export function indexPipeline(redis: Redis | Cluster): IndexPipeline {
   return redis.pipeline() as unknown as IndexPipeline;
 }
 
-/** Where the URL points, without credentials (for log lines). */
+/** Where the URL (or each seed of a comma-separated list) points, without credentials (for log lines). */
 export function redisWhere(url: string): string {
-  const u = new URL(url);
-  return `${u.protocol}//${u.host}${u.pathname.length > 1 ? u.pathname : ""}`;
+  return redisSeeds(url).map((seed) => {
+    const u = new URL(seed);
+    return `${u.protocol}//${u.host}${u.pathname.length > 1 ? u.pathname : ""}`;
+  }).join(",");
 }
 
-/** A Redis client with the index scripts defined on it. */
-export type IndexRedis = Redis & IndexCommands;
+/** A Redis client (one server or a cluster) with the index scripts defined on it. */
+export type IndexRedis = (Redis | Cluster) & IndexCommands;
 
-/** A client for the index at `url` whose commands give up after `timeoutMs`; not yet connected. */
-export function indexRedisClient(url: string, timeoutMs: number): IndexRedis {
-  const redis = new Redis(url, {
-    lazyConnect: true,
-    // Fail fast instead of queueing while disconnected: the caller serves locally.
-    enableOfflineQueue: false,
+/** Reconnects 100 ms, 200 ms, ... apart, at most 1 s. */
+const reconnectDelay = (times: number) => Math.min(times * RECONNECT_STEP_MS, RECONNECT_MAX_MS);
+
+/**
+ * A client for the index at `url` whose commands give up after `timeoutMs`; not yet connected.
+ * `cluster`: `url` lists a Redis Cluster's seed nodes ({@link checkClusterSeeds}).
+ */
+export function indexRedisClient(url: string, timeoutMs: number, cluster = false): IndexRedis {
+  const perConnection = {
+    // Fail fast instead of queueing or resending: the caller serves locally.
     maxRetriesPerRequest: 0,
     autoResendUnfulfilledCommands: false,
     commandTimeout: timeoutMs,
     connectTimeout: Math.max(timeoutMs, 1_000),
-    retryStrategy: (times: number) => Math.min(times * RECONNECT_STEP_MS, RECONNECT_MAX_MS),
-  }) as IndexRedis;
+  };
+  const redis = (cluster ? indexCluster(url, perConnection) : new Redis(url, {
+    ...perConnection,
+    lazyConnect: true,
+    enableOfflineQueue: false,
+    retryStrategy: reconnectDelay,
+  })) as IndexRedis;
   // The scripts that change the index go as EVAL, never EVALSHA (see `evalAlways`).
   redis.pfAdvertise = evalAlways(redis, ADVERTISE_LUA) as IndexCommands["pfAdvertise"];
   redis.pfWithdraw = evalAlways(redis, WITHDRAW_LUA) as IndexCommands["pfWithdraw"];
@@ -77,7 +95,7 @@ export function indexRedisClient(url: string, timeoutMs: number): IndexRedis {
  * stayed listed for the node's life. EVAL cannot fail that way, so Redis applies one node's
  * advertises and withdraws in the order they were sent on its one connection.
  */
-function evalAlways(redis: Redis, lua: string) {
+function evalAlways(redis: Redis | Cluster, lua: string) {
   return (numKeys: number, ...args: (string | number | Buffer)[]) =>
     redis.eval(lua, numKeys, ...args);
 }
@@ -117,4 +135,137 @@ export function checkRedisUrl(url: string): string {
     });
   }
   return url;
+}
+
+/**
+ * The ioredis `Cluster` for `url`'s seeds. Credentials and TLS go to every node's connection
+ * (the nodes the cluster reports too, not only the seeds). A command whose connection closed or
+ * that met CLUSTERDOWN fails at once instead of being retried later (ioredis would resend it
+ * after 100 ms, possibly behind a withdraw sent since); MOVED and ASK are still followed (the
+ * command did not run). A cluster that drops every connection is reconnected like one Redis.
+ */
+function indexCluster(url: string, perConnection: Record<string, unknown>): Cluster {
+  const seeds = checkClusterSeeds(url).map((s) => new URL(s));
+  const first = seeds[0];
+  const auth = first.username || first.password
+    ? {
+      username: decodeURIComponent(first.username) || undefined,
+      password: decodeURIComponent(first.password),
+    }
+    : {};
+  return new Cluster(
+    seeds.map((u) => ({
+      host: u.hostname.replace(/^\[|\]$/g, ""),
+      port: Number(u.port || DEFAULT_REDIS_PORT),
+    })),
+    {
+      lazyConnect: true,
+      enableOfflineQueue: false,
+      clusterRetryStrategy: reconnectDelay,
+      retryDelayOnFailover: 0,
+      retryDelayOnClusterDown: 0,
+      redisOptions: {
+        ...perConnection,
+        ...auth,
+        ...(first.protocol === "rediss:" ? { tls: {} } : {}),
+      },
+    },
+  );
+}
+
+const DEFAULT_REDIS_PORT = 6379;
+
+/**
+ * The entries of `--index-redis`: its comma-separated redis:// URLs (a cluster's seed nodes; one
+ * for a single Redis). A `,` splits only where a URL follows (a password may hold one); an entry
+ * that is no URL is split off too, so that it is named as wrong.
+ */
+export function redisSeeds(url: string): string[] {
+  return url.split(/,(?=\s*rediss?:\/\/|[^@]*$)/i).map((s) => s.trim());
+}
+
+/**
+ * Returns `url` if it is one usable Redis URL ({@link checkRedisUrl}) or a comma-separated list
+ * of them (a cluster's seeds, checked together by {@link checkClusterSeeds} once `--index-redis-cluster`
+ * is known), else throws {@link IndexInputError} naming the entry that is wrong.
+ */
+export function checkRedisList(url: string): string {
+  const seeds = redisSeeds(url);
+  if (seeds.length === 1) return checkRedisUrl(url);
+  for (const seed of seeds) {
+    if (seed === "") {
+      throw new IndexInputError(
+        `"${url}" has an empty entry; list seeds as redis://h1:7000,redis://h2:7001`,
+        { got: url },
+      );
+    }
+    checkRedisUrl(seed);
+  }
+  return url;
+}
+
+/**
+ * Checks `url` as one Redis's URL, or with `cluster` as a cluster's seeds; returns where it
+ * points (credentials left out) for log lines. Throws {@link IndexInputError}.
+ */
+export function checkRedisTarget(url: string, cluster: boolean): string {
+  if (cluster) {
+    checkClusterSeeds(url);
+  } else if (checkRedisList(url) && redisSeeds(url).length > 1) {
+    throw new IndexInputError(
+      `"${redisWhere(url)}" lists ${
+        redisSeeds(url).length
+      } Redis nodes; a list is a Redis Cluster's seeds (cluster mode)`,
+      { got: redisWhere(url) },
+    );
+  }
+  return redisWhere(url);
+}
+
+/**
+ * Returns the seed URLs of a Redis Cluster listed in `url` (comma-separated, each a
+ * {@link checkRedisUrl} URL), else throws {@link IndexInputError} saying which seed is wrong:
+ * the seeds must share the scheme and the credentials (every node gets the same), and name no
+ * database but 0 (a cluster has only database 0) and no `?options`.
+ *
+ * @example
+ * ```ts
+ * checkClusterSeeds("redis://10.0.0.5:7000,redis://10.0.0.6:7000"); // two seeds
+ * checkClusterSeeds("redis://10.0.0.5:7000/2");                      // throws: database 2
+ * ```
+ */
+export function checkClusterSeeds(url: string): string[] {
+  checkRedisList(url);
+  const seeds = redisSeeds(url);
+  const first = new URL(seeds[0]);
+  for (const seed of seeds) {
+    const u = new URL(seed);
+    const where = redisWhere(seed);
+    if (u.pathname.length > 1 && u.pathname !== "/0") {
+      throw new IndexInputError(
+        `seed ${where} names database ${u.pathname.slice(1)}; a Redis Cluster has only database 0`,
+        { got: where },
+      );
+    }
+    if (u.search !== "") {
+      throw new IndexInputError(
+        `seed ${where} has options (${u.search}); a cluster seed takes none`,
+        {
+          got: where,
+        },
+      );
+    }
+    if (
+      u.protocol !== first.protocol || u.username !== first.username ||
+      u.password !== first.password
+    ) {
+      throw new IndexInputError(
+        `seed ${where} differs from ${
+          redisWhere(seeds[0])
+        } in scheme or credentials; every seed must use the same`,
+        { got: where },
+      );
+    }
+  }
+  return seeds;
 }

@@ -8,17 +8,19 @@
 
 import { hostname } from "node:os";
 import { InvalidArgumentError, type Option } from "commander";
-import { envOption, intArg } from "../cli/flags.ts";
+import { boolArg, envOption, intArg } from "../cli/flags.ts";
 import { MAX_TIMER_MS } from "../timer_limit.ts";
 import { DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
-import { checkRedisUrl } from "./connection.ts";
+import { checkClusterSeeds, checkRedisList, redisSeeds, redisWhere } from "./connection.ts";
 import { checkNodeToken } from "./keys.ts";
 import { splitHostPort } from "../host_port.ts";
 
 /** The index part of the server's configuration. */
 export interface IndexConfig {
-  /** Redis URL; undefined = no cross-node index. */
+  /** Redis URL (with `redisCluster`: seed URLs, comma-separated); undefined = no cross-node index. */
   redisUrl: string | undefined;
+  /** `redisUrl` names a Redis Cluster's seed nodes. */
+  redisCluster: boolean;
   /** This node's id; undefined = `<hostname>:<gRPC port>`, resolved once the port is bound. */
   nodeId: string | undefined;
   /** What peers dial; undefined = the gRPC address (the hostname when it listens on any address). */
@@ -38,10 +40,13 @@ function asArg<T>(check: (v: string) => T) {
   };
 }
 
-/** `--index-redis`: a redis:// URL, or "" (no index) for empty / `none` (an env var set to nothing). */
+/**
+ * `--index-redis`: a redis:// URL (or, for `--index-redis-cluster`, several comma-separated),
+ * or "" (no index) for empty / `none` (an env var set to nothing).
+ */
 function redisArg(value: string): string {
   const v = value.trim();
-  return v === "" || v.toLowerCase() === "none" ? "" : checkRedisUrl(v);
+  return v === "" || v.toLowerCase() === "none" ? "" : checkRedisList(v);
 }
 
 function hostPort(value: string): string {
@@ -68,9 +73,15 @@ export function indexOptions(): Option[] {
   return [
     envOption(
       "--index-redis <url>",
-      "Redis of the cross-node block index, e.g. redis://10.0.0.5:6379 (unset, empty or none: no index)",
+      "Redis of the cross-node block index, e.g. redis://10.0.0.5:6379 (unset, empty or none: no index); " +
+        "with --index-redis-cluster, seed nodes: redis://h1:7000,redis://h2:7000",
       "INDEX_REDIS",
     ).argParser(asArg(redisArg)),
+    envOption(
+      "--index-redis-cluster [bool]",
+      "--index-redis is a Redis Cluster (its seed nodes, comma-separated)",
+      "INDEX_REDIS_CLUSTER",
+    ).default(false).preset(true).argParser(boolArg),
     envOption(
       "--node-id <id>",
       "this node's id in the block index (default: <hostname>:<gRPC port>)",
@@ -97,10 +108,38 @@ export function indexOptions(): Option[] {
   ];
 }
 
-/** Reads the parsed index options out of commander's `opts()`. */
+/**
+ * Reads the parsed index options out of commander's `opts()`. Throws commander's
+ * `InvalidArgumentError` naming the flags when `--index-redis` and `--index-redis-cluster`
+ * disagree (a list without the cluster flag, the flag without a Redis, seeds that differ).
+ */
 export function indexConfigFrom(o: Record<string, unknown>): IndexConfig {
+  const redisUrl = (o.indexRedis as string | undefined) || undefined; // "": none
+  const redisCluster = o.indexRedisCluster === true;
+  if (redisCluster && !redisUrl) {
+    throw new InvalidArgumentError(
+      "--index-redis-cluster needs --index-redis (the cluster's seed nodes, e.g. redis://10.0.0.5:7000,redis://10.0.0.6:7000)",
+    );
+  }
+  if (redisUrl && !redisCluster && redisSeeds(redisUrl).length > 1) {
+    throw new InvalidArgumentError(
+      `--index-redis "${redisWhere(redisUrl)}" lists ${
+        redisSeeds(redisUrl).length
+      } Redis nodes: add --index-redis-cluster for a Redis Cluster, or give one redis:// URL`,
+    );
+  }
+  if (redisUrl && redisCluster) {
+    try {
+      checkClusterSeeds(redisUrl);
+    } catch (e) {
+      throw new InvalidArgumentError(
+        `--index-redis (--index-redis-cluster): ${(e as Error).message}`,
+      );
+    }
+  }
   return {
-    redisUrl: (o.indexRedis as string | undefined) || undefined, // "": none
+    redisUrl,
+    redisCluster,
     nodeId: o.nodeId as string | undefined,
     advertiseAddr: o.advertiseAddr as string | undefined,
     timeoutMs: o.indexTimeoutMs as number,

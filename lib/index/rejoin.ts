@@ -26,7 +26,8 @@
 
 import { Buffer } from "node:buffer";
 import type { SealedBlock } from "./block_index.ts";
-import { type IndexPipeline, indexPipeline, type IndexRedis } from "./connection.ts";
+import type { IndexRedis } from "./connection.ts";
+import { type BatchCommand, execBatch } from "./batch.ts";
 import { namespaceTag, nodeNamespacesKey, tagNodesKey } from "./keys.ts";
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
 import type { Logger } from "../log.ts";
@@ -95,7 +96,8 @@ export class Rejoin {
 
   /**
    * Adds a namespace's tag to the node's record; send it before the join advertise on the same
-   * connection, so that Redis never holds entries a later process cannot find.
+   * connection (on Cluster, await it first: another master), so that Redis never holds entries a
+   * later process cannot find.
    */
   record(tag: string): Promise<unknown> {
     const { redis, nodeId, nodeTtlMs } = this.#host;
@@ -104,9 +106,10 @@ export class Rejoin {
     return Promise.all([redis.sadd(key, tag), redis.pexpire(key, nodeTtlMs * RECORD_TTLS)]);
   }
 
-  /** Adds the refresh of the node's record to a heartbeat's pipeline. */
-  refresh(p: IndexPipeline): void {
-    p.pexpire(nodeNamespacesKey(this.#host.nodeId), this.#host.nodeTtlMs * RECORD_TTLS);
+  /** The refresh of the node's record, for a heartbeat's batch. */
+  refresh(): BatchCommand {
+    const key = nodeNamespacesKey(this.#host.nodeId);
+    return { key, send: (p) => p.pexpire(key, this.#host.nodeTtlMs * RECORD_TTLS) };
   }
 
   /** Runs a pass; a request while one runs coalesces into one more pass after it (none once stopped). */
@@ -192,26 +195,23 @@ export class Rejoin {
   }
 
   /**
-   * Registers `inc` with an empty set in each namespace (by tag), pipelined: one round trip.
+   * Registers `inc` with an empty set in each namespace (by tag), pipelined (per slot on
+   * Cluster, sent together): one round trip.
    * Each answer is 1, or the address of another live process that keeps the node id there
    * (reported to the host; nothing was written in that namespace).
    */
   async #void(tags: string[], inc: string): Promise<unknown[]> {
     const { redis, nodeId: node, advertiseAddr: addr, nodeTtlMs: ttlMs } = this.#host;
-    const p = indexPipeline(redis);
-    for (const tag of tags) {
-      // EVAL, not EVALSHA: lib/index/connection.ts (evalAlways) says why
-      p.eval(
-        ADVERTISE_LUA,
-        ...advertiseArgs(tag, { node, inc, addr, ttlMs, join: true }, NO_HASHES),
-      );
-    }
-    const out = await p.exec();
-    if (!out) throw new Error("void pipeline was discarded");
-    const answers = out.map(([err, v]) => {
-      if (err) throw err;
-      return v;
-    });
+    const who = { node, inc, addr, ttlMs, join: true };
+    const answers = await execBatch(
+      redis,
+      tags.map((tag) => ({
+        key: tagNodesKey(tag),
+        // EVAL, not EVALSHA: lib/index/connection.ts (evalAlways) says why
+        send: (p) => p.eval(ADVERTISE_LUA, ...advertiseArgs(tag, who, NO_HASHES)),
+      })),
+      "void",
+    );
     const other = answers.findIndex((v) => typeof v === "string");
     if (other >= 0) this.#host.refused(tags[other], answers[other] as string, inc);
     return answers;

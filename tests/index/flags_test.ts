@@ -35,6 +35,7 @@ Deno.test("no --index-redis means no index; the flags parse when given", () => {
   if (r.kind !== "config") return;
   assert.deepEqual(r.config.index, {
     redisUrl: "redis://10.0.0.5:6379/2",
+    redisCluster: false,
     nodeId: "gpu-7",
     advertiseAddr: "10.0.0.7:50055",
     timeoutMs: 50,
@@ -75,6 +76,7 @@ Deno.test("index flags are read from PEGAFLOW_* environment variables", () => {
 Deno.test("node id and advertise address default from the bound gRPC address", () => {
   const base = {
     redisUrl: "redis://h:1",
+    redisCluster: false,
     nodeId: undefined,
     advertiseAddr: undefined,
     timeoutMs: 1,
@@ -109,4 +111,43 @@ Deno.test("--index-redis none, or an empty PEGAFLOW_INDEX_REDIS, means no index 
     Deno.env.delete("PEGAFLOW_INDEX_REDIS");
   }
   assert.equal(redis(["--index-redis", " redis://h:6379 "]), "redis://h:6379");
+});
+
+Deno.test("--index-redis-cluster takes comma-separated seed nodes; a list without it is refused", () => {
+  const seeds = "redis://127.0.0.1:7000,redis://127.0.0.2:7001";
+  const r = parseServeArgs(["--index-redis", seeds, "--index-redis-cluster"]);
+  assert.equal(r.kind, "config", r.kind === "exit" ? r.output : "");
+  if (r.kind !== "config") return;
+  assert.equal(r.config.index.redisUrl, seeds);
+  assert.equal(r.config.index.redisCluster, true);
+  // One seed is a cluster too; a password may hold a `,` in one URL.
+  const one = parseServeArgs(["--index-redis", "redis://:a,b@h:7000", "--index-redis-cluster"]);
+  assert.equal(one.kind, "config", one.kind === "exit" ? one.output : "");
+  refused(["--index-redis", seeds], "--index-redis-cluster", /lists 2 Redis nodes/);
+  refused(["--index-redis-cluster"], "--index-redis", /needs --index-redis/);
+  refused(
+    ["--index-redis", "redis://h:1,h2:2"],
+    "--index-redis",
+    /"h2:2" has scheme "h2:"; expected redis:\/\//,
+  );
+  refused(["--index-redis", "redis://h:1,,redis://h:2"], "--index-redis", /empty entry/);
+  refused(
+    ["--index-redis", "redis://h:1/2,redis://h:2", "--index-redis-cluster"],
+    "--index-redis",
+    /seed redis:\/\/h:1\/2 names database 2; a Redis Cluster has only database 0/,
+  );
+  refused(
+    ["--index-redis", "redis://:a@h:1,redis://:b@h:2", "--index-redis-cluster"],
+    "--index-redis",
+    /seed redis:\/\/h:2 differs from redis:\/\/h:1 in scheme or credentials/,
+  );
+  try {
+    Deno.env.set("PEGAFLOW_INDEX_REDIS", seeds);
+    Deno.env.set("PEGAFLOW_INDEX_REDIS_CLUSTER", "1");
+    const e = parseServeArgs([]);
+    assert.equal(e.kind === "config" && e.config.index.redisCluster, true);
+  } finally {
+    Deno.env.delete("PEGAFLOW_INDEX_REDIS");
+    Deno.env.delete("PEGAFLOW_INDEX_REDIS_CLUSTER");
+  }
 });
