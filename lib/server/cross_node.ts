@@ -17,6 +17,7 @@ import type { KvStore } from "../storage/store.ts";
 import type { TierHost } from "../storage/tier.ts";
 import { type BlockIndexHandle, openBlockIndex } from "../index/attach.ts";
 import type { IndexAdvertiser } from "../index/advertiser.ts";
+import { redisWhere } from "../index/connection.ts";
 import type { CopyEngine } from "../../ffi/mod.ts";
 import { type OpenedTransport, openTransport } from "../transfer/transport.ts";
 import { registerTransferMetrics } from "../transfer/metrics.ts";
@@ -51,7 +52,12 @@ export interface CrossNode {
   readonly peerTier: PeerTier | undefined;
   /** Adds the `Peer` service (this node lends blocks) to the gRPC server. */
   addServices(server: grpc.Server): void;
-  /** Opens the block index, advertising `grpcAddr` unless `--advertise-addr` says otherwise. */
+  /**
+   * Opens the block index, advertising `grpcAddr` unless `--advertise-addr`
+   * says otherwise. Throws naming `--index-redis` when the index cannot be
+   * made (a URL its client cannot parse: `redis://u:%zz@h:6379`); an
+   * unreachable Redis is no error (it connects in the background).
+   */
   openIndex(grpcAddr: string): void;
   /** Stops advertising (first, while the tiers still run). */
   closeIndex(): Promise<void>;
@@ -141,13 +147,17 @@ export function openCrossNode(
     openIndex(grpcAddr) {
       boundGrpcAddr = grpcAddr;
       if (!cfg.index.redisUrl || !advertiser) return;
-      index = openBlockIndex(
-        { ...cfg.index, redisUrl: cfg.index.redisUrl },
-        grpcAddr,
-        log,
-        metrics.registry,
-        advertiser,
-      );
+      try {
+        index = openBlockIndex(
+          { ...cfg.index, redisUrl: cfg.index.redisUrl },
+          grpcAddr,
+          log,
+          metrics.registry,
+          advertiser,
+        );
+      } catch (e) {
+        throw cannotOpenIndex(cfg.index.redisUrl, e);
+      }
     },
     async closeIndex() {
       await index?.close();
@@ -160,6 +170,22 @@ export function openCrossNode(
       await transfer?.endpoint.close();
     },
   };
+}
+
+/**
+ * What a block index that cannot be made is refused with: `--index-redis`
+ * and where it points (credentials left out: they go to the log), then why.
+ */
+function cannotOpenIndex(redisUrl: string, e: unknown): Error {
+  // ioredis percent-decodes the user and password: a stray `%` throws URIError.
+  const hint = e instanceof URIError
+    ? " (a % in the user or password that does not start a %XX escape: write it as %25)"
+    : "";
+  return new Error(
+    `--index-redis ${redisWhere(redisUrl)}: cannot open the block index: ${
+      (e as Error).message
+    }${hint}`,
+  );
 }
 
 /** The peer RPC listener, then the transfer endpoint; both or (throwing) neither. */

@@ -14,10 +14,11 @@
  * port another process takes in between still refuses the start, naming the
  * flag, after the pool. Probed:
  *  - `--addr` (port 0 needs no probe);
- *  - `--uds PATH`: the directory checked, PATH claimed (uds.ts: a live
- *    server's path is refused, a stale one taken over), `PATH.up` (the
- *    GOAWAY guard's relay) claimed, PATH and the local RPC socket `PATH.rpc`
- *    claimed and bound;
+ *  - `--uds PATH`: the directory checked, the path's lock `PATH.lock` taken
+ *    and kept (uds.ts: another server starting or serving on PATH is refused
+ *    at once), PATH claimed (a live server's path is refused, a stale one
+ *    taken over), `PATH.up` (the GOAWAY guard's relay) claimed, PATH and the
+ *    local RPC socket `PATH.rpc` claimed and bound;
  *  - with `--index-redis`: `--xfer-port` where TCP is sure to bind it
  *    (`--transport tcp`; with `auto` RDMA may not use the port at all), and
  *    `--peer-rpc-port`.
@@ -36,7 +37,9 @@ import {
   boundSocket,
   claimSocketPath,
   localRpcSocketPath,
+  lockSocketPath,
   releaseSocketPath,
+  type SocketPathLock,
   upstreamSocketPath,
 } from "./uds.ts";
 
@@ -47,12 +50,19 @@ export interface EarlyHttp {
   readonly addr: string;
   /** Requests go to `handler` from now on; until then each is a 503 `starting`. */
   serve(handler: Deno.ServeHandler): void;
+  /** Shuts it down (waiting at most HTTP_CLOSE_WAIT_MS for open requests); once, however often called. */
+  close(): Promise<void>;
 }
 
-/** What {@link bindEarly} leaves bound: the HTTP server alone (the probes are released). */
+/**
+ * What {@link bindEarly} leaves bound: the HTTP server alone (the probes are
+ * released), and the `--uds` path's lock, held until the server stops.
+ */
 export interface EarlySockets {
   readonly http: EarlyHttp | undefined;
-  /** Shuts the HTTP server down: for a start that failed or was stopped. */
+  /** The claim on `--uds PATH` (`PATH.lock`): released once its socket files are removed. */
+  readonly udsLock: SocketPathLock | undefined;
+  /** Shuts the HTTP server down, then releases the `--uds` lock: for a start that failed or was stopped. */
   close(): Promise<void>;
 }
 
@@ -69,7 +79,8 @@ type Closer = () => unknown;
  * Throws an Error naming the flag and the address (`--addr 127.0.0.1:50055:
  * cannot listen: …`) for the first that cannot be bound, having closed the
  * others. On return nothing but the HTTP server listens, and no socket file
- * made here is left.
+ * made here is left (`PATH.lock` stays, held, until {@link EarlySockets.close}
+ * or the server's stop).
  *
  * @example
  * ```ts
@@ -100,11 +111,13 @@ export async function bindEarly(cfg: EarlyConfig, log: Logger): Promise<EarlySoc
   const close = run(closers);
   try {
     probeAddr(cfg.addr, probes);
-    if (cfg.uds !== undefined) await probeUds(cfg.uds, cfg.goawayGuard, probes, log);
+    const udsLock = cfg.uds === undefined
+      ? undefined
+      : await probeUds(cfg.uds, cfg.goawayGuard, { probes, closers }, log);
     if (cfg.index.redisUrl) probePeer(cfg.peer, probes);
     const http = cfg.httpAddr ? serveHttp(cfg.httpAddr, closers) : undefined;
     await release();
-    return { http, close };
+    return { http, udsLock, close };
   } catch (e) {
     await release();
     await close();
@@ -154,17 +167,18 @@ function probeAddr(addr: string, probes: Closer[]): void {
 }
 
 /**
- * `--uds PATH`: the directory checked, PATH claimed (and `PATH.up`, where
- * the guard relays to grpc-js), PATH and the local RPC socket beside it
- * claimed and bound; each released with its file removed. Throws naming the
- * flag and the path.
+ * `--uds PATH`: the directory checked, the path's lock taken (kept: it goes
+ * on `closers`, first, so it is released last), PATH claimed (and
+ * `PATH.up`, where the guard relays to grpc-js), PATH and the local RPC
+ * socket beside it claimed and bound; each released with its file removed.
+ * Throws naming the flag and the path.
  */
 async function probeUds(
   path: string,
   guard: boolean,
-  probes: Closer[],
+  { probes, closers }: { probes: Closer[]; closers: Closer[] },
   log: Logger,
-): Promise<void> {
+): Promise<SocketPathLock> {
   const probe = async (p: string) => {
     await claimSocketPath(p);
     const l = Deno.listen({ transport: "unix", path: p });
@@ -174,12 +188,16 @@ async function probeUds(
   };
   try {
     await checkSocketDir(path);
+    // Before anything at the path is probed or removed: only the lock's holder may.
+    const lock = await lockSocketPath(path);
+    closers.push(() => lock.release());
     if (await claimSocketPath(path) === "removed_stale") {
       log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
     }
     if (guard) await claimSocketPath(upstreamSocketPath(path));
     await probe(path);
     await probe(localRpcSocketPath(path));
+    return lock;
   } catch (e) {
     throw cannotListen(`--uds ${path}`, e);
   }
@@ -265,12 +283,17 @@ function serveHttp(httpAddr: string, closers: Closer[]): EarlyHttp {
   } catch (e) {
     throw cannotListen(`--http-addr ${httpAddr}`, e);
   }
-  closers.push(() => settlesWithin(server.shutdown(), HTTP_CLOSE_WAIT_MS));
+  let closing: Promise<unknown> | undefined;
+  const close = async () => {
+    await (closing ??= settlesWithin(server.shutdown(), HTTP_CLOSE_WAIT_MS));
+  };
+  closers.push(close);
   return {
     server,
     addr: `${hostname}:${(server.addr as Deno.NetAddr).port}`,
     serve(h) {
       handler = h;
     },
+    close,
   };
 }

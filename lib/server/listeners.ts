@@ -180,7 +180,9 @@ async function bindUds(
   opened: Opened,
   log: Logger,
 ): Promise<BoundSocket> {
-  const path = cfg.uds; // its directory was checked before the pool (early_bind.ts)
+  // Its directory was checked and its lock (`PATH.lock`) taken before the pool (early_bind.ts):
+  // no other server removes or binds a file at PATH, PATH.up or PATH.rpc meanwhile.
+  const path = cfg.uds;
   if (await claimSocketPath(path) === "removed_stale") {
     log.info("removed a stale gRPC socket file (no server accepts on it)", { uds: path });
   }

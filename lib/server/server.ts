@@ -13,7 +13,6 @@
  */
 import * as grpc from "@grpc/grpc-js";
 import { KvEngine } from "../engine/engine.ts";
-import type { CopyEngine } from "../../ffi/mod.ts";
 import { openNative } from "../engine/native_adapter.ts";
 import { KvStore } from "../storage/store.ts";
 import { Logger } from "../log.ts";
@@ -25,32 +24,16 @@ import { lenientService } from "./decode.ts";
 import { SessionEvent_Kind } from "../../proto/pegaflow.ts";
 import { httpHandler } from "./http.ts";
 import { ServerMetrics } from "./metrics.ts";
-import { SsdOpenError, SsdOpenStalledError, SsdTier } from "../ssd/tier.ts";
-import { SsdStorageTier } from "../ssd/ssd_tier_port.ts";
-import { registerSsdMetrics } from "../ssd/metrics.ts";
-import { LowerTiers } from "../storage/lower_tiers.ts";
-import { storeTierHost } from "../storage/tier_host.ts";
-import { registerTierMetrics } from "./tier_metrics.ts";
-import { advertisedFills, indexAdvertiser } from "../index/attach.ts";
-import { type CrossNode, openCrossNode } from "./cross_node.ts";
 import { MAX_PEER_LOCK_TTL_MS } from "../peer/locks.ts";
-import type { IndexAdvertiser } from "../index/advertiser.ts";
-import type { NativePort } from "../engine/ports.ts";
 import { type Listeners, openListeners } from "./listeners.ts";
+import { indexAdvertiser } from "../index/attach.ts";
+import type { CrossNode } from "./cross_node.ts";
+import type { LowerTiers } from "../storage/lower_tiers.ts";
+import { closeNative, type EngineHold, type OpenedNative, openLowerTiers } from "./open_tiers.ts";
 import { bindEarly, type EarlySockets } from "./early_bind.ts";
+import type { SocketPathLock } from "./uds.ts";
+import { Unwind } from "./unwind.ts";
 import { HTTP_CLOSE_WAIT_MS, settlesWithin } from "../http/shutdown.ts";
-
-/** What openNative gives: the engine's native port and the copy engine under it. */
-type OpenedNative = NativePort & { copyEngine: CopyEngine };
-
-/**
- * An SSD io engine that may still hold the pool and the completion ring
- * (a close that gave up, an open abandoned on a stalled disk): what it
- * waits on, or undefined once it is closed.
- */
-interface EngineHold {
-  stillOpen(): string | undefined;
-}
 
 /** HTTP/2 keepalive: ping an idle client every 30 s, drop it after 20 s of silence. */
 const KEEPALIVE_TIME_MS = 30_000;
@@ -167,8 +150,10 @@ async function unlessAborted(
 /**
  * The rest of the start, the HTTP server `early` bound answering 503 until
  * it is ready. Each piece is its own function or module (openStorage,
- * openLowerTiers, openListeners, stopServer); here is the order they open in
- * and the unwinding of each failure (`early` is the caller's).
+ * openLowerTiers, openListeners, stopServer); what each opens is recorded
+ * on one stack, and any failure — before or after the listeners are bound —
+ * closes all of it, last opened first, before the error goes up (`early`,
+ * the HTTP server and the `--uds` lock, is the caller's).
  */
 async function startOn(
   early: EarlySockets,
@@ -176,7 +161,38 @@ async function startOn(
   log: Logger,
   signal: AbortSignal | undefined,
 ): Promise<RunningServer> {
-  const { native, placement, store, advertiser, collector } = await openStorage(cfg, log);
+  const opened = new Unwind(log);
+  try {
+    const core = await openCore(cfg, log, opened);
+    return await serveOn(core, early, cfg, log, signal, opened);
+  } catch (e) {
+    await opened.close();
+    throw e;
+  }
+}
+
+/** What serves requests: storage, tiers, engine, sessions and metrics. */
+interface Core {
+  native: OpenedNative;
+  store: KvStore;
+  cross: CrossNode;
+  tiers: LowerTiers | undefined;
+  engine: KvEngine;
+  sessions: Sessions;
+  metrics: ServerMetrics;
+  collector: ReturnType<typeof setInterval>;
+  ssdHold: EngineHold[];
+}
+
+/** Storage, the tiers below it and the engine over them, each recorded on `opened`. */
+async function openCore(cfg: ServeConfig, log: Logger, opened: Unwind): Promise<Core> {
+  const ssdHold: EngineHold[] = [];
+  const { native, placement, store, advertiser, collector } = await openStorage(
+    cfg,
+    log,
+    opened,
+    ssdHold,
+  );
   const sessions = new Sessions({ graceMs: cfg.sessionGraceMs });
   // The gauges read the engine at scrape time, by which point it exists.
   const metrics: ServerMetrics = new ServerMetrics(() => store.stats(), {
@@ -184,31 +200,47 @@ async function startOn(
     sessions: () => sessions.count,
   });
   metrics.devicesServed(native.devices);
-  const ssdHold: EngineHold[] = [];
-  const lower = openLowerTiers(cfg, native, store, advertiser, metrics, log, ssdHold);
-  const { cross, tiers } = await lower.catch(async (e) => {
-    // Free what was opened so an embedder can retry.
-    clearInterval(collector);
-    await closeNative(native, ssdHold, log);
-    throw e;
-  });
+  const { cross, tiers } = await openLowerTiers(
+    cfg,
+    native,
+    store,
+    advertiser,
+    metrics,
+    log,
+    ssdHold,
+  );
+  opened.push("cross-node endpoint", () => cross.close());
+  opened.push("lower tiers", () => tiers?.close());
   const engine = newEngine(cfg, { native, placement, store, advertiser }, tiers, metrics, log);
+  // Once the listeners are bound, an engine may register before a later step fails.
+  opened.push("sessions and engine", () => {
+    sessions.endAll(SessionEvent_Kind.SHUTDOWN, "the server's start failed");
+    return engine.close();
+  });
+  return { native, store, cross, tiers, engine, sessions, metrics, collector, ssdHold };
+}
 
+/**
+ * Binds the listeners, hands the HTTP server its handler and opens the
+ * block index (it needs the bound gRPC address), each recorded on `opened`.
+ */
+async function serveOn(
+  core: Core,
+  early: EarlySockets,
+  cfg: ServeConfig,
+  log: Logger,
+  signal: AbortSignal | undefined,
+  opened: Unwind,
+): Promise<RunningServer> {
+  const { engine, sessions, metrics, cross, store } = core;
   const server = grpcServer(cfg.maxMessageBytes);
   const impl = engineServiceImpl(engine, sessions, metrics, log);
   server.addService(lenientService(), impl);
   cross.addServices(server);
-  let listeners: Listeners;
-  try {
-    signal?.throwIfAborted(); // stopped while the pool was built: nothing serves
-    listeners = await openListeners(server, impl, cfg, metrics, log);
-  } catch (e) {
-    clearInterval(collector);
-    await tiers?.close();
-    await cross.close();
-    await closeNative(native, ssdHold, log);
-    throw e;
-  }
+  signal?.throwIfAborted(); // stopped while the pool was built: nothing serves
+  const listeners = await openListeners(server, impl, cfg, metrics, log);
+  opened.push("gRPC server", () => server.forceShutdown());
+  opened.push("gRPC and local RPC listeners", () => listeners.close());
   const grpcAddr = listeners.grpcAddr;
   // The HTTP side answered 503 `starting` until now.
   early.http?.serve(httpHandler({
@@ -221,30 +253,26 @@ async function startOn(
       return await engine.unregister(id, reason);
     },
   }));
-  const httpAddr = early.http?.addr;
-  cross.openIndex(grpcAddr);
+  opened.push("HTTP server", () => early.http?.close());
+  opened.push("block index", () => cross.closeIndex());
+  cross.openIndex(grpcAddr); // throws naming --index-redis
   log.info("serving", {
     grpc: grpcAddr,
     uds: listeners.udsPath,
     local_rpc: listeners.localRpcPath,
-    http: httpAddr,
-    backend: native.backend,
+    http: early.http?.addr,
+    backend: core.native.backend,
   });
   let closing: Promise<void> | undefined;
   const close = () =>
     closing ??= stopServer({
+      ...core,
       log,
-      sessions,
-      engine,
-      cross,
-      tiers,
       http: early.http?.server,
+      udsLock: early.udsLock,
       listeners,
-      collector,
-      native,
-      ssdHold,
     });
-  return { grpcAddr, udsPath: listeners.udsPath, httpAddr, engine, close };
+  return { grpcAddr, udsPath: listeners.udsPath, httpAddr: early.http?.addr, engine, close };
 }
 
 /** The KV engine over the storage and the tiers; what it seals is counted and advertised. */
@@ -273,51 +301,6 @@ function newEngine(
   return engine;
 }
 
-/**
- * The tiers below RAM, wired once through the Tier port: SSD when configured,
- * then the peer tier. The engine hands them sealed blocks (write-behind) and
- * asks them on a RAM miss, SSD first. A failure closes what this opened and
- * goes up (the caller frees the storage).
- */
-async function openLowerTiers(
-  cfg: ServeConfig,
-  native: OpenedNative,
-  store: KvStore,
-  advertiser: IndexAdvertiser | undefined,
-  metrics: ServerMetrics,
-  log: Logger,
-  ssdHold: EngineHold[],
-): Promise<{ cross: CrossNode; tiers: LowerTiers | undefined }> {
-  // Not starting at all beats serving beside another server's cache file.
-  const ssd = await openSsdTier(cfg, native, metrics, log, ssdHold);
-  // Blocks the tiers bring into RAM are advertised like saved ones.
-  const tierHost = advertiser
-    ? advertisedFills(storeTierHost(store), advertiser)
-    : storeTierHost(store);
-  let cross: CrossNode;
-  try {
-    cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
-  } catch (e) {
-    // An explicit transport that cannot open, or a bad --nics: refuse to start.
-    await ssd?.close();
-    throw e;
-  }
-  const lower = [
-    ...(ssd ? [new SsdStorageTier(ssd, tierHost, log.child({ tier: "ssd" }))] : []),
-    ...(cross.peerTier ? [cross.peerTier] : []),
-  ];
-  const tiers = lower.length > 0
-    ? new LowerTiers({
-      ram: store,
-      tiers: lower,
-      stageMetrics: (stage) => metrics.stage(stage),
-      log: log.child({ component: "tier.admit" }),
-    })
-    : undefined;
-  if (tiers) registerTierMetrics(metrics.registry, tiers);
-  return { cross, tiers };
-}
-
 /** The gRPC server: message size limits and HTTP/2 keepalive. */
 function grpcServer(maxMessageBytes: number): grpc.Server {
   return new grpc.Server({
@@ -329,19 +312,15 @@ function grpcServer(maxMessageBytes: number): grpc.Server {
   });
 }
 
-/** Graceful stop, in dependency order: sessions, engine, index, tiers, sockets, native. */
-async function stopServer(s: {
-  log: Logger;
-  sessions: Sessions;
-  engine: KvEngine;
-  cross: CrossNode;
-  tiers: LowerTiers | undefined;
-  http: Deno.HttpServer | undefined;
-  listeners: Listeners;
-  collector: ReturnType<typeof setInterval>;
-  native: OpenedNative;
-  ssdHold: readonly EngineHold[];
-}): Promise<void> {
+/** Graceful stop, in dependency order: sessions, engine, index, tiers, sockets, `--uds` lock, native. */
+async function stopServer(
+  s: Core & {
+    log: Logger;
+    http: Deno.HttpServer | undefined;
+    udsLock: SocketPathLock | undefined;
+    listeners: Listeners;
+  },
+): Promise<void> {
   s.log.info("shutting down");
   s.sessions.endAll(SessionEvent_Kind.SHUTDOWN, "server is stopping");
   await s.engine.close();
@@ -360,33 +339,23 @@ async function stopServer(s: {
   }
   // Closing the guard's sockets sends no GOAWAY: clients see the connection end.
   await s.listeners.close();
+  // Its socket files are gone: the next server on the path may start.
+  await s.udsLock?.release();
   clearInterval(s.collector);
   await closeNative(s.native, s.ssdHold, s.log);
 }
 
 /**
- * Frees the pool, the completion ring and the engines, unless an SSD io
- * engine is still open: the kernel may still read or fill pool pages of its
- * io and it posts to the ring, so both are left to process exit then
- * (pf_ring_destroy and pf_pool_destroy would refuse with PF_EBUSY anyway,
- * and the stop threw that instead of ending), logged with what it waits on.
+ * The pinned pool (one engine per served device) and the block store over
+ * it, each recorded on `opened` (the pool is freed unless an engine of
+ * `ssdHold` still holds it).
  */
-async function closeNative(
-  native: OpenedNative,
-  holds: readonly EngineHold[],
+async function openStorage(
+  cfg: ServeConfig,
   log: Logger,
-): Promise<void> {
-  const open = holds.map((h) => h.stillOpen()).filter((w) => w !== undefined);
-  if (open.length === 0) return await native.close();
-  log.error(
-    "pinned pool and completion ring left to process exit: the SSD tier has not finished " +
-      `closing, and while its engine is open they may still be in use (${open.join("; ")})`,
-    { ssd_engines_open: open.length },
-  );
-}
-
-/** The pinned pool (one engine per served device) and the block store over it. */
-async function openStorage(cfg: ServeConfig, log: Logger) {
+  opened: Unwind,
+  ssdHold: readonly EngineHold[],
+) {
   const cap = capPoolSize(cfg.poolSize);
   if (cap.capped) {
     log.warn("pool size capped to what this machine can hold", {
@@ -411,6 +380,7 @@ async function openStorage(cfg: ServeConfig, log: Logger) {
     recalibrate: cfg.recalibrate,
     poolProgressMs: cfg.poolProgressMs,
   }, log);
+  opened.push("pinned pool and native engines", () => closeNative(native, ssdHold, log));
   log.info("pinned pool ready", { backend: native.backend, pool_bytes: native.poolBytes });
   const unitBytes = allocationUnit(cfg.hintValueSize);
   // Cross-node index: seal and evict events feed it; it starts once the gRPC port is known.
@@ -430,49 +400,11 @@ async function openStorage(cfg: ServeConfig, log: Logger) {
   // Leases expire and stale inflight blocks are collected on every store call;
   // the timer covers an idle server so pins do not outlive their TTL.
   const collector = setInterval(() => store.collect(), COLLECT_INTERVAL_MS);
+  opened.push("store collector timer", () => clearInterval(collector));
   log.info("store ready", {
     unit_bytes: unitBytes,
     lfu_admission: cfg.enableLfuAdmission,
     lease_ttl_ms: cfg.leaseTtlMs,
   });
   return { native, placement, store, advertiser, collector };
-}
-
-/**
- * The SSD tier when `--ssd-cache-path` names files; undefined without, or
- * when it cannot open for a reason the RAM tier can serve without (logged,
- * naming the path). Throws for one it must not serve beside (another server
- * holds the cache file).
- */
-async function openSsdTier(
-  cfg: ServeConfig,
-  native: { copyEngine: CopyEngine },
-  metrics: ServerMetrics,
-  log: Logger,
-  holds: EngineHold[],
-): Promise<SsdTier | undefined> {
-  if (cfg.ssd.paths.length === 0) return undefined;
-  try {
-    const ssd = await SsdTier.open({
-      ...cfg.ssd,
-      pool: native.copyEngine.pool.handle,
-      ring: native.copyEngine.ring,
-      log: log.child({ tier: "ssd" }),
-      stageMetrics: (stage) => metrics.stage(stage),
-    });
-    holds.push(ssd);
-    registerSsdMetrics(metrics.registry, () => ssd.stats());
-    log.info("SSD tier ready", {
-      paths: ssd.files.map((f) => f.path).join(","),
-      capacity_bytes: ssd.stats().capacityBytes,
-      recovered_blocks: ssd.recovery.blocks,
-    });
-    return ssd;
-  } catch (e) {
-    if (!(e instanceof SsdOpenError)) throw e; // e.g. SsdLockedError
-    // A stalled open's engine closes once the kernel completes its io: until then it holds the pool.
-    if (e instanceof SsdOpenStalledError) holds.push(e);
-    log.error("SSD tier disabled", { error: e.message });
-    return undefined;
-  }
 }

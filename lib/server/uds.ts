@@ -11,6 +11,15 @@
  * removed only if it is still the one this server bound (same inode): a
  * second server may have claimed the path since.
  *
+ * Probing then removing is not atomic: two servers started at once on one
+ * path could both find it stale, and the second's removal would take the
+ * first's fresh socket (which then serves on an unlinked file nobody
+ * reaches). So a server first takes the path's lock, an advisory `flock` on
+ * `PATH.lock` held from its first probe to its stop ({@link lockSocketPath});
+ * only the holder probes, removes or binds `PATH`, `PATH.up` and `PATH.rpc`.
+ * The kernel drops the lock when its holder dies: a crashed server's lock
+ * file blocks nobody.
+ *
  * @module
  */
 
@@ -121,6 +130,126 @@ async function acceptsConnections(path: string): Promise<boolean> {
     }
     throw new UdsPathError(`cannot probe ${path}: ${(e as Error).message}`);
   }
+}
+
+/** Suffix of the lock file beside `--uds PATH` whose holder owns the path. */
+export const LOCK_SUFFIX = ".lock";
+/**
+ * Lock attempts before giving up: one fails only when a stopping holder
+ * removed the file between our open and our lock (we then hold a lock on a
+ * file no longer at the path), so a second attempt is expected to succeed.
+ */
+const LOCK_ATTEMPTS = 3;
+
+/**
+ * The lock file of the `--uds` socket at `path`.
+ *
+ * @example
+ * ```ts
+ * socketLockPath("/run/pegaflow/grpc.sock"); // "/run/pegaflow/grpc.sock.lock"
+ * ```
+ */
+export function socketLockPath(path: string): string {
+  return path + LOCK_SUFFIX;
+}
+
+/** The claim on a `--uds` path: held until {@link SocketPathLock.release}. */
+export interface SocketPathLock {
+  /** The lock file, `PATH.lock`. */
+  readonly lockPath: string;
+  /** Removes the lock file (if still ours) and drops the lock; a second call does nothing. */
+  release(): Promise<void>;
+}
+
+/**
+ * Takes the claim on the `--uds` socket at `path`: an exclusive `flock` on
+ * `PATH.lock`, which records the holder's pid. Throws {@link UdsPathError}
+ * (`PATH is in use: another server is starting or serving on it (pid N
+ * holds PATH.lock)`) when another process holds it; never waits.
+ *
+ * @example
+ * ```ts
+ * const lock = await lockSocketPath("/run/pegaflow/grpc.sock");
+ * try {
+ *   await claimSocketPath("/run/pegaflow/grpc.sock"); // then bind
+ * } finally {
+ *   await lock.release(); // at shutdown
+ * }
+ * ```
+ */
+export async function lockSocketPath(path: string): Promise<SocketPathLock> {
+  const lockPath = socketLockPath(path);
+  for (let attempt = 1;; attempt++) {
+    const file = await openLockFile(lockPath);
+    let kept = false;
+    try {
+      if (!(await file.tryLock(true))) {
+        throw new UdsPathError(
+          `${path} is in use: another server is starting or serving on it (${await lockHolder(
+            lockPath,
+          )} holds ${lockPath})`,
+        );
+      }
+      const ino = (await file.stat()).ino;
+      if (await isFileAt(lockPath, ino)) {
+        await file.truncate(0);
+        await file.write(new TextEncoder().encode(`${Deno.pid}\n`));
+        kept = true;
+        return heldLock(lockPath, file, ino);
+      }
+      if (attempt >= LOCK_ATTEMPTS) {
+        throw new UdsPathError(`cannot lock ${lockPath}: it was replaced while being locked`);
+      }
+    } finally {
+      if (!kept) file.close();
+    }
+  }
+}
+
+/** Opens (creating) the lock file; an error names it. */
+async function openLockFile(lockPath: string): Promise<Deno.FsFile> {
+  try {
+    return await Deno.open(lockPath, { read: true, write: true, create: true, mode: 0o644 });
+  } catch (e) {
+    throw new UdsPathError(`cannot open the lock file ${lockPath}: ${(e as Error).message}`);
+  }
+}
+
+/** Who holds the lock, as its file says (`pid 1234`), for the refusal. */
+async function lockHolder(lockPath: string): Promise<string> {
+  try {
+    const pid = (await Deno.readTextFile(lockPath)).trim();
+    if (/^\d+$/.test(pid)) return `pid ${pid}`;
+  } catch (_e) {
+    // Removed meanwhile, or unreadable: the holder's pid is only a hint.
+  }
+  return "another process";
+}
+
+/** Whether the file at `path` is still the inode `ino` (a stopping holder removes its lock file). */
+async function isFileAt(path: string, ino: number | null): Promise<boolean> {
+  try {
+    return (await Deno.lstat(path)).ino === ino;
+  } catch (e) {
+    if (e instanceof Deno.errors.NotFound) return false;
+    throw new UdsPathError(`cannot inspect ${path}: ${(e as Error).message}`);
+  }
+}
+
+/** The held lock: released by removing its file while still locked, then closing it. */
+function heldLock(lockPath: string, file: Deno.FsFile, ino: number | null): SocketPathLock {
+  let released: Promise<void> | undefined;
+  const release = async () => {
+    try {
+      // Removed while locked: whoever opened this file meanwhile finds it gone and retries.
+      if (await isFileAt(lockPath, ino)) await Deno.remove(lockPath);
+    } catch (e) {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+    } finally {
+      file.close();
+    }
+  };
+  return { lockPath, release: () => released ??= release() };
 }
 
 /** Identity of a bound socket file, to remove exactly that file later. */
