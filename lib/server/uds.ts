@@ -200,6 +200,10 @@ export async function lockSocketPath(path: string): Promise<SocketPathLock> {
       if (attempt >= LOCK_ATTEMPTS) {
         throw new UdsPathError(`cannot lock ${lockPath}: it was replaced while being locked`);
       }
+    } catch (e) {
+      if (e instanceof UdsPathError) throw e;
+      // A filesystem without flock (ENOLCK), a FIFO at the path: the OS's reason alone names nothing.
+      throw new UdsPathError(`cannot lock ${lockPath}: ${(e as Error).message}`);
     } finally {
       if (!kept) file.close();
     }

@@ -153,3 +153,23 @@ Deno.test("a SIGKILLed server's lock file blocks nobody: the next server takes t
     await Deno.remove(dir, { recursive: true });
   }
 });
+
+Deno.test("a lock file that cannot be locked and written (a FIFO at PATH.lock) is refused naming it and left alone", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pegaflow-udslock-" });
+  const path = `${dir}/grpc.sock`;
+  try {
+    const made = await new Deno.Command("mkfifo", { args: [`${path}.lock`] }).output();
+    assert.ok(made.success, "mkfifo failed");
+    const p = path.replaceAll(".", "\\.");
+    // Before, the OS's reason alone followed the flag (`cannot listen: Invalid argument`).
+    await assert.rejects(
+      bindEarly(config(["--uds", path]), log),
+      (e: Error) =>
+        new RegExp(`^--uds ${p}: cannot listen: cannot lock ${p}\\.lock: .+`).test(e.message),
+    );
+    assert.ok(Deno.lstatSync(`${path}.lock`).isFifo, "the FIFO was replaced");
+    assert.deepEqual(names(dir), ["grpc.sock.lock"]);
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
