@@ -4,7 +4,10 @@
  * first part's READ refused, then its second lock refused, or the owner
  * dying under both — is ONE failed fetch, counted under the reason of its
  * first failure, so `pegaflow_peer_fetch_failures_total` never exceeds the
- * fetches started. (Checksum mismatches are counted per block, apart.)
+ * fetches started. (Checksum mismatches are counted per block, apart.) An
+ * owner the fetch passed over for the next one (owner_walk.ts) is not the
+ * fetch's failure: it is counted apart, by its reason, and the fetch counts
+ * what happened at the owner it ended on (a success, or one failure).
  *
  * @module
  */
@@ -24,6 +27,9 @@ export type PeerFetchFailure =
   | "timeout"
   | "checksum";
 
+/** Why a fetch passed over an owner for the next one the index names (owner_walk.ts). */
+export type OwnerSkipReason = Extract<PeerFetchFailure, "connect" | "lock-rpc" | "owner-miss">;
+
 /** Counters for /metrics. */
 export interface PeerTierStats {
   fetches: number;
@@ -31,6 +37,8 @@ export interface PeerTierStats {
   fetchesOk: number;
   /** Failed fetches by the reason of each one's first failure; `checksum`: blocks. */
   failures: Record<PeerFetchFailure, number>;
+  /** Owners passed over for the next one, by the reason each failed (not fetch failures). */
+  ownersSkipped: Record<OwnerSkipReason, number>;
   blocks: number;
   bytes: number;
   /** Bytes and time of the READ batches that ended OK (the transport's own ns), for the wire rate. */
@@ -64,6 +72,7 @@ export function fetchTotals(): FetchTotals {
       timeout: 0,
       checksum: 0,
     },
+    ownersSkipped: { connect: 0, "lock-rpc": 0, "owner-miss": 0 },
     blocks: 0,
     bytes: 0,
     readBytes: 0,

@@ -59,6 +59,23 @@ export function unanswered(e: unknown): boolean {
 }
 
 /**
+ * How grpc-js words an answer whose bytes its deserializer refused (INTERNAL,
+ * client side); the framed lock call words its own the same way.
+ */
+const UNDECODABLE_ANSWER = "Response message parsing error";
+
+/**
+ * The owner answered OK, but its answer could not be decoded, on either
+ * transport: the owner ran the call (a lock may be granted) and this node
+ * cannot know what it answered.
+ */
+export function undecodable(e: unknown): boolean {
+  const x = e as { code?: unknown; details?: unknown } | undefined;
+  return x?.code === grpc.status.INTERNAL && typeof x.details === "string" &&
+    x.details.startsWith(UNDECODABLE_ANSWER);
+}
+
+/**
  * `host:port` of a peer RPC socket as a dial target; a string says what is
  * wrong with it (it comes from another node).
  */
@@ -148,7 +165,8 @@ export class PeerLinks {
 
   /**
    * `QueryBlocksForTransfer` on the owner: over its peer RPC socket when
-   * `rpcAddr` is set, else over gRPC at `addr`. Rejects with the status.
+   * `rpcAddr` is set, else over gRPC at `addr`. Rejects with the status
+   * (an answer it cannot decode: INTERNAL, {@link undecodable}).
    */
   async lock(
     addr: string,
@@ -159,9 +177,14 @@ export class PeerLinks {
     this.#via(addr, rpcAddr);
     if (rpcAddr) {
       const body = QueryBlocksForTransferRequest.encode(req).finish();
-      return QueryBlocksForTransferResponse.decode(
-        await this.#frame(rpcAddr, "queryBlocksForTransfer", body, timeoutMs),
-      );
+      const answer = await this.#frame(rpcAddr, "queryBlocksForTransfer", body, timeoutMs);
+      try {
+        return QueryBlocksForTransferResponse.decode(answer);
+      } catch (e) {
+        // As grpc-js reports it (INTERNAL): the caller can tell it from a refusal.
+        const why = `${UNDECODABLE_ANSWER}: ${(e as Error).message}`;
+        throw new PeerRpcError(grpc.status.INTERNAL, why, rpcAddr);
+      }
     }
     return await new Promise((resolve, reject) => {
       this.#client(addr).queryBlocksForTransfer(

@@ -6,10 +6,12 @@
  * blocks alone, then the rest while that chunk reads (docs/peer.md).
  *
  * This node names each lock (a random id in the request): a call that got
- * no answer — the owner was slow, the deadline passed — is followed by a
- * release of that id in the background, so a lock the owner grants after
- * this node gave up is released at once instead of pinning its blocks for
- * its TTL (locks.ts, "abandoned"). Nothing is added to a call that answers.
+ * no answer — the owner was slow, the deadline passed — or whose answer could
+ * not be decoded (the owner granted the lock, maybe, and this node cannot
+ * read its id) is followed by a release of that id in the background, so a
+ * lock the owner grants after this node gave up is released at once instead
+ * of pinning its blocks for its TTL (locks.ts, "abandoned"). Nothing is
+ * added to a call that answers.
  *
  * @module
  */
@@ -21,7 +23,7 @@ import type {
 import type { BlockRanges } from "../transfer/ranges.ts";
 import type { Logger } from "../log.ts";
 import { remoteExtents } from "./extents_wire.ts";
-import { type PeerLinks, PeerRpcError, unanswered } from "./link.ts";
+import { type PeerLinks, PeerRpcError, unanswered, undecodable } from "./link.ts";
 import { PEER_LOCK_ID_BYTES } from "./locks.ts";
 import { monotonicNow } from "../clock.ts";
 import { hashHex } from "../storage/keys.ts";
@@ -67,9 +69,10 @@ export type LockFailure = {
   /** The owner's peer RPC socket is gone: its link must be dropped (the next fetch handshakes again). */
   socketGone?: boolean;
   /**
-   * The call got no answer: the release of the lock's id, in flight, that
-   * ends the lock should the owner still grant it. Never rejects; the caller
-   * keeps it for flush and close.
+   * The call got no answer, or one it could not decode: the release of the
+   * lock's id, in flight, that ends the lock should the owner have granted
+   * it or still grant it. Never rejects; the caller keeps it for flush and
+   * close.
    */
   abandon?: Promise<unknown>;
 };
@@ -108,8 +111,8 @@ export async function lockPart(
       why: "lock-rpc",
       fields: { owner, addr: target.addr, error: (e as Error).message },
       socketGone,
-      // The owner may grant it yet (or has, its answer late): end it there whenever that is.
-      abandon: unanswered(e) ? end(lockId) : undefined,
+      // The owner may grant it yet (or has: its answer late, or unreadable): end it there.
+      abandon: unanswered(e) || undecodable(e) ? end(lockId) : undefined,
     };
   }
   if (res.lockId.length === 0) {

@@ -68,6 +68,15 @@ export function registerPeerMetrics(
     },
     ["reason"],
   );
+  counter(
+    "pegaflow_peer_fetch_owners_skipped_total",
+    "owners a peer fetch passed over for the next one the index names, by the reason each failed (connect, lock-rpc, owner-miss); not fetch failures",
+    () => {
+      const s = tier();
+      return s && Object.entries(s.ownersSkipped).map(([reason, n]) => [{ reason }, n]);
+    },
+    ["reason"],
+  );
   counter("pegaflow_peer_fetch_blocks_total", "blocks fetched from peers and committed", () => {
     const s = tier();
     return s && [[{}, s.blocks]];

@@ -6,14 +6,17 @@
  * A fetch (one per request id; a request starting at the first missing block
  * of a running fetch joins it): 1. longest-prefix lookup in the index; 2. a
  * transfer lock on the owner with the longest run (lock_call.ts, over its
- * peer RPC socket): its first chunk's blocks alone when the prefix is longer
- * than two chunks, the rest while that chunk reads; 3. each locked part read
- * in chunks of {@link PIPELINE_CHUNK_BYTES} into pool space here, the
+ * peer RPC socket; one that is dead or misses is passed over for the next
+ * the index names, owner_walk.ts): its first chunk's blocks alone when the
+ * prefix is longer than two chunks, the rest, of the same owner, while that
+ * chunk reads; 3. each locked part read in chunks of
+ * {@link PIPELINE_CHUNK_BYTES} into pool space here, the
  * "reclaimable" class (read.ts: one batch per chunk, planned while earlier
  * chunks are on the wire, each block's CRC32C computed as it lands and
  * checked against the owner's before the block is committed); 4. the locks
  * released in the background (a lost release lets them expire; a lock call
- * that got no answer releases its lock's id too, lock_call.ts).
+ * that got no answer, or one it could not decode, releases its lock's id
+ * too, lock_call.ts).
  *
  * Memory safety (the original system's #403): a fill's pool space is freed only after its
  * batch's completion record, which the transport posts once nothing can write into the batch's
@@ -40,10 +43,10 @@ import type { XferEndpoint, XferPeer } from "../../ffi/xfer.ts";
 import type { Logger } from "../log.ts";
 import type { ChecksumFn } from "./locks.ts";
 import { mergeReads, readLockedPrefix, type ReadOutcome } from "./read.ts";
-import { type LockedPart, lockPart } from "./lock_call.ts";
+import type { LockedPart } from "./lock_call.ts";
 import type { PeerLinks } from "./link.ts";
 import { SealChecksums } from "./seal_checksums.ts";
-import { type OwnerLink, XferPeers } from "./xfer_peers.ts";
+import { XferPeers } from "./xfer_peers.ts";
 import { monotonicNow } from "../clock.ts";
 import { LookupMemo } from "./lookup_memo.ts";
 import {
@@ -53,7 +56,7 @@ import {
   fetchTotals,
   type PeerTierStats,
 } from "./fetch_stats.ts";
-import { LayoutWarnings } from "./layout_warnings.ts";
+import { type Owner, OwnerWalk } from "./owner_walk.ts";
 
 /** Name of the peer tier: metric label and hit attribution; its fills are `tierHolder(PEER_TIER_NAME)`. */
 export const PEER_TIER_NAME = "peer";
@@ -65,17 +68,8 @@ export const DEFAULT_PEER_RPC_TIMEOUT_MS = 2_000;
 const FORGET_AFTER_MS = 60_000;
 /** Bytes per READ batch: each still stripes over every stream; commits overlap later reads. */
 export const PIPELINE_CHUNK_BYTES = 32 << 20;
-/**
- * Most blocks one fetch locks and reads (2 GiB of Llama-3.1-8B blocks): it
- * bounds the lock answer (extents of a block of 80 layers × TP 8 × K/V are
- * 20 KiB), which must fit the owner's --max-message-size (64 MiB default).
- * A longer prefix is fetched up to here; the engine loads that part.
- */
-const MAX_FETCH_BLOCKS = 1024;
 /** What names a fetch in its logs: namespace, first block, the request that started it. */
 type FetchIds = Record<string, string>;
-/** An owner as the index names it. */
-type Owner = LookupResult["owners"][number];
 
 /** What the tier needs from the block index (a RedisBlockIndex fits). */
 export interface PeerIndex {
@@ -152,8 +146,8 @@ export class PeerTier implements Tier {
   /** Lock releases in the background (and those of calls that got no answer), for flush and close. */
   readonly #pending = new Set<Promise<unknown>>();
   readonly #stats: FetchTotals = fetchTotals();
-  /** (owner, namespace) whose lock refused this node's layout, logged (bounded). */
-  readonly #warnedLayouts = new LayoutWarnings();
+  /** Steps 1–2 of each fetch: the index's owners, asked in order until one locks. */
+  readonly #walk: OwnerWalk;
   #closed = false;
 
   constructor(opts: PeerTierOptions) {
@@ -175,6 +169,21 @@ export class PeerTier implements Tier {
           transport: opts.transport,
           peerInfo,
         }, this.#rpcTimeout),
+    });
+    this.#walk = new OwnerWalk({
+      host: opts.host,
+      links: opts.links,
+      xferPeers: this.#xferPeers,
+      transport: opts.transport,
+      log: opts.log,
+      fetchTimeoutMs: this.#fetchTimeout,
+      rpcTimeoutMs: this.#rpcTimeout,
+      lockTtlMs: this.#lockTtl,
+      chunkBytes: this.#chunkBytes,
+      splitLock: opts.splitLock !== false,
+      skipped: this.#stats.ownersSkipped,
+      looked: (ns, first, length) => this.#memo.record(this.#key(ns, first), length),
+      track: (p) => this.#track(p),
     });
   }
 
@@ -276,6 +285,7 @@ export class PeerTier implements Tier {
     return {
       ...this.#stats,
       failures: { ...this.#stats.failures },
+      ownersSkipped: { ...this.#stats.ownersSkipped },
       checksumsAtSeal: this.#checksums.recorded,
       checksumDropped: this.#checksums.dropped,
       inflight: this.#running.size,
@@ -313,81 +323,6 @@ export class PeerTier implements Tier {
     }
   }
 
-  /**
-   * Steps 1–2: the longest owner from the index, a transfer peer to it (the
-   * handshake, once per owner, names its peer RPC socket), the lock of the
-   * prefix's first part (its first chunk when the lock is split, else all of
-   * it). Undefined (the failure counted) on a failure.
-   */
-  async #lockFromOwner(index: PeerIndex, blocks: TierBlocks, fail: FailFn, ids: FetchIds) {
-    const { namespace, hashes, layout } = blocks;
-    const found = await index.lookup(namespace, hashes);
-    const tLookup = performance.now();
-    if (!found.available) return fail("index-down");
-    this.#memo.record(this.#key(namespace, hashes[0]), found.length);
-    const owner = found.owners[0];
-    if (!owner || owner.length === 0) return fail("no-owner");
-    let link: OwnerLink;
-    try {
-      link = await this.#xferPeers.get(owner.addr);
-    } catch (e) {
-      return fail("connect", {
-        owner: owner.nodeId,
-        addr: owner.addr,
-        error: (e as Error).message,
-      });
-    }
-    const tConnect = performance.now();
-    const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
-    const expect = {
-      payloadBytes: this.#o.host.payloadBytes(namespace),
-      transport: this.#o.transport,
-      layoutSummary: layout.summary,
-    };
-    const target = { addr: owner.addr, rpcAddr: link.rpcAddr, nodeId: owner.nodeId };
-    const lock = async (part: Uint8Array[]) => {
-      const ask = {
-        namespace,
-        blockHashes: part,
-        layoutFingerprint: layout.fingerprint,
-        requester: index.nodeId,
-        lockTtlMs: this.#lockTtl,
-        shiftedExtents: true,
-      };
-      const l = await lockPart(this.#o.links, target, ask, expect, this.#rpcTimeout, this.#o.log);
-      if ("res" in l) return { ...l, hashes: part.slice(0, l.res.checksums.length) };
-      if (l.abandon) this.#track(l.abandon); // the owner may grant it yet: it ends it then
-      // Its socket is gone (a restart, maybe on another port): handshake again next time.
-      if (l.socketGone) void this.#xferPeers.drop(owner.addr, link.peer);
-      if (l.fields.miss_reason === "other-layout") this.#warnOtherLayout(l.fields, namespace, ids);
-      fail(l.why, l.fields);
-    };
-    const per = Math.max(1, Math.floor(this.#chunkBytes / (expect.payloadBytes ?? 1)));
-    const head = this.#o.splitLock !== false && want.length > 2 * per ? per : want.length;
-    const first = await lock(want.slice(0, head));
-    if (!first) return;
-    const tLock = performance.now();
-    // The rest only where the first part is whole (a shorter answer: the held prefix ends there).
-    const rest = first.hashes.length === head && head < want.length
-      ? () => lock(want.slice(head))
-      : undefined;
-    return { owner, peer: link.peer, first, rest, tLookup, tConnect, tLock };
-  }
-
-  /**
-   * The owner holds the prefix under another layout of the same namespace: a configuration
-   * error nothing here can fix (every fetch from it misses), logged once per owner and namespace.
-   */
-  #warnOtherLayout(fields: Record<string, string>, namespace: string, ids: FetchIds): void {
-    const key = `${fields.addr}\n${namespace}`;
-    if (!this.#warnedLayouts.first(key)) return;
-    this.#o.log.warn(
-      "peer fetch refused: the owner's engine uses another KV layout under this namespace; " +
-        "its blocks are never loaded here (give each layout its own namespace)",
-      { ...ids, ...fields },
-    );
-  }
-
   /** Reads one locked part into pool space here (read.ts). */
   #read(part: LockedPart & { hashes: Uint8Array[] }, ns: string, owner: Owner, peer: XferPeer) {
     return readLockedPrefix(this.#o.host, peer, {
@@ -410,9 +345,9 @@ export class PeerTier implements Tier {
   async #fetchOnce(index: PeerIndex, blocks: TierBlocks, fail: FailFn, ids: FetchIds) {
     const { namespace } = blocks;
     const t0 = performance.now();
-    const locked = await this.#lockFromOwner(index, blocks, fail, ids);
+    const locked = await this.#walk.lockFirst(index, blocks, fail, ids, t0);
     if (!locked) return;
-    const { owner, peer, first, rest, tLookup, tConnect, tLock } = locked;
+    const { owner, peer, first, rest, tLookup, tConnect, tLock, skipped } = locked;
     if (this.#o.beforeRead) await this.#o.beforeRead();
     // Part 1 reads while part 2 (if any) is locked; its chunks queue behind part 1's on the wire.
     const releases = [first.release];
@@ -422,7 +357,9 @@ export class PeerTier implements Tier {
     if (rest) {
       const second = await rest();
       tLock2 = performance.now();
-      if (second) {
+      // Its failure is counted, never passed over: the first part is this owner's.
+      if ("why" in second) fail(second.why, second.fields);
+      else {
         releases.push(second.release);
         reads.push(this.#read(second, namespace, owner, peer));
       }
@@ -469,6 +406,7 @@ export class PeerTier implements Tier {
     const ms = (a: number, b: number) => Math.round((b - a) * 100) / 100;
     this.#o.log.info("peer fetch done", {
       owner: owner.nodeId,
+      owners_skipped: skipped,
       namespace,
       blocks: good.length,
       planned,

@@ -8,6 +8,7 @@
  */
 
 import assert from "node:assert/strict";
+import type { Buffer } from "node:buffer";
 import * as grpc from "@grpc/grpc-js";
 import { lenientPeerService } from "../../lib/server/decode.ts";
 import { poolChecksums } from "../../ffi/uring.ts";
@@ -25,6 +26,7 @@ import type { PeerServer, QueryBlocksForTransferResponse } from "../../proto/peg
 import { TransferLender } from "../../lib/peer/lender.ts";
 import { LocalNode } from "../xfer/_harness.ts";
 import type { IndexAdvertiser } from "../../lib/index/advertiser.ts";
+import type { Owner } from "../../lib/peer/owner_walk.ts";
 import { advertisedFills } from "../../lib/index/attach.ts";
 
 export const NS = "ns-peer";
@@ -104,6 +106,8 @@ export interface OwnerHooks {
   tamper?: (res: QueryBlocksForTransferResponse) => void;
   /** Awaited after the owner answered its n-th lock request, before the answer is sent. */
   beforeAnswer?: (n: number) => Promise<void>;
+  /** Replaces the bytes of each lock answer the gRPC service sends (an answer no one can decode). */
+  grpcLockAnswer?: (bytes: Buffer) => Buffer;
 }
 
 /** The owner's Peer handlers, counting the calls each transport brought. */
@@ -148,16 +152,24 @@ export interface TwoNodesOptions extends OwnerHooks {
   beforeRead?: () => Promise<void>;
   /** The owner's checksum function, wrapped (a slow one: the lock waits for it). */
   ownerChecksum?: (inner: ChecksumFn) => ChecksumFn;
+  /** The requester tier's logger (default: errors only). */
+  log?: Logger;
 }
 
+/** What an owner of {@link ownerNode} is given. */
+export type OwnerOptions =
+  & Pick<TwoNodesOptions, "framed" | "rpcAddr" | "ownerChecksum">
+  & OwnerHooks;
+
 /**
- * Owner and requester in this process. The owner serves its Peer handlers on
- * gRPC and — unless `framed` is false — on a peer RPC socket its handshake
- * names; the hooks apply to the one that carries the fetches' locks.
+ * An owner in this process: a node (pool `seed`), its lock table behind a
+ * real gRPC `Peer` service and — unless `framed` is false — a peer RPC
+ * socket its handshake names; the hooks apply to the one that carries the
+ * fetches' locks.
  */
-export async function twoNodes(o: TwoNodesOptions = {}) {
-  const { chunkBytes, framed = true, rpcTimeoutMs, splitLock } = o;
-  const owner = node(1), req = node(2, o.advertiser);
+export async function ownerNode(seed: number, o: OwnerOptions = {}) {
+  const { framed = true } = o;
+  const owner = node(seed);
   const locks = new PeerLockTable({
     host: owner.host,
     ram: owner.store,
@@ -179,7 +191,16 @@ export async function twoNodes(o: TwoNodesOptions = {}) {
   );
   const impl = peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), lender, log);
   const calls: Record<string, number> = {};
-  server.addService(lenientPeerService(), counted(impl, calls, "grpc", framed ? {} : o));
+  const def = lenientPeerService();
+  const lockDef = def.queryBlocksForTransfer, rewrite = o.grpcLockAnswer;
+  const lockAnswer = rewrite && {
+    ...lockDef,
+    responseSerialize: (v: unknown) => rewrite(lockDef.responseSerialize(v)),
+  };
+  server.addService(
+    lockAnswer ? { ...def, queryBlocksForTransfer: lockAnswer } : def,
+    counted(impl, calls, "grpc", framed ? {} : o),
+  );
   const serve = (l: Deno.TcpListener) =>
     servePeerRpc(l, counted(impl, calls, "framed", o), 64 << 20, log);
   let rpc = rpcListener ? serve(rpcListener) : undefined;
@@ -190,18 +211,57 @@ export async function twoNodes(o: TwoNodesOptions = {}) {
       (e, p) => e ? rej(e) : res(p),
     )
   );
-  const ownerAddr = `127.0.0.1:${port}`;
+  return {
+    owner,
+    locks,
+    ownerAddr: `127.0.0.1:${port}`,
+    get rpcAddr() {
+      return rpc?.path ?? "";
+    },
+    calls,
+    /** The owner's peer RPC socket closed and opened again on another port. */
+    moveRpc() {
+      rpc?.close();
+      rpcListener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+      rpc = serve(rpcListener);
+    },
+    async close() {
+      locks.close();
+      rpc?.close();
+      server.forceShutdown();
+      await owner.n.close();
+    },
+  };
+}
+
+/**
+ * Owner and requester in this process (the owner: {@link ownerNode}). The
+ * index names the owner for the first `setOwned(n)` blocks, then the owners
+ * `setOthers` lists, in that order.
+ */
+export async function twoNodes(o: TwoNodesOptions = {}) {
+  const { chunkBytes, rpcTimeoutMs, splitLock } = o;
+  const own = await ownerNode(1, o);
+  const { owner, locks, ownerAddr } = own;
+  const req = node(2, o.advertiser);
   let owned = 0;
+  let others: Owner[] = [];
   const index: PeerIndex = {
     nodeId: "requester",
-    lookup: (_ns, hashes) =>
-      Promise.resolve({
-        length: Math.min(owned, hashes.length),
-        owners: owned > 0
-          ? [{ nodeId: "owner", addr: ownerAddr, length: Math.min(owned, hashes.length) }]
-          : [],
+    lookup: (_ns, hashes) => {
+      const mine = owned > 0
+        ? [{ nodeId: "owner", addr: ownerAddr, length: Math.min(owned, hashes.length) }]
+        : [];
+      const owners = [
+        ...mine,
+        ...others.map((x) => ({ ...x, length: Math.min(x.length, hashes.length) })),
+      ];
+      return Promise.resolve({
+        length: owners.reduce((m, x) => Math.max(m, x.length), 0),
+        owners,
         available: true,
-      }),
+      });
+    },
     stats: () => ({ up: true }),
   };
   const linkLog: string[] = [];
@@ -213,7 +273,7 @@ export async function twoNodes(o: TwoNodesOptions = {}) {
     transport: "tcp",
     links,
     checksum: req.checksum,
-    log,
+    log: o.log ?? log,
     fetchTimeoutMs: 2000,
     rpcTimeoutMs,
     chunkBytes,
@@ -228,24 +288,18 @@ export async function twoNodes(o: TwoNodesOptions = {}) {
     tier,
     links,
     ownerAddr,
-    rpcAddr: rpc?.path ?? "",
-    calls,
+    rpcAddr: own.rpcAddr,
+    calls: own.calls,
     linkLog,
-    /** The owner's peer RPC socket closed and opened again on another port. */
-    moveRpc() {
-      rpc?.close();
-      rpcListener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
-      rpc = serve(rpcListener);
-    },
+    moveRpc: () => own.moveRpc(),
     setOwned: (n: number) => (owned = n),
+    /** Owners the index names after this one (an empty list: none). */
+    setOthers: (list: Owner[]) => (others = list),
     async close() {
       await tier.close();
-      locks.close();
       links.close();
-      rpc?.close();
-      server.forceShutdown();
       await req.n.close();
-      await owner.n.close();
+      await own.close();
     },
   };
 }

@@ -7,18 +7,32 @@
  * whenever that release comes (lib/peer/locks.ts). Two nodes in one process
  * over the real peer RPC socket (or gRPC) and TCP transport (_two_nodes.ts);
  * the owner is made slow at one exact point by holding its handler, its
- * checksum function or its answer until the requester's fetch has ended.
+ * checksum function or its answer until the requester's fetch has ended. A
+ * lock whose answer the requester cannot decode (the owner granted it) is
+ * released by its id the same way.
  */
 
 import assert from "node:assert/strict";
+import { Buffer } from "node:buffer";
 import { blockLayoutIdentity } from "../../lib/storage/layout.ts";
+import { encodeFrame, type Frame, FrameReader, writeAll } from "../../lib/local_rpc/wire.ts";
 import {
   ABANDONED_KEEP_MS,
   MAX_ABANDONED,
   PEER_LOCK_ID_BYTES,
   PeerLockTable,
 } from "../../lib/peer/locks.ts";
-import { fetchAll, hash, LAYOUT, log, node, NS, seal, twoNodes } from "./_two_nodes.ts";
+import {
+  fetchAll,
+  hash,
+  LAYOUT,
+  log,
+  node,
+  NS,
+  seal,
+  twoNodes,
+  type TwoNodesOptions,
+} from "./_two_nodes.ts";
 
 /** The requester's lock deadline: the owner is held past it. */
 const RPC_TIMEOUT_MS = 300;
@@ -125,6 +139,87 @@ Deno.test("a lock granted but answered after its requester gave up is released b
     assert.equal(t.owner.store.stats().pinnedBlocks, 0);
   } finally {
     await t.close();
+  }
+});
+
+/** Bytes no protobuf decoder reads: field 1 (lock_id) claiming 4 GiB that never come. */
+const GARBLED = new Uint8Array([0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+
+/** Copies frames from `from` to `to`, each with the body `body` gives it, until either closes. */
+async function relayFrames(from: Deno.Conn, to: Deno.Conn, body: (f: Frame) => Uint8Array) {
+  const frames = new FrameReader(64 << 20);
+  try {
+    for (let n = await from.read(frames.space()); n !== null; n = await from.read(frames.space())) {
+      frames.wrote(n);
+      for (let f = frames.next(); f; f = frames.next()) {
+        await writeAll(to, encodeFrame(f.callId, f.tag, body(f)));
+      }
+    }
+  } catch (_e) {
+    // one side closed: the relay of this connection ends
+  }
+}
+
+/**
+ * A relay in front of the owner's peer RPC socket at `to`: every frame goes
+ * through as it is, except that each lock answer's body becomes {@link GARBLED}
+ * (the owner granted the lock; the requester cannot read its answer).
+ */
+function garblingRelay(to: string) {
+  const [hostname, port] = to.split(":");
+  const listener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const conns: Deno.Conn[] = [];
+  (async () => {
+    for await (const down of listener) {
+      const up = await Deno.connect({ hostname, port: Number(port) });
+      conns.push(down, up);
+      const lockCalls = new Set<number>();
+      relayFrames(down, up, (f) => (f.tag === 1 && lockCalls.add(f.callId), f.payload));
+      relayFrames(up, down, (f) => f.tag === 0 && lockCalls.delete(f.callId) ? GARBLED : f.payload);
+    }
+  })().catch(() => {}); // the listener closed
+  return {
+    addr: `127.0.0.1:${listener.addr.port}`,
+    close() {
+      listener.close();
+      for (const c of conns) {
+        try {
+          c.close();
+        } catch (_e) {
+          // closed by its peer already
+        }
+      }
+    },
+  };
+}
+
+Deno.test("a lock the owner granted but whose answer cannot be decoded is released by the id the requester chose", async () => {
+  for (const framed of [true, false]) {
+    const via = framed ? "peer RPC" : "gRPC";
+    const o: TwoNodesOptions = { framed };
+    if (!framed) o.grpcLockAnswer = () => Buffer.from(GARBLED);
+    const t = await twoNodes(o);
+    const relay = framed ? garblingRelay(t.rpcAddr) : undefined;
+    o.rpcAddr = relay?.addr; // the owner's handshake names the relay
+    try {
+      const hashes = [1, 2].map(hash);
+      seal(t.owner, hashes);
+      t.setOwned(2);
+      await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "bad");
+      assert.equal(t.tier.stats().failures["lock-rpc"], 1, `${via}: the answer is a lock-rpc miss`);
+      await t.tier.flush(); // the release of the lock it named
+      const s = t.locks.stats();
+      assert.equal(s.granted, 1, `${via}: the owner granted the lock`);
+      assert.equal(s.released, 1, `${via}: released by its id, not left to expire`);
+      assert.equal(s.held, 0, via);
+      assert.equal(t.owner.store.stats().pinnedBlocks, 0, `${via}: nothing pinned`);
+      const releases = t.calls[`${framed ? "framed" : "grpc"} releaseTransferLock`];
+      assert.equal(releases, 1, `${via}: one release, of the id the requester chose`);
+      for (const h of hashes) assert.equal(t.req.store.blockState(NS, h), "absent");
+    } finally {
+      relay?.close();
+      await t.close();
+    }
   }
 });
 

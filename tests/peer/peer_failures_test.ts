@@ -3,7 +3,8 @@
  * (tests/peer/_cluster.ts), one real redis-server: the owner killed in the
  * middle of a read, the requester killed while holding a lock, Redis killed
  * and restarted, and an owner that no longer holds what the index says. A
- * failed fetch is a miss — never bytes — and leaves nothing behind.
+ * failed fetch is a miss — never bytes — and leaves nothing behind. An owner
+ * dead while the index still names it is passed over for the next owner.
  */
 
 import assert from "node:assert/strict";
@@ -197,6 +198,50 @@ Deno.test("an owner that lost the blocks after the index named it (evicted betwe
     assert.equal(await metric(a, "pegaflow_peer_locks_held"), 0);
     await assertClean(b, "requester after a stale index entry");
     await assertClean(a, "owner after refusing the lock");
+  } finally {
+    await c.remove();
+  }
+});
+
+Deno.test("an owner SIGKILLed while the index still names it is passed over: the prefix comes byte-exact from the next owner", async () => {
+  const c = await makeCluster(3, "kW");
+  try {
+    // A's index entries outlive it (as a dead node's do until its TTL): it stays named first.
+    const a = await c.start(0, ["--index-node-ttl-ms", "600000"]);
+    const b = await c.start(1);
+    const owner2 = await c.start(2);
+    const probe = probeOf(c);
+    const ns = uid("ns");
+    const hashes = prefix(9, 8);
+    const simA = await engineOn(c, a, ns, 16);
+    const simB = await engineOn(c, b, ns, 16);
+    const simC = await engineOn(c, owner2, ns, 16);
+    await savePrefix(simA, hashes);
+    await savePrefix(simC, hashes);
+    const both = async () => (await probe.lookup(ns, hashes)).owners.map((o) => o.nodeId).join();
+    await waitFor("advertised by A and C", async () => await both() === "node-0,node-2");
+    await kill(a);
+    assert.equal(await both(), "node-0,node-2", "the dead owner is still named, first");
+    const q = await pollQuery(simB, hashes, "q-dead-first");
+    assert.equal(q.loading, true);
+    assert.equal(q.answer.hits, 8, "fetched from the next owner, not a miss");
+    await loadAndVerify(simB, hashes, q.answer.leaseId, 8);
+    assert.equal(await metric(b, "pegaflow_peer_fetches_total", '{result="ok"}'), 1);
+    let skipped = 0, failed = 0;
+    for (const reason of ["connect", "lock-rpc", "owner-miss"]) {
+      skipped += await metric(
+        b,
+        "pegaflow_peer_fetch_owners_skipped_total",
+        `{reason="${reason}"}`,
+      );
+      failed += await metric(b, "pegaflow_peer_fetch_failures_total", `{reason="${reason}"}`);
+    }
+    assert.equal(skipped, 1, "A passed over once");
+    assert.equal(failed, 0, "no failed fetch");
+    const line = b.logs().find((l) => l.includes("passed over an owner")) ?? "(no line)";
+    assert.ok(line.includes(`"owner":"node-0"`) && line.includes(':q-dead-first"'), line);
+    assert.equal(await metric(owner2, "pegaflow_peer_locks_total", '{event="granted"}'), 1);
+    assert.equal(await metric(owner2, "pegaflow_peer_locks_held"), 0);
   } finally {
     await c.remove();
   }

@@ -1,0 +1,265 @@
+/**
+ * Steps 1–2 of a peer fetch (peer_tier.ts): the index's owners of the
+ * prefix, asked in its order — longest run from the first missing block
+ * first — until one locks the prefix's first part. The first owner is asked
+ * as it always was; the fetch passes to the next only when the failure was
+ * the owner's own doing:
+ *
+ * - `connect`: its handshake or transfer connect failed (dead — SIGKILLed,
+ *   its index entries not expired yet — or unreachable);
+ * - `lock-rpc`: its lock call got no answer, its socket is gone, or its
+ *   answer could not be decoded;
+ * - `owner-miss`: it no longer holds the blocks (evicted since it advertised
+ *   them) — but not `other-layout`, this node's layout being refused, which
+ *   every owner of the namespace would refuse alike.
+ *
+ * Anything else ends the fetch as before: the index down, no owner, an
+ * answer refused for this node's block payload or transport (`bad-answer`).
+ * At most {@link MAX_OWNERS_PER_FETCH} owners are asked, none once the
+ * fetch's deadline (its READ deadline, counted from its start) has passed,
+ * and a later owner's lock call gets no more than what is left of it. The
+ * split lock's second part is asked of the owner that granted the first; its
+ * failure is never passed over. A failure after the lock (no pool room, the
+ * READ) is the fetch's.
+ *
+ * Each owner passed over is logged once (its node id, address, reason, and
+ * the fetch's namespace, first block and request) and counted apart
+ * (`pegaflow_peer_fetch_owners_skipped_total{reason}`), not as the fetch's
+ * failure (fetch_stats.ts). Nothing is added where the first owner answers:
+ * the walk's work happens on a failure only.
+ *
+ * @module
+ */
+
+import type { TierBlocks, TierHost } from "../storage/tier.ts";
+import type { LookupResult } from "../index/block_index.ts";
+import type { Logger } from "../log.ts";
+import type { FailFn, OwnerSkipReason, PeerFetchFailure } from "./fetch_stats.ts";
+import { lockPart } from "./lock_call.ts";
+import type { PeerLinks } from "./link.ts";
+import { LayoutWarnings } from "./layout_warnings.ts";
+import type { OwnerLink, XferPeers } from "./xfer_peers.ts";
+
+/**
+ * Most owners one fetch asks: the longest and two more. Each failing one can
+ * cost an RPC deadline (2 s), so a fetch whose owners all died ends within
+ * its own deadline without trying a whole list of stale entries.
+ */
+export const MAX_OWNERS_PER_FETCH = 3;
+/**
+ * Most blocks one fetch locks and reads (2 GiB of Llama-3.1-8B blocks): it
+ * bounds the lock answer (extents of a block of 80 layers × TP 8 × K/V are
+ * 20 KiB), which must fit the owner's --max-message-size (64 MiB default).
+ * A longer prefix is fetched up to here; the engine loads that part.
+ */
+const MAX_FETCH_BLOCKS = 1024;
+
+/** An owner as the index names it. */
+export type Owner = LookupResult["owners"][number];
+/** What names a fetch in its logs: namespace, first block, the request that started it. */
+type FetchIds = Record<string, string>;
+
+/** What the walk asks of the block index (peer_tier.ts's `PeerIndex` fits). */
+export interface OwnerIndex {
+  /** This node's id: the requester named in each lock. */
+  readonly nodeId: string;
+  lookup(namespace: string, hashes: readonly Uint8Array[]): Promise<LookupResult>;
+}
+
+/** What the walk needs of its tier (built once per tier). */
+export interface OwnerWalkOptions {
+  host: Pick<TierHost, "payloadBytes">;
+  links: PeerLinks;
+  xferPeers: XferPeers;
+  transport: string;
+  log: Logger;
+  fetchTimeoutMs: number;
+  rpcTimeoutMs: number;
+  lockTtlMs: number;
+  chunkBytes: number;
+  splitLock: boolean;
+  /** The tier's count of owners passed over, by reason. */
+  skipped: Record<OwnerSkipReason, number>;
+  /** Each lookup's held length, for the tier's `has` (no I/O there). */
+  looked(namespace: string, first: Uint8Array, length: number): void;
+  /** Keeps a background release (a lock call that got no answer) for flush and close. */
+  track(p: Promise<unknown>): void;
+}
+
+/** Where one fetch stands in its owner list (built on a failure only). */
+export interface OwnerTurn {
+  owners: readonly Owner[];
+  /** The index of the owner that just failed. */
+  i: number;
+  /** When the fetch's deadline passes (`performance.now()` ms). */
+  deadline: number;
+}
+
+function isSkipReason(why: PeerFetchFailure): why is OwnerSkipReason {
+  return why === "connect" || why === "lock-rpc" || why === "owner-miss";
+}
+
+/**
+ * Whether the fetch passes over owner `turn.i` after it failed with `why`
+ * (module doc): true once it is counted in `skipped` and logged, false when
+ * the fetch must end here (the caller counts the failure).
+ *
+ * @example
+ * ```ts
+ * if (passOver({ owners, i, deadline }, "connect", fields, stats.ownersSkipped, log, ids)) continue;
+ * return fail("connect", fields);
+ * ```
+ */
+export function passOver(
+  turn: OwnerTurn,
+  why: PeerFetchFailure,
+  fields: Record<string, string>,
+  skipped: Record<OwnerSkipReason, number>,
+  log: Logger,
+  ids: FetchIds,
+): boolean {
+  if (!isSkipReason(why) || fields.miss_reason === "other-layout") return false;
+  const next = turn.owners[turn.i + 1];
+  if (!next || next.length === 0 || turn.i + 1 >= MAX_OWNERS_PER_FETCH) return false;
+  if (performance.now() >= turn.deadline) return false;
+  skipped[why]++;
+  log.info("peer fetch passed over an owner; asking the next one the index names", {
+    ...ids,
+    reason: why,
+    ...fields,
+    next_owner: next.nodeId,
+    next_addr: next.addr,
+  });
+  return true;
+}
+
+/**
+ * The lock deadline for owner `i`: the RPC deadline for the first; for a
+ * later one no more than what is left of the fetch's deadline (at least 1 ms:
+ * {@link passOver} let it start before the deadline).
+ */
+export function lockDeadlineMs(i: number, rpcTimeoutMs: number, deadline: number): number {
+  if (i === 0) return rpcTimeoutMs;
+  return Math.max(1, Math.min(rpcTimeoutMs, Math.floor(deadline - performance.now())));
+}
+
+/**
+ * Steps 1–2 of every fetch of one tier.
+ *
+ * @example
+ * ```ts
+ * const walk = new OwnerWalk({ host, links, xferPeers, transport: "tcp", log, ...limits, skipped, looked, track });
+ * const locked = await walk.lockFirst(index, blocks, fail, ids, performance.now());
+ * if (locked) read(locked.first, locked.owner, locked.peer);
+ * ```
+ */
+export class OwnerWalk {
+  readonly #o: OwnerWalkOptions;
+  /** (owner, namespace) whose lock refused this node's layout, logged (bounded). */
+  readonly #warnedLayouts = new LayoutWarnings();
+
+  constructor(opts: OwnerWalkOptions) {
+    this.#o = opts;
+  }
+
+  /**
+   * The longest owner from the index, a transfer peer to it (the handshake,
+   * once per owner, names its peer RPC socket), the lock of the prefix's
+   * first part (its first chunk when the lock is split, else all of it),
+   * and `rest`, the lock of the rest from the same owner. An owner that
+   * fails by its own doing is passed over for the next (module doc).
+   * Undefined (the failure counted) on a failure. `t0`: the fetch's start.
+   */
+  async lockFirst(index: OwnerIndex, blocks: TierBlocks, fail: FailFn, ids: FetchIds, t0: number) {
+    const { namespace, hashes } = blocks;
+    const o = this.#o;
+    const found = await index.lookup(namespace, hashes);
+    const tLookup = performance.now();
+    if (!found.available) return fail("index-down");
+    o.looked(namespace, hashes[0], found.length);
+    const { owners } = found;
+    if (!owners[0] || owners[0].length === 0) return fail("no-owner");
+    const deadline = t0 + o.fetchTimeoutMs;
+    const payloadBytes = o.host.payloadBytes(namespace);
+    const per = Math.max(1, Math.floor(o.chunkBytes / (payloadBytes ?? 1)));
+    for (let i = 0;; i++) {
+      const owner = owners[i];
+      let link: OwnerLink;
+      try {
+        link = await o.xferPeers.get(owner.addr);
+      } catch (e) {
+        const fields = { owner: owner.nodeId, addr: owner.addr, error: (e as Error).message };
+        if (passOver({ owners, i, deadline }, "connect", fields, o.skipped, o.log, ids)) continue;
+        return fail("connect", fields);
+      }
+      const tConnect = performance.now();
+      const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
+      const rpcMs = lockDeadlineMs(i, o.rpcTimeoutMs, deadline);
+      const lock = this.#locker(index.nodeId, blocks, owner, link, payloadBytes, rpcMs, ids);
+      const head = o.splitLock && want.length > 2 * per ? per : want.length;
+      const first = await lock(want.slice(0, head));
+      if ("why" in first) {
+        const { why, fields } = first;
+        if (passOver({ owners, i, deadline }, why, fields, o.skipped, o.log, ids)) continue;
+        return fail(why, fields);
+      }
+      const tLock = performance.now();
+      // The rest only where the first part is whole (a shorter answer: the held prefix ends
+      // there), of the owner that granted the first part.
+      const rest = first.hashes.length === head && head < want.length
+        ? () => lock(want.slice(head))
+        : undefined;
+      return { owner, peer: link.peer, first, rest, tLookup, tConnect, tLock, skipped: i };
+    }
+  }
+
+  /**
+   * The lock call on `owner`: a granted part with its hashes, or the failure
+   * (its side effects done here; the caller counts it or passes the owner over).
+   */
+  #locker(
+    requester: string,
+    blocks: TierBlocks,
+    owner: Owner,
+    link: OwnerLink,
+    payloadBytes: number | undefined,
+    rpcMs: number,
+    ids: FetchIds,
+  ) {
+    const o = this.#o;
+    const { namespace, layout } = blocks;
+    const expect = { payloadBytes, transport: o.transport, layoutSummary: layout.summary };
+    const target = { addr: owner.addr, rpcAddr: link.rpcAddr, nodeId: owner.nodeId };
+    return async (part: Uint8Array[]) => {
+      const ask = {
+        namespace,
+        blockHashes: part,
+        layoutFingerprint: layout.fingerprint,
+        requester,
+        lockTtlMs: o.lockTtlMs,
+        shiftedExtents: true,
+      };
+      const l = await lockPart(o.links, target, ask, expect, rpcMs, o.log);
+      if ("res" in l) return { ...l, hashes: part.slice(0, l.res.checksums.length) };
+      if (l.abandon) o.track(l.abandon); // the owner may grant it yet: it ends it then
+      // Its socket is gone (a restart, maybe on another port): handshake again next time.
+      if (l.socketGone) void o.xferPeers.drop(owner.addr, link.peer);
+      if (l.fields.miss_reason === "other-layout") this.#warnOtherLayout(l.fields, namespace, ids);
+      return l;
+    };
+  }
+
+  /**
+   * The owner holds the prefix under another layout of the same namespace: a configuration
+   * error nothing here can fix (every fetch from it misses), logged once per owner and namespace.
+   */
+  #warnOtherLayout(fields: Record<string, string>, namespace: string, ids: FetchIds): void {
+    const key = `${fields.addr}\n${namespace}`;
+    if (!this.#warnedLayouts.first(key)) return;
+    this.#o.log.warn(
+      "peer fetch refused: the owner's engine uses another KV layout under this namespace; " +
+        "its blocks are never loaded here (give each layout its own namespace)",
+      { ...ids, ...fields },
+    );
+  }
+}
