@@ -43,6 +43,7 @@ import { execBatch, heartbeatCommands, reachCommand } from "./batch.ts";
 import { withinOrThrow } from "../timer_limit.ts";
 import { advertiseArgs } from "./scripts.ts";
 import { NodeIdConflict, Rejoin } from "./rejoin.ts";
+import { JoinOrder } from "./join_order.ts";
 
 /** Deadline of one index call: a local Redis answers in ~0.1-1 ms; past this, serve locally. */
 export const DEFAULT_INDEX_TIMEOUT_MS = 250;
@@ -160,8 +161,10 @@ export class RedisBlockIndex {
   #incarnation: string;
   /** Namespaces joined under the current incarnation (heartbeated). */
   #joined = new Set<string>();
-  /** Cluster only: every namespace advertised into (the heartbeat probes those not joined). */
+  /** Cluster only: every namespace called on; the heartbeat probes those not joined. */
   readonly #tried = new Set<string>();
+  /** Cluster only: a withdraw goes after the join of its namespace under way. */
+  readonly #joins = new JoinOrder();
   readonly #rejoinPass: Rejoin;
   readonly #conflict: NodeIdConflict;
   #heartbeatTimer: ReturnType<typeof setInterval> | undefined;
@@ -274,15 +277,19 @@ export class RedisBlockIndex {
     const p = packHashes(namespace, hashes);
     if (this.#closed || this.#conflict.active) return false;
     if (p.count === 0) return true;
+    if (this.#cluster) this.#tried.add(namespace);
     const inc = this.#incarnation;
-    const res = await this.#call("withdraw", p.count, () =>
+    const send = () =>
       this.#redis.pfWithdraw(
         2,
         nodesKey(namespace),
         nodeSetKey(namespace, this.nodeId, inc),
         p.hashBytes,
         p.blob,
-      ));
+      );
+    // Cluster: after the join under way, if any; else sent now, in call order.
+    const joining = this.#joins.after(namespace);
+    const res = await this.#call("withdraw", p.count, () => joining?.then(send) ?? send());
     return res !== undefined;
   }
 
@@ -296,6 +303,7 @@ export class RedisBlockIndex {
     const p = packHashes(namespace, hashes);
     if (this.#closed) return { length: 0, owners: [], available: false };
     if (p.count === 0) return { length: 0, owners: [], available: true };
+    if (this.#cluster) this.#tried.add(namespace);
     const res = await this.#call("lookup", p.count, () =>
       this.#redis.pfLookup(
         1,
@@ -331,8 +339,7 @@ export class RedisBlockIndex {
     }
     const inc = this.#incarnation;
     const namespaces = [...this.#joined];
-    // Cluster: a namespace tried and not joined (its master did not answer) is probed too, so
-    // that no heartbeat proves a recovery while one of the node's masters is still away.
+    // Cluster: namespaces called on and not joined are probed too (no recovery while away).
     const away = [...this.#tried].filter((ns) => !this.#joined.has(ns));
     const res = await this.#call("heartbeat", 0, async () => {
       if (namespaces.length + away.length === 0) return [await this.#redis.ping()];
@@ -397,13 +404,11 @@ export class RedisBlockIndex {
     const who = { node: this.nodeId, inc, addr: this.advertiseAddr, ttlMs: this.#nodeTtlMs, join };
     return this.#call("advertise", p.count, async () => {
       const recorded = join ? this.#rejoinPass.record(tag) : undefined;
+      const send = () => this.#redis.pfAdvertise(...advertiseArgs(tag, who, p));
       // One Redis runs the record's SADD first (one connection); Cluster keeps the record on
       // another master, so a join waits for it: never entries a later process cannot find.
-      if (this.#cluster) await recorded;
-      const [, res] = await Promise.all([
-        recorded,
-        this.#redis.pfAdvertise(...advertiseArgs(tag, who, p)),
-      ]);
+      if (this.#cluster && recorded) return await this.#joins.join(ns, recorded, send);
+      const [, res] = await Promise.all([recorded, send()]);
       return res;
     });
   }

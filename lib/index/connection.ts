@@ -13,7 +13,7 @@
  * @module
  */
 
-import { Cluster, Redis } from "ioredis";
+import { Cluster, type Command, Redis } from "ioredis";
 import type { Buffer } from "node:buffer";
 import { IndexInputError } from "./errors.ts";
 import { ADVERTISE_LUA, HEARTBEAT_LUA, LOOKUP_LUA, WITHDRAW_LUA } from "./scripts.ts";
@@ -143,6 +143,8 @@ export function checkRedisUrl(url: string): string {
  * that met CLUSTERDOWN fails at once instead of being retried later (ioredis would resend it
  * after 100 ms, possibly behind a withdraw sent since); MOVED and ASK are still followed (the
  * command did not run). A cluster that drops every connection is reconnected like one Redis.
+ * Nothing waits for the cluster (its offline queue is never used: {@link IndexCluster}), but a
+ * command may wait for its master's connection while it opens (it fails at the deadline).
  */
 function indexCluster(url: string, perConnection: Record<string, unknown>): Cluster {
   const seeds = checkClusterSeeds(url).map((s) => new URL(s));
@@ -153,14 +155,13 @@ function indexCluster(url: string, perConnection: Record<string, unknown>): Clus
       password: decodeURIComponent(first.password),
     }
     : {};
-  return new Cluster(
+  return new IndexCluster(
     seeds.map((u) => ({
       host: u.hostname.replace(/^\[|\]$/g, ""),
       port: Number(u.port || DEFAULT_REDIS_PORT),
     })),
     {
       lazyConnect: true,
-      enableOfflineQueue: false,
       clusterRetryStrategy: reconnectDelay,
       retryDelayOnFailover: 0,
       retryDelayOnClusterDown: 0,
@@ -174,6 +175,25 @@ function indexCluster(url: string, perConnection: Record<string, unknown>): Clus
 }
 
 const DEFAULT_REDIS_PORT = 6379;
+
+/**
+ * A `Cluster` that refuses a command at once while it is not ready (connecting, reconnecting
+ * after every node dropped), as `enableOfflineQueue: false` does, without that option's other
+ * effect: refusing a command whose master's connection is still opening (with it, the second
+ * command of a burst to a master just met — at start, after a restart or a MOVED — failed with
+ * "Connection is closed." and took the index down). The node connections queue while they open,
+ * in order, each command under `commandTimeout`.
+ */
+class IndexCluster extends Cluster {
+  override sendCommand(command: Command, stream?: unknown, node?: unknown): unknown {
+    // CLUSTER INFO is the ready check itself, sent before the cluster is ready.
+    if (this.status !== "ready" && command.name !== "cluster") {
+      command.reject(new Error("Cluster isn't ready (the index does not queue commands)"));
+      return command.promise;
+    }
+    return super.sendCommand(command, stream as never, node);
+  }
+}
 
 /**
  * The entries of `--index-redis`: its comma-separated redis:// URLs (a cluster's seed nodes; one
@@ -205,10 +225,40 @@ export function checkRedisList(url: string): string {
 }
 
 /**
+ * Throws {@link IndexInputError} unless the user name and password of `url` (of each seed of a
+ * list) decode: ioredis percent-decodes them when it opens the client, and a `%` not followed by
+ * two hex digits would throw `URIError: URI malformed` there, after the server started. The
+ * message leaves the credentials out.
+ *
+ * @example
+ * ```ts
+ * checkRedisAuth("redis://:p%40ss@h:6379"); // ok: the password is p@ss
+ * checkRedisAuth("redis://:%zz@h:6379");    // throws: write a literal % as %25
+ * ```
+ */
+export function checkRedisAuth(url: string): void {
+  for (const seed of redisSeeds(url)) {
+    const u = new URL(seed);
+    try {
+      decodeURIComponent(u.username);
+      decodeURIComponent(u.password);
+    } catch (_e) {
+      const where = redisWhere(seed);
+      throw new IndexInputError(
+        `${where}: the user name or password is not percent-encoded (a % must start %XX; write a literal % as %25)`,
+        { got: where },
+      );
+    }
+  }
+}
+
+/**
  * Checks `url` as one Redis's URL, or with `cluster` as a cluster's seeds; returns where it
  * points (credentials left out) for log lines. Throws {@link IndexInputError}.
  */
 export function checkRedisTarget(url: string, cluster: boolean): string {
+  checkRedisList(url);
+  checkRedisAuth(url);
   if (cluster) {
     checkClusterSeeds(url);
   } else if (checkRedisList(url) && redisSeeds(url).length > 1) {

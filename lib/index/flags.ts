@@ -11,7 +11,13 @@ import { InvalidArgumentError, type Option } from "commander";
 import { boolArg, envOption, intArg } from "../cli/flags.ts";
 import { MAX_TIMER_MS } from "../timer_limit.ts";
 import { DEFAULT_INDEX_TIMEOUT_MS, DEFAULT_NODE_TTL_MS } from "./block_index.ts";
-import { checkClusterSeeds, checkRedisList, redisSeeds, redisWhere } from "./connection.ts";
+import {
+  checkClusterSeeds,
+  checkRedisAuth,
+  checkRedisList,
+  redisSeeds,
+  redisWhere,
+} from "./connection.ts";
 import { checkNodeToken } from "./keys.ts";
 import { splitHostPort } from "../host_port.ts";
 
@@ -111,7 +117,8 @@ export function indexOptions(): Option[] {
 /**
  * Reads the parsed index options out of commander's `opts()`. Throws commander's
  * `InvalidArgumentError` naming the flags when `--index-redis` and `--index-redis-cluster`
- * disagree (a list without the cluster flag, the flag without a Redis, seeds that differ).
+ * disagree (a list without the cluster flag, the flag without a Redis, seeds that differ), or
+ * when a user name or password does not percent-decode.
  */
 export function indexConfigFrom(o: Record<string, unknown>): IndexConfig {
   const redisUrl = (o.indexRedis as string | undefined) || undefined; // "": none
@@ -120,6 +127,13 @@ export function indexConfigFrom(o: Record<string, unknown>): IndexConfig {
     throw new InvalidArgumentError(
       "--index-redis-cluster needs --index-redis (the cluster's seed nodes, e.g. redis://10.0.0.5:7000,redis://10.0.0.6:7000)",
     );
+  }
+  if (redisUrl) {
+    try {
+      checkRedisAuth(redisUrl); // here, not in the parser: commander would echo the password
+    } catch (e) {
+      throw new InvalidArgumentError(`--index-redis: ${(e as Error).message}`);
+    }
   }
   if (redisUrl && !redisCluster && redisSeeds(redisUrl).length > 1) {
     throw new InvalidArgumentError(

@@ -7,7 +7,8 @@
 
 import assert from "node:assert/strict";
 import { RedisBlockIndex } from "../../lib/index/block_index.ts";
-import { nodesKey } from "../../lib/index/keys.ts";
+import { indexRedisClient } from "../../lib/index/connection.ts";
+import { nodeNamespacesKey, nodesKey } from "../../lib/index/keys.ts";
 import { waitFor } from "./_redis.ts";
 import { type RedisCluster, startRedisCluster } from "./_redis_cluster.ts";
 
@@ -169,6 +170,82 @@ Deno.test("on a Redis Cluster, a master killed and restarted empty: the others k
       for (const i of [0, 1]) assert.equal((await reader.lookup(ns[i], hashes(4, i))).length, 4);
     } finally {
       await Promise.all([a.close(), reader.close()]);
+    }
+  });
+});
+
+Deno.test("on a Redis Cluster, a lookup that failed on a dead master stays an outage until a heartbeat reaches that master", async () => {
+  await withCluster(async (c, ns) => {
+    const reader = index(c, "reader"); // advertises nothing: its heartbeat would be a PING
+    try {
+      await waitFor("connected", () => reader.up);
+      const lost = await c.masterOf(nodesKey(ns[2]));
+      await c.kill(lost);
+      assert.equal((await reader.lookup(ns[2], hashes(4, 2))).available, false);
+      assert.equal(reader.stats().outages, 1);
+      const rejoins = reader.stats().rejoins;
+      // A heartbeat that the live masters answer proves nothing about ns[2]'s master.
+      await reader.heartbeat();
+      assert.equal(
+        reader.up,
+        false,
+        "a heartbeat that never reached the dead master ended the outage",
+      );
+      assert.equal(
+        reader.stats().rejoins,
+        rejoins,
+        "a new incarnation (and a full re-advertise) per heartbeat",
+      );
+      assert.equal((await reader.lookup(ns[2], hashes(4, 2))).available, false);
+      assert.equal(reader.stats().outages, 1, "one outage, not one per heartbeat");
+      await c.restart(lost);
+      await waitFor("the heartbeat reaches the restarted master", async () => {
+        await reader.heartbeat();
+        return reader.up;
+      }, 15_000);
+      assert.equal((await reader.lookup(ns[2], hashes(4, 2))).available, true);
+    } finally {
+      await reader.close();
+    }
+  });
+});
+
+Deno.test("on a Redis Cluster, a withdraw sent while the namespace's join waits for the node's record goes after the join", async () => {
+  await withCluster(async (c, ns) => {
+    const [a, reader] = [index(c, "a"), index(c, "reader")];
+    try {
+      await waitFor("connected", () => a.up && reader.up);
+      // A namespace whose master is not the one of a's record: the join waits a round trip.
+      const record = await c.masterOf(nodeNamespacesKey("a"));
+      let n = "";
+      for (const x of ns) if (await c.masterOf(nodesKey(x)) !== record) n = x;
+      // The advertiser sends without awaiting: a block sealed then evicted in the next tick.
+      const sent = a.advertise(n, hashes(4, 0));
+      const gone = a.withdraw(n, hashes(4, 0).slice(1));
+      assert.deepEqual(await Promise.all([sent, gone]), [true, true]);
+      const found = await reader.lookup(n, hashes(4, 0));
+      assert.equal(found.length, 1, "withdrawn blocks are still listed for the node's life");
+    } finally {
+      await Promise.all([a.close(), reader.close()]);
+    }
+  });
+});
+
+Deno.test("on a Redis Cluster, calls sent together to masters whose connections are still opening all answer", async () => {
+  await withCluster(async (c, ns) => {
+    const redis = indexRedisClient(c.url, 1_000, true);
+    redis.on("error", () => {});
+    try {
+      await redis.connect();
+      // Two calls per master at once: the cluster opens its connections to masters lazily.
+      const keys = ns.flatMap((n) => [nodesKey(n), nodesKey(n)]);
+      const answers = await Promise.allSettled(keys.map((k) => redis.pttl(k)));
+      assert.deepEqual(
+        answers.map((a) => a.status === "fulfilled" ? a.value : String(a.reason)),
+        keys.map(() => -2),
+      );
+    } finally {
+      redis.disconnect(false);
     }
   });
 });

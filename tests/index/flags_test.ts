@@ -7,6 +7,8 @@
 import assert from "node:assert/strict";
 import { parseServeArgs } from "../../lib/server/config.ts";
 import { nodeIdentity } from "../../lib/index/flags.ts";
+import { RedisBlockIndex } from "../../lib/index/block_index.ts";
+import { IndexInputError } from "../../lib/index/errors.ts";
 
 function refused(argv: string[], flag: string, why: RegExp) {
   const r = parseServeArgs(argv);
@@ -149,5 +151,41 @@ Deno.test("--index-redis-cluster takes comma-separated seed nodes; a list withou
   } finally {
     Deno.env.delete("PEGAFLOW_INDEX_REDIS");
     Deno.env.delete("PEGAFLOW_INDEX_REDIS_CLUSTER");
+  }
+});
+
+Deno.test("a password that does not percent-decode is refused at flag time, naming --index-redis, not echoed", () => {
+  const why = /redis:\/\/127\.0\.0\.1:\d+(\/1)?: the user name or password is not percent-encoded/;
+  for (
+    const argv of [
+      ["--index-redis", "redis://:s3cret%zz@127.0.0.1:6379"],
+      ["--index-redis", "redis://us%zzer:s3cret@127.0.0.1:6379/1"],
+      [
+        "--index-redis",
+        "redis://:s3cret%zz@127.0.0.1:7000,redis://:s3cret%zz@127.0.0.1:7001",
+        "--index-redis-cluster",
+      ],
+    ]
+  ) {
+    refused(argv, "--index-redis", why);
+    const r = parseServeArgs(argv);
+    assert.ok(r.kind === "exit" && !/s3cret|%zz/.test(r.output), `echoed: ${JSON.stringify(r)}`);
+  }
+  // Encoded right, it is taken: %25 is a literal %, %40 an @.
+  const ok = parseServeArgs(["--index-redis", "redis://:p%25w%40d@127.0.0.1:6379"]);
+  assert.equal(ok.kind, "config", ok.kind === "exit" ? ok.output : "");
+  // The index itself refuses it too, as bad input rather than ioredis's URIError.
+  for (const cluster of [false, true]) {
+    assert.throws(
+      () =>
+        new RedisBlockIndex({
+          url: "redis://:s3cret%zz@127.0.0.1:6379",
+          cluster,
+          nodeId: "n",
+          advertiseAddr: "n:1",
+          listSealed: () => [],
+        }),
+      (e) => e instanceof IndexInputError && !/s3cret/.test(e.message),
+    );
   }
 });
