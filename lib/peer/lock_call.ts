@@ -79,7 +79,9 @@ export type LockFailure = {
 
 /**
  * Asks `target` for a lock on `ask.blockHashes` and checks the answer; a
- * bad answer's lock is released before this returns.
+ * bad answer's lock is released before this returns. `timeoutMs`: the lock
+ * call's deadline; `releaseMs`: each release's (the RPC deadline: a lock
+ * call cut short by its fetch's deadline must not cut its release short).
  */
 export async function lockPart(
   links: PeerLinks,
@@ -88,10 +90,11 @@ export async function lockPart(
   expect: LockExpect,
   timeoutMs: number,
   log: Logger,
+  releaseMs = timeoutMs,
 ): Promise<LockedPart | LockFailure> {
   const owner = target.nodeId;
   const end = (lockId: Uint8Array) =>
-    links.release(target.addr, lockId, ask.requester, timeoutMs, target.rpcAddr).catch(
+    links.release(target.addr, lockId, ask.requester, releaseMs, target.rpcAddr).catch(
       (e: Error) =>
         log.debug("peer lock release failed; it expires on the owner", {
           owner,

@@ -16,10 +16,12 @@
  * Anything else ends the fetch as before: the index down, no owner, an
  * answer refused for this node's block payload or transport (`bad-answer`).
  * At most {@link MAX_OWNERS_PER_FETCH} owners are asked, none once the
- * fetch's deadline (its READ deadline, counted from its start) has passed,
- * and a later owner's lock call gets no more than what is left of it. The
- * split lock's second part is asked of the owner that granted the first; its
- * failure is never passed over. A failure after the lock (no pool room, the
+ * fetch's deadline (its READ deadline, counted from its start) has passed; a
+ * later owner's connection must be made, and its lock call answered, within
+ * what is left of it (a link made later is not asked for a lock). The split
+ * lock's second part is asked of the owner that granted the first, with the
+ * RPC deadline (the walk is over), as every release is; its failure is never
+ * passed over. A failure after the lock (no pool room, the
  * READ) is the fetch's.
  *
  * Each owner passed over is logged once (its node id, address, reason, and
@@ -186,7 +188,7 @@ export class OwnerWalk {
       const owner = owners[i];
       let link: OwnerLink;
       try {
-        link = await o.xferPeers.get(owner.addr);
+        link = await this.#connect(owner.addr, i, deadline);
       } catch (e) {
         const fields = { owner: owner.nodeId, addr: owner.addr, error: (e as Error).message };
         if (passOver({ owners, i, deadline }, "connect", fields, o.skipped, o.log, ids)) continue;
@@ -194,10 +196,9 @@ export class OwnerWalk {
       }
       const tConnect = performance.now();
       const want = hashes.slice(0, Math.min(owner.length, MAX_FETCH_BLOCKS));
-      const rpcMs = lockDeadlineMs(i, o.rpcTimeoutMs, deadline);
-      const lock = this.#locker(index.nodeId, blocks, owner, link, payloadBytes, rpcMs, ids);
+      const lock = this.#locker(index.nodeId, blocks, owner, link, payloadBytes, ids);
       const head = o.splitLock && want.length > 2 * per ? per : want.length;
-      const first = await lock(want.slice(0, head));
+      const first = await lock(want.slice(0, head), lockDeadlineMs(i, o.rpcTimeoutMs, deadline));
       if ("why" in first) {
         const { why, fields } = first;
         if (passOver({ owners, i, deadline }, why, fields, o.skipped, o.log, ids)) continue;
@@ -205,17 +206,44 @@ export class OwnerWalk {
       }
       const tLock = performance.now();
       // The rest only where the first part is whole (a shorter answer: the held prefix ends
-      // there), of the owner that granted the first part.
+      // there), of the owner that granted the first part, with the RPC deadline (the walk is over).
       const rest = first.hashes.length === head && head < want.length
-        ? () => lock(want.slice(head))
+        ? () => lock(want.slice(head), o.rpcTimeoutMs)
         : undefined;
       return { owner, peer: link.peer, first, rest, tLookup, tConnect, tLock, skipped: i };
     }
   }
 
   /**
-   * The lock call on `owner`: a granted part with its hashes, or the failure
-   * (its side effects done here; the caller counts it or passes the owner over).
+   * The link to the owner at `addr`. A later owner's (`i` > 0) must be made
+   * within the fetch's deadline, else it rejects: a link made after it would
+   * be asked for a lock with no time left (the handshake goes on, kept for
+   * the next fetch).
+   */
+  async #connect(addr: string, i: number, deadline: number): Promise<OwnerLink> {
+    const linked = this.#o.xferPeers.get(addr);
+    if (i === 0) return await linked;
+    const left = Math.max(0, deadline - performance.now());
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => {
+        const why = `no transfer connection within the fetch's deadline (${
+          Math.round(left)
+        } ms left)`;
+        reject(new Error(why));
+      }, left);
+    });
+    try {
+      return await Promise.race([linked, late]);
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  /**
+   * The lock call on `owner` with its deadline: a granted part with its
+   * hashes, or the failure (its side effects done here; the caller counts it
+   * or passes the owner over). Releases get the RPC deadline.
    */
   #locker(
     requester: string,
@@ -223,14 +251,13 @@ export class OwnerWalk {
     owner: Owner,
     link: OwnerLink,
     payloadBytes: number | undefined,
-    rpcMs: number,
     ids: FetchIds,
   ) {
     const o = this.#o;
     const { namespace, layout } = blocks;
     const expect = { payloadBytes, transport: o.transport, layoutSummary: layout.summary };
     const target = { addr: owner.addr, rpcAddr: link.rpcAddr, nodeId: owner.nodeId };
-    return async (part: Uint8Array[]) => {
+    return async (part: Uint8Array[], rpcMs: number) => {
       const ask = {
         namespace,
         blockHashes: part,
@@ -239,7 +266,7 @@ export class OwnerWalk {
         lockTtlMs: o.lockTtlMs,
         shiftedExtents: true,
       };
-      const l = await lockPart(o.links, target, ask, expect, rpcMs, o.log);
+      const l = await lockPart(o.links, target, ask, expect, rpcMs, o.log, o.rpcTimeoutMs);
       if ("res" in l) return { ...l, hashes: part.slice(0, l.res.checksums.length) };
       if (l.abandon) o.track(l.abandon); // the owner may grant it yet: it ends it then
       // Its socket is gone (a restart, maybe on another port): handshake again next time.

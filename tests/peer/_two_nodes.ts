@@ -108,6 +108,8 @@ export interface OwnerHooks {
   beforeAnswer?: (n: number) => Promise<void>;
   /** Replaces the bytes of each lock answer the gRPC service sends (an answer no one can decode). */
   grpcLockAnswer?: (bytes: Buffer) => Buffer;
+  /** Awaited before the owner handles a transfer handshake (`ConnectTransfer`, gRPC). */
+  beforeConnect?: () => Promise<void>;
 }
 
 /** The owner's Peer handlers, counting the calls each transport brought. */
@@ -143,6 +145,8 @@ export interface TwoNodesOptions extends OwnerHooks {
   /** The peer RPC address the owner's handshake names instead of its own socket's. */
   rpcAddr?: string;
   rpcTimeoutMs?: number;
+  /** The requester's fetch deadline (default 2000 ms). */
+  fetchTimeoutMs?: number;
   splitLock?: boolean;
   /** The requester's index advertiser (its store's evictions and its fills feed it). */
   advertiser?: IndexAdvertiser;
@@ -190,6 +194,11 @@ export async function ownerNode(seed: number, o: OwnerOptions = {}) {
     log,
   );
   const impl = peerServiceImpl(locks, () => ({ transport: "tcp", addr: xferAddr }), lender, log);
+  const { beforeConnect } = o;
+  if (beforeConnect) {
+    const connect = impl.connectTransfer;
+    impl.connectTransfer = (call, cb) => void beforeConnect().then(() => connect(call, cb));
+  }
   const calls: Record<string, number> = {};
   const def = lenientPeerService();
   const lockDef = def.queryBlocksForTransfer, rewrite = o.grpcLockAnswer;
@@ -274,7 +283,7 @@ export async function twoNodes(o: TwoNodesOptions = {}) {
     links,
     checksum: req.checksum,
     log: o.log ?? log,
-    fetchTimeoutMs: 2000,
+    fetchTimeoutMs: o.fetchTimeoutMs ?? 2000,
     rpcTimeoutMs,
     chunkBytes,
     splitLock,

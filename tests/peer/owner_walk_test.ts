@@ -17,6 +17,7 @@ import {
   LAYOUT,
   NS,
   ownerNode,
+  type OwnerOptions,
   payloadOf,
   seal,
   twoNodes,
@@ -37,14 +38,14 @@ function deadAddr(): string {
 }
 
 /** The harness's requester and owner, a second owner holding the 6 blocks, and the requester's log. */
-async function threeNodes(o: TwoNodesOptions = {}) {
+async function threeNodes(o: TwoNodesOptions = {}, secondOwner: OwnerOptions = {}) {
   const lines: string[] = [];
   const t = await twoNodes({
     chunkBytes: CHUNK_BYTES,
     log: new Logger("info", {}, (l) => void lines.push(l)),
     ...o,
   });
-  const second = await ownerNode(3);
+  const second = await ownerNode(3, secondOwner);
   const payloads = seal(second.owner, hashes);
   const owner2 = { nodeId: "owner-2", addr: second.ownerAddr, length: hashes.length };
   return {
@@ -181,6 +182,75 @@ Deno.test("a failure that is not the owner's doing ends the fetch at the first o
     assert.equal(w.t.tier.stats().fetchesOk, 1);
     assert.equal(w.t.tier.stats().ownersSkipped["owner-miss"], 1);
   } finally {
+    await w.close();
+  }
+});
+
+/** A promise the test resolves itself (an owner's handler held until then). */
+function gate() {
+  let open = () => {};
+  const shut = new Promise<void>((r) => open = r);
+  return { shut, open };
+}
+
+Deno.test("a later owner whose connection is made only after the fetch's deadline is never asked for a lock", async () => {
+  // The first owner's lock is held past the 600 ms lock deadline: passed over with 300 ms of
+  // the fetch's 900 left; the second owner's handshake takes 500 ms.
+  const held = gate();
+  const w = await threeNodes(
+    { rpcTimeoutMs: 600, fetchTimeoutMs: 900, beforeLock: () => held.shut },
+    { beforeConnect: () => new Promise((r) => setTimeout(r, 500)) },
+  );
+  try {
+    seal(w.t.owner, hashes);
+    w.t.setOwned(6);
+    w.t.setOthers([w.owner2]);
+    await fetchAll(w.t.tier, blocks, "r-late");
+    const s = w.t.tier.stats();
+    assert.equal(s.ownersSkipped["lock-rpc"], 1, "the held owner passed over");
+    assert.equal(s.failures.connect, 1, "one failure: no connection within the deadline");
+    assert.equal(failures(s), 1);
+    assert.equal(
+      w.second.calls["framed queryBlocksForTransfer"] ?? 0,
+      0,
+      "no lock asked past the deadline",
+    );
+    held.open();
+    await w.t.tier.flush();
+    assert.equal(w.second.locks.stats().held, 0);
+    assert.equal(w.t.locks.stats().held, 0, "the held owner's lock ended by its abandon");
+  } finally {
+    held.open();
+    await w.close();
+  }
+});
+
+Deno.test("a later owner's second lock part gets the RPC deadline, not what was left of the walk", async () => {
+  // The first owner's lock is held past the 1500 ms lock deadline: the second owner is asked
+  // with ~400 ms of the fetch's 1900 left; its answer to the second part takes 900 ms.
+  const held = gate();
+  const w = await threeNodes(
+    { rpcTimeoutMs: 1500, fetchTimeoutMs: 1900, beforeLock: () => held.shut },
+    { beforeLock: (n) => n === 2 ? new Promise((r) => setTimeout(r, 900)) : Promise.resolve() },
+  );
+  try {
+    seal(w.t.owner, hashes);
+    w.t.setOwned(6);
+    w.t.setOthers([w.owner2]);
+    await fetchAll(w.t.tier, blocks, "r-rest");
+    held.open();
+    await w.t.tier.flush();
+    assertLanded(w.t, hashes, w.payloads);
+    const s = w.t.tier.stats();
+    assert.equal(s.fetchesOk, 1);
+    assert.equal(failures(s), 0, "the second part is no lock-rpc failure");
+    assert.equal(s.ownersSkipped["lock-rpc"], 1);
+    const l2 = w.second.locks.stats();
+    assert.equal(l2.granted, 2);
+    assert.equal(l2.released, 2);
+    assert.equal(l2.held, 0);
+  } finally {
+    held.open();
     await w.close();
   }
 });
