@@ -7,7 +7,8 @@
  * fetches started. (Checksum mismatches are counted per block, apart.) An
  * owner the fetch passed over for the next one (owner_walk.ts) is not the
  * fetch's failure: it is counted apart, by its reason, and the fetch counts
- * what happened at the owner it ended on (a success, or one failure).
+ * what happened at the owner it ended on (a success, or one failure). An
+ * owner marked suspect (owner_walk.ts) is counted apart again, once per mark.
  *
  * @module
  */
@@ -30,6 +31,9 @@ export type PeerFetchFailure =
 /** Why a fetch passed over an owner for the next one the index names (owner_walk.ts). */
 export type OwnerSkipReason = Extract<PeerFetchFailure, "connect" | "lock-rpc" | "owner-miss">;
 
+/** Why an owner was marked suspect, asked after the healthy ones for a while (owner_walk.ts). */
+export type OwnerSuspectReason = Extract<OwnerSkipReason, "connect" | "lock-rpc">;
+
 /** Counters for /metrics. */
 export interface PeerTierStats {
   fetches: number;
@@ -39,6 +43,8 @@ export interface PeerTierStats {
   failures: Record<PeerFetchFailure, number>;
   /** Owners passed over for the next one, by the reason each failed (not fetch failures). */
   ownersSkipped: Record<OwnerSkipReason, number>;
+  /** Owners marked suspect (healthy before), by the reason of the failure that marked them. */
+  ownersSuspected: Record<OwnerSuspectReason, number>;
   blocks: number;
   bytes: number;
   /** Bytes and time of the READ batches that ended OK (the transport's own ns), for the wire rate. */
@@ -73,6 +79,7 @@ export function fetchTotals(): FetchTotals {
       checksum: 0,
     },
     ownersSkipped: { connect: 0, "lock-rpc": 0, "owner-miss": 0 },
+    ownersSuspected: { connect: 0, "lock-rpc": 0 },
     blocks: 0,
     bytes: 0,
     readBytes: 0,

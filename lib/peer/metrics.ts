@@ -77,6 +77,15 @@ export function registerPeerMetrics(
     },
     ["reason"],
   );
+  counter(
+    "pegaflow_peer_owners_suspected_total",
+    "owners marked suspect after failing by their own doing (connect, lock-rpc): asked after the healthy owners until the mark expires or they answer a lock",
+    () => {
+      const s = tier();
+      return s && Object.entries(s.ownersSuspected).map(([reason, n]) => [{ reason }, n]);
+    },
+    ["reason"],
+  );
   counter("pegaflow_peer_fetch_blocks_total", "blocks fetched from peers and committed", () => {
     const s = tier();
     return s && [[{}, s.blocks]];

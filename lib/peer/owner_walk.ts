@@ -30,16 +30,39 @@
  * failure (fetch_stats.ts). Nothing is added where the first owner answers:
  * the walk's work happens on a failure only.
  *
+ * Suspects. An owner frozen or overloaded (SIGSTOP, a hung event loop) keeps
+ * its index entries, and so its place first in the order: every fetch would
+ * pay the whole lock deadline before the next owner. So an owner that failed
+ * by its own doing — `connect`, or `lock-rpc` where it had the whole RPC
+ * deadline or its socket is gone; not a miss, which is per prefix, nor a
+ * link or lock cut short by the fetch's own deadline — is remembered by
+ * address for {@link SUSPECT_OWNER_MS} ({@link SuspectOwners}), logged once
+ * when it becomes suspect and counted (`pegaflow_peer_owners_suspected_total`).
+ * Each walk asks the healthy owners first, in the index's order, then the
+ * suspects, in that order too — even a suspect holding a longer run: it
+ * failed moments ago, asking it first costs up to an RPC deadline (2 s) per
+ * fetch, most likely for nothing, while the blocks the healthy owner lacks
+ * cost the engine a recompute of them, less than that. A suspect is still
+ * asked when the healthy owners fail (or where all owners are suspects), is
+ * first again once its mark expires, and is cleared by any lock it grants.
+ * With no suspect the order is the index's, with no allocation.
+ *
  * @module
  */
 
 import type { TierBlocks, TierHost } from "../storage/tier.ts";
 import type { LookupResult } from "../index/block_index.ts";
 import type { Logger } from "../log.ts";
-import type { FailFn, OwnerSkipReason, PeerFetchFailure } from "./fetch_stats.ts";
+import type {
+  FailFn,
+  OwnerSkipReason,
+  OwnerSuspectReason,
+  PeerFetchFailure,
+} from "./fetch_stats.ts";
 import { lockPart } from "./lock_call.ts";
 import type { PeerLinks } from "./link.ts";
 import { LayoutWarnings } from "./layout_warnings.ts";
+import { monotonicNow } from "../clock.ts";
 import type { OwnerLink, XferPeers } from "./xfer_peers.ts";
 
 /**
@@ -48,6 +71,19 @@ import type { OwnerLink, XferPeers } from "./xfer_peers.ts";
  * its own deadline without trying a whole list of stale entries.
  */
 export const MAX_OWNERS_PER_FETCH = 3;
+/**
+ * How long an owner that failed by its own doing is asked after the healthy
+ * ones: long enough that a frozen owner costs one lock deadline per 10 s,
+ * not one per fetch; short enough that an owner back from a pause (a GC, a
+ * burst) serves its longer runs again soon — it is asked first once its
+ * mark expires, or at once where a lock it grants clears it.
+ */
+export const SUSPECT_OWNER_MS = 10_000;
+/**
+ * Most owners remembered as suspects (the oldest marks are forgotten first):
+ * a cluster's worth of dead entries without the map growing with churn.
+ */
+export const MAX_SUSPECT_OWNERS = 1024;
 /**
  * Most blocks one fetch locks and reads (2 GiB of Llama-3.1-8B blocks): it
  * bounds the lock answer (extents of a block of 80 layers × TP 8 × K/V are
@@ -82,6 +118,10 @@ export interface OwnerWalkOptions {
   splitLock: boolean;
   /** The tier's count of owners passed over, by reason. */
   skipped: Record<OwnerSkipReason, number>;
+  /** The tier's count of owners marked suspect, by reason. */
+  suspected: Record<OwnerSuspectReason, number>;
+  /** How long a suspect stays one (default {@link SUSPECT_OWNER_MS}). */
+  suspectMs?: number;
   /** Each lookup's held length, for the tier's `has` (no I/O there). */
   looked(namespace: string, first: Uint8Array, length: number): void;
   /** Keeps a background release (a lock call that got no answer) for flush and close. */
@@ -146,6 +186,73 @@ export function lockDeadlineMs(i: number, rpcTimeoutMs: number, deadline: number
 }
 
 /**
+ * Owners (by address: what the link and the lock go to) that failed by their
+ * own doing lately, each with when its mark expires (`monotonicNow()` ms);
+ * bounded, the oldest mark forgotten first. Marks all last the same time, so
+ * the map's order (a re-mark moves to the end) is their expiry order.
+ *
+ * @example
+ * ```ts
+ * const suspects = new SuspectOwners(10_000);
+ * const order = suspects.order(found.owners); // the same array where none is a suspect
+ * const until = suspects.mark("10.0.0.2:50055"); // undefined: it was one already
+ * suspects.clear("10.0.0.2:50055");
+ * ```
+ */
+export class SuspectOwners {
+  /** How long a mark lasts (ms). */
+  readonly ms: number;
+  readonly #until = new Map<string, number>();
+
+  constructor(ms: number) {
+    this.ms = ms;
+  }
+
+  /**
+   * `owners` with the suspects moved after the healthy ones, each part in
+   * its order (owners of no run left out); `owners` itself where none is a
+   * suspect.
+   */
+  order(owners: readonly Owner[]): readonly Owner[] {
+    if (this.#until.size === 0) return owners;
+    this.#expire(monotonicNow());
+    if (this.#until.size === 0 || !owners.some((x) => this.#until.has(x.addr))) return owners;
+    const held = owners.filter((x) => x.length > 0);
+    const healthy = held.filter((x) => !this.#until.has(x.addr));
+    return healthy.concat(held.filter((x) => this.#until.has(x.addr)));
+  }
+
+  /** Marks `addr` for the suspect period; when it ends, or undefined where `addr` was one already. */
+  mark(addr: string): number | undefined {
+    const now = monotonicNow();
+    this.#expire(now);
+    const was = this.#until.delete(addr);
+    const until = now + this.ms;
+    this.#until.set(addr, until);
+    for (const [old] of this.#until) {
+      if (this.#until.size <= MAX_SUSPECT_OWNERS) break;
+      this.#until.delete(old);
+    }
+    return was ? undefined : until;
+  }
+
+  /** Clears `addr` (it answered); true where it was a suspect. */
+  clear(addr: string): boolean {
+    return this.#until.size !== 0 && this.#until.delete(addr);
+  }
+
+  #expire(now: number): void {
+    for (const [addr, until] of this.#until) {
+      if (until > now) return;
+      this.#until.delete(addr);
+    }
+  }
+}
+
+/** A link not made within what was left of the fetch's deadline: no failure of the owner's. */
+class LateLink extends Error {}
+
+/**
  * Steps 1–2 of every fetch of one tier.
  *
  * @example
@@ -159,9 +266,12 @@ export class OwnerWalk {
   readonly #o: OwnerWalkOptions;
   /** (owner, namespace) whose lock refused this node's layout, logged (bounded). */
   readonly #warnedLayouts = new LayoutWarnings();
+  /** Owners asked after the healthy ones for a while (module doc). */
+  readonly #suspects: SuspectOwners;
 
   constructor(opts: OwnerWalkOptions) {
     this.#o = opts;
+    this.#suspects = new SuspectOwners(opts.suspectMs ?? SUSPECT_OWNER_MS);
   }
 
   /**
@@ -169,7 +279,8 @@ export class OwnerWalk {
    * once per owner, names its peer RPC socket), the lock of the prefix's
    * first part (its first chunk when the lock is split, else all of it),
    * and `rest`, the lock of the rest from the same owner. An owner that
-   * fails by its own doing is passed over for the next (module doc).
+   * fails by its own doing is passed over for the next, and suspects are
+   * asked after the healthy owners (module doc).
    * Undefined (the failure counted) on a failure. `t0`: the fetch's start.
    */
   async lockFirst(index: OwnerIndex, blocks: TierBlocks, fail: FailFn, ids: FetchIds, t0: number) {
@@ -179,8 +290,8 @@ export class OwnerWalk {
     const tLookup = performance.now();
     if (!found.available) return fail("index-down");
     o.looked(namespace, hashes[0], found.length);
-    const { owners } = found;
-    if (!owners[0] || owners[0].length === 0) return fail("no-owner");
+    if (!found.owners[0] || found.owners[0].length === 0) return fail("no-owner");
+    const owners = this.#suspects.order(found.owners);
     const deadline = t0 + o.fetchTimeoutMs;
     const payloadBytes = o.host.payloadBytes(namespace);
     const per = Math.max(1, Math.floor(o.chunkBytes / (payloadBytes ?? 1)));
@@ -191,6 +302,7 @@ export class OwnerWalk {
         link = await this.#connect(owner.addr, i, deadline);
       } catch (e) {
         const fields = { owner: owner.nodeId, addr: owner.addr, error: (e as Error).message };
+        if (!(e instanceof LateLink)) this.#suspect("connect", fields, ids);
         if (passOver({ owners, i, deadline }, "connect", fields, o.skipped, o.log, ids)) continue;
         return fail("connect", fields);
       }
@@ -230,7 +342,7 @@ export class OwnerWalk {
         const why = `no transfer connection within the fetch's deadline (${
           Math.round(left)
         } ms left)`;
-        reject(new Error(why));
+        reject(new LateLink(why));
       }, left);
     });
     try {
@@ -267,13 +379,41 @@ export class OwnerWalk {
         shiftedExtents: true,
       };
       const l = await lockPart(o.links, target, ask, expect, rpcMs, o.log, o.rpcTimeoutMs);
-      if ("res" in l) return { ...l, hashes: part.slice(0, l.res.checksums.length) };
+      if ("res" in l) {
+        if (this.#suspects.clear(owner.addr)) {
+          const who = { owner: owner.nodeId, addr: owner.addr };
+          o.log.info("peer owner answers again; no longer suspect", { ...ids, ...who });
+        }
+        return { ...l, hashes: part.slice(0, l.res.checksums.length) };
+      }
+      // Its own doing where it had the whole deadline (not one cut short by the fetch's).
+      if (l.why === "lock-rpc" && (l.socketGone || rpcMs >= o.rpcTimeoutMs)) {
+        this.#suspect("lock-rpc", l.fields, ids);
+      }
       if (l.abandon) o.track(l.abandon); // the owner may grant it yet: it ends it then
       // Its socket is gone (a restart, maybe on another port): handshake again next time.
       if (l.socketGone) void o.xferPeers.drop(owner.addr, link.peer);
       if (l.fields.miss_reason === "other-layout") this.#warnOtherLayout(l.fields, namespace, ids);
       return l;
     };
+  }
+
+  /**
+   * Marks the owner `fields` names (its `addr`) suspect; the first mark since it was healthy is
+   * counted and logged with its ids, the reason, and until when.
+   */
+  #suspect(reason: OwnerSuspectReason, fields: Record<string, string>, ids: FetchIds): void {
+    const until = this.#suspects.mark(fields.addr);
+    if (until === undefined) return;
+    const o = this.#o;
+    o.suspected[reason]++;
+    o.log.warn("peer owner failed by its own doing; asked after the healthy owners for a while", {
+      ...ids,
+      ...fields,
+      reason,
+      suspect_ms: this.#suspects.ms,
+      suspect_until: new Date(until).toISOString(),
+    });
   }
 
   /**

@@ -104,6 +104,11 @@ export interface PeerTierOptions {
    */
   lockTtlMs?: number;
   /**
+   * How long an owner that failed by its own doing is asked after the
+   * healthy ones (owner_walk.ts). Default `SUSPECT_OWNER_MS` (10 s).
+   */
+  ownerSuspectMs?: number;
+  /**
    * Test hook (env `PEGAFLOW_TEST_PEER_READ_DELAY_MS`): awaited after the
    * owner locked the blocks and the transfer peer is connected, right before
    * the READ is submitted, so a test can freeze or kill a node mid-fetch.
@@ -182,6 +187,8 @@ export class PeerTier implements Tier {
       chunkBytes: this.#chunkBytes,
       splitLock: opts.splitLock !== false,
       skipped: this.#stats.ownersSkipped,
+      suspected: this.#stats.ownersSuspected,
+      suspectMs: opts.ownerSuspectMs,
       looked: (ns, first, length) => this.#memo.record(this.#key(ns, first), length),
       track: (p) => this.#track(p),
     });
@@ -286,6 +293,7 @@ export class PeerTier implements Tier {
       ...this.#stats,
       failures: { ...this.#stats.failures },
       ownersSkipped: { ...this.#stats.ownersSkipped },
+      ownersSuspected: { ...this.#stats.ownersSuspected },
       checksumsAtSeal: this.#checksums.recorded,
       checksumDropped: this.#checksums.dropped,
       inflight: this.#running.size,

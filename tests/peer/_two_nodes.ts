@@ -158,6 +158,8 @@ export interface TwoNodesOptions extends OwnerHooks {
   ownerChecksum?: (inner: ChecksumFn) => ChecksumFn;
   /** The requester tier's logger (default: errors only). */
   log?: Logger;
+  /** How long an owner that failed by its own doing is asked after the others (default 10 s). */
+  ownerSuspectMs?: number;
 }
 
 /** What an owner of {@link ownerNode} is given. */
@@ -288,6 +290,7 @@ export async function twoNodes(o: TwoNodesOptions = {}) {
     chunkBytes,
     splitLock,
     lockTtlMs: o.lockTtlMs,
+    ownerSuspectMs: o.ownerSuspectMs,
     beforeRead: o.beforeRead,
   });
   return {

@@ -4,7 +4,9 @@
  * next, at most three, and never past a failure that is not the owner's
  * (lib/peer/owner_walk.ts). One process over real parts (_two_nodes.ts): a
  * requester, the harness's owner ("owner") and a second owner ("owner-2")
- * with its own pool, lock table, gRPC service and peer RPC socket.
+ * with its own pool, lock table, gRPC service and peer RPC socket. An owner
+ * that failed by its own doing (frozen, dead) is a suspect for a while:
+ * asked after the healthy owners, so later fetches do not pay its deadline.
  */
 
 import assert from "node:assert/strict";
@@ -55,6 +57,8 @@ async function threeNodes(o: TwoNodesOptions = {}, secondOwner: OwnerOptions = {
     owner2,
     /** The requester's log lines that say it passed over an owner. */
     skips: () => lines.filter((l) => l.includes("passed over an owner")),
+    /** The requester's log lines that say `text`. */
+    logged: (text: string) => lines.filter((l) => l.includes(text)),
     async close() {
       await t.close();
       await second.close();
@@ -251,6 +255,142 @@ Deno.test("a later owner's second lock part gets the RPC deadline, not what was 
     assert.equal(l2.held, 0);
   } finally {
     held.open();
+    await w.close();
+  }
+});
+
+/** The lock calls `calls` counted (the peer RPC socket carries them). */
+function lockCalls(calls: Record<string, number>): number {
+  return calls["framed queryBlocksForTransfer"] ?? 0;
+}
+
+/** Blocks `from`.. `from + 5`, sealed on each owner given. */
+function prefix(from: number, ...owners: Parameters<typeof seal>[0][]) {
+  const hs = [0, 1, 2, 3, 4, 5].map((i) => hash(from + i));
+  for (const o of owners) seal(o, hs);
+  return { ...blocks, hashes: hs };
+}
+
+Deno.test("a frozen owner is asked after the healthy one until its suspect period ends", async () => {
+  // The first owner's lock handler is held (frozen) past the 300 ms lock deadline.
+  const SUSPECT_MS = 1500;
+  const held = gate();
+  const w = await threeNodes({
+    rpcTimeoutMs: 300,
+    ownerSuspectMs: SUSPECT_MS,
+    beforeLock: () => held.shut,
+  });
+  try {
+    seal(w.t.owner, hashes);
+    w.t.setOwned(6);
+    w.t.setOthers([w.owner2]);
+    await fetchAll(w.t.tier, blocks, "r-frozen");
+    let s = w.t.tier.stats();
+    assert.equal(s.fetchesOk, 1, "served by the second owner after the lock deadline");
+    assert.equal(s.ownersSkipped["lock-rpc"], 1);
+    assert.deepEqual(s.ownersSuspected, { connect: 0, "lock-rpc": 1 });
+    assert.equal(lockCalls(w.t.calls), 1);
+    const marked = w.logged("asked after the healthy owners");
+    assert.equal(marked.length, 1, "one line when it becomes suspect");
+    for (
+      const field of [
+        `"owner":"owner"`,
+        `"addr":"${w.t.ownerAddr}"`,
+        `"reason":"lock-rpc"`,
+        `"request":"r-frozen"`,
+        `"suspect_until":`,
+      ]
+    ) assert.ok(marked[0].includes(field), `${field} in ${marked[0]}`);
+
+    // Right after: the second owner is asked first; the frozen one gets no lock call.
+    const second = prefix(20, w.t.owner, w.second.owner);
+    const granted2 = w.second.locks.stats().granted;
+    await fetchAll(w.t.tier, second, "r-after");
+    s = w.t.tier.stats();
+    assert.equal(s.fetchesOk, 2);
+    assert.equal(lockCalls(w.t.calls), 1, "no lock call reached the suspect owner");
+    assert.equal(s.ownersSkipped["lock-rpc"], 1, "nothing passed over: no deadline paid");
+    assert.equal(w.second.locks.stats().granted, granted2 + 2, "both parts from the second owner");
+    assert.equal(w.logged("asked after the healthy owners").length, 1, "logged once");
+
+    // Thawed, and its mark expired: it is asked first again and serves the prefix.
+    held.open();
+    await new Promise((r) => setTimeout(r, SUSPECT_MS));
+    const third = prefix(40, w.t.owner, w.second.owner);
+    const asked2 = lockCalls(w.second.calls);
+    await fetchAll(w.t.tier, third, "r-expired");
+    await w.t.tier.flush();
+    s = w.t.tier.stats();
+    assert.equal(s.fetchesOk, 3);
+    assert.equal(lockCalls(w.t.calls), 3, "the first owner locked both parts");
+    assert.equal(lockCalls(w.second.calls), asked2, "the second owner was not asked");
+    assert.equal(w.t.req.store.blockState(NS, third.hashes[5]), "sealed");
+    assert.equal(failures(s), 0);
+  } finally {
+    held.open();
+    await w.close();
+  }
+});
+
+Deno.test("a suspect owner that grants a lock is cleared at once: the next fetch asks it first", async () => {
+  // Only the first lock call is held (frozen once); the suspect period outlasts the test.
+  const held = gate();
+  const w = await threeNodes({
+    rpcTimeoutMs: 300,
+    ownerSuspectMs: 60_000,
+    beforeLock: (n) => n === 1 ? held.shut : Promise.resolve(),
+  });
+  try {
+    seal(w.t.owner, hashes);
+    w.t.setOwned(6);
+    w.t.setOthers([w.owner2]);
+    await fetchAll(w.t.tier, blocks, "r-frozen");
+    assert.equal(w.t.tier.stats().ownersSuspected["lock-rpc"], 1);
+    held.open();
+
+    // The second owner (healthy, asked first) misses; the suspect is asked next and grants.
+    const mine = prefix(20, w.t.owner);
+    const asked2 = lockCalls(w.second.calls);
+    await fetchAll(w.t.tier, mine, "r-back");
+    let s = w.t.tier.stats();
+    assert.equal(s.fetchesOk, 2);
+    assert.equal(lockCalls(w.second.calls), asked2 + 1, "the healthy owner was asked first");
+    assert.equal(s.ownersSkipped["owner-miss"], 1);
+    assert.equal(w.logged("no longer suspect").length, 1);
+
+    // Cleared: asked first again, the second owner untouched.
+    const both = prefix(40, w.t.owner, w.second.owner);
+    const asked1 = lockCalls(w.t.calls);
+    await fetchAll(w.t.tier, both, "r-first");
+    await w.t.tier.flush();
+    s = w.t.tier.stats();
+    assert.equal(s.fetchesOk, 3);
+    assert.equal(lockCalls(w.t.calls), asked1 + 2, "both parts from the first owner");
+    assert.equal(lockCalls(w.second.calls), asked2 + 1, "the second owner was not asked");
+    assert.equal(s.ownersSkipped["owner-miss"], 1);
+    assert.deepEqual(s.ownersSuspected, { connect: 0, "lock-rpc": 1 });
+  } finally {
+    held.open();
+    await w.close();
+  }
+});
+
+Deno.test("a dead owner still in the index costs one failed connect per suspect period, not one per fetch", async () => {
+  const w = await threeNodes();
+  try {
+    w.t.setOthers([{ nodeId: "dead", addr: deadAddr(), length: 6 }, w.owner2]);
+    await fetchAll(w.t.tier, blocks, "r-dead");
+    let s = w.t.tier.stats();
+    assert.equal(s.fetchesOk, 1);
+    assert.equal(s.ownersSkipped.connect, 1);
+    assert.deepEqual(s.ownersSuspected, { connect: 1, "lock-rpc": 0 });
+
+    await fetchAll(w.t.tier, prefix(20, w.second.owner), "r-again");
+    s = w.t.tier.stats();
+    assert.equal(s.fetchesOk, 2);
+    assert.equal(s.ownersSkipped.connect, 1, "the dead owner was not connected to again");
+    assert.equal(failures(s), 0);
+  } finally {
     await w.close();
   }
 });
