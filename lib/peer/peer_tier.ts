@@ -68,6 +68,8 @@ export const DEFAULT_PEER_RPC_TIMEOUT_MS = 2_000;
 const FORGET_AFTER_MS = 60_000;
 /** Bytes per READ batch: each still stripes over every stream; commits overlap later reads. */
 export const PIPELINE_CHUNK_BYTES = 32 << 20;
+/** ms from `a` to `b` (`performance.now()` marks), two decimals: a log field. */
+const ms = (a: number, b: number) => Math.round((b - a) * 100) / 100;
 /** What names a fetch in its logs: namespace, first block, the request that started it. */
 type FetchIds = Record<string, string>;
 
@@ -411,7 +413,6 @@ export class PeerTier implements Tier {
     if (good.length > 0) this.#stats.fetchesOk++;
     this.#stats.blocks += good.length;
     this.#stats.bytes += good.length * first.res.payloadBytes;
-    const ms = (a: number, b: number) => Math.round((b - a) * 100) / 100;
     this.#o.log.info("peer fetch done", {
       owner: owner.nodeId,
       owners_skipped: skipped,
