@@ -2,7 +2,8 @@
  * Child of bench/peer_fetch.ts, run inside the requesting node's network
  * namespace: the raw TCP throughput of the path from the owner's transfer
  * listener (`pf_tcp_blast`: plain connections, unframed bytes, received into
- * this process's own pinned pool, each stream its slice). Prints `{"ns": N}`.
+ * this process's own pinned pool, each stream its slice). Prints `{"ns": N}`
+ * and the process's CPU during that blast (`cpuUs`).
  *
  * `deno run -A bench/peer_blast_child.ts <host:port> <streams> <bytes>`
  *
@@ -10,6 +11,7 @@
  */
 import { Engine } from "../ffi/mod.ts";
 import { tcpBlast } from "../ffi/xfer.ts";
+import { cpuUsage } from "node:process";
 import { benchCli, positiveInt } from "./cli.ts";
 
 const args = benchCli({
@@ -21,7 +23,7 @@ const args = benchCli({
     streams: "TCP connections",
     bytes: "bytes in all, split evenly over the streams",
   },
-  writes: 'one JSON line on stdout, {"ns": N, "bytes": B}; no file',
+  writes: 'one JSON line on stdout, {"ns": N, "bytes": B, "cpuUs": C}; no file',
 });
 const [addr, streamsArg, bytesArg] = args.positionals;
 const streams = positiveInt("<streams>", streamsArg, 1);
@@ -32,8 +34,13 @@ try {
   // A blast that stalls fails by this deadline instead of hanging the bench.
   const timeoutMs = 120_000;
   await tcpBlast(addr, streams, Math.floor(bytes / streams), timeoutMs, { pool }); // warm-up
+  const cpu0 = cpuUsage();
   const ns = await tcpBlast(addr, streams, Math.floor(bytes / streams), timeoutMs, { pool });
-  console.log(JSON.stringify({ ns, bytes: streams * Math.floor(bytes / streams) }));
+  // This process's CPU during the timed blast (its receive threads included), µs.
+  const { user, system } = cpuUsage(cpu0);
+  console.log(
+    JSON.stringify({ ns, bytes: streams * Math.floor(bytes / streams), cpuUs: user + system }),
+  );
 } finally {
   pool.close();
   engine.close();

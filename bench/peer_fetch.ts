@@ -37,6 +37,7 @@ import { makeCluster } from "../tests/peer/_cluster.ts";
 import { prefix } from "../tests/peer/_fetch.ts";
 import { waitFor } from "../tests/index/_redis.ts";
 import { benchCli, cleanupOnSignal, positiveInt } from "./cli.ts";
+import { cpuDeltaMs, sampleCpu, softirqPids } from "./thread_cpu.ts";
 
 benchCli({
   usage: "deno run -A bench/peer_fetch.ts   (settings from the environment)",
@@ -104,6 +105,12 @@ interface Run {
   queryMs: number;
   /** B's "peer fetch done" log line: time per phase (ms). */
   phases: Record<string, number>;
+  /**
+   * ms of CPU per transfer by process role and thread name (bench/thread_cpu.ts): the fetch's
+   * window (the engine's first query to its answer) and the raw blast's (its child's own CPU
+   * during the timed blast as `blast child total`).
+   */
+  cpuMs: { fetch: Record<string, number>; blast: Record<string, number> };
 }
 const PHASES = [
   "lookup_ms",
@@ -163,9 +170,12 @@ try {
   );
   const open = a.logs().map((l) => JSON.parse(l)).find((o) => o.msg === "transfer endpoint open");
   const xferAddr = `${c.nodeAddr(0)}:${open.port}`;
+  // The engine's polls run in this process (`bench`); the veth's deferred softirq work in `kernel`.
+  const roles = { A: [a.pid], B: [b.pid], bench: [Deno.pid], kernel: softirqPids() };
   for (let i = 0; i <= repeat; i++) {
     const f0 = await metric(b, "pegaflow_peer_fetch_duration_seconds_sum");
     const r0 = await metric(b, "pegaflow_peer_read_seconds_total");
+    const cpu0 = sampleCpu(roles);
     const t0 = performance.now();
     let q = await simB.query(hashes, `q-${i}`);
     while (q.kind === "loading") {
@@ -173,6 +183,7 @@ try {
       q = await simB.query(hashes, `q-${i}`);
     }
     const queryMs = performance.now() - t0;
+    const fetchCpu = cpuDeltaMs(cpu0, sampleCpu(roles));
     if (q.hits !== blocks) throw new Error(`run ${i}: ${q.hits} of ${blocks} blocks fetched`);
     const fetchS = await metric(b, "pegaflow_peer_fetch_duration_seconds_sum") - f0;
     const readS = await metric(b, "pegaflow_peer_read_seconds_total") - r0;
@@ -181,17 +192,25 @@ try {
     await waitFor("B evicted", async () => await metric(b, "pegaflow_cache_blocks") === 0);
     const argv = ["run", "-A", CHILD, xferAddr, String(streams), String(bytes)];
     const nsB = c.nodeNs(1);
+    const cpu2 = sampleCpu({ A: roles.A, kernel: roles.kernel });
     const child = await new Deno.Command(nsB ? "ip" : Deno.execPath(), {
       args: nsB ? ["netns", "exec", nsB, Deno.execPath(), ...argv] : argv,
       stdout: "piped",
       stderr: "inherit",
     }).output();
     if (!child.success) throw new Error("raw blast child failed");
-    const raw = JSON.parse(new TextDecoder().decode(child.stdout).trim()) as { ns: number };
+    const raw = JSON.parse(new TextDecoder().decode(child.stdout).trim()) as {
+      ns: number;
+      cpuUs: number;
+    };
+    // A's blast threads exit with their connections: only its total (ticks) counts them.
+    const blastCpu = cpuDeltaMs(cpu2, sampleCpu({ A: roles.A, kernel: roles.kernel }));
+    blastCpu["blast child total"] = raw.cpuUs / 1e3;
     const done = b.logs().map((l) => JSON.parse(l)).filter((o) => o.msg === "peer fetch done");
     const last = done[done.length - 1] ?? {};
     const phases = Object.fromEntries(PHASES.map((p) => [p, Number(last[p])]));
-    if (i > 0) runs.push({ fetchS, readS, rawNs: raw.ns, queryMs, phases }); // run 0 warms up
+    const cpuMs = { fetch: fetchCpu, blast: blastCpu };
+    if (i > 0) runs.push({ fetchS, readS, rawNs: raw.ns, queryMs, phases, cpuMs }); // run 0 warms up
   }
 } finally {
   offSignal();
@@ -234,6 +253,7 @@ console.log(
       .join(", ")
   }`,
 );
+printCpu(runs);
 await Deno.mkdir(new URL("./results/", import.meta.url), { recursive: true });
 await Deno.writeTextFile(
   out,
@@ -273,3 +293,21 @@ console.log(
     ? new TextDecoder().decode(chart.stdout).trim()
     : `chart skipped (${python} bench/peer_chart.py failed)`,
 );
+
+/**
+ * The median ms of CPU per transfer of each process role and thread group, fetch beside raw
+ * blast (the 0.5 ms and larger, largest first): where a fetch spends what the blast does not.
+ */
+function printCpu(rs: Run[]): void {
+  const keys = new Set(
+    rs.flatMap((r) => [...Object.keys(r.cpuMs.fetch), ...Object.keys(r.cpuMs.blast)]),
+  );
+  const med = (k: string, w: "fetch" | "blast") => median(rs.map((r) => r.cpuMs[w][k] ?? 0));
+  const rows = [...keys].map((k) => ({ k, f: med(k, "fetch"), b: med(k, "blast") }))
+    .filter((r) => r.f >= 0.5 || r.b >= 0.5)
+    .sort((x, y) => y.f + y.b - (x.f + x.b));
+  console.log("\nCPU ms per transfer, p50 (totals in clock ticks: ±10 ms)");
+  console.log("| process, threads | fetch | raw blast |");
+  console.log("| ---------------- | ----- | --------- |");
+  for (const r of rows) console.log(`| ${r.k} | ${r.f.toFixed(1)} | ${r.b.toFixed(1)} |`);
+}

@@ -21,6 +21,7 @@ const MODULES = new Set([
   "ssd_lib.ts",
   "native_copy.ts",
   "in_process.ts",
+  "thread_cpu.ts",
   "host_kv.py",
 ]);
 const SCRIPT_EXT = /\.(ts|tsx|mts|js|jsx|mjs)$/;
