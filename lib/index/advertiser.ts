@@ -127,7 +127,10 @@ export class IndexAdvertiser {
     if (!port) return;
     // Outcomes need no handling here: the index counts failures and re-advertises on recovery.
     for (const [ns, hexes] of wd) {
-      if (hexes.size > 0) this.#send(ns, () => port.withdraw(ns, [...hexes].map(hexBytes)));
+      // Array.from, not `[...hexes].map`: optimized `.map` returns a HOLEY array, and
+      // packHashes, shared with every fetch's lookup, then turns the fetch's packed hash
+      // arrays holey in place: each function on the fetch path deopts (docs/server.md).
+      if (hexes.size > 0) this.#send(ns, () => port.withdraw(ns, Array.from(hexes, hexBytes)));
     }
     for (const [ns, hexes] of adv) {
       const held = this.#held.get(ns);

@@ -99,7 +99,9 @@ export function advertisedFills(host: TierHost, advertiser: IndexAdvertiser): Ti
       // eviction came (nothing was withdrawn), and advertising it now would list it for good.
       const held = host.committed(namespace, hashes);
       if (held.length > 0) {
-        advertiser.onSealed(namespace, held.map((h) => blockKey(namespace, h)));
+        // Array.from, not `.map`: optimized `.map` returns a HOLEY array, which deopts
+        // onSealed, optimized on the save path's packed keys (docs/server.md).
+        advertiser.onSealed(namespace, Array.from(held, (h) => blockKey(namespace, h)));
       }
       return held;
     },

@@ -223,7 +223,7 @@ export class PeerLockTable {
       pin.release();
       return this.#miss("not-held");
     }
-    const blocks = pin.blocks.slice(0, k).map((b) => b!);
+    const blocks = Array.from(pin.blocks.slice(0, k), (b) => b!); // PACKED: docs/server.md, V8
     let checksums: Uint32Array;
     try {
       checksums = await this.#checksumsOf(namespace, hashes, blocks);
@@ -290,9 +290,9 @@ export class PeerLockTable {
       else checksums[i] = c;
     }
     if (missing.length === 0) return checksums;
-    const crcs = await this.#o.checksum(missing.map((i) => blocks[i].extents));
+    const crcs = await this.#o.checksum(Array.from(missing, (i) => blocks[i].extents));
     for (let j = 0; j < missing.length; j++) checksums[missing[j]] = crcs[j];
-    this.#o.host.recordChecksums(namespace, missing.map((i) => hashes[i]), crcs);
+    this.#o.host.recordChecksums(namespace, Array.from(missing, (i) => hashes[i]), crcs);
     this.#stats.checksumsAtLock += missing.length;
     return checksums;
   }

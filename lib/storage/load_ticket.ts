@@ -191,7 +191,7 @@ export function consumeTicket(
     S,
     L.segmentBytes,
     n,
-    blocks.map((b) => b.hash),
+    Array.from(blocks, (b) => b.hash), // PACKED: docs/server.md, V8 flags
     heads.at.slice(0, runs + 1),
     runOffsets,
     ns.strideBytes,
