@@ -320,7 +320,10 @@ function printCpu(rs: Run[]): void {
   const rows = [...keys].map((k) => ({ k, f: med(k, "fetch"), b: med(k, "blast") }))
     .filter((r) => r.f >= 0.5 || r.b >= 0.5)
     .sort((x, y) => y.f + y.b - (x.f + x.b));
-  console.log("\nCPU ms per transfer, p50 (totals in clock ticks: ±10 ms)");
+  console.log(
+    "\nCPU ms per transfer, p50 (totals in clock ticks: ±10 ms; the blast's A and kernel rows " +
+      "span the child's warm-up blast and its timed one)",
+  );
   console.log("| process, threads | fetch | raw blast |");
   console.log("| ---------------- | ----- | --------- |");
   for (const r of rows) console.log(`| ${r.k} | ${r.f.toFixed(1)} | ${r.b.toFixed(1)} |`);
