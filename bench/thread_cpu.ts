@@ -2,7 +2,9 @@
  * Where a benchmark's CPU goes, read from /proc (Linux): per process, its
  * total (`/proc/PID/stat`, which keeps the time of threads that have exited,
  * in clock ticks) and per live thread, grouped by thread name
- * (`/proc/PID/task/TID/schedstat`, ns on the CPU). bench/peer_fetch.ts takes
+ * (`/proc/PID/task/TID/schedstat`, ns on the CPU; each thread's delta taken by
+ * its id, then summed by name, so a thread that exits between two samples
+ * takes nothing away from its group). bench/peer_fetch.ts takes
  * a sample before and after each fetch and each raw blast, so a run says how
  * many ms of CPU each side's threads spent per transfer, on machines where
  * `perf` is not at hand.
@@ -13,11 +15,17 @@
 /** Nanoseconds per clock tick of /proc/PID/stat (USER_HZ is 100 on Linux). */
 const TICK_NS = 1e9 / 100;
 
-/** One process's CPU at a moment: its total and its live threads by name. */
+/** One live thread at a moment: its folded name and its ns on the CPU since it started. */
+interface ThreadSample {
+  name: string;
+  ns: number;
+}
+
+/** One process's CPU at a moment: its total and its live threads. */
 interface ProcSample {
   totalNs: number;
-  /** Thread name (digits and `/N` suffixes folded) → ns, summed over its threads. */
-  threads: Map<string, number>;
+  /** `PID/TID` → the thread (name with digits and `/N` suffixes folded). */
+  threads: Map<string, ThreadSample>;
 }
 
 /** CPU of some processes at a moment, by role (e.g. "A", "B", "kernel"). */
@@ -42,7 +50,7 @@ function sampleProc(pid: number): ProcSample | undefined {
   // Fields after the name, which is in parentheses and may hold spaces: utime is the 14th field.
   const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
   const totalNs = (Number(f[11]) + Number(f[12])) * TICK_NS;
-  const threads = new Map<string, number>();
+  const threads = new Map<string, ThreadSample>();
   let tids: Deno.DirEntry[] = [];
   try {
     tids = [...Deno.readDirSync(`/proc/${pid}/task`)];
@@ -51,8 +59,7 @@ function sampleProc(pid: number): ProcSample | undefined {
     const ns = Number(readOr(`/proc/${pid}/task/${t.name}/schedstat`)?.split(" ")[0]);
     const comm = readOr(`/proc/${pid}/task/${t.name}/comm`);
     if (!Number.isFinite(ns) || comm === undefined) continue;
-    const name = foldName(comm);
-    threads.set(name, (threads.get(name) ?? 0) + ns);
+    threads.set(`${pid}/${t.name}`, { name: foldName(comm), ns });
   }
   return { totalNs, threads };
 }
@@ -86,7 +93,7 @@ export function sampleCpu(roles: Record<string, readonly number[]>): CpuSample {
       const p = sampleProc(pid);
       if (!p) continue;
       sum.totalNs += p.totalNs;
-      for (const [n, ns] of p.threads) sum.threads.set(n, (sum.threads.get(n) ?? 0) + ns);
+      for (const [id, t] of p.threads) sum.threads.set(id, t);
     }
     out.set(role, sum);
   }
@@ -95,8 +102,9 @@ export function sampleCpu(roles: Record<string, readonly number[]>): CpuSample {
 
 /**
  * ms of CPU between two samples: `"<role> total"` per role (ticks: ±10 ms,
- * threads that exited included) and `"<role> <thread name>"` per live
- * thread group (exact; a thread that exited in between is left out).
+ * threads that exited included) and `"<role> <thread name>"` per thread
+ * group, each thread's delta by its id (exact; a thread that exited in
+ * between is left out, one that started in between counts from its start).
  */
 export function cpuDeltaMs(before: CpuSample, after: CpuSample): Record<string, number> {
   const out: Record<string, number> = {};
@@ -104,10 +112,14 @@ export function cpuDeltaMs(before: CpuSample, after: CpuSample): Record<string, 
     const b = before.get(role);
     if (!b) continue;
     out[`${role} total`] = (a.totalNs - b.totalNs) / 1e6;
-    for (const [name, ns] of a.threads) {
-      const d = (ns - (b.threads.get(name) ?? 0)) / 1e6;
-      if (d >= 0.05) out[`${role} ${name}`] = d;
+    const byName = new Map<string, number>();
+    for (const [id, t] of a.threads) {
+      const was = b.threads.get(id)?.ns ?? 0;
+      // Less than before: the id was reused by a thread started in between.
+      const d = t.ns >= was ? t.ns - was : t.ns;
+      byName.set(t.name, (byName.get(t.name) ?? 0) + d);
     }
+    for (const [name, ns] of byName) if (ns >= 5e4) out[`${role} ${name}`] = ns / 1e6;
   }
   return out;
 }
