@@ -110,16 +110,23 @@ const sim = SimEngine.create({
   backend: o.backend,
 });
 // Cross-node: the saving node's own engine (the same namespace: the same model and layout).
-const saver = crossNode
-  ? SimEngine.create({
-    client: saveClient,
-    instanceId: `${instanceId}-saver`,
-    namespace,
-    model,
-    numBlocks: blocks,
-    backend: o.backend,
-  })
-  : sim;
+// If it cannot be made (/dev/shm full), the first engine's regions go before the error does.
+const saver = crossNode ? saverEngine() : sim;
+function saverEngine(): SimEngine {
+  try {
+    return SimEngine.create({
+      client: saveClient,
+      instanceId: `${instanceId}-saver`,
+      namespace,
+      model,
+      numBlocks: blocks,
+      backend: o.backend,
+    });
+  } catch (e) {
+    sim.close();
+    throw e;
+  }
+}
 const sims = crossNode ? [sim, saver] : [sim];
 const sessions: ReturnType<typeof client.openSession>[] = [];
 const closeAll = () => {
