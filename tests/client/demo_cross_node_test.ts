@@ -8,8 +8,7 @@
 import assert from "node:assert/strict";
 import { startServer } from "../server/harness.ts";
 import { startRedis } from "../index/_redis.ts";
-
-const ROOT = new URL("../..", import.meta.url).pathname;
+import { assertFetchedAcross, crossNodeDemo } from "./_demo.ts";
 
 Deno.test("demo with --save-addr saves on one node and loads the prefix on another, fetched across nodes", async () => {
   const redis = await startRedis();
@@ -26,46 +25,10 @@ Deno.test("demo with --save-addr saves on one node and loads the prefix on anoth
   const a = await startServer(flags("demo-a"));
   const b = await startServer(flags("demo-b"));
   try {
-    const out = await new Deno.Command(Deno.execPath(), {
-      args: [
-        "run",
-        "-A",
-        "lib/client/demo.ts",
-        "--addr",
-        b.grpc,
-        "--save-addr",
-        a.grpc,
-        "--backend",
-        "host",
-        "--tokens",
-        "512",
-        "--layers",
-        "4",
-        "--requests",
-        "3",
-      ],
-      cwd: ROOT,
-      stdout: "piped",
-      stderr: "piped",
-    }).output();
-    const text = new TextDecoder().decode(out.stdout);
-    const err = new TextDecoder().decode(out.stderr);
-    assert.equal(out.code, 0, `demo failed:\n${text}\n${err}`);
+    const text = await crossNodeDemo(b.grpc, a.grpc);
     assert.match(text, new RegExp(`cold saves go to ${a.grpc.replace(/\./g, "\\.")}`));
-    assert.match(text, /#0 cold/);
-    // 512 tokens = 32 blocks: both warm requests hit all of them, every byte as saved on A.
-    const warm = text.split("\n").filter((l) => l.includes("warm"));
-    assert.equal(warm.length, 2, text);
-    for (const l of warm) {
-      assert.match(l, /"32\/32/, l);
-      assert.match(l, /all bytes/, l);
-    }
+    await assertFetchedAcross(text, b);
     assert.match(text, /hit rate 66\.7% \(64\/96 blocks\)/);
-    const metrics = await (await b.http_get("/metrics")).text();
-    const ok = metrics.match(/^pegaflow_peer_fetches_total\{result="ok"\} (\d+)/m);
-    assert.ok(ok && Number(ok[1]) >= 1, `B fetched nothing from A:\n${metrics}`);
-    const blocks = metrics.match(/^pegaflow_peer_fetch_blocks_total (\d+)/m);
-    assert.equal(Number(blocks?.[1]), 32);
   } finally {
     await b.stop();
     await a.stop();

@@ -9,23 +9,7 @@
 import assert from "node:assert/strict";
 import { startServer } from "../server/harness.ts";
 import { startRedisCluster } from "./_redis_cluster.ts";
-
-const ROOT = new URL("../..", import.meta.url).pathname;
-
-/** The demo as its own process: cold save on `saveAddr`, warm loads from `addr`. */
-async function demo(addr: string, saveAddr: string): Promise<string> {
-  // deno-fmt-ignore
-  const out = await new Deno.Command(Deno.execPath(), {
-    args: ["run", "-A", "lib/client/demo.ts", "--addr", addr, "--save-addr", saveAddr,
-      "--backend", "host", "--tokens", "512", "--layers", "4", "--requests", "3"],
-    cwd: ROOT,
-    stdout: "piped",
-    stderr: "piped",
-  }).output();
-  const text = new TextDecoder().decode(out.stdout);
-  assert.equal(out.code, 0, `demo failed:\n${text}\n${new TextDecoder().decode(out.stderr)}`);
-  return text;
-}
+import { assertFetchedAcross, crossNodeDemo } from "../client/_demo.ts";
 
 Deno.test("on a Redis Cluster, a prefix saved on node A is found in the index and loaded on node B, bytes verified", async () => {
   const cluster = await startRedisCluster();
@@ -45,19 +29,7 @@ Deno.test("on a Redis Cluster, a prefix saved on node A is found in the index an
     try {
       const b = await startServer(flags("e2e-b"));
       try {
-        const text = await demo(b.grpc, a.grpc);
-        assert.match(text, /#0 cold/);
-        // 512 tokens = 32 blocks: both warm requests hit all of them, every byte as saved on A.
-        const warm = text.split("\n").filter((l) => l.includes("warm"));
-        assert.equal(warm.length, 2, text);
-        for (const l of warm) {
-          assert.match(l, /"32\/32/, l);
-          assert.match(l, /all bytes/, l);
-        }
-        const metrics = await (await b.http_get("/metrics")).text();
-        const ok = metrics.match(/^pegaflow_peer_fetches_total\{result="ok"\} (\d+)/m);
-        assert.ok(ok && Number(ok[1]) >= 1, `B fetched nothing from A:\n${metrics}`);
-        assert.equal(Number(metrics.match(/^pegaflow_peer_fetch_blocks_total (\d+)/m)?.[1]), 32);
+        await assertFetchedAcross(await crossNodeDemo(b.grpc, a.grpc), b);
         // The registry of the demo's namespace: on one master, naming A (B joined it when its
         // own load filled the blocks).
         const registries: string[][] = [];
