@@ -41,14 +41,24 @@ Deno.test("a thread that exits between two samples takes nothing away from its g
   }).spawn();
   const lines = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
   const stdin = child.stdin.getWriter();
-  // Each line within 30 s: a child that never says it would hang the suite.
-  const next = async () => {
+  // The child's next line (reads are chunks, not lines), within 30 s: a child that never says
+  // it would hang the suite.
+  let buffered = "";
+  const next = async (): Promise<string | undefined> => {
     let timer: ReturnType<typeof setTimeout> | undefined;
     const late = new Promise<never>((_, reject) => {
       timer = setTimeout(() => reject(new Error("the child did not answer within 30 s")), 30_000);
     });
     try {
-      return (await Promise.race([lines.read(), late])).value?.trim();
+      while (!buffered.includes("\n")) {
+        const r = await Promise.race([lines.read(), late]);
+        if (r.done) return undefined;
+        buffered += r.value;
+      }
+      const at = buffered.indexOf("\n");
+      const line = buffered.slice(0, at).trim();
+      buffered = buffered.slice(at + 1);
+      return line;
     } finally {
       clearTimeout(timer);
     }
