@@ -192,21 +192,8 @@ export async function runServerToEnd(
   flags: string[],
   env: Record<string, string> = {},
 ): Promise<{ code: number; stdout: string; stderr: string }> {
-  const child = new Deno.Command(DENO, {
-    args: serverArgs([], flags),
-    cwd: ROOT,
-    stdout: "piped",
-    stderr: "piped",
-    env,
-  }).spawn();
-  const timer = setTimeout(() => child.kill("SIGKILL"), START_TIMEOUT_MS);
-  try {
-    const out = await child.output();
-    const dec = new TextDecoder();
-    return { code: out.code, stdout: dec.decode(out.stdout), stderr: dec.decode(out.stderr) };
-  } finally {
-    clearTimeout(timer);
-  }
+  const { status, stdout, stderr } = await spawnServer(flags, env).ended();
+  return { code: status.code, stdout, stderr };
 }
 
 /** Generous bound for server-side bookkeeping that follows a load's last word. */
@@ -267,6 +254,7 @@ export function spawnServer(flags: string[], env: Record<string, string> = {}): 
         else waiters.push(w);
       }
     }
+    stderr += dec.decode();
   })();
   const end = Promise.all([child.status, text(child.stdout), errDone]).then(([status, stdout]) => {
     clearTimeout(timer);
