@@ -145,3 +145,21 @@ def leftovers(kids: List[Child]) -> Dict[str, List[str]]:
         if gone:
             out[f"pid {c.pid} ({c.args})"] = gone
     return out
+
+
+def assert_unlinked_at_exit(script: str, what: str, timeout_s: float) -> None:
+    """Runs `script` in a fresh Python (this package importable): it makes two shm files, forks
+    a child that exits first, prints both names and whether each exists, then dies on an
+    unhandled exception. Asserts the child's exit left them (`what`: "states", "regions") and
+    the parent's unlinked both."""
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(here))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=timeout_s)
+    assert r.returncode == 1 and "the engine crashed" in r.stderr, r.stderr
+    first, second, first_there, second_there = r.stdout.split()
+    assert (first_there, second_there) == ("True", "True"), f"a forked child's exit unlinked its parent's {what}"
+    left = [n for n in (first, second) if os.path.exists(SHM + n)]
+    assert left == [], f"left in /dev/shm after the process ended: {left}"

@@ -13,6 +13,8 @@ import pytest
 from pegaflow.errors import PegaflowError, PegaflowLoadError, PegaflowLoadTimeout
 from pegaflow.load_state import LOAD_STATE_BYTES, STATE_REJECTED, LoadState
 
+from leaks import assert_unlinked_at_exit
+
 
 def publish(st: LoadState, num_layers=None, layers_ready=None, state=None) -> None:
     """Writes the server/native words the way the server does (state before layers_ready)."""
@@ -120,15 +122,4 @@ raise RuntimeError("the engine crashed")
 
 
 def test_load_states_a_process_never_closed_are_unlinked_when_it_exits():
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(here))
-    r = subprocess.run([sys.executable, "-c", _ENDS_WITHOUT_CLOSING], env=env, capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 1 and "the engine crashed" in r.stderr, r.stderr
-    own, given, own_there, given_there = r.stdout.split()
-    assert (own_there, given_there) == ("True", "True"), "a forked child's exit unlinked its parent's states"
-    left = [n for n in (own, given) if os.path.exists("/dev/shm" + n)]
-    assert left == [], f"left in /dev/shm after the process ended: {left}"
+    assert_unlinked_at_exit(_ENDS_WITHOUT_CLOSING, "states", timeout_s=60)

@@ -20,6 +20,8 @@ from pegaflow.regions import (
     kv_geometry,
 )
 
+from leaks import assert_unlinked_at_exit
+
 
 def test_kv_first_flash_attention_layout_is_two_planes():
     t = torch.empty((2, 64, 16, 8, 128), dtype=torch.bfloat16)
@@ -172,15 +174,4 @@ raise RuntimeError("the engine crashed")
 
 
 def test_regions_a_process_never_closed_are_unlinked_when_it_exits():
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(here))
-    r = subprocess.run([sys.executable, "-c", _ENDS_WITHOUT_CLOSING], env=env, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 1 and "the engine crashed" in r.stderr, r.stderr
-    plain, held, plain_there, held_there = r.stdout.split()
-    assert (plain_there, held_there) == ("True", "True"), "a forked child's exit unlinked its parent's regions"
-    left = [n for n in (plain, held) if os.path.exists("/dev/shm" + n)]
-    assert left == [], f"left in /dev/shm after the process ended: {left}"
+    assert_unlinked_at_exit(_ENDS_WITHOUT_CLOSING, "regions", timeout_s=120)
