@@ -17,6 +17,13 @@ from pegaflow.devserver import ROOT, DevServer
 START_TIMEOUT_S = 90.0
 
 
+def free_addr() -> str:
+    """A `127.0.0.1:PORT` nothing listens on right now (a server that is not there)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
 def server_has_flag(flag: str) -> bool:
     """True when this checkout's server parses `flag` (lib/server/config.ts)."""
     with open(os.path.join(ROOT, "lib", "server", "config.ts")) as f:

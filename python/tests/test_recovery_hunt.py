@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from pegaflow.load_state import LoadState
 
 from kv_helpers import make_kv, register
 from leaks import kill_and_clean
-from server_proc import ServerProc
+from server_proc import ServerProc, free_addr
 from waits import wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,14 +52,6 @@ def own_server():
         if s.proc.poll() is None:
             s.proc.send_signal(signal.SIGCONT)
         s.stop()
-
-
-def _free_addr() -> str:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    addr = f"127.0.0.1:{probe.getsockname()[1]}"
-    probe.close()
-    return addr
 
 
 # ---- the channel finds a restarted server --------------------------------------------------
@@ -99,7 +90,7 @@ def test_a_rank_re_registers_as_soon_as_its_restarted_server_is_up_without_grpcs
     attempt on only while something polls the channel: re-registration waited for gRPC's 5 s
     backup poller (1.5-7.5 s measured here with reconnect_max_ms=200), and without it never
     came. The client now drives the channel's reconnection itself."""
-    addr = _free_addr()
+    addr = free_addr()
     s1 = own_server(addr)
     env = dict(os.environ, GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS="600000",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import gc
-import socket
 import threading
 import time
 from concurrent import futures
@@ -32,6 +31,7 @@ from pegaflow.errors import PegaflowError
 from pegaflow.load_state import LoadState
 
 from kv_helpers import make_kv
+from server_proc import free_addr
 from waits import wait_for
 
 
@@ -87,20 +87,12 @@ def test_the_reconnect_thread_pauses_between_calls_a_stopping_server_refuses(sto
         c.close()
 
 
-def _free_addr() -> str:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    addr = f"127.0.0.1:{probe.getsockname()[1]}"
-    probe.close()
-    return addr
-
-
 def test_a_client_dropped_without_close_while_its_server_is_away_leaves_no_reconnect_thread():
     """The reconnect thread held its client (and the client its channel) for as long as the
     server stayed away: a client dropped without close() during an outage kept a thread and a
     channel reconnecting for good (before that thread, the dropped channel was collected). The
     thread now holds its client weakly and ends once it is gone."""
-    c = PegaflowClient(_free_addr(), rpc_timeout_ms=300, reconnect_max_ms=200)
+    c = PegaflowClient(free_addr(), rpc_timeout_ms=300, reconnect_max_ms=200)
     with pytest.raises(CallNotSent):
         c.health()  # no server: the channel is down, the thread drives it
     driving = c._reconnect[1]
