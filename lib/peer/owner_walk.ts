@@ -63,6 +63,7 @@ import { lockPart } from "./lock_call.ts";
 import type { PeerLinks } from "./link.ts";
 import { LayoutWarnings } from "./layout_warnings.ts";
 import { monotonicNow } from "../clock.ts";
+import { withinOrThrow } from "../timer_limit.ts";
 import type { OwnerLink, XferPeers } from "./xfer_peers.ts";
 
 /**
@@ -336,20 +337,14 @@ export class OwnerWalk {
     const linked = this.#o.xferPeers.get(addr);
     if (i === 0) return await linked;
     const left = Math.max(0, deadline - performance.now());
-    let timer: ReturnType<typeof setTimeout> | undefined;
-    const late = new Promise<never>((_, reject) => {
-      timer = setTimeout(() => {
-        const why = `no transfer connection within the fetch's deadline (${
-          Math.round(left)
-        } ms left)`;
-        reject(new LateLink(why));
-      }, left);
-    });
-    try {
-      return await Promise.race([linked, late]);
-    } finally {
-      clearTimeout(timer);
-    }
+    return await withinOrThrow(
+      linked,
+      left,
+      () =>
+        new LateLink(
+          `no transfer connection within the fetch's deadline (${Math.round(left)} ms left)`,
+        ),
+    );
   }
 
   /**
