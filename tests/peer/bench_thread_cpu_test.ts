@@ -5,6 +5,7 @@
  */
 import assert from "node:assert/strict";
 import { cpuDeltaMs, sampleCpu } from "../../bench/thread_cpu.ts";
+import { withinOrThrow } from "../../lib/timer_limit.ts";
 
 /**
  * Thread "burner-1" burns 200 ms of CPU and waits; on the first stdin line it
@@ -45,24 +46,22 @@ Deno.test("a thread that exits between two samples takes nothing away from its g
   // it would hang the suite.
   let buffered = "";
   const next = async (): Promise<string | undefined> => {
-    let timer: ReturnType<typeof setTimeout> | undefined;
-    const late = new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new Error("the child did not answer within 30 s")), 30_000);
-    });
-    try {
-      while (!buffered.includes("\n")) {
-        const r = await Promise.race([lines.read(), late]);
-        if (r.done) return undefined;
-        buffered += r.value;
-      }
-      const at = buffered.indexOf("\n");
-      const line = buffered.slice(0, at).trim();
-      buffered = buffered.slice(at + 1);
-      return line;
-    } finally {
-      clearTimeout(timer);
+    const deadline = Date.now() + 30_000;
+    while (!buffered.includes("\n")) {
+      const r = await withinOrThrow(
+        lines.read(),
+        deadline - Date.now(),
+        () => new Error("the child did not answer within 30 s"),
+      );
+      if (r.done) return undefined;
+      buffered += r.value;
     }
+    const at = buffered.indexOf("\n");
+    const line = buffered.slice(0, at).trim();
+    buffered = buffered.slice(at + 1);
+    return line;
   };
+
   try {
     assert.equal(await next(), "ready");
     const roles = { P: [child.pid] };
