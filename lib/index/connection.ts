@@ -261,7 +261,7 @@ export function checkRedisTarget(url: string, cluster: boolean): string {
   checkRedisAuth(url);
   if (cluster) {
     checkClusterSeeds(url);
-  } else if (checkRedisList(url) && redisSeeds(url).length > 1) {
+  } else if (redisSeeds(url).length > 1) {
     throw new IndexInputError(
       `"${redisWhere(url)}" lists ${
         redisSeeds(url).length
