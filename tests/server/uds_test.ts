@@ -90,7 +90,7 @@ Deno.test("over --uds the TS client does a full round trip; the socket is announ
   }
 });
 
-Deno.test("a crashed server's socket file is taken over; a live server's is refused, naming the path", async () => {
+Deno.test("a crashed server's socket and lock files are taken over; a live server's path is refused, naming it", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pegaflow-uds-" });
   const path = `${dir}/grpc.sock`;
   try {
@@ -100,12 +100,15 @@ Deno.test("a crashed server's socket file is taken over; a live server's is refu
     await crashed.status;
     assert.ok(Deno.lstatSync(path).isSocket, "SIGKILL leaves the socket file behind");
     assert.ok(Deno.lstatSync(`${path}.up`).isSocket, "and the guard's upstream socket");
+    // Its lock file stays too (the kernel dropped the lock itself): it blocks nobody.
+    assert.equal(Deno.readTextFileSync(`${path}.lock`), `${crashed.pid}\n`, "the lock file stays");
 
     const srv = await startServer(["--uds", path]);
     try {
       assert.ok(
         srv.logs().some((l) => l.includes("removed a stale gRPC socket file") && l.includes(path)),
       );
+      assert.equal(Deno.readTextFileSync(`${path}.lock`), `${srv.pid}\n`, "it names its holder");
       const c = new PegaflowClient(`unix:${path}`);
       try {
         await roundTrip(c, 21);
@@ -126,6 +129,7 @@ Deno.test("a crashed server's socket file is taken over; a live server's is refu
     } finally {
       await srv.stop();
     }
+    assert.deepEqual([...Deno.readDirSync(dir)].map((e) => e.name), [], "files left behind");
   } finally {
     await Deno.remove(dir, { recursive: true });
   }
