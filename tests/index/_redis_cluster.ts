@@ -62,8 +62,25 @@ async function clusterOk(port: number): Promise<boolean> {
   }
 }
 
-/** Starts the cluster and waits until every master says cluster_state:ok. */
+/** Cluster starts tried before the error goes up (see {@link startRedisCluster}). */
+const START_ATTEMPTS = 3;
+
+/**
+ * Starts the cluster and waits until every master says cluster_state:ok. A node can lose its
+ * port, or its bus port (port + 10000, inside the kernel's ephemeral range), to another socket
+ * between the check and its bind: such a start is tried again on new ports.
+ */
 export async function startRedisCluster(): Promise<RedisCluster> {
+  for (let attempt = 1;; attempt++) {
+    try {
+      return await startOnce();
+    } catch (e) {
+      if (attempt >= START_ATTEMPTS) throw e;
+    }
+  }
+}
+
+async function startOnce(): Promise<RedisCluster> {
   const dir = await Deno.makeTempDir({ prefix: "pf-redis-cluster-test-" });
   const ports: number[] = [];
   for (let i = 0; i < MASTERS; i++) ports.push(freeClusterPort(ports));
@@ -86,7 +103,9 @@ export async function startRedisCluster(): Promise<RedisCluster> {
     const p = children[i];
     if (!p) return;
     children[i] = undefined;
-    p.kill("SIGKILL");
+    try {
+      p.kill("SIGKILL");
+    } catch { /* it had exited (a node that failed to start) */ }
     await p.status;
   };
   const stop = async () => {
