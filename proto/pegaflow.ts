@@ -198,10 +198,20 @@ export interface ReleaseTransferLockRequest {
   /** the id answered, or the one asked for (a call with no answer) */
   lockId: Uint8Array;
   requester: string;
+  /**
+   * Blocks of the lock (indices into its locked prefix, in the answer's order) whose bytes
+   * landed at the requester with another CRC32C than the answer's. The owner checksums them
+   * again before it unpins them: a block whose bytes changed since its seal is dropped from
+   * its RAM and lower tiers (and so from the index); one that still matches is kept (the
+   * damage was on the way or at the requester). The lock is released either way.
+   */
+  failedBlocks: number[];
 }
 
 export interface ReleaseTransferLockResponse {
   released: boolean;
+  /** Of failed_blocks, those the owner found damaged and dropped. */
+  condemned: number;
 }
 
 /**
@@ -1077,7 +1087,7 @@ export const QueryBlocksForTransferResponse: MessageFns<QueryBlocksForTransferRe
 };
 
 function createBaseReleaseTransferLockRequest(): ReleaseTransferLockRequest {
-  return { lockId: new Uint8Array(0), requester: "" };
+  return { lockId: new Uint8Array(0), requester: "", failedBlocks: [] };
 }
 
 export const ReleaseTransferLockRequest: MessageFns<ReleaseTransferLockRequest> = {
@@ -1090,6 +1100,13 @@ export const ReleaseTransferLockRequest: MessageFns<ReleaseTransferLockRequest> 
     }
     if (message.requester !== "") {
       writer.uint32(18).string(message.requester);
+    }
+    if (message.failedBlocks.length !== 0) {
+      writer.uint32(26).fork();
+      for (const v of message.failedBlocks) {
+        writer.uint32(v);
+      }
+      writer.join();
     }
     return writer;
   },
@@ -1123,6 +1140,24 @@ export const ReleaseTransferLockRequest: MessageFns<ReleaseTransferLockRequest> 
             message.requester = reader.string();
             continue;
           }
+          case 3: {
+            if (tag === 24) {
+              message.failedBlocks.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 26) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.failedBlocks.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1146,12 +1181,13 @@ export const ReleaseTransferLockRequest: MessageFns<ReleaseTransferLockRequest> 
     const message = createBaseReleaseTransferLockRequest();
     message.lockId = object.lockId ?? new Uint8Array(0);
     message.requester = object.requester ?? "";
+    message.failedBlocks = object.failedBlocks?.map((e) => e) || [];
     return message;
   },
 };
 
 function createBaseReleaseTransferLockResponse(): ReleaseTransferLockResponse {
-  return { released: false };
+  return { released: false, condemned: 0 };
 }
 
 export const ReleaseTransferLockResponse: MessageFns<ReleaseTransferLockResponse> = {
@@ -1161,6 +1197,9 @@ export const ReleaseTransferLockResponse: MessageFns<ReleaseTransferLockResponse
   ): BinaryWriter {
     if (message.released !== false) {
       writer.uint32(8).bool(message.released);
+    }
+    if (message.condemned !== 0) {
+      writer.uint32(16).uint32(message.condemned);
     }
     return writer;
   },
@@ -1186,6 +1225,14 @@ export const ReleaseTransferLockResponse: MessageFns<ReleaseTransferLockResponse
             message.released = reader.bool();
             continue;
           }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.condemned = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1208,6 +1255,7 @@ export const ReleaseTransferLockResponse: MessageFns<ReleaseTransferLockResponse
   ): ReleaseTransferLockResponse {
     const message = createBaseReleaseTransferLockResponse();
     message.released = object.released ?? false;
+    message.condemned = object.condemned ?? 0;
     return message;
   },
 };

@@ -10,6 +10,7 @@
  */
 import { MAX_HASH_BYTES } from "../limits.ts";
 import { MAX_HASHES_PER_REQUEST } from "../storage/store.ts";
+import { discardEverywhere } from "../storage/lower_tiers.ts";
 import type { EngineContext } from "./context.ts";
 import { type ErrorFields, invalid } from "./errors.ts";
 import type { Instance, RankCtx } from "./instances.ts";
@@ -61,15 +62,12 @@ export function applyDiscards(
       });
     }
   }
-  const r = ctx.store.discard({
+  const { store: r, tierDropped } = discardEverywhere(ctx.store, ctx.tiers, {
     namespace: inst.namespace,
     instance: inst.id,
     rank: rank.tpRank,
     hashes,
   });
-  // After the store's: a lower tier's copy (an SSD record written before the discard) must not
-  // come back once the tombstones expire.
-  const tierDropped = ctx.tiers?.drop(inst.namespace, hashes) ?? 0;
   ctx.log.warn("save discard: blocks computed over a failed load", {
     instance: inst.id,
     rank: rank.rank,

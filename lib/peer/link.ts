@@ -196,27 +196,30 @@ export class PeerLinks {
     });
   }
 
-  /** `ReleaseTransferLock` on the owner (transports as {@link lock}): true when it released a lock. */
+  /**
+   * `ReleaseTransferLock` on the owner (transports as {@link lock}), naming
+   * the lock's blocks that landed damaged here (`failedBlocks`, indices into
+   * its prefix; the owner checks and drops them: damage_report.ts).
+   */
   async release(
     addr: string,
-    lockId: Uint8Array,
-    requester: string,
+    req: ReleaseTransferLockRequest,
     timeoutMs: number,
     rpcAddr = "",
-  ): Promise<boolean> {
+  ): Promise<ReleaseTransferLockResponse> {
     this.#via(addr, rpcAddr);
     if (rpcAddr) {
-      const body = ReleaseTransferLockRequest.encode({ lockId, requester }).finish();
+      const body = ReleaseTransferLockRequest.encode(req).finish();
       return ReleaseTransferLockResponse.decode(
         await this.#frame(rpcAddr, "releaseTransferLock", body, timeoutMs),
-      ).released;
+      );
     }
     return await new Promise((resolve, reject) => {
       this.#client(addr).releaseTransferLock(
-        { lockId, requester },
+        req,
         new grpc.Metadata(),
         { deadline: Date.now() + timeoutMs },
-        (err, res) => err ? reject(err) : resolve(res.released),
+        (err, res) => err ? reject(err) : resolve(res),
       );
     });
   }

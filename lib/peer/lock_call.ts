@@ -53,8 +53,13 @@ export interface LockedPart {
   res: QueryBlocksForTransferResponse;
   /** The locked blocks' pool ranges on the owner. */
   remote: BlockRanges;
-  /** Ends the lock on the owner; never rejects (a lost release lets it expire there). */
-  release: () => Promise<unknown>;
+  /**
+   * Ends the lock on the owner, naming the blocks (indices into this part)
+   * that landed with other checksums than answered, so the owner checks and
+   * drops them (damage_report.ts); never rejects (a lost release lets it
+   * expire there).
+   */
+  release: (failedBlocks?: readonly number[]) => Promise<unknown>;
   /**
    * When the owner may let the lock expire (`monotonicNow()` ms): the TTL it granted, counted
    * from when the request left here (the owner started it later). A READ must end before.
@@ -93,16 +98,28 @@ export async function lockPart(
   releaseMs = timeoutMs,
 ): Promise<LockedPart | LockFailure> {
   const owner = target.nodeId;
-  const end = (lockId: Uint8Array) =>
-    links.release(target.addr, lockId, ask.requester, releaseMs, target.rpcAddr).catch(
-      (e: Error) =>
-        log.debug("peer lock release failed; it expires on the owner", {
-          owner,
-          addr: target.addr,
-          lock: hashHex(lockId),
-          error: e.message,
-        }),
-    );
+  const end = (lockId: Uint8Array, failed: readonly number[] = []) =>
+    links.release(
+      target.addr,
+      { lockId, requester: ask.requester, failedBlocks: Array.from(failed) },
+      releaseMs,
+      target.rpcAddr,
+    ).then((r) => {
+      if (failed.length === 0) return;
+      log.warn("owner told of blocks that failed their checksum here", {
+        owner,
+        lock: hashHex(lockId),
+        reported: failed.length,
+        dropped_by_owner: r.condemned,
+      });
+    }, (e: Error) =>
+      log[failed.length ? "warn" : "debug"]("peer lock release failed; it expires on the owner", {
+        owner,
+        addr: target.addr,
+        lock: hashHex(lockId),
+        reported: failed.length,
+        error: e.message,
+      }));
   const lockId = crypto.getRandomValues(new Uint8Array(PEER_LOCK_ID_BYTES));
   let res: QueryBlocksForTransferResponse;
   const sentAt = monotonicNow();
@@ -127,7 +144,7 @@ export async function lockPart(
     return { why: "owner-miss", fields: { ...fields, ...layout } };
   }
   // The id answered: an owner that predates lock_id picks its own.
-  const release = () => end(res.lockId);
+  const release = (failed?: readonly number[]) => end(res.lockId, failed);
   let remote: BlockRanges | string;
   try {
     remote = remoteExtents(res);

@@ -38,6 +38,11 @@
  * (its batch was dropped by a full queue, or it sealed a moment ago) gets
  * it computed here, in one native call for the whole lock, and recorded.
  *
+ * Damaged blocks: a requester whose READ landed blocks with other checksums
+ * than answered names them in its release; they are checked again here
+ * while still pinned, and those whose bytes changed are condemned
+ * (damage_report.ts).
+ *
  * @module
  */
 
@@ -50,6 +55,7 @@ import { hashHex } from "../storage/keys.ts";
 import { packExtents } from "./extents_wire.ts";
 import { monotonicNow } from "../clock.ts";
 import { LayoutWarnings } from "./layout_warnings.ts";
+import { checkReport, type ReportedLock, type ReportedRelease } from "./damage_report.ts";
 
 /** Default lock TTL when the requester asks for none. */
 export const DEFAULT_PEER_LOCK_TTL_MS = 10_000;
@@ -124,14 +130,11 @@ export interface PeerLockStats {
   misses: Record<LockMissReason, number>;
   /** Checksums computed at lock time (not recorded after the seal). */
   checksumsAtLock: number;
+  /** Blocks requesters reported damaged, by what the check here found. */
+  reportedBad: { condemned: number; intact: number };
 }
 
-interface HeldLock {
-  /** The lock id in hex (logs). */
-  readonly id: string;
-  readonly requester: string;
-  readonly namespace: string;
-  readonly blocks: number;
+interface HeldLock extends ReportedLock {
   readonly expiresAt: number;
   readonly release: () => void;
 }
@@ -146,6 +149,12 @@ export interface PeerLockTableOptions {
   defaultTtlMs?: number;
   /** Milliseconds now. Default `monotonicNow` (lib/clock.ts): a system clock set forward must not expire locks mid-READ. */
   clock?: () => number;
+  /**
+   * Drops blocks found damaged here from RAM and every tier below (the
+   * server: `discardEverywhere`, lib/storage/lower_tiers.ts). Called while
+   * the lock still pins them. Absent: a damaged block is only logged.
+   */
+  condemn?: (namespace: string, hashes: readonly Uint8Array[]) => void;
 }
 
 /**
@@ -174,6 +183,7 @@ export class PeerLockTable {
     lockedBlocks: 0,
     misses: { "not-held": 0, "other-layout": 0, "unknown-namespace": 0, abandoned: 0 },
     checksumsAtLock: 0,
+    reportedBad: { condemned: 0, intact: 0 },
   };
   readonly #timer: ReturnType<typeof setInterval>;
   /** (requester, namespace, layout) refused as another layout and logged (bounded). */
@@ -259,6 +269,9 @@ export class PeerLockTable {
       blocks: k,
       expiresAt: this.#clock() + ttlMs,
       release: pin.release,
+      hashes: hashes.slice(0, k),
+      pinned: blocks,
+      checksums,
     });
     this.#stats.granted++;
     this.#stats.lockedBlocks += k;
@@ -316,6 +329,36 @@ export class PeerLockTable {
     return true;
   }
 
+  /**
+   * Ends a lock whose READ landed `failed` (indices into its locked prefix)
+   * with other checksums than answered: those blocks are checksummed again
+   * while still pinned, and the ones whose bytes changed here are condemned
+   * (damage_report.ts). Throws `BadReportError` for an index outside the
+   * lock or named twice, after releasing the lock. A lock not held (expired,
+   * another requester's) is released as {@link release} would and nothing is
+   * checked: its ranges may hold other blocks by now.
+   */
+  async releaseReported(
+    lockId: Uint8Array,
+    requester: string,
+    failed: readonly number[],
+  ): Promise<ReportedRelease> {
+    const key = lockKey(requester, lockId);
+    const l = failed.length > 0 ? this.#held.get(key) : undefined;
+    if (!l) return { released: this.release(lockId, requester), condemned: 0 };
+    this.#held.delete(key); // out of the sweep's reach: the pin ends below, once
+    this.#stats.released++;
+    try {
+      const condemned = await checkReport(l, failed, this.#o.checksum, this.#o.log);
+      this.#stats.reportedBad.condemned += condemned.length;
+      this.#stats.reportedBad.intact += failed.length - condemned.length;
+      if (condemned.length > 0) this.#o.condemn?.(l.namespace, condemned.map((i) => l.hashes[i]));
+      return { released: true, condemned: condemned.length };
+    } finally {
+      l.release();
+    }
+  }
+
   #abandon(key: string): void {
     this.#abandoned.delete(key); // re-inserted last: the map stays in order of forgetting
     this.#abandoned.set(key, this.#clock() + ABANDONED_KEEP_MS);
@@ -357,6 +400,7 @@ export class PeerLockTable {
       held: this.#held.size,
       ...this.#stats,
       misses: { ...this.#stats.misses },
+      reportedBad: { ...this.#stats.reportedBad },
     };
   }
 

@@ -165,6 +165,18 @@ export function registerPeerMetrics(
     },
     ["reason"],
   );
+  counter(
+    "pegaflow_peer_reported_bad_blocks_total",
+    "blocks requesters read from this node with wrong checksums, by what the check here found: condemned (changed since their seal: dropped) or intact (damaged on the way or at the requester)",
+    () => {
+      const l = locks();
+      return l && [
+        [{ outcome: "condemned" }, l.reportedBad.condemned],
+        [{ outcome: "intact" }, l.reportedBad.intact],
+      ];
+    },
+    ["outcome"],
+  );
   const duration = new Histogram({
     name: "pegaflow_peer_fetch_duration_seconds",
     help: "peer fetch duration, index lookup to the last block committed (or the failure)",

@@ -374,10 +374,12 @@ export class PeerTier implements Tier {
         reads.push(this.#read(second, namespace, owner, peer));
       }
     }
-    const releaseAll = () => Promise.all(releases.map((r) => r()));
-    let read: ReadOutcome;
+    // Each lock's release names its part's blocks that failed their checksum (the owner checks them).
+    let parts: ReadOutcome[] = [];
+    const releaseAll = () => Promise.all(releases.map((r, i) => r(parts[i]?.badBlocks)));
+    let read: Omit<ReadOutcome, "badBlocks">;
     try {
-      read = mergeReads(await Promise.all(reads));
+      read = mergeReads(parts = await Promise.all(reads));
     } catch (e) {
       // Every chunk's space was settled before a part threw; the other part's too once it ended.
       await Promise.allSettled(reads);

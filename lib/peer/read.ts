@@ -66,6 +66,8 @@ export interface ReadOutcome {
   good: Uint8Array[];
   /** Blocks that landed with another CRC32C than the owner's (freed). */
   bad: number;
+  /** Those blocks' indices in the prefix (the release reports them to the owner); one part's only. */
+  badBlocks: number[];
   /** The first batch that failed (its blocks freed). */
   failed?: XferResult;
   /** Why planning or submitting stopped early, if it did. */
@@ -79,7 +81,8 @@ export interface ReadOutcome {
   tPlanned: number;
 }
 
-const NONE = { chunks: 0, good: [], bad: 0, readBytes: 0, readEnd: 0 };
+/** Nothing read (fresh arrays: a caller may keep them). */
+const none = () => ({ chunks: 0, good: [], bad: 0, badBlocks: [], readBytes: 0, readEnd: 0 });
 
 /** How {@link readLockedPrefix} plans and reports. */
 export interface ReadOptions {
@@ -108,7 +111,7 @@ interface Chunk {
 /** What settling the chunks brought: the verified blocks and the wire's numbers. */
 type Settled = Pick<
   ReadOutcome,
-  "good" | "bad" | "failed" | "readBytes" | "readEnd"
+  "good" | "bad" | "badBlocks" | "failed" | "readBytes" | "readEnd"
 >;
 
 /**
@@ -125,16 +128,16 @@ export async function readLockedPrefix(
   const held = p.remote.starts.length - 1;
   if (p.hashes.length !== held || p.checksums.length !== held) {
     const refused = `${p.hashes.length} blocks to read, the lock answer covers ${held}`;
-    return { ...NONE, planned: 0, refused, tSubmit, tPlanned: tSubmit };
+    return { ...none(), planned: 0, refused, tSubmit, tPlanned: tSubmit };
   }
   if (!(o.deadlineMs >= 1)) {
     const refused = `the owner's lock ends in ${Math.round(o.deadlineMs)} ms, before a READ could`;
-    return { ...NONE, planned: 0, refused, expired: true, tSubmit, tPlanned: tSubmit };
+    return { ...none(), planned: 0, refused, expired: true, tSubmit, tPlanned: tSubmit };
   }
   const { chunks, planned, refused } = submitChunks(host, peer, p, o);
   const tPlanned = performance.now();
   if (chunks.length === 0) {
-    return { ...NONE, planned, refused, tSubmit, tPlanned };
+    return { ...none(), planned, refused, tSubmit, tPlanned };
   }
   const settled = await settleChunks(host, chunks, p, o.log, tSubmit);
   return { chunks: chunks.length, planned, refused, tSubmit, tPlanned, ...settled };
@@ -143,12 +146,13 @@ export async function readLockedPrefix(
 /**
  * The outcome of a prefix read in parts (one per lock, in prefix order) as
  * one: blocks in order, counts summed, the first failure, the READ's time
- * from the first submit to the last batch's end.
+ * from the first submit to the last batch's end. (Each part's `badBlocks`
+ * stay its own: they go back with its lock's release.)
  */
-export function mergeReads(parts: ReadOutcome[]): ReadOutcome {
+export function mergeReads(parts: ReadOutcome[]): Omit<ReadOutcome, "badBlocks"> {
   if (parts.length === 1) return parts[0];
   const tSubmit = Math.min(...parts.map((p) => p.tSubmit));
-  const out: ReadOutcome = {
+  const out: Omit<ReadOutcome, "badBlocks"> = {
     chunks: 0,
     planned: 0,
     good: [],
@@ -263,7 +267,7 @@ async function settleChunks(
   log: Logger,
   tSubmit: number,
 ): Promise<Settled> {
-  const out: Settled = { good: [], bad: 0, readBytes: 0, readEnd: 0 };
+  const out: Settled = { good: [], bad: 0, badBlocks: [], readBytes: 0, readEnd: 0 };
   for (let ci = 0; ci < chunks.length; ci++) {
     const c = chunks[ci];
     const r = await c.done;
@@ -315,6 +319,7 @@ function verifyChunk(
       out.good.push(p.hashes[i]);
     } else {
       out.bad++;
+      out.badBlocks.push(i);
       log.warn("peer block failed its checksum: not served", {
         owner: p.owner,
         namespace: p.namespace,

@@ -23,6 +23,8 @@ import { MAX_HASHES_PER_REQUEST } from "../storage/store.ts";
 import type { Logger } from "../log.ts";
 import { HandshakeRefused, type TransferLender } from "./lender.ts";
 import { PEER_LOCK_ID_BYTES, type PeerLockTable } from "./locks.ts";
+import { BadReportError } from "./damage_report.ts";
+import { hashHex } from "../storage/keys.ts";
 import { undecodableReason } from "../server/decode.ts";
 
 /** What the service tells a requester about this node's transport. */
@@ -33,9 +35,10 @@ export interface TransferEndpointInfo {
   addr: string;
 }
 
-function refuse(message: string): grpc.ServiceError {
+/** A gRPC error answer: INVALID_ARGUMENT unless `code` says otherwise. */
+function refuse(message: string, code = grpc.status.INVALID_ARGUMENT): grpc.ServiceError {
   return Object.assign(new Error(message), {
-    code: grpc.status.INVALID_ARGUMENT,
+    code,
     details: message,
     metadata: new grpc.Metadata(),
   });
@@ -132,11 +135,7 @@ export function peerServiceImpl(
           blocks: r.blockHashes.length,
           error: e.message,
         });
-        callback(Object.assign(new Error(e.message), {
-          code: grpc.status.INTERNAL,
-          details: e.message,
-          metadata: new grpc.Metadata(),
-        }));
+        callback(refuse(e.message, grpc.status.INTERNAL));
       });
     },
     releaseTransferLock(call, callback) {
@@ -146,7 +145,21 @@ export function peerServiceImpl(
         callback(refuse(bad));
         return;
       }
-      callback(null, { released: locks.release(call.request.lockId, call.request.requester) });
+      const r = call.request;
+      if (r.failedBlocks.length === 0) {
+        callback(null, { released: locks.release(r.lockId, r.requester), condemned: 0 });
+        return;
+      }
+      locks.releaseReported(r.lockId, r.requester, r.failedBlocks).then(
+        (a) => callback(null, a),
+        (e: Error) => {
+          const refused = e instanceof BadReportError;
+          const fields = { requester: r.requester, lock: hashHex(r.lockId), error: e.message };
+          if (refused) log.warn("peer damage report refused; the lock is released", fields);
+          else log.error("peer damage report failed; the lock is released", fields);
+          callback(refuse(e.message, refused ? undefined : grpc.status.INTERNAL));
+        },
+      );
     },
     connectTransfer: connectTransferHandler(lender, log),
   };
@@ -170,11 +183,7 @@ function connectTransferHandler(
       (e: Error) => {
         const code = e instanceof HandshakeRefused ? grpc.status[e.code] : grpc.status.INTERNAL;
         log.warn("transfer handshake refused", { requester: r.requester, error: e.message });
-        callback(Object.assign(new Error(e.message), {
-          code,
-          details: e.message,
-          metadata: new grpc.Metadata(),
-        }));
+        callback(refuse(e.message, code));
       },
     );
   };

@@ -46,6 +46,15 @@ function readDelayHook(log: Logger): (() => Promise<void>) | undefined {
   };
 }
 
+/** This node's RAM as the cross-node pieces use it. */
+export interface CrossNodeRam {
+  store: KvStore;
+  /** What the peer tier fills and pins through. */
+  tierHost: TierHost;
+  /** Drops blocks found damaged here from RAM and the tiers below (lib/peer/damage_report.ts). */
+  condemn: (namespace: string, hashes: readonly Uint8Array[]) => void;
+}
+
 /** The opened cross-node pieces. */
 export interface CrossNode {
   /** The peer tier (a tier below RAM), when this node fetches from peers. */
@@ -79,7 +88,7 @@ export interface CrossNode {
  *
  * @example
  * ```ts
- * const cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
+ * const cross = openCrossNode(cfg, native, { store, tierHost, condemn }, advertiser, metrics, log);
  * cross.addServices(server);
  * cross.openIndex("10.0.0.5:50055");
  * ```
@@ -87,12 +96,12 @@ export interface CrossNode {
 export function openCrossNode(
   cfg: ServeConfig,
   native: NativePort & { copyEngine: CopyEngine },
-  store: KvStore,
-  tierHost: TierHost,
+  ram: CrossNodeRam,
   advertiser: IndexAdvertiser | undefined,
   metrics: ServerMetrics,
   log: Logger,
 ): CrossNode {
+  const { store, tierHost } = ram;
   const plog = log.child({ component: "peer" });
   const { rpcListener, transfer } = cfg.index.redisUrl
     ? openPeerListeners(cfg, native.copyEngine, metrics, log, plog)
@@ -109,6 +118,7 @@ export function openCrossNode(
       checksum,
       log: plog,
       defaultTtlMs: cfg.peer.lockTtlMs,
+      condemn: ram.condemn,
     })
     : undefined;
   const advertised = () => index?.index.advertiseAddr ?? boundGrpcAddr;

@@ -15,7 +15,7 @@ import { advertisedFills } from "../index/attach.ts";
 import { SsdOpenError, SsdOpenStalledError, SsdTier } from "../ssd/tier.ts";
 import { SsdStorageTier } from "../ssd/ssd_tier_port.ts";
 import { registerSsdMetrics } from "../ssd/metrics.ts";
-import { LowerTiers } from "../storage/lower_tiers.ts";
+import { discardEverywhere, LowerTiers } from "../storage/lower_tiers.ts";
 import { storeTierHost } from "../storage/tier_host.ts";
 import type { ServeConfig } from "./config.ts";
 import type { ServerMetrics } from "./metrics.ts";
@@ -60,9 +60,19 @@ export async function openLowerTiers(
   const tierHost = advertiser
     ? advertisedFills(storeTierHost(store), advertiser)
     : storeTierHost(store);
+  // A block a peer read damaged and that fails its checksum here leaves RAM and every tier below
+  // (opened after the cross-node pieces: the peer tier is one of them).
+  const below: { tiers?: LowerTiers } = {};
+  const condemn = (namespace: string, hashes: readonly Uint8Array[]) =>
+    void discardEverywhere(store, below.tiers, {
+      namespace,
+      instance: "peer-report",
+      rank: 0,
+      hashes,
+    });
   let cross: CrossNode;
   try {
-    cross = openCrossNode(cfg, native, store, tierHost, advertiser, metrics, log);
+    cross = openCrossNode(cfg, native, { store, tierHost, condemn }, advertiser, metrics, log);
   } catch (e) {
     // An explicit transport that cannot open, or a bad --nics: refuse to start.
     await ssd?.close();
@@ -72,7 +82,7 @@ export async function openLowerTiers(
     ...(ssd ? [new SsdStorageTier(ssd, tierHost, log.child({ tier: "ssd" }))] : []),
     ...(cross.peerTier ? [cross.peerTier] : []),
   ];
-  const tiers = lower.length > 0
+  const tiers = below.tiers = lower.length > 0
     ? new LowerTiers({
       ram: store,
       tiers: lower,

@@ -35,6 +35,7 @@ import { errorText, Logger } from "../log.ts";
 import { Stage, type StageMetrics, type StageOptions } from "../pipeline/stage.ts";
 import { blockLayoutIdentity } from "./layout.ts";
 import type { KvStore } from "./store.ts";
+import type { DiscardRequest, DiscardResult } from "./discard.ts";
 import type { StoredLayout, Tier, TierBlocks, TierMissReason } from "./tier.ts";
 
 /** Default depth of the `tier.admit` queue (sealed batches waiting for the tiers). */
@@ -338,4 +339,26 @@ export class LowerTiers {
       await Promise.all(this.tiers.map((t) => t.close()));
     })();
   }
+}
+
+/**
+ * Discards `req.hashes` of `req.namespace` in RAM (the store's discard:
+ * evicted, doomed while pinned, refused for a while), then in every lower
+ * tier: a lower tier's copy (an SSD record written from RAM) must not come
+ * back once the store's tombstones expire. The one order both callers need:
+ * a failed load's discard (lib/engine/save_discard.ts) and a block a peer
+ * found damaged here (lib/peer/damage_report.ts).
+ *
+ * @example
+ * ```ts
+ * const { store: r, tierDropped } = discardEverywhere(store, tiers, { namespace, instance, rank, hashes });
+ * ```
+ */
+export function discardEverywhere(
+  store: Pick<KvStore, "discard">,
+  tiers: Pick<LowerTiers, "drop"> | undefined,
+  req: DiscardRequest & { hashes: readonly Uint8Array[] },
+): { store: DiscardResult; tierDropped: number } {
+  const r = store.discard(req);
+  return { store: r, tierDropped: tiers?.drop(req.namespace, req.hashes) ?? 0 };
 }

@@ -13,6 +13,7 @@ import * as grpc from "@grpc/grpc-js";
 import { lenientPeerService } from "../../lib/server/decode.ts";
 import { poolChecksums } from "../../ffi/uring.ts";
 import { KvStore } from "../../lib/storage/store.ts";
+import { discardEverywhere } from "../../lib/storage/lower_tiers.ts";
 import { storeTierHost } from "../../lib/storage/tier_host.ts";
 import type { BlockLayout } from "../../lib/storage/block.ts";
 import type { TierBlocks, TierHost } from "../../lib/storage/tier.ts";
@@ -181,6 +182,14 @@ export async function ownerNode(seed: number, o: OwnerOptions = {}) {
     ram: owner.store,
     checksum: o.ownerChecksum?.(owner.checksum) ?? owner.checksum,
     log,
+    // As the server wires it (lib/server/open_tiers.ts), with no tier below RAM.
+    condemn: (namespace, hashes) =>
+      void discardEverywhere(owner.store, undefined, {
+        namespace,
+        instance: "peer-report",
+        rank: 0,
+        hashes,
+      }),
   });
   const server = new grpc.Server();
   const xferAddr = `127.0.0.1:${owner.n.ep.info().port}`;

@@ -153,9 +153,9 @@ Deno.test("a lock answer naming more blocks than were asked is refused as a bad 
   const links = {
     // Asked for one block, the owner answers two, each whole and well formed.
     lock: () => Promise.resolve(answer([1, 1], [[0, 8192], [8192, 8192]], 8192)),
-    release: (_addr: string, _id: Uint8Array, requester: string) => {
-      released.push(requester);
-      return Promise.resolve(true);
+    release: (_addr: string, req: { requester: string }) => {
+      released.push(req.requester);
+      return Promise.resolve({ released: true, condemned: 0 });
     },
   } as unknown as PeerLinks;
   const ask = {

@@ -102,6 +102,13 @@ Deno.test("a block whose bytes changed after its checksum was recorded is never 
     }
     assert.equal(t.tier.stats().failures.checksum, 1);
     assert.equal(t.locks.stats().checksumsAtLock, 0, "the seal-time checksums were carried");
+    // The release named the block; the owner found it changed and dropped it (damage_report.ts).
+    await t.tier.flush();
+    assert.deepEqual(t.locks.stats().reportedBad, { condemned: 1, intact: 0 });
+    assert.equal(t.owner.store.blockState(NS, hashes[2]), "absent", "condemned on the owner");
+    for (const i of [0, 1, 3]) assert.equal(t.owner.store.blockState(NS, hashes[i]), "sealed");
+    assert.equal(t.owner.store.stats().pinnedBlocks, 0);
+    t.owner.store.verify();
     t.req.store.verify();
   } finally {
     await t.close();
@@ -213,8 +220,13 @@ Deno.test("the Peer service refuses malformed lock requests naming the field, ov
       const locked = await t.links.lock(t.ownerAddr, ok, 2000, rpcAddr);
       assert.equal(locked.checksums.length, 1);
       assert.equal(locked.extentShifts.length, 0, "not asked for shifts: every extent");
-      const release = (who: string) =>
-        t.links.release(t.ownerAddr, locked.lockId, who, 2000, rpcAddr);
+      const release = async (who: string) =>
+        (await t.links.release(
+          t.ownerAddr,
+          { lockId: locked.lockId, requester: who, failedBlocks: [] },
+          2000,
+          rpcAddr,
+        )).released;
       assert.equal(await release("someone-else"), false, via);
       assert.equal(await release("r"), true, via);
       assert.equal(await release("r"), false, via);
