@@ -98,28 +98,7 @@ export async function lockPart(
   releaseMs = timeoutMs,
 ): Promise<LockedPart | LockFailure> {
   const owner = target.nodeId;
-  const end = (lockId: Uint8Array, failed: readonly number[] = []) =>
-    links.release(
-      target.addr,
-      { lockId, requester: ask.requester, failedBlocks: Array.from(failed) },
-      releaseMs,
-      target.rpcAddr,
-    ).then((r) => {
-      if (failed.length === 0) return;
-      log.warn("owner told of blocks that failed their checksum here", {
-        owner,
-        lock: hashHex(lockId),
-        reported: failed.length,
-        dropped_by_owner: r.condemned,
-      });
-    }, (e: Error) =>
-      log[failed.length ? "warn" : "debug"]("peer lock release failed; it expires on the owner", {
-        owner,
-        addr: target.addr,
-        lock: hashHex(lockId),
-        reported: failed.length,
-        error: e.message,
-      }));
+  const end = releaser(links, target, ask.requester, releaseMs, log);
   const lockId = crypto.getRandomValues(new Uint8Array(PEER_LOCK_ID_BYTES));
   let res: QueryBlocksForTransferResponse;
   const sentAt = monotonicNow();
@@ -170,4 +149,41 @@ export async function lockPart(
     return { why: "bad-answer", fields: { owner, addr: target.addr, error } };
   }
   return { res, remote, release, expiresAt: sentAt + res.lockTtlMs };
+}
+
+/**
+ * Releases a lock of `target`'s, naming the blocks (indices into its
+ * prefix) that failed their checksum here; never rejects (a lost release
+ * lets the lock expire on the owner). A report and its outcome are logged.
+ */
+function releaser(
+  links: PeerLinks,
+  target: LockTarget,
+  requester: string,
+  releaseMs: number,
+  log: Logger,
+): (lockId: Uint8Array, failed?: readonly number[]) => Promise<void> {
+  const owner = target.nodeId;
+  return (lockId, failed = []) =>
+    links.release(
+      target.addr,
+      { lockId, requester, failedBlocks: Array.from(failed) },
+      releaseMs,
+      target.rpcAddr,
+    ).then((r) => {
+      if (failed.length === 0) return;
+      log.warn("owner told of blocks that failed their checksum here", {
+        owner,
+        lock: hashHex(lockId),
+        reported: failed.length,
+        dropped_by_owner: r.condemned,
+      });
+    }, (e: Error) =>
+      log[failed.length ? "warn" : "debug"]("peer lock release failed; it expires on the owner", {
+        owner,
+        addr: target.addr,
+        lock: hashHex(lockId),
+        reported: failed.length,
+        error: e.message,
+      }));
 }

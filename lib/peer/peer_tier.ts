@@ -374,18 +374,7 @@ export class PeerTier implements Tier {
         reads.push(this.#read(second, namespace, owner, peer));
       }
     }
-    // Each lock's release names its part's blocks that failed their checksum (the owner checks them).
-    let parts: ReadOutcome[] = [];
-    const releaseAll = () => Promise.all(releases.map((r, i) => r(parts[i]?.badBlocks)));
-    let read: Omit<ReadOutcome, "badBlocks">;
-    try {
-      read = mergeReads(parts = await Promise.all(reads));
-    } catch (e) {
-      // Every chunk's space was settled before a part threw; the other part's too once it ended.
-      await Promise.allSettled(reads);
-      await releaseAll();
-      throw e;
-    }
+    const { read, releaseAll } = await readParts(reads, releases);
     this.#stats.readBytes += read.readBytes;
     // Nothing read past the owner's lock counts as a timeout; other refusals as the transfer's.
     const refusal = read.expired ? "timeout" : "transfer";
@@ -433,5 +422,32 @@ export class PeerTier implements Tier {
       verify_tail_ms: ms(tSubmit + readEnd, tVerify),
       total_ms: ms(t0, tVerify),
     });
+  }
+}
+
+/**
+ * Every part's READ (one per lock, in prefix order), merged; `releaseAll`
+ * ends each lock, its release naming that part's blocks that failed their
+ * checksum (the owner checks them: damage_report.ts). A part that threw:
+ * once every part ended, each lock is released — a part that ended still
+ * reports its damaged blocks — and the error is rethrown.
+ */
+async function readParts(
+  reads: readonly Promise<ReadOutcome>[],
+  releases: readonly LockedPart["release"][],
+) {
+  let parts: readonly (ReadOutcome | undefined)[] = [];
+  const releaseAll = () => Promise.all(releases.map((r, i) => r(parts[i]?.badBlocks)));
+  try {
+    const all = await Promise.all(reads);
+    parts = all;
+    return { read: mergeReads(all), releaseAll };
+  } catch (e) {
+    // Every chunk's space was settled before a part threw; the other part's too once it ended.
+    parts = (await Promise.allSettled(reads)).map((s) =>
+      s.status === "fulfilled" ? s.value : undefined
+    );
+    await releaseAll();
+    throw e;
   }
 }

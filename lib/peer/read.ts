@@ -269,29 +269,45 @@ async function settleChunks(
 ): Promise<Settled> {
   const out: Settled = { good: [], bad: 0, badBlocks: [], readBytes: 0, readEnd: 0 };
   for (let ci = 0; ci < chunks.length; ci++) {
-    const c = chunks[ci];
-    const r = await c.done;
-    if (r.status !== 0) {
-      c.fill.settle(() => false);
-      out.failed ??= r;
-      continue;
-    }
-    const n = c.fill.count;
-    out.readEnd = Math.max(out.readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
-    out.readBytes += n * p.payloadBytes;
-    const crcs = r.crcs;
-    if (!crcs || crcs.length !== n) {
-      // A bug, not bad bytes: free this chunk, and each later one once it ended.
-      c.fill.settle(() => false);
+    try {
+      await settleChunk(host, chunks[ci], p, log, tSubmit, out);
+    } catch (e) {
+      // A bug, not bad bytes (the chunk that threw settled its space first): free each later
+      // chunk once it ended, so no planned space outlives the fetch.
       for (const later of chunks.slice(ci + 1)) {
         await later.done;
         later.fill.settle(() => false);
       }
-      throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
+      throw e;
     }
-    verifyChunk(host, c, crcs, p, log, out);
   }
   return out;
+}
+
+/** Waits for one chunk's completion and settles its space (see {@link settleChunks}). */
+async function settleChunk(
+  host: TierHost,
+  c: Chunk,
+  p: LockedPrefix,
+  log: Logger,
+  tSubmit: number,
+  out: Settled,
+): Promise<void> {
+  const r = await c.done;
+  if (r.status !== 0) {
+    c.fill.settle(() => false);
+    out.failed ??= r;
+    return;
+  }
+  const n = c.fill.count;
+  out.readEnd = Math.max(out.readEnd, c.submittedAt - tSubmit + r.ns / 1e6);
+  out.readBytes += n * p.payloadBytes;
+  const crcs = r.crcs;
+  if (!crcs || crcs.length !== n) {
+    c.fill.settle(() => false);
+    throw new Error(`READ of ${n} blocks ended OK with ${crcs?.length ?? "no"} checksums`);
+  }
+  verifyChunk(host, c, crcs, p, log, out);
 }
 
 /**

@@ -138,30 +138,42 @@ export function peerServiceImpl(
         callback(refuse(e.message, grpc.status.INTERNAL));
       });
     },
-    releaseTransferLock(call, callback) {
-      const bad = undecodableReason(call.request);
-      if (bad) {
-        log.warn("peer lock release refused", { error: bad });
-        callback(refuse(bad));
-        return;
-      }
-      const r = call.request;
-      if (r.failedBlocks.length === 0) {
-        callback(null, { released: locks.release(r.lockId, r.requester), condemned: 0 });
-        return;
-      }
-      locks.releaseReported(r.lockId, r.requester, r.failedBlocks).then(
-        (a) => callback(null, a),
-        (e: Error) => {
-          const refused = e instanceof BadReportError;
-          const fields = { requester: r.requester, lock: hashHex(r.lockId), error: e.message };
-          if (refused) log.warn("peer damage report refused; the lock is released", fields);
-          else log.error("peer damage report failed; the lock is released", fields);
-          callback(refuse(e.message, refused ? undefined : grpc.status.INTERNAL));
-        },
-      );
-    },
+    releaseTransferLock: releaseTransferLockHandler(locks, log),
     connectTransfer: connectTransferHandler(lender, log),
+  };
+}
+
+/**
+ * `ReleaseTransferLock`: a plain release, or one reporting damaged blocks
+ * (damage_report.ts): a report naming no block of its lock is
+ * INVALID_ARGUMENT, a check that failed INTERNAL; the lock is released either way.
+ */
+function releaseTransferLockHandler(
+  locks: PeerLockTable,
+  log: Logger,
+): PeerServer["releaseTransferLock"] {
+  return (call, callback) => {
+    const bad = undecodableReason(call.request);
+    if (bad) {
+      log.warn("peer lock release refused", { error: bad });
+      callback(refuse(bad));
+      return;
+    }
+    const r = call.request;
+    if (r.failedBlocks.length === 0) {
+      callback(null, { released: locks.release(r.lockId, r.requester), condemned: 0 });
+      return;
+    }
+    locks.releaseReported(r.lockId, r.requester, r.failedBlocks).then(
+      (a) => callback(null, a),
+      (e: Error) => {
+        const refused = e instanceof BadReportError;
+        const fields = { requester: r.requester, lock: hashHex(r.lockId), error: e.message };
+        if (refused) log.warn("peer damage report refused; the lock is released", fields);
+        else log.error("peer damage report failed; the lock is released", fields);
+        callback(refuse(e.message, refused ? undefined : grpc.status.INTERNAL));
+      },
+    );
   };
 }
 

@@ -145,3 +145,36 @@ Deno.test("a report naming no block of its lock is refused naming the field; the
     await t.close();
   }
 });
+
+Deno.test("a part that ends its READ while the other part throws still reports its damaged blocks to the owner", async () => {
+  // 2 blocks a chunk: [0, 1] + [2..5]. Block 0 (first part) is damaged on the owner; the second
+  // part throws at its last chunk (a store error recording its checksums stands for any bug).
+  const t = await twoNodes({ chunkBytes: 200 * 1024 });
+  try {
+    const hashes = [70, 71, 72, 73, 74, 75].map(hash);
+    seal(t.owner, hashes);
+    await recordSealChecksums(t, hashes);
+    damage(t, hashes[0]);
+    const record = t.req.host.recordChecksums;
+    t.req.host.recordChecksums = (ns, hs, crcs) => {
+      if (hs.includes(hashes[4])) throw new Error("injected: recording checksums failed");
+      return record(ns, hs, crcs);
+    };
+    t.setOwned(6);
+    await fetchAll(t.tier, { namespace: NS, hashes, layout }, "r-throws");
+    await t.tier.flush();
+    assert.equal(t.locks.stats().granted, 2, "two locks");
+    assert.equal(t.locks.stats().held, 0, "both released");
+    // Before, a part that threw left the other part's report out of its release: block 0 stayed
+    // on the owner, served to every other node.
+    assert.deepEqual(t.locks.stats().reportedBad, { condemned: 1, intact: 0 });
+    assert.equal(t.owner.store.blockState(NS, hashes[0]), "absent", "dropped on the owner");
+    for (const i of [1, 2, 3, 4, 5]) {
+      assert.equal(t.owner.store.blockState(NS, hashes[i]), "sealed", `owner keeps block ${i}`);
+    }
+    assert.equal(t.owner.store.stats().pinnedBlocks, 0);
+    t.owner.store.verify();
+  } finally {
+    await t.close();
+  }
+});

@@ -721,3 +721,30 @@ Deno.test("a lock answer that locks no block is refused as a bad answer and rele
     await t.close();
   }
 });
+
+Deno.test("a chunk whose settling throws frees every later chunk's space once it ended: nothing stays planned", async () => {
+  // 2 blocks a chunk, one lock: chunks [0, 1], [2, 3], [4, 5]; recording chunk 1's checksums
+  // throws (a store error stands for any bug after its bytes landed).
+  const t = await twoNodes({ chunkBytes: 200 * 1024, splitLock: false });
+  try {
+    const hashes = [80, 81, 82, 83, 84, 85].map(hash);
+    seal(t.owner, hashes);
+    const record = t.req.host.recordChecksums;
+    t.req.host.recordChecksums = (ns, hs, crcs) => {
+      if (hs.includes(hashes[0])) throw new Error("injected: recording checksums failed");
+      return record(ns, hs, crcs);
+    };
+    t.setOwned(6);
+    await fetchAll(t.tier, { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) }, "r-x");
+    await t.tier.flush();
+    // Before, chunks 2 and 3 were never settled: their blocks stayed inflight here for good.
+    for (let i = 2; i < 6; i++) {
+      assert.equal(t.req.store.blockState(NS, hashes[i]), "absent", `block ${i}`);
+    }
+    assert.equal(t.locks.stats().held, 0, "the lock released");
+    assert.equal(t.owner.store.stats().pinnedBlocks, 0);
+    t.req.store.verify();
+  } finally {
+    await t.close();
+  }
+});
