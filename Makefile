@@ -70,10 +70,13 @@ python-deps:
 	  $(call apt_install,$(PY_DEBS)); \
 	fi
 
-# The cross-node block index is tested against a real redis-server.
+# The cross-node block index is tested against a real redis-server (over TLS too:
+# openssl makes the tests' throwaway CA and certificates).
 redis:
 	@command -v redis-server >/dev/null || { echo "installing redis-server (Debian package)"; \
 	  $(call apt_install,redis-server); }
+	@command -v openssl >/dev/null || { echo "installing openssl (Debian package)"; \
+	  $(call apt_install,openssl); }
 
 protoc:
 	@command -v protoc >/dev/null || { echo "installing protobuf-compiler (Debian package)"; \

@@ -60,6 +60,7 @@ export function openBlockIndex(
   const index = new RedisBlockIndex({
     url: cfg.redisUrl,
     cluster: cfg.redisCluster,
+    tlsCa: cfg.tlsCa,
     nodeId,
     advertiseAddr,
     timeoutMs: cfg.timeoutMs,

@@ -25,6 +25,8 @@ import type { IndexMetrics, IndexOp } from "./metrics.ts";
 export class Availability {
   #up: boolean | undefined;
   #outages = 0;
+  /** This outage's log says why the connection failed. */
+  #connectLogged = false;
 
   constructor(
     private readonly log: Logger,
@@ -43,11 +45,22 @@ export class Availability {
     return this.#outages;
   }
 
-  /** A call or connection attempt failed: counted always, logged on the first of an outage. */
+  /**
+   * A call or connection attempt failed: counted always, logged on the first of an outage —
+   * and the outage's first failed connection attempt too when a call failed first (a call made
+   * before the connection's own error says only that the stream is not writeable; the
+   * connection's error says why: a TLS certificate refused, a connection refused).
+   */
   failed(op: IndexOp, error: Error): void {
     this.metrics?.error(op);
-    if (this.#up === false) return;
+    if (this.#up === false) {
+      if (op !== "connect" || this.#connectLogged) return;
+      this.#connectLogged = true;
+      this.log.warn("block index connection failed", { redis: this.where, error: error.message });
+      return;
+    }
     this.#up = false;
+    this.#connectLogged = op === "connect";
     this.#outages++;
     this.metrics?.up(false);
     this.log.warn("block index unreachable: serving from local tiers only until it answers", {

@@ -39,6 +39,7 @@ import {
 } from "./keys.ts";
 import type { IndexMetrics, IndexOp } from "./metrics.ts";
 import { checkRedisTarget, type IndexRedis, indexRedisClient } from "./connection.ts";
+import type { IndexRedisTarget } from "./connection.ts";
 import { execBatch, heartbeatCommands, reachCommand } from "./batch.ts";
 import { withinOrThrow } from "../timer_limit.ts";
 import { advertiseArgs } from "./scripts.ts";
@@ -82,11 +83,7 @@ export interface LookupResult {
 }
 
 /** Options of {@link RedisBlockIndex}. */
-export interface BlockIndexOptions {
-  /** `redis://[user:pass@]host:port[/db]` (or `rediss://`); with `cluster`, seeds comma-separated. */
-  url: string;
-  /** `url` lists a Redis Cluster's seed nodes (lib/index/connection.ts). Default false. */
-  cluster?: boolean;
+export interface BlockIndexOptions extends IndexRedisTarget {
   /** This node's id in the index (unique per live node). */
   nodeId: string;
   /** What peers dial to fetch from this node. */
@@ -201,7 +198,7 @@ export class RedisBlockIndex {
     this.#incarnation = this.#newIncarnation();
     this.#avail = new Availability(this.#log, this.#metrics, () => this.#recovered(), where);
     this.#cluster = opts.cluster ?? false;
-    this.#redis = indexRedisClient(opts.url, this.#timeoutMs, this.#cluster);
+    this.#redis = indexRedisClient(opts.url, this.#timeoutMs, this.#cluster, opts.tlsCa);
     this.#conflict = new NodeIdConflict(this.#log, this.#metrics, this.nodeId, this.advertiseAddr);
     this.#rejoinPass = new Rejoin({
       redis: this.#redis,

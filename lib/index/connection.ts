@@ -59,17 +59,41 @@ export type IndexRedis = (Redis | Cluster) & IndexCommands;
 /** Reconnects 100 ms, 200 ms, ... apart, at most 1 s. */
 const reconnectDelay = (times: number) => Math.min(times * RECONNECT_STEP_MS, RECONNECT_MAX_MS);
 
+/** Where the index's Redis is and how to reach it (part of the index's options). */
+export interface IndexRedisTarget {
+  /** `redis://[user:pass@]host:port[/db]` (or `rediss://`); with `cluster`, seeds comma-separated. */
+  url: string;
+  /** `url` lists a Redis Cluster's seed nodes ({@link checkClusterSeeds}). Default false. */
+  cluster?: boolean;
+  /**
+   * PEM CA certificates trusted for a `rediss://` URL instead of the system's trust store
+   * (`--index-redis-tls-ca`, read at flag time by lib/index/flags.ts). Unset: the system's.
+   */
+  tlsCa?: string;
+}
+
 /**
  * A client for the index at `url` whose commands give up after `timeoutMs`; not yet connected.
- * `cluster`: `url` lists a Redis Cluster's seed nodes ({@link checkClusterSeeds}).
+ * `cluster`: `url` lists a Redis Cluster's seed nodes ({@link checkClusterSeeds}). `tlsCa`: see
+ * {@link IndexRedisTarget}; a certificate it does not trust fails like an unreachable Redis, the
+ * TLS reason in the error.
  */
-export function indexRedisClient(url: string, timeoutMs: number, cluster = false): IndexRedis {
+export function indexRedisClient(
+  url: string,
+  timeoutMs: number,
+  cluster = false,
+  tlsCa?: string,
+): IndexRedis {
   const perConnection = {
     // Fail fast instead of queueing or resending: the caller serves locally.
     maxRetriesPerRequest: 0,
     autoResendUnfulfilledCommands: false,
     commandTimeout: timeoutMs,
     connectTimeout: Math.max(timeoutMs, 1_000),
+    // rediss:// only (a CA for redis:// is refused at flag time).
+    ...(new URL(redisSeeds(url)[0]).protocol === "rediss:"
+      ? { tls: tlsCa ? { ca: tlsCa } : {} }
+      : {}),
   };
   const redis = (cluster ? indexCluster(url, perConnection) : new Redis(url, {
     ...perConnection,
@@ -146,7 +170,7 @@ export function checkRedisUrl(url: string): string {
  * Nothing waits for the cluster (its offline queue is never used: {@link IndexCluster}), but a
  * command may wait for its master's connection while it opens (it fails at the deadline).
  */
-function indexCluster(url: string, perConnection: Record<string, unknown>): Cluster {
+function indexCluster(url: string, perConnection: { tls?: object }): Cluster {
   const seeds = checkClusterSeeds(url).map((s) => new URL(s));
   const first = seeds[0];
   const auth = first.username || first.password
@@ -165,16 +189,20 @@ function indexCluster(url: string, perConnection: Record<string, unknown>): Clus
       clusterRetryStrategy: reconnectDelay,
       retryDelayOnFailover: 0,
       retryDelayOnClusterDown: 0,
-      redisOptions: {
-        ...perConnection,
-        ...auth,
-        ...(first.protocol === "rediss:" ? { tls: {} } : {}),
-      },
+      // TLS (`perConnection.tls`) goes to every node's connection. A seed's host name is kept,
+      // not resolved to an address first: its certificate names the host, seldom the address.
+      ...(perConnection.tls ? { dnsLookup: keepHostName } : {}),
+      redisOptions: { ...perConnection, ...auth },
     },
   );
 }
 
 const DEFAULT_REDIS_PORT = 6379;
+
+/** ioredis's `dnsLookup` that resolves nothing: TLS checks the certificate against the name. */
+function keepHostName(host: string, done: (err: Error | null, address: string) => void): void {
+  done(null, host);
+}
 
 /**
  * A `Cluster` that refuses a command at once while it is not ready (connecting, reconnecting
@@ -185,10 +213,25 @@ const DEFAULT_REDIS_PORT = 6379;
  * in order, each command under `commandTimeout`.
  */
 class IndexCluster extends Cluster {
+  /** Why the last attempt to reach the cluster failed (a node's TLS or connection error). */
+  #why = "";
+
+  constructor(...args: ConstructorParameters<typeof Cluster>) {
+    super(...args);
+    // "Failed to refresh slots cache." says nothing of why: add the last node's error, before
+    // the index's listener logs it.
+    this.prependListener("error", (e: Error & { lastNodeError?: Error }) => {
+      if (e.lastNodeError) e.message = `${e.message} (${e.lastNodeError.message})`;
+      this.#why = e.lastNodeError?.message ?? e.message;
+    });
+    this.on("ready", () => this.#why = "");
+  }
+
   override sendCommand(command: Command, stream?: unknown, node?: unknown): unknown {
     // CLUSTER INFO is the ready check itself, sent before the cluster is ready.
     if (this.status !== "ready" && command.name !== "cluster") {
-      command.reject(new Error("Cluster isn't ready (the index does not queue commands)"));
+      const why = this.#why ? `: ${this.#why}` : "";
+      command.reject(new Error(`Cluster isn't ready (the index does not queue commands)${why}`));
       return command.promise;
     }
     return super.sendCommand(command, stream as never, node);

@@ -6,6 +6,7 @@
  * @module
  */
 
+import { X509Certificate } from "node:crypto";
 import { hostname } from "node:os";
 import { InvalidArgumentError, type Option } from "commander";
 import { boolArg, envOption, intArg } from "../cli/flags.ts";
@@ -33,6 +34,47 @@ export interface IndexConfig {
   advertiseAddr: string | undefined;
   timeoutMs: number;
   nodeTtlMs: number;
+  /** `--index-redis-tls-ca`: PEM CA certificates trusted for `rediss://`; unset = the system's. */
+  tlsCa?: string;
+}
+
+/** `--index-redis-tls-ca` as parsed: the file and what it held when the flags were read. */
+interface TlsCaFile {
+  path: string;
+  pem: string;
+}
+
+const PEM_CERTIFICATE = /-----BEGIN CERTIFICATE-----[\s\S]*?-----END CERTIFICATE-----/g;
+
+/**
+ * `--index-redis-tls-ca`: reads the file once, now (a CA rotated later is read at the next
+ * start). Throws unless it can be read and holds at least one PEM certificate, each parsing.
+ */
+function tlsCaArg(path: string): TlsCaFile {
+  let pem: string;
+  try {
+    pem = Deno.readTextFileSync(path);
+  } catch (e) {
+    throw new Error(`cannot read CA file "${path}": ${(e as Error).message}`);
+  }
+  const certs = pem.match(PEM_CERTIFICATE) ?? [];
+  if (certs.length === 0) {
+    throw new Error(
+      `CA file "${path}" holds no PEM certificate (-----BEGIN CERTIFICATE----- ... -----END CERTIFICATE-----)`,
+    );
+  }
+  certs.forEach((cert, i) => {
+    try {
+      new X509Certificate(cert);
+    } catch (e) {
+      throw new Error(
+        `CA file "${path}": certificate ${i + 1} of ${certs.length} does not parse: ${
+          (e as Error).message
+        }`,
+      );
+    }
+  });
+  return { path, pem };
 }
 
 /** Rethrows a validation error as commander's, so the flag is named in front of it. */
@@ -89,6 +131,11 @@ export function indexOptions(): Option[] {
       "INDEX_REDIS_CLUSTER",
     ).default(false).preset(true).argParser(boolArg),
     envOption(
+      "--index-redis-tls-ca <path>",
+      "PEM file of the CA certificates trusted for a rediss:// --index-redis (default: the system's)",
+      "INDEX_REDIS_TLS_CA",
+    ).argParser(asArg(tlsCaArg)),
+    envOption(
       "--node-id <id>",
       "this node's id in the block index (default: <hostname>:<gRPC port>)",
       "NODE_ID",
@@ -117,8 +164,9 @@ export function indexOptions(): Option[] {
 /**
  * Reads the parsed index options out of commander's `opts()`. Throws commander's
  * `InvalidArgumentError` naming the flags when `--index-redis` and `--index-redis-cluster`
- * disagree (a list without the cluster flag, the flag without a Redis, seeds that differ), or
- * when a user name or password does not percent-decode.
+ * disagree (a list without the cluster flag, the flag without a Redis, seeds that differ), when
+ * a user name or password does not percent-decode, or when `--index-redis-tls-ca` is given
+ * without a rediss:// `--index-redis`.
  */
 export function indexConfigFrom(o: Record<string, unknown>): IndexConfig {
   const redisUrl = (o.indexRedis as string | undefined) || undefined; // "": none
@@ -151,14 +199,34 @@ export function indexConfigFrom(o: Record<string, unknown>): IndexConfig {
       );
     }
   }
+  const tlsCa = tlsCaFrom(o.indexRedisTlsCa as TlsCaFile | undefined, redisUrl);
   return {
     redisUrl,
     redisCluster,
+    ...(tlsCa ? { tlsCa } : {}),
     nodeId: o.nodeId as string | undefined,
     advertiseAddr: o.advertiseAddr as string | undefined,
     timeoutMs: o.indexTimeoutMs as number,
     nodeTtlMs: o.indexNodeTtlMs as number,
   };
+}
+
+/** The CA's PEM; throws unless `redisUrl` is a rediss:// one (the seeds share their scheme). */
+function tlsCaFrom(ca: TlsCaFile | undefined, redisUrl: string | undefined): string | undefined {
+  if (!ca) return undefined;
+  if (!redisUrl) {
+    throw new InvalidArgumentError(
+      `--index-redis-tls-ca "${ca.path}" needs --index-redis with a rediss:// URL (e.g. rediss://10.0.0.5:6380)`,
+    );
+  }
+  if (new URL(redisSeeds(redisUrl)[0]).protocol !== "rediss:") {
+    throw new InvalidArgumentError(
+      `--index-redis-tls-ca "${ca.path}" is for TLS, but --index-redis "${
+        redisWhere(redisUrl)
+      }" is not rediss://; use rediss://, or drop the CA`,
+    );
+  }
+  return ca.pem;
 }
 
 /**

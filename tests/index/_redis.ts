@@ -3,7 +3,8 @@
  * persistence off, killed (and its dir removed) by `stop()` — call it in a
  * `finally`. `restart()` starts a fresh, empty server on the same port, as
  * a Redis restart without persistence (or a failover to an empty replica)
- * looks to the nodes.
+ * looks to the nodes. `{ tls }` serves TLS only (`rediss://`), with
+ * certificates from {@link makeTestCertificates} (made by the `openssl` CLI).
  */
 
 import { Redis } from "ioredis";
@@ -12,6 +13,110 @@ import { Redis } from "ioredis";
 const REDIS_BIN = Deno.env.get("PEGAFLOW_REDIS_SERVER") ?? "redis-server";
 /** Start-up budget: redis-server binds in a few ms; 2 shared cores can be slow. */
 const READY_TIMEOUT_MS = 10_000;
+
+/** A throwaway CA, a server certificate it signed for 127.0.0.1, and a CA that signed nothing. */
+export interface TestCertificates {
+  /** The CA that signed `cert` (PEM file). */
+  caFile: string;
+  /** Another CA (PEM file): a client trusting only it must refuse the server. */
+  otherCaFile: string;
+  /** The server's certificate (subjectAltName IP:127.0.0.1) and key (PEM files). */
+  certFile: string;
+  keyFile: string;
+  /** Removes the files. */
+  remove(): Promise<void>;
+}
+
+async function openssl(dir: string, ...args: string[]): Promise<void> {
+  let out: Deno.CommandOutput;
+  try {
+    out = await new Deno.Command("openssl", { args, cwd: dir, stdout: "null", stderr: "piped" })
+      .output();
+  } catch (e) {
+    if (!(e instanceof Deno.errors.NotFound)) throw e;
+    throw new Error("openssl not found: install it with `make redis` (Debian openssl)");
+  }
+  if (!out.success) {
+    throw new Error(`openssl ${args.join(" ")} failed: ${new TextDecoder().decode(out.stderr)}`);
+  }
+}
+
+/**
+ * Makes {@link TestCertificates} in a temp dir (RSA 2048, valid one day); call `remove()` in a
+ * `finally`. `host` is the address the certificate is for.
+ */
+export async function makeTestCertificates(host = "127.0.0.1"): Promise<TestCertificates> {
+  const dir = await Deno.makeTempDir({ prefix: "pf-redis-tls-" });
+  const ca = (name: string) =>
+    openssl(
+      dir,
+      "req",
+      "-x509",
+      "-newkey",
+      "rsa:2048",
+      "-nodes",
+      "-days",
+      "1",
+      "-subj",
+      `/CN=${name}`,
+      "-keyout",
+      `${name}.key`,
+      "-out",
+      `${name}.pem`,
+    );
+  try {
+    await ca("pf-test-ca");
+    await ca("pf-other-ca");
+    await openssl(
+      dir,
+      "req",
+      "-newkey",
+      "rsa:2048",
+      "-nodes",
+      "-subj",
+      `/CN=${host}`,
+      "-keyout",
+      "server.key",
+      "-out",
+      "server.csr",
+    );
+    await Deno.writeTextFile(`${dir}/server.ext`, `subjectAltName=IP:${host}\n`);
+    await openssl(
+      dir,
+      "x509",
+      "-req",
+      "-days",
+      "1",
+      "-in",
+      "server.csr",
+      "-CA",
+      "pf-test-ca.pem",
+      "-CAkey",
+      "pf-test-ca.key",
+      "-CAcreateserial",
+      "-extfile",
+      "server.ext",
+      "-out",
+      "server.pem",
+    );
+  } catch (e) {
+    await Deno.remove(dir, { recursive: true });
+    throw e;
+  }
+  return {
+    caFile: `${dir}/pf-test-ca.pem`,
+    otherCaFile: `${dir}/pf-other-ca.pem`,
+    certFile: `${dir}/server.pem`,
+    keyFile: `${dir}/server.key`,
+    remove: () => Deno.remove(dir, { recursive: true }),
+  };
+}
+
+/** Options of {@link startRedis}. */
+export interface RedisOptions {
+  /** Serve TLS only, with these certificates (clients are not asked for one). */
+  tls?: TestCertificates;
+}
 
 export interface RedisProcess {
   port: number;
@@ -35,10 +140,12 @@ function freePort(hostname: string): number {
   return port;
 }
 
-/** True once a PING on `port` answers PONG. */
-async function pings(hostname: string, port: number): Promise<boolean> {
+/** True once a PING on `port` answers PONG (over TLS trusting `caCert`, when given). */
+async function pings(hostname: string, port: number, caCert?: string): Promise<boolean> {
   try {
-    const c = await Deno.connect({ hostname, port });
+    const c = caCert
+      ? await Deno.connectTls({ hostname, port, caCerts: [caCert] })
+      : await Deno.connect({ hostname, port });
     try {
       await c.write(new TextEncoder().encode("PING\r\n"));
       const buf = new Uint8Array(16);
@@ -53,17 +160,26 @@ async function pings(hostname: string, port: number): Promise<boolean> {
 }
 
 /** Starts redis-server; `host` is the address it binds and is reached at (default 127.0.0.1). */
-export async function startRedis(host = "127.0.0.1"): Promise<RedisProcess> {
+export async function startRedis(
+  host = "127.0.0.1",
+  opts: RedisOptions = {},
+): Promise<RedisProcess> {
   const dir = await Deno.makeTempDir({ prefix: "pf-redis-test-" });
   const port = freePort(host);
+  const tls = opts.tls;
+  const caCert = tls ? await Deno.readTextFile(tls.caFile) : undefined;
+  const listen = tls
+    ? ["--port", "0", "--tls-port", String(port), "--tls-cert-file", tls.certFile]
+      .concat(["--tls-key-file", tls.keyFile, "--tls-ca-cert-file", tls.caFile])
+      .concat(["--tls-auth-clients", "no"])
+    : ["--port", String(port)];
   let child: Deno.ChildProcess | undefined;
   const admins: Redis[] = [];
   const spawnChild = () => {
     try {
       return new Deno.Command(REDIS_BIN, {
         args: [
-          "--port",
-          String(port),
+          ...listen,
           "--bind",
           host,
           // Reached over a test bridge (tests/peer/_cluster.ts), not only loopback; no
@@ -90,7 +206,7 @@ export async function startRedis(host = "127.0.0.1"): Promise<RedisProcess> {
   const spawn = async () => {
     child = spawnChild();
     const deadline = Date.now() + READY_TIMEOUT_MS;
-    while (!await pings(host, port)) {
+    while (!await pings(host, port, caCert)) {
       if (Date.now() > deadline) {
         const p = child;
         child = undefined;
@@ -118,9 +234,15 @@ export async function startRedis(host = "127.0.0.1"): Promise<RedisProcess> {
   }
   return {
     port,
-    url: `redis://${host}:${port}`,
+    url: `${tls ? "rediss" : "redis"}://${host}:${port}`,
     admin() {
-      const r = new Redis({ port, host, lazyConnect: false, maxRetriesPerRequest: 1 });
+      const r = new Redis({
+        port,
+        host,
+        lazyConnect: false,
+        maxRetriesPerRequest: 1,
+        ...(caCert ? { tls: { ca: caCert } } : {}),
+      });
       r.on("error", () => {}); // the test kills the server under it on purpose
       admins.push(r);
       return r;

@@ -1,7 +1,7 @@
 /**
  * The index flags: parsed with their PEGAFLOW_* variables, bad values refused
  * with the flag named, defaults for node id and advertise address derived
- * from the bound gRPC address.
+ * from the bound gRPC address; `--index-redis-tls-ca` read at flag time.
  */
 
 import assert from "node:assert/strict";
@@ -9,6 +9,7 @@ import { parseServeArgs } from "../../lib/server/config.ts";
 import { nodeIdentity } from "../../lib/index/flags.ts";
 import { RedisBlockIndex } from "../../lib/index/block_index.ts";
 import { IndexInputError } from "../../lib/index/errors.ts";
+import { makeTestCertificates } from "./_redis.ts";
 
 function refused(argv: string[], flag: string, why: RegExp) {
   const r = parseServeArgs(argv);
@@ -187,5 +188,112 @@ Deno.test("a password that does not percent-decode is refused at flag time, nami
         }),
       (e) => e instanceof IndexInputError && !/s3cret/.test(e.message),
     );
+  }
+});
+
+Deno.test("--index-redis-tls-ca reads a PEM CA at flag time; a bad file, or no rediss:// Redis, is refused naming the flag and the path", async () => {
+  const certs = await makeTestCertificates();
+  const dir = await Deno.makeTempDir({ prefix: "pf-flags-ca-" });
+  const esc = (p: string) => p.replace(/[.*+?^${}()|[\]\\]/g, "\\$&");
+  try {
+    const pem = await Deno.readTextFile(certs.caFile);
+    const tls = ["--index-redis", "rediss://10.0.0.5:6380", "--index-redis-tls-ca", certs.caFile];
+    const ok = parseServeArgs(tls);
+    assert.equal(ok.kind, "config", ok.kind === "exit" ? ok.output : "");
+    assert.equal(ok.kind === "config" && ok.config.index.tlsCa, pem);
+    const seeds = "rediss://10.0.0.5:7000,rediss://10.0.0.6:7000";
+    const cluster = parseServeArgs(
+      ["--index-redis", seeds, "--index-redis-cluster", "--index-redis-tls-ca", certs.caFile],
+    );
+    assert.equal(cluster.kind === "config" && cluster.config.index.tlsCa, pem);
+    const plain = parseServeArgs(["--index-redis", "rediss://10.0.0.5:6380"]);
+    assert.ok(plain.kind === "config" && !("tlsCa" in plain.config.index), "no CA: the system's");
+
+    const missing = `${dir}/missing.pem`;
+    refused(
+      ["--index-redis-tls-ca", missing],
+      "--index-redis-tls-ca",
+      new RegExp(`cannot read CA file "${esc(missing)}"`),
+    );
+    refused(
+      ["--index-redis-tls-ca", dir],
+      "--index-redis-tls-ca",
+      new RegExp(`cannot read CA file "${esc(dir)}"`),
+    );
+    const empty = `${dir}/not-pem.txt`;
+    await Deno.writeTextFile(empty, "not a certificate\n");
+    refused(
+      [...tls.slice(0, 3), empty],
+      "--index-redis-tls-ca",
+      new RegExp(`"${esc(empty)}" holds no PEM certificate`),
+    );
+    const garbled = `${dir}/garbled.pem`;
+    await Deno.writeTextFile(
+      garbled,
+      pem + "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    );
+    refused(
+      [...tls.slice(0, 3), garbled],
+      "--index-redis-tls-ca",
+      new RegExp(`"${esc(garbled)}": certificate 2 of 2 does not parse`),
+    );
+    const caPath = new RegExp(`--index-redis-tls-ca "${esc(certs.caFile)}"`);
+    refused(["--index-redis-tls-ca", certs.caFile], "--index-redis", caPath);
+    refused(
+      ["--index-redis-tls-ca", certs.caFile],
+      "--index-redis-tls-ca",
+      /needs --index-redis with a rediss:\/\/ URL/,
+    );
+    refused(
+      ["--index-redis", "redis://10.0.0.5:6379", "--index-redis-tls-ca", certs.caFile],
+      "--index-redis-tls-ca",
+      /is not rediss:\/\//,
+    );
+    refused(
+      ["--index-redis", "redis://10.0.0.5:6379", "--index-redis-tls-ca", certs.caFile],
+      "redis://10.0.0.5:6379",
+      caPath,
+    );
+    refused(
+      [
+        "--index-redis",
+        seeds.replaceAll("rediss", "redis"),
+        "--index-redis-cluster",
+        "--index-redis-tls-ca",
+        certs.caFile,
+      ],
+      "--index-redis-tls-ca",
+      /is not rediss:\/\//,
+    );
+    // A cluster's seeds share their scheme: a mixed list is refused before the CA is looked at.
+    refused(
+      [
+        "--index-redis",
+        "rediss://h:1,redis://h:2",
+        "--index-redis-cluster",
+        "--index-redis-tls-ca",
+        certs.caFile,
+      ],
+      "--index-redis",
+      /differs from rediss:\/\/h:1 in scheme/,
+    );
+    try {
+      Deno.env.set("PEGAFLOW_INDEX_REDIS", "rediss://10.0.0.5:6380");
+      Deno.env.set("PEGAFLOW_INDEX_REDIS_TLS_CA", certs.caFile);
+      const env = parseServeArgs([]);
+      assert.equal(env.kind === "config" && env.config.index.tlsCa, pem);
+      Deno.env.set("PEGAFLOW_INDEX_REDIS_TLS_CA", missing);
+      refused(
+        [],
+        "PEGAFLOW_INDEX_REDIS_TLS_CA",
+        new RegExp(`cannot read CA file "${esc(missing)}"`),
+      );
+    } finally {
+      Deno.env.delete("PEGAFLOW_INDEX_REDIS");
+      Deno.env.delete("PEGAFLOW_INDEX_REDIS_TLS_CA");
+    }
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+    await certs.remove();
   }
 });
