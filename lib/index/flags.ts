@@ -48,11 +48,15 @@ const PEM_CERTIFICATE = /-----BEGIN CERTIFICATE-----[\s\S]*?-----END CERTIFICATE
 
 /**
  * `--index-redis-tls-ca`: reads the file once, now (a CA rotated later is read at the next
- * start). Throws unless it can be read and holds at least one PEM certificate, each parsing.
+ * start). Throws unless it is a regular file that can be read and holds at least one PEM
+ * certificate, each parsing. Empty (an env var set to nothing): no CA, the system's.
  */
-function tlsCaArg(path: string): TlsCaFile {
+function tlsCaArg(path: string): TlsCaFile | undefined {
+  if (path.trim() === "") return undefined;
   let pem: string;
   try {
+    // A FIFO or a device would block the start, or never end: a CA file is a regular file.
+    if (!Deno.statSync(path).isFile) throw new Error("not a regular file");
     pem = Deno.readTextFileSync(path);
   } catch (e) {
     throw new Error(`cannot read CA file "${path}": ${(e as Error).message}`);

@@ -297,3 +297,46 @@ Deno.test("--index-redis-tls-ca reads a PEM CA at flag time; a bad file, or no r
     await certs.remove();
   }
 });
+
+Deno.test("an empty PEGAFLOW_INDEX_REDIS_TLS_CA means no CA (the system's trust store), as an empty PEGAFLOW_INDEX_REDIS means no index", () => {
+  try {
+    Deno.env.set("PEGAFLOW_INDEX_REDIS_TLS_CA", "");
+    const none = parseServeArgs([]);
+    assert.equal(none.kind, "config", none.kind === "exit" ? none.output : "");
+    const tls = parseServeArgs(["--index-redis", "rediss://10.0.0.5:6380"]);
+    assert.equal(tls.kind, "config", tls.kind === "exit" ? tls.output : "");
+    assert.ok(tls.kind === "config" && !("tlsCa" in tls.config.index), "no CA: the system's");
+  } finally {
+    Deno.env.delete("PEGAFLOW_INDEX_REDIS_TLS_CA");
+  }
+});
+
+Deno.test("--index-redis-tls-ca naming a FIFO is refused at once, naming the path, instead of blocking the start", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "pf-flags-ca-" });
+  try {
+    const fifo = `${dir}/ca.pem`;
+    const made = await new Deno.Command("mkfifo", { args: [fifo] }).output();
+    assert.ok(made.success, new TextDecoder().decode(made.stderr));
+    // Its own process: a read of a FIFO nobody writes blocks the thread that reads it.
+    const config = new URL("../../lib/server/config.ts", import.meta.url).href;
+    const code = `import { parseServeArgs } from "${config}";
+      const r = parseServeArgs(["--index-redis", "rediss://10.0.0.5:6380", "--index-redis-tls-ca", ${
+      JSON.stringify(fifo)
+    }]);
+      console.log(JSON.stringify(r.kind === "exit" ? r.output : "accepted"));`;
+    const out = await new Deno.Command(Deno.execPath(), {
+      args: ["eval", code],
+      stdout: "piped",
+      stderr: "piped",
+      signal: AbortSignal.timeout(30_000), // killed if the read blocks
+    }).output();
+    const text = new TextDecoder().decode(out.stdout);
+    assert.ok(out.success, `blocked or failed: ${text}${new TextDecoder().decode(out.stderr)}`);
+    const output = JSON.parse(text) as string;
+    assert.ok(output.includes("--index-redis-tls-ca"), output);
+    assert.ok(output.includes(`CA file "${fifo}"`), output);
+    assert.match(output, /not a regular file/);
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
