@@ -322,8 +322,8 @@ export class PoolAllocator {
       if (++scanned >= EXACT_BIN_SCAN_LIMIT) break;
     }
     for (let b = b0 + 1; b < bins.length; b++) {
-      const first = bins[b].values().next();
-      if (!first.done) return first.value;
+      if (bins[b].size === 0) continue; // no iterator for an empty bin (most of them)
+      return bins[b].values().next().value;
     }
     return undefined;
   }
@@ -343,11 +343,25 @@ export class PoolAllocator {
     return p;
   }
 
-  /** Takes `n` units from the front of the free extent at `start`. */
+  /**
+   * Takes `n` units from the front of the free extent at `start`. The rest
+   * keeps its end, so only its start moves: the same maps and bins as
+   * {@link #removeFree} then {@link #addFree}, without their churn.
+   */
   #carve(start: number, n: number): void {
     const len = this.#freeByStart.get(start)!;
-    this.#removeFree(start);
-    if (len > n) this.#addFree(start + n, len - n);
+    if (len === n) this.#removeFree(start);
+    else {
+      const p = this.#partOfUnit(start);
+      const bins = this.#bins[p];
+      this.#freeByStart.delete(start);
+      this.#freeByStart.set(start + n, len - n);
+      this.#freeByEnd.set(start + len, start + n);
+      bins[Math.floor(Math.log2(len))].delete(start);
+      bins[Math.floor(Math.log2(len - n))].add(start + n);
+      this.#freeUnits -= n;
+      this.#partFree[p] -= n;
+    }
     this.#mark(start, n, true);
   }
 
