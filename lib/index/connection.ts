@@ -215,15 +215,27 @@ function keepHostName(host: string, done: (err: Error | null, address: string) =
 class IndexCluster extends Cluster {
   /** Why the last attempt to reach the cluster failed (a node's TLS or connection error). */
   #why = "";
+  /** Why a connection that reads the slots failed, since the last refresh or failure. */
+  #connectWhy = "";
 
   constructor(...args: ConstructorParameters<typeof Cluster>) {
     super(...args);
-    // "Failed to refresh slots cache." says nothing of why: add the last node's error, before
-    // the index's listener logs it.
-    this.prependListener("error", (e: Error & { lastNodeError?: Error }) => {
-      if (e.lastNodeError) e.message = `${e.message} (${e.lastNodeError.message})`;
-      this.#why = e.lastNodeError?.message ?? e.message;
+    // ioredis reads CLUSTER SLOTS on a copy of a node's connection that ignores its own errors:
+    // a refused TLS certificate reaches the refresh only as "Connection is closed.". Keep it.
+    this.on("+node", (node: Redis) => {
+      const duplicate = node.duplicate.bind(node);
+      node.duplicate = (override) =>
+        duplicate(override).on("error", (e: Error) => this.#connectWhy = e.message);
     });
+    // "Failed to refresh slots cache." says nothing of why: add the last node's error (its
+    // connection's, when that failed), before the index's listener logs it.
+    this.prependListener("error", (e: Error & { lastNodeError?: Error }) => {
+      const node = this.#connectWhy || e.lastNodeError?.message;
+      this.#connectWhy = "";
+      if (node) e.message = `${e.message} (${node})`;
+      this.#why = node ?? e.message;
+    });
+    this.on("refresh", () => this.#connectWhy = ""); // slots read: a node's old failure is moot
     this.on("ready", () => this.#why = "");
   }
 

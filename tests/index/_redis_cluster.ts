@@ -10,10 +10,15 @@
  * master and every live node says cluster_state:ok. `pause(i)` / `resume(i)` (SIGSTOP / SIGCONT)
  * hold a replica back from an election, and from its master's last writes
  * (`dropReplicas(i)` first).
+ *
+ * `startRedisCluster({ tls: certs })` (certificates from `makeTestCertificates` in ./_redis.ts:
+ * one certificate for 127.0.0.1 serves every node) makes each node serve TLS only, its cluster
+ * bus and replication too; `url` then lists `rediss://` seeds, and `admin(i)` and the harness's
+ * own queries trust the test CA.
  */
 
 import { Redis } from "ioredis";
-import { waitFor } from "./_redis.ts";
+import { type TestCertificates, waitFor } from "./_redis.ts";
 
 const REDIS_BIN = Deno.env.get("PEGAFLOW_REDIS_SERVER") ?? "redis-server";
 const REDIS_CLI = Deno.env.get("PEGAFLOW_REDIS_CLI") ?? "redis-cli";
@@ -34,12 +39,25 @@ const QUERY_TIMEOUT_MS = 1_000;
 export interface RedisClusterOptions {
   /** Replicas per master: 0 (default) or 1, with failover within ~1-3 s of a master's death. */
   replicas?: 0 | 1;
+  /**
+   * Serve TLS only (clients, cluster bus, replication) with these certificates; clients are not
+   * asked for one. Default: plain TCP.
+   */
+  tls?: TestCertificates;
+}
+
+/** How the harness's own clients reach a node: plain TCP, or TLS trusting the test CA. */
+interface NodeConnection {
+  tls?: { ca: string };
 }
 
 export interface RedisCluster {
   /** Every node's port: the masters first (0..2), then the replicas, as started. */
   ports: number[];
-  /** The seed list `--index-redis` takes: `redis://127.0.0.1:P1,redis://127.0.0.1:P2,...`. */
+  /**
+   * The seed list `--index-redis` takes: `redis://127.0.0.1:P1,redis://127.0.0.1:P2,...`
+   * (`rediss://` with `tls`).
+   */
   url: string;
   /** A plain client to node `i` (KEYS, MONITOR...); closed by stop(). */
   admin(i: number): Redis;
@@ -86,8 +104,13 @@ function freeClusterPort(taken: number[]): number {
 }
 
 /** One command on a fresh connection to `port`; undefined when the node did not answer. */
-async function query(port: number, ...args: string[]): Promise<string | undefined> {
+async function query(
+  port: number,
+  conn: NodeConnection,
+  ...args: string[]
+): Promise<string | undefined> {
   const c = new Redis({
+    ...conn,
     port,
     host: "127.0.0.1",
     lazyConnect: true,
@@ -107,8 +130,8 @@ async function query(port: number, ...args: string[]): Promise<string | undefine
   }
 }
 
-async function clusterOk(port: number): Promise<boolean> {
-  return /cluster_state:ok/.test(await query(port, "CLUSTER", "INFO") ?? "");
+async function clusterOk(port: number, conn: NodeConnection): Promise<boolean> {
+  return /cluster_state:ok/.test(await query(port, conn, "CLUSTER", "INFO") ?? "");
 }
 
 /** A line of CLUSTER NODES: the node's port, its flags, its master's id, whether it has slots. */
@@ -145,14 +168,26 @@ const START_ATTEMPTS = 3;
 export async function startRedisCluster(opts: RedisClusterOptions = {}): Promise<RedisCluster> {
   for (let attempt = 1;; attempt++) {
     try {
-      return await startOnce(opts.replicas ?? 0);
+      return await startOnce(opts.replicas ?? 0, opts.tls);
     } catch (e) {
       if (attempt >= START_ATTEMPTS) throw e;
     }
   }
 }
 
-async function startOnce(replicas: 0 | 1): Promise<RedisCluster> {
+/** redis-server's listening arguments for `port`: plain TCP, or TLS only (bus and replication too). */
+function listenArgs(port: number, tls?: TestCertificates): string[] {
+  if (!tls) return ["--port", String(port)];
+  // The bus listens on tls-port + 10000 (port 0: no plain TCP at all).
+  // deno-fmt-ignore
+  return ["--port", "0", "--tls-port", String(port), "--tls-cluster", "yes",
+    "--tls-replication", "yes", "--tls-cert-file", tls.certFile, "--tls-key-file", tls.keyFile,
+    "--tls-ca-cert-file", tls.caFile, "--tls-auth-clients", "no"];
+}
+
+async function startOnce(replicas: 0 | 1, tls?: TestCertificates): Promise<RedisCluster> {
+  const conn: NodeConnection = tls ? { tls: { ca: await Deno.readTextFile(tls.caFile) } } : {};
+  const ask = (port: number, ...args: string[]) => query(port, conn, ...args);
   const dir = await Deno.makeTempDir({ prefix: "pf-redis-cluster-test-" });
   const ports: number[] = [];
   for (let i = 0; i < MASTERS * (1 + replicas); i++) ports.push(freeClusterPort(ports));
@@ -172,7 +207,7 @@ async function startOnce(replicas: 0 | 1): Promise<RedisCluster> {
     await Deno.mkdir(nodeDir, { recursive: true });
     // deno-fmt-ignore
     children[i] = new Deno.Command(REDIS_BIN, {
-      args: ["--port", String(ports[i]), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+      args: [...listenArgs(ports[i], tls), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
         "--cluster-config-file", "nodes.conf", ...failover,
         "--save", "", "--appendonly", "no", "--dir", nodeDir],
       stdout: "null",
@@ -197,9 +232,10 @@ async function startOnce(replicas: 0 | 1): Promise<RedisCluster> {
     await Deno.remove(dir, { recursive: true });
   };
   const live = () => ports.filter((_, i) => children[i] && !paused.has(i));
-  const allOk = async () => (await Promise.all(live().map(clusterOk))).every(Boolean);
+  const allOk = async () =>
+    (await Promise.all(live().map((p) => clusterOk(p, conn)))).every(Boolean);
   const synced = async () => {
-    const infos = await Promise.all(ports.map((p) => query(p, "INFO", "replication")));
+    const infos = await Promise.all(ports.map((p) => ask(p, "INFO", "replication")));
     const links = infos.filter((info) => /role:slave/.test(info ?? "role:slave"));
     return links.length === MASTERS * replicas &&
       links.every((info) => /master_link_status:up/.test(info ?? ""));
@@ -209,7 +245,8 @@ async function startOnce(replicas: 0 | 1): Promise<RedisCluster> {
     const create = await new Deno.Command(REDIS_CLI, {
       // The first MASTERS nodes become masters; with all on one host redis-cli warns and goes on.
       // deno-fmt-ignore
-      args: ["--cluster", "create", ...ports.map((p) => `127.0.0.1:${p}`),
+      args: [...(tls ? ["--tls", "--cacert", tls.caFile] : []),
+        "--cluster", "create", ...ports.map((p) => `127.0.0.1:${p}`),
         "--cluster-replicas", String(replicas), "--cluster-yes"],
       stdout: "piped",
       stderr: "piped",
@@ -226,7 +263,7 @@ async function startOnce(replicas: 0 | 1): Promise<RedisCluster> {
     throw e;
   }
   const admin = (i: number) => {
-    const r = new Redis({ port: ports[i], host: "127.0.0.1", maxRetriesPerRequest: 1 });
+    const r = new Redis({ ...conn, port: ports[i], host: "127.0.0.1", maxRetriesPerRequest: 1 });
     r.on("error", () => {}); // the test kills nodes under it on purpose
     admins.push(r);
     return r;
@@ -238,11 +275,10 @@ async function startOnce(replicas: 0 | 1): Promise<RedisCluster> {
     return probes.get(i)!;
   };
   /** CLUSTER NODES as a live node sees it. */
-  const nodesSeenBy = async (port: number) =>
-    nodeLines(await query(port, "CLUSTER", "NODES") ?? "");
+  const nodesSeenBy = async (port: number) => nodeLines(await ask(port, "CLUSTER", "NODES") ?? "");
   return {
     ports,
-    url: ports.map((p) => `redis://127.0.0.1:${p}`).join(","),
+    url: ports.map((p) => `${tls ? "rediss" : "redis"}://127.0.0.1:${p}`).join(","),
     admin,
     async masterOf(key) {
       const slot = Number(await probe().call("CLUSTER", "KEYSLOT", key));
