@@ -347,6 +347,14 @@ export class PoolAllocator {
    * Takes `n` units from the front of the free extent at `start`. The rest
    * keeps its end, so only its start moves: the same maps and bins as
    * {@link #removeFree} then {@link #addFree}, without their churn.
+   *
+   * The new start is added before the old one is deleted (the same contents
+   * and insertion order either way): a delete that empties a Map or Set makes
+   * V8 shrink it, a runtime call that allocates a new table. With one free
+   * extent (a pool with room) every carve emptied `#freeByStart` and its bin;
+   * in the server those tables live in the old generation, where each new one
+   * is allocated too (page faults, garbage until the next mark-compact). Added
+   * first, a table is rebuilt only when its deleted entries fill it.
    */
   #carve(start: number, n: number): void {
     const len = this.#freeByStart.get(start)!;
@@ -354,11 +362,11 @@ export class PoolAllocator {
     else {
       const p = this.#partOfUnit(start);
       const bins = this.#bins[p];
-      this.#freeByStart.delete(start);
       this.#freeByStart.set(start + n, len - n);
+      this.#freeByStart.delete(start);
       this.#freeByEnd.set(start + len, start + n);
-      bins[Math.floor(Math.log2(len))].delete(start);
       bins[Math.floor(Math.log2(len - n))].add(start + n);
+      bins[Math.floor(Math.log2(len))].delete(start);
       this.#freeUnits -= n;
       this.#partFree[p] -= n;
     }
