@@ -757,13 +757,18 @@ class Bench:
         runs: dict[str, list[DecodeRun]] = {k: [] for k in variants}
         # The server's CPU time while each variant runs (on: until its saves are done too).
         server_cpu_s = {k: 0.0 for k in variants}
+        # The same, per server thread name (which thread's CPU: the JS thread, the copy's).
+        thread_cpu_s: dict[str, dict[str, float]] = {k: {} for k in variants}
         for i in range(self.args.decode_repeats):
             for which in orders[i % len(orders)]:
-                c0 = self.server.cpu_seconds()
+                c0, t0 = self.server.cpu_seconds(), self.server.cpu_seconds_by_thread()
                 runs[which].append(variants[which]())
                 if which == "on":
                     on.drain()
                 server_cpu_s[which] += self.server.cpu_seconds() - c0
+                for name, sec in self.server.cpu_seconds_by_thread().items():
+                    used = sec - t0.get(name, 0.0)
+                    thread_cpu_s[which][name] = thread_cpu_s[which].get(name, 0.0) + used
         res: dict[str, Any] = {}
         for which, rs in runs.items():
             # Step by step (the same index is the same point of every run: a block boundary
@@ -778,6 +783,12 @@ class Bench:
                 },
                 # Server CPU per decode step, ms (ticks of 10 ms: a sum over every round).
                 "server_cpu_ms_per_step": round(1e3 * server_cpu_s[which] / max(1, len(every)), 4),
+                # ... by thread name, the busiest first (threads alive at the end of each round).
+                "server_cpu_ms_per_step_by_thread": {
+                    name: round(1e3 * sec / max(1, len(every)), 4)
+                    for name, sec in sorted(thread_cpu_s[which].items(), key=lambda kv: -kv[1])
+                    if sec > 0
+                },
                 "decode_tokens_per_s": statistics.median(r[0] for r in rs),
                 "e2e_tokens_per_s": statistics.median(r[1] for r in rs),
                 "runs": [r[:2] for r in rs],
@@ -822,6 +833,9 @@ class Bench:
         print(
             "server CPU ms per decode step: "
             + "; ".join(f"{k} {res[k]['server_cpu_ms_per_step']:.3f}" for k in variants)
+            + " (on, by thread: "
+            + ", ".join(f"{n} {v:.3f}" for n, v in res["on"]["server_cpu_ms_per_step_by_thread"].items())
+            + ")"
         )
         print(
             "decode step ms (p50 / mean / p99): "

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 #: The checkout this module sits in (python/pegaflow/devserver.py).
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -155,6 +155,25 @@ class DevServer:
         with open(f"/proc/{self.proc.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def cpu_seconds_by_thread(self) -> Dict[str, float]:
+        """User plus system CPU seconds per thread name (/proc/PID/task/*/stat), threads of one
+        name summed (the server names its own: `deno` for the JS thread, `pf-cu-done`, the copy
+        lanes...). A thread that ended is no longer counted, so the sum may be below
+        `cpu_seconds()`."""
+        base = f"/proc/{self.proc.pid}/task"
+        tick = os.sysconf("SC_CLK_TCK")
+        out: Dict[str, float] = {}
+        for tid in os.listdir(base):
+            try:
+                with open(f"{base}/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # the thread ended between the listing and the read
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat.rsplit(")", 1)[1].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
 
     def post(self, path: str, timeout_s: float = 30.0) -> int:
         """POSTs to the server's HTTP admin `path` (e.g. /cache/memory/cleanup); its status."""

@@ -41,3 +41,19 @@ def test_a_serve_task_without_v8_flags_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(devserver, "ROOT", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"tasks.serve \('deno run -A main.ts'\) has no --v8-flags= argument"):
         devserver.serve_v8_flags()
+
+
+def test_cpu_by_thread_names_the_js_thread_and_adds_up_to_the_process():
+    """The split bench/ttft.py reports per thread: the JS thread is there under its name, and the
+    threads' sum is the process's CPU within a tick per thread (none of them ended here)."""
+    s = DevServer.launch(["--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", "16mb"])
+    try:
+        by_thread = s.cpu_seconds_by_thread()
+        total = s.cpu_seconds()
+        assert "deno" in by_thread, by_thread
+        assert by_thread["deno"] > 0, "the JS thread started the server: it used CPU"
+        tick = 1 / os.sysconf("SC_CLK_TCK")
+        assert abs(sum(by_thread.values()) - total) <= tick * (len(by_thread) + 1), (by_thread, total)
+    finally:
+        s.stop()
+        s.remove_log()
