@@ -136,6 +136,12 @@ def test_a_refused_scheduler_issued_load_reports_its_blocks_and_they_are_recompu
     assert eng.invalid_blocks == set(b.block_ids[:5])
     assert eng.holds_all(b, b.num_tokens)  # recomputed after the failure
     assert eng.worker.pegaflow_stats()["load_failures"] == 1
+    # The refusal is counted when its answer is read (a reader thread); the server marked the
+    # state failed before answering, so the worker may have seen the failure first.
+    end = time.monotonic() + 10
+    while eng.sched.pegaflow_stats().get("load_issue_errors", 0) < 1:
+        assert time.monotonic() < end, "the refused Load's answer was never counted"
+        time.sleep(0.01)
     assert eng.sched.pegaflow_stats()["load_issue_errors"] == 1
 
 
