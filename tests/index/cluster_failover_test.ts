@@ -8,6 +8,7 @@
  */
 
 import assert from "node:assert/strict";
+import { withinOrThrow } from "../../lib/timer_limit.ts";
 import { RedisBlockIndex, type SealedBlock } from "../../lib/index/block_index.ts";
 import { nodeNamespacesKey, nodeSetKey, nodesKey } from "../../lib/index/keys.ts";
 import { waitFor } from "./_redis.ts";
@@ -45,16 +46,8 @@ function index(c: RedisCluster, nodeId: string, held: () => SealedBlock[] = () =
 }
 
 /** `p` settled (it never throws into the caller: a rejection fails the test too). */
-async function settles<T>(what: string, p: Promise<T>): Promise<T> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const hung = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(`${what} hung past ${HANG_MS} ms`)), HANG_MS);
-  });
-  try {
-    return await Promise.race([p, hung]);
-  } finally {
-    clearTimeout(timer);
-  }
+function settles<T>(what: string, p: Promise<T>): Promise<T> {
+  return withinOrThrow(p, HANG_MS, () => new Error(`${what} hung past ${HANG_MS} ms`));
 }
 
 /** A namespace whose master does not hold `node`'s record: its failover leaves the record alone. */
