@@ -9,12 +9,9 @@
  */
 
 import assert from "node:assert/strict";
-import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
-import { RedisBlockIndex } from "../../lib/index/block_index.ts";
 import { nodesKey } from "../../lib/index/keys.ts";
-import { Logger } from "../../lib/log.ts";
-import { hostSim, startServer, uid } from "../server/harness.ts";
+import { withinOrThrow } from "../../lib/timer_limit.ts";
+import { serverSaveFoundOverTls, tlsNode } from "./_tls.ts";
 import { makeTestCertificates, type TestCertificates, waitFor } from "./_redis.ts";
 import { type RedisCluster, startRedisCluster } from "./_redis_cluster.ts";
 
@@ -41,38 +38,14 @@ async function namespaceOn(c: RedisCluster, i: number): Promise<string> {
   throw new Error(`no namespace model-0..99 lands on master ${c.ports[i]}`);
 }
 
-/** An index node on the cluster at `url` trusting the PEM `tlsCa`, started, with its log lines. */
+/** An index node on the cluster at `url` trusting the PEM `tlsCa` (_tls.ts). */
 function node(url: string, id: string, tlsCa: string) {
-  const logs: string[] = [];
-  const index = new RedisBlockIndex({
-    url,
-    cluster: true,
-    tlsCa,
-    nodeId: id,
-    advertiseAddr: `${id}.local:50055`,
-    listSealed: () => [],
-    timeoutMs: TIMEOUT_MS,
-    nodeTtlMs: 60_000,
-    log: new Logger("debug", {}, (line) => logs.push(line)),
-  });
-  index.start();
-  return { index, logs };
+  return tlsNode(url, id, tlsCa, true, TIMEOUT_MS);
 }
 
 /** `p`, or an error naming `what` if it has not settled after {@link HANG_GUARD_MS}. */
-async function answers<T>(what: string, p: Promise<T>): Promise<T> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const hang = new Promise<never>((_, reject) => {
-    timer = setTimeout(
-      () => reject(new Error(`${what}: no answer, the call hangs`)),
-      HANG_GUARD_MS,
-    );
-  });
-  try {
-    return await Promise.race([p, hang]);
-  } finally {
-    clearTimeout(timer);
-  }
+function answers<T>(what: string, p: Promise<T>): Promise<T> {
+  return withinOrThrow(p, HANG_GUARD_MS, () => new Error(`${what}: no answer, the call hangs`));
 }
 
 /** A TLS-only cluster with fresh certificates; `ca` / `otherCa`: the CAs' PEM text. */
@@ -165,44 +138,10 @@ Deno.test("on a Redis Cluster over TLS, a CA that did not sign the nodes' certif
 
 Deno.test("a server with rediss:// cluster seeds and --index-redis-tls-ca advertises what it saves", async () => {
   await withTlsCluster(async (c, { ca }, certs) => {
-    const srv = await startServer([
-      "--index-redis",
-      c.url,
-      "--index-redis-cluster",
-      "--index-redis-tls-ca",
-      certs.caFile,
-      "--node-id",
-      "node-a",
-      "--index-timeout-ms",
-      String(TIMEOUT_MS),
-    ]);
-    const probe = node(c.url, "probe", ca);
-    const namespace = uid("ns");
-    const sim = hostSim(srv, {
-      instanceId: uid("inst"),
-      namespace,
-      model: { ...LLAMA_3_1_8B, numLayers: 2 },
-      numBlocks: 16,
-    });
-    try {
-      await sim.register();
-      const hs = chainedBlockHashes(syntheticTokens(5, 16 * 4), 16);
-      const ids = [0, 1, 2, 3];
-      sim.fill(ids, hs);
-      await sim.save(ids, hs);
-      await waitFor(
-        "the save is advertised over TLS",
-        async () => (await probe.index.lookup(namespace, hs)).length === 4,
-      );
-      const r = await probe.index.lookup(namespace, hs);
-      assert.deepEqual(r.owners, [{ nodeId: "node-a", addr: srv.grpc, length: 4 }]);
-      assert.equal(await srv.metric("pegaflow_index_redis_up"), 1);
+    const pem = { file: certs.caFile, pem: ca };
+    await serverSaveFoundOverTls(c.url, true, pem, TIMEOUT_MS, (srv) => {
       const down = srv.logs().filter((l) => l.includes("block index unreachable"));
       assert.deepEqual(down, [], "the index went down during the run");
-    } finally {
-      sim.close();
-      await probe.index.close();
-      await srv.stop();
-    }
+    });
   });
 });

@@ -6,11 +6,7 @@
  */
 
 import assert from "node:assert/strict";
-import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
-import { LLAMA_3_1_8B } from "../../lib/client/sim_engine.ts";
-import { RedisBlockIndex } from "../../lib/index/block_index.ts";
-import { Logger } from "../../lib/log.ts";
-import { hostSim, startServer, uid } from "../server/harness.ts";
+import { serverSaveFoundOverTls, tlsNode } from "./_tls.ts";
 import {
   makeTestCertificates,
   type RedisProcess,
@@ -30,21 +26,9 @@ function hashes(n: number, chain = 0): Uint8Array[] {
   });
 }
 
-/** An index node trusting `tlsCa`, started, with its log lines. */
+/** An index node on one Redis trusting `tlsCa` (_tls.ts). */
 function node(url: string, id: string, tlsCa: string) {
-  const logs: string[] = [];
-  const index = new RedisBlockIndex({
-    url,
-    tlsCa,
-    nodeId: id,
-    advertiseAddr: `${id}.local:50055`,
-    listSealed: () => [],
-    timeoutMs: 500,
-    nodeTtlMs: 60_000,
-    log: new Logger("debug", {}, (line) => logs.push(line)),
-  });
-  index.start();
-  return { index, logs };
+  return tlsNode(url, id, tlsCa, false, 500);
 }
 
 /** Calls of `cmd` (top-level, as sent by clients) the server has run so far. */
@@ -138,42 +122,8 @@ Deno.test("a CA that did not sign the server's certificate leaves the index down
 
 Deno.test("a server with --index-redis rediss:// and --index-redis-tls-ca advertises what it saves", async () => {
   await withTlsRedis(async (redis, { ca }, certs) => {
-    const srv = await startServer([
-      "--index-redis",
-      redis.url,
-      "--index-redis-tls-ca",
-      certs.caFile,
-      "--node-id",
-      "node-a",
-      "--index-timeout-ms",
-      "500",
-    ]);
-    const probe = node(redis.url, "probe", ca);
-    const namespace = uid("ns");
-    const sim = hostSim(srv, {
-      instanceId: uid("inst"),
-      namespace,
-      model: { ...LLAMA_3_1_8B, numLayers: 2 },
-      numBlocks: 16,
-    });
-    try {
-      await sim.register();
-      const hs = chainedBlockHashes(syntheticTokens(5, 16 * 4), 16);
-      const ids = [0, 1, 2, 3];
-      sim.fill(ids, hs);
-      await sim.save(ids, hs);
-      await waitFor(
-        "the save is advertised over TLS",
-        async () => (await probe.index.lookup(namespace, hs)).length === 4,
-      );
-      const r = await probe.index.lookup(namespace, hs);
-      assert.deepEqual(r.owners, [{ nodeId: "node-a", addr: srv.grpc, length: 4 }]);
-      assert.equal(await srv.metric("pegaflow_index_redis_up"), 1);
+    await serverSaveFoundOverTls(redis.url, false, { file: certs.caFile, pem: ca }, 500, (srv) => {
       assert.ok(srv.logs().some((l) => l.includes("block index connected")), srv.logs().join("\n"));
-    } finally {
-      sim.close();
-      await probe.index.close();
-      await srv.stop();
-    }
+    });
   });
 });
