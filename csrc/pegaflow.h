@@ -28,7 +28,7 @@
 extern "C" {
 #endif
 
-#define PF_ABI_VERSION 9
+#define PF_ABI_VERSION 10
 
 /* ---- status codes ------------------------------------------------------ */
 enum pf_status {
@@ -370,6 +370,13 @@ typedef struct pf_batch_header {
  * complete (and count in the progress words) in order, but in bursts; a
  * layer-wise load leaves this off, so its layers land one after another. */
 #define PF_BATCH_WHOLE 1u
+/* No PF_DONE_LAYER records: the batch posts its PF_DONE_BATCH record only
+ * (progress words are still stored group by group). For a consumer that
+ * awaits only the batch's end (a server's save, a load whose engine watches
+ * the progress words): one ring record and one reader wake per batch
+ * instead of num_groups + 1. A failed group's text still reaches
+ * pf_ring_take_error through the BATCH record. */
+#define PF_BATCH_QUIET 2u
 
 typedef struct pf_batch_group {
   uint32_t region;    /* region handle (imported or allocated) */
@@ -386,7 +393,8 @@ typedef struct pf_batch_seg {
 
 /* Submits a batch; returns 0 once queued. The copy runs on the engine's
  * stream (cuda) or worker threads (host); completions go to `ring` with
- * `tag`. The ring must have room for num_groups + 1 records eventually. */
+ * `tag`. The ring must have room for num_groups + 1 records eventually
+ * (1 for a PF_BATCH_QUIET batch). */
 int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
                        const void *desc, uint64_t desc_bytes, uint64_t tag);
 

@@ -630,7 +630,7 @@ void pf_batch_group_done(pf_batch *b, uint32_t g, int32_t status) {
     status = progress_store(b, b->progress_off, g + 1, "layers_ready");
   if (status < 0) b->posted_fail = 1;
   if (gr->region) atomic_fetch_sub(&gr->region->inflight, 1);
-  post(b, PF_DONE_LAYER, g, status, gr->layer, gr->bytes);
+  if (!b->quiet) post(b, PF_DONE_LAYER, g, status, gr->layer, gr->bytes);
 }
 
 void pf_batch_done(pf_batch *b, int32_t status, uint32_t path_used) {
@@ -711,9 +711,10 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
                    "2 dma_batch, 3 dma, 4 mixed)", h->path);
   if (h->num_groups == 0)
     return pf_fail(PF_EINVAL, "pf_copy_submit: num_groups is 0");
-  if (h->flags & ~PF_BATCH_WHOLE)
+  if (h->flags & ~(PF_BATCH_WHOLE | PF_BATCH_QUIET))
     return pf_fail(PF_EINVAL, "pf_copy_submit: header.flags 0x%x has unknown "
-                   "bits (known: PF_BATCH_WHOLE = 0x1)", h->flags);
+                   "bits (known: PF_BATCH_WHOLE = 0x1, PF_BATCH_QUIET = 0x2)",
+                   h->flags);
   uint64_t groups_end =
       sizeof(pf_batch_header) + (uint64_t)h->num_groups * sizeof(pf_batch_group);
   uint64_t segs_off = h->segs_off ? h->segs_off : groups_end;
@@ -765,6 +766,7 @@ int32_t pf_copy_submit(uint32_t engine, uint32_t pool, uint32_t ring,
   b->direction = h->direction;
   b->path = h->path;
   b->whole = (h->flags & PF_BATCH_WHOLE) != 0;
+  b->quiet = (h->flags & PF_BATCH_QUIET) != 0;
   b->tag = tag;
   b->num_segs = h->num_segs;
   b->progress_off = h->progress_off;

@@ -130,6 +130,7 @@ typedef struct pf_batch {
   uint32_t direction;
   uint32_t path;          /* the caller's pf_path, run as given */
   uint32_t whole;         /* PF_BATCH_WHOLE: consumed only once all landed */
+  uint32_t quiet;         /* PF_BATCH_QUIET: no PF_DONE_LAYER records */
   uint32_t num_groups;
   uint32_t num_ranges;
   uint32_t num_segs;      /* = num_ranges before a backend splits */

@@ -26,6 +26,8 @@ const TWO32 = 4294967296;
 
 /** `pf_batch_header.flags` bit PF_BATCH_WHOLE. */
 const BATCH_WHOLE = 1;
+/** `pf_batch_header.flags` bit PF_BATCH_QUIET: no per-group (LAYER) records. */
+const BATCH_QUIET = 2;
 
 /** Options of {@link CopyBatch.reset}. */
 export interface BatchOptions {
@@ -158,6 +160,18 @@ export class CopyBatch {
       u[5] = 0;
     }
     u[7] = opts.whole ? BATCH_WHOLE : 0;
+    return this;
+  }
+
+  /**
+   * Whether the batch posts a LAYER record per group (`quiet` false, the
+   * default after {@link CopyBatch.reset}) or only its BATCH record
+   * (`PF_BATCH_QUIET`). Set by the submitter, which knows whether anything
+   * watches the groups land (`CopyEngine.submit` vs `submitQuiet`).
+   */
+  setQuiet(quiet: boolean): this {
+    const u = this.#u32;
+    u[7] = quiet ? u[7] | BATCH_QUIET : u[7] & ~BATCH_QUIET;
     return this;
   }
 

@@ -73,8 +73,11 @@ const ERROR_BUF = new Uint8Array(512);
 const DECODER = new TextDecoder();
 
 interface Pending {
-  layers: ReplaySubject<number>;
+  /** The groups' layer ids as they land; none for a quiet batch (no LAYER records). */
+  layers: ReplaySubject<number> | undefined;
   resolve: (r: CopyResult) => void;
+  done: Promise<CopyResult>;
+  /** Bytes of the groups landed so far; a quiet batch: all of them, reported only on success. */
   bytes: number;
   /** The path the batch carried (reported if the ring dies before its BATCH record). */
   path: CopyPath;
@@ -179,6 +182,30 @@ export class CopyEngine {
    * @throws NativeError when the batch is refused (nothing was copied).
    */
   submit(batch: CopyBatch, device?: number): Submission {
+    const layers = new ReplaySubject<number>();
+    const { tag, done } = this.#submit(batch.setQuiet(false), device, layers);
+    return { tag, layers$: layers.asObservable(), done };
+  }
+
+  /**
+   * Submits `batch` as a quiet one (`PF_BATCH_QUIET`): the library posts its
+   * BATCH record only, none per group, so the ring and this reader see one
+   * record a batch. For a caller that awaits only the end (a server's save;
+   * a load whose engine watches the progress words). Resolves like
+   * {@link Submission.done}; `bytes` is the batch's on success, 0 on failure
+   * (which groups landed is not reported).
+   *
+   * @throws NativeError when the batch is refused (nothing was copied).
+   */
+  submitQuiet(batch: CopyBatch, device?: number): Promise<CopyResult> {
+    return this.#submit(batch.setQuiet(true), device, undefined).done;
+  }
+
+  #submit(
+    batch: CopyBatch,
+    device: number | undefined,
+    layers: ReplaySubject<number> | undefined,
+  ): { tag: number; done: Promise<CopyResult> } {
     if (this.#closed) throw new NativeError("pf_copy_submit", -9, "CopyEngine is closed");
     const engine = device === undefined ? this.engine : this.engines.get(device);
     if (!engine) {
@@ -201,11 +228,11 @@ export class CopyEngine {
         BigInt(tag),
       ),
     );
-    const layers = new ReplaySubject<number>();
     let resolve!: (r: CopyResult) => void;
     const done = new Promise<CopyResult>((r) => (resolve = r));
-    this.#pending.set(tag, { layers, resolve, bytes: 0, path: batch.path });
-    return { tag, layers$: layers.asObservable(), done };
+    const bytes = layers ? 0 : batch.bytes;
+    this.#pending.set(tag, { layers, resolve, done, bytes, path: batch.path });
+    return { tag, done };
   }
 
   #route(c: Completion): void {
@@ -215,7 +242,7 @@ export class CopyEngine {
       return;
     }
     if (c.kind === COMPLETION_KIND.LAYER) {
-      if (c.status === 0) {
+      if (c.status === 0 && p.layers) {
         p.bytes += c.value;
         p.layers.next(c.aux);
       }
@@ -223,14 +250,14 @@ export class CopyEngine {
       this.#pending.delete(c.tag);
       let error: string | undefined;
       if (c.status === 0) {
-        p.layers.complete();
+        p.layers?.complete();
       } else {
         error = this.#takeError(c.tag) || `batch ${c.tag} failed with ${statusName(c.status)}`;
-        p.layers.error(new NativeError("pf_copy_submit", c.status, error));
+        p.layers?.error(new NativeError("pf_copy_submit", c.status, error));
       }
       p.resolve({
         status: c.status,
-        bytes: p.bytes,
+        bytes: p.layers || c.status === 0 ? p.bytes : 0,
         ns: c.value,
         path: PATH_NAMES[c.aux] ?? "host",
         error,
@@ -253,10 +280,10 @@ export class CopyEngine {
   #failAll(e: unknown): void {
     const err = e instanceof Error ? e : new Error(String(e));
     for (const [tag, p] of this.#pending) {
-      p.layers.error(err);
+      p.layers?.error(err);
       p.resolve({
         status: err instanceof NativeError ? err.code : -9,
-        bytes: p.bytes,
+        bytes: p.layers ? p.bytes : 0,
         ns: 0,
         path: p.path,
       });
@@ -272,11 +299,7 @@ export class CopyEngine {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    await Promise.all([...this.#pending.values()].map((p) =>
-      new Promise<void>((res) => {
-        p.layers.subscribe({ complete: () => res(), error: () => res() });
-      })
-    ));
+    await Promise.all([...this.#pending.values()].map((p) => p.done));
     await this.ring.shutdown();
     this.#sub.unsubscribe();
     this.ring.destroy();

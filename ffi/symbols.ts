@@ -75,7 +75,7 @@ export const SYMBOLS = {
 export type PegaflowSymbols = Deno.DynamicLibrary<typeof SYMBOLS>["symbols"];
 
 /** The ABI version these bindings were written for (`PF_ABI_VERSION`). */
-export const EXPECTED_ABI_VERSION = 9;
+export const EXPECTED_ABI_VERSION = 10;
 
 let loaded: Deno.DynamicLibrary<typeof SYMBOLS> | undefined;
 

@@ -257,8 +257,10 @@ function portOver(
       // range the copy path will see.
       const policy = gb.device === -1 ? first : policies.get(gb.device) ?? first;
       batch.setPath(policy.choose(batch.direction, batch.bytes / Math.max(1, batch.numSegs)));
-      const sub = guarded(() => ce.submit(batch, gb.device === -1 ? undefined : gb.device));
-      return sub.done.then((r) => {
+      // Quiet: nothing here watches a batch's groups land (an engine watches
+      // its load's progress words), so the ring carries one record a batch.
+      const done = guarded(() => ce.submitQuiet(batch, gb.device === -1 ? undefined : gb.device));
+      return done.then((r) => {
         if (r.status === PF_STATUS.PF_EFAULT) {
           throw new ClientMemoryFault(r.status, r.error ?? "client memory faulted");
         }

@@ -212,7 +212,7 @@ static void copy_mutated(uint32_t m) {
   case 5: d.h.num_segs = 0xfffffffeu; break;
   case 6: d.h.direction = 2 + below(1000); break;
   case 7: d.h.path = 5 + below(1000); break;
-  case 8: d.h.flags = 2u << below(31); break;
+  case 8: d.h.flags = 4u << below(30); break;
   case 9: d.h.segs_off = 64 + 4; break;
   case 10: d.h.segs_off = 40; break;
   case 11: d.h.segs_off = 0xfffffff8u; break;
