@@ -207,6 +207,33 @@ export class PoolAllocator {
       this.#allocateIn([part, ...all.filter((p) => p !== part)], count, su);
   }
 
+  /**
+   * `count` items of `itemBytes` as ONE run, or null with nothing allocated
+   * when no free extent holds them all (never split: the caller then
+   * allocates piece by piece). With `part`, only that part's extents: a run
+   * that does not fit there is not spilled whole into another part (piece
+   * by piece, {@link allocate} keeps what fits in the part there).
+   * Returns the run's byte offset; item i starts at `offset + i * strideOf(itemBytes)`.
+   */
+  allocateRun(count: number, itemBytes: number, part?: number): number | null {
+    if (!Number.isSafeInteger(count) || count < 1) {
+      throw new RangeError(`allocateRun: count must be an integer ≥ 1, got ${count}`);
+    }
+    const need = count * this.#strideUnits(itemBytes);
+    if (need > this.#freeUnits) return null;
+    let start: number | undefined;
+    if (part !== undefined && this.#partStart.length > 1 && part in this.#partFree) {
+      start = this.#findFit(need, part);
+    } else {
+      for (let p = 0; start === undefined && p < this.#partStart.length; p++) {
+        start = this.#findFit(need, p);
+      }
+    }
+    if (start === undefined) return null;
+    this.#carve(start, need);
+    return start * this.unitBytes;
+  }
+
   /** {@link allocate} over the parts `parts` (in preference order). */
   #allocateIn(parts: readonly number[], count: number, su: number): Extent[] | null {
     const need = count * su;

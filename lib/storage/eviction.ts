@@ -18,7 +18,9 @@ import type { StoreState } from "./state.ts";
  * merged runs: blocks saved together sit side by side in each slot's run
  * and leave the LRU in that order, so item j of victim k+1 usually starts
  * where item j of victim k ends. Freeing 625 blocks × 64 items then costs
- * ~64 allocator calls, not 40,000.
+ * ~64 allocator calls, not 40,000 — and one when their save placed its
+ * columns back to back (lib/storage/save_plan.ts): touching runs are freed
+ * together whenever a victim of another save breaks them.
  *
  * @example
  * ```ts
@@ -32,13 +34,7 @@ export function evictBytes(st: StoreState, bytes: number): number {
   let runStart = new Float64Array(0);
   let runEnd = new Float64Array(0);
   const flush = () => {
-    if (!runNs) return;
-    const stride = runNs.strideBytes;
-    for (let j = 0; j < runStart.length; j++) {
-      if (runStart[j] === NO_OFFSET) continue;
-      st.allocator.free(runStart[j], stride, (runEnd[j] - runStart[j]) / stride);
-      runStart[j] = NO_OFFSET;
-    }
+    if (runNs) freeRuns(st, runNs.strideBytes, runStart, runEnd);
   };
   // A throwing onEvict stops here, but the runs taken so far are still freed.
   try {
@@ -50,23 +46,19 @@ export function evictBytes(st: StoreState, bytes: number): number {
         flush();
         runNs = ns;
         runStart = new Float64Array(b.offsets.length).fill(NO_OFFSET);
-        runEnd = new Float64Array(b.offsets.length);
+        runEnd = new Float64Array(b.offsets.length).fill(NO_OFFSET);
       }
       const stride = ns.strideBytes;
       st.lru.remove(b);
+      // A victim of another save: free the runs so far together (they may touch).
+      if (!continuesRuns(b.offsets, runStart, runEnd, stride)) flush();
       for (let j = 0; j < b.offsets.length; j++) {
         const off = b.offsets[j];
-        if (runStart[j] !== NO_OFFSET && off === runEnd[j]) {
-          runEnd[j] += stride;
-        } else if (runStart[j] !== NO_OFFSET && off + stride === runStart[j]) {
-          runStart[j] = off;
-        } else {
-          if (runStart[j] !== NO_OFFSET) {
-            st.allocator.free(runStart[j], stride, (runEnd[j] - runStart[j]) / stride);
-          }
+        if (runStart[j] === NO_OFFSET) {
           runStart[j] = off;
           runEnd[j] = off + stride;
-        }
+        } else if (off === runEnd[j]) runEnd[j] += stride;
+        else runStart[j] = off;
         b.offsets[j] = NO_OFFSET;
       }
       b.slots.fill(SLOT_EMPTY);
@@ -83,6 +75,44 @@ export function evictBytes(st: StoreState, bytes: number): number {
     flush();
   }
   return evicted;
+}
+
+/** Whether every item of a victim at `offsets` extends its column's run (or starts one). */
+function continuesRuns(
+  offsets: Float64Array,
+  starts: Float64Array,
+  ends: Float64Array,
+  stride: number,
+): boolean {
+  for (let j = 0; j < offsets.length; j++) {
+    if (starts[j] !== NO_OFFSET && offsets[j] !== ends[j] && offsets[j] + stride !== starts[j]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+/**
+ * Frees the runs `[starts[j], ends[j])` (disjoint; NO_OFFSET where none) and
+ * clears them. Runs that touch are freed as one: a save placed as one run
+ * (lib/storage/save_plan.ts) has its columns back to back, so its blocks
+ * leaving together free one run, not one per column. Disjoint intervals
+ * sorted by start and by end pair up index by index, so the two sorted
+ * copies give the runs in address order.
+ */
+function freeRuns(st: StoreState, stride: number, starts: Float64Array, ends: Float64Array): void {
+  const s = starts.slice().sort();
+  const e = ends.slice().sort();
+  starts.fill(NO_OFFSET);
+  ends.fill(NO_OFFSET);
+  let i = 0;
+  while (i < s.length && s[i] === NO_OFFSET) i++;
+  while (i < s.length) {
+    const from = s[i];
+    while (i + 1 < s.length && e[i] === s[i + 1]) i++;
+    st.allocator.free(from, stride, (e[i] - from) / stride);
+    i++;
+  }
 }
 
 /**

@@ -231,6 +231,8 @@ function allocate(
   const S = ns.layout.segments;
   const need = cand.need;
   if (st.allocator.freeBytes < total) evictBytes(st, total - st.allocator.freeBytes);
+  const whole = allocateOneRun(st, t, cand, count);
+  if (whole) return whole;
   const offsets = new Float64Array(C * S * count).fill(NO_OFFSET);
   const follows = new Uint8Array(count).fill(1);
   follows[0] = 0;
@@ -282,6 +284,32 @@ function allocate(
       }
     }
   }
+  return { offsets, follows };
+}
+
+/**
+ * Step 4's common case: every block needs every column, and one free extent
+ * holds the plan's items. Then the columns sit back to back in one run
+ * (column i's blocks at `run + (i * count + k) * stride`: the layout the
+ * column-by-column path makes when its runs happen to be adjacent), placed in
+ * one allocator call instead of one per column, and freed as one run when
+ * the blocks leave together (lib/storage/eviction.ts). Null: allocate column
+ * by column.
+ */
+function allocateOneRun(
+  st: StoreState,
+  t: PlanTarget,
+  cand: Candidates,
+  count: number,
+): { offsets: Float64Array; follows: Uint8Array } | null {
+  const items = t.colSlot.length * t.ns.layout.segments;
+  for (let k = 0; k < count; k++) if (cand.needCount[k] !== t.colSlot.length) return null;
+  const run = st.allocator.allocateRun(items * count, t.ns.layout.segmentBytes, t.part);
+  if (run === null) return null;
+  const offsets = new Float64Array(items * count);
+  for (let i = 0; i < offsets.length; i++) offsets[i] = run + i * t.ns.strideBytes;
+  const follows = new Uint8Array(count).fill(1);
+  follows[0] = 0;
   return { offsets, follows };
 }
 

@@ -290,3 +290,33 @@ Deno.test("property: with parts, allocations never overlap or leak, no free exte
     { numRuns: 200 },
   );
 });
+
+Deno.test("allocateRun places every item in one extent or nothing: it never splits", () => {
+  const a = new PoolAllocator({ capacityBytes: 16 * 4096, unitBytes: 4096 });
+  strictEqual(a.allocateRun(4, 4096), 0);
+  strictEqual(a.allocateRun(2, 3000), 4 * 4096, "items at the unit's stride");
+  // Free every other unit of the rest: 5 holes of one unit, 10 units free in all.
+  const rest = a.allocate(10, 4096)!;
+  assertEquals(rest, [{ offset: 6 * 4096, items: 10 }]);
+  for (let i = 6; i < 16; i += 2) a.free(i * 4096, 4096);
+  const before = a.freeExtents();
+  strictEqual(a.allocateRun(2, 4096), null, "2 units free, but in no one extent");
+  assertEquals(a.freeExtents(), before, "a refused run takes nothing");
+  strictEqual(a.allocateRun(1, 4096), 6 * 4096);
+  strictEqual(a.allocateRun(17, 4096), null);
+  throws(() => a.allocateRun(0, 4096), /allocateRun: count must be an integer ≥ 1, got 0/);
+});
+
+Deno.test("allocateRun with a part stays in that part: a run too long for it is refused, not spilled", () => {
+  const unit = 4096;
+  const a = new PoolAllocator({
+    capacityBytes: 64 * unit,
+    unitBytes: unit,
+    parts: [32 * unit, 32 * unit],
+  });
+  strictEqual(a.allocateRun(30, unit, 1), 32 * unit);
+  strictEqual(a.allocateRun(8, unit, 1), null, "part 1 has 2 units left");
+  assertEquals(a.partUsedBytes(), [0, 30 * unit]);
+  strictEqual(a.allocateRun(8, unit), 0, "no part named: any part's extent");
+  strictEqual(a.allocateRun(2, unit, 1), 62 * unit);
+});

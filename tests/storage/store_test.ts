@@ -650,3 +650,54 @@ Deno.test("leases expire by the monotonic clock: a system clock set back does no
     Date.now = wall;
   }
 });
+
+Deno.test("a save of every layer is one run: its columns back to back, and evicting its blocks together frees it in one call", () => {
+  const { store } = makeStore(16);
+  save(store, hs(100, 104)); // 4 blocks the next save's plan must not touch
+  const { plan } = save(store, hs(0, 3));
+  const items = plan.layers.length * plan.segments * plan.blockCount;
+  strictEqual(plan.offsets.length, items);
+  for (let i = 1; i < items; i++) strictEqual(plan.offsets[i] - plan.offsets[i - 1], 4096);
+  // The run's column order is the plan's: layer 0's K, layer 0's V, layer 1's K, ...
+  strictEqual(plan.offsets[plan.blockCount], plan.offsets[0] + plan.blockCount * 4096);
+
+  // Evict all 7 blocks (the first save's leave first, in LRU order): two calls, one per save.
+  const frees: number[] = [];
+  const alloc = store.allocator;
+  const free = alloc.free.bind(alloc);
+  alloc.free = (offset, itemBytes, n = 1) => {
+    frees.push(n);
+    free(offset, itemBytes, n);
+  };
+  try {
+    const r = store.beginSave({ namespace: NS, instance: "e", rank: 0, hashes: hs(200, 216) });
+    assert(r.ok);
+    assertEquals(frees, [4 * 4, 3 * 4], "each save's items freed as one run");
+    store.completeSave(r.plan, true);
+  } finally {
+    alloc.free = free;
+  }
+  store.verify();
+});
+
+Deno.test("a save that finds no hole for all its columns places them column by column, each column still one run", () => {
+  const { store } = makeStore(8);
+  save(store, hs(0, 8)); // one run: column c's blocks at units c * 8 + k
+  // Blocks 0, 1, 4 and 5 out: a 2-unit hole in each column, 16 units free, no hole of 8.
+  store.discard({ namespace: NS, instance: "eng", rank: 0, hashes: [h(0), h(1), h(4), h(5)] });
+  strictEqual(store.allocator.freeBytes, 16 * 4096);
+  strictEqual(store.allocator.largestFreeBytes(), 2 * 4096);
+  const { plan } = save(store, hs(50, 52));
+  strictEqual(plan.blockCount, 2);
+  const starts = new Set<number>();
+  for (let c = 0; c < plan.layers.length * plan.segments; c++) {
+    starts.add(plan.offsets[c * 2]);
+    strictEqual(
+      plan.offsets[c * 2 + 1] - plan.offsets[c * 2],
+      4096,
+      "a column's blocks side by side",
+    );
+  }
+  strictEqual(starts.size, 4);
+  store.verify();
+});
