@@ -375,7 +375,10 @@ typedef struct pf_batch_header {
  * awaits only the batch's end (a server's save, a load whose engine watches
  * the progress words): one ring record and one reader wake per batch
  * instead of num_groups + 1. A failed group's text still reaches
- * pf_ring_take_error through the BATCH record. */
+ * pf_ring_take_error through the BATCH record. The cuda backend issues a
+ * quiet batch without progress words on the copy engines (DMA, DMA_BATCH)
+ * whole: one copy call per lane slice and one event per stream, not one
+ * per group, its groups all done once it landed. */
 #define PF_BATCH_QUIET 2u
 
 typedef struct pf_batch_group {

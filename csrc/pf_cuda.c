@@ -369,18 +369,27 @@ typedef struct cuda_engine {
 } cuda_engine;
 
 typedef struct cuda_batch {
-  /* ev[0..G): main stream, one per group; with lanes, then ev[G + g*L + w]
-   * for lane w's slice of group g, then one start event. */
+  /* ev[0..I): main stream, one per issue group; with lanes, then
+   * ev[I + g*L + w] for lane w's slice of issue group g, then one start
+   * event. */
   CUevent *ev;
   uint32_t nev;
   uint32_t lanes; /* L: 0 when the batch uses the main stream only */
+  /* I, the issue groups: the batch's groups (G), or 1 for a batch issued
+   * whole (coarse: a quiet batch without progress words on the copy
+   * engines, i.e. a save nobody watches layer by layer). A coarse batch's
+   * ranges go out in one slice per lane (one cuMemcpyBatchAsync per lane
+   * instead of one per layer) with one event per stream instead of one per
+   * layer and stream, and all its groups are reported once it landed. */
+  uint32_t ig;
   uint32_t path;
   uint64_t pool_dev; /* the pool's device address in this engine's context */
   _Atomic int32_t status; /* < 0 when enqueueing failed */
-  /* Per group: lanes that have recorded their event for it. The batch goes
-   * to the completion thread as soon as the lanes start, so group 0 can be
-   * reported while later groups are still being issued; the completion
-   * thread waits for issued[g] == lanes before it syncs group g's events. */
+  /* Per issue group: lanes that have recorded their event for it. The batch
+   * goes to the completion thread as soon as the lanes start, so group 0
+   * can be reported while later groups are still being issued; the
+   * completion thread waits for issued[g] == lanes before it syncs issue
+   * group g's events. */
   atomic_uint *issued;
   atomic_int lanes_active; /* lanes still working on this batch */
   int drained;    /* completion thread synced the streams after a failure */
@@ -504,6 +513,17 @@ static CUresult event_wait(CUevent ev, int poll) {
   }
 }
 
+/* Reports issue group g of b: that group, or every group of a batch issued
+ * whole (cuda_batch.ig). */
+static void issue_group_done(pf_batch *b, uint32_t g, int32_t status) {
+  const cuda_batch *cb = b->impl;
+  if (cb->ig == b->num_groups) {
+    pf_batch_group_done(b, g, status);
+    return;
+  }
+  for (uint32_t k = 0; k < b->num_groups; k++) pf_batch_group_done(b, k, status);
+}
+
 static void *completion_main(void *arg) {
   pf_engine *e = arg;
   cuda_engine *ce = e->impl;
@@ -523,7 +543,8 @@ static void *completion_main(void *arg) {
     pthread_mutex_unlock(&ce->mu);
     cuda_batch *cb = b->impl;
     int32_t status = atomic_load(&cb->status);
-    for (uint32_t g = 0; g < b->num_groups; g++) {
+    const uint32_t I = cb->ig;
+    for (uint32_t g = 0; g < I; g++) {
       while (status == PF_OK && cb->lanes &&
              atomic_load_explicit(&cb->issued[g], memory_order_acquire) < cb->lanes) {
         /* The lanes are still issuing this group (microseconds per copy). */
@@ -545,22 +566,27 @@ static void *completion_main(void *arg) {
             cu.cuStreamSynchronize(ce->lanes[w].stream);
           cb->drained = 1;
         }
-        pf_batch_group_done(b, g, status);
+        issue_group_done(b, g, status);
         continue;
       }
       const int poll = b->direction == PF_D2H;
       CUresult r = event_wait(cb->ev[g], poll);
       for (uint32_t w = 0; w < cb->lanes && r == CUDA_SUCCESS; w++)
-        r = event_wait(cb->ev[b->num_groups + g * cb->lanes + w], poll);
+        r = event_wait(cb->ev[I + g * cb->lanes + w], poll);
       if (r != CUDA_SUCCESS && status == PF_OK) {
         status = cu_fail(r, "pf_copy_submit(completion)",
                          poll ? "cuEventQuery" : "cuEventSynchronize");
         char msg[PF_ERROR_TEXT_BYTES];
         pf_last_error(msg, sizeof msg);
-        pf_batch_fail(b, status, "device %d: group %u (layer %u): %s",
-                      e->device, g, b->groups[g].layer, msg);
+        if (I == b->num_groups)
+          pf_batch_fail(b, status, "device %d: group %u (layer %u): %s",
+                        e->device, g, b->groups[g].layer, msg);
+        else
+          pf_batch_fail(b, status, "device %d: groups 0..%u (layers %u..%u, "
+                        "issued whole): %s", e->device, b->num_groups - 1,
+                        b->groups[0].layer, b->groups[b->num_groups - 1].layer, msg);
       }
-      pf_batch_group_done(b, g, status);
+      issue_group_done(b, g, status);
     }
     while (atomic_load(&cb->lanes_active) > 0) {
       struct timespec ts = {0, PF_ISSUE_POLL_NS};
@@ -1048,11 +1074,11 @@ static void *lane_main(void *arg) {
     pthread_mutex_unlock(&l->mu);
     pf_batch *b = l->b;
     cuda_batch *cb = b->impl;
-    const uint32_t G = b->num_groups, L = cb->lanes;
+    const uint32_t I = cb->ig, L = cb->lanes;
     int32_t rc = PF_OK;
     CUresult r = cu.cuStreamWaitEvent(l->stream, l->start, 0);
     if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuStreamWaitEvent(lane)");
-    for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
+    for (uint32_t g = 0; g < I && rc == PF_OK; g++) {
       uint32_t a, z;
       lane_slice(l->lo[g], l->hi[g], l->w, L, &a, &z);
       if (a < z)
@@ -1060,7 +1086,7 @@ static void *lane_main(void *arg) {
                  ? dma_batch_ranges(ce, b, l->stream, a, z, l->sc)
                  : dma_ranges(b, l->stream, a, z);
       if (rc == PF_OK) {
-        r = cu.cuEventRecord(cb->ev[G + g * L + l->w], l->stream);
+        r = cu.cuEventRecord(cb->ev[I + g * L + l->w], l->stream);
         if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord(lane)");
       }
       if (rc == PF_OK) atomic_fetch_add_explicit(&cb->issued[g], 1, memory_order_release);
@@ -1149,6 +1175,8 @@ static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
     lo[g] = mid[g] = b->groups[g].first_range;
     hi[g] = lo[g] + b->groups[g].num_ranges;
   }
+  /* Issued whole: the groups tile the ranges in order, so one span. */
+  if (cb->ig == 1) hi[0] = hi[G - 1];
   int32_t rc = PF_OK;
   kernel_plan kp = {0, 0, NULL};
   if (path == PF_PATH_MIXED)
@@ -1165,7 +1193,7 @@ static int32_t enqueue_batch(pf_engine *e, cuda_engine *ce, pf_batch *b,
     }
   } else {
     /* The lanes carry all bytes; main-stream group events only order. */
-    for (uint32_t g = 0; g < G && rc == PF_OK; g++) {
+    for (uint32_t g = 0; g < cb->ig && rc == PF_OK; g++) {
       CUresult r = cu.cuEventRecord(cb->ev[g], ce->stream);
       if (r != CUDA_SUCCESS) rc = cu_fail(r, "pf_copy_submit", "cuEventRecord");
     }
@@ -1282,11 +1310,13 @@ static int32_t cuda_submit(pf_engine *e, pf_batch *b) {
    * the batch only queues, and the submitter fails it naming the device. */
   int dead = atomic_load_explicit(&e->failed, memory_order_relaxed) != 0;
   cb->lanes = path == PF_PATH_KERNEL || dead ? 0 : (want < ce->nlanes ? want : ce->nlanes);
-  size_t nev = dead ? 0 : (size_t)b->num_groups * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
+  cb->ig = b->quiet && !b->progress && (path == PF_PATH_DMA || path == PF_PATH_DMA_BATCH)
+               ? 1 : b->num_groups;
+  size_t nev = dead ? 0 : (size_t)cb->ig * (1 + cb->lanes) + (cb->lanes ? 1 : 0);
   if (nev > UINT32_MAX) nev = 0;
   cb->nev = (uint32_t)nev;
   cb->ev = calloc(nev ? nev : 1, sizeof *cb->ev);
-  if (cb->lanes) cb->issued = calloc(b->num_groups, sizeof *cb->issued);
+  if (cb->lanes) cb->issued = calloc(cb->ig, sizeof *cb->issued);
   b->impl = cb;
   int32_t rc = cb->ev && (!cb->lanes || cb->issued)
                    ? PF_OK
