@@ -16,6 +16,7 @@ import {
   NativeError,
   SharedMemory,
 } from "../../ffi/mod.ts";
+import { noCuda } from "./_cuda.ts";
 import {
   allocRegions,
   fillRegions,
@@ -31,16 +32,6 @@ import { PathPolicy } from "../../lib/copy_path.ts";
 import { measureCalibration } from "../../lib/copy_calibration.ts";
 
 const pf = loadLibrary();
-
-function probeCuda(): string | undefined {
-  try {
-    Engine.open({ backend: "cuda" }).close();
-    return undefined;
-  } catch (e) {
-    return e instanceof Error ? e.message : String(e);
-  }
-}
-const noCuda = probeCuda();
 
 Deno.test("a CUDA device is present and the copy kernel is loaded", () => {
   assert.equal(noCuda, undefined, `the GPU suite needs a CUDA device: ${noCuda}`);

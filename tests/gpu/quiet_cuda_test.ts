@@ -11,22 +11,12 @@ import {
   type Completion,
   CopyBatch,
   CopyEngine,
-  Engine,
   type GpuPath,
   type Region,
   SharedMemory,
 } from "../../ffi/mod.ts";
+import { noCuda } from "./_cuda.ts";
 import { mulberry32 as rng } from "../_seeded.ts";
-
-function probeCuda(): string | undefined {
-  try {
-    Engine.open({ backend: "cuda" }).close();
-    return undefined;
-  } catch (e) {
-    return e instanceof Error ? e.message : String(e);
-  }
-}
-const noCuda = probeCuda();
 
 const SEG = 4096;
 const GROUPS = 10;
