@@ -12,6 +12,7 @@ import {
   CopyBatch,
   CopyEngine,
   type GpuPath,
+  PF_STATUS,
   type Region,
   SharedMemory,
 } from "../../ffi/mod.ts";
@@ -123,6 +124,32 @@ Deno.test({
       region.close();
       await ce.close();
       shm.close();
+    }
+  },
+});
+
+Deno.test({
+  name:
+    "cuda: a quiet save on a failed device fails whole, naming the device, and releases its regions",
+  ignore: noCuda !== undefined,
+  fn: async () => {
+    const ce = CopyEngine.open({ backend: "cuda", poolBytes: 8 << 20 });
+    const region = ce.engine.allocRegion(16 << 20);
+    try {
+      ce.engine.fail(PF_STATUS.PF_EIO);
+      const r = await ce.submitQuiet(
+        strided(new CopyBatch(GROUPS, 200), "d2h", "dma", region, 200),
+      );
+      assert.equal(r.status, PF_STATUS.PF_EIO);
+      assert.equal(r.bytes, 0);
+      assert.match(
+        r.error ?? "",
+        /group 0 \(layer 100\): device \d+ failed .*set by pf_engine_fail/,
+      );
+      assert.equal(region.info().inflight, 0, "every group released its region");
+    } finally {
+      region.close();
+      await ce.close();
     }
   },
 });
