@@ -7,10 +7,12 @@
  * - **dedup**, **fitRoom**, **admit** (lib/storage/save_candidates.ts): which
  *   hashes still need bytes (none a recent discard named), and how many of
  *   them the pool takes;
- * - **allocate**: evict until the bytes are free, then one allocation per
- *   (column, segment) for all blocks; fragmentation across namespaces keeps
- *   evicting until the items fit, or rolls back and refuses (at once, with
- *   nothing more evicted, when no eviction could place them);
+ * - **allocate**: evict until the bytes are free, then one run for the whole
+ *   plan when its blocks need every column and one free extent holds them,
+ *   else one allocation per (column, segment) for all blocks; fragmentation
+ *   across namespaces keeps evicting until the items fit, or rolls back and
+ *   refuses (at once, with nothing more evicted, when no eviction could place
+ *   them);
  * - **createBlocks**: new (or recycled) block records, slots marked PENDING,
  *   offsets recorded, run links between consecutive new blocks.
  *
@@ -214,8 +216,9 @@ function plan(st: StoreState, t: PlanTarget, hashes: readonly BlockHash[]): Save
 }
 
 /**
- * Step 4: evict until `total` bytes are free, then one allocation per
- * (column, segment) for all `count` blocks. Returns the plan's offsets and
+ * Step 4: evict until `total` bytes are free, then one run for the plan
+ * ({@link allocateOneRun}) or else one allocation per (column, segment) for
+ * all `count` blocks. Returns the plan's offsets and
  * `follows[k]` (every item of block k sits one stride after block k-1's), or
  * null after rolling back when the items cannot be placed.
  */
