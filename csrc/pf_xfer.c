@@ -902,9 +902,13 @@ static int32_t submit_held(pf_xfer_peer *p, uint32_t h, const void *desc, uint64
   atomic_store_explicit(&s->guard, (uint64_t)s->gen << 32, memory_order_release);
   atomic_store_explicit(&s->armed, 1, memory_order_release);
   /* The timer sleeps until the earliest deadline it saw: wake it if this
-   * one comes first (or it is scanning and may have missed this slot). */
+   * one comes first, or if it is scanning and may have missed this slot
+   * (the scanning mark is 0, below every deadline: compared as a wake, it
+   * never kicked, and a short batch armed behind a scan waited out the
+   * longer wake the scan planned). */
   atomic_thread_fence(memory_order_seq_cst);
-  if (deadline < atomic_load(&ep->timer_wake_ns)) timer_kick(ep);
+  uint64_t wake = atomic_load(&ep->timer_wake_ns);
+  if (wake == XFER_TIMER_SCANNING || deadline < wake) timer_kick(ep);
   /* A peer that broke since the check above ended its batches without this
    * one if end_all looked before the slot was armed (and a dead stream never
    * sends its parts); a close that began since then waits for this call

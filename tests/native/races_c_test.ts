@@ -13,14 +13,21 @@ Deno.test("C races: a landed part counts against its own batch, a broken peer en
   const dir = await Deno.makeTempDir({ prefix: "pf-races-" });
   try {
     const objs = await objects(dir);
-    const [parts, broken, close, peerClose, peerCalls, ringFull] = await Promise.all([
+    const [parts, broken, close, peerClose, peerCalls, ringFull, timerKick] = await Promise.all([
       build(dir, objs, "xfer_parts", ["pf_tcp.c"]),
       build(dir, objs, "xfer_broken", []),
       build(dir, objs, "uring_close", ["pf_uring.c"]),
       build(dir, objs, "xfer_submit_close", ["pf_xfer.c"]),
       build(dir, objs, "xfer_peer_close", ["pf_xfer.c"]),
       build(dir, objs, "xfer_submit_ring_full", ["pf_xfer.c"]),
+      build(dir, objs, "xfer_timer_kick", ["pf_xfer.c"]),
     ]);
+
+    // A submit while the deadline timer scans wakes it (before: never, so a
+    // short batch armed behind the scan waited for the longer wake it planned).
+    const kick = await run(timerKick, [], "xfer_timer_kick");
+    assert.match(kick, /timer scanning: kicked \(correct\)/);
+    assert.match(kick, /timer to wake in 1 ms: not kicked \(correct\)/);
 
     for (const mode of ["", "ack"]) {
       const out = await run(parts, mode ? [mode] : [], `xfer_parts ${mode}`);
