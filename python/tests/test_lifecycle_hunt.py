@@ -273,6 +273,12 @@ def test_with_tp_a_load_failing_on_one_rank_keeps_the_other_ranks_saves_of_that_
                     time.sleep(0.01)
 
         saved_all()
+        # Rank 0's discard travels in a job of its own (its saves were all dropped), which
+        # saved_all does not wait for: c's saves must come after the server applied it.
+        end = time.monotonic() + 10
+        while ranks.workers[0].stats_snapshot().get("saves_discarded", 0) < 2:
+            assert time.monotonic() < end, "rank 0's discard was not answered within 10 s"
+            time.sleep(0.01)
         c = Req("c", list(b.tokens), uid)  # the same prompt, computed right on both ranks
         for rank, kv in enumerate(ranks.kvs):
             for li, t in enumerate(kv.values()):
