@@ -891,7 +891,13 @@ static int32_t arena_reserve(cuda_engine *ce, uint64_t bytes, uint64_t *off,
   uint64_t start = ce->arena_head;
   if (start % PF_ARENA_BYTES + bytes > PF_ARENA_BYTES)
     start = (start / PF_ARENA_BYTES + 1) * PF_ARENA_BYTES; /* wrap */
-  while (start + bytes - ce->arena_tail > PF_ARENA_BYTES)
+  /* Wait while older tables hold what this one needs. A wrap skips
+   * [head, next lap), which the span below counts as in use, and the tail
+   * never moves past the head: an empty arena (tail == head) must not wait,
+   * or a wrapped table larger than the head's offset waits for ever. Only
+   * the submitter thread reserves, so the head does not move meanwhile. */
+  while (ce->arena_tail != ce->arena_head &&
+         start + bytes - ce->arena_tail > PF_ARENA_BYTES)
     pthread_cond_wait(&ce->cv, &ce->mu);
   ce->arena_head = start + bytes;
   pthread_mutex_unlock(&ce->mu);
