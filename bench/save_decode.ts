@@ -17,7 +17,7 @@ import { serverRunArgs } from "../lib/server/v8_flags.ts";
 import { Logger } from "../lib/log.ts";
 import { chainedBlockHashes, syntheticTokens } from "../lib/client/hashes.ts";
 import { benchCli, positiveInt } from "./cli.ts";
-import { KV, openBenchEngine, prefixShape } from "./in_process.ts";
+import { KV, openBenchEngine, prefixShape, writeBenchResult } from "./in_process.ts";
 import { cpuDeltaMs, sampleCpu } from "./thread_cpu.ts";
 
 const CHILD_ENV = "PEGAFLOW_SAVE_DECODE_CHILD";
@@ -111,22 +111,13 @@ console.table(rows.map((r) => ({
   cpu: r.cpu_us,
   ...Object.fromEntries(names.map((k) => [k, r.threads_us[k] ?? 0])),
 })));
-await Deno.mkdir("bench/results", { recursive: true });
-await Deno.writeTextFile(
-  "bench/results/save-decode.json",
-  JSON.stringify(
-    {
-      when: new Date().toISOString(),
-      layers: model.numLayers,
-      segment_bytes: segBytes,
-      pool_mib: POOL_MIB,
-      saves: SAVES,
-      window: WINDOW,
-      v8_flags: serverRunArgs().find((a) => a.startsWith("--v8-flags=")),
-      rows,
-    },
-    null,
-    2,
-  ) + "\n",
-);
+await writeBenchResult("bench/results", "save-decode.json", "bench/save_decode.ts", {
+  layers: model.numLayers,
+  segment_bytes: segBytes,
+  pool_mib: POOL_MIB,
+  saves: SAVES,
+  window: WINDOW,
+  v8_flags: serverRunArgs().find((a) => a.startsWith("--v8-flags=")),
+  rows,
+});
 console.log("wrote bench/results/save-decode.json");
