@@ -13,6 +13,7 @@ import {
   CopyEngine,
   type GpuPath,
   PF_STATUS,
+  type ProgressTarget,
   type Region,
   SharedMemory,
 } from "../../ffi/mod.ts";
@@ -29,8 +30,9 @@ function strided(
   path: GpuPath,
   region: Region,
   segs: number,
+  progress?: ProgressTarget,
 ): CopyBatch {
-  b.reset(dir, path);
+  b.reset(dir, path, progress);
   const per = Math.ceil(segs / GROUPS);
   for (let i = 0; i < segs; i++) {
     if (i % per === 0) b.group(region, 100 + i / per);
@@ -112,11 +114,7 @@ Deno.test({
     try {
       const words = new Uint32Array(shm.view().buffer, 0, 16);
       words[2] = 777;
-      const b = new CopyBatch(GROUPS, 200).reset("h2d", "dma", { shm, offset: 8 });
-      for (let i = 0; i < 200; i++) {
-        if (i % 20 === 0) b.group(region, i / 20);
-        b.seg(i * 2 * SEG, i * SEG, SEG);
-      }
+      const b = strided(new CopyBatch(GROUPS, 200), "h2d", "dma", region, 200, { shm, offset: 8 });
       assert.equal((await ce.submitQuiet(b)).status, 0);
       assert.equal(words[2], GROUPS, "groups done");
       assert.equal(words[3], 1, "final status: ok");
