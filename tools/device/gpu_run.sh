@@ -17,6 +17,8 @@
 #   native       bench/run.ts --backend cuda --only size,submit (copy paths)
 #   ttft         bench/ttft.py (cold/warm TTFT, Llama-3.1-8B shape); TTFT_ARGS adds flags
 #   peer         bench/peer_fetch.ts (peer fetch over TCP vs raw TCP; the machine's cores)
+#   variants     bench/decode_variants.py (decode at 0 % hits: off, on, without the save gate, a
+#                late-save probe; VARIANTS_ARGS adds flags)
 #   control      bench/query_load_latency.py (a warm request's control plane before its copy,
 #                host backend; CONTROL_ARGS adds flags)
 #   router       bench/router_overhead.ts (the P/D router's added latency; no GPU, the machine's
@@ -45,6 +47,7 @@ for step in "$@"; do
     server) $DENO run --allow-all --cached-only bench/server.ts --backend cuda --tokens 10000 --iters 20 ;;
     native) $DENO run --allow-all --cached-only bench/run.ts --backend cuda --only size,submit ;;
     ttft) python3 bench/ttft.py ${TTFT_ARGS:-} ;;
+    variants) python3 bench/decode_variants.py ${VARIANTS_ARGS:-} ;;
     control) python3 bench/query_load_latency.py ${CONTROL_ARGS:-} ;;
     router) $DENO run --allow-all --cached-only --unstable-no-legacy-abort --unstable-net \
       bench/router_overhead.ts ${ROUTER_ARGS:---requests 8192 --workers 4} ;;
@@ -63,7 +66,8 @@ for step in "$@"; do
   [ "$s" -eq 0 ] || rc=1
 done
 for f in bench/results/ttft-cuda*.json bench/results/ttft-cuda*.png bench/results/server-cuda*.json \
-  bench/results/peer_fetch.json bench/results/query-load-latency*.json bench/results/router*.json; do
+  bench/results/peer_fetch.json bench/results/query-load-latency*.json bench/results/router*.json \
+  bench/results/decode-variants*.json; do
   [ -f "$f" ] && [ "$f" -nt "$stamp" ] && cp "$f" "$OUT/"
 done
 exit $rc

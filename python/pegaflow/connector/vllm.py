@@ -92,7 +92,7 @@ from .plan import (
     safe_name,
 )
 from .scheduler_core import LOADING_RETRY_MAX_S, SchedulerCore
-from .worker_core import WorkerCore
+from .worker_core import SAVE_GATE_S, WorkerCore
 
 try:  # the real vLLM when it is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
@@ -146,6 +146,9 @@ class ConnectorSettings:
     # every query, Load and Save: the server refuses a rank, and the requests, of another engine
     # under this instance id.
     engine_id: str = ""
+    # The save gate's longest wait (pegaflow.save_gate_ms / PEGAFLOW_SAVE_GATE_MS; 0 = off: a step's
+    # Save is sent as soon as its KV is written; None = worker_core.SAVE_GATE_S).
+    save_gate_ms: Optional[int] = None
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Optional[Dict[str, str]] = None) -> "ConnectorSettings":
@@ -231,6 +234,7 @@ class ConnectorSettings:
             staging_blocks=count("staging_blocks", "PEGAFLOW_STAGING_BLOCKS") or 0,
             gpu_waits=gpu_waits in ("1", "true"),
             loading_retry_ms=count("loading_retry_ms", "PEGAFLOW_LOADING_RETRY_MS"), engine_id=engine_id_of(kt),
+            save_gate_ms=count("save_gate_ms", "PEGAFLOW_SAVE_GATE_MS"),
         )
 
 
@@ -368,6 +372,7 @@ class PegaflowConnector(KVConnectorBase_V1):
                 pp_size=pc.pipeline_parallel_size, mode=self.settings.mode,
                 load_timeout_s=self.settings.client.load_timeout_s, device_id=self.settings.device_id,
                 staging_blocks=self.settings.staging_blocks, gpu_waits=self.settings.gpu_waits,
+                save_gate_s=SAVE_GATE_S if self.settings.save_gate_ms is None else self.settings.save_gate_ms / 1000.0,
             )
             if self.settings.mode == LAYERWISE:
                 # Called once per layer per step (from vLLM's attention op): straight to the

@@ -4,7 +4,8 @@ bytes the scheduler side (scheduler_core.py) planned (plan.py).
 Worker side (`WorkerCore`): registration (KvRegistration: survives server
 restarts), Loads with a LoadState each (or attached to the scheduler's),
 per-layer waits (layer-wise mode) or polling between steps (async mode), and
-a save thread so a step never waits for a Save. A load that timed out may
+a save thread so a step never waits for a Save (and sends a step's Save while a later step's
+GPU work runs: the save gate, `SAVE_GATE_S`). A load that timed out may
 still land: it keeps its request's blocks held (handle_preemptions waits for
 it, finished_sending waits for it) until the server settles its state. Failures never raise into the engine: a query error is a miss,
 a save error is a dropped save (counted), a load error lists the blocks in
@@ -36,6 +37,14 @@ log = logging.getLogger("pegaflow.connector")
 
 #: How often a wait that only lingering loads can end polls their states.
 LINGER_POLL_S = 0.001
+
+#: The save gate's longest wait (pegaflow.save_gate_ms). A step's Save leaves the save thread once
+#: a later step's forward has been launched (that step's get_finished), not when the step's KV is
+#: written: the save thread's Python (the request, its reply) then runs while the engine's thread
+#: waits for the GPU, instead of taking the GIL from it between steps, where every microsecond is
+#: one the GPU idles (decode on an H200: ~0.17 ms a step, 1.5 %, docs/minivllm.md). An engine that
+#: stops stepping (idle, or a step longer than this) has its saves sent after this at the latest.
+SAVE_GATE_S = 0.1
 
 
 # ---- worker side --------------------------------------------------------------
@@ -107,6 +116,9 @@ class _SaveJob:
     discard: List[bytes] = field(default_factory=list)
     #: The request those saves were of (the Save's request_id when it carries no intent).
     discard_request: str = ""
+    #: The steps the worker had ended (get_finished calls) when the job was queued: the save gate
+    #: opens when two more have (this step's, then the next one's, after its forward launched).
+    ends: int = 0
 
 
 class WorkerCore:
@@ -136,11 +148,14 @@ class WorkerCore:
         device_id: Optional[int] = None,
         staging_blocks: int = 0,
         gpu_waits: bool = True,
+        save_gate_s: float = SAVE_GATE_S,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         if staging_blocks < 0:
             raise ValueError(f"staging_blocks must be >= 0, got {staging_blocks}")
+        if not save_gate_s >= 0:
+            raise ValueError(f"save_gate_s must be >= 0, got {save_gate_s}")
         # The client's `engine_id` (vLLM's kv_transfer_config.engine_id, the same on every rank)
         # goes with this rank's registration, Loads and Saves: the server refuses a rank, Load or
         # Save of another engine under this instance id ("" = not checked).
@@ -191,6 +206,13 @@ class WorkerCore:
         self._finishing: Set[str] = set()
         self._queue: "queue.Queue[Optional[_SaveJob]]" = queue.Queue(maxsize=save_queue_depth)
         self._save_seq = 0
+        # The save gate (_await_gate; 0 = off): the steps ended so far (get_finished), the count
+        # the save thread waits for (-1: none), and the jobs let through at once (seq <= this:
+        # a preemption or close() waiting for them).
+        self.save_gate_s = save_gate_s
+        self._ends = 0
+        self._gate_at = -1
+        self._flush_seq = 0
         # request → the last job queued before a preemption that stopped waiting for its saves:
         # its blocks are being reused, so those jobs' intents of it must never be sent
         self._cut: Dict[str, int] = {}
@@ -272,6 +294,7 @@ class WorkerCore:
         ids = set(preempted)
         if not ids:
             return
+        self._flush_saves()  # their blocks are reused next: no gate holds their saves
         deadline = time.monotonic() + self.client.config.save_timeout_s
         while True:
             self._poll_lingering()
@@ -658,7 +681,7 @@ class WorkerCore:
             self._save_seq += 1
             seq = self._save_seq
         try:
-            self._queue.put_nowait(_SaveJob(event, list(saves), seq, discard, discard_request))
+            self._queue.put_nowait(_SaveJob(event, list(saves), seq, discard, discard_request, self._ends))
         except queue.Full:
             self._done_saving(saves)
             self._count("saves_dropped", sum(len(s.block_ids) for s in saves))
@@ -700,6 +723,7 @@ class WorkerCore:
             if job is None:
                 return
             try:
+                self._await_gate(job)
                 self._save(job)
             except Exception:  # noqa: BLE001 - the save thread must outlive any one save
                 # A bug or a CUDA error on the event: this step's saves are lost, never the
@@ -710,6 +734,27 @@ class WorkerCore:
                 self._discard_lost(job, "the save thread's error above")
             finally:
                 self._done_saving(job.intents)
+
+    def _await_gate(self, job: _SaveJob) -> None:
+        """Save thread: holds `job` until the worker's next step has launched its forward (its
+        get_finished; SAVE_GATE_S), a preemption or close() flushes it, or save_gate_s passed."""
+        if self.save_gate_s <= 0:
+            return
+        deadline = time.monotonic() + self.save_gate_s
+        with self._lock:
+            self._gate_at = job.ends + 2
+            while self._ends < self._gate_at and job.seq > self._flush_seq:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            self._gate_at = -1
+
+    def _flush_saves(self, upto: Optional[int] = None) -> None:
+        """Lets every job queued so far (or up to seq `upto`) through the save gate."""
+        with self._lock:
+            self._flush_seq = max(self._flush_seq, self._save_seq if upto is None else upto)
+            self._lock.notify_all()
 
     def _save(self, job: _SaveJob) -> None:
         if job.event is not None:
@@ -784,7 +829,11 @@ class WorkerCore:
         those), and async loads that ended (ok or failed). A request that
         finished while its async load was landing is reported once, in
         finished_recving (vLLM frees it on either), even if it saved blocks
-        before a preemption."""
+        before a preemption. Opens the save gate of the steps before this one."""
+        self._ends += 1
+        if 0 <= self._gate_at <= self._ends:
+            with self._lock:
+                self._lock.notify_all()
         if not finished_req_ids and not self._finishing and not self._lingering and not self._async_loads:
             return None, None  # most steps: nothing ended, nothing waits to be reported
         recving: Set[str] = set()
@@ -853,6 +902,7 @@ class WorkerCore:
         discard, discard_request = self._unsent_discard
         self._unsent_discard = ([], "")
         last = _SaveJob(None, [], self._save_seq + 1, discard, discard_request) if discard else None
+        self._flush_saves(self._save_seq + 1)  # no step follows: the gate holds nothing back (`last` too)
         if self._thread is not None:
             wait = self.client.config.save_timeout_s
             try:
