@@ -9,8 +9,9 @@ bench/ttft.py compares PegaFlow on against off; this runs, on one engine and in 
           sends (its Python moved into the next step's launch, where the GPU has queued work)
 Per variant: the decode phase's tokens/s, the mean step, the engine thread's time between steps
 (schedule, the scheduler → worker pickle, prepare, bind, the output's pickle and update: the GPU
-idles through it) and the step time's excess over off by position in a block (a block completes
-every block_size steps: the save steps). Llama-3.1-8B shape on CUDA, or the tiny model on the host.
+idles through it), the step time's excess over off by position in a block (a block completes
+every block_size steps: the save steps), and where the save thread's Saves were sent and answered:
+the share that fell between steps (from a step's sampled token to the next step's forward launch). Llama-3.1-8B shape on CUDA, or the tiny model on the host.
 
     python3 bench/decode_variants.py [--rounds 16] [--variants off,on,nogate,late] [--backend host]
 
@@ -88,6 +89,29 @@ def measure(b: ttft.Bench, eng, names: list[str], rounds: int, late_s: float) ->
     """Each variant's decode runs (ttft.DecodeRun), one warm-up each, then `rounds` rounds."""
     core = eng.worker_connector._w()
     gate, real_save = core.save_gate_s, core._save
+    client_save = core.client.save
+    saves: list[tuple[float, float]] = []  # (sent, answered), perf_counter
+
+    def timed_save(**kw):
+        t = time.perf_counter()
+        try:
+            return client_save(**kw)
+        finally:
+            saves.append((t, time.perf_counter()))
+
+    core.client.save = timed_save
+    windows: list[tuple[float, float]] = []  # the engine thread between steps, perf_counter
+    real_step = eng.step
+
+    def step():
+        out = real_step()
+        ph = eng.last_runner_output.phases
+        if ph:
+            windows.append((ph["sampled"], ph["updated"]))  # this step's tail ...
+            windows.append((ph["schedule_start"], ph["pre_forward_done"]))  # ... and its head
+        return out
+
+    eng.step = step
 
     def late_save(job):  # the probe: the step's event, then a sleep, then the Save as usual
         if job.event is not None:
@@ -101,10 +125,12 @@ def measure(b: ttft.Bench, eng, names: list[str], rounds: int, late_s: float) ->
             core.save_gate_s = gate_s
             if save is not None:
                 core._save = save
+            saves.clear()
+            windows.clear()
             try:
                 r = b.decode_run(eng)
                 eng.drain()
-                return r
+                return r + (between_share(saves, windows),)
             finally:
                 core.save_gate_s, core._save = gate, real_save
 
@@ -127,6 +153,16 @@ def measure(b: ttft.Bench, eng, names: list[str], rounds: int, late_s: float) ->
     return out
 
 
+def between_share(saves: list[tuple[float, float]], windows: list[tuple[float, float]]) -> tuple[int, int, int]:
+    """(Saves, how many were sent between steps, how many were answered between steps)."""
+    ws = sorted(windows)
+
+    def between(t: float) -> bool:
+        return any(a <= t < b for a, b in ws)
+
+    return len(saves), sum(between(s) for s, _ in saves), sum(between(e) for _, e in saves)
+
+
 def summarize(runs: dict[str, list], block_size: int) -> dict:
     res: dict = {"variants": {}}
     by_index = {k: [statistics.fmean(c) for c in zip(*(r[2] for r in rs))] for k, rs in runs.items()}
@@ -140,6 +176,11 @@ def summarize(runs: dict[str, list], block_size: int) -> dict:
                               if any(r[3][n] for r in rs)},  # fmt: skip
             "step_ms_by_index": [round(x, 4) for x in by_index[k]],
         }
+        if k != "off":
+            n, sent, answered = (sum(r[4][i] for r in rs) for i in range(3))
+            v["saves"] = n
+            v["saves_sent_between_steps"] = sent / max(1, n)
+            v["saves_answered_between_steps"] = answered / max(1, n)
         if k != "off":
             slower = [1 - x[0] / y[0] for x, y in zip(rs, runs["off"])]
             lo, hi = ttft.mean_ci95(slower)
@@ -158,7 +199,8 @@ def print_table(res: dict) -> None:
     vs = res["variants"]
     off = vs["off"]
     print(f"decode, {res['decode_requests']} requests x {res['decode_tokens']} tokens, {res['rounds']} rounds ({res['device']})")
-    print(f"{'variant':8} {'slower than off':>22} {'step ms':>8} {'between steps ms':>17} {'excess ms, block positions':>30}")
+    print(f"{'variant':8} {'slower than off':>22} {'step ms':>8} {'between steps ms':>17} {'excess ms, block positions':>30}"
+          f" {'Saves sent / answered between steps':>38}")
     for k, v in vs.items():
         if k == "off":
             print(f"{k:8} {'':>22} {v['step_ms_mean']:8.3f} {v['between_steps_ms_mean']:17.3f}")
@@ -169,6 +211,7 @@ def print_table(res: dict) -> None:
         print(
             f"{k:8} {cell:>22} {v['step_ms_mean']:8.3f} {v['between_steps_ms_mean']:17.3f}"
             f"  mean {statistics.fmean(ex):+.3f}, max {max(ex):+.3f} at {ex.index(max(ex))}"
+            f"   {100 * v['saves_sent_between_steps']:5.1f} % / {100 * v['saves_answered_between_steps']:5.1f} % of {v['saves']}"
         )
     print("(between steps, over off: " + ", ".join(
         f"{k} {v['between_steps_ms_mean'] - off['between_steps_ms_mean']:+.3f} ms" for k, v in vs.items() if k != "off") + ")")
