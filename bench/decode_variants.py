@@ -42,7 +42,9 @@ VARIANTS = ("off", "on", "nogate", "late")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Prints a table and writes the JSON to --out."
+    )
     ap.add_argument("--rounds", type=int, default=16, help="rounds of every variant, in a rotating order")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"a comma-separated subset of {VARIANTS}")
     ap.add_argument("--late-ms", type=float, default=4.0, help="the late probe's sleep after the step's event")

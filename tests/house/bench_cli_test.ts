@@ -238,6 +238,7 @@ Deno.test("a benchmark that fails to start leaves no temp directory behind", asy
   const cases: [string, string[], Record<string, string>][] = [
     ["ttft.py", ["--backend", "host", "--skip-transformers"], { PEGAFLOW_DENO: "/bin/false" }],
     ["decode_host.py", [], { PEGAFLOW_DENO: "/bin/false" }],
+    ["decode_variants.py", ["--backend", "host"], { PEGAFLOW_DENO: "/bin/false" }],
     ["query_load_latency.py", [], { PEGAFLOW_DENO: "/bin/false" }],
     ["loading_poll.py", [], { PEGAFLOW_DENO: "/bin/false" }],
     ["server.ts", ["--backend", "host", "--tokens", "1"], {}],
