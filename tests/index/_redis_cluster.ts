@@ -11,6 +11,9 @@
  * hold a replica back from an election, and from its master's last writes
  * (`dropReplicas(i)` first).
  *
+ * `migrateSlot(key, to, between)` moves the slot of `key` to master `to` the way `redis-cli --cluster
+ * reshard` does, awaiting `between` after each key it moved (the slot half on each master).
+ *
  * `startRedisCluster({ tls: certs })` (certificates from `makeTestCertificates` in ./_redis.ts:
  * one certificate for 127.0.0.1 serves every node) makes each node serve TLS only, its cluster
  * bus and replication too; `url` then lists `rediss://` seeds, and `admin(i)` and the harness's
@@ -82,6 +85,17 @@ export interface RedisCluster {
   waitPromoted(r: number, ms?: number): Promise<void>;
   /** Starts node `i` again (empty, same node id and slots) and waits for cluster_state:ok. */
   restart(i: number): Promise<void>;
+  /**
+   * Moves the slot of `key` from its master to master `to` as `redis-cli --cluster reshard` does:
+   * IMPORTING on `to`, MIGRATING on the source, its keys MIGRATEd one at a time (`between(moved,
+   * left)` awaited after each: the slot's keys are then split between the two masters), then
+   * SETSLOT NODE on the two and every other master. Returns how many keys moved.
+   */
+  migrateSlot(
+    key: string,
+    to: number,
+    between?: (moved: number, left: number) => Promise<void>,
+  ): Promise<number>;
   stop(): Promise<void>;
 }
 
@@ -275,28 +289,44 @@ async function startOnce(replicas: 0 | 1, tls?: TestCertificates): Promise<Redis
     return probes.get(i)!;
   };
   /** CLUSTER NODES as a live node sees it. */
-  const nodesSeenBy = async (port: number) => nodeLines(await ask(port, "CLUSTER", "NODES") ?? "");
+  const nodesSeenBy = async (port: number) => {
+    const text = await ask(port, "CLUSTER", "NODES");
+    return text ? nodeLines(text) : [];
+  };
+  const masterOf = async (key: string) => {
+    const slot = Number(await probe().call("CLUSTER", "KEYSLOT", key));
+    const ranges = await probe().call("CLUSTER", "SLOTS") as [
+      number,
+      number,
+      [string, number],
+    ][];
+    const r = ranges.find(([lo, hi]) => slot >= lo && slot <= hi);
+    if (!r) throw new Error(`slot ${slot} of ${key} is served by no master`);
+    return ports.indexOf(Number(r[2][1]));
+  };
   return {
     ports,
     url: ports.map((p) => `${tls ? "rediss" : "redis"}://127.0.0.1:${p}`).join(","),
     admin,
-    async masterOf(key) {
-      const slot = Number(await probe().call("CLUSTER", "KEYSLOT", key));
-      const ranges = await probe().call("CLUSTER", "SLOTS") as [
-        number,
-        number,
-        [string, number],
-      ][];
-      const r = ranges.find(([lo, hi]) => slot >= lo && slot <= hi);
-      if (!r) throw new Error(`slot ${slot} of ${key} is served by no master`);
-      return ports.indexOf(Number(r[2][1]));
-    },
+    masterOf,
     async replicaOf(i) {
-      const nodes = await nodesSeenBy(live()[0]);
-      const id = nodes.find((n) => n.port === ports[i])?.id;
-      const r = nodes.find((n) => n.masterId === id && !n.flags.includes("fail"));
-      if (!id || !r) throw new Error(`node ${ports[i]} has no replica: ${JSON.stringify(nodes)}`);
-      return ports.indexOf(r.port);
+      // Every live node's view, not one: a replica's role reaches the others by gossip, and a
+      // node that still listed it as a slotless master once failed a test here.
+      const pick = (nodes: NodeLine[]) => {
+        const id = nodes.find((n) => n.port === ports[i])?.id;
+        return nodes.find((n) => id && n.masterId === id && !n.flags.includes("fail"))?.port;
+      };
+      let views: NodeLine[][] = [];
+      try {
+        await waitFor(`a replica of node ${ports[i]} in every live node's view`, async () => {
+          views = await Promise.all(live().map(nodesSeenBy));
+          const picks = new Set(views.map(pick));
+          return picks.size === 1 && !picks.has(undefined);
+        }, 10_000);
+      } catch (e) {
+        throw new Error(`node ${ports[i]} has no replica: ${JSON.stringify(views)}`, { cause: e });
+      }
+      return ports.indexOf(pick(views[0])!);
     },
     kill,
     pause(i) {
@@ -325,6 +355,38 @@ async function startOnce(replicas: 0 | 1, tls?: TestCertificates): Promise<Redis
       await kill(i);
       await spawn(i);
       await waitFor("cluster_state:ok after a restart", allOk, 20_000);
+    },
+    async migrateSlot(key, to, between = async () => {}) {
+      const slot = String(await probe().call("CLUSTER", "KEYSLOT", key));
+      const from = await masterOf(key);
+      if (from === to) throw new Error(`slot ${slot} of ${key} is on master ${ports[to]} already`);
+      const [src, dst] = [admin(from), admin(to)];
+      const [srcId, dstId] = [
+        String(await src.call("CLUSTER", "MYID")),
+        String(await dst.call("CLUSTER", "MYID")),
+      ];
+      await dst.call("CLUSTER", "SETSLOT", slot, "IMPORTING", srcId);
+      await src.call("CLUSTER", "SETSLOT", slot, "MIGRATING", dstId);
+      let moved = 0;
+      for (;;) {
+        const keys = await src.call("CLUSTER", "GETKEYSINSLOT", slot, "1000") as string[];
+        if (keys.length === 0) break;
+        // deno-fmt-ignore
+        await src.call("MIGRATE", "127.0.0.1", String(ports[to]), "", "0", String(QUERY_TIMEOUT_MS * 5),
+          "KEYS", keys[0]);
+        moved++;
+        await between(moved, keys.length - 1);
+      }
+      await dst.call("CLUSTER", "SETSLOT", slot, "NODE", dstId);
+      await src.call("CLUSTER", "SETSLOT", slot, "NODE", dstId);
+      for (let i = 0; i < ports.length; i++) {
+        if (i !== from && i !== to && children[i] && !paused.has(i)) {
+          await admin(i).call("CLUSTER", "SETSLOT", slot, "NODE", dstId).catch(() => {
+            // a replica refuses SETSLOT; the masters' gossip reaches it
+          });
+        }
+      }
+      return moved;
     },
     stop,
   };

@@ -4,14 +4,15 @@
  * takes over. While the slot has no master, the index's calls fail within their deadline and the
  * index says it is down; once the replica is promoted, the heartbeat sees the recovery, the node
  * re-advertises what it holds (also what the promoted replica never received), lookups find it
- * again, and a withdraw reaches the new master.
+ * again, and a withdraw reaches the new master. The same over TLS (clients, cluster bus and
+ * replication): the promoted replica is reached over TLS and verified against the test CA.
  */
 
 import assert from "node:assert/strict";
 import { withinOrThrow } from "../../lib/timer_limit.ts";
 import { RedisBlockIndex, type SealedBlock } from "../../lib/index/block_index.ts";
 import { nodeNamespacesKey, nodeSetKey, nodesKey } from "../../lib/index/keys.ts";
-import { waitFor } from "./_redis.ts";
+import { makeTestCertificates, waitFor } from "./_redis.ts";
 import { type RedisCluster, startRedisCluster } from "./_redis_cluster.ts";
 
 /** Each index call's deadline. */
@@ -31,10 +32,16 @@ function hashes(n: number, seed: number): Uint8Array[] {
   });
 }
 
-function index(c: RedisCluster, nodeId: string, held: () => SealedBlock[] = () => []) {
+function index(
+  c: RedisCluster,
+  nodeId: string,
+  held: () => SealedBlock[] = () => [],
+  tlsCa?: string,
+) {
   const idx = new RedisBlockIndex({
     url: c.url,
     cluster: true,
+    tlsCa,
     nodeId,
     advertiseAddr: `${nodeId}.local:50055`,
     listSealed: held,
@@ -133,31 +140,50 @@ Deno.test("on a Redis Cluster, a master killed and failed over: calls fail clean
   });
 });
 
+/** A master killed with its replica running: the blocks are found again once it is promoted. */
+async function killedMasterFoundAgain(c: RedisCluster, tlsCa?: string) {
+  const ns = await namespaceApartFrom(c, "a");
+  const chain = hashes(8, 3);
+  const a = index(c, "a", () => chain.map((hash) => ({ namespace: ns, hash })), tlsCa);
+  const b = index(c, "b", () => [], tlsCa);
+  try {
+    await waitFor("connected", () => a.up && b.up);
+    assert.equal(await a.advertise(ns, chain), true);
+    assert.equal((await b.lookup(ns, chain)).length, 8);
+    const m = await c.masterOf(nodesKey(ns));
+    const r = await c.replicaOf(m);
+    await c.kill(m);
+    await c.waitPromoted(r);
+    await waitFor("b finds a's blocks on the promoted replica", async () => {
+      const found = await b.lookup(ns, chain);
+      return found.length === 8 && found.owners[0]?.nodeId === "a";
+    }, RECOVERY_MS);
+    await waitFor("a and b up", () => a.up && b.up, RECOVERY_MS);
+    assert.equal(await a.withdraw(ns, chain.slice(4)), true);
+    assert.equal((await b.lookup(ns, chain)).length, 4);
+  } finally {
+    await Promise.all([a.close(), b.close()]);
+  }
+}
+
 Deno.test("on a Redis Cluster, a master killed with its replica running: lookups find the blocks again once it is promoted", async () => {
-  await withFailoverCluster(async (c) => {
-    const ns = await namespaceApartFrom(c, "a");
-    const chain = hashes(8, 3);
-    const a = index(c, "a", () => chain.map((hash) => ({ namespace: ns, hash })));
-    const b = index(c, "b");
+  await withFailoverCluster((c) => killedMasterFoundAgain(c));
+});
+
+Deno.test("on a Redis Cluster over TLS, a master killed with its replica running: the promoted replica is found and served over TLS", async () => {
+  const certs = await makeTestCertificates();
+  try {
+    const ca = await Deno.readTextFile(certs.caFile);
+    const c = await startRedisCluster({ replicas: 1, tls: certs });
     try {
-      await waitFor("connected", () => a.up && b.up);
-      assert.equal(await a.advertise(ns, chain), true);
-      assert.equal((await b.lookup(ns, chain)).length, 8);
-      const m = await c.masterOf(nodesKey(ns));
-      const r = await c.replicaOf(m);
-      await c.kill(m);
-      await c.waitPromoted(r);
-      await waitFor("b finds a's blocks on the promoted replica", async () => {
-        const found = await b.lookup(ns, chain);
-        return found.length === 8 && found.owners[0]?.nodeId === "a";
-      }, RECOVERY_MS);
-      await waitFor("a and b up", () => a.up && b.up, RECOVERY_MS);
-      assert.equal(await a.withdraw(ns, chain.slice(4)), true);
-      assert.equal((await b.lookup(ns, chain)).length, 4);
+      assert.ok(c.url.split(",").every((u) => u.startsWith("rediss://")), c.url);
+      await killedMasterFoundAgain(c, ca);
     } finally {
-      await Promise.all([a.close(), b.close()]);
+      await c.stop();
     }
-  });
+  } finally {
+    await certs.remove();
+  }
 });
 
 Deno.test("on a Redis Cluster, a replica that missed a node's join takes over: the node re-joins once its heartbeat finds the registration gone", async () => {
