@@ -159,11 +159,17 @@ static int wait_fd(int fd, short events, atomic_int *stop, uint64_t deadline) {
     if (stop && atomic_load(stop)) return 0;
     int ms = TCP_POLL_MS, last = 0;
     if (deadline) {
-      int64_t left = (int64_t)(deadline - pf_now_ns()) / 1000000;
-      /* One last look: a descriptor that is ready has not stalled (this
-       * process may itself have been stopped past the deadline). */
-      if (left <= 0) last = 1;
-      if (left < ms) ms = left > 0 ? (int)left : 0;
+      int64_t left_ns = (int64_t)(deadline - pf_now_ns());
+      /* One last look once it passed: a descriptor that is ready has not
+       * stalled (this process may itself have been stopped past the
+       * deadline). Whole ms rounded up: rounded down, a wait ended up to
+       * 1 ms before its deadline (tests/native/c/tcp_wait_deadline.c). */
+      if (left_ns <= 0) {
+        last = 1;
+        ms = 0;
+      } else if (left_ns < (int64_t)ms * 1000000) {
+        ms = (int)((left_ns + 999999) / 1000000);
+      }
     }
     int r = poll(&pfd, 1, ms);
     if (r > 0) return 1;

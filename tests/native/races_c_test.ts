@@ -9,21 +9,27 @@
 import assert from "node:assert/strict";
 import { build, objects, run } from "./_sanitized_c.ts";
 
-Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a submit that cannot queue its batch never waits on a full ring, a close waits for a submit, connect, info, error or sync past its lookup, an endpoint close refuses while a peer is created, a submit during the deadline timer's scan kicks it, a wrapped kernel table on an empty arena never waits", async () => {
+Deno.test("C races: a landed part counts against its own batch, a broken peer ends a late-armed batch, a submit that cannot queue its batch never waits on a full ring, a close waits for a submit, connect, info, error or sync past its lookup, an endpoint close refuses while a peer is created, a submit during the deadline timer's scan kicks it, a wrapped kernel table on an empty arena never waits, a TCP wait never ends before its deadline", async () => {
   const dir = await Deno.makeTempDir({ prefix: "pf-races-" });
   try {
     const objs = await objects(dir);
-    const [parts, broken, close, peerClose, peerCalls, ringFull, timerKick, arena] = await Promise
-      .all([
-        build(dir, objs, "xfer_parts", ["pf_tcp.c"]),
-        build(dir, objs, "xfer_broken", []),
-        build(dir, objs, "uring_close", ["pf_uring.c"]),
-        build(dir, objs, "xfer_submit_close", ["pf_xfer.c"]),
-        build(dir, objs, "xfer_peer_close", ["pf_xfer.c"]),
-        build(dir, objs, "xfer_submit_ring_full", ["pf_xfer.c"]),
-        build(dir, objs, "xfer_timer_kick", ["pf_xfer.c"]),
-        build(dir, objs, "cuda_arena_wrap", ["pf_cuda.c"]),
-      ]);
+    const [parts, broken, close, peerClose, peerCalls, ringFull, timerKick, arena, tcpWait] =
+      await Promise
+        .all([
+          build(dir, objs, "xfer_parts", ["pf_tcp.c"]),
+          build(dir, objs, "xfer_broken", []),
+          build(dir, objs, "uring_close", ["pf_uring.c"]),
+          build(dir, objs, "xfer_submit_close", ["pf_xfer.c"]),
+          build(dir, objs, "xfer_peer_close", ["pf_xfer.c"]),
+          build(dir, objs, "xfer_submit_ring_full", ["pf_xfer.c"]),
+          build(dir, objs, "xfer_timer_kick", ["pf_xfer.c"]),
+          build(dir, objs, "cuda_arena_wrap", ["pf_cuda.c"]),
+          build(dir, objs, "tcp_wait_deadline", ["pf_tcp.c"]),
+        ]);
+
+    // The TCP transport's waits (connect, hello, a stalled stream) end at their deadline, not up
+    // to 1 ms before it (before: the time left was rounded down to whole ms).
+    assert.match(await run(tcpWait, [], "tcp_wait_deadline"), /^0 of 40 deadlines ended early$/m);
 
     // A wrapped kernel table on an empty arena is reserved at once (before:
     // it waited for ever, the cuda submitter thread with it).
