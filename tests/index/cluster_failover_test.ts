@@ -9,8 +9,8 @@
  */
 
 import assert from "node:assert/strict";
-import { withinOrThrow } from "../../lib/timer_limit.ts";
-import { RedisBlockIndex, type SealedBlock } from "../../lib/index/block_index.ts";
+import type { SealedBlock } from "../../lib/index/block_index.ts";
+import { clusterNode, hashes, settles as settled } from "./_cluster_nodes.ts";
 import { nodeNamespacesKey, nodeSetKey, nodesKey } from "../../lib/index/keys.ts";
 import { makeTestCertificates, waitFor } from "./_redis.ts";
 import { type RedisCluster, startRedisCluster } from "./_redis_cluster.ts";
@@ -24,37 +24,13 @@ const RECOVERY_MS = 20_000;
 /** A call that has not settled by then hangs (its deadline is TIMEOUT_MS). */
 const HANG_MS = 5_000;
 
-function hashes(n: number, seed: number): Uint8Array[] {
-  return Array.from({ length: n }, (_, i) => {
-    const h = new Uint8Array(32);
-    new DataView(h.buffer).setUint32(0, seed * 1_000_003 + i);
-    return h;
-  });
-}
-
-function index(
-  c: RedisCluster,
-  nodeId: string,
-  held: () => SealedBlock[] = () => [],
-  tlsCa?: string,
-) {
-  const idx = new RedisBlockIndex({
-    url: c.url,
-    cluster: true,
-    tlsCa,
-    nodeId,
-    advertiseAddr: `${nodeId}.local:50055`,
-    listSealed: held,
-    nodeTtlMs: NODE_TTL_MS,
-    timeoutMs: TIMEOUT_MS,
-  });
-  idx.start();
-  return idx;
+function index(c: RedisCluster, nodeId: string, held?: () => SealedBlock[], tlsCa?: string) {
+  return clusterNode(c, nodeId, { held, tlsCa, nodeTtlMs: NODE_TTL_MS, timeoutMs: TIMEOUT_MS });
 }
 
 /** `p` settled (it never throws into the caller: a rejection fails the test too). */
 function settles<T>(what: string, p: Promise<T>): Promise<T> {
-  return withinOrThrow(p, HANG_MS, () => new Error(`${what} hung past ${HANG_MS} ms`));
+  return settled(what, p, HANG_MS);
 }
 
 /** A namespace whose master does not hold `node`'s record: its failover leaves the record alone. */
@@ -145,7 +121,7 @@ async function killedMasterFoundAgain(c: RedisCluster, tlsCa?: string) {
   const ns = await namespaceApartFrom(c, "a");
   const chain = hashes(8, 3);
   const a = index(c, "a", () => chain.map((hash) => ({ namespace: ns, hash })), tlsCa);
-  const b = index(c, "b", () => [], tlsCa);
+  const b = index(c, "b", undefined, tlsCa);
   try {
     await waitFor("connected", () => a.up && b.up);
     assert.equal(await a.advertise(ns, chain), true);

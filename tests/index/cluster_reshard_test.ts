@@ -10,8 +10,8 @@
  */
 
 import assert from "node:assert/strict";
-import { withinOrThrow } from "../../lib/timer_limit.ts";
-import { RedisBlockIndex, type SealedBlock } from "../../lib/index/block_index.ts";
+import type { SealedBlock } from "../../lib/index/block_index.ts";
+import { clusterNode, hashes, settles as settled } from "./_cluster_nodes.ts";
 import { nodeSetKey, nodesKey } from "../../lib/index/keys.ts";
 import { waitFor } from "./_redis.ts";
 import { type RedisCluster, startRedisCluster } from "./_redis_cluster.ts";
@@ -25,31 +25,13 @@ const HANG_MS = 5_000;
 /** From the end of the move until every held block is found: a few heartbeats. */
 const SETTLE_MS = 20_000;
 
-function hashes(n: number, seed: number): Uint8Array[] {
-  return Array.from({ length: n }, (_, i) => {
-    const h = new Uint8Array(32);
-    new DataView(h.buffer).setUint32(0, seed * 1_000_003 + i);
-    return h;
-  });
-}
-
 /** A node of the index on `c` whose held blocks are `held()` (re-advertised after an outage). */
 function index(c: RedisCluster, nodeId: string, held: () => SealedBlock[]) {
-  const idx = new RedisBlockIndex({
-    url: c.url,
-    cluster: true,
-    nodeId,
-    advertiseAddr: `${nodeId}.local:50055`,
-    listSealed: held,
-    nodeTtlMs: NODE_TTL_MS,
-    timeoutMs: TIMEOUT_MS,
-  });
-  idx.start();
-  return idx;
+  return clusterNode(c, nodeId, { held, nodeTtlMs: NODE_TTL_MS, timeoutMs: TIMEOUT_MS });
 }
 
 function settles<T>(what: string, p: Promise<T>): Promise<T> {
-  return withinOrThrow(p, HANG_MS, () => new Error(`${what} hung past ${HANG_MS} ms`));
+  return settled(what, p, HANG_MS);
 }
 
 /** A namespace whose keys' slot master 0 serves. */

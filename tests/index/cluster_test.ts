@@ -11,14 +11,7 @@ import { indexRedisClient } from "../../lib/index/connection.ts";
 import { nodeNamespacesKey, nodesKey } from "../../lib/index/keys.ts";
 import { waitFor } from "./_redis.ts";
 import { type RedisCluster, startRedisCluster } from "./_redis_cluster.ts";
-
-function hashes(n: number, seed: number): Uint8Array[] {
-  return Array.from({ length: n }, (_, i) => {
-    const h = new Uint8Array(32);
-    new DataView(h.buffer).setUint32(0, seed * 1_000_003 + i);
-    return h;
-  });
-}
+import { hashes } from "./_cluster_nodes.ts";
 
 /** One namespace per master: names whose registry keys hash to slots on three different masters. */
 async function namespacesOnEachMaster(c: RedisCluster): Promise<string[]> {

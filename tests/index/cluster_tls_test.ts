@@ -14,6 +14,7 @@ import { withinOrThrow } from "../../lib/timer_limit.ts";
 import { serverSaveFoundOverTls, tlsNode } from "./_tls.ts";
 import { makeTestCertificates, type TestCertificates, waitFor } from "./_redis.ts";
 import { type RedisCluster, startRedisCluster } from "./_redis_cluster.ts";
+import { hashes } from "./_cluster_nodes.ts";
 
 /** The index's per-call deadline in these tests. */
 const TIMEOUT_MS = 500;
@@ -21,14 +22,6 @@ const TIMEOUT_MS = 500;
 const HANG_GUARD_MS = 20 * TIMEOUT_MS;
 /** Node's reason for a certificate chain that ends in a CA it was not told to trust. */
 const REFUSED = "self-signed certificate in certificate chain";
-
-function hashes(n: number, seed: number): Uint8Array[] {
-  return Array.from({ length: n }, (_, i) => {
-    const h = new Uint8Array(32);
-    new DataView(h.buffer).setUint32(0, seed * 1_000_003 + i);
-    return h;
-  });
-}
 
 /** A name whose registry key's slot is served by master `i`. */
 async function namespaceOn(c: RedisCluster, i: number): Promise<string> {
