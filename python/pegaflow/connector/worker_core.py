@@ -42,7 +42,7 @@ LINGER_POLL_S = 0.001
 #: a later step's forward has been launched (that step's get_finished), not when the step's KV is
 #: written: the save thread's Python (the request, its reply) then runs while the engine's thread
 #: waits for the GPU, instead of taking the GIL from it between steps, where every microsecond is
-#: one the GPU idles (decode on H200 hosts: 1.05-1.99 % slower than PegaFlow off without the gate,
+#: one the GPU idles (decode on H200 hosts: 0.88-1.99 % slower than PegaFlow off without the gate,
 #: 0.50-1.23 % with it; docs/python.md, "The save gate"). An engine that stops stepping (idle, or a
 #: step longer than this) has its saves sent after this at the latest.
 SAVE_GATE_S = 0.1
