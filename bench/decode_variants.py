@@ -11,7 +11,8 @@ Per variant: the decode phase's tokens/s, the mean step, the engine thread's tim
 (schedule, the scheduler → worker pickle, prepare, bind, the output's pickle and update: the GPU
 idles through it), the step time's excess over off by position in a block (a block completes
 every block_size steps: the save steps), and where the save thread's Saves were sent and answered:
-the share that fell between steps (from a step's sampled token to the next step's forward launch). Llama-3.1-8B shape on CUDA, or the tiny model on the host.
+the share that fell between steps (from a step's sampled token to the next step's forward launch).
+Llama-3.1-8B shape on CUDA, or the tiny model on the host.
 
     python3 bench/decode_variants.py [--rounds 16] [--variants off,on,nogate,late] [--backend host]
 
