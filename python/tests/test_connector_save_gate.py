@@ -128,3 +128,28 @@ def test_the_save_gate_setting_reaches_the_worker_and_a_bad_one_is_refused(uid):
     for bad in ("5ms", -1, 2.5):
         with pytest.raises(ValueError, match="pegaflow.save_gate_ms .* is not a non-negative integer"):
             ConnectorSettings.from_vllm(cfg(bad), env={})
+
+
+def test_under_a_deferred_finalize_the_save_waits_one_step_more_and_still_goes(engine_factory, uid):
+    """vLLM's deferred finalize (speculative decoding) calls wait_for_save after the step's
+    get_transfer_results → get_finished: the step's Save is then held until the second step after
+    it has launched its forward, and sent then."""
+    eng = engine_factory("layerwise", **{"pegaflow.save_gate_ms": 30000})
+    w = eng.worker._w()
+    sent = recorded(w)
+
+    def deferred_step(saves=()):
+        w.bind(StepPlan(saves=list(saves)))
+        w.get_finished(set())
+        w.wait_for_save()
+        w.unbind()
+
+    deferred_step([SaveIntent("r", [1], HASHES[:1])])
+    deferred_step()
+    time.sleep(0.2)
+    assert sent == []  # one step later it is still held: its own step's get_finished came first
+    deferred_step()
+    wait_for(lambda: sent, "the save two steps later", timeout_s=5)
+    assert sent[0][1] == [1]
+    wait_for(lambda: not w._pending.get("r"), "the save's answer", timeout_s=5)
+    assert stored(eng, uid, HASHES[:1]) == 1
