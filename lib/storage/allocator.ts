@@ -200,11 +200,10 @@ export class PoolAllocator {
     const su = this.#strideUnits(itemBytes);
     if (count * su > this.#freeUnits) return null;
     const all = this.#allParts;
-    if (part === undefined || all.length === 1 || !(part in this.#partFree)) {
-      return this.#allocateIn(all, count, su);
-    }
-    return this.#allocateIn([part], count, su) ??
-      this.#allocateIn([part, ...all.filter((p) => p !== part)], count, su);
+    const mine = this.#partsOf(part);
+    if (mine === all) return this.#allocateIn(all, count, su);
+    return this.#allocateIn(mine, count, su) ??
+      this.#allocateIn([part!, ...all.filter((p) => p !== part)], count, su);
   }
 
   /**
@@ -221,17 +220,26 @@ export class PoolAllocator {
     }
     const need = count * this.#strideUnits(itemBytes);
     if (need > this.#freeUnits) return null;
-    let start: number | undefined;
-    if (part !== undefined && this.#partStart.length > 1 && part in this.#partFree) {
-      start = this.#findFit(need, part);
-    } else {
-      for (let p = 0; start === undefined && p < this.#partStart.length; p++) {
-        start = this.#findFit(need, p);
+    const start = this.#carveFit(this.#partsOf(part), need);
+    return start === undefined ? null : start * this.unitBytes;
+  }
+
+  /** The parts `part` names: `[part]`, or every part when it names none (or there is one). */
+  #partsOf(part: number | undefined): readonly number[] {
+    const all = this.#allParts;
+    return part === undefined || all.length === 1 || !(part in this.#partFree) ? all : [part];
+  }
+
+  /** Carves `need` units from the first single free extent that holds them, in `parts` order. */
+  #carveFit(parts: readonly number[], need: number): number | undefined {
+    for (const p of parts) {
+      const start = this.#findFit(need, p);
+      if (start !== undefined) {
+        this.#carve(start, need);
+        return start;
       }
     }
-    if (start === undefined) return null;
-    this.#carve(start, need);
-    return start * this.unitBytes;
+    return undefined;
   }
 
   /** {@link allocate} over the parts `parts` (in preference order). */
@@ -240,13 +248,8 @@ export class PoolAllocator {
     let free = 0;
     for (const p of parts) free += this.#partFree[p];
     if (need > free) return null;
-    for (const p of parts) {
-      const single = this.#findFit(need, p);
-      if (single !== undefined) {
-        this.#carve(single, need);
-        return [{ offset: single * this.unitBytes, items: count }];
-      }
-    }
+    const single = this.#carveFit(parts, need);
+    if (single !== undefined) return [{ offset: single * this.unitBytes, items: count }];
     // No single extent fits: gather whole-item pieces from the largest extents down.
     const picks: number[] = [];
     const takes: number[] = [];
