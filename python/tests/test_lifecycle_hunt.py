@@ -26,6 +26,7 @@ from pegaflow.hashes import synthetic_tokens
 from pegaflow.load_state import LoadState
 
 from minivllm_runs import pega_engine, regions, run  # noqa: F401 (regions: a fixture)
+from waits import wait_for
 from tiny_model import TINY, model  # noqa: F401 (model: a fixture)
 from vllm_driver import (
     BLOCK,
@@ -266,19 +267,16 @@ def test_with_tp_a_load_failing_on_one_rank_keeps_the_other_ranks_saves_of_that_
         ranks.workers[0].client = client
 
         def saved_all() -> None:
-            for w in ranks.workers:
-                end = time.monotonic() + 10
-                while w._pending:
-                    assert time.monotonic() < end
-                    time.sleep(0.01)
+            for rank, w in enumerate(ranks.workers):
+                wait_for(lambda: not w._pending, f"rank {rank}'s saves", timeout_s=10)
 
         saved_all()
         # Rank 0's discard travels in a job of its own (its saves were all dropped), which
         # saved_all does not wait for: c's saves must come after the server applied it.
-        end = time.monotonic() + 10
-        while ranks.workers[0].stats_snapshot().get("saves_discarded", 0) < 2:
-            assert time.monotonic() < end, "rank 0's discard was not answered within 10 s"
-            time.sleep(0.01)
+        wait_for(
+            lambda: ranks.workers[0].stats_snapshot().get("saves_discarded", 0) >= 2,
+            "rank 0's discard answered", timeout_s=10,
+        )
         c = Req("c", list(b.tokens), uid)  # the same prompt, computed right on both ranks
         for rank, kv in enumerate(ranks.kvs):
             for li, t in enumerate(kv.values()):
