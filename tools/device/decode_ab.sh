@@ -11,14 +11,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pegaflow-out}
-mkdir -p "$OUT" /tmp/pf-base /tmp/pf-deno/dir
+mkdir -p "$OUT" /tmp/pf-base
 tar -C /tmp/pf-base -xJf .carry/base.tar.xz
 ln -sfn "$PWD/.carry" /tmp/pf-base/.carry
 ln -sfn "$PWD/.carry/base_build" /tmp/pf-base/build
-xz -T0 -dc .carry/deno.xz >/tmp/pf-deno/deno && chmod +x /tmp/pf-deno/deno
-tar -C /tmp/pf-deno/dir -xJf .carry/deno_npm.tar.xz --strip-components=1
-export PEGAFLOW_DENO=/tmp/pf-deno/deno DENO_DIR=/tmp/pf-deno/dir PEGAFLOW_DENO_CACHED_ONLY=1
-export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
+. tools/device/_carry_env.sh
 args="--tokens 4096 --runs 3 --warmup 1 --skip-transformers --decode-repeats ${REPEATS:-6}"
 rc=0
 for r in $(seq 1 "${ROUNDS:-2}"); do

@@ -27,14 +27,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pegaflow-out}
-mkdir -p "$OUT" /tmp/pf-deno/dir
+mkdir -p "$OUT"
 # Only results this run writes come back (the tool returns at most 8 files).
 stamp=/tmp/pf-gpu-run.stamp
 touch "$stamp"
-xz -T0 -dc .carry/deno.xz >/tmp/pf-deno/deno && chmod +x /tmp/pf-deno/deno
-tar -C /tmp/pf-deno/dir -xJf .carry/deno_npm.tar.xz --strip-components=1
-export PEGAFLOW_DENO=/tmp/pf-deno/deno DENO_DIR=/tmp/pf-deno/dir PEGAFLOW_DENO_CACHED_ONLY=1
-export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
+. tools/device/_carry_env.sh
 DENO="$PEGAFLOW_DENO"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
