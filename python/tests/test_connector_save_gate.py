@@ -13,6 +13,7 @@ from pegaflow.connector.plan import SaveIntent, StepPlan
 from pegaflow.connector.vllm import ConnectorSettings
 from pegaflow.connector.vllm_api import KVTransferConfig, VllmConfig
 
+from vllm_driver import sealed, wait_saved
 from waits import wait_for
 
 HASHES = [bytes([0xA0 + i]) * 16 for i in range(4)]
@@ -40,15 +41,6 @@ def step(w, saves=(), finished=True):
     w.unbind()
 
 
-def stored(eng, uid, hashes):
-    q = eng.sched.client.query_prefetch(
-        instance_id=eng.sched.settings.instance_id, block_hashes=hashes, request_id="check-" + uid
-    )
-    if q.lease_id:
-        eng.sched.client.release(q.lease_id)
-    return q.hits
-
-
 def test_a_steps_save_is_sent_once_the_next_step_has_launched_its_forward(engine_factory, uid):
     eng = engine_factory("layerwise", **{"pegaflow.save_gate_ms": 30000})
     w = eng.worker._w()
@@ -65,8 +57,8 @@ def test_a_steps_save_is_sent_once_the_next_step_has_launched_its_forward(engine
     w.unbind()
     wait_for(lambda: sent, "the save once the next step's forward was launched", timeout_s=5)
     assert sent[0][1] == [1, 2] and sent[0][0] >= t
-    wait_for(lambda: not w._pending.get("r"), "the save's answer", timeout_s=5)
-    assert stored(eng, uid, HASHES[:2]) == 2
+    wait_saved(eng, timeout_s=5)  # its answer
+    assert sealed(eng, HASHES[:2]) == 2
 
 
 def test_an_engine_that_stops_stepping_has_its_save_sent_after_the_gates_longest_wait(engine_factory, uid):
@@ -77,8 +69,8 @@ def test_an_engine_that_stops_stepping_has_its_save_sent_after_the_gates_longest
     step(w, [SaveIntent("r", [3], HASHES[2:3])])
     wait_for(lambda: sent, "the save after the gate's longest wait", timeout_s=5)
     assert sent[0][0] - t >= 0.24
-    wait_for(lambda: not w._pending.get("r"), "the save's answer", timeout_s=5)
-    assert stored(eng, uid, HASHES[2:3]) == 1
+    wait_saved(eng, timeout_s=5)  # its answer
+    assert sealed(eng, HASHES[2:3]) == 1
 
 
 def test_a_gate_of_0_sends_the_save_as_soon_as_the_steps_kv_is_written(engine_factory, uid):
@@ -99,7 +91,7 @@ def test_a_preemption_lets_the_requests_held_save_through_at_once(engine_factory
     w.handle_preemptions(["p"])  # returns once the save landed: its blocks are reused next
     assert time.monotonic() - t < 5
     assert [ids for _, ids in sent] == [[1]] and not w._pending.get("p")
-    assert stored(eng, uid, HASHES[:1]) == 1
+    assert sealed(eng, HASHES[:1]) == 1
 
 
 def test_close_sends_the_held_saves_without_waiting_for_the_gate(engine_factory, uid):
@@ -151,5 +143,5 @@ def test_under_a_deferred_finalize_the_save_waits_one_step_more_and_still_goes(e
     deferred_step()
     wait_for(lambda: sent, "the save two steps later", timeout_s=5)
     assert sent[0][1] == [1]
-    wait_for(lambda: not w._pending.get("r"), "the save's answer", timeout_s=5)
-    assert stored(eng, uid, HASHES[:1]) == 1
+    wait_saved(eng, timeout_s=5)  # its answer
+    assert sealed(eng, HASHES[:1]) == 1

@@ -45,6 +45,8 @@ from pegaflow.errors import PegaflowError
 from pegaflow.hashes import chained_block_hashes, synthetic_tokens
 from pegaflow.regions import ShmRegion
 
+from waits import wait_for
+
 BLOCK = 4
 HEADS, HEAD_DIM, LAYERS = 2, 8, 3
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -337,13 +339,10 @@ def saved_prompt(eng: "Engine", seed: int, salt: str, blocks: int = 5) -> "tuple
     return prompt, set(a.block_ids)
 
 
-def wait_saved(eng: "Engine") -> None:
-    """Until the worker has no save queued or in flight (10 s at most)."""
+def wait_saved(eng: "Engine", timeout_s: float = 10.0) -> None:
+    """Until the worker has no save queued or in flight (`timeout_s` at most)."""
     wc = eng.worker._w()
-    end = time.monotonic() + 10
-    while wc._pending:
-        assert time.monotonic() < end, "saves never finished"
-        time.sleep(0.01)
+    wait_for(lambda: not wc._pending, "the worker's saves to finish", timeout_s=timeout_s)
 
 
 def sealed(eng: "Engine", hashes: List[bytes]) -> int:
