@@ -38,6 +38,11 @@ export const MAX_NAME_CHARS = 128;
  */
 export const MAX_REQUEST_ID_CHARS = 1024;
 /**
+ * Longest WaitPrefetch hold, in ms: a wait is a long poll, and a caller that
+ * wants longer asks again (its deadline must cover each wait).
+ */
+export const MAX_PREFETCH_WAIT_MS = 60_000;
+/**
  * Longest layer name, in characters. vLLM's are under 100 ("model.layers.31.self_attn.attn",
  * a multimodal model's longer prefixes); a name is kept per rank, hashed into the layout's
  * identity and echoed in every error about its layer.

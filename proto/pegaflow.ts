@@ -388,6 +388,31 @@ export interface QueryPrefetchRequest {
   engineId: string;
 }
 
+export interface WaitPrefetchRequest {
+  instanceId: string;
+  /** the request_id of the QueryPrefetch answered "loading" */
+  requestId: string;
+  /**
+   * How long to hold the answer while the fetch runs: 1..60000 ms (else
+   * INVALID_ARGUMENT naming wait_ms). The call's deadline must exceed it.
+   */
+  waitMs: number;
+  /**
+   * As QueryPrefetchRequest.engine_id: another engine's is refused
+   * FAILED_PRECONDITION; empty is not checked.
+   */
+  engineId: string;
+}
+
+export interface WaitPrefetchResponse {
+  /**
+   * True: no fetch of this request runs any more (it ended, or none ran):
+   * ask QueryPrefetch again. False: wait_ms passed while it still runs (or
+   * the server is shutting down).
+   */
+  settled: boolean;
+}
+
 export interface LoadInto {
   /**
    * One target per hash asked (as many as block_hashes): the hit loads into
@@ -2220,6 +2245,156 @@ export const QueryPrefetchRequest: MessageFns<QueryPrefetchRequest> = {
   },
 };
 
+function createBaseWaitPrefetchRequest(): WaitPrefetchRequest {
+  return { instanceId: "", requestId: "", waitMs: 0, engineId: "" };
+}
+
+export const WaitPrefetchRequest: MessageFns<WaitPrefetchRequest> = {
+  encode(message: WaitPrefetchRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.instanceId !== "") {
+      writer.uint32(10).string(message.instanceId);
+    }
+    if (message.requestId !== "") {
+      writer.uint32(18).string(message.requestId);
+    }
+    if (message.waitMs !== 0) {
+      writer.uint32(24).uint32(message.waitMs);
+    }
+    if (message.engineId !== "") {
+      writer.uint32(34).string(message.engineId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): WaitPrefetchRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseWaitPrefetchRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.instanceId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.requestId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.waitMs = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.engineId = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<WaitPrefetchRequest>, I>>(base?: I): WaitPrefetchRequest {
+    return WaitPrefetchRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<WaitPrefetchRequest>, I>>(
+    object: I,
+  ): WaitPrefetchRequest {
+    const message = createBaseWaitPrefetchRequest();
+    message.instanceId = object.instanceId ?? "";
+    message.requestId = object.requestId ?? "";
+    message.waitMs = object.waitMs ?? 0;
+    message.engineId = object.engineId ?? "";
+    return message;
+  },
+};
+
+function createBaseWaitPrefetchResponse(): WaitPrefetchResponse {
+  return { settled: false };
+}
+
+export const WaitPrefetchResponse: MessageFns<WaitPrefetchResponse> = {
+  encode(message: WaitPrefetchResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.settled !== false) {
+      writer.uint32(8).bool(message.settled);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): WaitPrefetchResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseWaitPrefetchResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.settled = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<WaitPrefetchResponse>, I>>(base?: I): WaitPrefetchResponse {
+    return WaitPrefetchResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<WaitPrefetchResponse>, I>>(
+    object: I,
+  ): WaitPrefetchResponse {
+    const message = createBaseWaitPrefetchResponse();
+    message.settled = object.settled ?? false;
+    return message;
+  },
+};
+
 function createBaseLoadInto(): LoadInto {
   return { blockIds: [], ranks: [] };
 }
@@ -3510,6 +3685,24 @@ export const EngineService = {
       QueryPrefetchResponse.decode(value),
   },
   /**
+   * After a "loading" answer: returns once the lower tier's fetch for that
+   * request ended (the next QueryPrefetch answers from RAM), or after wait_ms
+   * while it still runs. No lease, no side effect: an engine waits for a
+   * fetch instead of asking QueryPrefetch again and again while it runs.
+   */
+  waitPrefetch: {
+    path: "/pegaflow.Engine/WaitPrefetch" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: WaitPrefetchRequest): Buffer =>
+      Buffer.from(WaitPrefetchRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): WaitPrefetchRequest => WaitPrefetchRequest.decode(value),
+    responseSerialize: (value: WaitPrefetchResponse): Buffer =>
+      Buffer.from(WaitPrefetchResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): WaitPrefetchResponse =>
+      WaitPrefetchResponse.decode(value),
+  },
+  /**
    * Consumes the lease for this rank and scatters the blocks into the given
    * block ids (one batch for all layers); returns at submit, completion and
    * per-layer progress are published in the load-state shm. block_ids may
@@ -3611,6 +3804,13 @@ export interface EngineServer extends UntypedServiceImplementation {
   /** Longest cached prefix of the hashes; a hit pins the blocks under a lease. */
   queryPrefetch: handleUnaryCall<QueryPrefetchRequest, QueryPrefetchResponse>;
   /**
+   * After a "loading" answer: returns once the lower tier's fetch for that
+   * request ended (the next QueryPrefetch answers from RAM), or after wait_ms
+   * while it still runs. No lease, no side effect: an engine waits for a
+   * fetch instead of asking QueryPrefetch again and again while it runs.
+   */
+  waitPrefetch: handleUnaryCall<WaitPrefetchRequest, WaitPrefetchResponse>;
+  /**
    * Consumes the lease for this rank and scatters the blocks into the given
    * block ids (one batch for all layers); returns at submit, completion and
    * per-layer progress are published in the load-state shm. block_ids may
@@ -3700,6 +3900,27 @@ export interface EngineClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: QueryPrefetchResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * After a "loading" answer: returns once the lower tier's fetch for that
+   * request ended (the next QueryPrefetch answers from RAM), or after wait_ms
+   * while it still runs. No lease, no side effect: an engine waits for a
+   * fetch instead of asking QueryPrefetch again and again while it runs.
+   */
+  waitPrefetch(
+    request: WaitPrefetchRequest,
+    callback: (error: ServiceError | null, response: WaitPrefetchResponse) => void,
+  ): ClientUnaryCall;
+  waitPrefetch(
+    request: WaitPrefetchRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: WaitPrefetchResponse) => void,
+  ): ClientUnaryCall;
+  waitPrefetch(
+    request: WaitPrefetchRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: WaitPrefetchResponse) => void,
   ): ClientUnaryCall;
   /**
    * Consumes the lease for this rank and scatters the blocks into the given

@@ -158,10 +158,12 @@ export class PegaflowClient {
     });
   }
 
+  /** `extraMs`: added to the client's deadline (a call that holds its answer, WaitPrefetch). */
   #call<Req, Res>(
     method: string,
     fn: (req: Req, md: grpc.Metadata, opts: grpc.CallOptions, cb: Cb<Res>) => unknown,
     req: Req,
+    extraMs = 0,
   ): Promise<Res> {
     if (this.#closed) {
       // grpc-js would throw a bare "Channel has been shut down" with no status.
@@ -171,17 +173,20 @@ export class PegaflowClient {
     }
     const local = this.#local;
     const name = method[0].toLowerCase() + method.slice(1) as keyof typeof EngineService;
-    if (local?.usable && HOT.has(name)) return this.#callLocal(local, method, name, fn, req);
-    return this.#callGrpc(method, fn, req);
+    if (local?.usable && HOT.has(name)) {
+      return this.#callLocal(local, method, name, fn, req, extraMs);
+    }
+    return this.#callGrpc(method, fn, req, extraMs);
   }
 
   #callGrpc<Req, Res>(
     method: string,
     fn: (req: Req, md: grpc.Metadata, opts: grpc.CallOptions, cb: Cb<Res>) => unknown,
     req: Req,
+    extraMs: number,
   ): Promise<Res> {
     return new Promise((resolve, reject) => {
-      const opts = { deadline: Date.now() + this.#deadlineMs };
+      const opts = { deadline: Date.now() + this.#deadlineMs + extraMs };
       fn.call(
         this.#raw,
         req,
@@ -201,6 +206,7 @@ export class PegaflowClient {
     name: keyof typeof EngineService,
     fn: (req: Req, md: grpc.Metadata, opts: grpc.CallOptions, cb: Cb<Res>) => unknown,
     req: Req,
+    extraMs: number,
   ): Promise<Res> {
     const def = EngineService[name] as unknown as {
       requestSerialize(r: Req): Uint8Array;
@@ -208,9 +214,9 @@ export class PegaflowClient {
     };
     let body: Uint8Array;
     try {
-      body = await local.call(name, def.requestSerialize(req), this.#deadlineMs);
+      body = await local.call(name, def.requestSerialize(req), this.#deadlineMs + extraMs);
     } catch (e) {
-      if (e instanceof LocalRpcAbsent) return this.#callGrpc(method, fn, req);
+      if (e instanceof LocalRpcAbsent) return this.#callGrpc(method, fn, req, extraMs);
       if (e instanceof LocalRpcStatus) throw new PegaflowError(method, e.code, e.details);
       throw e;
     }
@@ -335,6 +341,27 @@ export class PegaflowClient {
   }
 
   /**
+   * After a `loading` answer: resolves true once the lower tier's fetch of
+   * `requestId` ended (query again: RAM answers) or none runs, false after
+   * `waitMs` (1..60000) while it still runs. Takes no lease; the call's
+   * deadline is the client's plus `waitMs`.
+   */
+  async waitPrefetch(
+    req: { instanceId: string; requestId: string; waitMs: number; engineId?: string },
+  ): Promise<boolean> {
+    const r = await this.#call<
+      import("../../proto/pegaflow.ts").WaitPrefetchRequest,
+      import("../../proto/pegaflow.ts").WaitPrefetchResponse
+    >(
+      "WaitPrefetch",
+      this.#raw.waitPrefetch as never,
+      { ...req, engineId: req.engineId ?? "" },
+      req.waitMs,
+    );
+    return r.settled;
+  }
+
+  /**
    * Loads a lease into `blockIds` and returns at submit (progress goes to the
    * load state `loadStateShm`). `blockIds` may name a prefix of the lease
    * (fewer targets: the rest is given back; none: this rank's share is
@@ -449,4 +476,4 @@ function rankKey(instanceId: string, tpRank: number, ppRank: number): string {
 }
 
 /** The calls the local RPC socket carries. */
-const HOT = new Set<string>(["save", "queryPrefetch", "load", "release", "health"]);
+const HOT = new Set<string>(["save", "queryPrefetch", "waitPrefetch", "load", "release", "health"]);

@@ -44,6 +44,8 @@ export interface TiersPort {
     hashes: Uint8Array[],
     requestId: string,
   ): boolean;
+  /** Resolves once no fetch of `requestId` of `instance` runs; undefined when none runs now. */
+  settled(instance: string, requestId: string): Promise<void> | undefined;
 }
 
 /** The engine's ports and registries, shared by its modules. */

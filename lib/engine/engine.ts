@@ -27,7 +27,7 @@
  * @module
  */
 import { Stage } from "../pipeline/stage.ts";
-import { MAX_HASH_BYTES } from "../limits.ts";
+import { MAX_HASH_BYTES, MAX_PREFETCH_WAIT_MS } from "../limits.ts";
 import type { Logger } from "../log.ts";
 import type { KvStore } from "../storage/store.ts";
 import { MAX_HASHES_PER_REQUEST } from "../storage/state.ts";
@@ -37,6 +37,7 @@ import { Code, EngineError, invalid, precondition } from "./errors.ts";
 import { type Instance, requestWho } from "./instances.ts";
 import { type LoadArgs, type LoadJob, type LoadResult, LoadRunner } from "./load.ts";
 import type { NativePort } from "./ports.ts";
+import { PrefetchWaits } from "./prefetch_waits.ts";
 import {
   type LoadInto,
   queryAndLoad,
@@ -131,6 +132,7 @@ export class KvEngine {
   readonly #queryLoadPorts: QueryLoadPorts;
   readonly #goneListeners: ((instanceId: string, reason: string) => void)[] = [];
   readonly #sealedListeners: ((namespace: string, keys: readonly string[]) => void)[] = [];
+  readonly #prefetchWaits = new PrefetchWaits();
   #closed = false;
 
   constructor(opts: EngineOptions) {
@@ -311,6 +313,41 @@ export class KvEngine {
     return { hits: r.hits, leaseId: r.lease?.idBytes ?? null, ttlMs: this.#leaseTtlMs };
   }
 
+  /**
+   * WaitPrefetch: after a "loading" answer, resolves true once the lower
+   * tier's fetch of `requestId` ended (the next query answers from RAM) or
+   * when none runs, false after `waitMs` while it still runs or at shutdown.
+   * Takes no lease and starts nothing; checked like a query (instance,
+   * engine id, request id) and `waitMs` in 1..MAX_PREFETCH_WAIT_MS.
+   */
+  waitPrefetch(
+    instanceId: string,
+    requestId: string,
+    waitMs: number,
+    engineId = "",
+  ): Promise<boolean> {
+    try {
+      const what = `WaitPrefetch (request "${requestId}")`;
+      const inst = this.#instance(instanceId, what);
+      const fields = { instance: instanceId, requestId: requestId || undefined };
+      inst.checkEngine(engineId, what, "request", fields);
+      checkRequestId("WaitPrefetch", instanceId, requestId);
+      if (!requestId) {
+        throw invalid(`instance "${instanceId}": WaitPrefetch needs a request_id`, fields);
+      }
+      if (!Number.isInteger(waitMs) || waitMs < 1 || waitMs > MAX_PREFETCH_WAIT_MS) {
+        throw invalid(
+          `${what}: wait_ms is ${waitMs}; 1..${MAX_PREFETCH_WAIT_MS} is accepted`,
+          { ...fields, expected: `1..${MAX_PREFETCH_WAIT_MS}`, got: waitMs },
+        );
+      }
+      if (this.#closed) return Promise.resolve(false);
+      return this.#prefetchWaits.hold(this.#ctx.tiers?.settled(inst.id, requestId), waitMs);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+  }
+
   /** QueryPrefetch with `load_into`: on a hit, every rank's load is queued before the answer (query_load.ts). */
   queryLoad(
     instanceId: string,
@@ -424,6 +461,7 @@ export class KvEngine {
   /** Cleans every instance up and stops accepting work. */
   async close(): Promise<void> {
     this.#closed = true;
+    this.#prefetchWaits.close();
     for (const id of [...this.#ctx.instances.keys()]) {
       // One cleaned up meanwhile (its session dropped while another drained) is gone already.
       if (this.#ctx.instances.has(id)) await this.unregister(id, "shutdown");

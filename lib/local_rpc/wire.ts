@@ -32,6 +32,7 @@ export const LOCAL_RPC_METHODS = {
   3: "release",
   4: "save",
   5: "health",
+  6: "waitPrefetch",
 } as const satisfies Record<number, keyof typeof EngineService>;
 
 /**

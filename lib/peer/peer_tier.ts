@@ -253,6 +253,12 @@ export class PeerTier implements Tier {
     return { state: "ready" };
   }
 
+  settled(requestId: string): Promise<void> | undefined {
+    const f = this.#requests.get(requestId);
+    if (!f || f.ended) return undefined;
+    return f.done.then(() => {}, () => {});
+  }
+
   /** A peer tier holds no copy of its own (it fetches from the owner): nothing to forget. */
   drop(): number {
     return 0;

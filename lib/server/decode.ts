@@ -34,6 +34,7 @@ import {
   SaveRequest,
   SessionRequest,
   UnregisterContextRequest,
+  WaitPrefetchRequest,
 } from "../../proto/pegaflow.ts";
 
 const UNDECODABLE = Symbol("undecodable request");
@@ -57,6 +58,7 @@ const REQUEST_TYPES: { [M in Method]: { name: string; fns: MessageFns<unknown> }
   registerContext: { name: "RegisterContextRequest", fns: RegisterContextRequest },
   save: { name: "SaveRequest", fns: SaveRequest },
   queryPrefetch: { name: "QueryPrefetchRequest", fns: QueryPrefetchRequest },
+  waitPrefetch: { name: "WaitPrefetchRequest", fns: WaitPrefetchRequest },
   load: { name: "LoadRequest", fns: LoadRequest },
   release: { name: "ReleaseRequest", fns: ReleaseRequest },
   unregisterContext: { name: "UnregisterContextRequest", fns: UnregisterContextRequest },

@@ -24,6 +24,8 @@ import {
   type SaveResponse,
   SessionEvent_Kind,
   type UnregisterContextRequest,
+  type WaitPrefetchRequest,
+  type WaitPrefetchResponse,
 } from "../../proto/pegaflow.ts";
 import {
   Code,
@@ -308,6 +310,14 @@ export function engineServiceImpl(
         }
         const r = engine.queryLoad(instanceId, blockHashes, requestId, loadInto, engineId);
         return queryResponse(r, r.loads);
+      },
+    ),
+    waitPrefetch: unary(
+      "WaitPrefetch",
+      async (req: WaitPrefetchRequest): Promise<WaitPrefetchResponse> => {
+        const { instanceId, requestId, waitMs, engineId } = req;
+        checkName("instance_id", instanceId, `WaitPrefetch (request "${requestId}")`);
+        return { settled: await engine.waitPrefetch(instanceId, requestId, waitMs, engineId) };
       },
     ),
     load: unary("Load", async (req: LoadRequest): Promise<LoadResponse> => {

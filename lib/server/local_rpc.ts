@@ -4,7 +4,7 @@
  * handlers. Two sockets speak it:
  *
  * - the engines' local RPC socket beside `--uds` ({@link serveLocalRpc}):
- *   QueryPrefetch, Load, Release, Save, Health. An engine asks QueryPrefetch
+ *   QueryPrefetch, WaitPrefetch, Load, Release, Save, Health. An engine asks QueryPrefetch
  *   and sends Load while a request waits for its first token, so their round
  *   trip is on the TTFT. Over gRPC (grpcio's completion-queue thread, HTTP/2,
  *   the GOAWAY relay, grpc-js) one such call took ~3.3 ms from the engine's

@@ -186,6 +186,18 @@ export class SsdPrefetcher {
   }
 
   /**
+   * Resolves once every read request `reqId` waits on ended (`poll` then
+   * answers `ready`); undefined for an unknown id or one whose reads ended.
+   */
+  settled(reqId: string): Promise<void> | undefined {
+    const req = this.#requests.get(reqId);
+    if (!req) return undefined;
+    const running = req.jobs.filter((j) => !j.done);
+    if (running.length === 0) return undefined;
+    return Promise.all(running.map((j) => j.ended)).then(() => {});
+  }
+
+  /**
    * The prefetch protocol of QueryPrefetch, keyed by request id:
    *  - first call: walks `keys` (the part of the prefix past RAM) from the
    *    first: a key being read for another request joins that read; a key
@@ -314,12 +326,6 @@ export class SsdPrefetcher {
     this.#reserved += n;
     for (const k of job.keys) this.#fetching.set(k, job);
     return job;
-  }
-
-  /** Resolves when the prefetch for `reqId` is no longer loading (tests, demos). */
-  async settled(reqId: string): Promise<void> {
-    const req = this.#requests.get(reqId);
-    if (req) await Promise.all(req.jobs.map((j) => j.ended));
   }
 
   async #prefetchJob(job: PrefetchJob): Promise<void> {

@@ -131,6 +131,10 @@ export class SsdStorageTier implements Tier {
     return { state: this.ssd.poll(requestId) ?? "none" };
   }
 
+  settled(requestId: string): Promise<void> | undefined {
+    return this.ssd.settled(requestId);
+  }
+
   drop(namespace: string, hashes: readonly Uint8Array[]): number {
     return this.ssd.drop(recordKeys({ namespace, hashes }));
   }

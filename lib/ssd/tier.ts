@@ -367,6 +367,11 @@ export class SsdTier {
     return this.#prefetcher.poll(reqId);
   }
 
+  /** Resolves once request `reqId`'s reads ended; undefined when none runs (prefetch.ts). */
+  settled(reqId: string): Promise<void> | undefined {
+    return this.#prefetcher.settled(reqId);
+  }
+
   /**
    * The prefetch protocol of QueryPrefetch, keyed by request id (see
    * prefetch.ts): the first call starts or joins reads of the longest prefix
@@ -384,7 +389,7 @@ export class SsdTier {
 
   /** Resolves when the prefetch for `reqId` is no longer loading (tests, demos). */
   prefetchSettled(reqId: string): Promise<void> {
-    return this.#prefetcher.settled(reqId);
+    return this.#prefetcher.settled(reqId) ?? Promise.resolve();
   }
 
   // ---- stats and shutdown --------------------------------------------------

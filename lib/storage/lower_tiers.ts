@@ -237,7 +237,7 @@ export class LowerTiers {
     if (this.tiers.length === 0) return false;
     // A tier keys its fetches by request id: the instance's own, so two engines sending the
     // same id (a P/D pair's prefill and decode engines) never poll each other's fetch.
-    // Instance ids have no ':' (lib/engine/registration.ts checkName).
+    // Instance ids have no ':' (lib/engine/registration.ts checkName). `settled` keys the same.
     const requestId = `${instance}:${request}`;
     const layout = this.#ram.layoutOf(namespace);
     if (!layout) return this.#answered("miss", 0);
@@ -270,6 +270,23 @@ export class LowerTiers {
       counts.miss[a.reason]++;
     }
     return this.#answered(ram > 0 ? "ram" : "miss", ram);
+  }
+
+  /**
+   * For WaitPrefetch: resolves (never rejects) once no tier runs a fetch for
+   * `request` of `instance` any more, so the next {@link LowerTiers.beforeQuery}
+   * answers from RAM; undefined when none runs now. Forgets nothing: the
+   * query after it still takes the `ready` (and counts it).
+   */
+  settled(instance: string, request: string): Promise<void> | undefined {
+    const requestId = `${instance}:${request}`;
+    const running: Promise<void>[] = [];
+    for (const t of this.tiers) {
+      const p = t.settled(requestId);
+      if (p) running.push(p);
+    }
+    if (running.length === 0) return undefined;
+    return running.length === 1 ? running[0] : Promise.all(running).then(() => {});
   }
 
   /** Counts a final answer (hit attribution) and returns false: RAM answers it. */

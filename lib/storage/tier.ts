@@ -114,7 +114,9 @@ export interface TierHealth {
  *    it lands — an ordinary cached block for every query, whoever asked.
  *    Reads of one block are shared: a request that asks for a block being
  *    read for another request joins that read.
- *  - `take` polls a request id: `loading`, then `ready` exactly once.
+ *  - `take` polls a request id: `loading`, then `ready` exactly once;
+ *    `settled` is the same fetch's end as a promise (for a caller that waits
+ *    instead of polling).
  *  - A block that fails verification is a miss, never bytes.
  *
  * @example
@@ -138,6 +140,12 @@ export interface Tier {
   prefetch(requestId: string, blocks: TierBlocks): TierPrefetchAnswer;
   /** Polls the fetch of `requestId`. */
   take(requestId: string): TierTakeAnswer;
+  /**
+   * Resolves (never rejects) once nothing of `requestId`'s fetch runs any
+   * more, so {@link Tier.take} no longer answers `loading`; undefined when
+   * this tier runs no fetch for it. Does not forget the request (`take` does).
+   */
+  settled(requestId: string): Promise<void> | undefined;
   /**
    * Forgets `hashes` of `namespace` (a Save's discard: garbage computed over
    * a failed load): never served again, and a write of them queued or

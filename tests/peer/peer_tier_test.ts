@@ -390,17 +390,22 @@ Deno.test("a prefix no peer holds answers loading once, then a clean miss; nothi
   }
 });
 
-Deno.test("two requests starting at the same missing block share one fetch and one lock", async () => {
+Deno.test("two requests starting at the same missing block share one fetch and one lock; each request's settled resolves at its end", async () => {
   const t = await twoNodes();
   try {
     const hashes = [30, 31, 32].map(hash);
     const payloads = seal(t.owner, hashes);
     t.setOwned(3);
     const blocks = { namespace: NS, hashes, layout: blockLayoutIdentity(LAYOUT) };
+    assert.equal(t.tier.settled("ra"), undefined, "nothing runs before the prefetch");
     assert.equal(t.tier.prefetch("ra", blocks).state, "loading");
     assert.equal(t.tier.prefetch("rb", blocks).state, "loading");
+    const ends = ["ra", "rb"].map((id) => t.tier.settled(id));
+    assert.ok(ends.every((s) => s instanceof Promise), "both requests' fetch runs");
+    await Promise.all(ends);
     for (const id of ["ra", "rb"]) {
-      while (t.tier.take(id).state === "loading") await new Promise((r) => setTimeout(r, 5));
+      assert.equal(t.tier.settled(id), undefined, `${id}: nothing runs any more`);
+      assert.equal(t.tier.take(id).state, "ready", `${id}: settled forgot nothing`);
     }
     await t.tier.flush();
     assert.equal(t.tier.stats().fetches, 1);

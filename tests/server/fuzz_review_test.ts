@@ -29,6 +29,7 @@ import {
   SaveRequest,
   SessionRequest,
   UnregisterContextRequest,
+  WaitPrefetchRequest,
 } from "../../proto/pegaflow.ts";
 import { PROTOCOL_VERSION } from "../../lib/client/client.ts";
 import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
@@ -92,6 +93,7 @@ const ENGINE_METHODS = [
   "RegisterContext",
   "Save",
   "QueryPrefetch",
+  "WaitPrefetch",
   "Load",
   "Release",
   "UnregisterContext",
@@ -106,6 +108,7 @@ const LOCAL_IDS: Partial<Record<Method, number>> = {
   Release: 3,
   Save: 4,
   Health: 5,
+  WaitPrefetch: 6,
 };
 
 const raw = (x: Uint8Array) => Buffer.from(x);
@@ -689,6 +692,37 @@ function queryMutants(sim: SimEngine, hashes: Uint8Array[], st: string): Mutant[
   ];
 }
 
+/** WaitPrefetch mutants: each refused at once (none holds), naming what was wrong. */
+function waitMutants(sim: SimEngine): Mutant[] {
+  const base: WaitPrefetchRequest = {
+    instanceId: sim.instanceId,
+    requestId: "fz-wait",
+    waitMs: 100,
+    engineId: "",
+  };
+  const m = (what: string, names: RegExp, over: Partial<WaitPrefetchRequest>): Mutant => ({
+    method: "WaitPrefetch",
+    what,
+    names,
+    body: WaitPrefetchRequest.encode({ ...base, ...over }).finish(),
+  });
+  return [
+    m("wait_ms 0", /wait_ms is 0; 1\.\.60000 is accepted/, { waitMs: 0 }),
+    m("wait_ms u32 max", /wait_ms is 4294967295; 1\.\.60000 is accepted/, { waitMs: 0xffff_ffff }),
+    m("no request id", /WaitPrefetch needs a request_id/, { requestId: "" }),
+    m("1 MiB request id", /request_id "r{64}\.\.\." is 1048576 characters/, {
+      requestId: "r".repeat(MB),
+    }),
+    m("unknown instance", /instance "ghost" is not registered/, { instanceId: "ghost" }),
+    m("empty instance id", /WaitPrefetch \(request "fz-wait"\): instance_id is empty/, {
+      instanceId: "",
+    }),
+    m("1 MiB instance id", /instance_id is 1048576 characters, at most 128/, {
+      instanceId: "i".repeat(MB),
+    }),
+  ];
+}
+
 /** Load mutants against a live lease: every one is refused before the lease is spent. */
 function loadMutants(sim: SimEngine, lease: Uint8Array, st: string, regionName: string): Mutant[] {
   const base: LoadRequest = {
@@ -821,10 +855,10 @@ async function sendMutants(t: Transports, mutants: Mutant[]): Promise<void> {
 async function badFrames(path: string, r: Rng): Promise<void> {
   // Unknown method ids: UNIMPLEMENTED naming the id, the connection stays usable.
   const c = await RawFrames.dial(path);
-  for (const id of [0, 6, 7, 100, 255, r.int(249) + 6]) {
+  for (const id of [0, 7, 100, 255, r.int(248) + 7]) {
     const a = await c.call(id, r.bytes(r.int(32)));
     assert.equal(a.code, S.UNIMPLEMENTED, `method id ${id}: ${a.details}`);
-    assert.match(a.details, new RegExp(`unknown method id ${id} \\(known: 1, 2, 3, 4, 5\\)`));
+    assert.match(a.details, new RegExp(`unknown method id ${id} \\(known: 1, 2, 3, 4, 5, 6\\)`));
   }
   // A frame split byte by byte is answered once, like a whole one.
   const q = QueryPrefetchRequest.encode({
@@ -912,6 +946,9 @@ Deno.test("fuzz: bad input from engines over gRPC and the local RPC socket is re
     await sendMutants(t, queryMutants(sim, hashes, st.name));
     await afterBatch(srv, t, "QueryPrefetch mutants");
     await noLeasesOrPins(srv, "QueryPrefetch mutants");
+
+    await sendMutants(t, waitMutants(sim));
+    await afterBatch(srv, t, "WaitPrefetch mutants");
 
     const lease = await leaseOf(t, sim, hashes.slice(0, 4), "fz-lease");
     await sendMutants(t, loadMutants(sim, lease, st.name, shmName(sim)));

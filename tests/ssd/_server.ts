@@ -1,10 +1,13 @@
 /**
  * Helpers for the SSD tests that drive a real server process (host backend,
  * real gRPC): the SSD flags, a polling wait with a deadline, QueryPrefetch
- * polled until ready, simulated engines of a given shape, and a server with
- * one registered rank for a test body (withSsdServer).
+ * polled until ready, simulated engines of a given shape, a server with
+ * one registered rank for a test body (withSsdServer), and a server whose
+ * SSD alone holds a prefix (ssdResidentPrefix).
  */
+import assert from "node:assert/strict";
 import type { PegaflowClient } from "../../lib/client/client.ts";
+import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import { LLAMA_3_1_8B, type ModelShape, SimEngine } from "../../lib/client/sim_engine.ts";
 import { type ServerProc, startServer, uid } from "../server/harness.ts";
 import { parseServeArgs } from "../../lib/server/config.ts";
@@ -119,4 +122,39 @@ export async function withSsdServer(
     await srv?.stop();
     await Deno.remove(dir, { recursive: true });
   }
+}
+
+/**
+ * A real server (SSD flags on `dir`, plus `flags`) whose SSD holds `blocks` blocks of
+ * `namespace` (hashes of seed `seed`) and whose RAM holds none of them: saved by an engine that
+ * is then unregistered, written behind, and cleaned out of RAM. The caller stops the server.
+ */
+export async function ssdResidentPrefix(
+  dir: string,
+  namespace: string,
+  seed: number,
+  blocks: number,
+  flags: string[] = [],
+): Promise<{ srv: ServerProc; hashes: Uint8Array[] }> {
+  const srv = await startServer([...SSD_FLAGS(dir), ...flags]);
+  const hashes = chainedBlockHashes(syntheticTokens(seed, 16 * blocks), 16);
+  const writer = sim(srv.client, namespace);
+  try {
+    await writer.register();
+    const ids = Array.from({ length: blocks }, (_, i) => i);
+    writer.fill(ids, hashes);
+    assert.equal((await writer.save(ids, hashes)).blocksSaved, blocks);
+    await until(
+      "write-behind",
+      async () => (await srv.metric("pegaflow_ssd_write_blocks_total")) === blocks,
+    );
+    await srv.client.unregisterContext(writer.instanceId);
+    assert.equal((await srv.http_post("/cache/memory/cleanup")).status, 200);
+  } catch (e) {
+    await srv.stop();
+    throw e;
+  } finally {
+    writer.close();
+  }
+  return { srv, hashes };
 }

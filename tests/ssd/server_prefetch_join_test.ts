@@ -8,38 +8,12 @@
  * until the prefetch expired.
  */
 import assert from "node:assert/strict";
-import { chainedBlockHashes, syntheticTokens } from "../../lib/client/hashes.ts";
 import type { SimEngine } from "../../lib/client/sim_engine.ts";
-import { type ServerProc, startServer, uid } from "../server/harness.ts";
-import { queryUntilReady, sim, SSD_FLAGS, until } from "./_server.ts";
+import { type ServerProc, uid } from "../server/harness.ts";
+import { queryUntilReady, sim, ssdResidentPrefix, until } from "./_server.ts";
 
 const BLOCKS = 40;
 const ENGINES = 8;
-
-/** A server whose SSD holds BLOCKS blocks of `namespace` and whose RAM holds none of them. */
-async function ssdResidentPrefix(dir: string, namespace: string, seed: number) {
-  const srv = await startServer(SSD_FLAGS(dir));
-  const hashes = chainedBlockHashes(syntheticTokens(seed, 16 * BLOCKS), 16);
-  const writer = sim(srv.client, namespace);
-  try {
-    await writer.register();
-    const ids = Array.from({ length: BLOCKS }, (_, i) => i);
-    writer.fill(ids, hashes);
-    assert.equal((await writer.save(ids, hashes)).blocksSaved, BLOCKS);
-    await until(
-      "write-behind",
-      async () => (await srv.metric("pegaflow_ssd_write_blocks_total")) === BLOCKS,
-    );
-    await srv.client.unregisterContext(writer.instanceId);
-    assert.equal((await srv.http_post("/cache/memory/cleanup")).status, 200);
-  } catch (e) {
-    await srv.stop();
-    throw e;
-  } finally {
-    writer.close();
-  }
-  return { srv, hashes };
-}
 
 /** Loads `leaseId` into blocks 20.. of `e` and checks every byte. */
 async function loadsExact(e: SimEngine, leaseId: Uint8Array, hashes: Uint8Array[]) {
@@ -55,7 +29,7 @@ Deno.test("8 engines querying one SSD-resident prefix at once all end with every
   let srv: ServerProc | undefined;
   const engines: SimEngine[] = [];
   try {
-    const setup = await ssdResidentPrefix(dir, namespace, 21);
+    const setup = await ssdResidentPrefix(dir, namespace, 21, BLOCKS);
     srv = setup.srv;
     const s = srv;
     for (let i = 0; i < ENGINES; i++) engines.push(sim(s.client, namespace));
@@ -86,7 +60,7 @@ Deno.test("blocks prefetched for a request that never polls again are hits for a
   let srv: ServerProc | undefined;
   let a: SimEngine | undefined, b: SimEngine | undefined;
   try {
-    const setup = await ssdResidentPrefix(dir, namespace, 22);
+    const setup = await ssdResidentPrefix(dir, namespace, 22, BLOCKS);
     srv = setup.srv;
     const s = srv;
     a = sim(s.client, namespace);

@@ -38,6 +38,9 @@ class PutTier implements Tier {
   take(_requestId: string): TierTakeAnswer {
     return { state: "none" };
   }
+  settled(_requestId: string): undefined {
+    return undefined;
+  }
   drop(): number {
     return 0;
   }

@@ -28,8 +28,10 @@ class ScriptedTier implements Tier {
   readonly label: string;
   puts: TierBlocks[] = [];
   prefetches: { requestId: string; hashes: string[] }[] = [];
-  /** Request ids with a fetch; `true` while it runs. */
+  /** Request ids with a fetch; `true` while it runs (end one with {@link ScriptedTier.end}). */
   fetching = new Map<string, boolean>();
+  /** Resolvers of the `settled` promises handed out, by request id. */
+  #ends = new Map<string, (() => void)[]>();
   miss: TierMissReason | undefined;
   closed = false;
   constructor(readonly name: string, readonly held: Set<string> = new Set()) {
@@ -50,6 +52,16 @@ class ScriptedTier implements Tier {
     if (this.has(b) === 0) return { state: "miss", reason: "not-held" };
     this.fetching.set(requestId, true);
     return { state: "loading" };
+  }
+  /** The fetch of `requestId` ended: `take` answers ready, `settled` promises resolve. */
+  end(requestId: string): void {
+    this.fetching.set(requestId, false);
+    for (const r of this.#ends.get(requestId) ?? []) r();
+    this.#ends.delete(requestId);
+  }
+  settled(requestId: string): Promise<void> | undefined {
+    if (this.fetching.get(requestId) !== true) return undefined;
+    return new Promise((r) => this.#ends.set(requestId, [...this.#ends.get(requestId) ?? [], r]));
   }
   take(requestId: string): TierTakeAnswer {
     const f = this.fetching.get(requestId);
@@ -157,7 +169,7 @@ Deno.test("a request with a fetch in a tier is polled: loading while it runs, re
   strictEqual(tiers.beforeQuery(NS, "e", [bytes(5)], "r"), true);
   strictEqual(tiers.beforeQuery(NS, "e", [bytes(5)], "r"), true, "still loading");
   strictEqual(ssd.prefetches.length, 1, "a poll starts nothing");
-  ssd.fetching.set("e:r", false); // its reads ended
+  ssd.end("e:r"); // its reads ended
   strictEqual(tiers.beforeQuery(NS, "e", [bytes(5)], "r"), false, "ready: RAM answers");
   strictEqual(ssd.prefetches.length, 1, "ready does not start another fetch");
   strictEqual(tiers.stats().queries.ssd.ready, 1);
@@ -194,11 +206,40 @@ Deno.test("two instances sending the same request id have their own fetches (a P
   strictEqual(tiers.beforeQuery(NS, "prefill", [bytes(5)], "req-7"), true);
   strictEqual(tiers.beforeQuery(NS, "decode", [bytes(5)], "req-7"), true);
   assertEquals(ssd.prefetches.map((p) => p.requestId), ["prefill:req-7", "decode:req-7"]);
-  ssd.fetching.set("prefill:req-7", false);
+  ssd.end("prefill:req-7");
   strictEqual(
     tiers.beforeQuery(NS, "prefill", [bytes(5)], "req-7"),
     false,
     "prefill's fetch ended",
   );
   strictEqual(tiers.beforeQuery(NS, "decode", [bytes(5)], "req-7"), true, "decode's still runs");
+});
+
+Deno.test("settled: resolves when the request's fetch ends (keyed by instance, like the polls), undefined when none runs; the query after it takes the ready", async () => {
+  const { store } = makeStore(8);
+  const ssd = new ScriptedTier("ssd", new Set([hashHex(bytes(5))]));
+  const peer = new ScriptedTier("peer");
+  const tiers = new LowerTiers({ ram: store, tiers: [ssd, peer] });
+  strictEqual(tiers.settled("e", "r"), undefined, "nothing runs before the query");
+  strictEqual(tiers.beforeQuery(NS, "e", [bytes(5)], "r"), true);
+  strictEqual(tiers.settled("other", "r"), undefined, "another instance's request of that id");
+  const s = tiers.settled("e", "r");
+  assert(s instanceof Promise);
+  let done = false;
+  s.then(() => (done = true));
+  await Promise.resolve();
+  strictEqual(done, false, "still loading");
+  ssd.end("e:r");
+  await s;
+  strictEqual(tiers.settled("e", "r"), undefined, "nothing runs any more");
+  strictEqual(
+    tiers.beforeQuery(NS, "e", [bytes(5)], "r"),
+    false,
+    "the next query answers from RAM",
+  );
+  strictEqual(
+    tiers.stats().queries.ssd.ready,
+    1,
+    "settled forgot nothing: the query took the ready",
+  );
 });

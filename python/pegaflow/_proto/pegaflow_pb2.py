@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x08pegaflow\"Q\n\x16\x43onnectTransferRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tpeer_info\x18\x03 \x01(\x0c\"Q\n\x17\x43onnectTransferResponse\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x11\n\tpeer_info\x18\x02 \x01(\x0c\x12\x10\n\x08rpc_addr\x18\x03 \x01(\t\"\xb6\x01\n\x1dQueryBlocksForTransferRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x11\n\trequester\x18\x04 \x01(\t\x12\x13\n\x0block_ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0fshifted_extents\x18\x06 \x01(\x08\x12\x0f\n\x07lock_id\x18\x07 \x01(\x0c\"\xea\x01\n\x1eQueryBlocksForTransferResponse\x12\x0f\n\x07lock_id\x18\x01 \x01(\x0c\x12\x13\n\x0block_ttl_ms\x18\x02 \x01(\r\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x11\n\txfer_addr\x18\x04 \x01(\t\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x11\n\tchecksums\x18\x06 \x03(\r\x12\x15\n\rextent_counts\x18\x07 \x03(\r\x12\x0f\n\x07\x65xtents\x18\x08 \x01(\x0c\x12\x13\n\x0bmiss_reason\x18\t \x01(\t\x12\x15\n\rextent_shifts\x18\n \x03(\x12\"W\n\x1aReleaseTransferLockRequest\x12\x0f\n\x07lock_id\x18\x01 \x01(\x0c\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x15\n\rfailed_blocks\x18\x03 \x03(\r\"B\n\x1bReleaseTransferLockResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x11\n\tcondemned\x18\x02 \x01(\r\"\xa1\x01\n\rLayerGeometry\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x12\n\nseg_stride\x18\x03 \x01(\x04\x12\x11\n\tseg_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x61se_offset\x18\x06 \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x07 \x01(\x04\"\xcb\x02\n\x16RegisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12\x0f\n\x07pp_size\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x11\n\tdevice_id\x18\x08 \x01(\x05\x12\x13\n\x0blayer_names\x18\t \x03(\t\x12\x16\n\x0eregion_handles\x18\n \x03(\x0c\x12)\n\x08geometry\x18\x0b \x03(\x0b\x32\x17.pegaflow.LayerGeometry\x12\x16\n\x0e\x63lient_version\x18\x0c \x01(\t\x12\x1b\n\x13kv_shared_across_tp\x18\r \x01(\x08\x12\x11\n\tengine_id\x18\x0e \x01(\t\"|\n\x17RegisterContextResponse\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x17\n\x0ftopology_sealed\x18\x02 \x01(\x08\x12\x18\n\x10ranks_registered\x18\x03 \x01(\r\x12\x1a\n\x12registration_token\x18\x04 \x01(\t\"H\n\tLayerSave\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xd1\x01\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12#\n\x06layers\x18\x04 \x03(\x0b\x32\x13.pegaflow.LayerSave\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\tengine_id\x18\x08 \x01(\t\x12\x16\n\x0e\x64iscard_hashes\x18\t \x03(\x0c\"\xa1\x01\n\x0cSaveResponse\x12\x14\n\x0c\x62locks_saved\x18\x01 \x01(\r\x12\x16\n\x0e\x62locks_skipped\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_copied\x18\x03 \x01(\x04\x12\x16\n\x0e\x62locks_refused\x18\x04 \x01(\r\x12\x1b\n\x13\x62locks_not_admitted\x18\x05 \x01(\r\x12\x18\n\x10\x62locks_discarded\x18\x06 \x01(\r\"\x8f\x01\n\x14QueryPrefetchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12%\n\tload_into\x18\x04 \x01(\x0b\x32\x12.pegaflow.LoadInto\x12\x11\n\tengine_id\x18\x05 \x01(\t\"F\n\x08LoadInto\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\'\n\x05ranks\x18\x02 \x03(\x0b\x32\x18.pegaflow.RankLoadTarget\"J\n\x0eRankLoadTarget\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\x16\n\x0eload_state_shm\x18\x03 \x01(\t\"V\n\x0fRankLoadOutcome\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"v\n\nQueryReady\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\x12(\n\x05loads\x18\x04 \x03(\x0b\x32\x19.pegaflow.RankLoadOutcome\"\x0e\n\x0cQueryLoading\"s\n\x15QueryPrefetchResponse\x12)\n\x07loading\x18\x01 \x01(\x0b\x32\x16.pegaflow.QueryLoadingH\x00\x12%\n\x05ready\x18\x02 \x01(\x0b\x32\x14.pegaflow.QueryReadyH\x00\x42\x08\n\x06result\"\xb7\x01\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x10\n\x08lease_id\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x16\n\x0eload_state_shm\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05whole\x18\x08 \x01(\x08\x12\x11\n\tengine_id\x18\t \x01(\t\"E\n\x0cLoadResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"/\n\x18UnregisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"4\n\x19UnregisterContextResponse\x12\x17\n\x0fleases_released\x18\x01 \x01(\r\"\x7f\n\x0eSessionRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x1f\n\x12registration_token\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x15\n\x13_registration_token\"\x96\x01\n\x0cSessionEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.pegaflow.SessionEvent.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\"J\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSUPERSEDED\x10\x01\x12\x0e\n\nCLEANED_UP\x10\x02\x12\x0c\n\x08SHUTDOWN\x10\x03\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t2\xba\x04\n\x06\x45ngine\x12V\n\x0fRegisterContext\x12 .pegaflow.RegisterContextRequest\x1a!.pegaflow.RegisterContextResponse\x12\x35\n\x04Save\x12\x15.pegaflow.SaveRequest\x1a\x16.pegaflow.SaveResponse\x12P\n\rQueryPrefetch\x12\x1e.pegaflow.QueryPrefetchRequest\x1a\x1f.pegaflow.QueryPrefetchResponse\x12\x35\n\x04Load\x12\x15.pegaflow.LoadRequest\x1a\x16.pegaflow.LoadResponse\x12>\n\x07Release\x12\x18.pegaflow.ReleaseRequest\x1a\x19.pegaflow.ReleaseResponse\x12\\\n\x11UnregisterContext\x12\".pegaflow.UnregisterContextRequest\x1a#.pegaflow.UnregisterContextResponse\x12=\n\x07Session\x12\x18.pegaflow.SessionRequest\x1a\x16.pegaflow.SessionEvent0\x01\x12;\n\x06Health\x12\x17.pegaflow.HealthRequest\x1a\x18.pegaflow.HealthResponse2\xaf\x02\n\x04Peer\x12k\n\x16QueryBlocksForTransfer\x12\'.pegaflow.QueryBlocksForTransferRequest\x1a(.pegaflow.QueryBlocksForTransferResponse\x12\x62\n\x13ReleaseTransferLock\x12$.pegaflow.ReleaseTransferLockRequest\x1a%.pegaflow.ReleaseTransferLockResponse\x12V\n\x0f\x43onnectTransfer\x12 .pegaflow.ConnectTransferRequest\x1a!.pegaflow.ConnectTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0epegaflow.proto\x12\x08pegaflow\"Q\n\x16\x43onnectTransferRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tpeer_info\x18\x03 \x01(\x0c\"Q\n\x17\x43onnectTransferResponse\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x11\n\tpeer_info\x18\x02 \x01(\x0c\x12\x10\n\x08rpc_addr\x18\x03 \x01(\t\"\xb6\x01\n\x1dQueryBlocksForTransferRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x11\n\trequester\x18\x04 \x01(\t\x12\x13\n\x0block_ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0fshifted_extents\x18\x06 \x01(\x08\x12\x0f\n\x07lock_id\x18\x07 \x01(\x0c\"\xea\x01\n\x1eQueryBlocksForTransferResponse\x12\x0f\n\x07lock_id\x18\x01 \x01(\x0c\x12\x13\n\x0block_ttl_ms\x18\x02 \x01(\r\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x11\n\txfer_addr\x18\x04 \x01(\t\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x11\n\tchecksums\x18\x06 \x03(\r\x12\x15\n\rextent_counts\x18\x07 \x03(\r\x12\x0f\n\x07\x65xtents\x18\x08 \x01(\x0c\x12\x13\n\x0bmiss_reason\x18\t \x01(\t\x12\x15\n\rextent_shifts\x18\n \x03(\x12\"W\n\x1aReleaseTransferLockRequest\x12\x0f\n\x07lock_id\x18\x01 \x01(\x0c\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x15\n\rfailed_blocks\x18\x03 \x03(\r\"B\n\x1bReleaseTransferLockResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x11\n\tcondemned\x18\x02 \x01(\r\"\xa1\x01\n\rLayerGeometry\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x12\n\nseg_stride\x18\x03 \x01(\x04\x12\x11\n\tseg_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x61se_offset\x18\x06 \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x07 \x01(\x04\"\xcb\x02\n\x16RegisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12\x0f\n\x07pp_size\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x11\n\tdevice_id\x18\x08 \x01(\x05\x12\x13\n\x0blayer_names\x18\t \x03(\t\x12\x16\n\x0eregion_handles\x18\n \x03(\x0c\x12)\n\x08geometry\x18\x0b \x03(\x0b\x32\x17.pegaflow.LayerGeometry\x12\x16\n\x0e\x63lient_version\x18\x0c \x01(\t\x12\x1b\n\x13kv_shared_across_tp\x18\r \x01(\x08\x12\x11\n\tengine_id\x18\x0e \x01(\t\"|\n\x17RegisterContextResponse\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x17\n\x0ftopology_sealed\x18\x02 \x01(\x08\x12\x18\n\x10ranks_registered\x18\x03 \x01(\r\x12\x1a\n\x12registration_token\x18\x04 \x01(\t\"H\n\tLayerSave\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xd1\x01\n\x0bSaveRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12#\n\x06layers\x18\x04 \x03(\x0b\x32\x13.pegaflow.LayerSave\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\tengine_id\x18\x08 \x01(\t\x12\x16\n\x0e\x64iscard_hashes\x18\t \x03(\x0c\"\xa1\x01\n\x0cSaveResponse\x12\x14\n\x0c\x62locks_saved\x18\x01 \x01(\r\x12\x16\n\x0e\x62locks_skipped\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_copied\x18\x03 \x01(\x04\x12\x16\n\x0e\x62locks_refused\x18\x04 \x01(\r\x12\x1b\n\x13\x62locks_not_admitted\x18\x05 \x01(\r\x12\x18\n\x10\x62locks_discarded\x18\x06 \x01(\r\"\x8f\x01\n\x14QueryPrefetchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12%\n\tload_into\x18\x04 \x01(\x0b\x32\x12.pegaflow.LoadInto\x12\x11\n\tengine_id\x18\x05 \x01(\t\"b\n\x13WaitPrefetchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\x12\x11\n\tengine_id\x18\x04 \x01(\t\"\'\n\x14WaitPrefetchResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x08\"F\n\x08LoadInto\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\'\n\x05ranks\x18\x02 \x03(\x0b\x32\x18.pegaflow.RankLoadTarget\"J\n\x0eRankLoadTarget\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\x16\n\x0eload_state_shm\x18\x03 \x01(\t\"V\n\x0fRankLoadOutcome\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"v\n\nQueryReady\x12\x16\n\x0enum_hit_blocks\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\x12(\n\x05loads\x18\x04 \x03(\x0b\x32\x19.pegaflow.RankLoadOutcome\"\x0e\n\x0cQueryLoading\"s\n\x15QueryPrefetchResponse\x12)\n\x07loading\x18\x01 \x01(\x0b\x32\x16.pegaflow.QueryLoadingH\x00\x12%\n\x05ready\x18\x02 \x01(\x0b\x32\x14.pegaflow.QueryReadyH\x00\x42\x08\n\x06result\"\xb7\x01\n\x0bLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x10\n\x08lease_id\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x16\n\x0eload_state_shm\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05whole\x18\x08 \x01(\x08\x12\x11\n\tengine_id\x18\t \x01(\t\"E\n\x0cLoadResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"/\n\x18UnregisterContextRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"4\n\x19UnregisterContextResponse\x12\x17\n\x0fleases_released\x18\x01 \x01(\r\"\x7f\n\x0eSessionRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x1f\n\x12registration_token\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x15\n\x13_registration_token\"\x96\x01\n\x0cSessionEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.pegaflow.SessionEvent.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\"J\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSUPERSEDED\x10\x01\x12\x0e\n\nCLEANED_UP\x10\x02\x12\x0c\n\x08SHUTDOWN\x10\x03\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t2\x89\x05\n\x06\x45ngine\x12V\n\x0fRegisterContext\x12 .pegaflow.RegisterContextRequest\x1a!.pegaflow.RegisterContextResponse\x12\x35\n\x04Save\x12\x15.pegaflow.SaveRequest\x1a\x16.pegaflow.SaveResponse\x12P\n\rQueryPrefetch\x12\x1e.pegaflow.QueryPrefetchRequest\x1a\x1f.pegaflow.QueryPrefetchResponse\x12M\n\x0cWaitPrefetch\x12\x1d.pegaflow.WaitPrefetchRequest\x1a\x1e.pegaflow.WaitPrefetchResponse\x12\x35\n\x04Load\x12\x15.pegaflow.LoadRequest\x1a\x16.pegaflow.LoadResponse\x12>\n\x07Release\x12\x18.pegaflow.ReleaseRequest\x1a\x19.pegaflow.ReleaseResponse\x12\\\n\x11UnregisterContext\x12\".pegaflow.UnregisterContextRequest\x1a#.pegaflow.UnregisterContextResponse\x12=\n\x07Session\x12\x18.pegaflow.SessionRequest\x1a\x16.pegaflow.SessionEvent0\x01\x12;\n\x06Health\x12\x17.pegaflow.HealthRequest\x1a\x18.pegaflow.HealthResponse2\xaf\x02\n\x04Peer\x12k\n\x16QueryBlocksForTransfer\x12\'.pegaflow.QueryBlocksForTransferRequest\x1a(.pegaflow.QueryBlocksForTransferResponse\x12\x62\n\x13ReleaseTransferLock\x12$.pegaflow.ReleaseTransferLockRequest\x1a%.pegaflow.ReleaseTransferLockResponse\x12V\n\x0f\x43onnectTransfer\x12 .pegaflow.ConnectTransferRequest\x1a!.pegaflow.ConnectTransferResponseb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pegaflow_pb2', globals())
@@ -46,42 +46,46 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _SAVERESPONSE._serialized_end=1845
   _QUERYPREFETCHREQUEST._serialized_start=1848
   _QUERYPREFETCHREQUEST._serialized_end=1991
-  _LOADINTO._serialized_start=1993
-  _LOADINTO._serialized_end=2063
-  _RANKLOADTARGET._serialized_start=2065
-  _RANKLOADTARGET._serialized_end=2139
-  _RANKLOADOUTCOME._serialized_start=2141
-  _RANKLOADOUTCOME._serialized_end=2227
-  _QUERYREADY._serialized_start=2229
-  _QUERYREADY._serialized_end=2347
-  _QUERYLOADING._serialized_start=2349
-  _QUERYLOADING._serialized_end=2363
-  _QUERYPREFETCHRESPONSE._serialized_start=2365
-  _QUERYPREFETCHRESPONSE._serialized_end=2480
-  _LOADREQUEST._serialized_start=2483
-  _LOADREQUEST._serialized_end=2666
-  _LOADRESPONSE._serialized_start=2668
-  _LOADRESPONSE._serialized_end=2737
-  _RELEASEREQUEST._serialized_start=2739
-  _RELEASEREQUEST._serialized_end=2773
-  _RELEASERESPONSE._serialized_start=2775
-  _RELEASERESPONSE._serialized_end=2792
-  _UNREGISTERCONTEXTREQUEST._serialized_start=2794
-  _UNREGISTERCONTEXTREQUEST._serialized_end=2841
-  _UNREGISTERCONTEXTRESPONSE._serialized_start=2843
-  _UNREGISTERCONTEXTRESPONSE._serialized_end=2895
-  _SESSIONREQUEST._serialized_start=2897
-  _SESSIONREQUEST._serialized_end=3024
-  _SESSIONEVENT._serialized_start=3027
-  _SESSIONEVENT._serialized_end=3177
-  _SESSIONEVENT_KIND._serialized_start=3103
-  _SESSIONEVENT_KIND._serialized_end=3177
-  _HEALTHREQUEST._serialized_start=3179
-  _HEALTHREQUEST._serialized_end=3194
-  _HEALTHRESPONSE._serialized_start=3196
-  _HEALTHRESPONSE._serialized_end=3262
-  _ENGINE._serialized_start=3265
-  _ENGINE._serialized_end=3835
-  _PEER._serialized_start=3838
-  _PEER._serialized_end=4141
+  _WAITPREFETCHREQUEST._serialized_start=1993
+  _WAITPREFETCHREQUEST._serialized_end=2091
+  _WAITPREFETCHRESPONSE._serialized_start=2093
+  _WAITPREFETCHRESPONSE._serialized_end=2132
+  _LOADINTO._serialized_start=2134
+  _LOADINTO._serialized_end=2204
+  _RANKLOADTARGET._serialized_start=2206
+  _RANKLOADTARGET._serialized_end=2280
+  _RANKLOADOUTCOME._serialized_start=2282
+  _RANKLOADOUTCOME._serialized_end=2368
+  _QUERYREADY._serialized_start=2370
+  _QUERYREADY._serialized_end=2488
+  _QUERYLOADING._serialized_start=2490
+  _QUERYLOADING._serialized_end=2504
+  _QUERYPREFETCHRESPONSE._serialized_start=2506
+  _QUERYPREFETCHRESPONSE._serialized_end=2621
+  _LOADREQUEST._serialized_start=2624
+  _LOADREQUEST._serialized_end=2807
+  _LOADRESPONSE._serialized_start=2809
+  _LOADRESPONSE._serialized_end=2878
+  _RELEASEREQUEST._serialized_start=2880
+  _RELEASEREQUEST._serialized_end=2914
+  _RELEASERESPONSE._serialized_start=2916
+  _RELEASERESPONSE._serialized_end=2933
+  _UNREGISTERCONTEXTREQUEST._serialized_start=2935
+  _UNREGISTERCONTEXTREQUEST._serialized_end=2982
+  _UNREGISTERCONTEXTRESPONSE._serialized_start=2984
+  _UNREGISTERCONTEXTRESPONSE._serialized_end=3036
+  _SESSIONREQUEST._serialized_start=3038
+  _SESSIONREQUEST._serialized_end=3165
+  _SESSIONEVENT._serialized_start=3168
+  _SESSIONEVENT._serialized_end=3318
+  _SESSIONEVENT_KIND._serialized_start=3244
+  _SESSIONEVENT_KIND._serialized_end=3318
+  _HEALTHREQUEST._serialized_start=3320
+  _HEALTHREQUEST._serialized_end=3335
+  _HEALTHRESPONSE._serialized_start=3337
+  _HEALTHRESPONSE._serialized_end=3403
+  _ENGINE._serialized_start=3406
+  _ENGINE._serialized_end=4055
+  _PEER._serialized_start=4058
+  _PEER._serialized_end=4361
 # @@protoc_insertion_point(module_scope)
