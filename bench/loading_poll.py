@@ -1,17 +1,20 @@
-"""What an engine's polling costs while a lower tier fetches its prefix: the scheduler side of
+"""What an engine's waiting costs while a lower tier fetches its prefix: the scheduler side of
 the connector (`SchedulerCore`, a real client and server) asked every 0.1 ms, as an engine that
-only waits steps, while the server reads an evicted prefix back from its SSD tier.
+only waits steps, while the server reads an evicted prefix back from its SSD tier; the request
+waits with a WaitPrefetch ("wait") or polls with pauses up to N ms (a number).
 
-A host-backend server with an SSD tier; one rank of Llama-3.1-8B-shaped KV (32 layers, K/V,
+A host-backend server with an SSD tier, reached over its Unix socket (`--uds`, as an engine
+beside it is); one rank of Llama-3.1-8B-shaped KV (32 layers, K/V,
 32 KiB per block and layer) saves PREFIX blocks, waits until they are written behind to SSD,
 and the server's RAM is emptied (POST /cache/memory/cleanup). Then the scheduler core asks for
-the prefix until it is answered with hits, once per `--loading-retry-ms` setting, each on a
-freshly evicted prefix. Per run: QueryPrefetch calls sent, calls answered without one, the
-time until the hit, and the server process's CPU time meanwhile (/proc, user + system).
+the prefix until it is answered with hits, once per `--settings` entry, each on a freshly
+evicted prefix. Per run: QueryPrefetch calls sent, WaitPrefetch calls sent, calls answered
+without a query, the time until the hit, and the server process's CPU time meanwhile (/proc,
+user + system, in 10 ms ticks).
 
 Prints a table, writes bench/results/loading-poll.json. Never asserts.
 
-    /usr/bin/python3 bench/loading_poll.py [--blocks 256] [--runs 3]
+    /usr/bin/python3 bench/loading_poll.py [--blocks 256] [--runs 3] [--settings wait,2]
 """
 
 from __future__ import annotations
@@ -62,10 +65,16 @@ def main() -> None:
     )
     ap.add_argument("--blocks", type=int, default=256, help="prefix length in blocks (2 MiB each)")
     ap.add_argument("--runs", type=int, default=3, help="runs per setting, alternated")
-    ap.add_argument("--settings", default="0,2", help="loading_retry_ms values to compare")
+    ap.add_argument(
+        "--settings", default="wait,2",
+        help='what to compare: "wait" (WaitPrefetch, the default connector) or N (poll, pauses up to N ms)',
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "results", "loading-poll.json"), help="the JSON to write")
     a = ap.parse_args()
-    settings = [int(x) for x in a.settings.split(",")]
+    settings = [x.strip() for x in a.settings.split(",")]
+    for x in settings:
+        if x != "wait" and not x.isdigit():
+            ap.error(f'--settings: {x!r} is neither "wait" nor a whole number of ms')
     block_bytes = LAYERS * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2
     ssd_dir = tempfile.mkdtemp(prefix="pf-loading-poll-")
     pool = max(256 << 20, int(a.blocks * block_bytes * 1.3))
@@ -73,12 +82,14 @@ def main() -> None:
         server = DevServer.launch([
             "--backend", "host", "--addr", "127.0.0.1:0", "--pool-size", str(pool), "--http-addr", "127.0.0.1:0",
             "--ssd-cache-path", ssd_dir, "--ssd-cache-capacity", str(max(1 << 30, 8 * a.blocks * block_bytes)),
-            "--log-level", "warn",
+            "--log-level", "warn", "--uds", os.path.join(ssd_dir, "pf.sock"),
         ], start_timeout_s=180.0)
     except BaseException:
         shutil.rmtree(ssd_dir, ignore_errors=True)
         raise
-    client = PegaflowClient(server.addr)
+    # As the README runs an engine beside its server: over the Unix socket, whose local RPC
+    # socket carries QueryPrefetch and WaitPrefetch.
+    client = PegaflowClient("unix:" + server.uds)
     uid = f"poll-{os.getpid()}"
     region = reg = None
     rows = []
@@ -90,13 +101,19 @@ def main() -> None:
         )
         written = 0
         for run in range(a.runs):
-            for ms in settings:
+            for setting in settings:
                 hashes = [os.urandom(16) for _ in range(a.blocks)]
                 client.save(instance_id=uid, tp_rank=0, block_ids=list(range(a.blocks)), block_hashes=hashes)
                 written += a.blocks
                 evict(server, written)
-                core = SchedulerCore(client, instance_id=uid, block_size=BLOCK_TOKENS, loading_retry_s=ms / 1000)
-                req = Req(f"r{run}-{ms}", hashes)
+                if setting == "wait":
+                    core = SchedulerCore(client, instance_id=uid, block_size=BLOCK_TOKENS)
+                else:
+                    core = SchedulerCore(
+                        client, instance_id=uid, block_size=BLOCK_TOKENS, loading_retry_s=int(setting) / 1000,
+                        loading_wait_ms=0,
+                    )
+                req = Req(f"r{run}-{setting}", hashes)
                 c0, t0, calls = server.cpu_seconds(), time.monotonic(), 0
                 while True:
                     calls += 1
@@ -111,8 +128,9 @@ def main() -> None:
                 if n // BLOCK_TOKENS != a.blocks:  # a miss measures nothing: stop, naming it
                     raise RuntimeError(f"{req.request_id}: {n // BLOCK_TOKENS} of {a.blocks} blocks hit")
                 rows.append({
-                    "loading_retry_ms": ms, "run": run, "hit_blocks": n // BLOCK_TOKENS, "calls": calls,
-                    "queries": core.stats["queries"], "deferred": core.stats["query_loading_deferred"],
+                    "setting": setting, "run": run, "hit_blocks": n // BLOCK_TOKENS, "calls": calls,
+                    "queries": core.stats["queries"], "waits": core.stats["waits"],
+                    "deferred": core.stats["query_loading_deferred"],
                     "ready_ms": round(wall * 1e3, 2), "server_cpu_ms": round(cpu * 1e3, 1),
                 })
                 print(json.dumps(rows[-1]), flush=True)
@@ -126,18 +144,19 @@ def main() -> None:
             region.close()
         shutil.rmtree(ssd_dir, ignore_errors=True)
 
-    def med(ms: int, key: str) -> float:
-        xs = sorted(r[key] for r in rows if r["loading_retry_ms"] == ms)
+    def med(setting: str, key: str) -> float:
+        xs = sorted(r[key] for r in rows if r["setting"] == setting)
         return xs[len(xs) // 2]
 
     print(f"\n{a.blocks} blocks x 2 MiB read back from SSD, engine stepping every {STEP_S * 1e3:g} ms "
           f"({os.cpu_count()} cores); medians of {a.runs} runs")
-    print(f"{'loading_retry_ms':>16} {'queries':>8} {'ready ms':>9} {'server CPU ms':>14}")
+    print(f"{'setting':>16} {'queries':>8} {'waits':>6} {'ready ms':>9} {'server CPU ms':>14}")
     summary = {}
-    for ms in settings:
-        summary[ms] = {k: med(ms, k) for k in ("queries", "ready_ms", "server_cpu_ms")}
-        print(f"{ms:>16} {summary[ms]['queries']:>8} {summary[ms]['ready_ms']:>9.1f} "
-              f"{summary[ms]['server_cpu_ms']:>14.1f}")
+    for st in settings:
+        summary[st] = {k: med(st, k) for k in ("queries", "waits", "ready_ms", "server_cpu_ms")}
+        label = "wait" if st == "wait" else f"poll <= {st} ms"
+        print(f"{label:>16} {summary[st]['queries']:>8} {summary[st]['waits']:>6} {summary[st]['ready_ms']:>9.1f} "
+              f"{summary[st]['server_cpu_ms']:>14.1f}")
     out = a.out
     with open(out, "w") as f:
         json.dump({

@@ -18,11 +18,13 @@
  *    server's own histogram), what a query waits for;
  *  - READ GB/s: bytes / the READ batch's own time (the transport's ns);
  *  - raw GB/s: the blast;
- *  - query ms: the engine's first query to the answer, polled every
- *    `PEER_BENCH_POLL_MS` (default 2) ms over B's local RPC socket (`--uds`:
- *    what an engine on the same host uses, README's `pegaflow.addr`), or
- *    with `PEER_BENCH_ENGINE_RPC=grpc` over gRPC (each poll then costs B's
- *    CPU more, which the READ feels where cores are few).
+ *  - query ms: the engine's first query to the answer. After "loading" the
+ *    engine waits with WaitPrefetch and queries again once answered (the
+ *    connector's default), or with `PEER_BENCH_POLL_MS=N` polls every N ms;
+ *    over B's local RPC socket (`--uds`: what an engine on the same host
+ *    uses, README's `pegaflow.addr`), or with `PEER_BENCH_ENGINE_RPC=grpc`
+ *    over gRPC (each poll then costs B's CPU more, which the READ feels where
+ *    cores are few).
  *
  * Prints a table, writes bench/results/peer_fetch.json and draws
  * bench/results/peer_fetch.png (bench/peer_chart.py, where Python has
@@ -50,7 +52,8 @@ benchCli({
     PEER_BENCH_WARMUP: "warm-up fetches before them (default 1; a long-running server's code " +
       "is tiered up: e.g. 40)",
     PEER_BENCH_STREAMS: "TCP streams of the transfer and of the raw blast (default 4)",
-    PEER_BENCH_POLL_MS: "the engine's query poll interval, ms (default 2)",
+    PEER_BENCH_POLL_MS: 'poll every N ms after "loading" instead of waiting with WaitPrefetch ' +
+      "(default: wait, as the connector does)",
     PEER_BENCH_ENGINE_RPC: "uds (B's local RPC socket, default) or grpc",
     PEGAFLOW_PYTHON: "the Python that draws the chart (default /usr/bin/python3)",
   },
@@ -63,7 +66,12 @@ const blocks = envInt("PEER_BENCH_BLOCKS", 256);
 const repeat = envInt("PEER_BENCH_REPEAT", 5);
 const warmup = envInt("PEER_BENCH_WARMUP", 1);
 const streams = envInt("PEER_BENCH_STREAMS", 4);
-const pollMs = envInt("PEER_BENCH_POLL_MS", 2);
+/** undefined: the engine waits with WaitPrefetch (the connector's default). */
+const pollMs = Deno.env.get("PEER_BENCH_POLL_MS") === undefined
+  ? undefined
+  : envInt("PEER_BENCH_POLL_MS", 2);
+/** One WaitPrefetch's hold: far above a fetch; the server answers when the fetch ends. */
+const WAIT_MS = 10_000;
 const engineRpc = Deno.env.get("PEER_BENCH_ENGINE_RPC") ?? "uds";
 if (engineRpc !== "grpc" && engineRpc !== "uds") {
   console.error(`PEER_BENCH_ENGINE_RPC=${engineRpc}; expected grpc or uds`);
@@ -184,7 +192,11 @@ try {
     const t0 = performance.now();
     let q = await simB.query(hashes, id);
     while (q.kind === "loading") {
-      await new Promise((r) => setTimeout(r, pollMs));
+      if (pollMs === undefined) {
+        await clientB.waitPrefetch({ instanceId: simB.instanceId, requestId: id, waitMs: WAIT_MS });
+      } else {
+        await new Promise((r) => setTimeout(r, pollMs));
+      }
       q = await simB.query(hashes, id);
     }
     const queryMs = performance.now() - t0;
@@ -244,7 +256,9 @@ console.log(
 console.log(
   `${cores} cores (${cpu}); median of ${repeat} runs after ${warmup} warm-up fetch${
     warmup > 1 ? "es" : ""
-  }; engine polls every ${pollMs} ms over ${engineRpc}\n`,
+  }; engine ${
+    pollMs === undefined ? "waits (WaitPrefetch)" : `polls every ${pollMs} ms`
+  } over ${engineRpc}\n`,
 );
 console.log("| what | GB/s | vs raw TCP |");
 console.log("| ---- | ---- | ---------- |");
@@ -282,7 +296,8 @@ await Deno.writeTextFile(
       streams,
       repeat,
       warmup,
-      pollMs,
+      pollMs: pollMs ?? null,
+      engineWaits: pollMs === undefined,
       engineRpc,
       fetchGBps,
       readGBps,

@@ -75,8 +75,8 @@ if (blocks < 1) {
 }
 /** Longest wait for a lower tier (the SSD, a peer node) to bring a prefix in. */
 const LOADING_DEADLINE_MS = 30_000;
-/** Pause between two queries while the answer is `loading`. */
-const LOADING_PAUSE_MS = 2;
+/** Pause before asking again after a miss while the saver's advertise may be in flight. */
+const LAG_PAUSE_MS = 2;
 /** Cross-node: a warm request's miss is asked again for this long (the saver's advertise in flight). */
 const INDEX_LAG_MS = 2_000;
 
@@ -154,10 +154,11 @@ const hashes = chainedBlockHashes(
 );
 
 /**
- * Request `r`'s query, asked again while it answers `loading` (a lower tier
- * bringing the prefix in) and, cross-node, while a warm request misses for
- * up to {@link INDEX_LAG_MS} (the saver's advertise may not have reached the
- * index yet). `polls`: how many answers were not the last.
+ * Request `r`'s query, asked again once a WaitPrefetch is answered while it
+ * answers `loading` (a lower tier bringing the prefix in) and, cross-node,
+ * after a short pause while a warm request misses for up to
+ * {@link INDEX_LAG_MS} (the saver's advertise may not have reached the index
+ * yet). `polls`: how many answers were not the last.
  */
 async function queryReady(r: number): Promise<{ q: ReadyResult; polls: number }> {
   const t0 = performance.now();
@@ -172,7 +173,12 @@ async function queryReady(r: number): Promise<{ q: ReadyResult; polls: number }>
         `request #${r}: ${o.addr} still answers loading after ${LOADING_DEADLINE_MS} ms`,
       );
     }
-    await new Promise((res) => setTimeout(res, LOADING_PAUSE_MS));
+    if (q.kind === "loading") {
+      const waitMs = Math.max(1, Math.ceil(LOADING_DEADLINE_MS - waited));
+      await client.waitPrefetch({ instanceId, requestId: `demo-req-${r}`, waitMs });
+    } else {
+      await new Promise((res) => setTimeout(res, LAG_PAUSE_MS));
+    }
   }
 }
 

@@ -12,8 +12,8 @@ server is up again (`_reconnect_soon`). A call that never left this process (no
 server could be reached, or the client was closed) raises `CallNotSent`.
 
 Where the address is unix:/path and the server serves its local RPC socket
-beside it (`path.rpc`, see local_rpc.py), QueryPrefetch, Load, Release, Save
-and Health go over that socket instead: the same messages, codes and deadlines,
+beside it (`path.rpc`, see local_rpc.py), QueryPrefetch, WaitPrefetch, Load,
+Release, Save and Health go over that socket instead: the same messages, codes and deadlines,
 without grpcio's thread hop and HTTP/2 on the warm request's path.
 
 The service stubs are written here by hand (`channel.unary_unary` with the
@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
@@ -47,6 +47,9 @@ PROTOCOL_VERSION = "pegaflow-2"
 #: Lease ids are 16 bytes (lib/limits.ts LEASE_ID_BYTES; tests/native/abi_mirror_test.ts
 #: checks that the two agree).
 LEASE_ID_BYTES = 16
+#: The longest WaitPrefetch hold the server accepts, in ms (lib/limits.ts MAX_PREFETCH_WAIT_MS;
+#: tests/native/abi_mirror_test.ts checks that the two agree).
+MAX_PREFETCH_WAIT_MS = 60000
 #: Keepalive pings wait this long for an answer before the connection is declared dead.
 KEEPALIVE_TIMEOUT_S = 20.0
 #: First reconnect attempt of the channel after a drop (gRPC's default is 1 s).
@@ -597,6 +600,48 @@ class PegaflowClient:
             )
         return QueryResult(loading=True)
 
+    def wait_prefetch(
+        self, *, instance_id: str, request_id: str, wait_ms: int,
+        timeout_s: Optional[float] = None, engine_id: Optional[str] = None,
+    ) -> bool:
+        """After a "loading" answer: blocks until the lower tier's fetch of `request_id` ended
+        (True: ask `query_prefetch` again, RAM answers; also when none runs) or `wait_ms`
+        (1..60000) passed while it still runs (False). Takes no lease. The call's deadline is
+        `timeout_s` (default the client's) plus `wait_ms`."""
+        req = self._wait_request(instance_id, request_id, wait_ms, engine_id)
+        t = (timeout_s if timeout_s is not None else self.config.rpc_timeout_s) + wait_ms / 1000.0
+        return self._call("WaitPrefetch", req, pb.WaitPrefetchResponse, t).settled
+
+    def wait_prefetch_nowait(
+        self, *, instance_id: str, request_id: str, wait_ms: int,
+        on_done: Callable[[Optional[bool], Optional[PegaflowError]], None],
+        timeout_s: Optional[float] = None, engine_id: Optional[str] = None,
+    ) -> None:
+        """`wait_prefetch` without blocking: `on_done(settled, None)` or `on_done(None, error)`
+        runs on a reader thread once the server answers (a scheduler that must not block
+        its step asks again when it ran). Same deadline as `wait_prefetch`."""
+        req = self._wait_request(instance_id, request_id, wait_ms, engine_id)
+        t = (timeout_s if timeout_s is not None else self.config.rpc_timeout_s) + wait_ms / 1000.0
+        answer: List[bool] = []
+
+        def done(err: Optional[PegaflowError]) -> None:
+            on_done(None, err) if err is not None else on_done(answer[0] if answer else True, None)
+
+        self._call_nowait(
+            "WaitPrefetch", req, pb.WaitPrefetchRequest, pb.WaitPrefetchResponse, done, t,
+            on_response=lambda r: answer.append(r.settled),
+        )
+
+    def _wait_request(
+        self, instance_id: str, request_id: str, wait_ms: int, engine_id: Optional[str]
+    ) -> pb.WaitPrefetchRequest:
+        """The one WaitPrefetchRequest both `wait_prefetch` and its nowait form send."""
+        if not isinstance(wait_ms, int) or not 1 <= wait_ms <= MAX_PREFETCH_WAIT_MS:
+            raise ValueError(f"wait_prefetch: wait_ms must be 1..{MAX_PREFETCH_WAIT_MS}, got {wait_ms!r}")
+        return pb.WaitPrefetchRequest(
+            instance_id=instance_id, request_id=request_id, wait_ms=wait_ms, engine_id=self._engine(engine_id)
+        )
+
     def load(
         self,
         *,
@@ -685,15 +730,18 @@ class PegaflowClient:
 
     def _call_nowait(
         self, method: str, req, req_cls, res_cls, on_done: Callable[[Optional[PegaflowError]], None],
-        timeout_s: Optional[float],
+        timeout_s: Optional[float], on_response: Optional[Callable[[Any], None]] = None,
     ) -> None:
         """Sends `req` and returns; `on_done(None | error)` runs on a reader thread once it is
-        answered (or here if it could not be sent over gRPC). The local socket when usable."""
+        answered (or here if it could not be sent over gRPC), after `on_response(the answer)`
+        when it is OK. The local socket when usable."""
         t = timeout_s if timeout_s is not None else self.config.rpc_timeout_s
         local = self._usable_local()
         if local is not None:
 
             def answered(status: int, body: bytes) -> None:
+                if status == 0 and on_response is not None:
+                    on_response(res_cls.FromString(body))
                 on_done(None if status == 0 else _local_error(status, body.decode("utf-8", "replace"), method))
 
             try:
@@ -717,6 +765,8 @@ class PegaflowClient:
                 return
             e = f.exception()
             if e is None:
+                if on_response is not None:
+                    on_response(f.result())
                 on_done(None)
             else:
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNKNOWN

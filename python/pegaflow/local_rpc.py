@@ -1,5 +1,5 @@
-"""The local RPC socket: the hot calls (QueryPrefetch, Load, Release, Save,
-Health) to a server on the same host, in length-prefixed frames over the
+"""The local RPC socket: the hot calls (QueryPrefetch, WaitPrefetch, Load,
+Release, Save, Health) to a server on the same host, in length-prefixed frames over the
 Unix socket it serves beside `--uds PATH` (at `PATH.rpc`).
 
 Why: QueryPrefetch and Load sit on a warm request's time to first token.
@@ -36,7 +36,7 @@ __all__ = ["LOCAL_RPC_SUFFIX", "METHOD_IDS", "LocalRpc", "LocalRpcAbsent", "Loca
 log = logging.getLogger("pegaflow.local_rpc")
 
 LOCAL_RPC_SUFFIX = ".rpc"
-METHOD_IDS: Dict[str, int] = {"QueryPrefetch": 1, "Load": 2, "Release": 3, "Save": 4, "Health": 5}
+METHOD_IDS: Dict[str, int] = {"QueryPrefetch": 1, "Load": 2, "Release": 3, "Save": 4, "Health": 5, "WaitPrefetch": 6}
 
 _HEADER = struct.Struct("<IIB")  # len, call id, method / status
 _LEN = struct.Struct("<I")

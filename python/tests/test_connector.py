@@ -268,6 +268,32 @@ def test_the_loading_retry_setting_reaches_the_scheduler_and_a_bad_one_is_refuse
         default.shutdown()
 
 
+def test_the_loading_wait_setting_reaches_the_scheduler_and_a_bad_one_is_refused(uid):
+    from pegaflow.connector.scheduler_core import LOADING_WAIT_MS
+    from pegaflow.connector.vllm import ConnectorSettings, PegaflowConnector
+    from pegaflow.connector.vllm_api import KVConnectorRole, KVTransferConfig, VllmConfig
+
+    def cfg(v=None):
+        extra = {} if v is None else {"pegaflow.loading_wait_ms": v}
+        return VllmConfig(kv_transfer_config=KVTransferConfig(engine_id=uid, kv_connector_extra_config=extra))
+
+    assert ConnectorSettings.from_vllm(cfg(), env={}).loading_wait_ms is None
+    assert ConnectorSettings.from_vllm(cfg(0), env={}).loading_wait_ms == 0
+    assert ConnectorSettings.from_vllm(cfg(), env={"PEGAFLOW_LOADING_WAIT_MS": "250"}).loading_wait_ms == 250
+    with pytest.raises(ValueError, match="pegaflow.loading_wait_ms '-1'"):
+        ConnectorSettings.from_vllm(cfg(-1), env={})
+    with pytest.raises(ValueError, match="pegaflow.loading_wait_ms 60001 is above 60000"):
+        ConnectorSettings.from_vllm(cfg(60001), env={})
+    conn = PegaflowConnector(cfg(0), KVConnectorRole.SCHEDULER)
+    default = PegaflowConnector(cfg(), KVConnectorRole.SCHEDULER)
+    try:
+        assert conn._s().loading_wait_ms == 0
+        assert default._s().loading_wait_ms == LOADING_WAIT_MS
+    finally:
+        conn.shutdown()
+        default.shutdown()
+
+
 def test_a_worker_registers_its_rank_on_the_device_it_is_given(server, uid):
     from pegaflow.client import PegaflowClient
     from pegaflow.connector.worker_core import WorkerCore

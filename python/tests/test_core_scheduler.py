@@ -1,8 +1,8 @@
 """Scheduler-side state machine rules, checked against a recording stand-in
 for the client (the same rules run against the real server in test_connector.py):
 probes are cached (repeated calls are side-effect free), drift or disuse
-releases the lease, "loading" is asked again after a growing pause (never cached), hits leave the
-last token."""
+releases the lease, "loading" is waited for with a WaitPrefetch (or, without one, asked again
+after a growing pause; never cached), hits leave the last token."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from pegaflow.client import QueryResult
 from pegaflow.config import ClientConfig
 from pegaflow.connector.plan import ScheduledRequest
-from pegaflow.connector.scheduler_core import LOADING_RETRY_FIRST_S, SchedulerCore
+from pegaflow.connector.scheduler_core import LOADING_RETRY_FIRST_S, LOADING_WAIT_MS, SchedulerCore
 from pegaflow.errors import PegaflowError
 
 BS = 4
@@ -49,6 +49,17 @@ class FakeClient:
 
     def release(self, lease_id, timeout_s=None):
         self.released.append(lease_id)
+
+    address = "fake:0"
+    #: WaitPrefetches sent: (instance, request, wait_ms, on_done); the test answers them.
+    waits: List[tuple] = []
+    #: Raised by wait_prefetch_nowait when set (the call could not be sent).
+    wait_error = None
+
+    def wait_prefetch_nowait(self, *, instance_id, request_id, wait_ms, on_done, timeout_s=None, engine_id=None):
+        if self.wait_error is not None:
+            raise self.wait_error
+        self.waits = self.waits + [(instance_id, request_id, wait_ms, on_done)]
 
 
 def hashes(n):
@@ -96,7 +107,7 @@ class Clock:
 def test_loading_answers_none_and_is_asked_again_after_a_pause():
     c = FakeClient([QueryResult(loading=True), ready(2)])
     clock = Clock()
-    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock)
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock, loading_wait_ms=0)
     r = Req("r", 3 * BS + 1, hashes(3))
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # too soon: no query
@@ -110,7 +121,7 @@ def test_the_pause_after_loading_doubles_up_to_the_cap_and_a_hit_ends_it():
     n = 12
     c = FakeClient([QueryResult(loading=True)] * n + [ready(2), QueryResult(loading=True)])
     clock = Clock()
-    s = SchedulerCore(c, instance_id="i", block_size=BS, loading_retry_s=0.002, clock=clock)
+    s = SchedulerCore(c, instance_id="i", block_size=BS, loading_retry_s=0.002, clock=clock, loading_wait_ms=0)
     r = Req("r", 3 * BS + 1, hashes(3))
     asked_at = []
     while len(c.queries) < n:  # an engine stepping every 0.1 ms while it only waits
@@ -133,7 +144,7 @@ def test_the_pause_after_loading_doubles_up_to_the_cap_and_a_hit_ends_it():
 def test_a_changed_probe_or_a_finished_request_is_not_held_back_by_its_pause():
     c = FakeClient([QueryResult(loading=True), QueryResult(loading=True), ready(1)])
     clock = Clock()
-    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock)
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock, loading_wait_ms=0)
     r = Req("r", 3 * BS + 1, hashes(3))
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     assert s.get_num_new_matched_tokens(r, BS) == (None, False)  # other local prefix: asked at once
@@ -145,13 +156,87 @@ def test_a_changed_probe_or_a_finished_request_is_not_held_back_by_its_pause():
 
 def test_loading_retry_zero_asks_at_every_call():
     c = FakeClient([QueryResult(loading=True)] * 3)
-    s = SchedulerCore(c, instance_id="i", block_size=BS, loading_retry_s=0, clock=Clock())
+    s = SchedulerCore(c, instance_id="i", block_size=BS, loading_retry_s=0, clock=Clock(), loading_wait_ms=0)
     r = Req("r", 3 * BS + 1, hashes(3))
     for _ in range(3):
         assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     assert len(c.queries) == 3
     with pytest.raises(ValueError, match="loading_retry_s"):
         SchedulerCore(c, instance_id="i", block_size=BS, loading_retry_s=-1)
+
+
+def test_loading_sends_one_wait_and_asks_again_only_once_it_is_answered():
+    c = FakeClient([QueryResult(loading=True), ready(2)])
+    clock = Clock()
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert [(i, q, ms) for i, q, ms, _ in c.waits] == [("i", "r", LOADING_WAIT_MS)]
+    for _ in range(50):  # an engine stepping while the fetch runs: no query, no second wait
+        clock.t += 0.001
+        assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert len(c.queries) == 1 and len(c.waits) == 1
+    c.waits[0][3](True, None)  # the server: the fetch ended (on the client's reader thread)
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+    assert len(c.queries) == 2 and s.stats["waits"] == 1 and "r" not in s._waiting
+
+
+def test_a_wait_that_passed_while_the_fetch_runs_asks_again_and_waits_again():
+    c = FakeClient([QueryResult(loading=True), QueryResult(loading=True), ready(1)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=Clock(), loading_wait_ms=7)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    c.waits[0][3](False, None)  # held 7 ms, still loading
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert len(c.queries) == 2 and [w[2] for w in c.waits] == [7, 7]
+    c.waits[1][3](True, None)
+    assert s.get_num_new_matched_tokens(r, 0) == (BS, False)
+
+
+def test_an_unanswered_wait_is_bounded_by_its_hold(caplog):
+    c = FakeClient([QueryResult(loading=True), QueryResult(loading=True)])
+    clock = Clock()
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock, loading_wait_ms=20)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    s.get_num_new_matched_tokens(r, 0)
+    clock.t += 0.019
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False) and len(c.queries) == 1
+    clock.t += 0.002  # past the hold with no answer (lost): asked again
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False) and len(c.queries) == 2
+
+
+def test_a_server_without_wait_prefetch_is_polled_with_pauses_from_then_on(caplog):
+    c = FakeClient([QueryResult(loading=True)] * 3)
+    clock = Clock()
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    s.get_num_new_matched_tokens(r, 0)
+    with caplog.at_level("WARNING", logger="pegaflow.connector"):
+        c.waits[0][3](None, PegaflowError(grpc.StatusCode.UNIMPLEMENTED, "unknown method", "WaitPrefetch"))
+    assert "has no WaitPrefetch" in caplog.text and s.loading_wait_ms == 0
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)  # asked at once after the answer
+    assert len(c.queries) == 2 and len(c.waits) == 1, "no second wait: a pause instead"
+    assert s._waiting["r"].pause == LOADING_RETRY_FIRST_S
+    assert s.stats["wait_errors"] == 1
+
+
+def test_a_wait_that_could_not_be_sent_asks_again_after_the_first_pause():
+    c = FakeClient([QueryResult(loading=True), ready(2)])
+    c.wait_error = PegaflowError(grpc.StatusCode.UNAVAILABLE, "connection refused", "WaitPrefetch")
+    clock = Clock()
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=clock)
+    r = Req("r", 3 * BS + 1, hashes(3))
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert s.stats["wait_errors"] == 1
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False) and len(c.queries) == 1
+    clock.t += LOADING_RETRY_FIRST_S
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+
+
+def test_loading_wait_ms_out_of_range_is_refused():
+    for bad in (-1, 60001, 1.5):
+        with pytest.raises(ValueError, match="loading_wait_ms must be 0..60000"):
+            SchedulerCore(FakeClient([]), instance_id="i", block_size=BS, loading_wait_ms=bad)
 
 
 def test_an_unused_probe_gives_its_lease_back():

@@ -36,3 +36,29 @@ Deno.test("close cleans every instance up when one of them is unregistered meanw
     await teardown();
   }
 });
+
+Deno.test("close answers a WaitPrefetch held on a fetch that never ends: false, at once", async () => {
+  let asked = "";
+  const tiers = {
+    sealed: () => undefined,
+    drop: () => 0,
+    storedLayouts: () => [],
+    beforeQuery: () => true,
+    // A tier whose fetch of every request runs for good (a hung disk, a silent peer).
+    settled: (
+      instance: string,
+      request: string,
+    ) => (asked = `${instance}:${request}`, new Promise<void>(() => {})),
+  };
+  const { engine, teardown } = await setup(["w-a"], 64, { engine: { tiers } });
+  try {
+    const held = engine.waitPrefetch("w-a", "r1", 60_000);
+    assert.equal(asked, "w-a:r1", "the tiers were asked for that instance's request");
+    const closing = engine.close();
+    assert.equal(await held, false, "the hold ended with the server, not at its 60 s");
+    await closing;
+    await assert.rejects(engine.waitPrefetch("w-a", "r2", 10), /not registered/);
+  } finally {
+    await teardown(); // closes the engine (again: idempotent)
+  }
+});

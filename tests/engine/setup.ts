@@ -98,8 +98,8 @@ export function openTestNative(): ReturnType<typeof openNative> {
 export interface SetupOptions {
   /** One namespace for every instance (DP instances sharing blocks); default one each. */
   namespace?: string;
-  /** Stage sizes (`loadConcurrency`, `saveQueueDepth`, ...). */
-  engine?: Partial<Pick<EngineOptions, StageOption>>;
+  /** Stage sizes (`loadConcurrency`, `saveQueueDepth`, ...) and the tiers below RAM. */
+  engine?: Partial<Pick<EngineOptions, StageOption | "tiers">>;
   /** The store's clock (lease and inflight expiry), for tests that move time. */
   clock?: () => number;
   /** TP size of every instance: `sims` then holds each instance's ranks in order. Default 1. */

@@ -14,7 +14,8 @@ import {
 import { RING_HEADER_BYTES } from "../../ffi/ring.ts";
 import { DEVICE_NAME_BYTES } from "../../ffi/structs.ts";
 import { IO_HDR_BYTES } from "../../ffi/uring.ts";
-import { LEASE_ID_BYTES, REGION_HANDLE_BYTES } from "../../lib/limits.ts";
+import { LEASE_ID_BYTES, MAX_PREFETCH_WAIT_MS, REGION_HANDLE_BYTES } from "../../lib/limits.ts";
+import { LOCAL_RPC_METHODS } from "../../lib/local_rpc/wire.ts";
 
 const ROOT = new URL("../../", import.meta.url);
 const HEADER = Deno.readTextFileSync(new URL("csrc/pegaflow.h", ROOT));
@@ -58,4 +59,27 @@ Deno.test("the Python client's lease id size is lib/limits.ts's", () => {
   const m = /^LEASE_ID_BYTES = (\d+)$/m.exec(py);
   assert.ok(m, "python/pegaflow/client.py defines no LEASE_ID_BYTES");
   assert.equal(Number(m[1]), LEASE_ID_BYTES);
+});
+
+Deno.test("the Python client's longest WaitPrefetch hold is lib/limits.ts's", () => {
+  const py = Deno.readTextFileSync(new URL("python/pegaflow/client.py", ROOT));
+  const m = /^MAX_PREFETCH_WAIT_MS = (\d+)$/m.exec(py);
+  assert.ok(m, "python/pegaflow/client.py defines no MAX_PREFETCH_WAIT_MS");
+  assert.equal(Number(m[1]), MAX_PREFETCH_WAIT_MS);
+});
+
+Deno.test("the Python client's local RPC method ids are lib/local_rpc/wire.ts's", () => {
+  const py = Deno.readTextFileSync(new URL("python/pegaflow/local_rpc.py", ROOT));
+  const m = /^METHOD_IDS: Dict\[str, int\] = \{([^}]*)\}$/m.exec(py);
+  assert.ok(m, "python/pegaflow/local_rpc.py defines no METHOD_IDS");
+  const ids = Object.fromEntries(
+    [...m[1].matchAll(/"(\w+)": (\d+)/g)].map(([, name, id]) => [Number(id), name]),
+  );
+  const ts = Object.fromEntries(
+    Object.entries(LOCAL_RPC_METHODS).map(([id, name]) => [
+      Number(id),
+      name[0].toUpperCase() + name.slice(1),
+    ]),
+  );
+  assert.deepEqual(ids, ts);
 });

@@ -8,12 +8,16 @@ Scheduler side (`SchedulerCore`), per request:
           The answer and its lease are cached per request, so repeated calls
           are side-effect free; the lease is released when the probe drifts
           (a different computed prefix), is not used, or the request ends.
-          "loading" (a lower tier is fetching) answers None: ask me later. The
+          "loading" (a lower tier is fetching) answers None: ask me later. With
+          `loading_wait_ms` (the default) a WaitPrefetch goes out without
+          blocking the step, and the request is asked again once the server
+          answers it: when the fetch ended (or after loading_wait_ms while it
+          still runs). Without it (0, or a server that lacks WaitPrefetch) the
           request is asked again only after a pause that doubles from
           LOADING_RETRY_FIRST_S up to `loading_retry_s` (an engine steps every
           fraction of a millisecond while it only waits: thousands of queries a
-          second would take the server's event loop from the fetch itself);
-          in between, None without a query.
+          second would take the server's event loop from the fetch itself).
+          In between, None without a query.
   load    update_state_after_alloc → a LoadIntent (lease + target block ids;
           fewer targets than hits load that prefix, the server gives the rest back).
           With load_issuer "scheduler" the Load of every TP/PP rank is sent right
@@ -44,7 +48,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from ..client import PegaflowClient, QueryResult
+import grpc
+
+from ..client import MAX_PREFETCH_WAIT_MS, PegaflowClient, QueryResult
 from ..errors import PegaflowError
 from ..load_state import STATE_REJECTED, LoadState
 from ..registration import held_by_another_engine
@@ -74,6 +80,10 @@ LOADING_RETRY_FIRST_S = 0.00025
 #: Default of that cap: a finished fetch is seen at most this late, and a 100 ms fetch costs
 #: ~55 queries instead of one per engine step.
 LOADING_RETRY_MAX_S = 0.002
+#: Default WaitPrefetch hold after a "loading" answer (pegaflow.loading_wait_ms): the server
+#: answers when the fetch ends, so this only bounds how long one wait lasts; a longer fetch
+#: is asked about again and waited for again.
+LOADING_WAIT_MS = 1000
 
 
 # ---- scheduler side ----------------------------------------------------------
@@ -92,7 +102,8 @@ class _Probe:
 
 @dataclass
 class _Waiting:
-    """A request whose last answer was "loading": not asked again before `until`."""
+    """A request whose last answer was "loading": not asked again before `until` (set to 0 by
+    its WaitPrefetch's answer, on the client's reader thread: ask at the next call)."""
 
     until: float
     pause: float
@@ -138,6 +149,7 @@ class SchedulerCore:
         ranks: Sequence[Tuple[int, int]] = ((0, 0),),
         staging_blocks: int = 0,
         loading_retry_s: float = LOADING_RETRY_MAX_S,
+        loading_wait_ms: int = LOADING_WAIT_MS,
         clock: Any = time.monotonic,
     ):
         if mode not in MODES:
@@ -150,12 +162,16 @@ class SchedulerCore:
             raise ValueError(f"ranks must name each (tp_rank, pp_rank) of the instance once, got {list(ranks)}")
         if not loading_retry_s >= 0:
             raise ValueError(f"loading_retry_s must be >= 0, got {loading_retry_s}")
+        if not isinstance(loading_wait_ms, int) or not 0 <= loading_wait_ms <= MAX_PREFETCH_WAIT_MS:
+            raise ValueError(f"loading_wait_ms must be 0..{MAX_PREFETCH_WAIT_MS}, got {loading_wait_ms!r}")
         # The client's `engine_id` (vLLM's kv_transfer_config.engine_id, as the workers
         # register) goes with every query and Load, which the server refuses when the instance
         # is another engine's (this engine misconfigured with its instance id). "" = not checked.
         self.client = client
         self._other_engine_logged = False
         self.loading_retry_s = loading_retry_s
+        # 0 once the server answered a WaitPrefetch UNIMPLEMENTED (it predates the call).
+        self.loading_wait_ms = loading_wait_ms
         self._clock = clock
         self._waiting: Dict[str, _Waiting] = {}
         self._granularity_warned = False
@@ -318,8 +334,11 @@ class SchedulerCore:
             return 0, False
         if q.loading:
             self.stats["query_loading"] += 1
-            if self.loading_retry_s > 0:
-                pause = min(self.loading_retry_s, 2 * w.pause if w else LOADING_RETRY_FIRST_S)
+            if self.loading_wait_ms > 0:
+                self._wait_for_fetch(rid, _Waiting(now + self.loading_wait_ms / 1000.0, 0.0, (computed, asked)))
+            elif self.loading_retry_s > 0:
+                # (A wait's entry has no pause: polling after it starts from the first.)
+                pause = min(self.loading_retry_s, 2 * w.pause if w and w.pause > 0 else LOADING_RETRY_FIRST_S)
                 self._waiting[rid] = _Waiting(now + pause, pause, (computed, asked))
             return None, False
         self._waiting.pop(rid, None)
@@ -329,6 +348,34 @@ class SchedulerCore:
             self.staging.reserve(q.hits)
         self.stats["hit_blocks"] += q.hits
         return self._answer(p)
+
+    def _wait_for_fetch(self, rid: str, w: _Waiting) -> None:
+        """Files `w` and sends its WaitPrefetch without waiting: its answer (the fetch ended,
+        the hold passed, or an error) lets the request be asked at the next call. A server
+        without WaitPrefetch turns waiting off for good: polling with pauses from then on."""
+        self._waiting[rid] = w
+
+        def answered(_settled: Optional[bool], err: Optional[PegaflowError]) -> None:
+            if err is not None:
+                self.stats["wait_errors"] += 1
+                if err.code == grpc.StatusCode.UNIMPLEMENTED and self.loading_wait_ms > 0:
+                    self.loading_wait_ms = 0
+                    log.warning(
+                        "the PegaFlow server at %s has no WaitPrefetch (an older server): requests "
+                        "waiting for a lower tier are polled every <= %.1f ms instead",
+                        self.client.address, self.loading_retry_s * 1e3,
+                    )
+            w.until = 0.0
+
+        self.stats["waits"] += 1
+        try:
+            self.client.wait_prefetch_nowait(
+                instance_id=self.load_instance, request_id=rid, wait_ms=self.loading_wait_ms, on_done=answered,
+            )
+        except PegaflowError as e:  # not sent: ask again after the shortest pause
+            self.stats["wait_errors"] += 1
+            log.debug("WaitPrefetch for %s not sent (asking again): %s", rid, e)
+            w.until = self._clock() + LOADING_RETRY_FIRST_S
 
     def _query_failed(self, rid: str, e: PegaflowError) -> None:
         """Counts a failed query (answered 0 hits). One refused because the instance belongs to

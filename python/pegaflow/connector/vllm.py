@@ -40,9 +40,12 @@ default; connector/staging.py), pegaflow.device_id
 serves several; CUDA KV registers the device its tensors are on), pegaflow.gpu_waits
 (PEGAFLOW_GPU_WAITS: "1" | "0"; default 1: layer-wise loads on CUDA wait on the GPU stream,
 not the host, so the forward is launched ahead and each layer starts as its bytes land;
-pegaflow/gpu_wait.py), pegaflow.loading_retry_ms (PEGAFLOW_LOADING_RETRY_MS: after a "loading"
-answer a request is asked again after a pause that doubles up to this many ms; 0 = at every call;
-default and first pause in connector/scheduler_core.py).
+pegaflow/gpu_wait.py), pegaflow.loading_wait_ms (PEGAFLOW_LOADING_WAIT_MS: after a "loading"
+answer a WaitPrefetch holds up to this many ms and the request is asked again once it is
+answered, when the fetch ended; 0 = poll instead; default in connector/scheduler_core.py),
+pegaflow.loading_retry_ms (PEGAFLOW_LOADING_RETRY_MS: when polling, a request answered "loading"
+is asked again after a pause that doubles up to this many ms; 0 = at every call; default and
+first pause in connector/scheduler_core.py).
 
 Who sends the Load (pegaflow.load_issuer):
   worker     start_load_kv sends it, one per rank, after handle_preemptions, in
@@ -77,7 +80,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Set, Tuple
 
-from ..client import PegaflowClient
+from ..client import MAX_PREFETCH_WAIT_MS, PegaflowClient
 from ..config import ClientConfig
 from .plan import (
     ASYNC,
@@ -91,7 +94,7 @@ from .plan import (
     derive_namespace,
     safe_name,
 )
-from .scheduler_core import LOADING_RETRY_MAX_S, SchedulerCore
+from .scheduler_core import LOADING_RETRY_MAX_S, LOADING_WAIT_MS, SchedulerCore
 from .worker_core import SAVE_GATE_S, WorkerCore
 
 try:  # the real vLLM when it is installed
@@ -141,6 +144,10 @@ class ConnectorSettings:
     # Longest pause before a request answered "loading" is asked again (pegaflow.loading_retry_ms /
     # PEGAFLOW_LOADING_RETRY_MS; 0 = ask at every call; None = scheduler_core.LOADING_RETRY_MAX_S).
     loading_retry_ms: Optional[int] = None
+    # After a "loading" answer, the longest WaitPrefetch hold (pegaflow.loading_wait_ms /
+    # PEGAFLOW_LOADING_WAIT_MS; the server answers as the fetch ends; 0 = poll with the pauses of
+    # loading_retry_ms instead; None = scheduler_core.LOADING_WAIT_MS; at most 60000).
+    loading_wait_ms: Optional[int] = None
     # The engine incarnation every rank registers with (kv_transfer_config.engine_id; "" when the
     # config has none: `engine_id_of`), the connector's client's `engine_id`, so also sent with
     # every query, Load and Save: the server refuses a rank, and the requests, of another engine
@@ -228,6 +235,9 @@ class ConnectorSettings:
                 load_issuer, getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", None),
                 vllm_config.parallel_config.pipeline_parallel_size,
             )
+        wait_ms = count("loading_wait_ms", "PEGAFLOW_LOADING_WAIT_MS")
+        if wait_ms is not None and wait_ms > MAX_PREFETCH_WAIT_MS:
+            raise ValueError(f"pegaflow.loading_wait_ms {wait_ms} is above {MAX_PREFETCH_WAIT_MS} (the server's longest hold)")
         return cls(
             mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client,
             load_issuer=load_issuer, device_id=count("device_id", "PEGAFLOW_DEVICE_ID"),
@@ -235,6 +245,7 @@ class ConnectorSettings:
             gpu_waits=gpu_waits in ("1", "true"),
             loading_retry_ms=count("loading_retry_ms", "PEGAFLOW_LOADING_RETRY_MS"), engine_id=engine_id_of(kt),
             save_gate_ms=count("save_gate_ms", "PEGAFLOW_SAVE_GATE_MS"),
+            loading_wait_ms=wait_ms,
         )
 
 
@@ -362,6 +373,9 @@ class PegaflowConnector(KVConnectorBase_V1):
                 loading_retry_s=(
                     LOADING_RETRY_MAX_S if self.settings.loading_retry_ms is None
                     else self.settings.loading_retry_ms / 1000.0
+                ),
+                loading_wait_ms=(
+                    LOADING_WAIT_MS if self.settings.loading_wait_ms is None else self.settings.loading_wait_ms
                 ),
             )
         else:
