@@ -255,15 +255,8 @@ export class KvEngine {
     requestId: string,
     engineId = "",
   ): QueryAnswer {
-    const what = `QueryPrefetch (request "${requestId}")`;
-    const inst = this.#instance(instanceId, what);
-    const fields = { instance: instanceId, requestId: requestId || undefined };
     // Before the store and the tiers see it: another engine's query must not pin this one's blocks.
-    inst.checkEngine(engineId, what, "request", fields);
-    checkRequestId("QueryPrefetch", instanceId, requestId);
-    if (!requestId) {
-      throw invalid(`instance "${instanceId}": QueryPrefetch needs a request_id`, fields);
-    }
+    const { inst, fields } = this.#requestOf("QueryPrefetch", instanceId, requestId, engineId);
     if (!inst.sealed) {
       throw precondition(
         `instance "${inst.id}": QueryPrefetch before the topology is sealed (${inst.ranks.size}/${inst.worldSize} ranks)`,
@@ -327,14 +320,12 @@ export class KvEngine {
     engineId = "",
   ): Promise<boolean> {
     try {
-      const what = `WaitPrefetch (request "${requestId}")`;
-      const inst = this.#instance(instanceId, what);
-      const fields = { instance: instanceId, requestId: requestId || undefined };
-      inst.checkEngine(engineId, what, "request", fields);
-      checkRequestId("WaitPrefetch", instanceId, requestId);
-      if (!requestId) {
-        throw invalid(`instance "${instanceId}": WaitPrefetch needs a request_id`, fields);
-      }
+      const { inst, fields, what } = this.#requestOf(
+        "WaitPrefetch",
+        instanceId,
+        requestId,
+        engineId,
+      );
       if (!Number.isInteger(waitMs) || waitMs < 1 || waitMs > MAX_PREFETCH_WAIT_MS) {
         throw invalid(
           `${what}: wait_ms is ${waitMs}; 1..${MAX_PREFETCH_WAIT_MS} is accepted`,
@@ -466,6 +457,21 @@ export class KvEngine {
       // One cleaned up meanwhile (its session dropped while another drained) is gone already.
       if (this.#ctx.instances.has(id)) await this.unregister(id, "shutdown");
     }
+  }
+
+  /**
+   * The checks QueryPrefetch and WaitPrefetch share, in this order: the instance is registered,
+   * the sender is its engine (`engineId` "" is not checked), and the request id is there and not
+   * too long. Returns the instance and the ids errors and logs carry.
+   */
+  #requestOf(method: string, instanceId: string, requestId: string, engineId: string) {
+    const what = `${method} (request "${requestId}")`;
+    const inst = this.#instance(instanceId, what);
+    const fields = { instance: instanceId, requestId: requestId || undefined };
+    inst.checkEngine(engineId, what, "request", fields);
+    checkRequestId(method, instanceId, requestId);
+    if (!requestId) throw invalid(`instance "${instanceId}": ${method} needs a request_id`, fields);
+    return { inst, fields, what };
   }
 
   /** A registered instance (FAILED_PRECONDITION naming `what` otherwise). */
