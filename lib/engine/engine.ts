@@ -339,6 +339,11 @@ export class KvEngine {
     }
   }
 
+  /** WaitPrefetch calls held now (`pegaflow_prefetch_waits`). */
+  get prefetchWaits(): number {
+    return this.#prefetchWaits.size;
+  }
+
   /** QueryPrefetch with `load_into`: on a hit, every rank's load is queued before the answer (query_load.ts). */
   queryLoad(
     instanceId: string,

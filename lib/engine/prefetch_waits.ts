@@ -21,7 +21,7 @@ export class PrefetchWaits {
   readonly #open = new Set<(settled: boolean) => void>();
   #closed = false;
 
-  /** Holds in flight (for tests and the metrics). */
+  /** Holds in flight (`pegaflow_prefetch_waits`). */
   get size(): number {
     return this.#open.size;
   }

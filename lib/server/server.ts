@@ -198,6 +198,7 @@ async function openCore(cfg: ServeConfig, log: Logger, opened: Unwind): Promise<
   const metrics: ServerMetrics = new ServerMetrics(() => store.stats(), {
     instances: () => engine.instances().length,
     sessions: () => sessions.count,
+    prefetchWaits: () => engine.prefetchWaits,
   });
   metrics.devicesServed(native.devices);
   const { cross, tiers } = await openLowerTiers(
