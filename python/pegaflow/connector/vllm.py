@@ -237,7 +237,9 @@ class ConnectorSettings:
             )
         wait_ms = count("loading_wait_ms", "PEGAFLOW_LOADING_WAIT_MS")
         if wait_ms is not None and wait_ms > MAX_PREFETCH_WAIT_MS:
-            raise ValueError(f"pegaflow.loading_wait_ms {wait_ms} is above {MAX_PREFETCH_WAIT_MS} (the server's longest hold)")
+            raise ValueError(
+                f"pegaflow.loading_wait_ms {wait_ms} is above {MAX_PREFETCH_WAIT_MS} (the server's longest hold)"
+            )
         return cls(
             mode=mode, instance_id=safe_name(str(instance)), namespace=safe_name(namespace), client=client,
             load_issuer=load_issuer, device_id=count("device_id", "PEGAFLOW_DEVICE_ID"),
