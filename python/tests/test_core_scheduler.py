@@ -220,6 +220,21 @@ def test_a_server_without_wait_prefetch_is_polled_with_pauses_from_then_on(caplo
     assert s.stats["wait_errors"] == 1
 
 
+def test_a_wait_that_fails_in_flight_asks_again_at_once_and_keeps_waiting_on():
+    # The server went away with the wait held (its connection ended): the next call queries,
+    # and a server that answers "loading" again is waited for again.
+    c = FakeClient([QueryResult(loading=True), QueryResult(loading=True), ready(1)])
+    s = SchedulerCore(c, instance_id="i", block_size=BS, clock=Clock())
+    r = Req("r", 3 * BS + 1, hashes(3))
+    s.get_num_new_matched_tokens(r, 0)
+    c.waits[0][3](None, PegaflowError(grpc.StatusCode.UNAVAILABLE, "connection ended", "WaitPrefetch"))
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert len(c.queries) == 2 and len(c.waits) == 2 and s.loading_wait_ms == LOADING_WAIT_MS
+    assert s.stats["wait_errors"] == 1
+    c.waits[1][3](True, None)
+    assert s.get_num_new_matched_tokens(r, 0) == (BS, False)
+
+
 def test_a_wait_that_could_not_be_sent_asks_again_after_the_first_pause():
     c = FakeClient([QueryResult(loading=True), ready(2)])
     c.wait_error = PegaflowError(grpc.StatusCode.UNAVAILABLE, "connection refused", "WaitPrefetch")
