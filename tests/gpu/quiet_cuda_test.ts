@@ -15,9 +15,9 @@ import {
   PF_STATUS,
   type ProgressTarget,
   type Region,
-  SharedMemory,
 } from "../../ffi/mod.ts";
 import { noCuda } from "./_cuda.ts";
+import { assertQuietProgress } from "../native/_quiet_progress.ts";
 import { mulberry32 as rng } from "../_seeded.ts";
 
 const SEG = 4096;
@@ -105,23 +105,18 @@ Deno.test({
   name: "cuda: a quiet load with progress words still counts its groups and ends ok",
   ignore: noCuda !== undefined,
   fn: async () => {
-    const shm = SharedMemory.open(`/pegaflow-gpu-quiet-${Deno.pid}`, 64, {
-      create: true,
-      unlink: true,
-    });
     const ce = CopyEngine.open({ backend: "cuda", poolBytes: 8 << 20 });
     const region = ce.engine.allocRegion(16 << 20);
     try {
-      const words = new Uint32Array(shm.view().buffer, 0, 16);
-      words[2] = 777;
-      const b = strided(new CopyBatch(GROUPS, 200), "h2d", "dma", region, 200, { shm, offset: 8 });
-      assert.equal((await ce.submitQuiet(b)).status, 0);
-      assert.equal(words[2], GROUPS, "groups done");
-      assert.equal(words[3], 1, "final status: ok");
+      await assertQuietProgress(
+        ce,
+        "gpu-quiet",
+        GROUPS,
+        (progress) => strided(new CopyBatch(GROUPS, 200), "h2d", "dma", region, 200, progress),
+      );
     } finally {
       region.close();
       await ce.close();
-      shm.close();
     }
   },
 });
