@@ -30,7 +30,7 @@ export async function assertQuietProgress(
     words[2] = 777; // stale values the batch must overwrite
     words[3] = 777;
     const r = await ce.submitQuiet(batch({ shm, offset: 8 }));
-    assert.equal(r.status, 0, r.error);
+    assert.equal(r.status, 0, r.error ?? "");
     assert.equal(words[2], groups, "groups done");
     assert.equal(words[3], 1, "final status: ok");
   } finally {
