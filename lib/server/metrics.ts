@@ -93,7 +93,7 @@ export class ServerMetrics implements EngineMetrics {
   // happen, read as the table of what it exports.
   constructor(
     stats: () => StoreStats,
-    extra?: { instances: () => number; sessions: () => number; prefetchWaits?: () => number },
+    extra?: { instances: () => number; sessions: () => number; prefetchWaits: () => number },
   ) {
     const r = this.registry;
     this.#rpcTotal = counter(
@@ -210,15 +210,12 @@ export class ServerMetrics implements EngineMetrics {
     registerProcessMetrics(r);
     if (extra) {
       scrapeGauge(r, "pegaflow_instances", "registered instances", () => extra.instances());
-      const waits = extra.prefetchWaits;
-      if (waits) {
-        scrapeGauge(
-          r,
-          "pegaflow_prefetch_waits",
-          "WaitPrefetch calls held now (engines waiting for a lower tier's fetch)",
-          waits,
-        );
-      }
+      scrapeGauge(
+        r,
+        "pegaflow_prefetch_waits",
+        "WaitPrefetch calls held now (engines waiting for a lower tier's fetch)",
+        () => extra.prefetchWaits(),
+      );
     }
   }
 

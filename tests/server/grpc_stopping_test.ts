@@ -24,6 +24,7 @@ Deno.test("while the server stops, a new Session and new RPCs are answered UNAVA
   const metrics = new ServerMetrics(() => store.stats(), {
     instances: () => engine.instances().length,
     sessions: () => sessions.count,
+    prefetchWaits: () => engine.prefetchWaits,
   });
   const { server, port } = await serveEngine(engine, sessions, metrics, silent);
   const client = new PegaflowClient(`127.0.0.1:${port}`, { deadlineMs: 10_000 });
