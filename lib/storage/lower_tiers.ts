@@ -235,10 +235,7 @@ export class LowerTiers {
     request: string,
   ): boolean {
     if (this.tiers.length === 0) return false;
-    // A tier keys its fetches by request id: the instance's own, so two engines sending the
-    // same id (a P/D pair's prefill and decode engines) never poll each other's fetch.
-    // Instance ids have no ':' (lib/engine/registration.ts checkName). `settled` keys the same.
-    const requestId = `${instance}:${request}`;
+    const requestId = tierRequestId(instance, request);
     const layout = this.#ram.layoutOf(namespace);
     if (!layout) return this.#answered("miss", 0);
     let ended: string | undefined;
@@ -279,7 +276,7 @@ export class LowerTiers {
    * query after it still takes the `ready` (and counts it).
    */
   settled(instance: string, request: string): Promise<void> | undefined {
-    const requestId = `${instance}:${request}`;
+    const requestId = tierRequestId(instance, request);
     const running: Promise<void>[] = [];
     for (const t of this.tiers) {
       const p = t.settled(requestId);
@@ -356,6 +353,15 @@ export class LowerTiers {
       await Promise.all(this.tiers.map((t) => t.close()));
     })();
   }
+}
+
+/**
+ * The id a tier keys a request's fetch by: the instance's own, so two engines sending the same
+ * request id (a P/D pair's prefill and decode engines) never poll or wait on each other's fetch.
+ * Instance ids have no ':' (lib/engine/registration.ts checkName).
+ */
+function tierRequestId(instance: string, request: string): string {
+  return `${instance}:${request}`;
 }
 
 /**
