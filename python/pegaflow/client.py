@@ -608,8 +608,7 @@ class PegaflowClient:
         (True: ask `query_prefetch` again, RAM answers; also when none runs) or `wait_ms`
         (1..60000) passed while it still runs (False). Takes no lease. The call's deadline is
         `timeout_s` (default the client's) plus `wait_ms`."""
-        req = self._wait_request(instance_id, request_id, wait_ms, engine_id)
-        t = (timeout_s if timeout_s is not None else self.config.rpc_timeout_s) + wait_ms / 1000.0
+        req, t = self._wait_request(instance_id, request_id, wait_ms, engine_id, timeout_s)
         return self._call("WaitPrefetch", req, pb.WaitPrefetchResponse, t).settled
 
     def wait_prefetch_nowait(
@@ -620,8 +619,7 @@ class PegaflowClient:
         """`wait_prefetch` without blocking: `on_done(settled, None)` or `on_done(None, error)`
         runs on a reader thread once the server answers (a scheduler that must not block
         its step asks again when it ran). Same deadline as `wait_prefetch`."""
-        req = self._wait_request(instance_id, request_id, wait_ms, engine_id)
-        t = (timeout_s if timeout_s is not None else self.config.rpc_timeout_s) + wait_ms / 1000.0
+        req, t = self._wait_request(instance_id, request_id, wait_ms, engine_id, timeout_s)
         answer: List[bool] = []
 
         def done(err: Optional[PegaflowError]) -> None:
@@ -633,14 +631,17 @@ class PegaflowClient:
         )
 
     def _wait_request(
-        self, instance_id: str, request_id: str, wait_ms: int, engine_id: Optional[str]
-    ) -> pb.WaitPrefetchRequest:
-        """The one WaitPrefetchRequest both `wait_prefetch` and its nowait form send."""
+        self, instance_id: str, request_id: str, wait_ms: int, engine_id: Optional[str],
+        timeout_s: Optional[float],
+    ) -> Tuple[pb.WaitPrefetchRequest, float]:
+        """The one WaitPrefetchRequest both `wait_prefetch` and its nowait form send, and its
+        deadline: `timeout_s` (default the client's) plus the hold."""
         if not isinstance(wait_ms, int) or not 1 <= wait_ms <= MAX_PREFETCH_WAIT_MS:
             raise ValueError(f"wait_prefetch: wait_ms must be 1..{MAX_PREFETCH_WAIT_MS}, got {wait_ms!r}")
-        return pb.WaitPrefetchRequest(
+        req = pb.WaitPrefetchRequest(
             instance_id=instance_id, request_id=request_id, wait_ms=wait_ms, engine_id=self._engine(engine_id)
         )
+        return req, (timeout_s if timeout_s is not None else self.config.rpc_timeout_s) + wait_ms / 1000.0
 
     def load(
         self,
